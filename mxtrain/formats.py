@@ -1,0 +1,120 @@
+"""Number formats: element encodings and the block formats built from them.
+
+References: OCP Microscaling Formats (MX) Specification v1.0 (2023), sections 5.1-5.3 (E8M0 scale,
+FP8/FP6/FP4 element encodings); NVIDIA, "Pretraining Large Language Models with NVFP4",
+arXiv 2509.25149, section 2 (NVFP4: E2M1 elements, 16-element blocks, E4M3 block scale and an
+FP32 per-tensor scale).
+
+Element formats are described by (exponent bits, mantissa bits, bias, largest finite value). The
+quantizer rounds onto the finite grid only and saturates to +-max, as hardware conversions with
+saturation do; FP4 and FP6 have no Inf/NaN encodings at all.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["ElemFormat", "Format", "ELEMENTS", "FORMATS", "get_format", "format_names"]
+
+
+@dataclass(frozen=True)
+class ElemFormat:
+    """A sign-magnitude floating-point element encoding.
+
+    ``emin = 1 - bias`` is the exponent of the smallest normal number; subnormals are spaced
+    ``2**(emin - mbits)``. ``emax`` is the exponent of the largest binade (OCP's ``emax_elem``).
+    """
+
+    name: str
+    ebits: int
+    mbits: int
+    bias: int
+    max: float  # largest finite magnitude
+    torch_dtype: str | None = None  # name of the torch dtype that stores one element, if any
+
+    @property
+    def emin(self) -> int:
+        return 1 - self.bias
+
+    @property
+    def emax(self) -> int:
+        return int(math.floor(math.log2(self.max)))
+
+    @property
+    def bits(self) -> int:
+        return 1 + self.ebits + self.mbits
+
+    @property
+    def min_subnormal(self) -> float:
+        return 2.0 ** (self.emin - self.mbits)
+
+    def decode(self, code: int) -> float:
+        """Value of a bit pattern (sign bit highest), by the definition of the encoding."""
+        sign = -1.0 if (code >> (self.ebits + self.mbits)) & 1 else 1.0
+        e = (code >> self.mbits) & ((1 << self.ebits) - 1)
+        m = code & ((1 << self.mbits) - 1)
+        if e == 0:
+            return sign * m * 2.0 ** (self.emin - self.mbits)
+        return sign * (1.0 + m / 2**self.mbits) * 2.0 ** (e - self.bias)
+
+
+E2M1 = ElemFormat("e2m1", 2, 1, 1, 6.0)
+E2M3 = ElemFormat("e2m3", 2, 3, 1, 7.5)
+E3M2 = ElemFormat("e3m2", 3, 2, 3, 28.0)
+E4M3 = ElemFormat("e4m3", 4, 3, 7, 448.0, "float8_e4m3fn")
+E5M2 = ElemFormat("e5m2", 5, 2, 15, 57344.0, "float8_e5m2")
+
+ELEMENTS = {f.name: f for f in (E2M1, E2M3, E3M2, E4M3, E5M2)}
+
+
+@dataclass(frozen=True)
+class Format:
+    """A tensor format: element encoding plus how scales are shared.
+
+    ``kind``:
+      * ``"mx"``: one E8M0 (power-of-two) scale per ``block_size`` elements along the axis;
+      * ``"nvfp4"``: one E4M3 scale per 16 elements (or per 16x16 tile), times one FP32 tensor scale;
+      * ``"tensor"``: one FP32 scale for the whole tensor (FP8 "current scaling");
+      * ``"none"``: no quantization (``bf16``: the operand is used as it is).
+    """
+
+    name: str
+    kind: str
+    elem: ElemFormat | None
+    block_size: int | None
+
+    @property
+    def quantized(self) -> bool:
+        return self.kind != "none"
+
+
+FORMATS = {
+    f.name: f
+    for f in (
+        Format("mxfp4", "mx", E2M1, 32),
+        Format("mxfp6_e2m3", "mx", E2M3, 32),
+        Format("mxfp6_e3m2", "mx", E3M2, 32),
+        Format("mxfp8_e4m3", "mx", E4M3, 32),
+        Format("mxfp8_e5m2", "mx", E5M2, 32),
+        Format("nvfp4", "nvfp4", E2M1, 16),
+        Format("fp8_e4m3", "tensor", E4M3, None),
+        Format("fp8_e5m2", "tensor", E5M2, None),
+        Format("bf16", "none", None, None),
+    )
+}
+
+
+def format_names() -> list[str]:
+    return list(FORMATS)
+
+
+def get_format(name: str | Format) -> Format:
+    if isinstance(name, Format):
+        return name
+    try:
+        return FORMATS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown format {name!r}; valid formats: {', '.join(FORMATS)}"
+        ) from None

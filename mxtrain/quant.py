@@ -1,0 +1,421 @@
+"""Reference quantizers: MX (OCP MX v1.0), NVFP4 and per-tensor FP8, in plain PyTorch.
+
+This module is the oracle for every fast kernel in ``mxtrain.kernels``: the kernels must
+produce bit-identical codes and scales. Every step is exact float32 arithmetic or an exact
+power-of-two operation, so the result does not depend on the device or on evaluation order.
+
+Pipeline for one tensor (``quantize``):
+
+1. Upcast to float32 (bf16/fp16 exactly; float64 is rounded to float32 first), move ``axis``
+   last, multiply by ``prescale`` if it is not 1 (one float32 multiply), pad the axis with zeros
+   to whole blocks.
+2. Scale per block:
+
+   * MX formats: ``amax`` of the block, shared exponent ``s`` by the scale rule (below), clamped
+     to [-127, 127]; stored as the biased E8M0 code ``s + 127``. An all-zero block gets
+     ``s = -127`` (code 0); a block holding NaN or +-Inf gets code 0xFF (NaN).
+   * NVFP4: tensor scale ``g = amax(tensor) / (6 * 448)`` (1 if the tensor is zero), block scale
+     ``b = e4m3(amax(block) / (g * 6))`` rounded to nearest even and saturated at 448, element
+     divisor ``d = float32(b) * g``. Non-finite values are left out of the tensor amax, and their
+     block gets the E4M3 NaN scale.
+   * per-tensor FP8: ``scale = amax / max_elem`` in float32 (1 for an all-zero tensor); NaN if
+     any element is not finite.
+
+3. Elements ``v = x / scale`` (exact for power-of-two scales), clamped to +-max_elem
+   (saturation), then rounded onto the element grid:
+
+   * ``nearest``: round half to even;
+   * ``stochastic``: down or up to the two neighbouring grid values, up with probability equal
+     to the distance from the lower neighbour divided by the spacing, using 24-bit uniforms from
+     ``mxtrain.rng`` keyed by (seed, linear element index in ``x``'s own layout). Unbiased for
+     values inside the range (to within 2**-24 of the spacing).
+
+Scale rules for MX (``amax = sig * 2**E`` with ``1 <= sig < 2``, ``emax`` the element's
+largest binade, ``max_elem`` its largest value):
+
+* ``floor`` (OCP v1.0 section 6.3): ``s = E - emax``. Block maxima land in [2**emax, 2**(emax+1))
+  and values above ``max_elem`` saturate (up to 25 % error on FP4's largest element).
+* ``ceil``: ``s = ceil(log2 amax) - emax``; never saturates, may waste a binade.
+* ``rceil``: the smallest ``s`` with ``amax <= max_elem * 2**s``, i.e. ``ceil(log2(amax / max_elem))``
+  in exact arithmetic (NVIDIA's round-up rule); never saturates.
+* ``even``: round ``sig`` to the element's mantissa width (half to even) first, then ``floor``.
+* ``amd``: ``floor``, plus one when ``sig >= 1.75`` (ROCm Transformer Engine's MXFP4 cast adds
+  2**21 to the float32 bit pattern and clears the mantissa). For FP4 this equals ``even``.
+
+``prescale`` (e.g. 3/4, Tseng et al. arXiv 2502.20586) multiplies the values before scaling so
+that block maxima never saturate; ``MXTensor.dequantize`` returns the quantized grid values (an
+estimate of ``prescale * x``), and ``fake_quantize`` divides by ``prescale`` again. The linear
+layer divides each GEMM output by the product of its operands' prescales instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from . import rng
+from .formats import ElemFormat, Format, get_format
+
+__all__ = [
+    "MXTensor",
+    "quantize",
+    "fake_quantize",
+    "SCALE_RULES",
+    "ROUNDINGS",
+    "pow2",
+    "round_to_elem",
+    "mx_scale_exponent",
+    "encode_elem",
+    "elem_table",
+    "pack_fp4",
+    "unpack_fp4",
+]
+
+SCALE_RULES = ("floor", "ceil", "rceil", "even", "amd")
+ROUNDINGS = ("nearest", "stochastic")
+E8M0_NAN = 255
+NVFP4_TENSOR_MAX = 6.0 * 448.0
+
+
+# ----------------------------------------------------------------------------------------------
+# exact primitives
+
+
+def pow2(e: torch.Tensor) -> torch.Tensor:
+    """Exact float32 ``2**e`` for integer tensors with -149 <= e <= 127 (built from bits)."""
+    e = e.to(torch.int32)
+    normal = (e + 127).clamp(min=0) << 23
+    sub = torch.ones_like(e) << (e + 149).clamp(min=0, max=22)
+    bits = torch.where(e >= -126, normal, sub)
+    return bits.view(torch.float32)
+
+
+def _floor_log2(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For finite a > 0: (E, sig) with a = sig * 2**E, 1 <= sig < 2 (sig exact, float32)."""
+    m, ex = torch.frexp(a)
+    return ex - 1, m * 2.0
+
+
+def round_to_elem(v: torch.Tensor, elem: ElemFormat, rounding: str = "nearest",
+                  u: torch.Tensor | None = None) -> torch.Tensor:
+    """Round float32 ``v`` (finite) onto ``elem``'s grid, saturating to +-max.
+
+    ``u`` (uniform [0, 1), same shape) is required for ``stochastic``. The result keeps the sign
+    of ``v`` (negative values that round to zero give -0.0, as hardware converts do).
+    """
+    a = v.abs().clamp(max=elem.max)
+    ex, _ = _floor_log2(a)
+    e = ex.clamp(min=elem.emin)  # subnormal binade shares the spacing of the first normal one
+    y = a * pow2(elem.mbits - e)  # exact: a / spacing
+    if rounding == "nearest":
+        r = torch.round(y)  # round half to even
+    elif rounding == "stochastic":
+        if u is None:
+            raise ValueError("stochastic rounding needs uniforms u")
+        fl = torch.floor(y)
+        r = fl + (u < (y - fl)).to(y.dtype)
+    else:
+        raise ValueError(f"unknown rounding {rounding!r}; valid: {', '.join(ROUNDINGS)}")
+    q = (r * pow2(e - elem.mbits)).clamp(max=elem.max)
+    return torch.copysign(q, v)
+
+
+def mx_scale_exponent(amax: torch.Tensor, elem: ElemFormat, rule: str) -> torch.Tensor:
+    """Unbiased shared exponent (int32, in [-127, 127]) of finite block maxima by ``rule``.
+
+    Zero maxima give -127. Non-finite maxima must be handled by the caller.
+    """
+    safe = torch.where(amax > 0, amax, torch.ones_like(amax))
+    E, sig = _floor_log2(safe)
+    emax = elem.emax
+    if rule == "floor":
+        bump = torch.zeros_like(E)
+    elif rule == "ceil":
+        bump = (sig > 1.0).to(E.dtype)
+    elif rule == "rceil":
+        bump = (sig * 2.0**emax > elem.max).to(E.dtype)
+    elif rule == "even":
+        bump = (torch.round(sig * 2.0**elem.mbits) >= 2.0 ** (elem.mbits + 1)).to(E.dtype)
+    elif rule == "amd":
+        bump = (sig >= 1.75).to(E.dtype)
+    else:
+        raise ValueError(f"unknown scale rule {rule!r}; valid: {', '.join(SCALE_RULES)}")
+    s = (E - emax + bump).clamp(-127, 127)
+    return torch.where(amax > 0, s, torch.full_like(s, -127)).to(torch.int32)
+
+
+def encode_elem(q: torch.Tensor, elem: ElemFormat) -> torch.Tensor:
+    """Bit codes (uint8, sign bit highest) of float32 values already on ``elem``'s grid."""
+    a = q.abs()
+    ex, _ = _floor_log2(torch.where(a > 0, a, torch.ones_like(a)))
+    normal = a >= 2.0**elem.emin
+    e = torch.where(normal, ex, torch.full_like(ex, elem.emin))
+    mant = a * pow2(elem.mbits - e)  # integer-valued
+    mant = torch.where(normal, mant - 2**elem.mbits, mant).to(torch.int32)
+    efield = torch.where(normal, e + elem.bias, torch.zeros_like(e))
+    sign = torch.signbit(q).to(torch.int32)
+    code = (sign << (elem.ebits + elem.mbits)) | (efield << elem.mbits) | mant
+    return code.to(torch.uint8)
+
+
+_TABLES: dict[tuple[str, str], torch.Tensor] = {}
+
+
+def elem_table(elem: ElemFormat, device=None) -> torch.Tensor:
+    """float32 value of every code of ``elem`` (2**bits entries), from the encoding's definition."""
+    key = (elem.name, str(device))
+    if key not in _TABLES:
+        vals = [elem.decode(c) for c in range(2**elem.bits)]
+        _TABLES[key] = torch.tensor(vals, dtype=torch.float32, device=device)
+    return _TABLES[key]
+
+
+def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
+    """Pack uint8 FP4 codes (..., 2n) two per byte, lower index in the low nibble -> (..., n)."""
+    lo, hi = codes[..., 0::2], codes[..., 1::2]
+    return (lo | (hi << 4)).contiguous()
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``pack_fp4``: (..., n) bytes -> (..., 2n) uint8 codes."""
+    p = packed.view(torch.uint8) if packed.dtype != torch.uint8 else packed
+    return torch.stack((p & 0xF, p >> 4), dim=-1).reshape(*p.shape[:-1], p.shape[-1] * 2)
+
+
+# ----------------------------------------------------------------------------------------------
+# the quantized tensor
+
+
+@dataclass
+class MXTensor:
+    """A quantized tensor: element codes, scales, and how to read them back.
+
+    Layout: ``data`` and ``scales`` have the quantization ``axis`` moved last (``movedim``) and
+    padded with zeros to whole blocks. ``data`` holds element codes: ``torch.float4_e2m1fn_x2``
+    (two FP4 codes per byte, lower index in the low nibble) for FP4 formats, ``uint8`` codes
+    (one per byte) for FP6, ``float8_e4m3fn``/``float8_e5m2`` for FP8. ``scales``: uint8 biased
+    E8M0 exponents for MX formats (one per block; 255 = NaN), ``float8_e4m3fn`` for NVFP4 (one per
+    16 elements, or per 16x16 tile), a float32 scalar for per-tensor FP8.
+    """
+
+    fmt: Format
+    data: torch.Tensor
+    scales: torch.Tensor | None
+    shape: tuple[int, ...]
+    axis: int
+    block_size: int | tuple[int, int] | None
+    global_scale: torch.Tensor | None = None  # NVFP4's float32 tensor scale g
+    prescale: float = 1.0
+    dtype: torch.dtype = torch.float32
+
+    def codes(self) -> torch.Tensor:
+        """Element codes as uint8, one per element (padded, axis-last layout)."""
+        if self.fmt.elem.bits == 4:
+            return unpack_fp4(self.data)
+        if self.fmt.elem.bits == 8:
+            return self.data.view(torch.uint8)
+        return self.data
+
+    def elements(self) -> torch.Tensor:
+        """float32 element values before scaling (padded, axis-last layout)."""
+        if self.fmt.elem.bits == 8:
+            return self.data.to(torch.float32)
+        return elem_table(self.fmt.elem, self.data.device)[self.codes().long()]
+
+    def scale_values(self) -> torch.Tensor:
+        """float32 multiplier of every element (padded, axis-last layout; NaN for NaN blocks)."""
+        kind = self.fmt.kind
+        padded = self.data.shape[:-1] + (self.codes().shape[-1],)
+        if kind == "mx":
+            s = self.scales.to(torch.int32) - 127
+            val = torch.where(self.scales == E8M0_NAN, torch.full(s.shape, float("nan"), device=s.device),
+                              pow2(s.clamp(-127, 127)))
+            return val.repeat_interleave(self.block_size, dim=-1)
+        if kind == "nvfp4":
+            d = self.scales.to(torch.float32) * self.global_scale
+            if isinstance(self.block_size, tuple):
+                d = d.repeat_interleave(16, dim=-2)
+            return d.repeat_interleave(16, dim=-1)
+        return self.scales.to(torch.float32).expand(padded)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Values ``element * scale`` in the original shape and axis order (prescale not undone)."""
+        if not self.fmt.quantized:
+            return self.data.to(dtype)
+        v = self.elements() * self.scale_values()
+        v = _unpad(v, self.shape, self.axis)
+        return v.to(dtype)
+
+
+def _moved_shape(shape, axis):
+    s = list(shape)
+    k = s.pop(axis)
+    return s + [k]
+
+
+def _unpad(v: torch.Tensor, shape, axis) -> torch.Tensor:
+    ms = _moved_shape(shape, axis)
+    v = v[..., : ms[-1]]
+    if len(ms) >= 2:
+        v = v[..., : ms[-2], :]
+    return v.movedim(-1, axis)
+
+
+def _check_args(x, f: Format, axis, block_size, rounding, scale_rule, prescale):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"expected a floating-point tensor, got {x.dtype}")
+    if x.ndim == 0:
+        raise ValueError("cannot quantize a 0-d tensor along an axis; reshape it to 1-d")
+    if not -x.ndim <= axis < x.ndim:
+        raise ValueError(f"axis {axis} is out of range for a {x.ndim}-d tensor")
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"unknown rounding {rounding!r}; valid: {', '.join(ROUNDINGS)}")
+    if scale_rule not in SCALE_RULES:
+        raise ValueError(f"unknown scale rule {scale_rule!r}; valid: {', '.join(SCALE_RULES)}")
+    if not (prescale > 0):
+        raise ValueError(f"prescale must be positive, got {prescale}")
+    if f.kind == "mx":
+        bs = f.block_size if block_size is None else block_size
+        if not isinstance(bs, int) or bs < 2 or bs % 2:
+            raise ValueError(f"{f.name}: block_size must be a positive even integer, got {block_size!r}")
+        return bs
+    if f.kind == "nvfp4":
+        bs = 16 if block_size is None else block_size
+        if bs == (16, 16):
+            if x.ndim < 2:
+                raise ValueError("nvfp4 16x16 blocks need a tensor with at least 2 dimensions")
+            return (16, 16)
+        if bs != 16:
+            raise ValueError(f"nvfp4: block_size must be 16 or (16, 16), got {block_size!r}")
+        return 16
+    if block_size is not None:
+        raise ValueError(f"{f.name} uses one scale per tensor; block_size must be None")
+    return None
+
+
+def quantize(x: torch.Tensor, fmt: str | Format, *, axis: int = -1, block_size=None,
+             rounding: str = "nearest", scale_rule: str = "floor", seed: int | None = None,
+             prescale: float = 1.0) -> MXTensor:
+    """Quantize ``x`` to ``fmt`` with blocks along ``axis``.
+
+    **Arguments:**
+      * ``x``: float32/bf16/fp16 (float64 is rounded to float32 first), any shape, CPU or CUDA.
+      * ``fmt``: one of ``mxtrain.format_names()``.
+      * ``axis``: the axis along which elements share a scale (the GEMM's reduction axis).
+      * ``block_size``: elements per scale; default 32 for MX, 16 for NVFP4 (``(16, 16)`` for
+        2-D tiles over the last two dimensions); must be ``None`` for per-tensor FP8.
+      * ``rounding``: ``"nearest"`` (half to even) or ``"stochastic"``.
+      * ``scale_rule``: MX shared-exponent rule: ``floor``, ``ceil``, ``rceil``, ``even``, ``amd``.
+      * ``seed``: stochastic rounding seed; ``None`` draws one from torch's global generator.
+      * ``prescale``: multiply values by this before scaling (e.g. 0.75).
+
+    **Returns:** an ``MXTensor``; ``.dequantize()`` gives the quantized values in ``x``'s shape.
+    """
+    f = get_format(fmt)
+    bs = _check_args(x, f, axis, block_size, rounding, scale_rule, prescale)
+    axis = axis % x.ndim
+    shape = tuple(x.shape)
+    if not f.quantized:
+        return MXTensor(f, x, None, shape, axis, None, dtype=x.dtype)
+    elem = f.elem
+    xm = x.to(torch.float32).movedim(axis, -1)
+    if prescale != 1.0:
+        xm = xm * prescale
+    u = None
+    if rounding == "stochastic":
+        if seed is None:
+            seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
+        idx = torch.arange(x.numel(), dtype=torch.int64, device=x.device).reshape(shape).movedim(axis, -1)
+    K = xm.shape[-1]
+
+    if f.kind == "tensor":
+        finite = torch.isfinite(xm)
+        amax = torch.where(finite, xm.abs(), torch.zeros_like(xm)).amax()
+        scale = torch.where(amax > 0, amax / elem.max, torch.ones_like(amax))
+        scale = torch.where(finite.all(), scale, torch.full_like(scale, float("nan")))
+        v = torch.where(finite, xm / scale, torch.zeros_like(xm)) if torch.isfinite(scale) else torch.zeros_like(xm)
+        if rounding == "stochastic":
+            u = rng.uniform(idx, rng.stream_key(seed))
+        q = round_to_elem(v, elem, rounding, u)
+        data = q.to(getattr(torch, elem.torch_dtype))
+        return MXTensor(f, data, scale, shape, axis, None, prescale=prescale, dtype=x.dtype)
+
+    two_d = isinstance(bs, tuple)
+    b = bs[1] if two_d else bs
+    pad = (-K) % b
+    rows_pad = (-xm.shape[-2]) % 16 if two_d else 0
+    if pad or rows_pad:
+        xm = F.pad(xm, (0, pad, 0, rows_pad) if two_d else (0, pad))
+        if rounding == "stochastic":
+            idx = F.pad(idx, (0, pad, 0, rows_pad) if two_d else (0, pad))
+    if rounding == "stochastic":
+        u = rng.uniform(idx, rng.stream_key(seed))
+    Kp = xm.shape[-1]
+    lead = xm.shape[:-1]
+    if two_d:  # (..., R, K) -> (..., R/16, 16, K/16, 16) -> tiles (..., R/16, K/16, 256)
+        R = xm.shape[-2]
+        xb = xm.reshape(*xm.shape[:-2], R // 16, 16, Kp // 16, 16).transpose(-3, -2)
+        xb = xb.reshape(*xm.shape[:-2], R // 16, Kp // 16, 256)
+        if u is not None:
+            u = u.reshape(*u.shape[:-2], R // 16, 16, Kp // 16, 16).transpose(-3, -2).reshape(xb.shape)
+    else:
+        xb = xm.reshape(*lead, Kp // b, b)
+        if u is not None:
+            u = u.reshape(xb.shape)
+
+    finite = torch.isfinite(xb)
+    block_ok = finite.all(-1)
+    absb = torch.where(finite, xb.abs(), torch.zeros_like(xb))
+    amax = absb.amax(-1)
+
+    if f.kind == "mx":
+        s = mx_scale_exponent(amax, elem, scale_rule)
+        v = torch.where(block_ok[..., None], xb * pow2(-s)[..., None], torch.zeros_like(xb))
+        q = round_to_elem(v, elem, rounding, u)
+        scales = torch.where(block_ok, s + 127, torch.full_like(s, E8M0_NAN)).to(torch.uint8)
+        gscale = None
+    else:  # nvfp4
+        tmax = amax.amax() if amax.numel() else torch.zeros((), device=xb.device)
+        g = torch.where(tmax > 0, tmax / NVFP4_TENSOR_MAX, torch.ones_like(tmax))
+        bsc = (amax / (g * 6.0)).clamp(max=448.0).to(torch.float8_e4m3fn)
+        bsc = torch.where(block_ok, bsc.to(torch.float32), torch.full_like(amax, float("nan"))).to(torch.float8_e4m3fn)
+        d = bsc.to(torch.float32) * g
+        ok = block_ok & (d > 0)
+        v = torch.where(ok[..., None], xb / torch.where(ok, d, torch.ones_like(d))[..., None], torch.zeros_like(xb))
+        q = round_to_elem(v, elem, rounding, u)
+        scales, gscale = bsc, g
+
+    if two_d:
+        R = xm.shape[-2]
+        q = q.reshape(*xm.shape[:-2], R // 16, Kp // 16, 16, 16).transpose(-3, -2).reshape(xm.shape)
+    else:
+        q = q.reshape(xm.shape)
+    codes = encode_elem(q, elem)
+    if elem.bits == 4:
+        data = pack_fp4(codes).view(torch.float4_e2m1fn_x2)
+    elif elem.bits == 8:
+        data = q.to(getattr(torch, elem.torch_dtype))
+    else:
+        data = codes
+    return MXTensor(f, data, scales, shape, axis, bs, global_scale=gscale, prescale=prescale, dtype=x.dtype)
+
+
+def fake_quantize(x: torch.Tensor, fmt: str | Format, *, axis: int = -1, block_size=None,
+                  rounding: str = "nearest", scale_rule: str = "floor", seed: int | None = None,
+                  prescale: float = 1.0) -> torch.Tensor:
+    """Quantize and dequantize: same arguments as ``quantize``; returns ``x``'s shape and dtype.
+
+    With a ``prescale`` other than 1 the result is divided by it again, so it estimates ``x``.
+    """
+    mx = quantize(x, fmt, axis=axis, block_size=block_size, rounding=rounding,
+                  scale_rule=scale_rule, seed=seed, prescale=prescale)
+    if not mx.fmt.quantized:
+        return x
+    v = mx.dequantize(torch.float32)
+    if prescale != 1.0:
+        v = v / prescale
+    return v.to(x.dtype)

@@ -1,0 +1,213 @@
+"""Recipes: how each of the six GEMM operands of a linear layer is quantized.
+
+A linear layer ``Y = X W^T`` runs three GEMMs, each with two operands quantized along that GEMM's
+reduction axis:
+
+=========  ===============  ===================  =====================================
+GEMM       computes         operands             reduction axis (block / rotation axis)
+=========  ===============  ===================  =====================================
+Fprop      Y  = X  W^T      ``fprop_x``, ``fprop_w``    in-features  (X rows, W rows)
+Dgrad      dX = dY W        ``dgrad_dy``, ``dgrad_w``   out-features (dY rows, W columns)
+Wgrad      dW = dY^T X      ``wgrad_dy``, ``wgrad_x``   tokens       (dY columns, X columns)
+=========  ===============  ===================  =====================================
+
+Each operand has a format, rounding, scale rule and prescale (``Operand``); each GEMM has one
+rotation (``Rotation``) applied to both of its operands, so the exact product is unchanged.
+Layers can stay in high precision by module-name pattern or by block position.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields, replace
+
+from .formats import FORMATS, get_format
+from .hadamard import ROTATION_SIZES, SIGN_MODES
+from .quant import ROUNDINGS, SCALE_RULES
+
+__all__ = ["Operand", "Rotation", "Recipe", "OPERANDS", "GEMMS", "BF16", "NONE"]
+
+OPERANDS = ("fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_dy", "wgrad_x")
+GEMMS = ("fprop", "dgrad", "wgrad")
+
+
+def _choice(what: str, value, valid) -> None:
+    if value not in valid:
+        raise ValueError(f"{what}: {value!r} is not valid; choose one of: {', '.join(map(str, valid))}")
+
+
+@dataclass(frozen=True)
+class Operand:
+    """How one GEMM operand is quantized.
+
+    * ``fmt``: a format name (``mxtrain.format_names()``); ``bf16`` means not quantized.
+    * ``rounding``: ``nearest`` or ``stochastic``.
+    * ``scale_rule``: MX shared-exponent rule (``floor``, ``ceil``, ``rceil``, ``even``, ``amd``).
+    * ``prescale``: multiply before quantizing; the GEMM output is divided by the operands' product.
+    * ``block_2d``: NVFP4 only: 16x16 tiles (weights), so W and W^T quantize identically.
+    """
+
+    fmt: str = "bf16"
+    rounding: str = "nearest"
+    scale_rule: str = "floor"
+    prescale: float = 1.0
+    block_2d: bool = False
+
+    def __post_init__(self):
+        _choice("format", self.fmt, list(FORMATS))
+        _choice("rounding", self.rounding, ROUNDINGS)
+        _choice("scale_rule", self.scale_rule, SCALE_RULES)
+        if not isinstance(self.prescale, (int, float)) or not self.prescale > 0:
+            raise ValueError(f"prescale must be a positive number, got {self.prescale!r}")
+        if self.block_2d and self.fmt != "nvfp4":
+            raise ValueError(f"block_2d (16x16 tiles) is only defined for nvfp4, not {self.fmt!r}")
+
+    @property
+    def quantized(self) -> bool:
+        return get_format(self.fmt).quantized
+
+    @property
+    def block_size(self):
+        return (16, 16) if self.block_2d else None
+
+
+@dataclass(frozen=True)
+class Rotation:
+    """Blockwise Hadamard rotation of both operands of one GEMM along its reduction axis.
+
+    ``size``: 0 (off), 16, 32, 64 or 128. ``signs``: ``none`` (deterministic), ``fixed`` (one random
+    vector per run), ``per_layer``, ``per_step`` (re-drawn each optimizer step, per layer and GEMM).
+    """
+
+    size: int = 0
+    signs: str = "none"
+
+    def __post_init__(self):
+        _choice("rotation size", self.size, (0,) + ROTATION_SIZES)
+        _choice("rotation signs", self.signs, SIGN_MODES)
+
+    @property
+    def enabled(self) -> bool:
+        return self.size > 0
+
+
+BF16 = Operand()
+NONE = Rotation()
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Per-operand quantization of every linear layer, plus which layers stay in high precision.
+
+    * ``fprop_x`` ... ``wgrad_x``: an ``Operand`` for each of the six GEMM operands.
+    * ``fprop_rotation``, ``dgrad_rotation``, ``wgrad_rotation``: a ``Rotation`` per GEMM.
+    * ``keep_hp``: fnmatch patterns of module names (e.g. ``"*.attn.wo"``) kept as ``nn.Linear``.
+    * ``keep_first`` / ``keep_last``: number of leading / trailing transformer blocks kept as
+      ``nn.Linear`` (blocks are the numbered children of the model's layer list).
+    * ``seed``: seed of random rotation signs and of stochastic rounding.
+    """
+
+    name: str = "custom"
+    fprop_x: Operand = BF16
+    fprop_w: Operand = BF16
+    dgrad_dy: Operand = BF16
+    dgrad_w: Operand = BF16
+    wgrad_dy: Operand = BF16
+    wgrad_x: Operand = BF16
+    fprop_rotation: Rotation = NONE
+    dgrad_rotation: Rotation = NONE
+    wgrad_rotation: Rotation = NONE
+    keep_hp: tuple[str, ...] = ()
+    keep_first: int = 0
+    keep_last: int = 0
+    seed: int = 0
+    description: str = field(default="", compare=False)
+
+    def __post_init__(self):
+        for n in OPERANDS:
+            if not isinstance(getattr(self, n), Operand):
+                raise TypeError(f"Recipe.{n} must be an Operand, got {type(getattr(self, n)).__name__}")
+        for g in GEMMS:
+            if not isinstance(getattr(self, f"{g}_rotation"), Rotation):
+                raise TypeError(f"Recipe.{g}_rotation must be a Rotation")
+        if isinstance(self.keep_hp, str) or not all(isinstance(p, str) for p in self.keep_hp):
+            raise TypeError("Recipe.keep_hp must be a tuple of name patterns")
+        object.__setattr__(self, "keep_hp", tuple(self.keep_hp))
+        for n in ("keep_first", "keep_last"):
+            v = getattr(self, n)
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"Recipe.{n} must be a non-negative integer, got {v!r}")
+        # 2-D weight tiles must be consistent between Fprop and Dgrad, or W and W^T differ silently
+        # only by choice; allowed, so nothing to check. A rotation on a GEMM with no quantized
+        # operand is legal (it only costs time) and is kept.
+
+    # -- helpers ----------------------------------------------------------------------------
+    def operand(self, name: str) -> Operand:
+        _choice("operand", name, OPERANDS)
+        return getattr(self, name)
+
+    def rotation(self, gemm: str) -> Rotation:
+        _choice("GEMM", gemm, GEMMS)
+        return getattr(self, f"{gemm}_rotation")
+
+    @property
+    def quantized(self) -> bool:
+        """True if any operand is quantized or any GEMM rotated."""
+        return any(getattr(self, n).quantized for n in OPERANDS) or any(
+            self.rotation(g).enabled for g in GEMMS)
+
+    def with_(self, **changes) -> "Recipe":
+        """A copy with fields replaced; dotted keys reach into operands: ``{"wgrad_dy.rounding": "stochastic"}``."""
+        top: dict = {}
+        for key, value in changes.items():
+            head, _, rest = key.partition(".")
+            if not any(f.name == head for f in fields(self)):
+                raise ValueError(f"unknown recipe field {head!r}; fields: {', '.join(f.name for f in fields(self))}")
+            if rest:
+                inner = top.get(head, getattr(self, head))
+                if not dataclasses.is_dataclass(inner) or not any(f.name == rest for f in fields(inner)):
+                    raise ValueError(f"unknown recipe field {key!r}")
+                top[head] = replace(inner, **{rest: value})
+            else:
+                top[head] = value
+        return replace(self, **top)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Recipe":
+        d = dict(d)
+        for n in OPERANDS:
+            if n in d and isinstance(d[n], dict):
+                d[n] = Operand(**d[n])
+        for g in GEMMS:
+            k = f"{g}_rotation"
+            if k in d and isinstance(d[k], dict):
+                d[k] = Rotation(**d[k])
+        if "keep_hp" in d:
+            d["keep_hp"] = tuple(d["keep_hp"])
+        unknown = set(d) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown recipe fields: {', '.join(sorted(unknown))}")
+        return cls(**d)
+
+    def summary(self) -> str:
+        """One line per GEMM, for logs and reports."""
+        lines = [f"recipe {self.name}"]
+        for g, (a, b) in zip(GEMMS, (("fprop_x", "fprop_w"), ("dgrad_dy", "dgrad_w"), ("wgrad_dy", "wgrad_x"))):
+            r = self.rotation(g)
+            rot = f"H{r.size}/{r.signs}" if r.enabled else "no rotation"
+            def d(o: Operand):
+                if not o.quantized:
+                    return "bf16"
+                s = f"{o.fmt}{'(16x16)' if o.block_2d else ''} {o.rounding}"
+                if get_format(o.fmt).kind == "mx":
+                    s += f" {o.scale_rule}"
+                if o.prescale != 1.0:
+                    s += f" x{o.prescale:g}"
+                return s
+            lines.append(f"  {g}: {a.split('_', 1)[1]}={d(self.operand(a))}, {b.split('_', 1)[1]}={d(self.operand(b))}, {rot}")
+        if self.keep_hp or self.keep_first or self.keep_last:
+            lines.append(f"  high precision: first {self.keep_first}, last {self.keep_last} blocks; patterns {list(self.keep_hp)}")
+        return "\n".join(lines)

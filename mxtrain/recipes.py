@@ -1,0 +1,153 @@
+"""Named recipes. Each preset is a function whose docstring cites where the recipe comes from.
+
+``mxtrain.recipes.get(name)`` builds one, ``mxtrain.recipes.names()`` lists them. Presets
+are plain ``Recipe`` values: derive variants with ``recipe.with_(**{"wgrad_dy.rounding": "stochastic"})``.
+Papers: [AMD] Cim et al., arXiv 2605.09825; [Tseng] Tseng, Yu, Park, arXiv 2502.20586;
+[NVIDIA] arXiv 2509.25149. See docs/recipes.md for the full comparison.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from .recipe import BF16, Operand, Recipe, Rotation
+
+__all__ = ["get", "names", "register"]
+
+_REGISTRY: dict[str, Callable[[], Recipe]] = {}
+
+
+def register(name: str):
+    def deco(fn: Callable[[], Recipe]):
+        _REGISTRY[name] = fn
+        return fn
+    return deco
+
+
+def names() -> list[str]:
+    return list(_REGISTRY)
+
+
+def get(name: str | Recipe) -> Recipe:
+    """The preset called ``name`` (a ``Recipe`` passes through unchanged)."""
+    if isinstance(name, Recipe):
+        return name
+    try:
+        fn = _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown recipe {name!r}; valid recipes: {', '.join(_REGISTRY)}") from None
+    r = fn()
+    return r if r.name == name else r.with_(name=name)
+
+
+MX4 = Operand("mxfp4")
+MX4_SR = Operand("mxfp4", rounding="stochastic")
+
+
+def _all(op: Operand, **kw) -> dict:
+    return {n: op for n in ("fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_dy", "wgrad_x")} | kw
+
+
+@register("bf16")
+def bf16() -> Recipe:
+    """No quantization: every GEMM runs in the working precision (bf16 autocast on GPU, fp32 on CPU)."""
+    return Recipe("bf16", description=bf16.__doc__)
+
+
+@register("fp8")
+def fp8() -> Recipe:
+    """FP8 with per-tensor current scaling: E4M3 for X and W, E5M2 for the gradient dY.
+
+    The "hybrid" FP8 format of Transformer Engine, used as the FP8 baseline by [AMD] and MLPerf.
+    """
+    e4, e5 = Operand("fp8_e4m3"), Operand("fp8_e5m2")
+    return Recipe("fp8", fprop_x=e4, fprop_w=e4, dgrad_dy=e5, dgrad_w=e4, wgrad_dy=e5, wgrad_x=e4,
+                  description=fp8.__doc__)
+
+
+@register("mxfp8")
+def mxfp8() -> Recipe:
+    """MXFP8 (E4M3 elements, 32-element E8M0 blocks) on all six operands, OCP floor scales, RNE."""
+    return Recipe("mxfp8", **_all(Operand("mxfp8_e4m3")), description=mxfp8.__doc__)
+
+
+@register("mxfp4-fprop")
+def mxfp4_fprop() -> Recipe:
+    """[AMD] Table 1, row 2: MXFP4 (OCP floor scale, RNE) on the Fprop GEMM only; 8-9 % extra tokens there."""
+    return Recipe("mxfp4-fprop", fprop_x=MX4, fprop_w=MX4, description=mxfp4_fprop.__doc__)
+
+
+@register("mxfp4-fprop-dgrad")
+def mxfp4_fprop_dgrad() -> Recipe:
+    """[AMD] Table 1, row 3: MXFP4 on Fprop and Dgrad; 10-11 % extra tokens there."""
+    return Recipe("mxfp4-fprop-dgrad", fprop_x=MX4, fprop_w=MX4, dgrad_dy=MX4, dgrad_w=MX4,
+                  description=mxfp4_fprop_dgrad.__doc__)
+
+
+@register("mxfp4-all")
+def mxfp4_all() -> Recipe:
+    """[AMD] Table 1, row 4: MXFP4 on all three GEMMs, no rotation; 26-27 % extra tokens there."""
+    return Recipe("mxfp4-all", **_all(MX4), description=mxfp4_all.__doc__)
+
+
+@register("mxfp4-all-sr")
+def mxfp4_all_sr() -> Recipe:
+    """[AMD] Table 1 SR row: MXFP4 everywhere, stochastic rounding on the gradient dY of Dgrad and Wgrad.
+
+    The paper does not say which tensors got SR; this preset follows [NVIDIA] (SR on gradients
+    only, RNE on weights and activations). "Does not converge" in [AMD] with all three GEMMs.
+    """
+    return Recipe("mxfp4-all-sr", **_all(MX4, dgrad_dy=MX4_SR, wgrad_dy=MX4_SR), description=mxfp4_all_sr.__doc__)
+
+
+@register("mxfp4-all-rht16")
+def mxfp4_all_rht16() -> Recipe:
+    """[AMD] Table 1 randomized-Hadamard row: MXFP4 everywhere, H16 with random signs on every GEMM,
+    re-drawn every optimizer step (shared by the two operands of each GEMM)."""
+    rot = Rotation(16, "per_step")
+    return Recipe("mxfp4-all-rht16", **_all(MX4, fprop_rotation=rot, dgrad_rotation=rot, wgrad_rotation=rot),
+                  description=mxfp4_all_rht16.__doc__)
+
+
+@register("mxfp4-all-dh16")
+def mxfp4_all_dh16() -> Recipe:
+    """[AMD] stabilized recipe: MXFP4 everywhere, deterministic H16 (no signs) on every operand of
+    every GEMM; 8-9 % extra tokens over FP8 there (Table 1), +20 % step throughput (Table 2)."""
+    rot = Rotation(16, "none")
+    return Recipe("mxfp4-all-dh16", **_all(MX4, fprop_rotation=rot, dgrad_rotation=rot, wgrad_rotation=rot),
+                  description=mxfp4_all_dh16.__doc__)
+
+
+@register("mxfp4-all-dh32")
+def mxfp4_all_dh32() -> Recipe:
+    """[AMD] Table 1: as mxfp4-all-dh16 with 32-wide deterministic Hadamard blocks; also 8-9 % there."""
+    rot = Rotation(32, "none")
+    return Recipe("mxfp4-all-dh32", **_all(MX4, fprop_rotation=rot, dgrad_rotation=rot, wgrad_rotation=rot),
+                  description=mxfp4_all_dh32.__doc__)
+
+
+@register("tseng")
+def tseng() -> Recipe:
+    """[Tseng] (code amazon-science/mxfp4-llm, mode 3): Fprop in BF16; Dgrad and Wgrad in MXFP4 with
+    values pre-multiplied by 3/4, stochastic rounding on all four backward operands, and a random-sign
+    H64 rotation re-drawn every step; each backward GEMM output is multiplied by 16/9."""
+    op = Operand("mxfp4", rounding="stochastic", prescale=0.75)
+    rot = Rotation(64, "per_step")
+    return Recipe("tseng", dgrad_dy=op, dgrad_w=op, wgrad_dy=op, wgrad_x=op,
+                  dgrad_rotation=rot, wgrad_rotation=rot, description=tseng.__doc__)
+
+
+@register("nvfp4")
+def nvfp4() -> Recipe:
+    """[NVIDIA] section 4: NVFP4 everywhere; weights in 16x16 tiles (so W and W^T match); stochastic
+    rounding on the gradient dY of Dgrad and Wgrad; one fixed random-sign H16 on both Wgrad operands;
+    the first and last transformer blocks in high precision (NVIDIA kept 2 + 8 of 62 blocks at 12B;
+    raise ``keep_first``/``keep_last`` for deep models)."""
+    a = Operand("nvfp4")
+    w = Operand("nvfp4", block_2d=True)
+    g = Operand("nvfp4", rounding="stochastic")
+    return Recipe("nvfp4", fprop_x=a, fprop_w=w, dgrad_dy=g, dgrad_w=w, wgrad_dy=g, wgrad_x=a,
+                  wgrad_rotation=Rotation(16, "fixed"), keep_first=1, keep_last=1, description=nvfp4.__doc__)
+
+
+_ = BF16  # re-exported name kept for users building recipes from this module
