@@ -1,0 +1,121 @@
+"""Study metrics on synthetic run folders whose answers are known, and the smoke study end to end."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from mxtrain.study import metrics as M
+
+
+def write_run(d: Path, tokens, losses, train_loss=None, steps=None):
+    d.mkdir(parents=True, exist_ok=True)
+    steps = steps or list(range(1, len(tokens) + 1))
+    with open(d / "metrics.jsonl", "w") as f:
+        for i, (st, t, v) in enumerate(zip(steps, tokens, losses)):
+            tl = train_loss[i] if train_loss is not None else v + 0.01
+            f.write(json.dumps({"step": st, "tokens": t, "loss": tl}) + "\n")
+            f.write(json.dumps({"step": st, "tokens": t, "val_loss": v}) + "\n")
+    return M.read_run(d)
+
+
+def curve(t, a=2.0, b=5e4):
+    return a + b / t
+
+
+def test_shifted_curve_gives_shift_factor(tmp_path):
+    # arm needs c times the tokens: L_arm(t) = L(t / c); all arms share eval points
+    c = 1.12
+    toks = [1000.0 * i for i in range(1, 401)]
+    base = {0: write_run(tmp_path / "b", toks, [curve(t) for t in toks])}
+    arm = {0: write_run(tmp_path / "a", toks, [curve(t / c) for t in toks])}
+    target = M.default_target(base, 0.8, k=1)
+    assert target == pytest.approx(curve(0.8 * toks[-1]), rel=1e-6)
+    r = M.extra_token_cost(arm, base, target, k=1)
+    assert r["state"] == "ok"
+    assert r["mean"] == pytest.approx(c - 1, abs=2e-4)
+
+
+def test_smoothing_is_exactly_scale_equivariant(tmp_path):
+    # the arm's curve is the baseline's stretched along tokens (evaluated at stretched points):
+    # smoothing averages tokens too, so the cost is exactly c - 1 for any window k
+    c = 1.3
+    toks = [100.0 * i for i in range(1, 60)]
+    noise = [0.02 * math.sin(7.0 * i) for i in range(len(toks))]
+    ls = [curve(t, 1.0, 3e3) + e for t, e in zip(toks, noise)]
+    base = {0: write_run(tmp_path / "b", toks, ls)}
+    arm = {0: write_run(tmp_path / "a", [c * t for t in toks], ls)}
+    for k in (1, 3, 5):
+        target = M.default_target(base, 0.8, k)
+        r = M.extra_token_cost(arm, base, target, k)
+        assert r["state"] == "ok" and r["mean"] == pytest.approx(c - 1, abs=1e-9)
+
+
+def test_seed_ci_and_pairing(tmp_path):
+    toks = [500.0 * i for i in range(1, 201)]
+    cs = {0: 1.05, 1: 1.10, 2: 1.15}
+    base, arm = {}, {}
+    for s, c in cs.items():
+        a = 2.0 + 0.01 * s  # seeds differ in level: pairing removes it
+        base[s] = write_run(tmp_path / f"b{s}", toks, [curve(t, a) for t in toks])
+        arm[s] = write_run(tmp_path / f"a{s}", toks, [curve(t / c, a) for t in toks])
+    r = M.extra_token_cost(arm, base, 2.6, k=1)
+    assert r["state"] == "ok" and r["n"] == 3
+    assert r["mean"] == pytest.approx(0.10, abs=1e-3)
+    assert r["sd"] == pytest.approx(0.05, abs=1e-3)
+    lo, hi = r["ci95"]
+    assert hi - lo == pytest.approx(2 * 4.3027 * 0.05 / math.sqrt(3), rel=1e-2)
+
+
+def test_mean_ci_known_values():
+    r = M.mean_ci([1.0, 2.0, 3.0, 4.0])
+    assert r["mean"] == 2.5 and r["sd"] == pytest.approx(math.sqrt(5 / 3))
+    h = 3.1824 * math.sqrt(5 / 3) / 2
+    assert r["ci95"] == pytest.approx([2.5 - h, 2.5 + h])
+    assert M.mean_ci([1.0])["ci95"] is None and M.mean_ci([])["mean"] is None
+    assert M.t_quantile(200) == pytest.approx(1.9719, abs=1e-3)
+
+
+def test_did_not_reach_and_diverged(tmp_path):
+    toks = [1000.0 * i for i in range(1, 101)]
+    base = {0: write_run(tmp_path / "b", toks, [curve(t) for t in toks])}
+    slow = {0: write_run(tmp_path / "s", toks, [curve(t) + 0.5 for t in toks])}
+    target = M.default_target(base, 0.8)
+    r = M.extra_token_cost(slow, base, target)
+    assert r["state"] == "did_not_reach" and r["mean"] is None
+    assert r["lower_bound"] == pytest.approx(toks[-1] / M.tokens_to_target(toks, [curve(t) for t in toks], target) - 1)
+    bad = [curve(t) for t in toks[:50]] + [float("nan")]
+    div = {0: write_run(tmp_path / "d", toks[:51], bad)}
+    assert div[0].diverged
+    r = M.extra_token_cost(div, base, target)
+    assert r["state"] == "diverged" and "seed(s) 0" in r["reason"]
+    assert M.extra_token_cost({}, base, target)["state"] == "no_runs"
+    assert M.extra_token_cost(base, slow, target)["state"] == "baseline_did_not_reach"
+
+
+def test_paired_differences_and_summary(tmp_path):
+    toks = [1000.0 * i for i in range(1, 21)]
+    base, arm = {}, {}
+    for s in range(3):
+        base[s] = write_run(tmp_path / f"b{s}", toks, [curve(t) + 0.1 * s for t in toks])
+        arm[s] = write_run(tmp_path / f"a{s}", toks, [curve(t) + 0.1 * s + 0.03 + 0.01 * s for t in toks])
+    pd = M.paired_differences(arm, base)
+    assert pd["steps"] == list(range(1, 21))
+    assert all(m == pytest.approx(0.04) for m in pd["mean"])
+    assert pd["second_half"]["mean"] == pytest.approx(0.04)
+    s = M.summarize({"base": base, "arm": arm}, "base", smooth_k=3)
+    assert s["arms"]["arm"]["final_gap_vs_baseline"]["mean"] == pytest.approx(0.04)
+    assert s["arms"]["base"]["extra_tokens"]["mean"] == pytest.approx(0.0, abs=1e-12)
+    assert s["arms"]["arm"]["extra_tokens"]["state"] in ("ok", "did_not_reach")
+    json.dumps(M.sanitize(s), allow_nan=False)
+
+
+def test_truncated_last_line_is_ignored(tmp_path):
+    write_run(tmp_path / "r", [1.0, 2.0], [3.0, 2.5])
+    with open(tmp_path / "r" / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "tok')
+    rd = M.read_run(tmp_path / "r")
+    assert rd.val_loss == [3.0, 2.5]
+    with pytest.raises(FileNotFoundError):
+        M.read_run(tmp_path / "nothing")
