@@ -1,0 +1,326 @@
+"""Per-GEMM quantization diagnostics on sampled training steps (``--diagnose-every N``).
+
+On a diagnosed step, a forward hook on every quantized ``MXLinear`` keeps the layer's input ``X``
+and a copy of its weight ``W`` (first call of the step only), and a hook on the layer's output
+keeps the incoming gradient ``dY``. After the backward pass, ``Diagnostics.end`` recomputes each
+of the layer's three GEMMs with the reference quantizer, exactly as the layer did (same rotation
+signs, same stochastic-rounding stream: the layer's ``_Ctx`` for that step and call), and
+against the same GEMM in float32, and appends one JSON row per (step, layer, GEMM) to
+``diagnostics.jsonl``:
+
+* per operand: ``sqnr_db`` (10 log10 of signal over quantization-error energy, measured in the
+  rotated, prescaled domain the quantizer sees), ``clip_rate`` (elements whose ``|value / scale|``
+  exceeded the element format's largest value, so they saturated), ``underflow_rate`` (nonzero
+  inputs that quantized to 0, over nonzero inputs), ``scale_hist`` (histogram of block-scale
+  exponents ``log2(scale)``: the E8M0 exponent for MX formats), and for weights
+  ``scale_change_rate`` (fraction of blocks whose scale exponent changed since the previous
+  diagnosed step: how often a block maximum crossed a power of two);
+* per GEMM output (Fprop ``Y``, Dgrad ``dX``, Wgrad ``dW``): ``cos`` (cosine to the float32
+  GEMM), ``rel_err`` (``||Q - H|| / ||H||``) and ``rel_bias`` (``<Q - H, H> / <H, H>``: the part
+  of the error along the true output; negative means the quantized output is shrunk);
+* Wgrad only: ``err_corr_prev``: Pearson correlation between the weight-gradient quantization
+  error ``dW_q - dW`` at this diagnosed step and at the previous one (on a fixed subsample of
+  at most ``max_corr_elems`` entries per layer). Near 0: the error is fresh noise each step;
+  near 1: the same structured error is applied again and again, so it accumulates in the weights.
+
+With ``every = 0`` nothing is registered: no hooks, no overhead. Layers whose recipe quantizes
+nothing are skipped. Cost on a diagnosed step: a few extra GEMMs per layer, in float32.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from ..nn import MXLinear, _Ctx, _OPERAND_ID, _pad_axis, mx_layers
+from ..formats import get_format
+from ..hadamard import hadamard
+from ..quant import E8M0_NAN, quantize
+from .. import rng
+
+__all__ = ["Diagnostics", "operand_quantize", "gemm_diagnostics", "load", "aggregate"]
+
+# (gemm, operand A, A's quantization axis, operand B, B's axis); A/B name the tensors X, W, dY
+_GEMMS = (
+    ("fprop", ("fprop_x", "x", -1), ("fprop_w", "w", -1)),
+    ("dgrad", ("dgrad_dy", "dy", -1), ("dgrad_w", "w", 0)),
+    ("wgrad", ("wgrad_dy", "dy", 0), ("wgrad_x", "x", 0)),
+)
+
+
+def operand_quantize(ctx: _Ctx, t: torch.Tensor, axis: int, name: str, gemm: str, signs):
+    """Rotate and quantize one operand exactly like ``_Ctx.operand``; also return stats.
+
+    Returns ``(q, prescale, rotated, mx)``: ``q`` float32 quantized values (prescale not undone),
+    ``rotated`` the float32 rotated (padded) high-precision operand, ``mx`` the ``MXTensor``
+    (``None`` when the operand is not quantized).
+    """
+    op = ctx.recipe.operand(name)
+    rot = ctx.recipe.rotation(gemm)
+    r = t.to(torch.float32)
+    if rot.enabled:
+        r = hadamard(_pad_axis(r, axis, rot.size), rot.size, axis=axis, signs=signs)
+    if not op.quantized:
+        return r, 1.0, r, None
+    seed = None
+    if op.rounding == "stochastic":
+        seed = rng.stream_key(ctx.recipe.seed, ctx.layer, _OPERAND_ID[name], ctx.step, ctx.call)
+    mx = quantize(r, op.fmt, axis=axis, block_size=op.block_size, rounding=op.rounding,
+                  scale_rule=op.scale_rule, seed=seed, prescale=op.prescale)
+    return mx.dequantize(torch.float32), op.prescale, r, mx
+
+
+def _operand_stats(q: torch.Tensor, p: float, r: torch.Tensor, mx, axis: int) -> dict:
+    sig = float((r.double() ** 2).sum())
+    err = float(((q.double() / p - r.double()) ** 2).sum())
+    nz = r != 0
+    n_nz = int(nz.sum())
+    st = {
+        "sqnr_db": (10 * math.log10(sig / err) if err > 0 and sig > 0 else None),
+        "underflow_rate": (float(((q == 0) & nz).sum()) / n_nz if n_nz else 0.0),
+    }
+    f = mx.fmt
+    sv = mx.scale_values()  # padded, axis-last
+    rm = r.movedim(axis, -1) * p if p != 1.0 else r.movedim(axis, -1)
+    pads = []
+    for d in (-1, -2)[: rm.ndim]:
+        pads += [0, sv.shape[d] - rm.shape[d]]
+    rm = torch.nn.functional.pad(rm, pads)
+    ok = torch.isfinite(sv) & (sv > 0)
+    v = torch.where(ok, rm.abs() / torch.where(ok, sv, torch.ones_like(sv)), torch.zeros_like(rm))
+    st["clip_rate"] = float((v > f.elem.max).sum()) / max(1, r.numel())
+    if f.kind == "mx":
+        codes = mx.scales.reshape(-1).long()
+        codes = codes[codes != E8M0_NAN]
+        exps = codes - 127
+        st["_scale_codes"] = mx.scales
+    elif f.kind == "nvfp4":
+        d = mx.scales.to(torch.float32).reshape(-1) * mx.global_scale
+        d = d[torch.isfinite(d) & (d > 0)]
+        exps = torch.floor(torch.log2(d)).long()
+        st["_scale_codes"] = None
+    else:
+        exps = None
+        st["_scale_codes"] = None
+    if exps is not None and exps.numel():
+        u, c = torch.unique(exps, return_counts=True)
+        st["scale_hist"] = {str(int(a)): int(b) for a, b in zip(u.tolist(), c.tolist())}
+    return st
+
+
+def _out_stats(q: torch.Tensor, h: torch.Tensor) -> dict:
+    q, h = q.double().reshape(-1), h.double().reshape(-1)
+    hh = float(h @ h)
+    qq = float(q @ q)
+    e = q - h
+    return {
+        "cos": (float(q @ h) / math.sqrt(qq * hh) if qq > 0 and hh > 0 else None),
+        "rel_err": (math.sqrt(float(e @ e) / hh) if hh > 0 else None),
+        "rel_bias": (float(e @ h) / hh if hh > 0 else None),
+    }
+
+
+def gemm_diagnostics(ctx: _Ctx, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor | None) -> dict:
+    """Diagnostics of one layer's GEMMs: ``{gemm: {"operands": {...}, "cos", "rel_err", "rel_bias",
+    "_err": quantized-minus-exact output}}``. ``x`` (M, K), ``w`` (N, K), ``dy`` (M, N) or None."""
+    tensors = {"x": x.reshape(-1, x.shape[-1]).float(), "w": w.float(),
+               "dy": (dy.reshape(-1, dy.shape[-1]).float() if dy is not None else None)}
+    out = {}
+    for gemm, (a, ta, ax_a), (b, tb, ax_b) in _GEMMS:
+        if tensors[ta] is None or tensors[tb] is None:
+            continue
+        rec = ctx.recipe
+        if not (rec.operand(a).quantized or rec.operand(b).quantized):
+            continue
+        signs = ctx.signs(gemm, tensors[ta].device)
+        qa, pa, ra, mxa = operand_quantize(ctx, tensors[ta], ax_a, a, gemm, signs)
+        qb, pb, rb, mxb = operand_quantize(ctx, tensors[tb], ax_b, b, gemm, signs)
+        X, W, dY = tensors["x"], tensors["w"], tensors["dy"]
+        if gemm == "fprop":
+            yq, yh = qa @ qb.t(), X @ W.t()
+        elif gemm == "dgrad":
+            yq, yh = qa @ qb, dY @ W
+        else:
+            yq, yh = qa.t() @ qb, dY.t() @ X
+        if pa * pb != 1.0:
+            yq = yq / (pa * pb)
+        ops = {}
+        for name, q, p, r, mx, ax in ((a, qa, pa, ra, mxa, ax_a), (b, qb, pb, rb, mxb, ax_b)):
+            ops[name] = _operand_stats(q, p, r, mx, ax) if mx is not None else None
+        row = {"operands": ops, **_out_stats(yq, yh)}
+        row["_err"] = (yq - yh)
+        out[gemm] = row
+    return out
+
+
+def _corr(a: torch.Tensor, b: torch.Tensor) -> float | None:
+    a, b = a.double() - a.double().mean(), b.double() - b.double().mean()
+    den = math.sqrt(float(a @ a) * float(b @ b))
+    return float(a @ b) / den if den > 0 else None
+
+
+class Diagnostics:
+    """Collect per-GEMM diagnostics every ``every`` optimizer steps into ``out_dir/diagnostics.jsonl``.
+
+    Use: ``d = Diagnostics(model, out_dir, every)``; in the training loop call ``d.begin(step)``
+    before the step's first forward pass and ``d.end(step)`` after its last backward pass (before
+    or after ``optimizer.step()``: the weights used are copied in the forward pass). Both are
+    no-ops on other steps; ``every = 0`` disables everything.
+    """
+
+    def __init__(self, model: torch.nn.Module, out_dir: str | Path | None, every: int,
+                 max_corr_elems: int = 65536):
+        if every < 0:
+            raise ValueError("diagnose_every must be >= 0")
+        self.model, self.every, self.max_corr = model, int(every), int(max_corr_elems)
+        self.path = Path(out_dir) / "diagnostics.jsonl" if out_dir is not None else None
+        self.rows: list[dict] = []  # rows of the last diagnosed step
+        self._handles: list = []
+        self._cap: dict[str, dict] = {}
+        self._prev_err: dict[str, torch.Tensor] = {}
+        self._prev_scales: dict[str, torch.Tensor] = {}
+        self._idx: dict[str, torch.Tensor] = {}
+        self._active_step: int | None = None
+
+    def wants(self, step: int) -> bool:
+        return self.every > 0 and step % self.every == 0
+
+    # -- capture --------------------------------------------------------------------------------
+    def begin(self, step: int) -> None:
+        if not self.wants(step) or self._active_step is not None:
+            return
+        self._active_step = step
+        self._cap = {}
+        for name, m in mx_layers(self.model):
+            if m.recipe.quantized:
+                self._handles.append(m.register_forward_hook(self._fwd_hook(name)))
+
+    def _fwd_hook(self, name: str):
+        def hook(m: MXLinear, inputs, output):
+            if name in self._cap:
+                return
+            rec = {"x": inputs[0].detach(), "w": m.weight.detach().clone(), "dy": None,
+                   "ctx": _Ctx(m.recipe, m.layer_id, m.step, m._calls - 1)}
+            self._cap[name] = rec
+            if output.requires_grad:
+                def grad_hook(g, rec=rec):
+                    if rec["dy"] is None:
+                        rec["dy"] = g.detach()
+                output.register_hook(grad_hook)
+        return hook
+
+    def _remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    # -- compute --------------------------------------------------------------------------------
+    def end(self, step: int) -> list[dict]:
+        if self._active_step is None or self._active_step != step:
+            return []
+        self._remove()
+        self._active_step = None
+        rows = []
+        with torch.no_grad():
+            for name, cap in self._cap.items():
+                d = gemm_diagnostics(cap["ctx"], cap["x"], cap["w"], cap["dy"])
+                for gemm, row in d.items():
+                    err = row.pop("_err")
+                    for opname, st in row["operands"].items():
+                        if st is None:
+                            continue
+                        codes = st.pop("_scale_codes", None)
+                        if opname.endswith("_w") and codes is not None:
+                            key = f"{name}/{opname}"
+                            prev = self._prev_scales.get(key)
+                            if prev is not None and prev.shape == codes.shape:
+                                st["scale_change_rate"] = float((prev != codes).float().mean())
+                            self._prev_scales[key] = codes.clone()
+                    if gemm == "wgrad":
+                        flat = err.reshape(-1)
+                        if name not in self._idx:
+                            g = torch.Generator().manual_seed(0)
+                            n = flat.numel()
+                            self._idx[name] = (torch.randperm(n, generator=g)[: self.max_corr].sort().values
+                                               if n > self.max_corr else torch.arange(n))
+                        sub = flat[self._idx[name].to(flat.device)].float().cpu()
+                        prev = self._prev_err.get(name)
+                        row["err_corr_prev"] = _corr(sub, prev) if prev is not None else None
+                        self._prev_err[name] = sub
+                    rows.append({"step": step, "layer": name, "layer_id": cap["ctx"].layer,
+                                 "recipe": cap["ctx"].recipe.name, "gemm": gemm, **row})
+        self._cap = {}
+        self.rows = rows
+        if self.path is not None and rows:
+            with open(self.path, "a") as f:
+                for r in rows:
+                    f.write(json.dumps(r, allow_nan=False, default=_nan_none) + "\n")
+        return rows
+
+    def close(self) -> None:
+        self._remove()
+        self._cap = {}
+        self._active_step = None
+
+
+def _nan_none(o):
+    return None
+
+
+def load(path: str | Path) -> list[dict]:
+    """Rows of a ``diagnostics.jsonl`` (or of ``DIR/diagnostics.jsonl``); ``[]`` if absent."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "diagnostics.jsonl"
+    if not p.is_file():
+        return []
+    rows = []
+    for line in p.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
+    return sum(xs) / len(xs) if xs else None
+
+
+def aggregate(rows: list[dict]) -> dict:
+    """Layer means per (GEMM, step) and overall, for reports.
+
+    Returns ``{"steps": [...], "gemm": {gemm: {metric: [per step]}}, "operand": {operand:
+    {metric: [per step]}}, "overall": {...}, "scale_hist": {operand: {exp: count}}}``.
+    """
+    steps = sorted({r["step"] for r in rows})
+    gm = ("cos", "rel_err", "rel_bias", "err_corr_prev")
+    om = ("sqnr_db", "clip_rate", "underflow_rate", "scale_change_rate")
+    out = {"steps": steps, "gemm": {}, "operand": {}, "overall": {"gemm": {}, "operand": {}}, "scale_hist": {}}
+    by = {}
+    for r in rows:
+        by.setdefault((r["gemm"], r["step"]), []).append(r)
+    for gemm in ("fprop", "dgrad", "wgrad"):
+        if not any(g == gemm for g, _ in by):
+            continue
+        out["gemm"][gemm] = {m: [_mean([r.get(m) for r in by.get((gemm, s), [])]) for s in steps] for m in gm}
+        out["overall"]["gemm"][gemm] = {m: _mean(out["gemm"][gemm][m]) for m in gm}
+        for r in rows:
+            if r["gemm"] != gemm:
+                continue
+            for opname, st in r["operands"].items():
+                if st is None:
+                    continue
+                h = out["scale_hist"].setdefault(opname, {})
+                for e, c in (st.get("scale_hist") or {}).items():
+                    h[e] = h.get(e, 0) + c
+        opnames = sorted({o for r in rows if r["gemm"] == gemm for o, st in r["operands"].items() if st})
+        for o in opnames:
+            out["operand"][o] = {m: [_mean([(r["operands"].get(o) or {}).get(m) for r in by.get((gemm, s), [])])
+                                     for s in steps] for m in om}
+            out["overall"]["operand"][o] = {m: _mean(out["operand"][o][m]) for m in om}
+    return out
