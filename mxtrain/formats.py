@@ -32,6 +32,9 @@ class ElemFormat:
     bias: int
     max: float  # largest finite magnitude
     torch_dtype: str | None = None  # name of the torch dtype that stores one element, if any
+    # Special codes: "none" (FP4/FP6: every code is finite), "fn" (E4M3: only S.1111.111 is NaN,
+    # no Inf), "ieee" (E5M2: all-ones exponent is Inf with zero mantissa, NaN otherwise).
+    special: str = "none"
 
     @property
     def emin(self) -> int:
@@ -50,10 +53,18 @@ class ElemFormat:
         return 2.0 ** (self.emin - self.mbits)
 
     def decode(self, code: int) -> float:
-        """Value of a bit pattern (sign bit highest), by the definition of the encoding."""
+        """Value of a bit pattern (sign bit highest), by the definition of the encoding.
+
+        NaN and Inf codes of the FP8 encodings decode to NaN and +-Inf (OCP MX v1.0 section 5.3.3).
+        """
         sign = -1.0 if (code >> (self.ebits + self.mbits)) & 1 else 1.0
         e = (code >> self.mbits) & ((1 << self.ebits) - 1)
         m = code & ((1 << self.mbits) - 1)
+        all_e, all_m = (1 << self.ebits) - 1, (1 << self.mbits) - 1
+        if self.special == "fn" and e == all_e and m == all_m:
+            return float("nan")
+        if self.special == "ieee" and e == all_e:
+            return sign * float("inf") if m == 0 else float("nan")
         if e == 0:
             return sign * m * 2.0 ** (self.emin - self.mbits)
         return sign * (1.0 + m / 2**self.mbits) * 2.0 ** (e - self.bias)
@@ -62,8 +73,8 @@ class ElemFormat:
 E2M1 = ElemFormat("e2m1", 2, 1, 1, 6.0)
 E2M3 = ElemFormat("e2m3", 2, 3, 1, 7.5)
 E3M2 = ElemFormat("e3m2", 3, 2, 3, 28.0)
-E4M3 = ElemFormat("e4m3", 4, 3, 7, 448.0, "float8_e4m3fn")
-E5M2 = ElemFormat("e5m2", 5, 2, 15, 57344.0, "float8_e5m2")
+E4M3 = ElemFormat("e4m3", 4, 3, 7, 448.0, "float8_e4m3fn", "fn")
+E5M2 = ElemFormat("e5m2", 5, 2, 15, 57344.0, "float8_e5m2", "ieee")
 
 ELEMENTS = {f.name: f for f in (E2M1, E2M3, E3M2, E4M3, E5M2)}
 

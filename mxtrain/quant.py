@@ -12,8 +12,12 @@ Pipeline for one tensor (``quantize``):
 2. Scale per block:
 
    * MX formats: ``amax`` of the block, shared exponent ``s`` by the scale rule (below), clamped
-     to [-127, 127]; stored as the biased E8M0 code ``s + 127``. An all-zero block gets
-     ``s = -127`` (code 0); a block holding NaN or +-Inf gets code 0xFF (NaN).
+     to [-127, 127 - emax]; stored as the biased E8M0 code ``s + 127``. (The upper bound keeps
+     ``max_elem * 2**s`` finite in float32, so a finite block never dequantizes to Inf; it binds
+     only for the rules that round up, on block maxima of at least ``1.5 * 2**127``, which then
+     fall back to ``floor`` and saturate.) An all-zero block gets
+     ``s = -127`` (code 0); a block holding NaN or +-Inf gets code 0xFF (NaN) and all its
+     element codes are +0 (it dequantizes to NaN through the scale).
    * NVFP4: tensor scale ``g = amax(tensor) / (6 * 448)`` (1 if the tensor is zero), block scale
      ``b = e4m3(amax(block) / (g * 6))`` rounded to nearest even and saturated at 448, element
      divisor ``d = float32(b) * g``. Non-finite values are left out of the tensor amax, and their
@@ -123,7 +127,7 @@ def round_to_elem(v: torch.Tensor, elem: ElemFormat, rounding: str = "nearest",
 
 
 def mx_scale_exponent(amax: torch.Tensor, elem: ElemFormat, rule: str) -> torch.Tensor:
-    """Unbiased shared exponent (int32, in [-127, 127]) of finite block maxima by ``rule``.
+    """Unbiased shared exponent (int32, in [-127, 127 - emax]) of finite block maxima by ``rule``.
 
     Zero maxima give -127. Non-finite maxima must be handled by the caller.
     """
@@ -142,7 +146,7 @@ def mx_scale_exponent(amax: torch.Tensor, elem: ElemFormat, rule: str) -> torch.
         bump = (sig >= 1.75).to(E.dtype)
     else:
         raise ValueError(f"unknown scale rule {rule!r}; valid: {', '.join(SCALE_RULES)}")
-    s = (E - emax + bump).clamp(-127, 127)
+    s = (E - emax + bump).clamp(-127, 127 - emax)  # upper bound: max_elem * 2**s < 2**128
     return torch.where(amax > 0, s, torch.full_like(s, -127)).to(torch.int32)
 
 

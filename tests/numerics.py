@@ -1,0 +1,49 @@
+"""Shared numerics helpers for the tests: the three tolerance tiers of docs/shared style.md.
+
+1. Bit-exact (formats, quantizers, kernels vs the reference): ``assert_bitwise_equal``.
+2. Quantized results: ``sqnr_db`` with floors stated next to each use.
+3. Float tolerances for plumbing: ``FP32_TOL`` (reason: float32 accumulation of short sums).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+# float32 matmul of operands that are exactly equal, compared with a float64 product:
+# only accumulation rounding differs (K <= a few hundred terms of magnitude <= ~10).
+FP32_TOL = dict(rtol=2e-5, atol=2e-5)
+
+
+def sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio 10 log10(|ref|^2 / |ref - approx|^2) in dB (inf if equal)."""
+    ref = ref.detach().to(torch.float64)
+    err = (ref - approx.detach().to(torch.float64)).pow(2).sum().item()
+    sig = ref.pow(2).sum().item()
+    if err == 0:
+        return math.inf
+    return 10.0 * math.log10(sig / err)
+
+
+def as_numpy(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().numpy()
+
+
+def assert_bitwise_equal(actual, expected, what: str = "") -> None:
+    """Equal bit patterns (uint8 codes / float arrays compared by value with NaN == NaN)."""
+    a = as_numpy(actual) if isinstance(actual, torch.Tensor) else np.asarray(actual)
+    e = as_numpy(expected) if isinstance(expected, torch.Tensor) else np.asarray(expected)
+    assert a.shape == e.shape, f"{what}: shape {a.shape} != {e.shape}"
+    if a.dtype.kind == "f" or e.dtype.kind == "f":
+        a64, e64 = a.astype(np.float64), e.astype(np.float64)
+        same = (a64 == e64) & (np.signbit(a64) == np.signbit(e64)) | (np.isnan(a64) & np.isnan(e64))
+    else:
+        same = a == e
+    if not same.all():
+        idx = np.argwhere(~same)
+        first = tuple(idx[0])
+        raise AssertionError(
+            f"{what}: {len(idx)} of {a.size} entries differ; first at {first}: got {a[first]!r}, "
+            f"expected {e[first]!r}")
