@@ -119,3 +119,22 @@ def test_truncated_last_line_is_ignored(tmp_path):
     assert rd.val_loss == [3.0, 2.5]
     with pytest.raises(FileNotFoundError):
         M.read_run(tmp_path / "nothing")
+
+
+def test_report_on_synthetic_study(tmp_path):
+    from mxtrain.study import report
+
+    toks = [1000.0 * i for i in range(1, 41)]
+    for arm, c in (("bf16", 1.0), ("mxfp4-all", 1.2)):
+        for s in range(2):
+            rd = write_run(tmp_path / "runs" / arm / f"seed{s}", toks, [curve(t / c, 2.0 + 0.01 * s) for t in toks])
+            (rd.path / "config.json").write_text(json.dumps({"recipe": arm, "seed": s, "device": "cpu"}))
+    summary = M.sanitize(M.summarize(M.load_study_runs(tmp_path), "bf16", smooth_k=2))
+    assert summary["arms"]["mxfp4-all"]["extra_tokens"]["mean"] == pytest.approx(0.2, abs=0.01)
+    hp, mp = report.write_report(tmp_path, summary)
+    text = hp.read_text()
+    assert "data:image/png;base64," in text and "mxfp4-all" in text and "+20." in text
+    assert "seed-to-seed" in mp.read_text()
+    # a single run folder works too
+    hp, _ = report.write_report(tmp_path / "runs" / "bf16" / "seed0")
+    assert "data:image/png;base64," in hp.read_text()
