@@ -1,0 +1,116 @@
+"""Recipes: presets, validation, immutability, serialization."""
+
+import dataclasses
+import json
+
+import pytest
+
+import mxtrain
+from mxtrain import Operand, Recipe, Rotation, recipes
+from mxtrain.recipe import OPERANDS
+
+EXPECTED = ["bf16", "fp8", "mxfp8", "mxfp4-fprop", "mxfp4-fprop-dgrad", "mxfp4-all", "mxfp4-all-sr",
+            "mxfp4-all-rht16", "mxfp4-all-dh16", "mxfp4-all-dh32", "tseng", "nvfp4"]
+
+
+def test_all_presets_from_the_issue_exist():
+    assert set(EXPECTED) <= set(recipes.names())
+
+
+@pytest.mark.parametrize("name", recipes.names())
+def test_every_preset_constructs_and_round_trips(name):
+    r = recipes.get(name)
+    assert isinstance(r, Recipe) and r.name == name
+    assert r.description.strip(), f"{name} needs a docstring citing its source"
+    assert recipes.get(r) is r
+    d = r.to_dict()
+    json.dumps(d)
+    assert Recipe.from_dict(json.loads(json.dumps(d))) == r
+    assert r.summary().startswith(f"recipe {name}")
+    assert r.quantized == (name != "bf16")
+
+
+def test_preset_contents_follow_the_papers():
+    g = recipes.get
+    assert not g("bf16").quantized
+    fp8 = g("fp8")
+    assert (fp8.fprop_x.fmt, fp8.fprop_w.fmt, fp8.dgrad_dy.fmt, fp8.wgrad_dy.fmt) == ("fp8_e4m3", "fp8_e4m3", "fp8_e5m2", "fp8_e5m2")
+    assert all(g("mxfp8").operand(n).fmt == "mxfp8_e4m3" for n in OPERANDS)
+    assert [g("mxfp4-fprop").operand(n).quantized for n in OPERANDS] == [True, True, False, False, False, False]
+    assert [g("mxfp4-fprop-dgrad").operand(n).quantized for n in OPERANDS] == [True, True, True, True, False, False]
+    sr = g("mxfp4-all-sr")
+    assert [sr.operand(n).rounding for n in OPERANDS] == ["nearest", "nearest", "stochastic", "nearest", "stochastic", "nearest"]
+    for name, size, signs in (("mxfp4-all-rht16", 16, "per_step"), ("mxfp4-all-dh16", 16, "none"), ("mxfp4-all-dh32", 32, "none")):
+        r = g(name)
+        assert all(r.operand(n).fmt == "mxfp4" for n in OPERANDS)
+        assert all(r.rotation(k) == Rotation(size, signs) for k in ("fprop", "dgrad", "wgrad"))
+    t = g("tseng")
+    assert not t.fprop_x.quantized and not t.fprop_w.quantized and not t.fprop_rotation.enabled
+    for n in ("dgrad_dy", "dgrad_w", "wgrad_dy", "wgrad_x"):
+        assert t.operand(n) == Operand("mxfp4", rounding="stochastic", prescale=0.75)
+    assert t.dgrad_rotation == t.wgrad_rotation == Rotation(64, "per_step")
+    nv = g("nvfp4")
+    assert all(nv.operand(n).fmt == "nvfp4" for n in OPERANDS)
+    assert nv.fprop_w.block_2d and nv.dgrad_w.block_2d and not nv.fprop_x.block_2d
+    assert nv.dgrad_dy.rounding == nv.wgrad_dy.rounding == "stochastic" and nv.wgrad_x.rounding == "nearest"
+    assert nv.wgrad_rotation == Rotation(16, "fixed") and not nv.fprop_rotation.enabled and not nv.dgrad_rotation.enabled
+    assert nv.keep_first >= 1 and nv.keep_last >= 1
+
+
+def test_unknown_names_list_the_valid_choices():
+    with pytest.raises(ValueError, match="valid recipes: bf16, fp8"):
+        recipes.get("mxfp3")
+    with pytest.raises(ValueError, match="choose one of: mxfp4"):
+        Operand("mxfp5")
+    with pytest.raises(ValueError, match="choose one of: nearest, stochastic"):
+        Operand("mxfp4", rounding="up")
+    with pytest.raises(ValueError, match="choose one of: floor, ceil, rceil, even, amd"):
+        Operand("mxfp4", scale_rule="round")
+    with pytest.raises(ValueError, match="choose one of: 0, 16, 32, 64, 128"):
+        Rotation(24)
+    with pytest.raises(ValueError, match="choose one of: none, fixed, per_layer, per_step"):
+        Rotation(16, "random")
+    with pytest.raises(ValueError, match="prescale"):
+        Operand("mxfp4", prescale=-1.0)
+    with pytest.raises(ValueError, match="only defined for nvfp4"):
+        Operand("mxfp4", block_2d=True)
+    with pytest.raises(ValueError, match="keep_first"):
+        Recipe(keep_first=-1)
+    with pytest.raises(TypeError):
+        Recipe(fprop_x="mxfp4")
+    with pytest.raises(TypeError):
+        Recipe(keep_hp="*.lm_head")
+    with pytest.raises(ValueError, match="unknown recipe field 'fprop'; fields: name, fprop_x"):
+        recipes.get("mxfp4-all").with_(fprop=1)
+    with pytest.raises(ValueError, match="unknown recipe field"):
+        recipes.get("mxfp4-all").with_(**{"fprop_x.colour": 1})
+    with pytest.raises(ValueError, match="unknown recipe fields: bogus"):
+        Recipe.from_dict({"bogus": 1})
+    with pytest.raises(ValueError, match="choose one of"):
+        Recipe.from_dict({"fprop_x": {"fmt": "int8"}})
+    with pytest.raises(ValueError, match="choose one of"):
+        recipes.get("mxfp4-all").with_(**{"wgrad_dy.rounding": "sometimes"})
+
+
+def test_recipes_are_frozen():
+    r = recipes.get("mxfp4-all")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.fprop_x = Operand()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.fprop_x.fmt = "bf16"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.fprop_rotation.size = 32
+    assert recipes.get("mxfp4-all") == r  # a fresh copy every time, unchanged
+
+
+def test_with_builds_variants():
+    base = recipes.get("mxfp4-all")
+    v = base.with_(**{"wgrad_dy.rounding": "stochastic", "wgrad_dy.scale_rule": "rceil"},
+                   wgrad_rotation=Rotation(16, "per_layer"), keep_hp=["*.o_proj"], name="mine")
+    assert v.wgrad_dy == Operand("mxfp4", rounding="stochastic", scale_rule="rceil")
+    assert v.wgrad_rotation.signs == "per_layer" and v.keep_hp == ("*.o_proj",) and v.name == "mine"
+    assert base.wgrad_dy.rounding == "nearest"
+    assert Recipe.from_dict(v.to_dict()) == v
+    custom = Recipe("custom", fprop_x=Operand("mxfp6_e2m3", scale_rule="even"), fprop_w=Operand("mxfp6_e2m3"))
+    assert custom.quantized and recipes.get(custom) is custom
+    assert "fprop: x=mxfp6_e2m3 nearest even" in custom.summary()
