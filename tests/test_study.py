@@ -138,3 +138,48 @@ def test_report_on_synthetic_study(tmp_path):
     # a single run folder works too
     hp, _ = report.write_report(tmp_path / "runs" / "bf16" / "seed0")
     assert "data:image/png;base64," in hp.read_text()
+
+
+def _fake_trainer(calls, fail_at=None):
+    """A stand-in for the trainer: writes an analytic run folder (arm 'mxfp4-all' needs 10 % more tokens)."""
+    def train_fn(spec, arm, seed, run_dir):
+        calls.append((arm, seed))
+        if fail_at is not None and len(calls) == fail_at:
+            run_dir.mkdir(parents=True)
+            (run_dir / "metrics.jsonl").write_text("")
+            raise KeyboardInterrupt
+        c = {"bf16": 1.0, "mxfp4-all": 1.1}.get(arm, 1.0)
+        toks = [1000.0 * i for i in range(1, 51)]
+        if arm == "mxfp4-all-sr":
+            write_run(run_dir, toks[:10], [curve(t) for t in toks[:10]])
+            raise FloatingPointError(f"non-finite loss at step 11 (arm {arm})")
+        write_run(run_dir, toks, [curve(t / c, 2.0 + 0.002 * seed) for t in toks])
+    return train_fn
+
+
+def test_runner_resumes_skips_and_records_divergence(tmp_path):
+    from mxtrain.errors import UserError
+    from mxtrain.study.runner import StudySpec, run_study
+
+    spec = StudySpec(out=str(tmp_path / "st"), arms=["bf16", "mxfp4-all", "mxfp4-all-sr"], seeds=2, smooth_k=1)
+    calls = []
+    with pytest.raises(KeyboardInterrupt):
+        run_study(spec, _fake_trainer(calls, fail_at=3), log=lambda *a: None)
+    assert calls == [("bf16", 0), ("mxfp4-all", 0), ("mxfp4-all-sr", 0)]
+    calls2 = []
+    out = run_study(spec, _fake_trainer(calls2), log=lambda *a: None)
+    assert calls2 == [("mxfp4-all-sr", 0), ("bf16", 1), ("mxfp4-all", 1), ("mxfp4-all-sr", 1)]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["arms"]["mxfp4-all"]["extra_tokens"]["mean"] == pytest.approx(0.1, abs=2e-3)
+    assert s["arms"]["mxfp4-all-sr"]["extra_tokens"]["state"] == "diverged"
+    assert s["arms"]["mxfp4-all-sr"]["diverged"] == {"0": True, "1": True}
+    assert (out / "report.html").is_file() and (out / "report.md").is_file()
+    calls3 = []
+    run_study(spec, _fake_trainer(calls3), log=lambda *a: None)
+    assert calls3 == []
+    with pytest.raises(UserError):
+        run_study(StudySpec(out=str(tmp_path / "st"), arms=["bf16"], seeds=1, steps=5), _fake_trainer([]))
+    with pytest.raises(UserError):
+        StudySpec(arms=["bf16", "nope"])
+    with pytest.raises(UserError):
+        StudySpec(arms=["bf16"], baseline="mxfp4-all")

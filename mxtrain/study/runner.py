@@ -1,0 +1,252 @@
+"""``mxtrain study``: arms (recipes) x seeds from one base training config, resumable.
+
+Layout of a study folder ``OUT``::
+
+    OUT/study.json                  the plan: arms, seeds, baseline, base overrides, recipes, metric options
+    OUT/runs/<arm>/seed<k>/         an ordinary ``mxtrain train`` run folder (metrics.jsonl, config.json, ...)
+                  .../study_status.json   written by the runner when the run ended: done | diverged
+    OUT/summary.json                per-arm results (see mxtrain.study.metrics.summarize)
+    OUT/report.html, OUT/report.md  the report (mxtrain.study.report)
+
+Control: every run of seed ``k`` uses training seed ``k`` (so the same initialization and the same
+data order in every arm) and the same evaluation steps and validation set; only the recipe differs.
+A run with a ``study_status.json`` is finished and skipped; a run folder without one was
+interrupted and is trained again from scratch (its folder is replaced).
+
+Learning-rate schedule: a cosine that ends at the run's last step makes every arm's loss drop at
+the end, so a quantized arm can never reach the baseline's final loss and the extra-token cost is
+meaningless. Studies therefore default to a constant rate after warmup (``--schedule constant``),
+or a cosine whose horizon is ``--lr-horizon`` (10) times the run (``long-cosine``, as MLPerf's
+Llama 3.1-8B config does: its cosine spans 1.2 M steps for a ~6 k-step run).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+from ..errors import UserError
+from .. import recipes as R
+from . import metrics as M
+
+__all__ = ["PRESETS", "SCHEDULES", "StudySpec", "run_study", "summarize_study"]
+
+SCHEDULES = ("constant", "long-cosine", "config")
+
+PAPER_ARMS = ["bf16", "mxfp4-fprop", "mxfp4-fprop-dgrad", "mxfp4-all", "mxfp4-all-sr", "mxfp4-all-rht16",
+              "mxfp4-all-dh16", "mxfp4-all-dh32"]
+
+# preset -> StudySpec fields (explicit flags override them)
+PRESETS: dict[str, dict] = {
+    # [AMD] Table 1: the GEMM-by-GEMM ladder and the three interventions, vs a BF16 baseline
+    "paper": dict(arms=PAPER_ARMS, baseline="bf16", seeds=3, diagnose_every=0),
+    # baseline vs the three papers' complete recipes
+    "recipes": dict(arms=["bf16", "mxfp4-all-dh16", "tseng", "nvfp4"], baseline="bf16", seeds=3, diagnose_every=0),
+    # CI: tiny model on CPU, 3 arms x 2 seeds, a few minutes in all
+    "smoke": dict(arms=["bf16", "mxfp4-all", "mxfp4-all-dh16"], baseline="bf16", seeds=2, model="tiny",
+                  steps=30, batch_size=4, seq_len=64, eval_every=3, diagnose_every=10, device="cpu",
+                  overrides=["eval_tokens=4096"]),
+}
+
+
+@dataclass
+class StudySpec:
+    """Everything that defines a study. ``overrides`` are ``key=value`` strings for the training config."""
+
+    out: str = "studies/custom"
+    arms: list[str] = field(default_factory=lambda: ["bf16", "mxfp4-all-dh16"])
+    baseline: str | None = None
+    seeds: int = 3
+    model: str | None = None
+    steps: int | None = None
+    batch_size: int | None = None
+    seq_len: int | None = None
+    lr: float | None = None
+    data: str | None = None
+    device: str | None = None
+    overrides: list[str] = field(default_factory=list)
+    schedule: str = "constant"
+    lr_horizon: float = 10.0
+    eval_every: int | None = None
+    diagnose_every: int = 0
+    target_loss: float | None = None
+    target_frac: float = 0.8
+    smooth_k: int = 3
+    preset: str | None = None
+
+    def __post_init__(self):
+        if not self.arms:
+            raise UserError("a study needs at least one arm (--arms a,b,c)")
+        if len(set(self.arms)) != len(self.arms):
+            raise UserError(f"--arms lists an arm twice: {','.join(self.arms)}")
+        valid = R.names()
+        for a in self.arms:
+            if a not in valid:
+                raise UserError(f"unknown recipe {a!r} in --arms; valid recipes: {', '.join(valid)}")
+        if self.baseline is None:
+            self.baseline = self.arms[0]
+        if self.baseline not in self.arms:
+            raise UserError(f"--baseline {self.baseline!r} is not one of the arms ({', '.join(self.arms)})")
+        if self.seeds < 1:
+            raise UserError(f"--seeds must be >= 1, got {self.seeds}")
+        if self.schedule not in SCHEDULES:
+            raise UserError(f"--schedule must be one of {', '.join(SCHEDULES)}")
+        if not self.lr_horizon >= 1:
+            raise UserError(f"--lr-horizon must be >= 1 (a multiple of the run length), got {self.lr_horizon}")
+        if self.diagnose_every < 0:
+            raise UserError("--diagnose-every must be >= 0")
+        if self.smooth_k < 1:
+            raise UserError("--smooth-k must be >= 1")
+        if not 0 < self.target_frac <= 1:
+            raise UserError("--target-frac must be in (0, 1]")
+        for o in self.overrides:
+            if "=" not in o:
+                raise UserError(f"--set expects KEY=VALUE, got {o!r}")
+
+    @classmethod
+    def from_args(cls, args) -> "StudySpec":
+        base: dict = {}
+        if args.preset:
+            base.update(json.loads(json.dumps(PRESETS[args.preset])))
+            base["preset"] = args.preset
+        if args.arms:
+            base["arms"] = [a.strip() for a in args.arms.split(",") if a.strip()]
+        for k in ("seeds", "baseline", "model", "steps", "batch_size", "seq_len", "lr", "data", "device", "schedule",
+                  "lr_horizon", "eval_every", "diagnose_every", "target_loss", "smooth_k"):
+            v = getattr(args, k, None)
+            if v is not None:
+                base[k] = v
+        if getattr(args, "target_frac", None) is not None:
+            base["target_frac"] = args.target_frac
+        base["overrides"] = list(base.get("overrides", [])) + list(args.overrides or [])
+        base["out"] = args.out or f"studies/{args.preset or 'custom'}"
+        return cls(**base)
+
+    def describe(self) -> str:
+        lines = [f"study -> {self.out}", f"  arms ({len(self.arms)}): {', '.join(self.arms)}; baseline {self.baseline}",
+                 f"  seeds: {self.seeds} ({self.seeds * len(self.arms)} runs)",
+                 f"  schedule: {self.schedule}" + (f" (horizon {self.lr_horizon:g} x run)" if self.schedule == "long-cosine" else ""),
+                 f"  training: {self.train_args()}"]
+        return "\n".join(lines)
+
+    def train_args(self) -> dict:
+        """The base training settings shared by every run (recipe, seed and output are per run)."""
+        return {k: v for k, v in (("model", self.model), ("steps", self.steps), ("batch_size", self.batch_size),
+                                  ("seq_len", self.seq_len), ("lr", self.lr), ("data", self.data),
+                                  ("device", self.device), ("eval_every", self.eval_every),
+                                  ("schedule", self.schedule), ("lr_horizon", self.lr_horizon),
+                                  ("overrides", self.overrides)) if v not in (None, [])}
+
+    def plan_key(self) -> dict:
+        """What must match for an existing study folder to be resumed."""
+        return {"train": self.train_args(), "diagnose_every": self.diagnose_every}
+
+
+# ----------------------------------------------------------------------------------------------
+# the trainer adapter
+
+
+def train_one(spec: StudySpec, arm: str, seed: int, run_dir: Path) -> None:
+    """Train one run with the ordinary trainer into ``run_dir``."""
+    from . import trainer_adapter
+    trainer_adapter.train_run(spec, arm, seed, run_dir)
+
+
+# ----------------------------------------------------------------------------------------------
+# running
+
+
+def _status(run_dir: Path) -> dict | None:
+    p = run_dir / "study_status.json"
+    if not p.is_file():
+        return None
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError:
+        return None
+
+
+def _is_divergence(e: BaseException) -> bool:
+    msg = str(e).lower()
+    return any(w in msg for w in ("non-finite", "nonfinite", "not finite", "nan", "diverg", "inf loss"))
+
+
+def run_study(spec: StudySpec, train_fn: Callable[[StudySpec, str, int, Path], None] | None = None,
+              log=print) -> Path:
+    """Run (or resume) every arm x seed, then write summary.json and the report. Returns OUT."""
+    train_fn = train_fn or train_one
+    out = Path(spec.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / ".write_test").write_text("")
+        (out / ".write_test").unlink()
+    except OSError as e:
+        raise UserError(f"cannot write to study folder {out}: {e.strerror or e}") from None
+    meta_p = out / "study.json"
+    if meta_p.is_file():
+        old = json.loads(meta_p.read_text())
+        if old.get("plan_key") != json.loads(json.dumps(spec.plan_key())):
+            raise UserError(f"{out} holds a study with a different base config ({old.get('plan_key')}); "
+                            f"use another --out, or the same settings to resume it")
+    recipes = {a: R.get(a).to_dict() for a in spec.arms}
+    meta = {"created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "spec": asdict(spec),
+            "plan_key": spec.plan_key(), "baseline": spec.baseline, "arms": spec.arms, "seeds": list(range(spec.seeds)),
+            "recipes": recipes, "smooth_k": spec.smooth_k, "target_frac": spec.target_frac,
+            "target_loss": spec.target_loss, "command": " ".join(sys.argv)}
+    if meta_p.is_file():
+        meta["created"] = json.loads(meta_p.read_text()).get("created", meta["created"])
+    meta_p.write_text(json.dumps(meta, indent=1, default=str))
+
+    # seed-major order: after the first pass over seed 0 every arm has a result to compare
+    order = [(a, s) for s in range(spec.seeds) for a in spec.arms]
+    t0 = time.time()
+    for i, (arm, seed) in enumerate(order, 1):
+        rd = out / "runs" / arm / f"seed{seed}"
+        st = _status(rd)
+        if st is not None:
+            log(f"[{i}/{len(order)}] {arm} seed {seed}: {st.get('state')} already, skipped")
+            continue
+        if rd.exists():
+            log(f"[{i}/{len(order)}] {arm} seed {seed}: unfinished run folder, training it again")
+            shutil.rmtree(rd)
+        rd.parent.mkdir(parents=True, exist_ok=True)
+        log(f"[{i}/{len(order)}] {arm} seed {seed} -> {rd}")
+        ts = time.time()
+        state, msg = "done", None
+        try:
+            train_fn(spec, arm, seed, rd)
+        except Exception as e:  # a diverged run is a result, anything else is an error
+            if not _is_divergence(e):
+                raise
+            state, msg = "diverged", str(e)
+            log(f"    diverged: {msg}")
+        rd.mkdir(parents=True, exist_ok=True)
+        (rd / "study_status.json").write_text(json.dumps(
+            {"state": state, "message": msg, "seconds": round(time.time() - ts, 1), "arm": arm, "seed": seed}))
+    log(f"all runs finished ({time.time() - t0:.0f} s this session)")
+    summarize_study(out)
+    return out
+
+
+def summarize_study(out: str | Path) -> dict:
+    """Recompute ``summary.json`` and the report from the run folders."""
+    from .report import write_report
+
+    out = Path(out)
+    meta = json.loads((out / "study.json").read_text())
+    runs = M.load_study_runs(out)
+    arms = [a for a in meta["arms"] if a in runs]
+    runs = {a: runs[a] for a in arms}
+    summary = M.summarize(runs, meta["baseline"], target_loss=meta.get("target_loss"),
+                          target_frac=meta.get("target_frac", 0.8), smooth_k=meta.get("smooth_k", 3),
+                          recipes=meta.get("recipes"))
+    summary = M.sanitize(summary)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False))
+    write_report(out, summary)
+    return summary
