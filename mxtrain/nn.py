@@ -196,6 +196,13 @@ class MXLinear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         qctx = _Ctx(self.recipe, self.layer_id, self.step, self._calls)
         self._calls += 1
+        # --- fast-path dispatch hook (owned by mxtrain.fast / mxtrain.kernels; the reference below
+        # stays the spec). CUDA inputs with an MXFP4/bf16-only recipe use the fused kernels.
+        if x.is_cuda:
+            from . import fast
+            if fast.supported(self.recipe):
+                return fast.apply(x, self.weight, self.bias, qctx, module=self)
+        # --- end fast-path hook
         return _MXLinearFunction.apply(x, self.weight, self.bias, qctx)
 
     def extra_repr(self) -> str:

@@ -1,0 +1,167 @@
+"""Fast MXLinear path: fused Triton quantizers + capability-dispatched MX GEMMs.
+
+Same function as the reference ``mxtrain.nn._MXLinearFunction`` (the spec): every MXFP4 operand
+is quantized from the high-precision tensor by the fused kernel, bit-identical to
+``_Ctx.operand`` (same rotation, signs, seeds and stochastic-rounding index), and the GEMMs
+multiply exactly those MX values (on sm_90 through the FP8 e4m3 carrier and blockwise
+``torch._scaled_mm``). Only fp32 accumulation order and the bf16 rounding of GEMM outputs differ.
+
+Used automatically by ``MXLinear`` for CUDA inputs when ``supported(recipe)``: every operand is
+``mxfp4`` (32-element blocks) or ``bf16``, with any rotation, rounding, scale rule or prescale.
+A GEMM whose two operands are not both MXFP4 runs exactly as the reference does.
+
+Weight reuse: a weight operand with round-to-nearest is quantized once per (weight version, step,
+sign vector) and reused by later micro-batches (stochastic rounding of W draws a fresh stream for
+every call in the reference, so it is never reused). Fprop quantizes W along in-features and
+Dgrad along out-features, so those two are different operands and are not shared.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import rng
+from .kernels import backend as _backend, kernels_available
+from .kernels import gemm as _gemm
+from .kernels.quantize import QuantOut, quantize_op
+from .nn import _OPERAND_ID, _Ctx, _gemm_dtype
+
+__all__ = ["supported", "apply", "ENABLED"]
+
+ENABLED = True  # set False to force the reference path everywhere
+
+
+def supported(recipe) -> bool:
+    """Recipes the fast path implements: every operand ``mxfp4`` (default blocks) or ``bf16``."""
+    if not ENABLED:
+        return False
+    from .recipe import OPERANDS
+    for n in OPERANDS:
+        op = recipe.operand(n)
+        if op.fmt not in ("mxfp4", "bf16") or op.block_2d:
+            return False
+    return True
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b) * b
+
+
+class _WeightCache:
+    """Per-module cache of quantized weight operands (see module docstring)."""
+
+    def __init__(self):
+        self.entries: dict = {}
+
+
+def _quant(qctx: _Ctx, t: torch.Tensor, axis: int, name: str, gemm: str, signs, backend: str,
+           group_rows: int, cache: dict | None = None) -> tuple[QuantOut, float]:
+    """Quantize one MXFP4 operand of a 2-D tensor along ``axis`` exactly as ``_Ctx.operand`` does."""
+    op = qctx.recipe.operand(name)
+    rot = qctx.recipe.rotation(gemm)
+    rsize = rot.size if rot.enabled else 0
+    key = 0
+    if op.rounding == "stochastic":
+        seed = rng.stream_key(qctx.recipe.seed, qctx.layer, _OPERAND_ID[name], qctx.step, qctx.call)
+        key = rng.stream_key(seed)
+    # logical index strides of the (rotation-padded) tensor the reference quantizes
+    if axis == 1:
+        si = (_ceil(t.shape[1], rsize) if rsize else t.shape[1], 1)
+    else:
+        si = (1, t.shape[1])
+    carrier, fp4 = _gemm.outputs_for(backend)
+    ck = None
+    if cache is not None and op.rounding == "nearest" and not torch.compiler.is_compiling():
+        ck = (name, t.data_ptr(), t._version, qctx.step, backend, group_rows)
+        hit = cache.get(name)
+        if hit is not None and hit[0] == ck:
+            return hit[1], op.prescale
+    q = quantize_op(t, axis, rot=rsize, signs=signs, rounding=op.rounding, scale_rule=op.scale_rule, key=key,
+                    prescale=op.prescale, index_strides=si, carrier=carrier, fp4=fp4, group_rows=group_rows)
+    if ck is not None:
+        cache[name] = (ck, q)
+    return q, op.prescale
+
+
+def _both_mx(recipe, a: str, b: str) -> bool:
+    return recipe.operand(a).fmt == "mxfp4" and recipe.operand(b).fmt == "mxfp4"
+
+
+def _gemm_fn(qctx: _Ctx, A: torch.Tensor, axA: int, nA: str, B: torch.Tensor, axB: int, nB: str, gemm: str,
+             b_is_weight: bool, backend: str, out_dtype, cache) -> torch.Tensor:
+    """One GEMM ``op(A) op(B)^T`` reduced along the quantization axes, in float32 (or out_dtype)."""
+    dev = A.device
+    signs = qctx.signs(gemm, dev)
+    recipe = qctx.recipe
+    if _both_mx(recipe, nA, nB):
+        qa, pa = _quant(qctx, A, axA, nA, gemm, signs, backend, 1)
+        gr = _gemm.weight_group_rows() if b_is_weight else (
+            _gemm.activation_b_group_rows(dev) if backend == "fp8_carrier" else 1)
+        qb, pb = _quant(qctx, B, axB, nB, gemm, signs, backend, gr, cache if b_is_weight else None)
+        y = _gemm.mx_gemm_nt(qa, qb, backend, out_dtype)
+    else:  # as the reference: fake-quantized / rotated dense operands
+        gd = _gemm_dtype(recipe, nA, nB, gemm, dev.type)
+        ta, pa = qctx.operand(A, axA, nA, gemm, signs)
+        tb, pb = qctx.operand(B, axB, nB, gemm, signs)
+        ta = ta if axA == 1 else ta.t()
+        tb = tb if axB == 1 else tb.t()
+        if gd == torch.float32 and A.dtype == torch.bfloat16 and B.dtype == torch.bfloat16 and not (
+                recipe.rotation(gemm).enabled or recipe.operand(nA).quantized or recipe.operand(nB).quantized):
+            gd = torch.bfloat16  # plain bf16 operands: exact in bf16, fp32 accumulation in the GEMM
+        y = torch.matmul(ta.to(gd), tb.to(gd).t()).to(out_dtype)
+    if pa * pb != 1.0:
+        y = y / (pa * pb)
+    return y
+
+
+class _FastMXLinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, qctx: _Ctx, cache):
+        dev = x.device
+        out_dtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else x.dtype
+        backend = _backend(dev)
+        x2 = x.reshape(-1, x.shape[-1])
+        with torch.autocast(dev.type, enabled=False):
+            y = _gemm_fn(qctx, x2, 1, "fprop_x", weight, 1, "fprop_w", "fprop", True, backend, torch.float32,
+                         cache)
+            if bias is not None:
+                y = y + bias.to(torch.float32)
+        ctx.save_for_backward(x2, weight)
+        ctx.qctx, ctx.cache, ctx.has_bias, ctx.x_shape, ctx.x_dtype = qctx, cache, bias is not None, x.shape, x.dtype
+        ctx.backend = backend
+        return y.to(out_dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, weight = ctx.saved_tensors
+        qctx: _Ctx = ctx.qctx
+        backend = ctx.backend
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dx = dw = db = None
+        with torch.autocast(dy.device.type, enabled=False):
+            if ctx.needs_input_grad[0]:
+                # dX (M, K) = Q(dY) [rows, along N] x Q(W) [columns, along N]
+                dx = _gemm_fn(qctx, dy2, 1, "dgrad_dy", weight, 0, "dgrad_w", "dgrad", True, backend,
+                              torch.float32, ctx.cache)
+                dx = dx.to(ctx.x_dtype).reshape(ctx.x_shape)
+            if ctx.needs_input_grad[1]:
+                # dW (N, K) = Q(dY^T) [along tokens] x Q(X^T) [along tokens]
+                dw = _gemm_fn(qctx, dy2, 0, "wgrad_dy", x2, 0, "wgrad_x", "wgrad", False, backend,
+                              torch.float32, None)
+                dw = dw.to(weight.dtype)
+            if ctx.has_bias and ctx.needs_input_grad[2]:
+                db = dy2.to(torch.float32).sum(0).to(weight.dtype)
+        return dx, dw, db, None, None
+
+
+def apply(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, qctx: _Ctx,
+          module=None) -> torch.Tensor:
+    """The fast MXLinear forward (autograd-aware). ``module`` (optional) holds the weight cache."""
+    ok_dt = (torch.float32, torch.bfloat16, torch.float16)
+    if not kernels_available(x.device) or x.dtype not in ok_dt or weight.dtype not in ok_dt:
+        from .nn import _MXLinearFunction
+        return _MXLinearFunction.apply(x, weight, bias, qctx)
+    cache = None
+    if module is not None:
+        cache = module.__dict__.setdefault("_mx_weight_cache", {})
+    return _FastMXLinearFunction.apply(x, weight, bias, qctx, cache)

@@ -1,0 +1,66 @@
+"""Fast kernels: fused Triton quantizers and capability-dispatched MX GEMMs.
+
+Capability flags (evaluated lazily, cheap):
+
+* ``HAS_TRITON``: Triton imports (GPU, or CPU through ``TRITON_INTERPRET=1``).
+* ``backend(device)``: which GEMM path a device gets:
+  ``"fp8_carrier"`` (sm_90: MXFP4 values carried exactly in FP8 e4m3, blockwise ``torch._scaled_mm``),
+  ``"native_mx"`` (sm_100+: MX-scaled GEMM, UNTESTED here), or ``"dequant"`` (everything else:
+  dequantize the MX operands and multiply in float32).
+
+The plain-PyTorch reference quantizer (``mxtrain.quant``) is the specification: the kernels in
+``mxtrain.kernels.quantize`` produce bit-identical codes and scales (see ``tests/test_kernels.py``).
+See ``docs/kernels.md``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:  # Triton is optional: without it every path falls back to the reference implementation
+    import triton  # noqa: F401
+
+    HAS_TRITON = True
+except Exception:  # pragma: no cover - depends on the install
+    HAS_TRITON = False
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+__all__ = ["HAS_TRITON", "INTERPRET", "backend", "kernels_available", "capability"]
+
+
+def capability(device) -> tuple[int, int] | None:
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+def kernels_available(device) -> bool:
+    """Can the Triton quantize kernels run for tensors on ``device``?"""
+    if not HAS_TRITON:
+        return False
+    device = torch.device(device)
+    if device.type == "cuda":
+        return True
+    return device.type == "cpu" and INTERPRET
+
+
+def backend(device) -> str:
+    """The GEMM path for ``device``: ``fp8_carrier``, ``native_mx`` or ``dequant``.
+
+    ``MXTRAIN_GEMM_BACKEND`` overrides the choice (e.g. ``dequant`` to debug on a GPU).
+    """
+    forced = os.environ.get("MXTRAIN_GEMM_BACKEND")
+    if forced:
+        return forced
+    cap = capability(device)
+    if cap is None:
+        return "dequant"
+    if cap == (9, 0):
+        return "fp8_carrier"
+    if cap[0] >= 10:
+        return "native_mx"
+    return "dequant"

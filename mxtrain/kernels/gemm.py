@@ -1,0 +1,116 @@
+"""GEMM dispatch for quantized operands: ``C = A B^T`` with A (Ra, K) and B (Rb, K) both quantized
+along K (their last axis) by ``mxtrain.kernels.quantize``.
+
+* ``fp8_carrier`` (sm_90): blockwise ``torch._scaled_mm`` on the e4m3 carrier with 1x128 (A) and
+  128x128 or 1x128 (B) float32 group scales: the exact MXFP4 values, fp32 accumulation in the tensor
+  cores, bf16 output.
+* ``native_mx`` (sm_100+): MX-scaled ``torch._scaled_mm`` on packed FP4 codes with E8M0 scales in
+  cuBLAS's blocked layout. UNTESTED (no such GPU here); any error falls back to ``dequant``.
+* ``dequant``: decode codes and scales to float32 and multiply (CPU, or any other device).
+
+All paths multiply the same MX values; only accumulation order and output rounding differ.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .quantize import QuantOut, carrier_values, dequantize_fp4
+
+__all__ = ["mx_gemm_nt", "probe", "weight_group_rows", "activation_b_group_rows", "outputs_for"]
+
+_PROBE: dict[str, dict] = {}
+
+
+def outputs_for(backend: str) -> tuple[bool, bool]:
+    """(carrier, fp4) outputs the quantize kernel must write for a GEMM backend."""
+    if backend == "fp8_carrier":
+        return True, False
+    return False, True
+
+
+def weight_group_rows() -> int:
+    return 128
+
+
+def activation_b_group_rows(device) -> int:
+    """Group rows for an activation that is operand B (Wgrad's X^T): 1x128 if cuBLAS takes
+    (1x128, 1x128), else 128x128 (still exact unless a block is > 14 binades under its tile max)."""
+    p = probe(device)
+    return 1 if p.get("b_1x128", False) else 128
+
+
+def _scaled_mm(a: QuantOut, b: QuantOut, out_dtype) -> torch.Tensor:
+    sa = a.gscale  # (Rca, Kc/128), outer-dim-major
+    if b.group_rows == 128:
+        sb = b.gscale.t()  # (Kc/128, Rcb/128)
+    else:
+        sb = b.gscale.t()  # (Kc/128, Rcb), contiguous
+    return torch._scaled_mm(a.carrier, b.carrier.t(), sa, sb, out_dtype=out_dtype)
+
+
+def probe(device) -> dict:
+    """Check once per device which blockwise ``_scaled_mm`` configurations run and are exact."""
+    device = torch.device(device)
+    key = str(device)
+    if key in _PROBE:
+        return _PROBE[key]
+    res = {"a1x128_b128x128": False, "b_1x128": False, "errors": {}}
+    if device.type == "cuda":
+        from .quantize import quantize_mxfp4_2d
+        g = torch.Generator(device=device).manual_seed(0)
+        A = torch.randn(256, 384, device=device, generator=g)
+        B = torch.randn(384, 384, device=device, generator=g)
+        qa = quantize_mxfp4_2d(A, 1, carrier=True, fp4=False, group_rows=1)
+        for name, gr in (("a1x128_b128x128", 128), ("b_1x128", 1)):
+            try:
+                qb = quantize_mxfp4_2d(B, 1, carrier=True, fp4=False, group_rows=gr)
+                out = _scaled_mm(qa, qb, torch.float32 if False else torch.bfloat16).float()
+                ref = (carrier_values(qa)[:256].double() @ carrier_values(qb)[:384].double().t())
+                err = ((out.double() - ref).norm() / ref.norm()).item()
+                res[name] = err < 1e-2
+                res["errors"][name] = err
+            except Exception as e:  # noqa: BLE001
+                res["errors"][name] = repr(e)[:300]
+    _PROBE[key] = res
+    return res
+
+
+def _to_blocked(s: torch.Tensor) -> torch.Tensor:
+    """E8M0 scales (rows, K/32) to cuBLAS's 128x4 blocked layout (torchao's ``to_blocked``)."""
+    rows, cols = s.shape
+    nr, nc = -(-rows // 128), -(-cols // 4)
+    p = torch.zeros((nr * 128, nc * 4), dtype=s.dtype, device=s.device)
+    p[:rows, :cols] = s
+    blocks = p.view(nr, 128, nc, 4).permute(0, 2, 1, 3)
+    return blocks.reshape(-1, 4, 32, 4).transpose(1, 2).reshape(-1, 32, 16).flatten()
+
+
+def _native_mx(a: QuantOut, b: QuantOut, out_dtype) -> torch.Tensor:  # pragma: no cover - no sm_100 here
+    # UNTESTED: MX-scaled _scaled_mm (torch >= 2.8 on sm_100). K must be a multiple of 32 (it is).
+    fa = a.packed.view(torch.float4_e2m1fn_x2)
+    fb = b.packed.view(torch.float4_e2m1fn_x2)
+    sa = _to_blocked(a.scales).view(torch.float8_e8m0fnu)
+    sb = _to_blocked(b.scales).view(torch.float8_e8m0fnu)
+    return torch._scaled_mm(fa, fb.t(), sa, sb, out_dtype=out_dtype)
+
+
+def mx_gemm_nt(a: QuantOut, b: QuantOut, backend: str, out_dtype=torch.float32) -> torch.Tensor:
+    """``A B^T`` of two MX operands, (a.R, b.R), in ``out_dtype`` (fp8_carrier computes in bf16 out)."""
+    Ra, Rb = a.R, b.R
+    if backend == "fp8_carrier":
+        out = _scaled_mm(a, b, torch.bfloat16)
+        return out[:Ra, :Rb].to(out_dtype)
+    if backend == "native_mx":
+        try:
+            out = _native_mx(a, b, torch.bfloat16)
+            return out[:Ra, :Rb].to(out_dtype)
+        except Exception:  # noqa: BLE001 - untested path: fall back to the exact dequantized GEMM
+            pass
+    if a.packed is not None:
+        va, vb = dequantize_fp4(a), dequantize_fp4(b)
+    else:
+        va, vb = carrier_values(a), carrier_values(b)
+        Kmin = min(va.shape[1], vb.shape[1])
+        va, vb = va[:, :Kmin], vb[:, :Kmin]
+    return torch.matmul(va[:Ra], vb[:Rb].t()).to(out_dtype)

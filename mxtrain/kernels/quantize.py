@@ -1,0 +1,444 @@
+"""Fused MXFP4 quantizer (Triton): [signs * Hadamard] -> prescale -> block amax -> E8M0 scale ->
+nearest/stochastic rounding -> packed FP4 codes + E8M0 scales and/or the FP8 e4m3 carrier.
+
+One program handles a tile of ``BR`` rows x 128 reduction elements (4 MX blocks of 32, one carrier
+group). The tile is read through two strides, so quantizing along columns (Wgrad: along tokens)
+reads the transposed tile directly from the row-major tensor: no transpose copy.
+
+Bit-exactness with ``mxtrain.quant.quantize`` (the spec) comes from doing the same float32
+operations: the butterfly with the reference's stage order (``tl.reshape``/``tl.permute``/
+``tl.split``/``tl.join`` on a ``[BR, 128/(2h), 2, h]`` view), exact power-of-two scaling built from
+bits, round-half-even through ``(y + 1.5*2**23) - 1.5*2**23`` (exact for 0 <= y < 2**22), floor by
+truncation (y >= 0), and the same 32-bit counter hash (``mxtrain.rng``) for stochastic rounding.
+Kernels are launched with ``enable_fp_fusion=False`` so no multiply-add is contracted to an FMA.
+
+FP8 carrier (``docs/kernels.md``): each element ``v * 2**s`` is stored as ``v * 2**(s - G + 6)`` in
+e4m3 (bits computed here, round-half-even), with ``2**(G - 6)`` as the group's float32 scale, where
+``G`` is the largest block exponent in the group (1x128: one row x 128; 128x128: the whole tile).
+Exact when ``s >= G - 14``; non-zero blocks below that are counted in ``inexact``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .. import rng
+from ..formats import get_format
+from ..quant import MXTensor
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover
+    triton = None
+
+__all__ = ["QuantOut", "quantize_mxfp4_2d", "quantize", "RULE_ID", "supported"]
+
+RULE_ID = {"floor": 0, "ceil": 1, "rceil": 2, "even": 3, "amd": 4}
+TILE_K = 128
+_MIN_G = -120  # group exponent floor: keeps 2**(G-6) a normal float32
+
+
+def supported(fmt: str, block_size=None) -> bool:
+    """Formats the fused kernel implements (others fall back to the reference)."""
+    return fmt == "mxfp4" and block_size in (None, 32)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _mix32(x):
+        x = x ^ (x >> 16)
+        x = x * tl.full(x.shape, 0x7FEB352D, tl.uint32)
+        x = x ^ (x >> 15)
+        x = x * tl.full(x.shape, 0x846CA68B, tl.uint32)
+        x = x ^ (x >> 16)
+        return x
+
+    @triton.jit
+    def _pow2(e):
+        """Exact float32 2**e for int32 e in [-149, 127]."""
+        normal = ((tl.maximum(e, -126) + 127) << 23)
+        sub = (tl.full(e.shape, 1, tl.int32) << tl.minimum(tl.maximum(e + 149, 0), 22))
+        bits = tl.where(e >= -126, normal, sub)
+        return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _mxfp4_kernel(
+        x_ptr, signs_ptr, car_ptr, gs_ptr, fp4_ptr, sc_ptr, cnt_ptr,
+        R, K, Rc,
+        sx_r, sx_k,            # memory strides of x along (outer row, reduction)
+        si_r, si_k,            # logical index strides (stochastic rounding index)
+        Kc, Kq,                # carrier row length (mult. of 128), MX padded length (mult. of 32)
+        gs_sr, gs_sk,          # group-scale strides (per row-group, per k-group)
+        key, inv_sqrt, prescale,
+        BR: tl.constexpr, ROT: tl.constexpr, HAS_SIGNS: tl.constexpr, RULE: tl.constexpr,
+        SR: tl.constexpr, PRESCALE: tl.constexpr, GROUP_ROWS: tl.constexpr,
+        WRITE_CARRIER: tl.constexpr, WRITE_FP4: tl.constexpr,
+    ):
+        pid_r = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        rows = pid_r.to(tl.int64) * BR + tl.arange(0, BR).to(tl.int64)
+        cols = pid_k.to(tl.int64) * 128 + tl.arange(0, 128).to(tl.int64)
+        r2 = rows[:, None]
+        c2 = cols[None, :]
+        inb = (r2 < R) & (c2 < K)
+        x = tl.load(x_ptr + r2 * sx_r + c2 * sx_k, mask=inb, other=0.0).to(tl.float32)
+
+        # ---- optional blockwise Hadamard (signs first, butterfly h = 1..ROT/2, one scale multiply)
+        if ROT > 0:
+            if HAS_SIGNS:
+                sg = tl.load(signs_ptr + (tl.arange(0, 128) % ROT))
+                x = x * sg[None, :]
+            for st in tl.static_range(7):
+                hh: tl.constexpr = 1 << st
+                if hh < ROT:
+                    v4 = tl.reshape(x, [BR, 128 // (2 * hh), 2, hh])
+                    v4 = tl.permute(v4, (0, 1, 3, 2))
+                    a, b = tl.split(v4)
+                    v4 = tl.join(a + b, a - b)
+                    v4 = tl.permute(v4, (0, 1, 3, 2))
+                    x = tl.reshape(v4, [BR, 128])
+            x = x * inv_sqrt
+            # the reference pads with +0 only to whole rotation blocks; beyond that, +0 block padding
+            Kr = ((K + ROT - 1) // ROT) * ROT
+            x = tl.where(c2 < Kr, x, 0.0)
+        if PRESCALE:
+            x = x * prescale
+
+        # ---- block scales (4 blocks of 32 per row)
+        xb = tl.reshape(x, [BR, 4, 32])
+        ax = tl.abs(xb)
+        finite = ax < float("inf")
+        absb = tl.where(finite, ax, 0.0)
+        amax = tl.max(absb, axis=2)                                   # [BR, 4]
+        nbad = tl.sum((~finite).to(tl.int32), axis=2)
+        ok = nbad == 0
+        abits = amax.to(tl.int32, bitcast=True)
+        E = ((abits >> 23) & 0xFF) - 127
+        mant = abits & 0x7FFFFF
+        if RULE == 0:
+            bump = tl.zeros_like(E)
+        elif RULE == 1:
+            bump = (mant != 0).to(tl.int32)
+        elif RULE == 2:
+            bump = (mant > 0x400000).to(tl.int32)
+        else:  # even / amd: sig >= 1.75 (identical for FP4)
+            bump = (mant >= 0x600000).to(tl.int32)
+        s = tl.minimum(tl.maximum(E - 2 + bump, -127), 127)
+        nz = amax > 0
+        s = tl.where(nz, s, -127)
+        code_sc = tl.where(ok, s + 127, 255)
+
+        # ---- elements
+        v = xb * _pow2(-s)[:, :, None]
+        v = tl.where(ok[:, :, None], v, 0.0)
+        vbits = v.to(tl.int32, bitcast=True)
+        sbit = (vbits >> 31) & 1
+        a = tl.minimum(tl.abs(v), 6.0)
+        e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, 0)
+        y = a * _pow2(1 - e)
+        if SR:
+            idx = r2 * si_r + c2 * si_k
+            lo = (idx & 0xFFFFFFFF).to(tl.uint32)
+            hi = (idx >> 32).to(tl.uint32)
+            kk = key.to(tl.uint32, bitcast=True)
+            h = _mix32(lo ^ kk ^ _mix32(hi))
+            u = (h >> 8).to(tl.float32) * 5.9604644775390625e-08
+            u3 = tl.reshape(u, [BR, 4, 32])
+            fl = y.to(tl.int32).to(tl.float32)
+            rr = fl + tl.where(u3 < (y - fl), 1.0, 0.0)
+        else:
+            rr = (y + 12582912.0) - 12582912.0
+        ri = rr.to(tl.int32)
+        mag = tl.minimum(ri + 2 * e, 7)                              # E2M1 magnitude code
+
+        if WRITE_FP4:
+            code = mag | (sbit << 3)
+            c2d = tl.reshape(code, [BR, 64, 2])
+            lo4, hi4 = tl.split(c2d)
+            byte = (lo4 | (hi4 << 4)).to(tl.uint8)
+            jb = pid_k.to(tl.int64) * 64 + tl.arange(0, 64).to(tl.int64)
+            m4 = (r2 < R) & (jb[None, :] * 2 < Kq)
+            tl.store(fp4_ptr + r2 * (Kq // 2) + jb[None, :], byte, mask=m4)
+            bidx = pid_k.to(tl.int64) * 4 + tl.arange(0, 4).to(tl.int64)
+            msc = (r2 < R) & (bidx[None, :] * 32 < Kq)
+            tl.store(sc_ptr + r2 * (Kq // 32) + bidx[None, :], code_sc.to(tl.uint8), mask=msc)
+
+        if WRITE_CARRIER:
+            live = ok & nz
+            s_live = tl.where(live, s, -127)
+            if GROUP_ROWS == 1:
+                G = tl.maximum(tl.max(s_live, axis=1), -120)           # [BR]
+                G2 = G[:, None]
+            else:
+                G = tl.maximum(tl.max(tl.max(s_live, axis=1), axis=0), -120)
+                G2 = G
+            kexp = s - G2 + 6                                          # [BR, 4]
+            inexact = live & (kexp < -8)
+            # carrier magnitude c = rr * 2**(e - 1 + kexp), converted to e4m3 bits (RNE)
+            ex = tl.maximum(e - 1 + kexp[:, :, None], -140)
+            cval = rr * _pow2(ex)
+            cb = cval.to(tl.int32, bitcast=True)
+            ce = ((cb >> 23) & 0xFF) - 127
+            sub = cval < 0.015625
+            ce_c = tl.minimum(tl.maximum(ce, -6), 8)
+            t_sub = cval * 512.0
+            t_nrm = cval * _pow2(3 - ce_c)
+            m_sub = ((t_sub + 12582912.0) - 12582912.0).to(tl.int32)
+            m_nrm = ((t_nrm + 12582912.0) - 12582912.0).to(tl.int32) - 8
+            bits8 = tl.where(sub, m_sub, ((ce_c + 7) << 3) + m_nrm)
+            bits8 = bits8 | (sbit << 7)
+            bits8 = tl.where(ok[:, :, None], bits8, 0x7F)
+            cbyte = tl.reshape(bits8, [BR, 128]).to(tl.uint8)
+            mc = (r2 < Rc) & (c2 < Kc)
+            tl.store(car_ptr + r2 * Kc + c2, cbyte, mask=mc)
+            gval = _pow2(G - 6)
+            if GROUP_ROWS == 1:
+                tl.store(gs_ptr + rows * gs_sr + pid_k * gs_sk, gval, mask=rows < Rc)
+            else:
+                tl.store(gs_ptr + pid_r * gs_sr + pid_k * gs_sk, gval)
+            nin = tl.sum(tl.sum((inexact & (rows[:, None] < R)).to(tl.int32), axis=1), axis=0)
+            tl.atomic_add(cnt_ptr, nin)
+
+
+@dataclass
+class QuantOut:
+    """Outputs of one fused quantize call over a 2-D view (rows R = outer axis, K = reduction).
+
+    * ``carrier``: float8_e4m3fn (Rc, Kc), or None; ``gscale``: float32 group scales, shape
+      (Rc, Kc/128) for 1x128 groups (stored outer-dim-major, as ``_scaled_mm`` wants) or
+      (Rc/128, Kc/128) for 128x128; ``inexact``: int32 count of inexact carrier blocks.
+    * ``packed``: uint8 (R, Kq/2) FP4 codes (low nibble = lower index); ``scales``: uint8 E8M0 (R, Kq/32).
+    """
+
+    R: int
+    K: int
+    carrier: torch.Tensor | None
+    gscale: torch.Tensor | None
+    group_rows: int
+    inexact: torch.Tensor | None
+    packed: torch.Tensor | None
+    scales: torch.Tensor | None
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b) * b
+
+
+def _i32(key: int) -> int:
+    key &= 0xFFFFFFFF
+    return key - (1 << 32) if key >= (1 << 31) else key
+
+
+def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.Tensor | None = None,
+                      rounding: str = "nearest", scale_rule: str = "floor", key: int = 0,
+                      prescale: float = 1.0, index_strides: tuple[int, int] | None = None,
+                      carrier: bool = True, fp4: bool = True, group_rows: int = 1,
+                      row_multiple: int = 16, block_rows: int | None = None, num_warps: int = 4) -> QuantOut:
+    """Quantize a 2-D tensor to MXFP4 along ``axis`` (0 or 1) in one fused pass.
+
+    ``index_strides``: logical (outer, reduction) strides of the element index used for stochastic
+    rounding (defaults to ``x``'s contiguous layout). The carrier rows are padded to
+    ``row_multiple`` (128 for 128x128 groups); padded rows hold zeros.
+    """
+    assert x.ndim == 2 and axis in (0, 1)
+    if axis == 1:
+        R, K = x.shape
+        sx_r, sx_k = x.stride(0), x.stride(1)
+        si = index_strides or (x.shape[1], 1)
+    else:
+        K, R = x.shape
+        sx_r, sx_k = x.stride(1), x.stride(0)
+        si = index_strides or (1, x.shape[1])
+    dev = x.device
+    Kq = _ceil(_ceil(max(K, 1), rot or 1), 32)   # the reference pads to whole rotation blocks first
+    Kc = _ceil(max(K, 1), TILE_K)
+    if group_rows == 128:
+        row_multiple = 128
+    BR = block_rows or (128 if group_rows == 128 else 32)
+    Rc = _ceil(max(R, 1), max(row_multiple, 1)) if carrier else R
+    Rgrid = Rc if carrier else R
+    if carrier:
+        car = torch.empty((Rc, Kc), dtype=torch.uint8, device=dev)
+        if group_rows == 1:
+            gs = torch.empty((Kc // TILE_K, Rc), dtype=torch.float32, device=dev).t()  # outer-dim-major
+            gsr, gsk = 1, Rc
+        else:
+            gs = torch.empty((Rc // 128, Kc // TILE_K), dtype=torch.float32, device=dev)
+            gsr, gsk = Kc // TILE_K, 1
+        cnt = torch.zeros((1,), dtype=torch.int32, device=dev)
+    else:
+        car = gs = None
+        cnt = torch.zeros((1,), dtype=torch.int32, device=dev)
+        gsr = gsk = 0
+    if fp4:
+        packed = torch.empty((R, Kq // 2), dtype=torch.uint8, device=dev)
+        sc = torch.empty((R, Kq // 32), dtype=torch.uint8, device=dev)
+    else:
+        packed = sc = None
+    dummy = cnt
+    if signs is not None:
+        signs = signs.to(device=dev, dtype=torch.float32).contiguous()
+        assert signs.numel() == rot
+    inv_sqrt = float(torch.tensor(1.0 / math.sqrt(rot), dtype=torch.float32)) if rot else 1.0
+    ps = float(torch.tensor(prescale, dtype=torch.float32))
+    grid = (triton.cdiv(max(Rgrid, 1), BR), Kc // TILE_K)
+    if R > 0 and K > 0:
+        _mxfp4_kernel[grid](
+            x, signs if signs is not None else dummy,
+            car if carrier else dummy, gs if carrier else dummy,
+            packed if fp4 else dummy, sc if fp4 else dummy, cnt,
+            R, K, Rgrid, sx_r, sx_k, si[0], si[1], Kc, Kq, gsr, gsk,
+            _i32(key), inv_sqrt, ps,
+            BR=BR, ROT=rot, HAS_SIGNS=signs is not None, RULE=RULE_ID[scale_rule],
+            SR=rounding == "stochastic", PRESCALE=prescale != 1.0, GROUP_ROWS=group_rows,
+            WRITE_CARRIER=carrier, WRITE_FP4=fp4, num_warps=num_warps, enable_fp_fusion=False,
+        )
+    return QuantOut(R, K, car.view(torch.float8_e4m3fn) if carrier else None, gs, group_rows,
+                    cnt if carrier else None, packed, sc)
+
+
+def carrier_values(q: QuantOut) -> torch.Tensor:
+    """float32 carrier x group scale, (Rc, Kc) (for tests and the dequantize GEMM path)."""
+    c = q.carrier.to(torch.float32)
+    if q.group_rows == 1:
+        g = q.gscale.repeat_interleave(TILE_K, dim=1)
+    else:
+        g = q.gscale.repeat_interleave(128, dim=0).repeat_interleave(TILE_K, dim=1)
+    return c * g
+
+
+def dequantize_fp4(q: QuantOut) -> torch.Tensor:
+    """float32 MX values (R, Kq) from the packed codes and E8M0 scales (NaN blocks give NaN)."""
+    from ..quant import E8M0_NAN, elem_table, pow2, unpack_fp4
+    codes = unpack_fp4(q.packed)
+    vals = elem_table(get_format("mxfp4").elem, codes.device)[codes.long()]
+    s = q.scales.to(torch.int32) - 127
+    sv = torch.where(q.scales == E8M0_NAN, torch.full(s.shape, float("nan"), device=s.device), pow2(s))
+    return vals * sv.repeat_interleave(32, dim=1)
+
+
+def quantize(x: torch.Tensor, fmt: str = "mxfp4", *, axis: int = -1, block_size=None,
+             rounding: str = "nearest", scale_rule: str = "floor", seed: int | None = None,
+             prescale: float = 1.0, rotation: int = 0, signs: torch.Tensor | None = None) -> MXTensor:
+    """Kernel-backed drop-in for ``mxtrain.quantize`` (optionally with a Hadamard rotation first).
+
+    Equals ``mxtrain.quantize(hadamard(pad(x), rotation, axis=axis, signs=signs), ...)`` bit for bit
+    (the rotation pads ``axis`` with zeros to whole rotation blocks, as ``MXLinear`` does; the
+    stochastic-rounding index runs over that padded tensor). Runs the Triton kernel for MXFP4 on
+    2-D tensors (or N-D with ``axis`` last) where kernels are available, and the reference
+    otherwise.
+    """
+    from . import kernels_available
+    axis_n = axis % x.ndim
+    nd_ok = x.ndim == 2 or (x.ndim > 2 and axis_n == x.ndim - 1)
+    if not (supported(fmt if isinstance(fmt, str) else fmt.name, block_size) and nd_ok
+            and kernels_available(x.device) and x.dtype in (torch.float32, torch.bfloat16, torch.float16)):
+        return _reference(x, fmt, axis_n, block_size, rounding, scale_rule, seed, prescale, rotation, signs)
+    shape = tuple(x.shape)
+    x2 = x.reshape(-1, shape[-1]) if x.ndim > 2 else x
+    a2 = 1 if axis_n == x.ndim - 1 else 0
+    if rounding == "stochastic" and seed is None:
+        seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
+    key = rng.stream_key(seed) if rounding == "stochastic" else 0
+    M, N = x2.shape
+    if rotation:
+        # index over the rotation-padded tensor
+        if a2 == 1:
+            si = (_ceil(N, rotation), 1)
+        else:
+            si = (1, N)
+    else:
+        si = None
+    q = quantize_mxfp4_2d(x2, a2, rot=rotation, signs=signs, rounding=rounding, scale_rule=scale_rule,
+                          key=key, prescale=prescale, index_strides=si, carrier=False, fp4=True)
+    if rotation:
+        rshape = list(shape)
+        rshape[axis_n] = _ceil(shape[axis_n], rotation)
+        shape = tuple(rshape)
+    if x.ndim > 2:
+        data = q.packed.reshape(*shape[:-1], -1)
+        scales = q.scales.reshape(*shape[:-1], -1)
+    else:
+        data, scales = q.packed, q.scales
+    return MXTensor(get_format("mxfp4"), data.view(torch.float4_e2m1fn_x2), scales, shape, axis_n, 32,
+                    prescale=prescale, dtype=x.dtype)
+
+
+def _reference(x, fmt, axis, block_size, rounding, scale_rule, seed, prescale, rotation, signs):
+    from ..hadamard import hadamard
+    from ..quant import quantize as ref_quantize
+    if rotation:
+        import torch.nn.functional as F
+        n = x.shape[axis]
+        pad = (-n) % rotation
+        t = x.to(torch.float32)
+        if pad:
+            pads = [0, 0] * (x.ndim - 1 - axis) + [0, pad]
+            t = F.pad(t, pads)
+        x = hadamard(t, rotation, axis=axis, signs=signs)
+    return ref_quantize(x, fmt, axis=axis, block_size=block_size, rounding=rounding, scale_rule=scale_rule,
+                        seed=seed, prescale=prescale)
+
+
+# ----------------------------------------------------------------------------------------------
+# torch.library op, so that torch.compile sees one opaque call with a fake (meta) implementation
+
+def _out_shapes(R: int, K: int, rot: int, carrier: bool, fp4: bool, group_rows: int, row_multiple: int):
+    Kq = _ceil(_ceil(max(K, 1), rot or 1), 32)
+    Kc = _ceil(max(K, 1), TILE_K)
+    rm = 128 if group_rows == 128 else row_multiple
+    Rc = _ceil(max(R, 1), max(rm, 1))
+    car = (Rc, Kc) if carrier else (0, 0)
+    gs = ((Kc // TILE_K, Rc) if group_rows == 1 else (Rc // 128, Kc // TILE_K)) if carrier else (0, 0)
+    pk = (R, Kq // 2) if fp4 else (0, 0)
+    sc = (R, Kq // 32) if fp4 else (0, 0)
+    return car, gs, pk, sc
+
+
+@torch.library.custom_op("mxtrain::quantize_mxfp4", mutates_args=())
+def quantize_mxfp4_op(x: torch.Tensor, signs: torch.Tensor | None, axis: int, rot: int, stochastic: bool,
+                      rule: int, key: int, prescale: float, si0: int, si1: int, carrier: bool, fp4: bool,
+                      group_rows: int, row_multiple: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                    torch.Tensor, torch.Tensor]:
+    """Fused MXFP4 quantize as one op: (carrier uint8, group scales (contiguous; 1x128 ones
+    transposed: (Kc/128, Rc)), inexact count, packed FP4, E8M0 scales); unused outputs are empty."""
+    rules = {v: k for k, v in RULE_ID.items()}
+    q = quantize_mxfp4_2d(x, axis, rot=rot, signs=signs, rounding="stochastic" if stochastic else "nearest",
+                          scale_rule=rules[rule], key=key, prescale=prescale, index_strides=(si0, si1),
+                          carrier=carrier, fp4=fp4, group_rows=group_rows, row_multiple=row_multiple)
+    e = torch.empty((0, 0), dtype=torch.uint8, device=x.device)
+    car = q.carrier.view(torch.uint8) if carrier else e
+    gs = (q.gscale.t() if group_rows == 1 else q.gscale) if carrier else e.float()
+    return car, gs, q.inexact, q.packed if fp4 else e, q.scales if fp4 else e
+
+
+@quantize_mxfp4_op.register_fake
+def _(x, signs, axis, rot, stochastic, rule, key, prescale, si0, si1, carrier, fp4, group_rows, row_multiple):
+    R, K = (x.shape[0], x.shape[1]) if axis == 1 else (x.shape[1], x.shape[0])
+    car, gs, pk, sc = _out_shapes(R, K, rot, carrier, fp4, group_rows, row_multiple)
+    return (x.new_empty(car, dtype=torch.uint8), x.new_empty(gs, dtype=torch.float32),
+            x.new_empty((1,), dtype=torch.int32), x.new_empty(pk, dtype=torch.uint8),
+            x.new_empty(sc, dtype=torch.uint8))
+
+
+def quantize_op(x: torch.Tensor, axis: int, *, rot: int = 0, signs=None, rounding: str = "nearest",
+                scale_rule: str = "floor", key: int = 0, prescale: float = 1.0, index_strides=None,
+                carrier: bool = True, fp4: bool = True, group_rows: int = 1, row_multiple: int = 16) -> QuantOut:
+    """``quantize_mxfp4_2d`` through the registered op (compile-friendly); same result."""
+    if axis == 1:
+        R, K = x.shape
+        si = index_strides or (x.shape[1], 1)
+    else:
+        K, R = x.shape
+        si = index_strides or (1, x.shape[1])
+    car, gs, cnt, pk, sc = quantize_mxfp4_op(x, signs, axis, rot, rounding == "stochastic", RULE_ID[scale_rule],
+                                              _i32(key), float(prescale), si[0], si[1], carrier, fp4,
+                                              group_rows, row_multiple)
+    return QuantOut(R, K, car.view(torch.float8_e4m3fn) if carrier else None,
+                    (gs.t() if group_rows == 1 else gs) if carrier else None, group_rows,
+                    cnt if carrier else None, pk if fp4 else None, sc if fp4 else None)
