@@ -14,8 +14,16 @@ operands' prescales (Tseng et al.'s 16/9 for a 3/4 prescale on both).
 
 This is the oracle for the fast GPU path: dequantized operands are multiplied in float32, or in
 bf16 under autocast when both operands are exactly representable in bf16 (every MX format is, as
-its values have at most 4 significant bits and a power-of-two scale), which changes only the
-accumulation order.
+its values have at most 4 significant bits and a power-of-two scale; bf16 shares float32's
+exponent range), which changes only the accumulation order. Float64 inputs (``gradcheck``) keep
+float64 for everything that is not quantized: rotations, unquantized operands and the GEMMs
+(quantized operands are float32 values by definition, converted exactly).
+
+Random streams: GEMM ``g`` (fprop 0, dgrad 1, wgrad 2) of layer ``layer_id`` rotates with
+``rotation_signs(size, mode, seed=recipe.seed, layer=layer_id, gemm=g, step=step)``; a
+stochastically rounded operand uses the seed ``operand_seed(recipe.seed, layer_id, operand, step,
+call)``, where ``call`` counts the layer's forward calls since the last ``set_step`` (so micro-
+batches of one step draw different bits, and the backward pass of a call reuses its call number).
 """
 
 from __future__ import annotations
@@ -34,10 +42,24 @@ from .quant import quantize
 from .recipe import Operand, Recipe, Rotation
 from .recipes import get as get_recipe
 
-__all__ = ["MXLinear", "convert", "set_step", "mx_layers"]
+__all__ = ["MXLinear", "convert", "set_step", "mx_layers", "operand_seed"]
 
 _OPERAND_ID = {"fprop_x": 0, "fprop_w": 1, "dgrad_dy": 2, "dgrad_w": 3, "wgrad_dy": 4, "wgrad_x": 5}
 _GEMM_ID = {"fprop": 0, "dgrad": 1, "wgrad": 2}
+
+
+def operand_seed(seed: int, layer: int, operand: str, step: int, call: int) -> int:
+    """Stochastic-rounding seed of one operand of one layer call.
+
+    ``rng.stream_key(seed, layer, k, step, call)`` with ``k`` the operand's index in
+    ``mxtrain.recipe.OPERANDS`` (fprop_x 0, fprop_w 1, dgrad_dy 2, dgrad_w 3, wgrad_dy 4, wgrad_x 5).
+    """
+    return rng.stream_key(seed, layer, _OPERAND_ID[operand], step, call)
+
+
+def _compute_dtype(*ts: torch.Tensor) -> torch.dtype:
+    """float64 if any input is float64 (gradcheck), else float32."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in ts) else torch.float32
 
 
 def _pad_axis(t: torch.Tensor, axis: int, multiple: int) -> torch.Tensor:
@@ -75,11 +97,13 @@ class _Ctx:
     def operand(self, t: torch.Tensor, axis: int, name: str, gemm: str, signs) -> tuple[torch.Tensor, float]:
         """Rotate (padding the axis to whole rotation blocks) and fake-quantize one operand.
 
-        Returns float32 values (prescale not undone) and the operand's prescale.
+        Returns float32 values (float64 for a float64 ``t``; prescale not undone) and the
+        operand's prescale.
         """
         op: Operand = self.recipe.operand(name)
         rot = self.recipe.rotation(gemm)
-        t = t.to(torch.float32)
+        dt = _compute_dtype(t)
+        t = t.to(dt)
         if rot.enabled:
             from .hadamard import hadamard
             t = hadamard(_pad_axis(t, axis, rot.size), rot.size, axis=axis, signs=signs)
@@ -87,18 +111,20 @@ class _Ctx:
             return t, 1.0
         seed = None
         if op.rounding == "stochastic":
-            seed = rng.stream_key(self.recipe.seed, self.layer, _OPERAND_ID[name], self.step, self.call)
+            seed = operand_seed(self.recipe.seed, self.layer, name, self.step, self.call)
         mx = quantize(t, op.fmt, axis=axis, block_size=op.block_size, rounding=op.rounding,
                       scale_rule=op.scale_rule, seed=seed, prescale=op.prescale)
-        return mx.dequantize(torch.float32), op.prescale
+        return mx.dequantize(torch.float32).to(dt), op.prescale
 
 
-def _gemm_dtype(recipe: Recipe, a: str, b: str, gemm: str, device_type: str) -> torch.dtype:
+def _gemm_dtype(recipe: Recipe, a: str, b: str, gemm: str, device_type: str,
+                default: torch.dtype = torch.float32) -> torch.dtype:
+    """bf16 under autocast when both operands are bf16-exact, else ``default`` (float32/float64)."""
     if torch.is_autocast_enabled(device_type):
         rot = recipe.rotation(gemm)
         if _bf16_exact(recipe.operand(a), rot) and _bf16_exact(recipe.operand(b), rot):
             return torch.get_autocast_dtype(device_type)
-    return torch.float32
+    return default
 
 
 class _MXLinearFunction(torch.autograd.Function):
@@ -106,22 +132,23 @@ class _MXLinearFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, qctx: _Ctx):
         dev = x.device.type
         out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-        gd_f = _gemm_dtype(qctx.recipe, "fprop_x", "fprop_w", "fprop", dev)
-        gd_d = _gemm_dtype(qctx.recipe, "dgrad_dy", "dgrad_w", "dgrad", dev)
-        gd_w = _gemm_dtype(qctx.recipe, "wgrad_dy", "wgrad_x", "wgrad", dev)
+        cdt = _compute_dtype(x, weight)  # float32, or float64 for float64 inputs
+        gd_f = _gemm_dtype(qctx.recipe, "fprop_x", "fprop_w", "fprop", dev, cdt)
+        gd_d = _gemm_dtype(qctx.recipe, "dgrad_dy", "dgrad_w", "dgrad", dev, cdt)
+        gd_w = _gemm_dtype(qctx.recipe, "wgrad_dy", "wgrad_x", "wgrad", dev, cdt)
         x2 = x.reshape(-1, x.shape[-1])  # (M, K)
         with torch.autocast(dev, enabled=False):
             s = qctx.signs("fprop", x.device)
             xq, px = qctx.operand(x2, -1, "fprop_x", "fprop", s)
             wq, pw = qctx.operand(weight, -1, "fprop_w", "fprop", s)
-            y = torch.matmul(xq.to(gd_f), wq.to(gd_f).t()).to(torch.float32)
+            y = torch.matmul(xq.to(gd_f), wq.to(gd_f).t()).to(cdt)
             if px * pw != 1.0:
                 y = y / (px * pw)
             if bias is not None:
-                y = y + bias.to(torch.float32)
+                y = y + bias.to(cdt)
         ctx.save_for_backward(x2, weight)
         ctx.qctx, ctx.has_bias, ctx.x_shape, ctx.x_dtype = qctx, bias is not None, x.shape, x.dtype
-        ctx.gemm_dtypes = (gd_d, gd_w)
+        ctx.gemm_dtypes, ctx.cdt = (gd_d, gd_w), cdt
         return y.to(out_dtype).reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -138,7 +165,7 @@ class _MXLinearFunction(torch.autograd.Function):
                 s = qctx.signs("dgrad", dy.device)
                 dyq, pa = qctx.operand(dy2, -1, "dgrad_dy", "dgrad", s)   # (M, Np)
                 wq, pb = qctx.operand(weight, 0, "dgrad_w", "dgrad", s)   # (Np, K)
-                dx = torch.matmul(dyq.to(gd_d), wq.to(gd_d)).to(torch.float32)
+                dx = torch.matmul(dyq.to(gd_d), wq.to(gd_d)).to(ctx.cdt)
                 if pa * pb != 1.0:
                     dx = dx / (pa * pb)
                 dx = dx.to(ctx.x_dtype).reshape(ctx.x_shape)
@@ -146,12 +173,12 @@ class _MXLinearFunction(torch.autograd.Function):
                 s = qctx.signs("wgrad", dy.device)
                 dyq, pa = qctx.operand(dy2, 0, "wgrad_dy", "wgrad", s)    # (Mp, N)
                 xq, pb = qctx.operand(x2, 0, "wgrad_x", "wgrad", s)       # (Mp, K)
-                dw = torch.matmul(dyq.to(gd_w).t(), xq.to(gd_w)).to(torch.float32)
+                dw = torch.matmul(dyq.to(gd_w).t(), xq.to(gd_w)).to(ctx.cdt)
                 if pa * pb != 1.0:
                     dw = dw / (pa * pb)
                 dw = dw.to(weight.dtype)
             if ctx.has_bias and ctx.needs_input_grad[2]:
-                db = dy2.to(torch.float32).sum(0).to(weight.dtype)
+                db = dy2.to(ctx.cdt).sum(0).to(weight.dtype)
         del M, K, N
         return dx, dw, db, None
 
@@ -182,9 +209,10 @@ class MXLinear(nn.Linear):
         nn.Module.__init__(new)
         new.in_features, new.out_features = lin.in_features, lin.out_features
         new.weight = lin.weight
-        new.bias = lin.bias
+        new.register_parameter("bias", lin.bias)  # a Parameter or None, as in nn.Linear
         new.recipe = get_recipe(recipe)
         new.layer_id, new.step, new._calls = layer_id, 0, 0
+        new.train(lin.training)
         return new
 
     def set_step(self, step: int) -> None:
