@@ -338,7 +338,8 @@ def quantize(x: torch.Tensor, fmt: str | Format, *, axis: int = -1, block_size=N
 
     if f.kind == "tensor":
         finite = torch.isfinite(xm)
-        amax = torch.where(finite, xm.abs(), torch.zeros_like(xm)).amax()
+        absx = torch.where(finite, xm.abs(), torch.zeros_like(xm))
+        amax = absx.amax() if absx.numel() else torch.zeros((), device=xm.device)
         scale = torch.where(amax > 0, amax / elem.max, torch.ones_like(amax))
         scale = torch.where(finite.all(), scale, torch.full_like(scale, float("nan")))
         v = torch.where(finite, xm / scale, torch.zeros_like(xm)) if torch.isfinite(scale) else torch.zeros_like(xm)

@@ -281,6 +281,13 @@ def test_nonfinite_blocks_never_come_back_finite():
         assert torch.isfinite(mxtrain.fake_quantize(x[3:], fmt)).all()
 
 
+def test_empty_tensors():
+    # regression: per-tensor FP8 called amax() on an empty tensor and raised
+    for fmt in MX_FORMATS + ["nvfp4", "fp8_e4m3", "fp8_e5m2"]:
+        for shape in ((0, 32), (4, 0)):
+            assert mxtrain.fake_quantize(torch.randn(*shape), fmt).shape == shape
+
+
 def test_zero_blocks_are_zero():
     x = torch.zeros(3, 64)
     for fmt in MX_FORMATS + ["nvfp4", "fp8_e4m3", "fp8_e5m2"]:
