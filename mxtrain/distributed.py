@@ -1,0 +1,449 @@
+"""Multi-process training on PyTorch's own distributed stack: torchrun, DDP, FSDP2 and DCP checkpoints.
+
+Parallelism is applied from outside the model (style point 10): the trainer builds the model,
+``convert``s it to a recipe, then calls ``wrap(model, mode, env)``. One process (world size 1, no
+``RANK`` in the environment) runs the same code with no process group at all.
+
+* ``init()`` reads torchrun's ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``, picks the device
+  (``cuda:LOCAL_RANK`` with NCCL, else CPU with gloo) and starts the process group.
+* ``apply_ddp`` wraps in ``DistributedDataParallel``; ``apply_fsdp2`` calls ``fully_shard`` on every
+  transformer block (``model.layers``) and then on the root, with a ``MixedPrecisionPolicy``
+  (bf16 parameters for compute and fp32 gradient reduction on GPU; fp32 throughout on CPU).
+* ``save_checkpoint``/``load_checkpoint`` write and read ``torch.distributed.checkpoint`` (DCP)
+  folders through ``get_state_dict``/``set_state_dict``, so a checkpoint written by N ranks, with
+  DDP, FSDP2 or one process, loads on M ranks with any of them. Writes are atomic: every rank writes
+  into ``<path>.tmp``, then rank 0 renames it to ``<path>`` after a barrier.
+* ``launch(nproc, argv)`` re-runs the command under ``torch.distributed.run`` (the ``--nproc N``
+  convenience of ``mxtrain train``).
+
+Where weight quantization happens under FSDP2: ``fully_shard`` stores each weight as a row shard
+(a ``DTensor`` on dim 0) and all-gathers the full weight in the block's pre-forward (and again in
+its pre-backward). ``MXLinear``'s forward and backward therefore see the full, unsharded weight and
+quantize it there, after the all-gather: every rank quantizes the same full tensor with the same
+recipe, layer id and step, so every rank uses a bit-identical quantized weight, equal to the one a
+single process computes from the same parameters. (Quantizing the local shard before the gather
+would be wrong: Dgrad blocks run along out-features, which is the sharded dim, and the Hadamard
+rotations mix 16-32 neighbouring elements.) See ``docs/distributed.md`` and
+``tests/test_distributed.py::test_fsdp2_quantizes_full_weight``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .errors import UserError
+
+__all__ = [
+    "DistEnv", "init", "shutdown", "get_env", "is_rank0", "rank0_print", "barrier", "all_reduce_sum",
+    "apply_ddp", "apply_fsdp2", "wrap", "unwrap", "grad_sync", "clip_grad_norm_", "local_batch_size",
+    "save_checkpoint", "load_checkpoint", "is_checkpoint", "launch", "MODES", "SAFE_ENV",
+]
+
+MODES = ("none", "ddp", "fsdp2")
+
+# NVLink multicast (NVLS) off in NCCL, PyTorch symmetric memory and NVSHMEM: on shared hosts a program
+# that uses it can take the GPUs out of service. ``init`` and ``launch`` set these unless already set.
+SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process stands. ``distributed`` is False for a plain single process."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    device: torch.device = torch.device("cpu")
+    backend: str | None = None
+
+    @property
+    def distributed(self) -> bool:
+        return self.backend is not None
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.rank == 0
+
+
+_ENV = DistEnv()
+
+
+def get_env() -> DistEnv:
+    """The ``DistEnv`` set by the last ``init`` (a single CPU process before any)."""
+    return _ENV
+
+
+def _int_env(name: str, default: int) -> int:
+    v = os.environ.get(name)
+    if v is None or v == "":
+        return default
+    try:
+        return int(v)
+    except ValueError:
+        raise UserError(f"environment variable {name}={v!r} is not an integer") from None
+
+
+def init(device: str = "auto", backend: str | None = None, timeout_s: float = 600.0) -> DistEnv:
+    """Start (or join) the process group that torchrun described in the environment.
+
+    **Arguments:**
+      * ``device``: ``"auto"`` (CUDA if available, else CPU), ``"cpu"``, ``"cuda"`` or ``"cuda:K"``.
+        Under torchrun with CUDA, each process takes ``cuda:LOCAL_RANK``.
+      * ``backend``: ``None`` picks NCCL for CUDA and gloo for CPU.
+
+    **Returns:** a ``DistEnv``. Without ``RANK``/``WORLD_SIZE`` in the environment (plain ``python``)
+    or with ``WORLD_SIZE=1``, no process group is started and ``env.distributed`` is False.
+    """
+    global _ENV
+    for k, v in SAFE_ENV.items():
+        os.environ.setdefault(k, v)
+    rank, world = _int_env("RANK", 0), _int_env("WORLD_SIZE", 1)
+    local_rank = _int_env("LOCAL_RANK", 0)
+    local_world = _int_env("LOCAL_WORLD_SIZE", world)
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError("--device cuda asked for, but torch sees no CUDA GPU")
+        if world > 1 or dev.index is None:
+            idx = local_rank if world > 1 else (dev.index or 0)
+            if idx >= torch.cuda.device_count():
+                raise UserError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPU(s) are visible")
+            dev = torch.device("cuda", idx)
+        torch.cuda.set_device(dev)
+    elif local_world > 1:
+        # CPU ranks on one host share its cores; without this each rank starts one thread per core.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    if world <= 1:
+        _ENV = DistEnv(device=dev)
+        return _ENV
+    if backend is None:
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+    if not dist.is_initialized():
+        from datetime import timedelta
+        kw = {"device_id": dev} if dev.type == "cuda" else {}
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), **kw)
+    _ENV = DistEnv(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
+                   local_world_size=local_world, device=dev, backend=backend)
+    return _ENV
+
+
+def shutdown() -> None:
+    """Destroy the process group if ``init`` started one."""
+    global _ENV
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    _ENV = DistEnv(device=_ENV.device)
+
+
+def is_rank0() -> bool:
+    return _ENV.rank == 0
+
+
+def rank0_print(*args, **kwargs) -> None:
+    """``print`` on rank 0 only (logging, progress bars and files are rank 0's job)."""
+    if _ENV.rank == 0:
+        print(*args, **kwargs)
+
+
+def barrier() -> None:
+    if _ENV.distributed:
+        if _ENV.device.type == "cuda":
+            dist.barrier(device_ids=[_ENV.device.index])
+        else:
+            dist.barrier()
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum ``t`` over ranks (in place on a copy); identity on one process."""
+    t = t.detach().clone()
+    if _ENV.distributed:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def local_batch_size(global_batch: int, grad_accum: int = 1, world_size: int | None = None) -> int:
+    """Sequences per rank per micro-step for a global batch of ``global_batch`` sequences per optimizer
+    step: ``global_batch = micro * grad_accum * world_size``, which must divide exactly (a clear error
+    otherwise), so the global batch, and the loss, are the same for any number of ranks."""
+    world = _ENV.world_size if world_size is None else world_size
+    per = grad_accum * world
+    if global_batch % per:
+        raise UserError(f"batch size {global_batch} is not a multiple of grad_accum ({grad_accum}) x "
+                        f"world size ({world}); pick a global batch size divisible by {per}")
+    return global_batch // per
+
+
+# ---------------------------------------------------------------------------------------- wrapping
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    layers = getattr(model, "layers", None)
+    if layers is None:
+        raise UserError("FSDP2 needs the transformer blocks in model.layers (an nn.ModuleList)")
+    return list(layers)
+
+
+def apply_ddp(model: nn.Module, env: DistEnv | None = None, **ddp_kwargs) -> nn.Module:
+    """Wrap ``model`` (already on ``env.device``) in ``DistributedDataParallel``.
+
+    Gradients are averaged over ranks in the backward pass, so with equal per-rank batches the
+    update equals one process's on the concatenated batch. Every rank holds and quantizes the full
+    weights itself, identically.
+    """
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    env = env or _ENV
+    if not env.distributed:
+        return model
+    ids = [env.device.index] if env.device.type == "cuda" else None
+    return DDP(model, device_ids=ids, **ddp_kwargs)
+
+
+def apply_fsdp2(model: nn.Module, env: DistEnv | None = None, *, param_dtype: torch.dtype | None = "auto",
+                reduce_dtype: torch.dtype | None = torch.float32, reshard_after_forward: bool = True) -> nn.Module:
+    """``fully_shard`` every block in ``model.layers``, then the root (embeddings, final norm, head).
+
+    **Arguments:**
+      * ``param_dtype``: dtype of the all-gathered parameters used for compute. ``"auto"``: bf16 on
+        CUDA, ``None`` (keep fp32) on CPU. The fp32 master weights and optimizer state stay sharded.
+        MXLinear casts whatever it gets to fp32 and quantizes it; with bf16 it quantizes the
+        bf16-rounded master weight (the all-gather moves half the bytes), with ``None`` exactly the
+        fp32 master weight, as a single process does.
+      * ``reduce_dtype``: dtype of the gradient reduce-scatter (fp32 by default).
+      * ``reshard_after_forward``: free the gathered weights after each block's forward and gather
+        again for backward (ZeRO-3); ``False`` keeps them (ZeRO-2-like, more memory, less traffic).
+
+    The model is changed in place (``fully_shard`` swaps parameters for ``DTensor`` shards) and
+    returned. On one process it is returned unchanged.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    env = env or _ENV
+    if not env.distributed:
+        return model
+    if param_dtype == "auto":
+        param_dtype = torch.bfloat16 if env.device.type == "cuda" else None
+    mesh = init_device_mesh(env.device.type, (env.world_size,))
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    blocks = _blocks(model)
+    for i, block in enumerate(blocks):
+        # The last block's parameters are needed again at once by backward: keep them gathered.
+        fully_shard(block, mesh=mesh, mp_policy=mp,
+                    reshard_after_forward=reshard_after_forward and i < len(blocks) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    return model
+
+
+def wrap(model: nn.Module, mode: str, env: DistEnv | None = None, **kwargs) -> nn.Module:
+    """Apply ``mode`` (``"none"``, ``"ddp"`` or ``"fsdp2"``) to a model already on ``env.device``.
+
+    Returns the model to train with (for DDP, the wrapper; use ``unwrap`` to reach the model).
+    ``"none"`` under several ranks is an error: ranks would silently drift apart.
+    """
+    env = env or _ENV
+    if mode not in MODES:
+        raise UserError(f"unknown parallel mode {mode!r}; choose one of {', '.join(MODES)}")
+    if mode == "none":
+        if env.distributed:
+            raise UserError(f"{env.world_size} ranks but parallel.mode=none; use ddp or fsdp2")
+        return model
+    if mode == "ddp":
+        return apply_ddp(model, env, **kwargs)
+    return apply_fsdp2(model, env, **kwargs)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside a DDP wrapper (FSDP2 and plain models are returned as they are)."""
+    return model.module if hasattr(model, "module") and isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+@contextlib.contextmanager
+def grad_sync(model: nn.Module, enabled: bool):
+    """Gradient accumulation: run the non-final micro-steps under ``grad_sync(model, False)`` so that
+    DDP (``no_sync``) and FSDP2 (``set_requires_gradient_sync``) communicate only on the last one."""
+    if enabled:
+        yield
+        return
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        with model.no_sync():
+            yield
+        return
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2 module
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+        return
+    yield
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` that also works on FSDP2's ``DTensor`` gradients; returns
+    the global (all-rank) total norm as a plain tensor, identical on every rank."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return norm
+
+
+# ------------------------------------------------------------------------------------- checkpoints
+
+_META = "mxtrain_meta.json"
+
+
+def is_checkpoint(path: str | os.PathLike) -> bool:
+    p = Path(path)
+    return (p / ".metadata").is_file() and (p / _META).is_file()
+
+
+def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                    extra: dict | None = None, env: DistEnv | None = None) -> Path:
+    """Write model + optimizer state as a DCP folder at ``path``, atomically; call on every rank.
+
+    ``extra``: JSON-serialisable state of rank 0 (step, tokens, data position, scheduler, config),
+    written to ``path/mxtrain_meta.json``. Every rank writes its shards into ``<path>.tmp``; after a
+    barrier rank 0 writes the metadata and renames the folder, replacing an older ``path`` (moved to
+    ``<path>.old`` first, then deleted). A crash at any point leaves either the old or the new
+    checkpoint whole at ``path`` (or in ``<path>.old`` for the instant between the two renames).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    env = env or _ENV
+    path = Path(path)
+    tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
+    if env.is_rank0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    barrier()
+    msd, osd = get_state_dict(model, optimizer if optimizer is not None else [])
+    state = {"model": msd}
+    if optimizer is not None:
+        state["optim"] = osd
+    with _quiet_single_process(env):
+        dcp.save(state, checkpoint_id=str(tmp), no_dist=not env.distributed)
+    barrier()
+    if env.is_rank0:
+        meta = {"format": "mxtrain-dcp-1", "world_size": env.world_size, "has_optim": optimizer is not None,
+                "extra": extra or {}}
+        with open(tmp / _META, "w") as f:
+            json.dump(meta, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        if path.exists():
+            if old.exists():
+                shutil.rmtree(old)
+            os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, path)
+    barrier()
+    return path
+
+
+def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                    env: DistEnv | None = None) -> dict:
+    """Load a folder written by ``save_checkpoint`` into ``model`` (and ``optimizer``) on every rank,
+    resharding as needed (any writer world size / parallel mode to any reader). Returns ``extra``.
+
+    A missing, unfinished (``.tmp``) or non-mxtrain folder is a ``UserError``; a mismatched model (a
+    key or shape that does not fit) raises ``UserError`` with DCP's message.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+    env = env or _ENV
+    path = Path(path)
+    if not is_checkpoint(path):
+        raise UserError(f"{path} is not an mxtrain distributed checkpoint (no .metadata / {_META} in it)")
+    with open(path / _META) as f:
+        meta = json.load(f)
+    if optimizer is not None and not meta.get("has_optim", False):
+        raise UserError(f"{path} holds no optimizer state")
+    msd, osd = get_state_dict(model, optimizer if optimizer is not None else [])
+    state = {"model": msd}
+    if optimizer is not None:
+        state["optim"] = osd
+    from torch.distributed.checkpoint.api import CheckpointException
+    try:
+        with _quiet_single_process(env):
+            dcp.load(state, checkpoint_id=str(path), no_dist=not env.distributed)
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        raise UserError(f"cannot load checkpoint {path} into this model: {_dcp_reason(e)}") from e
+    set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=state["model"],
+                   optim_state_dict=state.get("optim", {}), options=StateDictOptions(strict=True))
+    return meta.get("extra", {})
+
+
+@contextlib.contextmanager
+def _quiet_single_process(env: DistEnv):
+    """DCP warns 'torch.distributed is disabled...' on one process even with no_dist=True."""
+    import warnings
+    with warnings.catch_warnings():
+        if not env.distributed:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _dcp_reason(e: BaseException) -> str:
+    """The last line of DCP's per-rank traceback (e.g. 'RuntimeError: Missing key ... model.w')."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if "Error" in ln.split(":", 1)[0]:
+            return ln[:300]
+    return (lines[0] if lines else type(e).__name__)[:300]
+
+
+# ------------------------------------------------------------------------------------------ launch
+
+def launch(nproc: int, argv: list[str], module: str = "mxtrain") -> int:
+    """Run ``python -m torch.distributed.run --standalone --nproc-per-node nproc -m module *argv`` and
+    return its exit status (the ``--nproc N`` convenience). The NVLink-multicast switches in
+    ``SAFE_ENV`` are set in the children's environment unless already set."""
+    import subprocess
+    if nproc < 1:
+        raise UserError(f"--nproc must be >= 1, got {nproc}")
+    if "RANK" in os.environ and _int_env("WORLD_SIZE", 1) > 1:
+        raise UserError("--nproc given inside a torchrun launch; use one or the other")
+    env = dict(os.environ)
+    for k, v in SAFE_ENV.items():
+        env.setdefault(k, v)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", module, *argv]
+    return subprocess.call(cmd, env=env)
+
+
+def strip_nproc(argv: list[str]) -> tuple[int | None, list[str]]:
+    """Split ``--nproc N`` / ``--nproc=N`` out of ``argv``: returns (N or None, the other args)."""
+    out, n, i = [], None, 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--nproc":
+            if i + 1 >= len(argv):
+                raise UserError("--nproc needs a number")
+            n, i = argv[i + 1], i + 2
+            continue
+        if a.startswith("--nproc="):
+            n, i = a.split("=", 1)[1], i + 1
+            continue
+        out.append(a)
+        i += 1
+    if n is not None:
+        try:
+            n = int(n)
+        except ValueError:
+            raise UserError(f"--nproc needs a number, got {n!r}") from None
+    return n, out

@@ -1,0 +1,163 @@
+"""Worker for tests/test_distributed.py: a toy transformer-shaped model of MXLinear layers trained on
+deterministic synthetic batches, under 1 process or ``torchrun`` (gloo, CPU) with DDP or FSDP2.
+
+Run as ``python -m torch.distributed.run --nproc-per-node 2 tests/_dist_worker.py OUT_DIR [REF_DIR]``
+(the "suite" of 2-rank scenarios) or import ``run_scenario`` for the 1-process reference.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import mxtrain
+from mxtrain import distributed as D
+from mxtrain.nn import MXLinear, _Ctx
+
+V, C, T, N_LAYERS = 128, 64, 16, 2
+GLOBAL_BATCH = 8
+RECIPE = "mxfp4-all-dh16"
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(C)
+        self.w1 = nn.Linear(C, 2 * C)
+        self.w2 = nn.Linear(2 * C, C)
+
+    def forward(self, x):  # (B, T, C)
+        return x + self.w2(F.gelu(self.w1(self.norm(x))))
+
+
+class Toy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(V, C)
+        self.layers = nn.ModuleList(Block() for _ in range(N_LAYERS))
+        self.lm_head = nn.Linear(C, V)
+
+    def forward(self, idx, targets):  # idx (B, T) -> mean cross-entropy
+        x = self.embed_tokens(idx)
+        for b in self.layers:
+            x = b(x)
+        logits = self.lm_head(x)
+        return F.cross_entropy(logits.reshape(-1, V).float(), targets.reshape(-1))
+
+
+def build(mode: str, env: D.DistEnv):
+    torch.manual_seed(0)
+    model = mxtrain.convert(Toy(), RECIPE)
+    model = D.wrap(model, mode, env)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    return model, opt
+
+
+def global_batch(step: int) -> torch.Tensor:
+    """The global batch of ``step``: (GLOBAL_BATCH, T + 1) tokens, the same for any world size."""
+    g = torch.Generator().manual_seed(1000 + step)
+    # learnable: t[i+1] = (5 t[i] + 3) mod V from a random start, with 1 token in 8 replaced by noise
+    start = torch.randint(0, V, (GLOBAL_BATCH, 1), generator=g)
+    seq = [start]
+    for _ in range(T):
+        seq.append((seq[-1] * 5 + 3) % V)
+    tokens = torch.cat(seq, 1)
+    noise = torch.randint(0, V, tokens.shape, generator=g)
+    return torch.where(torch.rand(tokens.shape, generator=g) < 0.125, noise, tokens)
+
+
+def train(model, opt, env, start: int, steps: int, accum: int, save_at: int | None = None,
+          save_dir: str | None = None, capture: dict | None = None) -> list[float]:
+    micro = D.local_batch_size(GLOBAL_BATCH, accum, env.world_size)
+    losses = []
+    for step in range(start, steps):
+        mxtrain.set_step(model, step)
+        tokens = global_batch(step)
+        for k in range(accum):
+            # micro-batch k of this rank: rows [(k * world + rank) * micro, ... + micro)
+            lo = (k * env.world_size + env.rank) * micro
+            chunk = tokens[lo:lo + micro]
+            with D.grad_sync(model, k == accum - 1):
+                loss = model(chunk[:, :-1], chunk[:, 1:]) / accum
+                loss.backward()
+            if k == 0:
+                total = loss.detach()
+            else:
+                total = total + loss.detach()
+        D.clip_grad_norm_(model, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(D.all_reduce_sum(total).item() / env.world_size)
+        if capture is not None:
+            capture["done"] = True  # keep only the first step's capture
+        if save_at is not None and step + 1 == save_at:
+            D.save_checkpoint(save_dir, model, opt, extra={"step": step + 1}, env=env)
+    return losses
+
+
+def add_capture_hooks(model, capture: dict):
+    """Record, at the first forward of every MXLinear, the weight it sees (type, shape) and its
+    fprop-quantized value computed exactly as MXLinear.forward computes it (same ``_Ctx``)."""
+    def hook(m, args):
+        if capture.get("done"):
+            return
+        w = m.weight
+        q = _Ctx(m.recipe, m.layer_id, m.step, m._calls)
+        wq, _ = q.operand(w, -1, "fprop_w", "fprop", q.signs("fprop", w.device))
+        capture[f"layer{m.layer_id}"] = {"type": type(w.data).__name__, "shape": list(w.shape), "wq": wq.detach().clone()}
+    for _, m in mxtrain.nn.mx_layers(model):
+        m.register_forward_pre_hook(hook)
+
+
+def full_state(model) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def run_scenario(name: str, mode: str, env: D.DistEnv, out: Path, *, accum=1, steps=20, save_at=None,
+                 resume: str | None = None, capture=False) -> dict:
+    model, opt = build(mode, env)
+    start = 0
+    if resume:
+        start = D.load_checkpoint(resume, model, opt, env=env)["step"]
+    cap = {} if capture else None
+    if capture:
+        add_capture_hooks(model, cap)
+    save_dir = str(out / f"ck_{name}") if save_at else None
+    res = {"losses": train(model, opt, env, start, steps, accum, save_at, save_dir, cap)}
+    sd = full_state(model)
+    if env.is_rank0:
+        res["state_sum"] = float(sum(v.double().sum() for v in sd.values() if torch.is_tensor(v)))
+    if capture:
+        torch.save(cap, out / f"wq_{name}_rank{env.rank}.pt")
+    return res
+
+
+def suite(out: Path, ref: Path):
+    """The 2-rank scenarios, run in one torchrun launch (process start-up is most of the cost)."""
+    env = D.init("cpu")
+    results = {
+        "ddp": run_scenario("ddp", "ddp", env, out, save_at=10),
+        "ddp_accum2": run_scenario("ddp_accum2", "ddp", env, out, accum=2),
+        "fsdp2": run_scenario("fsdp2", "fsdp2", env, out, save_at=10, capture=True),
+        "fsdp2_accum2": run_scenario("fsdp2_accum2", "fsdp2", env, out, accum=2),
+        # same world size: resume from our own step-10 checkpoints
+        "ddp_resume_ddp": run_scenario("ddp_resume_ddp", "ddp", env, out, resume=str(out / "ck_ddp")),
+        "fsdp2_resume_fsdp2": run_scenario("fsdp2_resume_fsdp2", "fsdp2", env, out, resume=str(out / "ck_fsdp2")),
+        # across world sizes and modes: 1 process wrote it (micro-batch 4, 2 accumulation steps), 2 ranks read it
+        "ddp_resume_single": run_scenario("ddp_resume_single", "ddp", env, out, resume=str(ref / "ck_single")),
+        "fsdp2_resume_single": run_scenario("fsdp2_resume_single", "fsdp2", env, out, resume=str(ref / "ck_single")),
+    }
+    if env.is_rank0:
+        (out / "results.json").write_text(json.dumps(results))
+    D.shutdown()
+
+
+if __name__ == "__main__":
+    suite(Path(sys.argv[1]), Path(sys.argv[2]))
