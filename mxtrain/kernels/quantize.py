@@ -128,7 +128,7 @@ if triton is not None:
             bump = (mant > 0x400000).to(tl.int32)
         else:  # even / amd: sig >= 1.75 (identical for FP4)
             bump = (mant >= 0x600000).to(tl.int32)
-        s = tl.minimum(tl.maximum(E - 2 + bump, -127), 127)
+        s = tl.minimum(tl.maximum(E - 2 + bump, -127), 125)   # [-127, 127 - emax], as the spec
         nz = amax > 0
         s = tl.where(nz, s, -127)
         code_sc = tl.where(ok, s + 127, 255)

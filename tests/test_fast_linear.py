@@ -1,0 +1,109 @@
+"""The fast MXLinear path (mxtrain.fast) equals the reference MXLinear autograd function.
+
+On CPU the kernels run in Triton's interpreter and the GEMM path is dequantize + matmul, so the
+fast path multiplies the same float32 values as the reference: results agree to fp32 rounding.
+On a GPU (``cuda`` tests) the sm_90 FP8-carrier GEMMs give bf16 outputs: agreement within bf16
+output rounding.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from mxtrain import MXLinear, recipes  # noqa: E402
+from mxtrain import fast  # noqa: E402
+from mxtrain.kernels import kernels_available  # noqa: E402
+from mxtrain.nn import _Ctx, _MXLinearFunction  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(not kernels_available(DEV), reason="Triton kernels unavailable")
+
+FAST_PRESETS = [n for n in recipes.names() if fast.supported(recipes.get(n))]
+
+
+def test_supported_presets():
+    assert {"mxfp4-all", "mxfp4-all-dh16", "tseng", "mxfp4-all-sr", "mxfp4-all-rht16"} <= set(FAST_PRESETS)
+    assert not fast.supported(recipes.get("nvfp4")) and not fast.supported(recipes.get("mxfp8"))
+
+
+def _run(fn, rec, M, K, N, dtype=torch.float32, seed=0, layer=3, step=5, call=1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g).to(DEV, dtype).requires_grad_()
+    w = (torch.randn(N, K, generator=g) / K**0.5).to(DEV, dtype).requires_grad_()
+    b = torch.randn(N, generator=g).to(DEV, dtype).requires_grad_()
+    gy = torch.randn(M, N, generator=g).to(DEV, dtype)
+    q = _Ctx(rec, layer, step, call)
+    y = fn(x, w, b, q)
+    y.backward(gy)
+    return [t.detach().float() for t in (y, x.grad, w.grad, b.grad)]
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
+
+
+@pytest.mark.parametrize("preset", FAST_PRESETS)
+def test_fast_equals_reference_cpu(preset):
+    if DEV != "cpu":
+        pytest.skip("CPU comparison (exact GEMM path)")
+    rec = recipes.get(preset)
+    ref = _run(lambda *a: _MXLinearFunction.apply(*a), rec, 33, 72, 40)
+    got = _run(lambda *a: fast.apply(*a), rec, 33, 72, 40)
+    for r, g in zip(ref, got):
+        assert _rel(g, r) < 1e-6
+
+
+def test_weight_cache_reused_across_microbatches():
+    rec = recipes.get("mxfp4-all-dh16")
+    torch.manual_seed(0)
+    lin = MXLinear(64, 48, recipe=rec).to(DEV)
+    x1, x2 = torch.randn(5, 64, device=DEV), torch.randn(7, 64, device=DEV)
+    y1 = fast.apply(x1, lin.weight, lin.bias, _Ctx(rec, 0, 0, 0), module=lin)
+    entry = lin._mx_weight_cache["fprop_w"]
+    y2 = fast.apply(x2, lin.weight, lin.bias, _Ctx(rec, 0, 0, 1), module=lin)
+    assert lin._mx_weight_cache["fprop_w"] is entry  # reused
+    ref2 = _MXLinearFunction.apply(x2, lin.weight, lin.bias, _Ctx(rec, 0, 0, 1))
+    assert _rel(y2, ref2) < (1e-6 if DEV == "cpu" else 1e-2)
+    with torch.no_grad():
+        lin.weight.add_(0.01)  # new version: re-quantized
+    fast.apply(x2, lin.weight, lin.bias, _Ctx(rec, 0, 0, 2), module=lin)
+    assert lin._mx_weight_cache["fprop_w"] is not entry
+    del y1
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("preset", FAST_PRESETS)
+def test_fast_equals_reference_gpu(preset):
+    rec = recipes.get(preset)
+    M, K, N = 1024, 1024 + 64, 768
+    ref = _run(lambda *a: _MXLinearFunction.apply(*a), rec, M, K, N, dtype=torch.bfloat16)
+    got = _run(lambda *a: fast.apply(*a), rec, M, K, N, dtype=torch.bfloat16)
+    for r, g in zip(ref, got):
+        assert _rel(g, r) < 1e-2, preset
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_mxlinear_uses_fast_path_and_compiles():
+    rec = recipes.get("mxfp4-all-dh16")
+    torch.manual_seed(0)
+    lin = MXLinear(512, 256, recipe=rec, device=DEV, dtype=torch.bfloat16)
+    x = torch.randn(4, 64, 512, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    y = lin(x)
+    assert "_mx_weight_cache" in lin.__dict__  # went through mxtrain.fast
+    y.float().square().mean().backward()
+    g0 = x.grad.clone()
+    x.grad = None
+    lin._calls = 0
+    lin.__dict__.pop("_mx_weight_cache", None)
+    cl = torch.compile(lin)
+    y2 = cl(x)
+    y2.float().square().mean().backward()
+    assert _rel(y2.float(), y.float()) < 1e-2 and _rel(x.grad.float(), g0.float()) < 1e-2
