@@ -114,3 +114,16 @@ def test_with_builds_variants():
     custom = Recipe("custom", fprop_x=Operand("mxfp6_e2m3", scale_rule="even"), fprop_w=Operand("mxfp6_e2m3"))
     assert custom.quantized and recipes.get(custom) is custom
     assert "fprop: x=mxfp6_e2m3 nearest even" in custom.summary()
+
+
+def test_numerics_doc_lists_every_preset_and_its_examples_run():
+    import pathlib
+    import re
+
+    doc = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "numerics.md").read_text()
+    for name in recipes.names():
+        assert f"| `{name}` |" in doc, f"docs/numerics.md has no table row for preset {name}"
+    blocks = re.findall(r"```python\n(.*?)```", doc, re.S)
+    assert len(blocks) >= 2
+    for code in blocks:
+        exec(compile(code, "docs/numerics.md", "exec"), {})
