@@ -18,12 +18,13 @@ Pipeline for one tensor (``quantize``):
      fall back to ``floor`` and saturate.) An all-zero block gets
      ``s = -127`` (code 0); a block holding NaN or +-Inf gets code 0xFF (NaN) and all its
      element codes are +0 (it dequantizes to NaN through the scale).
-   * NVFP4: tensor scale ``g = amax(tensor) / (6 * 448)`` (1 if the tensor is zero), block scale
+   * NVFP4: tensor scale ``g = amax(tensor) / (6 * 448)`` in float32 (1 if that is 0: an all-zero
+     tensor, or one so tiny that the quotient underflows), block scale
      ``b = e4m3(amax(block) / (g * 6))`` rounded to nearest even and saturated at 448, element
      divisor ``d = float32(b) * g``. Non-finite values are left out of the tensor amax, and their
      block gets the E4M3 NaN scale.
-   * per-tensor FP8: ``scale = amax / max_elem`` in float32 (1 for an all-zero tensor); NaN if
-     any element is not finite.
+   * per-tensor FP8: ``scale = amax / max_elem`` in float32 (1 if that is 0: an all-zero tensor, or
+     one so tiny that the quotient underflows); NaN if any element is not finite.
 
 3. Elements ``v = x / scale`` (exact for power-of-two scales), clamped to +-max_elem
    (saturation), then rounded onto the element grid:
@@ -340,7 +341,8 @@ def quantize(x: torch.Tensor, fmt: str | Format, *, axis: int = -1, block_size=N
         finite = torch.isfinite(xm)
         absx = torch.where(finite, xm.abs(), torch.zeros_like(xm))
         amax = absx.amax() if absx.numel() else torch.zeros((), device=xm.device)
-        scale = torch.where(amax > 0, amax / elem.max, torch.ones_like(amax))
+        scale = amax / elem.max
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # zero or underflowed
         scale = torch.where(finite.all(), scale, torch.full_like(scale, float("nan")))
         v = torch.where(finite, xm / scale, torch.zeros_like(xm)) if torch.isfinite(scale) else torch.zeros_like(xm)
         if rounding == "stochastic":
@@ -385,7 +387,8 @@ def quantize(x: torch.Tensor, fmt: str | Format, *, axis: int = -1, block_size=N
         gscale = None
     else:  # nvfp4
         tmax = amax.amax() if amax.numel() else torch.zeros((), device=xb.device)
-        g = torch.where(tmax > 0, tmax / NVFP4_TENSOR_MAX, torch.ones_like(tmax))
+        g = tmax / NVFP4_TENSOR_MAX
+        g = torch.where(g > 0, g, torch.ones_like(g))  # zero tensor, or g underflowed
         bsc = (amax / (g * 6.0)).clamp(max=448.0).to(torch.float8_e4m3fn)
         bsc = torch.where(block_ok, bsc.to(torch.float32), torch.full_like(amax, float("nan"))).to(torch.float8_e4m3fn)
         d = bsc.to(torch.float32) * g

@@ -288,6 +288,16 @@ def test_empty_tensors():
             assert mxtrain.fake_quantize(torch.randn(*shape), fmt).shape == shape
 
 
+def test_tiny_tensors_do_not_turn_into_nan():
+    # regression: a tensor scale that underflowed to 0 gave 0/0 = NaN for the zeros of a finite
+    # tensor (NVFP4 and per-tensor FP8). Such a scale is now 1, and the tiny values round to 0.
+    x = torch.randn(2, 32) * 1e-43
+    x[1] = 0
+    for fmt in MX_FORMATS + ["nvfp4", "fp8_e4m3", "fp8_e5m2"]:
+        assert torch.isfinite(mxtrain.fake_quantize(x, fmt)).all(), fmt
+    check_mx(x, "mxfp8_e5m2", what="tiny")
+
+
 def test_zero_blocks_are_zero():
     x = torch.zeros(3, 64)
     for fmt in MX_FORMATS + ["nvfp4", "fp8_e4m3", "fp8_e5m2"]:
@@ -319,7 +329,8 @@ def ref_nvfp4(x: torch.Tensor, axis: int, two_d: bool):
     fin = np.isfinite(xm)
     absx = np.where(fin, np.abs(xm), f32(0))
     tmax = absx.max() if absx.size else f32(0)
-    g = f32(tmax) / f32(6 * 448) if tmax > 0 else f32(1)
+    g = f32(tmax) / f32(6 * 448)
+    g = g if g > 0 else f32(1)
     # blocks -> (nblocks, 16) or tiles (ntiles, 256)
     if two_d:
         *lead, R, Kp = xm.shape
@@ -360,6 +371,7 @@ def test_nvfp4_against_numpy_reference(two_d):
     cases.append((x, -1))
     big = special_rows("nvfp4")
     cases.append((big[torch.isfinite(big).all(1)], -1))
+    cases.append((torch.randn(16, 32, generator=gen) * 1e-43, -1))  # g underflows: 1 instead
     for x, axis in cases:
         q = mxtrain.quantize(x, "nvfp4", axis=axis, block_size=(16, 16) if two_d else None)
         codes, b, g = ref_nvfp4(x, axis, two_d)
@@ -384,11 +396,13 @@ def test_per_tensor_fp8_against_numpy_reference(fmt, ename):
     gen = torch.Generator().manual_seed(7)
     for x in (torch.randn(13, 29, generator=gen) * 2.0 ** torch.randint(-20, 20, (13, 1), generator=gen),
               torch.randn(3, 4, 5, generator=gen) * 1e-30,
-              torch.randn(7, generator=gen) * 1e30):
+              torch.randn(7, generator=gen) * 1e30,
+              torch.randn(5, 5, generator=gen) * 1e-44):  # the scale underflows: 1 instead
         q = mxtrain.quantize(x, fmt, axis=0)
         xm = np.moveaxis(x.numpy(), 0, -1).astype(np.float32)
         mx = np.float32(elem_info(ename)[0])
         scale = np.float32(np.abs(xm).max()) / mx
+        scale = scale if scale > 0 else np.float32(1)
         v = (xm / scale).astype(np.float32)
         codes = np.clip(v, -mx, mx).astype(ML[ename]).view(np.uint8)
         assert q.scales.item() == float(scale)
