@@ -1,0 +1,5 @@
+"""``python -m mxtrain ...`` is the ``mxtrain`` command."""
+
+from .cli import entry
+
+entry()

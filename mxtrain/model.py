@@ -1,0 +1,250 @@
+"""A Llama-3-style decoder in one file: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+
+Shapes use ``B`` batch, ``T`` sequence, ``C`` model width, ``H`` query heads, ``G`` key/value
+heads, ``D`` head dim. The blocks live in ``model.layers`` (an ``nn.ModuleList``), so
+``mxtrain.convert`` numbers them 0..n-1 for ``keep_first``/``keep_last``; the output head is
+``lm_head`` and the embedding ``embed_tokens``, which ``convert`` keeps in high precision.
+
+Named sizes (``SIZES``, ``ModelConfig.named(name)``) go from ``tiny`` (trains on 2 CPU cores in
+minutes) to ``llama3-8b`` (the exact Llama 3.1-8B shapes). Build large models on the meta device
+(``Llama(cfg, device="meta")``) to count parameters without allocating them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields, replace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .errors import UserError
+
+__all__ = ["ModelConfig", "Llama", "SIZES", "size_names"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shapes of the decoder. ``vocab_size`` is usually set from the tokenizer at train time."""
+
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    ffn_dim: int = 0              # 0: Llama's rule, 8/3 * dim rounded up to ``multiple_of``
+    multiple_of: int = 32
+    vocab_size: int = 8192
+    max_seq_len: int = 2048
+    rope_theta: float = 500000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        if self.dim % self.n_heads:
+            raise UserError(f"model.dim={self.dim} must be a multiple of model.n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise UserError(f"model.n_heads={self.n_heads} must be a multiple of model.n_kv_heads={self.n_kv_heads}")
+        if (self.dim // self.n_heads) % 2:
+            raise UserError("head dim (model.dim / model.n_heads) must be even for RoPE")
+        for f in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "max_seq_len", "multiple_of"):
+            if getattr(self, f) <= 0:
+                raise UserError(f"model.{f} must be positive, got {getattr(self, f)}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        if self.ffn_dim:
+            return self.ffn_dim
+        h = int(8 * self.dim / 3)
+        return self.multiple_of * math.ceil(h / self.multiple_of)
+
+    @staticmethod
+    def named(name: str, **overrides) -> "ModelConfig":
+        if name not in SIZES:
+            raise UserError(f"unknown model {name!r}; valid models: {', '.join(SIZES)}")
+        return replace(SIZES[name], **overrides)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    # -- counting ---------------------------------------------------------------------------------
+    def num_params(self, embeddings: bool = True) -> int:
+        """Parameter count (exact; equals ``sum(p.numel())`` of the built model)."""
+        C, F_, V, L = self.dim, self.hidden_dim, self.vocab_size, self.n_layers
+        kv = self.n_kv_heads * self.head_dim
+        block = C * C * 2 + C * kv * 2 + 3 * C * F_ + 2 * C  # wq, wo, wk, wv, w1/w2/w3, 2 norms
+        n = L * block + C  # final norm
+        if embeddings:
+            n += V * C * (1 if self.tie_embeddings else 2)
+        elif not self.tie_embeddings:
+            n += V * C  # the head is a matmul, count it
+        return n
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 * (matmul params incl. head) + attention (12 * L * C * T), as in PaLM/nanoGPT.
+
+        With causal attention only half the score matrix matters; we count the full product, like
+        the PaLM formula, so MFU is comparable to published numbers.
+        """
+        C, F_, V, L = self.dim, self.hidden_dim, self.vocab_size, self.n_layers
+        kv = self.n_kv_heads * self.head_dim
+        matmul = L * (2 * C * C + 2 * C * kv + 3 * C * F_) + V * C
+        return 6.0 * matmul + 12.0 * L * C * seq_len
+
+
+SIZES: dict[str, ModelConfig] = {
+    # tiny: the CPU main job (about 3.6M parameters with an 8k vocab; see docs/training.md)
+    "tiny": ModelConfig(dim=192, n_layers=4, n_heads=6, n_kv_heads=2, vocab_size=8192, max_seq_len=512),
+    "30m": ModelConfig(dim=384, n_layers=6, n_heads=6, n_kv_heads=2, vocab_size=16384, max_seq_len=1024),
+    "125m": ModelConfig(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, vocab_size=16384, max_seq_len=2048),
+    "350m": ModelConfig(dim=1024, n_layers=24, n_heads=16, n_kv_heads=4, vocab_size=32768, max_seq_len=2048),
+    "1b": ModelConfig(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192, vocab_size=32768,
+                      max_seq_len=4096),
+    # Llama 3.1-8B: dim 4096, 32 layers, 32 heads, 8 KV heads, FFN 14336, vocab 128256, theta 5e5
+    "llama3-8b": ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256,
+                             max_seq_len=8192, rope_theta=500000.0),
+}
+
+
+def size_names() -> list[str]:
+    return list(SIZES)
+
+
+def config_fields() -> list[str]:
+    return [f.name for f in fields(ModelConfig)]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, device=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # normalize in float32 (bf16 autocast would lose precision in the mean of squares)
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).type_as(x)
+
+
+def rope_tables(head_dim: int, seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (T, D/2) for rotary embeddings with base ``theta``."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    t = torch.arange(seq_len, device=device, dtype=torch.float32)
+    ang = torch.outer(t, inv)
+    return ang.cos(), ang.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (B, H, T, D); rotate pairs (x[..., :D/2], x[..., D/2:]) (the HF/Llama "rotate_half" layout)."""
+    d = x.shape[-1] // 2
+    x1, x2 = x[..., :d].float(), x[..., d:].float()
+    c, s = cos[None, None], sin[None, None]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, device=None):
+        super().__init__()
+        C, D = cfg.dim, cfg.head_dim
+        self.n_heads, self.n_kv, self.head_dim = cfg.n_heads, cfg.n_kv_heads, D
+        self.wq = nn.Linear(C, cfg.n_heads * D, bias=False, device=device)
+        self.wk = nn.Linear(C, cfg.n_kv_heads * D, bias=False, device=device)
+        self.wv = nn.Linear(C, cfg.n_kv_heads * D, bias=False, device=device)
+        self.wo = nn.Linear(cfg.n_heads * D, C, bias=False, device=device)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = self.wk(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)     # (B, G, T, D)
+        v = self.wv(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.n_kv != self.n_heads:  # GQA: share each K/V head among n_heads / n_kv query heads
+            rep = self.n_heads // self.n_kv
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)             # (B, H, T, D)
+        return self.wo(y.transpose(1, 2).reshape(B, T, C))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, cfg: ModelConfig, device=None):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False, device=device)
+        self.w3 = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False, device=device)
+        self.w2 = nn.Linear(cfg.hidden_dim, cfg.dim, bias=False, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, device=None):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps, device)
+        self.attention = Attention(cfg, device)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, device)
+        self.feed_forward = FeedForward(cfg, device)
+
+    def forward(self, x, cos, sin):
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Llama(nn.Module):
+    """Decoder-only transformer. ``forward(idx (B, T) int64, targets=None) -> logits (B, T, V)`` or, with
+    targets, the mean cross-entropy loss (float32 scalar)."""
+
+    def __init__(self, cfg: ModelConfig, device=None):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim, device=device)
+        self.layers = nn.ModuleList(Block(cfg, device) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, device)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False, device=device)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        if str(device) != "meta":
+            self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """Normal(0, init_std) everywhere; output projections (wo, w2) scaled by 1/sqrt(2 * n_layers)
+        (GPT-2); norms to 1. Pass a ``generator`` for an init independent of the global RNG."""
+        std = self.cfg.init_std
+        out_std = std / math.sqrt(2 * self.cfg.n_layers)
+        for name, p in self.named_parameters():
+            if p.ndim == 1:
+                p.fill_(1.0)
+            elif name.endswith(("wo.weight", "w2.weight")):
+                p.normal_(0.0, out_std, generator=generator)
+            else:
+                p.normal_(0.0, std, generator=generator)
+
+    def rope(self, T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (T, str(device))
+        if getattr(self, "_rope_key", None) != key:
+            self._rope = rope_tables(self.cfg.head_dim, T, self.cfg.rope_theta, device)
+            self._rope_key = key
+        return self._rope
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        B, T = idx.shape
+        cos, sin = self.rope(T, idx.device)
+        x = self.embed_tokens(idx)                       # (B, T, C)
+        for block in self.layers:
+            x = block(x, cos, sin)
+        logits = self.lm_head(self.norm(x))               # (B, T, V)
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())

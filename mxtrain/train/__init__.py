@@ -1,0 +1,8 @@
+"""Training: typed config (``TrainConfig``), named experiments, the trainer (``train(cfg) -> run folder``)."""
+
+from . import experiments as experiments
+from .config import (DataSection as DataSection, LogSection as LogSection, ModelSection as ModelSection,
+                     OptimSection as OptimSection, ParallelSection as ParallelSection,
+                     ScheduleSection as ScheduleSection, TrainConfig as TrainConfig, TrainSection as TrainSection,
+                     apply_overrides as apply_overrides)
+from .trainer import NonFiniteLoss as NonFiniteLoss, evaluate as evaluate, lr_at as lr_at, train as train

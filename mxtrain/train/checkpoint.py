@@ -1,0 +1,102 @@
+"""Checkpoints: one ``torch.save`` file written atomically (temporary file, fsync, ``os.replace``).
+
+Contents: model and optimizer state, schedule step, data loader position, RNG states (Python,
+NumPy, torch CPU and CUDA), the step and token counters, and the full config. A crash mid-write
+leaves the previous checkpoint intact. Loading a corrupt, truncated or mismatched file raises a
+``UserError``, never a silent restart.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import UserError
+
+FORMAT = "mxtrain-ckpt-v1"
+NAME = "checkpoint.pt"
+# config keys that must match to resume (the rest, e.g. steps or logging, may change)
+IDENTITY_KEYS = [("model",), ("data", "seq_len"), ("data", "vocab_size"), ("data", "seed"), ("recipe",),
+                 ("recipe_overrides",), ("train", "batch_size"), ("train", "seed"), ("optim",)]
+
+
+def rng_state() -> dict:
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    # plain lists and tensors only, so the file loads with torch.load(weights_only=True)
+    st = {"python": list(random.getstate()[1]), "python_version": random.getstate()[0],
+          "python_gauss": random.getstate()[2],
+          "numpy": [name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
+          "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    return st
+
+
+def set_rng_state(st: dict) -> None:
+    random.setstate((st["python_version"], tuple(st["python"]), st["python_gauss"]))
+    name, keys, pos, has_gauss, cached = st["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(st["torch"])
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(st["cuda"])
+
+
+def save(path: Path, state: dict) -> None:
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    state = {"format": FORMAT, **state}
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise UserError(f"cannot write checkpoint {path}: {e.strerror or e}") from None
+
+
+def find(path: str | Path) -> Path:
+    """A checkpoint file, or a run folder holding one."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / NAME
+    if not p.is_file():
+        raise UserError(f"no checkpoint at {path} (expected a run folder with {NAME}, or a checkpoint file)")
+    return p
+
+
+def load(path: str | Path) -> dict:
+    p = find(path)
+    try:
+        st = torch.load(p, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated zip, bad pickle, random bytes...
+        raise UserError(f"checkpoint {p} is corrupt or truncated ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
+                        f"restore it or start a new run") from None
+    if not isinstance(st, dict) or st.get("format") != FORMAT:
+        raise UserError(f"{p} is not an mxtrain checkpoint (format {st.get('format') if isinstance(st, dict) else None!r})")
+    for k in ("model", "optimizer", "step", "loader", "config", "rng"):
+        if k not in st:
+            raise UserError(f"checkpoint {p} is incomplete (no {k!r})")
+    return st
+
+
+def check_compatible(saved: dict, now: dict, path) -> None:
+    diffs = []
+    for key in IDENTITY_KEYS:
+        a, b = saved, now
+        for k in key:
+            a = a.get(k) if isinstance(a, dict) else None
+            b = b.get(k) if isinstance(b, dict) else None
+        if a != b:
+            diffs.append(f"{'.'.join(key)} ({a!r} in checkpoint, {b!r} now)" if not isinstance(a, dict)
+                         else f"{'.'.join(key)}")
+    if diffs:
+        raise UserError(f"checkpoint {path} does not match this config: {'; '.join(diffs)}")

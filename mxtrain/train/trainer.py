@@ -1,0 +1,424 @@
+"""The training loop: ``train(cfg) -> run folder``.
+
+One code path for every device and world size: the loop never assumes a single process (the data
+loader takes rank / world size, the global batch is split into micro-batches per rank). The
+multi-GPU issue wraps the model (DDP / FSDP2) in ``_wrap_parallel`` and reduces metrics in
+``_reduce_mean``; nothing else changes.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .. import __version__, convert, set_step
+from ..data import Loader, TokenData, ensure_builtin, val_batches
+from ..errors import UserError
+from ..model import Llama, ModelConfig
+from . import checkpoint as ckpt
+from .config import TrainConfig
+
+# dense bf16 peak TFLOP/s for MFU, matched against torch.cuda.get_device_name()
+PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "GH200": 989.4, "A100": 312.0, "L40S": 362.0, "L4": 121.0,
+               "A10G": 70.0, "RTX 4090": 165.0, "B200": 2250.0}
+
+
+class NonFiniteLoss(UserError):
+    """The loss became NaN or infinite; the run stopped and its last checkpoint was kept."""
+    exit_code = 3
+
+
+def _world() -> tuple[int, int]:
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    return rank, world
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"unknown device {name!r}; use auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"device {name!r} requested but CUDA is not available here; use --device cpu")
+    if dev.type not in ("cpu", "cuda"):
+        raise UserError(f"unsupported device {name!r}; use auto, cpu, cuda or cuda:N")
+    return dev
+
+
+def _autocast_dtype(cfg: TrainConfig, dev: torch.device):
+    d = cfg.train.dtype
+    if d == "auto":
+        return torch.bfloat16 if dev.type == "cuda" else None
+    if d == "bf16":
+        return torch.bfloat16
+    if d == "fp32":
+        return None
+    raise UserError(f"train.dtype must be auto, bf16 or fp32, got {d!r}")
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """LR for optimizer step ``step`` (0-based): linear warmup, then cosine / WSD / constant over the horizon."""
+    s, o = cfg.schedule, cfg.optim
+    horizon = s.horizon_steps or cfg.train.steps
+    lr_min = o.lr * o.min_lr_ratio
+    if s.warmup_steps and step < s.warmup_steps:
+        return o.lr * (step + 1) / s.warmup_steps
+    if s.kind == "constant":
+        return o.lr
+    if s.kind == "cosine":
+        t = min(1.0, (step - s.warmup_steps) / max(1, horizon - s.warmup_steps))
+        return lr_min + 0.5 * (o.lr - lr_min) * (1 + math.cos(math.pi * t))
+    if s.kind == "wsd":
+        decay_start = horizon - int(round(s.decay_fraction * horizon))
+        if step < decay_start:
+            return o.lr
+        t = min(1.0, (step - decay_start) / max(1, horizon - decay_start))
+        return o.lr - (o.lr - lr_min) * t
+    raise UserError(f"schedule.kind must be cosine, wsd or constant, got {s.kind!r}")
+
+
+def _check(cfg: TrainConfig) -> None:
+    t, d = cfg.train, cfg.data
+    if t.tokens is not None:
+        if t.tokens <= 0:
+            raise UserError("--tokens must be positive")
+        t.steps = math.ceil(t.tokens / (t.batch_size * d.seq_len))
+    for name, v in (("train.steps", t.steps), ("train.batch_size", t.batch_size), ("data.seq_len", d.seq_len),
+                    ("log.eval_every", cfg.log.eval_every), ("log.eval_tokens", cfg.log.eval_tokens),
+                    ("log.log_every", cfg.log.log_every)):
+        if v <= 0:
+            raise UserError(f"{name} must be positive, got {v}")
+    if cfg.optim.lr <= 0:
+        raise UserError(f"optim.lr must be positive, got {cfg.optim.lr}")
+    if cfg.schedule.horizon_steps is not None and cfg.schedule.horizon_steps < cfg.train.steps:
+        raise UserError(f"schedule.horizon_steps ({cfg.schedule.horizon_steps}) must be >= train.steps ({t.steps})")
+    if cfg.schedule.kind not in ("cosine", "wsd", "constant"):
+        raise UserError(f"schedule.kind must be cosine, wsd or constant, got {cfg.schedule.kind!r}")
+    if cfg.parallel.strategy != "none":
+        raise UserError(f"parallel.strategy={cfg.parallel.strategy!r} is not implemented yet (single process only)")
+
+
+def _git_sha() -> str | None:
+    here = Path(__file__).resolve().parent
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
+        if sha.returncode:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return sha.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _make_out(cfg: TrainConfig, resuming: bool) -> Path:
+    out = Path(cfg.log.out) if cfg.log.out else Path("runs") / f"{cfg.exp}-{cfg.recipe_name()}-{time.strftime('%Y%m%d-%H%M%S')}"
+    try:
+        if out.exists() and not out.is_dir():
+            raise UserError(f"output folder {out} exists and is not a folder")
+        if not resuming and (out / ckpt.NAME).exists():
+            raise UserError(f"output folder {out} already holds a run; use --resume {out} or another --out")
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except UserError:
+        raise
+    except OSError as e:
+        raise UserError(f"cannot write to output folder {out}: {e.strerror or e}") from None
+    return out
+
+
+def _model_config(cfg: TrainConfig, vocab: int) -> ModelConfig:
+    m = cfg.model
+    over = {k: getattr(m, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "rope_theta",
+                                        "tie_embeddings") if getattr(m, k) is not None}
+    padded = 32 * math.ceil(vocab / 32)  # MX blocks of 32: pad the vocab (extra rows are never targets)
+    base = ModelConfig.named(m.name)
+    return ModelConfig.named(m.name, **over, vocab_size=padded, max_seq_len=max(base.max_seq_len, cfg.data.seq_len))
+
+
+def build_model(cfg: TrainConfig, vocab: int, device: torch.device) -> Llama:
+    """The model with its init fixed by ``model.init_seed`` (default ``train.seed``), whatever the recipe."""
+    mcfg = _model_config(cfg, vocab)
+    seed = cfg.model.init_seed if cfg.model.init_seed is not None else cfg.train.seed
+    init_dev = torch.device("cpu") if mcfg.num_params() < 1e9 else device
+    model = Llama(mcfg, device="meta").to_empty(device=init_dev)
+    if mcfg.tie_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    gen = torch.Generator(device=init_dev).manual_seed(seed)
+    model.init_weights(generator=gen)
+    return model.to(device)
+
+
+def _optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    decay, no_decay = [], []
+    for n, p in model.named_parameters():
+        (decay if p.ndim >= 2 and "embed" not in n else no_decay).append(p)
+    o = cfg.optim
+    groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                             fused=device.type == "cuda")
+
+
+def _wrap_parallel(model, cfg):  # the multi-GPU issue adds DDP / FSDP2 here
+    return model
+
+
+def _reduce_mean(x: float) -> float:  # and an all-reduce here
+    return x
+
+
+def _peak_tflops(cfg: TrainConfig, dev: torch.device) -> float | None:
+    if cfg.log.peak_tflops:
+        return cfg.log.peak_tflops
+    if dev.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(dev)
+    for k, v in PEAK_TFLOPS.items():
+        if k in name:
+            return v
+    return None
+
+
+@torch.no_grad()
+def evaluate(model, data: TokenData, cfg: TrainConfig, device, amp_dtype, rank=0, world=1) -> float:
+    model.eval()
+    total, count = 0.0, 0
+    bs = cfg.train.micro_batch_size or max(1, cfg.train.batch_size // world)
+    for x, y in val_batches(data, cfg.data.seq_len, bs, cfg.log.eval_tokens, rank, world):
+        x, y = x.to(device), y.to(device)
+        with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
+            loss = model(x, y)
+        total += loss.item() * y.numel()
+        count += y.numel()
+    model.train()
+    return _reduce_mean(total / count)
+
+
+class _Log:
+    """metrics.jsonl + TensorBoard + console."""
+
+    def __init__(self, out: Path, cfg: TrainConfig, start_step: int, total: int, rank: int):
+        self.rank = rank
+        self.path = out / "metrics.jsonl"
+        if start_step > 0 and self.path.exists():  # drop rows past the checkpoint (a crash after it)
+            keep = [ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln).get("step", 0) <= start_step]
+            self.path.write_text("".join(ln + "\n" for ln in keep))
+        elif start_step == 0:
+            self.path.write_text("")
+        self.f = open(self.path, "a")
+        self.tb = None
+        if cfg.log.tensorboard and rank == 0:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                self.tb = SummaryWriter(str(out / "tb"))
+            except Exception:  # tensorboard not installed
+                self.tb = None
+        self.bar = None
+        if cfg.log.progress and rank == 0:
+            try:
+                from tqdm import tqdm
+                self.bar = tqdm(total=total, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
+                                file=sys.stderr)
+            except ImportError:
+                pass
+
+    def row(self, r: dict):
+        if self.rank:
+            return
+        self.f.write(json.dumps(r) + "\n")
+        self.f.flush()
+        if self.tb:
+            for k, v in r.items():
+                if k not in ("step", "tokens") and isinstance(v, (int, float)) and v is not None:
+                    self.tb.add_scalar(k, v, r["step"])
+
+    def say(self, msg: str):
+        if self.rank:
+            return
+        if self.bar is not None:
+            self.bar.write(msg)
+        else:
+            print(msg, flush=True)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+        if self.tb:
+            self.tb.close()
+        self.f.close()
+
+
+def train(cfg: TrainConfig, resume: str | Path | None = None) -> Path:
+    """Train as ``cfg`` says; returns the run folder. ``resume``: a run folder or checkpoint to continue."""
+    cfg = copy.deepcopy(cfg)
+    _check(cfg)
+    rank, world = _world()
+    if world > 1:
+        raise UserError("multi-process training (torchrun) is not implemented yet; run one process")
+    device = _resolve_device(cfg.train.device)
+    amp_dtype = _autocast_dtype(cfg, device)
+    recipe = cfg.resolved_recipe()
+    if cfg.train.deterministic:
+        torch.use_deterministic_algorithms(True)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+    state = None
+    if resume is not None:
+        state = ckpt.load(resume)
+        if cfg.log.out is None:
+            cfg.log.out = str(ckpt.find(resume).parent)
+
+    # data
+    if cfg.data.path == "builtin":
+        data_dir = ensure_builtin(cfg.data.vocab_size, progress=cfg.log.progress)
+    else:
+        data_dir = Path(cfg.data.path)
+        if not data_dir.exists():
+            raise UserError(f"data folder not found: {data_dir} (prepare it with: mxtrain data prepare SOURCES --out {data_dir})")
+    data = TokenData(data_dir)
+    B, T = cfg.train.batch_size, cfg.data.seq_len
+    micro = cfg.train.micro_batch_size or B // world
+    if micro <= 0 or B % (micro * world):
+        raise UserError(f"train.batch_size ({B}) must be a multiple of micro_batch_size x world size ({micro} x {world})")
+    accum = B // (micro * world)
+    data_seed = cfg.data.seed if cfg.data.seed is not None else cfg.train.seed
+    loader = Loader(data, T, micro, data_seed, rank, world)
+
+    # model + optimizer
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(cfg, data.vocab_size, device)
+    convert(model, recipe)
+    model = _wrap_parallel(model, cfg)
+    opt = _optimizer(model, cfg, device)
+    mcfg = model.cfg
+    cfg_dict = cfg.to_dict()
+    cfg_dict["recipe"] = cfg.recipe if isinstance(cfg.recipe, str) else recipe.to_dict()
+
+    start_step, tokens = 0, 0
+    if state is not None:
+        ckpt.check_compatible(state["config"], cfg_dict, resume)
+        try:
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as e:
+            raise UserError(f"checkpoint {resume} does not fit this model ({str(e).splitlines()[0][:160]})") from None
+        loader.load_state_dict(state["loader"])
+        ckpt.set_rng_state(state["rng"])
+        start_step, tokens = int(state["step"]), int(state["tokens"])
+        if start_step >= cfg.train.steps:
+            raise UserError(f"checkpoint is at step {start_step}, nothing to do for --steps {cfg.train.steps}; "
+                            f"raise --steps to continue")
+
+    out = _make_out(cfg, resuming=state is not None)
+    if rank == 0:
+        (out / "config.json").write_text(json.dumps(cfg_dict, indent=2, default=str) + "\n")
+        (out / "recipe.json").write_text(json.dumps(recipe.to_dict(), indent=2) + "\n")
+        info = {"mxtrain": __version__, "torch": torch.__version__, "python": platform.python_version(),
+                "device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda"
+                else (platform.processor() or platform.machine()), "cpu_threads": torch.get_num_threads(),
+                "git_sha": _git_sha(), "argv": sys.argv, "data": str(Path(data_dir).resolve()),
+                "data_meta": {k: data.meta[k] for k in ("train_tokens", "val_tokens", "vocab_size", "sources")},
+                "model_params": mcfg.num_params(), "flops_per_token": mcfg.flops_per_token(T),
+                "world_size": world, "grad_accum": accum, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "resumed_from_step": start_step or None}
+        (out / "run.json").write_text(json.dumps(info, indent=2) + "\n")
+
+    log = _Log(out, cfg, start_step, cfg.train.steps, rank)
+    flops_tok = mcfg.flops_per_token(T)
+    peak = _peak_tflops(cfg, device)
+    log.say(f"mxtrain {__version__} | model {cfg.model.name} ({mcfg.num_params() / 1e6:.1f}M params, "
+            f"{flops_tok / 1e6:.1f} MFLOP/token) | recipe {recipe.name} | {device}"
+            f"{' bf16 autocast' if amp_dtype else ' fp32'} | {cfg.train.steps} steps x {B} x {T} tokens | run {out}")
+
+    ckpt_path = out / ckpt.NAME
+    last_ckpt_step = start_step if state is not None else None
+
+    def save_ckpt(step):
+        nonlocal last_ckpt_step
+        if rank == 0:
+            ckpt.save(ckpt_path, {"model": model.state_dict(), "optimizer": opt.state_dict(),
+                                  "schedule": {"step": step, "lr": lr_at(step, cfg)},
+                                  "loader": loader.state_dict(), "rng": ckpt.rng_state(), "step": step,
+                                  "tokens": tokens, "config": cfg_dict})
+        last_ckpt_step = step
+
+    model.train()
+    t_last, tok_last, steps_last = time.perf_counter(), tokens, 0
+    loss_acc = 0.0
+    val_loss = None
+    try:
+        for step in range(start_step, cfg.train.steps):
+            lr = lr_at(step, cfg)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            set_step(model, step)
+            loss_sum = torch.zeros((), device=device)
+            for _ in range(accum):
+                x, y = loader.next()
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
+                    loss = model(x, y) / accum
+                loss.backward()
+                loss_sum += loss.detach()
+            loss_val = _reduce_mean(loss_sum.item())
+            if not math.isfinite(loss_val):
+                where = (f"last good checkpoint: {ckpt_path} (step {last_ckpt_step})" if last_ckpt_step is not None
+                         else "no checkpoint was written yet")
+                log.row({"step": step + 1, "tokens": tokens, "event": "non-finite loss", "loss": str(loss_val)})
+                raise NonFiniteLoss(f"loss is {loss_val} at step {step + 1}; training stopped ({where}); "
+                                    f"try a lower --lr or another recipe")
+            gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip if cfg.optim.grad_clip > 0
+                                                   else float("inf"))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            tokens += B * T
+            done = step + 1
+            loss_acc += loss_val
+            steps_last += 1
+            if done % cfg.log.log_every == 0 or done == cfg.train.steps or done == start_step + 1:
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                now = time.perf_counter()
+                tps = (tokens - tok_last) / max(now - t_last, 1e-9)
+                row = {"step": done, "tokens": tokens, "loss": loss_acc / steps_last, "lr": lr,
+                       "grad_norm": float(gnorm), "tok_per_s": tps, "epoch": loader.epoch}
+                if peak:
+                    row["mfu"] = flops_tok * tps / (peak * 1e12)
+                log.row(row)
+                if log.bar is not None:
+                    log.bar.set_postfix(loss=f"{row['loss']:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}")
+                elif cfg.log.progress is False and rank == 0:
+                    pass
+                loss_acc, steps_last = 0.0, 0
+                t_last, tok_last = now, tokens
+            if log.bar is not None:
+                log.bar.update(1)
+            if done % cfg.log.eval_every == 0 or done == cfg.train.steps:
+                te = time.perf_counter()
+                val_loss = evaluate(model, data, cfg, device, amp_dtype, rank, world)
+                log.row({"step": done, "tokens": tokens, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))})
+                log.say(f"step {done:>6} | tokens {tokens:>11,} | val_loss {val_loss:.4f} | val_ppl {math.exp(min(val_loss, 50)):.2f}")
+                t_last += time.perf_counter() - te  # keep evaluation out of tokens/s
+            if (cfg.train.checkpoint_every and done % cfg.train.checkpoint_every == 0) or done == cfg.train.steps:
+                save_ckpt(done)
+    finally:
+        log.close()
+    if rank == 0:
+        summary = {"steps": cfg.train.steps, "tokens": tokens, "final_val_loss": val_loss,
+                   "final_val_ppl": math.exp(min(val_loss, 50)) if val_loss is not None else None,
+                   "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return out
