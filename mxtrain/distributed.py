@@ -46,7 +46,8 @@ from .errors import UserError
 __all__ = [
     "DistEnv", "init", "shutdown", "get_env", "is_rank0", "rank0_print", "barrier", "all_reduce_sum",
     "apply_ddp", "apply_fsdp2", "wrap", "unwrap", "grad_sync", "clip_grad_norm_", "local_batch_size",
-    "save_checkpoint", "load_checkpoint", "is_checkpoint", "launch", "MODES", "SAFE_ENV",
+    "save_checkpoint", "load_checkpoint", "is_checkpoint", "read_extra", "launch", "strip_nproc", "MODES", "SAFE_ENV",
+    "DCP_NAME", "find_dcp", "reduce_mean", "reduce_sums", "even_batches", "load_full_state",
 ]
 
 MODES = ("none", "ddp", "fsdp2")
@@ -302,19 +303,21 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
 # ------------------------------------------------------------------------------------- checkpoints
 
 _META = "mxtrain_meta.json"
+_EXTRA = "mxtrain_extra.pt"
 
 
 def is_checkpoint(path: str | os.PathLike) -> bool:
     p = Path(path)
-    return (p / ".metadata").is_file() and (p / _META).is_file()
+    return (p / ".metadata").is_file() and (p / _META).is_file() and (p / _EXTRA).is_file()
 
 
 def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                     extra: dict | None = None, env: DistEnv | None = None) -> Path:
     """Write model + optimizer state as a DCP folder at ``path``, atomically; call on every rank.
 
-    ``extra``: JSON-serialisable state of rank 0 (step, tokens, data position, scheduler, config),
-    written to ``path/mxtrain_meta.json``. Every rank writes its shards into ``<path>.tmp``; after a
+    ``extra``: rank 0's other state (step, tokens, data position, schedule, RNG states, config): plain
+    Python values and tensors, written with ``torch.save`` to ``path/mxtrain_extra.pt`` (read back with
+    ``weights_only=True``); a small ``path/mxtrain_meta.json`` says what the folder is. Every rank writes its shards into ``<path>.tmp``; after a
     barrier rank 0 writes the metadata and renames the folder, replacing an older ``path`` (moved to
     ``<path>.old`` first, then deleted). A crash at any point leaves either the old or the new
     checkpoint whole at ``path`` (or in ``<path>.old`` for the instant between the two renames).
@@ -337,8 +340,11 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
         dcp.save(state, checkpoint_id=str(tmp), no_dist=not env.distributed)
     barrier()
     if env.is_rank0:
-        meta = {"format": "mxtrain-dcp-1", "world_size": env.world_size, "has_optim": optimizer is not None,
-                "extra": extra or {}}
+        meta = {"format": "mxtrain-dcp-1", "world_size": env.world_size, "has_optim": optimizer is not None}
+        with open(tmp / _EXTRA, "wb") as f:
+            torch.save(extra or {}, f)
+            f.flush()
+            os.fsync(f.fileno())
         with open(tmp / _META, "w") as f:
             json.dump(meta, f, indent=1, sort_keys=True)
             f.flush()
@@ -369,8 +375,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     path = Path(path)
     if not is_checkpoint(path):
         raise UserError(f"{path} is not an mxtrain distributed checkpoint (no .metadata / {_META} in it)")
-    with open(path / _META) as f:
-        meta = json.load(f)
+    meta = _read_meta(path)
     if optimizer is not None and not meta.get("has_optim", False):
         raise UserError(f"{path} holds no optimizer state")
     msd, osd = get_state_dict(model, optimizer if optimizer is not None else [])
@@ -385,7 +390,31 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
         raise UserError(f"cannot load checkpoint {path} into this model: {_dcp_reason(e)}") from e
     set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=state["model"],
                    optim_state_dict=state.get("optim", {}), options=StateDictOptions(strict=True))
-    return meta.get("extra", {})
+    return read_extra(path)
+
+
+def _read_meta(path: Path) -> dict:
+    try:
+        with open(path / _META) as f:
+            meta = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"{path / _META}: unreadable ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != "mxtrain-dcp-1":
+        raise UserError(f"{path} is not an mxtrain distributed checkpoint (format {meta.get('format')!r})")
+    return meta
+
+
+def read_extra(path: str | os.PathLike) -> dict:
+    """Rank 0's ``extra`` state of a checkpoint folder, without loading model or optimizer."""
+    path = Path(path)
+    if not is_checkpoint(path):
+        raise UserError(f"{path} is not an mxtrain distributed checkpoint (no .metadata / {_META} in it)")
+    _read_meta(path)
+    try:
+        return torch.load(path / _EXTRA, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise UserError(f"checkpoint {path} is corrupt or truncated ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0][:120] if str(e) else ''}); restore it or start a new run") from None
 
 
 @contextlib.contextmanager
@@ -405,6 +434,78 @@ def _dcp_reason(e: BaseException) -> str:
         if "Error" in ln.split(":", 1)[0]:
             return ln[:300]
     return (lines[0] if lines else type(e).__name__)[:300]
+
+
+# ----------------------------------------------------------------------------------- trainer hooks
+# What mxtrain.train.trainer calls; each is a no-op (or the plain single-process thing) on one process.
+
+DCP_NAME = "checkpoint.dcp"  # a run folder's distributed checkpoint (the single-process one is checkpoint.pt)
+
+
+def find_dcp(path: str | os.PathLike) -> Path | None:
+    """``path`` itself if it is a DCP checkpoint folder, ``path/checkpoint.dcp`` if that is one, else None."""
+    p = Path(path)
+    for c in (p, p / DCP_NAME):
+        if is_checkpoint(c):
+            return c
+    return None
+
+
+def reduce_mean(x: float) -> float:
+    """Mean of a Python float over ranks (loss logging); ``x`` on one process."""
+    if not _ENV.distributed:
+        return x
+    t = torch.tensor([x], dtype=torch.float64, device=_ENV.device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.item() / _ENV.world_size
+
+
+def reduce_sums(*xs: float) -> list[float]:
+    """Sums over ranks of several Python floats, in one all-reduce (float64)."""
+    if not _ENV.distributed:
+        return list(xs)
+    t = torch.tensor(xs, dtype=torch.float64, device=_ENV.device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.tolist()
+
+
+def even_batches(batches) -> list[tuple[object, float]]:
+    """``[(batch, weight)]`` with the same length on every rank: ranks with fewer batches repeat their
+    last one with weight 0. FSDP2 all-gathers inside every
+    forward, so evaluation must run the same number of forwards on every rank or it hangs."""
+    batches = list(batches)
+    n = len(batches)
+    if _ENV.distributed:
+        t = torch.tensor([n], dtype=torch.int64, device=_ENV.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        n_max = int(t.item())
+    else:
+        n_max = n
+    if n == 0 and n_max > 0:
+        raise UserError("validation set smaller than the number of ranks; raise log.eval_tokens")
+    return [(b, 1.0) for b in batches] + [(batches[-1], 0.0)] * (n_max - n)
+
+
+def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, model_sd: dict,
+                    optim_sd: dict | None) -> None:
+    """Load a single-process checkpoint (``model.state_dict()``, ``optimizer.state_dict()``, full
+    tensors on every rank) into a DDP- or FSDP2-wrapped model and its optimizer: FSDP2 takes each
+    rank's shard. The optimizer's state is keyed by parameter index in ``param_groups`` order; it is
+    re-keyed by parameter name, which is what ``set_state_dict`` expects, so the optimizer must be
+    built with its parameters in the same order as the one that wrote the checkpoint."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+    opts = StateDictOptions(full_state_dict=True, strict=True)
+    if optimizer is None or optim_sd is None:
+        set_state_dict(model, [], model_state_dict=model_sd, optim_state_dict={}, options=opts)
+        return
+    names = {id(p): n for n, p in unwrap(model).named_parameters()}
+    order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    n_saved = sum(len(g["params"]) for g in optim_sd["param_groups"])
+    if n_saved != len(order):
+        raise UserError(f"checkpoint's optimizer has {n_saved} parameters, this model {len(order)}")
+    fqn_sd = {"state": {order[int(i)]: st for i, st in optim_sd["state"].items()},
+              "param_groups": [{**g, "params": [order[int(i)] for i in g["params"]]} for g in optim_sd["param_groups"]]}
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=fqn_sd, options=opts)
 
 
 # ------------------------------------------------------------------------------------------ launch

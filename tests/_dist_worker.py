@@ -98,6 +98,9 @@ def train(model, opt, env, start: int, steps: int, accum: int, save_at: int | No
             capture["done"] = True  # keep only the first step's capture
         if save_at is not None and step + 1 == save_at:
             D.save_checkpoint(save_dir, model, opt, extra={"step": step + 1}, env=env)
+            if not env.distributed:  # also the single-process trainer's format: plain state dicts
+                torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step + 1},
+                           save_dir + ".pt")
     return losses
 
 
@@ -124,7 +127,11 @@ def run_scenario(name: str, mode: str, env: D.DistEnv, out: Path, *, accum=1, st
                  resume: str | None = None, capture=False) -> dict:
     model, opt = build(mode, env)
     start = 0
-    if resume:
+    if resume and resume.endswith(".pt"):
+        st = torch.load(resume, weights_only=True)
+        D.load_full_state(model, opt, st["model"], st["optimizer"])
+        start = st["step"]
+    elif resume:
         start = D.load_checkpoint(resume, model, opt, env=env)["step"]
     cap = {} if capture else None
     if capture:
@@ -153,6 +160,9 @@ def suite(out: Path, ref: Path):
         # across world sizes and modes: 1 process wrote it (micro-batch 4, 2 accumulation steps), 2 ranks read it
         "ddp_resume_single": run_scenario("ddp_resume_single", "ddp", env, out, resume=str(ref / "ck_single")),
         "fsdp2_resume_single": run_scenario("fsdp2_resume_single", "fsdp2", env, out, resume=str(ref / "ck_single")),
+        # a plain torch.save checkpoint of one process (the single-process trainer's format)
+        "fsdp2_resume_plain": run_scenario("fsdp2_resume_plain", "fsdp2", env, out, resume=str(ref / "ck_single.pt")),
+        "ddp_resume_plain": run_scenario("ddp_resume_plain", "ddp", env, out, resume=str(ref / "ck_single.pt")),
     }
     if env.is_rank0:
         (out / "results.json").write_text(json.dumps(results))

@@ -103,6 +103,9 @@ def test_resume_1_rank_checkpoint_on_2_ranks(runs):
     ref = runs["single"]["losses"][10:]
     assert _max_diff(runs["ddp_resume_single"]["losses"], ref) <= DDP_TOL
     assert _max_diff(runs["fsdp2_resume_single"]["losses"], ref) <= FSDP2_TOL
+    # from the single-process trainer's plain state dicts (torch.save), through load_full_state
+    assert _max_diff(runs["ddp_resume_plain"]["losses"], ref) <= DDP_TOL
+    assert _max_diff(runs["fsdp2_resume_plain"]["losses"], ref) <= FSDP2_TOL
 
 
 def test_resume_2_rank_checkpoint_on_1_rank(runs):
