@@ -30,10 +30,12 @@ Pipeline for one tensor (``quantize``):
    (saturation), then rounded onto the element grid:
 
    * ``nearest``: round half to even;
-   * ``stochastic``: down or up to the two neighbouring grid values, up with probability equal
-     to the distance from the lower neighbour divided by the spacing, using 24-bit uniforms from
-     ``mxtrain.rng`` keyed by (seed, linear element index in ``x``'s own layout). Unbiased for
-     values inside the range (to within 2**-24 of the spacing).
+   * ``stochastic``: on magnitudes: with ``lo <= |v| <= hi`` the neighbouring grid magnitudes,
+     ``|v|`` goes to ``hi`` iff ``u < (|v| - lo) / (hi - lo)`` (an exact float32 fraction), else to
+     ``lo``; the sign is kept (a negative value that goes to 0 gives -0). ``u`` is the 24-bit
+     uniform ``mxtrain.rng.uniform(i, rng.stream_key(seed))`` of the element's linear index ``i``
+     in ``x``'s own (unpadded, contiguous row-major) layout. Unbiased for values inside the range
+     (to within 2**-24 of the spacing); values beyond +-max saturate.
 
 Scale rules for MX (``amax = sig * 2**E`` with ``1 <= sig < 2``, ``emax`` the element's
 largest binade, ``max_elem`` its largest value):

@@ -438,6 +438,32 @@ def test_sr_gives_only_the_two_neighbours(fmt):
         assert np.all((e == lo) | (e == hi)), fmt
 
 
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp6_e3m2", "mxfp8_e4m3", "nvfp4", "fp8_e5m2"])
+def test_sr_bit_exact_against_hash_reference(fmt):
+    # Independent SR: per-element uniforms from the numpy lowbias32 below, indexed by the element's
+    # linear index in x's own layout; |v| goes up iff u < (|v| - lo) / (hi - lo).
+    ename = (MX_ELEM | {"nvfp4": "e2m1", "fp8_e5m2": "e5m2"})[fmt]
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(45, 7, generator=gen) * 2.0 ** torch.randint(-3, 3, (1, 7), generator=gen)
+    seed, axis = 77, 0
+    q = mxtrain.quantize(x, fmt, axis=axis, rounding="stochastic", seed=seed)
+    d = mxtrain.quantize(x, fmt, axis=axis).scale_values().numpy()   # (7, padded 45)
+    n = d.shape[-1]
+    xm = np.zeros((7, n), np.float32)
+    xm[:, :45] = x.numpy().T
+    v = (xm / d).astype(np.float32).astype(np.float64)  # float32 division (exact for MX)
+    idx = np.zeros((7, n), np.uint64)
+    idx[:, :45] = np.arange(x.numel(), dtype=np.uint64).reshape(45, 7).T
+    u = (np_mix32(idx ^ np.uint64(rng.stream_key(seed))) >> np.uint32(8)).astype(np.float64) * 2.0**-24
+    g = grid(ename)
+    mag = np.minimum(np.abs(v), g[-1])
+    lo = g[np.searchsorted(g, mag, side="right") - 1]
+    hi = g[np.searchsorted(g, mag, side="left")]
+    frac = np.where(hi > lo, (mag - lo) / np.where(hi > lo, hi - lo, 1), 0)
+    expect = np.copysign(np.where(u < frac, hi, lo), v)
+    assert_bitwise_equal(q.elements().double(), expect, f"SR {fmt}")
+
+
 def test_sr_is_seeded_and_reproducible():
     x = torch.randn(8, 64)
     for fmt in ("mxfp4", "nvfp4", "fp8_e5m2"):
