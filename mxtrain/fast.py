@@ -98,20 +98,22 @@ def _gemm_fn(qctx: _Ctx, A: torch.Tensor, axA: int, nA: str, B: torch.Tensor, ax
         gr = _gemm.weight_group_rows() if b_is_weight else (
             _gemm.activation_b_group_rows(dev) if backend == "fp8_carrier" else 1)
         qb, pb = _quant(qctx, B, axB, nB, gemm, signs, backend, gr, cache if b_is_weight else None)
-        y = _gemm.mx_gemm_nt(qa, qb, backend, out_dtype)
+        return _gemm.mx_gemm_nt(qa, qb, backend, out_dtype, pa * pb)
     else:  # as the reference: fake-quantized / rotated dense operands
         gd = _gemm_dtype(recipe, nA, nB, gemm, dev.type)
-        ta, pa = qctx.operand(A, axA, nA, gemm, signs)
-        tb, pb = qctx.operand(B, axB, nB, gemm, signs)
+        plain = not (recipe.rotation(gemm).enabled or recipe.operand(nA).quantized or recipe.operand(nB).quantized)
+        if plain and A.dtype == torch.bfloat16 and B.dtype == torch.bfloat16:
+            # plain bf16 operands (e.g. tseng's Fprop): exact in bf16, fp32 accumulation in cuBLAS
+            ta, tb, pa, pb, gd = A, B, 1.0, 1.0, torch.bfloat16
+        else:
+            ta, pa = qctx.operand(A, axA, nA, gemm, signs)
+            tb, pb = qctx.operand(B, axB, nB, gemm, signs)
         ta = ta if axA == 1 else ta.t()
         tb = tb if axB == 1 else tb.t()
-        if gd == torch.float32 and A.dtype == torch.bfloat16 and B.dtype == torch.bfloat16 and not (
-                recipe.rotation(gemm).enabled or recipe.operand(nA).quantized or recipe.operand(nB).quantized):
-            gd = torch.bfloat16  # plain bf16 operands: exact in bf16, fp32 accumulation in the GEMM
-        y = torch.matmul(ta.to(gd), tb.to(gd).t()).to(out_dtype)
+        y = torch.matmul(ta.to(gd), tb.to(gd).t()).to(torch.float32)
     if pa * pb != 1.0:
         y = y / (pa * pb)
-    return y
+    return y.to(out_dtype)
 
 
 class _FastMXLinearFunction(torch.autograd.Function):
@@ -122,8 +124,8 @@ class _FastMXLinearFunction(torch.autograd.Function):
         backend = _backend(dev)
         x2 = x.reshape(-1, x.shape[-1])
         with torch.autocast(dev.type, enabled=False):
-            y = _gemm_fn(qctx, x2, 1, "fprop_x", weight, 1, "fprop_w", "fprop", True, backend, torch.float32,
-                         cache)
+            ydt = torch.float32 if (bias is not None or backend != "fp8_carrier") else out_dtype
+            y = _gemm_fn(qctx, x2, 1, "fprop_x", weight, 1, "fprop_w", "fprop", True, backend, ydt, cache)
             if bias is not None:
                 y = y + bias.to(torch.float32)
         ctx.save_for_backward(x2, weight)
@@ -142,12 +144,12 @@ class _FastMXLinearFunction(torch.autograd.Function):
             if ctx.needs_input_grad[0]:
                 # dX (M, K) = Q(dY) [rows, along N] x Q(W) [columns, along N]
                 dx = _gemm_fn(qctx, dy2, 1, "dgrad_dy", weight, 0, "dgrad_w", "dgrad", True, backend,
-                              torch.float32, ctx.cache)
+                              ctx.x_dtype if backend == "fp8_carrier" else torch.float32, ctx.cache)
                 dx = dx.to(ctx.x_dtype).reshape(ctx.x_shape)
             if ctx.needs_input_grad[1]:
                 # dW (N, K) = Q(dY^T) [along tokens] x Q(X^T) [along tokens]
                 dw = _gemm_fn(qctx, dy2, 0, "wgrad_dy", x2, 0, "wgrad_x", "wgrad", False, backend,
-                              torch.float32, None)
+                              weight.dtype if backend == "fp8_carrier" else torch.float32, None)
                 dw = dw.to(weight.dtype)
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 db = dy2.to(torch.float32).sum(0).to(weight.dtype)

@@ -40,8 +40,10 @@ def activation_b_group_rows(device) -> int:
     return 1 if p.get("b_1x128", False) else 128
 
 
-def _scaled_mm(a: QuantOut, b: QuantOut, out_dtype) -> torch.Tensor:
+def _scaled_mm(a: QuantOut, b: QuantOut, out_dtype, alpha: float = 1.0) -> torch.Tensor:
     sa = a.gscale  # (Rca, Kc/128), outer-dim-major
+    if alpha != 1.0:  # fold an output multiplier (1 / prescales) into A's fp32 group scales
+        sa = (sa.t() * alpha).t()
     if b.group_rows == 128:
         sb = b.gscale.t()  # (Kc/128, Rcb/128)
     else:
@@ -49,6 +51,7 @@ def _scaled_mm(a: QuantOut, b: QuantOut, out_dtype) -> torch.Tensor:
     return torch._scaled_mm(a.carrier, b.carrier.t(), sa, sb, out_dtype=out_dtype)
 
 
+@torch.compiler.disable
 def probe(device) -> dict:
     """Check once per device which blockwise ``_scaled_mm`` configurations run and are exact."""
     device = torch.device(device)
@@ -95,16 +98,28 @@ def _native_mx(a: QuantOut, b: QuantOut, out_dtype) -> torch.Tensor:  # pragma: 
     return torch._scaled_mm(fa, fb.t(), sa, sb, out_dtype=out_dtype)
 
 
-def mx_gemm_nt(a: QuantOut, b: QuantOut, backend: str, out_dtype=torch.float32) -> torch.Tensor:
-    """``A B^T`` of two MX operands, (a.R, b.R), in ``out_dtype`` (fp8_carrier computes in bf16 out)."""
+def mx_gemm_nt(a: QuantOut, b: QuantOut, backend: str, out_dtype=torch.float32,
+               divisor: float = 1.0) -> torch.Tensor:
+    """``(A B^T) / divisor`` of two MX operands, shape (a.R, b.R), in ``out_dtype``.
+
+    ``fp8_carrier`` accumulates in fp32 and writes bf16 (the divisor is folded into A's group
+    scales, applied to the fp32 accumulator); ``dequant`` computes in fp32 and divides after.
+    """
     Ra, Rb = a.R, b.R
     if backend == "fp8_carrier":
-        out = _scaled_mm(a, b, torch.bfloat16)
+        odt = out_dtype if out_dtype in (torch.bfloat16, torch.float32) else torch.bfloat16
+        try:
+            out = _scaled_mm(a, b, odt, 1.0 / divisor)
+        except RuntimeError:
+            if odt == torch.bfloat16:
+                raise
+            out = _scaled_mm(a, b, torch.bfloat16, 1.0 / divisor)
         return out[:Ra, :Rb].to(out_dtype)
     if backend == "native_mx":
         try:
             out = _native_mx(a, b, torch.bfloat16)
-            return out[:Ra, :Rb].to(out_dtype)
+            out = out[:Ra, :Rb].float()
+            return (out / divisor if divisor != 1.0 else out).to(out_dtype)
         except Exception:  # noqa: BLE001 - untested path: fall back to the exact dequantized GEMM
             pass
     if a.packed is not None:
@@ -113,4 +128,7 @@ def mx_gemm_nt(a: QuantOut, b: QuantOut, backend: str, out_dtype=torch.float32) 
         va, vb = carrier_values(a), carrier_values(b)
         Kmin = min(va.shape[1], vb.shape[1])
         va, vb = va[:, :Kmin], vb[:, :Kmin]
-    return torch.matmul(va[:Ra], vb[:Rb].t()).to(out_dtype)
+    y = torch.matmul(va[:Ra], vb[:Rb].t())
+    if divisor != 1.0:
+        y = y / divisor
+    return y.to(out_dtype)

@@ -82,8 +82,10 @@ class LogSection:
 
 @dataclass
 class ParallelSection:
-    """Stub for the multi-GPU issue: world size and rank come from torchrun's environment."""
-    strategy: str = "none"                  # none (later: ddp | fsdp2)
+    """Multi-process training (docs/distributed.md); rank and world size come from torchrun's environment."""
+    mode: str = "auto"                      # auto (none on 1 process, ddp on several) | none | ddp | fsdp2
+    param_dtype: str = "auto"               # FSDP2 gathered-weight dtype: auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
+    reshard_after_forward: bool = True      # FSDP2: free gathered weights after each block's forward (ZeRO-3)
 
 
 @dataclass

@@ -1,0 +1,359 @@
+"""``mxtrain bench quantize|gemm|linear|step|all``: GPU benchmarks of the fast path, JSON out.
+
+Every ratio is measured in the same run (``triton.testing.do_bench`` medians, random data):
+
+* ``quantize``: fused MXFP4 quantize (bf16 in; FP8 carrier + group scales out, optionally packed
+  FP4 + E8M0 too) as bytes moved per second, against a bf16 device-to-device copy of the same
+  tensor (bytes read + written).
+* ``gemm``: TFLOP/s of the exact-MXFP4 GEMM (FP8 carrier, blockwise ``_scaled_mm``) vs cuBLAS BF16
+  and FP8 (tensorwise and rowwise ``_scaled_mm``) at 8192^3 and Llama-8B shapes (M = 16384 tokens).
+* ``linear``: ``MXLinear`` forward+backward per preset vs ``nn.Linear`` BF16 at 8B shapes.
+* ``step``: forward+backward of a stack of Llama blocks with 8B shapes (bf16, FP8 rowwise, MXFP4
+  presets); embeddings and the output head are left out.
+
+Run as ``mxtrain bench all --out bench.json`` or ``python -m mxtrain.bench all``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+import time
+
+import torch
+
+__all__ = ["register", "main"]
+
+LLAMA8B_NK = [(4096, 4096), (14336, 4096), (4096, 14336), (6144, 4096)]
+LINEAR_PRESETS = ["mxfp4-all-dh16", "mxfp4-all", "mxfp4-all-sr", "tseng"]
+STEP_PRESETS = ["mxfp4-all-dh16", "mxfp4-all", "tseng"]
+
+
+def _bench(fn, warmup=25, rep=100) -> float:
+    """Median milliseconds of ``fn`` (triton.testing.do_bench)."""
+    import triton.testing
+    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def _env() -> dict:
+    import triton
+    d = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+         "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version()}
+    if torch.cuda.is_available():
+        d["device"] = torch.cuda.get_device_name()
+        d["capability"] = list(torch.cuda.get_device_capability())
+    from .kernels import backend
+    d["backend"] = backend("cuda" if torch.cuda.is_available() else "cpu")
+    return d
+
+
+# ---------------------------------------------------------------------------------------- quantize
+
+def bench_quantize(args) -> dict:
+    from .hadamard import rotation_signs
+    from .kernels.quantize import quantize_mxfp4_2d
+    dev = "cuda"
+    res = []
+    cases = [
+        ("act 16384x4096 rows carrier", (16384, 4096), 1, dict()),
+        ("act 16384x4096 rows carrier H16", (16384, 4096), 1, dict(rot=16)),
+        ("act 16384x4096 rows carrier H64 signs SR x0.75", (16384, 4096), 1,
+         dict(rot=64, signs=rotation_signs(64, "fixed", device=dev), rounding="stochastic", key=123, prescale=0.75)),
+        ("act 16384x4096 cols (wgrad) carrier H16", (16384, 4096), 0, dict(rot=16)),
+        ("act 16384x14336 rows carrier H16", (16384, 14336), 1, dict(rot=16)),
+        ("weight 14336x4096 rows 128x128 H16", (14336, 4096), 1, dict(rot=16, group_rows=128)),
+        ("weight 14336x4096 cols (dgrad) 128x128 H16", (14336, 4096), 0, dict(rot=16, group_rows=128)),
+        ("act 16384x4096 rows carrier+fp4 H16", (16384, 4096), 1, dict(rot=16, fp4=True)),
+        ("act 16384x4096 rows fp4 only", (16384, 4096), 1, dict(carrier=False, fp4=True)),
+    ]
+    for name, shape, axis, kw in cases:
+        x = torch.randn(shape, device=dev, dtype=torch.bfloat16)
+        y = torch.empty_like(x)
+        t_copy = _bench(lambda: y.copy_(x))
+        kw = dict(kw)
+        kw.setdefault("fp4", False)
+        kw.setdefault("carrier", True)
+        best = None
+        for br, nw in ((32, 4), (64, 8), (16, 4)) if kw.get("group_rows", 1) == 1 else ((128, 8), (128, 16)):
+            try:
+                fn = lambda: quantize_mxfp4_2d(x, axis, block_rows=br, num_warps=nw, **kw)  # noqa: E731
+                t = _bench(fn)
+                if best is None or t < best[0]:
+                    best = (t, br, nw)
+            except Exception as e:  # noqa: BLE001
+                res.append({"case": name, "block_rows": br, "num_warps": nw, "error": repr(e)[:300]})
+        n = x.numel()
+        out_bytes = 0
+        if kw["carrier"]:
+            out_bytes += n + n // 128 * 4
+        if kw["fp4"]:
+            out_bytes += n // 2 + n // 32
+        moved = 2 * n + out_bytes
+        copy_bw = 4 * n / (t_copy * 1e-3)
+        t = best[0]
+        bw = moved / (t * 1e-3)
+        res.append({"case": name, "shape": list(shape), "axis": axis, "ms": t, "block_rows": best[1],
+                    "num_warps": best[2], "bytes": moved, "GBps": bw / 1e9, "copy_ms": t_copy,
+                    "copy_GBps": copy_bw / 1e9, "frac_of_copy_bw": bw / copy_bw})
+        print(f"quantize {name:50s} {t*1e3:8.1f} us  {bw/1e9:7.0f} GB/s  copy {copy_bw/1e9:6.0f} GB/s  "
+              f"{100*bw/copy_bw:5.1f}%  (BR={best[1]}, warps={best[2]})", flush=True)
+        del x, y
+    return {"quantize": res}
+
+
+# -------------------------------------------------------------------------------------------- gemm
+
+def _fp8_rowwise(x: torch.Tensor):
+    amax = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12)
+    s = amax / 448.0
+    return (x.float() / s).to(torch.float8_e4m3fn), s
+
+
+def bench_gemm(args) -> dict:
+    from .kernels.gemm import mx_gemm_nt, probe
+    from .kernels.quantize import quantize_mxfp4_2d
+    dev = "cuda"
+    res = {"probe": probe(dev), "shapes": []}
+    shapes = [(8192, 8192, 8192)] + [(16384, n, k) for n, k in LLAMA8B_NK]
+    for M, N, K in shapes:
+        a = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+        b = torch.randn(N, K, device=dev, dtype=torch.bfloat16)
+        flops = 2.0 * M * N * K
+        r = {"M": M, "N": N, "K": K}
+        r["bf16_ms"] = _bench(lambda: torch.matmul(a, b.t()))
+        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+        one = torch.ones((), device=dev)
+        try:
+            r["fp8_tensorwise_ms"] = _bench(lambda: torch._scaled_mm(a8, b8.t(), one, one, out_dtype=torch.bfloat16))
+        except Exception as e:  # noqa: BLE001
+            r["fp8_tensorwise_error"] = repr(e)[:200]
+        try:
+            qa8, sa = _fp8_rowwise(a)
+            qb8, sb = _fp8_rowwise(b)
+            r["fp8_rowwise_ms"] = _bench(lambda: torch._scaled_mm(qa8, qb8.t(), sa, sb.t(), out_dtype=torch.bfloat16))
+        except Exception as e:  # noqa: BLE001
+            r["fp8_rowwise_error"] = repr(e)[:200]
+        qa = quantize_mxfp4_2d(a, 1, carrier=True, fp4=False, group_rows=1)
+        qb = quantize_mxfp4_2d(b, 1, carrier=True, fp4=False, group_rows=128)
+        r["mxfp4_carrier_ms"] = _bench(lambda: mx_gemm_nt(qa, qb, "fp8_carrier", torch.bfloat16))
+        r["mxfp4_carrier_plus_quant_act_ms"] = _bench(
+            lambda: mx_gemm_nt(quantize_mxfp4_2d(a, 1, carrier=True, fp4=False, rot=16), qb, "fp8_carrier",
+                               torch.bfloat16))
+        # exactness vs float64 of the dequantized operands (sample rows to keep it cheap)
+        y = mx_gemm_nt(qa, qb, "fp8_carrier", torch.bfloat16)[:256].double()
+        from .kernels.quantize import carrier_values
+        ref = carrier_values(qa)[:256].double() @ carrier_values(qb)[:N].double().t()
+        r["rel_err_vs_f64"] = ((y - ref).norm() / ref.norm()).item()
+        r["inexact_blocks"] = int(qa.inexact.item() + qb.inexact.item())
+        for k in list(r):
+            if k.endswith("_ms") and not k.startswith("mxfp4_carrier_plus"):
+                r[k.replace("_ms", "_tflops")] = flops / (r[k] * 1e-3) / 1e12
+        r["carrier_over_bf16"] = r["bf16_ms"] / r["mxfp4_carrier_ms"]
+        if "fp8_tensorwise_ms" in r:
+            r["carrier_over_fp8_tensorwise"] = r["fp8_tensorwise_ms"] / r["mxfp4_carrier_ms"]
+        print(f"gemm {M}x{N}x{K}: bf16 {r['bf16_tflops']:6.0f}  fp8 {r.get('fp8_tensorwise_tflops', 0):6.0f}  "
+              f"fp8-row {r.get('fp8_rowwise_tflops', 0):6.0f}  mxfp4-carrier {r['mxfp4_carrier_tflops']:6.0f} "
+              f"TFLOP/s  ({r['carrier_over_bf16']:.2f}x bf16; err {r['rel_err_vs_f64']:.2e})", flush=True)
+        res["shapes"].append(r)
+        del a, b, a8, b8, qa, qb
+    return {"gemm": res}
+
+
+# ------------------------------------------------------------------------------------------ linear
+
+class _FP8RowwiseLinearFn(torch.autograd.Function):
+    """FP8 baseline: every GEMM operand cast to e4m3 with one scale per row along the reduction
+    (plain PyTorch casts, unfused), PyTorch rowwise ``_scaled_mm``."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        x2 = x.reshape(-1, x.shape[-1])
+        qx, sx = _fp8_rowwise(x2)
+        qw, sw = _fp8_rowwise(w)
+        y = torch._scaled_mm(qx, qw.t(), sx, sw.t(), out_dtype=torch.bfloat16)
+        ctx.save_for_backward(x2, w)
+        ctx.xs = x.shape
+        return y.reshape(*x.shape[:-1], w.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, w = ctx.saved_tensors
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        qd, sd = _fp8_rowwise(dy2)
+        qwt, swt = _fp8_rowwise(w.t().contiguous())
+        dx = torch._scaled_mm(qd, qwt.t(), sd, swt.t(), out_dtype=torch.bfloat16)
+        qdt, sdt = _fp8_rowwise(dy2.t().contiguous())
+        qxt, sxt = _fp8_rowwise(x2.t().contiguous())
+        dw = torch._scaled_mm(qdt, qxt.t(), sdt, sxt.t(), out_dtype=torch.bfloat16)
+        return dx.reshape(ctx.xs), dw
+
+
+class FP8RowwiseLinear(torch.nn.Linear):
+    def forward(self, x):
+        return _FP8RowwiseLinearFn.apply(x, self.weight)
+
+
+def bench_linear(args) -> dict:
+    from .nn import MXLinear
+    dev = "cuda"
+    M = 16384
+    res = []
+    for N, K in LLAMA8B_NK:
+        x = torch.randn(M, K, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        gy = torch.randn(M, N, device=dev, dtype=torch.bfloat16)
+        base = torch.nn.Linear(K, N, bias=False, device=dev, dtype=torch.bfloat16)
+
+        def step(mod, clear=False):
+            def f():
+                if clear:
+                    mod.__dict__.pop("_mx_weight_cache", None)
+                x.grad = None
+                mod.weight.grad = None
+                mod(x).backward(gy)
+            return f
+
+        r = {"M": M, "N": N, "K": K, "bf16_ms": _bench(step(base))}
+        fp8 = FP8RowwiseLinear(K, N, bias=False, device=dev, dtype=torch.bfloat16)
+        try:
+            r["fp8_rowwise_ms"] = _bench(step(fp8))
+        except Exception as e:  # noqa: BLE001
+            r["fp8_rowwise_error"] = repr(e)[:200]
+        for p in LINEAR_PRESETS:
+            lin = MXLinear(K, N, bias=False, device=dev, dtype=torch.bfloat16, recipe=p)
+            lin.weight.data.copy_(base.weight.data)
+            r[f"{p}_ms"] = _bench(step(lin, clear=True))           # W quantized every call
+            r[f"{p}_reuseW_ms"] = _bench(step(lin, clear=False))   # micro-batches: W reused
+            r[f"{p}_speedup"] = r["bf16_ms"] / r[f"{p}_ms"]
+            r[f"{p}_reuseW_speedup"] = r["bf16_ms"] / r[f"{p}_reuseW_ms"]
+            del lin
+        if "fp8_rowwise_ms" in r:
+            r["fp8_rowwise_speedup"] = r["bf16_ms"] / r["fp8_rowwise_ms"]
+        print("linear " + f"{M}x{N}x{K}: bf16 {r['bf16_ms']:.2f} ms; " + "; ".join(
+            f"{p} {r[f'{p}_speedup']:.2f}x ({r[f'{p}_reuseW_speedup']:.2f}x reuse)" for p in LINEAR_PRESETS)
+            + (f"; fp8-rowwise {r['fp8_rowwise_speedup']:.2f}x" if "fp8_rowwise_speedup" in r else ""), flush=True)
+        res.append(r)
+        del x, gy, base, fp8
+    tot = {k: sum(r[k] for r in res) for k in res[0] if k.endswith("_ms") and all(k in q for q in res)}
+    summary = {k.replace("_ms", "_speedup_sum"): tot["bf16_ms"] / v for k, v in tot.items()}
+    return {"linear": res, "linear_summary": summary}
+
+
+# -------------------------------------------------------------------------------------------- step
+
+def bench_step(args) -> dict:
+    from .model import Block, ModelConfig, rope_tables
+    from .nn import convert
+    dev = "cuda"
+    n_layers = args.layers
+    cfg = ModelConfig.named("llama3-8b", n_layers=n_layers)
+    B, T = args.batch, args.seq
+    res = {"layers": n_layers, "batch": B, "seq": T, "tokens": B * T, "runs": {}}
+    cos, sin = rope_tables(cfg.head_dim, T, cfg.rope_theta, dev)
+    torch.manual_seed(0)
+    blocks0 = torch.nn.ModuleList(Block(cfg, dev) for _ in range(n_layers)).to(torch.bfloat16)
+    state = {k: v.clone() for k, v in blocks0.state_dict().items()}
+    x = torch.randn(B, T, cfg.dim, device=dev, dtype=torch.bfloat16, requires_grad=True)
+
+    def make(kind):
+        blocks = torch.nn.ModuleList(Block(cfg, dev) for _ in range(n_layers)).to(torch.bfloat16)
+        blocks.load_state_dict(state)
+        if kind == "fp8_rowwise":
+            for name, m in list(blocks.named_modules()):
+                if type(m) is torch.nn.Linear:
+                    parent = blocks.get_submodule(name.rsplit(".", 1)[0])
+                    new = FP8RowwiseLinear.__new__(FP8RowwiseLinear)
+                    torch.nn.Module.__init__(new)
+                    new.in_features, new.out_features, new.weight, new.bias = m.in_features, m.out_features, m.weight, None
+                    setattr(parent, name.rsplit(".", 1)[1], new)
+        elif kind != "bf16":
+            convert(blocks, kind, skip=())
+        return blocks
+
+    def fwd_bwd(blocks):
+        def f():
+            for p in blocks.parameters():
+                p.grad = None
+            for m in blocks.modules():
+                m.__dict__.pop("_mx_weight_cache", None)
+            h = x
+            for blk in blocks:
+                h = blk(h, cos, sin)
+            h.float().square().mean().backward()
+        return f
+
+    for kind in ["bf16", "fp8_rowwise"] + STEP_PRESETS:
+        try:
+            blocks = make(kind)
+            t = _bench(fwd_bwd(blocks), warmup=50, rep=300)
+            res["runs"][kind] = {"ms": t}
+            del blocks
+        except Exception as e:  # noqa: BLE001
+            res["runs"][kind] = {"error": repr(e)[:300]}
+        torch.cuda.empty_cache()
+    bf = res["runs"]["bf16"]["ms"]
+    for k, v in res["runs"].items():
+        if "ms" in v:
+            v["speedup_vs_bf16"] = bf / v["ms"]
+            v["tokens_per_s"] = B * T / (v["ms"] * 1e-3)
+    print("step " + "; ".join(f"{k} {v.get('ms', float('nan')):.1f} ms ({v.get('speedup_vs_bf16', 0):.2f}x)"
+                              for k, v in res["runs"].items()), flush=True)
+    return {"step": res}
+
+
+# --------------------------------------------------------------------------------------------- CLI
+
+_WHAT = {"quantize": bench_quantize, "gemm": bench_gemm, "linear": bench_linear, "step": bench_step}
+
+
+def run(args) -> int:
+    if not torch.cuda.is_available():
+        print("mxtrain bench: needs a CUDA GPU (the fast path's kernels and GEMMs run there)", file=sys.stderr)
+        return 2
+    what = list(_WHAT) if args.what == "all" else [args.what]
+    out = {"env": _env(), "command": " ".join(sys.argv)}
+    t0 = time.time()
+    for w in what:
+        try:
+            out.update(_WHAT[w](args))
+        except Exception as e:  # noqa: BLE001 - keep the other benchmarks' numbers
+            out[w + "_error"] = repr(e)[:500]
+            print(f"bench {w} failed: {e!r}", file=sys.stderr, flush=True)
+        torch.cuda.empty_cache()
+    out["seconds"] = time.time() - t0
+    text = json.dumps(out, indent=1)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    else:
+        print(text)
+    return 0
+
+
+def _add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("what", choices=["quantize", "gemm", "linear", "step", "all"], help="which benchmark")
+    p.add_argument("--out", default=None, help="write the JSON results here (default: stdout)")
+    p.add_argument("--layers", type=int, default=2, help="step: number of Llama-8B-shaped blocks")
+    p.add_argument("--batch", type=int, default=2, help="step: batch size")
+    p.add_argument("--seq", type=int, default=4096, help="step: sequence length")
+
+
+def register(subparsers) -> None:
+    """Add the ``bench`` subcommand to the ``mxtrain`` CLI."""
+    p = subparsers.add_parser("bench", help="GPU benchmarks of the fast MXFP4 path (JSON out)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_args(p)
+    p.set_defaults(func=run)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m mxtrain.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_args(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
