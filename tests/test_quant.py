@@ -231,6 +231,7 @@ def test_mx_axes_and_odd_lengths(fmt):
     check_mx(x3, fmt, 1, "even", what="middle axis")
     check_mx(x3, fmt, 2, "amd", what="last axis of 3-d")
     check_mx(torch.randn(33, generator=gen), fmt, 0, "floor", what="1-d")
+    check_mx(x2.t(), fmt, -1, "ceil", what="non-contiguous view")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -589,3 +590,16 @@ def test_finite_blocks_never_dequantize_to_inf(rule):
         assert torch.isfinite(y).all(), (fmt, rule)
         y = mxtrain.fake_quantize(x, fmt, scale_rule=rule, rounding="stochastic", seed=0)
         assert torch.isfinite(y).all(), (fmt, rule)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fmt", MX_FORMATS + ["nvfp4", "fp8_e4m3", "fp8_e5m2"])
+def test_cuda_matches_cpu_bit_for_bit(fmt):
+    x = torch.cat([binade_blocks(16, 96), special_rows("mxfp4")[:, :32].repeat(1, 3)])
+    for rule in RULES:
+        for rounding in ("nearest", "stochastic"):
+            kw = dict(rounding=rounding, seed=5, scale_rule=rule)
+            a, b = mxtrain.quantize(x, fmt, **kw), mxtrain.quantize(x.cuda(), fmt, **kw)
+            assert torch.equal(a.codes(), b.codes().cpu()), (fmt, rule, rounding)
+            assert_bitwise_equal(b.dequantize().cpu(), a.dequantize(), f"{fmt} {rule} {rounding} cuda")
