@@ -13,9 +13,11 @@ pass), never from another quantized copy. Each GEMM output is divided by the pro
 operands' prescales (Tseng et al.'s 16/9 for a 3/4 prescale on both).
 
 This is the oracle for the fast GPU path: dequantized operands are multiplied in float32, or in
-bf16 under autocast when both operands are exactly representable in bf16 (every MX format is, as
-its values have at most 4 significant bits and a power-of-two scale; bf16 shares float32's
-exponent range), which changes only the accumulation order. Float64 inputs (``gradcheck``) keep
+bf16 under autocast when both operands are exactly representable in bf16 (MX values have at most
+4 significant bits and a power-of-two scale, and bf16 shares float32's exponent range; the one
+exception is a block whose scale is so small, below about 2**-117, that FP6/FP8 subnormal elements
+fall under bf16's smallest subnormal 2**-133; MXFP4 is always exact), which changes only the
+accumulation order. Float64 inputs (``gradcheck``) keep
 float64 for everything that is not quantized: rotations, unquantized operands and the GEMMs
 (quantized operands are float32 values by definition, converted exactly).
 
