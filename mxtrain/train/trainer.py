@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from .. import __version__, convert, set_step
+from .. import distributed as D  # [distributed] issue 5: DDP / FSDP2 / DCP hooks
 from ..data import Loader, TokenData, ensure_builtin, val_batches
 from ..errors import UserError
 from ..model import Llama, ModelConfig
@@ -105,8 +106,10 @@ def _check(cfg: TrainConfig) -> None:
         raise UserError(f"schedule.horizon_steps ({cfg.schedule.horizon_steps}) must be >= train.steps ({t.steps})")
     if cfg.schedule.kind not in ("cosine", "wsd", "constant"):
         raise UserError(f"schedule.kind must be cosine, wsd or constant, got {cfg.schedule.kind!r}")
-    if cfg.parallel.strategy != "none":
-        raise UserError(f"parallel.strategy={cfg.parallel.strategy!r} is not implemented yet (single process only)")
+    if cfg.parallel.mode not in ("auto",) + D.MODES:  # [distributed]
+        raise UserError(f"parallel.mode must be auto, {', '.join(D.MODES)}; got {cfg.parallel.mode!r}")
+    if cfg.parallel.param_dtype not in ("auto", "bf16", "fp32"):
+        raise UserError(f"parallel.param_dtype must be auto, bf16 or fp32, got {cfg.parallel.param_dtype!r}")
 
 
 def _git_sha() -> str | None:
@@ -127,7 +130,7 @@ def _make_out(cfg: TrainConfig, resuming: bool) -> Path:
     try:
         if out.exists() and not out.is_dir():
             raise UserError(f"output folder {out} exists and is not a folder")
-        if not resuming and (out / ckpt.NAME).exists():
+        if not resuming and ((out / ckpt.NAME).exists() or D.find_dcp(out)):
             raise UserError(f"output folder {out} already holds a run; use --resume {out} or another --out")
         out.mkdir(parents=True, exist_ok=True)
         probe = out / f".write-test-{os.getpid()}"
@@ -172,12 +175,17 @@ def _optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -
                              fused=device.type == "cuda")
 
 
-def _wrap_parallel(model, cfg):  # the multi-GPU issue adds DDP / FSDP2 here
-    return model
+def _wrap_parallel(model, cfg, env):  # [distributed] DDP / FSDP2 (mxtrain.distributed.wrap)
+    p = cfg.parallel
+    mode = ("ddp" if env.distributed else "none") if p.mode == "auto" else p.mode
+    if mode != "fsdp2":
+        return D.wrap(model, mode, env)
+    dt = {"auto": "auto", "bf16": torch.bfloat16, "fp32": None}[p.param_dtype]
+    return D.wrap(model, mode, env, param_dtype=dt, reshard_after_forward=p.reshard_after_forward)
 
 
-def _reduce_mean(x: float) -> float:  # and an all-reduce here
-    return x
+def _reduce_mean(x: float) -> float:  # [distributed] all-reduce over ranks
+    return D.reduce_mean(x)
 
 
 def _peak_tflops(cfg: TrainConfig, dev: torch.device) -> float | None:
@@ -197,14 +205,16 @@ def evaluate(model, data: TokenData, cfg: TrainConfig, device, amp_dtype, rank=0
     model.eval()
     total, count = 0.0, 0
     bs = cfg.train.micro_batch_size or max(1, cfg.train.batch_size // world)
-    for x, y in val_batches(data, cfg.data.seq_len, bs, cfg.log.eval_tokens, rank, world):
+    # [distributed] every rank runs as many forwards (FSDP2 gathers in each); padding batches weigh 0
+    for (x, y), w in D.even_batches(val_batches(data, cfg.data.seq_len, bs, cfg.log.eval_tokens, rank, world)):
         x, y = x.to(device), y.to(device)
         with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
             loss = model(x, y)
-        total += loss.item() * y.numel()
-        count += y.numel()
+        total += w * loss.item() * y.numel()
+        count += w * y.numel()
     model.train()
-    return _reduce_mean(total / count)
+    total, count = D.reduce_sums(total, count)  # [distributed] token-weighted mean over all ranks
+    return total / count
 
 
 class _Log:
@@ -213,6 +223,9 @@ class _Log:
     def __init__(self, out: Path, cfg: TrainConfig, start_step: int, total: int, rank: int):
         self.rank = rank
         self.path = out / "metrics.jsonl"
+        if rank:  # [distributed] only rank 0 touches metrics.jsonl
+            self.f = self.tb = self.bar = None
+            return
         if start_step > 0 and self.path.exists():  # drop rows past the checkpoint (a crash after it)
             keep = [ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln).get("step", 0) <= start_step]
             self.path.write_text("".join(ln + "\n" for ln in keep))
@@ -258,17 +271,17 @@ class _Log:
             self.bar.close()
         if self.tb:
             self.tb.close()
-        self.f.close()
+        if self.f:
+            self.f.close()
 
 
 def train(cfg: TrainConfig, resume: str | Path | None = None) -> Path:
     """Train as ``cfg`` says; returns the run folder. ``resume``: a run folder or checkpoint to continue."""
     cfg = copy.deepcopy(cfg)
     _check(cfg)
-    rank, world = _world()
-    if world > 1:
-        raise UserError("multi-process training (torchrun) is not implemented yet; run one process")
     device = _resolve_device(cfg.train.device)
+    env = D.init(str(device) if device.index is not None or device.type == "cpu" else "cuda")  # [distributed]
+    rank, world, device = env.rank, env.world_size, env.device
     amp_dtype = _autocast_dtype(cfg, device)
     recipe = cfg.resolved_recipe()
     if cfg.train.deterministic:
@@ -276,7 +289,12 @@ def train(cfg: TrainConfig, resume: str | Path | None = None) -> Path:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
     state = None
-    if resume is not None:
+    dcp_path = D.find_dcp(resume) if resume is not None else None  # [distributed] a DCP checkpoint?
+    if dcp_path is not None:
+        state = D.read_extra(dcp_path)
+        if cfg.log.out is None:
+            cfg.log.out = str(dcp_path.parent)
+    elif resume is not None:
         state = ckpt.load(resume)
         if cfg.log.out is None:
             cfg.log.out = str(ckpt.find(resume).parent)
@@ -301,9 +319,9 @@ def train(cfg: TrainConfig, resume: str | Path | None = None) -> Path:
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg, data.vocab_size, device)
     convert(model, recipe)
-    model = _wrap_parallel(model, cfg)
+    model = _wrap_parallel(model, cfg, env)
     opt = _optimizer(model, cfg, device)
-    mcfg = model.cfg
+    mcfg = D.unwrap(model).cfg
     cfg_dict = cfg.to_dict()
     cfg_dict["recipe"] = cfg.recipe if isinstance(cfg.recipe, str) else recipe.to_dict()
 
@@ -311,8 +329,13 @@ def train(cfg: TrainConfig, resume: str | Path | None = None) -> Path:
     if state is not None:
         ckpt.check_compatible(state["config"], cfg_dict, resume)
         try:
-            model.load_state_dict(state["model"])
-            opt.load_state_dict(state["optimizer"])
+            if dcp_path is not None:  # [distributed] any writer world size -> this one
+                D.load_checkpoint(dcp_path, model, opt, env=env)
+            elif env.distributed:  # [distributed] a single-process checkpoint.pt -> DDP / FSDP2
+                D.load_full_state(model, opt, state["model"], state["optimizer"])
+            else:
+                model.load_state_dict(state["model"])
+                opt.load_state_dict(state["optimizer"])
         except (RuntimeError, ValueError, KeyError) as e:
             raise UserError(f"checkpoint {resume} does not fit this model ({str(e).splitlines()[0][:160]})") from None
         loader.load_state_dict(state["loader"])
@@ -348,11 +371,17 @@ def train(cfg: TrainConfig, resume: str | Path | None = None) -> Path:
 
     def save_ckpt(step):
         nonlocal last_ckpt_step
-        if rank == 0:
-            ckpt.save(ckpt_path, {"model": model.state_dict(), "optimizer": opt.state_dict(),
-                                  "schedule": {"step": step, "lr": lr_at(step, cfg)},
-                                  "loader": loader.state_dict(), "rng": ckpt.rng_state(), "step": step,
-                                  "tokens": tokens, "config": cfg_dict})
+        rest = {"schedule": {"step": step, "lr": lr_at(step, cfg)}, "loader": loader.state_dict(),
+                "rng": ckpt.rng_state(), "step": step, "tokens": tokens, "config": cfg_dict}
+        if env.distributed:  # [distributed] DCP folder, every rank writes its shards; atomic rename
+            D.save_checkpoint(out / D.DCP_NAME, model, opt, extra=rest, env=env)
+            if rank == 0 and ckpt_path.exists():
+                ckpt_path.unlink()  # a single-process leg's older checkpoint: resume must find the newest
+        elif rank == 0:
+            ckpt.save(ckpt_path, {"model": model.state_dict(), "optimizer": opt.state_dict(), **rest})
+            if D.find_dcp(out):  # [distributed] an older multi-process leg's checkpoint
+                import shutil
+                shutil.rmtree(out / D.DCP_NAME)
         last_ckpt_step = step
 
     model.train()
@@ -366,12 +395,13 @@ def train(cfg: TrainConfig, resume: str | Path | None = None) -> Path:
                 g["lr"] = lr
             set_step(model, step)
             loss_sum = torch.zeros((), device=device)
-            for _ in range(accum):
+            for k in range(accum):
                 x, y = loader.next()
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
-                    loss = model(x, y) / accum
-                loss.backward()
+                with D.grad_sync(model, k == accum - 1):  # [distributed] reduce grads on the last micro-step only
+                    with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
+                        loss = model(x, y) / accum
+                    loss.backward()
                 loss_sum += loss.detach()
             loss_val = _reduce_mean(loss_sum.item())
             if not math.isfinite(loss_val):
@@ -380,8 +410,8 @@ def train(cfg: TrainConfig, resume: str | Path | None = None) -> Path:
                 log.row({"step": step + 1, "tokens": tokens, "event": "non-finite loss", "loss": str(loss_val)})
                 raise NonFiniteLoss(f"loss is {loss_val} at step {step + 1}; training stopped ({where}); "
                                     f"try a lower --lr or another recipe")
-            gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip if cfg.optim.grad_clip > 0
-                                                   else float("inf"))
+            gnorm = D.clip_grad_norm_(model, cfg.optim.grad_clip if cfg.optim.grad_clip > 0  # [distributed] DTensor grads
+                                      else float("inf"))
             opt.step()
             opt.zero_grad(set_to_none=True)
             tokens += B * T
@@ -421,4 +451,7 @@ def train(cfg: TrainConfig, resume: str | Path | None = None) -> Path:
                    "final_val_ppl": math.exp(min(val_loss, 50)) if val_loss is not None else None,
                    "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if env.distributed:  # [distributed]
+        D.barrier()
+        D.shutdown()
     return out
