@@ -57,7 +57,7 @@ class Operand:
         _choice("format", self.fmt, list(FORMATS))
         _choice("rounding", self.rounding, ROUNDINGS)
         _choice("scale_rule", self.scale_rule, SCALE_RULES)
-        if not isinstance(self.prescale, (int, float)) or not self.prescale > 0:
+        if isinstance(self.prescale, bool) or not isinstance(self.prescale, (int, float)) or not self.prescale > 0:
             raise ValueError(f"prescale must be a positive number, got {self.prescale!r}")
         if self.block_2d and self.fmt != "nvfp4":
             raise ValueError(f"block_2d (16x16 tiles) is only defined for nvfp4, not {self.fmt!r}")
@@ -83,6 +83,9 @@ class Rotation:
     signs: str = "none"
 
     def __post_init__(self):
+        if isinstance(self.size, bool) or not isinstance(self.size, int):
+            raise ValueError(f"rotation size must be an integer, one of: 0, {', '.join(map(str, ROTATION_SIZES))}; "
+                             f"got {self.size!r}")
         _choice("rotation size", self.size, (0,) + ROTATION_SIZES)
         _choice("rotation signs", self.signs, SIGN_MODES)
 
@@ -135,8 +138,10 @@ class Recipe:
         object.__setattr__(self, "keep_hp", tuple(self.keep_hp))
         for n in ("keep_first", "keep_last"):
             v = getattr(self, n)
-            if not isinstance(v, int) or v < 0:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"Recipe.{n} must be a non-negative integer, got {v!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"Recipe.seed must be an integer, got {self.seed!r}")
         # 2-D weight tiles must be consistent between Fprop and Dgrad, or W and W^T differ silently
         # only by choice; allowed, so nothing to check. A rotation on a GEMM with no quantized
         # operand is legal (it only costs time) and is kept.

@@ -76,6 +76,14 @@ def test_unknown_names_list_the_valid_choices():
         Operand("mxfp4", block_2d=True)
     with pytest.raises(ValueError, match="keep_first"):
         Recipe(keep_first=-1)
+    with pytest.raises(ValueError, match="keep_last"):
+        Recipe(keep_last=True)
+    with pytest.raises(ValueError, match="seed"):
+        Recipe(seed="0")
+    with pytest.raises(ValueError, match="rotation size must be an integer"):
+        Rotation(16.0)
+    with pytest.raises(ValueError, match="prescale"):
+        Operand("mxfp4", prescale=True)
     with pytest.raises(TypeError):
         Recipe(fprop_x="mxfp4")
     with pytest.raises(TypeError):
