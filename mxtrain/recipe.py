@@ -31,6 +31,13 @@ OPERANDS = ("fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_dy", "wgrad_x")
 GEMMS = ("fprop", "dgrad", "wgrad")
 
 
+def _as_int(value):
+    """``value`` as a Python int if it is an integer (numpy integers included, bools not), else None."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        return None
+    return int(value.__index__())
+
+
 def _choice(what: str, value, valid) -> None:
     if value not in valid:
         raise ValueError(f"{what}: {value!r} is not valid; choose one of: {', '.join(map(str, valid))}")
@@ -83,9 +90,10 @@ class Rotation:
     signs: str = "none"
 
     def __post_init__(self):
-        if isinstance(self.size, bool) or not isinstance(self.size, int):
+        if _as_int(self.size) is None:
             raise ValueError(f"rotation size must be an integer, one of: 0, {', '.join(map(str, ROTATION_SIZES))}; "
                              f"got {self.size!r}")
+        object.__setattr__(self, "size", _as_int(self.size))
         _choice("rotation size", self.size, (0,) + ROTATION_SIZES)
         _choice("rotation signs", self.signs, SIGN_MODES)
 
@@ -138,10 +146,12 @@ class Recipe:
         object.__setattr__(self, "keep_hp", tuple(self.keep_hp))
         for n in ("keep_first", "keep_last"):
             v = getattr(self, n)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            if _as_int(v) is None or v < 0:
                 raise ValueError(f"Recipe.{n} must be a non-negative integer, got {v!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            object.__setattr__(self, n, _as_int(v))
+        if _as_int(self.seed) is None:
             raise ValueError(f"Recipe.seed must be an integer, got {self.seed!r}")
+        object.__setattr__(self, "seed", _as_int(self.seed))
         # 2-D weight tiles must be consistent between Fprop and Dgrad, or W and W^T differ silently
         # only by choice; allowed, so nothing to check. A rotation on a GEMM with no quantized
         # operand is legal (it only costs time) and is kept.

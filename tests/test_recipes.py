@@ -82,6 +82,9 @@ def test_unknown_names_list_the_valid_choices():
         Recipe(seed="0")
     with pytest.raises(ValueError, match="rotation size must be an integer"):
         Rotation(16.0)
+    import numpy as np
+    r = Recipe(seed=np.int64(3), keep_first=np.int32(1), fprop_rotation=Rotation(np.int64(16)))
+    assert type(r.seed) is int and type(r.keep_first) is int and type(r.fprop_rotation.size) is int
     with pytest.raises(ValueError, match="prescale"):
         Operand("mxfp4", prescale=True)
     with pytest.raises(TypeError):
