@@ -75,6 +75,9 @@ def _add_train(sub) -> None:
     a("--eval-every", type=int, help="steps between validation evaluations")
     a("--eval-tokens", type=int, help="validation tokens per evaluation")
     a("--device", help="auto, cpu, cuda, cuda:N")
+    a("--nproc", type=int, help="processes (GPUs) on this machine: re-runs this command under "
+                                "torchrun --nproc-per-node N (docs/distributed.md)")
+    a("--parallel", choices=["auto", "none", "ddp", "fsdp2"], help="multi-process mode (parallel.mode; default auto: ddp)")
     a("--resume", nargs="?", const=True, default=None, metavar="RUN",
       help="continue from a run folder or checkpoint file (no value: the --out folder)")
     a("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -88,7 +91,7 @@ _FLAG_KEYS = {"model": "model.name", "recipe": "recipe", "data": "data.path", "s
               "tokens": "train.tokens", "batch_size": "train.batch_size", "micro_batch_size": "train.micro_batch_size",
               "seq_len": "data.seq_len", "lr": "optim.lr", "out": "log.out", "seed": "train.seed",
               "init_seed": "model.init_seed", "data_seed": "data.seed", "eval_every": "log.eval_every",
-              "eval_tokens": "log.eval_tokens", "device": "train.device"}
+              "eval_tokens": "log.eval_tokens", "device": "train.device", "parallel": "parallel.mode"}
 
 
 def build_config(args):
@@ -101,7 +104,8 @@ def build_config(args):
         src = args.out if args.resume is True else args.resume
         if src is None:
             raise UserError("--resume needs a run folder (--resume RUN, or --resume with --out RUN)")
-        path = ckpt.find(src)
+        from .distributed import find_dcp  # [distributed] a multi-process run's checkpoint.dcp folder
+        path = find_dcp(src) or ckpt.find(src)
         cfg_file = path.parent / "config.json"
         try:
             cfg = TrainConfig.from_dict(json.loads(cfg_file.read_text()))
@@ -132,9 +136,15 @@ def _cmd_train(args) -> int:
         print("models:     ", ", ".join(size_names()))
         print("recipes:    ", ", ".join(recipes.names()))
         return 0
+    import os
+    if args.nproc is not None and args.nproc > 1 and "WORLD_SIZE" not in os.environ:  # [distributed] --nproc N
+        from .distributed import launch, strip_nproc
+        return launch(args.nproc, strip_nproc(list(getattr(args, "argv", None) or sys.argv[1:]))[1])
     from .train import train
     cfg = build_config(args)
     out = train(cfg, resume=args.resume)
+    if int(os.environ.get("RANK", "0")) != 0:  # [distributed] rank 0 reports
+        return 0
     import json
     s = json.loads((out / "summary.json").read_text())
     if s.get("final_val_loss") is not None:
@@ -180,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         parser = make_parser(argv)
         args = parser.parse_args(argv)
+        args.argv = argv  # [distributed] for train --nproc N, which re-runs the command under torchrun
         if args.version:
             from . import __version__
             print(f"mxtrain {__version__}")
