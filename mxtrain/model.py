@@ -98,8 +98,8 @@ class ModelConfig:
 
 
 SIZES: dict[str, ModelConfig] = {
-    # tiny: the CPU main job (about 3.6M parameters with an 8k vocab; see docs/training.md)
-    "tiny": ModelConfig(dim=192, n_layers=4, n_heads=6, n_kv_heads=2, vocab_size=8192, max_seq_len=512),
+    # tiny: the CPU main job (1.8M parameters with the 4k built-in vocab; see docs/training.md)
+    "tiny": ModelConfig(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=4096, max_seq_len=512),
     "30m": ModelConfig(dim=384, n_layers=6, n_heads=6, n_kv_heads=2, vocab_size=16384, max_seq_len=1024),
     "125m": ModelConfig(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, vocab_size=16384, max_seq_len=2048),
     "350m": ModelConfig(dim=1024, n_layers=24, n_heads=16, n_kv_heads=4, vocab_size=32768, max_seq_len=2048),

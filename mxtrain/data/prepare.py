@@ -157,7 +157,8 @@ def prepare(sources: list[str], out: str | Path, *, tokenizer: str | None = None
         meta = {
             "format": FORMAT,
             "dtype": np.dtype(dtype).name,
-            "vocab_size": tok.vocab_size,
+            "vocab_size": 32 * -(-tok.vocab_size // 32),  # padded to MX blocks of 32 (ids above are never used)
+            "tokenizer_vocab_size": tok.vocab_size,
             "eot_id": tok.eot_id,
             "tokenizer": tok_file,
             "tokenizer_source": tok.source,

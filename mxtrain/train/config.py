@@ -51,14 +51,14 @@ class OptimSection:
 @dataclass
 class ScheduleSection:
     kind: str = "cosine"                    # cosine | wsd | constant
-    warmup_steps: int = 20
+    warmup_steps: int = 10
     horizon_steps: Optional[int] = None     # length of the LR schedule; None: train.steps (may exceed it)
     decay_fraction: float = 0.2             # WSD: final share of the horizon spent decaying
 
 
 @dataclass
 class TrainSection:
-    steps: int = 160                        # optimizer steps
+    steps: int = 100                        # optimizer steps
     tokens: Optional[int] = None            # if set, steps = ceil(tokens / (batch_size * seq_len))
     batch_size: int = 16                    # sequences per optimizer step, all ranks together
     micro_batch_size: Optional[int] = None  # per rank and forward pass; None: batch_size / world_size
@@ -72,8 +72,8 @@ class TrainSection:
 @dataclass
 class LogSection:
     out: Optional[str] = None               # run folder; None: runs/<exp>-<recipe>-<time>
-    eval_every: int = 40
-    eval_tokens: int = 16384                # validation tokens per evaluation (fixed windows)
+    eval_every: int = 25
+    eval_tokens: int = 8192                 # validation tokens per evaluation (fixed windows)
     log_every: int = 10
     tensorboard: bool = True                # if tensorboard is installed
     progress: bool = True                   # console progress bar

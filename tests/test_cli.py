@@ -1,0 +1,100 @@
+"""The mxtrain command line, run as a subprocess: every bad input is one line on stderr, a non-zero
+exit and no traceback; a short training run prints validation perplexity and the run folder."""
+
+import json
+
+import pytest
+import torch
+
+from train_helpers import run_cli, small_data, tmpdir
+
+
+def _one_line_error(p, *fragments):
+    assert p.returncode != 0, p.stdout
+    assert "Traceback" not in p.stderr, p.stderr
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, p.stderr
+    assert lines[0].startswith("mxtrain: error: "), lines[0]
+    for f in fragments:
+        assert f in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def files():
+    d = tmpdir() / "cli"
+    d.mkdir(exist_ok=True)
+    (d / "empty.txt").write_text("")
+    (d / "bad.jsonl").write_text('{"text": "a fine line"}\n{"text": oops}\n')
+    (d / "a_file").write_text("not a folder")
+    run = d / "corrupt_run"
+    run.mkdir(exist_ok=True)
+    (run / "config.json").write_text(json.dumps({"exp": "debug"}))
+    (run / "checkpoint.pt").write_bytes(b"\x00garbage" * 100)
+    trunc = d / "truncated_run"
+    trunc.mkdir(exist_ok=True)
+    (trunc / "config.json").write_text(json.dumps({"exp": "debug"}))
+    buf = tmpdir() / "full.pt"
+    torch.save({"format": "mxtrain-ckpt-v1", "model": {"w": torch.zeros(10000)}}, buf)
+    (trunc / "checkpoint.pt").write_bytes(buf.read_bytes()[:20000])
+    return d
+
+
+@pytest.mark.parametrize("case", [
+    ("missing data file", ["data", "prepare", "nope.txt", "--out", "x"], ["data file not found", "nope.txt"]),
+    ("empty data file", ["data", "prepare", "{d}/empty.txt", "--out", "x"], ["empty"]),
+    ("unreadable JSON line", ["data", "prepare", "{d}/bad.jsonl", "--out", "x"], ["bad.jsonl:2", "unreadable JSON line"]),
+    ("unknown recipe", ["train", "--recipe", "mxfp3", "--data", "{small}"], ["unknown recipe 'mxfp3'"]),
+    ("unknown model", ["train", "--model", "gpt9", "--data", "{small}"], ["unknown model 'gpt9'"]),
+    ("unknown experiment", ["train", "--exp", "nope"], ["unknown experiment"]),
+    ("bad --set value", ["train", "--set", "optim.lr=fast"], ["optim.lr=fast", "expected a number"]),
+    ("bad --set key", ["train", "--set", "optim.speed=1"], ["unknown field 'speed'"]),
+    ("bad --set form", ["train", "--set", "optim.lr"], ["key=value"]),
+    ("bad flag type", ["train", "--steps", "many"], ["invalid int value"]),
+    ("unknown flag", ["train", "--frobnicate"], ["unrecognized arguments"]),
+    ("missing data folder", ["train", "--data", "{d}/no_such_dir"], ["data folder not found"]),
+    ("not a data folder", ["train", "--data", "{d}"], ["not a prepared data folder"]),
+    ("corrupt checkpoint", ["train", "--resume", "{d}/corrupt_run"], ["corrupt or truncated"]),
+    ("truncated checkpoint", ["train", "--resume", "{d}/truncated_run"], ["corrupt or truncated"]),
+    ("no checkpoint", ["train", "--resume", "{d}/empty.txt"], ["no checkpoint"]),
+    ("output folder not writable", ["train", "--exp", "debug", "--data", "{small}", "--out", "{d}/a_file/run"],
+     ["cannot write to output folder"]),
+    ("cuda on a CPU machine", ["train", "--exp", "debug", "--data", "{small}", "--device", "cuda:0"], ["CUDA"]),
+], ids=lambda c: c[0])
+def test_bad_input_is_one_line(files, case):
+    _, args, fragments = case
+    if "cuda" in case[0] and torch.cuda.is_available():
+        pytest.skip("has a GPU")
+    args = [a.format(d=files, small=small_data()) for a in args]
+    _one_line_error(run_cli(*args), *fragments)
+
+
+def test_help_and_version():
+    p = run_cli("--help")
+    assert p.returncode == 0 and "train" in p.stdout and "data" in p.stdout
+    p = run_cli("--version")
+    assert p.returncode == 0 and p.stdout.startswith("mxtrain ")
+    p = run_cli("train", "--list")
+    assert p.returncode == 0 and "tiny-main" in p.stdout and "mxfp4-all-dh16" in p.stdout and "llama3-8b" in p.stdout
+
+
+def test_prepare_then_train_and_resume(tmp_path):
+    src = tmp_path / "corpus.jsonl"
+    src.write_text("".join(json.dumps({"text": f"Sentence {i % 7} is about topic {i % 5}. " * 12}) + "\n"
+                           for i in range(300)))
+    p = run_cli("data", "prepare", str(src), "--out", str(tmp_path / "data"), "--vocab-size", "512", "--no-progress")
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "data" / "meta.json").is_file()
+    out = tmp_path / "run"
+    common = ["--exp", "debug", "--recipe", "bf16", "--data", str(tmp_path / "data"), "--seq-len", "32",
+              "--batch-size", "4", "--eval-every", "2", "--eval-tokens", "128", "--out", str(out), "--no-progress",
+              "--set", "schedule.horizon_steps=6"]
+    p = run_cli("train", *common, "--steps", "3")
+    assert p.returncode == 0, p.stderr
+    assert "val_ppl" in p.stdout and f"run folder: {out}" in p.stdout.strip().splitlines()[-1]
+    # the same folder again without --resume is refused
+    _one_line_error(run_cli("train", *common, "--steps", "3"), "already holds a run")
+    p = run_cli("train", "--resume", str(out), "--steps", "6", "--no-progress")
+    assert p.returncode == 0, p.stderr
+    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()
+             if "loss" in json.loads(x) and "val_loss" not in json.loads(x)]
+    assert steps == [1, 2, 3, 4, 5, 6]

@@ -1,0 +1,132 @@
+"""Data: sources (text, JSONL, .json.gz, Parquet, built-in), encoding fallback, BPE, shards, loader."""
+
+import gzip
+import json
+
+import numpy as np
+import pytest
+
+from mxtrain.data import Loader, TokenData, documents, load_tokenizer, prepare, val_batches
+from mxtrain.data.sources import decode_bytes
+from mxtrain.errors import UserError
+
+from train_helpers import small_data, tmpdir
+
+
+def test_decode_falls_back_to_cp1252_per_line():
+    raw = "caf\u00e9 ok\n".encode() + b"na\xefve \x93quoted\x94\n"
+    assert decode_bytes(raw) == "caf\u00e9 ok\nna\u00efve \u201cquoted\u201d\n"
+
+
+def test_builtin_corpus_documents():
+    n = {"sotu": 0, "wiki": 0}
+    size = 0
+    for src, text in documents(["builtin"]):
+        n[src] += 1
+        size += len(text)
+    assert n["sotu"] >= 240 and n["wiki"] >= 10000
+    assert size > 15_000_000
+
+
+def test_formats(tmp_path):
+    rows = [{"text": f"document number {i} " * 20, "id": i} for i in range(30)]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with gzip.open(tmp_path / "b.json.gz", "wt") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({"text": [r["text"] for r in rows]}), tmp_path / "c.parquet")
+    for name in ("a.jsonl", "b.json.gz", "c.parquet"):
+        docs = list(documents([str(tmp_path / name)]))
+        assert len(docs) == 30 and docs[3][1] == rows[3]["text"], name
+    assert len(list(documents([str(tmp_path)]))) == 90  # a folder: all readable files
+
+
+def test_bad_inputs(tmp_path):
+    with pytest.raises(UserError, match="not found"):
+        list(documents([str(tmp_path / "nope.txt")]))
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(UserError, match="empty"):
+        list(documents([str(tmp_path / "empty.txt")]))
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"text": broken\n')
+    with pytest.raises(UserError, match=r"bad.jsonl:2: unreadable JSON line"):
+        list(documents([str(tmp_path / "bad.jsonl")]))
+    (tmp_path / "nofield.jsonl").write_text('{"body": "x"}\n')
+    with pytest.raises(UserError, match="'text' field"):
+        list(documents([str(tmp_path / "nofield.jsonl")]))
+
+
+def test_prepare_layout_and_tokenizer_roundtrip():
+    d = small_data()
+    meta = json.loads((d / "meta.json").read_text())
+    assert meta["vocab_size"] % 32 == 0 and meta["dtype"] == "uint16"
+    assert meta["train_tokens"] > 5000 and meta["val_tokens"] > 0
+    data = TokenData(d)
+    tok = load_tokenizer(data.tokenizer_path())
+    ids = tok.encode_batch(["The quick brown fox."])[0]
+    assert tok.decode(ids) == "The quick brown fox."
+    # every document ends with the end-of-text id
+    assert data.eot_id in np.asarray(data.train[0][:2000])
+
+
+def test_prepare_refuses_existing_and_cleans_up(tmp_path):
+    src = tmp_path / "t.txt"
+    src.write_text("hello world. " * 500)
+    out = prepare([str(src)], tmp_path / "p", vocab_size=512, progress=False)
+    with pytest.raises(UserError, match="already exists"):
+        prepare([str(src)], out, vocab_size=512, progress=False)
+    with pytest.raises(UserError, match="multiple of 32"):
+        prepare([str(src)], tmp_path / "q", vocab_size=500, progress=False)
+    assert not any(p.name.startswith(".q") for p in tmp_path.iterdir())  # no temporary folder left
+
+
+def test_truncated_shard_is_an_error(tmp_path):
+    import shutil
+    d = shutil.copytree(small_data(), tmp_path / "copy")
+    shard = d / "train_00000.bin"
+    shard.write_bytes(shard.read_bytes()[:-10])
+    with pytest.raises(UserError, match="truncated"):
+        TokenData(d)
+
+
+def test_loader_deterministic_resumable_and_rank_split():
+    data = TokenData(small_data())
+    a = Loader(data, 16, 4, seed=1)
+    batches = [a.next()[0] for _ in range(5)]
+    b = Loader(data, 16, 4, seed=1)
+    for _ in range(2):
+        b.next()
+    st = b.state_dict()
+    c = Loader(data, 16, 4, seed=1)
+    c.load_state_dict(st)
+    assert all((c.next()[0] == batches[i]).all() for i in range(2, 5))
+    assert not (Loader(data, 16, 4, seed=2).next()[0] == batches[0]).all()
+    # two ranks with micro-batch 2 see exactly the single-process global batch of 4
+    r0, r1 = Loader(data, 16, 2, seed=1, rank=0, world_size=2), Loader(data, 16, 2, seed=1, rank=1, world_size=2)
+    for i in range(3):
+        glob = np.concatenate([r0.next()[0].numpy(), r1.next()[0].numpy()])
+        assert (glob == batches[i].numpy()).all()
+    with pytest.raises(UserError, match="does not match"):
+        Loader(data, 32, 4, seed=1).load_state_dict(st)
+
+
+def test_val_batches_fixed():
+    data = TokenData(small_data())
+    v1 = [x for x, _ in val_batches(data, 16, 4, 128)]
+    v2 = [x for x, _ in val_batches(data, 16, 4, 128)]
+    assert len(v1) >= 1 and all((a == b).all() for a, b in zip(v1, v2))
+    x, y = next(val_batches(data, 16, 4, 128))
+    assert (x[:, 1:] == y[:, :-1]).all()
+
+
+def test_tiktoken_file_converts(tmp_path):
+    import base64
+    # a toy rank file: all bytes, then merges "th", "the"
+    lines = [base64.b64encode(bytes([b])).decode() + f" {b}" for b in range(256)]
+    lines += [base64.b64encode(b"th").decode() + " 256", base64.b64encode(b"the").decode() + " 257"]
+    p = tmp_path / "toy.tiktoken"
+    p.write_text("\n".join(lines) + "\n")
+    tok = load_tokenizer(p)
+    ids = tok.encode_batch(["the"])[0]
+    assert ids == [257]
+    assert tmpdir().exists()

@@ -1,0 +1,93 @@
+"""The Llama model: shapes, parameter counts of the named sizes, GQA/RoPE sanity, tiny-batch overfit."""
+
+import math
+
+import pytest
+import torch
+
+import mxtrain
+from mxtrain.errors import UserError
+from mxtrain.model import SIZES, Llama, ModelConfig, apply_rope, rope_tables
+
+
+def test_llama3_8b_shapes_and_count():
+    cfg = ModelConfig.named("llama3-8b")
+    assert (cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.hidden_dim, cfg.vocab_size) == \
+        (4096, 32, 32, 8, 14336, 128256)
+    assert cfg.rope_theta == 500000.0
+    m = Llama(cfg, device="meta")  # no memory allocated
+    assert m.num_params() == cfg.num_params() == 8_030_261_248  # Llama 3.1-8B's published count
+
+
+@pytest.mark.parametrize("name", list(SIZES))
+def test_named_sizes_count_matches_module(name):
+    cfg = SIZES[name]
+    m = Llama(cfg, device="meta")
+    assert m.num_params() == cfg.num_params()
+    assert cfg.flops_per_token(128) > 6 * cfg.num_params(embeddings=False) * 0.99
+
+
+def test_125m_is_about_125m():
+    assert 80e6 < SIZES["125m"].num_params() < 150e6
+
+
+def test_forward_shapes_tied_and_blocks():
+    cfg = ModelConfig(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=96, tie_embeddings=True)
+    m = Llama(cfg)
+    assert m.lm_head.weight is m.embed_tokens.weight
+    x = torch.randint(0, 96, (2, 10))
+    assert m(x).shape == (2, 10, 96)
+    loss = m(x, torch.randint(0, 96, (2, 10)))
+    assert loss.ndim == 0 and math.isclose(loss.item(), math.log(96), rel_tol=0.1)
+    # convert numbers the blocks (model.layers.N) and keeps the head / embedding in high precision
+    mxtrain.convert(m, "mxfp4-all")
+    kinds = {n: type(mod).__name__ for n, mod in m.named_modules()}
+    assert kinds["layers.0.attention.wq"] == "MXLinear"
+    assert kinds["lm_head"] == "Linear"
+
+
+def test_causal():
+    cfg = ModelConfig(dim=32, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=64)
+    m = Llama(cfg).eval()
+    x = torch.randint(0, 64, (1, 12))
+    y = x.clone()
+    y[0, 8:] = (y[0, 8:] + 1) % 64
+    with torch.no_grad():
+        a, b = m(x), m(y)
+    assert torch.allclose(a[0, :8], b[0, :8], atol=1e-6)
+    assert not torch.allclose(a[0, 8:], b[0, 8:])
+
+
+def test_rope_is_a_rotation():
+    cos, sin = rope_tables(8, 5, 10000.0)
+    q = torch.randn(1, 1, 5, 8)
+    r = apply_rope(q, cos, sin)
+    assert torch.allclose(r.norm(dim=-1), q.norm(dim=-1), atol=1e-5)
+    assert torch.allclose(r[..., 0, :], q[..., 0, :])  # position 0 unrotated
+
+
+def test_bad_config_is_user_error():
+    with pytest.raises(UserError, match="multiple of model.n_kv_heads"):
+        ModelConfig(dim=64, n_heads=4, n_kv_heads=3)
+    with pytest.raises(UserError, match="unknown model"):
+        ModelConfig.named("gpt5")
+
+
+@pytest.mark.parametrize("recipe,steps", [("bf16", 60), ("mxfp4-all-dh16", 40)])
+def test_tiny_overfits_a_batch(recipe, steps):
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    cfg = ModelConfig(dim=64, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=128)
+    m = mxtrain.convert(Llama(cfg), recipe)
+    x = torch.randint(0, 128, (4, 33))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.0)
+    first = None
+    for step in range(steps):
+        mxtrain.set_step(m, step)
+        loss = m(x[:, :-1], x[:, 1:])
+        first = first if first is not None else loss.item()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert first > 4.5                  # ~ln(128) = 4.85 at init
+    assert loss.item() < 0.5, loss.item()  # memorized 128 random tokens
