@@ -77,7 +77,7 @@ def bench_quantize(args) -> dict:
         kw.setdefault("fp4", False)
         kw.setdefault("carrier", True)
         best = None
-        for br, nw in ((32, 4), (64, 8), (16, 4)) if kw.get("group_rows", 1) == 1 else ((128, 8), (128, 16)):
+        for br, nw in ((32, 4), (64, 4), (64, 8), (128, 8)) if kw.get("group_rows", 1) == 1 else ((128, 8), (128, 16)):
             try:
                 fn = lambda: quantize_mxfp4_2d(x, axis, block_rows=br, num_warps=nw, **kw)  # noqa: E731
                 t = _bench(fn)

@@ -67,6 +67,21 @@ if triton is not None:
         return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _pow2n(e):
+        """Exact float32 2**e for int32 e in [-126, 127] (normal range)."""
+        return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _bfly(x, BR: tl.constexpr, H: tl.constexpr):
+        """One butterfly stage: pairs (x[i], x[i + H]) for i with bit H clear -> (a + b, a - b)."""
+        v4 = tl.reshape(x, [BR, 128 // (2 * H), 2, H])
+        v4 = tl.permute(v4, (0, 1, 3, 2))
+        a, b = tl.split(v4)
+        v4 = tl.join(a + b, a - b)
+        v4 = tl.permute(v4, (0, 1, 3, 2))
+        return tl.reshape(v4, [BR, 128])
+
+    @triton.jit
     def _mxfp4_kernel(
         x_ptr, signs_ptr, car_ptr, gs_ptr, fp4_ptr, sc_ptr, cnt_ptr,
         R, K, Rc,
@@ -77,7 +92,7 @@ if triton is not None:
         key, inv_sqrt, prescale,
         BR: tl.constexpr, ROT: tl.constexpr, HAS_SIGNS: tl.constexpr, RULE: tl.constexpr,
         SR: tl.constexpr, PRESCALE: tl.constexpr, GROUP_ROWS: tl.constexpr,
-        WRITE_CARRIER: tl.constexpr, WRITE_FP4: tl.constexpr,
+        WRITE_CARRIER: tl.constexpr, WRITE_FP4: tl.constexpr, HW_CVT: tl.constexpr,
     ):
         pid_r = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -93,15 +108,20 @@ if triton is not None:
             if HAS_SIGNS:
                 sg = tl.load(signs_ptr + (tl.arange(0, 128) % ROT))
                 x = x * sg[None, :]
-            for st in tl.static_range(7):
-                hh: tl.constexpr = 1 << st
-                if hh < ROT:
-                    v4 = tl.reshape(x, [BR, 128 // (2 * hh), 2, hh])
-                    v4 = tl.permute(v4, (0, 1, 3, 2))
-                    a, b = tl.split(v4)
-                    v4 = tl.join(a + b, a - b)
-                    v4 = tl.permute(v4, (0, 1, 3, 2))
-                    x = tl.reshape(v4, [BR, 128])
+            if ROT > 1:
+                x = _bfly(x, BR, 1)
+            if ROT > 2:
+                x = _bfly(x, BR, 2)
+            if ROT > 4:
+                x = _bfly(x, BR, 4)
+            if ROT > 8:
+                x = _bfly(x, BR, 8)
+            if ROT > 16:
+                x = _bfly(x, BR, 16)
+            if ROT > 32:
+                x = _bfly(x, BR, 32)
+            if ROT > 64:
+                x = _bfly(x, BR, 64)
             x = x * inv_sqrt
             # the reference pads with +0 only to whole rotation blocks; beyond that, +0 block padding
             Kr = ((K + ROT - 1) // ROT) * ROT
@@ -111,13 +131,10 @@ if triton is not None:
 
         # ---- block scales (4 blocks of 32 per row)
         xb = tl.reshape(x, [BR, 4, 32])
-        ax = tl.abs(xb)
-        finite = ax < float("inf")
-        absb = tl.where(finite, ax, 0.0)
-        amax = tl.max(absb, axis=2)                                   # [BR, 4]
-        nbad = tl.sum((~finite).to(tl.int32), axis=2)
-        ok = nbad == 0
-        abits = amax.to(tl.int32, bitcast=True)
+        # |x| bit patterns order like the values; NaN/Inf have the largest ones (exponent 0xFF)
+        mbits = tl.max(xb.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2)   # [BR, 4]
+        ok = mbits < 0x7F800000
+        abits = tl.where(ok, mbits, 0)
         E = ((abits >> 23) & 0xFF) - 127
         mant = abits & 0x7FFFFF
         if RULE == 0:
@@ -129,18 +146,18 @@ if triton is not None:
         else:  # even / amd: sig >= 1.75 (identical for FP4)
             bump = (mant >= 0x600000).to(tl.int32)
         s = tl.minimum(tl.maximum(E - 2 + bump, -127), 125)   # [-127, 127 - emax], as the spec
-        nz = amax > 0
+        nz = abits > 0
         s = tl.where(nz, s, -127)
         code_sc = tl.where(ok, s + 127, 255)
 
         # ---- elements
-        v = xb * _pow2(-s)[:, :, None]
+        v = xb * _pow2n(-s)[:, :, None]
         v = tl.where(ok[:, :, None], v, 0.0)
         vbits = v.to(tl.int32, bitcast=True)
         sbit = (vbits >> 31) & 1
         a = tl.minimum(tl.abs(v), 6.0)
         e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, 0)
-        y = a * _pow2(1 - e)
+        y = a * _pow2n(1 - e)
         if SR:
             idx = r2 * si_r + c2 * si_k
             lo = (idx & 0xFFFFFFFF).to(tl.uint32)
@@ -179,18 +196,21 @@ if triton is not None:
                 G2 = G
             kexp = s - G2 + 6                                          # [BR, 4]
             inexact = live & (kexp < -8)
-            # carrier magnitude c = rr * 2**(e - 1 + kexp), converted to e4m3 bits (RNE)
-            ex = tl.maximum(e - 1 + kexp[:, :, None], -140)
-            cval = rr * _pow2(ex)
-            cb = cval.to(tl.int32, bitcast=True)
-            ce = ((cb >> 23) & 0xFF) - 127
-            sub = cval < 0.015625
-            ce_c = tl.minimum(tl.maximum(ce, -6), 8)
-            t_sub = cval * 512.0
-            t_nrm = cval * _pow2(3 - ce_c)
-            m_sub = ((t_sub + 12582912.0) - 12582912.0).to(tl.int32)
-            m_nrm = ((t_nrm + 12582912.0) - 12582912.0).to(tl.int32) - 8
-            bits8 = tl.where(sub, m_sub, ((ce_c + 7) << 3) + m_nrm)
+            # carrier value c = rr * 2**(e - 1 + kexp) (exact in float32), to e4m3 with RNE
+            ex = tl.maximum(e - 1 + kexp[:, :, None], -126)
+            cval = rr * _pow2n(ex)
+            if HW_CVT:  # cvt.rn.satfinite.e4m3x2.f32 on sm_89+
+                bits8 = cval.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+            else:  # the interpreter's fp8 cast is not RNE: build the bits
+                cb = cval.to(tl.int32, bitcast=True)
+                ce = ((cb >> 23) & 0xFF) - 127
+                sub = cval < 0.015625
+                ce_c = tl.minimum(tl.maximum(ce, -6), 8)
+                t_sub = cval * 512.0
+                t_nrm = cval * _pow2(3 - ce_c)
+                m_sub = ((t_sub + 12582912.0) - 12582912.0).to(tl.int32)
+                m_nrm = ((t_nrm + 12582912.0) - 12582912.0).to(tl.int32) - 8
+                bits8 = tl.where(sub, m_sub, ((ce_c + 7) << 3) + m_nrm)
             bits8 = bits8 | (sbit << 7)
             bits8 = tl.where(ok[:, :, None], bits8, 0x7F)
             cbyte = tl.reshape(bits8, [BR, 128]).to(tl.uint8)
@@ -202,7 +222,7 @@ if triton is not None:
             else:
                 tl.store(gs_ptr + pid_r * gs_sr + pid_k * gs_sk, gval)
             nin = tl.sum(tl.sum((inexact & (rows[:, None] < R)).to(tl.int32), axis=1), axis=0)
-            tl.atomic_add(cnt_ptr, nin)
+            tl.atomic_add(cnt_ptr, nin, mask=nin > 0)  # rare: no contention on the common path
 
 
 @dataclass
@@ -296,7 +316,8 @@ def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.
             _i32(key), inv_sqrt, ps,
             BR=BR, ROT=rot, HAS_SIGNS=signs is not None, RULE=RULE_ID[scale_rule],
             SR=rounding == "stochastic", PRESCALE=prescale != 1.0, GROUP_ROWS=group_rows,
-            WRITE_CARRIER=carrier, WRITE_FP4=fp4, num_warps=num_warps, enable_fp_fusion=False,
+            WRITE_CARRIER=carrier, WRITE_FP4=fp4, HW_CVT=dev.type == "cuda",
+            num_warps=num_warps, enable_fp_fusion=False,
         )
     return QuantOut(R, K, car.view(torch.float8_e4m3fn) if carrier else None, gs, group_rows,
                     cnt if carrier else None, packed, sc)
@@ -411,10 +432,12 @@ def quantize_mxfp4_op(x: torch.Tensor, signs: torch.Tensor | None, axis: int, ro
     q = quantize_mxfp4_2d(x, axis, rot=rot, signs=signs, rounding="stochastic" if stochastic else "nearest",
                           scale_rule=rules[rule], key=key, prescale=prescale, index_strides=(si0, si1),
                           carrier=carrier, fp4=fp4, group_rows=group_rows, row_multiple=row_multiple)
-    e = torch.empty((0, 0), dtype=torch.uint8, device=x.device)
-    car = q.carrier.view(torch.uint8) if carrier else e
-    gs = (q.gscale.t() if group_rows == 1 else q.gscale) if carrier else e.float()
-    return car, gs, q.inexact, q.packed if fp4 else e, q.scales if fp4 else e
+    def e(dt=torch.uint8):
+        return torch.empty((0, 0), dtype=dt, device=x.device)
+    car = q.carrier.view(torch.uint8) if carrier else e()
+    gs = (q.gscale.t() if group_rows == 1 else q.gscale) if carrier else e(torch.float32)
+    cnt = q.inexact if carrier else torch.zeros((1,), dtype=torch.int32, device=x.device)
+    return car, gs, cnt, q.packed if fp4 else e(), q.scales if fp4 else e()
 
 
 @quantize_mxfp4_op.register_fake
