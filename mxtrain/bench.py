@@ -241,6 +241,39 @@ def bench_linear(args) -> dict:
     return {"linear": res, "linear_summary": summary}
 
 
+def bench_breakdown(args) -> dict:
+    """Where an MXLinear fwd+bwd (mxfp4-all-dh16) spends its time at 16384x4096x4096: each fused
+    quantize and each GEMM timed alone (bf16 GEMMs for comparison)."""
+    from .kernels.gemm import mx_gemm_nt
+    from .kernels.quantize import quantize_mxfp4_2d as q
+    dev = "cuda"
+    M, N, K = 16384, 4096, 4096
+    x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(N, K, device=dev, dtype=torch.bfloat16)
+    dy = torch.randn(M, N, device=dev, dtype=torch.bfloat16)
+    kw = dict(rot=16, carrier=True, fp4=False)
+    r = {}
+    r["q_x_rows"] = _bench(lambda: q(x, 1, **kw))
+    r["q_w_rows_128"] = _bench(lambda: q(w, 1, group_rows=128, block_rows=128, num_warps=8, **kw))
+    r["q_dy_rows"] = _bench(lambda: q(dy, 1, **kw))
+    r["q_w_cols_128"] = _bench(lambda: q(w, 0, group_rows=128, block_rows=128, num_warps=8, **kw))
+    r["q_dy_cols"] = _bench(lambda: q(dy, 0, **kw))
+    r["q_x_cols"] = _bench(lambda: q(x, 0, **kw))
+    qx, qw = q(x, 1, **kw), q(w, 1, group_rows=128, block_rows=128, num_warps=8, **kw)
+    qdy, qwc = q(dy, 1, **kw), q(w, 0, group_rows=128, block_rows=128, num_warps=8, **kw)
+    qdyc, qxc = q(dy, 0, **kw), q(x, 0, **kw)
+    qxc128 = q(x, 0, group_rows=128, block_rows=128, num_warps=8, **kw)
+    r["gemm_fprop"] = _bench(lambda: mx_gemm_nt(qx, qw, "fp8_carrier", torch.bfloat16))
+    r["gemm_dgrad"] = _bench(lambda: mx_gemm_nt(qdy, qwc, "fp8_carrier", torch.bfloat16))
+    r["gemm_wgrad_b1x128"] = _bench(lambda: mx_gemm_nt(qdyc, qxc, "fp8_carrier", torch.bfloat16))
+    r["gemm_wgrad_b128x128"] = _bench(lambda: mx_gemm_nt(qdyc, qxc128, "fp8_carrier", torch.bfloat16))
+    r["bf16_fprop"] = _bench(lambda: x @ w.t())
+    r["bf16_dgrad"] = _bench(lambda: dy @ w)
+    r["bf16_wgrad"] = _bench(lambda: dy.t() @ x)
+    print("breakdown (ms) " + ", ".join(f"{k} {v:.3f}" for k, v in r.items()), flush=True)
+    return {"breakdown": r}
+
+
 # -------------------------------------------------------------------------------------------- step
 
 def bench_step(args) -> dict:
@@ -305,14 +338,15 @@ def bench_step(args) -> dict:
 
 # --------------------------------------------------------------------------------------------- CLI
 
-_WHAT = {"quantize": bench_quantize, "gemm": bench_gemm, "linear": bench_linear, "step": bench_step}
+_WHAT = {"quantize": bench_quantize, "gemm": bench_gemm, "breakdown": bench_breakdown, "linear": bench_linear,
+         "step": bench_step}
 
 
 def run(args) -> int:
     if not torch.cuda.is_available():
         print("mxtrain bench: needs a CUDA GPU (the fast path's kernels and GEMMs run there)", file=sys.stderr)
         return 2
-    what = list(_WHAT) if args.what == "all" else [args.what]
+    what = list(_WHAT) if args.what == "all" else args.what.split(",")
     out = {"env": _env(), "command": " ".join(sys.argv)}
     t0 = time.time()
     for w in what:
@@ -333,7 +367,7 @@ def run(args) -> int:
 
 
 def _add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("what", choices=["quantize", "gemm", "linear", "step", "all"], help="which benchmark")
+    p.add_argument("what", help="quantize, gemm, breakdown, linear, step, all, or a comma-separated list")
     p.add_argument("--out", default=None, help="write the JSON results here (default: stdout)")
     p.add_argument("--layers", type=int, default=2, help="step: number of Llama-8B-shaped blocks")
     p.add_argument("--batch", type=int, default=2, help="step: batch size")

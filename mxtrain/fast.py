@@ -95,7 +95,7 @@ def _gemm_fn(qctx: _Ctx, A: torch.Tensor, axA: int, nA: str, B: torch.Tensor, ax
     recipe = qctx.recipe
     if _both_mx(recipe, nA, nB):
         qa, pa = _quant(qctx, A, axA, nA, gemm, signs, backend, 1)
-        gr = _gemm.weight_group_rows() if b_is_weight else (
+        gr = _gemm.weight_group_rows(dev) if b_is_weight else (
             _gemm.activation_b_group_rows(dev) if backend == "fp8_carrier" else 1)
         qb, pb = _quant(qctx, B, axB, nB, gemm, signs, backend, gr, cache if b_is_weight else None)
         return _gemm.mx_gemm_nt(qa, qb, backend, out_dtype, pa * pb)

@@ -29,8 +29,12 @@ def outputs_for(backend: str) -> tuple[bool, bool]:
     return False, True
 
 
-def weight_group_rows() -> int:
-    return 128
+def weight_group_rows(device=None) -> int:
+    """128x128 weight groups when cuBLAS takes (1x128, 128x128) correctly, else 1x128."""
+    if device is None or torch.device(device).type != "cuda":
+        return 128
+    p = probe(device)
+    return 128 if p.get("a1x128_b128x128", False) or not p.get("b_1x128", False) else 1
 
 
 def activation_b_group_rows(device) -> int:

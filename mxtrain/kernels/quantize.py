@@ -243,6 +243,7 @@ class QuantOut:
     inexact: torch.Tensor | None
     packed: torch.Tensor | None
     scales: torch.Tensor | None
+    gs_base: torch.Tensor | None = None  # contiguous storage behind ``gscale`` (128x128: padded)
 
 
 def _ceil(a: int, b: int) -> int:
@@ -288,8 +289,11 @@ def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.
             gs = torch.empty((Kc // TILE_K, Rc), dtype=torch.float32, device=dev).t()  # outer-dim-major
             gsr, gsk = 1, Rc
         else:
-            gs = torch.empty((Rc // 128, Kc // TILE_K), dtype=torch.float32, device=dev)
-            gsr, gsk = Kc // TILE_K, 1
+            # cuBLAS wants the 128x128 scale rows' leading dimension padded to a multiple of 4
+            ld = _ceil(Kc // TILE_K, 4)
+            gs_base = torch.zeros((Rc // 128, ld), dtype=torch.float32, device=dev)
+            gs = gs_base[:, : Kc // TILE_K]
+            gsr, gsk = ld, 1
         cnt = torch.zeros((1,), dtype=torch.int32, device=dev)
     else:
         car = gs = None
@@ -319,8 +323,11 @@ def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.
             WRITE_CARRIER=carrier, WRITE_FP4=fp4, HW_CVT=dev.type == "cuda",
             num_warps=num_warps, enable_fp_fusion=False,
         )
+    base = None
+    if carrier:
+        base = gs.t() if group_rows == 1 else gs_base
     return QuantOut(R, K, car.view(torch.float8_e4m3fn) if carrier else None, gs, group_rows,
-                    cnt if carrier else None, packed, sc)
+                    cnt if carrier else None, packed, sc, base)
 
 
 def carrier_values(q: QuantOut) -> torch.Tensor:
@@ -415,7 +422,7 @@ def _out_shapes(R: int, K: int, rot: int, carrier: bool, fp4: bool, group_rows: 
     rm = 128 if group_rows == 128 else row_multiple
     Rc = _ceil(max(R, 1), max(rm, 1))
     car = (Rc, Kc) if carrier else (0, 0)
-    gs = ((Kc // TILE_K, Rc) if group_rows == 1 else (Rc // 128, Kc // TILE_K)) if carrier else (0, 0)
+    gs = ((Kc // TILE_K, Rc) if group_rows == 1 else (Rc // 128, _ceil(Kc // TILE_K, 4))) if carrier else (0, 0)
     pk = (R, Kq // 2) if fp4 else (0, 0)
     sc = (R, Kq // 32) if fp4 else (0, 0)
     return car, gs, pk, sc
@@ -435,7 +442,7 @@ def quantize_mxfp4_op(x: torch.Tensor, signs: torch.Tensor | None, axis: int, ro
     def e(dt=torch.uint8):
         return torch.empty((0, 0), dtype=dt, device=x.device)
     car = q.carrier.view(torch.uint8) if carrier else e()
-    gs = (q.gscale.t() if group_rows == 1 else q.gscale) if carrier else e(torch.float32)
+    gs = q.gs_base if carrier else e(torch.float32)
     cnt = q.inexact if carrier else torch.zeros((1,), dtype=torch.int32, device=x.device)
     return car, gs, cnt, q.packed if fp4 else e(), q.scales if fp4 else e()
 
@@ -462,6 +469,8 @@ def quantize_op(x: torch.Tensor, axis: int, *, rot: int = 0, signs=None, roundin
     car, gs, cnt, pk, sc = quantize_mxfp4_op(x, signs, axis, rot, rounding == "stochastic", RULE_ID[scale_rule],
                                               _i32(key), float(prescale), si[0], si[1], carrier, fp4,
                                               group_rows, row_multiple)
-    return QuantOut(R, K, car.view(torch.float8_e4m3fn) if carrier else None,
-                    (gs.t() if group_rows == 1 else gs) if carrier else None, group_rows,
-                    cnt if carrier else None, pk if fp4 else None, sc if fp4 else None)
+    gview = None
+    if carrier:
+        gview = gs.t() if group_rows == 1 else gs[:, : _ceil(max(K, 1), TILE_K) // TILE_K]
+    return QuantOut(R, K, car.view(torch.float8_e4m3fn) if carrier else None, gview, group_rows,
+                    cnt if carrier else None, pk if fp4 else None, sc if fp4 else None, gs if carrier else None)
