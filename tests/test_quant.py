@@ -475,24 +475,28 @@ def test_sr_is_seeded_and_reproducible():
 
 
 def sr_z_scores(fmt: str, rounding: str, n_seeds: int = 400) -> np.ndarray:
-    """Per-element z statistic of mean(fake_quantize over seeds) - x under the SR model.
+    """Per-element z statistic of mean(quantized element over seeds) - v under the SR model.
 
-    For x strictly between grid neighbours lo < v < hi (v = x / scale), unbiased SR gives hi with
-    probability p = (v - lo) / (hi - lo); one draw has variance (hi - lo)**2 p (1 - p).
+    ``v = x / scale`` is the value before rounding (the scale does not depend on the rounding).
+    For v strictly between grid neighbours lo < v < hi, unbiased SR gives hi with probability
+    p = (v - lo) / (hi - lo); one draw has variance (hi - lo)**2 p (1 - p).
     """
-    ename = MX_ELEM.get(fmt, "e2m1")
+    ename = (MX_ELEM | {"nvfp4": "e2m1", "fp8_e4m3": "e4m3"})[fmt]
     gen = torch.Generator().manual_seed(3)
     x = torch.rand(4, 32, generator=gen) * 5.5 - 2.75
-    x[:, 0] = 4.0  # fixes the floor scale at 1: v = x, no saturation
-    x = x.to(torch.float32)
-    v = x.double().numpy()
+    x[:, ::16] = 4.0  # block maxima; with the MX floor rule: scale 1, v = x, no saturation
+    d = mxtrain.quantize(x, fmt).scale_values().numpy()
+    v = (x.numpy() / d).astype(np.float32).astype(np.float64)
+    keep = np.arange(32) % 16 != 0  # leave the block maxima out: for nvfp4/fp8 x / d can be 1 ulp above max
+    v = v[:, keep]
     lo, hi = neighbours(v, ename)
+    assert np.all(np.abs(v) <= grid(ename)[-1])  # in range: SR is unbiased there
     inner = hi > lo
     p = np.where(inner, (v - lo) / np.where(inner, hi - lo, 1), 0)
     var = (hi - lo) ** 2 * p * (1 - p)
     acc = np.zeros_like(v)
     for seed in range(n_seeds):
-        acc += mxtrain.fake_quantize(x, fmt, rounding=rounding, seed=1000 + seed).double().numpy()
+        acc += mxtrain.quantize(x, fmt, rounding=rounding, seed=1000 + seed).elements().double().numpy()[:, keep]
     mean = acc / n_seeds
     assert np.all(mean[~inner] == v[~inner])  # values on the grid are never moved
     return (mean[inner] - v[inner]) / np.sqrt(var[inner] / n_seeds)
@@ -501,8 +505,9 @@ def sr_z_scores(fmt: str, rounding: str, n_seeds: int = 400) -> np.ndarray:
 Z_MAX = 5.0  # per-element threshold; with ~120 elements a false alarm has probability < 1e-4
 
 
-def test_sr_is_unbiased():
-    z = sr_z_scores("mxfp4", "stochastic")
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp6_e3m2", "nvfp4", "fp8_e4m3"])
+def test_sr_is_unbiased(fmt):
+    z = sr_z_scores(fmt, "stochastic")
     assert np.abs(z).max() < Z_MAX, f"max |z| = {np.abs(z).max():.2f}"
     assert abs(z.mean()) * math.sqrt(z.size) < Z_MAX
 
@@ -510,6 +515,18 @@ def test_sr_is_unbiased():
 def test_unbiasedness_test_has_power():
     # nearest rounding is biased for almost every x; the same test must reject it
     z = sr_z_scores("mxfp4", "nearest", n_seeds=50)
+    assert np.abs(z).max() > Z_MAX
+    # and so is a stochastic rounder whose threshold is 3 % off
+    orig = mxtrain.quant.round_to_elem
+
+    def biased(v, elem, rounding="nearest", u=None):
+        return orig(v, elem, rounding, None if u is None else u * 1.03)
+
+    mxtrain.quant.round_to_elem = biased
+    try:
+        z = sr_z_scores("mxfp4", "stochastic")
+    finally:
+        mxtrain.quant.round_to_elem = orig
     assert np.abs(z).max() > Z_MAX
 
 
