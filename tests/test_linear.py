@@ -284,6 +284,7 @@ def kinds(model):
 def test_convert_swaps_exactly_the_block_linears_and_shares_parameters():
     model = TinyLlama()
     params_before = {n: p for n, p in model.named_parameters()}
+    sd_before = {k: v.clone() for k, v in model.state_dict().items()}
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     assert mxtrain.convert(model, "mxfp4-all") is model
     k = kinds(model)
@@ -294,6 +295,8 @@ def test_convert_swaps_exactly_the_block_linears_and_shares_parameters():
     after = dict(model.named_parameters())
     assert after.keys() == params_before.keys()
     assert all(after[n] is p for n, p in params_before.items())
+    assert model.state_dict().keys() == sd_before.keys()  # checkpoints load either way
+    model.load_state_dict(sd_before)
     ids = [m.layer_id for _, m in mxtrain.nn.mx_layers(model)]
     assert ids == list(range(28))
     # an optimizer built before convert trains the converted model
