@@ -10,6 +10,8 @@ DATA=${1:?data folder}; OUT=${2:?out folder}; STEPS=${3:-20}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 PY=${PY:-python3}
 mkdir -p "$OUT"
+# run folders (the final checkpoint is ~12 GB) in RAM when /dev/shm has room: faster than disk
+TMPD=/tmp; [ "$(df --output=avail -k /dev/shm 2>/dev/null | tail -1)" -gt 40000000 ] 2>/dev/null && TMPD=/dev/shm
 COMMON=(train --data "$DATA" --model "${MODEL:-1b}" --recipe mxfp4-all-dh16 --steps "$STEPS" --batch-size 16
         --micro-batch-size 8 --seq-len "${SEQ:-1024}" --eval-every 100000 --eval-tokens 16384 --no-progress --seed 0
         --device "${DEVICE:-cuda}" --set log.log_every=5 --set log.tensorboard=false --set schedule.warmup_steps=5)
@@ -17,15 +19,16 @@ COMMON=(train --data "$DATA" --model "${MODEL:-1b}" --recipe mxfp4-all-dh16 --st
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   $PY -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "gpus", torch.cuda.device_count())'
   nvidia-smi topo -m 2>/dev/null | head -5
+  echo "run folders in $TMPD"
 } > "$OUT/log.txt" 2>&1
 run() {  # name, extra args...
   local name=$1; shift
   local t0=$(date +%s)
   echo "=== $name: $*" >> "$OUT/log.txt"
-  "$PY" -m mxtrain "${COMMON[@]}" --out "/tmp/mxbench-$name" "$@" >> "$OUT/log.txt" 2>&1
+  "$PY" -m mxtrain "${COMMON[@]}" --out "$TMPD/mxbench-$name" "$@" >> "$OUT/log.txt" 2>&1
   echo "=== $name rc=$? wall=$(( $(date +%s) - t0 ))s" >> "$OUT/log.txt"
   cp "/tmp/mxbench-$name/metrics.jsonl" "$OUT/$name.jsonl" 2>/dev/null
-  rm -rf "/tmp/mxbench-$name"
+  rm -rf "$TMPD/mxbench-$name"
 }
 run gpu1
 run gpu2_fsdp2 --nproc 2 --parallel fsdp2
