@@ -27,7 +27,7 @@ run() {  # name, extra args...
   echo "=== $name: $*" >> "$OUT/log.txt"
   "$PY" -m mxtrain "${COMMON[@]}" --out "$TMPD/mxbench-$name" "$@" >> "$OUT/log.txt" 2>&1
   echo "=== $name rc=$? wall=$(( $(date +%s) - t0 ))s" >> "$OUT/log.txt"
-  cp "/tmp/mxbench-$name/metrics.jsonl" "$OUT/$name.jsonl" 2>/dev/null
+  cp "$TMPD/mxbench-$name/metrics.jsonl" "$OUT/$name.jsonl" 2>/dev/null
   rm -rf "$TMPD/mxbench-$name"
 }
 run gpu1
