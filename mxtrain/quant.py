@@ -1,8 +1,9 @@
 """Reference quantizers: MX (OCP MX v1.0), NVFP4 and per-tensor FP8, in plain PyTorch.
 
 This module is the oracle for every fast kernel in ``mxtrain.kernels``: the kernels must
-produce bit-identical codes and scales. Every step is exact float32 arithmetic or an exact
-power-of-two operation, so the result does not depend on the device or on evaluation order.
+produce bit-identical codes and scales. Every step is exact (power-of-two scaling, comparisons,
+integer bit manipulation) or a single correctly rounded float32 operation (the NVFP4 and FP8 scale
+arithmetic and divisions), so the result does not depend on the device or on evaluation order.
 
 Pipeline for one tensor (``quantize``):
 
@@ -14,8 +15,8 @@ Pipeline for one tensor (``quantize``):
    * MX formats: ``amax`` of the block, shared exponent ``s`` by the scale rule (below), clamped
      to [-127, 127 - emax]; stored as the biased E8M0 code ``s + 127``. (The upper bound keeps
      ``max_elem * 2**s`` finite in float32, so a finite block never dequantizes to Inf; it binds
-     only for the rules that round up, on block maxima of at least ``1.5 * 2**127``, which then
-     fall back to ``floor`` and saturate.) An all-zero block gets
+     only for the rules that round up, on block maxima of at least ``2**127``, which then fall
+     back to ``floor`` and may saturate.) An all-zero block gets
      ``s = -127`` (code 0); a block holding NaN or +-Inf gets code 0xFF (NaN) and all its
      element codes are +0 (it dequantizes to NaN through the scale).
    * NVFP4: tensor scale ``g = amax(tensor) / (6 * 448)`` in float32 (1 if that is 0: an all-zero
