@@ -17,6 +17,7 @@ def write_run(d: Path, tokens, losses, train_loss=None, steps=None):
             tl = train_loss[i] if train_loss is not None else v + 0.01
             f.write(json.dumps({"step": st, "tokens": t, "loss": tl}) + "\n")
             f.write(json.dumps({"step": st, "tokens": t, "val_loss": v}) + "\n")
+    (d / "summary.json").write_text("{}")  # what the trainer writes when a run ends
     return M.read_run(d)
 
 
@@ -183,3 +184,44 @@ def test_runner_resumes_skips_and_records_divergence(tmp_path):
         StudySpec(arms=["bf16", "nope"])
     with pytest.raises(UserError):
         StudySpec(arms=["bf16"], baseline="mxfp4-all")
+
+
+@pytest.mark.slow
+def test_smoke_preset_end_to_end(tmp_path, capsys):
+    """What CI runs: `mxtrain study --preset smoke` (tiny model, CPU, 3 arms x 2 seeds, diagnostics)."""
+    from mxtrain.cli import main
+
+    out = tmp_path / "smoke"
+    assert main(["study", "--preset", "smoke", "--out", str(out)]) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["baseline"] == "bf16" and math.isfinite(s["target_loss"])
+    assert set(s["arms"]) == {"bf16", "mxfp4-all", "mxfp4-all-dh16"}
+    for name, a in s["arms"].items():
+        assert a["seeds"] == [0, 1] and a["diverged"] == {"0": False, "1": False}
+        assert isinstance(a["recipe"], dict) and a["recipe"]["name"] == name
+        fl = a["final_val_loss"]
+        assert all(math.isfinite(v) for v in fl["per_seed"].values())
+        assert math.isfinite(fl["mean"]) and all(math.isfinite(v) for v in fl["ci95"])
+        e = a["extra_tokens"]
+        assert e["state"] in ("ok", "did_not_reach", "baseline_did_not_reach")
+        if e["state"] == "ok":
+            assert math.isfinite(e["mean"])
+        else:
+            assert e["reason"]
+        assert all(math.isfinite(v) for v in a["paired_diff"]["mean"])
+    assert s["arms"]["bf16"]["final_gap_vs_baseline"]["mean"] == 0.0
+    # diagnostics: quantized arms have rows for every layer and GEMM at steps 0 and 10
+    from mxtrain.study import diagnostics as D
+    rows = D.load(out / "runs" / "mxfp4-all" / "seed0")
+    assert {r["step"] for r in rows} == {0, 10} and {r["gemm"] for r in rows} == {"fprop", "dgrad", "wgrad"}
+    assert all(0 < r["cos"] <= 1 + 1e-9 for r in rows)
+    assert not (out / "runs" / "bf16" / "seed0" / "diagnostics.jsonl").exists()
+    html = (out / "report.html").read_text()
+    assert html.count("data:image/png;base64,") >= 4 and "Effects next to seed-to-seed spread" in html
+    # resume: everything is finished, nothing is trained again, and the report is rewritten
+    assert main(["study", "--preset", "smoke", "--out", str(out)]) == 0
+    assert "skipped" in capsys.readouterr().out
+    # the report command and its errors
+    assert main(["report", str(out)]) == 0
+    assert main(["report", str(tmp_path / "nope")]) == 2
+    assert main(["study", "--arms", "bf16,nope", "--out", str(tmp_path / "x")]) == 2

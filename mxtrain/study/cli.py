@@ -26,6 +26,7 @@ def register(subparsers) -> None:
     p.add_argument("--seeds", type=int, help="seeds per arm (seeds 0..N-1)")
     p.add_argument("--baseline", help="arm the others are compared with (default: the first arm)")
     p.add_argument("--out", help="study folder (default: studies/<preset or 'custom'>)")
+    p.add_argument("--exp", help="base experiment config (as for mxtrain train --exp; default: tiny-main)")
     p.add_argument("--model", help="model size (as for mxtrain train)")
     p.add_argument("--steps", type=int, help="optimizer steps per run")
     p.add_argument("--batch-size", type=int)

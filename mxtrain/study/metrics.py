@@ -56,6 +56,7 @@ class RunData:
     train_tokens: list[float] = field(default_factory=list)
     train_loss: list[float] = field(default_factory=list)
     config: dict = field(default_factory=dict)
+    info: dict = field(default_factory=dict)      # run.json: versions, device, git SHA, ...
     status: dict = field(default_factory=dict)
 
     @property
@@ -120,9 +121,9 @@ def read_run(path: str | Path, arm: str = "", seed: int = 0) -> RunData:
             rd.train_steps.append(int(row.get("step", len(rd.train_steps))))
             rd.train_tokens.append(_num(row.get("tokens")))
             rd.train_loss.append(_num(row["loss"]))
-        if row.get("diverged") or row.get("event") in ("diverged", "nonfinite", "non_finite_loss"):
+        if row.get("diverged") or row.get("event") in ("diverged", "nonfinite", "non_finite_loss", "non-finite loss"):
             rd.status.setdefault("state", "diverged")
-    for name, attr in (("config.json", "config"), ("study_status.json", "status")):
+    for name, attr in (("config.json", "config"), ("run.json", "info"), ("study_status.json", "status")):
         p = path / name
         if p.is_file():
             try:
@@ -130,14 +131,19 @@ def read_run(path: str | Path, arm: str = "", seed: int = 0) -> RunData:
                 if attr == "status":
                     rd.status.update(d)
                 else:
-                    rd.config = d
+                    setattr(rd, attr, d)
             except json.JSONDecodeError:
                 pass
     return rd
 
 
-def load_study_runs(study_dir: str | Path) -> dict[str, dict[int, RunData]]:
-    """``{arm: {seed: RunData}}`` for every ``runs/<arm>/seed<k>`` holding a metrics.jsonl."""
+def load_study_runs(study_dir: str | Path, finished_only: bool = True) -> dict[str, dict[int, RunData]]:
+    """``{arm: {seed: RunData}}`` for every ``runs/<arm>/seed<k>`` holding a metrics.jsonl.
+
+    With ``finished_only`` (default), only runs that ended: the runner wrote ``study_status.json``
+    (done or diverged) or the trainer wrote its end-of-run ``summary.json``; an interrupted run is
+    left out, never counted as a short run.
+    """
     out: dict[str, dict[int, RunData]] = {}
     root = Path(study_dir) / "runs"
     if not root.is_dir():
@@ -147,6 +153,8 @@ def load_study_runs(study_dir: str | Path) -> dict[str, dict[int, RunData]]:
             try:
                 seed = int(sd.name[4:])
             except ValueError:
+                continue
+            if finished_only and not ((sd / "study_status.json").is_file() or (sd / "summary.json").is_file()):
                 continue
             if (sd / "metrics.jsonl").is_file():
                 out.setdefault(arm_dir.name, {})[seed] = read_run(sd, arm_dir.name, seed)

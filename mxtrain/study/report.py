@@ -287,8 +287,9 @@ def _table_md(rows: list[list[str]]) -> str:
 def _env_of(runs: dict[str, dict[int, M.RunData]]) -> dict:
     for rs in runs.values():
         for rd in rs.values():
-            c = rd.config or {}
-            keep = {k: c[k] for k in ("versions", "device", "git_sha", "git", "torch", "mxtrain", "python", "host")
+            c = dict(rd.config or {}, **(rd.info or {}))
+            keep = {k: c[k] for k in ("mxtrain", "torch", "python", "device", "device_name", "cpu_threads", "git_sha",
+                                      "versions", "data", "data_meta", "model_params", "world_size", "started")
                     if k in c}
             if keep:
                 return keep
@@ -346,12 +347,12 @@ def write_report(d: str | Path, summary: dict | None = None) -> tuple[Path, Path
          f"<p>Generated {now} from <code>{html.escape(str(d))}</code>.</p>"]
     md = [f"# {title}", "", f"Generated {now} from `{d}`.", ""]
     if summary and not single:
-        intro = (f"Baseline: <b>{html.escape(summary['baseline'])}</b>. Target val loss "
-                 f"{_f(summary['target_loss'])} ({html.escape(summary['target_rule'])}). Smoothing: "
-                 f"{html.escape(summary['smoothing']['kind'])}, k = {k}. Extra tokens = tokens to reach the "
+        intro = (f"Baseline: {summary['baseline']}. Target val loss "
+                 f"{_f(summary['target_loss'])} ({summary['target_rule']}). Smoothing: "
+                 f"{summary['smoothing']['kind']}, k = {k}. Extra tokens = tokens to reach the "
                  f"target / the same seed's baseline tokens - 1; CIs are t-based 95 % over seeds.")
-        h.append(f"<p>{intro}</p>")
-        md += [intro.replace("<b>", "**").replace("</b>", "**"), ""]
+        h.append(f"<p>{html.escape(intro)}</p>")
+        md += [intro, ""]
         rows = arm_table_rows(summary)
         h += ["<h2>Extra-token cost and final loss</h2>", _table_html(rows)]
         md += ["## Extra-token cost and final loss", "", _table_md(rows), ""]
@@ -401,7 +402,7 @@ def write_report(d: str | Path, summary: dict | None = None) -> tuple[Path, Path
     for arm, rs in runs.items():
         for s, rd in sorted(rs.items()):
             if rd.config:
-                t = json.dumps(rd.config, indent=1, default=str)
+                t = json.dumps({"config": rd.config, "run": rd.info}, indent=1, default=str)
                 h.append(f"<details><summary>{html.escape(arm)} seed {s}: config.json</summary>"
                          f"<pre>{html.escape(t)}</pre></details>")
                 md += [f"<details><summary>{arm} seed {s}: config.json</summary>", "", "```json", t, "```",

@@ -50,8 +50,9 @@ PRESETS: dict[str, dict] = {
     "recipes": dict(arms=["bf16", "mxfp4-all-dh16", "tseng", "nvfp4"], baseline="bf16", seeds=3, diagnose_every=0),
     # CI: tiny model on CPU, 3 arms x 2 seeds, a few minutes in all
     "smoke": dict(arms=["bf16", "mxfp4-all", "mxfp4-all-dh16"], baseline="bf16", seeds=2, model="tiny",
-                  steps=30, batch_size=4, seq_len=64, eval_every=3, diagnose_every=10, device="cpu",
-                  overrides=["eval_tokens=4096"]),
+                  steps=20, batch_size=8, seq_len=64, eval_every=2, diagnose_every=10, device="cpu",
+                  overrides=["model.dim=64", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1",
+                             "schedule.warmup_steps=4", "optim.lr=5e-3", "log.eval_tokens=512", "log.log_every=1"]),
 }
 
 
@@ -79,6 +80,7 @@ class StudySpec:
     target_frac: float = 0.8
     smooth_k: int = 3
     preset: str | None = None
+    exp: str | None = None              # base experiment (mxtrain.train.experiments); None: the default
 
     def __post_init__(self):
         if not self.arms:
@@ -117,7 +119,7 @@ class StudySpec:
             base["preset"] = args.preset
         if args.arms:
             base["arms"] = [a.strip() for a in args.arms.split(",") if a.strip()]
-        for k in ("seeds", "baseline", "model", "steps", "batch_size", "seq_len", "lr", "data", "device", "schedule",
+        for k in ("exp", "seeds", "baseline", "model", "steps", "batch_size", "seq_len", "lr", "data", "device", "schedule",
                   "lr_horizon", "eval_every", "diagnose_every", "target_loss", "smooth_k"):
             v = getattr(args, k, None)
             if v is not None:
@@ -137,7 +139,7 @@ class StudySpec:
 
     def train_args(self) -> dict:
         """The base training settings shared by every run (recipe, seed and output are per run)."""
-        return {k: v for k, v in (("model", self.model), ("steps", self.steps), ("batch_size", self.batch_size),
+        return {k: v for k, v in (("exp", self.exp), ("model", self.model), ("steps", self.steps), ("batch_size", self.batch_size),
                                   ("seq_len", self.seq_len), ("lr", self.lr), ("data", self.data),
                                   ("device", self.device), ("eval_every", self.eval_every),
                                   ("schedule", self.schedule), ("lr_horizon", self.lr_horizon),
@@ -152,10 +154,98 @@ class StudySpec:
 # the trainer adapter
 
 
+def build_config(spec: StudySpec, arm: str, seed: int, run_dir: Path):
+    """The ``TrainConfig`` of one run: the base experiment, the study's settings and overrides, then the
+    per-run recipe, seeds and output folder (these last, so no ``--set`` can break the control)."""
+    from ..train.config import apply_overrides
+    from ..train import experiments
+
+    cfg = experiments.get(spec.exp) if spec.exp else experiments.get(experiments.DEFAULT)
+    cfg.exp = f"study-{spec.preset or 'custom'}"
+    sets = []
+    for key, val in (("model.name", spec.model), ("train.steps", spec.steps), ("train.batch_size", spec.batch_size),
+                     ("data.seq_len", spec.seq_len), ("optim.lr", spec.lr), ("data.path", spec.data),
+                     ("train.device", spec.device)):
+        if val is not None:
+            sets.append(f"{key}={val}")
+    apply_overrides(cfg, sets + list(spec.overrides))
+    if spec.steps is not None:
+        cfg.train.tokens = None
+    steps = cfg.train.steps
+    if cfg.train.tokens:
+        steps = -(-cfg.train.tokens // (cfg.train.batch_size * cfg.data.seq_len))
+    if spec.eval_every is not None:
+        cfg.log.eval_every = spec.eval_every
+    elif not any(o.startswith("log.eval_every=") for o in spec.overrides):
+        cfg.log.eval_every = max(1, steps // 40)
+    if spec.schedule == "constant":
+        cfg.schedule.kind = "constant"
+    elif spec.schedule == "long-cosine":
+        cfg.schedule.kind = "cosine"
+        cfg.schedule.horizon_steps = int(round(spec.lr_horizon * steps))
+    # the control: only the recipe differs between arms of one seed
+    cfg.recipe = arm
+    cfg.recipe_overrides = dict(cfg.recipe_overrides, seed=seed)  # SR / random-sign streams differ per seed
+    cfg.train.seed = seed
+    cfg.model.init_seed = seed
+    cfg.data.seed = seed
+    cfg.log.out = str(run_dir)
+    cfg.log.progress = False
+    cfg.log.tensorboard = False
+    return cfg
+
+
+class _DiagnosticsTap:
+    """Attach ``Diagnostics`` to a trainer run without changing the trainer.
+
+    The trainer calls ``set_step(model, step)`` at the start of every optimizer step; this wraps that
+    call: it ends the previous diagnosed step (its backward pass is over by then; the weights the
+    forward pass used were copied) and begins the next one when ``step % every == 0``. The wrapper
+    is installed only while one run trains and only when ``every > 0``.
+    """
+
+    def __init__(self, set_step_fn, out_dir: Path, every: int):
+        self.orig, self.out, self.every = set_step_fn, out_dir, every
+        self.diag = None
+        self.active: int | None = None
+        self.rows = 0
+
+    def __call__(self, model, step):
+        self.orig(model, step)
+        if self.diag is None:
+            from .diagnostics import Diagnostics
+            self.diag = Diagnostics(model, self.out, self.every)
+        self.finish()
+        if self.diag.wants(step):
+            self.diag.begin(step)
+            self.active = step
+
+    def finish(self):
+        if self.diag is not None and self.active is not None:
+            self.rows += len(self.diag.end(self.active))
+            self.active = None
+
+
 def train_one(spec: StudySpec, arm: str, seed: int, run_dir: Path) -> None:
-    """Train one run with the ordinary trainer into ``run_dir``."""
-    from . import trainer_adapter
-    trainer_adapter.train_run(spec, arm, seed, run_dir)
+    """Train one run with the ordinary trainer into ``run_dir`` (diagnostics attached if asked)."""
+    from ..train import trainer as TR
+
+    cfg = build_config(spec, arm, seed, run_dir)
+    if not spec.diagnose_every:
+        TR.train(cfg)
+        return
+    tap = _DiagnosticsTap(TR.set_step, run_dir, spec.diagnose_every)
+    TR.set_step = tap
+    try:
+        TR.train(cfg)
+    finally:
+        TR.set_step = tap.orig
+        tap.finish()
+        if tap.diag is not None:
+            tap.diag.close()
+    if tap.rows == 0 and R.get(arm).quantized:
+        print(f"warning: no diagnostics were recorded for {arm} seed {seed} (trainer hook not reached)",
+              file=sys.stderr)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -173,6 +263,14 @@ def _status(run_dir: Path) -> dict | None:
 
 
 def _is_divergence(e: BaseException) -> bool:
+    try:
+        from ..train import NonFiniteLoss
+        if isinstance(e, NonFiniteLoss):
+            return True
+    except ImportError:
+        pass
+    if isinstance(e, UserError):
+        return False
     msg = str(e).lower()
     return any(w in msg for w in ("non-finite", "nonfinite", "not finite", "nan", "diverg", "inf loss"))
 
