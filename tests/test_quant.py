@@ -373,6 +373,8 @@ def test_nvfp4_against_numpy_reference(two_d):
     big = special_rows("nvfp4")
     cases.append((big[torch.isfinite(big).all(1)], -1))
     cases.append((torch.randn(16, 32, generator=gen) * 1e-43, -1))  # g underflows: 1 instead
+    cases.append((torch.randn(20, 48, generator=gen).to(torch.bfloat16), -1))
+    cases.append((torch.randn(20, 48, generator=gen).to(torch.float16), 0))
     for x, axis in cases:
         q = mxtrain.quantize(x, "nvfp4", axis=axis, block_size=(16, 16) if two_d else None)
         codes, b, g = ref_nvfp4(x, axis, two_d)
@@ -396,11 +398,13 @@ def test_nvfp4_2d_tiles_identical_for_w_and_wt():
 def test_per_tensor_fp8_against_numpy_reference(fmt, ename):
     gen = torch.Generator().manual_seed(7)
     for x in (torch.randn(13, 29, generator=gen) * 2.0 ** torch.randint(-20, 20, (13, 1), generator=gen),
+              torch.randn(6, 9, generator=gen).to(torch.bfloat16),
+              torch.randn(6, 9, generator=gen).to(torch.float16),
               torch.randn(3, 4, 5, generator=gen) * 1e-30,
               torch.randn(7, generator=gen) * 1e30,
               torch.randn(5, 5, generator=gen) * 1e-44):  # the scale underflows: 1 instead
         q = mxtrain.quantize(x, fmt, axis=0)
-        xm = np.moveaxis(x.numpy(), 0, -1).astype(np.float32)
+        xm = np.moveaxis(x.float().numpy(), 0, -1).astype(np.float32)
         mx = np.float32(elem_info(ename)[0])
         scale = np.float32(np.abs(xm).max()) / mx
         scale = scale if scale > 0 else np.float32(1)
