@@ -80,7 +80,7 @@ def _resume_cfg(out, steps, recipe="mxfp4-all-sr"):
     cfg.train.batch_size, cfg.train.micro_batch_size = 4, 2   # gradient accumulation too
     cfg.train.steps = steps
     cfg.schedule.horizon_steps = 8
-    cfg.log.out, cfg.log.progress, cfg.log.tensorboard = str(out), False, False
+    cfg.log.out, cfg.log.progress, cfg.log.tensorboard = (str(out) if out else None), False, False
     cfg.log.eval_every, cfg.log.eval_tokens = 3, 256
     return cfg
 
@@ -153,7 +153,7 @@ def test_schedules():
     assert lr_at(0, cfg) == pytest.approx(0.1) and lr_at(9, cfg) == pytest.approx(1.0)
     assert lr_at(99, cfg) == pytest.approx(0.1, abs=1e-3)
     cfg.schedule.horizon_steps = 1000                            # horizon past the run: LR still high at the end
-    assert lr_at(99, cfg) > 0.99
+    assert lr_at(99, cfg) > 0.95
     cfg.schedule.kind, cfg.schedule.horizon_steps, cfg.schedule.decay_fraction = "wsd", None, 0.2
     assert lr_at(79, cfg) == 1.0 and lr_at(99, cfg) == pytest.approx(0.1, abs=0.05)
     cfg.schedule.kind = "constant"

@@ -66,7 +66,7 @@ def gpu_125m() -> TrainConfig:
     cfg.model.name = "125m"
     cfg.data.vocab_size = 16384
     cfg.data.seq_len = 1024
-    cfg.train.batch_size, cfg.train.steps = 32, 300
+    cfg.train.batch_size, cfg.train.steps = 16, 300
     cfg.optim.lr = 1e-3
     cfg.schedule.warmup_steps = 30
     cfg.log.eval_every, cfg.log.eval_tokens, cfg.log.log_every = 100, 65536, 10
