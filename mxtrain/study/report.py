@@ -219,7 +219,9 @@ def _diag_plots(aggs: dict[str, dict]) -> list[tuple[str, bytes]]:
         return []
     out = []
     fig, axes = plt.subplots(1, 4, figsize=(18, 4))
-    for arm, ag in aggs.items():
+    cyc = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    styles = {g: ls for g, ls in zip(("fprop", "dgrad", "wgrad"), ("-", "--", ":"))}
+    for ai, (arm, ag) in enumerate(aggs.items()):
         for ax, (m, title) in zip(axes, (("rel_err", "GEMM output rel. error ||Q-H||/||H||"),
                                          ("rel_bias", "GEMM output rel. bias <Q-H,H>/<H,H>"),
                                          ("cos", "GEMM output cosine"), ("err_corr_prev", "dW error corr. with previous diagnosed step"))):
@@ -228,7 +230,7 @@ def _diag_plots(aggs: dict[str, dict]) -> list[tuple[str, bytes]]:
                 if all(y is None for y in ys):
                     continue
                 ax.plot(ag["steps"], [float("nan") if y is None else y for y in ys], marker=".",
-                        label=f"{arm}:{gemm}")
+                        color=cyc[ai % len(cyc)], ls=styles[gemm], label=f"{arm}:{gemm}")
             ax.set_title(title, fontsize=9)
             ax.set_xlabel("step")
             ax.grid(alpha=0.3)
