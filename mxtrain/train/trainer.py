@@ -240,7 +240,11 @@ class _Log:
             except Exception:  # tensorboard not installed
                 self.tb = None
         self.bar = None
-        if cfg.log.progress and rank == 0:
+        self._bar_args = (cfg.log.progress and rank == 0, total, start_step)
+
+    def start_bar(self):
+        on, total, start_step = self._bar_args
+        if on:
             try:
                 from tqdm import tqdm
                 self.bar = tqdm(total=total, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
@@ -365,6 +369,7 @@ def train(cfg: TrainConfig, resume: str | Path | None = None) -> Path:
     log.say(f"mxtrain {__version__} | model {cfg.model.name} ({mcfg.num_params() / 1e6:.1f}M params, "
             f"{flops_tok / 1e6:.1f} MFLOP/token) | recipe {recipe.name} | {device}"
             f"{' bf16 autocast' if amp_dtype else ' fp32'} | {cfg.train.steps} steps x {B} x {T} tokens | run {out}")
+    log.start_bar()
 
     ckpt_path = out / ckpt.NAME
     last_ckpt_step = start_step if state is not None else None
@@ -430,8 +435,9 @@ def train(cfg: TrainConfig, resume: str | Path | None = None) -> Path:
                 log.row(row)
                 if log.bar is not None:
                     log.bar.set_postfix(loss=f"{row['loss']:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}")
-                elif cfg.log.progress is False and rank == 0:
-                    pass
+                else:
+                    log.say(f"step {done:>6} | tokens {tokens:>11,} | loss {row['loss']:.4f} | lr {lr:.2e} | "
+                            f"{tps:,.0f} tok/s")
                 loss_acc, steps_last = 0.0, 0
                 t_last, tok_last = now, tokens
             if log.bar is not None:
