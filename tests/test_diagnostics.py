@@ -109,3 +109,19 @@ def test_clip_and_underflow_rates_known():
     ctx = _Ctx(recipes.get("mxfp4-all").with_(**{"wgrad_dy.scale_rule": "ceil"}), 0, 0, 0)
     q, p, r, mx = D.operand_quantize(ctx, torch.randn(64, 64), 0, "wgrad_dy", "wgrad", None)
     assert D._operand_stats(q, p, r, mx, 0)["clip_rate"] == 0.0
+
+
+def test_impl_rel_diff_checks_the_path_that_trained(tmp_path):
+    """The layer's actual Y, dX and dW agree with the reference recomputation on the reference path."""
+    model = _model("mxfp4-all-rht16")
+    diag = D.Diagnostics(model, None, every=1)
+    set_step(model, 3)
+    diag.begin(3)
+    (model(torch.randn(2, 16, 64)) * torch.randn(2, 16, 64)).sum().backward()
+    rows = diag.end(3)
+    assert len(rows) == 6
+    for r in rows:
+        if r["layer"] == "0" and r["gemm"] == "dgrad":  # the model input needs no gradient: no dX
+            assert r["impl_rel_diff"] is None
+            continue
+        assert r["impl_rel_diff"] is not None and r["impl_rel_diff"] < 1e-5, r

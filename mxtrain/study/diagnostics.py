@@ -18,6 +18,11 @@ against the same GEMM in float32, and appends one JSON row per (step, layer, GEM
 * per GEMM output (Fprop ``Y``, Dgrad ``dX``, Wgrad ``dW``): ``cos`` (cosine to the float32
   GEMM), ``rel_err`` (``||Q - H|| / ||H||``) and ``rel_bias`` (``<Q - H, H> / <H, H>``: the part
   of the error along the true output; negative means the quantized output is shrunk);
+* ``impl_rel_diff``: ``||A - Q|| / ||Q||`` between what the layer actually produced in training
+  (its output ``Y``, the gradient ``dX`` it passed back, the gradient ``dW`` its weight got; fast
+  kernels or reference path) and the reference recomputation ``Q``. Only accumulation order and
+  bf16 output rounding may differ (about 1e-3 under bf16 autocast); a large value means the path
+  that trained is not computing the recipe;
 * Wgrad only: ``err_corr_prev``: Pearson correlation between the weight-gradient quantization
   error ``dW_q - dW`` at this diagnosed step and at the previous one (on a fixed subsample of
   at most ``max_corr_elems`` entries per layer). Near 0: the error is fresh noise each step;
@@ -31,9 +36,14 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from pathlib import Path
 
 import torch
+
+# the first layer's input needs no gradient; its full backward hook still gives us dY
+warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with respect "
+                        "to module outputs")
 
 from ..nn import MXLinear, _Ctx, _OPERAND_ID, _pad_axis, mx_layers
 from ..formats import get_format
@@ -152,6 +162,7 @@ def gemm_diagnostics(ctx: _Ctx, x: torch.Tensor, w: torch.Tensor, dy: torch.Tens
             ops[name] = _operand_stats(q, p, r, mx, ax) if mx is not None else None
         row = {"operands": ops, **_out_stats(yq, yh)}
         row["_err"] = (yq - yh)
+        row["_q"] = yq
         out[gemm] = row
     return out
 
@@ -197,19 +208,34 @@ class Diagnostics:
         for name, m in mx_layers(self.model):
             if m.recipe.quantized:
                 self._handles.append(m.register_forward_hook(self._fwd_hook(name)))
+                self._handles.append(m.register_full_backward_hook(self._bwd_hook(name)))
+                if m.weight.requires_grad:
+                    self._handles.append(m.weight.register_hook(self._w_hook(name)))
 
     def _fwd_hook(self, name: str):
         def hook(m: MXLinear, inputs, output):
-            if name in self._cap:
+            if name in self._cap or not torch.is_grad_enabled():
                 return
-            rec = {"x": inputs[0].detach(), "w": m.weight.detach().clone(), "dy": None,
-                   "ctx": _Ctx(m.recipe, m.layer_id, m.step, m._calls - 1)}
-            self._cap[name] = rec
-            if output.requires_grad:
-                def grad_hook(g, rec=rec):
-                    if rec["dy"] is None:
-                        rec["dy"] = g.detach()
-                output.register_hook(grad_hook)
+            self._cap[name] = {"x": inputs[0].detach(), "w": m.weight.detach().clone(), "dy": None,
+                               "y_act": output.detach(), "dx_act": None, "dw_act": None,
+                               "b": m.bias.detach().clone() if m.bias is not None else None,
+                               "ctx": _Ctx(m.recipe, m.layer_id, m.step, m._calls - 1)}
+        return hook
+
+    def _bwd_hook(self, name: str):
+        def hook(m, grad_input, grad_output):
+            rec = self._cap.get(name)
+            if rec is None or rec["dy"] is not None:
+                return
+            rec["dy"] = grad_output[0].detach() if grad_output[0] is not None else None
+            rec["dx_act"] = grad_input[0].detach() if grad_input and grad_input[0] is not None else None
+        return hook
+
+    def _w_hook(self, name: str):
+        def hook(g):
+            rec = self._cap.get(name)
+            if rec is not None and rec["dw_act"] is None:
+                rec["dw_act"] = g.detach().clone()
         return hook
 
     def _remove(self) -> None:
@@ -227,8 +253,19 @@ class Diagnostics:
         with torch.no_grad():
             for name, cap in self._cap.items():
                 d = gemm_diagnostics(cap["ctx"], cap["x"], cap["w"], cap["dy"])
+                acts = {"fprop": cap["y_act"], "dgrad": cap["dx_act"], "wgrad": cap["dw_act"]}
                 for gemm, row in d.items():
                     err = row.pop("_err")
+                    q = row.pop("_q")
+                    a = acts.get(gemm)
+                    row["impl_rel_diff"] = None
+                    if a is not None and gemm == "fprop" and cap["b"] is not None:
+                        a = a.float() - cap["b"].float()
+                    if a is not None and a.numel() == q.numel():
+                        qd = q.double().reshape(-1)
+                        nq = float(qd @ qd)
+                        dd = a.double().reshape(-1) - qd
+                        row["impl_rel_diff"] = math.sqrt(float(dd @ dd) / nq) if nq > 0 else None
                     for opname, st in row["operands"].items():
                         if st is None:
                             continue
@@ -298,7 +335,7 @@ def aggregate(rows: list[dict]) -> dict:
     {metric: [per step]}}, "overall": {...}, "scale_hist": {operand: {exp: count}}}``.
     """
     steps = sorted({r["step"] for r in rows})
-    gm = ("cos", "rel_err", "rel_bias", "err_corr_prev")
+    gm = ("cos", "rel_err", "rel_bias", "err_corr_prev", "impl_rel_diff")
     om = ("sqnr_db", "clip_rate", "underflow_rate", "scale_change_rate")
     out = {"steps": steps, "gemm": {}, "operand": {}, "overall": {"gemm": {}, "operand": {}}, "scale_hist": {}}
     by = {}
