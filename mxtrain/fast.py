@@ -77,7 +77,8 @@ def _quant(qctx: _Ctx, t: torch.Tensor, axis: int, name: str, gemm: str, signs, 
         if hit is not None and hit[0] == ck:
             return hit[1], op.prescale
     q = quantize_op(t, axis, rot=rsize, signs=signs, rounding=op.rounding, scale_rule=op.scale_rule, key=key,
-                    prescale=op.prescale, index_strides=si, carrier=carrier, fp4=fp4, group_rows=group_rows)
+                    prescale=op.prescale, index_strides=si, carrier=carrier, fp4=fp4, group_rows=group_rows,
+                    k_multiple=_gemm.k_multiple_for(backend))
     if ck is not None:
         cache[name] = (ck, q)
     return q, op.prescale

@@ -196,6 +196,15 @@ def test_carrier_nan_blocks_are_nan():
     assert torch.isnan(v[1, :32]).all() and not torch.isnan(v[1, 32:]).any() and not torch.isnan(v[0]).any()
 
 
+def test_k_multiple_pads_carrier_with_zeros():
+    x = torch.randn(20, 200, generator=torch.Generator().manual_seed(6)).to(DEV)
+    q = kq.quantize_mxfp4_2d(x, 1, carrier=True, fp4=True, k_multiple=512, group_rows=128)
+    assert q.carrier.shape == (128, 512) and q.gscale.shape == (1, 4) and int(q.inexact.item()) == 0
+    v = kq.carrier_values(q)
+    assert (v[:, 200:] == 0).all() and (v[20:] == 0).all()
+    assert torch.equal(v[:20, :200], _ref(x, 1).dequantize(torch.float32))
+
+
 def test_custom_op_matches_direct():
     x = _data(20, 70, seed=5)
     signs = rotation_signs(32, "fixed", seed=1, device=DEV)
@@ -241,9 +250,10 @@ def test_carrier_gemm_gpu():
         pytest.skip("FP8 carrier GEMM is the sm_90 path")
     assert p["a1x128_b128x128"], p
     A, B = _data(2048, 4096 + 64, seed=1, dtype=torch.bfloat16), _data(1536, 4096 + 64, seed=2, dtype=torch.bfloat16)
-    qa = kq.quantize_mxfp4_2d(A, 1, carrier=True, fp4=True)
-    qb = kq.quantize_mxfp4_2d(B, 1, carrier=True, fp4=True, group_rows=128)
-    y = mx_gemm_nt(qa, qb, "fp8_carrier").double()
-    ref = (kq.dequantize_fp4(qa).double() @ kq.dequantize_fp4(qb).double().t())
-    err = ((y - ref).norm() / ref.norm()).item()
-    assert err < 4e-3, err  # bf16 output rounding only
+    for gr in (128, 1):
+        qa = kq.quantize_mxfp4_2d(A, 1, carrier=True, fp4=True, k_multiple=512)
+        qb = kq.quantize_mxfp4_2d(B, 1, carrier=True, fp4=True, group_rows=gr, k_multiple=512)
+        y = mx_gemm_nt(qa, qb, "fp8_carrier").double()
+        ref = (kq.dequantize_fp4(qa).double() @ kq.dequantize_fp4(qb).double().t())
+        err = ((y - ref).norm() / ref.norm()).item()
+        assert err < 4e-3, (gr, err)  # bf16 output rounding only

@@ -22,6 +22,12 @@ __all__ = ["mx_gemm_nt", "probe", "weight_group_rows", "activation_b_group_rows"
 _PROBE: dict[str, dict] = {}
 
 
+def k_multiple_for(backend: str) -> int:
+    """Carrier reduction-length padding: cuBLAS's blockwise FP8 path wants K/128 % 4 == 0 (with
+    K/128 = 9 it returned wrong results in both scale configurations; K multiple of 512 is exact)."""
+    return 512 if backend == "fp8_carrier" else 128
+
+
 def outputs_for(backend: str) -> tuple[bool, bool]:
     """(carrier, fp4) outputs the quantize kernel must write for a GEMM backend."""
     if backend == "fp8_carrier":
@@ -66,12 +72,12 @@ def probe(device) -> dict:
     if device.type == "cuda":
         from .quantize import quantize_mxfp4_2d
         g = torch.Generator(device=device).manual_seed(0)
-        A = torch.randn(256, 384, device=device, generator=g)
-        B = torch.randn(384, 384, device=device, generator=g)
-        qa = quantize_mxfp4_2d(A, 1, carrier=True, fp4=False, group_rows=1)
+        A = torch.randn(256, 1088, device=device, generator=g)
+        B = torch.randn(384, 1088, device=device, generator=g)
+        qa = quantize_mxfp4_2d(A, 1, carrier=True, fp4=False, group_rows=1, k_multiple=512)
         for name, gr in (("a1x128_b128x128", 128), ("b_1x128", 1)):
             try:
-                qb = quantize_mxfp4_2d(B, 1, carrier=True, fp4=False, group_rows=gr)
+                qb = quantize_mxfp4_2d(B, 1, carrier=True, fp4=False, group_rows=gr, k_multiple=512)
                 out = _scaled_mm(qa, qb, torch.float32 if False else torch.bfloat16).float()
                 ref = (carrier_values(qa)[:256].double() @ carrier_values(qb)[:384].double().t())
                 err = ((out.double() - ref).norm() / ref.norm()).item()

@@ -259,7 +259,8 @@ def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.
                       rounding: str = "nearest", scale_rule: str = "floor", key: int = 0,
                       prescale: float = 1.0, index_strides: tuple[int, int] | None = None,
                       carrier: bool = True, fp4: bool = True, group_rows: int = 1,
-                      row_multiple: int = 16, block_rows: int | None = None, num_warps: int | None = None) -> QuantOut:
+                      row_multiple: int = 16, block_rows: int | None = None, num_warps: int | None = None,
+                      k_multiple: int = TILE_K) -> QuantOut:
     """Quantize a 2-D tensor to MXFP4 along ``axis`` (0 or 1) in one fused pass.
 
     ``index_strides``: logical (outer, reduction) strides of the element index used for stochastic
@@ -277,7 +278,7 @@ def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.
         si = index_strides or (1, x.shape[1])
     dev = x.device
     Kq = _ceil(_ceil(max(K, 1), rot or 1), 32)   # the reference pads to whole rotation blocks first
-    Kc = _ceil(max(K, 1), TILE_K)
+    Kc = _ceil(max(K, 1), k_multiple)  # fp8_carrier uses 512: cuBLAS wants K/128 % 4 == 0
     if group_rows == 128:
         row_multiple = 128
     BR = block_rows or (128 if group_rows == 128 else (64 if axis == 1 else 32))  # tuned on H100 (BENCHMARKS.md)
@@ -417,9 +418,10 @@ def _reference(x, fmt, axis, block_size, rounding, scale_rule, seed, prescale, r
 # ----------------------------------------------------------------------------------------------
 # torch.library op, so that torch.compile sees one opaque call with a fake (meta) implementation
 
-def _out_shapes(R: int, K: int, rot: int, carrier: bool, fp4: bool, group_rows: int, row_multiple: int):
+def _out_shapes(R: int, K: int, rot: int, carrier: bool, fp4: bool, group_rows: int, row_multiple: int,
+                k_multiple: int = TILE_K):
     Kq = _ceil(_ceil(max(K, 1), rot or 1), 32)
-    Kc = _ceil(max(K, 1), TILE_K)
+    Kc = _ceil(max(K, 1), k_multiple)
     rm = 128 if group_rows == 128 else row_multiple
     Rc = _ceil(max(R, 1), max(rm, 1))
     car = (Rc, Kc) if carrier else (0, 0)
@@ -432,14 +434,16 @@ def _out_shapes(R: int, K: int, rot: int, carrier: bool, fp4: bool, group_rows: 
 @torch.library.custom_op("mxtrain::quantize_mxfp4", mutates_args=())
 def quantize_mxfp4_op(x: torch.Tensor, signs: torch.Tensor | None, axis: int, rot: int, stochastic: bool,
                       rule: int, key: int, prescale: float, si0: int, si1: int, carrier: bool, fp4: bool,
-                      group_rows: int, row_multiple: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                      group_rows: int, row_multiple: int, k_multiple: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                                     torch.Tensor, torch.Tensor]:
     """Fused MXFP4 quantize as one op: (carrier uint8, group scales (contiguous; 1x128 ones
     transposed: (Kc/128, Rc)), inexact count, packed FP4, E8M0 scales); unused outputs are empty."""
     rules = {v: k for k, v in RULE_ID.items()}
     q = quantize_mxfp4_2d(x, axis, rot=rot, signs=signs, rounding="stochastic" if stochastic else "nearest",
                           scale_rule=rules[rule], key=key, prescale=prescale, index_strides=(si0, si1),
-                          carrier=carrier, fp4=fp4, group_rows=group_rows, row_multiple=row_multiple)
+                          carrier=carrier, fp4=fp4, group_rows=group_rows, row_multiple=row_multiple,
+                          k_multiple=k_multiple)
+
     def e(dt=torch.uint8):
         return torch.empty((0, 0), dtype=dt, device=x.device)
     car = q.carrier.view(torch.uint8) if carrier else e()
@@ -449,9 +453,10 @@ def quantize_mxfp4_op(x: torch.Tensor, signs: torch.Tensor | None, axis: int, ro
 
 
 @quantize_mxfp4_op.register_fake
-def _(x, signs, axis, rot, stochastic, rule, key, prescale, si0, si1, carrier, fp4, group_rows, row_multiple):
+def _(x, signs, axis, rot, stochastic, rule, key, prescale, si0, si1, carrier, fp4, group_rows, row_multiple,
+      k_multiple):
     R, K = (x.shape[0], x.shape[1]) if axis == 1 else (x.shape[1], x.shape[0])
-    car, gs, pk, sc = _out_shapes(R, K, rot, carrier, fp4, group_rows, row_multiple)
+    car, gs, pk, sc = _out_shapes(R, K, rot, carrier, fp4, group_rows, row_multiple, k_multiple)
     return (x.new_empty(car, dtype=torch.uint8), x.new_empty(gs, dtype=torch.float32),
             x.new_empty((1,), dtype=torch.int32), x.new_empty(pk, dtype=torch.uint8),
             x.new_empty(sc, dtype=torch.uint8))
@@ -459,7 +464,8 @@ def _(x, signs, axis, rot, stochastic, rule, key, prescale, si0, si1, carrier, f
 
 def quantize_op(x: torch.Tensor, axis: int, *, rot: int = 0, signs=None, rounding: str = "nearest",
                 scale_rule: str = "floor", key: int = 0, prescale: float = 1.0, index_strides=None,
-                carrier: bool = True, fp4: bool = True, group_rows: int = 1, row_multiple: int = 16) -> QuantOut:
+                carrier: bool = True, fp4: bool = True, group_rows: int = 1, row_multiple: int = 16,
+                k_multiple: int = TILE_K) -> QuantOut:
     """``quantize_mxfp4_2d`` through the registered op (compile-friendly); same result."""
     if axis == 1:
         R, K = x.shape
@@ -469,9 +475,9 @@ def quantize_op(x: torch.Tensor, axis: int, *, rot: int = 0, signs=None, roundin
         si = index_strides or (1, x.shape[1])
     car, gs, cnt, pk, sc = quantize_mxfp4_op(x, signs, axis, rot, rounding == "stochastic", RULE_ID[scale_rule],
                                               _i32(key), float(prescale), si[0], si[1], carrier, fp4,
-                                              group_rows, row_multiple)
+                                              group_rows, row_multiple, k_multiple)
     gview = None
     if carrier:
-        gview = gs.t() if group_rows == 1 else gs[:, : _ceil(max(K, 1), TILE_K) // TILE_K]
+        gview = gs.t() if group_rows == 1 else gs[:, : _ceil(max(K, 1), k_multiple) // TILE_K]
     return QuantOut(R, K, car.view(torch.float8_e4m3fn) if carrier else None, gview, group_rows,
                     cnt if carrier else None, pk if fp4 else None, sc if fp4 else None, gs if carrier else None)
