@@ -31,11 +31,17 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 __all__ = ["HAS_TRITON", "INTERPRET", "backend", "kernels_available", "capability"]
 
 
+_CAP: dict = {}
+
+
 def capability(device) -> tuple[int, int] | None:
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
-    return torch.cuda.get_device_capability(device)
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _CAP:
+        _CAP[idx] = torch.cuda.get_device_capability(idx)
+    return _CAP[idx]
 
 
 def kernels_available(device) -> bool:

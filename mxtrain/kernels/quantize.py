@@ -466,7 +466,12 @@ def quantize_op(x: torch.Tensor, axis: int, *, rot: int = 0, signs=None, roundin
                 scale_rule: str = "floor", key: int = 0, prescale: float = 1.0, index_strides=None,
                 carrier: bool = True, fp4: bool = True, group_rows: int = 1, row_multiple: int = 16,
                 k_multiple: int = TILE_K) -> QuantOut:
-    """``quantize_mxfp4_2d`` through the registered op (compile-friendly); same result."""
+    """``quantize_mxfp4_2d`` through the registered op under ``torch.compile`` (eagerly: a direct
+    call, which saves the custom-op dispatch overhead); same result either way."""
+    if not torch.compiler.is_compiling():
+        return quantize_mxfp4_2d(x, axis, rot=rot, signs=signs, rounding=rounding, scale_rule=scale_rule, key=key,
+                                 prescale=prescale, index_strides=index_strides, carrier=carrier, fp4=fp4,
+                                 group_rows=group_rows, row_multiple=row_multiple, k_multiple=k_multiple)
     if axis == 1:
         R, K = x.shape
         si = index_strides or (x.shape[1], 1)
