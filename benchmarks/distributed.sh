@@ -34,6 +34,10 @@ run() {  # name nproc steps batch micro seq log_every eval_tokens [extra args...
   rm -rf "$TMPD/mxbench-$name"
 }
 export MXTRAIN_FAST=1
+ONLY=${ONLY:-"gpu1 gpu2_fsdp2 gpu2_ddp"}  # e.g. ONLY="gpu2_fsdp2 gpu2_ddp" SKIP_PROBE=1 to redo the 2-GPU runs
+if [ -n "${SKIP_PROBE:-}" ]; then
+  P=(15 16 8 1024 5 16384)
+else
 run probe_fast 1 2 16 8 1024 1 1024
 if $PY - "$OUT/probe_fast.jsonl" <<'PYEOF'
 import json, math, sys
@@ -49,6 +53,11 @@ else
   echo "=== fast path failed the probe: reference path, 8 x 1024 tokens/step, 6 steps" >> "$OUT/log.txt"
   P=(6 8 4 1024 2 4096)
 fi
-run gpu1 1 "${P[@]}"
-run gpu2_fsdp2 2 "${P[@]}" --parallel fsdp2
-run gpu2_ddp 2 "${P[@]}" --parallel ddp
+fi
+for r in $ONLY; do
+  case $r in
+    gpu1) run gpu1 1 "${P[@]}" ;;
+    gpu2_fsdp2) run gpu2_fsdp2 2 "${P[@]}" --parallel fsdp2 ;;
+    gpu2_ddp) run gpu2_ddp 2 "${P[@]}" --parallel ddp ;;
+  esac
+done

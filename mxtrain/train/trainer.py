@@ -225,6 +225,7 @@ class _Log:
         self.path = out / "metrics.jsonl"
         if rank:  # [distributed] only rank 0 touches metrics.jsonl
             self.f = self.tb = self.bar = None
+            self._bar_args = (False, total, start_step)
             return
         if start_step > 0 and self.path.exists():  # drop rows past the checkpoint (a crash after it)
             keep = [ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln).get("step", 0) <= start_step]
