@@ -55,7 +55,7 @@ def files():
     ("not a data folder", ["train", "--data", "{d}"], ["not a prepared data folder"]),
     ("corrupt checkpoint", ["train", "--resume", "{d}/corrupt_run"], ["corrupt or truncated"]),
     ("truncated checkpoint", ["train", "--resume", "{d}/truncated_run"], ["corrupt or truncated"]),
-    ("no checkpoint", ["train", "--resume", "{d}/empty.txt"], ["no checkpoint"]),
+    ("no checkpoint", ["train", "--resume", "{d}/nothing_here"], ["no checkpoint"]),
     ("output folder not writable", ["train", "--exp", "debug", "--data", "{small}", "--out", "{d}/a_file/run"],
      ["cannot write to output folder"]),
     ("cuda on a CPU machine", ["train", "--exp", "debug", "--data", "{small}", "--device", "cuda:0"], ["CUDA"]),
