@@ -4,7 +4,7 @@
 # DATA_DIR: a prepared folder (mxtrain data prepare builtin --out DATA_DIR). Results: OUT_DIR/*.jsonl, log.txt.
 # First a 2-step probe of the fast MXLinear path on 1 GPU; if its loss is not finite, every run uses the
 # reference path (MXTRAIN_FAST=0) with a smaller batch. Same global batch and micro-batch on 1 and 2 GPUs
-# (1 GPU: 2 accumulation steps; 2 GPUs: 1 micro-step per rank).
+# (1 GPU: 2 accumulation steps; 2 GPUs: 1 micro-step per rank). EXTRA="--lr 3e-4" adds train flags.
 set -uo pipefail
 DATA=${1:?data folder}; OUT=${2:?out folder}
 # NVLink multicast stays off (shared hosts; see the device docs); mxtrain.distributed sets these too.
@@ -28,7 +28,7 @@ run() {  # name nproc steps batch micro seq log_every eval_tokens [extra args...
   "${launch[@]}" train --data "$DATA" --model "$MODEL" --recipe mxfp4-all-dh16 --steps "$steps" --batch-size "$bs" \
     --micro-batch-size "$mb" --seq-len "$seq" --eval-every 100000 --eval-tokens "$et" --no-progress --seed 0 \
     --device "$DEVICE" --set log.log_every="$le" --set log.tensorboard=false --set schedule.warmup_steps=2 \
-    --set schedule.horizon_steps=20 --out "$TMPD/mxbench-$name" "$@" >> "$OUT/log.txt" 2>&1
+    --set schedule.horizon_steps=20 --out "$TMPD/mxbench-$name" ${EXTRA:-} "$@" >> "$OUT/log.txt" 2>&1
   echo "=== $name rc=$? wall=$(( $(date +%s) - t0 ))s" >> "$OUT/log.txt"
   cp "$TMPD/mxbench-$name/metrics.jsonl" "$OUT/$name.jsonl" 2>/dev/null
   rm -rf "$TMPD/mxbench-$name"
