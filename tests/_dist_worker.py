@@ -51,9 +51,9 @@ class Toy(nn.Module):
         return F.cross_entropy(logits.reshape(-1, V).float(), targets.reshape(-1))
 
 
-def build(mode: str, env: D.DistEnv):
+def build(mode: str, env: D.DistEnv, recipe: str = RECIPE):
     torch.manual_seed(0)
-    model = mxtrain.convert(Toy(), RECIPE)
+    model = mxtrain.convert(Toy(), recipe)
     model = D.wrap(model, mode, env)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     return model, opt
@@ -124,8 +124,8 @@ def full_state(model) -> dict:
 
 
 def run_scenario(name: str, mode: str, env: D.DistEnv, out: Path, *, accum=1, steps=20, save_at=None,
-                 resume: str | None = None, capture=False) -> dict:
-    model, opt = build(mode, env)
+                 resume: str | None = None, capture=False, recipe: str = RECIPE) -> dict:
+    model, opt = build(mode, env, recipe)
     start = 0
     if resume and resume.endswith(".pt"):
         st = torch.load(resume, weights_only=True)
@@ -164,6 +164,10 @@ def suite(out: Path, ref: Path):
         "fsdp2_resume_plain": run_scenario("fsdp2_resume_plain", "fsdp2", env, out, resume=str(ref / "ck_single.pt")),
         "ddp_resume_plain": run_scenario("ddp_resume_plain", "ddp", env, out, resume=str(ref / "ck_single.pt")),
     }
+    # every recipe under both modes: 3 steps each
+    for r in mxtrain.recipes.names():
+        for mode in ("ddp", "fsdp2"):
+            results[f"recipe:{r}:{mode}"] = run_scenario(f"{r}_{mode}", mode, env, out, steps=3, recipe=r)
     if env.is_rank0:
         (out / "results.json").write_text(json.dumps(results))
     D.shutdown()
