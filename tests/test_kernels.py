@@ -205,6 +205,37 @@ def test_k_multiple_pads_carrier_with_zeros():
     assert torch.equal(v[:20, :200], _ref(x, 1).dequantize(torch.float32))
 
 
+@pytest.mark.parametrize("group_rows", [1, 128])
+@pytest.mark.parametrize("axis", [1, 0])
+def test_carrier_from_fp4_matches_kernel(group_rows, axis):
+    """The torch fallback that rebuilds the carrier from FP4 codes (GPU safety net) equals the kernel."""
+    x = _data(40, 300, seed=13)
+    x[3, 7] = float("nan")
+    x[:5, 32:64] *= 2.0**-20
+    q = kq.quantize_mxfp4_2d(x, axis, carrier=True, fp4=True, group_rows=group_rows, k_multiple=512)
+    car, gs, cnt = q.carrier.view(torch.uint8).clone(), q.gscale.clone(), int(q.inexact.item())
+    kq.carrier_from_fp4(q, 512, 16)
+    assert torch.equal(q.carrier.view(torch.uint8), car)
+    assert torch.equal(q.gscale, gs) and q.gscale.stride() == gs.stride()
+    assert int(q.inexact.item()) == cnt
+
+
+def test_self_check_and_fallback(monkeypatch):
+    """The once-per-configuration self-check passes, and a configuration marked bad is served by the
+    torch fallback with identical results (the GPU safety net, exercised here on any device)."""
+    monkeypatch.setattr(kq, "SELF_CHECK_DEVICES", (torch.device(DEV).type,))
+    monkeypatch.setattr(kq, "_VERIFIED", {})
+    x = _data(33, 200, seed=17, dtype=torch.bfloat16)
+    good = kq.quantize_mxfp4_2d(x, 0, rot=16, carrier=True, fp4=False, k_multiple=512)
+    assert kq._VERIFIED and all(kq._VERIFIED.values())
+    for k in list(kq._VERIFIED):
+        kq._VERIFIED[k] = False
+    fb = kq.quantize_mxfp4_2d(x, 0, rot=16, carrier=True, fp4=False, k_multiple=512)
+    assert fb.packed is None
+    assert torch.equal(fb.carrier.view(torch.uint8), good.carrier.view(torch.uint8))
+    assert torch.equal(fb.gscale, good.gscale) and int(fb.inexact.item()) == int(good.inexact.item())
+
+
 def test_custom_op_matches_direct():
     x = _data(20, 70, seed=5)
     signs = rotation_signs(32, "fixed", seed=1, device=DEV)

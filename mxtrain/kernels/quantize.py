@@ -213,9 +213,11 @@ if triton is not None:
                 bits8 = tl.where(sub, m_sub, ((ce_c + 7) << 3) + m_nrm)
             bits8 = bits8 | (sbit << 7)
             bits8 = tl.where(ok[:, :, None], bits8, 0x7F)
-            cbyte = tl.reshape(bits8, [BR, 128]).to(tl.uint8)
-            mc = (r2 < Rc) & (c2 < Kc)
-            tl.store(car_ptr + r2 * Kc + c2, cbyte, mask=mc)
+            # store through 3-D pointers: a [BR, 4, 32] -> [BR, 128] reshape here was miscompiled
+            # on sm_90 for some tile configurations (rows permuted; seen on an H200, Triton 3.6)
+            r3 = rows[:, None, None]
+            c3 = pid_k.to(tl.int64) * 128 + (tl.arange(0, 4) * 32)[None, :, None] + tl.arange(0, 32)[None, None, :]
+            tl.store(car_ptr + r3 * Kc + c3, bits8.to(tl.uint8), mask=r3 < Rc)
             gval = _pow2(G - 6)
             if GROUP_ROWS == 1:
                 tl.store(gs_ptr + rows * gs_sr + pid_k * gs_sk, gval, mask=rows < Rc)
@@ -260,7 +262,7 @@ def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.
                       prescale: float = 1.0, index_strides: tuple[int, int] | None = None,
                       carrier: bool = True, fp4: bool = True, group_rows: int = 1,
                       row_multiple: int = 16, block_rows: int | None = None, num_warps: int | None = None,
-                      k_multiple: int = TILE_K) -> QuantOut:
+                      k_multiple: int = TILE_K, _check: bool = True) -> QuantOut:
     """Quantize a 2-D tensor to MXFP4 along ``axis`` (0 or 1) in one fused pass.
 
     ``index_strides``: logical (outer, reduction) strides of the element index used for stochastic
@@ -328,8 +330,85 @@ def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.
     base = None
     if carrier:
         base = gs.t() if group_rows == 1 else gs_base
-    return QuantOut(R, K, car.view(torch.float8_e4m3fn) if carrier else None, gs, group_rows,
-                    cnt if carrier else None, packed, sc, base)
+    out = QuantOut(R, K, car.view(torch.float8_e4m3fn) if carrier else None, gs, group_rows,
+                   cnt if carrier else None, packed, sc, base)
+    if (carrier and _check and dev.type in SELF_CHECK_DEVICES and R > 0 and K > 0
+            and not torch.compiler.is_compiling()
+            and not _config_ok(x, axis, rot, group_rows, BR, num_warps, rounding == "stochastic", k_multiple)):
+        # safety net: this configuration's fused carrier failed its self-check on this GPU; rebuild
+        # the carrier from the (bit-exact) FP4 codes and scales with torch ops
+        if packed is None:
+            q2 = quantize_mxfp4_2d(x, axis, rot=rot, signs=signs, rounding=rounding, scale_rule=scale_rule,
+                                   key=key, prescale=prescale, index_strides=index_strides, carrier=False,
+                                   fp4=True, group_rows=group_rows, block_rows=block_rows, k_multiple=k_multiple,
+                                   _check=False)
+            out.packed, out.scales = q2.packed, q2.scales
+        carrier_from_fp4(out, k_multiple, row_multiple)
+        if not fp4:
+            out.packed = out.scales = None
+    return out
+
+
+_VERIFIED: dict = {}
+SELF_CHECK_DEVICES = ("cuda",)  # device types whose fused carrier is self-checked once per configuration
+
+
+def carrier_from_fp4(q: QuantOut, k_multiple: int, row_multiple: int) -> None:
+    """Build the FP8 carrier and group scales of ``q`` from its packed FP4 codes and E8M0 scales with
+    plain torch ops (the definition; used where the fused carrier output failed its self-check)."""
+    from ..quant import E8M0_NAN
+    R, dev = q.R, q.packed.device
+    vals = dequantize_fp4(q)                                   # (R, Kq), NaN blocks NaN
+    Kq = vals.shape[1]
+    Kc = _ceil(max(q.K, 1), k_multiple)
+    rm = 128 if q.group_rows == 128 else row_multiple
+    Rc = _ceil(max(R, 1), max(rm, 1))
+    v = torch.zeros((Rc, Kc), dtype=torch.float32, device=dev)
+    v[:R, :Kq] = vals
+    s = torch.full((Rc, Kc // 32), -127, dtype=torch.int32, device=dev)
+    sc = q.scales.to(torch.int32) - 127
+    s[:R, : Kq // 32] = torch.where(q.scales == E8M0_NAN, torch.full_like(sc, -127), sc)
+    g = s.reshape(Rc, Kc // TILE_K, 4).amax(-1)                # (Rc, Kc/128)
+    if q.group_rows == 128:
+        g = g.reshape(Rc // 128, 128, -1).amax(1)               # (Rc/128, Kc/128)
+        gfull = g.repeat_interleave(128, 0)
+    else:
+        gfull = g
+    g = g.clamp(min=_MIN_G)
+    gfull = gfull.clamp(min=_MIN_G)
+    from ..quant import pow2
+    car = (v * pow2(6 - gfull).repeat_interleave(TILE_K, 1)).to(torch.float8_e4m3fn)
+    gs = pow2(g - 6)
+    live = (s > -127).reshape(Rc, Kc // TILE_K, 4)
+    lo = s.reshape(Rc, Kc // TILE_K, 4) < (gfull[:, :, None] - 14)
+    q.inexact = (live & lo)[:R].sum().to(torch.int32).reshape(1)
+    if q.group_rows == 1:
+        q.gscale = gs.t().contiguous().t()
+        q.gs_base = q.gscale.t()
+    else:
+        ld = _ceil(Kc // TILE_K, 4)
+        base = torch.zeros((Rc // 128, ld), dtype=torch.float32, device=dev)
+        base[:, : Kc // TILE_K] = gs
+        q.gs_base, q.gscale = base, base[:, : Kc // TILE_K]
+    q.carrier = car
+
+
+def _config_ok(x: torch.Tensor, axis: int, rot: int, group_rows: int, BR: int, nw: int, sr: bool,
+               k_multiple: int) -> bool:
+    """Once per kernel configuration on a GPU: does the fused carrier equal the FP4 dequantization?"""
+    key = (x.device.index, x.dtype, axis, rot, group_rows, BR, nw, sr, k_multiple)
+    ok = _VERIFIED.get(key)
+    if ok is None:
+        g = torch.Generator(device="cpu").manual_seed(1234)
+        t = torch.randn(256, 1088, generator=g).to(device=x.device, dtype=x.dtype)
+        signs = torch.ones(rot, device=x.device) if rot else None
+        q = quantize_mxfp4_2d(t, axis, rot=rot, signs=signs, rounding="stochastic" if sr else "nearest", key=5,
+                              carrier=True, fp4=True, group_rows=group_rows, block_rows=BR, num_warps=nw,
+                              k_multiple=k_multiple, _check=False)
+        vals = carrier_values(q)[: q.R, : q.scales.shape[1] * 32]
+        ok = bool(torch.equal(vals, dequantize_fp4(q))) and int(q.inexact.item()) == 0
+        _VERIFIED[key] = ok
+    return ok
 
 
 def carrier_values(q: QuantOut) -> torch.Tensor:
