@@ -1,4 +1,4 @@
-"""``mxtrain bench quantize|gemm|linear|step|all``: GPU benchmarks of the fast path, JSON out.
+"""``mxtrain bench quantize|gemm|breakdown|linear|step|all``: GPU benchmarks of the fast path, JSON out.
 
 Every ratio is measured in the same run (``triton.testing.do_bench`` medians, random data):
 
@@ -7,6 +7,7 @@ Every ratio is measured in the same run (``triton.testing.do_bench`` medians, ra
   tensor (bytes read + written).
 * ``gemm``: TFLOP/s of the exact-MXFP4 GEMM (FP8 carrier, blockwise ``_scaled_mm``) vs cuBLAS BF16
   and FP8 (tensorwise and rowwise ``_scaled_mm``) at 8192^3 and Llama-8B shapes (M = 16384 tokens).
+* ``breakdown``: each fused quantize and each GEMM of one MXLinear fwd+bwd (16384x4096x4096, H16) alone.
 * ``linear``: ``MXLinear`` forward+backward per preset vs ``nn.Linear`` BF16 at 8B shapes.
 * ``step``: forward+backward of a stack of Llama blocks with 8B shapes (bf16, FP8 rowwise, MXFP4
   presets); embeddings and the output head are left out.
