@@ -50,7 +50,7 @@ PRESETS: dict[str, dict] = {
     "recipes": dict(arms=["bf16", "mxfp4-all-dh16", "tseng", "nvfp4"], baseline="bf16", seeds=3, diagnose_every=0),
     # CI: tiny model on CPU, 3 arms x 2 seeds, a few minutes in all
     "smoke": dict(arms=["bf16", "mxfp4-all", "mxfp4-all-dh16"], baseline="bf16", seeds=2, model="tiny",
-                  steps=20, batch_size=8, seq_len=64, eval_every=2, diagnose_every=10, device="cpu", target_frac=0.5,
+                  steps=16, batch_size=8, seq_len=64, eval_every=2, diagnose_every=8, device="cpu", target_frac=0.5,
                   overrides=["model.dim=64", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1",
                              "schedule.warmup_steps=4", "optim.lr=5e-3", "log.eval_tokens=512", "log.log_every=1"]),
 }
