@@ -364,6 +364,18 @@ def _seed_spread(runs: dict[int, RunData], target: float | None, k: int) -> dict
     return {"final_val_loss_sd": f["sd"], "tokens_to_target_rel_sd": rel, "n": len(runs)}
 
 
+def _baseline_cost(base: dict[int, RunData], target: float, k: int) -> dict:
+    """The baseline's own row: cost 0 by definition, plus its tokens to target per seed."""
+    T = {str(s): (None if rd.diverged else tokens_to_target(*rd.finite_evals[:2], target, k))
+         for s, rd in sorted(base.items())}
+    missed = [s for s, t in T.items() if t is None]
+    return {"state": "baseline", "target_loss": target, "smooth_k": k, "mean": 0.0, "ci95": None, "sd": None,
+            "n": len(base), "per_seed": {s: (0.0 if t is not None else None) for s, t in T.items()},
+            "tokens_to_target": T,
+            "reason": (f"baseline seed(s) {', '.join(missed)} never reached the target; their pairs use the "
+                       f"baseline's seed mean" if missed else None)}
+
+
 def summarize(runs: dict[str, dict[int, RunData]], baseline: str, *, target_loss: float | None = None,
               target_frac: float = 0.8, smooth_k: int = 3, recipes: dict | None = None) -> dict:
     """The study summary (``summary.json``'s content) from ``{arm: {seed: RunData}}``."""
@@ -392,7 +404,8 @@ def summarize(runs: dict[str, dict[int, RunData]], baseline: str, *, target_loss
             "diverged": {str(s): rd.diverged for s, rd in sorted(rs.items())},
             "final_val_loss": fl,
             "final_gap_vs_baseline": gap,
-            "extra_tokens": (extra_token_cost(rs, base, target, smooth_k) if target is not None
+            "extra_tokens": (_baseline_cost(rs, target, smooth_k) if name == baseline and target is not None
+                             else extra_token_cost(rs, base, target, smooth_k) if target is not None
                              else {"state": "no_target", "reason": "no target loss could be set", "mean": None,
                                    "ci95": None}),
             "paired_diff": paired_differences(rs, base),

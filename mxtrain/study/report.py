@@ -81,6 +81,8 @@ def recipe_brief(r) -> str:
 
 def _extra_cell(e: dict) -> str:
     st = e.get("state")
+    if st == "baseline":
+        return "reference" + (" (a seed did not reach the target)" if e.get("reason") else "")
     if st == "ok":
         return _ci(e, _pct)
     if st == "diverged":
