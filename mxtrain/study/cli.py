@@ -75,7 +75,7 @@ def study_main(args: argparse.Namespace) -> int:
     for name, a in s["arms"].items():
         e = a["extra_tokens"]
         cost = (f"{100 * e['mean']:+.1f} % tokens" if e.get("state") == "ok" and e.get("mean") is not None
-                else str(e.get("state")).replace("_", " "))
+                else "reference" if e.get("state") == "baseline" else str(e.get("state")).replace("_", " "))
         fl = a["final_val_loss"].get("mean")
         print(f"  {name:22s} final val loss {('–' if fl is None else f'{fl:.4f}')}   extra tokens: {cost}")
     return 0

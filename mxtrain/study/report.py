@@ -171,7 +171,7 @@ def _curve_plot(runs: dict[str, dict[int, M.RunData]], summary: dict | None, k: 
             ax.plot(t, mean, color=c, label=f"{arm} ({len(curves)} seeds)")
             if len(curves) > 1:
                 ax.fill_between(t, [min(y) for y in ys], [max(y) for y in ys], color=c, alpha=0.2)
-        if n > 1:
+        if n > 1 and t[n // 2] < t[-1]:
             lo = min(mean[n // 2:])
             hi = max(mean[n // 2:])
             axes[1].set_xlim(t[n // 2], t[-1])
