@@ -225,3 +225,17 @@ def test_smoke_preset_end_to_end(tmp_path, capsys):
     assert main(["report", str(out)]) == 0
     assert main(["report", str(tmp_path / "nope")]) == 2
     assert main(["study", "--arms", "bf16,nope", "--out", str(tmp_path / "x")]) == 2
+
+
+def test_arms_added_later_to_the_same_study_are_kept(tmp_path):
+    from mxtrain.study.runner import StudySpec, run_study
+
+    out = str(tmp_path / "st")
+    run_study(StudySpec(out=out, arms=["bf16", "mxfp4-all"], seeds=1, smooth_k=1), _fake_trainer([]), log=lambda *a: None)
+    calls = []
+    run_study(StudySpec(out=out, arms=["bf16", "mxfp4-all-dh16"], seeds=1, smooth_k=1), _fake_trainer(calls),
+              log=lambda *a: None)
+    assert calls == [("mxfp4-all-dh16", 0)]
+    s = json.loads((tmp_path / "st" / "summary.json").read_text())
+    assert list(s["arms"]) == ["bf16", "mxfp4-all-dh16", "mxfp4-all"]
+    assert s["arms"]["mxfp4-all"]["recipe"]["name"] == "mxfp4-all"

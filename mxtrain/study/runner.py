@@ -339,11 +339,15 @@ def summarize_study(out: str | Path) -> dict:
     out = Path(out)
     meta = json.loads((out / "study.json").read_text())
     runs = M.load_study_runs(out)
-    arms = [a for a in meta["arms"] if a in runs]
-    runs = {a: runs[a] for a in arms}
+    arms = [a for a in meta["arms"] if a in runs] + sorted(a for a in runs if a not in meta["arms"])
+    runs = {a: runs[a] for a in arms}  # arms of earlier invocations with other --arms are kept
+    recipes = dict(meta.get("recipes") or {})
+    for a in arms:
+        if a not in recipes and a in R.names():
+            recipes[a] = R.get(a).to_dict()
     summary = M.summarize(runs, meta["baseline"], target_loss=meta.get("target_loss"),
                           target_frac=meta.get("target_frac", 0.8), smooth_k=meta.get("smooth_k", 3),
-                          recipes=meta.get("recipes"))
+                          recipes=recipes)
     summary = M.sanitize(summary)
     (out / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False))
     write_report(out, summary)
