@@ -236,6 +236,21 @@ def test_self_check_and_fallback(monkeypatch):
     assert torch.equal(fb.gscale, good.gscale) and int(fb.inexact.item()) == int(good.inexact.item())
 
 
+@pytest.mark.parametrize("variant", [
+    dict(axis=1, rot=16, has_signs=False, scale_rule="floor", sr=False, prescale=1.0, group_rows=1, fp4=False),
+    dict(axis=0, rot=64, has_signs=True, scale_rule="even", sr=True, prescale=0.75, group_rows=1, fp4=False),
+    dict(axis=0, rot=0, has_signs=False, scale_rule="rceil", sr=False, prescale=1.0, group_rows=128, fp4=True),
+    dict(axis=1, rot=32, has_signs=True, scale_rule="ceil", sr=True, prescale=1.0, group_rows=128, fp4=False),
+])
+def test_self_check_accepts_correct_variants(variant, monkeypatch):
+    monkeypatch.setattr(kq, "_VERIFIED", {})
+    x = torch.zeros(1, device=DEV)
+    br = 128 if variant["group_rows"] == 128 else 32
+    assert kq._config_ok(x, variant["axis"], variant["rot"], variant["has_signs"], variant["scale_rule"],
+                         variant["sr"], variant["prescale"], variant["group_rows"], br, 4, 512, variant["fp4"],
+                         4096, 1000)
+
+
 def test_custom_op_matches_direct():
     x = _data(20, 70, seed=5)
     signs = rotation_signs(32, "fixed", seed=1, device=DEV)
