@@ -8,7 +8,7 @@ arithmetic and divisions), so the result does not depend on the device or on eva
 Pipeline for one tensor (``quantize``):
 
 1. Upcast to float32 (bf16/fp16 exactly; float64 is rounded to float32 first), move ``axis``
-   last, multiply by ``prescale`` if it is not 1 (one float32 multiply), pad the axis with zeros
+   last, pad the axis with zeros
    to whole blocks.
 2. Scale per block:
 
@@ -50,8 +50,10 @@ largest binade, ``max_elem`` its largest value):
 * ``amd``: ``floor``, plus one when ``sig >= 1.75`` (ROCm Transformer Engine's MXFP4 cast adds
   2**21 to the float32 bit pattern and clears the mantissa). For FP4 this equals ``even``.
 
-``prescale`` (e.g. 3/4, Tseng et al. arXiv 2502.20586) multiplies the values before scaling so
-that block maxima never saturate; ``MXTensor.dequantize`` returns the quantized grid values (an
+``prescale`` (e.g. 3/4, Tseng et al. arXiv 2502.20586, Algorithm 2) multiplies the values *after*
+the scale was chosen from the unscaled block (one float32 multiply, before the exact division by the
+scale): with the ``floor`` rule and 3/4, block maxima land in [3, 6) and nothing saturates, so
+stochastic rounding stays unbiased at the block maxima; ``MXTensor.dequantize`` returns the quantized grid values (an
 estimate of ``prescale * x``), and ``fake_quantize`` divides by ``prescale`` again. The linear
 layer divides each GEMM output by the product of its operands' prescales instead.
 """
@@ -319,7 +321,7 @@ def quantize(x: torch.Tensor, fmt: str | Format, *, axis: int = -1, block_size=N
       * ``rounding``: ``"nearest"`` (half to even) or ``"stochastic"``.
       * ``scale_rule``: MX shared-exponent rule: ``floor``, ``ceil``, ``rceil``, ``even``, ``amd``.
       * ``seed``: stochastic rounding seed; ``None`` draws one from torch's global generator.
-      * ``prescale``: multiply values by this before scaling (e.g. 0.75).
+      * ``prescale``: multiply values by this after the scales are chosen (e.g. 0.75).
 
     **Returns:** an ``MXTensor``; ``.dequantize()`` gives the quantized values in ``x``'s shape.
     """
@@ -331,8 +333,6 @@ def quantize(x: torch.Tensor, fmt: str | Format, *, axis: int = -1, block_size=N
         return MXTensor(f, x, None, shape, axis, None, dtype=x.dtype)
     elem = f.elem
     xm = x.to(torch.float32).movedim(axis, -1)
-    if prescale != 1.0:
-        xm = xm * prescale
     u = None
     if rounding == "stochastic":
         if seed is None:
@@ -347,7 +347,8 @@ def quantize(x: torch.Tensor, fmt: str | Format, *, axis: int = -1, block_size=N
         scale = amax / elem.max
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # zero or underflowed
         scale = torch.where(finite.all(), scale, torch.full_like(scale, float("nan")))
-        v = torch.where(finite, xm / scale, torch.zeros_like(xm)) if torch.isfinite(scale) else torch.zeros_like(xm)
+        xs = xm * prescale if prescale != 1.0 else xm
+        v = torch.where(finite, xs / scale, torch.zeros_like(xm)) if torch.isfinite(scale) else torch.zeros_like(xm)
         if rounding == "stochastic":
             u = rng.uniform(idx, rng.stream_key(seed))
         q = round_to_elem(v, elem, rounding, u)
@@ -384,7 +385,8 @@ def quantize(x: torch.Tensor, fmt: str | Format, *, axis: int = -1, block_size=N
 
     if f.kind == "mx":
         s = mx_scale_exponent(amax, elem, scale_rule)
-        v = torch.where(block_ok[..., None], xb * pow2(-s)[..., None], torch.zeros_like(xb))
+        xs = xb * prescale if prescale != 1.0 else xb
+        v = torch.where(block_ok[..., None], xs * pow2(-s)[..., None], torch.zeros_like(xb))
         q = round_to_elem(v, elem, rounding, u)
         scales = torch.where(block_ok, s + 127, torch.full_like(s, E8M0_NAN)).to(torch.uint8)
         gscale = None
@@ -396,7 +398,8 @@ def quantize(x: torch.Tensor, fmt: str | Format, *, axis: int = -1, block_size=N
         bsc = torch.where(block_ok, bsc.to(torch.float32), torch.full_like(amax, float("nan"))).to(torch.float8_e4m3fn)
         d = bsc.to(torch.float32) * g
         ok = block_ok & (d > 0)
-        v = torch.where(ok[..., None], xb / torch.where(ok, d, torch.ones_like(d))[..., None], torch.zeros_like(xb))
+        xs = xb * prescale if prescale != 1.0 else xb
+        v = torch.where(ok[..., None], xs / torch.where(ok, d, torch.ones_like(d))[..., None], torch.zeros_like(xb))
         q = round_to_elem(v, elem, rounding, u)
         scales, gscale = bsc, g
 

@@ -107,11 +107,12 @@ def ref_mx(x: torch.Tensor, fmt: str, axis: int, rule: str, block: int = 32, pre
     """(codes, scale codes, dequantized) in the MXTensor layout (axis last, padded)."""
     ename = MX_ELEM[fmt]
     xm = np.moveaxis(x.to(torch.float32).numpy(), axis, -1)
-    if prescale != 1.0:
-        xm = xm * np.float32(prescale)
     K = xm.shape[-1]
     pad = (-K) % block
-    xm = np.concatenate([xm, np.zeros(xm.shape[:-1] + (pad,), np.float32)], -1).astype(np.float64)
+    xm = np.concatenate([xm, np.zeros(xm.shape[:-1] + (pad,), np.float32)], -1)
+    # the scale comes from the block before the prescale; the prescale is one float32 multiply after
+    xp = (xm * np.float32(prescale)).astype(np.float64).reshape(-1, block)
+    xm = xm.astype(np.float64)
     xb = xm.reshape(-1, block)
     scales = np.zeros(xb.shape[0], np.int64)
     codes = np.zeros(xb.shape, np.uint8)
@@ -125,7 +126,7 @@ def ref_mx(x: torch.Tensor, fmt: str, axis: int, rule: str, block: int = 32, pre
             continue  # codes of a NaN block: all +0
         s = ref_shared_exp(float(np.max(np.abs(blk))), ename, rule)
         scales[i] = s + 127
-        codes[i] = ref_cast(blk * 2.0 ** (-s), ename)
+        codes[i] = ref_cast(xp[i] * 2.0 ** (-s), ename)
         deq[i] = values[codes[i]] * 2.0**s
     shp = xm.shape
     return codes.reshape(shp), scales.reshape(shp[:-1] + (shp[-1] // block,)), deq.reshape(shp)
@@ -259,6 +260,22 @@ def test_mx_custom_block_size_and_prescale(fmt):
     fq = mxtrain.fake_quantize(x, fmt, prescale=0.75)
     ref = mxtrain.quantize(x, fmt, prescale=0.75).dequantize() / 0.75
     assert torch.equal(fq, ref)
+
+
+def test_three_quarter_prescale_with_floor_never_saturates():
+    """Tseng et al.'s Algorithm 2: the exponent from the unscaled block, then x 3/4, puts every block
+    maximum in [3, 6), so no element saturates (the plain floor rule puts it in [4, 8))."""
+    torch.manual_seed(3)
+    x = torch.randn(64, 256) * torch.exp2(torch.randint(-20, 20, (64, 1)).float())
+    for prescale, expect_clip in ((0.75, False), (1.0, True)):
+        q = mxtrain.quantize(x, "mxfp4", scale_rule="floor", prescale=prescale)
+        s = q.scales.to(torch.float64) - 127
+        amax = x.double().abs().reshape(64, 8, 32).amax(-1)
+        top = amax * prescale / torch.exp2(s)
+        assert bool((top >= 3).all())
+        assert bool((top > 6).any()) == expect_clip
+        if not expect_clip:
+            assert bool((top < 6).all())
 
 
 def test_nonfinite_blocks_never_come_back_finite():

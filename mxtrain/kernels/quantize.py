@@ -1,4 +1,4 @@
-"""Fused MXFP4 quantizer (Triton): [signs * Hadamard] -> prescale -> block amax -> E8M0 scale ->
+"""Fused MXFP4 quantizer (Triton): [signs * Hadamard] -> block amax -> E8M0 scale -> prescale ->
 nearest/stochastic rounding -> packed FP4 codes + E8M0 scales and/or the FP8 e4m3 carrier.
 
 One program handles a tile of ``BR`` rows x 128 reduction elements (4 MX blocks of 32, one carrier
@@ -126,10 +126,7 @@ if triton is not None:
             # the reference pads with +0 only to whole rotation blocks; beyond that, +0 block padding
             Kr = ((K + ROT - 1) // ROT) * ROT
             x = tl.where(c2 < Kr, x, 0.0)
-        if PRESCALE:
-            x = x * prescale
-
-        # ---- block scales (4 blocks of 32 per row)
+        # ---- block scales (from the values before the prescale, as the reference) (4 blocks of 32 per row)
         xb = tl.reshape(x, [BR, 4, 32])
         # |x| bit patterns order like the values; NaN/Inf have the largest ones (exponent 0xFF)
         mbits = tl.max(xb.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2)   # [BR, 4]
@@ -151,6 +148,8 @@ if triton is not None:
         code_sc = tl.where(ok, s + 127, 255)
 
         # ---- elements
+        if PRESCALE:
+            xb = xb * prescale
         v = xb * _pow2n(-s)[:, :, None]
         v = tl.where(ok[:, :, None], v, 0.0)
         vbits = v.to(tl.int32, bitcast=True)
