@@ -18,6 +18,8 @@ Dgrad along out-features, so those two are different operands and are not shared
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from . import rng
@@ -28,7 +30,9 @@ from .nn import _OPERAND_ID, _Ctx, _gemm_dtype
 
 __all__ = ["supported", "apply", "ENABLED"]
 
-ENABLED = True  # set False to force the reference path everywhere
+# False forces the reference path everywhere; the environment variable MXTRAIN_FAST=0 does the same
+# from the command line (e.g. `MXTRAIN_FAST=0 mxtrain train ...`).
+ENABLED = os.environ.get("MXTRAIN_FAST", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def supported(recipe) -> bool:

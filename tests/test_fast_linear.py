@@ -107,3 +107,14 @@ def test_mxlinear_uses_fast_path_and_compiles():
     y2 = cl(x)
     y2.float().square().mean().backward()
     assert _rel(y2.float(), y.float()) < 1e-2 and _rel(x.grad.float(), g0.float()) < 1e-2
+
+
+def test_env_switch_disables_the_fast_path():
+    import subprocess
+    import sys
+    code = ("import mxtrain, mxtrain.fast as f; "
+            "print(f.ENABLED, f.supported(mxtrain.recipes.get('mxfp4-all-dh16')))")
+    for value, expect in (("0", "False False"), ("off", "False False")):
+        env = dict(__import__("os").environ, MXTRAIN_FAST=value)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == expect
