@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import ml_dtypes
 import numpy as np
 import torch
 
@@ -47,3 +48,13 @@ def assert_bitwise_equal(actual, expected, what: str = "") -> None:
         raise AssertionError(
             f"{what}: {len(idx)} of {a.size} entries differ; first at {first}: got {a[first]!r}, "
             f"expected {e[first]!r}")
+
+
+# our element format name -> the ml_dtypes type with the same encoding (the independent reference)
+ML = {
+    "e2m1": ml_dtypes.float4_e2m1fn,
+    "e2m3": ml_dtypes.float6_e2m3fn,
+    "e3m2": ml_dtypes.float6_e3m2fn,
+    "e4m3": ml_dtypes.float8_e4m3fn,
+    "e5m2": ml_dtypes.float8_e5m2,
+}

@@ -11,16 +11,8 @@ import mxtrain
 from mxtrain.formats import ELEMENTS, FORMATS, get_format
 from mxtrain.quant import MXTensor, elem_table, encode_elem, pack_fp4, unpack_fp4
 
-from numerics import assert_bitwise_equal
+from numerics import ML, assert_bitwise_equal
 
-# our element format -> the ml_dtypes type with the same encoding
-ML = {
-    "e2m1": ml_dtypes.float4_e2m1fn,
-    "e2m3": ml_dtypes.float6_e2m3fn,
-    "e3m2": ml_dtypes.float6_e3m2fn,
-    "e4m3": ml_dtypes.float8_e4m3fn,
-    "e5m2": ml_dtypes.float8_e5m2,
-}
 
 
 def ml_values(name: str) -> np.ndarray:

@@ -20,15 +20,8 @@ import mxtrain
 from mxtrain import rng
 from mxtrain.formats import get_format
 
-from numerics import assert_bitwise_equal
+from numerics import ML, assert_bitwise_equal
 
-ML = {
-    "e2m1": ml_dtypes.float4_e2m1fn,
-    "e2m3": ml_dtypes.float6_e2m3fn,
-    "e3m2": ml_dtypes.float6_e3m2fn,
-    "e4m3": ml_dtypes.float8_e4m3fn,
-    "e5m2": ml_dtypes.float8_e5m2,
-}
 MX_FORMATS = ["mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8_e4m3", "mxfp8_e5m2"]
 RULES = ["floor", "ceil", "rceil", "even", "amd"]
 MX_ELEM = {"mxfp4": "e2m1", "mxfp6_e2m3": "e2m3", "mxfp6_e3m2": "e3m2", "mxfp8_e4m3": "e4m3",
