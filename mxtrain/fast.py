@@ -28,7 +28,7 @@ from .kernels import gemm as _gemm
 from .kernels.quantize import QuantOut, quantize_op
 from .nn import _OPERAND_ID, _Ctx, _gemm_dtype
 
-__all__ = ["supported", "apply", "ENABLED"]
+__all__ = ["supported", "apply", "ENABLED", "inexact_blocks"]
 
 # False forces the reference path everywhere; the environment variable MXTRAIN_FAST=0 does the same
 # from the command line (e.g. `MXTRAIN_FAST=0 mxtrain train ...`).
@@ -45,6 +45,27 @@ def supported(recipe) -> bool:
         if op.fmt not in ("mxfp4", "bf16") or op.block_2d:
             return False
     return True
+
+
+_COUNTERS: dict = {}
+
+
+def _counter(device) -> torch.Tensor:
+    c = _COUNTERS.get(device)
+    if c is None:
+        c = _COUNTERS[device] = torch.zeros((1,), dtype=torch.int32, device=device)
+    return c
+
+
+def inexact_blocks(device="cuda") -> int:
+    """Running count of MXFP4 blocks that the FP8 carrier could not hold exactly (more than 14
+    binades below their group's largest block) over every fast-path quantize on ``device`` so far
+    (0 means every GEMM multiplied the exact MX values). Reading it synchronizes the device."""
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None:
+        d = torch.device("cuda", torch.cuda.current_device())
+    c = _COUNTERS.get(d)
+    return int(c.item()) if c is not None else 0
 
 
 def _ceil(a: int, b: int) -> int:
@@ -82,7 +103,7 @@ def _quant(qctx: _Ctx, t: torch.Tensor, axis: int, name: str, gemm: str, signs, 
             return hit[1], op.prescale
     q = quantize_op(t, axis, rot=rsize, signs=signs, rounding=op.rounding, scale_rule=op.scale_rule, key=key,
                     prescale=op.prescale, index_strides=si, carrier=carrier, fp4=fp4, group_rows=group_rows,
-                    k_multiple=_gemm.k_multiple_for(backend))
+                    k_multiple=_gemm.k_multiple_for(backend), counter=_counter(t.device))
     if ck is not None:
         cache[name] = (ck, q)
     return q, op.prescale

@@ -239,3 +239,25 @@ def test_arms_added_later_to_the_same_study_are_kept(tmp_path):
     s = json.loads((tmp_path / "st" / "summary.json").read_text())
     assert list(s["arms"]) == ["bf16", "mxfp4-all-dh16", "mxfp4-all"]
     assert s["arms"]["mxfp4-all"]["recipe"]["name"] == "mxfp4-all"
+
+
+@pytest.mark.slow
+def test_parallel_workers_equal_sequential(tmp_path):
+    """`--jobs 2` trains every run once, in worker processes, with the same losses as one by one."""
+    from mxtrain.cli import main
+
+    common = ["study", "--preset", "smoke", "--arms", "bf16,mxfp4-all", "--seeds", "2", "--steps", "4",
+              "--diagnose-every", "0"]
+    assert main(common + ["--out", str(tmp_path / "seq")]) == 0
+    assert main(common + ["--out", str(tmp_path / "par"), "--jobs", "2"]) == 0
+    for arm in ("bf16", "mxfp4-all"):
+        for seed in (0, 1):
+            rows = [(tmp_path / d / "runs" / arm / f"seed{seed}" / "metrics.jsonl").read_text().splitlines()
+                    for d in ("seq", "par")]
+            losses = [[json.loads(r).get("loss", json.loads(r).get("val_loss")) for r in rr
+                       if "loss" in json.loads(r) or "val_loss" in json.loads(r)] for rr in rows]
+            assert losses[0] == losses[1] and len(losses[0]) >= 4
+    logs = "".join((tmp_path / "par" / f"worker{k}.log").read_text() for k in (0, 1))
+    assert sum(logs.count(f"{a} seed {s}: done") for a in ("bf16", "mxfp4-all") for s in (0, 1)) == 4
+    assert not (tmp_path / "par" / "claims").exists()
+    assert main(common + ["--out", str(tmp_path / "bad"), "--jobs", "0"]) == 2

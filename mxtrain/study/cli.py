@@ -47,6 +47,8 @@ def register(subparsers) -> None:
                    "(default: the baseline's smoothed loss at --target-frac of its tokens)")
     p.add_argument("--target-frac", type=float, default=0.8)
     p.add_argument("--smooth-k", type=int, help="running mean over the last k evaluations (default 3)")
+    p.add_argument("--jobs", type=int, default=1, help="train this many runs at once, in worker processes "
+                   "(spread over the visible GPUs; small models share one GPU well). Default 1")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     p.set_defaults(func=study_main)
 
@@ -69,7 +71,7 @@ def study_main(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(spec.describe())
         return 0
-    out = run_study(spec)
+    out = run_study(spec, jobs=args.jobs)
     s = json.loads((out / "summary.json").read_text())
     print(f"study done: {out}/report.html")
     for name, a in s["arms"].items():

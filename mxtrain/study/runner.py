@@ -35,7 +35,7 @@ from ..errors import UserError
 from .. import recipes as R
 from . import metrics as M
 
-__all__ = ["PRESETS", "SCHEDULES", "StudySpec", "run_study", "summarize_study"]
+__all__ = ["PRESETS", "SCHEDULES", "StudySpec", "run_study", "run_one", "plan_order", "summarize_study"]
 
 SCHEDULES = ("constant", "long-cosine", "config")
 
@@ -276,9 +276,15 @@ def _is_divergence(e: BaseException) -> bool:
 
 
 def run_study(spec: StudySpec, train_fn: Callable[[StudySpec, str, int, Path], None] | None = None,
-              log=print) -> Path:
-    """Run (or resume) every arm x seed, then write summary.json and the report. Returns OUT."""
-    train_fn = train_fn or train_one
+              log=print, jobs: int = 1) -> Path:
+    """Run (or resume) every arm x seed, then write summary.json and the report. Returns OUT.
+
+    ``jobs`` > 1 trains that many runs at once in worker processes (``python -m mxtrain.study.worker``),
+    spread round-robin over the visible GPUs when the study runs on CUDA (several small runs share
+    one GPU well: each alone leaves it mostly idle). Every run still trains exactly as alone.
+    """
+    if jobs < 1:
+        raise UserError(f"--jobs must be >= 1, got {jobs}")
     out = Path(spec.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -301,35 +307,92 @@ def run_study(spec: StudySpec, train_fn: Callable[[StudySpec, str, int, Path], N
         meta["created"] = json.loads(meta_p.read_text()).get("created", meta["created"])
     meta_p.write_text(json.dumps(meta, indent=1, default=str))
 
-    # seed-major order: after the first pass over seed 0 every arm has a result to compare
-    order = [(a, s) for s in range(spec.seeds) for a in spec.arms]
+    order = plan_order(spec)
     t0 = time.time()
-    for i, (arm, seed) in enumerate(order, 1):
-        rd = out / "runs" / arm / f"seed{seed}"
-        st = _status(rd)
-        if st is not None:
-            log(f"[{i}/{len(order)}] {arm} seed {seed}: {st.get('state')} already, skipped")
-            continue
-        if rd.exists():
-            log(f"[{i}/{len(order)}] {arm} seed {seed}: unfinished run folder, training it again")
-            shutil.rmtree(rd)
-        rd.parent.mkdir(parents=True, exist_ok=True)
-        log(f"[{i}/{len(order)}] {arm} seed {seed} -> {rd}")
-        ts = time.time()
-        state, msg = "done", None
-        try:
-            train_fn(spec, arm, seed, rd)
-        except Exception as e:  # a diverged run is a result, anything else is an error
-            if not _is_divergence(e):
-                raise
-            state, msg = "diverged", str(e)
-            log(f"    diverged: {msg}")
-        rd.mkdir(parents=True, exist_ok=True)
-        (rd / "study_status.json").write_text(json.dumps(
-            {"state": state, "message": msg, "seconds": round(time.time() - ts, 1), "arm": arm, "seed": seed}))
+    if jobs > 1 and train_fn is None:
+        _run_workers(spec, out, jobs, log)
+    else:
+        for i, (arm, seed) in enumerate(order, 1):
+            run_one(spec, arm, seed, f"[{i}/{len(order)}]", train_fn or train_one, log)
     log(f"all runs finished ({time.time() - t0:.0f} s this session)")
     summarize_study(out)
     return out
+
+
+def plan_order(spec: StudySpec) -> list[tuple[str, int]]:
+    """Seed-major order: after the first pass over seed 0 every arm has a result to compare."""
+    return [(a, s) for s in range(spec.seeds) for a in spec.arms]
+
+
+def run_one(spec: StudySpec, arm: str, seed: int, tag: str, train_fn, log=print) -> None:
+    """Train one arm x seed unless its folder says it finished; record done | diverged."""
+    rd = Path(spec.out) / "runs" / arm / f"seed{seed}"
+    st = _status(rd)
+    if st is not None:
+        log(f"{tag} {arm} seed {seed}: {st.get('state')} already, skipped")
+        return
+    if rd.exists():
+        log(f"{tag} {arm} seed {seed}: unfinished run folder, training it again")
+        shutil.rmtree(rd)
+    rd.parent.mkdir(parents=True, exist_ok=True)
+    log(f"{tag} {arm} seed {seed} -> {rd}")
+    ts = time.time()
+    state, msg = "done", None
+    try:
+        train_fn(spec, arm, seed, rd)
+    except Exception as e:  # a diverged run is a result, anything else is an error
+        if not _is_divergence(e):
+            raise
+        state, msg = "diverged", str(e)
+        log(f"    diverged: {msg}")
+    rd.mkdir(parents=True, exist_ok=True)
+    (rd / "study_status.json").write_text(json.dumps(
+        {"state": state, "message": msg, "seconds": round(time.time() - ts, 1), "arm": arm, "seed": seed}))
+    log(f"{tag} {arm} seed {seed}: {state} in {time.time() - ts:.0f} s")
+
+
+def _run_workers(spec: StudySpec, out: Path, jobs: int, log) -> None:
+    """Start ``jobs`` worker processes over the pending runs and wait for all of them."""
+    import os
+    import subprocess
+
+    pending = [(a, s) for a, s in plan_order(spec) if _status(out / "runs" / a / f"seed{s}") is None]
+    jobs = max(1, min(jobs, len(pending)))
+    gpus: list[str] = []
+    dev = spec.device or ""
+    if not dev.startswith("cpu"):
+        try:
+            import torch
+            if torch.cuda.is_available() and (dev in ("", "cuda")):
+                vis = os.environ.get("CUDA_VISIBLE_DEVICES")
+                gpus = [g for g in vis.split(",") if g] if vis else [str(i) for i in range(torch.cuda.device_count())]
+        except Exception:  # noqa: BLE001
+            gpus = []
+    log(f"{len(pending)} runs to train in {jobs} worker processes"
+        + (f" on GPUs {','.join(gpus[:jobs])}" if len(gpus) > 1 else "") + f"; logs: {out}/worker<k>.log")
+    shutil.rmtree(out / "claims", ignore_errors=True)  # claims of an interrupted earlier session
+    procs = []
+    for k in range(jobs):
+        env = dict(os.environ)
+        if len(gpus) > 1:
+            env["CUDA_VISIBLE_DEVICES"] = gpus[k % len(gpus)]
+        if dev.startswith("cpu") or not gpus:
+            # share the cores instead of oversubscribing them
+            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // jobs)))
+        lf = open(out / f"worker{k}.log", "w")
+        procs.append((k, lf, subprocess.Popen([sys.executable, "-m", "mxtrain.study.worker", str(out), str(k),
+                                               str(jobs)], env=env, stdout=lf, stderr=subprocess.STDOUT)))
+    failed = []
+    for k, lf, p in procs:
+        rc = p.wait()
+        lf.close()
+        if rc != 0:
+            failed.append(k)
+    shutil.rmtree(out / "claims", ignore_errors=True)
+    if failed:
+        tail = (out / f"worker{failed[0]}.log").read_text(errors="replace").strip().splitlines()[-1:] or [""]
+        raise UserError(f"study worker(s) {', '.join(map(str, failed))} failed (see {out}/worker{failed[0]}.log: "
+                        f"{tail[0][:200]}); rerun the same command to resume")
 
 
 def summarize_study(out: str | Path) -> dict:

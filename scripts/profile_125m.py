@@ -1,0 +1,62 @@
+"""Profile one training step of the 125m model (GPU): bf16 vs mxfp4-all-dh16 on the fast path.
+Prints ms/step with a sync per step, CPU time to issue a step, and the top ops of torch.profiler.
+Usage: PYTHONPATH=. python3 scripts/profile_125m.py [recipe ...]"""
+import sys
+import time
+
+import torch
+
+from mxtrain.model import Llama, ModelConfig
+from mxtrain.nn import convert, set_step
+
+dev = "cuda"
+B, T = 16, 1024
+recipes = sys.argv[1:] or ["bf16", "mxfp4-all-dh16"]
+torch.manual_seed(0)
+idx = torch.randint(0, 16384, (B, T + 1), device=dev)
+for rec in recipes:
+    torch.manual_seed(0)
+    m = Llama(ModelConfig.named("125m", vocab_size=16384), device=dev)
+    if rec != "bf16":
+        convert(m, rec)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True)
+
+    def step(i):
+        set_step(m, i)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = m(idx[:, :-1], idx[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    for i in range(3):
+        step(i)
+    torch.cuda.synchronize()
+    n = 10
+    t0 = time.perf_counter()
+    issue = 0.0
+    for i in range(n):
+        a = time.perf_counter()
+        step(3 + i)
+        issue += time.perf_counter() - a
+        torch.cuda.synchronize()
+    dt = (time.perf_counter() - t0) / n
+    print(f"{rec}: {dt*1e3:.1f} ms/step ({B*T/dt:,.0f} tok/s); CPU issue time {issue/n*1e3:.1f} ms/step", flush=True)
+    if rec != "bf16":
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for i in range(2):
+                step(20 + i)
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+        import cProfile
+        import pstats
+        pr = cProfile.Profile()
+        pr.enable()
+        for i in range(3):
+            step(30 + i)
+        torch.cuda.synchronize()
+        pr.disable()
+        pstats.Stats(pr).sort_stats("tottime").print_stats(30)
