@@ -251,6 +251,36 @@ def test_self_check_accepts_correct_variants(variant, monkeypatch):
                          4096, 1000)
 
 
+@pytest.mark.parametrize("variant", [
+    dict(axis=1, rot=0, has_signs=False, scale_rule="floor", sr=False, prescale=1.0, group_rows=1, fp4=True),
+    dict(axis=0, rot=32, has_signs=True, scale_rule="floor", sr=True, prescale=1.0, group_rows=128, fp4=False),
+])
+def test_64bit_offsets_variant(variant, monkeypatch):
+    """The 64-bit offset kernel (tensors past 2**31 elements) gives the same bits as the reference
+    on small shapes, as the default 32-bit one does (selfcheck compares every output)."""
+    monkeypatch.setattr(kq, "FORCE_IDX64", True)
+    br = 128 if variant["group_rows"] == 128 else 32
+    r = kq.selfcheck(DEV, torch.float32, variant["axis"], variant["rot"], variant["has_signs"], variant["scale_rule"],
+                     variant["sr"], variant["prescale"], variant["group_rows"], br, 4, 512, variant["fp4"],
+                     r16=False, k16=False, samples=3)
+    assert r["ok"], r
+
+
+def test_self_check_reports_a_wrong_carrier(monkeypatch):
+    """selfcheck() finds a corrupted carrier byte (so a miscompiled variant cannot pass)."""
+    real = kq.quantize_mxfp4_2d
+
+    def corrupt(*a, **k):
+        q = real(*a, **k)
+        if q.carrier is not None:
+            c = q.carrier.view(torch.uint8)
+            c[1, 5] ^= 0x08
+        return q
+    monkeypatch.setattr(kq, "quantize_mxfp4_2d", corrupt)
+    r = kq.selfcheck(DEV, torch.float32, 1, 0, False, "floor", False, 1.0, 1, 32, 4, 512, True, samples=2)
+    assert not r["ok"] and r["carrier"] == 1 and r["samples"][0][:2] == (1, 5)
+
+
 def test_custom_op_matches_direct():
     x = _data(20, 70, seed=5)
     signs = rotation_signs(32, "fixed", seed=1, device=DEV)

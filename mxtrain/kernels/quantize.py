@@ -103,16 +103,21 @@ if triton is not None:
         key, inv_sqrt, prescale,
         BR: tl.constexpr, ROT: tl.constexpr, HAS_SIGNS: tl.constexpr, RULE: tl.constexpr,
         SR: tl.constexpr, PRESCALE: tl.constexpr, GROUP_ROWS: tl.constexpr,
-        WRITE_CARRIER: tl.constexpr, WRITE_FP4: tl.constexpr, LOAD3D: tl.constexpr,
+        WRITE_CARRIER: tl.constexpr, WRITE_FP4: tl.constexpr, LOAD3D: tl.constexpr, IDX64: tl.constexpr,
     ):
         pid_r = tl.program_id(0)
         pid_k = tl.program_id(1)
-        rows = pid_r.to(tl.int64) * BR + tl.arange(0, BR).to(tl.int64)
-        cols = pid_k.to(tl.int64) * 128 + tl.arange(0, 128).to(tl.int64)
+        if IDX64:  # offsets beyond 2**31 - 1: 64-bit index math (costs integer throughput)
+            rows = pid_r.to(tl.int64) * BR + tl.arange(0, BR).to(tl.int64)
+            kbase = pid_k.to(tl.int64) * 128
+        else:
+            rows = pid_r * BR + tl.arange(0, BR)
+            kbase = pid_k * 128
+        cols = kbase + tl.arange(0, 128)
         r2 = rows[:, None]
         c2 = cols[None, :]
         r3 = rows[:, None, None]
-        c3 = pid_k.to(tl.int64) * 128 + (tl.arange(0, 4) * 32)[None, :, None] + tl.arange(0, 32)[None, None, :]
+        c3 = kbase + (tl.arange(0, 4) * 32)[None, :, None] + tl.arange(0, 32)[None, None, :]
         if LOAD3D:
             # the tile as [BR, 4 blocks, 32] straight from memory: no reshape between load and store
             xb = tl.load(x_ptr + r3 * sx_r + c3 * sx_k, mask=(r3 < R) & (c3 < K), other=0.0).to(tl.float32)
@@ -191,12 +196,11 @@ if triton is not None:
         v = xb * _pow2n(-s)[:, :, None]
         v = tl.where(ok[:, :, None], v, 0.0)
         vbits = v.to(tl.int32, bitcast=True)
-        sbit = (vbits >> 31) & 1
         a = tl.minimum(tl.abs(v), 6.0)
         e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, 0)
         y = a * _pow2n(1 - e)
         if SR:
-            idx = r3 * si_r + c3 * si_k
+            idx = r3.to(tl.int64) * si_r + c3.to(tl.int64) * si_k
             lo = (idx & 0xFFFFFFFF).to(tl.uint32)
             hi = (idx >> 32).to(tl.uint32)
             kk = key.to(tl.uint32, bitcast=True)
@@ -210,14 +214,14 @@ if triton is not None:
         mag = tl.minimum(ri + 2 * e, 7)                              # E2M1 magnitude code
 
         if WRITE_FP4:
-            code = mag | (sbit << 3)
+            code = mag | ((vbits >> 28) & 8)
             c2d = tl.reshape(code, [BR, 64, 2])
             lo4, hi4 = tl.split(c2d)
             byte = (lo4 | (hi4 << 4)).to(tl.uint8)
-            jb = pid_k.to(tl.int64) * 64 + tl.arange(0, 64).to(tl.int64)
+            jb = kbase // 2 + tl.arange(0, 64)
             m4 = (r2 < R) & (jb[None, :] * 2 < Kq)
             tl.store(fp4_ptr + r2 * (Kq // 2) + jb[None, :], byte, mask=m4)
-            bidx = pid_k.to(tl.int64) * 4 + tl.arange(0, 4).to(tl.int64)
+            bidx = kbase // 32 + tl.arange(0, 4)
             msc = (r2 < R) & (bidx[None, :] * 32 < Kq)
             tl.store(sc_ptr + r2 * (Kq // 32) + bidx[None, :], code_sc.to(tl.uint8), mask=msc)
 
@@ -232,17 +236,22 @@ if triton is not None:
                 G2 = G
             kexp = s - G2 + 6                                          # [BR, 4]
             inexact = live & (kexp < -8)
-            # e4m3 bits of the FP4 value times 2**kexp, from the E2M1 magnitude code with integer ops
-            # (round-half-even where it falls below e4m3's normal range). Magnitude code c >= 2 is
-            # (1 + m/2) * 2**(c//2 - 1) with m = c & 1; code 1 is 2**-1; code 0 is 0.
-            m3 = tl.where(mag >= 2, mag & 1, 0)
-            ec = tl.maximum((mag >> 1) - 1, -1) + kexp[:, :, None]     # carrier exponent
-            nrm = ((ec + 7) << 3) | (m3 << 2)
-            # below 2**-6: subnormal k * 2**-9, k = RNE((2 + m) * 2**(ec + 8)), nonzero only for ec >= -10
-            sub = tl.where(ec == -7, (2 + m3) * 2,
-                           tl.where(ec == -8, 2 + m3, tl.where(ec == -9, 1 + m3, tl.where(ec == -10, m3, 0))))
-            bits8 = tl.where(mag == 0, 0, tl.where(ec >= -6, nrm, sub))
-            bits8 = bits8 | (sbit << 7)
+            # e4m3 bits of the FP4 value times 2**kexp, from the E2M1 magnitude code with integer ops.
+            # Magnitude code c >= 2 is (1 + m/2) * 2**(c//2 - 1) with m = c & 1, code 1 is 2**-1, so
+            # while the exponent stays in e4m3's normal range the bits are ((kexp + 6) << 3) + off(c)
+            # with off(c) = 4c for c >= 2 and 0 for c = 1.
+            base = ((kexp + 6) << 3)[:, :, None]
+            bits8 = tl.where(mag == 0, 0, base + tl.where(mag >= 2, mag << 2, 0))
+            if tl.min(tl.min(tl.where(live, kexp, 0), axis=1), axis=0) < -5:
+                # rare tile (a block more than 11 binades under its group's largest): some values fall
+                # below 2**-6 and become e4m3 subnormals k * 2**-9, k = RNE((2 + m) * 2**(ec + 8))
+                m3 = tl.where(mag >= 2, mag & 1, 0)
+                ec = tl.maximum((mag >> 1) - 1, -1) + kexp[:, :, None]     # carrier exponent
+                t = ec + 10
+                xs = (2 + m3) << tl.minimum(tl.maximum(t, 0), 3)
+                sub = tl.where(t >= 0, (xs + 1 + ((xs >> 2) & 1)) >> 2, 0)
+                bits8 = tl.where((ec >= -6) | (mag == 0), bits8, sub)
+            bits8 = bits8 | ((vbits >> 24) & 0x80)
             bits8 = tl.where(ok[:, :, None], bits8, 0x7F)
             # store through 3-D pointers: a [BR, 4, 32] -> [BR, 128] reshape here was miscompiled
             # on sm_90 for some tile configurations (rows permuted; seen on an H200, Triton 3.6)
@@ -353,6 +362,9 @@ def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.
     inv_sqrt = _f32(1.0 / math.sqrt(rot)) if rot else 1.0
     ps = _f32(prescale)
     grid = (triton.cdiv(max(Rgrid, 1), BR), Kc // TILE_K)
+    # 32-bit offsets unless some offset (masked lanes of the last tiles included) could pass 2**31 - 1
+    Rp = grid[0] * BR
+    idx64 = FORCE_IDX64 or max(Rp * abs(sx_r) + Kc * abs(sx_k), Rp * Kc, Rp * Kq, Rp * max(si[0], 1) + Kc * max(si[1], 1)) >= 2**31 - 1
     if R > 0 and K > 0:
         _mxfp4_kernel[grid](
             x, signs if signs is not None else dummy,
@@ -363,7 +375,7 @@ def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.
             BR=BR, ROT=rot, HAS_SIGNS=signs is not None, RULE=RULE_ID[scale_rule],
             SR=rounding == "stochastic", PRESCALE=prescale != 1.0, GROUP_ROWS=group_rows,
             WRITE_CARRIER=carrier, WRITE_FP4=fp4,
-            LOAD3D=LOAD3D_DEFAULT if load3d is None else load3d,
+            LOAD3D=LOAD3D_DEFAULT if load3d is None else load3d, IDX64=idx64,
             num_warps=num_warps, enable_fp_fusion=False,
         )
     base = None
@@ -390,6 +402,7 @@ def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.
 
 _VERIFIED: dict = {}
 LOAD3D_DEFAULT = False  # 3-D tile load: an alternative layout, kept for diagnosis (same results)
+FORCE_IDX64 = False  # tests: run the 64-bit offset variant on small shapes
 # The carrier's e4m3 bytes are built from the E2M1 codes with integer ops. Triton's float32 ->
 # float8e4nv cast (the hardware cvt.rn.satfinite.e4m3x2.f32, which converts pairs of registers)
 # wrote wrong bytes for every other row of many tile layouts on sm_90 with Triton 3.6 (H100,
