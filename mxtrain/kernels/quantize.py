@@ -236,21 +236,15 @@ if triton is not None:
                 G2 = G
             kexp = s - G2 + 6                                          # [BR, 4]
             inexact = live & (kexp < -8)
-            # e4m3 bits of the FP4 value times 2**kexp, from the E2M1 magnitude code with integer ops.
-            # Magnitude code c >= 2 is (1 + m/2) * 2**(c//2 - 1) with m = c & 1, code 1 is 2**-1, so
-            # while the exponent stays in e4m3's normal range the bits are ((kexp + 6) << 3) + off(c)
-            # with off(c) = 4c for c >= 2 and 0 for c = 1.
-            base = ((kexp + 6) << 3)[:, :, None]
-            bits8 = tl.where(mag == 0, 0, base + tl.where(mag >= 2, mag << 2, 0))
-            if tl.min(tl.min(tl.where(live, kexp, 0), axis=1), axis=0) < -5:
-                # rare tile (a block more than 11 binades under its group's largest): some values fall
-                # below 2**-6 and become e4m3 subnormals k * 2**-9, k = RNE((2 + m) * 2**(ec + 8))
-                m3 = tl.where(mag >= 2, mag & 1, 0)
-                ec = tl.maximum((mag >> 1) - 1, -1) + kexp[:, :, None]     # carrier exponent
-                t = ec + 10
-                xs = (2 + m3) << tl.minimum(tl.maximum(t, 0), 3)
-                sub = tl.where(t >= 0, (xs + 1 + ((xs >> 2) & 1)) >> 2, 0)
-                bits8 = tl.where((ec >= -6) | (mag == 0), bits8, sub)
+            # e4m3 bits of c = (FP4 value) * 2**kexp, exact in float32 (the value has at most two
+            # significant bits). In e4m3's normal range the bits are the float32 exponent and top
+            # mantissa bits, rebiased; below 2**-6 they are the subnormal count k = RNE(c * 2**9),
+            # rounded by the float add of 1.5 * 2**23. (Float ops: the integer pipes have half the
+            # throughput, and Triton's fp32 -> e4m3 cast wrote wrong bytes on sm_90, see above.)
+            cval = rr * _pow2n(tl.maximum(e - 1 + kexp[:, :, None], -126))
+            nrm = (cval.to(tl.int32, bitcast=True) >> 20) - 960
+            sub = (cval * 512.0 + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
+            bits8 = tl.where(cval < 0.015625, sub, nrm)
             bits8 = bits8 | ((vbits >> 24) & 0x80)
             bits8 = tl.where(ok[:, :, None], bits8, 0x7F)
             # store through 3-D pointers: a [BR, 4, 32] -> [BR, 128] reshape here was miscompiled
