@@ -247,8 +247,7 @@ if triton is not None:
             bits8 = tl.where(cval < 0.015625, sub, nrm)
             bits8 = bits8 | ((vbits >> 24) & 0x80)
             bits8 = tl.where(ok[:, :, None], bits8, 0x7F)
-            # store through 3-D pointers: a [BR, 4, 32] -> [BR, 128] reshape here was miscompiled
-            # on sm_90 for some tile configurations (rows permuted; seen on an H200, Triton 3.6)
+            # stored through 3-D pointers (no reshape back to [BR, 128])
             tl.store(car_ptr + r3 * Kc + c3, bits8.to(tl.uint8), mask=r3 < Rc)
             gval = _pow2(G - 6)
             if GROUP_ROWS == 1:
