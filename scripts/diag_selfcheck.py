@@ -1,5 +1,5 @@
-"""Diagnostic (GPU): run the fused-kernel self-check for many variants with the 2-D or the 3-D tile
-load, print which outputs differ, and time the two tile loads. Usage: PYTHONPATH=. python3 scripts/diag_selfcheck.py [OUT.json]"""
+"""Diagnostic (GPU): run the fused-kernel self-check (``mxtrain.kernels.quantize.selfcheck``) for many
+kernel variants, print which outputs differ and where, and time a few carrier configurations. Usage: PYTHONPATH=. python3 scripts/diag_selfcheck.py [OUT.json]"""
 import json
 import sys
 
@@ -23,28 +23,24 @@ res = []
 summary = {}
 for v in V:
     dt, axis, rot, signs, rule, sr, ps, gr, br, nw, km, fp4, r16, k16 = v
-    for load3d in (False, True):
-        try:
-            r = kq.selfcheck("cuda", dt, axis, rot, signs, rule, sr, ps, gr, br, nw, km, fp4, r16, k16,
-                             load3d=load3d, samples=4)
-        except Exception as e:  # noqa: BLE001
-            r = {"ok": False, "error": repr(e)[:200]}
-        tag = f"{str(dt)[6:]:8s} ax{axis} rot{rot:3d} sg{int(signs)} sr{int(sr)} g{gr:3d} BR{br:3d} fp4{int(fp4)} " \
-              f"r16{int(r16)} k16{int(k16)} km{km} | load3d={int(load3d)}"
-        print(tag, "OK" if r["ok"] else "FAIL", {k: x for k, x in r.items() if k != "ok"}, flush=True)
-        res.append({"variant": [str(x) for x in v], "load3d": load3d, **r})
-        summary.setdefault(load3d, [0, 0])[0 if r["ok"] else 1] += 1
-for k, (a, b) in summary.items():
-    print(f"load3d={k}: {a} pass, {b} fail")
-# timing of the two loads
+    try:
+        r = kq.selfcheck("cuda", dt, axis, rot, signs, rule, sr, ps, gr, br, nw, km, fp4, r16, k16, samples=4)
+    except Exception as e:  # noqa: BLE001
+        r = {"ok": False, "error": repr(e)[:200]}
+    tag = f"{str(dt)[6:]:8s} ax{axis} rot{rot:3d} sg{int(signs)} sr{int(sr)} g{gr:3d} BR{br:3d} fp4{int(fp4)} " \
+          f"r16{int(r16)} k16{int(k16)} km{km}"
+    print(tag, "OK" if r["ok"] else "FAIL", {k: x for k, x in r.items() if k != "ok"}, flush=True)
+    res.append({"variant": [str(x) for x in v], **r})
+    summary["ok" if r["ok"] else "fail"] = summary.get("ok" if r["ok"] else "fail", 0) + 1
+print(f"{summary.get('ok', 0)} pass, {summary.get('fail', 0)} fail")
+# timing of a few carrier configurations
 x = torch.randn(16384, 4096, device="cuda", dtype=torch.bfloat16)
 for axis, rot, br in ((1, 0, 32), (1, 0, 64), (1, 16, 32), (1, 16, 64), (0, 16, 32), (0, 0, 32)):
-    for load3d in (False, True):
-        ms = triton.testing.do_bench(lambda: kq.quantize_mxfp4_2d(x, axis, rot=rot, carrier=True, fp4=False,
-                                                                  k_multiple=512, block_rows=br, load3d=load3d,
-                                                                  _check=False), warmup=25, rep=100)
-        gbs = x.numel() * 3 / ms / 1e6
-        print(f"time axis={axis} rot={rot} BR={br} load3d={int(load3d)}: {ms*1e3:.1f} us {gbs:.0f} GB/s", flush=True)
-        res.append({"time": [axis, rot, br, load3d], "us": ms * 1e3})
+    ms = triton.testing.do_bench(lambda: kq.quantize_mxfp4_2d(x, axis, rot=rot, carrier=True, fp4=False,
+                                                              k_multiple=512, block_rows=br, _check=False),
+                                 warmup=25, rep=100)
+    gbs = x.numel() * 3 / ms / 1e6
+    print(f"time axis={axis} rot={rot} BR={br}: {ms*1e3:.1f} us {gbs:.0f} GB/s", flush=True)
+    res.append({"time": [axis, rot, br], "us": ms * 1e3})
 if len(sys.argv) > 1:
     json.dump(res, open(sys.argv[1], "w"), indent=1)

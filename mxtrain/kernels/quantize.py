@@ -83,16 +83,6 @@ if triton is not None:
         return tl.reshape(v4, [BR, 128])
 
     @triton.jit
-    def _bfly3(x, BR: tl.constexpr, H: tl.constexpr):
-        """``_bfly`` on a [BR, 4, 32] tile (the 128 elements of a row in block-major order)."""
-        v4 = tl.reshape(x, [BR, 128 // (2 * H), 2, H])
-        v4 = tl.permute(v4, (0, 1, 3, 2))
-        a, b = tl.split(v4)
-        v4 = tl.join(a + b, a - b)
-        v4 = tl.permute(v4, (0, 1, 3, 2))
-        return tl.reshape(v4, [BR, 4, 32])
-
-    @triton.jit
     def _mxfp4_kernel(
         x_ptr, signs_ptr, car_ptr, gs_ptr, fp4_ptr, sc_ptr, cnt_ptr,
         R, K, Rc,
@@ -103,7 +93,7 @@ if triton is not None:
         key, inv_sqrt, prescale,
         BR: tl.constexpr, ROT: tl.constexpr, HAS_SIGNS: tl.constexpr, RULE: tl.constexpr,
         SR: tl.constexpr, PRESCALE: tl.constexpr, GROUP_ROWS: tl.constexpr,
-        WRITE_CARRIER: tl.constexpr, WRITE_FP4: tl.constexpr, LOAD3D: tl.constexpr, IDX64: tl.constexpr,
+        WRITE_CARRIER: tl.constexpr, WRITE_FP4: tl.constexpr, IDX64: tl.constexpr,
     ):
         pid_r = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -118,58 +108,33 @@ if triton is not None:
         c2 = cols[None, :]
         r3 = rows[:, None, None]
         c3 = kbase + (tl.arange(0, 4) * 32)[None, :, None] + tl.arange(0, 32)[None, None, :]
-        if LOAD3D:
-            # the tile as [BR, 4 blocks, 32] straight from memory: no reshape between load and store
-            xb = tl.load(x_ptr + r3 * sx_r + c3 * sx_k, mask=(r3 < R) & (c3 < K), other=0.0).to(tl.float32)
-            if ROT > 0:
-                if HAS_SIGNS:
-                    sg = tl.load(signs_ptr + (c3 % ROT))
-                    xb = xb * sg
-                if ROT > 1:
-                    xb = _bfly3(xb, BR, 1)
-                if ROT > 2:
-                    xb = _bfly3(xb, BR, 2)
-                if ROT > 4:
-                    xb = _bfly3(xb, BR, 4)
-                if ROT > 8:
-                    xb = _bfly3(xb, BR, 8)
-                if ROT > 16:
-                    xb = _bfly3(xb, BR, 16)
-                if ROT > 32:
-                    xb = _bfly3(xb, BR, 32)
-                if ROT > 64:
-                    xb = _bfly3(xb, BR, 64)
-                xb = xb * inv_sqrt
-                Kr3 = ((K + ROT - 1) // ROT) * ROT
-                xb = tl.where(c3 < Kr3, xb, 0.0)
-        else:
-            inb = (r2 < R) & (c2 < K)
-            x = tl.load(x_ptr + r2 * sx_r + c2 * sx_k, mask=inb, other=0.0).to(tl.float32)
+        inb = (r2 < R) & (c2 < K)
+        x = tl.load(x_ptr + r2 * sx_r + c2 * sx_k, mask=inb, other=0.0).to(tl.float32)
 
-            # ---- optional blockwise Hadamard (signs first, butterfly h = 1..ROT/2, one scale multiply)
-            if ROT > 0:
-                if HAS_SIGNS:
-                    sg = tl.load(signs_ptr + (tl.arange(0, 128) % ROT))
-                    x = x * sg[None, :]
-                if ROT > 1:
-                    x = _bfly(x, BR, 1)
-                if ROT > 2:
-                    x = _bfly(x, BR, 2)
-                if ROT > 4:
-                    x = _bfly(x, BR, 4)
-                if ROT > 8:
-                    x = _bfly(x, BR, 8)
-                if ROT > 16:
-                    x = _bfly(x, BR, 16)
-                if ROT > 32:
-                    x = _bfly(x, BR, 32)
-                if ROT > 64:
-                    x = _bfly(x, BR, 64)
-                x = x * inv_sqrt
-                # the reference pads with +0 only to whole rotation blocks; beyond that, +0 block padding
-                Kr = ((K + ROT - 1) // ROT) * ROT
-                x = tl.where(c2 < Kr, x, 0.0)
-            xb = tl.reshape(x, [BR, 4, 32])
+        # ---- optional blockwise Hadamard (signs first, butterfly h = 1..ROT/2, one scale multiply)
+        if ROT > 0:
+            if HAS_SIGNS:
+                sg = tl.load(signs_ptr + (tl.arange(0, 128) % ROT))
+                x = x * sg[None, :]
+            if ROT > 1:
+                x = _bfly(x, BR, 1)
+            if ROT > 2:
+                x = _bfly(x, BR, 2)
+            if ROT > 4:
+                x = _bfly(x, BR, 4)
+            if ROT > 8:
+                x = _bfly(x, BR, 8)
+            if ROT > 16:
+                x = _bfly(x, BR, 16)
+            if ROT > 32:
+                x = _bfly(x, BR, 32)
+            if ROT > 64:
+                x = _bfly(x, BR, 64)
+            x = x * inv_sqrt
+            # the reference pads with +0 only to whole rotation blocks; beyond that, +0 block padding
+            Kr = ((K + ROT - 1) // ROT) * ROT
+            x = tl.where(c2 < Kr, x, 0.0)
+        xb = tl.reshape(x, [BR, 4, 32])
         # ---- block scales (from the values before the prescale, as the reference) (4 blocks of 32 per row)
         # |x| bit patterns order like the values; NaN/Inf have the largest ones (exponent 0xFF)
         mbits = tl.max(xb.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2)   # [BR, 4]
@@ -298,7 +263,7 @@ def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.
                       prescale: float = 1.0, index_strides: tuple[int, int] | None = None,
                       carrier: bool = True, fp4: bool = True, group_rows: int = 1,
                       row_multiple: int = 16, block_rows: int | None = None, num_warps: int | None = None,
-                      k_multiple: int = TILE_K, load3d: bool | None = None,
+                      k_multiple: int = TILE_K,
                       counter: torch.Tensor | None = None, _check: bool = True) -> QuantOut:
     """Quantize a 2-D tensor to MXFP4 along ``axis`` (0 or 1) in one fused pass.
 
@@ -368,7 +333,7 @@ def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.
             BR=BR, ROT=rot, HAS_SIGNS=signs is not None, RULE=RULE_ID[scale_rule],
             SR=rounding == "stochastic", PRESCALE=prescale != 1.0, GROUP_ROWS=group_rows,
             WRITE_CARRIER=carrier, WRITE_FP4=fp4,
-            LOAD3D=LOAD3D_DEFAULT if load3d is None else load3d, IDX64=idx64,
+            IDX64=idx64,
             num_warps=num_warps, enable_fp_fusion=False,
         )
     base = None
@@ -394,7 +359,6 @@ def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.
 
 
 _VERIFIED: dict = {}
-LOAD3D_DEFAULT = False  # 3-D tile load: an alternative layout, kept for diagnosis (same results)
 FORCE_IDX64 = False  # tests: run the 64-bit offset variant on small shapes
 # The carrier's e4m3 bytes are built from the E2M1 codes with integer ops. Triton's float32 ->
 # float8e4nv cast (the hardware cvt.rn.satfinite.e4m3x2.f32, which converts pairs of registers)
@@ -455,7 +419,7 @@ def _config_ok(x: torch.Tensor, axis: int, rot: int, has_signs: bool, scale_rule
     """
     r16, k16 = R % 16 == 0, K % 16 == 0
     vkey = (x.device.index, x.dtype, axis, rot, has_signs, scale_rule, sr, prescale != 1.0, group_rows, BR, nw,
-            k_multiple, fp4, r16, k16, LOAD3D_DEFAULT)
+            k_multiple, fp4, r16, k16)
     ok = _VERIFIED.get(vkey)
     if ok is None:
         ok = selfcheck(x.device, x.dtype, axis, rot, has_signs, scale_rule, sr, prescale, group_rows, BR, nw,
@@ -470,7 +434,7 @@ def _config_ok(x: torch.Tensor, axis: int, rot: int, has_signs: bool, scale_rule
 
 def selfcheck(device, dtype, axis: int, rot: int, has_signs: bool, scale_rule: str, sr: bool, prescale: float,
               group_rows: int, BR: int, nw: int, k_multiple: int, fp4: bool, r16: bool = True, k16: bool = True,
-              load3d: bool | None = None, samples: int = 0) -> dict:
+              samples: int = 0) -> dict:
     """Run one fused-kernel variant on a fixed random tensor and compare every output with the one
     built by torch ops from the reference quantizer. Returns ``ok`` and, per output, the number of
     mismatching entries (``samples`` > 0 adds the first mismatching carrier entries, for diagnosis)."""
@@ -487,7 +451,7 @@ def selfcheck(device, dtype, axis: int, rot: int, has_signs: bool, scale_rule: s
                           scale_rule=scale_rule, key=_rng.stream_key(seed), prescale=prescale,
                           index_strides=(_ceil(Kt, rot) if rot else Kt, 1) if axis == 1 else None,
                           carrier=True, fp4=fp4, group_rows=group_rows, block_rows=BR, num_warps=nw,
-                          k_multiple=k_multiple, load3d=load3d, _check=False)
+                          k_multiple=k_multiple, _check=False)
     ref = _reference(t, "mxfp4", axis, None, "stochastic" if sr else "nearest", scale_rule, seed, prescale,
                      rot, signs)
     qr = QuantOut(Rt, Kt, None, None, group_rows, None, ref.data.view(torch.uint8).reshape(Rt, -1),
