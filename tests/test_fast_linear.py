@@ -118,3 +118,18 @@ def test_env_switch_disables_the_fast_path():
         env = dict(__import__("os").environ, MXTRAIN_FAST=value)
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
         assert out.stdout.strip() == expect
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_inexact_blocks_counter_gpu():
+    """fast.inexact_blocks() stays put for ordinary data and grows when a block sits more than 14
+    binades under its 1x128 group's largest block (the carrier cannot hold it exactly)."""
+    lin = MXLinear(256, 128, recipe=recipes.get("mxfp4-all"), device=DEV, dtype=torch.float32)
+    x = torch.randn(64, 256, device=DEV)
+    before = fast.inexact_blocks()
+    lin(x)
+    assert fast.inexact_blocks() == before
+    x[:, 32:128] *= 2.0**-20  # blocks 1-3 of every row's first group: 20 binades under block 0
+    lin(x)
+    assert fast.inexact_blocks() - before == 64 * 3

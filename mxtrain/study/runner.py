@@ -357,7 +357,10 @@ def _run_workers(spec: StudySpec, out: Path, jobs: int, log) -> None:
     import subprocess
 
     pending = [(a, s) for a, s in plan_order(spec) if _status(out / "runs" / a / f"seed{s}") is None]
-    jobs = max(1, min(jobs, len(pending)))
+    if not pending:
+        log("every run of this study has finished already")
+        return
+    jobs = min(jobs, len(pending))
     gpus: list[str] = []
     dev = spec.device or ""
     if not dev.startswith("cpu"):
