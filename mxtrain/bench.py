@@ -70,6 +70,7 @@ def bench_quantize(args) -> dict:
         ("act 16384x4096 rows carrier+fp4 H16", (16384, 4096), 1, dict(rot=16, fp4=True)),
         ("act 16384x4096 rows fp4 only", (16384, 4096), 1, dict(carrier=False, fp4=True)),
     ]
+    from .kernels import quantize as kq
     for name, shape, axis, kw in cases:
         x = torch.randn(shape, device=dev, dtype=torch.bfloat16)
         y = torch.empty_like(x)
@@ -77,15 +78,6 @@ def bench_quantize(args) -> dict:
         kw = dict(kw)
         kw.setdefault("fp4", False)
         kw.setdefault("carrier", True)
-        best = None
-        for br, nw in ((32, 4), (64, 4), (64, 8), (128, 8)) if kw.get("group_rows", 1) == 1 else ((128, 8), (128, 16)):
-            try:
-                fn = lambda: quantize_mxfp4_2d(x, axis, block_rows=br, num_warps=nw, **kw)  # noqa: E731
-                t = _bench(fn)
-                if best is None or t < best[0]:
-                    best = (t, br, nw)
-            except Exception as e:  # noqa: BLE001
-                res.append({"case": name, "block_rows": br, "num_warps": nw, "error": repr(e)[:300]})
         n = x.numel()
         out_bytes = 0
         if kw["carrier"]:
@@ -94,13 +86,37 @@ def bench_quantize(args) -> dict:
             out_bytes += n // 2 + n // 32
         moved = 2 * n + out_bytes
         copy_bw = 4 * n / (t_copy * 1e-3)
-        t = best[0]
-        bw = moved / (t * 1e-3)
-        res.append({"case": name, "shape": list(shape), "axis": axis, "ms": t, "block_rows": best[1],
-                    "num_warps": best[2], "bytes": moved, "GBps": bw / 1e9, "copy_ms": t_copy,
-                    "copy_GBps": copy_bw / 1e9, "frac_of_copy_bw": bw / copy_bw})
-        print(f"quantize {name:50s} {t*1e3:8.1f} us  {bw/1e9:7.0f} GB/s  copy {copy_bw/1e9:6.0f} GB/s  "
-              f"{100*bw/copy_bw:5.1f}%  (BR={best[1]}, warps={best[2]})", flush=True)
+        # every kernel that can run this case, each at its best (block rows, warps); the default first
+        kernels = [("blocks", True), ("blocks", False), ("tile", False)] \
+            if kw.get("rot", 0) in kq.BLOCK_ROTS else [("tile", False)]
+        saved = (kq.KERNEL, kq.JOIN_STORE)
+        for kern, join in kernels:
+            kq.KERNEL, kq.JOIN_STORE = kern, join
+            if kern == "tile":
+                cfgs = ((32, 4), (64, 4), (64, 8), (128, 8)) if kw.get("group_rows", 1) == 1 else ((128, 8), (128, 16))
+            else:
+                cfgs = ((16, 2), (32, 4), (64, 4), (64, 8), (128, 16)) if kw.get("group_rows", 1) == 1 \
+                    else ((128, 8), (128, 16))
+            best = None
+            for br, nw in cfgs:
+                try:
+                    fn = lambda: quantize_mxfp4_2d(x, axis, block_rows=br, num_warps=nw, **kw)  # noqa: E731
+                    t = _bench(fn)
+                    if best is None or t < best[0]:
+                        best = (t, br, nw)
+                except Exception as e:  # noqa: BLE001
+                    res.append({"case": name, "kernel": kern, "block_rows": br, "num_warps": nw, "error": repr(e)[:300]})
+            if best is None:
+                continue
+            t = best[0]
+            bw = moved / (t * 1e-3)
+            label = kern + ("+join" if join else "")
+            res.append({"case": name, "kernel": label, "shape": list(shape), "axis": axis, "ms": t,
+                        "block_rows": best[1], "num_warps": best[2], "bytes": moved, "GBps": bw / 1e9,
+                        "copy_ms": t_copy, "copy_GBps": copy_bw / 1e9, "frac_of_copy_bw": bw / copy_bw})
+            print(f"quantize {name:46s} {label:12s} {t*1e3:8.1f} us  {bw/1e9:7.0f} GB/s  copy {copy_bw/1e9:6.0f} GB/s  "
+                  f"{100*bw/copy_bw:5.1f}%  (BR={best[1]}, warps={best[2]})", flush=True)
+        kq.KERNEL, kq.JOIN_STORE = saved
         del x, y
     return {"quantize": res}
 

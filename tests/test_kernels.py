@@ -14,6 +14,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 triton = pytest.importorskip("triton")
+tl = triton.language
 
 import torch.nn.functional as F  # noqa: E402
 
@@ -27,6 +28,14 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(not kernels_available(DEV), reason="Triton kernels unavailable (set TRITON_INTERPRET=1 on CPU)")
 cuda = pytest.mark.cuda
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture(params=["blocks", "tile"])
+def kern(request, monkeypatch):
+    """Run a test with each quantize kernel forced (the blocks kernel covers rotations up to 32; wider
+    ones always run the tile kernel)."""
+    monkeypatch.setattr(kq, "KERNEL", request.param)
+    return request.param
 
 
 def _data(M, K, seed=0, dtype=torch.float32):
@@ -64,7 +73,7 @@ def _check(x, axis, **kw):
 @pytest.mark.parametrize("rule", SCALE_RULES)
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 @pytest.mark.parametrize("axis", [1, 0])
-def test_scale_rules_roundings_axes(rule, rounding, axis):
+def test_scale_rules_roundings_axes(rule, rounding, axis, kern):
     x = _data(33, 100, seed=hash((rule, rounding, axis)) % 1000)
     _check(x, axis, rule=rule, rounding=rounding)
 
@@ -72,7 +81,7 @@ def test_scale_rules_roundings_axes(rule, rounding, axis):
 @pytest.mark.parametrize("rot", [16, 32, 64, 128])
 @pytest.mark.parametrize("signs_mode", ["none", "fixed", "per_step"])
 @pytest.mark.parametrize("axis", [1, 0])
-def test_rotation(rot, signs_mode, axis):
+def test_rotation(rot, signs_mode, axis, kern):
     signs = rotation_signs(rot, signs_mode, seed=5, layer=2, gemm=1, step=3, device=DEV)
     # odd reduction lengths: 1..3 blocks and partial rotation blocks
     x = _data(37, 70, seed=rot + axis)
@@ -81,13 +90,13 @@ def test_rotation(rot, signs_mode, axis):
 
 
 @pytest.mark.parametrize("shape", [(1, 32), (3, 64), (2, 96), (5, 1), (1, 129), (33, 31)])
-def test_odd_shapes(shape):
+def test_odd_shapes(shape, kern):
     x = _data(*shape, seed=sum(shape))
     for axis in (0, 1):
         _check(x, axis, rounding="stochastic", rule="ceil")
 
 
-def test_bf16_and_prescale_and_nd():
+def test_bf16_and_prescale_and_nd(kern):
     x = _data(17, 96, seed=3, dtype=torch.bfloat16)
     _check(x, 1, prescale=0.75, rounding="stochastic", rule="floor")
     _check(x, 0, prescale=0.75, rot=64, rounding="nearest", rule="amd")
@@ -104,7 +113,7 @@ def test_seed_keys_above_2_31():
     _check(x, 0, rounding="stochastic", seed=seed, rot=32)
 
 
-def test_nan_inf_zero_blocks():
+def test_nan_inf_zero_blocks(kern):
     x = _data(8, 128, seed=9)
     x[0, :32] = 0.0
     x[1, 40] = float("nan")
@@ -146,7 +155,7 @@ def _independent_inexact(ref_scales, R, group_rows):
 
 @pytest.mark.parametrize("group_rows", [1, 128])
 @pytest.mark.parametrize("axis", [1, 0])
-def test_carrier_exact_and_inexact_count(group_rows, axis):
+def test_carrier_exact_and_inexact_count(group_rows, axis, kern):
     x = _data(40, 260, seed=11)
     # wide dynamic range inside groups: some blocks far below their group max (inexact in e4m3)
     if axis == 1:
@@ -188,7 +197,7 @@ def test_carrier_exact_and_inexact_count(group_rows, axis):
         assert (vals[R:] == 0).all() and (vals[:, Kq:] == 0).all()
 
 
-def test_carrier_nan_blocks_are_nan():
+def test_carrier_nan_blocks_are_nan(kern):
     x = _data(4, 64, seed=2)
     x[1, 3] = float("nan")
     q = kq.quantize_mxfp4_2d(x, 1, carrier=True, fp4=False)
@@ -196,7 +205,7 @@ def test_carrier_nan_blocks_are_nan():
     assert torch.isnan(v[1, :32]).all() and not torch.isnan(v[1, 32:]).any() and not torch.isnan(v[0]).any()
 
 
-def test_k_multiple_pads_carrier_with_zeros():
+def test_k_multiple_pads_carrier_with_zeros(kern):
     x = torch.randn(20, 200, generator=torch.Generator().manual_seed(6)).to(DEV)
     q = kq.quantize_mxfp4_2d(x, 1, carrier=True, fp4=True, k_multiple=512, group_rows=128)
     assert q.carrier.shape == (128, 512) and q.gscale.shape == (1, 4) and int(q.inexact.item()) == 0
@@ -207,7 +216,7 @@ def test_k_multiple_pads_carrier_with_zeros():
 
 @pytest.mark.parametrize("group_rows", [1, 128])
 @pytest.mark.parametrize("axis", [1, 0])
-def test_carrier_from_fp4_matches_kernel(group_rows, axis):
+def test_carrier_from_fp4_matches_kernel(group_rows, axis, kern):
     """The torch fallback that rebuilds the carrier from FP4 codes (GPU safety net) equals the kernel."""
     x = _data(40, 300, seed=13)
     x[3, 7] = float("nan")
@@ -309,7 +318,7 @@ def test_dequant_gemm_matches_reference_values():
 @cuda
 @needs_cuda
 @pytest.mark.parametrize("axis", [1, 0])
-def test_large_bit_exact_gpu(axis):
+def test_large_bit_exact_gpu(axis, kern):
     x = _data(4096, 2048 + 96, seed=21, dtype=torch.bfloat16)
     for kw in (dict(rule="floor"), dict(rule="even", rounding="stochastic"), dict(rot=16),
                dict(rot=64, signs=rotation_signs(64, "fixed", seed=2, device=DEV), rounding="stochastic",
@@ -333,3 +342,69 @@ def test_carrier_gemm_gpu():
         ref = (kq.dequantize_fp4(qa).double() @ kq.dequantize_fp4(qb).double().t())
         err = ((y - ref).norm() / ref.norm()).item()
         assert err < 4e-3, (gr, err)  # bf16 output rounding only
+
+
+@pytest.mark.parametrize("case", [
+    dict(axis=1, rot=0, group_rows=1),
+    dict(axis=1, rot=16, group_rows=128, signs=True),
+    dict(axis=0, rot=32, group_rows=1, signs=True, sr=True, prescale=0.75),
+    dict(axis=0, rot=16, group_rows=128),
+    dict(axis=1, rot=8, group_rows=1, sr=True),
+])
+def test_block_and_tile_kernels_agree(case, monkeypatch):
+    """The two quantize kernels ("blocks": whole MX blocks per thread, rotations up to 32; "tile":
+    any rotation) write the same bytes for every output, padding included."""
+    rot = case["rot"]
+    x = _data(45, 166, seed=rot + case["axis"], dtype=torch.bfloat16)
+    signs = rotation_signs(rot, "fixed", seed=3, device=DEV) if case.get("signs") else None
+    kw = dict(rot=rot, signs=signs, rounding="stochastic" if case.get("sr") else "nearest", key=99,
+              prescale=case.get("prescale", 1.0), carrier=True, fp4=True, group_rows=case["group_rows"],
+              k_multiple=512, _check=False)
+    outs = {}
+    for kern in ("blocks", "tile"):
+        monkeypatch.setattr(kq, "KERNEL", kern)
+        assert kq.kernel_for(case["axis"], rot, True) == kern
+        outs[kern] = kq.quantize_mxfp4_2d(x, case["axis"], **kw)
+    a, b = outs["blocks"], outs["tile"]
+    assert torch.equal(a.carrier.view(torch.uint8), b.carrier.view(torch.uint8))
+    for f in ("gscale", "inexact", "packed", "scales"):
+        assert torch.equal(getattr(a, f), getattr(b, f)), f
+
+
+@triton.jit
+def _enc_kernel(x_ptr, o_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(x_ptr + i, mask=i < n, other=0.0)
+    tl.store(o_ptr + i, kq._e4m3_bits(v, False), mask=i < n)
+
+
+def test_blocks_kernel_hardware_e4m3_path_matches_float_path():
+    """On a GPU the blocks kernel converts to e4m3 with the hardware instruction; the interpreter uses
+    float32 bit arithmetic. Both must give the bytes of the reference carrier (checked by the other
+    tests); here the bit-arithmetic encoder is checked alone against ml_dtypes on every e4m3 value
+    times powers of two, negative zero, subnormals and NaN."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    import numpy as np
+    if DEV != "cpu":
+        pytest.skip("the bit-arithmetic encoder runs in the interpreter only")
+
+    codes = np.arange(256, dtype=np.uint8)
+    vals = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    vals = vals[np.isfinite(vals)]
+    # its domain: every e4m3 value, and E2M1 values times any power of two (the carrier's values), which
+    # land between e4m3 subnormals for inexact blocks: round half to even there
+    e2m1 = np.array([0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float32)
+    scaled = (e2m1[:, None] * np.exp2(np.arange(-140, 7, dtype=np.float32))[None, :]).astype(np.float32).ravel()
+    srt = np.unique(np.abs(vals))
+    mids = ((srt[1:] + srt[:-1]) / 2).astype(np.float32)
+    mids = mids[mids < 2.0**-6]   # halfway between subnormals
+    tiny = np.array([2.0**-10, 2.0**-11, 3 * 2.0**-11, 2.0**-126, 0.0], dtype=np.float32)
+    allv = np.concatenate([vals, scaled, -scaled, mids, -mids, tiny, -tiny, np.array([np.nan], dtype=np.float32)])
+    x = torch.from_numpy(allv.copy())
+    out = torch.empty(x.shape, dtype=torch.uint8)
+    _enc_kernel[(triton.cdiv(x.numel(), 256),)](x, out, x.numel(), BLOCK=256)
+    want = allv.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    got = out.numpy()
+    fin = np.isfinite(allv)
+    assert np.array_equal(got[fin], want[fin])
+    assert np.all(got[~fin] == 0x7F)

@@ -21,6 +21,7 @@ Exact when ``s >= G - 14``; non-zero blocks below that are counted in ``inexact`
 from __future__ import annotations
 
 import math
+import os
 import struct
 from dataclasses import dataclass
 
@@ -131,9 +132,10 @@ if triton is not None:
             if ROT > 64:
                 x = _bfly(x, BR, 64)
             x = x * inv_sqrt
-            # the reference pads with +0 only to whole rotation blocks; beyond that, +0 block padding
+            # the reference pads with +0 only to whole rotation blocks; beyond that, +0 block padding;
+            # padding rows (up to Rc) hold +0
             Kr = ((K + ROT - 1) // ROT) * ROT
-            x = tl.where(c2 < Kr, x, 0.0)
+            x = tl.where((c2 < Kr) & (r2 < R), x, 0.0)
         xb = tl.reshape(x, [BR, 4, 32])
         # ---- block scales (from the values before the prescale, as the reference) (4 blocks of 32 per row)
         # |x| bit patterns order like the values; NaN/Inf have the largest ones (exponent 0xFF)
@@ -222,6 +224,273 @@ if triton is not None:
             nin = tl.sum(tl.sum((inexact & (rows[:, None] < R)).to(tl.int32), axis=1), axis=0)
             tl.atomic_add(cnt_ptr, nin, mask=nin > 0)  # rare: no contention on the common path
 
+if triton is not None:
+
+    @triton.jit
+    def _bfly8(x, BR: tl.constexpr, H: tl.constexpr):
+        """Butterfly stage h = H (1, 2 or 4) inside the last axis (8 values, all held by one thread)."""
+        v = tl.reshape(x, [BR, 4, 8 // (2 * H), 2, H])
+        v = tl.permute(v, (0, 1, 2, 4, 3))
+        a, b = tl.split(v)
+        v = tl.join(a + b, a - b)
+        v = tl.permute(v, (0, 1, 2, 4, 3))
+        return tl.reshape(v, [BR, 4, 8])
+
+    @triton.jit
+    def _e4m3_bits(c, USE_ASM: tl.constexpr):
+        """e4m3 byte of float32 ``c``; NaN -> 0x7F. The hardware path rounds half to even and saturates
+        everywhere; the bit-arithmetic path (interpreter) is exact where ``c`` is an e4m3 normal value
+        (the carrier's case: an E2M1 value times a power of two) and rounds half to even below 2**-6."""
+        if USE_ASM:
+            # the hardware conversion, two values per instruction; the first value goes to the low byte
+            return tl.inline_asm_elementwise(
+                asm="{ .reg .b16 lo, hi;\n"
+                    "cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n"
+                    "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\n"
+                    "mov.b32 $0, {lo, hi}; }",
+                constraints="=r,r,r,r,r", args=[c], dtype=tl.uint8, is_pure=True, pack=4)
+        else:
+            a = tl.abs(c)
+            nrm = (a.to(tl.int32, bitcast=True) >> 20) - 960
+            sub = (a * 512.0 + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
+            b = tl.where(a < 0.015625, sub, nrm)
+            b = tl.minimum(b, 0x7E) | ((c.to(tl.int32, bitcast=True) >> 24) & 0x80)
+            b = tl.where(c != c, 0x7F, b)
+            return b.to(tl.uint8)
+
+    @triton.jit
+    def _fp4_round(v, SR: tl.constexpr, idx, key):
+        """|v| rounded to E2M1 magnitudes (float32 0..6), nearest-even or stochastic (hash of idx)."""
+        a = tl.minimum(tl.abs(v), 6.0)
+        pbits = tl.maximum(a, 1.0).to(tl.int32, bitcast=True) & 0x7F800000   # 2**e, e = max(E(a), 0)
+        if SR:
+            y = a * ((0x7F800000 - pbits).to(tl.float32, bitcast=True))      # a * 2**(1-e): step 1
+            lo = (idx & 0xFFFFFFFF).to(tl.uint32)
+            hi = (idx >> 32).to(tl.uint32)
+            h = _mix32(lo ^ key.to(tl.uint32, bitcast=True) ^ _mix32(hi))
+            u = (h >> 8).to(tl.float32) * 5.9604644775390625e-08
+            fl = y.to(tl.int32).to(tl.float32)
+            rr = fl + tl.where(u < (y - fl), 1.0, 0.0)
+            q = rr * (pbits - 0x00800000).to(tl.float32, bitcast=True)        # * 2**(e-1)
+        else:
+            # round to the step 2**(e-1) by adding and removing 1.5 * 2**(22+e)
+            m = pbits.to(tl.float32, bitcast=True) * 6291456.0
+            q = (a + m) - m
+        return q
+
+    @triton.jit
+    def _fp4_code(q, v):
+        """E2M1 code of magnitude q (0, .5, 1, 1.5, 2, 3, 4, 6 -> 0..7) with the sign of v."""
+        cf = tl.minimum(tl.minimum(q * 2.0, q + 2.0), q * 0.5 + 4.0)
+        c = (cf + 12582912.0).to(tl.int32, bitcast=True) & 0xF
+        return c | ((v.to(tl.int32, bitcast=True) >> 28) & 8)
+
+    @triton.jit
+    def _piece(x_j, sc, fc, ok3, SR: tl.constexpr, idx, key, PRESCALE: tl.constexpr, prescale,
+               WRITE_CARRIER: tl.constexpr, WRITE_FP4: tl.constexpr, USE_ASM: tl.constexpr):
+        if PRESCALE:
+            x_j = x_j * prescale
+        v = x_j * sc
+        q = _fp4_round(v, SR, idx, key)
+        if WRITE_CARRIER:
+            qs = (q.to(tl.int32, bitcast=True) | (v.to(tl.int32, bitcast=True) & -2147483648)).to(tl.float32, bitcast=True)
+            byte = _e4m3_bits(qs * fc, USE_ASM)
+        else:
+            byte = tl.zeros(v.shape, tl.uint8)
+        if WRITE_FP4:
+            code = tl.where(ok3, _fp4_code(q, v), 0)
+        else:
+            code = tl.zeros(v.shape, tl.int32)
+        return byte, code
+
+    @triton.jit
+    def _pack4(c):
+        """[BR, 4, 8] codes -> [BR, 4, 4] bytes (low nibble = lower index)."""
+        BR: tl.constexpr = c.shape[0]
+        lo, hi = tl.split(tl.reshape(c, [BR, 4, 4, 2]))
+        return (lo | (hi << 4)).to(tl.uint8)
+
+    @triton.jit
+    def _mxfp4_blk_kernel(
+        x_ptr, signs_ptr, car_ptr, gs_ptr, fp4_ptr, sc_ptr, cnt_ptr,
+        R, K, Rc,
+        sx_r, sx_k, si_r, si_k, Kc, Kq, gs_sr, gs_sk,
+        key, inv_sqrt, prescale,
+        BR: tl.constexpr, ROT: tl.constexpr, HAS_SIGNS: tl.constexpr, RULE: tl.constexpr,
+        SR: tl.constexpr, PRESCALE: tl.constexpr, GROUP_ROWS: tl.constexpr,
+        WRITE_CARRIER: tl.constexpr, WRITE_FP4: tl.constexpr, IDX64: tl.constexpr, USE_ASM: tl.constexpr,
+        JOIN_STORE: tl.constexpr,
+    ):
+        """Same contract as ``_mxfp4_kernel`` for ROT in (0, 2, 4, 8, 16, 32). The 128-wide tile is
+        loaded as four pieces x0..x3 of shape [BR, 4, 8] (piece j = elements 8j..8j+7 of each MX
+        block), so each thread holds whole MX blocks: block maxima and rotation stages h >= 8 are
+        register-local; stages h < 8 stay inside a thread's 8 contiguous values."""
+        pid_r = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        if IDX64:
+            rows = pid_r.to(tl.int64) * BR + tl.arange(0, BR).to(tl.int64)
+            kbase = pid_k.to(tl.int64) * 128
+        else:
+            rows = pid_r * BR + tl.arange(0, BR)
+            kbase = pid_k * 128
+        r3 = rows[:, None, None]
+        blk = tl.arange(0, 4)[None, :, None]
+        ee = tl.arange(0, 8)[None, None, :]
+        c0 = kbase + blk * 32 + ee                     # [1, 4, 8] columns of piece 0
+        c1 = c0 + 8
+        c2 = c0 + 16
+        c3 = c0 + 24
+        rm = r3 < R
+        xp = x_ptr + r3 * sx_r
+        x0 = tl.load(xp + c0 * sx_k, mask=rm & (c0 < K), other=0.0).to(tl.float32)
+        x1 = tl.load(xp + c1 * sx_k, mask=rm & (c1 < K), other=0.0).to(tl.float32)
+        x2 = tl.load(xp + c2 * sx_k, mask=rm & (c2 < K), other=0.0).to(tl.float32)
+        x3 = tl.load(xp + c3 * sx_k, mask=rm & (c3 < K), other=0.0).to(tl.float32)
+
+        if ROT > 0:
+            if HAS_SIGNS:
+                lb = blk * 32 + ee
+                x0 = x0 * tl.load(signs_ptr + lb % ROT)
+                x1 = x1 * tl.load(signs_ptr + (lb + 8) % ROT)
+                x2 = x2 * tl.load(signs_ptr + (lb + 16) % ROT)
+                x3 = x3 * tl.load(signs_ptr + (lb + 24) % ROT)
+            if ROT > 1:
+                x0 = _bfly8(x0, BR, 1)
+                x1 = _bfly8(x1, BR, 1)
+                x2 = _bfly8(x2, BR, 1)
+                x3 = _bfly8(x3, BR, 1)
+            if ROT > 2:
+                x0 = _bfly8(x0, BR, 2)
+                x1 = _bfly8(x1, BR, 2)
+                x2 = _bfly8(x2, BR, 2)
+                x3 = _bfly8(x3, BR, 2)
+            if ROT > 4:
+                x0 = _bfly8(x0, BR, 4)
+                x1 = _bfly8(x1, BR, 4)
+                x2 = _bfly8(x2, BR, 4)
+                x3 = _bfly8(x3, BR, 4)
+            if ROT > 8:
+                t0 = x0 - x1
+                x0 = x0 + x1
+                x1 = t0
+                t2 = x2 - x3
+                x2 = x2 + x3
+                x3 = t2
+            if ROT > 16:
+                t0 = x0 - x2
+                x0 = x0 + x2
+                x2 = t0
+                t1 = x1 - x3
+                x1 = x1 + x3
+                x3 = t1
+            x0 = x0 * inv_sqrt
+            x1 = x1 * inv_sqrt
+            x2 = x2 * inv_sqrt
+            x3 = x3 * inv_sqrt
+            if HAS_SIGNS:  # signs turn padding zeros into -0; the reference pads +0 past whole rotation
+                # blocks, and padding rows (up to Rc) hold +0
+                Kr = ((K + ROT - 1) // ROT) * ROT
+                x0 = tl.where((c0 < Kr) & rm, x0, 0.0)
+                x1 = tl.where((c1 < Kr) & rm, x1, 0.0)
+                x2 = tl.where((c2 < Kr) & rm, x2, 0.0)
+                x3 = tl.where((c3 < Kr) & rm, x3, 0.0)
+
+        # ---- block scales: |x| maximum per MX block (NaN propagates), as the reference
+        m = tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1), propagate_nan=tl.PropagateNan.ALL),
+                       tl.maximum(tl.abs(x2), tl.abs(x3), propagate_nan=tl.PropagateNan.ALL),
+                       propagate_nan=tl.PropagateNan.ALL)
+        # the last 8 in-thread values by their bit patterns (ordered as the values; NaN above all)
+        abits = tl.max(m.to(tl.int32, bitcast=True), axis=2)             # [BR, 4]
+        ok = abits < 0x7F800000                                           # not NaN / Inf
+        abits = tl.where(ok, abits, 0)
+        E = (abits >> 23) - 127
+        mant = abits & 0x7FFFFF
+        if RULE == 0:
+            bump = tl.zeros_like(E)
+        elif RULE == 1:
+            bump = (mant != 0).to(tl.int32)
+        elif RULE == 2:
+            bump = (mant > 0x400000).to(tl.int32)
+        else:
+            bump = (mant >= 0x600000).to(tl.int32)
+        s = tl.minimum(tl.maximum(E - 2 + bump, -127), 125)
+        nz = abits > 0
+        s = tl.where(nz, s, -127)
+        code_sc = tl.where(ok, s + 127, 255)
+        sc = _pow2n(-s)[:, :, None]
+        ok3 = ok[:, :, None]
+
+        if WRITE_CARRIER:
+            live = ok & nz
+            s_live = tl.where(live, s, -127)
+            if GROUP_ROWS == 1:
+                G = tl.maximum(tl.max(s_live, axis=1), -120)             # [BR]
+                G2 = G[:, None]
+            else:
+                G = tl.maximum(tl.max(tl.max(s_live, axis=1), axis=0), -120)
+                G2 = G
+            kexp = s - G2 + 6
+            inexact = live & (kexp < -8)
+            fc = tl.where(ok, _pow2n(tl.maximum(kexp, -126)), float("nan"))[:, :, None]
+        else:
+            fc = sc
+
+        if SR:
+            ri = r3.to(tl.int64) * si_r
+            i0 = ri + c0.to(tl.int64) * si_k
+            i1 = ri + c1.to(tl.int64) * si_k
+            i2 = ri + c2.to(tl.int64) * si_k
+            i3 = ri + c3.to(tl.int64) * si_k
+        else:
+            i0 = 0
+            i1 = 0
+            i2 = 0
+            i3 = 0
+        b0, q0 = _piece(x0, sc, fc, ok3, SR, i0, key, PRESCALE, prescale, WRITE_CARRIER, WRITE_FP4, USE_ASM)
+        b1, q1 = _piece(x1, sc, fc, ok3, SR, i1, key, PRESCALE, prescale, WRITE_CARRIER, WRITE_FP4, USE_ASM)
+        b2, q2 = _piece(x2, sc, fc, ok3, SR, i2, key, PRESCALE, prescale, WRITE_CARRIER, WRITE_FP4, USE_ASM)
+        b3, q3 = _piece(x3, sc, fc, ok3, SR, i3, key, PRESCALE, prescale, WRITE_CARRIER, WRITE_FP4, USE_ASM)
+
+        if WRITE_FP4:
+            fb = fp4_ptr + r3 * (Kq // 2)
+            if JOIN_STORE:   # the block's 16 bytes in one store
+                p01 = tl.reshape(tl.permute(tl.join(_pack4(q0), _pack4(q1)), (0, 1, 3, 2)), [BR, 4, 8])
+                p23 = tl.reshape(tl.permute(tl.join(_pack4(q2), _pack4(q3)), (0, 1, 3, 2)), [BR, 4, 8])
+                pp = tl.reshape(tl.permute(tl.join(p01, p23), (0, 1, 3, 2)), [BR, 4, 16])
+                jb = kbase // 2 + blk * 16 + tl.arange(0, 16)[None, None, :]
+                tl.store(fb + jb, pp, mask=rm & (jb * 2 < Kq))
+            else:
+                jb = kbase // 2 + blk * 16 + tl.arange(0, 4)[None, None, :]    # byte columns of piece 0
+                tl.store(fb + jb, _pack4(q0), mask=rm & (jb * 2 < Kq))
+                tl.store(fb + jb + 4, _pack4(q1), mask=rm & ((jb + 4) * 2 < Kq))
+                tl.store(fb + jb + 8, _pack4(q2), mask=rm & ((jb + 8) * 2 < Kq))
+                tl.store(fb + jb + 12, _pack4(q3), mask=rm & ((jb + 12) * 2 < Kq))
+            r2 = rows[:, None]
+            bidx = kbase // 32 + tl.arange(0, 4)[None, :]
+            tl.store(sc_ptr + r2 * (Kq // 32) + bidx, code_sc.to(tl.uint8), mask=(r2 < R) & (bidx * 32 < Kq))
+
+        if WRITE_CARRIER:
+            if JOIN_STORE:  # one 32-byte run per thread and block: join the pieces back in column order
+                b01 = tl.reshape(tl.permute(tl.join(b0, b1), (0, 1, 3, 2)), [BR, 4, 16])
+                b23 = tl.reshape(tl.permute(tl.join(b2, b3), (0, 1, 3, 2)), [BR, 4, 16])
+                bb = tl.reshape(tl.permute(tl.join(b01, b23), (0, 1, 3, 2)), [BR, 4, 32])
+                cb = kbase + blk * 32 + tl.arange(0, 32)[None, None, :]
+                tl.store(car_ptr + r3 * Kc + cb, bb, mask=r3 < Rc)
+            else:  # four 8-byte stores per thread and block, straight from the pieces' registers
+                cp = car_ptr + r3 * Kc
+                mc = r3 < Rc
+                tl.store(cp + c0, b0, mask=mc)
+                tl.store(cp + c1, b1, mask=mc)
+                tl.store(cp + c2, b2, mask=mc)
+                tl.store(cp + c3, b3, mask=mc)
+            gval = _pow2(G - 6)
+            if GROUP_ROWS == 1:
+                tl.store(gs_ptr + rows * gs_sr + pid_k * gs_sk, gval, mask=rows < Rc)
+            else:
+                tl.store(gs_ptr + pid_r * gs_sr + pid_k * gs_sk, gval)
+            bad = inexact & (rows[:, None] < R)
+            tl.atomic_add(cnt_ptr + tl.zeros_like(E), 1, mask=bad)   # rare: usually no lane is active
+
 
 @dataclass
 class QuantOut:
@@ -287,10 +556,17 @@ def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.
     Kc = _ceil(max(K, 1), k_multiple)  # fp8_carrier uses 512: cuBLAS wants K/128 % 4 == 0
     if group_rows == 128:
         row_multiple = 128
-    BR = block_rows or (128 if group_rows == 128 else (64 if axis == 1 else 32))  # tuned on H100 (BENCHMARKS.md)
+    kern = kernel_for(axis, rot, fp4)
+    if kern == "blocks":
+        # best on an H100 (BENCHMARKS.md): small tiles along rows, 64 rows along columns, 128 for 128x128 groups
+        BR = block_rows or (128 if group_rows == 128 else (16 if axis == 1 else 64))
+        # 8 rows x 4 MX blocks per warp (32 values a thread); 128x128 groups along columns: 64 a thread
+        num_warps = num_warps or (8 if (group_rows == 128 and axis == 0) else max(1, min(16, BR // 8)))
+    else:
+        BR = block_rows or (128 if group_rows == 128 else (64 if axis == 1 else 32))  # tuned on H100 (BENCHMARKS.md)
+        num_warps = num_warps or (8 if BR >= 128 else 4)
     Rc = _ceil(max(R, 1), max(row_multiple, 1)) if carrier else R
     Rgrid = Rc if carrier else R
-    num_warps = num_warps or (8 if BR >= 128 else 4)
     if carrier:
         car = torch.empty((Rc, Kc), dtype=torch.uint8, device=dev)
         if group_rows == 1:
@@ -324,18 +600,19 @@ def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.
     Rp = grid[0] * BR
     idx64 = FORCE_IDX64 or max(Rp * abs(sx_r) + Kc * abs(sx_k), Rp * Kc, Rp * Kq, Rp * max(si[0], 1) + Kc * max(si[1], 1)) >= 2**31 - 1
     if R > 0 and K > 0:
-        _mxfp4_kernel[grid](
-            x, signs if signs is not None else dummy,
-            car if carrier else dummy, gs if carrier else dummy,
-            packed if fp4 else dummy, sc if fp4 else dummy, cnt,
-            R, K, Rgrid, sx_r, sx_k, si[0], si[1], Kc, Kq, gsr, gsk,
-            _i32(key), inv_sqrt, ps,
-            BR=BR, ROT=rot, HAS_SIGNS=signs is not None, RULE=RULE_ID[scale_rule],
-            SR=rounding == "stochastic", PRESCALE=prescale != 1.0, GROUP_ROWS=group_rows,
-            WRITE_CARRIER=carrier, WRITE_FP4=fp4,
-            IDX64=idx64,
-            num_warps=num_warps, enable_fp_fusion=False,
-        )
+        args = (x, signs if signs is not None else dummy,
+                car if carrier else dummy, gs if carrier else dummy,
+                packed if fp4 else dummy, sc if fp4 else dummy, cnt,
+                R, K, Rgrid, sx_r, sx_k, si[0], si[1], Kc, Kq, gsr, gsk,
+                _i32(key), inv_sqrt, ps)
+        consts = dict(BR=BR, ROT=rot, HAS_SIGNS=signs is not None, RULE=RULE_ID[scale_rule],
+                      SR=rounding == "stochastic", PRESCALE=prescale != 1.0, GROUP_ROWS=group_rows,
+                      WRITE_CARRIER=carrier, WRITE_FP4=fp4, IDX64=idx64)
+        if kern == "blocks":
+            _mxfp4_blk_kernel[grid](*args, **consts, USE_ASM=dev.type == "cuda", JOIN_STORE=JOIN_STORE,
+                                    num_warps=num_warps, enable_fp_fusion=False)
+        else:
+            _mxfp4_kernel[grid](*args, **consts, num_warps=num_warps, enable_fp_fusion=False)
     base = None
     if carrier:
         base = gs.t() if group_rows == 1 else gs_base
@@ -359,6 +636,24 @@ def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.
 
 
 _VERIFIED: dict = {}
+# Which kernel quantizes: "blocks" (each thread holds whole MX blocks; rotations up to 32 wide) or
+# "tile" (any rotation); "auto" picks "blocks" where it applies. MXTRAIN_QKERNEL overrides.
+KERNEL = os.environ.get("MXTRAIN_QKERNEL", "auto")
+# blocks kernel: join the four pieces into one 32-byte carrier store (16 bytes of FP4 codes) per thread and
+# block (1.2-2x faster on an H100 than 8-byte stores straight from the pieces, BENCHMARKS.md); "0" for those
+JOIN_STORE = os.environ.get("MXTRAIN_QJOIN", "1") == "1"
+BLOCK_ROTS = (0, 2, 4, 8, 16, 32)
+
+
+def kernel_for(axis: int, rot: int, fp4: bool = False) -> str:
+    """The kernel that quantizes along ``axis`` with a ``rot``-wide rotation. ``auto``: "blocks" for
+    carrier-only outputs (the Hopper training path), "tile" where packed FP4 codes are written (the
+    blocks kernel's FP4 stores measured slower, BENCHMARKS.md)."""
+    if KERNEL == "tile" or rot not in BLOCK_ROTS or (KERNEL == "auto" and fp4):
+        return "tile"
+    return "blocks"
+
+
 FORCE_IDX64 = False  # tests: run the 64-bit offset variant on small shapes
 # The carrier's e4m3 bytes are built from the E2M1 codes with integer ops. Triton's float32 ->
 # float8e4nv cast (the hardware cvt.rn.satfinite.e4m3x2.f32, which converts pairs of registers)
@@ -419,7 +714,7 @@ def _config_ok(x: torch.Tensor, axis: int, rot: int, has_signs: bool, scale_rule
     """
     r16, k16 = R % 16 == 0, K % 16 == 0
     vkey = (x.device.index, x.dtype, axis, rot, has_signs, scale_rule, sr, prescale != 1.0, group_rows, BR, nw,
-            k_multiple, fp4, r16, k16)
+            k_multiple, fp4, r16, k16, kernel_for(axis, rot, fp4), JOIN_STORE)
     ok = _VERIFIED.get(vkey)
     if ok is None:
         ok = selfcheck(x.device, x.dtype, axis, rot, has_signs, scale_rule, sr, prescale, group_rows, BR, nw,
@@ -439,7 +734,10 @@ def selfcheck(device, dtype, axis: int, rot: int, has_signs: bool, scale_rule: s
     built by torch ops from the reference quantizer. Returns ``ok`` and, per output, the number of
     mismatching entries (``samples`` > 0 adds the first mismatching carrier entries, for diagnosis)."""
     g = torch.Generator(device="cpu").manual_seed(1234)
-    Rt, Kt = (256 if r16 else 257), (1088 if k16 else 1089)
+    if torch.device(device).type == "cpu":   # the interpreter (tests): fewer programs, the same edge cases
+        Rt, Kt = (128 if r16 else 129), (304 if k16 else 305)
+    else:
+        Rt, Kt = (256 if r16 else 257), (1088 if k16 else 1089)
     shape = (Rt, Kt) if axis == 1 else (Kt, Rt)
     t = (torch.randn(shape, generator=g) * torch.exp(torch.randn(shape, generator=g))).to(device, dtype)
     signs = None
