@@ -14,6 +14,10 @@ Weight reuse: a weight operand with round-to-nearest is quantized once per (weig
 sign vector) and reused by later micro-batches (stochastic rounding of W draws a fresh stream for
 every call in the reference, so it is never reused). Fprop quantizes W along in-features and
 Dgrad along out-features, so those two are different operands and are not shared.
+
+Activation reuse: layers that read the same input (a Llama block's q/k/v and gate/up projections)
+quantize its Fprop and Wgrad operands once (nearest rounding, same rotation and sign vector; see
+``REUSE_ACTIVATIONS``). ``inexact_blocks()`` then counts such an operand once.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from .kernels import gemm as _gemm
 from .kernels.quantize import QuantOut, quantize_op
 from .nn import _OPERAND_ID, _Ctx, _gemm_dtype
 
-__all__ = ["supported", "apply", "ENABLED", "inexact_blocks"]
+__all__ = ["supported", "apply", "ENABLED", "inexact_blocks", "clear_caches"]
 
 # False forces the reference path everywhere; the environment variable MXTRAIN_FAST=0 does the same
 # from the command line (e.g. `MXTRAIN_FAST=0 mxtrain train ...`).
@@ -68,6 +72,21 @@ def inexact_blocks(device="cuda") -> int:
     return int(c.item()) if c is not None else 0
 
 
+# Activation reuse: the last quantized X operand of Fprop and of Wgrad (nearest rounding) is kept and
+# reused when the next layer quantizes the same tensor the same way, as the q/k/v projections and the
+# gate/up projections of a Llama block do (three and two layers on one input). The reference
+# quantizes each time; the operands are identical, so results are too. One entry per operand holds
+# the input tensor and its quantized form until the next quantize of that operand or clear_caches().
+REUSE_ACTIVATIONS = os.environ.get("MXTRAIN_REUSE_ACT", "1").strip().lower() not in ("0", "false", "no", "off")
+_ACT_OPERANDS = ("fprop_x", "wgrad_x")
+_ACT_CACHE: dict = {}
+
+
+def clear_caches() -> None:
+    """Drop the reused activation operands (frees their memory; results are unaffected)."""
+    _ACT_CACHE.clear()
+
+
 def _ceil(a: int, b: int) -> int:
     return -(-a // b) * b
 
@@ -96,16 +115,29 @@ def _quant(qctx: _Ctx, t: torch.Tensor, axis: int, name: str, gemm: str, signs, 
         si = (1, t.shape[1])
     carrier, fp4 = _gemm.outputs_for(backend)
     ck = None
-    if cache is not None and op.rounding == "nearest" and not torch.compiler.is_compiling():
-        ck = (name, t.data_ptr(), t._version, qctx.step, backend, group_rows)
-        hit = cache.get(name)
-        if hit is not None and hit[0] == ck:
-            return hit[1], op.prescale
+    act = None
+    if op.rounding == "nearest" and not torch.compiler.is_compiling():
+        if cache is not None:
+            ck = (name, t.data_ptr(), t._version, qctx.step, backend, group_rows)
+            hit = cache.get(name)
+            if hit is not None and hit[0] == ck:
+                return hit[1], op.prescale
+        elif name in _ACT_OPERANDS and REUSE_ACTIVATIONS:
+            # the same input quantized the same way by the layer before (q/k/v, gate/up projections)
+            act = (name, t.device, t.dtype, t.data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()),
+                   t._version, axis, rsize, id(signs), op.scale_rule, op.prescale, backend, group_rows)
+            hit = _ACT_CACHE.get(name)
+            if hit is not None and hit[0] == act:
+                return hit[2], op.prescale
     q = quantize_op(t, axis, rot=rsize, signs=signs, rounding=op.rounding, scale_rule=op.scale_rule, key=key,
                     prescale=op.prescale, index_strides=si, carrier=carrier, fp4=fp4, group_rows=group_rows,
                     k_multiple=_gemm.k_multiple_for(backend), counter=_counter(t.device))
     if ck is not None:
         cache[name] = (ck, q)
+    if act is not None:
+        # holding t (and signs) keeps their memory from being reused, so the address, version and
+        # layout in the key name these very values for as long as the entry lives
+        _ACT_CACHE[name] = (act, (t, signs), q)
     return q, op.prescale
 
 
