@@ -560,8 +560,8 @@ def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.
     if kern == "blocks":
         # best on an H100 (BENCHMARKS.md): small tiles along rows, 64 rows along columns, 128 for 128x128 groups
         BR = block_rows or (128 if group_rows == 128 else (16 if axis == 1 else 64))
-        # 8 rows x 4 MX blocks per warp (32 values a thread); 128x128 groups along columns: 64 a thread
-        num_warps = num_warps or (8 if (group_rows == 128 and axis == 0) else max(1, min(16, BR // 8)))
+        # 8 rows x 4 MX blocks per warp (32 values a thread); 128x128 groups: 8 warps (64 values a thread)
+        num_warps = num_warps or (8 if group_rows == 128 else max(1, min(16, BR // 8)))
     else:
         BR = block_rows or (128 if group_rows == 128 else (64 if axis == 1 else 32))  # tuned on H100 (BENCHMARKS.md)
         num_warps = num_warps or (8 if BR >= 128 else 4)
