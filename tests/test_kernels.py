@@ -351,9 +351,12 @@ def test_carrier_gemm_gpu():
     dict(axis=0, rot=16, group_rows=128),
     dict(axis=1, rot=8, group_rows=1, sr=True),
 ])
-def test_block_and_tile_kernels_agree(case, monkeypatch):
+@pytest.mark.parametrize("join", [True, False])
+def test_block_and_tile_kernels_agree(case, join, monkeypatch):
     """The two quantize kernels ("blocks": whole MX blocks per thread, rotations up to 32; "tile":
-    any rotation) write the same bytes for every output, padding included."""
+    any rotation) write the same bytes for every output, padding included; the blocks kernel with
+    joined 32-byte stores (the default) and with the pieces' own stores alike."""
+    monkeypatch.setattr(kq, "JOIN_STORE", join)
     rot = case["rot"]
     x = _data(45, 166, seed=rot + case["axis"], dtype=torch.bfloat16)
     signs = rotation_signs(rot, "fixed", seed=3, device=DEV) if case.get("signs") else None

@@ -5,6 +5,11 @@ One program handles a tile of ``BR`` rows x 128 reduction elements (4 MX blocks 
 group). The tile is read through two strides, so quantizing along columns (Wgrad: along tokens)
 reads the transposed tile directly from the row-major tensor: no transpose copy.
 
+Two kernels implement it (``kernel_for`` picks one; ``MXTRAIN_QKERNEL`` forces one): the "tile"
+kernel (``_mxfp4_kernel``: any rotation, the whole tile as one [BR, 128] tensor) and the "blocks"
+kernel (``_mxfp4_blk_kernel``: rotations up to 32 wide; the tile as four pieces so that a thread
+holds whole MX blocks; 1.2-2x faster on an H100, BENCHMARKS.md). They write identical bytes.
+
 Bit-exactness with ``mxtrain.quant.quantize`` (the spec) comes from doing the same float32
 operations: the butterfly with the reference's stage order (``tl.reshape``/``tl.permute``/
 ``tl.split``/``tl.join`` on a ``[BR, 128/(2h), 2, h]`` view), exact power-of-two scaling built from
@@ -72,6 +77,46 @@ if triton is not None:
     def _pow2n(e):
         """Exact float32 2**e for int32 e in [-126, 127] (normal range)."""
         return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _uniform(idx, key):
+        """Uniform [0, 1) float32 from the 64-bit element index and the stream key (``mxtrain.rng``)."""
+        lo = (idx & 0xFFFFFFFF).to(tl.uint32)
+        hi = (idx >> 32).to(tl.uint32)
+        h = _mix32(lo ^ key.to(tl.uint32, bitcast=True) ^ _mix32(hi))
+        return (h >> 8).to(tl.float32) * 5.9604644775390625e-08
+
+    @triton.jit
+    def _block_scale(abits, RULE: tl.constexpr):
+        """E8M0 block exponent s from the bit pattern of the block's |x| maximum (finite, >= 0), as the
+        spec: floor(log2 amax) - 2 (+1 where the scale rule rounds up), clamped to [-127, 125];
+        -127 for all-zero blocks. Returns (s, nonzero)."""
+        E = (abits >> 23) - 127
+        mant = abits & 0x7FFFFF
+        if RULE == 0:
+            bump = tl.zeros_like(E)
+        elif RULE == 1:
+            bump = (mant != 0).to(tl.int32)
+        elif RULE == 2:
+            bump = (mant > 0x400000).to(tl.int32)
+        else:  # even / amd: sig >= 1.75 (identical for FP4)
+            bump = (mant >= 0x600000).to(tl.int32)
+        s = tl.minimum(tl.maximum(E - 2 + bump, -127), 125)   # [-127, 127 - emax], as the spec
+        nz = abits > 0
+        return tl.where(nz, s, -127), nz
+
+    @triton.jit
+    def _carrier_exp(s, live, GROUP_ROWS: tl.constexpr):
+        """Carrier group exponent G (largest live block exponent of the row, or of the whole tile for
+        128x128 groups; at least -120) and each block's shift kexp = s - G + 6. Returns (G, kexp)."""
+        s_live = tl.where(live, s, -127)
+        if GROUP_ROWS == 1:
+            G = tl.maximum(tl.max(s_live, axis=1), -120)           # [BR]
+            G2 = G[:, None]
+        else:
+            G = tl.maximum(tl.max(tl.max(s_live, axis=1), axis=0), -120)
+            G2 = G
+        return G, s - G2 + 6
 
     @triton.jit
     def _bfly(x, BR: tl.constexpr, H: tl.constexpr):
@@ -142,19 +187,7 @@ if triton is not None:
         mbits = tl.max(xb.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2)   # [BR, 4]
         ok = mbits < 0x7F800000
         abits = tl.where(ok, mbits, 0)
-        E = ((abits >> 23) & 0xFF) - 127
-        mant = abits & 0x7FFFFF
-        if RULE == 0:
-            bump = tl.zeros_like(E)
-        elif RULE == 1:
-            bump = (mant != 0).to(tl.int32)
-        elif RULE == 2:
-            bump = (mant > 0x400000).to(tl.int32)
-        else:  # even / amd: sig >= 1.75 (identical for FP4)
-            bump = (mant >= 0x600000).to(tl.int32)
-        s = tl.minimum(tl.maximum(E - 2 + bump, -127), 125)   # [-127, 127 - emax], as the spec
-        nz = abits > 0
-        s = tl.where(nz, s, -127)
+        s, nz = _block_scale(abits, RULE)
         code_sc = tl.where(ok, s + 127, 255)
 
         # ---- elements
@@ -168,11 +201,7 @@ if triton is not None:
         y = a * _pow2n(1 - e)
         if SR:
             idx = r3.to(tl.int64) * si_r + c3.to(tl.int64) * si_k
-            lo = (idx & 0xFFFFFFFF).to(tl.uint32)
-            hi = (idx >> 32).to(tl.uint32)
-            kk = key.to(tl.uint32, bitcast=True)
-            h = _mix32(lo ^ kk ^ _mix32(hi))
-            u3 = (h >> 8).to(tl.float32) * 5.9604644775390625e-08
+            u3 = _uniform(idx, key)
             fl = y.to(tl.int32).to(tl.float32)
             rr = fl + tl.where(u3 < (y - fl), 1.0, 0.0)
         else:
@@ -194,14 +223,7 @@ if triton is not None:
 
         if WRITE_CARRIER:
             live = ok & nz
-            s_live = tl.where(live, s, -127)
-            if GROUP_ROWS == 1:
-                G = tl.maximum(tl.max(s_live, axis=1), -120)           # [BR]
-                G2 = G[:, None]
-            else:
-                G = tl.maximum(tl.max(tl.max(s_live, axis=1), axis=0), -120)
-                G2 = G
-            kexp = s - G2 + 6                                          # [BR, 4]
+            G, kexp = _carrier_exp(s, live, GROUP_ROWS)                # kexp [BR, 4]
             inexact = live & (kexp < -8)
             # e4m3 bits of c = (FP4 value) * 2**kexp, exact in float32 (the value has at most two
             # significant bits). In e4m3's normal range the bits are the float32 exponent and top
@@ -265,10 +287,7 @@ if triton is not None:
         pbits = tl.maximum(a, 1.0).to(tl.int32, bitcast=True) & 0x7F800000   # 2**e, e = max(E(a), 0)
         if SR:
             y = a * ((0x7F800000 - pbits).to(tl.float32, bitcast=True))      # a * 2**(1-e): step 1
-            lo = (idx & 0xFFFFFFFF).to(tl.uint32)
-            hi = (idx >> 32).to(tl.uint32)
-            h = _mix32(lo ^ key.to(tl.uint32, bitcast=True) ^ _mix32(hi))
-            u = (h >> 8).to(tl.float32) * 5.9604644775390625e-08
+            u = _uniform(idx, key)
             fl = y.to(tl.int32).to(tl.float32)
             rr = fl + tl.where(u < (y - fl), 1.0, 0.0)
             q = rr * (pbits - 0x00800000).to(tl.float32, bitcast=True)        # * 2**(e-1)
@@ -403,33 +422,14 @@ if triton is not None:
         abits = tl.max(m.to(tl.int32, bitcast=True), axis=2)             # [BR, 4]
         ok = abits < 0x7F800000                                           # not NaN / Inf
         abits = tl.where(ok, abits, 0)
-        E = (abits >> 23) - 127
-        mant = abits & 0x7FFFFF
-        if RULE == 0:
-            bump = tl.zeros_like(E)
-        elif RULE == 1:
-            bump = (mant != 0).to(tl.int32)
-        elif RULE == 2:
-            bump = (mant > 0x400000).to(tl.int32)
-        else:
-            bump = (mant >= 0x600000).to(tl.int32)
-        s = tl.minimum(tl.maximum(E - 2 + bump, -127), 125)
-        nz = abits > 0
-        s = tl.where(nz, s, -127)
+        s, nz = _block_scale(abits, RULE)
         code_sc = tl.where(ok, s + 127, 255)
         sc = _pow2n(-s)[:, :, None]
         ok3 = ok[:, :, None]
 
         if WRITE_CARRIER:
             live = ok & nz
-            s_live = tl.where(live, s, -127)
-            if GROUP_ROWS == 1:
-                G = tl.maximum(tl.max(s_live, axis=1), -120)             # [BR]
-                G2 = G[:, None]
-            else:
-                G = tl.maximum(tl.max(tl.max(s_live, axis=1), axis=0), -120)
-                G2 = G
-            kexp = s - G2 + 6
+            G, kexp = _carrier_exp(s, live, GROUP_ROWS)
             inexact = live & (kexp < -8)
             fc = tl.where(ok, _pow2n(tl.maximum(kexp, -126)), float("nan"))[:, :, None]
         else:
@@ -489,7 +489,7 @@ if triton is not None:
             else:
                 tl.store(gs_ptr + pid_r * gs_sr + pid_k * gs_sk, gval)
             bad = inexact & (rows[:, None] < R)
-            tl.atomic_add(cnt_ptr + tl.zeros_like(E), 1, mask=bad)   # rare: usually no lane is active
+            tl.atomic_add(cnt_ptr + tl.zeros_like(s), 1, mask=bad)   # rare: usually no lane is active
 
 
 @dataclass
@@ -655,11 +655,12 @@ def kernel_for(axis: int, rot: int, fp4: bool = False) -> str:
 
 
 FORCE_IDX64 = False  # tests: run the 64-bit offset variant on small shapes
-# The carrier's e4m3 bytes are built from the E2M1 codes with integer ops. Triton's float32 ->
-# float8e4nv cast (the hardware cvt.rn.satfinite.e4m3x2.f32, which converts pairs of registers)
-# wrote wrong bytes for every other row of many tile layouts on sm_90 with Triton 3.6 (H100,
-# 2026-11-22, scripts/diag_selfcheck.py: 17 of 82 variants failed, all with the hardware cast).
-# The per-variant self-check stays as the safety net.
+# Triton's float32 -> float8e4nv cast (the hardware cvt.rn.satfinite.e4m3x2.f32, which converts pairs
+# of registers) wrote wrong bytes for every other row of many tile layouts on sm_90 with Triton 3.6
+# (H100, 2026-11-22, scripts/diag_selfcheck.py: 17 of 82 variants failed, all with that cast). The
+# tile kernel builds the e4m3 bits with float32 ops; the blocks kernel issues the instruction through
+# its own inline PTX on pairs of one thread's consecutive values (``_e4m3_bits``). The per-variant
+# self-check stays as the safety net for both.
 SELF_CHECK_DEVICES = ("cuda",)  # device types whose fused carrier is self-checked once per configuration
 
 
