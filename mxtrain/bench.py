@@ -63,8 +63,13 @@ def bench_quantize(args) -> dict:
         ("act 16384x4096 rows carrier H16", (16384, 4096), 1, dict(rot=16)),
         ("act 16384x4096 rows carrier H64 signs SR x0.75", (16384, 4096), 1,
          dict(rot=64, signs=rotation_signs(64, "fixed", device=dev), rounding="stochastic", key=123, prescale=0.75)),
+        ("act 16384x4096 cols (wgrad) carrier", (16384, 4096), 0, dict()),
         ("act 16384x4096 cols (wgrad) carrier H16", (16384, 4096), 0, dict(rot=16)),
+        ("act 16384x4096 cols (wgrad) carrier H32 signs SR", (16384, 4096), 0,
+         dict(rot=32, signs=rotation_signs(32, "fixed", device=dev), rounding="stochastic", key=123)),
+        ("act 16384x4096 cols fp4 only H16", (16384, 4096), 0, dict(rot=16, carrier=False, fp4=True)),
         ("act 16384x14336 rows carrier H16", (16384, 14336), 1, dict(rot=16)),
+        ("act 16384x14336 cols (wgrad) carrier H16", (16384, 14336), 0, dict(rot=16)),
         ("weight 14336x4096 rows 128x128 H16", (14336, 4096), 1, dict(rot=16, group_rows=128)),
         ("weight 14336x4096 cols (dgrad) 128x128 H16", (14336, 4096), 0, dict(rot=16, group_rows=128)),
         ("act 16384x4096 rows carrier+fp4 H16", (16384, 4096), 1, dict(rot=16, fp4=True)),
@@ -89,10 +94,15 @@ def bench_quantize(args) -> dict:
         # every kernel that can run this case, each at its best (block rows, warps); the default first
         kernels = [("blocks", True), ("blocks", False), ("tile", False)] \
             if kw.get("rot", 0) in kq.BLOCK_ROTS else [("tile", False)]
+        if kw.get("rot", 0) in kq.BLOCK_ROTS and axis == 0:   # a row-major input along columns
+            kernels = [("cols", False)] + kernels
         saved = (kq.KERNEL, kq.JOIN_STORE)
         for kern, join in kernels:
             kq.KERNEL, kq.JOIN_STORE = kern, join
-            if kern == "tile":
+            if kern == "cols":   # block rows a multiple of 32 x warps
+                cfgs = ((32, 1), (64, 1), (64, 2), (128, 2), (128, 4)) if kw.get("group_rows", 1) == 1 \
+                    else ((128, 1), (128, 2), (128, 4))
+            elif kern == "tile":
                 cfgs = ((32, 4), (64, 4), (64, 8), (128, 8)) if kw.get("group_rows", 1) == 1 else ((128, 8), (128, 16))
             else:
                 cfgs = ((16, 2), (32, 4), (64, 4), (64, 8), (128, 16)) if kw.get("group_rows", 1) == 1 \

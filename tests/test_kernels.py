@@ -30,10 +30,11 @@ cuda = pytest.mark.cuda
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-@pytest.fixture(params=["blocks", "tile"])
+@pytest.fixture(params=["blocks", "tile", "cols"])
 def kern(request, monkeypatch):
-    """Run a test with each quantize kernel forced (the blocks kernel covers rotations up to 32; wider
-    ones always run the tile kernel)."""
+    """Run a test with each quantize kernel forced (the blocks and cols kernels cover rotations up to
+    32; wider ones always run the tile kernel; "cols" runs where the output rows are the input's
+    contiguous axis, along columns of a row-major tensor, and "blocks" elsewhere)."""
     monkeypatch.setattr(kq, "KERNEL", request.param)
     return request.param
 
@@ -251,13 +252,21 @@ def test_self_check_and_fallback(monkeypatch):
     dict(axis=0, rot=0, has_signs=False, scale_rule="rceil", sr=False, prescale=1.0, group_rows=128, fp4=True),
     dict(axis=1, rot=32, has_signs=True, scale_rule="ceil", sr=True, prescale=1.0, group_rows=128, fp4=False),
 ])
-def test_self_check_accepts_correct_variants(variant, monkeypatch):
+@pytest.mark.parametrize("rows_contiguous", [False, True])
+def test_self_check_accepts_correct_variants(variant, rows_contiguous, monkeypatch):
+    """The self-check passes for correct variants of each kernel; the variant is read from ``x``'s
+    layout (a row-major tensor along columns, or its transpose along rows, runs the cols kernel)."""
     monkeypatch.setattr(kq, "_VERIFIED", {})
-    x = torch.zeros(1, device=DEV)
-    br = 128 if variant["group_rows"] == 128 else 32
+    x = torch.zeros(2, 3, device=DEV)
+    if rows_contiguous != (variant["axis"] == 0):
+        x = x.t()
+    kern = kq.kernel_for(variant["axis"], variant["rot"], variant["fp4"], rows_contiguous)
+    g128 = variant["group_rows"] == 128
+    br, nw = {"cols": (128, 4) if g128 else (64, 2)}.get(kern, (128 if g128 else 32, 4))
     assert kq._config_ok(x, variant["axis"], variant["rot"], variant["has_signs"], variant["scale_rule"],
-                         variant["sr"], variant["prescale"], variant["group_rows"], br, 4, 512, variant["fp4"],
+                         variant["sr"], variant["prescale"], variant["group_rows"], br, nw, 512, variant["fp4"],
                          4096, 1000)
+    assert len(kq._VERIFIED) == 1 and next(iter(kq._VERIFIED))[-2] == kern
 
 
 @pytest.mark.parametrize("variant", [
@@ -353,25 +362,34 @@ def test_carrier_gemm_gpu():
 ])
 @pytest.mark.parametrize("join", [True, False])
 def test_block_and_tile_kernels_agree(case, join, monkeypatch):
-    """The two quantize kernels ("blocks": whole MX blocks per thread, rotations up to 32; "tile":
-    any rotation) write the same bytes for every output, padding included; the blocks kernel with
-    joined 32-byte stores (the default) and with the pieces' own stores alike."""
+    """The three quantize kernels ("blocks": whole MX blocks per thread, rotations up to 32; "tile":
+    any rotation; "cols": inputs whose output rows are the contiguous axis) write the same bytes for
+    every output, padding included, whichever way the input is laid out; the blocks kernel with joined
+    32-byte stores (the default) and with the pieces' own stores alike."""
     monkeypatch.setattr(kq, "JOIN_STORE", join)
     rot = case["rot"]
     x = _data(45, 166, seed=rot + case["axis"], dtype=torch.bfloat16)
+    xt = x.t().contiguous().t()          # the same values, the other memory layout
     signs = rotation_signs(rot, "fixed", seed=3, device=DEV) if case.get("signs") else None
     kw = dict(rot=rot, signs=signs, rounding="stochastic" if case.get("sr") else "nearest", key=99,
               prescale=case.get("prescale", 1.0), carrier=True, fp4=True, group_rows=case["group_rows"],
               k_multiple=512, _check=False)
     outs = {}
-    for kern in ("blocks", "tile"):
+    # the store variant only matters to the blocks kernel: without joined stores, compare it alone
+    for kern in ("blocks", "tile", "cols") if join else ("blocks", "tile"):
         monkeypatch.setattr(kq, "KERNEL", kern)
-        assert kq.kernel_for(case["axis"], rot, True) == kern
-        outs[kern] = kq.quantize_mxfp4_2d(x, case["axis"], **kw)
-    a, b = outs["blocks"], outs["tile"]
-    assert torch.equal(a.carrier.view(torch.uint8), b.carrier.view(torch.uint8))
-    for f in ("gscale", "inexact", "packed", "scales"):
-        assert torch.equal(getattr(a, f), getattr(b, f)), f
+        for name, t in (("", x), ("T", xt)) if join else (("", x),):
+            rows_contig = (t.stride(1) if case["axis"] == 0 else t.stride(0)) == 1
+            got = kq.kernel_for(case["axis"], rot, True, rows_contig)
+            assert got == (kern if kern != "cols" or rows_contig else "blocks")
+            if got + name not in outs:
+                outs[got + name] = kq.quantize_mxfp4_2d(t, case["axis"], **kw)
+    assert not join or "cols" in outs or "colsT" in outs
+    ref = outs["tile"]
+    for k, a in outs.items():
+        assert torch.equal(a.carrier.view(torch.uint8), ref.carrier.view(torch.uint8)), k
+        for f in ("gscale", "inexact", "packed", "scales"):
+            assert torch.equal(getattr(a, f), getattr(ref, f)), (k, f)
 
 
 @triton.jit

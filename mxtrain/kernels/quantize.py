@@ -492,6 +492,158 @@ if triton is not None:
             tl.atomic_add(cnt_ptr + tl.zeros_like(s), 1, mask=bad)   # rare: usually no lane is active
 
 
+if triton is not None:
+
+    @triton.jit
+    def _join_level(v, H: tl.constexpr):
+        """Tuple of 2H tensors -> tuple of H: entry i joins entries i and i + H (a new last axis of 2)."""
+        w = ()
+        for i in tl.static_range(H):
+            w = w + (tl.join(v[i], v[i + H]),)
+        return w
+
+    @triton.jit
+    def _bfly_tuple(xs, H: tl.constexpr):
+        """Butterfly stage H over a tuple of 32 tensors: pairs (a, b) = (xs[j], xs[j + H]) for j with bit H
+        clear -> (a + b, a - b)."""
+        w = ()
+        for j in tl.static_range(32):
+            if (j // H) % 2 == 0:
+                w = w + (xs[j] + xs[j + H],)
+            else:
+                w = w + (xs[j - H] - xs[j],)
+        return w
+
+    @triton.jit
+    def _join_tree(v, N: tl.constexpr, BR: tl.constexpr):
+        """Tuple of N (16 or 32) [4, BR] tensors -> one [4, BR, N] tensor, in tuple order. Each level
+        pairs entries half the remaining count apart, so the new axes come out in index order and the
+        final reshape moves no data (every value stays in its thread's registers)."""
+        if N == 32:
+            v = _join_level(v, 16)
+        v = _join_level(v, 8)
+        v = _join_level(v, 4)
+        v = _join_level(v, 2)
+        v = _join_level(v, 1)
+        return tl.reshape(v[0], [4, BR, N])
+
+    @triton.jit
+    def _mxfp4_cols_kernel(
+        x_ptr, signs_ptr, car_ptr, gs_ptr, fp4_ptr, sc_ptr, cnt_ptr,
+        R, K, Rc,
+        sx_r, sx_k, si_r, si_k, Kc, Kq, gs_sr, gs_sk,
+        key, inv_sqrt, prescale,
+        BR: tl.constexpr, ROT: tl.constexpr, HAS_SIGNS: tl.constexpr, RULE: tl.constexpr,
+        SR: tl.constexpr, PRESCALE: tl.constexpr, GROUP_ROWS: tl.constexpr,
+        WRITE_CARRIER: tl.constexpr, WRITE_FP4: tl.constexpr, IDX64: tl.constexpr, USE_ASM: tl.constexpr,
+    ):
+        """Same contract as ``_mxfp4_kernel`` for ROT in (0, 2, 4, 8, 16, 32), made for inputs whose
+        output rows are the contiguous axis (quantizing along columns: a [tokens, features] activation
+        or gradient along tokens, for Wgrad). The 128-long reduction range is loaded as 32 tensors
+        x[j] of shape [4, BR] (x[j][b, r] = element 32 b + j of the range, row r): every load is
+        coalesced along the rows, and the block maxima and every rotation stage are element-wise
+        between the 32 tensors. Only the 1-byte results change layout: joined into [4, BR, 32], each
+        thread stores whole 32-byte carrier blocks (16-byte FP4 blocks) of the transposed output."""
+        pid_r = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        if IDX64:
+            rows = pid_r.to(tl.int64) * BR + tl.arange(0, BR).to(tl.int64)
+            kbase = pid_k.to(tl.int64) * 128
+        else:
+            rows = pid_r * BR + tl.arange(0, BR)
+            kbase = pid_k * 128
+        r2 = rows[None, :]                                  # [1, BR]
+        kb = kbase + tl.arange(0, 4)[:, None] * 32          # [4, 1] first column of each MX block
+        rm = r2 < R
+        xp = x_ptr + r2 * sx_r
+        xs = ()
+        for j in tl.static_range(32):
+            xs = xs + (tl.load(xp + (kb + j) * sx_k, mask=rm & (kb + j < K), other=0.0).to(tl.float32),)
+
+        if ROT > 0:
+            if HAS_SIGNS:
+                w = ()
+                for j in tl.static_range(32):
+                    w = w + (xs[j] * tl.load(signs_ptr + j % ROT),)
+                xs = w
+            if ROT > 1:
+                xs = _bfly_tuple(xs, 1)
+            if ROT > 2:
+                xs = _bfly_tuple(xs, 2)
+            if ROT > 4:
+                xs = _bfly_tuple(xs, 4)
+            if ROT > 8:
+                xs = _bfly_tuple(xs, 8)
+            if ROT > 16:
+                xs = _bfly_tuple(xs, 16)
+            w = ()
+            for j in tl.static_range(32):
+                v = xs[j] * inv_sqrt
+                if HAS_SIGNS:  # signs turn padding zeros into -0: +0 past whole rotation blocks and rows
+                    v = tl.where(rm & (kb + j < ((K + ROT - 1) // ROT) * ROT), v, 0.0)
+                w = w + (v,)
+            xs = w
+
+        # ---- block scales: |x| maximum per MX block by bit pattern (ordered as the values; NaN above all)
+        abits = tl.abs(xs[0]).to(tl.int32, bitcast=True)
+        for j in tl.static_range(1, 32):
+            abits = tl.maximum(abits, tl.abs(xs[j]).to(tl.int32, bitcast=True))
+        ok = abits < 0x7F800000                                           # not NaN / Inf
+        abits = tl.where(ok, abits, 0)
+        s, nz = _block_scale(abits, RULE)                                 # [4, BR]
+        code_sc = tl.where(ok, s + 127, 255)
+        sc = _pow2n(-s)
+
+        if WRITE_CARRIER:
+            live = ok & nz
+            s_live = tl.where(live, s, -127)
+            if GROUP_ROWS == 1:
+                G = tl.maximum(tl.max(s_live, axis=0), -120)              # [BR]
+                G2 = G[None, :]
+            else:
+                G = tl.maximum(tl.max(tl.max(s_live, axis=0), axis=0), -120)
+                G2 = G
+            kexp = s - G2 + 6
+            inexact = live & (kexp < -8)
+            fc = tl.where(ok, _pow2n(tl.maximum(kexp, -126)), float("nan"))
+        else:
+            fc = sc
+
+        bs = ()
+        qs = ()
+        for j in tl.static_range(32):
+            if SR:
+                idx = r2.to(tl.int64) * si_r + (kb + j).to(tl.int64) * si_k
+            else:
+                idx = 0
+            b, q = _piece(xs[j], sc, fc, ok, SR, idx, key, PRESCALE, prescale, WRITE_CARRIER, WRITE_FP4,
+                          USE_ASM)
+            bs = bs + (b,)
+            qs = qs + (q,)
+
+        r3 = rows[None, :, None]
+        kb3 = kb[:, :, None]
+        if WRITE_FP4:
+            pk = ()
+            for i in tl.static_range(16):
+                pk = pk + ((qs[2 * i] | (qs[2 * i + 1] << 4)).to(tl.uint8),)
+            jb = kb3 // 2 + tl.arange(0, 16)[None, None, :]
+            tl.store(fp4_ptr + r3 * (Kq // 2) + jb, _join_tree(pk, 16, BR), mask=(r3 < R) & (jb * 2 < Kq))
+            bi = kb // 32
+            tl.store(sc_ptr + r2 * (Kq // 32) + bi, code_sc.to(tl.uint8), mask=rm & (kb < Kq))
+
+        if WRITE_CARRIER:
+            cb = kb3 + tl.arange(0, 32)[None, None, :]
+            tl.store(car_ptr + r3 * Kc + cb, _join_tree(bs, 32, BR), mask=r3 < Rc)
+            gval = _pow2(G - 6)
+            if GROUP_ROWS == 1:
+                tl.store(gs_ptr + rows * gs_sr + pid_k * gs_sk, gval, mask=rows < Rc)
+            else:
+                tl.store(gs_ptr + pid_r * gs_sr + pid_k * gs_sk, gval)
+            bad = inexact & rm
+            tl.atomic_add(cnt_ptr + tl.zeros_like(s), 1, mask=bad)   # rare: usually no lane is active
+
+
 @dataclass
 class QuantOut:
     """Outputs of one fused quantize call over a 2-D view (rows R = outer axis, K = reduction).
@@ -556,8 +708,12 @@ def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.
     Kc = _ceil(max(K, 1), k_multiple)  # fp8_carrier uses 512: cuBLAS wants K/128 % 4 == 0
     if group_rows == 128:
         row_multiple = 128
-    kern = kernel_for(axis, rot, fp4)
-    if kern == "blocks":
+    kern = kernel_for(axis, rot, fp4, rows_contiguous=sx_r == 1 and sx_k != 1)
+    if kern == "cols":
+        # 4 x BR values per load (each thread 4 of them: the inline e4m3 conversion packs 4)
+        BR = block_rows or (128 if group_rows == 128 else 64)
+        num_warps = num_warps or max(1, BR // 32)
+    elif kern == "blocks":
         # best on an H100 (BENCHMARKS.md): small tiles along rows, 64 rows along columns, 128 for 128x128 groups
         BR = block_rows or (128 if group_rows == 128 else (16 if axis == 1 else 64))
         # 8 rows x 4 MX blocks per warp (32 values a thread); 128x128 groups: 8 warps (64 values a thread)
@@ -608,7 +764,11 @@ def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.
         consts = dict(BR=BR, ROT=rot, HAS_SIGNS=signs is not None, RULE=RULE_ID[scale_rule],
                       SR=rounding == "stochastic", PRESCALE=prescale != 1.0, GROUP_ROWS=group_rows,
                       WRITE_CARRIER=carrier, WRITE_FP4=fp4, IDX64=idx64)
-        if kern == "blocks":
+        if kern == "cols":
+            assert BR % (32 * num_warps) == 0, "cols kernel: block_rows must be a multiple of 32 x num_warps"
+            _mxfp4_cols_kernel[grid](*args, **consts, USE_ASM=dev.type == "cuda", num_warps=num_warps,
+                                     enable_fp_fusion=False)
+        elif kern == "blocks":
             _mxfp4_blk_kernel[grid](*args, **consts, USE_ASM=dev.type == "cuda", JOIN_STORE=JOIN_STORE,
                                     num_warps=num_warps, enable_fp_fusion=False)
         else:
@@ -637,7 +797,8 @@ def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.
 
 _VERIFIED: dict = {}
 # Which kernel quantizes: "blocks" (each thread holds whole MX blocks; rotations up to 32 wide) or
-# "tile" (any rotation); "auto" picks "blocks" where it applies. MXTRAIN_QKERNEL overrides.
+# "tile" (any rotation) or "cols" (along columns of a row-major input); "auto" picks by layout
+# (``kernel_for``). MXTRAIN_QKERNEL overrides.
 KERNEL = os.environ.get("MXTRAIN_QKERNEL", "auto")
 # blocks kernel: join the four pieces into one 32-byte carrier store (16 bytes of FP4 codes) per thread and
 # block (1.2-2x faster on an H100 than 8-byte stores straight from the pieces, BENCHMARKS.md); "0" for those
@@ -645,11 +806,17 @@ JOIN_STORE = os.environ.get("MXTRAIN_QJOIN", "1") == "1"
 BLOCK_ROTS = (0, 2, 4, 8, 16, 32)
 
 
-def kernel_for(axis: int, rot: int, fp4: bool = False) -> str:
-    """The kernel that quantizes along ``axis`` with a ``rot``-wide rotation. ``auto``: "blocks" for
-    carrier-only outputs (the Hopper training path), "tile" where packed FP4 codes are written (the
-    blocks kernel's FP4 stores measured slower, BENCHMARKS.md)."""
-    if KERNEL == "tile" or rot not in BLOCK_ROTS or (KERNEL == "auto" and fp4):
+def kernel_for(axis: int, rot: int, fp4: bool = False, rows_contiguous: bool = False) -> str:
+    """The kernel that quantizes along ``axis`` with a ``rot``-wide rotation. ``auto``: "cols" where
+    the output rows are the input's contiguous axis (along columns of a row-major tensor: the Wgrad
+    operands), else "blocks" for carrier-only outputs (the Hopper training path) and "tile" where packed
+    FP4 codes are written (the blocks kernel's FP4 stores measured slower, BENCHMARKS.md). Rotations
+    wider than 32 always run "tile"; "cols" forced where it does not apply runs "blocks"."""
+    if KERNEL == "tile" or rot not in BLOCK_ROTS:
+        return "tile"
+    if rows_contiguous and KERNEL in ("auto", "cols"):
+        return "cols"
+    if KERNEL == "auto" and fp4:
         return "tile"
     return "blocks"
 
@@ -714,12 +881,16 @@ def _config_ok(x: torch.Tensor, axis: int, rot: int, has_signs: bool, scale_rule
     scales with ones built by torch ops from the reference quantizer's output (``mxtrain.quant``).
     """
     r16, k16 = R % 16 == 0, K % 16 == 0
+    rc = False
+    if x.ndim == 2:
+        sx_r, sx_k = (x.stride(0), x.stride(1)) if axis == 1 else (x.stride(1), x.stride(0))
+        rc = sx_r == 1 and sx_k != 1
     vkey = (x.device.index, x.dtype, axis, rot, has_signs, scale_rule, sr, prescale != 1.0, group_rows, BR, nw,
-            k_multiple, fp4, r16, k16, kernel_for(axis, rot, fp4), JOIN_STORE)
+            k_multiple, fp4, r16, k16, kernel_for(axis, rot, fp4, rc), JOIN_STORE)
     ok = _VERIFIED.get(vkey)
     if ok is None:
         ok = selfcheck(x.device, x.dtype, axis, rot, has_signs, scale_rule, sr, prescale, group_rows, BR, nw,
-                       k_multiple, fp4, r16, k16)["ok"]
+                       k_multiple, fp4, r16, k16, rows_contiguous=rc)["ok"]
         _VERIFIED[vkey] = ok
         if not ok:
             import warnings
@@ -730,17 +901,25 @@ def _config_ok(x: torch.Tensor, axis: int, rot: int, has_signs: bool, scale_rule
 
 def selfcheck(device, dtype, axis: int, rot: int, has_signs: bool, scale_rule: str, sr: bool, prescale: float,
               group_rows: int, BR: int, nw: int, k_multiple: int, fp4: bool, r16: bool = True, k16: bool = True,
-              samples: int = 0) -> dict:
+              samples: int = 0, rows_contiguous: bool | None = None) -> dict:
     """Run one fused-kernel variant on a fixed random tensor and compare every output with the one
     built by torch ops from the reference quantizer. Returns ``ok`` and, per output, the number of
-    mismatching entries (``samples`` > 0 adds the first mismatching carrier entries, for diagnosis)."""
+    mismatching entries (``samples`` > 0 adds the first mismatching carrier entries, for diagnosis).
+    ``rows_contiguous``: lay the tensor out with the output rows contiguous (default: row-major, which
+    makes them contiguous along columns only), as the variant being checked reads it."""
     g = torch.Generator(device="cpu").manual_seed(1234)
     if torch.device(device).type == "cpu":   # the interpreter (tests): fewer programs, the same edge cases
         Rt, Kt = (128 if r16 else 129), (304 if k16 else 305)
     else:
         Rt, Kt = (256 if r16 else 257), (1088 if k16 else 1089)
-    shape = (Rt, Kt) if axis == 1 else (Kt, Rt)
+    if rows_contiguous is None:
+        rows_contiguous = axis == 0
+    # row-major unless the output rows must be the other axis' contiguous one: then a transposed view
+    transposed = rows_contiguous != (axis == 0)
+    shape = (Rt, Kt) if (axis == 1) != transposed else (Kt, Rt)
     t = (torch.randn(shape, generator=g) * torch.exp(torch.randn(shape, generator=g))).to(device, dtype)
+    if transposed:
+        t = t.t()
     signs = None
     if has_signs:
         signs = (1.0 - 2.0 * torch.randint(0, 2, (rot,), generator=g).float()).to(device)
