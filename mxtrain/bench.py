@@ -91,22 +91,24 @@ def bench_quantize(args) -> dict:
             out_bytes += n // 2 + n // 32
         moved = 2 * n + out_bytes
         copy_bw = 4 * n / (t_copy * 1e-3)
-        # every kernel that can run this case, each at its best (block rows, warps); the default first
-        kernels = [("blocks", True), ("blocks", False), ("tile", False)] \
-            if kw.get("rot", 0) in kq.BLOCK_ROTS else [("tile", False)]
-        if kw.get("rot", 0) in kq.BLOCK_ROTS and axis == 0:   # a row-major input along columns
-            kernels = [("cols", False)] + kernels
+        # every kernel that can run this case, each at its best of a few configurations; the default first
+        if kw.get("rot", 0) not in kq.BLOCK_ROTS:
+            kernels = [("tile", False)]
+        elif axis == 0:   # a row-major input along columns
+            kernels = [("cols", False), ("blocks", True)]
+        else:
+            kernels = [("blocks", True), ("blocks", False), ("tile", False)]
         saved = (kq.KERNEL, kq.JOIN_STORE)
         for kern, join in kernels:
             kq.KERNEL, kq.JOIN_STORE = kern, join
-            if kern == "cols":   # block rows a multiple of 32 x warps
-                cfgs = ((32, 1), (64, 1), (64, 2), (128, 2), (128, 4)) if kw.get("group_rows", 1) == 1 \
-                    else ((128, 1), (128, 2), (128, 4))
+            # (block rows, warps): the fastest ones of earlier sweeps on the H100 (BENCHMARKS.md); compiling
+            # more takes minutes
+            if kern == "cols":   # 2 or 4 values of each [4, BR] tensor a thread
+                cfgs = ((64, 4), (32, 2), (16, 1)) if kw.get("group_rows", 1) == 1 else ((128, 8), (128, 4))
             elif kern == "tile":
-                cfgs = ((32, 4), (64, 4), (64, 8), (128, 8)) if kw.get("group_rows", 1) == 1 else ((128, 8), (128, 16))
+                cfgs = ((32, 4), (64, 8)) if kw.get("group_rows", 1) == 1 else ((128, 8),)
             else:
-                cfgs = ((16, 2), (32, 4), (64, 4), (64, 8), (128, 16)) if kw.get("group_rows", 1) == 1 \
-                    else ((128, 8), (128, 16))
+                cfgs = ((16, 2), (32, 4), (64, 4)) if kw.get("group_rows", 1) == 1 else ((128, 8),)
             best = None
             for br, nw in cfgs:
                 try:

@@ -80,10 +80,15 @@ if triton is not None:
 
     @triton.jit
     def _uniform(idx, key):
-        """Uniform [0, 1) float32 from the 64-bit element index and the stream key (``mxtrain.rng``)."""
-        lo = (idx & 0xFFFFFFFF).to(tl.uint32)
-        hi = (idx >> 32).to(tl.uint32)
-        h = _mix32(lo ^ key.to(tl.uint32, bitcast=True) ^ _mix32(hi))
+        """Uniform [0, 1) float32 from the element index and the stream key (``mxtrain.rng``). An int32
+        ``idx`` (callers use one only where every index is below 2**31) skips the high word's hash,
+        which is 0 there."""
+        if idx.dtype == tl.int64:
+            lo = (idx & 0xFFFFFFFF).to(tl.uint32)
+            hi = (idx >> 32).to(tl.uint32)
+            h = _mix32(lo ^ key.to(tl.uint32, bitcast=True) ^ _mix32(hi))
+        else:
+            h = _mix32(idx.to(tl.uint32, bitcast=True) ^ key.to(tl.uint32, bitcast=True))
         return (h >> 8).to(tl.float32) * 5.9604644775390625e-08
 
     @triton.jit
@@ -259,11 +264,15 @@ if triton is not None:
         return tl.reshape(v, [BR, 4, 8])
 
     @triton.jit
-    def _e4m3_bits(c, USE_ASM: tl.constexpr):
+    def _e4m3_bits(c, USE_ASM: tl.constexpr, PACK: tl.constexpr = 4):
         """e4m3 byte of float32 ``c``; NaN -> 0x7F. The hardware path rounds half to even and saturates
         everywhere; the bit-arithmetic path (interpreter) is exact where ``c`` is an e4m3 normal value
         (the carrier's case: an E2M1 value times a power of two) and rounds half to even below 2**-6."""
-        if USE_ASM:
+        if USE_ASM and PACK == 2:   # for layouts with 2 values a thread
+            return tl.inline_asm_elementwise(
+                asm="cvt.rn.satfinite.e4m3x2.f32 $0, $2, $1;",
+                constraints="=h,r,r", args=[c], dtype=tl.uint8, is_pure=True, pack=2)
+        elif USE_ASM:
             # the hardware conversion, two values per instruction; the first value goes to the low byte
             return tl.inline_asm_elementwise(
                 asm="{ .reg .b16 lo, hi;\n"
@@ -306,14 +315,14 @@ if triton is not None:
 
     @triton.jit
     def _piece(x_j, sc, fc, ok3, SR: tl.constexpr, idx, key, PRESCALE: tl.constexpr, prescale,
-               WRITE_CARRIER: tl.constexpr, WRITE_FP4: tl.constexpr, USE_ASM: tl.constexpr):
+               WRITE_CARRIER: tl.constexpr, WRITE_FP4: tl.constexpr, USE_ASM: tl.constexpr, PACK: tl.constexpr = 4):
         if PRESCALE:
             x_j = x_j * prescale
         v = x_j * sc
         q = _fp4_round(v, SR, idx, key)
         if WRITE_CARRIER:
             qs = (q.to(tl.int32, bitcast=True) | (v.to(tl.int32, bitcast=True) & -2147483648)).to(tl.float32, bitcast=True)
-            byte = _e4m3_bits(qs * fc, USE_ASM)
+            byte = _e4m3_bits(qs * fc, USE_ASM, PACK)
         else:
             byte = tl.zeros(v.shape, tl.uint8)
         if WRITE_FP4:
@@ -436,11 +445,18 @@ if triton is not None:
             fc = sc
 
         if SR:
-            ri = r3.to(tl.int64) * si_r
-            i0 = ri + c0.to(tl.int64) * si_k
-            i1 = ri + c1.to(tl.int64) * si_k
-            i2 = ri + c2.to(tl.int64) * si_k
-            i3 = ri + c3.to(tl.int64) * si_k
+            if IDX64:
+                ri = r3.to(tl.int64) * si_r
+                i0 = ri + c0.to(tl.int64) * si_k
+                i1 = ri + c1.to(tl.int64) * si_k
+                i2 = ri + c2.to(tl.int64) * si_k
+                i3 = ri + c3.to(tl.int64) * si_k
+            else:   # every index below 2**31 (IDX64 counts the index strides too)
+                ri = r3 * si_r
+                i0 = ri + c0 * si_k
+                i1 = ri + c1 * si_k
+                i2 = ri + c2 * si_k
+                i3 = ri + c3 * si_k
         else:
             i0 = 0
             i1 = 0
@@ -536,6 +552,7 @@ if triton is not None:
         BR: tl.constexpr, ROT: tl.constexpr, HAS_SIGNS: tl.constexpr, RULE: tl.constexpr,
         SR: tl.constexpr, PRESCALE: tl.constexpr, GROUP_ROWS: tl.constexpr,
         WRITE_CARRIER: tl.constexpr, WRITE_FP4: tl.constexpr, IDX64: tl.constexpr, USE_ASM: tl.constexpr,
+        PACK: tl.constexpr,
     ):
         """Same contract as ``_mxfp4_kernel`` for ROT in (0, 2, 4, 8, 16, 32), made for inputs whose
         output rows are the contiguous axis (quantizing along columns: a [tokens, features] activation
@@ -613,11 +630,14 @@ if triton is not None:
         qs = ()
         for j in tl.static_range(32):
             if SR:
-                idx = r2.to(tl.int64) * si_r + (kb + j).to(tl.int64) * si_k
+                if IDX64:
+                    idx = r2.to(tl.int64) * si_r + (kb + j).to(tl.int64) * si_k
+                else:
+                    idx = r2 * si_r + (kb + j) * si_k
             else:
                 idx = 0
             b, q = _piece(xs[j], sc, fc, ok, SR, idx, key, PRESCALE, prescale, WRITE_CARRIER, WRITE_FP4,
-                          USE_ASM)
+                          USE_ASM, PACK)
             bs = bs + (b,)
             qs = qs + (q,)
 
@@ -710,9 +730,9 @@ def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.
         row_multiple = 128
     kern = kernel_for(axis, rot, fp4, rows_contiguous=sx_r == 1 and sx_k != 1)
     if kern == "cols":
-        # 4 x BR values per load (each thread 4 of them: the inline e4m3 conversion packs 4)
+        # 4 x BR values per load, 2 of them a thread (the best on an H100, BENCHMARKS.md)
         BR = block_rows or (128 if group_rows == 128 else 64)
-        num_warps = num_warps or max(1, BR // 32)
+        num_warps = num_warps or max(1, BR // 16)
     elif kern == "blocks":
         # best on an H100 (BENCHMARKS.md): small tiles along rows, 64 rows along columns, 128 for 128x128 groups
         BR = block_rows or (128 if group_rows == 128 else (16 if axis == 1 else 64))
@@ -765,9 +785,10 @@ def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.
                       SR=rounding == "stochastic", PRESCALE=prescale != 1.0, GROUP_ROWS=group_rows,
                       WRITE_CARRIER=carrier, WRITE_FP4=fp4, IDX64=idx64)
         if kern == "cols":
-            assert BR % (32 * num_warps) == 0, "cols kernel: block_rows must be a multiple of 32 x num_warps"
-            _mxfp4_cols_kernel[grid](*args, **consts, USE_ASM=dev.type == "cuda", num_warps=num_warps,
-                                     enable_fp_fusion=False)
+            per_thread = 4 * BR // (32 * num_warps)   # values of each [4, BR] tensor a thread holds
+            assert per_thread in (2, 4, 8, 16), "cols kernel: 4 x block_rows must be 64, 128, ... x 32 x num_warps"
+            _mxfp4_cols_kernel[grid](*args, **consts, USE_ASM=dev.type == "cuda", PACK=2 if per_thread == 2 else 4,
+                                     num_warps=num_warps, enable_fp_fusion=False)
         elif kern == "blocks":
             _mxfp4_blk_kernel[grid](*args, **consts, USE_ASM=dev.type == "cuda", JOIN_STORE=JOIN_STORE,
                                     num_warps=num_warps, enable_fp_fusion=False)
