@@ -352,23 +352,78 @@ def bench_step(args) -> dict:
             h.float().square().mean().backward()
         return f
 
-    for kind in ["bf16", "fp8_rowwise"] + STEP_PRESETS:
-        try:
-            blocks = make(kind)
-            t = _bench(fwd_bwd(blocks), warmup=50, rep=300)
-            res["runs"][kind] = {"ms": t}
-            del blocks
-        except Exception as e:  # noqa: BLE001
-            res["runs"][kind] = {"error": repr(e)[:300]}
-        torch.cuda.empty_cache()
-    bf = res["runs"]["bf16"]["ms"]
-    for k, v in res["runs"].items():
-        if "ms" in v:
-            v["speedup_vs_bf16"] = bf / v["ms"]
-            v["tokens_per_s"] = B * T / (v["ms"] * 1e-3)
+    from . import model as _model
+    glues = args.glue.split(",")
+    for glue in glues:
+        _model.GLUE = glue
+        for kind in ["bf16", "fp8_rowwise"] + STEP_PRESETS:
+            name = kind if glue == glues[0] else f"{kind}@{glue}"
+            try:
+                blocks = make(kind)
+                f = fwd_bwd(blocks)
+                t = _bench(f, warmup=50, rep=300)
+                res["runs"][name] = {"ms": t, "glue": glue, "recipe": kind}
+                if args.profile and kind in ("bf16", "mxfp4-all-dh16"):
+                    res["runs"][name]["profile_ms"] = _profile(f)
+                del blocks, f
+            except Exception as e:  # noqa: BLE001
+                res["runs"][name] = {"error": repr(e)[:300], "glue": glue, "recipe": kind}
+            torch.cuda.empty_cache()
+    _model.GLUE = "auto"
+    for glue in glues:
+        sfx = "" if glue == glues[0] else f"@{glue}"
+        bf = res["runs"].get("bf16" + sfx, {}).get("ms")
+        for k, v in res["runs"].items():
+            if "ms" in v and v["glue"] == glue and bf:
+                v["speedup_vs_bf16"] = bf / v["ms"]
+                v["tokens_per_s"] = B * T / (v["ms"] * 1e-3)
     print("step " + "; ".join(f"{k} {v.get('ms', float('nan')):.1f} ms ({v.get('speedup_vs_bf16', 0):.2f}x)"
                               for k, v in res["runs"].items()), flush=True)
+    for k, v in res["runs"].items():
+        if "profile_ms" in v:
+            print(f"profile {k} (ms per step): " + ", ".join(f"{c} {t:.2f}" for c, t in v["profile_ms"].items()),
+                  flush=True)
     return {"step": res}
+
+
+def _kernel_class(name: str) -> str:
+    n = name.lower()
+    if "_mxfp4" in n or "quantize" in n:
+        return "quantize"
+    if any(t in n for t in ("flash", "fmha", "attention", "attn")):
+        return "attention"
+    if any(t in n for t in ("gemm", "xmma", "cutlass", "nvjet", "sm90_", "scaled_mm", "matmul", "cublas")):
+        return "gemm"
+    if n.startswith("triton_"):
+        return "glue (compiled)"
+    return "glue (eager) / other"
+
+
+def _profile(f, steps: int = 3) -> dict:
+    """GPU kernel time of one step by class (quantize, gemm, attention, glue), from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+    f()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            f()
+        torch.cuda.synchronize()
+    out: dict = {}
+    top = []
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None)
+        if t is None:
+            t = getattr(e, "self_cuda_time_total", 0)
+        if t <= 0:
+            continue
+        c = _kernel_class(e.key)
+        out[c] = out.get(c, 0.0) + t / 1e3 / steps
+        top.append((t / 1e3 / steps, e.key[:90]))
+    out = dict(sorted(out.items(), key=lambda kv: -kv[1]))
+    out["total"] = sum(out.values())
+    for t, k in sorted(top, reverse=True)[:12]:
+        print(f"  {t:7.3f} ms  {k}", flush=True)
+    return out
 
 
 # --------------------------------------------------------------------------------------------- CLI
@@ -407,6 +462,11 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=2, help="step: number of Llama-8B-shaped blocks")
     p.add_argument("--batch", type=int, default=2, help="step: batch size")
     p.add_argument("--seq", type=int, default=4096, help="step: sequence length")
+    p.add_argument("--glue", default="auto,eager",
+                   help="step: elementwise layers (RMSNorm, RoPE, SwiGLU) compiled ('auto' on CUDA) and/or 'eager'; "
+                        "comma-separated, each measured for every recipe")
+    p.add_argument("--profile", action="store_true",
+                   help="step: also print GPU time by kernel class (torch.profiler) for bf16 and mxfp4-all-dh16")
 
 
 def register(subparsers) -> None:

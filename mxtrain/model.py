@@ -13,6 +13,8 @@ minutes) to ``llama3-8b`` (the exact Llama 3.1-8B shapes). Build large models on
 from __future__ import annotations
 
 import math
+import os
+import warnings
 from dataclasses import asdict, dataclass, fields, replace
 
 import torch
@@ -119,6 +121,65 @@ def config_fields() -> list[str]:
     return [f.name for f in fields(ModelConfig)]
 
 
+# ------------------------------------------------------------------------------------------- glue
+# The elementwise work between the linear layers (RMSNorm, RoPE, SwiGLU) is written once, in plain
+# PyTorch, and on CUDA runs through torch.compile, which fuses each function (and its backward) into
+# one or two Triton kernels instead of the ~10 separate passes eager PyTorch makes over the tensor.
+# Same formulas either way (float32 math, one rounding to the input dtype); only the rounding of
+# float32 intermediate steps may differ. MXTRAIN_GLUE=eager (or model.GLUE = "eager") turns it off;
+# "compiled" compiles on every device; "auto" (default) compiles on CUDA only.
+GLUE = os.environ.get("MXTRAIN_GLUE", "auto").strip().lower()
+_GLUE_MODES = ("auto", "compiled", "eager")
+_COMPILED: dict = {}
+_GLUE_FAILED: list = []
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # normalize in float32 (bf16 autocast would lose precision in the mean of squares)
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * weight.float()).type_as(x)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    d = x.shape[-1] // 2
+    x1, x2 = x[..., :d].float(), x[..., d:].float()
+    c, s = cos[None, None], sin[None, None]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).type_as(x)
+
+
+def _swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return F.silu(a) * b
+
+
+def _glue(fn, x: torch.Tensor):
+    """``fn`` itself or its torch.compile'd twin, per ``GLUE`` and the device of ``x``."""
+    mode = GLUE if GLUE in _GLUE_MODES else "auto"
+    if (mode == "eager" or (mode == "auto" and x.device.type != "cuda") or _GLUE_FAILED
+            or torch.compiler.is_compiling()):
+        return fn
+    c = _COMPILED.get(fn)
+    if c is None:
+        c = _COMPILED[fn] = torch.compile(fn, dynamic=False)
+    return c
+
+
+def _run_glue(fn, *args):
+    f = _glue(fn, args[0])
+    if f is fn:
+        return fn(*args)
+    try:
+        return f(*args)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a missing compiler must not stop training
+        _GLUE_FAILED.append(repr(e))
+        warnings.warn(f"mxtrain: torch.compile of the elementwise layers failed ({type(e).__name__}: "
+                      f"{str(e)[:200]}); running them eagerly (set MXTRAIN_GLUE=eager to skip the attempt)",
+                      RuntimeWarning, stacklevel=2)
+        return fn(*args)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, device=None):
         super().__init__()
@@ -126,10 +187,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # normalize in float32 (bf16 autocast would lose precision in the mean of squares)
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).type_as(x)
+        return _run_glue(_rms_norm, x, self.weight, self.eps)
 
 
 def rope_tables(head_dim: int, seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,10 +200,7 @@ def rope_tables(head_dim: int, seq_len: int, theta: float, device=None) -> tuple
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: (B, H, T, D); rotate pairs (x[..., :D/2], x[..., D/2:]) (the HF/Llama "rotate_half" layout)."""
-    d = x.shape[-1] // 2
-    x1, x2 = x[..., :d].float(), x[..., d:].float()
-    c, s = cos[None, None], sin[None, None]
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).type_as(x)
+    return _run_glue(_rope, x, cos, sin)
 
 
 class Attention(nn.Module):
@@ -164,11 +219,15 @@ class Attention(nn.Module):
         k = self.wk(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)     # (B, G, T, D)
         v = self.wv(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.n_kv != self.n_heads:  # GQA: share each K/V head among n_heads / n_kv query heads
-            rep = self.n_heads // self.n_kv
-            k = k.repeat_interleave(rep, dim=1)
-            v = v.repeat_interleave(rep, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)             # (B, H, T, D)
+        if self.n_kv != self.n_heads and q.device.type == "cuda":
+            # GQA inside the attention kernel: each K/V head serves n_heads / n_kv query heads
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            if self.n_kv != self.n_heads:  # the same sharing as explicit copies (CPU kernels)
+                rep = self.n_heads // self.n_kv
+                k = k.repeat_interleave(rep, dim=1)
+                v = v.repeat_interleave(rep, dim=1)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)         # (B, H, T, D)
         return self.wo(y.transpose(1, 2).reshape(B, T, C))
 
 
@@ -182,7 +241,7 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(cfg.hidden_dim, cfg.dim, bias=False, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(_run_glue(_swiglu, self.w1(x), self.w3(x)))
 
 
 class Block(nn.Module):

@@ -91,3 +91,56 @@ def test_tiny_overfits_a_batch(recipe, steps):
         opt.step()
     assert first > 4.5                  # ~ln(128) = 4.85 at init
     assert loss.item() < 0.5, loss.item()  # memorized 128 random tokens
+
+
+@pytest.fixture
+def glue_state():
+    """Restore mxtrain.model's glue mode and compile caches after a test changes them."""
+    from mxtrain import model
+    saved = model.GLUE, dict(model._COMPILED), list(model._GLUE_FAILED)
+    yield model
+    model.GLUE = saved[0]
+    model._COMPILED.clear()
+    model._COMPILED.update(saved[1])
+    model._GLUE_FAILED[:] = saved[2]
+
+
+def _block_grads(model, dev, glue, T=24):
+    model.GLUE = glue
+    cfg = ModelConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=64)
+    torch.manual_seed(1)
+    blk = model.Block(cfg).to(dev)
+    x = torch.randn(2, T, cfg.dim, device=dev, requires_grad=True)
+    cos, sin = rope_tables(cfg.head_dim, T, cfg.rope_theta, dev)
+    y = blk(x, cos, sin)
+    (y * torch.linspace(-1, 1, y.numel(), device=dev).view_as(y)).sum().backward()
+    return [y.detach().cpu(), x.grad.cpu()] + [p.grad.cpu() for p in blk.parameters()]
+
+
+@pytest.mark.parametrize("dev", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_compiled_glue_matches_eager(glue_state, dev):
+    """RMSNorm, RoPE and SwiGLU through torch.compile (and, on CUDA, GQA inside SDPA) give the eager
+    CPU block's output and every gradient, up to float32 rounding."""
+    ref = _block_grads(glue_state, "cpu", "eager")
+    got = _block_grads(glue_state, dev, "compiled")
+    assert not glue_state._GLUE_FAILED, glue_state._GLUE_FAILED
+    assert set(glue_state._COMPILED) == {glue_state._rms_norm, glue_state._rope, glue_state._swiglu}
+    for r, g in zip(ref, got):
+        assert torch.allclose(g, r, rtol=1e-4, atol=1e-5 * r.abs().max().item()), (g - r).abs().max()
+
+
+def test_glue_falls_back_to_eager_when_compile_fails(glue_state, monkeypatch):
+    def broken(fn, **kw):
+        def f(*a):
+            raise RuntimeError("no compiler here")
+        return f
+    monkeypatch.setattr(torch, "compile", broken)
+    glue_state._COMPILED.clear()
+    glue_state._GLUE_FAILED.clear()
+    glue_state.GLUE = "compiled"
+    norm = glue_state.RMSNorm(8, 1e-5)
+    x = torch.randn(3, 8)
+    with pytest.warns(RuntimeWarning, match="running them eagerly"):
+        y = norm(x)
+    assert torch.allclose(y, x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    assert glue_state._GLUE_FAILED and glue_state._glue(glue_state._rms_norm, x) is glue_state._rms_norm
