@@ -177,6 +177,20 @@ def bench_gemm(args) -> dict:
         ref = carrier_values(qa)[:256].double() @ carrier_values(qb)[:N].double().t()
         r["rel_err_vs_f64"] = ((y - ref).norm() / ref.norm()).item()
         r["inexact_blocks"] = int(qa.inexact.item() + qb.inexact.item())
+        # the packed-FP4 paths (FP4-native GPUs; emulated or decoded here): Triton tl.dot_scaled and
+        # dequantize + bf16 GEMM, each checked against float64 like the carrier
+        fa = quantize_mxfp4_2d(a, 1, carrier=False, fp4=True)
+        fb = quantize_mxfp4_2d(b, 1, carrier=False, fp4=True)
+        from .kernels.quantize import dequantize_fp4
+        ref4 = dequantize_fp4(fa)[:256].double() @ dequantize_fp4(fb).double().t()
+        for name in ("dot_scaled", "dequant"):
+            try:
+                r[f"mxfp4_{name}_ms"] = _bench(lambda: mx_gemm_nt(fa, fb, name, torch.bfloat16))
+                y4 = mx_gemm_nt(fa, fb, name, torch.bfloat16)[:256].double()
+                r[f"{name}_rel_err_vs_f64"] = ((y4 - ref4).norm() / ref4.norm()).item()
+            except Exception as e:  # noqa: BLE001
+                r[f"mxfp4_{name}_error"] = repr(e)[:200]
+        del fa, fb
         for k in list(r):
             if k.endswith("_ms") and not k.startswith("mxfp4_carrier_plus"):
                 r[k.replace("_ms", "_tflops")] = flops / (r[k] * 1e-3) / 1e12
@@ -185,7 +199,10 @@ def bench_gemm(args) -> dict:
             r["carrier_over_fp8_tensorwise"] = r["fp8_tensorwise_ms"] / r["mxfp4_carrier_ms"]
         print(f"gemm {M}x{N}x{K}: bf16 {r['bf16_tflops']:6.0f}  fp8 {r.get('fp8_tensorwise_tflops', 0):6.0f}  "
               f"fp8-row {r.get('fp8_rowwise_tflops', 0):6.0f}  mxfp4-carrier {r['mxfp4_carrier_tflops']:6.0f} "
-              f"TFLOP/s  ({r['carrier_over_bf16']:.2f}x bf16; err {r['rel_err_vs_f64']:.2e})", flush=True)
+              f"TFLOP/s  ({r['carrier_over_bf16']:.2f}x bf16; err {r['rel_err_vs_f64']:.2e}); "
+              f"packed FP4: dot_scaled {r.get('mxfp4_dot_scaled_tflops', 0):6.0f} (err "
+              f"{r.get('dot_scaled_rel_err_vs_f64', float('nan')):.2e}), dequant+bf16 "
+              f"{r.get('mxfp4_dequant_tflops', 0):6.0f} TFLOP/s", flush=True)
         res["shapes"].append(r)
         del a, b, a8, b8, qa, qb
     return {"gemm": res}

@@ -59,6 +59,30 @@ def test_fast_equals_reference_cpu(preset):
         assert _rel(g, r) < 1e-6
 
 
+@pytest.mark.parametrize("backend", ["dot_scaled", "native_mx", "dequant"])
+@pytest.mark.parametrize("preset", ["mxfp4-all-dh16", "tseng"])
+def test_packed_fp4_backends_equal_reference(backend, preset, monkeypatch):
+    """The GEMM paths of FP4-native GPUs (packed codes + E8M0 scales: the Triton dot_scaled kernel,
+    whose CPU twin decodes in registers; native_mx, which takes the first exact one of cuBLAS MX
+    ``_scaled_mm``, dot_scaled and dequantize on the device; dequantize + bf16/fp32 GEMM) multiply the reference's
+    operands: outputs and gradients equal the reference MXLinear's (fp32 rounding on CPU; on a GPU,
+    where Hopper emulates dot_scaled, within bf16 output rounding)."""
+    monkeypatch.setenv("MXTRAIN_GEMM_BACKEND", backend)
+    rec = recipes.get(preset)
+    M, K, N = (33, 72, 40) if DEV == "cpu" else (1024, 1024 + 64, 768)
+    dt = torch.float32 if DEV == "cpu" else torch.bfloat16
+    ref = _run(lambda *a: _MXLinearFunction.apply(*a), rec, M, K, N, dtype=dt)
+    got = _run(lambda *a: fast.apply(*a), rec, M, K, N, dtype=dt)
+    for r, g in zip(ref, got):
+        assert _rel(g, r) < (1e-5 if DEV == "cpu" else 1e-2)
+    if backend == "native_mx":
+        from mxtrain.kernels.gemm import native_plan
+        # CPU: dequantize; a Hopper GPU has no FP4 _scaled_mm, and emulates tl.dot_scaled exactly
+        want = {"cpu": "dequant"}.get(DEV, None)
+        plan = native_plan(DEV)
+        assert plan == want if want else plan in ("scaled_mm", "dot_scaled"), plan
+
+
 def test_weight_cache_reused_across_microbatches():
     rec = recipes.get("mxfp4-all-dh16")
     torch.manual_seed(0)

@@ -117,16 +117,24 @@ def _block_grads(model, dev, glue, T=24):
     return [y.detach().cpu(), x.grad.cpu()] + [p.grad.cpu() for p in blk.parameters()]
 
 
+def _max_rel(got, ref):
+    return [((g - r).abs().max() / r.abs().max().clamp_min(1e-30)).item() for g, r in zip(got, ref)]
+
+
 @pytest.mark.parametrize("dev", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_compiled_glue_matches_eager(glue_state, dev):
-    """RMSNorm, RoPE and SwiGLU through torch.compile (and, on CUDA, GQA inside SDPA) give the eager
-    CPU block's output and every gradient, up to float32 rounding."""
-    ref = _block_grads(glue_state, "cpu", "eager")
+    """RMSNorm, RoPE and SwiGLU through torch.compile give the eager block's output and every gradient
+    on the same device up to float32 rounding; on CUDA (GQA inside SDPA) the eager block also matches
+    the CPU one (explicit K/V copies)."""
+    ref = _block_grads(glue_state, dev, "eager")
     got = _block_grads(glue_state, dev, "compiled")
     assert not glue_state._GLUE_FAILED, glue_state._GLUE_FAILED
     assert set(glue_state._COMPILED) == {glue_state._rms_norm, glue_state._rope, glue_state._swiglu}
-    for r, g in zip(ref, got):
-        assert torch.allclose(g, r, rtol=1e-4, atol=1e-5 * r.abs().max().item()), (g - r).abs().max()
+    err = _max_rel(got, ref)
+    assert max(err) < 1e-5, err
+    if dev != "cpu":
+        err = _max_rel(ref, _block_grads(glue_state, "cpu", "eager"))
+        assert max(err) < 1e-3, err
 
 
 def test_glue_falls_back_to_eager_when_compile_fails(glue_state, monkeypatch):

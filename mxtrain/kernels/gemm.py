@@ -4,9 +4,15 @@ along K (their last axis) by ``mxtrain.kernels.quantize``.
 * ``fp8_carrier`` (sm_90): blockwise ``torch._scaled_mm`` on the e4m3 carrier with 1x128 (A) and
   128x128 or 1x128 (B) float32 group scales: the exact MXFP4 values, fp32 accumulation in the tensor
   cores, bf16 output.
-* ``native_mx`` (sm_100+): MX-scaled ``torch._scaled_mm`` on packed FP4 codes with E8M0 scales in
-  cuBLAS's blocked layout. UNTESTED (no such GPU here); any error falls back to ``dequant``.
-* ``dequant``: decode codes and scales to float32 and multiply (CPU, or any other device).
+* ``native_mx`` (sm_100+): packed FP4 codes with E8M0 scales through the first of these that a probe
+  on the device finds exact (``native_plan``): MX-scaled ``torch._scaled_mm`` (cuBLAS, scales in its
+  blocked layout), the Triton ``tl.dot_scaled`` kernel (``mxtrain.kernels.mxdot``), dequantize.
+  Never run on such a GPU here: the probe is the guard.
+* ``dot_scaled``: the Triton ``tl.dot_scaled`` kernel on packed codes and E8M0 scales, on any GPU
+  (Hopper emulates it: the test of the native path available here); on CPU its portable twin, which
+  decodes the codes to bf16 in registers (Triton interpreter). Selected with ``MXTRAIN_GEMM_BACKEND``.
+* ``dequant``: decode codes and scales and multiply: in bf16 with fp32 accumulation on GPUs (MX values
+  are exact in bf16), in float32 on CPU.
 
 All paths multiply the same MX values; only accumulation order and output rounding differ.
 """
@@ -17,7 +23,7 @@ import torch
 
 from .quantize import QuantOut, carrier_values, dequantize_fp4
 
-__all__ = ["mx_gemm_nt", "probe", "weight_group_rows", "activation_b_group_rows", "outputs_for"]
+__all__ = ["mx_gemm_nt", "probe", "native_plan", "weight_group_rows", "activation_b_group_rows", "outputs_for"]
 
 _PROBE: dict[str, dict] = {}
 
@@ -26,6 +32,59 @@ def k_multiple_for(backend: str) -> int:
     """Carrier reduction-length padding: cuBLAS's blockwise FP8 path wants K/128 % 4 == 0 (with
     K/128 = 9 it returned wrong results in both scale configurations; K multiple of 512 is exact)."""
     return 512 if backend == "fp8_carrier" else 128
+
+
+def native_plan(device) -> str:
+    """For ``native_mx``: "scaled_mm", "dot_scaled" or "dequant", the first that runs and is exact on
+    ``device`` (probed once on small random operands against float64)."""
+    device = torch.device(device)
+    key = "native:" + str(device)
+    if key not in _PROBE:
+        _PROBE[key] = _probe_native(device)
+    return _PROBE[key]["plan"]
+
+
+@torch.compiler.disable
+def _probe_native(device) -> dict:
+    from .quantize import quantize_mxfp4_2d
+    res: dict = {"plan": "dequant", "errors": {}}
+    if device.type != "cuda":
+        return res
+    g = torch.Generator(device=device).manual_seed(0)
+    qa = quantize_mxfp4_2d(torch.randn(256, 1088, device=device, generator=g), 1, carrier=False, fp4=True)
+    qb = quantize_mxfp4_2d(torch.randn(384, 1088, device=device, generator=g), 1, carrier=False, fp4=True)
+    ref = dequantize_fp4(qa).double() @ dequantize_fp4(qb).double().t()
+    for plan in ("scaled_mm", "dot_scaled"):
+        try:
+            out = _native_mx(qa, qb, torch.bfloat16) if plan == "scaled_mm" else _dot_scaled(qa, qb, torch.bfloat16)
+            err = ((out[:256, :384].double() - ref).norm() / ref.norm()).item()
+            res["errors"][plan] = err
+            if err < 4e-3:   # bf16 output rounding only
+                res["plan"] = plan
+                return res
+        except Exception as e:  # noqa: BLE001 - try the next
+            res["errors"][plan] = repr(e)[:300]
+    return res
+
+
+def _dot_scaled(a: QuantOut, b: QuantOut, out_dtype, divisor: float = 1.0) -> torch.Tensor:
+    from .mxdot import mx_dot_nt
+    return mx_dot_nt(a.packed, a.scales, b.packed, b.scales, out_dtype=out_dtype, divisor=divisor,
+                     native=a.packed.device.type == "cuda")
+
+
+def _dequant_mm(va: torch.Tensor, vb: torch.Tensor, divisor: float) -> torch.Tensor:
+    """``va @ vb^T / divisor`` of exact MX values, float32 out: bf16 tensor cores with fp32 accumulation
+    on GPUs (every MX value is exact in bf16), float32 matmul elsewhere."""
+    if va.is_cuda:
+        a16, b16 = va.to(torch.bfloat16), vb.to(torch.bfloat16)
+        try:
+            y = torch.mm(a16, b16.t(), out_dtype=torch.float32)
+        except (TypeError, RuntimeError, NotImplementedError):
+            y = torch.mm(a16, b16.t()).float()
+    else:
+        y = torch.matmul(va, vb.t())
+    return y / divisor if divisor != 1.0 else y
 
 
 def outputs_for(backend: str) -> tuple[bool, bool]:
@@ -119,7 +178,8 @@ def mx_gemm_nt(a: QuantOut, b: QuantOut, backend: str, out_dtype=torch.float32,
     """``(A B^T) / divisor`` of two MX operands, shape (a.R, b.R), in ``out_dtype``.
 
     ``fp8_carrier`` accumulates in fp32 and writes bf16 (the divisor is folded into A's group
-    scales, applied to the fp32 accumulator); ``dequant`` computes in fp32 and divides after.
+    scales, applied to the fp32 accumulator); the other paths accumulate in fp32 and divide the
+    float32 result before the one rounding to ``out_dtype``.
     """
     Ra, Rb = a.R, b.R
     if backend == "fp8_carrier":
@@ -131,20 +191,18 @@ def mx_gemm_nt(a: QuantOut, b: QuantOut, backend: str, out_dtype=torch.float32,
                 raise
             out = _scaled_mm(a, b, torch.bfloat16, 1.0 / divisor)
         return out[:Ra, :Rb].to(out_dtype)
-    if backend == "native_mx":
-        try:
-            out = _native_mx(a, b, torch.bfloat16)
-            out = out[:Ra, :Rb].float()
+    if backend == "native_mx" or backend == "dot_scaled":
+        plan = native_plan(a.packed.device) if backend == "native_mx" else "dot_scaled"
+        if plan == "scaled_mm":
+            out = _native_mx(a, b, torch.bfloat16)[:Ra, :Rb].float()
             return (out / divisor if divisor != 1.0 else out).to(out_dtype)
-        except Exception:  # noqa: BLE001 - untested path: fall back to the exact dequantized GEMM
-            pass
+        if plan == "dot_scaled":
+            odt = out_dtype if out_dtype in (torch.bfloat16, torch.float32) else torch.float32
+            return _dot_scaled(a, b, odt, divisor).to(out_dtype)
     if a.packed is not None:
         va, vb = dequantize_fp4(a), dequantize_fp4(b)
     else:
         va, vb = carrier_values(a), carrier_values(b)
         Kmin = min(va.shape[1], vb.shape[1])
         va, vb = va[:, :Kmin], vb[:, :Kmin]
-    y = torch.matmul(va[:Ra], vb[:Rb].t())
-    if divisor != 1.0:
-        y = y / divisor
-    return y.to(out_dtype)
+    return _dequant_mm(va[:Ra], vb[:Rb], divisor).to(out_dtype)
