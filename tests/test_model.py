@@ -110,7 +110,7 @@ def _block_grads(model, dev, glue, T=24):
     cfg = ModelConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=64)
     torch.manual_seed(1)
     blk = model.Block(cfg).to(dev)
-    x = torch.randn(2, T, cfg.dim, device=dev, requires_grad=True)
+    x = torch.randn(2, T, cfg.dim).to(dev).requires_grad_()   # same values on every device
     cos, sin = rope_tables(cfg.head_dim, T, cfg.rope_theta, dev)
     y = blk(x, cos, sin)
     (y * torch.linspace(-1, 1, y.numel(), device=dev).view_as(y)).sum().backward()
