@@ -7,6 +7,9 @@ variant (the FP4-native path; Hopper emulates it).
 """
 
 import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -150,3 +153,48 @@ def test_dot_scaled_matches_float64_gpu(out_dtype):
     cp = mx_dot_nt(pa, sa, pb, sb, out_dtype=out_dtype, native=False)
     _check(cn, pa, sa, pb, sb, out_dtype=out_dtype)
     _check(cp, pa, sa, pb, sb, out_dtype=out_dtype)
+
+
+_COMPILE = textwrap.dedent(r"""
+    import os, re
+    os.environ.pop("TRITON_INTERPRET", None)
+    import triton
+    import triton.language as tl
+    from triton.compiler import ASTSource
+    from triton.backends.compiler import GPUTarget
+    from mxtrain.kernels.mxdot import _mx_dot_kernel as k
+
+    def src(native):
+        sig = {n: "*u8" for n in ("a_ptr", "as_ptr", "b_ptr", "bs_ptr")}
+        sig["c_ptr"] = "*bf16"
+        for n in ("Ra", "Rb", "sa_r", "ssa_r", "sb_r", "ssb_r", "sc_r"):
+            sig[n] = "i32"
+        sig["inv_div"] = "fp32"
+        consts = dict(KB=2048, BM=128, BN=128, BK=128, NATIVE=native, FMT="e2m1", OUT_BF16=True,
+                      DOT_DT=tl.bfloat16)
+        sig.update({n: "constexpr" for n in consts})
+        attrs = {(k.arg_names.index(n),): [["tt.divisibility", 16]]
+                 for n in ("a_ptr", "as_ptr", "b_ptr", "bs_ptr", "c_ptr", "sa_r", "sb_r", "sc_r")}
+        return ASTSource(k, sig, constexprs=consts, attrs=attrs)
+
+    for tgt, native, key, pat in [
+            (GPUTarget("cuda", 100, 32), True, "ptx", r"tcgen05\.mma[\w.:]*kind::mxf4"),
+            (GPUTarget("hip", "gfx950", 64), True, "amdgcn", r"v_mfma_scale"),
+            (GPUTarget("cuda", 90, 32), False, "ptx", r"wgmma\.mma_async[\w.]*bf16")]:
+        c = triton.compile(src(native), target=tgt, options=dict(num_warps=8, num_stages=3))
+        assert re.search(pat, c.asm[key]), (tgt, native, pat)
+        print("ok", tgt.arch)
+""")
+
+
+@pytest.mark.skipif(DEV != "cpu", reason="the GPU tests run the kernel instead")
+def test_native_variant_compiles_to_fp4_matrix_instructions():
+    """No FP4 GPU here, so compile (not run) the kernel for them: the dot_scaled variant becomes the
+    block-scaled FP4 MMA on sm_100 (tcgen05.mma kind::mxf4) and on gfx950 (v_mfma_scale); the portable
+    variant becomes bf16 wgmma on sm_90."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                         env.get("PYTHONPATH", "")])
+    p = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.split() == ["ok", "100", "ok", "gfx950", "ok", "90"], p.stdout
