@@ -18,6 +18,9 @@ Dgrad along out-features, so those two are different operands and are not shared
 Activation reuse: layers that read the same input (a Llama block's q/k/v and gate/up projections)
 quantize its Fprop and Wgrad operands once (nearest rounding, same rotation and sign vector; see
 ``REUSE_ACTIVATIONS``). ``inexact_blocks()`` then counts such an operand once.
+
+CUDA graphs (``train.cuda_graphs``): while a graph is captured, both caches only return operands
+quantized within that capture, so every replay recomputes them from the current weights and inputs.
 """
 
 from __future__ import annotations
@@ -117,15 +120,19 @@ def _quant(qctx: _Ctx, t: torch.Tensor, axis: int, name: str, gemm: str, signs, 
     ck = None
     act = None
     if op.rounding == "nearest" and not torch.compiler.is_compiling():
+        # a CUDA graph being captured may only reuse operands quantized inside the same capture (an
+        # eagerly made one would be a constant of the graph, never recomputed on replay), and eager
+        # code only eager ones; the capture state is part of every key
+        capturing = t.is_cuda and torch.cuda.is_current_stream_capturing()
         if cache is not None:
-            ck = (name, t.data_ptr(), t._version, qctx.step, backend, group_rows)
+            ck = (name, t.data_ptr(), t._version, qctx.step, backend, group_rows, capturing)
             hit = cache.get(name)
             if hit is not None and hit[0] == ck:
                 return hit[1], op.prescale
         elif name in _ACT_OPERANDS and REUSE_ACTIVATIONS:
             # the same input quantized the same way by the layer before (q/k/v, gate/up projections)
             act = (name, t.device, t.dtype, t.data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()),
-                   t._version, axis, rsize, id(signs), op.scale_rule, op.prescale, backend, group_rows)
+                   t._version, axis, rsize, id(signs), op.scale_rule, op.prescale, backend, group_rows, capturing)
             hit = _ACT_CACHE.get(name)
             if hit is not None and hit[0] == act:
                 return hit[2], op.prescale

@@ -1,6 +1,7 @@
 """Profile one training step of the 125m model (GPU): bf16 vs mxfp4-all-dh16 on the fast path.
 Prints ms/step with a sync per step, CPU time to issue a step, and the top ops of torch.profiler.
-Usage: PYTHONPATH=. python3 scripts/profile_125m.py [recipe ...]"""
+Usage: PYTHONPATH=. python3 scripts/profile_125m.py [--graphs] [--quick] [recipe ...]
+--graphs: forward + backward replayed from a CUDA graph (as train.cuda_graphs does); --quick: timing only."""
 import sys
 import time
 
@@ -11,20 +12,31 @@ from mxtrain.nn import convert, set_step
 
 dev = "cuda"
 B, T = 16, 1024
-recipes = sys.argv[1:] or ["bf16", "mxfp4-all-dh16"]
+args = sys.argv[1:]
+graphs, quick = "--graphs" in args, "--quick" in args
+recipes = [a for a in args if not a.startswith("--")] or ["bf16", "mxfp4-all-dh16"]
 torch.manual_seed(0)
 idx = torch.randint(0, 16384, (B, T + 1), device=dev)
 for rec in recipes:
     torch.manual_seed(0)
     m = Llama(ModelConfig.named("125m", vocab_size=16384), device=dev)
-    if rec != "bf16":
+    if rec != "bf16" and not quick:
         convert(m, rec)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True)
 
+    x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
+    fwd = None
+    if graphs:
+        from mxtrain.train.trainer import _LossModule
+        fwd = torch.cuda.make_graphed_callables(_LossModule(m, "cuda", torch.bfloat16), (x, y))
+
     def step(i):
         set_step(m, i)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = m(idx[:, :-1], idx[:, 1:])
+        if fwd is not None:
+            loss = fwd(x, y)
+        else:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = m(x, y)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -42,8 +54,8 @@ for rec in recipes:
         issue += time.perf_counter() - a
         torch.cuda.synchronize()
     dt = (time.perf_counter() - t0) / n
-    print(f"{rec}: {dt*1e3:.1f} ms/step ({B*T/dt:,.0f} tok/s); CPU issue time {issue/n*1e3:.1f} ms/step", flush=True)
-    if rec != "bf16":
+    print(f"{rec}{' (CUDA graph)' if graphs else ''}: {dt*1e3:.1f} ms/step ({B*T/dt:,.0f} tok/s); CPU issue time {issue/n*1e3:.1f} ms/step", flush=True)
+    if rec != "bf16" and not quick:
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for i in range(2):

@@ -190,3 +190,38 @@ if __name__ == "__main__":
                                       "torch": torch.__version__, "steps": 20, "losses": losses}, indent=1) + "\n")
         print(f"wrote {GOLDEN}")
     _ = os
+
+
+def test_cuda_graphs_refused_where_they_cannot_replay(tmp_path):
+    from mxtrain import recipes
+    from mxtrain.train.trainer import graph_blockers
+    cuda = torch.device("cuda")
+    assert graph_blockers(recipes.get("mxfp4-all-dh16"), cuda, 1) == []
+    assert graph_blockers(recipes.get("bf16"), cuda, 1) == []
+    assert any("stochastic" in w for w in graph_blockers(recipes.get("mxfp4-all-sr"), cuda, 1))
+    assert any("new signs every step" in w for w in graph_blockers(recipes.get("mxfp4-all-rht16"), cuda, 1))
+    assert any("several processes" in w for w in graph_blockers(recipes.get("bf16"), cuda, 2))
+    cfg = _resume_cfg(tmp_path / "g", 2, recipe="mxfp4-all-sr")
+    cfg.train.cuda_graphs = True
+    with pytest.raises(UserError, match="train.cuda_graphs needs one GPU.*stochastic"):
+        train(cfg)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("recipe", ["bf16", "mxfp4-all-dh16"])
+def test_cuda_graph_training_follows_eager(tmp_path, recipe):
+    """Micro-steps replayed from a CUDA graph (gradient accumulation included) train like eager ones:
+    the same losses and parameter updates up to the GPU's non-deterministic atomics."""
+    runs = {}
+    for graphs in (False, True):
+        cfg = _resume_cfg(tmp_path / f"{recipe}-{graphs}", 6, recipe=recipe)
+        cfg.train.cuda_graphs = graphs
+        run = train(cfg)
+        runs[graphs] = ([r["loss"] for r in _rows(run)[0]], torch.load(run / ckpt.NAME)["model"])
+    (le, me), (lg, mg) = runs[False], runs[True]
+    assert len(le) == len(lg) == 6
+    assert max(abs(a - b) for a, b in zip(le, lg)) < 2e-3, (le, lg)
+    for k in me:
+        d = (mg[k].float() - me[k].float()).norm() / me[k].float().norm().clamp(min=1e-12)
+        assert d < 1e-3, (k, float(d))

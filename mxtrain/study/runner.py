@@ -231,6 +231,9 @@ def train_one(spec: StudySpec, arm: str, seed: int, run_dir: Path) -> None:
     from ..train import trainer as TR
 
     cfg = build_config(spec, arm, seed, run_dir)
+    if spec.diagnose_every and cfg.train.cuda_graphs:
+        raise UserError("diagnostics (--diagnose-every) read each step's operands in Python, which a CUDA graph "
+                        "replay skips: turn train.cuda_graphs off for a diagnosed study")
     if not spec.diagnose_every:
         TR.train(cfg)
         return

@@ -67,6 +67,8 @@ class TrainSection:
     dtype: str = "auto"                     # auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16
     checkpoint_every: int = 0               # steps between checkpoints; 0: only at the end
     deterministic: bool = False             # torch.use_deterministic_algorithms (GPU runs)
+    cuda_graphs: bool = False               # replay each micro-step's forward + backward as a CUDA graph
+                                            # (one GPU; recipes with nearest rounding and no per-step signs)
 
 
 @dataclass

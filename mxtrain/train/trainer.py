@@ -112,6 +112,41 @@ def _check(cfg: TrainConfig) -> None:
         raise UserError(f"parallel.param_dtype must be auto, bf16 or fp32, got {cfg.parallel.param_dtype!r}")
 
 
+def graph_blockers(recipe, device: torch.device, world: int) -> list[str]:
+    """Why the micro-step cannot be replayed as a CUDA graph (empty: it can). A graph replays the kernels
+    captured once, with the scalars they had then: stochastic rounding and per-step random signs take
+    their seeds from the step counter on the host, so they would repeat the captured step's draws."""
+    from ..recipe import GEMMS, OPERANDS
+    why = []
+    if device.type != "cuda":
+        why.append(f"the device is {device}, not a CUDA GPU")
+    if world > 1:
+        why.append("training runs on several processes (CUDA graphs are for one GPU here)")
+    for n in OPERANDS:
+        if recipe.operand(n).rounding != "nearest":
+            why.append(f"operand {n} uses {recipe.operand(n).rounding} rounding (seeded per step on the host)")
+    for g in GEMMS:
+        r = recipe.rotation(g)
+        if r.enabled and r.signs == "per_step":
+            why.append(f"the {g} rotation draws new signs every step")
+    return why
+
+
+class _LossModule(torch.nn.Module):
+    """model(x, y) under the run's autocast, as one module for ``torch.cuda.make_graphed_callables``."""
+
+    def __init__(self, model, device_type: str, amp_dtype):
+        super().__init__()
+        self.model = model
+        self.device_type, self.amp_dtype = device_type, amp_dtype
+
+    def forward(self, x, y):
+        # autocast's weight-cast cache must be off while capturing (it would hold casts from the capture)
+        with torch.autocast(self.device_type, dtype=self.amp_dtype or torch.float32,
+                            enabled=self.amp_dtype is not None, cache_enabled=False):
+            return self.model(x, y)
+
+
 def _git_sha() -> str | None:
     here = Path(__file__).resolve().parent
     try:
@@ -391,6 +426,12 @@ def train(cfg: TrainConfig, resume: str | Path | None = None) -> Path:
         last_ckpt_step = step
 
     model.train()
+    graphed = None
+    if cfg.train.cuda_graphs:
+        why = graph_blockers(recipe, device, world)
+        if why:
+            raise UserError("train.cuda_graphs needs one GPU and a recipe without stochastic rounding or per-step "
+                            "signs: " + "; ".join(why))
     t_last, tok_last, steps_last = time.perf_counter(), tokens, 0
     loss_acc = 0.0
     val_loss = None
@@ -404,10 +445,23 @@ def train(cfg: TrainConfig, resume: str | Path | None = None) -> Path:
             for k in range(accum):
                 x, y = loader.next()
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                with D.grad_sync(model, k == accum - 1):  # [distributed] reduce grads on the last micro-step only
-                    with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
-                        loss = model(x, y) / accum
+                if cfg.train.cuda_graphs:
+                    if graphed is None:   # capture once (after 3 eager warm-up passes), replay from then on
+                        set_step(model, step)
+                        try:
+                            graphed = torch.cuda.make_graphed_callables(
+                                _LossModule(model, device.type, amp_dtype), (x, y))
+                        except RuntimeError as e:
+                            raise UserError(f"could not capture the training step as a CUDA graph "
+                                            f"({str(e).splitlines()[0][:300]}); run without train.cuda_graphs") from None
+                    loss = graphed(x, y) / accum
                     loss.backward()
+                else:
+                    with D.grad_sync(model, k == accum - 1):  # [distributed] reduce grads on the last micro-step only
+                        with torch.autocast(device.type, dtype=amp_dtype or torch.float32,
+                                            enabled=amp_dtype is not None):
+                            loss = model(x, y) / accum
+                        loss.backward()
                 loss_sum += loss.detach()
             loss_val = _reduce_mean(loss_sum.item())
             if not math.isfinite(loss_val):
