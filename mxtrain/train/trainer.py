@@ -441,6 +441,12 @@ def train(cfg: TrainConfig, resume: str | Path | None = None) -> Path:
             for g in opt.param_groups:
                 g["lr"] = lr
             set_step(model, step)
+            if graphed is not None:
+                # a replayed backward hands autograd its static gradient buffers; a .grad that already
+                # exists is added to in place, so accumulation never aliases (and sums) those buffers
+                for p in model.parameters():
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
             loss_sum = torch.zeros((), device=device)
             for k in range(accum):
                 x, y = loader.next()
@@ -454,6 +460,9 @@ def train(cfg: TrainConfig, resume: str | Path | None = None) -> Path:
                         except RuntimeError as e:
                             raise UserError(f"could not capture the training step as a CUDA graph "
                                             f"({str(e).splitlines()[0][:300]}); run without train.cuda_graphs") from None
+                        for p in model.parameters():   # the first step's grads, as above
+                            if p.grad is None:
+                                p.grad = torch.zeros_like(p)
                     loss = graphed(x, y) / accum
                     loss.backward()
                 else:
@@ -473,7 +482,7 @@ def train(cfg: TrainConfig, resume: str | Path | None = None) -> Path:
             gnorm = D.clip_grad_norm_(model, cfg.optim.grad_clip if cfg.optim.grad_clip > 0  # [distributed] DTensor grads
                                       else float("inf"))
             opt.step()
-            opt.zero_grad(set_to_none=True)
+            opt.zero_grad(set_to_none=graphed is None)
             tokens += B * T
             done = step + 1
             loss_acc += loss_val
