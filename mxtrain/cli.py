@@ -82,6 +82,8 @@ def _add_train(sub) -> None:
       help="continue from a run folder or checkpoint file (no value: the --out folder)")
     a("--set", action="append", default=[], metavar="KEY=VALUE",
       help="override any config field, e.g. --set optim.weight_decay=0 --set recipe.wgrad_dy.rounding=stochastic")
+    a("--cuda-graphs", action="store_true", help="replay each micro-step from a CUDA graph (train.cuda_graphs: one GPU, "
+                                                 "recipes with nearest rounding and no per-step signs)")
     a("--no-progress", action="store_true", help="no progress bar (plain log lines)")
     a("--list", action="store_true", help="list experiments, models and recipes, then exit")
     p.set_defaults(func=_cmd_train)
@@ -119,6 +121,8 @@ def build_config(args):
     items = [f"{_FLAG_KEYS[k]}={v}" for k, v in vars(args).items() if k in _FLAG_KEYS and v is not None]
     if args.no_progress:
         items.append("log.progress=false")
+    if getattr(args, "cuda_graphs", False):
+        items.append("train.cuda_graphs=true")
     apply_overrides(cfg, items + list(args.set))
     if args.model is not None:
         from .model import ModelConfig

@@ -59,6 +59,9 @@ def files():
     ("output folder not writable", ["train", "--exp", "debug", "--data", "{small}", "--out", "{d}/a_file/run"],
      ["cannot write to output folder"]),
     ("cuda on a CPU machine", ["train", "--exp", "debug", "--data", "{small}", "--device", "cuda:0"], ["CUDA"]),
+    ("CUDA graphs with stochastic rounding", ["train", "--exp", "debug", "--data", "{small}", "--recipe",
+                                              "mxfp4-all-sr", "--cuda-graphs"],
+     ["train.cuda_graphs needs one GPU", "stochastic rounding"]),
 ], ids=lambda c: c[0])
 def test_bad_input_is_one_line(files, case):
     _, args, fragments = case

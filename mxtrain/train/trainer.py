@@ -324,6 +324,11 @@ def train(cfg: TrainConfig, resume: str | Path | None = None) -> Path:
     rank, world, device = env.rank, env.world_size, env.device
     amp_dtype = _autocast_dtype(cfg, device)
     recipe = cfg.resolved_recipe()
+    if cfg.train.cuda_graphs:
+        why = graph_blockers(recipe, device, world)
+        if why:
+            raise UserError("train.cuda_graphs needs one GPU and a recipe without stochastic rounding or per-step "
+                            "signs: " + "; ".join(why))
     if cfg.train.deterministic:
         torch.use_deterministic_algorithms(True)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -427,11 +432,6 @@ def train(cfg: TrainConfig, resume: str | Path | None = None) -> Path:
 
     model.train()
     graphed = None
-    if cfg.train.cuda_graphs:
-        why = graph_blockers(recipe, device, world)
-        if why:
-            raise UserError("train.cuda_graphs needs one GPU and a recipe without stochastic rounding or per-step "
-                            "signs: " + "; ".join(why))
     t_last, tok_last, steps_last = time.perf_counter(), tokens, 0
     loss_acc = 0.0
     val_loss = None
