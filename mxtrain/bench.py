@@ -371,6 +371,7 @@ def bench_step(args) -> dict:
 
     from . import model as _model
     glues = args.glue.split(",")
+    saved_glue = _model.GLUE
     for glue in glues:
         _model.GLUE = glue
         for kind in ["bf16", "fp8_rowwise"] + STEP_PRESETS:
@@ -386,7 +387,7 @@ def bench_step(args) -> dict:
             except Exception as e:  # noqa: BLE001
                 res["runs"][name] = {"error": repr(e)[:300], "glue": glue, "recipe": kind}
             torch.cuda.empty_cache()
-    _model.GLUE = "auto"
+    _model.GLUE = saved_glue
     for glue in glues:
         sfx = "" if glue == glues[0] else f"@{glue}"
         bf = res["runs"].get("bf16" + sfx, {}).get("ms")

@@ -441,26 +441,22 @@ def train(cfg: TrainConfig, resume: str | Path | None = None) -> Path:
             for g in opt.param_groups:
                 g["lr"] = lr
             set_step(model, step)
-            if graphed is not None:
-                # a replayed backward hands autograd its static gradient buffers; a .grad that already
-                # exists is added to in place, so accumulation never aliases (and sums) those buffers
-                for p in model.parameters():
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
             loss_sum = torch.zeros((), device=device)
             for k in range(accum):
                 x, y = loader.next()
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                 if cfg.train.cuda_graphs:
                     if graphed is None:   # capture once (after 3 eager warm-up passes), replay from then on
-                        set_step(model, step)
                         try:
                             graphed = torch.cuda.make_graphed_callables(
                                 _LossModule(model, device.type, amp_dtype), (x, y))
                         except RuntimeError as e:
                             raise UserError(f"could not capture the training step as a CUDA graph "
                                             f"({str(e).splitlines()[0][:300]}); run without train.cuda_graphs") from None
-                        for p in model.parameters():   # the first step's grads, as above
+                        # a replayed backward hands autograd its static gradient buffers; a .grad that
+                        # already exists is added to in place, so accumulation never aliases (and sums)
+                        # those buffers. The grads stay allocated: zero_grad below zeroes, not frees.
+                        for p in model.parameters():
                             if p.grad is None:
                                 p.grad = torch.zeros_like(p)
                     loss = graphed(x, y) / accum
