@@ -25,6 +25,7 @@ quantized within that capture, so every replay recomputes them from the current 
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -94,6 +95,39 @@ def _ceil(a: int, b: int) -> int:
     return -(-a // b) * b
 
 
+# Host-side per-call work is what limits small layers (scripts/host_overhead.py): the recipe's
+# operand and rotation specs are looked up once per recipe object, and sign vectors are made once per
+# (size, mode, seed, layer, GEMM, step, device) instead of by ~20 small kernels every call.
+_SPECS: dict = {}
+_SIGNS: dict = {}
+
+
+def _spec(recipe):
+    e = _SPECS.get(id(recipe))
+    if e is None or e[0] is not recipe:
+        from .recipe import GEMMS, OPERANDS
+        e = (recipe, {n: recipe.operand(n) for n in OPERANDS}, {g: recipe.rotation(g) for g in GEMMS})
+        _SPECS[id(recipe)] = e
+    return e
+
+
+def _signs(qctx: _Ctx, gemm: str, device) -> torch.Tensor | None:
+    """``qctx.signs(gemm, device)``, made once and shared (callers never write to it)."""
+    rot = _spec(qctx.recipe)[2][gemm]
+    if not rot.enabled or rot.signs == "none":
+        return None
+    mode = rot.signs
+    k = (rot.size, mode, qctx.recipe.seed, device,
+         qctx.layer if mode in ("per_layer", "per_step") else 0,
+         gemm if mode == "per_step" else "", qctx.step if mode == "per_step" else 0)
+    s = _SIGNS.get(k)
+    if s is None:
+        if len(_SIGNS) >= 4096:  # per-step signs: old steps are never asked for again
+            _SIGNS.clear()
+        s = _SIGNS[k] = qctx.signs(gemm, device)
+    return s
+
+
 class _WeightCache:
     """Per-module cache of quantized weight operands (see module docstring)."""
 
@@ -104,8 +138,9 @@ class _WeightCache:
 def _quant(qctx: _Ctx, t: torch.Tensor, axis: int, name: str, gemm: str, signs, backend: str,
            group_rows: int, cache: dict | None = None) -> tuple[QuantOut, float]:
     """Quantize one MXFP4 operand of a 2-D tensor along ``axis`` exactly as ``_Ctx.operand`` does."""
-    op = qctx.recipe.operand(name)
-    rot = qctx.recipe.rotation(gemm)
+    _, ops, rots = _spec(qctx.recipe)
+    op = ops[name]
+    rot = rots[gemm]
     rsize = rot.size if rot.enabled else 0
     key = 0
     if op.rounding == "stochastic":
@@ -149,14 +184,15 @@ def _quant(qctx: _Ctx, t: torch.Tensor, axis: int, name: str, gemm: str, signs, 
 
 
 def _both_mx(recipe, a: str, b: str) -> bool:
-    return recipe.operand(a).fmt == "mxfp4" and recipe.operand(b).fmt == "mxfp4"
+    ops = _spec(recipe)[1]
+    return ops[a].fmt == "mxfp4" and ops[b].fmt == "mxfp4"
 
 
 def _gemm_fn(qctx: _Ctx, A: torch.Tensor, axA: int, nA: str, B: torch.Tensor, axB: int, nB: str, gemm: str,
              b_is_weight: bool, backend: str, out_dtype, cache) -> torch.Tensor:
     """One GEMM ``op(A) op(B)^T`` reduced along the quantization axes, in float32 (or out_dtype)."""
     dev = A.device
-    signs = qctx.signs(gemm, dev)
+    signs = _signs(qctx, gemm, dev)
     recipe = qctx.recipe
     if _both_mx(recipe, nA, nB):
         qa, pa = _quant(qctx, A, axA, nA, gemm, signs, backend, 1)
@@ -181,14 +217,20 @@ def _gemm_fn(qctx: _Ctx, A: torch.Tensor, axA: int, nA: str, B: torch.Tensor, ax
     return y.to(out_dtype)
 
 
+def _no_autocast(device_type: str, enabled: bool):
+    """Autocast off inside (entering ``torch.autocast`` costs host time, so only when it is on)."""
+    return torch.autocast(device_type, enabled=False) if enabled else contextlib.nullcontext()
+
+
 class _FastMXLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, qctx: _Ctx, cache):
         dev = x.device
-        out_dtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else x.dtype
+        amp = torch.is_autocast_enabled(dev.type)
+        out_dtype = torch.get_autocast_dtype(dev.type) if amp else x.dtype
         backend = _backend(dev)
         x2 = x.reshape(-1, x.shape[-1])
-        with torch.autocast(dev.type, enabled=False):
+        with _no_autocast(dev.type, amp):
             ydt = torch.float32 if (bias is not None or backend != "fp8_carrier") else out_dtype
             y = _gemm_fn(qctx, x2, 1, "fprop_x", weight, 1, "fprop_w", "fprop", True, backend, ydt, cache)
             if bias is not None:
@@ -205,7 +247,7 @@ class _FastMXLinearFunction(torch.autograd.Function):
         backend = ctx.backend
         dy2 = dy.reshape(-1, dy.shape[-1])
         dx = dw = db = None
-        with torch.autocast(dy.device.type, enabled=False):
+        with _no_autocast(dy.device.type, torch.is_autocast_enabled(dy.device.type)):
             if ctx.needs_input_grad[0]:
                 # dX (M, K) = Q(dY) [rows, along N] x Q(W) [columns, along N]
                 dx = _gemm_fn(qctx, dy2, 1, "dgrad_dy", weight, 0, "dgrad_w", "dgrad", True, backend,

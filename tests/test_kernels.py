@@ -230,6 +230,70 @@ def test_carrier_from_fp4_matches_kernel(group_rows, axis, kern):
     assert int(q.inexact.item()) == cnt
 
 
+class _InterpretedCompiled:
+    """Stands in for Triton's compiled kernel on CPU: ``[grid](*every argument)`` runs the kernel in the
+    interpreter with the same positional arguments a compiled kernel gets from a launch plan."""
+
+    def __init__(self, kfn):
+        self.kfn = kfn
+
+    def __getitem__(self, grid):
+        return lambda *args: self.kfn[grid](*args)
+
+
+def _same_quant(a, b):
+    for f in ("carrier", "gscale", "packed", "scales", "inexact"):
+        u, v = getattr(a, f), getattr(b, f)
+        assert (u is None) == (v is None), f
+        if u is not None:
+            if u.dtype == torch.float8_e4m3fn:
+                u, v = u.view(torch.uint8), v.view(torch.uint8)
+            assert u.shape == v.shape and u.stride() == v.stride() and torch.equal(u, v), f
+    assert a.group_rows == b.group_rows and (a.R, a.K) == (b.R, b.K)
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(axis=1, carrier=True, fp4=True),
+    dict(axis=0, carrier=True, fp4=False, rot=16, signs=True, group_rows=128),
+    dict(axis=1, carrier=False, fp4=True, rounding="stochastic", prescale=0.75),
+    dict(axis=0, carrier=True, fp4=True, rounding="stochastic", rot=32, k_multiple=512),
+], ids=["rows", "cols-h16-128x128", "fp4-sr", "cols-sr-h32"])
+def test_launch_plans_replay_every_argument(cfg, kern, monkeypatch):
+    """A configuration seen before is launched through its compiled kernel directly (``_Plan``); the
+    arguments it assembles give the same bytes as the generic launch, for new data and new seeds,
+    and a misaligned view gets a plan of its own (Triton specializes on 16-byte alignment)."""
+    monkeypatch.setattr(kq, "_use_plans", lambda x: True)
+    monkeypatch.setattr(kq, "_PLANS", {})
+    if kq._INTERPRET or DEV == "cpu":
+        make = kq._Plan.make
+        monkeypatch.setattr(kq._Plan, "make", staticmethod(
+            lambda kfn, compiled, *a: make(kfn, _InterpretedCompiled(kfn), *a)))
+    calls = []
+    orig_call = kq._Plan.__call__
+    monkeypatch.setattr(kq._Plan, "__call__", lambda self, *a: (calls.append(tuple(a[0].shape)), orig_call(self, *a))[1])
+    cfg = dict(cfg)
+    axis = cfg.pop("axis")
+    rot = cfg.get("rot", 0)
+    if cfg.pop("signs", False):
+        cfg["signs"] = rotation_signs(rot, "fixed", seed=4, device=DEV)
+    big = _data(1, 37 * 130 + 1, seed=21).flatten()
+    for i, x in enumerate([_data(37, 130, seed=20), _data(37, 130, seed=22), big[1:].view(37, 130)]):
+        kw = dict(cfg, key=rng.stream_key(i + 5))
+        got = kq.quantize_mxfp4_2d(x, axis, **kw)
+        monkeypatch.setattr(kq, "_use_plans", lambda x: False)
+        want = kq.quantize_mxfp4_2d(x, axis, **kw)
+        monkeypatch.setattr(kq, "_use_plans", lambda x: True)
+        _same_quant(got, want)
+        ref = _ref(x, axis, rounding=cfg.get("rounding", "nearest"), seed=i + 5, rot=rot, signs=cfg.get("signs"),
+                   prescale=cfg.get("prescale", 1.0))
+        if got.packed is not None:
+            assert torch.equal(got.packed, ref.data.view(torch.uint8)) and torch.equal(got.scales, ref.scales)
+    # the first array made the plan, the second ran it, the misaligned third made a second one (on a
+    # GPU the once-per-variant self-check quantizes arrays of its own, with plans of their own)
+    mine = [p for k, p in kq._PLANS.items() if k[2] == (37, 130)]
+    assert calls.count((37, 130)) == 1 and len(mine) == 2 and all(p is not None for p in mine)
+
+
 def test_self_check_and_fallback(monkeypatch):
     """The once-per-configuration self-check passes, and a configuration marked bad is served by the
     torch fallback with identical results (the GPU safety net, exercised here on any device)."""

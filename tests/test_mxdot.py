@@ -198,3 +198,26 @@ def test_native_variant_compiles_to_fp4_matrix_instructions():
     p = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.split() == ["ok", "100", "ok", "gfx950", "ok", "90"], p.stdout
+
+
+@pytest.mark.parametrize("hip,cap,native,want", [
+    (None, (9, 0), False, "fp8_carrier"),     # H100 / H200
+    (None, (10, 0), True, "native_mx"),       # B200
+    (None, (12, 0), True, "native_mx"),       # RTX 50xx
+    (None, (8, 0), False, "dequant"),         # A100
+    ("6.4", (9, 5), True, "native_mx"),       # MI355X (gfx950)
+    ("6.4", (9, 4), False, "dequant"),        # MI300X (gfx942)
+    ("6.4", (9, 0), False, "dequant"),        # MI250X (gfx90a): not Hopper despite its (9, 0)
+])
+def test_backend_routes_by_vendor_and_capability(hip, cap, native, want, monkeypatch):
+    import mxtrain.kernels as K
+    import mxtrain.kernels.mxdot as mxd
+    monkeypatch.delenv("MXTRAIN_GEMM_BACKEND", raising=False)
+    monkeypatch.setattr(K, "capability", lambda d: cap)
+    monkeypatch.setattr(K, "_NATIVE", {})
+    monkeypatch.setattr(torch.version, "hip", hip)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(mxd, "supports_native", lambda d: native)
+    assert K.backend("cuda:0") == want
+    monkeypatch.setenv("MXTRAIN_GEMM_BACKEND", "dequant")
+    assert K.backend("cuda:0") == "dequant"

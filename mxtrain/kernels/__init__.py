@@ -5,8 +5,8 @@ Capability flags (evaluated lazily, cheap):
 * ``HAS_TRITON``: Triton imports (GPU, or CPU through ``TRITON_INTERPRET=1``).
 * ``backend(device)``: which GEMM path a device gets:
   ``"fp8_carrier"`` (sm_90: MXFP4 values carried exactly in FP8 e4m3, blockwise ``torch._scaled_mm``),
-  ``"native_mx"`` (sm_100+: MX-scaled GEMM, UNTESTED here), or ``"dequant"`` (everything else:
-  dequantize the MX operands and multiply in float32).
+  ``"native_mx"`` (NVIDIA sm_100+ and AMD gfx950: MX-scaled GEMM, never run on such a GPU here), or
+  ``"dequant"`` (everything else: dequantize the MX operands and multiply).
 
 The plain-PyTorch reference quantizer (``mxtrain.quant``) is the specification: the kernels in
 ``mxtrain.kernels.quantize`` produce bit-identical codes and scales (see ``tests/test_kernels.py``).
@@ -65,8 +65,25 @@ def backend(device) -> str:
     cap = capability(device)
     if cap is None:
         return "dequant"
+    if torch.version.hip:
+        # ROCm reports gfx90a as (9, 0) and gfx950 as (9, 5): only MX-native AMD GPUs (gfx950) get the
+        # packed-FP4 path (its probe still falls back to dequantize if no MX GEMM there is exact)
+        return "native_mx" if _native(device) else "dequant"
     if cap == (9, 0):
         return "fp8_carrier"
     if cap[0] >= 10:
         return "native_mx"
     return "dequant"
+
+
+_NATIVE: dict = {}
+
+
+def _native(device) -> bool:
+    """``mxdot.supports_native(device)``, looked up once per device."""
+    d = torch.device(device)
+    k = d.index if d.index is not None else torch.cuda.current_device()
+    if k not in _NATIVE:
+        from .mxdot import supports_native
+        _NATIVE[k] = supports_native(torch.device("cuda", k))
+    return _NATIVE[k]

@@ -133,7 +133,7 @@ if triton is not None:
         v4 = tl.permute(v4, (0, 1, 3, 2))
         return tl.reshape(v4, [BR, 128])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["key"])
     def _mxfp4_kernel(
         x_ptr, signs_ptr, car_ptr, gs_ptr, fp4_ptr, sc_ptr, cnt_ptr,
         R, K, Rc,
@@ -338,7 +338,7 @@ if triton is not None:
         lo, hi = tl.split(tl.reshape(c, [BR, 4, 4, 2]))
         return (lo | (hi << 4)).to(tl.uint8)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["key"])
     def _mxfp4_blk_kernel(
         x_ptr, signs_ptr, car_ptr, gs_ptr, fp4_ptr, sc_ptr, cnt_ptr,
         R, K, Rc,
@@ -543,7 +543,7 @@ if triton is not None:
         v = _join_level(v, 1)
         return tl.reshape(v[0], [4, BR, N])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["key"])
     def _mxfp4_cols_kernel(
         x_ptr, signs_ptr, car_ptr, gs_ptr, fp4_ptr, sc_ptr, cnt_ptr,
         R, K, Rc,
@@ -715,6 +715,18 @@ def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.
     ``inexact``), instead of a fresh zeroed one per call (saves a memset launch).
     """
     assert x.ndim == 2 and axis in (0, 1)
+    if signs is not None:
+        signs = signs.to(device=x.device, dtype=torch.float32).contiguous()
+    pkey = None
+    if _use_plans(x):
+        # everything the launch depends on, down to the 16-byte alignment Triton specializes on
+        pkey = (x.device, x.dtype, x.shape, x.stride(), x.data_ptr() & 15, axis, rot,
+                None if signs is None else signs.data_ptr() & 15, rounding, scale_rule, prescale, index_strides,
+                carrier, fp4, group_rows, row_multiple, block_rows, num_warps, k_multiple,
+                None if counter is None else counter.data_ptr() & 15, _check, FORCE_IDX64, KERNEL, JOIN_STORE)
+        plan = _PLANS.get(pkey)
+        if plan is not None:
+            return plan(x, signs, key, counter)
     if axis == 1:
         R, K = x.shape
         sx_r, sx_k = x.stride(0), x.stride(1)
@@ -767,7 +779,6 @@ def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.
         packed = sc = None
     dummy = cnt
     if signs is not None:
-        signs = signs.to(device=dev, dtype=torch.float32).contiguous()
         assert signs.numel() == rot
     inv_sqrt = _f32(1.0 / math.sqrt(rot)) if rot else 1.0
     ps = _f32(prescale)
@@ -775,6 +786,7 @@ def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.
     # 32-bit offsets unless some offset (masked lanes of the last tiles included) could pass 2**31 - 1
     Rp = grid[0] * BR
     idx64 = FORCE_IDX64 or max(Rp * abs(sx_r) + Kc * abs(sx_k), Rp * Kc, Rp * Kq, Rp * max(si[0], 1) + Kc * max(si[1], 1)) >= 2**31 - 1
+    compiled = kfn = consts = None
     if R > 0 and K > 0:
         args = (x, signs if signs is not None else dummy,
                 car if carrier else dummy, gs if carrier else dummy,
@@ -787,13 +799,14 @@ def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.
         if kern == "cols":
             per_thread = 4 * BR // (32 * num_warps)   # values of each [4, BR] tensor a thread holds
             assert per_thread in (2, 4, 8, 16), "cols kernel: 4 x block_rows must be 64, 128, ... x 32 x num_warps"
-            _mxfp4_cols_kernel[grid](*args, **consts, USE_ASM=dev.type == "cuda", PACK=2 if per_thread == 2 else 4,
-                                     num_warps=num_warps, enable_fp_fusion=False)
+            kfn = _mxfp4_cols_kernel
+            consts.update(USE_ASM=dev.type == "cuda", PACK=2 if per_thread == 2 else 4)
         elif kern == "blocks":
-            _mxfp4_blk_kernel[grid](*args, **consts, USE_ASM=dev.type == "cuda", JOIN_STORE=JOIN_STORE,
-                                    num_warps=num_warps, enable_fp_fusion=False)
+            kfn = _mxfp4_blk_kernel
+            consts.update(USE_ASM=dev.type == "cuda", JOIN_STORE=JOIN_STORE)
         else:
-            _mxfp4_kernel[grid](*args, **consts, num_warps=num_warps, enable_fp_fusion=False)
+            kfn = _mxfp4_kernel
+        compiled = kfn[grid](*args, **consts, num_warps=num_warps, enable_fp_fusion=False)
     base = None
     if carrier:
         base = gs.t() if group_rows == 1 else gs_base
@@ -813,7 +826,78 @@ def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.
         carrier_from_fp4(out, k_multiple, row_multiple)
         if not fp4:
             out.packed = out.scales = None
+        return out
+    if pkey is not None and pkey not in _PLANS:
+        if len(_PLANS) >= 4096:   # many distinct shapes (e.g. variable sequence lengths): start over
+            _PLANS.clear()
+        _PLANS[pkey] = _Plan.make(kfn, compiled, grid, args, consts, out, Kc, group_rows)
     return out
+
+
+# Launch plans: a configuration quantized once (and, on GPUs, self-checked) is launched again through
+# its compiled kernel directly, skipping Triton's generic launch path (argument binding, specialization,
+# cache-key lookup): about 14 of the 22 us of host time a launch took on an H100's host
+# (scripts/host_overhead.py). Keyed by everything the launch depends on (shapes, strides, pointer
+# alignment, every option; ``key``, the stochastic-rounding seed, is not specialized on).
+# MXTRAIN_FAST_LAUNCH=0 turns it off.
+FAST_LAUNCH = os.environ.get("MXTRAIN_FAST_LAUNCH", "1").strip().lower() not in ("0", "false", "no", "off")
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_PLANS: dict = {}
+
+
+def _use_plans(x: torch.Tensor) -> bool:
+    return FAST_LAUNCH and x.is_cuda and not _INTERPRET
+
+
+class _Plan:
+    __slots__ = ("run", "head", "tail", "R", "K", "carrier", "fp4", "group_rows", "car_shape", "gs_shape",
+                 "gs_cols", "pk_shape", "sc_shape")
+
+    @staticmethod
+    def make(kfn, compiled, grid, args, consts, out: QuantOut, Kc: int, group_rows: int):
+        """A plan for this launch, or None where the compiled kernel cannot be called directly."""
+        if compiled is None:
+            return None
+        try:
+            names = list(kfn.arg_names)
+            n = len(args)
+            if (len(names) != n + len(consts) or names[n - 3:n] != ["key", "inv_sqrt", "prescale"]
+                    or any(a not in consts for a in names[n:])):
+                return None
+            run = compiled[tuple(grid) + (1,) * (3 - len(grid))]
+        except Exception:  # noqa: BLE001 - a Triton without this interface: keep the generic launch
+            return None
+        p = _Plan()
+        p.run = run
+        p.head = tuple(args[7:n - 3])   # the integer sizes and strides
+        p.tail = tuple(args[n - 2:]) + tuple(consts[a] for a in names[n:])
+        p.R, p.K, p.group_rows = out.R, out.K, group_rows
+        p.carrier, p.fp4 = out.carrier is not None, out.packed is not None
+        if p.carrier:
+            p.car_shape = tuple(out.carrier.shape)
+            p.gs_shape = tuple(out.gs_base.shape)
+            p.gs_cols = Kc // TILE_K
+        if p.fp4:
+            p.pk_shape, p.sc_shape = tuple(out.packed.shape), tuple(out.scales.shape)
+        return p
+
+    def __call__(self, x: torch.Tensor, signs, key: int, counter) -> QuantOut:
+        dev = x.device
+        car = gs = base = packed = sc = None
+        if self.carrier:
+            car = torch.empty(self.car_shape, dtype=torch.uint8, device=dev)
+            base = torch.empty(self.gs_shape, dtype=torch.float32, device=dev)
+            gs = base.t() if self.group_rows == 1 else base[:, : self.gs_cols]
+            cnt = counter if counter is not None else torch.zeros((1,), dtype=torch.int32, device=dev)
+        else:
+            cnt = counter if counter is not None else torch.empty((1,), dtype=torch.int32, device=dev)
+        if self.fp4:
+            packed = torch.empty(self.pk_shape, dtype=torch.uint8, device=dev)
+            sc = torch.empty(self.sc_shape, dtype=torch.uint8, device=dev)
+        self.run(x, cnt if signs is None else signs, cnt if car is None else car, cnt if gs is None else gs,
+                 cnt if packed is None else packed, cnt if sc is None else sc, cnt, *self.head, _i32(key), *self.tail)
+        return QuantOut(self.R, self.K, car.view(torch.float8_e4m3fn) if car is not None else None, gs,
+                        self.group_rows, cnt if car is not None else None, packed, sc, base)
 
 
 _VERIFIED: dict = {}
