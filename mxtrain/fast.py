@@ -36,7 +36,7 @@ from .kernels import gemm as _gemm
 from .kernels.quantize import QuantOut, quantize_op
 from .nn import _OPERAND_ID, _Ctx, _gemm_dtype
 
-__all__ = ["supported", "apply", "ENABLED", "inexact_blocks", "clear_caches"]
+__all__ = ["supported", "apply", "ENABLED", "inexact_blocks", "clear_caches", "refresh_graph_seeds"]
 
 # False forces the reference path everywhere; the environment variable MXTRAIN_FAST=0 does the same
 # from the command line (e.g. `MXTRAIN_FAST=0 mxtrain train ...`).
@@ -111,16 +111,129 @@ def _spec(recipe):
     return e
 
 
+class _GraphSeeds:
+    """The random inputs of kernels captured in a CUDA graph, kept in device memory that is rewritten
+    before each replay: per-step sign vectors (one 128-float row per (layer, GEMM)) and int32
+    stochastic-rounding keys (one slot per (layer, operand, call), 16 bytes apart, read by the quantize
+    kernel through ``key_tensor``). ``refresh(step, micro)`` writes what the eager path would use for
+    that optimizer step and micro-step, so replays draw the same bits as eager training does.
+
+    Sign rows are used (GPU-tested: graph training with per-step signs follows eager training). Key
+    slots are not wired into ``_quant`` yet: on the H100 a quantize captured with ``key_tensor`` inside
+    ``torch.cuda.graph`` honoured rewritten keys, but inside MXLinear's backward captured by
+    ``torch.cuda.make_graphed_callables`` the replayed carrier stayed the same for different keys
+    (scripts/diag_graph_sr.py, 2026-11-23); until that is understood the trainer refuses CUDA graphs
+    with stochastic rounding."""
+
+    KEY_SLOTS = 16384
+    SIGN_ROWS = 4096
+
+    def __init__(self, device):
+        self.device = device
+        self.keys = None
+        self.key_slots: dict = {}    # (seed, layer, operand id, call at capture) -> slot
+        self.signs = None
+        self.sign_rows: dict = {}    # (size, seed, layer, GEMM id) -> row
+        self.signs_step = None
+
+    def key(self, seed: int, layer: int, op_id: int, call: int) -> torch.Tensor:
+        k = (seed, layer, op_id, call)
+        i = self.key_slots.get(k)
+        if i is None:
+            if self.keys is None:
+                # torch.empty: no kernel, so nothing is recorded into a graph being captured (a fill
+                # would be replayed, overwriting the refreshed keys); refresh() writes every used slot
+                self.keys = torch.empty((self.KEY_SLOTS * 4,), dtype=torch.int32, device=self.device)
+            i = len(self.key_slots)
+            if i >= self.KEY_SLOTS:
+                raise RuntimeError(f"mxtrain: more than {self.KEY_SLOTS} stochastically rounded operands in "
+                                   "CUDA graphs; capture fewer layers per graph")
+            self.key_slots[k] = i
+        return self.keys[4 * i: 4 * i + 1]
+
+    def sign_row(self, size: int, seed: int, layer: int, gemm_id: int) -> torch.Tensor:
+        k = (size, seed, layer, gemm_id)
+        i = self.sign_rows.get(k)
+        if i is None:
+            if self.signs is None:   # torch.empty for the same reason; refresh() writes every used row
+                self.signs = torch.empty((self.SIGN_ROWS, 128), dtype=torch.float32, device=self.device)
+            i = len(self.sign_rows)
+            if i >= self.SIGN_ROWS:
+                raise RuntimeError(f"mxtrain: more than {self.SIGN_ROWS} per-step sign vectors in CUDA graphs")
+            self.sign_rows[k] = i
+            self.signs_step = None
+        return self.signs[i, :size]
+
+    def refresh(self, step: int, micro: int) -> None:
+        """Keys for ``call = micro * n + j`` (the layer's j-th of n calls of that operand per micro-step in
+        the captured pass) and signs of ``step``; asynchronous host-to-device copies (pinned memory)."""
+        if self.key_slots:
+            slots = list(self.key_slots.items())
+            first: dict = {}
+            count: dict = {}
+            for (seed, layer, op, call), _ in slots:
+                g = (seed, layer, op)
+                first[g] = min(first.get(g, call), call)
+                count[g] = count.get(g, 0) + 1
+            cols = list(zip(*[(seed, layer, op, step, call - first[(seed, layer, op)] + micro * count[(seed, layer, op)])
+                              for (seed, layer, op, call), _ in slots]))
+            keys = rng.stream_key_t(rng.stream_key_t(*[torch.tensor(c, dtype=torch.int64) for c in cols]))
+            keys = torch.where(keys >= 2**31, keys - 2**32, keys).to(torch.int32)
+            idx = torch.tensor([i for _, i in slots], dtype=torch.int64)
+            host = torch.zeros((len(self.key_slots), 4), dtype=torch.int32)
+            host[idx, 0] = keys
+            self.keys[: host.numel()].copy_(_pinned(host.flatten()), non_blocking=True)
+        if self.sign_rows and self.signs_step != step:
+            rows = list(self.sign_rows.items())
+            ks = torch.tensor([rng.stream_key(seed, 0x57E9, layer, g, step) for (_, seed, layer, g), _ in rows],
+                              dtype=torch.int64)
+            bits = rng.mix32(torch.arange(128, dtype=torch.int64)[None, :] ^ ks[:, None]) & 1
+            host = torch.ones((len(rows), 128), dtype=torch.float32)
+            host[torch.tensor([i for _, i in rows])] = 1.0 - 2.0 * bits.to(torch.float32)
+            self.signs[: len(rows)].copy_(_pinned(host), non_blocking=True)
+            self.signs_step = step
+
+
+def _pinned(t: torch.Tensor) -> torch.Tensor:
+    # page-locked, so that the copy to the GPU is asynchronous (PyTorch's host allocator keeps the
+    # block until the copy has run)
+    return t.pin_memory() if torch.cuda.is_available() else t
+
+
+_GRAPH_SEEDS: dict = {}
+
+
+def _graph_seeds(device) -> _GraphSeeds:
+    g = _GRAPH_SEEDS.get(device)
+    if g is None:
+        g = _GRAPH_SEEDS[device] = _GraphSeeds(device)
+    return g
+
+
+def refresh_graph_seeds(step: int, micro: int = 0) -> None:
+    """Before replaying a CUDA graph captured with stochastic rounding or per-step signs: load the keys
+    and signs of optimizer ``step``, micro-step ``micro`` (what eager training would draw). The trainer
+    calls it before every replay (``train.cuda_graphs``); without it a replay repeats the last ones."""
+    for g in _GRAPH_SEEDS.values():
+        g.refresh(step, micro)
+
+
 def _signs(qctx: _Ctx, gemm: str, device) -> torch.Tensor | None:
     """``qctx.signs(gemm, device)``, made once and shared (callers never write to it)."""
     rot = _spec(qctx.recipe)[2][gemm]
     if not rot.enabled or rot.signs == "none":
         return None
     mode = rot.signs
+    if mode == "per_step" and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        # a captured kernel reads its signs from a row that refresh_graph_seeds rewrites every step
+        from .nn import _GEMM_ID
+        return _graph_seeds(device).sign_row(rot.size, qctx.recipe.seed, qctx.layer, _GEMM_ID[gemm])
     k = (rot.size, mode, qctx.recipe.seed, device,
          qctx.layer if mode in ("per_layer", "per_step") else 0,
          gemm if mode == "per_step" else "", qctx.step if mode == "per_step" else 0)
     s = _SIGNS.get(k)
+    if s is None and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return qctx.signs(gemm, device)   # made inside the graph: not valid outside it, so not kept
     if s is None:
         if len(_SIGNS) >= 4096:  # per-step signs: old steps are never asked for again
             _SIGNS.clear()
@@ -143,9 +256,13 @@ def _quant(qctx: _Ctx, t: torch.Tensor, axis: int, name: str, gemm: str, signs, 
     rot = rots[gemm]
     rsize = rot.size if rot.enabled else 0
     key = 0
+    key_t = None
+    capturing = t.is_cuda and torch.cuda.is_current_stream_capturing()
     if op.rounding == "stochastic":
         seed = rng.stream_key(qctx.recipe.seed, qctx.layer, _OPERAND_ID[name], qctx.step, qctx.call)
         key = rng.stream_key(seed)
+        # (CUDA graphs: stochastic rounding is refused by the trainer; key slots in device memory,
+        # _GraphSeeds.key, are not wired in here yet: see _GraphSeeds)
     # logical index strides of the (rotation-padded) tensor the reference quantizes
     if axis == 1:
         si = (_ceil(t.shape[1], rsize) if rsize else t.shape[1], 1)
@@ -158,7 +275,6 @@ def _quant(qctx: _Ctx, t: torch.Tensor, axis: int, name: str, gemm: str, signs, 
         # a CUDA graph being captured may only reuse operands quantized inside the same capture (an
         # eagerly made one would be a constant of the graph, never recomputed on replay), and eager
         # code only eager ones; the capture state is part of every key
-        capturing = t.is_cuda and torch.cuda.is_current_stream_capturing()
         if cache is not None:
             ck = (name, t.data_ptr(), t._version, qctx.step, backend, group_rows, capturing)
             hit = cache.get(name)
@@ -173,7 +289,7 @@ def _quant(qctx: _Ctx, t: torch.Tensor, axis: int, name: str, gemm: str, signs, 
                 return hit[2], op.prescale
     q = quantize_op(t, axis, rot=rsize, signs=signs, rounding=op.rounding, scale_rule=op.scale_rule, key=key,
                     prescale=op.prescale, index_strides=si, carrier=carrier, fp4=fp4, group_rows=group_rows,
-                    k_multiple=_gemm.k_multiple_for(backend), counter=_counter(t.device))
+                    k_multiple=_gemm.k_multiple_for(backend), counter=_counter(t.device), key_tensor=key_t)
     if ck is not None:
         cache[name] = (ck, q)
     if act is not None:

@@ -73,3 +73,14 @@ def random_signs(n: int, key: int, device=None) -> torch.Tensor:
     idx = torch.arange(n, dtype=torch.int64, device=device)
     bits = mix32(idx ^ (key & MASK32)) & 1
     return 1.0 - 2.0 * bits.to(torch.float32)
+
+
+def stream_key_t(*parts) -> torch.Tensor:
+    """``stream_key`` element-wise: each part an int64 tensor (values in [0, 2**63)) or an int; the
+    parts broadcast. Equals ``stream_key`` on every element (tests/test_quant.py)."""
+    k = None
+    for p in parts:
+        p = torch.as_tensor(p, dtype=torch.int64)
+        t = mix32(p & MASK32) ^ ((p >> 32) & MASK32)
+        k = mix32(t if k is None else (k ^ t))
+    return k if k is not None else torch.zeros((), dtype=torch.int64)

@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from mxtrain import fast
 from mxtrain.model import Llama, ModelConfig
 from mxtrain.nn import convert, set_step
 
@@ -20,7 +21,7 @@ idx = torch.randint(0, 16384, (B, T + 1), device=dev)
 for rec in recipes:
     torch.manual_seed(0)
     m = Llama(ModelConfig.named("125m", vocab_size=16384), device=dev)
-    if rec != "bf16" and not quick:
+    if rec != "bf16":
         convert(m, rec)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True)
 
@@ -33,6 +34,7 @@ for rec in recipes:
     def step(i):
         set_step(m, i)
         if fwd is not None:
+            fast.refresh_graph_seeds(i, 0)   # SR keys / per-step signs of this step (no-op otherwise)
             loss = fwd(x, y)
         else:
             with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -54,7 +56,8 @@ for rec in recipes:
         issue += time.perf_counter() - a
         torch.cuda.synchronize()
     dt = (time.perf_counter() - t0) / n
-    print(f"{rec}{' (CUDA graph)' if graphs else ''}: {dt*1e3:.1f} ms/step ({B*T/dt:,.0f} tok/s); CPU issue time {issue/n*1e3:.1f} ms/step", flush=True)
+    n_mx = sum(type(mod).__name__ == "MXLinear" for mod in m.modules())
+    print(f"{rec}{' (CUDA graph)' if graphs else ''} [{n_mx} MXLinear layers]: {dt*1e3:.1f} ms/step ({B*T/dt:,.0f} tok/s); CPU issue time {issue/n*1e3:.1f} ms/step", flush=True)
     if rec != "bf16" and not quick:
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

@@ -221,7 +221,67 @@ def test_cuda_graph_replay_requantizes_changed_weights():
     got = [yg.detach().clone(), x2.grad.clone(), lin.weight.grad.clone()]
     x2.grad, lin.weight.grad = None, None
     fast.clear_caches()
-    ye = lin(x2)
+    # make_graphed_callables replaced lin.forward by the replay: the eager call goes through another
+    # MXLinear sharing lin's weight
+    ref = MXLinear(1024, 512, recipe=recipes.get("mxfp4-all-dh16"), device=DEV, dtype=torch.bfloat16)
+    ref.weight = lin.weight
+    ye = ref(x2)
     ye.backward(dy)
     for g, e in zip(got, [ye.detach(), x2.grad, lin.weight.grad]):
         assert torch.equal(g, e) or _rel(g.float(), e.float()) < 1e-6
+
+
+def test_graph_seed_refresh_writes_the_eager_keys_and_signs():
+    """What refresh_graph_seeds writes for each captured slot equals what the eager path uses for that
+    step and micro-step: SR keys ``stream_key(stream_key(seed, layer, operand, step, call))`` with the
+    call renumbered per micro-step, and per-step sign vectors (``rotation_signs``)."""
+    from mxtrain import rng
+    from mxtrain.hadamard import rotation_signs
+    gs = fast._GraphSeeds(torch.device("cpu"))
+    # layer 0 called once per captured pass (call 3), layer 1 twice (calls 3 and 4: e.g. a shared module)
+    slots = {(7, 0, 2, 3): gs.key(7, 0, 2, 3), (7, 0, 4, 3): gs.key(7, 0, 4, 3),
+             (7, 1, 2, 3): gs.key(7, 1, 2, 3), (7, 1, 2, 4): gs.key(7, 1, 2, 4)}
+    rows = {(16, 7, 0, 1): gs.sign_row(16, 7, 0, 1), (64, 7, 5, 2): gs.sign_row(64, 7, 5, 2)}
+    for step, micro in ((0, 0), (5, 2), (2**33 + 1, 1)):
+        gs.refresh(step, micro)
+        for (seed, layer, op, call), t in slots.items():
+            n = 2 if layer == 1 else 1
+            want = rng.stream_key(rng.stream_key(seed, layer, op, step, (call - 3) + micro * n))
+            assert int(t.item()) & 0xFFFFFFFF == want, (seed, layer, op, call, step, micro)
+        for (size, seed, layer, g), t in rows.items():
+            want = rotation_signs(size, "per_step", seed=seed, layer=layer, gemm=g, step=step)
+            assert torch.equal(t, want)
+    assert gs.keys[1:4].eq(0).all() and len(gs.key_slots) == 4   # slots 16 bytes apart
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_replays_per_step_signs_like_eager():
+    """A layer with per-step random signs, captured once: after refresh_graph_seeds(step), each replay
+    gives what an eager layer (same weight, same layer id, not captured) gives at that step."""
+    torch.manual_seed(0)
+    r = recipes.get("mxfp4-all-rht16")
+    lin = MXLinear(1024, 512, recipe=r, device=DEV, dtype=torch.bfloat16, layer_id=3)
+    ref = MXLinear(1024, 512, recipe=r, device=DEV, dtype=torch.bfloat16, layer_id=3)
+    with torch.no_grad():
+        ref.weight.copy_(lin.weight)
+    x = torch.randn(256, 1024, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    xr = x.detach().clone().requires_grad_(True)
+    dy = torch.randn(256, 512, device=DEV, dtype=torch.bfloat16)
+    lin.set_step(0)
+    graphed = torch.cuda.make_graphed_callables(lin, (x,))
+    outs = []
+    for step in (0, 1, 7):
+        x.grad, lin.weight.grad = None, None
+        fast.refresh_graph_seeds(step, 0)
+        yg = graphed(x)
+        yg.backward(dy)
+        xr.grad, ref.weight.grad = None, None
+        fast.clear_caches()
+        ref.set_step(step)
+        ye = ref(xr)
+        ye.backward(dy)
+        for g, e in zip([yg, x.grad, lin.weight.grad], [ye, xr.grad, ref.weight.grad]):
+            assert torch.equal(g.detach(), e.detach()) or _rel(g.float(), e.float()) < 1e-6, step
+        outs.append(yg.detach().clone())
+    assert not torch.equal(outs[0], outs[1]) and not torch.equal(outs[1], outs[2])   # new signs each step

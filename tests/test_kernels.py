@@ -294,6 +294,22 @@ def test_launch_plans_replay_every_argument(cfg, kern, monkeypatch):
     assert calls.count((37, 130)) == 1 and len(mine) == 2 and all(p is not None for p in mine)
 
 
+@pytest.mark.parametrize("axis", [1, 0])
+def test_key_from_device_memory_equals_scalar_key(axis, kern):
+    """``key_tensor``: the kernel reads the stochastic-rounding key from device memory (what a CUDA
+    graph replays with) and quantizes exactly as with the same key passed as a scalar."""
+    x = _data(40, 96, seed=31)
+    k1, k2 = rng.stream_key(9), rng.stream_key(10)
+    kw = dict(rounding="stochastic", carrier=True, fp4=True, rot=16)
+    a = kq.quantize_mxfp4_2d(x, axis, key=k1, **kw)
+    kt = torch.tensor([kq._i32(k1), 0, 0, 0], dtype=torch.int32, device=DEV)
+    _same_quant(a, kq.quantize_mxfp4_2d(x, axis, key=12345, key_tensor=kt, **kw))
+    kt[0] = kq._i32(k2)
+    b = kq.quantize_mxfp4_2d(x, axis, key=k1, key_tensor=kt, **kw)
+    _same_quant(b, kq.quantize_mxfp4_2d(x, axis, key=k2, **kw))
+    assert not torch.equal(a.packed, b.packed)
+
+
 def test_self_check_and_fallback(monkeypatch):
     """The once-per-configuration self-check passes, and a configuration marked bad is served by the
     torch fallback with identical results (the GPU safety net, exercised here on any device)."""

@@ -135,7 +135,7 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["key"])
     def _mxfp4_kernel(
-        x_ptr, signs_ptr, car_ptr, gs_ptr, fp4_ptr, sc_ptr, cnt_ptr,
+        x_ptr, signs_ptr, car_ptr, gs_ptr, fp4_ptr, sc_ptr, cnt_ptr, key_ptr,
         R, K, Rc,
         sx_r, sx_k,            # memory strides of x along (outer row, reduction)
         si_r, si_k,            # logical index strides (stochastic rounding index)
@@ -144,10 +144,12 @@ if triton is not None:
         key, inv_sqrt, prescale,
         BR: tl.constexpr, ROT: tl.constexpr, HAS_SIGNS: tl.constexpr, RULE: tl.constexpr,
         SR: tl.constexpr, PRESCALE: tl.constexpr, GROUP_ROWS: tl.constexpr,
-        WRITE_CARRIER: tl.constexpr, WRITE_FP4: tl.constexpr, IDX64: tl.constexpr,
+        WRITE_CARRIER: tl.constexpr, WRITE_FP4: tl.constexpr, IDX64: tl.constexpr, KEY_PTR: tl.constexpr,
     ):
         pid_r = tl.program_id(0)
         pid_k = tl.program_id(1)
+        if KEY_PTR:  # the seed read from device memory (refreshed between CUDA-graph replays)
+            key = tl.load(key_ptr)
         if IDX64:  # offsets beyond 2**31 - 1: 64-bit index math (costs integer throughput)
             rows = pid_r.to(tl.int64) * BR + tl.arange(0, BR).to(tl.int64)
             kbase = pid_k.to(tl.int64) * 128
@@ -340,13 +342,14 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["key"])
     def _mxfp4_blk_kernel(
-        x_ptr, signs_ptr, car_ptr, gs_ptr, fp4_ptr, sc_ptr, cnt_ptr,
+        x_ptr, signs_ptr, car_ptr, gs_ptr, fp4_ptr, sc_ptr, cnt_ptr, key_ptr,
         R, K, Rc,
         sx_r, sx_k, si_r, si_k, Kc, Kq, gs_sr, gs_sk,
         key, inv_sqrt, prescale,
         BR: tl.constexpr, ROT: tl.constexpr, HAS_SIGNS: tl.constexpr, RULE: tl.constexpr,
         SR: tl.constexpr, PRESCALE: tl.constexpr, GROUP_ROWS: tl.constexpr,
-        WRITE_CARRIER: tl.constexpr, WRITE_FP4: tl.constexpr, IDX64: tl.constexpr, USE_ASM: tl.constexpr,
+        WRITE_CARRIER: tl.constexpr, WRITE_FP4: tl.constexpr, IDX64: tl.constexpr, KEY_PTR: tl.constexpr,
+        USE_ASM: tl.constexpr,
         JOIN_STORE: tl.constexpr,
     ):
         """Same contract as ``_mxfp4_kernel`` for ROT in (0, 2, 4, 8, 16, 32). The 128-wide tile is
@@ -355,6 +358,8 @@ if triton is not None:
         register-local; stages h < 8 stay inside a thread's 8 contiguous values."""
         pid_r = tl.program_id(0)
         pid_k = tl.program_id(1)
+        if KEY_PTR:  # the seed read from device memory (refreshed between CUDA-graph replays)
+            key = tl.load(key_ptr)
         if IDX64:
             rows = pid_r.to(tl.int64) * BR + tl.arange(0, BR).to(tl.int64)
             kbase = pid_k.to(tl.int64) * 128
@@ -545,13 +550,14 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["key"])
     def _mxfp4_cols_kernel(
-        x_ptr, signs_ptr, car_ptr, gs_ptr, fp4_ptr, sc_ptr, cnt_ptr,
+        x_ptr, signs_ptr, car_ptr, gs_ptr, fp4_ptr, sc_ptr, cnt_ptr, key_ptr,
         R, K, Rc,
         sx_r, sx_k, si_r, si_k, Kc, Kq, gs_sr, gs_sk,
         key, inv_sqrt, prescale,
         BR: tl.constexpr, ROT: tl.constexpr, HAS_SIGNS: tl.constexpr, RULE: tl.constexpr,
         SR: tl.constexpr, PRESCALE: tl.constexpr, GROUP_ROWS: tl.constexpr,
-        WRITE_CARRIER: tl.constexpr, WRITE_FP4: tl.constexpr, IDX64: tl.constexpr, USE_ASM: tl.constexpr,
+        WRITE_CARRIER: tl.constexpr, WRITE_FP4: tl.constexpr, IDX64: tl.constexpr, KEY_PTR: tl.constexpr,
+        USE_ASM: tl.constexpr,
         PACK: tl.constexpr,
     ):
         """Same contract as ``_mxfp4_kernel`` for ROT in (0, 2, 4, 8, 16, 32), made for inputs whose
@@ -563,6 +569,8 @@ if triton is not None:
         thread stores whole 32-byte carrier blocks (16-byte FP4 blocks) of the transposed output."""
         pid_r = tl.program_id(0)
         pid_k = tl.program_id(1)
+        if KEY_PTR:  # the seed read from device memory (refreshed between CUDA-graph replays)
+            key = tl.load(key_ptr)
         if IDX64:
             rows = pid_r.to(tl.int64) * BR + tl.arange(0, BR).to(tl.int64)
             kbase = pid_k.to(tl.int64) * 128
@@ -705,14 +713,17 @@ def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.
                       carrier: bool = True, fp4: bool = True, group_rows: int = 1,
                       row_multiple: int = 16, block_rows: int | None = None, num_warps: int | None = None,
                       k_multiple: int = TILE_K,
-                      counter: torch.Tensor | None = None, _check: bool = True) -> QuantOut:
+                      counter: torch.Tensor | None = None, key_tensor: torch.Tensor | None = None,
+                      _check: bool = True) -> QuantOut:
     """Quantize a 2-D tensor to MXFP4 along ``axis`` (0 or 1) in one fused pass.
 
     ``index_strides``: logical (outer, reduction) strides of the element index used for stochastic
     rounding (defaults to ``x``'s contiguous layout). The carrier rows are padded to
     ``row_multiple`` (128 for 128x128 groups); padded rows hold zeros. ``counter``: an int32
     tensor of one element that the count of inexact carrier blocks is added to (and returned as
-    ``inexact``), instead of a fresh zeroed one per call (saves a memset launch).
+    ``inexact``), instead of a fresh zeroed one per call (saves a memset launch). ``key_tensor``: an
+    int32 tensor whose first element the kernel reads as the stochastic-rounding key instead of ``key``
+    (a CUDA graph then replays with whatever key is stored there; ``mxtrain.fast`` refreshes it).
     """
     assert x.ndim == 2 and axis in (0, 1)
     if signs is not None:
@@ -723,10 +734,11 @@ def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.
         pkey = (x.device, x.dtype, x.shape, x.stride(), x.data_ptr() & 15, axis, rot,
                 None if signs is None else signs.data_ptr() & 15, rounding, scale_rule, prescale, index_strides,
                 carrier, fp4, group_rows, row_multiple, block_rows, num_warps, k_multiple,
-                None if counter is None else counter.data_ptr() & 15, _check, FORCE_IDX64, KERNEL, JOIN_STORE)
+                None if counter is None else counter.data_ptr() & 15,
+                None if key_tensor is None else key_tensor.data_ptr() & 15, _check, FORCE_IDX64, KERNEL, JOIN_STORE)
         plan = _PLANS.get(pkey)
         if plan is not None:
-            return plan(x, signs, key, counter)
+            return plan(x, signs, key, counter, key_tensor)
     if axis == 1:
         R, K = x.shape
         sx_r, sx_k = x.stride(0), x.stride(1)
@@ -790,12 +802,12 @@ def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.
     if R > 0 and K > 0:
         args = (x, signs if signs is not None else dummy,
                 car if carrier else dummy, gs if carrier else dummy,
-                packed if fp4 else dummy, sc if fp4 else dummy, cnt,
+                packed if fp4 else dummy, sc if fp4 else dummy, cnt, key_tensor if key_tensor is not None else dummy,
                 R, K, Rgrid, sx_r, sx_k, si[0], si[1], Kc, Kq, gsr, gsk,
                 _i32(key), inv_sqrt, ps)
         consts = dict(BR=BR, ROT=rot, HAS_SIGNS=signs is not None, RULE=RULE_ID[scale_rule],
                       SR=rounding == "stochastic", PRESCALE=prescale != 1.0, GROUP_ROWS=group_rows,
-                      WRITE_CARRIER=carrier, WRITE_FP4=fp4, IDX64=idx64)
+                      WRITE_CARRIER=carrier, WRITE_FP4=fp4, IDX64=idx64, KEY_PTR=key_tensor is not None)
         if kern == "cols":
             per_thread = 4 * BR // (32 * num_warps)   # values of each [4, BR] tensor a thread holds
             assert per_thread in (2, 4, 8, 16), "cols kernel: 4 x block_rows must be 64, 128, ... x 32 x num_warps"
@@ -821,7 +833,7 @@ def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.
         q2 = quantize_mxfp4_2d(x, axis, rot=rot, signs=signs, rounding=rounding, scale_rule=scale_rule,
                                key=key, prescale=prescale, index_strides=index_strides, carrier=False,
                                fp4=True, group_rows=group_rows, block_rows=block_rows, k_multiple=k_multiple,
-                               _check=False)
+                               key_tensor=key_tensor, _check=False)
         out.packed, out.scales = q2.packed, q2.scales
         carrier_from_fp4(out, k_multiple, row_multiple)
         if not fp4:
@@ -869,7 +881,7 @@ class _Plan:
             return None
         p = _Plan()
         p.run = run
-        p.head = tuple(args[7:n - 3])   # the integer sizes and strides
+        p.head = tuple(args[8:n - 3])   # the integer sizes and strides
         p.tail = tuple(args[n - 2:]) + tuple(consts[a] for a in names[n:])
         p.R, p.K, p.group_rows = out.R, out.K, group_rows
         p.carrier, p.fp4 = out.carrier is not None, out.packed is not None
@@ -881,7 +893,7 @@ class _Plan:
             p.pk_shape, p.sc_shape = tuple(out.packed.shape), tuple(out.scales.shape)
         return p
 
-    def __call__(self, x: torch.Tensor, signs, key: int, counter) -> QuantOut:
+    def __call__(self, x: torch.Tensor, signs, key: int, counter, key_tensor=None) -> QuantOut:
         dev = x.device
         car = gs = base = packed = sc = None
         if self.carrier:
@@ -895,7 +907,8 @@ class _Plan:
             packed = torch.empty(self.pk_shape, dtype=torch.uint8, device=dev)
             sc = torch.empty(self.sc_shape, dtype=torch.uint8, device=dev)
         self.run(x, cnt if signs is None else signs, cnt if car is None else car, cnt if gs is None else gs,
-                 cnt if packed is None else packed, cnt if sc is None else sc, cnt, *self.head, _i32(key), *self.tail)
+                 cnt if packed is None else packed, cnt if sc is None else sc, cnt,
+                 cnt if key_tensor is None else key_tensor, *self.head, _i32(key), *self.tail)
         return QuantOut(self.R, self.K, car.view(torch.float8_e4m3fn) if car is not None else None, gs,
                         self.group_rows, cnt if car is not None else None, packed, sc, base)
 
@@ -1191,14 +1204,18 @@ def _(x, signs, axis, rot, stochastic, rule, key, prescale, si0, si1, carrier, f
 def quantize_op(x: torch.Tensor, axis: int, *, rot: int = 0, signs=None, rounding: str = "nearest",
                 scale_rule: str = "floor", key: int = 0, prescale: float = 1.0, index_strides=None,
                 carrier: bool = True, fp4: bool = True, group_rows: int = 1, row_multiple: int = 16,
-                k_multiple: int = TILE_K, counter: torch.Tensor | None = None) -> QuantOut:
+                k_multiple: int = TILE_K, counter: torch.Tensor | None = None,
+                key_tensor: torch.Tensor | None = None) -> QuantOut:
     """``quantize_mxfp4_2d`` through the registered op under ``torch.compile`` (eagerly: a direct
     call, which saves the custom-op dispatch overhead); same result either way."""
     if not torch.compiler.is_compiling():
         return quantize_mxfp4_2d(x, axis, rot=rot, signs=signs, rounding=rounding, scale_rule=scale_rule, key=key,
                                  prescale=prescale, index_strides=index_strides, carrier=carrier, fp4=fp4,
                                  group_rows=group_rows, row_multiple=row_multiple, k_multiple=k_multiple,
-                                 counter=counter)
+                                 counter=counter, key_tensor=key_tensor)
+    if key_tensor is not None:
+        raise NotImplementedError("quantize_op: a key in device memory is for eager CUDA-graph capture, "
+                                  "not for torch.compile")
     if axis == 1:
         R, K = x.shape
         si = index_strides or (x.shape[1], 1)

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from .. import __version__, convert, set_step
+from .. import fast as mxfast
 from .. import distributed as D  # [distributed] issue 5: DDP / FSDP2 / DCP hooks
 from ..data import Loader, TokenData, ensure_builtin, val_batches
 from ..errors import UserError
@@ -114,8 +115,13 @@ def _check(cfg: TrainConfig) -> None:
 
 def graph_blockers(recipe, device: torch.device, world: int) -> list[str]:
     """Why the micro-step cannot be replayed as a CUDA graph (empty: it can). A graph replays the kernels
-    captured once, with the scalars they had then: stochastic rounding and per-step random signs take
-    their seeds from the step counter on the host, so they would repeat the captured step's draws."""
+    captured once, with the scalars they had then. Per-step random signs replay correctly on the fast
+    path, whose captured kernels read their sign vectors from device memory that
+    ``mxtrain.fast.refresh_graph_seeds`` rewrites before every replay; the reference path makes them on
+    the host. Stochastic rounding takes its keys from the step counter on the host, so a replay would
+    repeat the captured step's draws (device-side keys are not wired in yet, see mxtrain.fast)."""
+    from .. import fast
+    from ..kernels import kernels_available
     from ..recipe import GEMMS, OPERANDS
     why = []
     if device.type != "cuda":
@@ -125,10 +131,13 @@ def graph_blockers(recipe, device: torch.device, world: int) -> list[str]:
     for n in OPERANDS:
         if recipe.operand(n).rounding != "nearest":
             why.append(f"operand {n} uses {recipe.operand(n).rounding} rounding (seeded per step on the host)")
-    for g in GEMMS:
-        r = recipe.rotation(g)
-        if r.enabled and r.signs == "per_step":
-            why.append(f"the {g} rotation draws new signs every step")
+    fast_ok = device.type == "cuda" and fast.supported(recipe) and kernels_available(device)
+    if not fast_ok:
+        for g in GEMMS:
+            r = recipe.rotation(g)
+            if r.enabled and r.signs == "per_step":
+                why.append(f"the {g} rotation draws new signs every step, on the host outside the fast path "
+                           "(MXFP4/bf16 operands on a CUDA GPU with MXTRAIN_FAST on)")
     return why
 
 
@@ -459,6 +468,9 @@ def train(cfg: TrainConfig, resume: str | Path | None = None) -> Path:
                         for p in model.parameters():
                             if p.grad is None:
                                 p.grad = torch.zeros_like(p)
+                    # per-step signs of this step where the captured kernels read them (nothing to do
+                    # for other recipes)
+                    mxfast.refresh_graph_seeds(step, k)
                     loss = graphed(x, y) / accum
                     loss.backward()
                 else:
