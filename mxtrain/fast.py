@@ -175,8 +175,11 @@ class _GraphSeeds:
                 g = (seed, layer, op)
                 first[g] = min(first.get(g, call), call)
                 count[g] = count.get(g, 0) + 1
-            cols = list(zip(*[(seed, layer, op, step, call - first[(seed, layer, op)] + micro * count[(seed, layer, op)])
-                              for (seed, layer, op, call), _ in slots]))
+            rows = []
+            for (seed, layer, op, call), _ in slots:
+                g = (seed, layer, op)
+                rows.append((seed, layer, op, step, call - first[g] + micro * count[g]))
+            cols = list(zip(*rows))
             keys = rng.stream_key_t(rng.stream_key_t(*[torch.tensor(c, dtype=torch.int64) for c in cols]))
             keys = torch.where(keys >= 2**31, keys - 2**32, keys).to(torch.int32)
             idx = torch.tensor([i for _, i in slots], dtype=torch.int64)
