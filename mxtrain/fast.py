@@ -119,11 +119,11 @@ class _GraphSeeds:
     that optimizer step and micro-step, so replays draw the same bits as eager training does.
 
     Sign rows are used (GPU-tested: graph training with per-step signs follows eager training). Key
-    slots are not wired into ``_quant`` yet: on the H100 a quantize captured with ``key_tensor`` inside
-    ``torch.cuda.graph`` honoured rewritten keys, but inside MXLinear's backward captured by
-    ``torch.cuda.make_graphed_callables`` the replayed carrier stayed the same for different keys
-    (scripts/diag_graph_sr.py, 2026-11-23); until that is understood the trainer refuses CUDA graphs
-    with stochastic rounding."""
+    slots are used by ``_quant`` only with ``MXTRAIN_GRAPH_SR_KEYS=1`` (experimental): on the H100 a
+    quantize captured with ``key_tensor`` inside ``torch.cuda.graph`` honoured rewritten keys, but
+    inside MXLinear's backward captured by ``torch.cuda.make_graphed_callables`` the replayed carrier
+    stayed the same for different keys (scripts/diag_graph_sr.py, 2026-11-23); until that is
+    understood the trainer refuses CUDA graphs with stochastic rounding."""
 
     KEY_SLOTS = 16384
     SIGN_ROWS = 4096
@@ -204,6 +204,10 @@ def _pinned(t: torch.Tensor) -> torch.Tensor:
 
 
 _GRAPH_SEEDS: dict = {}
+# Experimental, off: stochastically rounded operands captured in a CUDA graph read their keys from
+# _GraphSeeds slots (the trainer still refuses graphs with stochastic rounding; scripts/diag_graph_sr.py
+# turns this on to investigate why replays inside make_graphed_callables did not follow the slots)
+GRAPH_SR_KEYS = os.environ.get("MXTRAIN_GRAPH_SR_KEYS", "0") == "1"
 
 
 def _graph_seeds(device) -> _GraphSeeds:
@@ -264,8 +268,9 @@ def _quant(qctx: _Ctx, t: torch.Tensor, axis: int, name: str, gemm: str, signs, 
     if op.rounding == "stochastic":
         seed = rng.stream_key(qctx.recipe.seed, qctx.layer, _OPERAND_ID[name], qctx.step, qctx.call)
         key = rng.stream_key(seed)
-        # (CUDA graphs: stochastic rounding is refused by the trainer; key slots in device memory,
-        # _GraphSeeds.key, are not wired in here yet: see _GraphSeeds)
+        if GRAPH_SR_KEYS and capturing and not torch.compiler.is_compiling():
+            # experimental (see _GraphSeeds): the captured kernel reads its key from a refreshed slot
+            key_t = _graph_seeds(t.device).key(qctx.recipe.seed, qctx.layer, _OPERAND_ID[name], qctx.call)
     # logical index strides of the (rotation-padded) tensor the reference quantizes
     if axis == 1:
         si = (_ceil(t.shape[1], rsize) if rsize else t.shape[1], 1)

@@ -3,6 +3,8 @@ replay time, and does MXLinear's captured backward use key slots?"""
 import torch
 
 import mxtrain.fast as F
+
+F.GRAPH_SR_KEYS = True   # the experimental wiring this script examines
 from mxtrain import MXLinear, recipes
 from mxtrain.kernels.quantize import quantize_mxfp4_2d
 
