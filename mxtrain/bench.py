@@ -242,6 +242,23 @@ class FP8RowwiseLinear(torch.nn.Linear):
         return _FP8RowwiseLinearFn.apply(x, self.weight)
 
 
+def fwd_bwd_call(mod, x: torch.Tensor, gy: torch.Tensor, clear_weight: bool = False):
+    """A function doing one ``mod(x).backward(gy)`` call as a layer benchmark times it: the same x every
+    call, so its reused activation operands are dropped first (or they would be quantized once for all
+    repeats; a real layer sees a new input every call); ``clear_weight`` also drops the quantized weight
+    operands (one micro-batch per optimizer step)."""
+    from . import fast as _fast
+
+    def f():
+        _fast.clear_caches()
+        if clear_weight:
+            mod.__dict__.pop("_mx_weight_cache", None)
+        x.grad = None
+        mod.weight.grad = None
+        mod(x).backward(gy)
+    return f
+
+
 def _graphed(fn):
     """``fn`` captured once in a CUDA graph (after 3 eager warm-up calls on a side stream); returns the
     replay, or raises where capture fails. Isolates the GPU time from the host's time to issue ``fn``."""
@@ -258,7 +275,6 @@ def _graphed(fn):
 
 
 def bench_linear(args) -> dict:
-    from . import fast as _fast
     from .train.trainer import graph_blockers
     from .nn import MXLinear
     dev = "cuda"
@@ -270,16 +286,7 @@ def bench_linear(args) -> dict:
         base = torch.nn.Linear(K, N, bias=False, device=dev, dtype=torch.bfloat16)
 
         def step(mod, clear=False):
-            def f():
-                # the same x every call: drop its reused activation operands, or they would be
-                # quantized once for all repeats (a real layer sees a new input every call)
-                _fast.clear_caches()
-                if clear:
-                    mod.__dict__.pop("_mx_weight_cache", None)
-                x.grad = None
-                mod.weight.grad = None
-                mod(x).backward(gy)
-            return f
+            return fwd_bwd_call(mod, x, gy, clear)
 
         r = {"M": M, "N": N, "K": K, "bf16_ms": _bench(step(base))}
         r["bf16_graph_ms"] = _bench(_graphed(step(base)))

@@ -218,9 +218,10 @@ def _graph_seeds(device) -> _GraphSeeds:
 
 
 def refresh_graph_seeds(step: int, micro: int = 0) -> None:
-    """Before replaying a CUDA graph captured with stochastic rounding or per-step signs: load the keys
-    and signs of optimizer ``step``, micro-step ``micro`` (what eager training would draw). The trainer
-    calls it before every replay (``train.cuda_graphs``); without it a replay repeats the last ones."""
+    """Before replaying a CUDA graph captured with per-step signs (and, with the experimental
+    ``MXTRAIN_GRAPH_SR_KEYS=1``, stochastic rounding): load the signs and keys of optimizer ``step``,
+    micro-step ``micro`` (what eager training would draw). The trainer calls it before every replay
+    (``train.cuda_graphs``); without it a replay repeats the last ones."""
     for g in _GRAPH_SEEDS.values():
         g.refresh(step, micro)
 

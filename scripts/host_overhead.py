@@ -38,6 +38,7 @@ def main():
     ap.add_argument("--profile", action="store_true", help="also print a cProfile of 100 fwd+bwd calls")
     a = ap.parse_args()
     from mxtrain import fast
+    from mxtrain.bench import fwd_bwd_call
     from mxtrain.kernels import quantize as Q
     from mxtrain.nn import MXLinear
 
@@ -49,14 +50,7 @@ def main():
     lin = MXLinear(a.K, a.N, bias=False, device=dev, dtype=torch.bfloat16, recipe=a.recipe)
 
     def step(mod, clear):
-        def f():
-            fast.clear_caches()
-            if clear:
-                mod.__dict__.pop("_mx_weight_cache", None)
-            x.grad = None
-            mod.weight.grad = None
-            mod(x).backward(gy)
-        return f
+        return fwd_bwd_call(mod, x, gy, clear)
 
     res["bf16_fwd_bwd_us"] = per_call_us(step(base, False))
     res["mx_fwd_bwd_us"] = per_call_us(step(lin, True))

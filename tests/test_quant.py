@@ -634,3 +634,15 @@ def test_cuda_matches_cpu_bit_for_bit(fmt):
             a, b = mxtrain.quantize(x, fmt, **kw), mxtrain.quantize(x.cuda(), fmt, **kw)
             assert torch.equal(a.codes(), b.codes().cpu()), (fmt, rule, rounding)
             assert_bitwise_equal(b.dequantize().cpu(), a.dequantize(), f"{fmt} {rule} {rounding} cuda")
+
+
+def test_stream_key_t_equals_stream_key_elementwise():
+    """The tensor fold used to refresh CUDA-graph seeds gives ``rng.stream_key`` for every element,
+    including parts above 2**32 (their high word is folded in) and broadcast scalar parts."""
+    g = np.random.default_rng(5)
+    parts = [g.integers(0, 2**40, size=64, dtype=np.int64) for _ in range(4)]
+    parts[1][:8] = [0, 1, 2**31, 2**32 - 1, 2**32, 2**33 + 7, 2**39, 5]
+    got = rng.stream_key_t(*[torch.from_numpy(p) for p in parts], 123)
+    want = [rng.stream_key(*(int(p[i]) for p in parts), 123) for i in range(64)]
+    assert got.tolist() == want
+    assert int(rng.stream_key_t(torch.tensor(9))) == rng.stream_key(9)

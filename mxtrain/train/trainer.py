@@ -120,7 +120,6 @@ def graph_blockers(recipe, device: torch.device, world: int) -> list[str]:
     ``mxtrain.fast.refresh_graph_seeds`` rewrites before every replay; the reference path makes them on
     the host. Stochastic rounding takes its keys from the step counter on the host, so a replay would
     repeat the captured step's draws (device-side keys are not wired in yet, see mxtrain.fast)."""
-    from .. import fast
     from ..kernels import kernels_available
     from ..recipe import GEMMS, OPERANDS
     why = []
@@ -131,7 +130,7 @@ def graph_blockers(recipe, device: torch.device, world: int) -> list[str]:
     for n in OPERANDS:
         if recipe.operand(n).rounding != "nearest":
             why.append(f"operand {n} uses {recipe.operand(n).rounding} rounding (seeded per step on the host)")
-    fast_ok = device.type == "cuda" and fast.supported(recipe) and kernels_available(device)
+    fast_ok = device.type == "cuda" and mxfast.supported(recipe) and kernels_available(device)
     if not fast_ok:
         for g in GEMMS:
             r = recipe.rotation(g)
@@ -336,8 +335,8 @@ def train(cfg: TrainConfig, resume: str | Path | None = None) -> Path:
     if cfg.train.cuda_graphs:
         why = graph_blockers(recipe, device, world)
         if why:
-            raise UserError("train.cuda_graphs needs one GPU and a recipe without stochastic rounding or per-step "
-                            "signs: " + "; ".join(why))
+            raise UserError("train.cuda_graphs needs one GPU, nearest rounding, and per-step signs only on the "
+                            "fast path: " + "; ".join(why))
     if cfg.train.deterministic:
         torch.use_deterministic_algorithms(True)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
