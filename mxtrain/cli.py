@@ -82,8 +82,8 @@ def _add_train(sub) -> None:
       help="continue from a run folder or checkpoint file (no value: the --out folder)")
     a("--set", action="append", default=[], metavar="KEY=VALUE",
       help="override any config field, e.g. --set optim.weight_decay=0 --set recipe.wgrad_dy.rounding=stochastic")
-    a("--cuda-graphs", action="store_true", help="replay each micro-step from a CUDA graph (train.cuda_graphs: one GPU, "
-                                                 "nearest rounding; per-step signs on the fast path only)")
+    a("--cuda-graphs", action="store_true", help="replay each micro-step from a CUDA graph (train.cuda_graphs: one GPU; "
+                                                 "stochastic rounding and per-step signs on the fast path only)")
     a("--no-progress", action="store_true", help="no progress bar (plain log lines)")
     a("--list", action="store_true", help="list experiments, models and recipes, then exit")
     p.set_defaults(func=_cmd_train)

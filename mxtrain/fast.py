@@ -118,21 +118,23 @@ class _GraphSeeds:
     kernel through ``key_tensor``). ``refresh(step, micro)`` writes what the eager path would use for
     that optimizer step and micro-step, so replays draw the same bits as eager training does.
 
-    Sign rows are used (GPU-tested: graph training with per-step signs follows eager training). Key
-    slots are used by ``_quant`` only with ``MXTRAIN_GRAPH_SR_KEYS=1`` (experimental): on the H100 a
-    quantize captured with ``key_tensor`` inside ``torch.cuda.graph`` honoured rewritten keys, but
-    inside MXLinear's backward captured by ``torch.cuda.make_graphed_callables`` the replayed carrier
-    stayed the same for different keys (scripts/diag_graph_sr.py, 2026-11-23); until that is
-    understood the trainer refuses CUDA graphs with stochastic rounding."""
+    Both buffers are made when the object is made, which must happen outside any capture (the eager
+    path makes it on its first call with stochastic rounding or per-step signs, so the warm-up calls of
+    ``torch.cuda.make_graphed_callables`` do). Made inside a capture they would come from the graph's
+    private memory pool, where a block freed by the captured forward can be handed to the backward:
+    every forward replay then overwrites the refreshed values (this is what made replays inside
+    ``make_graphed_callables`` ignore refreshed keys on the H100, scripts/diag_graph_sr.py)."""
 
     KEY_SLOTS = 16384
     SIGN_ROWS = 4096
 
     def __init__(self, device):
         self.device = device
-        self.keys = None
+        # torch.empty: no kernel (nothing to record if a capture were under way); refresh() writes every
+        # used slot and row before a replay reads it
+        self.keys = torch.empty((self.KEY_SLOTS * 4,), dtype=torch.int32, device=device)
         self.key_slots: dict = {}    # (seed, layer, operand id, call at capture) -> slot
-        self.signs = None
+        self.signs = torch.empty((self.SIGN_ROWS, 128), dtype=torch.float32, device=device)
         self.sign_rows: dict = {}    # (size, seed, layer, GEMM id) -> row
         self.signs_step = None
 
@@ -140,10 +142,6 @@ class _GraphSeeds:
         k = (seed, layer, op_id, call)
         i = self.key_slots.get(k)
         if i is None:
-            if self.keys is None:
-                # torch.empty: no kernel, so nothing is recorded into a graph being captured (a fill
-                # would be replayed, overwriting the refreshed keys); refresh() writes every used slot
-                self.keys = torch.empty((self.KEY_SLOTS * 4,), dtype=torch.int32, device=self.device)
             i = len(self.key_slots)
             if i >= self.KEY_SLOTS:
                 raise RuntimeError(f"mxtrain: more than {self.KEY_SLOTS} stochastically rounded operands in "
@@ -155,8 +153,6 @@ class _GraphSeeds:
         k = (size, seed, layer, gemm_id)
         i = self.sign_rows.get(k)
         if i is None:
-            if self.signs is None:   # torch.empty for the same reason; refresh() writes every used row
-                self.signs = torch.empty((self.SIGN_ROWS, 128), dtype=torch.float32, device=self.device)
             i = len(self.sign_rows)
             if i >= self.SIGN_ROWS:
                 raise RuntimeError(f"mxtrain: more than {self.SIGN_ROWS} per-step sign vectors in CUDA graphs")
@@ -204,22 +200,33 @@ def _pinned(t: torch.Tensor) -> torch.Tensor:
 
 
 _GRAPH_SEEDS: dict = {}
-# Experimental, off: stochastically rounded operands captured in a CUDA graph read their keys from
-# _GraphSeeds slots (the trainer still refuses graphs with stochastic rounding; scripts/diag_graph_sr.py
-# turns this on to investigate why replays inside make_graphed_callables did not follow the slots)
-GRAPH_SR_KEYS = os.environ.get("MXTRAIN_GRAPH_SR_KEYS", "0") == "1"
+# stochastically rounded operands captured in a CUDA graph read their keys from _GraphSeeds slots
+# (MXTRAIN_GRAPH_SR_KEYS=0: the captured scalar key, so every replay repeats the captured draws)
+GRAPH_SR_KEYS = os.environ.get("MXTRAIN_GRAPH_SR_KEYS", "1") != "0"
 
 
 def _graph_seeds(device) -> _GraphSeeds:
     g = _GRAPH_SEEDS.get(device)
     if g is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "mxtrain: a CUDA graph is being captured around a layer with stochastic rounding or per-step "
+                "random signs that never ran outside the capture; run it once eagerly before capturing (the "
+                "warm-up of torch.cuda.make_graphed_callables does), or call "
+                "mxtrain.fast.prepare_graph_seeds(device) first")
         g = _GRAPH_SEEDS[device] = _GraphSeeds(device)
     return g
 
 
+def prepare_graph_seeds(device) -> None:
+    """Make the device buffers that captured kernels read their per-step signs and stochastic-rounding
+    keys from (done by the first eager call that needs them; call it before a capture that has none)."""
+    _graph_seeds(torch.device(device))
+
+
 def refresh_graph_seeds(step: int, micro: int = 0) -> None:
-    """Before replaying a CUDA graph captured with per-step signs (and, with the experimental
-    ``MXTRAIN_GRAPH_SR_KEYS=1``, stochastic rounding): load the signs and keys of optimizer ``step``,
+    """Before replaying a CUDA graph captured with per-step signs or stochastic rounding (fast path):
+    load the signs and keys of optimizer ``step``,
     micro-step ``micro`` (what eager training would draw). The trainer calls it before every replay
     (``train.cuda_graphs``); without it a replay repeats the last ones."""
     for g in _GRAPH_SEEDS.values():
@@ -232,10 +239,13 @@ def _signs(qctx: _Ctx, gemm: str, device) -> torch.Tensor | None:
     if not rot.enabled or rot.signs == "none":
         return None
     mode = rot.signs
-    if mode == "per_step" and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        # a captured kernel reads its signs from a row that refresh_graph_seeds rewrites every step
-        from .nn import _GEMM_ID
-        return _graph_seeds(device).sign_row(rot.size, qctx.recipe.seed, qctx.layer, _GEMM_ID[gemm])
+    if mode == "per_step" and device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            # a captured kernel reads its signs from a row that refresh_graph_seeds rewrites every step
+            from .nn import _GEMM_ID
+            return _graph_seeds(device).sign_row(rot.size, qctx.recipe.seed, qctx.layer, _GEMM_ID[gemm])
+        if device not in _GRAPH_SEEDS:
+            _graph_seeds(device)   # made eagerly, before any capture (see _GraphSeeds)
     k = (rot.size, mode, qctx.recipe.seed, device,
          qctx.layer if mode in ("per_layer", "per_step") else 0,
          gemm if mode == "per_step" else "", qctx.step if mode == "per_step" else 0)
@@ -269,9 +279,11 @@ def _quant(qctx: _Ctx, t: torch.Tensor, axis: int, name: str, gemm: str, signs, 
     if op.rounding == "stochastic":
         seed = rng.stream_key(qctx.recipe.seed, qctx.layer, _OPERAND_ID[name], qctx.step, qctx.call)
         key = rng.stream_key(seed)
-        if GRAPH_SR_KEYS and capturing and not torch.compiler.is_compiling():
-            # experimental (see _GraphSeeds): the captured kernel reads its key from a refreshed slot
-            key_t = _graph_seeds(t.device).key(qctx.recipe.seed, qctx.layer, _OPERAND_ID[name], qctx.call)
+        if GRAPH_SR_KEYS and t.is_cuda and not torch.compiler.is_compiling():
+            if capturing:   # the captured kernel reads its key from a slot refreshed before each replay
+                key_t = _graph_seeds(t.device).key(qctx.recipe.seed, qctx.layer, _OPERAND_ID[name], qctx.call)
+            elif t.device not in _GRAPH_SEEDS:
+                _graph_seeds(t.device)   # made eagerly, before any capture (see _GraphSeeds)
     # logical index strides of the (rotation-padded) tensor the reference quantizes
     if axis == 1:
         si = (_ceil(t.shape[1], rsize) if rsize else t.shape[1], 1)

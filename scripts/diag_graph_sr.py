@@ -4,7 +4,7 @@ import torch
 
 import mxtrain.fast as F
 
-F.GRAPH_SR_KEYS = True   # the experimental wiring this script examines
+F.GRAPH_SR_KEYS = True   # the wiring this script examines (on by default)
 from mxtrain import MXLinear, recipes
 from mxtrain.kernels.quantize import quantize_mxfp4_2d
 

@@ -285,3 +285,49 @@ def test_cuda_graph_replays_per_step_signs_like_eager():
             assert torch.equal(g.detach(), e.detach()) or _rel(g.float(), e.float()) < 1e-6, step
         outs.append(yg.detach().clone())
     assert not torch.equal(outs[0], outs[1]) and not torch.equal(outs[1], outs[2])   # new signs each step
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_replays_stochastic_rounding_like_eager():
+    """A layer with stochastic rounding on dY, captured once: after refresh_graph_seeds(step, micro),
+    each replay draws what an eager layer (same weight and layer id, not captured) draws at that step
+    and micro-step (call), and different steps draw different bits."""
+    torch.manual_seed(0)
+    r = recipes.get("mxfp4-all-sr")
+    lin = MXLinear(1024, 512, recipe=r, device=DEV, dtype=torch.bfloat16, layer_id=3)
+    ref = MXLinear(1024, 512, recipe=r, device=DEV, dtype=torch.bfloat16, layer_id=3)
+    with torch.no_grad():
+        ref.weight.copy_(lin.weight)
+    x = torch.randn(256, 1024, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    xr = x.detach().clone().requires_grad_(True)
+    dy = torch.randn(256, 512, device=DEV, dtype=torch.bfloat16)
+    lin.set_step(0)
+    graphed = torch.cuda.make_graphed_callables(lin, (x,))
+    grads = []
+    for step, micro in ((0, 0), (0, 1), (5, 0), (0, 0)):
+        x.grad, lin.weight.grad = None, None
+        fast.refresh_graph_seeds(step, micro)
+        graphed(x).backward(dy)
+        xr.grad, ref.weight.grad = None, None
+        ref.set_step(step)
+        for _ in range(micro):   # the earlier micro-steps' calls
+            with torch.no_grad():
+                ref(xr)
+        ref(xr).backward(dy)
+        for g, e in zip([x.grad, lin.weight.grad], [xr.grad, ref.weight.grad]):
+            assert torch.equal(g, e) or _rel(g.float(), e.float()) < 1e-6, (step, micro)
+        grads.append(x.grad.clone())
+    assert not torch.equal(grads[0], grads[1]) and not torch.equal(grads[0], grads[2])
+    assert torch.equal(grads[0], grads[3])
+
+
+def test_graph_seed_buffers_are_not_made_inside_a_capture(monkeypatch):
+    """Made inside a capture, the key and sign buffers would come from the graph's memory pool, where a
+    replayed forward can overwrite them: _graph_seeds refuses with a message that says what to do."""
+    monkeypatch.setattr(fast, "_GRAPH_SEEDS", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="run it once eagerly before capturing.*prepare_graph_seeds"):
+        fast._graph_seeds(torch.device("cuda", 0))
+    g = fast._GraphSeeds(torch.device("cpu"))   # made outside a capture: both buffers exist at once
+    assert g.keys.numel() == 4 * g.KEY_SLOTS and g.signs.shape == (g.SIGN_ROWS, 128)

@@ -200,10 +200,17 @@ def test_cuda_graphs_refused_where_they_cannot_replay(tmp_path, monkeypatch):
     assert graph_blockers(recipes.get("bf16"), cuda, 1) == []
     # the fast path keeps per-step signs in device memory (refreshed before each replay): replayable
     assert graph_blockers(recipes.get("mxfp4-all-rht16"), cuda, 1) == []
-    assert any("stochastic" in w for w in graph_blockers(recipes.get("mxfp4-all-sr"), cuda, 1))
+    # and stochastic-rounding keys too
+    assert graph_blockers(recipes.get("mxfp4-all-sr"), cuda, 1) == []
+    monkeypatch.setattr(fast, "GRAPH_SR_KEYS", False)
+    assert any("stochastic rounding" in w and "MXTRAIN_GRAPH_SR_KEYS=0" in w
+               for w in graph_blockers(recipes.get("mxfp4-all-sr"), cuda, 1))
+    monkeypatch.setattr(fast, "GRAPH_SR_KEYS", True)
     assert any("several processes" in w for w in graph_blockers(recipes.get("bf16"), cuda, 2))
-    monkeypatch.setattr(fast, "ENABLED", False)   # the reference path makes signs on the host
+    monkeypatch.setattr(fast, "ENABLED", False)   # the reference path draws signs and keys on the host
     assert any("new signs every step" in w for w in graph_blockers(recipes.get("mxfp4-all-rht16"), cuda, 1))
+    assert any("stochastic rounding" in w and "outside the fast path" in w
+               for w in graph_blockers(recipes.get("mxfp4-all-sr"), cuda, 1))
     assert graph_blockers(recipes.get("mxfp4-all-dh16"), cuda, 1) == []
     cfg = _resume_cfg(tmp_path / "g", 2, recipe="mxfp4-all-sr")
     cfg.train.cuda_graphs = True
@@ -213,11 +220,12 @@ def test_cuda_graphs_refused_where_they_cannot_replay(tmp_path, monkeypatch):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("recipe", ["bf16", "mxfp4-all-dh16", "mxfp4-all-rht16"])
+@pytest.mark.parametrize("recipe", ["bf16", "mxfp4-all-dh16", "mxfp4-all-rht16", "mxfp4-all-sr"])
 def test_cuda_graph_training_follows_eager(tmp_path, recipe):
     """Micro-steps replayed from a CUDA graph (gradient accumulation included) train like eager ones:
     the same losses and parameter updates up to the GPU's non-deterministic atomics. With per-step
-    signs too: each replay reads the signs eager training would use for that step."""
+    signs and stochastic rounding too: each replay reads the signs and keys eager training would use
+    for that step and micro-step."""
     runs = {}
     for graphs in (False, True):
         cfg = _resume_cfg(tmp_path / f"{recipe}-{graphs}", 6, recipe=recipe)

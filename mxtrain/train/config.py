@@ -68,7 +68,7 @@ class TrainSection:
     checkpoint_every: int = 0               # steps between checkpoints; 0: only at the end
     deterministic: bool = False             # torch.use_deterministic_algorithms (GPU runs)
     cuda_graphs: bool = False               # replay each micro-step's forward + backward as a CUDA graph
-                                            # (one GPU; nearest rounding; per-step signs on the fast path only)
+                                            # (one GPU; SR and per-step signs on the fast path only)
 
 
 @dataclass

@@ -115,11 +115,10 @@ def _check(cfg: TrainConfig) -> None:
 
 def graph_blockers(recipe, device: torch.device, world: int) -> list[str]:
     """Why the micro-step cannot be replayed as a CUDA graph (empty: it can). A graph replays the kernels
-    captured once, with the scalars they had then. Per-step random signs replay correctly on the fast
-    path, whose captured kernels read their sign vectors from device memory that
-    ``mxtrain.fast.refresh_graph_seeds`` rewrites before every replay; the reference path makes them on
-    the host. Stochastic rounding takes its keys from the step counter on the host, so a replay would
-    repeat the captured step's draws (device-side keys are not wired in yet, see mxtrain.fast)."""
+    captured once, with the scalars they had then. Per-step random signs and stochastic rounding replay
+    correctly on the fast path, whose captured kernels read their sign vectors and rounding keys from
+    device memory that ``mxtrain.fast.refresh_graph_seeds`` rewrites before every replay; the reference
+    path draws both on the host, so a replay would repeat the captured step's draws."""
     from ..kernels import kernels_available
     from ..recipe import GEMMS, OPERANDS
     why = []
@@ -127,16 +126,18 @@ def graph_blockers(recipe, device: torch.device, world: int) -> list[str]:
         why.append(f"the device is {device}, not a CUDA GPU")
     if world > 1:
         why.append("training runs on several processes (CUDA graphs are for one GPU here)")
-    for n in OPERANDS:
-        if recipe.operand(n).rounding != "nearest":
-            why.append(f"operand {n} uses {recipe.operand(n).rounding} rounding (seeded per step on the host)")
     fast_ok = device.type == "cuda" and mxfast.supported(recipe) and kernels_available(device)
+    where = "on the host outside the fast path (MXFP4/bf16 operands on a CUDA GPU with MXTRAIN_FAST on)"
+    for n in OPERANDS:
+        r = recipe.operand(n).rounding
+        if r != "nearest" and not (fast_ok and mxfast.GRAPH_SR_KEYS):
+            why.append(f"operand {n} uses {r} rounding, seeded per step "
+                       + (where if not fast_ok else "on the host (MXTRAIN_GRAPH_SR_KEYS=0)"))
     if not fast_ok:
         for g in GEMMS:
             r = recipe.rotation(g)
             if r.enabled and r.signs == "per_step":
-                why.append(f"the {g} rotation draws new signs every step, on the host outside the fast path "
-                           "(MXFP4/bf16 operands on a CUDA GPU with MXTRAIN_FAST on)")
+                why.append(f"the {g} rotation draws new signs every step, {where}")
     return why
 
 
@@ -335,8 +336,8 @@ def train(cfg: TrainConfig, resume: str | Path | None = None) -> Path:
     if cfg.train.cuda_graphs:
         why = graph_blockers(recipe, device, world)
         if why:
-            raise UserError("train.cuda_graphs needs one GPU, nearest rounding, and per-step signs only on the "
-                            "fast path: " + "; ".join(why))
+            raise UserError("train.cuda_graphs needs one GPU, and stochastic rounding or per-step signs only on "
+                            "the fast path: " + "; ".join(why))
     if cfg.train.deterministic:
         torch.use_deterministic_algorithms(True)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
