@@ -224,7 +224,7 @@ def test_cuda_graph_replay_requantizes_changed_weights():
     # make_graphed_callables replaced lin.forward by the replay: the eager call goes through another
     # MXLinear sharing lin's weight
     ref = MXLinear(1024, 512, recipe=recipes.get("mxfp4-all-dh16"), device=DEV, dtype=torch.bfloat16)
-    ref.weight = lin.weight
+    ref.weight, ref.bias = lin.weight, lin.bias
     ye = ref(x2)
     ye.backward(dy)
     for g, e in zip(got, [ye.detach(), x2.grad, lin.weight.grad]):
@@ -263,8 +263,7 @@ def test_cuda_graph_replays_per_step_signs_like_eager():
     r = recipes.get("mxfp4-all-rht16")
     lin = MXLinear(1024, 512, recipe=r, device=DEV, dtype=torch.bfloat16, layer_id=3)
     ref = MXLinear(1024, 512, recipe=r, device=DEV, dtype=torch.bfloat16, layer_id=3)
-    with torch.no_grad():
-        ref.weight.copy_(lin.weight)
+    ref.load_state_dict(lin.state_dict())   # weight and bias
     x = torch.randn(256, 1024, device=DEV, dtype=torch.bfloat16, requires_grad=True)
     xr = x.detach().clone().requires_grad_(True)
     dy = torch.randn(256, 512, device=DEV, dtype=torch.bfloat16)
@@ -297,8 +296,7 @@ def test_cuda_graph_replays_stochastic_rounding_like_eager():
     r = recipes.get("mxfp4-all-sr")
     lin = MXLinear(1024, 512, recipe=r, device=DEV, dtype=torch.bfloat16, layer_id=3)
     ref = MXLinear(1024, 512, recipe=r, device=DEV, dtype=torch.bfloat16, layer_id=3)
-    with torch.no_grad():
-        ref.weight.copy_(lin.weight)
+    ref.load_state_dict(lin.state_dict())   # weight and bias
     x = torch.randn(256, 1024, device=DEV, dtype=torch.bfloat16, requires_grad=True)
     xr = x.detach().clone().requires_grad_(True)
     dy = torch.randn(256, 512, device=DEV, dtype=torch.bfloat16)
