@@ -340,8 +340,9 @@ if triton is not None:
         lo, hi = tl.split(tl.reshape(c, [BR, 4, 4, 2]))
         return (lo | (hi << 4)).to(tl.uint8)
 
-    @triton.jit(do_not_specialize=["key"])
-    def _mxfp4_blk_kernel(
+    @triton.jit
+    def _blk_tile(
+        pid_r, pid_k,
         x_ptr, signs_ptr, car_ptr, gs_ptr, fp4_ptr, sc_ptr, cnt_ptr, key_ptr,
         R, K, Rc,
         sx_r, sx_k, si_r, si_k, Kc, Kq, gs_sr, gs_sk,
@@ -356,8 +357,6 @@ if triton is not None:
         loaded as four pieces x0..x3 of shape [BR, 4, 8] (piece j = elements 8j..8j+7 of each MX
         block), so each thread holds whole MX blocks: block maxima and rotation stages h >= 8 are
         register-local; stages h < 8 stay inside a thread's 8 contiguous values."""
-        pid_r = tl.program_id(0)
-        pid_k = tl.program_id(1)
         if KEY_PTR:  # the seed read from device memory (refreshed between CUDA-graph replays)
             key = tl.load(key_ptr)
         if IDX64:
@@ -513,6 +512,26 @@ if triton is not None:
             tl.atomic_add(cnt_ptr + tl.zeros_like(s), 1, mask=bad)   # rare: usually no lane is active
 
 
+    @triton.jit(do_not_specialize=["key"])
+    def _mxfp4_blk_kernel(
+        x_ptr, signs_ptr, car_ptr, gs_ptr, fp4_ptr, sc_ptr, cnt_ptr, key_ptr,
+        R, K, Rc,
+        sx_r, sx_k, si_r, si_k, Kc, Kq, gs_sr, gs_sk,
+        key, inv_sqrt, prescale,
+        BR: tl.constexpr, ROT: tl.constexpr, HAS_SIGNS: tl.constexpr, RULE: tl.constexpr,
+        SR: tl.constexpr, PRESCALE: tl.constexpr, GROUP_ROWS: tl.constexpr,
+        WRITE_CARRIER: tl.constexpr, WRITE_FP4: tl.constexpr, IDX64: tl.constexpr, KEY_PTR: tl.constexpr,
+        USE_ASM: tl.constexpr,
+        JOIN_STORE: tl.constexpr,
+    ):
+        """``_blk_tile`` on the tile of this program: (row block, reduction block) = program ids."""
+        _blk_tile(
+            tl.program_id(0), tl.program_id(1),
+            x_ptr, signs_ptr, car_ptr, gs_ptr, fp4_ptr, sc_ptr, cnt_ptr, key_ptr, R, K, Rc, sx_r, sx_k, si_r,
+            si_k, Kc, Kq, gs_sr, gs_sk, key, inv_sqrt, prescale, BR, ROT, HAS_SIGNS, RULE, SR, PRESCALE,
+            GROUP_ROWS, WRITE_CARRIER, WRITE_FP4, IDX64, KEY_PTR, USE_ASM, JOIN_STORE)
+
+
 if triton is not None:
 
     @triton.jit
@@ -548,8 +567,9 @@ if triton is not None:
         v = _join_level(v, 1)
         return tl.reshape(v[0], [4, BR, N])
 
-    @triton.jit(do_not_specialize=["key"])
-    def _mxfp4_cols_kernel(
+    @triton.jit
+    def _cols_tile(
+        pid_r, pid_k,
         x_ptr, signs_ptr, car_ptr, gs_ptr, fp4_ptr, sc_ptr, cnt_ptr, key_ptr,
         R, K, Rc,
         sx_r, sx_k, si_r, si_k, Kc, Kq, gs_sr, gs_sk,
@@ -567,8 +587,6 @@ if triton is not None:
         coalesced along the rows, and the block maxima and every rotation stage are element-wise
         between the 32 tensors. Only the 1-byte results change layout: joined into [4, BR, 32], each
         thread stores whole 32-byte carrier blocks (16-byte FP4 blocks) of the transposed output."""
-        pid_r = tl.program_id(0)
-        pid_k = tl.program_id(1)
         if KEY_PTR:  # the seed read from device memory (refreshed between CUDA-graph replays)
             key = tl.load(key_ptr)
         if IDX64:
@@ -670,6 +688,26 @@ if triton is not None:
                 tl.store(gs_ptr + pid_r * gs_sr + pid_k * gs_sk, gval)
             bad = inexact & rm
             tl.atomic_add(cnt_ptr + tl.zeros_like(s), 1, mask=bad)   # rare: usually no lane is active
+
+
+    @triton.jit(do_not_specialize=["key"])
+    def _mxfp4_cols_kernel(
+        x_ptr, signs_ptr, car_ptr, gs_ptr, fp4_ptr, sc_ptr, cnt_ptr, key_ptr,
+        R, K, Rc,
+        sx_r, sx_k, si_r, si_k, Kc, Kq, gs_sr, gs_sk,
+        key, inv_sqrt, prescale,
+        BR: tl.constexpr, ROT: tl.constexpr, HAS_SIGNS: tl.constexpr, RULE: tl.constexpr,
+        SR: tl.constexpr, PRESCALE: tl.constexpr, GROUP_ROWS: tl.constexpr,
+        WRITE_CARRIER: tl.constexpr, WRITE_FP4: tl.constexpr, IDX64: tl.constexpr, KEY_PTR: tl.constexpr,
+        USE_ASM: tl.constexpr,
+        PACK: tl.constexpr,
+    ):
+        """``_cols_tile`` on the tile of this program: (row block, reduction block) = program ids."""
+        _cols_tile(
+            tl.program_id(0), tl.program_id(1),
+            x_ptr, signs_ptr, car_ptr, gs_ptr, fp4_ptr, sc_ptr, cnt_ptr, key_ptr, R, K, Rc, sx_r, sx_k, si_r,
+            si_k, Kc, Kq, gs_sr, gs_sk, key, inv_sqrt, prescale, BR, ROT, HAS_SIGNS, RULE, SR, PRESCALE,
+            GROUP_ROWS, WRITE_CARRIER, WRITE_FP4, IDX64, KEY_PTR, USE_ASM, PACK)
 
 
 @dataclass
