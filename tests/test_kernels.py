@@ -509,3 +509,131 @@ def test_blocks_kernel_hardware_e4m3_path_matches_float_path():
     fin = np.isfinite(allv)
     assert np.array_equal(got[fin], want[fin])
     assert np.all(got[~fin] == 0x7F)
+
+
+# ---- both operands of one activation from one read (quantize_mxfp4_dual)
+
+def _signs(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, 2, (n,), generator=g) * 2 - 1).float()
+
+
+DUAL_CASES = [
+    # (M, K, dtype, options along rows (A), options along columns (B))
+    (256, 512, torch.bfloat16, dict(), dict()),
+    (130, 300, torch.float32, dict(rot=16, signs=_signs(16, 1)), dict(rot=16, signs=_signs(16, 2), group_rows=128)),
+    (257, 129, torch.float32, dict(rounding="stochastic", key=rng.stream_key(5), prescale=0.75, scale_rule="even"),
+     dict(rot=32, rounding="stochastic", key=rng.stream_key(6), scale_rule="rceil")),
+    (96, 640, torch.bfloat16, dict(rot=8, scale_rule="ceil", index_strides=(1000, 1)),
+     dict(rot=4, signs=_signs(4, 3), group_rows=128, scale_rule="amd")),
+]
+
+
+def _dual_expect(x, a, b, k_multiple):
+    return [kq.quantize_mxfp4_2d(x, ax, **s, carrier=True, fp4=False, k_multiple=k_multiple)
+            for ax, s in ((1, a), (0, b))]
+
+
+def _same_carrier(p, q):
+    assert p.carrier.shape == q.carrier.shape and p.gs_base.shape == q.gs_base.shape
+    assert torch.equal(p.carrier.view(torch.uint8), q.carrier.view(torch.uint8))
+    assert torch.equal(p.gscale, q.gscale)
+
+
+@pytest.mark.parametrize("case", range(len(DUAL_CASES)))
+@pytest.mark.parametrize("k_multiple", [128, 512])
+def test_dual_equals_two_passes(case, k_multiple, monkeypatch):
+    """One pass writing both FP8-carrier operands (rows along K with the blocks tile, columns along M
+    with the cols tile) gives exactly the two single passes' outputs: bytes, group scales, padding and
+    the inexact count, for odd sizes, rotations with and without signs, stochastic rounding, prescale,
+    every scale rule and both group shapes of B."""
+    monkeypatch.setattr(kq, "SELF_CHECK_DEVICES", ())   # the kernel itself, not its GPU safety net
+    M, K, dt, a, b = DUAL_CASES[case]
+    x = _data(M, K, seed=40 + case, dtype=dt)
+    x[:3, 32:64] *= 2.0**-20            # inexact carrier blocks along rows
+    x[64:96, :2] *= 2.0**-20            # and along columns
+    assert kq.dual_applies(x, a.get("rot", 0), b.get("rot", 0))
+    got = kq.quantize_mxfp4_dual(x, a, b, k_multiple=k_multiple)
+    want = _dual_expect(x, a, b, k_multiple)
+    for p, q in zip(got, want):
+        _same_carrier(p, q)
+    assert got[0].inexact is got[1].inexact     # one counter for both
+    n = int(want[0].inexact.item()) + int(want[1].inexact.item())
+    assert int(got[0].inexact.item()) == n and n > 0
+
+
+def test_dual_matches_the_reference_quantizer():
+    """Independently of the single-pass kernels: the dual pass's carrier values are the reference
+    quantizer's MXFP4 values along each axis (no inexact blocks in this data)."""
+    x = _data(128, 256, seed=50)
+    a, b = kq.quantize_mxfp4_dual(x, dict(), dict(group_rows=1))
+    assert int(a.inexact.item()) == 0
+    for q, axis in ((a, 1), (b, 0)):
+        deq = _ref(x, axis).dequantize(torch.float32)
+        deq = deq if axis == 1 else deq.t()
+        assert torch.equal(kq.carrier_values(q)[: deq.shape[0], : deq.shape[1]], deq)
+
+
+def test_dual_key_from_device_memory_and_64bit_offsets(monkeypatch):
+    """Keys read from device memory (CUDA-graph replays) and the 64-bit offset variant give the same
+    outputs as scalar keys and 32-bit offsets."""
+    monkeypatch.setattr(kq, "SELF_CHECK_DEVICES", ())
+    x = _data(64, 160, seed=51)
+    k1, k2 = rng.stream_key(1), rng.stream_key(2)
+    a = dict(rounding="stochastic", key=k1, rot=16)
+    b = dict(rounding="stochastic", key=k2)
+    want = kq.quantize_mxfp4_dual(x, a, b)
+    kta = torch.tensor([kq._i32(k1), 0, 0, 0], dtype=torch.int32, device=DEV)
+    ktb = torch.tensor([kq._i32(k2), 0, 0, 0], dtype=torch.int32, device=DEV)
+    got = kq.quantize_mxfp4_dual(x, dict(a, key=0, key_tensor=kta), dict(b, key=0, key_tensor=ktb))
+    for p, q in zip(got, want):
+        _same_carrier(p, q)
+    monkeypatch.setattr(kq, "FORCE_IDX64", True)
+    for p, q in zip(kq.quantize_mxfp4_dual(x, a, b), want):
+        _same_carrier(p, q)
+
+
+def test_dual_falls_back_to_two_passes(monkeypatch):
+    """Where one pass does not apply (a column-major input, a rotation wider than 32, MXTRAIN_QDUAL=0)
+    the two single passes run, with the same results."""
+    monkeypatch.setattr(kq, "SELF_CHECK_DEVICES", ())
+    x = _data(96, 160, seed=52)
+
+    def no_dual(*a, **k):
+        raise AssertionError("the dual kernel ran where it does not apply")
+    monkeypatch.setattr(kq, "_mxfp4_dual_kernel", type("K", (), {"__getitem__": lambda self, g: no_dual})())
+    xt = x.t().contiguous().t()   # same values, column-major
+    for xx, a, b in ((xt, dict(), dict()), (x, dict(rot=64), dict()), (x, dict(), dict(rot=128))):
+        assert not kq.dual_applies(xx, a.get("rot", 0), b.get("rot", 0))
+        for p, q in zip(kq.quantize_mxfp4_dual(xx, a, b), _dual_expect(xx, a, b, 128)):
+            _same_carrier(p, q)
+    monkeypatch.setattr(kq, "DUAL", False)
+    assert not kq.dual_applies(x, 0, 0)
+    with pytest.raises(TypeError, match="unknown option"):
+        kq.quantize_mxfp4_dual(x, dict(rotation=16), dict())
+
+
+def test_dual_self_check(monkeypatch):
+    """The once-per-variant self-check (GPU safety net, run here on any device) accepts the dual pass,
+    and a variant whose output differs from the two single passes is reported and replaced by them."""
+    monkeypatch.setattr(kq, "SELF_CHECK_DEVICES", (torch.device(DEV).type,))
+    monkeypatch.setattr(kq, "_DUAL_VERIFIED", {})
+    x = _data(64, 256, seed=53, dtype=torch.bfloat16)
+    a, b = dict(rot=16), dict(rot=16, group_rows=128)
+    good = kq.quantize_mxfp4_dual(x, a, b)
+    assert list(kq._DUAL_VERIFIED.values()) == [True]
+    real = kq._mxfp4_dual_kernel
+
+    class Broken:   # the dual kernel, then one byte of output A changed
+        def __getitem__(self, grid):
+            def run(*args, **kw):
+                real[grid](*args, **kw)
+                args[3].view(-1)[5] ^= 1
+            return run
+    monkeypatch.setattr(kq, "_mxfp4_dual_kernel", Broken())
+    monkeypatch.setattr(kq, "_DUAL_VERIFIED", {})
+    with pytest.warns(RuntimeWarning, match="dual quantize variant"):
+        fb = kq.quantize_mxfp4_dual(x, a, b)
+    assert list(kq._DUAL_VERIFIED.values()) == [False]
+    for p, q in zip(fb, good):
+        _same_carrier(p, q)

@@ -709,6 +709,50 @@ if triton is not None:
             si_k, Kc, Kq, gs_sr, gs_sk, key, inv_sqrt, prescale, BR, ROT, HAS_SIGNS, RULE, SR, PRESCALE,
             GROUP_ROWS, WRITE_CARRIER, WRITE_FP4, IDX64, KEY_PTR, USE_ASM, PACK)
 
+    @triton.jit(do_not_specialize=["key_a", "key_b"])
+    def _mxfp4_dual_kernel(
+        x_ptr, cnt_ptr,
+        sg_a, car_a, gs_a, kp_a,
+        sg_b, car_b, gs_b, kp_b,
+        M, K, sx_m, sx_k,
+        Rc_a, si_ra, si_ka, Kc_a, Kq_a, gsr_a, gsk_a,
+        Rc_b, si_rb, si_kb, Kc_b, Kq_b, gsr_b, gsk_b,
+        nr_a, nk_a, nr_b, nk_b, F,
+        key_a, inv_a, ps_a, key_b, inv_b, ps_b,
+        BR_A: tl.constexpr, ROT_A: tl.constexpr, HAS_SIGNS_A: tl.constexpr, RULE_A: tl.constexpr,
+        SR_A: tl.constexpr, PRESCALE_A: tl.constexpr, KEY_PTR_A: tl.constexpr,
+        BR_B: tl.constexpr, ROT_B: tl.constexpr, HAS_SIGNS_B: tl.constexpr, RULE_B: tl.constexpr,
+        SR_B: tl.constexpr, PRESCALE_B: tl.constexpr, KEY_PTR_B: tl.constexpr, GROUP_ROWS_B: tl.constexpr,
+        PACK_B: tl.constexpr,
+        IDX64: tl.constexpr, USE_ASM: tl.constexpr, JOIN_STORE: tl.constexpr,
+    ):
+        """Both FP8-carrier operands of a row-major (M, K) tensor from one read of it: A quantized along
+        rows (K; ``_blk_tile``, 1x128 group scales) and B along columns (M; ``_cols_tile``). Programs come
+        in groups of ``128 / BR_A`` A tiles and ``128 / BR_B`` B tiles that cover the same 128 x 128 block
+        of the input, so the B tiles read what the A tiles just brought into the L2 cache (one pass over
+        HBM instead of two). ``F``: 128-wide blocks along K; ``nr_*``, ``nk_*``: each output's grid."""
+        NA: tl.constexpr = 128 // BR_A
+        NB: tl.constexpr = 128 // BR_B
+        pid = tl.program_id(0)
+        g = pid // (NA + NB)
+        w = pid % (NA + NB)
+        tb = g // F          # 128-row block of the input (tokens)
+        fb = g % F           # 128-column block (features)
+        if w < NA:
+            pr = tb * NA + w
+            if (pr < nr_a) & (fb < nk_a):
+                _blk_tile(pr, fb, x_ptr, sg_a, car_a, gs_a, cnt_ptr, cnt_ptr, cnt_ptr, kp_a,
+                          M, K, Rc_a, sx_m, sx_k, si_ra, si_ka, Kc_a, Kq_a, gsr_a, gsk_a, key_a, inv_a, ps_a,
+                          BR_A, ROT_A, HAS_SIGNS_A, RULE_A, SR_A, PRESCALE_A, 1, True, False, IDX64, KEY_PTR_A,
+                          USE_ASM, JOIN_STORE)
+        else:
+            pr = fb * NB + (w - NA)
+            if (pr < nr_b) & (tb < nk_b):
+                _cols_tile(pr, tb, x_ptr, sg_b, car_b, gs_b, cnt_ptr, cnt_ptr, cnt_ptr, kp_b,
+                           K, M, Rc_b, sx_k, sx_m, si_rb, si_kb, Kc_b, Kq_b, gsr_b, gsk_b, key_b, inv_b, ps_b,
+                           BR_B, ROT_B, HAS_SIGNS_B, RULE_B, SR_B, PRESCALE_B, GROUP_ROWS_B, True, False, IDX64,
+                           KEY_PTR_B, USE_ASM, PACK_B)
+
 
 @dataclass
 class QuantOut:
@@ -743,6 +787,27 @@ def _f32(v: float) -> float:
 def _i32(key: int) -> int:
     key &= 0xFFFFFFFF
     return key - (1 << 32) if key >= (1 << 31) else key
+
+
+def _carrier_buffers(Rc: int, Kc: int, group_rows: int, dev):
+    """FP8-carrier output buffers: (carrier bytes (Rc, Kc), group scales view, their contiguous storage,
+    group-scale strides per row group and per K group)."""
+    car = torch.empty((Rc, Kc), dtype=torch.uint8, device=dev)
+    if group_rows == 1:
+        gs_base = torch.empty((Kc // TILE_K, Rc), dtype=torch.float32, device=dev)
+        return car, gs_base.t(), gs_base, 1, Rc      # outer-dim-major (Rc, Kc/128) view
+    # cuBLAS wants the 128x128 scale rows' leading dimension padded to a multiple of 4
+    # (the padding columns are never read)
+    ld = _ceil(Kc // TILE_K, 4)
+    gs_base = torch.empty((Rc // 128, ld), dtype=torch.float32, device=dev)
+    return car, gs_base[:, : Kc // TILE_K], gs_base, ld, 1
+
+
+def _needs_idx64(Rp: int, Kc: int, Kq: int, sx_r: int, sx_k: int, si) -> bool:
+    """32-bit offsets unless some offset (masked lanes of the last tiles included, ``Rp`` rows of
+    programs) could pass 2**31 - 1."""
+    return FORCE_IDX64 or max(Rp * abs(sx_r) + Kc * abs(sx_k), Rp * Kc, Rp * Kq,
+                              Rp * max(si[0], 1) + Kc * max(si[1], 1)) >= 2**31 - 1
 
 
 def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.Tensor | None = None,
@@ -806,17 +871,7 @@ def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.
     Rc = _ceil(max(R, 1), max(row_multiple, 1)) if carrier else R
     Rgrid = Rc if carrier else R
     if carrier:
-        car = torch.empty((Rc, Kc), dtype=torch.uint8, device=dev)
-        if group_rows == 1:
-            gs = torch.empty((Kc // TILE_K, Rc), dtype=torch.float32, device=dev).t()  # outer-dim-major
-            gsr, gsk = 1, Rc
-        else:
-            # cuBLAS wants the 128x128 scale rows' leading dimension padded to a multiple of 4
-            # (the padding columns are never read)
-            ld = _ceil(Kc // TILE_K, 4)
-            gs_base = torch.empty((Rc // 128, ld), dtype=torch.float32, device=dev)
-            gs = gs_base[:, : Kc // TILE_K]
-            gsr, gsk = ld, 1
+        car, gs, gs_base, gsr, gsk = _carrier_buffers(Rc, Kc, group_rows, dev)
         cnt = counter if counter is not None else torch.zeros((1,), dtype=torch.int32, device=dev)
     else:
         car = gs = None
@@ -833,9 +888,7 @@ def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.
     inv_sqrt = _f32(1.0 / math.sqrt(rot)) if rot else 1.0
     ps = _f32(prescale)
     grid = (triton.cdiv(max(Rgrid, 1), BR), Kc // TILE_K)
-    # 32-bit offsets unless some offset (masked lanes of the last tiles included) could pass 2**31 - 1
-    Rp = grid[0] * BR
-    idx64 = FORCE_IDX64 or max(Rp * abs(sx_r) + Kc * abs(sx_k), Rp * Kc, Rp * Kq, Rp * max(si[0], 1) + Kc * max(si[1], 1)) >= 2**31 - 1
+    idx64 = _needs_idx64(grid[0] * BR, Kc, Kq, sx_r, sx_k, si)
     compiled = kfn = consts = None
     if R > 0 and K > 0:
         args = (x, signs if signs is not None else dummy,
@@ -859,7 +912,7 @@ def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.
         compiled = kfn[grid](*args, **consts, num_warps=num_warps, enable_fp_fusion=False)
     base = None
     if carrier:
-        base = gs.t() if group_rows == 1 else gs_base
+        base = gs_base
     out = QuantOut(R, K, car.view(torch.float8_e4m3fn) if carrier else None, gs, group_rows,
                    cnt if carrier else None, packed, sc, base)
     if (carrier and _check and dev.type in SELF_CHECK_DEVICES and R > 0 and K > 0
@@ -882,6 +935,126 @@ def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.
             _PLANS.clear()
         _PLANS[pkey] = _Plan.make(kfn, compiled, grid, args, consts, out, Kc, group_rows)
     return out
+
+
+# Both operands of one activation from one read (``quantize_mxfp4_dual``): the forward's X (Fprop along
+# features, Wgrad along tokens) and the backward's dY (Dgrad along features, Wgrad along tokens).
+# MXTRAIN_QDUAL=0: two separate passes instead.
+DUAL = os.environ.get("MXTRAIN_QDUAL", "1").strip().lower() not in ("0", "false", "no", "off")
+_DUAL_VERIFIED: dict = {}
+_SIDE_KEYS = ("rot", "signs", "rounding", "scale_rule", "key", "prescale", "index_strides", "key_tensor", "group_rows")
+
+
+def dual_applies(x: torch.Tensor, rot_a: int, rot_b: int, group_rows_a: int = 1) -> bool:
+    """Whether ``quantize_mxfp4_dual`` runs one fused pass for ``x`` (else it runs two): a row-major 2-D
+    tensor, FP8-carrier outputs, A with 1x128 groups, and rotations the blocks and cols kernels take."""
+    return (DUAL and x.ndim == 2 and x.shape[0] > 0 and x.shape[1] > 1 and x.stride(1) == 1
+            and group_rows_a == 1 and kernel_for(1, rot_a, False) == "blocks"
+            and kernel_for(0, rot_b, False, rows_contiguous=True) == "cols")
+
+
+def quantize_mxfp4_dual(x: torch.Tensor, a: dict, b: dict, *, k_multiple: int = TILE_K,
+                        counter: torch.Tensor | None = None, _check: bool = True) -> tuple[QuantOut, QuantOut]:
+    """The FP8-carrier outputs of ``quantize_mxfp4_2d(x, 1, **a, carrier=True, fp4=False)`` and
+    ``quantize_mxfp4_2d(x, 0, **b, carrier=True, fp4=False)`` (bit-identical) from one pass over ``x``
+    where ``dual_applies``, else from those two calls. ``a`` and ``b`` take the keyword options of
+    ``quantize_mxfp4_2d`` (rot, signs, rounding, scale_rule, key, prescale, index_strides, key_tensor,
+    group_rows). Both outputs add their inexact blocks to one counter (``counter``, or a new one)."""
+    for side in (a, b):
+        bad = set(side) - set(_SIDE_KEYS)
+        if bad:
+            raise TypeError(f"quantize_mxfp4_dual: unknown option(s) {sorted(bad)}; use {', '.join(_SIDE_KEYS)}")
+    if x.ndim != 2:
+        raise ValueError(f"quantize_mxfp4_dual: x must be 2-D, got shape {tuple(x.shape)}")
+    ra, rb = a.get("rot", 0), b.get("rot", 0)
+    cnt = counter if counter is not None else torch.zeros((1,), dtype=torch.int32, device=x.device)
+    if not dual_applies(x, ra, rb, a.get("group_rows", 1)) or (
+            _check and x.device.type in SELF_CHECK_DEVICES and not _dual_ok(x, a, b, k_multiple)):
+        return tuple(quantize_mxfp4_2d(x, ax, **side, carrier=True, fp4=False, k_multiple=k_multiple,
+                                       counter=cnt, _check=_check) for ax, side in ((1, a), (0, b)))
+    M, K = x.shape
+    dev = x.device
+    gr_b = b.get("group_rows", 1)
+    nw = 8 if gr_b == 128 else 4              # the cols kernel's tuned warps for B; A's blocks tile follows
+    BR = {1: 8 * nw, 0: 128 if gr_b == 128 else 16 * nw}
+    outs, args, consts, geo = [], [], {}, []
+    for axis, side, R, Kr, sfx in ((1, a, M, K, "A"), (0, b, K, M, "B")):
+        rot = side.get("rot", 0)
+        signs = side.get("signs")
+        if signs is not None:
+            signs = signs.to(device=dev, dtype=torch.float32).contiguous()
+            assert signs.numel() == rot
+        gr = side.get("group_rows", 1)
+        Kq = _ceil(_ceil(Kr, rot or 1), 32)
+        Kc = _ceil(Kr, k_multiple)
+        Rc = _ceil(R, 128 if gr == 128 else 16)
+        car, gs, base, gsr, gsk = _carrier_buffers(Rc, Kc, gr, dev)
+        si = side.get("index_strides") or ((K, 1) if axis == 1 else (1, K))
+        kt = side.get("key_tensor")
+        rounding = side.get("rounding", "nearest")
+        prescale = side.get("prescale", 1.0)
+        outs.append(QuantOut(R, Kr, car.view(torch.float8_e4m3fn), gs, gr, cnt, None, None, base))
+        nr, nk = triton.cdiv(Rc, BR[axis]), Kc // TILE_K
+        sx = (x.stride(0), 1) if axis == 1 else (1, x.stride(0))
+        geo.append((nr, nk, _needs_idx64(nr * BR[axis], Kc, Kq, sx[0], sx[1], si)))
+        args.append(((signs if signs is not None else cnt), car, gs, kt if kt is not None else cnt,
+                     (Rc, si[0], si[1], Kc, Kq, gsr, gsk),
+                     (_i32(side.get("key", 0)), _f32(1.0 / math.sqrt(rot)) if rot else 1.0, _f32(prescale))))
+        consts.update({f"BR_{sfx}": BR[axis], f"ROT_{sfx}": rot, f"HAS_SIGNS_{sfx}": signs is not None,
+                       f"RULE_{sfx}": RULE_ID[side.get("scale_rule", "floor")], f"SR_{sfx}": rounding == "stochastic",
+                       f"PRESCALE_{sfx}": prescale != 1.0, f"KEY_PTR_{sfx}": kt is not None})
+    consts.update(GROUP_ROWS_B=gr_b, PACK_B=2, IDX64=geo[0][2] or geo[1][2], USE_ASM=dev.type == "cuda",
+                  JOIN_STORE=JOIN_STORE)
+    (nr_a, nk_a, _), (nr_b, nk_b, _) = geo
+    NA, NB = 128 // BR[1], 128 // BR[0]
+    F = max(nk_a, triton.cdiv(nr_b, NB))
+    T = max(triton.cdiv(nr_a, NA), nk_b)
+    (sa, ca, ga, ka, dims_a, sc_a), (sb, cb, gb, kb, dims_b, sc_b) = args
+    _mxfp4_dual_kernel[(T * F * (NA + NB),)](
+        x, cnt, sa, ca, ga, ka, sb, cb, gb, kb, M, K, x.stride(0), 1, *dims_a, *dims_b,
+        nr_a, nk_a, nr_b, nk_b, F, *sc_a, *sc_b, **consts, num_warps=nw, enable_fp_fusion=False)
+    return outs[0], outs[1]
+
+
+def _dual_ok(x: torch.Tensor, a: dict, b: dict, k_multiple: int) -> bool:
+    """Once per dual-kernel variant on a GPU: are both outputs bit-identical to the two single passes
+    (themselves self-checked against the reference quantizer)? Runs the variant on a random tensor with
+    the same dtype, options and divisibility of the sizes by 16."""
+    M, K = x.shape
+
+    def opt(side):
+        s = side.get("signs")
+        return (side.get("rot", 0), s is not None, side.get("rounding", "nearest"), side.get("scale_rule", "floor"),
+                side.get("prescale", 1.0) != 1.0, side.get("key_tensor") is not None, side.get("group_rows", 1))
+    vkey = (x.device.index, x.dtype, opt(a), opt(b), k_multiple, M % 16 == 0, K % 16 == 0, JOIN_STORE)
+    ok = _DUAL_VERIFIED.get(vkey)
+    if ok is None:
+        g = torch.Generator(device="cpu").manual_seed(4321)
+        Mt, Kt = (512 if M % 16 == 0 else 515), (1024 if K % 16 == 0 else 1041)
+        xt = (torch.randn(Mt, Kt, generator=g) * torch.exp2(torch.randint(-12, 12, (Mt, 1), generator=g).float()))
+        xt = xt.to(device=x.device, dtype=x.dtype)
+        sides = []
+        for i, side in enumerate((a, b)):
+            t = {k: v for k, v in side.items() if k not in ("signs", "key_tensor", "index_strides")}
+            if side.get("signs") is not None:
+                t["signs"] = (torch.randint(0, 2, (side["rot"],), generator=g) * 2 - 1).float()
+            if side.get("rounding") == "stochastic":
+                t["key"] = 12345 + i
+            if side.get("key_tensor") is not None:
+                t["key_tensor"] = torch.full((4,), 777 + i, dtype=torch.int32, device=x.device)
+            sides.append(t)
+        got = quantize_mxfp4_dual(xt, *sides, k_multiple=k_multiple, _check=False)
+        want = [quantize_mxfp4_2d(xt, ax, **s, carrier=True, fp4=False, k_multiple=k_multiple)
+                for ax, s in ((1, sides[0]), (0, sides[1]))]
+        ok = all(torch.equal(p.carrier.view(torch.uint8), q.carrier.view(torch.uint8))
+                 and torch.equal(p.gscale, q.gscale) for p, q in zip(got, want))
+        ok = ok and int(got[0].inexact.item()) == int(want[0].inexact.item()) + int(want[1].inexact.item())
+        _DUAL_VERIFIED[vkey] = ok
+        if not ok:
+            import warnings
+            warnings.warn(f"mxtrain: dual quantize variant {vkey} differed from two single passes on this GPU; "
+                          "using two passes for it", RuntimeWarning, stacklevel=3)
+    return ok
 
 
 # Launch plans: a configuration quantized once (and, on GPUs, self-checked) is launched again through
