@@ -33,6 +33,7 @@ import torch
 from . import rng
 from .kernels import backend as _backend, kernels_available
 from .kernels import gemm as _gemm
+from .kernels import quantize as _quantize
 from .kernels.quantize import QuantOut, quantize_op
 from .nn import _OPERAND_ID, _Ctx, _gemm_dtype
 
@@ -266,6 +267,41 @@ class _WeightCache:
         self.entries: dict = {}
 
 
+def _key(qctx: _Ctx, op, name: str, t: torch.Tensor, capturing: bool):
+    """(scalar stochastic-rounding key, device key slot or None) of operand ``name`` in this call."""
+    if op.rounding != "stochastic":
+        return 0, None
+    seed = rng.stream_key(qctx.recipe.seed, qctx.layer, _OPERAND_ID[name], qctx.step, qctx.call)
+    key_t = None
+    if GRAPH_SR_KEYS and t.is_cuda and not torch.compiler.is_compiling():
+        if capturing:   # the captured kernel reads its key from a slot refreshed before each replay
+            key_t = _graph_seeds(t.device).key(qctx.recipe.seed, qctx.layer, _OPERAND_ID[name], qctx.call)
+        elif t.device not in _GRAPH_SEEDS:
+            _graph_seeds(t.device)   # made eagerly, before any capture (see _GraphSeeds)
+    return rng.stream_key(seed), key_t
+
+
+def _index_strides(t: torch.Tensor, axis: int, rsize: int) -> tuple[int, int]:
+    """Logical index strides of the (rotation-padded) tensor the reference quantizes."""
+    if axis == 1:
+        return (_ceil(t.shape[1], rsize) if rsize else t.shape[1], 1)
+    return (1, t.shape[1])
+
+
+def _act_key(name, t, axis, rsize, signs, op, backend, group_rows, capturing):
+    """Activation-cache key: the same input (address, version, layout) quantized the same way. A CUDA
+    graph being captured may only reuse operands quantized inside the same capture (an eagerly made one
+    would be a constant of the graph, never recomputed on replay), and eager code only eager ones."""
+    return (name, t.device, t.dtype, t.data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()),
+            t._version, axis, rsize, id(signs), op.scale_rule, op.prescale, backend, group_rows, capturing)
+
+
+def _act_put(name: str, act, t, signs, q) -> None:
+    # holding t (and signs) keeps their memory from being reused, so the address, version and
+    # layout in the key name these very values for as long as the entry lives
+    _ACT_CACHE[name] = (act, (t, signs), q)
+
+
 def _quant(qctx: _Ctx, t: torch.Tensor, axis: int, name: str, gemm: str, signs, backend: str,
            group_rows: int, cache: dict | None = None) -> tuple[QuantOut, float]:
     """Quantize one MXFP4 operand of a 2-D tensor along ``axis`` exactly as ``_Ctx.operand`` does."""
@@ -273,51 +309,77 @@ def _quant(qctx: _Ctx, t: torch.Tensor, axis: int, name: str, gemm: str, signs, 
     op = ops[name]
     rot = rots[gemm]
     rsize = rot.size if rot.enabled else 0
-    key = 0
-    key_t = None
     capturing = t.is_cuda and torch.cuda.is_current_stream_capturing()
-    if op.rounding == "stochastic":
-        seed = rng.stream_key(qctx.recipe.seed, qctx.layer, _OPERAND_ID[name], qctx.step, qctx.call)
-        key = rng.stream_key(seed)
-        if GRAPH_SR_KEYS and t.is_cuda and not torch.compiler.is_compiling():
-            if capturing:   # the captured kernel reads its key from a slot refreshed before each replay
-                key_t = _graph_seeds(t.device).key(qctx.recipe.seed, qctx.layer, _OPERAND_ID[name], qctx.call)
-            elif t.device not in _GRAPH_SEEDS:
-                _graph_seeds(t.device)   # made eagerly, before any capture (see _GraphSeeds)
-    # logical index strides of the (rotation-padded) tensor the reference quantizes
-    if axis == 1:
-        si = (_ceil(t.shape[1], rsize) if rsize else t.shape[1], 1)
-    else:
-        si = (1, t.shape[1])
+    key, key_t = _key(qctx, op, name, t, capturing)
     carrier, fp4 = _gemm.outputs_for(backend)
     ck = None
     act = None
     if op.rounding == "nearest" and not torch.compiler.is_compiling():
-        # a CUDA graph being captured may only reuse operands quantized inside the same capture (an
-        # eagerly made one would be a constant of the graph, never recomputed on replay), and eager
-        # code only eager ones; the capture state is part of every key
-        if cache is not None:
+        if cache is not None:   # the capture state is part of every key (see _act_key)
             ck = (name, t.data_ptr(), t._version, qctx.step, backend, group_rows, capturing)
             hit = cache.get(name)
             if hit is not None and hit[0] == ck:
                 return hit[1], op.prescale
         elif name in _ACT_OPERANDS and REUSE_ACTIVATIONS:
             # the same input quantized the same way by the layer before (q/k/v, gate/up projections)
-            act = (name, t.device, t.dtype, t.data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()),
-                   t._version, axis, rsize, id(signs), op.scale_rule, op.prescale, backend, group_rows, capturing)
+            act = _act_key(name, t, axis, rsize, signs, op, backend, group_rows, capturing)
             hit = _ACT_CACHE.get(name)
             if hit is not None and hit[0] == act:
                 return hit[2], op.prescale
     q = quantize_op(t, axis, rot=rsize, signs=signs, rounding=op.rounding, scale_rule=op.scale_rule, key=key,
-                    prescale=op.prescale, index_strides=si, carrier=carrier, fp4=fp4, group_rows=group_rows,
-                    k_multiple=_gemm.k_multiple_for(backend), counter=_counter(t.device), key_tensor=key_t)
+                    prescale=op.prescale, index_strides=_index_strides(t, axis, rsize), carrier=carrier, fp4=fp4,
+                    group_rows=group_rows, k_multiple=_gemm.k_multiple_for(backend), counter=_counter(t.device),
+                    key_tensor=key_t)
     if ck is not None:
         cache[name] = (ck, q)
     if act is not None:
-        # holding t (and signs) keeps their memory from being reused, so the address, version and
-        # layout in the key name these very values for as long as the entry lives
-        _ACT_CACHE[name] = (act, (t, signs), q)
+        _act_put(name, act, t, signs, q)
     return q, op.prescale
+
+
+# Both operands of one activation from one pass (quantize_mxfp4_dual) for tensors of at least this
+# many elements: the fused launch goes through Triton's generic launcher, which costs more host time
+# than two launch-planned passes, so small (host-bound) layers keep two passes. MXTRAIN_QDUAL=0: never.
+DUAL_MIN_ELEMENTS = int(os.environ.get("MXTRAIN_QDUAL_MIN", str(1 << 22)))
+
+
+def _quant_pair(qctx: _Ctx, t: torch.Tensor, na: str, ga: str, nb: str, gb: str, backend: str,
+                group_rows_b: int) -> dict | None:
+    """Operand ``na`` (``t`` along rows, GEMM ``ga``, 1x128 groups) and ``nb`` (along columns, GEMM
+    ``gb``) of a row-major 2-D tensor from one read (``quantize_mxfp4_dual``), each exactly as ``_quant``
+    makes it: ``{name: (QuantOut, prescale)}``, or None where one pass does not apply."""
+    if backend != "fp8_carrier" or t.ndim != 2 or t.numel() < DUAL_MIN_ELEMENTS or torch.compiler.is_compiling():
+        return None
+    _, ops, rots = _spec(qctx.recipe)
+    ra, rb = rots[ga], rots[gb]
+    rsa, rsb = (ra.size if ra.enabled else 0), (rb.size if rb.enabled else 0)
+    if not _quantize.dual_applies(t, rsa, rsb):
+        return None
+    dev = t.device
+    capturing = t.is_cuda and torch.cuda.is_current_stream_capturing()
+    sides, acts = [], []
+    for n, g, axis, rsize, gr in ((na, ga, 1, rsa, 1), (nb, gb, 0, rsb, group_rows_b)):
+        op = ops[n]
+        signs = _signs(qctx, g, dev)
+        key, key_t = _key(qctx, op, n, t, capturing)
+        act = None
+        if op.rounding == "nearest" and n in _ACT_OPERANDS and REUSE_ACTIVATIONS:
+            act = _act_key(n, t, axis, rsize, signs, op, backend, gr, capturing)
+        acts.append((n, act, signs, op.prescale))
+        sides.append(dict(rot=rsize, signs=signs, rounding=op.rounding, scale_rule=op.scale_rule, key=key,
+                          prescale=op.prescale, index_strides=_index_strides(t, axis, rsize), key_tensor=key_t,
+                          group_rows=gr))
+    hits = [_ACT_CACHE.get(n) for n, act, _, _ in acts]
+    if all(act is not None and h is not None and h[0] == act for (_, act, _, _), h in zip(acts, hits)):
+        return {n: (h[2], ps) for (n, _, _, ps), h in zip(acts, hits)}
+    qs = _quantize.quantize_mxfp4_dual(t, sides[0], sides[1], k_multiple=_gemm.k_multiple_for(backend),
+                                       counter=_counter(dev))
+    out = {}
+    for (n, act, signs, ps), q in zip(acts, qs):
+        if act is not None:
+            _act_put(n, act, t, signs, q)
+        out[n] = (q, ps)
+    return out
 
 
 def _both_mx(recipe, a: str, b: str) -> bool:
@@ -325,17 +387,24 @@ def _both_mx(recipe, a: str, b: str) -> bool:
     return ops[a].fmt == "mxfp4" and ops[b].fmt == "mxfp4"
 
 
-def _gemm_fn(qctx: _Ctx, A: torch.Tensor, axA: int, nA: str, B: torch.Tensor, axB: int, nB: str, gemm: str,
-             b_is_weight: bool, backend: str, out_dtype, cache) -> torch.Tensor:
-    """One GEMM ``op(A) op(B)^T`` reduced along the quantization axes, in float32 (or out_dtype)."""
+def _b_group_rows(dev, backend: str) -> int:
+    """Group rows of an activation that is GEMM operand B (Wgrad's X)."""
+    return _gemm.activation_b_group_rows(dev) if backend == "fp8_carrier" else 1
+
+
+def _gemm_fn(qctx: _Ctx, A: torch.Tensor, axA: int, nA: str, B: torch.Tensor | None, axB: int, nB: str, gemm: str,
+             b_is_weight: bool, backend: str, out_dtype, cache, pre: dict | None = None) -> torch.Tensor:
+    """One GEMM ``op(A) op(B)^T`` reduced along the quantization axes, in float32 (or out_dtype).
+    ``pre``: operands already quantized (``_quant_pair``), by name; ``B`` may then be None."""
     dev = A.device
     signs = _signs(qctx, gemm, dev)
     recipe = qctx.recipe
     if _both_mx(recipe, nA, nB):
-        qa, pa = _quant(qctx, A, axA, nA, gemm, signs, backend, 1)
-        gr = _gemm.weight_group_rows(dev) if b_is_weight else (
-            _gemm.activation_b_group_rows(dev) if backend == "fp8_carrier" else 1)
-        qb, pb = _quant(qctx, B, axB, nB, gemm, signs, backend, gr, cache if b_is_weight else None)
+        pre = pre or {}
+        qa, pa = pre[nA] if nA in pre else _quant(qctx, A, axA, nA, gemm, signs, backend, 1)
+        gr = _gemm.weight_group_rows(dev) if b_is_weight else _b_group_rows(dev, backend)
+        qb, pb = pre[nB] if nB in pre else _quant(qctx, B, axB, nB, gemm, signs, backend, gr,
+                                                   cache if b_is_weight else None)
         return _gemm.mx_gemm_nt(qa, qb, backend, out_dtype, pa * pb)
     else:  # as the reference: fake-quantized / rotated dense operands
         gd = _gemm_dtype(recipe, nA, nB, gemm, dev.type)
@@ -367,12 +436,20 @@ class _FastMXLinearFunction(torch.autograd.Function):
         out_dtype = torch.get_autocast_dtype(dev.type) if amp else x.dtype
         backend = _backend(dev)
         x2 = x.reshape(-1, x.shape[-1])
+        pre = None
         with _no_autocast(dev.type, amp):
+            if (ctx.needs_input_grad[1] and _both_mx(qctx.recipe, "fprop_x", "fprop_w")
+                    and _both_mx(qctx.recipe, "wgrad_dy", "wgrad_x")):
+                # X's Fprop and Wgrad operands from one read; the backward then needs the 1-byte
+                # Wgrad carrier instead of the 2- or 4-byte X
+                pre = _quant_pair(qctx, x2, "fprop_x", "fprop", "wgrad_x", "wgrad", backend,
+                                  _b_group_rows(dev, backend))
             ydt = torch.float32 if (bias is not None or backend != "fp8_carrier") else out_dtype
-            y = _gemm_fn(qctx, x2, 1, "fprop_x", weight, 1, "fprop_w", "fprop", True, backend, ydt, cache)
+            y = _gemm_fn(qctx, x2, 1, "fprop_x", weight, 1, "fprop_w", "fprop", True, backend, ydt, cache, pre)
             if bias is not None:
                 y = y + bias.to(torch.float32)
-        ctx.save_for_backward(x2, weight)
+        ctx.wgrad_x = pre["wgrad_x"] if pre is not None else None
+        ctx.save_for_backward(x2 if pre is None else None, weight)
         ctx.qctx, ctx.cache, ctx.has_bias, ctx.x_shape, ctx.x_dtype = qctx, cache, bias is not None, x.shape, x.dtype
         ctx.backend = backend
         return y.to(out_dtype).reshape(*x.shape[:-1], weight.shape[0])
@@ -384,16 +461,21 @@ class _FastMXLinearFunction(torch.autograd.Function):
         backend = ctx.backend
         dy2 = dy.reshape(-1, dy.shape[-1])
         dx = dw = db = None
+        pre = {} if ctx.wgrad_x is None else {"wgrad_x": ctx.wgrad_x}
         with _no_autocast(dy.device.type, torch.is_autocast_enabled(dy.device.type)):
+            if (ctx.needs_input_grad[0] and ctx.needs_input_grad[1] and _both_mx(qctx.recipe, "dgrad_dy", "dgrad_w")
+                    and _both_mx(qctx.recipe, "wgrad_dy", "wgrad_x")):
+                # dY's Dgrad and Wgrad operands from one read
+                pre.update(_quant_pair(qctx, dy2, "dgrad_dy", "dgrad", "wgrad_dy", "wgrad", backend, 1) or {})
             if ctx.needs_input_grad[0]:
                 # dX (M, K) = Q(dY) [rows, along N] x Q(W) [columns, along N]
                 dx = _gemm_fn(qctx, dy2, 1, "dgrad_dy", weight, 0, "dgrad_w", "dgrad", True, backend,
-                              ctx.x_dtype if backend == "fp8_carrier" else torch.float32, ctx.cache)
+                              ctx.x_dtype if backend == "fp8_carrier" else torch.float32, ctx.cache, pre)
                 dx = dx.to(ctx.x_dtype).reshape(ctx.x_shape)
             if ctx.needs_input_grad[1]:
                 # dW (N, K) = Q(dY^T) [along tokens] x Q(X^T) [along tokens]
                 dw = _gemm_fn(qctx, dy2, 0, "wgrad_dy", x2, 0, "wgrad_x", "wgrad", False, backend,
-                              weight.dtype if backend == "fp8_carrier" else torch.float32, None)
+                              weight.dtype if backend == "fp8_carrier" else torch.float32, None, pre)
                 dw = dw.to(weight.dtype)
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 db = dy2.to(torch.float32).sum(0).to(weight.dtype)

@@ -329,3 +329,36 @@ def test_graph_seed_buffers_are_not_made_inside_a_capture(monkeypatch):
         fast._graph_seeds(torch.device("cuda", 0))
     g = fast._GraphSeeds(torch.device("cpu"))   # made outside a capture: both buffers exist at once
     assert g.keys.numel() == 4 * g.KEY_SLOTS and g.signs.shape == (g.SIGN_ROWS, 128)
+
+
+@pytest.mark.parametrize("preset", FAST_PRESETS)
+def test_dual_operand_passes_equal_reference(preset, monkeypatch):
+    """With the FP8-carrier backend, X's Fprop and Wgrad operands come from one pass in the forward (the
+    backward keeps the Wgrad carrier, not X) and dY's Dgrad and Wgrad operands from one pass in the
+    backward: outputs and gradients still equal the reference MXLinear's. The carrier GEMM runs as
+    float math on the carrier values here (any device), so this checks the operands and their routing."""
+    from mxtrain.kernels import gemm as kg
+    from mxtrain.kernels import quantize as kq
+    monkeypatch.setattr(fast, "DUAL_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(fast, "_backend", lambda dev: "fp8_carrier")
+    monkeypatch.setattr(kq, "SELF_CHECK_DEVICES", ())
+    real_gemm = kg.mx_gemm_nt
+    monkeypatch.setattr(kg, "mx_gemm_nt", lambda a, b, backend, *r: real_gemm(a, b, "dequant", *r))
+    monkeypatch.setattr(kg, "activation_b_group_rows", lambda dev: 128)
+    calls = []
+    real_dual = kq.quantize_mxfp4_dual
+    monkeypatch.setattr(kq, "quantize_mxfp4_dual", lambda *a, **k: calls.append(a[0].shape) or real_dual(*a, **k))
+    fast.clear_caches()
+    rec = recipes.get(preset)
+    dt = torch.float32 if DEV == "cpu" else torch.bfloat16
+    M, K, N = (33, 72, 40) if DEV == "cpu" else (1024, 1024 + 64, 768)
+    ref = _run(lambda *a: _MXLinearFunction.apply(*a), rec, M, K, N, dtype=dt)
+    got = _run(lambda *a: fast.apply(*a), rec, M, K, N, dtype=dt)
+    for r, g in zip(ref, got):
+        assert _rel(g, r) < (1e-5 if DEV == "cpu" else 1e-2)
+    def pair(gemm, n1, shape):   # one pass where both GEMMs are MXFP4 and the kernels take the rotations
+        r1, r2 = rec.rotation(gemm), rec.rotation("wgrad")
+        return [shape] * (fast._both_mx(rec, *n1) and fast._both_mx(rec, "wgrad_dy", "wgrad_x") and kq.dual_applies(
+            torch.empty(shape), r1.size if r1.enabled else 0, r2.size if r2.enabled else 0))
+    assert calls == pair("fprop", ("fprop_x", "fprop_w"), (M, K)) + pair("dgrad", ("dgrad_dy", "dgrad_w"), (M, N))
+    assert calls or preset in ("bf16", "tseng", "mxfp4-fprop", "mxfp4-fprop-dgrad")   # tseng: H64
