@@ -76,7 +76,10 @@ def bench_quantize(args) -> dict:
         ("act 16384x4096 rows fp4 only", (16384, 4096), 1, dict(carrier=False, fp4=True)),
     ]
     from .kernels import quantize as kq
+    flt = getattr(args, "filter", "") or ""
     for name, shape, axis, kw in cases:
+        if flt not in name:
+            continue
         x = torch.randn(shape, device=dev, dtype=torch.bfloat16)
         y = torch.empty_like(x)
         t_copy = _bench(lambda: y.copy_(x))
@@ -129,6 +132,30 @@ def bench_quantize(args) -> dict:
             print(f"quantize {name:46s} {label:12s} {t*1e3:8.1f} us  {bw/1e9:7.0f} GB/s  copy {copy_bw/1e9:6.0f} GB/s  "
                   f"{100*bw/copy_bw:5.1f}%  (BR={best[1]}, warps={best[2]})", flush=True)
         kq.KERNEL, kq.JOIN_STORE = saved
+        del x, y
+    # both operands of one activation from one read (quantize_mxfp4_dual) against the two passes
+    dual_cases = [
+        ("act 16384x4096 rows + cols carrier (dual)", dict(), dict()),
+        ("act 16384x4096 rows + cols carrier H16 (dual, dY)", dict(rot=16), dict(rot=16)),
+        ("act 16384x4096 rows + cols 128x128 H16 (dual, X)", dict(rot=16), dict(rot=16, group_rows=128)),
+    ]
+    for name, a, b in dual_cases:
+        if flt not in name:
+            continue
+        x = torch.randn(16384, 4096, device=dev, dtype=torch.bfloat16)
+        y = torch.empty_like(x)
+        t_copy = _bench(lambda: y.copy_(x))
+        n = x.numel()
+        moved = 2 * n + 2 * (n + n // 128 * 4)
+        copy_bw = 4 * n / (t_copy * 1e-3)
+        t = _bench(lambda: kq.quantize_mxfp4_dual(x, a, b))
+        t2 = _bench(lambda: (quantize_mxfp4_2d(x, 1, fp4=False, **a), quantize_mxfp4_2d(x, 0, fp4=False, **b)))
+        bw = moved / (t * 1e-3)
+        res.append({"case": name, "kernel": "dual", "shape": [16384, 4096], "ms": t, "two_pass_ms": t2,
+                    "bytes": moved, "GBps": bw / 1e9, "copy_ms": t_copy, "copy_GBps": copy_bw / 1e9,
+                    "frac_of_copy_bw": bw / copy_bw, "speedup_vs_two_passes": t2 / t})
+        print(f"quantize {name:46s} {'dual':12s} {t*1e3:8.1f} us  {bw/1e9:7.0f} GB/s  copy {copy_bw/1e9:6.0f} GB/s  "
+              f"{100*bw/copy_bw:5.1f}%  (two passes {t2*1e3:.1f} us: {t2/t:.2f}x)", flush=True)
         del x, y
     return {"quantize": res}
 
@@ -312,6 +339,17 @@ def bench_linear(args) -> dict:
                     r[f"{p}_graph_speedup"] = min(r["bf16_ms"], r["bf16_graph_ms"]) / r[f"{p}_graph_ms"]
                 except Exception as e:  # noqa: BLE001
                     r[f"{p}_graph_error"] = repr(e)[:200]
+            if p == "mxfp4-all-dh16":
+                # the same call with each activation's two operands quantized in two passes (no
+                # quantize_mxfp4_dual): what the one-pass kernel saves, measured in this run
+                from .kernels import quantize as _kq
+                dual, _kq.DUAL = _kq.DUAL, False
+                try:
+                    r[f"{p}_twopass_reuseW_ms"] = _bench(step(lin, clear=False))
+                    if f"{p}_graph_ms" in r:
+                        r[f"{p}_twopass_graph_ms"] = _bench(_graphed(step(lin, clear=True)))
+                finally:
+                    _kq.DUAL = dual
             del lin
         if "fp8_rowwise_ms" in r:
             r["fp8_rowwise_speedup"] = r["bf16_ms"] / r["fp8_rowwise_ms"]
@@ -319,7 +357,10 @@ def bench_linear(args) -> dict:
             f"{p} {r[f'{p}_speedup']:.2f}x ({r[f'{p}_reuseW_speedup']:.2f}x reuse)" for p in LINEAR_PRESETS)
             + (f"; fp8-rowwise {r['fp8_rowwise_speedup']:.2f}x" if "fp8_rowwise_speedup" in r else "")
             + "; CUDA graph: " + ", ".join(f"{p} {r[f'{p}_graph_speedup']:.2f}x" for p in LINEAR_PRESETS
-                                            if f"{p}_graph_speedup" in r), flush=True)
+                                            if f"{p}_graph_speedup" in r)
+            + "".join(f"; dh16 two passes {r['mxfp4-all-dh16_' + k]:.3f} ms vs one {r['mxfp4-all-dh16_' + v]:.3f} ms"
+                      for k, v in (("twopass_reuseW_ms", "reuseW_ms"), ("twopass_graph_ms", "graph_ms"))
+                      if "mxfp4-all-dh16_" + k in r), flush=True)
         res.append(r)
         del x, gy, base, fp8
     tot = {k: sum(r[k] for r in res) for k in res[0] if k.endswith("_ms") and all(k in q for q in res)}
@@ -516,6 +557,7 @@ def run(args) -> int:
 def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("what", help="quantize, gemm, breakdown, linear, step, all, or a comma-separated list")
     p.add_argument("--out", default=None, help="write the JSON results here (default: stdout)")
+    p.add_argument("--filter", default="", help="quantize: only the cases whose name contains this text")
     p.add_argument("--layers", type=int, default=2, help="step: number of Llama-8B-shaped blocks")
     p.add_argument("--batch", type=int, default=2, help="step: batch size")
     p.add_argument("--seq", type=int, default=4096, help="step: sequence length")
