@@ -344,16 +344,17 @@ DUAL_MIN_ELEMENTS = int(os.environ.get("MXTRAIN_QDUAL_MIN", str(1 << 22)))
 
 
 def _quant_pair(qctx: _Ctx, t: torch.Tensor, na: str, ga: str, nb: str, gb: str, backend: str,
-                group_rows_b: int) -> dict | None:
+                group_rows_b: int, always: bool = False) -> dict | None:
     """Operand ``na`` (``t`` along rows, GEMM ``ga``, 1x128 groups) and ``nb`` (along columns, GEMM
-    ``gb``) of a row-major 2-D tensor from one read (``quantize_mxfp4_dual``), each exactly as ``_quant``
-    makes it: ``{name: (QuantOut, prescale)}``, or None where one pass does not apply."""
-    if backend != "fp8_carrier" or t.ndim != 2 or t.numel() < DUAL_MIN_ELEMENTS or torch.compiler.is_compiling():
+    ``gb``) of a 2-D tensor, each exactly as ``_quant`` makes it: ``{name: (QuantOut, prescale)}``. From
+    one read (``quantize_mxfp4_dual``) where that applies; else None, or with ``always`` two passes."""
+    if backend != "fp8_carrier" or t.ndim != 2 or torch.compiler.is_compiling():
         return None
     _, ops, rots = _spec(qctx.recipe)
     ra, rb = rots[ga], rots[gb]
     rsa, rsb = (ra.size if ra.enabled else 0), (rb.size if rb.enabled else 0)
-    if not _quantize.dual_applies(t, rsa, rsb):
+    one = t.numel() >= DUAL_MIN_ELEMENTS and _quantize.dual_applies(t, rsa, rsb)
+    if not (one or always):
         return None
     dev = t.device
     capturing = t.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -372,8 +373,12 @@ def _quant_pair(qctx: _Ctx, t: torch.Tensor, na: str, ga: str, nb: str, gb: str,
     hits = [_ACT_CACHE.get(n) for n, act, _, _ in acts]
     if all(act is not None and h is not None and h[0] == act for (_, act, _, _), h in zip(acts, hits)):
         return {n: (h[2], ps) for (n, _, _, ps), h in zip(acts, hits)}
-    qs = _quantize.quantize_mxfp4_dual(t, sides[0], sides[1], k_multiple=_gemm.k_multiple_for(backend),
-                                       counter=_counter(dev))
+    if one:
+        qs = _quantize.quantize_mxfp4_dual(t, sides[0], sides[1], k_multiple=_gemm.k_multiple_for(backend),
+                                           counter=_counter(dev))
+    else:
+        qs = [quantize_op(t, ax, **sd, carrier=True, fp4=False, k_multiple=_gemm.k_multiple_for(backend),
+                          counter=_counter(dev)) for ax, sd in ((1, sides[0]), (0, sides[1]))]
     out = {}
     for (n, act, signs, ps), q in zip(acts, qs):
         if act is not None:
@@ -440,10 +445,10 @@ class _FastMXLinearFunction(torch.autograd.Function):
         with _no_autocast(dev.type, amp):
             if (ctx.needs_input_grad[1] and _both_mx(qctx.recipe, "fprop_x", "fprop_w")
                     and _both_mx(qctx.recipe, "wgrad_dy", "wgrad_x")):
-                # X's Fprop and Wgrad operands from one read; the backward then needs the 1-byte
-                # Wgrad carrier instead of the 2- or 4-byte X
+                # X's Wgrad operand made now (with Fprop's, from one read where that pays): the
+                # backward then keeps the 1-byte Wgrad carrier instead of the 2- or 4-byte X
                 pre = _quant_pair(qctx, x2, "fprop_x", "fprop", "wgrad_x", "wgrad", backend,
-                                  _b_group_rows(dev, backend))
+                                  _b_group_rows(dev, backend), always=True)
             ydt = torch.float32 if (bias is not None or backend != "fp8_carrier") else out_dtype
             y = _gemm_fn(qctx, x2, 1, "fprop_x", weight, 1, "fprop_w", "fprop", True, backend, ydt, cache, pre)
             if bias is not None:

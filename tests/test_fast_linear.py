@@ -333,13 +333,14 @@ def test_graph_seed_buffers_are_not_made_inside_a_capture(monkeypatch):
 
 @pytest.mark.parametrize("preset", FAST_PRESETS)
 def test_dual_operand_passes_equal_reference(preset, monkeypatch):
-    """With the FP8-carrier backend, X's Fprop and Wgrad operands come from one pass in the forward (the
-    backward keeps the Wgrad carrier, not X) and dY's Dgrad and Wgrad operands from one pass in the
+    """With the FP8-carrier backend, X's Fprop and Wgrad operands are made in the forward, from one pass
+    (the backward keeps the Wgrad carrier, not X), and dY's Dgrad and Wgrad operands from one pass in the
     backward: outputs and gradients still equal the reference MXLinear's. The carrier GEMM runs as
     float math on the carrier values here (any device), so this checks the operands and their routing."""
     from mxtrain.kernels import gemm as kg
     from mxtrain.kernels import quantize as kq
     monkeypatch.setattr(fast, "DUAL_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(kq, "DUAL", "on")   # one pass with rotations too
     monkeypatch.setattr(fast, "_backend", lambda dev: "fp8_carrier")
     monkeypatch.setattr(kq, "SELF_CHECK_DEVICES", ())
     real_gemm = kg.mx_gemm_nt
@@ -362,3 +363,29 @@ def test_dual_operand_passes_equal_reference(preset, monkeypatch):
             torch.empty(shape), r1.size if r1.enabled else 0, r2.size if r2.enabled else 0))
     assert calls == pair("fprop", ("fprop_x", "fprop_w"), (M, K)) + pair("dgrad", ("dgrad_dy", "dgrad_w"), (M, N))
     assert calls or preset in ("bf16", "tseng", "mxfp4-fprop", "mxfp4-fprop-dgrad")   # tseng: H64
+
+
+@pytest.mark.parametrize("preset", ["mxfp4-all-dh16", "mxfp4-all-sr"])
+def test_wgrad_operand_made_in_forward_without_dual_pass(preset, monkeypatch):
+    """With one-pass quantization off, the forward still makes X's Wgrad operand (two passes) and the
+    backward keeps it instead of X: outputs and gradients equal the reference MXLinear's, and the
+    autograd node saved no copy of X."""
+    from mxtrain.kernels import gemm as kg
+    from mxtrain.kernels import quantize as kq
+    monkeypatch.setattr(kq, "DUAL", False)
+    monkeypatch.setattr(fast, "_backend", lambda dev: "fp8_carrier")
+    monkeypatch.setattr(kq, "SELF_CHECK_DEVICES", ())
+    real_gemm = kg.mx_gemm_nt
+    monkeypatch.setattr(kg, "mx_gemm_nt", lambda a, b, backend, *r: real_gemm(a, b, "dequant", *r))
+    monkeypatch.setattr(kg, "activation_b_group_rows", lambda dev: 128)
+    fast.clear_caches()
+    rec = recipes.get(preset)
+    ref = _run(lambda *a: _MXLinearFunction.apply(*a), rec, 33, 72, 40)
+    got = _run(lambda *a: fast.apply(*a), rec, 33, 72, 40)
+    for r, g in zip(ref, got):
+        assert _rel(g, r) < 1e-5
+    x = torch.randn(33, 72, device=DEV, requires_grad=True)
+    w = torch.randn(40, 72, device=DEV, requires_grad=True)
+    y = fast.apply(x, w, None, _Ctx(rec, 3, 5, 1))
+    saved = [t for t in y.grad_fn.saved_tensors if t is not None]
+    assert len(saved) == 1 and saved[0].shape == w.shape and y.grad_fn.wgrad_x is not None

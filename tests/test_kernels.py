@@ -548,6 +548,7 @@ def test_dual_equals_two_passes(case, monkeypatch):
     the inexact count, for odd sizes, rotations with and without signs, stochastic rounding, prescale,
     every scale rule and both group shapes of B."""
     monkeypatch.setattr(kq, "SELF_CHECK_DEVICES", ())   # the kernel itself, not its GPU safety net
+    monkeypatch.setattr(kq, "DUAL", "on")               # with rotations too
     M, K, dt, a, b, k_multiple = DUAL_CASES[case]
     x = _data(M, K, seed=40 + case, dtype=dt)
     x[:3, 32:64] *= 2.0**-20            # inexact carrier blocks along rows
@@ -578,6 +579,7 @@ def test_dual_key_from_device_memory_and_64bit_offsets(monkeypatch):
     """Keys read from device memory (CUDA-graph replays) and the 64-bit offset variant give the same
     outputs as scalar keys and 32-bit offsets."""
     monkeypatch.setattr(kq, "SELF_CHECK_DEVICES", ())
+    monkeypatch.setattr(kq, "DUAL", "on")
     x = _data(64, 160, seed=51)
     k1, k2 = rng.stream_key(1), rng.stream_key(2)
     a = dict(rounding="stochastic", key=k1, rot=16)
@@ -597,6 +599,7 @@ def test_dual_falls_back_to_two_passes(monkeypatch):
     """Where one pass does not apply (a column-major input, a rotation wider than 32, MXTRAIN_QDUAL=0)
     the two single passes run, with the same results."""
     monkeypatch.setattr(kq, "SELF_CHECK_DEVICES", ())
+    monkeypatch.setattr(kq, "DUAL", "on")
     x = _data(96, 160, seed=52)
 
     def no_dual(*a, **k):
@@ -607,6 +610,8 @@ def test_dual_falls_back_to_two_passes(monkeypatch):
         assert not kq.dual_applies(xx, a.get("rot", 0), b.get("rot", 0))
         for p, q in zip(kq.quantize_mxfp4_dual(xx, a, b), _dual_expect(xx, a, b, 128)):
             _same_carrier(p, q)
+    monkeypatch.setattr(kq, "DUAL", "auto")   # the default: one pass only without rotations
+    assert kq.dual_applies(x, 0, 0) and not kq.dual_applies(x, 16, 0) and not kq.dual_applies(x, 0, 16)
     monkeypatch.setattr(kq, "DUAL", False)
     assert not kq.dual_applies(x, 0, 0)
     with pytest.raises(TypeError, match="unknown option"):
@@ -618,6 +623,7 @@ def test_dual_self_check(monkeypatch):
     and a variant whose output differs from the two single passes is reported and replaced by them."""
     monkeypatch.setattr(kq, "SELF_CHECK_DEVICES", (torch.device(DEV).type,))
     monkeypatch.setattr(kq, "_DUAL_VERIFIED", {})
+    monkeypatch.setattr(kq, "DUAL", "on")
     x = _data(64, 160, seed=53, dtype=torch.bfloat16)
     a, b = dict(rot=16), dict(rot=16, group_rows=128)
     good = kq.quantize_mxfp4_dual(x, a, b)
@@ -636,4 +642,17 @@ def test_dual_self_check(monkeypatch):
         fb = kq.quantize_mxfp4_dual(x, a, b)
     assert list(kq._DUAL_VERIFIED.values()) == [False]
     for p, q in zip(fb, good):
+        _same_carrier(p, q)
+
+
+@pytest.mark.parametrize("cfg", [dict(sequential=True), dict(sequential=True, block_rows=(16, 128), num_warps=4),
+                                 dict(sequential=False, block_rows=(64, 64), num_warps=2)])
+def test_dual_kernel_configurations(cfg, monkeypatch):
+    """Every program layout of the dual kernel (one program per tile, or per 128x128 block running its
+    A then its B tiles) and block sizes give the two passes' outputs."""
+    monkeypatch.setattr(kq, "SELF_CHECK_DEVICES", ())
+    monkeypatch.setattr(kq, "DUAL", "on")
+    x = _data(130, 300, seed=54)
+    a, b = dict(rot=16, signs=_signs(16, 4)), dict(rot=8, rounding="stochastic", key=rng.stream_key(8))
+    for p, q in zip(kq.quantize_mxfp4_dual(x, a, b, **cfg), _dual_expect(x, a, b, 128)):
         _same_carrier(p, q)

@@ -724,34 +724,54 @@ if triton is not None:
         BR_B: tl.constexpr, ROT_B: tl.constexpr, HAS_SIGNS_B: tl.constexpr, RULE_B: tl.constexpr,
         SR_B: tl.constexpr, PRESCALE_B: tl.constexpr, KEY_PTR_B: tl.constexpr, GROUP_ROWS_B: tl.constexpr,
         PACK_B: tl.constexpr,
-        IDX64: tl.constexpr, USE_ASM: tl.constexpr, JOIN_STORE: tl.constexpr,
+        IDX64: tl.constexpr, USE_ASM: tl.constexpr, JOIN_STORE: tl.constexpr, SEQ: tl.constexpr,
     ):
         """Both FP8-carrier operands of a row-major (M, K) tensor from one read of it: A quantized along
         rows (K; ``_blk_tile``, 1x128 group scales) and B along columns (M; ``_cols_tile``). Programs come
         in groups of ``128 / BR_A`` A tiles and ``128 / BR_B`` B tiles that cover the same 128 x 128 block
         of the input, so the B tiles read what the A tiles just brought into the L2 cache (one pass over
-        HBM instead of two). ``F``: 128-wide blocks along K; ``nr_*``, ``nk_*``: each output's grid."""
+        HBM instead of two). ``SEQ``: one program runs all of a block's A tiles, then its B tiles (the B
+        reads come after the A reads, from L2). ``F``: 128-wide blocks along K; ``nr_*``, ``nk_*``: each
+        output's grid."""
         NA: tl.constexpr = 128 // BR_A
         NB: tl.constexpr = 128 // BR_B
         pid = tl.program_id(0)
-        g = pid // (NA + NB)
-        w = pid % (NA + NB)
-        tb = g // F          # 128-row block of the input (tokens)
-        fb = g % F           # 128-column block (features)
-        if w < NA:
-            pr = tb * NA + w
-            if (pr < nr_a) & (fb < nk_a):
-                _blk_tile(pr, fb, x_ptr, sg_a, car_a, gs_a, cnt_ptr, cnt_ptr, cnt_ptr, kp_a,
-                          M, K, Rc_a, sx_m, sx_k, si_ra, si_ka, Kc_a, Kq_a, gsr_a, gsk_a, key_a, inv_a, ps_a,
-                          BR_A, ROT_A, HAS_SIGNS_A, RULE_A, SR_A, PRESCALE_A, 1, True, False, IDX64, KEY_PTR_A,
-                          USE_ASM, JOIN_STORE)
+        if SEQ:
+            tb = pid // F
+            fb = pid % F
+            for w in range(NA):
+                pr = tb * NA + w
+                if (pr < nr_a) & (fb < nk_a):
+                    _blk_tile(pr, fb, x_ptr, sg_a, car_a, gs_a, cnt_ptr, cnt_ptr, cnt_ptr, kp_a,
+                              M, K, Rc_a, sx_m, sx_k, si_ra, si_ka, Kc_a, Kq_a, gsr_a, gsk_a, key_a, inv_a, ps_a,
+                              BR_A, ROT_A, HAS_SIGNS_A, RULE_A, SR_A, PRESCALE_A, 1, True, False, IDX64,
+                              KEY_PTR_A, USE_ASM, JOIN_STORE)
+            for w in range(NB):
+                pr = fb * NB + w
+                if (pr < nr_b) & (tb < nk_b):
+                    _cols_tile(pr, tb, x_ptr, sg_b, car_b, gs_b, cnt_ptr, cnt_ptr, cnt_ptr, kp_b,
+                               K, M, Rc_b, sx_k, sx_m, si_rb, si_kb, Kc_b, Kq_b, gsr_b, gsk_b, key_b, inv_b, ps_b,
+                               BR_B, ROT_B, HAS_SIGNS_B, RULE_B, SR_B, PRESCALE_B, GROUP_ROWS_B, True, False,
+                               IDX64, KEY_PTR_B, USE_ASM, PACK_B)
         else:
-            pr = fb * NB + (w - NA)
-            if (pr < nr_b) & (tb < nk_b):
-                _cols_tile(pr, tb, x_ptr, sg_b, car_b, gs_b, cnt_ptr, cnt_ptr, cnt_ptr, kp_b,
-                           K, M, Rc_b, sx_k, sx_m, si_rb, si_kb, Kc_b, Kq_b, gsr_b, gsk_b, key_b, inv_b, ps_b,
-                           BR_B, ROT_B, HAS_SIGNS_B, RULE_B, SR_B, PRESCALE_B, GROUP_ROWS_B, True, False, IDX64,
-                           KEY_PTR_B, USE_ASM, PACK_B)
+            g = pid // (NA + NB)
+            w = pid % (NA + NB)
+            tb = g // F          # 128-row block of the input (tokens)
+            fb = g % F           # 128-column block (features)
+            if w < NA:
+                pr = tb * NA + w
+                if (pr < nr_a) & (fb < nk_a):
+                    _blk_tile(pr, fb, x_ptr, sg_a, car_a, gs_a, cnt_ptr, cnt_ptr, cnt_ptr, kp_a,
+                              M, K, Rc_a, sx_m, sx_k, si_ra, si_ka, Kc_a, Kq_a, gsr_a, gsk_a, key_a, inv_a, ps_a,
+                              BR_A, ROT_A, HAS_SIGNS_A, RULE_A, SR_A, PRESCALE_A, 1, True, False, IDX64,
+                              KEY_PTR_A, USE_ASM, JOIN_STORE)
+            else:
+                pr = fb * NB + (w - NA)
+                if (pr < nr_b) & (tb < nk_b):
+                    _cols_tile(pr, tb, x_ptr, sg_b, car_b, gs_b, cnt_ptr, cnt_ptr, cnt_ptr, kp_b,
+                               K, M, Rc_b, sx_k, sx_m, si_rb, si_kb, Kc_b, Kq_b, gsr_b, gsk_b, key_b, inv_b, ps_b,
+                               BR_B, ROT_B, HAS_SIGNS_B, RULE_B, SR_B, PRESCALE_B, GROUP_ROWS_B, True, False,
+                               IDX64, KEY_PTR_B, USE_ASM, PACK_B)
 
 
 @dataclass
@@ -939,27 +959,41 @@ def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.
 
 # Both operands of one activation from one read (``quantize_mxfp4_dual``): the forward's X (Fprop along
 # features, Wgrad along tokens) and the backward's dY (Dgrad along features, Wgrad along tokens).
-# MXTRAIN_QDUAL=0: two separate passes instead.
-DUAL = os.environ.get("MXTRAIN_QDUAL", "1").strip().lower() not in ("0", "false", "no", "off")
+# Measured on an H100 (BENCHMARKS.md, scripts/dual_sweep.py): 1.12x faster than the two passes without
+# rotations, but 0.51-0.98x with H16 in every layout tried (the passes are bound by their arithmetic as
+# much as by memory, so sharing the read does not pay). MXTRAIN_QDUAL: "auto" (default: one pass only
+# without rotations), "on" (always where the kernels apply), "off" (never).
+_DUAL_ENV = os.environ.get("MXTRAIN_QDUAL", "auto").strip().lower()
+DUAL = False if _DUAL_ENV in ("0", "false", "no", "off") else ("on" if _DUAL_ENV in ("1", "on", "all") else "auto")
 _DUAL_VERIFIED: dict = {}
+# (A block rows, B block rows, warps) for B with 1x128 / 128x128 groups; SEQ: one program per 128x128
+# input block (A tiles, then B tiles) instead of one per tile
+DUAL_CONFIG = {False: (32, 64, 4), True: (64, 128, 8)}
+DUAL_SEQ = False
 _SIDE_KEYS = ("rot", "signs", "rounding", "scale_rule", "key", "prescale", "index_strides", "key_tensor", "group_rows")
 
 
 def dual_applies(x: torch.Tensor, rot_a: int, rot_b: int, group_rows_a: int = 1) -> bool:
     """Whether ``quantize_mxfp4_dual`` runs one fused pass for ``x`` (else it runs two): a row-major 2-D
-    tensor, FP8-carrier outputs, A with 1x128 groups, and rotations the blocks and cols kernels take."""
-    return (DUAL and x.ndim == 2 and x.shape[0] > 0 and x.shape[1] > 1 and x.stride(1) == 1
+    tensor, FP8-carrier outputs, A with 1x128 groups, and rotations the blocks and cols kernels take (with
+    ``DUAL == "auto"``: no rotation, where one pass measured faster)."""
+    if DUAL == "auto" and (rot_a or rot_b):
+        return False
+    return (bool(DUAL) and x.ndim == 2 and x.shape[0] > 0 and x.shape[1] > 1 and x.stride(1) == 1
             and group_rows_a == 1 and kernel_for(1, rot_a, False) == "blocks"
             and kernel_for(0, rot_b, False, rows_contiguous=True) == "cols")
 
 
 def quantize_mxfp4_dual(x: torch.Tensor, a: dict, b: dict, *, k_multiple: int = TILE_K,
-                        counter: torch.Tensor | None = None, _check: bool = True) -> tuple[QuantOut, QuantOut]:
+                        counter: torch.Tensor | None = None, block_rows: tuple[int, int] | None = None,
+                        num_warps: int | None = None, sequential: bool | None = None,
+                        _check: bool = True) -> tuple[QuantOut, QuantOut]:
     """The FP8-carrier outputs of ``quantize_mxfp4_2d(x, 1, **a, carrier=True, fp4=False)`` and
     ``quantize_mxfp4_2d(x, 0, **b, carrier=True, fp4=False)`` (bit-identical) from one pass over ``x``
     where ``dual_applies``, else from those two calls. ``a`` and ``b`` take the keyword options of
     ``quantize_mxfp4_2d`` (rot, signs, rounding, scale_rule, key, prescale, index_strides, key_tensor,
-    group_rows). Both outputs add their inexact blocks to one counter (``counter``, or a new one)."""
+    group_rows). Both outputs add their inexact blocks to one counter (``counter``, or a new one).
+    ``block_rows`` (A, B), ``num_warps``, ``sequential``: kernel configuration (benchmark sweeps)."""
     for side in (a, b):
         bad = set(side) - set(_SIDE_KEYS)
         if bad:
@@ -975,8 +1009,14 @@ def quantize_mxfp4_dual(x: torch.Tensor, a: dict, b: dict, *, k_multiple: int = 
     M, K = x.shape
     dev = x.device
     gr_b = b.get("group_rows", 1)
-    nw = 8 if gr_b == 128 else 4              # the cols kernel's tuned warps for B; A's blocks tile follows
-    BR = {1: 8 * nw, 0: 128 if gr_b == 128 else 16 * nw}
+    cfg = DUAL_CONFIG[gr_b == 128]
+    nw = num_warps or cfg[2]
+    bra, brb = block_rows or cfg[:2]
+    seq = DUAL_SEQ if sequential is None else sequential
+    BR = {1: bra, 0: brb}
+    assert 128 % bra == 0 and brb in (64, 128) and (gr_b == 1 or brb == 128), (bra, brb, gr_b)
+    pack = 4 * brb // (32 * nw)
+    assert pack in (2, 4, 8, 16), "dual kernel: 4 x block_rows[1] must be 64, 128, ... x 32 x num_warps"
     outs, args, consts, geo = [], [], {}, []
     for axis, side, R, Kr, sfx in ((1, a, M, K, "A"), (0, b, K, M, "B")):
         rot = side.get("rot", 0)
@@ -1003,14 +1043,14 @@ def quantize_mxfp4_dual(x: torch.Tensor, a: dict, b: dict, *, k_multiple: int = 
         consts.update({f"BR_{sfx}": BR[axis], f"ROT_{sfx}": rot, f"HAS_SIGNS_{sfx}": signs is not None,
                        f"RULE_{sfx}": RULE_ID[side.get("scale_rule", "floor")], f"SR_{sfx}": rounding == "stochastic",
                        f"PRESCALE_{sfx}": prescale != 1.0, f"KEY_PTR_{sfx}": kt is not None})
-    consts.update(GROUP_ROWS_B=gr_b, PACK_B=2, IDX64=geo[0][2] or geo[1][2], USE_ASM=dev.type == "cuda",
-                  JOIN_STORE=JOIN_STORE)
+    consts.update(GROUP_ROWS_B=gr_b, PACK_B=2 if pack == 2 else 4, IDX64=geo[0][2] or geo[1][2],
+                  USE_ASM=dev.type == "cuda", JOIN_STORE=JOIN_STORE, SEQ=seq)
     (nr_a, nk_a, _), (nr_b, nk_b, _) = geo
     NA, NB = 128 // BR[1], 128 // BR[0]
     F = max(nk_a, triton.cdiv(nr_b, NB))
     T = max(triton.cdiv(nr_a, NA), nk_b)
     (sa, ca, ga, ka, dims_a, sc_a), (sb, cb, gb, kb, dims_b, sc_b) = args
-    _mxfp4_dual_kernel[(T * F * (NA + NB),)](
+    _mxfp4_dual_kernel[(T * F * (1 if seq else NA + NB),)](
         x, cnt, sa, ca, ga, ka, sb, cb, gb, kb, M, K, x.stride(0), 1, *dims_a, *dims_b,
         nr_a, nk_a, nr_b, nk_b, F, *sc_a, *sc_b, **consts, num_warps=nw, enable_fp_fusion=False)
     return outs[0], outs[1]
@@ -1026,7 +1066,8 @@ def _dual_ok(x: torch.Tensor, a: dict, b: dict, k_multiple: int) -> bool:
         s = side.get("signs")
         return (side.get("rot", 0), s is not None, side.get("rounding", "nearest"), side.get("scale_rule", "floor"),
                 side.get("prescale", 1.0) != 1.0, side.get("key_tensor") is not None, side.get("group_rows", 1))
-    vkey = (x.device.index, x.dtype, opt(a), opt(b), k_multiple, M % 16 == 0, K % 16 == 0, JOIN_STORE)
+    vkey = (x.device.index, x.dtype, opt(a), opt(b), k_multiple, M % 16 == 0, K % 16 == 0, JOIN_STORE,
+            DUAL_CONFIG[b.get("group_rows", 1) == 128], DUAL_SEQ)
     ok = _DUAL_VERIFIED.get(vkey)
     if ok is None:
         g = torch.Generator(device="cpu").manual_seed(4321)
