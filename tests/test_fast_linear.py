@@ -288,10 +288,14 @@ def test_cuda_graph_replays_per_step_signs_like_eager():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_graph_replays_stochastic_rounding_like_eager():
+@pytest.mark.parametrize("one_pass", [False, True])
+def test_cuda_graph_replays_stochastic_rounding_like_eager(one_pass, monkeypatch):
     """A layer with stochastic rounding on dY, captured once: after refresh_graph_seeds(step, micro),
     each replay draws what an eager layer (same weight and layer id, not captured) draws at that step
-    and micro-step (call), and different steps draw different bits."""
+    and micro-step (call), and different steps draw different bits. ``one_pass``: dY's two operands
+    from the dual kernel (normally only for large tensors), its keys read from device memory too."""
+    if one_pass:
+        monkeypatch.setattr(fast, "DUAL_MIN_ELEMENTS", 0)
     torch.manual_seed(0)
     r = recipes.get("mxfp4-all-sr")
     lin = MXLinear(1024, 512, recipe=r, device=DEV, dtype=torch.bfloat16, layer_id=3)

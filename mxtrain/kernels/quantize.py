@@ -1065,10 +1065,12 @@ def _dual_ok(x: torch.Tensor, a: dict, b: dict, k_multiple: int) -> bool:
     def opt(side):
         s = side.get("signs")
         return (side.get("rot", 0), s is not None, side.get("rounding", "nearest"), side.get("scale_rule", "floor"),
-                side.get("prescale", 1.0) != 1.0, side.get("key_tensor") is not None, side.get("group_rows", 1))
+                side.get("prescale", 1.0) != 1.0, side.get("group_rows", 1))
     vkey = (x.device.index, x.dtype, opt(a), opt(b), k_multiple, M % 16 == 0, K % 16 == 0, JOIN_STORE,
             DUAL_CONFIG[b.get("group_rows", 1) == 128], DUAL_SEQ)
     ok = _DUAL_VERIFIED.get(vkey)
+    if ok is None and x.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False   # no self-check inside a CUDA-graph capture (it copies from the host): two passes
     if ok is None:
         g = torch.Generator(device="cpu").manual_seed(4321)
         if x.device.type == "cpu":   # the interpreter (tests): fewer programs, the same edge cases
@@ -1084,8 +1086,6 @@ def _dual_ok(x: torch.Tensor, a: dict, b: dict, k_multiple: int) -> bool:
                 t["signs"] = (torch.randint(0, 2, (side["rot"],), generator=g) * 2 - 1).float()
             if side.get("rounding") == "stochastic":
                 t["key"] = 12345 + i
-            if side.get("key_tensor") is not None:
-                t["key_tensor"] = torch.full((4,), 777 + i, dtype=torch.int32, device=x.device)
             sides.append(t)
         got = quantize_mxfp4_dual(xt, *sides, k_multiple=k_multiple, _check=False)
         want = [quantize_mxfp4_2d(xt, ax, **s, carrier=True, fp4=False, k_multiple=k_multiple)
