@@ -339,9 +339,10 @@ def bench_linear(args) -> dict:
                     r[f"{p}_graph_speedup"] = min(r["bf16_ms"], r["bf16_graph_ms"]) / r[f"{p}_graph_ms"]
                 except Exception as e:  # noqa: BLE001
                     r[f"{p}_graph_error"] = repr(e)[:200]
-            if p == "mxfp4-all-dh16":
+            if p == "mxfp4-all":
                 # the same call with each activation's two operands quantized in two passes (no
-                # quantize_mxfp4_dual): what the one-pass kernel saves, measured in this run
+                # quantize_mxfp4_dual, which by default runs only without rotations): what the
+                # one-pass kernel saves, measured in this run
                 from .kernels import quantize as _kq
                 dual, _kq.DUAL = _kq.DUAL, False
                 try:
@@ -358,9 +359,9 @@ def bench_linear(args) -> dict:
             + (f"; fp8-rowwise {r['fp8_rowwise_speedup']:.2f}x" if "fp8_rowwise_speedup" in r else "")
             + "; CUDA graph: " + ", ".join(f"{p} {r[f'{p}_graph_speedup']:.2f}x" for p in LINEAR_PRESETS
                                             if f"{p}_graph_speedup" in r)
-            + "".join(f"; dh16 two passes {r['mxfp4-all-dh16_' + k]:.3f} ms vs one {r['mxfp4-all-dh16_' + v]:.3f} ms"
+            + "".join(f"; mxfp4-all two passes {r['mxfp4-all_' + k]:.3f} ms vs one {r['mxfp4-all_' + v]:.3f} ms"
                       for k, v in (("twopass_reuseW_ms", "reuseW_ms"), ("twopass_graph_ms", "graph_ms"))
-                      if "mxfp4-all-dh16_" + k in r), flush=True)
+                      if "mxfp4-all_" + k in r), flush=True)
         res.append(r)
         del x, gy, base, fp8
     tot = {k: sum(r[k] for r in res) for k in res[0] if k.endswith("_ms") and all(k in q for q in res)}
