@@ -143,21 +143,36 @@ def bench_quantize(args) -> dict:
         if flt not in name:
             continue
         x = torch.randn(16384, 4096, device=dev, dtype=torch.bfloat16)
-        y = torch.empty_like(x)
-        t_copy = _bench(lambda: y.copy_(x))
-        n = x.numel()
-        moved = 2 * n + 2 * (n + n // 128 * 4)
-        copy_bw = 4 * n / (t_copy * 1e-3)
-        t = _bench(lambda: kq.quantize_mxfp4_dual(x, a, b))
-        t2 = _bench(lambda: (quantize_mxfp4_2d(x, 1, fp4=False, **a), quantize_mxfp4_2d(x, 0, fp4=False, **b)))
-        bw = moved / (t * 1e-3)
+        d = dual_timings(x, a, b)
+        t, t2 = d["ms"][0], d["two_pass_ms"]
+        bw, copy_bw = d["bytes"] / (t * 1e-3), d["copy_GBps"] * 1e9
         res.append({"case": name, "kernel": "dual", "shape": [16384, 4096], "ms": t, "two_pass_ms": t2,
-                    "bytes": moved, "GBps": bw / 1e9, "copy_ms": t_copy, "copy_GBps": copy_bw / 1e9,
+                    "bytes": d["bytes"], "GBps": bw / 1e9, "copy_ms": d["copy_ms"], "copy_GBps": copy_bw / 1e9,
                     "frac_of_copy_bw": bw / copy_bw, "speedup_vs_two_passes": t2 / t})
         print(f"quantize {name:46s} {'dual':12s} {t*1e3:8.1f} us  {bw/1e9:7.0f} GB/s  copy {copy_bw/1e9:6.0f} GB/s  "
               f"{100*bw/copy_bw:5.1f}%  (two passes {t2*1e3:.1f} us: {t2/t:.2f}x)", flush=True)
-        del x, y
+        del x
     return {"quantize": res}
+
+
+def dual_timings(x: torch.Tensor, a: dict, b: dict, configs=({},)) -> dict:
+    """``quantize_mxfp4_dual(x, a, b, **cfg)`` timed for each kernel configuration in ``configs`` (ms, in
+    order; None where it failed), the two single passes it replaces, and a copy of ``x``: with the bytes
+    one pass moves (2-byte input read once, both carriers and their group scales written)."""
+    from .kernels import quantize as kq
+    y = torch.empty_like(x)
+    t_copy = _bench(lambda: y.copy_(x))
+    n = x.numel()
+    two = _bench(lambda: (kq.quantize_mxfp4_2d(x, 1, fp4=False, **a), kq.quantize_mxfp4_2d(x, 0, fp4=False, **b)))
+    ms = []
+    for cfg in configs:
+        try:
+            ms.append(_bench(lambda: kq.quantize_mxfp4_dual(x, a, b, **cfg)))
+        except Exception as e:  # noqa: BLE001 - a configuration the kernel refuses (sweeps)
+            print(f"dual quantize {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            ms.append(None)
+    return {"ms": ms, "two_pass_ms": two, "copy_ms": t_copy, "copy_GBps": 4 * n / (t_copy * 1e-3) / 1e9,
+            "bytes": 2 * n + 2 * (n + n // 128 * 4)}
 
 
 # -------------------------------------------------------------------------------------------- gemm

@@ -37,7 +37,8 @@ from .kernels import quantize as _quantize
 from .kernels.quantize import QuantOut, quantize_op
 from .nn import _OPERAND_ID, _Ctx, _gemm_dtype
 
-__all__ = ["supported", "apply", "ENABLED", "inexact_blocks", "clear_caches", "refresh_graph_seeds"]
+__all__ = ["supported", "apply", "ENABLED", "inexact_blocks", "clear_caches", "refresh_graph_seeds",
+           "prepare_graph_seeds"]
 
 # False forces the reference path everywhere; the environment variable MXTRAIN_FAST=0 does the same
 # from the command line (e.g. `MXTRAIN_FAST=0 mxtrain train ...`).

@@ -254,13 +254,12 @@ def test_graph_seed_refresh_writes_the_eager_keys_and_signs():
     assert gs.keys[1:4].eq(0).all() and len(gs.key_slots) == 4   # slots 16 bytes apart
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_graph_replays_per_step_signs_like_eager():
-    """A layer with per-step random signs, captured once: after refresh_graph_seeds(step), each replay
-    gives what an eager layer (same weight, same layer id, not captured) gives at that step."""
+def _captured_and_eager(recipe: str):
+    """A layer (layer id 3) captured by make_graphed_callables at step 0, an uncaptured twin with the same
+    weight and bias (make_graphed_callables replaces the captured module's forward), the graph's static
+    input x, a copy of it for the twin, and an output gradient."""
     torch.manual_seed(0)
-    r = recipes.get("mxfp4-all-rht16")
+    r = recipes.get(recipe)
     lin = MXLinear(1024, 512, recipe=r, device=DEV, dtype=torch.bfloat16, layer_id=3)
     ref = MXLinear(1024, 512, recipe=r, device=DEV, dtype=torch.bfloat16, layer_id=3)
     ref.load_state_dict(lin.state_dict())   # weight and bias
@@ -268,7 +267,15 @@ def test_cuda_graph_replays_per_step_signs_like_eager():
     xr = x.detach().clone().requires_grad_(True)
     dy = torch.randn(256, 512, device=DEV, dtype=torch.bfloat16)
     lin.set_step(0)
-    graphed = torch.cuda.make_graphed_callables(lin, (x,))
+    return lin, ref, torch.cuda.make_graphed_callables(lin, (x,)), x, xr, dy
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_replays_per_step_signs_like_eager():
+    """A layer with per-step random signs, captured once: after refresh_graph_seeds(step), each replay
+    gives what an eager layer (same weight, same layer id, not captured) gives at that step."""
+    lin, ref, graphed, x, xr, dy = _captured_and_eager("mxfp4-all-rht16")
     outs = []
     for step in (0, 1, 7):
         x.grad, lin.weight.grad = None, None
@@ -296,16 +303,7 @@ def test_cuda_graph_replays_stochastic_rounding_like_eager(one_pass, monkeypatch
     from the dual kernel (normally only for large tensors), its keys read from device memory too."""
     if one_pass:
         monkeypatch.setattr(fast, "DUAL_MIN_ELEMENTS", 0)
-    torch.manual_seed(0)
-    r = recipes.get("mxfp4-all-sr")
-    lin = MXLinear(1024, 512, recipe=r, device=DEV, dtype=torch.bfloat16, layer_id=3)
-    ref = MXLinear(1024, 512, recipe=r, device=DEV, dtype=torch.bfloat16, layer_id=3)
-    ref.load_state_dict(lin.state_dict())   # weight and bias
-    x = torch.randn(256, 1024, device=DEV, dtype=torch.bfloat16, requires_grad=True)
-    xr = x.detach().clone().requires_grad_(True)
-    dy = torch.randn(256, 512, device=DEV, dtype=torch.bfloat16)
-    lin.set_step(0)
-    graphed = torch.cuda.make_graphed_callables(lin, (x,))
+    lin, ref, graphed, x, xr, dy = _captured_and_eager("mxfp4-all-sr")
     grads = []
     for step, micro in ((0, 0), (0, 1), (5, 0), (0, 0)):
         x.grad, lin.weight.grad = None, None

@@ -709,6 +709,8 @@ if triton is not None:
             si_k, Kc, Kq, gs_sr, gs_sk, key, inv_sqrt, prescale, BR, ROT, HAS_SIGNS, RULE, SR, PRESCALE,
             GROUP_ROWS, WRITE_CARRIER, WRITE_FP4, IDX64, KEY_PTR, USE_ASM, PACK)
 
+    # the kernels above must spell out their arguments (Triton binds a kernel's signature by name)
+
     @triton.jit(do_not_specialize=["key_a", "key_b"])
     def _mxfp4_dual_kernel(
         x_ptr, cnt_ptr,
@@ -1016,7 +1018,7 @@ def quantize_mxfp4_dual(x: torch.Tensor, a: dict, b: dict, *, k_multiple: int = 
     BR = {1: bra, 0: brb}
     assert 128 % bra == 0 and brb in (64, 128) and (gr_b == 1 or brb == 128), (bra, brb, gr_b)
     pack = 4 * brb // (32 * nw)
-    assert pack in (2, 4, 8, 16), "dual kernel: 4 x block_rows[1] must be 64, 128, ... x 32 x num_warps"
+    assert 4 * brb % (32 * nw) == 0 and pack in (2, 4, 8, 16), "dual kernel: 4 x block_rows[1] must be 64, 128, ... x 32 x num_warps"
     outs, args, consts, geo = [], [], {}, []
     for axis, side, R, Kr, sfx in ((1, a, M, K, "A"), (0, b, K, M, "B")):
         rot = side.get("rot", 0)
