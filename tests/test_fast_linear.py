@@ -391,3 +391,46 @@ def test_wgrad_operand_made_in_forward_without_dual_pass(preset, monkeypatch):
     y = fast.apply(x, w, None, _Ctx(rec, 3, 5, 1))
     saved = [t for t in y.grad_fn.saved_tensors if t is not None]
     assert len(saved) == 1 and saved[0].shape == w.shape and y.grad_fn.wgrad_x is not None
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("preset", ["mxfp4-all-dh16", "mxfp4-all-sr"])
+@pytest.mark.parametrize("graph", [False, True])
+def test_side_stream_quantize_changes_nothing(preset, graph, monkeypatch):
+    """MXTRAIN_QSTREAM: the Wgrad operands quantized on a side stream, beside the Fprop and Dgrad GEMMs,
+    give bit-identical outputs and gradients, eagerly and replayed from a CUDA graph (where the side
+    stream is a parallel branch of the graph)."""
+    from mxtrain.kernels import quantize as kq
+    monkeypatch.setattr(kq, "DUAL", False)          # two passes, so that the second can move
+    monkeypatch.setattr(fast, "OVERLAP_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(fast, "_SIDE_STREAMS", {})
+
+    def run(overlap):
+        monkeypatch.setattr(fast, "OVERLAP", overlap)
+        fast.clear_caches()
+        torch.manual_seed(0)
+        lin = MXLinear(1024, 512, recipe=recipes.get(preset), device=DEV, dtype=torch.bfloat16, layer_id=3)
+        lin.set_step(0)
+        x = torch.randn(2048, 1024, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(2048, 512, device=DEV, dtype=torch.bfloat16)
+        f = torch.cuda.make_graphed_callables(lin, (x,)) if graph else lin
+        outs = []
+        for step in range(2):
+            x.grad, lin.weight.grad = None, None
+            if graph:
+                fast.refresh_graph_seeds(step, 0)
+            else:
+                lin.set_step(step)
+            y = f(x)
+            y.backward(dy)
+            outs += [y.detach().clone(), x.grad.clone(), lin.weight.grad.clone()]
+        torch.cuda.synchronize()
+        return outs
+
+    main = run(False)
+    assert not fast._SIDE_STREAMS
+    side = run(True)
+    assert fast._SIDE_STREAMS   # the side stream was used
+    for a, b in zip(main, side):
+        assert torch.equal(a, b)

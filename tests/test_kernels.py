@@ -563,6 +563,37 @@ def test_dual_equals_two_passes(case, monkeypatch):
     assert int(got[0].inexact.item()) == n and n > 0
 
 
+def test_dual_launch_plans_replay_every_argument(monkeypatch):
+    """A dual-kernel configuration seen before is launched through its compiled kernel (``_DualPlan``):
+    the same bytes as the generic launch for new data, new keys and new sign vectors, and a misaligned
+    view gets a plan of its own."""
+    monkeypatch.setattr(kq, "SELF_CHECK_DEVICES", ())
+    monkeypatch.setattr(kq, "DUAL", "on")
+    monkeypatch.setattr(kq, "_use_plans", lambda x: True)
+    monkeypatch.setattr(kq, "_DUAL_PLANS", {})
+    if kq._INTERPRET or DEV == "cpu":
+        make = kq._DualPlan.make
+        monkeypatch.setattr(kq._DualPlan, "make", staticmethod(
+            lambda compiled, *a: make(_InterpretedCompiled(kq._mxfp4_dual_kernel), *a)))
+    calls = []
+    orig_call = kq._DualPlan.__call__
+    monkeypatch.setattr(kq._DualPlan, "__call__",
+                        lambda self, x, *a: (calls.append(tuple(x.shape)), orig_call(self, x, *a))[1])
+    big = _data(1, 48 * 160 + 1, seed=61).flatten()
+    for i, x in enumerate([_data(48, 160, seed=60), _data(48, 160, seed=62), big[1:].view(48, 160)]):
+        a = dict(rot=16, signs=rotation_signs(16, "fixed", seed=i, device=DEV), rounding="stochastic",
+                 key=rng.stream_key(i + 7))
+        b = dict(group_rows=128, scale_rule="rceil", prescale=0.75)
+        got = kq.quantize_mxfp4_dual(x, a, b)
+        monkeypatch.setattr(kq, "_use_plans", lambda x: False)
+        want = kq.quantize_mxfp4_dual(x, a, b)
+        monkeypatch.setattr(kq, "_use_plans", lambda x: True)
+        for p, q in zip(got, want):
+            _same_carrier(p, q)
+            assert int(p.inexact.item()) == int(q.inexact.item())
+    assert calls == [(48, 160)] and len(kq._DUAL_PLANS) == 2 and all(kq._DUAL_PLANS.values())
+
+
 def test_dual_matches_the_reference_quantizer():
     """Independently of the single-pass kernels: the dual pass's carrier values are the reference
     quantizer's MXFP4 values along each axis (no inexact blocks in this data)."""
