@@ -546,6 +546,21 @@ _WHAT = {"quantize": bench_quantize, "gemm": bench_gemm, "breakdown": bench_brea
          "step": bench_step}
 
 
+def warm_gpu(seconds: float = 1.0) -> float:
+    """Keep the GPU busy with bf16 matrix products for about ``seconds`` before the first timing: an idle
+    GPU runs at low clocks, and the first timings of a process measured up to 2x slow on the H100 without
+    this (the one-pass and two-pass quantize of a 4096x4096 tensor timed first: 90 and 82 us; timed after
+    another shape in a run of the same code: 44 and 53 us)."""
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    t = time.time()
+    while time.time() - t < seconds:
+        for _ in range(20):
+            a @ a
+        torch.cuda.synchronize()
+    return time.time() - t
+
+
 def run(args) -> int:
     if not torch.cuda.is_available():
         print("mxtrain bench: needs a CUDA GPU (the fast path's kernels and GEMMs run there)", file=sys.stderr)
@@ -553,6 +568,7 @@ def run(args) -> int:
     what = list(_WHAT) if args.what == "all" else args.what.split(",")
     out = {"env": _env(), "command": " ".join(sys.argv)}
     t0 = time.time()
+    out["warmup_s"] = warm_gpu()
     for w in what:
         try:
             out.update(_WHAT[w](args))

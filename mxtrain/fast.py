@@ -338,44 +338,18 @@ def _quant(qctx: _Ctx, t: torch.Tensor, axis: int, name: str, gemm: str, signs, 
     return q, op.prescale
 
 
-# Both operands of one activation from one pass (quantize_mxfp4_dual) for tensors of at least this
-# many elements: the fused launch goes through Triton's generic launcher, which costs more host time
-# than two launch-planned passes, so small (host-bound) layers keep two passes. MXTRAIN_QDUAL=0: never.
-DUAL_MIN_ELEMENTS = int(os.environ.get("MXTRAIN_QDUAL_MIN", str(1 << 22)))
-
-
-# Overlap (MXTRAIN_QSTREAM=1): where the two operands of one activation take two passes, the second
-# (the Wgrad operand along tokens, which only a later GEMM reads) runs on a side stream, concurrently
-# with the GEMM that reads the first; the caller joins the streams (``_join``) after launching that GEMM.
-# Only for tensors of at least OVERLAP_MIN_ELEMENTS, eagerly or while a CUDA graph is captured (the
-# side stream becomes a parallel branch of the graph), never under torch.compile.
-_QSTREAM_ENV = os.environ.get("MXTRAIN_QSTREAM", "0").strip().lower()
-OVERLAP = _QSTREAM_ENV in ("1", "on", "true", "yes")
-OVERLAP_MIN_ELEMENTS = int(os.environ.get("MXTRAIN_QSTREAM_MIN", str(1 << 22)))
-_SIDE_STREAMS: dict = {}
-
-
-def _side_stream(dev) -> "torch.cuda.Stream":
-    s = _SIDE_STREAMS.get(dev)
-    if s is None:
-        s = _SIDE_STREAMS[dev] = torch.cuda.Stream(dev)
-    return s
-
-
-def _join(pre: dict | None) -> None:
-    """Make the current stream wait for a side-stream quantize that ``_quant_pair`` started (if any)."""
-    side = pre.pop("_side", None) if pre else None
-    if side is not None:
-        torch.cuda.current_stream(side.device).wait_stream(side)
+# Both operands of one activation from one pass (quantize_mxfp4_dual, where it applies) for tensors of
+# at least this many elements (MXTRAIN_QDUAL_MIN; MXTRAIN_QDUAL=0: never). With launch plans for the
+# fused kernel, one pass measured 1.08-1.22x faster than two on an H100 from 2048x4096 to 16384x14336
+# (BENCHMARKS.md), and one launch costs the host less than two: no lower bound by default.
+DUAL_MIN_ELEMENTS = int(os.environ.get("MXTRAIN_QDUAL_MIN", "0"))
 
 
 def _quant_pair(qctx: _Ctx, t: torch.Tensor, na: str, ga: str, nb: str, gb: str, backend: str,
                 group_rows_b: int, always: bool = False) -> dict | None:
     """Operand ``na`` (``t`` along rows, GEMM ``ga``, 1x128 groups) and ``nb`` (along columns, GEMM
     ``gb``) of a 2-D tensor, each exactly as ``_quant`` makes it: ``{name: (QuantOut, prescale)}``. From
-    one read (``quantize_mxfp4_dual``) where that applies; else None, or with ``always`` two passes
-    (the second on a side stream with ``OVERLAP``: the result then holds ``"_side"``, and the caller
-    must ``_join`` it after launching the GEMM that reads ``na``)."""
+    one read (``quantize_mxfp4_dual``) where that applies; else None, or with ``always`` two passes."""
     if backend != "fp8_carrier" or t.ndim != 2 or torch.compiler.is_compiling():
         return None
     _, ops, rots = _spec(qctx.recipe)
@@ -401,24 +375,9 @@ def _quant_pair(qctx: _Ctx, t: torch.Tensor, na: str, ga: str, nb: str, gb: str,
     hits = [_ACT_CACHE.get(n) for n, act, _, _ in acts]
     if all(act is not None and h is not None and h[0] == act for (_, act, _, _), h in zip(acts, hits)):
         return {n: (h[2], ps) for (n, _, _, ps), h in zip(acts, hits)}
-    side = None
     km = _gemm.k_multiple_for(backend)
     if one:
         qs = _quantize.quantize_mxfp4_dual(t, sides[0], sides[1], k_multiple=km, counter=_counter(dev))
-    elif OVERLAP and t.is_cuda and t.numel() >= OVERLAP_MIN_ELEMENTS:
-        qa = quantize_op(t, 1, **sides[0], carrier=True, fp4=False, k_multiple=km, counter=_counter(dev))
-        main = torch.cuda.current_stream(dev)
-        side = _side_stream(dev)
-        side.wait_stream(main)   # after the first pass: the GEMM reading it and this pass start together
-        with torch.cuda.stream(side):
-            qb = quantize_op(t, 0, **sides[1], carrier=True, fp4=False, k_multiple=km, counter=_counter(dev))
-        # made on the side stream, read on the main one: the allocator must not hand these blocks to the
-        # side stream again before the main stream's work on them is done (and t's before the side's)
-        for o in (qb.carrier, qb.gscale, qb.gs_base, qb.inexact):
-            if o is not None:
-                o.record_stream(main)
-        t.record_stream(side)
-        qs = [qa, qb]
     else:
         qs = [quantize_op(t, ax, **sd, carrier=True, fp4=False, k_multiple=km, counter=_counter(dev))
               for ax, sd in ((1, sides[0]), (0, sides[1]))]
@@ -427,8 +386,6 @@ def _quant_pair(qctx: _Ctx, t: torch.Tensor, na: str, ga: str, nb: str, gb: str,
         if act is not None:
             _act_put(n, act, t, signs, q)
         out[n] = (q, ps)
-    if side is not None:
-        out["_side"] = side
     return out
 
 
@@ -496,7 +453,6 @@ class _FastMXLinearFunction(torch.autograd.Function):
                                   _b_group_rows(dev, backend), always=True)
             ydt = torch.float32 if (bias is not None or backend != "fp8_carrier") else out_dtype
             y = _gemm_fn(qctx, x2, 1, "fprop_x", weight, 1, "fprop_w", "fprop", True, backend, ydt, cache, pre)
-            _join(pre)
             if bias is not None:
                 y = y + bias.to(torch.float32)
         ctx.wgrad_x = pre["wgrad_x"] if pre is not None else None
@@ -517,15 +473,12 @@ class _FastMXLinearFunction(torch.autograd.Function):
             if (ctx.needs_input_grad[0] and ctx.needs_input_grad[1] and _both_mx(qctx.recipe, "dgrad_dy", "dgrad_w")
                     and _both_mx(qctx.recipe, "wgrad_dy", "wgrad_x")):
                 # dY's Dgrad and Wgrad operands from one read
-                # (with OVERLAP: two passes where one does not apply, the second beside the Dgrad GEMM)
-                pre.update(_quant_pair(qctx, dy2, "dgrad_dy", "dgrad", "wgrad_dy", "wgrad", backend, 1,
-                                       always=OVERLAP) or {})
+                pre.update(_quant_pair(qctx, dy2, "dgrad_dy", "dgrad", "wgrad_dy", "wgrad", backend, 1) or {})
             if ctx.needs_input_grad[0]:
                 # dX (M, K) = Q(dY) [rows, along N] x Q(W) [columns, along N]
                 dx = _gemm_fn(qctx, dy2, 1, "dgrad_dy", weight, 0, "dgrad_w", "dgrad", True, backend,
                               ctx.x_dtype if backend == "fp8_carrier" else torch.float32, ctx.cache, pre)
                 dx = dx.to(ctx.x_dtype).reshape(ctx.x_shape)
-            _join(pre)
             if ctx.needs_input_grad[1]:
                 # dW (N, K) = Q(dY^T) [along tokens] x Q(X^T) [along tokens]
                 dw = _gemm_fn(qctx, dy2, 0, "wgrad_dy", x2, 0, "wgrad_x", "wgrad", False, backend,

@@ -5,9 +5,10 @@ import sys
 
 import torch
 
-from mxtrain.bench import dual_timings
+from mxtrain.bench import dual_timings, warm_gpu
 
 x = torch.randn(16384, 4096, device="cuda", dtype=torch.bfloat16)
+warm_gpu()
 out = []
 copy_us = None
 cases = [("dY H16", dict(rot=16), dict(rot=16)), ("X H16, B 128x128", dict(rot=16), dict(rot=16, group_rows=128)),

@@ -931,7 +931,8 @@ def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.
             consts.update(USE_ASM=dev.type == "cuda", JOIN_STORE=JOIN_STORE)
         else:
             kfn = _mxfp4_kernel
-        compiled = kfn[grid](*args, **consts, num_warps=num_warps, enable_fp_fusion=False)
+        compiled = kfn[grid](*args, **consts, num_warps=num_warps, enable_fp_fusion=False,
+                             **_launch_opts(kern + ("128" if kern == "blocks" and group_rows == 128 else ""), dev))
     base = None
     if carrier:
         base = gs_base
@@ -1071,7 +1072,8 @@ def quantize_mxfp4_dual(x: torch.Tensor, a: dict, b: dict, *, k_multiple: int = 
     grid = (T * F * (1 if seq else NA + NB),)
     largs = (x, cnt, sa, ca, ga, ka, sb, cb, gb, kb, M, K, x.stride(0), 1, *dims_a, *dims_b,
              nr_a, nk_a, nr_b, nk_b, F, *sc_a, *sc_b)
-    compiled = _mxfp4_dual_kernel[grid](*largs, **consts, num_warps=nw, enable_fp_fusion=False)
+    compiled = _mxfp4_dual_kernel[grid](*largs, **consts, num_warps=nw, enable_fp_fusion=False,
+                                        **_launch_opts("dual", dev))
     if pkey is not None:
         if len(_DUAL_PLANS) >= 1024:
             _DUAL_PLANS.clear()
@@ -1080,6 +1082,22 @@ def quantize_mxfp4_dual(x: torch.Tensor, a: dict, b: dict, *, k_multiple: int = 
 
 
 _DUAL_PLANS: dict = {}
+# Extra Triton launch options per kernel ("blocks", "blocks128" = blocks with 128x128 groups, "cols",
+# "tile", "dual") on NVIDIA GPUs. Register caps (maxnreg): the cols and dual kernels hold 32 tokens of a
+# feature per thread (~127 registers, so 4 blocks of 128 threads per SM: 25 % occupancy under Nsight
+# Compute), the blocks kernel with 128x128 groups 64 values per thread (~103 registers); capped at 80
+# registers they ran 1.03-1.09x faster on an H100 with bit-identical output (64 and below much slower;
+# the plain blocks kernel, 48 registers, 0.95x), scripts/maxnreg_sweep.py, BENCHMARKS.md.
+# MXTRAIN_QMAXNREG=0: no cap. Launch plans do not key on these options: clear _PLANS and _DUAL_PLANS
+# after changing them (sweeps do).
+_MAXNREG = int(os.environ.get("MXTRAIN_QMAXNREG", "80"))
+LAUNCH_OPTS: dict = ({k: {"maxnreg": _MAXNREG} for k in ("cols", "dual", "blocks128")} if _MAXNREG > 0 else {})
+
+
+def _launch_opts(kern: str, dev: torch.device) -> dict:
+    if dev.type != "cuda" or torch.version.hip is not None or _INTERPRET:
+        return {}
+    return LAUNCH_OPTS.get(kern, {})
 
 
 class _DualPlan:

@@ -1,13 +1,12 @@
-"""GPU: what the side-stream quantize (MXTRAIN_QSTREAM) and the one-pass dual kernel change, in one run.
+"""GPU: what the one-pass dual quantize changes inside MXLinear, in one run.
 
 1. MXLinear fwd+bwd at the Llama-8B shapes (M = 16384), mxfp4-all-dh16 and mxfp4-all, eager and replayed
-   from a CUDA graph, with the Wgrad operand quantized on the main stream and on a side stream beside the
-   GEMM, against nn.Linear BF16 (eager and replayed), each timed in this run;
-2. kernel times inside one dh16 fwd+bwd at 16384x4096x4096 (torch.profiler), both settings: the sum of
-   kernel times against the wall time shows how much ran concurrently;
+   from a CUDA graph, with the default one-pass policy (MXTRAIN_QDUAL=auto: no rotations) and with one
+   pass for rotated operands too ("on"), against nn.Linear BF16 (eager and replayed);
+2. kernel times inside one dh16 fwd+bwd at 16384x4096x4096 (torch.profiler), both settings;
 3. one-pass dual quantize against two passes (no rotation) over several activation shapes.
 
-    python3 scripts/overlap_check.py OUT.json [--quick]
+    python3 scripts/dual_linear_check.py OUT.json [--quick]
 """
 from __future__ import annotations
 
@@ -17,7 +16,8 @@ import sys
 import torch
 
 from mxtrain import fast
-from mxtrain.bench import LLAMA8B_NK, _bench, _graphed, dual_timings, fwd_bwd_call
+from mxtrain.kernels import quantize as kq
+from mxtrain.bench import LLAMA8B_NK, _bench, _graphed, dual_timings, fwd_bwd_call, warm_gpu
 from mxtrain.nn import MXLinear
 
 
@@ -33,12 +33,12 @@ def timings(quick: bool) -> list:
         for p in ("mxfp4-all-dh16", "mxfp4-all"):
             lin = MXLinear(K, N, bias=False, device="cuda", dtype=torch.bfloat16, recipe=p)
             lin.weight.data.copy_(base.weight.data)
-            for ov in (False, True, False, True):   # twice each, interleaved: run-to-run noise is visible
-                fast.OVERLAP = ov
-                tag = f"{p}_{'side' if ov else 'main'}"
+            for ov in ("auto", "on", "auto", "on"):   # twice each, interleaved: run-to-run noise is visible
+                kq.DUAL = ov
+                tag = f"{p}_{ov}"
                 r.setdefault(tag + "_ms", []).append(_bench(fwd_bwd_call(lin, x, gy, True)))
                 r.setdefault(tag + "_graph_ms", []).append(_bench(_graphed(fwd_bwd_call(lin, x, gy, True))))
-            fast.OVERLAP = False
+            kq.DUAL = "auto"
             del lin
         bf = min(r["bf16_ms"], r["bf16_graph_ms"])
         print(f"{M}x{N}x{K}: bf16 {r['bf16_ms']:.3f} / graph {r['bf16_graph_ms']:.3f} ms; " + "; ".join(
@@ -55,8 +55,8 @@ def kernel_profile() -> dict:
     gy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
     lin = MXLinear(K, N, bias=False, device="cuda", dtype=torch.bfloat16, recipe="mxfp4-all-dh16")
     res = {}
-    for ov in (False, True):
-        fast.OVERLAP = ov
+    for ov in ("auto", "on"):
+        kq.DUAL = ov
         g = _graphed(fwd_bwd_call(lin, x, gy, True))
         for _ in range(5):
             g()
@@ -71,12 +71,12 @@ def kernel_profile() -> dict:
             kern.setdefault(e.name[:90], []).append(e.device_time)
         span = (max(e.time_range.end for e in ev) - min(e.time_range.start for e in ev)) / 10
         tot = sum(sum(v) for v in kern.values()) / 10
-        res["side" if ov else "main"] = {"wall_us_per_call": span, "kernel_us_per_call": tot,
+        res[ov] = {"wall_us_per_call": span, "kernel_us_per_call": tot,
                                          "kernels": {k: [len(v) // 10, sum(v) / 10] for k, v in kern.items()}}
-        print(f"profile overlap={ov}: wall {span:.0f} us/call, kernel sum {tot:.0f} us/call", flush=True)
-        for k, (n, t) in sorted(res["side" if ov else "main"]["kernels"].items(), key=lambda kv: -kv[1][1]):
+        print(f"profile MXTRAIN_QDUAL={ov}: wall {span:.0f} us/call, kernel sum {tot:.0f} us/call", flush=True)
+        for k, (n, t) in sorted(res[ov]["kernels"].items(), key=lambda kv: -kv[1][1]):
             print(f"   {t:8.1f} us  x{n}  {k}", flush=True)
-    fast.OVERLAP = False
+    kq.DUAL = "auto"
     return res
 
 
@@ -98,7 +98,7 @@ def dual_shapes(quick: bool) -> list:
 
 def main():
     quick = "--quick" in sys.argv
-    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "warmup_s": warm_gpu()}
     res["dual"] = dual_shapes(quick)
     res["linear"] = timings(quick)
     res["profile"] = kernel_profile()
