@@ -477,6 +477,13 @@ def bench_step(args) -> dict:
                 f = fwd_bwd(blocks)
                 t = _bench(f, warmup=50, rep=300)
                 res["runs"][name] = {"ms": t, "glue": glue, "recipe": kind}
+                if getattr(args, "graphs", False):
+                    # the same step replayed from one CUDA graph: GPU time only, where the eager step is
+                    # bound by the host's Python and launches (as `mxtrain train --cuda-graphs` avoids)
+                    try:
+                        res["runs"][name]["graph_ms"] = _bench(_graphed(f), warmup=20, rep=100)
+                    except Exception as e:  # noqa: BLE001
+                        res["runs"][name]["graph_error"] = repr(e)[:300]
                 if args.profile and kind in ("bf16", "mxfp4-all-dh16"):
                     res["runs"][name]["profile_ms"] = _profile(f)
                 del blocks, f
@@ -486,12 +493,18 @@ def bench_step(args) -> dict:
     _model.GLUE = saved_glue
     for glue in glues:
         sfx = "" if glue == glues[0] else f"@{glue}"
-        bf = res["runs"].get("bf16" + sfx, {}).get("ms")
+        bfr = res["runs"].get("bf16" + sfx, {})
+        bf = bfr.get("ms")
+        bfg = min(bf, bfr["graph_ms"]) if bf and "graph_ms" in bfr else None
         for k, v in res["runs"].items():
             if "ms" in v and v["glue"] == glue and bf:
                 v["speedup_vs_bf16"] = bf / v["ms"]
                 v["tokens_per_s"] = B * T / (v["ms"] * 1e-3)
+                if "graph_ms" in v and bfg:   # against the faster of BF16 eager and replayed
+                    v["graph_speedup_vs_bf16"] = bfg / v["graph_ms"]
     print("step " + "; ".join(f"{k} {v.get('ms', float('nan')):.1f} ms ({v.get('speedup_vs_bf16', 0):.2f}x)"
+                              + (f", graph {v['graph_ms']:.1f} ms ({v.get('graph_speedup_vs_bf16', 0):.2f}x)"
+                                 if "graph_ms" in v else "")
                               for k, v in res["runs"].items()), flush=True)
     for k, v in res["runs"].items():
         if "profile_ms" in v:
@@ -596,6 +609,8 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--glue", default="auto,eager",
                    help="step: elementwise layers (RMSNorm, RoPE, SwiGLU) compiled ('auto' on CUDA) and/or 'eager'; "
                         "comma-separated, each measured for every recipe")
+    p.add_argument("--graphs", action="store_true",
+                   help="step: also time each step replayed from a CUDA graph (no host time in it)")
     p.add_argument("--profile", action="store_true",
                    help="step: also print GPU time by kernel class (torch.profiler) for bf16 and mxfp4-all-dh16")
 

@@ -1005,10 +1005,6 @@ def quantize_mxfp4_dual(x: torch.Tensor, a: dict, b: dict, *, k_multiple: int = 
         raise ValueError(f"quantize_mxfp4_dual: x must be 2-D, got shape {tuple(x.shape)}")
     ra, rb = a.get("rot", 0), b.get("rot", 0)
     cnt = counter if counter is not None else torch.zeros((1,), dtype=torch.int32, device=x.device)
-    if not dual_applies(x, ra, rb, a.get("group_rows", 1)) or (
-            _check and x.device.type in SELF_CHECK_DEVICES and not _dual_ok(x, a, b, k_multiple)):
-        return tuple(quantize_mxfp4_2d(x, ax, **side, carrier=True, fp4=False, k_multiple=k_multiple,
-                                       counter=cnt, _check=_check) for ax, side in ((1, a), (0, b)))
     pkey = None
     if _use_plans(x):
         # everything the launch depends on (as quantize_mxfp4_2d's plans), for both sides
@@ -1019,12 +1015,19 @@ def quantize_mxfp4_dual(x: torch.Tensor, a: dict, b: dict, *, k_multiple: int = 
                           side.get("rounding", "nearest"), side.get("scale_rule", "floor"), side.get("prescale", 1.0),
                           side.get("index_strides"), side.get("group_rows", 1),
                           None if kt is None else kt.data_ptr() & 15))
+        # and what decided for one pass (DUAL, KERNEL, the self-check): a plan is only made after
+        # dual_applies and the variant's self-check passed, so a hit skips both (host time per call)
+        checked = _check and x.device.type in SELF_CHECK_DEVICES
         pkey = (x.device, x.dtype, x.shape, x.stride(), x.data_ptr() & 15, tuple(sides), k_multiple,
                 cnt.data_ptr() & 15, block_rows, num_warps, sequential, DUAL_CONFIG[b.get("group_rows", 1) == 128],
-                DUAL_SEQ, JOIN_STORE)
+                DUAL_SEQ, JOIN_STORE, DUAL, KERNEL, checked)
         plan = _DUAL_PLANS.get(pkey)
         if plan is not None:
             return plan(x, a, b, cnt)
+    if not dual_applies(x, ra, rb, a.get("group_rows", 1)) or (
+            _check and x.device.type in SELF_CHECK_DEVICES and not _dual_ok(x, a, b, k_multiple)):
+        return tuple(quantize_mxfp4_2d(x, ax, **side, carrier=True, fp4=False, k_multiple=k_multiple,
+                                       counter=cnt, _check=_check) for ax, side in ((1, a), (0, b)))
     M, K = x.shape
     dev = x.device
     gr_b = b.get("group_rows", 1)
