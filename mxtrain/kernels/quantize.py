@@ -1111,17 +1111,12 @@ class _DualPlan:
 
     @staticmethod
     def make(compiled, grid, largs, consts, outs):
-        if compiled is None:
+        got = _direct_runner(_mxfp4_dual_kernel, compiled, grid, largs, consts,
+                             ["key_a", "inv_a", "ps_a", "key_b", "inv_b", "ps_b"])
+        if got is None or got[1][10] != "M":
             return None
-        try:
-            names = list(_mxfp4_dual_kernel.arg_names)
-            n = len(largs)
-            if (len(names) != n + len(consts) or names[n - 6:n] != ["key_a", "inv_a", "ps_a", "key_b", "inv_b", "ps_b"]
-                    or names[10] != "M" or any(c not in consts for c in names[n:])):
-                return None
-            run = compiled[tuple(grid) + (1,) * (3 - len(grid))]
-        except Exception:  # noqa: BLE001 - a Triton without this interface: keep the generic launch
-            return None
+        run, names = got
+        n = len(largs)
         p = _DualPlan()
         p.run = run
         p.ints = tuple(largs[10:n - 6])
@@ -1208,6 +1203,23 @@ def _use_plans(x: torch.Tensor) -> bool:
     return FAST_LAUNCH and x.is_cuda and not _INTERPRET
 
 
+def _direct_runner(kfn, compiled, grid, args, consts, last_args: list):
+    """(the compiled kernel bound to ``grid``, the kernel's argument names), or None where it cannot be called
+    directly: the launch's positional ``args`` must end with ``last_args`` and be followed by exactly the
+    constexprs in ``consts`` (what a launch plan passes)."""
+    if compiled is None:
+        return None
+    try:
+        names = list(kfn.arg_names)
+        n = len(args)
+        if (len(names) != n + len(consts) or names[n - len(last_args):n] != last_args
+                or any(a not in consts for a in names[n:])):
+            return None
+        return compiled[tuple(grid) + (1,) * (3 - len(grid))], names
+    except Exception:  # noqa: BLE001 - a Triton without this interface: keep the generic launch
+        return None
+
+
 class _Plan:
     __slots__ = ("run", "head", "tail", "R", "K", "carrier", "fp4", "group_rows", "car_shape", "gs_shape",
                  "gs_cols", "pk_shape", "sc_shape")
@@ -1215,17 +1227,11 @@ class _Plan:
     @staticmethod
     def make(kfn, compiled, grid, args, consts, out: QuantOut, Kc: int, group_rows: int):
         """A plan for this launch, or None where the compiled kernel cannot be called directly."""
-        if compiled is None:
+        got = _direct_runner(kfn, compiled, grid, args, consts, ["key", "inv_sqrt", "prescale"])
+        if got is None:
             return None
-        try:
-            names = list(kfn.arg_names)
-            n = len(args)
-            if (len(names) != n + len(consts) or names[n - 3:n] != ["key", "inv_sqrt", "prescale"]
-                    or any(a not in consts for a in names[n:])):
-                return None
-            run = compiled[tuple(grid) + (1,) * (3 - len(grid))]
-        except Exception:  # noqa: BLE001 - a Triton without this interface: keep the generic launch
-            return None
+        run, names = got
+        n = len(args)
         p = _Plan()
         p.run = run
         p.head = tuple(args[8:n - 3])   # the integer sizes and strides
