@@ -437,7 +437,7 @@ def _no_autocast(device_type: str, enabled: bool):
 
 class _FastMXLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, qctx: _Ctx, cache):
+    def forward(ctx, x, weight, bias, qctx: _Ctx, cache, grad: bool):
         dev = x.device
         amp = torch.is_autocast_enabled(dev.type)
         out_dtype = torch.get_autocast_dtype(dev.type) if amp else x.dtype
@@ -445,7 +445,9 @@ class _FastMXLinearFunction(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         pre = None
         with _no_autocast(dev.type, amp):
-            if (ctx.needs_input_grad[1] and _both_mx(qctx.recipe, "fprop_x", "fprop_w")
+            # (``grad``: grad mode at the call; needs_input_grad says True under torch.no_grad too, where
+            # no backward will come, e.g. evaluation)
+            if (grad and ctx.needs_input_grad[1] and _both_mx(qctx.recipe, "fprop_x", "fprop_w")
                     and _both_mx(qctx.recipe, "wgrad_dy", "wgrad_x")):
                 # X's Wgrad operand made now (with Fprop's, from one read where that pays): the
                 # backward then keeps the 1-byte Wgrad carrier instead of the 2- or 4-byte X
@@ -486,7 +488,7 @@ class _FastMXLinearFunction(torch.autograd.Function):
                 dw = dw.to(weight.dtype)
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 db = dy2.to(torch.float32).sum(0).to(weight.dtype)
-        return dx, dw, db, None, None
+        return dx, dw, db, None, None, None
 
 
 def apply(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, qctx: _Ctx,
@@ -499,4 +501,4 @@ def apply(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, qctx
     cache = None
     if module is not None:
         cache = module.__dict__.setdefault("_mx_weight_cache", {})
-    return _FastMXLinearFunction.apply(x, weight, bias, qctx, cache)
+    return _FastMXLinearFunction.apply(x, weight, bias, qctx, cache, torch.is_grad_enabled())

@@ -367,6 +367,29 @@ def test_dual_operand_passes_equal_reference(preset, monkeypatch):
     assert calls or preset in ("bf16", "tseng", "mxfp4-fprop", "mxfp4-fprop-dgrad")   # tseng: H64
 
 
+def test_no_wgrad_operand_under_no_grad(monkeypatch):
+    """Under torch.no_grad (evaluation) no backward follows: the forward makes only the Fprop operands,
+    not X's Wgrad operand (autograd still reports the weight as needing a gradient there)."""
+    from mxtrain.kernels import gemm as kg
+    from mxtrain.kernels import quantize as kq
+    monkeypatch.setattr(fast, "_backend", lambda dev: "fp8_carrier")
+    monkeypatch.setattr(kq, "SELF_CHECK_DEVICES", ())
+    real_gemm = kg.mx_gemm_nt
+    monkeypatch.setattr(kg, "mx_gemm_nt", lambda a, b, backend, *r: real_gemm(a, b, "dequant", *r))
+    monkeypatch.setattr(kg, "activation_b_group_rows", lambda dev: 128)
+    pairs = []
+    real_pair = fast._quant_pair
+    monkeypatch.setattr(fast, "_quant_pair", lambda *a, **k: pairs.append(a[2]) or real_pair(*a, **k))
+    fast.clear_caches()
+    x = torch.randn(33, 72, device=DEV)
+    w = torch.randn(40, 72, device=DEV, requires_grad=True)
+    with torch.no_grad():
+        y0 = fast.apply(x, w, None, _Ctx(recipes.get("mxfp4-all-dh16"), 3, 5, 1))
+    assert pairs == []
+    y1 = fast.apply(x, w, None, _Ctx(recipes.get("mxfp4-all-dh16"), 3, 5, 1))
+    assert pairs == ["fprop_x"] and torch.equal(y0, y1.detach())
+
+
 @pytest.mark.parametrize("preset", ["mxfp4-all-dh16", "mxfp4-all-sr"])
 def test_wgrad_operand_made_in_forward_without_dual_pass(preset, monkeypatch):
     """With one-pass quantization off, the forward still makes X's Wgrad operand (two passes) and the

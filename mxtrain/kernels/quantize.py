@@ -962,10 +962,11 @@ def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.
 
 # Both operands of one activation from one read (``quantize_mxfp4_dual``): the forward's X (Fprop along
 # features, Wgrad along tokens) and the backward's dY (Dgrad along features, Wgrad along tokens).
-# Measured on an H100 (BENCHMARKS.md, scripts/dual_sweep.py): 1.12x faster than the two passes without
-# rotations, but 0.51-0.98x with H16 in every layout tried (the passes are bound by their arithmetic as
-# much as by memory, so sharing the read does not pay). MXTRAIN_QDUAL: "auto" (default: one pass only
-# without rotations), "on" (always where the kernels apply), "off" (never).
+# Measured on an H100 (BENCHMARKS.md; scripts/dual_sweep.py, dual_linear_check.py): with launch plans
+# 1.08-1.22x faster than the two passes without rotations, from 2048x4096 to 16384x14336; with H16 1.01x
+# alone and no faster inside a whole MXLinear call (the passes are bound by their arithmetic as much as by
+# memory, so sharing the read pays little). MXTRAIN_QDUAL: "auto" (default: one pass only without
+# rotations), "on" (always where the kernels apply), "off" (never).
 _DUAL_ENV = os.environ.get("MXTRAIN_QDUAL", "auto").strip().lower()
 DUAL = False if _DUAL_ENV in ("0", "false", "no", "off") else ("on" if _DUAL_ENV in ("1", "on", "all") else "auto")
 _DUAL_VERIFIED: dict = {}
