@@ -475,13 +475,18 @@ def bench_step(args) -> dict:
             try:
                 blocks = make(kind)
                 f = fwd_bwd(blocks)
-                t = _bench(f, warmup=50, rep=300)
-                res["runs"][name] = {"ms": t, "glue": glue, "recipe": kind}
+                # ~1 s of steps (25-35 of them at these shapes) for each median; the wall-clock times
+                # of each measurement go in the JSON (to line up with a clock/power log of the GPU)
+                t0 = time.time()
+                t = _bench(f, warmup=200, rep=1000)
+                res["runs"][name] = {"ms": t, "glue": glue, "recipe": kind, "unix_s": [t0, time.time()]}
                 if getattr(args, "graphs", False):
                     # the same step replayed from one CUDA graph: GPU time only, where the eager step is
                     # bound by the host's Python and launches (as `mxtrain train --cuda-graphs` avoids)
                     try:
-                        res["runs"][name]["graph_ms"] = _bench(_graphed(f), warmup=20, rep=100)
+                        t0 = time.time()
+                        res["runs"][name]["graph_ms"] = _bench(_graphed(f), warmup=200, rep=1000)
+                        res["runs"][name]["graph_unix_s"] = [t0, time.time()]
                     except Exception as e:  # noqa: BLE001
                         res["runs"][name]["graph_error"] = repr(e)[:300]
                 if args.profile and kind in ("bf16", "mxfp4-all-dh16"):

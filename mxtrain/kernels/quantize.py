@@ -352,6 +352,7 @@ if triton is not None:
         WRITE_CARRIER: tl.constexpr, WRITE_FP4: tl.constexpr, IDX64: tl.constexpr, KEY_PTR: tl.constexpr,
         USE_ASM: tl.constexpr,
         JOIN_STORE: tl.constexpr,
+        FOLD: tl.constexpr = False,
     ):
         """Same contract as ``_mxfp4_kernel`` for ROT in (0, 2, 4, 8, 16, 32). The 128-wide tile is
         loaded as four pieces x0..x3 of shape [BR, 4, 8] (piece j = elements 8j..8j+7 of each MX
@@ -415,10 +416,11 @@ if triton is not None:
                 t1 = x1 - x3
                 x1 = x1 + x3
                 x3 = t1
-            x0 = x0 * inv_sqrt
-            x1 = x1 * inv_sqrt
-            x2 = x2 * inv_sqrt
-            x3 = x3 * inv_sqrt
+            if not FOLD:   # FOLD: the 1/sqrt(ROT) normalization goes into the block scales (below)
+                x0 = x0 * inv_sqrt
+                x1 = x1 * inv_sqrt
+                x2 = x2 * inv_sqrt
+                x3 = x3 * inv_sqrt
             if HAS_SIGNS:  # signs turn padding zeros into -0; the reference pads +0 past whole rotation
                 # blocks, and padding rows (up to Rc) hold +0
                 Kr = ((K + ROT - 1) // ROT) * ROT
@@ -433,11 +435,16 @@ if triton is not None:
                        propagate_nan=tl.PropagateNan.ALL)
         # the last 8 in-thread values by their bit patterns (ordered as the values; NaN above all)
         abits = tl.max(m.to(tl.int32, bitcast=True), axis=2)             # [BR, 4]
+        if FOLD:   # the normalized block maximum (exact: see _fold_applies)
+            abits = (abits.to(tl.float32, bitcast=True) * inv_sqrt).to(tl.int32, bitcast=True)
         ok = abits < 0x7F800000                                           # not NaN / Inf
         abits = tl.where(ok, abits, 0)
         s, nz = _block_scale(abits, RULE)
         code_sc = tl.where(ok, s + 127, 255)
-        sc = _pow2n(-s)[:, :, None]
+        if FOLD:
+            sc = (_pow2n(-s) * inv_sqrt)[:, :, None]
+        else:
+            sc = _pow2n(-s)[:, :, None]
         ok3 = ok[:, :, None]
 
         if WRITE_CARRIER:
@@ -523,13 +530,14 @@ if triton is not None:
         WRITE_CARRIER: tl.constexpr, WRITE_FP4: tl.constexpr, IDX64: tl.constexpr, KEY_PTR: tl.constexpr,
         USE_ASM: tl.constexpr,
         JOIN_STORE: tl.constexpr,
+        FOLD: tl.constexpr,
     ):
         """``_blk_tile`` on the tile of this program: (row block, reduction block) = program ids."""
         _blk_tile(
             tl.program_id(0), tl.program_id(1),
             x_ptr, signs_ptr, car_ptr, gs_ptr, fp4_ptr, sc_ptr, cnt_ptr, key_ptr, R, K, Rc, sx_r, sx_k, si_r,
             si_k, Kc, Kq, gs_sr, gs_sk, key, inv_sqrt, prescale, BR, ROT, HAS_SIGNS, RULE, SR, PRESCALE,
-            GROUP_ROWS, WRITE_CARRIER, WRITE_FP4, IDX64, KEY_PTR, USE_ASM, JOIN_STORE)
+            GROUP_ROWS, WRITE_CARRIER, WRITE_FP4, IDX64, KEY_PTR, USE_ASM, JOIN_STORE, FOLD)
 
 
 if triton is not None:
@@ -579,6 +587,7 @@ if triton is not None:
         WRITE_CARRIER: tl.constexpr, WRITE_FP4: tl.constexpr, IDX64: tl.constexpr, KEY_PTR: tl.constexpr,
         USE_ASM: tl.constexpr,
         PACK: tl.constexpr,
+        FOLD: tl.constexpr = False,
     ):
         """Same contract as ``_mxfp4_kernel`` for ROT in (0, 2, 4, 8, 16, 32), made for inputs whose
         output rows are the contiguous axis (quantizing along columns: a [tokens, features] activation
@@ -621,7 +630,10 @@ if triton is not None:
                 xs = _bfly_tuple(xs, 16)
             w = ()
             for j in tl.static_range(32):
-                v = xs[j] * inv_sqrt
+                if FOLD:   # the 1/sqrt(ROT) normalization goes into the block scales (below)
+                    v = xs[j]
+                else:
+                    v = xs[j] * inv_sqrt
                 if HAS_SIGNS:  # signs turn padding zeros into -0: +0 past whole rotation blocks and rows
                     v = tl.where(rm & (kb + j < ((K + ROT - 1) // ROT) * ROT), v, 0.0)
                 w = w + (v,)
@@ -631,11 +643,16 @@ if triton is not None:
         abits = tl.abs(xs[0]).to(tl.int32, bitcast=True)
         for j in tl.static_range(1, 32):
             abits = tl.maximum(abits, tl.abs(xs[j]).to(tl.int32, bitcast=True))
+        if FOLD:   # the normalized block maximum (exact: see _fold_applies)
+            abits = (abits.to(tl.float32, bitcast=True) * inv_sqrt).to(tl.int32, bitcast=True)
         ok = abits < 0x7F800000                                           # not NaN / Inf
         abits = tl.where(ok, abits, 0)
         s, nz = _block_scale(abits, RULE)                                 # [4, BR]
         code_sc = tl.where(ok, s + 127, 255)
-        sc = _pow2n(-s)
+        if FOLD:
+            sc = _pow2n(-s) * inv_sqrt
+        else:
+            sc = _pow2n(-s)
 
         if WRITE_CARRIER:
             live = ok & nz
@@ -701,13 +718,14 @@ if triton is not None:
         WRITE_CARRIER: tl.constexpr, WRITE_FP4: tl.constexpr, IDX64: tl.constexpr, KEY_PTR: tl.constexpr,
         USE_ASM: tl.constexpr,
         PACK: tl.constexpr,
+        FOLD: tl.constexpr,
     ):
         """``_cols_tile`` on the tile of this program: (row block, reduction block) = program ids."""
         _cols_tile(
             tl.program_id(0), tl.program_id(1),
             x_ptr, signs_ptr, car_ptr, gs_ptr, fp4_ptr, sc_ptr, cnt_ptr, key_ptr, R, K, Rc, sx_r, sx_k, si_r,
             si_k, Kc, Kq, gs_sr, gs_sk, key, inv_sqrt, prescale, BR, ROT, HAS_SIGNS, RULE, SR, PRESCALE,
-            GROUP_ROWS, WRITE_CARRIER, WRITE_FP4, IDX64, KEY_PTR, USE_ASM, PACK)
+            GROUP_ROWS, WRITE_CARRIER, WRITE_FP4, IDX64, KEY_PTR, USE_ASM, PACK, FOLD)
 
     # the kernels above must spell out their arguments (Triton binds a kernel's signature by name)
 
@@ -727,6 +745,7 @@ if triton is not None:
         SR_B: tl.constexpr, PRESCALE_B: tl.constexpr, KEY_PTR_B: tl.constexpr, GROUP_ROWS_B: tl.constexpr,
         PACK_B: tl.constexpr,
         IDX64: tl.constexpr, USE_ASM: tl.constexpr, JOIN_STORE: tl.constexpr, SEQ: tl.constexpr,
+        FOLD_A: tl.constexpr, FOLD_B: tl.constexpr,
     ):
         """Both FP8-carrier operands of a row-major (M, K) tensor from one read of it: A quantized along
         rows (K; ``_blk_tile``, 1x128 group scales) and B along columns (M; ``_cols_tile``). Programs come
@@ -747,14 +766,14 @@ if triton is not None:
                     _blk_tile(pr, fb, x_ptr, sg_a, car_a, gs_a, cnt_ptr, cnt_ptr, cnt_ptr, kp_a,
                               M, K, Rc_a, sx_m, sx_k, si_ra, si_ka, Kc_a, Kq_a, gsr_a, gsk_a, key_a, inv_a, ps_a,
                               BR_A, ROT_A, HAS_SIGNS_A, RULE_A, SR_A, PRESCALE_A, 1, True, False, IDX64,
-                              KEY_PTR_A, USE_ASM, JOIN_STORE)
+                              KEY_PTR_A, USE_ASM, JOIN_STORE, FOLD_A)
             for w in range(NB):
                 pr = fb * NB + w
                 if (pr < nr_b) & (tb < nk_b):
                     _cols_tile(pr, tb, x_ptr, sg_b, car_b, gs_b, cnt_ptr, cnt_ptr, cnt_ptr, kp_b,
                                K, M, Rc_b, sx_k, sx_m, si_rb, si_kb, Kc_b, Kq_b, gsr_b, gsk_b, key_b, inv_b, ps_b,
                                BR_B, ROT_B, HAS_SIGNS_B, RULE_B, SR_B, PRESCALE_B, GROUP_ROWS_B, True, False,
-                               IDX64, KEY_PTR_B, USE_ASM, PACK_B)
+                               IDX64, KEY_PTR_B, USE_ASM, PACK_B, FOLD_B)
         else:
             g = pid // (NA + NB)
             w = pid % (NA + NB)
@@ -766,14 +785,14 @@ if triton is not None:
                     _blk_tile(pr, fb, x_ptr, sg_a, car_a, gs_a, cnt_ptr, cnt_ptr, cnt_ptr, kp_a,
                               M, K, Rc_a, sx_m, sx_k, si_ra, si_ka, Kc_a, Kq_a, gsr_a, gsk_a, key_a, inv_a, ps_a,
                               BR_A, ROT_A, HAS_SIGNS_A, RULE_A, SR_A, PRESCALE_A, 1, True, False, IDX64,
-                              KEY_PTR_A, USE_ASM, JOIN_STORE)
+                              KEY_PTR_A, USE_ASM, JOIN_STORE, FOLD_A)
             else:
                 pr = fb * NB + (w - NA)
                 if (pr < nr_b) & (tb < nk_b):
                     _cols_tile(pr, tb, x_ptr, sg_b, car_b, gs_b, cnt_ptr, cnt_ptr, cnt_ptr, kp_b,
                                K, M, Rc_b, sx_k, sx_m, si_rb, si_kb, Kc_b, Kq_b, gsr_b, gsk_b, key_b, inv_b, ps_b,
                                BR_B, ROT_B, HAS_SIGNS_B, RULE_B, SR_B, PRESCALE_B, GROUP_ROWS_B, True, False,
-                               IDX64, KEY_PTR_B, USE_ASM, PACK_B)
+                               IDX64, KEY_PTR_B, USE_ASM, PACK_B, FOLD_B)
 
 
 @dataclass
@@ -860,7 +879,8 @@ def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.
                 None if signs is None else signs.data_ptr() & 15, rounding, scale_rule, prescale, index_strides,
                 carrier, fp4, group_rows, row_multiple, block_rows, num_warps, k_multiple,
                 None if counter is None else counter.data_ptr() & 15,
-                None if key_tensor is None else key_tensor.data_ptr() & 15, _check, FORCE_IDX64, KERNEL, JOIN_STORE)
+                None if key_tensor is None else key_tensor.data_ptr() & 15, _check, FORCE_IDX64, KERNEL, JOIN_STORE,
+                FOLD_POW2)
         plan = _PLANS.get(pkey)
         if plan is not None:
             return plan(x, signs, key, counter, key_tensor)
@@ -925,10 +945,11 @@ def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.
             per_thread = 4 * BR // (32 * num_warps)   # values of each [4, BR] tensor a thread holds
             assert per_thread in (2, 4, 8, 16), "cols kernel: 4 x block_rows must be 64, 128, ... x 32 x num_warps"
             kfn = _mxfp4_cols_kernel
-            consts.update(USE_ASM=dev.type == "cuda", PACK=2 if per_thread == 2 else 4)
+            consts.update(USE_ASM=dev.type == "cuda", PACK=2 if per_thread == 2 else 4,
+                          FOLD=_fold_applies(x.dtype, rot, prescale))
         elif kern == "blocks":
             kfn = _mxfp4_blk_kernel
-            consts.update(USE_ASM=dev.type == "cuda", JOIN_STORE=JOIN_STORE)
+            consts.update(USE_ASM=dev.type == "cuda", JOIN_STORE=JOIN_STORE, FOLD=_fold_applies(x.dtype, rot, prescale))
         else:
             kfn = _mxfp4_kernel
         compiled = kfn[grid](*args, **consts, num_warps=num_warps, enable_fp_fusion=False,
@@ -1021,7 +1042,7 @@ def quantize_mxfp4_dual(x: torch.Tensor, a: dict, b: dict, *, k_multiple: int = 
         checked = _check and x.device.type in SELF_CHECK_DEVICES
         pkey = (x.device, x.dtype, x.shape, x.stride(), x.data_ptr() & 15, tuple(sides), k_multiple,
                 cnt.data_ptr() & 15, block_rows, num_warps, sequential, DUAL_CONFIG[b.get("group_rows", 1) == 128],
-                DUAL_SEQ, JOIN_STORE, DUAL, KERNEL, checked)
+                DUAL_SEQ, JOIN_STORE, DUAL, KERNEL, checked, FOLD_POW2)
         plan = _DUAL_PLANS.get(pkey)
         if plan is not None:
             return plan(x, a, b, cnt)
@@ -1065,7 +1086,8 @@ def quantize_mxfp4_dual(x: torch.Tensor, a: dict, b: dict, *, k_multiple: int = 
                      (_i32(side.get("key", 0)), _f32(1.0 / math.sqrt(rot)) if rot else 1.0, _f32(prescale))))
         consts.update({f"BR_{sfx}": BR[axis], f"ROT_{sfx}": rot, f"HAS_SIGNS_{sfx}": signs is not None,
                        f"RULE_{sfx}": RULE_ID[side.get("scale_rule", "floor")], f"SR_{sfx}": rounding == "stochastic",
-                       f"PRESCALE_{sfx}": prescale != 1.0, f"KEY_PTR_{sfx}": kt is not None})
+                       f"PRESCALE_{sfx}": prescale != 1.0, f"KEY_PTR_{sfx}": kt is not None,
+                       f"FOLD_{sfx}": _fold_applies(x.dtype, rot, prescale)})
     consts.update(GROUP_ROWS_B=gr_b, PACK_B=2 if pack == 2 else 4, IDX64=geo[0][2] or geo[1][2],
                   USE_ASM=dev.type == "cuda", JOIN_STORE=JOIN_STORE, SEQ=seq)
     (nr_a, nk_a, _), (nr_b, nk_b, _) = geo
@@ -1155,7 +1177,7 @@ def _dual_ok(x: torch.Tensor, a: dict, b: dict, k_multiple: int) -> bool:
         return (side.get("rot", 0), s is not None, side.get("rounding", "nearest"), side.get("scale_rule", "floor"),
                 side.get("prescale", 1.0) != 1.0, side.get("group_rows", 1))
     vkey = (x.device.index, x.dtype, opt(a), opt(b), k_multiple, M % 16 == 0, K % 16 == 0, JOIN_STORE,
-            DUAL_CONFIG[b.get("group_rows", 1) == 128], DUAL_SEQ)
+            DUAL_CONFIG[b.get("group_rows", 1) == 128], DUAL_SEQ, FOLD_POW2)
     ok = _DUAL_VERIFIED.get(vkey)
     if ok is None and x.is_cuda and torch.cuda.is_current_stream_capturing():
         return False   # no self-check inside a CUDA-graph capture (it copies from the host): two passes
@@ -1275,6 +1297,18 @@ KERNEL = os.environ.get("MXTRAIN_QKERNEL", "auto")
 # blocks kernel: join the four pieces into one 32-byte carrier store (16 bytes of FP4 codes) per thread and
 # block (1.2-2x faster on an H100 than 8-byte stores straight from the pieces, BENCHMARKS.md); "0" for those
 JOIN_STORE = os.environ.get("MXTRAIN_QJOIN", "1") == "1"
+# Rotations whose normalization 1/sqrt(ROT) is a power of two (H4, H16, H64) on bf16/fp16 inputs: the
+# blocks and cols kernels multiply the block scale by it instead of every rotated value (one multiply an
+# element fewer). Bit-identical: the butterfly sums of bf16 (fp16) values are multiples of 2**-133
+# (2**-24), so x / sqrt(ROT) is exact in float32, subnormals included, and (x * 2**-k) * 2**-s rounds the
+# same real number as x * 2**(-s-k) (a power of two down to 2**-128, exact). Not with a prescale (applied
+# between the two) or float32 inputs (x / sqrt(ROT) can round there). MXTRAIN_QFOLD=0 turns it off.
+FOLD_POW2 = os.environ.get("MXTRAIN_QFOLD", "1") == "1"
+_FOLD_ROTS = (4, 16, 64)
+
+
+def _fold_applies(dtype: torch.dtype, rot: int, prescale: float) -> bool:
+    return FOLD_POW2 and rot in _FOLD_ROTS and dtype in (torch.bfloat16, torch.float16) and prescale == 1.0
 BLOCK_ROTS = (0, 2, 4, 8, 16, 32)
 
 
@@ -1358,7 +1392,7 @@ def _config_ok(x: torch.Tensor, axis: int, rot: int, has_signs: bool, scale_rule
         sx_r, sx_k = (x.stride(0), x.stride(1)) if axis == 1 else (x.stride(1), x.stride(0))
         rc = sx_r == 1 and sx_k != 1
     vkey = (x.device.index, x.dtype, axis, rot, has_signs, scale_rule, sr, prescale != 1.0, group_rows, BR, nw,
-            k_multiple, fp4, r16, k16, kernel_for(axis, rot, fp4, rc), JOIN_STORE)
+            k_multiple, fp4, r16, k16, kernel_for(axis, rot, fp4, rc), JOIN_STORE, FOLD_POW2)
     ok = _VERIFIED.get(vkey)
     if ok is None:
         ok = selfcheck(x.device, x.dtype, axis, rot, has_signs, scale_rule, sr, prescale, group_rows, BR, nw,
