@@ -60,7 +60,7 @@ def files():
      ["cannot write to output folder"]),
     ("cuda on a CPU machine", ["train", "--exp", "debug", "--data", "{small}", "--device", "cuda:0"], ["CUDA"]),
     ("CUDA graphs with stochastic rounding", ["train", "--exp", "debug", "--data", "{small}", "--recipe",
-                                              "mxfp4-all-sr", "--cuda-graphs"],
+                                              "mxfp4-all-sr", "--cuda-graphs", "--device", "cpu"],
      ["train.cuda_graphs needs one GPU", "stochastic rounding"]),
 ], ids=lambda c: c[0])
 def test_bad_input_is_one_line(files, case):
