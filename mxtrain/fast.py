@@ -355,7 +355,8 @@ def _quant_pair(qctx: _Ctx, t: torch.Tensor, na: str, ga: str, nb: str, gb: str,
     _, ops, rots = _spec(qctx.recipe)
     ra, rb = rots[ga], rots[gb]
     rsa, rsb = (ra.size if ra.enabled else 0), (rb.size if rb.enabled else 0)
-    one = t.numel() >= DUAL_MIN_ELEMENTS and _quantize.dual_applies(t, rsa, rsb)
+    sr = ops[na].rounding != "nearest" or ops[nb].rounding != "nearest"
+    one = t.numel() >= DUAL_MIN_ELEMENTS and _quantize.dual_applies(t, rsa, rsb, sr=sr)
     if not (one or always):
         return None
     dev = t.device

@@ -675,8 +675,9 @@ def test_dual_falls_back_to_two_passes(monkeypatch):
         assert not kq.dual_applies(xx, a.get("rot", 0), b.get("rot", 0))
         for p, q in zip(kq.quantize_mxfp4_dual(xx, a, b), _dual_expect(xx, a, b, 128)):
             _same_carrier(p, q)
-    monkeypatch.setattr(kq, "DUAL", "auto")   # the default: one pass only without rotations
+    monkeypatch.setattr(kq, "DUAL", "auto")   # the default: one pass only without rotations and SR
     assert kq.dual_applies(x, 0, 0) and not kq.dual_applies(x, 16, 0) and not kq.dual_applies(x, 0, 16)
+    assert not kq.dual_applies(x, 0, 0, sr=True)
     monkeypatch.setattr(kq, "DUAL", False)
     assert not kq.dual_applies(x, 0, 0)
     with pytest.raises(TypeError, match="unknown option"):

@@ -899,8 +899,9 @@ def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.
         row_multiple = 128
     kern = kernel_for(axis, rot, fp4, rows_contiguous=sx_r == 1 and sx_k != 1)
     if kern == "cols":
-        # 4 x BR values per load, 2 of them a thread (the best on an H100, BENCHMARKS.md)
-        BR = block_rows or (128 if group_rows == 128 else 64)
+        # 4 x BR values per load, 2 of them a thread (the best on an H100, BENCHMARKS.md; with stochastic
+        # rounding, uncapped, 32 rows x 2 warps: 153.8 us against 163.3 for 64 x 4 without rotation)
+        BR = block_rows or (128 if group_rows == 128 else (32 if rounding == "stochastic" else 64))
         num_warps = num_warps or max(1, BR // 16)
     elif kern == "blocks":
         # best on an H100 (BENCHMARKS.md): small tiles along rows, 64 rows along columns, 128 for 128x128 groups
@@ -953,7 +954,8 @@ def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.
         else:
             kfn = _mxfp4_kernel
         compiled = kfn[grid](*args, **consts, num_warps=num_warps, enable_fp_fusion=False,
-                             **_launch_opts(kern + ("128" if kern == "blocks" and group_rows == 128 else ""), dev))
+                             **_launch_opts(kern + ("128" if kern == "blocks" and group_rows == 128 else ""), dev,
+                                            sr=rounding == "stochastic"))
     base = None
     if carrier:
         base = gs_base
@@ -998,11 +1000,13 @@ DUAL_SEQ = False
 _SIDE_KEYS = ("rot", "signs", "rounding", "scale_rule", "key", "prescale", "index_strides", "key_tensor", "group_rows")
 
 
-def dual_applies(x: torch.Tensor, rot_a: int, rot_b: int, group_rows_a: int = 1) -> bool:
+def dual_applies(x: torch.Tensor, rot_a: int, rot_b: int, group_rows_a: int = 1, sr: bool = False) -> bool:
     """Whether ``quantize_mxfp4_dual`` runs one fused pass for ``x`` (else it runs two): a row-major 2-D
     tensor, FP8-carrier outputs, A with 1x128 groups, and rotations the blocks and cols kernels take (with
-    ``DUAL == "auto"``: no rotation, where one pass measured faster)."""
-    if DUAL == "auto" and (rot_a or rot_b):
+    ``DUAL == "auto"``: no rotation and no stochastic rounding on either side (``sr``), where one pass
+    measured faster; with SR on both sides one pass took 394 us against ~265 us for the two passes, H100,
+    16384 x 4096)."""
+    if DUAL == "auto" and (rot_a or rot_b or sr):
         return False
     return (bool(DUAL) and x.ndim == 2 and x.shape[0] > 0 and x.shape[1] > 1 and x.stride(1) == 1
             and group_rows_a == 1 and kernel_for(1, rot_a, False) == "blocks"
@@ -1046,7 +1050,8 @@ def quantize_mxfp4_dual(x: torch.Tensor, a: dict, b: dict, *, k_multiple: int = 
         plan = _DUAL_PLANS.get(pkey)
         if plan is not None:
             return plan(x, a, b, cnt)
-    if not dual_applies(x, ra, rb, a.get("group_rows", 1)) or (
+    sr = a.get("rounding", "nearest") == "stochastic" or b.get("rounding", "nearest") == "stochastic"
+    if not dual_applies(x, ra, rb, a.get("group_rows", 1), sr=sr) or (
             _check and x.device.type in SELF_CHECK_DEVICES and not _dual_ok(x, a, b, k_multiple)):
         return tuple(quantize_mxfp4_2d(x, ax, **side, carrier=True, fp4=False, k_multiple=k_multiple,
                                        counter=cnt, _check=_check) for ax, side in ((1, a), (0, b)))
@@ -1099,7 +1104,7 @@ def quantize_mxfp4_dual(x: torch.Tensor, a: dict, b: dict, *, k_multiple: int = 
     largs = (x, cnt, sa, ca, ga, ka, sb, cb, gb, kb, M, K, x.stride(0), 1, *dims_a, *dims_b,
              nr_a, nk_a, nr_b, nk_b, F, *sc_a, *sc_b)
     compiled = _mxfp4_dual_kernel[grid](*largs, **consts, num_warps=nw, enable_fp_fusion=False,
-                                        **_launch_opts("dual", dev))
+                                        **_launch_opts("dual", dev, sr=consts["SR_A"] or consts["SR_B"]))
     if pkey is not None:
         if len(_DUAL_PLANS) >= 1024:
             _DUAL_PLANS.clear()
@@ -1120,8 +1125,11 @@ _MAXNREG = int(os.environ.get("MXTRAIN_QMAXNREG", "80"))
 LAUNCH_OPTS: dict = ({k: {"maxnreg": _MAXNREG} for k in ("cols", "dual", "blocks128")} if _MAXNREG > 0 else {})
 
 
-def _launch_opts(kern: str, dev: torch.device) -> dict:
-    if dev.type != "cuda" or torch.version.hip is not None or _INTERPRET:
+def _launch_opts(kern: str, dev: torch.device, sr: bool = False) -> dict:
+    """Launch options of one kernel. Stochastic rounding (a hash per element) needs more registers: capped
+    at 80 the cols kernel spilled and ran 2.2-2.7x slower without rotation (H100: 355-488 us against 152-163
+    us uncapped at 16384 x 4096) and 2-5 % slower with H16 + signs, so SR variants run uncapped."""
+    if dev.type != "cuda" or torch.version.hip is not None or _INTERPRET or sr:
         return {}
     return LAUNCH_OPTS.get(kern, {})
 
