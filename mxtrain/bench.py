@@ -26,6 +26,8 @@ import time
 
 import torch
 
+from .errors import UserError
+
 __all__ = ["register", "main"]
 
 LLAMA8B_NK = [(4096, 4096), (14336, 4096), (4096, 14336), (6144, 4096)]
@@ -67,6 +69,11 @@ def bench_quantize(args) -> dict:
         ("act 16384x4096 cols (wgrad) carrier H16", (16384, 4096), 0, dict(rot=16)),
         ("act 16384x4096 cols (wgrad) carrier H32 signs SR", (16384, 4096), 0,
          dict(rot=32, signs=rotation_signs(32, "fixed", device=dev), rounding="stochastic", key=123)),
+        ("act 16384x4096 cols (wgrad) carrier H64 signs SR x0.75", (16384, 4096), 0,
+         dict(rot=64, signs=rotation_signs(64, "fixed", device=dev), rounding="stochastic", key=123, prescale=0.75)),
+        ("weight 14336x4096 cols (dgrad) 128x128 H64 signs SR x0.75", (14336, 4096), 0,
+         dict(rot=64, signs=rotation_signs(64, "fixed", device=dev), rounding="stochastic", key=123, prescale=0.75,
+              group_rows=128)),
         ("act 16384x4096 cols fp4 only H16", (16384, 4096), 0, dict(rot=16, carrier=False, fp4=True)),
         ("act 16384x14336 rows carrier H16", (16384, 14336), 1, dict(rot=16)),
         ("act 16384x14336 cols (wgrad) carrier H16", (16384, 14336), 0, dict(rot=16)),
@@ -95,10 +102,11 @@ def bench_quantize(args) -> dict:
         moved = 2 * n + out_bytes
         copy_bw = 4 * n / (t_copy * 1e-3)
         # every kernel that can run this case, each at its best of a few configurations; the default first
-        if kw.get("rot", 0) not in kq.BLOCK_ROTS:
+        rot = kw.get("rot", 0)
+        if axis == 0 and rot in kq.COLS_ROTS:   # a row-major input along columns
+            kernels = [("cols", False), ("blocks", True) if rot in kq.BLOCK_ROTS else ("tile", False)]
+        elif rot not in kq.BLOCK_ROTS:
             kernels = [("tile", False)]
-        elif axis == 0:   # a row-major input along columns
-            kernels = [("cols", False), ("blocks", True)]
         else:
             kernels = [("blocks", True), ("blocks", False), ("tile", False)]
         saved = (kq.KERNEL, kq.JOIN_STORE)
@@ -106,7 +114,9 @@ def bench_quantize(args) -> dict:
             kq.KERNEL, kq.JOIN_STORE = kern, join
             # (block rows, warps): the fastest ones of earlier sweeps on the H100 (BENCHMARKS.md); compiling
             # more takes minutes
-            if kern == "cols":   # 2 or 4 values of each [4, BR] tensor a thread
+            if kern == "cols" and rot == 64:   # 1 or 2 values of each [2, BR] tensor a thread
+                cfgs = ((64, 4), (32, 2), (128, 8), (64, 2)) if kw.get("group_rows", 1) == 1 else ((128, 8), (128, 4))
+            elif kern == "cols":   # 2 or 4 values of each [4, BR] tensor a thread
                 cfgs = ((64, 4), (32, 2), (16, 1)) if kw.get("group_rows", 1) == 1 else ((128, 8), (128, 4))
             elif kern == "tile":
                 cfgs = ((32, 4), (64, 8)) if kw.get("group_rows", 1) == 1 else ((128, 8),)
@@ -316,12 +326,19 @@ def _graphed(fn):
     return g.replay
 
 
+def _presets(args, default: list) -> list:
+    """The MX recipes a benchmark times: ``--presets`` (comma-separated recipe names) or ``default``."""
+    names = [p.strip() for p in (getattr(args, "presets", "") or "").split(",") if p.strip()]
+    return names or list(default)
+
+
 def bench_linear(args) -> dict:
     from .train.trainer import graph_blockers
     from .nn import MXLinear
     dev = "cuda"
     M = 16384
     res = []
+    presets = _presets(args, LINEAR_PRESETS)
     for N, K in LLAMA8B_NK:
         x = torch.randn(M, K, device=dev, dtype=torch.bfloat16, requires_grad=True)
         gy = torch.randn(M, N, device=dev, dtype=torch.bfloat16)
@@ -337,7 +354,7 @@ def bench_linear(args) -> dict:
             r["fp8_rowwise_ms"] = _bench(step(fp8))
         except Exception as e:  # noqa: BLE001
             r["fp8_rowwise_error"] = repr(e)[:200]
-        for p in LINEAR_PRESETS:
+        for p in presets:
             lin = MXLinear(K, N, bias=False, device=dev, dtype=torch.bfloat16, recipe=p)
             lin.weight.data.copy_(base.weight.data)
             r[f"{p}_ms"] = _bench(step(lin, clear=True))           # W quantized every call
@@ -370,9 +387,9 @@ def bench_linear(args) -> dict:
         if "fp8_rowwise_ms" in r:
             r["fp8_rowwise_speedup"] = r["bf16_ms"] / r["fp8_rowwise_ms"]
         print("linear " + f"{M}x{N}x{K}: bf16 {r['bf16_ms']:.2f} ms; " + "; ".join(
-            f"{p} {r[f'{p}_speedup']:.2f}x ({r[f'{p}_reuseW_speedup']:.2f}x reuse)" for p in LINEAR_PRESETS)
+            f"{p} {r[f'{p}_speedup']:.2f}x ({r[f'{p}_reuseW_speedup']:.2f}x reuse)" for p in presets)
             + (f"; fp8-rowwise {r['fp8_rowwise_speedup']:.2f}x" if "fp8_rowwise_speedup" in r else "")
-            + "; CUDA graph: " + ", ".join(f"{p} {r[f'{p}_graph_speedup']:.2f}x" for p in LINEAR_PRESETS
+            + "; CUDA graph: " + ", ".join(f"{p} {r[f'{p}_graph_speedup']:.2f}x" for p in presets
                                             if f"{p}_graph_speedup" in r)
             + "".join(f"; mxfp4-all two passes {r['mxfp4-all_' + k]:.3f} ms vs one {r['mxfp4-all_' + v]:.3f} ms"
                       for k, v in (("twopass_reuseW_ms", "reuseW_ms"), ("twopass_graph_ms", "graph_ms"))
@@ -470,7 +487,7 @@ def bench_step(args) -> dict:
     saved_glue = _model.GLUE
     for glue in glues:
         _model.GLUE = glue
-        for kind in ["bf16", "fp8_rowwise"] + STEP_PRESETS:
+        for kind in ["bf16", "fp8_rowwise"] + _presets(args, STEP_PRESETS):
             name = kind if glue == glues[0] else f"{kind}@{glue}"
             try:
                 blocks = make(kind)
@@ -580,10 +597,16 @@ def warm_gpu(seconds: float = 1.0) -> float:
 
 
 def run(args) -> int:
-    if not torch.cuda.is_available():
-        print("mxtrain bench: needs a CUDA GPU (the fast path's kernels and GEMMs run there)", file=sys.stderr)
-        return 2
     what = list(_WHAT) if args.what == "all" else args.what.split(",")
+    bad = [w for w in what if w not in _WHAT]
+    if bad:
+        raise UserError(f"unknown benchmark {bad[0]!r}; choose from {', '.join(_WHAT)} or all")
+    from . import recipes as _recipes
+    bad = [p for p in _presets(args, []) if p not in _recipes.names()]
+    if bad:
+        raise UserError(f"unknown recipe {bad[0]!r} in --presets; choose from {', '.join(_recipes.names())}")
+    if not torch.cuda.is_available():
+        raise UserError("mxtrain bench needs a CUDA GPU (the fast path's kernels and GEMMs run there)")
     out = {"env": _env(), "command": " ".join(sys.argv)}
     t0 = time.time()
     out["warmup_s"] = warm_gpu()
@@ -608,6 +631,9 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("what", help="quantize, gemm, breakdown, linear, step, all, or a comma-separated list")
     p.add_argument("--out", default=None, help="write the JSON results here (default: stdout)")
     p.add_argument("--filter", default="", help="quantize: only the cases whose name contains this text")
+    p.add_argument("--presets", default="",
+                   help="linear, step: comma-separated recipes to time against BF16 (default: "
+                        + ", ".join(LINEAR_PRESETS) + " for linear; " + ", ".join(STEP_PRESETS) + " for step)")
     p.add_argument("--layers", type=int, default=2, help="step: number of Llama-8B-shaped blocks")
     p.add_argument("--batch", type=int, default=2, help="step: batch size")
     p.add_argument("--seq", type=int, default=4096, help="step: sequence length")
@@ -632,7 +658,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m mxtrain.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_args(p)
-    return run(p.parse_args(argv))
+    try:
+        return run(p.parse_args(argv))
+    except UserError as e:
+        print(f"mxtrain: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -62,6 +62,9 @@ def files():
     ("CUDA graphs with stochastic rounding", ["train", "--exp", "debug", "--data", "{small}", "--recipe",
                                               "mxfp4-all-sr", "--cuda-graphs", "--device", "cpu"],
      ["train.cuda_graphs needs one GPU", "stochastic rounding"]),
+    ("unknown benchmark", ["bench", "speed"], ["unknown benchmark 'speed'"]),
+    ("unknown bench recipe", ["bench", "linear", "--presets", "tseng,mxfp5"], ["unknown recipe 'mxfp5'"]),
+    ("bench on a CPU machine (cuda)", ["bench", "linear"], ["needs a CUDA GPU"]),
 ], ids=lambda c: c[0])
 def test_bad_input_is_one_line(files, case):
     _, args, fragments = case
