@@ -69,11 +69,6 @@ def bench_quantize(args) -> dict:
         ("act 16384x4096 cols (wgrad) carrier H16", (16384, 4096), 0, dict(rot=16)),
         ("act 16384x4096 cols (wgrad) carrier H32 signs SR", (16384, 4096), 0,
          dict(rot=32, signs=rotation_signs(32, "fixed", device=dev), rounding="stochastic", key=123)),
-        ("act 16384x4096 cols (wgrad) carrier H64 signs SR x0.75", (16384, 4096), 0,
-         dict(rot=64, signs=rotation_signs(64, "fixed", device=dev), rounding="stochastic", key=123, prescale=0.75)),
-        ("weight 14336x4096 cols (dgrad) 128x128 H64 signs SR x0.75", (14336, 4096), 0,
-         dict(rot=64, signs=rotation_signs(64, "fixed", device=dev), rounding="stochastic", key=123, prescale=0.75,
-              group_rows=128)),
         ("act 16384x4096 cols fp4 only H16", (16384, 4096), 0, dict(rot=16, carrier=False, fp4=True)),
         ("act 16384x14336 rows carrier H16", (16384, 14336), 1, dict(rot=16)),
         ("act 16384x14336 cols (wgrad) carrier H16", (16384, 14336), 0, dict(rot=16)),
@@ -102,11 +97,10 @@ def bench_quantize(args) -> dict:
         moved = 2 * n + out_bytes
         copy_bw = 4 * n / (t_copy * 1e-3)
         # every kernel that can run this case, each at its best of a few configurations; the default first
-        rot = kw.get("rot", 0)
-        if axis == 0 and rot in kq.COLS_ROTS:   # a row-major input along columns
-            kernels = [("cols", False), ("blocks", True) if rot in kq.BLOCK_ROTS else ("tile", False)]
-        elif rot not in kq.BLOCK_ROTS:
+        if kw.get("rot", 0) not in kq.BLOCK_ROTS:
             kernels = [("tile", False)]
+        elif axis == 0:   # a row-major input along columns
+            kernels = [("cols", False), ("blocks", True)]
         else:
             kernels = [("blocks", True), ("blocks", False), ("tile", False)]
         saved = (kq.KERNEL, kq.JOIN_STORE)
@@ -114,9 +108,7 @@ def bench_quantize(args) -> dict:
             kq.KERNEL, kq.JOIN_STORE = kern, join
             # (block rows, warps): the fastest ones of earlier sweeps on the H100 (BENCHMARKS.md); compiling
             # more takes minutes
-            if kern == "cols" and rot == 64:   # 1 or 2 values of each [2, BR] tensor a thread
-                cfgs = ((64, 4), (32, 2), (128, 8), (64, 2)) if kw.get("group_rows", 1) == 1 else ((128, 8), (128, 4))
-            elif kern == "cols":   # 2 or 4 values of each [4, BR] tensor a thread
+            if kern == "cols":   # 2 or 4 values of each [4, BR] tensor a thread
                 cfgs = ((64, 4), (32, 2), (16, 1)) if kw.get("group_rows", 1) == 1 else ((128, 8), (128, 4))
             elif kern == "tile":
                 cfgs = ((32, 4), (64, 8)) if kw.get("group_rows", 1) == 1 else ((128, 8),)

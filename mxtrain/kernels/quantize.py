@@ -274,7 +274,7 @@ if triton is not None:
             return tl.inline_asm_elementwise(
                 asm="cvt.rn.satfinite.e4m3x2.f32 $0, $2, $1;",
                 constraints="=h,r,r", args=[c], dtype=tl.uint8, is_pure=True, pack=2)
-        elif USE_ASM and PACK == 4:
+        elif USE_ASM:
             # the hardware conversion, two values per instruction; the first value goes to the low byte
             return tl.inline_asm_elementwise(
                 asm="{ .reg .b16 lo, hi;\n"
@@ -551,11 +551,11 @@ if triton is not None:
         return w
 
     @triton.jit
-    def _bfly_tuple(xs, H: tl.constexpr, N: tl.constexpr = 32):
-        """Butterfly stage H over a tuple of N tensors: pairs (a, b) = (xs[j], xs[j + H]) for j with bit H
+    def _bfly_tuple(xs, H: tl.constexpr):
+        """Butterfly stage H over a tuple of 32 tensors: pairs (a, b) = (xs[j], xs[j + H]) for j with bit H
         clear -> (a + b, a - b)."""
         w = ()
-        for j in tl.static_range(N):
+        for j in tl.static_range(32):
             if (j // H) % 2 == 0:
                 w = w + (xs[j] + xs[j + H],)
             else:
@@ -563,8 +563,8 @@ if triton is not None:
         return w
 
     @triton.jit
-    def _join_tree(v, N: tl.constexpr, BR: tl.constexpr, NG: tl.constexpr = 4):
-        """Tuple of N (16 or 32) [NG, BR] tensors -> one [NG, BR, N] tensor, in tuple order. Each level
+    def _join_tree(v, N: tl.constexpr, BR: tl.constexpr):
+        """Tuple of N (16 or 32) [4, BR] tensors -> one [4, BR, N] tensor, in tuple order. Each level
         pairs entries half the remaining count apart, so the new axes come out in index order and the
         final reshape moves no data (every value stays in its thread's registers)."""
         if N == 32:
@@ -573,7 +573,7 @@ if triton is not None:
         v = _join_level(v, 4)
         v = _join_level(v, 2)
         v = _join_level(v, 1)
-        return tl.reshape(v[0], [NG, BR, N])
+        return tl.reshape(v[0], [4, BR, N])
 
     @triton.jit
     def _cols_tile(
@@ -588,18 +588,14 @@ if triton is not None:
         USE_ASM: tl.constexpr,
         PACK: tl.constexpr,
         FOLD: tl.constexpr = False,
-        NP: tl.constexpr = 1,
     ):
-        """Same contract as ``_mxfp4_kernel`` for ROT in (0, 2, 4, 8, 16, 32, 64), made for inputs whose
+        """Same contract as ``_mxfp4_kernel`` for ROT in (0, 2, 4, 8, 16, 32), made for inputs whose
         output rows are the contiguous axis (quantizing along columns: a [tokens, features] activation
-        or gradient along tokens, for Wgrad). The 128-long reduction range is loaded as 32 * NP tensors
-        x[i] of shape [4 / NP, BR] (x[32 p + j][g, r] = element 32 (NP g + p) + j of the range, row r;
-        NP = 2 for 64-wide rotations, else 1): every load is coalesced along the rows, and the block
-        maxima and every rotation stage are element-wise between the tensors. Only the 1-byte results
-        change layout: joined into [4 / NP, BR, 32], each thread stores whole 32-byte carrier blocks
-        (16-byte FP4 blocks) of the transposed output."""
-        NG: tl.constexpr = 4 // NP
-        N: tl.constexpr = 32 * NP
+        or gradient along tokens, for Wgrad). The 128-long reduction range is loaded as 32 tensors
+        x[j] of shape [4, BR] (x[j][b, r] = element 32 b + j of the range, row r): every load is
+        coalesced along the rows, and the block maxima and every rotation stage are element-wise
+        between the 32 tensors. Only the 1-byte results change layout: joined into [4, BR, 32], each
+        thread stores whole 32-byte carrier blocks (16-byte FP4 blocks) of the transposed output."""
         if KEY_PTR:  # the seed read from device memory (refreshed between CUDA-graph replays)
             key = tl.load(key_ptr)
         if IDX64:
@@ -609,132 +605,106 @@ if triton is not None:
             rows = pid_r * BR + tl.arange(0, BR)
             kbase = pid_k * 128
         r2 = rows[None, :]                                  # [1, BR]
-        kb = kbase + tl.arange(0, NG)[:, None] * N          # [NG, 1] first column of each group of NP blocks
+        kb = kbase + tl.arange(0, 4)[:, None] * 32          # [4, 1] first column of each MX block
         rm = r2 < R
         xp = x_ptr + r2 * sx_r
         xs = ()
-        for i in tl.static_range(N):
-            xs = xs + (tl.load(xp + (kb + i) * sx_k, mask=rm & (kb + i < K), other=0.0).to(tl.float32),)
+        for j in tl.static_range(32):
+            xs = xs + (tl.load(xp + (kb + j) * sx_k, mask=rm & (kb + j < K), other=0.0).to(tl.float32),)
 
         if ROT > 0:
             if HAS_SIGNS:
                 w = ()
-                for i in tl.static_range(N):
-                    w = w + (xs[i] * tl.load(signs_ptr + i % ROT),)
+                for j in tl.static_range(32):
+                    w = w + (xs[j] * tl.load(signs_ptr + j % ROT),)
                 xs = w
             if ROT > 1:
-                xs = _bfly_tuple(xs, 1, N)
+                xs = _bfly_tuple(xs, 1)
             if ROT > 2:
-                xs = _bfly_tuple(xs, 2, N)
+                xs = _bfly_tuple(xs, 2)
             if ROT > 4:
-                xs = _bfly_tuple(xs, 4, N)
+                xs = _bfly_tuple(xs, 4)
             if ROT > 8:
-                xs = _bfly_tuple(xs, 8, N)
+                xs = _bfly_tuple(xs, 8)
             if ROT > 16:
-                xs = _bfly_tuple(xs, 16, N)
-            if ROT > 32:
-                xs = _bfly_tuple(xs, 32, N)
+                xs = _bfly_tuple(xs, 16)
             w = ()
-            for i in tl.static_range(N):
+            for j in tl.static_range(32):
                 if FOLD:   # the 1/sqrt(ROT) normalization goes into the block scales (below)
-                    v = xs[i]
+                    v = xs[j]
                 else:
-                    v = xs[i] * inv_sqrt
+                    v = xs[j] * inv_sqrt
                 if HAS_SIGNS:  # signs turn padding zeros into -0: +0 past whole rotation blocks and rows
-                    v = tl.where(rm & (kb + i < ((K + ROT - 1) // ROT) * ROT), v, 0.0)
+                    v = tl.where(rm & (kb + j < ((K + ROT - 1) // ROT) * ROT), v, 0.0)
                 w = w + (v,)
             xs = w
 
-        r3 = rows[None, :, None]
-        s_max = tl.full([NG, BR], -127, tl.int32)
-        for p in tl.static_range(NP):
-            # ---- block scales: |x| maximum per MX block by bit pattern (ordered as the values; NaN above all)
-            abits = tl.abs(xs[32 * p]).to(tl.int32, bitcast=True)
-            for j in tl.static_range(1, 32):
-                abits = tl.maximum(abits, tl.abs(xs[32 * p + j]).to(tl.int32, bitcast=True))
-            if FOLD:   # the normalized block maximum (exact: see _fold_applies)
-                abits = (abits.to(tl.float32, bitcast=True) * inv_sqrt).to(tl.int32, bitcast=True)
-            ok = abits < 0x7F800000                                           # not NaN / Inf
-            abits = tl.where(ok, abits, 0)
-            s, nz = _block_scale(abits, RULE)                                 # [NG, BR]
-            if p == 0:
-                s0 = s
-                ok0 = ok
-                nz0 = nz
-            else:
-                s1 = s
-                ok1 = ok
-                nz1 = nz
-            if WRITE_CARRIER:
-                s_max = tl.maximum(s_max, tl.where(ok & nz, s, -127))
+        # ---- block scales: |x| maximum per MX block by bit pattern (ordered as the values; NaN above all)
+        abits = tl.abs(xs[0]).to(tl.int32, bitcast=True)
+        for j in tl.static_range(1, 32):
+            abits = tl.maximum(abits, tl.abs(xs[j]).to(tl.int32, bitcast=True))
+        if FOLD:   # the normalized block maximum (exact: see _fold_applies)
+            abits = (abits.to(tl.float32, bitcast=True) * inv_sqrt).to(tl.int32, bitcast=True)
+        ok = abits < 0x7F800000                                           # not NaN / Inf
+        abits = tl.where(ok, abits, 0)
+        s, nz = _block_scale(abits, RULE)                                 # [4, BR]
+        code_sc = tl.where(ok, s + 127, 255)
+        if FOLD:
+            sc = _pow2n(-s) * inv_sqrt
+        else:
+            sc = _pow2n(-s)
+
         if WRITE_CARRIER:
+            live = ok & nz
+            s_live = tl.where(live, s, -127)
             if GROUP_ROWS == 1:
-                G = tl.maximum(tl.max(s_max, axis=0), -120)              # [BR]
+                G = tl.maximum(tl.max(s_live, axis=0), -120)              # [BR]
                 G2 = G[None, :]
             else:
-                G = tl.maximum(tl.max(tl.max(s_max, axis=0), axis=0), -120)
+                G = tl.maximum(tl.max(tl.max(s_live, axis=0), axis=0), -120)
                 G2 = G
+            kexp = s - G2 + 6
+            inexact = live & (kexp < -8)
+            fc = tl.where(ok, _pow2n(tl.maximum(kexp, -126)), float("nan"))
+        else:
+            fc = sc
 
-        for p in tl.static_range(NP):
-            if p == 0:
-                s = s0
-                ok = ok0
-                nz = nz0
-            else:
-                s = s1
-                ok = ok1
-                nz = nz1
-            kp = kb + 32 * p                                              # [NG, 1] first column of block p
-            code_sc = tl.where(ok, s + 127, 255)
-            if FOLD:
-                sc = _pow2n(-s) * inv_sqrt
-            else:
-                sc = _pow2n(-s)
-            if WRITE_CARRIER:
-                live = ok & nz
-                kexp = s - G2 + 6
-                inexact = live & (kexp < -8)
-                fc = tl.where(ok, _pow2n(tl.maximum(kexp, -126)), float("nan"))
-            else:
-                fc = sc
-
-            bs = ()
-            qs = ()
-            for j in tl.static_range(32):
-                if SR:
-                    if IDX64:
-                        idx = r2.to(tl.int64) * si_r + (kp + j).to(tl.int64) * si_k
-                    else:
-                        idx = r2 * si_r + (kp + j) * si_k
+        bs = ()
+        qs = ()
+        for j in tl.static_range(32):
+            if SR:
+                if IDX64:
+                    idx = r2.to(tl.int64) * si_r + (kb + j).to(tl.int64) * si_k
                 else:
-                    idx = 0
-                b, q = _piece(xs[32 * p + j], sc, fc, ok, SR, idx, key, PRESCALE, prescale, WRITE_CARRIER,
-                              WRITE_FP4, USE_ASM, PACK)
-                bs = bs + (b,)
-                qs = qs + (q,)
+                    idx = r2 * si_r + (kb + j) * si_k
+            else:
+                idx = 0
+            b, q = _piece(xs[j], sc, fc, ok, SR, idx, key, PRESCALE, prescale, WRITE_CARRIER, WRITE_FP4,
+                          USE_ASM, PACK)
+            bs = bs + (b,)
+            qs = qs + (q,)
 
-            kb3 = kp[:, :, None]
-            if WRITE_FP4:
-                pk = ()
-                for i in tl.static_range(16):
-                    pk = pk + ((qs[2 * i] | (qs[2 * i + 1] << 4)).to(tl.uint8),)
-                jb = kb3 // 2 + tl.arange(0, 16)[None, None, :]
-                tl.store(fp4_ptr + r3 * (Kq // 2) + jb, _join_tree(pk, 16, BR, NG), mask=(r3 < R) & (jb * 2 < Kq))
-                bi = kp // 32
-                tl.store(sc_ptr + r2 * (Kq // 32) + bi, code_sc.to(tl.uint8), mask=rm & (kp < Kq))
-
-            if WRITE_CARRIER:
-                cb = kb3 + tl.arange(0, 32)[None, None, :]
-                tl.store(car_ptr + r3 * Kc + cb, _join_tree(bs, 32, BR, NG), mask=r3 < Rc)
-                bad = inexact & rm
-                tl.atomic_add(cnt_ptr + tl.zeros_like(s), 1, mask=bad)   # rare: usually no lane is active
+        r3 = rows[None, :, None]
+        kb3 = kb[:, :, None]
+        if WRITE_FP4:
+            pk = ()
+            for i in tl.static_range(16):
+                pk = pk + ((qs[2 * i] | (qs[2 * i + 1] << 4)).to(tl.uint8),)
+            jb = kb3 // 2 + tl.arange(0, 16)[None, None, :]
+            tl.store(fp4_ptr + r3 * (Kq // 2) + jb, _join_tree(pk, 16, BR), mask=(r3 < R) & (jb * 2 < Kq))
+            bi = kb // 32
+            tl.store(sc_ptr + r2 * (Kq // 32) + bi, code_sc.to(tl.uint8), mask=rm & (kb < Kq))
 
         if WRITE_CARRIER:
+            cb = kb3 + tl.arange(0, 32)[None, None, :]
+            tl.store(car_ptr + r3 * Kc + cb, _join_tree(bs, 32, BR), mask=r3 < Rc)
             gval = _pow2(G - 6)
             if GROUP_ROWS == 1:
                 tl.store(gs_ptr + rows * gs_sr + pid_k * gs_sk, gval, mask=rows < Rc)
             else:
                 tl.store(gs_ptr + pid_r * gs_sr + pid_k * gs_sk, gval)
+            bad = inexact & rm
+            tl.atomic_add(cnt_ptr + tl.zeros_like(s), 1, mask=bad)   # rare: usually no lane is active
 
 
     @triton.jit(do_not_specialize=["key"])
@@ -749,14 +719,13 @@ if triton is not None:
         USE_ASM: tl.constexpr,
         PACK: tl.constexpr,
         FOLD: tl.constexpr,
-        NP: tl.constexpr,
     ):
         """``_cols_tile`` on the tile of this program: (row block, reduction block) = program ids."""
         _cols_tile(
             tl.program_id(0), tl.program_id(1),
             x_ptr, signs_ptr, car_ptr, gs_ptr, fp4_ptr, sc_ptr, cnt_ptr, key_ptr, R, K, Rc, sx_r, sx_k, si_r,
             si_k, Kc, Kq, gs_sr, gs_sk, key, inv_sqrt, prescale, BR, ROT, HAS_SIGNS, RULE, SR, PRESCALE,
-            GROUP_ROWS, WRITE_CARRIER, WRITE_FP4, IDX64, KEY_PTR, USE_ASM, PACK, FOLD, NP)
+            GROUP_ROWS, WRITE_CARRIER, WRITE_FP4, IDX64, KEY_PTR, USE_ASM, PACK, FOLD)
 
     # the kernels above must spell out their arguments (Triton binds a kernel's signature by name)
 
@@ -974,14 +943,11 @@ def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.
                       SR=rounding == "stochastic", PRESCALE=prescale != 1.0, GROUP_ROWS=group_rows,
                       WRITE_CARRIER=carrier, WRITE_FP4=fp4, IDX64=idx64, KEY_PTR=key_tensor is not None)
         if kern == "cols":
-            NP = 2 if rot == 64 else 1                  # MX blocks per rotation group held by one thread
-            per_thread = 4 // NP * BR // (32 * num_warps)   # values of each [4 / NP, BR] tensor a thread holds
-            assert per_thread in (1, 2, 4, 8, 16) and (per_thread > 1 or NP == 2), \
-                "cols kernel: 4 x block_rows must be 64, 128, ... x 32 x num_warps (H64: 2 x block_rows, 32, ...)"
+            per_thread = 4 * BR // (32 * num_warps)   # values of each [4, BR] tensor a thread holds
+            assert per_thread in (2, 4, 8, 16), "cols kernel: 4 x block_rows must be 64, 128, ... x 32 x num_warps"
             kfn = _mxfp4_cols_kernel
-            # PACK: values per hardware e4m3 conversion (one value a thread: the bit-arithmetic encoder)
-            consts.update(USE_ASM=dev.type == "cuda", PACK={1: 1, 2: 2}.get(per_thread, 4),
-                          FOLD=_fold_applies(x.dtype, rot, prescale), NP=NP)
+            consts.update(USE_ASM=dev.type == "cuda", PACK=2 if per_thread == 2 else 4,
+                          FOLD=_fold_applies(x.dtype, rot, prescale))
         elif kern == "blocks":
             kfn = _mxfp4_blk_kernel
             consts.update(USE_ASM=dev.type == "cuda", JOIN_STORE=JOIN_STORE, FOLD=_fold_applies(x.dtype, rot, prescale))
@@ -1043,7 +1009,7 @@ def dual_applies(x: torch.Tensor, rot_a: int, rot_b: int, group_rows_a: int = 1,
     if DUAL == "auto" and (rot_a or rot_b or sr):
         return False
     return (bool(DUAL) and x.ndim == 2 and x.shape[0] > 0 and x.shape[1] > 1 and x.stride(1) == 1
-            and group_rows_a == 1 and kernel_for(1, rot_a, False) == "blocks" and rot_b in BLOCK_ROTS
+            and group_rows_a == 1 and kernel_for(1, rot_a, False) == "blocks"
             and kernel_for(0, rot_b, False, rows_contiguous=True) == "cols")
 
 
@@ -1351,23 +1317,19 @@ _FOLD_ROTS = (4, 16, 64)
 
 def _fold_applies(dtype: torch.dtype, rot: int, prescale: float) -> bool:
     return FOLD_POW2 and rot in _FOLD_ROTS and dtype in (torch.bfloat16, torch.float16) and prescale == 1.0
-BLOCK_ROTS = (0, 2, 4, 8, 16, 32)   # rotations of the blocks kernel (and of the one-pass dual kernel)
-COLS_ROTS = BLOCK_ROTS + (64,)     # the cols kernel: H64 as two MX blocks a thread (NP = 2)
+BLOCK_ROTS = (0, 2, 4, 8, 16, 32)
 
 
 def kernel_for(axis: int, rot: int, fp4: bool = False, rows_contiguous: bool = False) -> str:
     """The kernel that quantizes along ``axis`` with a ``rot``-wide rotation. ``auto``: "cols" where
     the output rows are the input's contiguous axis (along columns of a row-major tensor: the Wgrad
     operands), else "blocks" for carrier-only outputs (the Hopper training path) and "tile" where packed
-    FP4 codes are written (the blocks kernel's FP4 stores measured slower, BENCHMARKS.md). H64 runs
-    "cols" where that applies, other rotations wider than 32 always "tile"; "cols" forced where it does
-    not apply runs "blocks"."""
-    if KERNEL == "tile" or rot not in COLS_ROTS:
+    FP4 codes are written (the blocks kernel's FP4 stores measured slower, BENCHMARKS.md). Rotations
+    wider than 32 always run "tile"; "cols" forced where it does not apply runs "blocks"."""
+    if KERNEL == "tile" or rot not in BLOCK_ROTS:
         return "tile"
     if rows_contiguous and KERNEL in ("auto", "cols"):
         return "cols"
-    if rot not in BLOCK_ROTS:
-        return "tile"
     if KERNEL == "auto" and fp4:
         return "tile"
     return "blocks"
