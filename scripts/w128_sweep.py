@@ -25,11 +25,14 @@ cases = [
 saved = {k: dict(v) for k, v in kq.LAUNCH_OPTS.items()}
 
 
-def setting(key, cap):
+def setting(key=None, cap=None):
+    """The library's launch options, with ``key``'s register cap set to ``cap`` (None: uncapped); no key:
+    the library's defaults."""
     kq.LAUNCH_OPTS.clear()
     kq.LAUNCH_OPTS.update({k: dict(v) for k, v in saved.items()})
-    kq.LAUNCH_OPTS[key] = {} if cap is None else {"maxnreg": cap}
-    kq._PLANS.clear()
+    if key is not None:
+        kq.LAUNCH_OPTS[key] = {} if cap is None else {"maxnreg": cap}
+    kq._PLANS.clear()   # launch plans do not key on these options
 
 
 def outs(o):
@@ -39,9 +42,7 @@ def outs(o):
 warm_gpu()
 res = []
 for name, key, axis, cfgs, caps in cases:
-    kq.LAUNCH_OPTS.clear()
-    kq.LAUNCH_OPTS.update({k: dict(v) for k, v in saved.items()})
-    kq._PLANS.clear()
+    setting()
     ref = outs(q(w, axis, rot=16, fp4=False, group_rows=128))
     for rep in range(reps):
         copy_us = _bench(lambda: y.copy_(w)) * 1e3
@@ -61,6 +62,5 @@ for name, key, axis, cfgs, caps in cases:
                                 copy_us=copy_us, frac_of_copy=frac, same=same))
                 print(f"{name:26s} {br}x{nw:<2d} maxnreg={cap!s:5s} {us:7.1f} us  copy {copy_us:6.1f} us  "
                       f"{100 * frac:5.1f} % of copy  identical={same}", flush=True)
-kq.LAUNCH_OPTS.clear()
-kq.LAUNCH_OPTS.update(saved)
+setting()
 json.dump({"device": torch.cuda.get_device_name(), "results": res}, open(sys.argv[1], "w"), indent=1)
