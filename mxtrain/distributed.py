@@ -30,6 +30,7 @@ rotations mix 16-32 neighbouring elements.) See ``docs/distributed.md`` and
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import shutil
@@ -142,9 +143,16 @@ def init(device: str = "auto", backend: str | None = None, timeout_s: float = 60
 
 
 def shutdown() -> None:
-    """Destroy the process group if ``init`` started one."""
+    """Destroy the process group if ``init`` started one.
+
+    Drop every DDP / FSDP2 model first (let the function that built it return, or ``del`` it): those
+    hold the process group, and a group left for the interpreter's exit to destroy can abort the
+    process after a finished run (gloo, torch 2.13: "terminate called without an active exception";
+    docs/distributed.md, "Checked and not checked", has the counts).
+    """
     global _ENV
     if dist.is_available() and dist.is_initialized():
+        gc.collect()  # wrapped models in reference cycles (DDP's hooks) go now, not at exit
         dist.destroy_process_group()
     _ENV = DistEnv(device=_ENV.device)
 

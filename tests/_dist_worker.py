@@ -7,6 +7,7 @@ Run as ``python -m torch.distributed.run --nproc-per-node 2 tests/_dist_worker.p
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import sys
@@ -125,6 +126,8 @@ def full_state(model) -> dict:
 
 def run_scenario(name: str, mode: str, env: D.DistEnv, out: Path, *, accum=1, steps=20, save_at=None,
                  resume: str | None = None, capture=False, recipe: str = RECIPE) -> dict:
+    if env.distributed:  # where each rank was, should the launch fail
+        print(f"[rank {env.rank}] {name}", file=sys.stderr, flush=True)
     model, opt = build(mode, env, recipe)
     start = 0
     if resume and resume.endswith(".pt"):
@@ -170,8 +173,13 @@ def suite(out: Path, ref: Path):
             results[f"recipe:{r}:{mode}"] = run_scenario(f"{r}_{mode}", mode, env, out, steps=3, recipe=r)
     if env.is_rank0:
         (out / "results.json").write_text(json.dumps(results))
+    print(f"[rank {env.rank}] all scenarios done", file=sys.stderr, flush=True)
     D.shutdown()
+    print(f"[rank {env.rank}] process group destroyed", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":
+    # A crash inside torch's C++ (an abort, a segfault) prints every Python thread's stack to stderr,
+    # which the test shows when the launch fails.
+    faulthandler.enable(all_threads=True)
     suite(Path(sys.argv[1]), Path(sys.argv[2]))

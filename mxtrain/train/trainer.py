@@ -330,6 +330,16 @@ def train(cfg: TrainConfig, resume: str | Path | None = None) -> Path:
     _check(cfg)
     device = _resolve_device(cfg.train.device)
     env = D.init(str(device) if device.index is not None or device.type == "cpu" else "cuda")  # [distributed]
+    out = _train(cfg, resume, env)
+    # [distributed] _train's frame is gone, and with it the DDP / FSDP2 model that holds the process group:
+    # D.shutdown destroys the group while the interpreter is whole (not at exit, where gloo can abort)
+    if env.distributed:
+        D.barrier()
+        D.shutdown()
+    return out
+
+
+def _train(cfg: TrainConfig, resume: str | Path | None, env: D.DistEnv) -> Path:
     rank, world, device = env.rank, env.world_size, env.device
     amp_dtype = _autocast_dtype(cfg, device)
     recipe = cfg.resolved_recipe()
@@ -529,7 +539,4 @@ def train(cfg: TrainConfig, resume: str | Path | None = None) -> Path:
                    "final_val_ppl": math.exp(min(val_loss, 50)) if val_loss is not None else None,
                    "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    if env.distributed:  # [distributed]
-        D.barrier()
-        D.shutdown()
     return out
