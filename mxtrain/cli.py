@@ -205,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except UserError as e:
         msg = " ".join(str(e).split("\n"))
-        print(f"mxtrain: error: {msg}", file=sys.stderr)
+        sys.stderr.write(f"mxtrain: error: {msg}\n")  # one write: ranks of a launch print whole lines
+        sys.stderr.flush()
         return getattr(e, "exit_code", 2)
     except KeyboardInterrupt:
         print("mxtrain: interrupted", file=sys.stderr)

@@ -519,9 +519,10 @@ def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, m
 # ------------------------------------------------------------------------------------------ launch
 
 def launch(nproc: int, argv: list[str], module: str = "mxtrain") -> int:
-    """Run ``python -m torch.distributed.run --standalone --nproc-per-node nproc -m module *argv`` and
-    return its exit status (the ``--nproc N`` convenience). The NVLink-multicast switches in
-    ``SAFE_ENV`` are set in the children's environment unless already set."""
+    """Run ``torchrun --standalone --nproc-per-node nproc -m module *argv`` and return its exit status
+    (the ``--nproc N`` convenience). torchrun runs through ``mxtrain._launch``, which reports a failed
+    rank in one line rather than torchrun's traceback. The NVLink-multicast switches in ``SAFE_ENV``
+    are set in the children's environment unless already set."""
     import subprocess
     if nproc < 1:
         raise UserError(f"--nproc must be >= 1, got {nproc}")
@@ -530,7 +531,7 @@ def launch(nproc: int, argv: list[str], module: str = "mxtrain") -> int:
     env = dict(os.environ)
     for k, v in SAFE_ENV.items():
         env.setdefault(k, v)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+    cmd = [sys.executable, "-m", "mxtrain._launch", "--standalone", f"--nproc-per-node={nproc}",
            "-m", module, *argv]
     return subprocess.call(cmd, env=env)
 

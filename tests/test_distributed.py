@@ -181,6 +181,57 @@ def test_wrap_single_process_and_bad_mode():
         D.wrap(m, "zero3", D.DistEnv())
 
 
+def test_launch_failure_message_table():
+    from mxtrain._launch import failure_message
+    assert failure_message(1, 2) == (None, 2)   # the rank printed its own one-line error
+    assert failure_message(0, 0) == (None, 1)   # torchrun saw a failure: never exit 0
+    line, code = failure_message(1, -9)
+    assert code == 137 and line.startswith("mxtrain: error: rank 1 was killed by SIGKILL (out of memory?)")
+    line, code = failure_message(0, -11)
+    assert code == 139 and "SIGSEGV" in line and "out of memory" not in line
+
+
+_LAUNCHED = """
+import os, signal, sys
+rank = int(os.environ["RANK"])
+if sys.argv[1] == "kill" and rank == 1:
+    os.kill(os.getpid(), signal.SIGKILL)
+if sys.argv[1] == "fail":
+    sys.stderr.write(f"mxtrain: error: rank {rank} refuses\\n")
+    sys.exit(2)
+"""
+
+
+@pytest.mark.parametrize("what", ["fail", "kill"])
+def test_nproc_launch_reports_a_failed_rank_in_one_line(tmp_path, what):
+    """``--nproc N`` (mxtrain._launch): no torchrun traceback or agent log lines; the failed rank's code."""
+    (tmp_path / "launched_mod.py").write_text(_LAUNCHED)
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(tmp_path), str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
+    code = ("import sys; from mxtrain.distributed import launch; "
+            f"sys.exit(launch(2, [{what!r}], module='launched_mod'))")
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert "Traceback" not in p.stderr and "ChildFailedError" not in p.stderr, p.stderr
+    if what == "fail":
+        assert p.returncode == 2, p.stderr
+        assert sorted(lines) == ["mxtrain: error: rank 0 refuses", "mxtrain: error: rank 1 refuses"], p.stderr
+    else:
+        assert p.returncode == 128 + 9, p.stderr
+        assert lines == ["mxtrain: error: rank 1 was killed by SIGKILL (out of memory?); the other ranks were stopped"], \
+            p.stderr
+
+
+def test_nproc_bad_input_is_one_line_per_rank(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run([sys.executable, "-m", "mxtrain", "train", "--data", str(tmp_path / "missing"), "--nproc", "2",
+                        "--out", str(tmp_path / "run"), "--no-progress"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2, p.stderr
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 2 and all(ln.startswith("mxtrain: error: ") for ln in lines), p.stderr
+
+
 # ------------------------------------------------------------------- the trainer under torchrun (CLI)
 # A 2-block Llama (dim 64) on a small generated corpus, mxfp4-all-dh16, global batch 8 x 32 tokens,
 # micro-batch 4: 2 ranks x 1 micro-step against 1 process x 2 accumulation steps, one thread per

@@ -1,0 +1,65 @@
+"""torchrun, with a failed rank reported in one line instead of torchrun's traceback.
+
+``mxtrain train --nproc N`` runs ``python -m mxtrain._launch --standalone --nproc-per-node N -m mxtrain ...``
+(``mxtrain.distributed.launch``). Arguments are torchrun's, parsed by torchrun. What changes:
+
+* a rank that fails has already said why on stderr (``mxtrain: error: ...`` for a bad input, a Python
+  traceback for a bug); torchrun's own ``ChildFailedError`` traceback and its agent's log lines about
+  the failure are left out, and this process exits with the failed rank's exit code;
+* a rank killed by a signal (out of memory, a crash inside a library) says nothing itself, so this
+  process prints ``mxtrain: error: rank R was killed by SIGNAME ...`` and exits with 128 + the signal.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+
+
+class _QuietAgent(logging.Filter):
+    """Drop the elastic agent's records below CRITICAL (its "failed (exitcode: ...)" and "Sending
+    process ... closing signal" lines); torchrun's other messages pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.name.startswith("torch.distributed.elastic") and record.levelno < logging.CRITICAL)
+
+
+def failure_message(rank: int, exitcode: int) -> tuple[str | None, int]:
+    """(the line to print or None, the exit status) for the first failed rank."""
+    if exitcode >= 0:
+        return None, exitcode or 1
+    try:
+        name = signal.Signals(-exitcode).name
+    except ValueError:
+        name = f"signal {-exitcode}"
+    hint = " (out of memory?)" if name == "SIGKILL" else ""
+    return (f"mxtrain: error: rank {rank} was killed by {name}{hint}; the other ranks were stopped",
+            128 + (-exitcode))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    quiet = _QuietAgent()
+    for h in logging.getLogger("torch").handlers + logging.getLogger().handlers:
+        h.addFilter(quiet)
+    for name in list(logging.root.manager.loggerDict):  # each sets its own level when imported
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    try:
+        torchrun.run(torchrun.parse_args(sys.argv[1:] if argv is None else argv))
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        line, code = failure_message(rank, failure.exitcode)
+        if line:
+            print(line, file=sys.stderr)
+        return code
+    except KeyboardInterrupt:
+        print("mxtrain: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
