@@ -17,14 +17,6 @@ import signal
 import sys
 
 
-class _QuietAgent(logging.Filter):
-    """Drop the elastic agent's records below CRITICAL (its "failed (exitcode: ...)" and "Sending
-    process ... closing signal" lines); torchrun's other messages pass."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.name.startswith("torch.distributed.elastic") and record.levelno < logging.CRITICAL)
-
-
 def failure_message(rank: int, exitcode: int) -> tuple[str | None, int]:
     """(the line to print or None, the exit status) for the first failed rank."""
     if exitcode >= 0:
@@ -41,10 +33,9 @@ def failure_message(rank: int, exitcode: int) -> tuple[str | None, int]:
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    quiet = _QuietAgent()
-    for h in logging.getLogger("torch").handlers + logging.getLogger().handlers:
-        h.addFilter(quiet)
-    for name in list(logging.root.manager.loggerDict):  # each sets its own level when imported
+    # the elastic agent's "failed (exitcode: ...)" / "Sending process ... closing signal" lines; each of its
+    # loggers sets its own level when its module is imported, and torchrun has imported them all by now
+    for name in list(logging.root.manager.loggerDict):
         if name.startswith("torch.distributed.elastic"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
