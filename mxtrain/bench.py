@@ -289,14 +289,12 @@ class FP8RowwiseLinear(torch.nn.Linear):
 def fwd_bwd_call(mod, x: torch.Tensor, gy: torch.Tensor, clear_weight: bool = False):
     """A function doing one ``mod(x).backward(gy)`` call as a layer benchmark times it: the same x every
     call, so its reused activation operands are dropped first (or they would be quantized once for all
-    repeats; a real layer sees a new input every call); ``clear_weight`` also drops the quantized weight
-    operands (one micro-batch per optimizer step)."""
+    repeats; a real layer sees a new input every call). Weights are quantized at every call
+    (``clear_weight`` is kept for callers; nothing caches them)."""
     from . import fast as _fast
 
     def f():
         _fast.clear_caches()
-        if clear_weight:
-            mod.__dict__.pop("_mx_weight_cache", None)
         x.grad = None
         mod.weight.grad = None
         mod(x).backward(gy)
@@ -465,8 +463,6 @@ def bench_step(args) -> dict:
         def f():
             for p in blocks.parameters():
                 p.grad = None
-            for m in blocks.modules():
-                m.__dict__.pop("_mx_weight_cache", None)
             _fast.clear_caches()   # every step starts with no reused operands, as with new data
             h = x
             for blk in blocks:
@@ -488,7 +484,8 @@ def bench_step(args) -> dict:
                 # of each measurement go in the JSON (to line up with a clock/power log of the GPU)
                 t0 = time.time()
                 t = _bench(f, warmup=200, rep=1000)
-                res["runs"][name] = {"ms": t, "glue": glue, "recipe": kind, "unix_s": [t0, time.time()]}
+                res["runs"][name] = {"ms": t, "glue": glue, "recipe": kind, "unix_s": [t0, time.time()],
+                                     "peak_gib": _peak_gib(f)}
                 if getattr(args, "graphs", False):
                     # the same step replayed from one CUDA graph: GPU time only, where the eager step is
                     # bound by the host's Python and launches (as `mxtrain train --cuda-graphs` avoids)
@@ -516,7 +513,8 @@ def bench_step(args) -> dict:
                 v["tokens_per_s"] = B * T / (v["ms"] * 1e-3)
                 if "graph_ms" in v and bfg:   # against the faster of BF16 eager and replayed
                     v["graph_speedup_vs_bf16"] = bfg / v["graph_ms"]
-    print("step " + "; ".join(f"{k} {v.get('ms', float('nan')):.1f} ms ({v.get('speedup_vs_bf16', 0):.2f}x)"
+    print("step " + "; ".join(f"{k} {v.get('ms', float('nan')):.1f} ms ({v.get('speedup_vs_bf16', 0):.2f}x, "
+                              f"peak {v.get('peak_gib', float('nan')):.1f} GiB)"
                               + (f", graph {v['graph_ms']:.1f} ms ({v.get('graph_speedup_vs_bf16', 0):.2f}x)"
                                  if "graph_ms" in v else "")
                               for k, v in res["runs"].items()), flush=True)
@@ -525,6 +523,15 @@ def bench_step(args) -> dict:
             print(f"profile {k} (ms per step): " + ", ".join(f"{c} {t:.2f}" for c, t in v["profile_ms"].items()),
                   flush=True)
     return {"step": res}
+
+
+def _peak_gib(f) -> float:
+    """Peak GPU memory allocated during one call of ``f`` (GiB), the memory held before it included."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    f()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() / 2**30
 
 
 def _kernel_class(name: str) -> str:

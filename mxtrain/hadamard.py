@@ -90,8 +90,9 @@ def hadamard(x: torch.Tensor, size: int, *, axis: int = -1, signs: torch.Tensor 
         a, b = v[..., 0, :], v[..., 1, :]
         y = torch.stack((a + b, a - b), dim=-2).reshape(*lead, length)
         h *= 2
-    scale = torch.tensor(1.0 / math.sqrt(size), dtype=dt)  # rounded once to dt
-    y = y * scale.to(y.device)
+    # 1/sqrt(size) rounded once to dt, multiplied as a scalar (no host-to-device copy: a CUDA graph may
+    # be capturing)
+    y = y * float(torch.tensor(1.0 / math.sqrt(size), dtype=dt))
     return y.movedim(-1, axis)
 
 

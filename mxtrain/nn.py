@@ -1,253 +1,237 @@
-"""The MX linear layer (reference path) and ``convert``, which swaps it into any model.
+"""The MX linear layer and ``convert``, which turns the linear layers of any model into MX layers.
 
-``MXLinear`` computes ``Y = X W^T + b`` with a custom autograd function whose three GEMMs quantize
-both operands along that GEMM's reduction axis, as the layer's ``Recipe`` says:
+``MXLinear`` is an ``nn.Linear`` whose forward is ``mxtrain.linear.mx_linear`` (the three GEMMs
+quantized as its ``Recipe`` says; see ``mxtrain.linear``). ``convert`` changes the class of each
+convertible layer in place (as FSDP2's ``fully_shard`` does): the module keeps its parameters, hooks,
+attributes and ``state_dict`` keys, and an optimizer built before or after ``convert`` works.
 
-* Fprop  ``Y  = Q(X R_f) Q(W R_f)^T``           blocks along in-features,
-* Dgrad  ``dX = Q(dY R_d) Q(R_d^T W)``          blocks along out-features,
-* Wgrad  ``dW = Q(R_w^T dY)^T Q(R_w^T X)``      blocks along tokens,
-
-where ``R`` is the GEMM's blockwise Hadamard rotation (identity when off) and ``Q`` quantize +
-dequantize. Each operand is quantized from the high-precision tensor (X and W saved in the forward
-pass), never from another quantized copy. Each GEMM output is divided by the product of its
-operands' prescales (Tseng et al.'s 16/9 for a 3/4 prescale on both).
-
-This is the oracle for the fast GPU path: dequantized operands are multiplied in float32, or in
-bf16 under autocast when both operands are exactly representable in bf16 (MX values have at most
-4 significant bits and a power-of-two scale, and bf16 shares float32's exponent range; the one
-exception is a block whose scale is so small, below about 2**-117, that FP6/FP8 subnormal elements
-fall under bf16's smallest subnormal 2**-133; MXFP4 is always exact), which changes only the
-accumulation order. Float64 inputs (``gradcheck``) keep
-float64 for everything that is not quantized: rotations, unquantized operands and the GEMMs
-(quantized operands are float32 values by definition, converted exactly).
-
-Random streams: GEMM ``g`` (fprop 0, dgrad 1, wgrad 2) of layer ``layer_id`` rotates with
-``rotation_signs(size, mode, seed=recipe.seed, layer=layer_id, gemm=g, step=step)``; a
-stochastically rounded operand uses the seed ``operand_seed(recipe.seed, layer_id, operand, step,
-call)``, where ``call`` counts the layer's forward calls since the last ``set_step`` (so micro-
-batches of one step draw different bits, and the backward pass of a call reuses its call number).
+Random inputs (stochastic rounding, random rotation signs) are numbered by each layer's ``mx_state``
+buffer ``[layer, step, call]`` (int64, not saved in ``state_dict``). ``step`` advances by itself after
+every ``optimizer.step()`` of an optimizer that holds the layer's weight (PyTorch's global optimizer
+step hooks) and ``call`` counts forward calls within a step; ``set_step(model, step)`` sets the step
+explicitly (mxtrain's trainer does, every step). Nothing about a layer's numerics depends on these
+hooks: every call quantizes the current weights.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import re
+import warnings
+import weakref
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from . import rng
-from .formats import get_format
-from .hadamard import rotation_signs
-from .quant import quantize
-from .recipe import Operand, Recipe, Rotation
+from .context import OPERAND_ID as _OPERAND_ID, Ctx, advances_calls, needs_seeds, operand_seed, pad_axis as _pad_axis
+from .linear import _MXLinearFunction, compiled_linear, mx_linear, recipe_json
+from .recipe import Recipe
 from .recipes import get as get_recipe
 
-__all__ = ["MXLinear", "convert", "set_step", "mx_layers", "operand_seed"]
+__all__ = ["MXLinear", "MXLayer", "convert", "ConvertReport", "set_step", "mx_layers", "operand_seed", "mx_linear"]
 
-_OPERAND_ID = {"fprop_x": 0, "fprop_w": 1, "dgrad_dy": 2, "dgrad_w": 3, "wgrad_dy": 4, "wgrad_x": 5}
-_GEMM_ID = {"fprop": 0, "dgrad": 1, "wgrad": 2}
+_Ctx = Ctx   # the name the diagnostics and older tests use
+_ = (_OPERAND_ID, _pad_axis, _MXLinearFunction)   # re-exported for mxtrain.study.diagnostics and tests
 
-
-def operand_seed(seed: int, layer: int, operand: str, step: int, call: int) -> int:
-    """Stochastic-rounding seed of one operand of one layer call.
-
-    ``rng.stream_key(seed, layer, k, step, call)`` with ``k`` the operand's index in
-    ``mxtrain.recipe.OPERANDS`` (fprop_x 0, fprop_w 1, dgrad_dy 2, dgrad_w 3, wgrad_dy 4, wgrad_x 5).
-    """
-    return rng.stream_key(seed, layer, _OPERAND_ID[operand], step, call)
+# every MX layer alive, for the optimizer step hook (a registry, not a cache: it holds no tensor)
+_LAYERS: "weakref.WeakSet[MXLayer]" = weakref.WeakSet()
+_HOOK = None
 
 
-def _compute_dtype(*ts: torch.Tensor) -> torch.dtype:
-    """float64 if any input is float64 (gradcheck), else float32."""
-    return torch.float64 if any(t.dtype == torch.float64 for t in ts) else torch.float32
+def _after_optimizer_step(opt, args, kwargs) -> None:
+    """Global optimizer step post-hook: advance the step of every MX layer whose weight ``opt`` holds."""
+    if not _LAYERS:
+        return
+    ids = {id(p) for g in opt.param_groups for p in g["params"]}
+    states = [m.mx_state for m in list(_LAYERS) if id(m.weight) in ids and m._mx_seeded]
+    _advance(states)
 
 
-def _pad_axis(t: torch.Tensor, axis: int, multiple: int) -> torch.Tensor:
-    n = t.shape[axis]
-    pad = (-n) % multiple
-    if not pad:
-        return t
-    axis = axis % t.ndim
-    pads = [0, 0] * (t.ndim - 1 - axis) + [0, pad]
-    return F.pad(t, pads)
+def _ensure_hook() -> None:
+    global _HOOK
+    if _HOOK is None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+        _HOOK = register_optimizer_step_post_hook(_after_optimizer_step)
 
 
-def _bf16_exact(op: Operand, rot: Rotation) -> bool:
-    """Can the dequantized operand be cast to bf16 without rounding?"""
-    if op.quantized:
-        return get_format(op.fmt).kind == "mx"
-    return not rot.enabled
+def _by_device(states):
+    groups: dict = {}
+    for s in states:
+        if s.device.type != "meta":
+            groups.setdefault(s.device, []).append(s)
+    return groups
 
 
-class _Ctx:
-    """What one call needs to quantize its operands: recipe, layer id, step and call counter."""
-
-    __slots__ = ("recipe", "layer", "step", "call")
-
-    def __init__(self, recipe: Recipe, layer: int, step: int, call: int):
-        self.recipe, self.layer, self.step, self.call = recipe, layer, step, call
-
-    def signs(self, gemm: str, device):
-        rot = self.recipe.rotation(gemm)
-        if not rot.enabled:
-            return None
-        return rotation_signs(rot.size, rot.signs, seed=self.recipe.seed, layer=self.layer,
-                              gemm=_GEMM_ID[gemm], step=self.step, device=device)
-
-    def operand(self, t: torch.Tensor, axis: int, name: str, gemm: str, signs) -> tuple[torch.Tensor, float]:
-        """Rotate (padding the axis to whole rotation blocks) and fake-quantize one operand.
-
-        Returns float32 values (float64 for a float64 ``t``; prescale not undone) and the
-        operand's prescale.
-        """
-        op: Operand = self.recipe.operand(name)
-        rot = self.recipe.rotation(gemm)
-        dt = _compute_dtype(t)
-        t = t.to(dt)
-        if rot.enabled:
-            from .hadamard import hadamard
-            t = hadamard(_pad_axis(t, axis, rot.size), rot.size, axis=axis, signs=signs)
-        if not op.quantized:
-            return t, 1.0
-        seed = None
-        if op.rounding == "stochastic":
-            seed = operand_seed(self.recipe.seed, self.layer, name, self.step, self.call)
-        mx = quantize(t, op.fmt, axis=axis, block_size=op.block_size, rounding=op.rounding,
-                      scale_rule=op.scale_rule, seed=seed, prescale=op.prescale)
-        return mx.dequantize(torch.float32).to(dt), op.prescale
+def _advance(states) -> None:
+    """step += 1, call = 0 for every state tensor (two foreach kernels per device, no host read)."""
+    for dev, ss in _by_device(states).items():
+        keep = torch.tensor([1, 1, 0], dtype=torch.int64).to(dev, non_blocking=True)
+        inc = torch.tensor([0, 1, 0], dtype=torch.int64).to(dev, non_blocking=True)
+        torch._foreach_mul_(ss, [keep] * len(ss))
+        torch._foreach_add_(ss, [inc] * len(ss))
 
 
-def _gemm_dtype(recipe: Recipe, a: str, b: str, gemm: str, device_type: str,
-                default: torch.dtype = torch.float32) -> torch.dtype:
-    """bf16 under autocast when both operands are bf16-exact, else ``default`` (float32/float64)."""
-    if torch.is_autocast_enabled(device_type):
-        rot = recipe.rotation(gemm)
-        if _bf16_exact(recipe.operand(a), rot) and _bf16_exact(recipe.operand(b), rot):
-            return torch.get_autocast_dtype(device_type)
-    return default
+def _write_states(layers, step: int) -> None:
+    """state = [layer_id, step, 0] for every layer (one host-to-device copy per device)."""
+    groups: dict = {}
+    for m in layers:
+        if m.mx_state.device.type != "meta":
+            groups.setdefault(m.mx_state.device, []).append(m)
+    for dev, ms in groups.items():
+        host = torch.tensor([[m.layer_id, int(step), 0] for m in ms], dtype=torch.int64)
+        rows = host.to(dev, non_blocking=True).unbind(0)
+        torch._foreach_copy_([m.mx_state for m in ms], list(rows))
 
 
-class _MXLinearFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, qctx: _Ctx):
-        dev = x.device.type
-        out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-        cdt = _compute_dtype(x, weight)  # float32, or float64 for float64 inputs
-        gd_f = _gemm_dtype(qctx.recipe, "fprop_x", "fprop_w", "fprop", dev, cdt)
-        gd_d = _gemm_dtype(qctx.recipe, "dgrad_dy", "dgrad_w", "dgrad", dev, cdt)
-        gd_w = _gemm_dtype(qctx.recipe, "wgrad_dy", "wgrad_x", "wgrad", dev, cdt)
-        x2 = x.reshape(-1, x.shape[-1])  # (M, K)
-        with torch.autocast(dev, enabled=False):
-            s = qctx.signs("fprop", x.device)
-            xq, px = qctx.operand(x2, -1, "fprop_x", "fprop", s)
-            wq, pw = qctx.operand(weight, -1, "fprop_w", "fprop", s)
-            y = torch.matmul(xq.to(gd_f), wq.to(gd_f).t()).to(cdt)
-            if px * pw != 1.0:
-                y = y / (px * pw)
-            if bias is not None:
-                y = y + bias.to(cdt)
-        ctx.save_for_backward(x2, weight)
-        ctx.qctx, ctx.has_bias, ctx.x_shape, ctx.x_dtype = qctx, bias is not None, x.shape, x.dtype
-        ctx.gemm_dtypes, ctx.cdt = (gd_d, gd_w), cdt
-        return y.to(out_dtype).reshape(*x.shape[:-1], weight.shape[0])
+class MXLayer:
+    """What every MX layer has (mixed into ``nn.Linear`` and linear-like classes by ``convert``)."""
 
-    @staticmethod
-    def backward(ctx, dy):
-        x2, weight = ctx.saved_tensors
-        qctx: _Ctx = ctx.qctx
-        gd_d, gd_w = ctx.gemm_dtypes
-        dy2 = dy.reshape(-1, dy.shape[-1])  # (M, N)
-        M, K = x2.shape
-        N = weight.shape[0]
-        dx = dw = db = None
-        with torch.autocast(dy.device.type, enabled=False):
-            if ctx.needs_input_grad[0]:
-                s = qctx.signs("dgrad", dy.device)
-                dyq, pa = qctx.operand(dy2, -1, "dgrad_dy", "dgrad", s)   # (M, Np)
-                wq, pb = qctx.operand(weight, 0, "dgrad_w", "dgrad", s)   # (Np, K)
-                dx = torch.matmul(dyq.to(gd_d), wq.to(gd_d)).to(ctx.cdt)
-                if pa * pb != 1.0:
-                    dx = dx / (pa * pb)
-                dx = dx.to(ctx.x_dtype).reshape(ctx.x_shape)
-            if ctx.needs_input_grad[1]:
-                s = qctx.signs("wgrad", dy.device)
-                dyq, pa = qctx.operand(dy2, 0, "wgrad_dy", "wgrad", s)    # (Mp, N)
-                xq, pb = qctx.operand(x2, 0, "wgrad_x", "wgrad", s)       # (Mp, K)
-                dw = torch.matmul(dyq.to(gd_w).t(), xq.to(gd_w)).to(ctx.cdt)
-                if pa * pb != 1.0:
-                    dw = dw / (pa * pb)
-                dw = dw.to(weight.dtype)
-            if ctx.has_bias and ctx.needs_input_grad[2]:
-                db = dy2.to(ctx.cdt).sum(0).to(weight.dtype)
-        del M, K, N
-        return dx, dw, db, None
+    _mx_transposed = False   # HF Conv1D keeps its weight as (in, out)
 
-
-class MXLinear(nn.Linear):
-    """Drop-in ``nn.Linear`` whose GEMMs follow a ``Recipe``.
-
-    **Arguments:** ``in_features``, ``out_features``, ``bias``, ``device``, ``dtype`` as for
-    ``nn.Linear``; ``recipe``: a ``Recipe`` or preset name; ``layer_id``: index used for
-    per-layer random signs and stochastic-rounding streams (``convert`` numbers layers in order).
-
-    ``step`` (set for all layers by ``mxtrain.set_step``) selects per-step random signs and
-    stochastic-rounding streams. With a recipe that quantizes nothing, the layer is ``F.linear``.
-    """
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
-                 *, recipe: Recipe | str = "bf16", layer_id: int = 0):
-        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self.recipe = get_recipe(recipe)
+    def _mx_setup(self, recipe: Recipe | str, layer_id: int) -> None:
+        dev = self.weight.device
+        if "mx_state" not in self._buffers:
+            self.register_buffer("mx_state", torch.zeros((3,), dtype=torch.int64, device=dev), persistent=False)
+        self.recipe = recipe
         self.layer_id = layer_id
-        self.step = 0
-        self._calls = 0
+        _LAYERS.add(self)
+        _ensure_hook()
 
-    @classmethod
-    def from_linear(cls, lin: nn.Linear, recipe: Recipe | str, layer_id: int = 0) -> "MXLinear":
-        """A new ``MXLinear`` sharing ``lin``'s parameters (no copy)."""
-        new = cls.__new__(cls)
-        nn.Module.__init__(new)
-        new.in_features, new.out_features = lin.in_features, lin.out_features
-        new.weight = lin.weight
-        new.register_parameter("bias", lin.bias)  # a Parameter or None, as in nn.Linear
-        new.recipe = get_recipe(recipe)
-        new.layer_id, new.step, new._calls = layer_id, 0, 0
-        new.train(lin.training)
-        return new
+    @property
+    def recipe(self) -> Recipe:
+        return self._mx_recipe
+
+    @recipe.setter
+    def recipe(self, recipe: Recipe | str) -> None:
+        r = get_recipe(recipe)
+        self._mx_recipe = r
+        # what a compiled forward reads: constants per recipe (no per-layer or per-step guards)
+        self._mx_json, self._mx_seeded, self._mx_quantized = recipe_json(r), needs_seeds(r), r.quantized
+
+    @property
+    def layer_id(self) -> int:
+        return self._mx_layer_id
+
+    @layer_id.setter
+    def layer_id(self, value: int) -> None:
+        self._mx_layer_id = int(value)
+        if self.mx_state.device.type != "meta":
+            self.mx_state[0] = int(value)
+
+    @property
+    def step(self) -> int:
+        """The optimizer step that numbers this layer's random inputs (reads the device state)."""
+        return int(self.mx_state[1])
 
     def set_step(self, step: int) -> None:
-        self.step = int(step)
-        self._calls = 0
+        _write_states([self], step)
+
+    def call_context(self, last: bool = True) -> Ctx:
+        """The host ``Ctx`` of this layer's last forward call (``last``) or of its next one."""
+        layer, step, call = (int(v) for v in self.mx_state.tolist())
+        if last and advances_calls(self.recipe):
+            call -= 1
+        return Ctx(self.recipe, layer, step, call)
+
+    def _mx_weight(self) -> torch.Tensor:
+        return self.weight.t() if self._mx_transposed else self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.recipe.quantized:
-            return F.linear(x, self.weight, self.bias)
-        qctx = _Ctx(self.recipe, self.layer_id, self.step, self._calls)
-        self._calls += 1
-        # --- fast-path dispatch hook (owned by mxtrain.fast / mxtrain.kernels; the reference below
-        # stays the spec). CUDA inputs with an MXFP4/bf16-only recipe use the fused kernels.
-        if x.is_cuda:
-            from . import fast
-            if fast.supported(self.recipe):
-                return fast.apply(x, self.weight, self.bias, qctx, module=self)
-        # --- end fast-path hook
-        return _MXLinearFunction.apply(x, self.weight, self.bias, qctx)
+        if torch.compiler.is_compiling():
+            return compiled_linear(x, self._mx_weight(), self.bias, self.mx_state, self._mx_json, self._mx_seeded,
+                                   self._mx_quantized)
+        return mx_linear(x, self._mx_weight(), self.bias, self._mx_recipe, self.mx_state)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe.name}, layer_id={self.layer_id}"
 
 
-def mx_layers(model: nn.Module) -> list[tuple[str, MXLinear]]:
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, MXLinear)]
+class MXLinear(MXLayer, nn.Linear):
+    """Drop-in ``nn.Linear`` whose GEMMs follow a ``Recipe``.
+
+    **Arguments:** ``in_features``, ``out_features``, ``bias``, ``device``, ``dtype`` as for
+    ``nn.Linear``; ``recipe``: a ``Recipe`` or preset name; ``layer_id``: numbers the layer's random
+    streams (``convert`` numbers layers in order). With a recipe that quantizes nothing, the layer is
+    ``F.linear``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
+                 *, recipe: Recipe | str = "bf16", layer_id: int = 0):
+        nn.Linear.__init__(self, in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self._mx_setup(recipe, layer_id)
+
+    @classmethod
+    def from_linear(cls, lin: nn.Linear, recipe: Recipe | str, layer_id: int = 0) -> "MXLinear":
+        """``lin`` itself, turned into an MX layer in place (see ``convert``)."""
+        _make_mx(lin, recipe, layer_id)
+        return lin
+
+
+# classes made for nn.Linear subclasses and HF's Conv1D, kept so that one class serves every instance
+# and so that pickle finds them (module attribute lookup, see __getattr__)
+_CLASSES: dict = {}
+
+
+def _mx_class(cls: type) -> type:
+    if cls is nn.Linear:
+        return MXLinear
+    new = _CLASSES.get(cls)
+    if new is None:
+        name = "MX_" + re.sub(r"\W", "_", f"{cls.__module__}.{cls.__qualname__}")
+        if issubclass(cls, nn.Linear):
+            new = type(name, (MXLinear, cls), {"__module__": __name__, "__qualname__": name})
+        else:   # HF Conv1D: y = x @ W + b with W (in, out)
+            new = type(name, (MXLayer, cls), {"__module__": __name__, "__qualname__": name, "_mx_transposed": True})
+        _CLASSES[cls] = new
+        _NAMES[name] = cls
+    return new
+
+
+_NAMES: dict = {}
+
+
+def __getattr__(name: str):
+    """Classes made by ``convert`` for pickled models: recreated from the original class's name."""
+    if name.startswith("MX_"):
+        for cls, new in list(_CLASSES.items()):
+            if new.__name__ == name:
+                return new
+        import importlib
+        path = name[3:]
+        parts = path.split("_")
+        # find the module prefix that imports, then the class attribute path
+        for i in range(len(parts) - 1, 0, -1):
+            try:
+                mod = importlib.import_module(".".join(parts[:i]))
+            except ImportError:
+                continue
+            obj = mod
+            rest = "_".join(parts[i:])
+            if hasattr(obj, rest):
+                return _mx_class(getattr(obj, rest))
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _make_mx(m: nn.Module, recipe, layer_id: int) -> nn.Module:
+    if not isinstance(m, MXLayer):
+        m.__class__ = _mx_class(type(m))
+    m._mx_setup(recipe, layer_id)
+    return m
+
+
+def mx_layers(model: nn.Module) -> list[tuple[str, MXLayer]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, MXLayer)]
 
 
 def set_step(model: nn.Module, step: int) -> None:
-    """Tell every ``MXLinear`` in ``model`` the optimizer step (per-step signs and SR streams)."""
-    for _, m in mx_layers(model):
-        m.set_step(step)
+    """Set the optimizer step that numbers the random inputs of every MX layer in ``model`` (its call
+    counter restarts at 0). Optional: steps advance by themselves after each ``optimizer.step()``."""
+    _write_states([m for _, m in mx_layers(model)], step)
 
+
+# ----------------------------------------------------------------------------------------------
+# convert
 
 DEFAULT_SKIP = ("lm_head", "output", "head", "classifier", "score", "embed*", "*embedding*")
 _BLOCK_RE = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
@@ -258,36 +242,161 @@ def _block_index(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def convert(model: nn.Module, recipe: Recipe | str, *, skip=DEFAULT_SKIP) -> nn.Module:
-    """Replace the ``nn.Linear`` modules of ``model`` by ``MXLinear`` in place; returns ``model``.
+def _conv1d_base(m: nn.Module) -> type | None:
+    """Hugging Face's ``Conv1D`` among the module's classes (no import of transformers needed)."""
+    return next((c for c in type(m).__mro__ if c.__name__ == "Conv1D" and c.__module__.startswith("transformers")),
+                None)
 
-    **Arguments:**
-      * ``recipe``: a ``Recipe`` or preset name (``mxtrain.recipes.names()``).
-      * ``skip``: fnmatch patterns matched against each module's last name component and its full
-        name; matching layers stay high precision. The default keeps output heads (``lm_head``,
-        ``output``, ...) and anything named like an embedding: the head's error goes straight into
-        the loss and vocabularies are rarely multiples of the block size.
 
-    The recipe's ``keep_hp`` patterns and ``keep_first``/``keep_last`` blocks (the first integer
-    in a module's name, e.g. ``layers.3.mlp.w1`` is block 3) also stay ``nn.Linear``. Parameters
-    are shared, not copied, so an optimizer built before or after ``convert`` works.
+def _classify(m: nn.Module) -> str | None:
+    """'mx' (converted before), 'linear', 'conv1d' (HF Conv1D), 'own_forward' (a subclass of either that
+    overrides forward), or None."""
+    if isinstance(m, MXLayer):
+        return "mx"
+    if isinstance(m, nn.Linear):
+        return "linear" if type(m).forward is nn.Linear.forward else "own_forward"
+    base = _conv1d_base(m)
+    if base is not None and isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.ndim == 2:
+        return "conv1d" if type(m).forward is base.forward else "own_forward"
+    return None
+
+
+@dataclass
+class ConvertReport:
+    """What ``convert`` did. ``converted``: names of MX layers; ``kept``: name -> why it stays in high
+    precision by choice (skip pattern, keep_hp, keep_first/keep_last); ``refused``: name -> why mxtrain
+    cannot run its GEMMs (they stay in high precision); ``mx_params`` / ``total_params``: parameters in
+    MX layers and in the model. ``model`` is the converted model (the same object, converted in place)."""
+
+    model: nn.Module
+    recipe: Recipe
+    converted: list[str] = field(default_factory=list)
+    kept: dict[str, str] = field(default_factory=dict)
+    refused: dict[str, str] = field(default_factory=dict)
+    mx_params: int = 0
+    total_params: int = 0
+
+    @property
+    def share(self) -> float:
+        """Fraction of the model's parameters in MX layers."""
+        return self.mx_params / self.total_params if self.total_params else 0.0
+
+    def __str__(self) -> str:
+        lines = [f"mxtrain.convert: recipe {self.recipe.name}: {len(self.converted)} layers converted, "
+                 f"{100 * self.share:.1f} % of {self.total_params:,} parameters in MX layers"]
+        for what, d in (("kept in high precision", self.kept), ("NOT converted (mxtrain cannot run them)", self.refused)):
+            if d:
+                lines.append(f"  {what}:")
+                lines += [f"    {n or '<root>'}: {why}" for n, why in d.items()]
+        return "\n".join(lines)
+
+
+def convert(model: nn.Module, recipe: Recipe | str, *, skip=DEFAULT_SKIP, strict: bool = False) -> ConvertReport:
+    """Turn the linear layers of ``model`` into MX layers in place; returns a ``ConvertReport``.
+
+    **Converted:** ``nn.Linear`` and its subclasses that keep ``nn.Linear.forward``, Hugging Face's GPT-2
+    ``Conv1D`` (a linear layer with a transposed weight), and layers converted before (their recipe
+    changes). The module object stays the same (its class changes), so parameters, hooks, attributes
+    and ``state_dict`` keys are kept; ``convert(nn.Linear(...))`` makes that layer an ``MXLinear``.
+
+    **Kept in high precision:** layers matching ``skip`` (fnmatch patterns on a module's last name
+    component and its full name; the default keeps output heads such as ``lm_head`` and anything named
+    like an embedding: the head's error goes straight into the loss, vocabularies are rarely multiples
+    of the block size) or the recipe's ``keep_hp``, and the recipe's ``keep_first``/``keep_last`` blocks
+    (the first integer in a module's name, e.g. ``layers.3.mlp.w1`` is block 3).
+
+    **Refused** (reported, warned about, left in high precision; ``strict=True`` raises instead):
+    ``nn.Linear`` subclasses with a forward of their own (LoRA-style layers: mxtrain cannot know what
+    they compute; call ``mxtrain.mx_linear`` inside them), the projections of ``nn.MultiheadAttention``
+    (it reads their weights directly), and modules with 3-D or larger weights such as fused MoE
+    experts (their GEMMs are not linear-layer calls; call ``mxtrain.mx_linear`` per expert).
+
+    Warns when nothing was converted.
     """
     recipe = get_recipe(recipe)
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert expects an nn.Module, got {type(model).__name__}")
+    rep = ConvertReport(model, recipe)
     patterns = tuple(skip) + tuple(recipe.keep_hp)
-    linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]
-    blocks = [b for b in (_block_index(n) for n, _ in linears) if b is not None]
+    mods = list(model.named_modules())
+    mha_children = set()
+    for n, m in mods:
+        if isinstance(m, nn.MultiheadAttention):
+            mha_children.update(f"{n}.{c}" if n else c for c, _ in m.named_modules() if c)
+    candidates = []
+    for n, m in mods:
+        if n in mha_children:
+            continue
+        if isinstance(m, nn.MultiheadAttention):
+            rep.refused[n] = ("nn.MultiheadAttention multiplies by its in_proj_weight and out_proj.weight directly, "
+                              "not through nn.Linear calls; use separate nn.Linear projections")
+            continue
+        kind = _classify(m)
+        if kind is None:
+            big = [pn for pn, p in m.named_parameters(recurse=False) if p.ndim >= 3]
+            if big and not isinstance(m, nn.modules.conv._ConvNd):
+                rep.refused[n] = (f"holds {'/'.join(big)} with 3 or more dimensions (e.g. fused MoE experts): "
+                                  "its GEMMs are not linear-layer calls; call mxtrain.mx_linear on each expert's "
+                                  "weight in the module's forward")
+            continue
+        if kind == "own_forward":
+            own = next(c for c in type(m).__mro__ if "forward" in c.__dict__)
+            rep.refused[n] = (f"{type(m).__name__} subclasses {'Conv1D' if _conv1d_base(m) else 'nn.Linear'} with "
+                              f"its own forward ({own.__module__}.{own.__qualname__}.forward); mxtrain cannot know "
+                              "what it computes: call mxtrain.mx_linear inside it")
+            continue
+        candidates.append((n, m))
+    for n, m in list(candidates):   # layers nested in a refused module (e.g. LoRA's A/B) are its business
+        if any(n.startswith(r + ".") for r in rep.refused if r):
+            candidates.remove((n, m))
+            rep.kept[n] = "inside a module that mxtrain does not convert"
+    blocks = [b for b in (_block_index(n) for n, _ in candidates) if b is not None]
     nblocks = max(blocks) + 1 if blocks else 0
     layer_id = 0
-    for name, lin in linears:
+    for name, m in candidates:
         leaf = name.rsplit(".", 1)[-1]
-        if any(fnmatch.fnmatch(leaf, p) or fnmatch.fnmatch(name, p) for p in patterns):
+        pat = next((p for p in patterns if fnmatch.fnmatch(leaf, p) or fnmatch.fnmatch(name, p)), None)
+        if pat is not None:
+            why = f"matches skip pattern {pat!r}" if pat in skip else f"matches the recipe's keep_hp pattern {pat!r}"
+            _keep(m, rep, name, why)
             continue
         b = _block_index(name)
-        if b is not None and (b < recipe.keep_first or b >= nblocks - recipe.keep_last):
+        if b is not None and b < recipe.keep_first:
+            _keep(m, rep, name, f"block {b} is among the recipe's keep_first={recipe.keep_first} blocks")
             continue
-        parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
-        setattr(parent, leaf, MXLinear.from_linear(lin, recipe, layer_id))
+        if b is not None and b >= nblocks - recipe.keep_last:
+            _keep(m, rep, name, f"block {b} is among the recipe's keep_last={recipe.keep_last} of {nblocks} blocks")
+            continue
+        _make_mx(m, recipe, layer_id)
         layer_id += 1
-    return model
+        rep.converted.append(name)
+    seen: set = set()
+    for _, p in model.named_parameters(remove_duplicate=False):
+        if id(p) not in seen:
+            seen.add(id(p))
+            rep.total_params += p.numel()
+    mx_seen: set = set()
+    for n in rep.converted:
+        for p in model.get_submodule(n).parameters(recurse=False):
+            if id(p) not in mx_seen:
+                mx_seen.add(id(p))
+                rep.mx_params += p.numel()
+    if rep.refused:
+        msg = ("mxtrain.convert: these modules stay in high precision because mxtrain cannot run their GEMMs:\n"
+               + "\n".join(f"  {n or '<root>'}: {why}" for n, why in rep.refused.items()))
+        if strict:
+            raise ValueError(msg)
+        warnings.warn(msg, stacklevel=2)
+    if not rep.converted:
+        reasons = "; ".join(f"{n}: {w}" for n, w in list(rep.kept.items())[:4]) or "the model has no linear layers"
+        warnings.warn(f"mxtrain.convert: no layer was converted to recipe {recipe.name} ({reasons}); the model "
+                      "trains entirely in high precision", stacklevel=2)
+    return rep
+
+
+def _keep(m: nn.Module, rep: ConvertReport, name: str, why: str) -> None:
+    """A layer that stays in high precision; one converted before gets a recipe that quantizes nothing."""
+    if isinstance(m, MXLayer):
+        m.recipe = "bf16"
+        why += " (was an MX layer: now bf16)"
+    rep.kept[name] = why

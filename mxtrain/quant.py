@@ -309,7 +309,7 @@ def _check_args(x, f: Format, axis, block_size, rounding, scale_rule, prescale):
 
 def quantize(x: torch.Tensor, fmt: str | Format, *, axis: int = -1, block_size=None,
              rounding: str = "nearest", scale_rule: str = "floor", seed: int | None = None,
-             prescale: float = 1.0) -> MXTensor:
+             prescale: float = 1.0, key: int | torch.Tensor | None = None) -> MXTensor:
     """Quantize ``x`` to ``fmt`` with blocks along ``axis``.
 
     **Arguments:**
@@ -322,6 +322,9 @@ def quantize(x: torch.Tensor, fmt: str | Format, *, axis: int = -1, block_size=N
       * ``scale_rule``: MX shared-exponent rule: ``floor``, ``ceil``, ``rceil``, ``even``, ``amd``.
       * ``seed``: stochastic rounding seed; ``None`` draws one from torch's global generator.
       * ``prescale``: multiply values by this after the scales are chosen (e.g. 0.75).
+      * ``key``: instead of ``seed``, the stream key itself (``rng.stream_key(seed)``): an int, or an
+        int64 0-d tensor on ``x``'s device (read without a host synchronisation, so a CUDA graph
+        replays with whatever key the tensor holds).
 
     **Returns:** an ``MXTensor``; ``.dequantize()`` gives the quantized values in ``x``'s shape.
     """
@@ -335,8 +338,10 @@ def quantize(x: torch.Tensor, fmt: str | Format, *, axis: int = -1, block_size=N
     xm = x.to(torch.float32).movedim(axis, -1)
     u = None
     if rounding == "stochastic":
-        if seed is None:
-            seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
+        if key is None:
+            if seed is None:
+                seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
+            key = rng.stream_key(seed)
         idx = torch.arange(x.numel(), dtype=torch.int64, device=x.device).reshape(shape).movedim(axis, -1)
     K = xm.shape[-1]
 
@@ -348,9 +353,10 @@ def quantize(x: torch.Tensor, fmt: str | Format, *, axis: int = -1, block_size=N
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # zero or underflowed
         scale = torch.where(finite.all(), scale, torch.full_like(scale, float("nan")))
         xs = xm * prescale if prescale != 1.0 else xm
-        v = torch.where(finite, xs / scale, torch.zeros_like(xm)) if torch.isfinite(scale) else torch.zeros_like(xm)
+        # (no host read of the scale: a CUDA graph may be capturing)
+        v = torch.where(finite & torch.isfinite(scale), xs / scale, torch.zeros_like(xm))
         if rounding == "stochastic":
-            u = rng.uniform(idx, rng.stream_key(seed))
+            u = rng.uniform(idx, key)
         q = round_to_elem(v, elem, rounding, u)
         data = q.to(getattr(torch, elem.torch_dtype))
         return MXTensor(f, data, scale, shape, axis, None, prescale=prescale, dtype=x.dtype)
@@ -364,7 +370,7 @@ def quantize(x: torch.Tensor, fmt: str | Format, *, axis: int = -1, block_size=N
         if rounding == "stochastic":
             idx = F.pad(idx, (0, pad, 0, rows_pad) if two_d else (0, pad))
     if rounding == "stochastic":
-        u = rng.uniform(idx, rng.stream_key(seed))
+        u = rng.uniform(idx, key)
     Kp = xm.shape[-1]
     lead = xm.shape[:-1]
     if two_d:  # (..., R, K) -> (..., R/16, 16, K/16, 16) -> tiles (..., R/16, K/16, 256)
@@ -420,13 +426,13 @@ def quantize(x: torch.Tensor, fmt: str | Format, *, axis: int = -1, block_size=N
 
 def fake_quantize(x: torch.Tensor, fmt: str | Format, *, axis: int = -1, block_size=None,
                   rounding: str = "nearest", scale_rule: str = "floor", seed: int | None = None,
-                  prescale: float = 1.0) -> torch.Tensor:
+                  prescale: float = 1.0, key: int | torch.Tensor | None = None) -> torch.Tensor:
     """Quantize and dequantize: same arguments as ``quantize``; returns ``x``'s shape and dtype.
 
     With a ``prescale`` other than 1 the result is divided by it again, so it estimates ``x``.
     """
     mx = quantize(x, fmt, axis=axis, block_size=block_size, rounding=rounding,
-                  scale_rule=scale_rule, seed=seed, prescale=prescale)
+                  scale_rule=scale_rule, seed=seed, prescale=prescale, key=key)
     if not mx.fmt.quantized:
         return x
     v = mx.dequantize(torch.float32)

@@ -34,7 +34,6 @@ for rec in recipes:
     def step(i):
         set_step(m, i)
         if fwd is not None:
-            fast.refresh_graph_seeds(i, 0)   # SR keys / per-step signs of this step (no-op otherwise)
             loss = fwd(x, y)
         else:
             with torch.autocast("cuda", dtype=torch.bfloat16):

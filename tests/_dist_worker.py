@@ -54,7 +54,7 @@ class Toy(nn.Module):
 
 def build(mode: str, env: D.DistEnv, recipe: str = RECIPE):
     torch.manual_seed(0)
-    model = mxtrain.convert(Toy(), recipe)
+    model = mxtrain.convert(Toy(), recipe).model
     model = D.wrap(model, mode, env)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     return model, opt
@@ -112,7 +112,7 @@ def add_capture_hooks(model, capture: dict):
         if capture.get("done"):
             return
         w = m.weight
-        q = _Ctx(m.recipe, m.layer_id, m.step, m._calls)
+        q = m.call_context(last=False)
         wq, _ = q.operand(w, -1, "fprop_w", "fprop", q.signs("fprop", w.device))
         capture[f"layer{m.layer_id}"] = {"type": type(w.data).__name__, "shape": list(w.shape), "wq": wq.detach().clone()}
     for _, m in mxtrain.nn.mx_layers(model):

@@ -1,7 +1,14 @@
-"""Test configuration: a fixed torch seed per test, and CUDA-marked tests skipped on CPU machines."""
+"""Test configuration: a fixed torch seed per test, CUDA-marked tests skipped on CPU machines, and on
+machines without a GPU Triton's interpreter for every test module (Triton reads TRITON_INTERPRET when a
+kernel is defined, so it must be set before any module imports mxtrain.kernels)."""
+
+import os
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)

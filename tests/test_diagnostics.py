@@ -30,7 +30,7 @@ def test_operand_quantize_matches_layer(name):
 def _model(recipe, seed=0):
     torch.manual_seed(seed)
     m = nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 64))
-    return convert(m, recipe)
+    return convert(m, recipe).model
 
 
 def test_recomputed_gemms_equal_the_layer(tmp_path):

@@ -83,23 +83,31 @@ def test_packed_fp4_backends_equal_reference(backend, preset, monkeypatch):
         assert plan == want if want else plan in ("scaled_mm", "dot_scaled"), plan
 
 
-def test_weight_cache_reused_across_microbatches():
+@pytest.mark.parametrize("update", ["inplace_no_grad", "data_copy", "foreach"])
+def test_weights_quantized_from_current_values(update):
+    """Every call quantizes the weight as it is now, whatever changed it: an in-place update under
+    no_grad (bumps the version), a ``.data`` copy and a foreach update (neither bumps it, as fused
+    optimizers do not): the next call equals the reference with the new weight, not the old one."""
     rec = recipes.get("mxfp4-all-dh16")
     torch.manual_seed(0)
     lin = MXLinear(64, 48, recipe=rec).to(DEV)
-    x1, x2 = torch.randn(5, 64, device=DEV), torch.randn(7, 64, device=DEV)
-    y1 = fast.apply(x1, lin.weight, lin.bias, _Ctx(rec, 0, 0, 0), module=lin)
-    entry = lin._mx_weight_cache["fprop_w"]
-    y2 = fast.apply(x2, lin.weight, lin.bias, _Ctx(rec, 0, 0, 1), module=lin)
-    assert lin._mx_weight_cache["fprop_w"] is entry  # reused
-    ref2 = _MXLinearFunction.apply(x2, lin.weight, lin.bias, _Ctx(rec, 0, 0, 1))
-    assert _rel(y2, ref2) < (1e-6 if DEV == "cpu" else 1e-2)
-    with torch.no_grad():
-        lin.weight.add_(0.01)  # new version: re-quantized
-    fast.apply(x2, lin.weight, lin.bias, _Ctx(rec, 0, 0, 2), module=lin)
-    assert lin._mx_weight_cache["fprop_w"] is not entry
-    del y1
-
+    x = torch.randn(5, 64, device=DEV)
+    y0 = fast.apply(x, lin.weight, lin.bias, _Ctx(rec, 0, 0, 0))
+    new = torch.randn_like(lin.weight)
+    v = lin.weight._version
+    if update == "inplace_no_grad":
+        with torch.no_grad():
+            lin.weight.copy_(new)
+    elif update == "data_copy":
+        lin.weight.data.copy_(new)
+        assert lin.weight._version == v
+    else:
+        torch._foreach_copy_([lin.weight.data], [new])
+        assert lin.weight._version == v
+    y1 = fast.apply(x, lin.weight, lin.bias, _Ctx(rec, 0, 0, 1))
+    ref1 = _MXLinearFunction.apply(x, lin.weight, lin.bias, _Ctx(rec, 0, 0, 1))
+    assert _rel(y1, ref1) < (1e-6 if DEV == "cpu" else 1e-2)
+    assert _rel(y1, y0) > 0.1
 
 
 @pytest.mark.parametrize("preset", ["mxfp4-all-dh16", "mxfp4-all-rht16"])
@@ -162,14 +170,13 @@ def test_mxlinear_uses_fast_path_and_compiles():
     torch.manual_seed(0)
     lin = MXLinear(512, 256, recipe=rec, device=DEV, dtype=torch.bfloat16)
     x = torch.randn(4, 64, 512, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    from mxtrain.linear import route
+    assert route(rec, x, lin.weight) == "fast"
     y = lin(x)
-    assert "_mx_weight_cache" in lin.__dict__  # went through mxtrain.fast
     y.float().square().mean().backward()
     g0 = x.grad.clone()
     x.grad = None
-    lin._calls = 0
-    lin.__dict__.pop("_mx_weight_cache", None)
-    cl = torch.compile(lin)
+    cl = torch.compile(lin, fullgraph=True)
     y2 = cl(x)
     y2.float().square().mean().backward()
     assert _rel(y2.float(), y.float()) < 1e-2 and _rel(x.grad.float(), g0.float()) < 1e-2
@@ -210,7 +217,7 @@ def test_cuda_graph_replay_requantizes_changed_weights():
     torch.manual_seed(0)
     lin = MXLinear(1024, 512, recipe=recipes.get("mxfp4-all-dh16"), device=DEV, dtype=torch.bfloat16)
     x = torch.randn(256, 1024, device=DEV, dtype=torch.bfloat16, requires_grad=True)
-    lin(x).sum().backward()                      # eager first: the weight cache holds this weight's operands
+    lin(x).sum().backward()                      # eager first
     graphed = torch.cuda.make_graphed_callables(lin, (x,))
     with torch.no_grad():
         lin.weight.mul_(-0.5).add_(0.01)
@@ -232,29 +239,6 @@ def test_cuda_graph_replay_requantizes_changed_weights():
         assert torch.equal(g, e) or _rel(g.float(), e.float()) < 1e-6
 
 
-def test_graph_seed_refresh_writes_the_eager_keys_and_signs():
-    """What refresh_graph_seeds writes for each captured slot equals what the eager path uses for that
-    step and micro-step: SR keys ``stream_key(stream_key(seed, layer, operand, step, call))`` with the
-    call renumbered per micro-step, and per-step sign vectors (``rotation_signs``)."""
-    from mxtrain import rng
-    from mxtrain.hadamard import rotation_signs
-    gs = fast._GraphSeeds(torch.device("cpu"))
-    # layer 0 called once per captured pass (call 3), layer 1 twice (calls 3 and 4: e.g. a shared module)
-    slots = {(7, 0, 2, 3): gs.key(7, 0, 2, 3), (7, 0, 4, 3): gs.key(7, 0, 4, 3),
-             (7, 1, 2, 3): gs.key(7, 1, 2, 3), (7, 1, 2, 4): gs.key(7, 1, 2, 4)}
-    rows = {(16, 7, 0, 1): gs.sign_row(16, 7, 0, 1), (64, 7, 5, 2): gs.sign_row(64, 7, 5, 2)}
-    for step, micro in ((0, 0), (5, 2), (2**33 + 1, 1)):
-        gs.refresh(step, micro)
-        for (seed, layer, op, call), t in slots.items():
-            n = 2 if layer == 1 else 1
-            want = rng.stream_key(rng.stream_key(seed, layer, op, step, (call - 3) + micro * n))
-            assert int(t.item()) & 0xFFFFFFFF == want, (seed, layer, op, call, step, micro)
-        for (size, seed, layer, g), t in rows.items():
-            want = rotation_signs(size, "per_step", seed=seed, layer=layer, gemm=g, step=step)
-            assert torch.equal(t, want)
-    assert gs.keys[1:4].eq(0).all() and len(gs.key_slots) == 4   # slots 16 bytes apart
-
-
 def _captured_and_eager(recipe: str):
     """A layer (layer id 3) captured by make_graphed_callables at step 0, an uncaptured twin with the same
     weight and bias (make_graphed_callables replaces the captured module's forward), the graph's static
@@ -274,13 +258,14 @@ def _captured_and_eager(recipe: str):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_graph_replays_per_step_signs_like_eager():
-    """A layer with per-step random signs, captured once: after refresh_graph_seeds(step), each replay
-    gives what an eager layer (same weight, same layer id, not captured) gives at that step."""
+    """A layer with per-step random signs, captured once: after set_step(step), each replay gives what an
+    eager layer (same weight, same layer id, not captured) gives at that step (the captured kernels
+    compute the signs from the layer's state tensor)."""
     lin, ref, graphed, x, xr, dy = _captured_and_eager("mxfp4-all-rht16")
     outs = []
     for step in (0, 1, 7):
         x.grad, lin.weight.grad = None, None
-        fast.refresh_graph_seeds(step, 0)
+        lin.set_step(step)
         yg = graphed(x)
         yg.backward(dy)
         xr.grad, ref.weight.grad = None, None
@@ -298,17 +283,18 @@ def test_cuda_graph_replays_per_step_signs_like_eager():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("one_pass", [False, True])
 def test_cuda_graph_replays_stochastic_rounding_like_eager(one_pass, monkeypatch):
-    """A layer with stochastic rounding on dY, captured once: after refresh_graph_seeds(step, micro),
-    each replay draws what an eager layer (same weight and layer id, not captured) draws at that step
-    and micro-step (call), and different steps draw different bits. ``one_pass``: dY's two operands
-    from the dual kernel (normally only for large tensors), its keys read from device memory too."""
+    """A layer with stochastic rounding on dY, captured once: with its state at (step, call), each replay
+    draws what an eager layer (same weight and layer id, not captured) draws at that step and call, and
+    different steps draw different bits; each replay advances the call counter as an eager call does.
+    ``one_pass``: dY's two operands from the dual kernel (normally only for large tensors)."""
     monkeypatch.setattr(fast, "DUAL_MIN_ELEMENTS", 0 if one_pass else 1 << 62)
     lin, ref, graphed, x, xr, dy = _captured_and_eager("mxfp4-all-sr")
     grads = []
     for step, micro in ((0, 0), (0, 1), (5, 0), (0, 0)):
         x.grad, lin.weight.grad = None, None
-        fast.refresh_graph_seeds(step, micro)
+        lin.mx_state.copy_(torch.tensor([3, step, micro]))
         graphed(x).backward(dy)
+        assert lin.mx_state.tolist() == [3, step, micro + 1]
         xr.grad, ref.weight.grad = None, None
         ref.set_step(step)
         for _ in range(micro):   # the earlier micro-steps' calls
@@ -320,17 +306,6 @@ def test_cuda_graph_replays_stochastic_rounding_like_eager(one_pass, monkeypatch
         grads.append(x.grad.clone())
     assert not torch.equal(grads[0], grads[1]) and not torch.equal(grads[0], grads[2])
     assert torch.equal(grads[0], grads[3])
-
-
-def test_graph_seed_buffers_are_not_made_inside_a_capture(monkeypatch):
-    """Made inside a capture, the key and sign buffers would come from the graph's memory pool, where a
-    replayed forward can overwrite them: _graph_seeds refuses with a message that says what to do."""
-    monkeypatch.setattr(fast, "_GRAPH_SEEDS", {})
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    with pytest.raises(RuntimeError, match="run it once eagerly before capturing.*prepare_graph_seeds"):
-        fast._graph_seeds(torch.device("cuda", 0))
-    g = fast._GraphSeeds(torch.device("cpu"))   # made outside a capture: both buffers exist at once
-    assert g.keys.numel() == 4 * g.KEY_SLOTS and g.signs.shape == (g.SIGN_ROWS, 128)
 
 
 @pytest.mark.parametrize("preset", FAST_PRESETS)
@@ -414,5 +389,5 @@ def test_wgrad_operand_made_in_forward_without_dual_pass(preset, monkeypatch):
     w = torch.randn(40, 72, device=DEV, requires_grad=True)
     y = fast.apply(x, w, None, _Ctx(rec, 3, 5, 1))
     saved = [t for t in y.grad_fn.saved_tensors if t is not None]
-    assert len(saved) == 1 and saved[0].shape == w.shape and y.grad_fn.wgrad_x is not None
+    assert len(saved) == 1 and saved[0].shape == w.shape and y.grad_fn.wq is not None
 

@@ -286,7 +286,7 @@ def test_convert_swaps_exactly_the_block_linears_and_shares_parameters():
     params_before = {n: p for n, p in model.named_parameters()}
     sd_before = {k: v.clone() for k, v in model.state_dict().items()}
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    assert mxtrain.convert(model, "mxfp4-all") is model
+    assert mxtrain.convert(model, "mxfp4-all").model is model
     k = kinds(model)
     assert k.pop("lm_head") is nn.Linear
     assert set(k) == {f"model.layers.{i}.{p}" for i in range(4) for p in PROJ}
@@ -308,19 +308,19 @@ def test_convert_swaps_exactly_the_block_linears_and_shares_parameters():
 
 
 def test_convert_keep_first_last_hp_and_skip():
-    model = mxtrain.convert(TinyLlama().eval(), "nvfp4")  # keep_first=1, keep_last=1
+    model = mxtrain.convert(TinyLlama().eval(), "nvfp4").model  # keep_first=1, keep_last=1
     k = kinds(model)
     for i in range(4):
         for p in PROJ:
             assert k[f"model.layers.{i}.{p}"] is (MXLinear if i in (1, 2) else nn.Linear), (i, p)
     assert not model.model.layers[1].mlp.up_proj.training  # eval mode is kept
     r = recipes.get("mxfp4-all").with_(keep_hp=("*.o_proj", "model.layers.2.mlp.*"), keep_last=1)
-    k = kinds(mxtrain.convert(TinyLlama(), r))
+    k = kinds(mxtrain.convert(TinyLlama(), r).model)
     for i in range(4):
         for p in PROJ:
             hp = i == 3 or p.endswith("o_proj") or (i == 2 and p.startswith("mlp"))
             assert k[f"model.layers.{i}.{p}"] is (nn.Linear if hp else MXLinear), (i, p)
-    k = kinds(mxtrain.convert(TinyLlama(), "mxfp4-all", skip=("*k_proj",)))
+    k = kinds(mxtrain.convert(TinyLlama(), "mxfp4-all", skip=("*k_proj",)).model)
     assert k["lm_head"] is MXLinear  # a custom skip replaces the default list
     assert all(t is nn.Linear for n, t in k.items() if n.endswith("k_proj"))
     assert sum(t is MXLinear for t in k.values()) == 4 * 6 + 1

@@ -78,7 +78,7 @@ def test_tiny_overfits_a_batch(recipe, steps):
     torch.set_num_threads(1)
     torch.manual_seed(0)
     cfg = ModelConfig(dim=64, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=128)
-    m = mxtrain.convert(Llama(cfg), recipe)
+    m = mxtrain.convert(Llama(cfg), recipe).model
     x = torch.randint(0, 128, (4, 33))
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.0)
     first = None

@@ -4,7 +4,7 @@ On a diagnosed step, a forward hook on every quantized ``MXLinear`` keeps the la
 and a copy of its weight ``W`` (first call of the step only), and a hook on the layer's output
 keeps the incoming gradient ``dY``. After the backward pass, ``Diagnostics.end`` recomputes each
 of the layer's three GEMMs with the reference quantizer, exactly as the layer did (same rotation
-signs, same stochastic-rounding stream: the layer's ``_Ctx`` for that step and call), and
+signs, same stochastic-rounding stream: the layer's ``Ctx`` for that step and call), and
 against the same GEMM in float32, and appends one JSON row per (step, layer, GEMM) to
 ``diagnostics.jsonl``:
 
@@ -45,11 +45,10 @@ import torch
 warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with respect "
                         "to module outputs")
 
-from ..nn import MXLinear, _Ctx, _OPERAND_ID, _pad_axis, mx_layers
+from ..context import Ctx
+from ..nn import MXLinear, mx_layers
 from ..formats import get_format
-from ..hadamard import hadamard
-from ..quant import E8M0_NAN, quantize
-from .. import rng
+from ..quant import E8M0_NAN
 
 __all__ = ["Diagnostics", "operand_quantize", "gemm_diagnostics", "load", "aggregate"]
 
@@ -61,26 +60,18 @@ _GEMMS = (
 )
 
 
-def operand_quantize(ctx: _Ctx, t: torch.Tensor, axis: int, name: str, gemm: str, signs):
-    """Rotate and quantize one operand exactly like ``_Ctx.operand``; also return stats.
+def operand_quantize(ctx: Ctx, t: torch.Tensor, axis: int, name: str, gemm: str, signs):
+    """Rotate and quantize one operand exactly like ``Ctx.operand``; also return stats.
 
     Returns ``(q, prescale, rotated, mx)``: ``q`` float32 quantized values (prescale not undone),
     ``rotated`` the float32 rotated (padded) high-precision operand, ``mx`` the ``MXTensor``
     (``None`` when the operand is not quantized).
     """
-    op = ctx.recipe.operand(name)
-    rot = ctx.recipe.rotation(gemm)
-    r = t.to(torch.float32)
-    if rot.enabled:
-        r = hadamard(_pad_axis(r, axis, rot.size), rot.size, axis=axis, signs=signs)
-    if not op.quantized:
+    r = ctx.rotate(t.to(torch.float32), axis, gemm, signs)
+    mx = ctx.quantize(r, axis, name)
+    if mx is None:
         return r, 1.0, r, None
-    seed = None
-    if op.rounding == "stochastic":
-        seed = rng.stream_key(ctx.recipe.seed, ctx.layer, _OPERAND_ID[name], ctx.step, ctx.call)
-    mx = quantize(r, op.fmt, axis=axis, block_size=op.block_size, rounding=op.rounding,
-                  scale_rule=op.scale_rule, seed=seed, prescale=op.prescale)
-    return mx.dequantize(torch.float32), op.prescale, r, mx
+    return mx.dequantize(torch.float32), mx.prescale, r, mx
 
 
 def _operand_stats(q: torch.Tensor, p: float, r: torch.Tensor, mx, axis: int) -> dict:
@@ -133,7 +124,7 @@ def _out_stats(q: torch.Tensor, h: torch.Tensor) -> dict:
     }
 
 
-def gemm_diagnostics(ctx: _Ctx, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor | None) -> dict:
+def gemm_diagnostics(ctx: Ctx, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor | None) -> dict:
     """Diagnostics of one layer's GEMMs: ``{gemm: {"operands": {...}, "cos", "rel_err", "rel_bias",
     "_err": quantized-minus-exact output}}``. ``x`` (M, K), ``w`` (N, K), ``dy`` (M, N) or None."""
     tensors = {"x": x.reshape(-1, x.shape[-1]).float(), "w": w.float(),
@@ -219,7 +210,7 @@ class Diagnostics:
             self._cap[name] = {"x": inputs[0].detach(), "w": m.weight.detach().clone(), "dy": None,
                                "y_act": output.detach(), "dx_act": None, "dw_act": None,
                                "b": m.bias.detach().clone() if m.bias is not None else None,
-                               "ctx": _Ctx(m.recipe, m.layer_id, m.step, m._calls - 1)}
+                               "ctx": m.call_context(last=True)}
         return hook
 
     def _bwd_hook(self, name: str):

@@ -21,7 +21,6 @@ from pathlib import Path
 import torch
 
 from .. import __version__, convert, set_step
-from .. import fast as mxfast
 from .. import distributed as D  # [distributed] issue 5: DDP / FSDP2 / DCP hooks
 from ..data import Loader, TokenData, ensure_builtin, val_batches
 from ..errors import UserError
@@ -115,29 +114,14 @@ def _check(cfg: TrainConfig) -> None:
 
 def graph_blockers(recipe, device: torch.device, world: int) -> list[str]:
     """Why the micro-step cannot be replayed as a CUDA graph (empty: it can). A graph replays the kernels
-    captured once, with the scalars they had then. Per-step random signs and stochastic rounding replay
-    correctly on the fast path, whose captured kernels read their sign vectors and rounding keys from
-    device memory that ``mxtrain.fast.refresh_graph_seeds`` rewrites before every replay; the reference
-    path draws both on the host, so a replay would repeat the captured step's draws."""
-    from ..kernels import kernels_available
-    from ..recipe import GEMMS, OPERANDS
+    captured once; every MX layer's random inputs (per-step signs, stochastic-rounding keys) are computed
+    on the device from the layer's state tensor, so replays follow the step and call as eager training
+    does, on the fast and the reference path alike."""
     why = []
     if device.type != "cuda":
         why.append(f"the device is {device}, not a CUDA GPU")
     if world > 1:
         why.append("training runs on several processes (CUDA graphs are for one GPU here)")
-    fast_ok = device.type == "cuda" and mxfast.supported(recipe) and kernels_available(device)
-    where = "on the host outside the fast path (MXFP4/bf16 operands on a CUDA GPU with MXTRAIN_FAST on)"
-    for n in OPERANDS:
-        r = recipe.operand(n).rounding
-        if r != "nearest" and not (fast_ok and mxfast.GRAPH_SR_KEYS):
-            why.append(f"operand {n} uses {r} rounding, seeded per step "
-                       + (where if not fast_ok else "on the host (MXTRAIN_GRAPH_SR_KEYS=0)"))
-    if not fast_ok:
-        for g in GEMMS:
-            r = recipe.rotation(g)
-            if r.enabled and r.signs == "per_step":
-                why.append(f"the {g} rotation draws new signs every step, {where}")
     return why
 
 
@@ -346,8 +330,7 @@ def _train(cfg: TrainConfig, resume: str | Path | None, env: D.DistEnv) -> Path:
     if cfg.train.cuda_graphs:
         why = graph_blockers(recipe, device, world)
         if why:
-            raise UserError("train.cuda_graphs needs one GPU, and stochastic rounding or per-step signs only on "
-                            "the fast path: " + "; ".join(why))
+            raise UserError("train.cuda_graphs needs one GPU: " + "; ".join(why))
     if cfg.train.deterministic:
         torch.use_deterministic_algorithms(True)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -478,9 +461,6 @@ def _train(cfg: TrainConfig, resume: str | Path | None, env: D.DistEnv) -> Path:
                         for p in model.parameters():
                             if p.grad is None:
                                 p.grad = torch.zeros_like(p)
-                    # per-step signs of this step where the captured kernels read them (nothing to do
-                    # for other recipes)
-                    mxfast.refresh_graph_seeds(step, k)
                     loss = graphed(x, y) / accum
                     loss.backward()
                 else:

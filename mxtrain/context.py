@@ -1,0 +1,180 @@
+"""The per-call quantization context: which random inputs one call of an MX linear layer uses, and
+how one GEMM operand is rotated, padded and quantized. The reference layer, the fast path, the
+compiled op and the study diagnostics all import it from here, so each formula is written once.
+
+Random inputs of a call (see ``docs/numerics.md``): GEMM ``g`` (fprop 0, dgrad 1, wgrad 2) of layer
+``layer`` rotates with ``rotation_signs(size, mode, seed=recipe.seed, layer=layer, gemm=g, step=step)``;
+a stochastically rounded operand ``k`` (its index in ``mxtrain.recipe.OPERANDS``) draws its uniforms
+from the stream key ``rng.stream_key(operand_seed(recipe.seed, layer, k, step, call))``, where ``call``
+counts the layer's forward calls since its step last changed (micro-batches of one step draw different
+bits; the backward pass of a call reuses its forward's).
+
+A ``Ctx`` holds them in one of two forms with equal values:
+
+* host integers (``Ctx(recipe, layer, step, call)``): the reference on CPU, the diagnostics and tests;
+* device tensors (``Ctx.from_seeds``): what ``mxtrain.kernels.seeds.call_seeds`` wrote from a layer's
+  ``[layer, step, call]`` state tensor without a host synchronisation, so that CUDA graphs and
+  ``torch.compile`` replay each call with the current step and call.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import rng
+from .formats import get_format
+from .hadamard import hadamard, rotation_signs
+from .quant import MXTensor, quantize
+from .recipe import GEMMS, OPERANDS, Operand, Recipe, Rotation
+
+__all__ = ["OPERAND_ID", "GEMM_ID", "operand_seed", "Ctx", "needs_seeds", "seed_spec", "compute_dtype",
+           "pad_axis", "gemm_dtype", "bf16_exact"]
+
+OPERAND_ID = {n: i for i, n in enumerate(OPERANDS)}   # fprop_x 0, fprop_w 1, ... wgrad_x 5
+GEMM_ID = {g: i for i, g in enumerate(GEMMS)}          # fprop 0, dgrad 1, wgrad 2
+
+
+def operand_seed(seed: int, layer: int, operand: str, step: int, call: int) -> int:
+    """Stochastic-rounding seed of one operand of one layer call: ``rng.stream_key(seed, layer, k,
+    step, call)`` with ``k`` the operand's index in ``mxtrain.recipe.OPERANDS``. The quantizer's stream
+    key is ``rng.stream_key`` of this (``mxtrain.quant.quantize(seed=...)``)."""
+    return rng.stream_key(seed, layer, OPERAND_ID[operand], step, call)
+
+
+def seed_spec(recipe: Recipe) -> tuple[tuple[bool, ...], tuple[str, ...], tuple[int, ...]]:
+    """(stochastic rounding per operand, sign mode per GEMM, rotation size per GEMM)."""
+    sr = tuple(recipe.operand(n).quantized and recipe.operand(n).rounding == "stochastic" for n in OPERANDS)
+    rots = [recipe.rotation(g) for g in GEMMS]
+    modes = tuple(r.signs if r.enabled else "none" for r in rots)
+    sizes = tuple(r.size if r.enabled else 0 for r in rots)
+    return sr, modes, sizes
+
+
+def needs_seeds(recipe: Recipe) -> bool:
+    """Does a call of this recipe draw anything random (stochastic rounding or signed rotations)?"""
+    sr, modes, _ = seed_spec(recipe)
+    return any(sr) or any(m != "none" for m in modes)
+
+
+def advances_calls(recipe: Recipe) -> bool:
+    """Does the call counter matter (some operand is stochastically rounded)?"""
+    return any(seed_spec(recipe)[0])
+
+
+def compute_dtype(*ts: torch.Tensor) -> torch.dtype:
+    """float64 if any input is float64 (gradcheck), else float32."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in ts) else torch.float32
+
+
+def pad_axis(t: torch.Tensor, axis: int, multiple: int) -> torch.Tensor:
+    """``t`` with zeros appended along ``axis`` up to a multiple of ``multiple``."""
+    n = t.shape[axis]
+    pad = (-n) % multiple
+    if not pad:
+        return t
+    axis = axis % t.ndim
+    return F.pad(t, [0, 0] * (t.ndim - 1 - axis) + [0, pad])
+
+
+def bf16_exact(op: Operand, rot: Rotation) -> bool:
+    """Can the dequantized operand be cast to bf16 without rounding? (MX values have at most 4
+    significant bits and a power-of-two scale; an unquantized operand only when it is not rotated.)"""
+    if op.quantized:
+        return get_format(op.fmt).kind == "mx"
+    return not rot.enabled
+
+
+def gemm_dtype(recipe: Recipe, a: str, b: str, gemm: str, amp: torch.dtype | None,
+               default: torch.dtype = torch.float32) -> torch.dtype:
+    """The GEMM's multiply dtype: ``amp`` (the autocast dtype, or None outside autocast) when both
+    operands are exact in it, else ``default`` (float32, or float64 for gradcheck)."""
+    if amp is not None:
+        rot = recipe.rotation(gemm)
+        if bf16_exact(recipe.operand(a), rot) and bf16_exact(recipe.operand(b), rot):
+            return amp
+    return default
+
+
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The autocast dtype in force for ``device_type``, or None."""
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+
+class Ctx:
+    """The recipe and the random inputs of one layer call (see the module docstring)."""
+
+    __slots__ = ("recipe", "layer", "step", "call", "keys", "sign_rows")
+
+    def __init__(self, recipe: Recipe, layer: int = 0, step: int = 0, call: int = 0):
+        self.recipe, self.layer, self.step, self.call = recipe, int(layer), int(step), int(call)
+        self.keys = self.sign_rows = None
+
+    @classmethod
+    def from_seeds(cls, recipe: Recipe, keys: torch.Tensor | None, signs: torch.Tensor | None) -> "Ctx":
+        """A context whose keys and signs are ``call_seeds``' device tensors: ``keys`` int32 (24,) with
+        operand ``k``'s stream key at ``4 k``, ``signs`` float32 (3, 128) with GEMM ``g``'s vector in row
+        ``g``. Either may be None when the recipe draws no such thing."""
+        c = cls.__new__(cls)
+        c.recipe, c.keys, c.sign_rows = recipe, keys, signs
+        c.layer = c.step = c.call = None
+        return c
+
+    @property
+    def on_device(self) -> bool:
+        return self.layer is None
+
+    def signs(self, gemm: str, device) -> torch.Tensor | None:
+        """The sign vector of ``gemm``'s rotation (None without rotation or with mode ``none``)."""
+        rot = self.recipe.rotation(gemm)
+        if not rot.enabled or rot.signs == "none":
+            return None
+        if self.on_device:
+            return self.sign_rows[GEMM_ID[gemm], : rot.size]
+        return rotation_signs(rot.size, rot.signs, seed=self.recipe.seed, layer=self.layer,
+                              gemm=GEMM_ID[gemm], step=self.step, device=device)
+
+    def stream_key(self, name: str):
+        """Operand ``name``'s stochastic-rounding stream key: an int, or for a device context an int64
+        0-d tensor holding the same 32-bit value."""
+        if self.on_device:
+            return self.keys[4 * OPERAND_ID[name]].to(torch.int64) & rng.MASK32
+        return rng.stream_key(operand_seed(self.recipe.seed, self.layer, name, self.step, self.call))
+
+    def kernel_key(self, name: str) -> tuple[int, torch.Tensor | None]:
+        """(scalar key, int32 key tensor or None) for the fused quantize kernels: a device context gives
+        the kernel a pointer to the key (read at run time: CUDA graphs replay with the current key)."""
+        if self.on_device:
+            i = 4 * OPERAND_ID[name]
+            return 0, self.keys[i: i + 1]
+        return self.stream_key(name), None
+
+    def rotate(self, t: torch.Tensor, axis: int, gemm: str, signs) -> torch.Tensor:
+        """``t`` in float32 (float64 stays float64), rotated along ``axis`` by ``gemm``'s Hadamard
+        blocks after zero-padding the axis to whole blocks (unchanged without rotation)."""
+        rot = self.recipe.rotation(gemm)
+        t = t.to(compute_dtype(t))
+        if rot.enabled:
+            t = hadamard(pad_axis(t, axis, rot.size), rot.size, axis=axis, signs=signs)
+        return t
+
+    def quantize(self, r: torch.Tensor, axis: int, name: str) -> MXTensor | None:
+        """Quantize the rotated operand ``r`` as operand ``name`` (None if it is not quantized)."""
+        op: Operand = self.recipe.operand(name)
+        if not op.quantized:
+            return None
+        key = self.stream_key(name) if op.rounding == "stochastic" else None
+        return quantize(r, op.fmt, axis=axis, block_size=op.block_size, rounding=op.rounding,
+                        scale_rule=op.scale_rule, key=key, prescale=op.prescale)
+
+    def operand(self, t: torch.Tensor, axis: int, name: str, gemm: str, signs) -> tuple[torch.Tensor, float]:
+        """Rotate (padding the axis to whole rotation blocks) and fake-quantize one operand.
+
+        Returns float32 values (float64 for a float64 ``t``; prescale not undone) and the operand's
+        prescale.
+        """
+        r = self.rotate(t, axis, gemm, signs)
+        mx = self.quantize(r, axis, name)
+        if mx is None:
+            return r, 1.0
+        return mx.dequantize(torch.float32).to(r.dtype), mx.prescale

@@ -1,0 +1,355 @@
+"""The MX linear function: the reference (the spec), its routing to the fast path, and the custom ops
+that ``torch.compile`` sees.
+
+``Y = X W^T + b`` runs three GEMMs, each quantizing both operands along that GEMM's reduction axis as
+the ``Recipe`` says:
+
+* Fprop  ``Y  = Q(X R_f) Q(W R_f)^T``           blocks along in-features,
+* Dgrad  ``dX = Q(dY R_d) Q(R_d^T W)``          blocks along out-features,
+* Wgrad  ``dW = Q(R_w^T dY)^T Q(R_w^T X)``      blocks along tokens,
+
+where ``R`` is the GEMM's blockwise Hadamard rotation (identity when off) and ``Q`` quantize +
+dequantize. Each operand is quantized from the high-precision tensor of this call, never from another
+quantized copy or from an earlier call's. Each GEMM output is divided by the product of its operands'
+prescales (Tseng et al.'s 16/9 for a 3/4 prescale on both).
+
+The reference multiplies dequantized operands in float32, or in the autocast dtype when both operands
+are exact in it (MX values have at most 4 significant bits and a power-of-two scale; the one exception
+is a block whose scale is below about 2**-117, where FP6/FP8 subnormal elements fall under bf16's
+smallest subnormal; MXFP4 is always exact), which changes only the accumulation order. Float64 inputs
+(``gradcheck``) keep float64 for everything that is not quantized.
+
+Routes (``route``): ``plain`` (the recipe quantizes nothing: ``F.linear``), ``fast`` (CUDA tensors and a
+recipe ``mxtrain.fast`` implements: fused Triton quantizers and MX GEMMs, bit-identical operands), else
+``reference``. Eagerly, ``mx_linear`` calls an autograd function directly (no dispatcher overhead);
+under ``torch.compile`` it calls the custom ops ``mxtrain::call_seeds`` (the call's random inputs from
+the layer's state tensor; advances its call counter), ``mxtrain::linear`` and ``mxtrain::linear_backward``
+(opaque to the compiler, with fake implementations and registered autograd), so a converted model
+compiles to one graph with no guards on steps, calls or layer numbers. Both run the same functions.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .context import Ctx, advances_calls, autocast_dtype, compute_dtype, gemm_dtype, needs_seeds, seed_spec
+from .recipe import Recipe
+from .recipes import get as get_recipe
+
+__all__ = ["mx_linear", "route", "call_context", "new_state"]
+
+_AMP = {"": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_AMP_NAME = {v: k for k, v in _AMP.items()}
+
+
+# ----------------------------------------------------------------------------------------------
+# the reference (the spec)
+
+def ref_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, qctx: Ctx,
+                amp: torch.dtype | None) -> torch.Tensor:
+    out_dtype = amp if amp is not None else x.dtype
+    r = qctx.recipe
+    cdt = compute_dtype(x, weight)  # float32, or float64 for float64 inputs
+    gd = gemm_dtype(r, "fprop_x", "fprop_w", "fprop", amp, cdt)
+    x2 = x.reshape(-1, x.shape[-1])  # (M, K)
+    with torch.autocast(x.device.type, enabled=False):
+        s = qctx.signs("fprop", x.device)
+        xq, px = qctx.operand(x2, -1, "fprop_x", "fprop", s)
+        wq, pw = qctx.operand(weight, -1, "fprop_w", "fprop", s)
+        y = torch.matmul(xq.to(gd), wq.to(gd).t()).to(cdt)
+        if px * pw != 1.0:
+            y = y / (px * pw)
+        if bias is not None:
+            y = y + bias.to(cdt)
+    return y.to(out_dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+
+def ref_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, qctx: Ctx, amp: torch.dtype | None,
+                 need: tuple[bool, bool, bool]) -> tuple:
+    """(dX, dW, db) of the reference; an entry is None where ``need`` says False."""
+    r = qctx.recipe
+    cdt = compute_dtype(x, weight)
+    x2 = x.reshape(-1, x.shape[-1])
+    dy2 = dy.reshape(-1, dy.shape[-1])  # (M, N)
+    dx = dw = db = None
+    with torch.autocast(dy.device.type, enabled=False):
+        if need[0]:
+            gd = gemm_dtype(r, "dgrad_dy", "dgrad_w", "dgrad", amp, cdt)
+            s = qctx.signs("dgrad", dy.device)
+            dyq, pa = qctx.operand(dy2, -1, "dgrad_dy", "dgrad", s)   # (M, Np)
+            wq, pb = qctx.operand(weight, 0, "dgrad_w", "dgrad", s)   # (Np, K)
+            dx = torch.matmul(dyq.to(gd), wq.to(gd)).to(cdt)
+            if pa * pb != 1.0:
+                dx = dx / (pa * pb)
+            dx = dx.to(x.dtype).reshape(x.shape)
+        if need[1]:
+            gd = gemm_dtype(r, "wgrad_dy", "wgrad_x", "wgrad", amp, cdt)
+            s = qctx.signs("wgrad", dy.device)
+            dyq, pa = qctx.operand(dy2, 0, "wgrad_dy", "wgrad", s)    # (Mp, N)
+            xq, pb = qctx.operand(x2, 0, "wgrad_x", "wgrad", s)       # (Mp, K)
+            dw = torch.matmul(dyq.to(gd).t(), xq.to(gd)).to(cdt)
+            if pa * pb != 1.0:
+                dw = dw / (pa * pb)
+            dw = dw.to(weight.dtype)
+        if need[2]:
+            db = dy2.to(cdt).sum(0).to(weight.dtype)
+    return dx, dw, db
+
+
+class _MXLinearFunction(torch.autograd.Function):
+    """The reference as an autograd function (eager use). ``amp``: the autocast dtype, or "auto" to
+    read it from the autocast state at the call."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, qctx: Ctx, amp="auto"):
+        if amp == "auto":
+            amp = autocast_dtype(x.device.type)
+        ctx.save_for_backward(x, weight)
+        ctx.qctx, ctx.amp, ctx.has_bias = qctx, amp, bias is not None
+        return ref_forward(x, weight, bias, qctx, amp)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        n = ctx.needs_input_grad
+        dx, dw, db = ref_backward(dy, x, weight, ctx.qctx, ctx.amp, (n[0], n[1], ctx.has_bias and n[2]))
+        return dx, dw, db, None, None
+
+
+# ----------------------------------------------------------------------------------------------
+# routing and the per-call context
+
+def route(recipe: Recipe, x: torch.Tensor, weight: torch.Tensor) -> str:
+    """``plain``, ``fast`` or ``reference`` (module docstring). Works on fake tensors too."""
+    if not recipe.quantized:
+        return "plain"
+    if x.device.type == "cuda":
+        from . import fast
+        if fast.supported(recipe) and fast.applies(x, weight):
+            return "fast"
+    return "reference"
+
+
+def new_state(layer: int = 0, device=None) -> torch.Tensor:
+    """A layer's random-input state ``[layer, step, call]`` (int64) for ``mx_linear``'s ``state``."""
+    return torch.tensor([int(layer), 0, 0], dtype=torch.int64, device=device)
+
+
+def _seeds_on_device(state: torch.Tensor) -> bool:
+    if state.device.type != "cuda":
+        return False
+    from .kernels import kernels_available
+    return kernels_available(state.device)
+
+
+def call_seeds(state: torch.Tensor, recipe: Recipe) -> tuple[torch.Tensor, torch.Tensor]:
+    """This call's (keys, signs) from a layer's state tensor; advances its call counter when the recipe
+    rounds stochastically. On a CUDA device one kernel, no host synchronisation."""
+    from .kernels import seeds as S
+    sr, modes, sizes = seed_spec(recipe)
+    adv = any(sr)
+    if _seeds_on_device(state):
+        return S.call_seeds(state, seed=recipe.seed, sr=sr, sign_modes=modes, sign_sizes=sizes, advance=adv)
+    layer, step, call = (int(v) for v in state.tolist())
+    out = S.call_seeds_host(recipe.seed, layer, step, call, sr=sr, sign_modes=modes, sign_sizes=sizes,
+                            device=state.device)
+    if adv:
+        state[2] += 1
+    return out
+
+
+def call_context(recipe: Recipe, state: torch.Tensor | None) -> Ctx:
+    """The context of one eager call of a layer with ``state`` (None: layer 0, step 0, call 0, nothing
+    advanced). On a CPU state: host integers (and the call counter advanced); on a CUDA state: device
+    keys and signs from ``call_seeds``."""
+    if state is None or not needs_seeds(recipe):
+        return Ctx(recipe)
+    if _seeds_on_device(state):
+        keys, signs = call_seeds(state, recipe)
+        return Ctx.from_seeds(recipe, keys, signs)
+    layer, step, call = (int(v) for v in state.tolist())
+    if advances_calls(recipe):
+        state[2] += 1
+    return Ctx(recipe, layer, step, call)
+
+
+# ----------------------------------------------------------------------------------------------
+# custom ops (what torch.compile sees)
+
+@functools.lru_cache(maxsize=256)
+def _recipe_from_json(s: str) -> Recipe:
+    return Recipe.from_dict(json.loads(s))
+
+
+@functools.lru_cache(maxsize=256)
+def recipe_json(recipe: Recipe) -> str:
+    """The recipe as the string argument of the custom ops (one constant per recipe in a graph)."""
+    d = recipe.to_dict()
+    d.pop("description", None)
+    return json.dumps(d, sort_keys=True)
+
+
+@torch.library.custom_op("mxtrain::call_seeds", mutates_args=("state",))
+def _call_seeds_op(state: torch.Tensor, recipe: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return call_seeds(state, _recipe_from_json(recipe))
+
+
+@_call_seeds_op.register_fake
+def _(state, recipe):
+    return state.new_empty((24,), dtype=torch.int32), state.new_empty((3, 128), dtype=torch.float32)
+
+
+def _op_ctx(recipe: Recipe, keys, signs) -> Ctx:
+    if keys is None and signs is None:
+        return Ctx(recipe)
+    return Ctx.from_seeds(recipe, keys, signs)
+
+
+def _empty(like: torch.Tensor, dtype=torch.uint8) -> torch.Tensor:
+    return like.new_empty((0,), dtype=dtype)
+
+
+@torch.library.custom_op("mxtrain::linear", mutates_args=())
+def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], keys: Optional[torch.Tensor],
+               signs: Optional[torch.Tensor], recipe: str, amp: str,
+               need_wgrad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(Y, S0, S1)``: the layer output and, on the fast path, the two tensors of X's Wgrad operand
+    quantized in the forward (FP8 carrier + group scales, or FP4 codes + E8M0 scales) that the backward
+    keeps instead of X; empty otherwise."""
+    r = _recipe_from_json(recipe)
+    qctx = _op_ctx(r, keys, signs)
+    a = _AMP[amp]
+    if route(r, x, weight) == "fast":
+        from . import fast
+        y, wq = fast.forward(x, weight, bias, qctx, a, need_wgrad, reuse=False)
+        if wq is not None:
+            s0, s1 = fast.pack_operand(wq)
+            return y, s0, s1
+        return y, _empty(x), _empty(x)
+    return ref_forward(x, weight, bias, qctx, a), _empty(x), _empty(x)
+
+
+@_linear_op.register_fake
+def _(x, weight, bias, keys, signs, recipe, amp, need_wgrad):
+    r = _recipe_from_json(recipe)
+    a = _AMP[amp]
+    y = x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=a if a is not None else x.dtype)
+    if route(r, x, weight) == "fast":
+        from . import fast
+        shapes = fast.saved_operand_shapes(r, x, weight, need_wgrad)
+        if shapes is not None:
+            (sh0, dt0), (sh1, dt1) = shapes
+            return y, x.new_empty(sh0, dtype=dt0), x.new_empty(sh1, dtype=dt1)
+    return y, _empty(x), _empty(x)
+
+
+@torch.library.custom_op("mxtrain::linear_backward", mutates_args=())
+def _linear_backward_op(dy: torch.Tensor, x: Optional[torch.Tensor], weight: torch.Tensor, s0: torch.Tensor,
+                        s1: torch.Tensor, keys: Optional[torch.Tensor], signs: Optional[torch.Tensor], recipe: str,
+                        amp: str, x_dtype: torch.dtype, need_dx: bool, need_dw: bool,
+                        need_db: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dX, dW, db) of ``mxtrain::linear`` (empty where not needed)."""
+    r = _recipe_from_json(recipe)
+    qctx = _op_ctx(r, keys, signs)
+    a = _AMP[amp]
+    need = (need_dx, need_dw, need_db)
+    if s0.numel():
+        from . import fast
+        dx, dw, db = fast.backward(dy, None, weight, fast.unpack_operand(s0, s1, weight, dy), qctx, a, x_dtype,
+                                   need)
+    elif route(r, x, weight) == "fast":
+        from . import fast
+        dx, dw, db = fast.backward(dy, x, weight, None, qctx, a, x_dtype, need)
+    else:
+        dx, dw, db = ref_backward(dy, x, weight, qctx, a, need)
+    e = _empty(dy, weight.dtype)
+    return (dx if dx is not None else _empty(dy, x_dtype)), (dw if dw is not None else e), (db if db is not None else e)
+
+
+@_linear_backward_op.register_fake
+def _(dy, x, weight, s0, s1, keys, signs, recipe, amp, x_dtype, need_dx, need_dw, need_db):
+    dx = dy.new_empty((*dy.shape[:-1], weight.shape[1]), dtype=x_dtype) if need_dx else dy.new_empty((0,), dtype=x_dtype)
+    dw = weight.new_empty(weight.shape) if need_dw else weight.new_empty((0,))
+    db = weight.new_empty((weight.shape[0],)) if need_db else weight.new_empty((0,))
+    return dx, dw, db
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, keys, signs, recipe, amp, need_wgrad = inputs
+    _, s0, s1 = output
+    ctx.saved_x = s0.numel() == 0
+    ctx.save_for_backward(x if ctx.saved_x else None, weight, s0, s1, keys, signs)
+    ctx.recipe, ctx.amp, ctx.x_dtype, ctx.has_bias = recipe, amp, x.dtype, bias is not None
+    ctx.mark_non_differentiable(s0, s1)
+
+
+def _backward(ctx, dy, _g0, _g1):
+    x, weight, s0, s1, keys, signs = ctx.saved_tensors
+    n = ctx.needs_input_grad
+    need = (n[0], n[1], ctx.has_bias and n[2])
+    dx, dw, db = torch.ops.mxtrain.linear_backward(dy, x, weight, s0, s1, keys, signs, ctx.recipe, ctx.amp,
+                                                   ctx.x_dtype, *need)
+    return (dx if need[0] else None, dw if need[1] else None, db if need[2] else None, None, None, None, None, None)
+
+
+_linear_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------
+# the entry point
+
+def compiled_linear(x, weight, bias, state, recipe_str: str, seeded: bool, quantized: bool):
+    """The traced form of ``mx_linear`` (what a compiled ``MXLinear.forward`` calls): only strings and
+    booleans that are constant per recipe, so graphs carry no step, call or layer."""
+    if not quantized:
+        return F.linear(x, weight, bias)
+    keys = signs = None
+    if seeded:
+        if state is None:
+            state = torch.zeros((3,), dtype=torch.int64, device=x.device)
+        keys, signs = torch.ops.mxtrain.call_seeds(state, recipe_str)
+    dt = x.device.type
+    amp = torch.get_autocast_dtype(dt) if torch.is_autocast_enabled(dt) else None
+    need_wgrad = torch.is_grad_enabled() and weight.requires_grad
+    y, _, _ = torch.ops.mxtrain.linear(x, weight, bias, keys, signs, recipe_str, _AMP_NAME[amp], need_wgrad)
+    return y
+
+
+@torch._dynamo.assume_constant_result
+def _compile_spec(recipe) -> tuple[str, bool, bool]:
+    r = get_recipe(recipe)
+    return recipe_json(r), needs_seeds(r), r.quantized
+
+
+def mx_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+              recipe: Recipe | str = "mxfp4-all", state: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` with every GEMM quantized as ``recipe`` says (autograd-aware; eager or
+    under ``torch.compile``).
+
+    **Arguments:**
+      * ``x``: (..., K); ``weight``: (N, K); ``bias``: (N,) or None; any float dtype, autocast honoured.
+      * ``recipe``: a ``Recipe`` or preset name.
+      * ``state``: the layer's ``[layer, step, call]`` int64 tensor (``new_state``; an ``MXLinear`` holds
+        one as its ``mx_state`` buffer), which numbers the random streams of stochastic rounding and
+        random rotation signs. None: layer 0, step 0, call 0, every call alike.
+
+    Use it for GEMMs that are not ``nn.Linear`` calls (for example fused expert weights: call it once
+    per expert with ``weight[e]``).
+    """
+    if torch.compiler.is_compiling():
+        rs, seeded, quantized = _compile_spec(recipe)
+        return compiled_linear(x, weight, bias, state, rs, seeded, quantized)
+    recipe = get_recipe(recipe)
+    rt = route(recipe, x, weight)
+    if rt == "plain":
+        return F.linear(x, weight, bias)
+    qctx = call_context(recipe, state)
+    if rt == "fast":
+        from . import fast
+        return fast.apply(x, weight, bias, qctx)
+    return _MXLinearFunction.apply(x, weight, bias, qctx)

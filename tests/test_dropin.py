@@ -1,0 +1,348 @@
+"""mxtrain in the user's own stack: ``convert`` on Hugging Face models and ``nn.Linear`` subclasses, its
+report, steps that advance with any optimizer, and ``torch.compile(fullgraph=True)`` of a converted
+model in a plain training loop (one graph, no recompiles, losses equal to eager).
+
+The CUDA tests (run on a GPU) train in a plain loop with fused, foreach and for-loop optimizers and a
+manual in-place update, eager and compiled, on the fast path, against the reference path.
+"""
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import mxtrain
+from mxtrain import MXLinear, recipes
+from mxtrain.nn import MXLayer, mx_layers
+
+transformers = pytest.importorskip("transformers")
+
+
+def _hf(kind: str):
+    torch.manual_seed(0)
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+        return transformers.LlamaForCausalLM(cfg)
+    if kind == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=96, n_embd=64, n_layer=2, n_head=4, n_positions=64, bos_token_id=0,
+                                      eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        return transformers.GPT2LMHeadModel(cfg)
+    cfg = transformers.MixtralConfig(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                     num_experts_per_tok=2, max_position_embeddings=64)
+    return transformers.MixtralForCausalLM(cfg)
+
+
+def _ids(n=2, t=16, vocab=96, seed=0):
+    return torch.randint(0, vocab, (n, t), generator=torch.Generator().manual_seed(seed))
+
+
+def test_hf_llama_every_projection_converted_and_state_dict_kept():
+    model = _hf("llama")
+    keys = list(model.state_dict().keys())
+    ref = copy.deepcopy(model)
+    rep = mxtrain.convert(model, "mxfp4-all-dh16")
+    proj = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+    assert rep.converted == [f"model.layers.{i}.{p}" for i in range(2) for p in proj]
+    assert rep.kept == {"lm_head": "matches skip pattern 'lm_head'"} and rep.refused == {}
+    per_block = 64 * 64 * 2 + 64 * 32 * 2 + 64 * 128 * 3
+    assert rep.mx_params == 2 * per_block and rep.total_params == sum(p.numel() for p in ref.parameters())
+    assert f"{100 * rep.share:.1f} %" in str(rep) and "lm_head" in str(rep)
+    assert list(model.state_dict().keys()) == keys
+    model.load_state_dict(ref.state_dict())
+    # with a recipe that quantizes nothing the converted model is the original model, bit for bit
+    mxtrain.convert(model, "bf16")
+    assert torch.equal(model(_ids()).logits, ref(_ids()).logits)
+    mxtrain.convert(model, "mxfp4-all-dh16")
+    out = model(_ids()).logits
+    assert 0 < (out - ref(_ids()).logits).norm() / out.norm() < 0.5
+
+
+def test_hf_gpt2_conv1d_is_a_linear_with_transposed_weight():
+    model = _hf("gpt2")
+    ref = copy.deepcopy(model)
+    rep = mxtrain.convert(model, "mxfp4-all")
+    names = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    assert rep.converted == [f"transformer.h.{i}.{n}" for i in range(2) for n in names]
+    c = model.transformer.h[0].attn.c_attn
+    assert isinstance(c, MXLayer) and type(c).__mro__[2].__name__ == "Conv1D"
+    assert c.weight.shape == (64, 192)   # HF's (in, out) layout is kept: checkpoints load as they are
+    x = torch.randn(2, 5, 64)
+    want = mxtrain.mx_linear(x, c.weight.t(), c.bias, "mxfp4-all")
+    assert torch.equal(c(x), want)
+    mxtrain.convert(model, "bf16")
+    assert torch.equal(model(_ids()).logits, ref(_ids()).logits)
+    assert list(model.state_dict()) == list(ref.state_dict())
+
+
+def test_hf_mixtral_fused_experts_are_refused_loudly():
+    model = _hf("mixtral")
+    with pytest.warns(UserWarning, match=r"(?s)cannot run their GEMMs.*experts.*mx_linear"):
+        rep = mxtrain.convert(model, "mxfp4-all")
+    experts = [n for n in rep.refused if n.endswith("experts")]
+    assert experts == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert all(n.startswith("model.layers.") for n in rep.converted) and rep.converted
+    assert 0 < rep.share < 0.5
+    with pytest.raises(ValueError, match="experts"):
+        mxtrain.convert(_hf("mixtral"), "mxfp4-all", strict=True)
+
+
+class MyLinear(nn.Linear):
+    pass
+
+
+class LoRALinear(nn.Linear):
+    def __init__(self, i, o, r=4):
+        super().__init__(i, o)
+        self.a = nn.Linear(i, r, bias=False)
+        self.b = nn.Linear(r, o, bias=False)
+
+    def forward(self, x):
+        return super().forward(x) + self.b(self.a(x))
+
+
+def test_subclasses_bare_linear_and_second_convert():
+    model = nn.Sequential(MyLinear(32, 32), nn.ReLU(), LoRALinear(32, 32), nn.MultiheadAttention(32, 4))
+    with pytest.warns(UserWarning, match=r"(?s)LoRALinear.*own forward.*MultiheadAttention"):
+        rep = mxtrain.convert(model, "mxfp4-all")
+    assert rep.converted == ["0"]
+    assert isinstance(model[0], MyLinear) and isinstance(model[0], MXLinear)
+    assert set(rep.refused) == {"2", "3"} and set(rep.kept) == {"2.a", "2.b"}
+    assert not isinstance(model[2], MXLayer) and not isinstance(model[3].out_proj, MXLayer)
+    x = torch.randn(3, 32)
+    assert torch.equal(model[0](x), mxtrain.mx_linear(x, model[0].weight, model[0].bias, "mxfp4-all"))
+    # a bare nn.Linear becomes an MXLinear itself
+    lin = nn.Linear(32, 16)
+    rep = mxtrain.convert(lin, "mxfp4-all-dh16")
+    assert type(lin) is MXLinear and rep.model is lin and rep.converted == [""]
+    # converting again changes the recipe (and a layer now matched by a skip pattern goes back to bf16)
+    m2 = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
+    mxtrain.convert(m2, "mxfp4-all")
+    rep = mxtrain.convert(m2, "mxfp4-all-sr", skip=("1",))
+    assert m2[0].recipe.name == "mxfp4-all-sr" and m2[1].recipe.name == "bf16" and "was an MX layer" in rep.kept["1"]
+    # pickling and deep copies keep the converted classes
+    import pickle
+    back = pickle.loads(pickle.dumps(model))
+    assert isinstance(back[0], MyLinear) and isinstance(back[0], MXLinear)
+    assert torch.equal(back[0](x), model[0](x))
+
+
+def test_nothing_converted_warns():
+    model = nn.Sequential(nn.ModuleList([nn.Linear(32, 32)]), nn.ModuleList([nn.Linear(32, 32)]))
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Sequential(nn.Linear(32, 32)) for _ in range(2)])
+
+    with pytest.warns(UserWarning, match=r"no layer was converted.*keep_first=1"):
+        rep = mxtrain.convert(Two(), "nvfp4")   # keep_first=1, keep_last=1: both blocks stay
+    assert rep.converted == [] and len(rep.kept) == 2
+    del model
+
+
+def _mlp(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64), nn.GELU(), nn.Linear(64, 64))
+
+
+def test_steps_advance_with_any_optimizer_and_set_step():
+    m = _mlp()
+    mxtrain.convert(m, "mxfp4-all-sr")
+    other = _mlp(1)
+    mxtrain.convert(other, "mxfp4-all-sr")
+    opt = torch.optim.AdamW(m.parameters(), fused=True)
+    x = torch.randn(8, 64)
+    for k in range(3):
+        m(x).square().mean().backward()
+        m(x).square().mean().backward()   # two micro-batches: calls 0 and 1
+        assert [int(v) for v in m[0].mx_state] == [0, k, 2]
+        opt.step()
+        opt.zero_grad()
+    assert [l.step for _, l in mx_layers(m)] == [3, 3, 3] and [int(v) for v in m[4].mx_state] == [2, 3, 0]
+    assert [l.step for _, l in mx_layers(other)] == [0, 0, 0]   # another optimizer's model does not move
+    mxtrain.set_step(m, 10)
+    assert [int(v) for v in m[2].mx_state] == [1, 10, 0]
+    # new bits at every step: the same input and weights give different gradients at steps 10 and 11
+    g = []
+    for s in (10, 11, 10):
+        mxtrain.set_step(m, s)
+        m.zero_grad()
+        m(x).square().mean().backward()
+        g.append(m[0].weight.grad.clone())
+    assert not torch.equal(g[0], g[1]) and torch.equal(g[0], g[2])
+
+
+@pytest.mark.parametrize("opt_kind", ["fused", "foreach", "forloop"])
+def test_plain_loop_any_optimizer(opt_kind):
+    """The same plain loop with fused, foreach and for-loop AdamW trains to the same losses."""
+    m = _mlp()
+    mxtrain.convert(m, "mxfp4-all-rht16")
+    kw = {"fused": {"fused": True}, "foreach": {"foreach": True}, "forloop": {"foreach": False}}[opt_kind]
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2, **kw)
+    g = torch.Generator().manual_seed(1)
+    target = torch.randn(64, 64, generator=g) / 8
+    losses = []
+    for _ in range(6):
+        x = torch.randn(32, 64, generator=g)
+        loss = (m(x) - x @ target).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    ref = _LOOP_LOSSES.setdefault("ref", losses)
+    assert losses == pytest.approx(ref, rel=1e-5) and losses[-1] < losses[0]
+
+
+_LOOP_LOSSES: dict = {}
+
+SR_RHT = recipes.get("mxfp4-all-rht16").with_(**{"dgrad_dy.rounding": "stochastic", "wgrad_dy.rounding": "stochastic"})
+
+
+def _loop(f, m, steps=8, seed=1):
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True)
+    g = torch.Generator().manual_seed(seed)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(16, 64, generator=g)
+        loss = f(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_compile_fullgraph_one_graph_equal_losses():
+    """torch.compile(fullgraph=True) of a converted model (stochastic rounding and per-step signs) in a
+    plain loop with fused AdamW: one graph, no recompile over 8 steps, losses equal eager bit for bit."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    m = _mlp()
+    mxtrain.convert(m, SR_RHT)
+    eager = _loop(m, m)
+    m = _mlp()
+    mxtrain.convert(m, SR_RHT)
+    compiled = _loop(torch.compile(m, fullgraph=True), m)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["recompiles"]
+    assert compiled == eager
+    assert [l.step for _, l in mx_layers(m)] == [8, 8, 8]
+
+
+def test_compile_per_block_no_per_layer_recompiles():
+    """Blocks compiled one by one (torchtitan's way) share one graph: layer numbers and steps are tensors,
+    not constants the compiler guards on."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    blocks = nn.ModuleList([nn.Sequential(nn.Linear(32, 32), nn.GELU()) for _ in range(10)])
+    mxtrain.convert(blocks, SR_RHT)
+    compiled = [torch.compile(b, fullgraph=True, backend="aot_eager") for b in blocks]
+    opt = torch.optim.SGD(blocks.parameters(), lr=0.1)
+    for _ in range(3):
+        h = torch.randn(4, 32, requires_grad=True)   # as every later block's input
+        for c in compiled:
+            h = c(h)
+        h.square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["recompiles"]
+
+
+def test_hf_llama_compiles_fullgraph():
+    """A converted Hugging Face Llama under torch.compile(fullgraph=True): one graph over 3 steps of a
+    plain loop with fused AdamW, losses equal eager."""
+    from torch._dynamo.utils import counters
+    losses = {}
+    for mode in ("eager", "compiled"):
+        torch._dynamo.reset()
+        counters.clear()
+        model = _hf("llama")
+        mxtrain.convert(model, "mxfp4-all-sr")
+        f = torch.compile(model, fullgraph=True, backend="aot_eager") if mode == "compiled" else model
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        out = []
+        for s in range(3):
+            ids = _ids(seed=s)
+            loss = f(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            out.append(loss.item())
+        losses[mode] = out
+        if mode == "compiled":
+            assert counters["stats"]["unique_graphs"] == 1 and not counters["recompiles"]
+    assert losses["compiled"] == pytest.approx(losses["eager"], rel=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------
+# CUDA: the fast path in a plain loop, against the reference path
+
+GPU_PRESETS = ["mxfp4-all", "mxfp4-all-dh16", "mxfp4-all-rht16", "mxfp4-all-sr", "tseng"]
+
+
+def _gpu_loop(recipe, update, fast_on, compile_mode=None, steps=30):
+    from mxtrain import fast
+    fast.ENABLED = fast_on
+    try:
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256)).cuda()
+        mxtrain.convert(m, recipe)
+        f = torch.compile(m, mode=compile_mode) if compile_mode else m
+        g = torch.Generator(device="cuda").manual_seed(1)
+        target = torch.randn(256, 256, device="cuda", generator=g) / 16
+        if update == "manual":
+            opt = None
+        else:
+            opt = {"fused": lambda p: torch.optim.AdamW(p, lr=3e-3, fused=True),
+                   "foreach": lambda p: torch.optim.AdamW(p, lr=3e-3, foreach=True),
+                   "sgd": lambda p: torch.optim.SGD(p, lr=0.5, momentum=0.9)}[update](m.parameters())
+        losses = []
+        for s in range(steps):
+            x = torch.randn(512, 256, device="cuda", generator=g)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = (f(x).float() - x @ target).square().mean()
+            loss.backward()
+            if opt is not None:
+                opt.step()
+                opt.zero_grad()
+            else:   # a hand-written update through .data: no version bump, no optimizer hook
+                with torch.no_grad():
+                    for p in m.parameters():
+                        p.data.add_(p.grad, alpha=-0.5)
+                        p.grad = None
+                mxtrain.set_step(m, s + 1)
+            losses.append(loss.item())
+        return losses
+    finally:
+        fast.ENABLED = True
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("update", ["fused", "foreach", "sgd", "manual"])
+@pytest.mark.parametrize("recipe", GPU_PRESETS)
+def test_gpu_plain_loop_fast_equals_reference(recipe, update):
+    ref = _gpu_loop(recipe, update, fast_on=False)
+    got = _gpu_loop(recipe, update, fast_on=True)
+    assert got[-1] < 0.5 * got[0], got   # it trains
+    for a, b in zip(got, ref):
+        assert abs(a - b) <= 0.03 * abs(b) + 1e-4, (got, ref)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+@pytest.mark.parametrize("recipe", GPU_PRESETS)
+def test_gpu_compiled_loop_equals_reference(recipe, mode):
+    ref = _gpu_loop(recipe, "fused", fast_on=False)
+    got = _gpu_loop(recipe, "fused", fast_on=True, compile_mode=mode)
+    assert got[-1] < 0.5 * got[0], got
+    for a, b in zip(got, ref):
+        assert abs(a - b) <= 0.03 * abs(b) + 1e-4, (got, ref)
