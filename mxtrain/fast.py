@@ -325,15 +325,18 @@ def saved_operand_shapes(recipe, x: torch.Tensor, weight: torch.Tensor, need_wgr
     custom op's fake implementation."""
     if not (need_wgrad and _both_mx(recipe, "fprop_x", "fprop_w") and _both_mx(recipe, "wgrad_dy", "wgrad_x")):
         return None
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
     dev = x.device
-    backend = _backend(dev)
+    with unset_fake_temporarily():   # the GEMM probes run real kernels on the device, once
+        backend = _backend(dev)
+        gr = _b_group_rows(dev, backend)
     carrier, fp4 = _gemm.outputs_for(backend)
     rot = recipe.rotation("wgrad")
     M = 1
     for d in x.shape[:-1]:
         M = M * d
     car, gs, pk, sc = _quantize._out_shapes(x.shape[-1], M, rot.size if rot.enabled else 0, carrier, fp4,
-                                            _b_group_rows(dev, backend), 16, _gemm.k_multiple_for(backend))
+                                            gr, 16, _gemm.k_multiple_for(backend))
     if carrier:
         return (car, torch.uint8), (gs, torch.float32)
     return (pk, torch.uint8), (sc, torch.uint8)

@@ -81,6 +81,7 @@ def main():
     ap.add_argument("--mb", type=int, default=24, help="corpus size in MB")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    torch.set_float32_matmul_precision("high")
     data = corpus(a.mb * 2**20)
     print(f"corpus: {len(data):,} bytes of Python standard library source", flush=True)
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,

@@ -461,6 +461,9 @@ def _train(cfg: TrainConfig, resume: str | Path | None, env: D.DistEnv) -> Path:
                         for p in model.parameters():
                             if p.grad is None:
                                 p.grad = torch.zeros_like(p)
+                        # the warm-up and capture passes advanced the layers' call counters: this first
+                        # replay is call 0 of this step, as in eager training
+                        set_step(model, step)
                     loss = graphed(x, y) / accum
                     loss.backward()
                 else:
