@@ -32,7 +32,7 @@ import os
 import torch
 
 from .context import Ctx, gemm_dtype
-from .kernels import backend as _backend, kernels_available
+from .kernels import HAS_TRITON as _HAS_TRITON, backend as _backend, kernels_available
 from .kernels import gemm as _gemm
 from .kernels import quantize as _quantize
 from .kernels.quantize import QuantOut, quantize_op
@@ -44,9 +44,14 @@ __all__ = ["supported", "applies", "apply", "forward", "backward", "ENABLED", "i
 ENABLED = os.environ.get("MXTRAIN_FAST", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def supported(recipe) -> bool:
-    """Recipes the fast path implements: every operand ``mxfp4`` (default blocks) or ``bf16``."""
-    if not ENABLED:
+# Triton is importable (the fused kernels can run on CUDA tensors)
+KERNELS = _HAS_TRITON
+
+
+def supported(recipe, enabled_only: bool = True) -> bool:
+    """Recipes the fast path implements: every operand ``mxfp4`` (default blocks) or ``bf16``
+    (``enabled_only``: and the fast path is on)."""
+    if enabled_only and not ENABLED:
         return False
     from .recipe import OPERANDS
     for n in OPERANDS:
@@ -248,25 +253,36 @@ def _no_autocast(device_type: str, enabled: bool):
     return torch.autocast(device_type, enabled=False) if enabled else contextlib.nullcontext()
 
 
+def quantize_input(x2: torch.Tensor, qctx: Ctx, need_wgrad: bool, reuse: bool = False) -> dict:
+    """X's operands made in the forward: ``{"fprop_x": (QuantOut, prescale)}``, plus ``"wgrad_x"`` when a
+    backward will compute dW and Wgrad is MXFP4 on both sides (from one read with Fprop's where that
+    pays: the backward then keeps the 1-byte carrier or FP4 codes instead of the 2- or 4-byte X).
+    Needs MXFP4 on both Fprop operands."""
+    dev = x2.device
+    backend = _backend(dev)
+    with _no_autocast(dev.type, torch.is_autocast_enabled(dev.type)):
+        if need_wgrad and _both_mx(qctx.recipe, "wgrad_dy", "wgrad_x"):
+            return _quant_pair(qctx, x2, "fprop_x", "fprop", "wgrad_x", "wgrad", backend,
+                               _b_group_rows(dev, backend), always=True, reuse=reuse)
+        return {"fprop_x": _quant(qctx, x2, 1, "fprop_x", "fprop", qctx.signs("fprop", dev), backend, 1, reuse)}
+
+
 def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, qctx: Ctx, amp: torch.dtype | None,
-            need_wgrad: bool, reuse: bool = False) -> tuple[torch.Tensor, QuantOut | None]:
-    """``(Y, X's Wgrad operand or None)``. With ``need_wgrad`` (a backward will compute dW) and MXFP4 on
-    both Fprop and Wgrad, X's Wgrad operand is made now (with Fprop's, from one read where that pays):
-    the backward then keeps the 1-byte carrier (or FP4 codes) instead of the 2- or 4-byte X."""
+            need_wgrad: bool, reuse: bool = False, pre: dict | None = None) -> tuple[torch.Tensor, QuantOut | None]:
+    """``(Y, X's Wgrad operand or None)`` (see ``quantize_input``). ``pre``: X's operands already made."""
     dev = x.device
     out_dtype = amp if amp is not None else x.dtype
     backend = _backend(dev)
     x2 = x.reshape(-1, x.shape[-1])
-    pre = None
+    if pre is None and _both_mx(qctx.recipe, "fprop_x", "fprop_w") and (
+            need_wgrad and _both_mx(qctx.recipe, "wgrad_dy", "wgrad_x")):
+        pre = quantize_input(x2, qctx, need_wgrad, reuse)
     with _no_autocast(dev.type, torch.is_autocast_enabled(dev.type)):
-        if need_wgrad and _both_mx(qctx.recipe, "fprop_x", "fprop_w") and _both_mx(qctx.recipe, "wgrad_dy", "wgrad_x"):
-            pre = _quant_pair(qctx, x2, "fprop_x", "fprop", "wgrad_x", "wgrad", backend,
-                              _b_group_rows(dev, backend), always=True, reuse=reuse)
         ydt = torch.float32 if (bias is not None or backend != "fp8_carrier") else out_dtype
         y = _gemm_fn(qctx, x2, 1, "fprop_x", weight, 1, "fprop_w", "fprop", True, backend, ydt, amp, pre, reuse)
         if bias is not None:
             y = y + bias.to(torch.float32)
-    wq = pre["wgrad_x"][0] if pre is not None else None
+    wq = pre["wgrad_x"][0] if pre is not None and "wgrad_x" in pre else None
     return y.to(out_dtype).reshape(*x.shape[:-1], weight.shape[0]), wq
 
 
@@ -308,38 +324,43 @@ def pack_operand(q: QuantOut) -> tuple[torch.Tensor, torch.Tensor]:
     return q.packed, q.scales
 
 
-def unpack_operand(s0: torch.Tensor, s1: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor) -> QuantOut:
-    """Inverse of ``pack_operand`` for X's Wgrad operand (rows: X's features, reduction: tokens)."""
-    R = weight.shape[1]
-    M = dy.numel() // dy.shape[-1] if dy.shape[-1] else 0
+def unpack_operand(s0: torch.Tensor, s1: torch.Tensor, R: int, K: int, group_rows: int | None = None) -> QuantOut:
+    """Inverse of ``pack_operand``: an operand of R rows reduced along K. ``group_rows``: of the carrier's
+    scales (default: what X's Wgrad operand uses on this device)."""
     if s1.dtype == torch.float32:   # FP8 carrier and its group scales
-        gr = _b_group_rows(s0.device, "fp8_carrier")
+        gr = group_rows if group_rows is not None else _b_group_rows(s0.device, "fp8_carrier")
         Kc = s0.shape[1]
         gview = s1.t() if gr == 1 else s1[:, : Kc // _quantize.TILE_K]
-        return QuantOut(R, M, s0.view(torch.float8_e4m3fn), gview, gr, None, None, None, s1)
-    return QuantOut(R, M, None, None, 1, None, s0, s1)
+        return QuantOut(R, K, s0.view(torch.float8_e4m3fn), gview, gr, None, None, None, s1)
+    return QuantOut(R, K, None, None, 1, None, s0, s1)
 
 
-def saved_operand_shapes(recipe, x: torch.Tensor, weight: torch.Tensor, need_wgrad: bool):
-    """Shapes and dtypes of ``pack_operand(forward(...)[1])`` (None when the forward keeps none); for the
-    custom op's fake implementation."""
-    if not (need_wgrad and _both_mx(recipe, "fprop_x", "fprop_w") and _both_mx(recipe, "wgrad_dy", "wgrad_x")):
-        return None
+def operand_shapes(recipe, x: torch.Tensor, name: str):
+    """Shapes and dtypes of ``pack_operand`` of X's operand ``name`` (``fprop_x`` or ``wgrad_x``), for the
+    custom ops' fake implementations."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     dev = x.device
     with unset_fake_temporarily():   # the GEMM probes run real kernels on the device, once
         backend = _backend(dev)
-        gr = _b_group_rows(dev, backend)
+        gr = _b_group_rows(dev, backend) if name == "wgrad_x" else 1
     carrier, fp4 = _gemm.outputs_for(backend)
-    rot = recipe.rotation("wgrad")
+    rot = recipe.rotation("wgrad" if name == "wgrad_x" else "fprop")
     M = 1
     for d in x.shape[:-1]:
         M = M * d
-    car, gs, pk, sc = _quantize._out_shapes(x.shape[-1], M, rot.size if rot.enabled else 0, carrier, fp4,
-                                            gr, 16, _gemm.k_multiple_for(backend))
+    R, K = (x.shape[-1], M) if name == "wgrad_x" else (M, x.shape[-1])
+    car, gs, pk, sc = _quantize._out_shapes(R, K, rot.size if rot.enabled else 0, carrier, fp4, gr, 16,
+                                            _gemm.k_multiple_for(backend))
     if carrier:
         return (car, torch.uint8), (gs, torch.float32)
     return (pk, torch.uint8), (sc, torch.uint8)
+
+
+def saved_operand_shapes(recipe, x: torch.Tensor, weight: torch.Tensor, need_wgrad: bool):
+    """Shapes and dtypes of ``pack_operand(forward(...)[1])`` (None when the forward keeps none)."""
+    if not (need_wgrad and _both_mx(recipe, "fprop_x", "fprop_w") and _both_mx(recipe, "wgrad_dy", "wgrad_x")):
+        return None
+    return operand_shapes(recipe, x, "wgrad_x")
 
 
 class _FastMXLinearFunction(torch.autograd.Function):

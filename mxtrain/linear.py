@@ -260,8 +260,8 @@ def _linear_backward_op(dy: torch.Tensor, x: Optional[torch.Tensor], weight: tor
     need = (need_dx, need_dw, need_db)
     if s0.numel():
         from . import fast
-        dx, dw, db = fast.backward(dy, None, weight, fast.unpack_operand(s0, s1, weight, dy), qctx, a, x_dtype,
-                                   need)
+        wq = fast.unpack_operand(s0, s1, weight.shape[1], dy.numel() // max(dy.shape[-1], 1))
+        dx, dw, db = fast.backward(dy, None, weight, wq, qctx, a, x_dtype, need)
     elif route(r, x, weight) == "fast":
         from . import fast
         dx, dw, db = fast.backward(dy, x, weight, None, qctx, a, x_dtype, need)
@@ -300,12 +300,94 @@ def _backward(ctx, dy, _g0, _g1):
 _linear_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+# The fast path in two ops, so that layers reading one input (q/k/v, gate/up) share its quantization in a
+# compiled graph: ``quantize_input`` is a pure function of (x, seeds, recipe), so the compiler's common
+# subexpression elimination runs it once for all of them (and the backward of each keeps the same
+# quantized tensors); ``linear_q`` multiplies.
+
+@torch.library.custom_op("mxtrain::quantize_input", mutates_args=())
+def _quantize_input_op(x: torch.Tensor, keys: Optional[torch.Tensor], signs: Optional[torch.Tensor], recipe: str,
+                       need_wgrad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """X's Fprop operand (two tensors) and, with ``need_wgrad``, its Wgrad operand (two tensors, else empty)."""
+    from . import fast
+    r = _recipe_from_json(recipe)
+    pre = fast.quantize_input(x.reshape(-1, x.shape[-1]), _op_ctx(r, keys, signs), need_wgrad)
+    f0, f1 = fast.pack_operand(pre["fprop_x"][0])
+    if "wgrad_x" in pre:
+        w0, w1 = fast.pack_operand(pre["wgrad_x"][0])
+        return f0, f1, w0, w1
+    return f0, f1, _empty(x), _empty(x, torch.float32)
+
+
+@_quantize_input_op.register_fake
+def _(x, keys, signs, recipe, need_wgrad):
+    from . import fast
+    r = _recipe_from_json(recipe)
+    (a0, d0), (a1, d1) = fast.operand_shapes(r, x, "fprop_x")
+    out = [x.new_empty(a0, dtype=d0), x.new_empty(a1, dtype=d1)]
+    if need_wgrad and fast._both_mx(r, "wgrad_dy", "wgrad_x"):
+        (b0, e0), (b1, e1) = fast.operand_shapes(r, x, "wgrad_x")
+        return (*out, x.new_empty(b0, dtype=e0), x.new_empty(b1, dtype=e1))
+    return (*out, _empty(x), _empty(x, torch.float32))
+
+
+@torch.library.custom_op("mxtrain::linear_q", mutates_args=())
+def _linear_q_op(x: torch.Tensor, f0: torch.Tensor, f1: torch.Tensor, w0: torch.Tensor, w1: torch.Tensor,
+                 weight: torch.Tensor, bias: Optional[torch.Tensor], keys: Optional[torch.Tensor],
+                 signs: Optional[torch.Tensor], recipe: str, amp: str) -> torch.Tensor:
+    """``Y`` from X's Fprop operand ``(f0, f1)`` made by ``quantize_input`` (``x`` only routes dX; its
+    values are not read)."""
+    from . import fast
+    r = _recipe_from_json(recipe)
+    M, K = x.numel() // max(x.shape[-1], 1), x.shape[-1]
+    pre = {"fprop_x": (fast.unpack_operand(f0, f1, M, K, group_rows=1), r.operand("fprop_x").prescale)}
+    y, _ = fast.forward(x, weight, bias, _op_ctx(r, keys, signs), _AMP[amp], False, pre=pre)
+    return y
+
+
+@_linear_q_op.register_fake
+def _(x, f0, f1, w0, w1, weight, bias, keys, signs, recipe, amp):
+    a = _AMP[amp]
+    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=a if a is not None else x.dtype)
+
+
+def _setup_context_q(ctx, inputs, output):
+    x, f0, f1, w0, w1, weight, bias, keys, signs, recipe, amp = inputs
+    ctx.saved_x = w0.numel() == 0
+    ctx.save_for_backward(x if ctx.saved_x else None, weight, w0, w1, keys, signs)
+    ctx.recipe, ctx.amp, ctx.x_dtype, ctx.has_bias = recipe, amp, x.dtype, bias is not None
+
+
+def _backward_q(ctx, dy):
+    x, weight, w0, w1, keys, signs = ctx.saved_tensors
+    n = ctx.needs_input_grad
+    need = (n[0], n[5], ctx.has_bias and n[6])
+    dx, dw, db = torch.ops.mxtrain.linear_backward(dy, x, weight, w0, w1, keys, signs, ctx.recipe, ctx.amp,
+                                                   ctx.x_dtype, *need)
+    return (dx if need[0] else None, None, None, None, None, dw if need[1] else None, db if need[2] else None,
+            None, None, None, None)
+
+
+_linear_q_op.register_autograd(_backward_q, setup_context=_setup_context_q)
+
+
 # ----------------------------------------------------------------------------------------------
 # the entry point
 
-def compiled_linear(x, weight, bias, state, recipe_str: str, seeded: bool, quantized: bool):
+_SPLIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def split_capable(recipe: Recipe) -> bool:
+    """Can the compiled fast path quantize X in its own op (MXFP4 on both Fprop operands)?"""
+    from . import fast
+    return fast.supported(recipe, enabled_only=False) and all(
+        recipe.operand(n).fmt == "mxfp4" for n in ("fprop_x", "fprop_w"))
+
+
+def compiled_linear(x, weight, bias, state, recipe_str: str, seeded: bool, quantized: bool, split: bool = False):
     """The traced form of ``mx_linear`` (what a compiled ``MXLinear.forward`` calls): only strings and
-    booleans that are constant per recipe, so graphs carry no step, call or layer."""
+    booleans that are constant per recipe, so graphs carry no step, call or layer. ``split``: the recipe
+    is ``split_capable``; on a CUDA device with the fast path on, X is quantized by its own op."""
     if not quantized:
         return F.linear(x, weight, bias)
     keys = signs = None
@@ -316,14 +398,19 @@ def compiled_linear(x, weight, bias, state, recipe_str: str, seeded: bool, quant
     dt = x.device.type
     amp = torch.get_autocast_dtype(dt) if torch.is_autocast_enabled(dt) else None
     need_wgrad = torch.is_grad_enabled() and weight.requires_grad
+    from . import fast
+    if (split and fast.ENABLED and fast.KERNELS and x.is_cuda and x.dtype in _SPLIT_DTYPES
+            and weight.dtype in _SPLIT_DTYPES):
+        f0, f1, w0, w1 = torch.ops.mxtrain.quantize_input(x, keys, signs, recipe_str, need_wgrad)
+        return torch.ops.mxtrain.linear_q(x, f0, f1, w0, w1, weight, bias, keys, signs, recipe_str, _AMP_NAME[amp])
     y, _, _ = torch.ops.mxtrain.linear(x, weight, bias, keys, signs, recipe_str, _AMP_NAME[amp], need_wgrad)
     return y
 
 
 @torch._dynamo.assume_constant_result
-def _compile_spec(recipe) -> tuple[str, bool, bool]:
+def _compile_spec(recipe) -> tuple[str, bool, bool, bool]:
     r = get_recipe(recipe)
-    return recipe_json(r), needs_seeds(r), r.quantized
+    return recipe_json(r), needs_seeds(r), r.quantized, split_capable(r)
 
 
 def mx_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -342,8 +429,8 @@ def mx_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     per expert with ``weight[e]``).
     """
     if torch.compiler.is_compiling():
-        rs, seeded, quantized = _compile_spec(recipe)
-        return compiled_linear(x, weight, bias, state, rs, seeded, quantized)
+        rs, seeded, quantized, split = _compile_spec(recipe)
+        return compiled_linear(x, weight, bias, state, rs, seeded, quantized, split)
     recipe = get_recipe(recipe)
     rt = route(recipe, x, weight)
     if rt == "plain":

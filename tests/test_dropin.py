@@ -366,3 +366,57 @@ def test_gpu_compile_before_any_eager_call(monkeypatch):
         y = f(x)
     y.float().square().mean().backward()
     assert kg._PROBE and torch.isfinite(m[0].weight.grad).all()
+
+
+@pytest.mark.parametrize("preset", ["mxfp4-all-dh16", "mxfp4-all-sr"])
+def test_split_ops_equal_reference_and_share_input_quantization(preset):
+    """The compiled fast path's two ops (``quantize_input``, then ``linear_q``; run here on CPU through
+    Triton's interpreter and the dequantize GEMM) give the reference's outputs and gradients, and under
+    torch.compile three layers reading one input quantize it once (common subexpression elimination)."""
+    from mxtrain import fast
+    from mxtrain.kernels import kernels_available
+    from mxtrain.linear import _MXLinearFunction, recipe_json
+    from mxtrain.context import Ctx
+    if not kernels_available("cpu"):
+        pytest.skip("needs Triton's interpreter")
+    rec = recipes.get(preset)
+    rs = recipe_json(rec)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 9, 64, generator=g).requires_grad_()
+    ws = [(torch.randn(n, 64, generator=g) / 8).requires_grad_() for n in (48, 16, 16)]
+    gys = [torch.randn(2, 9, w.shape[0], generator=g) for w in ws]
+
+    def ops(x, w, keys, signs):
+        f0, f1, w0, w1 = torch.ops.mxtrain.quantize_input(x, keys, signs, rs, True)
+        return torch.ops.mxtrain.linear_q(x, f0, f1, w0, w1, w, None, keys, signs, rs, "")
+
+    def run(fn):
+        x.grad = None
+        for w in ws:
+            w.grad = None
+        ys = fn()
+        torch.autograd.backward(ys, gys)
+        return [y.detach() for y in ys] + [x.grad.clone()] + [w.grad.clone() for w in ws]
+
+    from mxtrain.kernels.seeds import call_seeds_host
+    from mxtrain.context import seed_spec
+    sr, modes, sizes = seed_spec(rec)
+    seeds = [call_seeds_host(rec.seed, i, 3, 0, sr=sr, sign_modes=modes, sign_sizes=sizes) for i in range(3)]
+    ref = run(lambda: [_MXLinearFunction.apply(x, w, None, Ctx(rec, i, 3, 0)) for i, w in enumerate(ws)])
+    got = run(lambda: [ops(x, w, *seeds[i]) for i, w in enumerate(ws)])
+    for r, o in zip(ref, got):
+        assert ((o - r).norm() / r.norm()).item() < 1e-5
+    calls = []
+    real = fast.quantize_input
+    fast.quantize_input = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        torch._dynamo.reset()
+        same = [None, None] if not any(sr) else None   # without randomness every layer quantizes X alike
+        f = torch.compile(lambda x, a, b, c: [ops(x, w, *(same or seeds[i])) for i, w in enumerate((a, b, c))],
+                          backend="aot_eager", fullgraph=True)
+        comp = run(lambda: f(x, *ws))
+    finally:
+        fast.quantize_input = real
+    assert len(calls) == (1 if same else 3)
+    for r, o in zip(got, comp):
+        assert torch.equal(r, o)
