@@ -331,6 +331,17 @@ def _(x, keys, signs, recipe, need_wgrad):
     return (*out, _empty(x), _empty(x, torch.float32))
 
 
+def _setup_context_input(ctx, inputs, output):
+    ctx.mark_non_differentiable(*output)   # quantized values: the gradient reaches x through linear_q
+
+
+def _backward_input(ctx, *grads):
+    return None, None, None, None, None
+
+
+_quantize_input_op.register_autograd(_backward_input, setup_context=_setup_context_input)
+
+
 @torch.library.custom_op("mxtrain::linear_q", mutates_args=())
 def _linear_q_op(x: torch.Tensor, f0: torch.Tensor, f1: torch.Tensor, w0: torch.Tensor, w1: torch.Tensor,
                  weight: torch.Tensor, bias: Optional[torch.Tensor], keys: Optional[torch.Tensor],

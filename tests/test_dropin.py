@@ -368,17 +368,28 @@ def test_gpu_compile_before_any_eager_call(monkeypatch):
     assert kg._PROBE and torch.isfinite(m[0].weight.grad).all()
 
 
+@pytest.mark.parametrize("carrier", [False, True])
 @pytest.mark.parametrize("preset", ["mxfp4-all-dh16", "mxfp4-all-sr"])
-def test_split_ops_equal_reference_and_share_input_quantization(preset):
+def test_split_ops_equal_reference_and_share_input_quantization(preset, carrier, monkeypatch):
     """The compiled fast path's two ops (``quantize_input``, then ``linear_q``; run here on CPU through
     Triton's interpreter and the dequantize GEMM) give the reference's outputs and gradients, and under
-    torch.compile three layers reading one input quantize it once (common subexpression elimination)."""
+    torch.compile three layers reading one input quantize it once (common subexpression elimination).
+    ``carrier``: with the FP8-carrier outputs of the Hopper path (float32 group scales among the op's
+    outputs, which autograd must not differentiate), multiplied as float math here."""
     from mxtrain import fast
     from mxtrain.kernels import kernels_available
     from mxtrain.linear import _MXLinearFunction, recipe_json
     from mxtrain.context import Ctx
     if not kernels_available("cpu"):
         pytest.skip("needs Triton's interpreter")
+    if carrier:
+        from mxtrain.kernels import gemm as kg
+        from mxtrain.kernels import quantize as kq
+        monkeypatch.setattr(fast, "_backend", lambda dev: "fp8_carrier")
+        monkeypatch.setattr(kq, "SELF_CHECK_DEVICES", ())
+        real_gemm = kg.mx_gemm_nt
+        monkeypatch.setattr(kg, "mx_gemm_nt", lambda a, b, backend, *r: real_gemm(a, b, "dequant", *r))
+        monkeypatch.setattr(kg, "activation_b_group_rows", lambda dev: 128)
     rec = recipes.get(preset)
     rs = recipe_json(rec)
     g = torch.Generator().manual_seed(0)
