@@ -104,11 +104,12 @@ def autocast_dtype(device_type: str) -> torch.dtype | None:
 class Ctx:
     """The recipe and the random inputs of one layer call (see the module docstring)."""
 
-    __slots__ = ("recipe", "layer", "step", "call", "keys", "sign_rows")
+    __slots__ = ("recipe", "layer", "step", "call", "keys", "sign_rows", "count")
 
     def __init__(self, recipe: Recipe, layer: int = 0, step: int = 0, call: int = 0):
         self.recipe, self.layer, self.step, self.call = recipe, int(layer), int(step), int(call)
         self.keys = self.sign_rows = None
+        self.count = True   # add the fast path's inexact carrier blocks to mxtrain.fast.inexact_blocks()
 
     @classmethod
     def from_seeds(cls, recipe: Recipe, keys: torch.Tensor | None, signs: torch.Tensor | None) -> "Ctx":
@@ -118,6 +119,7 @@ class Ctx:
         c = cls.__new__(cls)
         c.recipe, c.keys, c.sign_rows = recipe, keys, signs
         c.layer = c.step = c.call = None
+        c.count = True
         return c
 
     @property

@@ -147,8 +147,8 @@ def _quant(qctx: Ctx, t: torch.Tensor, axis: int, name: str, gemm: str, signs, b
             return hit[2], op.prescale
     q = quantize_op(t, axis, rot=rsize, signs=signs, rounding=op.rounding, scale_rule=op.scale_rule, key=key,
                     prescale=op.prescale, index_strides=_index_strides(t, axis, rsize), carrier=carrier, fp4=fp4,
-                    group_rows=group_rows, k_multiple=_gemm.k_multiple_for(backend), counter=_counter(t.device),
-                    key_tensor=key_t)
+                    group_rows=group_rows, k_multiple=_gemm.k_multiple_for(backend),
+                    counter=_counter(t.device) if qctx.count else None, key_tensor=key_t)
     if act is not None:
         _act_put(name, act, t, q)
     return q, op.prescale
@@ -195,10 +195,11 @@ def _quant_pair(qctx: Ctx, t: torch.Tensor, na: str, ga: str, nb: str, gb: str, 
     if all(act is not None and h is not None and h[0] == act for (_, act, _), h in zip(acts, hits)):
         return {n: (h[2], ps) for (n, _, ps), h in zip(acts, hits)}
     km = _gemm.k_multiple_for(backend)
+    cnt = _counter(dev) if qctx.count else None
     if one:
-        qs = _quantize.quantize_mxfp4_dual(t, sides[0], sides[1], k_multiple=km, counter=_counter(dev))
+        qs = _quantize.quantize_mxfp4_dual(t, sides[0], sides[1], k_multiple=km, counter=cnt)
     else:
-        qs = [quantize_op(t, ax, **sd, carrier=True, fp4=False, k_multiple=km, counter=_counter(dev))
+        qs = [quantize_op(t, ax, **sd, carrier=True, fp4=False, k_multiple=km, counter=cnt)
               for ax, sd in ((1, sides[0]), (0, sides[1]))]
     out = {}
     for (n, act, ps), q in zip(acts, qs):

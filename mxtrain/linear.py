@@ -205,9 +205,12 @@ def _(state, recipe):
 
 
 def _op_ctx(recipe: Recipe, keys, signs) -> Ctx:
-    if keys is None and signs is None:
-        return Ctx(recipe)
-    return Ctx.from_seeds(recipe, keys, signs)
+    """The context inside the custom ops. It does not count inexact carrier blocks: the shared counter
+    would be a tensor that outlives the call, which a CUDA graph tree (``mode="reduce-overhead"``) refuses
+    when it was first made during its warm-up."""
+    c = Ctx(recipe) if keys is None and signs is None else Ctx.from_seeds(recipe, keys, signs)
+    c.count = False
+    return c
 
 
 def _empty(like: torch.Tensor, dtype=torch.uint8) -> torch.Tensor:

@@ -351,21 +351,29 @@ def test_gpu_compiled_loop_equals_reference(recipe, mode):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_compile_before_any_eager_call(monkeypatch):
-    """A fresh process's first call is a compiled one: the fake implementation probes the GEMM paths on
-    the device (outside the fake mode) and the compiled model trains."""
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_gpu_compile_before_any_eager_call(mode, monkeypatch):
+    """A fresh process's first MX call is a compiled one: the fake implementation probes the GEMM paths on
+    the device (outside the fake mode), nothing made during the CUDA graph tree's warm-up outlives it, and
+    the compiled model trains."""
+    from mxtrain import fast
     from mxtrain.kernels import gemm as kg
     monkeypatch.setattr(kg, "_PROBE", {})
+    monkeypatch.setattr(fast, "_COUNTERS", {})
     torch._dynamo.reset()
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256)).cuda()
     mxtrain.convert(m, "mxfp4-all-dh16")
-    f = torch.compile(m, fullgraph=True)
-    x = torch.randn(512, 256, device="cuda")
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        y = f(x)
-    y.float().square().mean().backward()
-    assert kg._PROBE and torch.isfinite(m[0].weight.grad).all()
+    f = torch.compile(m, fullgraph=True, mode=None if mode == "default" else mode)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True)
+    for _ in range(4):
+        x = torch.randn(512, 256, device="cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = f(x)
+        y.float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    assert kg._PROBE and torch.isfinite(m[0].weight).all()
 
 
 @pytest.mark.parametrize("carrier", [False, True])
