@@ -241,6 +241,7 @@ def test_cuda_graph_training_follows_eager(tmp_path, recipe):
     for graphs in (False, True):
         cfg = _resume_cfg(tmp_path / f"{recipe}-{graphs}", 6, recipe=recipe)
         cfg.train.cuda_graphs = graphs
+        cfg.train.compile = "off"
         run = train(cfg)
         runs[graphs] = ([r["loss"] for r in _rows(run)[0]], torch.load(run / ckpt.NAME)["model"])
     (le, me), (lg, mg) = runs[False], runs[True]
@@ -249,3 +250,25 @@ def test_cuda_graph_training_follows_eager(tmp_path, recipe):
     for k in me:
         d = (mg[k].float() - me[k].float()).norm() / me[k].float().norm().clamp(min=1e-12)
         assert d < 1e-3, (k, float(d))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("recipe", ["bf16", "mxfp4-all-dh16", "mxfp4-all-sr"])
+def test_compiled_blocks_train_like_eager(tmp_path, recipe):
+    """train.compile (on by default on CUDA) trains like eager blocks: the same losses up to the fused
+    kernels' rounding and the GPU's non-deterministic atomics."""
+    runs = {}
+    for mode in ("off", "on"):
+        cfg = _resume_cfg(tmp_path / f"{recipe}-{mode}", 6, recipe=recipe)
+        cfg.train.compile = mode
+        runs[mode] = [r["loss"] for r in _rows(train(cfg))[0]]
+    assert len(runs["on"]) == 6
+    assert max(abs(a - b) for a, b in zip(runs["off"], runs["on"])) < 1e-2, runs
+
+
+def test_bad_compile_setting(tmp_path):
+    cfg = _resume_cfg(tmp_path / "c", 2)
+    cfg.train.compile = "sometimes"
+    with pytest.raises(UserError, match="train.compile must be auto, on or off"):
+        train(cfg)

@@ -237,6 +237,7 @@ def train_one(spec: StudySpec, arm: str, seed: int, run_dir: Path) -> None:
     if not spec.diagnose_every:
         TR.train(cfg)
         return
+    cfg.train.compile = "off"   # diagnostics hook every MX layer on sampled steps, in Python
     tap = _DiagnosticsTap(TR.set_step, run_dir, spec.diagnose_every)
     TR.set_step = tap
     try:

@@ -68,7 +68,9 @@ class TrainSection:
     checkpoint_every: int = 0               # steps between checkpoints; 0: only at the end
     deterministic: bool = False             # torch.use_deterministic_algorithms (GPU runs)
     cuda_graphs: bool = False               # replay each micro-step's forward + backward as a CUDA graph
-                                            # (one GPU; SR and per-step signs on the fast path only)
+                                            # (one GPU)
+    compile: str = "auto"                   # torch.compile every transformer block (MX layers included):
+                                            # auto (on CUDA without cuda_graphs) | on | off
 
 
 @dataclass

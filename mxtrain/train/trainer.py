@@ -106,6 +106,8 @@ def _check(cfg: TrainConfig) -> None:
         raise UserError(f"schedule.horizon_steps ({cfg.schedule.horizon_steps}) must be >= train.steps ({t.steps})")
     if cfg.schedule.kind not in ("cosine", "wsd", "constant"):
         raise UserError(f"schedule.kind must be cosine, wsd or constant, got {cfg.schedule.kind!r}")
+    if cfg.train.compile not in ("auto", "on", "off"):
+        raise UserError(f"train.compile must be auto, on or off, got {cfg.train.compile!r}")
     if cfg.parallel.mode not in ("auto",) + D.MODES:  # [distributed]
         raise UserError(f"parallel.mode must be auto, {', '.join(D.MODES)}; got {cfg.parallel.mode!r}")
     if cfg.parallel.param_dtype not in ("auto", "bf16", "fp32"):
@@ -123,6 +125,13 @@ def graph_blockers(recipe, device: torch.device, world: int) -> list[str]:
     if world > 1:
         why.append("training runs on several processes (CUDA graphs are for one GPU here)")
     return why
+
+
+def compiles(cfg, device: torch.device) -> bool:
+    """Does this run compile its transformer blocks (``train.compile``)?"""
+    if cfg.train.compile == "auto":
+        return device.type == "cuda" and not cfg.train.cuda_graphs
+    return cfg.train.compile == "on"
 
 
 class _LossModule(torch.nn.Module):
@@ -366,6 +375,11 @@ def _train(cfg: TrainConfig, resume: str | Path | None, env: D.DistEnv) -> Path:
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg, data.vocab_size, device)
     convert(model, recipe)
+    if compiles(cfg, device):
+        # each block compiled on its own (one graph shared by all blocks: layer numbers and steps are
+        # tensors), before DDP / FSDP2 wrap them, as torchtitan does; state_dict keys are unchanged
+        for block in model.layers:
+            block.compile()
     model = _wrap_parallel(model, cfg, env)
     opt = _optimizer(model, cfg, device)
     mcfg = D.unwrap(model).cfg
