@@ -230,11 +230,13 @@ def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     if route(r, x, weight) == "fast":
         from . import fast
         y, wq = fast.forward(x, weight, bias, qctx, a, need_wgrad, reuse=False)
+        # (contiguous: the padded GEMM output's slice is a strided view; the fake says contiguous)
+        y = y.contiguous()
         if wq is not None:
             s0, s1 = fast.pack_operand(wq)
             return y, s0, s1
         return y, _empty(x), _empty(x)
-    return ref_forward(x, weight, bias, qctx, a), _empty(x), _empty(x)
+    return ref_forward(x, weight, bias, qctx, a).contiguous(), _empty(x), _empty(x)
 
 
 @_linear_op.register_fake
@@ -271,7 +273,8 @@ def _linear_backward_op(dy: torch.Tensor, x: Optional[torch.Tensor], weight: tor
     else:
         dx, dw, db = ref_backward(dy, x, weight, qctx, a, need)
     e = _empty(dy, weight.dtype)
-    return (dx if dx is not None else _empty(dy, x_dtype)), (dw if dw is not None else e), (db if db is not None else e)
+    return (dx.contiguous() if dx is not None else _empty(dy, x_dtype)), (dw.contiguous() if dw is not None else e), \
+        (db.contiguous() if db is not None else e)
 
 
 @_linear_backward_op.register_fake
@@ -356,7 +359,7 @@ def _linear_q_op(x: torch.Tensor, f0: torch.Tensor, f1: torch.Tensor, w0: torch.
     M, K = x.numel() // max(x.shape[-1], 1), x.shape[-1]
     pre = {"fprop_x": (fast.unpack_operand(f0, f1, M, K, group_rows=1), r.operand("fprop_x").prescale)}
     y, _ = fast.forward(x, weight, bias, _op_ctx(r, keys, signs), _AMP[amp], False, pre=pre)
-    return y
+    return y.contiguous()
 
 
 @_linear_q_op.register_fake
