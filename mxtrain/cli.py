@@ -115,6 +115,9 @@ def build_config(args):
             raise UserError(f"cannot read {cfg_file} to resume ({e})") from None
         if args.exp:
             raise UserError("--exp cannot be combined with --resume (the run's own config is used)")
+        # the run continues where its checkpoint is (a copied or moved run stays in its new place), unless
+        # --out names another folder (applied below with the other flags)
+        cfg.log.out = str(path.parent.resolve())
         args.resume = str(path)
     else:
         cfg = experiments.get(args.exp or experiments.DEFAULT)

@@ -10,6 +10,12 @@ Layout of a prepared folder::
 The validation split is fixed by content: a document goes to validation when a hash of its text
 falls below ``val_fraction``, so it does not depend on file order or on the tokenizer. The folder
 is written under a temporary name and renamed at the end, so a crash never leaves a half folder.
+
+``force`` only ever replaces a prepared folder (one holding a ``meta.json`` written here and nothing
+else): an output folder that is the working folder or one of its parents, the root or the home
+folder, an input or inside one or holding one, a file, or a non-empty folder prepare did not write
+is refused before any work. The old folder is moved aside, the new one renamed in, and only then is
+the old one deleted, so an interrupted run leaves the old folder or the new one, never neither.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -73,24 +80,27 @@ def prepare(sources: list[str], out: str | Path, *, tokenizer: str | None = None
     **Arguments:** ``tokenizer``: a local tokenizer file to use; if None, train a byte-level BPE of
     ``vocab_size`` on (up to ``tokenizer_train_bytes`` of) the training documents.
     ``val_fraction``: share of documents held out for validation (by content hash).
+    ``force``: replace an existing ``out``, which must be a folder a previous prepare wrote (see above).
     """
     out = Path(out)
     if not sources:
         raise UserError("no data sources given (use 'builtin' or paths to .txt/.jsonl/.json.gz/.parquet files)")
     if not 0 < val_fraction < 0.5:
         raise UserError(f"val fraction must be in (0, 0.5), got {val_fraction}")
+    given = list(sources)
     sources = expand_sources(sources)
-    if out.exists() and any(out.iterdir()) if out.is_dir() else out.exists():
-        if not force:
-            raise UserError(f"output folder {out} already exists and is not empty (use --force to overwrite)")
+    # every check on --out comes before any work or any deletion; file operations use the resolved path
+    dest = _check_out(out, given + sources, force)
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if _clean_stale(dest):  # an old folder came back: check --out again
+            dest = _check_out(out, given + sources, force)
+        tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}"
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()
     except OSError as e:
-        raise UserError(f"cannot write to {out.parent}: {e.strerror or e}") from None
+        raise UserError(f"cannot write to {dest.parent}: {e.strerror or e}") from None
 
     try:
         t0 = time.time()
@@ -173,9 +183,7 @@ def prepare(sources: list[str], out: str | Path, *, tokenizer: str | None = None
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-        if out.exists():
-            shutil.rmtree(out) if out.is_dir() else out.unlink()
-        os.replace(tmp, out)
+        _swap_in(tmp, dest, out, force)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -184,6 +192,142 @@ def prepare(sources: list[str], out: str | Path, *, tokenizer: str | None = None
               f"({ndocs['train']} + {ndocs['val']} documents, vocab {tok.vocab_size}) in {time.time() - t0:.1f} s",
               flush=True)
     return out
+
+
+# the keys every meta.json written by prepare has; a folder whose meta.json lacks one was not written here
+_META_KEYS = ("format", "dtype", "vocab_size", "eot_id", "tokenizer", "train", "val", "train_tokens", "val_tokens")
+_HINT = "choose an empty or new --out"
+
+
+def _prepared_files(folder: Path) -> set[str] | None:
+    """The names prepare wrote into ``folder`` (from its meta.json), or None when it is not a prepared folder."""
+    try:
+        meta = json.loads((folder / "meta.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or not all(k in meta for k in _META_KEYS):
+        return None
+    try:
+        names = {"meta.json", str(meta["tokenizer"])}
+        names.update(str(sh["file"]) for sh in list(meta["train"]) + list(meta["val"]))
+    except (TypeError, KeyError):
+        return None
+    return names
+
+
+def _replace_refusal(folder: Path, shown: Path) -> str | None:
+    """Why the existing non-empty ``folder`` may not be replaced, or None when it is a prepared folder that
+    holds only what prepare wrote."""
+    names = _prepared_files(folder)
+    if names is None:
+        return (f"output folder {shown} already exists, is not empty and is not a prepared data folder (no "
+                f"mxtrain meta.json); --force only replaces a folder written by 'mxtrain data prepare': {_HINT}")
+    foreign = sorted(p.name for p in folder.iterdir() if p.name not in names)
+    if foreign:
+        more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
+        return (f"output folder {shown} is a prepared data folder but also holds files prepare did not write "
+                f"({', '.join(foreign[:3])}{more}); move them out first, or {_HINT}")
+    return None
+
+
+def _check_out(out: Path, sources: list[str], force: bool) -> Path:
+    """Refuse an output path that prepare must not write or replace; returns it resolved (symlinks followed)."""
+    try:
+        dest = out.resolve()
+        cwd = Path.cwd().resolve()
+        home = Path.home().resolve()
+    except (OSError, RuntimeError) as e:
+        raise UserError(f"cannot resolve --out {out}: {e}") from None
+    if dest.parent == dest:
+        raise UserError(f"refusing --out {out}: it is the filesystem root; {_HINT}")
+    if dest == cwd or dest in cwd.parents:
+        what = "the current working folder" if dest == cwd else "a parent of the current working folder"
+        raise UserError(f"refusing --out {out}: it is {what}, which prepare would replace as a whole; {_HINT} "
+                        f"such as data/prepared")
+    if dest == home or dest in home.parents:
+        what = "your home folder" if dest == home else "a parent of your home folder"
+        raise UserError(f"refusing --out {out}: it is {what}; {_HINT} such as data/prepared")
+    for s in sources:
+        if s == BUILTIN:
+            continue
+        src = Path(s).resolve()
+        rel = "is the input" if src == dest else "is inside the input" if src in dest.parents else \
+              "contains the input" if dest in src.parents else None
+        if rel:
+            raise UserError(f"refusing --out {out}: it {rel} {s}; write the prepared data outside the inputs: "
+                            f"{_HINT}")
+    if dest.exists() and not dest.is_dir():
+        raise UserError(f"--out {out} is an existing file, not a folder; {_HINT}")
+    try:
+        nonempty = dest.is_dir() and any(dest.iterdir())
+        why = _replace_refusal(dest, out) if nonempty else None
+    except OSError as e:
+        raise UserError(f"cannot read output folder {out}: {e.strerror or e}") from None
+    if why:
+        raise UserError(why)
+    if nonempty and not force:
+        raise UserError(f"output folder {out} already exists and is not empty (use --force to overwrite)")
+    return dest
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True
+    return True
+
+
+def _clean_stale(dest: Path) -> bool:
+    """Remove the temporary folders of killed runs next to ``dest`` (``.NAME.tmp-PID`` whose process is gone).
+    A moved-aside old folder (``.NAME.old-PID``) is deleted when ``dest`` exists (the swap finished), and
+    renamed back when it does not (the run died between its two renames)."""
+    pat = re.compile(re.escape(f".{dest.name}.") + r"(tmp|old)-(\d+)")
+    restored = False
+    for p in sorted(dest.parent.iterdir()):
+        m = pat.fullmatch(p.name)
+        if not m or p.is_symlink() or not p.is_dir() or _pid_alive(int(m.group(2))):
+            continue
+        if m.group(1) == "old" and not os.path.lexists(dest) and _prepared_files(p) is not None:
+            os.rename(p, dest)
+            restored = True
+        else:
+            shutil.rmtree(p, ignore_errors=True)
+    return restored
+
+
+def _swap_in(tmp: Path, dest: Path, out: Path, force: bool) -> None:
+    """Put the finished ``tmp`` at ``dest``. An old prepared folder is renamed aside, the new one renamed in,
+    then the old one deleted; ``dest`` is checked again first, in case something was written there meanwhile."""
+    try:
+        old_there = dest.is_dir() and any(dest.iterdir())
+    except OSError as e:
+        raise UserError(f"cannot read output folder {out}: {e.strerror or e}") from None
+    if not old_there:
+        if dest.exists() and not dest.is_dir():
+            raise UserError(f"--out {out} is an existing file, not a folder; {_HINT}")
+        try:
+            os.replace(tmp, dest)  # absent or an empty folder; fails (nothing lost) if files appeared meanwhile
+        except OSError as e:
+            raise UserError(f"cannot move the prepared data into {out}: {e.strerror or e}; {_HINT}") from None
+        return
+    why = _replace_refusal(dest, out)
+    if why or not force:
+        raise UserError(why or f"output folder {out} already exists and is not empty (use --force to overwrite)")
+    aside = dest.parent / f".{dest.name}.old-{os.getpid()}"
+    if aside.exists():
+        shutil.rmtree(aside)
+    os.rename(dest, aside)
+    try:
+        os.rename(tmp, dest)
+    except BaseException:
+        os.rename(aside, dest)
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _carve_val(folder: Path, train_w: _ShardWriter, val_w: _ShardWriter, dtype) -> None:

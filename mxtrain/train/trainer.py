@@ -162,14 +162,63 @@ def _git_sha() -> str | None:
         return None
 
 
-def _make_out(cfg: TrainConfig, resuming: bool) -> Path:
+class _RunLock:
+    """An exclusive lock on a run folder while a run trains in it (``fcntl.flock`` on ``RUN/.lock``, which
+    holds the owner's pid; the system drops the lock when the process ends, however it ends)."""
+
+    def __init__(self, out: Path):
+        self.f = None
+        try:
+            import fcntl
+        except ImportError:   # no flock on this system: unlocked
+            return
+        f = open(out / ".lock", "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.seek(0)
+            who = f.read().strip()
+            f.close()
+            raise UserError(f"output folder {out} is in use by another mxtrain run{f' (pid {who})' if who else ''}; "
+                            f"wait for it to finish or choose another --out") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        self.f = f
+
+    def close(self) -> None:
+        if self.f is not None:
+            self.f.close()
+            self.f = None
+
+
+def _holds_run(out: Path) -> str | None:
+    """What makes ``out`` a run folder (a checkpoint, or metrics of a run that wrote none), or None."""
+    if (out / ckpt.NAME).exists() or D.find_dcp(out):
+        return "a checkpoint"
+    if (out / "metrics.jsonl").exists():
+        return "the metrics of a run (and no checkpoint)"
+    return None
+
+
+def _make_out(cfg: TrainConfig, resume_dir: Path | None, rank: int, locks: list) -> Path:
+    """The run folder, created and (rank 0) locked. A new run refuses a folder that holds a run; a resumed run
+    refuses one that holds another run than the one it continues."""
     out = Path(cfg.log.out) if cfg.log.out else Path("runs") / f"{cfg.exp}-{cfg.recipe_name()}-{time.strftime('%Y%m%d-%H%M%S')}"
     try:
         if out.exists() and not out.is_dir():
             raise UserError(f"output folder {out} exists and is not a folder")
-        if not resuming and ((out / ckpt.NAME).exists() or D.find_dcp(out)):
-            raise UserError(f"output folder {out} already holds a run; use --resume {out} or another --out")
         out.mkdir(parents=True, exist_ok=True)
+        if rank == 0:
+            locks.append(_RunLock(out))
+        what = _holds_run(out)
+        same = resume_dir is not None and out.resolve() == resume_dir.resolve()
+        if what and resume_dir is None:
+            raise UserError(f"output folder {out} already holds a run ({what}); use --resume {out} or another --out")
+        if what and not same:
+            raise UserError(f"output folder {out} holds another run ({what}) than the one resumed from {resume_dir}; "
+                            f"resume into {resume_dir} (leave --out out) or choose an empty --out")
         probe = out / f".write-test-{os.getpid()}"
         probe.write_text("")
         probe.unlink()
@@ -323,7 +372,12 @@ def train(cfg: TrainConfig, resume: str | Path | None = None) -> Path:
     _check(cfg)
     device = _resolve_device(cfg.train.device)
     env = D.init(str(device) if device.index is not None or device.type == "cpu" else "cuda")  # [distributed]
-    out = _train(cfg, resume, env)
+    locks: list = []
+    try:
+        out = _train(cfg, resume, env, locks)
+    finally:
+        for lock in locks:   # the run folder's lock (rank 0)
+            lock.close()
     # [distributed] _train's frame is gone, and with it the DDP / FSDP2 model that holds the process group:
     # D.shutdown destroys the group while the interpreter is whole (not at exit, where gloo can abort)
     if env.distributed:
@@ -332,7 +386,7 @@ def train(cfg: TrainConfig, resume: str | Path | None = None) -> Path:
     return out
 
 
-def _train(cfg: TrainConfig, resume: str | Path | None, env: D.DistEnv) -> Path:
+def _train(cfg: TrainConfig, resume: str | Path | None, env: D.DistEnv, locks: list) -> Path:
     rank, world, device = env.rank, env.world_size, env.device
     amp_dtype = _autocast_dtype(cfg, device)
     recipe = cfg.resolved_recipe()
@@ -406,7 +460,10 @@ def _train(cfg: TrainConfig, resume: str | Path | None, env: D.DistEnv) -> Path:
             raise UserError(f"checkpoint is at step {start_step}, nothing to do for --steps {cfg.train.steps}; "
                             f"raise --steps to continue")
 
-    out = _make_out(cfg, resuming=state is not None)
+    resume_dir = None
+    if state is not None:
+        resume_dir = dcp_path.parent if dcp_path is not None else ckpt.find(resume).parent
+    out = _make_out(cfg, resume_dir, rank, locks)
     if rank == 0:
         (out / "config.json").write_text(json.dumps(cfg_dict, indent=2, default=str) + "\n")
         (out / "recipe.json").write_text(json.dumps(recipe.to_dict(), indent=2) + "\n")
