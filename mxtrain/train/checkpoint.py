@@ -20,8 +20,10 @@ from ..errors import UserError
 FORMAT = "mxtrain-ckpt-v1"
 NAME = "checkpoint.pt"
 # config keys that must match to resume (the rest, e.g. steps or logging, may change)
+# what a resumed run must share with its checkpoint; the optimizer's values (learning rate, betas, weight
+# decay, eps, clipping) may change on resume: they do not change the shape of its state
 IDENTITY_KEYS = [("model",), ("data", "seq_len"), ("data", "vocab_size"), ("data", "seed"), ("recipe",),
-                 ("recipe_overrides",), ("train", "batch_size"), ("train", "seed"), ("optim",)]
+                 ("recipe_overrides",), ("train", "batch_size"), ("train", "seed")]
 
 
 def rng_state() -> dict:

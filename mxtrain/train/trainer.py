@@ -261,6 +261,27 @@ def _optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -
                              fused=device.type == "cuda")
 
 
+def _apply_optim_values(opt: torch.optim.Optimizer, cfg: TrainConfig) -> None:
+    """Set betas, eps and weight decay (of the decayed group) from ``cfg`` after loading a checkpoint's state;
+    the learning rate is set at every step from the schedule."""
+    o = cfg.optim
+    for g in opt.param_groups:
+        g["betas"], g["eps"] = (o.beta1, o.beta2), o.eps
+        if g["weight_decay"] != 0.0:
+            g["weight_decay"] = o.weight_decay
+
+
+def _all_finite(model: torch.nn.Module) -> bool:
+    """Are all weights finite (on every rank: each checks its shards)?"""
+    ok = []
+    for p in model.parameters():
+        t = p.detach()
+        t = t.to_local() if hasattr(t, "to_local") else t   # [distributed] FSDP2's DTensor shards
+        ok.append(torch.isfinite(t).all())
+    here = bool(torch.stack([t.to(ok[0].device) for t in ok]).all()) if ok else True
+    return _reduce_mean(0.0 if here else 1.0) == 0.0   # [distributed] any rank non-finite: all stop
+
+
 def _wrap_parallel(model, cfg, env):  # [distributed] DDP / FSDP2 (mxtrain.distributed.wrap)
     p = cfg.parallel
     mode = ("ddp" if env.distributed else "none") if p.mode == "auto" else p.mode
@@ -342,7 +363,9 @@ class _Log:
     def row(self, r: dict):
         if self.rank:
             return
-        self.f.write(json.dumps(r) + "\n")
+        # strict JSON: a non-finite number is written as its name in a string ("nan", "inf")
+        self.f.write(json.dumps({k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v)
+                                 for k, v in r.items()}, allow_nan=False) + "\n")
         self.f.flush()
         if self.tb:
             for k, v in r.items():
@@ -453,6 +476,7 @@ def _train(cfg: TrainConfig, resume: str | Path | None, env: D.DistEnv, locks: l
                 opt.load_state_dict(state["optimizer"])
         except (RuntimeError, ValueError, KeyError) as e:
             raise UserError(f"checkpoint {resume} does not fit this model ({str(e).splitlines()[0][:160]})") from None
+        _apply_optim_values(opt, cfg)   # this run's optimizer values, not the checkpoint's
         loader.load_state_dict(state["loader"])
         ckpt.set_rng_state(state["rng"])
         start_step, tokens = int(state["step"]), int(state["tokens"])
@@ -490,6 +514,9 @@ def _train(cfg: TrainConfig, resume: str | Path | None, env: D.DistEnv, locks: l
 
     def save_ckpt(step):
         nonlocal last_ckpt_step
+        if not _all_finite(model):   # never a checkpoint of non-finite weights
+            raise NonFiniteLoss(f"weights are not finite at step {step}; no checkpoint written (last good "
+                                f"checkpoint: {ckpt_path if last_ckpt_step is not None else 'none'}); try a lower --lr")
         rest = {"schedule": {"step": step, "lr": lr_at(step, cfg)}, "loader": loader.state_dict(),
                 "rng": ckpt.rng_state(), "step": step, "tokens": tokens, "config": cfg_dict}
         if env.distributed:  # [distributed] DCP folder, every rank writes its shards; atomic rename
@@ -553,6 +580,13 @@ def _train(cfg: TrainConfig, resume: str | Path | None, env: D.DistEnv, locks: l
                                     f"try a lower --lr or another recipe")
             gnorm = D.clip_grad_norm_(model, cfg.optim.grad_clip if cfg.optim.grad_clip > 0  # [distributed] DTensor grads
                                       else float("inf"))
+            if not math.isfinite(float(gnorm)):
+                # checked before the update: the weights (and the last checkpoint) stay those of the last good step
+                where = (f"last good checkpoint: {ckpt_path} (step {last_ckpt_step})" if last_ckpt_step is not None
+                         else "no checkpoint was written yet")
+                log.row({"step": step + 1, "tokens": tokens, "event": "non-finite gradient", "grad_norm": float(gnorm)})
+                raise NonFiniteLoss(f"gradient norm is {float(gnorm)} at step {step + 1}; the weights were not updated "
+                                    f"({where}); resume with a lower --lr (it may change on resume) or another recipe")
             opt.step()
             opt.zero_grad(set_to_none=graphed is None)
             tokens += B * T
@@ -582,6 +616,12 @@ def _train(cfg: TrainConfig, resume: str | Path | None, env: D.DistEnv, locks: l
                 te = time.perf_counter()
                 val_loss = evaluate(model, data, cfg, device, amp_dtype, rank, world)
                 log.row({"step": done, "tokens": tokens, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))})
+                if not math.isfinite(val_loss):
+                    raise NonFiniteLoss(f"validation loss is {val_loss} at step {done}; training stopped (last good "
+                                        f"checkpoint: {ckpt_path} (step {last_ckpt_step})); resume with a lower --lr "
+                                        f"or another recipe" if last_ckpt_step is not None else
+                                        f"validation loss is {val_loss} at step {done}; training stopped (no checkpoint "
+                                        f"was written yet); try a lower --lr or another recipe")
                 log.say(f"step {done:>6} | tokens {tokens:>11,} | val_loss {val_loss:.4f} | val_ppl {math.exp(min(val_loss, 50)):.2f}")
                 t_last += time.perf_counter() - te  # keep evaluation out of tokens/s
             if (cfg.train.checkpoint_every and done % cfg.train.checkpoint_every == 0) or done == cfg.train.steps:
