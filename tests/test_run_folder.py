@@ -82,3 +82,43 @@ def test_metrics_without_checkpoint_hold_a_run(tmp_path):
     with pytest.raises(UserError, match="already holds a run"):
         train(_cfg(out, 2))
     assert (out / "metrics.jsonl").read_text() == '{"step": 1, "loss": 5.0}\n'
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_signal_saves_a_checkpoint_and_resume_finishes(tmp_path, sig):
+    """SIGINT or SIGTERM in the middle of a run (checkpoint_every=0): the step in progress ends, a checkpoint
+    is written, the run stops with one line and exit 128+signal; resuming it finishes the run."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from train_helpers import ROOT
+    out = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    p = subprocess.Popen([sys.executable, "-m", "mxtrain", "train", "--exp", "debug", "--data", str(small_data()),
+                          "--steps", "100000", "--out", str(out), "--no-progress", "--set", "log.log_every=1",
+                          "--set", "log.eval_every=100000"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            m = out / "metrics.jsonl"
+            if m.exists() and sum(1 for ln in m.read_text().splitlines() if '"loss"' in ln) >= 2:
+                break
+            time.sleep(0.2)
+        p.send_signal(getattr(signal, sig))
+        stdout, stderr = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 128 + getattr(signal, sig), stderr
+    lines = [ln for ln in stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"mxtrain: error: interrupted by {sig} at step"), stderr
+    step = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"]
+    from mxtrain.train import checkpoint as ckpt
+    assert ckpt.load(out)["step"] == step >= 2
+    q = run_cli("train", "--resume", str(out), "--steps", str(step + 1), "--no-progress")
+    assert q.returncode == 0, q.stderr
+    assert ckpt.load(out)["step"] == step + 1

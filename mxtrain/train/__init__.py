@@ -5,4 +5,4 @@ from .config import (DataSection as DataSection, LogSection as LogSection, Model
                      OptimSection as OptimSection, ParallelSection as ParallelSection,
                      ScheduleSection as ScheduleSection, TrainConfig as TrainConfig, TrainSection as TrainSection,
                      apply_overrides as apply_overrides)
-from .trainer import NonFiniteLoss as NonFiniteLoss, evaluate as evaluate, lr_at as lr_at, train as train
+from .trainer import Interrupted as Interrupted, NonFiniteLoss as NonFiniteLoss, evaluate as evaluate, lr_at as lr_at, train as train

@@ -65,7 +65,8 @@ class TrainSection:
     seed: int = 0
     device: str = "auto"                    # auto | cpu | cuda | cuda:N
     dtype: str = "auto"                     # auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16
-    checkpoint_every: int = 0               # steps between checkpoints; 0: only at the end
+    checkpoint_every: int = 0               # steps between checkpoints; 0: only at the end (and by time, below)
+    checkpoint_minutes: float = 30.0        # also checkpoint when this much time passed since the last one; 0: off
     deterministic: bool = False             # torch.use_deterministic_algorithms (GPU runs)
     cuda_graphs: bool = False               # replay each micro-step's forward + backward as a CUDA graph
                                             # (one GPU)

@@ -33,6 +33,40 @@ PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "GH200": 989.4, "A100": 312.0, "L40
                "A10G": 70.0, "RTX 4090": 165.0, "B200": 2250.0}
 
 
+class Interrupted(UserError):
+    """SIGINT or SIGTERM: the run saved a checkpoint at the end of the step in progress and stopped."""
+
+    def __init__(self, msg: str, signum: int):
+        super().__init__(msg)
+        self.exit_code = 128 + signum
+
+
+class _Signals:
+    """While a run trains (main thread only): SIGINT and SIGTERM set ``caught`` instead of stopping the
+    process, so the loop can checkpoint at the end of the step; a second signal stops at once."""
+
+    def __init__(self):
+        import signal
+        import threading
+        self.caught = None
+        self.old = {}
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for s in (signal.SIGINT, signal.SIGTERM):
+            self.old[s] = signal.signal(s, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.caught is not None:   # a second signal: stop now
+            raise KeyboardInterrupt
+        self.caught = signum
+
+    def restore(self):
+        import signal
+        for s, h in self.old.items():
+            signal.signal(s, h)
+        self.old = {}
+
+
 class NonFiniteLoss(UserError):
     """The loss became NaN or infinite; the run stopped and its last checkpoint was kept."""
     exit_code = 3
@@ -106,6 +140,8 @@ def _check(cfg: TrainConfig) -> None:
         raise UserError(f"schedule.horizon_steps ({cfg.schedule.horizon_steps}) must be >= train.steps ({t.steps})")
     if cfg.schedule.kind not in ("cosine", "wsd", "constant"):
         raise UserError(f"schedule.kind must be cosine, wsd or constant, got {cfg.schedule.kind!r}")
+    if not (cfg.train.checkpoint_minutes >= 0 and math.isfinite(cfg.train.checkpoint_minutes)):
+        raise UserError(f"train.checkpoint_minutes must be >= 0, got {cfg.train.checkpoint_minutes}")
     if cfg.train.compile not in ("auto", "on", "off"):
         raise UserError(f"train.compile must be auto, on or off, got {cfg.train.compile!r}")
     if cfg.parallel.mode not in ("auto",) + D.MODES:  # [distributed]
@@ -535,6 +571,8 @@ def _train(cfg: TrainConfig, resume: str | Path | None, env: D.DistEnv, locks: l
     t_last, tok_last, steps_last = time.perf_counter(), tokens, 0
     loss_acc = 0.0
     val_loss = None
+    sig = _Signals()
+    t_ckpt = time.perf_counter()
     try:
         for step in range(start_step, cfg.train.steps):
             lr = lr_at(step, cfg)
@@ -624,9 +662,21 @@ def _train(cfg: TrainConfig, resume: str | Path | None, env: D.DistEnv, locks: l
                                         f"was written yet); try a lower --lr or another recipe")
                 log.say(f"step {done:>6} | tokens {tokens:>11,} | val_loss {val_loss:.4f} | val_ppl {math.exp(min(val_loss, 50)):.2f}")
                 t_last += time.perf_counter() - te  # keep evaluation out of tokens/s
-            if (cfg.train.checkpoint_every and done % cfg.train.checkpoint_every == 0) or done == cfg.train.steps:
+            caught = sig.caught if not env.distributed else int(_reduce_mean(float(sig.caught or 0)) > 0) and (
+                sig.caught or 15)   # [distributed] a signal on any rank stops every rank at the same step
+            due = cfg.train.checkpoint_minutes > 0 and time.perf_counter() - t_ckpt >= 60 * cfg.train.checkpoint_minutes
+            if ((cfg.train.checkpoint_every and done % cfg.train.checkpoint_every == 0) or done == cfg.train.steps
+                    or due or caught):
                 save_ckpt(done)
+                t_ckpt = time.perf_counter()
+            if caught and done < cfg.train.steps:
+                import signal
+                name = signal.Signals(caught).name
+                log.row({"step": done, "tokens": tokens, "event": f"interrupted ({name})"})
+                raise Interrupted(f"interrupted by {name} at step {done}; checkpoint saved in {out}; continue with: "
+                                  f"mxtrain train --resume {out}", caught)
     finally:
+        sig.restore()
         log.close()
     if rank == 0:
         summary = {"steps": cfg.train.steps, "tokens": tokens, "final_val_loss": val_loss,
