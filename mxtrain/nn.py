@@ -15,6 +15,7 @@ hooks: every call quantizes the current weights.
 
 from __future__ import annotations
 
+import copyreg
 import fnmatch
 import re
 import warnings
@@ -169,8 +170,12 @@ class MXLinear(MXLayer, nn.Linear):
         return lin
 
 
-# classes made for nn.Linear subclasses and HF's Conv1D, kept so that one class serves every instance
-# and so that pickle finds them (module attribute lookup, see __getattr__)
+class _MXClass(type):
+    """The metaclass of the classes ``convert`` makes for ``nn.Linear`` subclasses and HF's Conv1D: they pickle
+    as "the MX class of <original class>", so a pickled model loads wherever the original class imports."""
+
+
+# one class per original class, so that every converted instance of it shares one type
 _CLASSES: dict = {}
 
 
@@ -179,39 +184,17 @@ def _mx_class(cls: type) -> type:
         return MXLinear
     new = _CLASSES.get(cls)
     if new is None:
-        name = "MX_" + re.sub(r"\W", "_", f"{cls.__module__}.{cls.__qualname__}")
+        name = f"MX{cls.__name__}"
+        ns = {"__module__": __name__, "__qualname__": name, "_mx_base": cls}
         if issubclass(cls, nn.Linear):
-            new = type(name, (MXLinear, cls), {"__module__": __name__, "__qualname__": name})
+            new = _MXClass(name, (MXLinear, cls), ns)
         else:   # HF Conv1D: y = x @ W + b with W (in, out)
-            new = type(name, (MXLayer, cls), {"__module__": __name__, "__qualname__": name, "_mx_transposed": True})
+            new = _MXClass(name, (MXLayer, cls), {**ns, "_mx_transposed": True})
         _CLASSES[cls] = new
-        _NAMES[name] = cls
     return new
 
 
-_NAMES: dict = {}
-
-
-def __getattr__(name: str):
-    """Classes made by ``convert`` for pickled models: recreated from the original class's name."""
-    if name.startswith("MX_"):
-        for cls, new in list(_CLASSES.items()):
-            if new.__name__ == name:
-                return new
-        import importlib
-        path = name[3:]
-        parts = path.split("_")
-        # find the module prefix that imports, then the class attribute path
-        for i in range(len(parts) - 1, 0, -1):
-            try:
-                mod = importlib.import_module(".".join(parts[:i]))
-            except ImportError:
-                continue
-            obj = mod
-            rest = "_".join(parts[i:])
-            if hasattr(obj, rest):
-                return _mx_class(getattr(obj, rest))
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+copyreg.pickle(_MXClass, lambda c: (_mx_class, (c._mx_base,)))
 
 
 def _make_mx(m: nn.Module, recipe, layer_id: int) -> nn.Module:
