@@ -30,9 +30,11 @@ rotations mix 16-32 neighbouring elements.) See ``docs/distributed.md`` and
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import json
 import os
+import pickle
 import shutil
 import sys
 from dataclasses import dataclass
@@ -390,15 +392,21 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     state = {"model": msd}
     if optimizer is not None:
         state["optim"] = osd
+    # a crafted .metadata is refused here, before DCP gets to it; DCP then gets this very object
+    metadata = _read_dcp_metadata(path)
     from torch.distributed.checkpoint.api import CheckpointException
+    reader, planner = _trusted_reader(path, metadata), _trusted_planner(path)
     try:
         with _quiet_single_process(env):
-            dcp.load(state, checkpoint_id=str(path), no_dist=not env.distributed)
+            dcp.load(state, storage_reader=reader, planner=planner, no_dist=not env.distributed)
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        refused = reader.refused or planner.refused  # DCP wraps what its reader / planner raise
+        if refused is not None:
+            raise refused from None
         raise UserError(f"cannot load checkpoint {path} into this model: {_dcp_reason(e)}") from e
     set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=state["model"],
                    optim_state_dict=state.get("optim", {}), options=StateDictOptions(strict=True))
-    return read_extra(path)
+    return _load_extra(path)
 
 
 def _read_meta(path: Path) -> dict:
@@ -418,11 +426,271 @@ def read_extra(path: str | os.PathLike) -> dict:
     if not is_checkpoint(path):
         raise UserError(f"{path} is not an mxtrain distributed checkpoint (no .metadata / {_META} in it)")
     _read_meta(path)
+    _read_dcp_metadata(path)  # the first thing a resume reads: refuse a crafted checkpoint at once
+    return _load_extra(path)
+
+
+def _load_extra(path: Path) -> dict:
     try:
         return torch.load(path / _EXTRA, map_location="cpu", weights_only=True)
     except Exception as e:
         raise UserError(f"checkpoint {path} is corrupt or truncated ({type(e).__name__}: "
                         f"{str(e).splitlines()[0][:120] if str(e) else ''}); restore it or start a new run") from None
+
+
+# ------------------------------------------------------------------------- what a checkpoint may hold
+# A run folder is data, never code (docs/training.md, "What a run folder is trusted with"). DCP itself
+# unpickles ``.metadata`` (and ``__RANK.metadata``) with plain ``pickle.load`` and the non-tensor values of a
+# state dict (``BytesStorageMetadata`` entries: optimizer hyper-parameters) with ``torch.load(weights_only=
+# False)``, so a crafted folder would run any code on resume. mxtrain therefore never lets DCP read either
+# itself: ``.metadata`` goes through ``_MetadataUnpickler`` (an allow-list of globals), read up front by
+# ``read_extra`` and ``load_checkpoint`` (``_read_dcp_metadata``); ``load_checkpoint`` hands the object it
+# read to ``dcp.load`` through its storage reader (``_trusted_reader``: there is no second read of the file,
+# and any other metadata file DCP asks for, e.g. ``__RANK.metadata``, goes through the allow-list too), and
+# the values are loaded by ``_trusted_planner`` (``weights_only=True``). Tensor data DCP already reads with
+# ``weights_only=True``; ``mxtrain_extra.pt`` is read the same way, ``mxtrain_meta.json`` is JSON.
+#
+# The allow-list was collected by recording every ``find_class`` call while unpickling the ``.metadata`` of
+# real saves (torch 2.13): one process, 2-rank DDP and 2-rank FSDP2 (``tests/_dist_worker.py``'s model and
+# AdamW, ``save_checkpoint``). All three reference exactly: Metadata, TensorStorageMetadata,
+# BytesStorageMetadata, ChunkStorageMetadata, TensorProperties, MetadataIndex, StorageMeta and the enum
+# _MEM_FORMAT_ENCODING (torch.distributed.checkpoint.metadata), _StorageInfo (...filesystem: what
+# FileSystemWriter puts in ``storage_data``), torch.Size, torch.float32 (a dtype pickles as the global
+# ``torch.<name>``), torch.serialization._get_layout (how a torch.layout pickles; replaced here by a lookup
+# that only maps a layout's name to the layout) and pathlib.PosixPath (``storage_meta.checkpoint_id``).
+# FSDP2's DTensor shards add no class: DCP flattens them into more ChunkStorageMetadata of the same
+# TensorStorageMetadata. Added beyond what was seen, all plain values or data-class constructors: every
+# torch dtype, layout and memory format (older torch pickled these as ``torch.<name>`` too), the other
+# pathlib path classes (a checkpoint written on Windows; ``pathlib._local`` is their module from Python
+# 3.13), collections.OrderedDict. A dataclass pickled at protocol >= 2 (DCP uses the default, 4 or 5)
+# needs no builtins (NEWOBJ + BUILD), so none are allowed; copyreg._reconstructor (protocols 0-1) is not
+# either. Globals are matched as exact (module, name) pairs, so no attribute walk ("Metadata.__init__")
+# and no module object is reachable.
+
+_DCP_META_CLASSES = ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                     "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+_NOT_TRUSTED = "the folder is not trusted, and nothing from it was executed"
+
+
+class _Refused(Exception):
+    """A pickle asked for a global outside the allow-list (``str(e)``: its name)."""
+
+
+class _Untrusted(UserError):
+    """A checkpoint that references what no checkpoint contains (or points outside its folder): refused."""
+
+
+def _layout_by_name(name):
+    """Stands in for ``torch.serialization._get_layout``: a layout's name (``"torch.strided"``) -> the layout."""
+    layouts = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
+    if not isinstance(name, str) or name not in layouts:
+        raise _Refused(f"torch.serialization._get_layout({_printable(repr(name))})")
+    return layouts[name]
+
+
+@functools.lru_cache(maxsize=None)
+def _dcp_allowed() -> dict[tuple[str, str], object]:
+    """``{(module, name): object}``: every global a DCP ``.metadata`` may reference."""
+    import collections
+    import pathlib
+    import torch.distributed.checkpoint.filesystem as fs
+    import torch.distributed.checkpoint.metadata as md
+    allowed: dict[tuple[str, str], object] = {}
+    for n in _DCP_META_CLASSES:
+        if hasattr(md, n):
+            allowed[("torch.distributed.checkpoint.metadata", n)] = getattr(md, n)
+    allowed[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = fs._StorageInfo
+    allowed[("torch", "Size")] = torch.Size
+    for n, v in vars(torch).items():  # values, none callable: torch.float32, torch.strided, torch.channels_last
+        if isinstance(v, (torch.dtype, torch.layout, torch.memory_format)):
+            allowed[("torch", n)] = v
+    allowed[("torch.serialization", "_get_layout")] = _layout_by_name
+    allowed[("collections", "OrderedDict")] = collections.OrderedDict
+    native = "posix" if os.name != "nt" else "windows"
+    for n in ("PurePosixPath", "PureWindowsPath", "PosixPath", "WindowsPath"):
+        cls = getattr(pathlib, n)
+        if n in ("PosixPath", "WindowsPath") and not n.lower().startswith(native):
+            cls = getattr(pathlib, "Pure" + n)  # cannot be made on this system; only a name in storage_meta
+        allowed[("pathlib", n)] = allowed[("pathlib._local", n)] = cls
+    return allowed
+
+
+@functools.lru_cache(maxsize=None)
+def _dcp_buildable() -> frozenset:
+    """The classes whose fresh instances a pickle may set the state of (BUILD): the data classes."""
+    import torch.distributed.checkpoint.filesystem as fs
+    import torch.distributed.checkpoint.metadata as md
+    return frozenset([getattr(md, n) for n in _DCP_META_CLASSES if hasattr(md, n) and n != "_MEM_FORMAT_ENCODING"]
+                     + [fs._StorageInfo])
+
+
+class _MetadataUnpickler(pickle._Unpickler):
+    """An unpickler that resolves only the globals of ``_dcp_allowed()`` (exact pairs) and sets the state
+    (BUILD) only of instances of the data classes. The second rule keeps a pickle from changing a class
+    itself (``BUILD`` on ``pathlib.PosixPath`` with ``{"parent": ...}`` would change every path in the
+    process) or a shared object (an enum member). It needs the Python unpickler, whose opcodes can be
+    overridden: about 3x slower than the C one (~2 s for a 7 MB ``.metadata`` with 48,000 chunks)."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+
+    def find_class(self, module, name):
+        obj = _dcp_allowed().get((module, name))
+        if obj is None:
+            raise _Refused(f"{_printable(module, 80)}.{_printable(name, 80)}")
+        return obj
+
+    def persistent_load(self, pid):
+        raise _Refused(f"persistent id {_printable(repr(pid))}")
+
+    def load_build(self):
+        inst = self.stack[-2]  # BUILD: the state is on top, the object under it
+        if type(inst) not in _dcp_buildable():
+            what = inst.__module__ + "." + inst.__qualname__ if isinstance(inst, type) else type(inst).__name__
+            raise _Refused(f"a change to {_printable(what, 80)} (BUILD)")
+        pickle._Unpickler.load_build(self)
+
+    dispatch[pickle.BUILD[0]] = load_build
+
+
+def _printable(s: str, n: int = 120) -> str:
+    """``s`` on one line, without control characters, at most ``n`` characters (for a crafted name)."""
+    s = "".join(c if c.isprintable() else "?" for c in str(s))
+    return s if len(s) <= n else s[: n - 3] + "..."
+
+
+def _py3_global(name: str) -> str:
+    """A global as torch's weights-only error names it -> its Python 3 name: ``torch.save`` pickles at protocol
+    2 with Python 2 names (``commands.check_call``), and the error drops ``__builtin__.`` (``exec``)."""
+    import _compat_pickle
+    module, _, attr = name.rpartition(".")
+    if not module:
+        return f"builtins.{attr}"
+    module, attr = _compat_pickle.NAME_MAPPING.get((module, attr), (module, attr))
+    return f"{_compat_pickle.IMPORT_MAPPING.get(module, module)}.{attr}"
+
+
+def _load_dcp_metadata_file(file: Path):
+    """Unpickle one DCP metadata file through the allow-list and check its shape; a ``UserError`` otherwise."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+    try:
+        with open(file, "rb") as f:
+            md = _MetadataUnpickler(f).load()
+    except _Refused as e:
+        raise _Untrusted(f"checkpoint metadata {file} references {_printable(e)}, which a checkpoint never "
+                        f"contains: {_NOT_TRUSTED}") from None
+    except OSError as e:
+        raise UserError(f"cannot read checkpoint metadata {file}: {e.strerror or e}") from None
+    except Exception as e:  # truncated or garbled pickle, or a constructor refusing its arguments
+        raise UserError(f"checkpoint metadata {file} is corrupt or malformed ({type(e).__name__}); "
+                        f"restore it or start a new run") from None
+
+    def bad(why: str) -> UserError:
+        return _Untrusted(f"checkpoint metadata {file} is malformed ({why}); {_NOT_TRUSTED}")
+
+    if not isinstance(md, Metadata):
+        raise bad(f"a {_printable(type(md).__name__, 40)}, not DCP Metadata")
+    if not isinstance(md.state_dict_metadata, dict):
+        raise bad("state_dict_metadata is not a dict")
+    if not isinstance(md.storage_data, dict):
+        raise bad("storage_data is not a dict")
+    for k, v in md.storage_data.items():
+        if not isinstance(k, MetadataIndex) or not isinstance(v, _StorageInfo):
+            raise bad("storage_data is not MetadataIndex -> _StorageInfo")
+        rp = v.relative_path
+        # data files lie in the checkpoint folder itself; nothing outside it is read
+        if (not isinstance(rp, str) or rp in ("", ".", "..") or "/" in rp or "\\" in rp or "\0" in rp
+                or os.path.isabs(rp) or ":" in rp):
+            raise bad(f"data file {_printable(repr(rp), 80)} is not a file name in the checkpoint folder")
+        if (not isinstance(v.offset, int) or not isinstance(v.length, int) or isinstance(v.offset, bool)
+                or isinstance(v.length, bool) or v.offset < 0 or v.length < 0):
+            raise bad(f"entry {_printable(getattr(k, 'fqn', '?'), 80)} has a bad offset or length")
+    return md
+
+
+def _read_dcp_metadata(path: str | os.PathLike):
+    """The ``Metadata`` of the DCP folder ``path``, read through the allow-list."""
+    return _load_dcp_metadata_file(Path(path) / ".metadata")
+
+
+@functools.lru_cache(maxsize=None)
+def _trusted_reader_class():
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class TrustedReader(FileSystemReader):
+        """``FileSystemReader`` whose ``read_metadata`` (global or rank-local) uses the allow-list."""
+
+        def __init__(self, path, metadata=None):
+            super().__init__(path)
+            self.metadata = metadata  # ``.metadata`` as load_checkpoint read it (the first call returns it)
+            self.refused: _Untrusted | None = None  # DCP catches what read_metadata raises; load_checkpoint
+            # re-raises this one
+
+        def read_metadata(self, *args, **kwargs):
+            rank = kwargs.get("rank")
+            if rank is None and self.metadata is not None:
+                md, self.metadata = self.metadata, None
+            else:
+                name = ".metadata" if rank is None else f"__{rank}.metadata"
+                try:
+                    md = _load_dcp_metadata_file(Path(self.path) / name)
+                except _Untrusted as e:
+                    self.refused = self.refused or e
+                    raise
+            if getattr(md, "storage_meta", None) is None:  # as FileSystemReader.read_metadata does
+                md.storage_meta = StorageMeta()
+            md.storage_meta.load_id = self.load_id
+            return md
+
+    return TrustedReader
+
+
+@functools.lru_cache(maxsize=None)
+def _trusted_planner_class():
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    class TrustedPlanner(DefaultLoadPlanner):
+        """``DefaultLoadPlanner`` that loads non-tensor values with ``torch.load(weights_only=True)``
+        (DCP's own uses ``weights_only=False``)."""
+
+        def __init__(self, path):
+            super().__init__()
+            self.path = path
+            self.refused: UserError | None = None
+
+        def load_bytes(self, read_item, value):
+            fqn = read_item.dest_index.fqn
+            try:
+                obj = torch.load(value, map_location="cpu", weights_only=True)
+            except pickle.UnpicklingError as e:  # what weights_only refuses
+                import re
+                m = re.search(r"GLOBAL (\S+)", str(e))
+                what = _py3_global(m.group(1)) if m else "an object that is not plain data"
+                self.refused = _Untrusted(f"checkpoint {self.path}: its saved value {_printable(fqn, 80)} references "
+                                         f"{_printable(what)}, which a checkpoint never contains: {_NOT_TRUSTED}")
+                raise self.refused from None
+            except Exception as e:
+                self.refused = UserError(f"checkpoint {self.path}: saved value {_printable(fqn, 80)} is corrupt "
+                                         f"({type(e).__name__}); restore it or start a new run")
+                raise self.refused from None
+            # what DefaultLoadPlanner.load_bytes does with the value it loads (should a later torch rename
+            # these attributes, the load fails with "cannot load checkpoint", never unsafely)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[fqn], obj)
+            else:
+                self.state_dict[fqn] = obj
+
+    return TrustedPlanner
+
+
+def _trusted_reader(path: Path, metadata=None):
+    return _trusted_reader_class()(str(path), metadata)
+
+
+def _trusted_planner(path: Path):
+    return _trusted_planner_class()(path)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,309 @@
+"""A run folder is data, never code: resuming from a crafted ``checkpoint.dcp`` cannot run anything.
+
+``torch.distributed.checkpoint`` unpickles ``.metadata`` with plain ``pickle`` and its non-tensor values
+(``BytesStorageMetadata`` entries, e.g. optimizer hyper-parameters) with ``torch.load(weights_only=False)``.
+mxtrain reads the first through an allow-list unpickler and the second with ``weights_only=True``; a
+checkpoint that references anything else (``os.system``, ``subprocess``, ``exec``...) is refused with a
+one-line ``UserError`` before anything in it runs. Each payload here would create a marker file.
+"""
+
+from __future__ import annotations
+
+import builtins
+import os
+import pickle
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+from mxtrain import distributed as D
+from mxtrain.errors import UserError
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+import _dist_worker as W  # noqa: E402
+from train_helpers import run_cli, small_data  # noqa: E402
+
+REFUSED = ("never contains", "not trusted", "nothing from it was executed")
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+class _Payload:
+    """Unpickles to ``fn(*args)``: what an attacker puts in a checkpoint."""
+
+    def __init__(self, fn, args):
+        self.fn, self.args = fn, args
+
+    def __reduce__(self):
+        return self.fn, self.args
+
+
+def _payload(kind: str, marker: Path) -> _Payload:
+    if kind == "os.system":
+        return _Payload(os.system, (f"touch {shlex.quote(str(marker))}",))
+    if kind == "subprocess":
+        return _Payload(subprocess.check_call, (["touch", str(marker)],))
+    if kind == "exec":
+        return _Payload(builtins.exec, (f"open({str(marker)!r}, 'w').close()",))
+    raise ValueError(kind)
+
+
+PAYLOADS = ["os.system", "subprocess", "exec"]
+PAYLOAD_NAME = {"os.system": "system", "subprocess": "subprocess", "exec": "builtins.exec"}
+
+
+def _real_metadata(ck: Path):
+    """The checkpoint's own ``Metadata`` (read with plain pickle: the test wrote it itself)."""
+    with open(ck / ".metadata", "rb") as f:
+        return pickle.load(f)
+
+
+def _poison_metadata(ck: Path, kind: str, marker: Path) -> None:
+    """Replace ``.metadata`` by the real metadata with a payload hidden in ``planner_data``."""
+    md = _real_metadata(ck)
+    md.planner_data = {"model.x": _payload(kind, marker)}
+    (ck / ".metadata").write_bytes(pickle.dumps(md))
+
+
+def _save_toy(path: Path, steps: int = 1):
+    env = D.DistEnv()
+    model, opt = W.build("none", env)
+    W.train(model, opt, env, 0, steps, 1)
+    D.save_checkpoint(path, model, opt, extra={"step": steps}, env=env)
+    return model, opt
+
+
+@pytest.fixture(scope="module")
+def toy_ck(tmp_path_factory):
+    ck = tmp_path_factory.mktemp("toy") / "ck"
+    model, opt = _save_toy(ck)
+    return ck, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+# ----------------------------------------------------------------------------------- real checkpoints
+
+def test_real_checkpoint_saves_and_loads(toy_ck):
+    ck, weights = toy_ck
+    env = D.DistEnv()
+    model, opt = W.build("none", env)
+    torch.nn.init.zeros_(model.lm_head.weight)
+    assert D.read_extra(ck) == {"step": 1}
+    assert D.load_checkpoint(ck, model, opt, env=env) == {"step": 1}
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, weights[k], atol=0, rtol=0, msg=k)
+    st = opt.state_dict()
+    assert st["param_groups"][0]["lr"] == 1e-2 and st["param_groups"][0]["betas"] == (0.9, 0.999)
+    assert all(int(s["step"]) == 1 for s in st["state"].values())
+
+
+def test_allow_list_covers_what_dcp_writes(toy_ck):
+    """Every global a real save references is allowed (the list in D._dcp_allowed was collected this way;
+    2-rank DDP and FSDP2 saves reference the same set: a DTensor shard is just more chunks)."""
+    ck, _ = toy_ck
+    seen = set()
+
+    class Recorder(pickle.Unpickler):
+        def find_class(self, module, name):
+            seen.add((module, name))
+            return super().find_class(module, name)
+
+    with open(ck / ".metadata", "rb") as f:
+        Recorder(f).load()
+    assert ("torch.distributed.checkpoint.metadata", "Metadata") in seen
+    allowed = D._dcp_allowed()
+    assert seen <= set(allowed), seen - set(allowed)
+    md = D._read_dcp_metadata(ck)
+    assert md.state_dict_metadata.keys() == _real_metadata(ck).state_dict_metadata.keys()
+
+
+# ---------------------------------------------------------------------------------- crafted checkpoints
+
+@pytest.mark.parametrize("kind", PAYLOADS)
+def test_crafted_metadata_is_refused(toy_ck, tmp_path, kind):
+    ck = tmp_path / "ck"
+    shutil.copytree(toy_ck[0], ck)
+    marker = tmp_path / "pwned"
+    _poison_metadata(ck, kind, marker)
+    env = D.DistEnv()
+    model, opt = W.build("none", env)
+    assert D.find_dcp(ck) == ck          # finding a checkpoint reads no pickle
+    for load in (lambda: D.read_extra(ck),                     # what the trainer's resume calls first
+                 lambda: D.load_checkpoint(ck, model, opt, env=env)):
+        with pytest.raises(UserError) as ei:
+            load()
+        msg = str(ei.value)
+        assert "\n" not in msg and PAYLOAD_NAME[kind] in msg, msg
+        assert all(f in msg for f in REFUSED), msg
+        assert not marker.exists()
+
+
+def test_the_load_itself_is_restricted(toy_ck, tmp_path, monkeypatch):
+    """With the up-front read skipped, the storage reader given to ``dcp.load`` reads ``.metadata`` through
+    the allow-list itself (normally it is handed the metadata already read, and reads no file)."""
+    ck = tmp_path / "ck"
+    shutil.copytree(toy_ck[0], ck)
+    marker = tmp_path / "pwned"
+    _poison_metadata(ck, "os.system", marker)
+    monkeypatch.setattr(D, "_read_dcp_metadata", lambda path: None)
+    env = D.DistEnv()
+    model, opt = W.build("none", env)
+    with pytest.raises(UserError, match="never contains"):
+        D.load_checkpoint(ck, model, opt, env=env)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("kind", PAYLOADS)
+def test_crafted_saved_value_is_refused(toy_ck, tmp_path, kind):
+    """DCP loads non-tensor values (here the optimizer's ``lr``) with ``torch.load(weights_only=False)``;
+    mxtrain's planner loads them with ``weights_only=True``."""
+    ck = tmp_path / "ck"
+    shutil.copytree(toy_ck[0], ck)
+    marker = tmp_path / "pwned"
+    import io
+    buf = io.BytesIO()
+    torch.save(_payload(kind, marker), buf)
+    (ck / "__evil.distcp").write_bytes(buf.getvalue())
+    md = _real_metadata(ck)
+    (idx,) = [k for k in md.storage_data if k.fqn == "optim.param_groups.0.lr"]
+    assert isinstance(md.state_dict_metadata[idx.fqn], BytesStorageMetadata)
+    md.storage_data[idx] = _StorageInfo("__evil.distcp", 0, len(buf.getvalue()))
+    (ck / ".metadata").write_bytes(pickle.dumps(md))
+    D.read_extra(ck)  # the metadata itself is fine
+    env = D.DistEnv()
+    model, opt = W.build("none", env)
+    with pytest.raises(UserError) as ei:
+        D.load_checkpoint(ck, model, opt, env=env)
+    msg = str(ei.value)
+    assert "optim.param_groups.0.lr" in msg and PAYLOAD_NAME[kind] in msg and all(f in msg for f in REFUSED), msg
+    assert not marker.exists()
+
+
+def _raw_global(module: str, name: str, arg: str = "x") -> bytes:
+    """A protocol-0 pickle calling ``module.name(arg)``, written by hand (no object needed)."""
+    return f"c{module}\n{name}\n(V{arg}\ntR.".encode()
+
+
+@pytest.mark.parametrize("module,name", [
+    ("torch", "load"), ("builtins", "getattr"), ("builtins", "eval"), ("posix", "system"), ("nt", "system"),
+    ("subprocess", "Popen"), ("importlib", "import_module"), ("torch.serialization", "load"),
+    ("torch.distributed.checkpoint.metadata", "Metadata.__init__"),           # attribute walk from an allowed class
+    ("torch.distributed.checkpoint.metadata", "torch"),                        # a module re-exported by one
+    ("copyreg", "_reconstructor"), ("pathlib", "Path.read_text"), ("torch", "ops"),
+])
+def test_everything_else_is_refused(tmp_path, module, name):
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / ".metadata").write_bytes(_raw_global(module, name))
+    with pytest.raises(UserError) as ei:
+        D._read_dcp_metadata(ck)
+    msg = str(ei.value)
+    assert f"{module}.{name}" in msg and all(f in msg for f in REFUSED), msg
+
+
+@pytest.mark.parametrize("target", ["pathlib\nPosixPath", "torch.distributed.checkpoint.metadata\nMetadata"])
+def test_classes_cannot_be_changed(tmp_path, target):
+    """BUILD on a class (not an instance) would change it for the whole process: here every path's
+    ``parent``. Only fresh instances of the data classes may get a state."""
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / ".metadata").write_bytes(f"c{target}\n(N(Vparent\nVx\ndtb.".encode())
+    with pytest.raises(UserError) as ei:
+        D._read_dcp_metadata(ck)
+    assert "BUILD" in str(ei.value) and all(f in str(ei.value) for f in REFUSED), str(ei.value)
+    assert Path("/a/b").parent == Path("/a")
+    from torch.distributed.checkpoint.metadata import Metadata
+    assert "parent" not in vars(Metadata)
+
+
+def test_shared_objects_cannot_be_changed(tmp_path):
+    """Nor on an object every checkpoint shares (an enum member)."""
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING as E
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / ".metadata").write_bytes(b"ctorch.distributed.checkpoint.metadata\n_MEM_FORMAT_ENCODING\n(I0\ntR"
+                                   b"(V_value_\nI7\ndb.")
+    with pytest.raises(UserError, match="BUILD"):
+        D._read_dcp_metadata(ck)
+    assert E(0).value == 0
+
+
+@pytest.mark.parametrize("case", ["not metadata", "layout lookup", "escaping path", "garbage"])
+def test_malformed_metadata_is_refused(toy_ck, tmp_path, case):
+    ck = tmp_path / "ck"
+    shutil.copytree(toy_ck[0], ck)
+    if case == "not metadata":
+        data = pickle.dumps({"state_dict_metadata": {}})
+    elif case == "layout lookup":  # the one allowed function only maps a layout's name to the layout
+        data = _raw_global("torch.serialization", "_get_layout", "os")
+    elif case == "escaping path":  # a data file outside the checkpoint folder
+        md = _real_metadata(ck)
+        k = next(iter(md.storage_data))
+        md.storage_data[k] = _StorageInfo("../../etc/passwd", 0, 10)
+        data = pickle.dumps(md)
+    else:
+        data = b"\x80\x04garbage"
+    (ck / ".metadata").write_bytes(data)
+    with pytest.raises(UserError, match="metadata"):
+        D.read_extra(ck)
+
+
+# ----------------------------------------------------------------------------------- the command line
+
+def _tiny_dcp_run(run: Path) -> None:
+    """A real 2-step run (checkpoint.pt), turned into the run folder of a multi-process run: the same state
+    in ``checkpoint.dcp`` (as ``save_checkpoint`` writes it under torchrun), no ``checkpoint.pt``."""
+    from mxtrain import convert
+    from mxtrain.data import TokenData
+    from mxtrain.train import checkpoint as ckpt
+    from mxtrain.train import experiments, train
+    from mxtrain.train import trainer as T
+    cfg = experiments.get("debug")
+    cfg.recipe = "bf16"
+    cfg.data.path = str(small_data())
+    cfg.data.seq_len = 32
+    cfg.train.batch_size = 4
+    cfg.train.steps = 2
+    cfg.schedule.horizon_steps = 8
+    cfg.log.out, cfg.log.progress, cfg.log.tensorboard = str(run), False, False
+    cfg.log.eval_every, cfg.log.eval_tokens = 100, 128
+    train(cfg)
+    st = ckpt.load(run)
+    cpu = torch.device("cpu")
+    model = T.build_model(cfg, TokenData(small_data()).vocab_size, cpu)
+    convert(model, cfg.resolved_recipe())
+    opt = T._optimizer(model, cfg, cpu)
+    model.load_state_dict(st["model"])
+    opt.load_state_dict(st["optimizer"])
+    rest = {k: v for k, v in st.items() if k not in ("model", "optimizer", "format")}
+    D.save_checkpoint(run / D.DCP_NAME, model, opt, extra=rest)
+    (run / ckpt.NAME).unlink()
+
+
+def test_cli_resume_refuses_crafted_run_folder(tmp_path):
+    good = tmp_path / "good"
+    _tiny_dcp_run(good)
+    evil = tmp_path / "evil"
+    shutil.copytree(good, evil, ignore=shutil.ignore_patterns(".lock"))
+    marker = tmp_path / "pwned"
+    _poison_metadata(evil / D.DCP_NAME, "os.system", marker)
+
+    p = run_cli("train", "--resume", str(evil), "--steps", "3", "--no-progress", cwd=tmp_path)
+    assert p.returncode != 0, p.stdout
+    assert "Traceback" not in p.stderr, p.stderr
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("mxtrain: error: "), p.stderr
+    assert "system" in lines[0] and all(f in lines[0] for f in REFUSED), lines[0]
+    assert not marker.exists()
+
+    # the untouched copy resumes from its DCP checkpoint in one process (the allow-list covers it)
+    p = run_cli("train", "--resume", str(good), "--steps", "3", "--no-progress", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert '"step": 3' in (good / "metrics.jsonl").read_text()
