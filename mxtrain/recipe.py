@@ -19,6 +19,7 @@ Layers can stay in high precision by module-name pattern or by block position.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field, fields, replace
 
 from .formats import FORMATS, get_format
@@ -64,8 +65,9 @@ class Operand:
         _choice("format", self.fmt, list(FORMATS))
         _choice("rounding", self.rounding, ROUNDINGS)
         _choice("scale_rule", self.scale_rule, SCALE_RULES)
-        if isinstance(self.prescale, bool) or not isinstance(self.prescale, (int, float)) or not self.prescale > 0:
-            raise ValueError(f"prescale must be a positive number, got {self.prescale!r}")
+        if (isinstance(self.prescale, bool) or not isinstance(self.prescale, (int, float)) or not self.prescale > 0
+                or not math.isfinite(self.prescale)):
+            raise ValueError(f"prescale must be a positive finite number, got {self.prescale!r}")
         if self.block_2d and self.fmt != "nvfp4":
             raise ValueError(f"block_2d (16x16 tiles) is only defined for nvfp4, not {self.fmt!r}")
 

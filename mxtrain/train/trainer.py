@@ -134,20 +134,70 @@ def _check(cfg: TrainConfig) -> None:
                     ("log.log_every", cfg.log.log_every)):
         if v <= 0:
             raise UserError(f"{name} must be positive, got {v}")
-    if cfg.optim.lr <= 0:
-        raise UserError(f"optim.lr must be positive, got {cfg.optim.lr}")
+    validate(cfg)
     if cfg.schedule.horizon_steps is not None and cfg.schedule.horizon_steps < cfg.train.steps:
         raise UserError(f"schedule.horizon_steps ({cfg.schedule.horizon_steps}) must be >= train.steps ({t.steps})")
     if cfg.schedule.kind not in ("cosine", "wsd", "constant"):
         raise UserError(f"schedule.kind must be cosine, wsd or constant, got {cfg.schedule.kind!r}")
-    if not (cfg.train.checkpoint_minutes >= 0 and math.isfinite(cfg.train.checkpoint_minutes)):
-        raise UserError(f"train.checkpoint_minutes must be >= 0, got {cfg.train.checkpoint_minutes}")
     if cfg.train.compile not in ("auto", "on", "off"):
         raise UserError(f"train.compile must be auto, on or off, got {cfg.train.compile!r}")
     if cfg.parallel.mode not in ("auto",) + D.MODES:  # [distributed]
         raise UserError(f"parallel.mode must be auto, {', '.join(D.MODES)}; got {cfg.parallel.mode!r}")
     if cfg.parallel.param_dtype not in ("auto", "bf16", "fp32"):
         raise UserError(f"parallel.param_dtype must be auto, bf16 or fp32, got {cfg.parallel.param_dtype!r}")
+
+
+def _num(name: str, v, lo=None, hi=None, lo_open=False, hi_open=False, integer=False, optional=False) -> None:
+    """One config value: a finite number (an int if ``integer``) within [lo, hi] (open ends as asked)."""
+    if v is None and optional:
+        return
+    kind = "an integer" if integer else "a number"
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)):
+        raise UserError(f"{name} must be {kind}, got {v!r}")
+    if not math.isfinite(v):
+        raise UserError(f"{name} must be finite, got {v}")
+    bad_lo = lo is not None and (v <= lo if lo_open else v < lo)
+    bad_hi = hi is not None and (v >= hi if hi_open else v > hi)
+    if bad_lo or bad_hi:
+        rng = (f"{'(' if lo_open else '['}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}"
+               f"{')' if hi_open or hi is None else ']'}")
+        raise UserError(f"{name} must be in {rng}, got {v}")
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Every value of ``cfg`` that training reads, checked before anything is written (UserError on the first
+    bad one): the model's shape, the optimizer's values (finite, in range), the schedule, the recipe."""
+    m, o, sc, t, d, lg = cfg.model, cfg.optim, cfg.schedule, cfg.train, cfg.data, cfg.log
+    for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
+        _num(f"model.{k}", getattr(m, k), lo=1, integer=True, optional=True)
+    _num("model.rope_theta", m.rope_theta, lo=0, lo_open=True, optional=True)
+    _num("model.init_seed", m.init_seed, integer=True, optional=True)
+    try:
+        mc = ModelConfig.named(m.name, **{k: getattr(m, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads",
+                                                                    "ffn_dim") if getattr(m, k) is not None})
+    except TypeError as e:
+        raise UserError(f"model: {e}") from None
+    if (mc.dim // mc.n_heads) % 2:
+        raise UserError(f"the head size model.dim / model.n_heads ({mc.dim // mc.n_heads}) must be even (RoPE)")
+    _num("data.vocab_size", d.vocab_size, lo=32, hi=2**20, integer=True)
+    _num("data.seq_len", d.seq_len, lo=1, hi=2**20, integer=True)
+    _num("data.seed", d.seed, integer=True, optional=True)
+    _num("optim.lr", o.lr, lo=0, lo_open=True)
+    _num("optim.min_lr_ratio", o.min_lr_ratio, lo=0, hi=1)
+    _num("optim.weight_decay", o.weight_decay, lo=0)
+    _num("optim.beta1", o.beta1, lo=0, hi=1, hi_open=True)
+    _num("optim.beta2", o.beta2, lo=0, hi=1, hi_open=True)
+    _num("optim.eps", o.eps, lo=0, lo_open=True, hi=1)
+    _num("optim.grad_clip", o.grad_clip, lo=0)
+    _num("schedule.warmup_steps", sc.warmup_steps, lo=0, integer=True)
+    _num("schedule.horizon_steps", sc.horizon_steps, lo=1, integer=True, optional=True)
+    _num("schedule.decay_fraction", sc.decay_fraction, lo=0, hi=1)
+    _num("train.micro_batch_size", t.micro_batch_size, lo=1, integer=True, optional=True)
+    _num("train.seed", t.seed, integer=True)
+    _num("train.checkpoint_every", t.checkpoint_every, lo=0, integer=True)
+    _num("train.checkpoint_minutes", t.checkpoint_minutes, lo=0)
+    _num("log.peak_tflops", lg.peak_tflops, lo=0, lo_open=True, optional=True)
+    cfg.resolved_recipe()   # unknown presets and bad recipe fields: one line
 
 
 def graph_blockers(recipe, device: torch.device, world: int) -> list[str]:
