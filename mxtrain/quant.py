@@ -86,6 +86,7 @@ __all__ = [
 SCALE_RULES = ("floor", "ceil", "rceil", "even", "amd")
 ROUNDINGS = ("nearest", "stochastic")
 E8M0_NAN = 255
+MAX_BLOCK = 4096   # elements per MX block: far beyond any format's use (the OCP formats use 32)
 NVFP4_TENSOR_MAX = 6.0 * 448.0
 
 
@@ -290,8 +291,9 @@ def _check_args(x, f: Format, axis, block_size, rounding, scale_rule, prescale):
         raise ValueError(f"prescale must be positive, got {prescale}")
     if f.kind == "mx":
         bs = f.block_size if block_size is None else block_size
-        if not isinstance(bs, int) or bs < 2 or bs % 2:
-            raise ValueError(f"{f.name}: block_size must be a positive even integer, got {block_size!r}")
+        if not isinstance(bs, int) or bs < 2 or bs % 2 or bs > MAX_BLOCK:
+            raise ValueError(f"{f.name}: block_size must be an even integer from 2 to {MAX_BLOCK} (MX formats use 32), "
+                             f"got {block_size!r}")
         return bs
     if f.kind == "nvfp4":
         bs = 16 if block_size is None else block_size

@@ -122,3 +122,23 @@ def test_a_signal_saves_a_checkpoint_and_resume_finishes(tmp_path, sig):
     q = run_cli("train", "--resume", str(out), "--steps", str(step + 1), "--no-progress")
     assert q.returncode == 0, q.stderr
     assert ckpt.load(out)["step"] == step + 1
+
+
+def test_resume_keeps_every_legs_record_and_cleans_stale_temporaries(tmp_path):
+    import json
+    out = tmp_path / "legs"
+    train(_cfg(out, 2))
+    first = json.loads((out / "run.json").read_text())
+    stale = out / ".checkpoint.pt.tmp-999999999"   # a write of a process that no longer exists
+    stale.write_bytes(b"partial")
+    train(_cfg(out, 3), resume=out)
+    run = json.loads((out / "run.json").read_text())
+    assert run["resumed_from_step"] == 2 and [leg["started"] for leg in run["legs"]] == [first["started"]]
+    assert not stale.exists()
+
+
+def test_absurd_block_size_is_refused():
+    import torch
+    import mxtrain
+    with pytest.raises(ValueError, match="block_size must be an even integer from 2 to 4096"):
+        mxtrain.quantize(torch.randn(4, 64), "mxfp4", block_size=2**20)

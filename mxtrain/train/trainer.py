@@ -279,6 +279,18 @@ class _RunLock:
             self.f = None
 
 
+def _clean_stale(out: Path) -> None:
+    """Temporary files of processes that died in this folder (checkpoint writes, write tests): removed once
+    the folder is locked (no live run can be writing them)."""
+    for p in list(out.glob(f".{ckpt.NAME}.tmp-*")) + list(out.glob(".write-test-*")):
+        pid = p.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and int(pid) != os.getpid() and not Path(f"/proc/{pid}").exists():
+            try:
+                p.unlink()
+            except OSError:
+                pass
+
+
 def _holds_run(out: Path) -> str | None:
     """What makes ``out`` a run folder (a checkpoint, or metrics of a run that wrote none), or None."""
     if (out / ckpt.NAME).exists() or D.find_dcp(out):
@@ -298,6 +310,7 @@ def _make_out(cfg: TrainConfig, resume_dir: Path | None, rank: int, locks: list)
         out.mkdir(parents=True, exist_ok=True)
         if rank == 0:
             locks.append(_RunLock(out))
+            _clean_stale(out)
         what = _holds_run(out)
         same = resume_dir is not None and out.resolve() == resume_dir.resolve()
         if what and resume_dir is None:
@@ -585,6 +598,16 @@ def _train(cfg: TrainConfig, resume: str | Path | None, env: D.DistEnv, locks: l
                 "model_params": mcfg.num_params(), "flops_per_token": mcfg.flops_per_token(T),
                 "world_size": world, "grad_accum": accum, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "resumed_from_step": start_step or None}
+        # every leg of a resumed run keeps its record: the earlier legs go under "legs", oldest first
+        legs = []
+        if state is not None and (out / "run.json").exists():
+            try:
+                prev = json.loads((out / "run.json").read_text())
+                legs = prev.pop("legs", []) + [prev] if isinstance(prev, dict) else []
+            except (OSError, json.JSONDecodeError):
+                legs = []
+        if legs:
+            info["legs"] = legs
         (out / "run.json").write_text(json.dumps(info, indent=2) + "\n")
 
     log = _Log(out, cfg, start_step, cfg.train.steps, rank)
