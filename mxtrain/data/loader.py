@@ -12,17 +12,35 @@ rank's contiguous slice, so the global batch is the same whatever the world size
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from ..errors import UserError
-from .prepare import FORMAT
+from .prepare import DTYPES, FORMAT, UINT16_VOCAB
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def bare_name(name) -> bool:
+    """A plain file name inside the folder: no path separator, not ``.``/``..``, not absolute, no NUL."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+            and "\x00" not in name and not os.path.isabs(name) and Path(name).name == name)
 
 
 class TokenData:
-    """A prepared folder (``meta.json`` + shards), memory-mapped."""
+    """A prepared folder (``meta.json`` + shards), memory-mapped.
+
+    Checked on open, so a damaged or crafted folder is one clear error instead of wrong training: meta.json is
+    a JSON object with the fields and types prepare writes; shard and tokenizer names are plain file names in
+    the folder (nothing outside it is read); the dtype is one prepare writes (uint16 only for a vocab of at most
+    65,536); each shard has exactly the bytes its token count in meta.json says, and every id is below
+    ``vocab_size`` (the maximum of each shard, read once here).
+    """
 
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
@@ -31,11 +49,14 @@ class TokenData:
             raise UserError(f"{self.folder} is not a prepared data folder (no meta.json); "
                             f"run: mxtrain data prepare SOURCES --out {self.folder}")
         try:
-            self.meta = json.loads(meta_path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise UserError(f"{meta_path}: unreadable ({e})") from None
-        if self.meta.get("format") != FORMAT:
-            raise UserError(f"{meta_path}: unknown format {self.meta.get('format')!r} (expected {FORMAT})")
+            text = meta_path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"{meta_path}: cannot read ({getattr(e, 'strerror', None) or e}); {_AGAIN}") from None
+        try:
+            self.meta = json.loads(text)
+        except (ValueError, RecursionError) as e:
+            raise UserError(f"{meta_path}: not valid JSON ({e}); {_AGAIN}") from None
+        _check_meta(self.meta, meta_path)
         self.dtype = np.dtype(self.meta["dtype"])
         self.vocab_size = int(self.meta["vocab_size"])
         self.eot_id = int(self.meta["eot_id"])
@@ -45,14 +66,88 @@ class TokenData:
     def _map(self, shard: dict) -> np.ndarray:
         p = self.folder / shard["file"]
         want = int(shard["tokens"]) * self.dtype.itemsize
-        if not p.is_file() or p.stat().st_size != want:
-            raise UserError(f"{p}: missing or truncated shard (expected {want} bytes); prepare the data again")
+        try:
+            size = p.stat().st_size if p.is_file() else None
+        except OSError:
+            size = None
+        if size is None:
+            raise UserError(f"{p}: shard listed in meta.json is missing (or not a file); {_AGAIN}")
+        if size != want:
+            what = "truncated" if size < want else "longer than meta.json says"
+            raise UserError(f"{p}: shard is {what} ({size:,} bytes, expected {shard['tokens']:,} tokens = {want:,} "
+                            f"bytes); {_AGAIN}")
         if want == 0:
             return np.zeros(0, dtype=self.dtype)
-        return np.memmap(p, dtype=self.dtype, mode="r")
+        arr = np.memmap(p, dtype=self.dtype, mode="r")
+        if self.vocab_size < np.iinfo(self.dtype).max + 1:  # otherwise every value the dtype holds is an id
+            top = int(arr.max())
+            if top >= self.vocab_size:
+                raise UserError(f"{p}: holds token id {top:,}, not below vocab_size {self.vocab_size:,} of meta.json "
+                                f"(a damaged shard or meta.json); {_AGAIN}")
+        return arr
 
     def tokenizer_path(self) -> Path:
         return self.folder / self.meta["tokenizer"]
+
+
+_AGAIN = "prepare the data again (mxtrain data prepare SOURCES --out NEW_FOLDER)"
+_MAX_VOCAB = 1 << 32
+
+
+def _check_meta(meta, meta_path: Path) -> None:
+    """Refuse a meta.json that prepare would not have written (see ``TokenData``); one line per problem."""
+    def bad(what: str):
+        raise UserError(f"{meta_path}: {what}; {_AGAIN}")
+
+    if not isinstance(meta, dict):
+        bad(f"expected a JSON object, found {type(meta).__name__}")
+    if meta.get("format") != FORMAT:
+        raise UserError(f"{meta_path}: unknown format {meta.get('format')!r} (expected {FORMAT}); {_AGAIN}")
+    for key in ("dtype", "vocab_size", "eot_id", "tokenizer", "train", "val", "train_tokens", "val_tokens",
+                "sources"):
+        if key not in meta:
+            bad(f"missing field {key!r}")
+    types = {"dtype": (str, "a string"), "vocab_size": (int, "an integer"), "eot_id": (int, "an integer"),
+             "tokenizer": (str, "a string"), "train": (list, "a list"), "val": (list, "a list"),
+             "train_tokens": (int, "an integer"), "val_tokens": (int, "an integer"), "sources": (list, "a list"),
+             "tokenizer_vocab_size": (int, "an integer")}
+    for key, (t, name) in types.items():
+        if key in meta and not (_is_int(meta[key]) if t is int else isinstance(meta[key], t)):
+            bad(f"field {key!r} must be {name}, found {json.dumps(meta[key])[:40]}")
+    dtype, vocab = meta["dtype"], meta["vocab_size"]
+    if dtype not in DTYPES:
+        bad(f"unknown dtype {dtype!r} (prepare writes {' or '.join(DTYPES)})")
+    if not 1 <= vocab <= _MAX_VOCAB:
+        bad(f"vocab_size {vocab} is outside [1, {_MAX_VOCAB:,}]")
+    if dtype == "uint16" and vocab > UINT16_VOCAB:
+        bad(f"dtype uint16 cannot hold the ids of vocab_size {vocab:,} (above {UINT16_VOCAB:,} needs uint32)")
+    tvs = meta.get("tokenizer_vocab_size")
+    if tvs is not None and not 1 <= tvs <= vocab:
+        bad(f"tokenizer_vocab_size {tvs} is outside [1, vocab_size {vocab}]")
+    if not 0 <= meta["eot_id"] < vocab:
+        bad(f"eot_id {meta['eot_id']} is not below vocab_size {vocab}")
+    if not bare_name(meta["tokenizer"]):
+        bad(f"tokenizer {meta['tokenizer']!r} is not a plain file name inside the folder")
+    if not all(isinstance(s, str) for s in meta["sources"]):
+        bad("field 'sources' must be a list of strings")
+    seen = {meta["tokenizer"], "meta.json"}
+    for split in ("train", "val"):
+        total = 0
+        for i, sh in enumerate(meta[split]):
+            if not isinstance(sh, dict) or "file" not in sh or "tokens" not in sh:
+                bad(f"{split}[{i}] must be an object with 'file' and 'tokens'")
+            name, n = sh["file"], sh["tokens"]
+            if not bare_name(name):
+                bad(f"{split} shard name {name!r} is not a plain file name inside the folder (no path separators, "
+                    f"'..' or absolute paths)")
+            if not _is_int(n) or n < 0:
+                bad(f"{split} shard {name}: 'tokens' must be a non-negative integer, found {json.dumps(n)[:40]}")
+            if name in seen:
+                bad(f"{split} shard {name} is listed twice (or is another file of the folder)")
+            seen.add(name)
+            total += n
+        if total != meta[f"{split}_tokens"]:
+            bad(f"{split}_tokens {meta[split + '_tokens']:,} is not the sum of the {split} shards' tokens ({total:,})")
 
 
 class _Windows:

@@ -31,10 +31,33 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import UserError
-from .sources import BUILTIN, documents, expand_sources
-from .tokenizer import load_tokenizer, train_bpe
+from .sources import BUILTIN, check_sources, documents, expand_sources, kind_of, warn
+from .tokenizer import check_vocab_size, load_tokenizer, train_bpe
 
 FORMAT = "mxtrain-tokens-v1"
+DTYPES = ("uint16", "uint32")  # the shard dtypes prepare writes
+UINT16_VOCAB = 1 << 16         # uint16 holds ids below 65,536
+
+
+def shard_dtype(vocab_size: int) -> type:
+    """The shard dtype for ids in ``[0, vocab_size)``: uint16 up to a vocab of 65,536, else uint32 (never wrapped)."""
+    if vocab_size <= UINT16_VOCAB:
+        return np.uint16
+    if vocab_size <= 1 << 32:
+        return np.uint32
+    raise UserError(f"the tokenizer's ids go up to {vocab_size - 1:,}, beyond what mxtrain stores (uint32, below "
+                    f"{1 << 32:,}); use a tokenizer with a smaller vocabulary")
+
+
+def _corpus_bytes(sources: list[str]) -> int | None:
+    """An upper bound on the text bytes of ``sources`` (their file sizes), or None when it is not known
+    (the built-in corpus, compressed files, Parquet)."""
+    total = 0
+    for s in sources:
+        if s == BUILTIN or s.endswith(".gz") or kind_of(Path(s)) == "parquet":
+            return None
+        total += os.path.getsize(s)
+    return total
 
 
 def _is_val(text: str, fraction: float) -> bool:
@@ -43,8 +66,10 @@ def _is_val(text: str, fraction: float) -> bool:
 
 
 class _ShardWriter:
-    def __init__(self, folder: Path, prefix: str, dtype, shard_tokens: int):
+    def __init__(self, folder: Path, prefix: str, dtype, shard_tokens: int, vocab_size: int | None = None):
         self.folder, self.prefix, self.dtype, self.shard_tokens = folder, prefix, dtype, shard_tokens
+        # ids must lie in [0, vocab_size) and fit the dtype: never wrapped by astype
+        self.limit = min(vocab_size or np.iinfo(dtype).max + 1, np.iinfo(dtype).max + 1)
         self.shards: list[dict] = []
         self.f = None
         self.n = 0
@@ -55,6 +80,10 @@ class _ShardWriter:
         self.shards.append({"file": name, "tokens": 0})
 
     def write(self, ids: np.ndarray):
+        if len(ids) and (int(ids.max()) >= self.limit or int(ids.min()) < 0):
+            bad = int(ids.max()) if int(ids.max()) >= self.limit else int(ids.min())
+            raise UserError(f"the tokenizer produced id {bad:,}, outside its vocabulary [0, {self.limit:,}); the "
+                            f"tokenizer file is inconsistent: use another tokenizer")
         while len(ids):
             if self.f is None or self.shards[-1]["tokens"] >= self.shard_tokens:
                 if self.f:
@@ -81,16 +110,36 @@ def prepare(sources: list[str], out: str | Path, *, tokenizer: str | None = None
     ``vocab_size`` on (up to ``tokenizer_train_bytes`` of) the training documents.
     ``val_fraction``: share of documents held out for validation (by content hash).
     ``force``: replace an existing ``out``, which must be a folder a previous prepare wrote (see above).
+
+    Refused before any work: a source that is not text (``check_sources``), a ``vocab_size`` that is not a
+    multiple of 32 in [512, 2**20] or exceeds the corpus size in bytes. A corpus that supports fewer BPE tokens
+    than ``vocab_size`` gives the smaller vocab (tokenizer and meta.json agree), with a warning that says so.
+    Shards are uint16 when the tokenizer's largest id is below 65,536, else uint32.
     """
     out = Path(out)
     if not sources:
         raise UserError("no data sources given (use 'builtin' or paths to .txt/.jsonl/.json.gz/.parquet files)")
     if not 0 < val_fraction < 0.5:
         raise UserError(f"val fraction must be in (0, 0.5), got {val_fraction}")
+    if isinstance(shard_tokens, bool) or not isinstance(shard_tokens, int) or shard_tokens < 1:
+        raise UserError(f"shard_tokens must be a positive integer, got {shard_tokens!r}")
+    if not tokenizer:
+        check_vocab_size(vocab_size)
     given = list(sources)
     sources = expand_sources(sources)
+    check_sources(sources)  # a binary file given by mistake is refused by name, before any work
+    if not tokenizer:
+        size = _corpus_bytes(sources)
+        if size is not None and vocab_size > size:
+            # the files are smaller than vocab_size <= 1 MiB: read them (an error in them comes first) and count
+            size = sum(len(t.encode("utf-8", "surrogatepass")) for _, t in documents(sources, text_field, None))
+            raise UserError(f"--vocab-size {vocab_size:,} is larger than the corpus ({size:,} bytes of text): a BPE "
+                            f"cannot learn more tokens than its text has bytes; use a smaller --vocab-size or more text")
     # every check on --out comes before any work or any deletion; file operations use the resolved path
     dest = _check_out(out, given + sources, force)
+    tok = load_tokenizer(tokenizer) if tokenizer else None  # a bad tokenizer file is refused before writing
+    if tok is not None:
+        shard_dtype(tok.vocab_size)
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
         if _clean_stale(dest):  # an old folder came back: check --out again
@@ -104,12 +153,10 @@ def prepare(sources: list[str], out: str | Path, *, tokenizer: str | None = None
 
     try:
         t0 = time.time()
-        if tokenizer:
-            tok = load_tokenizer(tokenizer)
-        else:
+        if tok is None:
             def sample():
                 n = 0
-                for _, text in documents(sources, text_field):
+                for _, text in documents(sources, text_field, warn_fn=None):  # the pass below warns
                     if _is_val(text, val_fraction):
                         continue
                     yield text
@@ -119,10 +166,12 @@ def prepare(sources: list[str], out: str | Path, *, tokenizer: str | None = None
             if progress:
                 print(f"training a byte-level BPE tokenizer (vocab {vocab_size}) ...", flush=True)
             tok = train_bpe(sample(), vocab_size)
-        dtype = np.uint16 if tok.vocab_size <= 65536 else np.uint32
+            if tok.vocab_size < vocab_size:
+                _warn_small_vocab(tok.vocab_size, vocab_size)
+        dtype = shard_dtype(tok.vocab_size)  # the largest id decides: ids are never wrapped into uint16
         tok_file = tok.save(tmp)
-        train_w = _ShardWriter(tmp, "train", dtype, shard_tokens)
-        val_w = _ShardWriter(tmp, "val", dtype, shard_tokens)
+        train_w = _ShardWriter(tmp, "train", dtype, shard_tokens, tok.vocab_size)
+        val_w = _ShardWriter(tmp, "val", dtype, shard_tokens, tok.vocab_size)
         ndocs = {"train": 0, "val": 0}
         nbytes = 0
         bar = None
@@ -192,6 +241,16 @@ def prepare(sources: list[str], out: str | Path, *, tokenizer: str | None = None
               f"({ndocs['train']} + {ndocs['val']} documents, vocab {tok.vocab_size}) in {time.time() - t0:.1f} s",
               flush=True)
     return out
+
+
+def _warn_small_vocab(got: int, asked: int) -> None:
+    """The trained BPE stopped below the asked vocab: the data stays consistent (tokenizer and meta.json hold
+    the real vocab), and the user is told."""
+    fit = got // 32 * 32
+    hint = f", or pass --vocab-size {fit} (what this corpus gives)" if fit >= 512 else ""
+    warn(f"the corpus supports only {got:,} BPE tokens, fewer than --vocab-size {asked:,}; the tokenizer and "
+         f"meta.json use the real vocab {got:,} (vocab_size {32 * -(-got // 32):,} padded to MX blocks of 32), so "
+         f"the data is consistent; add text for a larger vocab{hint}")
 
 
 # the keys every meta.json written by prepare has; a folder whose meta.json lacks one was not written here

@@ -2,6 +2,11 @@
 
 Every reader yields ``(source_name, text)`` one document at a time. Bytes that are not UTF-8
 are decoded line by line with a cp1252 fallback (some public-domain texts are Latin-1).
+
+A file that is not text (a binary file given by mistake, UTF-16, another encoding) is refused by
+name: ``check_sources`` looks at the first 64 KB of every file before any work, and a text file is
+checked again as a whole when it is read. A text file only partly made of such bytes is read, with
+a warning that gives their share.
 """
 
 from __future__ import annotations
@@ -9,8 +14,10 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+import re
+import sys
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from ..errors import UserError
 
@@ -36,6 +43,82 @@ def decode_bytes(data: bytes) -> str:
             except UnicodeDecodeError:
                 out.append(line.decode("latin-1"))
     return "".join(out)
+
+
+# NUL and the other C0 controls but tab, newline, VT, FF and CR; DEL; the C1 controls (what non-text bytes
+# become in the latin-1 fallback); U+FFFD. Real text has next to none of them; random bytes give about 20 %.
+_NOT_TEXT = re.compile("[\x00-\x08\x0e-\x1f\x7f-\x9f\ufffd]")
+BINARY_SHARE = 0.05   # a file with at least this share of such characters is refused as not text
+SNIFF_BYTES = 1 << 16
+
+
+def warn(msg: str) -> None:
+    """One line on stderr: ``mxtrain: warning: <msg>``."""
+    sys.stderr.write(f"mxtrain: warning: {' '.join(msg.splitlines())}\n")
+    sys.stderr.flush()
+
+
+def not_text_share(text: str) -> tuple[int, float]:
+    """(count, share) of the characters of ``text`` that text does not hold (see ``_NOT_TEXT``)."""
+    bad = len(_NOT_TEXT.findall(text))
+    return bad, bad / max(1, len(text))
+
+
+def _refuse_not_text(name, share: float, where: str, raw: bytes = b"") -> None:
+    if raw[:2] in (b"\xff\xfe", b"\xfe\xff"):
+        raise UserError(f"{name} is UTF-16 text, which mxtrain does not read; convert it to UTF-8 (e.g. iconv -f "
+                        f"UTF-16 -t UTF-8) or remove it from the sources")
+    raise UserError(f"{name} is not a text file: {share:.0%} of {where} are NUL, control or undecodable bytes "
+                    f"(a binary file given by mistake?); remove it from the sources, or convert it to UTF-8 text")
+
+
+def check_text(name, text: str, warn_fn: Callable[[str], None] | None = warn) -> None:
+    """Refuse ``text`` (the whole of file ``name``) when it is mostly not text; warn when part of it is not."""
+    bad, share = not_text_share(text)
+    if share >= BINARY_SHARE:
+        _refuse_not_text(name, share, "its characters")
+    if bad and warn_fn is not None:
+        warn_fn(f"{name}: {bad:,} of its {len(text):,} characters ({share:.3%}) are NUL, control or undecodable "
+                f"bytes; they are kept in the data as they are (clean the file if that is not intended)")
+
+
+def _decode_head(head: bytes, cut: bool) -> str:
+    """Decode the first bytes of a file; when the file goes on (``cut``), a multi-byte character cut at the
+    end is dropped first (up to 4 bytes: a lead byte and its continuation bytes)."""
+    if cut:
+        i = len(head)
+        while i > 0 and len(head) - i < 3 and 0x80 <= head[i - 1] < 0xC0:
+            i -= 1
+        if i > 0 and head[i - 1] >= 0xC0:
+            head = head[:i - 1]
+    return decode_bytes(head)
+
+
+def check_sources(sources: list[str]) -> None:
+    """Refuse, before any work, a source file whose first 64 KB are not text (JSON and text files; the
+    decompressed bytes of a .gz), or a .parquet file without the Parquet magic bytes."""
+    for s in sources:
+        if s == BUILTIN:
+            continue
+        p = Path(s)
+        k = kind_of(p)
+        try:
+            if k == "parquet":
+                with open(p, "rb") as f:
+                    magic = f.read(4)
+                if magic != b"PAR1":
+                    raise UserError(f"{s} is not a Parquet file (it does not start with the Parquet magic bytes); "
+                                    f"remove it from the sources or give it the right extension")
+                continue
+            with _open_maybe_gz(p) as f:
+                head = f.read(SNIFF_BYTES)
+        except (OSError, EOFError, gzip.BadGzipFile) as e:
+            raise UserError(f"{s}: cannot read ({getattr(e, 'strerror', None) or e})") from None
+        cut = len(head) == SNIFF_BYTES
+        _, share = not_text_share(_decode_head(head, cut))
+        if share >= BINARY_SHARE:
+            _refuse_not_text(s, share, f"the characters of its first {SNIFF_BYTES // 1024} KB" if cut else
+                             "its characters", head)
 
 
 def _package_dir(name: str, extra_hint: str) -> Path:
@@ -126,13 +209,17 @@ def _parquet_documents(path: Path, text_field: str) -> Iterator[tuple[str, str]]
                 yield path.name, text
 
 
-def _text_documents(path: Path) -> Iterator[tuple[str, str]]:
+def _text_documents(path: Path, warn_fn: Callable[[str], None] | None = warn) -> Iterator[tuple[str, str]]:
     """A text file is cut at paragraph breaks (blank lines) into documents of about 8 KB, so a single large
-    file still gets a validation split."""
+    file still gets a validation split. A file that is not text is refused (``check_text``)."""
     try:
-        text = decode_bytes(path.read_bytes())
+        raw = path.read_bytes()
     except OSError as e:
         raise UserError(f"{path}: cannot read ({e.strerror})") from None
+    text = decode_bytes(raw)
+    if raw[:2] in (b"\xff\xfe", b"\xfe\xff"):
+        _refuse_not_text(path, 1.0, "", raw)
+    check_text(path, text, warn_fn)
     buf, size = [], 0
     for para in text.split("\n\n"):
         if not para.strip():
@@ -181,7 +268,9 @@ def kind_of(p: Path) -> str | None:
     return None
 
 
-def documents(sources: list[str], text_field: str = "text") -> Iterator[tuple[str, str]]:
+def documents(sources: list[str], text_field: str = "text",
+              warn_fn: Callable[[str], None] | None = warn) -> Iterator[tuple[str, str]]:
+    """The documents of ``sources``; ``warn_fn`` gets the warnings (text files partly not text), None drops them."""
     for s in expand_sources(sources):
         if s == BUILTIN:
             yield from builtin_documents()
@@ -189,7 +278,7 @@ def documents(sources: list[str], text_field: str = "text") -> Iterator[tuple[st
         p = Path(s)
         k = kind_of(p)
         if k == "text":
-            yield from _text_documents(p)
+            yield from _text_documents(p, warn_fn)
         elif k == "json":
             yield from _json_documents(p, text_field)
         else:

@@ -15,6 +15,7 @@ from typing import Iterable
 from ..errors import UserError
 
 EOT = "<|endoftext|>"
+MIN_VOCAB, MAX_VOCAB = 512, 1 << 20  # a trained BPE's vocab: multiple of 32 (MX blocks), at least 512, at most 2**20
 # GPT-2's pre-tokenizer regex, and the one of cl100k / Llama 3 (used for other tiktoken files)
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 LLAMA3_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
@@ -29,7 +30,11 @@ def _need_tokenizers():
 
 
 class Tokenizer:
-    """A thin wrapper: ``encode_batch(list[str]) -> list[list[int]]``, ``vocab_size``, ``eot_id``."""
+    """A thin wrapper: ``encode_batch(list[str]) -> list[list[int]]``, ``vocab_size``, ``eot_id``.
+
+    ``vocab_size`` is one more than the largest id the tokenizer can produce (a tokenizer.json may number its
+    tokens with gaps, so this can exceed its count of tokens); it decides the shard dtype and the model's vocab.
+    """
 
     def __init__(self, kind: str, impl, eot_id: int, vocab_size: int, source: str):
         self.kind, self.impl, self.eot_id, self.vocab_size, self.source = kind, impl, eot_id, vocab_size, source
@@ -53,19 +58,36 @@ class Tokenizer:
         return name
 
 
+def check_vocab_size(vocab_size) -> int:
+    """Refuse a BPE vocab size that is not an integer, not a multiple of 32, below 512 or above 2**20."""
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
+        raise UserError(f"vocab size must be an integer, got {vocab_size!r}")
+    if vocab_size % 32 or not MIN_VOCAB <= vocab_size <= MAX_VOCAB:
+        raise UserError(f"vocab size must be a multiple of 32 between {MIN_VOCAB} and {MAX_VOCAB:,} (MX blocks are "
+                        f"32 wide), got {vocab_size}; use e.g. --vocab-size 4096")
+    return vocab_size
+
+
+def hf_id_range(tok) -> int:
+    """One more than the largest id of a HF tokenizer (its vocab and added tokens), at least its vocab size."""
+    ids = tok.get_vocab(with_added_tokens=True).values()
+    return max(tok.get_vocab_size(with_added_tokens=True), max(ids, default=-1) + 1)
+
+
 def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
-    """Byte-level BPE (GPT-2 style, ``<|endoftext|>`` special token id 0), vocab a multiple of 32."""
+    """Byte-level BPE (GPT-2 style, ``<|endoftext|>`` special token id 0), vocab a multiple of 32.
+
+    A corpus too small for ``vocab_size`` gives a smaller vocab (the returned ``vocab_size``)."""
+    check_vocab_size(vocab_size)  # before the trainer allocates anything
     _need_tokenizers()
     from tokenizers import Tokenizer as HFTok, decoders, models, pre_tokenizers, trainers
-    if vocab_size % 32 or vocab_size < 512:
-        raise UserError(f"vocab size must be a multiple of 32 and at least 512 (MX blocks are 32 wide), got {vocab_size}")
     tok = HFTok(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=[EOT],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(texts, trainer=trainer)
-    return Tokenizer("hf", tok, tok.token_to_id(EOT), tok.get_vocab_size(), "trained")
+    return Tokenizer("hf", tok, tok.token_to_id(EOT), hf_id_range(tok), "trained")
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
@@ -87,7 +109,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
                 break
         if eot is None:
             raise UserError(f"{p}: no end-of-text token ({EOT}, <|end_of_text|> or </s>) in the vocabulary")
-        return Tokenizer("hf", tok, eot, tok.get_vocab_size(), str(p))
+        return Tokenizer("hf", tok, eot, hf_id_range(tok), str(p))
     if _looks_tiktoken(head):
         return _tiktoken_to_hf(p)
     if p.suffix == ".model":
@@ -172,4 +194,4 @@ def _tiktoken_to_hf(p: Path) -> Tokenizer:
     tok.decoder = decoders.ByteLevel()
     eot_name = EOT if gpt2 else "<|end_of_text|>"
     tok.add_special_tokens([AddedToken(eot_name, special=True)])
-    return Tokenizer("hf", tok, tok.token_to_id(eot_name), tok.get_vocab_size(), str(p))
+    return Tokenizer("hf", tok, tok.token_to_id(eot_name), hf_id_range(tok), str(p))
