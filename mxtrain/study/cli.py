@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from ..errors import UserError
@@ -65,7 +66,7 @@ def register(subparsers) -> None:
 
 
 def study_main(args: argparse.Namespace) -> int:
-    from .runner import StudySpec, run_study
+    from .runner import StudyIncomplete, StudySpec, incomplete_message, run_study
 
     spec = StudySpec.from_args(args)
     if args.dry_run:
@@ -73,13 +74,19 @@ def study_main(args: argparse.Namespace) -> int:
         return 0
     out = run_study(spec, jobs=args.jobs)
     s = json.loads((out / "summary.json").read_text())
-    print(f"study done: {out}/report.html")
+    incomplete = incomplete_message(s)
+    if incomplete is None:
+        print(f"study done: {out}/report.html")
+    elif s["arms"]:
+        print(f"study summary of the finished runs (incomplete): {out}/report.html")
     for name, a in s["arms"].items():
         e = a["extra_tokens"]
         cost = (f"{100 * e['mean']:+.1f} % tokens" if e.get("state") == "ok" and e.get("mean") is not None
                 else "reference" if e.get("state") == "baseline" else str(e.get("state")).replace("_", " "))
         fl = a["final_val_loss"].get("mean")
         print(f"  {name:22s} final val loss {('–' if fl is None else f'{fl:.4f}')}   extra tokens: {cost}")
+    if incomplete is not None:
+        raise StudyIncomplete(f"{incomplete}; {out}/summary.json lists them; rerun the same command to train them")
     return 0
 
 
@@ -104,8 +111,15 @@ def report_main(args: argparse.Namespace) -> int:
         k = args.smooth_k or meta.get("smooth_k") or 3
         tl = args.target_loss if args.target_loss is not None else meta.get("target_loss")
         tf = args.target_frac or meta.get("target_frac") or 0.8
-        summary = M.sanitize(M.summarize(runs, base, target_loss=tl, target_frac=tf, smooth_k=k,
-                                         recipes=meta.get("recipes")))
+        summary = M.summarize(runs, base, target_loss=tl, target_frac=tf, smooth_k=k, recipes=meta.get("recipes"))
+        if meta.get("arms") and meta.get("seeds") is not None:
+            from .runner import incomplete_message
+            summary["planned_runs"] = len(meta["arms"]) * len(meta["seeds"])
+            summary["missing"] = M.missing_runs(d, meta["arms"], meta["seeds"], runs)
+            msg = incomplete_message(summary)
+            if msg:
+                print(f"warning: {msg}", file=sys.stderr)
+        summary = M.sanitize(summary)
         (d / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False))
     hp, mp = write_report(d, summary)
     print(f"wrote {hp} and {mp}")

@@ -34,7 +34,7 @@ from pathlib import Path
 __all__ = [
     "RunData", "read_run", "load_study_runs", "t_quantile", "mean_ci", "smooth",
     "tokens_to_target", "loss_at_tokens", "default_target", "extra_token_cost",
-    "final_loss_stats", "paired_differences", "summarize",
+    "final_loss_stats", "paired_differences", "summarize", "missing_runs",
 ]
 
 
@@ -156,8 +156,53 @@ def load_study_runs(study_dir: str | Path, finished_only: bool = True) -> dict[s
                 continue
             if finished_only and not ((sd / "study_status.json").is_file() or (sd / "summary.json").is_file()):
                 continue
+            if finished_only and _status_state(sd) == "failed":   # an error, not a result: trained again
+                continue
             if (sd / "metrics.jsonl").is_file():
                 out.setdefault(arm_dir.name, {})[seed] = read_run(sd, arm_dir.name, seed)
+    return out
+
+
+def _status_file(run_dir: Path) -> dict | None:
+    p = Path(run_dir) / "study_status.json"
+    if not p.is_file():
+        return None
+    try:
+        d = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return d if isinstance(d, dict) else None
+
+
+def _status_state(run_dir: Path) -> str | None:
+    return (_status_file(run_dir) or {}).get("state")
+
+
+def missing_runs(study_dir: str | Path, arms: list[str], seeds: list[int],
+                 runs: dict[str, dict[int, RunData]] | None = None) -> list[dict]:
+    """The planned runs (every arm x seed) that have no finished run in ``runs`` (default: the finished runs
+    of ``study_dir``), in plan order (seed-major), each ``{"arm", "seed", "state", "reason"}``; ``state`` is
+    ``failed`` (an error other than divergence, with its message), ``interrupted`` (a run folder that never
+    ended), ``not_trained`` (no folder) or ``no_metrics`` (it ended but wrote no metrics.jsonl)."""
+    root = Path(study_dir)
+    if runs is None:
+        runs = load_study_runs(root)
+    out = []
+    for s in seeds:
+        for a in arms:
+            if s in runs.get(a, {}):
+                continue
+            rd = root / "runs" / a / f"seed{s}"
+            st = _status_file(rd)
+            if st is not None and st.get("state") == "failed":
+                state, reason = "failed", st.get("message") or ""
+            elif st is not None and st.get("state"):
+                state, reason = "no_metrics", f"ended {st.get('state')} without metrics.jsonl"
+            elif rd.exists():
+                state, reason = "interrupted", "the run folder has no end status (stopped while training)"
+            else:
+                state, reason = "not_trained", ""
+            out.append({"arm": a, "seed": int(s), "state": state, "reason": reason})
     return out
 
 

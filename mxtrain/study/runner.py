@@ -10,8 +10,16 @@ Layout of a study folder ``OUT``::
 
 Control: every run of seed ``k`` uses training seed ``k`` (so the same initialization and the same
 data order in every arm) and the same evaluation steps and validation set; only the recipe differs.
-A run with a ``study_status.json`` is finished and skipped; a run folder without one was
-interrupted and is trained again from scratch (its folder is replaced).
+A run whose ``study_status.json`` says done or diverged is finished and skipped; a run folder without
+one was interrupted, and one that says ``failed`` (an error other than divergence), is trained again from
+scratch (its folder is replaced). A summary that lacks a planned run lists it under ``missing``, and
+``mxtrain study`` then exits 1.
+
+Ownership: a study folder has one owner at a time, the process holding an exclusive ``flock`` on
+``OUT/.lock`` (which holds its pid) for the whole study; its worker processes inherit the locked file, so
+the lock lasts until the owner and every worker have ended. A second ``mxtrain study`` on the folder is
+refused meanwhile. Workers die with their parent (``PR_SET_PDEATHSIG`` on Linux), and the parent stops
+and waits for its workers on SIGINT, SIGTERM or any error.
 
 Learning-rate schedule: a cosine that ends at the run's last step makes every arm's loss drop at
 the end, so a quantized arm can never reach the baseline's final loss and the extra-token cost is
@@ -22,10 +30,15 @@ Llama 3.1-8B config does: its cosine spans 1.2 M steps for a ~6 k-step run).
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import shutil
+import signal
 import sys
+import threading
 import time
+import traceback
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -35,7 +48,23 @@ from ..errors import UserError
 from .. import recipes as R
 from . import metrics as M
 
-__all__ = ["PRESETS", "SCHEDULES", "StudySpec", "run_study", "run_one", "plan_order", "summarize_study"]
+__all__ = ["PRESETS", "SCHEDULES", "StudySpec", "run_study", "run_one", "plan_order", "summarize_study",
+           "StudyIncomplete", "StudyInterrupted", "FINISHED_STATES"]
+
+FINISHED_STATES = ("done", "diverged")   # study_status.json states of a finished run (skipped on resume)
+
+
+class StudyIncomplete(UserError):
+    """The study ended but its summary lacks planned runs (failed, interrupted or never trained)."""
+    exit_code = 1
+
+
+class StudyInterrupted(UserError):
+    """SIGINT or SIGTERM stopped the study (its workers were stopped first)."""
+
+    def __init__(self, msg: str, signum: int):
+        super().__init__(msg)
+        self.exit_code = 128 + signum
 
 SCHEDULES = ("constant", "long-cosine", "config")
 
@@ -267,16 +296,106 @@ def _status(run_dir: Path) -> dict | None:
 
 
 def _is_divergence(e: BaseException) -> bool:
+    """Divergence is decided by the exception's type, never by its text: the trainer's ``NonFiniteLoss``
+    (and Python's ``FloatingPointError``, the standard type of a floating-point failure) is a diverged run,
+    a result of the study; anything else is a failure of the run."""
     try:
         from ..train import NonFiniteLoss
-        if isinstance(e, NonFiniteLoss):
-            return True
-    except ImportError:
-        pass
-    if isinstance(e, UserError):
+    except ImportError:  # pragma: no cover - the trainer is part of the package
+        NonFiniteLoss = ()
+    return isinstance(e, (NonFiniteLoss, FloatingPointError))
+
+
+def _is_interrupt(e: BaseException) -> bool:
+    """A signal stopped the run (the trainer's ``Interrupted``) or the study: never a result of the run."""
+    if isinstance(e, StudyInterrupted):
+        return True
+    try:
+        from ..train import Interrupted
+    except ImportError:  # pragma: no cover
         return False
-    msg = str(e).lower()
-    return any(w in msg for w in ("non-finite", "nonfinite", "not finite", "nan", "diverg", "inf loss"))
+    return isinstance(e, Interrupted)
+
+
+def _finished(st: dict | None) -> bool:
+    return st is not None and st.get("state") in FINISHED_STATES
+
+
+class _StudyLock:
+    """Exclusive ownership of a study folder: ``fcntl.flock`` on ``OUT/.lock``, which holds the owner's pid.
+
+    Taken before anything in the folder is written and held for the whole study. Worker processes get the
+    locked file descriptor (``pass_fds``), so the lock lasts until the owner and all its workers have
+    ended; the system drops it when they end, however they end. Where ``fcntl`` does not exist the folder
+    is not locked."""
+
+    def __init__(self, out: Path):
+        self.f = None
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover - not POSIX
+            return
+        try:
+            f = open(out / ".lock", "a+")
+        except OSError as e:
+            raise UserError(f"cannot write to study folder {out}: {e.strerror or e}") from None
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            f.seek(0)
+            who = f.read().strip()
+            f.close()
+            if e.errno not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
+                raise UserError(f"cannot lock study folder {out} ({e.strerror or e})") from None
+            owner = f"pid {who}" if who else "another process"
+            try:
+                if who:
+                    os.kill(int(who), 0)
+            except ProcessLookupError:
+                owner = f"the worker processes of pid {who}, which has exited; they stop in a moment"
+            except (ValueError, OSError):
+                pass
+            raise UserError(f"study folder {out} is in use by another mxtrain study ({owner}); wait for it to "
+                            f"finish or choose another --out") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        self.f = f
+
+    def fileno(self) -> int | None:
+        return None if self.f is None else self.f.fileno()
+
+    def close(self) -> None:
+        if self.f is not None:
+            self.f.close()
+            self.f = None
+
+
+class _StopOnSignal:
+    """While the study runs (main thread only): SIGINT and SIGTERM raise ``StudyInterrupted``, so that
+    ``finally`` blocks stop the workers and release the lock. (While a run trains in this process, the
+    trainer's own handler takes over and ends the run with ``Interrupted``.)"""
+
+    def __init__(self):
+        self.old: dict = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM):
+                self.old[s] = signal.signal(s, self._raise)
+        return self
+
+    @staticmethod
+    def _raise(signum, frame):
+        raise StudyInterrupted(f"study interrupted by {signal.Signals(signum).name}; rerun the same command to "
+                               f"resume (finished runs are skipped)", signum)
+
+    def __exit__(self, *exc):
+        for s, h in self.old.items():
+            signal.signal(s, h)
+        self.old = {}
+        return False
 
 
 def run_study(spec: StudySpec, train_fn: Callable[[StudySpec, str, int, Path], None] | None = None,
@@ -290,8 +409,24 @@ def run_study(spec: StudySpec, train_fn: Callable[[StudySpec, str, int, Path], N
     if jobs < 1:
         raise UserError(f"--jobs must be >= 1, got {jobs}")
     out = Path(spec.out)
+    from ..train.trainer import validate
+    for arm in spec.arms:   # every run's config checked before the study folder is written
+        validate(build_config(spec, arm, 0, out / "runs" / "check"))
     try:
         out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot write to study folder {out}: {e.strerror or e}") from None
+    lock = _StudyLock(out)   # before anything in the folder is written: one owner at a time
+    try:
+        with _StopOnSignal():
+            _run_study_locked(spec, out, train_fn, log, jobs, lock)
+    finally:
+        lock.close()
+    return out
+
+
+def _run_study_locked(spec: StudySpec, out: Path, train_fn, log, jobs: int, lock: _StudyLock) -> None:
+    try:
         (out / ".write_test").write_text("")
         (out / ".write_test").unlink()
     except OSError as e:
@@ -313,14 +448,27 @@ def run_study(spec: StudySpec, train_fn: Callable[[StudySpec, str, int, Path], N
 
     order = plan_order(spec)
     t0 = time.time()
-    if jobs > 1 and train_fn is None:
-        _run_workers(spec, out, jobs, log)
-    else:
-        for i, (arm, seed) in enumerate(order, 1):
-            run_one(spec, arm, seed, f"[{i}/{len(order)}]", train_fn or train_one, log)
-    log(f"all runs finished ({time.time() - t0:.0f} s this session)")
+    worker_error = None
+    try:
+        if jobs > 1 and train_fn is None:
+            worker_error = _run_workers(spec, out, jobs, log, lock)
+        else:
+            for i, (arm, seed) in enumerate(order, 1):
+                run_one(spec, arm, seed, f"[{i}/{len(order)}]", train_fn or train_one, log)
+    except Exception as e:
+        if _is_interrupt(e) and not isinstance(e, StudyInterrupted):   # the trainer's Interrupted
+            signum = getattr(e, "exit_code", 130) - 128
+            try:
+                name = signal.Signals(signum).name
+            except ValueError:
+                name = f"signal {signum}"
+            raise StudyInterrupted(f"study interrupted by {name}; rerun the same command to resume (finished runs "
+                                   f"are skipped, the run in progress is trained again)", signum) from None
+        raise
+    log(f"all runs ended ({time.time() - t0:.0f} s this session)")
     summarize_study(out)
-    return out
+    if worker_error:
+        raise UserError(worker_error)
 
 
 def plan_order(spec: StudySpec) -> list[tuple[str, int]]:
@@ -329,41 +477,80 @@ def plan_order(spec: StudySpec) -> list[tuple[str, int]]:
 
 
 def run_one(spec: StudySpec, arm: str, seed: int, tag: str, train_fn, log=print) -> None:
-    """Train one arm x seed unless its folder says it finished; record done | diverged."""
+    """Train one arm x seed unless its folder says it finished; record done | diverged | failed.
+
+    ``NonFiniteLoss`` (by type) is divergence, a result; a signal (the trainer's ``Interrupted``,
+    ``StudyInterrupted``, ``KeyboardInterrupt``) stops the study; any other exception is recorded as
+    ``failed`` with its message (traceback in ``RUN/study_error.txt``), the run counts as missing, and
+    the next session trains it again."""
     rd = Path(spec.out) / "runs" / arm / f"seed{seed}"
     st = _status(rd)
-    if st is not None:
+    if _finished(st):
         log(f"{tag} {arm} seed {seed}: {st.get('state')} already, skipped")
         return
     if rd.exists():
-        log(f"{tag} {arm} seed {seed}: unfinished run folder, training it again")
+        busy = _run_folder_owner(rd)
+        if busy is not None:
+            raise UserError(f"run folder {rd} is in use by another process ({busy}); stop it, then rerun the study")
+        log(f"{tag} {arm} seed {seed}: " + (f"failed before ({st.get('message')}), " if st else "unfinished run folder, ")
+            + "training it again")
         shutil.rmtree(rd)
     rd.parent.mkdir(parents=True, exist_ok=True)
     log(f"{tag} {arm} seed {seed} -> {rd}")
     ts = time.time()
-    state, msg = "done", None
+    state, msg, tb = "done", None, None
     try:
         train_fn(spec, arm, seed, rd)
-    except Exception as e:  # a diverged run is a result, anything else is an error
-        if not _is_divergence(e):
+    except Exception as e:  # a diverged run is a result, a failed one is recorded; a signal stops the study
+        if _is_interrupt(e):
             raise
-        state, msg = "diverged", str(e)
-        log(f"    diverged: {msg}")
+        if _is_divergence(e):
+            state, msg = "diverged", str(e)
+            log(f"    diverged: {msg}")
+        else:
+            state = "failed"
+            msg = str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}"
+            tb = traceback.format_exc()
+            log(f"    failed: {msg}")
     rd.mkdir(parents=True, exist_ok=True)
+    if tb:
+        (rd / "study_error.txt").write_text(tb)
     (rd / "study_status.json").write_text(json.dumps(
         {"state": state, "message": msg, "seconds": round(time.time() - ts, 1), "arm": arm, "seed": seed}))
     log(f"{tag} {arm} seed {seed}: {state} in {time.time() - ts:.0f} s")
 
 
-def _run_workers(spec: StudySpec, out: Path, jobs: int, log) -> None:
-    """Start ``jobs`` worker processes over the pending runs and wait for all of them."""
-    import os
+def _run_folder_owner(rd: Path) -> str | None:
+    """Who holds the trainer's lock on run folder ``rd`` (``RUN/.lock``), or None when nobody does."""
+    p = rd / ".lock"
+    if not p.is_file():
+        return None
+    try:
+        import fcntl
+        with open(p) as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except OSError as e:
+                if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
+                    who = f.read().strip()
+                    return f"pid {who}" if who else "unknown pid"
+            return None
+    except (ImportError, OSError):
+        return None
+
+
+def _run_workers(spec: StudySpec, out: Path, jobs: int, log, lock: _StudyLock | None = None) -> str | None:
+    """Start ``jobs`` worker processes over the pending runs and wait for all of them.
+
+    Returns None, or a message naming the workers that exited with an error. The workers are always
+    stopped and waited for before this returns or raises (SIGINT/SIGTERM to this process, an error here);
+    each also dies with this process if it is killed (``PR_SET_PDEATHSIG``, set by the worker)."""
     import subprocess
 
-    pending = [(a, s) for a, s in plan_order(spec) if _status(out / "runs" / a / f"seed{s}") is None]
+    pending = [(a, s) for a, s in plan_order(spec) if not _finished(_status(out / "runs" / a / f"seed{s}"))]
     if not pending:
         log("every run of this study has finished already")
-        return
+        return None
     jobs = min(jobs, len(pending))
     gpus: list[str] = []
     dev = spec.device or ""
@@ -377,33 +564,90 @@ def _run_workers(spec: StudySpec, out: Path, jobs: int, log) -> None:
             gpus = []
     log(f"{len(pending)} runs to train in {jobs} worker processes"
         + (f" on GPUs {','.join(gpus[:jobs])}" if len(gpus) > 1 else "") + f"; logs: {out}/worker<k>.log")
-    shutil.rmtree(out / "claims", ignore_errors=True)  # claims of an interrupted earlier session
+    # claims of an interrupted earlier session: safe to drop, the study lock proves none of its workers runs
+    shutil.rmtree(out / "claims", ignore_errors=True)
+    lock_fd = lock.fileno() if lock is not None else None
     procs = []
-    for k in range(jobs):
-        env = dict(os.environ)
-        if len(gpus) > 1:
-            env["CUDA_VISIBLE_DEVICES"] = gpus[k % len(gpus)]
-        if dev.startswith("cpu") or not gpus:
-            # share the cores instead of oversubscribing them
-            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // jobs)))
-        lf = open(out / f"worker{k}.log", "w")
-        procs.append((k, lf, subprocess.Popen([sys.executable, "-m", "mxtrain.study.worker", str(out), str(k),
-                                               str(jobs)], env=env, stdout=lf, stderr=subprocess.STDOUT)))
-    failed = []
-    for k, lf, p in procs:
-        rc = p.wait()
-        lf.close()
-        if rc != 0:
-            failed.append(k)
+    try:
+        for k in range(jobs):
+            env = dict(os.environ)
+            env["MXTRAIN_STUDY_PARENT"] = str(os.getpid())   # the worker exits if this process is gone already
+            if len(gpus) > 1:
+                env["CUDA_VISIBLE_DEVICES"] = gpus[k % len(gpus)]
+            if dev.startswith("cpu") or not gpus:
+                # share the cores instead of oversubscribing them
+                env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // jobs)))
+            lf = open(out / f"worker{k}.log", "w")
+            try:
+                p = subprocess.Popen([sys.executable, "-m", "mxtrain.study.worker", str(out), str(k), str(jobs)],
+                                     env=env, stdout=lf, stderr=subprocess.STDOUT,
+                                     pass_fds=(lock_fd,) if lock_fd is not None else ())
+            except BaseException:
+                lf.close()
+                raise
+            procs.append((k, lf, p))
+        failed = []
+        for k, lf, p in procs:
+            if p.wait() != 0:
+                failed.append(k)
+    finally:
+        _stop_workers([p for _, _, p in procs])
+        for _, lf, _ in procs:
+            lf.close()
     shutil.rmtree(out / "claims", ignore_errors=True)
     if failed:
         tail = (out / f"worker{failed[0]}.log").read_text(errors="replace").strip().splitlines()[-1:] or [""]
-        raise UserError(f"study worker(s) {', '.join(map(str, failed))} failed (see {out}/worker{failed[0]}.log: "
-                        f"{tail[0][:200]}); rerun the same command to resume")
+        return (f"study worker(s) {', '.join(map(str, failed))} failed (see {out}/worker{failed[0]}.log: "
+                f"{tail[0][:200]}); rerun the same command to resume")
+    return None
+
+
+def _stop_workers(procs, grace: float = 10.0) -> None:
+    """SIGTERM to every worker still running (the trainer ends its step and stops), then wait; after
+    ``grace`` seconds, or at once on another SIGINT/SIGTERM, SIGKILL."""
+    import subprocess
+
+    alive = [p for p in procs if p.poll() is None]
+    if not alive:
+        return
+
+    def kill_all(signum=None, frame=None):
+        for p in alive:
+            if p.poll() is None:
+                try:
+                    p.kill()
+                except OSError:
+                    pass
+
+    old = {}
+    if threading.current_thread() is threading.main_thread():
+        for s in (signal.SIGINT, signal.SIGTERM):
+            old[s] = signal.signal(s, kill_all)
+    try:
+        for p in alive:
+            try:
+                p.terminate()
+            except OSError:
+                pass
+        deadline = time.monotonic() + grace
+        for p in alive:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                kill_all()
+                p.wait()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 def summarize_study(out: str | Path) -> dict:
-    """Recompute ``summary.json`` and the report from the run folders."""
+    """Recompute ``summary.json`` and the report from the run folders.
+
+    ``summary["planned_runs"]`` counts the plan's arm x seed runs and ``summary["missing"]`` lists those
+    without a finished run (failed, interrupted or never trained), each with its state and reason. When
+    the baseline has no finished run there is nothing to compare with: ``summary.json`` then holds only
+    the plan and the missing runs (``"arms": {}``) and no report is written."""
     from .report import write_report
 
     out = Path(out)
@@ -415,10 +659,31 @@ def summarize_study(out: str | Path) -> dict:
     for a in arms:
         if a not in recipes and a in R.names():
             recipes[a] = R.get(a).to_dict()
-    summary = M.summarize(runs, meta["baseline"], target_loss=meta.get("target_loss"),
-                          target_frac=meta.get("target_frac", 0.8), smooth_k=meta.get("smooth_k", 3),
-                          recipes=recipes)
+    missing = M.missing_runs(out, meta["arms"], meta["seeds"], runs)
+    planned = len(meta["arms"]) * len(meta["seeds"])
+    if meta["baseline"] not in runs:
+        summary = {"schema": 1, "baseline": meta["baseline"], "target_loss": None,
+                   "target_rule": "none: the baseline has no finished run", "arms": {}}
+    else:
+        summary = M.summarize(runs, meta["baseline"], target_loss=meta.get("target_loss"),
+                              target_frac=meta.get("target_frac", 0.8), smooth_k=meta.get("smooth_k", 3),
+                              recipes=recipes)
+    summary["planned_runs"] = planned
+    summary["missing"] = missing
     summary = M.sanitize(summary)
     (out / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False))
-    write_report(out, summary)
+    if summary["arms"]:
+        write_report(out, summary)
     return summary
+
+
+def incomplete_message(summary: dict, limit: int = 8) -> str | None:
+    """``study incomplete: N of M planned runs missing: ...`` for a summary that lacks planned runs, else None."""
+    miss = summary.get("missing") or []
+    if not miss:
+        return None
+    items = [f"{m['arm']} seed {m['seed']} ({m['state'].replace('_', ' ')}" + (f": {m['reason'][:160]}" if m.get("reason") else "") + ")"
+             for m in miss[:limit]]
+    more = f", and {len(miss) - limit} more" if len(miss) > limit else ""
+    return (f"study incomplete: {len(miss)} of {summary.get('planned_runs', '?')} planned runs missing: "
+            f"{', '.join(items)}{more}")

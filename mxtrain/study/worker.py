@@ -2,20 +2,48 @@
 pending runs of study folder ``OUT`` (plan and settings from ``OUT/study.json``, written by the
 parent), taking them in plan order: a worker claims a run by creating ``OUT/claims/<arm>-seed<k>``
 (an atomic create, so no two workers train the same run), which balances fast and slow arms. The
-parent clears stale claims before it starts the workers, and writes the summary after them."""
+parent clears stale claims before it starts the workers (it holds the study lock, ``OUT/.lock``, whose
+locked file every worker inherits, so no worker of an earlier session still runs), and writes the
+summary after them.
+
+A worker dies with its parent: on Linux it asks for SIGTERM when the parent ends
+(``prctl(PR_SET_PDEATHSIG)``) and exits at once if the parent (``MXTRAIN_STUDY_PARENT``) is already
+gone; the parent also stops its workers on SIGINT, SIGTERM and errors."""
 
 from __future__ import annotations
 
-import json
 import os
+import signal
 import sys
-from pathlib import Path
 
-from ..errors import UserError
-from .runner import StudySpec, plan_order, run_one, train_one
+
+def die_with_parent() -> bool:
+    """Ask the kernel to send SIGTERM when the parent process ends (Linux ``prctl(PR_SET_PDEATHSIG)``;
+    a no-op elsewhere). Returns False if the parent named by ``MXTRAIN_STUDY_PARENT`` has already gone."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+            libc = ctypes.CDLL(None, use_errno=True)
+            PR_SET_PDEATHSIG = 1
+            libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        except (OSError, AttributeError):  # no libc prctl: rely on the parent stopping its workers
+            pass
+    parent = os.environ.get("MXTRAIN_STUDY_PARENT")
+    if parent and parent.isdigit() and os.getppid() != int(parent):
+        return False  # the parent died before prctl took effect
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
+    if not die_with_parent():
+        print("mxtrain: error: the study process that started this worker has ended", file=sys.stderr)
+        return 2
+    import json
+    from pathlib import Path
+
+    from ..errors import UserError
+    from .runner import StudySpec, plan_order, run_one, train_one
+
     argv = sys.argv[1:] if argv is None else argv
     out, k = Path(argv[0]), int(argv[1])
     meta = json.loads((out / "study.json").read_text())
@@ -33,7 +61,10 @@ def main(argv: list[str] | None = None) -> int:
                     log=lambda m: print(m, flush=True))
     except UserError as e:
         print(f"mxtrain: error: {e}", file=sys.stderr)
-        return 2
+        return getattr(e, "exit_code", 2) or 2
+    except KeyboardInterrupt:
+        print("mxtrain: interrupted", file=sys.stderr)
+        return 130
     return 0
 
 

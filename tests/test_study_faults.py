@@ -1,0 +1,313 @@
+"""Faults of `mxtrain study`: signals to a parallel study, two studies on one folder, missing runs,
+failures that are not divergence. CPU only; the real-training tests use a tiny model on small data."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from train_helpers import ROOT, small_data
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+
+
+def _write_run(d: Path, c: float = 1.0, seed: int = 0, n: int = 30) -> None:
+    """A finished synthetic run folder: val loss 2 + 5e4 / (tokens / c)."""
+    d.mkdir(parents=True, exist_ok=True)
+    with open(d / "metrics.jsonl", "w") as f:
+        for i in range(1, n + 1):
+            t = 1000.0 * i
+            v = 2.0 + 0.002 * seed + 5e4 / (t / c)
+            f.write(json.dumps({"step": i, "tokens": t, "loss": v + 0.01}) + "\n")
+            f.write(json.dumps({"step": i, "tokens": t, "val_loss": v}) + "\n")
+    (d / "summary.json").write_text("{}")
+
+
+def _fake_trainer(calls, fail=None):
+    """Stand-in for ``runner.train_one``: ``fail`` maps (arm, seed) to the exception that run raises."""
+    def train_fn(spec, arm, seed, run_dir):
+        calls.append((arm, seed))
+        if fail and (arm, seed) in fail:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "metrics.jsonl").write_text("")
+            raise fail[(arm, seed)]
+        _write_run(run_dir, {"bf16": 1.0}.get(arm, 1.1), seed)
+    return train_fn
+
+
+def _snapshot(root: Path) -> dict:
+    """Every path under ``root`` with its kind, size, mtime and (for files) content."""
+    snap = {}
+    for p in sorted(root.rglob("*")):
+        st = p.lstat()
+        snap[str(p.relative_to(root))] = (p.is_dir(), st.st_size, st.st_mtime_ns,
+                                          None if p.is_dir() else p.read_bytes())
+    snap["."] = root.stat().st_mtime_ns
+    return snap
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            kids += [int(x) for x in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return kids
+
+
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], _children(pid)
+    while todo:
+        p = todo.pop()
+        if p not in out:
+            out.append(p)
+            todo += _children(p)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting to be reaped has ended: it holds no files, no lock, no CPU)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def _wait_gone(pids, timeout: float) -> list[int]:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        left = [p for p in pids if _alive(p)]
+        if not left:
+            return []
+        time.sleep(0.1)
+    return [p for p in pids if _alive(p)]
+
+
+def _lock_is_free(path: Path) -> bool:
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False
+        fcntl.flock(f, fcntl.LOCK_UN)
+        return True
+
+
+def _study_cmd(out: Path) -> list[str]:
+    # far more steps than the test lets it train: the workers are mid-training when the signal comes
+    return ["study", "--preset", "smoke", "--arms", "bf16", "--seeds", "2", "--steps", "100000",
+            "--diagnose-every", "0", "--data", str(small_data()), "--out", str(out), "--jobs", "2"]
+
+
+def _start_parallel_study(out: Path):
+    """`mxtrain study --jobs 2` as a child of this process; returns it, its worker PIDs (its children) and
+    every descendant seen (workers and anything they started), once both workers train (each run folder
+    has metrics)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "mxtrain", *_study_cmd(out)], env=env, cwd=str(out.parent),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=False)
+    workers: set[int] = set()
+    seen: set[int] = set()
+    end = time.monotonic() + 60
+    runs = [out / "runs" / "bf16" / f"seed{s}" / "metrics.jsonl" for s in (0, 1)]
+    while time.monotonic() < end and proc.poll() is None:
+        workers |= set(_children(proc.pid))
+        seen |= workers | set(_descendants(proc.pid))
+        if len(workers) >= 2 and all(r.is_file() and r.stat().st_size > 0 for r in runs):
+            return proc, sorted(workers), sorted(seen)
+        time.sleep(0.1)
+    proc.kill()
+    o, e = proc.communicate()
+    pytest.fail(f"the study's workers did not start training (rc {proc.returncode}): {o[-500:]} {e[-1500:]}")
+
+
+def _cleanup(proc, pids):
+    """SIGKILL what this test started and is still running (and still an mxtrain process: no PID reuse)."""
+    for p in [proc.pid] + list(pids):
+        try:
+            mine = b"mxtrain" in Path(f"/proc/{p}/cmdline").read_bytes()
+        except OSError:
+            mine = False
+        if mine and _alive(p):
+            try:
+                os.kill(p, signal.SIGKILL)
+            except OSError:
+                pass
+    if proc.poll() is None:
+        proc.wait(timeout=10)
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. workers die with their parent; 2. one owner per study folder
+
+
+def test_sigterm_to_parallel_study_stops_its_workers(tmp_path, capsys):
+    from mxtrain.cli import main
+
+    out = tmp_path / "st"
+    proc, workers, seen = _start_parallel_study(out)
+    try:
+        assert len(workers) == 2 and all(_alive(w) for w in workers)
+        assert (out / ".lock").read_text().strip() == str(proc.pid)
+        # a second study on the folder while the first runs: refused, naming the owner
+        capsys.readouterr()
+        assert main(_study_cmd(out)) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("mxtrain: error:") and f"pid {proc.pid}" in err[0], err
+        os.kill(proc.pid, signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=30)
+        assert proc.returncode == 128 + signal.SIGTERM, stderr
+        assert stderr.strip().splitlines()[-1].startswith("mxtrain: error: study interrupted by SIGTERM")
+        assert _wait_gone(seen, 5) == []
+        assert _lock_is_free(out / ".lock")
+        assert not (out / "summary.json").exists()
+    finally:
+        _cleanup(proc, seen)
+
+
+def test_killed_parallel_study_workers_die_and_release_the_folder(tmp_path):
+    """SIGKILL leaves the parent no chance to clean up: the kernel's parent-death signal stops the workers."""
+    out = tmp_path / "st"
+    proc, workers, seen = _start_parallel_study(out)
+    try:
+        assert len(workers) == 2 and all(_alive(w) for w in workers)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        assert _wait_gone(seen, 10) == []
+        assert _lock_is_free(out / ".lock")   # workers held the inherited lock until they ended
+    finally:
+        _cleanup(proc, seen)
+
+
+def test_second_study_on_a_locked_folder_is_refused_and_changes_nothing(tmp_path, monkeypatch, capsys):
+    from mxtrain.cli import main
+    from mxtrain.study import runner
+
+    out = tmp_path / "st"
+    args = ["study", "--arms", "bf16,mxfp4-all", "--seeds", "2", "--smooth-k", "1", "--out", str(out)]
+    monkeypatch.setattr(runner, "train_one", _fake_trainer([]))
+    # an interrupted earlier session: one finished run, stale claims
+    assert main(args + ["--seeds", "1"]) == 0
+    (out / "claims").mkdir()
+    (out / "claims" / "bf16-seed1").write_text("")
+    capsys.readouterr()
+    with open(out / ".lock", "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.seek(0)
+        held.truncate()
+        held.write("424242\n")
+        held.flush()
+        before = _snapshot(out)
+        calls = []
+        monkeypatch.setattr(runner, "train_one", _fake_trainer(calls))
+        for extra in ([], ["--jobs", "2"]):
+            assert main(args + extra) == 2
+            cap = capsys.readouterr()
+            err = cap.err.strip().splitlines()
+            assert len(err) == 1 and err[0].startswith("mxtrain: error:") and "pid 424242" in err[0], err
+            assert "in use" in err[0] and "study done" not in cap.out
+        assert calls == [] and _snapshot(out) == before
+    # released: the folder is this study's again
+    assert main(args[:4] + ["1"] + args[5:]) == 0
+    assert (out / ".lock").read_text().strip() == str(os.getpid())
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. missing planned runs; 4. failures are not divergence
+
+
+def test_missing_planned_run_is_named_and_exits_nonzero(tmp_path, monkeypatch, capsys):
+    from mxtrain.cli import main
+    from mxtrain.study import runner
+
+    out = tmp_path / "st"
+    args = ["study", "--arms", "bf16,mxfp4-all", "--seeds", "2", "--smooth-k", "1", "--out", str(out)]
+    calls = []
+    monkeypatch.setattr(runner, "train_one", _fake_trainer(calls, {("mxfp4-all", 1): RuntimeError("disk on fire")}))
+    assert main(args) == 1
+    cap = capsys.readouterr()
+    err = cap.err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("mxtrain: error: study incomplete: 1 of 4 planned runs missing: "
+                             "mxfp4-all seed 1 (failed: RuntimeError: disk on fire)")
+    assert "study done" not in cap.out
+    s = json.loads((out / "summary.json").read_text())
+    assert s["planned_runs"] == 4
+    assert s["missing"] == [{"arm": "mxfp4-all", "seed": 1, "state": "failed", "reason": "RuntimeError: disk on fire"}]
+    assert s["arms"]["mxfp4-all"]["seeds"] == [0] and s["arms"]["bf16"]["seeds"] == [0, 1]
+    assert "disk on fire" in (out / "runs" / "mxfp4-all" / "seed1" / "study_error.txt").read_text()
+    # `mxtrain report` says so too
+    assert main(["report", str(out)]) == 0
+    assert "study incomplete: 1 of 4" in capsys.readouterr().err
+    # an interrupted run folder (no end status) and a run never trained are missing as well
+    (out / "runs" / "bf16" / "seed1" / "study_status.json").unlink()
+    (out / "runs" / "bf16" / "seed1" / "summary.json").unlink()
+    s = runner.summarize_study(out)
+    assert [(m["arm"], m["seed"], m["state"]) for m in s["missing"]] == [("bf16", 1, "interrupted"),
+                                                                       ("mxfp4-all", 1, "failed")]
+    # the next session trains exactly the missing runs, and then the study is done
+    calls2 = []
+    monkeypatch.setattr(runner, "train_one", _fake_trainer(calls2))
+    assert main(args) == 0
+    assert calls2 == [("bf16", 1), ("mxfp4-all", 1)]
+    assert "study done" in capsys.readouterr().out
+    assert json.loads((out / "summary.json").read_text())["missing"] == []
+
+
+def test_failure_mentioning_nan_is_failed_not_diverged(tmp_path, monkeypatch, capsys):
+    from mxtrain.cli import main
+    from mxtrain.study import runner
+    from mxtrain.train import NonFiniteLoss
+
+    out = tmp_path / "st"
+    fail = {("mxfp4-all", 0): FileNotFoundError("/data/nan-corpus/train_00000.bin: no such file (nan)"),
+            ("mxfp4-all-dh16", 0): NonFiniteLoss("loss is nan at step 3; training stopped")}
+    monkeypatch.setattr(runner, "train_one", _fake_trainer([], fail))
+    assert main(["study", "--arms", "bf16,mxfp4-all,mxfp4-all-dh16", "--seeds", "1", "--smooth-k", "1",
+                 "--out", str(out)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "1 of 3 planned runs missing: mxfp4-all seed 0 (failed: FileNotFoundError" in err[0], err
+    st = json.loads((out / "runs" / "mxfp4-all" / "seed0" / "study_status.json").read_text())
+    assert st["state"] == "failed" and "nan-corpus" in st["message"]
+    st = json.loads((out / "runs" / "mxfp4-all-dh16" / "seed0" / "study_status.json").read_text())
+    assert st["state"] == "diverged"
+    s = json.loads((out / "summary.json").read_text())
+    assert "mxfp4-all" not in s["arms"]   # a failure is no result
+    assert s["arms"]["mxfp4-all-dh16"]["diverged"] == {"0": True}   # a divergence is one
+
+
+def test_real_trainer_missing_nan_path_is_failed(tmp_path, capsys):
+    """The real trainer on a data path containing 'nan' that does not exist: failed, not diverged."""
+    from mxtrain.cli import main
+
+    out = tmp_path / "st"
+    assert main(["study", "--preset", "smoke", "--arms", "bf16", "--seeds", "1", "--steps", "2",
+                 "--diagnose-every", "0", "--data", str(tmp_path / "nan-data" / "nan"), "--out", str(out)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "study incomplete: 1 of 1 planned runs missing: bf16 seed 0 (failed: " in err[0], err
+    st = json.loads((out / "runs" / "bf16" / "seed0" / "study_status.json").read_text())
+    assert st["state"] == "failed" and "nan-data" in st["message"]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["arms"] == {} and s["missing"][0]["state"] == "failed"
+
+
+def test_bad_set_value_is_reported_before_the_study_folder_is_written(tmp_path):
+    from train_helpers import run_cli
+    out = tmp_path / "study"
+    p = run_cli("study", "--preset", "smoke", "--out", str(out), "--set", "optim.beta2=1.5")
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert p.returncode != 0 and "Traceback" not in p.stderr
+    assert len(lines) == 1 and lines[0].startswith("mxtrain: error: ") and "optim.beta2" in lines[0], p.stderr
+    assert not out.exists()
