@@ -346,8 +346,16 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     state = {"model": msd}
     if optimizer is not None:
         state["optim"] = osd
-    with _quiet_single_process(env):
-        dcp.save(state, checkpoint_id=str(tmp), no_dist=not env.distributed)
+    try:
+        with _quiet_single_process(env):
+            dcp.save(state, checkpoint_id=str(tmp), no_dist=not env.distributed)
+    except Exception as e:  # noqa: BLE001 - DCP wraps the writers' OSError (a full disk) in its own exception
+        why = next((x for x in _chain(e) if isinstance(x, OSError)), None)
+        if why is None:
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise UserError(f"cannot write checkpoint {path}: {why.strerror or why}; the previous checkpoint is "
+                        f"intact") from None
     barrier()
     if env.is_rank0:
         meta = {"format": "mxtrain-dcp-1", "world_size": env.world_size, "has_optim": optimizer is not None}
@@ -369,6 +377,20 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
             os.replace(tmp, path)
     barrier()
     return path
+
+
+def _chain(e: BaseException):
+    """``e``, its causes and contexts, and the exceptions DCP collects per rank (``failures``)."""
+    seen, todo = set(), [e]
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        yield x
+        todo += [x.__cause__, x.__context__]
+        for v in (getattr(x, "failures", None) or {}).values():
+            todo.append(v if isinstance(v, BaseException) else getattr(v, "exc", None))
 
 
 def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,

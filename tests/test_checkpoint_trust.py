@@ -307,3 +307,31 @@ def test_cli_resume_refuses_crafted_run_folder(tmp_path):
     p = run_cli("train", "--resume", str(good), "--steps", "3", "--no-progress", cwd=tmp_path)
     assert p.returncode == 0, p.stderr
     assert '"step": 3' in (good / "metrics.jsonl").read_text()
+
+
+def test_full_disk_during_a_dcp_save_is_one_clear_error(tmp_path, monkeypatch):
+    """A writer failing with ENOSPC inside torch's DCP save: one UserError naming the checkpoint, the
+    temporary folder removed, the previous checkpoint intact."""
+    import torch.distributed.checkpoint as dcp
+    from mxtrain import distributed as D
+    from mxtrain.errors import UserError
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    path = tmp_path / "checkpoint.dcp"
+    D.save_checkpoint(path, model)
+    real = dcp.save
+
+    def full(*a, **k):
+        try:
+            raise OSError(28, "No space left on device")
+        except OSError as e:
+            raise RuntimeError("checkpoint write failed") from e
+
+    monkeypatch.setattr(dcp, "save", full)
+    with pytest.raises(UserError, match="cannot write checkpoint .*No space left on device; the previous checkpoint"):
+        D.save_checkpoint(path, torch.nn.Linear(8, 8))
+    monkeypatch.setattr(dcp, "save", real)
+    assert not path.with_name(path.name + ".tmp").exists()
+    fresh = torch.nn.Linear(8, 8)
+    D.load_checkpoint(path, fresh)
+    assert torch.equal(fresh.weight, model.weight)

@@ -90,3 +90,48 @@ def test_weights_that_are_not_finite_are_never_checkpointed(tmp_path, monkeypatc
     with pytest.raises(NonFiniteLoss, match="weights are not finite at step 2; no checkpoint written"):
         train(_cfg(out, 4))
     assert ckpt.load(out)["step"] == 1
+
+
+def test_full_disk_while_logging_is_one_clear_error_and_keeps_the_checkpoint(tmp_path, monkeypatch):
+    """A disk that fills up mid-run: writing metrics fails with one clear line (no traceback through the
+    CLI), the last checkpoint stays loadable, and JSON files are replaced whole or not at all."""
+    from mxtrain.errors import UserError
+    out = tmp_path / "run"
+    real_init = TR._Log.__init__
+
+    class Full:
+        def __init__(self, f):
+            self.f, self.n = f, 0
+
+        def write(self, s):
+            self.n += 1
+            if self.n > 3:
+                raise OSError(28, "No space left on device")
+            return self.f.write(s)
+
+        def __getattr__(self, k):
+            return getattr(self.f, k)
+
+    def init(self, *a, **k):
+        real_init(self, *a, **k)
+        if self.f is not None:
+            self.f = Full(self.f)
+
+    monkeypatch.setattr(TR._Log, "__init__", init)
+    with pytest.raises(UserError, match=r"cannot write .*metrics.jsonl: No space left on device; the last "
+                                         r"checkpoint is intact"):
+        train(_cfg(out, 8))
+    assert ckpt.load(out)["step"] >= 1
+    monkeypatch.setattr(TR._Log, "__init__", real_init)
+    real_replace = TR.os.replace
+
+    def full_replace(a, b):
+        raise OSError(28, "No space left on device")
+
+    before = (out / "config.json").read_text()
+    monkeypatch.setattr(TR.os, "replace", full_replace)
+    with pytest.raises(UserError, match=r"cannot write .*config.json: No space left"):
+        TR._write_json(out / "config.json", {"x": 1})
+    monkeypatch.setattr(TR.os, "replace", real_replace)
+    assert (out / "config.json").read_text() == before
+    assert not list(out.glob(".config.json.tmp-*"))

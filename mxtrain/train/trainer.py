@@ -282,7 +282,7 @@ class _RunLock:
 def _clean_stale(out: Path) -> None:
     """Temporary files of processes that died in this folder (checkpoint writes, write tests): removed once
     the folder is locked (no live run can be writing them)."""
-    for p in list(out.glob(f".{ckpt.NAME}.tmp-*")) + list(out.glob(".write-test-*")):
+    for p in list(out.glob(".*.tmp-*")) + list(out.glob(".write-test-*")):
         pid = p.name.rsplit("-", 1)[-1]
         if pid.isdigit() and int(pid) != os.getpid() and not Path(f"/proc/{pid}").exists():
             try:
@@ -423,6 +423,21 @@ def evaluate(model, data: TokenData, cfg: TrainConfig, device, amp_dtype, rank=0
     return total / count
 
 
+def _write_json(path: Path, obj) -> None:
+    """A small JSON file written whole (temporary file, then rename): a full disk is one clear error and
+    leaves the previous file intact."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(obj, indent=2, default=str, allow_nan=False) + "\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise UserError(f"cannot write {path}: {e.strerror or e}") from None
+
+
 class _Log:
     """metrics.jsonl + TensorBoard + console."""
 
@@ -463,9 +478,13 @@ class _Log:
         if self.rank:
             return
         # strict JSON: a non-finite number is written as its name in a string ("nan", "inf")
-        self.f.write(json.dumps({k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v)
-                                 for k, v in r.items()}, allow_nan=False) + "\n")
-        self.f.flush()
+        line = json.dumps({k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v)
+                           for k, v in r.items()}, allow_nan=False) + "\n"
+        try:
+            self.f.write(line)
+            self.f.flush()
+        except OSError as e:
+            raise UserError(f"cannot write {self.path}: {e.strerror or e}; the last checkpoint is intact") from None
         if self.tb:
             for k, v in r.items():
                 if k not in ("step", "tokens") and isinstance(v, (int, float)) and v is not None:
@@ -588,8 +607,8 @@ def _train(cfg: TrainConfig, resume: str | Path | None, env: D.DistEnv, locks: l
         resume_dir = dcp_path.parent if dcp_path is not None else ckpt.find(resume).parent
     out = _make_out(cfg, resume_dir, rank, locks)
     if rank == 0:
-        (out / "config.json").write_text(json.dumps(cfg_dict, indent=2, default=str) + "\n")
-        (out / "recipe.json").write_text(json.dumps(recipe.to_dict(), indent=2) + "\n")
+        _write_json(out / "config.json", cfg_dict)
+        _write_json(out / "recipe.json", recipe.to_dict())
         info = {"mxtrain": __version__, "torch": torch.__version__, "python": platform.python_version(),
                 "device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda"
                 else (platform.processor() or platform.machine()), "cpu_threads": torch.get_num_threads(),
@@ -608,7 +627,7 @@ def _train(cfg: TrainConfig, resume: str | Path | None, env: D.DistEnv, locks: l
                 legs = []
         if legs:
             info["legs"] = legs
-        (out / "run.json").write_text(json.dumps(info, indent=2) + "\n")
+        _write_json(out / "run.json", info)
 
     log = _Log(out, cfg, start_step, cfg.train.steps, rank)
     flops_tok = mcfg.flops_per_token(T)
@@ -755,5 +774,5 @@ def _train(cfg: TrainConfig, resume: str | Path | None, env: D.DistEnv, locks: l
         summary = {"steps": cfg.train.steps, "tokens": tokens, "final_val_loss": val_loss,
                    "final_val_ppl": math.exp(min(val_loss, 50)) if val_loss is not None else None,
                    "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        _write_json(out / "summary.json", summary)
     return out
