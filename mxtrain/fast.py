@@ -61,12 +61,12 @@ def supported(recipe, enabled_only: bool = True) -> bool:
     return True
 
 
-_OK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+OK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Can the fused kernels run these tensors (device and dtypes)? Works on fake tensors."""
-    return kernels_available(x.device) and x.dtype in _OK_DTYPES and weight.dtype in _OK_DTYPES
+    return kernels_available(x.device) and x.dtype in OK_DTYPES and weight.dtype in OK_DTYPES
 
 
 _COUNTERS: dict = {}

@@ -391,7 +391,6 @@ _linear_q_op.register_autograd(_backward_q, setup_context=_setup_context_q)
 # ----------------------------------------------------------------------------------------------
 # the entry point
 
-_SPLIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def split_capable(recipe: Recipe) -> bool:
@@ -416,8 +415,8 @@ def compiled_linear(x, weight, bias, state, recipe_str: str, seeded: bool, quant
     amp = torch.get_autocast_dtype(dt) if torch.is_autocast_enabled(dt) else None
     need_wgrad = torch.is_grad_enabled() and weight.requires_grad
     from . import fast
-    if (split and fast.ENABLED and fast.KERNELS and x.is_cuda and x.dtype in _SPLIT_DTYPES
-            and weight.dtype in _SPLIT_DTYPES):
+    if (split and fast.ENABLED and fast.KERNELS and x.is_cuda and x.dtype in fast.OK_DTYPES
+            and weight.dtype in fast.OK_DTYPES):
         f0, f1, w0, w1 = torch.ops.mxtrain.quantize_input(x, keys, signs, recipe_str, need_wgrad)
         return torch.ops.mxtrain.linear_q(x, f0, f1, w0, w1, weight, bias, keys, signs, recipe_str, _AMP_NAME[amp])
     y, _, _ = torch.ops.mxtrain.linear(x, weight, bias, keys, signs, recipe_str, _AMP_NAME[amp], need_wgrad)

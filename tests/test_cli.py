@@ -6,17 +6,9 @@ import json
 import pytest
 import torch
 
-from train_helpers import run_cli, small_data, tmpdir
+from train_helpers import one_line_error, run_cli, small_data, tmpdir
 
 
-def _one_line_error(p, *fragments):
-    assert p.returncode != 0, p.stdout
-    assert "Traceback" not in p.stderr, p.stderr
-    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1, p.stderr
-    assert lines[0].startswith("mxtrain: error: "), lines[0]
-    for f in fragments:
-        assert f in lines[0], lines[0]
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +69,7 @@ def test_bad_input_is_one_line(files, case):
     if "cuda" in case[0] and torch.cuda.is_available():
         pytest.skip("has a GPU")
     args = [a.format(d=files, small=small_data()) for a in args]
-    _one_line_error(run_cli(*args), *fragments)
+    one_line_error(run_cli(*args), *fragments)
 
 
 def test_help_and_version():
@@ -104,7 +96,7 @@ def test_prepare_then_train_and_resume(tmp_path):
     assert p.returncode == 0, p.stderr
     assert "val_ppl" in p.stdout and f"run folder: {out}" in p.stdout.strip().splitlines()[-1]
     # the same folder again without --resume is refused
-    _one_line_error(run_cli("train", *common, "--steps", "3"), "already holds a run")
+    one_line_error(run_cli("train", *common, "--steps", "3"), "already holds a run")
     p = run_cli("train", "--resume", str(out), "--steps", "6", "--no-progress")
     assert p.returncode == 0, p.stderr
     steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()

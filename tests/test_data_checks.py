@@ -14,17 +14,9 @@ from mxtrain.data.prepare import _ShardWriter, shard_dtype
 from mxtrain.data.tokenizer import load_tokenizer, train_bpe
 from mxtrain.errors import UserError
 
-from train_helpers import SENTENCES, run_cli, small_data
+from train_helpers import SENTENCES, one_line_error, run_cli, small_data
 
 
-def _one_line_error(p, *fragments):
-    assert p.returncode != 0, p.stdout
-    assert "Traceback" not in p.stderr, p.stderr
-    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1, p.stderr
-    assert lines[0].startswith("mxtrain: error: "), lines[0]
-    for f in fragments:
-        assert f in lines[0], lines[0]
 
 
 def _copy(tmp_path):
@@ -314,7 +306,7 @@ def test_cli_binary_source(tmp_path):
     bad = tmp_path / "photo.txt"
     bad.write_bytes(random.Random(0).randbytes(30000))
     p = run_cli("data", "prepare", str(bad), "--out", str(tmp_path / "out"), "--vocab-size", "512", "--no-progress")
-    _one_line_error(p, "photo.txt is not a text file")
+    one_line_error(p, "photo.txt is not a text file")
     assert not (tmp_path / "out").exists()
 
 
@@ -322,7 +314,7 @@ def test_cli_absurd_vocab(tmp_path):
     src = tmp_path / "t.txt"
     src.write_text(_text())
     p = run_cli("data", "prepare", str(src), "--out", str(tmp_path / "out"), "--vocab-size", "-4096", "--no-progress")
-    _one_line_error(p, "vocab size must be a multiple of 32 between 512 and 1,048,576", "-4096")
+    one_line_error(p, "vocab size must be a multiple of 32 between 512 and 1,048,576", "-4096")
     assert not (tmp_path / "out").exists()
 
 
@@ -331,5 +323,5 @@ def test_cli_train_on_crafted_folder(tmp_path):
     _outside(d)
     _edit_meta(d, _set_shard("train", file="../x.bin"))
     p = run_cli("train", "--exp", "debug", "--data", str(d), "--out", str(tmp_path / "run"), "--no-progress")
-    _one_line_error(p, "'../x.bin' is not a plain file name")
+    one_line_error(p, "'../x.bin' is not a plain file name")
     assert not (tmp_path / "run").exists()

@@ -8,25 +8,16 @@ import math
 import pytest
 import torch
 
-from mxtrain.train import NonFiniteLoss, experiments, train
+from mxtrain.train import NonFiniteLoss, train
 from mxtrain.train import checkpoint as ckpt
 from mxtrain.train import trainer as TR
 
-from train_helpers import small_data
+from train_helpers import tiny_run_cfg
 
 
 def _cfg(out, steps, lr=3e-3):
-    cfg = experiments.get("debug")
-    cfg.recipe = "mxfp4-all"
-    cfg.data.path = str(small_data())
-    cfg.data.seq_len = 32
-    cfg.train.batch_size = 4
-    cfg.train.steps = steps
-    cfg.train.checkpoint_every = 1
+    cfg = tiny_run_cfg(out, steps, checkpoint_every=1)
     cfg.optim.lr = lr
-    cfg.schedule.horizon_steps = 8
-    cfg.log.out, cfg.log.progress, cfg.log.tensorboard = str(out), False, False
-    cfg.log.eval_every, cfg.log.eval_tokens = 100, 256
     return cfg
 
 

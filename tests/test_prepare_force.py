@@ -10,7 +10,7 @@ import pytest
 from mxtrain.data import TokenData, prepare
 from mxtrain.errors import UserError
 
-from train_helpers import run_cli
+from train_helpers import one_line_error, run_cli
 
 TEXT = "hello world. the quick brown fox. " * 300
 
@@ -24,14 +24,6 @@ def _snapshot(folder):
     return {str(p.relative_to(folder)): (p.read_bytes() if p.is_file() else None) for p in sorted(folder.rglob("*"))}
 
 
-def _one_line_error(p, *fragments):
-    assert p.returncode != 0, p.stdout
-    assert "Traceback" not in p.stderr, p.stderr
-    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1, p.stderr
-    assert lines[0].startswith("mxtrain: error: "), lines[0]
-    for f in fragments:
-        assert f in lines[0], lines[0]
 
 
 @pytest.fixture
@@ -54,7 +46,7 @@ def test_cli_out_dot_force_refused_keeps_every_file(tmp_path):
     before = _snapshot(work)
     p = run_cli("data", "prepare", "corpus.txt", "--out", ".", "--force", "--vocab-size", "512", "--no-progress",
                 cwd=work)
-    _one_line_error(p, "current working folder", "choose an empty or new --out")
+    one_line_error(p, "current working folder", "choose an empty or new --out")
     assert _snapshot(work) == before
 
 
@@ -62,7 +54,7 @@ def test_cli_out_is_input_folder_refused(corpus):
     before = _snapshot(corpus)
     p = run_cli("data", "prepare", str(corpus), "--out", str(corpus), "--force", "--vocab-size", "512",
                 "--no-progress")
-    _one_line_error(p, "is the input", "choose an empty or new --out")
+    one_line_error(p, "is the input", "choose an empty or new --out")
     assert _snapshot(corpus) == before
 
 

@@ -7,23 +7,14 @@ import shutil
 import pytest
 
 from mxtrain.errors import UserError
-from mxtrain.train import experiments, train
+from mxtrain.train import train
 from mxtrain.train.trainer import _RunLock
 
-from train_helpers import run_cli, small_data
+from train_helpers import run_cli, small_data, tiny_run_cfg
 
 
 def _cfg(out, steps):
-    cfg = experiments.get("debug")
-    cfg.recipe = "mxfp4-all"
-    cfg.data.path = str(small_data())
-    cfg.data.seq_len = 32
-    cfg.train.batch_size = 4
-    cfg.train.steps = steps
-    cfg.schedule.horizon_steps = 8
-    cfg.log.out, cfg.log.progress, cfg.log.tensorboard = str(out), False, False
-    cfg.log.eval_every, cfg.log.eval_tokens = 100, 256
-    return cfg
+    return tiny_run_cfg(out, steps)
 
 
 def _snapshot(d):

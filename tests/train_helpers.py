@@ -50,3 +50,33 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: int = 300) -> subproce
 
 def tmpdir() -> Path:
     return _TMP
+
+
+def one_line_error(p: subprocess.CompletedProcess, *fragments: str) -> None:
+    """A CLI run that failed as mxtrain promises: non-zero exit, one ``mxtrain: error:`` line holding every
+    fragment, no traceback."""
+    assert p.returncode != 0, p.stdout
+    assert "Traceback" not in p.stderr, p.stderr
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, p.stderr
+    assert lines[0].startswith("mxtrain: error: "), lines[0]
+    for f in fragments:
+        assert f in lines[0], lines[0]
+
+
+def tiny_run_cfg(out, steps: int, **train):
+    """The ``debug`` experiment on ``small_data()``: an mxfp4-all run of a few steps into ``out`` (no
+    progress bar, no TensorBoard, no evaluation before step 100); ``train``: train-section values."""
+    from mxtrain.train import experiments
+    cfg = experiments.get("debug")
+    cfg.recipe = "mxfp4-all"
+    cfg.data.path = str(small_data())
+    cfg.data.seq_len = 32
+    cfg.train.batch_size = 4
+    cfg.train.steps = steps
+    for k, v in train.items():
+        setattr(cfg.train, k, v)
+    cfg.schedule.horizon_steps = 8
+    cfg.log.out, cfg.log.progress, cfg.log.tensorboard = str(out), False, False
+    cfg.log.eval_every, cfg.log.eval_tokens = 100, 256
+    return cfg

@@ -39,15 +39,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    @triton.jit
-    def _mix32(x):
-        """lowbias32 on uint32 (multiplications wrap mod 2**32)."""
-        x = x ^ (x >> 16)
-        x = x * tl.full(x.shape, 0x7FEB352D, tl.uint32)
-        x = x ^ (x >> 15)
-        x = x * tl.full(x.shape, 0x846CA68B, tl.uint32)
-        x = x ^ (x >> 16)
-        return x
+    from .quantize import _mix32   # lowbias32 on uint32, as the quantize kernels hash
 
     @triton.jit
     def _fold(k, lo, hi):

@@ -47,13 +47,15 @@ def set_rng_state(st: dict) -> None:
         torch.cuda.set_rng_state_all(st["cuda"])
 
 
-def save(path: Path, state: dict) -> None:
+def write_atomic(path: Path, write, what: str = "") -> None:
+    """``write(f)`` into a temporary sibling of ``path`` (binary file), synced, then renamed over ``path``:
+    a crash or a full disk leaves the previous file whole; an OSError is one UserError, the temporary
+    removed. ``what`` names the file in the message (e.g. "checkpoint ")."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    state = {"format": FORMAT, **state}
     try:
         with open(tmp, "wb") as f:
-            torch.save(state, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -62,7 +64,12 @@ def save(path: Path, state: dict) -> None:
             tmp.unlink()
         except OSError:
             pass
-        raise UserError(f"cannot write checkpoint {path}: {e.strerror or e}") from None
+        raise UserError(f"cannot write {what}{path}: {e.strerror or e}") from None
+
+
+def save(path: Path, state: dict) -> None:
+    state = {"format": FORMAT, **state}
+    write_atomic(path, lambda f: torch.save(state, f), "checkpoint ")
 
 
 def find(path: str | Path) -> Path:

@@ -424,18 +424,9 @@ def evaluate(model, data: TokenData, cfg: TrainConfig, device, amp_dtype, rank=0
 
 
 def _write_json(path: Path, obj) -> None:
-    """A small JSON file written whole (temporary file, then rename): a full disk is one clear error and
-    leaves the previous file intact."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(json.dumps(obj, indent=2, default=str, allow_nan=False) + "\n")
-        os.replace(tmp, path)
-    except OSError as e:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
-        raise UserError(f"cannot write {path}: {e.strerror or e}") from None
+    """A small JSON file written whole (``checkpoint.write_atomic``)."""
+    text = json.dumps(obj, indent=2, default=str, allow_nan=False) + "\n"
+    ckpt.write_atomic(path, lambda f: f.write(text.encode()))
 
 
 class _Log:
