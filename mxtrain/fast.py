@@ -111,12 +111,13 @@ def _index_strides(t: torch.Tensor, axis: int, rsize: int) -> tuple[int, int]:
     return (1, t.shape[1])
 
 
-def _act_key(name, t, axis, rsize, op, backend, group_rows, capturing):
-    """Activation-cache key: the same input (address, version, layout) quantized the same way. A CUDA
-    graph being captured may only reuse operands quantized inside the same capture (an eagerly made one
-    would be a constant of the graph, never recomputed on replay), and eager code only eager ones."""
+def _act_key(name, t, axis, rsize, op, backend, group_rows, capturing, fp4=False):
+    """Activation-cache key: the same input (address, version, layout) quantized the same way (into the
+    same outputs). A CUDA graph being captured may only reuse operands quantized inside the same capture
+    (an eagerly made one would be a constant of the graph, never recomputed on replay), and eager code
+    only eager ones."""
     return (name, t.device, t.dtype, t.data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()),
-            t._version, axis, rsize, op.scale_rule, op.prescale, backend, group_rows, capturing)
+            t._version, axis, rsize, op.scale_rule, op.prescale, backend, group_rows, capturing, fp4)
 
 
 def _act_put(name: str, act, t, q) -> None:
@@ -130,18 +131,19 @@ def _reusable(name: str, op, signs, reuse: bool) -> bool:
 
 
 def _quant(qctx: Ctx, t: torch.Tensor, axis: int, name: str, gemm: str, signs, backend: str,
-           group_rows: int, reuse: bool = False) -> tuple[QuantOut, float]:
-    """Quantize one MXFP4 operand of a 2-D tensor along ``axis`` exactly as ``Ctx.operand`` does."""
+           group_rows: int, reuse: bool = False, fp4: bool = False) -> tuple[QuantOut, float]:
+    """Quantize one MXFP4 operand of a 2-D tensor along ``axis`` exactly as ``Ctx.operand`` does
+    (``fp4``: as packed codes and scales whatever the backend, for an operand kept for later)."""
     op = qctx.recipe.operand(name)
     rot = qctx.recipe.rotation(gemm)
     rsize = rot.size if rot.enabled else 0
     key, key_t = qctx.kernel_key(name) if op.rounding == "stochastic" else (0, None)
-    carrier, fp4 = _gemm.outputs_for(backend)
+    carrier, fp4 = (False, True) if fp4 else _gemm.outputs_for(backend)
     act = None
     if _reusable(name, op, signs, reuse):
         # the same input quantized the same way by the layer before (q/k/v, gate/up projections)
         capturing = t.is_cuda and torch.cuda.is_current_stream_capturing()
-        act = _act_key(name, t, axis, rsize, op, backend, group_rows, capturing)
+        act = _act_key(name, t, axis, rsize, op, backend, group_rows, capturing, not carrier)
         hit = _ACT_CACHE.get(name)
         if hit is not None and hit[0] == act:
             return hit[2], op.prescale
@@ -162,15 +164,18 @@ DUAL_MIN_ELEMENTS = int(os.environ.get("MXTRAIN_QDUAL_MIN", "0"))
 
 
 def _quant_pair(qctx: Ctx, t: torch.Tensor, na: str, ga: str, nb: str, gb: str, backend: str,
-                group_rows_b: int, always: bool = False, reuse: bool = False) -> dict | None:
+                group_rows_b: int, always: bool = False, reuse: bool = False, keep_b: bool = False) -> dict | None:
     """Operand ``na`` (``t`` along rows, GEMM ``ga``, 1x128 groups) and ``nb`` (along columns, GEMM
     ``gb``) of a 2-D tensor, each exactly as ``_quant`` makes it: ``{name: (QuantOut, prescale)}``. From
-    one read (``quantize_mxfp4_dual``) where that applies; else None, or with ``always`` two passes."""
+    one read (``quantize_mxfp4_dual``) where that applies; else None, or with ``always`` two passes.
+    ``keep_b``: ``nb`` is kept for the backward pass, so on the FP8-carrier backend it comes as packed
+    FP4 codes and E8M0 scales (0.53 bytes an element instead of 1.03; ``carrier_of`` rebuilds the
+    carrier before its GEMM)."""
     if backend != "fp8_carrier" or t.ndim != 2:
         if always:
             ga_s, gb_s = qctx.signs(ga, t.device), qctx.signs(gb, t.device)
             return {na: _quant(qctx, t, 1, na, ga, ga_s, backend, 1, reuse),
-                    nb: _quant(qctx, t, 0, nb, gb, gb_s, backend, group_rows_b, reuse)}
+                    nb: _quant(qctx, t, 0, nb, gb, gb_s, backend, group_rows_b, reuse, fp4=keep_b)}
         return None
     recipe = qctx.recipe
     ra, rb = recipe.rotation(ga), recipe.rotation(gb)
@@ -186,7 +191,8 @@ def _quant_pair(qctx: Ctx, t: torch.Tensor, na: str, ga: str, nb: str, gb: str, 
         op = recipe.operand(n)
         signs = qctx.signs(g, dev)
         key, key_t = qctx.kernel_key(n) if op.rounding == "stochastic" else (0, None)
-        act = _act_key(n, t, axis, rsize, op, backend, gr, capturing) if _reusable(n, op, signs, reuse) else None
+        act = (_act_key(n, t, axis, rsize, op, backend, gr, capturing, keep_b and axis == 0)
+               if _reusable(n, op, signs, reuse) else None)
         acts.append((n, act, op.prescale))
         sides.append(dict(rot=rsize, signs=signs, rounding=op.rounding, scale_rule=op.scale_rule, key=key,
                           prescale=op.prescale, index_strides=_index_strides(t, axis, rsize), key_tensor=key_t,
@@ -197,10 +203,10 @@ def _quant_pair(qctx: Ctx, t: torch.Tensor, na: str, ga: str, nb: str, gb: str, 
     km = _gemm.k_multiple_for(backend)
     cnt = _counter(dev) if qctx.count else None
     if one:
-        qs = _quantize.quantize_mxfp4_dual(t, sides[0], sides[1], k_multiple=km, counter=cnt)
+        qs = _quantize.quantize_mxfp4_dual(t, sides[0], sides[1], k_multiple=km, counter=cnt, fp4_b=keep_b)
     else:
-        qs = [quantize_op(t, ax, **sd, carrier=True, fp4=False, k_multiple=km, counter=cnt)
-              for ax, sd in ((1, sides[0]), (0, sides[1]))]
+        qs = [quantize_op(t, ax, **sd, carrier=not fp, fp4=fp, k_multiple=km, counter=cnt)
+              for ax, sd, fp in ((1, sides[0], False), (0, sides[1], keep_b))]
     out = {}
     for (n, act, ps), q in zip(acts, qs):
         if act is not None:
@@ -257,14 +263,15 @@ def _no_autocast(device_type: str, enabled: bool):
 def quantize_input(x2: torch.Tensor, qctx: Ctx, need_wgrad: bool, reuse: bool = False) -> dict:
     """X's operands made in the forward: ``{"fprop_x": (QuantOut, prescale)}``, plus ``"wgrad_x"`` when a
     backward will compute dW and Wgrad is MXFP4 on both sides (from one read with Fprop's where that
-    pays: the backward then keeps the 1-byte carrier or FP4 codes instead of the 2- or 4-byte X).
-    Needs MXFP4 on both Fprop operands."""
+    pays), as packed FP4 codes and E8M0 scales: the backward keeps 0.53 bytes an element instead of the
+    2- or 4-byte X, and rebuilds the FP8 carrier where its GEMM needs one (``carrier_of``). Needs
+    MXFP4 on both Fprop operands."""
     dev = x2.device
     backend = _backend(dev)
     with _no_autocast(dev.type, torch.is_autocast_enabled(dev.type)):
         if need_wgrad and _both_mx(qctx.recipe, "wgrad_dy", "wgrad_x"):
             return _quant_pair(qctx, x2, "fprop_x", "fprop", "wgrad_x", "wgrad", backend,
-                               _b_group_rows(dev, backend), always=True, reuse=reuse)
+                               _b_group_rows(dev, backend), always=True, reuse=reuse, keep_b=True)
         return {"fprop_x": _quant(qctx, x2, 1, "fprop_x", "fprop", qctx.signs("fprop", dev), backend, 1, reuse)}
 
 
@@ -287,6 +294,17 @@ def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, qc
     return y.to(out_dtype).reshape(*x.shape[:-1], weight.shape[0]), wq
 
 
+def carrier_of(q: QuantOut, backend: str, qctx: Ctx) -> QuantOut:
+    """``q`` as the GEMM of ``backend`` takes it: on the FP8-carrier backend, an operand kept as packed
+    codes gets its carrier (the fused quantizer's bytes; inexact blocks counted here)."""
+    if backend != "fp8_carrier" or q.carrier is not None:
+        return q
+    from .kernels.expand import carrier_from_packed
+    dev = q.packed.device
+    return carrier_from_packed(q, k_multiple=_gemm.k_multiple_for(backend),
+                               counter=_counter(dev) if qctx.count else None)
+
+
 def backward(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor, wq: QuantOut | None, qctx: Ctx,
              amp: torch.dtype | None, x_dtype: torch.dtype, need: tuple[bool, bool, bool]) -> tuple:
     """(dX, dW, db) (None where ``need`` says False); ``wq``: X's Wgrad operand from ``forward``, else
@@ -296,6 +314,8 @@ def backward(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor, wq:
     dy2 = dy.reshape(-1, dy.shape[-1])
     x2 = x.reshape(-1, x.shape[-1]) if x is not None else None
     dx = dw = db = None
+    if wq is not None and need[1]:
+        wq = carrier_of(wq, backend, qctx)
     pre = {} if wq is None else {"wgrad_x": (wq, qctx.recipe.operand("wgrad_x").prescale)}
     with _no_autocast(dy.device.type, torch.is_autocast_enabled(dy.device.type)):
         if (need[0] and need[1] and _both_mx(qctx.recipe, "dgrad_dy", "dgrad_w")
@@ -327,13 +347,13 @@ def pack_operand(q: QuantOut) -> tuple[torch.Tensor, torch.Tensor]:
 
 def unpack_operand(s0: torch.Tensor, s1: torch.Tensor, R: int, K: int, group_rows: int | None = None) -> QuantOut:
     """Inverse of ``pack_operand``: an operand of R rows reduced along K. ``group_rows``: of the carrier's
-    scales (default: what X's Wgrad operand uses on this device)."""
+    scales, made or to be made (default: what X's Wgrad operand uses on this device)."""
+    gr = group_rows if group_rows is not None else _b_group_rows(s0.device, _backend(s0.device))
     if s1.dtype == torch.float32:   # FP8 carrier and its group scales
-        gr = group_rows if group_rows is not None else _b_group_rows(s0.device, "fp8_carrier")
         Kc = s0.shape[1]
         gview = s1.t() if gr == 1 else s1[:, : Kc // _quantize.TILE_K]
         return QuantOut(R, K, s0.view(torch.float8_e4m3fn), gview, gr, None, None, None, s1)
-    return QuantOut(R, K, None, None, 1, None, s0, s1)
+    return QuantOut(R, K, None, None, gr, None, s0, s1)
 
 
 def operand_shapes(recipe, x: torch.Tensor, name: str):
@@ -344,7 +364,7 @@ def operand_shapes(recipe, x: torch.Tensor, name: str):
     with unset_fake_temporarily():   # the GEMM probes run real kernels on the device, once
         backend = _backend(dev)
         gr = _b_group_rows(dev, backend) if name == "wgrad_x" else 1
-    carrier, fp4 = _gemm.outputs_for(backend)
+    carrier, fp4 = (False, True) if name == "wgrad_x" else _gemm.outputs_for(backend)   # (quantize_input)
     rot = recipe.rotation("wgrad" if name == "wgrad_x" else "fprop")
     M = 1
     for d in x.shape[:-1]:

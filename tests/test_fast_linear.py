@@ -370,7 +370,7 @@ def test_no_wgrad_operand_under_no_grad(monkeypatch):
 def test_wgrad_operand_made_in_forward_without_dual_pass(preset, monkeypatch):
     """With one-pass quantization off, the forward still makes X's Wgrad operand (two passes) and the
     backward keeps it instead of X: outputs and gradients equal the reference MXLinear's, and the
-    autograd node saved no copy of X."""
+    autograd node saved no copy of X, only X's Wgrad operand as FP4 codes."""
     from mxtrain.kernels import gemm as kg
     from mxtrain.kernels import quantize as kq
     monkeypatch.setattr(kq, "DUAL", False)
@@ -390,4 +390,8 @@ def test_wgrad_operand_made_in_forward_without_dual_pass(preset, monkeypatch):
     y = fast.apply(x, w, None, _Ctx(rec, 3, 5, 1))
     saved = [t for t in y.grad_fn.saved_tensors if t is not None]
     assert len(saved) == 1 and saved[0].shape == w.shape and y.grad_fn.wq is not None
+    # kept as packed FP4 codes and E8M0 scales (half the carrier's bytes), the carrier rebuilt in the backward
+    wq = y.grad_fn.wq
+    assert wq.carrier is None and wq.packed.dtype == torch.uint8 and wq.packed.shape == (72, 64 // 2)
+    assert wq.scales.shape == (72, 64 // 32) and wq.group_rows == 128
 

@@ -745,7 +745,7 @@ if triton is not None:
         SR_B: tl.constexpr, PRESCALE_B: tl.constexpr, KEY_PTR_B: tl.constexpr, GROUP_ROWS_B: tl.constexpr,
         PACK_B: tl.constexpr,
         IDX64: tl.constexpr, USE_ASM: tl.constexpr, JOIN_STORE: tl.constexpr, SEQ: tl.constexpr,
-        FOLD_A: tl.constexpr, FOLD_B: tl.constexpr,
+        FOLD_A: tl.constexpr, FOLD_B: tl.constexpr, CAR_B: tl.constexpr = True, FP4_B: tl.constexpr = False,
     ):
         """Both FP8-carrier operands of a row-major (M, K) tensor from one read of it: A quantized along
         rows (K; ``_blk_tile``, 1x128 group scales) and B along columns (M; ``_cols_tile``). Programs come
@@ -753,7 +753,8 @@ if triton is not None:
         of the input, so the B tiles read what the A tiles just brought into the L2 cache (one pass over
         HBM instead of two). ``SEQ``: one program runs all of a block's A tiles, then its B tiles (the B
         reads come after the A reads, from L2). ``F``: 128-wide blocks along K; ``nr_*``, ``nk_*``: each
-        output's grid."""
+        output's grid. ``FP4_B`` (with ``CAR_B`` False): B as packed FP4 codes (``car_b``) and E8M0 scales
+        (``gs_b``) instead of the carrier."""
         NA: tl.constexpr = 128 // BR_A
         NB: tl.constexpr = 128 // BR_B
         pid = tl.program_id(0)
@@ -770,9 +771,9 @@ if triton is not None:
             for w in range(NB):
                 pr = fb * NB + w
                 if (pr < nr_b) & (tb < nk_b):
-                    _cols_tile(pr, tb, x_ptr, sg_b, car_b, gs_b, cnt_ptr, cnt_ptr, cnt_ptr, kp_b,
+                    _cols_tile(pr, tb, x_ptr, sg_b, car_b, gs_b, car_b, gs_b, cnt_ptr, kp_b,
                                K, M, Rc_b, sx_k, sx_m, si_rb, si_kb, Kc_b, Kq_b, gsr_b, gsk_b, key_b, inv_b, ps_b,
-                               BR_B, ROT_B, HAS_SIGNS_B, RULE_B, SR_B, PRESCALE_B, GROUP_ROWS_B, True, False,
+                               BR_B, ROT_B, HAS_SIGNS_B, RULE_B, SR_B, PRESCALE_B, GROUP_ROWS_B, CAR_B, FP4_B,
                                IDX64, KEY_PTR_B, USE_ASM, PACK_B, FOLD_B)
         else:
             g = pid // (NA + NB)
@@ -789,9 +790,9 @@ if triton is not None:
             else:
                 pr = fb * NB + (w - NA)
                 if (pr < nr_b) & (tb < nk_b):
-                    _cols_tile(pr, tb, x_ptr, sg_b, car_b, gs_b, cnt_ptr, cnt_ptr, cnt_ptr, kp_b,
+                    _cols_tile(pr, tb, x_ptr, sg_b, car_b, gs_b, car_b, gs_b, cnt_ptr, kp_b,
                                K, M, Rc_b, sx_k, sx_m, si_rb, si_kb, Kc_b, Kq_b, gsr_b, gsk_b, key_b, inv_b, ps_b,
-                               BR_B, ROT_B, HAS_SIGNS_B, RULE_B, SR_B, PRESCALE_B, GROUP_ROWS_B, True, False,
+                               BR_B, ROT_B, HAS_SIGNS_B, RULE_B, SR_B, PRESCALE_B, GROUP_ROWS_B, CAR_B, FP4_B,
                                IDX64, KEY_PTR_B, USE_ASM, PACK_B, FOLD_B)
 
 
@@ -1016,12 +1017,14 @@ def dual_applies(x: torch.Tensor, rot_a: int, rot_b: int, group_rows_a: int = 1,
 def quantize_mxfp4_dual(x: torch.Tensor, a: dict, b: dict, *, k_multiple: int = TILE_K,
                         counter: torch.Tensor | None = None, block_rows: tuple[int, int] | None = None,
                         num_warps: int | None = None, sequential: bool | None = None,
-                        _check: bool = True) -> tuple[QuantOut, QuantOut]:
+                        fp4_b: bool = False, _check: bool = True) -> tuple[QuantOut, QuantOut]:
     """The FP8-carrier outputs of ``quantize_mxfp4_2d(x, 1, **a, carrier=True, fp4=False)`` and
     ``quantize_mxfp4_2d(x, 0, **b, carrier=True, fp4=False)`` (bit-identical) from one pass over ``x``
     where ``dual_applies``, else from those two calls. ``a`` and ``b`` take the keyword options of
     ``quantize_mxfp4_2d`` (rot, signs, rounding, scale_rule, key, prescale, index_strides, key_tensor,
     group_rows). Both outputs add their inexact blocks to one counter (``counter``, or a new one).
+    ``fp4_b``: B as ``quantize_mxfp4_2d(x, 0, **b, carrier=False, fp4=True)`` makes it (packed codes and
+    E8M0 scales, ``group_rows`` kept for ``expand.carrier_from_packed``; nothing counted for B).
     ``block_rows`` (A, B), ``num_warps``, ``sequential``: kernel configuration (benchmark sweeps)."""
     for side in (a, b):
         bad = set(side) - set(_SIDE_KEYS)
@@ -1046,15 +1049,15 @@ def quantize_mxfp4_dual(x: torch.Tensor, a: dict, b: dict, *, k_multiple: int = 
         checked = _check and x.device.type in SELF_CHECK_DEVICES
         pkey = (x.device, x.dtype, x.shape, x.stride(), x.data_ptr() & 15, tuple(sides), k_multiple,
                 cnt.data_ptr() & 15, block_rows, num_warps, sequential, DUAL_CONFIG[b.get("group_rows", 1) == 128],
-                DUAL_SEQ, JOIN_STORE, DUAL, KERNEL, checked, FOLD_POW2)
+                DUAL_SEQ, JOIN_STORE, DUAL, KERNEL, checked, FOLD_POW2, fp4_b)
         plan = _DUAL_PLANS.get(pkey)
         if plan is not None:
             return plan(x, a, b, cnt)
     sr = a.get("rounding", "nearest") == "stochastic" or b.get("rounding", "nearest") == "stochastic"
     if not dual_applies(x, ra, rb, a.get("group_rows", 1), sr=sr) or (
-            _check and x.device.type in SELF_CHECK_DEVICES and not _dual_ok(x, a, b, k_multiple)):
-        return tuple(quantize_mxfp4_2d(x, ax, **side, carrier=True, fp4=False, k_multiple=k_multiple,
-                                       counter=cnt, _check=_check) for ax, side in ((1, a), (0, b)))
+            _check and x.device.type in SELF_CHECK_DEVICES and not _dual_ok(x, a, b, k_multiple, fp4_b)):
+        return tuple(quantize_mxfp4_2d(x, ax, **side, carrier=not fp, fp4=fp, k_multiple=k_multiple,
+                                       counter=cnt, _check=_check) for ax, side, fp in ((1, a, False), (0, b, fp4_b)))
     M, K = x.shape
     dev = x.device
     gr_b = b.get("group_rows", 1)
@@ -1077,12 +1080,18 @@ def quantize_mxfp4_dual(x: torch.Tensor, a: dict, b: dict, *, k_multiple: int = 
         Kq = _ceil(_ceil(Kr, rot or 1), 32)
         Kc = _ceil(Kr, k_multiple)
         Rc = _ceil(R, 128 if gr == 128 else 16)
-        car, gs, base, gsr, gsk = _carrier_buffers(Rc, Kc, gr, dev)
         si = side.get("index_strides") or ((K, 1) if axis == 1 else (1, K))
         kt = side.get("key_tensor")
         rounding = side.get("rounding", "nearest")
         prescale = side.get("prescale", 1.0)
-        outs.append(QuantOut(R, Kr, car.view(torch.float8_e4m3fn), gs, gr, cnt, None, None, base))
+        if axis == 0 and fp4_b:   # packed codes and scales take the carrier's and group scales' places
+            car = torch.empty((R, Kq // 2), dtype=torch.uint8, device=dev)
+            gs = torch.empty((R, Kq // 32), dtype=torch.uint8, device=dev)
+            gsr = gsk = 0
+            outs.append(QuantOut(R, Kr, None, None, gr, None, car, gs))
+        else:
+            car, gs, base, gsr, gsk = _carrier_buffers(Rc, Kc, gr, dev)
+            outs.append(QuantOut(R, Kr, car.view(torch.float8_e4m3fn), gs, gr, cnt, None, None, base))
         nr, nk = triton.cdiv(Rc, BR[axis]), Kc // TILE_K
         sx = (x.stride(0), 1) if axis == 1 else (1, x.stride(0))
         geo.append((nr, nk, _needs_idx64(nr * BR[axis], Kc, Kq, sx[0], sx[1], si)))
@@ -1094,7 +1103,7 @@ def quantize_mxfp4_dual(x: torch.Tensor, a: dict, b: dict, *, k_multiple: int = 
                        f"PRESCALE_{sfx}": prescale != 1.0, f"KEY_PTR_{sfx}": kt is not None,
                        f"FOLD_{sfx}": _fold_applies(x.dtype, rot, prescale)})
     consts.update(GROUP_ROWS_B=gr_b, PACK_B=2 if pack == 2 else 4, IDX64=geo[0][2] or geo[1][2],
-                  USE_ASM=dev.type == "cuda", JOIN_STORE=JOIN_STORE, SEQ=seq)
+                  USE_ASM=dev.type == "cuda", JOIN_STORE=JOIN_STORE, SEQ=seq, CAR_B=not fp4_b, FP4_B=fp4_b)
     (nr_a, nk_a, _), (nr_b, nk_b, _) = geo
     NA, NB = 128 // BR[1], 128 // BR[0]
     F = max(nk_a, triton.cdiv(nr_b, NB))
@@ -1152,8 +1161,9 @@ class _DualPlan:
         p.run = run
         p.ints = tuple(largs[10:n - 6])
         p.tail = (largs[n - 5], largs[n - 4], largs[n - 2], largs[n - 1]) + tuple(consts[c] for c in names[n:])
-        p.bufs = [(o.R, o.K, tuple(o.carrier.shape), tuple(o.gs_base.shape), o.group_rows,
-                   o.gscale.shape[1] if o.group_rows == 128 else None) for o in outs]
+        p.bufs = [(o.R, o.K, tuple(o.packed.shape), tuple(o.scales.shape), o.group_rows, "fp4") if o.carrier is None
+                  else (o.R, o.K, tuple(o.carrier.shape), tuple(o.gs_base.shape), o.group_rows,
+                        o.gscale.shape[1] if o.group_rows == 128 else None) for o in outs]
         return p
 
     def __call__(self, x, a, b, cnt):
@@ -1161,12 +1171,16 @@ class _DualPlan:
         outs, ptrs = [], []
         for (R, Kr, cshape, gshape, gr, gcols), side in zip(self.bufs, (a, b)):
             car = torch.empty(cshape, dtype=torch.uint8, device=dev)
-            base = torch.empty(gshape, dtype=torch.float32, device=dev)
-            gs = base.t() if gr == 1 else base[:, :gcols]
+            if gcols == "fp4":   # packed codes (car) and E8M0 scales (gs)
+                gs = torch.empty(gshape, dtype=torch.uint8, device=dev)
+                outs.append(QuantOut(R, Kr, None, None, gr, None, car, gs))
+            else:
+                base = torch.empty(gshape, dtype=torch.float32, device=dev)
+                gs = base.t() if gr == 1 else base[:, :gcols]
+                outs.append(QuantOut(R, Kr, car.view(torch.float8_e4m3fn), gs, gr, cnt, None, None, base))
             sg, kt = side.get("signs"), side.get("key_tensor")
             if sg is not None and (sg.dtype != torch.float32 or not sg.is_contiguous() or sg.device != dev):
                 sg = sg.to(device=dev, dtype=torch.float32).contiguous()
-            outs.append(QuantOut(R, Kr, car.view(torch.float8_e4m3fn), gs, gr, cnt, None, None, base))
             ptrs += [cnt if sg is None else sg, car, gs, cnt if kt is None else kt]
         inv_a, ps_a, inv_b, ps_b = self.tail[:4]
         self.run(x, cnt, *ptrs, *self.ints, _i32(a.get("key", 0)), inv_a, ps_a, _i32(b.get("key", 0)), inv_b, ps_b,
@@ -1174,7 +1188,7 @@ class _DualPlan:
         return outs[0], outs[1]
 
 
-def _dual_ok(x: torch.Tensor, a: dict, b: dict, k_multiple: int) -> bool:
+def _dual_ok(x: torch.Tensor, a: dict, b: dict, k_multiple: int, fp4_b: bool = False) -> bool:
     """Once per dual-kernel variant on a GPU: are both outputs bit-identical to the two single passes
     (themselves self-checked against the reference quantizer)? Runs the variant on a random tensor with
     the same dtype, options and divisibility of the sizes by 16."""
@@ -1185,7 +1199,7 @@ def _dual_ok(x: torch.Tensor, a: dict, b: dict, k_multiple: int) -> bool:
         return (side.get("rot", 0), s is not None, side.get("rounding", "nearest"), side.get("scale_rule", "floor"),
                 side.get("prescale", 1.0) != 1.0, side.get("group_rows", 1))
     vkey = (x.device.index, x.dtype, opt(a), opt(b), k_multiple, M % 16 == 0, K % 16 == 0, JOIN_STORE,
-            DUAL_CONFIG[b.get("group_rows", 1) == 128], DUAL_SEQ, FOLD_POW2)
+            DUAL_CONFIG[b.get("group_rows", 1) == 128], DUAL_SEQ, FOLD_POW2, fp4_b)
     ok = _DUAL_VERIFIED.get(vkey)
     if ok is None and x.is_cuda and torch.cuda.is_current_stream_capturing():
         return False   # no self-check inside a CUDA-graph capture (it copies from the host): two passes
@@ -1205,12 +1219,13 @@ def _dual_ok(x: torch.Tensor, a: dict, b: dict, k_multiple: int) -> bool:
             if side.get("rounding") == "stochastic":
                 t["key"] = 12345 + i
             sides.append(t)
-        got = quantize_mxfp4_dual(xt, *sides, k_multiple=k_multiple, _check=False)
-        want = [quantize_mxfp4_2d(xt, ax, **s, carrier=True, fp4=False, k_multiple=k_multiple)
-                for ax, s in ((1, sides[0]), (0, sides[1]))]
-        ok = all(torch.equal(p.carrier.view(torch.uint8), q.carrier.view(torch.uint8))
+        got = quantize_mxfp4_dual(xt, *sides, k_multiple=k_multiple, fp4_b=fp4_b, _check=False)
+        want = [quantize_mxfp4_2d(xt, ax, **s, carrier=not fp, fp4=fp, k_multiple=k_multiple)
+                for ax, s, fp in ((1, sides[0], False), (0, sides[1], fp4_b))]
+        ok = all(torch.equal(p.packed, q.packed) and torch.equal(p.scales, q.scales) if q.carrier is None
+                 else torch.equal(p.carrier.view(torch.uint8), q.carrier.view(torch.uint8))
                  and torch.equal(p.gscale, q.gscale) for p, q in zip(got, want))
-        ok = ok and int(got[0].inexact.item()) == int(want[0].inexact.item()) + int(want[1].inexact.item())
+        ok = ok and int(got[0].inexact.item()) == sum(int(w.inexact.item()) for w in want if w.inexact is not None)
         _DUAL_VERIFIED[vkey] = ok
         if not ok:
             import warnings
