@@ -9,8 +9,13 @@ Every ratio is measured in the same run (``triton.testing.do_bench`` medians, ra
   and FP8 (tensorwise and rowwise ``_scaled_mm``) at 8192^3 and Llama-8B shapes (M = 16384 tokens).
 * ``breakdown``: each fused quantize and each GEMM of one MXLinear fwd+bwd (16384x4096x4096, H16) alone.
 * ``linear``: ``MXLinear`` forward+backward per preset vs ``nn.Linear`` BF16 at 8B shapes.
-* ``step``: forward+backward of a stack of Llama blocks with 8B shapes (bf16, FP8 rowwise, MXFP4
-  presets); embeddings and the output head are left out.
+* ``step``: the whole training step (embedding, blocks, head, loss, fused AdamW; the whole model under
+  ``torch.compile``) per variant: BF16, torchao's float8 (tensorwise, rowwise; when torchao is
+  installed), mxtrain's ``fp8`` and MXFP4 presets, with peak memory and the ratios to BF16 and to the
+  fastest FP8 of the run (``mxtrain.bench_step``). ``--model 8b-layers|1b|125m``.
+* ``blocks``: forward+backward of a stack of Llama blocks with 8B shapes only (bf16, an unfused FP8
+  rowwise reference, MXFP4 presets), eager and with compiled elementwise layers: a breakdown of the
+  step without embedding, head, loss and optimizer.
 
 Run as ``mxtrain bench all --out bench.json`` or ``python -m mxtrain.bench all``.
 """
@@ -103,37 +108,36 @@ def bench_quantize(args) -> dict:
             kernels = [("cols", False), ("blocks", True)]
         else:
             kernels = [("blocks", True), ("blocks", False), ("tile", False)]
-        saved = (kq.KERNEL, kq.JOIN_STORE)
+        from . import settings as _settings
         for kern, join in kernels:
-            kq.KERNEL, kq.JOIN_STORE = kern, join
-            # (block rows, warps): the fastest ones of earlier sweeps on the H100 (BENCHMARKS.md); compiling
-            # more takes minutes
-            if kern == "cols":   # 2 or 4 values of each [4, BR] tensor a thread
-                cfgs = ((64, 4), (32, 2), (16, 1)) if kw.get("group_rows", 1) == 1 else ((128, 8), (128, 4))
-            elif kern == "tile":
-                cfgs = ((32, 4), (64, 8)) if kw.get("group_rows", 1) == 1 else ((128, 8),)
-            else:
-                cfgs = ((16, 2), (32, 4), (64, 4)) if kw.get("group_rows", 1) == 1 else ((128, 8),)
-            best = None
-            for br, nw in cfgs:
-                try:
-                    fn = lambda: quantize_mxfp4_2d(x, axis, block_rows=br, num_warps=nw, **kw)  # noqa: E731
-                    t = _bench(fn)
-                    if best is None or t < best[0]:
-                        best = (t, br, nw)
-                except Exception as e:  # noqa: BLE001
-                    res.append({"case": name, "kernel": kern, "block_rows": br, "num_warps": nw, "error": repr(e)[:300]})
-            if best is None:
-                continue
-            t = best[0]
-            bw = moved / (t * 1e-3)
-            label = kern + ("+join" if join else "")
-            res.append({"case": name, "kernel": label, "shape": list(shape), "axis": axis, "ms": t,
-                        "block_rows": best[1], "num_warps": best[2], "bytes": moved, "GBps": bw / 1e9,
-                        "copy_ms": t_copy, "copy_GBps": copy_bw / 1e9, "frac_of_copy_bw": bw / copy_bw})
-            print(f"quantize {name:46s} {label:12s} {t*1e3:8.1f} us  {bw/1e9:7.0f} GB/s  copy {copy_bw/1e9:6.0f} GB/s  "
-                  f"{100*bw/copy_bw:5.1f}%  (BR={best[1]}, warps={best[2]})", flush=True)
-        kq.KERNEL, kq.JOIN_STORE = saved
+            with _settings.override(qkernel=kern, qjoin=join):   # this kernel, with or without joined stores
+                # (block rows, warps): the fastest ones of earlier sweeps on the H100 (BENCHMARKS.md); compiling
+                # more takes minutes
+                if kern == "cols":   # 2 or 4 values of each [4, BR] tensor a thread
+                    cfgs = ((64, 4), (32, 2), (16, 1)) if kw.get("group_rows", 1) == 1 else ((128, 8), (128, 4))
+                elif kern == "tile":
+                    cfgs = ((32, 4), (64, 8)) if kw.get("group_rows", 1) == 1 else ((128, 8),)
+                else:
+                    cfgs = ((16, 2), (32, 4), (64, 4)) if kw.get("group_rows", 1) == 1 else ((128, 8),)
+                best = None
+                for br, nw in cfgs:
+                    try:
+                        fn = lambda: quantize_mxfp4_2d(x, axis, block_rows=br, num_warps=nw, **kw)  # noqa: E731
+                        t = _bench(fn)
+                        if best is None or t < best[0]:
+                            best = (t, br, nw)
+                    except Exception as e:  # noqa: BLE001
+                        res.append({"case": name, "kernel": kern, "block_rows": br, "num_warps": nw, "error": repr(e)[:300]})
+                if best is None:
+                    continue
+                t = best[0]
+                bw = moved / (t * 1e-3)
+                label = kern + ("+join" if join else "")
+                res.append({"case": name, "kernel": label, "shape": list(shape), "axis": axis, "ms": t,
+                            "block_rows": best[1], "num_warps": best[2], "bytes": moved, "GBps": bw / 1e9,
+                            "copy_ms": t_copy, "copy_GBps": copy_bw / 1e9, "frac_of_copy_bw": bw / copy_bw})
+                print(f"quantize {name:46s} {label:12s} {t*1e3:8.1f} us  {bw/1e9:7.0f} GB/s  copy {copy_bw/1e9:6.0f} GB/s  "
+                      f"{100*bw/copy_bw:5.1f}%  (BR={best[1]}, warps={best[2]})", flush=True)
         del x, y
     # both operands of one activation from one read (quantize_mxfp4_dual) against the two passes
     dual_cases = [
@@ -365,14 +369,11 @@ def bench_linear(args) -> dict:
                 # the same call with each activation's two operands quantized in two passes (no
                 # quantize_mxfp4_dual, which by default runs only without rotations): what the
                 # one-pass kernel saves, measured in this run
-                from .kernels import quantize as _kq
-                dual, _kq.DUAL = _kq.DUAL, False
-                try:
+                from . import settings as _settings
+                with _settings.override(dual="off"):
                     r[f"{p}_twopass_reuseW_ms"] = _bench(step(lin, clear=False))
                     if f"{p}_graph_ms" in r:
                         r[f"{p}_twopass_graph_ms"] = _bench(_graphed(step(lin, clear=True)))
-                finally:
-                    _kq.DUAL = dual
             del lin
         if "fp8_rowwise_ms" in r:
             r["fp8_rowwise_speedup"] = r["bf16_ms"] / r["fp8_rowwise_ms"]
@@ -429,12 +430,12 @@ def bench_breakdown(args) -> dict:
 
 # -------------------------------------------------------------------------------------------- step
 
-def bench_step(args) -> dict:
+def bench_blocks(args) -> dict:
     from . import fast as _fast
     from .model import Block, ModelConfig, rope_tables
     from .nn import convert
     dev = "cuda"
-    n_layers = args.layers
+    n_layers = args.layers or 2
     cfg = ModelConfig.named("llama3-8b", n_layers=n_layers)
     B, T = args.batch, args.seq
     res = {"layers": n_layers, "batch": B, "seq": T, "tokens": B * T, "runs": {}}
@@ -470,38 +471,36 @@ def bench_step(args) -> dict:
             h.float().square().mean().backward()
         return f
 
-    from . import model as _model
+    from . import settings as _settings
     glues = args.glue.split(",")
-    saved_glue = _model.GLUE
     for glue in glues:
-        _model.GLUE = glue
-        for kind in ["bf16", "fp8_rowwise"] + _presets(args, STEP_PRESETS):
-            name = kind if glue == glues[0] else f"{kind}@{glue}"
-            try:
-                blocks = make(kind)
-                f = fwd_bwd(blocks)
-                # ~1 s of steps (25-35 of them at these shapes) for each median; the wall-clock times
-                # of each measurement go in the JSON (to line up with a clock/power log of the GPU)
-                t0 = time.time()
-                t = _bench(f, warmup=200, rep=1000)
-                res["runs"][name] = {"ms": t, "glue": glue, "recipe": kind, "unix_s": [t0, time.time()],
-                                     "peak_gib": _peak_gib(f)}
-                if getattr(args, "graphs", False):
-                    # the same step replayed from one CUDA graph: GPU time only, where the eager step is
-                    # bound by the host's Python and launches (as `mxtrain train --cuda-graphs` avoids)
-                    try:
-                        t0 = time.time()
-                        res["runs"][name]["graph_ms"] = _bench(_graphed(f), warmup=200, rep=1000)
-                        res["runs"][name]["graph_unix_s"] = [t0, time.time()]
-                    except Exception as e:  # noqa: BLE001
-                        res["runs"][name]["graph_error"] = repr(e)[:300]
-                if args.profile and kind in ("bf16", "mxfp4-all-dh16"):
-                    res["runs"][name]["profile_ms"] = _profile(f)
-                del blocks, f
-            except Exception as e:  # noqa: BLE001
-                res["runs"][name] = {"error": repr(e)[:300], "glue": glue, "recipe": kind}
-            torch.cuda.empty_cache()
-    _model.GLUE = saved_glue
+        with _settings.override(glue=glue):
+            for kind in ["bf16", "fp8_rowwise"] + _presets(args, STEP_PRESETS):
+                name = kind if glue == glues[0] else f"{kind}@{glue}"
+                try:
+                    blocks = make(kind)
+                    f = fwd_bwd(blocks)
+                    # ~1 s of steps (25-35 of them at these shapes) for each median; the wall-clock times
+                    # of each measurement go in the JSON (to line up with a clock/power log of the GPU)
+                    t0 = time.time()
+                    t = _bench(f, warmup=200, rep=1000)
+                    res["runs"][name] = {"ms": t, "glue": glue, "recipe": kind, "unix_s": [t0, time.time()],
+                                         "peak_gib": _peak_gib(f)}
+                    if getattr(args, "graphs", False):
+                        # the same step replayed from one CUDA graph: GPU time only, where the eager step is
+                        # bound by the host's Python and launches (as `mxtrain train --cuda-graphs` avoids)
+                        try:
+                            t0 = time.time()
+                            res["runs"][name]["graph_ms"] = _bench(_graphed(f), warmup=200, rep=1000)
+                            res["runs"][name]["graph_unix_s"] = [t0, time.time()]
+                        except Exception as e:  # noqa: BLE001
+                            res["runs"][name]["graph_error"] = repr(e)[:300]
+                    if args.profile and kind in ("bf16", "mxfp4-all-dh16"):
+                        res["runs"][name]["profile_ms"] = _profile(f)
+                    del blocks, f
+                except Exception as e:  # noqa: BLE001
+                    res["runs"][name] = {"error": repr(e)[:300], "glue": glue, "recipe": kind}
+                torch.cuda.empty_cache()
     for glue in glues:
         sfx = "" if glue == glues[0] else f"@{glue}"
         bfr = res["runs"].get("bf16" + sfx, {})
@@ -513,7 +512,7 @@ def bench_step(args) -> dict:
                 v["tokens_per_s"] = B * T / (v["ms"] * 1e-3)
                 if "graph_ms" in v and bfg:   # against the faster of BF16 eager and replayed
                     v["graph_speedup_vs_bf16"] = bfg / v["graph_ms"]
-    print("step " + "; ".join(f"{k} {v.get('ms', float('nan')):.1f} ms ({v.get('speedup_vs_bf16', 0):.2f}x, "
+    print("blocks " + "; ".join(f"{k} {v.get('ms', float('nan')):.1f} ms ({v.get('speedup_vs_bf16', 0):.2f}x, "
                               f"peak {v.get('peak_gib', float('nan')):.1f} GiB)"
                               + (f", graph {v['graph_ms']:.1f} ms ({v.get('graph_speedup_vs_bf16', 0):.2f}x)"
                                  if "graph_ms" in v else "")
@@ -522,6 +521,26 @@ def bench_step(args) -> dict:
         if "profile_ms" in v:
             print(f"profile {k} (ms per step): " + ", ".join(f"{c} {t:.2f}" for c, t in v["profile_ms"].items()),
                   flush=True)
+    return {"blocks": res}
+
+
+STEP_VARIANTS = ["bf16", "torchao-tensorwise", "torchao-rowwise", "fp8"]
+
+
+def bench_step(args) -> dict:
+    from . import bench_step as _bs
+    variants = STEP_VARIANTS + _presets(args, STEP_PRESETS)
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError:
+        variants = [v for v in variants if not v.startswith("torchao-")]
+        print("bench step: torchao is not installed (pip install torchao): no torchao float8 variants",
+              file=sys.stderr, flush=True)
+    layers = args.layers if args.layers else (4 if args.model == "8b-layers" else None)
+    res = _bs.measure(variants, model=args.model, layers=layers, batch=args.batch, seq=args.seq,
+                      steps=args.steps, warmup=args.warmup, compile_mode=args.compile)
+    res["variants"] = variants
+    print(_bs.format_table(res), flush=True)
     return {"step": res}
 
 
@@ -577,7 +596,7 @@ def _profile(f, steps: int = 3) -> dict:
 # --------------------------------------------------------------------------------------------- CLI
 
 _WHAT = {"quantize": bench_quantize, "gemm": bench_gemm, "breakdown": bench_breakdown, "linear": bench_linear,
-         "step": bench_step}
+         "step": bench_step, "blocks": bench_blocks}
 
 
 def warm_gpu(seconds: float = 1.0) -> float:
@@ -627,22 +646,30 @@ def run(args) -> int:
 
 
 def _add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("what", help="quantize, gemm, breakdown, linear, step, all, or a comma-separated list")
+    p.add_argument("what", help="quantize, gemm, breakdown, linear, step, blocks, all, or a comma-separated list")
     p.add_argument("--out", default=None, help="write the JSON results here (default: stdout)")
     p.add_argument("--filter", default="", help="quantize: only the cases whose name contains this text")
     p.add_argument("--presets", default="",
                    help="linear, step: comma-separated recipes to time against BF16 (default: "
                         + ", ".join(LINEAR_PRESETS) + " for linear; " + ", ".join(STEP_PRESETS) + " for step)")
-    p.add_argument("--layers", type=int, default=2, help="step: number of Llama-8B-shaped blocks")
-    p.add_argument("--batch", type=int, default=2, help="step: batch size")
-    p.add_argument("--seq", type=int, default=4096, help="step: sequence length")
+    p.add_argument("--layers", type=int, default=None,
+                   help="step, blocks: number of blocks (default: 4 for step's 8b-layers, 2 for blocks; "
+                        "step's 1b and 125m: the whole model)")
+    p.add_argument("--batch", type=int, default=4, help="step, blocks: batch size")
+    p.add_argument("--seq", type=int, default=4096, help="step, blocks: sequence length")
+    p.add_argument("--model", default="8b-layers", choices=["8b-layers", "1b", "125m"],
+                   help="step: Llama-8B-shaped layers (128k vocabulary) or a whole 1B / 125M model")
+    p.add_argument("--compile", default="default", choices=["default", "reduce-overhead", "none"],
+                   help="step: torch.compile mode of the whole model, the same for every variant")
+    p.add_argument("--steps", type=int, default=10, help="step: timed steps (median reported)")
+    p.add_argument("--warmup", type=int, default=3, help="step: untimed steps first (compilation)")
     p.add_argument("--glue", default="auto,eager",
-                   help="step: elementwise layers (RMSNorm, RoPE, SwiGLU) compiled ('auto' on CUDA) and/or 'eager'; "
+                   help="blocks: elementwise layers (RMSNorm, RoPE, SwiGLU) compiled ('auto' on CUDA) and/or 'eager'; "
                         "comma-separated, each measured for every recipe")
     p.add_argument("--graphs", action="store_true",
-                   help="step: also time each step replayed from a CUDA graph (no host time in it)")
+                   help="blocks: also time each step replayed from a CUDA graph (no host time in it)")
     p.add_argument("--profile", action="store_true",
-                   help="step: also print GPU time by kernel class (torch.profiler) for bf16 and mxfp4-all-dh16")
+                   help="blocks: also print GPU time by kernel class (torch.profiler) for bf16 and mxfp4-all-dh16")
 
 
 def register(subparsers) -> None:

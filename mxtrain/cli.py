@@ -1,24 +1,41 @@
 """The ``mxtrain`` command line: ``data prepare``, ``train``, and the subcommands of other modules
-(``bench`` from ``mxtrain.bench``; ``study`` and ``report`` from ``mxtrain.study.cli``), which are
-imported only when asked for and simply absent while their module does not exist.
+(``study`` and ``report`` from ``mxtrain.study.cli``, ``bench`` from ``mxtrain.bench``, ``export``,
+``generate`` and ``eval`` from ``mxtrain.hfcli``; see ``EXTERNAL``). A module is imported when its command
+is asked for, and all of them for ``mxtrain``, ``mxtrain --help`` and an unknown command, so that every
+listing names every command; a module that does not exist is simply absent.
 
-Every bad input prints one line ``mxtrain: error: ...`` to stderr and exits with status 2.
+``mxtrain`` alone prints the commands and exits with status 2. Every bad input prints one line
+``mxtrain: error: ...`` to stderr and exits with status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
+import re
 import sys
 
 from .errors import UserError
 
-# subcommand -> module exposing register(subparsers)
-EXTERNAL = {"bench": "mxtrain.bench", "study": "mxtrain.study.cli", "report": "mxtrain.study.cli"}
+BUILTIN = ("data", "train")
+
+# subcommand -> module exposing register(subparsers) or add_parsers(subparsers), in the order `mxtrain` lists
+# them. The one call site of mxtrain.hfcli (export, generate, eval: Hugging Face folders in and out): its
+# add_parsers(subparsers) adds the three parsers, each with set_defaults(func=...) returning an exit code.
+EXTERNAL = {"study": "mxtrain.study.cli", "report": "mxtrain.study.cli", "bench": "mxtrain.bench",
+            "export": "mxtrain.hfcli", "generate": "mxtrain.hfcli", "eval": "mxtrain.hfcli"}
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, no usage block
+        m = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if m and " " not in self.prog and not message.startswith("argument -"):
+            # an unknown command (not an option's bad value): the nearest one first, then all of them
+            choices = [c.strip().strip("'") for c in m.group(2).split(",")]
+            near = difflib.get_close_matches(m.group(1), choices, n=1, cutoff=0.6)
+            message = (f"unknown command {m.group(1)!r}{f'; did you mean {near[0]}?' if near else ''} "
+                       f"(commands: {', '.join(choices)}; mxtrain --help says what each does)")
         raise UserError(f"{self.prog.split(' ', 1)[-1] + ': ' if ' ' in self.prog else ''}{message}")
 
 
@@ -36,6 +53,8 @@ def _add_data(sub) -> None:
     q.add_argument("--vocab-size", type=int, default=4096, help="BPE vocab to train (multiple of 32; default 4096)")
     q.add_argument("--val-fraction", type=float, default=0.01, help="share of documents held out (default 0.01)")
     q.add_argument("--text-field", default="text", help="JSON/Parquet field holding the text (default: text)")
+    q.add_argument("--eot-token", metavar="TOKEN", help="the end-of-text token of --tokenizer, appended after each "
+                   "document (default: the first of <|endoftext|>, <|end_of_text|>, </s>, <eos>, <|eot_id|> it has)")
     q.add_argument("--force", action="store_true", help="overwrite an existing output folder")
     q.add_argument("--no-progress", action="store_true")
     q.set_defaults(func=_cmd_prepare)
@@ -46,18 +65,27 @@ def _cmd_prepare(args) -> int:
     out = args.out
     if out is None:
         out = default_builtin_dir(args.vocab_size) if args.sources == ["builtin"] and not args.tokenizer else "data/prepared"
+    extra = {}
+    if args.eot_token is not None:
+        import inspect
+        if "eot_token" not in inspect.signature(prepare).parameters:
+            raise UserError("--eot-token is not supported by this version of mxtrain.data.prepare")
+        extra["eot_token"] = args.eot_token
     path = prepare(args.sources, out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
                    val_fraction=args.val_fraction, text_field=args.text_field, force=args.force,
-                   progress=not args.no_progress)
+                   progress=not args.no_progress, **extra)
     print(f"data folder: {path}")
     return 0
 
 
 def _add_train(sub) -> None:
     p = sub.add_parser("train", help="pretrain a model (no arguments: the tiny-main experiment)",
-                       description="Train a Llama-style model with a quantization recipe. Flags override the "
-                                   "experiment config (--exp, default tiny-main); --set reaches every field.")
+                       description="Train a Llama-style model with a quantization recipe. Settings apply in this "
+                                   "order, later ones winning: the defaults, the experiment (--exp, default "
+                                   "tiny-main), the config file (--config), the flags, --set. docs/config.md.")
     a = p.add_argument
+    a("--config", metavar="FILE", help="config file (.toml, .json, .yaml) setting any field, e.g. examples/tiny.toml "
+                                       "or a run folder's config.json (re-runs that run); docs/config.md")
     a("--exp", help="named experiment config (see --list); default tiny-main")
     a("--model", help="model size: tiny, 30m, 125m, 350m, 1b, llama3-8b")
     a("--recipe", help="quantization recipe (mxtrain.recipes.names())")
@@ -75,6 +103,8 @@ def _add_train(sub) -> None:
     a("--eval-every", type=int, help="steps between validation evaluations")
     a("--eval-tokens", type=int, help="validation tokens per evaluation")
     a("--device", help="auto, cpu, cuda, cuda:N")
+    a("--init-from", metavar="DIR", help="a local Hugging Face Llama folder whose weights initialise the model "
+                                         "(train.init_from)")
     a("--nproc", type=int, help="processes (GPUs) on this machine: re-runs this command under "
                                 "torchrun --nproc-per-node N (docs/distributed.md)")
     a("--parallel", choices=["auto", "none", "ddp", "fsdp2"], help="multi-process mode (parallel.mode; default auto: ddp)")
@@ -82,10 +112,19 @@ def _add_train(sub) -> None:
       help="continue from a run folder or checkpoint file (no value: the --out folder)")
     a("--set", action="append", default=[], metavar="KEY=VALUE",
       help="override any config field, e.g. --set optim.weight_decay=0 --set recipe.wgrad_dy.rounding=stochastic")
+    a("--branch-at", type=int, metavar="STEP", help="with --resume RUN: train a cooldown branch of the stable "
+      "(constant-LR) run RUN from its checkpoint at STEP (kept with --set train.keep_checkpoints_at=...) into its "
+      "own folder (--out, default RUN/branches/k<STEP>-n<STEPS>); the run itself is not touched (docs/training.md)")
+    a("--cooldown", type=int, metavar="STEPS", help="with --branch-at: steps of the branch, over which the LR "
+      "decays to optim.min_lr_ratio x lr")
+    a("--cooldown-shape", choices=["linear", "1-sqrt"], help="with --branch-at: the decay's shape (default: the "
+      "run's schedule.decay_shape, linear unless set)")
     a("--cuda-graphs", action="store_true", help="replay each micro-step from a CUDA graph (train.cuda_graphs: one GPU; "
                                                  "stochastic rounding and per-step signs on the fast path only)")
     a("--no-progress", action="store_true", help="no progress bar (plain log lines)")
     a("--list", action="store_true", help="list experiments, models and recipes, then exit")
+    a("--print-config", action="store_true", help="print the resolved config as JSON (the form --config reads) "
+                                                  "and exit without training")
     p.set_defaults(func=_cmd_train)
 
 
@@ -93,16 +132,39 @@ _FLAG_KEYS = {"model": "model.name", "recipe": "recipe", "data": "data.path", "s
               "tokens": "train.tokens", "batch_size": "train.batch_size", "micro_batch_size": "train.micro_batch_size",
               "seq_len": "data.seq_len", "lr": "optim.lr", "out": "log.out", "seed": "train.seed",
               "init_seed": "model.init_seed", "data_seed": "data.seed", "eval_every": "log.eval_every",
-              "eval_tokens": "log.eval_tokens", "device": "train.device", "parallel": "parallel.mode"}
+              "eval_tokens": "log.eval_tokens", "device": "train.device", "parallel": "parallel.mode",
+              "init_from": "train.init_from"}
+
+
+def _config_file_arg(args) -> str | None:
+    """The config file: --config, or an --exp value that is a file path rather than an experiment name."""
+    from pathlib import Path
+
+    from .train import experiments
+    from .train.config import CONFIG_SUFFIXES
+    config, exp = getattr(args, "config", None), args.exp
+    if exp is not None and exp not in experiments.names() and (
+            Path(exp).suffix.lower() in CONFIG_SUFFIXES or Path(exp).is_file() or "/" in exp):
+        if config is not None:
+            raise UserError(f"--exp takes an experiment name (mxtrain train --list), not a file ({exp}); "
+                            f"give the config file with --config")
+        args.config, args.exp = exp, None
+        config = exp
+    return config
 
 
 def build_config(args):
-    """Experiment (or the resumed run's config) + flags + --set overrides -> TrainConfig."""
+    """Defaults < experiment < config file (or the resumed run's config) < flags < --set -> TrainConfig."""
     import json
 
     from .train import TrainConfig, apply_overrides, experiments
     from .train import checkpoint as ckpt
+    from .train.config import check_init_from, load_train_config
+    config_file = _config_file_arg(args)
     if args.resume is not None:
+        if args.exp or config_file:
+            raise UserError(f"{'--exp' if args.exp else '--config'} cannot be combined with --resume (the run's own "
+                            f"config.json is used; flags and --set still apply)")
         src = args.out if args.resume is True else args.resume
         if src is None:
             raise UserError("--resume needs a run folder (--resume RUN, or --resume with --out RUN)")
@@ -110,15 +172,15 @@ def build_config(args):
         path = find_dcp(src) or ckpt.find(src)
         cfg_file = path.parent / "config.json"
         try:
-            cfg = TrainConfig.from_dict(json.loads(cfg_file.read_text()))
+            cfg = TrainConfig.from_dict(json.loads(cfg_file.read_text()), source=str(cfg_file))
         except (OSError, json.JSONDecodeError) as e:
             raise UserError(f"cannot read {cfg_file} to resume ({e})") from None
-        if args.exp:
-            raise UserError("--exp cannot be combined with --resume (the run's own config is used)")
         # the run continues where its checkpoint is (a copied or moved run stays in its new place), unless
         # --out names another folder (applied below with the other flags)
         cfg.log.out = str(path.parent.resolve())
         args.resume = str(path)
+    elif config_file is not None:
+        cfg = load_train_config(config_file, exp=args.exp)
     else:
         cfg = experiments.get(args.exp or experiments.DEFAULT)
     items = [f"{_FLAG_KEYS[k]}={v}" for k, v in vars(args).items() if k in _FLAG_KEYS and v is not None]
@@ -131,7 +193,17 @@ def build_config(args):
         from .model import ModelConfig
         ModelConfig.named(args.model)  # unknown name -> clear error now
     cfg.resolved_recipe()
+    if args.resume is None:  # a resumed run's weights come from its checkpoint
+        check_init_from(cfg.train.init_from)
     return cfg
+
+
+def config_json(cfg) -> dict:
+    """``cfg`` as the run folder's config.json holds it (a recipe object as its table)."""
+    d = cfg.to_dict()
+    if not isinstance(cfg.recipe, str):
+        d["recipe"] = cfg.recipe.to_dict()
+    return d
 
 
 def _cmd_train(args) -> int:
@@ -148,7 +220,20 @@ def _cmd_train(args) -> int:
         from .distributed import launch, strip_nproc
         return launch(args.nproc, strip_nproc(list(getattr(args, "argv", None) or sys.argv[1:]))[1])
     from .train import train
+    branch_at = getattr(args, "branch_at", None)
+    if branch_at is None and (getattr(args, "cooldown", None) is not None or getattr(args, "cooldown_shape", None)):
+        raise UserError("--cooldown and --cooldown-shape go with --branch-at STEP (and --resume RUN)")
+    if branch_at is not None:
+        return _cmd_branch(args)
     cfg = build_config(args)
+    if getattr(args, "print_config", False):
+        import copy
+        import json
+
+        from .train.trainer import validate
+        validate(copy.deepcopy(cfg))
+        print(json.dumps(config_json(cfg), indent=2))
+        return 0
     out = train(cfg, resume=args.resume)
     if int(os.environ.get("RANK", "0")) != 0:  # [distributed] rank 0 reports
         return 0
@@ -161,13 +246,44 @@ def _cmd_train(args) -> int:
     return 0
 
 
-def _wanted_external(argv: list[str]) -> set[str]:
+def _cmd_branch(args) -> int:
+    """``mxtrain train --resume RUN --branch-at STEP --cooldown STEPS``: a cooldown branch of RUN."""
+    from pathlib import Path
+
+    from .train.branch import branch, branch_dir
+    if args.resume is None or args.resume is True:
+        raise UserError("--branch-at needs --resume RUN: the stable run folder to branch from")
+    if args.cooldown is None:
+        raise UserError("--branch-at needs --cooldown STEPS: the branch's length, over which the LR decays")
+    if getattr(args, "print_config", False):
+        raise UserError("--print-config cannot be combined with --branch-at")
+    for flag in ("steps", "tokens"):
+        if getattr(args, flag, None) is not None:
+            raise UserError(f"--{flag} cannot be combined with --branch-at (the branch ends at STEP + --cooldown)")
+    run = Path(args.resume)
+    if not run.is_dir():
+        raise UserError(f"--resume {args.resume}: with --branch-at give the stable run's folder")
+    out_flag = args.out
+    cfg = build_config(args)   # the run's config.json, the flags and --set (identity keys must still match)
+    out = Path(out_flag) if out_flag else branch_dir(run, args.branch_at, args.cooldown)
+    out = branch(run, args.branch_at, args.cooldown, out, shape=args.cooldown_shape, cfg=cfg)
+    import json
+    s = json.loads((out / "summary.json").read_text())
+    if s.get("final_val_loss") is not None:
+        print(f"cooled-down validation loss {s['final_val_loss']:.4f} after {s['tokens']:,} tokens")
+    print(f"branch folder: {out}")
+    return 0
+
+
+def _wanted_external(argv: list[str]) -> list[str]:
+    """The external commands whose modules to import: the one asked for; all of them when a listing of the
+    commands may be printed (no command, --help, an unknown command)."""
     first = next((a for a in argv if not a.startswith("-")), None)
     if first in EXTERNAL:
-        return {first}
-    if first is None and any(a in ("-h", "--help") for a in argv):
-        return set(EXTERNAL)
-    return set()
+        return [first]
+    if first in BUILTIN or (first is None and "--version" in argv and not {"-h", "--help"} & set(argv)):
+        return []
+    return list(EXTERNAL)
 
 
 def make_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
@@ -177,18 +293,18 @@ def make_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     _add_data(sub)
     _add_train(sub)
     done = set()
-    for cmd in sorted(_wanted_external(argv or [])):
+    for cmd in _wanted_external(argv or []):
         mod_name = EXTERNAL[cmd]
         if mod_name in done:
             continue
+        done.add(mod_name)
         try:
             mod = importlib.import_module(mod_name)
         except ModuleNotFoundError as e:
             if e.name and (mod_name == e.name or mod_name.startswith(e.name + ".")):
                 continue  # not written yet: the subcommand is simply absent
             raise
-        mod.register(sub)
-        done.add(mod_name)
+        (getattr(mod, "register", None) or mod.add_parsers)(sub)
     return parser
 
 
@@ -202,9 +318,9 @@ def main(argv: list[str] | None = None) -> int:
             from . import __version__
             print(f"mxtrain {__version__}")
             return 0
-        if not getattr(args, "func", None):
+        if not getattr(args, "func", None):  # `mxtrain` alone: the commands, and a usage error's status
             parser.print_help()
-            return 0 if not args.cmd else 2
+            return 2
         return int(args.func(args) or 0)
     except UserError as e:
         msg = " ".join(str(e).split("\n"))
@@ -214,6 +330,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("mxtrain: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `mxtrain ... | head`: the reader left; no traceback
+        import os
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 def entry() -> None:

@@ -18,30 +18,38 @@ layer's state, read by the quantize kernels at run time, so CUDA graphs replay w
 
 Activation reuse (eager only): layers that read the same input (a Llama block's q/k/v and gate/up
 projections) quantize its Fprop and Wgrad operands once when both use nearest rounding and no sign
-vector (``REUSE_ACTIVATIONS``). The entry holds the input, so its address, version and layout name
+vector (the ``reuse_act`` setting). The entry holds the input, so its address, version and layout name
 these very values while it lives; it is dropped at the next such quantize and when a backward pass
 starts. Under ``torch.compile`` there is no reuse (a compiled graph may reuse an input's memory without
 a version bump).
+
+State: what the fast path remembers between calls (the reused activation operands, the inexact-block
+counters) is one object, ``state`` (a ``FastState``); the kernels' own memory (probes, self-checks,
+launch plans) is ``mxtrain.kernels.CACHES``. Settings (``mxtrain.settings``: ``fast``, ``gemm_backend``,
+``wgrad_b_group``, ``dual``, ``reuse_act``...) are read at each call, so ``settings.override`` applies at
+once. ``ENABLED`` is kept as an alias of the ``fast`` setting (assigning it calls ``settings.configure``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 
+from . import settings as _settings
 from .context import Ctx, gemm_dtype
 from .kernels import HAS_TRITON as _HAS_TRITON, backend as _backend, kernels_available
 from .kernels import gemm as _gemm
 from .kernels import quantize as _quantize
 from .kernels.quantize import QuantOut, quantize_op
 
-__all__ = ["supported", "applies", "apply", "forward", "backward", "ENABLED", "inexact_blocks", "clear_caches"]
+__all__ = ["supported", "applies", "apply", "forward", "backward", "ENABLED", "inexact_blocks", "clear_caches",
+           "FastState", "state"]
 
-# False forces the reference path everywhere; the environment variable MXTRAIN_FAST=0 does the same
-# from the command line (e.g. `MXTRAIN_FAST=0 mxtrain train ...`).
-ENABLED = os.environ.get("MXTRAIN_FAST", "1").strip().lower() not in ("0", "false", "no", "off")
+# The ``fast`` setting off (MXTRAIN_FAST=0, ``settings.override(fast=False)``) forces the reference path
+# everywhere. Read now, once: a model compiled before any eager call then never reads the environment
+# inside a torch.compile trace (a bad value stops here, with the variable named).
+_settings.current()
 
 
 # Triton is importable (the fused kernels can run on CUDA tensors)
@@ -51,7 +59,7 @@ KERNELS = _HAS_TRITON
 def supported(recipe, enabled_only: bool = True) -> bool:
     """Recipes the fast path implements: every operand ``mxfp4`` (default blocks) or ``bf16``
     (``enabled_only``: and the fast path is on)."""
-    if enabled_only and not ENABLED:
+    if enabled_only and not _settings.current().fast:
         return False
     from .recipe import OPERANDS
     for n in OPERANDS:
@@ -69,35 +77,68 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return kernels_available(x.device) and x.dtype in OK_DTYPES and weight.dtype in OK_DTYPES
 
 
-_COUNTERS: dict = {}
+class FastState:
+    """What the fast path remembers between calls, for the life of the process (one instance: ``state``).
+
+    * ``activations``: operand name -> (key, input, QuantOut): the activation operand the layer before
+      quantized from the same input (activation reuse); an entry holds its input, and is replaced by the
+      next quantize of that operand and dropped when a backward pass starts (``clear_activations``).
+    * ``counters``: device -> int32 tensor of one element, the running count of inexact carrier blocks the
+      quantize kernels add to (kernels and CUDA graphs hold these tensors: ``clear`` makes new ones).
+    """
+
+    __slots__ = ("activations", "counters")
+
+    def __init__(self):
+        self.activations: dict = {}
+        self.counters: dict = {}
+
+    def counter(self, device) -> torch.Tensor:
+        c = self.counters.get(device)
+        if c is None:
+            c = self.counters[device] = torch.zeros((1,), dtype=torch.int32, device=device)
+        return c
+
+    def inexact_blocks(self, device="cuda") -> int:
+        """Running count of MXFP4 blocks that the FP8 carrier could not hold exactly (more than 14
+        binades below their group's largest block) over every fast-path quantize on ``device`` so far
+        (0 means every GEMM multiplied the exact MX values). Reading it synchronizes the device."""
+        d = torch.device(device)
+        if d.type == "cuda" and d.index is None:
+            d = torch.device("cuda", torch.cuda.current_device())
+        c = self.counters.get(d)
+        return int(c.item()) if c is not None else 0
+
+    def clear_activations(self) -> None:
+        """Drop the reused activation operands (frees their memory; results are unaffected)."""
+        self.activations.clear()
+
+    def clear(self) -> None:
+        """Forget everything, as a new process would start (the inexact-block counts start again from 0)."""
+        self.activations.clear()
+        self.counters.clear()
+
+
+state = FastState()
 
 
 def _counter(device) -> torch.Tensor:
-    c = _COUNTERS.get(device)
-    if c is None:
-        c = _COUNTERS[device] = torch.zeros((1,), dtype=torch.int32, device=device)
-    return c
+    return state.counter(device)
 
 
 def inexact_blocks(device="cuda") -> int:
     """Running count of MXFP4 blocks that the FP8 carrier could not hold exactly (more than 14
     binades below their group's largest block) over every fast-path quantize on ``device`` so far
     (0 means every GEMM multiplied the exact MX values). Reading it synchronizes the device."""
-    d = torch.device(device)
-    if d.type == "cuda" and d.index is None:
-        d = torch.device("cuda", torch.cuda.current_device())
-    c = _COUNTERS.get(d)
-    return int(c.item()) if c is not None else 0
+    return state.inexact_blocks(device)
 
 
-REUSE_ACTIVATIONS = os.environ.get("MXTRAIN_REUSE_ACT", "1").strip().lower() not in ("0", "false", "no", "off")
 _ACT_OPERANDS = ("fprop_x", "wgrad_x")
-_ACT_CACHE: dict = {}
 
 
 def clear_caches() -> None:
     """Drop the reused activation operands (frees their memory; results are unaffected)."""
-    _ACT_CACHE.clear()
+    state.clear_activations()
 
 
 def _ceil(a: int, b: int) -> int:
@@ -123,11 +164,12 @@ def _act_key(name, t, axis, rsize, op, backend, group_rows, capturing, fp4=False
 def _act_put(name: str, act, t, q) -> None:
     # holding t keeps its memory from being reused, so the address, version and layout in the key name
     # these very values for as long as the entry lives
-    _ACT_CACHE[name] = (act, t, q)
+    state.activations[name] = (act, t, q)
 
 
 def _reusable(name: str, op, signs, reuse: bool) -> bool:
-    return reuse and REUSE_ACTIVATIONS and name in _ACT_OPERANDS and op.rounding == "nearest" and signs is None
+    return (reuse and name in _ACT_OPERANDS and op.rounding == "nearest" and signs is None
+            and _settings.current().reuse_act)
 
 
 def _quant(qctx: Ctx, t: torch.Tensor, axis: int, name: str, gemm: str, signs, backend: str,
@@ -144,7 +186,7 @@ def _quant(qctx: Ctx, t: torch.Tensor, axis: int, name: str, gemm: str, signs, b
         # the same input quantized the same way by the layer before (q/k/v, gate/up projections)
         capturing = t.is_cuda and torch.cuda.is_current_stream_capturing()
         act = _act_key(name, t, axis, rsize, op, backend, group_rows, capturing, not carrier)
-        hit = _ACT_CACHE.get(name)
+        hit = state.activations.get(name)
         if hit is not None and hit[0] == act:
             return hit[2], op.prescale
     q = quantize_op(t, axis, rot=rsize, signs=signs, rounding=op.rounding, scale_rule=op.scale_rule, key=key,
@@ -156,11 +198,9 @@ def _quant(qctx: Ctx, t: torch.Tensor, axis: int, name: str, gemm: str, signs, b
     return q, op.prescale
 
 
-# Both operands of one activation from one pass (quantize_mxfp4_dual, where it applies) for tensors of
-# at least this many elements (MXTRAIN_QDUAL_MIN; MXTRAIN_QDUAL=0: never). With launch plans for the
-# fused kernel, one pass measured 1.08-1.22x faster than two on an H100 from 2048x4096 to 16384x14336
-# (BENCHMARKS.md), and one launch costs the host less than two: no lower bound by default.
-DUAL_MIN_ELEMENTS = int(os.environ.get("MXTRAIN_QDUAL_MIN", "0"))
+# Both operands of one activation from one pass (quantize_mxfp4_dual, where it applies: the ``dual``
+# setting) at any size: with launch plans for the fused kernel, one pass measured 1.08-1.22x faster than
+# two on an H100 from 2048x4096 to 16384x14336 (BENCHMARKS.md), and one launch costs the host less than two.
 
 
 def _quant_pair(qctx: Ctx, t: torch.Tensor, na: str, ga: str, nb: str, gb: str, backend: str,
@@ -181,7 +221,7 @@ def _quant_pair(qctx: Ctx, t: torch.Tensor, na: str, ga: str, nb: str, gb: str, 
     ra, rb = recipe.rotation(ga), recipe.rotation(gb)
     rsa, rsb = (ra.size if ra.enabled else 0), (rb.size if rb.enabled else 0)
     sr = recipe.operand(na).rounding != "nearest" or recipe.operand(nb).rounding != "nearest"
-    one = t.numel() >= DUAL_MIN_ELEMENTS and _quantize.dual_applies(t, rsa, rsb, sr=sr)
+    one = _quantize.dual_applies(t, rsa, rsb, sr=sr)
     if not (one or always):
         return None
     dev = t.device
@@ -197,7 +237,7 @@ def _quant_pair(qctx: Ctx, t: torch.Tensor, na: str, ga: str, nb: str, gb: str, 
         sides.append(dict(rot=rsize, signs=signs, rounding=op.rounding, scale_rule=op.scale_rule, key=key,
                           prescale=op.prescale, index_strides=_index_strides(t, axis, rsize), key_tensor=key_t,
                           group_rows=gr))
-    hits = [_ACT_CACHE.get(n) for n, _, _ in acts]
+    hits = [state.activations.get(n) for n, _, _ in acts]
     if all(act is not None and h is not None and h[0] == act for (_, act, _), h in zip(acts, hits)):
         return {n: (h[2], ps) for (n, _, ps), h in zip(acts, hits)}
     km = _gemm.k_multiple_for(backend)
@@ -309,7 +349,7 @@ def backward(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor, wq:
              amp: torch.dtype | None, x_dtype: torch.dtype, need: tuple[bool, bool, bool]) -> tuple:
     """(dX, dW, db) (None where ``need`` says False); ``wq``: X's Wgrad operand from ``forward``, else
     ``x`` is needed for dW."""
-    _ACT_CACHE.clear()   # the forward pass is over: reused activations are not needed any more
+    state.activations.clear()   # the forward pass is over: reused activations are not needed any more
     backend = _backend(dy.device)
     dy2 = dy.reshape(-1, dy.shape[-1])
     x2 = x.reshape(-1, x.shape[-1]) if x is not None else None
@@ -413,3 +453,8 @@ def apply(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, qctx
         from .linear import _MXLinearFunction
         return _MXLinearFunction.apply(x, weight, bias, qctx, amp)
     return _FastMXLinearFunction.apply(x, weight, bias, qctx, amp, torch.is_grad_enabled())
+
+
+# ``mxtrain.fast.ENABLED``: an alias of the ``fast`` setting (reading it gives ``settings.current().fast``;
+# assigning it calls ``settings.configure(fast=...)``)
+_settings.alias_module_attributes(__name__, ENABLED="fast")

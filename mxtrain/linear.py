@@ -414,8 +414,8 @@ def compiled_linear(x, weight, bias, state, recipe_str: str, seeded: bool, quant
     dt = x.device.type
     amp = torch.get_autocast_dtype(dt) if torch.is_autocast_enabled(dt) else None
     need_wgrad = torch.is_grad_enabled() and weight.requires_grad
-    from . import fast
-    if (split and fast.ENABLED and fast.KERNELS and x.is_cuda and x.dtype in fast.OK_DTYPES
+    from . import fast, settings
+    if (split and settings.current().fast and fast.KERNELS and x.is_cuda and x.dtype in fast.OK_DTYPES
             and weight.dtype in fast.OK_DTYPES):
         f0, f1, w0, w1 = torch.ops.mxtrain.quantize_input(x, keys, signs, recipe_str, need_wgrad)
         return torch.ops.mxtrain.linear_q(x, f0, f1, w0, w1, weight, bias, keys, signs, recipe_str, _AMP_NAME[amp])

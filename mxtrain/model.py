@@ -13,7 +13,6 @@ minutes) to ``llama3-8b`` (the exact Llama 3.1-8B shapes). Build large models on
 from __future__ import annotations
 
 import math
-import os
 import warnings
 from dataclasses import asdict, dataclass, fields, replace
 
@@ -21,6 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import settings as _settings
 from .errors import UserError
 
 __all__ = ["ModelConfig", "Llama", "SIZES", "size_names"]
@@ -126,9 +126,9 @@ def config_fields() -> list[str]:
 # PyTorch, and on CUDA runs through torch.compile, which fuses each function (and its backward) into
 # one or two Triton kernels instead of the ~10 separate passes eager PyTorch makes over the tensor.
 # Same formulas either way (float32 math, one rounding to the input dtype); only the rounding of
-# float32 intermediate steps may differ. MXTRAIN_GLUE=eager (or model.GLUE = "eager") turns it off;
-# "compiled" compiles on every device; "auto" (default) compiles on CUDA only.
-GLUE = os.environ.get("MXTRAIN_GLUE", "auto").strip().lower()
+# float32 intermediate steps may differ. The ``glue`` setting (mxtrain.settings): MXTRAIN_GLUE=eager turns
+# it off; "compiled" compiles on every device; "auto" (default) compiles on CUDA only. ``model.GLUE`` is kept
+# as an alias of it (assigning it calls ``settings.configure(glue=...)``).
 _GLUE_MODES = ("auto", "compiled", "eager")
 _COMPILED: dict = {}
 _GLUE_FAILED: list = []
@@ -153,10 +153,11 @@ def _swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _glue(fn, x: torch.Tensor):
-    """``fn`` itself or its torch.compile'd twin, per ``GLUE`` and the device of ``x``."""
-    mode = GLUE if GLUE in _GLUE_MODES else "auto"
-    if (mode == "eager" or (mode == "auto" and x.device.type != "cuda") or _GLUE_FAILED
-            or torch.compiler.is_compiling()):
+    """``fn`` itself or its torch.compile'd twin, per the ``glue`` setting and the device of ``x``."""
+    if torch.compiler.is_compiling():
+        return fn
+    mode = _settings.current().glue
+    if mode == "eager" or (mode == "auto" and x.device.type != "cuda") or _GLUE_FAILED:
         return fn
     c = _COMPILED.get(fn)
     if c is None:
@@ -307,3 +308,7 @@ class Llama(nn.Module):
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+# ``mxtrain.model.GLUE``: an alias of the ``glue`` setting
+_settings.alias_module_attributes(__name__, GLUE="glue")

@@ -16,7 +16,7 @@ import sys
 import torch
 
 from mxtrain import fast
-from mxtrain.kernels import quantize as kq
+from mxtrain import settings
 from mxtrain.bench import LLAMA8B_NK, _bench, _graphed, dual_timings, fwd_bwd_call, warm_gpu
 from mxtrain.nn import MXLinear
 
@@ -34,11 +34,11 @@ def timings(quick: bool) -> list:
             lin = MXLinear(K, N, bias=False, device="cuda", dtype=torch.bfloat16, recipe=p)
             lin.weight.data.copy_(base.weight.data)
             for ov in ("auto", "on", "auto", "on"):   # twice each, interleaved: run-to-run noise is visible
-                kq.DUAL = ov
+                settings.configure(dual=ov)
                 tag = f"{p}_{ov}"
                 r.setdefault(tag + "_ms", []).append(_bench(fwd_bwd_call(lin, x, gy, True)))
                 r.setdefault(tag + "_graph_ms", []).append(_bench(_graphed(fwd_bwd_call(lin, x, gy, True))))
-            kq.DUAL = "auto"
+            settings.configure(dual="auto")
             del lin
         bf = min(r["bf16_ms"], r["bf16_graph_ms"])
         print(f"{M}x{N}x{K}: bf16 {r['bf16_ms']:.3f} / graph {r['bf16_graph_ms']:.3f} ms; " + "; ".join(
@@ -56,7 +56,7 @@ def kernel_profile() -> dict:
     lin = MXLinear(K, N, bias=False, device="cuda", dtype=torch.bfloat16, recipe="mxfp4-all-dh16")
     res = {}
     for ov in ("auto", "on"):
-        kq.DUAL = ov
+        settings.configure(dual=ov)
         g = _graphed(fwd_bwd_call(lin, x, gy, True))
         for _ in range(5):
             g()
@@ -76,7 +76,7 @@ def kernel_profile() -> dict:
         print(f"profile MXTRAIN_QDUAL={ov}: wall {span:.0f} us/call, kernel sum {tot:.0f} us/call", flush=True)
         for k, (n, t) in sorted(res[ov]["kernels"].items(), key=lambda kv: -kv[1][1]):
             print(f"   {t:8.1f} us  x{n}  {k}", flush=True)
-    kq.DUAL = "auto"
+    settings.configure(dual="auto")
     return res
 
 

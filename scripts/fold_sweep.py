@@ -1,5 +1,5 @@
 """GPU: the H16 quantize passes with the rotation's 1/4 folded into the block scales (``MXTRAIN_QFOLD``,
-``kq.FOLD_POW2``) against the multiply per element, interleaved and repeated in one run; every folded
+the ``qfold`` setting) against the multiply per element, interleaved and repeated in one run; every folded
 output checked bit-identical to the unfolded one. Then block rows x warps of the cols kernel for the Wgrad
 operands (activations and weights along columns), timed the same way.
 
@@ -11,6 +11,7 @@ import sys
 import torch
 
 from mxtrain.bench import _bench, warm_gpu
+from mxtrain import settings
 from mxtrain.kernels import quantize as kq
 
 reps = int(sys.argv[2]) if len(sys.argv) > 2 else 2
@@ -49,18 +50,18 @@ def bytes_moved(t, o):
 res = []
 for name, src, f in cases:
     t = {"x": x, "xb": xb, "w": w}[src]
-    kq.FOLD_POW2 = False
+    settings.configure(qfold=False)
     ref = outs(f())
     nbytes = bytes_moved(t, f())
     for rep in range(reps):
         for fold in (False, True):
-            kq.FOLD_POW2 = fold
+            settings.configure(qfold=fold)
             ok = same(outs(f()), ref)
             us = _bench(f) * 1e3
             pct = 100 * nbytes / us / (2 * t.numel() * t.element_size() / copies[src])   # copy: 2 x bf16 bytes
             res.append(dict(case=name, fold=fold, repeat=rep, us=us, pct_copy=pct, identical=ok))
             print(f"{name:38s} fold={fold!s:5s} {us:7.1f} us {pct:5.1f} % of copy identical={ok}", flush=True)
-kq.FOLD_POW2 = True
+settings.configure(qfold=True)
 # cols kernel configurations (block rows, warps), with the fold
 cfgs = [(64, 4), (32, 2), (64, 2), (32, 1), (128, 8), (128, 4)]
 for name, src, f in cases:

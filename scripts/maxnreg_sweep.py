@@ -11,6 +11,8 @@ import sys
 import torch
 
 from mxtrain.bench import _bench, warm_gpu
+from mxtrain import settings
+from mxtrain.kernels import CACHES
 from mxtrain.kernels import quantize as kq
 
 caps = [None if c == "none" else int(c) for c in (sys.argv[2] if len(sys.argv) > 2 else "none,128,96,80,64,48").split(",")]
@@ -31,16 +33,16 @@ cases = [
     ("dual H16", ("dual",), lambda: kq.quantize_mxfp4_dual(x, dict(rot=16), dict(rot=16), _check=False)),
     ("dual no rotation", ("dual",), lambda: kq.quantize_mxfp4_dual(x, dict(), dict(), _check=False)),
 ]
-kq.DUAL = "on"
-saved = {k: dict(v) for k, v in kq.LAUNCH_OPTS.items()}
+settings.configure(dual="on")
+saved = settings.current().qmaxnreg, kq.CAPPED_KERNELS
 
 
 def with_cap(kerns, cap):
-    kq.LAUNCH_OPTS.clear()
-    for k in kerns:
-        kq.LAUNCH_OPTS[k] = {} if cap is None else {"maxnreg": cap}
-    kq._PLANS.clear()
-    kq._DUAL_PLANS.clear()
+    """The register cap ``cap`` (None: uncapped) on the kernels ``kerns`` only (the plain "blocks" kernel
+    included, which the library never caps)."""
+    kq.CAPPED_KERNELS = tuple(kerns)
+    settings.configure(qmaxnreg=cap or 0)
+    CACHES.clear_plans()   # plans key on the setting, not on CAPPED_KERNELS
 
 
 def outs(r):
@@ -65,7 +67,7 @@ for name, kerns, f in cases:
             base = base or us
             out.append(dict(case=name, maxnreg=cap, repeat=rep, us=us, same=same, vs_first=base / us))
             print(f"{name:30s} maxnreg={cap!s:5s} {us:7.1f} us  {base / us:5.2f}x  identical={same}", flush=True)
-kq.LAUNCH_OPTS.clear()
-kq.LAUNCH_OPTS.update(saved)
+settings.configure(qmaxnreg=saved[0])
+kq.CAPPED_KERNELS = saved[1]
 json.dump({"device": torch.cuda.get_device_name(), "copy_us": copy_us, "results": out}, open(sys.argv[1], "w"),
           indent=1)

@@ -11,6 +11,7 @@ import sys
 import torch
 
 from mxtrain.bench import _bench, warm_gpu
+from mxtrain import settings
 from mxtrain.kernels import quantize as kq
 
 reps = int(sys.argv[2]) if len(sys.argv) > 2 else 2
@@ -22,17 +23,14 @@ cases = [
     ("weight rows 128x128 H16", "blocks128", 1, [(128, 8), (128, 16)], [None, 96, 80, 64, 56]),
     ("weight cols 128x128 H16", "cols", 0, [(128, 8), (128, 4)], [None, 96, 80, 72, 64]),
 ]
-saved = {k: dict(v) for k, v in kq.LAUNCH_OPTS.items()}
+saved = settings.current().qmaxnreg
 
 
 def setting(key=None, cap=None):
-    """The library's launch options, with ``key``'s register cap set to ``cap`` (None: uncapped); no key:
-    the library's defaults."""
-    kq.LAUNCH_OPTS.clear()
-    kq.LAUNCH_OPTS.update({k: dict(v) for k, v in saved.items()})
-    if key is not None:
-        kq.LAUNCH_OPTS[key] = {} if cap is None else {"maxnreg": cap}
-    kq._PLANS.clear()   # launch plans do not key on these options
+    """The library's launch options, with the register cap set to ``cap`` (None: uncapped; each case runs
+    only the kernel ``key``); no key: the library's defaults. Launch plans key on the setting."""
+    assert key is None or key in kq.CAPPED_KERNELS, key
+    settings.configure(qmaxnreg=saved if key is None else (cap or 0))
 
 
 def outs(o):

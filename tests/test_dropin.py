@@ -6,6 +6,7 @@ The CUDA tests (run on a GPU) train in a plain loop with fused, foreach and for-
 manual in-place update, eager and compiled, on the fast path, against the reference path.
 """
 
+import contextlib
 import copy
 import warnings
 
@@ -18,6 +19,14 @@ from mxtrain import MXLinear, recipes
 from mxtrain.nn import MXLayer, mx_layers
 
 transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture
+def use():
+    """``use(**fields)``: ``mxtrain.settings.override(**fields)`` until the test ends."""
+    from mxtrain import settings
+    with contextlib.ExitStack() as stack:
+        yield lambda **fields: stack.enter_context(settings.override(**fields))
 
 
 def _hf(kind: str):
@@ -291,9 +300,8 @@ GPU_PRESETS = ["mxfp4-all", "mxfp4-all-dh16", "mxfp4-all-rht16", "mxfp4-all-sr",
 
 
 def _gpu_loop(recipe, update, fast_on, compile_mode=None, steps=30):
-    from mxtrain import fast
-    fast.ENABLED = fast_on
-    try:
+    from mxtrain import settings
+    with settings.override(fast=fast_on):
         torch.manual_seed(0)
         m = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256)).cuda()
         mxtrain.convert(m, recipe)
@@ -323,8 +331,6 @@ def _gpu_loop(recipe, update, fast_on, compile_mode=None, steps=30):
                 mxtrain.set_step(m, s + 1)
             losses.append(loss.item())
         return losses
-    finally:
-        fast.ENABLED = True
 
 
 @pytest.mark.cuda
@@ -355,14 +361,14 @@ def test_gpu_compiled_loop_equals_reference(recipe, mode):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
-def test_gpu_compile_before_any_eager_call(mode, monkeypatch):
+def test_gpu_compile_before_any_eager_call(mode):
     """A fresh process's first MX call is a compiled one: the fake implementation probes the GEMM paths on
     the device (outside the fake mode), nothing made during the CUDA graph tree's warm-up outlives it, and
     the compiled model trains."""
     from mxtrain import fast
-    from mxtrain.kernels import gemm as kg
-    monkeypatch.setattr(kg, "_PROBE", {})
-    monkeypatch.setattr(fast, "_COUNTERS", {})
+    from mxtrain.kernels import CACHES
+    CACHES.probes.clear()   # as in a new process: no GEMM probe, no inexact-block counter yet
+    fast.state.clear()
     torch._dynamo.reset()
     torch.manual_seed(0)
     # 200 wide: not a multiple of the GEMMs' padding, so the GEMM outputs are slices of padded ones
@@ -377,12 +383,12 @@ def test_gpu_compile_before_any_eager_call(mode, monkeypatch):
         y.float().square().mean().backward()
         opt.step()
         opt.zero_grad()
-    assert kg._PROBE and torch.isfinite(m[0].weight).all()
+    assert CACHES.probes and torch.isfinite(m[0].weight).all()
 
 
 @pytest.mark.parametrize("carrier", [False, True])
 @pytest.mark.parametrize("preset", ["mxfp4-all-dh16", "mxfp4-all-sr"])
-def test_split_ops_equal_reference_and_share_input_quantization(preset, carrier, monkeypatch):
+def test_split_ops_equal_reference_and_share_input_quantization(preset, carrier, monkeypatch, use):
     """The compiled fast path's two ops (``quantize_input``, then ``linear_q``; run here on CPU through
     Triton's interpreter and the dequantize GEMM) give the reference's outputs and gradients, and under
     torch.compile three layers reading one input quantize it once (common subexpression elimination).
@@ -397,7 +403,7 @@ def test_split_ops_equal_reference_and_share_input_quantization(preset, carrier,
     if carrier:
         from mxtrain.kernels import gemm as kg
         from mxtrain.kernels import quantize as kq
-        monkeypatch.setattr(fast, "_backend", lambda dev: "fp8_carrier")
+        use(gemm_backend="fp8_carrier")
         monkeypatch.setattr(kq, "SELF_CHECK_DEVICES", ())
         real_gemm = kg.mx_gemm_nt
         monkeypatch.setattr(kg, "mx_gemm_nt", lambda a, b, backend, *r: real_gemm(a, b, "dequant", *r))

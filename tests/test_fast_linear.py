@@ -6,6 +6,7 @@ On a GPU (``cuda`` tests) the sm_90 FP8-carrier GEMMs give bf16 outputs: agreeme
 output rounding.
 """
 
+import contextlib
 import os
 
 import pytest
@@ -17,7 +18,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from mxtrain import MXLinear, recipes  # noqa: E402
-from mxtrain import fast  # noqa: E402
+from mxtrain import fast, settings  # noqa: E402
 from mxtrain.kernels import kernels_available  # noqa: E402
 from mxtrain.nn import _Ctx, _MXLinearFunction  # noqa: E402
 
@@ -25,6 +26,13 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(not kernels_available(DEV), reason="Triton kernels unavailable")
 
 FAST_PRESETS = [n for n in recipes.names() if fast.supported(recipes.get(n))]
+
+
+@pytest.fixture
+def use():
+    """``use(**fields)``: ``settings.override(**fields)`` until the test ends."""
+    with contextlib.ExitStack() as stack:
+        yield lambda **fields: stack.enter_context(settings.override(**fields))
 
 
 def test_supported_presets():
@@ -61,13 +69,13 @@ def test_fast_equals_reference_cpu(preset):
 
 @pytest.mark.parametrize("backend", ["dot_scaled", "native_mx", "dequant"])
 @pytest.mark.parametrize("preset", ["mxfp4-all-dh16", "tseng"])
-def test_packed_fp4_backends_equal_reference(backend, preset, monkeypatch):
+def test_packed_fp4_backends_equal_reference(backend, preset, use):
     """The GEMM paths of FP4-native GPUs (packed codes + E8M0 scales: the Triton dot_scaled kernel,
     whose CPU twin decodes in registers; native_mx, which takes the first exact one of cuBLAS MX
     ``_scaled_mm``, dot_scaled and dequantize on the device; dequantize + bf16/fp32 GEMM) multiply the reference's
     operands: outputs and gradients equal the reference MXLinear's (fp32 rounding on CPU; on a GPU,
     where Hopper emulates dot_scaled, within bf16 output rounding)."""
-    monkeypatch.setenv("MXTRAIN_GEMM_BACKEND", backend)
+    use(gemm_backend=backend)
     rec = recipes.get(preset)
     M, K, N = (33, 72, 40) if DEV == "cpu" else (1024, 1024 + 64, 768)
     dt = torch.float32 if DEV == "cpu" else torch.bfloat16
@@ -191,6 +199,10 @@ def test_env_switch_disables_the_fast_path():
         env = dict(__import__("os").environ, MXTRAIN_FAST=value)
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
         assert out.stdout.strip() == expect
+    # a value it cannot take stops the import, naming the variable, the value and the allowed values
+    env = dict(__import__("os").environ, MXTRAIN_FAST="maybe")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode != 0 and "SettingsError: MXTRAIN_FAST='maybe' is not a valid value: use one of 1, true" in out.stderr
 
 
 @pytest.mark.cuda
@@ -282,12 +294,13 @@ def test_cuda_graph_replays_per_step_signs_like_eager():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("one_pass", [False, True])
-def test_cuda_graph_replays_stochastic_rounding_like_eager(one_pass, monkeypatch):
+def test_cuda_graph_replays_stochastic_rounding_like_eager(one_pass, use):
     """A layer with stochastic rounding on dY, captured once: with its state at (step, call), each replay
     draws what an eager layer (same weight and layer id, not captured) draws at that step and call, and
     different steps draw different bits; each replay advances the call counter as an eager call does.
-    ``one_pass``: dY's two operands from the dual kernel (normally only for large tensors)."""
-    monkeypatch.setattr(fast, "DUAL_MIN_ELEMENTS", 0 if one_pass else 1 << 62)
+    ``one_pass``: dY's two operands from the dual kernel where the ``dual`` policy (default ``auto``) takes
+    them, else always two passes."""
+    use(dual="auto" if one_pass else "off")
     lin, ref, graphed, x, xr, dy = _captured_and_eager("mxfp4-all-sr")
     grads = []
     for step, micro in ((0, 0), (0, 1), (5, 0), (0, 0)):
@@ -309,16 +322,14 @@ def test_cuda_graph_replays_stochastic_rounding_like_eager(one_pass, monkeypatch
 
 
 @pytest.mark.parametrize("preset", FAST_PRESETS)
-def test_dual_operand_passes_equal_reference(preset, monkeypatch):
+def test_dual_operand_passes_equal_reference(preset, monkeypatch, use):
     """With the FP8-carrier backend, X's Fprop and Wgrad operands are made in the forward, from one pass
     (the backward keeps the Wgrad carrier, not X), and dY's Dgrad and Wgrad operands from one pass in the
     backward: outputs and gradients still equal the reference MXLinear's. The carrier GEMM runs as
     float math on the carrier values here (any device), so this checks the operands and their routing."""
     from mxtrain.kernels import gemm as kg
     from mxtrain.kernels import quantize as kq
-    monkeypatch.setattr(fast, "DUAL_MIN_ELEMENTS", 0)
-    monkeypatch.setattr(kq, "DUAL", "on")   # one pass with rotations too
-    monkeypatch.setattr(fast, "_backend", lambda dev: "fp8_carrier")
+    use(dual="on", gemm_backend="fp8_carrier")   # one pass with rotations too
     monkeypatch.setattr(kq, "SELF_CHECK_DEVICES", ())
     real_gemm = kg.mx_gemm_nt
     monkeypatch.setattr(kg, "mx_gemm_nt", lambda a, b, backend, *r: real_gemm(a, b, "dequant", *r))
@@ -343,12 +354,12 @@ def test_dual_operand_passes_equal_reference(preset, monkeypatch):
     assert calls or preset in ("bf16", "tseng", "mxfp4-fprop", "mxfp4-fprop-dgrad")   # tseng: H64
 
 
-def test_no_wgrad_operand_under_no_grad(monkeypatch):
+def test_no_wgrad_operand_under_no_grad(monkeypatch, use):
     """Under torch.no_grad (evaluation) no backward follows: the forward makes only the Fprop operands,
     not X's Wgrad operand (autograd still reports the weight as needing a gradient there)."""
     from mxtrain.kernels import gemm as kg
     from mxtrain.kernels import quantize as kq
-    monkeypatch.setattr(fast, "_backend", lambda dev: "fp8_carrier")
+    use(gemm_backend="fp8_carrier")
     monkeypatch.setattr(kq, "SELF_CHECK_DEVICES", ())
     real_gemm = kg.mx_gemm_nt
     monkeypatch.setattr(kg, "mx_gemm_nt", lambda a, b, backend, *r: real_gemm(a, b, "dequant", *r))
@@ -367,14 +378,13 @@ def test_no_wgrad_operand_under_no_grad(monkeypatch):
 
 
 @pytest.mark.parametrize("preset", ["mxfp4-all-dh16", "mxfp4-all-sr"])
-def test_wgrad_operand_made_in_forward_without_dual_pass(preset, monkeypatch):
+def test_wgrad_operand_made_in_forward_without_dual_pass(preset, monkeypatch, use):
     """With one-pass quantization off, the forward still makes X's Wgrad operand (two passes) and the
     backward keeps it instead of X: outputs and gradients equal the reference MXLinear's, and the
     autograd node saved no copy of X, only X's Wgrad operand as FP4 codes."""
     from mxtrain.kernels import gemm as kg
     from mxtrain.kernels import quantize as kq
-    monkeypatch.setattr(kq, "DUAL", False)
-    monkeypatch.setattr(fast, "_backend", lambda dev: "fp8_carrier")
+    use(dual="off", gemm_backend="fp8_carrier")
     monkeypatch.setattr(kq, "SELF_CHECK_DEVICES", ())
     real_gemm = kg.mx_gemm_nt
     monkeypatch.setattr(kg, "mx_gemm_nt", lambda a, b, backend, *r: real_gemm(a, b, "dequant", *r))

@@ -5,6 +5,7 @@ imported); on a CUDA machine the same tests run the compiled kernels on the GPU,
 marked ``cuda`` add large shapes and the FP8-carrier GEMM.
 """
 
+import contextlib
 import os
 
 import pytest
@@ -18,9 +19,9 @@ tl = triton.language
 
 import torch.nn.functional as F  # noqa: E402
 
-from mxtrain import rng  # noqa: E402
+from mxtrain import rng, settings  # noqa: E402
 from mxtrain.hadamard import hadamard, rotation_signs  # noqa: E402
-from mxtrain.kernels import kernels_available  # noqa: E402
+from mxtrain.kernels import CACHES, kernels_available  # noqa: E402
 from mxtrain.kernels import quantize as kq  # noqa: E402
 from mxtrain.quant import SCALE_RULES, quantize as ref_quantize  # noqa: E402
 
@@ -31,12 +32,28 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 @pytest.fixture(params=["blocks", "tile", "cols"])
-def kern(request, monkeypatch):
+def kern(request):
     """Run a test with each quantize kernel forced (the blocks and cols kernels cover rotations up to
     32; wider ones always run the tile kernel; "cols" runs where the output rows are the input's
     contiguous axis, along columns of a row-major tensor, and "blocks" elsewhere)."""
-    monkeypatch.setattr(kq, "KERNEL", request.param)
-    return request.param
+    with settings.override(qkernel=request.param):
+        yield request.param
+
+
+@pytest.fixture
+def use():
+    """``use(**fields)``: ``settings.override(**fields)`` until the test ends."""
+    with contextlib.ExitStack() as stack:
+        yield lambda **fields: stack.enter_context(settings.override(**fields))
+
+
+@pytest.fixture
+def fresh_caches():
+    """The kernels' caches (``mxtrain.kernels.CACHES``) empty for the test, and emptied after it (plans made
+    from interpreted kernels, self-check results marked bad, do not outlive it)."""
+    CACHES.clear()
+    yield CACHES
+    CACHES.clear()
 
 
 def _data(M, K, seed=0, dtype=torch.float32):
@@ -133,11 +150,11 @@ def test_nan_inf_zero_blocks(kern):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("k", ["blocks", "cols"])
-def test_folded_rotation_scale_is_bit_exact(dtype, k, monkeypatch):
+def test_folded_rotation_scale_is_bit_exact(dtype, k, use):
     """H16 on bf16/fp16 inputs: the blocks and cols kernels fold 1/sqrt(rot) into the block scales
     (``_fold_applies``). Still the reference's bytes where it could differ: subnormal inputs and sums,
     the largest finite values, and small integers whose rotated values fall on E2M1 rounding ties."""
-    monkeypatch.setattr(kq, "KERNEL", k)
+    use(qkernel=k)
     rot = 16
     assert kq._fold_applies(dtype, rot, 1.0) and not kq._fold_applies(torch.float32, rot, 1.0)
     g = torch.Generator().manual_seed(rot)
@@ -292,12 +309,11 @@ def _same_quant(a, b):
     dict(axis=1, carrier=False, fp4=True, rounding="stochastic", prescale=0.75),
     dict(axis=0, carrier=True, fp4=True, rounding="stochastic", rot=32, k_multiple=512),
 ], ids=["rows", "cols-h16-128x128", "fp4-sr", "cols-sr-h32"])
-def test_launch_plans_replay_every_argument(cfg, kern, monkeypatch):
+def test_launch_plans_replay_every_argument(cfg, kern, monkeypatch, fresh_caches):
     """A configuration seen before is launched through its compiled kernel directly (``_Plan``); the
     arguments it assembles give the same bytes as the generic launch, for new data and new seeds,
     and a misaligned view gets a plan of its own (Triton specializes on 16-byte alignment)."""
-    monkeypatch.setattr(kq, "_use_plans", lambda x: True)
-    monkeypatch.setattr(kq, "_PLANS", {})
+    monkeypatch.setattr(kq, "_use_plans", lambda x: settings.current().fast_launch)   # on the interpreter too
     if kq._INTERPRET or DEV == "cpu":
         make = kq._Plan.make
         monkeypatch.setattr(kq._Plan, "make", staticmethod(
@@ -314,9 +330,8 @@ def test_launch_plans_replay_every_argument(cfg, kern, monkeypatch):
     for i, x in enumerate([_data(37, 130, seed=20), _data(37, 130, seed=22), big[1:].view(37, 130)]):
         kw = dict(cfg, key=rng.stream_key(i + 5))
         got = kq.quantize_mxfp4_2d(x, axis, **kw)
-        monkeypatch.setattr(kq, "_use_plans", lambda x: False)
-        want = kq.quantize_mxfp4_2d(x, axis, **kw)
-        monkeypatch.setattr(kq, "_use_plans", lambda x: True)
+        with settings.override(fast_launch=False):
+            want = kq.quantize_mxfp4_2d(x, axis, **kw)
         _same_quant(got, want)
         ref = _ref(x, axis, rounding=cfg.get("rounding", "nearest"), seed=i + 5, rot=rot, signs=cfg.get("signs"),
                    prescale=cfg.get("prescale", 1.0))
@@ -324,7 +339,7 @@ def test_launch_plans_replay_every_argument(cfg, kern, monkeypatch):
             assert torch.equal(got.packed, ref.data.view(torch.uint8)) and torch.equal(got.scales, ref.scales)
     # the first array made the plan, the second ran it, the misaligned third made a second one (on a
     # GPU the once-per-variant self-check quantizes arrays of its own, with plans of their own)
-    mine = [p for k, p in kq._PLANS.items() if k[2] == (37, 130)]
+    mine = [p for k, p in fresh_caches.plans.items() if k[2] == (37, 130)]
     assert calls.count((37, 130)) == 1 and len(mine) == 2 and all(p is not None for p in mine)
 
 
@@ -344,16 +359,16 @@ def test_key_from_device_memory_equals_scalar_key(axis, kern):
     assert not torch.equal(a.packed, b.packed)
 
 
-def test_self_check_and_fallback(monkeypatch):
+def test_self_check_and_fallback(monkeypatch, fresh_caches):
     """The once-per-configuration self-check passes, and a configuration marked bad is served by the
     torch fallback with identical results (the GPU safety net, exercised here on any device)."""
     monkeypatch.setattr(kq, "SELF_CHECK_DEVICES", (torch.device(DEV).type,))
-    monkeypatch.setattr(kq, "_VERIFIED", {})
     x = _data(33, 200, seed=17, dtype=torch.bfloat16)
     good = kq.quantize_mxfp4_2d(x, 0, rot=16, carrier=True, fp4=False, k_multiple=512)
-    assert kq._VERIFIED and all(kq._VERIFIED.values())
-    for k in list(kq._VERIFIED):
-        kq._VERIFIED[k] = False
+    verified = fresh_caches.verified
+    assert verified and all(verified.values())
+    for k in list(verified):
+        verified[k] = False
     fb = kq.quantize_mxfp4_2d(x, 0, rot=16, carrier=True, fp4=False, k_multiple=512)
     assert fb.packed is None
     assert torch.equal(fb.carrier.view(torch.uint8), good.carrier.view(torch.uint8))
@@ -367,10 +382,9 @@ def test_self_check_and_fallback(monkeypatch):
     dict(axis=1, rot=32, has_signs=True, scale_rule="ceil", sr=True, prescale=1.0, group_rows=128, fp4=False),
 ])
 @pytest.mark.parametrize("rows_contiguous", [False, True])
-def test_self_check_accepts_correct_variants(variant, rows_contiguous, monkeypatch):
+def test_self_check_accepts_correct_variants(variant, rows_contiguous, fresh_caches):
     """The self-check passes for correct variants of each kernel; the variant is read from ``x``'s
     layout (a row-major tensor along columns, or its transpose along rows, runs the cols kernel)."""
-    monkeypatch.setattr(kq, "_VERIFIED", {})
     x = torch.zeros(2, 3, device=DEV)
     if rows_contiguous != (variant["axis"] == 0):
         x = x.t()
@@ -380,7 +394,7 @@ def test_self_check_accepts_correct_variants(variant, rows_contiguous, monkeypat
     assert kq._config_ok(x, variant["axis"], variant["rot"], variant["has_signs"], variant["scale_rule"],
                          variant["sr"], variant["prescale"], variant["group_rows"], br, nw, 512, variant["fp4"],
                          4096, 1000)
-    assert len(kq._VERIFIED) == 1 and next(iter(kq._VERIFIED))[-3] == kern   # (..., kernel, JOIN_STORE, FOLD_POW2)
+    assert len(fresh_caches.verified) == 1 and next(iter(fresh_caches.verified))[-3] == kern   # (..., kernel, qjoin, qfold)
 
 
 @pytest.mark.parametrize("variant", [
@@ -475,12 +489,12 @@ def test_carrier_gemm_gpu():
     dict(axis=1, rot=8, group_rows=1, sr=True),
 ])
 @pytest.mark.parametrize("join", [True, False])
-def test_block_and_tile_kernels_agree(case, join, monkeypatch):
+def test_block_and_tile_kernels_agree(case, join, use):
     """The three quantize kernels ("blocks": whole MX blocks per thread, rotations up to 32; "tile":
     any rotation; "cols": inputs whose output rows are the contiguous axis) write the same bytes for
     every output, padding included, whichever way the input is laid out; the blocks kernel with joined
     32-byte stores (the default) and with the pieces' own stores alike."""
-    monkeypatch.setattr(kq, "JOIN_STORE", join)
+    use(qjoin=join)
     rot = case["rot"]
     x = _data(45, 166, seed=rot + case["axis"], dtype=torch.bfloat16)
     xt = x.t().contiguous().t()          # the same values, the other memory layout
@@ -491,13 +505,13 @@ def test_block_and_tile_kernels_agree(case, join, monkeypatch):
     outs = {}
     # the store variant only matters to the blocks kernel: without joined stores, compare it alone
     for kern in ("blocks", "tile", "cols") if join else ("blocks", "tile"):
-        monkeypatch.setattr(kq, "KERNEL", kern)
-        for name, t in (("", x), ("T", xt)) if join else (("", x),):
-            rows_contig = (t.stride(1) if case["axis"] == 0 else t.stride(0)) == 1
-            got = kq.kernel_for(case["axis"], rot, True, rows_contig)
-            assert got == (kern if kern != "cols" or rows_contig else "blocks")
-            if got + name not in outs:
-                outs[got + name] = kq.quantize_mxfp4_2d(t, case["axis"], **kw)
+        with settings.override(qkernel=kern):
+            for name, t in (("", x), ("T", xt)) if join else (("", x),):
+                rows_contig = (t.stride(1) if case["axis"] == 0 else t.stride(0)) == 1
+                got = kq.kernel_for(case["axis"], rot, True, rows_contig)
+                assert got == (kern if kern != "cols" or rows_contig else "blocks")
+                if got + name not in outs:
+                    outs[got + name] = kq.quantize_mxfp4_2d(t, case["axis"], **kw)
     assert not join or "cols" in outs or "colsT" in outs
     ref = outs["tile"]
     for k, a in outs.items():
@@ -576,13 +590,13 @@ def _same_carrier(p, q):
 
 
 @pytest.mark.parametrize("case", range(len(DUAL_CASES)))
-def test_dual_equals_two_passes(case, monkeypatch):
+def test_dual_equals_two_passes(case, monkeypatch, use):
     """One pass writing both FP8-carrier operands (rows along K with the blocks tile, columns along M
     with the cols tile) gives exactly the two single passes' outputs: bytes, group scales, padding and
     the inexact count, for odd sizes, rotations with and without signs, stochastic rounding, prescale,
     every scale rule and both group shapes of B."""
     monkeypatch.setattr(kq, "SELF_CHECK_DEVICES", ())   # the kernel itself, not its GPU safety net
-    monkeypatch.setattr(kq, "DUAL", "on")               # with rotations too
+    use(dual="on")                                      # with rotations too
     M, K, dt, a, b, k_multiple = DUAL_CASES[case]
     x = _data(M, K, seed=40 + case, dtype=dt)
     x[:3, 32:64] *= 2.0**-20            # inexact carrier blocks along rows
@@ -597,14 +611,13 @@ def test_dual_equals_two_passes(case, monkeypatch):
     assert int(got[0].inexact.item()) == n and n > 0
 
 
-def test_dual_launch_plans_replay_every_argument(monkeypatch):
+def test_dual_launch_plans_replay_every_argument(monkeypatch, use, fresh_caches):
     """A dual-kernel configuration seen before is launched through its compiled kernel (``_DualPlan``):
     the same bytes as the generic launch for new data, new keys and new sign vectors, and a misaligned
     view gets a plan of its own."""
     monkeypatch.setattr(kq, "SELF_CHECK_DEVICES", ())
-    monkeypatch.setattr(kq, "DUAL", "on")
-    monkeypatch.setattr(kq, "_use_plans", lambda x: True)
-    monkeypatch.setattr(kq, "_DUAL_PLANS", {})
+    use(dual="on")
+    monkeypatch.setattr(kq, "_use_plans", lambda x: settings.current().fast_launch)   # on the interpreter too
     if kq._INTERPRET or DEV == "cpu":
         make = kq._DualPlan.make
         monkeypatch.setattr(kq._DualPlan, "make", staticmethod(
@@ -619,13 +632,12 @@ def test_dual_launch_plans_replay_every_argument(monkeypatch):
                  key=rng.stream_key(i + 7))
         b = dict(group_rows=128, scale_rule="rceil", prescale=0.75)
         got = kq.quantize_mxfp4_dual(x, a, b)
-        monkeypatch.setattr(kq, "_use_plans", lambda x: False)
-        want = kq.quantize_mxfp4_dual(x, a, b)
-        monkeypatch.setattr(kq, "_use_plans", lambda x: True)
+        with settings.override(fast_launch=False):
+            want = kq.quantize_mxfp4_dual(x, a, b)
         for p, q in zip(got, want):
             _same_carrier(p, q)
             assert int(p.inexact.item()) == int(q.inexact.item())
-    assert calls == [(48, 160)] and len(kq._DUAL_PLANS) == 2 and all(kq._DUAL_PLANS.values())
+    assert calls == [(48, 160)] and len(fresh_caches.dual_plans) == 2 and all(fresh_caches.dual_plans.values())
 
 
 def test_dual_matches_the_reference_quantizer():
@@ -640,11 +652,11 @@ def test_dual_matches_the_reference_quantizer():
         assert torch.equal(kq.carrier_values(q)[: deq.shape[0], : deq.shape[1]], deq)
 
 
-def test_dual_key_from_device_memory_and_64bit_offsets(monkeypatch):
+def test_dual_key_from_device_memory_and_64bit_offsets(monkeypatch, use):
     """Keys read from device memory (CUDA-graph replays) and the 64-bit offset variant give the same
     outputs as scalar keys and 32-bit offsets."""
     monkeypatch.setattr(kq, "SELF_CHECK_DEVICES", ())
-    monkeypatch.setattr(kq, "DUAL", "on")
+    use(dual="on")
     x = _data(64, 160, seed=51)
     k1, k2 = rng.stream_key(1), rng.stream_key(2)
     a = dict(rounding="stochastic", key=k1, rot=16)
@@ -660,11 +672,11 @@ def test_dual_key_from_device_memory_and_64bit_offsets(monkeypatch):
         _same_carrier(p, q)
 
 
-def test_dual_falls_back_to_two_passes(monkeypatch):
-    """Where one pass does not apply (a column-major input, a rotation wider than 32, MXTRAIN_QDUAL=0)
-    the two single passes run, with the same results."""
+def test_dual_falls_back_to_two_passes(monkeypatch, use):
+    """Where one pass does not apply (a column-major input, a rotation wider than 32, the ``dual`` setting
+    off) the two single passes run, with the same results."""
     monkeypatch.setattr(kq, "SELF_CHECK_DEVICES", ())
-    monkeypatch.setattr(kq, "DUAL", "on")
+    use(dual="on")
     x = _data(96, 160, seed=52)
 
     def no_dual(*a, **k):
@@ -675,25 +687,24 @@ def test_dual_falls_back_to_two_passes(monkeypatch):
         assert not kq.dual_applies(xx, a.get("rot", 0), b.get("rot", 0))
         for p, q in zip(kq.quantize_mxfp4_dual(xx, a, b), _dual_expect(xx, a, b, 128)):
             _same_carrier(p, q)
-    monkeypatch.setattr(kq, "DUAL", "auto")   # the default: one pass only without rotations and SR
-    assert kq.dual_applies(x, 0, 0) and not kq.dual_applies(x, 16, 0) and not kq.dual_applies(x, 0, 16)
-    assert not kq.dual_applies(x, 0, 0, sr=True)
-    monkeypatch.setattr(kq, "DUAL", False)
-    assert not kq.dual_applies(x, 0, 0)
+    with settings.override(dual="auto"):   # the default: one pass only without rotations and SR
+        assert kq.dual_applies(x, 0, 0) and not kq.dual_applies(x, 16, 0) and not kq.dual_applies(x, 0, 16)
+        assert not kq.dual_applies(x, 0, 0, sr=True)
+    with settings.override(dual="off"):
+        assert not kq.dual_applies(x, 0, 0)
     with pytest.raises(TypeError, match="unknown option"):
         kq.quantize_mxfp4_dual(x, dict(rotation=16), dict())
 
 
-def test_dual_self_check(monkeypatch):
+def test_dual_self_check(monkeypatch, use, fresh_caches):
     """The once-per-variant self-check (GPU safety net, run here on any device) accepts the dual pass,
     and a variant whose output differs from the two single passes is reported and replaced by them."""
     monkeypatch.setattr(kq, "SELF_CHECK_DEVICES", (torch.device(DEV).type,))
-    monkeypatch.setattr(kq, "_DUAL_VERIFIED", {})
-    monkeypatch.setattr(kq, "DUAL", "on")
+    use(dual="on")
     x = _data(64, 160, seed=53, dtype=torch.bfloat16)
     a, b = dict(rot=16), dict(rot=16, group_rows=128)
     good = kq.quantize_mxfp4_dual(x, a, b)
-    assert list(kq._DUAL_VERIFIED.values()) == [True]
+    assert list(fresh_caches.dual_verified.values()) == [True]
     real = kq._mxfp4_dual_kernel
 
     class Broken:   # the dual kernel, then one byte of output A changed
@@ -703,22 +714,22 @@ def test_dual_self_check(monkeypatch):
                 args[3].view(-1)[5] ^= 1
             return run
     monkeypatch.setattr(kq, "_mxfp4_dual_kernel", Broken())
-    monkeypatch.setattr(kq, "_DUAL_VERIFIED", {})
-    monkeypatch.setattr(kq, "_DUAL_PLANS", {})   # (GPU) no launch of the real kernel through a plan
+    fresh_caches.dual_verified.clear()
+    fresh_caches.clear_plans()   # (GPU) no launch of the real kernel through a plan
     with pytest.warns(RuntimeWarning, match="dual quantize variant"):
         fb = kq.quantize_mxfp4_dual(x, a, b)
-    assert list(kq._DUAL_VERIFIED.values()) == [False]
+    assert list(fresh_caches.dual_verified.values()) == [False]
     for p, q in zip(fb, good):
         _same_carrier(p, q)
 
 
 @pytest.mark.parametrize("cfg", [dict(sequential=True), dict(sequential=True, block_rows=(16, 128), num_warps=4),
                                  dict(sequential=False, block_rows=(64, 64), num_warps=2)])
-def test_dual_kernel_configurations(cfg, monkeypatch):
+def test_dual_kernel_configurations(cfg, monkeypatch, use):
     """Every program layout of the dual kernel (one program per tile, or per 128x128 block running its
     A then its B tiles) and block sizes give the two passes' outputs."""
     monkeypatch.setattr(kq, "SELF_CHECK_DEVICES", ())
-    monkeypatch.setattr(kq, "DUAL", "on")
+    use(dual="on")
     x = _data(130, 300, seed=54)
     a, b = dict(rot=16, signs=_signs(16, 4)), dict(rot=8, rounding="stochastic", key=rng.stream_key(8))
     for p, q in zip(kq.quantize_mxfp4_dual(x, a, b, **cfg), _dual_expect(x, a, b, 128)):

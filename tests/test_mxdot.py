@@ -212,12 +212,16 @@ def test_native_variant_compiles_to_fp4_matrix_instructions():
 def test_backend_routes_by_vendor_and_capability(hip, cap, native, want, monkeypatch):
     import mxtrain.kernels as K
     import mxtrain.kernels.mxdot as mxd
-    monkeypatch.delenv("MXTRAIN_GEMM_BACKEND", raising=False)
+    from mxtrain import settings
     monkeypatch.setattr(K, "capability", lambda d: cap)
-    monkeypatch.setattr(K, "_NATIVE", {})
     monkeypatch.setattr(torch.version, "hip", hip)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(mxd, "supports_native", lambda d: native)
-    assert K.backend("cuda:0") == want
-    monkeypatch.setenv("MXTRAIN_GEMM_BACKEND", "dequant")
-    assert K.backend("cuda:0") == "dequant"
+    K.CACHES.native.clear()
+    try:
+        with settings.override(gemm_backend="auto"):
+            assert K.backend("cuda:0") == want
+        with settings.override(gemm_backend="dequant"):
+            assert K.backend("cuda:0") == "dequant"
+    finally:
+        K.CACHES.native.clear()   # what the fake supports_native said must not outlive the test

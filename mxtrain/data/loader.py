@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ..errors import UserError
+from . import checked
 from .prepare import DTYPES, FORMAT, UINT16_VOCAB
 
 
@@ -37,9 +38,14 @@ class TokenData:
 
     Checked on open, so a damaged or crafted folder is one clear error instead of wrong training: meta.json is
     a JSON object with the fields and types prepare writes; shard and tokenizer names are plain file names in
-    the folder (nothing outside it is read); the dtype is one prepare writes (uint16 only for a vocab of at most
-    65,536); each shard has exactly the bytes its token count in meta.json says, and every id is below
-    ``vocab_size`` (the maximum of each shard, read once here).
+    the folder, and a shard (or the tokenizer) that is a symbolic link must point inside the folder (nothing
+    outside it is read); the dtype is one prepare writes (uint16 only for a vocab of at most 65,536); each shard
+    has exactly the bytes its token count in meta.json says; and every id is below ``vocab_size``.
+
+    The ids are read once per shard file, not on every open: the largest id of a checked shard is kept in the
+    user's cache with the file's identity (``mxtrain.data.checked``; prepare records the shards it writes), and
+    a shard is read again when it changed. The loader also checks the ids of every batch it returns, so an id
+    outside the vocabulary never reaches the model, even from a shard changed after it was opened.
     """
 
     def __init__(self, folder: str | Path):
@@ -60,11 +66,30 @@ class TokenData:
         self.dtype = np.dtype(self.meta["dtype"])
         self.vocab_size = int(self.meta["vocab_size"])
         self.eot_id = int(self.meta["eot_id"])
-        self.train = [self._map(s) for s in self.meta["train"]]
-        self.val = [self._map(s) for s in self.meta["val"]]
+        try:
+            self._real = self.folder.resolve()
+        except (OSError, RuntimeError) as e:
+            raise UserError(f"cannot resolve data folder {self.folder}: {e}") from None
+        _inside(self._real, self.folder / self.meta["tokenizer"], "the tokenizer")
+        seen: dict[tuple[int, int], str] = {}
+        for split in ("train", "val"):  # cheap checks of every shard first: one bad shard fails before any read
+            for sh in self.meta[split]:
+                self._check_shard(sh)
+                st = os.stat(self.folder / sh["file"])
+                other = seen.setdefault((st.st_dev, st.st_ino), sh["file"])
+                if other != sh["file"]:  # a link: the same tokens twice, or in both train and validation
+                    raise UserError(f"{self.folder / sh['file']}: shard is the same file as {other} (a link); "
+                                    f"{_AGAIN}")
+        self.train_files = [sh["file"] for sh in self.meta["train"]]
+        self.val_files = [sh["file"] for sh in self.meta["val"]]
+        record = checked.Record(self.folder, self.dtype.name)
+        self.train = [self._map(s, record) for s in self.meta["train"]]
+        self.val = [self._map(s, record) for s in self.meta["val"]]
+        record.save()
 
-    def _map(self, shard: dict) -> np.ndarray:
+    def _check_shard(self, shard: dict) -> None:
         p = self.folder / shard["file"]
+        _inside(self._real, p, "shard")
         want = int(shard["tokens"]) * self.dtype.itemsize
         try:
             size = p.stat().st_size if p.is_file() else None
@@ -76,11 +101,21 @@ class TokenData:
             what = "truncated" if size < want else "longer than meta.json says"
             raise UserError(f"{p}: shard is {what} ({size:,} bytes, expected {shard['tokens']:,} tokens = {want:,} "
                             f"bytes); {_AGAIN}")
-        if want == 0:
+
+    def _map(self, shard: dict, record: checked.Record) -> np.ndarray:
+        p = self.folder / shard["file"]
+        if int(shard["tokens"]) == 0:
             return np.zeros(0, dtype=self.dtype)
         arr = np.memmap(p, dtype=self.dtype, mode="r")
         if self.vocab_size < np.iinfo(self.dtype).max + 1:  # otherwise every value the dtype holds is an id
-            top = int(arr.max())
+            top = record.known_max(shard["file"])
+            if top is None:
+                try:
+                    top = _scan_ids(arr, self.vocab_size, p)
+                except UserError:
+                    record.save()  # the shards found good so far stay checked
+                    raise
+                record.add(shard["file"], top)
             if top >= self.vocab_size:
                 raise UserError(f"{p}: holds token id {top:,}, not below vocab_size {self.vocab_size:,} of meta.json "
                                 f"(a damaged shard or meta.json); {_AGAIN}")
@@ -88,6 +123,49 @@ class TokenData:
 
     def tokenizer_path(self) -> Path:
         return self.folder / self.meta["tokenizer"]
+
+    def tokenizer(self):
+        """The folder's tokenizer (``mxtrain.data.Tokenizer``), with the end-of-text token meta.json records
+        (``--eot-token`` may have named one that the tokenizer file alone does not identify)."""
+        from .tokenizer import load_tokenizer
+        _inside(self._real, self.tokenizer_path(), "the tokenizer")
+        tok = load_tokenizer(self.tokenizer_path(), eot_token=self.meta.get("eot_token"))
+        if tok.eot_id != self.eot_id:
+            raise UserError(f"{self.tokenizer_path()}: its end-of-text id {tok.eot_id} is not meta.json's eot_id "
+                            f"{self.eot_id} (a damaged or replaced tokenizer file); {_AGAIN}")
+        return tok
+
+
+SCAN_CHUNK = 1 << 24  # ids read per step when a shard is checked (bounded memory for the comparison)
+
+
+def _scan_ids(arr: np.ndarray, vocab_size: int, p: Path) -> int:
+    """The largest id of ``arr``, read in chunks; the first id not below ``vocab_size`` is an error that says
+    where it is."""
+    top = 0
+    for i in range(0, len(arr), SCAN_CHUNK):
+        chunk = np.asarray(arr[i:i + SCAN_CHUNK])
+        m = int(chunk.max())
+        if m >= vocab_size:
+            j = int(np.argmax(chunk >= vocab_size))
+            raise UserError(f"{p}: holds token id {int(chunk[j]):,}, not below vocab_size {vocab_size:,} of "
+                            f"meta.json, at token {i + j:,} (a damaged shard or meta.json); {_AGAIN}")
+        top = max(top, m)
+    return top
+
+
+def _inside(real_folder: Path, p: Path, what: str) -> None:
+    """Refuse a symbolic link ``p`` whose target lies outside the (resolved) folder."""
+    if not p.is_symlink():
+        return
+    try:
+        target = p.resolve()
+    except (OSError, RuntimeError) as e:
+        raise UserError(f"{p}: {what} is a symbolic link that cannot be resolved ({e}); {_AGAIN}") from None
+    if real_folder not in target.parents:
+        raise UserError(f"{p}: {what} is a symbolic link to {target}, outside the data folder; a prepared folder "
+                        f"must hold its own files: replace the link by a copy of the file if you trust it, or "
+                        f"{_AGAIN}")
 
 
 _AGAIN = "prepare the data again (mxtrain data prepare SOURCES --out NEW_FOLDER)"
@@ -110,7 +188,7 @@ def _check_meta(meta, meta_path: Path) -> None:
     types = {"dtype": (str, "a string"), "vocab_size": (int, "an integer"), "eot_id": (int, "an integer"),
              "tokenizer": (str, "a string"), "train": (list, "a list"), "val": (list, "a list"),
              "train_tokens": (int, "an integer"), "val_tokens": (int, "an integer"), "sources": (list, "a list"),
-             "tokenizer_vocab_size": (int, "an integer")}
+             "tokenizer_vocab_size": (int, "an integer"), "eot_token": (str, "a string")}
     for key, (t, name) in types.items():
         if key in meta and not (_is_int(meta[key]) if t is int else isinstance(meta[key], t)):
             bad(f"field {key!r} must be {name}, found {json.dumps(meta[key])[:40]}")
@@ -153,16 +231,34 @@ def _check_meta(meta, meta_path: Path) -> None:
 class _Windows:
     """Index of (shard, start) windows of length seq_len + 1."""
 
-    def __init__(self, shards: list[np.ndarray], seq_len: int):
+    def __init__(self, shards: list[np.ndarray], seq_len: int, names: list[str] | None = None):
         self.shards, self.seq_len = shards, seq_len
+        self.names = names or [f"shard {i}" for i in range(len(shards))]
         counts = [max(0, (len(s) - 1) // seq_len) for s in shards]
         self.offsets = np.cumsum([0] + counts)
         self.n = int(self.offsets[-1])
 
-    def get(self, i: int) -> np.ndarray:
+    def where(self, i: int) -> tuple[int, int]:
         s = int(np.searchsorted(self.offsets, i, side="right") - 1)
-        start = (i - int(self.offsets[s])) * self.seq_len
+        return s, (i - int(self.offsets[s])) * self.seq_len
+
+    def get(self, i: int) -> np.ndarray:
+        s, start = self.where(i)
         return self.shards[s][start:start + self.seq_len + 1]
+
+
+def _batch(data: "TokenData", w: _Windows, idx: list[int]) -> torch.Tensor:
+    """The windows ``idx`` stacked as int64, after checking that every id is below the vocabulary (a shard
+    changed on disk after it was opened is an error here, never an out-of-range embedding lookup)."""
+    rows = np.stack([w.get(i) for i in idx])
+    if data.vocab_size < np.iinfo(rows.dtype).max + 1 and rows.size and int(rows.max()) >= data.vocab_size:
+        r = int(np.argmax(rows.max(axis=1) >= data.vocab_size))
+        s, start = w.where(idx[r])
+        j = int(np.argmax(rows[r] >= data.vocab_size))
+        raise UserError(f"{data.folder / w.names[s]}: holds token id {int(rows[r, j]):,}, not below vocab_size "
+                        f"{data.vocab_size:,}, at token {start + j:,} (the shard changed after it was opened?); "
+                        f"{_AGAIN}")
+    return torch.from_numpy(rows.astype(np.int64))
 
 
 class Loader:
@@ -173,7 +269,7 @@ class Loader:
             raise ValueError(f"rank {rank} outside world size {world_size}")
         self.data, self.seq_len, self.micro_batch, self.seed = data, seq_len, micro_batch, seed
         self.rank, self.world_size = rank, world_size
-        self.windows = _Windows(data.train, seq_len)
+        self.windows = _Windows(data.train, seq_len, getattr(data, "train_files", None))
         if self.windows.n < micro_batch * world_size:
             raise UserError(f"training split has only {self.windows.n} windows of {seq_len + 1} tokens, fewer than one "
                             f"batch ({micro_batch * world_size}); use a smaller --seq-len/--batch-size or more data")
@@ -189,12 +285,12 @@ class Loader:
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         g = self.micro_batch * self.world_size
         idx = range(self.pos + self.rank * self.micro_batch, self.pos + (self.rank + 1) * self.micro_batch)
-        rows = []
+        wins = []
         for i in idx:
             epoch, j = divmod(i, self.windows.n)
-            rows.append(self.windows.get(int(self._order(epoch)[j])))
+            wins.append(int(self._order(epoch)[j]))
+        buf = _batch(self.data, self.windows, wins)
         self.pos += g
-        buf = torch.from_numpy(np.stack(rows).astype(np.int64))
         return buf[:, :-1], buf[:, 1:]
 
     @property
@@ -215,11 +311,11 @@ class Loader:
 def val_batches(data: TokenData, seq_len: int, batch: int, max_tokens: int, rank: int = 0, world_size: int = 1):
     """The fixed validation set: the first ``max_tokens // seq_len`` windows of the validation split, in order;
     rank ``r`` gets windows ``r, r + world_size, ...``. Yields (x, y) batches."""
-    w = _Windows(data.val, seq_len)
+    w = _Windows(data.val, seq_len, getattr(data, "val_files", None))
     n = min(w.n, max(1, max_tokens // seq_len))
     if w.n == 0:
         raise UserError(f"validation split has fewer than {seq_len + 1} tokens; use a smaller --seq-len")
     mine = list(range(rank, n, world_size))
     for i in range(0, len(mine), batch):
-        buf = torch.from_numpy(np.stack([w.get(j) for j in mine[i:i + batch]]).astype(np.int64))
+        buf = _batch(data, w, mine[i:i + batch])
         yield buf[:, :-1], buf[:, 1:]

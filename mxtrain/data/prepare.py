@@ -27,12 +27,14 @@ import re
 import shutil
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
 from ..errors import UserError
-from .sources import BUILTIN, check_sources, documents, expand_sources, kind_of, warn
-from .tokenizer import check_vocab_size, load_tokenizer, train_bpe
+from . import checked, hf
+from .sources import BUILTIN, check_sources, documents, expand_sources, kind_of, note, warn
+from .tokenizer import check_eot_token, check_vocab_size, load_tokenizer, train_bpe
 
 FORMAT = "mxtrain-tokens-v1"
 DTYPES = ("uint16", "uint32")  # the shard dtypes prepare writes
@@ -51,10 +53,10 @@ def shard_dtype(vocab_size: int) -> type:
 
 def _corpus_bytes(sources: list[str]) -> int | None:
     """An upper bound on the text bytes of ``sources`` (their file sizes), or None when it is not known
-    (the built-in corpus, compressed files, Parquet)."""
+    (the built-in corpus, compressed files, Parquet, datasets folders)."""
     total = 0
     for s in sources:
-        if s == BUILTIN or s.endswith(".gz") or kind_of(Path(s)) == "parquet":
+        if s == BUILTIN or s.endswith(".gz") or kind_of(Path(s)) in ("parquet", "hf-disk"):
             return None
         total += os.path.getsize(s)
     return total
@@ -71,6 +73,7 @@ class _ShardWriter:
         # ids must lie in [0, vocab_size) and fit the dtype: never wrapped by astype
         self.limit = min(vocab_size or np.iinfo(dtype).max + 1, np.iinfo(dtype).max + 1)
         self.shards: list[dict] = []
+        self.max_ids: dict[str, int] = {}  # the largest id written to each shard (recorded as checked)
         self.f = None
         self.n = 0
 
@@ -92,6 +95,8 @@ class _ShardWriter:
             room = self.shard_tokens - self.shards[-1]["tokens"]
             part, ids = ids[:room], ids[room:]
             self.f.write(part.astype(self.dtype).tobytes())
+            name = self.shards[-1]["file"]
+            self.max_ids[name] = max(self.max_ids.get(name, 0), int(part.max()))
             self.shards[-1]["tokens"] += len(part)
             self.n += len(part)
 
@@ -101,49 +106,118 @@ class _ShardWriter:
             self.f = None
 
 
-def prepare(sources: list[str], out: str | Path, *, tokenizer: str | None = None, vocab_size: int = 4096,
-            val_fraction: float = 0.01, shard_tokens: int = 1 << 26, text_field: str = "text",
-            tokenizer_train_bytes: int = 200_000_000, force: bool = False, progress: bool = True) -> Path:
-    """Tokenize ``sources`` (``"builtin"``, files or folders) into ``out``; returns the folder.
-
-    **Arguments:** ``tokenizer``: a local tokenizer file to use; if None, train a byte-level BPE of
-    ``vocab_size`` on (up to ``tokenizer_train_bytes`` of) the training documents.
-    ``val_fraction``: share of documents held out for validation (by content hash).
-    ``force``: replace an existing ``out``, which must be a folder a previous prepare wrote (see above).
-
-    Refused before any work: a source that is not text (``check_sources``), a ``vocab_size`` that is not a
-    multiple of 32 in [512, 2**20] or exceeds the corpus size in bytes. A corpus that supports fewer BPE tokens
-    than ``vocab_size`` gives the smaller vocab (tokenizer and meta.json agree), with a warning that says so.
-    Shards are uint16 when the tokenizer's largest id is below 65,536, else uint32.
-    """
-    out = Path(out)
-    if not sources:
-        raise UserError("no data sources given (use 'builtin' or paths to .txt/.jsonl/.json.gz/.parquet files)")
+def _check_args(val_fraction, shard_tokens, tokenizer, vocab_size, eot_token) -> str | None:
     if not 0 < val_fraction < 0.5:
         raise UserError(f"val fraction must be in (0, 0.5), got {val_fraction}")
     if isinstance(shard_tokens, bool) or not isinstance(shard_tokens, int) or shard_tokens < 1:
         raise UserError(f"shard_tokens must be a positive integer, got {shard_tokens!r}")
     if not tokenizer:
         check_vocab_size(vocab_size)
+    return check_eot_token(eot_token)
+
+
+def prepare(sources: list[str], out: str | Path, *, tokenizer: str | None = None, vocab_size: int = 4096,
+            val_fraction: float = 0.01, shard_tokens: int = 1 << 26, text_field: str = "text",
+            tokenizer_train_bytes: int = 200_000_000, force: bool = False, progress: bool = True,
+            eot_token: str | None = None) -> Path:
+    """Tokenize ``sources`` (``"builtin"``, files, folders, datasets save_to_disk folders) into ``out``; returns
+    the folder.
+
+    **Arguments:** ``tokenizer``: a local tokenizer file to use; if None, train a byte-level BPE of
+    ``vocab_size`` on (up to ``tokenizer_train_bytes`` of) the training documents.
+    ``val_fraction``: share of documents held out for validation (by content hash).
+    ``text_field``: the JSON field / Parquet or datasets column holding the text.
+    ``eot_token``: the token that ends every document (e.g. ``"<|end_of_text|>"``); it must be in the
+    tokenizer's vocabulary. None: found by name (see ``mxtrain.data.tokenizer``); a trained BPE names it
+    ``<|endoftext|>``.
+    ``force``: replace an existing ``out``, which must be a folder a previous prepare wrote (see above).
+
+    A folder source stands for its data files (``sources.data_files``): README, LICENSE, .md, metadata, hidden
+    and other files are skipped, and one log line names them.
+
+    Refused before any work: a source that is not text (``check_sources``), a ``vocab_size`` that is not a
+    multiple of 32 in [512, 2**20] or exceeds the corpus size in bytes, an ``eot_token`` the tokenizer does not
+    have. A corpus that supports fewer BPE tokens than ``vocab_size`` gives the smaller vocab (tokenizer and
+    meta.json agree), with a warning that says so. Shards are uint16 when the tokenizer's largest id is below
+    65,536, else uint32.
+    """
+    out = Path(out)
+    if not sources:
+        raise UserError("no data sources given (use 'builtin' or paths to .txt/.jsonl/.json.gz/.parquet files or "
+                        "folders)")
+    eot_token = _check_args(val_fraction, shard_tokens, tokenizer, vocab_size, eot_token)
     given = list(sources)
     sources = expand_sources(sources)
-    check_sources(sources)  # a binary file given by mistake is refused by name, before any work
+    # a binary file given by mistake, a missing text column or package is refused by name, before any work
+    check_sources(sources, text_field, note_fn=note)
     if not tokenizer:
         size = _corpus_bytes(sources)
         if size is not None and vocab_size > size:
             # the files are smaller than vocab_size <= 1 MiB: read them (an error in them comes first) and count
-            size = sum(len(t.encode("utf-8", "surrogatepass")) for _, t in documents(sources, text_field, None))
+            size = sum(len(t.encode("utf-8", "surrogatepass"))
+                       for _, t in documents(sources, text_field, None, None))
             raise UserError(f"--vocab-size {vocab_size:,} is larger than the corpus ({size:,} bytes of text): a BPE "
                             f"cannot learn more tokens than its text has bytes; use a smaller --vocab-size or more text")
+
+    def docs(warn_fn):
+        return documents(sources, text_field, warn_fn, None)
+
+    return _prepare(docs, out, given + sources,
+                    [s if s == BUILTIN else os.path.abspath(s) for s in sources], ", ".join(sources),
+                    tokenizer=tokenizer, vocab_size=vocab_size, val_fraction=val_fraction,
+                    shard_tokens=shard_tokens, tokenizer_train_bytes=tokenizer_train_bytes, force=force,
+                    progress=progress, eot_token=eot_token)
+
+
+def prepare_dataset(ds, out: str | Path, *, tokenizer: str | None = None, text_field: str = "text",
+                    vocab_size: int = 4096, val_fraction: float = 0.01, shard_tokens: int = 1 << 26,
+                    tokenizer_train_bytes: int = 200_000_000, force: bool = False, progress: bool = True,
+                    eot_token: str | None = None) -> Path:
+    """``prepare`` for a Hugging Face ``datasets.Dataset`` or ``IterableDataset`` held in Python: its column
+    ``text_field`` is tokenized into ``out`` by the same pipeline (same validation split by content hash,
+    same checks and arguments); returns the folder. A ``DatasetDict`` is refused: pass one split
+    (``ds["train"]``). meta.json's ``sources`` describes the dataset (name, split, rows, fingerprint).
+
+    An ``IterableDataset`` is iterated twice when a tokenizer is trained (once for the tokenizer, once to
+    tokenize), so it must give the same rows each time (no unseeded shuffle)."""
+    out = Path(out)
+    datasets = hf.need_datasets("prepare_dataset")
+    if isinstance(ds, datasets.DatasetDict) or isinstance(ds, getattr(datasets, "IterableDatasetDict", ())):
+        raise UserError(f"prepare_dataset takes one split, not a {type(ds).__name__} (splits: "
+                        f"{', '.join(map(str, ds))}); pass e.g. ds['train']")
+    if not isinstance(ds, (datasets.Dataset, datasets.IterableDataset)):
+        raise UserError(f"prepare_dataset takes a datasets.Dataset or IterableDataset, got {type(ds).__name__}; "
+                        f"for files and folders use prepare([...], out)")
+    eot_token = _check_args(val_fraction, shard_tokens, tokenizer, vocab_size, eot_token)
+    if not isinstance(text_field, str) or not text_field:
+        raise UserError(f"text_field must be a column name, got {text_field!r}")
+    name = hf.describe(ds)
+    hf.check_text_column(ds, text_field, name)
+
+    def docs(warn_fn):
+        return hf.documents(ds, text_field, "dataset")
+
+    return _prepare(docs, out, hf.cache_folders(ds), [name], name, tokenizer=tokenizer, vocab_size=vocab_size,
+                    val_fraction=val_fraction, shard_tokens=shard_tokens,
+                    tokenizer_train_bytes=tokenizer_train_bytes, force=force, progress=progress,
+                    eot_token=eot_token, total=len(ds) if isinstance(ds, datasets.Dataset) else None)
+
+
+def _prepare(docs: Callable, out: Path, inputs: list[str], meta_sources: list[str], shown: str, *,
+             tokenizer, vocab_size, val_fraction, shard_tokens, tokenizer_train_bytes, force, progress,
+             eot_token, total: int | None = None) -> Path:
+    """The pipeline after the sources are checked: ``docs(warn_fn)`` gives the ``(name, text)`` documents (it
+    is called twice when a tokenizer is trained); ``inputs``: paths --out must not overlap."""
     # every check on --out comes before any work or any deletion; file operations use the resolved path
-    dest = _check_out(out, given + sources, force)
-    tok = load_tokenizer(tokenizer) if tokenizer else None  # a bad tokenizer file is refused before writing
+    dest = _check_out(out, inputs, force)
+    # a bad tokenizer file or --eot-token is refused before writing
+    tok = load_tokenizer(tokenizer, eot_token=eot_token) if tokenizer else None
     if tok is not None:
         shard_dtype(tok.vocab_size)
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
         if _clean_stale(dest):  # an old folder came back: check --out again
-            dest = _check_out(out, given + sources, force)
+            dest = _check_out(out, inputs, force)
         tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}"
         if tmp.exists():
             shutil.rmtree(tmp)
@@ -156,7 +230,7 @@ def prepare(sources: list[str], out: str | Path, *, tokenizer: str | None = None
         if tok is None:
             def sample():
                 n = 0
-                for _, text in documents(sources, text_field, warn_fn=None):  # the pass below warns
+                for _, text in docs(None):  # the pass below warns
                     if _is_val(text, val_fraction):
                         continue
                     yield text
@@ -165,7 +239,7 @@ def prepare(sources: list[str], out: str | Path, *, tokenizer: str | None = None
                         return
             if progress:
                 print(f"training a byte-level BPE tokenizer (vocab {vocab_size}) ...", flush=True)
-            tok = train_bpe(sample(), vocab_size)
+            tok = train_bpe(sample(), vocab_size, eot_token=eot_token)
             if tok.vocab_size < vocab_size:
                 _warn_small_vocab(tok.vocab_size, vocab_size)
         dtype = shard_dtype(tok.vocab_size)  # the largest id decides: ids are never wrapped into uint16
@@ -178,7 +252,7 @@ def prepare(sources: list[str], out: str | Path, *, tokenizer: str | None = None
         if progress:
             try:
                 from tqdm import tqdm
-                bar = tqdm(desc="tokenizing", unit=" docs", dynamic_ncols=True)
+                bar = tqdm(desc="tokenizing", unit=" docs", dynamic_ncols=True, total=total)
             except ImportError:
                 bar = None
         eot = np.array([tok.eot_id], dtype=np.int64)
@@ -197,7 +271,7 @@ def prepare(sources: list[str], out: str | Path, *, tokenizer: str | None = None
                 bar.set_postfix(MB=f"{nbytes / 1e6:.1f}", tokens=f"{train_w.n + val_w.n:,}")
 
         batch: list[str] = []
-        for _, text in documents(sources, text_field):
+        for _, text in docs(warn):
             batch.append(text)
             nbytes += len(text.encode("utf-8", "surrogatepass"))
             if len(batch) >= 512:
@@ -210,7 +284,7 @@ def prepare(sources: list[str], out: str | Path, *, tokenizer: str | None = None
         train_w.close()
         val_w.close()
         if train_w.n == 0:
-            raise UserError(f"no text found in {', '.join(sources)}")
+            raise UserError(f"no text found in {shown}")
         if val_w.n == 0:
             _carve_val(tmp, train_w, val_w, dtype)
         meta = {
@@ -219,6 +293,7 @@ def prepare(sources: list[str], out: str | Path, *, tokenizer: str | None = None
             "vocab_size": 32 * -(-tok.vocab_size // 32),  # padded to MX blocks of 32 (ids above are never used)
             "tokenizer_vocab_size": tok.vocab_size,
             "eot_id": tok.eot_id,
+            "eot_token": tok.eot_token,
             "tokenizer": tok_file,
             "tokenizer_source": tok.source,
             "train": train_w.shards,
@@ -227,7 +302,7 @@ def prepare(sources: list[str], out: str | Path, *, tokenizer: str | None = None
             "val_tokens": val_w.n,
             "documents": ndocs,
             "text_bytes": nbytes,
-            "sources": [s if s == BUILTIN else os.path.abspath(s) for s in sources],
+            "sources": meta_sources,
             "val_fraction": val_fraction,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
@@ -236,10 +311,12 @@ def prepare(sources: list[str], out: str | Path, *, tokenizer: str | None = None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    # the ids were checked as they were written: opening the folder need not read the shards again
+    checked.record(dest, meta["dtype"], {**train_w.max_ids, **val_w.max_ids})
     if progress:
         print(f"prepared {out}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} validation tokens "
-              f"({ndocs['train']} + {ndocs['val']} documents, vocab {tok.vocab_size}) in {time.time() - t0:.1f} s",
-              flush=True)
+              f"({ndocs['train']} + {ndocs['val']} documents, vocab {tok.vocab_size}, end of text "
+              f"{tok.eot_token!r} = {tok.eot_id}) in {time.time() - t0:.1f} s", flush=True)
     return out
 
 
@@ -406,8 +483,10 @@ def _carve_val(folder: Path, train_w: _ShardWriter, val_w: _ShardWriter, dtype) 
 
 
 def default_builtin_dir(vocab_size: int) -> Path:
-    """Where ``mxtrain train`` keeps the prepared built-in corpus: ``$MXTRAIN_DATA`` or ~/.cache/mxtrain/data."""
-    root = Path(os.environ.get("MXTRAIN_DATA") or Path.home() / ".cache" / "mxtrain" / "data")
+    """Where ``mxtrain train`` keeps the prepared built-in corpus: ``$MXTRAIN_DATA`` (the ``data_dir`` setting,
+    read now) or ~/.cache/mxtrain/data."""
+    from .. import settings
+    root = Path(settings.fresh().data_dir or Path.home() / ".cache" / "mxtrain" / "data")
     return root / f"builtin-bpe{vocab_size}"
 
 

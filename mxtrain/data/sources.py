@@ -1,7 +1,13 @@
-"""Where documents come from: the built-in corpus, local text, JSONL / .json.gz, Parquet.
+"""Where documents come from: the built-in corpus, local text, JSONL / .json.gz, Parquet, and folders
+written by Hugging Face ``datasets``' ``save_to_disk``.
 
 Every reader yields ``(source_name, text)`` one document at a time. Bytes that are not UTF-8
 are decoded line by line with a cp1252 fallback (some public-domain texts are Latin-1).
+
+A folder stands for the data files inside it (``data_files``), and only those: documentation (README,
+LICENSE, ``.md``), dataset metadata, hidden files and folders, prepared data folders and every other file
+are skipped, and one log line names what was skipped. A folder written by ``save_to_disk`` is read whole,
+through ``datasets``.
 
 A file that is not text (a binary file given by mistake, UTF-16, another encoding) is refused by
 name: ``check_sources`` looks at the first 64 KB of every file before any work, and a text file is
@@ -14,17 +20,31 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+import os
 import re
 import sys
 from pathlib import Path
 from typing import Callable, Iterator
 
 from ..errors import UserError
+from . import hf
 
 BUILTIN = "builtin"
-TEXT_EXTS = (".txt", ".text", ".md")
-JSON_EXTS = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".ndjson")
+TEXT_EXTS = (".txt", ".text", ".txt.gz", ".text.gz", ".md")
+JSON_EXTS = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".ndjson", ".ndjson.gz")
 PARQUET_EXTS = (".parquet",)
+PARQUET_HINT = "reading Parquet needs pyarrow: pip install 'mxtrain[parquet]' (from a source checkout: pip install -e '.[parquet]')"
+# in a folder these are documentation, not training text (a file named on the command line is read anyway)
+DOC_EXTS = (".md", ".markdown", ".rst")
+DOC_NAMES = re.compile(r"(readme|license|licence|copying|notice|changelog|citation|authors|contributing)"
+                       r"([._-].*)?", re.IGNORECASE)
+# in a folder these JSON files are metadata of datasets, tokenizers or models, not documents
+META_NAMES = frozenset(hf.HF_META_NAMES + ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                                           "config.json", "generation_config.json", "meta.json"))
+# compressed data mxtrain cannot read: skipped in a folder with a warning, refused when named
+UNREAD_COMPRESSED = (".zst", ".zstd", ".xz", ".bz2", ".lz4", ".7z", ".zip", ".tar")
+DATA_HELP = (".txt, .text, .jsonl, .json, .ndjson (each optionally .gz), .parquet, or a datasets save_to_disk "
+             "folder")
 
 
 def decode_bytes(data: bytes) -> str:
@@ -94,14 +114,21 @@ def _decode_head(head: bytes, cut: bool) -> str:
     return decode_bytes(head)
 
 
-def check_sources(sources: list[str]) -> None:
+def check_sources(sources: list[str], text_field: str | None = None,
+                  note_fn: Callable[[str], None] | None = None) -> None:
     """Refuse, before any work, a source file whose first 64 KB are not text (JSON and text files; the
-    decompressed bytes of a .gz), or a .parquet file without the Parquet magic bytes."""
+    decompressed bytes of a .gz), a .parquet file without the Parquet magic bytes, and (with ``text_field``)
+    a Parquet file or datasets folder without that text column; and a missing pyarrow or datasets package."""
     for s in sources:
         if s == BUILTIN:
             continue
         p = Path(s)
         k = kind_of(p)
+        if k == "hf-disk":
+            ds = hf.load_disk(p, note_fn)
+            if text_field is not None:
+                hf.check_text_column(ds, text_field, s)
+            continue
         try:
             if k == "parquet":
                 with open(p, "rb") as f:
@@ -109,6 +136,15 @@ def check_sources(sources: list[str]) -> None:
                 if magic != b"PAR1":
                     raise UserError(f"{s} is not a Parquet file (it does not start with the Parquet magic bytes); "
                                     f"remove it from the sources or give it the right extension")
+                pq = _pyarrow_parquet()
+                if text_field is not None:
+                    try:
+                        names = pq.read_schema(p).names
+                    except Exception as e:  # pyarrow raises its own error types
+                        raise UserError(f"{s}: not a readable Parquet file ({e})") from None
+                    if text_field not in names:
+                        raise UserError(f"{s}: Parquet file has no {text_field!r} column (columns: "
+                                        f"{', '.join(names)}); choose the text column with --text-field")
                 continue
             with _open_maybe_gz(p) as f:
                 head = f.read(SNIFF_BYTES)
@@ -193,10 +229,7 @@ def _row_text(path, lineno, row, text_field):
 
 
 def _parquet_documents(path: Path, text_field: str) -> Iterator[tuple[str, str]]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise UserError("reading Parquet needs pyarrow: pip install -e \".[data]\"") from None
+    pq = _pyarrow_parquet()
     try:
         pf = pq.ParquetFile(path)
     except Exception as e:  # pyarrow raises its own error types
@@ -209,13 +242,23 @@ def _parquet_documents(path: Path, text_field: str) -> Iterator[tuple[str, str]]
                 yield path.name, text
 
 
+def _pyarrow_parquet():
+    """``pyarrow.parquet``, imported only when a Parquet source is read."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise UserError(PARQUET_HINT) from None
+    return pq
+
+
 def _text_documents(path: Path, warn_fn: Callable[[str], None] | None = warn) -> Iterator[tuple[str, str]]:
     """A text file is cut at paragraph breaks (blank lines) into documents of about 8 KB, so a single large
     file still gets a validation split. A file that is not text is refused (``check_text``)."""
     try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise UserError(f"{path}: cannot read ({e.strerror})") from None
+        with _open_maybe_gz(path) as f:
+            raw = f.read()
+    except (OSError, EOFError, gzip.BadGzipFile) as e:
+        raise UserError(f"{path}: cannot read ({getattr(e, 'strerror', None) or e})") from None
     text = decode_bytes(raw)
     if raw[:2] in (b"\xff\xfe", b"\xfe\xff"):
         _refuse_not_text(path, 1.0, "", raw)
@@ -233,8 +276,103 @@ def _text_documents(path: Path, warn_fn: Callable[[str], None] | None = warn) ->
         yield path.name, "\n\n".join(buf)
 
 
-def expand_sources(sources: list[str]) -> list[str]:
-    """Check each source exists and expand folders into their readable files (sorted)."""
+def note(msg: str) -> None:
+    """One log line on stdout: ``mxtrain: <msg>`` (what was read or skipped; not a warning)."""
+    print(f"mxtrain: {' '.join(msg.splitlines())}", flush=True)
+
+
+def _names(items: list[str], most: int = 8) -> str:
+    more = f" and {len(items) - most} more" if len(items) > most else ""
+    return ", ".join(items[:most]) + more
+
+
+def _is_prepared_folder(d: Path) -> bool:
+    """A folder ``mxtrain data prepare`` wrote (its meta.json names the mxtrain format)."""
+    try:
+        with open(d / "meta.json", "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return False
+    return b'"mxtrain-tokens-' in head
+
+
+def _why_not_data(f: Path) -> str | None:
+    """Why a file found in a folder is skipped ("not data", "empty", "compressed"), or None to read it."""
+    n = f.name
+    low = n.lower()
+    if n.startswith("."):
+        return "not data"
+    if kind_of(f) is None:
+        return "compressed" if low.endswith(UNREAD_COMPRESSED) and any(
+            e in low for e in (".txt", ".text", ".json", ".parquet")) else "not data"
+    if low.endswith(DOC_EXTS) or DOC_NAMES.fullmatch(n) or low in META_NAMES:
+        return "not data"
+    try:
+        if f.stat().st_size == 0:
+            return "empty"
+    except OSError:
+        pass
+    return None
+
+
+def data_files(folder: Path, note_fn: Callable[[str], None] | None = note,
+               warn_fn: Callable[[str], None] | None = warn) -> list[str]:
+    """The data sources inside ``folder`` (recursively; symlinked folders followed once), sorted: data files and
+    datasets save_to_disk folders. Skipped, and named in one ``note_fn`` line: hidden files and folders, files
+    that are not data (README, LICENSE, .md, dataset and tokenizer metadata, other types), empty files and
+    prepared data folders; data compressed in a way mxtrain cannot read (.zst, .xz ...) gets a warning."""
+    found: list[Path] = []
+    skipped: dict[str, list[str]] = {"not data": [], "empty": [], "compressed": []}
+    seen: set[str] = set()
+    for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
+        d = Path(dirpath)
+        real = os.path.realpath(d)
+        if real in seen:  # a symlink loop, or a folder reached twice
+            dirnames[:] = []
+            continue
+        seen.add(real)
+        keep = []
+        for dn in sorted(dirnames):
+            sub = d / dn
+            rel = str(sub.relative_to(folder)) + "/"
+            if dn.startswith("."):
+                skipped["not data"].append(rel)
+            elif hf.disk_kind(sub):
+                found.append(sub)
+            elif _is_prepared_folder(sub):
+                skipped["not data"].append(rel + " (a prepared data folder)")
+            else:
+                keep.append(dn)
+        dirnames[:] = keep
+        for fn in sorted(filenames):
+            f = d / fn
+            why = _why_not_data(f)
+            if why is None:
+                found.append(f)
+            else:
+                skipped[why].append(str(f.relative_to(folder)))
+    found.sort()
+    for v in skipped.values():
+        v.sort()
+    if skipped["compressed"] and warn_fn is not None:
+        warn_fn(f"{folder}: skipped {len(skipped['compressed'])} compressed file(s) mxtrain cannot read: "
+                f"{_names(skipped['compressed'])}; decompress them (or gzip them) to use them")
+    if not found:
+        what = "; ".join(f"{k}: {_names(v)}" for k, v in skipped.items() if v)
+        raise UserError(f"folder {folder} holds no data files ({DATA_HELP})" + (f"; skipped {what}" if what else ""))
+    if note_fn is not None:
+        for why, label in (("not data", "not data"), ("empty", "empty")):
+            if skipped[why]:
+                n = len(skipped[why])
+                note_fn(f"{folder}: skipped {n} {'files that are' if n > 1 else 'file that is'} {label}: "
+                        f"{_names(skipped[why])} (name a file as a source to read it anyway)")
+    return [str(f) for f in found]
+
+
+def expand_sources(sources: list[str], note_fn: Callable[[str], None] | None = note,
+                   warn_fn: Callable[[str], None] | None = warn) -> list[str]:
+    """Check each source exists and expand folders into their data sources (``data_files``, sorted); a
+    datasets save_to_disk folder stays one source."""
     out = []
     for s in sources:
         if s == BUILTIN:
@@ -244,13 +382,11 @@ def expand_sources(sources: list[str]) -> list[str]:
         if not p.exists():
             raise UserError(f"data file not found: {s}")
         if p.is_dir():
-            files = sorted(f for f in p.rglob("*") if f.is_file() and kind_of(f) is not None)
-            if not files:
-                raise UserError(f"folder {s} holds no .txt, .jsonl, .json.gz or .parquet files")
-            out.extend(str(f) for f in files)
+            out.extend([s] if hf.disk_kind(p) else data_files(p, note_fn, warn_fn))
         else:
             if kind_of(p) is None:
-                raise UserError(f"{s}: unknown file type; use .txt, .jsonl, .json, .json.gz, .jsonl.gz or .parquet")
+                hint = "; decompress it first" if p.name.lower().endswith(UNREAD_COMPRESSED) else ""
+                raise UserError(f"{s}: unknown file type{hint}; mxtrain reads {DATA_HELP}")
             if p.stat().st_size == 0:
                 raise UserError(f"data file is empty: {s}")
             out.append(str(p))
@@ -258,6 +394,8 @@ def expand_sources(sources: list[str]) -> list[str]:
 
 
 def kind_of(p: Path) -> str | None:
+    """``"text"``, ``"json"``, ``"parquet"`` (by the file name), ``"hf-disk"`` (a datasets save_to_disk folder),
+    or None."""
     n = p.name.lower()
     if n.endswith(TEXT_EXTS):
         return "text"
@@ -265,13 +403,17 @@ def kind_of(p: Path) -> str | None:
         return "json"
     if n.endswith(PARQUET_EXTS):
         return "parquet"
+    if hf.disk_kind(p):
+        return "hf-disk"
     return None
 
 
 def documents(sources: list[str], text_field: str = "text",
-              warn_fn: Callable[[str], None] | None = warn) -> Iterator[tuple[str, str]]:
-    """The documents of ``sources``; ``warn_fn`` gets the warnings (text files partly not text), None drops them."""
-    for s in expand_sources(sources):
+              warn_fn: Callable[[str], None] | None = warn,
+              note_fn: Callable[[str], None] | None = note) -> Iterator[tuple[str, str]]:
+    """The documents of ``sources``; ``warn_fn`` gets the warnings (text files partly not text), ``note_fn``
+    the log lines (files of a folder skipped as not data); None drops them."""
+    for s in expand_sources(sources, note_fn, warn_fn):
         if s == BUILTIN:
             yield from builtin_documents()
             continue
@@ -281,6 +423,9 @@ def documents(sources: list[str], text_field: str = "text",
             yield from _text_documents(p, warn_fn)
         elif k == "json":
             yield from _json_documents(p, text_field)
+        elif k == "hf-disk":
+            ds = hf.load_disk(p, note_fn)
+            hf.check_text_column(ds, text_field, s)
+            yield from hf.documents(ds, text_field, p.name)
         else:
             yield from _parquet_documents(p, text_field)
-

@@ -10,7 +10,8 @@ Capability flags (evaluated lazily, cheap):
 
 The plain-PyTorch reference quantizer (``mxtrain.quant``) is the specification: the kernels in
 ``mxtrain.kernels.quantize`` produce bit-identical codes and scales (see ``tests/test_kernels.py``).
-See ``docs/kernels.md``.
+What the kernels remember within a process (device facts, probes, self-checks, launch plans) is in one
+object, ``CACHES`` (``mxtrain.kernels.caches``). See ``docs/kernels.md``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from __future__ import annotations
 import os
 
 import torch
+
+from .. import settings as _settings
+from .caches import CACHES, KernelCaches
 
 try:  # Triton is optional: without it every path falls back to the reference implementation
     import triton  # noqa: F401
@@ -28,10 +32,7 @@ except Exception:  # pragma: no cover - depends on the install
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-__all__ = ["HAS_TRITON", "INTERPRET", "backend", "kernels_available", "capability"]
-
-
-_CAP: dict = {}
+__all__ = ["HAS_TRITON", "INTERPRET", "backend", "kernels_available", "capability", "CACHES", "KernelCaches"]
 
 
 def capability(device) -> tuple[int, int] | None:
@@ -39,9 +40,10 @@ def capability(device) -> tuple[int, int] | None:
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _CAP:
-        _CAP[idx] = torch.cuda.get_device_capability(idx)
-    return _CAP[idx]
+    caps = CACHES.capability
+    if idx not in caps:
+        caps[idx] = torch.cuda.get_device_capability(idx)
+    return caps[idx]
 
 
 def kernels_available(device) -> bool:
@@ -57,10 +59,11 @@ def kernels_available(device) -> bool:
 def backend(device) -> str:
     """The GEMM path for ``device``: ``fp8_carrier``, ``native_mx`` or ``dequant``.
 
-    ``MXTRAIN_GEMM_BACKEND`` overrides the choice (e.g. ``dequant`` to debug on a GPU).
+    The ``gemm_backend`` setting (``MXTRAIN_GEMM_BACKEND``) overrides the choice (e.g. ``dequant`` to debug
+    on a GPU).
     """
-    forced = os.environ.get("MXTRAIN_GEMM_BACKEND")
-    if forced:
+    forced = _settings.current().gemm_backend
+    if forced != "auto":
         return forced
     cap = capability(device)
     if cap is None:
@@ -76,14 +79,12 @@ def backend(device) -> str:
     return "dequant"
 
 
-_NATIVE: dict = {}
-
-
 def _native(device) -> bool:
     """``mxdot.supports_native(device)``, looked up once per device."""
     d = torch.device(device)
     k = d.index if d.index is not None else torch.cuda.current_device()
-    if k not in _NATIVE:
+    native = CACHES.native
+    if k not in native:
         from .mxdot import supports_native
-        _NATIVE[k] = supports_native(torch.device("cuda", k))
-    return _NATIVE[k]
+        native[k] = supports_native(torch.device("cuda", k))
+    return native[k]

@@ -10,7 +10,8 @@ along K (their last axis) by ``mxtrain.kernels.quantize``.
   Never run on such a GPU here: the probe is the guard.
 * ``dot_scaled``: the Triton ``tl.dot_scaled`` kernel on packed codes and E8M0 scales, on any GPU
   (Hopper emulates it: the test of the native path available here); on CPU its portable twin, which
-  decodes the codes to bf16 in registers (Triton interpreter). Selected with ``MXTRAIN_GEMM_BACKEND``.
+  decodes the codes to bf16 in registers (Triton interpreter). Selected with the ``gemm_backend`` setting
+  (``MXTRAIN_GEMM_BACKEND``).
 * ``dequant``: decode codes and scales and multiply: in bf16 with fp32 accumulation on GPUs (MX values
   are exact in bf16), in float32 on CPU.
 
@@ -21,11 +22,13 @@ from __future__ import annotations
 
 import torch
 
+from .. import settings as _settings
+from .caches import CACHES
 from .quantize import QuantOut, carrier_values, dequantize_fp4
 
 __all__ = ["mx_gemm_nt", "probe", "native_plan", "weight_group_rows", "activation_b_group_rows", "outputs_for"]
 
-_PROBE: dict[str, dict] = {}
+# probe results per device live in CACHES.probes (mxtrain.kernels.caches)
 
 
 def k_multiple_for(backend: str) -> int:
@@ -39,9 +42,10 @@ def native_plan(device) -> str:
     ``device`` (probed once on small random operands against float64)."""
     device = torch.device(device)
     key = "native:" + str(device)
-    if key not in _PROBE:
-        _PROBE[key] = _probe_native(device)
-    return _PROBE[key]["plan"]
+    probes = CACHES.probes
+    if key not in probes:
+        probes[key] = _probe_native(device)
+    return probes[key]["plan"]
 
 
 @torch.compiler.disable
@@ -98,7 +102,7 @@ def weight_group_rows(device=None) -> int:
     """128x128 weight groups when cuBLAS takes (1x128, 128x128) correctly, else 1x128."""
     if device is None or torch.device(device).type != "cuda":
         return 128
-    p = _PROBE.get(str(torch.device(device))) or probe(device)
+    p = CACHES.probes.get(str(torch.device(device))) or probe(device)
     return 128 if p.get("a1x128_b128x128", False) or not p.get("b_1x128", False) else 1
 
 
@@ -106,10 +110,10 @@ def activation_b_group_rows(device) -> int:
     """Group rows for an activation that is operand B (Wgrad's X^T along tokens): 128x128 by default
     (cuBLAS's (1x128, 128x128) GEMM measured 1.26x faster than (1x128, 1x128) at 16384x4096x4096 on
     an H100; still exact unless a block is more than 14 binades under its 128x128 tile's largest, which
-    the inexact counter reports). ``MXTRAIN_WGRAD_B_GROUP=1`` selects 1x128 (exact in more cases)."""
-    import os
-    want = int(os.environ.get("MXTRAIN_WGRAD_B_GROUP", "128"))
-    p = _PROBE.get(str(torch.device(device))) or probe(device)
+    the inexact counter reports). The ``wgrad_b_group`` setting 1 (``MXTRAIN_WGRAD_B_GROUP=1``) selects 1x128
+    (exact in more cases)."""
+    want = _settings.current().wgrad_b_group
+    p = CACHES.probes.get(str(torch.device(device))) or probe(device)
     if want == 128 and p.get("a1x128_b128x128", False):
         return 128
     return 1 if p.get("b_1x128", False) else 128
@@ -131,8 +135,9 @@ def probe(device) -> dict:
     """Check once per device which blockwise ``_scaled_mm`` configurations run and are exact."""
     device = torch.device(device)
     key = str(device)
-    if key in _PROBE:
-        return _PROBE[key]
+    probes = CACHES.probes
+    if key in probes:
+        return probes[key]
     res = {"a1x128_b128x128": False, "b_1x128": False, "errors": {}}
     if device.type == "cuda":
         from .quantize import quantize_mxfp4_2d
@@ -150,7 +155,7 @@ def probe(device) -> dict:
                 res["errors"][name] = err
             except Exception as e:  # noqa: BLE001
                 res["errors"][name] = repr(e)[:300]
-    _PROBE[key] = res
+    probes[key] = res
     return res
 
 

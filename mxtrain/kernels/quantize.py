@@ -5,7 +5,7 @@ One program handles a tile of ``BR`` rows x 128 reduction elements (4 MX blocks 
 group). The tile is read through two strides, so quantizing along columns (Wgrad: along tokens)
 reads the transposed tile directly from the row-major tensor: no transpose copy.
 
-Two kernels implement it (``kernel_for`` picks one; ``MXTRAIN_QKERNEL`` forces one): the "tile"
+Two kernels implement it (``kernel_for`` picks one; the ``qkernel`` setting, ``MXTRAIN_QKERNEL``, forces one): the "tile"
 kernel (``_mxfp4_kernel``: any rotation, the whole tile as one [BR, 128] tensor) and the "blocks"
 kernel (``_mxfp4_blk_kernel``: rotations up to 32 wide; the tile as four pieces so that a thread
 holds whole MX blocks; 1.2-2x faster on an H100, BENCHMARKS.md). They write identical bytes.
@@ -33,8 +33,10 @@ from dataclasses import dataclass
 import torch
 
 from .. import rng
+from .. import settings as _settings
 from ..formats import get_format
 from ..quant import MXTensor
+from .caches import CACHES
 
 try:
     import triton
@@ -874,15 +876,15 @@ def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.
     if signs is not None:
         signs = signs.to(device=x.device, dtype=torch.float32).contiguous()
     pkey = None
+    st = _settings.current()
     if _use_plans(x):
         # everything the launch depends on, down to the 16-byte alignment Triton specializes on
         pkey = (x.device, x.dtype, x.shape, x.stride(), x.data_ptr() & 15, axis, rot,
                 None if signs is None else signs.data_ptr() & 15, rounding, scale_rule, prescale, index_strides,
                 carrier, fp4, group_rows, row_multiple, block_rows, num_warps, k_multiple,
                 None if counter is None else counter.data_ptr() & 15,
-                None if key_tensor is None else key_tensor.data_ptr() & 15, _check, FORCE_IDX64, KERNEL, JOIN_STORE,
-                FOLD_POW2)
-        plan = _PLANS.get(pkey)
+                None if key_tensor is None else key_tensor.data_ptr() & 15, _check, FORCE_IDX64, st.launch_key)
+        plan = CACHES.plans.get(pkey)
         if plan is not None:
             return plan(x, signs, key, counter, key_tensor)
     if axis == 1:
@@ -898,7 +900,7 @@ def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.
     Kc = _ceil(max(K, 1), k_multiple)  # fp8_carrier uses 512: cuBLAS wants K/128 % 4 == 0
     if group_rows == 128:
         row_multiple = 128
-    kern = kernel_for(axis, rot, fp4, rows_contiguous=sx_r == 1 and sx_k != 1)
+    kern = kernel_for(axis, rot, fp4, rows_contiguous=sx_r == 1 and sx_k != 1, kernel=st.qkernel)
     if kern == "cols":
         # 4 x BR values per load, 2 of them a thread (the best on an H100, BENCHMARKS.md; with stochastic
         # rounding, uncapped, 32 rows x 2 warps: 153.8 us against 163.3 for 64 x 4 without rotation)
@@ -948,15 +950,16 @@ def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.
             assert per_thread in (2, 4, 8, 16), "cols kernel: 4 x block_rows must be 64, 128, ... x 32 x num_warps"
             kfn = _mxfp4_cols_kernel
             consts.update(USE_ASM=dev.type == "cuda", PACK=2 if per_thread == 2 else 4,
-                          FOLD=_fold_applies(x.dtype, rot, prescale))
+                          FOLD=_fold_applies(x.dtype, rot, prescale, st.qfold))
         elif kern == "blocks":
             kfn = _mxfp4_blk_kernel
-            consts.update(USE_ASM=dev.type == "cuda", JOIN_STORE=JOIN_STORE, FOLD=_fold_applies(x.dtype, rot, prescale))
+            consts.update(USE_ASM=dev.type == "cuda", JOIN_STORE=st.qjoin,
+                          FOLD=_fold_applies(x.dtype, rot, prescale, st.qfold))
         else:
             kfn = _mxfp4_kernel
         compiled = kfn[grid](*args, **consts, num_warps=num_warps, enable_fp_fusion=False,
                              **_launch_opts(kern + ("128" if kern == "blocks" and group_rows == 128 else ""), dev,
-                                            sr=rounding == "stochastic"))
+                                            sr=rounding == "stochastic", maxnreg=st.qmaxnreg))
     base = None
     if carrier:
         base = gs_base
@@ -977,10 +980,8 @@ def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.
         if not fp4:
             out.packed = out.scales = None
         return out
-    if pkey is not None and pkey not in _PLANS:
-        if len(_PLANS) >= 4096:   # many distinct shapes (e.g. variable sequence lengths): start over
-            _PLANS.clear()
-        _PLANS[pkey] = _Plan.make(kfn, compiled, grid, args, consts, out, Kc, group_rows)
+    if pkey is not None and pkey not in CACHES.plans:   # (bounded: least recently used plans are dropped)
+        CACHES.plans[pkey] = _Plan.make(kfn, compiled, grid, args, consts, out, Kc, group_rows)
     return out
 
 
@@ -989,11 +990,8 @@ def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.
 # Measured on an H100 (BENCHMARKS.md; scripts/dual_sweep.py, dual_linear_check.py): with launch plans
 # 1.08-1.22x faster than the two passes without rotations, from 2048x4096 to 16384x14336; with H16 1.01x
 # alone and no faster inside a whole MXLinear call (the passes are bound by their arithmetic as much as by
-# memory, so sharing the read pays little). MXTRAIN_QDUAL: "auto" (default: one pass only without
-# rotations), "on" (always where the kernels apply), "off" (never).
-_DUAL_ENV = os.environ.get("MXTRAIN_QDUAL", "auto").strip().lower()
-DUAL = False if _DUAL_ENV in ("0", "false", "no", "off") else ("on" if _DUAL_ENV in ("1", "on", "all") else "auto")
-_DUAL_VERIFIED: dict = {}
+# memory, so sharing the read pays little). The ``dual`` setting (MXTRAIN_QDUAL): "auto" (default: one pass
+# only without rotations), "on" (always where the kernels apply), "off" (never).
 # (A block rows, B block rows, warps) for B with 1x128 / 128x128 groups; SEQ: one program per 128x128
 # input block (A tiles, then B tiles) instead of one per tile
 DUAL_CONFIG = {False: (32, 64, 4), True: (64, 128, 8)}
@@ -1004,14 +1002,15 @@ _SIDE_KEYS = ("rot", "signs", "rounding", "scale_rule", "key", "prescale", "inde
 def dual_applies(x: torch.Tensor, rot_a: int, rot_b: int, group_rows_a: int = 1, sr: bool = False) -> bool:
     """Whether ``quantize_mxfp4_dual`` runs one fused pass for ``x`` (else it runs two): a row-major 2-D
     tensor, FP8-carrier outputs, A with 1x128 groups, and rotations the blocks and cols kernels take (with
-    ``DUAL == "auto"``: no rotation and no stochastic rounding on either side (``sr``), where one pass
-    measured faster; with SR on both sides one pass took 394 us against ~265 us for the two passes, H100,
-    16384 x 4096)."""
-    if DUAL == "auto" and (rot_a or rot_b or sr):
+    the ``dual`` setting ``auto``: no rotation and no stochastic rounding on either side (``sr``), where one
+    pass measured faster; with SR on both sides one pass took 394 us against ~265 us for the two passes,
+    H100, 16384 x 4096; ``off``: never)."""
+    st = _settings.current()
+    if st.dual == "off" or (st.dual == "auto" and (rot_a or rot_b or sr)):
         return False
-    return (bool(DUAL) and x.ndim == 2 and x.shape[0] > 0 and x.shape[1] > 1 and x.stride(1) == 1
-            and group_rows_a == 1 and kernel_for(1, rot_a, False) == "blocks"
-            and kernel_for(0, rot_b, False, rows_contiguous=True) == "cols")
+    return (x.ndim == 2 and x.shape[0] > 0 and x.shape[1] > 1 and x.stride(1) == 1
+            and group_rows_a == 1 and kernel_for(1, rot_a, False, kernel=st.qkernel) == "blocks"
+            and kernel_for(0, rot_b, False, rows_contiguous=True, kernel=st.qkernel) == "cols")
 
 
 def quantize_mxfp4_dual(x: torch.Tensor, a: dict, b: dict, *, k_multiple: int = TILE_K,
@@ -1044,13 +1043,13 @@ def quantize_mxfp4_dual(x: torch.Tensor, a: dict, b: dict, *, k_multiple: int = 
                           side.get("rounding", "nearest"), side.get("scale_rule", "floor"), side.get("prescale", 1.0),
                           side.get("index_strides"), side.get("group_rows", 1),
                           None if kt is None else kt.data_ptr() & 15))
-        # and what decided for one pass (DUAL, KERNEL, the self-check): a plan is only made after
-        # dual_applies and the variant's self-check passed, so a hit skips both (host time per call)
+        # and what decided for one pass (the dual and qkernel settings, the self-check): a plan is only made
+        # after dual_applies and the variant's self-check passed, so a hit skips both (host time per call)
         checked = _check and x.device.type in SELF_CHECK_DEVICES
         pkey = (x.device, x.dtype, x.shape, x.stride(), x.data_ptr() & 15, tuple(sides), k_multiple,
                 cnt.data_ptr() & 15, block_rows, num_warps, sequential, DUAL_CONFIG[b.get("group_rows", 1) == 128],
-                DUAL_SEQ, JOIN_STORE, DUAL, KERNEL, checked, FOLD_POW2, fp4_b)
-        plan = _DUAL_PLANS.get(pkey)
+                DUAL_SEQ, _settings.current().launch_key, checked, fp4_b)
+        plan = CACHES.dual_plans.get(pkey)
         if plan is not None:
             return plan(x, a, b, cnt)
     sr = a.get("rounding", "nearest") == "stochastic" or b.get("rounding", "nearest") == "stochastic"
@@ -1060,6 +1059,7 @@ def quantize_mxfp4_dual(x: torch.Tensor, a: dict, b: dict, *, k_multiple: int = 
                                        counter=cnt, _check=_check) for ax, side, fp in ((1, a, False), (0, b, fp4_b)))
     M, K = x.shape
     dev = x.device
+    st = _settings.current()
     gr_b = b.get("group_rows", 1)
     cfg = DUAL_CONFIG[gr_b == 128]
     nw = num_warps or cfg[2]
@@ -1101,9 +1101,9 @@ def quantize_mxfp4_dual(x: torch.Tensor, a: dict, b: dict, *, k_multiple: int = 
         consts.update({f"BR_{sfx}": BR[axis], f"ROT_{sfx}": rot, f"HAS_SIGNS_{sfx}": signs is not None,
                        f"RULE_{sfx}": RULE_ID[side.get("scale_rule", "floor")], f"SR_{sfx}": rounding == "stochastic",
                        f"PRESCALE_{sfx}": prescale != 1.0, f"KEY_PTR_{sfx}": kt is not None,
-                       f"FOLD_{sfx}": _fold_applies(x.dtype, rot, prescale)})
+                       f"FOLD_{sfx}": _fold_applies(x.dtype, rot, prescale, st.qfold)})
     consts.update(GROUP_ROWS_B=gr_b, PACK_B=2 if pack == 2 else 4, IDX64=geo[0][2] or geo[1][2],
-                  USE_ASM=dev.type == "cuda", JOIN_STORE=JOIN_STORE, SEQ=seq, CAR_B=not fp4_b, FP4_B=fp4_b)
+                  USE_ASM=dev.type == "cuda", JOIN_STORE=st.qjoin, SEQ=seq, CAR_B=not fp4_b, FP4_B=fp4_b)
     (nr_a, nk_a, _), (nr_b, nk_b, _) = geo
     NA, NB = 128 // BR[1], 128 // BR[0]
     F = max(nk_a, triton.cdiv(nr_b, NB))
@@ -1113,34 +1113,33 @@ def quantize_mxfp4_dual(x: torch.Tensor, a: dict, b: dict, *, k_multiple: int = 
     largs = (x, cnt, sa, ca, ga, ka, sb, cb, gb, kb, M, K, x.stride(0), 1, *dims_a, *dims_b,
              nr_a, nk_a, nr_b, nk_b, F, *sc_a, *sc_b)
     compiled = _mxfp4_dual_kernel[grid](*largs, **consts, num_warps=nw, enable_fp_fusion=False,
-                                        **_launch_opts("dual", dev, sr=consts["SR_A"] or consts["SR_B"]))
-    if pkey is not None:
-        if len(_DUAL_PLANS) >= 1024:
-            _DUAL_PLANS.clear()
-        _DUAL_PLANS[pkey] = _DualPlan.make(compiled, grid, largs, consts, outs)
+                                        **_launch_opts("dual", dev, sr=consts["SR_A"] or consts["SR_B"],
+                                                       maxnreg=st.qmaxnreg))
+    if pkey is not None:   # (bounded: least recently used plans are dropped)
+        CACHES.dual_plans[pkey] = _DualPlan.make(compiled, grid, largs, consts, outs)
     return outs[0], outs[1]
 
 
-_DUAL_PLANS: dict = {}
 # Extra Triton launch options per kernel ("blocks", "blocks128" = blocks with 128x128 groups, "cols",
 # "tile", "dual") on NVIDIA GPUs. Register caps (maxnreg): the cols and dual kernels hold 32 tokens of a
 # feature per thread (~127 registers, so 4 blocks of 128 threads per SM: 25 % occupancy under Nsight
 # Compute), the blocks kernel with 128x128 groups 64 values per thread (~103 registers); capped at 80
 # registers they ran 1.03-1.09x faster on an H100 with bit-identical output (64 and below much slower;
 # the plain blocks kernel, 48 registers, 0.95x), scripts/maxnreg_sweep.py, BENCHMARKS.md.
-# MXTRAIN_QMAXNREG=0: no cap. Launch plans do not key on these options: clear _PLANS and _DUAL_PLANS
-# after changing them (sweeps do).
-_MAXNREG = int(os.environ.get("MXTRAIN_QMAXNREG", "80"))
-LAUNCH_OPTS: dict = ({k: {"maxnreg": _MAXNREG} for k in ("cols", "dual", "blocks128")} if _MAXNREG > 0 else {})
+# The cap is the ``qmaxnreg`` setting (MXTRAIN_QMAXNREG; 0: no cap); launch plans key on it. Which kernels
+# take it: CAPPED_KERNELS (a sweep, scripts/maxnreg_sweep.py, may rebind it, then clears the launch plans).
+CAPPED_KERNELS = ("cols", "dual", "blocks128")
 
 
-def _launch_opts(kern: str, dev: torch.device, sr: bool = False) -> dict:
-    """Launch options of one kernel. Stochastic rounding (a hash per element) needs more registers: capped
-    at 80 the cols kernel spilled and ran 2.2-2.7x slower without rotation (H100: 355-488 us against 152-163
-    us uncapped at 16384 x 4096) and 2-5 % slower with H16 + signs, so SR variants run uncapped."""
+def _launch_opts(kern: str, dev: torch.device, sr: bool = False, maxnreg: int | None = None) -> dict:
+    """Launch options of one kernel (``maxnreg``: the register cap, default the ``qmaxnreg`` setting).
+    Stochastic rounding (a hash per element) needs more registers: capped at 80 the cols kernel spilled and
+    ran 2.2-2.7x slower without rotation (H100: 355-488 us against 152-163 us uncapped at 16384 x 4096) and
+    2-5 % slower with H16 + signs, so SR variants run uncapped."""
     if dev.type != "cuda" or torch.version.hip is not None or _INTERPRET or sr:
         return {}
-    return LAUNCH_OPTS.get(kern, {})
+    cap = _settings.current().qmaxnreg if maxnreg is None else maxnreg
+    return {"maxnreg": cap} if cap > 0 and kern in CAPPED_KERNELS else {}
 
 
 class _DualPlan:
@@ -1198,9 +1197,10 @@ def _dual_ok(x: torch.Tensor, a: dict, b: dict, k_multiple: int, fp4_b: bool = F
         s = side.get("signs")
         return (side.get("rot", 0), s is not None, side.get("rounding", "nearest"), side.get("scale_rule", "floor"),
                 side.get("prescale", 1.0) != 1.0, side.get("group_rows", 1))
-    vkey = (x.device.index, x.dtype, opt(a), opt(b), k_multiple, M % 16 == 0, K % 16 == 0, JOIN_STORE,
-            DUAL_CONFIG[b.get("group_rows", 1) == 128], DUAL_SEQ, FOLD_POW2, fp4_b)
-    ok = _DUAL_VERIFIED.get(vkey)
+    st = _settings.current()
+    vkey = (x.device.index, x.dtype, opt(a), opt(b), k_multiple, M % 16 == 0, K % 16 == 0, st.qjoin,
+            DUAL_CONFIG[b.get("group_rows", 1) == 128], DUAL_SEQ, st.qfold, st.qmaxnreg, fp4_b)
+    ok = CACHES.dual_verified.get(vkey)
     if ok is None and x.is_cuda and torch.cuda.is_current_stream_capturing():
         return False   # no self-check inside a CUDA-graph capture (it copies from the host): two passes
     if ok is None:
@@ -1226,7 +1226,7 @@ def _dual_ok(x: torch.Tensor, a: dict, b: dict, k_multiple: int, fp4_b: bool = F
                  else torch.equal(p.carrier.view(torch.uint8), q.carrier.view(torch.uint8))
                  and torch.equal(p.gscale, q.gscale) for p, q in zip(got, want))
         ok = ok and int(got[0].inexact.item()) == sum(int(w.inexact.item()) for w in want if w.inexact is not None)
-        _DUAL_VERIFIED[vkey] = ok
+        CACHES.dual_verified[vkey] = ok
         if not ok:
             import warnings
             warnings.warn(f"mxtrain: dual quantize variant {vkey} differed from two single passes on this GPU; "
@@ -1238,15 +1238,14 @@ def _dual_ok(x: torch.Tensor, a: dict, b: dict, k_multiple: int, fp4_b: bool = F
 # its compiled kernel directly, skipping Triton's generic launch path (argument binding, specialization,
 # cache-key lookup): about 14 of the 22 us of host time a launch took on an H100's host
 # (scripts/host_overhead.py). Keyed by everything the launch depends on (shapes, strides, pointer
-# alignment, every option; ``key``, the stochastic-rounding seed, is not specialized on).
-# MXTRAIN_FAST_LAUNCH=0 turns it off.
-FAST_LAUNCH = os.environ.get("MXTRAIN_FAST_LAUNCH", "1").strip().lower() not in ("0", "false", "no", "off")
+# alignment, every option; ``key``, the stochastic-rounding seed, is not specialized on). Kept in
+# ``CACHES.plans`` / ``CACHES.dual_plans`` (LRU-bounded). The ``fast_launch`` setting (MXTRAIN_FAST_LAUNCH=0)
+# turns them off.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-_PLANS: dict = {}
 
 
 def _use_plans(x: torch.Tensor) -> bool:
-    return FAST_LAUNCH and x.is_cuda and not _INTERPRET
+    return x.is_cuda and not _INTERPRET and _settings.current().fast_launch
 
 
 def _direct_runner(kfn, compiled, grid, args, consts, last_args: list):
@@ -1312,40 +1311,44 @@ class _Plan:
                         self.group_rows, cnt if car is not None else None, packed, sc, base)
 
 
-_VERIFIED: dict = {}
 # Which kernel quantizes: "blocks" (each thread holds whole MX blocks; rotations up to 32 wide) or
 # "tile" (any rotation) or "cols" (along columns of a row-major input); "auto" picks by layout
-# (``kernel_for``). MXTRAIN_QKERNEL overrides.
-KERNEL = os.environ.get("MXTRAIN_QKERNEL", "auto")
-# blocks kernel: join the four pieces into one 32-byte carrier store (16 bytes of FP4 codes) per thread and
-# block (1.2-2x faster on an H100 than 8-byte stores straight from the pieces, BENCHMARKS.md); "0" for those
-JOIN_STORE = os.environ.get("MXTRAIN_QJOIN", "1") == "1"
+# (``kernel_for``). The ``qkernel`` setting (MXTRAIN_QKERNEL) overrides.
+# Blocks kernel: join the four pieces into one 32-byte carrier store (16 bytes of FP4 codes) per thread and
+# block (1.2-2x faster on an H100 than 8-byte stores straight from the pieces, BENCHMARKS.md); the ``qjoin``
+# setting off (MXTRAIN_QJOIN=0) for those.
 # Rotations whose normalization 1/sqrt(ROT) is a power of two (H4, H16, H64) on bf16/fp16 inputs: the
 # blocks and cols kernels multiply the block scale by it instead of every rotated value (one multiply an
 # element fewer). Bit-identical: the butterfly sums of bf16 (fp16) values are multiples of 2**-133
 # (2**-24), so x / sqrt(ROT) is exact in float32, subnormals included, and (x * 2**-k) * 2**-s rounds the
 # same real number as x * 2**(-s-k) (a power of two down to 2**-128, exact). Not with a prescale (applied
-# between the two) or float32 inputs (x / sqrt(ROT) can round there). MXTRAIN_QFOLD=0 turns it off.
-FOLD_POW2 = os.environ.get("MXTRAIN_QFOLD", "1") == "1"
+# between the two) or float32 inputs (x / sqrt(ROT) can round there). The ``qfold`` setting off
+# (MXTRAIN_QFOLD=0) turns it off.
 _FOLD_ROTS = (4, 16, 64)
 
 
-def _fold_applies(dtype: torch.dtype, rot: int, prescale: float) -> bool:
-    return FOLD_POW2 and rot in _FOLD_ROTS and dtype in (torch.bfloat16, torch.float16) and prescale == 1.0
+def _fold_applies(dtype: torch.dtype, rot: int, prescale: float, fold: bool | None = None) -> bool:
+    """``fold``: the ``qfold`` setting (default: the current one)."""
+    if fold is None:
+        fold = _settings.current().qfold
+    return fold and rot in _FOLD_ROTS and dtype in (torch.bfloat16, torch.float16) and prescale == 1.0
 BLOCK_ROTS = (0, 2, 4, 8, 16, 32)
 
 
-def kernel_for(axis: int, rot: int, fp4: bool = False, rows_contiguous: bool = False) -> str:
-    """The kernel that quantizes along ``axis`` with a ``rot``-wide rotation. ``auto``: "cols" where
+def kernel_for(axis: int, rot: int, fp4: bool = False, rows_contiguous: bool = False,
+               kernel: str | None = None) -> str:
+    """The kernel that quantizes along ``axis`` with a ``rot``-wide rotation, given the ``qkernel`` setting
+    (``kernel``; default: the current one). ``auto``: "cols" where
     the output rows are the input's contiguous axis (along columns of a row-major tensor: the Wgrad
     operands), else "blocks" for carrier-only outputs (the Hopper training path) and "tile" where packed
     FP4 codes are written (the blocks kernel's FP4 stores measured slower, BENCHMARKS.md). Rotations
     wider than 32 always run "tile"; "cols" forced where it does not apply runs "blocks"."""
-    if KERNEL == "tile" or rot not in BLOCK_ROTS:
+    k = _settings.current().qkernel if kernel is None else kernel
+    if k == "tile" or rot not in BLOCK_ROTS:
         return "tile"
-    if rows_contiguous and KERNEL in ("auto", "cols"):
+    if rows_contiguous and k in ("auto", "cols"):
         return "cols"
-    if KERNEL == "auto" and fp4:
+    if k == "auto" and fp4:
         return "tile"
     return "blocks"
 
@@ -1414,13 +1417,15 @@ def _config_ok(x: torch.Tensor, axis: int, rot: int, has_signs: bool, scale_rule
     if x.ndim == 2:
         sx_r, sx_k = (x.stride(0), x.stride(1)) if axis == 1 else (x.stride(1), x.stride(0))
         rc = sx_r == 1 and sx_k != 1
+    st = _settings.current()
     vkey = (x.device.index, x.dtype, axis, rot, has_signs, scale_rule, sr, prescale != 1.0, group_rows, BR, nw,
-            k_multiple, fp4, r16, k16, kernel_for(axis, rot, fp4, rc), JOIN_STORE, FOLD_POW2)
-    ok = _VERIFIED.get(vkey)
+            k_multiple, fp4, r16, k16, st.qmaxnreg, kernel_for(axis, rot, fp4, rc, kernel=st.qkernel), st.qjoin,
+            st.qfold)
+    ok = CACHES.verified.get(vkey)
     if ok is None:
         ok = selfcheck(x.device, x.dtype, axis, rot, has_signs, scale_rule, sr, prescale, group_rows, BR, nw,
                        k_multiple, fp4, r16, k16, rows_contiguous=rc)["ok"]
-        _VERIFIED[vkey] = ok
+        CACHES.verified[vkey] = ok
         if not ok:
             import warnings
             warnings.warn(f"mxtrain: fused FP8-carrier kernel variant {vkey} failed its self-check on this GPU; "

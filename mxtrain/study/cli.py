@@ -1,4 +1,9 @@
-"""``mxtrain study`` and ``mxtrain report``: argument parsers, registered by ``mxtrain.cli``."""
+"""``mxtrain study`` and ``mxtrain report``: argument parsers, registered by ``mxtrain.cli``.
+
+``mxtrain study --config FILE`` reads a TOML / JSON / YAML file whose ``[study]`` table sets what the flags
+set (arms, seeds, baseline, out, ...) and whose other tables are the base training config of every run, as
+in ``mxtrain train --config`` (docs/config.md). Precedence: preset < file < flags < ``--set``.
+"""
 
 from __future__ import annotations
 
@@ -21,8 +26,11 @@ def register(subparsers) -> None:
         description="Train every arm (recipe) with every seed from one base config (same init, data order and "
                     "evaluation points), skip runs already finished, then write OUT/summary.json, OUT/report.html "
                     "and OUT/report.md. See docs/study.md.")
-    p.add_argument("--preset", choices=sorted(PRESETS), help="named study (arms, seeds, sizes); flags given "
-                   "explicitly override the preset's values")
+    p.add_argument("--config", metavar="FILE", help="study config file (.toml, .json, .yaml): a [study] table "
+                   "(arms, seeds, baseline, out, ...) and the base training config; flags override it "
+                   "(docs/config.md, examples/study.toml)")
+    p.add_argument("--preset", choices=sorted(PRESETS), help="named study (arms, seeds, sizes); a config file and "
+                   "flags given explicitly override the preset's values")
     p.add_argument("--arms", help="comma-separated recipe names, e.g. bf16,mxfp4-all,mxfp4-all-dh16")
     p.add_argument("--seeds", type=int, help="seeds per arm (seeds 0..N-1)")
     p.add_argument("--baseline", help="arm the others are compared with (default: the first arm)")
@@ -46,9 +54,10 @@ def register(subparsers) -> None:
     p.add_argument("--diagnose-every", type=int, help="per-GEMM diagnostics every N steps (0: off)")
     p.add_argument("--target-loss", type=float, help="val loss the extra-token cost is measured at "
                    "(default: the baseline's smoothed loss at --target-frac of its tokens)")
-    p.add_argument("--target-frac", type=float, default=0.8)
+    p.add_argument("--target-frac", type=float, help="share of the baseline's tokens the target loss is read at "
+                   "(default 0.8)")
     p.add_argument("--smooth-k", type=int, help="running mean over the last k evaluations (default 3)")
-    p.add_argument("--jobs", type=int, default=1, help="train this many runs at once, in worker processes "
+    p.add_argument("--jobs", type=int, help="train this many runs at once, in worker processes "
                    "(spread over the visible GPUs; small models share one GPU well). Default 1")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     p.set_defaults(func=study_main)
@@ -68,7 +77,19 @@ def register(subparsers) -> None:
 def study_main(args: argparse.Namespace) -> int:
     from .runner import StudyIncomplete, StudySpec, incomplete_message, run_study
 
+    if getattr(args, "config", None):
+        apply_study_file(args, args.config)
+    if args.jobs is None:
+        args.jobs = 1
     spec = StudySpec.from_args(args)
+    from ..train.config import check_init_from
+    from ..train.trainer import validate
+    from .runner import build_config
+    for arm in spec.arms:  # every run's config is valid (as run_study checks first), before anything is written
+        cfg = build_config(spec, arm, 0, Path(spec.out) / "runs" / "check")
+        if args.dry_run:
+            validate(cfg)
+        check_init_from(cfg.train.init_from)
     if args.dry_run:
         print(spec.describe())
         return 0
@@ -88,6 +109,121 @@ def study_main(args: argparse.Namespace) -> int:
     if incomplete is not None:
         raise StudyIncomplete(f"{incomplete}; {out}/summary.json lists them; rerun the same command to train them")
     return 0
+
+
+# [study] keys that are not StudySpec fields
+_STUDY_EXTRA = ("jobs",)
+# flag (StudySpec field) -> the training-config key it sets; a flag given wins over the file's training tables
+_FLAG_KEYS = {"model": "model.name", "steps": "train.steps", "batch_size": "train.batch_size", "seq_len": "data.seq_len",
+              "lr": "optim.lr", "data": "data.path", "device": "train.device", "eval_every": "log.eval_every"}
+# set by the study for each run (the control): a study file cannot set them
+_PER_RUN = {"recipe": "the recipe is the arm: list the recipes in [study] arms",
+            "train.seed": "seeds are 0..seeds-1", "model.init_seed": "seeds are 0..seeds-1",
+            "data.seed": "seeds are 0..seeds-1", "log.out": "runs go to OUT/runs/<arm>/seed<k>: set [study] out",
+            "log.progress": "runs log plain lines", "log.tensorboard": "set per run by the study"}
+
+
+def _text(v) -> str:
+    """A config value as ``--set`` reads it."""
+    if v is None:
+        return "none"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return repr(v) if isinstance(v, float) else str(v)
+
+
+def apply_study_file(args: argparse.Namespace, path) -> None:
+    """Fill ``args`` from a study config file: the ``[study]`` table's values where no flag was given, and the
+    other tables (the base training config) as ``--set`` items placed before the command line's (so
+    ``--set`` wins), leaving out the keys that a flag sets. Every key and value is checked now (one-line
+    ``UserError`` naming the file, the key and the nearest valid keys)."""
+    import dataclasses
+    import difflib
+    import typing
+
+    from ..train import experiments
+    from ..train.config import TrainConfig, _coerce, apply_dict, config_file_path, read_config_file
+    from .runner import PRESETS, StudySpec
+
+    p = config_file_path(path)
+    src = str(p)
+    d = {k: v for k, v in read_config_file(p).items() if not (isinstance(k, str) and k.startswith("_"))}
+    study = d.pop("study", {})
+    if not isinstance(study, dict):
+        raise UserError(f"{src}: study must be a table ([study] in TOML) of arms, seeds, baseline, ...; got {study!r}")
+
+    # [study]: StudySpec fields (and jobs), where the command line gave no value
+    hints = typing.get_type_hints(StudySpec)
+    valid = [f.name for f in dataclasses.fields(StudySpec)] + list(_STUDY_EXTRA)
+    for k, v in study.items():
+        if k not in valid:
+            near = difflib.get_close_matches(k, valid, n=2, cutoff=0.6)
+            raise UserError(f"{src}: unknown key 'study.{k}'{'; did you mean ' + ' or '.join('study.' + n for n in near) + '?' if near else ''}"
+                            f" (keys of study: {', '.join(valid)})")
+        if k == "arms":
+            if isinstance(v, str):
+                v = [a.strip() for a in v.split(",") if a.strip()]
+            if not isinstance(v, list) or not all(isinstance(a, str) for a in v):
+                raise UserError(f"{src}: study.arms: expected a list of recipe names, got {v!r}")
+            if args.arms is None:
+                args.arms = ",".join(v)
+            continue
+        if k == "overrides":
+            if not isinstance(v, list) or not all(isinstance(o, str) for o in v):
+                raise UserError(f"{src}: study.overrides: expected a list of \"KEY=VALUE\" texts, got {v!r}")
+            args.overrides = list(v) + list(args.overrides or [])
+            continue
+        tp = int if k == "jobs" else hints[k]
+        v = _coerce(v, tp, f"study.{k}", src)
+        if k == "preset" and v is not None and v not in PRESETS:
+            raise UserError(f"{src}: study.preset: unknown preset {v!r}; presets: {', '.join(sorted(PRESETS))}")
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
+
+    # the base training config: top-level exp names the base experiment; the tables become --set items
+    if "exp" in d:
+        exp = _coerce(d.pop("exp"), str, "exp", src)
+        if exp not in experiments.names():
+            raise UserError(f"{src}: exp {exp!r} is not an experiment (the base config of every run); experiments: "
+                            f"{', '.join(experiments.names())}")
+        if args.exp is None:
+            args.exp = exp
+    if args.exp is not None:
+        experiments.get(args.exp)  # an unknown name: one clear error now
+    keys = _given_keys(d, f"{src}: ")
+    for key in keys:
+        per_run = "recipe" if key == "recipe" or key.startswith("recipe.") else key
+        if per_run in _PER_RUN:
+            raise UserError(f"{src}: {per_run} is set by the study for each run ({_PER_RUN[per_run]}); remove it")
+    given = apply_dict(TrainConfig(), d, src)  # types and unknown keys checked, values read as the fields' types
+    items = []
+    for key in keys:
+        if key.startswith("recipe_overrides."):
+            rk = key.split(".", 1)[1]
+            items.append(f"recipe.{rk}={_text(given.recipe_overrides[rk])}")
+            continue
+        flag = next((f for f, fk in _FLAG_KEYS.items() if fk == key), None)
+        if flag is not None and getattr(args, flag, None) is not None:
+            continue  # the flag (or [study] value) wins
+        sec, field = key.split(".", 1)
+        items.append(f"{key}={_text(getattr(getattr(given, sec), field))}")
+    if any(i.startswith("schedule.kind=") for i in items) and args.schedule is None:
+        args.schedule = "config"  # the file chose the schedule: keep it (the study's default is constant)
+    args.overrides = items + list(args.overrides or [])
+
+
+def _given_keys(d: dict, where: str = "") -> list[str]:
+    """The dotted keys a config file's tables set (``optim.lr``, ``recipe_overrides.wgrad_dy.rounding``)."""
+    from ..train.config import _flat, _nest
+    out = []
+    for k, v in _nest(d, where).items():
+        if k == "recipe_overrides" and isinstance(v, dict):
+            out += [f"recipe_overrides.{rk}" for rk in _flat(v)]
+        elif isinstance(v, dict):
+            out += [f"{k}.{fk}" for fk in v]
+        else:
+            out.append(k)
+    return out
 
 
 def report_main(args: argparse.Namespace) -> int:

@@ -50,7 +50,9 @@ from ..nn import MXLinear, mx_layers
 from ..formats import get_format
 from ..quant import E8M0_NAN
 
-__all__ = ["Diagnostics", "operand_quantize", "gemm_diagnostics", "load", "aggregate"]
+from ..train.callbacks import Callback
+
+__all__ = ["Diagnostics", "DiagnosticsCallback", "operand_quantize", "gemm_diagnostics", "load", "aggregate"]
 
 # (gemm, operand A, A's quantization axis, operand B, B's axis); A/B name the tensors X, W, dY
 _GEMMS = (
@@ -292,6 +294,42 @@ class Diagnostics:
         self._remove()
         self._cap = {}
         self._active_step = None
+
+
+class DiagnosticsCallback(Callback):
+    """``Diagnostics`` attached to a trainer run as a callback (what ``mxtrain study --diagnose-every N`` uses):
+    ``mxtrain.train.train(cfg, callbacks=[DiagnosticsCallback(N)])`` writes ``diagnostics.jsonl`` into the run
+    folder (or ``out_dir``). Each diagnosed step (``step % every == 0``, 0-based as ``on_step_begin`` counts)
+    begins before its first forward pass and ends after its update. Rank 0 only. ``rows``: rows written."""
+
+    def __init__(self, every: int, out_dir: str | Path | None = None, max_corr_elems: int = 65536):
+        if every < 0:
+            raise ValueError("diagnose_every must be >= 0")
+        self.every, self.out_dir, self.max_corr = int(every), out_dir, max_corr_elems
+        self.diag: Diagnostics | None = None
+        self.active: int | None = None
+        self.rows = 0
+
+    def on_train_begin(self, state) -> None:
+        if state.rank or not self.every:
+            return
+        self.diag = Diagnostics(state.model, self.out_dir if self.out_dir is not None else state.out, self.every,
+                                self.max_corr)
+
+    def on_step_begin(self, step: int) -> None:
+        if self.diag is not None and self.diag.wants(step):
+            self.diag.begin(step)
+            self.active = step
+
+    def on_step_end(self, step: int, metrics: dict) -> None:
+        if self.diag is not None and self.active is not None:
+            self.rows += len(self.diag.end(self.active))
+            self.active = None
+
+    def on_train_end(self, outcome) -> None:
+        if self.diag is not None:
+            self.diag.close()   # a step that never ended (the run stopped in it): its hooks go, no row
+        self.active = None
 
 
 def _nan_none(o):

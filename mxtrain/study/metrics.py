@@ -20,7 +20,8 @@ Definitions (also in docs/study.md):
   bound from the tokens it did train on is given); ``baseline_did_not_reach``; ``no_runs``.
 * **Default target**: the baseline's smoothed val loss at ``target_frac`` (0.8) of its final
   tokens, averaged over its seeds; or an explicit ``target_loss``.
-* **Diverged**: a non-finite training or validation loss, a run-folder status that says so, or a
+* **Diverged**: a non-finite training or validation loss, a run-folder status (``study_status.json``) or
+  trainer outcome (``run.json``) that says so, or a
   final smoothed val loss above the first evaluation's (the run went back above where it started).
 """
 
@@ -62,6 +63,9 @@ class RunData:
     @property
     def diverged(self) -> bool:
         if self.status.get("state") == "diverged":
+            return True
+        oc = self.info.get("outcome") if isinstance(self.info, dict) else None
+        if isinstance(oc, dict) and oc.get("status") == "diverged":   # the trainer's typed outcome (run.json)
             return True
         if any(not math.isfinite(v) for v in self.train_loss + self.val_loss):
             return True

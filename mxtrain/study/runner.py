@@ -3,8 +3,9 @@
 Layout of a study folder ``OUT``::
 
     OUT/study.json                  the plan: arms, seeds, baseline, base overrides, recipes, metric options
-    OUT/runs/<arm>/seed<k>/         an ordinary ``mxtrain train`` run folder (metrics.jsonl, config.json, ...)
-                  .../study_status.json   written by the runner when the run ended: done | diverged
+    OUT/runs/<arm>/seed<k>/         an ordinary ``mxtrain train`` run folder (metrics.jsonl, config.json, run.json
+                                    with the run's typed outcome, tb/ TensorBoard events, ...)
+                  .../study_status.json   written by the runner when the run ended: done | diverged | failed
     OUT/summary.json                per-arm results (see mxtrain.study.metrics.summarize)
     OUT/report.html, OUT/report.md  the report (mxtrain.study.report)
 
@@ -110,6 +111,10 @@ class StudySpec:
     smooth_k: int = 3
     preset: str | None = None
     exp: str | None = None              # base experiment (mxtrain.train.experiments); None: the default
+    budgets: list[float] | None = None  # cooldown design: budgets as fractions of the run (e.g. 0.25 .. 1.0)
+    cooldown: float = 0.2               # cooldown share of each budget's branch (its last steps)
+    cooldown_shape: str = "1-sqrt"      # linear | 1-sqrt decay of each branch
+    n_boot: int = 1000                  # bootstrap replicates of the cooled-down metric
 
     def __post_init__(self):
         if not self.arms:
@@ -139,6 +144,23 @@ class StudySpec:
         for o in self.overrides:
             if "=" not in o:
                 raise UserError(f"--set expects KEY=VALUE, got {o!r}")
+        if self.budgets is not None:
+            try:
+                bs = sorted({float(b) for b in self.budgets})
+            except (TypeError, ValueError):
+                raise UserError(f"--budgets expects fractions of the run, e.g. 0.25,0.5,0.75,1; got {self.budgets!r}") from None
+            if not bs or not all(0 < b <= 1 for b in bs):
+                raise UserError(f"--budgets must be fractions of the run in (0, 1], got {self.budgets!r}")
+            self.budgets = bs
+            if not 0 < self.cooldown < 1:
+                raise UserError(f"--cooldown must be a share of each branch in (0, 1), got {self.cooldown}")
+            if self.cooldown_shape not in ("linear", "1-sqrt"):
+                raise UserError(f"--cooldown-shape must be linear or 1-sqrt, got {self.cooldown_shape!r}")
+            if self.schedule == "long-cosine":
+                raise UserError("--budgets trains one constant-LR run per arm x seed and cools it down at each budget: "
+                                "use --schedule constant (the default), not long-cosine")
+        if self.n_boot < 10:
+            raise UserError(f"--n-boot must be >= 10, got {self.n_boot}")
 
     @classmethod
     def from_args(cls, args) -> "StudySpec":
@@ -155,6 +177,18 @@ class StudySpec:
                 base[k] = v
         if getattr(args, "target_frac", None) is not None:
             base["target_frac"] = args.target_frac
+        for k in ("cooldown", "cooldown_shape", "n_boot"):
+            v = getattr(args, k, None)
+            if v is not None:
+                base[k] = v
+        b = getattr(args, "budgets", None)
+        if b is not None:
+            if isinstance(b, str):
+                try:
+                    b = [float(x) for x in b.split(",") if x.strip()]
+                except ValueError:
+                    raise UserError(f"--budgets expects fractions of the run, e.g. 0.25,0.5,0.75,1; got {b!r}") from None
+            base["budgets"] = b
         base["overrides"] = list(base.get("overrides", [])) + list(args.overrides or [])
         base["out"] = args.out or f"studies/{args.preset or 'custom'}"
         return cls(**base)
@@ -164,6 +198,10 @@ class StudySpec:
                  f"  seeds: {self.seeds} ({self.seeds * len(self.arms)} runs)",
                  f"  schedule: {self.schedule}" + (f" (horizon {self.lr_horizon:g} x run)" if self.schedule == "long-cosine" else ""),
                  f"  training: {self.train_args()}"]
+        if self.budgets:
+            lines.insert(3, f"  cooldown branches at budgets {', '.join(f'{b:g}' for b in self.budgets)} of the run "
+                            f"({self.cooldown:g} of each branch cooling down, {self.cooldown_shape}); the stable run "
+                            f"is constant-LR")
         return "\n".join(lines)
 
     def train_args(self) -> dict:
@@ -176,7 +214,37 @@ class StudySpec:
 
     def plan_key(self) -> dict:
         """What must match for an existing study folder to be resumed."""
-        return {"train": self.train_args(), "diagnose_every": self.diagnose_every}
+        key = {"train": self.train_args(), "diagnose_every": self.diagnose_every}
+        if self.budgets:
+            key["cooldown"] = {"budgets": self.budgets, "cooldown": self.cooldown, "shape": self.cooldown_shape}
+        return key
+
+
+def branch_plan(spec: StudySpec, steps: int, warmup: int = 0) -> list[tuple[float, int, int]]:
+    """``[(budget, k, n)]`` of a cooldown study whose runs are ``steps`` long: budget ``b`` is a branch of
+    ``round(b * steps)`` steps in all, its last ``n = max(1, round(cooldown * b * steps))`` decaying, from the
+    stable run's checkpoint at ``k = round(b * steps) - n``. UserError when a branch point falls inside the
+    warmup or two budgets give the same branch."""
+    out = []
+    for b in spec.budgets or []:
+        total = int(round(b * steps))
+        n = max(1, int(round(spec.cooldown * total)))
+        k = total - n
+        if k < max(1, warmup):
+            raise UserError(f"budget {b:g} of a {steps}-step run branches at step {k}, "
+                            f"{'inside the warmup (' + str(warmup) + ' steps)' if k >= 1 else 'before the first step'}; "
+                            f"use larger budgets, a shorter --cooldown or more steps")
+        out.append((b, k, n))
+    if len({(k, n) for _, k, n in out}) != len(out):
+        raise UserError(f"budgets {spec.budgets} give the same branch twice at {steps} steps; use budgets further apart")
+    return out
+
+
+def run_steps(cfg) -> int:
+    """The run length in steps of a config (``train.tokens`` wins when set)."""
+    if cfg.train.tokens:
+        return -(-cfg.train.tokens // (cfg.train.batch_size * cfg.data.seq_len))
+    return cfg.train.steps
 
 
 # ----------------------------------------------------------------------------------------------
@@ -218,67 +286,63 @@ def build_config(spec: StudySpec, arm: str, seed: int, run_dir: Path):
     cfg.train.seed = seed
     cfg.model.init_seed = seed
     cfg.data.seed = seed
+    if spec.budgets:   # the stable run of a cooldown study: constant LR up to the last branch point
+        plan = branch_plan(spec, steps, cfg.schedule.warmup_steps)
+        cfg.schedule.kind, cfg.schedule.horizon_steps = "constant", None
+        cfg.train.tokens = None
+        cfg.train.steps = max(k for _, k, _ in plan)
+        cfg.train.keep_checkpoints_at = ",".join(str(k) for _, k, _ in plan)
     cfg.log.out = str(run_dir)
-    cfg.log.progress = False
-    cfg.log.tensorboard = False
+    cfg.log.progress = False   # a study prints one line per run; log.tensorboard stays as configured (default on)
     return cfg
 
 
-class _DiagnosticsTap:
-    """Attach ``Diagnostics`` to a trainer run without changing the trainer.
-
-    The trainer calls ``set_step(model, step)`` at the start of every optimizer step; this wraps that
-    call: it ends the previous diagnosed step (its backward pass is over by then; the weights the
-    forward pass used were copied) and begins the next one when ``step % every == 0``. The wrapper
-    is installed only while one run trains and only when ``every > 0``.
-    """
-
-    def __init__(self, set_step_fn, out_dir: Path, every: int):
-        self.orig, self.out, self.every = set_step_fn, out_dir, every
-        self.diag = None
-        self.active: int | None = None
-        self.rows = 0
-
-    def __call__(self, model, step):
-        self.orig(model, step)
-        if self.diag is None:
-            from .diagnostics import Diagnostics
-            self.diag = Diagnostics(model, self.out, self.every)
-        self.finish()
-        if self.diag.wants(step):
-            self.diag.begin(step)
-            self.active = step
-
-    def finish(self):
-        if self.diag is not None and self.active is not None:
-            self.rows += len(self.diag.end(self.active))
-            self.active = None
+def study_branch_plan(spec: StudySpec) -> list[tuple[float, int, int]]:
+    """The cooldown branches of every run of ``spec`` (empty without ``budgets``)."""
+    if not spec.budgets:
+        return []
+    from ..train.config import apply_overrides   # noqa: F401  (build_config's imports)
+    base = build_config(StudySpec(**{**asdict(spec), "budgets": None}), spec.arms[0], 0, Path(spec.out) / "plan")
+    return branch_plan(spec, run_steps(base), base.schedule.warmup_steps)
 
 
-def train_one(spec: StudySpec, arm: str, seed: int, run_dir: Path) -> None:
-    """Train one run with the ordinary trainer into ``run_dir`` (diagnostics attached if asked)."""
+def branch_folder(run_dir: Path, k: int, n: int) -> Path:
+    return Path(run_dir) / "branches" / f"k{k}-n{n}"
+
+
+def train_branch(spec: StudySpec, arm: str, seed: int, run_dir: Path, budget: float, k: int, n: int, bdir: Path):
+    """Train one cooldown branch of the stable run ``run_dir`` (``mxtrain.train.branch_fit``); returns its
+    typed ``Outcome``. A branch folder with its own checkpoint resumes from it."""
+    from ..train.branch import branch_fit
+    return branch_fit(run_dir, k, n, bdir, shape=spec.cooldown_shape, log=lambda m: None)
+
+
+def train_one(spec: StudySpec, arm: str, seed: int, run_dir: Path):
+    """Train one run with the ordinary trainer into ``run_dir``; returns its typed ``Outcome`` (completed or
+    diverged; an interrupted or failed run raises). Callbacks: per-GEMM diagnostics when ``diagnose_every``
+    is set, and a W&B logger (run ``<arm>-seed<k>``, grouped by study) when ``log.wandb`` is on."""
     from ..train import trainer as TR
+    from ..train.callbacks import WandbLogger, wandb_project
 
     cfg = build_config(spec, arm, seed, run_dir)
-    if spec.diagnose_every and cfg.train.cuda_graphs:
-        raise UserError("diagnostics (--diagnose-every) read each step's operands in Python, which a CUDA graph "
-                        "replay skips: turn train.cuda_graphs off for a diagnosed study")
-    if not spec.diagnose_every:
-        TR.train(cfg)
-        return
-    cfg.train.compile = "off"   # diagnostics hook every MX layer on sampled steps, in Python
-    tap = _DiagnosticsTap(TR.set_step, run_dir, spec.diagnose_every)
-    TR.set_step = tap
-    try:
-        TR.train(cfg)
-    finally:
-        TR.set_step = tap.orig
-        tap.finish()
-        if tap.diag is not None:
-            tap.diag.close()
-    if tap.rows == 0 and R.get(arm).quantized:
-        print(f"warning: no diagnostics were recorded for {arm} seed {seed} (trainer hook not reached)",
+    callbacks = []
+    project = wandb_project(getattr(cfg.log, "wandb", None))
+    if project:
+        callbacks.append(WandbLogger(project, name=f"{arm}-seed{seed}", group=Path(spec.out).resolve().name))
+    diag = None
+    if spec.diagnose_every:
+        if cfg.train.cuda_graphs:
+            raise UserError("diagnostics (--diagnose-every) read each step's operands in Python, which a CUDA graph "
+                            "replay skips: turn train.cuda_graphs off for a diagnosed study")
+        from .diagnostics import DiagnosticsCallback
+        cfg.train.compile = "off"   # diagnostics hook every MX layer on sampled steps, in Python
+        diag = DiagnosticsCallback(spec.diagnose_every)
+        callbacks.append(diag)
+    outcome = TR.fit(cfg, callbacks=callbacks)
+    if diag is not None and diag.rows == 0 and outcome.completed and R.get(arm).quantized:
+        print(f"warning: no diagnostics were recorded for {arm} seed {seed} (no diagnosed step ran)",
               file=sys.stderr)
+    return outcome
 
 
 # ----------------------------------------------------------------------------------------------
@@ -296,9 +360,9 @@ def _status(run_dir: Path) -> dict | None:
 
 
 def _is_divergence(e: BaseException) -> bool:
-    """Divergence is decided by the exception's type, never by its text: the trainer's ``NonFiniteLoss``
-    (and Python's ``FloatingPointError``, the standard type of a floating-point failure) is a diverged run,
-    a result of the study; anything else is a failure of the run."""
+    """For an exception that carries no typed outcome (a stand-in ``train_fn``), divergence is decided by its
+    type, never by its text: the trainer's ``NonFiniteLoss`` (and Python's ``FloatingPointError``, the standard
+    type of a floating-point failure) is a diverged run, a result of the study; anything else is a failure."""
     try:
         from ..train import NonFiniteLoss
     except ImportError:  # pragma: no cover - the trainer is part of the package
@@ -307,14 +371,35 @@ def _is_divergence(e: BaseException) -> bool:
 
 
 def _is_interrupt(e: BaseException) -> bool:
-    """A signal stopped the run (the trainer's ``Interrupted``) or the study: never a result of the run."""
+    """A signal stopped the run (the trainer's ``Interrupted``, or an exception whose typed outcome says
+    interrupted) or the study: never a result of the run."""
     if isinstance(e, StudyInterrupted):
+        return True
+    oc = getattr(e, "outcome", None)
+    if getattr(oc, "status", None) is not None and getattr(oc.status, "value", None) == "interrupted":
         return True
     try:
         from ..train import Interrupted
     except ImportError:  # pragma: no cover
         return False
     return isinstance(e, Interrupted)
+
+
+def _outcome_of(e: BaseException, rd: Path):
+    """The typed outcome of a run that raised ``e``: the exception's own (the trainer attaches it as
+    ``e.outcome``), else the one the trainer recorded in ``rd/run.json``, else by the exception's type
+    (``_is_divergence``): diverged or failed."""
+    from ..train.callbacks import Outcome, Status, read_outcome
+
+    oc = getattr(e, "outcome", None)
+    if isinstance(oc, Outcome):
+        return oc
+    oc = read_outcome(rd)
+    if oc is not None and oc.status in (Status.DIVERGED, Status.FAILED):
+        return oc
+    if _is_divergence(e):
+        return Outcome(Status.DIVERGED, getattr(e, "step", None), str(e), rd)
+    return Outcome(Status.FAILED, None, str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}", rd)
 
 
 def _finished(st: dict | None) -> bool:
@@ -409,9 +494,13 @@ def run_study(spec: StudySpec, train_fn: Callable[[StudySpec, str, int, Path], N
     if jobs < 1:
         raise UserError(f"--jobs must be >= 1, got {jobs}")
     out = Path(spec.out)
+    from ..train.callbacks import require_wandb, wandb_project
     from ..train.trainer import validate
     for arm in spec.arms:   # every run's config checked before the study folder is written
-        validate(build_config(spec, arm, 0, out / "runs" / "check"))
+        cfg = build_config(spec, arm, 0, out / "runs" / "check")
+        validate(cfg)
+        if wandb_project(getattr(cfg.log, "wandb", None)):
+            require_wandb()   # a missing wandb: one error now, not one per run
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -479,10 +568,15 @@ def plan_order(spec: StudySpec) -> list[tuple[str, int]]:
 def run_one(spec: StudySpec, arm: str, seed: int, tag: str, train_fn, log=print) -> None:
     """Train one arm x seed unless its folder says it finished; record done | diverged | failed.
 
-    ``NonFiniteLoss`` (by type) is divergence, a result; a signal (the trainer's ``Interrupted``,
-    ``StudyInterrupted``, ``KeyboardInterrupt``) stops the study; any other exception is recorded as
-    ``failed`` with its message (traceback in ``RUN/study_error.txt``), the run counts as missing, and
-    the next session trains it again."""
+    The state comes from the run's typed ``Outcome`` (``mxtrain.train.callbacks``): the one ``train_fn``
+    returns (``train_one`` returns the trainer's), or the one the exception it raised carries, or the one
+    the trainer recorded in ``RUN/run.json``; only for a stand-in ``train_fn`` that gives none is divergence
+    told by the exception's type (``NonFiniteLoss``, ``FloatingPointError``), never by its text. Completed is
+    ``done``, diverged is a result; interrupted (the trainer's ``Interrupted``, ``StudyInterrupted``,
+    ``KeyboardInterrupt``) stops the study; failed is recorded with its message (traceback in
+    ``RUN/study_error.txt``), the run counts as missing, and the next session trains it again."""
+    from ..train.callbacks import Outcome, Status, read_outcome
+
     rd = Path(spec.out) / "runs" / arm / f"seed{seed}"
     st = _status(rd)
     if _finished(st):
@@ -498,25 +592,30 @@ def run_one(spec: StudySpec, arm: str, seed: int, tag: str, train_fn, log=print)
     rd.parent.mkdir(parents=True, exist_ok=True)
     log(f"{tag} {arm} seed {seed} -> {rd}")
     ts = time.time()
-    state, msg, tb = "done", None, None
+    tb = None
     try:
-        train_fn(spec, arm, seed, rd)
+        res = train_fn(spec, arm, seed, rd)
     except Exception as e:  # a diverged run is a result, a failed one is recorded; a signal stops the study
         if _is_interrupt(e):
             raise
-        if _is_divergence(e):
-            state, msg = "diverged", str(e)
-            log(f"    diverged: {msg}")
-        else:
-            state = "failed"
-            msg = str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}"
+        oc = _outcome_of(e, rd)
+        if not oc.diverged:
             tb = traceback.format_exc()
-            log(f"    failed: {msg}")
+    else:
+        oc = res if isinstance(res, Outcome) else (read_outcome(rd) or Outcome(Status.COMPLETED, None, None, rd))
+        if oc.status is Status.INTERRUPTED:
+            raise StudyInterrupted(f"{arm} seed {seed} was interrupted ({oc.reason}); rerun the same command to "
+                                   f"resume (finished runs are skipped)", signal.SIGINT)
+    state = {Status.COMPLETED: "done", Status.DIVERGED: "diverged"}.get(oc.status, "failed")
+    msg = oc.reason if state != "done" else None
+    if state != "done":
+        log(f"    {state}: {msg}")
     rd.mkdir(parents=True, exist_ok=True)
     if tb:
         (rd / "study_error.txt").write_text(tb)
     (rd / "study_status.json").write_text(json.dumps(
-        {"state": state, "message": msg, "seconds": round(time.time() - ts, 1), "arm": arm, "seed": seed}))
+        {"state": state, "message": msg, "step": oc.step, "seconds": round(time.time() - ts, 1), "arm": arm,
+         "seed": seed}))
     log(f"{tag} {arm} seed {seed}: {state} in {time.time() - ts:.0f} s")
 
 

@@ -1,4 +1,5 @@
-"""Training: typed config (``TrainConfig``), named experiments, the trainer (``train(cfg) -> run folder``)."""
+"""Training: typed config (``TrainConfig``), named experiments, the trainer (``train(cfg) -> run folder``), cooldown
+branches of a stable run (``branch(run_dir, at_step, cooldown_steps) -> branch folder``)."""
 
 from . import experiments as experiments
 from .config import (DataSection as DataSection, LogSection as LogSection, ModelSection as ModelSection,
@@ -6,3 +7,4 @@ from .config import (DataSection as DataSection, LogSection as LogSection, Model
                      ScheduleSection as ScheduleSection, TrainConfig as TrainConfig, TrainSection as TrainSection,
                      apply_overrides as apply_overrides)
 from .trainer import Interrupted as Interrupted, NonFiniteLoss as NonFiniteLoss, evaluate as evaluate, lr_at as lr_at, train as train
+from .branch import branch as branch, branch_fit as branch_fit

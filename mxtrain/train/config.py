@@ -3,14 +3,22 @@
 Overrides come as ``section.field=value`` strings (``--set optim.lr=1e-3``) and are parsed by the
 field's declared type; an unknown key or an unparsable value is a ``UserError``. Keys under
 ``recipe.`` (e.g. ``recipe.wgrad_dy.rounding=stochastic``) change the recipe through ``Recipe.with_``.
+
+Config files (``mxtrain train --config FILE``; docs/config.md) are TOML, JSON or YAML holding the same
+nested form as ``TrainConfig.to_dict()`` (and a run folder's ``config.json``): ``read_config_file`` parses
+one, ``apply_dict`` applies it on top of a config with the same type checks, and ``load_train_config`` does
+both on top of the right experiment. Unknown keys are refused with the nearest valid ones.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import json
 import types
 import typing
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any, Optional
 
 from ..errors import UserError
@@ -53,7 +61,9 @@ class ScheduleSection:
     kind: str = "cosine"                    # cosine | wsd | constant
     warmup_steps: int = 10
     horizon_steps: Optional[int] = None     # length of the LR schedule; None: train.steps (may exceed it)
-    decay_fraction: float = 0.2             # WSD: final share of the horizon spent decaying
+    decay_fraction: float = 0.2             # WSD: final share of the horizon spent decaying (the cooldown)
+    decay_steps: Optional[int] = None       # WSD: the cooldown as a number of steps (overrides decay_fraction)
+    decay_shape: str = "linear"             # WSD cooldown shape: linear | 1-sqrt (Hägele et al. 2024), to min_lr
 
 
 @dataclass
@@ -67,11 +77,16 @@ class TrainSection:
     dtype: str = "auto"                     # auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16
     checkpoint_every: int = 0               # steps between checkpoints; 0: only at the end (and by time, below)
     checkpoint_minutes: float = 30.0        # also checkpoint when this much time passed since the last one; 0: off
+    keep_checkpoints_at: Optional[str] = None  # also keep checkpoints at these points: comma-separated steps
+                                            # ("200,400") or fractions of train.steps ("0.25,0.5"), each kept
+                                            # as checkpoint-<step>.pt (checkpoint-<step>.dcp) for cooldown branches
     deterministic: bool = False             # torch.use_deterministic_algorithms (GPU runs)
     cuda_graphs: bool = False               # replay each micro-step's forward + backward as a CUDA graph
                                             # (one GPU)
     compile: str = "auto"                   # torch.compile every transformer block (MX layers included):
                                             # auto (on CUDA without cuda_graphs) | on | off
+    init_from: Optional[str] = None         # a local Hugging Face Llama folder whose weights initialise the
+                                            # model (instead of the random init); None: random init
 
 
 @dataclass
@@ -83,6 +98,8 @@ class LogSection:
     tensorboard: bool = True                # if tensorboard is installed
     progress: bool = True                   # console progress bar
     peak_tflops: Optional[float] = None     # for MFU; None: looked up from the GPU name (CPU: no MFU)
+    wandb: Any = None                       # Weights & Biases logging (needs wandb): None / false / "off": off;
+                                            # true / "on": project "mxtrain"; any other text: that project
 
 
 @dataclass
@@ -116,24 +133,10 @@ class TrainConfig:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "TrainConfig":
-        cfg = cls()
-        for k, v in d.items():
-            if k not in {f.name for f in fields(cls)}:
-                raise UserError(f"unknown config section {k!r}")
-            cur = getattr(cfg, k)
-            if dataclasses.is_dataclass(cur) and isinstance(v, dict):
-                valid = {f.name for f in fields(cur)}
-                bad = set(v) - valid
-                if bad:
-                    raise UserError(f"unknown keys in config section {k!r}: {', '.join(sorted(bad))}")
-                setattr(cfg, k, type(cur)(**v))
-            elif k == "recipe" and isinstance(v, dict):
-                from ..recipe import Recipe
-                setattr(cfg, k, Recipe.from_dict(v))
-            else:
-                setattr(cfg, k, v)
-        return cfg
+    def from_dict(cls, d: dict, source: str = "") -> "TrainConfig":
+        """A config from a nested dict (``to_dict``'s form, a run's ``config.json``, a config file's content):
+        the defaults, then every key of ``d`` (see ``apply_dict``). ``source`` names the dict in errors."""
+        return apply_dict(cls(), d, source)
 
     def resolved_recipe(self):
         from .. import recipes
@@ -147,44 +150,125 @@ class TrainConfig:
         return self.recipe if isinstance(self.recipe, str) else self.recipe.name
 
 
+# -- keys and suggestions --------------------------------------------------------------------------
+
+_TOP_KEYS = ("exp", "recipe", "recipe_overrides")
+
+# names other trainers use for a field (nanoGPT, torchtitan, Hugging Face): suggested when given as keys
+_ALIASES = {
+    "learning_rate": "optim.lr", "lr": "optim.lr", "max_lr": "optim.lr", "min_lr": "optim.min_lr_ratio",
+    "max_iters": "train.steps", "max_steps": "train.steps", "training_steps": "train.steps", "iters": "train.steps",
+    "warmup_iters": "schedule.warmup_steps", "warmup": "schedule.warmup_steps",
+    "lr_decay_iters": "schedule.horizon_steps", "lr_scheduler_type": "schedule.kind", "lr_min": "optim.min_lr_ratio",
+    "block_size": "data.seq_len", "max_seq_len": "data.seq_len", "seq_length": "data.seq_len",
+    "n_layer": "model.n_layers", "num_hidden_layers": "model.n_layers", "n_head": "model.n_heads",
+    "num_attention_heads": "model.n_heads", "num_key_value_heads": "model.n_kv_heads", "n_embd": "model.dim",
+    "hidden_size": "model.dim", "intermediate_size": "model.ffn_dim", "out_dir": "log.out", "output_dir": "log.out",
+    "dump_folder": "log.out", "eval_interval": "log.eval_every", "eval_freq": "log.eval_every",
+    "log_interval": "log.log_every", "log_freq": "log.log_every", "max_norm": "optim.grad_clip",
+    "max_grad_norm": "optim.grad_clip", "adam_beta1": "optim.beta1", "adam_beta2": "optim.beta2",
+    "adam_epsilon": "optim.eps", "dataset": "data.path", "seed": "train.seed", "batch_size": "train.batch_size",
+    "local_batch_size": "train.micro_batch_size", "per_device_train_batch_size": "train.micro_batch_size",
+    "init_from": "train.init_from", "tokens": "train.tokens", "steps": "train.steps",
+}
+
+
+def section_names() -> list[str]:
+    """The config's sections (model, data, optim, ...), in order."""
+    cfg = TrainConfig()
+    return [f.name for f in fields(cfg) if dataclasses.is_dataclass(getattr(cfg, f.name))]
+
+
+def valid_keys() -> list[str]:
+    """Every settable key: ``exp``, ``recipe``, ``recipe_overrides`` and ``SECTION.FIELD`` for each field."""
+    cfg = TrainConfig()
+    return list(_TOP_KEYS) + [f"{s}.{f.name}" for s in section_names() for f in fields(getattr(cfg, s))]
+
+
+def suggest(key: str) -> list[str]:
+    """The valid keys nearest to an unknown ``key`` (at most 3): the same field name in another section or a
+    name other trainers use for a field (``max_steps`` -> ``train.steps``); else the closest spellings."""
+    keys, sections = valid_keys(), section_names()
+    sec, _, leaf = key.rpartition(".")
+    first = [k for k in keys if k.rsplit(".", 1)[-1] == leaf and k != key]
+    if leaf.lower() in _ALIASES:
+        first.append(_ALIASES[leaf.lower()])
+    if first:
+        return list(dict.fromkeys(first))[:3]
+    out: list[str] = []
+    if sec:
+        for s in [sec] if sec in sections else difflib.get_close_matches(sec, sections, n=1, cutoff=0.6):
+            leaves = [k.split(".", 1)[1] for k in keys if k.startswith(s + ".")]
+            out += [f"{s}.{m}" for m in difflib.get_close_matches(leaf, leaves, n=2, cutoff=0.6)]
+    else:
+        out += difflib.get_close_matches(key, list(_TOP_KEYS) + sections, n=2, cutoff=0.6)
+    out += difflib.get_close_matches(key, keys, n=2, cutoff=0.8)
+    return list(dict.fromkeys(o for o in out if o != key))[:3]
+
+
+def unknown_key_message(key: str, where: str = "") -> str:
+    """``unknown key 'train.lr'; did you mean optim.lr? (keys of train: ...)`` on one line."""
+    near = suggest(key)
+    msg = f"{where}unknown key {key!r}"
+    if near:
+        msg += f"; did you mean {' or '.join(near)}?"
+    sec = key.split(".", 1)[0] if "." in key else None
+    if sec in section_names():
+        msg += f" (keys of {sec}: {', '.join(f.name for f in fields(getattr(TrainConfig(), sec)))})"
+    else:
+        msg += f" (top-level keys: {', '.join(_TOP_KEYS)}; sections: {', '.join(section_names())})"
+    return msg
+
+
 # -- overrides -------------------------------------------------------------------------------------
 
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
+_NONE = {"none", "null"}
 
 
 def _type_name(tp) -> str:
     return getattr(tp, "__name__", str(tp)).replace("typing.", "")
 
 
-def parse_value(text: str, tp, key: str):
-    """Parse ``text`` as type ``tp`` (int, float, bool, str, Optional[...])."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
+def _optional_inner(tp):
+    """``X`` for ``Optional[X]`` / ``X | None``, else None."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if text.lower() in ("none", "null"):
+        return args[0]
+    return None
+
+
+def parse_value(text: str, tp, key: str, source: str | None = None):
+    """Parse ``text`` as type ``tp`` (int, float, bool, str, Optional[...]). Errors name ``--set KEY=TEXT``,
+    or ``SOURCE: KEY = 'TEXT'`` when ``source`` (a config file) is given."""
+    what = f"--set {key}={text}" if source is None else f"{source}: {key} = {text!r}"
+    inner = _optional_inner(tp)
+    if inner is not None:
+        if text.lower() in _NONE:
             return None
-        return parse_value(text, args[0], key)
+        return parse_value(text, inner, key, source)
     if tp is bool:
         t = text.lower()
         if t in _TRUE:
             return True
         if t in _FALSE:
             return False
-        raise UserError(f"--set {key}={text}: expected true or false")
+        raise UserError(f"{what}: expected true or false")
     if tp is int:
         try:
             return int(float(text)) if ("e" in text.lower() and float(text).is_integer()) else int(text.replace("_", ""))
         except ValueError:
-            raise UserError(f"--set {key}={text}: expected an integer") from None
+            raise UserError(f"{what}: expected an integer") from None
     if tp is float:
         try:
             return float(text)
         except ValueError:
-            raise UserError(f"--set {key}={text}: expected a number") from None
+            raise UserError(f"{what}: expected a number") from None
     if tp is str or tp is Any:
         return text
-    raise UserError(f"--set {key}: cannot set a field of type {_type_name(tp)} from the command line")
+    raise UserError(f"{'--set ' + key if source is None else what}: cannot set a field of type {_type_name(tp)} "
+                    f"from {'the command line' if source is None else 'a config file'}")
 
 
 def _guess(text: str):
@@ -212,15 +296,18 @@ def apply_override(cfg: TrainConfig, item: str) -> None:
     if key in ("recipe", "exp"):
         setattr(cfg, key, value)
         return
-    valid_sections = [f.name for f in fields(cfg) if f.name not in ("exp", "recipe", "recipe_overrides")]
+    valid_sections = section_names()
     if len(parts) != 2 or parts[0] not in valid_sections:
-        raise UserError(f"--set {key}: unknown key; use SECTION.FIELD with SECTION one of {', '.join(valid_sections)} "
+        near = suggest(key)
+        raise UserError(f"--set {key}: unknown key; {'did you mean ' + ' or '.join(near) + '? ' if near else ''}"
+                        f"use SECTION.FIELD with SECTION one of {', '.join(valid_sections)} "
                         f"(or recipe.OPERAND.FIELD)")
     sec = getattr(cfg, parts[0])
     hints = typing.get_type_hints(type(sec))
     if parts[1] not in hints:
-        raise UserError(f"--set {key}: unknown field {parts[1]!r} in section {parts[0]!r}; fields: "
-                        f"{', '.join(hints)}")
+        near = suggest(key)
+        raise UserError(f"--set {key}: unknown field {parts[1]!r} in section {parts[0]!r}; "
+                        f"{'did you mean ' + ' or '.join(near) + '? ' if near else ''}fields: {', '.join(hints)}")
     setattr(sec, parts[1], parse_value(value.strip(), hints[parts[1]], key))
 
 
@@ -228,3 +315,252 @@ def apply_overrides(cfg: TrainConfig, items: list[str]) -> TrainConfig:
     for it in items or []:
         apply_override(cfg, it)
     return cfg
+
+
+# -- config files ----------------------------------------------------------------------------------
+
+CONFIG_SUFFIXES = {".toml": "TOML", ".json": "JSON", ".yaml": "YAML", ".yml": "YAML"}
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _coerce(value, tp, key: str, source: str):
+    """A config-file value as the field's type: numbers and booleans as such, or as text the way ``--set``
+    reads it (YAML reads ``3e-3`` as text; TOML has no null: ``"none"`` is None for optional fields)."""
+    where = f"{source}: " if source else ""
+    inner = _optional_inner(tp)
+    if inner is not None:
+        if value is None or (isinstance(value, str) and value.strip().lower() in _NONE):
+            return None
+        return _coerce(value, inner, key, source)
+    if tp is Any:
+        return value
+    if isinstance(value, str) and tp in (int, float, bool):
+        return parse_value(value.strip(), tp, key, source or "config")
+    ok = None
+    if tp is bool and isinstance(value, bool):
+        ok = value
+    elif tp is int and _is_number(value) and float(value).is_integer():
+        ok = int(value)
+    elif tp is float and _is_number(value):
+        ok = float(value)
+    elif tp is str and isinstance(value, str):
+        ok = value
+    if ok is not None:
+        return ok
+    kind = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(tp, _type_name(tp))
+    hint = (" (YAML reads on/off/yes/no as booleans: quote the value)" if tp is str and isinstance(value, bool)
+            else "")
+    raise UserError(f"{where}{key}: expected {kind}, got {json.dumps(value) if value is None else repr(value)}{hint}")
+
+
+def _nest(d: dict, where: str, prefix: str = "") -> dict:
+    """Dotted keys (``"optim.lr": 1e-3``, as ``--set`` writes them) as nested tables; the keys inside
+    ``recipe_overrides`` are recipe paths (``"wgrad_dy.rounding"``) and stay as they are."""
+    out: dict = {}
+    for k, v in d.items():
+        if not isinstance(k, str):
+            raise UserError(f"{where}key {k!r} under {prefix or 'the top level'} is not a string")
+        in_overrides = prefix.split(".", 1)[0] == "recipe_overrides"
+        head, _, rest = (k, "", "") if in_overrides else k.partition(".")
+        path = f"{prefix}.{head}" if prefix else head
+        if rest:
+            v = {rest: v}
+        if isinstance(v, dict):
+            v = _nest(v, where, path)
+        out[head] = _merge(out[head], v, where, path) if head in out else v
+    return out
+
+
+def _merge(a, b, where: str, path: str):
+    if not (isinstance(a, dict) and isinstance(b, dict)):
+        raise UserError(f"{where}{path} is given twice")
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = _merge(out[k], v, where, f"{path}.{k}") if k in out else v
+    return out
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out: dict = {}
+    for k, v in d.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if isinstance(v, dict):
+            out.update(_flat(v, key))
+        else:
+            out[key] = v
+    return out
+
+
+def apply_dict(cfg: TrainConfig, d: dict, source: str = "") -> TrainConfig:
+    """Apply a nested dict on top of ``cfg`` in place (and return it): only the keys given change.
+
+    ``d`` has ``TrainConfig.to_dict()``'s form: ``exp``, ``recipe`` (a preset name, or a full recipe table as
+    in a run's ``recipe.json``), ``recipe_overrides`` (``{"wgrad_dy.rounding": "stochastic"}``, or nested) and
+    one table per section (``{"optim": {"lr": 1e-3}}``; dotted keys ``{"optim.lr": 1e-3}`` work too). Keys
+    starting with ``_`` are ignored (comments, run metadata). Values are checked against the field types;
+    an unknown key is a ``UserError`` naming the nearest valid keys. ``source`` prefixes error messages."""
+    where = f"{source}: " if source else ""
+    if not isinstance(d, dict):
+        raise UserError(f"{where}expected a table of keys, got {type(d).__name__}")
+    d = _nest({k: v for k, v in d.items() if not (isinstance(k, str) and k.startswith("_"))}, where)
+    sections = section_names()
+    for k, v in d.items():
+        if k == "exp":
+            cfg.exp = _coerce(v, str, "exp", source)
+        elif k == "recipe":
+            if isinstance(v, str):
+                cfg.recipe = v
+            elif isinstance(v, dict):
+                if "name" not in v:
+                    raise UserError(f"{where}recipe: a recipe table is a whole recipe (as in a run's recipe.json, "
+                                    f"with a name); to change fields of a preset, set recipe = \"NAME\" and "
+                                    f"[recipe_overrides] \"OPERAND.FIELD\" = VALUE")
+                from ..recipe import Recipe
+                try:
+                    cfg.recipe = Recipe.from_dict(v)
+                except (TypeError, ValueError) as e:
+                    raise UserError(f"{where}recipe: {str(e).splitlines()[0]}") from None
+            else:
+                raise UserError(f"{where}recipe: expected a recipe name or a recipe table, got {v!r}")
+        elif k == "recipe_overrides":
+            if not isinstance(v, dict):
+                raise UserError(f"{where}recipe_overrides: expected a table like {{\"wgrad_dy.rounding\": "
+                                f"\"stochastic\"}}, got {v!r}")
+            for rk, rv in _flat(v).items():
+                if not (isinstance(rv, (str, int, float, bool)) or rv is None or isinstance(rv, list)):
+                    raise UserError(f"{where}recipe_overrides.{rk}: expected a value, got {rv!r}")
+                cfg.recipe_overrides[rk] = tuple(rv) if isinstance(rv, list) else rv
+        elif k in sections:
+            if not isinstance(v, dict):
+                raise UserError(f"{where}{k} is a section: give its fields ([{k}] in TOML, {{\"{k}\": {{...}}}} in "
+                                f"JSON, e.g. {k}.{fields(getattr(cfg, k))[0].name}), got {v!r}")
+            sec = getattr(cfg, k)
+            hints = typing.get_type_hints(type(sec))
+            for fk, fv in v.items():
+                if fk not in hints:
+                    raise UserError(unknown_key_message(f"{k}.{fk}", where))
+                if isinstance(fv, (dict, list)):
+                    raise UserError(f"{where}{k}.{fk}: expected a single value, got {fv!r}")
+                setattr(sec, fk, _coerce(fv, hints[fk], f"{k}.{fk}", source))
+        else:
+            raise UserError(unknown_key_message(k, where))
+    if "recipe" in d or "recipe_overrides" in d:
+        try:
+            cfg.resolved_recipe()
+        except UserError as e:
+            raise UserError(f"{where}{e}") from None
+    return cfg
+
+
+def _toml_loads(text: str):
+    try:
+        import tomllib  # Python 3.11+
+    except ModuleNotFoundError:
+        try:
+            import tomli as tomllib  # type: ignore[no-redef]  # Python 3.10
+        except ModuleNotFoundError:
+            raise UserError("reading TOML on Python 3.10 needs tomli: pip install tomli "
+                            "(or use a .json config file)") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"not valid TOML ({e})") from None
+
+
+def _yaml_loads(text: str, path: Path):
+    try:
+        import yaml
+    except ModuleNotFoundError:
+        raise UserError(f"{path}: reading YAML needs PyYAML: pip install pyyaml (or use a .toml or .json "
+                        f"config file)") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ValueError("not valid YAML (" + " ".join(str(e).split()) + ")") from None
+
+
+def config_file_path(path) -> Path:
+    """``path`` itself, or ``path/config.json`` when ``path`` is a run folder."""
+    p = Path(path)
+    if p.is_dir():
+        if (p / "config.json").is_file():
+            return p / "config.json"
+        raise UserError(f"{p} is a folder without config.json; give a config file (.toml, .json, .yaml)")
+    return p
+
+
+def read_config_file(path) -> dict:
+    """The content of a TOML / JSON / YAML config file (chosen by the suffix) as a dict; a run folder reads
+    its ``config.json``. Any problem (missing file, other suffix, a syntax error, YAML without PyYAML) is a
+    one-line ``UserError`` naming the file."""
+    p = config_file_path(path)
+    kind = CONFIG_SUFFIXES.get(p.suffix.lower())
+    if kind is None:
+        raise UserError(f"{p}: unknown config file type {p.suffix or '(no suffix)'!r}; use .toml, .json, .yaml or .yml")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UserError(f"config file not found: {p}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read config file {p} ({getattr(e, 'strerror', None) or e})") from None
+    try:
+        if kind == "TOML":
+            data = _toml_loads(text)
+        elif kind == "JSON":
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"not valid JSON at line {e.lineno}, column {e.colno} ({e.msg})") from None
+        else:
+            data = _yaml_loads(text, p)
+    except ValueError as e:
+        raise UserError(f"{p}: {e}") from None
+    if data is None:  # an empty YAML file
+        data = {}
+    if not isinstance(data, dict):
+        raise UserError(f"{p}: the file must hold a table of keys (sections like model, train), "
+                        f"not a {type(data).__name__}")
+    return data
+
+
+def load_train_config(path, exp: str | None = None, data: dict | None = None) -> TrainConfig:
+    """The config of ``mxtrain train --config FILE [--exp NAME]``: the defaults, then the experiment, then
+    the file. The experiment is ``exp`` if given, else the file's ``exp`` when it names one
+    (``mxtrain train --list``), else the default one (``tiny-main``); a file's ``exp`` that names no
+    experiment is only the run's label (the run folder's name starts with it). A file without ``exp`` is
+    labelled by its file name.
+    ``data``: the file's content when already read."""
+    from . import experiments
+    p = config_file_path(path)
+    d = read_config_file(p) if data is None else data
+    if "study" in d:
+        raise UserError(f"{p} has a [study] section: it is a study config, run it with mxtrain study --config {p}")
+    file_exp = d.get("exp")
+    if exp is not None:
+        cfg = experiments.get(exp)
+    elif isinstance(file_exp, str) and file_exp in experiments.names():
+        cfg = experiments.get(file_exp)
+    else:
+        cfg = experiments.get(experiments.DEFAULT)
+    if file_exp is None and exp is None:
+        cfg.exp = p.stem if p.name != "config.json" else p.parent.name
+    return apply_dict(cfg, d, str(p))
+
+
+def check_init_from(path) -> None:
+    """``train.init_from`` must be a local Hugging Face model folder: an existing folder with config.json."""
+    if path is None:
+        return
+    p = Path(path)
+    if not p.exists():
+        raise UserError(f"train.init_from (--init-from): {p} not found; give a local Hugging Face Llama folder "
+                        f"(config.json and *.safetensors)")
+    if not p.is_dir():
+        raise UserError(f"train.init_from (--init-from): {p} is not a folder; give a local Hugging Face Llama "
+                        f"folder (config.json and *.safetensors)")
+    if not (p / "config.json").is_file():
+        raise UserError(f"train.init_from (--init-from): {p} has no config.json, so it is not a Hugging Face "
+                        f"model folder")

@@ -4,6 +4,7 @@ their baseline and change a few fields. ``mxtrain train --exp NAME``; ``mxtrain 
 
 from __future__ import annotations
 
+import difflib
 from typing import Callable
 
 from ..errors import UserError
@@ -26,7 +27,9 @@ def names() -> list[str]:
 
 def get(name: str) -> TrainConfig:
     if name not in _EXPERIMENTS:
-        raise UserError(f"unknown experiment {name!r}; valid experiments: {', '.join(_EXPERIMENTS)}")
+        near = difflib.get_close_matches(name, list(_EXPERIMENTS), n=1, cutoff=0.6)
+        raise UserError(f"unknown experiment {name!r}; {f'did you mean {near[0]}? ' if near else ''}valid experiments: "
+                        f"{', '.join(_EXPERIMENTS)} (a config file is given with --config FILE)")
     cfg = _EXPERIMENTS[name]()
     cfg.exp = name
     return cfg
@@ -35,7 +38,7 @@ def get(name: str) -> TrainConfig:
 @experiment("tiny-main")
 def tiny_main() -> TrainConfig:
     """The README's main job: ``tiny`` + ``mxfp4-all-dh16`` on the built-in corpus, about 5 minutes on
-    2 CPU cores (measured: docs/training.md); validation every 40 steps."""
+    2 CPU cores (measured: docs/training.md); validation every 25 steps."""
     return TrainConfig(recipe="mxfp4-all-dh16")
 
 

@@ -1,9 +1,14 @@
-"""The training loop: ``train(cfg) -> run folder``.
+"""The training loop: ``train(cfg) -> run folder`` (``fit(cfg) -> Outcome``), with callbacks.
 
 One code path for every device and world size: the loop never assumes a single process (the data
 loader takes rank / world size, the global batch is split into micro-batches per rank). The
 multi-GPU issue wraps the model (DDP / FSDP2) in ``_wrap_parallel`` and reduces metrics in
 ``_reduce_mean``; nothing else changes.
+
+Hooks: ``callbacks=[...]`` (``mxtrain.train.callbacks.Callback``) are called at the start and end of the run,
+of every step, at every log row, evaluation and checkpoint. How a run ended is a typed ``Outcome``
+(completed, diverged, interrupted, failed), recorded in ``RUN/run.json`` under ``"outcome"``, handed to
+``on_train_end``, carried by the exception that ends a run early (``e.outcome``) and returned by ``fit``.
 """
 
 from __future__ import annotations
@@ -26,7 +31,11 @@ from ..data import Loader, TokenData, ensure_builtin, val_batches
 from ..errors import UserError
 from ..model import Llama, ModelConfig
 from . import checkpoint as ckpt
+from .callbacks import (Callback, CallbackList, Outcome, Status, TensorBoardLogger, TrainState, WandbLogger,
+                        read_outcome, wandb_project)
 from .config import TrainConfig
+
+# re-exported for callers of this module: Callback, Outcome, Status, TrainState, read_outcome (mxtrain.train.callbacks)
 
 # dense bf16 peak TFLOP/s for MFU, matched against torch.cuda.get_device_name()
 PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "GH200": 989.4, "A100": 312.0, "L40S": 362.0, "L4": 121.0,
@@ -34,11 +43,14 @@ PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "GH200": 989.4, "A100": 312.0, "L40
 
 
 class Interrupted(UserError):
-    """SIGINT or SIGTERM: the run saved a checkpoint at the end of the step in progress and stopped."""
+    """SIGINT or SIGTERM: the run saved a checkpoint at the end of the step in progress and stopped.
+    ``outcome``: the run's ``Outcome`` (interrupted, at ``step``)."""
 
-    def __init__(self, msg: str, signum: int):
+    def __init__(self, msg: str, signum: int, step: int | None = None):
         super().__init__(msg)
         self.exit_code = 128 + signum
+        self.step = step
+        self.outcome: Outcome | None = None
 
 
 class _Signals:
@@ -68,8 +80,14 @@ class _Signals:
 
 
 class NonFiniteLoss(UserError):
-    """The loss became NaN or infinite; the run stopped and its last checkpoint was kept."""
+    """The loss (or gradient norm, validation loss, weights) became NaN or infinite at ``step``; the run
+    stopped and its last checkpoint was kept. ``outcome``: the run's ``Outcome`` (diverged)."""
     exit_code = 3
+
+    def __init__(self, msg: str, step: int | None = None):
+        super().__init__(msg)
+        self.step = step
+        self.outcome: Outcome | None = None
 
 
 def _world() -> tuple[int, int]:
@@ -103,7 +121,14 @@ def _autocast_dtype(cfg: TrainConfig, dev: torch.device):
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """LR for optimizer step ``step`` (0-based): linear warmup, then cosine / WSD / constant over the horizon."""
+    """LR for optimizer step ``step`` (0-based): linear warmup, then cosine / WSD / constant over the horizon.
+
+    WSD (warmup-stable-decay): the peak LR until ``decay_start = horizon - n`` (``n``: ``schedule.decay_steps``,
+    else ``round(decay_fraction * horizon)``), then a cooldown towards ``min_lr = lr * min_lr_ratio`` over the
+    last ``n`` steps, with ``t = (step - decay_start) / n`` in [0, 1): ``linear`` is ``lr - (lr - min_lr) * t``,
+    ``1-sqrt`` is ``lr - (lr - min_lr) * sqrt(t)`` (Hägele et al., arXiv 2405.18392). Before ``decay_start``
+    WSD gives exactly the constant schedule's LR, so a constant run branched at step k with a cooldown of
+    n steps (``mxtrain.train.branch``) is the WSD run of horizon k + n."""
     s, o = cfg.schedule, cfg.optim
     horizon = s.horizon_steps or cfg.train.steps
     lr_min = o.lr * o.min_lr_ratio
@@ -115,12 +140,55 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
         t = min(1.0, (step - s.warmup_steps) / max(1, horizon - s.warmup_steps))
         return lr_min + 0.5 * (o.lr - lr_min) * (1 + math.cos(math.pi * t))
     if s.kind == "wsd":
-        decay_start = horizon - int(round(s.decay_fraction * horizon))
+        decay_start = wsd_decay_start(cfg)
         if step < decay_start:
             return o.lr
         t = min(1.0, (step - decay_start) / max(1, horizon - decay_start))
+        if getattr(s, "decay_shape", "linear") == "1-sqrt":
+            return o.lr - (o.lr - lr_min) * math.sqrt(t)
         return o.lr - (o.lr - lr_min) * t
     raise UserError(f"schedule.kind must be cosine, wsd or constant, got {s.kind!r}")
+
+
+DECAY_SHAPES = ("linear", "1-sqrt")
+
+
+def wsd_decay_start(cfg: TrainConfig) -> int:
+    """The first step of a WSD schedule's cooldown (``horizon - decay_steps``)."""
+    s = cfg.schedule
+    horizon = s.horizon_steps or cfg.train.steps
+    n = s.decay_steps if getattr(s, "decay_steps", None) is not None else int(round(s.decay_fraction * horizon))
+    return max(0, horizon - n)
+
+
+def keep_steps(cfg: TrainConfig) -> list[int]:
+    """The steps of ``train.keep_checkpoints_at`` (sorted, unique): integers are steps, numbers with a point are
+    fractions of ``train.steps`` (rounded to a step, at least 1). UserError on anything else."""
+    text = getattr(cfg.train, "keep_checkpoints_at", None)
+    if text is None or str(text).strip() == "":
+        return []
+    out = set()
+    for item in str(text).replace(" ", "").split(","):
+        if not item:
+            continue
+        try:
+            if "." in item or "e" in item.lower():
+                f = float(item)
+                if not 0 < f <= 1:
+                    raise ValueError
+                out.add(max(1, int(round(f * cfg.train.steps))))
+            else:
+                k = int(item)
+                if k < 1:
+                    raise ValueError
+                out.add(k)
+        except ValueError:
+            raise UserError(f"train.keep_checkpoints_at: {item!r} is neither a step (an integer >= 1) nor a fraction "
+                            f"of train.steps in (0, 1] (written with a point, e.g. 0.5)") from None
+    bad = [k for k in out if k > cfg.train.steps]
+    if bad:
+        raise UserError(f"train.keep_checkpoints_at: step {min(bad)} is past train.steps ({cfg.train.steps})")
+    return sorted(out)
 
 
 def _check(cfg: TrainConfig) -> None:
@@ -192,11 +260,19 @@ def validate(cfg: TrainConfig) -> None:
     _num("schedule.warmup_steps", sc.warmup_steps, lo=0, integer=True)
     _num("schedule.horizon_steps", sc.horizon_steps, lo=1, integer=True, optional=True)
     _num("schedule.decay_fraction", sc.decay_fraction, lo=0, hi=1)
+    _num("schedule.decay_steps", getattr(sc, "decay_steps", None), lo=0, integer=True, optional=True)
+    if getattr(sc, "decay_shape", "linear") not in DECAY_SHAPES:
+        raise UserError(f"schedule.decay_shape must be {' or '.join(DECAY_SHAPES)}, got {sc.decay_shape!r}")
+    if getattr(sc, "decay_steps", None) is not None and sc.decay_steps > (sc.horizon_steps or t.steps):
+        raise UserError(f"schedule.decay_steps ({sc.decay_steps}) must be <= the schedule's horizon "
+                        f"({sc.horizon_steps or t.steps} steps)")
     _num("train.micro_batch_size", t.micro_batch_size, lo=1, integer=True, optional=True)
     _num("train.seed", t.seed, integer=True)
     _num("train.checkpoint_every", t.checkpoint_every, lo=0, integer=True)
     _num("train.checkpoint_minutes", t.checkpoint_minutes, lo=0)
+    keep_steps(cfg)
     _num("log.peak_tflops", lg.peak_tflops, lo=0, lo_open=True, optional=True)
+    wandb_project(getattr(lg, "wandb", None))   # true, false or a project name (read only if the field exists)
     cfg.resolved_recipe()   # unknown presets and bad recipe fields: one line
 
 
@@ -337,8 +413,22 @@ def _model_config(cfg: TrainConfig, vocab: int) -> ModelConfig:
     return ModelConfig.named(m.name, **over, vocab_size=padded, max_seq_len=max(base.max_seq_len, cfg.data.seq_len))
 
 
-def build_model(cfg: TrainConfig, vocab: int, device: torch.device) -> Llama:
-    """The model with its init fixed by ``model.init_seed`` (default ``train.seed``), whatever the recipe."""
+def build_model(cfg: TrainConfig, vocab: int, device: torch.device, load_init: bool = True) -> Llama:
+    """The model with its init fixed by ``model.init_seed`` (default ``train.seed``), whatever the recipe;
+    with ``train.init_from``, the shapes and (``load_init``: not when resuming, the checkpoint has them)
+    the weights of that local Hugging Face Llama folder."""
+    if cfg.train.init_from:
+        from .. import hf
+        if load_init:
+            return hf.llama_from_hf(cfg.train.init_from, vocab_size=vocab, max_seq_len=cfg.data.seq_len,
+                                    device=device)
+        from dataclasses import replace
+        mcfg = hf.config_from_hf(cfg.train.init_from, vocab_multiple=32)
+        mcfg = replace(mcfg, max_seq_len=max(mcfg.max_seq_len, cfg.data.seq_len))
+        model = Llama(mcfg, device="meta").to_empty(device=device)
+        if mcfg.tie_embeddings:
+            model.lm_head.weight = model.embed_tokens.weight
+        return model
     mcfg = _model_config(cfg, vocab)
     seed = cfg.model.init_seed if cfg.model.init_seed is not None else cfg.train.seed
     init_dev = torch.device("cpu") if mcfg.num_params() < 1e9 else device
@@ -408,19 +498,90 @@ def _peak_tflops(cfg: TrainConfig, dev: torch.device) -> float | None:
 
 @torch.no_grad()
 def evaluate(model, data: TokenData, cfg: TrainConfig, device, amp_dtype, rank=0, world=1) -> float:
+    """The mean validation loss over the fixed validation windows (``log.eval_tokens``)."""
+    return evaluate_windows(model, data, cfg, device, amp_dtype, rank, world)[0]
+
+
+WINDOWS_NAME = "eval_windows.jsonl"   # per evaluation: {"step", "tokens", "losses": [one mean loss per window]}
+
+
+@torch.no_grad()
+def evaluate_windows(model, data: TokenData, cfg: TrainConfig, device, amp_dtype, rank=0,
+                     world=1) -> tuple[float, list[float]]:
+    """``(mean loss, [loss of each validation window])``: the windows are the fixed validation set's
+    (``val_batches``), in order, each window's loss the mean over its ``seq_len`` tokens; the mean is the
+    token-weighted mean of ``evaluate`` (the same number as ``model(x, y)`` gives, batch by batch). The
+    per-window losses let a study bootstrap over evaluation windows (``mxtrain.study.cooldown``)."""
+    import torch.nn.functional as F
     model.eval()
     total, count = 0.0, 0
+    mine: list[float] = []
     bs = cfg.train.micro_batch_size or max(1, cfg.train.batch_size // world)
     # [distributed] every rank runs as many forwards (FSDP2 gathers in each); padding batches weigh 0
     for (x, y), w in D.even_batches(val_batches(data, cfg.data.seq_len, bs, cfg.log.eval_tokens, rank, world)):
         x, y = x.to(device), y.to(device)
         with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
-            loss = model(x, y)
+            logits = model(x)
+            flat = logits.float().view(-1, logits.size(-1))
+            loss = F.cross_entropy(flat, y.reshape(-1))   # as Llama.forward(x, y) computes it
+            per = F.cross_entropy(flat, y.reshape(-1), reduction="none").view(y.shape).mean(dim=1)
         total += w * loss.item() * y.numel()
         count += w * y.numel()
+        if w:
+            mine += per.tolist()
     model.train()
     total, count = D.reduce_sums(total, count)  # [distributed] token-weighted mean over all ranks
-    return total / count
+    windows = mine
+    if world > 1:   # [distributed] rank r holds windows r, r + world, ...: gathered in order by one sum
+        n = int(round(D.reduce_sums(float(len(mine)))[0]))
+        full = [0.0] * n
+        for k, v in enumerate(mine):
+            full[rank + k * world] = v
+        windows = D.reduce_sums(*full) if n else []
+    return total / count, [float(v) for v in windows]
+
+
+def _append_windows(path: Path, step: int, tokens: int, losses: list[float]) -> None:
+    """One row of ``eval_windows.jsonl`` (losses rounded to 6 decimals: compact, far below seed noise)."""
+    row = {"step": step, "tokens": tokens,
+           "losses": [round(v, 6) if math.isfinite(v) else str(v) for v in losses]}
+    try:
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+    except OSError as e:
+        raise UserError(f"cannot write {path}: {e.strerror or e}; the last checkpoint is intact") from None
+
+
+def _keep_copy(path: Path, step: int) -> None:
+    """Keep the checkpoint just written at ``path`` as ``checkpoint-<step>.pt`` (a hard link where the file
+    system allows: the next checkpoint replaces ``checkpoint.pt`` by a rename, the link keeps this one) or,
+    for a DCP folder, ``checkpoint-<step>.dcp`` (a copy)."""
+    import shutil
+    path = Path(path)
+    dst = path.with_name(kept_name(step, dcp=path.is_dir()))
+    try:
+        if path.is_dir():
+            tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.copytree(path, tmp)
+            shutil.rmtree(dst, ignore_errors=True)
+            os.replace(tmp, dst)
+            return
+        tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
+        if tmp.exists():
+            tmp.unlink()
+        try:
+            os.link(path, tmp)
+        except OSError:
+            shutil.copy2(path, tmp)
+        os.replace(tmp, dst)
+    except OSError as e:
+        raise UserError(f"cannot keep checkpoint {dst}: {e.strerror or e}") from None
+
+
+def kept_name(step: int, dcp: bool = False) -> str:
+    """The file (folder) name of the checkpoint kept at ``step``: ``checkpoint-<step>.pt`` (``.dcp``)."""
+    return f"checkpoint-{step}.{'dcp' if dcp else 'pt'}"
 
 
 def _write_json(path: Path, obj) -> None:
@@ -429,33 +590,57 @@ def _write_json(path: Path, obj) -> None:
     ckpt.write_atomic(path, lambda f: f.write(text.encode()))
 
 
-class _Log:
-    """metrics.jsonl + TensorBoard + console."""
+def _isatty(stream) -> bool:
+    """Is ``stream`` a terminal? (False for None, a pipe, a file, a closed stream.)"""
+    try:
+        return bool(stream is not None and stream.isatty())
+    except (AttributeError, ValueError, OSError):
+        return False
 
-    def __init__(self, out: Path, cfg: TrainConfig, start_step: int, total: int, rank: int):
+
+def _duration(s: float) -> str:
+    s = int(max(0, s))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def _row_step(line: str) -> int | None:
+    """The step of one JSONL row (0 when it has none), or None for a line cut short by a crash."""
+    try:
+        return int(json.loads(line).get("step", 0))
+    except (ValueError, AttributeError, TypeError):
+        return None
+
+
+class _Log:
+    """metrics.jsonl + console; every row also goes to the callbacks' ``on_log`` (TensorBoard, W&B, yours).
+
+    Console: a progress bar only when ``log.progress`` is on and stderr is a terminal. Otherwise (``--no-progress``,
+    nohup, a batch system's log file) every log row is one plain line on stdout, prefixed with the time, with
+    no carriage returns."""
+
+    def __init__(self, out: Path, cfg: TrainConfig, start_step: int, total: int, rank: int,
+                 callbacks: CallbackList | None = None):
         self.rank = rank
+        self.cbs = callbacks if callbacks is not None else CallbackList()
         self.path = out / "metrics.jsonl"
+        self.total, self.start_step, self.t0 = total, start_step, time.perf_counter()
         if rank:  # [distributed] only rank 0 touches metrics.jsonl
-            self.f = self.tb = self.bar = None
+            self.f = self.bar = None
             self._bar_args = (False, total, start_step)
             return
-        if start_step > 0 and self.path.exists():  # drop rows past the checkpoint (a crash after it)
-            keep = [ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln).get("step", 0) <= start_step]
-            self.path.write_text("".join(ln + "\n" for ln in keep))
-        elif start_step == 0:
-            self.path.write_text("")
+        for path in (self.path, out / WINDOWS_NAME):
+            if start_step > 0 and path.exists():  # drop rows past the checkpoint (a crash after it)
+                keep = [ln for ln in path.read_text().splitlines()
+                        if ln.strip() and _row_step(ln) is not None and _row_step(ln) <= start_step]
+                path.write_text("".join(ln + "\n" for ln in keep))
+            elif start_step == 0:
+                path.write_text("")
         self.f = open(self.path, "a")
-        self.tb = None
-        if cfg.log.tensorboard and rank == 0:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-                self.tb = SummaryWriter(str(out / "tb"))
-            except Exception:  # tensorboard not installed
-                self.tb = None
         self.bar = None
-        self._bar_args = (cfg.log.progress and rank == 0, total, start_step)
+        self._bar_args = (cfg.log.progress and rank == 0 and _isatty(sys.stderr), total, start_step)
 
     def start_bar(self):
+        self.t0 = time.perf_counter()
         on, total, start_step = self._bar_args
         if on:
             try:
@@ -476,37 +661,62 @@ class _Log:
             self.f.flush()
         except OSError as e:
             raise UserError(f"cannot write {self.path}: {e.strerror or e}; the last checkpoint is intact") from None
-        if self.tb:
-            for k, v in r.items():
-                if k not in ("step", "tokens") and isinstance(v, (int, float)) and v is not None:
-                    self.tb.add_scalar(k, v, r["step"])
+        self.cbs.log(r["step"], r)
 
-    def say(self, msg: str):
+    def train_line(self, done: int, row: dict):
+        """The console's view of a training row: the bar's postfix, or one plain line with the time left."""
+        if self.rank:
+            return
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{row['loss']:.3f}", lr=f"{row['lr']:.2e}", tok_s=f"{row['tok_per_s']:,.0f}")
+            return
+        msg = (f"{self.step_str(done)} | tokens {row['tokens']:>11,} | loss {row['loss']:.4f} | "
+               f"lr {row['lr']:.2e} | {row['tok_per_s']:,.0f} tok/s")
+        if done > self.start_step and done < self.total:
+            per = (time.perf_counter() - self.t0) / (done - self.start_step)
+            msg += f" | eta {_duration(per * (self.total - done))}"
+        self.say(msg, stamp=True)
+
+    def step_str(self, done: int) -> str:
+        return f"step {done:>{len(str(self.total))}}/{self.total}"
+
+    def say(self, msg: str, stamp: bool = False):
+        """One console line (rank 0): above the bar, or on stdout (prefixed with the time if ``stamp``)."""
         if self.rank:
             return
         if self.bar is not None:
             self.bar.write(msg)
         else:
-            print(msg, flush=True)
+            print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {msg}" if stamp else msg, flush=True)
 
     def close(self):
         if self.bar is not None:
             self.bar.close()
-        if self.tb:
-            self.tb.close()
+            self.bar = None
         if self.f:
             self.f.close()
+            self.f = None
 
 
-def train(cfg: TrainConfig, resume: str | Path | None = None) -> Path:
-    """Train as ``cfg`` says; returns the run folder. ``resume``: a run folder or checkpoint to continue."""
+def _callbacks(cfg: TrainConfig, callbacks) -> list:
+    """The run's callbacks: the caller's, plus a ``WandbLogger`` when ``log.wandb`` is on and the caller gave
+    none (made here, before anything is written: a missing ``wandb`` is one error at startup)."""
+    cbs = list(callbacks or ())
+    project = wandb_project(getattr(cfg.log, "wandb", None))
+    if project and not any(isinstance(c, WandbLogger) for c in cbs):
+        cbs.insert(0, WandbLogger(project))
+    return cbs
+
+
+def _run(cfg: TrainConfig, resume, callbacks) -> Outcome:
     cfg = copy.deepcopy(cfg)
     _check(cfg)
+    cbs = _callbacks(cfg, callbacks)
     device = _resolve_device(cfg.train.device)
     env = D.init(str(device) if device.index is not None or device.type == "cpu" else "cuda")  # [distributed]
     locks: list = []
     try:
-        out = _train(cfg, resume, env, locks)
+        outcome = _train(cfg, resume, env, locks, cbs)
     finally:
         for lock in locks:   # the run folder's lock (rank 0)
             lock.close()
@@ -515,10 +725,31 @@ def train(cfg: TrainConfig, resume: str | Path | None = None) -> Path:
     if env.distributed:
         D.barrier()
         D.shutdown()
-    return out
+    return outcome
 
 
-def _train(cfg: TrainConfig, resume: str | Path | None, env: D.DistEnv, locks: list) -> Path:
+def train(cfg: TrainConfig, resume: str | Path | None = None, callbacks=None) -> Path:
+    """Train as ``cfg`` says; returns the run folder. ``resume``: a run folder or checkpoint to continue.
+    ``callbacks``: ``mxtrain.train.callbacks.Callback`` objects called during the run (see that module).
+
+    A run that does not complete raises: ``NonFiniteLoss`` (diverged), ``Interrupted`` (SIGINT / SIGTERM),
+    ``UserError`` or any other exception (failed); once the run folder is written, the exception carries the
+    run's typed ``Outcome`` as ``e.outcome``, and ``RUN/run.json`` records it under ``"outcome"``."""
+    return _run(cfg, resume, callbacks).out
+
+
+def fit(cfg: TrainConfig, resume: str | Path | None = None, callbacks=None) -> Outcome:
+    """``train``, returning the typed ``Outcome``: ``completed`` or ``diverged`` (a result, not an error).
+    Interrupted and failed runs still raise (with ``e.outcome`` once the run folder is written)."""
+    try:
+        return _run(cfg, resume, callbacks)
+    except NonFiniteLoss as e:
+        if e.outcome is None:
+            raise
+        return e.outcome
+
+
+def _train(cfg: TrainConfig, resume: str | Path | None, env: D.DistEnv, locks: list, callbacks: list) -> Outcome:
     rank, world, device = env.rank, env.world_size, env.device
     amp_dtype = _autocast_dtype(cfg, device)
     recipe = cfg.resolved_recipe()
@@ -543,7 +774,7 @@ def _train(cfg: TrainConfig, resume: str | Path | None, env: D.DistEnv, locks: l
 
     # data
     if cfg.data.path == "builtin":
-        data_dir = ensure_builtin(cfg.data.vocab_size, progress=cfg.log.progress)
+        data_dir = ensure_builtin(cfg.data.vocab_size, progress=cfg.log.progress and _isatty(sys.stderr))
     else:
         data_dir = Path(cfg.data.path)
         if not data_dir.exists():
@@ -559,7 +790,7 @@ def _train(cfg: TrainConfig, resume: str | Path | None, env: D.DistEnv, locks: l
 
     # model + optimizer
     torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg, data.vocab_size, device)
+    model = build_model(cfg, data.vocab_size, device, load_init=state is None)
     convert(model, recipe)
     if compiles(cfg, device):
         # each block compiled on its own (one graph shared by all blocks: layer numbers and steps are
@@ -620,150 +851,256 @@ def _train(cfg: TrainConfig, resume: str | Path | None, env: D.DistEnv, locks: l
             info["legs"] = legs
         _write_json(out / "run.json", info)
 
-    log = _Log(out, cfg, start_step, cfg.train.steps, rank)
-    flops_tok = mcfg.flops_per_token(T)
-    peak = _peak_tflops(cfg, device)
-    log.say(f"mxtrain {__version__} | model {cfg.model.name} ({mcfg.num_params() / 1e6:.1f}M params, "
-            f"{flops_tok / 1e6:.1f} MFLOP/token) | recipe {recipe.name} | {device}"
-            f"{' bf16 autocast' if amp_dtype else ' fp32'} | {cfg.train.steps} steps x {B} x {T} tokens | run {out}")
-    log.start_bar()
+    builtin = []
+    if cfg.log.tensorboard and not any(isinstance(c, TensorBoardLogger) for c in callbacks):
+        builtin.append(TensorBoardLogger())
+    cbs = CallbackList(builtin + list(callbacks))
+    tstate = TrainState(cfg=cfg, config=cfg_dict, out=out, model=model, optimizer=opt, device=device, rank=rank,
+                        world_size=world, start_step=start_step, total_steps=cfg.train.steps, step=start_step,
+                        tokens=tokens)
+    outcome = None
+    log = sig = None
+    try:
+        log = _Log(out, cfg, start_step, cfg.train.steps, rank, cbs)
+        flops_tok = mcfg.flops_per_token(T)
+        peak = _peak_tflops(cfg, device)
+        inexact = _inexact_reader(device)
+        log.say(f"mxtrain {__version__} | model {cfg.model.name} ({mcfg.num_params() / 1e6:.1f}M params, "
+                f"{flops_tok / 1e6:.1f} MFLOP/token) | recipe {recipe.name} | {device}"
+                f"{' bf16 autocast' if amp_dtype else ' fp32'} | {cfg.train.steps} steps x {B} x {T} tokens | run {out}")
+        cbs.begin(tstate)
+        log.start_bar()
+        sig = _Signals()
+        val_loss = _train_loop(cfg, env, model, opt, loader, data, log, cbs, tstate, sig, inexact,
+                               amp_dtype=amp_dtype, accum=accum, flops_tok=flops_tok, peak=peak,
+                               last_ckpt_step=start_step if state is not None else None)
+        tokens = tstate.tokens
+        if rank == 0:
+            summary = {"steps": cfg.train.steps, "tokens": tokens, "final_val_loss": val_loss,
+                       "final_val_ppl": math.exp(min(val_loss, 50)) if val_loss is not None else None,
+                       "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            _write_json(out / "summary.json", summary)
+        outcome = Outcome(Status.COMPLETED, tstate.step, None, out)
+    except NonFiniteLoss as e:
+        outcome = e.outcome = Outcome(Status.DIVERGED, e.step if e.step is not None else tstate.step, str(e), out)
+        raise
+    except Interrupted as e:
+        outcome = e.outcome = Outcome(Status.INTERRUPTED, e.step if e.step is not None else tstate.step, str(e), out)
+        raise
+    except KeyboardInterrupt:
+        outcome = Outcome(Status.INTERRUPTED, tstate.step, "stopped at once by a second signal (or Ctrl-C outside "
+                          "the training loop); resume from the last checkpoint", out)
+        raise
+    except BaseException as e:
+        outcome = Outcome(Status.FAILED, tstate.step,
+                          str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}", out)
+        try:
+            e.outcome = outcome
+        except AttributeError:  # an exception type that takes no attributes
+            pass
+        raise
+    finally:
+        if sig is not None:
+            sig.restore()
+        if log is not None:
+            log.close()
+        if outcome is not None:
+            failing = not outcome.completed
+            if rank == 0:
+                _record_outcome(out, outcome, quiet=failing)
+            cbs.end(outcome, quiet=failing)
+    return outcome
 
+
+def _inexact_reader(device: torch.device):
+    """A function that returns the fast path's running count of inexact MXFP4 carrier blocks on ``device``
+    (``mxtrain.fast.inexact_blocks``), or None where this mxtrain has no such count."""
+    try:
+        from .. import fast
+    except ImportError:
+        return None
+    fn = getattr(fast, "inexact_blocks", None)
+    if fn is None:
+        return None
+
+    def read() -> int:
+        try:
+            v = fn(device)
+        except TypeError:   # a count that takes no device
+            v = fn()
+        return int(v)
+    return read
+
+
+def _record_outcome(out: Path, outcome: Outcome, quiet: bool) -> None:
+    """``outcome`` into ``out/run.json`` (replaced whole). When the run is already ending with an error
+    (``quiet``), a failure to write is a warning, so that the run's own error is the one raised."""
+    p = out / "run.json"
+    try:
+        info = json.loads(p.read_text()) if p.exists() else {}
+        info["outcome"] = outcome.to_dict()
+        _write_json(p, info)
+    except (OSError, ValueError, UserError) as e:
+        if not quiet:
+            raise UserError(f"cannot record the outcome in {p}: {e}") from None
+        print(f"mxtrain: warning: cannot record the outcome ({outcome.status.value}) in {p}: {e}", file=sys.stderr)
+
+
+def _train_loop(cfg: TrainConfig, env, model, opt, loader, data, log: _Log, cbs: CallbackList, tstate: TrainState,
+                sig: _Signals, inexact, *, amp_dtype, accum: int, flops_tok: float, peak, last_ckpt_step):
+    """Steps ``tstate.step`` .. ``train.steps``: updates, logs, evaluations, checkpoints, callbacks. Returns the
+    last validation loss (None if none ran). Raises NonFiniteLoss (diverged) or Interrupted (a signal)."""
+    rank, device, out = env.rank, env.device, tstate.out
+    B, T = cfg.train.batch_size, cfg.data.seq_len
+    start_step, tokens = tstate.start_step, tstate.tokens
     ckpt_path = out / ckpt.NAME
-    last_ckpt_step = start_step if state is not None else None
+    cfg_dict = tstate.config
+    keep = set(keep_steps(cfg))
+    windows_path = out / WINDOWS_NAME
 
     def save_ckpt(step):
         nonlocal last_ckpt_step
         if not _all_finite(model):   # never a checkpoint of non-finite weights
             raise NonFiniteLoss(f"weights are not finite at step {step}; no checkpoint written (last good "
-                                f"checkpoint: {ckpt_path if last_ckpt_step is not None else 'none'}); try a lower --lr")
+                                f"checkpoint: {ckpt_path if last_ckpt_step is not None else 'none'}); try a lower --lr",
+                                step=step)
         rest = {"schedule": {"step": step, "lr": lr_at(step, cfg)}, "loader": loader.state_dict(),
-                "rng": ckpt.rng_state(), "step": step, "tokens": tokens, "config": cfg_dict}
+                "rng": ckpt.rng_state(), "step": step, "tokens": tokens, "config": cfg_dict,
+                "model_config": D.unwrap(model).cfg.to_dict()}
         if env.distributed:  # [distributed] DCP folder, every rank writes its shards; atomic rename
-            D.save_checkpoint(out / D.DCP_NAME, model, opt, extra=rest, env=env)
+            path = out / D.DCP_NAME
+            D.save_checkpoint(path, model, opt, extra=rest, env=env)
             if rank == 0 and ckpt_path.exists():
                 ckpt_path.unlink()  # a single-process leg's older checkpoint: resume must find the newest
-        elif rank == 0:
-            ckpt.save(ckpt_path, {"model": model.state_dict(), "optimizer": opt.state_dict(), **rest})
-            if D.find_dcp(out):  # [distributed] an older multi-process leg's checkpoint
-                import shutil
-                shutil.rmtree(out / D.DCP_NAME)
+        else:
+            path = ckpt_path
+            if rank == 0:
+                ckpt.save(ckpt_path, {"model": model.state_dict(), "optimizer": opt.state_dict(), **rest})
+                if D.find_dcp(out):  # [distributed] an older multi-process leg's checkpoint
+                    import shutil
+                    shutil.rmtree(out / D.DCP_NAME)
+        if step in keep and rank == 0:   # a budget checkpoint (train.keep_checkpoints_at): kept by its step
+            _keep_copy(path, step)
         last_ckpt_step = step
+        cbs.checkpoint(step, path)
+
+    def where():
+        return (f"last good checkpoint: {ckpt_path} (step {last_ckpt_step})" if last_ckpt_step is not None
+                else "no checkpoint was written yet")
 
     model.train()
     graphed = None
     t_last, tok_last, steps_last = time.perf_counter(), tokens, 0
     loss_acc = 0.0
     val_loss = None
-    sig = _Signals()
     t_ckpt = time.perf_counter()
-    try:
-        for step in range(start_step, cfg.train.steps):
-            lr = lr_at(step, cfg)
-            for g in opt.param_groups:
-                g["lr"] = lr
-            set_step(model, step)
-            loss_sum = torch.zeros((), device=device)
-            for k in range(accum):
-                x, y = loader.next()
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                if cfg.train.cuda_graphs:
-                    if graphed is None:   # capture once (after 3 eager warm-up passes), replay from then on
-                        try:
-                            graphed = torch.cuda.make_graphed_callables(
-                                _LossModule(model, device.type, amp_dtype), (x, y))
-                        except RuntimeError as e:
-                            raise UserError(f"could not capture the training step as a CUDA graph "
-                                            f"({str(e).splitlines()[0][:300]}); run without train.cuda_graphs") from None
-                        # a replayed backward hands autograd its static gradient buffers; a .grad that
-                        # already exists is added to in place, so accumulation never aliases (and sums)
-                        # those buffers. The grads stay allocated: zero_grad below zeroes, not frees.
-                        for p in model.parameters():
-                            if p.grad is None:
-                                p.grad = torch.zeros_like(p)
-                        # the warm-up and capture passes advanced the layers' call counters: this first
-                        # replay is call 0 of this step, as in eager training
-                        set_step(model, step)
-                    loss = graphed(x, y) / accum
+    inexact0 = inexact() if inexact is not None else 0
+    record_inexact = device.type == "cuda"   # where the fast path's kernels run; elsewhere once nonzero
+    for step in range(start_step, cfg.train.steps):
+        lr = lr_at(step, cfg)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        set_step(model, step)
+        cbs.step_begin(step)
+        loss_sum = torch.zeros((), device=device)
+        for k in range(accum):
+            x, y = loader.next()
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            if cfg.train.cuda_graphs:
+                if graphed is None:   # capture once (after 3 eager warm-up passes), replay from then on
+                    try:
+                        graphed = torch.cuda.make_graphed_callables(
+                            _LossModule(model, device.type, amp_dtype), (x, y))
+                    except RuntimeError as e:
+                        raise UserError(f"could not capture the training step as a CUDA graph "
+                                        f"({str(e).splitlines()[0][:300]}); run without train.cuda_graphs") from None
+                    # a replayed backward hands autograd its static gradient buffers; a .grad that
+                    # already exists is added to in place, so accumulation never aliases (and sums)
+                    # those buffers. The grads stay allocated: zero_grad below zeroes, not frees.
+                    for p in model.parameters():
+                        if p.grad is None:
+                            p.grad = torch.zeros_like(p)
+                    # the warm-up and capture passes advanced the layers' call counters: this first
+                    # replay is call 0 of this step, as in eager training
+                    set_step(model, step)
+                loss = graphed(x, y) / accum
+                loss.backward()
+            else:
+                with D.grad_sync(model, k == accum - 1):  # [distributed] reduce grads on the last micro-step only
+                    with torch.autocast(device.type, dtype=amp_dtype or torch.float32,
+                                        enabled=amp_dtype is not None):
+                        loss = model(x, y) / accum
                     loss.backward()
-                else:
-                    with D.grad_sync(model, k == accum - 1):  # [distributed] reduce grads on the last micro-step only
-                        with torch.autocast(device.type, dtype=amp_dtype or torch.float32,
-                                            enabled=amp_dtype is not None):
-                            loss = model(x, y) / accum
-                        loss.backward()
-                loss_sum += loss.detach()
-            loss_val = _reduce_mean(loss_sum.item())
-            if not math.isfinite(loss_val):
-                where = (f"last good checkpoint: {ckpt_path} (step {last_ckpt_step})" if last_ckpt_step is not None
-                         else "no checkpoint was written yet")
-                log.row({"step": step + 1, "tokens": tokens, "event": "non-finite loss", "loss": str(loss_val)})
-                raise NonFiniteLoss(f"loss is {loss_val} at step {step + 1}; training stopped ({where}); "
-                                    f"try a lower --lr or another recipe")
-            gnorm = D.clip_grad_norm_(model, cfg.optim.grad_clip if cfg.optim.grad_clip > 0  # [distributed] DTensor grads
-                                      else float("inf"))
-            if not math.isfinite(float(gnorm)):
-                # checked before the update: the weights (and the last checkpoint) stay those of the last good step
-                where = (f"last good checkpoint: {ckpt_path} (step {last_ckpt_step})" if last_ckpt_step is not None
-                         else "no checkpoint was written yet")
-                log.row({"step": step + 1, "tokens": tokens, "event": "non-finite gradient", "grad_norm": float(gnorm)})
-                raise NonFiniteLoss(f"gradient norm is {float(gnorm)} at step {step + 1}; the weights were not updated "
-                                    f"({where}); resume with a lower --lr (it may change on resume) or another recipe")
-            opt.step()
-            opt.zero_grad(set_to_none=graphed is None)
-            tokens += B * T
-            done = step + 1
-            loss_acc += loss_val
-            steps_last += 1
-            if done % cfg.log.log_every == 0 or done == cfg.train.steps or done == start_step + 1:
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                now = time.perf_counter()
-                tps = (tokens - tok_last) / max(now - t_last, 1e-9)
-                row = {"step": done, "tokens": tokens, "loss": loss_acc / steps_last, "lr": lr,
-                       "grad_norm": float(gnorm), "tok_per_s": tps, "epoch": loader.epoch}
-                if peak:
-                    row["mfu"] = flops_tok * tps / (peak * 1e12)
-                log.row(row)
-                if log.bar is not None:
-                    log.bar.set_postfix(loss=f"{row['loss']:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}")
-                else:
-                    log.say(f"step {done:>6} | tokens {tokens:>11,} | loss {row['loss']:.4f} | lr {lr:.2e} | "
-                            f"{tps:,.0f} tok/s")
-                loss_acc, steps_last = 0.0, 0
-                t_last, tok_last = now, tokens
-            if log.bar is not None:
-                log.bar.update(1)
-            if done % cfg.log.eval_every == 0 or done == cfg.train.steps:
-                te = time.perf_counter()
-                val_loss = evaluate(model, data, cfg, device, amp_dtype, rank, world)
-                log.row({"step": done, "tokens": tokens, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))})
-                if not math.isfinite(val_loss):
-                    raise NonFiniteLoss(f"validation loss is {val_loss} at step {done}; training stopped (last good "
-                                        f"checkpoint: {ckpt_path} (step {last_ckpt_step})); resume with a lower --lr "
-                                        f"or another recipe" if last_ckpt_step is not None else
-                                        f"validation loss is {val_loss} at step {done}; training stopped (no checkpoint "
-                                        f"was written yet); try a lower --lr or another recipe")
-                log.say(f"step {done:>6} | tokens {tokens:>11,} | val_loss {val_loss:.4f} | val_ppl {math.exp(min(val_loss, 50)):.2f}")
-                t_last += time.perf_counter() - te  # keep evaluation out of tokens/s
-            caught = sig.caught if not env.distributed else int(_reduce_mean(float(sig.caught or 0)) > 0) and (
-                sig.caught or 15)   # [distributed] a signal on any rank stops every rank at the same step
-            due = cfg.train.checkpoint_minutes > 0 and time.perf_counter() - t_ckpt >= 60 * cfg.train.checkpoint_minutes
-            if ((cfg.train.checkpoint_every and done % cfg.train.checkpoint_every == 0) or done == cfg.train.steps
-                    or due or caught):
-                save_ckpt(done)
-                t_ckpt = time.perf_counter()
-            if caught and done < cfg.train.steps:
-                import signal
-                name = signal.Signals(caught).name
-                log.row({"step": done, "tokens": tokens, "event": f"interrupted ({name})"})
-                raise Interrupted(f"interrupted by {name} at step {done}; checkpoint saved in {out}; continue with: "
-                                  f"mxtrain train --resume {out}", caught)
-    finally:
-        sig.restore()
-        log.close()
-    if rank == 0:
-        summary = {"steps": cfg.train.steps, "tokens": tokens, "final_val_loss": val_loss,
-                   "final_val_ppl": math.exp(min(val_loss, 50)) if val_loss is not None else None,
-                   "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        _write_json(out / "summary.json", summary)
-    return out
+            loss_sum += loss.detach()
+        loss_val = _reduce_mean(loss_sum.item())
+        if not math.isfinite(loss_val):
+            log.row({"step": step + 1, "tokens": tokens, "event": "non-finite loss", "loss": str(loss_val)})
+            raise NonFiniteLoss(f"loss is {loss_val} at step {step + 1}; training stopped ({where()}); "
+                                f"try a lower --lr or another recipe", step=step + 1)
+        gnorm = float(D.clip_grad_norm_(model, cfg.optim.grad_clip if cfg.optim.grad_clip > 0  # [distributed] DTensor grads
+                                        else float("inf")))
+        if not math.isfinite(gnorm):
+            # checked before the update: the weights (and the last checkpoint) stay those of the last good step
+            log.row({"step": step + 1, "tokens": tokens, "event": "non-finite gradient", "grad_norm": gnorm})
+            raise NonFiniteLoss(f"gradient norm is {gnorm} at step {step + 1}; the weights were not updated "
+                                f"({where()}); resume with a lower --lr (it may change on resume) or another recipe",
+                                step=step + 1)
+        opt.step()
+        opt.zero_grad(set_to_none=graphed is None)
+        tokens += B * T
+        done = step + 1
+        tstate.step, tstate.tokens = done, tokens
+        cbs.step_end(done, {"loss": loss_val, "lr": lr, "grad_norm": gnorm, "tokens": tokens})
+        loss_acc += loss_val
+        steps_last += 1
+        if done % cfg.log.log_every == 0 or done == cfg.train.steps or done == start_step + 1:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            now = time.perf_counter()
+            tps = (tokens - tok_last) / max(now - t_last, 1e-9)
+            row = {"step": done, "tokens": tokens, "loss": loss_acc / steps_last, "lr": lr,
+                   "grad_norm": gnorm, "tok_per_s": tps, "epoch": loader.epoch}
+            if peak:
+                row["mfu"] = flops_tok * tps / (peak * 1e12)
+            if inexact is not None:
+                n = inexact() - inexact0
+                record_inexact = record_inexact or n != 0
+                if record_inexact:
+                    row["inexact_blocks"] = n
+            log.row(row)
+            log.train_line(done, row)
+            loss_acc, steps_last = 0.0, 0
+            t_last, tok_last = now, tokens
+        if log.bar is not None:
+            log.bar.update(1)
+        if done % cfg.log.eval_every == 0 or done == cfg.train.steps:
+            te = time.perf_counter()
+            val_loss, windows = evaluate_windows(model, data, cfg, device, amp_dtype, rank, env.world_size)
+            if rank == 0:
+                _append_windows(windows_path, done, tokens, windows)
+            ppl = math.exp(min(val_loss, 50))
+            log.row({"step": done, "tokens": tokens, "val_loss": val_loss, "val_ppl": ppl})
+            cbs.eval(done, {"val_loss": val_loss, "val_ppl": ppl, "tokens": tokens})
+            if not math.isfinite(val_loss):
+                raise NonFiniteLoss(f"validation loss is {val_loss} at step {done}; training stopped (last good "
+                                    f"checkpoint: {ckpt_path} (step {last_ckpt_step})); resume with a lower --lr "
+                                    f"or another recipe" if last_ckpt_step is not None else
+                                    f"validation loss is {val_loss} at step {done}; training stopped (no checkpoint "
+                                    f"was written yet); try a lower --lr or another recipe", step=done)
+            log.say(f"{log.step_str(done)} | tokens {tokens:>11,} | val_loss {val_loss:.4f} | val_ppl {ppl:.2f}",
+                    stamp=True)
+            t_last += time.perf_counter() - te  # keep evaluation out of tokens/s
+        caught = sig.caught if not env.distributed else int(_reduce_mean(float(sig.caught or 0)) > 0) and (
+            sig.caught or 15)   # [distributed] a signal on any rank stops every rank at the same step
+        due = cfg.train.checkpoint_minutes > 0 and time.perf_counter() - t_ckpt >= 60 * cfg.train.checkpoint_minutes
+        if ((cfg.train.checkpoint_every and done % cfg.train.checkpoint_every == 0) or done == cfg.train.steps
+                or due or caught or done in keep):
+            save_ckpt(done)
+            t_ckpt = time.perf_counter()
+        if caught and done < cfg.train.steps:
+            import signal
+            name = signal.Signals(caught).name
+            log.row({"step": done, "tokens": tokens, "event": f"interrupted ({name})"})
+            raise Interrupted(f"interrupted by {name} at step {done}; checkpoint saved in {out}; continue with: "
+                              f"mxtrain train --resume {out}", caught, step=done)
+    return val_loss

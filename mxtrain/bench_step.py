@@ -1,0 +1,168 @@
+"""The whole training step, per variant, in one process: ``mxtrain bench step``.
+
+One step is what a user's loop runs: embedding, every block, the final norm and head, the cross-entropy
+loss, ``backward`` and a fused AdamW update, with float32 master weights under bf16 autocast, the whole
+model under ``torch.compile`` (the same mode for every variant). Each variant is a fresh model with
+the same initialization, on the same random tokens:
+
+* ``bf16``: nothing converted;
+* ``torchao-tensorwise``, ``torchao-rowwise``: torchao's float8 training (``convert_to_float8_training``)
+  on the blocks' linear layers, when torchao is installed (the FP8 a user would pick on Hopper);
+* any mxtrain recipe (``fp8``, ``mxfp4-all-dh16``, ...): ``mxtrain.convert`` with its defaults (the
+  head and the embedding stay in high precision, as torchao's variants leave them).
+
+Per variant: the median step time over ``steps`` timed steps after ``warmup`` steps (CUDA events
+around whole steps), tokens per second, the peak memory of a step (``max_memory_allocated``, the
+weights and optimizer state included), and the ratios to BF16 and to the fastest FP8 variant of the
+same run. A variant that fails (out of memory, say) is reported with its error; the others still run.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+
+import torch
+
+__all__ = ["MODELS", "FP8_VARIANTS", "measure", "summarize", "format_table"]
+
+# Shapes: Llama-8B layers (the paper's model, ``--layers`` of them, its 128k vocabulary), and two whole
+# small models where launch overhead shows.
+MODELS = {"8b-layers": "llama3-8b", "1b": "1b", "125m": "125m"}
+TORCHAO = ("torchao-tensorwise", "torchao-rowwise")
+FP8_VARIANTS = TORCHAO + ("fp8",)
+
+
+def _build(model: str, layers: int | None, seq: int, device):
+    from .model import Llama, ModelConfig
+    over = {"max_seq_len": max(seq, 128)}
+    if layers:
+        over["n_layers"] = layers
+    torch.manual_seed(0)
+    return Llama(ModelConfig.named(MODELS.get(model, model), **over), device=device)
+
+
+def _convert(m, variant: str) -> None:
+    if variant == "bf16":
+        return
+    if variant in TORCHAO:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        convert_to_float8_training(m, config=Float8LinearConfig.from_recipe_name(variant.split("-", 1)[1]),
+                                   module_filter_fn=lambda mod, fqn: fqn.startswith("layers."))
+        return
+    import warnings
+
+    from .nn import convert
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # the conversion report's warnings are not the benchmark's
+        convert(m, variant)
+
+
+def _one_variant(variant: str, model: str, layers: int | None, batch: int, seq: int, steps: int, warmup: int,
+                 compile_mode: str, device) -> dict:
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    m = _build(model, layers, seq, dev)
+    V = m.cfg.vocab_size
+    g = torch.Generator(device=dev).manual_seed(0)
+    idx = torch.randint(0, V, (batch, seq + 1), device=dev, generator=g)
+    x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
+    _convert(m, variant)
+    f = m if compile_mode == "none" else torch.compile(m, mode=None if compile_mode == "default" else compile_mode)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=cuda)
+    amp = torch.autocast(dev.type, dtype=torch.bfloat16)
+
+    def step():
+        with amp:
+            loss = f(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    t_compile = time.perf_counter()
+    for _ in range(warmup):
+        loss = step()
+    if cuda:
+        torch.cuda.synchronize()
+    t_compile = time.perf_counter() - t_compile
+    times, peak = [], 0.0
+    for _ in range(steps):
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            loss = step()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+            peak = max(peak, torch.cuda.max_memory_allocated() / 2**30)
+        else:
+            t0 = time.perf_counter()
+            loss = step()
+            times.append(1e3 * (time.perf_counter() - t0))
+    out = {"ms": statistics.median(times), "ms_all": times, "warmup_s": t_compile,
+           "tokens_per_s": batch * seq / (statistics.median(times) * 1e-3), "loss": float(loss.item()),
+           "params": m.num_params()}
+    if cuda:
+        out["peak_gib"] = peak
+    del m, f, opt
+    return out
+
+
+def measure(variants, model: str = "8b-layers", layers: int | None = 4, batch: int = 4, seq: int = 4096,
+            steps: int = 10, warmup: int = 3, compile_mode: str = "default", device="cuda") -> dict:
+    """Time and memory of the whole training step for each variant (see the module docstring)."""
+    res = {"model": model, "layers": layers, "batch": batch, "seq": seq, "tokens": batch * seq,
+           "compile": compile_mode, "steps": steps, "warmup": warmup, "runs": {}}
+    for v in variants:
+        try:
+            res["runs"][v] = _one_variant(v, model, layers, batch, seq, steps, warmup, compile_mode, device)
+        except Exception as e:  # noqa: BLE001 - one variant's failure (OOM, torchao missing) is a result
+            res["runs"][v] = {"error": f"{type(e).__name__}: {e}"[:400]}
+        gc.collect()
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()
+        torch._dynamo.reset()
+    return summarize(res)
+
+
+def summarize(res: dict) -> dict:
+    """Add each variant's ratios: ``speed_vs_bf16``, ``memory_vs_bf16``, ``speed_vs_best_fp8`` (against the
+    fastest FP8 variant of the run, named in ``best_fp8``)."""
+    runs = res["runs"]
+    bf = runs.get("bf16", {})
+    fp8 = {k: v["ms"] for k, v in runs.items() if k in FP8_VARIANTS and "ms" in v}
+    best = min(fp8, key=fp8.get) if fp8 else None
+    res["best_fp8"] = best
+    for k, v in runs.items():
+        if "ms" not in v:
+            continue
+        if "ms" in bf:
+            v["speed_vs_bf16"] = bf["ms"] / v["ms"]
+            if "peak_gib" in v and "peak_gib" in bf:
+                v["memory_vs_bf16"] = v["peak_gib"] / bf["peak_gib"]
+        if best is not None:
+            v["speed_vs_best_fp8"] = fp8[best] / v["ms"]
+    return res
+
+
+def format_table(res: dict) -> str:
+    """The results as a Markdown table (what ``mxtrain bench step`` prints)."""
+    best = res.get("best_fp8")
+    head = (f"whole training step: model {res['model']}" + (f" ({res['layers']} layers)" if res.get("layers") else "")
+            + f", {res['batch']} x {res['seq']} tokens, compile {res['compile']}, median of {res['steps']} steps")
+    lines = [head, "", f"| variant | ms/step | tokens/s | vs bf16 | vs {best or 'best FP8'} | peak GiB | vs bf16 mem |",
+             "|---|---|---|---|---|---|---|"]
+
+    def f(v, key, fmt):
+        return format(v[key], fmt) if key in v else "-"
+    for k, v in res["runs"].items():
+        if "ms" not in v:
+            lines.append(f"| {k} | failed: {v.get('error', '?')[:80]} | | | | | |")
+            continue
+        lines.append(f"| {k} | {v['ms']:.1f} | {f(v, 'tokens_per_s', ',.0f')} | {f(v, 'speed_vs_bf16', '.3f')}x | "
+                     f"{f(v, 'speed_vs_best_fp8', '.3f')}x | {f(v, 'peak_gib', '.2f')} | "
+                     f"{f(v, 'memory_vs_bf16', '.3f')}x |")
+    return "\n".join(lines)

@@ -1,0 +1,734 @@
+"""A way out and a way in: Hugging Face Llama folders from mxtrain runs, and mxtrain models from them.
+
+``export_hf(run_dir, out_dir)`` writes a folder that ``transformers.AutoModelForCausalLM.from_pretrained``
+loads offline: ``model.safetensors``, ``config.json`` (a ``LlamaConfig`` with mxtrain's exact shapes),
+``generation_config.json``, the run's tokenizer (``tokenizer.json`` + ``tokenizer_config.json``, when it is a
+Hugging Face ``tokenizers`` file) and ``mxtrain_export.json`` (where the weights came from).
+
+``config_from_hf(hf_dir)`` reads a local Hugging Face Llama folder's ``config.json`` into mxtrain's
+``ModelConfig``, and ``load_hf_llama(model, hf_dir)`` copies its weights into an mxtrain ``Llama`` built with
+that config (continued pretraining: ``train.init_from``). Nothing is downloaded, and nothing in either folder
+is executed: safetensors files are read by the small reader below (a JSON header and raw bytes), a
+``pytorch_model.bin`` only with ``torch.load(weights_only=True)``.
+
+Layouts match without any permutation: mxtrain's RoPE rotates the halves ``(x[..., :D/2], x[..., D/2:])`` of
+each head (``mxtrain.model.apply_rope``), which is Hugging Face Llama's ``rotate_half`` convention, with the
+same frequencies ``theta ** (-2i / D)``; RMSNorm, SwiGLU (``w1`` = ``gate_proj``, ``w3`` = ``up_proj``,
+``w2`` = ``down_proj``) and grouped-query attention (query head ``h`` uses key/value head
+``h // (n_heads / n_kv_heads)``) are the same computations.
+
+The exported weights are the run's float32 master weights. A run trained with an MX recipe computed its
+forward pass through MX-quantized GEMMs; in ``transformers`` the model runs in high precision (what
+``mxtrain generate --bf16`` / ``mxtrain eval --bf16`` measure), not with the recipe's quantization.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import UserError
+from .model import SIZES, Llama, ModelConfig
+
+__all__ = ["export_hf", "load_hf_llama", "config_from_hf", "llama_from_hf", "load_run", "run_tokenizer",
+           "RunCheckpoint", "hf_name", "hf_config", "save_safetensors", "load_safetensors"]
+
+# ------------------------------------------------------------------------------------------ names
+
+_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
+_BLOCK_MAP = {  # mxtrain name inside a block -> Hugging Face name inside model.layers.N
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_TOP_MAP = {"embed_tokens.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+            "lm_head.weight": "lm_head.weight"}
+
+
+def hf_name(name: str) -> str:
+    """The Hugging Face ``LlamaForCausalLM`` parameter name of mxtrain ``Llama`` parameter ``name``."""
+    if name in _TOP_MAP:
+        return _TOP_MAP[name]
+    m = _LAYER.fullmatch(name)
+    if m and m.group(2) in _BLOCK_MAP:
+        return f"model.layers.{m.group(1)}.{_BLOCK_MAP[m.group(2)]}"
+    raise KeyError(name)
+
+
+def _expected_names(cfg: ModelConfig) -> list[str]:
+    names = ["embed_tokens.weight", "norm.weight", "lm_head.weight"]
+    for i in range(cfg.n_layers):
+        names += [f"layers.{i}.{k}" for k in _BLOCK_MAP]
+    return names
+
+
+# ------------------------------------------------------------------------------------ safetensors
+# The format (https://github.com/huggingface/safetensors): an unsigned 64-bit little-endian header size N,
+# N bytes of JSON {name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}},
+# then the tensors' raw little-endian bytes, offsets counted from the end of the header.
+
+_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+              torch.bool: "BOOL"}
+for _n, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2")):
+    if hasattr(torch, _n):
+        _ST_DTYPES[getattr(torch, _n)] = _code
+_ST_TORCH = {v: k for k, v in _ST_DTYPES.items()}
+
+
+def save_safetensors(path: str | Path, tensors: dict[str, torch.Tensor],
+                     metadata: dict[str, str] | None = None) -> None:
+    """Write ``tensors`` (CPU, any shapes; no two may share storage) as a safetensors file, atomically."""
+    from .train.checkpoint import write_atomic
+    header: dict = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    offset = 0
+    order = sorted(tensors)
+    for name in order:
+        t = tensors[name]
+        if t.dtype not in _ST_DTYPES:
+            raise UserError(f"cannot write tensor {name} of dtype {t.dtype} as safetensors")
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)   # the data starts 8-byte aligned
+
+    def write(f):
+        f.write(len(head).to_bytes(8, "little"))
+        f.write(head)
+        for name in order:
+            t = tensors[name].detach().to("cpu").contiguous()
+            if t.numel():
+                f.write(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+
+    write_atomic(Path(path), write, "")
+
+
+def load_safetensors(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(tensors, metadata) of a safetensors file. The tensors are CPU copy-on-write views of a memory map of
+    the file (nothing is read until used). A damaged or crafted file is one ``UserError``."""
+    p = Path(path)
+    try:
+        f = open(p, "rb")
+    except OSError as e:
+        raise UserError(f"cannot read {p}: {e.strerror or e}") from None
+    with f:
+        size = os.fstat(f.fileno()).st_size
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise UserError(f"{p}: not a safetensors file (too short)")
+        n = int.from_bytes(raw, "little")
+        if n > min(size - 8, 100 << 20):
+            raise UserError(f"{p}: not a safetensors file (header of {n:,} bytes in a {size:,}-byte file)")
+        try:
+            header = json.loads(f.read(n).decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as e:
+            raise UserError(f"{p}: not a safetensors file (header is not JSON: {e})") from None
+        if not isinstance(header, dict):
+            raise UserError(f"{p}: not a safetensors file (header is not a JSON object)")
+        meta = header.pop("__metadata__", None) or {}
+        data_len = size - 8 - n
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
+    out = {}
+    for name, d in header.items():
+        try:
+            dtype = _ST_TORCH[d["dtype"]]
+            shape = [int(s) for s in d["shape"]]
+            begin, end = (int(x) for x in d["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise UserError(f"{p}: tensor {name!r} has an unknown dtype or a malformed entry ({str(d)[:80]})") from None
+        numel = 1
+        for s in shape:
+            if s < 0:
+                raise UserError(f"{p}: tensor {name!r} has a negative dimension")
+            numel *= s
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if not 0 <= begin <= end <= data_len or end - begin != numel * itemsize:
+            raise UserError(f"{p}: tensor {name!r} does not fit the file (offsets {begin}..{end} for {numel} "
+                            f"values of {d['dtype']}; {data_len} data bytes): the file is damaged or truncated")
+        if numel == 0:
+            out[name] = torch.empty(shape, dtype=dtype)
+        else:
+            out[name] = torch.frombuffer(mm, dtype=dtype, count=numel, offset=8 + n + begin).view(shape)
+    return out, {str(k): str(v) for k, v in meta.items()} if isinstance(meta, dict) else {}
+
+
+# ---------------------------------------------------------------------------------------- run folders
+
+@dataclass
+class RunCheckpoint:
+    """What ``load_run`` found in a run folder."""
+    run_dir: Path               # the run folder
+    path: Path                  # its checkpoint: checkpoint.pt, or the checkpoint.dcp folder
+    step: int                   # optimizer steps done
+    tokens: int                 # training tokens seen
+    config: object              # the run's TrainConfig (from the checkpoint)
+    model_config: ModelConfig
+    data_dir: Path | None       # the prepared data folder the run trained on, if it is still there
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.config.data.seq_len)
+
+    @property
+    def recipe(self):
+        return self.config.resolved_recipe()
+
+
+def _find_checkpoint(run_dir: Path) -> Path:
+    from .distributed import find_dcp
+    from .train import checkpoint as ckpt
+    if not run_dir.exists():
+        raise UserError(f"run folder not found: {run_dir}")
+    dcp = find_dcp(run_dir)
+    if dcp is not None:
+        return dcp
+    if run_dir.is_file() or (run_dir / ckpt.NAME).is_file():
+        return ckpt.find(run_dir)
+    raise UserError(f"{run_dir} holds no checkpoint (no {ckpt.NAME} and no checkpoint.dcp/): a run writes one at its "
+                    f"end and every train.checkpoint_every steps; pass the folder of a run that saved one")
+
+
+def _model_config(cfg, vocab: int) -> ModelConfig:
+    """The run's model shapes, as the trainer builds them (its vocab from the checkpoint's embedding)."""
+    m = cfg.model
+    if m.name not in SIZES:
+        raise UserError(f"the run's model {m.name!r} is not one of mxtrain's Llama sizes ({', '.join(SIZES)}); "
+                        f"only Llama models can be exported or loaded")
+    over = {k: getattr(m, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "rope_theta",
+                                        "tie_embeddings") if getattr(m, k, None) is not None}
+    base = SIZES[m.name]
+    return ModelConfig.named(m.name, **over, vocab_size=vocab, max_seq_len=max(base.max_seq_len, int(cfg.data.seq_len)))
+
+
+def _run_model_config(state: dict, cfg, vocab: int, path: Path) -> ModelConfig:
+    """The ``ModelConfig`` of a checkpoint: the one it records (``state["model_config"]``) if it does; for a
+    run started from a Hugging Face folder (``train.init_from``), that folder's (as ``llama_from_hf`` builds
+    it); else the named size with the config's overrides, as the trainer builds it."""
+    from dataclasses import fields, replace
+    mc = state.get("model_config")
+    if isinstance(mc, dict):
+        names = {f.name for f in fields(ModelConfig)}
+        try:
+            return ModelConfig(**{k: v for k, v in mc.items() if k in names})
+        except TypeError as e:
+            raise UserError(f"checkpoint {path}: cannot read its model_config ({e})") from None
+    init_from = getattr(cfg.train, "init_from", None)
+    if init_from:
+        if not (Path(init_from) / "config.json").is_file():
+            raise UserError(f"checkpoint {path}: the run started from the Hugging Face folder {init_from}, which is "
+                            f"gone, and its checkpoint does not record the model's shapes; put the folder back")
+        hc = config_from_hf(init_from, vocab_multiple=32)
+        return replace(hc, vocab_size=vocab, max_seq_len=max(hc.max_seq_len, int(cfg.data.seq_len)))
+    return _model_config(cfg, vocab)
+
+
+def _data_dir(run_dir: Path, cfg) -> Path | None:
+    """The run's prepared data folder: run.json's resolved path, else the config's (built-in: the cache)."""
+    cands = []
+    try:
+        info = json.loads((run_dir / "run.json").read_text())
+        if isinstance(info, dict) and isinstance(info.get("data"), str):
+            cands.append(Path(info["data"]))
+    except (OSError, ValueError):
+        pass
+    path = getattr(cfg.data, "path", None)
+    if path == "builtin":
+        from .data import default_builtin_dir
+        cands.append(default_builtin_dir(int(cfg.data.vocab_size)))
+    elif isinstance(path, str):
+        cands += [Path(path), run_dir / path]
+    for c in cands:
+        if (c / "meta.json").is_file():
+            return c
+    return None
+
+
+def load_run(run_dir: str | Path, step: int | None = None) -> tuple[Llama, RunCheckpoint]:
+    """The model of a run folder's checkpoint (``checkpoint.pt`` or a multi-process run's ``checkpoint.dcp``),
+    on the CPU in float32, in eval mode and not converted to MX layers; and what the run was.
+
+    The checkpoint is read as the trainer reads it (``weights_only`` for ``checkpoint.pt``, the allow-list
+    reader for DCP folders): nothing in the run folder is executed. ``step``: the step the checkpoint must be
+    at (a run keeps only its latest checkpoint). ``run_dir`` may also be a checkpoint file or DCP folder.
+    """
+    from . import distributed as D
+    from .train import TrainConfig
+    from .train import checkpoint as ckpt
+    run_dir = Path(run_dir)
+    path = _find_checkpoint(run_dir)
+    is_dcp = path.is_dir()
+    if is_dcp:
+        state = D.read_extra(path)
+        sd = None
+    else:
+        state = ckpt.load(path)
+        sd = state["model"]
+    cfg_dict = state.get("config") if isinstance(state, dict) else None
+    if not isinstance(cfg_dict, dict):
+        raise UserError(f"checkpoint {path} holds no run config; it was not written by mxtrain train")
+    try:
+        cfg = TrainConfig.from_dict(cfg_dict)
+    except (TypeError, ValueError) as e:
+        raise UserError(f"checkpoint {path}: cannot read its config ({e})") from None
+    ck_step, tokens = int(state.get("step", 0)), int(state.get("tokens", 0))
+    if step is not None and int(step) != ck_step:
+        raise UserError(f"{run_dir} holds the checkpoint of step {ck_step}, not of step {step} (a run keeps only its "
+                        f"latest checkpoint); leave --step out, or pass --step {ck_step}")
+    folder = path.parent
+    if is_dcp:
+        vocab = _dcp_vocab(path)
+    else:
+        if not isinstance(sd, dict) or not isinstance(sd.get("embed_tokens.weight"), torch.Tensor):
+            raise UserError(f"checkpoint {path} does not hold an mxtrain Llama (no embed_tokens.weight); "
+                            f"only Llama models can be exported or loaded")
+        vocab = int(sd["embed_tokens.weight"].shape[0])
+    mcfg = _run_model_config(state, cfg, vocab, path)
+    if sd is not None:
+        want = set(_expected_names(mcfg))
+        if mcfg.tie_embeddings and "lm_head.weight" not in sd:
+            want.discard("lm_head.weight")
+        got = set(sd)
+        if got != want:
+            extra, missing = sorted(got - want), sorted(want - got)
+            what = ([f"unexpected {', '.join(extra[:3])}"] if extra else []) + \
+                   ([f"missing {', '.join(missing[:3])}"] if missing else [])
+            raise UserError(f"checkpoint {path} does not hold an mxtrain Llama of its config's shape "
+                            f"({'; '.join(what)})")
+    model = Llama(mcfg, device="meta").to_empty(device="cpu")
+    if mcfg.tie_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    if is_dcp:
+        D.load_checkpoint(path, model, None, env=D.get_env())
+    else:
+        try:
+            model.load_state_dict(sd, strict=not mcfg.tie_embeddings)
+        except RuntimeError as e:
+            why = str(e).splitlines()[-1].strip()[:200]
+            raise UserError(f"checkpoint {path} does not fit its config's model ({why})") from None
+    model.float().eval()
+    return model, RunCheckpoint(run_dir=folder, path=path, step=ck_step, tokens=tokens, config=cfg, model_config=mcfg,
+                                data_dir=_data_dir(folder, cfg))
+
+
+def _dcp_vocab(path: Path) -> int:
+    """The embedding's row count in a DCP folder's metadata (read through the allow-list unpickler)."""
+    from . import distributed as D
+    md = D._read_dcp_metadata(path)
+    for key, item in getattr(md, "state_dict_metadata", {}).items():
+        if key in ("model.embed_tokens.weight", "embed_tokens.weight") and hasattr(item, "size"):
+            return int(item.size[0])
+    raise UserError(f"checkpoint {path} does not hold an mxtrain Llama (no embed_tokens.weight); only Llama models "
+                    f"can be exported or loaded")
+
+
+def run_tokenizer(run: RunCheckpoint):
+    """(tokenizer, None) for the run's tokenizer (``mxtrain.data.Tokenizer``), or (None, why it is not there)."""
+    from .data.loader import bare_name
+    from .data.tokenizer import load_tokenizer
+    if run.data_dir is None:
+        return None, (f"the run's data folder ({run.config.data.path}) is not there any more, and with it its "
+                      f"tokenizer")
+    try:
+        meta = json.loads((run.data_dir / "meta.json").read_text())
+        name = meta["tokenizer"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return None, f"cannot read {run.data_dir / 'meta.json'} ({e})"
+    if not bare_name(name) or not (run.data_dir / name).is_file():
+        return None, f"the tokenizer file {name!r} of {run.data_dir} is missing"
+    eot_token = meta.get("eot_token") if isinstance(meta.get("eot_token"), str) else None
+    tok = load_tokenizer(run.data_dir / name, eot_token=eot_token)
+    if isinstance(meta.get("eot_id"), int):
+        tok.eot_id = meta["eot_id"]
+    return tok, None
+
+
+# ---------------------------------------------------------------------------------------------- export
+
+_EXPORT_FILES = {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
+                 "tokenizer_config.json", "special_tokens_map.json", "mxtrain_export.json"}
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def _warn(msg: str) -> None:
+    from .data.sources import warn
+    warn(msg)
+
+
+def hf_config(mcfg: ModelConfig, eot_id: int | None, dtype: str = "float32") -> dict:
+    """The ``config.json`` of a ``LlamaForCausalLM`` computing exactly what mxtrain's ``Llama(mcfg)`` does. The
+    RoPE base is given both as transformers 5's ``rope_parameters`` and as the older ``rope_theta``."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": mcfg.vocab_size,
+        "hidden_size": mcfg.dim,
+        "intermediate_size": mcfg.hidden_dim,
+        "num_hidden_layers": mcfg.n_layers,
+        "num_attention_heads": mcfg.n_heads,
+        "num_key_value_heads": mcfg.n_kv_heads,
+        "head_dim": mcfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": mcfg.max_seq_len,
+        "initializer_range": mcfg.init_std,
+        "rms_norm_eps": mcfg.norm_eps,
+        "rope_theta": mcfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": mcfg.rope_theta},
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "pretraining_tp": 1,
+        "tie_word_embeddings": mcfg.tie_embeddings,
+        "bos_token_id": eot_id,
+        "eos_token_id": eot_id,
+        "use_cache": True,
+        "dtype": dtype,
+        "torch_dtype": dtype,
+    }
+
+
+def _check_out(out: Path, force: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is an existing file, not a folder")
+    if out.is_dir():
+        names = {p.name for p in out.iterdir()}
+        if names and not force:
+            raise UserError(f"output folder {out} already exists and is not empty (use --force to replace an earlier "
+                            f"export)")
+        foreign = sorted(names - _EXPORT_FILES)
+        if foreign:
+            raise UserError(f"output folder {out} holds files an export does not write ({', '.join(foreign[:3])}"
+                            f"{' ...' if len(foreign) > 3 else ''}); --force only replaces an earlier export: "
+                            f"choose an empty or new --out")
+
+
+def export_hf(run_dir: str | Path, out_dir: str | Path, step: int | None = None, *, dtype: str = "float32",
+              force: bool = False, tokenizer: bool = True) -> Path:
+    """Export a run folder's checkpoint as a Hugging Face Llama folder at ``out_dir``; returns it.
+
+    ``step``: the step the checkpoint must be at (a run keeps its latest checkpoint only). ``dtype``:
+    ``float32`` (default: the master weights exactly), ``bfloat16`` or ``float16``. ``force``: replace an
+    earlier export in ``out_dir`` (a folder holding anything else is refused). ``tokenizer``: copy the run's
+    tokenizer when it is a ``tokenizers`` file (else a warning says why it was skipped).
+
+    Refused with a ``UserError``: a folder without a checkpoint, a checkpoint that is not an mxtrain Llama,
+    a non-empty ``out_dir``. The folder is written under a temporary name and renamed at the end.
+    """
+    from . import __version__
+    if dtype not in _DTYPES:
+        raise UserError(f"unknown export dtype {dtype!r}; use float32, bfloat16 or float16")
+    tdtype = _DTYPES[dtype]
+    dname = str(tdtype).replace("torch.", "")
+    out = Path(out_dir)
+    _check_out(out, force)
+    model, run = load_run(run_dir, step)
+    mcfg = model.cfg
+    tok, why = (run_tokenizer(run) if tokenizer else (None, "not asked for"))
+    eot = tok.eot_id if tok is not None else _eot_from_meta(run)
+
+    tensors = {}
+    for name, p in model.state_dict().items():
+        if name == "lm_head.weight" and mcfg.tie_embeddings:
+            continue  # tied: transformers re-ties lm_head to the embedding
+        tensors[hf_name(name)] = p.detach().to(tdtype).contiguous()
+
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    except OSError as e:
+        raise UserError(f"cannot write to {out.parent}: {e.strerror or e}") from None
+    try:
+        save_safetensors(tmp / "model.safetensors", tensors, {"format": "pt", "mxtrain_step": str(run.step)})
+        if eot is None:
+            _warn("the run's end-of-text id is unknown (its data folder is gone): config.json has no bos/eos token "
+                  "id; set them before generating with transformers")
+        _write_json(tmp / "config.json", hf_config(mcfg, eot, dname))
+        gen = {"bos_token_id": eot, "eos_token_id": eot, "do_sample": True, "temperature": 0.8, "top_k": 50}
+        _write_json(tmp / "generation_config.json", {k: v for k, v in gen.items() if v is not None})
+        if tok is not None and tok.kind == "hf":
+            tok.save(tmp)
+            eot_text = tok.impl.id_to_token(tok.eot_id)
+            _write_json(tmp / "tokenizer_config.json", {
+                "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": eot_text, "eos_token": eot_text,
+                "model_max_length": mcfg.max_seq_len, "clean_up_tokenization_spaces": False,
+                "add_bos_token": False, "add_eos_token": False})
+            _write_json(tmp / "special_tokens_map.json", {"bos_token": eot_text, "eos_token": eot_text})
+        elif tokenizer:
+            if tok is not None:
+                why = (f"the run's tokenizer is a {tok.kind} model ({tok.source}), which transformers cannot load "
+                       f"as a tokenizer.json")
+            _warn(f"exported the model without a tokenizer: {why}; give transformers the tokenizer yourself")
+        _write_json(tmp / "mxtrain_export.json", {
+            "mxtrain": __version__, "run": str(run.run_dir.resolve()), "checkpoint": str(run.path.resolve()),
+            "step": run.step, "tokens": run.tokens, "recipe": run.config.recipe_name(),
+            "dtype": dname, "model": mcfg.to_dict(), "seq_len": run.seq_len,
+            "tokenizer": "tokenizer.json" if tok is not None and tok.kind == "hf" else None,
+            "note": "float32 master weights of an mxtrain run; transformers runs them in high precision, not "
+                    "with the run's MX recipe"})
+        _swap_in(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _eot_from_meta(run: RunCheckpoint) -> int | None:
+    if run.data_dir is None:
+        return None
+    try:
+        v = json.loads((run.data_dir / "meta.json").read_text()).get("eot_id")
+        return v if isinstance(v, int) else None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=2) + "\n")
+
+
+def _swap_in(tmp: Path, out: Path) -> None:
+    try:
+        if out.is_dir():
+            aside = out.parent / f".{out.name}.old-{os.getpid()}"
+            if aside.exists():
+                shutil.rmtree(aside)
+            os.rename(out, aside)
+            try:
+                os.rename(tmp, out)
+            except BaseException:
+                os.rename(aside, out)
+                raise
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            os.rename(tmp, out)
+    except OSError as e:
+        raise UserError(f"cannot move the export into {out}: {e.strerror or e}") from None
+
+
+# ---------------------------------------------------------------------------------------------- import
+
+def _read_hf_config(hf_dir: Path) -> dict:
+    p = hf_dir / "config.json"
+    if not hf_dir.is_dir():
+        raise UserError(f"Hugging Face model folder not found: {hf_dir} (a local folder with config.json and "
+                        f"model.safetensors; nothing is downloaded)")
+    try:
+        cfg = json.loads(p.read_text())
+    except OSError:
+        raise UserError(f"{hf_dir} is not a Hugging Face model folder (no readable config.json)") from None
+    except ValueError as e:
+        raise UserError(f"{p}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise UserError(f"{p}: expected a JSON object")
+    return cfg
+
+
+def config_from_hf(hf_dir: str | Path, vocab_multiple: int = 1) -> ModelConfig:
+    """mxtrain's ``ModelConfig`` for a local Hugging Face Llama folder (its ``config.json``).
+
+    ``vocab_multiple``: round the vocab up to this multiple (the trainer pads its vocab to 32 for MX blocks;
+    ``load_hf_llama`` fills the extra rows' embedding and head weights with zeros). Refused with a ``UserError``:
+    a model that is not a Llama, or a Llama feature mxtrain's model does not compute (biases, RoPE scaling,
+    another activation, a head size other than hidden_size / heads).
+    """
+    hf_dir = Path(hf_dir)
+    c = _read_hf_config(hf_dir)
+    where = hf_dir / "config.json"
+    mt, arch = c.get("model_type"), c.get("architectures") or []
+    if mt != "llama" and "LlamaForCausalLM" not in arch:
+        raise UserError(f"{where}: model_type {mt!r} ({', '.join(map(str, arch)) or 'no architectures'}) is not a "
+                        f"Llama; mxtrain loads Llama models only")
+    need = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+    miss = [k for k in need if not isinstance(c.get(k), int) or isinstance(c.get(k), bool)]
+    if miss:
+        raise UserError(f"{where}: missing or non-integer {', '.join(miss)}")
+    bad = []
+    if c.get("hidden_act", "silu") != "silu":
+        bad.append(f"hidden_act {c['hidden_act']!r} (mxtrain's feed-forward is SwiGLU with silu)")
+    for k in ("attention_bias", "mlp_bias"):
+        if c.get(k):
+            bad.append(f"{k} true (mxtrain's linear layers have no bias)")
+    rp = c.get("rope_parameters") if isinstance(c.get("rope_parameters"), dict) else None
+    rs = c.get("rope_scaling") if isinstance(c.get("rope_scaling"), dict) else None
+    rtype = (rp or {}).get("rope_type") or (rp or {}).get("type") or "default"
+    if rs:
+        rtype = rs.get("rope_type") or rs.get("type") or rtype
+    if rtype != "default":
+        bad.append(f"RoPE scaling {rtype!r} (mxtrain's RoPE is the plain one)")
+    theta = (rp or {}).get("rope_theta", c.get("rope_theta", 10000.0))
+    if (rp or {}).get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0)) != 1.0:
+        bad.append("partial_rotary_factor (mxtrain rotates the whole head)")
+    heads, hidden = c["num_attention_heads"], c["hidden_size"]
+    hd = c.get("head_dim")
+    if hd is not None and heads and hd * heads != hidden:
+        bad.append(f"head_dim {hd} x {heads} heads != hidden_size {hidden} (mxtrain's head size is dim / heads)")
+    if bad:
+        raise UserError(f"{where}: this Llama uses what mxtrain's model does not compute: {'; '.join(bad)}")
+    vocab = c["vocab_size"]
+    m = max(1, int(vocab_multiple))
+    eps = c.get("rms_norm_eps", 1e-6)
+    try:
+        return ModelConfig(dim=hidden, n_layers=c["num_hidden_layers"], n_heads=heads,
+                           n_kv_heads=c.get("num_key_value_heads") or heads, ffn_dim=c["intermediate_size"],
+                           vocab_size=m * -(-vocab // m), max_seq_len=int(c.get("max_position_embeddings") or 2048),
+                           rope_theta=float(theta), norm_eps=float(eps),
+                           tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+                           init_std=float(c.get("initializer_range", 0.02)))
+    except UserError as e:
+        raise UserError(f"{where}: {e}") from None
+
+
+def _weight_files(hf_dir: Path) -> list[Path]:
+    from .data.loader import bare_name
+    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        ip = hf_dir / index
+        if ip.is_file():
+            try:
+                wm = json.loads(ip.read_text())["weight_map"]
+                files = sorted(set(wm.values()))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+                raise UserError(f"{ip}: not a valid weight index ({e})") from None
+            for f in files:
+                if not isinstance(f, str) or not bare_name(f):
+                    raise UserError(f"{ip}: weight file {f!r} is not a plain file name inside the folder")
+                if not (hf_dir / f).is_file():
+                    raise UserError(f"{ip}: weight file {f} is missing")
+            return [hf_dir / f for f in files]
+    for name in ("model.safetensors", "pytorch_model.bin"):
+        if (hf_dir / name).is_file():
+            return [hf_dir / name]
+    raise UserError(f"{hf_dir} holds no weights (no model.safetensors, model.safetensors.index.json or "
+                    f"pytorch_model.bin)")
+
+
+def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+    if path.name.endswith(".safetensors"):
+        return load_safetensors(path)[0]
+    try:
+        sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # noqa: BLE001 - a pickle with code, a truncated zip...
+        raise UserError(f"{path}: cannot read it as plain tensors ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0][:120] if str(e) else ''})") from None
+    if not isinstance(sd, dict):
+        raise UserError(f"{path}: not a state dict")
+    return sd
+
+
+@torch.no_grad()
+def load_hf_llama(model: Llama, hf_dir: str | Path) -> dict:
+    """Copy a local Hugging Face Llama folder's weights into the mxtrain ``model`` (built from a matching
+    ``ModelConfig``, e.g. ``config_from_hf(hf_dir, 32)``; plain or already converted to MX layers, before any
+    DDP / FSDP2 wrapping). Returns ``{"tensors", "hf_vocab", "padded_rows", "source"}``.
+
+    The shapes must match: a differing width, depth, head count, key/value heads, FFN size, RoPE base or
+    norm epsilon is one ``UserError`` naming each difference. The model's vocab may exceed the folder's
+    (padding to a multiple of 32): the extra rows of the embedding and the head are set to zero. Weights are
+    cast to the model's dtype. Missing or unexpected tensors are refused by name.
+    """
+    hf_dir = Path(hf_dir)
+    hcfg = config_from_hf(hf_dir)
+    mcfg = getattr(model, "cfg", None)
+    if not isinstance(mcfg, ModelConfig) or not hasattr(model, "layers"):
+        raise UserError(f"load_hf_llama needs an mxtrain Llama model, got {type(model).__name__}")
+    diffs = []
+    for ours, theirs, label in (("dim", "dim", "hidden_size"), ("n_layers", "n_layers", "num_hidden_layers"),
+                                ("n_heads", "n_heads", "num_attention_heads"),
+                                ("n_kv_heads", "n_kv_heads", "num_key_value_heads"),
+                                ("hidden_dim", "hidden_dim", "intermediate_size"),
+                                ("rope_theta", "rope_theta", "rope_theta"), ("norm_eps", "norm_eps", "rms_norm_eps"),
+                                ("tie_embeddings", "tie_embeddings", "tie_word_embeddings")):
+        a, b = getattr(mcfg, ours), getattr(hcfg, theirs)
+        if a != b:
+            diffs.append(f"{ours} {a} here, {label} {b} in the Hugging Face config")
+    if mcfg.vocab_size < hcfg.vocab_size:
+        diffs.append(f"vocab_size {mcfg.vocab_size} here, smaller than vocab_size {hcfg.vocab_size} in the Hugging "
+                     f"Face config")
+    if diffs:
+        raise UserError(f"{hf_dir} does not fit this model: {'; '.join(diffs)}; build the model from "
+                        f"mxtrain.hf.config_from_hf({str(hf_dir)!r})")
+    params = dict(model.named_parameters(remove_duplicate=False))
+    want = {}
+    for name in _expected_names(mcfg):
+        if name == "lm_head.weight" and mcfg.tie_embeddings:
+            continue
+        want[hf_name(name)] = name
+    done: set[str] = set()
+    unexpected = []
+    for f in _weight_files(hf_dir):
+        sd = _read_weights(f)
+        for key, t in sd.items():
+            if key.endswith("rotary_emb.inv_freq") or (key == "lm_head.weight" and mcfg.tie_embeddings):
+                continue  # buffers of old exports; a tied head saved anyway
+            if key not in want:
+                unexpected.append(key)
+                continue
+            name = want[key]
+            p = params[name]
+            if not isinstance(t, torch.Tensor):
+                raise UserError(f"{f}: {key} is not a tensor")
+            shape = tuple(t.shape)
+            if name in ("embed_tokens.weight", "lm_head.weight"):
+                ok = len(shape) == 2 and shape[1] == p.shape[1] and shape[0] == hcfg.vocab_size
+                if ok:
+                    p[: shape[0]].copy_(t.to(p.dtype))
+                    p[shape[0]:].zero_()
+            else:
+                ok = shape == tuple(p.shape)
+                if ok:
+                    p.copy_(t.to(p.dtype))
+            if not ok:
+                need = [hcfg.vocab_size, p.shape[1]] if name in ("embed_tokens.weight", "lm_head.weight") \
+                    else list(p.shape)
+                raise UserError(f"{f}: {key} has shape {list(shape)}, the model's {name} needs {need}")
+            done.add(key)
+        del sd
+    if unexpected:
+        raise UserError(f"{hf_dir}: tensors mxtrain's Llama does not have: {', '.join(sorted(unexpected)[:4])}"
+                        f"{' ...' if len(unexpected) > 4 else ''}")
+    missing = sorted(set(want) - done)
+    if missing:
+        raise UserError(f"{hf_dir}: missing weights {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
+    return {"tensors": len(done), "hf_vocab": hcfg.vocab_size, "padded_rows": mcfg.vocab_size - hcfg.vocab_size,
+            "source": str(hf_dir)}
+
+
+def llama_from_hf(hf_dir: str | Path, *, vocab_size: int | None = None, max_seq_len: int | None = None,
+                  device: str | torch.device = "cpu") -> Llama:
+    """An mxtrain ``Llama`` with the shapes and weights of a local Hugging Face Llama folder (not converted to MX
+    layers: ``convert`` it with a recipe, then wrap it for DDP / FSDP2, as the trainer does).
+
+    ``vocab_size``: the training data's vocab (``TokenData.vocab_size``); refused when it exceeds the model's
+    (the data was tokenized with another tokenizer). The model's vocab is the folder's, padded to a multiple of
+    32 for MX blocks (zero rows). ``max_seq_len``: at least this (the run's ``data.seq_len``)."""
+    from dataclasses import replace
+    mcfg = config_from_hf(hf_dir, vocab_multiple=32)
+    if vocab_size is not None and vocab_size > mcfg.vocab_size:
+        raise UserError(f"the training data's vocab ({vocab_size:,} ids) is larger than the model's in {hf_dir} "
+                        f"({mcfg.vocab_size:,}): tokenize the data with the model's tokenizer (mxtrain data prepare "
+                        f"FILES --tokenizer {Path(hf_dir) / 'tokenizer.json'} --out DIR)")
+    if max_seq_len is not None and max_seq_len > mcfg.max_seq_len:
+        mcfg = replace(mcfg, max_seq_len=int(max_seq_len))
+    model = Llama(mcfg, device="meta").to_empty(device=device)
+    if mcfg.tie_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    load_hf_llama(model, hf_dir)
+    return model

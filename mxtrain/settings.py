@@ -1,0 +1,333 @@
+"""Process settings: every ``MXTRAIN_*`` environment variable, typed, in one frozen object.
+
+``Settings`` has one field per setting, each with its type, default, environment variable and a line of
+documentation (``docs/settings.md`` is generated from it: ``markdown_table()``). The library reads them
+through ``current()`` at use time, never at import, so ``override`` works without reloading modules::
+
+    from mxtrain import settings
+    settings.current().gemm_backend          # "auto", or what MXTRAIN_GEMM_BACKEND says
+    with settings.override(dual="off", qkernel="tile"):
+        ...                                  # code and tests choose kernels and policies this way
+    settings.current().to_dict()             # what a run folder records
+
+Layers, highest first: ``override`` blocks (a process-wide stack: an override made in one thread is seen
+by all), ``configure`` (process-wide values set from code, e.g. a command-line flag), the environment
+(read once, on the first ``current()``; ``reset()`` reads it again), the defaults. ``current()`` returns
+a cached object: reading a field costs an attribute lookup, nothing is parsed per call. The two folders
+(``data_dir``, ``cache_dir``) are read rarely and pointed elsewhere while a process runs (tests, tools):
+their users call ``fresh()``, which reads the environment at that moment.
+
+``mxtrain.fast`` calls ``current()`` when it is imported, so that a model compiled before any eager call
+never reads the environment inside a ``torch.compile`` trace. ``MXTRAIN_STUDY_PARENT`` is not a setting:
+``mxtrain study`` sets it for its worker processes (internal plumbing).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import sys
+import threading
+import types
+from dataclasses import dataclass, field
+
+from .errors import UserError
+
+__all__ = ["Settings", "SettingsError", "current", "fresh", "override", "configure", "reset", "markdown_table",
+           "NUMERICS"]
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+class SettingsError(UserError, ValueError):
+    """A setting with a value it cannot take (names the variable or field, the value and what is allowed)."""
+
+
+def _knob(default, env: str, doc: str, kind: str, choices: tuple = (), aliases: dict | None = None,
+          minimum: int | None = None, numerics: bool = False):
+    """A ``Settings`` field: ``kind`` is "bool", "int", "choice" or "path" (a folder, or None for the
+    default place); ``numerics``: changing it can change a run's numbers (recorded in each run folder)."""
+    return field(default=default, metadata=dict(env=env, doc=doc, kind=kind, choices=tuple(choices),
+                                                aliases=dict(aliases or {}), minimum=minimum, numerics=numerics))
+
+
+_ON_OFF = {**{k: "on" for k in _TRUE}, **{k: "off" for k in _FALSE}}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every setting of mxtrain (``docs/settings.md``). Construct through ``from_env`` or ``replace``
+    (both validate); the library reads ``current()``."""
+
+    fast: bool = _knob(
+        True, "MXTRAIN_FAST", "The fast path (fused Triton quantizers, MX GEMMs) for CUDA tensors; off: every "
+        "`MXLinear` runs the reference path (the same MX values; other accumulation order and rounding).",
+        "bool", numerics=True)
+    gemm_backend: str = _knob(
+        "auto", "MXTRAIN_GEMM_BACKEND", "GEMM path of the fast path; `auto` picks by GPU (sm_90: `fp8_carrier`, "
+        "sm_100+: `native_mx`, else `dequant`); `dot_scaled`: Triton `tl.dot_scaled` on any GPU.",
+        "choice", choices=("auto", "fp8_carrier", "native_mx", "dot_scaled", "dequant"), numerics=True)
+    wgrad_b_group: int = _knob(
+        128, "MXTRAIN_WGRAD_B_GROUP", "FP8-carrier group rows of Wgrad's X (GEMM operand B): 128 (128x128 "
+        "groups, faster) or 1 (1x128 groups, exact in more cases); a GPU that cannot run 128x128 gets 1.",
+        "int", choices=(1, 128), numerics=True)
+    dual: str = _knob(
+        "auto", "MXTRAIN_QDUAL", "Both operands of an activation from one read (`quantize_mxfp4_dual`): `auto` "
+        "without rotations and stochastic rounding only, `on` wherever the kernels apply, `off` never. "
+        "Same bytes either way.", "choice", choices=("auto", "on", "off"), aliases=_ON_OFF)
+    reuse_act: bool = _knob(
+        True, "MXTRAIN_REUSE_ACT", "Layers reading one input (q/k/v, gate/up) quantize its operands once "
+        "(eager only). Same results either way.", "bool")
+    fast_launch: bool = _knob(
+        True, "MXTRAIN_FAST_LAUNCH", "Launch plans: a quantize configuration seen before is launched through its "
+        "compiled kernel directly (less host time). Same results either way.", "bool")
+    qkernel: str = _knob(
+        "auto", "MXTRAIN_QKERNEL", "Quantize kernel: `auto` (`kernel_for` picks by layout), or `blocks`, `cols`, "
+        "`tile` forced where it applies (rotations wider than 32 always run `tile`). Same bytes from each.",
+        "choice", choices=("auto", "blocks", "cols", "tile"))
+    qjoin: bool = _knob(
+        True, "MXTRAIN_QJOIN", "Blocks kernel: one 32-byte carrier store per thread and block (off: 8-byte "
+        "stores from the four pieces, slower). Same bytes either way.", "bool")
+    qfold: bool = _knob(
+        True, "MXTRAIN_QFOLD", "H4/H16/H64 on bf16/fp16 inputs: fold the rotation's power-of-two 1/sqrt(n) into "
+        "the block scale instead of multiplying every value (bit-identical).", "bool")
+    qmaxnreg: int = _knob(
+        80, "MXTRAIN_QMAXNREG", "Register cap (Triton `maxnreg`) of the cols, dual and 128x128-group blocks "
+        "kernels on NVIDIA GPUs (stochastic rounding runs uncapped); 0: no cap. Same bytes either way.",
+        "int", minimum=0)
+    glue: str = _knob(
+        "auto", "MXTRAIN_GLUE", "The model's elementwise layers (RMSNorm, RoPE, SwiGLU): `auto` compiled with "
+        "`torch.compile` on CUDA, `compiled` on every device, `eager` never (float32 intermediate rounding "
+        "may differ).", "choice", choices=("auto", "compiled", "eager"), numerics=True)
+    data_dir: str | None = _knob(
+        None, "MXTRAIN_DATA", "Folder of the prepared built-in corpus (default `~/.cache/mxtrain/data`). "
+        "Read when used.", "path")
+    cache_dir: str | None = _knob(
+        None, "MXTRAIN_CACHE", "Folder of mxtrain's cache, e.g. the records of checked data shards (default "
+        "`$XDG_CACHE_HOME/mxtrain`, else `~/.cache/mxtrain`). Read when used.", "path")
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            object.__setattr__(self, f.name, _coerce(f, getattr(self, f.name), f"Settings.{f.name}"))
+        # what quantize launch plans and self-check results depend on, hashed once per object
+        object.__setattr__(self, "launch_key", (self.qkernel, self.qjoin, self.qfold, self.dual, self.qmaxnreg))
+
+    @classmethod
+    def from_env(cls, environ=None) -> "Settings":
+        """The settings an environment (default ``os.environ``) gives; unset or empty variables keep the
+        default. A bad value raises ``SettingsError`` naming the variable, the value and the allowed ones."""
+        environ = os.environ if environ is None else environ
+        kw = {}
+        for f in dataclasses.fields(cls):
+            raw = environ.get(f.metadata["env"])
+            if raw is not None and raw.strip():
+                kw[f.name] = _coerce(f, raw, f.metadata["env"])
+        return cls(**kw)
+
+    def replace(self, **changes) -> "Settings":
+        """A copy with ``changes`` (validated; strings are parsed as the environment's are)."""
+        _check_names(changes)
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        """``{field: value}`` (JSON types), for a run folder."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def numerics(self) -> dict:
+        """The fields that can change a run's numbers (``NUMERICS``)."""
+        return {n: getattr(self, n) for n in NUMERICS}
+
+
+NUMERICS = tuple(f.name for f in dataclasses.fields(Settings) if f.metadata["numerics"])
+_FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
+
+
+def _allowed(f) -> str:
+    m = f.metadata
+    if m["kind"] == "bool":
+        return "one of " + ", ".join(_TRUE + _FALSE) + " (any case)"
+    if m["choices"]:
+        return "one of " + ", ".join(str(c) for c in m["choices"])
+    if m["kind"] == "int":
+        return "an integer" + (f" >= {m['minimum']}" if m["minimum"] is not None else "")
+    return "a folder"
+
+
+def _coerce(f, value, source: str):
+    """``value`` (a string as in the environment, or a typed value) as field ``f`` holds it; the one parser."""
+    m = f.metadata
+    v = value
+    if isinstance(v, str) and m["kind"] != "path":
+        s = v.strip().lower()
+        if m["kind"] == "bool":
+            v = True if s in _TRUE else False if s in _FALSE else None
+        elif m["kind"] == "int" or (m["choices"] and isinstance(m["choices"][0], int)):
+            try:
+                v = int(s)
+            except ValueError:
+                v = None
+        else:
+            v = m["aliases"].get(s, s)
+    elif isinstance(v, bool) and m["kind"] == "choice" and m["aliases"]:
+        v = m["aliases"]["1" if v else "0"]
+    ok = v is not None
+    if m["kind"] == "bool":
+        ok = isinstance(v, bool)
+    elif m["kind"] in ("int", "choice") and m["choices"] and isinstance(m["choices"][0], int):
+        ok = isinstance(v, int) and not isinstance(v, bool) and v in m["choices"]
+    elif m["kind"] == "int":
+        ok = isinstance(v, int) and not isinstance(v, bool) and (m["minimum"] is None or v >= m["minimum"])
+    elif m["kind"] == "choice":
+        ok = v in m["choices"]
+    elif m["kind"] == "path":
+        if v is None:
+            return None
+        ok = isinstance(v, (str, os.PathLike))
+        if ok:
+            v = os.fspath(v)
+            return v if v.strip() else None
+    if not ok:
+        raise SettingsError(f"{source}={value!r} is not a valid value: use {_allowed(f)} (docs/settings.md)")
+    return v
+
+
+def _check_names(fields: dict) -> None:
+    bad = sorted(set(fields) - set(_FIELDS))
+    if bad:
+        raise SettingsError(f"unknown setting(s) {', '.join(bad)}; the settings are {', '.join(_FIELDS)}")
+
+
+# ---------------------------------------------------------------------------------------------- state
+
+_lock = threading.RLock()
+_env: Settings | None = None        # the environment's settings, read on first use
+_configured: dict = {}              # configure()
+_stack: list = []                   # override() blocks, innermost last: [(token, {field: value})]
+_current: Settings | None = None    # cached: the environment, then configure, then the overrides (None only
+                                    # before the first current(); every change rebuilds it at once)
+
+
+def current() -> Settings:
+    """The active settings (cached; cheap enough for every call of the fast path)."""
+    s = _current
+    if s is None:
+        s = _rebuild()
+    return s
+
+
+def _layers(base: Settings) -> Settings:
+    changes = dict(_configured)
+    for _, ov in _stack:
+        changes.update(ov)
+    return dataclasses.replace(base, **changes) if changes else base
+
+
+def _rebuild() -> Settings:
+    global _env, _current
+    with _lock:
+        if _env is None:
+            _env = Settings.from_env(os.environ)
+        _current = _layers(_env)
+        return _current
+
+
+def fresh() -> Settings:
+    """The settings with the environment read now (not cached), configure and overrides applied: for
+    settings read rarely and pointed elsewhere while a process runs (the folders)."""
+    with _lock:
+        return _layers(Settings.from_env(os.environ))
+
+
+def _validate(fields: dict) -> dict:
+    _check_names(fields)
+    return {n: _coerce(_FIELDS[n], v, n) for n, v in fields.items()}
+
+
+@contextlib.contextmanager
+def override(**fields):
+    """Within the block, ``current()`` has these values (validated; e.g. ``override(dual="off")``).
+    Process-wide (every thread sees it) and nestable; blocks may end in any order."""
+    ov = _validate(fields)
+    token = object()
+    with _lock:
+        _stack.append((token, ov))
+        s = _rebuild()
+    try:
+        yield s
+    finally:
+        with _lock:
+            _stack[:] = [e for e in _stack if e[0] is not token]
+            _rebuild()   # at once: a torch.compile trace must find the settings cached, never build them
+
+
+def configure(**fields) -> Settings:
+    """Set process-wide values, above the environment and below ``override`` blocks (e.g. from a
+    command-line flag); returns the new ``current()``."""
+    ov = _validate(fields)
+    with _lock:
+        _configured.update(ov)
+        return _rebuild()
+
+
+def reset() -> Settings:
+    """Forget ``configure``'d values and read the environment again (``override`` blocks stay); returns the
+    new ``current()``."""
+    global _env
+    with _lock:
+        _env = None
+        _configured.clear()
+        return _rebuild()
+
+
+def alias_module_attributes(module_name: str, **aliases: str) -> None:
+    """Keep old module attributes (e.g. ``mxtrain.fast.ENABLED``) as aliases of settings: reading one gives
+    ``current().<field>``, assigning it calls ``configure(<field>=value)``."""
+    mod = sys.modules[module_name]
+
+    def prop(name):
+        return property(lambda self: getattr(current(), name), lambda self, v: configure(**{name: v}))
+    cls = type(f"{module_name}.<module>", (types.ModuleType,), {a: prop(n) for a, n in aliases.items()})
+    mod.__class__ = cls
+
+
+# ---------------------------------------------------------------------------------------------- docs
+
+_PAGE_HEAD = """# Settings
+
+<!-- generated by mxtrain.settings.markdown_table(); tests/test_settings.py checks that this page is current -->
+
+Every setting of mxtrain is an environment variable, read once per process (on first use), and a field of
+`mxtrain.settings.Settings`. From Python, `mxtrain.settings.current()` returns the active settings and
+`with mxtrain.settings.override(dual="off"): ...` changes some of them inside a block (tests and benchmarks
+choose kernels and policies this way); `mxtrain.settings.configure(...)` sets process-wide values.
+Booleans accept 1/0, true/false, yes/no, on/off in any case; a bad value stops with an error that names the
+variable, the value and the allowed values.
+
+Settings that can change a run's numbers are marked under "numerics": {numerics}.
+Each run folder records them, with all the others (`mxtrain.settings.current().to_dict()`). The rest change
+speed, memory or where files go, never a result.
+
+"""
+
+_PAGE_TAIL = """
+Internal, not a setting: `MXTRAIN_STUDY_PARENT` is set by `mxtrain study` for its worker processes (a worker
+exits if that parent process is gone).
+"""
+
+
+def markdown_table() -> str:
+    """The settings page (``docs/settings.md``): one row per field."""
+    rows = ["| environment variable | field | type | default | numerics | what it does |",
+            "|---|---|---|---|---|---|"]
+    for f in dataclasses.fields(Settings):
+        m = f.metadata
+        typ = {"bool": "bool", "int": "int", "path": "folder"}.get(m["kind"], "choice")
+        if m["choices"]:
+            typ += ": " + " / ".join(f"`{c}`" for c in m["choices"])
+        default = "unset" if f.default is None else f"`{f.default}`"
+        rows.append(f"| `{m['env']}` | `{f.name}` | {typ} | {default} | {'yes' if m['numerics'] else ''} "
+                    f"| {m['doc']} |")
+    head = _PAGE_HEAD.format(numerics=", ".join(f"`{n}`" for n in NUMERICS))
+    return head + "\n".join(rows) + "\n" + _PAGE_TAIL

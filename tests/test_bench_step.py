@@ -1,0 +1,58 @@
+"""``mxtrain bench step`` (mxtrain.bench_step): the whole-step benchmark's bookkeeping on CPU with a tiny model
+(the timings themselves are GPU work, recorded in BENCHMARKS.md): every variant trains the same model from
+the same initialization, ratios are against BF16 and the fastest FP8 variant of the run, and a variant
+that fails is reported without stopping the others."""
+
+import importlib.util
+
+import pytest
+
+from mxtrain import bench_step as bs
+
+
+def test_measure_runs_every_variant_and_computes_ratios():
+    variants = ["bf16", "fp8", "mxfp4-all-dh16", "torchao-tensorwise"]
+    res = bs.measure(variants, model="tiny", layers=2, batch=2, seq=32, steps=2, warmup=1, compile_mode="none",
+                     device="cpu")
+    runs = res["runs"]
+    assert list(runs) == variants
+    for v in ("bf16", "fp8", "mxfp4-all-dh16"):
+        r = runs[v]
+        assert r["ms"] > 0 and len(r["ms_all"]) == 2 and r["tokens_per_s"] == pytest.approx(2 * 32 / (r["ms"] * 1e-3))
+        assert r["speed_vs_bf16"] == pytest.approx(runs["bf16"]["ms"] / r["ms"])
+        assert r["params"] == runs["bf16"]["params"]
+    # same model, same init, same tokens: the first loss is the same up to the recipe's quantization error
+    assert abs(runs["fp8"]["loss"] - runs["bf16"]["loss"]) < 0.5
+    if importlib.util.find_spec("torchao") is None:
+        assert "error" in runs["torchao-tensorwise"] and "ms" not in runs["torchao-tensorwise"]
+        assert res["best_fp8"] == "fp8"
+    assert runs["mxfp4-all-dh16"]["speed_vs_best_fp8"] == pytest.approx(
+        runs[res["best_fp8"]]["ms"] / runs["mxfp4-all-dh16"]["ms"])
+    table = bs.format_table(res)
+    assert "| mxfp4-all-dh16 |" in table and f"vs {res['best_fp8']}" in table
+
+
+def test_summarize_picks_the_fastest_fp8():
+    res = {"runs": {"bf16": {"ms": 100.0, "peak_gib": 40.0},
+                    "torchao-tensorwise": {"ms": 80.0, "peak_gib": 34.0},
+                    "torchao-rowwise": {"ms": 90.0, "peak_gib": 34.0},
+                    "fp8": {"ms": 85.0},
+                    "mxfp4-all-dh16": {"ms": 64.0, "peak_gib": 36.0},
+                    "tseng": {"error": "OutOfMemoryError"}}}
+    out = bs.summarize(res)
+    assert out["best_fp8"] == "torchao-tensorwise"
+    m = out["runs"]["mxfp4-all-dh16"]
+    assert m["speed_vs_bf16"] == pytest.approx(100 / 64) and m["speed_vs_best_fp8"] == pytest.approx(80 / 64)
+    assert m["memory_vs_bf16"] == pytest.approx(36 / 40)
+    assert "memory_vs_bf16" not in out["runs"]["fp8"] and "speed_vs_bf16" not in out["runs"]["tseng"]
+    assert "failed: OutOfMemoryError" in bs.format_table(dict(out, model="8b-layers", layers=4, batch=4, seq=4096,
+                                                               compile="default", steps=10))
+
+
+def test_bench_cli_refuses_without_a_gpu_in_one_line():
+    import torch
+
+    from train_helpers import one_line_error, run_cli
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    one_line_error(run_cli("bench", "step", "--model", "125m"), "needs a CUDA GPU")

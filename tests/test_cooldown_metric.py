@@ -1,0 +1,97 @@
+"""The cooled-down extra-token metric (mxtrain.study.cooldown) on synthetic curves with known answers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mxtrain.study import cooldown as C
+
+E, B, BETA = 2.0, 40.0, 0.35
+D = np.array([2.5e6, 5e6, 7.5e6, 1e7])
+
+
+def curve(d):
+    return E + B * np.asarray(d, dtype=float) ** (-BETA)
+
+
+def windows(L, W=32, sd=0.3, seed=0):
+    """(K, W) window losses with mean exactly L per budget: the same zero-mean window offsets (text difficulty)
+    at every budget, as in a real validation set."""
+    off = np.random.default_rng(seed).normal(0, sd, W)
+    off -= off.mean()
+    return np.asarray(L)[:, None] + off[None, :]
+
+
+def test_fit_recovers_parameters():
+    f = C.fit_power_law(D, curve(D))
+    assert f["E"] == pytest.approx(E, abs=1e-6) and f["beta"] == pytest.approx(BETA, rel=1e-5)
+    assert f["B"] == pytest.approx(B, rel=1e-4)
+    assert np.allclose(C.power_law(f, D), curve(D), atol=1e-9)
+    assert C.fit_power_law(D[:2], curve(D[:2])) is None                     # 3 parameters need 3 budgets
+    assert C.fit_power_law(D, curve(D)[::-1]) is None                      # a rising curve has no fit
+
+
+@pytest.mark.parametrize("c", [1.0, 1.25, 1.6, 0.8])
+def test_stretched_curve_gives_c_minus_1_at_every_budget(c):
+    """An arm whose curve is the baseline's stretched along the token axis by c (L_arm(D) = L_base(D / c))
+    needs c times the tokens: extra tokens c - 1 at every budget, and the bootstrap agrees."""
+    base = np.stack([windows(curve(D))] * 3)
+    arm = np.stack([windows(curve(D / c))] * 3)
+    r = C.bootstrap_extra_tokens(D, arm, base, n_boot=100)
+    for row in r["budgets"]:
+        assert row["state"] == "ok" and row["extra"] == pytest.approx(c - 1, abs=1e-4)
+        # shared window offsets shift every point alike: each replicate refits the same curve
+        assert row["ci95"][0] == pytest.approx(c - 1, abs=1e-3) and row["ci95"][1] == pytest.approx(c - 1, abs=1e-3)
+
+
+def test_constant_offset_gives_analytic_equivalent_tokens():
+    """L_arm = L_base + delta: D_equiv = (B / (B D^-beta + delta))^(1/beta), so extra tokens
+    (1 + delta D^beta / B)^(1/beta) - 1."""
+    delta = 0.01
+    f = C.fit_power_law(D, curve(D))
+    for d in D:
+        de = C.equivalent_tokens(float(curve(d) + delta), f)
+        assert de == pytest.approx((B / (B * d ** -BETA + delta)) ** (1 / BETA), rel=1e-4)
+        assert C.extra_tokens(d, float(curve(d) + delta), f) == pytest.approx(
+            (1 + delta * d ** BETA / B) ** (1 / BETA) - 1, rel=1e-3)
+    assert C.extra_tokens(D[-1], E - 0.01, f) is None                       # below the floor: no equivalent
+    base = np.stack([windows(curve(D))] * 2)
+    below = np.stack([windows(np.full(len(D), E - 0.05))] * 2)            # better than the baseline's floor
+    r = C.bootstrap_extra_tokens(D, below, base, n_boot=20)
+    assert all(row["state"] == "below_floor" and row["extra"] is None for row in r["budgets"])
+
+
+def _noisy(seeds, W, rng, sd=0.05):
+    return np.stack([curve(D)[:, None] + rng.normal(0, sd, (len(D), W)) for _ in range(seeds)])
+
+
+def test_identical_arms_ci_contains_zero_and_shrinks_with_windows():
+    widths = []
+    for W in (16, 400):
+        rng = np.random.default_rng(1)
+        base, arm = _noisy(3, W, rng), _noisy(3, W, rng)
+        r = C.bootstrap_extra_tokens(D, arm, base, n_boot=300, seed=2)
+        for row in r["budgets"]:
+            lo, hi = row["ci95"]
+            assert lo < 0 < hi, (W, row)
+            assert row["mde"] == pytest.approx(2.8 * row["se"])
+        widths.append(np.mean([row["ci95"][1] - row["ci95"][0] for row in r["budgets"]]))
+    assert widths[1] < widths[0] / 2.5          # 25x the windows: about 5x narrower
+
+
+def test_summarize_and_verdict_from_points():
+    budgets = [0.25, 0.5, 0.75, 1.0]
+
+    def pts(L, state="done"):
+        w = windows(L, W=8)
+        return {s: {b: {"state": state, "tokens": float(d), "losses": list(w[j]), "path": ""}
+                    for j, (b, d) in enumerate(zip(budgets, D))} for s in (0, 1)}
+    points = {"bf16": pts(curve(D)), "mx": pts(curve(D / 1.3)), "same": pts(curve(D)), "bad": pts(curve(D), "diverged")}
+    cool = C.summarize_cooldown(points, "bf16", budgets, n_boot=50)
+    assert cool["arms"]["mx"]["budgets"][-1]["extra"] == pytest.approx(0.3, abs=1e-3)
+    assert cool["arms"]["bad"]["state"] == "diverged" and cool["fit"]["beta"] == pytest.approx(BETA, rel=1e-4)
+    lines = C.verdict_lines(cool)
+    assert any(ln.startswith("mx: +30.0 % tokens at 100 % budget") and "significant" in ln for ln in lines)
+    assert any(ln.startswith("same: +0.0 % tokens") for ln in lines) and not any(ln.startswith("bf16") for ln in lines)
+    assert any(ln.startswith("bad: diverged") for ln in lines)

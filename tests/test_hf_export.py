@@ -1,0 +1,305 @@
+"""Export to Hugging Face and back (mxtrain.hf): a tiny CPU run with grouped-query attention is exported,
+loaded by transformers offline and gives the same logits; a Llama built by transformers from a small
+LlamaConfig loads into mxtrain with the same logits; bad run folders, models and configs are refused in
+one line."""
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from mxtrain import hfcli
+from mxtrain.errors import UserError
+from mxtrain.hf import (config_from_hf, export_hf, hf_name, llama_from_hf, load_hf_llama, load_run,
+                        load_safetensors, run_tokenizer, save_safetensors)
+from mxtrain.model import Llama
+from mxtrain.train import checkpoint as ckpt
+
+from train_helpers import ROOT, one_line_error, run_cli, small_data, tiny_run_cfg
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A 2-step mxfp4-all run of the debug model (2 layers, 2 query heads sharing 1 key/value head)."""
+    from mxtrain.train import train
+    return train(tiny_run_cfg(tmp_path_factory.mktemp("hf") / "run", 2))
+
+
+def _parse(*argv):
+    parser = argparse.ArgumentParser(prog="mxtrain")
+    sub = parser.add_subparsers(dest="cmd")
+    hfcli.add_parsers(sub)
+    return parser.parse_args(list(argv))
+
+
+def _hf_logits(folder, x):
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+    assert hf.dtype == torch.float32
+    with torch.no_grad():
+        return hf(x).logits, hf
+
+
+def test_export_loads_in_transformers_with_the_same_logits(run, tmp_path):
+    out = export_hf(run, tmp_path / "hf")
+    names = {p.name for p in out.iterdir()}
+    assert {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
+            "tokenizer_config.json", "mxtrain_export.json"} <= names
+    model, info = load_run(run)
+    c = model.cfg
+    assert c.n_kv_heads < c.n_heads                       # the run uses GQA
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
+            cfg["num_hidden_layers"], cfg["vocab_size"], cfg["rms_norm_eps"], cfg["tie_word_embeddings"],
+            cfg["max_position_embeddings"]) == (c.dim, c.hidden_dim, c.n_heads, c.n_kv_heads, c.n_layers,
+                                                 c.vocab_size, c.norm_eps, c.tie_embeddings, c.max_seq_len)
+    assert cfg["rope_parameters"]["rope_theta"] == c.rope_theta
+    eot = json.loads((small_data() / "meta.json").read_text())["eot_id"]
+    assert cfg["bos_token_id"] == cfg["eos_token_id"] == eot
+
+    x = torch.randint(0, c.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = model(x)
+    theirs, hf = _hf_logits(out, x)
+    assert (ours - theirs).abs().max().item() < 1e-5
+    assert hf.config.rope_parameters["rope_theta"] == c.rope_theta
+
+    # the file is a real safetensors file: the reference reader gives the same tensors
+    from safetensors.torch import load_file
+    ref = load_file(str(out / "model.safetensors"))
+    mine, _ = load_safetensors(out / "model.safetensors")
+    assert set(ref) == set(mine) and all(torch.equal(ref[k], mine[k]) for k in ref)
+    assert torch.equal(ref[hf_name("layers.1.attention.wk.weight")], model.layers[1].attention.wk.weight)
+
+    # the tokenizer: transformers' AutoTokenizer encodes as the run's tokenizer does
+    tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    run_tok, _ = run_tokenizer(info)
+    text = "The quick brown fox jumps over the lazy dog."
+    assert tok(text).input_ids == run_tok.encode_batch([text])[0]
+    assert tok.eos_token_id == eot
+    meta = json.loads((out / "mxtrain_export.json").read_text())
+    assert meta["step"] == 2 and meta["recipe"] == "mxfp4-all"
+
+
+def test_export_then_load_back_gives_identical_logits(run, tmp_path):
+    out = export_hf(run, tmp_path / "hf")
+    model, _ = load_run(run)
+    back_cfg = config_from_hf(out)
+    for f in ("dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim", "vocab_size", "rope_theta", "norm_eps",
+              "tie_embeddings"):
+        assert getattr(back_cfg, f) == getattr(model.cfg, f), f
+    fresh = Llama(back_cfg)
+    assert load_hf_llama(fresh, out)["padded_rows"] == 0
+    x = torch.randint(0, back_cfg.vocab_size, (2, 20))
+    with torch.no_grad():
+        assert torch.equal(fresh(x), model(x))
+    # the one-call form the trainer uses for train.init_from
+    built = llama_from_hf(out, vocab_size=model.cfg.vocab_size, max_seq_len=64)
+    with torch.no_grad():
+        assert torch.equal(built(x), model(x))
+    # bfloat16 export: the weights rounded once, the config says so
+    out16 = export_hf(run, tmp_path / "hf16", dtype="bfloat16")
+    t, _ = load_safetensors(out16 / "model.safetensors")
+    assert t["model.norm.weight"].dtype == torch.bfloat16
+    assert json.loads((out16 / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def _randomize(model):
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.5 if p.ndim == 1 else 0.1) + (1.0 if p.ndim == 1 else 0))
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_transformers_llama_loads_into_mxtrain(tmp_path, tie):
+    """A Llama made by transformers from a small LlamaConfig (no download; every weight random, norms too):
+    same logits in mxtrain, its vocab 100 padded to 128 with zero rows."""
+    c = transformers.LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                 rms_norm_eps=1e-6, tie_word_embeddings=tie,
+                                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    hf = transformers.LlamaForCausalLM(c).eval()
+    _randomize(hf)
+    hf.save_pretrained(str(tmp_path / "hf"))
+    mc = config_from_hf(tmp_path / "hf", vocab_multiple=32)
+    assert (mc.vocab_size, mc.norm_eps, mc.rope_theta, mc.n_kv_heads, mc.tie_embeddings) == (128, 1e-6, 10000.0, 2, tie)
+    model = Llama(mc)
+    rep = load_hf_llama(model, tmp_path / "hf")
+    assert rep["hf_vocab"] == 100 and rep["padded_rows"] == 28
+    assert model.lm_head.weight[100:].abs().sum() == 0
+    x = torch.randint(0, 100, (3, 19))
+    with torch.no_grad():
+        ours, theirs = model(x)[..., :100], hf(x).logits
+    assert (ours - theirs).abs().max().item() < 1e-5
+
+
+def test_config_from_hf_reads_older_configs_and_refuses_what_mxtrain_cannot_compute(tmp_path):
+    base = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 96,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1, "vocab_size": 256,
+            "rms_norm_eps": 1e-5, "rope_theta": 250000.0, "rope_scaling": None, "max_position_embeddings": 128}
+
+    def write(**kw):
+        d = tmp_path / f"c{len(list(tmp_path.iterdir()))}"
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({**base, **kw}))
+        return d
+
+    mc = config_from_hf(write())   # transformers 4 style: rope_theta at the top
+    assert (mc.rope_theta, mc.n_kv_heads, mc.ffn_dim, mc.max_seq_len) == (250000.0, 1, 96, 128)
+    for kw, frag in (({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "RoPE scaling 'llama3'"),
+                     ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, "is not a Llama"),
+                     ({"attention_bias": True}, "attention_bias"),
+                     ({"hidden_act": "gelu"}, "hidden_act"),
+                     ({"head_dim": 32}, "head_dim 32")):
+        with pytest.raises(UserError, match=frag):
+            config_from_hf(write(**kw))
+    with pytest.raises(UserError, match="no readable config.json"):
+        config_from_hf(tmp_path)
+    with pytest.raises(UserError, match="not found"):
+        config_from_hf(tmp_path / "nope")
+
+
+def test_load_hf_llama_refuses_mismatches(run, tmp_path):
+    out = export_hf(run, tmp_path / "hf")
+    c = config_from_hf(out)
+    from dataclasses import replace
+    other = Llama(replace(c, dim=2 * c.dim, n_heads=2 * c.n_heads, n_kv_heads=2 * c.n_kv_heads, rope_theta=1e4))
+    with pytest.raises(UserError) as e:
+        load_hf_llama(other, out)
+    assert "dim 128 here, hidden_size 64" in str(e.value) and "rope_theta" in str(e.value)
+    # a tensor missing from the file, a tensor of the wrong shape, a tensor the model does not have
+    t, _ = load_safetensors(out / "model.safetensors")
+    t = {k: v.clone() for k, v in t.items()}
+    for change, frag in ((lambda d: d.pop("model.norm.weight"), "missing weights model.norm.weight"),
+                         (lambda d: d.__setitem__("model.norm.weight", torch.ones(3)), "has shape [3]"),
+                         (lambda d: d.__setitem__("model.extra.bias", torch.ones(3)), "model.extra.bias")):
+        bad = {k: v.clone() for k, v in t.items()}
+        change(bad)
+        save_safetensors(out / "model.safetensors", bad)
+        with pytest.raises(UserError, match=frag.replace("[", r"\[").replace("]", r"\]")):
+            load_hf_llama(Llama(c), out)
+    (out / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}      ")
+    with pytest.raises(UserError, match="not a safetensors file"):
+        load_hf_llama(Llama(c), out)
+    with pytest.raises(UserError, match="training data's vocab"):
+        llama_from_hf(out, vocab_size=c.vocab_size + 64)
+
+
+def test_export_refuses_run_folders_without_a_llama_checkpoint(run, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "config.json").write_text("{}")
+    with pytest.raises(UserError, match="holds no checkpoint"):
+        export_hf(empty, tmp_path / "o1")
+    with pytest.raises(UserError, match="run folder not found"):
+        export_hf(tmp_path / "missing", tmp_path / "o1")
+    with pytest.raises(UserError, match="holds the checkpoint of step 2, not of step 5"):
+        export_hf(run, tmp_path / "o1", step=5)
+    # a checkpoint whose model is not mxtrain's Llama
+    st = ckpt.load(run)
+    st.pop("model_config", None)   # (an older checkpoint: the config's model section decides the shapes)
+    st["model"] = {"transformer.h.0.attn.c_attn.weight": torch.zeros(4, 4), "embed_tokens.weight": torch.zeros(32, 4)}
+    alien = tmp_path / "alien"
+    alien.mkdir()
+    ckpt.save(alien / ckpt.NAME, {k: v for k, v in st.items() if k != "format"})
+    with pytest.raises(UserError, match="does not hold an mxtrain Llama"):
+        export_hf(alien, tmp_path / "o2")
+    st["config"]["model"]["name"] = "gpt2"
+    ckpt.save(alien / ckpt.NAME, {k: v for k, v in st.items() if k != "format"})
+    with pytest.raises(UserError, match="not one of mxtrain's Llama sizes"):
+        export_hf(alien, tmp_path / "o2")
+    # a non-empty output folder, unless it is an earlier export and --force is given
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match="not empty"):
+        export_hf(run, busy)
+    with pytest.raises(UserError, match="notes.txt"):
+        export_hf(run, busy, force=True)
+    assert (busy / "notes.txt").read_text() == "mine"
+    again = export_hf(run, tmp_path / "again")
+    export_hf(run, again, force=True)
+    assert not list(tmp_path.glob(".again.*"))          # no temporary folder left behind
+
+
+def test_export_takes_the_model_shapes_a_checkpoint_records(run, tmp_path):
+    """Shapes no tensor shows (norm epsilon, RoPE base): a checkpoint's own ``model_config`` wins; a run started
+    from a Hugging Face folder (train.init_from) without one takes that folder's."""
+    from dataclasses import replace
+    model, _ = load_run(run)
+    st = {k: v for k, v in ckpt.load(run).items() if k not in ("format", "model_config")}
+    rec = tmp_path / "rec"
+    rec.mkdir()
+    ckpt.save(rec / ckpt.NAME, {**st, "model_config": replace(model.cfg, norm_eps=1e-6).to_dict()})
+    assert json.loads((export_hf(rec, tmp_path / "o1") / "config.json").read_text())["rms_norm_eps"] == 1e-6
+    hf_dir = export_hf(run, tmp_path / "hf")
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps({**cfg, "rms_norm_eps": 1e-6, "rope_theta": 1e4,
+                                                    "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}))
+    st["config"]["train"]["init_from"] = str(hf_dir)
+    ckpt.save(rec / ckpt.NAME, st)
+    c = load_run(rec)[1].model_config
+    assert (c.norm_eps, c.rope_theta, c.vocab_size, c.dim) == (1e-6, 1e4, model.cfg.vocab_size, model.cfg.dim)
+    shutil.rmtree(hf_dir)
+    with pytest.raises(UserError, match="which is gone"):
+        load_run(rec)
+
+
+def test_export_without_the_tokenizer_warns_and_exports_the_model(run, tmp_path, monkeypatch, capsys):
+    import mxtrain.hf as H
+    monkeypatch.setattr(H, "_data_dir", lambda run_dir, cfg: None)
+    out = export_hf(run, tmp_path / "hf")
+    err = capsys.readouterr().err
+    assert "mxtrain: warning: exported the model without a tokenizer" in err
+    assert "end-of-text id is unknown" in err
+    assert not (out / "tokenizer.json").exists()
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] is None
+    x = torch.randint(0, 64, (1, 8))
+    model, _ = load_run(run)
+    with torch.no_grad():
+        assert (_hf_logits(out, x)[0] - model(x)).abs().max() < 1e-5
+
+
+def test_export_from_a_distributed_checkpoint(run, tmp_path):
+    """A multi-process run's checkpoint.dcp folder exports the same weights as checkpoint.pt."""
+    from mxtrain import distributed as D
+    dcp_run = tmp_path / "dcp"
+    shutil.copytree(run, dcp_run, ignore=shutil.ignore_patterns(".lock"))
+    model, _ = load_run(run)
+    st = ckpt.load(dcp_run)
+    rest = {k: v for k, v in st.items() if k not in ("model", "optimizer", "format")}
+    D.save_checkpoint(dcp_run / D.DCP_NAME, model, None, extra=rest)
+    (dcp_run / ckpt.NAME).unlink()
+    a = load_safetensors(export_hf(run, tmp_path / "a") / "model.safetensors")[0]
+    b = load_safetensors(export_hf(dcp_run, tmp_path / "b") / "model.safetensors")[0]
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_cli_export(run, tmp_path, capsys):
+    args = _parse("export", str(run), "--format", "hf", "--out", str(tmp_path / "hf"), "--step", "2")
+    assert args.func(args) == 0
+    assert "exported step 2" in capsys.readouterr().out
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+    # bad input: one line, non-zero exit, no traceback (hfcli's own entry point, as mxtrain's main handles it)
+    env_cmd = [sys.executable, "-m", "mxtrain.hfcli"]
+    p = subprocess.run(env_cmd + ["export", str(tmp_path), "--out", str(tmp_path / "x")], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    one_line_error(p, "holds no checkpoint")
+    p = subprocess.run(env_cmd + ["export", str(run), "--format", "gguf", "--out", str(tmp_path / "x")], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    one_line_error(p, "--format 'gguf' is not supported")
+
+
+def test_mxtrain_command_has_export_when_wired(run, tmp_path):
+    if "hfcli" not in (ROOT / "mxtrain" / "cli.py").read_text():
+        pytest.skip("mxtrain/cli.py does not add mxtrain.hfcli's subcommands yet (the handlers are tested above)")
+    p = run_cli("export", str(run), "--out", str(tmp_path / "hf"))
+    assert p.returncode == 0, p.stderr
+    p = run_cli("export", str(tmp_path), "--out", str(tmp_path / "x"))
+    one_line_error(p, "holds no checkpoint")
