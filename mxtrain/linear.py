@@ -13,7 +13,9 @@ dequantize. Each operand is quantized from the high-precision tensor of this cal
 quantized copy or from an earlier call's. Each GEMM output is divided by the product of its operands'
 prescales (Tseng et al.'s 16/9 for a 3/4 prescale on both).
 
-The reference multiplies dequantized operands in float32, or in the autocast dtype when both operands
+On a CUDA GPU with FP8 tensor cores, a GEMM of two per-tensor FP8 operands (the ``fp8`` recipe) multiplies
+the reference's FP8 codes with ``torch._scaled_mm`` (``mxtrain.tensorfp8``); otherwise the reference
+multiplies dequantized operands in float32, or in the autocast dtype when both operands
 are exact in it (MX values have at most 4 significant bits and a power-of-two scale; the one exception
 is a block whose scale is below about 2**-117, where FP6/FP8 subnormal elements fall under bf16's
 smallest subnormal; MXFP4 is always exact), which changes only the accumulation order. Float64 inputs
@@ -38,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from .context import Ctx, advances_calls, autocast_dtype, compute_dtype, gemm_dtype, needs_seeds, seed_spec
+from . import tensorfp8
 from .recipe import Recipe
 from .recipes import get as get_recipe
 
@@ -58,12 +61,15 @@ def ref_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     gd = gemm_dtype(r, "fprop_x", "fprop_w", "fprop", amp, cdt)
     x2 = x.reshape(-1, x.shape[-1])  # (M, K)
     with torch.autocast(x.device.type, enabled=False):
-        s = qctx.signs("fprop", x.device)
-        xq, px = qctx.operand(x2, -1, "fprop_x", "fprop", s)
-        wq, pw = qctx.operand(weight, -1, "fprop_w", "fprop", s)
-        y = torch.matmul(xq.to(gd), wq.to(gd).t()).to(cdt)
-        if px * pw != 1.0:
-            y = y / (px * pw)
+        if _fp8_mm(r, "fprop_x", "fprop_w", "fprop", cdt, x2.shape[0], weight.shape[0], x2.shape[1], x.device):
+            y = tensorfp8.scaled_mm(qctx, x2, -1, "fprop_x", weight, -1, "fprop_w", cdt)
+        else:
+            s = qctx.signs("fprop", x.device)
+            xq, px = qctx.operand(x2, -1, "fprop_x", "fprop", s)
+            wq, pw = qctx.operand(weight, -1, "fprop_w", "fprop", s)
+            y = torch.matmul(xq.to(gd), wq.to(gd).t()).to(cdt)
+            if px * pw != 1.0:
+                y = y / (px * pw)
         if bias is not None:
             y = y + bias.to(cdt)
     return y.to(out_dtype).reshape(*x.shape[:-1], weight.shape[0])
@@ -78,7 +84,11 @@ def ref_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, qctx: 
     dy2 = dy.reshape(-1, dy.shape[-1])  # (M, N)
     dx = dw = db = None
     with torch.autocast(dy.device.type, enabled=False):
-        if need[0]:
+        M, N, K = dy2.shape[0], dy2.shape[1], x2.shape[1]
+        if need[0] and _fp8_mm(r, "dgrad_dy", "dgrad_w", "dgrad", cdt, M, K, N, dy.device):
+            dx = tensorfp8.scaled_mm(qctx, dy2, -1, "dgrad_dy", weight, 0, "dgrad_w", cdt)
+            dx = dx.to(x.dtype).reshape(x.shape)
+        elif need[0]:
             gd = gemm_dtype(r, "dgrad_dy", "dgrad_w", "dgrad", amp, cdt)
             s = qctx.signs("dgrad", dy.device)
             dyq, pa = qctx.operand(dy2, -1, "dgrad_dy", "dgrad", s)   # (M, Np)
@@ -87,7 +97,9 @@ def ref_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, qctx: 
             if pa * pb != 1.0:
                 dx = dx / (pa * pb)
             dx = dx.to(x.dtype).reshape(x.shape)
-        if need[1]:
+        if need[1] and _fp8_mm(r, "wgrad_dy", "wgrad_x", "wgrad", cdt, N, K, M, dy.device):
+            dw = tensorfp8.scaled_mm(qctx, dy2, 0, "wgrad_dy", x2, 0, "wgrad_x", cdt).to(weight.dtype)
+        elif need[1]:
             gd = gemm_dtype(r, "wgrad_dy", "wgrad_x", "wgrad", amp, cdt)
             s = qctx.signs("wgrad", dy.device)
             dyq, pa = qctx.operand(dy2, 0, "wgrad_dy", "wgrad", s)    # (Mp, N)
@@ -99,6 +111,13 @@ def ref_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, qctx: 
         if need[2]:
             db = dy2.to(cdt).sum(0).to(weight.dtype)
     return dx, dw, db
+
+
+def _fp8_mm(recipe: Recipe, a: str, b: str, gemm: str, cdt: torch.dtype, *dims_and_device) -> bool:
+    """Does this reference GEMM run on FP8 tensor cores (``mxtrain.tensorfp8``: per-tensor FP8 operands on
+    a CUDA GPU, float32 compute)?"""
+    *dims, device = dims_and_device
+    return cdt == torch.float32 and tensorfp8.applies(recipe, a, b, gemm, *dims, device=device)
 
 
 class _MXLinearFunction(torch.autograd.Function):

@@ -29,7 +29,7 @@ from mxtrain.errors import UserError
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 import _dist_worker as W  # noqa: E402
-from train_helpers import run_cli, small_data  # noqa: E402
+from train_helpers import one_line_error, run_cli, small_data  # noqa: E402
 
 REFUSED = ("never contains", "not trusted", "nothing from it was executed")
 
@@ -335,3 +335,25 @@ def test_full_disk_during_a_dcp_save_is_one_clear_error(tmp_path, monkeypatch):
     fresh = torch.nn.Linear(8, 8)
     D.load_checkpoint(path, fresh)
     assert torch.equal(fresh.weight, model.weight)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "missing"])
+def test_cli_resume_with_a_damaged_shard_is_one_line(tmp_path, damage):
+    """A DCP checkpoint whose shard file was cut short, overwritten or lost: resuming says so in one line
+    (no traceback logged by torch), and nothing of the run folder is changed."""
+    run = tmp_path / "run"
+    _tiny_dcp_run(run)
+    shards = sorted((run / D.DCP_NAME).glob("*.distcp"))
+    assert shards
+    sh = shards[0]
+    if damage == "truncate":
+        sh.write_bytes(sh.read_bytes()[: sh.stat().st_size // 3])
+    elif damage == "garbage":
+        sh.write_bytes(os.urandom(sh.stat().st_size))
+    else:
+        sh.unlink()
+    before = {p.name: p.stat().st_mtime_ns for p in run.iterdir() if p.is_file()}
+    p = run_cli("train", "--resume", str(run), "--steps", "3", "--no-progress", cwd=tmp_path)
+    one_line_error(p, "checkpoint")
+    after = {p.name: p.stat().st_mtime_ns for p in run.iterdir() if p.is_file() and p.name in before}
+    assert after == before

@@ -345,3 +345,19 @@ def test_every_recipe_under_ddp_and_fsdp2(runs):
             assert all(math.isfinite(x) for x in got), (r, mode, got)
             tol = 0.05 if sr else (DDP_TOL if mode == "ddp" else FSDP2_TOL)
             assert _max_diff(got, ref) <= tol, (r, mode, got, ref)
+
+
+@pytest.mark.parametrize("where", ["shards", "meta"])
+def test_full_disk_on_rank0_reaches_every_rank(tmp_path, where):
+    """Rank 0 cannot write its shard or the checkpoint's last files (ENOSPC): both ranks stop with the same
+    one-line error, none waits at a barrier, the temporary folder is gone."""
+    penv = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent),
+                                                                             os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                        str(HERE / "_dist_enospc.py"), str(tmp_path), where], env=penv, capture_output=True, text=True,
+                       timeout=300)
+    lines = sorted(ln for ln in p.stdout.splitlines() if ln.startswith("RANK "))
+    assert [ln.split()[:3] for ln in lines] == [["RANK", "0", "ERROR"], ["RANK", "1", "ERROR"]], p.stdout + p.stderr
+    assert len({ln.split(" ", 3)[3] for ln in lines}) == 1 and "No space left on device" in lines[0]
+    assert "previous checkpoint is intact" in lines[0]
+    assert not (tmp_path / "ck.tmp").exists() and not (tmp_path / "ck").exists()

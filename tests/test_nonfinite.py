@@ -54,7 +54,7 @@ def test_non_finite_gradient_stops_before_the_update_and_resume_takes_a_new_lr(t
 
 def test_non_finite_validation_loss_is_divergence(tmp_path, monkeypatch):
     out = tmp_path / "run"
-    monkeypatch.setattr(TR, "evaluate", lambda *a, **k: float("nan"))
+    monkeypatch.setattr(TR, "evaluate_windows", lambda *a, **k: (float("nan"), [float("nan")]))
     cfg = _cfg(out, 3)
     cfg.log.eval_every = 2
     with pytest.raises(NonFiniteLoss, match="validation loss is nan at step 2"):

@@ -38,3 +38,20 @@ def test_readme_api_example_runs(tmp_path):
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "relative error" in r.stdout and "recipe mxfp4-all-dh16" in r.stdout
+
+
+def test_readme_command_lines_parse():
+    """Every `mxtrain ...` line of the README's command-line section names a real command and real flags
+    (parsed by the CLI's own parser; nothing is run)."""
+    import shlex
+
+    from mxtrain import cli
+    section = README.split("## The command line", 1)[1].split("\n## ", 1)[0]
+    block = re.findall(r"```bash\n(.*?)```", section, re.S)[0]
+    lines = [ln.split("#", 1)[0].strip() for ln in block.splitlines()]
+    lines = [ln for ln in lines if ln.startswith("mxtrain ")]
+    assert len(lines) >= 15
+    for ln in lines:
+        argv = shlex.split(ln.replace("<run>", "r1").replace("<study>", "s1"))[1:]
+        args = cli.make_parser(argv).parse_args(argv)
+        assert getattr(args, "func", None) is not None, ln

@@ -190,3 +190,19 @@ def test_compiled_code_reads_the_settings_without_a_graph_break():
     with settings.override(fast=False):
         assert f(torch.zeros(2)).tolist() == [-1, -1]
     assert f(torch.zeros(2)).tolist() == [1, 1]
+
+
+def test_run_folder_records_the_settings(tmp_path, monkeypatch):
+    """run.json holds every setting (so "which backend, which group rows, fast path on" is checkable after
+    the run), and a bad MXTRAIN_* variable stops the CLI with one line naming it."""
+    import json
+
+    from mxtrain.train import train
+
+    from train_helpers import one_line_error, run_cli, tiny_run_cfg
+    out = train(tiny_run_cfg(tmp_path / "run", 1))
+    info = json.loads((out / "run.json").read_text())
+    assert info["settings"] == settings.current().to_dict()
+    assert {"fast", "gemm_backend", "wgrad_b_group"} <= set(info["settings"])
+    monkeypatch.setenv("MXTRAIN_QDUAL", "sometimes")   # (run_cli passes this process's environment on)
+    one_line_error(run_cli("train", "--steps", "1"), "MXTRAIN_QDUAL", "sometimes")

@@ -119,7 +119,7 @@ def _check_args(val_fraction, shard_tokens, tokenizer, vocab_size, eot_token) ->
 def prepare(sources: list[str], out: str | Path, *, tokenizer: str | None = None, vocab_size: int = 4096,
             val_fraction: float = 0.01, shard_tokens: int = 1 << 26, text_field: str = "text",
             tokenizer_train_bytes: int = 200_000_000, force: bool = False, progress: bool = True,
-            eot_token: str | None = None) -> Path:
+            eot_token: str | None = None, val_sources: list[str] | None = None) -> Path:
     """Tokenize ``sources`` (``"builtin"``, files, folders, datasets save_to_disk folders) into ``out``; returns
     the folder.
 
@@ -131,6 +131,9 @@ def prepare(sources: list[str], out: str | Path, *, tokenizer: str | None = None
     tokenizer's vocabulary. None: found by name (see ``mxtrain.data.tokenizer``); a trained BPE names it
     ``<|endoftext|>``.
     ``force``: replace an existing ``out``, which must be a folder a previous prepare wrote (see above).
+    ``val_sources``: fixed validation files or folders (e.g. the ``val/`` of ``mxtrain data corpus``): every
+    document of them is validation and every document of ``sources`` training; ``val_fraction`` is then not
+    used. None (the default): the split by content hash. A file may not be both a source and a val source.
 
     A folder source stands for its data files (``sources.data_files``): README, LICENSE, .md, metadata, hidden
     and other files are skipped, and one log line names them.
@@ -148,8 +151,21 @@ def prepare(sources: list[str], out: str | Path, *, tokenizer: str | None = None
     eot_token = _check_args(val_fraction, shard_tokens, tokenizer, vocab_size, eot_token)
     given = list(sources)
     sources = expand_sources(sources)
+    val_expanded: list[str] = []
+    if val_sources is not None:
+        if isinstance(val_sources, (str, Path)) or not list(val_sources):
+            raise UserError("val_sources must be a non-empty list of validation files or folders")
+        given += [str(v) for v in val_sources]
+        val_expanded = expand_sources([str(v) for v in val_sources])
+        if BUILTIN in val_expanded:
+            raise UserError("'builtin' cannot be a validation source (it has its own split); give files or folders")
+        both = sorted({os.path.realpath(s) for s in sources if s != BUILTIN}
+                      & {os.path.realpath(v) for v in val_expanded})
+        if both:
+            raise UserError(f"{both[0]} is both a training source and a validation source (--val); give each file "
+                            f"once")
     # a binary file given by mistake, a missing text column or package is refused by name, before any work
-    check_sources(sources, text_field, note_fn=note)
+    check_sources(sources + val_expanded, text_field, note_fn=note)
     if not tokenizer:
         size = _corpus_bytes(sources)
         if size is not None and vocab_size > size:
@@ -162,11 +178,17 @@ def prepare(sources: list[str], out: str | Path, *, tokenizer: str | None = None
     def docs(warn_fn):
         return documents(sources, text_field, warn_fn, None)
 
-    return _prepare(docs, out, given + sources,
+    val_docs = None
+    if val_expanded:
+        def val_docs(warn_fn):
+            return documents(val_expanded, text_field, warn_fn, None)
+
+    return _prepare(docs, out, given + sources + val_expanded,
                     [s if s == BUILTIN else os.path.abspath(s) for s in sources], ", ".join(sources),
                     tokenizer=tokenizer, vocab_size=vocab_size, val_fraction=val_fraction,
                     shard_tokens=shard_tokens, tokenizer_train_bytes=tokenizer_train_bytes, force=force,
-                    progress=progress, eot_token=eot_token)
+                    progress=progress, eot_token=eot_token, val_docs=val_docs,
+                    val_meta=[os.path.abspath(v) for v in val_expanded])
 
 
 def prepare_dataset(ds, out: str | Path, *, tokenizer: str | None = None, text_field: str = "text",
@@ -205,9 +227,14 @@ def prepare_dataset(ds, out: str | Path, *, tokenizer: str | None = None, text_f
 
 def _prepare(docs: Callable, out: Path, inputs: list[str], meta_sources: list[str], shown: str, *,
              tokenizer, vocab_size, val_fraction, shard_tokens, tokenizer_train_bytes, force, progress,
-             eot_token, total: int | None = None) -> Path:
+             eot_token, total: int | None = None, val_docs: Callable | None = None,
+             val_meta: list[str] | None = None) -> Path:
     """The pipeline after the sources are checked: ``docs(warn_fn)`` gives the ``(name, text)`` documents (it
-    is called twice when a tokenizer is trained); ``inputs``: paths --out must not overlap."""
+    is called twice when a tokenizer is trained); ``inputs``: paths --out must not overlap. ``val_docs``: the
+    fixed validation documents (then every document of ``docs`` is training), or None for the hash split."""
+    def is_val(text: str) -> bool:
+        return val_docs is None and _is_val(text, val_fraction)
+
     # every check on --out comes before any work or any deletion; file operations use the resolved path
     dest = _check_out(out, inputs, force)
     # a bad tokenizer file or --eot-token is refused before writing
@@ -231,7 +258,7 @@ def _prepare(docs: Callable, out: Path, inputs: list[str], meta_sources: list[st
             def sample():
                 n = 0
                 for _, text in docs(None):  # the pass below warns
-                    if _is_val(text, val_fraction):
+                    if is_val(text):
                         continue
                     yield text
                     n += len(text)
@@ -257,10 +284,10 @@ def _prepare(docs: Callable, out: Path, inputs: list[str], meta_sources: list[st
                 bar = None
         eot = np.array([tok.eot_id], dtype=np.int64)
 
-        def flush(batch):
+        def flush(batch, to_val=False):
             for text, ids in zip(batch, tok.encode_batch(batch)):
                 arr = np.concatenate([np.asarray(ids, dtype=np.int64), eot])
-                if _is_val(text, val_fraction):
+                if to_val or is_val(text):
                     val_w.write(arr)
                     ndocs["val"] += 1
                 else:
@@ -279,12 +306,24 @@ def _prepare(docs: Callable, out: Path, inputs: list[str], meta_sources: list[st
                 batch = []
         if batch:
             flush(batch)
+        if val_docs is not None:
+            batch = []
+            for _, text in val_docs(warn):
+                batch.append(text)
+                nbytes += len(text.encode("utf-8", "surrogatepass"))
+                if len(batch) >= 512:
+                    flush(batch, True)
+                    batch = []
+            if batch:
+                flush(batch, True)
         if bar is not None:
             bar.close()
         train_w.close()
         val_w.close()
         if train_w.n == 0:
             raise UserError(f"no text found in {shown}")
+        if val_w.n == 0 and val_docs is not None:
+            raise UserError("the validation sources (--val) hold no text")
         if val_w.n == 0:
             _carve_val(tmp, train_w, val_w, dtype)
         meta = {
@@ -304,6 +343,7 @@ def _prepare(docs: Callable, out: Path, inputs: list[str], meta_sources: list[st
             "text_bytes": nbytes,
             "sources": meta_sources,
             "val_fraction": val_fraction,
+            **({"val_sources": val_meta, "val_split": "fixed files"} if val_docs is not None else {}),
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")

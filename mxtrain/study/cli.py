@@ -57,6 +57,15 @@ def register(subparsers) -> None:
     p.add_argument("--target-frac", type=float, help="share of the baseline's tokens the target loss is read at "
                    "(default 0.8)")
     p.add_argument("--smooth-k", type=int, help="running mean over the last k evaluations (default 3)")
+    p.add_argument("--budgets", help="cooldown design: comma-separated budgets as fractions of the run, e.g. "
+                   "0.25,0.5,0.75,1; every arm x seed trains one constant-LR run with checkpoints at the branch "
+                   "points, then a cooldown branch per budget, and the report gives the extra tokens per budget "
+                   "with paired bootstrap intervals (docs/study.md)")
+    p.add_argument("--cooldown", type=float, help="with --budgets: share of each budget spent cooling down "
+                   "(default 0.2)")
+    p.add_argument("--cooldown-shape", choices=["linear", "1-sqrt"], help="with --budgets: the decay's shape "
+                   "(default 1-sqrt)")
+    p.add_argument("--n-boot", type=int, help="bootstrap replicates of the cooled-down metric (default 1000)")
     p.add_argument("--jobs", type=int, help="train this many runs at once, in worker processes "
                    "(spread over the visible GPUs; small models share one GPU well). Default 1")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit")
@@ -106,6 +115,8 @@ def study_main(args: argparse.Namespace) -> int:
                 else "reference" if e.get("state") == "baseline" else str(e.get("state")).replace("_", " "))
         fl = a["final_val_loss"].get("mean")
         print(f"  {name:22s} final val loss {('–' if fl is None else f'{fl:.4f}')}   extra tokens: {cost}")
+    for line in (s.get("cooldown") or {}).get("verdict") or []:
+        print(f"  cooled down: {line}")
     if incomplete is not None:
         raise StudyIncomplete(f"{incomplete}; {out}/summary.json lists them; rerun the same command to train them")
     return 0
@@ -167,6 +178,15 @@ def apply_study_file(args: argparse.Namespace, path) -> None:
                 raise UserError(f"{src}: study.arms: expected a list of recipe names, got {v!r}")
             if args.arms is None:
                 args.arms = ",".join(v)
+            continue
+        if k == "budgets":
+            if isinstance(v, str):
+                v = [x.strip() for x in v.split(",") if x.strip()]
+            if not isinstance(v, list) or not all(isinstance(x, (int, float, str)) and not isinstance(x, bool)
+                                                  for x in v):
+                raise UserError(f"{src}: study.budgets: expected a list of fractions of the run, got {v!r}")
+            if getattr(args, "budgets", None) is None:
+                args.budgets = ",".join(str(x) for x in v)
             continue
         if k == "overrides":
             if not isinstance(v, list) or not all(isinstance(o, str) for o in v):
@@ -255,6 +275,9 @@ def report_main(args: argparse.Namespace) -> int:
             msg = incomplete_message(summary)
             if msg:
                 print(f"warning: {msg}", file=sys.stderr)
+            if meta.get("cooldown"):
+                from .runner import add_cooldown
+                add_cooldown(summary, d, meta, runs)
         summary = M.sanitize(summary)
         (d / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False))
     hp, mp = write_report(d, summary)

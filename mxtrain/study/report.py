@@ -18,7 +18,7 @@ from pathlib import Path
 from . import diagnostics as D
 from . import metrics as M
 
-__all__ = ["write_report", "recipe_brief", "arm_table_rows"]
+__all__ = ["write_report", "recipe_brief", "arm_table_rows", "arm_colors", "cooldown_table_rows"]
 
 _OPS = (("fprop", "fprop_x", "fprop_w"), ("dgrad", "dgrad_dy", "dgrad_w"), ("wgrad", "wgrad_dy", "wgrad_x"))
 
@@ -154,12 +154,29 @@ def _png(fig) -> bytes:
     return buf.getvalue()
 
 
-def _curve_plot(runs: dict[str, dict[int, M.RunData]], summary: dict | None, k: int) -> bytes:
+# one colour per arm in every figure: the study's arm order (summary, then any other arm) picks from this list
+_PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22",
+            "#7f7f7f", "#393b79", "#ad494a", "#637939", "#8c6d31", "#7b4173", "#3182bd"]
+
+
+def arm_colors(*arm_lists) -> dict[str, str]:
+    """The fixed arm -> colour map of a report: arms in the order first seen over ``arm_lists`` (the summary's
+    arms first), each its own colour; every plot of the report uses this one map."""
+    out: dict[str, str] = {}
+    for arms in arm_lists:
+        for a in arms or []:
+            if a not in out:
+                out[a] = _PALETTE[len(out) % len(_PALETTE)]
+    return out
+
+
+def _curve_plot(runs: dict[str, dict[int, M.RunData]], summary: dict | None, k: int,
+                colors: dict[str, str] | None = None) -> bytes:
     plt = _plt()
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colors = colors or arm_colors(list(runs))
     for i, (arm, rs) in enumerate(runs.items()):
-        c = colors[i % len(colors)]
+        c = colors.get(arm, _PALETTE[i % len(_PALETTE)])
         curves = [M.smooth(*rd.finite_evals[:2], k) for rd in rs.values() if rd.finite_evals[0]]
         if not curves:
             continue
@@ -187,32 +204,107 @@ def _curve_plot(runs: dict[str, dict[int, M.RunData]], summary: dict | None, k: 
         ax.set_ylabel("val loss")
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
+    axes[0].legend(fontsize=9)
     return _png(fig)
 
 
-def _diff_plot(summary: dict) -> bytes | None:
+def _diff_plot(summary: dict, colors: dict[str, str] | None = None) -> bytes | None:
     plt = _plt()
     arms = [(n, a) for n, a in summary["arms"].items() if n != summary["baseline"] and a["paired_diff"]["steps"]]
     if not arms:
         return None
+    colors = colors or arm_colors(list(summary["arms"]))
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for n, a in arms:
         pd = a["paired_diff"]
         x = pd["tokens"] if all(v is not None for v in pd["tokens"]) else pd["steps"]
-        ax.plot(x, pd["mean"], label=n)
+        ax.plot(x, pd["mean"], label=n, color=colors.get(n))
         if all(v is not None for v in pd["ci_lo"]):
-            ax.fill_between(x, pd["ci_lo"], pd["ci_hi"], alpha=0.2)
+            ax.fill_between(x, pd["ci_lo"], pd["ci_hi"], alpha=0.2, color=colors.get(n))
     ax.axhline(0, color="k", lw=1)
     ax.set_xlabel("tokens")
     ax.set_ylabel(f"val loss - {summary['baseline']} (same seed)")
     ax.set_title("paired per-evaluation differences vs baseline (band: 95% CI over seeds)", fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=9)
     return _png(fig)
 
 
-def _diag_plots(aggs: dict[str, dict]) -> list[tuple[str, bytes]]:
+def _cooldown_plot(cool: dict, colors: dict[str, str]) -> bytes | None:
+    """Left: every arm's cooled-down loss per budget (seed mean) and the baseline's fitted L(D) = E + B D^-beta;
+    right: extra tokens per budget with 95 % paired bootstrap intervals. Colours: the report's arm map."""
+    import numpy as np
+
+    from . import cooldown as C
+    arms = {n: a for n, a in (cool.get("arms") or {}).items() if a.get("budgets")}
+    if not arms:
+        return None
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    base = cool.get("baseline")
+    nb = len(arms)
+    for i, (n, a) in enumerate(arms.items()):
+        c = colors.get(n)
+        rows = a["budgets"]
+        t = [r["tokens"] for r in rows]
+        axes[0].plot(t, [r["loss"] for r in rows], marker="o", ls="" if n == base else "-", color=c,
+                     label=f"{n} ({a.get('n_seeds')} seeds)")
+        if n != base:
+            # small horizontal offsets keep overlapping intervals apart
+            off = [x * (1 + 0.015 * (i - nb / 2)) for x in t]
+            ys = [100 * r["extra"] if r.get("extra") is not None else float("nan") for r in rows]
+            lo = [y - 100 * r["ci95"][0] if r.get("ci95") and r.get("extra") is not None else 0 for y, r in zip(ys, rows)]
+            hi = [100 * r["ci95"][1] - y if r.get("ci95") and r.get("extra") is not None else 0 for y, r in zip(ys, rows)]
+            axes[1].errorbar(off, ys, yerr=[lo, hi], marker="o", capsize=4, color=c, label=n)
+    fit = cool.get("fit")
+    if fit:
+        tt = [r["tokens"] for r in arms[base]["budgets"]] if base in arms else []
+        if tt:
+            xs = np.geomspace(min(tt) * 0.8, max(tt) * 1.25, 100)
+            axes[0].plot(xs, C.power_law(fit, xs), color=colors.get(base), lw=1.5, alpha=0.8,
+                         label=f"{base} fit: {fit['E']:.3f} + B D^-{fit['beta']:.2f}")
+    axes[1].axhline(0, color="k", lw=1)
+    for ax in axes:
+        ax.set_xscale("log")
+        ax.set_xlabel("tokens (end of the cooldown branch)")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=9)
+    axes[0].set_ylabel("cooled-down val loss")
+    axes[0].set_title("cooled-down loss per budget (seed mean)\nand the baseline's power-law fit", fontsize=10)
+    axes[1].set_ylabel("extra tokens vs baseline (%)")
+    axes[1].set_title("extra tokens D / D_equiv - 1\n(bars: 95 % paired bootstrap over seeds and windows)",
+                      fontsize=10)
+    return _png(fig)
+
+
+def cooldown_table_rows(cool: dict) -> list[list[str]]:
+    """The cooled-down table: per arm and budget, tokens, loss, gap vs baseline, extra tokens, each with its
+    95 % paired bootstrap interval, and the smallest detectable effect (2.8 x bootstrap s.e.)."""
+    rows = [["arm", "budget", "tokens", "cooled-down val loss", "gap vs baseline [95 % CI]",
+             "extra tokens [95 % CI]", "detectable effect", "seeds x windows"]]
+    for n, a in (cool.get("arms") or {}).items():
+        if not a.get("budgets"):
+            rows.append([n, "–", "–", "–", "–", str(a.get("state", "no runs")).replace("_", " "), "–", "–"])
+            continue
+        for r in a["budgets"]:
+            g = r.get("gap_ci95")
+            ci = r.get("ci95")
+            if n == cool.get("baseline"):
+                extra = "reference"
+            elif r.get("state") != "ok":
+                extra = "below the baseline's floor" if r.get("state") == "below_floor" else "no fit"
+            else:
+                extra = f"{_pct(r['extra'])} [{_pct(ci[0])}, {_pct(ci[1])}]" if ci else _pct(r["extra"])
+            rows.append([n, f"{100 * r['budget']:.0f} %" if r.get("budget") is not None else "–",
+                         f"{r['tokens']:,.0f}", _f(r["loss"]),
+                         "–" if n == cool.get("baseline") else
+                         f"{r['gap']:+.4f} [{g[0]:+.4f}, {g[1]:+.4f}]" if g else f"{r['gap']:+.4f}",
+                         extra, "–" if n == cool.get("baseline") or r.get("mde") is None else _pct(r["mde"]).lstrip("+"),
+                         f"{a.get('n_seeds')} x {a.get('n_windows')}"])
+    return rows
+
+
+def _diag_plots(aggs: dict[str, dict], colors: dict[str, str] | None = None) -> list[tuple[str, bytes]]:
     """Diagnostics plots across arms: output cosine, rel. error/bias and dW error correlation by GEMM;
     operand SQNR, clip and underflow rates; block-scale exponent histograms."""
     plt = _plt()
@@ -221,7 +313,7 @@ def _diag_plots(aggs: dict[str, dict]) -> list[tuple[str, bytes]]:
         return []
     out = []
     fig, axes = plt.subplots(1, 4, figsize=(18, 4))
-    cyc = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colors = colors or arm_colors(list(aggs))
     styles = {g: ls for g, ls in zip(("fprop", "dgrad", "wgrad"), ("-", "--", ":"))}
     for ai, (arm, ag) in enumerate(aggs.items()):
         for ax, (m, title) in zip(axes, (("rel_err", "GEMM output rel. error ||Q-H||/||H||"),
@@ -232,11 +324,11 @@ def _diag_plots(aggs: dict[str, dict]) -> list[tuple[str, bytes]]:
                 if all(y is None for y in ys):
                     continue
                 ax.plot(ag["steps"], [float("nan") if y is None else y for y in ys], marker=".",
-                        color=cyc[ai % len(cyc)], ls=styles[gemm], label=f"{arm}:{gemm}")
+                        color=colors.get(arm), ls=styles[gemm], label=f"{arm}:{gemm}")
             ax.set_title(title, fontsize=9)
             ax.set_xlabel("step")
             ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=6)
+    axes[0].legend(fontsize=8)
     out.append(("GEMM outputs vs float32 (layer means)", _png(fig)))
 
     fig, axes = plt.subplots(1, 3, figsize=(18, 4))
@@ -245,13 +337,14 @@ def _diag_plots(aggs: dict[str, dict]) -> list[tuple[str, bytes]]:
     for j, (arm, ag) in enumerate(aggs.items()):
         for ax, m in zip(axes, ("sqnr_db", "clip_rate", "underflow_rate")):
             ys = [(ag["overall"]["operand"].get(o) or {}).get(m) for o in opnames]
-            ax.bar([i + j * width for i in range(len(opnames))], [0 if y is None else y for y in ys], width, label=arm)
+            ax.bar([i + j * width for i in range(len(opnames))], [0 if y is None else y for y in ys], width, label=arm,
+                   color=colors.get(arm))
     for ax, title in zip(axes, ("operand SQNR (dB)", "saturation (clip) rate", "underflow-to-zero rate")):
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(opnames))])
         ax.set_xticklabels(opnames, rotation=30, fontsize=8)
         ax.set_title(title + " (mean over layers and steps)", fontsize=9)
         ax.grid(alpha=0.3, axis="y")
-    axes[0].legend(fontsize=7)
+    axes[0].legend(fontsize=8)
     out.append(("quantized operands (mean over layers and diagnosed steps)", _png(fig)))
 
     fig, axes = plt.subplots(1, len(aggs), figsize=(5 * len(aggs), 3.5), squeeze=False)
@@ -327,11 +420,18 @@ def write_report(d: str | Path, summary: dict | None = None) -> tuple[Path, Path
             summary = M.sanitize(M.summarize(runs, base, smooth_k=study_meta.get("smooth_k", 3),
                                              recipes=study_meta.get("recipes")))
         k = summary["smoothing"]["k"]
-    figs: list[tuple[str, bytes]] = [("validation loss", _curve_plot(runs, summary, k))]
+    colors = arm_colors(list((summary or {}).get("arms") or []), study_meta.get("arms"), list(runs))
+    cool = (summary or {}).get("cooldown") if not single else None
+    figs: list[tuple[str, bytes]] = []
+    if cool:
+        p = _cooldown_plot(cool, colors)
+        if p:
+            figs.append(("cooled-down comparison", p))
+    figs.append(("validation loss" + (" (stable runs)" if cool else ""), _curve_plot(runs, summary, k, colors)))
     if single:
         figs.append(("training loss", _train_plot(runs[d.name][0])))
     elif summary:
-        p = _diff_plot(summary)
+        p = _diff_plot(summary, colors)
         if p:
             figs.append(("paired differences", p))
     aggs = {}
@@ -341,7 +441,7 @@ def write_report(d: str | Path, summary: dict | None = None) -> tuple[Path, Path
             rows += D.load(rd.path)
         if rows:
             aggs[arm] = D.aggregate(rows)
-    figs += _diag_plots(aggs)
+    figs += _diag_plots(aggs, colors)
 
     env = _env_of(runs)
     now = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -350,6 +450,18 @@ def write_report(d: str | Path, summary: dict | None = None) -> tuple[Path, Path
          f"<style>{_CSS}</style></head><body><h1>{html.escape(title)}</h1>",
          f"<p>Generated {now} from <code>{html.escape(str(d))}</code>.</p>"]
     md = [f"# {title}", "", f"Generated {now} from `{d}`.", ""]
+    if cool:
+        verdict = cool.get("verdict") or []
+        if not verdict:
+            from .cooldown import verdict_lines
+            verdict = verdict_lines(cool)
+        vnote = (f"Extra tokens to reach the same cooled-down loss as {cool.get('baseline')} at each budget's end "
+                 f"(largest budget below), 95 % paired bootstrap interval over seeds and evaluation windows; "
+                 f"significant: the interval excludes 0; detectable effect: 2.8 x bootstrap s.e. (80 % power, "
+                 f"alpha 0.05).")
+        h += ["<h2>Verdict</h2><ul>"] + [f"<li><b>{html.escape(v.split(':', 1)[0])}</b>:{html.escape(v.split(':', 1)[1])}</li>"
+                                          for v in verdict] + ["</ul>", f"<p>{html.escape(vnote)}</p>"]
+        md += ["## Verdict", ""] + [f"* {v}" for v in verdict] + ["", vnote, ""]
     if summary and not single:
         intro = (f"Baseline: {summary['baseline']}. Target val loss "
                  f"{_f(summary['target_loss'])} ({summary['target_rule']}). Smoothing: "
@@ -360,6 +472,17 @@ def write_report(d: str | Path, summary: dict | None = None) -> tuple[Path, Path
         rows = arm_table_rows(summary)
         h += ["<h2>Extra-token cost and final loss</h2>", _table_html(rows)]
         md += ["## Extra-token cost and final loss", "", _table_md(rows), ""]
+        if cool:
+            fit = cool.get("fit") or {}
+            cnote = (f"Cooldown design: one constant-LR run per arm x seed, a cooldown branch at each budget "
+                     f"({', '.join(f'{100 * b:.0f} %' for b in cool.get('budgets', []))} of the run; the last "
+                     f"{_f(cool.get('cooldown'), 2)} of each branch decays, {cool.get('shape')}). Baseline fit "
+                     + (f"L(D) = {fit['E']:.4f} + {fit['B']:.4g} D^-{fit['beta']:.3f}. " if fit else "failed. ")
+                     + f"Extra tokens = D / D_equiv - 1, D_equiv = (B / (L - E))^(1/beta); "
+                     f"{cool.get('n_boot')} bootstrap replicates. docs/study.md.")
+            crows = cooldown_table_rows(cool)
+            h += ["<h2>Cooled-down comparison</h2>", f"<p>{html.escape(cnote)}</p>", _table_html(crows)]
+            md += ["## Cooled-down comparison", "", cnote, "", _table_md(crows), ""]
         noise = _noise_lines(summary)
         h += ["<h2>Effects next to seed-to-seed spread</h2><ul>"] + [f"<li>{html.escape(x)}</li>" for x in noise] + ["</ul>"]
         md += ["## Effects next to seed-to-seed spread", ""] + [f"* {x}" for x in noise] + [""]

@@ -50,7 +50,8 @@ from .. import recipes as R
 from . import metrics as M
 
 __all__ = ["PRESETS", "SCHEDULES", "StudySpec", "run_study", "run_one", "plan_order", "summarize_study",
-           "StudyIncomplete", "StudyInterrupted", "FINISHED_STATES"]
+           "StudyIncomplete", "StudyInterrupted", "FINISHED_STATES", "branch_plan", "study_branch_plan", "run_branches",
+           "train_branch", "add_cooldown"]
 
 FINISHED_STATES = ("done", "diverged")   # study_status.json states of a finished run (skipped on resume)
 
@@ -301,7 +302,6 @@ def study_branch_plan(spec: StudySpec) -> list[tuple[float, int, int]]:
     """The cooldown branches of every run of ``spec`` (empty without ``budgets``)."""
     if not spec.budgets:
         return []
-    from ..train.config import apply_overrides   # noqa: F401  (build_config's imports)
     base = build_config(StudySpec(**{**asdict(spec), "budgets": None}), spec.arms[0], 0, Path(spec.out) / "plan")
     return branch_plan(spec, run_steps(base), base.schedule.warmup_steps)
 
@@ -484,7 +484,7 @@ class _StopOnSignal:
 
 
 def run_study(spec: StudySpec, train_fn: Callable[[StudySpec, str, int, Path], None] | None = None,
-              log=print, jobs: int = 1) -> Path:
+              log=print, jobs: int = 1, branch_fn=None) -> Path:
     """Run (or resume) every arm x seed, then write summary.json and the report. Returns OUT.
 
     ``jobs`` > 1 trains that many runs at once in worker processes (``python -m mxtrain.study.worker``),
@@ -508,13 +508,13 @@ def run_study(spec: StudySpec, train_fn: Callable[[StudySpec, str, int, Path], N
     lock = _StudyLock(out)   # before anything in the folder is written: one owner at a time
     try:
         with _StopOnSignal():
-            _run_study_locked(spec, out, train_fn, log, jobs, lock)
+            _run_study_locked(spec, out, train_fn, log, jobs, lock, branch_fn)
     finally:
         lock.close()
     return out
 
 
-def _run_study_locked(spec: StudySpec, out: Path, train_fn, log, jobs: int, lock: _StudyLock) -> None:
+def _run_study_locked(spec: StudySpec, out: Path, train_fn, log, jobs: int, lock: _StudyLock, branch_fn=None) -> None:
     try:
         (out / ".write_test").write_text("")
         (out / ".write_test").unlink()
@@ -531,6 +531,11 @@ def _run_study_locked(spec: StudySpec, out: Path, train_fn, log, jobs: int, lock
             "plan_key": spec.plan_key(), "baseline": spec.baseline, "arms": spec.arms, "seeds": list(range(spec.seeds)),
             "recipes": recipes, "smooth_k": spec.smooth_k, "target_frac": spec.target_frac,
             "target_loss": spec.target_loss, "command": " ".join(sys.argv)}
+    if spec.budgets:
+        meta["cooldown"] = {"budgets": spec.budgets, "cooldown": spec.cooldown, "shape": spec.cooldown_shape,
+                            "n_boot": spec.n_boot,
+                            "branches": [{"budget": b, "at_step": k, "cooldown_steps": n}
+                                         for b, k, n in study_branch_plan(spec)]}
     if meta_p.is_file():
         meta["created"] = json.loads(meta_p.read_text()).get("created", meta["created"])
     meta_p.write_text(json.dumps(meta, indent=1, default=str))
@@ -543,7 +548,7 @@ def _run_study_locked(spec: StudySpec, out: Path, train_fn, log, jobs: int, lock
             worker_error = _run_workers(spec, out, jobs, log, lock)
         else:
             for i, (arm, seed) in enumerate(order, 1):
-                run_one(spec, arm, seed, f"[{i}/{len(order)}]", train_fn or train_one, log)
+                run_one(spec, arm, seed, f"[{i}/{len(order)}]", train_fn or train_one, log, branch_fn=branch_fn)
     except Exception as e:
         if _is_interrupt(e) and not isinstance(e, StudyInterrupted):   # the trainer's Interrupted
             signum = getattr(e, "exit_code", 130) - 128
@@ -565,7 +570,7 @@ def plan_order(spec: StudySpec) -> list[tuple[str, int]]:
     return [(a, s) for s in range(spec.seeds) for a in spec.arms]
 
 
-def run_one(spec: StudySpec, arm: str, seed: int, tag: str, train_fn, log=print) -> None:
+def run_one(spec: StudySpec, arm: str, seed: int, tag: str, train_fn, log=print, branch_fn=None) -> None:
     """Train one arm x seed unless its folder says it finished; record done | diverged | failed.
 
     The state comes from the run's typed ``Outcome`` (``mxtrain.train.callbacks``): the one ``train_fn``
@@ -574,13 +579,18 @@ def run_one(spec: StudySpec, arm: str, seed: int, tag: str, train_fn, log=print)
     told by the exception's type (``NonFiniteLoss``, ``FloatingPointError``), never by its text. Completed is
     ``done``, diverged is a result; interrupted (the trainer's ``Interrupted``, ``StudyInterrupted``,
     ``KeyboardInterrupt``) stops the study; failed is recorded with its message (traceback in
-    ``RUN/study_error.txt``), the run counts as missing, and the next session trains it again."""
+    ``RUN/study_error.txt``), the run counts as missing, and the next session trains it again.
+
+    In a cooldown study (``spec.budgets``) a run that is done then trains its cooldown branches
+    (``run_branches``), each skipped when finished, as runs are."""
     from ..train.callbacks import Outcome, Status, read_outcome
 
     rd = Path(spec.out) / "runs" / arm / f"seed{seed}"
     st = _status(rd)
     if _finished(st):
         log(f"{tag} {arm} seed {seed}: {st.get('state')} already, skipped")
+        if st.get("state") == "done" and spec.budgets:
+            run_branches(spec, arm, seed, tag, branch_fn or train_branch, log)
         return
     if rd.exists():
         busy = _run_folder_owner(rd)
@@ -617,6 +627,65 @@ def run_one(spec: StudySpec, arm: str, seed: int, tag: str, train_fn, log=print)
         {"state": state, "message": msg, "step": oc.step, "seconds": round(time.time() - ts, 1), "arm": arm,
          "seed": seed}))
     log(f"{tag} {arm} seed {seed}: {state} in {time.time() - ts:.0f} s")
+    if state == "done" and spec.budgets:
+        run_branches(spec, arm, seed, tag, branch_fn or train_branch, log)
+
+
+def run_branches(spec: StudySpec, arm: str, seed: int, tag: str, branch_fn, log=print) -> None:
+    """The cooldown branches of one finished stable run, in budget order; each records
+    ``BRANCH/study_status.json`` (done | diverged | failed, with its budget, branch step and cooldown steps).
+    A finished branch is skipped; a failed one is trained again from the stable run's checkpoint; an
+    interrupted one resumes from its own checkpoint (``mxtrain.train.branch_fit``)."""
+    from ..train.callbacks import Outcome, Status, read_outcome
+
+    rd = Path(spec.out) / "runs" / arm / f"seed{seed}"
+    for budget, k, n in study_branch_plan(spec):
+        bd = branch_folder(rd, k, n)
+        what = f"{tag} {arm} seed {seed} budget {budget:g} (branch at step {k}, {n} cooldown steps)"
+        st = _status(bd)
+        if _finished(st):
+            continue
+        if st is not None and bd.exists():   # failed before: trained again from scratch
+            log(f"{what}: failed before ({st.get('message')}), training it again")
+            shutil.rmtree(bd)
+        log(f"{what} -> {bd}")
+        ts = time.time()
+        tb = None
+        try:
+            res = branch_fn(spec, arm, seed, rd, budget, k, n, bd)
+        except Exception as e:
+            if _is_interrupt(e):
+                raise
+            oc = _outcome_of(e, bd)
+            if not oc.diverged:
+                tb = traceback.format_exc()
+        else:
+            oc = res if isinstance(res, Outcome) else (read_outcome(bd) or Outcome(Status.COMPLETED, None, None, bd))
+            if oc.status is Status.INTERRUPTED:
+                raise StudyInterrupted(f"{arm} seed {seed} budget {budget:g} was interrupted ({oc.reason}); rerun the "
+                                       f"same command to resume", signal.SIGINT)
+        state = {Status.COMPLETED: "done", Status.DIVERGED: "diverged"}.get(oc.status, "failed")
+        msg = oc.reason if state != "done" else None
+        if state != "done":
+            log(f"    {state}: {msg}")
+        bd.mkdir(parents=True, exist_ok=True)
+        if tb:
+            (bd / "study_error.txt").write_text(tb)
+        (bd / "study_status.json").write_text(json.dumps(
+            {"state": state, "message": msg, "step": oc.step, "seconds": round(time.time() - ts, 1), "arm": arm,
+             "seed": seed, "budget": budget, "at_step": k, "cooldown_steps": n, "shape": spec.cooldown_shape}))
+        log(f"{what}: {state} in {time.time() - ts:.0f} s")
+
+
+def branches_pending(spec: StudySpec, out: Path, arm: str, seed: int) -> bool:
+    """Does a done stable run of a cooldown study still lack a finished branch?"""
+    if not spec.budgets:
+        return False
+    rd = out / "runs" / arm / f"seed{seed}"
+    st = _status(rd)
+    if not (st and st.get("state") == "done"):
+        return False
+    return any(not _finished(_status(branch_folder(rd, k, n))) for _, k, n in study_branch_plan(spec))
 
 
 def _run_folder_owner(rd: Path) -> str | None:
@@ -646,7 +715,8 @@ def _run_workers(spec: StudySpec, out: Path, jobs: int, log, lock: _StudyLock | 
     each also dies with this process if it is killed (``PR_SET_PDEATHSIG``, set by the worker)."""
     import subprocess
 
-    pending = [(a, s) for a, s in plan_order(spec) if not _finished(_status(out / "runs" / a / f"seed{s}"))]
+    pending = [(a, s) for a, s in plan_order(spec) if not _finished(_status(out / "runs" / a / f"seed{s}"))
+               or branches_pending(spec, out, a, s)]
     if not pending:
         log("every run of this study has finished already")
         return None
@@ -769,6 +839,8 @@ def summarize_study(out: str | Path) -> dict:
                               recipes=recipes)
     summary["planned_runs"] = planned
     summary["missing"] = missing
+    if meta.get("cooldown"):
+        add_cooldown(summary, out, meta, runs)
     summary = M.sanitize(summary)
     (out / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False))
     if summary["arms"]:
@@ -776,12 +848,51 @@ def summarize_study(out: str | Path) -> dict:
     return summary
 
 
+def add_cooldown(summary: dict, out: Path, meta: dict, runs: dict | None = None) -> None:
+    """The cooldown design's results into ``summary``: ``branches`` (every planned branch of a stable run that
+    is done: its state and cooled-down loss), ``cooldown`` (``mxtrain.study.cooldown.summarize_cooldown``:
+    extra tokens per budget with paired bootstrap intervals, the verdict lines) and the branches not finished
+    under ``missing`` (with their budget), counted in ``planned_runs``."""
+    from . import cooldown as C
+
+    cd = meta["cooldown"]
+    points = C.load_cooldown_points(out)
+    plan = cd.get("branches") or []
+    rows, missing = [], []
+    for s in meta["seeds"]:
+        for a in meta["arms"]:
+            st = _status(out / "runs" / a / f"seed{s}")
+            if not (st and st.get("state") == "done"):
+                continue
+            for br in plan:
+                p = points.get(a, {}).get(int(s), {}).get(float(br["budget"]))
+                bst = _status(branch_folder(out / "runs" / a / f"seed{s}", br["at_step"], br["cooldown_steps"]))
+                state = (p or {}).get("state") or ("interrupted" if bst is None and branch_folder(
+                    out / "runs" / a / f"seed{s}", br["at_step"], br["cooldown_steps"]).exists() else "not_trained")
+                losses = (p or {}).get("losses")
+                rows.append({"arm": a, "seed": int(s), **br, "state": state,
+                             "val_loss": (sum(losses) / len(losses)) if losses else None,
+                             "tokens": (p or {}).get("tokens")})
+                if state not in ("done", "diverged"):
+                    reason = (bst or {}).get("message") or ""
+                    missing.append({"arm": a, "seed": int(s), "budget": br["budget"], "state": state,
+                                    "reason": f"cooldown branch at budget {br['budget']:g}" + (f": {reason}" if reason else "")})
+    summary["branches"] = rows
+    summary["planned_runs"] = summary.get("planned_runs", 0) + len(meta["arms"]) * len(meta["seeds"]) * len(plan)
+    summary["missing"] = list(summary.get("missing") or []) + missing
+    cool = C.summarize_cooldown(points, meta["baseline"], cd["budgets"], n_boot=int(cd.get("n_boot", 1000)))
+    cool["shape"], cool["cooldown"] = cd.get("shape"), cd.get("cooldown")
+    cool["verdict"] = C.verdict_lines(cool)
+    summary["cooldown"] = cool
+
+
 def incomplete_message(summary: dict, limit: int = 8) -> str | None:
     """``study incomplete: N of M planned runs missing: ...`` for a summary that lacks planned runs, else None."""
     miss = summary.get("missing") or []
     if not miss:
         return None
-    items = [f"{m['arm']} seed {m['seed']} ({m['state'].replace('_', ' ')}" + (f": {m['reason'][:160]}" if m.get("reason") else "") + ")"
+    items = [f"{m['arm']} seed {m['seed']}" + (f" budget {m['budget']:g}" if m.get("budget") is not None else "")
+             + f" ({m['state'].replace('_', ' ')}" + (f": {m['reason'][:160]}" if m.get("reason") else "") + ")"
              for m in miss[:limit]]
     more = f", and {len(miss) - limit} more" if len(miss) > limit else ""
     return (f"study incomplete: {len(miss)} of {summary.get('planned_runs', '?')} planned runs missing: "

@@ -27,6 +27,7 @@ import torch
 
 from .. import __version__, convert, set_step
 from .. import distributed as D  # [distributed] issue 5: DDP / FSDP2 / DCP hooks
+from .. import settings as _settings
 from ..data import Loader, TokenData, ensure_builtin, val_batches
 from ..errors import UserError
 from ..model import Llama, ModelConfig
@@ -838,7 +839,9 @@ def _train(cfg: TrainConfig, resume: str | Path | None, env: D.DistEnv, locks: l
                 "data_meta": {k: data.meta[k] for k in ("train_tokens", "val_tokens", "vocab_size", "sources")},
                 "model_params": mcfg.num_params(), "flops_per_token": mcfg.flops_per_token(T),
                 "world_size": world, "grad_accum": accum, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "resumed_from_step": start_step or None}
+                "resumed_from_step": start_step or None,
+                # every knob of mxtrain.settings (docs/settings.md), those that change numerics included
+                "settings": _settings.current().to_dict()}
         # every leg of a resumed run keeps its record: the earlier legs go under "legs", oldest first
         legs = []
         if state is not None and (out / "run.json").exists():

@@ -1,0 +1,72 @@
+"""Per-tensor FP8 GEMMs on FP8 tensor cores (the ``fp8`` recipe's GEMMs on a CUDA GPU).
+
+The reference path quantizes each operand with ``mxtrain.quant.quantize`` (per-tensor current scaling:
+``scale = amax / max_elem``), dequantizes it to float32 and multiplies in float32. Where both operands
+of a GEMM are per-tensor FP8 (E4M3 or E5M2, not both E5M2), not rotated, on a CUDA device with FP8
+tensor cores (sm_89 and later), ``scaled_mm`` multiplies the same FP8 codes with ``torch._scaled_mm``
+instead: the products of the codes accumulated in float32, then multiplied by the two scales. The
+operands are the reference's, bit for bit; the result differs from the reference's only by float32
+rounding (the reference rounds each dequantized operand ``code * scale`` to float32 before multiplying,
+``_scaled_mm`` applies the scales to the accumulated sum) and by the accumulation order. That makes the
+``fp8`` recipe train at FP8 tensor-core speed on Hopper instead of through float32 GEMMs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .context import Ctx
+from .recipe import Recipe
+
+__all__ = ["applies", "scaled_mm"]
+
+_FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def _fp8_capable(device: torch.device) -> bool:
+    if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
+        return False
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_capability(idx) >= (8, 9)
+
+
+def applies(recipe: Recipe, a_name: str, b_name: str, gemm: str, *dims: int, device) -> bool:
+    """Can this GEMM of ``recipe`` (operands ``a_name``, ``b_name``; ``dims``: M, N and the reduction
+    length) run as ``scaled_mm``?"""
+    fa, fb = recipe.operand(a_name).fmt, recipe.operand(b_name).fmt
+    if fa not in _FP8 or fb not in _FP8 or (fa == "fp8_e5m2" and fb == "fp8_e5m2"):
+        return False
+    if recipe.rotation(gemm).enabled or any(d % 16 for d in dims):
+        return False
+    return _fp8_capable(torch.device(device))
+
+
+def _codes(qctx: Ctx, t: torch.Tensor, axis: int, name: str):
+    """(FP8 codes with the reduction axis last, contiguous; float32 scale; prescale): the reference's
+    quantization of the 2-D ``t`` along ``axis`` (nearest rounding: the two-pass kernel,
+    ``kernels.fp8cast``, bit for bit)."""
+    op = qctx.recipe.operand(name)
+    if op.rounding == "nearest" and _cast_kernel_runs(t.device):
+        from .kernels.fp8cast import quantize_tensor_fp8
+        codes, scale = quantize_tensor_fp8(t, op.fmt, op.prescale)
+        return (codes if axis in (-1, 1) else codes.t().contiguous()), scale, op.prescale
+    mx = qctx.quantize(t, axis, name)
+    return mx.data.contiguous(), mx.scales.to(torch.float32).reshape(()), mx.prescale
+
+
+def _cast_kernel_runs(device: torch.device) -> bool:
+    from .kernels import kernels_available
+    return kernels_available(device)
+
+
+def scaled_mm(qctx: Ctx, a: torch.Tensor, a_axis: int, a_name: str, b: torch.Tensor, b_axis: int, b_name: str,
+              out_dtype: torch.dtype) -> torch.Tensor:
+    """``op(a) @ op(b)^T`` for 2-D ``a`` and ``b`` quantized along ``a_axis`` / ``b_axis`` (-1 or 1: the
+    GEMM reduces along the tensor's columns, the stored layout; 0: along its rows, the tensor is used
+    transposed), divided by the two prescales, in ``out_dtype``."""
+    A, sa, pa = _codes(qctx, a, a_axis, a_name)       # (M, R) row-major: what _scaled_mm takes as A
+    Bt, sb, pb = _codes(qctx, b, b_axis, b_name)      # (N, R) row-major, so Bt.t() is (R, N) column-major
+    y = torch._scaled_mm(A, Bt.t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32)
+    if pa * pb != 1.0:
+        y = y / (pa * pb)
+    return y.to(out_dtype)

@@ -1,0 +1,91 @@
+"""Cooldown studies: a stable run per arm x seed, cooldown branches at each budget, resumable, summarized."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from mxtrain.errors import UserError
+from mxtrain.study.runner import StudySpec, branch_plan, run_study, train_branch
+
+SMOKE = ["model.dim=64", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1", "schedule.warmup_steps=2",
+         "optim.lr=5e-3", "log.eval_tokens=512", "log.log_every=4", "log.tensorboard=false"]
+
+
+def _spec(out, **kw):
+    return StudySpec(out=str(out), arms=["bf16", "mxfp4-all"], seeds=2, model="tiny", steps=16, batch_size=4,
+                     seq_len=32, eval_every=4, device="cpu", overrides=list(SMOKE), budgets=[0.5, 0.75, 1.0],
+                     cooldown=0.25, n_boot=50, **kw)
+
+
+def test_branch_plan_and_checks(tmp_path):
+    assert branch_plan(_spec(tmp_path), 16, 2) == [(0.5, 6, 2), (0.75, 9, 3), (1.0, 12, 4)]
+    with pytest.raises(UserError, match="inside the warmup"):
+        branch_plan(_spec(tmp_path), 16, 7)
+    with pytest.raises(UserError, match="long-cosine"):
+        _spec(tmp_path, schedule="long-cosine")
+    with pytest.raises(UserError, match=r"in \(0, 1\]"):
+        StudySpec(out=str(tmp_path), budgets=[0.5, 1.5])
+
+
+def test_cooldown_study_end_to_end_and_resume(tmp_path, monkeypatch):
+    monkeypatch.setenv("MXTRAIN_DATA", str(tmp_path / "cache"))
+    import torch
+    torch.set_num_threads(1)
+    out = tmp_path / "study"
+    calls = []
+
+    def counting(spec, arm, seed, rd, budget, k, n, bd):
+        calls.append((arm, seed, budget))
+        return train_branch(spec, arm, seed, rd, budget, k, n, bd)
+
+    run_study(_spec(out), log=lambda m: None, branch_fn=counting)
+    assert len(calls) == 2 * 2 * 3
+    rd = out / "runs" / "mxfp4-all" / "seed1"
+    cfg = json.loads((rd / "config.json").read_text())
+    assert cfg["schedule"]["kind"] == "constant" and cfg["train"]["steps"] == 12
+    assert sorted(p.name for p in rd.glob("checkpoint-*.pt")) == ["checkpoint-12.pt", "checkpoint-6.pt",
+                                                                  "checkpoint-9.pt"]
+    b = rd / "branches" / "k9-n3"
+    st = json.loads((b / "study_status.json").read_text())
+    assert st["state"] == "done" and st["budget"] == 0.75 and st["at_step"] == 9 and st["cooldown_steps"] == 3
+    bcfg = json.loads((b / "config.json").read_text())
+    assert bcfg["schedule"]["kind"] == "wsd" and bcfg["schedule"]["decay_shape"] == "1-sqrt"
+    s = json.loads((out / "summary.json").read_text())
+    assert s["planned_runs"] == 4 + 12 and s["missing"] == [] and len(s["branches"]) == 12
+    assert all(r["state"] == "done" and math.isfinite(r["val_loss"]) for r in s["branches"])
+    cool = s["cooldown"]
+    assert cool["budgets"] == [0.5, 0.75, 1.0]
+    mx = cool["arms"]["mxfp4-all"]
+    assert mx["n_seeds"] == 2 and mx["n_windows"] == 512 // 32 and len(mx["budgets"]) == 3
+    assert [r["tokens"] for r in mx["budgets"]] == [8 * 128, 12 * 128, 16 * 128]
+    assert cool["verdict"] and cool["verdict"][0].startswith("mxfp4-all: ")
+    html = (out / "report.html").read_text()
+    assert "Cooled-down comparison" in html and cool["verdict"][0].split(":")[0] in html
+
+    # a crash mid-branch: that branch alone is trained again; a failed one too; the rest is skipped
+    (b / "study_status.json").unlink()
+    f = out / "runs" / "bf16" / "seed0" / "branches" / "k6-n2" / "study_status.json"
+    f.write_text(json.dumps({**json.loads(f.read_text()), "state": "failed", "message": "boom"}))
+    calls.clear()
+    run_study(_spec(out), log=lambda m: None, branch_fn=counting)
+    assert sorted(calls) == [("bf16", 0, 0.5), ("mxfp4-all", 1, 0.75)]
+    s2 = json.loads((out / "summary.json").read_text())
+    assert s2["missing"] == [] and s2["cooldown"]["verdict"] == cool["verdict"]     # deterministic, same result
+
+
+def test_cli_and_config_file_budgets(tmp_path, capsys):
+    from mxtrain.cli import main
+    assert main(["study", "--arms", "bf16,mxfp4-all", "--steps", "100", "--budgets", "0.5,1", "--cooldown", "0.1",
+                 "--out", str(tmp_path / "s"), "--dry-run"]) == 0
+    assert "cooldown branches at budgets 0.5, 1 of the run (0.1 of each branch cooling down, 1-sqrt)" in capsys.readouterr().out
+    f = tmp_path / "s.toml"
+    f.write_text('[study]\narms = ["bf16"]\nbudgets = [0.25, 1.0]\ncooldown_shape = "linear"\n')
+    assert main(["study", "--config", str(f), "--steps", "100", "--out", str(tmp_path / "t"), "--dry-run"]) == 0
+    assert "budgets 0.25, 1 of the run (0.2 of each branch cooling down, linear)" in capsys.readouterr().out
+    assert main(["study", "--arms", "bf16", "--budgets", "0.5,x", "--out", str(tmp_path / "u"), "--dry-run"]) == 2
+    assert main(["study", "--arms", "bf16", "--steps", "10", "--budgets", "0.1", "--out", str(tmp_path / "v"),
+                 "--dry-run"]) == 2          # a branch point before the first step: refused before anything runs
+    assert "budget 0.1 of a 10-step run branches at step 0" in capsys.readouterr().err
