@@ -49,17 +49,8 @@ class Loaded:
 
 
 def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(name)
-    except RuntimeError:
-        raise UserError(f"unknown device {name!r}; use auto, cpu, cuda or cuda:N") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"device {name!r} requested but CUDA is not available here; use --device cpu")
-    if dev.type not in ("cpu", "cuda"):
-        raise UserError(f"unsupported device {name!r}; use auto, cpu, cuda or cuda:N")
-    return dev
+    from .train.trainer import _resolve_device
+    return _resolve_device(name)
 
 
 def _train_amp(cfg, dev: torch.device) -> torch.dtype | None:

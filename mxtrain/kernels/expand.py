@@ -26,6 +26,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from .quantize import _e4m3_bits
+
     @triton.jit
     def _expand_kernel(pk_ptr, sc_ptr, car_ptr, gs_ptr, cnt_ptr, R, Kq, Rc, Kc, gs_sr, gs_sk,
                        BR: tl.constexpr, GROUP_ROWS: tl.constexpr):
@@ -68,16 +70,11 @@ if HAS_TRITON:
         val = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * ((e + 126) << 23).to(tl.float32, bitcast=True))
         val = (val.to(tl.int32, bitcast=True) | ((codes & 8) << 28)).to(tl.float32, bitcast=True)  # -0 kept
         c = tl.reshape(tl.reshape(val, [BR, 4, 32]) * fc[:, :, None], [BR, 128])
-        # e4m3 bits, round half to even (the values are E2M1 times a power of two: exact above 2**-6;
-        # below, the e4m3 subnormal grid 2**-9 is reached by adding and removing 2**23 after * 512)
-        a = tl.abs(c)
-        nrm = (a.to(tl.int32, bitcast=True) >> 20) - 960
-        sub = (a * 512.0 + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
-        b = tl.where(a < 0.015625, sub, nrm)
-        b = tl.minimum(b, 0x7E) | ((c.to(tl.int32, bitcast=True) >> 24) & 0x80)
-        b = tl.where(c != c, 0x7F, b)
+        # e4m3 bits by float32 arithmetic (the values are E2M1 times a power of two: exact above 2**-6,
+        # rounded half to even onto the subnormal grid below), as the quantizer's interpreter path
+        b = _e4m3_bits(c, False)
         kc = pid_k * 128 + tl.arange(0, 128)
-        tl.store(car_ptr + rows[:, None] * Kc + kc[None, :], b.to(tl.uint8), mask=(rows < Rc)[:, None])
+        tl.store(car_ptr + rows[:, None] * Kc + kc[None, :], b, mask=(rows < Rc)[:, None])
         gval = (((tl.maximum(G - 6, -126)) + 127) << 23).to(tl.float32, bitcast=True)
         if GROUP_ROWS == 1:
             tl.store(gs_ptr + rows * gs_sr + pid_k * gs_sk, gval, mask=rows < Rc)

@@ -583,7 +583,6 @@ def run_one(spec: StudySpec, arm: str, seed: int, tag: str, train_fn, log=print,
 
     In a cooldown study (``spec.budgets``) a run that is done then trains its cooldown branches
     (``run_branches``), each skipped when finished, as runs are."""
-    from ..train.callbacks import Outcome, Status, read_outcome
 
     rd = Path(spec.out) / "runs" / arm / f"seed{seed}"
     st = _status(rd)
@@ -602,33 +601,44 @@ def run_one(spec: StudySpec, arm: str, seed: int, tag: str, train_fn, log=print,
     rd.parent.mkdir(parents=True, exist_ok=True)
     log(f"{tag} {arm} seed {seed} -> {rd}")
     ts = time.time()
+    state = _run_and_record(lambda: train_fn(spec, arm, seed, rd), rd,
+                            f"{arm} seed {seed} was interrupted ({{}}); rerun the same command to resume (finished "
+                            f"runs are skipped)", {"arm": arm, "seed": seed}, log)
+    log(f"{tag} {arm} seed {seed}: {state} in {time.time() - ts:.0f} s")
+    if state == "done" and spec.budgets:
+        run_branches(spec, arm, seed, tag, branch_fn or train_branch, log)
+
+
+def _run_and_record(call, folder: Path, interrupted: str, fields: dict, log) -> str:
+    """Run ``call`` (a run or a branch training into ``folder``) and record its state in
+    ``folder/study_status.json`` (done | diverged | failed, with ``fields``; a failure's traceback in
+    ``study_error.txt``); the state is the trainer's typed outcome. An interrupted run stops the study
+    (``interrupted``: the message, ``{}`` for the reason)."""
+    from ..train.callbacks import Outcome, Status, read_outcome
+    ts = time.time()
     tb = None
     try:
-        res = train_fn(spec, arm, seed, rd)
+        res = call()
     except Exception as e:  # a diverged run is a result, a failed one is recorded; a signal stops the study
         if _is_interrupt(e):
             raise
-        oc = _outcome_of(e, rd)
+        oc = _outcome_of(e, folder)
         if not oc.diverged:
             tb = traceback.format_exc()
     else:
-        oc = res if isinstance(res, Outcome) else (read_outcome(rd) or Outcome(Status.COMPLETED, None, None, rd))
+        oc = res if isinstance(res, Outcome) else (read_outcome(folder) or Outcome(Status.COMPLETED, None, None, folder))
         if oc.status is Status.INTERRUPTED:
-            raise StudyInterrupted(f"{arm} seed {seed} was interrupted ({oc.reason}); rerun the same command to "
-                                   f"resume (finished runs are skipped)", signal.SIGINT)
+            raise StudyInterrupted(interrupted.replace("{}", str(oc.reason)), signal.SIGINT)
     state = {Status.COMPLETED: "done", Status.DIVERGED: "diverged"}.get(oc.status, "failed")
     msg = oc.reason if state != "done" else None
     if state != "done":
         log(f"    {state}: {msg}")
-    rd.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(parents=True, exist_ok=True)
     if tb:
-        (rd / "study_error.txt").write_text(tb)
-    (rd / "study_status.json").write_text(json.dumps(
-        {"state": state, "message": msg, "step": oc.step, "seconds": round(time.time() - ts, 1), "arm": arm,
-         "seed": seed}))
-    log(f"{tag} {arm} seed {seed}: {state} in {time.time() - ts:.0f} s")
-    if state == "done" and spec.budgets:
-        run_branches(spec, arm, seed, tag, branch_fn or train_branch, log)
+        (folder / "study_error.txt").write_text(tb)
+    (folder / "study_status.json").write_text(json.dumps(
+        {"state": state, "message": msg, "step": oc.step, "seconds": round(time.time() - ts, 1), **fields}))
+    return state
 
 
 def run_branches(spec: StudySpec, arm: str, seed: int, tag: str, branch_fn, log=print) -> None:
@@ -636,7 +646,6 @@ def run_branches(spec: StudySpec, arm: str, seed: int, tag: str, branch_fn, log=
     ``BRANCH/study_status.json`` (done | diverged | failed, with its budget, branch step and cooldown steps).
     A finished branch is skipped; a failed one is trained again from the stable run's checkpoint; an
     interrupted one resumes from its own checkpoint (``mxtrain.train.branch_fit``)."""
-    from ..train.callbacks import Outcome, Status, read_outcome
 
     rd = Path(spec.out) / "runs" / arm / f"seed{seed}"
     for budget, k, n in study_branch_plan(spec):
@@ -650,30 +659,10 @@ def run_branches(spec: StudySpec, arm: str, seed: int, tag: str, branch_fn, log=
             shutil.rmtree(bd)
         log(f"{what} -> {bd}")
         ts = time.time()
-        tb = None
-        try:
-            res = branch_fn(spec, arm, seed, rd, budget, k, n, bd)
-        except Exception as e:
-            if _is_interrupt(e):
-                raise
-            oc = _outcome_of(e, bd)
-            if not oc.diverged:
-                tb = traceback.format_exc()
-        else:
-            oc = res if isinstance(res, Outcome) else (read_outcome(bd) or Outcome(Status.COMPLETED, None, None, bd))
-            if oc.status is Status.INTERRUPTED:
-                raise StudyInterrupted(f"{arm} seed {seed} budget {budget:g} was interrupted ({oc.reason}); rerun the "
-                                       f"same command to resume", signal.SIGINT)
-        state = {Status.COMPLETED: "done", Status.DIVERGED: "diverged"}.get(oc.status, "failed")
-        msg = oc.reason if state != "done" else None
-        if state != "done":
-            log(f"    {state}: {msg}")
-        bd.mkdir(parents=True, exist_ok=True)
-        if tb:
-            (bd / "study_error.txt").write_text(tb)
-        (bd / "study_status.json").write_text(json.dumps(
-            {"state": state, "message": msg, "step": oc.step, "seconds": round(time.time() - ts, 1), "arm": arm,
-             "seed": seed, "budget": budget, "at_step": k, "cooldown_steps": n, "shape": spec.cooldown_shape}))
+        state = _run_and_record(lambda: branch_fn(spec, arm, seed, rd, budget, k, n, bd), bd,
+                                f"{arm} seed {seed} budget {budget:g} was interrupted ({{}}); rerun the same command "
+                                f"to resume", {"arm": arm, "seed": seed, "budget": budget, "at_step": k,
+                                               "cooldown_steps": n, "shape": spec.cooldown_shape}, log)
         log(f"{what}: {state} in {time.time() - ts:.0f} s")
 
 
