@@ -620,7 +620,7 @@ def run(args) -> int:
     if bad:
         raise UserError(f"unknown benchmark {bad[0]!r}; choose from {', '.join(_WHAT)} or all")
     from . import recipes as _recipes
-    bad = [p for p in _presets(args, []) if p not in _recipes.names()]
+    bad = [p for p in _presets(args, []) if not _recipes.is_name(p)]
     if bad:
         raise UserError(f"unknown recipe {bad[0]!r} in --presets; choose from {', '.join(_recipes.names())}")
     if not torch.cuda.is_available():

@@ -1,6 +1,6 @@
 """Multi-process training on PyTorch's own distributed stack: torchrun, DDP, FSDP2 and DCP checkpoints.
 
-Parallelism is applied from outside the model (style point 10): the trainer builds the model,
+Parallelism is applied from outside the model: the trainer builds the model,
 ``convert``s it to a recipe, then calls ``wrap(model, mode, env)``. One process (world size 1, no
 ``RANK`` in the environment) runs the same code with no process group at all.
 

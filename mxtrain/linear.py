@@ -205,12 +205,9 @@ def _recipe_from_json(s: str) -> Recipe:
     return Recipe.from_dict(json.loads(s))
 
 
-@functools.lru_cache(maxsize=256)
 def recipe_json(recipe: Recipe) -> str:
     """The recipe as the string argument of the custom ops (one constant per recipe in a graph)."""
-    d = recipe.to_dict()
-    d.pop("description", None)
-    return json.dumps(d, sort_keys=True)
+    return recipe._json
 
 
 @torch.library.custom_op("mxtrain::call_seeds", mutates_args=("state",))
@@ -443,8 +440,10 @@ def compiled_linear(x, weight, bias, state, recipe_str: str, seeded: bool, quant
 
 
 @torch._dynamo.assume_constant_result
-def _compile_spec(recipe) -> tuple[str, bool, bool, bool]:
-    r = get_recipe(recipe)
+def _compile_spec(recipe: str) -> tuple[str, bool, bool, bool]:
+    """``recipe``: a preset name or a recipe's JSON string (strings only: a traced call passes its
+    arguments as constants, and some torch versions cannot rebuild a frozen dataclass there)."""
+    r = _recipe_from_json(recipe) if recipe.startswith("{") else get_recipe(recipe)
     return recipe_json(r), needs_seeds(r), r.quantized, split_capable(r)
 
 
@@ -464,7 +463,7 @@ def mx_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     per expert with ``weight[e]``).
     """
     if torch.compiler.is_compiling():
-        rs, seeded, quantized, split = _compile_spec(recipe)
+        rs, seeded, quantized, split = _compile_spec(recipe if isinstance(recipe, str) else recipe._json)
         return compiled_linear(x, weight, bias, state, rs, seeded, quantized, split)
     recipe = get_recipe(recipe)
     rt = route(recipe, x, weight)

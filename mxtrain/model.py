@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -117,10 +117,6 @@ def size_names() -> list[str]:
     return list(SIZES)
 
 
-def config_fields() -> list[str]:
-    return [f.name for f in fields(ModelConfig)]
-
-
 # ------------------------------------------------------------------------------------------- glue
 # The elementwise work between the linear layers (RMSNorm, RoPE, SwiGLU) is written once, in plain
 # PyTorch, and on CUDA runs through torch.compile, which fuses each function (and its backward) into
@@ -129,7 +125,6 @@ def config_fields() -> list[str]:
 # float32 intermediate steps may differ. The ``glue`` setting (mxtrain.settings): MXTRAIN_GLUE=eager turns
 # it off; "compiled" compiles on every device; "auto" (default) compiles on CUDA only. ``model.GLUE`` is kept
 # as an alias of it (assigning it calls ``settings.configure(glue=...)``).
-_GLUE_MODES = ("auto", "compiled", "eager")
 _COMPILED: dict = {}
 _GLUE_FAILED: list = []
 

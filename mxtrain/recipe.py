@@ -19,6 +19,7 @@ Layers can stay in high precision by module-name pattern or by block position.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass, field, fields, replace
 
@@ -154,6 +155,11 @@ class Recipe:
         if _as_int(self.seed) is None:
             raise ValueError(f"Recipe.seed must be an integer, got {self.seed!r}")
         object.__setattr__(self, "seed", _as_int(self.seed))
+        # the recipe as one string (every field but the description): the argument of the custom ops,
+        # and what a compiled ``mx_linear`` reads from a Recipe object (a plain attribute, no tracing)
+        d = dataclasses.asdict(self)
+        d.pop("description", None)
+        object.__setattr__(self, "_json", json.dumps(d, sort_keys=True))
         # 2-D weight tiles must be consistent between Fprop and Dgrad, or W and W^T differ silently
         # only by choice; allowed, so nothing to check. A rotation on a GEMM with no quantized
         # operand is legal (it only costs time) and is kept.

@@ -3,7 +3,7 @@
 ``mxtrain.recipes.get(name)`` builds one, ``mxtrain.recipes.names()`` lists them. Presets
 are plain ``Recipe`` values: derive variants with ``recipe.with_(**{"wgrad_dy.rounding": "stochastic"})``.
 Papers: [AMD] Cim et al., arXiv 2605.09825; [Tseng] Tseng, Yu, Park, arXiv 2502.20586;
-[NVIDIA] arXiv 2509.25149. See docs/recipes.md for the full comparison.
+[NVIDIA] arXiv 2509.25149; [Quartet II] its published runs. docs/numerics.md tabulates every preset.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Callable
 
 from .recipe import BF16, Operand, Recipe, Rotation
 
-__all__ = ["get", "names", "register"]
+__all__ = ["get", "names", "register", "is_name"]
 
 _REGISTRY: dict[str, Callable[[], Recipe]] = {}
 
@@ -29,15 +29,37 @@ def names() -> list[str]:
 
 
 def get(name: str | Recipe) -> Recipe:
-    """The preset called ``name`` (a ``Recipe`` passes through unchanged)."""
+    """The preset called ``name`` (a ``Recipe`` passes through unchanged). ``PRESET+RULE`` (for example
+    ``mxfp4-all-dh16+amd``) is the preset with scale rule RULE on every MX operand (``floor``, ``ceil``,
+    ``rceil``, ``even``, ``amd``: ``mxtrain.quant.SCALE_RULES``), e.g. [AMD]'s ladder with its own rule."""
     if isinstance(name, Recipe):
         return name
+    base, plus, rule = name.partition("+")
     try:
-        fn = _REGISTRY[name]
+        fn = _REGISTRY[base]
     except KeyError:
-        raise ValueError(f"unknown recipe {name!r}; valid recipes: {', '.join(_REGISTRY)}") from None
+        raise ValueError(f"unknown recipe {name!r}; valid recipes: {', '.join(_REGISTRY)} "
+                         f"(optionally +RULE, a scale rule for every MX operand)") from None
     r = fn()
+    if plus:
+        from .quant import SCALE_RULES
+        if rule not in SCALE_RULES:
+            raise ValueError(f"unknown scale rule {rule!r} in recipe {name!r}; valid: {', '.join(SCALE_RULES)}")
+        mx = [n for n in ("fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_dy", "wgrad_x")
+              if r.operand(n).fmt.startswith("mx")]
+        if not mx:
+            raise ValueError(f"recipe {name!r}: {base} has no MX operand for scale rule {rule!r}")
+        r = r.with_(**{f"{n}.scale_rule": rule for n in mx})
     return r if r.name == name else r.with_(name=name)
+
+
+def is_name(name: str) -> bool:
+    """Does ``get(name)`` know ``name`` (a preset, or ``PRESET+RULE``)?"""
+    try:
+        get(name)
+    except ValueError:
+        return False
+    return True
 
 
 MX4 = Operand("mxfp4")
@@ -82,6 +104,33 @@ def mxfp4_fprop_dgrad() -> Recipe:
     """[AMD] Table 1, row 3: MXFP4 on Fprop and Dgrad; 10-11 % extra tokens there."""
     return Recipe("mxfp4-fprop-dgrad", fprop_x=MX4, fprop_w=MX4, dgrad_dy=MX4, dgrad_w=MX4,
                   description=mxfp4_fprop_dgrad.__doc__)
+
+
+@register("mxfp4-dgrad")
+def mxfp4_dgrad() -> Recipe:
+    """[Quartet II]'s split of the gap by GEMM: MXFP4 (OCP floor, RNE) on the Dgrad GEMM only."""
+    return Recipe("mxfp4-dgrad", dgrad_dy=MX4, dgrad_w=MX4, description=mxfp4_dgrad.__doc__)
+
+
+@register("mxfp4-wgrad")
+def mxfp4_wgrad() -> Recipe:
+    """[Quartet II]'s split: MXFP4 on the Wgrad GEMM only (at most 0.006 nats there); [AMD] finds Wgrad
+    drives the cost."""
+    return Recipe("mxfp4-wgrad", wgrad_dy=MX4, wgrad_x=MX4, description=mxfp4_wgrad.__doc__)
+
+
+@register("mxfp4-bwd")
+def mxfp4_bwd() -> Recipe:
+    """MXFP4 on the backward GEMMs only (Dgrad and Wgrad, round to nearest), Fprop in BF16: with
+    ``mxfp4-bwd-sr``, [Quartet II]'s RTN-against-SR comparison in the MXFP4 backward."""
+    return Recipe("mxfp4-bwd", dgrad_dy=MX4, dgrad_w=MX4, wgrad_dy=MX4, wgrad_x=MX4, description=mxfp4_bwd.__doc__)
+
+
+@register("mxfp4-bwd-sr")
+def mxfp4_bwd_sr() -> Recipe:
+    """``mxfp4-bwd`` with stochastic rounding on the gradient dY of Dgrad and Wgrad."""
+    return Recipe("mxfp4-bwd-sr", dgrad_dy=MX4_SR, dgrad_w=MX4, wgrad_dy=MX4_SR, wgrad_x=MX4,
+                  description=mxfp4_bwd_sr.__doc__)
 
 
 @register("mxfp4-all")

@@ -1,6 +1,7 @@
 """2-rank worker for tests/test_distributed.py: rank 0's checkpoint files hit a full disk (``shards``: a patched
 ``torch.save`` raises ENOSPC inside DCP's writer; ``meta``: rank 0's metadata file after the shards); every rank must get the same one-line error instead of waiting forever at
-the closing barrier. Prints ``RANK <r> ERROR <message>`` and exits 3, or ``RANK <r> SAVED``."""
+the closing barrier. Writes ``RANK <r> ERROR <message>`` (then exits 3) or ``RANK <r> SAVED`` to
+``<folder>/rank<r>.txt`` (two ranks printing to one pipe can interleave their lines)."""
 
 import errno
 import sys
@@ -24,11 +25,12 @@ if env.rank == 0:
     else:                         # rank 0's own last file, after every rank wrote its shards
         import json
         json.dump = full
+report = Path(sys.argv[1]) / f"rank{env.rank}.txt"
 try:
     D.save_checkpoint(Path(sys.argv[1]) / "ck", model, opt, extra={"step": 1}, env=env)
-    print(f"RANK {env.rank} SAVED", flush=True)
+    report.write_text(f"RANK {env.rank} SAVED\n")
 except UserError as e:
-    print(f"RANK {env.rank} ERROR {e}", flush=True)
+    report.write_text(f"RANK {env.rank} ERROR {e}\n")
     sys.exit(3)
 finally:
     D.shutdown()

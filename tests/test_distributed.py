@@ -356,7 +356,7 @@ def test_full_disk_on_rank0_reaches_every_rank(tmp_path, where):
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                         str(HERE / "_dist_enospc.py"), str(tmp_path), where], env=penv, capture_output=True, text=True,
                        timeout=300)
-    lines = sorted(ln for ln in p.stdout.splitlines() if ln.startswith("RANK "))
+    lines = sorted(f.read_text().strip() for f in tmp_path.glob("rank*.txt"))
     assert [ln.split()[:3] for ln in lines] == [["RANK", "0", "ERROR"], ["RANK", "1", "ERROR"]], p.stdout + p.stderr
     assert len({ln.split(" ", 3)[3] for ln in lines}) == 1 and "No space left on device" in lines[0]
     assert "previous checkpoint is intact" in lines[0]

@@ -465,3 +465,33 @@ def test_gpu_other_presets_under_reduce_overhead(recipe):
     assert got[-1] < 0.5 * got[0], got
     for a, b in zip(got, ref):
         assert abs(a - b) <= 0.03 * abs(b) + 1e-4, (got, ref)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_mx_linear_with_recipe_object_compiles_fullgraph(device):
+    """``mx_linear(recipe=<Recipe>)`` (a user's own GEMM, e.g. an expert's) under torch.compile(fullgraph=True):
+    the Recipe object is read as its JSON string, not passed into the traced constant function; outputs
+    and gradients equal eager; a second recipe object with the same fields makes no new graph."""
+    from torch._dynamo.utils import counters
+    from dataclasses import replace
+    torch._dynamo.reset()
+    counters.clear()
+    r = replace(recipes.get("mxfp4-all-sr"), name="mine")
+    x = torch.randn(64, 64, device=device, requires_grad=True)
+    w = torch.randn(32, 64, device=device, requires_grad=True)
+    st = mxtrain.linear.new_state(0, device=device)
+
+    def f(a, b, rec):
+        return mxtrain.mx_linear(a, b, recipe=rec, state=st.clone())
+    comp = torch.compile(f, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
+    y_c = comp(x, w, r)
+    gx_c, gw_c = torch.autograd.grad(y_c.square().sum(), (x, w))
+    y_e = f(x, w, r)
+    gx_e, gw_e = torch.autograd.grad(y_e.square().sum(), (x, w))
+    tol = dict(rtol=2e-2, atol=2e-2) if device == "cuda" else dict(rtol=0, atol=1e-5)
+    torch.testing.assert_close(y_c, y_e, **tol)
+    torch.testing.assert_close(gx_c, gx_e, **tol)
+    torch.testing.assert_close(gw_c, gw_e, **tol)
+    comp(x, w, replace(r, description="same fields"))
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])

@@ -138,3 +138,28 @@ def test_numerics_doc_lists_every_preset_and_its_examples_run():
     assert len(blocks) >= 2
     for code in blocks:
         exec(compile(code, "docs/numerics.md", "exec"), {})
+
+
+def test_preset_plus_scale_rule():
+    """``PRESET+RULE``: every MX operand takes the rule, nothing else changes; bad rules and presets
+    without MX operands are refused with the valid choices."""
+    import pytest
+
+    from mxtrain import recipes
+    base = recipes.get("tseng")
+    r = recipes.get("tseng+amd")
+    assert r.name == "tseng+amd"
+    for n in ("fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_dy", "wgrad_x"):
+        want = "amd" if base.operand(n).fmt.startswith("mx") else base.operand(n).scale_rule
+        assert r.operand(n).scale_rule == want
+        assert r.operand(n).fmt == base.operand(n).fmt and r.operand(n).rounding == base.operand(n).rounding
+    assert r.rotation("wgrad") == base.rotation("wgrad") and r.keep_first == base.keep_first
+    assert recipes.is_name("mxfp4-all-dh16+rceil") and not recipes.is_name("mxfp4-all+round")
+    with pytest.raises(ValueError, match="valid: floor, ceil, rceil, even, amd"):
+        recipes.get("mxfp4-all+round")
+    with pytest.raises(ValueError, match="has no MX operand"):
+        recipes.get("fp8+amd")
+    for name in ("mxfp4-dgrad", "mxfp4-wgrad", "mxfp4-bwd", "mxfp4-bwd-sr"):
+        q = recipes.get(name)
+        assert q.operand("fprop_x").fmt == "bf16"
+        assert q.description

@@ -987,7 +987,7 @@ def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.
 
 # Both operands of one activation from one read (``quantize_mxfp4_dual``): the forward's X (Fprop along
 # features, Wgrad along tokens) and the backward's dY (Dgrad along features, Wgrad along tokens).
-# Measured on an H100 (BENCHMARKS.md; scripts/dual_sweep.py, dual_linear_check.py): with launch plans
+# Measured on an H100 (BENCHMARKS.md, "One-pass dual quantize"): with launch plans
 # 1.08-1.22x faster than the two passes without rotations, from 2048x4096 to 16384x14336; with H16 1.01x
 # alone and no faster inside a whole MXLinear call (the passes are bound by their arithmetic as much as by
 # memory, so sharing the read pays little). The ``dual`` setting (MXTRAIN_QDUAL): "auto" (default: one pass
@@ -1125,9 +1125,9 @@ def quantize_mxfp4_dual(x: torch.Tensor, a: dict, b: dict, *, k_multiple: int = 
 # feature per thread (~127 registers, so 4 blocks of 128 threads per SM: 25 % occupancy under Nsight
 # Compute), the blocks kernel with 128x128 groups 64 values per thread (~103 registers); capped at 80
 # registers they ran 1.03-1.09x faster on an H100 with bit-identical output (64 and below much slower;
-# the plain blocks kernel, 48 registers, 0.95x), scripts/maxnreg_sweep.py, BENCHMARKS.md.
+# the plain blocks kernel, 48 registers, 0.95x; BENCHMARKS.md).
 # The cap is the ``qmaxnreg`` setting (MXTRAIN_QMAXNREG; 0: no cap); launch plans key on it. Which kernels
-# take it: CAPPED_KERNELS (a sweep, scripts/maxnreg_sweep.py, may rebind it, then clears the launch plans).
+# take it: CAPPED_KERNELS (launch plans do not key on it: clear them after rebinding it).
 CAPPED_KERNELS = ("cols", "dual", "blocks128")
 
 
@@ -1237,7 +1237,7 @@ def _dual_ok(x: torch.Tensor, a: dict, b: dict, k_multiple: int, fp4_b: bool = F
 # Launch plans: a configuration quantized once (and, on GPUs, self-checked) is launched again through
 # its compiled kernel directly, skipping Triton's generic launch path (argument binding, specialization,
 # cache-key lookup): about 14 of the 22 us of host time a launch took on an H100's host
-# (scripts/host_overhead.py). Keyed by everything the launch depends on (shapes, strides, pointer
+# (tools/host_overhead.py). Keyed by everything the launch depends on (shapes, strides, pointer
 # alignment, every option; ``key``, the stochastic-rounding seed, is not specialized on). Kept in
 # ``CACHES.plans`` / ``CACHES.dual_plans`` (LRU-bounded). The ``fast_launch`` setting (MXTRAIN_FAST_LAUNCH=0)
 # turns them off.
@@ -1356,7 +1356,7 @@ def kernel_for(axis: int, rot: int, fp4: bool = False, rows_contiguous: bool = F
 FORCE_IDX64 = False  # tests: run the 64-bit offset variant on small shapes
 # Triton's float32 -> float8e4nv cast (the hardware cvt.rn.satfinite.e4m3x2.f32, which converts pairs
 # of registers) wrote wrong bytes for every other row of many tile layouts on sm_90 with Triton 3.6
-# (H100, 2026-11-22, scripts/diag_selfcheck.py: 17 of 82 variants failed, all with that cast). The
+# (on an H100, 17 of 82 variants failed, all with that cast; BENCHMARKS.md). The
 # tile kernel builds the e4m3 bits with float32 ops; the blocks kernel issues the instruction through
 # its own inline PTX on pairs of one thread's consecutive values (``_e4m3_bits``). The per-variant
 # self-check stays as the safety net for both.

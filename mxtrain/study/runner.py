@@ -77,6 +77,12 @@ PAPER_ARMS = ["bf16", "mxfp4-fprop", "mxfp4-fprop-dgrad", "mxfp4-all", "mxfp4-al
 PRESETS: dict[str, dict] = {
     # [AMD] Table 1: the GEMM-by-GEMM ladder and the three interventions, vs a BF16 baseline
     "paper": dict(arms=PAPER_ARMS, baseline="bf16", seeds=3, diagnose_every=0),
+    # [AMD]'s ladder with its kernels' own scale rule (amd: the block exponent rounded up when amax's
+    # significand is at least 1.75), and [Quartet II]'s split by GEMM with RTN against SR in the backward
+    "paper-amd-rule": dict(arms=["bf16"] + [a + "+amd" for a in PAPER_ARMS[1:]], baseline="bf16", seeds=3,
+                           diagnose_every=0),
+    "split": dict(arms=["bf16", "mxfp4-fprop", "mxfp4-dgrad", "mxfp4-wgrad", "mxfp4-bwd", "mxfp4-bwd-sr",
+                        "mxfp4-all"], baseline="bf16", seeds=3, diagnose_every=0),
     # baseline vs the three papers' complete recipes
     "recipes": dict(arms=["bf16", "mxfp4-all-dh16", "tseng", "nvfp4"], baseline="bf16", seeds=3, diagnose_every=0),
     # CI: tiny model on CPU, 3 arms x 2 seeds, a few minutes in all
@@ -122,10 +128,10 @@ class StudySpec:
             raise UserError("a study needs at least one arm (--arms a,b,c)")
         if len(set(self.arms)) != len(self.arms):
             raise UserError(f"--arms lists an arm twice: {','.join(self.arms)}")
-        valid = R.names()
         for a in self.arms:
-            if a not in valid:
-                raise UserError(f"unknown recipe {a!r} in --arms; valid recipes: {', '.join(valid)}")
+            if not R.is_name(a):
+                raise UserError(f"unknown recipe {a!r} in --arms; valid recipes: {', '.join(R.names())} "
+                                f"(optionally +RULE, a scale rule for every MX operand, e.g. mxfp4-all+amd)")
         if self.baseline is None:
             self.baseline = self.arms[0]
         if self.baseline not in self.arms:

@@ -2,7 +2,7 @@
 
 One code path for every device and world size: the loop never assumes a single process (the data
 loader takes rank / world size, the global batch is split into micro-batches per rank). The
-multi-GPU issue wraps the model (DDP / FSDP2) in ``_wrap_parallel`` and reduces metrics in
+multi-GPU code wraps the model (DDP / FSDP2) in ``_wrap_parallel`` and reduces metrics in
 ``_reduce_mean``; nothing else changes.
 
 Hooks: ``callbacks=[...]`` (``mxtrain.train.callbacks.Callback``) are called at the start and end of the run,
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from .. import __version__, convert, set_step
-from .. import distributed as D  # [distributed] issue 5: DDP / FSDP2 / DCP hooks
+from .. import distributed as D  # [distributed] DDP / FSDP2 / DCP hooks
 from .. import settings as _settings
 from ..data import Loader, TokenData, ensure_builtin, val_batches
 from ..errors import UserError
@@ -89,11 +89,6 @@ class NonFiniteLoss(UserError):
         super().__init__(msg)
         self.step = step
         self.outcome: Outcome | None = None
-
-
-def _world() -> tuple[int, int]:
-    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    return rank, world
 
 
 def _resolve_device(name: str) -> torch.device:

@@ -4,7 +4,7 @@ Tiny shapes so that the GPU finishes each kernel before the CPU issues the next:
 then the CPU's. Every part of one fwd+bwd is captured once (the quantize calls, the Triton launches,
 the ``_scaled_mm`` calls) and replayed alone in a loop.
 
-    python3 scripts/host_overhead.py [--recipe mxfp4-all-dh16] [--json out.json]
+    python3 tools/host_overhead.py [--recipe mxfp4-all-dh16] [--json out.json]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Profile one training step of the 125m model (GPU): bf16 vs mxfp4-all-dh16 on the fast path.
 Prints ms/step with a sync per step, CPU time to issue a step, and the top ops of torch.profiler.
-Usage: PYTHONPATH=. python3 scripts/profile_125m.py [--graphs] [--quick] [recipe ...]
+Usage: PYTHONPATH=. python3 tools/profile_125m.py [--graphs] [--quick] [recipe ...]
 --graphs: forward + backward replayed from a CUDA graph (as train.cuda_graphs does); --quick: timing only."""
 import sys
 import time

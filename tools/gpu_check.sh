@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU correctness tests of the fast path, then every benchmark (JSON + logs in $OUT).
-# Usage (repo root, on the GPU machine): OUT=/some/dir bash scripts/gpu_check.sh [bench-what]
+# Usage (repo root, on the GPU machine): OUT=/some/dir bash tools/gpu_check.sh [bench-what]
 set -o pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-out}

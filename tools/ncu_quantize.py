@@ -3,7 +3,7 @@
 Warms every case up (compiles, self-checks), then profiles one call of each between
 cudaProfilerStart/Stop, so that ``ncu --profile-from-start off`` sees only those:
 
-    ncu --clock-control none --profile-from-start off --csv --metrics <list> python3 scripts/ncu_quantize.py
+    ncu --clock-control none --profile-from-start off --csv --metrics <list> python3 tools/ncu_quantize.py
 
 Cases (bf16 in, FP8 carrier out): the activation (16384 x 4096) along rows with H16, along columns
 (Wgrad) without and with H16, the weight (14336 x 4096) in 128x128 groups with H16 along rows and along

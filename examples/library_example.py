@@ -2,7 +2,7 @@
 torch.compile and fused AdamW (byte-level language model on Python source: the standard library's
 .py files of the interpreter that runs this), against the same loop in BF16.
 
-    python scripts/library_example.py --recipes bf16,mxfp4-all-dh16 --steps 300 --out result.json
+    python examples/library_example.py --recipes bf16,mxfp4-all-dh16 --steps 300 --out result.json
 
 Prints the loss every 50 steps, the held-out loss, tokens/s and peak GPU memory per recipe.
 """

@@ -2,7 +2,7 @@
 # One device call on a 2-GPU machine: the same short mxfp4-all-dh16 run on 1 GPU, under DDP and under
 # FSDP2 (2 ranks, same micro-batch), with the default (compiled) elementwise layers; prints the largest
 # per-step loss difference against the 1-GPU run. Usage: OUT=dir [DATA=prepared folder] [STEPS=n] bash
-# scripts/multi_gpu_check.sh (without DATA: the built-in corpus, which needs the [data] extra there)
+# tools/multi_gpu_check.sh (without DATA: the built-in corpus, which needs the [data] extra there)
 set -eo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-out}
