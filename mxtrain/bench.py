@@ -1,4 +1,4 @@
-"""``mxtrain bench quantize|gemm|breakdown|linear|step|all``: GPU benchmarks of the fast path, JSON out.
+"""``mxtrain bench quantize|gemm|breakdown|linear|step|blocks|limits|all``: GPU benchmarks of the fast path, JSON out.
 
 Every ratio is measured in the same run (``triton.testing.do_bench`` medians, random data):
 
@@ -16,6 +16,9 @@ Every ratio is measured in the same run (``triton.testing.do_bench`` medians, ra
 * ``blocks``: forward+backward of a stack of Llama blocks with 8B shapes only (bf16, an unfused FP8
   rowwise reference, MXFP4 presets), eager and with compiled elementwise layers: a breakdown of the
   step without embedding, head, loss and optimizer.
+* ``limits`` (no GPU needed): the step's FLOPs and quantize bytes counted per recipe, and the fastest
+  step each recipe can reach at given GEMM rates and bandwidth (``mxtrain.bench_limits``; ``--bf16-step-ms``
+  a measured BF16 step, ``--rates bf16_tflops=...,copy_tbs=...``). Printed as a table, JSON with ``--out``.
 
 Run as ``mxtrain bench all --out bench.json`` or ``python -m mxtrain.bench all``.
 """
@@ -538,7 +541,8 @@ def bench_step(args) -> dict:
               file=sys.stderr, flush=True)
     layers = args.layers if args.layers else (4 if args.model == "8b-layers" else None)
     res = _bs.measure(variants, model=args.model, layers=layers, batch=args.batch, seq=args.seq,
-                      steps=args.steps, warmup=args.warmup, compile_mode=args.compile)
+                      steps=args.steps, warmup=args.warmup, compile_mode=args.compile,
+                      recompute_ffn=args.recompute_ffn)
     res["variants"] = variants
     print(_bs.format_table(res), flush=True)
     return {"step": res}
@@ -614,7 +618,39 @@ def warm_gpu(seconds: float = 1.0) -> float:
     return time.time() - t
 
 
+def _limits(args) -> int:
+    from . import bench_limits as BL
+    from .bench_step import MODELS
+    from .model import ModelConfig
+    from dataclasses import asdict, fields
+    rates = {}
+    for item in filter(None, args.rates.split(",")):
+        k, eq, v = item.partition("=")
+        if k.strip() not in {f.name for f in fields(BL.Rates)} or not eq:
+            raise UserError(f"--rates: bad item {item!r}; use NAME=VALUE with NAME one of "
+                            f"{', '.join(asdict(BL.Rates()))}")
+        try:
+            rates[k.strip()] = float(v)
+        except ValueError:
+            raise UserError(f"--rates: {k.strip()} must be a number, got {v!r}") from None
+        if rates[k.strip()] <= 0:
+            raise UserError(f"--rates: {k.strip()} must be positive")
+    cfg = ModelConfig.named(MODELS[args.model])
+    layers = args.layers if args.layers else (4 if args.model == "8b-layers" else None)
+    if args.batch <= 0 or args.seq <= 0 or (layers is not None and layers <= 0):
+        raise UserError("--batch, --seq and --layers must be positive")
+    res = BL.limits(cfg, args.batch, args.seq, ["bf16", "torchao-tensorwise"] + _presets(args, STEP_PRESETS),
+                    BL.Rates(**rates), layers, args.bf16_step_ms)
+    print(BL.format_table(res))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"limits": res, "command": " ".join(sys.argv)}, f, indent=1)
+    return 0
+
+
 def run(args) -> int:
+    if args.what == "limits":
+        return _limits(args)
     what = list(_WHAT) if args.what == "all" else args.what.split(",")
     bad = [w for w in what if w not in _WHAT]
     if bad:
@@ -646,7 +682,8 @@ def run(args) -> int:
 
 
 def _add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("what", help="quantize, gemm, breakdown, linear, step, blocks, all, or a comma-separated list")
+    p.add_argument("what", help="quantize, gemm, breakdown, linear, step, blocks, all, or a comma-separated list; "
+                                "limits (no GPU: the step's ceilings counted)")
     p.add_argument("--out", default=None, help="write the JSON results here (default: stdout)")
     p.add_argument("--filter", default="", help="quantize: only the cases whose name contains this text")
     p.add_argument("--presets", default="",
@@ -661,7 +698,13 @@ def _add_args(p: argparse.ArgumentParser) -> None:
                    help="step: Llama-8B-shaped layers (128k vocabulary) or a whole 1B / 125M model")
     p.add_argument("--compile", default="default", choices=["default", "reduce-overhead", "none"],
                    help="step: torch.compile mode of the whole model, the same for every variant")
+    p.add_argument("--bf16-step-ms", type=float, default=None,
+                   help="limits: a measured BF16 step (ms); the part of the step no recipe changes is taken from it")
+    p.add_argument("--rates", default="", help="limits: NAME=VALUE,... (bf16_tflops, fp8_tflops, mx_carrier_tflops, "
+                                               "copy_tbs, quantize_of_copy, attention_tflops; defaults: an H100's)")
     p.add_argument("--steps", type=int, default=10, help="step: timed steps (median reported)")
+    p.add_argument("--recompute-ffn", action="store_true",
+                   help="step: every variant's compiled blocks recompute their feed-forward outputs in the backward")
     p.add_argument("--warmup", type=int, default=3, help="step: untimed steps first (compilation)")
     p.add_argument("--glue", default="auto,eager",
                    help="blocks: elementwise layers (RMSNorm, RoPE, SwiGLU) compiled ('auto' on CUDA) and/or 'eager'; "

@@ -60,10 +60,12 @@ def _convert(m, variant: str) -> None:
 
 
 def _one_variant(variant: str, model: str, layers: int | None, batch: int, seq: int, steps: int, warmup: int,
-                 compile_mode: str, device) -> dict:
+                 compile_mode: str, device, recompute_ffn: bool = False) -> dict:
     dev = torch.device(device)
     cuda = dev.type == "cuda"
     m = _build(model, layers, seq, dev)
+    for b in m.layers:
+        b.recompute_ffn = recompute_ffn
     V = m.cfg.vocab_size
     g = torch.Generator(device=dev).manual_seed(0)
     idx = torch.randint(0, V, (batch, seq + 1), device=dev, generator=g)
@@ -112,13 +114,16 @@ def _one_variant(variant: str, model: str, layers: int | None, batch: int, seq: 
 
 
 def measure(variants, model: str = "8b-layers", layers: int | None = 4, batch: int = 4, seq: int = 4096,
-            steps: int = 10, warmup: int = 3, compile_mode: str = "default", device="cuda") -> dict:
-    """Time and memory of the whole training step for each variant (see the module docstring)."""
+            steps: int = 10, warmup: int = 3, compile_mode: str = "default", device="cuda",
+            recompute_ffn: bool = False) -> dict:
+    """Time and memory of the whole training step for each variant (see the module docstring);
+    ``recompute_ffn``: every variant's blocks recompute their feed-forward outputs (``Block.recompute_ffn``)."""
     res = {"model": model, "layers": layers, "batch": batch, "seq": seq, "tokens": batch * seq,
-           "compile": compile_mode, "steps": steps, "warmup": warmup, "runs": {}}
+           "compile": compile_mode, "steps": steps, "warmup": warmup, "recompute_ffn": recompute_ffn, "runs": {}}
     for v in variants:
         try:
-            res["runs"][v] = _one_variant(v, model, layers, batch, seq, steps, warmup, compile_mode, device)
+            res["runs"][v] = _one_variant(v, model, layers, batch, seq, steps, warmup, compile_mode, device,
+                                          recompute_ffn)
         except Exception as e:  # noqa: BLE001 - one variant's failure (OOM, torchao missing) is a result
             res["runs"][v] = {"error": f"{type(e).__name__}: {e}"[:400]}
         gc.collect()

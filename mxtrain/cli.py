@@ -68,7 +68,8 @@ def _add_data(sub) -> None:
                    help="comma-separated domains (default: prose,books,dict,docs,code)")
     c.add_argument("--max-tokens", type=int, help="stop each domain after about N estimated tokens (bytes / 4)")
     c.add_argument("--val-tokens", type=int, default=1_000_000,
-                   help="estimated tokens held out per domain (default 1,000,000; at most half a domain)")
+                   help="tokens held out per domain, of the 32k BPE prepare trains on the corpus (bytes / the "
+                        "domain's measured bytes per token; default 1,000,000; at most half a domain)")
     c.add_argument("--force", action="store_true", help="rebuild domains already assembled")
     c.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
     c.set_defaults(func=_cmd_corpus)
@@ -195,7 +196,7 @@ def build_config(args):
         src = args.out if args.resume is True else args.resume
         if src is None:
             raise UserError("--resume needs a run folder (--resume RUN, or --resume with --out RUN)")
-        from .distributed import find_dcp  # [distributed] a multi-process run's checkpoint.dcp folder
+        from .distributed import find_dcp  # a multi-process run's checkpoint.dcp folder
         path = find_dcp(src) or ckpt.find(src)
         cfg_file = path.parent / "config.json"
         try:
@@ -243,7 +244,7 @@ def _cmd_train(args) -> int:
         print("recipes:    ", ", ".join(recipes.names()))
         return 0
     import os
-    if args.nproc is not None and args.nproc > 1 and "WORLD_SIZE" not in os.environ:  # [distributed] --nproc N
+    if args.nproc is not None and args.nproc > 1 and "WORLD_SIZE" not in os.environ:  # --nproc N
         from .distributed import launch, strip_nproc
         return launch(args.nproc, strip_nproc(list(getattr(args, "argv", None) or sys.argv[1:]))[1])
     from .train import train
@@ -262,7 +263,7 @@ def _cmd_train(args) -> int:
         print(json.dumps(config_json(cfg), indent=2))
         return 0
     out = train(cfg, resume=args.resume)
-    if int(os.environ.get("RANK", "0")) != 0:  # [distributed] rank 0 reports
+    if int(os.environ.get("RANK", "0")) != 0:  # rank 0 reports
         return 0
     import json
     s = json.loads((out / "summary.json").read_text())
@@ -342,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         settings.current()   # a bad MXTRAIN_* variable is one line here, not a traceback later
         parser = make_parser(argv)
         args = parser.parse_args(argv)
-        args.argv = argv  # [distributed] for train --nproc N, which re-runs the command under torchrun
+        args.argv = argv  # for train --nproc N, which re-runs the command under torchrun
         if args.version:
             from . import __version__
             print(f"mxtrain {__version__}")

@@ -109,7 +109,9 @@ class Ctx:
     def __init__(self, recipe: Recipe, layer: int = 0, step: int = 0, call: int = 0):
         self.recipe, self.layer, self.step, self.call = recipe, int(layer), int(step), int(call)
         self.keys = self.sign_rows = None
-        self.count = True   # add the fast path's inexact carrier blocks to mxtrain.fast.inexact_blocks()
+        # add the fast path's inexact carrier blocks to mxtrain.fast.inexact_blocks(): True, "existing" (only
+        # into counters made earlier: inside the custom ops) or False
+        self.count = True
 
     @classmethod
     def from_seeds(cls, recipe: Recipe, keys: torch.Tensor | None, signs: torch.Tensor | None) -> "Ctx":

@@ -177,6 +177,16 @@ def barrier() -> None:
             dist.barrier()
 
 
+def from_rank0(obj):
+    """``obj`` as rank 0 has it, on every rank (a picklable value; ``obj`` itself on one process). Used where
+    rank 0 alone decides (is the run folder free?) and every rank must act on the same answer."""
+    if not _ENV.distributed:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, device=_ENV.device if _ENV.device.type == "cuda" else None)
+    return box[0]
+
+
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     """Sum ``t`` over ranks (in place on a copy); identity on one process."""
     t = t.detach().clone()

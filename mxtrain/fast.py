@@ -24,7 +24,7 @@ starts. Under ``torch.compile`` there is no reuse (a compiled graph may reuse an
 a version bump).
 
 State: what the fast path remembers between calls (the reused activation operands, the inexact-block
-counters) is one object, ``state`` (a ``FastState``); the kernels' own memory (probes, self-checks,
+counters per tensor role) is one object, ``state`` (a ``FastState``); the kernels' own memory (probes, self-checks,
 launch plans) is ``mxtrain.kernels.CACHES``. Settings (``mxtrain.settings``: ``fast``, ``gemm_backend``,
 ``wgrad_b_group``, ``dual``, ``reuse_act``...) are read at each call, so ``settings.override`` applies at
 once. ``ENABLED`` is kept as an alias of the ``fast`` setting (assigning it calls ``settings.configure``).
@@ -43,8 +43,8 @@ from .kernels import gemm as _gemm
 from .kernels import quantize as _quantize
 from .kernels.quantize import QuantOut, quantize_op
 
-__all__ = ["supported", "applies", "apply", "forward", "backward", "ENABLED", "inexact_blocks", "clear_caches",
-           "FastState", "state"]
+__all__ = ["supported", "applies", "apply", "forward", "backward", "ENABLED", "inexact_blocks", "inexact_by_tensor",
+           "clear_caches", "FastState", "state", "ROLES"]
 
 # The ``fast`` setting off (MXTRAIN_FAST=0, ``settings.override(fast=False)``) forces the reference path
 # everywhere. Read now, once: a model compiled before any eager call then never reads the environment
@@ -77,37 +77,72 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return kernels_available(x.device) and x.dtype in OK_DTYPES and weight.dtype in OK_DTYPES
 
 
+# the tensor each operand is quantized from: the counts of inexact carrier blocks are kept per tensor role
+# (one fused pass makes both operands of a tensor, and adds their blocks to one count)
+ROLES = ("x", "w", "dy")
+ROLE = {"fprop_x": "x", "wgrad_x": "x", "fprop_w": "w", "dgrad_w": "w", "dgrad_dy": "dy", "wgrad_dy": "dy"}
+
+
 class FastState:
     """What the fast path remembers between calls, for the life of the process (one instance: ``state``).
 
     * ``activations``: operand name -> (key, input, QuantOut): the activation operand the layer before
       quantized from the same input (activation reuse); an entry holds its input, and is replaced by the
       next quantize of that operand and dropped when a backward pass starts (``clear_activations``).
-    * ``counters``: device -> int32 tensor of one element, the running count of inexact carrier blocks the
-      quantize kernels add to (kernels and CUDA graphs hold these tensors: ``clear`` makes new ones).
+    * ``counters``: (device, role) -> int32 tensor of one element, the running count of inexact carrier
+      blocks the quantize kernels add to, per tensor role (``x`` a layer's input, ``w`` its weight, ``dy``
+      its output gradient). Kernels and CUDA graphs hold these tensors: ``clear`` makes new ones. They are
+      made outside any graph (``prepare``: when an MX layer is made on or moved to a GPU, or at an eager
+      call), because a CUDA graph tree refuses a lasting tensor first made during its warm-up; a compiled
+      call that finds none does not count, and its device is then in ``missed``.
     """
 
-    __slots__ = ("activations", "counters")
+    __slots__ = ("activations", "counters", "missed")
 
     def __init__(self):
         self.activations: dict = {}
         self.counters: dict = {}
+        self.missed: set = set()
 
-    def counter(self, device) -> torch.Tensor:
-        c = self.counters.get(device)
-        if c is None:
-            c = self.counters[device] = torch.zeros((1,), dtype=torch.int32, device=device)
-        return c
-
-    def inexact_blocks(self, device="cuda") -> int:
-        """Running count of MXFP4 blocks that the FP8 carrier could not hold exactly (more than 14
-        binades below their group's largest block) over every fast-path quantize on ``device`` so far
-        (0 means every GEMM multiplied the exact MX values). Reading it synchronizes the device."""
+    @staticmethod
+    def _dev(device) -> torch.device:
         d = torch.device(device)
         if d.type == "cuda" and d.index is None:
             d = torch.device("cuda", torch.cuda.current_device())
-        c = self.counters.get(d)
-        return int(c.item()) if c is not None else 0
+        return d
+
+    def prepare(self, device) -> None:
+        """Make the counters of ``device`` now (outside any CUDA graph), if they do not exist yet."""
+        d = self._dev(device)
+        for r in ROLES:
+            if (d, r) not in self.counters:
+                self.counters[(d, r)] = torch.zeros((1,), dtype=torch.int32, device=d)
+
+    def counter(self, device, role: str = "x", create: bool = True) -> torch.Tensor | None:
+        """The running count of ``role`` on ``device``; without ``create``, None (and the device noted in
+        ``missed``) where it does not exist yet."""
+        d = self._dev(device)
+        c = self.counters.get((d, role))
+        if c is None:
+            if not create:
+                self.missed.add(d)
+                return None
+            self.prepare(d)
+            c = self.counters[(d, role)]
+        return c
+
+    def inexact_blocks(self, device="cuda", role: str | None = None) -> int:
+        """Running count of MXFP4 blocks that the FP8 carrier could not hold exactly (more than 14
+        binades below their group's largest block) over every fast-path quantize on ``device`` so far
+        (0 means every GEMM multiplied the exact MX values), of one tensor ``role`` or all. Reading it
+        synchronizes the device."""
+        d = self._dev(device)
+        return sum(int(c.item()) for (cd, r), c in self.counters.items() if cd == d and role in (None, r))
+
+    def counted(self, device="cuda") -> bool:
+        """Did every fast-path call on ``device`` count its inexact blocks (no compiled call found its
+        counter missing)?"""
+        return self._dev(device) not in self.missed
 
     def clear_activations(self) -> None:
         """Drop the reused activation operands (frees their memory; results are unaffected)."""
@@ -117,20 +152,69 @@ class FastState:
         """Forget everything, as a new process would start (the inexact-block counts start again from 0)."""
         self.activations.clear()
         self.counters.clear()
+        self.missed.clear()
 
 
 state = FastState()
 
 
-def _counter(device) -> torch.Tensor:
-    return state.counter(device)
+def _counter(qctx: Ctx, device, name: str) -> torch.Tensor | None:
+    """The counter a quantize of operand ``name`` adds its inexact blocks to (None: not counted, or a count
+    of its own: with the ``exact_carrier`` setting each GEMM reads its operands' counts, then adds them to
+    the running ones). Inside the custom ops (``qctx.count == "existing"``) only a counter made earlier is
+    used."""
+    if not qctx.count or _settings.current().exact_carrier:
+        return None
+    return state.counter(device, ROLE[name], create=qctx.count != "existing")
+
+
+def _outputs(backend: str, keep_codes: bool) -> tuple[bool, bool]:
+    """(carrier, fp4) outputs of a quantize: codes only for an operand kept for later; on the FP8-carrier
+    backend with ``exact_carrier``, codes beside the carrier (the exact GEMM's input when one is needed)."""
+    if keep_codes:
+        return False, True
+    carrier, fp4 = _gemm.outputs_for(backend)
+    if carrier and _settings.current().exact_carrier:
+        return True, True
+    return carrier, fp4
+
+
+def _exact_gemm(qctx: Ctx, qa: QuantOut, nA: str, qb: QuantOut, nB: str, backend: str, out_dtype,
+                divisor: float) -> torch.Tensor:
+    """The ``exact_carrier`` GEMM: the carrier GEMM where both operands' carriers hold their MX values
+    exactly, else the exact ``dequant`` GEMM of their FP4 codes (one device sync to decide). The operands'
+    counts are added to the running ones."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        from .errors import UserError
+        raise UserError("the exact_carrier setting decides each GEMM on the host, which a CUDA graph cannot "
+                        "capture: turn train.cuda_graphs / mode='reduce-overhead' off, or exact_carrier off")
+    n = None
+    for q, name in ((qa, nA), (qb, nB)):
+        if q.inexact is None:
+            continue
+        n = q.inexact if n is None else n + q.inexact
+        c = state.counter(q.inexact.device, ROLE[name], create=qctx.count != "existing") if qctx.count else None
+        if c is not None:
+            c.add_(q.inexact)
+    if n is not None and int(n.item()) > 0:
+        if qa.packed is None or qb.packed is None:
+            raise RuntimeError(f"exact_carrier: operand {nA if qa.packed is None else nB} has no FP4 codes for the "
+                               "exact GEMM (an mxtrain bug: please report it)")
+        return _gemm.mx_gemm_nt(qa, qb, "dequant", out_dtype, divisor)
+    return _gemm.mx_gemm_nt(qa, qb, backend, out_dtype, divisor)
 
 
 def inexact_blocks(device="cuda") -> int:
     """Running count of MXFP4 blocks that the FP8 carrier could not hold exactly (more than 14
     binades below their group's largest block) over every fast-path quantize on ``device`` so far
-    (0 means every GEMM multiplied the exact MX values). Reading it synchronizes the device."""
+    (0 means every GEMM multiplied the exact MX values). Reading it synchronizes the device.
+    ``inexact_by_tensor`` splits it by tensor; ``state.counted(device)`` says whether every call counted."""
     return state.inexact_blocks(device)
+
+
+def inexact_by_tensor(device="cuda") -> dict:
+    """``inexact_blocks`` by tensor: ``{"x": inputs, "w": weights, "dy": output gradients}``."""
+    return {r: state.inexact_blocks(device, r) for r in ROLES}
 
 
 _ACT_OPERANDS = ("fprop_x", "wgrad_x")
@@ -158,7 +242,8 @@ def _act_key(name, t, axis, rsize, op, backend, group_rows, capturing, fp4=False
     (an eagerly made one would be a constant of the graph, never recomputed on replay), and eager code
     only eager ones."""
     return (name, t.device, t.dtype, t.data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()),
-            t._version, axis, rsize, op.scale_rule, op.prescale, backend, group_rows, capturing, fp4)
+            t._version, axis, rsize, op.scale_rule, op.prescale, backend, group_rows, capturing, fp4,
+            _settings.current().exact_carrier)
 
 
 def _act_put(name: str, act, t, q) -> None:
@@ -180,7 +265,7 @@ def _quant(qctx: Ctx, t: torch.Tensor, axis: int, name: str, gemm: str, signs, b
     rot = qctx.recipe.rotation(gemm)
     rsize = rot.size if rot.enabled else 0
     key, key_t = qctx.kernel_key(name) if op.rounding == "stochastic" else (0, None)
-    carrier, fp4 = (False, True) if fp4 else _gemm.outputs_for(backend)
+    carrier, fp4 = _outputs(backend, fp4)
     act = None
     if _reusable(name, op, signs, reuse):
         # the same input quantized the same way by the layer before (q/k/v, gate/up projections)
@@ -192,7 +277,7 @@ def _quant(qctx: Ctx, t: torch.Tensor, axis: int, name: str, gemm: str, signs, b
     q = quantize_op(t, axis, rot=rsize, signs=signs, rounding=op.rounding, scale_rule=op.scale_rule, key=key,
                     prescale=op.prescale, index_strides=_index_strides(t, axis, rsize), carrier=carrier, fp4=fp4,
                     group_rows=group_rows, k_multiple=_gemm.k_multiple_for(backend),
-                    counter=_counter(t.device) if qctx.count else None, key_tensor=key_t)
+                    counter=_counter(qctx, t.device, name), key_tensor=key_t)
     if act is not None:
         _act_put(name, act, t, q)
     return q, op.prescale
@@ -221,7 +306,8 @@ def _quant_pair(qctx: Ctx, t: torch.Tensor, na: str, ga: str, nb: str, gb: str, 
     ra, rb = recipe.rotation(ga), recipe.rotation(gb)
     rsa, rsb = (ra.size if ra.enabled else 0), (rb.size if rb.enabled else 0)
     sr = recipe.operand(na).rounding != "nearest" or recipe.operand(nb).rounding != "nearest"
-    one = _quantize.dual_applies(t, rsa, rsb, sr=sr)
+    # (exact_carrier: one count per operand, so two passes)
+    one = _quantize.dual_applies(t, rsa, rsb, sr=sr) and not _settings.current().exact_carrier
     if not (one or always):
         return None
     dev = t.device
@@ -241,12 +327,12 @@ def _quant_pair(qctx: Ctx, t: torch.Tensor, na: str, ga: str, nb: str, gb: str, 
     if all(act is not None and h is not None and h[0] == act for (_, act, _), h in zip(acts, hits)):
         return {n: (h[2], ps) for (n, _, ps), h in zip(acts, hits)}
     km = _gemm.k_multiple_for(backend)
-    cnt = _counter(dev) if qctx.count else None
+    cnt = _counter(qctx, dev, na)
     if one:
         qs = _quantize.quantize_mxfp4_dual(t, sides[0], sides[1], k_multiple=km, counter=cnt, fp4_b=keep_b)
     else:
-        qs = [quantize_op(t, ax, **sd, carrier=not fp, fp4=fp, k_multiple=km, counter=cnt)
-              for ax, sd, fp in ((1, sides[0], False), (0, sides[1], keep_b))]
+        qs = [quantize_op(t, ax, **sd, carrier=out[0], fp4=out[1], k_multiple=km, counter=cnt)
+              for ax, sd, out in ((1, sides[0], _outputs(backend, False)), (0, sides[1], _outputs(backend, keep_b)))]
     out = {}
     for (n, act, ps), q in zip(acts, qs):
         if act is not None:
@@ -277,6 +363,8 @@ def _gemm_fn(qctx: Ctx, A: torch.Tensor, axA: int, nA: str, B: torch.Tensor | No
         qa, pa = pre[nA] if nA in pre else _quant(qctx, A, axA, nA, gemm, signs, backend, 1, reuse)
         gr = _gemm.weight_group_rows(dev) if b_is_weight else _b_group_rows(dev, backend)
         qb, pb = pre[nB] if nB in pre else _quant(qctx, B, axB, nB, gemm, signs, backend, gr, reuse)
+        if backend == "fp8_carrier" and _settings.current().exact_carrier:
+            return _exact_gemm(qctx, qa, nA, qb, nB, backend, out_dtype, pa * pb)
         return _gemm.mx_gemm_nt(qa, qb, backend, out_dtype, pa * pb)
     # as the reference: fake-quantized / rotated dense operands
     gd = gemm_dtype(recipe, nA, nB, gemm, amp)
@@ -341,8 +429,7 @@ def carrier_of(q: QuantOut, backend: str, qctx: Ctx) -> QuantOut:
         return q
     from .kernels.expand import carrier_from_packed
     dev = q.packed.device
-    return carrier_from_packed(q, k_multiple=_gemm.k_multiple_for(backend),
-                               counter=_counter(dev) if qctx.count else None)
+    return carrier_from_packed(q, k_multiple=_gemm.k_multiple_for(backend), counter=_counter(qctx, dev, "wgrad_x"))
 
 
 def backward(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor, wq: QuantOut | None, qctx: Ctx,

@@ -221,11 +221,12 @@ def _(state, recipe):
 
 
 def _op_ctx(recipe: Recipe, keys, signs) -> Ctx:
-    """The context inside the custom ops. It does not count inexact carrier blocks: the shared counter
+    """The context inside the custom ops. It counts inexact carrier blocks only into counters made before
+    (``fast.state.prepare``: an MX layer made on or moved to a GPU makes them): a counter first made here
     would be a tensor that outlives the call, which a CUDA graph tree (``mode="reduce-overhead"``) refuses
     when it was first made during its warm-up."""
     c = Ctx(recipe) if keys is None and signs is None else Ctx.from_seeds(recipe, keys, signs)
-    c.count = False
+    c.count = "existing"
     return c
 
 
@@ -431,8 +432,9 @@ def compiled_linear(x, weight, bias, state, recipe_str: str, seeded: bool, quant
     amp = torch.get_autocast_dtype(dt) if torch.is_autocast_enabled(dt) else None
     need_wgrad = torch.is_grad_enabled() and weight.requires_grad
     from . import fast, settings
-    if (split and settings.current().fast and fast.KERNELS and x.is_cuda and x.dtype in fast.OK_DTYPES
-            and weight.dtype in fast.OK_DTYPES):
+    # (exact_carrier: the one op, whose GEMMs see the FP4 codes beside each carrier)
+    if (split and settings.current().fast and not settings.current().exact_carrier and fast.KERNELS and x.is_cuda
+            and x.dtype in fast.OK_DTYPES and weight.dtype in fast.OK_DTYPES):
         f0, f1, w0, w1 = torch.ops.mxtrain.quantize_input(x, keys, signs, recipe_str, need_wgrad)
         return torch.ops.mxtrain.linear_q(x, f0, f1, w0, w1, weight, bias, keys, signs, recipe_str, _AMP_NAME[amp])
     y, _, _ = torch.ops.mxtrain.linear(x, weight, bias, keys, signs, recipe_str, _AMP_NAME[amp], need_wgrad)

@@ -125,8 +125,25 @@ def size_names() -> list[str]:
 # float32 intermediate steps may differ. The ``glue`` setting (mxtrain.settings): MXTRAIN_GLUE=eager turns
 # it off; "compiled" compiles on every device; "auto" (default) compiles on CUDA only. ``model.GLUE`` is kept
 # as an alias of it (assigning it calls ``settings.configure(glue=...)``).
-_COMPILED: dict = {}
-_GLUE_FAILED: list = []
+
+
+class GlueState:
+    """The compiled twins of the elementwise functions (made on first use) and the reason compiling them
+    failed, if it did (then they run eagerly for the rest of the process). One instance: ``GLUE_STATE``;
+    ``clear()`` forgets both, as a new process would."""
+
+    __slots__ = ("compiled", "failed")
+
+    def __init__(self):
+        self.compiled: dict = {}
+        self.failed: str | None = None
+
+    def clear(self) -> None:
+        self.compiled.clear()
+        self.failed = None
+
+
+GLUE_STATE = GlueState()
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -152,11 +169,11 @@ def _glue(fn, x: torch.Tensor):
     if torch.compiler.is_compiling():
         return fn
     mode = _settings.current().glue
-    if mode == "eager" or (mode == "auto" and x.device.type != "cuda") or _GLUE_FAILED:
+    if mode == "eager" or (mode == "auto" and x.device.type != "cuda") or GLUE_STATE.failed is not None:
         return fn
-    c = _COMPILED.get(fn)
+    c = GLUE_STATE.compiled.get(fn)
     if c is None:
-        c = _COMPILED[fn] = torch.compile(fn, dynamic=False)
+        c = GLUE_STATE.compiled[fn] = torch.compile(fn, dynamic=False)
     return c
 
 
@@ -169,7 +186,7 @@ def _run_glue(fn, *args):
     except torch.OutOfMemoryError:
         raise
     except Exception as e:  # noqa: BLE001 - a missing compiler must not stop training
-        _GLUE_FAILED.append(repr(e))
+        GLUE_STATE.failed = repr(e)
         warnings.warn(f"mxtrain: torch.compile of the elementwise layers failed ({type(e).__name__}: "
                       f"{str(e)[:200]}); running them eagerly (set MXTRAIN_GLUE=eager to skip the attempt)",
                       RuntimeWarning, stacklevel=2)
@@ -240,7 +257,41 @@ class FeedForward(nn.Module):
         return self.w2(_run_glue(_swiglu, self.w1(x), self.w3(x)))
 
 
+def _recompute_linears(ctx, op, *args, **kwargs):
+    """Selective-checkpoint policy of ``Block.recompute_ffn``: matrix products (BF16 ``mm``, FP8
+    ``_scaled_mm`` as torchao's float8 layers run it, mxtrain's MX linear ops) are made again in the backward from the tensors they read; everything else is the
+    compiler's choice."""
+    from torch.utils.checkpoint import CheckpointPolicy
+    if op in _RECOMPUTED_OPS:
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.PREFER_SAVE
+
+
+_RECOMPUTED_OPS: set = set()
+
+
+def _ffn_context():
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+    if not _RECOMPUTED_OPS:
+        from . import linear as _linear   # noqa: F401 - registers the mxtrain ops
+        _RECOMPUTED_OPS.update({torch.ops.aten.mm.default, torch.ops.aten._scaled_mm.default,
+                                torch.ops.mxtrain.linear.default, torch.ops.mxtrain.linear_q.default})
+    return create_selective_checkpoint_contexts(_recompute_linears)
+
+
 class Block(nn.Module):
+    """Pre-norm attention and SwiGLU feed-forward with residuals.
+
+    ``recompute_ffn`` (default False): under ``torch.compile``, the feed-forward's linear outputs are made
+    again in the backward (selective activation checkpointing of the FFN norm and FFN) instead of being
+    kept: the SwiGLU inputs (two ``hidden_dim``-wide bf16 tensors a token) give way to what the up
+    projections read (an MX layer's quantized input operand, 1 byte an element on Hopper; BF16 layers: the
+    normalized input, recomputed from the residual). Costs the gate and up GEMMs once more. Results are
+    the same (the recomputed GEMMs read the same operands). Eager calls keep the outputs.
+    """
+
+    recompute_ffn = False
+
     def __init__(self, cfg: ModelConfig, device=None):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps, device)
@@ -248,9 +299,15 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, device)
         self.feed_forward = FeedForward(cfg, device)
 
+    def _ffn(self, x):
+        return self.feed_forward(self.ffn_norm(x))
+
     def forward(self, x, cos, sin):
         x = x + self.attention(self.attention_norm(x), cos, sin)
-        return x + self.feed_forward(self.ffn_norm(x))
+        if self.recompute_ffn and torch.compiler.is_compiling():
+            from torch.utils.checkpoint import checkpoint
+            return x + checkpoint(self._ffn, x, use_reentrant=False, context_fn=_ffn_context)
+        return x + self._ffn(x)
 
 
 class Llama(nn.Module):

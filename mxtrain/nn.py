@@ -85,6 +85,14 @@ def _write_states(layers, step: int) -> None:
         torch._foreach_copy_([m.mx_state for m in ms], list(rows))
 
 
+def _prepare_counters(device) -> None:
+    """The fast path's inexact-block counters of a GPU, made now, outside any compiled graph or CUDA graph
+    (``mxtrain.fast.FastState.prepare``), so that compiled calls count too."""
+    if device.type == "cuda" and not torch.compiler.is_compiling():
+        from . import fast
+        fast.state.prepare(device)
+
+
 class MXLayer:
     """What every MX layer has (mixed into ``nn.Linear`` and linear-like classes by ``convert``)."""
 
@@ -98,6 +106,12 @@ class MXLayer:
         self.layer_id = layer_id
         _LAYERS.add(self)
         _ensure_hook()
+        _prepare_counters(dev)
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        _prepare_counters(self.weight.device)
+        return out
 
     @property
     def recipe(self) -> Recipe:

@@ -60,6 +60,7 @@ layer divides each GEMM output by the product of its operands' prescales instead
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -171,16 +172,14 @@ def encode_elem(q: torch.Tensor, elem: ElemFormat) -> torch.Tensor:
     return code.to(torch.uint8)
 
 
-_TABLES: dict[tuple[str, str], torch.Tensor] = {}
-
-
 def elem_table(elem: ElemFormat, device=None) -> torch.Tensor:
     """float32 value of every code of ``elem`` (2**bits entries), from the encoding's definition."""
-    key = (elem.name, str(device))
-    if key not in _TABLES:
-        vals = [elem.decode(c) for c in range(2**elem.bits)]
-        _TABLES[key] = torch.tensor(vals, dtype=torch.float32, device=device)
-    return _TABLES[key]
+    return _elem_table(elem, str(torch.device(device)) if device is not None else "cpu")
+
+
+@functools.lru_cache(maxsize=64)   # a few formats x devices; ``_elem_table.cache_clear()`` forgets them
+def _elem_table(elem: ElemFormat, device: str) -> torch.Tensor:
+    return torch.tensor([elem.decode(c) for c in range(2**elem.bits)], dtype=torch.float32, device=device)
 
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:

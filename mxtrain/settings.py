@@ -54,6 +54,7 @@ def _knob(default, env: str, doc: str, kind: str, choices: tuple = (), aliases: 
 
 
 _ON_OFF = {**{k: "on" for k in _TRUE}, **{k: "off" for k in _FALSE}}
+_AUTO_OFF = {**{k: "auto" for k in _TRUE}, **{k: "off" for k in _FALSE}}
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,12 @@ class Settings:
         128, "MXTRAIN_WGRAD_B_GROUP", "FP8-carrier group rows of Wgrad's X (GEMM operand B): 128 (128x128 "
         "groups, faster) or 1 (1x128 groups, exact in more cases); a GPU that cannot run 128x128 gets 1.",
         "int", choices=(1, 128), numerics=True)
+    exact_carrier: bool = _knob(
+        False, "MXTRAIN_EXACT_CARRIER", "FP8-carrier backend: every GEMM checks whether its operands hold MXFP4 "
+        "blocks the carrier cannot represent (more than 14 binades under their group's largest) and if so runs "
+        "as the exact `dequant` GEMM instead (bf16 tensor cores). Costs codes written beside each carrier, no "
+        "one-pass quantize, one device sync per GEMM; not inside CUDA graphs. Set it before compiling a model.",
+        "bool", numerics=True)
     dual: str = _knob(
         "auto", "MXTRAIN_QDUAL", "Both operands of an activation from one read (`quantize_mxfp4_dual`): `auto` "
         "without rotations and stochastic rounding only, `on` wherever the kernels apply, `off` never. "
@@ -80,9 +87,11 @@ class Settings:
     reuse_act: bool = _knob(
         True, "MXTRAIN_REUSE_ACT", "Layers reading one input (q/k/v, gate/up) quantize its operands once "
         "(eager only). Same results either way.", "bool")
-    fast_launch: bool = _knob(
-        True, "MXTRAIN_FAST_LAUNCH", "Launch plans: a quantize configuration seen before is launched through its "
-        "compiled kernel directly (less host time). Same results either way.", "bool")
+    fast_launch: str = _knob(
+        "auto", "MXTRAIN_FAST_LAUNCH", "Launch plans: a quantize configuration seen before is launched through its "
+        "compiled kernel directly (less host time): `auto` on GPUs, `always` also under Triton's interpreter "
+        "(tests), `off` never. Same results either way.", "choice", choices=("auto", "always", "off"),
+        aliases=_AUTO_OFF)
     qkernel: str = _knob(
         "auto", "MXTRAIN_QKERNEL", "Quantize kernel: `auto` (`kernel_for` picks by layout), or `blocks`, `cols`, "
         "`tile` forced where it applies (rotations wider than 32 always run `tile`). Same bytes from each.",
@@ -97,6 +106,11 @@ class Settings:
         80, "MXTRAIN_QMAXNREG", "Register cap (Triton `maxnreg`) of the cols, dual and 128x128-group blocks "
         "kernels on NVIDIA GPUs (stochastic rounding runs uncapped); 0: no cap. Same bytes either way.",
         "int", minimum=0)
+    qselfcheck: str = _knob(
+        "auto", "MXTRAIN_QSELFCHECK", "Self-check of each quantize kernel variant on its first run, against the "
+        "reference quantizer (a variant that fails is replaced by an exact torch fallback): `auto` on GPUs, `always` "
+        "on every device (Triton's interpreter too: tests), `off` never (the kernels' output without the safety net).",
+        "choice", choices=("auto", "always", "off"), aliases=_AUTO_OFF)
     glue: str = _knob(
         "auto", "MXTRAIN_GLUE", "The model's elementwise layers (RMSNorm, RoPE, SwiGLU): `auto` compiled with "
         "`torch.compile` on CUDA, `compiled` on every device, `eager` never (float32 intermediate rounding "
@@ -112,7 +126,8 @@ class Settings:
         for f in dataclasses.fields(self):
             object.__setattr__(self, f.name, _coerce(f, getattr(self, f.name), f"Settings.{f.name}"))
         # what quantize launch plans and self-check results depend on, hashed once per object
-        object.__setattr__(self, "launch_key", (self.qkernel, self.qjoin, self.qfold, self.dual, self.qmaxnreg))
+        object.__setattr__(self, "launch_key", (self.qkernel, self.qjoin, self.qfold, self.dual, self.qmaxnreg,
+                                                self.qselfcheck))
 
     @classmethod
     def from_env(cls, environ=None) -> "Settings":

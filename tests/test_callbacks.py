@@ -14,6 +14,7 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
 
 from mxtrain.errors import UserError
 from mxtrain.train import NonFiniteLoss, lr_at
@@ -308,3 +309,17 @@ def test_wandb_values():
         [None, None, None, None, None, "mxtrain", "mxtrain", "proj"]
     with pytest.raises(UserError, match="log.wandb must be"):
         wandb_project(3)
+
+
+def test_uncounted_inexact_blocks_are_said_not_recorded_as_zero(tmp_path, monkeypatch, capsys):
+    """Where a compiled call could not count inexact blocks, the run says so once and its metrics carry no
+    inexact_blocks (never a count of 0 that was not made)."""
+    from mxtrain import fast
+    monkeypatch.setattr(fast, "inexact_blocks", lambda device="cuda": 3)
+    monkeypatch.setattr(fast.state, "missed", {torch.device("cpu")})
+    cfg = tiny_run_cfg(tmp_path / "a", 3)
+    cfg.log.log_every = 1
+    TR.train(cfg)
+    rows = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert rows and all("inexact_blocks" not in r for r in rows)
+    assert capsys.readouterr().out.count("inexact FP8-carrier blocks are not counted") == 1

@@ -95,3 +95,57 @@ def test_summarize_and_verdict_from_points():
     assert any(ln.startswith("mx: +30.0 % tokens at 100 % budget") and "significant" in ln for ln in lines)
     assert any(ln.startswith("same: +0.0 % tokens") for ln in lines) and not any(ln.startswith("bf16") for ln in lines)
     assert any(ln.startswith("bad: diverged") for ln in lines)
+
+
+# -- the Huber fit (Hoffmann et al. 2022: Huber loss on log L, delta 1e-3) ---------------------------------------
+
+D6 = np.array([1e6, 2e6, 4e6, 8e6, 1.6e7, 3.2e7])
+
+
+def test_huber_fit_recovers_clean_parameters():
+    f = C.fit_power_law(D6, curve(D6), "huber")
+    assert f["loss"] == "huber" and f["delta"] == C.HUBER_DELTA
+    assert f["E"] == pytest.approx(E, abs=1e-5) and f["beta"] == pytest.approx(BETA, rel=1e-4)
+    assert np.allclose(C.power_law(f, D6), curve(D6), atol=1e-6)
+    # its objective is the Huber loss of the log residuals, recomputed here independently
+    r = np.log(C.power_law(f, D6)) - np.log(curve(D6))
+    assert f["objective"] == pytest.approx(float(np.sum(0.5 * r * r)), abs=1e-12)
+    assert C.fit_power_law(D6[:2], curve(D6[:2]), "huber") is None
+    with pytest.raises(ValueError, match="fit must be"):
+        C.fit_power_law(D6, curve(D6), "l1")
+
+
+def test_one_outlier_pulls_least_squares_but_not_huber():
+    """Six cooled-down points on the curve, one of them 0.05 nats high (a branch hit by a loss spike): least
+    squares bends the whole curve towards it; the Huber fit stays on the five good points."""
+    L = curve(D6)
+    bad = L.copy()
+    bad[2] += 0.05
+    good = np.arange(len(D6)) != 2
+    ls, hu = C.fit_power_law(D6, bad, "lsq"), C.fit_power_law(D6, bad, "huber")
+    err_ls = np.abs(C.power_law(ls, D6) - L)[good].max()
+    err_hu = np.abs(C.power_law(hu, D6) - L)[good].max()
+    assert err_ls > 0.008 and err_hu < 0.003 and err_hu < err_ls / 4
+    assert abs(hu["E"] - E) < abs(ls["E"] - E) / 4 and abs(hu["beta"] - BETA) < abs(ls["beta"] - BETA) / 4
+    # and the metric built on it: an arm exactly on the true curve at the largest budget reads as about 0
+    assert abs(C.extra_tokens(D6[-1], L[-1], hu)) < abs(C.extra_tokens(D6[-1], L[-1], ls)) / 4
+    # the outlier's own residual stays large under Huber: it is not fitted
+    assert abs(C.power_law(hu, D6[2:3])[0] - bad[2]) > 0.04
+
+
+def test_summarize_with_huber_fit():
+    budgets = [1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0]
+    L = curve(D6)
+    bad = L.copy()
+    bad[2] += 0.05
+
+    def pts(Ls):
+        w = windows(Ls, W=8)
+        return {s: {b: {"state": "done", "tokens": float(d), "losses": list(w[j]), "path": ""}
+                    for j, (b, d) in enumerate(zip(budgets, D6))} for s in (0, 1)}
+    points = {"bf16": pts(bad), "same": pts(L)}
+    hu = C.summarize_cooldown(points, "bf16", budgets, n_boot=20, fit="huber")
+    ls = C.summarize_cooldown(points, "bf16", budgets, n_boot=20, fit="lsq")
+    assert hu["fit_loss"] == "huber" and "Huber" in hu["method"] and hu["fit"]["loss"] == "huber"
+    e_hu, e_ls = hu["arms"]["same"]["budgets"][-1]["extra"], ls["arms"]["same"]["budgets"][-1]["extra"]
+    assert abs(e_ls) > 0.05 and abs(e_hu) < abs(e_ls) / 4      # about +12 % under least squares, +1 % under Huber

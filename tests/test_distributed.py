@@ -40,8 +40,9 @@ DDP_TOL = 1e-5
 FSDP2_TOL = 1e-5
 
 # gloo must be built in; torchrun starts 2 processes on localhost
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
-                                reason="torch.distributed with gloo is not available")
+pytestmark = [pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+                                 reason="torch.distributed with gloo is not available"),
+              pytest.mark.xdist_group("torchrun")]   # one worker: torchrun's rendezvous ports are not raced for
 
 
 def _max_diff(a, b):
@@ -279,7 +280,9 @@ def trainer_runs(tmp_path_factory):
     def two(*args):  # 2 ranks through the --nproc convenience (torchrun underneath)
         p = subprocess.run([sys.executable, "-m", "mxtrain", *common, "--nproc", "2", *args], env=env,
                            capture_output=True, text=True, timeout=600)
-        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+        # every rank's error line first (the last lines are usually the rank that waited for a crashed one)
+        errors = "\n".join(ln for ln in p.stderr.splitlines() if "Error" in ln or "error:" in ln)
+        assert p.returncode == 0, p.stdout[-2000:] + "\n" + errors[-6000:] + "\n" + p.stderr[-3000:]
         return p
 
     r = {k: root / k for k in ("single", "ddp", "fsdp2", "single10")}
@@ -361,3 +364,15 @@ def test_full_disk_on_rank0_reaches_every_rank(tmp_path, where):
     assert len({ln.split(" ", 3)[3] for ln in lines}) == 1 and "No space left on device" in lines[0]
     assert "previous checkpoint is intact" in lines[0]
     assert not (tmp_path / "ck.tmp").exists() and not (tmp_path / "ck").exists()
+
+
+def test_a_late_rank_accepts_the_new_run_folder(tmp_path):
+    """Rank 0 decides whether the run folder is free, before it writes there, and every rank acts on its answer:
+    a rank that reaches the check after rank 0 wrote its first files does not refuse the run."""
+    penv = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent),
+                                                                             os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                        str(HERE / "_dist_make_out.py"), str(tmp_path)], env=penv, capture_output=True, text=True,
+                       timeout=300)
+    lines = sorted(f.read_text().strip() for f in tmp_path.glob("rank*.txt"))
+    assert lines == ["RANK 0 OK", "RANK 1 OK"], p.stdout + p.stderr

@@ -402,9 +402,7 @@ def test_split_ops_equal_reference_and_share_input_quantization(preset, carrier,
         pytest.skip("needs Triton's interpreter")
     if carrier:
         from mxtrain.kernels import gemm as kg
-        from mxtrain.kernels import quantize as kq
-        use(gemm_backend="fp8_carrier")
-        monkeypatch.setattr(kq, "SELF_CHECK_DEVICES", ())
+        use(gemm_backend="fp8_carrier", qselfcheck="off")
         real_gemm = kg.mx_gemm_nt
         monkeypatch.setattr(kg, "mx_gemm_nt", lambda a, b, backend, *r: real_gemm(a, b, "dequant", *r))
         monkeypatch.setattr(kg, "activation_b_group_rows", lambda dev: 128)

@@ -16,7 +16,7 @@ pytest.importorskip("triton")
 
 from mxtrain import settings  # noqa: E402
 from mxtrain.kernels import CACHES, kernels_available  # noqa: E402
-from mxtrain.kernels import quantize as kq  # noqa: E402
+from mxtrain.kernels import mxfp4 as kq  # noqa: E402
 from mxtrain.kernels.expand import carrier_from_packed  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -119,12 +119,11 @@ FP4_B_CASES = [
 
 
 @pytest.mark.parametrize("case", range(len(FP4_B_CASES)))
-def test_dual_pass_keeps_b_as_fp4_codes(case, monkeypatch, fresh_caches, use):
+def test_dual_pass_keeps_b_as_fp4_codes(case, fresh_caches, use):
     """The dual pass with ``fp4_b``: A is the carrier of the single pass, B the packed codes and scales of
     the single pass along columns; B's carrier rebuilt by ``carrier_from_packed`` is the carrier the dual
     pass writes without ``fp4_b`` (bytes, group scales, inexact count), also through a launch plan."""
-    monkeypatch.setattr(kq, "SELF_CHECK_DEVICES", ())
-    use(dual="on")
+    use(qselfcheck="off", dual="on")
     M, K, dt, a, b, km = FP4_B_CASES[case]
     x = (_wide(M, K, seed=70 + case)).to(dt)
     x = torch.nan_to_num(x, nan=1.0)
@@ -144,26 +143,20 @@ def test_dual_pass_keeps_b_as_fp4_codes(case, monkeypatch, fresh_caches, use):
     assert torch.equal(rebuilt.gscale, car_b.gscale) and rebuilt.gscale.stride() == car_b.gscale.stride()
     assert int(cnt.item()) + int(want_a.inexact.item()) == int(car_a.inexact.item())
     # a launch plan replays the fp4_b variant (interpreted on CPU)
-    monkeypatch.setattr(kq, "_use_plans", lambda t: settings.current().fast_launch)   # on the interpreter too
+    use(fast_launch="always")   # on the interpreter too
     fresh_caches.clear_plans()
-    if DEV == "cpu":
-        make = kq._DualPlan.make
-
-        class _Interp:
-            def __getitem__(self, grid):
-                return lambda *args: kq._mxfp4_dual_kernel[grid](*args)
-        monkeypatch.setattr(kq._DualPlan, "make", staticmethod(lambda compiled, *r: make(_Interp(), *r)))
     kq.quantize_mxfp4_dual(x, a, b, k_multiple=km, fp4_b=True)        # makes the plan
-    pa, pb = kq.quantize_mxfp4_dual(x, a, b, k_multiple=km, fp4_b=True)
+    with kq.record_launches() as log:
+        pa, pb = kq.quantize_mxfp4_dual(x, a, b, k_multiple=km, fp4_b=True)
+    assert log == [kq.Launch("dual", (M, K), True)]
     assert len(fresh_caches.dual_plans) == 1 and all(fresh_caches.dual_plans.values())
     assert torch.equal(pb.packed, want_b.packed) and torch.equal(pb.scales, want_b.scales)
     assert torch.equal(pa.carrier.view(torch.uint8), want_a.carrier.view(torch.uint8))
 
 
-def test_dual_self_check_covers_fp4_b(monkeypatch, fresh_caches, use):
+def test_dual_self_check_covers_fp4_b(fresh_caches, use):
     """The once-per-variant self-check compares the FP4 side with the single pass's codes and scales."""
-    monkeypatch.setattr(kq, "SELF_CHECK_DEVICES", (torch.device(DEV).type,))
-    use(dual="on")
+    use(qselfcheck="always", dual="on")
     x = _wide(64, 160, seed=9).nan_to_num(nan=1.0).to(torch.bfloat16)
     kq.quantize_mxfp4_dual(x, dict(), dict(group_rows=128), fp4_b=True)
     verified = fresh_caches.dual_verified

@@ -221,6 +221,56 @@ def test_inexact_blocks_counter_gpu():
     assert fast.inexact_blocks() - before == 64 * 3
 
 
+def test_inexact_counters_by_tensor_and_missed_devices():
+    """The counts are kept per tensor role and summed by ``inexact_blocks``; a compiled call (``count ==
+    "existing"``) never makes a counter, and a device where one was missing is reported as not counted."""
+    from mxtrain.context import Ctx
+    st = fast.FastState()
+    assert st.counter("cpu", "dy", create=False) is None and not st.counted("cpu")
+    st.clear()
+    assert st.counted("cpu")
+    st.prepare("cpu")
+    st.counter("cpu", "dy").add_(7)
+    st.counter("cpu", "w").add_(2)
+    assert st.inexact_blocks("cpu") == 9 and st.inexact_blocks("cpu", "dy") == 7 and st.inexact_blocks("cpu", "x") == 0
+    c = Ctx(recipes.get("mxfp4-all"))
+    c.count = "existing"
+    saved = fast.state
+    try:
+        fast.state = fast.FastState()
+        assert fast._counter(c, "cpu", "wgrad_dy") is None and not fast.state.counted("cpu")
+        c.count = True
+        assert fast._counter(c, "cpu", "wgrad_dy") is fast.state.counters[(torch.device("cpu"), "dy")]
+        c.count = False
+        assert fast._counter(c, "cpu", "fprop_x") is None
+    finally:
+        fast.state = saved
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_inexact_blocks_counted_in_compiled_calls_gpu(mode):
+    """A converted model under torch.compile counts inexact carrier blocks too (counters made when the layer
+    was moved to the GPU), by tensor: blocks 20 binades under their group's largest in X show up under x."""
+    import torch.nn as nn
+    import mxtrain
+    torch._dynamo.reset()
+    m = nn.Sequential(nn.Linear(256, 128, bias=False))
+    mxtrain.convert(m, "mxfp4-all")
+    m.cuda()
+    assert fast.state.counted(DEV)
+    f = torch.compile(m, mode=None if mode == "default" else mode)
+    x = torch.randn(64, 256, device=DEV)
+    x[:, 32:128] *= 2.0**-20
+    before = fast.inexact_by_tensor()
+    for _ in range(3):
+        f(x).sum().backward()
+    after = fast.inexact_by_tensor()
+    assert fast.state.counted(DEV)
+    assert after["x"] - before["x"] >= 3 * 64 * 3, (before, after)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_graph_replay_requantizes_changed_weights():
@@ -328,21 +378,19 @@ def test_dual_operand_passes_equal_reference(preset, monkeypatch, use):
     backward: outputs and gradients still equal the reference MXLinear's. The carrier GEMM runs as
     float math on the carrier values here (any device), so this checks the operands and their routing."""
     from mxtrain.kernels import gemm as kg
-    from mxtrain.kernels import quantize as kq
-    use(dual="on", gemm_backend="fp8_carrier")   # one pass with rotations too
-    monkeypatch.setattr(kq, "SELF_CHECK_DEVICES", ())
+    from mxtrain.kernels import mxfp4 as kq
+    use(dual="on", gemm_backend="fp8_carrier", qselfcheck="off")   # one pass with rotations too
     real_gemm = kg.mx_gemm_nt
     monkeypatch.setattr(kg, "mx_gemm_nt", lambda a, b, backend, *r: real_gemm(a, b, "dequant", *r))
     monkeypatch.setattr(kg, "activation_b_group_rows", lambda dev: 128)
-    calls = []
-    real_dual = kq.quantize_mxfp4_dual
-    monkeypatch.setattr(kq, "quantize_mxfp4_dual", lambda *a, **k: calls.append(a[0].shape) or real_dual(*a, **k))
     fast.clear_caches()
     rec = recipes.get(preset)
     dt = torch.float32 if DEV == "cpu" else torch.bfloat16
     M, K, N = (33, 72, 40) if DEV == "cpu" else (1024, 1024 + 64, 768)
     ref = _run(lambda *a: _MXLinearFunction.apply(*a), rec, M, K, N, dtype=dt)
-    got = _run(lambda *a: fast.apply(*a), rec, M, K, N, dtype=dt)
+    with kq.record_launches() as log:
+        got = _run(lambda *a: fast.apply(*a), rec, M, K, N, dtype=dt)
+    calls = [e.shape for e in log if e.kernel == "dual"]   # one-pass quantizes, by input shape
     for r, g in zip(ref, got):
         assert _rel(g, r) < (1e-5 if DEV == "cpu" else 1e-2)
     def pair(gemm, n1, shape):   # one pass where both GEMMs are MXFP4 and the kernels take the rotations
@@ -362,9 +410,7 @@ def test_no_wgrad_operand_under_no_grad(monkeypatch, use):
     """Under torch.no_grad (evaluation) no backward follows: the forward makes only the Fprop operands,
     not X's Wgrad operand (autograd still reports the weight as needing a gradient there)."""
     from mxtrain.kernels import gemm as kg
-    from mxtrain.kernels import quantize as kq
-    use(gemm_backend="fp8_carrier")
-    monkeypatch.setattr(kq, "SELF_CHECK_DEVICES", ())
+    use(gemm_backend="fp8_carrier", qselfcheck="off")
     real_gemm = kg.mx_gemm_nt
     monkeypatch.setattr(kg, "mx_gemm_nt", lambda a, b, backend, *r: real_gemm(a, b, "dequant", *r))
     monkeypatch.setattr(kg, "activation_b_group_rows", lambda dev: 128)
@@ -387,9 +433,7 @@ def test_wgrad_operand_made_in_forward_without_dual_pass(preset, monkeypatch, us
     backward keeps it instead of X: outputs and gradients equal the reference MXLinear's, and the
     autograd node saved no copy of X, only X's Wgrad operand as FP4 codes."""
     from mxtrain.kernels import gemm as kg
-    from mxtrain.kernels import quantize as kq
-    use(dual="off", gemm_backend="fp8_carrier")
-    monkeypatch.setattr(kq, "SELF_CHECK_DEVICES", ())
+    use(dual="off", gemm_backend="fp8_carrier", qselfcheck="off")
     real_gemm = kg.mx_gemm_nt
     monkeypatch.setattr(kg, "mx_gemm_nt", lambda a, b, backend, *r: real_gemm(a, b, "dequant", *r))
     monkeypatch.setattr(kg, "activation_b_group_rows", lambda dev: 128)

@@ -22,7 +22,8 @@ import torch.nn.functional as F  # noqa: E402
 from mxtrain import rng, settings  # noqa: E402
 from mxtrain.hadamard import hadamard, rotation_signs  # noqa: E402
 from mxtrain.kernels import CACHES, kernels_available  # noqa: E402
-from mxtrain.kernels import quantize as kq  # noqa: E402
+from mxtrain.kernels import mxfp4 as kq  # noqa: E402
+from mxtrain.kernels.mxfp4 import device, launch, verify  # noqa: E402
 from mxtrain.quant import SCALE_RULES, quantize as ref_quantize  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -152,11 +153,11 @@ def test_nan_inf_zero_blocks(kern):
 @pytest.mark.parametrize("k", ["blocks", "cols"])
 def test_folded_rotation_scale_is_bit_exact(dtype, k, use):
     """H16 on bf16/fp16 inputs: the blocks and cols kernels fold 1/sqrt(rot) into the block scales
-    (``_fold_applies``). Still the reference's bytes where it could differ: subnormal inputs and sums,
+    (``launch.fold_applies``). Still the reference's bytes where it could differ: subnormal inputs and sums,
     the largest finite values, and small integers whose rotated values fall on E2M1 rounding ties."""
     use(qkernel=k)
     rot = 16
-    assert kq._fold_applies(dtype, rot, 1.0) and not kq._fold_applies(torch.float32, rot, 1.0)
+    assert launch.fold_applies(dtype, rot, 1.0) and not launch.fold_applies(torch.float32, rot, 1.0)
     g = torch.Generator().manual_seed(rot)
     fin = torch.finfo(dtype)
     # per-row binades from the smallest subnormal to the largest normal of the dtype. Triton 3.6's
@@ -281,17 +282,6 @@ def test_carrier_from_fp4_matches_kernel(group_rows, axis, kern):
     assert int(q.inexact.item()) == cnt
 
 
-class _InterpretedCompiled:
-    """Stands in for Triton's compiled kernel on CPU: ``[grid](*every argument)`` runs the kernel in the
-    interpreter with the same positional arguments a compiled kernel gets from a launch plan."""
-
-    def __init__(self, kfn):
-        self.kfn = kfn
-
-    def __getitem__(self, grid):
-        return lambda *args: self.kfn[grid](*args)
-
-
 def _same_quant(a, b):
     for f in ("carrier", "gscale", "packed", "scales", "inexact"):
         u, v = getattr(a, f), getattr(b, f)
@@ -309,27 +299,24 @@ def _same_quant(a, b):
     dict(axis=1, carrier=False, fp4=True, rounding="stochastic", prescale=0.75),
     dict(axis=0, carrier=True, fp4=True, rounding="stochastic", rot=32, k_multiple=512),
 ], ids=["rows", "cols-h16-128x128", "fp4-sr", "cols-sr-h32"])
-def test_launch_plans_replay_every_argument(cfg, kern, monkeypatch, fresh_caches):
-    """A configuration seen before is launched through its compiled kernel directly (``_Plan``); the
-    arguments it assembles give the same bytes as the generic launch, for new data and new seeds,
-    and a misaligned view gets a plan of its own (Triton specializes on 16-byte alignment)."""
-    monkeypatch.setattr(kq, "_use_plans", lambda x: settings.current().fast_launch)   # on the interpreter too
-    if kq._INTERPRET or DEV == "cpu":
-        make = kq._Plan.make
-        monkeypatch.setattr(kq._Plan, "make", staticmethod(
-            lambda kfn, compiled, *a: make(kfn, _InterpretedCompiled(kfn), *a)))
-    calls = []
-    orig_call = kq._Plan.__call__
-    monkeypatch.setattr(kq._Plan, "__call__", lambda self, *a: (calls.append(tuple(a[0].shape)), orig_call(self, *a))[1])
+def test_launch_plans_replay_every_argument(cfg, kern, use, fresh_caches):
+    """A configuration seen before is launched through its compiled kernel directly (``launch.Plan``; in the
+    interpreter, the interpreted kernel with the same argument tuple); the arguments it assembles give the
+    same bytes as the generic launch, for new data and new seeds, and a misaligned view gets a plan of its
+    own (Triton specializes on 16-byte alignment)."""
+    use(fast_launch="always")   # on the interpreter too
     cfg = dict(cfg)
     axis = cfg.pop("axis")
     rot = cfg.get("rot", 0)
     if cfg.pop("signs", False):
         cfg["signs"] = rotation_signs(rot, "fixed", seed=4, device=DEV)
     big = _data(1, 37 * 130 + 1, seed=21).flatten()
+    log = []
     for i, x in enumerate([_data(37, 130, seed=20), _data(37, 130, seed=22), big[1:].view(37, 130)]):
         kw = dict(cfg, key=rng.stream_key(i + 5))
-        got = kq.quantize_mxfp4_2d(x, axis, **kw)
+        with kq.record_launches() as got_log:
+            got = kq.quantize_mxfp4_2d(x, axis, **kw)
+        log += got_log
         with settings.override(fast_launch=False):
             want = kq.quantize_mxfp4_2d(x, axis, **kw)
         _same_quant(got, want)
@@ -340,7 +327,8 @@ def test_launch_plans_replay_every_argument(cfg, kern, monkeypatch, fresh_caches
     # the first array made the plan, the second ran it, the misaligned third made a second one (on a
     # GPU the once-per-variant self-check quantizes arrays of its own, with plans of their own)
     mine = [p for k, p in fresh_caches.plans.items() if k[2] == (37, 130)]
-    assert calls.count((37, 130)) == 1 and len(mine) == 2 and all(p is not None for p in mine)
+    planned = [e for e in log if e.shape == (37, 130) and e.plan]
+    assert len(planned) == 1 and len(mine) == 2 and all(p is not None for p in mine)
 
 
 @pytest.mark.parametrize("axis", [1, 0])
@@ -351,18 +339,18 @@ def test_key_from_device_memory_equals_scalar_key(axis, kern):
     k1, k2 = rng.stream_key(9), rng.stream_key(10)
     kw = dict(rounding="stochastic", carrier=True, fp4=True, rot=16)
     a = kq.quantize_mxfp4_2d(x, axis, key=k1, **kw)
-    kt = torch.tensor([kq._i32(k1), 0, 0, 0], dtype=torch.int32, device=DEV)
+    kt = torch.tensor([launch.i32(k1), 0, 0, 0], dtype=torch.int32, device=DEV)
     _same_quant(a, kq.quantize_mxfp4_2d(x, axis, key=12345, key_tensor=kt, **kw))
-    kt[0] = kq._i32(k2)
+    kt[0] = launch.i32(k2)
     b = kq.quantize_mxfp4_2d(x, axis, key=k1, key_tensor=kt, **kw)
     _same_quant(b, kq.quantize_mxfp4_2d(x, axis, key=k2, **kw))
     assert not torch.equal(a.packed, b.packed)
 
 
-def test_self_check_and_fallback(monkeypatch, fresh_caches):
+def test_self_check_and_fallback(use, fresh_caches):
     """The once-per-configuration self-check passes, and a configuration marked bad is served by the
     torch fallback with identical results (the GPU safety net, exercised here on any device)."""
-    monkeypatch.setattr(kq, "SELF_CHECK_DEVICES", (torch.device(DEV).type,))
+    use(qselfcheck="always")
     x = _data(33, 200, seed=17, dtype=torch.bfloat16)
     good = kq.quantize_mxfp4_2d(x, 0, rot=16, carrier=True, fp4=False, k_multiple=512)
     verified = fresh_caches.verified
@@ -391,9 +379,9 @@ def test_self_check_accepts_correct_variants(variant, rows_contiguous, fresh_cac
     kern = kq.kernel_for(variant["axis"], variant["rot"], variant["fp4"], rows_contiguous)
     g128 = variant["group_rows"] == 128
     br, nw = {"cols": (128, 4) if g128 else (64, 2)}.get(kern, (128 if g128 else 32, 4))
-    assert kq._config_ok(x, variant["axis"], variant["rot"], variant["has_signs"], variant["scale_rule"],
-                         variant["sr"], variant["prescale"], variant["group_rows"], br, nw, 512, variant["fp4"],
-                         4096, 1000)
+    assert verify.config_ok(x, variant["axis"], variant["rot"], variant["has_signs"], variant["scale_rule"],
+                            variant["sr"], variant["prescale"], variant["group_rows"], br, nw, 512, variant["fp4"],
+                            4096, 1000)
     assert len(fresh_caches.verified) == 1 and next(iter(fresh_caches.verified))[-3] == kern   # (..., kernel, qjoin, qfold)
 
 
@@ -401,30 +389,48 @@ def test_self_check_accepts_correct_variants(variant, rows_contiguous, fresh_cac
     dict(axis=1, rot=0, has_signs=False, scale_rule="floor", sr=False, prescale=1.0, group_rows=1, fp4=True),
     dict(axis=0, rot=32, has_signs=True, scale_rule="floor", sr=True, prescale=1.0, group_rows=128, fp4=False),
 ])
-def test_64bit_offsets_variant(variant, monkeypatch):
+def test_64bit_offsets_variant(variant):
     """The 64-bit offset kernel (tensors past 2**31 elements) gives the same bits as the reference
     on small shapes, as the default 32-bit one does (selfcheck compares every output)."""
-    monkeypatch.setattr(kq, "FORCE_IDX64", True)
     br = 128 if variant["group_rows"] == 128 else 32
     r = kq.selfcheck(DEV, torch.float32, variant["axis"], variant["rot"], variant["has_signs"], variant["scale_rule"],
                      variant["sr"], variant["prescale"], variant["group_rows"], br, 4, 512, variant["fp4"],
-                     r16=False, k16=False, samples=3)
+                     r16=False, k16=False, samples=3, force_idx64=True)
     assert r["ok"], r
 
 
-def test_self_check_reports_a_wrong_carrier(monkeypatch):
+def test_self_check_reports_a_wrong_carrier():
     """selfcheck() finds a corrupted carrier byte (so a miscompiled variant cannot pass)."""
-    real = kq.quantize_mxfp4_2d
-
     def corrupt(*a, **k):
-        q = real(*a, **k)
+        q = kq.quantize_mxfp4_2d(*a, **k)
         if q.carrier is not None:
             c = q.carrier.view(torch.uint8)
             c[1, 5] ^= 0x08
         return q
-    monkeypatch.setattr(kq, "quantize_mxfp4_2d", corrupt)
-    r = kq.selfcheck(DEV, torch.float32, 1, 0, False, "floor", False, 1.0, 1, 32, 4, 512, True, samples=2)
+    r = kq.selfcheck(DEV, torch.float32, 1, 0, False, "floor", False, 1.0, 1, 32, 4, 512, True, samples=2,
+                     quantize_fn=corrupt)
     assert not r["ok"] and r["carrier"] == 1 and r["samples"][0][:2] == (1, 5)
+
+
+def test_compat_module_reexports_the_package():
+    """``mxtrain.kernels.quantize`` (the module the package replaced) gives the package's own objects, and none
+    of the module globals that tests once rebound: kernels and policies are settings and arguments now."""
+    from mxtrain.kernels import quantize as old
+    for name in old.__all__:
+        assert getattr(old, name) is getattr(kq, name), name
+    assert old._out_shapes is kq.carrier.out_shapes and old._e4m3_bits is device._e4m3_bits
+    for gone in ("SELF_CHECK_DEVICES", "FORCE_IDX64", "_use_plans", "_INTERPRET", "_Plan", "_DualPlan"):
+        assert not hasattr(old, gone) and not hasattr(kq, gone), gone
+
+
+def test_record_launches_nests():
+    with kq.record_launches() as outer:
+        launch.LAUNCHES.note("tile", (2, 3), False)
+        with kq.record_launches() as inner:
+            launch.LAUNCHES.note("dual", torch.Size([4, 5]), True)
+    launch.LAUNCHES.note("cols", (1, 1), False)
+    assert outer == [kq.Launch("tile", (2, 3), False), kq.Launch("dual", (4, 5), True)]
+    assert inner == [kq.Launch("dual", (4, 5), True)] and launch.LAUNCHES.logs == ()
 
 
 def test_custom_op_matches_direct():
@@ -524,7 +530,7 @@ def test_block_and_tile_kernels_agree(case, join, use):
 def _enc_kernel(x_ptr, o_ptr, n, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     v = tl.load(x_ptr + i, mask=i < n, other=0.0)
-    tl.store(o_ptr + i, kq._e4m3_bits(v, False), mask=i < n)
+    tl.store(o_ptr + i, device._e4m3_bits(v, False), mask=i < n)
 
 
 def test_blocks_kernel_hardware_e4m3_path_matches_float_path():
@@ -590,19 +596,21 @@ def _same_carrier(p, q):
 
 
 @pytest.mark.parametrize("case", range(len(DUAL_CASES)))
-def test_dual_equals_two_passes(case, monkeypatch, use):
+def test_dual_equals_two_passes(case, use):
     """One pass writing both FP8-carrier operands (rows along K with the blocks tile, columns along M
     with the cols tile) gives exactly the two single passes' outputs: bytes, group scales, padding and
     the inexact count, for odd sizes, rotations with and without signs, stochastic rounding, prescale,
     every scale rule and both group shapes of B."""
-    monkeypatch.setattr(kq, "SELF_CHECK_DEVICES", ())   # the kernel itself, not its GPU safety net
-    use(dual="on")                                      # with rotations too
+    use(qselfcheck="off")   # the kernel itself, not its GPU safety net
+    use(dual="on")          # with rotations too
     M, K, dt, a, b, k_multiple = DUAL_CASES[case]
     x = _data(M, K, seed=40 + case, dtype=dt)
     x[:3, 32:64] *= 2.0**-20            # inexact carrier blocks along rows
     x[64:96, :2] *= 2.0**-20            # and along columns
     assert kq.dual_applies(x, a.get("rot", 0), b.get("rot", 0))
-    got = kq.quantize_mxfp4_dual(x, a, b, k_multiple=k_multiple)
+    with kq.record_launches() as log:
+        got = kq.quantize_mxfp4_dual(x, a, b, k_multiple=k_multiple)
+    assert [e.kernel for e in log] == ["dual"]
     want = _dual_expect(x, a, b, k_multiple)
     for p, q in zip(got, want):
         _same_carrier(p, q)
@@ -611,33 +619,28 @@ def test_dual_equals_two_passes(case, monkeypatch, use):
     assert int(got[0].inexact.item()) == n and n > 0
 
 
-def test_dual_launch_plans_replay_every_argument(monkeypatch, use, fresh_caches):
-    """A dual-kernel configuration seen before is launched through its compiled kernel (``_DualPlan``):
-    the same bytes as the generic launch for new data, new keys and new sign vectors, and a misaligned
-    view gets a plan of its own."""
-    monkeypatch.setattr(kq, "SELF_CHECK_DEVICES", ())
-    use(dual="on")
-    monkeypatch.setattr(kq, "_use_plans", lambda x: settings.current().fast_launch)   # on the interpreter too
-    if kq._INTERPRET or DEV == "cpu":
-        make = kq._DualPlan.make
-        monkeypatch.setattr(kq._DualPlan, "make", staticmethod(
-            lambda compiled, *a: make(_InterpretedCompiled(kq._mxfp4_dual_kernel), *a)))
-    calls = []
-    orig_call = kq._DualPlan.__call__
-    monkeypatch.setattr(kq._DualPlan, "__call__",
-                        lambda self, x, *a: (calls.append(tuple(x.shape)), orig_call(self, x, *a))[1])
+def test_dual_launch_plans_replay_every_argument(use, fresh_caches):
+    """A dual-kernel configuration seen before is launched through its compiled kernel (``launch.DualPlan``;
+    in the interpreter, the interpreted kernel with the same argument tuple): the same bytes as the generic
+    launch for new data, new keys and new sign vectors, and a misaligned view gets a plan of its own."""
+    use(qselfcheck="off", dual="on", fast_launch="always")   # plans on the interpreter too
     big = _data(1, 48 * 160 + 1, seed=61).flatten()
+    log = []
     for i, x in enumerate([_data(48, 160, seed=60), _data(48, 160, seed=62), big[1:].view(48, 160)]):
         a = dict(rot=16, signs=rotation_signs(16, "fixed", seed=i, device=DEV), rounding="stochastic",
                  key=rng.stream_key(i + 7))
         b = dict(group_rows=128, scale_rule="rceil", prescale=0.75)
-        got = kq.quantize_mxfp4_dual(x, a, b)
+        with kq.record_launches() as got_log:
+            got = kq.quantize_mxfp4_dual(x, a, b)
+        log += got_log
         with settings.override(fast_launch=False):
             want = kq.quantize_mxfp4_dual(x, a, b)
         for p, q in zip(got, want):
             _same_carrier(p, q)
             assert int(p.inexact.item()) == int(q.inexact.item())
-    assert calls == [(48, 160)] and len(fresh_caches.dual_plans) == 2 and all(fresh_caches.dual_plans.values())
+    assert log == [kq.Launch("dual", (48, 160), False), kq.Launch("dual", (48, 160), True),
+                   kq.Launch("dual", (48, 160), False)]
+    assert len(fresh_caches.dual_plans) == 2 and all(fresh_caches.dual_plans.values())
 
 
 def test_dual_matches_the_reference_quantizer():
@@ -652,40 +655,36 @@ def test_dual_matches_the_reference_quantizer():
         assert torch.equal(kq.carrier_values(q)[: deq.shape[0], : deq.shape[1]], deq)
 
 
-def test_dual_key_from_device_memory_and_64bit_offsets(monkeypatch, use):
+def test_dual_key_from_device_memory_and_64bit_offsets(use):
     """Keys read from device memory (CUDA-graph replays) and the 64-bit offset variant give the same
     outputs as scalar keys and 32-bit offsets."""
-    monkeypatch.setattr(kq, "SELF_CHECK_DEVICES", ())
-    use(dual="on")
+    use(qselfcheck="off", dual="on")
     x = _data(64, 160, seed=51)
     k1, k2 = rng.stream_key(1), rng.stream_key(2)
     a = dict(rounding="stochastic", key=k1, rot=16)
     b = dict(rounding="stochastic", key=k2)
     want = kq.quantize_mxfp4_dual(x, a, b)
-    kta = torch.tensor([kq._i32(k1), 0, 0, 0], dtype=torch.int32, device=DEV)
-    ktb = torch.tensor([kq._i32(k2), 0, 0, 0], dtype=torch.int32, device=DEV)
+    kta = torch.tensor([launch.i32(k1), 0, 0, 0], dtype=torch.int32, device=DEV)
+    ktb = torch.tensor([launch.i32(k2), 0, 0, 0], dtype=torch.int32, device=DEV)
     got = kq.quantize_mxfp4_dual(x, dict(a, key=0, key_tensor=kta), dict(b, key=0, key_tensor=ktb))
     for p, q in zip(got, want):
         _same_carrier(p, q)
-    monkeypatch.setattr(kq, "FORCE_IDX64", True)
-    for p, q in zip(kq.quantize_mxfp4_dual(x, a, b), want):
+    for p, q in zip(kq.quantize_mxfp4_dual(x, a, b, force_idx64=True), want):
         _same_carrier(p, q)
 
 
-def test_dual_falls_back_to_two_passes(monkeypatch, use):
+def test_dual_falls_back_to_two_passes(use):
     """Where one pass does not apply (a column-major input, a rotation wider than 32, the ``dual`` setting
     off) the two single passes run, with the same results."""
-    monkeypatch.setattr(kq, "SELF_CHECK_DEVICES", ())
-    use(dual="on")
+    use(qselfcheck="off", dual="on")
     x = _data(96, 160, seed=52)
-
-    def no_dual(*a, **k):
-        raise AssertionError("the dual kernel ran where it does not apply")
-    monkeypatch.setattr(kq, "_mxfp4_dual_kernel", type("K", (), {"__getitem__": lambda self, g: no_dual})())
     xt = x.t().contiguous().t()   # same values, column-major
     for xx, a, b in ((xt, dict(), dict()), (x, dict(rot=64), dict()), (x, dict(), dict(rot=128))):
         assert not kq.dual_applies(xx, a.get("rot", 0), b.get("rot", 0))
-        for p, q in zip(kq.quantize_mxfp4_dual(xx, a, b), _dual_expect(xx, a, b, 128)):
+        with kq.record_launches() as log:
+            got = kq.quantize_mxfp4_dual(xx, a, b)
+        assert len(log) == 2 and "dual" not in [e.kernel for e in log], log   # two single passes
+        for p, q in zip(got, _dual_expect(xx, a, b, 128)):
             _same_carrier(p, q)
     with settings.override(dual="auto"):   # the default: one pass only without rotations and SR
         assert kq.dual_applies(x, 0, 0) and not kq.dual_applies(x, 16, 0) and not kq.dual_applies(x, 0, 16)
@@ -696,40 +695,37 @@ def test_dual_falls_back_to_two_passes(monkeypatch, use):
         kq.quantize_mxfp4_dual(x, dict(rotation=16), dict())
 
 
-def test_dual_self_check(monkeypatch, use, fresh_caches):
+def test_dual_self_check(use, fresh_caches):
     """The once-per-variant self-check (GPU safety net, run here on any device) accepts the dual pass,
     and a variant whose output differs from the two single passes is reported and replaced by them."""
-    monkeypatch.setattr(kq, "SELF_CHECK_DEVICES", (torch.device(DEV).type,))
-    use(dual="on")
+    use(qselfcheck="always", dual="on")
     x = _data(64, 160, seed=53, dtype=torch.bfloat16)
     a, b = dict(rot=16), dict(rot=16, group_rows=128)
     good = kq.quantize_mxfp4_dual(x, a, b)
     assert list(fresh_caches.dual_verified.values()) == [True]
-    real = kq._mxfp4_dual_kernel
 
-    class Broken:   # the dual kernel, then one byte of output A changed
-        def __getitem__(self, grid):
-            def run(*args, **kw):
-                real[grid](*args, **kw)
-                args[3].view(-1)[5] ^= 1
-            return run
-    monkeypatch.setattr(kq, "_mxfp4_dual_kernel", Broken())
+    def broken(*args, **kw):   # the dual pass, then one byte of output A changed
+        qa, qb = kq.quantize_mxfp4_dual(*args, **kw)
+        qa.carrier.view(torch.uint8).view(-1)[5] ^= 1
+        return qa, qb
     fresh_caches.dual_verified.clear()
     fresh_caches.clear_plans()   # (GPU) no launch of the real kernel through a plan
     with pytest.warns(RuntimeWarning, match="dual quantize variant"):
-        fb = kq.quantize_mxfp4_dual(x, a, b)
+        assert not verify.dual_ok(x, a, b, kq.TILE_K, dual_fn=broken)
     assert list(fresh_caches.dual_verified.values()) == [False]
+    with kq.record_launches() as log:
+        fb = kq.quantize_mxfp4_dual(x, a, b)
+    assert "dual" not in [e.kernel for e in log]   # the variant marked bad: two passes
     for p, q in zip(fb, good):
         _same_carrier(p, q)
 
 
 @pytest.mark.parametrize("cfg", [dict(sequential=True), dict(sequential=True, block_rows=(16, 128), num_warps=4),
                                  dict(sequential=False, block_rows=(64, 64), num_warps=2)])
-def test_dual_kernel_configurations(cfg, monkeypatch, use):
+def test_dual_kernel_configurations(cfg, use):
     """Every program layout of the dual kernel (one program per tile, or per 128x128 block running its
     A then its B tiles) and block sizes give the two passes' outputs."""
-    monkeypatch.setattr(kq, "SELF_CHECK_DEVICES", ())
-    use(dual="on")
+    use(qselfcheck="off", dual="on")
     x = _data(130, 300, seed=54)
     a, b = dict(rot=16, signs=_signs(16, 4)), dict(rot=8, rounding="stochastic", key=rng.stream_key(8))
     for p, q in zip(kq.quantize_mxfp4_dual(x, a, b, **cfg), _dual_expect(x, a, b, 128)):

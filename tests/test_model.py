@@ -97,12 +97,12 @@ def test_tiny_overfits_a_batch(recipe, steps):
 def glue_state():
     """Restore mxtrain.model's glue mode and compile caches after a test changes them."""
     from mxtrain import model
-    saved = model.GLUE, dict(model._COMPILED), list(model._GLUE_FAILED)
+    saved = model.GLUE, dict(model.GLUE_STATE.compiled), model.GLUE_STATE.failed
     yield model
     model.GLUE = saved[0]
-    model._COMPILED.clear()
-    model._COMPILED.update(saved[1])
-    model._GLUE_FAILED[:] = saved[2]
+    model.GLUE_STATE.clear()
+    model.GLUE_STATE.compiled.update(saved[1])
+    model.GLUE_STATE.failed = saved[2]
 
 
 def _block_grads(model, dev, glue, T=24):
@@ -128,8 +128,8 @@ def test_compiled_glue_matches_eager(glue_state, dev):
     the CPU one (explicit K/V copies)."""
     ref = _block_grads(glue_state, dev, "eager")
     got = _block_grads(glue_state, dev, "compiled")
-    assert not glue_state._GLUE_FAILED, glue_state._GLUE_FAILED
-    assert set(glue_state._COMPILED) == {glue_state._rms_norm, glue_state._rope, glue_state._swiglu}
+    assert glue_state.GLUE_STATE.failed is None, glue_state.GLUE_STATE.failed
+    assert set(glue_state.GLUE_STATE.compiled) == {glue_state._rms_norm, glue_state._rope, glue_state._swiglu}
     err = _max_rel(got, ref)
     assert max(err) < 1e-5, err
     if dev != "cpu":
@@ -143,12 +143,11 @@ def test_glue_falls_back_to_eager_when_compile_fails(glue_state, monkeypatch):
             raise RuntimeError("no compiler here")
         return f
     monkeypatch.setattr(torch, "compile", broken)
-    glue_state._COMPILED.clear()
-    glue_state._GLUE_FAILED.clear()
+    glue_state.GLUE_STATE.clear()
     glue_state.GLUE = "compiled"
     norm = glue_state.RMSNorm(8, 1e-5)
     x = torch.randn(3, 8)
     with pytest.warns(RuntimeWarning, match="running them eagerly"):
         y = norm(x)
     assert torch.allclose(y, x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
-    assert glue_state._GLUE_FAILED and glue_state._glue(glue_state._rms_norm, x) is glue_state._rms_norm
+    assert glue_state.GLUE_STATE.failed and glue_state._glue(glue_state._rms_norm, x) is glue_state._rms_norm

@@ -21,7 +21,7 @@ pytest.importorskip("triton")
 
 from mxtrain.kernels import kernels_available  # noqa: E402
 from mxtrain.kernels.mxdot import mx_dot_nt, supports_native  # noqa: E402
-from mxtrain.kernels.quantize import dequantize_fp4, quantize_mxfp4_2d  # noqa: E402
+from mxtrain.kernels.mxfp4 import dequantize_fp4, quantize_mxfp4_2d  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(not kernels_available(DEV), reason="Triton kernels unavailable")
@@ -75,7 +75,7 @@ def test_portable_matches_float64(Ra, Rb, K, out_dtype):
 
 def test_the_quantizers_dequantize_agrees_with_the_decode_here():
     pa, sa = _operands(9, 64, 3, wide=True)
-    from mxtrain.kernels.quantize import QuantOut
+    from mxtrain.kernels.mxfp4 import QuantOut
     q = QuantOut(9, 64, None, None, 1, None, pa, sa)
     assert torch.equal(dequantize_fp4(q).double().cpu(), _values(pa, sa))
 

@@ -45,8 +45,14 @@ def test_one_parser_for_every_variable():
                            "MXTRAIN_GEMM_BACKEND": "DEQUANT", "MXTRAIN_QKERNEL": "tile", "MXTRAIN_GLUE": "eager",
                            "MXTRAIN_DATA": "/some/where", "MXTRAIN_FAST_LAUNCH": ""})
     assert (s.dual, s.qmaxnreg, s.wgrad_b_group, s.gemm_backend, s.qkernel, s.glue, s.data_dir, s.fast_launch) == \
-        ("off", 64, 1, "dequant", "tile", "eager", "/some/where", True)   # empty: the default
+        ("off", 64, 1, "dequant", "tile", "eager", "/some/where", "auto")   # empty: the default
     assert Settings.from_env({"MXTRAIN_QDUAL": "yes"}).dual == "on"
+    # auto / always / off, with the booleans of earlier versions: on is the default (auto), off is off
+    for var, field in (("MXTRAIN_FAST_LAUNCH", "fast_launch"), ("MXTRAIN_QSELFCHECK", "qselfcheck")):
+        for raw, want in (("1", "auto"), ("0", "off"), ("Always", "always"), ("off", "off")):
+            assert getattr(Settings.from_env({var: raw}), field) == want
+    assert Settings().replace(fast_launch=False, qselfcheck=True).launch_key[-1] == "auto"
+    assert Settings().replace(fast_launch=False).fast_launch == "off"
     assert Settings.from_env({}) == Settings()
 
 
@@ -140,7 +146,7 @@ def test_to_dict_for_run_folders():
     d = settings.current().to_dict()
     assert list(d) == list(Settings.__dataclass_fields__) and json.loads(json.dumps(d)) == d
     assert set(settings.current().numerics()) == set(settings.NUMERICS) == {"fast", "gemm_backend", "wgrad_b_group",
-                                                                            "glue"}
+                                                                            "exact_carrier", "glue"}
     fields = Settings.__dataclass_fields__.values()
     env = {f.metadata["env"]: str(v) for f, v in zip(fields, d.values()) if v is not None}
     assert Settings.from_env(env) == settings.current()   # what a run folder records gives the same settings

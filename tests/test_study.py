@@ -261,3 +261,46 @@ def test_parallel_workers_equal_sequential(tmp_path):
     assert sum(logs.count(f"{a} seed {s}: done") for a in ("bf16", "mxfp4-all") for s in (0, 1)) == 4
     assert not (tmp_path / "par" / "claims").exists()
     assert main(common + ["--out", str(tmp_path / "bad"), "--jobs", "0"]) == 2
+
+
+def test_second_reference_arm_and_presets(tmp_path, capsys):
+    """An arm list with fp8 beside the bf16 baseline: every arm is also compared with fp8 (its own target), in
+    summary.json and the report; the presets that name fp8 as a reference, and the errors."""
+    from mxtrain.cli import main
+    from mxtrain.errors import UserError
+    from mxtrain.study.runner import PRESETS, StudySpec, run_study
+
+    def trainer(spec, arm, seed, run_dir):
+        c = {"bf16": 1.0, "fp8": 1.05, "mxfp4-all": 1.2}[arm]
+        toks = [1000.0 * i for i in range(1, 51)]
+        write_run(run_dir, toks, [curve(t / c, 2.0 + 0.002 * seed) for t in toks])
+
+    spec = StudySpec(out=str(tmp_path / "st"), arms=["bf16", "fp8", "mxfp4-all"], references=["fp8"], seeds=2,
+                     smooth_k=1)
+    out = run_study(spec, trainer, log=lambda *a: None)
+    s = json.loads((out / "summary.json").read_text())
+    assert s["arms"]["mxfp4-all"]["extra_tokens"]["mean"] == pytest.approx(0.2, abs=2e-3)
+    ref = s["references"]["fp8"]
+    assert ref["arms"]["mxfp4-all"]["extra_tokens"]["mean"] == pytest.approx(1.2 / 1.05 - 1, abs=2e-3)
+    assert ref["arms"]["bf16"]["extra_tokens"]["mean"] == pytest.approx(1 / 1.05 - 1, abs=2e-3)
+    assert ref["arms"]["fp8"]["extra_tokens"]["state"] == "baseline"
+    assert ref["target_loss"] > s["target_loss"]                 # fp8's own target: its curve is higher
+    html = (out / "report.html").read_text()
+    assert "Against fp8" in html and "extra tokens to fp8&#x27;s target" in html
+
+    assert "fp8" in PRESETS["paper"]["arms"] and PRESETS["paper"]["references"] == ["fp8"]
+    assert PRESETS["headline"]["arms"] == ["bf16", "fp8", "mxfp4-all", "mxfp4-all-dh16", "mxfp4-all-sr", "tseng",
+                                           "mxfp4-all@deosc"]
+    for name, p in PRESETS.items():   # every preset is a valid study
+        StudySpec(**{k: v for k, v in p.items() if k in StudySpec.__dataclass_fields__})
+    assert main(["study", "--preset", "headline", "--out", str(tmp_path / "h"), "--dry-run"]) == 0
+    assert "baseline bf16; also compared with fp8" in capsys.readouterr().out
+    # a preset's reference that --arms leaves out is dropped, not an error
+    assert main(["study", "--preset", "paper", "--arms", "bf16,mxfp4-all", "--out", str(tmp_path / "p"),
+                 "--dry-run"]) == 0
+    assert "also compared" not in capsys.readouterr().out
+    assert main(["study", "--arms", "bf16,mxfp4-all", "--references", "fp8", "--out", str(tmp_path / "r"),
+                 "--dry-run"]) == 2
+    assert "--references 'fp8' is not one of the arms" in capsys.readouterr().err
+    with pytest.raises(UserError, match="--fit must be"):
+        StudySpec(arms=["bf16"], fit="l1")

@@ -74,6 +74,14 @@ def test_cooldown_study_end_to_end_and_resume(tmp_path, monkeypatch):
     assert sorted(calls) == [("bf16", 0, 0.5), ("mxfp4-all", 1, 0.75)]
     s2 = json.loads((out / "summary.json").read_text())
     assert s2["missing"] == [] and s2["cooldown"]["verdict"] == cool["verdict"]     # deterministic, same result
+    assert cool["fit_loss"] == "lsq" and cool["fit"]["loss"] == "lsq"
+
+    # the same points refitted with the Huber loss (mxtrain report --fit huber)
+    from mxtrain.cli import main
+    assert main(["report", str(out), "--fit", "huber"]) == 0
+    s3 = json.loads((out / "summary.json").read_text())
+    assert s3["cooldown"]["fit_loss"] == "huber" and s3["cooldown"]["fit"]["loss"] == "huber"
+    assert "Huber loss on log L" in (out / "report.html").read_text()
 
 
 def test_cli_and_config_file_budgets(tmp_path, capsys):
@@ -85,6 +93,8 @@ def test_cli_and_config_file_budgets(tmp_path, capsys):
     f.write_text('[study]\narms = ["bf16"]\nbudgets = [0.25, 1.0]\ncooldown_shape = "linear"\n')
     assert main(["study", "--config", str(f), "--steps", "100", "--out", str(tmp_path / "t"), "--dry-run"]) == 0
     assert "budgets 0.25, 1 of the run (0.2 of each branch cooling down, linear)" in capsys.readouterr().out
+    assert main(["study", "--arms", "bf16", "--steps", "100", "--budgets", "0.5,0.75,1", "--fit", "huber",
+                 "--out", str(tmp_path / "w"), "--dry-run"]) == 0
     assert main(["study", "--arms", "bf16", "--budgets", "0.5,x", "--out", str(tmp_path / "u"), "--dry-run"]) == 2
     assert main(["study", "--arms", "bf16", "--steps", "10", "--budgets", "0.1", "--out", str(tmp_path / "v"),
                  "--dry-run"]) == 2          # a branch point before the first step: refused before anything runs

@@ -65,8 +65,9 @@ def one_line_error(p: subprocess.CompletedProcess, *fragments: str) -> None:
 
 
 def tiny_run_cfg(out, steps: int, **train):
-    """The ``debug`` experiment on ``small_data()``: an mxfp4-all run of a few steps into ``out`` (no
-    progress bar, no TensorBoard, no evaluation before step 100); ``train``: train-section values."""
+    """The ``debug`` experiment on ``small_data()``: an mxfp4-all run of a few steps into ``out`` (None: the
+    run's default folder, e.g. when resuming; no progress bar, no TensorBoard, no evaluation before step 100);
+    ``train``: train-section values."""
     from mxtrain.train import experiments
     cfg = experiments.get("debug")
     cfg.recipe = "mxfp4-all"
@@ -77,6 +78,6 @@ def tiny_run_cfg(out, steps: int, **train):
     for k, v in train.items():
         setattr(cfg.train, k, v)
     cfg.schedule.horizon_steps = 8
-    cfg.log.out, cfg.log.progress, cfg.log.tensorboard = str(out), False, False
+    cfg.log.out, cfg.log.progress, cfg.log.tensorboard = (str(out) if out is not None else None), False, False
     cfg.log.eval_every, cfg.log.eval_tokens = 100, 256
     return cfg

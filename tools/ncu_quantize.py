@@ -11,7 +11,7 @@ columns, and a bf16 copy of the activation for the memory ceiling.
 """
 import torch
 
-from mxtrain.kernels.quantize import quantize_mxfp4_2d as q
+from mxtrain.kernels.mxfp4 import quantize_mxfp4_2d as q
 
 x = torch.randn(16384, 4096, device="cuda", dtype=torch.bfloat16)
 w = torch.randn(14336, 4096, device="cuda", dtype=torch.bfloat16)

@@ -61,17 +61,21 @@ def main():
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--compile", default="default", help="torch.compile mode, or 'none'")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--recompute-ffn", action="store_true",
+                    help="every variant's blocks recompute their feed-forward outputs (mxtrain.model.Block)")
     ap.add_argument("--peak-report", type=int, default=0, metavar="N",
                     help="print the N largest groups of memory alive at the last step's peak")
     a = ap.parse_args()
     dev = "cuda"
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": a.layers, "batch": a.batch,
-           "seq": a.seq, "compile": a.compile, "runs": {}}
+           "seq": a.seq, "compile": a.compile, "recompute_ffn": a.recompute_ffn, "runs": {}}
     idx = torch.randint(0, 128256, (a.batch, a.seq + 1), device=dev, generator=torch.Generator(dev).manual_seed(0))
     x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
     for rec in a.recipes:
         torch.manual_seed(0)
         m = Llama(ModelConfig.named("llama3-8b", n_layers=a.layers), device=dev)
+        for b in m.layers:
+            b.recompute_ffn = a.recompute_ffn
         if rec.startswith("torchao-"):
             from torchao.float8 import Float8LinearConfig, convert_to_float8_training
             convert_to_float8_training(m, config=Float8LinearConfig.from_recipe_name(rec.split("-", 1)[1]),

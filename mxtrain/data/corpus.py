@@ -16,7 +16,8 @@ Domains, each one JSONL file of documents ``{"text", "source", "license"}``:
 
 Exact duplicates (same text after whitespace normalisation) are removed within a domain. Each domain's
 validation split is fixed by content: the documents with the smallest hashes until at least ``val_tokens``
-estimated tokens (UTF-8 bytes / 4) are held out (at most half the domain), so the same documents always give
+tokens of the 32k BPE (UTF-8 bytes / the domain's measured bytes per token, ``VAL_BYTES_PER_TOKEN``)
+are held out (at most half the domain), so the same documents always give
 the same split, in any order. Layout of ``--out DIR``::
 
     manifest.json          per domain: documents, bytes, estimated tokens, sources (versions, licenses)
@@ -59,6 +60,10 @@ MANIFEST = "manifest.json"
 DOMAINS = ("prose", "books", "dict", "docs", "code")
 BYTES_PER_TOKEN = 4            # the token estimate: UTF-8 bytes / 4
 DEFAULT_VAL_TOKENS = 1_000_000  # held out per domain
+# UTF-8 bytes per token of each domain with the 32k BPE that ``prepare --vocab-size 32768`` trains on the
+# whole corpus, measured on each domain's validation file (docs/data.md): the validation split holds
+# ``val_tokens`` of those tokens (bytes / 4 would give prose only 0.85 M of them)
+VAL_BYTES_PER_TOKEN = {"prose": 4.71, "books": 3.61, "dict": 3.48, "docs": 3.92, "code": 3.41}
 MAX_VAL_SHARE = 0.5            # never more than this share of a domain's bytes held out
 CHUNK_CHARS = 32_000           # books, dictionaries, long pages and speeches are cut at paragraphs near this size
 MIN_DOC_CHARS = 200            # shorter pages (redirects, empty index pages) are dropped
@@ -816,8 +821,8 @@ def assemble(out: str | Path, domains: str | Iterable[str] | None = None, *, max
     """Assemble the corpus into ``out`` (see the module doc) and return the manifest.
 
     ``domains``: names or a comma-separated string (default all). ``max_tokens``: stop each domain after
-    about this many estimated tokens (for a small corpus or a test). ``val_tokens``: estimated tokens held out
-    per domain. ``force``: rebuild domains already assembled (otherwise they are skipped). ``sources``:
+    about this many estimated tokens (for a small corpus or a test). ``val_tokens``: tokens of the 32k
+    BPE held out per domain (bytes / ``VAL_BYTES_PER_TOKEN``). ``force``: rebuild domains already assembled (otherwise they are skipped). ``sources``:
     replaces ``SOURCES``; ``fetch_fn``: replaces ``fetch`` (tests: local fixtures). ``log``: the summary lines
     (default: print to stdout)."""
     out = Path(out)
@@ -841,7 +846,8 @@ def assemble(out: str | Path, domains: str | Iterable[str] | None = None, *, max
         if not force and _domain_done(out, m, domain):
             d = m["domains"][domain]
             note = ""
-            if d.get("max_tokens") != max_tokens or d.get("val_target_tokens") != val_tokens:
+            if (d.get("max_tokens") != max_tokens or d.get("val_target_tokens") != val_tokens
+                    or d.get("val_bytes_per_token") != VAL_BYTES_PER_TOKEN.get(domain, BYTES_PER_TOKEN)):
                 note = (f" (assembled with --max-tokens {d.get('max_tokens')}, --val-tokens "
                         f"{d.get('val_target_tokens')}; --force rebuilds it)")
             log(f"corpus: {domain}: already assembled, skipped: {d['documents']:,} documents, "
@@ -910,7 +916,7 @@ def _assemble_domain(out: Path, domain: str, srcs: list[Source], max_tokens, val
                 prog.line(f"{src.name}: {n_docs:,} documents, {n_bytes / 1e6:.1f} MB")
         if not docs:
             raise UserError(f"domain {domain}: its sources gave no documents")
-        val = choose_val(docs, val_tokens * BYTES_PER_TOKEN)
+        val = choose_val(docs, int(val_tokens * VAL_BYTES_PER_TOKEN.get(domain, BYTES_PER_TOKEN)))
         counts = {"train": [0, 0], "val": [0, 0]}
         with open(tmp_all, encoding="utf-8") as f, open(tmp_train, "w", encoding="utf-8") as ft, \
                 open(tmp_val, "w", encoding="utf-8") as fv:
@@ -933,6 +939,7 @@ def _assemble_domain(out: Path, domain: str, srcs: list[Source], max_tokens, val
                 "bytes_on_disk": (out / file).stat().st_size}
 
     return {"documents": len(docs), "bytes": nbytes, "est_tokens": _est(nbytes), "train": split_entry("train"),
-            "val": split_entry("val"), "val_target_tokens": val_tokens, "max_tokens": max_tokens,
+            "val": split_entry("val"), "val_target_tokens": val_tokens,
+            "val_bytes_per_token": VAL_BYTES_PER_TOKEN.get(domain, BYTES_PER_TOKEN), "max_tokens": max_tokens,
             "sources": src_entries, "skipped": dict(sorted(skipped.items())), "seconds": round(time.time() - t0, 1),
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}

@@ -77,7 +77,7 @@ class KernelCaches:
       (``gemm.probe``), and ``"native:<device>"`` -> the native-MX GEMM plan (``gemm.native_plan``)
     * ``verified``, ``dual_verified``: kernel variant -> whether its self-check passed on this GPU
       (``quantize_mxfp4_2d``'s fused carrier, ``quantize_mxfp4_dual``)
-    * ``plans``, ``dual_plans``: launch plans (``quantize._Plan``, ``quantize._DualPlan``; None where a
+    * ``plans``, ``dual_plans``: launch plans (``mxfp4.launch.Plan``, ``mxfp4.launch.DualPlan``; None where a
       configuration cannot be launched directly), LRU-bounded
     """
 

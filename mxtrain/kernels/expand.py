@@ -9,7 +9,7 @@ element.
 
 The carrier it writes is the one the fused quantizer writes for the same operand, byte for byte (the
 same group exponent ``G``, the same ``v * 2**(s - G + 6)`` in e4m3 and the same count of inexact
-blocks). Its plain-PyTorch definition is ``quantize.carrier_from_fp4``; ``tests/test_expand.py``
+blocks). Its plain-PyTorch definition is ``mxfp4.carrier.carrier_from_fp4``; ``tests/test_expand.py``
 compares the two.
 """
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from . import HAS_TRITON
-from .quantize import TILE_K, QuantOut, _carrier_buffers, _ceil
+from .mxfp4.carrier import TILE_K, QuantOut, carrier_buffers, ceil_to
 
 __all__ = ["carrier_from_packed"]
 
@@ -26,7 +26,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .quantize import _e4m3_bits
+    from .mxfp4.device import _e4m3_bits
 
     @triton.jit
     def _expand_kernel(pk_ptr, sc_ptr, car_ptr, gs_ptr, cnt_ptr, R, Kq, Rc, Kc, gs_sr, gs_sk,
@@ -54,7 +54,7 @@ if HAS_TRITON:
         live = ((s > -127) | nz) & (code_s != 255)
         s_live = tl.where(live, s, -127)
         if GROUP_ROWS == 1:
-            G = tl.maximum(tl.max(s_live, axis=1), -120)              # [BR] (quantize._MIN_G)
+            G = tl.maximum(tl.max(s_live, axis=1), -120)              # [BR] (mxfp4.carrier.MIN_G)
             G2 = G[:, None]
         else:
             G = tl.maximum(tl.max(tl.max(s_live, axis=1), axis=0), -120)
@@ -96,9 +96,9 @@ def carrier_from_packed(q: QuantOut, k_multiple: int = TILE_K, row_multiple: int
     R, dev = q.R, q.packed.device
     Kq = q.scales.shape[1] * 32
     gr = q.group_rows
-    Kc = _ceil(max(q.K, 1), k_multiple)
-    Rc = _ceil(max(R, 1), 128 if gr == 128 else max(row_multiple, 1))
-    car, gs, base, gsr, gsk = _carrier_buffers(Rc, Kc, gr, dev)
+    Kc = ceil_to(max(q.K, 1), k_multiple)
+    Rc = ceil_to(max(R, 1), 128 if gr == 128 else max(row_multiple, 1))
+    car, gs, base, gsr, gsk = carrier_buffers(Rc, Kc, gr, dev)
     cnt = counter if counter is not None else torch.zeros((1,), dtype=torch.int32, device=dev)
     BR = 128 if gr == 128 else 32
     grid = (triton.cdiv(Rc, BR), Kc // TILE_K)

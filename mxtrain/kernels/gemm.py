@@ -1,5 +1,5 @@
 """GEMM dispatch for quantized operands: ``C = A B^T`` with A (Ra, K) and B (Rb, K) both quantized
-along K (their last axis) by ``mxtrain.kernels.quantize``.
+along K (their last axis) by ``mxtrain.kernels.mxfp4``.
 
 * ``fp8_carrier`` (sm_90): blockwise ``torch._scaled_mm`` on the e4m3 carrier with 1x128 (A) and
   128x128 or 1x128 (B) float32 group scales: the exact MXFP4 values, fp32 accumulation in the tensor
@@ -24,7 +24,7 @@ import torch
 
 from .. import settings as _settings
 from .caches import CACHES
-from .quantize import QuantOut, carrier_values, dequantize_fp4
+from .mxfp4.carrier import QuantOut, carrier_values, dequantize_fp4
 
 __all__ = ["mx_gemm_nt", "probe", "native_plan", "weight_group_rows", "activation_b_group_rows", "outputs_for"]
 
@@ -50,7 +50,7 @@ def native_plan(device) -> str:
 
 @torch.compiler.disable
 def _probe_native(device) -> dict:
-    from .quantize import quantize_mxfp4_2d
+    from .mxfp4 import quantize_mxfp4_2d
     res: dict = {"plan": "dequant", "errors": {}}
     if device.type != "cuda":
         return res
@@ -140,7 +140,7 @@ def probe(device) -> dict:
         return probes[key]
     res = {"a1x128_b128x128": False, "b_1x128": False, "errors": {}}
     if device.type == "cuda":
-        from .quantize import quantize_mxfp4_2d
+        from .mxfp4 import quantize_mxfp4_2d
         g = torch.Generator(device=device).manual_seed(0)
         A = torch.randn(256, 1088, device=device, generator=g)
         B = torch.randn(384, 1088, device=device, generator=g)

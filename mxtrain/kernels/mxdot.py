@@ -1,6 +1,6 @@
 """MXFP4 GEMM on packed operands: ``C = A B^T`` from E2M1 codes and E8M0 scales, in one Triton kernel.
 
-Operands are laid out as ``QuantOut.packed`` / ``QuantOut.scales`` (``mxtrain.kernels.quantize``):
+Operands are laid out as ``QuantOut.packed`` / ``QuantOut.scales`` (``mxtrain.kernels.mxfp4``):
 codes (R, Kq/2) uint8, two per byte, the lower k in the low nibble; scales (R, Kq/32) uint8, the
 block of 32 k's value ``2^(s-127)``, ``s = 255`` NaN. Kq is a multiple of 32. The product is
 accumulated in float32, divided by ``divisor`` and rounded once to ``out_dtype``.

@@ -39,7 +39,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .quantize import _mix32   # lowbias32 on uint32, as the quantize kernels hash
+    from .mxfp4.device import _mix32   # lowbias32 on uint32, as the quantize kernels hash
 
     @triton.jit
     def _fold(k, lo, hi):

@@ -31,9 +31,12 @@ def register(subparsers) -> None:
                    "(docs/config.md, examples/study.toml)")
     p.add_argument("--preset", choices=sorted(PRESETS), help="named study (arms, seeds, sizes); a config file and "
                    "flags given explicitly override the preset's values")
-    p.add_argument("--arms", help="comma-separated recipe names, e.g. bf16,mxfp4-all,mxfp4-all-dh16")
+    p.add_argument("--arms", help="comma-separated arms: recipe names, each optionally with @OPTION training "
+                   "options, e.g. bf16,mxfp4-all,mxfp4-all-dh16,mxfp4-all@deosc (docs/study.md)")
     p.add_argument("--seeds", type=int, help="seeds per arm (seeds 0..N-1)")
     p.add_argument("--baseline", help="arm the others are compared with (default: the first arm)")
+    p.add_argument("--references", help="comma-separated further arms every arm is also compared with, e.g. fp8 "
+                   "(the report gives extra tokens and loss gaps against each)")
     p.add_argument("--out", help="study folder (default: studies/<preset or 'custom'>)")
     p.add_argument("--exp", help="base experiment config (as for mxtrain train --exp; default: tiny-main)")
     p.add_argument("--model", help="model size (as for mxtrain train)")
@@ -66,6 +69,9 @@ def register(subparsers) -> None:
     p.add_argument("--cooldown-shape", choices=["linear", "1-sqrt"], help="with --budgets: the decay's shape "
                    "(default 1-sqrt)")
     p.add_argument("--n-boot", type=int, help="bootstrap replicates of the cooled-down metric (default 1000)")
+    p.add_argument("--fit", choices=["lsq", "huber"], help="with --budgets: fit the baseline's L(D) = E + B D^-beta "
+                   "by least squares on L (lsq, default) or by a Huber loss on log L (huber, delta 1e-3, as "
+                   "Hoffmann et al. 2022): robust to one bad point")
     p.add_argument("--jobs", type=int, help="train this many runs at once, in worker processes "
                    "(spread over the visible GPUs; small models share one GPU well). Default 1")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit")
@@ -80,6 +86,7 @@ def register(subparsers) -> None:
     r.add_argument("--target-loss", type=float)
     r.add_argument("--target-frac", type=float)
     r.add_argument("--smooth-k", type=int)
+    r.add_argument("--fit", choices=["lsq", "huber"], help="the cooled-down baseline fit (default: the study's)")
     r.set_defaults(func=report_main)
 
 
@@ -129,6 +136,7 @@ _FLAG_KEYS = {"model": "model.name", "steps": "train.steps", "batch_size": "trai
               "lr": "optim.lr", "data": "data.path", "device": "train.device", "eval_every": "log.eval_every"}
 # set by the study for each run (the control): a study file cannot set them
 _PER_RUN = {"recipe": "the recipe is the arm: list the recipes in [study] arms",
+            "deosc.enable": "an arm option: name the arm RECIPE@deosc in [study] arms",
             "train.seed": "seeds are 0..seeds-1", "model.init_seed": "seeds are 0..seeds-1",
             "data.seed": "seeds are 0..seeds-1", "log.out": "runs go to OUT/runs/<arm>/seed<k>: set [study] out",
             "log.progress": "runs log plain lines", "log.tensorboard": "set per run by the study"}
@@ -171,13 +179,13 @@ def apply_study_file(args: argparse.Namespace, path) -> None:
             near = difflib.get_close_matches(k, valid, n=2, cutoff=0.6)
             raise UserError(f"{src}: unknown key 'study.{k}'{'; did you mean ' + ' or '.join('study.' + n for n in near) + '?' if near else ''}"
                             f" (keys of study: {', '.join(valid)})")
-        if k == "arms":
+        if k in ("arms", "references"):
             if isinstance(v, str):
                 v = [a.strip() for a in v.split(",") if a.strip()]
             if not isinstance(v, list) or not all(isinstance(a, str) for a in v):
-                raise UserError(f"{src}: study.arms: expected a list of recipe names, got {v!r}")
-            if args.arms is None:
-                args.arms = ",".join(v)
+                raise UserError(f"{src}: study.{k}: expected a list of arm names, got {v!r}")
+            if getattr(args, k, None) is None:
+                setattr(args, k, ",".join(v))
             continue
         if k == "budgets":
             if isinstance(v, str):
@@ -275,8 +283,13 @@ def report_main(args: argparse.Namespace) -> int:
             msg = incomplete_message(summary)
             if msg:
                 print(f"warning: {msg}", file=sys.stderr)
+            from .runner import add_cooldown, add_references
+            meta = {**meta, "baseline": base, "target_loss": tl, "target_frac": tf, "smooth_k": k}
+            if summary["arms"]:
+                add_references(summary, meta, runs)
             if meta.get("cooldown"):
-                from .runner import add_cooldown
+                if args.fit:
+                    meta = {**meta, "cooldown": {**meta["cooldown"], "fit": args.fit}}
                 add_cooldown(summary, d, meta, runs)
         summary = M.sanitize(summary)
         (d / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False))

@@ -4,11 +4,20 @@ A cooldown study (``mxtrain study --budgets 0.25,0.5,0.75,1 --cooldown 0.2``; do
 every arm, seed and budget ``D`` (tokens), the validation loss of every evaluation window after a cooldown
 branch that ends at ``D``. This module turns them into the extra-token cost:
 
-1. **Fit** the baseline's cooled-down points ``L(D) = E + B * D^(-beta)`` (``fit_power_law``): least
-   squares on ``L``; for a fixed ``beta`` the model is linear in ``(E, B)`` and has a closed form, so the fit
-   is a 1-D search over ``beta`` (a log-spaced grid over [0.01, 4], then a golden-section refinement around
-   the best grid point). ``D`` is scaled by the largest budget inside the fit (numerics only). At least 3
-   budgets are needed (3 parameters); with 3 the curve goes through the points.
+1. **Fit** the baseline's cooled-down points ``L(D) = E + B * D^(-beta)`` (``fit_power_law``), by one of
+   two losses (``fit``):
+
+   * ``lsq`` (default): least squares on ``L``; for a fixed ``beta`` the model is linear in ``(E, B)`` and has
+     a closed form, so the fit is a 1-D search over ``beta`` (a log-spaced grid over [0.01, 4], then a
+     golden-section refinement around the best grid point).
+   * ``huber``: the Huber loss (``delta`` 1e-3) of the log residuals ``log(E + B D^-beta) - log L``, as
+     Hoffmann et al. 2022 (Chinchilla, approach 3) fit their scaling law: quadratic for residuals below
+     ``delta``, linear beyond, so one bad point (a branch hit by a loss spike) pulls the curve far less than
+     under least squares. For a fixed ``beta``, ``(E, B)`` come from iteratively reweighted Gauss-Newton steps
+     started at the least-squares solution; the same 1-D search over ``beta`` follows.
+
+   ``D`` is scaled by the largest budget inside the fit (numerics only). At least 3 budgets are needed (3
+   parameters); with 3 the curve goes through the points.
 2. **Invert** an arm's cooled-down loss ``L`` at budget ``D``: the baseline tokens reaching it,
    ``D_equiv = (B / (L - E))^(1 / beta)``, and the **extra tokens** ``D / D_equiv - 1`` (> 0: the arm needs
    more tokens than the baseline for the same loss). ``L <= E`` (below the baseline's fitted floor) has no
@@ -37,10 +46,14 @@ from pathlib import Path
 import numpy as np
 
 __all__ = ["fit_power_law", "power_law", "equivalent_tokens", "extra_tokens", "bootstrap_extra_tokens",
-           "load_cooldown_points", "summarize_cooldown", "verdict_lines", "MDE_FACTOR"]
+           "load_cooldown_points", "summarize_cooldown", "verdict_lines", "MDE_FACTOR", "FITS", "HUBER_DELTA"]
 
 MDE_FACTOR = 2.8            # z_{0.975} + z_{0.80}: 80 % power at two-sided alpha 0.05
+FITS = ("lsq", "huber")
+HUBER_DELTA = 1e-3          # Hoffmann et al. 2022: Huber on log L with delta 1e-3
 _BETAS = np.geomspace(0.01, 4.0, 400)
+_BETAS_HUBER = np.geomspace(0.01, 4.0, 120)   # each grid point costs an iterative (E, B) fit
+_HUBER_ITERS = 40
 
 
 def _linfit(x: np.ndarray, L: np.ndarray):
@@ -55,30 +68,95 @@ def _linfit(x: np.ndarray, L: np.ndarray):
     return E, B, sse
 
 
-def fit_power_law(D, L) -> dict | None:
-    """Least-squares fit of ``L = E + B * D^(-beta)`` (see the module docstring). Returns ``{"E", "B", "beta",
-    "sse", "d_scale"}`` (``B`` in the units of ``D``: ``L = E + B * D^(-beta)`` holds for raw ``D``), or None
-    with fewer than 3 finite points or a curve that does not fall with ``D`` (best ``B`` = 0)."""
+def _huber(r: np.ndarray, delta: float) -> np.ndarray:
+    """The Huber loss of residuals ``r``: ``r^2 / 2`` for ``|r| <= delta``, else ``delta (|r| - delta / 2)``."""
+    a = np.abs(r)
+    return np.where(a <= delta, 0.5 * r * r, delta * (a - 0.5 * delta))
+
+
+def _huberfit(x: np.ndarray, L: np.ndarray, delta: float):
+    """For each row of ``x`` (G, K): ``(E, B)`` minimizing ``sum huber(log(E + B x) - log L)`` with ``B >= 0``, by
+    iteratively reweighted Gauss-Newton steps from the least-squares solution. Returns E, B, objective (G,)."""
+    E, B, _ = _linfit(x, L)
+    logL = np.log(L)
+
+    def objective(E, B):
+        p = E[:, None] + B[:, None] * x
+        bad = (p <= 0).any(axis=-1)
+        r = np.log(np.where(p > 0, p, 1.0)) - logL
+        return np.where(bad, np.inf, _huber(r, delta).sum(axis=-1)), r, p
+
+    obj, r, p = objective(E, B)
+    active = np.isfinite(obj)
+    for _ in range(_HUBER_ITERS):
+        w = np.where(np.abs(r) <= delta, 1.0, delta / np.maximum(np.abs(r), 1e-300))
+        a, b = 1.0 / p, x / p                    # d r / d E, d r / d B
+        saa, sab, sbb = (w * a * a).sum(-1), (w * a * b).sum(-1), (w * b * b).sum(-1)
+        sar, sbr = (w * a * r).sum(-1), (w * b * r).sum(-1)
+        det = saa * sbb - sab * sab
+        ok = active & (det > 1e-14 * saa * sbb)
+        safe = np.where(ok, det, 1.0)
+        dE = np.where(ok, -(sbb * sar - sab * sbr) / safe, 0.0)
+        dB = np.where(ok, -(saa * sbr - sab * sar) / safe, 0.0)
+        step = np.ones_like(E)
+        tol = 1e-13 * np.abs(obj) + 1e-300
+        for _ in range(12):   # step halving: keep only steps that do not raise the objective
+            nE, nB = E + step * dE, np.maximum(B + step * dB, 0.0)
+            nobj, nr, np_ = objective(nE, nB)
+            better = nobj <= obj + tol
+            if better[ok].all():
+                break
+            step = np.where(better, step, step / 2)
+        better &= ok
+        gain = np.where(better, obj - nobj, 0.0)
+        E, B = np.where(better, nE, E), np.where(better, nB, B)
+        obj = np.where(better, nobj, obj)
+        r, p = np.where(better[:, None], nr, r), np.where(better[:, None], np_, p)
+        active = ok & better & (gain > 1e-10 * np.abs(obj) + 1e-300)
+        if not active.any():
+            break
+    return E, B, obj
+
+
+def fit_power_law(D, L, fit: str = "lsq", delta: float = HUBER_DELTA) -> dict | None:
+    """Fit ``L = E + B * D^(-beta)`` by least squares (``fit="lsq"``) or by the Huber loss of the log residuals
+    (``fit="huber"``, ``delta``); see the module docstring. Returns ``{"E", "B", "beta", "sse", "d_scale",
+    "loss"}`` (``B`` in the units of ``D``: ``L = E + B * D^(-beta)`` holds for raw ``D``; ``sse``: the squared
+    residuals of the fitted curve; with ``huber`` also ``delta`` and ``objective``), or None with fewer than 3
+    finite points or a curve that does not fall with ``D`` (best ``B`` = 0)."""
+    if fit not in FITS:
+        raise ValueError(f"fit must be one of {', '.join(FITS)}, got {fit!r}")
     D, L = np.asarray(D, dtype=float), np.asarray(L, dtype=float)
     ok = np.isfinite(D) & np.isfinite(L) & (D > 0)
+    if fit == "huber":
+        ok &= L > 0
     D, L = D[ok], L[ok]
     if len(np.unique(D)) < 3:
         return None
     scale = float(D.max())
     u = D / scale
-    x = u[None, :] ** (-_BETAS[:, None])
-    E, B, sse = _linfit(x, L)
-    i = int(np.argmin(sse))
-    lo, hi = _BETAS[max(0, i - 1)], _BETAS[min(len(_BETAS) - 1, i + 1)]
+    betas = _BETAS if fit == "lsq" else _BETAS_HUBER
+    x = u[None, :] ** (-betas[:, None])
+    if fit == "lsq":
+        E, B, sse = _linfit(x, L)
 
-    def f(b):
-        return float(_linfit((u ** -b)[None, :], L)[2][0])
+        def f(b):
+            return float(_linfit((u ** -b)[None, :], L)[2][0])
+    else:
+        E, B, sse = _huberfit(x, L, delta)
+
+        def f(b):
+            return float(_huberfit((u ** -b)[None, :], L, delta)[2][0])
+    i = int(np.argmin(sse))
+    if not np.isfinite(sse[i]):
+        return None
+    lo, hi = betas[max(0, i - 1)], betas[min(len(betas) - 1, i + 1)]
 
     g = (math.sqrt(5) - 1) / 2
     a, b = lo, hi
     c, d = b - g * (b - a), a + g * (b - a)
     fc, fd = f(c), f(d)
-    for _ in range(40):
+    for _ in range(40 if fit == "lsq" else 24):
         if fc < fd:
             b, d, fd = d, c, fc
             c = b - g * (b - a)
@@ -88,12 +166,18 @@ def fit_power_law(D, L) -> dict | None:
             d = a + g * (b - a)
             fd = f(d)
     beta = (a + b) / 2
-    cands = [(f(beta), beta), (float(sse[i]), float(_BETAS[i]))]
+    cands = [(f(beta), beta), (float(sse[i]), float(betas[i]))]
     s, beta = min(cands)
-    e, bb, _ = _linfit((u ** -beta)[None, :], L)
+    xb = (u ** -beta)[None, :]
+    e, bb, _ = _linfit(xb, L) if fit == "lsq" else _huberfit(xb, L, delta)
     if bb[0] <= 0:
         return None
-    return {"E": float(e[0]), "B": float(bb[0]) * scale ** beta, "beta": float(beta), "sse": s, "d_scale": scale}
+    res = float(((e[0] + bb[0] * xb[0] - L) ** 2).sum())
+    out = {"E": float(e[0]), "B": float(bb[0]) * scale ** beta, "beta": float(beta), "sse": res, "d_scale": scale,
+           "loss": fit}
+    if fit == "huber":
+        out.update(delta=delta, objective=s)
+    return out
 
 
 def power_law(fit: dict, D) -> np.ndarray:
@@ -124,11 +208,13 @@ def _extra_or_limit(D: float, L: float, fit: dict | None) -> float:
     return -1.0 if x is None else x
 
 
-def bootstrap_extra_tokens(D, arm: np.ndarray, base: np.ndarray, *, n_boot: int = 1000, seed: int = 0) -> dict:
+def bootstrap_extra_tokens(D, arm: np.ndarray, base: np.ndarray, *, n_boot: int = 1000, seed: int = 0,
+                           fit: str = "lsq") -> dict:
     """Extra tokens of one arm per budget, with paired bootstrap intervals (module docstring).
 
     ``D``: tokens at each of K budgets. ``arm``, ``base``: arrays (S, K, W) of per-window cooled-down losses,
     seed ``i`` of ``arm`` paired with seed ``i`` of ``base`` (same windows in the same order everywhere).
+    ``fit``: the baseline fit's loss, ``lsq`` or ``huber`` (``fit_power_law``), in every replicate.
     Returns ``{"budgets": [{"tokens", "loss", "base_loss", "gap", "gap_ci95", "extra", "state", "ci95",
     "se", "mde", "boot_valid"}...], "fit": {...}, "n_seeds", "n_windows", "n_boot"}``."""
     D = np.asarray(D, dtype=float)
@@ -137,7 +223,8 @@ def bootstrap_extra_tokens(D, arm: np.ndarray, base: np.ndarray, *, n_boot: int 
         raise ValueError(f"arm {arm.shape} and base {base.shape} must both be (seeds, {len(D)} budgets, windows)")
     S, K, W = arm.shape
     a_pt, b_pt = arm.mean(axis=(0, 2)), base.mean(axis=(0, 2))
-    fit = fit_power_law(D, b_pt)
+    loss = fit
+    fit = fit_power_law(D, b_pt, loss)
     rows = []
     for j in range(K):
         e = extra_tokens(D[j], a_pt[j], fit) if fit is not None else None
@@ -154,7 +241,7 @@ def bootstrap_extra_tokens(D, arm: np.ndarray, base: np.ndarray, *, n_boot: int 
         a_r = arm[si][:, :, wi].mean(axis=(0, 2))
         b_r = base[si][:, :, wi].mean(axis=(0, 2))
         gaps[r] = a_r - b_r
-        f_r = fit_power_law(D, b_r)
+        f_r = fit_power_law(D, b_r, loss)
         reps[r] = [_extra_or_limit(D[j], a_r[j], f_r) for j in range(K)]
     for j, row in enumerate(rows):
         v = reps[:, j][np.isfinite(reps[:, j])]
@@ -228,10 +315,10 @@ def load_cooldown_points(study_dir: str | Path) -> dict:
 
 
 def summarize_cooldown(points: dict, baseline: str, budgets: list[float], *, n_boot: int = 1000,
-                       seed: int = 0) -> dict:
+                       seed: int = 0, fit: str = "lsq") -> dict:
     """The ``cooldown`` section of summary.json: per arm, extra tokens per budget with intervals
     (``bootstrap_extra_tokens`` over the seeds every budget of both the arm and the baseline finished), the
-    baseline's fit, and which branches are missing or diverged."""
+    baseline's fit (``fit``: ``lsq`` or ``huber``), and which branches are missing or diverged."""
     budgets = sorted(float(b) for b in budgets)
     base = points.get(baseline, {})
 
@@ -240,8 +327,10 @@ def summarize_cooldown(points: dict, baseline: str, budgets: list[float], *, n_b
                 if all(b in bs and bs[b]["state"] == "done" and bs[b]["losses"] for b in budgets)}
 
     base_ok = complete(base)
+    how = "least squares on L" if fit == "lsq" else f"Huber loss on log L, delta {HUBER_DELTA:g}"
     res: dict = {"budgets": budgets, "baseline": baseline, "n_boot": n_boot, "mde_factor": MDE_FACTOR,
-                 "method": "fit L = E + B D^-beta to the baseline's cooled-down points (least squares, 1-D search "
+                 "fit_loss": fit,
+                 "method": f"fit L = E + B D^-beta to the baseline's cooled-down points ({how}, 1-D search "
                            "over beta); extra tokens = D / D_equiv - 1; paired bootstrap over seeds and "
                            "evaluation windows; mde = 2.8 x bootstrap s.e.", "arms": {}}
     for arm, runs in points.items():
@@ -260,7 +349,7 @@ def summarize_cooldown(points: dict, baseline: str, budgets: list[float], *, n_b
         A = np.array([[ok[s][b]["losses"][:W] for b in budgets] for s in seeds], dtype=float)
         Bm = np.array([[base_ok[s][b]["losses"][:W] for b in budgets] for s in seeds], dtype=float)
         D = np.array([np.mean([base_ok[s][b]["tokens"] for s in seeds]) for b in budgets])
-        r = bootstrap_extra_tokens(D, A, Bm, n_boot=n_boot, seed=seed)
+        r = bootstrap_extra_tokens(D, A, Bm, n_boot=n_boot, seed=seed, fit=fit)
         for row, b in zip(r["budgets"], budgets):
             row["budget"] = b
         entry.update(r)

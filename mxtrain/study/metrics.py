@@ -35,7 +35,7 @@ from pathlib import Path
 __all__ = [
     "RunData", "read_run", "load_study_runs", "t_quantile", "mean_ci", "smooth",
     "tokens_to_target", "loss_at_tokens", "default_target", "extra_token_cost",
-    "final_loss_stats", "paired_differences", "summarize", "missing_runs",
+    "final_loss_stats", "paired_differences", "summarize", "missing_runs", "compare_with",
 ]
 
 
@@ -469,6 +469,20 @@ def summarize(runs: dict[str, dict[int, RunData]], baseline: str, *, target_loss
         "smoothing": {"kind": "trailing window mean over (tokens, val_loss)", "k": smooth_k},
         "arms": arms,
     }
+
+
+def compare_with(runs: dict[str, dict[int, RunData]], reference: str, *, target_loss: float | None = None,
+                 target_frac: float = 0.8, smooth_k: int = 3) -> dict | None:
+    """Every arm against a second reference arm (e.g. ``fp8`` beside a ``bf16`` baseline): ``summarize``'s
+    extra tokens, final gap and paired second-half difference with ``reference`` as the baseline (its own
+    target loss unless ``target_loss`` is given). ``{"target_loss", "target_rule", "arms": {name:
+    {"extra_tokens", "final_gap", "second_half"}}}``; None when the reference has no finished run."""
+    if reference not in runs:
+        return None
+    s = summarize(runs, reference, target_loss=target_loss, target_frac=target_frac, smooth_k=smooth_k)
+    return {"target_loss": s["target_loss"], "target_rule": s["target_rule"],
+            "arms": {n: {"extra_tokens": a["extra_tokens"], "final_gap": a["final_gap_vs_baseline"],
+                         "second_half": a["paired_diff"]["second_half"]} for n, a in s["arms"].items()}}
 
 
 def sanitize(obj):

@@ -15,10 +15,12 @@ import platform
 from datetime import datetime, timezone
 from pathlib import Path
 
+from . import arms as A
 from . import diagnostics as D
 from . import metrics as M
 
-__all__ = ["write_report", "recipe_brief", "arm_table_rows", "arm_colors", "cooldown_table_rows"]
+__all__ = ["write_report", "recipe_brief", "arm_table_rows", "arm_colors", "cooldown_table_rows",
+           "reference_table_rows"]
 
 _OPS = (("fprop", "fprop_x", "fprop_w"), ("dgrad", "dgrad_dy", "dgrad_w"), ("wgrad", "wgrad_dy", "wgrad_x"))
 
@@ -32,7 +34,10 @@ def _f(x, nd=4):
 
 
 def _pct(x, nd=1):
-    return "–" if x is None else f"{100 * x:+.{nd}f} %"
+    if x is None:
+        return "–"
+    v = 100 * x
+    return f"{0.0 if abs(v) < 0.5 * 10 ** -nd else v:+.{nd}f} %"   # no "-0.0 %"
 
 
 def _ci(d: dict, fmt=_f) -> str:
@@ -95,14 +100,28 @@ def _extra_cell(e: dict) -> str:
 
 def arm_table_rows(summary: dict) -> list[list[str]]:
     """Rows of the extra-token table (header first)."""
-    head = ["arm", "FP4 GEMMs / interventions", "seeds", "extra tokens to target (mean [95% CI])",
+    head = ["arm", "quantized GEMMs / interventions", "seeds", "extra tokens to target (mean [95% CI])",
             "final val loss", "final gap vs baseline", "paired Δ, 2nd half", "diverged"]
     rows = [head]
     for name, a in summary["arms"].items():
         div = sum(1 for v in a["diverged"].values() if v)
-        rows.append([name, recipe_brief(a.get("recipe")), str(len(a["seeds"])), _extra_cell(a["extra_tokens"]),
+        brief = recipe_brief(a.get("recipe"))
+        opts = A.describe_options(name)
+        rows.append([name, brief + (f"; + {opts}" if opts else ""), str(len(a["seeds"])),
+                     _extra_cell(a["extra_tokens"]),
                      _ci(a["final_val_loss"]), _ci(a["final_gap_vs_baseline"], lambda x: f"{x:+.4f}"),
                      _ci(a["paired_diff"]["second_half"], lambda x: f"{x:+.4f}"), f"{div}/{len(a['seeds'])}"])
+    return rows
+
+
+def reference_table_rows(summary: dict, ref: str) -> list[list[str]]:
+    """Rows (header first) of every arm against a further reference arm ``ref`` (``summary["references"]``)."""
+    c = (summary.get("references") or {}).get(ref) or {}
+    rows = [["arm", f"extra tokens to {ref}'s target (mean [95% CI])", f"final gap vs {ref}",
+             f"paired Δ vs {ref}, 2nd half"]]
+    for name, a in (c.get("arms") or {}).items():
+        rows.append([name, _extra_cell(a["extra_tokens"]), _ci(a["final_gap"], lambda x: f"{x:+.4f}"),
+                     _ci(a["second_half"], lambda x: f"{x:+.4f}")])
     return rows
 
 
@@ -185,7 +204,7 @@ def _curve_plot(runs: dict[str, dict[int, M.RunData]], summary: dict | None, k: 
         ys = [[cv[1][j] for cv in curves] for j in range(n)]
         mean = [sum(y) / len(y) for y in ys]
         for ax in axes:
-            ax.plot(t, mean, color=c, label=f"{arm} ({len(curves)} seeds)")
+            ax.plot(t, mean, color=c, label=f"{arm} ({len(curves)} seed{'s' if len(curves) != 1 else ''})")
             if len(curves) > 1:
                 ax.fill_between(t, [min(y) for y in ys], [max(y) for y in ys], color=c, alpha=0.2)
         if n > 1 and t[n // 2] < t[-1]:
@@ -304,17 +323,44 @@ def cooldown_table_rows(cool: dict) -> list[list[str]]:
     return rows
 
 
+ZERO_BLOCK_EXP = -127   # the E8M0 exponent of an all-zero MX block (no magnitude to scale)
+
+
+def hist_range(hists: list[dict], min_share: float = 1e-3) -> tuple[int, int, float, float] | None:
+    """The populated range ``(lo, hi, share outside, share of all-zero blocks)`` of block-scale exponent
+    histograms (``{exp: count}``): the exponents holding at least ``min_share`` of some histogram's blocks, so
+    that a few stray blocks do not stretch the axis, and never the all-zero blocks (E8M0 codes them as
+    2^-127, far from every real scale). The two shares are the largest over the histograms. None when there
+    is nothing to plot."""
+    keep: set[int] = set()
+    for h in hists:
+        tot = sum(h.values())
+        keep |= {int(e) for e, c in h.items() if tot and c / tot >= min_share and int(e) != ZERO_BLOCK_EXP}
+    if not keep:
+        return None
+    lo, hi = min(keep), max(keep)
+    out = zero = 0.0
+    for h in hists:
+        tot = max(1, sum(h.values()))
+        out = max(out, sum(c for e, c in h.items() if not lo <= int(e) <= hi and int(e) != ZERO_BLOCK_EXP) / tot)
+        zero = max(zero, h.get(str(ZERO_BLOCK_EXP), 0) / tot)
+    return lo, hi, out, zero
+
+
 def _diag_plots(aggs: dict[str, dict], colors: dict[str, str] | None = None) -> list[tuple[str, bytes]]:
-    """Diagnostics plots across arms: output cosine, rel. error/bias and dW error correlation by GEMM;
-    operand SQNR, clip and underflow rates; block-scale exponent histograms."""
+    """Diagnostics plots across arms, each arm in its report colour: output cosine, rel. error/bias and dW
+    error correlation by GEMM (line style); operand SQNR, clip and underflow rates; block-scale exponent
+    histograms, one panel per operand, clipped to the populated range."""
     plt = _plt()
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import MaxNLocator
     aggs = {k: v for k, v in aggs.items() if v.get("steps")}
     if not aggs:
         return []
     out = []
-    fig, axes = plt.subplots(1, 4, figsize=(18, 4))
     colors = colors or arm_colors(list(aggs))
     styles = {g: ls for g, ls in zip(("fprop", "dgrad", "wgrad"), ("-", "--", ":"))}
+    fig, axes = plt.subplots(1, 4, figsize=(18, 4.3))
     for ai, (arm, ag) in enumerate(aggs.items()):
         for ax, (m, title) in zip(axes, (("rel_err", "GEMM output rel. error ||Q-H||/||H||"),
                                          ("rel_bias", "GEMM output rel. bias <Q-H,H>/<H,H>"),
@@ -324,11 +370,16 @@ def _diag_plots(aggs: dict[str, dict], colors: dict[str, str] | None = None) -> 
                 if all(y is None for y in ys):
                     continue
                 ax.plot(ag["steps"], [float("nan") if y is None else y for y in ys], marker=".",
-                        color=colors.get(arm), ls=styles[gemm], label=f"{arm}:{gemm}")
-            ax.set_title(title, fontsize=9)
+                        color=colors.get(arm), ls=styles[gemm])
+            ax.set_title(title, fontsize=10)
             ax.set_xlabel("step")
             ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
+    # one legend below the panels: the arms (colour) and the GEMMs (line style)
+    handles = [Line2D([], [], color=colors.get(a), lw=2.5, label=a) for a in aggs]
+    handles += [Line2D([], [], color="k", ls=ls, label=g) for g, ls in styles.items()]
+    fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 6), fontsize=10, frameon=False,
+               bbox_to_anchor=(0.5, -0.02 - 0.05 * ((len(handles) - 1) // 6)))
+    fig.subplots_adjust(bottom=0.22 + 0.05 * ((len(handles) - 1) // 6))
     out.append(("GEMM outputs vs float32 (layer means)", _png(fig)))
 
     fig, axes = plt.subplots(1, 3, figsize=(18, 4))
@@ -341,26 +392,135 @@ def _diag_plots(aggs: dict[str, dict], colors: dict[str, str] | None = None) -> 
                    color=colors.get(arm))
     for ax, title in zip(axes, ("operand SQNR (dB)", "saturation (clip) rate", "underflow-to-zero rate")):
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(opnames))])
-        ax.set_xticklabels(opnames, rotation=30, fontsize=8)
-        ax.set_title(title + " (mean over layers and steps)", fontsize=9)
+        ax.set_xticklabels(opnames, rotation=30, fontsize=9)
+        ax.set_title(title + " (mean over layers and steps)", fontsize=10)
         ax.grid(alpha=0.3, axis="y")
-    axes[0].legend(fontsize=8)
+    fig.subplots_adjust(bottom=0.3)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=min(len(aggs), 6), fontsize=10,
+               frameon=False, bbox_to_anchor=(0.5, 0.0))
     out.append(("quantized operands (mean over layers and diagnosed steps)", _png(fig)))
 
-    fig, axes = plt.subplots(1, len(aggs), figsize=(5 * len(aggs), 3.5), squeeze=False)
-    for ax, (arm, ag) in zip(axes[0], aggs.items()):
-        for o, h in sorted(ag["scale_hist"].items()):
-            if not h:
+    ops = sorted({o for ag in aggs.values() for o, h in ag["scale_hist"].items() if h})
+    if ops:
+        ncol = min(3, len(ops))
+        nrow = -(-len(ops) // ncol)
+        fig, axes = plt.subplots(nrow, ncol, figsize=(6 * ncol, 3.6 * nrow), squeeze=False)
+        for ax, o in zip(axes.flat, ops):
+            hs = {arm: ag["scale_hist"][o] for arm, ag in aggs.items() if ag["scale_hist"].get(o)}
+            rng = hist_range(list(hs.values()))
+            if rng is None:
+                ax.set_visible(False)
                 continue
-            ks = sorted(int(e) for e in h)
-            tot = sum(h.values())
-            ax.plot(ks, [h[str(e)] / tot for e in ks], marker=".", label=o)
-        ax.set_title(f"{arm}: block-scale exponent histogram", fontsize=9)
-        ax.set_xlabel("log2(scale)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=6)
-    out.append(("block-scale exponents", _png(fig)))
+            lo, hi, outside, zero = rng
+            for arm, h in hs.items():
+                tot = sum(h.values())
+                ks = list(range(lo, hi + 1))
+                ax.plot(ks, [h.get(str(e), 0) / tot for e in ks], marker=".", color=colors.get(arm), label=arm)
+            ax.set_xlim(lo - 0.5, hi + 0.5)
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            notes = ([f"{100 * zero:.2g} % all-zero blocks"] if zero > 0 else []) + (
+                [f"{100 * outside:.2g} % outside"] if outside > 0 else [])
+            ax.set_title(f"{o}: block-scale exponents" + (f"\n({', '.join(notes)})" if notes else ""), fontsize=10)
+            ax.set_xlabel("log2(block scale)")
+            ax.set_ylabel("share of blocks")
+            ax.grid(alpha=0.3)
+        for ax in list(axes.flat)[len(ops):]:
+            ax.set_visible(False)
+        arms_h = [a for a in aggs if any(aggs[a]["scale_hist"].get(o) for o in ops)]
+        fig.legend(handles=[Line2D([], [], color=colors.get(a), marker=".", lw=2, label=a) for a in arms_h],
+                   loc="lower center", ncol=min(len(arms_h), 6), fontsize=10, frameon=False,
+                   bbox_to_anchor=(0.5, -0.06 / nrow))
+        fig.tight_layout()
+        out.append(("block-scale exponents (per operand, all layers and diagnosed steps; x axis: the populated "
+                    "range)", _png(fig)))
     return out
+
+
+def _read_json(p: Path):
+    try:
+        return json.loads(Path(p).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def deosc_stats(run_dir: Path) -> dict | None:
+    """A run's weight de-oscillation record (``RUN/deosc.jsonl``, ``mxtrain.deosc``): windows, entries tracked,
+    mean share reset and mean share whose quantized value changed per window; None without one."""
+    p = Path(run_dir) / "deosc.jsonl"
+    if not p.is_file():
+        return None
+    rows = []
+    for line in p.read_text().splitlines():
+        try:
+            r = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(r, dict) and r.get("tracked"):
+            rows.append(r)
+    if not rows:
+        return {"windows": 0, "tracked": None, "reset_share": None, "changed_share": None, "reset": 0}
+    return {"windows": len(rows), "tracked": rows[-1]["tracked"], "reset": sum(r["reset"] for r in rows),
+            "reset_share": sum(r["reset"] / r["tracked"] for r in rows) / len(rows),
+            "changed_share": sum(r.get("changed", 0) / r["tracked"] for r in rows) / len(rows)}
+
+
+def deosc_table_rows(runs: dict[str, dict[int, M.RunData]]) -> list[list[str]] | None:
+    """Rows (header first) of every run that de-oscillated its weights; None when none did."""
+    rows = [["arm", "seed", "windows", "weights tracked", "reset per window (mean)",
+             "quantized value changed per window (mean)", "settings"]]
+    for arm, rs in runs.items():
+        for s, rd in sorted(rs.items()):
+            st = deosc_stats(rd.path)
+            if st is None:
+                continue
+            cfg = (rd.config or {}).get("deosc") or {}
+            sets = ", ".join(f"{k} {cfg[k]}" for k in ("period", "window", "threshold", "min_flips", "start")
+                             if k in cfg and cfg[k] is not None)
+            pc = (lambda x: "–" if x is None else f"{100 * x:.3g} %")
+            rows.append([arm, str(s), str(st["windows"]), "–" if st["tracked"] is None else f"{st['tracked']:,}",
+                         pc(st["reset_share"]), pc(st["changed_share"]), sets])
+    return rows if len(rows) > 1 else None
+
+
+def single_run_rows(d: Path, rd: M.RunData) -> list[list[str]]:
+    """The facts a reader of a single-run report looks for first: recipe, model, length, outcome, final losses."""
+    cfg = rd.config or {}
+    info = rd.info or {}
+    rec = _read_json(d / "recipe.json") or cfg.get("recipe")
+    if isinstance(rec, str):
+        from .. import recipes as R
+        rec = R.get(rec).to_dict() if R.is_name(rec) else rec
+    name = rec.get("name") if isinstance(rec, dict) else rec
+    desc = (rec.get("description") or "").strip().split("\n")[0] if isinstance(rec, dict) else ""
+    rows = [["item", "value"], ["run folder", str(d)],
+            ["recipe", f"{name}: {recipe_brief(rec)}" + (f" ({desc})" if desc else "")]]
+    dc = cfg.get("deosc") or {}
+    if dc.get("enable"):
+        st = deosc_stats(d) or {}
+        rows.append(["weight de-oscillation", f"period {dc.get('period')}, "
+                     f"window {dc.get('window') or dc.get('period')}, "
+                     f"threshold {dc.get('threshold')}, min_flips {dc.get('min_flips')}, start {dc.get('start')}; "
+                     f"{st.get('windows', 0)} windows, {st.get('reset', 0):,} resets"])
+    m = cfg.get("model") or {}
+    params = info.get("model_params")
+    rows.append(["model", f"{m.get('name', '?')}" + (f" ({params / 1e6:.1f}M parameters)" if params else "")])
+    t = cfg.get("train") or {}
+    steps = rd.train_steps[-1] if rd.train_steps else None
+    toks = rd.train_tokens[-1] if rd.train_tokens else None
+    rows.append(["trained", f"{steps if steps is not None else '?'} of {t.get('steps', '?')} steps"
+                 + (f", {toks:,.0f} tokens" if toks is not None and math.isfinite(toks) else "")])
+    oc = info.get("outcome") if isinstance(info.get("outcome"), dict) else None
+    if oc:
+        rows.append(["outcome", str(oc.get("status")) + (f" at step {oc.get('step')}" if oc.get("step") else "")
+                     + (f": {oc.get('reason')}" if oc.get("reason") else "")])
+    _, v, st = rd.finite_evals
+    if v:
+        rows.append(["final val loss", f"{v[-1]:.4f} (ppl {math.exp(min(v[-1], 50)):.2f}) at step {st[-1]}"])
+    if rd.train_loss:
+        rows.append(["last training loss", f"{rd.train_loss[-1]:.4f} (logged at step {rd.train_steps[-1]})"])
+    if info.get("device"):
+        rows.append(["device", f"{info.get('device')} {info.get('device_name') or ''}".strip()])
+    return rows
 
 
 # ----------------------------------------------------------------------------------------------
@@ -407,7 +567,10 @@ def write_report(d: str | Path, summary: dict | None = None) -> tuple[Path, Path
         study_meta = json.loads((d / "study.json").read_text())
     if single:
         rd = M.read_run(d, arm=d.name, seed=0)
-        runs = {d.name: {0: rd}}
+        rec = (rd.config or {}).get("recipe")
+        label = rec if isinstance(rec, str) else (rec or {}).get("name") if isinstance(rec, dict) else None
+        label = label or d.name
+        runs = {label: {0: rd}}
         k = 1
     else:
         runs = M.load_study_runs(d)
@@ -429,7 +592,7 @@ def write_report(d: str | Path, summary: dict | None = None) -> tuple[Path, Path
             figs.append(("cooled-down comparison", p))
     figs.append(("validation loss" + (" (stable runs)" if cool else ""), _curve_plot(runs, summary, k, colors)))
     if single:
-        figs.append(("training loss", _train_plot(runs[d.name][0])))
+        figs.append(("training loss", _train_plot(rd)))
     elif summary:
         p = _diff_plot(summary, colors)
         if p:
@@ -450,6 +613,10 @@ def write_report(d: str | Path, summary: dict | None = None) -> tuple[Path, Path
          f"<style>{_CSS}</style></head><body><h1>{html.escape(title)}</h1>",
          f"<p>Generated {now} from <code>{html.escape(str(d))}</code>.</p>"]
     md = [f"# {title}", "", f"Generated {now} from `{d}`.", ""]
+    if single:
+        srows = single_run_rows(d, rd)
+        h += ["<h2>Run</h2>", _table_html(srows)]
+        md += ["## Run", "", _table_md(srows), ""]
     if cool:
         verdict = cool.get("verdict") or []
         if not verdict:
@@ -462,6 +629,13 @@ def write_report(d: str | Path, summary: dict | None = None) -> tuple[Path, Path
         h += ["<h2>Verdict</h2><ul>"] + [f"<li><b>{html.escape(v.split(':', 1)[0])}</b>:{html.escape(v.split(':', 1)[1])}</li>"
                                           for v in verdict] + ["</ul>", f"<p>{html.escape(vnote)}</p>"]
         md += ["## Verdict", ""] + [f"* {v}" for v in verdict] + ["", vnote, ""]
+        for ref, rc in (cool.get("references") or {}).items():
+            rv = rc.get("verdict") or []
+            if rv:
+                h += [f"<p>Against {html.escape(ref)} (its own fit, same method):</p><ul>"] + [
+                    f"<li><b>{html.escape(v.split(':', 1)[0])}</b>:{html.escape(v.split(':', 1)[1])}</li>"
+                    for v in rv] + ["</ul>"]
+                md += [f"Against {ref} (its own fit, same method):", ""] + [f"* {v}" for v in rv] + [""]
     if summary and not single:
         intro = (f"Baseline: {summary['baseline']}. Target val loss "
                  f"{_f(summary['target_loss'])} ({summary['target_rule']}). Smoothing: "
@@ -472,17 +646,40 @@ def write_report(d: str | Path, summary: dict | None = None) -> tuple[Path, Path
         rows = arm_table_rows(summary)
         h += ["<h2>Extra-token cost and final loss</h2>", _table_html(rows)]
         md += ["## Extra-token cost and final loss", "", _table_md(rows), ""]
+        for ref, c in (summary.get("references") or {}).items():
+            rnote = (f"Every arm against {ref} as well: target val loss {_f(c.get('target_loss'))} "
+                     f"({c.get('target_rule')}); extra tokens and gaps paired by seed with {ref}'s runs.")
+            rrows = reference_table_rows(summary, ref)
+            h += [f"<h2>Against {html.escape(ref)}</h2>", f"<p>{html.escape(rnote)}</p>", _table_html(rrows)]
+            md += [f"## Against {ref}", "", rnote, "", _table_md(rrows), ""]
         if cool:
             fit = cool.get("fit") or {}
             cnote = (f"Cooldown design: one constant-LR run per arm x seed, a cooldown branch at each budget "
                      f"({', '.join(f'{100 * b:.0f} %' for b in cool.get('budgets', []))} of the run; the last "
                      f"{_f(cool.get('cooldown'), 2)} of each branch decays, {cool.get('shape')}). Baseline fit "
-                     + (f"L(D) = {fit['E']:.4f} + {fit['B']:.4g} D^-{fit['beta']:.3f}. " if fit else "failed. ")
+                     + (f"L(D) = {fit['E']:.4f} + {fit['B']:.4g} D^-{fit['beta']:.3f} "
+                        f"({'Huber loss on log L' if fit.get('loss') == 'huber' else 'least squares'}). "
+                        if fit else "failed. ")
                      + f"Extra tokens = D / D_equiv - 1, D_equiv = (B / (L - E))^(1/beta); "
                      f"{cool.get('n_boot')} bootstrap replicates. docs/study.md.")
             crows = cooldown_table_rows(cool)
             h += ["<h2>Cooled-down comparison</h2>", f"<p>{html.escape(cnote)}</p>", _table_html(crows)]
             md += ["## Cooled-down comparison", "", cnote, "", _table_md(crows), ""]
+            for ref, rc in (cool.get("references") or {}).items():
+                rf = rc.get("fit") or {}
+                rnote = (f"Against {ref}: its cooled-down points fitted the same way"
+                         + (f", L(D) = {rf['E']:.4f} + {rf['B']:.4g} D^-{rf['beta']:.3f}." if rf else " (fit failed)."))
+                rrows = cooldown_table_rows(rc)
+                h += [f"<h3>Cooled-down, against {html.escape(ref)}</h3>", f"<p>{html.escape(rnote)}</p>",
+                      _table_html(rrows)]
+                md += [f"### Cooled-down, against {ref}", "", rnote, "", _table_md(rrows), ""]
+        drows = deosc_table_rows(runs)
+        if drows:
+            dnote = ("Weight de-oscillation (mxtrain.deosc; docs/numerics.md): per window, the share of tracked "
+                     "weights reset to their quantized value, and the share whose quantized value changed at least "
+                     "once.")
+            h += ["<h2>Weight de-oscillation</h2>", f"<p>{html.escape(dnote)}</p>", _table_html(drows)]
+            md += ["## Weight de-oscillation", "", dnote, "", _table_md(drows), ""]
         noise = _noise_lines(summary)
         h += ["<h2>Effects next to seed-to-seed spread</h2><ul>"] + [f"<li>{html.escape(x)}</li>" for x in noise] + ["</ul>"]
         md += ["## Effects next to seed-to-seed spread", ""] + [f"* {x}" for x in noise] + [""]

@@ -1,4 +1,5 @@
-"""``mxtrain study``: arms (recipes) x seeds from one base training config, resumable.
+"""``mxtrain study``: arms (recipes, optionally with training options) x seeds from one base training config,
+resumable.
 
 Layout of a study folder ``OUT``::
 
@@ -10,7 +11,8 @@ Layout of a study folder ``OUT``::
     OUT/report.html, OUT/report.md  the report (mxtrain.study.report)
 
 Control: every run of seed ``k`` uses training seed ``k`` (so the same initialization and the same
-data order in every arm) and the same evaluation steps and validation set; only the recipe differs.
+data order in every arm) and the same evaluation steps and validation set; only the recipe differs (and the
+training options an arm names, ``RECIPE@OPTION``: ``mxtrain.study.arms``).
 A run whose ``study_status.json`` says done or diverged is finished and skipped; a run folder without
 one was interrupted, and one that says ``failed`` (an error other than divergence), is trained again from
 scratch (its folder is replaced). A summary that lacks a planned run lists it under ``missing``, and
@@ -47,6 +49,7 @@ from typing import Callable
 
 from ..errors import UserError
 from .. import recipes as R
+from . import arms as A
 from . import metrics as M
 
 __all__ = ["PRESETS", "SCHEDULES", "StudySpec", "run_study", "run_one", "plan_order", "summarize_study",
@@ -72,19 +75,27 @@ SCHEDULES = ("constant", "long-cosine", "config")
 
 PAPER_ARMS = ["bf16", "mxfp4-fprop", "mxfp4-fprop-dgrad", "mxfp4-all", "mxfp4-all-sr", "mxfp4-all-rht16",
               "mxfp4-all-dh16", "mxfp4-all-dh32"]
+FITS = ("lsq", "huber")
 
 # preset -> StudySpec fields (explicit flags override them)
 PRESETS: dict[str, dict] = {
-    # [AMD] Table 1: the GEMM-by-GEMM ladder and the three interventions, vs a BF16 baseline
-    "paper": dict(arms=PAPER_ARMS, baseline="bf16", seeds=3, diagnose_every=0),
+    # [AMD] Table 1: the GEMM-by-GEMM ladder and the three interventions, vs a BF16 baseline and (a second
+    # reference) the paper's own FP8 baseline
+    "paper": dict(arms=["bf16", "fp8"] + PAPER_ARMS[1:], baseline="bf16", references=["fp8"], seeds=3,
+                  diagnose_every=0),
     # [AMD]'s ladder with its kernels' own scale rule (amd: the block exponent rounded up when amax's
     # significand is at least 1.75), and [Quartet II]'s split by GEMM with RTN against SR in the backward
-    "paper-amd-rule": dict(arms=["bf16"] + [a + "+amd" for a in PAPER_ARMS[1:]], baseline="bf16", seeds=3,
-                           diagnose_every=0),
+    "paper-amd-rule": dict(arms=["bf16", "fp8"] + [a + "+amd" for a in PAPER_ARMS[1:]], baseline="bf16",
+                           references=["fp8"], seeds=3, diagnose_every=0),
     "split": dict(arms=["bf16", "mxfp4-fprop", "mxfp4-dgrad", "mxfp4-wgrad", "mxfp4-bwd", "mxfp4-bwd-sr",
                         "mxfp4-all"], baseline="bf16", seeds=3, diagnose_every=0),
-    # baseline vs the three papers' complete recipes
-    "recipes": dict(arms=["bf16", "mxfp4-all-dh16", "tseng", "nvfp4"], baseline="bf16", seeds=3, diagnose_every=0),
+    # baseline vs the papers' complete recipes ([ALTO]'s lever: MXFP4 with weight de-oscillation)
+    "recipes": dict(arms=["bf16", "mxfp4-all-dh16", "tseng", "nvfp4", "mxfp4-all@deosc"], baseline="bf16", seeds=3,
+                    diagnose_every=0),
+    # the headline comparison (issue's 125m runs): BF16 and FP8 baselines, plain MXFP4, AMD's deterministic
+    # Hadamard, SR in the backward, Tseng's recipe and MXFP4 with weight de-oscillation
+    "headline": dict(arms=["bf16", "fp8", "mxfp4-all", "mxfp4-all-dh16", "mxfp4-all-sr", "tseng", "mxfp4-all@deosc"],
+                     baseline="bf16", references=["fp8"], seeds=3, diagnose_every=0),
     # CI: tiny model on CPU, 3 arms x 2 seeds, a few minutes in all
     "smoke": dict(arms=["bf16", "mxfp4-all", "mxfp4-all-dh16"], baseline="bf16", seeds=2, model="tiny",
                   steps=16, batch_size=8, seq_len=64, eval_every=2, diagnose_every=8, device="cpu", target_frac=0.5,
@@ -100,6 +111,7 @@ class StudySpec:
     out: str = "studies/custom"
     arms: list[str] = field(default_factory=lambda: ["bf16", "mxfp4-all-dh16"])
     baseline: str | None = None
+    references: list[str] = field(default_factory=list)   # further arms every arm is also compared with
     seeds: int = 3
     model: str | None = None
     steps: int | None = None
@@ -122,6 +134,7 @@ class StudySpec:
     cooldown: float = 0.2               # cooldown share of each budget's branch (its last steps)
     cooldown_shape: str = "1-sqrt"      # linear | 1-sqrt decay of each branch
     n_boot: int = 1000                  # bootstrap replicates of the cooled-down metric
+    fit: str = "lsq"                    # the baseline's L(D) fit: lsq (least squares) | huber (on log L)
 
     def __post_init__(self):
         if not self.arms:
@@ -129,13 +142,17 @@ class StudySpec:
         if len(set(self.arms)) != len(self.arms):
             raise UserError(f"--arms lists an arm twice: {','.join(self.arms)}")
         for a in self.arms:
-            if not R.is_name(a):
-                raise UserError(f"unknown recipe {a!r} in --arms; valid recipes: {', '.join(R.names())} "
-                                f"(optionally +RULE, a scale rule for every MX operand, e.g. mxfp4-all+amd)")
+            A.check(a)
         if self.baseline is None:
             self.baseline = self.arms[0]
         if self.baseline not in self.arms:
             raise UserError(f"--baseline {self.baseline!r} is not one of the arms ({', '.join(self.arms)})")
+        self.references = [r for r in dict.fromkeys(self.references or []) if r != self.baseline]
+        for r in self.references:
+            if r not in self.arms:
+                raise UserError(f"--references {r!r} is not one of the arms ({', '.join(self.arms)})")
+        if self.fit not in FITS:
+            raise UserError(f"--fit must be {' or '.join(FITS)}, got {self.fit!r}")
         if self.seeds < 1:
             raise UserError(f"--seeds must be >= 1, got {self.seeds}")
         if self.schedule not in SCHEDULES:
@@ -177,6 +194,11 @@ class StudySpec:
             base["preset"] = args.preset
         if args.arms:
             base["arms"] = [a.strip() for a in args.arms.split(",") if a.strip()]
+            if not getattr(args, "references", None):   # the preset's references that are still arms
+                base["references"] = [r for r in base.get("references", []) if r in base["arms"]]
+        refs = getattr(args, "references", None)
+        if refs is not None:
+            base["references"] = [r.strip() for r in refs.split(",") if r.strip()] if isinstance(refs, str) else refs
         for k in ("exp", "seeds", "baseline", "model", "steps", "batch_size", "seq_len", "lr", "data", "device", "schedule",
                   "lr_horizon", "eval_every", "diagnose_every", "target_loss", "smooth_k"):
             v = getattr(args, k, None)
@@ -184,7 +206,7 @@ class StudySpec:
                 base[k] = v
         if getattr(args, "target_frac", None) is not None:
             base["target_frac"] = args.target_frac
-        for k in ("cooldown", "cooldown_shape", "n_boot"):
+        for k in ("cooldown", "cooldown_shape", "n_boot", "fit"):
             v = getattr(args, k, None)
             if v is not None:
                 base[k] = v
@@ -201,7 +223,8 @@ class StudySpec:
         return cls(**base)
 
     def describe(self) -> str:
-        lines = [f"study -> {self.out}", f"  arms ({len(self.arms)}): {', '.join(self.arms)}; baseline {self.baseline}",
+        lines = [f"study -> {self.out}", f"  arms ({len(self.arms)}): {', '.join(self.arms)}; baseline {self.baseline}"
+                 + (f"; also compared with {', '.join(self.references)}" if self.references else ""),
                  f"  seeds: {self.seeds} ({self.seeds * len(self.arms)} runs)",
                  f"  schedule: {self.schedule}" + (f" (horizon {self.lr_horizon:g} x run)" if self.schedule == "long-cosine" else ""),
                  f"  training: {self.train_args()}"]
@@ -287,8 +310,10 @@ def build_config(spec: StudySpec, arm: str, seed: int, run_dir: Path):
     elif spec.schedule == "long-cosine":
         cfg.schedule.kind = "cosine"
         cfg.schedule.horizon_steps = int(round(spec.lr_horizon * steps))
-    # the control: only the recipe differs between arms of one seed
-    cfg.recipe = arm
+    # the arm's training options (RECIPE@OPTION), over the study's own overrides
+    apply_overrides(cfg, A.overrides_of(arm))
+    # the control: only the recipe (and the arm's options) differ between arms of one seed
+    cfg.recipe = A.recipe_of(arm)
     cfg.recipe_overrides = dict(cfg.recipe_overrides, seed=seed)  # SR / random-sign streams differ per seed
     cfg.train.seed = seed
     cfg.model.init_seed = seed
@@ -345,7 +370,7 @@ def train_one(spec: StudySpec, arm: str, seed: int, run_dir: Path):
         diag = DiagnosticsCallback(spec.diagnose_every)
         callbacks.append(diag)
     outcome = TR.fit(cfg, callbacks=callbacks)
-    if diag is not None and diag.rows == 0 and outcome.completed and R.get(arm).quantized:
+    if diag is not None and diag.rows == 0 and outcome.completed and R.get(A.recipe_of(arm)).quantized:
         print(f"warning: no diagnostics were recorded for {arm} seed {seed} (no diagnosed step ran)",
               file=sys.stderr)
     return outcome
@@ -532,14 +557,16 @@ def _run_study_locked(spec: StudySpec, out: Path, train_fn, log, jobs: int, lock
         if old.get("plan_key") != json.loads(json.dumps(spec.plan_key())):
             raise UserError(f"{out} holds a study with a different base config ({old.get('plan_key')}); "
                             f"use another --out, or the same settings to resume it")
-    recipes = {a: R.get(a).to_dict() for a in spec.arms}
+    recipes = {a: R.get(A.recipe_of(a)).to_dict() for a in spec.arms}
     meta = {"created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "spec": asdict(spec),
-            "plan_key": spec.plan_key(), "baseline": spec.baseline, "arms": spec.arms, "seeds": list(range(spec.seeds)),
-            "recipes": recipes, "smooth_k": spec.smooth_k, "target_frac": spec.target_frac,
+            "plan_key": spec.plan_key(), "baseline": spec.baseline, "references": spec.references,
+            "arms": spec.arms, "seeds": list(range(spec.seeds)),
+            "recipes": recipes, "arm_options": {a: A.overrides_of(a) for a in spec.arms if A.overrides_of(a)},
+            "smooth_k": spec.smooth_k, "target_frac": spec.target_frac,
             "target_loss": spec.target_loss, "command": " ".join(sys.argv)}
     if spec.budgets:
         meta["cooldown"] = {"budgets": spec.budgets, "cooldown": spec.cooldown, "shape": spec.cooldown_shape,
-                            "n_boot": spec.n_boot,
+                            "n_boot": spec.n_boot, "fit": spec.fit,
                             "branches": [{"budget": b, "at_step": k, "cooldown_steps": n}
                                          for b, k, n in study_branch_plan(spec)]}
     if meta_p.is_file():
@@ -821,8 +848,8 @@ def summarize_study(out: str | Path) -> dict:
     runs = {a: runs[a] for a in arms}  # arms of earlier invocations with other --arms are kept
     recipes = dict(meta.get("recipes") or {})
     for a in arms:
-        if a not in recipes and a in R.names():
-            recipes[a] = R.get(a).to_dict()
+        if a not in recipes and A.is_arm(a):
+            recipes[a] = R.get(A.recipe_of(a)).to_dict()
     missing = M.missing_runs(out, meta["arms"], meta["seeds"], runs)
     planned = len(meta["arms"]) * len(meta["seeds"])
     if meta["baseline"] not in runs:
@@ -834,6 +861,8 @@ def summarize_study(out: str | Path) -> dict:
                               recipes=recipes)
     summary["planned_runs"] = planned
     summary["missing"] = missing
+    if summary["arms"]:
+        add_references(summary, meta, runs)
     if meta.get("cooldown"):
         add_cooldown(summary, out, meta, runs)
     summary = M.sanitize(summary)
@@ -841,6 +870,22 @@ def summarize_study(out: str | Path) -> dict:
     if summary["arms"]:
         write_report(out, summary)
     return summary
+
+
+def add_references(summary: dict, meta: dict, runs: dict) -> None:
+    """``summary["references"]``: every arm against each further reference arm of the study (``meta
+    ["references"]``, e.g. ``fp8``), as ``mxtrain.study.metrics.compare_with`` gives it; a reference without a
+    finished run is left out."""
+    refs = {}
+    for ref in meta.get("references") or []:
+        if ref == meta["baseline"]:
+            continue
+        c = M.compare_with(runs, ref, target_loss=meta.get("target_loss"), target_frac=meta.get("target_frac", 0.8),
+                           smooth_k=meta.get("smooth_k", 3))
+        if c is not None:
+            refs[ref] = c
+    if refs:
+        summary["references"] = refs
 
 
 def add_cooldown(summary: dict, out: Path, meta: dict, runs: dict | None = None) -> None:
@@ -875,9 +920,19 @@ def add_cooldown(summary: dict, out: Path, meta: dict, runs: dict | None = None)
     summary["branches"] = rows
     summary["planned_runs"] = summary.get("planned_runs", 0) + len(meta["arms"]) * len(meta["seeds"]) * len(plan)
     summary["missing"] = list(summary.get("missing") or []) + missing
-    cool = C.summarize_cooldown(points, meta["baseline"], cd["budgets"], n_boot=int(cd.get("n_boot", 1000)))
+    fit = cd.get("fit") or "lsq"
+    cool = C.summarize_cooldown(points, meta["baseline"], cd["budgets"], n_boot=int(cd.get("n_boot", 1000)), fit=fit)
     cool["shape"], cool["cooldown"] = cd.get("shape"), cd.get("cooldown")
     cool["verdict"] = C.verdict_lines(cool)
+    refs = {}
+    for ref in meta.get("references") or []:
+        if ref == meta["baseline"] or ref not in points:
+            continue
+        rc = C.summarize_cooldown(points, ref, cd["budgets"], n_boot=int(cd.get("n_boot", 1000)), fit=fit)
+        rc["verdict"] = C.verdict_lines(rc)
+        refs[ref] = rc
+    if refs:
+        cool["references"] = refs
     summary["cooldown"] = cool
 
 

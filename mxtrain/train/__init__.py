@@ -2,8 +2,8 @@
 branches of a stable run (``branch(run_dir, at_step, cooldown_steps) -> branch folder``)."""
 
 from . import experiments as experiments
-from .config import (DataSection as DataSection, LogSection as LogSection, ModelSection as ModelSection,
-                     OptimSection as OptimSection, ParallelSection as ParallelSection,
+from .config import (DataSection as DataSection, DeoscSection as DeoscSection, LogSection as LogSection,
+                     ModelSection as ModelSection, OptimSection as OptimSection, ParallelSection as ParallelSection,
                      ScheduleSection as ScheduleSection, TrainConfig as TrainConfig, TrainSection as TrainSection,
                      apply_overrides as apply_overrides)
 from .trainer import Interrupted as Interrupted, NonFiniteLoss as NonFiniteLoss, evaluate as evaluate, lr_at as lr_at, train as train

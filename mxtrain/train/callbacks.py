@@ -22,6 +22,12 @@ A callback is an object with any of the ``Callback`` methods; pass a list of the
   failed), to every callback whose ``on_train_begin`` was called. After an error, an exception raised here
   is printed as a warning and the run's own error goes on.
 
+A callback with state that must survive a resume (as ``mxtrain.deosc.DeoscCallback``'s open window) has a
+``state_key`` (a name) and ``state_dict()`` / ``load_state_dict(d)``: every checkpoint holds each such callback's
+``state_dict()`` under ``"callbacks"`` / ``state_key``, and a resumed run hands it back to ``load_state_dict``
+right after ``on_train_begin`` (not called when the checkpoint has none for that key). On several processes
+the checkpoint holds rank 0's state and every rank gets it back.
+
 Every method is called on every rank of a multi-process run (``state.rank`` tells which), except ``on_log``.
 An exception raised by a callback (outside ``on_train_end`` after an error) ends the run as failed.
 
@@ -178,6 +184,24 @@ class CallbackList:
 
     def checkpoint(self, step: int, path: Path) -> None:
         self._call("on_checkpoint", step, path)
+
+    def _stateful(self) -> list:
+        return [cb for cb in self.callbacks if getattr(cb, "state_key", None) and hasattr(cb, "state_dict")]
+
+    def state_dicts(self) -> dict:
+        """``{state_key: state_dict()}`` of every callback with state (saved in checkpoints)."""
+        out: dict = {}
+        for cb in self._stateful():
+            if cb.state_key in out:
+                raise UserError(f"two callbacks keep their state under the same key {cb.state_key!r}")
+            out[cb.state_key] = cb.state_dict()
+        return out
+
+    def load_state_dicts(self, states: dict | None) -> None:
+        """Hand each callback with state its part of a checkpoint's ``states`` (those it has)."""
+        for cb in self._stateful():
+            if states and cb.state_key in states and hasattr(cb, "load_state_dict"):
+                cb.load_state_dict(states[cb.state_key])
 
     def end(self, outcome: Outcome, quiet: bool = False) -> None:
         """``on_train_end`` to every callback that began. ``quiet`` (the run is ending with an error): an

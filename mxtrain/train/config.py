@@ -85,6 +85,9 @@ class TrainSection:
                                             # (one GPU)
     compile: str = "auto"                   # torch.compile every transformer block (MX layers included):
                                             # auto (on CUDA without cuda_graphs) | on | off
+    recompute_ffn: bool = False             # compiled blocks: make the feed-forward's linear outputs again in
+                                            # the backward instead of keeping them (less memory, two more GEMMs
+                                            # a block; same results; mxtrain.model.Block)
     init_from: Optional[str] = None         # a local Hugging Face Llama folder whose weights initialise the
                                             # model (instead of the random init); None: random init
 
@@ -111,6 +114,18 @@ class ParallelSection:
 
 
 @dataclass
+class DeoscSection:
+    """Weight de-oscillation (``mxtrain.deosc``; TetraJet-v2's OsciReset, AMD ALTO): weights whose quantized Fprop
+    value flips back and forth over a window of steps are snapped onto the grid."""
+    enable: bool = False                    # on: the trainer adds mxtrain.deosc.DeoscCallback
+    period: int = 200                       # a window opens every this many steps (ALTO: 200)
+    window: Optional[int] = None            # steps tracked before each reset (<= period); None: the whole period
+    threshold: float = 4.0                  # reset when sum|dQ(w)| >= threshold * sum|dw| over the window (ALTO: 4)
+    min_flips: int = 1                      # ... and Q(w) changed at least this many times in the window
+    start: int = 0                          # the first window opens when this many steps are done
+
+
+@dataclass
 class TrainConfig:
     exp: str = "custom"
     recipe: Any = "mxfp4-all-dh16"          # a recipe name, or (in-process) a mxtrain.Recipe
@@ -122,6 +137,7 @@ class TrainConfig:
     train: TrainSection = field(default_factory=TrainSection)
     log: LogSection = field(default_factory=LogSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
+    deosc: DeoscSection = field(default_factory=DeoscSection)
 
     def to_dict(self) -> dict:
         d = {}

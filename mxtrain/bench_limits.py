@@ -1,0 +1,162 @@
+"""What a training step can reach on a GPU, counted: ``mxtrain bench limits`` (runs anywhere, no GPU).
+
+A whole training step (the model of ``mxtrain bench step``) is split into what a recipe changes and what it
+does not:
+
+* the linear layers' GEMMs (Fprop, Dgrad, Wgrad of every block projection), the only part a recipe speeds up;
+* the head's three GEMMs, which stay in BF16 (``convert`` keeps the head in high precision), and causal
+  attention (BF16 in every recipe);
+* the bytes the fast path's quantize passes move for the recipe's MXFP4 operands (the FP8-carrier path on
+  Hopper: each activation read once for its two operands, dY likewise, each weight twice, the Wgrad operand of
+  X kept as FP4 codes and rebuilt as a carrier before its GEMM);
+* everything else (embedding, norms, RoPE, SwiGLU, loss, the optimizer): taken from a measured BF16 step as
+  its time minus its GEMM and attention time at the measured rates (``--bf16-step-ms``), or left out.
+
+With GEMM rates and a memory bandwidth (defaults: an H100's, measured, BENCHMARKS.md), the ideal step time of
+each recipe is ``other + linear GEMMs at the recipe's rate + head + attention + quantize bytes / bandwidth``:
+a ceiling no kernel work can pass at the given rates. The counts are exact for the model's shapes (FLOPs
+checked against ``torch.utils.flop_counter`` in the tests); the times are the rates' consequences, not
+measurements.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from .errors import UserError
+
+__all__ = ["Rates", "linear_shapes", "flops", "quantize_bytes", "limits", "format_table"]
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Throughputs of one GPU. Defaults: an H100 80GB HBM3 as measured in BENCHMARKS.md (2026-11-24/25):
+    BF16 GEMM 697-750 TFLOP/s and the FP8-carrier MXFP4 GEMM 1214-1267 TFLOP/s at the Llama-8B shapes (a
+    middle value of each), FP8 tensorwise 1245-1282; a bf16 copy of a 14336 x 4096 tensor in 83.4 us (2.82
+    TB/s) and the quantize kernels at 85-90 % of it; causal flash attention is assumed at half the BF16 GEMM
+    rate (not measured here)."""
+
+    bf16_tflops: float = 720.0
+    fp8_tflops: float = 1265.0
+    mx_carrier_tflops: float = 1240.0
+    copy_tbs: float = 2.82
+    quantize_of_copy: float = 0.87
+    attention_tflops: float = 360.0
+
+
+def linear_shapes(cfg) -> list[tuple[str, int, int]]:
+    """(name, out_features N, in_features K) of one block's linear layers."""
+    D, hd = cfg.dim, cfg.head_dim
+    return [("wq", cfg.n_heads * hd, D), ("wk", cfg.n_kv_heads * hd, D), ("wv", cfg.n_kv_heads * hd, D),
+            ("wo", D, cfg.n_heads * hd), ("w1", cfg.hidden_dim, D), ("w3", cfg.hidden_dim, D),
+            ("w2", D, cfg.hidden_dim)]
+
+
+def flops(cfg, batch: int, seq: int, layers: int | None = None) -> dict:
+    """FLOPs of one training step (forward + backward) by part: ``linear`` (the blocks' projections,
+    3 GEMMs each), ``head`` (3 GEMMs), ``attention`` (causal: half of QK^T and PV; backward 2.5x forward,
+    as FlashAttention counts it)."""
+    L = layers if layers is not None else cfg.n_layers
+    M = batch * seq
+    lin = sum(3 * 2 * M * n * k for _, n, k in linear_shapes(cfg)) * L
+    head = 3 * 2 * M * cfg.dim * cfg.vocab_size
+    attn_fwd = 2 * 2 * batch * cfg.n_heads * seq * seq * cfg.head_dim / 2   # QK^T and PV, causal half
+    return {"linear": lin, "head": head, "attention": attn_fwd * 3.5 * L}
+
+
+def _is_mx(recipe, name: str) -> bool:
+    return recipe.operand(name).fmt == "mxfp4"
+
+
+def quantize_bytes(recipe, cfg, batch: int, seq: int, layers: int | None = None,
+                   weight_bytes: int = 4, act_bytes: int = 2) -> dict:
+    """Bytes the fast path's quantize passes read and write in one step for ``recipe`` (0 for BF16 operands):
+    ``activations`` (X: read once, FP8 carrier 1.03 bytes an element for Fprop, FP4 codes and scales 0.53
+    for Wgrad when both are MXFP4; layers reading one input share it), ``wgrad_rebuild`` (codes read, carrier
+    written before the Wgrad GEMM), ``grads`` (dY: read once, a carrier for each MXFP4 GEMM that takes it),
+    ``weights`` (each MXFP4 weight operand read in ``weight_bytes`` and written as a carrier)."""
+    L = layers if layers is not None else cfg.n_layers
+    M = batch * seq
+    car, codes = 1 + 4 / 128, 0.5 + 1 / 32          # carrier + its float32 group scales; codes + E8M0 scales
+    shapes = linear_shapes(cfg)
+    inputs = {("wq", "wk", "wv"): cfg.dim, ("wo",): cfg.n_heads * cfg.head_dim, ("w1", "w3"): cfg.dim,
+              ("w2",): cfg.hidden_dim}
+    fx, wx = _is_mx(recipe, "fprop_x"), _is_mx(recipe, "wgrad_x") and _is_mx(recipe, "wgrad_dy")
+    act = rebuild = grads = weights = 0.0
+    for _, K in inputs.items():
+        n = M * K
+        if fx or wx:
+            act += n * (act_bytes + (car if fx else 0) + (codes if wx else 0))
+        if wx:
+            rebuild += n * (codes + car)
+    gd, gw = _is_mx(recipe, "dgrad_dy") and _is_mx(recipe, "dgrad_w"), wx
+    for _, N, K in shapes:
+        n = M * N
+        if gd or gw:
+            grads += n * (act_bytes + car * (int(gd) + int(gw)))
+        w = N * K
+        for a, b in (("fprop_x", "fprop_w"), ("dgrad_dy", "dgrad_w")):
+            if _is_mx(recipe, a) and _is_mx(recipe, b):
+                weights += w * (weight_bytes + car)
+    return {k: v * L for k, v in (("activations", act), ("wgrad_rebuild", rebuild), ("grads", grads),
+                                  ("weights", weights))}
+
+
+def _gemm_rate(recipe, rates: Rates) -> float:
+    """TFLOP/s of the linear layers' GEMMs: the carrier's where all three GEMMs are MXFP4, else a
+    FLOP-weighted mix (BF16 for the GEMMs that are not)."""
+    pairs = (("fprop_x", "fprop_w"), ("dgrad_dy", "dgrad_w"), ("wgrad_dy", "wgrad_x"))
+    n_mx = sum(_is_mx(recipe, a) and _is_mx(recipe, b) for a, b in pairs)
+    if recipe.name == "fp8":
+        return rates.fp8_tflops
+    return 3 / (n_mx / rates.mx_carrier_tflops + (3 - n_mx) / rates.bf16_tflops)
+
+
+def limits(cfg, batch: int, seq: int, recipes: list[str], rates: Rates = Rates(), layers: int | None = None,
+           bf16_step_ms: float | None = None) -> dict:
+    """Counts and ideal times per recipe (milliseconds). ``other_ms``: a measured BF16 step minus its
+    GEMMs and attention at ``rates`` (None without ``bf16_step_ms``); ``ceiling_ms``: the fastest step the
+    recipe can run at ``rates`` (needs ``other_ms``)."""
+    from . import recipes as R
+    fl = flops(cfg, batch, seq, layers)
+    ms = lambda f, tf: f / (tf * 1e12) * 1e3   # noqa: E731
+    head_ms, attn_ms = ms(fl["head"], rates.bf16_tflops), ms(fl["attention"], rates.attention_tflops)
+    bf16_lin_ms = ms(fl["linear"], rates.bf16_tflops)
+    other = None if bf16_step_ms is None else bf16_step_ms - bf16_lin_ms - head_ms - attn_ms
+    bw = rates.copy_tbs * rates.quantize_of_copy * 1e12
+    out = {"flops": fl, "tokens": batch * seq, "rates": asdict(rates), "head_ms": head_ms, "attention_ms": attn_ms,
+           "other_ms": other, "recipes": {}}
+    for name in recipes:
+        if name.startswith("torchao-"):
+            rec_ms = {"linear_gemm_ms": ms(fl["linear"], rates.fp8_tflops), "quantize_bytes": None,
+                      "quantize_ms": None}
+        else:
+            if not R.is_name(name):
+                raise UserError(f"unknown recipe {name!r}; choose from {', '.join(R.names())} or torchao-tensorwise")
+            r = R.get(name)
+            qb = quantize_bytes(r, cfg, batch, seq, layers) if name != "fp8" else None
+            rec_ms = {"linear_gemm_ms": ms(fl["linear"], _gemm_rate(r, rates) if r.quantized else rates.bf16_tflops),
+                      "quantize_bytes": qb, "quantize_ms": (sum(qb.values()) / bw * 1e3) if qb else None}
+        fixed = rec_ms["linear_gemm_ms"] + head_ms + attn_ms + (rec_ms["quantize_ms"] or 0.0)
+        rec_ms["ceiling_ms"] = None if other is None else other + fixed
+        rec_ms["ceiling_vs_bf16"] = None if other is None else bf16_step_ms / rec_ms["ceiling_ms"]
+        out["recipes"][name] = rec_ms
+    return out
+
+
+def format_table(res: dict) -> str:
+    f = res["flops"]
+    lines = [f"step of {res['tokens']} tokens: linear {f['linear'] / 1e12:.1f} TFLOP, head {f['head'] / 1e12:.1f}, "
+             f"attention {f['attention'] / 1e12:.1f}; head {res['head_ms']:.1f} ms, attention "
+             f"{res['attention_ms']:.1f} ms" + ("" if res["other_ms"] is None else
+                                                f", everything else {res['other_ms']:.1f} ms (from the BF16 step)"),
+             f"{'recipe':<22}{'linear GEMMs ms':>16}{'quantize GB':>13}{'quantize ms':>13}{'ceiling ms':>12}"
+             f"{'vs BF16':>9}"]
+    for name, r in res["recipes"].items():
+        qb = r["quantize_bytes"]
+        gb = "-" if qb is None else f"{sum(qb.values()) / 1e9:.1f}"
+        qm = "-" if r["quantize_ms"] is None else f"{r['quantize_ms']:.1f}"
+        cm = "-" if r["ceiling_ms"] is None else f"{r['ceiling_ms']:.1f}"
+        cv = "-" if r["ceiling_vs_bf16"] is None else f"{r['ceiling_vs_bf16']:.3f}x"
+        lines.append(f"{name:<22}{r['linear_gemm_ms']:>16.1f}{gb:>13}{qm:>13}{cm:>12}{cv:>9}")
+    return "\n".join(lines)

@@ -1,0 +1,217 @@
+"""Triton device functions shared by the MXFP4 quantize kernels (``kernels.py``) and by the kernels that
+reuse their arithmetic (``mxtrain.kernels.expand``: ``_e4m3_bits``; ``mxtrain.kernels.seeds``: ``_mix32``).
+
+Every helper does the reference's float32 operations (``mxtrain.quant``, ``mxtrain.rng``) so that the kernels
+are bit-exact: exact power-of-two scaling built from bits, round-half-even through
+``(y + 1.5*2**23) - 1.5*2**23`` (exact for 0 <= y < 2**22), floor by truncation (y >= 0), the reference's
+butterfly stage order (``tl.reshape``/``tl.permute``/``tl.split``/``tl.join`` views), and the same 32-bit
+counter hash for stochastic rounding. Three groups: the tile kernel's (``_bfly`` and the scalar helpers), the
+blocks kernel's four [BR, 4, 8] pieces (``_bfly8``, ``_piece``, ``_pack4``), and the cols kernel's tuples of 32
+tensors (``_bfly_tuple``, ``_join_tree``).
+"""
+
+from __future__ import annotations
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _mix32(x):
+        x = x ^ (x >> 16)
+        x = x * tl.full(x.shape, 0x7FEB352D, tl.uint32)
+        x = x ^ (x >> 15)
+        x = x * tl.full(x.shape, 0x846CA68B, tl.uint32)
+        x = x ^ (x >> 16)
+        return x
+
+    @triton.jit
+    def _pow2(e):
+        """Exact float32 2**e for int32 e in [-149, 127]."""
+        normal = ((tl.maximum(e, -126) + 127) << 23)
+        sub = (tl.full(e.shape, 1, tl.int32) << tl.minimum(tl.maximum(e + 149, 0), 22))
+        bits = tl.where(e >= -126, normal, sub)
+        return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _pow2n(e):
+        """Exact float32 2**e for int32 e in [-126, 127] (normal range)."""
+        return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _uniform(idx, key):
+        """Uniform [0, 1) float32 from the element index and the stream key (``mxtrain.rng``). An int32
+        ``idx`` (callers use one only where every index is below 2**31) skips the high word's hash,
+        which is 0 there."""
+        if idx.dtype == tl.int64:
+            lo = (idx & 0xFFFFFFFF).to(tl.uint32)
+            hi = (idx >> 32).to(tl.uint32)
+            h = _mix32(lo ^ key.to(tl.uint32, bitcast=True) ^ _mix32(hi))
+        else:
+            h = _mix32(idx.to(tl.uint32, bitcast=True) ^ key.to(tl.uint32, bitcast=True))
+        return (h >> 8).to(tl.float32) * 5.9604644775390625e-08
+
+    @triton.jit
+    def _block_scale(abits, RULE: tl.constexpr):
+        """E8M0 block exponent s from the bit pattern of the block's |x| maximum (finite, >= 0), as the
+        spec: floor(log2 amax) - 2 (+1 where the scale rule rounds up), clamped to [-127, 125];
+        -127 for all-zero blocks. Returns (s, nonzero)."""
+        E = (abits >> 23) - 127
+        mant = abits & 0x7FFFFF
+        if RULE == 0:
+            bump = tl.zeros_like(E)
+        elif RULE == 1:
+            bump = (mant != 0).to(tl.int32)
+        elif RULE == 2:
+            bump = (mant > 0x400000).to(tl.int32)
+        else:  # even / amd: sig >= 1.75 (identical for FP4)
+            bump = (mant >= 0x600000).to(tl.int32)
+        s = tl.minimum(tl.maximum(E - 2 + bump, -127), 125)   # [-127, 127 - emax], as the spec
+        nz = abits > 0
+        return tl.where(nz, s, -127), nz
+
+    @triton.jit
+    def _carrier_exp(s, live, GROUP_ROWS: tl.constexpr):
+        """Carrier group exponent G (largest live block exponent of the row, or of the whole tile for
+        128x128 groups; at least -120) and each block's shift kexp = s - G + 6. Returns (G, kexp)."""
+        s_live = tl.where(live, s, -127)
+        if GROUP_ROWS == 1:
+            G = tl.maximum(tl.max(s_live, axis=1), -120)           # [BR]
+            G2 = G[:, None]
+        else:
+            G = tl.maximum(tl.max(tl.max(s_live, axis=1), axis=0), -120)
+            G2 = G
+        return G, s - G2 + 6
+
+    @triton.jit
+    def _bfly(x, BR: tl.constexpr, H: tl.constexpr):
+        """One butterfly stage: pairs (x[i], x[i + H]) for i with bit H clear -> (a + b, a - b)."""
+        v4 = tl.reshape(x, [BR, 128 // (2 * H), 2, H])
+        v4 = tl.permute(v4, (0, 1, 3, 2))
+        a, b = tl.split(v4)
+        v4 = tl.join(a + b, a - b)
+        v4 = tl.permute(v4, (0, 1, 3, 2))
+        return tl.reshape(v4, [BR, 128])
+
+    @triton.jit
+    def _bfly8(x, BR: tl.constexpr, H: tl.constexpr):
+        """Butterfly stage h = H (1, 2 or 4) inside the last axis (8 values, all held by one thread)."""
+        v = tl.reshape(x, [BR, 4, 8 // (2 * H), 2, H])
+        v = tl.permute(v, (0, 1, 2, 4, 3))
+        a, b = tl.split(v)
+        v = tl.join(a + b, a - b)
+        v = tl.permute(v, (0, 1, 2, 4, 3))
+        return tl.reshape(v, [BR, 4, 8])
+
+    @triton.jit
+    def _e4m3_bits(c, USE_ASM: tl.constexpr, PACK: tl.constexpr = 4):
+        """e4m3 byte of float32 ``c``; NaN -> 0x7F. The hardware path rounds half to even and saturates
+        everywhere; the bit-arithmetic path (interpreter) is exact where ``c`` is an e4m3 normal value
+        (the carrier's case: an E2M1 value times a power of two) and rounds half to even below 2**-6."""
+        if USE_ASM and PACK == 2:   # for layouts with 2 values a thread
+            return tl.inline_asm_elementwise(
+                asm="cvt.rn.satfinite.e4m3x2.f32 $0, $2, $1;",
+                constraints="=h,r,r", args=[c], dtype=tl.uint8, is_pure=True, pack=2)
+        elif USE_ASM:
+            # the hardware conversion, two values per instruction; the first value goes to the low byte
+            return tl.inline_asm_elementwise(
+                asm="{ .reg .b16 lo, hi;\n"
+                    "cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n"
+                    "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\n"
+                    "mov.b32 $0, {lo, hi}; }",
+                constraints="=r,r,r,r,r", args=[c], dtype=tl.uint8, is_pure=True, pack=4)
+        else:
+            a = tl.abs(c)
+            nrm = (a.to(tl.int32, bitcast=True) >> 20) - 960
+            sub = (a * 512.0 + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
+            b = tl.where(a < 0.015625, sub, nrm)
+            b = tl.minimum(b, 0x7E) | ((c.to(tl.int32, bitcast=True) >> 24) & 0x80)
+            b = tl.where(c != c, 0x7F, b)
+            return b.to(tl.uint8)
+
+    @triton.jit
+    def _fp4_round(v, SR: tl.constexpr, idx, key):
+        """|v| rounded to E2M1 magnitudes (float32 0..6), nearest-even or stochastic (hash of idx)."""
+        a = tl.minimum(tl.abs(v), 6.0)
+        pbits = tl.maximum(a, 1.0).to(tl.int32, bitcast=True) & 0x7F800000   # 2**e, e = max(E(a), 0)
+        if SR:
+            y = a * ((0x7F800000 - pbits).to(tl.float32, bitcast=True))      # a * 2**(1-e): step 1
+            u = _uniform(idx, key)
+            fl = y.to(tl.int32).to(tl.float32)
+            rr = fl + tl.where(u < (y - fl), 1.0, 0.0)
+            q = rr * (pbits - 0x00800000).to(tl.float32, bitcast=True)        # * 2**(e-1)
+        else:
+            # round to the step 2**(e-1) by adding and removing 1.5 * 2**(22+e)
+            m = pbits.to(tl.float32, bitcast=True) * 6291456.0
+            q = (a + m) - m
+        return q
+
+    @triton.jit
+    def _fp4_code(q, v):
+        """E2M1 code of magnitude q (0, .5, 1, 1.5, 2, 3, 4, 6 -> 0..7) with the sign of v."""
+        cf = tl.minimum(tl.minimum(q * 2.0, q + 2.0), q * 0.5 + 4.0)
+        c = (cf + 12582912.0).to(tl.int32, bitcast=True) & 0xF
+        return c | ((v.to(tl.int32, bitcast=True) >> 28) & 8)
+
+    @triton.jit
+    def _piece(x_j, sc, fc, ok3, SR: tl.constexpr, idx, key, PRESCALE: tl.constexpr, prescale,
+               WRITE_CARRIER: tl.constexpr, WRITE_FP4: tl.constexpr, USE_ASM: tl.constexpr, PACK: tl.constexpr = 4):
+        if PRESCALE:
+            x_j = x_j * prescale
+        v = x_j * sc
+        q = _fp4_round(v, SR, idx, key)
+        if WRITE_CARRIER:
+            qs = (q.to(tl.int32, bitcast=True)
+                  | (v.to(tl.int32, bitcast=True) & -2147483648)).to(tl.float32, bitcast=True)
+            byte = _e4m3_bits(qs * fc, USE_ASM, PACK)
+        else:
+            byte = tl.zeros(v.shape, tl.uint8)
+        if WRITE_FP4:
+            code = tl.where(ok3, _fp4_code(q, v), 0)
+        else:
+            code = tl.zeros(v.shape, tl.int32)
+        return byte, code
+
+    @triton.jit
+    def _pack4(c):
+        """[BR, 4, 8] codes -> [BR, 4, 4] bytes (low nibble = lower index)."""
+        BR: tl.constexpr = c.shape[0]
+        lo, hi = tl.split(tl.reshape(c, [BR, 4, 4, 2]))
+        return (lo | (hi << 4)).to(tl.uint8)
+
+    @triton.jit
+    def _join_level(v, H: tl.constexpr):
+        """Tuple of 2H tensors -> tuple of H: entry i joins entries i and i + H (a new last axis of 2)."""
+        w = ()
+        for i in tl.static_range(H):
+            w = w + (tl.join(v[i], v[i + H]),)
+        return w
+
+    @triton.jit
+    def _bfly_tuple(xs, H: tl.constexpr):
+        """Butterfly stage H over a tuple of 32 tensors: pairs (a, b) = (xs[j], xs[j + H]) for j with bit H
+        clear -> (a + b, a - b)."""
+        w = ()
+        for j in tl.static_range(32):
+            if (j // H) % 2 == 0:
+                w = w + (xs[j] + xs[j + H],)
+            else:
+                w = w + (xs[j - H] - xs[j],)
+        return w
+
+    @triton.jit
+    def _join_tree(v, N: tl.constexpr, BR: tl.constexpr):
+        """Tuple of N (16 or 32) [4, BR] tensors -> one [4, BR, N] tensor, in tuple order. Each level
+        pairs entries half the remaining count apart, so the new axes come out in index order and the
+        final reshape moves no data (every value stays in its thread's registers)."""
+        if N == 32:
+            v = _join_level(v, 16)
+        v = _join_level(v, 8)
+        v = _join_level(v, 4)
+        v = _join_level(v, 2)
+        v = _join_level(v, 1)
+        return tl.reshape(v[0], [4, BR, N])

@@ -1,0 +1,404 @@
+"""How the MXFP4 quantize kernels are launched: which kernel and tile shape (the launch table, tuned on an
+H100, BENCHMARKS.md), their argument tuples (built here, once per kernel signature), launch options, the
+one-pass policy, and launch plans.
+
+Launch plans: a configuration quantized once (and, where ``verify`` applies, self-checked) is launched again
+through its compiled kernel directly, skipping Triton's generic launch path (argument binding,
+specialization, cache-key lookup): about 14 of the 22 us of host time a launch took on an H100's host
+(tools/host_overhead.py). Keyed by everything the launch depends on (shapes, strides, pointer alignment,
+every option and ``Settings.launch_key``; ``key``, the stochastic-rounding seed, is not specialized on). Kept
+in ``CACHES.plans`` / ``CACHES.dual_plans`` (LRU-bounded). The ``fast_launch`` setting: ``auto`` (GPUs),
+``always`` (Triton's interpreter too: a plan then calls the interpreted kernel with the same argument tuple a
+compiled one gets; tests), ``off``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import struct
+from collections import namedtuple
+
+import torch
+
+from ... import settings as _settings
+from .. import INTERPRET
+from .carrier import TILE_K, QuantOut
+from . import kernels as _kernels   # (its kernels exist where Triton imports; read at launch time)
+
+__all__ = ["RULE_ID", "BLOCK_ROTS", "FOLD_ROTS", "CAPPED_KERNELS", "DUAL_CONFIG", "DUAL_SEQ", "kernel_for",
+           "fold_applies", "dual_applies", "block_config", "single_kernel", "launch_opts", "needs_idx64",
+           "single_args", "dual_args", "use_plans", "Plan", "DualPlan", "Launch", "LAUNCHES", "record_launches"]
+
+RULE_ID = {"floor": 0, "ceil": 1, "rceil": 2, "even": 3, "amd": 4}   # the kernels' RULE constexpr
+
+# ---------------------------------------------------------------------------------------------- the launch table
+
+# Which kernel quantizes: "blocks" (each thread holds whole MX blocks; rotations up to 32 wide) or "tile" (any
+# rotation) or "cols" (along columns of a row-major input); ``kernel_for`` picks by layout, the ``qkernel``
+# setting overrides. Blocks kernel: the four pieces joined into one 32-byte carrier store (16 bytes of FP4
+# codes) per thread and block (1.2-2x faster on an H100 than 8-byte stores straight from the pieces,
+# BENCHMARKS.md); the ``qjoin`` setting off for those.
+BLOCK_ROTS = (0, 2, 4, 8, 16, 32)
+
+# Rotations whose normalization 1/sqrt(ROT) is a power of two (H4, H16, H64) on bf16/fp16 inputs: the blocks
+# and cols kernels multiply the block scale by it instead of every rotated value (one multiply an element
+# fewer). Bit-identical: the butterfly sums of bf16 (fp16) values are multiples of 2**-133 (2**-24), so
+# x / sqrt(ROT) is exact in float32, subnormals included, and (x * 2**-k) * 2**-s rounds the same real number
+# as x * 2**(-s-k) (a power of two down to 2**-128, exact). Not with a prescale (applied between the two) or
+# float32 inputs (x / sqrt(ROT) can round there). The ``qfold`` setting off turns it off.
+FOLD_ROTS = (4, 16, 64)
+
+# Extra Triton launch options per kernel ("blocks", "blocks128" = blocks with 128x128 groups, "cols", "tile",
+# "dual") on NVIDIA GPUs. Register caps (maxnreg): the cols and dual kernels hold 32 tokens of a feature per
+# thread (~127 registers, so 4 blocks of 128 threads per SM: 25 % occupancy under Nsight Compute), the blocks
+# kernel with 128x128 groups 64 values per thread (~103 registers); capped at 80 registers they ran
+# 1.03-1.09x faster on an H100 with bit-identical output (64 and below much slower; the plain blocks kernel,
+# 48 registers, 0.95x; BENCHMARKS.md). The cap is the ``qmaxnreg`` setting (0: no cap); launch plans key on
+# it. Which kernels take it: CAPPED_KERNELS (launch plans do not key on it: clear them after rebinding it).
+CAPPED_KERNELS = ("cols", "dual", "blocks128")
+
+# Both operands of one activation from one read (``quantize_mxfp4_dual``): the forward's X (Fprop along
+# features, Wgrad along tokens) and the backward's dY (Dgrad along features, Wgrad along tokens). Measured on
+# an H100 (BENCHMARKS.md, "One-pass dual quantize"): with launch plans 1.08-1.22x faster than the two passes
+# without rotations, from 2048x4096 to 16384x14336; with H16 1.01x alone and no faster inside a whole MXLinear
+# call (the passes are bound by their arithmetic as much as by memory, so sharing the read pays little). The
+# ``dual`` setting: "auto" (default: one pass only without rotations), "on" (always where the kernels apply),
+# "off" (never).
+# (A block rows, B block rows, warps) for B with 1x128 / 128x128 groups; SEQ: one program per 128x128 input
+# block (A tiles, then B tiles) instead of one per tile
+DUAL_CONFIG = {False: (32, 64, 4), True: (64, 128, 8)}
+DUAL_SEQ = False
+
+
+def kernel_for(axis: int, rot: int, fp4: bool = False, rows_contiguous: bool = False,
+               kernel: str | None = None) -> str:
+    """The kernel that quantizes along ``axis`` with a ``rot``-wide rotation, given the ``qkernel`` setting
+    (``kernel``; default: the current one). ``auto``: "cols" where
+    the output rows are the input's contiguous axis (along columns of a row-major tensor: the Wgrad
+    operands), else "blocks" for carrier-only outputs (the Hopper training path) and "tile" where packed
+    FP4 codes are written (the blocks kernel's FP4 stores measured slower, BENCHMARKS.md). Rotations
+    wider than 32 always run "tile"; "cols" forced where it does not apply runs "blocks"."""
+    k = _settings.current().qkernel if kernel is None else kernel
+    if k == "tile" or rot not in BLOCK_ROTS:
+        return "tile"
+    if rows_contiguous and k in ("auto", "cols"):
+        return "cols"
+    if k == "auto" and fp4:
+        return "tile"
+    return "blocks"
+
+
+def fold_applies(dtype: torch.dtype, rot: int, prescale: float, fold: bool | None = None) -> bool:
+    """Whether the blocks and cols kernels fold 1/sqrt(rot) into the block scales (``FOLD_ROTS``); ``fold``:
+    the ``qfold`` setting (default: the current one)."""
+    if fold is None:
+        fold = _settings.current().qfold
+    return fold and rot in FOLD_ROTS and dtype in (torch.bfloat16, torch.float16) and prescale == 1.0
+
+
+def dual_applies(x: torch.Tensor, rot_a: int, rot_b: int, group_rows_a: int = 1, sr: bool = False) -> bool:
+    """Whether ``quantize_mxfp4_dual`` runs one fused pass for ``x`` (else it runs two): a row-major 2-D
+    tensor, FP8-carrier outputs, A with 1x128 groups, and rotations the blocks and cols kernels take (with
+    the ``dual`` setting ``auto``: no rotation and no stochastic rounding on either side (``sr``), where one
+    pass measured faster; with SR on both sides one pass took 394 us against ~265 us for the two passes,
+    H100, 16384 x 4096; ``off``: never)."""
+    st = _settings.current()
+    if st.dual == "off" or (st.dual == "auto" and (rot_a or rot_b or sr)):
+        return False
+    return (x.ndim == 2 and x.shape[0] > 0 and x.shape[1] > 1 and x.stride(1) == 1
+            and group_rows_a == 1 and kernel_for(1, rot_a, False, kernel=st.qkernel) == "blocks"
+            and kernel_for(0, rot_b, False, rows_contiguous=True, kernel=st.qkernel) == "cols")
+
+
+def block_config(kern: str, axis: int, group_rows: int, sr: bool, block_rows: int | None = None,
+                 num_warps: int | None = None) -> tuple[int, int]:
+    """(block rows, warps) of a single-pass launch of kernel ``kern``: ``block_rows`` and ``num_warps`` where
+    given (benchmark sweeps), else the best on an H100 (BENCHMARKS.md)."""
+    if kern == "cols":
+        # 4 x BR values per load, 2 of them a thread (with stochastic rounding, uncapped, 32 rows x 2 warps:
+        # 153.8 us against 163.3 for 64 x 4 without rotation)
+        BR = block_rows or (128 if group_rows == 128 else (32 if sr else 64))
+        return BR, num_warps or max(1, BR // 16)
+    if kern == "blocks":
+        # small tiles along rows, 64 rows along columns, 128 for 128x128 groups; 8 rows x 4 MX blocks per warp
+        # (32 values a thread); 128x128 groups: 8 warps (64 values a thread)
+        BR = block_rows or (128 if group_rows == 128 else (16 if axis == 1 else 64))
+        return BR, num_warps or (8 if group_rows == 128 else max(1, min(16, BR // 8)))
+    BR = block_rows or (128 if group_rows == 128 else (64 if axis == 1 else 32))
+    return BR, num_warps or (8 if BR >= 128 else 4)
+
+
+def single_kernel(kern: str, dev: torch.device, dtype: torch.dtype, BR: int, num_warps: int, rot: int,
+                  has_signs: bool, scale_rule: str, sr: bool, prescale: float, group_rows: int, carrier: bool,
+                  fp4: bool, idx64: bool, key_ptr: bool, st) -> tuple:
+    """(the Triton kernel of ``kern``, its constexpr arguments) for one single-pass launch; ``st``: the
+    settings (``qjoin``, ``qfold``)."""
+    consts = dict(BR=BR, ROT=rot, HAS_SIGNS=has_signs, RULE=RULE_ID[scale_rule], SR=sr, PRESCALE=prescale != 1.0,
+                  GROUP_ROWS=group_rows, WRITE_CARRIER=carrier, WRITE_FP4=fp4, IDX64=idx64, KEY_PTR=key_ptr)
+    if kern == "cols":
+        per_thread = 4 * BR // (32 * num_warps)   # values of each [4, BR] tensor a thread holds
+        assert per_thread in (2, 4, 8, 16), "cols kernel: 4 x block_rows must be 64, 128, ... x 32 x num_warps"
+        consts.update(USE_ASM=dev.type == "cuda", PACK=2 if per_thread == 2 else 4,
+                      FOLD=fold_applies(dtype, rot, prescale, st.qfold))
+        return _kernels._mxfp4_cols_kernel, consts
+    if kern == "blocks":
+        consts.update(USE_ASM=dev.type == "cuda", JOIN_STORE=st.qjoin,
+                      FOLD=fold_applies(dtype, rot, prescale, st.qfold))
+        return _kernels._mxfp4_blk_kernel, consts
+    return _kernels._mxfp4_kernel, consts
+
+
+def launch_opts(kern: str, dev: torch.device, sr: bool = False, maxnreg: int | None = None) -> dict:
+    """Launch options of one kernel (``maxnreg``: the register cap, default the ``qmaxnreg`` setting).
+    Stochastic rounding (a hash per element) needs more registers: capped at 80 the cols kernel spilled and
+    ran 2.2-2.7x slower without rotation (H100: 355-488 us against 152-163 us uncapped at 16384 x 4096) and
+    2-5 % slower with H16 + signs, so SR variants run uncapped."""
+    if dev.type != "cuda" or torch.version.hip is not None or INTERPRET or sr:
+        return {}
+    cap = _settings.current().qmaxnreg if maxnreg is None else maxnreg
+    return {"maxnreg": cap} if cap > 0 and kern in CAPPED_KERNELS else {}
+
+
+def needs_idx64(Rp: int, Kc: int, Kq: int, sx_r: int, sx_k: int, si) -> bool:
+    """32-bit offsets unless some offset (masked lanes of the last tiles included, ``Rp`` rows of
+    programs) could pass 2**31 - 1."""
+    return max(Rp * abs(sx_r) + Kc * abs(sx_k), Rp * Kc, Rp * Kq,
+               Rp * max(si[0], 1) + Kc * max(si[1], 1)) >= 2**31 - 1
+
+
+# ---------------------------------------------------------------------------------------------- argument tuples
+
+def f32(v: float) -> float:
+    """``v`` rounded to float32 (the kernel's scalar arguments are float32)."""
+    return struct.unpack("f", struct.pack("f", v))[0]
+
+
+def i32(key: int) -> int:
+    """A 32-bit key as the signed int32 Triton passes."""
+    key &= 0xFFFFFFFF
+    return key - (1 << 32) if key >= (1 << 31) else key
+
+
+def rot_floats(rot: int, prescale: float) -> tuple[float, float]:
+    """The kernels' float arguments (1/sqrt(rot), prescale) in float32."""
+    return (f32(1.0 / math.sqrt(rot)) if rot else 1.0), f32(prescale)
+
+
+def single_args(x, cnt, signs, car, gs, packed, scales, key_tensor, ints: tuple, key: int, floats: tuple) -> tuple:
+    """The positional arguments of the single-pass kernels (``_mxfp4_kernel``, ``_mxfp4_blk_kernel``,
+    ``_mxfp4_cols_kernel``) in their order, for every launch and launch plan: 8 pointers (input, signs,
+    carrier, group scales, packed codes, E8M0 scales, inexact counter, key in device memory; where one is
+    absent, None, the counter ``cnt`` stands in and is never touched there), ``ints`` (R, K, grid rows,
+    the input's strides, the index strides, Kc, Kq, the group scales' strides), the key as int32 and
+    ``floats`` (``rot_floats``)."""
+    return (x, cnt if signs is None else signs, cnt if car is None else car, cnt if gs is None else gs,
+            cnt if packed is None else packed, cnt if scales is None else scales, cnt,
+            cnt if key_tensor is None else key_tensor, *ints, i32(key), *floats)
+
+
+SINGLE_TAIL = ["key", "inv_sqrt", "prescale"]   # the single-pass kernels' last runtime arguments
+SINGLE_FIRST_INT = (8, "R")                      # (position, name) of the first argument after the pointers
+
+
+def dual_args(x, cnt, side_a: tuple, side_b: tuple, ints: tuple, key_a: int, floats_a: tuple, key_b: int,
+              floats_b: tuple) -> tuple:
+    """The positional arguments of ``_mxfp4_dual_kernel`` in its order, for every launch and launch plan: the
+    input, the inexact counter, per side (A: along rows, B: along columns) 4 pointers ``(signs, carrier or
+    packed codes, group scales or E8M0 scales, key in device memory)`` (signs and key may be None: ``cnt``
+    stands in), ``ints`` (M, K, the input's strides, per side Rc, index strides, Kc, Kq and group-scale
+    strides, the grids and F), then per side the key as int32 and ``rot_floats``."""
+    sa, ca, ga, ka = side_a
+    sb, cb, gb, kb = side_b
+    return (x, cnt, cnt if sa is None else sa, ca, ga, cnt if ka is None else ka,
+            cnt if sb is None else sb, cb, gb, cnt if kb is None else kb,
+            *ints, i32(key_a), *floats_a, i32(key_b), *floats_b)
+
+
+DUAL_TAIL = ["key_a", "inv_a", "ps_a", "key_b", "inv_b", "ps_b"]
+DUAL_FIRST_INT = (10, "M")
+
+
+# ---------------------------------------------------------------------------------------------- launches
+
+Launch = namedtuple("Launch", ["kernel", "shape", "plan"])
+Launch.__doc__ = """One recorded quantize launch: ``kernel`` ("tile", "blocks", "cols" or "dual"), the input's
+``shape`` and whether it went through a launch ``plan``."""
+
+
+class LaunchLog:
+    """Records the quantize launches of this process inside ``record()`` blocks (tests: which kernel ran on
+    which input, and whether through a launch plan). Outside them nothing is recorded: one attribute test
+    a launch."""
+
+    __slots__ = ("logs",)
+
+    def __init__(self):
+        self.logs: tuple = ()
+
+    @contextlib.contextmanager
+    def record(self):
+        """A list that receives a ``Launch`` for each launch until the block ends (blocks may nest; every
+        active one records; process-wide, as the launches are)."""
+        log: list = []
+        self.logs = self.logs + (log,)
+        try:
+            yield log
+        finally:
+            self.logs = tuple(g for g in self.logs if g is not log)
+
+    def note(self, kernel: str, shape, plan: bool) -> None:
+        entry = Launch(kernel, tuple(shape), plan)
+        for log in self.logs:
+            log.append(entry)
+
+
+LAUNCHES = LaunchLog()
+
+
+def record_launches():
+    """``LAUNCHES.record()``: ``with record_launches() as log: ...`` collects a ``Launch`` per quantize launch."""
+    return LAUNCHES.record()
+
+
+def launch(kern: str, kfn, grid, args: tuple, consts: dict, num_warps: int, opts: dict, shape):
+    """Triton's generic launch of ``kfn`` (kernel name ``kern``); returns the compiled kernel (None under the
+    interpreter)."""
+    compiled = kfn[grid](*args, **consts, num_warps=num_warps, enable_fp_fusion=False, **opts)
+    if LAUNCHES.logs:
+        LAUNCHES.note(kern, shape, False)
+    return compiled
+
+
+# ---------------------------------------------------------------------------------------------- launch plans
+
+def use_plans(x: torch.Tensor, st) -> bool:
+    """Whether quantize calls on ``x`` use launch plans, by the ``fast_launch`` setting of ``st``."""
+    mode = st.fast_launch
+    if mode == "auto":
+        return x.is_cuda and not INTERPRET
+    return mode == "always"
+
+
+def _direct_runner(kfn, compiled, grid, args, consts, tail: list, first_int: tuple):
+    """(a callable that launches ``kfn`` on ``grid`` with every argument positional, constexprs last; the
+    kernel's argument names), or None where the kernel cannot be called that way: the launch's positional
+    ``args`` must have the argument named ``first_int[1]`` at position ``first_int[0]``, end with ``tail``
+    and be followed by exactly the constexprs in ``consts`` (what a launch plan passes). Compiled: the
+    compiled kernel bound to ``grid``; under Triton's interpreter: the interpreted kernel."""
+    try:
+        names = list(kfn.arg_names)
+        n = len(args)
+        if (len(names) != n + len(consts) or names[n - len(tail):n] != tail or names[first_int[0]] != first_int[1]
+                or any(a not in consts for a in names[n:])):
+            return None
+        if INTERPRET:
+            return (lambda *a: kfn[grid](*a)), names
+        if compiled is None:
+            return None
+        return compiled[tuple(grid) + (1,) * (3 - len(grid))], names
+    except Exception:  # noqa: BLE001 - a Triton without this interface: keep the generic launch
+        return None
+
+
+class Plan:
+    """A single-pass launch called through its compiled kernel (``quantize_mxfp4_2d``): the output shapes,
+    the integer and float arguments and the constexprs of the first launch; each call allocates the
+    outputs and passes ``single_args`` of the new input, signs, key and counter."""
+
+    __slots__ = ("run", "kernel", "ints", "floats", "consts", "R", "K", "carrier", "fp4", "group_rows",
+                 "car_shape", "gs_shape", "gs_cols", "pk_shape", "sc_shape")
+
+    @staticmethod
+    def make(kern: str, kfn, compiled, grid, ints: tuple, floats: tuple, consts: dict, out: QuantOut, Kc: int,
+             group_rows: int):
+        """A plan for this launch, or None where the kernel cannot be called directly (or nothing was
+        launched: an empty input)."""
+        if kfn is None:
+            return None
+        args = single_args(None, None, None, None, None, None, None, None, ints, 0, floats)
+        got = _direct_runner(kfn, compiled, grid, args, consts, SINGLE_TAIL, SINGLE_FIRST_INT)
+        if got is None:
+            return None
+        run, names = got
+        p = Plan()
+        p.run, p.kernel, p.ints, p.floats = run, kern, ints, floats
+        p.consts = tuple(consts[a] for a in names[len(args):])
+        p.R, p.K, p.group_rows = out.R, out.K, group_rows
+        p.carrier, p.fp4 = out.carrier is not None, out.packed is not None
+        if p.carrier:
+            p.car_shape = tuple(out.carrier.shape)
+            p.gs_shape = tuple(out.gs_base.shape)
+            p.gs_cols = Kc // TILE_K
+        if p.fp4:
+            p.pk_shape, p.sc_shape = tuple(out.packed.shape), tuple(out.scales.shape)
+        return p
+
+    def __call__(self, x: torch.Tensor, signs, key: int, counter, key_tensor=None) -> QuantOut:
+        dev = x.device
+        car = gs = base = packed = sc = None
+        if self.carrier:
+            car = torch.empty(self.car_shape, dtype=torch.uint8, device=dev)
+            base = torch.empty(self.gs_shape, dtype=torch.float32, device=dev)
+            gs = base.t() if self.group_rows == 1 else base[:, : self.gs_cols]
+            cnt = counter if counter is not None else torch.zeros((1,), dtype=torch.int32, device=dev)
+        else:
+            cnt = counter if counter is not None else torch.empty((1,), dtype=torch.int32, device=dev)
+        if self.fp4:
+            packed = torch.empty(self.pk_shape, dtype=torch.uint8, device=dev)
+            sc = torch.empty(self.sc_shape, dtype=torch.uint8, device=dev)
+        self.run(*single_args(x, cnt, signs, car, gs, packed, sc, key_tensor, self.ints, key, self.floats),
+                 *self.consts)
+        if LAUNCHES.logs:
+            LAUNCHES.note(self.kernel, x.shape, True)
+        return QuantOut(self.R, self.K, car.view(torch.float8_e4m3fn) if car is not None else None, gs,
+                        self.group_rows, cnt if car is not None else None, packed, sc, base)
+
+
+class DualPlan:
+    """A dual-kernel launch called through its compiled kernel (see ``Plan``): the generic Triton launch
+    of this kernel's ~60 arguments cost more host time than the fused pass saves on mid-sized tensors
+    (H100: 16.7M elements, one pass 185 us per call in a loop against 54 us for two planned passes)."""
+
+    __slots__ = ("run", "ints", "floats", "consts", "bufs")
+
+    @staticmethod
+    def make(compiled, grid, ints: tuple, floats_a: tuple, floats_b: tuple, consts: dict, outs):
+        """A plan for this launch, or None where the kernel cannot be called directly."""
+        side = (None, None, None, None)
+        args = dual_args(None, None, side, side, ints, 0, floats_a, 0, floats_b)
+        got = _direct_runner(_kernels._mxfp4_dual_kernel, compiled, grid, args, consts, DUAL_TAIL, DUAL_FIRST_INT)
+        if got is None:
+            return None
+        run, names = got
+        p = DualPlan()
+        p.run, p.ints, p.floats = run, ints, (floats_a, floats_b)
+        p.consts = tuple(consts[c] for c in names[len(args):])
+        p.bufs = [(o.R, o.K, tuple(o.packed.shape), tuple(o.scales.shape), o.group_rows, "fp4") if o.carrier is None
+                  else (o.R, o.K, tuple(o.carrier.shape), tuple(o.gs_base.shape), o.group_rows,
+                        o.gscale.shape[1] if o.group_rows == 128 else None) for o in outs]
+        return p
+
+    def __call__(self, x, a, b, cnt):
+        dev = x.device
+        outs, ptrs = [], []
+        for (R, Kr, cshape, gshape, gr, gcols), side in zip(self.bufs, (a, b)):
+            car = torch.empty(cshape, dtype=torch.uint8, device=dev)
+            if gcols == "fp4":   # packed codes (car) and E8M0 scales (gs)
+                gs = torch.empty(gshape, dtype=torch.uint8, device=dev)
+                outs.append(QuantOut(R, Kr, None, None, gr, None, car, gs))
+            else:
+                base = torch.empty(gshape, dtype=torch.float32, device=dev)
+                gs = base.t() if gr == 1 else base[:, :gcols]
+                outs.append(QuantOut(R, Kr, car.view(torch.float8_e4m3fn), gs, gr, cnt, None, None, base))
+            sg = side.get("signs")
+            if sg is not None and (sg.dtype != torch.float32 or not sg.is_contiguous() or sg.device != dev):
+                sg = sg.to(device=dev, dtype=torch.float32).contiguous()
+            ptrs.append((sg, car, gs, side.get("key_tensor")))
+        fa, fb = self.floats
+        self.run(*dual_args(x, cnt, ptrs[0], ptrs[1], self.ints, a.get("key", 0), fa, b.get("key", 0), fb),
+                 *self.consts)
+        if LAUNCHES.logs:
+            LAUNCHES.note("dual", x.shape, True)
+        return outs[0], outs[1]
+

@@ -1,0 +1,77 @@
+"""Arms of a study: a recipe, optionally with training options.
+
+An arm is named ``RECIPE`` or ``RECIPE@OPTION`` (several options: ``RECIPE@A@B``): ``RECIPE`` is any name
+``mxtrain.recipes.get`` knows (a preset, or ``PRESET+RULE``), each ``OPTION`` a name from ``OPTIONS``, which
+turns on a training feature by training-config overrides applied to that arm's runs only (after the study's
+own ``--set`` items, so the arm's option wins). ``mxfp4-all@deosc`` is ``mxfp4-all`` with weight
+de-oscillation (``mxtrain.deosc``); ``--set deosc.period=50`` then tunes it for every arm that has it on.
+
+Arm names are folder names (``OUT/runs/<arm>/seed<k>``): letters, digits and ``-``, ``+``, ``@``, ``.``, ``_``
+only, all safe in file names on Linux, macOS and Windows.
+"""
+
+from __future__ import annotations
+
+import re
+
+from .. import recipes as R
+from ..errors import UserError
+
+__all__ = ["OPTIONS", "split", "recipe_of", "overrides_of", "describe_options", "check", "is_arm"]
+
+# option -> (training-config overrides, a short description for reports)
+OPTIONS: dict[str, tuple[tuple[str, ...], str]] = {
+    "deosc": (("deosc.enable=true",), "weight de-oscillation (OsciReset: TetraJet-v2, AMD ALTO)"),
+}
+
+_SAFE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+@-]*$")
+
+
+def split(arm: str) -> tuple[str, list[str]]:
+    """``(recipe, [options])`` of an arm name (not checked)."""
+    recipe, *opts = arm.split("@")
+    return recipe, opts
+
+
+def recipe_of(arm: str) -> str:
+    """The recipe name of an arm (``mxfp4-all`` for ``mxfp4-all@deosc``)."""
+    return split(arm)[0]
+
+
+def overrides_of(arm: str) -> list[str]:
+    """The training-config overrides the arm's options add (``[]`` for a plain recipe)."""
+    out: list[str] = []
+    for o in split(arm)[1]:
+        out += list(OPTIONS[o][0])
+    return out
+
+
+def describe_options(arm: str) -> str:
+    """The arm's options in words, ``""`` for a plain recipe."""
+    return "; ".join(OPTIONS[o][1] for o in split(arm)[1] if o in OPTIONS)
+
+
+def check(arm: str) -> None:
+    """UserError naming what is wrong with an arm name: an unsafe character, an unknown recipe or option."""
+    if not isinstance(arm, str) or not _SAFE.match(arm):
+        raise UserError(f"arm name {arm!r} must be a recipe name, optionally with @OPTION (letters, digits and "
+                        f"- + @ . _ only; it names the arm's folder)")
+    recipe, opts = split(arm)
+    if not R.is_name(recipe):
+        raise UserError(f"unknown recipe {recipe!r} in arm {arm!r}; valid recipes: {', '.join(R.names())} "
+                        f"(optionally +RULE, a scale rule for every MX operand, e.g. mxfp4-all+amd; and @OPTION, "
+                        f"e.g. mxfp4-all@deosc)")
+    for o in opts:
+        if o not in OPTIONS:
+            raise UserError(f"unknown arm option {o!r} in arm {arm!r}; options: "
+                            f"{', '.join(f'@{k} ({v[1]})' for k, v in OPTIONS.items())}")
+    if len(set(opts)) != len(opts):
+        raise UserError(f"arm {arm!r} names an option twice")
+
+
+def is_arm(arm: str) -> bool:
+    try:
+        check(arm)
+    except UserError:
+        return False
+    return True

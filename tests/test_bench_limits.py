@@ -1,0 +1,98 @@
+"""``mxtrain bench limits``: the step's FLOPs equal torch's own count, the quantize bytes equal a count made
+from the converted model's actual linear calls, and the command prints its table (no GPU needed)."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+import mxtrain
+from mxtrain import recipes
+from mxtrain.bench_limits import Rates, flops, limits, quantize_bytes
+from mxtrain.model import Llama, ModelConfig
+
+CFG = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=96, max_seq_len=32)
+
+
+def test_flops_equal_torch_flop_counter():
+    """Linear layers and head, forward + backward: exactly torch.utils.flop_counter's matrix-product count;
+    attention: the explicit (non-causal) products counted by torch, halved for the causal mask, forward
+    plus a backward of 2.5x."""
+    torch.manual_seed(0)
+    m = Llama(CFG)
+    idx = torch.randint(0, CFG.vocab_size, (2, 17))
+    with FlopCounterMode(display=False) as fc:
+        m(idx[:, :-1], idx[:, 1:]).backward()
+    counted = sum(fc.get_flop_counts()["Global"].values())
+    f = flops(CFG, 2, 16)
+    assert f["linear"] + f["head"] == counted
+    q = torch.randn(2, CFG.n_heads, 16, CFG.head_dim)
+    with FlopCounterMode(display=False) as fa:
+        (q @ q.transpose(-1, -2)).softmax(-1) @ q
+    assert f["attention"] == sum(fa.get_flop_counts()["Global"].values()) / 2 * 3.5 * CFG.n_layers
+
+
+@pytest.mark.parametrize("preset", ["mxfp4-all-dh16", "mxfp4-fprop", "mxfp4-bwd", "tseng", "bf16"])
+def test_quantize_bytes_equal_a_count_of_the_model_calls(preset):
+    """An independent count from the converted model: each distinct input tensor of the MX layers (layers
+    reading one input share it), each layer's output gradient and each weight, with the bytes the FP8-carrier
+    path reads and writes for the recipe's MXFP4 operands."""
+    torch.manual_seed(0)
+    m = Llama(CFG)
+    mxtrain.convert(m, preset)
+    r = recipes.get(preset)
+    mx = lambda n: r.operand(n).fmt == "mxfp4"   # noqa: E731
+    car, codes = 1 + 4 / 128, 0.5 + 1 / 32
+    fx, wx = mx("fprop_x"), mx("wgrad_x") and mx("wgrad_dy")
+    gd = mx("dgrad_dy") and mx("dgrad_w")
+    n_w = int(mx("fprop_x") and mx("fprop_w")) + int(gd)
+    seen, expect = {}, {"activations": 0.0, "wgrad_rebuild": 0.0, "grads": 0.0, "weights": 0.0}
+    layers = [mod for name, mod in m.named_modules() if name.startswith("layers.") and isinstance(mod, torch.nn.Linear)]
+    assert len(layers) == 7 * CFG.n_layers
+
+    def hook(mod, inp, out):
+        x = inp[0]
+        if x.data_ptr() not in seen:   # the tensor is kept below, so no later input can reuse its memory
+            seen[x.data_ptr()] = x
+            if fx or wx:
+                expect["activations"] += x.numel() * (2 + (car if fx else 0) + (codes if wx else 0))
+            if wx:
+                expect["wgrad_rebuild"] += x.numel() * (codes + car)
+        if gd or wx:
+            expect["grads"] += out.numel() * (2 + car * (int(gd) + int(wx)))
+        expect["weights"] += mod.weight.numel() * (4 + car) * n_w
+
+    hs = [mod.register_forward_hook(hook) for mod in layers]
+    with torch.no_grad():
+        m(torch.randint(0, CFG.vocab_size, (2, 16)))
+    for h in hs:
+        h.remove()
+    got = quantize_bytes(r, CFG, 2, 16)
+    assert got == pytest.approx(expect, rel=1e-12)
+    assert (sum(got.values()) == 0) == (preset == "bf16")
+
+
+def test_ceilings_follow_the_rates():
+    """Faster GEMMs lower a quantized recipe's ceiling and leave BF16's at the measured step; zero other time
+    when the measured step is exactly the counted parts."""
+    rates = Rates()
+    base = limits(CFG, 2, 16, ["bf16", "mxfp4-all-dh16"], rates, bf16_step_ms=10.0)
+    assert base["recipes"]["bf16"]["ceiling_ms"] == pytest.approx(10.0)
+    fast = limits(CFG, 2, 16, ["mxfp4-all-dh16"], Rates(mx_carrier_tflops=2 * rates.mx_carrier_tflops),
+                  bf16_step_ms=10.0)
+    assert fast["recipes"]["mxfp4-all-dh16"]["ceiling_ms"] < base["recipes"]["mxfp4-all-dh16"]["ceiling_ms"]
+    r = base["recipes"]["mxfp4-all-dh16"]
+    assert r["ceiling_ms"] == pytest.approx(base["other_ms"] + r["linear_gemm_ms"] + base["head_ms"]
+                                            + base["attention_ms"] + r["quantize_ms"])
+
+
+def test_cli_prints_table_and_refuses_bad_rates(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "mxtrain.cli", "bench", "limits", "--bf16-step-ms", "257.5",
+                        "--out", str(tmp_path / "l.json")], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert "mxfp4-all-dh16" in p.stdout and "torchao-tensorwise" in p.stdout and (tmp_path / "l.json").exists()
+    p = subprocess.run([sys.executable, "-m", "mxtrain.cli", "bench", "limits", "--rates", "bf16_tflops=-1"],
+                       capture_output=True, text=True)
+    assert p.returncode == 2 and p.stderr.strip().count("\n") == 0 and "positive" in p.stderr

@@ -1,0 +1,60 @@
+"""``Block.recompute_ffn`` (``train.recompute_ffn``): under torch.compile the feed-forward's linear outputs are made
+again in the backward instead of kept. Outputs and gradients are bit-identical; what the forward keeps for the
+backward shrinks by exactly the gate and up outputs."""
+
+import pytest
+import torch
+
+import mxtrain
+from mxtrain.model import Block, ModelConfig, rope_tables
+
+CFG = ModelConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=192, vocab_size=64)
+
+
+def _run(recipe: str, recompute: bool, device="cpu", backend="aot_eager_decomp_partition"):
+    torch.manual_seed(0)
+    blk = Block(CFG).to(device)
+    if recipe != "bf16":
+        mxtrain.convert(torch.nn.ModuleList([blk]), recipe)
+    blk.recompute_ffn = recompute
+    torch._dynamo.reset()
+    f = torch.compile(blk, backend=backend, fullgraph=True)
+    x = torch.randn(2, 32, CFG.dim, generator=torch.Generator().manual_seed(1)).to(device).requires_grad_()
+    cos, sin = rope_tables(CFG.head_dim, 32, CFG.rope_theta, device)
+    kept = []
+
+    def pack(t):
+        kept.append(t.numel() * t.element_size())
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = f(x, cos, sin)
+    y.square().sum().backward()
+    return y.detach(), [x.grad] + [p.grad for p in blk.parameters()], sum(kept)
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "mxfp4-all", "mxfp4-all-sr"])
+def test_recompute_ffn_same_results_less_kept(recipe):
+    y0, g0, kept0 = _run(recipe, False)
+    y1, g1, kept1 = _run(recipe, True)
+    assert torch.equal(y0, y1) and all(torch.equal(a, b) for a, b in zip(g0, g1))
+    assert kept0 - kept1 == 2 * 2 * 32 * CFG.hidden_dim * 4   # the gate and up outputs (float32 on CPU)
+
+
+def test_recompute_ffn_is_a_train_setting(tmp_path):
+    from mxtrain.train import config as C
+    cfg = C.TrainConfig()
+    C.apply_override(cfg, "train.recompute_ffn=true")
+    assert cfg.train.recompute_ffn is True
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("recipe", ["bf16", "mxfp4-all-dh16", "mxfp4-all-sr"])
+def test_recompute_ffn_gpu_fast_path(recipe):
+    """On the GPU (the fast path's split ops, inductor): same outputs and gradients, less kept."""
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y0, g0, kept0 = _run(recipe, False, "cuda", "inductor")
+        y1, g1, kept1 = _run(recipe, True, "cuda", "inductor")
+    for a, b in zip([y0] + g0, [y1] + g1):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert kept1 < kept0
