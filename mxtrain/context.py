@@ -19,17 +19,21 @@ A ``Ctx`` holds them in one of two forms with equal values:
 
 from __future__ import annotations
 
+import types
+import warnings
+
 import torch
 import torch.nn.functional as F
 
 from . import rng
+from . import settings as _settings
 from .formats import get_format
 from .hadamard import hadamard, rotation_signs
 from .quant import MXTensor, quantize
 from .recipe import GEMMS, OPERANDS, Operand, Recipe, Rotation
 
 __all__ = ["OPERAND_ID", "GEMM_ID", "operand_seed", "Ctx", "needs_seeds", "seed_spec", "compute_dtype",
-           "pad_axis", "gemm_dtype", "bf16_exact"]
+           "pad_axis", "gemm_dtype", "bf16_exact", "fake_quantize_operand", "REF_COMPILE"]
 
 OPERAND_ID = {n: i for i, n in enumerate(OPERANDS)}   # fprop_x 0, fprop_w 1, ... wgrad_x 5
 GEMM_ID = {g: i for i, g in enumerate(GEMMS)}          # fprop 0, dgrad 1, wgrad 2
@@ -175,10 +179,110 @@ class Ctx:
         """Rotate (padding the axis to whole rotation blocks) and fake-quantize one operand.
 
         Returns float32 values (float64 for a float64 ``t``; prescale not undone) and the operand's
-        prescale.
+        prescale. Runs ``fake_quantize_operand``, or its ``torch.compile``'d twin where the ``ref_compile``
+        setting says so (bit-identical: tests/test_ref_compile.py).
         """
-        r = self.rotate(t, axis, gemm, signs)
-        mx = self.quantize(r, axis, name)
-        if mx is None:
-            return r, 1.0
-        return mx.dequantize(torch.float32).to(r.dtype), mx.prescale
+        op: Operand = self.recipe.operand(name)
+        if not op.quantized:
+            return self.rotate(t, axis, gemm, signs), 1.0
+        rot = self.recipe.rotation(gemm)
+        key = self.stream_key(name) if op.rounding == "stochastic" else None
+        spec = (axis, rot.size if rot.enabled else 0, op.fmt, op.block_size, op.rounding, op.scale_rule,
+                op.prescale)
+        return REF_COMPILE.run(t, signs if rot.enabled else None, key, spec), op.prescale
+
+
+def fake_quantize_operand(t: torch.Tensor, signs: torch.Tensor | None, key, axis: int, rot: int, fmt: str,
+                          block_size, rounding: str, scale_rule: str, prescale: float) -> torch.Tensor:
+    """``Ctx.operand``'s values: ``t`` in float32 (float64 stays float64), rotated along ``axis`` by
+    ``rot``-element Hadamard blocks (0: none) after zero-padding the axis, quantized and dequantized
+    (prescale not undone). A pure function of tensors (``t``, ``signs``, ``key``: None, an int or an int64
+    0-d tensor) and constants, so that ``torch.compile`` makes one graph per operand spec and shape, never
+    one per step, call or layer (those enter through ``key`` and ``signs`` only)."""
+    r = t.to(compute_dtype(t))
+    if rot:
+        r = hadamard(pad_axis(r, axis, rot), rot, axis=axis, signs=signs)
+    mx = quantize(r, fmt, axis=axis, block_size=block_size, rounding=rounding, scale_rule=scale_rule, key=key,
+                  prescale=prescale)
+    return mx.dequantize(torch.float32).to(r.dtype)
+
+
+# inductor settings that keep eager's float32 semantics on GPUs: IEEE division (not div.full), no FMA
+# contraction, no flush of subnormals (names missing from this torch's config are left out)
+_EAGER_NUMERICS = ("emulate_precision_casts", "eager_numerics.division_rounding", "eager_numerics.disable_ftz")
+
+
+def _inductor_options() -> dict:
+    from torch._inductor import config as ic
+    out = {}
+    for name in _EAGER_NUMERICS:
+        obj = ic
+        try:
+            for part in name.split("."):
+                obj = getattr(obj, part)
+        except AttributeError:
+            continue
+        out[name] = True
+    return out
+
+
+class RefCompileState:
+    """The reference path's compiled twins of ``fake_quantize_operand`` (``ref_compile`` setting), one per
+    operand spec (axis, rotation size, format, block, rounding, scale rule, prescale), each with its own code
+    object so that dynamo's recompile limit counts shapes of one spec only; and the reason compiling failed,
+    if it did (then the reference runs eagerly for the rest of the process). One instance: ``REF_COMPILE``;
+    ``clear()`` forgets both, as a new process would.
+
+    ``auto`` compiles CUDA tensors whose format has no float division in its quantizer (the MX formats);
+    NVFP4 and per-tensor FP8 divide by constants (6 * 448, the element maximum), which inductor turns into
+    a multiply by the reciprocal on GPUs (not the same rounding), so they compile on ``on`` only."""
+
+    __slots__ = ("compiled", "failed", "backend")
+
+    def __init__(self):
+        self.compiled: dict = {}
+        self.failed: str | None = None
+        self.backend = "inductor"   # tests may set "aot_eager" (then clear())
+
+    def clear(self) -> None:
+        self.compiled.clear()
+        self.failed = None
+
+    def wanted(self, t: torch.Tensor, fmt: str) -> bool:
+        """Does this operand run through the compiled twin?"""
+        if self.failed is not None or t.dtype == torch.float64 or torch.compiler.is_compiling():
+            return False
+        mode = _settings.current().ref_compile
+        if mode == "on":
+            return True
+        return mode == "auto" and t.device.type == "cuda" and get_format(fmt).kind == "mx"
+
+    def twin(self, spec: tuple):
+        c = self.compiled.get(spec)
+        if c is None:
+            f = fake_quantize_operand
+            code = f.__code__.replace(co_name=f"fake_quantize_operand_{len(self.compiled)}")
+            fn = types.FunctionType(code, f.__globals__, code.co_name, f.__defaults__, f.__closure__)
+            opts = _inductor_options() if self.backend == "inductor" else None
+            comp = torch.compile(fn, backend=self.backend, dynamic=False, fullgraph=True, options=opts)
+            c = self.compiled[spec] = lambda t, signs, key: comp(t, signs, key, *spec)
+        return c
+
+    def run(self, t: torch.Tensor, signs, key, spec: tuple) -> torch.Tensor:
+        if not self.wanted(t, spec[2]):
+            return fake_quantize_operand(t, signs, key, *spec)
+        if isinstance(key, int):   # a tensor: one graph for every key
+            key = torch.tensor(key, dtype=torch.int64, device=t.device)
+        try:
+            return self.twin(spec)(t, signs, key)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a missing compiler must not stop training
+            self.failed = repr(e)
+            warnings.warn(f"mxtrain: torch.compile of the reference quantizer failed ({type(e).__name__}: "
+                          f"{str(e)[:200]}); running it eagerly (set MXTRAIN_REF_COMPILE=off to skip the attempt)",
+                          RuntimeWarning, stacklevel=3)
+            return fake_quantize_operand(t, signs, key, *spec)
+
+
+REF_COMPILE = RefCompileState()

@@ -119,7 +119,9 @@ def check_recipe(recipe) -> None:
     """UserError when ``deosc.enable`` cannot work with ``recipe`` (see ``_grid_problem``)."""
     why = _grid_problem(recipe)
     if why:
-        raise UserError(f"deosc.enable: {why}; use a recipe that quantizes fprop_w (e.g. mxfp4-all)")
+        fix = ("use a recipe that quantizes fprop_w (e.g. mxfp4-all)" if not recipe.fprop_w.quantized else
+               "use a recipe whose Fprop rotation keeps its signs (none, fixed or per_layer; e.g. mxfp4-all-dh16)")
+        raise UserError(f"deosc.enable: {why}; {fix}")
 
 
 def tracked_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:

@@ -106,10 +106,12 @@ class FastState:
 
     @staticmethod
     def _dev(device) -> torch.device:
+        if isinstance(device, torch.device) and (device.index is not None or device.type != "cuda"):
+            return device   # a tensor's device (the per-call case): nothing to build
         d = torch.device(device)
-        if d.type == "cuda" and d.index is None:
+        if d.type == "cuda" and d.index is None and torch.cuda.is_available():
             d = torch.device("cuda", torch.cuda.current_device())
-        return d
+        return d   # ("cuda" without a GPU: no counter is kept under it, so its counts read 0)
 
     def prepare(self, device) -> None:
         """Make the counters of ``device`` now (outside any CUDA graph), if they do not exist yet."""

@@ -285,11 +285,14 @@ def evaluate(run_dir: str | Path, data: str | Path, *, step: int | None = None, 
     """
     from .data import val_batches
     t0 = time.perf_counter()
-    data = Path(data)
-    if not data.exists():
+    if str(data) != "builtin" and not Path(data).exists():
         raise UserError(f"evaluation data not found: {data}")
     if loaded is None:
         loaded = load(run_dir, step, precision, device)
+    if str(data) == "builtin":   # as in training: the prepared built-in corpus (its validation split)
+        from .data import ensure_builtin
+        data = ensure_builtin(loaded.run.config.data.vocab_size, progress=bool(progress))
+    data = Path(data)
     run, model, tok = loaded.run, loaded.model, loaded.tokenizer
     seq_len = run.seq_len
     if batch_size is None:

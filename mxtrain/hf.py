@@ -265,7 +265,8 @@ def load_run(run_dir: str | Path, step: int | None = None) -> tuple[Llama, RunCh
 
     The checkpoint is read as the trainer reads it (``weights_only`` for ``checkpoint.pt``, the allow-list
     reader for DCP folders): nothing in the run folder is executed. ``step``: the step the checkpoint must be
-    at (a run keeps only its latest checkpoint). ``run_dir`` may also be a checkpoint file or DCP folder.
+    at (a run folder's checkpoint is its latest; kept ones are ``checkpoint-<step>.pt`` files). ``run_dir`` may
+    also be a checkpoint file or DCP folder.
     """
     from . import distributed as D
     from .train import TrainConfig
@@ -288,8 +289,9 @@ def load_run(run_dir: str | Path, step: int | None = None) -> tuple[Llama, RunCh
         raise UserError(f"checkpoint {path}: cannot read its config ({e})") from None
     ck_step, tokens = int(state.get("step", 0)), int(state.get("tokens", 0))
     if step is not None and int(step) != ck_step:
-        raise UserError(f"{run_dir} holds the checkpoint of step {ck_step}, not of step {step} (a run keeps only its "
-                        f"latest checkpoint); leave --step out, or pass --step {ck_step}")
+        raise UserError(f"{run_dir} holds the checkpoint of step {ck_step}, not of step {step}; leave --step out, "
+                        f"pass --step {ck_step}, or name a kept checkpoint file (RUN/checkpoint-<step>.pt, kept with "
+                        f"train.keep_checkpoints_at)")
     folder = path.parent
     if is_dcp:
         vocab = _dcp_vocab(path)

@@ -96,7 +96,8 @@ def add_parsers(sub) -> None:
                                    "tokenizer.")
     e.add_argument("run", metavar="RUN", help="run folder (or its checkpoint)")
     e.add_argument("--data", required=True,
-                   help="a text/JSONL/Parquet file, a folder of them, or a prepared data folder")
+                   help="a text/JSONL/Parquet file, a folder of them, a prepared data folder, or 'builtin' (the "
+                        "built-in corpus's validation split, as training uses it)")
     e.add_argument("--json", metavar="OUT", help="also write the result as JSON to OUT ('-': standard output)")
     e.add_argument("--max-tokens", type=_pos_int, help="evaluate the first N // seq_len windows only")
     e.add_argument("--batch-size", type=_pos_int, help="windows per forward pass (default: the run's micro-batch)")

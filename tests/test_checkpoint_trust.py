@@ -357,3 +357,20 @@ def test_cli_resume_with_a_damaged_shard_is_one_line(tmp_path, damage):
     one_line_error(p, "checkpoint")
     after = {p.name: p.stat().st_mtime_ns for p in run.iterdir() if p.is_file() and p.name in before}
     assert after == before
+
+
+def test_resume_of_a_run_still_training_without_a_checkpoint_names_it(tmp_path):
+    """--resume on a folder whose run holds the lock but has written no checkpoint yet: the error says so and
+    names the run's pid, instead of "no checkpoint"."""
+    import fcntl
+    from mxtrain.train import checkpoint as ck
+    run = tmp_path / "run"
+    run.mkdir()
+    with open(run / ".lock", "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        f.write("4242\n")
+        f.flush()
+        with pytest.raises(UserError, match=r"the run training there \(pid 4242\) has not written one"):
+            ck.find(run)
+    with pytest.raises(UserError, match="no checkpoint at .*expected a run folder"):
+        ck.find(run)   # the lock is free: an ordinary missing checkpoint

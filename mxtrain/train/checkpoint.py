@@ -72,12 +72,31 @@ def save(path: Path, state: dict) -> None:
     write_atomic(path, lambda f: torch.save(state, f), "checkpoint ")
 
 
+def _lock_holder(folder: Path) -> str | None:
+    """The pid written in ``folder/.lock`` while a run holds that lock (the trainer's run-folder lock), else None."""
+    lock = folder / ".lock"
+    try:
+        import fcntl
+        with open(lock, encoding="utf-8") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except OSError:
+                return f.read().strip() or "unknown"
+    except (ImportError, OSError, UnicodeDecodeError):
+        return None
+    return None
+
+
 def find(path: str | Path) -> Path:
     """A checkpoint file, or a run folder holding one."""
     p = Path(path)
     if p.is_dir():
         p = p / NAME
     if not p.is_file():
+        holder = _lock_holder(p.parent) if p.parent.is_dir() else None
+        if holder is not None:
+            raise UserError(f"no checkpoint at {path} yet: the run training there (pid {holder}) has not written one; "
+                            f"wait for its first checkpoint (train.checkpoint_every) or for it to end")
         raise UserError(f"no checkpoint at {path} (expected a run folder with {NAME}, or a checkpoint file)")
     return p
 

@@ -1083,9 +1083,10 @@ def _train_loop(cfg: TrainConfig, env, model, opt, loader, data, log: _Log, cbs:
         if not math.isfinite(gnorm):
             # checked before the update: the weights (and the last checkpoint) stay those of the last good step
             log.row({"step": step + 1, "tokens": tokens, "event": "non-finite gradient", "grad_norm": gnorm})
+            advice = ("resume with a lower --lr (it may change on resume) or another recipe"
+                      if last_ckpt_step is not None else "start again with a lower --lr or another recipe")
             raise NonFiniteLoss(f"gradient norm is {gnorm} at step {step + 1}; the weights were not updated "
-                                f"({where()}); resume with a lower --lr (it may change on resume) or another recipe",
-                                step=step + 1)
+                                f"({where()}); {advice}", step=step + 1)
         opt.step()
         opt.zero_grad(set_to_none=graphed is None)
         tokens += B * T
