@@ -148,7 +148,7 @@ def _add_train(sub) -> None:
     a("--cooldown-shape", choices=["linear", "1-sqrt"], help="with --branch-at: the decay's shape (default: the "
       "run's schedule.decay_shape, linear unless set)")
     a("--cuda-graphs", action="store_true", help="replay each micro-step from a CUDA graph (train.cuda_graphs: one GPU; "
-                                                 "stochastic rounding and per-step signs on the fast path only)")
+                                                 "stochastic rounding and per-step signs replay with every recipe)")
     a("--no-progress", action="store_true", help="no progress bar (plain log lines)")
     a("--list", action="store_true", help="list experiments, models and recipes, then exit")
     a("--print-config", action="store_true", help="print the resolved config as JSON (the form --config reads) "
