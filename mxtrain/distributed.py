@@ -177,13 +177,15 @@ def barrier() -> None:
             dist.barrier()
 
 
-def from_rank0(obj):
+def from_rank0(obj, env: DistEnv | None = None):
     """``obj`` as rank 0 has it, on every rank (a picklable value; ``obj`` itself on one process). Used where
-    rank 0 alone decides (is the run folder free?) and every rank must act on the same answer."""
-    if not _ENV.distributed:
+    rank 0 alone decides (is the run folder free? did the checkpoint's last files get written?) and every rank
+    must act on the same answer."""
+    env = env or _ENV
+    if not env.distributed:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0, device=_ENV.device if _ENV.device.type == "cuda" else None)
+    dist.broadcast_object_list(box, src=0, device=env.device if env.device.type == "cuda" else None)
     return box[0]
 
 
@@ -393,10 +395,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
                 shutil.rmtree(old)
             else:
                 os.replace(tmp, path)
-    if env.distributed:   # rank 0's outcome to every rank (this is also the closing barrier)
-        box = [err]
-        dist.broadcast_object_list(box, src=0, device=env.device if env.device.type == "cuda" else None)
-        err = box[0]
+    err = from_rank0(err, env)   # rank 0's outcome to every rank (this is also the closing barrier)
     if err is not None:
         raise UserError(err)
     return path
