@@ -656,9 +656,16 @@ def run(args) -> int:
     if bad:
         raise UserError(f"unknown benchmark {bad[0]!r}; choose from {', '.join(_WHAT)} or all")
     from . import recipes as _recipes
-    bad = [p for p in _presets(args, []) if not _recipes.is_name(p)]
-    if bad:
-        raise UserError(f"unknown recipe {bad[0]!r} in --presets; choose from {', '.join(_recipes.names())}")
+    from . import settings as _settings
+    from .bench_step import split_variant
+    for p in _presets(args, []):
+        try:
+            name, over = split_variant(p)
+            _settings.fresh().replace(**over)
+        except ValueError as e:
+            raise UserError(f"--presets {p!r}: {e}") from None
+        if not _recipes.is_name(name):
+            raise UserError(f"unknown recipe {name!r} in --presets; choose from {', '.join(_recipes.names())}")
     if not torch.cuda.is_available():
         raise UserError("mxtrain bench needs a CUDA GPU (the fast path's kernels and GEMMs run there)")
     out = {"env": _env(), "command": " ".join(sys.argv)}
@@ -687,7 +694,8 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="write the JSON results here (default: stdout)")
     p.add_argument("--filter", default="", help="quantize: only the cases whose name contains this text")
     p.add_argument("--presets", default="",
-                   help="linear, step: comma-separated recipes to time against BF16 (default: "
+                   help="linear, step: comma-separated recipes to time against BF16, each optionally with "
+                        "settings for step (mxfp4-all-dh16:wgrad_x=forward:dual=off) (default: "
                         + ", ".join(LINEAR_PRESETS) + " for linear; " + ", ".join(STEP_PRESETS) + " for step)")
     p.add_argument("--layers", type=int, default=None,
                    help="step, blocks: number of blocks (default: 4 for step's 8b-layers, 2 for blocks; "

@@ -15,6 +15,9 @@ Per variant: the median step time over ``steps`` timed steps after ``warmup`` st
 around whole steps), tokens per second, the peak memory of a step (``max_memory_allocated``, the
 weights and optimizer state included), and the ratios to BF16 and to the fastest FP8 variant of the
 same run. A variant that fails (out of memory, say) is reported with its error; the others still run.
+
+A variant may carry settings (``docs/settings.md``) after a colon, applied while it is built, compiled and
+timed: ``mxfp4-all-dh16:wgrad_x=forward`` or ``mxfp4-all:dual=off:qfold=false``.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import time
 
 import torch
 
-__all__ = ["MODELS", "FP8_VARIANTS", "measure", "summarize", "format_table"]
+__all__ = ["MODELS", "FP8_VARIANTS", "split_variant", "measure", "summarize", "format_table"]
 
 # Shapes: Llama-8B layers (the paper's model, ``--layers`` of them, its 128k vocabulary), and two whole
 # small models where launch overhead shows.
@@ -113,6 +116,18 @@ def _one_variant(variant: str, model: str, layers: int | None, batch: int, seq: 
     return out
 
 
+def split_variant(v: str) -> tuple[str, dict]:
+    """``"name:key=value:key=value"`` -> ``("name", {key: value})`` (values parsed by ``settings``)."""
+    name, _, rest = v.partition(":")
+    over = {}
+    for item in filter(None, (p.strip() for p in rest.split(":"))):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"variant {v!r}: settings after ':' are key=value pairs, got {item!r}")
+        over[key.strip()] = value.strip()
+    return name, over
+
+
 def measure(variants, model: str = "8b-layers", layers: int | None = 4, batch: int = 4, seq: int = 4096,
             steps: int = 10, warmup: int = 3, compile_mode: str = "default", device="cuda",
             recompute_ffn: bool = False) -> dict:
@@ -120,10 +135,13 @@ def measure(variants, model: str = "8b-layers", layers: int | None = 4, batch: i
     ``recompute_ffn``: every variant's blocks recompute their feed-forward outputs (``Block.recompute_ffn``)."""
     res = {"model": model, "layers": layers, "batch": batch, "seq": seq, "tokens": batch * seq,
            "compile": compile_mode, "steps": steps, "warmup": warmup, "recompute_ffn": recompute_ffn, "runs": {}}
+    from . import settings
     for v in variants:
         try:
-            res["runs"][v] = _one_variant(v, model, layers, batch, seq, steps, warmup, compile_mode, device,
-                                          recompute_ffn)
+            base, over = split_variant(v)
+            with settings.override(**over):
+                res["runs"][v] = _one_variant(base, model, layers, batch, seq, steps, warmup, compile_mode, device,
+                                              recompute_ffn)
         except Exception as e:  # noqa: BLE001 - one variant's failure (OOM, torchao missing) is a result
             res["runs"][v] = {"error": f"{type(e).__name__}: {e}"[:400]}
         gc.collect()

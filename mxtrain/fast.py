@@ -518,7 +518,8 @@ class _FastMXLinearFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, qctx: Ctx, amp, grad: bool):
         # (``grad``: grad mode at the call; needs_input_grad says True under torch.no_grad too, where no
         # backward will come, e.g. evaluation)
-        y, wq = forward(x, weight, bias, qctx, amp, grad and ctx.needs_input_grad[1], reuse=True)
+        keep_codes = _settings.current().wgrad_x != "backward"     # (auto: forward, eagerly)
+        y, wq = forward(x, weight, bias, qctx, amp, grad and ctx.needs_input_grad[1] and keep_codes, reuse=True)
         ctx.wq = wq
         ctx.save_for_backward(x if wq is None else None, weight)
         ctx.qctx, ctx.amp, ctx.has_bias, ctx.x_dtype = qctx, amp, bias is not None, x.dtype

@@ -134,6 +134,13 @@ def round_to_elem(v: torch.Tensor, elem: ElemFormat, rounding: str = "nearest",
     return torch.copysign(q, v)
 
 
+def _div_by_constant(a: torch.Tensor, c: float) -> torch.Tensor:
+    """``a / c`` (``a`` finite) rounded as IEEE division in eager mode and under ``torch.compile``: inductor
+    turns a division by a constant into a multiply by its reciprocal on GPUs (a different rounding unless
+    ``c`` is a power of two); a divisor computed from ``a`` (``0 * a + c``, exactly ``c``) is not a constant."""
+    return a / (a * 0.0 + c)
+
+
 def mx_scale_exponent(amax: torch.Tensor, elem: ElemFormat, rule: str) -> torch.Tensor:
     """Unbiased shared exponent (int32, in [-127, 127 - emax]) of finite block maxima by ``rule``.
 
@@ -350,7 +357,7 @@ def quantize(x: torch.Tensor, fmt: str | Format, *, axis: int = -1, block_size=N
         finite = torch.isfinite(xm)
         absx = torch.where(finite, xm.abs(), torch.zeros_like(xm))
         amax = absx.amax() if absx.numel() else torch.zeros((), device=xm.device)
-        scale = amax / elem.max
+        scale = _div_by_constant(amax, elem.max)
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # zero or underflowed
         scale = torch.where(finite.all(), scale, torch.full_like(scale, float("nan")))
         xs = xm * prescale if prescale != 1.0 else xm
@@ -399,7 +406,7 @@ def quantize(x: torch.Tensor, fmt: str | Format, *, axis: int = -1, block_size=N
         gscale = None
     else:  # nvfp4
         tmax = amax.amax() if amax.numel() else torch.zeros((), device=xb.device)
-        g = tmax / NVFP4_TENSOR_MAX
+        g = _div_by_constant(tmax, NVFP4_TENSOR_MAX)
         g = torch.where(g > 0, g, torch.ones_like(g))  # zero tensor, or g underflowed
         bsc = (amax / (g * 6.0)).clamp(max=448.0).to(torch.float8_e4m3fn)
         bsc = torch.where(block_ok, bsc.to(torch.float32), torch.full_like(amax, float("nan"))).to(torch.float8_e4m3fn)

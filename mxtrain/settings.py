@@ -87,6 +87,12 @@ class Settings:
     reuse_act: bool = _knob(
         True, "MXTRAIN_REUSE_ACT", "Layers reading one input (q/k/v, gate/up) quantize its operands once "
         "(eager only). Same results either way.", "bool")
+    wgrad_x: str = _knob(
+        "auto", "MXTRAIN_WGRAD_X", "Where X's Wgrad operand is quantized on the fast path: `forward` (with its "
+        "Fprop operand; the backward keeps the packed FP4 codes), `backward` (the backward keeps X, or the "
+        "compiler recomputes X from tensors it keeps anyway, and quantizes it there: one more read of X), `auto`: "
+        "`backward` in compiled graphs, `forward` eagerly. Same values either way.", "choice",
+        choices=("auto", "forward", "backward"))
     fast_launch: str = _knob(
         "auto", "MXTRAIN_FAST_LAUNCH", "Launch plans: a quantize configuration seen before is launched through its "
         "compiled kernel directly (less host time): `auto` on GPUs, `always` also under Triton's interpreter "

@@ -56,3 +56,23 @@ def test_bench_cli_refuses_without_a_gpu_in_one_line():
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
     one_line_error(run_cli("bench", "step", "--model", "125m"), "needs a CUDA GPU")
+
+
+def test_variant_settings_apply_while_it_runs():
+    from mxtrain import settings
+    assert bs.split_variant("mxfp4-all-dh16:wgrad_x=forward: dual=off") == (
+        "mxfp4-all-dh16", {"wgrad_x": "forward", "dual": "off"})
+    assert bs.split_variant("bf16") == ("bf16", {})
+    with pytest.raises(ValueError, match="key=value"):
+        bs.split_variant("mxfp4-all:forward")
+    seen = []
+    real = bs._one_variant
+    try:
+        bs._one_variant = lambda *a, **k: seen.append(settings.current().wgrad_x) or real(*a, **k)
+        res = bs.measure(["mxfp4-all:wgrad_x=backward", "mxfp4-all:wgrad_x=nowhere"], model="tiny", layers=1,
+                         batch=1, seq=16, steps=1, warmup=0, compile_mode="none", device="cpu")
+    finally:
+        bs._one_variant = real
+    assert seen == ["backward"] and settings.current().wgrad_x == "auto"
+    assert res["runs"]["mxfp4-all:wgrad_x=backward"]["ms"] > 0
+    assert "wgrad_x" in res["runs"]["mxfp4-all:wgrad_x=nowhere"]["error"]

@@ -28,7 +28,7 @@ def _run(recipe: str, recompute: bool, device="cpu", backend="aot_eager_decomp_p
         return t
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         y = f(x, cos, sin)
-    y.square().sum().backward()
+    y.backward(torch.linspace(-1, 1, y.numel(), device=y.device).reshape(y.shape))   # (dY independent of Y)
     return y.detach(), [x.grad] + [p.grad for p in blk.parameters()], sum(kept)
 
 
@@ -51,10 +51,16 @@ def test_recompute_ffn_is_a_train_setting(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("recipe", ["bf16", "mxfp4-all-dh16", "mxfp4-all-sr"])
 def test_recompute_ffn_gpu_fast_path(recipe):
-    """On the GPU (the fast path's split ops, inductor): same outputs and gradients, less kept."""
+    """On the GPU (the fast path's split ops, inductor): less kept; outputs and gradients agree to rounding.
+    Not bit for bit here: inductor fuses the two graphs differently and may add the float32 residual stream
+    in another order (outputs 1 float32 ulp apart on the H100); a last-bit change of a value that is then
+    quantized to FP4 can move it to the neighbouring FP4 value, so gradients are compared in norm. Bit
+    identity is tested on CPU above."""
     with torch.autocast("cuda", dtype=torch.bfloat16):
         y0, g0, kept0 = _run(recipe, False, "cuda", "inductor")
         y1, g1, kept1 = _run(recipe, True, "cuda", "inductor")
-    for a, b in zip([y0] + g0, [y1] + g1):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(y1, y0, rtol=1e-6, atol=2e-6)
+    for a, b in zip(g0, g1):
+        rel = ((a.float() - b.float()).norm() / a.float().norm().clamp_min(1e-30)).item()
+        assert rel < 1e-2, rel
     assert kept1 < kept0

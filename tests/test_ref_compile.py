@@ -101,7 +101,7 @@ def _layer_run(recipe, layers, steps, x0):
             lin.set_step(step)
             x = x0.clone().requires_grad_(True)
             y = lin(x)
-            y.backward(torch.linspace(-2, 2, y.numel()).reshape(y.shape))
+            y.backward(torch.linspace(-2, 2, y.numel(), device=y.device).reshape(y.shape))
             out += [y.detach(), x.grad, lin.weight.grad.clone(), lin.bias.grad.clone()]
             lin.weight.grad = lin.bias.grad = None
     return out

@@ -4,7 +4,7 @@
 # CUDA_TESTS=all: every cuda-marked test of the suite instead of the fast path's two test files;
 # SKIP_TESTS=1: benchmarks only; bench-what "none": tests only.
 set -o pipefail
-export PYTHONPATH=. PYTHONUNBUFFERED=1
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 WHAT=${1:-all}
