@@ -530,6 +530,14 @@ def bench_blocks(args) -> dict:
 STEP_VARIANTS = ["bf16", "torchao-tensorwise", "torchao-rowwise", "fp8"]
 
 
+def _step_progress(name: str, r: dict) -> None:
+    if "error" in r:
+        line = f"failed: {r['error']}"
+    else:
+        line = f"{r['ms']:.1f} ms/step, {r['tokens_per_s']:,.0f} tokens/s, peak {r.get('peak_gib', float('nan')):.2f} GiB"
+    print(f"bench step: {name}: {line}", file=sys.stderr, flush=True)
+
+
 def bench_step(args) -> dict:
     from . import bench_step as _bs
     variants = STEP_VARIANTS + _presets(args, STEP_PRESETS)
@@ -542,7 +550,7 @@ def bench_step(args) -> dict:
     layers = args.layers if args.layers else (4 if args.model == "8b-layers" else None)
     res = _bs.measure(variants, model=args.model, layers=layers, batch=args.batch, seq=args.seq,
                       steps=args.steps, warmup=args.warmup, compile_mode=args.compile,
-                      recompute_ffn=args.recompute_ffn)
+                      recompute_ffn=args.recompute_ffn, on_variant=_step_progress)
     res["variants"] = variants
     print(_bs.format_table(res), flush=True)
     return {"step": res}

@@ -130,9 +130,11 @@ def split_variant(v: str) -> tuple[str, dict]:
 
 def measure(variants, model: str = "8b-layers", layers: int | None = 4, batch: int = 4, seq: int = 4096,
             steps: int = 10, warmup: int = 3, compile_mode: str = "default", device="cuda",
-            recompute_ffn: bool = False) -> dict:
+            recompute_ffn: bool = False, on_variant=None) -> dict:
     """Time and memory of the whole training step for each variant (see the module docstring);
-    ``recompute_ffn``: every variant's blocks recompute their feed-forward outputs (``Block.recompute_ffn``)."""
+    ``recompute_ffn``: every variant's blocks recompute their feed-forward outputs (``Block.recompute_ffn``);
+    ``on_variant(name, result)`` is called as each variant finishes (progress; nothing lost if a later one
+    hangs or the process is stopped)."""
     res = {"model": model, "layers": layers, "batch": batch, "seq": seq, "tokens": batch * seq,
            "compile": compile_mode, "steps": steps, "warmup": warmup, "recompute_ffn": recompute_ffn, "runs": {}}
     from . import settings
@@ -144,6 +146,8 @@ def measure(variants, model: str = "8b-layers", layers: int | None = 4, batch: i
                                               recompute_ffn)
         except Exception as e:  # noqa: BLE001 - one variant's failure (OOM, torchao missing) is a result
             res["runs"][v] = {"error": f"{type(e).__name__}: {e}"[:400]}
+        if on_variant is not None:
+            on_variant(v, res["runs"][v])
         gc.collect()
         if torch.device(device).type == "cuda":
             torch.cuda.empty_cache()

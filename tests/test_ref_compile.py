@@ -169,7 +169,7 @@ def test_compile_failure_falls_back_with_a_warning(monkeypatch):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("preset", ["nvfp4", "mxfp8"])
+@pytest.mark.parametrize("preset", ["nvfp4", "mxfp8", "fp8"])
 def test_cuda_layer_matches_eager(preset):
     """On a GPU: Triton kernels (IEEE division, no FMA contraction, no subnormal flush) against eager,
     per operand (with special values) and for a layer's forward and backward, at a larger shape."""
@@ -186,6 +186,9 @@ def test_cuda_layer_matches_eager(preset):
                 with settings.override(ref_compile="on"):
                     c = ctx.operand(x, axis, name, gemm, s)[0]
                 assert _same(c, e), (name, x.dtype, axis)
+                rnd = ctx.recipe.operand(name).rounding
+                with settings.override(ref_compile="on"):     # (stochastic rounding stays eager on GPUs)
+                    assert REF_COMPILE.wanted(x, ctx.recipe.operand(name).fmt, rnd) == (rnd == "nearest")
     layers = [MXLinear(768, 512, recipe=preset, layer_id=i, device="cuda") for i in range(2)]
     x0 = torch.randn(8, 128, 768, device="cuda")
     with settings.override(ref_compile="off", fast=False):
