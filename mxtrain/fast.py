@@ -116,6 +116,9 @@ class FastState:
     def prepare(self, device) -> None:
         """Make the counters of ``device`` now (outside any CUDA graph), if they do not exist yet."""
         d = self._dev(device)
+        if any((d, r) not in self.counters for r in ROLES):
+            from .quant import warm_elem_tables
+            warm_elem_tables(d)    # (the reference quantizer's tables, used by the kernels' self-check too)
         for r in ROLES:
             if (d, r) not in self.counters:
                 self.counters[(d, r)] = torch.zeros((1,), dtype=torch.int32, device=d)
@@ -518,7 +521,7 @@ class _FastMXLinearFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, qctx: Ctx, amp, grad: bool):
         # (``grad``: grad mode at the call; needs_input_grad says True under torch.no_grad too, where no
         # backward will come, e.g. evaluation)
-        keep_codes = _settings.current().wgrad_x != "backward"     # (auto: forward, eagerly)
+        keep_codes = _settings.current().wgrad_x == "forward"
         y, wq = forward(x, weight, bias, qctx, amp, grad and ctx.needs_input_grad[1] and keep_codes, reuse=True)
         ctx.wq = wq
         ctx.save_for_backward(x if wq is None else None, weight)

@@ -431,8 +431,7 @@ def compiled_linear(x, weight, bias, state, recipe_str: str, seeded: bool, quant
     dt = x.device.type
     amp = torch.get_autocast_dtype(dt) if torch.is_autocast_enabled(dt) else None
     from . import fast, settings
-    # (wgrad_x: quantized in the backward, X's operand is not a tensor the graph must keep: the compiler
-    # keeps X, or remakes it from what it keeps anyway, as it does for an unquantized layer)
+    # (wgrad_x=backward: the graph keeps X, not its Wgrad operand, and the backward quantizes it)
     need_wgrad = torch.is_grad_enabled() and weight.requires_grad and settings.current().wgrad_x == "forward"
     # (exact_carrier: the one op, whose GEMMs see the FP4 codes beside each carrier)
     if (split and settings.current().fast and not settings.current().exact_carrier and fast.KERNELS and x.is_cuda

@@ -80,6 +80,7 @@ __all__ = [
     "mx_scale_exponent",
     "encode_elem",
     "elem_table",
+    "warm_elem_tables",
     "pack_fp4",
     "unpack_fp4",
 ]
@@ -182,6 +183,21 @@ def encode_elem(q: torch.Tensor, elem: ElemFormat) -> torch.Tensor:
 def elem_table(elem: ElemFormat, device=None) -> torch.Tensor:
     """float32 value of every code of ``elem`` (2**bits entries), from the encoding's definition."""
     return _elem_table(elem, str(torch.device(device)) if device is not None else "cpu")
+
+
+def warm_elem_tables(device) -> None:
+    """Make the value table of every element format narrower than 8 bits on ``device`` now. Called where a
+    layer reaches a GPU (``fast.state.prepare``): a table first made inside a CUDA graph's warm-up or
+    capture would be memory of the graph's pool kept alive by this cache, which CUDA graph trees
+    (``torch.compile(mode="reduce-overhead")``) refuse."""
+    from .formats import FORMATS
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None:
+        d = torch.device("cuda", torch.cuda.current_device())
+    for f in FORMATS.values():
+        elem = getattr(f, "elem", None)
+        if elem is not None and elem.bits < 8:
+            elem_table(elem, d)
 
 
 @functools.lru_cache(maxsize=64)   # a few formats x devices; ``_elem_table.cache_clear()`` forgets them

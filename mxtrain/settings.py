@@ -88,11 +88,11 @@ class Settings:
         True, "MXTRAIN_REUSE_ACT", "Layers reading one input (q/k/v, gate/up) quantize its operands once "
         "(eager only). Same results either way.", "bool")
     wgrad_x: str = _knob(
-        "auto", "MXTRAIN_WGRAD_X", "Where X's Wgrad operand is quantized on the fast path: `forward` (with its "
-        "Fprop operand; the backward keeps the packed FP4 codes), `backward` (the backward keeps X, or the "
-        "compiler recomputes X from tensors it keeps anyway, and quantizes it there: one more read of X), `auto`: "
-        "`backward` in compiled graphs, `forward` eagerly. Same values either way.", "choice",
-        choices=("auto", "forward", "backward"))
+        "forward", "MXTRAIN_WGRAD_X", "Where X's Wgrad operand is quantized on the fast path: `forward` (with its "
+        "Fprop operand; the backward keeps packed FP4 codes + scales, 0.53 bytes a value), `backward` (the "
+        "backward keeps X itself and quantizes it there). On the H100 at 8B layer shapes, whole step compiled: "
+        "`backward` 2.6 % faster, 3.4 GiB (9.6 %) more peak memory (BENCHMARKS.md). Same values either way.",
+        "choice", choices=("forward", "backward"))
     fast_launch: str = _knob(
         "auto", "MXTRAIN_FAST_LAUNCH", "Launch plans: a quantize configuration seen before is launched through its "
         "compiled kernel directly (less host time): `auto` on GPUs, `always` also under Triton's interpreter "

@@ -73,6 +73,6 @@ def test_variant_settings_apply_while_it_runs():
                          batch=1, seq=16, steps=1, warmup=0, compile_mode="none", device="cpu")
     finally:
         bs._one_variant = real
-    assert seen == ["backward"] and settings.current().wgrad_x == "auto"
+    assert seen == ["backward"] and settings.current().wgrad_x == "forward"
     assert res["runs"]["mxfp4-all:wgrad_x=backward"]["ms"] > 0
     assert "wgrad_x" in res["runs"]["mxfp4-all:wgrad_x=nowhere"]["error"]

@@ -489,8 +489,8 @@ def test_wgrad_x_in_forward_or_backward_gives_the_same_gradients(recipe, compile
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_wgrad_x_in_backward_keeps_no_codes_in_a_compiled_block():
-    """A compiled transformer block with ``wgrad_x=backward`` keeps no packed FP4 codes for its backward
-    (uint8 tensors) and fewer bytes in all than with ``forward``."""
+    """What a compiled transformer block keeps for its backward: packed FP4 codes (uint8) with
+    ``wgrad_x=forward``, none with ``backward`` (X itself instead: more bytes, 2 a value against 0.53)."""
     import mxtrain
     from mxtrain.model import Block, ModelConfig, rope_tables
     cfg = ModelConfig(dim=256, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=768, vocab_size=64)
@@ -513,6 +513,6 @@ def test_wgrad_x_in_backward_keeps_no_codes_in_a_compiled_block():
                 y = f(x, cos, sin)
             y.float().sum().backward()
         out[mode] = kept
-    assert any(d == torch.uint8 for d, _ in out["forward"])
-    assert not any(d == torch.uint8 for d, _ in out["backward"]), out["backward"]
-    assert sum(n for _, n in out["backward"]) < sum(n for _, n in out["forward"])
+    assert any(d == torch.uint8 and n for d, n in out["forward"])
+    assert not any(d == torch.uint8 and n for d, n in out["backward"]), out["backward"]
+    assert sum(n for _, n in out["backward"]) > sum(n for _, n in out["forward"])
