@@ -540,7 +540,8 @@ def _step_progress(name: str, r: dict) -> None:
 
 def bench_step(args) -> dict:
     from . import bench_step as _bs
-    variants = STEP_VARIANTS + _presets(args, STEP_PRESETS)
+    only = [v.strip() for v in (getattr(args, "variants", "") or "").split(",") if v.strip()]
+    variants = only or STEP_VARIANTS + _presets(args, STEP_PRESETS)
     try:
         import torchao.float8  # noqa: F401
     except ImportError:
@@ -550,7 +551,8 @@ def bench_step(args) -> dict:
     layers = args.layers if args.layers else (4 if args.model == "8b-layers" else None)
     res = _bs.measure(variants, model=args.model, layers=layers, batch=args.batch, seq=args.seq,
                       steps=args.steps, warmup=args.warmup, compile_mode=args.compile,
-                      recompute_ffn=args.recompute_ffn, on_variant=_step_progress)
+                      recompute_ffn=args.recompute_ffn, on_variant=_step_progress,
+                      memory_budget=args.memory_budget)
     res["variants"] = variants
     print(_bs.format_table(res), flush=True)
     return {"step": res}
@@ -666,14 +668,18 @@ def run(args) -> int:
     from . import recipes as _recipes
     from . import settings as _settings
     from .bench_step import split_variant
-    for p in _presets(args, []):
+    from .bench_step import TORCHAO
+    named = _presets(args, []) + [v.strip() for v in (getattr(args, "variants", "") or "").split(",") if v.strip()]
+    for p in named:
+        if p in TORCHAO:
+            continue
         try:
             name, over = split_variant(p)
             _settings.fresh().replace(**over)
         except ValueError as e:
-            raise UserError(f"--presets {p!r}: {e}") from None
+            raise UserError(f"variant {p!r}: {e}") from None
         if not _recipes.is_name(name):
-            raise UserError(f"unknown recipe {name!r} in --presets; choose from {', '.join(_recipes.names())}")
+            raise UserError(f"unknown recipe {name!r} in variant {p!r}; choose from {', '.join(_recipes.names())}")
     if not torch.cuda.is_available():
         raise UserError("mxtrain bench needs a CUDA GPU (the fast path's kernels and GEMMs run there)")
     out = {"env": _env(), "command": " ".join(sys.argv)}
@@ -694,6 +700,16 @@ def run(args) -> int:
     else:
         print(text)
     return 0
+
+
+def _budget(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if not 0.0 < v <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number in (0, 1]")
+    return v
 
 
 def _add_args(p: argparse.ArgumentParser) -> None:
@@ -721,6 +737,12 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=10, help="step: timed steps (median reported)")
     p.add_argument("--recompute-ffn", action="store_true",
                    help="step: every variant's compiled blocks recompute their feed-forward outputs in the backward")
+    p.add_argument("--variants", default="",
+                   help="step: exactly these variants, comma-separated (bf16, torchao-tensorwise, torchao-rowwise, "
+                        "recipes, each optionally with settings), instead of the FP8 baselines + --presets")
+    p.add_argument("--memory-budget", type=_budget, default=None,
+                   help="step: torch's activation_memory_budget for every variant, in (0, 1] (the compiler "
+                        "recomputes activations in the backward to save only that share)")
     p.add_argument("--warmup", type=int, default=3, help="step: untimed steps first (compilation)")
     p.add_argument("--glue", default="auto,eager",
                    help="blocks: elementwise layers (RMSNorm, RoPE, SwiGLU) compiled ('auto' on CUDA) and/or 'eager'; "

@@ -130,18 +130,22 @@ def split_variant(v: str) -> tuple[str, dict]:
 
 def measure(variants, model: str = "8b-layers", layers: int | None = 4, batch: int = 4, seq: int = 4096,
             steps: int = 10, warmup: int = 3, compile_mode: str = "default", device="cuda",
-            recompute_ffn: bool = False, on_variant=None) -> dict:
+            recompute_ffn: bool = False, on_variant=None, memory_budget: float | None = None) -> dict:
     """Time and memory of the whole training step for each variant (see the module docstring);
     ``recompute_ffn``: every variant's blocks recompute their feed-forward outputs (``Block.recompute_ffn``);
     ``on_variant(name, result)`` is called as each variant finishes (progress; nothing lost if a later one
-    hangs or the process is stopped)."""
+    hangs or the process is stopped); ``memory_budget``: torch's ``activation_memory_budget`` (in (0, 1]: the
+    compiler recomputes activations in the backward to keep that share of what it would save) for every
+    variant."""
     res = {"model": model, "layers": layers, "batch": batch, "seq": seq, "tokens": batch * seq,
-           "compile": compile_mode, "steps": steps, "warmup": warmup, "recompute_ffn": recompute_ffn, "runs": {}}
+           "compile": compile_mode, "steps": steps, "warmup": warmup, "recompute_ffn": recompute_ffn,
+           "memory_budget": memory_budget, "runs": {}}
     from . import settings
     for v in variants:
         try:
             base, over = split_variant(v)
-            with settings.override(**over):
+            budget = {} if memory_budget is None else {"activation_memory_budget": float(memory_budget)}
+            with settings.override(**over), torch._functorch.config.patch(**budget):
                 res["runs"][v] = _one_variant(base, model, layers, batch, seq, steps, warmup, compile_mode, device,
                                               recompute_ffn)
         except Exception as e:  # noqa: BLE001 - one variant's failure (OOM, torchao missing) is a result
