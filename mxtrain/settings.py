@@ -122,10 +122,11 @@ class Settings:
         "`torch.compile` on CUDA, `compiled` on every device, `eager` never (float32 intermediate rounding "
         "may differ).", "choice", choices=("auto", "compiled", "eager"), numerics=True)
     ref_compile: str = _knob(
-        "off", "MXTRAIN_REF_COMPILE", "Reference path (recipes the fast path does not run: NVFP4, MXFP8, FP6, "
+        "auto", "MXTRAIN_REF_COMPILE", "Reference path (recipes the fast path does not run: NVFP4, MXFP8, FP6, "
         "FP8): each operand's rotation + quantize + dequantize through `torch.compile` (fused kernels): `auto` on "
-        "CUDA tensors of MX formats, `on` for every format and device (tests), `off` (default until checked on a "
-        "GPU) never. Bit-identical to eager on CPU (tests/test_ref_compile.py).", "choice", choices=("auto", "on", "off"),
+        "CUDA tensors with round-to-nearest (stochastic rounding and CUDA graph capture stay eager), `on` also on "
+        "CPU and for stochastic rounding on CPU (tests), `off` never. Bit-identical to eager (tests/test_ref_compile.py, "
+        "CPU and H100); a compile that fails warns and runs eagerly.", "choice", choices=("auto", "on", "off"),
         aliases={**{k: "auto" for k in _TRUE if k != "on"}, **{k: "off" for k in _FALSE}})
     data_dir: str | None = _knob(
         None, "MXTRAIN_DATA", "Folder of the prepared built-in corpus (default `~/.cache/mxtrain/data`). "
