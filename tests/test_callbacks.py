@@ -323,3 +323,25 @@ def test_uncounted_inexact_blocks_are_said_not_recorded_as_zero(tmp_path, monkey
     rows = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     assert rows and all("inexact_blocks" not in r for r in rows)
     assert capsys.readouterr().out.count("inexact FP8-carrier blocks are not counted") == 1
+
+
+def test_memory_budget_applies_while_the_run_compiles_and_is_restored(tmp_path):
+    """``train.memory_budget`` is torch's ``activation_memory_budget`` during the run (when blocks compile),
+    torch's own value again afterwards; values outside (0, 1] are refused before anything is written."""
+    import torch._functorch.config as fc
+    before = fc.activation_memory_budget
+    seen = []
+
+    class Rec(Callback):
+        def on_step_begin(self, step):
+            seen.append(fc.activation_memory_budget)
+    cfg = _cfg(tmp_path / "a", 2)
+    cfg.train.memory_budget = 0.4
+    TR.fit(cfg, callbacks=[Rec()])
+    assert seen == [0.4, 0.4] and fc.activation_memory_budget == before
+    for bad in (0, 1.5, float("nan")):
+        cfg = _cfg(tmp_path / f"b{bad}", 2)
+        cfg.train.memory_budget = bad
+        with pytest.raises(UserError, match="train.memory_budget"):
+            TR.fit(cfg)
+        assert not (tmp_path / f"b{bad}").exists()

@@ -88,6 +88,10 @@ class TrainSection:
     recompute_ffn: bool = False             # compiled blocks: make the feed-forward's linear outputs again in
                                             # the backward instead of keeping them (less memory, two more GEMMs
                                             # a block; same results; mxtrain.model.Block)
+    memory_budget: Optional[float] = None   # compiled blocks: torch's activation_memory_budget in (0, 1]: the
+                                            # compiler recomputes activations in the backward to keep only that
+                                            # share of what it would save (less memory, more recompute); None:
+                                            # torch's default (1.0)
     init_from: Optional[str] = None         # a local Hugging Face Llama folder whose weights initialise the
                                             # model (instead of the random init); None: random init
 

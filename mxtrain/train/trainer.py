@@ -266,6 +266,7 @@ def validate(cfg: TrainConfig) -> None:
     _num("train.seed", t.seed, integer=True)
     _num("train.checkpoint_every", t.checkpoint_every, lo=0, integer=True)
     _num("train.checkpoint_minutes", t.checkpoint_minutes, lo=0)
+    _num("train.memory_budget", getattr(t, "memory_budget", None), lo=0, lo_open=True, hi=1, optional=True)
     keep_steps(cfg)
     _num("log.peak_tflops", lg.peak_tflops, lo=0, lo_open=True, optional=True)
     wandb_project(getattr(lg, "wandb", None))   # true, false or a project name (read only if the field exists)
@@ -739,8 +740,12 @@ def _run(cfg: TrainConfig, resume, callbacks) -> Outcome:
     device = _resolve_device(cfg.train.device)
     env = D.init(str(device) if device.index is not None or device.type == "cpu" else "cuda")
     locks: list = []
+    # (the partitioner reads it when a block's graph is first compiled, during the first steps)
+    budget = cfg.train.memory_budget
+    patch = {} if budget is None else {"activation_memory_budget": float(budget)}
     try:
-        outcome = _train(cfg, resume, env, locks, cbs)
+        with torch._functorch.config.patch(**patch):
+            outcome = _train(cfg, resume, env, locks, cbs)
     finally:
         for lock in locks:   # the run folder's lock (rank 0)
             lock.close()
