@@ -148,10 +148,13 @@ def measure(variants, model: str = "8b-layers", layers: int | None = 4, batch: i
             with settings.override(**over), torch._functorch.config.patch(**budget):
                 res["runs"][v] = _one_variant(base, model, layers, batch, seq, steps, warmup, compile_mode, device,
                                               recompute_ffn)
+                res["runs"][v]["settings"] = over
+                if on_variant is not None:   # (inside: it sees the variant's settings)
+                    on_variant(v, res["runs"][v])
         except Exception as e:  # noqa: BLE001 - one variant's failure (OOM, torchao missing) is a result
             res["runs"][v] = {"error": f"{type(e).__name__}: {e}"[:400]}
-        if on_variant is not None:
-            on_variant(v, res["runs"][v])
+            if on_variant is not None:
+                on_variant(v, res["runs"][v])
         gc.collect()
         if torch.device(device).type == "cuda":
             torch.cuda.empty_cache()

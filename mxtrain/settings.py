@@ -90,8 +90,8 @@ class Settings:
     wgrad_x: str = _knob(
         "forward", "MXTRAIN_WGRAD_X", "Where X's Wgrad operand is quantized on the fast path: `forward` (with its "
         "Fprop operand; the backward keeps packed FP4 codes + scales, 0.53 bytes a value), `backward` (the "
-        "backward keeps X itself and quantizes it there). On the H100 at 8B layer shapes, whole step compiled: "
-        "`backward` 2.6 % faster, 3.4 GiB (9.6 %) more peak memory (BENCHMARKS.md). Same values either way.",
+        "backward keeps X itself and quantizes it there: faster, more memory unless the compiler recomputes X, e.g. "
+        "under `train.memory_budget`; figures in BENCHMARKS.md). Same values either way.",
         "choice", choices=("forward", "backward"))
     fast_launch: str = _knob(
         "auto", "MXTRAIN_FAST_LAUNCH", "Launch plans: a quantize configuration seen before is launched through its "
@@ -126,8 +126,8 @@ class Settings:
         "FP8): each operand's rotation + quantize + dequantize through `torch.compile` (fused kernels): `auto` on "
         "CUDA tensors with round-to-nearest (stochastic rounding and CUDA graph capture stay eager), `on` also on "
         "CPU and for stochastic rounding on CPU (tests), `off` (default: the GPU test suite has not yet completed "
-        "with `auto`) never. Bit-identical to eager (tests/test_ref_compile.py, CPU and H100); `nvfp4` step 1.32x "
-        "faster with `auto` on the H100 (BENCHMARKS.md); a compile that fails warns and runs eagerly.",
+        "with `auto`) never. Bit-identical to eager (tests/test_ref_compile.py, CPU and H100), faster (BENCHMARKS.md); "
+        "a compile that fails warns and runs eagerly.",
         "choice", choices=("auto", "on", "off"),
         aliases={**{k: "auto" for k in _TRUE if k != "on"}, **{k: "off" for k in _FALSE}})
     data_dir: str | None = _knob(

@@ -66,13 +66,11 @@ def test_variant_settings_apply_while_it_runs():
     with pytest.raises(ValueError, match="key=value"):
         bs.split_variant("mxfp4-all:forward")
     seen = []
-    real = bs._one_variant
-    try:
-        bs._one_variant = lambda *a, **k: seen.append(settings.current().wgrad_x) or real(*a, **k)
-        res = bs.measure(["mxfp4-all:wgrad_x=backward", "mxfp4-all:wgrad_x=nowhere"], model="tiny", layers=1,
-                         batch=1, seq=16, steps=1, warmup=0, compile_mode="none", device="cpu")
-    finally:
-        bs._one_variant = real
-    assert seen == ["backward"] and settings.current().wgrad_x == "forward"
+    res = bs.measure(["mxfp4-all:wgrad_x=backward", "mxfp4-all:wgrad_x=nowhere"], model="tiny", layers=1,
+                     batch=1, seq=16, steps=1, warmup=0, compile_mode="none", device="cpu",
+                     on_variant=lambda v, r: seen.append((v, settings.current().wgrad_x, "error" in r)))
+    assert seen == [("mxfp4-all:wgrad_x=backward", "backward", False), ("mxfp4-all:wgrad_x=nowhere", "forward", True)]
+    assert settings.current().wgrad_x == "forward"
     assert res["runs"]["mxfp4-all:wgrad_x=backward"]["ms"] > 0
+    assert res["runs"]["mxfp4-all:wgrad_x=backward"]["settings"] == {"wgrad_x": "backward"}
     assert "wgrad_x" in res["runs"]["mxfp4-all:wgrad_x=nowhere"]["error"]
