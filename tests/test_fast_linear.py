@@ -518,3 +518,29 @@ def test_wgrad_x_in_backward_keeps_no_codes_in_a_compiled_block():
     assert any(d == torch.uint8 and n for d, n in out["forward"])
     assert not any(d == torch.uint8 and n for d, n in out["backward"]), out["backward"]
     assert sum(n for _, n in out["backward"]) > sum(n for _, n in out["forward"])
+
+
+@pytest.mark.parametrize("recipe", ["mxfp4-all-dh16", "mxfp4-all-sr"])
+def test_wgrad_x_placement_same_gradients_eager(recipe):
+    """Eager fast path (CPU under Triton's interpreter, or a GPU): ``wgrad_x=forward`` and ``backward`` give
+    the same output and gradients bit for bit; ``backward`` keeps X instead of the packed operand."""
+    out = {}
+    for mode in ("forward", "backward"):
+        torch.manual_seed(0)
+        rec = recipes.get(recipe)
+        lin = MXLinear(64, 32, recipe=rec, device=DEV, dtype=torch.bfloat16, layer_id=2)
+        x = torch.randn(64, 64, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+        assert fast.applies(x, lin.weight)
+        kept = []
+
+        def pack(t):
+            kept.append(tuple(t.shape))
+            return t
+        with settings.override(wgrad_x=mode):
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                y = fast.apply(x, lin.weight, lin.bias, _Ctx(rec, 2, 3, 0))
+            y.float().backward(torch.linspace(-1, 1, y.numel(), device=DEV).reshape(y.shape))
+        out[mode] = ([y.detach(), x.grad, lin.weight.grad, lin.bias.grad], kept)
+    for a, b in zip(out["forward"][0], out["backward"][0]):
+        assert torch.equal(a, b)
+    assert (64, 64) in out["backward"][1] and (64, 64) not in out["forward"][1]   # X itself, only with backward
