@@ -191,9 +191,23 @@ class Ctx:
                 op.prescale)
         return REF_COMPILE.run(t, signs if rot.enabled else None, key, spec), op.prescale
 
+    def operand_factored(self, t: torch.Tensor, axis: int, name: str, gemm: str, signs):
+        """``operand``, with an NVFP4 operand's tensor scale taken out: ``(values, prescale, g)``, the values
+        exact in bf16 and ``g`` a 0-d float32 tensor (None for other formats, whose values are as
+        ``operand`` gives them)."""
+        op: Operand = self.recipe.operand(name)
+        if not (op.quantized and get_format(op.fmt).kind == "nvfp4"):
+            return (*self.operand(t, axis, name, gemm, signs), None)
+        rot = self.recipe.rotation(gemm)
+        key = self.stream_key(name) if op.rounding == "stochastic" else None
+        spec = (axis, rot.size if rot.enabled else 0, op.fmt, op.block_size, op.rounding, op.scale_rule,
+                op.prescale, True)
+        v, g = REF_COMPILE.run(t, signs if rot.enabled else None, key, spec)
+        return v, op.prescale, g
+
 
 def fake_quantize_operand(t: torch.Tensor, signs: torch.Tensor | None, key, axis: int, rot: int, fmt: str,
-                          block_size, rounding: str, scale_rule: str, prescale: float) -> torch.Tensor:
+                          block_size, rounding: str, scale_rule: str, prescale: float, factored: bool = False):
     """``Ctx.operand``'s values: ``t`` in float32 (float64 stays float64), rotated along ``axis`` by
     ``rot``-element Hadamard blocks (0: none) after zero-padding the axis, quantized and dequantized
     (prescale not undone). A pure function of tensors (``t``, ``signs``, ``key``: None, an int or an int64
@@ -204,6 +218,9 @@ def fake_quantize_operand(t: torch.Tensor, signs: torch.Tensor | None, key, axis
         r = hadamard(pad_axis(r, axis, rot), rot, axis=axis, signs=signs)
     mx = quantize(r, fmt, axis=axis, block_size=block_size, rounding=rounding, scale_rule=scale_rule, key=key,
                   prescale=prescale)
+    if factored:   # NVFP4 without its tensor scale, and that scale (``MXTensor.dequantize_factored``)
+        v, g = mx.dequantize_factored()
+        return v.to(r.dtype), g
     return mx.dequantize(torch.float32).to(r.dtype)
 
 

@@ -18,7 +18,11 @@ the reference's FP8 codes with ``torch._scaled_mm`` (``mxtrain.tensorfp8``); oth
 multiplies dequantized operands in float32, or in the autocast dtype when both operands
 are exact in it (MX values have at most 4 significant bits and a power-of-two scale; the one exception
 is a block whose scale is below about 2**-117, where FP6/FP8 subnormal elements fall under bf16's
-smallest subnormal; MXFP4 is always exact), which changes only the accumulation order. Float64 inputs
+smallest subnormal; MXFP4 is always exact), which changes only the accumulation order. Under autocast an
+NVFP4 operand enters its GEMM without its float32 tensor scale (element x E4M3 block scale: exact in bf16),
+the GEMM accumulates in float32 (bf16 tensor cores on GPUs), and the product is multiplied by the tensor
+scales (``factors_nvfp4``): the NVFP4 values before any rounding, as block-scaled hardware multiplies them,
+where ``MXTensor.dequantize`` rounds block scale x tensor scale to float32 first. Float64 inputs
 (``gradcheck``) keep float64 for everything that is not quantized.
 
 Routes (``route``): ``plain`` (the recipe quantizes nothing: ``F.linear``), ``fast`` (CUDA tensors and a
@@ -39,7 +43,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .context import Ctx, advances_calls, autocast_dtype, compute_dtype, gemm_dtype, needs_seeds, seed_spec
+from .context import (Ctx, advances_calls, autocast_dtype, bf16_exact, compute_dtype, gemm_dtype, needs_seeds,
+                      seed_spec)
+from .formats import get_format
 from . import tensorfp8
 from .recipe import Recipe
 from .recipes import get as get_recipe
@@ -53,6 +59,60 @@ _AMP_NAME = {v: k for k, v in _AMP.items()}
 # ----------------------------------------------------------------------------------------------
 # the reference (the spec)
 
+def factors_nvfp4(recipe: Recipe, a: str, b: str, gemm: str, amp: torch.dtype | None) -> bool:
+    """Does this GEMM multiply NVFP4 operands without their tensor scales (``Ctx.operand_factored``), in the
+    autocast dtype where both operands are then exact, and scale the product by the tensor scales after? (The
+    NVFP4 values before any rounding, as block-scaled hardware multiplies them; BF16 tensor cores instead of
+    a float32 GEMM.)"""
+    if amp is None:
+        return False
+    rot = recipe.rotation(gemm)
+    ops = (recipe.operand(a), recipe.operand(b))
+    nv = [op.quantized and get_format(op.fmt).kind == "nvfp4" for op in ops]
+    return any(nv) and all(n or bf16_exact(op, rot) for n, op in zip(nv, ops))
+
+
+def _mm_f32(a: torch.Tensor, b: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+    """``a @ b`` of values exact in ``dt`` with float32 products and sums, as a float32 tensor: tensor cores
+    with a float32 result on GPUs, a float32 GEMM elsewhere (the products of values exact in bf16 are exact
+    in float32 either way)."""
+    if a.is_cuda and _mm_out_dtype_ok(a.device):
+        return torch.mm(a.to(dt), b.to(dt), out_dtype=torch.float32)
+    return torch.mm(a.to(torch.float32), b.to(torch.float32))
+
+
+_MM_OUT_DTYPE: dict = {}
+
+
+def _mm_out_dtype_ok(device) -> bool:
+    """Can this device's ``torch.mm`` return float32 from bf16 operands (``out_dtype``)? Probed once."""
+    ok = _MM_OUT_DTYPE.get(device)
+    if ok is None:
+        try:
+            one = torch.ones((16, 16), dtype=torch.bfloat16, device=device)
+            ok = bool(torch.mm(one, one, out_dtype=torch.float32).dtype == torch.float32)
+        except (RuntimeError, TypeError, NotImplementedError):
+            ok = False
+        _MM_OUT_DTYPE[device] = ok
+    return ok
+
+
+def _factored_gemm(qctx: Ctx, gemm: str, a, b, amp: torch.dtype, cdt: torch.dtype, device) -> torch.Tensor:
+    """``A @ B`` of two operands ``(tensor, axis, name, transpose)`` quantized with NVFP4 tensor scales taken
+    out (``factors_nvfp4``): float32 accumulation, then times the tensor scales, divided by the prescales."""
+    s = qctx.signs(gemm, device)
+    av, pa, ga = qctx.operand_factored(a[0], a[1], a[2], gemm, s)
+    bv, pb, gb = qctx.operand_factored(b[0], b[1], b[2], gemm, s)
+    y = _mm_f32(av.t() if a[3] else av, bv.t() if b[3] else bv, amp)
+    g = ga if gb is None else (gb if ga is None else ga * gb)
+    if g is not None:
+        y = y * g
+    y = y.to(cdt)
+    if pa * pb != 1.0:
+        y = y / (pa * pb)
+    return y
+
+
 def ref_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, qctx: Ctx,
                 amp: torch.dtype | None) -> torch.Tensor:
     out_dtype = amp if amp is not None else x.dtype
@@ -63,6 +123,9 @@ def ref_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     with torch.autocast(x.device.type, enabled=False):
         if _fp8_mm(r, "fprop_x", "fprop_w", "fprop", cdt, x2.shape[0], weight.shape[0], x2.shape[1], x.device):
             y = tensorfp8.scaled_mm(qctx, x2, -1, "fprop_x", weight, -1, "fprop_w", cdt)
+        elif factors_nvfp4(r, "fprop_x", "fprop_w", "fprop", amp):
+            y = _factored_gemm(qctx, "fprop", (x2, -1, "fprop_x", False), (weight, -1, "fprop_w", True), amp, cdt,
+                               x.device)
         else:
             s = qctx.signs("fprop", x.device)
             xq, px = qctx.operand(x2, -1, "fprop_x", "fprop", s)
@@ -88,6 +151,10 @@ def ref_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, qctx: 
         if need[0] and _fp8_mm(r, "dgrad_dy", "dgrad_w", "dgrad", cdt, M, K, N, dy.device):
             dx = tensorfp8.scaled_mm(qctx, dy2, -1, "dgrad_dy", weight, 0, "dgrad_w", cdt)
             dx = dx.to(x.dtype).reshape(x.shape)
+        elif need[0] and factors_nvfp4(r, "dgrad_dy", "dgrad_w", "dgrad", amp):
+            dx = _factored_gemm(qctx, "dgrad", (dy2, -1, "dgrad_dy", False), (weight, 0, "dgrad_w", False), amp,
+                                cdt, dy.device)
+            dx = dx.to(x.dtype).reshape(x.shape)
         elif need[0]:
             gd = gemm_dtype(r, "dgrad_dy", "dgrad_w", "dgrad", amp, cdt)
             s = qctx.signs("dgrad", dy.device)
@@ -99,6 +166,9 @@ def ref_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, qctx: 
             dx = dx.to(x.dtype).reshape(x.shape)
         if need[1] and _fp8_mm(r, "wgrad_dy", "wgrad_x", "wgrad", cdt, N, K, M, dy.device):
             dw = tensorfp8.scaled_mm(qctx, dy2, 0, "wgrad_dy", x2, 0, "wgrad_x", cdt).to(weight.dtype)
+        elif need[1] and factors_nvfp4(r, "wgrad_dy", "wgrad_x", "wgrad", amp):
+            dw = _factored_gemm(qctx, "wgrad", (dy2, 0, "wgrad_dy", True), (x2, 0, "wgrad_x", False), amp, cdt,
+                                dy.device).to(weight.dtype)
         elif need[1]:
             gd = gemm_dtype(r, "wgrad_dy", "wgrad_x", "wgrad", amp, cdt)
             s = qctx.signs("wgrad", dy.device)

@@ -273,6 +273,19 @@ class MXTensor:
             return d.repeat_interleave(16, dim=-1)
         return self.scales.to(torch.float32).expand(padded)
 
+    def dequantize_factored(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """NVFP4: ``(element * block scale, tensor scale)``: float32 values without the tensor scale, in the
+        original shape and axis order, exact in bf16 and fp16 (at most 2 + 4 significant bits, magnitudes
+        in [2**-10, 2688]), and the 0-d float32 tensor scale ``g``. Their product is the NVFP4 value before
+        any rounding; ``dequantize`` rounds the block multiplier ``b * g`` to float32 first."""
+        if self.fmt.kind != "nvfp4":
+            raise ValueError(f"dequantize_factored is for NVFP4 tensors, not {self.fmt.name}")
+        d = self.scales.to(torch.float32)
+        if isinstance(self.block_size, tuple):
+            d = d.repeat_interleave(16, dim=-2)
+        v = self.elements() * d.repeat_interleave(16, dim=-1)
+        return _unpad(v, self.shape, self.axis), self.global_scale.to(torch.float32)
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Values ``element * scale`` in the original shape and axis order (prescale not undone)."""
         if not self.fmt.quantized:

@@ -198,3 +198,19 @@ def test_cuda_layer_matches_eager(preset):
     assert REF_COMPILE.failed is None
     assert all(_same(a, b) for a, b in zip(got, ref))
     REF_COMPILE.clear()
+
+
+@pytest.mark.parametrize("backend", ["aot_eager"], indirect=True)
+@pytest.mark.parametrize("bs,rnd", [(16, "stochastic"), ((16, 16), "nearest")])
+def test_factored_nvfp4_twin_matches_eager(backend, bs, rnd):
+    """The NVFP4 operand without its tensor scale (``Ctx.operand_factored``) compiles to the same values and
+    scale as eager."""
+    spec = (0, 16, "nvfp4", bs, rnd, "floor", 1.0, True)
+    key = KEY if rnd == "stochastic" else None
+    for x in _inputs():
+        ev, eg = fake_quantize_operand(x, _signs("fixed"), key, *spec)
+        k = torch.tensor(key, dtype=torch.int64) if key is not None else None
+        with settings.override(ref_compile="on"):
+            cv, cg = REF_COMPILE.run(x, _signs("fixed"), k, spec)
+        assert REF_COMPILE.failed is None and spec in REF_COMPILE.compiled
+        assert _same(cv, ev) and _same(cg, eg)
