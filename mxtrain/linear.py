@@ -59,12 +59,13 @@ _AMP_NAME = {v: k for k, v in _AMP.items()}
 # ----------------------------------------------------------------------------------------------
 # the reference (the spec)
 
-def factors_nvfp4(recipe: Recipe, a: str, b: str, gemm: str, amp: torch.dtype | None) -> bool:
+def factors_nvfp4(recipe: Recipe, a: str, b: str, gemm: str, amp: torch.dtype | None,
+                  cdt: torch.dtype = torch.float32) -> bool:
     """Does this GEMM multiply NVFP4 operands without their tensor scales (``Ctx.operand_factored``), in the
     autocast dtype where both operands are then exact, and scale the product by the tensor scales after? (The
     NVFP4 values before any rounding, as block-scaled hardware multiplies them; BF16 tensor cores instead of
-    a float32 GEMM.)"""
-    if amp is None:
+    a float32 GEMM.) Not for float64 computations (``gradcheck``), which stay float64."""
+    if amp is None or cdt != torch.float32:
         return False
     rot = recipe.rotation(gemm)
     ops = (recipe.operand(a), recipe.operand(b))
@@ -123,7 +124,7 @@ def ref_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     with torch.autocast(x.device.type, enabled=False):
         if _fp8_mm(r, "fprop_x", "fprop_w", "fprop", cdt, x2.shape[0], weight.shape[0], x2.shape[1], x.device):
             y = tensorfp8.scaled_mm(qctx, x2, -1, "fprop_x", weight, -1, "fprop_w", cdt)
-        elif factors_nvfp4(r, "fprop_x", "fprop_w", "fprop", amp):
+        elif factors_nvfp4(r, "fprop_x", "fprop_w", "fprop", amp, cdt):
             y = _factored_gemm(qctx, "fprop", (x2, -1, "fprop_x", False), (weight, -1, "fprop_w", True), amp, cdt,
                                x.device)
         else:
@@ -151,7 +152,7 @@ def ref_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, qctx: 
         if need[0] and _fp8_mm(r, "dgrad_dy", "dgrad_w", "dgrad", cdt, M, K, N, dy.device):
             dx = tensorfp8.scaled_mm(qctx, dy2, -1, "dgrad_dy", weight, 0, "dgrad_w", cdt)
             dx = dx.to(x.dtype).reshape(x.shape)
-        elif need[0] and factors_nvfp4(r, "dgrad_dy", "dgrad_w", "dgrad", amp):
+        elif need[0] and factors_nvfp4(r, "dgrad_dy", "dgrad_w", "dgrad", amp, cdt):
             dx = _factored_gemm(qctx, "dgrad", (dy2, -1, "dgrad_dy", False), (weight, 0, "dgrad_w", False), amp,
                                 cdt, dy.device)
             dx = dx.to(x.dtype).reshape(x.shape)
@@ -166,7 +167,7 @@ def ref_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, qctx: 
             dx = dx.to(x.dtype).reshape(x.shape)
         if need[1] and _fp8_mm(r, "wgrad_dy", "wgrad_x", "wgrad", cdt, N, K, M, dy.device):
             dw = tensorfp8.scaled_mm(qctx, dy2, 0, "wgrad_dy", x2, 0, "wgrad_x", cdt).to(weight.dtype)
-        elif need[1] and factors_nvfp4(r, "wgrad_dy", "wgrad_x", "wgrad", amp):
+        elif need[1] and factors_nvfp4(r, "wgrad_dy", "wgrad_x", "wgrad", amp, cdt):
             dw = _factored_gemm(qctx, "wgrad", (dy2, 0, "wgrad_dy", True), (x2, 0, "wgrad_x", False), amp, cdt,
                                 dy.device).to(weight.dtype)
         elif need[1]:

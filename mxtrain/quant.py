@@ -182,6 +182,8 @@ def encode_elem(q: torch.Tensor, elem: ElemFormat) -> torch.Tensor:
 
 def elem_table(elem: ElemFormat, device=None) -> torch.Tensor:
     """float32 value of every code of ``elem`` (2**bits entries), from the encoding's definition."""
+    if torch.compiler.is_compiling():   # (traced: a constant of the graph; the cache is for eager calls)
+        return torch.tensor([elem.decode(c) for c in range(2**elem.bits)], dtype=torch.float32, device=device)
     return _elem_table(elem, str(torch.device(device)) if device is not None else "cpu")
 
 

@@ -49,6 +49,7 @@ def test_factored_gemms_match_float64_math():
              ("wgrad", (dy, 0, "wgrad_dy", True), (x, 0, "wgrad_x", False))]
     for gemm, a, b in cases:
         assert L.factors_nvfp4(r, a[2], b[2], gemm, amp) and not L.factors_nvfp4(r, a[2], b[2], gemm, None)
+        assert not L.factors_nvfp4(r, a[2], b[2], gemm, amp, torch.float64)
         got = L._factored_gemm(q, gemm, a, b, amp, torch.float32, x.device)
         s = q.signs(gemm, x.device)
         av, pa, ga = q.operand_factored(a[0], a[1], a[2], gemm, s)
