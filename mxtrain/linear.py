@@ -82,19 +82,19 @@ def _mm_f32(a: torch.Tensor, b: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
     return torch.mm(a.to(torch.float32), b.to(torch.float32))
 
 
-_MM_OUT_DTYPE: dict = {}
-
-
 def _mm_out_dtype_ok(device) -> bool:
-    """Can this device's ``torch.mm`` return float32 from bf16 operands (``out_dtype``)? Probed once."""
-    ok = _MM_OUT_DTYPE.get(device)
+    """Can this device's ``torch.mm`` return float32 from bf16 operands (``out_dtype``)? Probed once per
+    device (kept in ``mxtrain.kernels.CACHES.probes``)."""
+    from .kernels.caches import CACHES
+    key = f"mm_out_dtype:{device}"
+    ok = CACHES.probes.get(key)
     if ok is None:
         try:
             one = torch.ones((16, 16), dtype=torch.bfloat16, device=device)
             ok = bool(torch.mm(one, one, out_dtype=torch.float32).dtype == torch.float32)
         except (RuntimeError, TypeError, NotImplementedError):
             ok = False
-        _MM_OUT_DTYPE[device] = ok
+        CACHES.probes[key] = ok
     return ok
 
 

@@ -90,3 +90,12 @@ def test_nvfp4_layer_uses_factored_gemms_under_autocast_and_stays_close_to_round
     lin.weight.grad = None
     y2 = lin(x2)
     assert torch.allclose(y.float(), y2.to(torch.bfloat16).float(), rtol=2**-6, atol=1e-3)
+
+
+def test_mm_out_dtype_probe_is_kept_in_the_kernel_caches():
+    from mxtrain.kernels.caches import CACHES
+    CACHES.probes.pop("mm_out_dtype:cpu", None)
+    assert L._mm_out_dtype_ok(torch.device("cpu")) is False          # (CPU: no bf16 -> float32 mm)
+    assert CACHES.probes["mm_out_dtype:cpu"] is False
+    a, b = torch.randn(8, 16).to(torch.bfloat16).float(), torch.randn(16, 4).to(torch.bfloat16).float()
+    assert torch.equal(L._mm_f32(a, b, torch.bfloat16), a @ b)      # exact products, float32 sums

@@ -74,7 +74,8 @@ class KernelCaches:
     * ``capability``: CUDA device index -> compute capability (``mxtrain.kernels.capability``)
     * ``native``: CUDA device index -> whether an MX-native GEMM exists there (``mxdot.supports_native``)
     * ``probes``: device name -> which blockwise ``_scaled_mm`` configurations are exact
-      (``gemm.probe``), and ``"native:<device>"`` -> the native-MX GEMM plan (``gemm.native_plan``)
+      (``gemm.probe``), ``"native:<device>"`` -> the native-MX GEMM plan (``gemm.native_plan``), and
+      ``"mm_out_dtype:<device>"`` -> whether ``torch.mm`` gives float32 from bf16 there (``linear._mm_f32``)
     * ``verified``, ``dual_verified``: kernel variant -> whether its self-check passed on this GPU
       (``quantize_mxfp4_2d``'s fused carrier, ``quantize_mxfp4_dual``)
     * ``plans``, ``dual_plans``: launch plans (``mxfp4.launch.Plan``, ``mxfp4.launch.DualPlan``; None where a
