@@ -149,8 +149,13 @@ def ref_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, qctx: 
     dx = dw = db = None
     with torch.autocast(dy.device.type, enabled=False):
         M, N, K = dy2.shape[0], dy2.shape[1], x2.shape[1]
-        if need[0] and _fp8_mm(r, "dgrad_dy", "dgrad_w", "dgrad", cdt, M, K, N, dy.device):
-            dx = tensorfp8.scaled_mm(qctx, dy2, -1, "dgrad_dy", weight, 0, "dgrad_w", cdt)
+        fp8_dgrad = need[0] and _fp8_mm(r, "dgrad_dy", "dgrad_w", "dgrad", cdt, M, K, N, dy.device)
+        fp8_wgrad = need[1] and _fp8_mm(r, "wgrad_dy", "wgrad_x", "wgrad", cdt, N, K, M, dy.device)
+        dy_codes = None   # (dY's FP8 codes, made once for both GEMMs where they are the same: shares_codes)
+        if fp8_dgrad and fp8_wgrad and tensorfp8.shares_codes(r, "dgrad_dy", "wgrad_dy"):
+            dy_codes = tensorfp8.codes(qctx, dy2, -1, "dgrad_dy")
+        if fp8_dgrad:
+            dx = tensorfp8.scaled_mm(qctx, dy2, -1, "dgrad_dy", weight, 0, "dgrad_w", cdt, a_codes=dy_codes)
             dx = dx.to(x.dtype).reshape(x.shape)
         elif need[0] and factors_nvfp4(r, "dgrad_dy", "dgrad_w", "dgrad", amp, cdt):
             dx = _factored_gemm(qctx, "dgrad", (dy2, -1, "dgrad_dy", False), (weight, 0, "dgrad_w", False), amp,
@@ -165,8 +170,10 @@ def ref_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, qctx: 
             if pa * pb != 1.0:
                 dx = dx / (pa * pb)
             dx = dx.to(x.dtype).reshape(x.shape)
-        if need[1] and _fp8_mm(r, "wgrad_dy", "wgrad_x", "wgrad", cdt, N, K, M, dy.device):
-            dw = tensorfp8.scaled_mm(qctx, dy2, 0, "wgrad_dy", x2, 0, "wgrad_x", cdt).to(weight.dtype)
+        if fp8_wgrad:
+            dw = tensorfp8.scaled_mm(qctx, dy2, 0, "wgrad_dy", x2, 0, "wgrad_x", cdt,
+                                     a_codes=tensorfp8.reorient(dy_codes, 0) if dy_codes is not None else None)
+            dw = dw.to(weight.dtype)
         elif need[1] and factors_nvfp4(r, "wgrad_dy", "wgrad_x", "wgrad", amp, cdt):
             dw = _factored_gemm(qctx, "wgrad", (dy2, 0, "wgrad_dy", True), (x2, 0, "wgrad_x", False), amp, cdt,
                                 dy.device).to(weight.dtype)

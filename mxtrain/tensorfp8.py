@@ -8,7 +8,9 @@ instead: the products of the codes accumulated in float32, then multiplied by th
 operands are the reference's, bit for bit; the result differs from the reference's only by float32
 rounding (the reference rounds each dequantized operand ``code * scale`` to float32 before multiplying,
 ``_scaled_mm`` applies the scales to the accumulated sum) and by the accumulation order. That makes the
-``fp8`` recipe train at FP8 tensor-core speed on Hopper instead of through float32 GEMMs.
+``fp8`` recipe train at FP8 tensor-core speed on Hopper instead of through float32 GEMMs. Per-tensor
+codes do not depend on the axis, so where two operands of one tensor share format, prescale and
+round-to-nearest (``shares_codes``: the ``fp8`` recipe's dY for Dgrad and Wgrad) the backward quantizes it once.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 from .context import Ctx
 from .recipe import Recipe
 
-__all__ = ["applies", "scaled_mm"]
+__all__ = ["applies", "codes", "scaled_mm", "shares_codes", "reorient"]
 
 _FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
@@ -41,7 +43,7 @@ def applies(recipe: Recipe, a_name: str, b_name: str, gemm: str, *dims: int, dev
     return _fp8_capable(torch.device(device))
 
 
-def _codes(qctx: Ctx, t: torch.Tensor, axis: int, name: str):
+def codes(qctx: Ctx, t: torch.Tensor, axis: int, name: str):
     """(FP8 codes with the reduction axis last, contiguous; float32 scale; prescale): the reference's
     quantization of the 2-D ``t`` along ``axis`` (nearest rounding: the two-pass kernel,
     ``kernels.fp8cast``, bit for bit)."""
@@ -54,18 +56,34 @@ def _codes(qctx: Ctx, t: torch.Tensor, axis: int, name: str):
     return mx.data.contiguous(), mx.scales.to(torch.float32).reshape(()), mx.prescale
 
 
+def shares_codes(recipe: Recipe, a_name: str, b_name: str) -> bool:
+    """Do operands ``a_name`` and ``b_name`` of one tensor get the same FP8 codes and scale? Per-tensor
+    scaling does not depend on the axis, so with the same format and prescale and round-to-nearest (a
+    stochastic stream is drawn per operand) the two quantizations are one."""
+    a, b = recipe.operand(a_name), recipe.operand(b_name)
+    return (a.fmt == b.fmt and a.fmt in _FP8 and a.rounding == b.rounding == "nearest"
+            and a.prescale == b.prescale)
+
+
+def reorient(q: tuple, axis: int) -> tuple:
+    """``codes``'s result for reduction ``axis`` from the same tensor's codes made along -1 (or 1)."""
+    codes, scale, prescale = q
+    return (codes if axis in (-1, 1) else codes.t().contiguous()), scale, prescale
+
+
 def _cast_kernel_runs(device: torch.device) -> bool:
     from .kernels import kernels_available
     return kernels_available(device)
 
 
 def scaled_mm(qctx: Ctx, a: torch.Tensor, a_axis: int, a_name: str, b: torch.Tensor, b_axis: int, b_name: str,
-              out_dtype: torch.dtype) -> torch.Tensor:
+              out_dtype: torch.dtype, a_codes: tuple | None = None) -> torch.Tensor:
     """``op(a) @ op(b)^T`` for 2-D ``a`` and ``b`` quantized along ``a_axis`` / ``b_axis`` (-1 or 1: the
     GEMM reduces along the tensor's columns, the stored layout; 0: along its rows, the tensor is used
-    transposed), divided by the two prescales, in ``out_dtype``."""
-    A, sa, pa = _codes(qctx, a, a_axis, a_name)       # (M, R) row-major: what _scaled_mm takes as A
-    Bt, sb, pb = _codes(qctx, b, b_axis, b_name)      # (N, R) row-major, so Bt.t() is (R, N) column-major
+    transposed), divided by the two prescales, in ``out_dtype``. ``a_codes``: ``a``'s quantization along
+    ``a_axis`` made already (``shares_codes``)."""
+    A, sa, pa = a_codes if a_codes is not None else codes(qctx, a, a_axis, a_name)   # (M, R) row-major
+    Bt, sb, pb = codes(qctx, b, b_axis, b_name)      # (N, R) row-major, so Bt.t() is (R, N) column-major
     y = torch._scaled_mm(A, Bt.t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32)
     if pa * pb != 1.0:
         y = y / (pa * pb)

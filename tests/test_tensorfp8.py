@@ -73,7 +73,7 @@ def test_codes_are_the_reference_quantizer(fp8_on):
     x, w, _ = _case(64, 96, 48, torch.float32)
     q = call_context(rec, None)
     for axis in (-1, 0):
-        codes, scale, _ = tensorfp8._codes(q, x, axis, "fprop_x")
+        codes, scale, _ = tensorfp8.codes(q, x, axis, "fprop_x")
         ref = quantize(x, "fp8_e4m3", axis=axis)
         assert torch.equal(codes.float(), ref.data.float().contiguous()) and codes.is_contiguous()
         assert torch.equal(scale, ref.scales.float().reshape(()))
@@ -142,3 +142,26 @@ def test_fp8_recipe_trains_on_the_gpu_like_the_reference(monkeypatch):
         return loss.item()
     fast, ref = train(False), train(True)
     assert abs(fast - ref) <= 1e-3 * abs(ref) + 1e-6, (fast, ref)
+
+
+def test_dy_is_quantized_once_for_both_backward_gemms(fp8_on, monkeypatch):
+    """Per-tensor scaling does not depend on the axis: the ``fp8`` recipe's dY (E5M2, nearest, for Dgrad and
+    Wgrad) is quantized once in the backward, and the gradients equal those of quantizing it twice."""
+    rec = recipes.get("fp8")
+    assert tensorfp8.shares_codes(rec, "dgrad_dy", "wgrad_dy")
+    assert not tensorfp8.shares_codes(rec, "fprop_x", "dgrad_dy")            # E4M3 vs E5M2
+    sr = Recipe("sr", dgrad_dy=Operand("fp8_e5m2", rounding="stochastic"),
+                wgrad_dy=Operand("fp8_e5m2", rounding="stochastic"))
+    assert not tensorfp8.shares_codes(sr, "dgrad_dy", "wgrad_dy")            # one stream per operand
+    x, w, gy = _case(64, 96, 48, torch.float32)
+    real = tensorfp8.codes
+    names = []
+    monkeypatch.setattr(tensorfp8, "codes", lambda q, t, axis, name: (names.append(name), real(q, t, axis, name))[1])
+    once = _fwd_bwd(x, w, gy, lambda a, b: _MXLinearFunction.apply(a, b, None, call_context(rec, None)))
+    assert sorted(names) == sorted(["fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_x"])
+    monkeypatch.setattr(tensorfp8, "shares_codes", lambda *a: False)
+    names.clear()
+    twice = _fwd_bwd(x, w, gy, lambda a, b: _MXLinearFunction.apply(a, b, None, call_context(rec, None)))
+    assert "wgrad_dy" in names
+    for a, b in zip(once, twice):
+        assert torch.equal(a, b)
