@@ -114,15 +114,32 @@ def _factored_gemm(qctx: Ctx, gemm: str, a, b, amp: torch.dtype, cdt: torch.dtyp
     return y
 
 
+def keeps_fp8_x(recipe: Recipe, x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Does the reference keep X's FP8 codes for the backward instead of X (``ref_forward(keep_x=True)``)?
+    Where Fprop and Wgrad both run on FP8 tensor cores and X's codes are the same for both
+    (``tensorfp8.shares_codes``): one quantization of X, 1 byte an element kept instead of 2 or 4.
+    Works on fake tensors."""
+    M, K, N = x.numel() // max(x.shape[-1], 1), x.shape[-1], weight.shape[0]
+    cdt = compute_dtype(x, weight)
+    return (M > 0 and tensorfp8.shares_codes(recipe, "fprop_x", "wgrad_x")
+            and _fp8_mm(recipe, "fprop_x", "fprop_w", "fprop", cdt, M, N, K, x.device)
+            and _fp8_mm(recipe, "wgrad_dy", "wgrad_x", "wgrad", cdt, N, K, M, x.device))
+
+
 def ref_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, qctx: Ctx,
-                amp: torch.dtype | None) -> torch.Tensor:
+                amp: torch.dtype | None, keep_x: bool = False):
+    """The layer output; with ``keep_x`` (``keeps_fp8_x`` true), ``(output, X's FP8 codes tuple)``."""
     out_dtype = amp if amp is not None else x.dtype
     r = qctx.recipe
     cdt = compute_dtype(x, weight)  # float32, or float64 for float64 inputs
     gd = gemm_dtype(r, "fprop_x", "fprop_w", "fprop", amp, cdt)
     x2 = x.reshape(-1, x.shape[-1])  # (M, K)
+    xc = None
     with torch.autocast(x.device.type, enabled=False):
-        if _fp8_mm(r, "fprop_x", "fprop_w", "fprop", cdt, x2.shape[0], weight.shape[0], x2.shape[1], x.device):
+        if keep_x:
+            xc = tensorfp8.codes(qctx, x2, -1, "fprop_x")
+            y = tensorfp8.scaled_mm(qctx, x2, -1, "fprop_x", weight, -1, "fprop_w", cdt, a_codes=xc)
+        elif _fp8_mm(r, "fprop_x", "fprop_w", "fprop", cdt, x2.shape[0], weight.shape[0], x2.shape[1], x.device):
             y = tensorfp8.scaled_mm(qctx, x2, -1, "fprop_x", weight, -1, "fprop_w", cdt)
         elif factors_nvfp4(r, "fprop_x", "fprop_w", "fprop", amp, cdt):
             y = _factored_gemm(qctx, "fprop", (x2, -1, "fprop_x", False), (weight, -1, "fprop_w", True), amp, cdt,
@@ -136,13 +153,18 @@ def ref_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                 y = y / (px * pw)
         if bias is not None:
             y = y + bias.to(cdt)
-    return y.to(out_dtype).reshape(*x.shape[:-1], weight.shape[0])
+    y = y.to(out_dtype).reshape(*x.shape[:-1], weight.shape[0])
+    return (y, xc) if keep_x else y
 
 
-def ref_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, qctx: Ctx, amp: torch.dtype | None,
-                 need: tuple[bool, bool, bool]) -> tuple:
-    """(dX, dW, db) of the reference; an entry is None where ``need`` says False."""
+def ref_backward(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor, qctx: Ctx,
+                 amp: torch.dtype | None, need: tuple[bool, bool, bool], x_codes: tuple | None = None,
+                 x_dtype: torch.dtype | None = None) -> tuple:
+    """(dX, dW, db) of the reference; an entry is None where ``need`` says False. ``x_codes``: X's FP8 codes
+    kept by the forward (``ref_forward(keep_x=True)``) in place of ``x`` (then None; ``x_dtype`` its dtype)."""
     r = qctx.recipe
+    if x is None:   # (only its shape and dtype are read below: a tensor without storage stands in)
+        x = torch.empty((*dy.shape[:-1], weight.shape[1]), dtype=x_dtype, device="meta")
     cdt = compute_dtype(x, weight)
     x2 = x.reshape(-1, x.shape[-1])
     dy2 = dy.reshape(-1, dy.shape[-1])  # (M, N)
@@ -172,7 +194,8 @@ def ref_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, qctx: 
             dx = dx.to(x.dtype).reshape(x.shape)
         if fp8_wgrad:
             dw = tensorfp8.scaled_mm(qctx, dy2, 0, "wgrad_dy", x2, 0, "wgrad_x", cdt,
-                                     a_codes=tensorfp8.reorient(dy_codes, 0) if dy_codes is not None else None)
+                                     a_codes=tensorfp8.reorient(dy_codes, 0) if dy_codes is not None else None,
+                                     b_codes=tensorfp8.reorient(x_codes, 0) if x_codes is not None else None)
             dw = dw.to(weight.dtype)
         elif need[1] and factors_nvfp4(r, "wgrad_dy", "wgrad_x", "wgrad", amp, cdt):
             dw = _factored_gemm(qctx, "wgrad", (dy2, 0, "wgrad_dy", True), (x2, 0, "wgrad_x", False), amp, cdt,
@@ -206,15 +229,22 @@ class _MXLinearFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, qctx: Ctx, amp="auto"):
         if amp == "auto":
             amp = autocast_dtype(x.device.type)
-        ctx.save_for_backward(x, weight)
-        ctx.qctx, ctx.amp, ctx.has_bias = qctx, amp, bias is not None
+        ctx.qctx, ctx.amp, ctx.has_bias, ctx.x_dtype = qctx, amp, bias is not None, x.dtype
+        if ctx.needs_input_grad[1] and keeps_fp8_x(qctx.recipe, x, weight):   # (a Wgrad will need X's codes)
+            y, (codes, scale, prescale) = ref_forward(x, weight, bias, qctx, amp, keep_x=True)
+            ctx.save_for_backward(None, weight, codes, scale)
+            ctx.x_prescale = prescale
+            return y
+        ctx.save_for_backward(x, weight, None, None)
         return ref_forward(x, weight, bias, qctx, amp)
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
+        x, weight, codes, scale = ctx.saved_tensors
         n = ctx.needs_input_grad
-        dx, dw, db = ref_backward(dy, x, weight, ctx.qctx, ctx.amp, (n[0], n[1], ctx.has_bias and n[2]))
+        xc = (codes, scale, ctx.x_prescale) if codes is not None else None
+        dx, dw, db = ref_backward(dy, x, weight, ctx.qctx, ctx.amp, (n[0], n[1], ctx.has_bias and n[2]),
+                                  x_codes=xc, x_dtype=ctx.x_dtype)
         return dx, dw, db, None, None
 
 
@@ -331,6 +361,9 @@ def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
             s0, s1 = fast.pack_operand(wq)
             return y, s0, s1
         return y, _empty(x), _empty(x)
+    if need_wgrad and keeps_fp8_x(r, x, weight):   # (X's FP8 codes and scale, kept instead of X)
+        y, (codes, scale, _) = ref_forward(x, weight, bias, qctx, a, keep_x=True)
+        return y.contiguous(), codes, scale.reshape(())
     return ref_forward(x, weight, bias, qctx, a).contiguous(), _empty(x), _empty(x)
 
 
@@ -345,6 +378,10 @@ def _(x, weight, bias, keys, signs, recipe, amp, need_wgrad):
         if shapes is not None:
             (sh0, dt0), (sh1, dt1) = shapes
             return y, x.new_empty(sh0, dtype=dt0), x.new_empty(sh1, dtype=dt1)
+    elif need_wgrad and keeps_fp8_x(r, x, weight):
+        M = x.numel() // max(x.shape[-1], 1)
+        return (y, x.new_empty((M, x.shape[-1]), dtype=tensorfp8.FP8_DTYPES[r.operand("fprop_x").fmt]),
+                x.new_empty((), dtype=torch.float32))
     return y, _empty(x), _empty(x)
 
 
@@ -358,7 +395,10 @@ def _linear_backward_op(dy: torch.Tensor, x: Optional[torch.Tensor], weight: tor
     qctx = _op_ctx(r, keys, signs)
     a = _AMP[amp]
     need = (need_dx, need_dw, need_db)
-    if s0.numel():
+    if s0.numel() and s0.dtype in tensorfp8.FP8_DTYPES.values():   # X's FP8 codes (keeps_fp8_x)
+        dx, dw, db = ref_backward(dy, None, weight, qctx, a, need, x_codes=(s0, s1, r.operand("wgrad_x").prescale),
+                                  x_dtype=x_dtype)
+    elif s0.numel():
         from . import fast
         wq = fast.unpack_operand(s0, s1, weight.shape[1], dy.numel() // max(dy.shape[-1], 1))
         dx, dw, db = fast.backward(dy, None, weight, wq, qctx, a, x_dtype, need)

@@ -10,7 +10,8 @@ rounding (the reference rounds each dequantized operand ``code * scale`` to floa
 ``_scaled_mm`` applies the scales to the accumulated sum) and by the accumulation order. That makes the
 ``fp8`` recipe train at FP8 tensor-core speed on Hopper instead of through float32 GEMMs. Per-tensor
 codes do not depend on the axis, so where two operands of one tensor share format, prescale and
-round-to-nearest (``shares_codes``: the ``fp8`` recipe's dY for Dgrad and Wgrad) the backward quantizes it once.
+round-to-nearest (``shares_codes``) it is quantized once: the ``fp8`` recipe's X for Fprop and Wgrad (the
+forward keeps X's FP8 codes for the backward instead of X: ``linear.keeps_fp8_x``) and dY for Dgrad and Wgrad.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ import torch
 from .context import Ctx
 from .recipe import Recipe
 
-__all__ = ["applies", "codes", "scaled_mm", "shares_codes", "reorient"]
+__all__ = ["FP8_DTYPES", "applies", "codes", "scaled_mm", "shares_codes", "reorient"]
 
-_FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}   # format -> its codes' dtype
 
 
 def _fp8_capable(device: torch.device) -> bool:
@@ -36,7 +37,7 @@ def applies(recipe: Recipe, a_name: str, b_name: str, gemm: str, *dims: int, dev
     """Can this GEMM of ``recipe`` (operands ``a_name``, ``b_name``; ``dims``: M, N and the reduction
     length) run as ``scaled_mm``?"""
     fa, fb = recipe.operand(a_name).fmt, recipe.operand(b_name).fmt
-    if fa not in _FP8 or fb not in _FP8 or (fa == "fp8_e5m2" and fb == "fp8_e5m2"):
+    if fa not in FP8_DTYPES or fb not in FP8_DTYPES or (fa == "fp8_e5m2" and fb == "fp8_e5m2"):
         return False
     if recipe.rotation(gemm).enabled or any(d % 16 for d in dims):
         return False
@@ -61,7 +62,7 @@ def shares_codes(recipe: Recipe, a_name: str, b_name: str) -> bool:
     scaling does not depend on the axis, so with the same format and prescale and round-to-nearest (a
     stochastic stream is drawn per operand) the two quantizations are one."""
     a, b = recipe.operand(a_name), recipe.operand(b_name)
-    return (a.fmt == b.fmt and a.fmt in _FP8 and a.rounding == b.rounding == "nearest"
+    return (a.fmt == b.fmt and a.fmt in FP8_DTYPES and a.rounding == b.rounding == "nearest"
             and a.prescale == b.prescale)
 
 
@@ -77,13 +78,13 @@ def _cast_kernel_runs(device: torch.device) -> bool:
 
 
 def scaled_mm(qctx: Ctx, a: torch.Tensor, a_axis: int, a_name: str, b: torch.Tensor, b_axis: int, b_name: str,
-              out_dtype: torch.dtype, a_codes: tuple | None = None) -> torch.Tensor:
+              out_dtype: torch.dtype, a_codes: tuple | None = None, b_codes: tuple | None = None) -> torch.Tensor:
     """``op(a) @ op(b)^T`` for 2-D ``a`` and ``b`` quantized along ``a_axis`` / ``b_axis`` (-1 or 1: the
     GEMM reduces along the tensor's columns, the stored layout; 0: along its rows, the tensor is used
     transposed), divided by the two prescales, in ``out_dtype``. ``a_codes``: ``a``'s quantization along
-    ``a_axis`` made already (``shares_codes``)."""
+    ``a_axis`` made already (``shares_codes``); ``b_codes`` likewise for ``b``."""
     A, sa, pa = a_codes if a_codes is not None else codes(qctx, a, a_axis, a_name)   # (M, R) row-major
-    Bt, sb, pb = codes(qctx, b, b_axis, b_name)      # (N, R) row-major, so Bt.t() is (R, N) column-major
+    Bt, sb, pb = b_codes if b_codes is not None else codes(qctx, b, b_axis, b_name)  # (N, R): Bt.t() col-major
     y = torch._scaled_mm(A, Bt.t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32)
     if pa * pb != 1.0:
         y = y / (pa * pb)

@@ -144,9 +144,10 @@ def test_fp8_recipe_trains_on_the_gpu_like_the_reference(monkeypatch):
     assert abs(fast - ref) <= 1e-3 * abs(ref) + 1e-6, (fast, ref)
 
 
-def test_dy_is_quantized_once_for_both_backward_gemms(fp8_on, monkeypatch):
-    """Per-tensor scaling does not depend on the axis: the ``fp8`` recipe's dY (E5M2, nearest, for Dgrad and
-    Wgrad) is quantized once in the backward, and the gradients equal those of quantizing it twice."""
+def test_x_and_dy_are_quantized_once(fp8_on, monkeypatch):
+    """Per-tensor scaling does not depend on the axis: the ``fp8`` recipe's X (E4M3, for Fprop and Wgrad) is
+    quantized once, in the forward, which keeps its FP8 codes for the backward instead of X; dY (E5M2, for
+    Dgrad and Wgrad) once in the backward. Outputs and gradients equal those of quantizing each twice."""
     rec = recipes.get("fp8")
     assert tensorfp8.shares_codes(rec, "dgrad_dy", "wgrad_dy")
     assert not tensorfp8.shares_codes(rec, "fprop_x", "dgrad_dy")            # E4M3 vs E5M2
@@ -157,11 +158,37 @@ def test_dy_is_quantized_once_for_both_backward_gemms(fp8_on, monkeypatch):
     real = tensorfp8.codes
     names = []
     monkeypatch.setattr(tensorfp8, "codes", lambda q, t, axis, name: (names.append(name), real(q, t, axis, name))[1])
-    once = _fwd_bwd(x, w, gy, lambda a, b: _MXLinearFunction.apply(a, b, None, call_context(rec, None)))
-    assert sorted(names) == sorted(["fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_x"])
+    kept = []
+
+    def pack(t):
+        kept.append((t.dtype, tuple(t.shape)))
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        once = _fwd_bwd(x, w, gy, lambda a, b: _MXLinearFunction.apply(a, b, None, call_context(rec, None)))
+    assert sorted(names) == sorted(["fprop_x", "fprop_w", "dgrad_dy", "dgrad_w"])
+    assert (torch.float8_e4m3fn, (64, 96)) in kept and (x.dtype, (64, 96)) not in kept   # X's codes, not X
     monkeypatch.setattr(tensorfp8, "shares_codes", lambda *a: False)
     names.clear()
     twice = _fwd_bwd(x, w, gy, lambda a, b: _MXLinearFunction.apply(a, b, None, call_context(rec, None)))
-    assert "wgrad_dy" in names
+    assert "wgrad_dy" in names and "wgrad_x" in names
     for a, b in zip(once, twice):
         assert torch.equal(a, b)
+
+
+def test_compiled_layer_keeps_x_codes_not_x(fp8_on):
+    """Under torch.compile (the ``mxtrain::linear`` op) the ``fp8`` layer also keeps X's FP8 codes and scale
+    for the backward instead of X, with the same gradients as eagerly."""
+    x, w, gy = _case(64, 96, 48, torch.float32)
+    eager = _fwd_bwd(x, w, gy, lambda a, b: mx_linear(a, b, recipe="fp8"))
+    torch._dynamo.reset()
+    comp = torch.compile(lambda a, b: mx_linear(a, b, recipe="fp8"), backend="aot_eager", fullgraph=True)
+    kept = []
+
+    def pack(t):
+        kept.append((t.dtype, tuple(t.shape)))
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        got = _fwd_bwd(x, w, gy, comp)
+    assert (torch.float8_e4m3fn, (64, 96)) in kept and (torch.float32, (64, 96)) not in kept, kept
+    for g, r in zip(got, eager):
+        assert torch.equal(g, r)
