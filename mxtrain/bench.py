@@ -535,6 +535,8 @@ def _step_progress(name: str, r: dict) -> None:
         line = f"failed: {r['error']}"
     else:
         line = f"{r['ms']:.1f} ms/step, {r['tokens_per_s']:,.0f} tokens/s, peak {r.get('peak_gib', float('nan')):.2f} GiB"
+        if any((r.get("inexact_blocks") or {}).values()):
+            line += ", inexact carrier blocks " + ", ".join(f"{k} {v:,}" for k, v in r["inexact_blocks"].items())
     print(f"bench step: {name}: {line}", file=sys.stderr, flush=True)
 
 

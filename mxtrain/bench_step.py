@@ -13,8 +13,9 @@ the same initialization, on the same random tokens:
 
 Per variant: the median step time over ``steps`` timed steps after ``warmup`` steps (CUDA events
 around whole steps), tokens per second, the peak memory of a step (``max_memory_allocated``, the
-weights and optimizer state included), and the ratios to BF16 and to the fastest FP8 variant of the
-same run. A variant that fails (out of memory, say) is reported with its error; the others still run.
+weights and optimizer state included), on a GPU the fast path's inexact carrier blocks counted over the
+variant's steps by tensor, and the ratios to BF16 and to the fastest FP8 variant of the same run. A
+variant that fails (out of memory, say) is reported with its error; the others still run.
 
 A variant may carry settings (``docs/settings.md``) after a colon, applied while it is built, compiled and
 timed: ``mxfp4-all-dh16:wgrad_x=forward`` or ``mxfp4-all:dual=off:qfold=false``.
@@ -86,6 +87,8 @@ def _one_variant(variant: str, model: str, layers: int | None, batch: int, seq: 
         opt.zero_grad(set_to_none=True)
         return loss
 
+    from . import fast
+    inexact0 = fast.inexact_by_tensor(dev) if cuda else None
     t_compile = time.perf_counter()
     for _ in range(warmup):
         loss = step()
@@ -112,6 +115,10 @@ def _one_variant(variant: str, model: str, layers: int | None, batch: int, seq: 
            "params": m.num_params()}
     if cuda:
         out["peak_gib"] = peak
+        # MXFP4 blocks the FP8 carrier could not hold exactly, over this variant's steps, by tensor
+        # (``mxtrain.fast.inexact_by_tensor``; 0 everywhere: every GEMM multiplied the exact MX values)
+        after = fast.inexact_by_tensor(dev)
+        out["inexact_blocks"] = {k: after[k] - inexact0[k] for k in after}
     del m, f, opt
     return out
 

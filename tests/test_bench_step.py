@@ -74,3 +74,13 @@ def test_variant_settings_apply_while_it_runs():
     assert res["runs"]["mxfp4-all:wgrad_x=backward"]["ms"] > 0
     assert res["runs"]["mxfp4-all:wgrad_x=backward"]["settings"] == {"wgrad_x": "backward"}
     assert "wgrad_x" in res["runs"]["mxfp4-all:wgrad_x=nowhere"]["error"]
+
+
+def test_progress_line_names_inexact_blocks(capsys):
+    from mxtrain import bench
+    bench._step_progress("mxfp4-all", {"ms": 10.0, "tokens_per_s": 1000.0, "peak_gib": 1.0,
+                                       "inexact_blocks": {"x": 3, "w": 0, "dy": 12}})
+    bench._step_progress("bf16", {"ms": 10.0, "tokens_per_s": 1000.0, "peak_gib": 1.0,
+                                  "inexact_blocks": {"x": 0, "w": 0, "dy": 0}})
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].endswith("inexact carrier blocks x 3, w 0, dy 12") and "inexact" not in err[1]
