@@ -230,7 +230,9 @@ class _MXLinearFunction(torch.autograd.Function):
         if amp == "auto":
             amp = autocast_dtype(x.device.type)
         ctx.qctx, ctx.amp, ctx.has_bias, ctx.x_dtype = qctx, amp, bias is not None, x.dtype
-        if ctx.needs_input_grad[1] and keeps_fp8_x(qctx.recipe, x, weight):   # (a Wgrad will need X's codes)
+        # (a Wgrad will need X's codes; the wgrad_x setting as in the compiled op: backward keeps X)
+        from . import settings
+        if ctx.needs_input_grad[1] and settings.current().wgrad_x == "forward" and keeps_fp8_x(qctx.recipe, x, weight):
             y, (codes, scale, prescale) = ref_forward(x, weight, bias, qctx, amp, keep_x=True)
             ctx.save_for_backward(None, weight, codes, scale)
             ctx.x_prescale = prescale

@@ -88,8 +88,9 @@ class Settings:
         True, "MXTRAIN_REUSE_ACT", "Layers reading one input (q/k/v, gate/up) quantize its operands once "
         "(eager only). Same results either way.", "bool")
     wgrad_x: str = _knob(
-        "forward", "MXTRAIN_WGRAD_X", "Where X's Wgrad operand is quantized on the fast path: `forward` (with its "
-        "Fprop operand; the backward keeps packed FP4 codes + scales, 0.53 bytes a value), `backward` (the "
+        "forward", "MXTRAIN_WGRAD_X", "Where X's Wgrad operand is quantized on the fast path (and the `fp8` "
+        "recipe's FP8 GEMMs): `forward` (with its Fprop operand; the backward keeps packed FP4 codes + scales, "
+        "0.53 bytes a value, or FP8 codes), `backward` (the "
         "backward keeps X itself and quantizes it there: faster, more memory unless the compiler recomputes X, e.g. "
         "under `train.memory_budget`; figures in BENCHMARKS.md). Same values either way.",
         "choice", choices=("forward", "backward"))

@@ -192,3 +192,25 @@ def test_compiled_layer_keeps_x_codes_not_x(fp8_on):
     assert (torch.float8_e4m3fn, (64, 96)) in kept and (torch.float32, (64, 96)) not in kept, kept
     for g, r in zip(got, eager):
         assert torch.equal(g, r)
+
+
+def test_wgrad_x_backward_keeps_x_instead_of_codes(fp8_on):
+    """``wgrad_x=backward`` keeps X itself for the backward (as on the fast path), eagerly and compiled, with
+    the same gradients."""
+    from mxtrain import settings
+    x, w, gy = _case(64, 96, 48, torch.float32)
+    base = _fwd_bwd(x, w, gy, lambda a, b: mx_linear(a, b, recipe="fp8"))
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        f = (torch.compile(lambda a, b: mx_linear(a, b, recipe="fp8"), backend="aot_eager", fullgraph=True)
+             if compiled else (lambda a, b: mx_linear(a, b, recipe="fp8")))
+        kept = []
+
+        def pack(t):
+            kept.append((t.dtype, tuple(t.shape)))
+            return t
+        with settings.override(wgrad_x="backward"), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            got = _fwd_bwd(x, w, gy, f)
+        assert (torch.float32, (64, 96)) in kept and (torch.float8_e4m3fn, (64, 96)) not in kept, (compiled, kept)
+        for g, r in zip(got, base):
+            assert torch.equal(g, r)
