@@ -262,6 +262,7 @@ def _cooldown_plot(cool: dict, colors: dict[str, str]) -> bytes | None:
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     base = cool.get("baseline")
     nb = len(arms)
+    any_extra = False
     for i, (n, a) in enumerate(arms.items()):
         c = colors.get(n)
         rows = a["budgets"]
@@ -274,7 +275,9 @@ def _cooldown_plot(cool: dict, colors: dict[str, str]) -> bytes | None:
             ys = [100 * r["extra"] if r.get("extra") is not None else float("nan") for r in rows]
             lo = [y - 100 * r["ci95"][0] if r.get("ci95") and r.get("extra") is not None else 0 for y, r in zip(ys, rows)]
             hi = [100 * r["ci95"][1] - y if r.get("ci95") and r.get("extra") is not None else 0 for y, r in zip(ys, rows)]
-            axes[1].errorbar(off, ys, yerr=[lo, hi], marker="o", capsize=4, color=c, label=n)
+            if any(y == y for y in ys):  # not all NaN
+                any_extra = True
+                axes[1].errorbar(off, ys, yerr=[lo, hi], marker="o", capsize=4, color=c, label=n)
     fit = cool.get("fit")
     if fit:
         tt = [r["tokens"] for r in arms[base]["budgets"]] if base in arms else []
@@ -283,11 +286,15 @@ def _cooldown_plot(cool: dict, colors: dict[str, str]) -> bytes | None:
             axes[0].plot(xs, C.power_law(fit, xs), color=colors.get(base), lw=1.5, alpha=0.8,
                          label=f"{base} fit: {fit['E']:.3f} + B D^-{fit['beta']:.2f}")
     axes[1].axhline(0, color="k", lw=1)
-    for ax in axes:
+    if not any_extra:  # e.g. too few budgets or seeds for the baseline's fit: say so instead of an empty plot
+        axes[1].text(0.5, 0.5, "no extra-token estimate:\nthe baseline's L(D) fit needs at least 3 budgets",
+                     ha="center", va="center", transform=axes[1].transAxes, fontsize=10)
+    for ax in (axes if any_extra else axes[:1]):
         ax.set_xscale("log")
-        ax.set_xlabel("tokens (end of the cooldown branch)")
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=9)
+    for ax in axes:
+        ax.set_xlabel("tokens (end of the cooldown branch)")
     axes[0].set_ylabel("cooled-down val loss")
     axes[0].set_title("cooled-down loss per budget (seed mean)\nand the baseline's power-law fit", fontsize=10)
     axes[1].set_ylabel("extra tokens vs baseline (%)")
