@@ -7,6 +7,8 @@ marked ``cuda`` add large shapes and the FP8-carrier GEMM.
 
 import contextlib
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -421,6 +423,21 @@ def test_compat_module_reexports_the_package():
     assert old._out_shapes is kq.carrier.out_shapes and old._e4m3_bits is device._e4m3_bits
     for gone in ("SELF_CHECK_DEVICES", "FORCE_IDX64", "_use_plans", "_INTERPRET", "_Plan", "_DualPlan"):
         assert not hasattr(old, gone) and not hasattr(kq, gone), gone
+
+
+@pytest.mark.skipif(DEV != "cpu", reason="the GPU tests run the compiled kernels instead")
+def test_kernels_compile_for_sm90():
+    """The interpreter compiles nothing: one variant of each layout of ``_mxfp4_kernel`` and the dual kernel
+    (which calls it as a device function, ``pid_r`` / ``pid_k`` given) compiled for sm_90
+    (``tools/compile_check.py``)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    only = ["tile r16 signs car+fp4", "blocks r16 signs fold car", "cols r32 sr car+fp4", "dual r0 fp4_b seq idx64"]
+    p = subprocess.run([sys.executable, os.path.join(root, "tools", "compile_check.py"), "--jobs", "2",
+                        *[a for o in only for a in ("--only", o)]], capture_output=True, text=True, env=env,
+                       cwd=root, timeout=600)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    assert sorted(ln.split("  regs")[0].strip() for ln in p.stdout.splitlines()) == sorted(only), p.stdout
 
 
 def test_record_launches_nests():

@@ -22,7 +22,7 @@ from .mxfp4.launch import i32 as _i32  # noqa: F401
 
 try:
     from .mxfp4.device import _e4m3_bits, _mix32  # noqa: F401
-    from .mxfp4.kernels import _mxfp4_blk_kernel, _mxfp4_cols_kernel, _mxfp4_dual_kernel, _mxfp4_kernel  # noqa: F401
+    from .mxfp4.kernels import _mxfp4_dual_kernel, _mxfp4_kernel  # noqa: F401
 except ImportError:  # pragma: no cover - without Triton
     pass
 

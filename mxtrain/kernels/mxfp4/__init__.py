@@ -9,7 +9,8 @@ The public surface (what ``mxtrain.fast``, the GEMMs, benchmarks and tests use);
 * ``launch``: the launch table (``kernel_for``, ``block_config``, register caps, folded normalization, the
   one-pass policy ``dual_applies``), the kernels' argument tuples, launch plans and ``record_launches``;
 * ``verify``: the once-per-variant self-check and its fallback (``selfcheck``);
-* ``kernels``: the four Triton kernels (tile, blocks, cols, dual); ``device``: their shared device functions.
+* ``kernels``: the two Triton kernels (single-pass, in three layouts: tile, blocks, cols; and dual); ``device``:
+  their shared device functions.
 
 Tests and benchmarks choose kernels and policies through ``mxtrain.settings`` (``qkernel``, ``qjoin``,
 ``qfold``, ``qmaxnreg``, ``dual``, ``fast_launch``, ``qselfcheck``) and through arguments

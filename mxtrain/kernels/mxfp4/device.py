@@ -5,9 +5,9 @@ Every helper does the reference's float32 operations (``mxtrain.quant``, ``mxtra
 are bit-exact: exact power-of-two scaling built from bits, round-half-even through
 ``(y + 1.5*2**23) - 1.5*2**23`` (exact for 0 <= y < 2**22), floor by truncation (y >= 0), the reference's
 butterfly stage order (``tl.reshape``/``tl.permute``/``tl.split``/``tl.join`` views), and the same 32-bit
-counter hash for stochastic rounding. Three groups: the tile kernel's (``_bfly`` and the scalar helpers), the
-blocks kernel's four [BR, 4, 8] pieces (``_bfly8``, ``_piece``, ``_pack4``), and the cols kernel's tuples of 32
-tensors (``_bfly_tuple``, ``_join_tree``).
+counter hash for stochastic rounding. Three groups, by the layout of ``_mxfp4_kernel`` that uses them: the tile
+layout's (``_bfly`` and the scalar helpers), the blocks layout's four [BR, 4, 8] pieces (``_bfly8``, ``_piece``,
+``_pack4``), and the cols layout's tuples of 32 tensors (``_bfly_tuple``, ``_join_tree``).
 """
 
 from __future__ import annotations

@@ -1,28 +1,36 @@
-"""The four MXFP4 quantize kernels (Triton): [signs * Hadamard] -> block amax -> E8M0 scale -> prescale ->
+"""The MXFP4 quantize kernels (Triton): [signs * Hadamard] -> block amax -> E8M0 scale -> prescale ->
 nearest/stochastic rounding -> packed FP4 codes + E8M0 scales and/or the FP8 e4m3 carrier (``carrier.py``).
 
 One program handles a tile of ``BR`` rows x 128 reduction elements (4 MX blocks of 32, one carrier group).
 The tile is read through two strides, so quantizing along columns (Wgrad: along tokens) reads the
-transposed tile directly from the row-major tensor: no transpose copy. The kernels write identical bytes;
-``launch.kernel_for`` picks one (the ``qkernel`` setting forces one):
+transposed tile directly from the row-major tensor: no transpose copy. Two kernels:
 
-* ``_mxfp4_kernel`` ("tile"): any rotation, the whole tile as one [BR, 128] tensor;
-* ``_mxfp4_blk_kernel`` ("blocks", ``_blk_tile``): rotations up to 32 wide; the tile as four pieces so that a
-  thread holds whole MX blocks (1.2-2x faster on an H100, BENCHMARKS.md);
-* ``_mxfp4_cols_kernel`` ("cols", ``_cols_tile``): inputs whose output rows are the contiguous axis; the
-  tile as 32 coalesced [4, BR] tensors;
-* ``_mxfp4_dual_kernel`` ("dual"): both FP8-carrier operands of a row-major tensor from one read
-  (``_blk_tile`` along rows, ``_cols_tile`` along columns).
+* ``_mxfp4_kernel``: one pass along rows or columns. Its ``LAYOUT`` constexpr picks how a program holds the
+  tile (each layout writes identical bytes; ``launch.kernel_for`` picks one, the ``qkernel`` setting forces
+  one), and only that layout's code is compiled:
 
-The three single-pass kernels share one signature (pointers, sizes and strides, key, 1/sqrt(rot),
-prescale, then the constexprs); Triton binds a kernel's arguments by name, so each spells it out. On the
-host the argument tuples are built in one place each, ``launch.single_args`` and ``launch.dual_args``.
-Kernels are launched with ``enable_fp_fusion=False`` so no multiply-add is contracted to an FMA.
+  - "tile": any rotation, the whole tile as one [BR, 128] tensor;
+  - "blocks": rotations up to 32 wide; the tile as four pieces so that a thread holds whole MX blocks
+    (1.2-2x faster on an H100, BENCHMARKS.md);
+  - "cols": inputs whose output rows are the contiguous axis; the tile as 32 coalesced [4, BR] tensors.
+
+* ``_mxfp4_dual_kernel`` ("dual"): both FP8-carrier operands of a row-major tensor from one read. Each of its
+  programs runs ``_mxfp4_kernel`` as a device function on one tile ("blocks" along rows, "cols" along
+  columns), naming the tile through ``pid_r`` / ``pid_k`` (launched, ``_mxfp4_kernel`` takes its program
+  ids).
+
+The single-pass signature (8 pointers, sizes and strides, key, 1/sqrt(rot), prescale, then the constexprs) is
+written once, in ``_mxfp4_kernel``; the constexprs that only some layouts read (``USE_ASM``, ``JOIN_STORE``,
+``PACK``, ``FOLD``) have defaults that the others ignore. Spelled out elsewhere are only what must name each
+argument: the call sites in ``_mxfp4_dual_kernel`` (per side, which of its own arguments fills each one) and,
+on the host, the argument tuples (``launch.single_args``, ``launch.dual_args``), one place each. Kernels are
+launched with ``enable_fp_fusion=False`` so no multiply-add is contracted to an FMA; ``tools/compile_check.py``
+compiles representative variants for sm_90 without a GPU.
 
 Triton's float32 -> float8e4nv cast (the hardware cvt.rn.satfinite.e4m3x2.f32, which converts pairs of
-registers) wrote wrong bytes for every other row of many tile layouts on sm_90 with Triton 3.6 (on an H100,
-17 of 82 variants failed, all with that cast; BENCHMARKS.md). The tile kernel builds the e4m3 bits with
-float32 ops; the blocks and cols kernels issue the instruction through their own inline PTX on pairs of one
+registers) wrote wrong bytes for every other row of many register layouts on sm_90 with Triton 3.6 (on an H100,
+17 of 82 variants failed, all with that cast; BENCHMARKS.md). The tile layout builds the e4m3 bits with
+float32 ops; the blocks and cols layouts issue the instruction through their own inline PTX on pairs of one
 thread's consecutive values (``_e4m3_bits``). The per-variant self-check (``verify.py``) stays as the safety
 net for all of them.
 """
@@ -30,6 +38,8 @@ net for all of them.
 from __future__ import annotations
 
 from .device import triton
+
+LAYOUTS = ("tile", "blocks", "cols")   # values of _mxfp4_kernel's LAYOUT (the names launch.kernel_for returns)
 
 if triton is not None:
     import triton.language as tl
@@ -49,9 +59,19 @@ if triton is not None:
         BR: tl.constexpr, ROT: tl.constexpr, HAS_SIGNS: tl.constexpr, RULE: tl.constexpr,
         SR: tl.constexpr, PRESCALE: tl.constexpr, GROUP_ROWS: tl.constexpr,
         WRITE_CARRIER: tl.constexpr, WRITE_FP4: tl.constexpr, IDX64: tl.constexpr, KEY_PTR: tl.constexpr,
+        LAYOUT: tl.constexpr,              # "tile", "blocks" or "cols" (LAYOUTS)
+        USE_ASM: tl.constexpr = False,     # blocks, cols: the hardware e4m3 conversion (inline PTX)
+        JOIN_STORE: tl.constexpr = False,  # blocks: one store per thread and block (the qjoin setting)
+        PACK: tl.constexpr = 4,            # cols: e4m3 conversions per inline-PTX call (2 or 4)
+        FOLD: tl.constexpr = False,        # blocks, cols: 1/sqrt(ROT) folded into the block scales
+        pid_r=None, pid_k=None,            # the tile (row block, reduction block); launched: the program ids
     ):
-        pid_r = tl.program_id(0)
-        pid_k = tl.program_id(1)
+        """Quantize the tile (row block ``pid_r``, reduction block ``pid_k``) of a (R, K) view, read through
+        the strides (``sx_r``, ``sx_k``), in the layout ``LAYOUT``. Launched, the tile is the program's;
+        ``_mxfp4_dual_kernel`` calls it as a device function with ``pid_r`` and ``pid_k``."""
+        if pid_r is None:
+            pid_r = tl.program_id(0)
+            pid_k = tl.program_id(1)
         if KEY_PTR:  # the seed read from device memory (refreshed between CUDA-graph replays)
             key = tl.load(key_ptr)
         if IDX64:  # offsets beyond 2**31 - 1: 64-bit index math (costs integer throughput)
@@ -60,453 +80,376 @@ if triton is not None:
         else:
             rows = pid_r * BR + tl.arange(0, BR)
             kbase = pid_k * 128
-        cols = kbase + tl.arange(0, 128)
-        r2 = rows[:, None]
-        c2 = cols[None, :]
-        r3 = rows[:, None, None]
-        c3 = kbase + (tl.arange(0, 4) * 32)[None, :, None] + tl.arange(0, 32)[None, None, :]
-        inb = (r2 < R) & (c2 < K)
-        x = tl.load(x_ptr + r2 * sx_r + c2 * sx_k, mask=inb, other=0.0).to(tl.float32)
 
-        # ---- optional blockwise Hadamard (signs first, butterfly h = 1..ROT/2, one scale multiply)
-        if ROT > 0:
-            if HAS_SIGNS:
-                sg = tl.load(signs_ptr + (tl.arange(0, 128) % ROT))
-                x = x * sg[None, :]
-            if ROT > 1:
-                x = _bfly(x, BR, 1)
-            if ROT > 2:
-                x = _bfly(x, BR, 2)
-            if ROT > 4:
-                x = _bfly(x, BR, 4)
-            if ROT > 8:
-                x = _bfly(x, BR, 8)
-            if ROT > 16:
-                x = _bfly(x, BR, 16)
-            if ROT > 32:
-                x = _bfly(x, BR, 32)
-            if ROT > 64:
-                x = _bfly(x, BR, 64)
-            x = x * inv_sqrt
-            # the reference pads with +0 only to whole rotation blocks; beyond that, +0 block padding;
-            # padding rows (up to Rc) hold +0
-            Kr = ((K + ROT - 1) // ROT) * ROT
-            x = tl.where((c2 < Kr) & (r2 < R), x, 0.0)
-        xb = tl.reshape(x, [BR, 4, 32])
-        # ---- block scales (from the values before the prescale, as the reference) (4 blocks of 32 per row)
-        # |x| bit patterns order like the values; NaN/Inf have the largest ones (exponent 0xFF)
-        mbits = tl.max(xb.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2)   # [BR, 4]
-        ok = mbits < 0x7F800000
-        abits = tl.where(ok, mbits, 0)
-        s, nz = _block_scale(abits, RULE)
-        code_sc = tl.where(ok, s + 127, 255)
-
-        # ---- elements
-        if PRESCALE:
-            xb = xb * prescale
-        v = xb * _pow2n(-s)[:, :, None]
-        v = tl.where(ok[:, :, None], v, 0.0)
-        vbits = v.to(tl.int32, bitcast=True)
-        a = tl.minimum(tl.abs(v), 6.0)
-        e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, 0)
-        y = a * _pow2n(1 - e)
-        if SR:
-            idx = r3.to(tl.int64) * si_r + c3.to(tl.int64) * si_k
-            u3 = _uniform(idx, key)
-            fl = y.to(tl.int32).to(tl.float32)
-            rr = fl + tl.where(u3 < (y - fl), 1.0, 0.0)
-        else:
-            rr = (y + 12582912.0) - 12582912.0
-        ri = rr.to(tl.int32)
-        mag = tl.minimum(ri + 2 * e, 7)                              # E2M1 magnitude code
-
-        if WRITE_FP4:
-            code = mag | ((vbits >> 28) & 8)
-            c2d = tl.reshape(code, [BR, 64, 2])
-            lo4, hi4 = tl.split(c2d)
-            byte = (lo4 | (hi4 << 4)).to(tl.uint8)
-            jb = kbase // 2 + tl.arange(0, 64)
-            m4 = (r2 < R) & (jb[None, :] * 2 < Kq)
-            tl.store(fp4_ptr + r2 * (Kq // 2) + jb[None, :], byte, mask=m4)
-            bidx = kbase // 32 + tl.arange(0, 4)
-            msc = (r2 < R) & (bidx[None, :] * 32 < Kq)
-            tl.store(sc_ptr + r2 * (Kq // 32) + bidx[None, :], code_sc.to(tl.uint8), mask=msc)
-
-        if WRITE_CARRIER:
-            live = ok & nz
-            G, kexp = _carrier_exp(s, live, GROUP_ROWS)                # kexp [BR, 4]
-            inexact = live & (kexp < -8)
-            # e4m3 bits of c = (FP4 value) * 2**kexp, exact in float32 (the value has at most two
-            # significant bits). In e4m3's normal range the bits are the float32 exponent and top
-            # mantissa bits, rebiased; below 2**-6 they are the subnormal count k = RNE(c * 2**9),
-            # rounded by the float add of 1.5 * 2**23. (Float ops: the integer pipes have half the
-            # throughput, and Triton's fp32 -> e4m3 cast wrote wrong bytes on sm_90: module docstring.)
-            cval = rr * _pow2n(tl.maximum(e - 1 + kexp[:, :, None], -126))
-            nrm = (cval.to(tl.int32, bitcast=True) >> 20) - 960
-            sub = (cval * 512.0 + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
-            bits8 = tl.where(cval < 0.015625, sub, nrm)
-            bits8 = bits8 | ((vbits >> 24) & 0x80)
-            bits8 = tl.where(ok[:, :, None], bits8, 0x7F)
-            # stored through 3-D pointers (no reshape back to [BR, 128])
-            tl.store(car_ptr + r3 * Kc + c3, bits8.to(tl.uint8), mask=r3 < Rc)
-            gval = _pow2(G - 6)
-            if GROUP_ROWS == 1:
-                tl.store(gs_ptr + rows * gs_sr + pid_k * gs_sk, gval, mask=rows < Rc)
-            else:
-                tl.store(gs_ptr + pid_r * gs_sr + pid_k * gs_sk, gval)
-            nin = tl.sum(tl.sum((inexact & (rows[:, None] < R)).to(tl.int32), axis=1), axis=0)
-            tl.atomic_add(cnt_ptr, nin, mask=nin > 0)  # rare: no contention on the common path
-
-    @triton.jit
-    def _blk_tile(
-        pid_r, pid_k,
-        x_ptr, signs_ptr, car_ptr, gs_ptr, fp4_ptr, sc_ptr, cnt_ptr, key_ptr,
-        R, K, Rc,
-        sx_r, sx_k, si_r, si_k, Kc, Kq, gs_sr, gs_sk,
-        key, inv_sqrt, prescale,
-        BR: tl.constexpr, ROT: tl.constexpr, HAS_SIGNS: tl.constexpr, RULE: tl.constexpr,
-        SR: tl.constexpr, PRESCALE: tl.constexpr, GROUP_ROWS: tl.constexpr,
-        WRITE_CARRIER: tl.constexpr, WRITE_FP4: tl.constexpr, IDX64: tl.constexpr, KEY_PTR: tl.constexpr,
-        USE_ASM: tl.constexpr,
-        JOIN_STORE: tl.constexpr,
-        FOLD: tl.constexpr = False,
-    ):
-        """Same contract as ``_mxfp4_kernel`` for ROT in (0, 2, 4, 8, 16, 32). The 128-wide tile is
-        loaded as four pieces x0..x3 of shape [BR, 4, 8] (piece j = elements 8j..8j+7 of each MX
-        block), so each thread holds whole MX blocks: block maxima and rotation stages h >= 8 are
-        register-local; stages h < 8 stay inside a thread's 8 contiguous values."""
-        if KEY_PTR:  # the seed read from device memory (refreshed between CUDA-graph replays)
-            key = tl.load(key_ptr)
-        if IDX64:
-            rows = pid_r.to(tl.int64) * BR + tl.arange(0, BR).to(tl.int64)
-            kbase = pid_k.to(tl.int64) * 128
-        else:
-            rows = pid_r * BR + tl.arange(0, BR)
-            kbase = pid_k * 128
-        r3 = rows[:, None, None]
-        blk = tl.arange(0, 4)[None, :, None]
-        ee = tl.arange(0, 8)[None, None, :]
-        c0 = kbase + blk * 32 + ee                     # [1, 4, 8] columns of piece 0
-        c1 = c0 + 8
-        c2 = c0 + 16
-        c3 = c0 + 24
-        rm = r3 < R
-        xp = x_ptr + r3 * sx_r
-        x0 = tl.load(xp + c0 * sx_k, mask=rm & (c0 < K), other=0.0).to(tl.float32)
-        x1 = tl.load(xp + c1 * sx_k, mask=rm & (c1 < K), other=0.0).to(tl.float32)
-        x2 = tl.load(xp + c2 * sx_k, mask=rm & (c2 < K), other=0.0).to(tl.float32)
-        x3 = tl.load(xp + c3 * sx_k, mask=rm & (c3 < K), other=0.0).to(tl.float32)
-
-        if ROT > 0:
-            if HAS_SIGNS:
-                lb = blk * 32 + ee
-                x0 = x0 * tl.load(signs_ptr + lb % ROT)
-                x1 = x1 * tl.load(signs_ptr + (lb + 8) % ROT)
-                x2 = x2 * tl.load(signs_ptr + (lb + 16) % ROT)
-                x3 = x3 * tl.load(signs_ptr + (lb + 24) % ROT)
-            if ROT > 1:
-                x0 = _bfly8(x0, BR, 1)
-                x1 = _bfly8(x1, BR, 1)
-                x2 = _bfly8(x2, BR, 1)
-                x3 = _bfly8(x3, BR, 1)
-            if ROT > 2:
-                x0 = _bfly8(x0, BR, 2)
-                x1 = _bfly8(x1, BR, 2)
-                x2 = _bfly8(x2, BR, 2)
-                x3 = _bfly8(x3, BR, 2)
-            if ROT > 4:
-                x0 = _bfly8(x0, BR, 4)
-                x1 = _bfly8(x1, BR, 4)
-                x2 = _bfly8(x2, BR, 4)
-                x3 = _bfly8(x3, BR, 4)
-            if ROT > 8:
-                t0 = x0 - x1
-                x0 = x0 + x1
-                x1 = t0
-                t2 = x2 - x3
-                x2 = x2 + x3
-                x3 = t2
-            if ROT > 16:
-                t0 = x0 - x2
-                x0 = x0 + x2
-                x2 = t0
-                t1 = x1 - x3
-                x1 = x1 + x3
-                x3 = t1
-            if not FOLD:   # FOLD: the 1/sqrt(ROT) normalization goes into the block scales (below)
-                x0 = x0 * inv_sqrt
-                x1 = x1 * inv_sqrt
-                x2 = x2 * inv_sqrt
-                x3 = x3 * inv_sqrt
-            if HAS_SIGNS:  # signs turn padding zeros into -0; the reference pads +0 past whole rotation
-                # blocks, and padding rows (up to Rc) hold +0
-                Kr = ((K + ROT - 1) // ROT) * ROT
-                x0 = tl.where((c0 < Kr) & rm, x0, 0.0)
-                x1 = tl.where((c1 < Kr) & rm, x1, 0.0)
-                x2 = tl.where((c2 < Kr) & rm, x2, 0.0)
-                x3 = tl.where((c3 < Kr) & rm, x3, 0.0)
-
-        # ---- block scales: |x| maximum per MX block (NaN propagates), as the reference
-        m = tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1), propagate_nan=tl.PropagateNan.ALL),
-                       tl.maximum(tl.abs(x2), tl.abs(x3), propagate_nan=tl.PropagateNan.ALL),
-                       propagate_nan=tl.PropagateNan.ALL)
-        # the last 8 in-thread values by their bit patterns (ordered as the values; NaN above all)
-        abits = tl.max(m.to(tl.int32, bitcast=True), axis=2)             # [BR, 4]
-        if FOLD:   # the normalized block maximum (exact: see _fold_applies)
-            abits = (abits.to(tl.float32, bitcast=True) * inv_sqrt).to(tl.int32, bitcast=True)
-        ok = abits < 0x7F800000                                           # not NaN / Inf
-        abits = tl.where(ok, abits, 0)
-        s, nz = _block_scale(abits, RULE)
-        code_sc = tl.where(ok, s + 127, 255)
-        if FOLD:
-            sc = (_pow2n(-s) * inv_sqrt)[:, :, None]
-        else:
-            sc = _pow2n(-s)[:, :, None]
-        ok3 = ok[:, :, None]
-
-        if WRITE_CARRIER:
-            live = ok & nz
-            G, kexp = _carrier_exp(s, live, GROUP_ROWS)
-            inexact = live & (kexp < -8)
-            fc = tl.where(ok, _pow2n(tl.maximum(kexp, -126)), float("nan"))[:, :, None]
-        else:
-            fc = sc
-
-        if SR:
-            if IDX64:
-                ri = r3.to(tl.int64) * si_r
-                i0 = ri + c0.to(tl.int64) * si_k
-                i1 = ri + c1.to(tl.int64) * si_k
-                i2 = ri + c2.to(tl.int64) * si_k
-                i3 = ri + c3.to(tl.int64) * si_k
-            else:   # every index below 2**31 (IDX64 counts the index strides too)
-                ri = r3 * si_r
-                i0 = ri + c0 * si_k
-                i1 = ri + c1 * si_k
-                i2 = ri + c2 * si_k
-                i3 = ri + c3 * si_k
-        else:
-            i0 = 0
-            i1 = 0
-            i2 = 0
-            i3 = 0
-        b0, q0 = _piece(x0, sc, fc, ok3, SR, i0, key, PRESCALE, prescale, WRITE_CARRIER, WRITE_FP4, USE_ASM)
-        b1, q1 = _piece(x1, sc, fc, ok3, SR, i1, key, PRESCALE, prescale, WRITE_CARRIER, WRITE_FP4, USE_ASM)
-        b2, q2 = _piece(x2, sc, fc, ok3, SR, i2, key, PRESCALE, prescale, WRITE_CARRIER, WRITE_FP4, USE_ASM)
-        b3, q3 = _piece(x3, sc, fc, ok3, SR, i3, key, PRESCALE, prescale, WRITE_CARRIER, WRITE_FP4, USE_ASM)
-
-        if WRITE_FP4:
-            fb = fp4_ptr + r3 * (Kq // 2)
-            if JOIN_STORE:   # the block's 16 bytes in one store
-                p01 = tl.reshape(tl.permute(tl.join(_pack4(q0), _pack4(q1)), (0, 1, 3, 2)), [BR, 4, 8])
-                p23 = tl.reshape(tl.permute(tl.join(_pack4(q2), _pack4(q3)), (0, 1, 3, 2)), [BR, 4, 8])
-                pp = tl.reshape(tl.permute(tl.join(p01, p23), (0, 1, 3, 2)), [BR, 4, 16])
-                jb = kbase // 2 + blk * 16 + tl.arange(0, 16)[None, None, :]
-                tl.store(fb + jb, pp, mask=rm & (jb * 2 < Kq))
-            else:
-                jb = kbase // 2 + blk * 16 + tl.arange(0, 4)[None, None, :]    # byte columns of piece 0
-                tl.store(fb + jb, _pack4(q0), mask=rm & (jb * 2 < Kq))
-                tl.store(fb + jb + 4, _pack4(q1), mask=rm & ((jb + 4) * 2 < Kq))
-                tl.store(fb + jb + 8, _pack4(q2), mask=rm & ((jb + 8) * 2 < Kq))
-                tl.store(fb + jb + 12, _pack4(q3), mask=rm & ((jb + 12) * 2 < Kq))
+        if LAYOUT == "tile":
+            # ================================================================ tile: one [BR, 128] tensor
+            cols = kbase + tl.arange(0, 128)
             r2 = rows[:, None]
-            bidx = kbase // 32 + tl.arange(0, 4)[None, :]
-            tl.store(sc_ptr + r2 * (Kq // 32) + bidx, code_sc.to(tl.uint8), mask=(r2 < R) & (bidx * 32 < Kq))
+            c2 = cols[None, :]
+            r3 = rows[:, None, None]
+            c3 = kbase + (tl.arange(0, 4) * 32)[None, :, None] + tl.arange(0, 32)[None, None, :]
+            inb = (r2 < R) & (c2 < K)
+            x = tl.load(x_ptr + r2 * sx_r + c2 * sx_k, mask=inb, other=0.0).to(tl.float32)
 
-        if WRITE_CARRIER:
-            if JOIN_STORE:  # one 32-byte run per thread and block: join the pieces back in column order
-                b01 = tl.reshape(tl.permute(tl.join(b0, b1), (0, 1, 3, 2)), [BR, 4, 16])
-                b23 = tl.reshape(tl.permute(tl.join(b2, b3), (0, 1, 3, 2)), [BR, 4, 16])
-                bb = tl.reshape(tl.permute(tl.join(b01, b23), (0, 1, 3, 2)), [BR, 4, 32])
-                cb = kbase + blk * 32 + tl.arange(0, 32)[None, None, :]
-                tl.store(car_ptr + r3 * Kc + cb, bb, mask=r3 < Rc)
-            else:  # four 8-byte stores per thread and block, straight from the pieces' registers
-                cp = car_ptr + r3 * Kc
-                mc = r3 < Rc
-                tl.store(cp + c0, b0, mask=mc)
-                tl.store(cp + c1, b1, mask=mc)
-                tl.store(cp + c2, b2, mask=mc)
-                tl.store(cp + c3, b3, mask=mc)
-            gval = _pow2(G - 6)
-            if GROUP_ROWS == 1:
-                tl.store(gs_ptr + rows * gs_sr + pid_k * gs_sk, gval, mask=rows < Rc)
+            # ---- optional blockwise Hadamard (signs first, butterfly h = 1..ROT/2, one scale multiply)
+            if ROT > 0:
+                if HAS_SIGNS:
+                    sg = tl.load(signs_ptr + (tl.arange(0, 128) % ROT))
+                    x = x * sg[None, :]
+                if ROT > 1:
+                    x = _bfly(x, BR, 1)
+                if ROT > 2:
+                    x = _bfly(x, BR, 2)
+                if ROT > 4:
+                    x = _bfly(x, BR, 4)
+                if ROT > 8:
+                    x = _bfly(x, BR, 8)
+                if ROT > 16:
+                    x = _bfly(x, BR, 16)
+                if ROT > 32:
+                    x = _bfly(x, BR, 32)
+                if ROT > 64:
+                    x = _bfly(x, BR, 64)
+                x = x * inv_sqrt
+                # the reference pads with +0 only to whole rotation blocks; beyond that, +0 block padding;
+                # padding rows (up to Rc) hold +0
+                Kr = ((K + ROT - 1) // ROT) * ROT
+                x = tl.where((c2 < Kr) & (r2 < R), x, 0.0)
+            xb = tl.reshape(x, [BR, 4, 32])
+            # ---- block scales (from the values before the prescale, as the reference) (4 blocks of 32 per row)
+            # |x| bit patterns order like the values; NaN/Inf have the largest ones (exponent 0xFF)
+            mbits = tl.max(xb.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2)   # [BR, 4]
+            ok = mbits < 0x7F800000
+            abits = tl.where(ok, mbits, 0)
+            s, nz = _block_scale(abits, RULE)
+            code_sc = tl.where(ok, s + 127, 255)
+
+            # ---- elements
+            if PRESCALE:
+                xb = xb * prescale
+            v = xb * _pow2n(-s)[:, :, None]
+            v = tl.where(ok[:, :, None], v, 0.0)
+            vbits = v.to(tl.int32, bitcast=True)
+            a = tl.minimum(tl.abs(v), 6.0)
+            e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, 0)
+            y = a * _pow2n(1 - e)
+            if SR:
+                idx = r3.to(tl.int64) * si_r + c3.to(tl.int64) * si_k
+                u3 = _uniform(idx, key)
+                fl = y.to(tl.int32).to(tl.float32)
+                rr = fl + tl.where(u3 < (y - fl), 1.0, 0.0)
             else:
-                tl.store(gs_ptr + pid_r * gs_sr + pid_k * gs_sk, gval)
-            bad = inexact & (rows[:, None] < R)
-            tl.atomic_add(cnt_ptr + tl.zeros_like(s), 1, mask=bad)   # rare: usually no lane is active
+                rr = (y + 12582912.0) - 12582912.0
+            ri = rr.to(tl.int32)
+            mag = tl.minimum(ri + 2 * e, 7)                              # E2M1 magnitude code
 
+            if WRITE_FP4:
+                code = mag | ((vbits >> 28) & 8)
+                c2d = tl.reshape(code, [BR, 64, 2])
+                lo4, hi4 = tl.split(c2d)
+                byte = (lo4 | (hi4 << 4)).to(tl.uint8)
+                jb = kbase // 2 + tl.arange(0, 64)
+                m4 = (r2 < R) & (jb[None, :] * 2 < Kq)
+                tl.store(fp4_ptr + r2 * (Kq // 2) + jb[None, :], byte, mask=m4)
+                bidx = kbase // 32 + tl.arange(0, 4)
+                msc = (r2 < R) & (bidx[None, :] * 32 < Kq)
+                tl.store(sc_ptr + r2 * (Kq // 32) + bidx[None, :], code_sc.to(tl.uint8), mask=msc)
 
-    @triton.jit(do_not_specialize=["key"])
-    def _mxfp4_blk_kernel(
-        x_ptr, signs_ptr, car_ptr, gs_ptr, fp4_ptr, sc_ptr, cnt_ptr, key_ptr,
-        R, K, Rc,
-        sx_r, sx_k, si_r, si_k, Kc, Kq, gs_sr, gs_sk,
-        key, inv_sqrt, prescale,
-        BR: tl.constexpr, ROT: tl.constexpr, HAS_SIGNS: tl.constexpr, RULE: tl.constexpr,
-        SR: tl.constexpr, PRESCALE: tl.constexpr, GROUP_ROWS: tl.constexpr,
-        WRITE_CARRIER: tl.constexpr, WRITE_FP4: tl.constexpr, IDX64: tl.constexpr, KEY_PTR: tl.constexpr,
-        USE_ASM: tl.constexpr,
-        JOIN_STORE: tl.constexpr,
-        FOLD: tl.constexpr,
-    ):
-        """``_blk_tile`` on the tile of this program: (row block, reduction block) = program ids."""
-        _blk_tile(
-            tl.program_id(0), tl.program_id(1),
-            x_ptr, signs_ptr, car_ptr, gs_ptr, fp4_ptr, sc_ptr, cnt_ptr, key_ptr, R, K, Rc, sx_r, sx_k, si_r,
-            si_k, Kc, Kq, gs_sr, gs_sk, key, inv_sqrt, prescale, BR, ROT, HAS_SIGNS, RULE, SR, PRESCALE,
-            GROUP_ROWS, WRITE_CARRIER, WRITE_FP4, IDX64, KEY_PTR, USE_ASM, JOIN_STORE, FOLD)
-
-    @triton.jit
-    def _cols_tile(
-        pid_r, pid_k,
-        x_ptr, signs_ptr, car_ptr, gs_ptr, fp4_ptr, sc_ptr, cnt_ptr, key_ptr,
-        R, K, Rc,
-        sx_r, sx_k, si_r, si_k, Kc, Kq, gs_sr, gs_sk,
-        key, inv_sqrt, prescale,
-        BR: tl.constexpr, ROT: tl.constexpr, HAS_SIGNS: tl.constexpr, RULE: tl.constexpr,
-        SR: tl.constexpr, PRESCALE: tl.constexpr, GROUP_ROWS: tl.constexpr,
-        WRITE_CARRIER: tl.constexpr, WRITE_FP4: tl.constexpr, IDX64: tl.constexpr, KEY_PTR: tl.constexpr,
-        USE_ASM: tl.constexpr,
-        PACK: tl.constexpr,
-        FOLD: tl.constexpr = False,
-    ):
-        """Same contract as ``_mxfp4_kernel`` for ROT in (0, 2, 4, 8, 16, 32), made for inputs whose
-        output rows are the contiguous axis (quantizing along columns: a [tokens, features] activation
-        or gradient along tokens, for Wgrad). The 128-long reduction range is loaded as 32 tensors
-        x[j] of shape [4, BR] (x[j][b, r] = element 32 b + j of the range, row r): every load is
-        coalesced along the rows, and the block maxima and every rotation stage are element-wise
-        between the 32 tensors. Only the 1-byte results change layout: joined into [4, BR, 32], each
-        thread stores whole 32-byte carrier blocks (16-byte FP4 blocks) of the transposed output."""
-        if KEY_PTR:  # the seed read from device memory (refreshed between CUDA-graph replays)
-            key = tl.load(key_ptr)
-        if IDX64:
-            rows = pid_r.to(tl.int64) * BR + tl.arange(0, BR).to(tl.int64)
-            kbase = pid_k.to(tl.int64) * 128
-        else:
-            rows = pid_r * BR + tl.arange(0, BR)
-            kbase = pid_k * 128
-        r2 = rows[None, :]                                  # [1, BR]
-        kb = kbase + tl.arange(0, 4)[:, None] * 32          # [4, 1] first column of each MX block
-        rm = r2 < R
-        xp = x_ptr + r2 * sx_r
-        xs = ()
-        for j in tl.static_range(32):
-            xs = xs + (tl.load(xp + (kb + j) * sx_k, mask=rm & (kb + j < K), other=0.0).to(tl.float32),)
-
-        if ROT > 0:
-            if HAS_SIGNS:
-                w = ()
-                for j in tl.static_range(32):
-                    w = w + (xs[j] * tl.load(signs_ptr + j % ROT),)
-                xs = w
-            if ROT > 1:
-                xs = _bfly_tuple(xs, 1)
-            if ROT > 2:
-                xs = _bfly_tuple(xs, 2)
-            if ROT > 4:
-                xs = _bfly_tuple(xs, 4)
-            if ROT > 8:
-                xs = _bfly_tuple(xs, 8)
-            if ROT > 16:
-                xs = _bfly_tuple(xs, 16)
-            w = ()
-            for j in tl.static_range(32):
-                if FOLD:   # the 1/sqrt(ROT) normalization goes into the block scales (below)
-                    v = xs[j]
+            if WRITE_CARRIER:
+                live = ok & nz
+                G, kexp = _carrier_exp(s, live, GROUP_ROWS)                # kexp [BR, 4]
+                inexact = live & (kexp < -8)
+                # e4m3 bits of c = (FP4 value) * 2**kexp, exact in float32 (the value has at most two
+                # significant bits). In e4m3's normal range the bits are the float32 exponent and top
+                # mantissa bits, rebiased; below 2**-6 they are the subnormal count k = RNE(c * 2**9),
+                # rounded by the float add of 1.5 * 2**23. (Float ops: the integer pipes have half the
+                # throughput, and Triton's fp32 -> e4m3 cast wrote wrong bytes on sm_90: module docstring.)
+                cval = rr * _pow2n(tl.maximum(e - 1 + kexp[:, :, None], -126))
+                nrm = (cval.to(tl.int32, bitcast=True) >> 20) - 960
+                sub = (cval * 512.0 + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
+                bits8 = tl.where(cval < 0.015625, sub, nrm)
+                bits8 = bits8 | ((vbits >> 24) & 0x80)
+                bits8 = tl.where(ok[:, :, None], bits8, 0x7F)
+                # stored through 3-D pointers (no reshape back to [BR, 128])
+                tl.store(car_ptr + r3 * Kc + c3, bits8.to(tl.uint8), mask=r3 < Rc)
+                gval = _pow2(G - 6)
+                if GROUP_ROWS == 1:
+                    tl.store(gs_ptr + rows * gs_sr + pid_k * gs_sk, gval, mask=rows < Rc)
                 else:
-                    v = xs[j] * inv_sqrt
-                if HAS_SIGNS:  # signs turn padding zeros into -0: +0 past whole rotation blocks and rows
-                    v = tl.where(rm & (kb + j < ((K + ROT - 1) // ROT) * ROT), v, 0.0)
-                w = w + (v,)
-            xs = w
+                    tl.store(gs_ptr + pid_r * gs_sr + pid_k * gs_sk, gval)
+                nin = tl.sum(tl.sum((inexact & (rows[:, None] < R)).to(tl.int32), axis=1), axis=0)
+                tl.atomic_add(cnt_ptr, nin, mask=nin > 0)  # rare: no contention on the common path
 
-        # ---- block scales: |x| maximum per MX block by bit pattern (ordered as the values; NaN above all)
-        abits = tl.abs(xs[0]).to(tl.int32, bitcast=True)
-        for j in tl.static_range(1, 32):
-            abits = tl.maximum(abits, tl.abs(xs[j]).to(tl.int32, bitcast=True))
-        if FOLD:   # the normalized block maximum (exact: see _fold_applies)
-            abits = (abits.to(tl.float32, bitcast=True) * inv_sqrt).to(tl.int32, bitcast=True)
-        ok = abits < 0x7F800000                                           # not NaN / Inf
-        abits = tl.where(ok, abits, 0)
-        s, nz = _block_scale(abits, RULE)                                 # [4, BR]
-        code_sc = tl.where(ok, s + 127, 255)
-        if FOLD:
-            sc = _pow2n(-s) * inv_sqrt
-        else:
-            sc = _pow2n(-s)
+        elif LAYOUT == "blocks":
+            # ================================================================ blocks: four [BR, 4, 8] pieces
+            # For ROT in (0, 2, 4, 8, 16, 32). The 128-wide tile is loaded as four pieces x0..x3 of shape
+            # [BR, 4, 8] (piece j = elements 8j..8j+7 of each MX block), so each thread holds whole MX blocks:
+            # block maxima and rotation stages h >= 8 are register-local; stages h < 8 stay inside a thread's
+            # 8 contiguous values.
+            r3 = rows[:, None, None]
+            blk = tl.arange(0, 4)[None, :, None]
+            ee = tl.arange(0, 8)[None, None, :]
+            c0 = kbase + blk * 32 + ee                     # [1, 4, 8] columns of piece 0
+            c1 = c0 + 8
+            c2 = c0 + 16
+            c3 = c0 + 24
+            rm = r3 < R
+            xp = x_ptr + r3 * sx_r
+            x0 = tl.load(xp + c0 * sx_k, mask=rm & (c0 < K), other=0.0).to(tl.float32)
+            x1 = tl.load(xp + c1 * sx_k, mask=rm & (c1 < K), other=0.0).to(tl.float32)
+            x2 = tl.load(xp + c2 * sx_k, mask=rm & (c2 < K), other=0.0).to(tl.float32)
+            x3 = tl.load(xp + c3 * sx_k, mask=rm & (c3 < K), other=0.0).to(tl.float32)
 
-        if WRITE_CARRIER:
-            live = ok & nz
-            s_live = tl.where(live, s, -127)
-            if GROUP_ROWS == 1:
-                G = tl.maximum(tl.max(s_live, axis=0), -120)              # [BR]
-                G2 = G[None, :]
+            if ROT > 0:
+                if HAS_SIGNS:
+                    lb = blk * 32 + ee
+                    x0 = x0 * tl.load(signs_ptr + lb % ROT)
+                    x1 = x1 * tl.load(signs_ptr + (lb + 8) % ROT)
+                    x2 = x2 * tl.load(signs_ptr + (lb + 16) % ROT)
+                    x3 = x3 * tl.load(signs_ptr + (lb + 24) % ROT)
+                if ROT > 1:
+                    x0 = _bfly8(x0, BR, 1)
+                    x1 = _bfly8(x1, BR, 1)
+                    x2 = _bfly8(x2, BR, 1)
+                    x3 = _bfly8(x3, BR, 1)
+                if ROT > 2:
+                    x0 = _bfly8(x0, BR, 2)
+                    x1 = _bfly8(x1, BR, 2)
+                    x2 = _bfly8(x2, BR, 2)
+                    x3 = _bfly8(x3, BR, 2)
+                if ROT > 4:
+                    x0 = _bfly8(x0, BR, 4)
+                    x1 = _bfly8(x1, BR, 4)
+                    x2 = _bfly8(x2, BR, 4)
+                    x3 = _bfly8(x3, BR, 4)
+                if ROT > 8:
+                    t0 = x0 - x1
+                    x0 = x0 + x1
+                    x1 = t0
+                    t2 = x2 - x3
+                    x2 = x2 + x3
+                    x3 = t2
+                if ROT > 16:
+                    t0 = x0 - x2
+                    x0 = x0 + x2
+                    x2 = t0
+                    t1 = x1 - x3
+                    x1 = x1 + x3
+                    x3 = t1
+                if not FOLD:   # FOLD: the 1/sqrt(ROT) normalization goes into the block scales (below)
+                    x0 = x0 * inv_sqrt
+                    x1 = x1 * inv_sqrt
+                    x2 = x2 * inv_sqrt
+                    x3 = x3 * inv_sqrt
+                if HAS_SIGNS:  # signs turn padding zeros into -0; the reference pads +0 past whole rotation
+                    # blocks, and padding rows (up to Rc) hold +0
+                    Kr = ((K + ROT - 1) // ROT) * ROT
+                    x0 = tl.where((c0 < Kr) & rm, x0, 0.0)
+                    x1 = tl.where((c1 < Kr) & rm, x1, 0.0)
+                    x2 = tl.where((c2 < Kr) & rm, x2, 0.0)
+                    x3 = tl.where((c3 < Kr) & rm, x3, 0.0)
+
+            # ---- block scales: |x| maximum per MX block (NaN propagates), as the reference
+            m = tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1), propagate_nan=tl.PropagateNan.ALL),
+                           tl.maximum(tl.abs(x2), tl.abs(x3), propagate_nan=tl.PropagateNan.ALL),
+                           propagate_nan=tl.PropagateNan.ALL)
+            # the last 8 in-thread values by their bit patterns (ordered as the values; NaN above all)
+            abits = tl.max(m.to(tl.int32, bitcast=True), axis=2)             # [BR, 4]
+            if FOLD:   # the normalized block maximum (exact: launch.FOLD_ROTS)
+                abits = (abits.to(tl.float32, bitcast=True) * inv_sqrt).to(tl.int32, bitcast=True)
+            ok = abits < 0x7F800000                                           # not NaN / Inf
+            abits = tl.where(ok, abits, 0)
+            s, nz = _block_scale(abits, RULE)
+            code_sc = tl.where(ok, s + 127, 255)
+            if FOLD:
+                sc = (_pow2n(-s) * inv_sqrt)[:, :, None]
             else:
-                G = tl.maximum(tl.max(tl.max(s_live, axis=0), axis=0), -120)
-                G2 = G
-            kexp = s - G2 + 6
-            inexact = live & (kexp < -8)
-            fc = tl.where(ok, _pow2n(tl.maximum(kexp, -126)), float("nan"))
-        else:
-            fc = sc
+                sc = _pow2n(-s)[:, :, None]
+            ok3 = ok[:, :, None]
 
-        bs = ()
-        qs = ()
-        for j in tl.static_range(32):
+            if WRITE_CARRIER:
+                live = ok & nz
+                G, kexp = _carrier_exp(s, live, GROUP_ROWS)
+                inexact = live & (kexp < -8)
+                fc = tl.where(ok, _pow2n(tl.maximum(kexp, -126)), float("nan"))[:, :, None]
+            else:
+                fc = sc
+
             if SR:
                 if IDX64:
-                    idx = r2.to(tl.int64) * si_r + (kb + j).to(tl.int64) * si_k
+                    ri = r3.to(tl.int64) * si_r
+                    i0 = ri + c0.to(tl.int64) * si_k
+                    i1 = ri + c1.to(tl.int64) * si_k
+                    i2 = ri + c2.to(tl.int64) * si_k
+                    i3 = ri + c3.to(tl.int64) * si_k
+                else:   # every index below 2**31 (IDX64 counts the index strides too)
+                    ri = r3 * si_r
+                    i0 = ri + c0 * si_k
+                    i1 = ri + c1 * si_k
+                    i2 = ri + c2 * si_k
+                    i3 = ri + c3 * si_k
+            else:
+                i0 = 0
+                i1 = 0
+                i2 = 0
+                i3 = 0
+            b0, q0 = _piece(x0, sc, fc, ok3, SR, i0, key, PRESCALE, prescale, WRITE_CARRIER, WRITE_FP4, USE_ASM)
+            b1, q1 = _piece(x1, sc, fc, ok3, SR, i1, key, PRESCALE, prescale, WRITE_CARRIER, WRITE_FP4, USE_ASM)
+            b2, q2 = _piece(x2, sc, fc, ok3, SR, i2, key, PRESCALE, prescale, WRITE_CARRIER, WRITE_FP4, USE_ASM)
+            b3, q3 = _piece(x3, sc, fc, ok3, SR, i3, key, PRESCALE, prescale, WRITE_CARRIER, WRITE_FP4, USE_ASM)
+
+            if WRITE_FP4:
+                fb = fp4_ptr + r3 * (Kq // 2)
+                if JOIN_STORE:   # the block's 16 bytes in one store
+                    p01 = tl.reshape(tl.permute(tl.join(_pack4(q0), _pack4(q1)), (0, 1, 3, 2)), [BR, 4, 8])
+                    p23 = tl.reshape(tl.permute(tl.join(_pack4(q2), _pack4(q3)), (0, 1, 3, 2)), [BR, 4, 8])
+                    pp = tl.reshape(tl.permute(tl.join(p01, p23), (0, 1, 3, 2)), [BR, 4, 16])
+                    jb = kbase // 2 + blk * 16 + tl.arange(0, 16)[None, None, :]
+                    tl.store(fb + jb, pp, mask=rm & (jb * 2 < Kq))
                 else:
-                    idx = r2 * si_r + (kb + j) * si_k
+                    jb = kbase // 2 + blk * 16 + tl.arange(0, 4)[None, None, :]    # byte columns of piece 0
+                    tl.store(fb + jb, _pack4(q0), mask=rm & (jb * 2 < Kq))
+                    tl.store(fb + jb + 4, _pack4(q1), mask=rm & ((jb + 4) * 2 < Kq))
+                    tl.store(fb + jb + 8, _pack4(q2), mask=rm & ((jb + 8) * 2 < Kq))
+                    tl.store(fb + jb + 12, _pack4(q3), mask=rm & ((jb + 12) * 2 < Kq))
+                r2 = rows[:, None]
+                bidx = kbase // 32 + tl.arange(0, 4)[None, :]
+                tl.store(sc_ptr + r2 * (Kq // 32) + bidx, code_sc.to(tl.uint8), mask=(r2 < R) & (bidx * 32 < Kq))
+
+            if WRITE_CARRIER:
+                if JOIN_STORE:  # one 32-byte run per thread and block: join the pieces back in column order
+                    b01 = tl.reshape(tl.permute(tl.join(b0, b1), (0, 1, 3, 2)), [BR, 4, 16])
+                    b23 = tl.reshape(tl.permute(tl.join(b2, b3), (0, 1, 3, 2)), [BR, 4, 16])
+                    bb = tl.reshape(tl.permute(tl.join(b01, b23), (0, 1, 3, 2)), [BR, 4, 32])
+                    cb = kbase + blk * 32 + tl.arange(0, 32)[None, None, :]
+                    tl.store(car_ptr + r3 * Kc + cb, bb, mask=r3 < Rc)
+                else:  # four 8-byte stores per thread and block, straight from the pieces' registers
+                    cp = car_ptr + r3 * Kc
+                    mc = r3 < Rc
+                    tl.store(cp + c0, b0, mask=mc)
+                    tl.store(cp + c1, b1, mask=mc)
+                    tl.store(cp + c2, b2, mask=mc)
+                    tl.store(cp + c3, b3, mask=mc)
+                gval = _pow2(G - 6)
+                if GROUP_ROWS == 1:
+                    tl.store(gs_ptr + rows * gs_sr + pid_k * gs_sk, gval, mask=rows < Rc)
+                else:
+                    tl.store(gs_ptr + pid_r * gs_sr + pid_k * gs_sk, gval)
+                bad = inexact & (rows[:, None] < R)
+                tl.atomic_add(cnt_ptr + tl.zeros_like(s), 1, mask=bad)   # rare: usually no lane is active
+
+        else:
+            # ================================================================ cols: 32 [4, BR] tensors
+            # For ROT in (0, 2, 4, 8, 16, 32), made for inputs whose output rows are the contiguous axis
+            # (quantizing along columns: a [tokens, features] activation or gradient along tokens, for Wgrad).
+            # The 128-long reduction range is loaded as 32 tensors x[j] of shape [4, BR] (x[j][b, r] = element
+            # 32 b + j of the range, row r): every load is coalesced along the rows, and the block maxima and
+            # every rotation stage are element-wise between the 32 tensors. Only the 1-byte results change
+            # layout: joined into [4, BR, 32], each thread stores whole 32-byte carrier blocks (16-byte FP4
+            # blocks) of the transposed output.
+            tl.static_assert(LAYOUT == "cols", "LAYOUT: tile, blocks or cols")
+            r2 = rows[None, :]                                  # [1, BR]
+            kb = kbase + tl.arange(0, 4)[:, None] * 32          # [4, 1] first column of each MX block
+            rm = r2 < R
+            xp = x_ptr + r2 * sx_r
+            xs = ()
+            for j in tl.static_range(32):
+                xs = xs + (tl.load(xp + (kb + j) * sx_k, mask=rm & (kb + j < K), other=0.0).to(tl.float32),)
+
+            if ROT > 0:
+                if HAS_SIGNS:
+                    w = ()
+                    for j in tl.static_range(32):
+                        w = w + (xs[j] * tl.load(signs_ptr + j % ROT),)
+                    xs = w
+                if ROT > 1:
+                    xs = _bfly_tuple(xs, 1)
+                if ROT > 2:
+                    xs = _bfly_tuple(xs, 2)
+                if ROT > 4:
+                    xs = _bfly_tuple(xs, 4)
+                if ROT > 8:
+                    xs = _bfly_tuple(xs, 8)
+                if ROT > 16:
+                    xs = _bfly_tuple(xs, 16)
+                w = ()
+                for j in tl.static_range(32):
+                    if FOLD:   # the 1/sqrt(ROT) normalization goes into the block scales (below)
+                        v = xs[j]
+                    else:
+                        v = xs[j] * inv_sqrt
+                    if HAS_SIGNS:  # signs turn padding zeros into -0: +0 past whole rotation blocks and rows
+                        v = tl.where(rm & (kb + j < ((K + ROT - 1) // ROT) * ROT), v, 0.0)
+                    w = w + (v,)
+                xs = w
+
+            # ---- block scales: |x| maximum per MX block by bit pattern (ordered as the values; NaN above all)
+            abits = tl.abs(xs[0]).to(tl.int32, bitcast=True)
+            for j in tl.static_range(1, 32):
+                abits = tl.maximum(abits, tl.abs(xs[j]).to(tl.int32, bitcast=True))
+            if FOLD:   # the normalized block maximum (exact: launch.FOLD_ROTS)
+                abits = (abits.to(tl.float32, bitcast=True) * inv_sqrt).to(tl.int32, bitcast=True)
+            ok = abits < 0x7F800000                                           # not NaN / Inf
+            abits = tl.where(ok, abits, 0)
+            s, nz = _block_scale(abits, RULE)                                 # [4, BR]
+            code_sc = tl.where(ok, s + 127, 255)
+            if FOLD:
+                sc = _pow2n(-s) * inv_sqrt
             else:
-                idx = 0
-            b, q = _piece(xs[j], sc, fc, ok, SR, idx, key, PRESCALE, prescale, WRITE_CARRIER, WRITE_FP4,
-                          USE_ASM, PACK)
-            bs = bs + (b,)
-            qs = qs + (q,)
+                sc = _pow2n(-s)
 
-        r3 = rows[None, :, None]
-        kb3 = kb[:, :, None]
-        if WRITE_FP4:
-            pk = ()
-            for i in tl.static_range(16):
-                pk = pk + ((qs[2 * i] | (qs[2 * i + 1] << 4)).to(tl.uint8),)
-            jb = kb3 // 2 + tl.arange(0, 16)[None, None, :]
-            tl.store(fp4_ptr + r3 * (Kq // 2) + jb, _join_tree(pk, 16, BR), mask=(r3 < R) & (jb * 2 < Kq))
-            bi = kb // 32
-            tl.store(sc_ptr + r2 * (Kq // 32) + bi, code_sc.to(tl.uint8), mask=rm & (kb < Kq))
-
-        if WRITE_CARRIER:
-            cb = kb3 + tl.arange(0, 32)[None, None, :]
-            tl.store(car_ptr + r3 * Kc + cb, _join_tree(bs, 32, BR), mask=r3 < Rc)
-            gval = _pow2(G - 6)
-            if GROUP_ROWS == 1:
-                tl.store(gs_ptr + rows * gs_sr + pid_k * gs_sk, gval, mask=rows < Rc)
+            if WRITE_CARRIER:
+                live = ok & nz
+                s_live = tl.where(live, s, -127)
+                if GROUP_ROWS == 1:
+                    G = tl.maximum(tl.max(s_live, axis=0), -120)              # [BR]
+                    G2 = G[None, :]
+                else:
+                    G = tl.maximum(tl.max(tl.max(s_live, axis=0), axis=0), -120)
+                    G2 = G
+                kexp = s - G2 + 6
+                inexact = live & (kexp < -8)
+                fc = tl.where(ok, _pow2n(tl.maximum(kexp, -126)), float("nan"))
             else:
-                tl.store(gs_ptr + pid_r * gs_sr + pid_k * gs_sk, gval)
-            bad = inexact & rm
-            tl.atomic_add(cnt_ptr + tl.zeros_like(s), 1, mask=bad)   # rare: usually no lane is active
+                fc = sc
 
+            bs = ()
+            qs = ()
+            for j in tl.static_range(32):
+                if SR:
+                    if IDX64:
+                        idx = r2.to(tl.int64) * si_r + (kb + j).to(tl.int64) * si_k
+                    else:
+                        idx = r2 * si_r + (kb + j) * si_k
+                else:
+                    idx = 0
+                b, q = _piece(xs[j], sc, fc, ok, SR, idx, key, PRESCALE, prescale, WRITE_CARRIER, WRITE_FP4,
+                              USE_ASM, PACK)
+                bs = bs + (b,)
+                qs = qs + (q,)
 
-    @triton.jit(do_not_specialize=["key"])
-    def _mxfp4_cols_kernel(
-        x_ptr, signs_ptr, car_ptr, gs_ptr, fp4_ptr, sc_ptr, cnt_ptr, key_ptr,
-        R, K, Rc,
-        sx_r, sx_k, si_r, si_k, Kc, Kq, gs_sr, gs_sk,
-        key, inv_sqrt, prescale,
-        BR: tl.constexpr, ROT: tl.constexpr, HAS_SIGNS: tl.constexpr, RULE: tl.constexpr,
-        SR: tl.constexpr, PRESCALE: tl.constexpr, GROUP_ROWS: tl.constexpr,
-        WRITE_CARRIER: tl.constexpr, WRITE_FP4: tl.constexpr, IDX64: tl.constexpr, KEY_PTR: tl.constexpr,
-        USE_ASM: tl.constexpr,
-        PACK: tl.constexpr,
-        FOLD: tl.constexpr,
-    ):
-        """``_cols_tile`` on the tile of this program: (row block, reduction block) = program ids."""
-        _cols_tile(
-            tl.program_id(0), tl.program_id(1),
-            x_ptr, signs_ptr, car_ptr, gs_ptr, fp4_ptr, sc_ptr, cnt_ptr, key_ptr, R, K, Rc, sx_r, sx_k, si_r,
-            si_k, Kc, Kq, gs_sr, gs_sk, key, inv_sqrt, prescale, BR, ROT, HAS_SIGNS, RULE, SR, PRESCALE,
-            GROUP_ROWS, WRITE_CARRIER, WRITE_FP4, IDX64, KEY_PTR, USE_ASM, PACK, FOLD)
+            r3 = rows[None, :, None]
+            kb3 = kb[:, :, None]
+            if WRITE_FP4:
+                pk = ()
+                for i in tl.static_range(16):
+                    pk = pk + ((qs[2 * i] | (qs[2 * i + 1] << 4)).to(tl.uint8),)
+                jb = kb3 // 2 + tl.arange(0, 16)[None, None, :]
+                tl.store(fp4_ptr + r3 * (Kq // 2) + jb, _join_tree(pk, 16, BR), mask=(r3 < R) & (jb * 2 < Kq))
+                bi = kb // 32
+                tl.store(sc_ptr + r2 * (Kq // 32) + bi, code_sc.to(tl.uint8), mask=rm & (kb < Kq))
+
+            if WRITE_CARRIER:
+                cb = kb3 + tl.arange(0, 32)[None, None, :]
+                tl.store(car_ptr + r3 * Kc + cb, _join_tree(bs, 32, BR), mask=r3 < Rc)
+                gval = _pow2(G - 6)
+                if GROUP_ROWS == 1:
+                    tl.store(gs_ptr + rows * gs_sr + pid_k * gs_sk, gval, mask=rows < Rc)
+                else:
+                    tl.store(gs_ptr + pid_r * gs_sr + pid_k * gs_sk, gval)
+                bad = inexact & rm
+                tl.atomic_add(cnt_ptr + tl.zeros_like(s), 1, mask=bad)   # rare: usually no lane is active
+
 
     @triton.jit(do_not_specialize=["key_a", "key_b"])
     def _mxfp4_dual_kernel(
@@ -527,13 +470,14 @@ if triton is not None:
         FOLD_A: tl.constexpr, FOLD_B: tl.constexpr, CAR_B: tl.constexpr = True, FP4_B: tl.constexpr = False,
     ):
         """Both FP8-carrier operands of a row-major (M, K) tensor from one read of it: A quantized along
-        rows (K; ``_blk_tile``, 1x128 group scales) and B along columns (M; ``_cols_tile``). Programs come
-        in groups of ``128 / BR_A`` A tiles and ``128 / BR_B`` B tiles that cover the same 128 x 128 block
-        of the input, so the B tiles read what the A tiles just brought into the L2 cache (one pass over
-        HBM instead of two). ``SEQ``: one program runs all of a block's A tiles, then its B tiles (the B
-        reads come after the A reads, from L2). ``F``: 128-wide blocks along K; ``nr_*``, ``nk_*``: each
-        output's grid. ``FP4_B`` (with ``CAR_B`` False): B as packed FP4 codes (``car_b``) and E8M0 scales
-        (``gs_b``) instead of the carrier."""
+        rows (K; the "blocks" layout of ``_mxfp4_kernel``, 1x128 group scales) and B along columns (M; the
+        "cols" layout). Programs come in groups of ``128 / BR_A`` A tiles and ``128 / BR_B`` B tiles that
+        cover the same 128 x 128 block of the input, so the B tiles read what the A tiles just brought into
+        the L2 cache (one pass over HBM instead of two). ``SEQ``: one program runs all of a block's A tiles,
+        then its B tiles (the B reads come after the A reads, from L2). ``F``: 128-wide blocks along K;
+        ``nr_*``, ``nk_*``: each output's grid. ``FP4_B`` (with ``CAR_B`` False): B as packed FP4 codes
+        (``car_b``) and E8M0 scales (``gs_b``) instead of the carrier. A's FP4 pointers are the counter
+        (never written); B's carrier and FP4 pointers are the same two buffers, of which one kind is written."""
         NA: tl.constexpr = 128 // BR_A
         NB: tl.constexpr = 128 // BR_B
         pid = tl.program_id(0)
@@ -543,17 +487,19 @@ if triton is not None:
             for w in range(NA):
                 pr = tb * NA + w
                 if (pr < nr_a) & (fb < nk_a):
-                    _blk_tile(pr, fb, x_ptr, sg_a, car_a, gs_a, cnt_ptr, cnt_ptr, cnt_ptr, kp_a,
-                              M, K, Rc_a, sx_m, sx_k, si_ra, si_ka, Kc_a, Kq_a, gsr_a, gsk_a, key_a, inv_a, ps_a,
-                              BR_A, ROT_A, HAS_SIGNS_A, RULE_A, SR_A, PRESCALE_A, 1, True, False, IDX64,
-                              KEY_PTR_A, USE_ASM, JOIN_STORE, FOLD_A)
+                    _mxfp4_kernel(x_ptr, sg_a, car_a, gs_a, cnt_ptr, cnt_ptr, cnt_ptr, kp_a,
+                                  M, K, Rc_a, sx_m, sx_k, si_ra, si_ka, Kc_a, Kq_a, gsr_a, gsk_a, key_a, inv_a, ps_a,
+                                  BR_A, ROT_A, HAS_SIGNS_A, RULE_A, SR_A, PRESCALE_A, 1, True, False, IDX64,
+                                  KEY_PTR_A, "blocks", USE_ASM=USE_ASM, JOIN_STORE=JOIN_STORE, FOLD=FOLD_A,
+                                  pid_r=pr, pid_k=fb)
             for w in range(NB):
                 pr = fb * NB + w
                 if (pr < nr_b) & (tb < nk_b):
-                    _cols_tile(pr, tb, x_ptr, sg_b, car_b, gs_b, car_b, gs_b, cnt_ptr, kp_b,
-                               K, M, Rc_b, sx_k, sx_m, si_rb, si_kb, Kc_b, Kq_b, gsr_b, gsk_b, key_b, inv_b, ps_b,
-                               BR_B, ROT_B, HAS_SIGNS_B, RULE_B, SR_B, PRESCALE_B, GROUP_ROWS_B, CAR_B, FP4_B,
-                               IDX64, KEY_PTR_B, USE_ASM, PACK_B, FOLD_B)
+                    _mxfp4_kernel(x_ptr, sg_b, car_b, gs_b, car_b, gs_b, cnt_ptr, kp_b,
+                                  K, M, Rc_b, sx_k, sx_m, si_rb, si_kb, Kc_b, Kq_b, gsr_b, gsk_b, key_b, inv_b, ps_b,
+                                  BR_B, ROT_B, HAS_SIGNS_B, RULE_B, SR_B, PRESCALE_B, GROUP_ROWS_B, CAR_B, FP4_B,
+                                  IDX64, KEY_PTR_B, "cols", USE_ASM=USE_ASM, PACK=PACK_B, FOLD=FOLD_B,
+                                  pid_r=pr, pid_k=tb)
         else:
             g = pid // (NA + NB)
             w = pid % (NA + NB)
@@ -562,14 +508,16 @@ if triton is not None:
             if w < NA:
                 pr = tb * NA + w
                 if (pr < nr_a) & (fb < nk_a):
-                    _blk_tile(pr, fb, x_ptr, sg_a, car_a, gs_a, cnt_ptr, cnt_ptr, cnt_ptr, kp_a,
-                              M, K, Rc_a, sx_m, sx_k, si_ra, si_ka, Kc_a, Kq_a, gsr_a, gsk_a, key_a, inv_a, ps_a,
-                              BR_A, ROT_A, HAS_SIGNS_A, RULE_A, SR_A, PRESCALE_A, 1, True, False, IDX64,
-                              KEY_PTR_A, USE_ASM, JOIN_STORE, FOLD_A)
+                    _mxfp4_kernel(x_ptr, sg_a, car_a, gs_a, cnt_ptr, cnt_ptr, cnt_ptr, kp_a,
+                                  M, K, Rc_a, sx_m, sx_k, si_ra, si_ka, Kc_a, Kq_a, gsr_a, gsk_a, key_a, inv_a, ps_a,
+                                  BR_A, ROT_A, HAS_SIGNS_A, RULE_A, SR_A, PRESCALE_A, 1, True, False, IDX64,
+                                  KEY_PTR_A, "blocks", USE_ASM=USE_ASM, JOIN_STORE=JOIN_STORE, FOLD=FOLD_A,
+                                  pid_r=pr, pid_k=fb)
             else:
                 pr = fb * NB + (w - NA)
                 if (pr < nr_b) & (tb < nk_b):
-                    _cols_tile(pr, tb, x_ptr, sg_b, car_b, gs_b, car_b, gs_b, cnt_ptr, kp_b,
-                               K, M, Rc_b, sx_k, sx_m, si_rb, si_kb, Kc_b, Kq_b, gsr_b, gsk_b, key_b, inv_b, ps_b,
-                               BR_B, ROT_B, HAS_SIGNS_B, RULE_B, SR_B, PRESCALE_B, GROUP_ROWS_B, CAR_B, FP4_B,
-                               IDX64, KEY_PTR_B, USE_ASM, PACK_B, FOLD_B)
+                    _mxfp4_kernel(x_ptr, sg_b, car_b, gs_b, car_b, gs_b, cnt_ptr, kp_b,
+                                  K, M, Rc_b, sx_k, sx_m, si_rb, si_kb, Kc_b, Kq_b, gsr_b, gsk_b, key_b, inv_b, ps_b,
+                                  BR_B, ROT_B, HAS_SIGNS_B, RULE_B, SR_B, PRESCALE_B, GROUP_ROWS_B, CAR_B, FP4_B,
+                                  IDX64, KEY_PTR_B, "cols", USE_ASM=USE_ASM, PACK=PACK_B, FOLD=FOLD_B,
+                                  pid_r=pr, pid_k=tb)

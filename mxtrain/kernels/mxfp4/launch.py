@@ -1,6 +1,6 @@
-"""How the MXFP4 quantize kernels are launched: which kernel and tile shape (the launch table, tuned on an
-H100, BENCHMARKS.md), their argument tuples (built here, once per kernel signature), launch options, the
-one-pass policy, and launch plans.
+"""How the MXFP4 quantize kernels are launched: which kernel layout and tile shape (the launch table, tuned on
+an H100, BENCHMARKS.md), the argument tuples of the two kernels (``_mxfp4_kernel``, ``_mxfp4_dual_kernel``;
+built here, one function each), launch options, the one-pass policy, and launch plans.
 
 Launch plans: a configuration quantized once (and, where ``verify`` applies, self-checked) is launched again
 through its compiled kernel directly, skipping Triton's generic launch path (argument binding,
@@ -15,6 +15,7 @@ compiled one gets; tests), ``off``.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import struct
 from collections import namedtuple
@@ -34,11 +35,12 @@ RULE_ID = {"floor": 0, "ceil": 1, "rceil": 2, "even": 3, "amd": 4}   # the kerne
 
 # ---------------------------------------------------------------------------------------------- the launch table
 
-# Which kernel quantizes: "blocks" (each thread holds whole MX blocks; rotations up to 32 wide) or "tile" (any
-# rotation) or "cols" (along columns of a row-major input); ``kernel_for`` picks by layout, the ``qkernel``
-# setting overrides. Blocks kernel: the four pieces joined into one 32-byte carrier store (16 bytes of FP4
-# codes) per thread and block (1.2-2x faster on an H100 than 8-byte stores straight from the pieces,
-# BENCHMARKS.md); the ``qjoin`` setting off for those.
+# Which layout of the single-pass kernel quantizes (its ``LAYOUT`` constexpr, ``kernels.LAYOUTS``): "blocks"
+# (each thread holds whole MX blocks; rotations up to 32 wide) or "tile" (any rotation) or "cols" (along columns
+# of a row-major input); ``kernel_for`` picks by the input's layout, the ``qkernel`` setting overrides. Blocks
+# layout: the four pieces joined into one 32-byte carrier store (16 bytes of FP4 codes) per thread and block
+# (1.2-2x faster on an H100 than 8-byte stores straight from the pieces, BENCHMARKS.md); the ``qjoin`` setting
+# off for those.
 BLOCK_ROTS = (0, 2, 4, 8, 16, 32)
 
 # Rotations whose normalization 1/sqrt(ROT) is a power of two (H4, H16, H64) on bf16/fp16 inputs: the blocks
@@ -73,12 +75,13 @@ DUAL_SEQ = False
 
 def kernel_for(axis: int, rot: int, fp4: bool = False, rows_contiguous: bool = False,
                kernel: str | None = None) -> str:
-    """The kernel that quantizes along ``axis`` with a ``rot``-wide rotation, given the ``qkernel`` setting
-    (``kernel``; default: the current one). ``auto``: "cols" where
-    the output rows are the input's contiguous axis (along columns of a row-major tensor: the Wgrad
-    operands), else "blocks" for carrier-only outputs (the Hopper training path) and "tile" where packed
-    FP4 codes are written (the blocks kernel's FP4 stores measured slower, BENCHMARKS.md). Rotations
-    wider than 32 always run "tile"; "cols" forced where it does not apply runs "blocks"."""
+    """The kernel layout ("tile", "blocks" or "cols": ``_mxfp4_kernel``'s ``LAYOUT``) that quantizes along
+    ``axis`` with a ``rot``-wide rotation, given the ``qkernel`` setting (``kernel``; default: the current
+    one). ``auto``: "cols" where the output rows are the input's contiguous axis (along columns of a
+    row-major tensor: the Wgrad operands), else "blocks" for carrier-only outputs (the Hopper training path)
+    and "tile" where packed FP4 codes are written (the blocks kernel's FP4 stores measured slower,
+    BENCHMARKS.md). Rotations wider than 32 always run "tile"; "cols" forced where it does not apply runs
+    "blocks"."""
     k = _settings.current().qkernel if kernel is None else kernel
     if k == "tile" or rot not in BLOCK_ROTS:
         return "tile"
@@ -132,20 +135,21 @@ def block_config(kern: str, axis: int, group_rows: int, sr: bool, block_rows: in
 def single_kernel(kern: str, dev: torch.device, dtype: torch.dtype, BR: int, num_warps: int, rot: int,
                   has_signs: bool, scale_rule: str, sr: bool, prescale: float, group_rows: int, carrier: bool,
                   fp4: bool, idx64: bool, key_ptr: bool, st) -> tuple:
-    """(the Triton kernel of ``kern``, its constexpr arguments) for one single-pass launch; ``st``: the
-    settings (``qjoin``, ``qfold``)."""
+    """(the Triton kernel, its constexpr arguments) for one single-pass launch in layout ``kern``: the layout's
+    own constexprs only (the others keep their defaults, so that no setting they ignore makes a new variant);
+    ``st``: the settings (``qjoin``, ``qfold``)."""
+    assert kern in _kernels.LAYOUTS, kern
     consts = dict(BR=BR, ROT=rot, HAS_SIGNS=has_signs, RULE=RULE_ID[scale_rule], SR=sr, PRESCALE=prescale != 1.0,
-                  GROUP_ROWS=group_rows, WRITE_CARRIER=carrier, WRITE_FP4=fp4, IDX64=idx64, KEY_PTR=key_ptr)
+                  GROUP_ROWS=group_rows, WRITE_CARRIER=carrier, WRITE_FP4=fp4, IDX64=idx64, KEY_PTR=key_ptr,
+                  LAYOUT=kern)
     if kern == "cols":
         per_thread = 4 * BR // (32 * num_warps)   # values of each [4, BR] tensor a thread holds
         assert per_thread in (2, 4, 8, 16), "cols kernel: 4 x block_rows must be 64, 128, ... x 32 x num_warps"
         consts.update(USE_ASM=dev.type == "cuda", PACK=2 if per_thread == 2 else 4,
                       FOLD=fold_applies(dtype, rot, prescale, st.qfold))
-        return _kernels._mxfp4_cols_kernel, consts
-    if kern == "blocks":
+    elif kern == "blocks":
         consts.update(USE_ASM=dev.type == "cuda", JOIN_STORE=st.qjoin,
                       FOLD=fold_applies(dtype, rot, prescale, st.qfold))
-        return _kernels._mxfp4_blk_kernel, consts
     return _kernels._mxfp4_kernel, consts
 
 
@@ -186,18 +190,18 @@ def rot_floats(rot: int, prescale: float) -> tuple[float, float]:
 
 
 def single_args(x, cnt, signs, car, gs, packed, scales, key_tensor, ints: tuple, key: int, floats: tuple) -> tuple:
-    """The positional arguments of the single-pass kernels (``_mxfp4_kernel``, ``_mxfp4_blk_kernel``,
-    ``_mxfp4_cols_kernel``) in their order, for every launch and launch plan: 8 pointers (input, signs,
-    carrier, group scales, packed codes, E8M0 scales, inexact counter, key in device memory; where one is
-    absent, None, the counter ``cnt`` stands in and is never touched there), ``ints`` (R, K, grid rows,
-    the input's strides, the index strides, Kc, Kq, the group scales' strides), the key as int32 and
-    ``floats`` (``rot_floats``)."""
+    """The positional arguments of the single-pass kernel ``_mxfp4_kernel`` (every layout) in its order, for
+    every launch and launch plan: 8 pointers (input, signs, carrier, group scales, packed codes, E8M0 scales,
+    inexact counter, key in device memory; where one is absent, None, the counter ``cnt`` stands in and is
+    never touched there), ``ints`` (R, K, grid rows, the input's strides, the index strides, Kc, Kq, the
+    group scales' strides), the key as int32 and ``floats`` (``rot_floats``). The constexprs follow by name
+    (``single_kernel``); ``pid_r`` / ``pid_k`` keep their defaults (the program ids)."""
     return (x, cnt if signs is None else signs, cnt if car is None else car, cnt if gs is None else gs,
             cnt if packed is None else packed, cnt if scales is None else scales, cnt,
             cnt if key_tensor is None else key_tensor, *ints, i32(key), *floats)
 
 
-SINGLE_TAIL = ["key", "inv_sqrt", "prescale"]   # the single-pass kernels' last runtime arguments
+SINGLE_TAIL = ["key", "inv_sqrt", "prescale"]   # the single-pass kernel's last runtime arguments
 SINGLE_FIRST_INT = (8, "R")                      # (position, name) of the first argument after the pointers
 
 
@@ -282,21 +286,33 @@ def use_plans(x: torch.Tensor, st) -> bool:
 
 def _direct_runner(kfn, compiled, grid, args, consts, tail: list, first_int: tuple):
     """(a callable that launches ``kfn`` on ``grid`` with every argument positional, constexprs last; the
-    kernel's argument names), or None where the kernel cannot be called that way: the launch's positional
-    ``args`` must have the argument named ``first_int[1]`` at position ``first_int[0]``, end with ``tail``
-    and be followed by exactly the constexprs in ``consts`` (what a launch plan passes). Compiled: the
-    compiled kernel bound to ``grid``; under Triton's interpreter: the interpreted kernel."""
+    values of the arguments after ``args``, in order), or None where the kernel cannot be called that way: the
+    launch's positional ``args`` must have the argument named ``first_int[1]`` at position ``first_int[0]``
+    and end with ``tail``; every later argument is one of ``consts`` or keeps its default (as the launch
+    bound it: a constexpr the layout ignores, ``_mxfp4_kernel``'s ``pid_r`` / ``pid_k``), and every one of
+    ``consts`` is such an argument. Compiled: the compiled kernel bound to ``grid``; under Triton's
+    interpreter: the interpreted kernel."""
     try:
         names = list(kfn.arg_names)
         n = len(args)
-        if (len(names) != n + len(consts) or names[n - len(tail):n] != tail or names[first_int[0]] != first_int[1]
-                or any(a not in consts for a in names[n:])):
+        if (names[n - len(tail):n] != tail or names[first_int[0]] != first_int[1]
+                or any(a not in names[n:] for a in consts)):
             return None
+        params = inspect.signature(kfn.fn).parameters
+        rest = []
+        for a in names[n:]:
+            if a in consts:
+                rest.append(consts[a])
+            elif params[a].default is not inspect.Parameter.empty:
+                rest.append(params[a].default)
+            else:
+                return None
+        rest = tuple(rest)
         if INTERPRET:
-            return (lambda *a: kfn[grid](*a)), names
+            return (lambda *a: kfn[grid](*a)), rest
         if compiled is None:
             return None
-        return compiled[tuple(grid) + (1,) * (3 - len(grid))], names
+        return compiled[tuple(grid) + (1,) * (3 - len(grid))], rest
     except Exception:  # noqa: BLE001 - a Triton without this interface: keep the generic launch
         return None
 
@@ -320,10 +336,9 @@ class Plan:
         got = _direct_runner(kfn, compiled, grid, args, consts, SINGLE_TAIL, SINGLE_FIRST_INT)
         if got is None:
             return None
-        run, names = got
         p = Plan()
-        p.run, p.kernel, p.ints, p.floats = run, kern, ints, floats
-        p.consts = tuple(consts[a] for a in names[len(args):])
+        p.run, p.consts = got
+        p.kernel, p.ints, p.floats = kern, ints, floats
         p.R, p.K, p.group_rows = out.R, out.K, group_rows
         p.carrier, p.fp4 = out.carrier is not None, out.packed is not None
         if p.carrier:
@@ -370,10 +385,9 @@ class DualPlan:
         got = _direct_runner(_kernels._mxfp4_dual_kernel, compiled, grid, args, consts, DUAL_TAIL, DUAL_FIRST_INT)
         if got is None:
             return None
-        run, names = got
         p = DualPlan()
-        p.run, p.ints, p.floats = run, ints, (floats_a, floats_b)
-        p.consts = tuple(consts[c] for c in names[len(args):])
+        p.run, p.consts = got
+        p.ints, p.floats = ints, (floats_a, floats_b)
         p.bufs = [(o.R, o.K, tuple(o.packed.shape), tuple(o.scales.shape), o.group_rows, "fp4") if o.carrier is None
                   else (o.R, o.K, tuple(o.carrier.shape), tuple(o.gs_base.shape), o.group_rows,
                         o.gscale.shape[1] if o.group_rows == 128 else None) for o in outs]

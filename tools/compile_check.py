@@ -1,0 +1,187 @@
+"""Compile the MXFP4 quantize kernels for a GPU without one: catches GPU compile errors that Triton's
+interpreter does not see, and reports each variant's registers and instruction counts.
+
+A representative set of variants (each layout of ``_mxfp4_kernel``, rotations 0/16/32 and wider ones on the
+tile layout, nearest and stochastic rounding, carrier / FP4 / both outputs, 64-bit offsets, a key in device
+memory, 128x128 groups, folded normalization, and the dual kernel) compiled with
+``triton.compile(ASTSource(...), target=GPUTarget(...))`` and the launch options the kernels run with
+(``enable_fp_fusion=False``, ``maxnreg`` where ``launch.launch_opts`` sets it). The size arguments equal to 1
+on a real launch (the unit stride) are passed as 1, which Triton specializes on, and the pointers and the
+padded sizes as multiples of 16; the rest as plain int32. For each variant: registers and SASS instruction
+count (the bundled ``cuobjdump``), PTX instruction count and a hash of the PTX code without debug information
+and symbol names (equal hashes: identical PTX; ptxas may still schedule it slightly differently, as the line
+table it reads differs).
+
+    python tools/compile_check.py [--arch 90] [--jobs 2] [--json out.json] [--only SUBSTRING ...]
+
+Runs on a CPU machine (``TRITON_INTERPRET`` is cleared for the run); needs only the Triton wheel. Exit status
+1 if a variant fails to compile. ``tests/test_kernels.py`` runs a few variants.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ProcessPoolExecutor
+
+os.environ.pop("TRITON_INTERPRET", None)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# runtime argument types of the kernels, by name (everything else is int32 or a constexpr)
+PTR_TYPES = {"x_ptr": "*bf16", "signs_ptr": "*fp32", "car_ptr": "*u8", "gs_ptr": "*fp32", "fp4_ptr": "*u8",
+             "sc_ptr": "*u8", "cnt_ptr": "*i32", "key_ptr": "*i32",
+             "sg_a": "*fp32", "car_a": "*u8", "gs_a": "*fp32", "kp_a": "*i32",
+             "sg_b": "*fp32", "car_b": "*u8", "gs_b": "*fp32", "kp_b": "*i32"}
+FLOATS = {"inv_sqrt", "prescale", "inv_a", "ps_a", "inv_b", "ps_b"}
+DIV16 = {"R", "Rc", "Kc", "Kq", "Kc_a", "Kq_a", "Kc_b", "Kq_b", "Rc_a", "Rc_b", "sx_m"}
+
+BASE = dict(HAS_SIGNS=False, RULE=0, SR=False, PRESCALE=False, GROUP_ROWS=1, WRITE_CARRIER=True, WRITE_FP4=False,
+            IDX64=False, KEY_PTR=False)
+
+
+def _single(layout, BR, nw, rot=0, maxnreg=None, **kw):
+    consts = dict(BASE, BR=BR, ROT=rot, **kw)
+    if layout != "tile":
+        consts.setdefault("USE_ASM", True)
+        consts.setdefault("FOLD", False)
+    if layout == "blocks":
+        consts.setdefault("JOIN_STORE", True)
+    if layout == "cols":
+        consts.setdefault("PACK", 4 if 4 * BR // (32 * nw) > 2 else 2)
+    ones = ("sx_r",) if layout == "cols" else ("sx_k",)
+    return dict(kind="single", layout=layout, consts=consts, ones=ones, num_warps=nw, maxnreg=maxnreg)
+
+
+def _dual(bra=32, brb=64, nw=4, gr_b=1, rot=0, sr=False, fp4_b=False, maxnreg=80, **kw):
+    consts = dict(BR_A=bra, ROT_A=rot, HAS_SIGNS_A=bool(rot), RULE_A=0, SR_A=sr, PRESCALE_A=False, KEY_PTR_A=False,
+                  BR_B=brb, ROT_B=rot, HAS_SIGNS_B=bool(rot), RULE_B=0, SR_B=sr, PRESCALE_B=False, KEY_PTR_B=False,
+                  GROUP_ROWS_B=gr_b, PACK_B=2 if 4 * brb // (32 * nw) == 2 else 4, IDX64=False, USE_ASM=True,
+                  JOIN_STORE=True, SEQ=False, FOLD_A=rot == 16, FOLD_B=rot == 16, CAR_B=not fp4_b, FP4_B=fp4_b)
+    consts.update(kw)
+    return dict(kind="dual", layout="dual", consts=consts, ones=("sx_k",), num_warps=nw,
+                maxnreg=None if sr else maxnreg)
+
+
+# (name, variant): block rows and warps as launch.block_config picks them
+VARIANTS = {
+    "tile r0 car": _single("tile", 64, 4),
+    "tile r0 fp4": _single("tile", 64, 4, WRITE_CARRIER=False, WRITE_FP4=True),
+    "tile r16 signs car+fp4": _single("tile", 64, 4, 16, HAS_SIGNS=True, WRITE_FP4=True),
+    "tile r32 sr fp4 keyptr": _single("tile", 64, 4, 32, SR=True, WRITE_CARRIER=False, WRITE_FP4=True,
+                                      KEY_PTR=True),
+    "tile r128 signs car idx64": _single("tile", 64, 4, 128, HAS_SIGNS=True, IDX64=True),
+    "tile r0 g128 prescale": _single("tile", 128, 8, GROUP_ROWS=128, PRESCALE=True, RULE=2),
+    "blocks r0 car": _single("blocks", 16, 2),
+    "blocks r0 car nojoin": _single("blocks", 16, 2, JOIN_STORE=False),
+    "blocks r0 fp4": _single("blocks", 16, 2, WRITE_CARRIER=False, WRITE_FP4=True),
+    "blocks r16 signs fold car": _single("blocks", 16, 2, 16, HAS_SIGNS=True, FOLD=True),
+    "blocks r32 signs sr car+fp4": _single("blocks", 16, 2, 32, HAS_SIGNS=True, SR=True, WRITE_FP4=True),
+    "blocks r16 sr idx64 keyptr": _single("blocks", 16, 2, 16, SR=True, IDX64=True, KEY_PTR=True),
+    "blocks r0 g128": _single("blocks", 128, 8, GROUP_ROWS=128, maxnreg=80),
+    "cols r0 car": _single("cols", 64, 4, maxnreg=80),
+    "cols r0 fp4": _single("cols", 64, 4, WRITE_CARRIER=False, WRITE_FP4=True, maxnreg=80),
+    "cols r16 signs fold car": _single("cols", 64, 4, 16, HAS_SIGNS=True, FOLD=True, maxnreg=80),
+    "cols r32 sr car+fp4": _single("cols", 32, 2, 32, SR=True, WRITE_FP4=True),
+    "cols r0 sr idx64 keyptr": _single("cols", 32, 2, SR=True, IDX64=True, KEY_PTR=True),
+    "cols r0 g128 pack2": _single("cols", 128, 8, GROUP_ROWS=128, maxnreg=80, PACK=2),
+    "dual r0": _dual(),
+    "dual r0 g128": _dual(64, 128, 8, gr_b=128),
+    "dual r16 sr": _dual(rot=16, sr=True),
+    "dual r0 fp4_b seq idx64": _dual(fp4_b=True, SEQ=True, IDX64=True),
+}
+
+
+def kernel_of(v):
+    """(the Triton kernel of variant ``v``, constexprs it adds)."""
+    from mxtrain.kernels.mxfp4 import kernels as K
+    if v["kind"] == "dual":
+        return K._mxfp4_dual_kernel, {}
+    return K._mxfp4_kernel, {"LAYOUT": v["layout"]}
+
+
+def source(v):
+    from triton.compiler import ASTSource
+    kfn, extra = kernel_of(v)
+    consts = dict(v["consts"], **extra)
+    consts.update({n: 1 for n in v["ones"]})
+    sig, attrs = {}, {}
+    for i, p in enumerate(kfn.params):
+        n = p.name
+        if n in consts or p.is_constexpr or p.default is None:
+            sig[n] = "constexpr"
+            consts.setdefault(n, p.default)
+        else:
+            sig[n] = PTR_TYPES.get(n, "fp32" if n in FLOATS else "i32")
+            if n in PTR_TYPES or n in DIV16:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    consts = {n: c for n, c in consts.items() if n in sig}
+    return ASTSource(kfn, sig, constexprs=consts, attrs=attrs)
+
+
+def _tool(name):
+    import triton
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def compile_one(item):
+    name, v, arch = item
+    import triton
+    from triton.backends.compiler import GPUTarget
+    opts = dict(num_warps=v["num_warps"], enable_fp_fusion=False)
+    if v["maxnreg"]:
+        opts["maxnreg"] = v["maxnreg"]
+    try:
+        c = triton.compile(source(v), target=GPUTarget("cuda", arch, 32), options=opts)
+    except Exception as e:  # noqa: BLE001 - reported per variant
+        return name, {"error": f"{type(e).__name__}: {e}"[:2000]}
+    ptx = c.asm["ptx"]
+    # the PTX code without debug information (line table, file names, labels for it) nor symbol names (kernels
+    # of different names compile to the same code)
+    code = ptx.split("\t.file\t")[0]
+    code = [re.sub(r"\s*//.*$", "", ln).strip() for ln in code.splitlines()]
+    code = [ln for ln in code if ln and not ln.startswith(".loc") and not re.match(r"\$L__tmp\d+:$", ln)]
+    body = code[next(i for i, ln in enumerate(code) if ".entry" in ln):]
+    n_ptx = sum(1 for ln in body if ln.endswith(";") and not ln.startswith((".reg", ".shared", ".param")))
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(c.asm["cubin"])
+        f.flush()
+        res = subprocess.run([_tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
+    regs = int(re.search(r"REG:(\d+)", res).group(1))
+    n_sass = sum(1 for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", ln))
+    text = re.sub(r"_mxfp4\w*", "K", "\n".join(code))
+    return name, {"regs": regs, "sass": n_sass, "ptx": n_ptx, "hash": hashlib.sha1(text.encode()).hexdigest()[:12]}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--only", action="append", default=None,
+                    help="variants whose name contains this (repeatable: any of them)")
+    a = ap.parse_args(argv)
+    items = [(n, v, a.arch) for n, v in VARIANTS.items() if a.only is None or any(o in n for o in a.only)]
+    out = {}
+    with ProcessPoolExecutor(a.jobs) as ex:
+        for name, r in ex.map(compile_one, items):
+            out[name] = r
+            if "error" in r:
+                print(f"{name:32s} FAILED {r['error']}", flush=True)
+            else:
+                print(f"{name:32s} regs {r['regs']:4d}  sass {r['sass']:6d}  ptx {r['ptx']:6d}  {r['hash']}",
+                      flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 1 if any("error" in r for r in out.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
