@@ -311,3 +311,53 @@ def test_bad_set_value_is_reported_before_the_study_folder_is_written(tmp_path):
     assert p.returncode != 0 and "Traceback" not in p.stderr
     assert len(lines) == 1 and lines[0].startswith("mxtrain: error: ") and "optim.beta2" in lines[0], p.stderr
     assert not out.exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# out of GPU memory with several runs sharing one GPU
+
+
+def test_out_of_memory_worker_gives_its_run_back_and_worker_0_trains_it(tmp_path, monkeypatch):
+    """A run that fails by running out of device memory (here a torch.OutOfMemoryError raised from inside the
+    training, as an H100 shared by 8 study workers did) is recorded with ``oom``; its worker (not worker 0)
+    gives the run back and stops; worker 0 then trains it, so no run is lost; a missing run that ran out of
+    memory makes the incomplete message say to train fewer runs at once."""
+    import torch
+
+    from mxtrain.study import runner as RN
+    from mxtrain.study import worker as W
+    from mxtrain.study.runner import StudySpec
+
+    out = tmp_path / "st"
+    out.mkdir()
+    spec = StudySpec(out=str(out), arms=["bf16", "mxfp4-all"], seeds=2)
+    (out / "study.json").write_text(json.dumps({"spec": spec.__dict__}))
+    trained = []
+
+    def fake_train(spec, arm, seed, rd, worker):
+        trained.append((worker, arm, seed))
+        if worker == 1 and len(trained) == 1:
+            try:
+                raise RuntimeError("allocation inside the step")
+            except RuntimeError as e:   # chained: the type is found through __context__
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB") from e
+        rd.mkdir(parents=True, exist_ok=True)
+        _write_run(rd, seed=seed)
+
+    monkeypatch.setattr(W, "die_with_parent", lambda: True)
+    monkeypatch.setattr(RN, "train_one", lambda *a: fake_train(*a, worker=1))
+    assert W.main([str(out), "1", "2"]) == 0
+    assert trained == [(1, "bf16", 0)]                       # stopped after its out-of-memory run
+    st = json.loads((out / "runs" / "bf16" / "seed0" / "study_status.json").read_text())
+    assert st["state"] == "failed" and st["oom"] is True and RN.ran_out_of_memory(out / "runs" / "bf16" / "seed0")
+    assert not (out / "claims" / "bf16-seed0").exists()      # given back
+    missing = RN.incomplete_message({"planned_runs": 4, "missing": [
+        {"arm": "bf16", "seed": 0, "state": "failed", "reason": st["message"], "oom": True}]})
+    assert "ran out of GPU memory: train fewer runs at once" in missing
+    monkeypatch.setattr(RN, "train_one", lambda *a: fake_train(*a, worker=0))
+    assert W.main([str(out), "0", "2"]) == 0
+    assert sorted(trained[1:]) == [(0, "bf16", 0), (0, "bf16", 1), (0, "mxfp4-all", 0), (0, "mxfp4-all", 1)]
+    for a in ("bf16", "mxfp4-all"):
+        for s in (0, 1):
+            st = json.loads((out / "runs" / a / f"seed{s}" / "study_status.json").read_text())
+            assert st["state"] == "done" and "oom" not in st

@@ -57,13 +57,20 @@ _HUBER_ITERS = 40
 
 
 def _linfit(x: np.ndarray, L: np.ndarray):
-    """Least squares ``L = E + B x`` for each row of ``x`` (G, K): E, B, SSE (each (G,)). B clipped at 0."""
+    """Least squares ``L = E + B x`` for each row of ``x`` (G, K) under ``E >= 0`` and ``B >= 0``: E, B, SSE (each
+    (G,)). A loss floor below 0 is no cross-entropy's: where the free fit puts ``E`` below 0 (a curve that has not
+    yet bent toward its floor), the constrained optimum lies on ``E = 0``, a pure power law ``L = B x``."""
     xm, Lm = x.mean(axis=-1, keepdims=True), L.mean()
     dx = x - xm
     var = (dx * dx).sum(axis=-1)
     B = np.where(var > 0, (dx * (L - Lm)).sum(axis=-1) / np.where(var > 0, var, 1.0), 0.0)
     B = np.maximum(B, 0.0)
     E = Lm - B * xm[..., 0]
+    neg = E < 0
+    if neg.any():
+        xx = (x * x).sum(axis=-1)
+        B0 = np.maximum((x * L).sum(axis=-1) / np.where(xx > 0, xx, 1.0), 0.0)
+        E, B = np.where(neg, 0.0, E), np.where(neg, B0, B)
     sse = ((E[..., None] + B[..., None] * x - L) ** 2).sum(axis=-1)
     return E, B, sse
 
@@ -101,7 +108,7 @@ def _huberfit(x: np.ndarray, L: np.ndarray, delta: float):
         step = np.ones_like(E)
         tol = 1e-13 * np.abs(obj) + 1e-300
         for _ in range(12):   # step halving: keep only steps that do not raise the objective
-            nE, nB = E + step * dE, np.maximum(B + step * dB, 0.0)
+            nE, nB = np.maximum(E + step * dE, 0.0), np.maximum(B + step * dB, 0.0)
             nobj, nr, np_ = objective(nE, nB)
             better = nobj <= obj + tol
             if better[ok].all():
@@ -174,7 +181,7 @@ def fit_power_law(D, L, fit: str = "lsq", delta: float = HUBER_DELTA) -> dict | 
         return None
     res = float(((e[0] + bb[0] * xb[0] - L) ** 2).sum())
     out = {"E": float(e[0]), "B": float(bb[0]) * scale ** beta, "beta": float(beta), "sse": res, "d_scale": scale,
-           "loss": fit}
+           "loss": fit, "floor_at_zero": bool(e[0] <= 0.0)}
     if fit == "huber":
         out.update(delta=delta, objective=s)
     return out
@@ -374,6 +381,10 @@ def verdict_lines(cool: dict) -> list[str]:
     """One line per arm: its extra tokens at the largest budget, the interval, and whether the effect is
     distinguishable from 0 at this design's detectable effect."""
     out = []
+    if (cool.get("fit") or {}).get("floor_at_zero"):
+        out.append(f"caution: the baseline's fitted loss floor E is at its bound 0: its cooled-down losses do not "
+                   f"bend toward a floor over these budgets, so L(D) is fitted as a pure power law and the extra "
+                   f"tokens below extrapolate it (train longer or add budgets)")
     for arm, e in (cool.get("arms") or {}).items():
         if arm == cool.get("baseline"):
             continue
@@ -388,6 +399,11 @@ def verdict_lines(cool: dict) -> list[str]:
             continue
         ci, mde = row.get("ci95"), row.get("mde")
         ci_s = f"[{_pct(ci[0])}, {_pct(ci[1])}]" if ci else "[no interval]"
+        if (e.get("n_seeds") or 0) < 2:
+            # one seed: resampling windows alone measures evaluation noise, not seed-to-seed noise
+            out.append(f"{arm}: {_pct(row['extra'])} tokens {at} {ci_s}, no verdict: 1 seed, so the interval "
+                       f"covers evaluation-window noise only, not seed-to-seed noise (train 2 or more seeds)")
+            continue
         if ci and (ci[0] > _TOL or ci[1] < -_TOL):
             judge = "significant"
         else:

@@ -206,7 +206,8 @@ def missing_runs(study_dir: str | Path, arms: list[str], seeds: list[int],
                 state, reason = "interrupted", "the run folder has no end status (stopped while training)"
             else:
                 state, reason = "not_trained", ""
-            out.append({"arm": a, "seed": int(s), "state": state, "reason": reason})
+            out.append({"arm": a, "seed": int(s), "state": state, "reason": reason,
+                        **({"oom": True} if st is not None and st.get("oom") else {})})
     return out
 
 

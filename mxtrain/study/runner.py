@@ -433,6 +433,29 @@ def _outcome_of(e: BaseException, rd: Path):
     return Outcome(Status.FAILED, None, str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}", rd)
 
 
+def is_out_of_memory(e: BaseException | None) -> bool:
+    """Whether ``e`` or an exception it was raised from (``__cause__`` / ``__context__``) is the device
+    running out of memory (``torch.OutOfMemoryError``), decided by type."""
+    import torch
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, torch.OutOfMemoryError):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def ran_out_of_memory(run_dir: Path) -> bool:
+    """Whether the run in ``run_dir`` or one of its cooldown branches last failed by running out of device
+    memory (``"oom": true`` in its ``study_status.json``)."""
+    run_dir = Path(run_dir)
+    sts = [_status(run_dir)]
+    if (run_dir / "branches").is_dir():
+        sts += [_status(b) for b in sorted((run_dir / "branches").iterdir())]
+    return any(st is not None and st.get("state") == "failed" and st.get("oom") for st in sts)
+
+
 def _finished(st: dict | None) -> bool:
     return st is not None and st.get("state") in FINISHED_STATES
 
@@ -650,6 +673,7 @@ def _run_and_record(call, folder: Path, interrupted: str, fields: dict, log) -> 
     from ..train.callbacks import Outcome, Status, read_outcome
     ts = time.time()
     tb = None
+    oom = False
     try:
         res = call()
     except Exception as e:  # a diverged run is a result, a failed one is recorded; a signal stops the study
@@ -658,6 +682,7 @@ def _run_and_record(call, folder: Path, interrupted: str, fields: dict, log) -> 
         oc = _outcome_of(e, folder)
         if not oc.diverged:
             tb = traceback.format_exc()
+            oom = is_out_of_memory(e)
     else:
         oc = res if isinstance(res, Outcome) else (read_outcome(folder) or Outcome(Status.COMPLETED, None, None, folder))
         if oc.status is Status.INTERRUPTED:
@@ -670,7 +695,8 @@ def _run_and_record(call, folder: Path, interrupted: str, fields: dict, log) -> 
     if tb:
         (folder / "study_error.txt").write_text(tb)
     (folder / "study_status.json").write_text(json.dumps(
-        {"state": state, "message": msg, "step": oc.step, "seconds": round(time.time() - ts, 1), **fields}))
+        {"state": state, "message": msg, "step": oc.step, "seconds": round(time.time() - ts, 1), **fields,
+         **({"oom": True} if oom and state == "failed" else {})}))
     return state
 
 
@@ -945,5 +971,8 @@ def incomplete_message(summary: dict, limit: int = 8) -> str | None:
              + f" ({m['state'].replace('_', ' ')}" + (f": {m['reason'][:160]}" if m.get("reason") else "") + ")"
              for m in miss[:limit]]
     more = f", and {len(miss) - limit} more" if len(miss) > limit else ""
+    n_oom = sum(1 for m in miss if m.get("oom"))
+    oom = (f"; {n_oom} of them ran out of GPU memory: train fewer runs at once (a smaller --jobs; runs sharing "
+           f"a GPU each need their own memory)" if n_oom else "")
     return (f"study incomplete: {len(miss)} of {summary.get('planned_runs', '?')} planned runs missing: "
-            f"{', '.join(items)}{more}")
+            f"{', '.join(items)}{more}{oom}")

@@ -6,6 +6,10 @@ parent clears stale claims before it starts the workers (it holds the study lock
 locked file every worker inherits, so no worker of an earlier session still runs), and writes the
 summary after them.
 
+A run that fails by running out of GPU memory (runs sharing one GPU each need their own) makes its worker,
+unless it is worker 0, give the run back (its claim removed) and stop, so the remaining workers share the GPU
+and one of them trains the run again; a worker makes passes over the plan until it claims nothing.
+
 A worker dies with its parent: on Linux it asks for SIGTERM when the parent ends
 (``prctl(PR_SET_PDEATHSIG)``) and exits at once if the parent (``MXTRAIN_STUDY_PARENT``) is already
 gone; the parent also stops its workers on SIGINT, SIGTERM and errors."""
@@ -42,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     from pathlib import Path
 
     from ..errors import UserError
-    from .runner import StudySpec, plan_order, run_one, train_one
+    from .runner import StudySpec, plan_order, ran_out_of_memory, run_one, train_one
 
     argv = sys.argv[1:] if argv is None else argv
     out, k = Path(argv[0]), int(argv[1])
@@ -52,13 +56,26 @@ def main(argv: list[str] | None = None) -> int:
     claims = out / "claims"
     claims.mkdir(exist_ok=True)
     try:
-        for i, (arm, seed) in enumerate(order, 1):
-            try:
-                os.close(os.open(claims / f"{arm}-seed{seed}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-            except FileExistsError:
-                continue
-            run_one(spec, arm, seed, f"[{i}/{len(order)}] worker {k}:", train_one,
-                    log=lambda m: print(m, flush=True))
+        claimed = True
+        while claimed:  # passes over the plan until nothing is left to claim (runs released by others, below)
+            claimed = False
+            for i, (arm, seed) in enumerate(order, 1):
+                claim = claims / f"{arm}-seed{seed}"
+                try:
+                    os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+                except FileExistsError:
+                    continue
+                claimed = True
+                run_one(spec, arm, seed, f"[{i}/{len(order)}] worker {k}:", train_one,
+                        log=lambda m: print(m, flush=True))
+                if k > 0 and ran_out_of_memory(out / "runs" / arm / f"seed{seed}"):
+                    # Workers sharing a GPU ran out of its memory: this one gives its run back (another worker
+                    # trains it again when it next looks) and stops, so fewer runs share the GPU. Worker 0
+                    # never stops early, so every run is still tried; its own failures stay recorded.
+                    claim.unlink(missing_ok=True)
+                    print(f"worker {k}: {arm} seed {seed} ran out of GPU memory; giving it back to the other "
+                          f"workers and stopping (fewer runs at once)", flush=True)
+                    return 0
     except UserError as e:
         print(f"mxtrain: error: {e}", file=sys.stderr)
         return getattr(e, "exit_code", 2) or 2
