@@ -341,6 +341,11 @@ class Llama(nn.Module):
                 p.normal_(0.0, std, generator=generator)
 
     def rope(self, T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary tables for ``T`` positions: cached on the module when eager; recomputed inside a compiled
+        graph (a few tiny ops), because a tensor a graph stores on the module is one of its outputs, which CUDA
+        graphs (``mode="reduce-overhead"``) overwrite at the next replay."""
+        if torch.compiler.is_compiling():
+            return rope_tables(self.cfg.head_dim, T, self.cfg.rope_theta, device)
         key = (T, str(device))
         if getattr(self, "_rope_key", None) != key:
             self._rope = rope_tables(self.cfg.head_dim, T, self.cfg.rope_theta, device)

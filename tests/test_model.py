@@ -151,3 +151,46 @@ def test_glue_falls_back_to_eager_when_compile_fails(glue_state, monkeypatch):
         y = norm(x)
     assert torch.allclose(y, x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
     assert glue_state.GLUE_STATE.failed and glue_state._glue(glue_state._rms_norm, x) is glue_state._rms_norm
+
+
+def test_compiled_model_stores_no_graph_output_on_the_module():
+    """The rotary tables are cached on the module only when eager: a compiled forward that stored them there
+    made the table a graph output, which CUDA graphs overwrite at the next replay (a 125M model under
+    ``torch.compile(mode="reduce-overhead")`` failed on an H100 with 'accessing tensor output of CUDAGraphs
+    that has been overwritten'). Compiled and eager losses agree."""
+    torch.manual_seed(0)
+    m = Llama(ModelConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=64, max_seq_len=32))
+    x = torch.randint(0, 64, (2, 16))
+    eager = m(x, x).item()
+    m2 = Llama(m.cfg)
+    m2.load_state_dict(m.state_dict())
+    cm = torch.compile(m2, backend="aot_eager", fullgraph=True)
+    for _ in range(2):
+        assert cm(x, x).item() == pytest.approx(eager, rel=1e-6)
+    assert not hasattr(m2, "_rope") and not hasattr(m2, "_rope_key")
+
+
+@pytest.mark.cuda
+def test_reduce_overhead_compile_trains_like_eager():
+    """The whole model under ``torch.compile(mode="reduce-overhead")`` (CUDA graphs) on the GPU: several
+    training steps run and follow the eager losses."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, max_seq_len=64)
+    losses = {}
+    for mode in ("eager", "reduce-overhead"):
+        torch.manual_seed(0)
+        m = Llama(cfg, device="cuda")
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        f = m if mode == "eager" else torch.compile(m, mode="reduce-overhead")
+        g = torch.Generator(device="cpu").manual_seed(1)
+        out = []
+        for _ in range(5):
+            x = torch.randint(0, 256, (4, 32), generator=g).cuda()
+            loss = f(x, x)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            out.append(loss.item())
+        losses[mode] = out
+    assert losses["reduce-overhead"] == pytest.approx(losses["eager"], rel=2e-3)
