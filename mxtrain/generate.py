@@ -278,8 +278,8 @@ def evaluate(run_dir: str | Path, data: str | Path, *, step: int | None = None, 
 
     ``data``: a prepared data folder (its validation split; refused when another tokenizer made it), or a
     text / JSONL / Parquet file or a folder of them (all of it, tokenized with the run's tokenizer). Windows
-    are those of training's validation (``seq_len`` of the run; ``mxtrain.data.val_batches``): the first
-    ``max_tokens // seq_len`` of them (default: all). ``batch_size``: windows per forward (default: the
+    are those of training's validation (``seq_len`` of the run; ``mxtrain.data.val_batches``): ``max_tokens //
+    seq_len`` of them spread evenly over the split (default: all). ``batch_size``: windows per forward (default: the
     run's micro-batch size, so an MX forward pass sees the batches the trainer's evaluation saw).
     ``precision``: see ``load``. ``progress``: None shows a bar on a terminal and plain lines otherwise.
     """

@@ -308,14 +308,24 @@ class Loader:
         self.pos = int(st["pos"])
 
 
+def val_windows(n_windows: int, max_tokens: int, seq_len: int) -> list[int]:
+    """The fixed validation windows: ``n = min(n_windows, max_tokens // seq_len)`` (at least 1) of the
+    split's ``n_windows``, spread evenly over all of it (window ``floor(i * n_windows / n)`` for ``i < n``), in
+    order. A prepared split holds its sources one after another (a corpus's domains, files), so its first
+    windows would all come from the first source; spread, a partial validation set samples every part in
+    proportion. With ``n == n_windows`` it is every window."""
+    n = min(n_windows, max(1, max_tokens // seq_len))
+    return [(i * n_windows) // n for i in range(n)]
+
+
 def val_batches(data: TokenData, seq_len: int, batch: int, max_tokens: int, rank: int = 0, world_size: int = 1):
-    """The fixed validation set: the first ``max_tokens // seq_len`` windows of the validation split, in order;
-    rank ``r`` gets windows ``r, r + world_size, ...``. Yields (x, y) batches."""
+    """The fixed validation set: ``max_tokens // seq_len`` windows spread evenly over the validation split
+    (``val_windows``), in order; rank ``r`` gets the ``r``-th, ``r + world_size``-th, ... of them. Yields
+    (x, y) batches."""
     w = _Windows(data.val, seq_len, getattr(data, "val_files", None))
-    n = min(w.n, max(1, max_tokens // seq_len))
     if w.n == 0:
         raise UserError(f"validation split has fewer than {seq_len + 1} tokens; use a smaller --seq-len")
-    mine = list(range(rank, n, world_size))
+    mine = val_windows(w.n, max_tokens, seq_len)[rank::world_size]
     for i in range(0, len(mine), batch):
         buf = _batch(data, w, mine[i:i + batch])
         yield buf[:, :-1], buf[:, 1:]
