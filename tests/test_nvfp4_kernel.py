@@ -65,7 +65,7 @@ def _check(x, axis, block_2d, rounding="nearest", key=None, prescale=1.0):
     return v, g
 
 
-@pytest.mark.parametrize("shape", [(33, 72), (17, 40), (1, 16), (64, 48)])
+@pytest.mark.parametrize("shape", [(33, 72), (17, 40), (1, 16), (64, 48), (40, 1)])
 @pytest.mark.parametrize("axis", [-1, 0])
 @pytest.mark.parametrize("block_2d", [False, True])
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
@@ -281,3 +281,23 @@ def test_cuda_graph_replay_reads_the_key_and_scale_from_device_memory():
         graph.replay()
         rv, rg = _ref(x, 1, False, "stochastic", key, 1.0)
         assert K._bits_equal(v, rv) and K._bits_equal(g, rg)
+
+
+@pytest.mark.skipif(DEV != "cpu", reason="the GPU tests run the compiled kernels instead")
+def test_kernels_compile_for_sm90():
+    """The interpreter compiles nothing: the NVFP4 variants of ``tools/compile_check.py`` compiled for sm_90."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, os.path.join(root, "tools", "compile_check.py"), "--jobs", "2", "--only",
+                        "nvfp4"], capture_output=True, text=True, env=env, cwd=root, timeout=600)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    assert len([ln for ln in p.stdout.splitlines() if ln.startswith("nvfp4") and "regs" in ln]) == 5, p.stdout
+
+
+def test_selfcheck_of_single_row_and_column_variants():
+    for r1, c1 in ((True, False), (False, True)):
+        for axis in (1, 0):
+            res = K.nvfp4_selfcheck(DEV, torch.float32, axis, False, True, False, 1.0, False, False, r1=r1, c1=c1)
+            assert res["ok"], res

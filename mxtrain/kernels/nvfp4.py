@@ -58,7 +58,7 @@ if HAS_TRITON:
         tl.store(part_ptr + tl.program_id(0), tl.max(a, axis=0))
 
     @triton.jit
-    def _nvfp4_kernel(x_ptr, out_ptr, g_ptr, key_ptr, key, prescale, M, K, s_m, s_k, i_m, i_k,
+    def _nvfp4_kernel(x_ptr, out_ptr, g_ptr, key64_ptr, key, prescale, M, K, s_m, s_k, i_m, i_k,
                       TM: tl.constexpr, NB: tl.constexpr, TILE2D: tl.constexpr, SR: tl.constexpr,
                       KEY_PTR: tl.constexpr, PRESCALE: tl.constexpr, IDX64: tl.constexpr):
         """Logical (M, K) view of ``x`` (K: the quantization axis): element (m, k) at ``x_ptr + m*s_m + k*s_k``,
@@ -108,7 +108,7 @@ if HAS_TRITON:
         if SR:
             idx = m * i_m + k * i_k
             if KEY_PTR:
-                kk = tl.load(key_ptr).to(tl.int32)      # the low 32 bits of the int64 key
+                kk = tl.load(key64_ptr).to(tl.int32)      # the low 32 bits of the int64 key
             else:
                 kk = key
             q = _fp4_round(v, True, idx, kk)
@@ -226,19 +226,22 @@ def nvfp4_kernel_applies(t: torch.Tensor, fmt: str, block_size, rounding: str, s
 def _variant_key(x: torch.Tensor, axis: int, block_2d: bool, sr: bool, key_ptr: bool, prescale: float):
     R0, C0 = x.shape
     return ("nvfp4", x.device.index, x.dtype, axis % 2, bool(block_2d), sr, key_ptr, prescale != 1.0,
-            R0 % 16 == 0, C0 % 16 == 0, x.numel() >= 2**31 - 1)
+            R0 % 16 == 0, C0 % 16 == 0, R0 == 1, C0 == 1, x.numel() >= 2**31 - 1)
 
 
 def _adversarial(R: int, C: int, seed: int = 99) -> torch.Tensor:
     """Magnitudes over many binades, ties, a zero block, tiny values, a NaN and an Inf block (CPU float32)."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    t = torch.randn(R, C, generator=gen) * torch.exp2(torch.randint(-20, 20, (R, C), generator=gen).float())
+    Rb, Cb = max(R, 8), max(C, 24)
+    t = torch.randn(Rb, Cb, generator=gen) * torch.exp2(torch.randint(-20, 20, (Rb, Cb), generator=gen).float())
     t[0, :16] = 0.0
     t[1, :8] = torch.tensor([0.25, 0.75, 1.25, 2.5, 3.5, 5.0, -0.25, -5.0])
     t[2, 3] = 1e-40
-    t[-1, -1] = float("nan")
     t[-2, 5] = float("inf")
     t[5, -3] = -float("inf")
+    t = t[:R, :C].clone()
+    if t.numel() > 16:
+        t[-1, -1] = float("nan")
     return t
 
 
@@ -255,9 +258,10 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def nvfp4_selfcheck(device, dtype, axis: int, block_2d: bool, sr: bool, key_ptr: bool, prescale: float,
-                    r16: bool, c16: bool, quantize_fn=None) -> dict:
+                    r16: bool, c16: bool, quantize_fn=None, r1: bool = False, c1: bool = False) -> dict:
     """Run one kernel variant on an adversarial tensor of the same divisibility of sizes by 16 and compare
-    ``(values, g)`` with the reference (``fake_quantize_operand``). ``quantize_fn``: the quantizer checked
+    ``(values, g)`` with the reference (``fake_quantize_operand``); ``r1``/``c1``: a single row / column (a size
+    of 1, which Triton specializes on). ``quantize_fn``: the quantizer checked
     (default ``quantize_nvfp4_factored``; tests pass a faulty one). Returns ``ok`` and mismatch counts."""
     from ..context import fake_quantize_operand
     quantize_fn = quantize_fn or quantize_nvfp4_factored
@@ -265,6 +269,7 @@ def nvfp4_selfcheck(device, dtype, axis: int, block_2d: bool, sr: bool, key_ptr:
         R, C = (48 if r16 else 49), (64 if c16 else 67)
     else:
         R, C = (256 if r16 else 257), (512 if c16 else 525)
+    R, C = (1 if r1 else R), (1 if c1 else C)
     t = _adversarial(R, C).to(device=device, dtype=dtype)
     key = 0x9E3779B9 if sr else None
     kq = torch.tensor(key, dtype=torch.int64, device=device) if (sr and key_ptr) else key
@@ -292,7 +297,8 @@ def nvfp4_ok(x: torch.Tensor, axis: int, block_2d: bool, sr: bool, key_ptr: bool
     if ok is None:
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             return False
-        res = nvfp4_selfcheck(x.device, x.dtype, axis, block_2d, sr, key_ptr, prescale, vkey[8], vkey[9])
+        res = nvfp4_selfcheck(x.device, x.dtype, axis, block_2d, sr, key_ptr, prescale, vkey[8], vkey[9],
+                              r1=vkey[10], c1=vkey[11])
         ok = CACHES.verified[vkey] = res["ok"]
         if not ok:
             warnings.warn(f"mxtrain: NVFP4 quantize kernel variant {vkey} differed from the reference quantizer on "
