@@ -194,7 +194,8 @@ class Ctx:
     def operand_factored(self, t: torch.Tensor, axis: int, name: str, gemm: str, signs):
         """``operand``, with an NVFP4 operand's tensor scale taken out: ``(values, prescale, g)``, the values
         exact in bf16 and ``g`` a 0-d float32 tensor (None for other formats, whose values are as
-        ``operand`` gives them)."""
+        ``operand`` gives them). NVFP4 operands of 2-D tensors run through the fused Triton quantizer where the
+        ``nvfp4_kernel`` setting says (``auto``: CUDA tensors; bit-identical: tests/test_nvfp4_kernel.py)."""
         op: Operand = self.recipe.operand(name)
         if not (op.quantized and get_format(op.fmt).kind == "nvfp4"):
             return (*self.operand(t, axis, name, gemm, signs), None)
@@ -202,6 +203,12 @@ class Ctx:
         key = self.stream_key(name) if op.rounding == "stochastic" else None
         spec = (axis, rot.size if rot.enabled else 0, op.fmt, op.block_size, op.rounding, op.scale_rule,
                 op.prescale, True)
+        mode = _settings.current().nvfp4_kernel
+        if mode == "always" or (mode == "auto" and t.is_cuda):   # the fused kernel (mxtrain/kernels/nvfp4.py)
+            from .kernels.nvfp4 import factored_operand
+            res = factored_operand(t, signs if rot.enabled else None, key, *spec[:-1])
+            if res is not None:
+                return res[0], op.prescale, res[1]
         v, g = REF_COMPILE.run(t, signs if rot.enabled else None, key, spec)
         return v, op.prescale, g
 

@@ -1,9 +1,11 @@
-"""Compile the MXFP4 quantize kernels for a GPU without one: catches GPU compile errors that Triton's
+"""Compile the MXFP4 and NVFP4 quantize kernels for a GPU without one: catches GPU compile errors that Triton's
 interpreter does not see, and reports each variant's registers and instruction counts.
 
 A representative set of variants (each layout of ``_mxfp4_kernel``, rotations 0/16/32 and wider ones on the
 tile layout, nearest and stochastic rounding, carrier / FP4 / both outputs, 64-bit offsets, a key in device
-memory, 128x128 groups, folded normalization, and the dual kernel) compiled with
+memory, 128x128 groups, folded normalization, and the dual kernel; ``kernels/nvfp4.py``'s quantize kernel for
+rows and columns, 1-D blocks and 16x16 tiles, stochastic rounding with a key in device memory, and its amax
+kernel) compiled with
 ``triton.compile(ASTSource(...), target=GPUTarget(...))`` and the launch options the kernels run with
 (``enable_fp_fusion=False``, ``maxnreg`` where ``launch.launch_opts`` sets it). The size arguments equal to 1
 on a real launch (the unit stride) are passed as 1, which Triton specializes on, and the pointers and the
@@ -37,7 +39,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PTR_TYPES = {"x_ptr": "*bf16", "signs_ptr": "*fp32", "car_ptr": "*u8", "gs_ptr": "*fp32", "fp4_ptr": "*u8",
              "sc_ptr": "*u8", "cnt_ptr": "*i32", "key_ptr": "*i32",
              "sg_a": "*fp32", "car_a": "*u8", "gs_a": "*fp32", "kp_a": "*i32",
-             "sg_b": "*fp32", "car_b": "*u8", "gs_b": "*fp32", "kp_b": "*i32"}
+             "sg_b": "*fp32", "car_b": "*u8", "gs_b": "*fp32", "kp_b": "*i32",
+             "out_ptr": "*fp32", "g_ptr": "*fp32", "key64_ptr": "*i64", "part_ptr": "*fp32"}
 FLOATS = {"inv_sqrt", "prescale", "inv_a", "ps_a", "inv_b", "ps_b"}
 DIV16 = {"R", "Rc", "Kc", "Kq", "Kc_a", "Kq_a", "Kc_b", "Kq_b", "Rc_a", "Rc_b", "sx_m"}
 
@@ -68,6 +71,13 @@ def _dual(bra=32, brb=64, nw=4, gr_b=1, rot=0, sr=False, fp4_b=False, maxnreg=80
                 maxnreg=None if sr else maxnreg)
 
 
+def _nvfp4(axis, TM, NB, tile2d=False, sr=False, key_ptr=False, prescale=False, idx64=False, nw=4):
+    """A variant of ``kernels/nvfp4.py``'s ``_nvfp4_kernel`` (the unit strides of ``axis`` passed as 1)."""
+    consts = dict(TM=TM, NB=NB, TILE2D=tile2d, SR=sr, KEY_PTR=key_ptr, PRESCALE=prescale, IDX64=idx64)
+    return dict(kind="nvfp4", layout="nvfp4", consts=consts, ones=("s_k", "i_k") if axis == 1 else ("s_m", "i_m"),
+                num_warps=nw, maxnreg=None)
+
+
 # (name, variant): block rows and warps as launch.block_config picks them
 VARIANTS = {
     "tile r0 car": _single("tile", 64, 4),
@@ -94,11 +104,21 @@ VARIANTS = {
     "dual r0 g128": _dual(64, 128, 8, gr_b=128),
     "dual r16 sr": _dual(rot=16, sr=True),
     "dual r0 fp4_b seq idx64": _dual(fp4_b=True, SEQ=True, IDX64=True),
+    # the NVFP4 quantizer (kernels/nvfp4.py), as quantize_nvfp4_factored launches it on a GPU
+    "nvfp4 rows 1d": _nvfp4(1, 2, 4),
+    "nvfp4 rows 2d sr prescale": _nvfp4(1, 2, 4, tile2d=True, sr=True, prescale=True),
+    "nvfp4 cols 1d sr keyptr idx64": _nvfp4(0, 4, 2, sr=True, key_ptr=True, idx64=True),
+    "nvfp4 cols 2d": _nvfp4(0, 4, 2, tile2d=True),
+    "nvfp4 amax": dict(kind="nvfp4_amax", layout="nvfp4_amax", consts=dict(BLOCK=4096), ones=(), num_warps=8,
+                       maxnreg=None),
 }
 
 
 def kernel_of(v):
     """(the Triton kernel of variant ``v``, constexprs it adds)."""
+    if v["kind"] in ("nvfp4", "nvfp4_amax"):
+        from mxtrain.kernels import nvfp4 as N
+        return (N._nvfp4_kernel if v["kind"] == "nvfp4" else N._finite_amax_kernel), {}
     from mxtrain.kernels.mxfp4 import kernels as K
     if v["kind"] == "dual":
         return K._mxfp4_dual_kernel, {}
@@ -155,7 +175,7 @@ def compile_one(item):
         sass = subprocess.run([_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
     regs = int(re.search(r"REG:(\d+)", res).group(1))
     n_sass = sum(1 for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", ln))
-    text = re.sub(r"_mxfp4\w*", "K", "\n".join(code))
+    text = re.sub(r"_(mxfp4|nvfp4|finite_amax)\w*", "K", "\n".join(code))
     return name, {"regs": regs, "sass": n_sass, "ptx": n_ptx, "hash": hashlib.sha1(text.encode()).hexdigest()[:12]}
 
 

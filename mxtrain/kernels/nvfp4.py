@@ -1,0 +1,329 @@
+"""NVFP4 quantization in two passes (the ``nvfp4`` recipe's operand quantizer on a GPU).
+
+``quantize_nvfp4_factored(x, axis, block_2d, rounding, key, prescale)`` gives the ``(values, g)`` that
+``mxtrain.context.fake_quantize_operand(..., factored=True)`` gives for an NVFP4 operand (the definition, bit
+for bit: ``mxtrain.quant.quantize`` then ``MXTensor.dequantize_factored``) of an already rotated 2-D float32 or
+bf16 tensor ``x``: the tensor scale ``g = tmax / (6 * 448)`` of the largest finite magnitude (1 if that is not
+> 0), per block of 16 along ``axis`` (or 16x16 tile) the E4M3 block scale ``b = e4m3(amax / (g * 6))``
+saturated at 448 (NaN for a block holding NaN or +-Inf), each element ``x * prescale / (b * g)`` (an IEEE
+division) rounded onto E2M1 (half to even, or stochastically with the hash ``mxtrain.rng.uniform`` of the
+element's row-major index in ``x``), and written as ``element * b`` (exact in bf16) in ``x``'s shape. A block
+whose divisor ``b * g`` is 0 gives +0 everywhere, a non-finite block NaN everywhere (``+0 * NaN``), as the
+reference does; negative values that round to zero stay -0.
+
+Pass 1 is the tensor amax of the finite values (a Triton reduction to one partial maximum per program, then
+a torch ``amax`` of those and the reference's own 0-d ops for ``g``: ``quant._div_by_constant``). Pass 2 is one
+Triton kernel: one read of ``x``, one write of the values; ``g`` and a stochastic-rounding key given as a
+tensor are read from device memory (no host synchronisation; a CUDA graph replays with the new ones). The
+reference did the same in about twenty full-tensor PyTorch passes plus the int64 hash of every element.
+
+Why bit-exact: every step is the reference's float32 operation or exact. The block amax is a maximum; ``g * 6``,
+``amax / (g * 6)`` (``div_rn``), ``b * g`` and ``x * prescale / d`` (``div_rn``) are single correctly rounded
+float32 operations in the reference's order; the E4M3 rounding of the block scale is done with exact power-of-two
+scaling built from bits and round-half-even through ``(y + 1.5 * 2**23) - 1.5 * 2**23`` (Triton's hardware
+fp32->e4m3 cast wrote wrong bytes on sm_90 in some layouts: ``mxfp4/device.py``), as is the E2M1 rounding
+(``device._fp4_round``, shared with the MXFP4 kernels); ``element * b`` is exact. The kernel is launched with
+``enable_fp_fusion=False`` so that no multiply-add becomes an FMA. ``tests/test_nvfp4_kernel.py`` compares it
+with the reference; each variant also checks itself on its first GPU run (``nvfp4_ok``: the ``qselfcheck``
+setting) and falls back to the reference where it differs.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from .. import settings as _settings
+from ..quant import NVFP4_TENSOR_MAX, _div_by_constant
+from . import HAS_TRITON, INTERPRET, kernels_available
+from .caches import CACHES
+
+__all__ = ["quantize_nvfp4_factored", "tensor_scale_nvfp4", "nvfp4_kernel_applies", "nvfp4_ok",
+           "nvfp4_selfcheck", "factored_operand", "CALLS"]
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from .mxfp4.device import _fp4_round, _uniform
+
+    @triton.jit
+    def _finite_amax_kernel(x_ptr, part_ptr, n, BLOCK: tl.constexpr):
+        """One partial maximum of the finite |x| per program (0 where none)."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+        a = tl.abs(x)
+        a = tl.where((x == x) & (a != float("inf")), a, 0.0)
+        tl.store(part_ptr + tl.program_id(0), tl.max(a, axis=0))
+
+    @triton.jit
+    def _nvfp4_kernel(x_ptr, out_ptr, g_ptr, key64_ptr, key, prescale, M, K, s_m, s_k, i_m, i_k,
+                      TM: tl.constexpr, NB: tl.constexpr, TILE2D: tl.constexpr, SR: tl.constexpr,
+                      KEY_PTR: tl.constexpr, PRESCALE: tl.constexpr, IDX64: tl.constexpr):
+        """Logical (M, K) view of ``x`` (K: the quantization axis): element (m, k) at ``x_ptr + m*s_m + k*s_k``,
+        its output at ``out_ptr`` + the same offset, its stochastic-rounding index ``m*i_m + k*i_k``. A program
+        quantizes a [TM, 16, NB, 16] piece: rows ``16*TM`` from ``pid_m``, ``NB`` blocks of 16 from ``pid_k``."""
+        pid_m = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        r = tl.arange(0, 16)
+        m = pid_m * (TM * 16) + tl.arange(0, TM)[:, None, None, None] * 16 + r[None, :, None, None]
+        k = pid_k * (NB * 16) + tl.arange(0, NB)[None, None, :, None] * 16 + r[None, None, None, :]
+        if IDX64:
+            m = m.to(tl.int64)
+            k = k.to(tl.int64)
+        msk = (m < M) & (k < K)
+        offs = m * s_m + k * s_k
+        x = tl.load(x_ptr + offs, mask=msk, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr)
+        # block maxima of the finite magnitudes, and whether the block is finite (padding reads 0)
+        ax = tl.abs(x)
+        fin = (x == x) & (ax != float("inf"))
+        af = tl.where(fin, ax, 0.0)
+        bad = tl.where(fin, 0, 1)
+        amax = tl.max(af, axis=3)                       # [TM, 16, NB]
+        nbad = tl.max(bad, axis=3)
+        if TILE2D:
+            amax = tl.max(amax, axis=1)                 # [TM, NB]
+            nbad = tl.max(nbad, axis=1)
+            amax = amax[:, None, :, None]
+            nbad = nbad[:, None, :, None]
+        else:
+            amax = amax[:, :, :, None]
+            nbad = nbad[:, :, :, None]
+        # E4M3 block scale: amax / (g * 6) (IEEE division), saturated at 448, rounded half to even
+        g6 = g * 6.0
+        c = tl.minimum(tl.math.div_rn(amax, tl.zeros_like(amax) + g6), 448.0)
+        E = ((c.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        e = tl.maximum(E, -6)                           # E4M3: emin -6, 3 mantissa bits
+        y = c * ((127 + 3 - e) << 23).to(tl.float32, bitcast=True)            # c / spacing, exact (< 16)
+        rr = (y + 12582912.0) - 12582912.0                                   # half to even
+        b = rr * ((127 - 3 + e) << 23).to(tl.float32, bitcast=True)          # back on the grid, exact
+        b = tl.where(nbad == 0, b, float("nan"))
+        d = b * g
+        ok = (nbad == 0) & (d > 0.0)
+        if PRESCALE:
+            x = x * prescale
+        v = tl.where(ok, tl.math.div_rn(x, tl.where(ok, d, 1.0)), 0.0)
+        if SR:
+            idx = m * i_m + k * i_k
+            if KEY_PTR:
+                kk = tl.load(key64_ptr).to(tl.int32)      # the low 32 bits of the int64 key
+            else:
+                kk = key
+            q = _fp4_round(v, True, idx, kk)
+        else:
+            q = _fp4_round(v, False, 0, 0)
+        # the element with v's sign (+0 where the block is not quantized), times the block scale (exact)
+        qs = (q.to(tl.int32, bitcast=True) | (v.to(tl.int32, bitcast=True) & -2147483648)).to(tl.float32,
+                                                                                                 bitcast=True)
+        el = tl.where(ok, qs, 0.0)
+        tl.store(out_ptr + offs, (el * b).to(out_ptr.dtype.element_ty), mask=msk)
+
+
+def tensor_scale_nvfp4(x: torch.Tensor) -> torch.Tensor:
+    """The reference's float32 tensor scale ``g`` of contiguous ``x`` (0-d, on ``x``'s device): the largest
+    finite magnitude over 6 * 448, 1 if that is not > 0."""
+    n = x.numel()
+    if n == 0:
+        tmax = torch.zeros((), dtype=torch.float32, device=x.device)
+    else:
+        BLOCK = 4096
+        nprog = triton.cdiv(n, BLOCK)
+        part = torch.empty(nprog, dtype=torch.float32, device=x.device)
+        _finite_amax_kernel[(nprog,)](x, part, n, BLOCK=BLOCK, num_warps=8)
+        tmax = part.amax()
+    g = _div_by_constant(tmax, NVFP4_TENSOR_MAX)
+    return torch.where(g > 0, g, torch.ones_like(g))   # zero tensor, or g underflowed
+
+
+def _key_args(key, device):
+    """(key as a signed int32 value, key tensor or None) for the kernel."""
+    if isinstance(key, torch.Tensor):
+        if key.dim() != 0 or key.dtype != torch.int64:
+            raise ValueError("quantize_nvfp4_factored: a key tensor must be an int64 0-d tensor")
+        return 0, key.to(device)
+    k = int(key) & 0xFFFFFFFF
+    return (k - (1 << 32) if k >= 1 << 31 else k), None
+
+
+def _launch_config(axis: int, block_2d: bool) -> tuple[int, int, int]:
+    """(TM, NB, num_warps): rows of 16 and blocks of 16 a program."""
+    if INTERPRET:
+        return 4, 8, 4          # fewer, larger programs for the interpreter
+    return (2, 4, 4) if axis == 1 else (4, 2, 4)
+
+
+def quantize_nvfp4_factored(x: torch.Tensor, axis: int = -1, block_2d: bool = False, rounding: str = "nearest",
+                            key=None, prescale: float = 1.0, out_dtype: torch.dtype = torch.float32,
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values, g)`` of 2-D float32/bf16 ``x`` as ``fake_quantize_operand(x, None, key, axis, 0, "nvfp4",
+    (16, 16) if block_2d else 16, rounding, "floor", prescale, factored=True)`` gives them (bit for bit):
+    ``values`` in ``x``'s shape, dtype ``out_dtype`` (float32, or bf16/fp16: exact), ``g`` a 0-d float32 tensor.
+    ``key``: the stochastic-rounding stream key (an int, or an int64 0-d tensor on ``x``'s device, read on the
+    device), required for ``rounding="stochastic"``."""
+    if not HAS_TRITON:
+        raise RuntimeError("quantize_nvfp4_factored needs Triton")
+    if x.ndim != 2:
+        raise ValueError(f"quantize_nvfp4_factored: expected a 2-D tensor, got {x.ndim}-d")
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"quantize_nvfp4_factored: expected float32/bf16/fp16, got {x.dtype}")
+    if rounding not in ("nearest", "stochastic"):
+        raise ValueError(f"unknown rounding {rounding!r}")
+    if not prescale > 0:
+        raise ValueError(f"prescale must be positive, got {prescale}")
+    sr = rounding == "stochastic"
+    if sr and key is None:
+        raise ValueError("stochastic rounding needs a key")
+    axis = axis % 2
+    x = x.contiguous()
+    if x.data_ptr() % 16:
+        x = x.clone()           # (the kernel is specialized for 16-byte aligned pointers)
+    R0, C0 = x.shape
+    g = tensor_scale_nvfp4(x)
+    out = torch.empty((R0, C0), dtype=out_dtype, device=x.device)
+    if x.numel() == 0:
+        return out, g
+    if axis == 1:
+        M, K, s_m, s_k, i_m, i_k = R0, C0, C0, 1, C0, 1
+    else:
+        M, K, s_m, s_k, i_m, i_k = C0, R0, 1, C0, 1, C0
+    kval, kt = _key_args(key, x.device) if sr else (0, None)
+    TM, NB, nw = _launch_config(axis, block_2d)
+    grid = (triton.cdiv(M, 16 * TM), triton.cdiv(K, 16 * NB))
+    ps = float(torch.tensor(prescale, dtype=torch.float32))
+    _nvfp4_kernel[grid](x, out, g, kt if kt is not None else g, kval, ps, M, K, s_m, s_k, i_m, i_k,
+                        TM=TM, NB=NB, TILE2D=bool(block_2d), SR=sr, KEY_PTR=kt is not None,
+                        PRESCALE=ps != 1.0, IDX64=x.numel() >= 2**31 - 1, num_warps=nw,
+                        enable_fp_fusion=False)
+    return out, g
+
+
+# ----------------------------------------------------------------------------------------------
+# where the kernel serves the reference path, and its runtime self-check
+
+
+def nvfp4_kernel_applies(t: torch.Tensor, fmt: str, block_size, rounding: str, scale_rule: str = "floor",
+                         st=None) -> bool:
+    """Does ``fake_quantize_operand(t, ..., factored=True)`` of this NVFP4 operand run through the kernel? The
+    ``nvfp4_kernel`` setting: ``auto`` on CUDA tensors, ``always`` also on CPU under Triton's interpreter
+    (tests), ``off`` never. Only 2-D float32/bf16/fp16 operands, never inside a ``torch.compile`` trace."""
+    st = st or _settings.current()
+    mode = st.nvfp4_kernel
+    if mode == "off" or not HAS_TRITON or t.ndim != 2 or t.dtype not in (torch.float32, torch.bfloat16,
+                                                                            torch.float16):
+        return False
+    if block_size not in (None, 16, (16, 16)) or rounding not in ("nearest", "stochastic"):
+        return False
+    from ..formats import get_format
+    if get_format(fmt).kind != "nvfp4" or torch.compiler.is_compiling():
+        return False
+    if t.device.type == "cuda":
+        return True
+    return mode == "always" and kernels_available(t.device)
+
+
+def _variant_key(x: torch.Tensor, axis: int, block_2d: bool, sr: bool, key_ptr: bool, prescale: float):
+    R0, C0 = x.shape
+    return ("nvfp4", x.device.index, x.dtype, axis % 2, bool(block_2d), sr, key_ptr, prescale != 1.0,
+            R0 % 16 == 0, C0 % 16 == 0, R0 == 1, C0 == 1, x.numel() >= 2**31 - 1)
+
+
+def _adversarial(R: int, C: int, seed: int = 99) -> torch.Tensor:
+    """Magnitudes over many binades, ties, a zero block, tiny values, a NaN and an Inf block (CPU float32)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    Rb, Cb = max(R, 8), max(C, 24)
+    t = torch.randn(Rb, Cb, generator=gen) * torch.exp2(torch.randint(-20, 20, (Rb, Cb), generator=gen).float())
+    t[0, :16] = 0.0
+    t[1, :8] = torch.tensor([0.25, 0.75, 1.25, 2.5, 3.5, 5.0, -0.25, -5.0])
+    t[2, 3] = 1e-40
+    t[-2, 5] = float("inf")
+    t[5, -3] = -float("inf")
+    t = t[:R, :C].clone()
+    if t.numel() > 16:
+        t[-1, -1] = float("nan")
+    return t
+
+
+def _mismatches(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Entries of equal-shaped ``a`` and ``b`` that differ in their float32 bits (NaN matches any NaN: NaN
+    payloads may differ)."""
+    ia, ib = a.float().view(torch.int32), b.float().view(torch.int32)
+    return int((~((ia == ib) | (torch.isnan(a) & torch.isnan(b)))).sum())
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape, dtype, NaN positions and bits elsewhere (NaN payloads may differ)."""
+    return a.shape == b.shape and a.dtype == b.dtype and _mismatches(a, b) == 0
+
+
+def nvfp4_selfcheck(device, dtype, axis: int, block_2d: bool, sr: bool, key_ptr: bool, prescale: float,
+                    r16: bool, c16: bool, quantize_fn=None, r1: bool = False, c1: bool = False) -> dict:
+    """Run one kernel variant on an adversarial tensor of the same divisibility of sizes by 16 and compare
+    ``(values, g)`` with the reference (``fake_quantize_operand``); ``r1``/``c1``: a single row / column (a size
+    of 1, which Triton specializes on). ``quantize_fn``: the quantizer checked
+    (default ``quantize_nvfp4_factored``; tests pass a faulty one). Returns ``ok`` and mismatch counts."""
+    from ..context import fake_quantize_operand
+    quantize_fn = quantize_fn or quantize_nvfp4_factored
+    if torch.device(device).type == "cpu":
+        R, C = (48 if r16 else 49), (64 if c16 else 67)
+    else:
+        R, C = (256 if r16 else 257), (512 if c16 else 525)
+    R, C = (1 if r1 else R), (1 if c1 else C)
+    t = _adversarial(R, C).to(device=device, dtype=dtype)
+    key = 0x9E3779B9 if sr else None
+    kq = torch.tensor(key, dtype=torch.int64, device=device) if (sr and key_ptr) else key
+    bs = (16, 16) if block_2d else 16
+    rnd = "stochastic" if sr else "nearest"
+    v, g = quantize_fn(t, axis, block_2d, rnd, kq, prescale)
+    rv, rg = fake_quantize_operand(t, None, key, axis, 0, "nvfp4", bs, rnd, "floor", prescale, True)
+    nv = _mismatches(v, rv) if v.shape == rv.shape else v.numel()
+    out = {"values": nv, "g": int(not _bits_equal(g, rg))}
+    out["ok"] = nv == 0 and out["g"] == 0
+    return out
+
+
+def nvfp4_ok(x: torch.Tensor, axis: int, block_2d: bool, sr: bool, key_ptr: bool, prescale: float,
+             st=None) -> bool:
+    """Once per kernel variant (where the ``qselfcheck`` setting says: ``auto`` on GPUs, ``always`` everywhere):
+    did it reproduce the reference? A variant that fails warns once and the reference serves it from then on.
+    Inside a CUDA-graph capture an unchecked variant is not checked (it reads to the host): False (reference)."""
+    st = st or _settings.current()
+    mode = st.qselfcheck
+    if not (mode == "always" or (mode == "auto" and x.device.type == "cuda")):
+        return True
+    vkey = _variant_key(x, axis, block_2d, sr, key_ptr, prescale)
+    ok = CACHES.verified.get(vkey)
+    if ok is None:
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return False
+        res = nvfp4_selfcheck(x.device, x.dtype, axis, block_2d, sr, key_ptr, prescale, vkey[8], vkey[9],
+                              r1=vkey[10], c1=vkey[11])
+        ok = CACHES.verified[vkey] = res["ok"]
+        if not ok:
+            warnings.warn(f"mxtrain: NVFP4 quantize kernel variant {vkey} differed from the reference quantizer on "
+                          f"this device ({res}); using the reference (slower) for it", RuntimeWarning, stacklevel=3)
+    return ok
+
+
+def factored_operand(t: torch.Tensor, signs, key, axis: int, rot: int, fmt: str, block_size, rounding: str,
+                     scale_rule: str, prescale: float):
+    """``fake_quantize_operand(..., factored=True)`` through the kernel where ``nvfp4_kernel_applies`` and its
+    variant passed its self-check, else None (the caller runs the reference). The rotation stays in torch
+    (float32); without one a bf16/fp16 ``t`` goes to the kernel as it is (its upcast is exact)."""
+    from ..context import compute_dtype, pad_axis
+    from ..hadamard import hadamard
+    if not nvfp4_kernel_applies(t, fmt, block_size, rounding, scale_rule):
+        return None
+    r = t
+    if rot:
+        r = hadamard(pad_axis(t.to(compute_dtype(t)), axis, rot), rot, axis=axis, signs=signs)
+    block_2d = block_size == (16, 16)
+    sr = rounding == "stochastic"
+    if not nvfp4_ok(r, axis, block_2d, sr, isinstance(key, torch.Tensor), prescale):
+        return None
+    CALLS["kernel"] += 1
+    return quantize_nvfp4_factored(r, axis, block_2d, rounding, key, prescale)
+
+
+CALLS = {"kernel": 0}   # operands quantized by ``factored_operand`` in this process (tests read it)
