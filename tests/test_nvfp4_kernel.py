@@ -198,6 +198,37 @@ def test_layer_under_autocast_is_the_same_with_the_kernel():
         assert torch.equal(a, b)
 
 
+def test_whole_model_compiled_fullgraph_runs_the_kernel():
+    """Under ``torch.compile(fullgraph=True)`` of a whole converted model (as ``mxtrain bench step`` and the
+    trainer compile it), the MX linear is one op, so its NVFP4 operands still go through the kernel at run
+    time; outputs and gradients equal the compiled model with the kernel off."""
+    import dataclasses
+
+    import torch.nn as nn
+
+    import mxtrain
+    dev_type = "cuda" if DEV == "cuda" else "cpu"
+    mode = "auto" if DEV == "cuda" else "always"
+    out = {}
+    for m in ("off", mode):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 48)).to(DEV)
+        mxtrain.convert(net, dataclasses.replace(get_recipe("nvfp4"), keep_first=0, keep_last=0))
+        f = torch.compile(net, backend="aot_eager", fullgraph=True)
+        x = torch.randn(32, 64, device=DEV)
+        n0 = K.CALLS["kernel"]
+        with settings.override(nvfp4_kernel=m, qselfcheck="off"):
+            with torch.autocast(dev_type, dtype=torch.bfloat16):
+                y = f(x)
+            y.float().square().sum().backward()
+        out[m] = (y.detach(), [p.grad for p in net.parameters()], K.CALLS["kernel"] - n0)
+        torch._dynamo.reset()
+    assert out["off"][2] == 0 and out[mode][2] == 16   # 3 layers x (2 forward + 4 backward), no dX for the first
+    assert torch.equal(out["off"][0], out[mode][0])
+    for a, b in zip(out["off"][1], out[mode][1]):
+        assert torch.equal(a, b)
+
+
 def test_selfcheck_passes_catches_a_faulty_kernel_and_falls_back():
     assert K.nvfp4_selfcheck(DEV, torch.float32, 1, False, True, True, 0.75, False, True)["ok"]
     assert K.nvfp4_selfcheck(DEV, torch.bfloat16, 0, True, False, False, 1.0, True, False)["ok"]
