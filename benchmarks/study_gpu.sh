@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# A cooled-down study on one GPU machine (docs/study.md, docs/results.md): join and unpack the prepared corpus
+# from its xz parts if needed (docs/data.md, "Getting it to a GPU machine"), train (resuming what an earlier
+# call of the same lease finished), write the report, and copy everything but checkpoints to $OUT.
+# Usage (repo root, on the GPU machine):
+#   OUT=dir [PARTS=/root/mx] [DATA=/root/mx/c32k] [STUDY=/root/mx/study] [ARMS=a,b,c | PRESET=split]
+#   [MODEL=30m] [STEPS=240] [SEEDS=3] [BUDGETS=0.25,0.5,0.75,1] [COOLDOWN=0.2] [JOBS=6] [EVAL_EVERY=10]
+#   [EVAL_TOKENS=131072] [DEVICE=cuda] [BUDGET=seconds] [EXTRA="--set k=v ..."] bash benchmarks/study_gpu.sh
+# JOBS: runs sharing the GPU; a 30m run with 32 x 512-token batches and the 32k vocabulary peaks near 11 GiB,
+# so 6 fit an 80 GiB H100 (8 did not). Call it again in the same lease to go on: finished runs are skipped.
+set -u
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+OUT=${OUT:?set OUT}; PARTS=${PARTS:-/root/mx}; DATA=${DATA:-$PARTS/c32k}; S=${STUDY:-$PARTS/study}
+mkdir -p "$OUT"
+if [ ! -f "$DATA/meta.json" ]; then
+  ls "$PARTS"/corpus-32k.tar.xz.* >/dev/null 2>&1 || { echo "no prepared corpus at $DATA and no parts in $PARTS" >&2; exit 2; }
+  mkdir -p "$DATA"
+  cat "$PARTS"/corpus-32k.tar.xz.* | python3 -c "import lzma,sys,shutil; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)" \
+    | tar -C "$DATA" -xf - || { echo "unpacking the corpus parts failed" >&2; exit 2; }
+fi
+{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+  date -u +%FT%TZ; } > "$OUT/device.txt" 2>&1
+if [ -n "${ARMS:-}" ]; then WHAT=(--arms "$ARMS"); else WHAT=(--preset "${PRESET:-split}"); fi
+CMD=(python3 -m mxtrain study "${WHAT[@]}" --seeds "${SEEDS:-3}" --model "${MODEL:-30m}" --data "$DATA"
+     --batch-size 32 --seq-len 512 --steps "${STEPS:-240}" --budgets "${BUDGETS:-0.25,0.5,0.75,1}"
+     --cooldown "${COOLDOWN:-0.2}" --eval-every "${EVAL_EVERY:-10}" --diagnose-every 0
+     --set "log.eval_tokens=${EVAL_TOKENS:-131072}" --set schedule.warmup_steps=20 --device "${DEVICE:-cuda}"
+     --jobs "${JOBS:-6}" --out "$S")
+# shellcheck disable=SC2206
+[ -n "${EXTRA:-}" ] && CMD+=(${EXTRA})
+echo "${CMD[*]}" >> "$OUT/device.txt"
+timeout "${BUDGET:-480}" "${CMD[@]}" > "$OUT/study_log.txt" 2>&1
+echo "study exit: $?" >> "$OUT/study_log.txt"
+timeout 60 python3 -m mxtrain report "$S" >> "$OUT/study_log.txt" 2>&1
+(cd "$S" && find . -type f ! -name '*.pt' ! -path '*/tb/*' -size -8M | tar czf "$OUT/study.tgz" -T -)
+cp "$S/summary.json" "$S/report.md" "$OUT/" 2>/dev/null
+tail -15 "$OUT/study_log.txt"
