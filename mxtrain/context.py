@@ -191,11 +191,14 @@ class Ctx:
                 op.prescale)
         return REF_COMPILE.run(t, signs if rot.enabled else None, key, spec), op.prescale
 
-    def operand_factored(self, t: torch.Tensor, axis: int, name: str, gemm: str, signs):
+    def operand_factored(self, t: torch.Tensor, axis: int, name: str, gemm: str, signs,
+                         out_dtype: torch.dtype | None = None):
         """``operand``, with an NVFP4 operand's tensor scale taken out: ``(values, prescale, g)``, the values
         exact in bf16 and ``g`` a 0-d float32 tensor (None for other formats, whose values are as
         ``operand`` gives them). NVFP4 operands of 2-D tensors run through the fused Triton quantizer where the
-        ``nvfp4_kernel`` setting says (``auto``: CUDA tensors; bit-identical: tests/test_nvfp4_kernel.py)."""
+        ``nvfp4_kernel`` setting says (``auto``: CUDA tensors; bit-identical: tests/test_nvfp4_kernel.py), which
+        writes the values in ``out_dtype`` (bf16/fp16: exact; the GEMM's operand dtype, so no cast pass
+        follows) where given; the reference's values are float32 either way."""
         op: Operand = self.recipe.operand(name)
         if not (op.quantized and get_format(op.fmt).kind == "nvfp4"):
             return (*self.operand(t, axis, name, gemm, signs), None)
@@ -206,7 +209,7 @@ class Ctx:
         mode = _settings.current().nvfp4_kernel
         if mode == "always" or (mode == "auto" and t.is_cuda):   # the fused kernel (mxtrain/kernels/nvfp4.py)
             from .kernels.nvfp4 import factored_operand
-            res = factored_operand(t, signs if rot.enabled else None, key, *spec[:-1])
+            res = factored_operand(t, signs if rot.enabled else None, key, *spec[:-1], out_dtype=out_dtype)
             if res is not None:
                 return res[0], op.prescale, res[1]
         v, g = REF_COMPILE.run(t, signs if rot.enabled else None, key, spec)

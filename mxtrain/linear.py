@@ -102,8 +102,8 @@ def _factored_gemm(qctx: Ctx, gemm: str, a, b, amp: torch.dtype, cdt: torch.dtyp
     """``A @ B`` of two operands ``(tensor, axis, name, transpose)`` quantized with NVFP4 tensor scales taken
     out (``factors_nvfp4``): float32 accumulation, then times the tensor scales, divided by the prescales."""
     s = qctx.signs(gemm, device)
-    av, pa, ga = qctx.operand_factored(a[0], a[1], a[2], gemm, s)
-    bv, pb, gb = qctx.operand_factored(b[0], b[1], b[2], gemm, s)
+    av, pa, ga = qctx.operand_factored(a[0], a[1], a[2], gemm, s, out_dtype=amp)
+    bv, pb, gb = qctx.operand_factored(b[0], b[1], b[2], gemm, s, out_dtype=amp)
     y = _mm_f32(av.t() if a[3] else av, bv.t() if b[3] else bv, amp)
     g = ga if gb is None else (gb if ga is None else ga * gb)
     if g is not None:

@@ -176,6 +176,11 @@ def test_operand_factored_runs_the_kernel_and_off_runs_the_reference():
                 v, p, g = ctx.operand_factored(t[name], axis, name, gemm, s)
                 assert K.CALLS["kernel"] == n0 + 1, name
             assert p == rp and K._bits_equal(g, rg) and K._bits_equal(v, rv), (name, ctx.on_device)
+            # the GEMM's operand dtype written directly (no float32 values and cast pass): the same values
+            with settings.override(nvfp4_kernel=mode, qselfcheck="off"):
+                vb, _, gb = ctx.operand_factored(t[name], axis, name, gemm, s, out_dtype=torch.bfloat16)
+            assert vb.dtype == torch.bfloat16 and K._bits_equal(gb, rg)
+            assert K._bits_equal(vb.float(), rv), name
 
 
 def test_layer_under_autocast_is_the_same_with_the_kernel():

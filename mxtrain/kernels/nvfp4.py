@@ -307,10 +307,11 @@ def nvfp4_ok(x: torch.Tensor, axis: int, block_2d: bool, sr: bool, key_ptr: bool
 
 
 def factored_operand(t: torch.Tensor, signs, key, axis: int, rot: int, fmt: str, block_size, rounding: str,
-                     scale_rule: str, prescale: float):
+                     scale_rule: str, prescale: float, out_dtype: torch.dtype | None = None):
     """``fake_quantize_operand(..., factored=True)`` through the kernel where ``nvfp4_kernel_applies`` and its
     variant passed its self-check, else None (the caller runs the reference). The rotation stays in torch
-    (float32); without one a bf16/fp16 ``t`` goes to the kernel as it is (its upcast is exact)."""
+    (float32); without one a bf16/fp16 ``t`` goes to the kernel as it is (its upcast is exact). ``out_dtype``:
+    the values' dtype (default float32; bf16/fp16 hold them exactly)."""
     from ..context import compute_dtype, pad_axis
     from ..hadamard import hadamard
     if not nvfp4_kernel_applies(t, fmt, block_size, rounding, scale_rule):
@@ -323,7 +324,8 @@ def factored_operand(t: torch.Tensor, signs, key, axis: int, rot: int, fmt: str,
     if not nvfp4_ok(r, axis, block_2d, sr, isinstance(key, torch.Tensor), prescale):
         return None
     CALLS["kernel"] += 1
-    return quantize_nvfp4_factored(r, axis, block_2d, rounding, key, prescale)
+    return quantize_nvfp4_factored(r, axis, block_2d, rounding, key, prescale,
+                                   out_dtype=out_dtype if out_dtype is not None else torch.float32)
 
 
 CALLS = {"kernel": 0}   # operands quantized by ``factored_operand`` in this process (tests read it)
