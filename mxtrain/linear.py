@@ -136,11 +136,12 @@ def ref_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     x2 = x.reshape(-1, x.shape[-1])  # (M, K)
     xc = None
     with torch.autocast(x.device.type, enabled=False):
+        fin = out_dtype if bias is None else None   # (the GEMM may write the output dtype itself)
         if keep_x:
             xc = tensorfp8.codes(qctx, x2, -1, "fprop_x")
-            y = tensorfp8.scaled_mm(qctx, x2, -1, "fprop_x", weight, -1, "fprop_w", cdt, a_codes=xc)
+            y = tensorfp8.scaled_mm(qctx, x2, -1, "fprop_x", weight, -1, "fprop_w", cdt, a_codes=xc, final_dtype=fin)
         elif _fp8_mm(r, "fprop_x", "fprop_w", "fprop", cdt, x2.shape[0], weight.shape[0], x2.shape[1], x.device):
-            y = tensorfp8.scaled_mm(qctx, x2, -1, "fprop_x", weight, -1, "fprop_w", cdt)
+            y = tensorfp8.scaled_mm(qctx, x2, -1, "fprop_x", weight, -1, "fprop_w", cdt, final_dtype=fin)
         elif factors_nvfp4(r, "fprop_x", "fprop_w", "fprop", amp, cdt):
             y = _factored_gemm(qctx, "fprop", (x2, -1, "fprop_x", False), (weight, -1, "fprop_w", True), amp, cdt,
                                x.device)
@@ -177,7 +178,8 @@ def ref_backward(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor,
         if fp8_dgrad and fp8_wgrad and tensorfp8.shares_codes(r, "dgrad_dy", "wgrad_dy"):
             dy_codes = tensorfp8.codes(qctx, dy2, -1, "dgrad_dy")
         if fp8_dgrad:
-            dx = tensorfp8.scaled_mm(qctx, dy2, -1, "dgrad_dy", weight, 0, "dgrad_w", cdt, a_codes=dy_codes)
+            dx = tensorfp8.scaled_mm(qctx, dy2, -1, "dgrad_dy", weight, 0, "dgrad_w", cdt, a_codes=dy_codes,
+                                     final_dtype=x.dtype)
             dx = dx.to(x.dtype).reshape(x.shape)
         elif need[0] and factors_nvfp4(r, "dgrad_dy", "dgrad_w", "dgrad", amp, cdt):
             dx = _factored_gemm(qctx, "dgrad", (dy2, -1, "dgrad_dy", False), (weight, 0, "dgrad_w", False), amp,

@@ -78,13 +78,19 @@ def _cast_kernel_runs(device: torch.device) -> bool:
 
 
 def scaled_mm(qctx: Ctx, a: torch.Tensor, a_axis: int, a_name: str, b: torch.Tensor, b_axis: int, b_name: str,
-              out_dtype: torch.dtype, a_codes: tuple | None = None, b_codes: tuple | None = None) -> torch.Tensor:
+              out_dtype: torch.dtype, a_codes: tuple | None = None, b_codes: tuple | None = None,
+              final_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``op(a) @ op(b)^T`` for 2-D ``a`` and ``b`` quantized along ``a_axis`` / ``b_axis`` (-1 or 1: the
     GEMM reduces along the tensor's columns, the stored layout; 0: along its rows, the tensor is used
     transposed), divided by the two prescales, in ``out_dtype``. ``a_codes``: ``a``'s quantization along
-    ``a_axis`` made already (``shares_codes``); ``b_codes`` likewise for ``b``."""
+    ``a_axis`` made already (``shares_codes``); ``b_codes`` likewise for ``b``. ``final_dtype``: the dtype
+    the caller casts the result to next (bf16/fp16 under autocast); where no prescale divides the product,
+    the GEMM writes it directly (its float32 accumulator scaled and rounded once, as the cast would) instead
+    of a float32 output and a cast pass over it."""
     A, sa, pa = a_codes if a_codes is not None else codes(qctx, a, a_axis, a_name)   # (M, R) row-major
     Bt, sb, pb = b_codes if b_codes is not None else codes(qctx, b, b_axis, b_name)  # (N, R): Bt.t() col-major
+    if final_dtype in (torch.bfloat16, torch.float16) and pa * pb == 1.0:
+        return torch._scaled_mm(A, Bt.t(), scale_a=sa, scale_b=sb, out_dtype=final_dtype)
     y = torch._scaled_mm(A, Bt.t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32)
     if pa * pb != 1.0:
         y = y / (pa * pb)

@@ -214,3 +214,23 @@ def test_wgrad_x_backward_keeps_x_instead_of_codes(fp8_on):
         assert (torch.float32, (64, 96)) in kept and (torch.float8_e4m3fn, (64, 96)) not in kept, (compiled, kept)
         for g, r in zip(got, base):
             assert torch.equal(g, r)
+
+
+def test_gemm_writes_the_final_dtype_directly(fp8_on):
+    """Where the caller casts the product to bf16 next and no prescale divides it, the FP8 GEMM writes bf16
+    itself (no float32 output and cast pass): on CPU the very bits of the float32 product cast to bf16; on a
+    GPU the same up to the accumulation order (the GEMM may pick another algorithm for a bf16 output)."""
+    from mxtrain.context import Ctx
+    rec = recipes.get("fp8")
+    x, w, _ = _case(64, 96, 48, torch.bfloat16)
+    q = Ctx(rec, layer=0, step=0, call=0)
+    ref = tensorfp8.scaled_mm(q, x, -1, "fprop_x", w, -1, "fprop_w", torch.float32).to(torch.bfloat16)
+    got = tensorfp8.scaled_mm(q, x, -1, "fprop_x", w, -1, "fprop_w", torch.float32, final_dtype=torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    if DEV == "cpu":
+        assert torch.equal(got, ref)
+    else:
+        assert _rel(got.float(), ref.float()) < 5e-3
+    # a float32 (or absent) final dtype keeps the float32 product
+    f32 = tensorfp8.scaled_mm(q, x, -1, "fprop_x", w, -1, "fprop_w", torch.float32, final_dtype=torch.float32)
+    assert f32.dtype == torch.float32
