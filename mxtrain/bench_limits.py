@@ -8,7 +8,8 @@ does not:
   attention (BF16 in every recipe);
 * the bytes the fast path's quantize passes move for the recipe's MXFP4 operands (the FP8-carrier path on
   Hopper: each activation read once for its two operands, dY likewise, each weight twice, the Wgrad operand of
-  X kept as FP4 codes and rebuilt as a carrier before its GEMM);
+  X kept as FP4 codes and rebuilt as a carrier before its GEMM), or of the ``fp8`` and ``nvfp4`` recipes'
+  quantize passes as their code stands (``reference_bytes``); blocks a recipe keeps in BF16 count as BF16;
 * everything else (embedding, norms, RoPE, SwiGLU, loss, the optimizer): taken from a measured BF16 step as
   its time minus its GEMM and attention time at the measured rates (``--bf16-step-ms``), or left out.
 
@@ -25,7 +26,7 @@ from dataclasses import asdict, dataclass
 
 from .errors import UserError
 
-__all__ = ["Rates", "linear_shapes", "flops", "quantize_bytes", "limits", "format_table"]
+__all__ = ["Rates", "linear_shapes", "flops", "quantize_bytes", "reference_bytes", "limits", "format_table"]
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,12 @@ def flops(cfg, batch: int, seq: int, layers: int | None = None) -> dict:
     return {"linear": lin, "head": head, "attention": attn_fwd * 3.5 * L}
 
 
+def _mx_blocks(recipe, n_blocks: int) -> int:
+    """Blocks ``convert`` quantizes: all but the recipe's ``keep_first`` and ``keep_last`` (``nvfp4`` keeps one
+    of each in BF16)."""
+    return max(0, n_blocks - recipe.keep_first - recipe.keep_last)
+
+
 def _is_mx(recipe, name: str) -> bool:
     return recipe.operand(name).fmt == "mxfp4"
 
@@ -74,8 +81,9 @@ def quantize_bytes(recipe, cfg, batch: int, seq: int, layers: int | None = None,
     ``activations`` (X: read once, FP8 carrier 1.03 bytes an element for Fprop, FP4 codes and scales 0.53
     for Wgrad when both are MXFP4; layers reading one input share it), ``wgrad_rebuild`` (codes read, carrier
     written before the Wgrad GEMM), ``grads`` (dY: read once, a carrier for each MXFP4 GEMM that takes it),
-    ``weights`` (each MXFP4 weight operand read in ``weight_bytes`` and written as a carrier)."""
-    L = layers if layers is not None else cfg.n_layers
+    ``weights`` (each MXFP4 weight operand read in ``weight_bytes`` and written as a carrier). Blocks the
+    recipe keeps in high precision (``keep_first``, ``keep_last``) are not counted."""
+    L = _mx_blocks(recipe, layers if layers is not None else cfg.n_layers)
     M = batch * seq
     car, codes = 1 + 4 / 128, 0.5 + 1 / 32          # carrier + its float32 group scales; codes + E8M0 scales
     shapes = linear_shapes(cfg)
@@ -100,6 +108,52 @@ def quantize_bytes(recipe, cfg, batch: int, seq: int, layers: int | None = None,
                 weights += w * (weight_bytes + car)
     return {k: v * L for k, v in (("activations", act), ("wgrad_rebuild", rebuild), ("grads", grads),
                                   ("weights", weights))}
+
+
+def _fmt_kind(recipe, name: str) -> str:
+    from .formats import get_format
+    op = recipe.operand(name)
+    return get_format(op.fmt).kind if op.quantized else "none"
+
+
+def reference_bytes(recipe, cfg, batch: int, seq: int, layers: int | None = None,
+                    weight_bytes: int = 4, act_bytes: int = 2) -> dict | None:
+    """Bytes the quantize passes of the per-tensor ``fp8`` recipe (``tensorfp8``, ``kernels/fp8cast.py``) or of
+    ``nvfp4`` (the factored path, ``kernels/nvfp4.py``) read and write in one step as the code stands; None
+    for other recipes. Every layer quantizes its own input (no sharing between layers reading one tensor).
+
+    * ``fp8``, per element: X an amax pass (read) and a cast (read, 1-byte write), its codes transposed for
+      Wgrad (1 + 1); dY likewise; W (the float32 master) quantized for Fprop and again for Dgrad, plus its Dgrad
+      codes transposed. The GEMMs write their bf16 output themselves.
+    * ``nvfp4``, per element: an unrotated operand an amax pass and one kernel pass writing bf16 values; a
+      rotated one (Wgrad's X and dY, H16) first made float32 and rotated in torch (counted as one read and
+      write of float32), then the two passes from float32; W for Fprop and Dgrad. ``outputs``: each GEMM's
+      float32 output multiplied by the tensor scales, then cast (Y and dX to bf16; dW stays float32).
+    Blocks the recipe keeps in high precision are not counted."""
+    kinds = {_fmt_kind(recipe, n) for n in ("fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_dy", "wgrad_x")}
+    L = _mx_blocks(recipe, layers if layers is not None else cfg.n_layers)
+    M = batch * seq
+    mk = sum(M * k for _, _, k in linear_shapes(cfg))
+    mn = sum(M * n for _, n, _ in linear_shapes(cfg))
+    nk = sum(n * k for _, n, k in linear_shapes(cfg))
+    if kinds == {"tensor"}:
+        per = {"activations": mk * (2 * act_bytes + 1 + 2), "grads": mn * (2 * act_bytes + 1 + 2),
+               "weights": nk * (2 * (2 * weight_bytes + 1) + 2), "outputs": 0.0}
+    elif kinds == {"nvfp4"}:
+        plain = lambda b: 2 * b + 2                       # noqa: E731  amax read, kernel read, bf16 write
+        rotated = act_bytes + 4 + 8 + plain(4)             # to float32, the rotation, then from float32
+        rot = {g: recipe.rotation(g).enabled for g in ("fprop", "dgrad", "wgrad")}
+        per = {"activations": mk * ((rotated if rot["fprop"] else plain(act_bytes))
+                                    + (rotated if rot["wgrad"] else plain(act_bytes))),
+               "grads": mn * ((rotated if rot["dgrad"] else plain(act_bytes))
+                              + (rotated if rot["wgrad"] else plain(act_bytes))),
+               "weights": nk * 2 * plain(weight_bytes),
+               # Y and dX: the float32 write, the scale pass (read, write), the cast's read (its bf16 write, BF16
+               # pays too); dW: the scale pass
+               "outputs": (mn + mk) * (4 + 8 + 4) + nk * 8}
+    else:
+        return None
+    return {k: float(v) * L for k, v in per.items()}
 
 
 def _gemm_rate(recipe, rates: Rates) -> float:
@@ -134,8 +188,14 @@ def limits(cfg, batch: int, seq: int, recipes: list[str], rates: Rates = Rates()
             if not R.is_name(name):
                 raise UserError(f"unknown recipe {name!r}; choose from {', '.join(R.names())} or torchao-tensorwise")
             r = R.get(name)
-            qb = quantize_bytes(r, cfg, batch, seq, layers) if name != "fp8" else None
-            rec_ms = {"linear_gemm_ms": ms(fl["linear"], _gemm_rate(r, rates) if r.quantized else rates.bf16_tflops),
+            qb = reference_bytes(r, cfg, batch, seq, layers)
+            if qb is None:
+                qb = quantize_bytes(r, cfg, batch, seq, layers)
+            nb = layers if layers is not None else cfg.n_layers
+            share = _mx_blocks(r, nb) / nb if nb else 0.0    # kept blocks' GEMMs run at BF16's rate
+            lin_ms = (ms(fl["linear"] * share, _gemm_rate(r, rates) if r.quantized else rates.bf16_tflops)
+                      + ms(fl["linear"] * (1 - share), rates.bf16_tflops))
+            rec_ms = {"linear_gemm_ms": lin_ms,
                       "quantize_bytes": qb, "quantize_ms": (sum(qb.values()) / bw * 1e3) if qb else None}
         fixed = rec_ms["linear_gemm_ms"] + head_ms + attn_ms + (rec_ms["quantize_ms"] or 0.0)
         rec_ms["ceiling_ms"] = None if other is None else other + fixed

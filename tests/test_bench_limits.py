@@ -96,3 +96,40 @@ def test_cli_prints_table_and_refuses_bad_rates(tmp_path):
     p = subprocess.run([sys.executable, "-m", "mxtrain.cli", "bench", "limits", "--rates", "bf16_tflops=-1"],
                        capture_output=True, text=True)
     assert p.returncode == 2 and p.stderr.strip().count("\n") == 0 and "positive" in p.stderr
+
+
+@pytest.mark.parametrize("preset", ["fp8", "nvfp4"])
+def test_reference_recipe_bytes_equal_a_count_of_the_model_calls(preset):
+    """``fp8`` and ``nvfp4`` (every layer quantizes its own input): a count from the converted model's linear
+    calls (their inputs, outputs and weights) with the per-element bytes of each recipe's passes equals
+    ``reference_bytes``; MXFP4 presets and BF16 have none (``quantize_bytes`` counts those)."""
+    from mxtrain.bench_limits import reference_bytes
+    from mxtrain.nn import MXLinear
+    cfg4 = ModelConfig(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=96, max_seq_len=32)
+    torch.manual_seed(0)
+    m = Llama(cfg4)
+    mxtrain.convert(m, preset, skip=())   # nvfp4 keeps its first and last block in BF16: 2 of 4 converted
+    expect = {"activations": 0.0, "grads": 0.0, "weights": 0.0, "outputs": 0.0}
+    if preset == "fp8":
+        bx, bdy, bw, out_x, out_y, out_w = 7, 7, 20, 0, 0, 0
+    else:   # Fprop operands 2+2+2; the H16-rotated Wgrad operands 2+4 (to float32), 8 (rotation), 4+4+2
+        bx, bdy, bw, out_x, out_y, out_w = 6 + 24, 6 + 24, 2 * (4 + 4 + 2), 16, 16, 8
+    layers = [mod for name, mod in m.named_modules() if name.startswith("layers.") and isinstance(mod, MXLinear)]
+    assert len(layers) == 7 * (4 if preset == "fp8" else 2)
+
+    def hook(mod, inp, out):
+        expect["activations"] += inp[0].numel() * bx
+        expect["grads"] += out.numel() * bdy
+        expect["weights"] += mod.weight.numel() * bw
+        expect["outputs"] += inp[0].numel() * out_x + out.numel() * out_y + mod.weight.numel() * out_w
+
+    hs = [mod.register_forward_hook(hook) for mod in layers]
+    with torch.no_grad():
+        m(torch.randint(0, CFG.vocab_size, (2, 16)))
+    for h in hs:
+        h.remove()
+    assert reference_bytes(recipes.get(preset), cfg4, 2, 16) == pytest.approx(expect, rel=1e-12)
+    assert reference_bytes(recipes.get("mxfp4-all-dh16"), cfg4, 2, 16) is None
+    assert reference_bytes(recipes.get("bf16"), cfg4, 2, 16) is None
+    res = limits(cfg4, 2, 16, ["bf16", preset], Rates(), bf16_step_ms=10.0)
+    assert res["recipes"][preset]["quantize_bytes"] == pytest.approx(expect, rel=1e-12)
