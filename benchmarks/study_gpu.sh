@@ -5,7 +5,7 @@
 # Usage (repo root, on the GPU machine):
 #   OUT=dir [PARTS=/root/mx] [DATA=/root/mx/c32k] [STUDY=/root/mx/study] [ARMS=a,b,c | PRESET=split]
 #   [MODEL=30m] [STEPS=240] [SEEDS=3] [BUDGETS=0.25,0.5,0.75,1] [COOLDOWN=0.2] [JOBS=6] [EVAL_EVERY=10]
-#   [EVAL_TOKENS=131072] [DEVICE=cuda] [BUDGET=seconds] [EXTRA="--set k=v ..."] bash benchmarks/study_gpu.sh
+#   [EVAL_TOKENS=131072] [FINAL_EVAL_TOKENS=1048576] [DEVICE=cuda] [BUDGET=seconds] [EXTRA="--set k=v ..."] bash benchmarks/study_gpu.sh
 # JOBS: runs sharing the GPU; a 30m run with 32 x 512-token batches and the 32k vocabulary peaks near 11 GiB,
 # so 6 fit an 80 GiB H100 (8 did not). Call it again in the same lease to go on: finished runs are skipped.
 set -u
@@ -25,7 +25,8 @@ if [ -n "${ARMS:-}" ]; then WHAT=(--arms "$ARMS"); else WHAT=(--preset "${PRESET
 CMD=(python3 -m mxtrain study "${WHAT[@]}" --seeds "${SEEDS:-3}" --model "${MODEL:-30m}" --data "$DATA"
      --batch-size 32 --seq-len 512 --steps "${STEPS:-240}" --budgets "${BUDGETS:-0.25,0.5,0.75,1}"
      --cooldown "${COOLDOWN:-0.2}" --eval-every "${EVAL_EVERY:-10}" --diagnose-every 0
-     --set "log.eval_tokens=${EVAL_TOKENS:-131072}" --set schedule.warmup_steps=20 --device "${DEVICE:-cuda}"
+     --set "log.eval_tokens=${EVAL_TOKENS:-131072}" --set "log.final_eval_tokens=${FINAL_EVAL_TOKENS:-1048576}"
+     --set schedule.warmup_steps=20 --device "${DEVICE:-cuda}"
      --jobs "${JOBS:-6}" --out "$S")
 # shellcheck disable=SC2206
 [ -n "${EXTRA:-}" ] && CMD+=(${EXTRA})

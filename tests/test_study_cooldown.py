@@ -99,3 +99,45 @@ def test_cli_and_config_file_budgets(tmp_path, capsys):
     assert main(["study", "--arms", "bf16", "--steps", "10", "--budgets", "0.1", "--out", str(tmp_path / "v"),
                  "--dry-run"]) == 2          # a branch point before the first step: refused before anything runs
     assert "budget 0.1 of a 10-step run branches at step 0" in capsys.readouterr().err
+
+
+def test_final_evaluation_over_more_tokens_feeds_the_cooled_down_losses(tmp_path, monkeypatch):
+    """``log.final_eval_tokens`` above ``log.eval_tokens``: every run and branch ends with one more evaluation
+    over that many validation tokens (eval_final.json: its windows, their mean the val_loss); the cooled-down
+    metric reads those (more windows than the periodic evaluations) where every finished branch has one over
+    the same tokens, and falls back to the periodic ones for all where one lacks it."""
+    monkeypatch.setenv("MXTRAIN_DATA", str(tmp_path / "cache"))
+    import torch
+
+    from mxtrain.study import cooldown as C
+    torch.set_num_threads(1)
+    out = tmp_path / "study"
+    spec = _spec(out)
+    spec.seeds = 1
+    spec.overrides = spec.overrides + ["log.final_eval_tokens=1024"]
+    run_study(spec, log=lambda m: None)
+    for f in (out / "runs").glob("*/seed0/branches/*/eval_final.json"):
+        r = json.loads(f.read_text())
+        assert r["eval_tokens"] == 1024 and len(r["losses"]) == 1024 // 32
+        assert r["val_loss"] == pytest.approx(sum(r["losses"]) / len(r["losses"]), abs=1e-5)
+    assert len(list((out / "runs").glob("*/seed0/branches/*/eval_final.json"))) == 2 * 3
+    assert (out / "runs" / "bf16" / "seed0" / "eval_final.json").is_file()   # the stable run too
+    s = json.loads((out / "summary.json").read_text())
+    assert s["cooldown"]["arms"]["mxfp4-all"]["n_windows"] == 1024 // 32
+    pts = C.load_cooldown_points(out)
+    assert all(p.get("eval") == "final" and len(p["losses"]) == 32
+               for a in pts.values() for bs in a.values() for p in bs.values())
+    # one branch without it: every branch falls back to its last periodic evaluation (512 tokens: 16 windows)
+    next((out / "runs").glob("mxfp4-all/seed0/branches/*/eval_final.json")).unlink()
+    pts = C.load_cooldown_points(out)
+    assert all(p.get("eval") is None and len(p["losses"]) == 512 // 32
+               for a in pts.values() for bs in a.values() for p in bs.values())
+
+
+def test_final_eval_tokens_must_not_be_negative(tmp_path):
+    from mxtrain.train.trainer import _check
+    from train_helpers import tiny_run_cfg
+    cfg = tiny_run_cfg(tmp_path / "r", 2)
+    cfg.log.final_eval_tokens = -5
+    with pytest.raises(UserError, match="log.final_eval_tokens must be 0"):
+        _check(cfg)

@@ -296,10 +296,25 @@ def _last_eval(branch: Path) -> tuple[float, list[float]] | None:
     return float(last["tokens"]), losses
 
 
+def _final_eval(branch: Path) -> tuple[int, list[float]] | None:
+    """(evaluation tokens, per-window losses) of a branch's end-of-run evaluation over ``log.final_eval_tokens``
+    (``RUN/eval_final.json``), or None."""
+    p = branch / "eval_final.json"
+    try:
+        r = json.loads(p.read_text())
+        return int(r["eval_tokens"]), [float(x) for x in r["losses"]]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError):
+        return None
+
+
 def load_cooldown_points(study_dir: str | Path) -> dict:
     """``{arm: {seed: {budget: {"tokens", "losses", "state", "path"}}}}`` from every branch folder of a study
-    (``runs/<arm>/seed<k>/branches/*/study_status.json``, written by the runner with the budget)."""
+    (``runs/<arm>/seed<k>/branches/*/study_status.json``, written by the runner with the budget). The losses
+    are those of each branch's end-of-run evaluation over ``log.final_eval_tokens`` (``eval_final.json``) where
+    every finished branch has one over the same number of tokens (the same windows, as the paired bootstrap
+    needs), else those of its last periodic evaluation."""
     out: dict = {}
+    finals: list = []
     root = Path(study_dir) / "runs"
     if not root.is_dir():
         return out
@@ -317,7 +332,11 @@ def load_cooldown_points(study_dir: str | Path) -> dict:
             ev = _last_eval(bdir)
             if ev is not None:
                 pt["tokens"], pt["losses"] = ev
+            finals.append((pt, _final_eval(bdir)))
         out.setdefault(arm, {}).setdefault(int(seed[4:]), {})[float(st["budget"])] = pt
+    if finals and all(f is not None for _, f in finals) and len({f[0] for _, f in finals}) == 1:
+        for pt, f in finals:
+            pt["losses"], pt["eval"] = f[1], "final"
     return out
 
 

@@ -101,6 +101,9 @@ class LogSection:
     out: Optional[str] = None               # run folder; None: runs/<exp>-<recipe>-<time>
     eval_every: int = 25
     eval_tokens: int = 8192                 # validation tokens per evaluation (fixed windows)
+    final_eval_tokens: int = 0              # > eval_tokens: one more evaluation when the run ends, over this many
+                                            # validation tokens (RUN/eval_final.json; a study's cooled-down
+                                            # losses read it); 0: none
     log_every: int = 10
     tensorboard: bool = True                # if tensorboard is installed
     progress: bool = True                   # console progress bar

@@ -198,6 +198,8 @@ def _check(cfg: TrainConfig) -> None:
                     ("log.log_every", cfg.log.log_every)):
         if v <= 0:
             raise UserError(f"{name} must be positive, got {v}")
+    if cfg.log.final_eval_tokens < 0:
+        raise UserError(f"log.final_eval_tokens must be 0 (none) or positive, got {cfg.log.final_eval_tokens}")
     validate(cfg)
     if cfg.schedule.horizon_steps is not None and cfg.schedule.horizon_steps < cfg.train.steps:
         raise UserError(f"schedule.horizon_steps ({cfg.schedule.horizon_steps}) must be >= train.steps ({t.steps})")
@@ -523,6 +525,25 @@ def evaluate(model, data: TokenData, cfg: TrainConfig, device, amp_dtype, rank=0
 
 
 WINDOWS_NAME = "eval_windows.jsonl"   # per evaluation: {"step", "tokens", "losses": [one mean loss per window]}
+FINAL_EVAL_NAME = "eval_final.json"   # log.final_eval_tokens: {"step", "tokens", "eval_tokens", "val_loss", "losses"}
+
+
+def final_evaluation(model, data: TokenData, cfg: TrainConfig, device, amp_dtype, step: int, tokens: int, out: Path,
+                     rank=0, world=1) -> float | None:
+    """The end-of-run evaluation over ``log.final_eval_tokens`` validation tokens (when that exceeds
+    ``log.eval_tokens``): the same spread of windows for every run of that setting, written by rank 0 to
+    ``RUN/eval_final.json`` (atomically); returns its mean loss, or None when the setting is off."""
+    n = cfg.log.final_eval_tokens
+    if not n or n <= cfg.log.eval_tokens:
+        return None
+    import copy
+    big = copy.deepcopy(cfg)
+    big.log.eval_tokens = n
+    val, windows = evaluate_windows(model, data, big, device, amp_dtype, rank, world)
+    if rank == 0:
+        _write_json(out / FINAL_EVAL_NAME, {"step": step, "tokens": tokens, "eval_tokens": n, "val_loss": val,
+                                            "losses": [round(float(w), 6) for w in windows]})
+    return val
 
 
 @torch.no_grad()
@@ -909,6 +930,9 @@ def _train(cfg: TrainConfig, resume: str | Path | None, env: D.DistEnv, locks: l
                                amp_dtype=amp_dtype, accum=accum, flops_tok=flops_tok, peak=peak,
                                last_ckpt_step=start_step if state is not None else None)
         tokens = tstate.tokens
+        big_val = final_evaluation(model, data, cfg, device, amp_dtype, tstate.step, tokens, out, rank, world)
+        if big_val is not None:
+            log.say(f"final evaluation over {cfg.log.final_eval_tokens:,} validation tokens: val_loss {big_val:.4f}")
         if rank == 0:
             summary = {"steps": cfg.train.steps, "tokens": tokens, "final_val_loss": val_loss,
                        "final_val_ppl": math.exp(min(val_loss, 50)) if val_loss is not None else None,
