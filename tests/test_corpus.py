@@ -5,6 +5,7 @@ local fixture archives (``fetch_fn`` / ``corpus.fetch``)."""
 import gzip
 import io
 import json
+from pathlib import Path
 import random
 import tarfile
 
@@ -364,6 +365,23 @@ def test_cli_corpus_then_prepare_with_fixed_val(tmp_path, fixtures, monkeypatch,
     # every validation token sequence comes from the val files: as many end-of-text ids as val documents
     val = np.fromfile(tmp_path / "p" / meta["val"][0]["file"], dtype=meta["dtype"])
     assert int((val == meta["eot_id"]).sum()) == val_docs
+    # each validation file's token span, in order: they cover the split exactly, each ending on an end-of-text
+    spans = meta["val_spans"]
+    assert [sp["source"] for sp in spans] == sorted(Path(v).name for v in meta["val_sources"])
+    assert sum(sp["tokens"] for sp in spans) == meta["val_tokens"]
+    ends = np.cumsum([sp["tokens"] for sp in spans])
+    assert all(int(val[e - 1]) == meta["eot_id"] for e in ends)
+    # the window of each evaluated position is labelled with the file it starts in
+    from mxtrain.data import TokenData
+    from mxtrain.data.loader import val_window_sources, val_windows
+    data = TokenData(tmp_path / "p")
+    T = 16
+    src = val_window_sources(data, T, 10**9)                         # every window
+    idx = val_windows((meta["val_tokens"] - 1) // T, 10**9, T)
+    want = [spans[int(np.searchsorted(ends, i * T, side="right"))]["source"] for i in idx]
+    assert src == want and set(src) == {sp["source"] for sp in spans}
+    part = val_window_sources(data, T, 10 * T)                       # 10 windows spread over both files
+    assert len(part) == 10 and set(part) == set(src)
 
 
 def test_prepare_val_refusals(tmp_path):

@@ -141,3 +141,49 @@ def test_final_eval_tokens_must_not_be_negative(tmp_path):
     cfg.log.final_eval_tokens = -5
     with pytest.raises(UserError, match="log.final_eval_tokens must be 0"):
         _check(cfg)
+
+
+def test_cooled_down_gap_by_validation_source(tmp_path, monkeypatch):
+    """A prepared folder with fixed validation files (two domains): every run labels its evaluation windows
+    with their file (eval_sources.json, and in eval_final.json), the summary splits each arm's cooled-down gap
+    by file at the largest budget (paired by seed and window: equal to a recomputation from the window
+    losses), and the report shows it."""
+    import random
+
+    import numpy as np
+
+    from mxtrain.data.prepare import prepare
+    from mxtrain.study import cooldown as C
+    monkeypatch.setenv("MXTRAIN_DATA", str(tmp_path / "cache"))
+    rnd = random.Random(0)
+    prose = "the of and a to in is was he for it with as his on be at by had not are but from or".split()
+    code = "def return if else for in range self x y import print class None True".split()
+
+    def doc(words, n):
+        return json.dumps({"text": " ".join(rnd.choice(words) for _ in range(n))}) + "\n"
+    src = tmp_path / "src"
+    (src / "val").mkdir(parents=True)
+    (src / "train.jsonl").write_text("".join(doc(prose if i % 2 else code, 400) for i in range(120)))
+    (src / "val" / "code.jsonl").write_text("".join(doc(code, 300) for _ in range(6)))
+    (src / "val" / "prose.jsonl").write_text("".join(doc(prose, 300) for _ in range(6)))
+    data = prepare([str(src / "train.jsonl")], tmp_path / "data", vocab_size=512, progress=False,
+                   val_sources=[str(src / "val")])
+    out = tmp_path / "study"
+    spec = _spec(out)
+    spec.seeds, spec.data = 1, str(data)
+    spec.overrides = spec.overrides + ["log.final_eval_tokens=1024"]
+    run_study(spec, log=lambda m: None)
+    run = out / "runs" / "bf16" / "seed0"
+    assert set(json.loads((run / "eval_sources.json").read_text())["sources"]) == {"code.jsonl", "prose.jsonl"}
+    s = json.loads((out / "summary.json").read_text())
+    by = s["cooldown"]["by_source"]
+    assert by["budget"] == 1.0 and set(by["arms"]) == {"mxfp4-all"}
+    got = by["arms"]["mxfp4-all"]
+    assert set(got) == {"code.jsonl", "prose.jsonl"} and all(v["n_seeds"] == 1 for v in got.values())
+    pts = C.load_cooldown_points(out)
+    a, b = pts["mxfp4-all"][0][1.0], pts["bf16"][0][1.0]
+    for name, v in got.items():
+        d = [la - lb for sname, la, lb in zip(a["sources"], a["losses"], b["losses"]) if sname == name]
+        assert v["n_windows"] == len(d) and v["gap"] == pytest.approx(float(np.mean(d)), abs=1e-9)
+    assert sum(v["n_windows"] for v in got.values()) == 1024 // 32
+    assert "By validation source" in (out / "report.md").read_text()

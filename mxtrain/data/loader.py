@@ -318,6 +318,32 @@ def val_windows(n_windows: int, max_tokens: int, seq_len: int) -> list[int]:
     return [(i * n_windows) // n for i in range(n)]
 
 
+def val_window_sources(data: TokenData, seq_len: int, max_tokens: int) -> list[str] | None:
+    """The validation source (a fixed validation file of ``prepare --val``, e.g. a corpus domain) of each window
+    ``val_batches`` evaluates, in its order: the file holding the window's first token, from meta.json's
+    ``val_spans``; None for a folder without them (older folders, or a validation split drawn by hash)."""
+    spans = data.meta.get("val_spans")
+    if not isinstance(spans, list) or not spans:
+        return None
+    try:
+        names = [str(sp["source"]) for sp in spans]
+        ends = np.cumsum([int(sp["tokens"]) for sp in spans])
+    except (KeyError, TypeError, ValueError):
+        return None
+    if int(ends[-1]) != int(data.meta.get("val_tokens", -1)):
+        return None   # spans that do not cover the split exactly say nothing reliable
+    w = _Windows(data.val, seq_len, getattr(data, "val_files", None))
+    if w.n == 0:
+        return None
+    shard_start = np.cumsum([0] + [len(v) for v in data.val])
+    out = []
+    for i in val_windows(w.n, max_tokens, seq_len):
+        s, start = w.where(i)
+        pos = int(shard_start[s]) + start
+        out.append(names[int(np.searchsorted(ends, pos, side="right"))])
+    return out
+
+
 def val_batches(data: TokenData, seq_len: int, batch: int, max_tokens: int, rank: int = 0, world_size: int = 1):
     """The fixed validation set: ``max_tokens // seq_len`` windows spread evenly over the validation split
     (``val_windows``), in order; rank ``r`` gets the ``r``-th, ``r + world_size``-th, ... of them. Yields

@@ -284,12 +284,19 @@ def _prepare(docs: Callable, out: Path, inputs: list[str], meta_sources: list[st
                 bar = None
         eot = np.array([tok.eot_id], dtype=np.int64)
 
-        def flush(batch, to_val=False):
-            for text, ids in zip(batch, tok.encode_batch(batch)):
+        val_spans: list[dict] = []   # fixed validation files: each file's token span, in order
+
+        def flush(batch, to_val=False, names=None):
+            for j, (text, ids) in enumerate(zip(batch, tok.encode_batch(batch))):
                 arr = np.concatenate([np.asarray(ids, dtype=np.int64), eot])
                 if to_val or is_val(text):
                     val_w.write(arr)
                     ndocs["val"] += 1
+                    if names is not None:
+                        if val_spans and val_spans[-1]["source"] == names[j]:
+                            val_spans[-1]["tokens"] += len(arr)
+                        else:
+                            val_spans.append({"source": names[j], "tokens": len(arr)})
                 else:
                     train_w.write(arr)
                     ndocs["train"] += 1
@@ -307,15 +314,16 @@ def _prepare(docs: Callable, out: Path, inputs: list[str], meta_sources: list[st
         if batch:
             flush(batch)
         if val_docs is not None:
-            batch = []
-            for _, text in val_docs(warn):
+            batch, names = [], []
+            for name, text in val_docs(warn):
                 batch.append(text)
+                names.append(str(name))
                 nbytes += len(text.encode("utf-8", "surrogatepass"))
                 if len(batch) >= 512:
-                    flush(batch, True)
-                    batch = []
+                    flush(batch, True, names)
+                    batch, names = [], []
             if batch:
-                flush(batch, True)
+                flush(batch, True, names)
         if bar is not None:
             bar.close()
         train_w.close()
@@ -343,7 +351,8 @@ def _prepare(docs: Callable, out: Path, inputs: list[str], meta_sources: list[st
             "text_bytes": nbytes,
             "sources": meta_sources,
             "val_fraction": val_fraction,
-            **({"val_sources": val_meta, "val_split": "fixed files"} if val_docs is not None else {}),
+            **({"val_sources": val_meta, "val_split": "fixed files", "val_spans": val_spans}
+               if val_docs is not None else {}),
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")

@@ -296,14 +296,25 @@ def _last_eval(branch: Path) -> tuple[float, list[float]] | None:
     return float(last["tokens"]), losses
 
 
-def _final_eval(branch: Path) -> tuple[int, list[float]] | None:
-    """(evaluation tokens, per-window losses) of a branch's end-of-run evaluation over ``log.final_eval_tokens``
-    (``RUN/eval_final.json``), or None."""
+def _final_eval(branch: Path) -> tuple[int, list[float], list[str] | None] | None:
+    """(evaluation tokens, per-window losses, each window's validation source or None) of a branch's end-of-run
+    evaluation over ``log.final_eval_tokens`` (``RUN/eval_final.json``), or None."""
     p = branch / "eval_final.json"
     try:
         r = json.loads(p.read_text())
-        return int(r["eval_tokens"]), [float(x) for x in r["losses"]]
+        src = r.get("sources")
+        return (int(r["eval_tokens"]), [float(x) for x in r["losses"]],
+                [str(x) for x in src] if isinstance(src, list) else None)
     except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError):
+        return None
+
+
+def _window_sources(branch: Path) -> list[str] | None:
+    """The validation source of each window of a run's periodic evaluations (``RUN/eval_sources.json``)."""
+    try:
+        src = json.loads((branch / "eval_sources.json").read_text())["sources"]
+        return [str(x) for x in src] if isinstance(src, list) else None
+    except (OSError, json.JSONDecodeError, KeyError, TypeError):
         return None
 
 
@@ -332,11 +343,41 @@ def load_cooldown_points(study_dir: str | Path) -> dict:
             ev = _last_eval(bdir)
             if ev is not None:
                 pt["tokens"], pt["losses"] = ev
+                pt["sources"] = _window_sources(bdir)
             finals.append((pt, _final_eval(bdir)))
         out.setdefault(arm, {}).setdefault(int(seed[4:]), {})[float(st["budget"])] = pt
     if finals and all(f is not None for _, f in finals) and len({f[0] for _, f in finals}) == 1:
         for pt, f in finals:
-            pt["losses"], pt["eval"] = f[1], "final"
+            pt["losses"], pt["eval"], pt["sources"] = f[1], "final", f[2]
+    return out
+
+
+def gaps_by_source(points: dict, baseline: str, budget: float) -> dict:
+    """``{arm: {source: {"gap", "n_windows", "n_seeds"}}}``: at ``budget``, each arm's cooled-down loss minus the
+    baseline's on the windows of each validation source (a corpus domain: the fixed validation files), paired
+    by seed and window, averaged over the windows and the seeds both finished; only where every one of those
+    runs labels its windows with the same sources (``eval_sources.json`` / ``eval_final.json``)."""
+    base = points.get(baseline, {})
+    out: dict = {}
+    for arm, runs in points.items():
+        if arm == baseline:
+            continue
+        diffs: dict = {}
+        seeds = 0
+        for s, bs in runs.items():
+            a, b = bs.get(budget), base.get(s, {}).get(budget)
+            if not (a and b and a["state"] == b["state"] == "done" and a.get("losses") and b.get("losses")):
+                continue
+            src = a.get("sources")
+            if not src or src != b.get("sources") or len(src) != len(a["losses"]) or \
+                    len(b["losses"]) != len(a["losses"]):
+                continue
+            seeds += 1
+            for name, la, lb in zip(src, a["losses"], b["losses"]):
+                diffs.setdefault(name, []).append(la - lb)
+        if diffs:
+            out[arm] = {name: {"gap": float(np.mean(d)), "n_windows": len(d) // seeds, "n_seeds": seeds}
+                        for name, d in sorted(diffs.items())}
     return out
 
 
@@ -383,6 +424,10 @@ def summarize_cooldown(points: dict, baseline: str, budgets: list[float], *, n_b
         res["arms"][arm] = entry
     if baseline in res["arms"] and res["arms"][baseline].get("fit"):
         res["fit"] = res["arms"][baseline]["fit"]
+    if budgets:
+        by = gaps_by_source(points, baseline, budgets[-1])
+        if by:
+            res["by_source"] = {"budget": budgets[-1], "arms": by}
     return res
 
 

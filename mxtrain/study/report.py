@@ -20,6 +20,7 @@ from . import diagnostics as D
 from . import metrics as M
 
 __all__ = ["write_report", "recipe_brief", "arm_table_rows", "arm_colors", "cooldown_table_rows",
+           "source_table_rows",
            "reference_table_rows"]
 
 _OPS = (("fprop", "fprop_x", "fprop_w"), ("dgrad", "dgrad_dy", "dgrad_w"), ("wgrad", "wgrad_dy", "wgrad_x"))
@@ -301,6 +302,20 @@ def _cooldown_plot(cool: dict, colors: dict[str, str]) -> bytes | None:
     axes[1].set_title("extra tokens D / D_equiv - 1\n(bars: 95 % paired bootstrap over seeds and windows)",
                       fontsize=10)
     return _png(fig)
+
+
+def source_table_rows(cool: dict) -> list[list[str]] | None:
+    """The cooled-down gap to the baseline by validation source (the corpus's domains) at the largest budget:
+    one row per arm, one column per source (``summary["cooldown"]["by_source"]``), or None."""
+    by = (cool.get("by_source") or {}).get("arms") or {}
+    if not by:
+        return None
+    names = sorted({n for a in by.values() for n in a})
+    rows = [["arm"] + [f"{n} (windows)" for n in names] + ["seeds"]]
+    for arm, d in by.items():
+        cells = [f"{d[n]['gap']:+.4f} ({d[n]['n_windows']})" if n in d else "–" for n in names]
+        rows.append([arm] + cells + [str(max(v["n_seeds"] for v in d.values()))])
+    return rows
 
 
 def cooldown_table_rows(cool: dict) -> list[list[str]]:
@@ -672,6 +687,13 @@ def write_report(d: str | Path, summary: dict | None = None) -> tuple[Path, Path
             crows = cooldown_table_rows(cool)
             h += ["<h2>Cooled-down comparison</h2>", f"<p>{html.escape(cnote)}</p>", _table_html(crows)]
             md += ["## Cooled-down comparison", "", cnote, "", _table_md(crows), ""]
+            srows = source_table_rows(cool)
+            if srows:
+                snote = (f"Cooled-down loss minus the baseline's at the {100 * cool['by_source']['budget']:.0f} % "
+                         f"budget, by validation source (the prepared folder's fixed validation files), paired by "
+                         f"seed and window, mean over windows and seeds (nats; windows per seed in brackets).")
+                h += ["<h3>By validation source</h3>", f"<p>{html.escape(snote)}</p>", _table_html(srows)]
+                md += ["### By validation source", "", snote, "", _table_md(srows), ""]
             for ref, rc in (cool.get("references") or {}).items():
                 rf = rc.get("fit") or {}
                 rnote = (f"Against {ref}: its cooled-down points fitted the same way"

@@ -29,6 +29,7 @@ from .. import __version__, convert, set_step
 from .. import distributed as D  # DDP / FSDP2 / DCP hooks
 from .. import settings as _settings
 from ..data import Loader, TokenData, ensure_builtin, val_batches
+from ..data.loader import val_window_sources
 from ..errors import UserError
 from ..model import Llama, ModelConfig
 from . import checkpoint as ckpt
@@ -541,9 +542,22 @@ def final_evaluation(model, data: TokenData, cfg: TrainConfig, device, amp_dtype
     big.log.eval_tokens = n
     val, windows = evaluate_windows(model, data, big, device, amp_dtype, rank, world)
     if rank == 0:
+        src = val_window_sources(data, cfg.data.seq_len, n)
         _write_json(out / FINAL_EVAL_NAME, {"step": step, "tokens": tokens, "eval_tokens": n, "val_loss": val,
-                                            "losses": [round(float(w), 6) for w in windows]})
+                                            "losses": [round(float(w), 6) for w in windows],
+                                            **({"sources": src} if src else {})})
     return val
+
+
+DOMAINS_NAME = "eval_sources.json"   # the validation source of each window of eval_windows.jsonl (fixed val files)
+
+
+def write_window_sources(data: TokenData, cfg: TrainConfig, out: Path) -> None:
+    """``RUN/eval_sources.json``: ``{"eval_tokens", "sources": [the fixed validation file of each window, in
+    eval_windows.jsonl's order]}`` where the prepared folder records its validation files' spans."""
+    src = val_window_sources(data, cfg.data.seq_len, cfg.log.eval_tokens)
+    if src:
+        _write_json(out / DOMAINS_NAME, {"eval_tokens": cfg.log.eval_tokens, "sources": src})
 
 
 @torch.no_grad()
@@ -921,6 +935,8 @@ def _train(cfg: TrainConfig, resume: str | Path | None, env: D.DistEnv, locks: l
         log.say(f"mxtrain {__version__} | model {cfg.model.name} ({mcfg.num_params() / 1e6:.1f}M params, "
                 f"{flops_tok / 1e6:.1f} MFLOP/token) | recipe {recipe.name} | {device}"
                 f"{' bf16 autocast' if amp_dtype else ' fp32'} | {cfg.train.steps} steps x {B} x {T} tokens | run {out}")
+        if rank == 0:
+            write_window_sources(data, cfg, out)
         cbs.begin(tstate)
         if state is not None:
             cbs.load_state_dicts(state.get("callbacks"))
