@@ -138,6 +138,12 @@ class Settings:
         "under Triton's interpreter (tests), `off` never. Bit-identical either way (each kernel variant checks "
         "itself against the reference on first use: `qselfcheck`).",
         "choice", choices=("auto", "always", "off"), aliases=_AUTO_OFF)
+    fp8_traced: str = _knob(
+        "auto", "MXTRAIN_FP8_TRACED", "Under `torch.compile`, the `fp8` recipe's layers (every operand per-tensor "
+        "FP8, round-to-nearest) as traced operations around `torch._scaled_mm` (`mxtrain/tracedfp8.py`), which the "
+        "compiler fuses with the kernels around them and recomputes in the backward as it does torchao's float8: "
+        "`auto` on GPUs with FP8 tensor cores, `off`: the custom op (Triton casts, X's codes kept). Same values "
+        "either way.", "choice", choices=("auto", "off"), aliases=_AUTO_OFF)
     data_dir: str | None = _knob(
         None, "MXTRAIN_DATA", "Folder of the prepared built-in corpus (default `~/.cache/mxtrain/data`). "
         "Read when used.", "path")

@@ -1,0 +1,144 @@
+"""The ``fp8`` recipe's linear layer as traced PyTorch operations, for ``torch.compile``.
+
+Under ``torch.compile`` every other recipe's layer is an opaque custom op (``mxtrain::linear``): the compiler
+cannot fuse its quantizers into the kernels around it, and whatever the op keeps for its backward has to be
+stored. For per-tensor FP8 that costs the speed race against torchao's float8, whose casts are ordinary traced
+operations that the compiler fuses into the neighbouring norm, activation and residual kernels and recomputes
+in the backward instead of storing. This module gives the ``fp8`` recipe (every operand per-tensor E4M3/E5M2,
+round-to-nearest, no prescale, no rotation, all three GEMMs on FP8 tensor cores) the same form: an autograd
+function made of traced operations (amax reduction, division, saturation, cast to the FP8 dtype) around
+``torch._scaled_mm``. It keeps X and W for the backward (the compiler decides what to store or recompute) and
+quantizes them again there.
+
+The numbers are the reference's, bit for bit: ``cast`` computes ``mxtrain.quant.quantize``'s per-tensor FP8
+codes and scale (``kernels.fp8cast`` documents the definition). One detail makes that hold on every compiler
+backend: the definition divides each element by the scale with IEEE rounding, while Triton's float32 division
+(what the compiler emits for ``x / s``) is an approximation off by up to two units in the last place. ``cast``
+divides in float64 and rounds the quotient to float32, which is the correctly rounded float32 quotient (for
+division, a float64 result rounded to float32 never differs from the direct float32 rounding: 53 >= 2 x 24 + 2
+bits). The GEMM calls are those of the reference's FP8 route (``tensorfp8.scaled_mm``): same codes, same scales,
+same output dtypes.
+
+Used by ``linear.compiled_linear`` when ``applies`` (setting ``fp8_traced``: ``auto``, the default, or ``off``
+for the custom op). Eagerly the custom-op path runs (its Triton cast kernel is faster than unfused operations).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .formats import get_format
+from .recipe import Recipe
+
+__all__ = ["spec", "applies", "cast", "linear"]
+
+_DT = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+_OPS = ("fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_dy", "wgrad_x")
+
+
+def spec(recipe: Recipe) -> tuple[str, ...] | None:
+    """The six operand formats (``fprop_x, fprop_w, dgrad_dy, dgrad_w, wgrad_dy, wgrad_x``) where ``recipe``
+    is one the traced form runs (every operand per-tensor FP8 with round-to-nearest and prescale 1, no
+    rotation, no GEMM of two E5M2 operands); else None. Depends on the recipe only."""
+    ops = [recipe.operand(n) for n in _OPS]
+    if any(op.fmt not in _DT or op.rounding != "nearest" or op.prescale != 1.0 for op in ops):
+        return None
+    if any(recipe.rotation(g).enabled for g in ("fprop", "dgrad", "wgrad")):
+        return None
+    fmts = tuple(op.fmt for op in ops)
+    if any(fmts[i] == fmts[i + 1] == "fp8_e5m2" for i in (0, 2, 4)):
+        return None
+    return fmts
+
+
+def applies(fmts: tuple | None, x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Does the traced form run this call? ``fmts`` from ``spec``; the setting ``fp8_traced`` is ``auto``;
+    float16/bfloat16/float32 tensors on a device with FP8 tensor cores (``tensorfp8``); every GEMM dimension
+    a multiple of 16 (``torch._scaled_mm``)."""
+    from . import settings, tensorfp8
+    if fmts is None or settings.current().fp8_traced != "auto" or not settings.current().fast:
+        return False
+    ok = (torch.float32, torch.bfloat16, torch.float16)
+    if x.dtype not in ok or weight.dtype not in ok:
+        return False
+    K, N = x.shape[-1], weight.shape[0]
+    M = x.numel() // max(K, 1)
+    if M == 0 or any(d % 16 for d in (M, N, K)):
+        return False
+    return _capable(str(x.device))
+
+
+@torch._dynamo.assume_constant_result
+def _capable(device: str) -> bool:
+    from . import tensorfp8
+    return tensorfp8._fp8_capable(torch.device(device))
+
+
+def cast(t: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(FP8 codes in ``t``'s shape, float32 0-d scale): ``mxtrain.quant.quantize(t, fmt)``'s per-tensor FP8
+    with nearest rounding, in traced operations. ``scale = amax / max_elem`` (1 where that is 0; NaN when an
+    element is not finite, and then every code +0); each element ``t / scale`` (IEEE, through float64),
+    saturated to +-max_elem, rounded half to even by the cast to the FP8 dtype (negative values that round
+    to zero keep their sign)."""
+    mx = get_format(fmt).elem.max
+    amax = torch.linalg.vector_norm(t, float("inf"), dtype=torch.float32)
+    scale = amax / mx
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    scale = torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
+    v = (t.to(torch.float64) / scale.to(torch.float64)).to(torch.float32)
+    v = torch.where(torch.isfinite(scale), v, torch.zeros_like(v))
+    return v.clamp(-mx, mx).to(_DT[fmt]), scale
+
+
+def _mm(a, sa, b_t, sb, out_dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b_t.t()`` of FP8 codes (``a`` (M, R) and ``b_t`` (N, R), both row-major) times the scales, as
+    the reference's ``tensorfp8.scaled_mm`` computes it: the GEMM writes bf16/fp16 itself, else float32."""
+    if out_dtype in (torch.bfloat16, torch.float16):
+        return torch._scaled_mm(a, b_t.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+    return torch._scaled_mm(a, b_t.t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32).to(out_dtype)
+
+
+class _TracedFP8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, fmts, out_dtype):
+        ctx.save_for_backward(x, weight)
+        ctx.fmts, ctx.has_bias = fmts, bias is not None
+        K, N = x.shape[-1], weight.shape[0]
+        with torch.autocast(x.device.type, enabled=False):
+            cx, sx = cast(x.reshape(-1, K), fmts[0])
+            cw, sw = cast(weight, fmts[1])
+            if bias is None:
+                y = _mm(cx, sx, cw, sw, out_dtype)
+            else:
+                y = (_mm(cx, sx, cw, sw, torch.float32) + bias.to(torch.float32)).to(out_dtype)
+        return y.reshape(*x.shape[:-1], N)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        f = ctx.fmts
+        n = ctx.needs_input_grad
+        dx = dw = db = None
+        K, N = x.shape[-1], weight.shape[0]
+        with torch.autocast(dy.device.type, enabled=False):
+            dy2 = dy.reshape(-1, N)
+            if n[0] or n[1]:
+                cdy, sdy = cast(dy2, f[2])
+            if n[0]:
+                cw, sw = cast(weight, f[3])
+                dx = _mm(cdy, sdy, cw.t().contiguous(), sw, x.dtype).reshape(x.shape)
+            if n[1]:
+                cdw, sdw = (cdy, sdy) if f[4] == f[2] else cast(dy2, f[4])
+                cx, sx = cast(x.reshape(-1, K), f[5])
+                dw = _mm(cdw.t().contiguous(), sdw, cx.t().contiguous(), sx, torch.float32).to(weight.dtype)
+            if ctx.has_bias and n[2]:
+                db = dy2.to(torch.float32).sum(0).to(weight.dtype)
+        return dx, dw, db, None, None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fmts: tuple) -> torch.Tensor:
+    """``x @ weight.T + bias`` with the ``fp8`` recipe's GEMMs (``spec`` gave ``fmts``), in the autocast
+    dtype where autocast is on (as the reference)."""
+    dt = x.device.type
+    out_dtype = torch.get_autocast_dtype(dt) if torch.is_autocast_enabled(dt) else x.dtype
+    return _TracedFP8Linear.apply(x, weight, bias, fmts, out_dtype)

@@ -1,0 +1,217 @@
+"""The ``fp8`` recipe under torch.compile as traced operations (mxtrain.tracedfp8): the casts are the reference
+quantizer's codes and scales bit for bit (eagerly and compiled by Inductor), a compiled layer or model gives
+the eager path's outputs and gradients, the graph holds no mxtrain custom op, and the setting ``fp8_traced=off``
+brings the custom op back. CPU runs ``torch._scaled_mm``'s CPU implementation with the device check forced
+on; the cuda-marked tests compare the compiled casts with the Triton cast kernel on large tensors (where an
+approximate division would show) and a compiled model's training with the eager one."""
+
+import pytest
+import torch
+
+import mxtrain
+from mxtrain import mx_linear, recipes, settings, tensorfp8, tracedfp8
+from mxtrain.quant import quantize
+from mxtrain.recipe import Operand, Recipe, Rotation
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture
+def fp8_on(monkeypatch):
+    if DEV == "cpu":
+        monkeypatch.setattr(tensorfp8, "_fp8_capable", lambda device: True)
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _tensor(M, K, dtype, seed=0, spread=20):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g) * torch.exp2(torch.randint(-spread, spread, (M, 1), generator=g).float())
+    return x.to(DEV, dtype)
+
+
+def _bits(t):
+    return t.contiguous().view(torch.uint8)
+
+
+def _same_as_reference(x, fmt, fn):
+    codes, scale = fn(x, fmt)
+    ref = quantize(x, fmt, axis=-1)
+    assert codes.dtype == tracedfp8._DT[fmt]
+    assert torch.equal(_bits(codes), _bits(ref.data)), fmt
+    assert torch.equal(scale, ref.scales.to(torch.float32).reshape(())) or (scale.isnan() and ref.scales.isnan().all())
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_cast_is_the_reference_quantizer(fmt, dtype, compiled):
+    torch._dynamo.reset()
+    fn = torch.compile(tracedfp8.cast) if compiled else tracedfp8.cast
+    x = _tensor(256, 128, dtype)
+    x[0, 0], x[0, 1], x[1, 1] = -1e-30, 1e-30, 0.0          # signed zeros after rounding, an exact zero
+    _same_as_reference(x, fmt, fn)
+    # values exactly on the midpoints between two FP8 neighbours (ties to even) once divided by the scale
+    grid = torch.arange(0, 127, dtype=torch.int32).to(torch.uint8).view(tracedfp8._DT[fmt]).float()
+    grid = grid[torch.isfinite(grid)]
+    mids = (grid[1:] + grid[:-1]) / 2
+    x = torch.cat([mids, -mids, grid]).to(DEV, torch.float32).reshape(1, -1)
+    x = torch.cat([x, torch.full((1, x.shape[1]), float(grid.max()), device=DEV)])   # amax = max_elem: scale 1
+    _same_as_reference(x.to(dtype), fmt, fn)   # (the midpoints hold at most 5 significant bits: exact in bf16)
+    # all zeros (scale 1), a non-finite element (scale NaN, every code +0)
+    _same_as_reference(torch.zeros(32, 16, device=DEV, dtype=dtype), fmt, fn)
+    bad = _tensor(32, 16, dtype, seed=1)
+    bad[3, 4] = float("nan")
+    codes, scale = fn(bad, fmt)
+    assert scale.isnan() and not _bits(codes).any()
+    bad[3, 4] = float("inf")
+    codes, scale = fn(bad, fmt)
+    assert scale.isnan() and not _bits(codes).any()
+
+
+def test_spec_takes_per_tensor_fp8_with_nearest_rounding_only():
+    assert tracedfp8.spec(recipes.get("fp8")) == ("fp8_e4m3", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3", "fp8_e5m2",
+                                                  "fp8_e4m3")
+    assert tracedfp8.spec(recipes.get("mxfp4-all")) is None
+    assert tracedfp8.spec(recipes.get("mxfp8")) is None
+    base = {n: Operand(recipes.get("fp8").operand(n).fmt) for n in tracedfp8._OPS}
+    sr = Recipe("sr", **{**base, "wgrad_dy": Operand("fp8_e5m2", rounding="stochastic")})
+    pre = Recipe("pre", **{**base, "fprop_x": Operand("fp8_e4m3", prescale=0.75)})
+    rot = Recipe("rot", **base, wgrad_rotation=Rotation(16, "none"))
+    e5 = Recipe("e5", **{**base, "fprop_x": Operand("fp8_e5m2"), "fprop_w": Operand("fp8_e5m2")})
+    part = Recipe("part", fprop_x=Operand("fp8_e4m3"), fprop_w=Operand("fp8_e4m3"))   # backward not quantized
+    for r in (sr, pre, rot, e5, part):
+        assert tracedfp8.spec(r) is None, r.name
+
+
+def test_applies_needs_the_setting_fp8_tensor_cores_and_multiples_of_16(fp8_on, monkeypatch):
+    f = tracedfp8.spec(recipes.get("fp8"))
+    x, w = torch.zeros(4, 8, 32, device=DEV), torch.zeros(48, 32, device=DEV)
+    assert tracedfp8.applies(f, x, w)
+    assert not tracedfp8.applies(None, x, w)
+    assert not tracedfp8.applies(f, torch.zeros(4, 8, 33, device=DEV), torch.zeros(48, 33, device=DEV))
+    assert not tracedfp8.applies(f, x, torch.zeros(40, 32, device=DEV))
+    assert not tracedfp8.applies(f, x.double(), w.double())
+    with settings.override(fp8_traced="off"):
+        assert not tracedfp8.applies(f, x, w)
+    with settings.override(fast=False):
+        assert not tracedfp8.applies(f, x, w)
+    monkeypatch.setattr(tensorfp8, "_fp8_capable", lambda device: False)
+    assert not tracedfp8.applies(f, x, w)
+
+
+def _fwd_bwd(x, w, b, gy, fn):
+    x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    b = b.clone().requires_grad_() if b is not None else None
+    y = fn(x, w, b)
+    y.backward(gy)
+    return [t.detach().float() for t in (y, x.grad, w.grad, *(() if b is None else (b.grad,)))]
+
+
+def _ops_of(fn, *args):
+    """The call_function targets of the graph(s) ``torch.compile`` makes of ``fn`` (fullgraph)."""
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+    torch._dynamo.reset()
+    torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    return seen
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("amp", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_layer_is_traced_and_equals_eager(bias, amp, dtype, fp8_on):
+    x = _tensor(64, 96, dtype, spread=4)
+    w = (_tensor(48, 96, torch.float32, seed=2, spread=1) / 10)
+    b = _tensor(1, 48, torch.float32, seed=3, spread=1).reshape(48) if bias else None
+    gy = _tensor(64, 48, torch.bfloat16 if (amp or dtype == torch.bfloat16) else torch.float32, seed=4, spread=2)
+
+    def f(a, c, d):
+        with torch.autocast(DEV, dtype=torch.bfloat16, enabled=amp):
+            return mx_linear(a, c, d, recipe="fp8")
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    ops = _ops_of(f, xg, wg, b)
+    assert not any("mxtrain" in o for o in ops) and any("autograd_function_apply" in o for o in ops), ops
+    eager = _fwd_bwd(x, w, b, gy, f)
+    torch._dynamo.reset()
+    got = _fwd_bwd(x, w, b, gy, torch.compile(f, fullgraph=True))
+    for i, (g, r) in enumerate(zip(got, eager)):
+        if i < 3:
+            assert torch.equal(g, r), (i, (g - r).abs().max())
+        else:   # db: a float32 sum over tokens (another summation order when compiled)
+            torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-7)
+    with settings.override(fp8_traced="off"):
+        assert any("mxtrain.linear" in o for o in _ops_of(f, xg, wg, b))
+
+
+def test_compiled_model_trains_like_eager_without_recompiles(fp8_on):
+    """A converted MLP under ``torch.compile(fullgraph=True)``, 6 steps of AdamW in a plain loop under bf16
+    autocast: the same losses as eagerly, one graph (no recompile after the first step)."""
+    from torch._dynamo.utils import counters
+
+    def run(compiled):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64)).to(DEV)
+        mxtrain.convert(m, "fp8", skip=())
+        f = torch.compile(m, fullgraph=True) if compiled else m
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(6):
+            x = torch.randn(32, 64, generator=g).to(DEV)
+            with torch.autocast(DEV, dtype=torch.bfloat16):
+                loss = (f(x).float() - x.flip(-1)).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+    eager = run(False)
+    torch._dynamo.reset()
+    counters.clear()
+    got = run(True)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert eager[-1] < eager[0] * 0.9
+    # biases' gradients are float32 sums in another order when compiled: the losses agree to float32 rounding
+    for a, b in zip(got, eager):
+        assert abs(a - b) <= 1e-4 * abs(b), (got, eager)
+
+
+@pytest.mark.cuda
+def test_compiled_casts_equal_the_cast_kernel_on_large_tensors():
+    """Inductor's Triton code for ``cast`` against the Triton cast kernel (the definition bit for bit) on 2**24
+    elements of each kind: a float32 division rounded other than IEEE would change codes near FP8 rounding
+    midpoints (about one element in a quarter million)."""
+    from mxtrain.kernels.fp8cast import quantize_tensor_fp8
+    torch._dynamo.reset()
+    fn = torch.compile(tracedfp8.cast)
+    for dtype in (torch.float32, torch.bfloat16):
+        for fmt in ("fp8_e4m3", "fp8_e5m2"):
+            x = torch.randn(4096, 4096, device="cuda", dtype=dtype) * 3.7
+            c, s = fn(x, fmt)
+            kc, ks = quantize_tensor_fp8(x, fmt)
+            assert torch.equal(s, ks)
+            assert torch.equal(_bits(c), _bits(kc)), (dtype, fmt, (_bits(c) != _bits(kc)).sum().item())
+
+
+@pytest.mark.cuda
+def test_compiled_layer_on_the_gpu_equals_the_eager_fast_path():
+    """Llama-like shapes under bf16 autocast: the compiled traced layer and the eager layer (Triton casts,
+    X's codes kept) give the same output and gradients: same codes, same GEMMs."""
+    torch.manual_seed(0)
+    x = torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(3072, 1024, device="cuda") / 32
+    gy = torch.randn(2048, 3072, device="cuda", dtype=torch.bfloat16) * 1e-2
+
+    def f(a, c, d):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return mx_linear(a, c, d, recipe="fp8")
+    eager = _fwd_bwd(x, w, None, gy, f)
+    torch._dynamo.reset()
+    got = _fwd_bwd(x, w, None, gy, torch.compile(f, fullgraph=True))
+    for i, (g, r) in enumerate(zip(got, eager)):
+        assert torch.equal(g, r), (i, ((g - r).norm() / r.norm()).item())
