@@ -13,11 +13,19 @@ quantizes them again there.
 The numbers are the reference's, bit for bit: ``cast`` computes ``mxtrain.quant.quantize``'s per-tensor FP8
 codes and scale (``kernels.fp8cast`` documents the definition). One detail makes that hold on every compiler
 backend: the definition divides each element by the scale with IEEE rounding, while Triton's float32 division
-(what the compiler emits for ``x / s``) is an approximation off by up to two units in the last place. ``cast``
-divides in float64 and rounds the quotient to float32, which is the correctly rounded float32 quotient (for
-division, a float64 result rounded to float32 never differs from the direct float32 rounding: 53 >= 2 x 24 + 2
-bits). The GEMM calls are those of the reference's FP8 route (``tensorfp8.scaled_mm``): same codes, same scales,
-same output dtypes.
+(what the compiler emits for ``x / s``, torch 2.11) is an approximation off by up to two units in the last
+place, and ``x * (1 / s)`` in float32 rounds twice (wrong in about a quarter of the near-halfway cases of
+tests/test_tracedfp8.py).
+``cast`` multiplies in float64 by the float64 reciprocal and rounds the product to float32, which is the
+correctly rounded float32 quotient ``RN32(x / s)``: the float64 product is within 2**-52 (relative) of ``x / s``;
+``x / s`` is never exactly halfway between two float32 numbers (that halfway point has a 25-bit significand
+whose odd part times ``s``'s would need more than ``x``'s 24 bits) and, when not, lies at least about 2**-49
+(relative) from it (``x`` and the halfway point times ``s`` differ by a multiple of a unit 2**-48 below
+``x``); so both round to the same float32. (Quotients below float32's normal range round to FP8 zero either
+way, with their sign.) A division per element in float64 would be exact too, but made the whole step of
+`mxtrain bench step` 4-5 % slower on an H100 than a float32 division (BENCHMARKS.md). The GEMM
+calls are those of the reference's FP8 route (``tensorfp8.scaled_mm``): same codes, same scales, same output
+dtypes.
 
 Used by ``linear.compiled_linear`` when ``applies`` (setting ``fp8_traced``: ``auto``, the default, or ``off``
 for the custom op). Eagerly the custom-op path runs (its Triton cast kernel is faster than unfused operations).
@@ -85,7 +93,7 @@ def cast(t: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     scale = amax / mx
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     scale = torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
-    v = (t.to(torch.float64) / scale.to(torch.float64)).to(torch.float32)
+    v = (t.to(torch.float64) * (1.0 / scale.to(torch.float64))).to(torch.float32)   # = t / scale, IEEE (above)
     v = torch.where(torch.isfinite(scale), v, torch.zeros_like(v))
     return v.clamp(-mx, mx).to(_DT[fmt]), scale
 

@@ -70,6 +70,24 @@ def test_cast_is_the_reference_quantizer(fmt, dtype, compiled):
     assert scale.isnan() and not _bits(codes).any()
 
 
+def test_float64_reciprocal_product_is_the_ieee_float32_quotient():
+    """``cast``'s division: ``RN32(RN64(x * RN64(1 / s)))`` equals the IEEE float32 quotient ``x / s``, here on
+    a million pairs built to sit near float32 halfway points (``x = RN32(m s)`` for a halfway point ``m``),
+    where a float32 reciprocal-multiply is wrong about half the time."""
+    g = torch.Generator().manual_seed(0)
+    n = 1 << 20
+    s = ((torch.rand(n, generator=g, dtype=torch.float64) * 2 + 0.5)
+         * torch.exp2(torch.randint(-60, 60, (n,), generator=g).double())).float()
+    a = ((torch.rand(n, generator=g, dtype=torch.float64) + 1)
+         * torch.exp2(torch.randint(-20, 20, (n,), generator=g).double())).float()
+    mid = (a.double() + torch.nextafter(a, torch.tensor(float("inf"))).double()) / 2
+    x = (mid * s.double()).float()
+    want = x / s                                         # IEEE float32 division (CPU)
+    got = (x.double() * (1.0 / s.double())).float()
+    assert torch.equal(got, want)
+    assert (x * (1 / s) != want).sum() > n // 10         # (a single-precision shortcut is not)
+
+
 def test_spec_takes_per_tensor_fp8_with_nearest_rounding_only():
     assert tracedfp8.spec(recipes.get("fp8")) == ("fp8_e4m3", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3", "fp8_e5m2",
                                                   "fp8_e4m3")
