@@ -180,7 +180,9 @@ class Ctx:
 
         Returns float32 values (float64 for a float64 ``t``; prescale not undone) and the operand's
         prescale. Runs ``fake_quantize_operand``, or its ``torch.compile``'d twin where the ``ref_compile``
-        setting says so (bit-identical: tests/test_ref_compile.py).
+        setting says so (bit-identical: tests/test_ref_compile.py), or for FP6/FP8 MX operands with nearest
+        rounding the fused kernel where the ``mx_kernel`` setting says so (bit-identical:
+        tests/test_mx_kernel.py).
         """
         op: Operand = self.recipe.operand(name)
         if not op.quantized:
@@ -189,6 +191,12 @@ class Ctx:
         key = self.stream_key(name) if op.rounding == "stochastic" else None
         spec = (axis, rot.size if rot.enabled else 0, op.fmt, op.block_size, op.rounding, op.scale_rule,
                 op.prescale)
+        mode = _settings.current().mx_kernel
+        if op.rounding == "nearest" and (mode == "always" or (mode == "auto" and t.is_cuda)):
+            from .kernels.mxelem import mx_operand   # the fused MXFP8/MXFP6 kernel (mxtrain/kernels/mxelem.py)
+            v = mx_operand(t, signs if rot.enabled else None, key, *spec)
+            if v is not None:
+                return v, op.prescale
         return REF_COMPILE.run(t, signs if rot.enabled else None, key, spec), op.prescale
 
     def operand_factored(self, t: torch.Tensor, axis: int, name: str, gemm: str, signs,

@@ -138,6 +138,13 @@ class Settings:
         "under Triton's interpreter (tests), `off` never. Bit-identical either way (each kernel variant checks "
         "itself against the reference on first use: `qselfcheck`).",
         "choice", choices=("auto", "always", "off"), aliases=_AUTO_OFF)
+    mx_kernel: str = _knob(
+        "auto", "MXTRAIN_MX_KERNEL", "MXFP8/MXFP6 operands of the reference path (the `mxfp8` recipe and custom "
+        "recipes with FP6/FP8 MX elements, round-to-nearest): fake-quantized by one fused Triton kernel "
+        "(`mxtrain/kernels/mxelem.py`) after the rotation in torch, instead of the plain-PyTorch quantizer: `auto` "
+        "on CUDA tensors, `always` also on CPU under Triton's interpreter (tests), `off` never. Bit-identical either "
+        "way (each kernel variant checks itself against the reference on first use: `qselfcheck`).",
+        "choice", choices=("auto", "always", "off"), aliases=_AUTO_OFF)
     fp8_traced: str = _knob(
         "auto", "MXTRAIN_FP8_TRACED", "Under `torch.compile`, the `fp8` recipe's layers (every operand per-tensor "
         "FP8, round-to-nearest) as traced operations around `torch._scaled_mm` (`mxtrain/tracedfp8.py`), which the "

@@ -5,7 +5,8 @@ A representative set of variants (each layout of ``_mxfp4_kernel``, rotations 0/
 tile layout, nearest and stochastic rounding, carrier / FP4 / both outputs, 64-bit offsets, a key in device
 memory, 128x128 groups, folded normalization, and the dual kernel; ``kernels/nvfp4.py``'s quantize kernel for
 rows and columns, 1-D blocks and 16x16 tiles, stochastic rounding with a key in device memory, and its amax
-kernel) compiled with
+kernel; ``kernels/mxelem.py``'s MX quantizer for FP6/FP8 elements, rows and columns, each scale rule) compiled
+with
 ``triton.compile(ASTSource(...), target=GPUTarget(...))`` and the launch options the kernels run with
 (``enable_fp_fusion=False``, ``maxnreg`` where ``launch.launch_opts`` sets it). The size arguments equal to 1
 on a real launch (the unit stride) are passed as 1, which Triton specializes on, and the pointers and the
@@ -71,6 +72,14 @@ def _dual(bra=32, brb=64, nw=4, gr_b=1, rot=0, sr=False, fp4_b=False, maxnreg=80
                 maxnreg=None if sr else maxnreg)
 
 
+def _mxelem(axis, TM, NB, _ebits, mbits, emin, emax, maxv, rule, prescale=False, idx64=False, B=32, nw=4):
+    """A variant of ``kernels/mxelem.py``'s ``_mx_kernel`` (the unit stride of ``axis`` passed as 1)."""
+    consts = dict(TM=TM, NB=NB, B=B, MAXV=maxv, MBITS=mbits, EMIN=emin, EMAX=emax, RULE=rule, PRESCALE=prescale,
+                  IDX64=idx64)
+    return dict(kind="mxelem", layout="mxelem", consts=consts, ones=("s_k",) if axis == 1 else ("s_m",),
+                num_warps=nw, maxnreg=None)
+
+
 def _nvfp4(axis, TM, NB, tile2d=False, sr=False, key_ptr=False, prescale=False, idx64=False, nw=4):
     """A variant of ``kernels/nvfp4.py``'s ``_nvfp4_kernel`` (the unit strides of ``axis`` passed as 1)."""
     consts = dict(TM=TM, NB=NB, TILE2D=tile2d, SR=sr, KEY_PTR=key_ptr, PRESCALE=prescale, IDX64=idx64)
@@ -111,11 +120,19 @@ VARIANTS = {
     "nvfp4 cols 2d": _nvfp4(0, 4, 2, tile2d=True),
     "nvfp4 amax": dict(kind="nvfp4_amax", layout="nvfp4_amax", consts=dict(BLOCK=4096), ones=(), num_warps=8,
                        maxnreg=None),
+    # the MX fake quantizer for FP6/FP8 elements (kernels/mxelem.py), as quantize_mx_values launches it
+    "mxelem e4m3 rows floor": _mxelem(1, 16, 4, 8, 3, -6, 8, 448.0, 0),
+    "mxelem e5m2 cols even prescale": _mxelem(0, 32, 2, 5, 2, -14, 15, 57344.0, 3, prescale=True),
+    "mxelem e2m3 rows rceil idx64": _mxelem(1, 16, 4, 5, 3, 0, 2, 7.5, 2, idx64=True),
+    "mxelem e3m2 cols amd": _mxelem(0, 32, 2, 6, 2, -2, 4, 28.0, 4),
 }
 
 
 def kernel_of(v):
     """(the Triton kernel of variant ``v``, constexprs it adds)."""
+    if v["kind"] == "mxelem":
+        from mxtrain.kernels import mxelem as X
+        return X._mx_kernel, {}
     if v["kind"] in ("nvfp4", "nvfp4_amax"):
         from mxtrain.kernels import nvfp4 as N
         return (N._nvfp4_kernel if v["kind"] == "nvfp4" else N._finite_amax_kernel), {}
