@@ -5,7 +5,11 @@
 # Usage (repo root, on the GPU machine):
 #   OUT=dir [PARTS=/root/mx] [DATA=/root/mx/c32k] [STUDY=/root/mx/study] [ARMS=a,b,c | PRESET=split]
 #   [MODEL=30m] [STEPS=240] [SEEDS=3] [BUDGETS=0.25,0.5,0.75,1] [COOLDOWN=0.2] [JOBS=6] [EVAL_EVERY=10]
-#   [EVAL_TOKENS=131072] [FINAL_EVAL_TOKENS=1048576] [DEVICE=cuda] [BUDGET=seconds] [EXTRA="--set k=v ..."] bash benchmarks/study_gpu.sh
+#   [EVAL_TOKENS=131072] [FINAL_EVAL_TOKENS=1048576] [DEVICE=cuda] [BUDGET=seconds] [EXTRA="--set k=v ..."]
+#   [SEED_STUDY=path/study.tgz] bash benchmarks/study_gpu.sh
+# SEED_STUDY: the study.tgz an earlier lease returned (its run folders without checkpoints), unpacked into the
+# study folder when that holds no study yet, so that a study spans several leases: finished runs and branches
+# are skipped, unfinished ones train again (docs/study.md, "A study over several GPU leases").
 # JOBS: runs sharing the GPU; a 30m run with 32 x 512-token batches and the 32k vocabulary peaks near 11 GiB,
 # so 6 fit an 80 GiB H100 (8 did not). Call it again in the same lease to go on: finished runs are skipped.
 set -u
@@ -17,6 +21,10 @@ if [ ! -f "$DATA/meta.json" ]; then
   mkdir -p "$DATA"
   cat "$PARTS"/corpus-32k.tar.xz.* | python3 -c "import lzma,sys,shutil; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)" \
     | tar -C "$DATA" -xf - || { echo "unpacking the corpus parts failed" >&2; exit 2; }
+fi
+if [ -n "${SEED_STUDY:-}" ] && [ ! -f "$S/study.json" ]; then
+  [ -f "$SEED_STUDY" ] || { echo "SEED_STUDY=$SEED_STUDY: no such file" >&2; exit 2; }
+  mkdir -p "$S" && tar -C "$S" -xzf "$SEED_STUDY" || { echo "unpacking $SEED_STUDY failed" >&2; exit 2; }
 fi
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
