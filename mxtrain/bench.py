@@ -554,7 +554,7 @@ def bench_step(args) -> dict:
     res = _bs.measure(variants, model=args.model, layers=layers, batch=args.batch, seq=args.seq,
                       steps=args.steps, warmup=args.warmup, compile_mode=args.compile,
                       recompute_ffn=args.recompute_ffn, on_variant=_step_progress,
-                      memory_budget=args.memory_budget)
+                      memory_budget=args.memory_budget, param_dtype=args.param_dtype)
     res["variants"] = variants
     print(_bs.format_table(res), flush=True)
     return {"step": res}
@@ -745,6 +745,9 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-budget", type=_budget, default=None,
                    help="step: torch's activation_memory_budget for every variant, in (0, 1] (the compiler "
                         "recomputes activations in the backward to save only that share)")
+    p.add_argument("--param-dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="step: float32 master weights and AdamW state under bf16 autocast (default), or the whole "
+                        "model and its AdamW state in bfloat16 without autocast")
     p.add_argument("--warmup", type=int, default=3, help="step: untimed steps first (compilation)")
     p.add_argument("--glue", default="auto,eager",
                    help="blocks: elementwise layers (RMSNorm, RoPE, SwiGLU) compiled ('auto' on CUDA) and/or 'eager'; "

@@ -1,8 +1,9 @@
 """The whole training step, per variant, in one process: ``mxtrain bench step``.
 
 One step is what a user's loop runs: embedding, every block, the final norm and head, the cross-entropy
-loss, ``backward`` and a fused AdamW update, with float32 master weights under bf16 autocast, the whole
-model under ``torch.compile`` (the same mode for every variant). Each variant is a fresh model with
+loss, ``backward`` and a fused AdamW update, with float32 master weights under bf16 autocast (or, with
+``param_dtype="bfloat16"``, the whole model and its AdamW state in bf16 without autocast), the whole model
+under ``torch.compile`` (the same mode for every variant). Each variant is a fresh model with
 the same initialization, on the same random tokens:
 
 * ``bf16``: nothing converted;
@@ -64,10 +65,15 @@ def _convert(m, variant: str) -> None:
 
 
 def _one_variant(variant: str, model: str, layers: int | None, batch: int, seq: int, steps: int, warmup: int,
-                 compile_mode: str, device, recompute_ffn: bool = False) -> dict:
+                 compile_mode: str, device, recompute_ffn: bool = False, param_dtype: str = "float32") -> dict:
+    import contextlib
     dev = torch.device(device)
     cuda = dev.type == "cuda"
     m = _build(model, layers, seq, dev)
+    if param_dtype == "bfloat16":
+        m.to(torch.bfloat16)
+    elif param_dtype != "float32":
+        raise ValueError(f"param_dtype must be float32 or bfloat16, not {param_dtype!r}")
     for b in m.layers:
         b.recompute_ffn = recompute_ffn
     V = m.cfg.vocab_size
@@ -77,7 +83,7 @@ def _one_variant(variant: str, model: str, layers: int | None, batch: int, seq: 
     _convert(m, variant)
     f = m if compile_mode == "none" else torch.compile(m, mode=None if compile_mode == "default" else compile_mode)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=cuda)
-    amp = torch.autocast(dev.type, dtype=torch.bfloat16)
+    amp = torch.autocast(dev.type, dtype=torch.bfloat16) if param_dtype == "float32" else contextlib.nullcontext()
 
     def step():
         with amp:
@@ -137,16 +143,18 @@ def split_variant(v: str) -> tuple[str, dict]:
 
 def measure(variants, model: str = "8b-layers", layers: int | None = 4, batch: int = 4, seq: int = 4096,
             steps: int = 10, warmup: int = 3, compile_mode: str = "default", device="cuda",
-            recompute_ffn: bool = False, on_variant=None, memory_budget: float | None = None) -> dict:
+            recompute_ffn: bool = False, on_variant=None, memory_budget: float | None = None,
+            param_dtype: str = "float32") -> dict:
     """Time and memory of the whole training step for each variant (see the module docstring);
     ``recompute_ffn``: every variant's blocks recompute their feed-forward outputs (``Block.recompute_ffn``);
     ``on_variant(name, result)`` is called as each variant finishes (progress; nothing lost if a later one
     hangs or the process is stopped); ``memory_budget``: torch's ``activation_memory_budget`` (in (0, 1]: the
     compiler recomputes activations in the backward to keep that share of what it would save) for every
-    variant."""
+    variant; ``param_dtype``: ``float32`` (master weights under bf16 autocast) or ``bfloat16`` (the whole model
+    and its optimizer state in bf16, no autocast), for every variant."""
     res = {"model": model, "layers": layers, "batch": batch, "seq": seq, "tokens": batch * seq,
            "compile": compile_mode, "steps": steps, "warmup": warmup, "recompute_ffn": recompute_ffn,
-           "memory_budget": memory_budget, "runs": {}}
+           "memory_budget": memory_budget, "param_dtype": param_dtype, "runs": {}}
     from . import settings
     for v in variants:
         try:
@@ -154,7 +162,7 @@ def measure(variants, model: str = "8b-layers", layers: int | None = 4, batch: i
             budget = {} if memory_budget is None else {"activation_memory_budget": float(memory_budget)}
             with settings.override(**over), torch._functorch.config.patch(**budget):
                 res["runs"][v] = _one_variant(base, model, layers, batch, seq, steps, warmup, compile_mode, device,
-                                              recompute_ffn)
+                                              recompute_ffn, param_dtype)
                 res["runs"][v]["settings"] = over
                 if on_variant is not None:   # (inside: it sees the variant's settings)
                     on_variant(v, res["runs"][v])
@@ -193,7 +201,8 @@ def format_table(res: dict) -> str:
     """The results as a Markdown table (what ``mxtrain bench step`` prints)."""
     best = res.get("best_fp8")
     head = (f"whole training step: model {res['model']}" + (f" ({res['layers']} layers)" if res.get("layers") else "")
-            + f", {res['batch']} x {res['seq']} tokens, compile {res['compile']}, median of {res['steps']} steps")
+            + f", {res['batch']} x {res['seq']} tokens, compile {res['compile']}, median of {res['steps']} steps"
+            + (", bf16 parameters" if res.get("param_dtype") == "bfloat16" else ""))
     lines = [head, "", f"| variant | ms/step | tokens/s | vs bf16 | vs {best or 'best FP8'} | peak GiB | vs bf16 mem |",
              "|---|---|---|---|---|---|---|"]
 

@@ -6,6 +6,7 @@ that fails is reported without stopping the others."""
 import importlib.util
 
 import pytest
+import torch
 
 from mxtrain import bench_step as bs
 
@@ -84,3 +85,24 @@ def test_progress_line_names_inexact_blocks(capsys):
                                   "inexact_blocks": {"x": 0, "w": 0, "dy": 0}})
     err = capsys.readouterr().err.splitlines()
     assert err[0].endswith("inexact carrier blocks x 3, w 0, dy 12") and "inexact" not in err[1]
+
+
+def test_bf16_parameters_train_the_same_model_in_bf16(monkeypatch):
+    """``param_dtype="bfloat16"``: every variant's model (and so its AdamW state) is bf16 and runs without
+    autocast; the table says so; another value is refused."""
+    seen = []
+    real = torch.optim.AdamW
+
+    def spy(params, *a, **k):
+        params = list(params)
+        seen.append({p.dtype for p in params})
+        return real(params, *a, **k)
+    monkeypatch.setattr(torch.optim, "AdamW", spy)
+    res = bs.measure(["bf16", "mxfp4-all"], model="tiny", layers=1, batch=2, seq=32, steps=1, warmup=1,
+                     compile_mode="none", device="cpu", param_dtype="bfloat16")
+    assert seen == [{torch.bfloat16}, {torch.bfloat16}]
+    assert all("ms" in r for r in res["runs"].values()) and res["param_dtype"] == "bfloat16"
+    assert "bf16 parameters" in bs.format_table(res)
+    bad = bs.measure(["bf16"], model="tiny", layers=1, batch=2, seq=32, steps=1, warmup=1, compile_mode="none",
+                     device="cpu", param_dtype="float16")
+    assert "param_dtype" in bad["runs"]["bf16"]["error"]
