@@ -175,11 +175,14 @@ class Ctx:
         return quantize(r, op.fmt, axis=axis, block_size=op.block_size, rounding=op.rounding,
                         scale_rule=op.scale_rule, key=key, prescale=op.prescale)
 
-    def operand(self, t: torch.Tensor, axis: int, name: str, gemm: str, signs) -> tuple[torch.Tensor, float]:
+    def operand(self, t: torch.Tensor, axis: int, name: str, gemm: str, signs,
+                out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, float]:
         """Rotate (padding the axis to whole rotation blocks) and fake-quantize one operand.
 
         Returns float32 values (float64 for a float64 ``t``; prescale not undone) and the operand's
-        prescale. Runs ``fake_quantize_operand``, or its ``torch.compile``'d twin where the ``ref_compile``
+        prescale. ``out_dtype``: the dtype the caller casts the values to next (its GEMM's); where the fused
+        MX kernel makes them it writes that dtype itself (the same values as a cast of its float32 ones);
+        other paths return float32 as before, so callers still cast. Runs ``fake_quantize_operand``, or its ``torch.compile``'d twin where the ``ref_compile``
         setting says so (bit-identical: tests/test_ref_compile.py), or for FP6/FP8 MX operands with nearest
         rounding the fused kernel where the ``mx_kernel`` setting says so (bit-identical:
         tests/test_mx_kernel.py).
@@ -194,7 +197,7 @@ class Ctx:
         mode = _settings.current().mx_kernel
         if op.rounding == "nearest" and (mode == "always" or (mode == "auto" and t.is_cuda)):
             from .kernels.mxelem import mx_operand   # the fused MXFP8/MXFP6 kernel (mxtrain/kernels/mxelem.py)
-            v = mx_operand(t, signs if rot.enabled else None, key, *spec)
+            v = mx_operand(t, signs if rot.enabled else None, key, *spec, out_dtype=out_dtype)
             if v is not None:
                 return v, op.prescale
         return REF_COMPILE.run(t, signs if rot.enabled else None, key, spec), op.prescale

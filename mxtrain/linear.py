@@ -147,8 +147,8 @@ def ref_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                                x.device)
         else:
             s = qctx.signs("fprop", x.device)
-            xq, px = qctx.operand(x2, -1, "fprop_x", "fprop", s)
-            wq, pw = qctx.operand(weight, -1, "fprop_w", "fprop", s)
+            xq, px = qctx.operand(x2, -1, "fprop_x", "fprop", s, out_dtype=gd)
+            wq, pw = qctx.operand(weight, -1, "fprop_w", "fprop", s, out_dtype=gd)
             y = torch.matmul(xq.to(gd), wq.to(gd).t()).to(cdt)
             if px * pw != 1.0:
                 y = y / (px * pw)
@@ -188,8 +188,8 @@ def ref_backward(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor,
         elif need[0]:
             gd = gemm_dtype(r, "dgrad_dy", "dgrad_w", "dgrad", amp, cdt)
             s = qctx.signs("dgrad", dy.device)
-            dyq, pa = qctx.operand(dy2, -1, "dgrad_dy", "dgrad", s)   # (M, Np)
-            wq, pb = qctx.operand(weight, 0, "dgrad_w", "dgrad", s)   # (Np, K)
+            dyq, pa = qctx.operand(dy2, -1, "dgrad_dy", "dgrad", s, out_dtype=gd)   # (M, Np)
+            wq, pb = qctx.operand(weight, 0, "dgrad_w", "dgrad", s, out_dtype=gd)   # (Np, K)
             dx = torch.matmul(dyq.to(gd), wq.to(gd)).to(cdt)
             if pa * pb != 1.0:
                 dx = dx / (pa * pb)
@@ -205,8 +205,8 @@ def ref_backward(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor,
         elif need[1]:
             gd = gemm_dtype(r, "wgrad_dy", "wgrad_x", "wgrad", amp, cdt)
             s = qctx.signs("wgrad", dy.device)
-            dyq, pa = qctx.operand(dy2, 0, "wgrad_dy", "wgrad", s)    # (Mp, N)
-            xq, pb = qctx.operand(x2, 0, "wgrad_x", "wgrad", s)       # (Mp, K)
+            dyq, pa = qctx.operand(dy2, 0, "wgrad_dy", "wgrad", s, out_dtype=gd)    # (Mp, N)
+            xq, pb = qctx.operand(x2, 0, "wgrad_x", "wgrad", s, out_dtype=gd)       # (Mp, K)
             dw = torch.matmul(dyq.to(gd).t(), xq.to(gd)).to(cdt)
             if pa * pb != 1.0:
                 dw = dw / (pa * pb)

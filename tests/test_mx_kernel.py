@@ -105,6 +105,25 @@ def test_every_code_times_scales_from_smallest_to_largest(fmt):
     _same(x.t().contiguous(), fmt, 0)
 
 
+@pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "mxfp6_e3m2"])
+def test_bf16_output_is_the_cast_of_the_float32_values(fmt):
+    """``out_dtype=torch.bfloat16`` (what a GEMM under autocast multiplies): the reference's float32 values cast
+    to bf16, bit for bit, also where they are not exact in bf16 (blocks scaled below about 2**-117)."""
+    elem = get_format(fmt).elem
+    vals = elem_table(elem, "cpu")
+    vals = vals[torch.isfinite(vals)].unique()
+    row = torch.cat([vals, torch.zeros((-vals.numel()) % 32)])
+    x = torch.stack([row * 2.0 ** e for e in range(-140, 100, 9)]).to(DEV)
+    x = torch.cat([x, _wide((6, row.numel()), seed=9)])
+    for axis in (0, 1):
+        v = K.quantize_mx_values(x, fmt, axis, 32, "floor", 1.0, out_dtype=torch.bfloat16)
+        r = fake_quantize_operand(x, None, None, axis, 0, fmt, 32, "nearest", "floor", 1.0).to(torch.bfloat16)
+        assert v.dtype == torch.bfloat16
+        assert _mismatches(v, r) == 0
+    with pytest.raises(TypeError, match="out_dtype"):
+        K.quantize_mx_values(x, fmt, out_dtype=torch.float64)
+
+
 def test_ctx_operand_uses_the_kernel_for_fp8_and_fp6_only():
     """With ``mx_kernel=always`` an ``mxfp8`` layer runs its operands through the kernel and gives the bits of
     ``mx_kernel=off``, forward and backward; MXFP4 and stochastic-rounding operands stay on the reference."""
@@ -113,11 +132,12 @@ def test_ctx_operand_uses_the_kernel_for_fp8_and_fp6_only():
     w = (torch.randn(48, 96, generator=g) / 10).to(DEV)
     gy = torch.randn(64, 48, generator=g).to(DEV)
 
-    def run(mode, recipe="mxfp8"):
+    def run(mode, recipe="mxfp8", amp=False):
         a, b = x.clone().requires_grad_(), w.clone().requires_grad_()
         with settings.override(mx_kernel=mode, fast=False):
-            y = mx_linear(a, b, recipe=recipe)
-            y.backward(gy)
+            with torch.autocast(DEV, dtype=torch.bfloat16, enabled=amp):
+                y = mx_linear(a, b, recipe=recipe)
+            y.backward(gy.to(y.dtype))
         return y.detach(), a.grad, b.grad
     before = K.CALLS["kernel"]
     got = run("always")
@@ -125,6 +145,8 @@ def test_ctx_operand_uses_the_kernel_for_fp8_and_fp6_only():
     want = run("off")
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+    for a, b in zip(run("always", amp=True), run("off", amp=True)):   # bf16 GEMMs: the kernel writes bf16
+        assert a.dtype == b.dtype and torch.equal(a, b)
     before = K.CALLS["kernel"]
     run("always", "mxfp4-all")
     sr = Recipe("sr8", **{n: Operand("mxfp8_e4m3", rounding="stochastic") for n in

@@ -72,12 +72,13 @@ def _dual(bra=32, brb=64, nw=4, gr_b=1, rot=0, sr=False, fp4_b=False, maxnreg=80
                 maxnreg=None if sr else maxnreg)
 
 
-def _mxelem(axis, TM, NB, _ebits, mbits, emin, emax, maxv, rule, prescale=False, idx64=False, B=32, nw=4):
+def _mxelem(axis, TM, NB, _ebits, mbits, emin, emax, maxv, rule, prescale=False, idx64=False, bf16=False, B=32,
+            nw=4):
     """A variant of ``kernels/mxelem.py``'s ``_mx_kernel`` (the unit stride of ``axis`` passed as 1)."""
     consts = dict(TM=TM, NB=NB, B=B, MAXV=maxv, MBITS=mbits, EMIN=emin, EMAX=emax, RULE=rule, PRESCALE=prescale,
-                  IDX64=idx64)
+                  IDX64=idx64, OUT_BF16=bf16)
     return dict(kind="mxelem", layout="mxelem", consts=consts, ones=("s_k",) if axis == 1 else ("s_m",),
-                num_warps=nw, maxnreg=None)
+                num_warps=nw, maxnreg=None, ptr_types={"out_ptr": "*i16"} if bf16 else {})
 
 
 def _nvfp4(axis, TM, NB, tile2d=False, sr=False, key_ptr=False, prescale=False, idx64=False, nw=4):
@@ -122,6 +123,7 @@ VARIANTS = {
                        maxnreg=None),
     # the MX fake quantizer for FP6/FP8 elements (kernels/mxelem.py), as quantize_mx_values launches it
     "mxelem e4m3 rows floor": _mxelem(1, 16, 4, 8, 3, -6, 8, 448.0, 0),
+    "mxelem e4m3 cols floor bf16": _mxelem(0, 32, 2, 8, 3, -6, 8, 448.0, 0, bf16=True),
     "mxelem e5m2 cols even prescale": _mxelem(0, 32, 2, 5, 2, -14, 15, 57344.0, 3, prescale=True),
     "mxelem e2m3 rows rceil idx64": _mxelem(1, 16, 4, 5, 3, 0, 2, 7.5, 2, idx64=True),
     "mxelem e3m2 cols amd": _mxelem(0, 32, 2, 6, 2, -2, 4, 28.0, 4),
@@ -154,7 +156,7 @@ def source(v):
             sig[n] = "constexpr"
             consts.setdefault(n, p.default)
         else:
-            sig[n] = PTR_TYPES.get(n, "fp32" if n in FLOATS else "i32")
+            sig[n] = v.get("ptr_types", {}).get(n) or PTR_TYPES.get(n, "fp32" if n in FLOATS else "i32")
             if n in PTR_TYPES or n in DIV16:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     consts = {n: c for n, c in consts.items() if n in sig}

@@ -10,7 +10,9 @@ rceil, even or amd; -127 for an all-zero block), each element ``x * prescale * 2
 onto the element grid (saturating at its largest value, negative values that round to zero kept as -0), and
 written as ``element * 2**s`` in float32, in ``x``'s shape; a block holding NaN or +-Inf gives NaN everywhere.
 
-One Triton kernel: one read of ``x`` and one float32 write. The reference did the same in about twenty
+One Triton kernel: one read of ``x`` and one write, in float32 or, where the caller's GEMM multiplies bf16
+next, in bf16 (rounded half to even on the bits, as ``.to(torch.bfloat16)`` rounds; MX values are exact in
+bf16 except for blocks scaled below about 2**-117). The reference did the same in about twenty
 full-tensor PyTorch passes.
 
 Why bit-exact: the block maximum is a maximum; the exponent and significand of that maximum come from its
@@ -56,7 +58,7 @@ if HAS_TRITON:
     def _mx_kernel(x_ptr, out_ptr, prescale, M, K, s_m, s_k,
                    TM: tl.constexpr, NB: tl.constexpr, B: tl.constexpr, MAXV: tl.constexpr, MBITS: tl.constexpr,
                    EMIN: tl.constexpr, EMAX: tl.constexpr, RULE: tl.constexpr, PRESCALE: tl.constexpr,
-                   IDX64: tl.constexpr):
+                   IDX64: tl.constexpr, OUT_BF16: tl.constexpr):
         """Logical (M, K) view of ``x`` (K: the quantization axis): element (m, k) at ``x_ptr + m*s_m + k*s_k``,
         its output at ``out_ptr`` + the same offset. A program quantizes a [TM, NB, B] piece: ``TM`` rows from
         ``pid_m``, ``NB`` blocks of ``B`` from ``pid_k``."""
@@ -105,7 +107,15 @@ if HAS_TRITON:
         q = (q.to(tl.int32, bitcast=True) | (v.to(tl.int32, bitcast=True) & -2147483648)).to(tl.float32,
                                                                                               bitcast=True)
         out = tl.where(ok, q * _pow2(s), float("nan"))
-        tl.store(out_ptr + offs, out, mask=msk)
+        if OUT_BF16:
+            # round half to even onto bf16 (float32's upper 16 bits) on the bits, subnormals included (a
+            # hardware or interpreter cast may flush those); NaN -> the canonical bf16 NaN
+            ob = out.to(tl.int32, bitcast=True)
+            rb = (ob + 0x7FFF + ((ob >> 16) & 1)) >> 16
+            rb = tl.where(out == out, rb, 0x7FC0)
+            tl.store(out_ptr + offs, rb.to(tl.int16), mask=msk)
+        else:
+            tl.store(out_ptr + offs, out, mask=msk)
 
 
 def _launch_config(axis: int, B: int) -> tuple[int, int, int]:
@@ -135,18 +145,24 @@ def _check(x: torch.Tensor, fmt: str, block_size: int, scale_rule: str, prescale
 
 
 def quantize_mx_values(x: torch.Tensor, fmt: str, axis: int = -1, block_size: int = 32, scale_rule: str = "floor",
-                       prescale: float = 1.0) -> torch.Tensor:
+                       prescale: float = 1.0, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The float32 values of ``fake_quantize_operand(x, None, None, axis, 0, fmt, block_size, "nearest",
-    scale_rule, prescale)`` for 2-D ``x`` (bit for bit; module docstring), in ``x``'s shape."""
+    scale_rule, prescale)`` for 2-D ``x`` (bit for bit; module docstring), in ``x``'s shape; with ``out_dtype``
+    bf16/fp16, those values cast to it (round half to even, as ``.to(out_dtype)``) by the kernel's store."""
+    if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"quantize_mx_values: out_dtype must be float32, bf16 or fp16, not {out_dtype}")
+    if out_dtype == torch.float16:   # (the kernel rounds onto bf16 only; fp16 is the float32 values cast)
+        return quantize_mx_values(x, fmt, axis, block_size, scale_rule, prescale).to(torch.float16)
     elem = _check(x, fmt, block_size, scale_rule, prescale)
     axis = axis % 2
     x = x.contiguous()
     if x.data_ptr() % 16:
         x = x.clone()           # (the kernel is specialized for 16-byte aligned pointers)
     R0, C0 = x.shape
-    out = torch.empty((R0, C0), dtype=torch.float32, device=x.device)
+    bf16 = out_dtype == torch.bfloat16
+    out = torch.empty((R0, C0), dtype=torch.int16 if bf16 else torch.float32, device=x.device)
     if x.numel() == 0:
-        return out
+        return out.view(out_dtype)
     if axis == 1:
         M, K, s_m, s_k = R0, C0, C0, 1
     else:
@@ -156,8 +172,8 @@ def quantize_mx_values(x: torch.Tensor, fmt: str, axis: int = -1, block_size: in
     ps = float(torch.tensor(prescale, dtype=torch.float32))
     _mx_kernel[grid](x, out, ps, M, K, s_m, s_k, TM=TM, NB=NB, B=block_size, MAXV=float(elem.max),
                      MBITS=elem.mbits, EMIN=elem.emin, EMAX=elem.emax, RULE=_RULE[scale_rule], PRESCALE=ps != 1.0,
-                     IDX64=x.numel() >= 2**31 - 1, num_warps=nw, enable_fp_fusion=False)
-    return out
+                     IDX64=x.numel() >= 2**31 - 1, OUT_BF16=bf16, num_warps=nw, enable_fp_fusion=False)
+    return out.view(out_dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -236,10 +252,11 @@ def mx_ok(x: torch.Tensor, fmt: str, axis: int, block: int, rule: str, prescale:
 
 
 def mx_operand(t: torch.Tensor, signs, key, axis: int, rot: int, fmt: str, block_size, rounding: str,
-               scale_rule: str, prescale: float):
+               scale_rule: str, prescale: float, out_dtype: torch.dtype | None = None):
     """``fake_quantize_operand(...)`` of an MX operand through the kernel where ``mx_kernel_applies`` and its
     variant passed its self-check, else None (the caller runs the reference). The rotation stays in torch
-    (float32); without one a bf16/fp16 ``t`` goes to the kernel as it is (its upcast is exact)."""
+    (float32); without one a bf16/fp16 ``t`` goes to the kernel as it is (its upcast is exact). ``out_dtype``:
+    bf16/fp16 to have the kernel write the values cast to it (what the caller's GEMM multiplies), else float32."""
     from ..context import compute_dtype, pad_axis
     from ..hadamard import hadamard
     if not mx_kernel_applies(t, fmt, block_size, rounding):
@@ -251,7 +268,8 @@ def mx_operand(t: torch.Tensor, signs, key, axis: int, rot: int, fmt: str, block
     if not mx_ok(r, fmt, axis, block, scale_rule, prescale):
         return None
     CALLS["kernel"] += 1
-    return quantize_mx_values(r, fmt, axis, block, scale_rule, prescale)
+    od = out_dtype if out_dtype in (torch.bfloat16, torch.float16) else torch.float32
+    return quantize_mx_values(r, fmt, axis, block, scale_rule, prescale, out_dtype=od)
 
 
 CALLS = {"kernel": 0}   # operands quantized by ``mx_operand`` in this process (tests read it)
