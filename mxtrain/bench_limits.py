@@ -118,7 +118,9 @@ def _fmt_kind(recipe, name: str) -> str:
 
 def reference_bytes(recipe, cfg, batch: int, seq: int, layers: int | None = None,
                     weight_bytes: int = 4, act_bytes: int = 2) -> dict | None:
-    """Bytes the quantize passes of the per-tensor ``fp8`` recipe (``tensorfp8``, ``kernels/fp8cast.py``) or of
+    """Bytes the quantize passes of the per-tensor ``fp8`` recipe (its custom op: ``tensorfp8``,
+    ``kernels/fp8cast.py``; eager, or compiled with ``fp8_traced=off``; the traced default fuses its casts into
+    other kernels, which this does not model) or of
     ``nvfp4`` (the factored path, ``kernels/nvfp4.py``) read and write in one step as the code stands; None
     for other recipes. Every layer quantizes its own input (no sharing between layers reading one tensor).
 
