@@ -149,7 +149,9 @@ def ref_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
             s = qctx.signs("fprop", x.device)
             xq, px = qctx.operand(x2, -1, "fprop_x", "fprop", s, out_dtype=gd)
             wq, pw = qctx.operand(weight, -1, "fprop_w", "fprop", s, out_dtype=gd)
-            y = torch.matmul(xq.to(gd), wq.to(gd).t()).to(cdt)
+            y = torch.matmul(xq.to(gd), wq.to(gd).t())
+            if not (px * pw == 1.0 and bias is None and gd == out_dtype):   # (else: cast to cdt and back, identity)
+                y = y.to(cdt)
             if px * pw != 1.0:
                 y = y / (px * pw)
         if bias is not None:
@@ -190,7 +192,9 @@ def ref_backward(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor,
             s = qctx.signs("dgrad", dy.device)
             dyq, pa = qctx.operand(dy2, -1, "dgrad_dy", "dgrad", s, out_dtype=gd)   # (M, Np)
             wq, pb = qctx.operand(weight, 0, "dgrad_w", "dgrad", s, out_dtype=gd)   # (Np, K)
-            dx = torch.matmul(dyq.to(gd), wq.to(gd)).to(cdt)
+            dx = torch.matmul(dyq.to(gd), wq.to(gd))
+            if not (pa * pb == 1.0 and gd == x.dtype):   # (else: cast to cdt and back, identity)
+                dx = dx.to(cdt)
             if pa * pb != 1.0:
                 dx = dx / (pa * pb)
             dx = dx.to(x.dtype).reshape(x.shape)
