@@ -12,8 +12,8 @@ the same initialization, on the same random tokens:
 * any mxtrain recipe (``fp8``, ``mxfp4-all-dh16``, ...): ``mxtrain.convert`` with its defaults (the
   head and the embedding stay in high precision, as torchao's variants leave them).
 
-Per variant: the median step time over ``steps`` timed steps after ``warmup`` steps (CUDA events
-around whole steps), tokens per second, the peak memory of a step (``max_memory_allocated``, the
+Per variant: the median step time (and the fastest and slowest) over ``steps`` timed steps after ``warmup``
+steps (CUDA events around whole steps), tokens per second, the peak memory of a step (``max_memory_allocated``, the
 weights and optimizer state included), on a GPU the fast path's inexact carrier blocks counted over the
 variant's steps by tensor, and the ratios to BF16 and to the fastest FP8 variant of the same run. A
 variant that fails (out of memory, say) is reported with its error; the others still run.
@@ -203,16 +203,17 @@ def format_table(res: dict) -> str:
     head = (f"whole training step: model {res['model']}" + (f" ({res['layers']} layers)" if res.get("layers") else "")
             + f", {res['batch']} x {res['seq']} tokens, compile {res['compile']}, median of {res['steps']} steps"
             + (", bf16 parameters" if res.get("param_dtype") == "bfloat16" else ""))
-    lines = [head, "", f"| variant | ms/step | tokens/s | vs bf16 | vs {best or 'best FP8'} | peak GiB | vs bf16 mem |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [head, "", f"| variant | ms/step | min-max ms | tokens/s | vs bf16 | vs {best or 'best FP8'} | peak GiB | "
+             "vs bf16 mem |", "|---|---|---|---|---|---|---|---|"]
 
     def f(v, key, fmt):
         return format(v[key], fmt) if key in v else "-"
     for k, v in res["runs"].items():
         if "ms" not in v:
-            lines.append(f"| {k} | failed: {v.get('error', '?')[:80]} | | | | | |")
+            lines.append(f"| {k} | failed: {v.get('error', '?')[:80]} | | | | | | |")
             continue
-        lines.append(f"| {k} | {v['ms']:.1f} | {f(v, 'tokens_per_s', ',.0f')} | {f(v, 'speed_vs_bf16', '.3f')}x | "
+        spread = f"{min(v['ms_all']):.1f}-{max(v['ms_all']):.1f}" if v.get("ms_all") else "-"
+        lines.append(f"| {k} | {v['ms']:.1f} | {spread} | {f(v, 'tokens_per_s', ',.0f')} | {f(v, 'speed_vs_bf16', '.3f')}x | "
                      f"{f(v, 'speed_vs_best_fp8', '.3f')}x | {f(v, 'peak_gib', '.2f')} | "
                      f"{f(v, 'memory_vs_bf16', '.3f')}x |")
     return "\n".join(lines)

@@ -31,6 +31,8 @@ def test_measure_runs_every_variant_and_computes_ratios():
         runs[res["best_fp8"]]["ms"] / runs["mxfp4-all-dh16"]["ms"])
     table = bs.format_table(res)
     assert "| mxfp4-all-dh16 |" in table and f"vs {res['best_fp8']}" in table
+    r = runs["mxfp4-all-dh16"]   # the steps' spread, to judge a ratio near 1 by
+    assert f"| {min(r['ms_all']):.1f}-{max(r['ms_all']):.1f} |" in table
 
 
 def test_summarize_picks_the_fastest_fp8():
