@@ -31,7 +31,9 @@ recipe ``mxtrain.fast`` implements: fused Triton quantizers and MX GEMMs, bit-id
 under ``torch.compile`` it calls the custom ops ``mxtrain::call_seeds`` (the call's random inputs from
 the layer's state tensor; advances its call counter), ``mxtrain::linear`` and ``mxtrain::linear_backward``
 (opaque to the compiler, with fake implementations and registered autograd), so a converted model
-compiles to one graph with no guards on steps, calls or layer numbers. Both run the same functions.
+compiles to one graph with no guards on steps, calls or layer numbers. Both run the same functions. The
+``fp8`` recipe is the exception under ``torch.compile`` on GPUs with FP8 tensor cores: traced operations the
+compiler fuses and recomputes (``mxtrain.tracedfp8``, setting ``fp8_traced``), the same codes and GEMMs.
 """
 
 from __future__ import annotations
