@@ -213,7 +213,8 @@ def format_table(res: dict) -> str:
             lines.append(f"| {k} | failed: {v.get('error', '?')[:80]} | | | | | | |")
             continue
         spread = f"{min(v['ms_all']):.1f}-{max(v['ms_all']):.1f}" if v.get("ms_all") else "-"
-        lines.append(f"| {k} | {v['ms']:.1f} | {spread} | {f(v, 'tokens_per_s', ',.0f')} | {f(v, 'speed_vs_bf16', '.3f')}x | "
+        lines.append(f"| {k} | {v['ms']:.1f} | {spread} | {f(v, 'tokens_per_s', ',.0f')} | "
+                     f"{f(v, 'speed_vs_bf16', '.3f')}x | "
                      f"{f(v, 'speed_vs_best_fp8', '.3f')}x | {f(v, 'peak_gib', '.2f')} | "
                      f"{f(v, 'memory_vs_bf16', '.3f')}x |")
     return "\n".join(lines)

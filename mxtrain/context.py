@@ -182,8 +182,9 @@ class Ctx:
         Returns float32 values (float64 for a float64 ``t``; prescale not undone) and the operand's
         prescale. ``out_dtype``: the dtype the caller casts the values to next (its GEMM's); where the fused
         MX kernel makes them it writes that dtype itself (the same values as a cast of its float32 ones);
-        other paths return float32 as before, so callers still cast. Runs ``fake_quantize_operand``, or its ``torch.compile``'d twin where the ``ref_compile``
-        setting says so (bit-identical: tests/test_ref_compile.py), or for FP6/FP8 MX operands with nearest
+        other paths return float32 as before, so callers still cast. Runs ``fake_quantize_operand``, or its
+        ``torch.compile``'d twin where the ``ref_compile`` setting says so (bit-identical:
+        tests/test_ref_compile.py), or for FP6/FP8 MX operands with nearest
         rounding the fused kernel where the ``mx_kernel`` setting says so (bit-identical:
         tests/test_mx_kernel.py).
         """

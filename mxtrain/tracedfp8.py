@@ -99,11 +99,12 @@ def cast(t: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _mm(a, sa, b_t, sb, out_dtype: torch.dtype) -> torch.Tensor:
-    """``a @ b_t.t()`` of FP8 codes (``a`` (M, R) and ``b_t`` (N, R), both row-major) times the scales, as
-    the reference's ``tensorfp8.scaled_mm`` computes it: the GEMM writes bf16/fp16 itself, else float32."""
-    if out_dtype in (torch.bfloat16, torch.float16):
-        return torch._scaled_mm(a, b_t.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype)
-    return torch._scaled_mm(a, b_t.t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32).to(out_dtype)
+    """``a @ b_t.t()`` of FP8 codes (``a`` (M, R) and ``b_t`` (N, R), both row-major) times the scales in
+    ``out_dtype``: the reference's own call, ``tensorfp8.scaled_mm`` with the codes given (the GEMM writes
+    bf16/fp16 itself, else float32)."""
+    from .tensorfp8 import scaled_mm
+    return scaled_mm(None, None, -1, "", None, -1, "", out_dtype, a_codes=(a, sa, 1.0), b_codes=(b_t, sb, 1.0),
+                     final_dtype=out_dtype)
 
 
 class _TracedFP8Linear(torch.autograd.Function):

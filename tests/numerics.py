@@ -3,6 +3,8 @@
 1. Bit-exact (formats, quantizers, kernels vs the reference): ``assert_bitwise_equal``.
 2. Quantized results: ``sqnr_db`` with floors stated next to each use.
 3. Float tolerances for plumbing: ``FP32_TOL`` (reason: float32 accumulation of short sums).
+
+And ``wide_values``: the adversarial input of the kernel tests (many binades, ties, zeros, NaN/Inf).
 """
 
 from __future__ import annotations
@@ -58,3 +60,22 @@ ML = {
     "e4m3": ml_dtypes.float8_e4m3fn,
     "e5m2": ml_dtypes.float8_e5m2,
 }
+
+
+def wide_values(shape, seed, device, nonfinite=True, zero_block=16) -> torch.Tensor:
+    """float32 values over ~40 binades (a different range per row), small-grid ties, zeros, -0, an all-zero
+    run of ``zero_block`` in row 2, a subnormal, and (``nonfinite``) NaN and +-Inf, on ``device``."""
+    g = torch.Generator().manual_seed(seed)
+    R, C = shape
+    x = torch.randn(R, C, generator=g) * torch.exp2(torch.randint(-20, 20, (R, C), generator=g).float())
+    x = x * torch.exp2(torch.randint(-6, 6, (R, 1), generator=g).float())
+    n = min(C, 8)
+    x[0, :n] = torch.tensor([0.25, 0.75, -1.25, 2.5, 3.5, -5.0, 0.0, -0.0])[:n]
+    if R > 2:
+        x[2, : min(C, zero_block)] = 0.0         # an all-zero block
+        x[1, -1] = 1e-41                         # a subnormal
+    if nonfinite and R > 3 and C > 20:
+        x[3, 17] = float("nan")
+        x[R - 1, C - 1] = float("inf")
+        x[R // 2, 1] = -float("inf")
+    return x.to(device)

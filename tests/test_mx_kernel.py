@@ -27,6 +27,7 @@ from mxtrain.kernels.nvfp4 import _mismatches  # noqa: E402
 from mxtrain.quant import SCALE_RULES, elem_table  # noqa: E402
 from mxtrain.recipe import Operand, Recipe  # noqa: E402
 from mxtrain.recipes import get as get_recipe  # noqa: E402
+from numerics import wide_values  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(not kernels_available(DEV), reason="Triton kernels unavailable")
@@ -35,21 +36,8 @@ FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp4")
 
 
 def _wide(shape, seed, nonfinite=True):
-    """Values over ~40 binades (a different range per row), zeros, -0, a subnormal, NaN/+-Inf."""
-    g = torch.Generator().manual_seed(seed)
-    R, C = shape
-    x = torch.randn(R, C, generator=g) * torch.exp2(torch.randint(-20, 20, (R, C), generator=g).float())
-    x = x * torch.exp2(torch.randint(-6, 6, (R, 1), generator=g).float())
-    n = min(C, 8)
-    x[0, :n] = torch.tensor([0.25, 0.75, -1.25, 2.5, 3.5, -5.0, 0.0, -0.0])[:n]
-    if R > 2:
-        x[2, : min(C, 32)] = 0.0                 # an all-zero block
-        x[1, -1] = 1e-41                         # a subnormal
-    if nonfinite and R > 3 and C > 20:
-        x[3, 17] = float("nan")
-        x[R - 1, C - 1] = float("inf")
-        x[R // 2, 1] = -float("inf")
-    return x.to(DEV)
+    """Values over ~40 binades, zeros, -0, an all-zero block, a subnormal, NaN/+-Inf (``numerics.wide_values``)."""
+    return wide_values(shape, seed, DEV, nonfinite, zero_block=32)
 
 
 def _same(x, fmt, axis, block=32, rule="floor", prescale=1.0):

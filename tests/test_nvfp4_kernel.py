@@ -18,6 +18,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from mxtrain import settings  # noqa: E402
+from numerics import wide_values  # noqa: E402
 from mxtrain.context import Ctx, fake_quantize_operand  # noqa: E402
 from mxtrain.kernels import kernels_available  # noqa: E402
 from mxtrain.kernels import nvfp4 as K  # noqa: E402
@@ -32,21 +33,8 @@ KEY = 0xC0FFEE11   # above 2**31: the key's sign bit is exercised
 
 
 def _wide(shape, seed, nonfinite=True):
-    """Values over ~40 binades (a different range per row), E2M1 ties, zeros, -0, subnormals, NaN/+-Inf."""
-    g = torch.Generator().manual_seed(seed)
-    R, C = shape
-    x = torch.randn(R, C, generator=g) * torch.exp2(torch.randint(-20, 20, (R, C), generator=g).float())
-    x = x * torch.exp2(torch.randint(-6, 6, (R, 1), generator=g).float())
-    n = min(C, 8)
-    x[0, :n] = torch.tensor([0.25, 0.75, -1.25, 2.5, 3.5, -5.0, 0.0, -0.0])[:n]
-    if R > 2:
-        x[2, : min(C, 16)] = 0.0                 # an all-zero block
-        x[1, -1] = 1e-41                         # a subnormal
-    if nonfinite and R > 3 and C > 20:
-        x[3, 17] = float("nan")
-        x[R - 1, C - 1] = float("inf")
-        x[R // 2, 1] = -float("inf")
-    return x.to(DEV)
+    """Values over ~40 binades, E2M1 ties, zeros, -0, subnormals, NaN/+-Inf (``numerics.wide_values``)."""
+    return wide_values(shape, seed, DEV, nonfinite, zero_block=16)
 
 
 def _ref(x, axis, block_2d, rounding, key, prescale):

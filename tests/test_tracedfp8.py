@@ -233,3 +233,41 @@ def test_compiled_layer_on_the_gpu_equals_the_eager_fast_path():
     got = _fwd_bwd(x, w, None, gy, torch.compile(f, fullgraph=True))
     for i, (g, r) in enumerate(zip(got, eager)):
         assert torch.equal(g, r), (i, ((g - r).norm() / r.norm()).item())
+
+
+def test_hf_llama_with_fp8_compiles_to_traced_layers(fp8_on):
+    """A Hugging Face Llama built from a config, converted with ``fp8``, in a plain loop with fused AdamW:
+    under ``torch.compile(fullgraph=True)`` one graph with no mxtrain custom op (the traced layers), and the
+    same losses as eager training."""
+    transformers = pytest.importorskip("transformers")
+    from torch._dynamo.utils import counters
+
+    def run(compiled):
+        torch.manual_seed(0)
+        cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+        model = transformers.LlamaForCausalLM(cfg).to(DEV)
+        mxtrain.convert(model, "fp8")
+        ops = []
+
+        def backend(gm, example_inputs):
+            ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+            return gm
+        f = torch.compile(model, fullgraph=True, backend=backend) if compiled else model
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        losses = []
+        for s in range(3):
+            ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(s)).to(DEV)
+            loss = f(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses, ops
+    eager, _ = run(False)
+    torch._dynamo.reset()
+    counters.clear()
+    got, ops = run(True)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["recompiles"]
+    assert any("autograd_function_apply" in o for o in ops) and not any("mxtrain" in o for o in ops), ops
+    assert got == pytest.approx(eager, rel=1e-6)

@@ -29,15 +29,12 @@ falls back to the reference where it differs.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 from .. import settings as _settings
 from ..formats import get_format
 from ..quant import SCALE_RULES
 from . import HAS_TRITON, INTERPRET, kernels_available
-from .caches import CACHES
 
 __all__ = ["quantize_mx_values", "mx_kernel_applies", "mx_ok", "mx_selfcheck", "mx_operand", "CALLS"]
 
@@ -230,25 +227,12 @@ def mx_selfcheck(device, dtype, fmt: str, axis: int, block: int, rule: str, pres
 
 
 def mx_ok(x: torch.Tensor, fmt: str, axis: int, block: int, rule: str, prescale: float, st=None) -> bool:
-    """Once per kernel variant (where the ``qselfcheck`` setting says: ``auto`` on GPUs, ``always`` everywhere):
-    did it reproduce the reference? A variant that fails warns once and the reference serves it from then on.
-    Inside a CUDA-graph capture an unchecked variant is not checked (it reads to the host): False (reference)."""
-    st = st or _settings.current()
-    mode = st.qselfcheck
-    if not (mode == "always" or (mode == "auto" and x.device.type == "cuda")):
-        return True
+    """``nvfp4.checked_once`` for this kernel variant: once per variant (``qselfcheck``), did it reproduce the
+    reference? A variant that fails warns once and the reference serves it from then on."""
+    from .nvfp4 import checked_once
     vkey = _variant_key(x, fmt, axis, block, rule, prescale)
-    ok = CACHES.verified.get(vkey)
-    if ok is None:
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            return False
-        res = mx_selfcheck(x.device, x.dtype, fmt, axis, block, rule, prescale, vkey[8], vkey[9],
-                           r1=vkey[10], c1=vkey[11])
-        ok = CACHES.verified[vkey] = res["ok"]
-        if not ok:
-            warnings.warn(f"mxtrain: MX quantize kernel variant {vkey} differed from the reference quantizer on "
-                          f"this device ({res}); using the reference (slower) for it", RuntimeWarning, stacklevel=3)
-    return ok
+    return checked_once(x, vkey, lambda: mx_selfcheck(x.device, x.dtype, fmt, axis, block, rule, prescale, vkey[8],
+                                                      vkey[9], r1=vkey[10], c1=vkey[11]), "MX", st)
 
 
 def mx_operand(t: torch.Tensor, signs, key, axis: int, rot: int, fmt: str, block_size, rounding: str,

@@ -283,27 +283,34 @@ def nvfp4_selfcheck(device, dtype, axis: int, block_2d: bool, sr: bool, key_ptr:
     return out
 
 
-def nvfp4_ok(x: torch.Tensor, axis: int, block_2d: bool, sr: bool, key_ptr: bool, prescale: float,
-             st=None) -> bool:
-    """Once per kernel variant (where the ``qselfcheck`` setting says: ``auto`` on GPUs, ``always`` everywhere):
-    did it reproduce the reference? A variant that fails warns once and the reference serves it from then on.
-    Inside a CUDA-graph capture an unchecked variant is not checked (it reads to the host): False (reference)."""
+def checked_once(x: torch.Tensor, vkey: tuple, check, what: str, st=None) -> bool:
+    """Once per kernel variant ``vkey`` (where the ``qselfcheck`` setting says: ``auto`` on GPUs, ``always``
+    everywhere): did it reproduce the reference? ``check()`` runs the variant's self-check and returns a dict
+    with ``ok``. A variant that fails warns once (naming ``what``) and the reference serves it from then on.
+    Inside a CUDA-graph capture an unchecked variant is not checked (it reads to the host): False (reference).
+    Used by this module's and ``mxelem``'s kernels."""
     st = st or _settings.current()
     mode = st.qselfcheck
     if not (mode == "always" or (mode == "auto" and x.device.type == "cuda")):
         return True
-    vkey = _variant_key(x, axis, block_2d, sr, key_ptr, prescale)
     ok = CACHES.verified.get(vkey)
     if ok is None:
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             return False
-        res = nvfp4_selfcheck(x.device, x.dtype, axis, block_2d, sr, key_ptr, prescale, vkey[8], vkey[9],
-                              r1=vkey[10], c1=vkey[11])
+        res = check()
         ok = CACHES.verified[vkey] = res["ok"]
         if not ok:
-            warnings.warn(f"mxtrain: NVFP4 quantize kernel variant {vkey} differed from the reference quantizer on "
-                          f"this device ({res}); using the reference (slower) for it", RuntimeWarning, stacklevel=3)
+            warnings.warn(f"mxtrain: {what} quantize kernel variant {vkey} differed from the reference quantizer on "
+                          f"this device ({res}); using the reference (slower) for it", RuntimeWarning, stacklevel=4)
     return ok
+
+
+def nvfp4_ok(x: torch.Tensor, axis: int, block_2d: bool, sr: bool, key_ptr: bool, prescale: float,
+             st=None) -> bool:
+    """``checked_once`` for this NVFP4 kernel variant."""
+    vkey = _variant_key(x, axis, block_2d, sr, key_ptr, prescale)
+    return checked_once(x, vkey, lambda: nvfp4_selfcheck(x.device, x.dtype, axis, block_2d, sr, key_ptr, prescale,
+                                                         vkey[8], vkey[9], r1=vkey[10], c1=vkey[11]), "NVFP4", st)
 
 
 def factored_operand(t: torch.Tensor, signs, key, axis: int, rot: int, fmt: str, block_size, rounding: str,
