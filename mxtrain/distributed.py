@@ -782,6 +782,15 @@ def reduce_mean(x: float) -> float:
     return t.item() / _ENV.world_size
 
 
+def reduce_max(x: float) -> float:
+    """Largest value of a Python float over ranks (peak memory per GPU); ``x`` on one process."""
+    if not _ENV.distributed:
+        return x
+    t = torch.tensor([x], dtype=torch.float64, device=_ENV.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
 def reduce_sums(*xs: float) -> list[float]:
     """Sums over ranks of several Python floats, in one all-reduce (float64)."""
     if not _ENV.distributed:

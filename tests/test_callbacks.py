@@ -66,7 +66,7 @@ def _cfg(out, steps, **train):
 
 
 def _expected(start, stop, ckpt_every=2, end=("completed",)):
-    ev = [("begin", start, stop)]
+    ev = [("begin", start, stop)] + ([("log", start, "resumed")] if start else [])
     for k in range(start, stop):
         done = k + 1
         ev += [("sb", k), ("se", done)]
@@ -74,8 +74,8 @@ def _expected(start, stop, ckpt_every=2, end=("completed",)):
             ev.append(("log", done, "train"))
         if done % 2 == 0 or done == stop:
             ev += [("log", done, "val"), ("eval", done)]
-        if done % ckpt_every == 0 or done == stop:
-            ev.append(("ckpt", done, "checkpoint.pt"))
+        if done % ckpt_every == 0 or done == stop:   # its timing row, then the callback
+            ev += [("log", done, "checkpoint"), ("ckpt", done, "checkpoint.pt")]
     return ev + [("end", end[0], stop)]
 
 
@@ -289,14 +289,16 @@ def test_wandb_logs_the_tensorboard_scalars_and_resume_continues_the_run(tmp_pat
     run = fake.runs[0]
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert run.logs == [(r["step"], scalars(r)) for r in rows]   # every row, the same numbers as TensorBoard
-    assert {"loss", "lr", "grad_norm", "tok_per_s"} <= set(run.logs[0][1]) and "val_loss" in run.logs[-1][1]
+    assert {"loss", "lr", "grad_norm", "tok_per_s"} <= set(run.logs[0][1])
+    assert [s for s, d in run.logs if "val_loss" in d] == [3] and "save_s" in run.logs[-1][1]   # eval, then ckpt
     assert run.finished == 0 and run.summary["outcome"] == "completed"
     # resuming continues the same W&B run (its id is kept in the run folder)
     cfg = tiny_run_cfg(out, 4)
     cfg.log.wandb = "other"
     TR.train(cfg, resume=out)
     assert fake.inits[1]["id"] == kw["id"] and fake.inits[1]["project"] == "other"
-    assert [s for s, _ in fake.runs[1].logs][0] == 4
+    (s0, first), (s1, _) = fake.runs[1].logs[:2]   # the resume's timing at the checkpoint's step, then step 4
+    assert (s0, s1) == (3, 4) and set(first) == {"load_s"}
     # a diverged run finishes its W&B run with a non-zero exit code and the outcome in its summary
     cfg = _diverging_cfg(tmp_path / "nan")
     cfg.log.wandb = "p"

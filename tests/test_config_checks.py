@@ -25,6 +25,7 @@ BAD = [
     ("model.n_kv_heads=3", "must be a multiple of model.n_kv_heads"),
     ("model.rope_theta=-1", "model.rope_theta must be in (0, inf)"),
     ("data.vocab_size=0", "data.vocab_size must be in [32, 1048576]"),
+    ("model.vocab_size=8", "model.vocab_size must be in [32, 16777216]"),
     ("data.seq_len=0", "data.seq_len must be in [1, 1048576]"),
     ("train.checkpoint_minutes=-1", "train.checkpoint_minutes must be in [0, inf)"),
     ("recipe_overrides={\"fprop_x.prescale\": Infinity}", "prescale must be a positive finite number"),
@@ -46,3 +47,46 @@ def test_bad_values_are_one_clear_line(item, msg):
 def test_defaults_and_experiments_are_valid():
     for name in experiments.names():
         validate(experiments.get(name))
+
+
+def test_model_vocab_size_pads_the_head_and_embedding():
+    """``model.vocab_size`` sets the embedding and head rows (Llama 3.1's 128,256 with any tokenizer), padded to
+    a multiple of 32; smaller than the data's vocabulary is refused in one line."""
+    from mxtrain.train.trainer import _model_config
+    cfg = experiments.get("debug")
+    assert _model_config(cfg, 4000).vocab_size == 4000          # unset: the data's vocabulary, padded to 32
+    assert _model_config(cfg, 4001).vocab_size == 4032
+    apply_overrides(cfg, ["model.vocab_size=128256"])
+    validate(cfg)
+    assert _model_config(cfg, 4001).vocab_size == 128256        # a multiple of 32 already
+    apply_overrides(cfg, ["model.vocab_size=5000"])
+    assert _model_config(cfg, 4001).vocab_size == 5024
+    with pytest.raises(UserError) as e:
+        _model_config(cfg, 6000)
+    assert "model.vocab_size=5,000 is smaller than the data's vocabulary (6,000 ids)" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_rate_fields_are_per_gpu():
+    """MFU divides the tokens/s of all ranks by the number of GPUs (each GPU's own rate over its peak)."""
+    from mxtrain.train.trainer import rate_fields
+    one = rate_fields(1000.0, 1e6, 1.0, 1)
+    assert one == {"mfu": pytest.approx(1e-3)}
+    two = rate_fields(2000.0, 1e6, 1.0, 2)   # twice the tokens on twice the GPUs: the same MFU
+    assert two == {"tok_per_s_per_gpu": 1000.0, "mfu": pytest.approx(1e-3)}
+    assert rate_fields(2000.0, 1e6, None, 2) == {"tok_per_s_per_gpu": 1000.0}
+
+
+def test_checkpoint_from_before_a_new_model_key_still_resumes():
+    """A checkpoint whose config predates ``model.vocab_size`` matches a config that leaves it unset, and not
+    one that sets it."""
+    import copy
+    from mxtrain.train import checkpoint as ckpt
+    now = experiments.get("debug").to_dict()
+    saved = copy.deepcopy(now)
+    del saved["model"]["vocab_size"]
+    ckpt.check_compatible(saved, now, "old.pt")
+    changed = copy.deepcopy(now)
+    changed["model"]["vocab_size"] = 5024
+    with pytest.raises(UserError, match="does not match this config: model"):
+        ckpt.check_compatible(saved, changed, "old.pt")

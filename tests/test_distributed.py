@@ -331,6 +331,12 @@ def test_trainer_resume_across_world_sizes(trainer_runs):
     assert len(s10) == 25 and _max_diff(s10[:10], ref[:10]) == 0
     assert _max_diff(s10, ref) <= TRAINER_FSDP2_TOL
     assert (trainer_runs["single10"] / D.DCP_NAME).is_dir() and not (trainer_runs["single10"] / "checkpoint.pt").exists()
+    # each save and the load into the other world size are timed in metrics.jsonl
+    rows = [json.loads(x) for x in (trainer_runs["single10"] / "metrics.jsonl").read_text().splitlines()]
+    ev = [r for r in rows if "event" in r]
+    assert [(r["event"], r["step"], r["world_size"]) for r in ev] == [("checkpoint", 10, 1), ("resumed", 10, 2),
+                                                                     ("checkpoint", 25, 2)]
+    assert all(0 <= r.get("save_s", r.get("load_s", -1)) < 600 for r in ev)
 
 
 def test_every_recipe_under_ddp_and_fsdp2(runs):

@@ -223,10 +223,11 @@ class CallbackList:
 
 
 def scalars(row: dict) -> dict:
-    """The numbers of a ``metrics.jsonl`` row that TensorBoard and W&B plot (all but ``step`` and ``tokens``;
-    strings such as an event's name or a non-finite value written as ``"nan"`` are left out)."""
+    """The numbers of a ``metrics.jsonl`` row that TensorBoard and W&B plot (all but ``step``, ``tokens`` and a
+    checkpoint row's ``world_size``; strings such as an event's name or a non-finite value written as ``"nan"``
+    are left out)."""
     return {k: float(v) for k, v in row.items()
-            if k not in ("step", "tokens") and isinstance(v, (int, float)) and not isinstance(v, bool)}
+            if k not in ("step", "tokens", "world_size") and isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 class TensorBoardLogger(Callback):

@@ -123,6 +123,8 @@ def check_compatible(saved: dict, now: dict, path) -> None:
         for k in key:
             a = a.get(k) if isinstance(a, dict) else None
             b = b.get(k) if isinstance(b, dict) else None
+        if isinstance(a, dict) and isinstance(b, dict):   # a key added since the checkpoint: unset is absent
+            a, b = ({k: v for k, v in d.items() if v is not None} for d in (a, b))
         if a != b:
             diffs.append(f"{'.'.join(key)} ({a!r} in checkpoint, {b!r} now)" if not isinstance(a, dict)
                          else f"{'.'.join(key)}")

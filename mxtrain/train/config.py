@@ -34,6 +34,8 @@ class ModelSection:
     ffn_dim: Optional[int] = None
     rope_theta: Optional[float] = None
     tie_embeddings: Optional[bool] = None
+    vocab_size: Optional[int] = None        # embedding and head rows; None: the data's vocabulary; larger pads
+                                            # it (128256: Llama 3.1's head); always padded to a multiple of 32
     init_seed: Optional[int] = None         # model init seed; None: train.seed (same init for every recipe)
 
 
@@ -77,6 +79,8 @@ class TrainSection:
     dtype: str = "auto"                     # auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16
     checkpoint_every: int = 0               # steps between checkpoints; 0: only at the end (and by time, below)
     checkpoint_minutes: float = 30.0        # also checkpoint when this much time passed since the last one; 0: off
+    final_checkpoint: bool = True           # checkpoint at the last step; false: benchmark runs of large models
+                                            # that nothing resumes (a signal still checkpoints)
     keep_checkpoints_at: Optional[str] = None  # also keep checkpoints at these points: comma-separated steps
                                             # ("200,400") or fractions of train.steps ("0.25,0.5"), each kept
                                             # as checkpoint-<step>.pt (checkpoint-<step>.dcp) for cooldown branches

@@ -239,6 +239,7 @@ def validate(cfg: TrainConfig) -> None:
         _num(f"model.{k}", getattr(m, k), lo=1, integer=True, optional=True)
     _num("model.rope_theta", m.rope_theta, lo=0, lo_open=True, optional=True)
     _num("model.init_seed", m.init_seed, integer=True, optional=True)
+    _num("model.vocab_size", m.vocab_size, lo=32, hi=2**24, integer=True, optional=True)
     try:
         mc = ModelConfig.named(m.name, **{k: getattr(m, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads",
                                                                     "ffn_dim") if getattr(m, k) is not None})
@@ -431,7 +432,11 @@ def _model_config(cfg: TrainConfig, vocab: int) -> ModelConfig:
     m = cfg.model
     over = {k: getattr(m, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "rope_theta",
                                         "tie_embeddings") if getattr(m, k) is not None}
-    padded = 32 * math.ceil(vocab / 32)  # MX blocks of 32: pad the vocab (extra rows are never targets)
+    if m.vocab_size is not None and m.vocab_size < vocab:
+        raise UserError(f"model.vocab_size={m.vocab_size:,} is smaller than the data's vocabulary ({vocab:,} ids): "
+                        f"raise it to at least {vocab:,} or leave it unset")
+    rows = vocab if m.vocab_size is None else m.vocab_size
+    padded = 32 * math.ceil(rows / 32)  # MX blocks of 32: pad the vocab (extra rows are never targets)
     base = ModelConfig.named(m.name)
     return ModelConfig.named(m.name, **over, vocab_size=padded, max_seq_len=max(base.max_seq_len, cfg.data.seq_len))
 
@@ -505,6 +510,15 @@ def _wrap_parallel(model, cfg, env):  # DDP / FSDP2 (mxtrain.distributed.wrap)
 
 def _reduce_mean(x: float) -> float:  # all-reduce over ranks
     return D.reduce_mean(x)
+
+
+def rate_fields(tps: float, flops_tok: float, peak_tflops: float | None, world: int) -> dict:
+    """A training row's per-GPU rates from ``tps``, the tokens per second of all ``world`` ranks together:
+    ``tok_per_s_per_gpu`` (several ranks) and ``mfu``, each GPU's model FLOP rate over its peak."""
+    row = {"tok_per_s_per_gpu": tps / world} if world > 1 else {}
+    if peak_tflops:
+        row["mfu"] = flops_tok * tps / world / (peak_tflops * 1e12)
+    return row
 
 
 def _peak_tflops(cfg: TrainConfig, dev: torch.device) -> float | None:
@@ -868,9 +882,10 @@ def _train(cfg: TrainConfig, resume: str | Path | None, env: D.DistEnv, locks: l
     cfg_dict = cfg.to_dict()
     cfg_dict["recipe"] = cfg.recipe if isinstance(cfg.recipe, str) else recipe.to_dict()
 
-    start_step, tokens = 0, 0
+    start_step, tokens, load_s = 0, 0, None
     if state is not None:
         ckpt.check_compatible(state["config"], cfg_dict, resume)
+        t_load = time.perf_counter()
         try:
             if dcp_path is not None:  # any writer world size -> this one
                 D.load_checkpoint(dcp_path, model, opt, env=env)
@@ -881,6 +896,7 @@ def _train(cfg: TrainConfig, resume: str | Path | None, env: D.DistEnv, locks: l
                 opt.load_state_dict(state["optimizer"])
         except (RuntimeError, ValueError, KeyError) as e:
             raise UserError(f"checkpoint {resume} does not fit this model ({str(e).splitlines()[0][:160]})") from None
+        load_s = time.perf_counter() - t_load
         _apply_optim_values(opt, cfg)   # this run's optimizer values, not the checkpoint's
         loader.load_state_dict(state["loader"])
         ckpt.set_rng_state(state["rng"])
@@ -940,6 +956,8 @@ def _train(cfg: TrainConfig, resume: str | Path | None, env: D.DistEnv, locks: l
         cbs.begin(tstate)
         if state is not None:
             cbs.load_state_dicts(state.get("callbacks"))
+        if load_s is not None:   # the checkpoint's load into this world size, timed
+            log.row({"step": start_step, "tokens": tokens, "event": "resumed", "load_s": load_s, "world_size": world})
         log.start_bar()
         sig = _Signals()
         val_loss = _train_loop(cfg, env, model, opt, loader, data, log, cbs, tstate, sig, inexact,
@@ -1052,6 +1070,7 @@ def _train_loop(cfg: TrainConfig, env, model, opt, loader, data, log: _Log, cbs:
         cb_states = cbs.state_dicts()   # callbacks with state (mxtrain.deosc's open window)
         if cb_states:
             rest["callbacks"] = cb_states
+        t_save = time.perf_counter()
         if env.distributed:  # DCP folder, every rank writes its shards; atomic rename
             path = out / D.DCP_NAME
             D.save_checkpoint(path, model, opt, extra=rest, env=env)
@@ -1064,6 +1083,9 @@ def _train_loop(cfg: TrainConfig, env, model, opt, loader, data, log: _Log, cbs:
                 if D.find_dcp(out):  # an older multi-process leg's checkpoint
                     import shutil
                     shutil.rmtree(out / D.DCP_NAME)
+        # the time every rank waited for the checkpoint (a DCP save ends with the ranks together)
+        log.row({"step": step, "tokens": tokens, "event": "checkpoint", "save_s": time.perf_counter() - t_save,
+                 "world_size": env.world_size})
         if step in keep and rank == 0:   # a budget checkpoint (train.keep_checkpoints_at): kept by its step
             _keep_copy(path, step)
         last_ckpt_step = step
@@ -1147,8 +1169,9 @@ def _train_loop(cfg: TrainConfig, env, model, opt, loader, data, log: _Log, cbs:
             tps = (tokens - tok_last) / max(now - t_last, 1e-9)
             row = {"step": done, "tokens": tokens, "loss": loss_acc / steps_last, "lr": lr,
                    "grad_norm": gnorm, "tok_per_s": tps, "epoch": loader.epoch}
-            if peak:
-                row["mfu"] = flops_tok * tps / (peak * 1e12)
+            row.update(rate_fields(tps, flops_tok, peak, env.world_size))
+            if device.type == "cuda":   # the largest of the ranks' peaks (GiB), since the run started
+                row["peak_mem_gib"] = D.reduce_max(torch.cuda.max_memory_allocated(device) / 2**30)
             cur = inexact() if inexact is not None else None
             if cur is not None and inexact0 is not None:
                 d = {k: v - inexact0.get(k, 0) for k, v in cur.items()}
@@ -1185,8 +1208,8 @@ def _train_loop(cfg: TrainConfig, env, model, opt, loader, data, log: _Log, cbs:
         caught = sig.caught if not env.distributed else int(_reduce_mean(float(sig.caught or 0)) > 0) and (
             sig.caught or 15)   # a signal on any rank stops every rank at the same step
         due = cfg.train.checkpoint_minutes > 0 and time.perf_counter() - t_ckpt >= 60 * cfg.train.checkpoint_minutes
-        if ((cfg.train.checkpoint_every and done % cfg.train.checkpoint_every == 0) or done == cfg.train.steps
-                or due or caught or done in keep):
+        if ((cfg.train.checkpoint_every and done % cfg.train.checkpoint_every == 0)
+                or (done == cfg.train.steps and cfg.train.final_checkpoint) or due or caught or done in keep):
             save_ckpt(done)
             t_ckpt = time.perf_counter()
         if caught and done < cfg.train.steps:

@@ -1,0 +1,128 @@
+"""Summary of the runs benchmarks/llama8b.sh copied into a folder (``<run>.jsonl``: each run's metrics.jsonl).
+
+    python benchmarks/summarize_runs.py OUT      # writes OUT/summary.json and OUT/summary.md
+
+Per run: tokens/s per GPU and MFU (medians over the logged rows after the first ``--skip`` steps, which hold
+compilation), the peak memory of the busiest GPU, the last loss. Recipe runs (``recipe-<name>``): each one's
+training loss against the first recipe's at the same steps (same init and batches). Scaling runs
+(``scale-n1``, ``scale-<fsdp2|ddp>-n<N>``): tokens/s per GPU as a share of the fewest GPUs' rate. Checkpoint
+runs: ``save_s`` and ``load_s`` of their checkpoint and resume rows.
+"""
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+
+def load(path: Path) -> list[dict]:
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:   # a run killed mid-write
+            pass
+    return rows
+
+
+def run_summary(rows: list[dict], skip: int) -> dict:
+    train = [r for r in rows if "loss" in r and isinstance(r.get("loss"), (int, float))]
+    timed = [r for r in train if r["step"] > skip] or train[-1:]
+    world = max([r.get("world_size", 1) for r in rows if "world_size" in r] or [1])
+    out = {"steps": train[-1]["step"] if train else 0, "last_loss": train[-1]["loss"] if train else None,
+           "losses": {r["step"]: r["loss"] for r in train}}
+    if timed:
+        tps = [r.get("tok_per_s_per_gpu", r["tok_per_s"]) for r in timed if "tok_per_s" in r]
+        out["tok_per_s_per_gpu"] = statistics.median(tps) if tps else None
+        mfu = [r["mfu"] for r in timed if "mfu" in r]
+        out["mfu"] = statistics.median(mfu) if mfu else None
+    mem = [r["peak_mem_gib"] for r in rows if "peak_mem_gib" in r]
+    out["peak_mem_gib"] = max(mem) if mem else None
+    ev = [r for r in rows if r.get("event") in ("checkpoint", "resumed")]
+    out["events"] = [{k: r.get(k) for k in ("event", "step", "world_size", "save_s", "load_s") if k in r} for r in ev]
+    out["world_size_seen"] = world
+    return out
+
+
+def summarize(folder: Path, skip: int = 10) -> dict:
+    runs = {p.stem: run_summary(load(p), skip) for p in sorted(folder.glob("*.jsonl"))}
+    s = {"runs": {k: {kk: vv for kk, vv in v.items() if kk != "losses"} for k, v in runs.items()}}
+    recipes = [k for k in runs if k.startswith("recipe-")]
+    if recipes:
+        base = recipes[0] if "recipe-bf16" not in runs else "recipe-bf16"
+        ref = runs[base]["losses"]
+        agree = {}
+        for k in recipes:
+            common = sorted(set(ref) & set(runs[k]["losses"]))
+            d = [runs[k]["losses"][st] - ref[st] for st in common]
+            tail = d[len(d) * 3 // 4:] or d
+            agree[k] = {"against": base, "steps": len(common), "max_abs_diff": max(map(abs, d)) if d else None,
+                        "mean_diff_last_quarter": statistics.fmean(tail) if tail else None}
+        s["loss_vs_baseline"] = agree
+    scale = {}
+    for k, v in runs.items():
+        m = re.fullmatch(r"scale-(?:(fsdp2|ddp)-)?n(\d+)", k)
+        if m and v.get("tok_per_s_per_gpu"):
+            scale.setdefault(m.group(1) or "none", {})[int(m.group(2))] = v["tok_per_s_per_gpu"]
+    if scale:
+        fewest = {n: r for rates in scale.values() for n, r in rates.items()}
+        n0 = min(fewest)
+        base_rate = scale.get("none", {}).get(n0) or fewest[n0]
+        s["scaling"] = {p: {n: {"tok_per_s_per_gpu": r, "efficiency": r / base_rate} for n, r in sorted(rates.items())}
+                        for p, rates in scale.items()}
+        s["scaling_base"] = {"gpus": n0, "tok_per_s_per_gpu": base_rate}
+    return s
+
+
+def markdown(s: dict) -> str:
+    def f(x, fmt):
+        return "" if x is None else format(x, fmt)
+    lines = ["| run | steps | tokens/s per GPU | MFU | peak GiB (busiest GPU) | last loss |", "|---|---|---|---|---|---|"]
+    for k, v in s["runs"].items():
+        lines.append(f"| {k} | {v['steps']} | {f(v.get('tok_per_s_per_gpu'), ',.0f')} | {f(v.get('mfu'), '.1%')} | "
+                     f"{f(v.get('peak_mem_gib'), '.2f')} | {f(v.get('last_loss'), '.4f')} |")
+    if "loss_vs_baseline" in s:
+        lines += ["", "| recipe | against | steps compared | max abs loss diff | mean diff, last quarter |",
+                  "|---|---|---|---|---|"]
+        for k, v in s["loss_vs_baseline"].items():
+            lines.append(f"| {k} | {v['against']} | {v['steps']} | {f(v['max_abs_diff'], '.4f')} | "
+                         f"{f(v['mean_diff_last_quarter'], '+.4f')} |")
+    if "scaling" in s:
+        b = s["scaling_base"]
+        lines += ["", f"Scaling: tokens/s per GPU over {b['gpus']} GPU(s)' {b['tok_per_s_per_gpu']:,.0f}.", "",
+                  "| mode | GPUs | tokens/s per GPU | efficiency |", "|---|---|---|---|"]
+        for p, rates in s["scaling"].items():
+            for n, v in rates.items():
+                lines.append(f"| {p} | {n} | {v['tok_per_s_per_gpu']:,.0f} | {v['efficiency']:.1%} |")
+    ev = [(k, e) for k, v in s["runs"].items() for e in v["events"]]
+    if ev:
+        lines += ["", "| run | event | step | GPUs | seconds |", "|---|---|---|---|---|"]
+        seen = set()
+        for k, e in ev:
+            key = (e["event"], e["step"], e.get("world_size"))
+            if key in seen:   # a resumed run's file repeats its first leg's rows
+                continue
+            seen.add(key)
+            lines.append(f"| {k} | {e['event']} | {e['step']} | {e.get('world_size')} | "
+                         f"{e.get('save_s', e.get('load_s')):.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("folder", type=Path)
+    ap.add_argument("--skip", type=int, default=10, help="steps left out of the rates (compilation)")
+    a = ap.parse_args(argv)
+    if not a.folder.is_dir():
+        print(f"summarize_runs: {a.folder} is not a folder", file=sys.stderr)
+        return 2
+    s = summarize(a.folder, a.skip)
+    (a.folder / "summary.json").write_text(json.dumps(s, indent=1) + "\n")
+    (a.folder / "summary.md").write_text(markdown(s))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
