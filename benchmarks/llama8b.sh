@@ -89,11 +89,12 @@ case $STAGE in
   dcp)   # the same global batch on both legs (an identity of the run): half the GPUs take 2 micro-steps
     half=$(( NPROC / 2 > 0 ? NPROC / 2 : 1 ))
     rm -rf "${RUNS:?}/dcp"
+    sched=(--set schedule.warmup_steps=1 --set schedule.horizon_steps=$(( ${STEPS_SAVE:-3} + 2 )))
     if FOLDER=$RUNS/dcp run "dcp-save-n$NPROC" "$NPROC" fsdp2 "${STEPS_SAVE:-3}" "${RECIPE:-mxfp4-all-dh16}" \
-        --set train.final_checkpoint=true; then
+        --set train.final_checkpoint=true "${sched[@]}"; then
       du -sh "$RUNS/dcp" >> "$OUT/log.txt" 2>&1
       FOLDER=$RUNS/dcp run "dcp-resume-n$half" "$half" fsdp2 $(( ${STEPS_SAVE:-3} + 2 )) "${RECIPE:-mxfp4-all-dh16}" \
-        --batch-size $(( MB * NPROC )) --resume "$RUNS/dcp"
+        --batch-size $(( MB * NPROC )) --resume "$RUNS/dcp" "${sched[@]}"
     fi
     rm -rf "${RUNS:?}/dcp" ;;
   *) echo "STAGE must be recipes, scaling or dcp, not $STAGE" >&2; exit 2 ;;
