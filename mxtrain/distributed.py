@@ -234,7 +234,8 @@ def apply_ddp(model: nn.Module, env: DistEnv | None = None, **ddp_kwargs) -> nn.
 
 
 def apply_fsdp2(model: nn.Module, env: DistEnv | None = None, *, param_dtype: torch.dtype | None = "auto",
-                reduce_dtype: torch.dtype | None = torch.float32, reshard_after_forward: bool = True) -> nn.Module:
+                reduce_dtype: torch.dtype | None = torch.float32, reshard_after_forward: bool = True,
+                prefetch: int = 0) -> nn.Module:
     """``fully_shard`` every block in ``model.layers``, then the root (embeddings, final norm, head).
 
     **Arguments:**
@@ -246,6 +247,9 @@ def apply_fsdp2(model: nn.Module, env: DistEnv | None = None, *, param_dtype: to
       * ``reduce_dtype``: dtype of the gradient reduce-scatter (fp32 by default).
       * ``reshard_after_forward``: free the gathered weights after each block's forward and gather
         again for backward (ZeRO-3); ``False`` keeps them (ZeRO-2-like, more memory, less traffic).
+      * ``prefetch``: each block's forward starts the all-gathers of the next ``prefetch`` blocks, and its
+        backward those of the ``prefetch`` blocks before it (FSDP2's ``set_modules_to_forward_prefetch`` /
+        ``set_modules_to_backward_prefetch``); 0 leaves FSDP2's implicit overlap. Values are unchanged.
 
     The model is changed in place (``fully_shard`` swaps parameters for ``DTensor`` shards) and
     returned. On one process it is returned unchanged.
@@ -272,6 +276,12 @@ def apply_fsdp2(model: nn.Module, env: DistEnv | None = None, *, param_dtype: to
         fully_shard(block, mesh=mesh, mp_policy=mp,
                     reshard_after_forward=reshard_after_forward and i < len(blocks) - 1)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    if prefetch > 0:
+        for i, block in enumerate(blocks):
+            if i + 1 < len(blocks):
+                block.set_modules_to_forward_prefetch(blocks[i + 1: i + 1 + prefetch])
+            if i > 0:
+                block.set_modules_to_backward_prefetch(blocks[max(0, i - prefetch): i][::-1])
     return model
 
 

@@ -292,9 +292,9 @@ def trainer_runs(tmp_path_factory):
     # 2 ranks -> 1 process: the DDP run's DCP checkpoint at step 20, continued by one process to 25
     one("--steps", "25", "--out", str(r["ddp"]), "--resume", str(r["ddp"]))
     two("--steps", "20", "--out", str(r["fsdp2"]), "--parallel", "fsdp2")
-    # the blocks compiled before FSDP2 wraps them (what GPU runs do by default), 6 steps
+    # the blocks compiled before FSDP2 wraps them (what GPU runs do by default), with explicit prefetching, 6 steps
     r["fsdp2_compiled_proc"] = two("--steps", "6", "--out", str(r["fsdp2_compiled"]), "--parallel", "fsdp2",
-                                   "--set", "train.compile=on")
+                                   "--set", "train.compile=on", "--set", "parallel.prefetch=1")
     # 1 process -> 2 ranks: 10 steps (checkpoint.pt), then FSDP2 on 2 ranks to step 25
     one("--steps", "10", "--out", str(r["single10"]))
     two("--steps", "25", "--out", str(r["single10"]), "--resume", str(r["single10"]), "--parallel", "fsdp2")
@@ -325,11 +325,12 @@ def test_trainer_fsdp2_20_steps_close_to_1_process(trainer_runs):
 
 def test_trainer_fsdp2_with_compiled_blocks_equals_eager(trainer_runs):
     """Blocks compiled with torch.compile, then sharded by FSDP2 (MX layers' custom ops inside the compiled
-    graphs, all-gathers between them): the same losses as the eager FSDP2 run, bit for bit on CPU."""
+    graphs, all-gathers between them), each block prefetching the next one's weights (``parallel.prefetch``): the
+    same losses as the eager FSDP2 run without prefetching, bit for bit on CPU."""
     got = _metrics(trainer_runs["fsdp2_compiled"], "loss")
     assert len(got) == 6 and got == _metrics(trainer_runs["fsdp2"], "loss")[:6]
     run = json.loads((trainer_runs["fsdp2_compiled"] / "config.json").read_text())
-    assert run["train"]["compile"] == "on" and run["parallel"]["mode"] == "fsdp2"
+    assert run["train"]["compile"] == "on" and run["parallel"]["mode"] == "fsdp2" and run["parallel"]["prefetch"] == 1
     assert "returned a view tensor" not in trainer_runs["fsdp2_compiled_proc"].stderr   # apply_fsdp2 says why
 
 

@@ -122,6 +122,8 @@ class ParallelSection:
     mode: str = "auto"                      # auto (none on 1 process, ddp on several) | none | ddp | fsdp2
     param_dtype: str = "auto"               # FSDP2 gathered-weight dtype: auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
     reshard_after_forward: bool = True      # FSDP2: free gathered weights after each block's forward (ZeRO-3)
+    prefetch: int = 0                       # FSDP2: all-gather this many blocks ahead explicitly, forward and
+                                            # backward (0: FSDP2's own implicit overlap)
 
 
 @dataclass

@@ -270,6 +270,7 @@ def validate(cfg: TrainConfig) -> None:
     _num("train.seed", t.seed, integer=True)
     _num("train.checkpoint_every", t.checkpoint_every, lo=0, integer=True)
     _num("train.checkpoint_minutes", t.checkpoint_minutes, lo=0)
+    _num("parallel.prefetch", cfg.parallel.prefetch, lo=0, integer=True)
     _num("train.memory_budget", getattr(t, "memory_budget", None), lo=0, lo_open=True, hi=1, optional=True)
     keep_steps(cfg)
     _num("log.peak_tflops", lg.peak_tflops, lo=0, lo_open=True, optional=True)
@@ -505,7 +506,8 @@ def _wrap_parallel(model, cfg, env):  # DDP / FSDP2 (mxtrain.distributed.wrap)
     if mode != "fsdp2":
         return D.wrap(model, mode, env)
     dt = {"auto": "auto", "bf16": torch.bfloat16, "fp32": None}[p.param_dtype]
-    return D.wrap(model, mode, env, param_dtype=dt, reshard_after_forward=p.reshard_after_forward)
+    return D.wrap(model, mode, env, param_dtype=dt, reshard_after_forward=p.reshard_after_forward,
+                  prefetch=p.prefetch)
 
 
 def _reduce_mean(x: float) -> float:  # all-reduce over ranks
