@@ -230,6 +230,8 @@ def apply_ddp(model: nn.Module, env: DistEnv | None = None, **ddp_kwargs) -> nn.
     if not env.distributed:
         return model
     ids = [env.device.index] if env.device.type == "cuda" else None
+    from .nn import ddp_ignore_states
+    ddp_ignore_states(model)   # each rank keeps its own MX call numbers (no buffer broadcast of them)
     return DDP(model, device_ids=ids, **ddp_kwargs)
 
 

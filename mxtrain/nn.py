@@ -74,14 +74,14 @@ def _advance(states) -> None:
         torch._foreach_add_(ss, [inc] * len(ss))
 
 
-def _write_states(layers, step: int) -> None:
-    """state = [layer_id, step, 0] for every layer (one host-to-device copy per device)."""
+def _write_states(layers, step: int, call: int = 0) -> None:
+    """state = [layer_id, step, call] for every layer (one host-to-device copy per device)."""
     groups: dict = {}
     for m in layers:
         if m.mx_state.device.type != "meta":
             groups.setdefault(m.mx_state.device, []).append(m)
     for dev, ms in groups.items():
-        host = torch.tensor([[m.layer_id, int(step), 0] for m in ms], dtype=torch.int64)
+        host = torch.tensor([[m.layer_id, int(step), int(call)] for m in ms], dtype=torch.int64)
         rows = host.to(dev, non_blocking=True).unbind(0)
         torch._foreach_copy_([m.mx_state for m in ms], list(rows))
 
@@ -225,10 +225,19 @@ def mx_layers(model: nn.Module) -> list[tuple[str, MXLayer]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, MXLayer)]
 
 
-def set_step(model: nn.Module, step: int) -> None:
-    """Set the optimizer step that numbers the random inputs of every MX layer in ``model`` (its call
-    counter restarts at 0). Optional: steps advance by themselves after each ``optimizer.step()``."""
-    _write_states([m for _, m in mx_layers(model)], step)
+def set_step(model: nn.Module, step: int, call: int = 0) -> None:
+    """Set the optimizer step that numbers the random inputs of every MX layer in ``model``, and where its
+    call counter starts (default 0). Optional on one process: steps advance by themselves after each
+    ``optimizer.step()`` and calls after each forward.
+
+    Data parallelism (DDP, FSDP2): rank ``r`` of ``N`` should call ``set_step(model, step, call=k * N + r)``
+    before its micro-step ``k`` when its micro-batches are the global batch's ``k * N + r``-th (as
+    ``torch.utils.data.DistributedSampler`` and mxtrain's loader deal them). Every rank then draws the
+    stochastic rounding and per-call signs that one process with gradient accumulation draws for the same
+    micro-batch; left at 0, every rank draws the same bits for its different data, so the ranks' rounding
+    noise is correlated and does not average out over ranks (each layer called once per micro-step, as in
+    a transformer block; mxtrain's trainer does this)."""
+    _write_states([m for _, m in mx_layers(model)], step, call)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -382,6 +391,7 @@ def convert(model: nn.Module, recipe: Recipe | str, *, skip=DEFAULT_SKIP, strict
             if id(p) not in mx_seen:
                 mx_seen.add(id(p))
                 rep.mx_params += p.numel()
+    ddp_ignore_states(model)
     if rep.refused:
         msg = ("mxtrain.convert: these modules stay in high precision because mxtrain cannot run their GEMMs:\n"
                + "\n".join(f"  {n or '<root>'}: {why}" for n, why in rep.refused.items()))
@@ -393,6 +403,18 @@ def convert(model: nn.Module, recipe: Recipe | str, *, skip=DEFAULT_SKIP, strict
         warnings.warn(f"mxtrain.convert: no layer was converted to recipe {recipe.name} ({reasons}); the model "
                       "trains entirely in high precision", stacklevel=2)
     return rep
+
+
+def ddp_ignore_states(model: nn.Module) -> None:
+    """Keep DistributedDataParallel from broadcasting rank 0's MX layer states to the other ranks before each
+    forward (``broadcast_buffers``): each rank numbers its own calls (``set_step(..., call=)``), so that the
+    ranks draw their own stochastic rounding. Names the ``mx_state`` buffers in the attribute DDP reads from
+    the module it wraps (``convert`` does this for the model it converted; call it on the module you give
+    DDP when that is a parent of it)."""
+    names = {n for n, _ in model.named_buffers() if n == "mx_state" or n.endswith(".mx_state")}
+    if names:
+        model._ddp_params_and_buffers_to_ignore = sorted(set(getattr(model, "_ddp_params_and_buffers_to_ignore",
+                                                                      ())) | names)
 
 
 def _keep(m: nn.Module, rep: ConvertReport, name: str, why: str) -> None:

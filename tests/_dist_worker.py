@@ -84,6 +84,8 @@ def train(model, opt, env, start: int, steps: int, accum: int, save_at: int | No
             # micro-batch k of this rank: rows [(k * world + rank) * micro, ... + micro)
             lo = (k * env.world_size + env.rank) * micro
             chunk = tokens[lo:lo + micro]
+            # the call number one process gives that micro-batch: its stochastic rounding draws
+            mxtrain.set_step(model, step, call=k * env.world_size + env.rank)
             with D.grad_sync(model, k == accum - 1):
                 loss = model(chunk[:, :-1], chunk[:, 1:]) / accum
                 loss.backward()

@@ -186,6 +186,14 @@ def test_steps_advance_with_any_optimizer_and_set_step():
         m(x).square().mean().backward()
         g.append(m[0].weight.grad.clone())
     assert not torch.equal(g[0], g[1]) and torch.equal(g[0], g[2])
+    # a data-parallel rank's micro-step: the call one process gives that micro-batch
+    mxtrain.set_step(m, 10, call=3)
+    assert [int(v) for v in m[2].mx_state] == [1, 10, 3]
+    m.zero_grad()
+    m(x).square().mean().backward()
+    assert [int(v) for v in m[2].mx_state] == [1, 10, 4] and not torch.equal(m[0].weight.grad, g[0])
+    # DDP leaves the states out of its buffer broadcast (each rank numbers its own calls)
+    assert m._ddp_params_and_buffers_to_ignore == ["0.mx_state", "2.mx_state", "4.mx_state"]
 
 
 def test_plain_loop_any_optimizer():

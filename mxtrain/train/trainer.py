@@ -1114,6 +1114,8 @@ def _train_loop(cfg: TrainConfig, env, model, opt, loader, data, log: _Log, cbs:
         cbs.step_begin(step)
         loss_sum = torch.zeros((), device=device)
         for k in range(accum):
+            if env.world_size > 1:   # this rank's micro-batch k is the global batch's k * N + r: its SR draws too
+                set_step(model, step, call=k * env.world_size + env.rank)
             x, y = loader.next()
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             if cfg.train.cuda_graphs:
