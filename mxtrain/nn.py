@@ -65,17 +65,33 @@ def _by_device(states):
     return groups
 
 
+RANK_CALL_SHIFT = 40   # a data-parallel rank's own range of call numbers: [rank << 40, (rank + 1) << 40)
+
+
+def call_base() -> int:
+    """Where this process's call counters start when nobody numbers them (``set_step(..., call=)``): 0 on one
+    process, ``rank << 40`` once ``torch.distributed`` is initialized, so that every rank of a data-parallel
+    run draws stochastic rounding of its own for its own data, not rank 0's bits."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() << RANK_CALL_SHIFT
+    return 0
+
+
 def _advance(states) -> None:
-    """step += 1, call = 0 for every state tensor (two foreach kernels per device, no host read)."""
+    """step += 1, call = call_base() for every state tensor (two foreach kernels per device, no host read)."""
+    base = call_base()
     for dev, ss in _by_device(states).items():
         keep = torch.tensor([1, 1, 0], dtype=torch.int64).to(dev, non_blocking=True)
-        inc = torch.tensor([0, 1, 0], dtype=torch.int64).to(dev, non_blocking=True)
+        inc = torch.tensor([0, 1, base], dtype=torch.int64).to(dev, non_blocking=True)
         torch._foreach_mul_(ss, [keep] * len(ss))
         torch._foreach_add_(ss, [inc] * len(ss))
 
 
-def _write_states(layers, step: int, call: int = 0) -> None:
-    """state = [layer_id, step, call] for every layer (one host-to-device copy per device)."""
+def _write_states(layers, step: int, call: int | None = None) -> None:
+    """state = [layer_id, step, call] for every layer (one host-to-device copy per device); ``call`` None:
+    ``call_base()``."""
+    call = call_base() if call is None else call
     groups: dict = {}
     for m in layers:
         if m.mx_state.device.type != "meta":
@@ -102,7 +118,8 @@ class MXLayer:
     def _mx_setup(self, recipe: Recipe | str, layer_id: int) -> None:
         dev = self.weight.device
         if "mx_state" not in self._buffers:
-            self.register_buffer("mx_state", torch.zeros((3,), dtype=torch.int64, device=dev), persistent=False)
+            self.register_buffer("mx_state", torch.tensor([0, 0, call_base()], dtype=torch.int64, device=dev),
+                                 persistent=False)
         self.recipe = recipe
         self.layer_id = layer_id
         _LAYERS.add(self)
@@ -143,8 +160,8 @@ class MXLayer:
         """The optimizer step that numbers this layer's random inputs (reads the device state)."""
         return int(self.mx_state[1])
 
-    def set_step(self, step: int) -> None:
-        _write_states([self], step)
+    def set_step(self, step: int, call: int | None = None) -> None:
+        _write_states([self], step, call)
 
     def call_context(self, last: bool = True) -> Ctx:
         """The host ``Ctx`` of this layer's last forward call (``last``) or of its next one."""
@@ -225,18 +242,17 @@ def mx_layers(model: nn.Module) -> list[tuple[str, MXLayer]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, MXLayer)]
 
 
-def set_step(model: nn.Module, step: int, call: int = 0) -> None:
+def set_step(model: nn.Module, step: int, call: int | None = None) -> None:
     """Set the optimizer step that numbers the random inputs of every MX layer in ``model``, and where its
-    call counter starts (default 0). Optional on one process: steps advance by themselves after each
-    ``optimizer.step()`` and calls after each forward.
+    call counter starts (default ``call_base()``: 0 on one process). Optional: steps advance by themselves
+    after each ``optimizer.step()`` and calls after each forward.
 
-    Data parallelism (DDP, FSDP2): rank ``r`` of ``N`` should call ``set_step(model, step, call=k * N + r)``
-    before its micro-step ``k`` when its micro-batches are the global batch's ``k * N + r``-th (as
-    ``torch.utils.data.DistributedSampler`` and mxtrain's loader deal them). Every rank then draws the
-    stochastic rounding and per-call signs that one process with gradient accumulation draws for the same
-    micro-batch; left at 0, every rank draws the same bits for its different data, so the ranks' rounding
-    noise is correlated and does not average out over ranks (each layer called once per micro-step, as in
-    a transformer block; mxtrain's trainer does this)."""
+    Data parallelism (DDP, FSDP2): left alone, each rank's calls start at ``rank << 40``, so the ranks draw
+    independent stochastic rounding for their different data. To draw exactly what one process with gradient
+    accumulation draws, rank ``r`` of ``N`` calls ``set_step(model, step, call=k * N + r)`` before its
+    micro-step ``k`` when its micro-batches are the global batch's ``k * N + r``-th (as
+    ``torch.utils.data.DistributedSampler`` and mxtrain's loader deal them; each layer called once per
+    micro-step, as in a transformer block). mxtrain's trainer does this."""
     _write_states([m for _, m in mx_layers(model)], step, call)
 
 

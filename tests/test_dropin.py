@@ -196,6 +196,38 @@ def test_steps_advance_with_any_optimizer_and_set_step():
     assert m._ddp_params_and_buffers_to_ignore == ["0.mx_state", "2.mx_state", "4.mx_state"]
 
 
+def test_data_parallel_ranks_draw_their_own_bits_untold(monkeypatch):
+    """Once torch.distributed is initialized, a rank's call numbers start at rank << 40 (at convert, after each
+    optimizer step and at set_step without call=), so ranks that nobody numbers draw their own stochastic
+    rounding rather than rank 0's; an explicit call= wins."""
+    import torch.distributed as dist
+    from mxtrain.nn import RANK_CALL_SHIFT
+    x = torch.randn(8, 64)
+
+    def grad_at(m):
+        m.zero_grad()
+        m(x).square().mean().backward()
+        return m[0].weight.grad.clone()
+
+    rank0 = _mlp()
+    mxtrain.convert(rank0, "mxfp4-all-sr")
+    g0 = grad_at(rank0)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 3)
+    base = 3 << RANK_CALL_SHIFT
+    m = _mlp()
+    mxtrain.convert(m, "mxfp4-all-sr")
+    assert [int(v) for v in m[0].mx_state] == [0, 0, base]
+    assert not torch.equal(grad_at(m), g0)                      # same data and weights, other bits
+    mxtrain.set_step(m, 0, call=0)
+    assert [int(v) for v in m[0].mx_state] == [0, 0, 0] and torch.equal(grad_at(m), g0)   # rank 0's bits again
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    opt.step()
+    assert [int(v) for v in m[2].mx_state] == [1, 1, base]
+    mxtrain.set_step(m, 5)
+    assert [int(v) for v in m[4].mx_state] == [2, 5, base]
+
+
 def test_plain_loop_any_optimizer():
     """The same plain loop with fused, foreach and for-loop AdamW trains to the same losses."""
     runs = {}
