@@ -41,6 +41,7 @@ def main():
     ap.add_argument("--batch", type=int, default=8, help="global batch (sequences a step, all ranks)")
     ap.add_argument("--accum", type=int, default=1, help="micro-steps per rank and step")
     ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (torchtitan's way)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
 
@@ -60,6 +61,9 @@ def main():
     report = mxtrain.convert(model, a.recipe)
     if rank == 0:
         print(report, flush=True)
+    if a.compile:   # before sharding or wrapping, as torchtitan does; MX layers are custom ops in the graphs
+        for layer in model.model.layers:
+            layer.compile()
     if world > 1 and a.parallel == "fsdp2":
         from torch.distributed.fsdp import fully_shard
         for layer in model.model.layers:
