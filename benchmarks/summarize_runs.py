@@ -30,7 +30,9 @@ def load(path: Path) -> list[dict]:
 def run_summary(rows: list[dict], skip: int) -> dict:
     train = [r for r in rows if "loss" in r and isinstance(r.get("loss"), (int, float))]
     timed = [r for r in train if r["step"] > skip] or train[-1:]
-    world = max([r.get("world_size", 1) for r in rows if "world_size" in r] or [1])
+    # processes: all ranks' tokens/s over one GPU's (rows of one process have no per-GPU rate)
+    ratio = [r["tok_per_s"] / r["tok_per_s_per_gpu"] for r in train if r.get("tok_per_s_per_gpu")]
+    world = round(ratio[-1]) if ratio else 1
     out = {"steps": train[-1]["step"] if train else 0, "last_loss": train[-1]["loss"] if train else None,
            "losses": {r["step"]: r["loss"] for r in train}}
     if timed:
@@ -42,12 +44,14 @@ def run_summary(rows: list[dict], skip: int) -> dict:
     out["peak_mem_gib"] = max(mem) if mem else None
     ev = [r for r in rows if r.get("event") in ("checkpoint", "resumed")]
     out["events"] = [{k: r.get(k) for k in ("event", "step", "world_size", "save_s", "load_s") if k in r} for r in ev]
-    out["world_size_seen"] = world
+    out["gpus"] = world
     return out
 
 
 def summarize(folder: Path, skip: int = 10) -> dict:
-    runs = {p.stem: run_summary(load(p), skip) for p in sorted(folder.glob("*.jsonl"))}
+    # in the order the runs were copied (a stage's order: a checkpoint's save leg before its resume)
+    files = sorted(folder.glob("*.jsonl"), key=lambda p: (p.stat().st_mtime_ns, p.name))
+    runs = {p.stem: run_summary(load(p), skip) for p in files}
     s = {"runs": {k: {kk: vv for kk, vv in v.items() if kk != "losses"} for k, v in runs.items()}}
     recipes = [k for k in runs if k.startswith("recipe-")]
     if recipes:
@@ -67,12 +71,14 @@ def summarize(folder: Path, skip: int = 10) -> dict:
         if m and v.get("tok_per_s_per_gpu"):
             scale.setdefault(m.group(1) or "none", {})[int(m.group(2))] = v["tok_per_s_per_gpu"]
     if scale:
-        fewest = {n: r for rates in scale.values() for n, r in rates.items()}
-        n0 = min(fewest)
-        base_rate = scale.get("none", {}).get(n0) or fewest[n0]
-        s["scaling"] = {p: {n: {"tok_per_s_per_gpu": r, "efficiency": r / base_rate} for n, r in sorted(rates.items())}
-                        for p, rates in scale.items()}
-        s["scaling_base"] = {"gpus": n0, "tok_per_s_per_gpu": base_rate}
+        # against one GPU where it ran, else each mode against its own fewest GPUs
+        one = scale.get("none", {}).get(1)
+        s["scaling"], s["scaling_base"] = {}, {}
+        for p, rates in scale.items():
+            n0 = 1 if one else min(rates)
+            base = one or rates[n0]
+            s["scaling_base"][p] = {"gpus": n0, "tok_per_s_per_gpu": base}
+            s["scaling"][p] = {n: {"tok_per_s_per_gpu": r, "efficiency": r / base} for n, r in sorted(rates.items())}
     return s
 
 
@@ -90,12 +96,14 @@ def markdown(s: dict) -> str:
             lines.append(f"| {k} | {v['against']} | {v['steps']} | {f(v['max_abs_diff'], '.4f')} | "
                          f"{f(v['mean_diff_last_quarter'], '+.4f')} |")
     if "scaling" in s:
-        b = s["scaling_base"]
-        lines += ["", f"Scaling: tokens/s per GPU over {b['gpus']} GPU(s)' {b['tok_per_s_per_gpu']:,.0f}.", "",
-                  "| mode | GPUs | tokens/s per GPU | efficiency |", "|---|---|---|---|"]
+        lines += ["", "Scaling: each mode's tokens/s per GPU over the rate of its base (one GPU without a wrapper "
+                      "where that ran, else the mode's fewest GPUs).", "",
+                  "| mode | GPUs | tokens/s per GPU | efficiency | base |", "|---|---|---|---|---|"]
         for p, rates in s["scaling"].items():
+            b = s["scaling_base"][p]
             for n, v in rates.items():
-                lines.append(f"| {p} | {n} | {v['tok_per_s_per_gpu']:,.0f} | {v['efficiency']:.1%} |")
+                lines.append(f"| {p} | {n} | {v['tok_per_s_per_gpu']:,.0f} | {v['efficiency']:.1%} | "
+                             f"{b['gpus']} GPU(s), {b['tok_per_s_per_gpu']:,.0f} |")
     ev = [(k, e) for k, v in s["runs"].items() for e in v["events"]]
     if ev:
         lines += ["", "| run | event | step | GPUs | seconds |", "|---|---|---|---|---|"]

@@ -439,3 +439,29 @@ def test_user_loop_example_with_hf_llama_matches_one_process(tmp_path):
     ref_c = losses("single", extra=["--compile"])
     assert _max_diff(ref_c, ref) <= 1e-4     # the compiler may order the model's float sums otherwise
     assert losses("fsdp2", *two, extra=["--compile"]) == ref_c
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_fsdp2_prefetch_names_the_next_blocks(tmp_path, monkeypatch, prefetch):
+    """``parallel.prefetch = n``: each block's forward prefetches the next n blocks and its backward the n
+    before it, nearest first (a one-rank gloo group in this process; FSDP2's setters recorded)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+    seen = {"fwd": {}, "bwd": {}}
+    monkeypatch.setattr(FSDPModule, "set_modules_to_forward_prefetch",
+                        lambda self, mods: seen["fwd"].__setitem__(id(self), [id(m) for m in mods]))
+    monkeypatch.setattr(FSDPModule, "set_modules_to_backward_prefetch",
+                        lambda self, mods: seen["bwd"].__setitem__(id(self), [id(m) for m in mods]))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = W.Toy()
+        model.layers.extend(W.Block() for _ in range(2))   # 4 blocks
+        ids = [id(b) for b in model.layers]
+        D.apply_fsdp2(model, D.DistEnv(backend="gloo"), prefetch=prefetch)
+    finally:
+        dist.destroy_process_group()
+    if prefetch == 0:
+        assert seen == {"fwd": {}, "bwd": {}}
+        return
+    assert seen["fwd"] == {ids[i]: ids[i + 1: i + 1 + prefetch] for i in range(3)}
+    assert seen["bwd"] == {ids[i]: ids[max(0, i - prefetch): i][::-1] for i in range(1, 4)}

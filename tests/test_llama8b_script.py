@@ -58,7 +58,8 @@ def test_llama8b_script_stages_on_cpu(tmp_path):
 
     out, log, s = _stage(tmp_path, "scaling", GPUS="1 2", PARALLELS="ddp")
     assert set(s["runs"]) == {"scale-n1", "scale-ddp-n2"}, s["runs"].keys()
-    assert s["scaling_base"]["gpus"] == 1 and s["scaling"]["ddp"]["2"]["efficiency"] > 0
+    assert s["scaling_base"]["ddp"]["gpus"] == 1 and s["scaling"]["ddp"]["2"]["efficiency"] > 0
+    assert s["runs"]["scale-ddp-n2"]["gpus"] == 2 and s["runs"]["scale-n1"]["gpus"] == 1
 
     out, log, s = _stage(tmp_path, "dcp")
     assert "=== dcp-save-n2 rc=0" in log and "=== dcp-resume-n1 rc=0" in log, log[-4000:]
@@ -66,7 +67,8 @@ def test_llama8b_script_stages_on_cpu(tmp_path):
     assert [(e["event"], e["step"], e["world_size"]) for e in ev] == [("checkpoint", 3, 2), ("resumed", 3, 1)]
     assert s["runs"]["dcp-resume-n1"]["steps"] == 5
     md = (out / "summary.md").read_text()
-    assert "| checkpoint | 3 | 2 |" in md and "| resumed | 3 | 1 |" in md and md.count("| checkpoint |") == 1
+    assert "| dcp-save-n2 | checkpoint | 3 | 2 |" in md and "| dcp-resume-n1 | resumed | 3 | 1 |" in md
+    assert md.count("| checkpoint |") == 1
     assert not (tmp_path / "runs" / "dcp").exists()
 
 
@@ -78,15 +80,24 @@ def test_summary_of_handmade_runs(tmp_path):
     write("recipe-bf16", [{"step": s, "loss": 5.0 - s / 10, "tok_per_s": 100.0 * s, "tok_per_s_per_gpu": 50.0 * s,
                            "mfu": 0.1 * s, "peak_mem_gib": 10.0 + s} for s in (5, 10, 15, 20, 25)])
     write("recipe-fp8", [{"step": s, "loss": 5.0 - s / 10 + 0.02, "tok_per_s": 1.0} for s in (5, 10, 15, 20)])
-    write("scale-n1", [{"step": s, "loss": 1.0, "tok_per_s": 1000.0} for s in (5, 15)])
     write("scale-fsdp2-n2", [{"step": s, "loss": 1.0, "tok_per_s": 1800.0, "tok_per_s_per_gpu": 900.0}
                              for s in (5, 15)])
+    write("scale-fsdp2-n4", [{"step": s, "loss": 1.0, "tok_per_s": 3200.0, "tok_per_s_per_gpu": 800.0}
+                             for s in (5, 15)])
+    write("scale-ddp-n2", [{"step": s, "loss": 1.0, "tok_per_s": 1400.0, "tok_per_s_per_gpu": 700.0}
+                           for s in (5, 15)])
+    without_one = summarize_runs.summarize(tmp_path, skip=10)   # each mode against its own fewest GPUs
+    assert without_one["scaling"]["fsdp2"][4]["efficiency"] == pytest.approx(800 / 900)
+    assert without_one["scaling"]["ddp"][2]["efficiency"] == 1.0
+    assert without_one["runs"]["scale-fsdp2-n4"]["gpus"] == 4
+    write("scale-n1", [{"step": s, "loss": 1.0, "tok_per_s": 1000.0} for s in (5, 15)])
     s = summarize_runs.summarize(tmp_path, skip=10)
     b = s["runs"]["recipe-bf16"]
     assert b["tok_per_s_per_gpu"] == 1000.0 and b["mfu"] == pytest.approx(2.0) and b["peak_mem_gib"] == 35.0
     a = s["loss_vs_baseline"]["recipe-fp8"]
     assert a["steps"] == 4 and a["max_abs_diff"] == pytest.approx(0.02) and a["mean_diff_last_quarter"] == \
         pytest.approx(0.02)
-    assert s["scaling"]["fsdp2"][2]["efficiency"] == pytest.approx(0.9)
-    assert summarize_runs.main([str(tmp_path)]) == 0 and "| fsdp2 | 2 | 900 | 90.0% |" in \
+    assert s["scaling"]["fsdp2"][2]["efficiency"] == pytest.approx(0.9)        # against one GPU now
+    assert s["scaling"]["ddp"][2]["efficiency"] == pytest.approx(0.7)
+    assert summarize_runs.main([str(tmp_path)]) == 0 and "| fsdp2 | 2 | 900 | 90.0% | 1 GPU(s), 1,000 |" in \
         (tmp_path / "summary.md").read_text()

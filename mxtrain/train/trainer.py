@@ -721,7 +721,7 @@ class _Log:
             except ImportError:
                 pass
 
-    def row(self, r: dict):
+    def row(self, r: dict, callbacks: bool = True):
         if self.rank:
             return
         # strict JSON: a non-finite number is written as its name in a string ("nan", "inf")
@@ -732,7 +732,8 @@ class _Log:
             self.f.flush()
         except OSError as e:
             raise UserError(f"cannot write {self.path}: {e.strerror or e}; the last checkpoint is intact") from None
-        self.cbs.log(r["step"], r)
+        if callbacks:
+            self.cbs.log(r["step"], r)
 
     def train_line(self, done: int, row: dict):
         """The console's view of a training row: the bar's postfix, or one plain line with the time left."""
@@ -842,6 +843,7 @@ def _train(cfg: TrainConfig, resume: str | Path | None, env: D.DistEnv, locks: l
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
     state = None
+    t_read = time.perf_counter()
     dcp_path = D.find_dcp(resume) if resume is not None else None  # a DCP checkpoint?
     if dcp_path is not None:
         state = D.read_extra(dcp_path)
@@ -851,6 +853,7 @@ def _train(cfg: TrainConfig, resume: str | Path | None, env: D.DistEnv, locks: l
         state = ckpt.load(resume)
         if cfg.log.out is None:
             cfg.log.out = str(ckpt.find(resume).parent)
+    read_s = time.perf_counter() - t_read   # reading checkpoint.pt (a DCP folder's extra state only)
 
     # data
     if cfg.data.path == "builtin":
@@ -898,7 +901,7 @@ def _train(cfg: TrainConfig, resume: str | Path | None, env: D.DistEnv, locks: l
                 opt.load_state_dict(state["optimizer"])
         except (RuntimeError, ValueError, KeyError) as e:
             raise UserError(f"checkpoint {resume} does not fit this model ({str(e).splitlines()[0][:160]})") from None
-        load_s = time.perf_counter() - t_load
+        load_s = read_s + time.perf_counter() - t_load
         _apply_optim_values(opt, cfg)   # this run's optimizer values, not the checkpoint's
         loader.load_state_dict(state["loader"])
         ckpt.set_rng_state(state["rng"])
@@ -958,9 +961,13 @@ def _train(cfg: TrainConfig, resume: str | Path | None, env: D.DistEnv, locks: l
         cbs.begin(tstate)
         if state is not None:
             cbs.load_state_dicts(state.get("callbacks"))
-        if load_s is not None:   # the checkpoint's load into this world size, timed
-            log.row({"step": start_step, "tokens": tokens, "event": "resumed", "load_s": load_s, "world_size": world})
+        if load_s is not None:   # the checkpoint's load into this world size, timed (metrics.jsonl only: a
+            # logger that continues the run, such as W&B, takes no row at a step it already has)
+            log.row({"step": start_step, "tokens": tokens, "event": "resumed", "load_s": load_s, "world_size": world},
+                    callbacks=False)
         log.start_bar()
+        if device.type == "cuda":   # peak_mem_gib: training only (not a whole model built before FSDP2 shards it)
+            torch.cuda.reset_peak_memory_stats(device)
         sig = _Signals()
         val_loss = _train_loop(cfg, env, model, opt, loader, data, log, cbs, tstate, sig, inexact,
                                amp_dtype=amp_dtype, accum=accum, flops_tok=flops_tok, peak=peak,
