@@ -42,6 +42,7 @@ def main():
     ap.add_argument("--accum", type=int, default=1, help="micro-steps per rank and step")
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (torchtitan's way)")
+    ap.add_argument("--convert-late", action="store_true", help="convert after sharding or wrapping (the same)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
 
@@ -58,9 +59,10 @@ def main():
     cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=a.seq)
     model = transformers.LlamaForCausalLM(cfg).to(device)
-    report = mxtrain.convert(model, a.recipe)
-    if rank == 0:
-        print(report, flush=True)
+    if not a.convert_late:
+        report = mxtrain.convert(model, a.recipe)
+        if rank == 0:
+            print(report, flush=True)
     if a.compile:   # before sharding or wrapping, as torchtitan does; MX layers are custom ops in the graphs
         for layer in model.model.layers:
             layer.compile()
@@ -72,6 +74,11 @@ def main():
     elif world > 1:
         # convert keeps the MX layers' states out of DDP's buffer broadcast (each rank numbers its own calls)
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
+    if a.convert_late:   # FSDP2's sharded layers convert as they are (DDP: convert the module it wraps)
+        inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+        report = mxtrain.convert(inner, a.recipe)
+        if rank == 0:
+            print(report, flush=True)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, fused=cuda)
 
     micro = a.batch // (world * a.accum)

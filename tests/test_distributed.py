@@ -415,15 +415,15 @@ def test_a_late_rank_accepts_the_new_run_folder(tmp_path):
 def test_user_loop_example_with_hf_llama_matches_one_process(tmp_path):
     """examples/distributed_example.py: a user's own loop over a converted Hugging Face Llama, sharded with
     FSDP2 or wrapped in DDP by the user, stochastic rounding (tseng) included: 2 ranks give one process's
-    losses (with 2 accumulation steps on the same global batch) bit for bit on CPU, eagerly and with the
-    decoder layers compiled."""
+    losses (with 2 accumulation steps on the same global batch) bit for bit on CPU, eagerly, converted after
+    fully_shard, and with the decoder layers compiled."""
     pytest.importorskip("transformers")
     script = HERE.parent / "examples" / "distributed_example.py"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
     common = ["--recipe", "tseng", "--steps", "6"]
 
     def losses(name, *launch, extra=()):
-        out = tmp_path / f"{name}{len(extra)}.json"
+        out = tmp_path / f"{name}{''.join(extra)}.json"
         p = subprocess.run([sys.executable, *launch, str(script), *common, "--out", str(out), *extra, *
                             (["--parallel", name] if name != "single" else ["--accum", "2"])],
                            env=env, capture_output=True, text=True, timeout=600)
@@ -435,6 +435,7 @@ def test_user_loop_example_with_hf_llama_matches_one_process(tmp_path):
     two = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     assert losses("fsdp2", *two) == ref
     assert losses("ddp", *two) == ref
+    assert losses("fsdp2", *two, extra=["--convert-late"]) == ref   # converted after fully_shard
     # decoder layers compiled before sharding (torchtitan's way): FSDP2 equals one compiled process
     ref_c = losses("single", extra=["--compile"])
     assert _max_diff(ref_c, ref) <= 1e-4     # the compiler may order the model's float sums otherwise
