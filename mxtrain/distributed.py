@@ -792,31 +792,28 @@ def find_dcp(path: str | os.PathLike) -> Path | None:
     return None
 
 
+def _reduce(xs, op) -> list[float]:
+    """Python floats reduced over ranks with ``op``, in one all-reduce (float64); as they are on one process."""
+    if not _ENV.distributed:
+        return [float(x) for x in xs]
+    t = torch.tensor(xs, dtype=torch.float64, device=_ENV.device)
+    dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
 def reduce_mean(x: float) -> float:
     """Mean of a Python float over ranks (loss logging); ``x`` on one process."""
-    if not _ENV.distributed:
-        return x
-    t = torch.tensor([x], dtype=torch.float64, device=_ENV.device)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return t.item() / _ENV.world_size
+    return _reduce([x], dist.ReduceOp.SUM)[0] / _ENV.world_size
 
 
 def reduce_max(x: float) -> float:
     """Largest value of a Python float over ranks (peak memory per GPU); ``x`` on one process."""
-    if not _ENV.distributed:
-        return x
-    t = torch.tensor([x], dtype=torch.float64, device=_ENV.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
+    return _reduce([x], dist.ReduceOp.MAX)[0]
 
 
 def reduce_sums(*xs: float) -> list[float]:
     """Sums over ranks of several Python floats, in one all-reduce (float64)."""
-    if not _ENV.distributed:
-        return list(xs)
-    t = torch.tensor(xs, dtype=torch.float64, device=_ENV.device)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return t.tolist()
+    return _reduce(xs, dist.ReduceOp.SUM)
 
 
 def even_batches(batches) -> list[tuple[object, float]]:

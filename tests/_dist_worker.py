@@ -169,6 +169,9 @@ def suite(out: Path, ref: Path):
         "fsdp2_resume_plain": run_scenario("fsdp2_resume_plain", "fsdp2", env, out, resume=str(ref / "ck_single.pt")),
         "ddp_resume_plain": run_scenario("ddp_resume_plain", "ddp", env, out, resume=str(ref / "ck_single.pt")),
     }
+    # the float reductions of logging: rank r contributes r + 1
+    results["reductions"] = {"max": D.reduce_max(env.rank + 1.0), "mean": D.reduce_mean(env.rank + 1.0),
+                             "sums": D.reduce_sums(env.rank + 1.0, 10.0)}
     # every recipe under both modes: 3 steps each
     for r in mxtrain.recipes.names():
         for mode in ("ddp", "fsdp2"):

@@ -366,6 +366,13 @@ def test_trainer_resume_across_world_sizes(trainer_runs):
     assert all(0 <= r.get("save_s", r.get("load_s", -1)) < 600 for r in ev)
 
 
+def test_float_reductions_over_ranks(runs):
+    """reduce_max (peak memory), reduce_mean (losses) and reduce_sums (evaluation) over 2 ranks, and as they are
+    on one process."""
+    assert runs["reductions"] == {"max": 2.0, "mean": 1.5, "sums": [3.0, 20.0]}
+    assert (D.reduce_max(7.0), D.reduce_mean(7.0), D.reduce_sums(1.0, 2.0)) == (7.0, 7.0, [1.0, 2.0])
+
+
 def test_every_recipe_under_ddp_and_fsdp2(runs):
     """Every named recipe trains under both modes and matches one process with accumulation within the
     DDP/FSDP2 tolerances, stochastic rounding included: rank r's micro-step k is call k * N + r
