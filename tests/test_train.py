@@ -273,3 +273,22 @@ def test_bad_compile_setting(tmp_path):
     cfg.train.compile = "sometimes"
     with pytest.raises(UserError, match="train.compile must be auto, on or off"):
         train(cfg)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_rows_hold_peak_memory_mfu_and_timed_checkpoints(tmp_path):
+    """On a GPU every training row holds the peak memory since training started and the MFU; the checkpoint
+    and the resume write their timing rows."""
+    cfg = _resume_cfg(tmp_path / "r", 3, recipe="mxfp4-all-dh16")
+    cfg.log.log_every, cfg.log.peak_tflops = 1, 100.0
+    run = train(cfg)
+    cfg = _resume_cfg(tmp_path / "r", 5, recipe="mxfp4-all-dh16")
+    cfg.log.log_every, cfg.log.peak_tflops = 1, 100.0
+    train(cfg, resume=run)
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5]
+    assert all(0 < r["peak_mem_gib"] < 80 and 0 < r["mfu"] < 1 and "tok_per_s_per_gpu" not in r for r in steps)
+    ev = [(r["event"], r["step"]) for r in rows if r.get("event") in ("checkpoint", "resumed")]
+    assert ev == [("checkpoint", 3), ("resumed", 3), ("checkpoint", 5)]
