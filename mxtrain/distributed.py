@@ -816,10 +816,11 @@ def reduce_sums(*xs: float) -> list[float]:
     return _reduce(xs, dist.ReduceOp.SUM)
 
 
-def even_batches(batches) -> list[tuple[object, float]]:
+def even_batches(batches, pad=None) -> list[tuple[object, float]]:
     """``[(batch, weight)]`` with the same length on every rank: ranks with fewer batches repeat their
-    last one with weight 0. FSDP2 all-gathers inside every
-    forward, so evaluation must run the same number of forwards on every rank or it hangs."""
+    last one with weight 0. FSDP2 all-gathers inside every forward, so evaluation must run the same number
+    of forwards on every rank or it hangs. A rank with no batch at all (fewer validation windows than
+    ranks) runs ``pad()`` (any batch of the right kind) with weight 0; without ``pad`` that is an error."""
     batches = list(batches)
     n = len(batches)
     if _ENV.distributed:
@@ -829,7 +830,9 @@ def even_batches(batches) -> list[tuple[object, float]]:
     else:
         n_max = n
     if n == 0 and n_max > 0:
-        raise UserError("validation set smaller than the number of ranks; raise log.eval_tokens")
+        if pad is None:
+            raise UserError("validation set smaller than the number of ranks; raise log.eval_tokens")
+        return [(pad(), 0.0)] * n_max
     return [(b, 1.0) for b in batches] + [(batches[-1], 0.0)] * (n_max - n)
 
 

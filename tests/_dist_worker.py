@@ -172,6 +172,8 @@ def suite(out: Path, ref: Path):
     # the float reductions of logging: rank r contributes r + 1
     results["reductions"] = {"max": D.reduce_max(env.rank + 1.0), "mean": D.reduce_mean(env.rank + 1.0),
                              "sums": D.reduce_sums(env.rank + 1.0, 10.0)}
+    # evaluation with fewer batches than ranks: rank 0 has none, rank 1 two; rank 0 runs the padding batch twice
+    results["even_pad"] = [list(bw) for bw in D.even_batches([] if env.rank == 0 else ["a", "b"], pad=lambda: "pad")]
     # every recipe under both modes: 3 steps each
     for r in mxtrain.recipes.names():
         for mode in ("ddp", "fsdp2"):

@@ -296,8 +296,9 @@ def trainer_runs(tmp_path_factory):
     r["fsdp2_compiled_proc"] = two("--steps", "6", "--out", str(r["fsdp2_compiled"]), "--parallel", "fsdp2",
                                    "--set", "train.compile=on", "--set", "parallel.prefetch=1")
     # stochastic rounding and per-step signs (tseng): 1 process with 2 micro-steps, DDP on 2 ranks
-    one("--steps", "6", "--out", str(r["sr_single"]), "--recipe", "tseng")
-    two("--steps", "6", "--out", str(r["sr_ddp"]), "--parallel", "ddp", "--recipe", "tseng")
+    # (and one validation window, fewer than the ranks: rank 1 evaluates a padding window of weight 0)
+    one("--steps", "6", "--out", str(r["sr_single"]), "--recipe", "tseng", "--eval-tokens", "32")
+    two("--steps", "6", "--out", str(r["sr_ddp"]), "--parallel", "ddp", "--recipe", "tseng", "--eval-tokens", "32")
     # 1 process -> 2 ranks: 10 steps (checkpoint.pt), then FSDP2 on 2 ranks to step 25
     one("--steps", "10", "--out", str(r["single10"]))
     two("--steps", "25", "--out", str(r["single10"]), "--resume", str(r["single10"]), "--parallel", "fsdp2")
@@ -321,6 +322,21 @@ def test_trainer_ddp_stochastic_rounding_draws_as_1_process(trainer_runs):
     got = _metrics(trainer_runs["sr_ddp"], "loss")
     assert len(ref) == len(got) == 6 and ref[-1] < ref[0]
     assert _max_diff(got, ref) <= DDP_TOL
+
+
+def test_trainer_evaluates_fewer_windows_than_ranks(trainer_runs):
+    """One validation window on 2 ranks (an 8B run at sequence 8192 on the built-in data's 20,730 validation
+    tokens had 2 windows for 4 GPUs and stopped with an error after training): the rank without a window
+    forwards a padding window of weight 0, and the loss is the one process's."""
+    ref = _metrics(trainer_runs["sr_single"], "val_loss")
+    got = _metrics(trainer_runs["sr_ddp"], "val_loss")
+    assert ref and len(got) == len(ref) and math.isfinite(got[-1])
+    assert _max_diff(got, ref) <= DDP_TOL
+
+
+def test_even_batches_pads_a_rank_without_batches(runs):
+    assert runs["even_pad"] == [["pad", 0.0], ["pad", 0.0]]
+    assert D.even_batches(["x"], pad=lambda: "pad") == [("x", 1.0)]
 
 
 def test_trainer_fsdp2_20_steps_close_to_1_process(trainer_runs):
