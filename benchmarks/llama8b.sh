@@ -11,6 +11,8 @@
 #   [RECIPES=bf16,mxfp4-all-dh16] [RECIPE=mxfp4-all-dh16] [STEPS=60] [SEQ=8192] [MB=1] [GPUS="1 2 4 8"]
 #   [PARALLELS="fsdp2 ddp"] [RESUME_NPROC=NPROC/2] [VOCAB=128256] [RUNS=/tmp/mx8b] [DEVICE=cuda]
 #   [STAGE_BUDGET=560] [EXTRA="--set k=v ..."] bash benchmarks/llama8b.sh
+# EXTRA="--set log.profile_steps=21-23": OUT/<run>-profile.tgz holds every rank's profile report (top operators,
+# step wall times) and rank 0's trace; EXTRA="--set train.gc_every=N" collects garbage in step on every rank.
 # STAGE_BUDGET: seconds for the whole stage; each run gets what is left (SIGKILL at the deadline: no checkpoint
 # is written), a run with under a minute left is skipped. Two 8B recipes fit a call: name the others in the next.
 # llama3-8b skips what cannot hold it: one GPU and DDP (128 GB of fp32 weights, gradients and AdamW moments);
@@ -86,6 +88,10 @@ run() {  # name nproc parallel steps recipe [extra train args...]; FOLDER: the r
   echo "=== $name rc=$rc wall=$(( $(date +%s) - t0 ))s" >> "$OUT/log.txt"
   # a resumed leg's file holds its first leg's rows too: kept only when the resume ran
   if [ -z "${RESUME:-}" ] || [ "$rc" -eq 0 ]; then cp "$folder/metrics.jsonl" "$OUT/$name.jsonl" 2>/dev/null; fi
+  # EXTRA="--set log.profile_steps=A-B": every rank's report and rank 0's trace (the others' traces stay behind)
+  if [ -d "$folder/profile" ]; then
+    (cd "$folder/profile" && tar czf "$OUT/$name-profile.tgz" ./*.txt $(ls rank0.json.gz 2>/dev/null))
+  fi
   $PY benchmarks/summarize_runs.py "$OUT" >> "$OUT/log.txt" 2>&1   # a summary after every run
   return $rc
 }

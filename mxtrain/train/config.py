@@ -98,6 +98,10 @@ class TrainSection:
                                             # torch's default (1.0)
     init_from: Optional[str] = None         # a local Hugging Face Llama folder whose weights initialise the
                                             # model (instead of the random init); None: random init
+    gc_every: int = 0                       # > 0: Python's automatic garbage collection off while training,
+                                            # collected on every rank every this many steps (torchtitan's
+                                            # gc_freq; under DDP/FSDP2 one rank's collection stalls all);
+                                            # 0: Python's automatic collection
 
 
 @dataclass
@@ -109,6 +113,9 @@ class LogSection:
                                             # validation tokens (RUN/eval_final.json; a study's cooled-down
                                             # losses read it); 0: none
     log_every: int = 10
+    profile_steps: Optional[str] = None     # "A-B": torch.profiler over steps A..B (1-based, inclusive) on every
+                                            # rank -> RUN/profile/rank<r>.json.gz (Perfetto trace) and
+                                            # rank<r>.txt (top operators, step wall times); None: off
     tensorboard: bool = True                # if tensorboard is installed
     progress: bool = True                   # console progress bar
     peak_tflops: Optional[float] = None     # for MFU; None: looked up from the GPU name (CPU: no MFU)

@@ -33,6 +33,7 @@ from ..data.loader import val_window_sources
 from ..errors import UserError
 from ..model import Llama, ModelConfig
 from . import checkpoint as ckpt
+from . import profiling
 from .callbacks import (Callback, CallbackList, Outcome, Status, TensorBoardLogger, TrainState, WandbLogger,
                         read_outcome, wandb_project)
 from .config import TrainConfig
@@ -201,6 +202,9 @@ def _check(cfg: TrainConfig) -> None:
             raise UserError(f"{name} must be positive, got {v}")
     if cfg.log.final_eval_tokens < 0:
         raise UserError(f"log.final_eval_tokens must be 0 (none) or positive, got {cfg.log.final_eval_tokens}")
+    profiling.parse_steps(cfg.log.profile_steps, t.steps)
+    if t.gc_every < 0:
+        raise UserError(f"train.gc_every must be 0 (Python's automatic collection) or positive, got {t.gc_every}")
     validate(cfg)
     if cfg.schedule.horizon_steps is not None and cfg.schedule.horizon_steps < cfg.train.steps:
         raise UserError(f"schedule.horizon_steps ({cfg.schedule.horizon_steps}) must be >= train.steps ({t.steps})")
@@ -1059,9 +1063,24 @@ def _record_outcome(out: Path, outcome: Outcome, quiet: bool) -> None:
 
 
 def _train_loop(cfg: TrainConfig, env, model, opt, loader, data, log: _Log, cbs: CallbackList, tstate: TrainState,
-                sig: _Signals, inexact, *, amp_dtype, accum: int, flops_tok: float, peak, last_ckpt_step):
+                sig: _Signals, inexact, **kw):
     """Steps ``tstate.step`` .. ``train.steps``: updates, logs, evaluations, checkpoints, callbacks. Returns the
-    last validation loss (None if none ran). Raises NonFiniteLoss (diverged) or Interrupted (a signal)."""
+    last validation loss (None if none ran). Raises NonFiniteLoss (diverged) or Interrupted (a signal).
+    ``log.profile_steps`` and ``train.gc_every`` (mxtrain.train.profiling) wrap the steps."""
+    prof = profiling.StepProfiler(profiling.parse_steps(cfg.log.profile_steps, cfg.train.steps), tstate.out,
+                                  env.rank, env.device)
+    gcol = profiling.GarbageCollection(cfg.train.gc_every)
+    try:
+        return _train_steps(cfg, env, model, opt, loader, data, log, cbs, tstate, sig, inexact, prof=prof,
+                            gcol=gcol, **kw)
+    finally:
+        gcol.close()
+        prof.close()
+
+
+def _train_steps(cfg: TrainConfig, env, model, opt, loader, data, log: _Log, cbs: CallbackList, tstate: TrainState,
+                 sig: _Signals, inexact, *, amp_dtype, accum: int, flops_tok: float, peak, last_ckpt_step,
+                 prof: profiling.StepProfiler, gcol: profiling.GarbageCollection):
     rank, device, out = env.rank, env.device, tstate.out
     B, T = cfg.train.batch_size, cfg.data.seq_len
     start_step, tokens = tstate.start_step, tstate.tokens
@@ -1122,6 +1141,7 @@ def _train_loop(cfg: TrainConfig, env, model, opt, loader, data, log: _Log, cbs:
             g["lr"] = lr
         set_step(model, step)
         cbs.step_begin(step)
+        prof.before(step)
         loss_sum = torch.zeros((), device=device)
         for k in range(accum):
             if env.world_size > 1:   # this rank's micro-batch k is the global batch's k * N + r: its SR draws too
@@ -1172,6 +1192,8 @@ def _train_loop(cfg: TrainConfig, env, model, opt, loader, data, log: _Log, cbs:
         opt.zero_grad(set_to_none=graphed is None)
         tokens += B * T
         done = step + 1
+        prof.after(step)
+        gcol.step(done)
         tstate.step, tstate.tokens = done, tokens
         cbs.step_end(done, {"loss": loss_val, "lr": lr, "grad_norm": gnorm, "tokens": tokens})
         loss_acc += loss_val

@@ -1,0 +1,114 @@
+"""log.profile_steps (torch.profiler over chosen steps, per rank) and train.gc_every (Python's collector in
+step across ranks): settings checked up front, files written, training unchanged."""
+
+import gc
+import gzip
+import json
+
+import pytest
+
+from mxtrain.errors import UserError
+from mxtrain.train import experiments, train
+from mxtrain.train import profiling
+
+from train_helpers import small_data
+
+
+def _cfg(out, steps=6):
+    cfg = experiments.get("debug")
+    cfg.data.path = str(small_data())
+    cfg.data.seq_len = 32
+    cfg.train.batch_size = 4
+    cfg.train.steps = steps
+    cfg.schedule.horizon_steps = steps
+    cfg.log.out, cfg.log.progress, cfg.log.tensorboard = str(out), False, False
+    cfg.log.eval_every, cfg.log.eval_tokens, cfg.log.log_every = 100, 128, 1
+    return cfg
+
+
+def _losses(run):
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r and "val_loss" not in r]
+
+
+@pytest.mark.parametrize("text,want", [(None, None), ("off", None), ("3", (3, 3)), ("2-5", (2, 5)),
+                                       (" 1-6 ", (1, 6))])
+def test_parse_steps(text, want):
+    assert profiling.parse_steps(text, 6) == want
+
+
+@pytest.mark.parametrize("text,says", [("a-b", "step range like 20-25"), ("0-2", "1 <= A <= B"),
+                                       ("4-2", "1 <= A <= B"), ("5-7", "past train.steps (6)")])
+def test_parse_steps_refuses_what_it_cannot_profile(text, says):
+    with pytest.raises(UserError, match=says.replace("(", r"\(").replace(")", r"\)")):
+        profiling.parse_steps(text, 6)
+
+
+def test_bad_settings_stop_before_training(tmp_path):
+    cfg = _cfg(tmp_path / "a")
+    cfg.log.profile_steps = "5-9"
+    with pytest.raises(UserError, match="past train.steps"):
+        train(cfg)
+    assert not (tmp_path / "a" / "metrics.jsonl").exists()
+    cfg = _cfg(tmp_path / "b")
+    cfg.train.gc_every = -1
+    with pytest.raises(UserError, match="train.gc_every"):
+        train(cfg)
+
+
+def test_profiled_and_gc_steps_train_the_same_and_write_the_profile(tmp_path):
+    plain = train(_cfg(tmp_path / "plain"))
+    cfg = _cfg(tmp_path / "prof")
+    cfg.log.profile_steps = "2-4"
+    cfg.train.gc_every = 2
+    was = gc.isenabled()
+    prof = train(cfg)
+    assert gc.isenabled() == was                      # the collector is handed back as it was
+    assert _losses(prof) == _losses(plain)            # neither changes a bit of training
+    d = prof / profiling.PROFILE_DIR
+    trace = json.loads(gzip.open(d / "rank0.json.gz").read())
+    assert trace["traceEvents"]                       # a Chrome/Perfetto trace with events in it
+    names = {e.get("name", "") for e in trace["traceEvents"]}
+    assert any("mm" in n or "linear" in n for n in names)
+    text = (d / "rank0.txt").read_text()
+    assert "steps 2-4" in text and "by self time on the host" in text
+    walls = text.split("wall time of each profiled step (s): ")[1].splitlines()[0]
+    assert [int(w.split(":")[0]) for w in walls.split(", ")] == [2, 3, 4]
+    assert not (d / "rank0.json").exists()            # only the compressed trace stays
+
+
+def test_garbage_collection_schedule(monkeypatch):
+    calls = []
+    monkeypatch.setattr(profiling.gc, "collect", lambda gen=2: calls.append(gen))
+    was = gc.isenabled()
+    g = profiling.GarbageCollection(3)
+    try:
+        assert not gc.isenabled()
+        calls.clear()
+        for done in range(1, 121):
+            g.step(done)
+    finally:
+        g.close()
+    assert gc.isenabled() == was
+    assert len(calls) == 40 and calls.count(2) == 2   # every 3rd step; the oldest generation every 60th
+    off = profiling.GarbageCollection(0)
+    assert gc.isenabled() == was
+    off.step(3)
+    off.close()
+
+
+@pytest.mark.cuda
+def test_gpu_profile_has_device_times(tmp_path):
+    """On a GPU the report also ranks operators by their self time on the device, and the trace holds
+    kernel events."""
+    import torch
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    cfg = _cfg(tmp_path / "g", steps=4)
+    cfg.train.device = "cuda"
+    cfg.log.profile_steps = "3-4"
+    run = train(cfg)
+    d = run / profiling.PROFILE_DIR
+    assert "by self time on the device" in (d / "rank0.txt").read_text()
+    trace = json.loads(gzip.open(d / "rank0.json.gz").read())
+    assert any(e.get("cat") == "kernel" for e in trace["traceEvents"])
