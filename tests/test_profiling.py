@@ -112,3 +112,32 @@ def test_gpu_profile_has_device_times(tmp_path):
     assert "by self time on the device" in (d / "rank0.txt").read_text()
     trace = json.loads(gzip.open(d / "rank0.json.gz").read())
     assert any(e.get("cat") == "kernel" for e in trace["traceEvents"])
+
+
+def test_out_of_gpu_memory_is_one_line_with_what_to_change(tmp_path, monkeypatch, capsys):
+    """A CUDA out-of-memory error in training (raised here on CPU in the loss, as torch raises it) ends the
+    command with one line that names the step and the settings that need less memory, exit status 1, and the
+    run's outcome recorded as failed."""
+    import torch
+    from mxtrain.cli import main
+    from mxtrain.model import Llama
+    real = Llama.forward
+    calls = []
+
+    def forward(self, idx, targets=None):
+        calls.append(1)
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.50 GiB. GPU 0 has a total "
+                                         "capacity of 79.19 GiB of which 1.2 GiB is free.")
+        return real(self, idx, targets)
+    monkeypatch.setattr(Llama, "forward", forward)
+    out = tmp_path / "run"
+    rc = main(["train", "--data", str(small_data()), "--model", "tiny", "--steps", "5", "--batch-size", "2",
+               "--seq-len", "32", "--no-progress", "--set", "log.tensorboard=false", "--out", str(out)])
+    text = capsys.readouterr().err
+    err = [ln for ln in text.splitlines() if ln.startswith("mxtrain: error")]
+    assert rc == 1 and "Traceback" not in text
+    assert len(err) == 1 and err[0].startswith("mxtrain: error: out of GPU memory on cpu in step 3")
+    assert "--micro-batch-size" in err[0] and "train.recompute_ffn=true" in err[0] and "--seq-len (now 32)" in err[0]
+    outcome = json.loads((out / "run.json").read_text())["outcome"]
+    assert outcome["status"] == "failed" and outcome["step"] == 2

@@ -30,7 +30,7 @@ from .. import distributed as D  # DDP / FSDP2 / DCP hooks
 from .. import settings as _settings
 from ..data import Loader, TokenData, ensure_builtin, val_batches
 from ..data.loader import val_window_sources
-from ..errors import UserError
+from ..errors import OutOfMemory, UserError
 from ..model import Llama, ModelConfig
 from . import checkpoint as ckpt
 from . import profiling
@@ -805,6 +805,10 @@ def _run(cfg: TrainConfig, resume, callbacks) -> Outcome:
     try:
         with torch._functorch.config.patch(**patch):
             outcome = _train(cfg, resume, env, locks, cbs)
+    except torch.OutOfMemoryError as e:   # one line that says what to change, not a traceback
+        err = OutOfMemory(_oom_message(cfg, device, e, getattr(e, "outcome", None)))
+        err.outcome = getattr(e, "outcome", None)
+        raise err from None
     finally:
         for lock in locks:   # the run folder's lock (rank 0)
             lock.close()
@@ -814,6 +818,30 @@ def _run(cfg: TrainConfig, resume, callbacks) -> Outcome:
         D.barrier()
         D.shutdown()
     return outcome
+
+
+def _oom_message(cfg: TrainConfig, device: torch.device, e: BaseException, outcome) -> str:
+    """``torch.OutOfMemoryError`` as one line: where, how much, and the settings that need less memory."""
+    import re
+    found = re.search(r"Tried to allocate ([0-9.]+ ?[KMGT]?i?B)", str(e))
+    asked = found.group(1) if found else None
+    where = f"out of GPU memory on {device}"
+    step = getattr(outcome, "step", None)
+    if step is not None and step < cfg.train.steps:
+        where += f" in step {step + 1}"
+    held = ""
+    if device.type == "cuda" and torch.cuda.is_available():
+        try:
+            total = torch.cuda.get_device_properties(device).total_memory / 2**30
+            peak = torch.cuda.max_memory_allocated(device) / 2**30
+            held = f" (the GPU has {total:.1f} GiB; PyTorch's peak {peak:.1f} GiB" + \
+                (f", then asked for {asked}" if asked else "") + ")"
+        except Exception:   # the report must not fail where the run already has
+            held = ""
+    m = cfg.train.micro_batch_size or "the per-rank batch"
+    return (f"{where}{held}; to need less: a smaller --micro-batch-size (now {m}; gradient accumulation keeps "
+            f"--batch-size), a shorter --seq-len (now {cfg.data.seq_len}), --set train.recompute_ffn=true, "
+            f"--set train.memory_budget=0.5, or the model sharded over more GPUs (--nproc N --parallel fsdp2)")
 
 
 def train(cfg: TrainConfig, resume: str | Path | None = None, callbacks=None) -> Path:
