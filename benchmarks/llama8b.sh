@@ -90,7 +90,7 @@ run() {  # name nproc parallel steps recipe [extra train args...]; FOLDER: the r
   if [ -z "${RESUME:-}" ] || [ "$rc" -eq 0 ]; then cp "$folder/metrics.jsonl" "$OUT/$name.jsonl" 2>/dev/null; fi
   # EXTRA="--set log.profile_steps=A-B": every rank's report and rank 0's trace (the others' traces stay behind)
   if [ -d "$folder/profile" ]; then
-    (cd "$folder/profile" && tar czf "$OUT/$name-profile.tgz" ./*.txt $(ls rank0.json.gz 2>/dev/null))
+    (cd "$folder/profile" && tar czf "$OUT/$name-profile.tgz" ./*.txt ./summary-*.json $(ls rank0.json.gz 2>/dev/null))
   fi
   $PY benchmarks/summarize_runs.py "$OUT" >> "$OUT/log.txt" 2>&1   # a summary after every run
   return $rc

@@ -6,7 +6,8 @@ Per run: tokens/s per GPU and MFU (medians over the logged rows after the first 
 compilation), the peak memory of the busiest GPU, the last loss. Recipe runs (``recipe-<name>``): each one's
 training loss against the first recipe's at the same steps (same init and batches). Scaling runs
 (``scale-n1``, ``scale-<fsdp2|ddp>-n<N>``): tokens/s per GPU as a share of the fewest GPUs' rate. Checkpoint
-runs: ``save_s`` and ``load_s`` of their checkpoint and resume rows.
+runs: ``save_s`` and ``load_s`` of their checkpoint and resume rows. Profiled runs (``<run>-profile.tgz``):
+each rank's step wall time against the host's and the device's self time.
 """
 
 import argparse
@@ -79,7 +80,36 @@ def summarize(folder: Path, skip: int = 10) -> dict:
             base = one or rates[n0]
             s["scaling_base"][p] = {"gpus": n0, "tok_per_s_per_gpu": base}
             s["scaling"][p] = {n: {"tok_per_s_per_gpu": r, "efficiency": r / base} for n, r in sorted(rates.items())}
+    prof = profiles(folder)
+    if prof:
+        s["profiles"] = prof
     return s
+
+
+def profiles(folder: Path) -> dict:
+    """``{run: [per rank: step wall time (median), host and device self time per step]}`` from the
+    ``<run>-profile.tgz`` that llama8b.sh keeps (``log.profile_steps``): each rank's ``summary-rank<r>.json``,
+    read from the archive without unpacking it."""
+    import tarfile
+    out = {}
+    for tgz in sorted(folder.glob("*-profile.tgz")):
+        ranks = []
+        try:
+            with tarfile.open(tgz, "r:gz") as tf:
+                for m in tf.getmembers():
+                    if m.isfile() and re.fullmatch(r"(\./)?summary-rank\d+\.json", m.name) and m.size < 1 << 20:
+                        ranks.append(json.loads(tf.extractfile(m).read()))
+        except (OSError, tarfile.TarError, json.JSONDecodeError):   # a run killed while writing it
+            continue
+        rows = []
+        for r in sorted(ranks, key=lambda r: r.get("rank", 0)):
+            walls = r.get("step_wall_s") or []
+            rows.append({"rank": r.get("rank"), "steps": r.get("steps"),
+                         "step_wall_s": statistics.median(walls) if walls else None,
+                         "host_self_s": r.get("host_self_s_per_step"), "device_self_s": r.get("device_self_s_per_step")})
+        if rows:
+            out[tgz.name[:-len("-profile.tgz")]] = rows
+    return out
 
 
 def markdown(s: dict) -> str:
@@ -115,6 +145,17 @@ def markdown(s: dict) -> str:
             seen.add(key)
             lines.append(f"| {k} | {e['event']} | {e['step']} | {e.get('world_size')} | "
                          f"{e.get('save_s', e.get('load_s')):.1f} |")
+    if s.get("profiles"):
+        lines += ["", "Profiled steps (log.profile_steps): median wall time, and per step the host's self time (the "
+                      "profiler's own cost included) and the device's (kernels of all streams summed). Host time near "
+                      "the wall time: the step waits for the host.", "",
+                  "| run | rank | steps | step wall s | host s | device s | host / wall |", "|---|---|---|---|---|---|---|"]
+        for k, rows in s["profiles"].items():
+            for r in rows:
+                ratio = r["host_self_s"] / r["step_wall_s"] if r["host_self_s"] and r["step_wall_s"] else None
+                st = "-".join(map(str, r["steps"] or []))
+                lines.append(f"| {k} | {r['rank']} | {st} | {f(r['step_wall_s'], '.4f')} | {f(r['host_self_s'], '.4f')} | "
+                             f"{f(r['device_self_s'], '.4f')} | {f(ratio, '.2f')} |")
     return "\n".join(lines) + "\n"
 
 

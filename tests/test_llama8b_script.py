@@ -27,13 +27,16 @@ def _load_summarizer():   # a script of benchmarks/, not a package module
 summarize_runs = _load_summarizer()
 
 
+EXTRA = ("--set train.compile=off --set model.dim=64 --set model.n_layers=2 --set model.n_heads=2 "
+         "--set model.n_kv_heads=1 --set log.log_every=1")
+
+
 def _stage(tmp, stage, **kw):
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1",
                OUT=str(tmp / f"out-{stage}"), RUNS=str(tmp / "runs"), DATA=str(small_data()), STAGE=stage,
-               MODEL="tiny", VOCAB="1024", NPROC="2", DEVICE="cpu", STEPS="4", SEQ="32", MB="2",
-               EXTRA="--set train.compile=off --set model.dim=64 --set model.n_layers=2 --set model.n_heads=2 "
-                     "--set model.n_kv_heads=1 --set log.log_every=1",
-               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}", **kw)
+               MODEL="tiny", VOCAB="1024", NPROC="2", DEVICE="cpu", STEPS="4", SEQ="32", MB="2", EXTRA=EXTRA,
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    env.update(kw)
     r = subprocess.run(["bash", "benchmarks/llama8b.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=900)
     out = tmp / f"out-{stage}"
@@ -56,8 +59,11 @@ def test_llama8b_script_stages_on_cpu(tmp_path):
     assert rows[0]["tok_per_s_per_gpu"] * 2 == pytest.approx(rows[0]["tok_per_s"])
     assert not [r for r in rows if r.get("event") == "checkpoint"]      # train.final_checkpoint=false
 
-    out, log, s = _stage(tmp_path, "scaling", GPUS="1 2", PARALLELS="ddp")
+    out, log, s = _stage(tmp_path, "scaling", GPUS="1 2", PARALLELS="ddp", EXTRA=EXTRA + " --set log.profile_steps=2-3")
     assert set(s["runs"]) == {"scale-n1", "scale-ddp-n2"}, s["runs"].keys()
+    prof = s["profiles"]["scale-ddp-n2"]     # every rank's profile summary, kept in scale-ddp-n2-profile.tgz
+    assert [r["rank"] for r in prof] == [0, 1] and all(r["steps"] == [2, 3] and r["host_self_s"] > 0 for r in prof)
+    assert "| scale-ddp-n2 | 1 | 2-3 |" in (out / "summary.md").read_text()
     assert s["scaling_base"]["ddp"]["gpus"] == 1 and s["scaling"]["ddp"]["2"]["efficiency"] > 0
     assert s["runs"]["scale-ddp-n2"]["gpus"] == 2 and s["runs"]["scale-n1"]["gpus"] == 1
 

@@ -75,6 +75,9 @@ def test_profiled_and_gc_steps_train_the_same_and_write_the_profile(tmp_path):
     walls = text.split("wall time of each profiled step (s): ")[1].splitlines()[0]
     assert [int(w.split(":")[0]) for w in walls.split(", ")] == [2, 3, 4]
     assert not (d / "rank0.json").exists()            # only the compressed trace stays
+    summ = json.loads((d / "summary-rank0.json").read_text())
+    assert summ["steps"] == [2, 4] and len(summ["step_wall_s"]) == 3 and summ["device_self_s_per_step"] is None
+    assert 0 < summ["host_self_s_per_step"] < 10 * max(summ["step_wall_s"])
 
 
 def test_garbage_collection_schedule(monkeypatch):
@@ -110,6 +113,8 @@ def test_gpu_profile_has_device_times(tmp_path):
     run = train(cfg)
     d = run / profiling.PROFILE_DIR
     assert "by self time on the device" in (d / "rank0.txt").read_text()
+    summ = json.loads((d / "summary-rank0.json").read_text())
+    assert summ["device_self_s_per_step"] > 0 and summ["host_self_s_per_step"] > 0
     trace = json.loads(gzip.open(d / "rank0.json.gz").read())
     assert any(e.get("cat") == "kernel" for e in trace["traceEvents"])
 

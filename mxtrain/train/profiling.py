@@ -3,7 +3,8 @@
 ``log.profile_steps = "A-B"`` records steps A to B (1-based, as in metrics.jsonl) with ``torch.profiler`` on
 every rank and writes ``RUN/profile/rank<r>.json.gz`` (a Chrome / Perfetto trace: open it at
 https://ui.perfetto.dev) and ``RUN/profile/rank<r>.txt`` (the operators with the most self time on the device
-and on the host, and the wall time of each profiled step), so a slow multi-GPU step can be read without a
+and on the host, and the wall time of each profiled step) and ``RUN/profile/summary-rank<r>.json`` (per step:
+wall time, the host's and the device's self time), so a slow multi-GPU step can be read without a
 trace viewer: which rank waits, in which collective, for how long.
 
 ``train.gc_every = N`` turns Python's automatic garbage collection off while training and collects on every rank
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import gc
 import gzip
+import json
 import shutil
 import time
 from pathlib import Path
@@ -94,13 +96,25 @@ class StepProfiler:
         with open(raw, "rb") as src, gzip.open(str(raw) + ".gz", "wb") as dst:
             shutil.copyfileobj(src, dst)
         raw.unlink()
-        (d / f"rank{self.rank}.txt").write_text(self.report(prof))
+        avg = prof.key_averages()
+        (d / f"rank{self.rank}.txt").write_text(self.report(avg))
+        (d / f"summary-rank{self.rank}.json").write_text(json.dumps(self.summary(avg), indent=1) + "\n")
 
-    def report(self, prof) -> str:
+    def summary(self, avg) -> dict:
+        """Per profiled step: wall time, the host's self time (every operator's, the profiler's own cost
+        included) and the device's (every kernel's, all streams summed: overlapping communication counts
+        too). A step whose host time reaches its wall time is bound by the host."""
+        n = max(len(self.walls), 1)
+        host = sum(getattr(e, "self_cpu_time_total", 0.0) for e in avg) / 1e6
+        dev = sum(getattr(e, "self_device_time_total", 0.0) for e in avg) / 1e6 if self.device.type == "cuda" else None
+        return {"rank": self.rank, "steps": list(self.span), "device": str(self.device),
+                "step_wall_s": [w for _, w in self.walls], "host_self_s_per_step": host / n,
+                "device_self_s_per_step": dev / n if dev is not None else None}
+
+    def report(self, avg) -> str:
         lines = [f"rank {self.rank}, steps {self.span[0]}-{self.span[1]} (1-based), device {self.device}",
                  "wall time of each profiled step (s): "
                  + ", ".join(f"{s}: {w:.4f}" for s, w in self.walls), ""]
-        avg = prof.key_averages()
         dev_key = "self_device_time_total"
         if self.device.type == "cuda" and avg and hasattr(avg[0], dev_key):
             lines += ["by self time on the device:", avg.table(sort_by=dev_key, row_limit=30), ""]
