@@ -7,7 +7,8 @@ compilation), the peak memory of the busiest GPU, the last loss. Recipe runs (``
 training loss against the first recipe's at the same steps (same init and batches). Scaling runs
 (``scale-n1``, ``scale-<fsdp2|ddp>-n<N>``): tokens/s per GPU as a share of the fewest GPUs' rate. Checkpoint
 runs: ``save_s`` and ``load_s`` of their checkpoint and resume rows. Profiled runs (``<run>-profile.tgz``):
-each rank's step wall time against the host's and the device's self time.
+each rank's step wall time against the host's and the device's self time. With matplotlib: summary.png (loss,
+loss against the baseline, tokens/s per GPU by step; scaling efficiency).
 """
 
 import argparse
@@ -112,6 +113,65 @@ def profiles(folder: Path) -> dict:
     return out
 
 
+def plot(folder: Path, s: dict) -> Path | None:
+    """``folder/summary.png`` (needs matplotlib, the ``plots`` extra; None without it): the recipe runs' training
+    loss and its difference to the baseline's by step, every run's tokens/s per GPU by step, and each mode's
+    scaling efficiency by GPU count. One colour per run in every panel."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    files = sorted(folder.glob("*.jsonl"), key=lambda p: (p.stat().st_mtime_ns, p.name))
+    rows = {p.stem: [r for r in load(p) if isinstance(r.get("loss"), (int, float))] for p in files}
+    rows = {k: v for k, v in rows.items() if v}
+    palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    color = {k: palette[i % len(palette)] for i, k in enumerate(rows)}
+    recipes = [k for k in rows if k.startswith("recipe-")]
+    panels = []
+    if recipes:
+        panels += ["loss", "diff"] if len(recipes) > 1 else ["loss"]
+    panels.append("rate")
+    if s.get("scaling"):
+        panels.append("scaling")
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2), squeeze=False)
+    for ax, what in zip(axes[0], panels):
+        if what == "loss":
+            for k in recipes:
+                ax.plot([r["step"] for r in rows[k]], [r["loss"] for r in rows[k]], color=color[k], label=k[7:])
+            ax.set(title="training loss", xlabel="step", ylabel="loss")
+        elif what == "diff":
+            base = s["loss_vs_baseline"][recipes[0]]["against"]
+            ref = {r["step"]: r["loss"] for r in rows[base]}
+            for k in recipes:
+                pts = [(r["step"], r["loss"] - ref[r["step"]]) for r in rows[k] if r["step"] in ref]
+                ax.plot([a for a, _ in pts], [b for _, b in pts], color=color[k], label=k[7:])
+            ax.axhline(0, color="k", lw=0.8)
+            ax.set(title=f"loss minus {base[7:]}'s at the same step", xlabel="step", ylabel="nats")
+        elif what == "rate":
+            for k, rs in rows.items():
+                pts = [(r["step"], r.get("tok_per_s_per_gpu", r.get("tok_per_s"))) for r in rs if r["step"] > 1
+                       and r.get("tok_per_s")]
+                ax.plot([a for a, _ in pts], [b for _, b in pts], color=color[k], marker=".", label=k)
+            ax.set(title="tokens/s per GPU (each logged interval)", xlabel="step", ylabel="tokens/s")
+        else:
+            for mode, rates in s["scaling"].items():
+                ns = sorted(rates, key=int)
+                ax.plot([int(n) for n in ns], [100 * rates[n]["efficiency"] for n in ns], marker="o", label=mode)
+            ax.axhline(100, color="k", lw=0.8)
+            ax.set_ylim(0, 110)
+            ax.set_xticks(sorted({int(n) for rates in s["scaling"].values() for n in rates}))
+            ax.set(title="scaling efficiency (tokens/s per GPU over the base)", xlabel="GPUs", ylabel="%")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = folder / "summary.png"
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out
+
+
 def markdown(s: dict) -> str:
     def f(x, fmt):
         return "" if x is None else format(x, fmt)
@@ -170,6 +230,7 @@ def main(argv=None) -> int:
     s = summarize(a.folder, a.skip)
     (a.folder / "summary.json").write_text(json.dumps(s, indent=1) + "\n")
     (a.folder / "summary.md").write_text(markdown(s))
+    plot(a.folder, s)
     return 0
 
 

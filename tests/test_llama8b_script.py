@@ -107,3 +107,7 @@ def test_summary_of_handmade_runs(tmp_path):
     assert s["scaling"]["ddp"][2]["efficiency"] == pytest.approx(0.7)
     assert summarize_runs.main([str(tmp_path)]) == 0 and "| fsdp2 | 2 | 900 | 90.0% | 1 GPU(s), 1,000 |" in \
         (tmp_path / "summary.md").read_text()
+    pytest.importorskip("matplotlib")
+    from PIL import Image
+    with Image.open(tmp_path / "summary.png") as im:   # four panels: loss, loss difference, rates, scaling
+        assert im.size[0] > 3 * im.size[1] and len(im.convert("RGB").getcolors(maxcolors=1 << 20)) > 50
