@@ -593,8 +593,9 @@ def evaluate_windows(model, data: TokenData, cfg: TrainConfig, device, amp_dtype
     mine: list[float] = []
     bs = cfg.train.micro_batch_size or max(1, cfg.train.batch_size // world)
     # every rank runs as many forwards (FSDP2 gathers in each); padding batches weigh 0
-    def first_window():   # a rank without a window of its own (fewer windows than ranks) forwards this, weight 0
-        return next(iter(val_batches(data, cfg.data.seq_len, 1, cfg.log.eval_tokens, 0, 1)))
+    def first_window():   # a rank without a window of its own (fewer windows than ranks) forwards the first
+        # batch of the set (weight 0), of the other ranks' batch size where there are that many windows
+        return next(iter(val_batches(data, cfg.data.seq_len, bs, cfg.log.eval_tokens, 0, 1)))
     mine_batches = val_batches(data, cfg.data.seq_len, bs, cfg.log.eval_tokens, rank, world)
     for (x, y), w in D.even_batches(mine_batches, pad=first_window):
         x, y = x.to(device), y.to(device)
