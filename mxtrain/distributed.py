@@ -49,7 +49,7 @@ from .errors import UserError
 __all__ = [
     "DistEnv", "init", "shutdown", "get_env", "is_rank0", "rank0_print", "barrier", "all_reduce_sum",
     "apply_ddp", "apply_fsdp2", "wrap", "unwrap", "grad_sync", "clip_grad_norm_", "local_batch_size",
-    "save_checkpoint", "load_checkpoint", "is_checkpoint", "read_extra", "launch", "strip_nproc", "MODES", "SAFE_ENV",
+    "save_checkpoint", "PendingCheckpoint", "load_checkpoint", "is_checkpoint", "read_extra", "launch", "strip_nproc", "MODES", "SAFE_ENV",
     "DCP_NAME", "find_dcp", "reduce_mean", "reduce_sums", "even_batches", "load_full_state",
 ]
 
@@ -155,7 +155,8 @@ def shutdown() -> None:
     global _ENV
     if dist.is_available() and dist.is_initialized():
         gc.collect()  # wrapped models in reference cycles (DDP's hooks) go now, not at exit
-        dist.destroy_process_group()
+        dist.destroy_process_group()   # every group, the background writes' gloo group too
+    _BACKGROUND_GROUP.clear()
     _ENV = DistEnv(device=_ENV.device)
 
 
@@ -353,7 +354,7 @@ def is_checkpoint(path: str | os.PathLike) -> bool:
 
 
 def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                    extra: dict | None = None, env: DistEnv | None = None) -> Path:
+                    extra: dict | None = None, env: DistEnv | None = None, background: bool = False):
     """Write model + optimizer state as a DCP folder at ``path``, atomically; call on every rank.
 
     ``extra``: rank 0's other state (step, tokens, data position, schedule, RNG states, config): plain
@@ -362,13 +363,18 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     barrier rank 0 writes the metadata and renames the folder, replacing an older ``path`` (moved to
     ``<path>.old`` first, then deleted). A crash at any point leaves either the old or the new
     checkpoint whole at ``path`` (or in ``<path>.old`` for the instant between the two renames).
+
+    ``background=True`` (several processes): the state is copied to host memory (DCP's ``async_save``; the
+    call returns once the copy is made, so training may change the weights), the shards are written by a
+    thread, and a ``PendingCheckpoint`` is returned: its ``finish()``, called on every rank at the same
+    point, waits for the shards and completes the folder as above. Until then ``path`` is the older
+    checkpoint, whole. Returns ``path`` (or the ``PendingCheckpoint``).
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict
     env = env or _ENV
     path = Path(path)
-    tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
+    tmp = path.with_name(path.name + ".tmp")
     if env.is_rank0:
         path.parent.mkdir(parents=True, exist_ok=True)
         if tmp.exists():
@@ -378,46 +384,93 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     state = {"model": msd}
     if optimizer is not None:
         state["optim"] = osd
-    try:
+    pending = PendingCheckpoint(path, extra, optimizer is not None, env)
+    if background and env.distributed:
+        with _write_errors(path, tmp):
+            pending.future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=_background_group())
+        return pending
+    with _write_errors(path, tmp):
         with _quiet_single_process(env):
             dcp.save(state, checkpoint_id=str(tmp), no_dist=not env.distributed)
-    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP wraps the writers' OSError (a full
-        # disk) in its own exception, a BaseException, raised on every rank when one rank failed
+    return pending.finish()
+
+
+_BACKGROUND_GROUP = []
+
+
+def _background_group():
+    """A gloo group for DCP's background writes (their collectives run off the main thread, where NCCL's
+    ordering with the training's own collectives is not guaranteed); made once, by every rank together."""
+    if not _BACKGROUND_GROUP:
+        _BACKGROUND_GROUP.append(dist.new_group(backend="gloo"))
+    return _BACKGROUND_GROUP[0]
+
+
+@contextlib.contextmanager
+def _write_errors(path: Path, tmp: Path):
+    """A full disk (or any OSError) while writing shards: one ``UserError`` that says the old checkpoint is
+    intact, on every rank (DCP wraps the writers' OSError in its own exception, a BaseException, raised on
+    every rank when one rank failed)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    try:
+        yield
+    except (Exception, CheckpointException) as e:  # noqa: BLE001
         why = next((x for x in _chain(e) if isinstance(x, OSError)), None)
         if why is None:
             raise
         shutil.rmtree(tmp, ignore_errors=True)
         raise UserError(f"cannot write checkpoint {path}: {why.strerror or why}; the previous checkpoint is "
                         f"intact") from None
-    barrier()
-    err = None
-    if env.is_rank0:
-        try:
-            meta = {"format": "mxtrain-dcp-1", "world_size": env.world_size, "has_optim": optimizer is not None}
-            with open(tmp / _EXTRA, "wb") as f:
-                torch.save(extra or {}, f)
-                f.flush()
-                os.fsync(f.fileno())
-            with open(tmp / _META, "w") as f:
-                json.dump(meta, f, indent=1, sort_keys=True)
-                f.flush()
-                os.fsync(f.fileno())
-        except OSError as e:   # a full disk on rank 0's last files: every rank must hear of it (no hang)
-            shutil.rmtree(tmp, ignore_errors=True)
-            err = f"cannot write checkpoint {path}: {e.strerror or e}; the previous checkpoint is intact"
-        else:
-            if path.exists():
-                if old.exists():
-                    shutil.rmtree(old)
-                os.replace(path, old)
-                os.replace(tmp, path)
-                shutil.rmtree(old)
+
+
+class PendingCheckpoint:
+    """A DCP checkpoint whose shards are (being) written to ``<path>.tmp``; ``finish()`` (every rank, at the
+    same point) waits for them, then rank 0 writes ``extra`` and the metadata and renames the folder to ``path``.
+    ``done()``: this rank's shards are written (``finish`` will not wait for them)."""
+
+    def __init__(self, path: Path, extra: dict | None, has_optim: bool, env: DistEnv):
+        self.path, self.extra, self.has_optim, self.env = path, extra, has_optim, env
+        self.tmp = path.with_name(path.name + ".tmp")
+        self.future = None
+
+    def done(self) -> bool:
+        return self.future is None or self.future.done()
+
+    def finish(self) -> Path:
+        path, tmp, env = self.path, self.tmp, self.env
+        if self.future is not None:
+            with _write_errors(path, tmp):
+                self.future.result()
+        barrier()
+        err = None
+        if env.is_rank0:
+            old = path.with_name(path.name + ".old")
+            try:
+                meta = {"format": "mxtrain-dcp-1", "world_size": env.world_size, "has_optim": self.has_optim}
+                with open(tmp / _EXTRA, "wb") as f:
+                    torch.save(self.extra or {}, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                with open(tmp / _META, "w") as f:
+                    json.dump(meta, f, indent=1, sort_keys=True)
+                    f.flush()
+                    os.fsync(f.fileno())
+            except OSError as e:   # a full disk on rank 0's last files: every rank must hear of it (no hang)
+                shutil.rmtree(tmp, ignore_errors=True)
+                err = f"cannot write checkpoint {path}: {e.strerror or e}; the previous checkpoint is intact"
             else:
-                os.replace(tmp, path)
-    err = from_rank0(err, env)   # rank 0's outcome to every rank (this is also the closing barrier)
-    if err is not None:
-        raise UserError(err)
-    return path
+                if path.exists():
+                    if old.exists():
+                        shutil.rmtree(old)
+                    os.replace(path, old)
+                    os.replace(tmp, path)
+                    shutil.rmtree(old)
+                else:
+                    os.replace(tmp, path)
+        err = from_rank0(err, env)   # rank 0's outcome to every rank (this is also the closing barrier)
+        if err is not None:
+            raise UserError(err)
+        return path
 
 
 def _chain(e: BaseException):

@@ -285,13 +285,20 @@ def trainer_runs(tmp_path_factory):
         assert p.returncode == 0, p.stdout[-2000:] + "\n" + errors[-6000:] + "\n" + p.stderr[-3000:]
         return p
 
-    r = {k: root / k for k in ("single", "ddp", "fsdp2", "single10", "fsdp2_compiled", "sr_single", "sr_ddp")}
+    r = {k: root / k for k in ("single", "ddp", "fsdp2", "single10", "fsdp2_compiled", "sr_single", "sr_ddp",
+                               "fsdp2_async", "async_resumed")}
     one("--steps", "25", "--out", str(r["single"]))
     r["ddp_proc"] = two("--steps", "20", "--out", str(r["ddp"]), "--parallel", "ddp")
     r["ddp_val_at_20"] = _metrics(r["ddp"], "val_loss")
     # 2 ranks -> 1 process: the DDP run's DCP checkpoint at step 20, continued by one process to 25
     one("--steps", "25", "--out", str(r["ddp"]), "--resume", str(r["ddp"]))
     two("--steps", "20", "--out", str(r["fsdp2"]), "--parallel", "fsdp2")
+    # the same run with its step-10 checkpoint written in the background (kept as checkpoint-10.dcp), then
+    # resumed from that checkpoint on 2 ranks to step 20
+    two("--steps", "20", "--out", str(r["fsdp2_async"]), "--parallel", "fsdp2", "--set", "train.checkpoint_every=10",
+        "--set", "train.async_checkpoint=true", "--set", "train.keep_checkpoints_at=10")
+    two("--steps", "20", "--out", str(r["async_resumed"]), "--parallel", "fsdp2",
+        "--resume", str(r["fsdp2_async"] / "checkpoint-10.dcp"))
     # the blocks compiled before FSDP2 wraps them (what GPU runs do by default), with explicit prefetching, 6 steps
     r["fsdp2_compiled_proc"] = two("--steps", "6", "--out", str(r["fsdp2_compiled"]), "--parallel", "fsdp2",
                                    "--set", "train.compile=on", "--set", "parallel.prefetch=1")
@@ -350,6 +357,22 @@ def test_trainer_fsdp2_20_steps_close_to_1_process(trainer_runs):
     assert (trainer_runs["fsdp2"] / D.DCP_NAME / ".metadata").is_file()
     run = json.loads((trainer_runs["fsdp2"] / "run.json").read_text())
     assert run["world_size"] == 2 and run["grad_accum"] == 1
+
+
+def test_trainer_background_checkpoint_resumes_bit_exact(trainer_runs):
+    """train.async_checkpoint: the step-10 checkpoint is copied to host memory and written by a thread while
+    training goes on; training is unchanged, the checkpoint completes (its row says so) and resuming from it
+    gives the uninterrupted run's losses bit for bit."""
+    ref = _metrics(trainer_runs["fsdp2"], "loss")
+    run = trainer_runs["fsdp2_async"]
+    assert _metrics(run, "loss") == ref
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    ev = [r for r in rows if r.get("event") == "checkpoint"]
+    assert [(r["step"], r.get("background", False)) for r in ev] == [(10, True), (20, False)]
+    assert ev[0]["write_s"] >= ev[0]["save_s"] >= 0 and (run / "checkpoint-10.dcp" / ".metadata").is_file()
+    assert not (run / "checkpoint.dcp.tmp").exists()
+    resumed = _metrics(trainer_runs["async_resumed"], "loss")
+    assert resumed[-10:] == ref[10:20]
 
 
 def test_trainer_fsdp2_with_compiled_blocks_equals_eager(trainer_runs):

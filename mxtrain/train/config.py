@@ -81,6 +81,10 @@ class TrainSection:
     checkpoint_minutes: float = 30.0        # also checkpoint when this much time passed since the last one; 0: off
     final_checkpoint: bool = True           # checkpoint at the last step; false: benchmark runs of large models
                                             # that nothing resumes (a signal still checkpoints)
+    async_checkpoint: bool = False          # several processes: write DCP checkpoints in the background (the
+                                            # state is copied to host memory, training goes on while a thread
+                                            # writes the files); one counts (resumable, "last good") once
+                                            # complete, checked at log steps. The last and a signal's: at once
     keep_checkpoints_at: Optional[str] = None  # also keep checkpoints at these points: comma-separated steps
                                             # ("200,400") or fractions of train.steps ("0.25,0.5"), each kept
                                             # as checkpoint-<step>.pt (checkpoint-<step>.dcp) for cooldown branches

@@ -1118,8 +1118,36 @@ def _train_steps(cfg: TrainConfig, env, model, opt, loader, data, log: _Log, cbs
     keep = set(keep_steps(cfg))
     windows_path = out / WINDOWS_NAME
 
-    def save_ckpt(step):
+    pending = None   # train.async_checkpoint: (PendingCheckpoint, step, tokens, t_start, seconds the ranks waited)
+    if cfg.train.async_checkpoint and not env.distributed:
+        log.say("note: train.async_checkpoint applies to runs of several processes (DCP checkpoints); this one "
+                "writes checkpoint.pt at once")
+
+    def completed(path, step, at_tokens, row):
         nonlocal last_ckpt_step
+        if env.distributed and rank == 0 and ckpt_path.exists():
+            ckpt_path.unlink()  # a single-process leg's older checkpoint: resume must find the newest
+        log.row({"step": step, "tokens": at_tokens, "event": "checkpoint", **row, "world_size": env.world_size})
+        if step in keep and rank == 0:   # a budget checkpoint (train.keep_checkpoints_at): kept by its step
+            _keep_copy(path, step)
+        last_ckpt_step = step
+        cbs.checkpoint(step, path)
+
+    def finish_pending():
+        """The background checkpoint completed (every rank together): shards waited for, folder renamed."""
+        nonlocal pending
+        if pending is None:
+            return
+        (job, step, at_tokens, t0, wait_s), pending = pending, None
+        t_fin = time.perf_counter()
+        path = job.finish()
+        # save_s: what the ranks waited (the copy to host memory, then this finish); write_s: start to complete
+        completed(path, step, at_tokens, {"save_s": wait_s + time.perf_counter() - t_fin,
+                                          "write_s": time.perf_counter() - t0, "background": True})
+
+    def save_ckpt(step, background=False):
+        nonlocal pending
+        finish_pending()   # one checkpoint at a time, completed in order
         if not _all_finite(model):   # never a checkpoint of non-finite weights
             raise NonFiniteLoss(f"weights are not finite at step {step}; no checkpoint written (last good "
                                 f"checkpoint: {ckpt_path if last_ckpt_step is not None else 'none'}); try a lower --lr",
@@ -1133,9 +1161,11 @@ def _train_steps(cfg: TrainConfig, env, model, opt, loader, data, log: _Log, cbs
         t_save = time.perf_counter()
         if env.distributed:  # DCP folder, every rank writes its shards; atomic rename
             path = out / D.DCP_NAME
+            if background:   # copied to host memory now, written by a thread, completed later (finish_pending)
+                job = D.save_checkpoint(path, model, opt, extra=rest, env=env, background=True)
+                pending = (job, step, tokens, t_save, time.perf_counter() - t_save)
+                return
             D.save_checkpoint(path, model, opt, extra=rest, env=env)
-            if rank == 0 and ckpt_path.exists():
-                ckpt_path.unlink()  # a single-process leg's older checkpoint: resume must find the newest
         else:
             path = ckpt_path
             if rank == 0:
@@ -1144,12 +1174,7 @@ def _train_steps(cfg: TrainConfig, env, model, opt, loader, data, log: _Log, cbs
                     import shutil
                     shutil.rmtree(out / D.DCP_NAME)
         # the time every rank waited for the checkpoint (a DCP save ends with the ranks together)
-        log.row({"step": step, "tokens": tokens, "event": "checkpoint", "save_s": time.perf_counter() - t_save,
-                 "world_size": env.world_size})
-        if step in keep and rank == 0:   # a budget checkpoint (train.keep_checkpoints_at): kept by its step
-            _keep_copy(path, step)
-        last_ckpt_step = step
-        cbs.checkpoint(step, path)
+        completed(path, step, tokens, {"save_s": time.perf_counter() - t_save})
 
     def where():
         return (f"last good checkpoint: {ckpt_path} (step {last_ckpt_step})" if last_ckpt_step is not None
@@ -1273,9 +1298,14 @@ def _train_steps(cfg: TrainConfig, env, model, opt, loader, data, log: _Log, cbs
         caught = sig.caught if not env.distributed else int(_reduce_mean(float(sig.caught or 0)) > 0) and (
             sig.caught or 15)   # a signal on any rank stops every rank at the same step
         due = cfg.train.checkpoint_minutes > 0 and time.perf_counter() - t_ckpt >= 60 * cfg.train.checkpoint_minutes
+        if pending is not None and done % cfg.log.log_every == 0 and D.reduce_sums(0.0 if pending[0].done()
+                                                                                  else 1.0)[0] == 0.0:
+            finish_pending()   # every rank's shards are written: complete it now rather than at the next one
         if ((cfg.train.checkpoint_every and done % cfg.train.checkpoint_every == 0)
                 or (done == cfg.train.steps and cfg.train.final_checkpoint) or due or caught or done in keep):
-            save_ckpt(done)
+            # in the background where asked (several processes), except the last one and one for a signal
+            save_ckpt(done, background=cfg.train.async_checkpoint and env.distributed and not caught
+                      and done < cfg.train.steps)
             t_ckpt = time.perf_counter()
         if caught and done < cfg.train.steps:
             import signal
@@ -1283,4 +1313,5 @@ def _train_steps(cfg: TrainConfig, env, model, opt, loader, data, log: _Log, cbs
             log.row({"step": done, "tokens": tokens, "event": f"interrupted ({name})"})
             raise Interrupted(f"interrupted by {name} at step {done}; checkpoint saved in {out}; continue with: "
                               f"mxtrain train --resume {out}", caught, step=done)
+    finish_pending()   # a background checkpoint still being written completes before the run ends
     return val_loss
