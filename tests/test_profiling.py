@@ -146,3 +146,12 @@ def test_out_of_gpu_memory_is_one_line_with_what_to_change(tmp_path, monkeypatch
     assert "--micro-batch-size" in err[0] and "train.recompute_ffn=true" in err[0] and "--seq-len (now 32)" in err[0]
     outcome = json.loads((out / "run.json").read_text())["outcome"]
     assert outcome["status"] == "failed" and outcome["step"] == 2
+
+
+def test_profile_before_the_resumed_step_is_said_not_silently_skipped(tmp_path, capsys):
+    run = train(_cfg(tmp_path / "r", steps=3))
+    cfg = _cfg(tmp_path / "r", steps=6)
+    cfg.log.profile_steps = "2-5"
+    train(cfg, resume=run)
+    assert "nothing is profiled" in capsys.readouterr().out
+    assert not (run / profiling.PROFILE_DIR).exists()

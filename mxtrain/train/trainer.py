@@ -1096,8 +1096,12 @@ def _train_loop(cfg: TrainConfig, env, model, opt, loader, data, log: _Log, cbs:
     """Steps ``tstate.step`` .. ``train.steps``: updates, logs, evaluations, checkpoints, callbacks. Returns the
     last validation loss (None if none ran). Raises NonFiniteLoss (diverged) or Interrupted (a signal).
     ``log.profile_steps`` and ``train.gc_every`` (mxtrain.train.profiling) wrap the steps."""
-    prof = profiling.StepProfiler(profiling.parse_steps(cfg.log.profile_steps, cfg.train.steps), tstate.out,
-                                  env.rank, env.device)
+    span = profiling.parse_steps(cfg.log.profile_steps, cfg.train.steps)
+    if span is not None and span[0] <= tstate.start_step:   # a resumed run starts after the first profiled step
+        log.say(f"note: log.profile_steps {span[0]}-{span[1]} starts at or before the resumed step "
+                f"{tstate.start_step}; nothing is profiled (choose steps after it)")
+        span = None
+    prof = profiling.StepProfiler(span, tstate.out, env.rank, env.device)
     gcol = profiling.GarbageCollection(cfg.train.gc_every)
     try:
         return _train_steps(cfg, env, model, opt, loader, data, log, cbs, tstate, sig, inexact, prof=prof,
