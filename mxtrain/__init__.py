@@ -12,7 +12,8 @@ from . import recipes as recipes
 from .formats import format_names as format_names
 from .hadamard import hadamard as hadamard, rotation_signs as rotation_signs
 from .linear import mx_linear as mx_linear
-from .nn import ConvertReport as ConvertReport, MXLinear as MXLinear, convert as convert, set_step as set_step
+from .nn import ConvertReport as ConvertReport, MXLinear as MXLinear, checkpoint as checkpoint, convert as convert, \
+    set_step as set_step
 from .quant import MXTensor as MXTensor, fake_quantize as fake_quantize, quantize as quantize
 from .recipe import Operand as Operand, Recipe as Recipe, Rotation as Rotation
 

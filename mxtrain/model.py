@@ -288,9 +288,16 @@ class Block(nn.Module):
     projections read (an MX layer's quantized input operand, 1 byte an element on Hopper; BF16 layers: the
     normalized input, recomputed from the residual). Costs the gate and up GEMMs once more. Results are
     the same (the recomputed GEMMs read the same operands). Eager calls keep the outputs.
+
+    ``checkpoint_block`` (default False): full activation checkpointing: the block keeps only its input, and
+    its forward runs again in the backward. Under ``torch.compile`` a selective-checkpoint policy keeps each MX
+    layer's random inputs (``mxtrain.call_seeds``) and recomputes everything else; eagerly the layers' call
+    counters are put back before the recomputation. Either way the recomputed forward draws the random inputs
+    the first one drew, and training gives the losses it gives without checkpointing.
     """
 
     recompute_ffn = False
+    checkpoint_block = False
 
     def __init__(self, cfg: ModelConfig, device=None):
         super().__init__()
@@ -303,8 +310,14 @@ class Block(nn.Module):
         return self.feed_forward(self.ffn_norm(x))
 
     def forward(self, x, cos, sin):
+        if self.checkpoint_block and torch.is_grad_enabled():
+            from .nn import checkpoint
+            return checkpoint(self._block, x, cos, sin, layers=self)
+        return self._block(x, cos, sin)
+
+    def _block(self, x, cos, sin):
         x = x + self.attention(self.attention_norm(x), cos, sin)
-        if self.recompute_ffn and torch.compiler.is_compiling():
+        if self.recompute_ffn and not self.checkpoint_block and torch.compiler.is_compiling():
             from torch.utils.checkpoint import checkpoint
             return x + checkpoint(self._ffn, x, use_reentrant=False, context_fn=_ffn_context)
         return x + self._ffn(x)

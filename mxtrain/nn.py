@@ -439,3 +439,44 @@ def _keep(m: nn.Module, rep: ConvertReport, name: str, why: str) -> None:
         m.recipe = "bf16"
         why += " (was an MX layer: now bf16)"
     rep.kept[name] = why
+
+
+# ----------------------------------------------------------------------------------------------
+# activation checkpointing that draws the same random inputs when it recomputes
+
+def _checkpoint_policy(ctx, op, *args, **kwargs):
+    """Selective-checkpoint policy of ``checkpoint`` under ``torch.compile``: every operation is made again in the
+    backward except ``mxtrain.call_seeds`` (a layer's random inputs; it advances the layer's call counter): kept,
+    so the recomputed forward draws what the first one drew."""
+    from torch.utils.checkpoint import CheckpointPolicy
+    from . import linear as _linear   # noqa: F401 - registers the mxtrain ops
+    if op is torch.ops.mxtrain.call_seeds.default:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _checkpoint_context():
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+    return create_selective_checkpoint_contexts(_checkpoint_policy)
+
+
+def checkpoint(fn, *args, layers: nn.Module, **kwargs):
+    """``fn(*args, **kwargs)`` under activation checkpointing (``torch.utils.checkpoint``, non-reentrant): only
+    the inputs are kept, and ``fn`` runs again in the backward. Plain checkpointing would make that second run a
+    new call of every MX layer, with the next call's stochastic-rounding bits; here the recomputation draws the
+    bits of the first run, so the gradients are those without checkpointing, bit for bit (on CPU; tested for
+    every preset with random inputs). ``layers``: the module holding the MX layers ``fn`` calls (their
+    ``mx_state``). Under ``torch.compile`` a selective-checkpoint policy keeps ``mxtrain.call_seeds`` and
+    recomputes everything else; eagerly the layers' call counters are put back before the second run."""
+    from torch.utils.checkpoint import checkpoint as _ckpt
+    if torch.compiler.is_compiling():
+        return _ckpt(fn, *args, use_reentrant=False, context_fn=_checkpoint_context, **kwargs)
+    states = [b for n, b in layers.named_buffers() if n == "mx_state" or n.endswith(".mx_state")]
+    before = [s.clone() for s in states]
+
+    def again(*a, **k):   # the same call numbers the first time and when recomputed
+        with torch.no_grad():
+            for s, v in zip(states, before):
+                s.copy_(v)
+        return fn(*a, **k)
+    return _ckpt(again, *args, use_reentrant=False, **kwargs)

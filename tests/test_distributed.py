@@ -293,10 +293,12 @@ def trainer_runs(tmp_path_factory):
     # 2 ranks -> 1 process: the DDP run's DCP checkpoint at step 20, continued by one process to 25
     one("--steps", "25", "--out", str(r["ddp"]), "--resume", str(r["ddp"]))
     two("--steps", "20", "--out", str(r["fsdp2"]), "--parallel", "fsdp2")
-    # the same run with its step-10 checkpoint written in the background (kept as checkpoint-10.dcp), then
-    # resumed from that checkpoint on 2 ranks to step 20
+    # the same run with its step-10 checkpoint written in the background (kept as checkpoint-10.dcp) and every
+    # block's activations recomputed in the backward (train.checkpoint_blocks), then resumed from that
+    # checkpoint on 2 ranks to step 20
     two("--steps", "20", "--out", str(r["fsdp2_async"]), "--parallel", "fsdp2", "--set", "train.checkpoint_every=10",
-        "--set", "train.async_checkpoint=true", "--set", "train.keep_checkpoints_at=10")
+        "--set", "train.async_checkpoint=true", "--set", "train.keep_checkpoints_at=10",
+        "--set", "train.checkpoint_blocks=true")
     two("--steps", "20", "--out", str(r["async_resumed"]), "--parallel", "fsdp2",
         "--resume", str(r["fsdp2_async"] / "checkpoint-10.dcp"))
     # the blocks compiled before FSDP2 wraps them (what GPU runs do by default), with explicit prefetching, 6 steps
@@ -361,8 +363,9 @@ def test_trainer_fsdp2_20_steps_close_to_1_process(trainer_runs):
 
 def test_trainer_background_checkpoint_resumes_bit_exact(trainer_runs):
     """train.async_checkpoint: the step-10 checkpoint is copied to host memory and written by a thread while
-    training goes on; training is unchanged, the checkpoint completes (its row says so) and resuming from it
-    gives the uninterrupted run's losses bit for bit."""
+    training goes on; training is unchanged (with train.checkpoint_blocks too: FSDP2 gathers the weights
+    again for the recomputed forwards), the checkpoint completes (its row says so) and resuming from it gives
+    the uninterrupted run's losses bit for bit."""
     ref = _metrics(trainer_runs["fsdp2"], "loss")
     run = trainer_runs["fsdp2_async"]
     assert _metrics(run, "loss") == ref

@@ -841,8 +841,9 @@ def _oom_message(cfg: TrainConfig, device: torch.device, e: BaseException, outco
             held = ""
     m = cfg.train.micro_batch_size or "the per-rank batch"
     return (f"{where}{held}; to need less: a smaller --micro-batch-size (now {m}; gradient accumulation keeps "
-            f"--batch-size), a shorter --seq-len (now {cfg.data.seq_len}), --set train.recompute_ffn=true, "
-            f"--set train.memory_budget=0.5, or the model sharded over more GPUs (--nproc N --parallel fsdp2)")
+            f"--batch-size), a shorter --seq-len (now {cfg.data.seq_len}), --set train.checkpoint_blocks=true, "
+            f"--set train.recompute_ffn=true, --set train.memory_budget=0.5, or the model sharded over more GPUs "
+            f"(--nproc N --parallel fsdp2)")
 
 
 def train(cfg: TrainConfig, resume: str | Path | None = None, callbacks=None) -> Path:
@@ -911,6 +912,8 @@ def _train(cfg: TrainConfig, resume: str | Path | None, env: D.DistEnv, locks: l
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg, data.vocab_size, device, load_init=state is None)
     convert(model, recipe)
+    for block in model.layers:
+        block.checkpoint_block = cfg.train.checkpoint_blocks
     if compiles(cfg, device):
         # each block compiled on its own (one graph shared by all blocks: layer numbers and steps are
         # tensors), before DDP / FSDP2 wrap them, as torchtitan does; state_dict keys are unchanged
