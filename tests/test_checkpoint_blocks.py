@@ -115,3 +115,14 @@ def test_trainer_setting_trains_the_same(tmp_path):
         rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
         return [r["loss"] for r in rows if "loss" in r and "val_loss" not in r]
     assert losses(train(cfg(tmp_path / "a", False))) == losses(train(cfg(tmp_path / "b", True)))
+
+
+def test_with_cuda_graphs_refused_up_front(tmp_path):
+    from mxtrain.errors import UserError
+    c = experiments.get("debug")
+    c.data.path = str(small_data())
+    c.log.out = str(tmp_path / "x")
+    c.train.checkpoint_blocks = c.train.cuda_graphs = True
+    with pytest.raises(UserError, match="checkpoint_blocks and train.cuda_graphs"):
+        train(c)
+    assert not (tmp_path / "x").exists()

@@ -205,6 +205,9 @@ def _check(cfg: TrainConfig) -> None:
     profiling.parse_steps(cfg.log.profile_steps, t.steps)
     if t.gc_every < 0:
         raise UserError(f"train.gc_every must be 0 (Python's automatic collection) or positive, got {t.gc_every}")
+    if t.checkpoint_blocks and t.cuda_graphs:
+        raise UserError("train.checkpoint_blocks and train.cuda_graphs together are not supported (a recomputation "
+                        "inside a replayed graph is not tested); set one of them to false")
     validate(cfg)
     if cfg.schedule.horizon_steps is not None and cfg.schedule.horizon_steps < cfg.train.steps:
         raise UserError(f"schedule.horizon_steps ({cfg.schedule.horizon_steps}) must be >= train.steps ({t.steps})")
