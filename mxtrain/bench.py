@@ -554,7 +554,8 @@ def bench_step(args) -> dict:
     res = _bs.measure(variants, model=args.model, layers=layers, batch=args.batch, seq=args.seq,
                       steps=args.steps, warmup=args.warmup, compile_mode=args.compile,
                       recompute_ffn=args.recompute_ffn, on_variant=_step_progress,
-                      memory_budget=args.memory_budget, param_dtype=args.param_dtype)
+                      memory_budget=args.memory_budget, param_dtype=args.param_dtype,
+                      checkpoint_blocks=args.checkpoint_blocks)
     res["variants"] = variants
     print(_bs.format_table(res), flush=True)
     return {"step": res}
@@ -739,6 +740,9 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=10, help="step: timed steps (median reported)")
     p.add_argument("--recompute-ffn", action="store_true",
                    help="step: every variant's compiled blocks recompute their feed-forward outputs in the backward")
+    p.add_argument("--checkpoint-blocks", action="store_true",
+                   help="step: every variant's blocks keep only their input and run again in the backward "
+                        "(full activation checkpointing, train.checkpoint_blocks)")
     p.add_argument("--variants", default="",
                    help="step: exactly these variants, comma-separated (bf16, torchao-tensorwise, torchao-rowwise, "
                         "recipes, each optionally with settings), instead of the FP8 baselines + --presets")

@@ -65,7 +65,8 @@ def _convert(m, variant: str) -> None:
 
 
 def _one_variant(variant: str, model: str, layers: int | None, batch: int, seq: int, steps: int, warmup: int,
-                 compile_mode: str, device, recompute_ffn: bool = False, param_dtype: str = "float32") -> dict:
+                 compile_mode: str, device, recompute_ffn: bool = False, param_dtype: str = "float32",
+                 checkpoint_blocks: bool = False) -> dict:
     import contextlib
     dev = torch.device(device)
     cuda = dev.type == "cuda"
@@ -76,6 +77,7 @@ def _one_variant(variant: str, model: str, layers: int | None, batch: int, seq: 
         raise ValueError(f"param_dtype must be float32 or bfloat16, not {param_dtype!r}")
     for b in m.layers:
         b.recompute_ffn = recompute_ffn
+        b.checkpoint_block = checkpoint_blocks
     V = m.cfg.vocab_size
     g = torch.Generator(device=dev).manual_seed(0)
     idx = torch.randint(0, V, (batch, seq + 1), device=dev, generator=g)
@@ -144,9 +146,11 @@ def split_variant(v: str) -> tuple[str, dict]:
 def measure(variants, model: str = "8b-layers", layers: int | None = 4, batch: int = 4, seq: int = 4096,
             steps: int = 10, warmup: int = 3, compile_mode: str = "default", device="cuda",
             recompute_ffn: bool = False, on_variant=None, memory_budget: float | None = None,
-            param_dtype: str = "float32") -> dict:
+            param_dtype: str = "float32", checkpoint_blocks: bool = False) -> dict:
     """Time and memory of the whole training step for each variant (see the module docstring);
     ``recompute_ffn``: every variant's blocks recompute their feed-forward outputs (``Block.recompute_ffn``);
+    ``checkpoint_blocks``: every variant's blocks keep only their input and run again in the backward
+    (``Block.checkpoint_block``, full activation checkpointing);
     ``on_variant(name, result)`` is called as each variant finishes (progress; nothing lost if a later one
     hangs or the process is stopped); ``memory_budget``: torch's ``activation_memory_budget`` (in (0, 1]: the
     compiler recomputes activations in the backward to keep that share of what it would save) for every
@@ -154,7 +158,8 @@ def measure(variants, model: str = "8b-layers", layers: int | None = 4, batch: i
     and its optimizer state in bf16, no autocast), for every variant."""
     res = {"model": model, "layers": layers, "batch": batch, "seq": seq, "tokens": batch * seq,
            "compile": compile_mode, "steps": steps, "warmup": warmup, "recompute_ffn": recompute_ffn,
-           "memory_budget": memory_budget, "param_dtype": param_dtype, "runs": {}}
+           "memory_budget": memory_budget, "param_dtype": param_dtype, "checkpoint_blocks": checkpoint_blocks,
+           "runs": {}}
     from . import settings
     for v in variants:
         try:
@@ -162,7 +167,7 @@ def measure(variants, model: str = "8b-layers", layers: int | None = 4, batch: i
             budget = {} if memory_budget is None else {"activation_memory_budget": float(memory_budget)}
             with settings.override(**over), torch._functorch.config.patch(**budget):
                 res["runs"][v] = _one_variant(base, model, layers, batch, seq, steps, warmup, compile_mode, device,
-                                              recompute_ffn, param_dtype)
+                                              recompute_ffn, param_dtype, checkpoint_blocks)
                 res["runs"][v]["settings"] = over
                 if on_variant is not None:   # (inside: it sees the variant's settings)
                     on_variant(v, res["runs"][v])
@@ -202,7 +207,9 @@ def format_table(res: dict) -> str:
     best = res.get("best_fp8")
     head = (f"whole training step: model {res['model']}" + (f" ({res['layers']} layers)" if res.get("layers") else "")
             + f", {res['batch']} x {res['seq']} tokens, compile {res['compile']}, median of {res['steps']} steps"
-            + (", bf16 parameters" if res.get("param_dtype") == "bfloat16" else ""))
+            + (", bf16 parameters" if res.get("param_dtype") == "bfloat16" else "")
+            + (", feed-forward recomputed" if res.get("recompute_ffn") else "")
+            + (", blocks checkpointed (full activation checkpointing)" if res.get("checkpoint_blocks") else ""))
     lines = [head, "", f"| variant | ms/step | min-max ms | tokens/s | vs bf16 | vs {best or 'best FP8'} | peak GiB | "
              "vs bf16 mem |", "|---|---|---|---|---|---|---|---|"]
 

@@ -108,3 +108,25 @@ def test_bf16_parameters_train_the_same_model_in_bf16(monkeypatch):
     bad = bs.measure(["bf16"], model="tiny", layers=1, batch=2, seq=32, steps=1, warmup=1, compile_mode="none",
                      device="cpu", param_dtype="float16")
     assert "param_dtype" in bad["runs"]["bf16"]["error"]
+
+
+def test_checkpoint_blocks_reaches_every_variants_blocks(monkeypatch):
+    """--checkpoint-blocks: every variant's blocks run their forward again in the backward: twice the block
+    calls of the same measurement without it."""
+    from mxtrain import model as M
+    calls = []
+    real = M.Block._block
+
+    def counted(self, x, cos, sin):
+        calls.append(1)
+        return real(self, x, cos, sin)
+    monkeypatch.setattr(M.Block, "_block", counted)
+    kw = dict(model="tiny", layers=1, batch=2, seq=32, steps=1, warmup=1, compile_mode="none", device="cpu")
+    plain = bs.measure(["bf16", "mxfp4-all-sr"], **kw)
+    n_plain = len(calls)
+    calls.clear()
+    res = bs.measure(["bf16", "mxfp4-all-sr"], checkpoint_blocks=True, **kw)
+    assert res["checkpoint_blocks"] is True and plain["checkpoint_blocks"] is False
+    assert all("ms" in r for r in res["runs"].values())
+    assert n_plain > 0 and len(calls) == 2 * n_plain
+    assert "blocks checkpointed" in bs.format_table(res) and "checkpointed" not in bs.format_table(plain)
