@@ -464,8 +464,9 @@ def checkpoint(fn, *args, layers: nn.Module, **kwargs):
     """``fn(*args, **kwargs)`` under activation checkpointing (``torch.utils.checkpoint``, non-reentrant): only
     the inputs are kept, and ``fn`` runs again in the backward. Plain checkpointing would make that second run a
     new call of every MX layer, with the next call's stochastic-rounding bits; here the recomputation draws the
-    bits of the first run, so the gradients are those without checkpointing, bit for bit (on CPU; tested for
-    every preset with random inputs). ``layers``: the module holding the MX layers ``fn`` calls (their
+    bits of the first run, so the gradients are those without checkpointing, bit for bit (on CPU; tested eagerly
+    for ``bf16``, ``mxfp4-all-dh16``, ``mxfp4-all-sr`` and ``tseng``, compiled for ``mxfp4-all-dh16`` and ``tseng``;
+    not yet run on a GPU). ``layers``: the module holding the MX layers ``fn`` calls (their
     ``mx_state``). Under ``torch.compile`` a selective-checkpoint policy keeps ``mxtrain.call_seeds`` and
     recomputes everything else; eagerly the layers' call counters are put back before the second run."""
     from torch.utils.checkpoint import checkpoint as _ckpt
