@@ -31,6 +31,9 @@ __all__ = ["hadamard", "hadamard_matrix", "rotation_signs", "SIGN_MODES", "ROTAT
 
 ROTATION_SIZES = (16, 32, 64, 128)
 SIGN_MODES = ("none", "fixed", "per_layer", "per_step")
+# float(dtype(1 / sqrt(n))): the normalization, rounded once to the transform's dtype
+_INV_SQRT = {(n, dt): float(torch.tensor(1.0 / math.sqrt(n), dtype=dt))
+             for n in ROTATION_SIZES for dt in (torch.float32, torch.float64)}
 
 
 def hadamard_matrix(n: int, dtype=torch.float64) -> torch.Tensor:
@@ -91,8 +94,8 @@ def hadamard(x: torch.Tensor, size: int, *, axis: int = -1, signs: torch.Tensor 
         y = torch.stack((a + b, a - b), dim=-2).reshape(*lead, length)
         h *= 2
     # 1/sqrt(size) rounded once to dt, multiplied as a scalar (no host-to-device copy: a CUDA graph may
-    # be capturing)
-    y = y * float(torch.tensor(1.0 / math.sqrt(size), dtype=dt))
+    # be capturing; a Python constant: no tensor read under torch.compile)
+    y = y * _INV_SQRT[(size, dt)]
     return y.movedim(-1, axis)
 
 

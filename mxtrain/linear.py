@@ -546,14 +546,20 @@ def split_capable(recipe: Recipe) -> bool:
 
 
 def compiled_linear(x, weight, bias, state, recipe_str: str, seeded: bool, quantized: bool, split: bool = False,
-                    fp8: str = ""):
+                    fp8: str = "", mx: str = ""):
     """The traced form of ``mx_linear`` (what a compiled ``MXLinear.forward`` calls): only strings and
     booleans that are constant per recipe, so graphs carry no step, call or layer. ``split``: the recipe
     is ``split_capable``; on a CUDA device with the fast path on, X is quantized by its own op. ``fp8``: the
     recipe's operand formats joined by commas where ``tracedfp8.spec`` accepts it (else empty): traced
-    operations instead of the custom op where ``tracedfp8.applies``."""
+    operations instead of the custom op where ``tracedfp8.applies``. ``mx``: ``tracedmx.spec`` of the recipe (else
+    empty): traced operations around the FP8-carrier GEMM where ``tracedmx.applies``."""
     if not quantized:
         return F.linear(x, weight, bias)
+    if mx:
+        from . import tracedmx
+        rows = tracedmx.applies(mx, x, weight)
+        if rows:
+            return tracedmx.linear(x, weight, bias, mx, rows)
     if fp8:
         from . import tracedfp8
         fmts = tuple(fp8.split(","))
@@ -579,13 +585,14 @@ def compiled_linear(x, weight, bias, state, recipe_str: str, seeded: bool, quant
 
 
 @torch._dynamo.assume_constant_result
-def _compile_spec(recipe: str) -> tuple[str, bool, bool, bool, str]:
+def _compile_spec(recipe: str) -> tuple[str, bool, bool, bool, str, str]:
     """``recipe``: a preset name or a recipe's JSON string (strings only: a traced call passes its
     arguments as constants, and some torch versions cannot rebuild a frozen dataclass there)."""
-    from . import tracedfp8
+    from . import tracedfp8, tracedmx
     r = _recipe_from_json(recipe) if recipe.startswith("{") else get_recipe(recipe)
     fp8 = tracedfp8.spec(r)
-    return recipe_json(r), needs_seeds(r), r.quantized, split_capable(r), ",".join(fp8) if fp8 else ""
+    return (recipe_json(r), needs_seeds(r), r.quantized, split_capable(r), ",".join(fp8) if fp8 else "",
+            tracedmx.spec(r) or "")
 
 
 def mx_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -604,8 +611,8 @@ def mx_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     per expert with ``weight[e]``).
     """
     if torch.compiler.is_compiling():
-        rs, seeded, quantized, split, fp8 = _compile_spec(recipe if isinstance(recipe, str) else recipe._json)
-        return compiled_linear(x, weight, bias, state, rs, seeded, quantized, split, fp8)
+        rs, seeded, quantized, split, fp8, mx = _compile_spec(recipe if isinstance(recipe, str) else recipe._json)
+        return compiled_linear(x, weight, bias, state, rs, seeded, quantized, split, fp8, mx)
     recipe = get_recipe(recipe)
     rt = route(recipe, x, weight)
     if rt == "plain":

@@ -27,7 +27,7 @@ import torch.nn as nn
 
 from .context import OPERAND_ID as _OPERAND_ID, Ctx, advances_calls, needs_seeds, operand_seed, pad_axis as _pad_axis
 from .linear import _MXLinearFunction, compiled_linear, mx_linear, recipe_json, split_capable
-from . import tracedfp8
+from . import tracedfp8, tracedmx
 from .recipe import Recipe
 from .recipes import get as get_recipe
 
@@ -144,6 +144,7 @@ class MXLayer:
         self._mx_split = split_capable(r)
         fp8 = tracedfp8.spec(r)
         self._mx_fp8 = ",".join(fp8) if fp8 else ""
+        self._mx_traced = tracedmx.spec(r) or ""
 
     @property
     def layer_id(self) -> int:
@@ -176,7 +177,7 @@ class MXLayer:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return compiled_linear(x, self._mx_weight(), self.bias, self.mx_state, self._mx_json, self._mx_seeded,
-                                   self._mx_quantized, self._mx_split, self._mx_fp8)
+                                   self._mx_quantized, self._mx_split, self._mx_fp8, self._mx_traced)
         return mx_linear(x, self._mx_weight(), self.bias, self._mx_recipe, self.mx_state)
 
     def extra_repr(self) -> str:

@@ -151,6 +151,14 @@ class Settings:
         "compiler fuses with the kernels around them and recomputes in the backward as it does torchao's float8: "
         "`auto` on GPUs with FP8 tensor cores, `off`: the custom op (Triton casts, X's codes kept). Same values "
         "either way.", "choice", choices=("auto", "off"), aliases=_AUTO_OFF)
+    mx_traced: str = _knob(
+        "off", "MXTRAIN_MX_TRACED", "Under `torch.compile`, the layers of MXFP4 recipes whose GEMMs all use "
+        "round-to-nearest, prescale 1 and no or a deterministic Hadamard rotation (`mxfp4-all`, `mxfp4-all-dh16`, "
+        "`mxfp4-fprop`...) as traced operations around the FP8-carrier GEMM (`mxtrain/tracedmx.py`), which the "
+        "compiler fuses with the kernels around them and recomputes in the backward: `auto` on GPUs with FP8 "
+        "tensor cores, `always` also on CPU (an emulated GEMM, for tests), `off`: the custom ops. Same values "
+        "either way; the traced form does not count inexact carrier blocks.",
+        "choice", choices=("auto", "always", "off"), aliases=_AUTO_OFF)
     data_dir: str | None = _knob(
         None, "MXTRAIN_DATA", "Folder of the prepared built-in corpus (default `~/.cache/mxtrain/data`). "
         "Read when used.", "path")
