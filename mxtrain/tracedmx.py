@@ -39,8 +39,8 @@ import torch
 import torch.nn.functional as F
 
 from .formats import get_format
-from .hadamard import hadamard
-from .quant import mx_scale_exponent, pow2, round_to_elem
+from .hadamard import _INV_SQRT
+from .quant import mx_scale_exponent, pow2
 from .recipe import Recipe
 
 __all__ = ["spec", "applies", "carrier", "linear"]
@@ -115,17 +115,48 @@ def _ceil(a: int, b: int) -> int:
     return -(-a // b) * b
 
 
+def _rotate(r: torch.Tensor, n: int) -> torch.Tensor:
+    """``hadamard(r, n, axis=-1)`` (no signs) for float32 ``r`` whose last axis is a multiple of ``n``, in the
+    reference's arithmetic (butterfly stages h = 1, 2, ..., n/2: ``(a, b) -> (a + b, a - b)``, then one multiply by
+    float32(1/sqrt(n))), written so that the compiler fuses every stage into the kernel that reads ``r``: each
+    element takes its partner from the same pair through a flip (an index map), not from a concatenation."""
+    lead, L = r.shape[:-1], r.shape[-1]
+    first = torch.arange(2, device=r.device) == 0          # (a, b): which half of each pair
+    h = 1
+    while h < n:
+        v = r.reshape(*lead, L // (2 * h), 2, h)
+        partner = v.flip(-2)
+        r = torch.where(first[:, None], v + partner, partner - v).reshape(*lead, L)
+        h *= 2
+    return r * _INV_SQRT[(n, torch.float32)]
+
+
+def _round_e2m1(v: torch.Tensor) -> torch.Tensor:
+    """``quant.round_to_elem(v, E2M1, "nearest")`` in fewer operations: ``|v|`` saturated at 6, divided by its
+    binade's spacing (0.5 below 2, 1 below 4, else 2; a multiply by a power of two, exact), rounded half to
+    even, multiplied back, with ``v``'s sign (negative values that round to zero give -0)."""
+    a = v.abs().clamp(max=6.0)
+    step = torch.where(a < 2.0, 0.5, torch.where(a < 4.0, 1.0, 2.0))
+    inv = torch.where(a < 2.0, 2.0, torch.where(a < 4.0, 1.0, 0.5))    # (a multiply: exact, never a division)
+    return torch.copysign(torch.round(a * inv) * step, v)
+
+
 def carrier(t: torch.Tensor, rot: int, rule: str, group_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The FP8 carrier of ``t`` (R, K) quantized to MXFP4 along K (its last axis) by ``rule`` after a
     deterministic ``rot``-element Hadamard rotation (0: none): (e4m3 (Rc, Kc), float32 group scales
     (Rc, Kc/128) for ``group_rows`` 1, (Rc/128, Kc/128) for 128), with Kc = K padded to a multiple of 512 and
-    Rc = R padded to a multiple of 128 for 128-row groups (zeros). The bytes ``kernels.mxfp4`` writes."""
+    Rc = R padded to a multiple of 128 for 128-row groups (zeros). The bytes ``kernels.mxfp4`` writes.
+
+    Written for the compiler: the group exponent ``G`` comes from the block exponents (small tensors), and each
+    element is written as ``q * 2**(s - G + 6)`` straight from the input (one rounding, as the definition's
+    ``(q * 2**s) * 2**(6 - G)``, both exact where the carrier holds the block), so no full-size float32 tensor
+    needs to be kept between the two reductions."""
     R, K = t.shape
     r = t.to(torch.float32)
     if rot:
         if K % rot:
             r = F.pad(r, (0, (-K) % rot))
-        r = hadamard(r, rot, axis=-1)
+        r = _rotate(r, rot)
     Kc = _ceil(K, _KMUL)
     Rc = _ceil(R, 128) if group_rows == 128 else R
     if Kc != r.shape[1] or Rc != R:
@@ -134,19 +165,19 @@ def carrier(t: torch.Tensor, rot: int, rule: str, group_rows: int) -> tuple[torc
     finite = torch.isfinite(xb)
     ok = finite.all(-1)
     amax = torch.where(finite, xb.abs(), torch.zeros_like(xb)).amax(-1)
-    s = mx_scale_exponent(amax, _E2M1, rule)
-    v = torch.where(ok[..., None], xb * pow2(-s)[..., None], torch.zeros_like(xb))
-    vals = round_to_elem(v, _E2M1, "nearest") * pow2(s)[..., None]      # the MX values (exact)
-    vals = torch.where(ok[..., None], vals, torch.full_like(vals, float("nan")))
+    s = mx_scale_exponent(amax, _E2M1, rule)                              # (Rc, Kc/32)
     se = torch.where(ok, s, torch.full_like(s, -127))
     g = se.reshape(Rc, Kc // _TILE, 4).amax(-1)                            # (Rc, Kc/128)
     if group_rows == 128:
         g = g.reshape(Rc // 128, 128, Kc // _TILE).amax(1).clamp(min=_MIN_G)   # (Rc/128, Kc/128)
-        shift = pow2(6 - g).reshape(Rc // 128, 1, Kc // _TILE, 1)
-        car = vals.reshape(Rc // 128, 128, Kc // _TILE, _TILE) * shift
+        gb = g.reshape(Rc // 128, 1, Kc // _TILE, 1).expand(Rc // 128, 128, Kc // _TILE, 4).reshape(Rc, Kc // 32)
     else:
         g = g.clamp(min=_MIN_G)
-        car = vals.reshape(Rc, Kc // _TILE, _TILE) * pow2(6 - g)[..., None]
+        gb = g.reshape(Rc, Kc // _TILE, 1).expand(Rc, Kc // _TILE, 4).reshape(Rc, Kc // 32)
+    v = torch.where(ok[..., None], xb * pow2(-s)[..., None], torch.zeros_like(xb))
+    q = _round_e2m1(v)
+    car = q * pow2((s - gb + 6).clamp(min=-149))[..., None]
+    car = torch.where(ok[..., None], car, torch.full_like(car, float("nan")))
     return car.reshape(Rc, Kc).to(torch.float8_e4m3fn), pow2(g - 6)
 
 

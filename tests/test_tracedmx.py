@@ -117,8 +117,7 @@ def _ops_of(fn, *args):
 
 
 @pytest.mark.parametrize("recipe", ["mxfp4-all", "mxfp4-all-dh16", "mxfp4-fprop", "mxfp4-all-dh16+amd"])
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("amp", [False, True])
+@pytest.mark.parametrize("bias,amp", [(False, False), (True, True)], ids=["plain", "bias-autocast"])
 def test_compiled_layer_is_traced_and_equals_the_reference(recipe, bias, amp, traced):
     x = _tensor(512, 512, spread=4)
     w = _tensor(256, 512, seed=2, spread=1) / 10
@@ -220,3 +219,17 @@ def test_cuda_compiled_model_equals_the_custom_ops(recipe):
     assert abs(l1 - l0) < 1e-3 * abs(l0)
     for a, b in zip(g1, g0):
         assert ((a - b).norm() / b.norm().clamp(min=1e-30)) < 2e-2
+
+
+def test_e2m1_rounding_is_the_reference_on_every_float32_neighbourhood_of_the_grid():
+    """``_round_e2m1`` against ``quant.round_to_elem`` on every grid point, every midpoint, their float32
+    neighbours, signed zeros, saturation and a dense random sweep."""
+    from mxtrain.formats import get_format
+    from mxtrain.quant import round_to_elem
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    pts = torch.cat([grid, (grid[1:] + grid[:-1]) / 2, torch.tensor([7.0, 1e30, 1e-30, 5.0, 6.5])])
+    pts = torch.cat([pts, torch.nextafter(pts, torch.tensor(float("inf"))), torch.nextafter(pts, torch.tensor(0.0))])
+    g = torch.Generator().manual_seed(0)
+    v = torch.cat([pts, -pts, torch.rand(200000, generator=g) * 14 - 7])
+    got, ref = tracedmx._round_e2m1(v), round_to_elem(v, get_format("mxfp4").elem, "nearest")
+    assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
