@@ -13,6 +13,8 @@ from mxtrain import mx_linear, recipes, settings, tensorfp8, tracedfp8
 from mxtrain.quant import quantize
 from mxtrain.recipe import Operand, Recipe, Rotation
 
+from compile_helpers import fwd_bwd, ops_of
+
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -119,26 +121,6 @@ def test_applies_needs_the_setting_fp8_tensor_cores_and_multiples_of_16(fp8_on, 
     assert not tracedfp8.applies(f, x, w)
 
 
-def _fwd_bwd(x, w, b, gy, fn):
-    x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
-    b = b.clone().requires_grad_() if b is not None else None
-    y = fn(x, w, b)
-    y.backward(gy)
-    return [t.detach().float() for t in (y, x.grad, w.grad, *(() if b is None else (b.grad,)))]
-
-
-def _ops_of(fn, *args):
-    """The call_function targets of the graph(s) ``torch.compile`` makes of ``fn`` (fullgraph)."""
-    seen = []
-
-    def backend(gm, example_inputs):
-        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
-        return gm
-    torch._dynamo.reset()
-    torch.compile(fn, backend=backend, fullgraph=True)(*args)
-    return seen
-
-
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("amp", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -152,18 +134,18 @@ def test_compiled_layer_is_traced_and_equals_eager(bias, amp, dtype, fp8_on):
         with torch.autocast(DEV, dtype=torch.bfloat16, enabled=amp):
             return mx_linear(a, c, d, recipe="fp8")
     xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
-    ops = _ops_of(f, xg, wg, b)
+    ops = ops_of(f, xg, wg, b)
     assert not any("mxtrain" in o for o in ops) and any("autograd_function_apply" in o for o in ops), ops
-    eager = _fwd_bwd(x, w, b, gy, f)
+    eager = fwd_bwd(x, w, b, gy, f)
     torch._dynamo.reset()
-    got = _fwd_bwd(x, w, b, gy, torch.compile(f, fullgraph=True))
+    got = fwd_bwd(x, w, b, gy, torch.compile(f, fullgraph=True))
     for i, (g, r) in enumerate(zip(got, eager)):
         if i < 3:
             assert torch.equal(g, r), (i, (g - r).abs().max())
         else:   # db: a float32 sum over tokens (another summation order when compiled)
             torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-7)
     with settings.override(fp8_traced="off"):
-        assert any("mxtrain.linear" in o for o in _ops_of(f, xg, wg, b))
+        assert any("mxtrain.linear" in o for o in ops_of(f, xg, wg, b))
 
 
 def test_compiled_model_trains_like_eager_without_recompiles(fp8_on):
@@ -228,9 +210,9 @@ def test_compiled_layer_on_the_gpu_equals_the_eager_fast_path():
     def f(a, c, d):
         with torch.autocast("cuda", dtype=torch.bfloat16):
             return mx_linear(a, c, d, recipe="fp8")
-    eager = _fwd_bwd(x, w, None, gy, f)
+    eager = fwd_bwd(x, w, None, gy, f)
     torch._dynamo.reset()
-    got = _fwd_bwd(x, w, None, gy, torch.compile(f, fullgraph=True))
+    got = fwd_bwd(x, w, None, gy, torch.compile(f, fullgraph=True))
     for i, (g, r) in enumerate(zip(got, eager)):
         assert torch.equal(g, r), (i, ((g - r).norm() / r.norm()).item())
 

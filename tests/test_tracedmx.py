@@ -13,6 +13,8 @@ from mxtrain import mx_linear, recipes, settings, tracedmx
 from mxtrain.kernels.mxfp4.carrier import QuantOut, carrier_from_fp4, reference_quantize
 from mxtrain.recipe import Operand, Recipe, Rotation
 
+from compile_helpers import fwd_bwd, ops_of
+
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -97,25 +99,6 @@ def test_applies_needs_the_setting_and_multiples_of_32(traced):
             assert not tracedmx.applies(f, x, w)
 
 
-def _fwd_bwd(x, w, b, gy, fn):
-    x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
-    b = b.clone().requires_grad_() if b is not None else None
-    y = fn(x, w, b)
-    y.backward(gy)
-    return [t.detach().float() for t in (y, x.grad, w.grad, *(() if b is None else (b.grad,)))]
-
-
-def _ops_of(fn, *args):
-    seen = []
-
-    def backend(gm, example_inputs):
-        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
-        return gm
-    torch._dynamo.reset()
-    torch.compile(fn, backend=backend, fullgraph=True)(*args)
-    return seen
-
-
 @pytest.mark.parametrize("recipe", ["mxfp4-all", "mxfp4-all-dh16", "mxfp4-fprop", "mxfp4-all-dh16+amd"])
 @pytest.mark.parametrize("bias,amp", [(False, False), (True, True)], ids=["plain", "bias-autocast"])
 def test_compiled_layer_is_traced_and_equals_the_reference(recipe, bias, amp, traced):
@@ -128,13 +111,13 @@ def test_compiled_layer_is_traced_and_equals_the_reference(recipe, bias, amp, tr
         with torch.autocast(DEV, dtype=torch.bfloat16, enabled=amp):
             return mx_linear(a, c, d, recipe=recipe)
     xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
-    ops = _ops_of(f, xg, wg, b)
+    ops = ops_of(f, xg, wg, b)
     assert not any("mxtrain.linear" in o or "quantize_input" in o for o in ops), ops
     assert any("autograd_function_apply" in o for o in ops), ops
     with settings.override(fast=DEV == "cuda"):
-        ref = _fwd_bwd(x, w, b, gy, f)             # eager: the reference path (CPU) or the fast path (GPU)
+        ref = fwd_bwd(x, w, b, gy, f)             # eager: the reference path (CPU) or the fast path (GPU)
     torch._dynamo.reset()
-    got = _fwd_bwd(x, w, b, gy, torch.compile(f, fullgraph=True))
+    got = fwd_bwd(x, w, b, gy, torch.compile(f, fullgraph=True))
     for i, (g, r) in enumerate(zip(got, ref)):
         if DEV == "cuda" and i < 3:
             assert torch.equal(g, r), (i, (g - r).abs().max())
@@ -145,12 +128,12 @@ def test_compiled_layer_is_traced_and_equals_the_reference(recipe, bias, amp, tr
         else:         # db: a float32 sum over 512 tokens in another order (elements near 0 after cancellation)
             torch.testing.assert_close(g, r, rtol=2e-5, atol=1e-7 * float(gy.float().abs().sum(0).max()))
     with settings.override(mx_traced="off"):
-        assert any("mxtrain" in o for o in _ops_of(f, xg, wg, b))
+        assert any("mxtrain" in o for o in ops_of(f, xg, wg, b))
 
 
 def test_outside_the_form_the_custom_op_stays(traced):
     x, w = _tensor(64, 64), _tensor(64, 64, seed=1)
-    ops = _ops_of(lambda a, c: mx_linear(a, c, None, recipe="mxfp4-all-sr"), x, w)
+    ops = ops_of(lambda a, c: mx_linear(a, c, None, recipe="mxfp4-all-sr"), x, w)
     assert any("mxtrain" in o for o in ops) and not any("carrier_mm" in o for o in ops)
 
 
