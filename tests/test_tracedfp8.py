@@ -13,7 +13,7 @@ from mxtrain import mx_linear, recipes, settings, tensorfp8, tracedfp8
 from mxtrain.quant import quantize
 from mxtrain.recipe import Operand, Recipe, Rotation
 
-from compile_helpers import fwd_bwd, ops_of
+from compile_helpers import fwd_bwd, mlp_losses, ops_of
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -153,27 +153,10 @@ def test_compiled_model_trains_like_eager_without_recompiles(fp8_on):
     autocast: the same losses as eagerly, one graph (no recompile after the first step)."""
     from torch._dynamo.utils import counters
 
-    def run(compiled):
-        torch.manual_seed(0)
-        m = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64)).to(DEV)
-        mxtrain.convert(m, "fp8", skip=())
-        f = torch.compile(m, fullgraph=True) if compiled else m
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-        g = torch.Generator().manual_seed(1)
-        losses = []
-        for _ in range(6):
-            x = torch.randn(32, 64, generator=g).to(DEV)
-            with torch.autocast(DEV, dtype=torch.bfloat16):
-                loss = (f(x).float() - x.flip(-1)).square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        return losses
-    eager = run(False)
+    eager = mlp_losses("fp8", False, DEV)
     torch._dynamo.reset()
     counters.clear()
-    got = run(True)
+    got = mlp_losses("fp8", True, DEV)
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     assert eager[-1] < eager[0] * 0.9
     # biases' gradients are float32 sums in another order when compiled: the losses agree to float32 rounding

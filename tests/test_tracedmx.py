@@ -13,7 +13,7 @@ from mxtrain import mx_linear, recipes, settings, tracedmx
 from mxtrain.kernels.mxfp4.carrier import QuantOut, carrier_from_fp4, reference_quantize
 from mxtrain.recipe import Operand, Recipe, Rotation
 
-from compile_helpers import fwd_bwd, ops_of
+from compile_helpers import fwd_bwd, mlp_losses, ops_of
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -138,34 +138,17 @@ def test_outside_the_form_the_custom_op_stays(traced):
 
 
 def test_compiled_model_trains_like_eager_without_recompiles(traced):
-    """A converted MLP under ``torch.compile(fullgraph=True)`` with fused... (CPU: for-loop) AdamW, 6 steps in a
-    plain loop under bf16 autocast: the reference path's losses, one graph, and the inexact-block counts of the
+    """A converted MLP under ``torch.compile(fullgraph=True)``, 6 steps of AdamW in a plain loop under bf16
+    autocast: the reference path's losses, one graph, and the inexact-block counts of the
     device marked as not counted."""
     from torch._dynamo.utils import counters
     from mxtrain import fast
 
-    def run(compiled):
-        torch.manual_seed(0)
-        m = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.GELU(), torch.nn.Linear(256, 128)).to(DEV)
-        mxtrain.convert(m, "mxfp4-all-dh16", skip=())
-        f = torch.compile(m, fullgraph=True) if compiled else m
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-        g = torch.Generator().manual_seed(1)
-        losses = []
-        for _ in range(6):
-            x = torch.randn(64, 128, generator=g).to(DEV)
-            with torch.autocast(DEV, dtype=torch.bfloat16):
-                loss = (f(x).float() - x.flip(-1)).square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        return losses
-    eager = run(False)
+    eager = mlp_losses("mxfp4-all-dh16", False, DEV, width=128, batch=64)
     torch._dynamo.reset()
     counters.clear()
     fast.state.missed.clear()
-    got = run(True)
+    got = mlp_losses("mxfp4-all-dh16", True, DEV, width=128, batch=64)
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     assert not fast.state.counted(DEV)
     assert eager[-1] < eager[0] * 0.9
