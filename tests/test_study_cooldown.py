@@ -43,6 +43,12 @@ def test_cooldown_study_end_to_end_and_resume(tmp_path, monkeypatch):
 
     run_study(_spec(out), log=lambda m: None, branch_fn=counting)
     assert len(calls) == 2 * 2 * 3
+    # what the dry run counted is what ran: steps and evaluations of a run and its branches
+    from mxtrain.study.runner import compute_plan
+    plan = compute_plan(_spec(out))
+    folders = [out / "runs" / "bf16" / "seed0", *sorted((out / "runs" / "bf16" / "seed0" / "branches").iterdir())]
+    rows = [json.loads(x) for f in folders for x in (f / "metrics.jsonl").read_text().splitlines()]
+    assert sum("val_loss" in r for r in rows) * 512 * plan["runs"] == plan["eval_tokens"]
     rd = out / "runs" / "mxfp4-all" / "seed1"
     cfg = json.loads((rd / "config.json").read_text())
     assert cfg["schedule"]["kind"] == "constant" and cfg["train"]["steps"] == 12
@@ -99,6 +105,36 @@ def test_cli_and_config_file_budgets(tmp_path, capsys):
     assert main(["study", "--arms", "bf16", "--steps", "10", "--budgets", "0.1", "--out", str(tmp_path / "v"),
                  "--dry-run"]) == 2          # a branch point before the first step: refused before anything runs
     assert "budget 0.1 of a 10-step run branches at step 0" in capsys.readouterr().err
+
+
+def test_compute_plan_counts_what_the_study_trains(tmp_path, capsys):
+    """The dry run's counts: the model's parameters as built, tokens per run and per parameter, every run's
+    stable steps plus its branches (16-step runs, budgets 0.5/0.75/1 with a quarter cooling down: the stable
+    run to step 12, branches of 2, 3 and 4 steps), evaluations, and the time at a given rate."""
+    from mxtrain.cli import main
+    from mxtrain.study.runner import compute_plan
+    from mxtrain.train.trainer import _model_config, build_model
+    import torch
+    spec = _spec(tmp_path / "s")
+    c = compute_plan(spec, tokens_per_s=1000.0)
+    from mxtrain.study.runner import build_config
+    cfg = build_config(spec, "bf16", 0, tmp_path / "r")
+    model = build_model(cfg, cfg.data.vocab_size, torch.device("cpu"))
+    assert c["params"] == sum(p.numel() for p in model.parameters())
+    assert c["params_no_embedding"] == c["params"] - sum(p.numel() for n, p in model.named_parameters()
+                                                         if n.startswith(("embed_tokens", "lm_head")))
+    assert c["tokens_per_run"] == 16 * 4 * 32 and c["runs"] == 4
+    assert c["steps_per_run_and_branches"] == 12 + 2 + 3 + 4
+    assert c["train_tokens"] == 4 * 21 * 4 * 32
+    # evaluations every 4 steps and at each end: steps 4, 8, 12 of the stable run, and the last step of each
+    # branch (8, 12, 16), as the end-to-end test below finds in the run folders
+    assert c["eval_tokens"] == 4 * (3 + 1 + 1 + 1) * 512
+    assert c["hours"] == pytest.approx((c["train_tokens"] + c["eval_tokens"] / 3) / 1000 / 3600)
+    assert c["tokens_per_param"] == pytest.approx(c["tokens_per_run"] / c["params"])
+    assert main(["study", "--arms", "bf16", "--steps", "100", "--out", str(tmp_path / "t"), "--dry-run",
+                 "--tokens-per-s", "5000"]) == 0
+    out = capsys.readouterr().out
+    assert "tokens per parameter" in out and "at the rate given: about" in out and "B tokens trained" in out
 
 
 def test_final_evaluation_over_more_tokens_feeds_the_cooled_down_losses(tmp_path, monkeypatch):

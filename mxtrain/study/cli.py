@@ -74,7 +74,10 @@ def register(subparsers) -> None:
                    "Hoffmann et al. 2022): robust to one bad point")
     p.add_argument("--jobs", type=int, help="train this many runs at once, in worker processes "
                    "(spread over the visible GPUs; small models share one GPU well). Default 1")
-    p.add_argument("--dry-run", action="store_true", help="print the plan and exit")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and what it will train (parameters, "
+                   "tokens per run and per parameter, tokens of all runs and branches) and exit")
+    p.add_argument("--tokens-per-s", type=float, help="with --dry-run: training tokens a second of this machine, "
+                   "all jobs together (measured: a finished study's runs report tok_per_s), for a time estimate")
     p.set_defaults(func=study_main)
 
     r = subparsers.add_parser(
@@ -107,7 +110,9 @@ def study_main(args: argparse.Namespace) -> int:
             validate(cfg)
         check_init_from(cfg.train.init_from)
     if args.dry_run:
+        from .runner import compute_plan, describe_compute
         print(spec.describe())
+        print(describe_compute(compute_plan(spec, getattr(args, "tokens_per_s", None))))
         return 0
     out = run_study(spec, jobs=args.jobs)
     s = json.loads((out / "summary.json").read_text())

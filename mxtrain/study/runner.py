@@ -270,6 +270,66 @@ def branch_plan(spec: StudySpec, steps: int, warmup: int = 0) -> list[tuple[floa
     return out
 
 
+def compute_plan(spec: StudySpec, tokens_per_s: float | None = None) -> dict:
+    """What a study will train, counted before it runs (``mxtrain study --dry-run``): the model's parameters
+    (all, and without the embedding table), tokens per run at the full budget and per parameter, the steps and
+    tokens of every run and cooldown branch together, the evaluation tokens (forward only), the passes over the
+    training split; with ``tokens_per_s`` (training tokens a second of the whole machine, all jobs together,
+    measured on it) the hours it needs, counting an evaluated token as a third of a trained one. Parameters
+    "without the embedding" leave out the embedding table and the output head."""
+    import math as _m
+    from ..train.trainer import _model_config
+    cfg = build_config(StudySpec(**{**asdict(spec), "budgets": None}), spec.arms[0], 0, Path(spec.out) / "plan")
+    vocab, train_tokens = cfg.data.vocab_size, None
+    meta = Path(cfg.data.path) / "meta.json" if cfg.data.path else None
+    if meta is not None and meta.is_file():
+        m = json.loads(meta.read_text())
+        vocab, train_tokens = m.get("vocab_size", vocab), m.get("train_tokens")
+    mcfg = _model_config(cfg, vocab)
+    steps = run_steps(cfg)
+    tok_step = cfg.train.batch_size * cfg.data.seq_len
+    runs = spec.seeds * len(spec.arms)
+    e = cfg.log.eval_every
+
+    def evals_in(a: int, b: int) -> int:   # steps a+1..b: every e-th, and the last one
+        return b // e - a // e + (0 if b % e == 0 else 1)
+    if spec.budgets:
+        plan = branch_plan(spec, steps, cfg.schedule.warmup_steps)
+        stable = max(k for _, k, _ in plan)
+        per_run = stable + sum(n for _, _, n in plan)
+        evals = evals_in(0, stable) + sum(evals_in(k, k + n) for _, k, n in plan)
+    else:
+        per_run = steps
+        evals = evals_in(0, steps)
+    eval_tok = evals * cfg.log.eval_tokens + max(0, cfg.log.final_eval_tokens) * (1 + len(spec.budgets or []))
+    table = mcfg.vocab_size * mcfg.dim * (1 if mcfg.tie_embeddings else 2)
+    out = {"params": mcfg.num_params(), "params_no_embedding": mcfg.num_params() - table,
+           "tokens_per_run": steps * tok_step,
+           "steps_per_run_and_branches": per_run, "runs": runs, "train_tokens": runs * per_run * tok_step,
+           "eval_tokens": runs * eval_tok}
+    out["tokens_per_param"] = out["tokens_per_run"] / out["params"]
+    out["epochs"] = out["tokens_per_run"] / train_tokens if train_tokens else None
+    if tokens_per_s:
+        out["hours"] = (out["train_tokens"] + out["eval_tokens"] / 3) / tokens_per_s / 3600
+    if not _m.isfinite(out["tokens_per_param"]):
+        out["tokens_per_param"] = None
+    return out
+
+
+def describe_compute(c: dict) -> str:
+    """``compute_plan``'s answer as the dry run prints it."""
+    lines = [f"  model: {c['params'] / 1e6:.1f} M parameters ({c['params_no_embedding'] / 1e6:.1f} M without the "
+             f"embedding and output head)",
+             f"  each run: {c['tokens_per_run'] / 1e6:.2f} M tokens at the full budget = "
+             f"{c['tokens_per_param']:.2f} tokens per parameter"
+             + (f", {c['epochs']:.2f} passes over the training split" if c.get("epochs") is not None else ""),
+             f"  all {c['runs']} runs with their branches: {c['steps_per_run_and_branches']:,} steps each, "
+             f"{c['train_tokens'] / 1e9:.3f} B tokens trained, {c['eval_tokens'] / 1e6:.1f} M evaluated"]
+    if c.get("hours") is not None:
+        lines.append(f"  at the rate given: about {c['hours']:.2f} hours")
+    return "\n".join(lines)
+
+
 def run_steps(cfg) -> int:
     """The run length in steps of a config (``train.tokens`` wins when set)."""
     if cfg.train.tokens:
