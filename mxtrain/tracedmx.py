@@ -58,7 +58,7 @@ def spec(recipe: Recipe) -> str | None:
     parts, mx = [], False
     for g, a, b in _GEMMS:
         oa, ob, rot = recipe.operand(a), recipe.operand(b), recipe.rotation(g)
-        if not oa.quantized and not ob.quantized and not rot.enabled:
+        if not oa.quantized and not ob.quantized and not rot.enabled and oa.prescale == ob.prescale == 1.0:
             parts.append("p")
         elif (oa.fmt == ob.fmt == "mxfp4" and not oa.block_2d and not ob.block_2d
               and oa.rounding == ob.rounding == "nearest" and oa.prescale == ob.prescale == 1.0
