@@ -17,7 +17,8 @@
 # is written), a run with under a minute left is skipped. Two 8B recipes fit a call: name the others in the next.
 # llama3-8b skips what cannot hold it: one GPU and DDP (128 GB of fp32 weights, gradients and AdamW moments);
 # RESUME_NPROC must hold it too (on H100s at least 4).
-# DATA: a prepared folder; without it the corpus parts in PARTS are unpacked as benchmarks/study_gpu.sh does
+# DATA: a prepared folder; without it the corpus parts carried under data/ship gather in PARTS and are unpacked
+# once all are there (benchmarks/unpack_corpus.sh; exit status 3 until then)
 # (docs/data.md, "Getting it to a GPU machine"). VOCAB: the model's embedding and head rows (model.vocab_size):
 # Llama 3.1's 128,256 with any tokenizer; empty for the data's own. MB: sequences per GPU and micro-step; the
 # global batch is MB x GPUs (one micro-step a step). Results: OUT/<run>.jsonl (metrics.jsonl of each run),
@@ -39,12 +40,7 @@ mkdir -p "$OUT" "$RUNS"
 PARTS=${PARTS:-/root/mx}
 if [ -z "${DATA:-}" ]; then
   DATA=$PARTS/c32k
-  if [ ! -f "$DATA/meta.json" ]; then
-    ls "$PARTS"/corpus-32k.tar.xz.* >/dev/null 2>&1 || { echo "no DATA and no corpus parts in $PARTS" >&2; exit 2; }
-    mkdir -p "$DATA"
-    cat "$PARTS"/corpus-32k.tar.xz.* | $PY -c "import lzma,sys,shutil; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)" \
-      | tar -C "$DATA" -xf - || { echo "unpacking the corpus parts failed" >&2; exit 2; }
-  fi
+  PY=$PY bash benchmarks/unpack_corpus.sh "$PARTS" "$DATA" || exit $?   # 3: parts still to carry
 fi
 {
   echo "=== stage $STAGE at $(date -u +%FT%TZ): model $MODEL vocab ${VOCAB:-data} seq $SEQ mb $MB nproc $NPROC data $DATA"

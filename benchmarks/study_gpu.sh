@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # A cooled-down study on one GPU machine (docs/study.md, docs/results.md): join and unpack the prepared corpus
-# from its xz parts if needed (docs/data.md, "Getting it to a GPU machine"), train (resuming what an earlier
+# from its xz parts if needed (benchmarks/unpack_corpus.sh: parts carried under data/ship over several calls
+# gather in PARTS; exit status 3 until all are there; docs/data.md, "Getting it to a GPU machine"), train (resuming what an earlier
 # call of the same lease finished), write the report, and copy everything but checkpoints to $OUT.
 # Usage (repo root, on the GPU machine):
 #   OUT=dir [PARTS=/root/mx] [DATA=/root/mx/c32k] [STUDY=/root/mx/study] [ARMS=a,b,c | PRESET=split]
@@ -16,12 +17,7 @@ set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:?set OUT}; PARTS=${PARTS:-/root/mx}; DATA=${DATA:-$PARTS/c32k}; S=${STUDY:-$PARTS/study}
 mkdir -p "$OUT"
-if [ ! -f "$DATA/meta.json" ]; then
-  ls "$PARTS"/corpus-32k.tar.xz.* >/dev/null 2>&1 || { echo "no prepared corpus at $DATA and no parts in $PARTS" >&2; exit 2; }
-  mkdir -p "$DATA"
-  cat "$PARTS"/corpus-32k.tar.xz.* | python3 -c "import lzma,sys,shutil; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)" \
-    | tar -C "$DATA" -xf - || { echo "unpacking the corpus parts failed" >&2; exit 2; }
-fi
+bash benchmarks/unpack_corpus.sh "$PARTS" "$DATA" || exit $?   # 3: parts still to carry
 if [ -n "${SEED_STUDY:-}" ] && [ ! -f "$S/study.json" ]; then
   [ -f "$SEED_STUDY" ] || { echo "SEED_STUDY=$SEED_STUDY: no such file" >&2; exit 2; }
   mkdir -p "$S" && tar -C "$S" -xzf "$SEED_STUDY" || { echo "unpacking $SEED_STUDY failed" >&2; exit 2; }

@@ -47,3 +47,59 @@ def test_a_study_spans_two_leases(tmp_path):
     import tarfile
     with tarfile.open(out2 / "study.tgz") as t:
         assert not [n for n in t.getnames() if n.endswith(".pt")]
+
+
+def _unpack(parts, data, ship):
+    return subprocess.run(["bash", "benchmarks/unpack_corpus.sh", str(parts), str(data)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env=dict(os.environ, SHIP=str(ship), PY=sys.executable))
+
+
+def test_corpus_parts_carried_over_two_calls(tmp_path):
+    """``benchmarks/unpack_corpus.sh``: the prepared folder, xz-compressed and cut in two parts with a SHA-256
+    manifest, carried one part a call: the first call keeps its part and says which is still to carry (exit 3),
+    the second unpacks the folder byte for byte; a part that differs from the manifest, a non-empty target
+    without meta.json and no parts at all are refused with exit 2 (and the target left alone)."""
+    import hashlib
+    import io
+    import lzma
+    import tarfile
+    src = small_data()
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as t:
+        for f in sorted(src.iterdir()):
+            t.add(f, arcname=f.name)
+    blob = lzma.compress(buf.getvalue())
+    cut = len(blob) // 2
+    names = ["corpus-32k.tar.xz.00", "corpus-32k.tar.xz.01"]
+    chunks = [blob[:cut], blob[cut:]]
+    manifest = "".join(f"{hashlib.sha256(c).hexdigest()}  {n}\n" for n, c in zip(names, chunks))
+    ships = []
+    for i, (n, c) in enumerate(zip(names, chunks)):
+        d = tmp_path / f"ship{i}"
+        d.mkdir()
+        (d / n).write_bytes(c)
+        (d / "corpus-32k.parts").write_text(manifest)
+        ships.append(d)
+    parts, data = tmp_path / "parts", tmp_path / "c32k"
+    r = _unpack(parts, data, ships[0])
+    assert r.returncode == 3 and "1 of 2 parts" in r.stdout and names[1] in r.stdout, (r.stdout, r.stderr)
+    assert not data.exists()
+    r = _unpack(parts, data, ships[1])
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    for f in src.iterdir():
+        assert (data / f.name).read_bytes() == f.read_bytes(), f.name
+    assert _unpack(parts, data, tmp_path / "none").returncode == 0      # already there: nothing to do
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / names[0]).write_bytes(b"x" + chunks[0][1:])
+    (bad / "corpus-32k.parts").write_text(manifest)
+    r = _unpack(tmp_path / "parts2", tmp_path / "d2", bad)
+    assert r.returncode == 2 and "differs from the manifest" in r.stderr
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "mine.txt").write_text("keep me")
+    r = _unpack(parts, busy, tmp_path / "none")
+    assert r.returncode == 2 and "not empty" in r.stderr and (busy / "mine.txt").read_text() == "keep me"
+    r = _unpack(tmp_path / "empty", tmp_path / "d3", tmp_path / "none")
+    assert r.returncode == 2 and "no corpus-32k parts" in r.stderr
