@@ -135,6 +135,9 @@ def test_compute_plan_counts_what_the_study_trains(tmp_path, capsys):
                  "--tokens-per-s", "5000"]) == 0
     out = capsys.readouterr().out
     assert "tokens per parameter" in out and "at the rate given: about" in out and "B tokens trained" in out
+    from mxtrain.study.runner import describe_compute
+    assert "passes over its training split 2.5 times" in describe_compute({**c, "epochs": 2.5})
+    assert "passes over its training split" not in describe_compute({**c, "epochs": 0.5})
 
 
 def test_final_evaluation_over_more_tokens_feeds_the_cooled_down_losses(tmp_path, monkeypatch):

@@ -327,6 +327,9 @@ def describe_compute(c: dict) -> str:
              f"{c['train_tokens'] / 1e9:.3f} B tokens trained, {c['eval_tokens'] / 1e6:.1f} M evaluated"]
     if c.get("hours") is not None:
         lines.append(f"  at the rate given: about {c['hours']:.2f} hours")
+    if c.get("epochs") is not None and c["epochs"] > 1:
+        lines.append(f"  note: each run passes over its training split {c['epochs']:.1f} times (repeated tokens "
+                     f"lower the loss in ways a larger corpus would not: use more data or fewer steps)")
     return "\n".join(lines)
 
 
