@@ -1281,7 +1281,8 @@ def _train_steps(cfg: TrainConfig, env, model, opt, loader, data, log: _Log, cbs
             elif inexact is not None and not said_uncounted:
                 said_uncounted = True   # say so, rather than record a count of 0 that was never made
                 log.say(f"note: inexact FP8-carrier blocks are not counted on {device} in this run (a compiled "
-                        "MX call found no counter); metrics.jsonl has no inexact_blocks")
+                        "MX call found no counter, or MX layers ran in the traced form of the mx_traced setting); "
+                        "metrics.jsonl has no inexact_blocks")
             log.row(row)
             log.train_line(done, row)
             loss_acc, steps_last = 0.0, 0
