@@ -226,3 +226,46 @@ def test_cooled_down_gap_by_validation_source(tmp_path, monkeypatch):
         assert v["n_windows"] == len(d) and v["gap"] == pytest.approx(float(np.mean(d)), abs=1e-9)
     assert sum(v["n_windows"] for v in got.values()) == 1024 // 32
     assert "By validation source" in (out / "report.md").read_text()
+
+
+def test_run_stopped_by_a_signal_continues_from_its_checkpoint(tmp_path, monkeypatch):
+    """A run that SIGTERM stopped (a device call's time limit) is not trained again from scratch: the next session
+    continues it from the checkpoint the trainer wrote when it stopped, and its losses are those of a run never
+    stopped, bit for bit (stochastic rounding included); then its cooldown branches train."""
+    import os
+    import signal
+    from mxtrain.study.runner import StudyInterrupted, build_config
+    from mxtrain.train import trainer as TR
+    from mxtrain.train.callbacks import Callback
+    monkeypatch.setenv("MXTRAIN_DATA", str(tmp_path / "cache"))
+    import torch
+    torch.set_num_threads(1)
+
+    def spec(out):
+        return StudySpec(out=str(out), arms=["mxfp4-all-sr"], seeds=1, model="tiny", steps=16, batch_size=4,
+                         seq_len=32, eval_every=4, device="cpu", overrides=list(SMOKE) + ["log.log_every=1"],
+                         budgets=[0.5, 1.0], cooldown=0.25, n_boot=20)
+
+    def losses(out):
+        rows = [json.loads(x) for x in (out / "runs" / "mxfp4-all-sr" / "seed0" / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r["loss"] for r in rows if "loss" in r and "val_loss" not in r}
+    run_study(spec(tmp_path / "ref"), log=lambda m: None)
+
+    class StopAt7(Callback):
+        def on_step_end(self, step, metrics):
+            if step == 7:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    def stopping(sp, arm, seed, rd, resume=None):
+        return TR.fit(build_config(sp, arm, seed, rd), resume=resume, callbacks=[StopAt7()])
+    out = tmp_path / "s"
+    with pytest.raises(StudyInterrupted):
+        run_study(spec(out), train_fn=stopping, log=lambda m: None)
+    assert max(losses(out)) < 12
+    said = []
+    run_study(spec(out), log=said.append)
+    assert any("interrupted at step" in m and "continuing from its checkpoint" in m for m in said), said
+    ref = losses(tmp_path / "ref")
+    assert losses(out) == ref and len(ref) == 12          # the stable run: 16 steps, branch points at 6 and 12
+    s = json.loads((out / "summary.json").read_text())
+    assert s["missing"] == [] and len(s["branches"]) == 2

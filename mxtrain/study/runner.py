@@ -411,10 +411,11 @@ def train_branch(spec: StudySpec, arm: str, seed: int, run_dir: Path, budget: fl
     return branch_fit(run_dir, k, n, bdir, shape=spec.cooldown_shape, log=lambda m: None)
 
 
-def train_one(spec: StudySpec, arm: str, seed: int, run_dir: Path):
+def train_one(spec: StudySpec, arm: str, seed: int, run_dir: Path, resume: Path | None = None):
     """Train one run with the ordinary trainer into ``run_dir``; returns its typed ``Outcome`` (completed or
-    diverged; an interrupted or failed run raises). Callbacks: per-GEMM diagnostics when ``diagnose_every``
-    is set, and a W&B logger (run ``<arm>-seed<k>``, grouped by study) when ``log.wandb`` is on."""
+    diverged; an interrupted or failed run raises). ``resume``: continue the interrupted run in ``run_dir``
+    from its checkpoint. Callbacks: per-GEMM diagnostics when ``diagnose_every`` is set, and a W&B logger (run
+    ``<arm>-seed<k>``, grouped by study) when ``log.wandb`` is on."""
     from ..train import trainer as TR
     from ..train.callbacks import WandbLogger, wandb_project
 
@@ -432,7 +433,7 @@ def train_one(spec: StudySpec, arm: str, seed: int, run_dir: Path):
         cfg.train.compile = "off"   # diagnostics hook every MX layer on sampled steps, in Python
         diag = DiagnosticsCallback(spec.diagnose_every)
         callbacks.append(diag)
-    outcome = TR.fit(cfg, callbacks=callbacks)
+    outcome = TR.fit(cfg, resume=resume, callbacks=callbacks)
     if diag is not None and diag.rows == 0 and outcome.completed and R.get(A.recipe_of(arm)).quantized:
         print(f"warning: no diagnostics were recorded for {arm} seed {seed} (no diagnosed step ran)",
               file=sys.stderr)
@@ -517,6 +518,21 @@ def ran_out_of_memory(run_dir: Path) -> bool:
     if (run_dir / "branches").is_dir():
         sts += [_status(b) for b in sorted((run_dir / "branches").iterdir())]
     return any(st is not None and st.get("state") == "failed" and st.get("oom") for st in sts)
+
+
+def _resume_point(rd: Path) -> int | None:
+    """The step of an interrupted run's checkpoint (the trainer writes one when SIGINT or SIGTERM stops it, and
+    records the outcome ``interrupted`` in ``RUN/run.json``), where the run can continue from it; else None."""
+    from ..train.callbacks import Status, read_outcome
+    try:
+        oc = read_outcome(rd)
+    except Exception:  # noqa: BLE001 - an unreadable record: train the run again
+        return None
+    if oc is None or oc.status is not Status.INTERRUPTED or oc.step is None:
+        return None
+    if not ((rd / "checkpoint.pt").is_file() or (rd / "checkpoint.dcp" / ".metadata").is_file()):
+        return None
+    return oc.step
 
 
 def _finished(st: dict | None) -> bool:
@@ -710,17 +726,23 @@ def run_one(spec: StudySpec, arm: str, seed: int, tag: str, train_fn, log=print,
         if st.get("state") == "done" and spec.budgets:
             run_branches(spec, arm, seed, tag, branch_fn or train_branch, log)
         return
+    resume = None
     if rd.exists():
         busy = _run_folder_owner(rd)
         if busy is not None:
             raise UserError(f"run folder {rd} is in use by another process ({busy}); stop it, then rerun the study")
-        log(f"{tag} {arm} seed {seed}: " + (f"failed before ({st.get('message')}), " if st else "unfinished run folder, ")
-            + "training it again")
-        shutil.rmtree(rd)
+        at = _resume_point(rd) if st is None else None
+        if at is not None:   # stopped by a signal (a time limit): its own checkpoint continues it, bit for bit
+            log(f"{tag} {arm} seed {seed}: interrupted at step {at}, continuing from its checkpoint")
+            resume = rd
+        else:
+            log(f"{tag} {arm} seed {seed}: " + (f"failed before ({st.get('message')}), " if st else
+                                                "unfinished run folder, ") + "training it again")
+            shutil.rmtree(rd)
     rd.parent.mkdir(parents=True, exist_ok=True)
     log(f"{tag} {arm} seed {seed} -> {rd}")
     ts = time.time()
-    state = _run_and_record(lambda: train_fn(spec, arm, seed, rd), rd,
+    state = _run_and_record(lambda: train_fn(spec, arm, seed, rd, **({"resume": rd} if resume else {})), rd,
                             f"{arm} seed {seed} was interrupted ({{}}); rerun the same command to resume (finished "
                             f"runs are skipped)", {"arm": arm, "seed": seed}, log)
     log(f"{tag} {arm} seed {seed}: {state} in {time.time() - ts:.0f} s")
