@@ -12,7 +12,8 @@
 # study folder when that holds no study yet, so that a study spans several leases: finished runs and branches
 # are skipped, unfinished ones train again (docs/study.md, "A study over several GPU leases").
 # JOBS: runs sharing the GPU; a 30m run with 32 x 512-token batches and the 32k vocabulary peaks near 11 GiB,
-# so 6 fit an 80 GiB H100 (8 did not). Call it again in the same lease to go on: finished runs are skipped.
+# so 6 fit an 80 GiB H100 (8 did not). Call it again in the same lease to go on: finished runs are skipped, and
+# runs that BUDGET's SIGTERM stopped continue from the checkpoint they wrote (checkpoints stay on the machine's disk).
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:?set OUT}; PARTS=${PARTS:-/root/mx}; DATA=${DATA:-$PARTS/c32k}; S=${STUDY:-$PARTS/study}
