@@ -65,7 +65,8 @@ def summarize(folder: Path, skip: int = 10) -> dict:
             d = [runs[k]["losses"][st] - ref[st] for st in common]
             tail = d[len(d) * 3 // 4:] or d
             agree[k] = {"against": base, "steps": len(common), "max_abs_diff": max(map(abs, d)) if d else None,
-                        "mean_diff_last_quarter": statistics.fmean(tail) if tail else None}
+                        "mean_diff_last_quarter": statistics.fmean(tail) if tail else None,
+                        "range_last_quarter": [min(tail), max(tail)] if tail else None}
         s["loss_vs_baseline"] = agree
     scale = {}
     for k, v in runs.items():
@@ -180,11 +181,13 @@ def markdown(s: dict) -> str:
         lines.append(f"| {k} | {v['steps']} | {f(v.get('tok_per_s_per_gpu'), ',.0f')} | {f(v.get('mfu'), '.1%')} | "
                      f"{f(v.get('peak_mem_gib'), '.2f')} | {f(v.get('last_loss'), '.4f')} |")
     if "loss_vs_baseline" in s:
-        lines += ["", "| recipe | against | steps compared | max abs loss diff | mean diff, last quarter |",
+        lines += ["", "| recipe | against | steps compared | max abs loss diff | last quarter: mean diff [min, max] |",
                   "|---|---|---|---|---|"]
         for k, v in s["loss_vs_baseline"].items():
+            r = v.get("range_last_quarter")
+            rng = f" [{r[0]:+.4f}, {r[1]:+.4f}]" if r else ""
             lines.append(f"| {k} | {v['against']} | {v['steps']} | {f(v['max_abs_diff'], '.4f')} | "
-                         f"{f(v['mean_diff_last_quarter'], '+.4f')} |")
+                         f"{f(v['mean_diff_last_quarter'], '+.4f')}{rng} |")
     if "scaling" in s:
         lines += ["", "Scaling: each mode's tokens/s per GPU over the rate of its base (one GPU without a wrapper "
                       "where that ran, else the mode's fewest GPUs).", "",

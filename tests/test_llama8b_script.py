@@ -102,7 +102,7 @@ def test_summary_of_handmade_runs(tmp_path):
     assert b["tok_per_s_per_gpu"] == 1000.0 and b["mfu"] == pytest.approx(2.0) and b["peak_mem_gib"] == 35.0
     a = s["loss_vs_baseline"]["recipe-fp8"]
     assert a["steps"] == 4 and a["max_abs_diff"] == pytest.approx(0.02) and a["mean_diff_last_quarter"] == \
-        pytest.approx(0.02)
+        pytest.approx(0.02) and a["range_last_quarter"] == [pytest.approx(0.02)] * 2
     assert s["scaling"]["fsdp2"][2]["efficiency"] == pytest.approx(0.9)        # against one GPU now
     assert s["scaling"]["ddp"][2]["efficiency"] == pytest.approx(0.7)
     assert summarize_runs.main([str(tmp_path)]) == 0 and "| fsdp2 | 2 | 900 | 90.0% | 1 GPU(s), 1,000 |" in \
@@ -111,3 +111,19 @@ def test_summary_of_handmade_runs(tmp_path):
     from PIL import Image
     with Image.open(tmp_path / "summary.png") as im:   # four panels: loss, loss difference, rates, scaling
         assert im.size[0] > 3 * im.size[1] and len(im.convert("RGB").getcolors(maxcolors=1 << 20)) > 50
+
+
+def test_loss_agreement_over_the_last_quarter(tmp_path):
+    """The last quarter of the steps both runs logged: mean difference and its range, in the JSON and the table
+    (early spikes dominate the maximum over all steps)."""
+    diffs = [3.0, -2.0, 0.5, 0.1, 0.05, -0.01, 0.02, -0.03]
+    for name, off in (("recipe-bf16", [0.0] * 8), ("recipe-mx", diffs)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"step": 5 * (i + 1), "loss": 6.0 + o,
+                                                                    "tok_per_s": 1.0}) + "\n"
+                                                        for i, o in enumerate(off)))
+    a = summarize_runs.summarize(tmp_path, skip=0)["loss_vs_baseline"]["recipe-mx"]
+    assert a["max_abs_diff"] == pytest.approx(3.0)
+    assert a["mean_diff_last_quarter"] == pytest.approx(-0.005) and a["range_last_quarter"] == [
+        pytest.approx(-0.03), pytest.approx(0.02)]
+    assert summarize_runs.main([str(tmp_path)]) == 0
+    assert "-0.0050 [-0.0300, +0.0200]" in (tmp_path / "summary.md").read_text()
