@@ -15,9 +15,10 @@ SMOKE = ["model.dim=64", "model.n_layers=1", "model.n_heads=2", "model.n_kv_head
 
 
 def _spec(out, **kw):
+    kw.setdefault("overrides", list(SMOKE))
     return StudySpec(out=str(out), arms=["bf16", "mxfp4-all"], seeds=2, model="tiny", steps=16, batch_size=4,
-                     seq_len=32, eval_every=4, device="cpu", overrides=list(SMOKE), budgets=[0.5, 0.75, 1.0],
-                     cooldown=0.25, n_boot=50, **kw)
+                     seq_len=32, eval_every=4, device="cpu", budgets=[0.5, 0.75, 1.0], cooldown=0.25, n_boot=50,
+                     **kw)
 
 
 def test_branch_plan_and_checks(tmp_path):
@@ -135,6 +136,15 @@ def test_compute_plan_counts_what_the_study_trains(tmp_path, capsys):
                  "--tokens-per-s", "5000"]) == 0
     out = capsys.readouterr().out
     assert "tokens per parameter" in out and "at the rate given: about" in out and "B tokens trained" in out
+    # an end-of-run evaluation over more tokens than the periodic ones: the stable run's and each branch's
+    big = compute_plan(_spec(tmp_path / "s2", overrides=list(SMOKE) + ["log.final_eval_tokens=2048"]))
+    small = compute_plan(_spec(tmp_path / "s3", overrides=list(SMOKE) + ["log.final_eval_tokens=256"]))
+    assert big["eval_tokens"] == c["eval_tokens"] + 4 * 4 * 2048 and small["eval_tokens"] == c["eval_tokens"]
+    # a rate without --dry-run, or not positive: one line, exit 2, no study folder
+    for extra in (["--tokens-per-s", "5000"], ["--dry-run", "--tokens-per-s", "0"]):
+        assert main(["study", "--arms", "bf16", "--steps", "100", "--out", str(tmp_path / "x"), *extra]) == 2
+        assert "--tokens-per-s" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
     from mxtrain.study.runner import describe_compute
     assert "passes over its training split 2.5 times" in describe_compute({**c, "epochs": 2.5})
     assert "passes over its training split" not in describe_compute({**c, "epochs": 0.5})

@@ -109,6 +109,10 @@ def study_main(args: argparse.Namespace) -> int:
         if args.dry_run:
             validate(cfg)
         check_init_from(cfg.train.init_from)
+    rate = getattr(args, "tokens_per_s", None)
+    if rate is not None and (not args.dry_run or not rate > 0):
+        raise UserError(f"--tokens-per-s {rate:g}: " + ("give a positive rate" if args.dry_run else
+                        "it only sizes the plan of --dry-run; add --dry-run, or leave it out"))
     if args.dry_run:
         from .runner import compute_plan, describe_compute
         print(spec.describe())

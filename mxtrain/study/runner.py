@@ -301,7 +301,9 @@ def compute_plan(spec: StudySpec, tokens_per_s: float | None = None) -> dict:
     else:
         per_run = steps
         evals = evals_in(0, steps)
-    eval_tok = evals * cfg.log.eval_tokens + max(0, cfg.log.final_eval_tokens) * (1 + len(spec.budgets or []))
+    # the end-of-run evaluation over log.final_eval_tokens (when it exceeds eval_tokens): the stable run and each branch
+    final = cfg.log.final_eval_tokens if cfg.log.final_eval_tokens > cfg.log.eval_tokens else 0
+    eval_tok = evals * cfg.log.eval_tokens + final * (1 + len(spec.budgets or []))
     table = mcfg.vocab_size * mcfg.dim * (1 if mcfg.tie_embeddings else 2)
     out = {"params": mcfg.num_params(), "params_no_embedding": mcfg.num_params() - table,
            "tokens_per_run": steps * tok_step,
@@ -530,7 +532,8 @@ def _resume_point(rd: Path) -> int | None:
         return None
     if oc is None or oc.status is not Status.INTERRUPTED or oc.step is None:
         return None
-    if not ((rd / "checkpoint.pt").is_file() or (rd / "checkpoint.dcp" / ".metadata").is_file()):
+    from .. import distributed as D
+    if not ((rd / "checkpoint.pt").is_file() or (rd / D.DCP_NAME / ".metadata").is_file()):
         return None
     return oc.step
 
