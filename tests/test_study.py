@@ -242,10 +242,24 @@ def test_arms_added_later_to_the_same_study_are_kept(tmp_path):
 
 
 @pytest.mark.slow
-def test_parallel_workers_equal_sequential(tmp_path):
+def test_parallel_workers_equal_sequential(tmp_path, monkeypatch):
     """`--jobs 2` trains every run once, in worker processes, with the same losses as one by one."""
+    import torch
+
     from mxtrain.cli import main
 
+    # bit-equal losses need the same intra-op thread count in this process and in the workers (a CPU matmul
+    # split over a different number of threads sums in another order)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _parallel_equal_sequential(tmp_path, main)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _parallel_equal_sequential(tmp_path, main):
     common = ["study", "--preset", "smoke", "--arms", "bf16,mxfp4-all", "--seeds", "2", "--steps", "4",
               "--diagnose-every", "0"]
     assert main(common + ["--out", str(tmp_path / "seq")]) == 0
