@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# A cooled-down study that outlives the 10-minute limit of one device command: benchmarks/study_gpu.sh started in
+# a process session of its own (setsid), which the device keeps running between the calls of one lease, then
+# watched and collected by later calls. Runs are never stopped and resumed between calls, so a lease's whole
+# time trains; what is unfinished when SECONDS run out is stopped by study_gpu.sh's BUDGET as usual.
+# Usage (repo root, on the GPU machine; the variables of study_gpu.sh, OUT excepted, go to `start`):
+#   bash benchmarks/study_lease.sh start SECONDS     # study_gpu.sh in the background, BUDGET=SECONDS
+#   bash benchmarks/study_lease.sh watch SECONDS     # wait up to SECONDS or until it ends; print its progress
+#   OUT=$OUT bash benchmarks/study_lease.sh collect  # wait for it to end; copy study.tgz, summary.json, report.md,
+#                                                    # device.txt and study_log.txt to OUT
+# State in PARTS (default /root/mx): lease.out (study_gpu.sh's OUT), lease.log (its output), lease.pid.
+# Exit status: 0 done; 1 `watch` found it still running; 2 a usage error or nothing started.
+set -u
+PARTS=${PARTS:-/root/mx}; S=${STUDY:-$PARTS/study}; LO="$PARTS/lease.out"; PIDF="$PARTS/lease.pid"
+running() { [ -f "$PIDF" ] && kill -0 "$(cat "$PIDF")" 2>/dev/null; }
+progress() {
+  echo "--- $(date -u +%FT%TZ): study $(running && echo running || echo ended)"
+  if [ -d "$S" ]; then
+    echo "runs and branches done: $(cat "$S"/worker*.log 2>/dev/null | grep -c ': done')"
+    for f in "$S"/worker*.log; do [ -f "$f" ] && echo "$(basename "$f"): $(tail -n 1 "$f" | cut -c1-200)"; done
+  fi
+  [ -f "$PARTS/lease.log" ] && tail -n 3 "$PARTS/lease.log"
+}
+case "${1:-}" in
+  start)
+    secs=${2:?start SECONDS}
+    if running; then echo "study_lease: a study is running already (pid $(cat "$PIDF"))" >&2; exit 2; fi
+    mkdir -p "$PARTS" "$LO" || exit 2
+    BUDGET=$secs OUT="$LO" setsid nohup bash benchmarks/study_gpu.sh > "$PARTS/lease.log" 2>&1 < /dev/null &
+    echo $! > "$PIDF"
+    sleep 2
+    running || { echo "study_lease: study_gpu.sh ended at once:" >&2; tail -n 20 "$PARTS/lease.log" >&2; exit 2; }
+    echo "study_lease: started (pid $(cat "$PIDF")), at most $secs s";;
+  watch)
+    secs=${2:?watch SECONDS}; end=$(( $(date +%s) + secs ))
+    while running && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
+    progress; running && exit 1; exit 0;;
+  collect)
+    OUT=${OUT:?set OUT}
+    [ -f "$PIDF" ] || { echo "study_lease: nothing was started" >&2; exit 2; }
+    while running; do sleep 5; done
+    progress
+    mkdir -p "$OUT" && cp "$LO"/* "$OUT"/ 2>/dev/null; cp "$PARTS/lease.log" "$OUT/" 2>/dev/null
+    ls -la "$OUT";;
+  *) echo "usage: study_lease.sh start SECONDS | watch SECONDS | collect" >&2; exit 2;;
+esac
