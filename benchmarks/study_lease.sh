@@ -6,8 +6,12 @@
 # Usage (repo root, on the GPU machine; the variables of study_gpu.sh, OUT excepted, go to `start`):
 #   bash benchmarks/study_lease.sh start SECONDS     # study_gpu.sh in the background, BUDGET=SECONDS
 #   bash benchmarks/study_lease.sh watch SECONDS     # wait up to SECONDS or until it ends; print its progress
+#   bash benchmarks/study_lease.sh stop              # end the training now (SIGTERM to study_gpu.sh's `timeout`,
+#                                                    # as its BUDGET would): the report and study.tgz follow
 #   OUT=$OUT bash benchmarks/study_lease.sh collect  # wait for it to end; copy study.tgz, summary.json, report.md,
 #                                                    # device.txt and study_log.txt to OUT
+# (Never `pkill -f` a pattern of the study's command line from a device command: that command's own shell
+# carries the same text and is killed with it.)
 # State in PARTS (default /root/mx): lease.out (study_gpu.sh's OUT), lease.log (its output), lease.pid.
 # Exit status: 0 done; 1 `watch` found it still running; 2 a usage error or nothing started.
 set -u
@@ -35,6 +39,10 @@ case "${1:-}" in
     secs=${2:?watch SECONDS}; end=$(( $(date +%s) + secs ))
     while running && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
     progress; running && exit 1; exit 0;;
+  stop)
+    running || { echo "study_lease: no study is running" >&2; exit 2; }
+    pkill -TERM -x -P "$(cat "$PIDF")" timeout || { echo "study_lease: no training to stop (reporting already?)" >&2; }
+    echo "study_lease: training stopped; \`collect\` waits for the report";;
   collect)
     OUT=${OUT:?set OUT}
     [ -f "$PIDF" ] || { echo "study_lease: nothing was started" >&2; exit 2; }
@@ -42,5 +50,5 @@ case "${1:-}" in
     progress
     mkdir -p "$OUT" && cp "$LO"/* "$OUT"/ 2>/dev/null; cp "$PARTS/lease.log" "$OUT/" 2>/dev/null
     ls -la "$OUT";;
-  *) echo "usage: study_lease.sh start SECONDS | watch SECONDS | collect" >&2; exit 2;;
+  *) echo "usage: study_lease.sh start SECONDS | watch SECONDS | stop | collect" >&2; exit 2;;
 esac

@@ -279,3 +279,33 @@ def test_run_stopped_by_a_signal_continues_from_its_checkpoint(tmp_path, monkeyp
     assert losses(out) == ref and len(ref) == 12          # the stable run: 16 steps, branch points at 6 and 12
     s = json.loads((out / "summary.json").read_text())
     assert s["missing"] == [] and len(s["branches"]) == 2
+
+
+def test_carried_study_remakes_gone_checkpoints(tmp_path, monkeypatch):
+    """A study carried to another machine without its checkpoints (a GPU lease's study.tgz): a branch whose
+    stable-run checkpoint is gone is trained after the stable run is trained again to make it; the remade
+    losses equal the first run's, and so does the branch's result."""
+    monkeypatch.setenv("MXTRAIN_DATA", str(tmp_path / "cache"))
+    import torch
+    torch.set_num_threads(1)
+    out = tmp_path / "study"
+    spec = StudySpec(out=str(out), arms=["bf16"], seeds=1, model="tiny", steps=16, batch_size=4, seq_len=32,
+                     eval_every=4, device="cpu", overrides=list(SMOKE), budgets=[0.5, 1.0], cooldown=0.25, n_boot=20)
+    run_study(spec, log=lambda m: None)
+    rd = out / "runs" / "bf16" / "seed0"
+    b = rd / "branches" / "k12-n4"
+    first = (b / "metrics.jsonl").read_text()
+    for p in rd.glob("checkpoint*.pt"):   # what a lease's study.tgz leaves out
+        p.unlink()
+    import shutil
+    shutil.rmtree(b)
+    said = []
+    run_study(spec, log=said.append)
+    assert any("checkpoint(s) at step 12 are gone" in m for m in said), said
+    rec = json.loads((rd / "remake.json").read_text())
+    assert rec["bit_equal"] and rec["compared_steps"] >= 3 and rec["steps"] == [12]
+    assert not (rd / "remake").exists() and (rd / "checkpoint-12.pt").is_file()
+    vals = [[json.loads(x)["val_loss"] for x in t.splitlines() if "val_loss" in x]
+            for t in (first, (b / "metrics.jsonl").read_text())]
+    assert vals[0] == vals[1] and vals[0]
+    assert json.loads((out / "summary.json").read_text())["missing"] == []

@@ -727,7 +727,7 @@ def run_one(spec: StudySpec, arm: str, seed: int, tag: str, train_fn, log=print,
     if _finished(st):
         log(f"{tag} {arm} seed {seed}: {st.get('state')} already, skipped")
         if st.get("state") == "done" and spec.budgets:
-            run_branches(spec, arm, seed, tag, branch_fn or train_branch, log)
+            run_branches(spec, arm, seed, tag, branch_fn or train_branch, log, remake_fn=train_fn)
         return
     resume = None
     if rd.exists():
@@ -750,7 +750,7 @@ def run_one(spec: StudySpec, arm: str, seed: int, tag: str, train_fn, log=print,
                             f"runs are skipped)", {"arm": arm, "seed": seed}, log)
     log(f"{tag} {arm} seed {seed}: {state} in {time.time() - ts:.0f} s")
     if state == "done" and spec.budgets:
-        run_branches(spec, arm, seed, tag, branch_fn or train_branch, log)
+        run_branches(spec, arm, seed, tag, branch_fn or train_branch, log, remake_fn=train_fn)
 
 
 def _run_and_record(call, folder: Path, interrupted: str, fields: dict, log) -> str:
@@ -788,13 +788,19 @@ def _run_and_record(call, folder: Path, interrupted: str, fields: dict, log) -> 
     return state
 
 
-def run_branches(spec: StudySpec, arm: str, seed: int, tag: str, branch_fn, log=print) -> None:
+def run_branches(spec: StudySpec, arm: str, seed: int, tag: str, branch_fn, log=print, remake_fn=None) -> None:
     """The cooldown branches of one finished stable run, in budget order; each records
     ``BRANCH/study_status.json`` (done | diverged | failed, with its budget, branch step and cooldown steps).
     A finished branch is skipped; a failed one is trained again from the stable run's checkpoint; an
-    interrupted one resumes from its own checkpoint (``mxtrain.train.branch_fit``)."""
+    interrupted one resumes from its own checkpoint (``mxtrain.train.branch_fit``). Where the stable run's
+    checkpoint for a pending branch is gone (a study carried to another machine without its checkpoints),
+    ``remake_fn`` (the study's ``train_fn``) trains the stable run again to make it (``remake_checkpoints``)."""
 
     rd = Path(spec.out) / "runs" / arm / f"seed{seed}"
+    if remake_fn is not None:
+        gone = _gone_checkpoints(spec, rd)
+        if gone:
+            remake_checkpoints(spec, arm, seed, rd, gone, remake_fn, log, tag)
     for budget, k, n in study_branch_plan(spec):
         bd = branch_folder(rd, k, n)
         what = f"{tag} {arm} seed {seed} budget {budget:g} (branch at step {k}, {n} cooldown steps)"
@@ -811,6 +817,89 @@ def run_branches(spec: StudySpec, arm: str, seed: int, tag: str, branch_fn, log=
                                 f"to resume", {"arm": arm, "seed": seed, "budget": budget, "at_step": k,
                                                "cooldown_steps": n, "shape": spec.cooldown_shape}, log)
         log(f"{what}: {state} in {time.time() - ts:.0f} s")
+
+
+def _gone_checkpoints(spec: StudySpec, rd: Path) -> list[int]:
+    """Branch steps of ``rd``'s pending branches (neither finished nor holding a checkpoint of their own) whose
+    kept checkpoint of the stable run is missing. Only for a run folder the trainer wrote (``run.json``)."""
+    from ..train import checkpoint as ckpt
+    from ..train.branch import kept_checkpoint
+    from .. import distributed as D
+    if not (rd / "run.json").is_file():
+        return []
+    gone = []
+    for _, k, n in study_branch_plan(spec):
+        bd = branch_folder(rd, k, n)
+        if _finished(_status(bd)) or (bd / ckpt.NAME).is_file() or (bd / D.DCP_NAME / ".metadata").is_file():
+            continue
+        try:
+            kept_checkpoint(rd, k)
+        except UserError:
+            gone.append(k)
+    return gone
+
+
+def _step_losses(folder: Path) -> dict[int, float]:
+    """Training loss by step from ``folder/metrics.jsonl`` (the last row of a step wins: a resumed run)."""
+    out: dict[int, float] = {}
+    p = folder / "metrics.jsonl"
+    if p.is_file():
+        for line in p.read_text().splitlines():
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if "loss" in r and "val_loss" not in r and "step" in r:
+                out[int(r["step"])] = float(r["loss"])
+    return out
+
+
+def remake_checkpoints(spec: StudySpec, arm: str, seed: int, rd: Path, steps: list[int], train_fn, log=print,
+                       tag: str = "") -> dict:
+    """Train the finished stable run ``rd`` again, in ``rd/remake``, to make its kept checkpoints at ``steps``
+    (they were not carried with the study), move them into ``rd``, and compare the remade run's training losses
+    with the first run's at every logged step: ``rd/remake.json`` records ``bit_equal`` and the largest
+    difference. GPU training in mxtrain is deterministic for a seed, so the remade checkpoints are the first
+    run's; where the losses differ, a warning says so and the branches start from the remade state. A remake
+    stopped by a signal continues from its own checkpoint next time."""
+    from ..train.branch import kept_checkpoint
+    from ..train.trainer import kept_name
+    what = f"{tag} {arm} seed {seed}".strip()
+    tmp = rd / "remake"
+    at = _resume_point(tmp) if tmp.exists() else None
+    if tmp.exists() and at is None:
+        shutil.rmtree(tmp)
+    log(f"{what}: the stable run's checkpoint(s) at step {', '.join(map(str, steps))} are gone (a study carried "
+        f"without checkpoints): training the stable run again to make them"
+        + (f", continuing the remake from step {at}" if at is not None else ""))
+    ts = time.time()
+    oc = train_fn(spec, arm, seed, tmp, **({"resume": tmp} if at is not None else {}))
+    from ..train.callbacks import Outcome, Status
+    if isinstance(oc, Outcome) and oc.status is Status.INTERRUPTED:
+        raise StudyInterrupted(f"{what}: remaking its checkpoints was interrupted ({oc.reason}); rerun the same "
+                               f"command to resume", signal.SIGINT)
+    for k in steps:
+        src = kept_checkpoint(tmp, k)
+        os.replace(src, rd / kept_name(k, src.is_dir()))
+    first, again = _step_losses(rd), _step_losses(tmp)
+    common = sorted(set(first) & set(again))
+    diff = max((abs(first[s] - again[s]) for s in common), default=float("nan"))
+    rec = {"steps": steps, "compared_steps": len(common), "bit_equal": bool(common) and diff == 0.0,
+           "max_abs_loss_diff": diff if common else None, "seconds": round(time.time() - ts, 1)}
+    (rd / "remake.json").write_text(json.dumps(rec, indent=1) + "\n")
+    try:
+        os.replace(tmp / "metrics.jsonl", rd / "remake-metrics.jsonl")
+    except OSError:
+        pass
+    shutil.rmtree(tmp, ignore_errors=True)
+    if rec["bit_equal"]:
+        log(f"{what}: checkpoints remade in {rec['seconds']:.0f} s; the remade run's {len(common)} logged losses "
+            f"equal the first run's bit for bit")
+    else:
+        log(f"warning: {what}: the remade stable run differs from the first (largest loss difference "
+            f"{diff:.3g} over {len(common)} logged steps): its branches start from the remade state "
+            f"({rd / 'remake.json'})")
+    return rec
 
 
 def branches_pending(spec: StudySpec, out: Path, arm: str, seed: int) -> bool:
