@@ -7,10 +7,12 @@
 #   OUT=dir [PARTS=/root/mx] [DATA=/root/mx/c32k] [STUDY=/root/mx/study] [ARMS=a,b,c | PRESET=split]
 #   [MODEL=30m] [STEPS=240] [SEEDS=3] [BUDGETS=0.25,0.5,0.75,1] [COOLDOWN=0.2] [JOBS=6] [EVAL_EVERY=10]
 #   [EVAL_TOKENS=131072] [FINAL_EVAL_TOKENS=1048576] [DEVICE=cuda] [BUDGET=seconds] [EXTRA="--set k=v ..."]
-#   [SEED_STUDY=path/study.tgz] bash benchmarks/study_gpu.sh
+#   [SEED_STUDY=path/study.tgz] [START_BY=seconds] bash benchmarks/study_gpu.sh
 # SEED_STUDY: the study.tgz an earlier lease returned (its run folders without checkpoints), unpacked into the
 # study folder when that holds no study yet, so that a study spans several leases: finished runs and branches
 # are skipped, unfinished ones train again (docs/study.md, "A study over several GPU leases").
+# START_BY: no run starts later than this many seconds after the study does (mxtrain study --start-by); set it
+# to BUDGET less one run's time so that the lease's end goes to runs and branches that can finish.
 # JOBS: runs sharing the GPU; a 30m run with 32 x 512-token batches and the 32k vocabulary peaks near 11 GiB,
 # so 6 fit an 80 GiB H100 (8 did not). Call it again in the same lease to go on: finished runs are skipped, and
 # runs that BUDGET's SIGTERM stopped continue from the checkpoint they wrote (checkpoints stay on the machine's disk).
@@ -33,6 +35,7 @@ CMD=(python3 -m mxtrain study "${WHAT[@]}" --seeds "${SEEDS:-3}" --model "${MODE
      --set "log.eval_tokens=${EVAL_TOKENS:-131072}" --set "log.final_eval_tokens=${FINAL_EVAL_TOKENS:-1048576}"
      --set schedule.warmup_steps=20 --device "${DEVICE:-cuda}"
      --jobs "${JOBS:-6}" --out "$S")
+[ -n "${START_BY:-}" ] && CMD+=(--start-by "$START_BY")
 # shellcheck disable=SC2206
 [ -n "${EXTRA:-}" ] && CMD+=(${EXTRA})
 echo "${CMD[*]}" >> "$OUT/device.txt"

@@ -299,6 +299,12 @@ def test_carried_study_remakes_gone_checkpoints(tmp_path, monkeypatch):
         p.unlink()
     import shutil
     shutil.rmtree(b)
+    # --start-by passed: no remake starts (it is a whole stable run), the branch waits for the next session
+    import time
+    said = []
+    run_study(spec, log=said.append, start_by=time.time() - 1)
+    assert any("not started" in m and "past --start-by" in m for m in said), said
+    assert not b.exists() and not (rd / "remake").exists()
     said = []
     run_study(spec, log=said.append)
     assert any("checkpoint(s) at step 12 are gone" in m for m in said), said
@@ -309,3 +315,23 @@ def test_carried_study_remakes_gone_checkpoints(tmp_path, monkeypatch):
             for t in (first, (b / "metrics.jsonl").read_text())]
     assert vals[0] == vals[1] and vals[0]
     assert json.loads((out / "summary.json").read_text())["missing"] == []
+
+
+def test_start_by_starts_no_run_after_it(tmp_path):
+    """``mxtrain study --start-by S``: past it no run starts; the summary lists them as not trained; a negative
+    value is refused."""
+    from mxtrain.cli import main
+    import time
+    said = []
+    out = tmp_path / "s"
+    run_study(_spec(out), log=said.append, start_by=time.time() - 1)
+    assert sum("not started (past --start-by)" in m for m in said) == 4
+    assert not (out / "runs").exists() or not any((out / "runs").rglob("metrics.jsonl"))
+    assert len(json.loads((out / "summary.json").read_text())["missing"]) == 4
+    assert main(["study", "--arms", "bf16", "--steps", "100", "--out", str(tmp_path / "x"), "--start-by", "-5"]) == 2
+    # worker processes get it too
+    w = tmp_path / "w"
+    assert main(["study", "--preset", "smoke", "--arms", "bf16,mxfp4-all", "--seeds", "1", "--steps", "4", "--jobs",
+                 "2", "--start-by", "0", "--out", str(w)]) == 1
+    logs = "".join((w / f"worker{k}.log").read_text() for k in (0, 1))
+    assert logs.count("not started (past --start-by)") == 2 and not any((w / "runs").rglob("metrics.jsonl"))

@@ -74,6 +74,9 @@ def register(subparsers) -> None:
                    "Hoffmann et al. 2022): robust to one bad point")
     p.add_argument("--jobs", type=int, help="train this many runs at once, in worker processes "
                    "(spread over the visible GPUs; small models share one GPU well). Default 1")
+    p.add_argument("--start-by", type=float, metavar="SECONDS", help="start no run later than SECONDS from now "
+                   "(nor continue or remake one); cooldown branches whose checkpoints are at hand still train: a "
+                   "time-limited machine spends its end on what can finish, and the rest waits for the next session")
     p.add_argument("--dry-run", action="store_true", help="print the plan and what it will train (parameters, "
                    "tokens per run and per parameter, tokens of all runs and branches) and exit")
     p.add_argument("--tokens-per-s", type=float, help="with --dry-run: training tokens a second of this machine, "
@@ -118,7 +121,11 @@ def study_main(args: argparse.Namespace) -> int:
         print(spec.describe())
         print(describe_compute(compute_plan(spec, getattr(args, "tokens_per_s", None))))
         return 0
-    out = run_study(spec, jobs=args.jobs)
+    sb = getattr(args, "start_by", None)
+    if sb is not None and not sb >= 0:
+        raise UserError(f"--start-by {sb:g}: give the seconds from now after which no run starts (0 or more)")
+    import time
+    out = run_study(spec, jobs=args.jobs, start_by=None if sb is None else time.time() + sb)
     s = json.loads((out / "summary.json").read_text())
     incomplete = incomplete_message(s)
     if incomplete is None:

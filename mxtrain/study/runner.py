@@ -620,12 +620,13 @@ class _StopOnSignal:
 
 
 def run_study(spec: StudySpec, train_fn: Callable[[StudySpec, str, int, Path], None] | None = None,
-              log=print, jobs: int = 1, branch_fn=None) -> Path:
+              log=print, jobs: int = 1, branch_fn=None, start_by: float | None = None) -> Path:
     """Run (or resume) every arm x seed, then write summary.json and the report. Returns OUT.
 
     ``jobs`` > 1 trains that many runs at once in worker processes (``python -m mxtrain.study.worker``),
     spread round-robin over the visible GPUs when the study runs on CUDA (several small runs share
     one GPU well: each alone leaves it mostly idle). Every run still trains exactly as alone.
+    ``start_by`` (a ``time.time()`` value): no run starts after it (``run_one``).
     """
     if jobs < 1:
         raise UserError(f"--jobs must be >= 1, got {jobs}")
@@ -644,13 +645,14 @@ def run_study(spec: StudySpec, train_fn: Callable[[StudySpec, str, int, Path], N
     lock = _StudyLock(out)   # before anything in the folder is written: one owner at a time
     try:
         with _StopOnSignal():
-            _run_study_locked(spec, out, train_fn, log, jobs, lock, branch_fn)
+            _run_study_locked(spec, out, train_fn, log, jobs, lock, branch_fn, start_by)
     finally:
         lock.close()
     return out
 
 
-def _run_study_locked(spec: StudySpec, out: Path, train_fn, log, jobs: int, lock: _StudyLock, branch_fn=None) -> None:
+def _run_study_locked(spec: StudySpec, out: Path, train_fn, log, jobs: int, lock: _StudyLock, branch_fn=None,
+                      start_by: float | None = None) -> None:
     try:
         (out / ".write_test").write_text("")
         (out / ".write_test").unlink()
@@ -683,10 +685,11 @@ def _run_study_locked(spec: StudySpec, out: Path, train_fn, log, jobs: int, lock
     worker_error = None
     try:
         if jobs > 1 and train_fn is None:
-            worker_error = _run_workers(spec, out, jobs, log, lock)
+            worker_error = _run_workers(spec, out, jobs, log, lock, start_by)
         else:
             for i, (arm, seed) in enumerate(order, 1):
-                run_one(spec, arm, seed, f"[{i}/{len(order)}]", train_fn or train_one, log, branch_fn=branch_fn)
+                run_one(spec, arm, seed, f"[{i}/{len(order)}]", train_fn or train_one, log, branch_fn=branch_fn,
+                        start_by=start_by)
     except Exception as e:
         if _is_interrupt(e) and not isinstance(e, StudyInterrupted):   # the trainer's Interrupted
             signum = getattr(e, "exit_code", 130) - 128
@@ -708,7 +711,8 @@ def plan_order(spec: StudySpec) -> list[tuple[str, int]]:
     return [(a, s) for s in range(spec.seeds) for a in spec.arms]
 
 
-def run_one(spec: StudySpec, arm: str, seed: int, tag: str, train_fn, log=print, branch_fn=None) -> None:
+def run_one(spec: StudySpec, arm: str, seed: int, tag: str, train_fn, log=print, branch_fn=None,
+            start_by: float | None = None) -> None:
     """Train one arm x seed unless its folder says it finished; record done | diverged | failed.
 
     The state comes from the run's typed ``Outcome`` (``mxtrain.train.callbacks``): the one ``train_fn``
@@ -720,14 +724,21 @@ def run_one(spec: StudySpec, arm: str, seed: int, tag: str, train_fn, log=print,
     ``RUN/study_error.txt``), the run counts as missing, and the next session trains it again.
 
     In a cooldown study (``spec.budgets``) a run that is done then trains its cooldown branches
-    (``run_branches``), each skipped when finished, as runs are."""
+    (``run_branches``), each skipped when finished, as runs are.
+
+    ``start_by`` (a ``time.time()`` value, ``--start-by``): after it, no run starts, none continues and no
+    checkpoint is remade; only cooldown branches whose checkpoints are at hand still train (a time-limited GPU
+    lease spends its end on what can finish)."""
 
     rd = Path(spec.out) / "runs" / arm / f"seed{seed}"
     st = _status(rd)
     if _finished(st):
         log(f"{tag} {arm} seed {seed}: {st.get('state')} already, skipped")
         if st.get("state") == "done" and spec.budgets:
-            run_branches(spec, arm, seed, tag, branch_fn or train_branch, log, remake_fn=train_fn)
+            run_branches(spec, arm, seed, tag, branch_fn or train_branch, log, remake_fn=train_fn, start_by=start_by)
+        return
+    if _past(start_by):
+        log(f"{tag} {arm} seed {seed}: not started (past --start-by)")
         return
     resume = None
     if rd.exists():
@@ -750,7 +761,7 @@ def run_one(spec: StudySpec, arm: str, seed: int, tag: str, train_fn, log=print,
                             f"runs are skipped)", {"arm": arm, "seed": seed}, log)
     log(f"{tag} {arm} seed {seed}: {state} in {time.time() - ts:.0f} s")
     if state == "done" and spec.budgets:
-        run_branches(spec, arm, seed, tag, branch_fn or train_branch, log, remake_fn=train_fn)
+        run_branches(spec, arm, seed, tag, branch_fn or train_branch, log, remake_fn=train_fn, start_by=start_by)
 
 
 def _run_and_record(call, folder: Path, interrupted: str, fields: dict, log) -> str:
@@ -788,24 +799,35 @@ def _run_and_record(call, folder: Path, interrupted: str, fields: dict, log) -> 
     return state
 
 
-def run_branches(spec: StudySpec, arm: str, seed: int, tag: str, branch_fn, log=print, remake_fn=None) -> None:
+def _past(start_by: float | None) -> bool:
+    return start_by is not None and time.time() > start_by
+
+
+def run_branches(spec: StudySpec, arm: str, seed: int, tag: str, branch_fn, log=print, remake_fn=None,
+                 start_by: float | None = None) -> None:
     """The cooldown branches of one finished stable run, in budget order; each records
     ``BRANCH/study_status.json`` (done | diverged | failed, with its budget, branch step and cooldown steps).
     A finished branch is skipped; a failed one is trained again from the stable run's checkpoint; an
     interrupted one resumes from its own checkpoint (``mxtrain.train.branch_fit``). Where the stable run's
     checkpoint for a pending branch is gone (a study carried to another machine without its checkpoints),
-    ``remake_fn`` (the study's ``train_fn``) trains the stable run again to make it (``remake_checkpoints``)."""
+    ``remake_fn`` (the study's ``train_fn``) trains the stable run again to make it (``remake_checkpoints``),
+    unless ``start_by`` has passed: those branches are then left for the next session."""
 
     rd = Path(spec.out) / "runs" / arm / f"seed{seed}"
+    gone: list[int] = []
     if remake_fn is not None:
         gone = _gone_checkpoints(spec, rd)
-        if gone:
+        if gone and not _past(start_by):
             remake_checkpoints(spec, arm, seed, rd, gone, remake_fn, log, tag)
+            gone = []
+        elif gone:
+            log(f"{tag} {arm} seed {seed}: branch(es) at step {', '.join(map(str, gone))} not started (their "
+                f"checkpoints must be remade; past --start-by)")
     for budget, k, n in study_branch_plan(spec):
         bd = branch_folder(rd, k, n)
         what = f"{tag} {arm} seed {seed} budget {budget:g} (branch at step {k}, {n} cooldown steps)"
         st = _status(bd)
-        if _finished(st):
+        if _finished(st) or k in gone:
             continue
         if st is not None and bd.exists():   # failed before: trained again from scratch
             log(f"{what}: failed before ({st.get('message')}), training it again")
@@ -932,7 +954,8 @@ def _run_folder_owner(rd: Path) -> str | None:
         return None
 
 
-def _run_workers(spec: StudySpec, out: Path, jobs: int, log, lock: _StudyLock | None = None) -> str | None:
+def _run_workers(spec: StudySpec, out: Path, jobs: int, log, lock: _StudyLock | None = None,
+                 start_by: float | None = None) -> str | None:
     """Start ``jobs`` worker processes over the pending runs and wait for all of them.
 
     Returns None, or a message naming the workers that exited with an error. The workers are always
@@ -966,6 +989,10 @@ def _run_workers(spec: StudySpec, out: Path, jobs: int, log, lock: _StudyLock | 
         for k in range(jobs):
             env = dict(os.environ)
             env["MXTRAIN_STUDY_PARENT"] = str(os.getpid())   # the worker exits if this process is gone already
+            if start_by is not None:
+                env["MXTRAIN_STUDY_START_BY"] = repr(float(start_by))
+            else:
+                env.pop("MXTRAIN_STUDY_START_BY", None)
             if len(gpus) > 1:
                 env["CUDA_VISIBLE_DEVICES"] = gpus[k % len(gpus)]
             if dev.startswith("cpu") or not gpus:

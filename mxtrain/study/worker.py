@@ -53,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     meta = json.loads((out / "study.json").read_text())
     spec = StudySpec(**meta["spec"])
     order = plan_order(spec)
+    sb = os.environ.get("MXTRAIN_STUDY_START_BY")
+    start_by = float(sb) if sb else None   # --start-by, set by the parent
     claims = out / "claims"
     claims.mkdir(exist_ok=True)
     try:
@@ -67,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 claimed = True
                 run_one(spec, arm, seed, f"[{i}/{len(order)}] worker {k}:", train_one,
-                        log=lambda m: print(m, flush=True))
+                        log=lambda m: print(m, flush=True), start_by=start_by)
                 if k > 0 and ran_out_of_memory(out / "runs" / arm / f"seed{seed}"):
                     # Workers sharing a GPU ran out of its memory: this one gives its run back (another worker
                     # trains it again when it next looks) and stops, so fewer runs share the GPU. Worker 0
