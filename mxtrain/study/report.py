@@ -269,7 +269,7 @@ def _cooldown_plot(cool: dict, colors: dict[str, str]) -> bytes | None:
         rows = a["budgets"]
         t = [r["tokens"] for r in rows]
         axes[0].plot(t, [r["loss"] for r in rows], marker="o", ls="" if n == base else "-", color=c,
-                     label=f"{n} ({a.get('n_seeds')} seeds)")
+                     label=f"{n} ({a.get('n_seeds')} seed{'' if a.get('n_seeds') == 1 else 's'})")
         if n != base:
             # small horizontal offsets keep overlapping intervals apart
             off = [x * (1 + 0.015 * (i - nb / 2)) for x in t]
