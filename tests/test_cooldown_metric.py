@@ -202,3 +202,32 @@ def test_cooldown_figure_without_any_extra_token_estimate():
                                                       "mx": {"budgets": rows, "n_seeds": 2}}}
     png = R._cooldown_plot(cool, {"bf16": "C0", "mx": "C1"})
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_gaps_per_budget_keep_seeds_that_finished_some_budgets():
+    """A seed that finished only some budgets (a lease ended mid-way) drops out of the bootstrap, which needs
+    every budget, but its finished budgets still give paired gaps: each the mean window difference to the
+    baseline's same seed; the report shows them only when they add seeds."""
+    from mxtrain.study.report import budget_gap_rows
+    budgets = [0.5, 1.0]
+
+    def pts(offset, missing=()):
+        out = {}
+        for s in (0, 1):
+            out[s] = {}
+            for j, b in enumerate(budgets):
+                done = (s, b) not in missing
+                out[s][b] = {"state": "done" if done else "failed", "tokens": 1e6 * (j + 1), "path": "",
+                             "losses": [4.0 - j + offset + 0.01 * s + 0.001 * w for w in range(4)] if done else None}
+        return out
+    points = {"bf16": pts(0.0), "mx": pts(0.1, missing={(1, 1.0)})}
+    cool = C.summarize_cooldown(points, "bf16", budgets, n_boot=20)
+    assert cool["arms"]["mx"]["seeds"] == [0]
+    rows = cool["by_budget"]["mx"]
+    assert [r["n_seeds"] for r in rows] == [2, 1]
+    assert rows[0]["gaps"] == {0: pytest.approx(0.1), 1: pytest.approx(0.1)} and rows[1]["gaps"] == {0: pytest.approx(0.1)}
+    table = budget_gap_rows(cool)
+    assert table[0][0] == "arm" and table[1][0] == "mx" and "0: +0.1000, 1: +0.1000" in table[1][1]
+    # every seed complete: nothing to add
+    full = C.summarize_cooldown({"bf16": pts(0.0), "mx": pts(0.1)}, "bf16", budgets, n_boot=20)
+    assert budget_gap_rows(full) is None

@@ -381,6 +381,33 @@ def gaps_by_source(points: dict, baseline: str, budget: float) -> dict:
     return out
 
 
+def gaps_by_budget(points: dict, baseline: str, budgets: list[float]) -> dict:
+    """``{arm: [{"budget", "gaps": {seed: gap}, "mean", "n_seeds"}...]}``: at each budget, the arm's cooled-down
+    loss minus the baseline's of the same seed (mean over the windows both evaluated), for **every** seed whose
+    branch at that budget finished in both, whether or not the seed finished its other budgets. The bootstrap
+    of ``summarize_cooldown`` needs seeds complete at every budget (one baseline fit across them); this view
+    keeps what a study cut short (a lease that ended mid-way) has already measured."""
+    base = points.get(baseline, {})
+    out: dict = {}
+    for arm, runs in points.items():
+        if arm == baseline:
+            continue
+        rows = []
+        for b in budgets:
+            gaps = {}
+            for s, bs in sorted(runs.items()):
+                a, r = bs.get(b), base.get(s, {}).get(b)
+                if not (a and r and a["state"] == r["state"] == "done" and a.get("losses") and r.get("losses")):
+                    continue
+                w = min(len(a["losses"]), len(r["losses"]))
+                gaps[int(s)] = float(np.mean(np.asarray(a["losses"][:w], dtype=float)
+                                             - np.asarray(r["losses"][:w], dtype=float)))
+            rows.append({"budget": b, "gaps": gaps, "n_seeds": len(gaps),
+                         "mean": float(np.mean(list(gaps.values()))) if gaps else None})
+        out[arm] = rows
+    return out
+
+
 def summarize_cooldown(points: dict, baseline: str, budgets: list[float], *, n_boot: int = 1000,
                        seed: int = 0, fit: str = "lsq") -> dict:
     """The ``cooldown`` section of summary.json: per arm, extra tokens per budget with intervals
@@ -425,6 +452,7 @@ def summarize_cooldown(points: dict, baseline: str, budgets: list[float], *, n_b
     if baseline in res["arms"] and res["arms"][baseline].get("fit"):
         res["fit"] = res["arms"][baseline]["fit"]
     if budgets:
+        res["by_budget"] = gaps_by_budget(points, baseline, budgets)
         by = gaps_by_source(points, baseline, budgets[-1])
         if by:
             res["by_source"] = {"budget": budgets[-1], "arms": by}

@@ -19,7 +19,7 @@ from . import arms as A
 from . import diagnostics as D
 from . import metrics as M
 
-__all__ = ["write_report", "recipe_brief", "arm_table_rows", "arm_colors", "cooldown_table_rows",
+__all__ = ["write_report", "recipe_brief", "arm_table_rows", "arm_colors", "cooldown_table_rows", "budget_gap_rows",
            "source_table_rows",
            "reference_table_rows"]
 
@@ -316,6 +316,29 @@ def source_table_rows(cool: dict) -> list[list[str]] | None:
         cells = [f"{d[n]['gap']:+.4f} ({d[n]['n_windows']})" if n in d else "–" for n in names]
         rows.append([arm] + cells + [str(max(v["n_seeds"] for v in d.values()))])
     return rows
+
+
+def budget_gap_rows(cool: dict) -> list[list[str]] | None:
+    """Paired gaps per budget over every seed with that branch (``summary["cooldown"]["by_budget"]``): one row
+    per arm, one column per budget (mean gap, then each seed's), or None when they add nothing to the
+    cooled-down table (every arm's seeds at every budget are the ones its bootstrap used)."""
+    by = cool.get("by_budget") or {}
+    arms = cool.get("arms") or {}
+    if not by or all(r["n_seeds"] == len((arms.get(a) or {}).get("seeds") or []) for a, rows in by.items()
+                     for r in rows):
+        return None
+    budgets = [r["budget"] for r in next(iter(by.values()))]
+    out = [["arm"] + [f"{100 * b:.0f} %: mean gap (seeds: each)" for b in budgets]]
+    for arm, rows in by.items():
+        cells = []
+        for r in rows:
+            if not r["gaps"]:
+                cells.append("–")
+                continue
+            each = ", ".join(f"{s}: {g:+.4f}" for s, g in sorted(r["gaps"].items(), key=lambda kv: int(kv[0])))
+            cells.append(f"{r['mean']:+.4f} ({each})")
+        out.append([arm] + cells)
+    return out
 
 
 def cooldown_table_rows(cool: dict) -> list[list[str]]:
@@ -687,6 +710,15 @@ def write_report(d: str | Path, summary: dict | None = None) -> tuple[Path, Path
             crows = cooldown_table_rows(cool)
             h += ["<h2>Cooled-down comparison</h2>", f"<p>{html.escape(cnote)}</p>", _table_html(crows)]
             md += ["## Cooled-down comparison", "", cnote, "", _table_md(crows), ""]
+            grows = budget_gap_rows(cool)
+            if grows:
+                gnote = ("Some seeds finished only some budgets, so the table above (seeds complete at every "
+                         "budget) leaves measurements out. Here, each budget's cooled-down loss minus the "
+                         "baseline's of the same seed, for every seed whose branch at that budget finished in both "
+                         "(nats; mean over windows; no interval: the seeds differ from budget to budget).")
+                h += ["<h3>Paired gaps per budget, every finished seed</h3>", f"<p>{html.escape(gnote)}</p>",
+                      _table_html(grows)]
+                md += ["### Paired gaps per budget, every finished seed", "", gnote, "", _table_md(grows), ""]
             srows = source_table_rows(cool)
             if srows:
                 snote = (f"Cooled-down loss minus the baseline's at the {100 * cool['by_source']['budget']:.0f} % "
