@@ -18,8 +18,9 @@ a cached object: reading a field costs an attribute lookup, nothing is parsed pe
 their users call ``fresh()``, which reads the environment at that moment.
 
 ``mxtrain.fast`` calls ``current()`` when it is imported, so that a model compiled before any eager call
-never reads the environment inside a ``torch.compile`` trace. ``MXTRAIN_STUDY_PARENT`` is not a setting:
-``mxtrain study`` sets it for its worker processes (internal plumbing).
+never reads the environment inside a ``torch.compile`` trace. ``MXTRAIN_STUDY_PARENT`` and
+``MXTRAIN_STUDY_START_BY`` are not settings: ``mxtrain study`` sets them for its worker processes (internal
+plumbing).
 """
 
 from __future__ import annotations
@@ -371,8 +372,8 @@ speed, memory or where files go, never a result.
 """
 
 _PAGE_TAIL = """
-Internal, not a setting: `MXTRAIN_STUDY_PARENT` is set by `mxtrain study` for its worker processes (a worker
-exits if that parent process is gone).
+Internal, not settings: `MXTRAIN_STUDY_PARENT` and `MXTRAIN_STUDY_START_BY` are set by `mxtrain study` for its
+worker processes (a worker exits if that parent process is gone; it starts no run after `--start-by`).
 """
 
 
