@@ -224,6 +224,11 @@ def test_smoke_preset_end_to_end(tmp_path, capsys):
     # the report command and its errors
     assert main(["report", str(out)]) == 0
     assert main(["report", str(tmp_path / "nope")]) == 2
+    empty = tmp_path / "empty"   # a study whose first run has not trained yet: said so, not "no study"
+    empty.mkdir()
+    (empty / "study.json").write_text((out / "study.json").read_text())
+    capsys.readouterr()
+    assert main(["report", str(empty)]) == 2 and "no run that trained yet" in capsys.readouterr().err
     assert main(["study", "--arms", "bf16,nope", "--out", str(tmp_path / "x")]) == 2
 
 

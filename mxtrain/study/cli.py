@@ -282,6 +282,9 @@ def report_main(args: argparse.Namespace) -> int:
     if not single:
         runs = M.load_study_runs(d)
         if not runs:
+            if (d / "study.json").is_file():
+                raise UserError(f"{d}: a study with no run that trained yet (nothing to report); run "
+                                f"`mxtrain study` with its settings to train it")
             raise UserError(f"{d}: neither a run folder (metrics.jsonl) nor a study folder (runs/<arm>/seed<k>)")
         meta = json.loads((d / "study.json").read_text()) if (d / "study.json").is_file() else {}
         old = json.loads((d / "summary.json").read_text()) if (d / "summary.json").is_file() else {}
