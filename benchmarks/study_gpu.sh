@@ -7,10 +7,11 @@
 #   OUT=dir [PARTS=/root/mx] [DATA=/root/mx/c32k] [STUDY=/root/mx/study] [ARMS=a,b,c | PRESET=split]
 #   [MODEL=30m] [STEPS=240] [SEEDS=3] [BUDGETS=0.25,0.5,0.75,1] [COOLDOWN=0.2] [JOBS=6] [EVAL_EVERY=10]
 #   [EVAL_TOKENS=131072] [FINAL_EVAL_TOKENS=1048576] [DEVICE=cuda] [BUDGET=seconds] [EXTRA="--set k=v ..."]
-#   [SEED_STUDY=path/study.tgz] [START_BY=seconds] bash benchmarks/study_gpu.sh
+#   [SEED_STUDY=path/study.tgz] [START_BY=seconds] [MPS=1] bash benchmarks/study_gpu.sh
 # SEED_STUDY: the study.tgz an earlier lease returned (its run folders without checkpoints), unpacked into the
 # study folder when that holds no study yet, so that a study spans several leases: finished runs and branches
 # are skipped, unfinished ones train again (docs/study.md, "A study over several GPU leases").
+# MPS=1: NVIDIA's Multi-Process Service for the study (benchmarks/study_probe.sh measures whether it pays).
 # START_BY: no run starts later than this many seconds after the study does (mxtrain study --start-by); set it
 # to BUDGET less one run's time so that the lease's end goes to runs and branches that can finish.
 # JOBS: runs sharing the GPU; a 30m run with 32 x 512-token batches and the 32k vocabulary peaks near 11 GiB,
@@ -24,6 +25,17 @@ bash benchmarks/unpack_corpus.sh "$PARTS" "$DATA" || exit $?   # 3: parts still 
 if [ -n "${SEED_STUDY:-}" ] && [ ! -f "$S/study.json" ]; then
   [ -f "$SEED_STUDY" ] || { echo "SEED_STUDY=$SEED_STUDY: no such file" >&2; exit 2; }
   mkdir -p "$S" && tar -C "$S" -xzf "$SEED_STUDY" || { echo "unpacking $SEED_STUDY failed" >&2; exit 2; }
+fi
+if [ "${MPS:-0}" = 1 ]; then   # NVIDIA's Multi-Process Service for this study: the runs' kernels share the GPU at once
+  export CUDA_MPS_PIPE_DIRECTORY="$PARTS/mps-pipe" CUDA_MPS_LOG_DIRECTORY="$PARTS/mps-log"
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  if nvidia-cuda-mps-control -d; then
+    trap 'echo quit | nvidia-cuda-mps-control' EXIT
+    echo "MPS on" >> "$OUT/mps.txt"
+  else
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+    echo "MPS requested but its daemon did not start: the runs take turns on the GPU" >> "$OUT/mps.txt"
+  fi
 fi
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"

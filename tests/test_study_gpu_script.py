@@ -103,3 +103,46 @@ def test_corpus_parts_carried_over_two_calls(tmp_path):
     assert r.returncode == 2 and "not empty" in r.stderr and (busy / "mine.txt").read_text() == "keep me"
     r = _unpack(tmp_path / "empty", tmp_path / "d3", tmp_path / "none")
     assert r.returncode == 2 and "no corpus-32k parts" in r.stderr
+
+
+def _env(tmp, **kw):
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1",
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    env.update({k: str(v) for k, v in kw.items()})
+    return env
+
+
+def test_study_lease_runs_through_calls_and_collects(tmp_path):
+    """``benchmarks/study_lease.sh``: ``start`` returns at once with the study training in a session of its own,
+    ``watch`` waits for it (exit 1 while it runs, 0 once it ended), ``collect`` copies its results; a second
+    ``start`` while one runs is refused, and ``stop`` with nothing running says so."""
+    env = _env(tmp_path, PARTS=tmp_path / "parts", DATA=small_data(), ARMS="bf16", MODEL="tiny", STEPS="24",
+               SEEDS="1", BUDGETS="0.75,1", JOBS="1", DEVICE="cpu", EVAL_EVERY="8", EVAL_TOKENS="1024",
+               FINAL_EVAL_TOKENS="2048", EXTRA="--batch-size 2 --seq-len 32 --set schedule.warmup_steps=4")
+
+    def lease(*args, **kw):
+        return subprocess.run(["bash", "benchmarks/study_lease.sh", *args], cwd=ROOT, env={**env, **kw},
+                              capture_output=True, text=True, timeout=600)
+    r = lease("start", "300")
+    assert r.returncode == 0 and "started" in r.stdout, (r.stdout, r.stderr)
+    assert lease("start", "300").returncode == 2                     # one at a time
+    while lease("watch", "30").returncode == 1:
+        pass
+    r = lease("collect", OUT=str(tmp_path / "out"))
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    log = (tmp_path / "out" / "study_log.txt").read_text()
+    assert "study exit: 0" in log and (tmp_path / "out" / "study.tgz").is_file()
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["missing"] == []
+    assert lease("stop").returncode == 2
+
+
+def test_study_probe_measures_runs_sharing_a_device(tmp_path):
+    """``benchmarks/study_probe.sh`` (plain mode on CPU): JOBS runs at once, the aggregate tokens/s in probe.json."""
+    env = _env(tmp_path, OUT=tmp_path / "out", DATA=small_data(), MODES="plain", JOBS="2", STEPS="12", MODEL="tiny",
+               DEVICE="cpu", EXTRA="--seq-len 32 --batch-size 2")
+    r = subprocess.run(["bash", "benchmarks/study_probe.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0 and "plain:" in r.stdout, (r.stdout, r.stderr)
+    res = json.loads((tmp_path / "out" / "probe.json").read_text())["plain"]
+    assert res["rc"] == [0, 0] and res["tok_per_s"] > 0 and len(res["per_run"]) == 2
+    assert res["tok_per_s"] == sum(res["per_run"])
