@@ -103,6 +103,11 @@ class TrainSection:
                                             # compiler recomputes activations in the backward to keep only that
                                             # share of what it would save (less memory, more recompute); None:
                                             # torch's default (1.0)
+    switch_recipe: Optional[str] = None     # "STEP:RECIPE": from optimizer step STEP + 1 on, every linear layer
+                                            # trains with preset RECIPE instead (e.g. "800:bf16", a high-
+                                            # precision end of training; STEP may be a fraction of
+                                            # train.steps, "0.8:bf16"); the same layers stay in high precision.
+                                            # A run resumed past STEP, or a branch from it, trains with RECIPE
     init_from: Optional[str] = None         # a local Hugging Face Llama folder whose weights initialise the
                                             # model (instead of the random init); None: random init
     gc_every: int = 0                       # > 0: Python's automatic garbage collection off while training,

@@ -205,6 +205,10 @@ def _check(cfg: TrainConfig) -> None:
     profiling.parse_steps(cfg.log.profile_steps, t.steps)
     if t.gc_every < 0:
         raise UserError(f"train.gc_every must be 0 (Python's automatic collection) or positive, got {t.gc_every}")
+    switch_step(cfg)   # train.switch_recipe: well formed, a known recipe, inside the run
+    if t.switch_recipe and t.cuda_graphs:
+        raise UserError("train.switch_recipe and train.cuda_graphs together are not supported (the captured graphs "
+                        "hold the first recipe's kernels); set one of them off")
     if t.checkpoint_blocks and t.cuda_graphs:
         raise UserError("train.checkpoint_blocks and train.cuda_graphs together are not supported (a recomputation "
                         "inside a replayed graph is not tested); set one of them to false")
@@ -219,6 +223,43 @@ def _check(cfg: TrainConfig) -> None:
         raise UserError(f"parallel.mode must be auto, {', '.join(D.MODES)}; got {cfg.parallel.mode!r}")
     if cfg.parallel.param_dtype not in ("auto", "bf16", "fp32"):
         raise UserError(f"parallel.param_dtype must be auto, bf16 or fp32, got {cfg.parallel.param_dtype!r}")
+
+
+def switch_step(cfg: TrainConfig) -> tuple[int, str] | None:
+    """``train.switch_recipe`` as ``(step, recipe name)``: the optimizer steps after ``step`` train with the
+    recipe; None when unset. UserError for a malformed value, an unknown recipe or a step outside the run."""
+    v = cfg.train.switch_recipe
+    if not v:
+        return None
+    from .. import recipes as _recipes
+    at, sep, name = str(v).partition(":")
+    try:
+        x = float(at)
+    except ValueError:
+        x = float("nan")
+    if not sep or not name or not math.isfinite(x) or x < 0:
+        raise UserError(f"train.switch_recipe must be STEP:RECIPE (a step, or a fraction of train.steps, then a "
+                        f"preset), e.g. 800:bf16 or 0.8:bf16; got {v!r}")
+    step = int(round(x * cfg.train.steps)) if 0 < x < 1 and "." in at else int(x)
+    if step != x and not (0 < x < 1 and "." in at):
+        raise UserError(f"train.switch_recipe: step {at} must be a whole number or a fraction in (0, 1)")
+    if not 0 < step < cfg.train.steps:
+        raise UserError(f"train.switch_recipe: step {step} must be inside the run (1 to {cfg.train.steps - 1}; "
+                        f"train.steps = {cfg.train.steps})")
+    try:
+        _recipes.get(name)
+    except (KeyError, ValueError, UserError):
+        raise UserError(f"train.switch_recipe: unknown recipe {name!r}; presets: "
+                        f"{', '.join(_recipes.names())}") from None
+    return step, name
+
+
+def _switch(model, name: str, log, step: int, tokens: int) -> None:
+    """Every linear layer of ``model`` to recipe ``name`` (``convert`` again: converted layers change recipe, the
+    kept ones stay; under torch.compile the blocks compile again once for it), said and logged."""
+    convert(D.unwrap(model), name)
+    log.say(f"step {step}: recipe switched to {name} (train.switch_recipe)")
+    log.row({"step": step, "tokens": tokens, "event": "recipe_switch", "recipe": name})
 
 
 def _num(name: str, v, lo=None, hi=None, lo_open=False, hi_open=False, integer=False, optional=False) -> None:
@@ -1199,7 +1240,12 @@ def _train_steps(cfg: TrainConfig, env, model, opt, loader, data, log: _Log, cbs
     inexact0 = inexact() if inexact is not None else None
     record_inexact = device.type == "cuda"   # where the fast path's kernels run; elsewhere once nonzero
     said_uncounted = False
+    switch = switch_step(cfg)
+    if switch is not None and start_step >= switch[0]:   # resumed (or branched) past the switch
+        _switch(model, switch[1], log, start_step, tokens)
     for step in range(start_step, cfg.train.steps):
+        if switch is not None and step == switch[0] and step > start_step:
+            _switch(model, switch[1], log, step, tokens)
         lr = lr_at(step, cfg)
         for g in opt.param_groups:
             g["lr"] = lr
