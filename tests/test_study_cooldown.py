@@ -335,3 +335,30 @@ def test_start_by_starts_no_run_after_it(tmp_path):
                  "2", "--start-by", "0", "--out", str(w)]) == 1
     logs = "".join((w / f"worker{k}.log").read_text() for k in (0, 1))
     assert logs.count("not started (past --start-by)") == 2 and not any((w / "runs").rglob("metrics.jsonl"))
+
+
+def test_bf16_cooldown_arm_trains_its_branches_in_bf16(tmp_path, monkeypatch):
+    """``mxfp4-all@bf16cool``: the stable run is ``mxfp4-all``'s (same losses), every branch switches to BF16 at
+    its branch point (``train.switch_recipe``); the option needs a cooldown study."""
+    monkeypatch.setenv("MXTRAIN_DATA", str(tmp_path / "cache"))
+    import torch
+    torch.set_num_threads(1)
+    out = tmp_path / "s"
+    spec = StudySpec(out=str(out), arms=["mxfp4-all", "mxfp4-all@bf16cool"], seeds=1, model="tiny", steps=16,
+                     batch_size=4, seq_len=32, eval_every=4, device="cpu", overrides=list(SMOKE), budgets=[1.0],
+                     cooldown=0.25, n_boot=20)
+    run_study(spec, log=lambda m: None)
+    runs = out / "runs"
+
+    def rows(f):
+        return [json.loads(x) for x in (f / "metrics.jsonl").read_text().splitlines()]
+    losses = [[r["loss"] for r in rows(runs / a / "seed0") if "loss" in r and "val_loss" not in r]
+              for a in ("mxfp4-all", "mxfp4-all@bf16cool")]
+    assert losses[0] == losses[1] and losses[0]
+    b = [runs / a / "seed0" / "branches" / "k12-n4" for a in ("mxfp4-all", "mxfp4-all@bf16cool")]
+    assert not [r for r in rows(b[0]) if r.get("event") == "recipe_switch"]
+    assert [(r["step"], r["recipe"]) for r in rows(b[1]) if r.get("event") == "recipe_switch"] == [(12, "bf16")]
+    assert json.loads((b[1] / "config.json").read_text())["train"]["switch_recipe"] == "12:bf16"
+    with pytest.raises(UserError, match="needs a cooldown study"):
+        run_study(StudySpec(out=str(tmp_path / "x"), arms=["bf16", "mxfp4-all@bf16cool"]), log=lambda m: None)
+    assert not (tmp_path / "x").exists()

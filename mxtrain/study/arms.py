@@ -5,6 +5,9 @@ An arm is named ``RECIPE`` or ``RECIPE@OPTION`` (several options: ``RECIPE@A@B``
 turns on a training feature by training-config overrides applied to that arm's runs only (after the study's
 own ``--set`` items, so the arm's option wins). ``mxfp4-all@deosc`` is ``mxfp4-all`` with weight
 de-oscillation (``mxtrain.deosc``); ``--set deosc.period=50`` then tunes it for every arm that has it on.
+Options in ``BRANCH_OPTIONS`` change a cooldown study's branches only: ``mxfp4-all@bf16cool`` trains the
+stable run of ``mxfp4-all`` and cools it down in BF16 (how much of MXFP4's cost a high-precision end of
+training recovers, as NVIDIA's NVFP4 recipe ends its runs).
 
 Arm names are folder names (``OUT/runs/<arm>/seed<k>``): letters, digits and ``-``, ``+``, ``@``, ``.``, ``_``
 only, all safe in file names on Linux, macOS and Windows.
@@ -17,11 +20,17 @@ import re
 from .. import recipes as R
 from ..errors import UserError
 
-__all__ = ["OPTIONS", "split", "recipe_of", "overrides_of", "describe_options", "check", "is_arm"]
+__all__ = ["OPTIONS", "BRANCH_OPTIONS", "split", "recipe_of", "overrides_of", "branch_overrides_of",
+           "describe_options", "check", "is_arm"]
 
 # option -> (training-config overrides, a short description for reports)
 OPTIONS: dict[str, tuple[tuple[str, ...], str]] = {
     "deosc": (("deosc.enable=true",), "weight de-oscillation (OsciReset: TetraJet-v2, AMD ALTO)"),
+    "bf16cool": ((), "cooldown branches in BF16 (train.switch_recipe at the branch point)"),
+}
+# option -> overrides of the arm's cooldown branches only, "{k}" the branch point (a cooldown study)
+BRANCH_OPTIONS: dict[str, tuple[str, ...]] = {
+    "bf16cool": ("train.switch_recipe={k}:bf16",),
 }
 
 _SAFE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+@-]*$")
@@ -43,6 +52,15 @@ def overrides_of(arm: str) -> list[str]:
     out: list[str] = []
     for o in split(arm)[1]:
         out += list(OPTIONS[o][0])
+    return out
+
+
+def branch_overrides_of(arm: str, k: int) -> list[str]:
+    """The training-config overrides the arm's options add to its cooldown branch at step ``k`` (``[]`` for
+    most arms): ``mxfp4-all@bf16cool`` trains its stable run as ``mxfp4-all`` and its branches in BF16."""
+    out: list[str] = []
+    for o in split(arm)[1]:
+        out += [x.format(k=k) for x in BRANCH_OPTIONS.get(o, ())]
     return out
 
 

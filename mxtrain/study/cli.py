@@ -104,6 +104,7 @@ def study_main(args: argparse.Namespace) -> int:
     if args.jobs is None:
         args.jobs = 1
     spec = StudySpec.from_args(args)
+    spec.check_branch_options()
     from ..train.config import check_init_from
     from ..train.trainer import validate
     from .runner import build_config

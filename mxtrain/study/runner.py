@@ -222,6 +222,13 @@ class StudySpec:
         base["out"] = args.out or f"studies/{args.preset or 'custom'}"
         return cls(**base)
 
+    def check_branch_options(self) -> None:
+        """An arm whose option changes only the cooldown branches (``@bf16cool``) needs a cooldown study."""
+        branch_only = [a for a in self.arms if A.branch_overrides_of(a, 0)]
+        if branch_only and not self.budgets:
+            raise UserError(f"arm {branch_only[0]} changes only the cooldown branches: it needs a cooldown study "
+                            f"(--budgets, e.g. 0.25,0.5,1)")
+
     def describe(self) -> str:
         lines = [f"study -> {self.out}", f"  arms ({len(self.arms)}): {', '.join(self.arms)}; baseline {self.baseline}"
                  + (f"; also compared with {', '.join(self.references)}" if self.references else ""),
@@ -409,8 +416,14 @@ def branch_folder(run_dir: Path, k: int, n: int) -> Path:
 def train_branch(spec: StudySpec, arm: str, seed: int, run_dir: Path, budget: float, k: int, n: int, bdir: Path):
     """Train one cooldown branch of the stable run ``run_dir`` (``mxtrain.train.branch_fit``); returns its
     typed ``Outcome``. A branch folder with its own checkpoint resumes from it."""
-    from ..train.branch import branch_fit
-    return branch_fit(run_dir, k, n, bdir, shape=spec.cooldown_shape, log=lambda m: None)
+    from ..train.branch import _run_config, branch_fit
+    cfg = None
+    extra = A.branch_overrides_of(arm, k)   # an arm whose branches differ from its stable run (@bf16cool)
+    if extra:
+        from ..train.config import apply_overrides
+        cfg = _run_config(Path(run_dir))
+        apply_overrides(cfg, extra)
+    return branch_fit(run_dir, k, n, bdir, shape=spec.cooldown_shape, cfg=cfg, log=lambda m: None)
 
 
 def train_one(spec: StudySpec, arm: str, seed: int, run_dir: Path, resume: Path | None = None):
@@ -630,6 +643,7 @@ def run_study(spec: StudySpec, train_fn: Callable[[StudySpec, str, int, Path], N
     """
     if jobs < 1:
         raise UserError(f"--jobs must be >= 1, got {jobs}")
+    spec.check_branch_options()
     out = Path(spec.out)
     from ..train.callbacks import require_wandb, wandb_project
     from ..train.trainer import validate
