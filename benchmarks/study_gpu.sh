@@ -11,7 +11,9 @@
 # SEED_STUDY: the study.tgz an earlier lease returned (its run folders without checkpoints), unpacked into the
 # study folder when that holds no study yet, so that a study spans several leases: finished runs and branches
 # are skipped, unfinished ones train again (docs/study.md, "A study over several GPU leases").
-# MPS=1: NVIDIA's Multi-Process Service for the study (benchmarks/study_probe.sh measures whether it pays).
+# MPS=1: NVIDIA's Multi-Process Service for the study; MPS=auto: benchmarks/study_probe.sh first (JOBS runs of
+# MODEL for PROBE_STEPS steps, plain and under MPS; PROBE_EXTRA: their extra train flags), MPS where it is 15 %
+# faster or more; its output in OUT/mps.txt and OUT/probe.json (logs in OUT/probe/). BUDGET and START_BY include the probe's time.
 # START_BY: no run starts later than this many seconds after the study does (mxtrain study --start-by); set it
 # to BUDGET less one run's time so that the lease's end goes to runs and branches that can finish.
 # JOBS: runs sharing the GPU; a 30m run with 32 x 512-token batches and the 32k vocabulary peaks near 11 GiB,
@@ -20,11 +22,24 @@
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:?set OUT}; PARTS=${PARTS:-/root/mx}; DATA=${DATA:-$PARTS/c32k}; S=${STUDY:-$PARTS/study}
+T0=$(date +%s)   # BUDGET and START_BY count from here (an MPS=auto probe comes out of them)
 mkdir -p "$OUT"
 bash benchmarks/unpack_corpus.sh "$PARTS" "$DATA" || exit $?   # 3: parts still to carry
 if [ -n "${SEED_STUDY:-}" ] && [ ! -f "$S/study.json" ]; then
   [ -f "$SEED_STUDY" ] || { echo "SEED_STUDY=$SEED_STUDY: no such file" >&2; exit 2; }
   mkdir -p "$S" && tar -C "$S" -xzf "$SEED_STUDY" || { echo "unpacking $SEED_STUDY failed" >&2; exit 2; }
+fi
+if [ "${MPS:-0}" = auto ]; then   # measure first (benchmarks/study_probe.sh): MPS only where it pays 15 % or more
+  MPS=0
+  if command -v nvidia-cuda-mps-control > /dev/null || [ -n "${PROBE_FORCE:-}" ]; then
+    OUT="$OUT/probe" DATA="$DATA" MODES="plain mps" JOBS="${JOBS:-6}" STEPS="${PROBE_STEPS:-200}" \
+      MODEL="${MODEL:-30m}" DEVICE="${DEVICE:-cuda}" EXTRA="${PROBE_EXTRA:-}" bash benchmarks/study_probe.sh \
+      >> "$OUT/mps.txt" 2>&1
+    cp "$OUT/probe/probe.json" "$OUT/probe.json" 2>/dev/null
+    MPS=$(python3 -c "import json,sys; r=json.load(open(sys.argv[1])); p=r.get('plain',{}).get('tok_per_s',0); \
+m=r.get('mps',{}).get('tok_per_s',0); print(1 if p > 0 and m >= 1.15 * p else 0)" "$OUT/probe/probe.json" 2>/dev/null || echo 0)
+  fi
+  echo "MPS=auto: MPS=$MPS" >> "$OUT/mps.txt"
 fi
 if [ "${MPS:-0}" = 1 ]; then   # NVIDIA's Multi-Process Service for this study: the runs' kernels share the GPU at once
   export CUDA_MPS_PIPE_DIRECTORY="$PARTS/mps-pipe" CUDA_MPS_LOG_DIRECTORY="$PARTS/mps-log"
@@ -47,11 +62,13 @@ CMD=(python3 -m mxtrain study "${WHAT[@]}" --seeds "${SEEDS:-3}" --model "${MODE
      --set "log.eval_tokens=${EVAL_TOKENS:-131072}" --set "log.final_eval_tokens=${FINAL_EVAL_TOKENS:-1048576}"
      --set schedule.warmup_steps=20 --device "${DEVICE:-cuda}"
      --jobs "${JOBS:-6}" --out "$S")
-[ -n "${START_BY:-}" ] && CMD+=(--start-by "$START_BY")
+SPENT=$(( $(date +%s) - T0 ))
+[ -n "${START_BY:-}" ] && CMD+=(--start-by "$(( START_BY > SPENT ? START_BY - SPENT : 0 ))")
 # shellcheck disable=SC2206
 [ -n "${EXTRA:-}" ] && CMD+=(${EXTRA})
 echo "${CMD[*]}" >> "$OUT/device.txt"
-timeout "${BUDGET:-480}" "${CMD[@]}" > "$OUT/study_log.txt" 2>&1
+LEFT=$(( ${BUDGET:-480} - SPENT )); [ "$LEFT" -lt 1 ] && LEFT=1
+timeout "$LEFT" "${CMD[@]}" > "$OUT/study_log.txt" 2>&1
 echo "study exit: $?" >> "$OUT/study_log.txt"
 timeout 60 python3 -m mxtrain report "$S" >> "$OUT/study_log.txt" 2>&1
 (cd "$S" && find . -type f ! -name '*.pt' ! -path '*/tb/*' -size -8M | tar czf "$OUT/study.tgz" -T -)

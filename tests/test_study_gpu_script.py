@@ -118,7 +118,9 @@ def test_study_lease_runs_through_calls_and_collects(tmp_path):
     ``start`` while one runs is refused, and ``stop`` with nothing running says so."""
     env = _env(tmp_path, PARTS=tmp_path / "parts", DATA=small_data(), ARMS="bf16", MODEL="tiny", STEPS="24",
                SEEDS="1", BUDGETS="0.75,1", JOBS="1", DEVICE="cpu", EVAL_EVERY="8", EVAL_TOKENS="1024",
-               FINAL_EVAL_TOKENS="2048", EXTRA="--batch-size 2 --seq-len 32 --set schedule.warmup_steps=4")
+               FINAL_EVAL_TOKENS="2048", EXTRA="--batch-size 2 --seq-len 32 --set schedule.warmup_steps=4",
+               # MPS=auto measures first (here: no MPS on the machine, the plain probe only, so MPS stays off)
+               MPS="auto", PROBE_FORCE="1", PROBE_STEPS="12", PROBE_EXTRA="--batch-size 2 --seq-len 32")
 
     def lease(*args, **kw):
         return subprocess.run(["bash", "benchmarks/study_lease.sh", *args], cwd=ROOT, env={**env, **kw},
@@ -133,6 +135,8 @@ def test_study_lease_runs_through_calls_and_collects(tmp_path):
     log = (tmp_path / "out" / "study_log.txt").read_text()
     assert "study exit: 0" in log and (tmp_path / "out" / "study.tgz").is_file()
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["missing"] == []
+    assert "MPS=auto: MPS=0" in (tmp_path / "out" / "mps.txt").read_text()
+    assert json.loads((tmp_path / "out" / "probe.json").read_text())["plain"]["tok_per_s"] > 0
     assert lease("stop").returncode == 2
 
 
