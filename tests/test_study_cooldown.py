@@ -338,8 +338,9 @@ def test_start_by_starts_no_run_after_it(tmp_path):
 
 
 def test_bf16_cooldown_arm_trains_its_branches_in_bf16(tmp_path, monkeypatch):
-    """``mxfp4-all@bf16cool``: the stable run is ``mxfp4-all``'s (same losses), every branch switches to BF16 at
-    its branch point (``train.switch_recipe``); the option needs a cooldown study."""
+    """``mxfp4-all@bf16cool``: the stable run is ``mxfp4-all``'s, shared (not trained again) when both arms are in
+    the study, trained alike when alone; every branch switches to BF16 at its branch point
+    (``train.switch_recipe``); the option needs a cooldown study."""
     monkeypatch.setenv("MXTRAIN_DATA", str(tmp_path / "cache"))
     import torch
     torch.set_num_threads(1)
@@ -347,8 +348,12 @@ def test_bf16_cooldown_arm_trains_its_branches_in_bf16(tmp_path, monkeypatch):
     spec = StudySpec(out=str(out), arms=["mxfp4-all", "mxfp4-all@bf16cool"], seeds=1, model="tiny", steps=16,
                      batch_size=4, seq_len=32, eval_every=4, device="cpu", overrides=list(SMOKE), budgets=[1.0],
                      cooldown=0.25, n_boot=20)
-    run_study(spec, log=lambda m: None)
+    said = []
+    run_study(spec, log=said.append)
+    assert any("the stable run of mxfp4-all seed 0, shared" in m for m in said), said
     runs = out / "runs"
+    st = json.loads((runs / "mxfp4-all@bf16cool" / "seed0" / "study_status.json").read_text())
+    assert st["state"] == "done" and st["shared_from"] == "mxfp4-all" and st["arm"] == "mxfp4-all@bf16cool"
 
     def rows(f):
         return [json.loads(x) for x in (f / "metrics.jsonl").read_text().splitlines()]
@@ -359,6 +364,31 @@ def test_bf16_cooldown_arm_trains_its_branches_in_bf16(tmp_path, monkeypatch):
     assert not [r for r in rows(b[0]) if r.get("event") == "recipe_switch"]
     assert [(r["step"], r["recipe"]) for r in rows(b[1]) if r.get("event") == "recipe_switch"] == [(12, "bf16")]
     assert json.loads((b[1] / "config.json").read_text())["train"]["switch_recipe"] == "12:bf16"
+    # alone in a study (no mxfp4-all arm to share with), the arm trains the same stable run itself
+    alone = tmp_path / "alone"
+    run_study(StudySpec(**{**spec.__dict__, "out": str(alone), "arms": ["bf16", "mxfp4-all@bf16cool"], "baseline": None}),
+              log=lambda m: None)
+    mine = [r["loss"] for r in rows(alone / "runs" / "mxfp4-all@bf16cool" / "seed0")
+            if "loss" in r and "val_loss" not in r]
+    assert mine == losses[0]
+    assert "shared_from" not in json.loads((alone / "runs" / "mxfp4-all@bf16cool" / "seed0" /
+                                            "study_status.json").read_text())
     with pytest.raises(UserError, match="needs a cooldown study"):
         run_study(StudySpec(out=str(tmp_path / "x"), arms=["bf16", "mxfp4-all@bf16cool"]), log=lambda m: None)
     assert not (tmp_path / "x").exists()
+
+
+def test_bf16_cooldown_arm_shares_the_stable_run_between_workers(tmp_path):
+    """With ``--jobs 2`` the two arms are trained by two workers at once: the ``@bf16cool`` arm waits for the
+    plain arm's stable run and shares it (one stable run trained, not two)."""
+    from mxtrain.cli import main
+    out = tmp_path / "s"
+    assert main(["study", "--preset", "smoke", "--arms", "mxfp4-all,mxfp4-all@bf16cool", "--baseline", "mxfp4-all",
+                 "--seeds", "1", "--steps",
+                 "8", "--budgets", "1", "--cooldown", "0.25", "--diagnose-every", "0", "--jobs", "2",
+                 "--out", str(out)]) == 0
+    logs = "".join((out / f"worker{k}.log").read_text() for k in (0, 1))
+    assert "the stable run of mxfp4-all seed 0, shared" in logs, logs[-3000:]
+    assert logs.count("mxtrain 0.1.0 | model") == 1 + 2     # one stable run and the two arms' branches
+    st = json.loads((out / "runs" / "mxfp4-all@bf16cool" / "seed0" / "study_status.json").read_text())
+    assert st["shared_from"] == "mxfp4-all"

@@ -20,7 +20,7 @@ import re
 from .. import recipes as R
 from ..errors import UserError
 
-__all__ = ["OPTIONS", "BRANCH_OPTIONS", "split", "recipe_of", "overrides_of", "branch_overrides_of",
+__all__ = ["OPTIONS", "BRANCH_OPTIONS", "split", "recipe_of", "overrides_of", "branch_overrides_of", "stable_base",
            "describe_options", "check", "is_arm"]
 
 # option -> (training-config overrides, a short description for reports)
@@ -62,6 +62,15 @@ def branch_overrides_of(arm: str, k: int) -> list[str]:
     for o in split(arm)[1]:
         out += [x.format(k=k) for x in BRANCH_OPTIONS.get(o, ())]
     return out
+
+
+def stable_base(arm: str) -> str | None:
+    """The arm whose stable run this arm's is, bit for bit, when every option of the arm changes only the
+    cooldown branches (``mxfp4-all@bf16cool`` -> ``mxfp4-all``); None otherwise."""
+    recipe, opts = split(arm)
+    if not opts or any(o not in BRANCH_OPTIONS or OPTIONS[o][0] for o in opts):
+        return None
+    return recipe
 
 
 def describe_options(arm: str) -> str:

@@ -721,8 +721,10 @@ def _run_study_locked(spec: StudySpec, out: Path, train_fn, log, jobs: int, lock
 
 
 def plan_order(spec: StudySpec) -> list[tuple[str, int]]:
-    """Seed-major order: after the first pass over seed 0 every arm has a result to compare."""
-    return [(a, s) for s in range(spec.seeds) for a in spec.arms]
+    """Seed-major order: after the first pass over seed 0 every arm has a result to compare. Within a seed, arms
+    that share their stable run with another arm (``arms.stable_base``) come after the others."""
+    arms = sorted(spec.arms, key=lambda a: A.stable_base(a) in spec.arms)
+    return [(a, s) for s in range(spec.seeds) for a in arms]
 
 
 def run_one(spec: StudySpec, arm: str, seed: int, tag: str, train_fn, log=print, branch_fn=None,
@@ -754,6 +756,10 @@ def run_one(spec: StudySpec, arm: str, seed: int, tag: str, train_fn, log=print,
     if _past(start_by):
         log(f"{tag} {arm} seed {seed}: not started (past --start-by)")
         return
+    if _share_stable_run(spec, arm, seed, rd, tag, log):   # an arm that differs only in its branches (@bf16cool)
+        if spec.budgets:
+            run_branches(spec, arm, seed, tag, branch_fn or train_branch, log, remake_fn=train_fn, start_by=start_by)
+        return
     resume = None
     if rd.exists():
         busy = _run_folder_owner(rd)
@@ -776,6 +782,50 @@ def run_one(spec: StudySpec, arm: str, seed: int, tag: str, train_fn, log=print,
     log(f"{tag} {arm} seed {seed}: {state} in {time.time() - ts:.0f} s")
     if state == "done" and spec.budgets:
         run_branches(spec, arm, seed, tag, branch_fn or train_branch, log, remake_fn=train_fn, start_by=start_by)
+
+
+def _share_stable_run(spec: StudySpec, arm: str, seed: int, rd: Path, tag: str, log, poll: float = 5.0) -> bool:
+    """For an arm whose options change only its cooldown branches (``arms.stable_base``), with that base arm in
+    the study: the base arm's finished stable run of this seed, copied into ``rd`` (checkpoints hard-linked
+    where the file system allows), instead of training the same run again; waits while another worker
+    trains it. True when ``rd`` now holds a done run; False (train it here) when the base arm is not in the
+    study, its run did not finish done, or ``rd`` holds a run of its own already."""
+    base = A.stable_base(arm)
+    if base is None or base not in spec.arms or rd.exists():
+        return False
+    brd = Path(spec.out) / "runs" / base / f"seed{seed}"
+    claim = Path(spec.out) / "claims" / f"{base}-seed{seed}"   # a worker has taken the base run (--jobs)
+    said, idle = False, time.time()
+    while _status(brd) is None:   # neither finished nor failed yet
+        if _run_folder_owner(brd) is not None:
+            idle = time.time()
+        elif not claim.exists() or time.time() - idle > 300:   # nobody trains it (or its worker died)
+            break
+        if not said:
+            log(f"{tag} {arm} seed {seed}: waiting for {base} seed {seed}'s stable run (the same run), trained now")
+            said = True
+        time.sleep(poll)
+    st = _status(brd)
+    if not (st and st.get("state") == "done"):
+        return False
+    tmp = rd.parent / f".{rd.name}.sharing"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in brd.iterdir():
+        if not f.is_file() or f.name in ("study_status.json", ".lock"):
+            continue
+        if f.suffix == ".pt":
+            try:
+                os.link(f, tmp / f.name)
+                continue
+            except OSError:
+                pass
+        shutil.copy2(f, tmp / f.name)
+    (tmp / "study_status.json").write_text(json.dumps({**st, "arm": arm, "shared_from": base}))
+    os.replace(tmp, rd)
+    log(f"{tag} {arm} seed {seed}: the stable run of {base} seed {seed}, shared (its options change only the "
+        f"cooldown branches)")
+    return True
 
 
 def _run_and_record(call, folder: Path, interrupted: str, fields: dict, log) -> str:
