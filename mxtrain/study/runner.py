@@ -546,7 +546,8 @@ def _resume_point(rd: Path) -> int | None:
     if oc is None or oc.status is not Status.INTERRUPTED or oc.step is None:
         return None
     from .. import distributed as D
-    if not ((rd / "checkpoint.pt").is_file() or (rd / D.DCP_NAME / ".metadata").is_file()):
+    from ..train import checkpoint as ckpt
+    if not ((rd / ckpt.NAME).is_file() or (rd / D.DCP_NAME / ".metadata").is_file()):
         return None
     return oc.step
 
@@ -794,7 +795,7 @@ def _share_stable_run(spec: StudySpec, arm: str, seed: int, rd: Path, tag: str, 
     if base is None or base not in spec.arms or rd.exists():
         return False
     brd = Path(spec.out) / "runs" / base / f"seed{seed}"
-    claim = Path(spec.out) / "claims" / f"{base}-seed{seed}"   # a worker has taken the base run (--jobs)
+    claim = claim_path(Path(spec.out), base, seed)   # a worker has taken the base run (--jobs)
     said, idle = False, time.time()
     while _status(brd) is None:   # neither finished nor failed yet
         if _run_folder_owner(brd) is not None:
@@ -861,6 +862,11 @@ def _run_and_record(call, folder: Path, interrupted: str, fields: dict, log) -> 
         {"state": state, "message": msg, "step": oc.step, "seconds": round(time.time() - ts, 1), **fields,
          **({"oom": True} if oom and state == "failed" else {})}))
     return state
+
+
+def claim_path(out: Path, arm: str, seed: int) -> Path:
+    """The file a study worker creates (atomically) to take run ``arm`` x ``seed`` (``mxtrain.study.worker``)."""
+    return out / "claims" / f"{arm}-seed{seed}"
 
 
 def _past(start_by: float | None) -> bool:

@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     from pathlib import Path
 
     from ..errors import UserError
-    from .runner import StudySpec, plan_order, ran_out_of_memory, run_one, train_one
+    from .runner import StudySpec, claim_path, plan_order, ran_out_of_memory, run_one, train_one
 
     argv = sys.argv[1:] if argv is None else argv
     out, k = Path(argv[0]), int(argv[1])
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         while claimed:  # passes over the plan until nothing is left to claim (runs released by others, below)
             claimed = False
             for i, (arm, seed) in enumerate(order, 1):
-                claim = claims / f"{arm}-seed{seed}"
+                claim = claim_path(out, arm, seed)
                 try:
                     os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
                 except FileExistsError:

@@ -106,7 +106,8 @@ class TrainSection:
     switch_recipe: Optional[str] = None     # "STEP:RECIPE": from optimizer step STEP + 1 on, every linear layer
                                             # trains with preset RECIPE instead (e.g. "800:bf16", a high-
                                             # precision end of training; STEP may be a fraction of
-                                            # train.steps, "0.8:bf16"); the same layers stay in high precision.
+                                            # train.steps, "0.8:bf16"); which layers stay in high precision
+                                            # is the new recipe's rule, as in convert (head, embedding stay).
                                             # A run resumed past STEP, or a branch from it, trains with RECIPE
     init_from: Optional[str] = None         # a local Hugging Face Llama folder whose weights initialise the
                                             # model (instead of the random init); None: random init
