@@ -31,7 +31,7 @@ def test_branch_plan_and_checks(tmp_path):
         StudySpec(out=str(tmp_path), budgets=[0.5, 1.5])
 
 
-def test_cooldown_study_end_to_end_and_resume(tmp_path, monkeypatch):
+def test_cooldown_study_end_to_end_and_resume(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MXTRAIN_DATA", str(tmp_path / "cache"))
     import torch
     torch.set_num_threads(1)
@@ -89,6 +89,17 @@ def test_cooldown_study_end_to_end_and_resume(tmp_path, monkeypatch):
     s3 = json.loads((out / "summary.json").read_text())
     assert s3["cooldown"]["fit_loss"] == "huber" and s3["cooldown"]["fit"]["loss"] == "huber"
     assert "Huber loss on log L" in (out / "report.html").read_text()
+
+    # every arm against a further reference chosen when reporting (mxtrain report --references)
+    assert main(["report", str(out), "--references", "mxfp4-all"]) == 0
+    s4 = json.loads((out / "summary.json").read_text())
+    ref = s4["references"]["mxfp4-all"]
+    assert set(ref["arms"]) == {"bf16", "mxfp4-all"} and "mxfp4-all" in s4["cooldown"]["references"]
+    bf = ref["arms"]["bf16"]["final_gap"]["mean"]
+    assert bf == pytest.approx(-s4["arms"]["mxfp4-all"]["final_gap_vs_baseline"]["mean"])   # same pairs, sign flipped
+    assert "Against mxfp4-all" in (out / "report.md").read_text()
+    assert main(["report", str(out), "--references", "nvfp4"]) == 2
+    assert "--references nvfp4: no runs of that arm" in capsys.readouterr().err
 
 
 def test_cli_and_config_file_budgets(tmp_path, capsys):

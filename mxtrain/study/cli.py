@@ -89,6 +89,8 @@ def register(subparsers) -> None:
                     "(plots embedded) and a Markdown page into DIR.")
     r.add_argument("dir", help="a study folder (OUT of mxtrain study) or a run folder (OUT of mxtrain train)")
     r.add_argument("--baseline", help="baseline arm (default: the study's)")
+    r.add_argument("--references", help="comma-separated further arms every arm is also compared with (default: "
+                   "the study's), e.g. mxfp4-all to see what an intervention changes against plain MXFP4")
     r.add_argument("--target-loss", type=float)
     r.add_argument("--target-frac", type=float)
     r.add_argument("--smooth-k", type=int)
@@ -305,6 +307,13 @@ def report_main(args: argparse.Namespace) -> int:
                 print(f"warning: {msg}", file=sys.stderr)
             from .runner import add_cooldown, add_references
             meta = {**meta, "baseline": base, "target_loss": tl, "target_frac": tf, "smooth_k": k}
+            if getattr(args, "references", None) is not None:
+                refs = [r.strip() for r in args.references.split(",") if r.strip()]
+                unknown = [r for r in refs if r not in runs]
+                if unknown:
+                    raise UserError(f"--references {','.join(unknown)}: no runs of that arm in {d}; arms: "
+                                    f"{', '.join(runs)}")
+                meta["references"] = [r for r in dict.fromkeys(refs) if r != base]
             if summary["arms"]:
                 add_references(summary, meta, runs)
             if meta.get("cooldown"):
