@@ -681,6 +681,17 @@ def write_report(d: str | Path, summary: dict | None = None) -> tuple[Path, Path
                     f"<li><b>{html.escape(v.split(':', 1)[0])}</b>:{html.escape(v.split(':', 1)[1])}</li>"
                     for v in rv] + ["</ul>"]
                 md += [f"Against {ref} (its own fit, same method):", ""] + [f"* {v}" for v in rv] + [""]
+        cl = cool.get("claim_lines") or []
+        if cl:
+            cnote = ("Each published claim this study's arms can test, judged at the largest budget from the two "
+                     "arms it compares (the second one's cooled-down points fitted, paired bootstrap over seeds "
+                     "and windows): directions from the loss gap's 95 % interval (supported / contradicted / not "
+                     "resolved; 'does not rescue' claims are consistent unless the arm is resolved better), "
+                     "'near-lossless' from the extra-token interval against +-5 %. docs/study.md, \"Published "
+                     "claims\".")
+            h += ["<h2>Published claims</h2><ul>"] + [f"<li>{html.escape(v)}</li>" for v in cl] + [
+                "</ul>", f"<p>{html.escape(cnote)}</p>"]
+            md += ["## Published claims", ""] + [f"* {v}" for v in cl] + ["", cnote, ""]
     if summary and not single:
         intro = (f"Baseline: {summary['baseline']}. Target val loss "
                  f"{_f(summary['target_loss'])} ({summary['target_rule']}). Smoothing: "

@@ -1233,6 +1233,11 @@ def add_cooldown(summary: dict, out: Path, meta: dict, runs: dict | None = None)
         refs[ref] = rc
     if refs:
         cool["references"] = refs
+    from .claims import claim_lines, evaluate_claims
+    claims = evaluate_claims(points, meta["arms"], cd["budgets"], n_boot=int(cd.get("n_boot", 1000)), fit=fit)
+    if claims:
+        cool["claims"] = claims
+        cool["claim_lines"] = claim_lines(claims)
     summary["cooldown"] = cool
 
 

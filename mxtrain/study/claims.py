@@ -1,0 +1,151 @@
+"""The published claims a cooled-down study can test, each judged from the study's own runs.
+
+A claim compares two arms of the study (``arm`` against ``other``), both with finished cooled-down branches at
+every budget. Its numbers are those of the study's metric with ``other`` as the reference: ``other``'s
+cooled-down points are fitted, ``arm``'s losses inverted to ``other``'s tokens (extra tokens), and the loss gap
+``arm - other`` per budget, each with a paired bootstrap interval over seeds and evaluation windows
+(``cooldown.summarize_cooldown``). The verdict is read at the largest budget:
+
+* ``more`` ("``arm`` costs more than ``other``"): **supported** when the gap's interval lies above 0,
+  **contradicted** when below, else **not resolved**. ``less`` likewise, mirrored. Directions use the loss gap
+  in nats, which needs no fit.
+* ``not_less`` ("``arm`` does not rescue ``other``"): **contradicted** when ``arm`` is resolved better than
+  ``other`` (the gap's interval below 0), else **consistent**.
+* ``equal`` ("near-lossless"): **supported** when the extra-token interval lies within +-``MARGIN``,
+  **contradicted** when it lies wholly outside, else **not resolved**.
+
+With one seed there is no verdict: the interval covers evaluation-window noise only. Sources: docs/papers
+cited in docs/results.md; ``[AMD]`` arms also match their ``+amd`` scale-rule variants
+(``mxfp4-all+amd`` against ``mxfp4+amd`` arms, baselines unchanged)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Claim", "CLAIMS", "MARGIN", "EXPECTS", "claim_pairs", "judge", "evaluate_claims"]
+
+MARGIN = 0.05   # "near-lossless": within 5 % extra tokens either way
+EXPECTS = ("more", "less", "not_less", "equal")
+
+
+@dataclass(frozen=True)
+class Claim:
+    key: str
+    source: str
+    text: str
+    arm: str
+    other: str
+    expect: str
+
+
+CLAIMS: tuple[Claim, ...] = (
+    Claim("amd-wgrad", "AMD", "Wgrad drives MXFP4's cost: MXFP4 on Wgrad alone costs more than on Fprop alone",
+          "mxfp4-wgrad", "mxfp4-fprop", "more"),
+    Claim("quartet-forward", "Quartet II", "the forward pass carries most of the gap: MXFP4 on Fprop alone costs "
+          "more than on Dgrad and Wgrad together", "mxfp4-fprop", "mxfp4-bwd", "more"),
+    Claim("quartet-rtn", "Quartet II", "round-to-nearest beats SR in the MXFP4 backward", "mxfp4-bwd-sr",
+          "mxfp4-bwd", "more"),
+    Claim("amd-sr", "AMD", "stochastic rounding does not rescue MXFP4 on all three GEMMs", "mxfp4-all-sr",
+          "mxfp4-all", "not_less"),
+    Claim("amd-rht", "AMD", "a random Hadamard rotation (16) does not rescue MXFP4 on all three GEMMs",
+          "mxfp4-all-rht16", "mxfp4-all", "not_less"),
+    Claim("amd-dh16", "AMD", "the deterministic Hadamard rotation (H16) lowers MXFP4's cost", "mxfp4-all-dh16",
+          "mxfp4-all", "less"),
+    Claim("amd-dh16-rht", "AMD", "the deterministic H16 costs less than a random H16", "mxfp4-all-dh16",
+          "mxfp4-all-rht16", "less"),
+    Claim("amd-fp8", "AMD", "per-tensor FP8 (the paper's baseline) is near-lossless against BF16", "fp8", "bf16",
+          "equal"),
+    Claim("tseng", "Tseng et al.", "SR with a random Hadamard rotation in the backward is near-lossless against "
+          "BF16", "tseng", "bf16", "equal"),
+    Claim("alto", "ALTO", "weight de-oscillation lowers MXFP4's cost", "mxfp4-all@deosc", "mxfp4-all", "less"),
+)
+_BASELINES = ("bf16", "fp8")
+
+
+def claim_pairs(claim: Claim, arms) -> list[tuple[str, str]]:
+    """The ``(arm, other)`` pairs of the study's arms that test ``claim``: its own names, and for the AMD
+    paper's claims the ``+amd`` scale-rule variants (``X+amd``; BF16 and FP8 unchanged)."""
+    arms = set(arms)
+    out = []
+    if claim.arm in arms and claim.other in arms:
+        out.append((claim.arm, claim.other))
+    if claim.source == "AMD":
+        a = claim.arm if claim.arm in _BASELINES else claim.arm + "+amd"
+        b = claim.other if claim.other in _BASELINES else claim.other + "+amd"
+        if (a, b) != (claim.arm, claim.other) and a in arms and b in arms:
+            out.append((a, b))
+    return out
+
+
+def judge(expect: str, row: dict | None, n_seeds: int, margin: float = MARGIN) -> tuple[str, str]:
+    """``(verdict, why)`` for one claim from the largest budget's ``row`` of ``bootstrap_extra_tokens``."""
+    if expect not in EXPECTS:
+        raise ValueError(f"expect {expect!r}: one of {', '.join(EXPECTS)}")
+    if row is None:
+        return "no result", "no cooled-down comparison (a run missing or diverged)"
+    if n_seeds < 2:
+        return "no verdict", "1 seed: the interval covers evaluation-window noise only"
+    g = row.get("gap_ci95")
+    if expect in ("more", "less", "not_less"):
+        if not g:
+            return "not resolved", "no interval"
+        above, below = g[0] > 0, g[1] < 0
+        if expect == "more":
+            return ("supported", "loss gap above 0") if above else (
+                ("contradicted", "loss gap below 0") if below else ("not resolved", "the gap's interval holds 0"))
+        if expect == "less":
+            return ("supported", "loss gap below 0") if below else (
+                ("contradicted", "loss gap above 0") if above else ("not resolved", "the gap's interval holds 0"))
+        return ("contradicted", "resolved better: loss gap below 0") if below else (
+            "consistent", "not resolved better: the gap's interval holds 0 or lies above it")
+    ci = row.get("ci95")
+    if not ci:
+        return "not resolved", "no extra-token interval"
+    if -margin <= ci[0] and ci[1] <= margin:
+        return "supported", f"extra tokens within +-{100 * margin:g} %"
+    if ci[0] > margin or ci[1] < -margin:
+        return "contradicted", f"extra tokens outside +-{100 * margin:g} %"
+    return "not resolved", f"the extra-token interval crosses +-{100 * margin:g} %"
+
+
+def evaluate_claims(points: dict, arms, budgets: list[float], *, n_boot: int = 1000, fit: str = "lsq",
+                    margin: float = MARGIN) -> list[dict]:
+    """Every claim of ``CLAIMS`` the study's ``arms`` can test, judged from ``points``
+    (``cooldown.load_cooldown_points``): ``[{"claim", "source", "text", "arm", "other", "expect", "verdict",
+    "why", "n_seeds", "budgets": [{"budget", "extra", "ci95", "mde", "gap", "gap_ci95", "state"}]}]``."""
+    from .cooldown import summarize_cooldown
+
+    out = []
+    for c in CLAIMS:
+        for a, b in claim_pairs(c, arms):
+            if a not in points or b not in points:
+                continue
+            r = summarize_cooldown({a: points[a], b: points[b]}, b, budgets, n_boot=n_boot, fit=fit)
+            e = r["arms"].get(a) or {}
+            rows = e.get("budgets") or []
+            ok = rows and e.get("state") not in ("no_runs", "diverged")
+            verdict, why = judge(c.expect, rows[-1] if ok else None, int(e.get("n_seeds") or 0), margin)
+            out.append({"claim": c.key, "source": c.source, "text": c.text, "arm": a, "other": b,
+                        "expect": c.expect, "verdict": verdict, "why": why, "n_seeds": int(e.get("n_seeds") or 0),
+                        "budgets": [{k: row.get(k) for k in ("budget", "extra", "ci95", "mde", "gap", "gap_ci95",
+                                                             "state")} for row in rows]})
+    return out
+
+
+def claim_lines(claims: list[dict]) -> list[str]:
+    """One line per tested claim: source, statement, verdict, and the numbers at the largest budget."""
+    from .cooldown import _pct
+
+    out = []
+    for c in claims:
+        row = c["budgets"][-1] if c["budgets"] else None
+        nums = ""
+        if row:
+            g = row.get("gap_ci95")
+            gs = f" [{g[0]:+.4f}, {g[1]:+.4f}]" if g else ""
+            ci = row.get("ci95")
+            xs = (f"{_pct(row['extra'])} extra tokens" + (f" [{_pct(ci[0])}, {_pct(ci[1])}]" if ci else "")
+                  if row.get("extra") is not None else "no token equivalent")
+            nums = (f": {c['arm']} vs {c['other']} at {100 * row['budget']:.0f} % budget, gap {row['gap']:+.4f} "
+                    f"nats{gs}, {xs}, {c['n_seeds']} seed(s)")
+        out.append(f"{c['source']}, \"{c['text']}\": {c['verdict'].upper()} ({c['why']}){nums}")
+    return out

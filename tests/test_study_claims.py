@@ -1,0 +1,102 @@
+"""Published claims judged from a study's cooled-down points (mxtrain.study.claims), on synthetic curves whose
+answers are known: losses on a power law L(D) = E + B D^-beta, arms offset from it by a fixed gap plus noise."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mxtrain.study.claims import CLAIMS, claim_lines, claim_pairs, evaluate_claims, judge
+
+D = [1e6, 2e6, 4e6]
+BUDGETS = [0.25, 0.5, 1.0]
+
+
+def _curve(D_):
+    return 2.0 + 40.0 * np.asarray(D_) ** -0.3
+
+
+def _points(offsets: dict[str, float], seeds=3, windows=64, noise=0.002, rng_seed=0) -> dict:
+    """Per arm, seed and budget: ``windows`` per-window losses around the curve plus the arm's offset (nats),
+    each window with its own fixed difficulty shared by every arm and seed (as real windows are)."""
+    rng = np.random.default_rng(rng_seed)
+    difficulty = rng.normal(0.0, 0.3, windows)
+    seed_shift = rng.normal(0.0, 0.003, seeds)
+    out: dict = {}
+    for arm, off in offsets.items():
+        for s in range(seeds):
+            for b, d in zip(BUDGETS, D):
+                losses = _curve(d) + off + seed_shift[s] + difficulty + rng.normal(0.0, noise, windows)
+                out.setdefault(arm, {}).setdefault(s, {})[b] = {"state": "done", "tokens": d,
+                                                                 "losses": losses.tolist(), "path": ""}
+    return out
+
+
+def _by_key(claims):
+    return {(c["claim"], c["arm"], c["other"]): c for c in claims}
+
+
+def test_directional_claims_follow_the_sign_of_the_gap():
+    # wgrad-only better than fprop-only (AMD contradicted), fprop-only worse than bwd (Quartet supported),
+    # SR equal to RTN (not resolved)
+    pts = _points({"mxfp4-fprop": 0.20, "mxfp4-wgrad": 0.03, "mxfp4-bwd": 0.0, "mxfp4-bwd-sr": 0.0, "bf16": 0.0})
+    got = _by_key(evaluate_claims(pts, list(pts), BUDGETS, n_boot=200))
+    assert got[("amd-wgrad", "mxfp4-wgrad", "mxfp4-fprop")]["verdict"] == "contradicted"
+    assert got[("quartet-forward", "mxfp4-fprop", "mxfp4-bwd")]["verdict"] == "supported"
+    rtn = got[("quartet-rtn", "mxfp4-bwd-sr", "mxfp4-bwd")]
+    assert rtn["verdict"] == "not resolved"
+    lo, hi = rtn["budgets"][-1]["gap_ci95"]
+    assert lo < 0 < hi
+    # the gap of fprop against bwd at every budget is the offset put in (windows and seeds shared)
+    fw = got[("quartet-forward", "mxfp4-fprop", "mxfp4-bwd")]
+    assert [r["gap"] for r in fw["budgets"]] == pytest.approx([0.20] * 3, abs=0.003)
+    assert len(got) == 3     # no other claim has both its arms here
+
+
+def test_rescue_and_equal_claims():
+    # SR no better than plain (consistent), RHT16 better (contradicts "does not rescue"), DH16 better (supported),
+    # fp8 on top of bf16 (near-lossless supported), tseng far off (contradicted)
+    pts = _points({"bf16": 0.0, "fp8": 0.0, "tseng": 0.15, "mxfp4-all": 0.15, "mxfp4-all-sr": 0.16,
+                   "mxfp4-all-rht16": 0.10, "mxfp4-all-dh16": 0.05})
+    got = _by_key(evaluate_claims(pts, list(pts), BUDGETS, n_boot=200))
+    assert got[("amd-sr", "mxfp4-all-sr", "mxfp4-all")]["verdict"] == "consistent"
+    assert got[("amd-rht", "mxfp4-all-rht16", "mxfp4-all")]["verdict"] == "contradicted"
+    assert got[("amd-dh16", "mxfp4-all-dh16", "mxfp4-all")]["verdict"] == "supported"
+    assert got[("amd-dh16-rht", "mxfp4-all-dh16", "mxfp4-all-rht16")]["verdict"] == "supported"
+    fp8 = got[("amd-fp8", "fp8", "bf16")]
+    assert fp8["verdict"] == "supported" and abs(fp8["budgets"][-1]["extra"]) < 0.05
+    ts = got[("tseng", "tseng", "bf16")]
+    assert ts["verdict"] == "contradicted" and ts["budgets"][-1]["ci95"][0] > 0.05
+    # an arm 0.15 nats above the curve at 4e6 tokens needs D_equiv with L(D_equiv) = L(4e6) + 0.15 (fit exact)
+    de = (40.0 / (_curve(4e6) + 0.15 - 2.0)) ** (1 / 0.3)
+    assert ts["budgets"][-1]["extra"] == pytest.approx(4e6 / de - 1, rel=0.05)
+    lines = claim_lines(list(got.values()))
+    assert any(ln.startswith('AMD, "a random Hadamard') and "CONTRADICTED" in ln for ln in lines)
+
+
+def test_one_seed_gives_no_verdict_and_missing_runs_no_result():
+    pts = _points({"mxfp4-all": 0.1, "mxfp4-all-sr": 0.3}, seeds=1)
+    (c,) = evaluate_claims(pts, list(pts), BUDGETS, n_boot=100)
+    assert c["verdict"] == "no verdict" and c["n_seeds"] == 1
+    pts = _points({"mxfp4-all": 0.1, "mxfp4-all-sr": 0.3})
+    pts["mxfp4-all-sr"][0][1.0]["state"] = "diverged"
+    pts["mxfp4-all-sr"][1][1.0]["state"] = "diverged"
+    pts["mxfp4-all-sr"][2][1.0]["state"] = "diverged"
+    (c,) = evaluate_claims(pts, list(pts), BUDGETS, n_boot=100)
+    assert c["verdict"] == "no result"
+
+
+def test_judge_rules_and_pairs():
+    row = {"gap_ci95": [0.01, 0.02], "ci95": [0.01, 0.03]}
+    assert judge("more", row, 3)[0] == "supported" and judge("less", row, 3)[0] == "contradicted"
+    assert judge("not_less", row, 3)[0] == "consistent" and judge("equal", row, 3)[0] == "supported"
+    assert judge("equal", {"gap_ci95": [0.1, 0.2], "ci95": [0.06, 0.2]}, 3)[0] == "contradicted"
+    assert judge("equal", {"gap_ci95": [0.0, 0.2], "ci95": [0.01, 0.2]}, 3)[0] == "not resolved"
+    assert judge("not_less", {"gap_ci95": [-0.2, -0.1]}, 3)[0] == "contradicted"
+    with pytest.raises(ValueError):
+        judge("bigger", row, 3)
+    amd = next(c for c in CLAIMS if c.key == "amd-dh16")
+    assert claim_pairs(amd, ["mxfp4-all+amd", "mxfp4-all-dh16+amd", "bf16"]) == [("mxfp4-all-dh16+amd", "mxfp4-all+amd")]
+    fp8 = next(c for c in CLAIMS if c.key == "amd-fp8")
+    assert claim_pairs(fp8, ["bf16", "fp8"]) == [("fp8", "bf16")]
+    quartet = next(c for c in CLAIMS if c.key == "quartet-rtn")
+    assert claim_pairs(quartet, ["mxfp4-bwd+amd", "mxfp4-bwd-sr+amd"]) == []
