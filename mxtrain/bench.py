@@ -555,7 +555,8 @@ def bench_step(args) -> dict:
                       steps=args.steps, warmup=args.warmup, compile_mode=args.compile,
                       recompute_ffn=args.recompute_ffn, on_variant=_step_progress,
                       memory_budget=args.memory_budget, param_dtype=args.param_dtype,
-                      checkpoint_blocks=args.checkpoint_blocks)
+                      checkpoint_blocks=args.checkpoint_blocks,
+                      recompute_gemm_inputs=args.recompute_gemm_inputs)
     res["variants"] = variants
     print(_bs.format_table(res), flush=True)
     return {"step": res}
@@ -749,6 +750,9 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-budget", type=_budget, default=None,
                    help="step: torch's activation_memory_budget for every variant, in (0, 1] (the compiler "
                         "recomputes activations in the backward to save only that share)")
+    p.add_argument("--recompute-gemm-inputs", action="store_true",
+                   help="step: the compiler may recompute activations that feed GEMMs in the backward instead of "
+                        "keeping them, for every variant (train.recompute_gemm_inputs)")
     p.add_argument("--param-dtype", default="float32", choices=["float32", "bfloat16"],
                    help="step: float32 master weights and AdamW state under bf16 autocast (default), or the whole "
                         "model and its AdamW state in bfloat16 without autocast")

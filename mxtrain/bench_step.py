@@ -146,7 +146,8 @@ def split_variant(v: str) -> tuple[str, dict]:
 def measure(variants, model: str = "8b-layers", layers: int | None = 4, batch: int = 4, seq: int = 4096,
             steps: int = 10, warmup: int = 3, compile_mode: str = "default", device="cuda",
             recompute_ffn: bool = False, on_variant=None, memory_budget: float | None = None,
-            param_dtype: str = "float32", checkpoint_blocks: bool = False) -> dict:
+            param_dtype: str = "float32", checkpoint_blocks: bool = False,
+            recompute_gemm_inputs: bool = False) -> dict:
     """Time and memory of the whole training step for each variant (see the module docstring);
     ``recompute_ffn``: every variant's blocks recompute their feed-forward outputs (``Block.recompute_ffn``);
     ``checkpoint_blocks``: every variant's blocks keep only their input and run again in the backward
@@ -155,16 +156,20 @@ def measure(variants, model: str = "8b-layers", layers: int | None = 4, batch: i
     hangs or the process is stopped); ``memory_budget``: torch's ``activation_memory_budget`` (in (0, 1]: the
     compiler recomputes activations in the backward to keep that share of what it would save) for every
     variant; ``param_dtype``: ``float32`` (master weights under bf16 autocast) or ``bfloat16`` (the whole model
-    and its optimizer state in bf16, no autocast), for every variant."""
+    and its optimizer state in bf16, no autocast), for every variant; ``recompute_gemm_inputs``: the compiler may
+    recompute activations that feed GEMMs in the backward (``train.recompute_gemm_inputs``), for every
+    variant."""
     res = {"model": model, "layers": layers, "batch": batch, "seq": seq, "tokens": batch * seq,
            "compile": compile_mode, "steps": steps, "warmup": warmup, "recompute_ffn": recompute_ffn,
            "memory_budget": memory_budget, "param_dtype": param_dtype, "checkpoint_blocks": checkpoint_blocks,
-           "runs": {}}
+           "recompute_gemm_inputs": recompute_gemm_inputs, "runs": {}}
     from . import settings
     for v in variants:
         try:
             base, over = split_variant(v)
             budget = {} if memory_budget is None else {"activation_memory_budget": float(memory_budget)}
+            if recompute_gemm_inputs:
+                budget["ban_recompute_materialized_backward"] = False
             with settings.override(**over), torch._functorch.config.patch(**budget):
                 res["runs"][v] = _one_variant(base, model, layers, batch, seq, steps, warmup, compile_mode, device,
                                               recompute_ffn, param_dtype, checkpoint_blocks)
@@ -209,6 +214,7 @@ def format_table(res: dict) -> str:
             + f", {res['batch']} x {res['seq']} tokens, compile {res['compile']}, median of {res['steps']} steps"
             + (", bf16 parameters" if res.get("param_dtype") == "bfloat16" else "")
             + (", feed-forward recomputed" if res.get("recompute_ffn") else "")
+            + (", GEMM inputs recomputable" if res.get("recompute_gemm_inputs") else "")
             + (", blocks checkpointed (full activation checkpointing)" if res.get("checkpoint_blocks") else ""))
     lines = [head, "", f"| variant | ms/step | min-max ms | tokens/s | vs bf16 | vs {best or 'best FP8'} | peak GiB | "
              "vs bf16 mem |", "|---|---|---|---|---|---|---|---|"]

@@ -130,3 +130,15 @@ def test_checkpoint_blocks_reaches_every_variants_blocks(monkeypatch):
     assert all("ms" in r for r in res["runs"].values())
     assert n_plain > 0 and len(calls) == 2 * n_plain
     assert "blocks checkpointed" in bs.format_table(res) and "checkpointed" not in bs.format_table(plain)
+
+
+def test_recompute_gemm_inputs_applies_to_every_variant_while_it_runs():
+    import torch._functorch.config as fc
+    before = fc.ban_recompute_materialized_backward
+    seen = []
+    res = bs.measure(["bf16", "mxfp4-all"], model="tiny", layers=1, batch=1, seq=16, steps=1, warmup=0,
+                     compile_mode="none", device="cpu", recompute_gemm_inputs=True,
+                     on_variant=lambda v, r: seen.append((v, fc.ban_recompute_materialized_backward)))
+    assert seen == [("bf16", False), ("mxfp4-all", False)]
+    assert fc.ban_recompute_materialized_backward == before and res["recompute_gemm_inputs"] is True
+    assert "GEMM inputs recomputable" in bs.format_table(res)

@@ -103,6 +103,11 @@ class TrainSection:
                                             # compiler recomputes activations in the backward to keep only that
                                             # share of what it would save (less memory, more recompute); None:
                                             # torch's default (1.0)
+    recompute_gemm_inputs: bool = False     # compiled code: the compiler may recompute activations that feed a
+                                            # GEMM in the backward instead of keeping them (torch's
+                                            # ban_recompute_materialized_backward off): less memory, some
+                                            # recompute; with the fast path's wgrad_x=backward, MX layers then
+                                            # keep neither X nor its codes where X is cheap to make again
     switch_recipe: Optional[str] = None     # "STEP:RECIPE": from optimizer step STEP + 1 on, every linear layer
                                             # trains with preset RECIPE instead (e.g. "800:bf16", a high-
                                             # precision end of training; STEP may be a fraction of

@@ -847,6 +847,8 @@ def _run(cfg: TrainConfig, resume, callbacks) -> Outcome:
     # (the partitioner reads it when a block's graph is first compiled, during the first steps)
     budget = cfg.train.memory_budget
     patch = {} if budget is None else {"activation_memory_budget": float(budget)}
+    if cfg.train.recompute_gemm_inputs:
+        patch["ban_recompute_materialized_backward"] = False
     try:
         with torch._functorch.config.patch(**patch):
             outcome = _train(cfg, resume, env, locks, cbs)
@@ -886,7 +888,8 @@ def _oom_message(cfg: TrainConfig, device: torch.device, e: BaseException, outco
     m = cfg.train.micro_batch_size or "the per-rank batch"
     return (f"{where}{held}; to need less: a smaller --micro-batch-size (now {m}; gradient accumulation keeps "
             f"--batch-size), a shorter --seq-len (now {cfg.data.seq_len}), --set train.checkpoint_blocks=true, "
-            f"--set train.recompute_ffn=true, --set train.memory_budget=0.5, or the model sharded over more GPUs "
+            f"--set train.recompute_ffn=true, --set train.memory_budget=0.5, --set train.recompute_gemm_inputs=true, "
+            f"or the model sharded over more GPUs "
             f"(--nproc N --parallel fsdp2)")
 
 
