@@ -15,15 +15,16 @@ from mxtrain.model import Block, ModelConfig, rope_tables
 CFG = ModelConfig(dim=128, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=384, vocab_size=64)
 
 
-def _kept_and_grads(recipe: str, recompute: bool, wgrad_x: str = "forward"):
+def _kept_and_grads(recipe: str, recompute: bool, wgrad_x: str = "forward", cfg: ModelConfig = CFG,
+                    dev: str = "cpu", seq: int = 64):
     torch.manual_seed(0)
     torch._dynamo.reset()
-    blk = Block(CFG)
+    blk = Block(cfg).to(dev)
     if recipe != "bf16":
         mxtrain.convert(torch.nn.ModuleList([blk]), recipe)
     f = torch.compile(blk)
-    x = torch.randn(2, 64, CFG.dim, requires_grad=True)
-    cos, sin = rope_tables(CFG.head_dim, 64, CFG.rope_theta, "cpu")
+    x = torch.randn(2, seq, cfg.dim, device=dev, requires_grad=True)
+    cos, sin = rope_tables(cfg.head_dim, seq, cfg.rope_theta, dev)
     own = {p.untyped_storage().data_ptr() for p in blk.parameters()}
     own |= {t.untyped_storage().data_ptr() for t in (x, cos, sin)}
     kept: dict[int, int] = {}
@@ -34,7 +35,7 @@ def _kept_and_grads(recipe: str, recompute: bool, wgrad_x: str = "forward"):
             kept[sp] = t.untyped_storage().nbytes()
         return t
     with fc.patch(ban_recompute_materialized_backward=not recompute), settings.override(wgrad_x=wgrad_x), \
-            torch.autocast("cpu", dtype=torch.bfloat16):
+            torch.autocast(dev, dtype=torch.bfloat16):
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             y = f(x, cos, sin)
         y.float().pow(2).mean().backward()
@@ -106,27 +107,7 @@ def test_fast_path_block_with_wgrad_x_backward_keeps_less_than_with_codes():
     cfg = ModelConfig(dim=256, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=768, vocab_size=64)
 
     def run(mode, recompute):
-        torch.manual_seed(0)
-        torch._dynamo.reset()
-        blk = Block(cfg).cuda()
-        mxtrain.convert(torch.nn.ModuleList([blk]), "mxfp4-all-dh16")
-        f = torch.compile(blk)
-        x = torch.randn(2, 256, cfg.dim, device="cuda", requires_grad=True)
-        cos, sin = rope_tables(cfg.head_dim, 256, cfg.rope_theta, "cuda")
-        own = {p.untyped_storage().data_ptr() for p in blk.parameters()} | {
-            t.untyped_storage().data_ptr() for t in (x, cos, sin)}
-        kept: dict[int, int] = {}
-
-        def pack(t):
-            if t.untyped_storage().data_ptr() not in own:
-                kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-        with fc.patch(ban_recompute_materialized_backward=not recompute), settings.override(wgrad_x=mode), \
-                torch.autocast("cuda", dtype=torch.bfloat16):
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                y = f(x, cos, sin)
-            y.float().pow(2).mean().backward()
-        return sum(kept.values()), [y.detach(), x.grad] + [p.grad for p in blk.parameters()]
+        return _kept_and_grads("mxfp4-all-dh16", recompute, mode, cfg=cfg, dev="cuda", seq=256)
     codes, g0 = run("forward", False)
     lean, g1 = run("backward", True)
     assert lean < codes, (lean, codes)
