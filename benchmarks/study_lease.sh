@@ -4,7 +4,12 @@
 # watched and collected by later calls. Runs are never stopped and resumed between calls, so a lease's whole
 # time trains; what is unfinished when SECONDS run out is stopped by study_gpu.sh's BUDGET as usual.
 # Usage (repo root, on the GPU machine; the variables of study_gpu.sh, OUT excepted, go to `start`):
+#   bash benchmarks/study_lease.sh mark              # the lease's first call: note its start (PARTS/t0)
 #   bash benchmarks/study_lease.sh start SECONDS     # study_gpu.sh in the background, BUDGET=SECONDS
+#   bash benchmarks/study_lease.sh start auto        # SECONDS = LEASE (1800) - 45 - time since `mark` - MARGIN
+#                                                    # (200: collecting and the call's transfers); START_BY=auto
+#                                                    # is SECONDS - RUN_SECONDS (680: a 30m run with its
+#                                                    # branches, 6 under MPS on an H100)
 #   bash benchmarks/study_lease.sh watch SECONDS     # wait up to SECONDS or until it ends; print its progress
 #   bash benchmarks/study_lease.sh stop              # end the training now (SIGTERM to study_gpu.sh's `timeout`,
 #                                                    # as its BUDGET would): the report and study.tgz follow
@@ -26,15 +31,27 @@ progress() {
   [ -f "$PARTS/lease.log" ] && tail -n 3 "$PARTS/lease.log"
 }
 case "${1:-}" in
+  mark)
+    mkdir -p "$PARTS" || exit 2
+    [ -f "$PARTS/t0" ] || date +%s > "$PARTS/t0"
+    echo "study_lease: lease started at $(date -u -d "@$(cat "$PARTS/t0")" +%TZ 2>/dev/null || cat "$PARTS/t0")";;
   start)
     secs=${2:?start SECONDS}
+    if [ "$secs" = auto ]; then
+      [ -f "$PARTS/t0" ] || { echo "study_lease: start auto needs \`study_lease.sh mark\` in the lease's first call" >&2; exit 2; }
+      secs=$(( ${LEASE:-1800} - 45 - $(date +%s) + $(cat "$PARTS/t0") - ${MARGIN:-200} ))
+      [ "$secs" -gt 60 ] || { echo "study_lease: only $secs s of the lease left: nothing started" >&2; exit 2; }
+    fi
+    if [ "${START_BY:-}" = auto ]; then
+      START_BY=$(( secs - ${RUN_SECONDS:-680} )); [ "$START_BY" -gt 0 ] || START_BY=0; export START_BY
+    fi
     if running; then echo "study_lease: a study is running already (pid $(cat "$PIDF"))" >&2; exit 2; fi
     mkdir -p "$PARTS" "$LO" || exit 2
     BUDGET=$secs OUT="$LO" setsid nohup bash benchmarks/study_gpu.sh > "$PARTS/lease.log" 2>&1 < /dev/null &
     echo $! > "$PIDF"
     sleep 2
     running || { echo "study_lease: study_gpu.sh ended at once:" >&2; tail -n 20 "$PARTS/lease.log" >&2; exit 2; }
-    echo "study_lease: started (pid $(cat "$PIDF")), at most $secs s";;
+    echo "study_lease: started (pid $(cat "$PIDF")), at most $secs s${START_BY:+, no run starting after $START_BY s}";;
   watch)
     secs=${2:?watch SECONDS}; end=$(( $(date +%s) + secs ))
     while running && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
@@ -50,5 +67,5 @@ case "${1:-}" in
     progress
     mkdir -p "$OUT" && cp "$LO"/* "$OUT"/ 2>/dev/null; cp "$PARTS/lease.log" "$OUT/" 2>/dev/null
     ls -la "$OUT";;
-  *) echo "usage: study_lease.sh start SECONDS | watch SECONDS | stop | collect" >&2; exit 2;;
+  *) echo "usage: study_lease.sh mark | start SECONDS|auto | watch SECONDS | stop | collect" >&2; exit 2;;
 esac

@@ -125,8 +125,17 @@ def test_study_lease_runs_through_calls_and_collects(tmp_path):
     def lease(*args, **kw):
         return subprocess.run(["bash", "benchmarks/study_lease.sh", *args], cwd=ROOT, env={**env, **kw},
                               capture_output=True, text=True, timeout=600)
-    r = lease("start", "300")
+    r = lease("start", "auto")
+    assert r.returncode == 2 and "mark" in r.stderr                   # auto needs the lease's start
+    assert lease("mark").returncode == 0
+    t0 = (tmp_path / "parts" / "t0").read_text()
+    assert lease("mark").returncode == 0 and (tmp_path / "parts" / "t0").read_text() == t0   # kept
+    r = lease("start", "auto", LEASE="200", MARGIN="100")            # 200 - 45 - 100 < 60 s: refused
+    assert r.returncode == 2 and "left" in r.stderr
+    r = lease("start", "auto", LEASE="900", MARGIN="100", START_BY="auto", RUN_SECONDS="300")
     assert r.returncode == 0 and "started" in r.stdout, (r.stdout, r.stderr)
+    secs = int(r.stdout.split("at most ")[1].split(" s")[0])
+    assert 740 <= secs <= 755 and f"no run starting after {secs - 300} s" in r.stdout
     assert lease("start", "300").returncode == 2                     # one at a time
     while lease("watch", "30").returncode == 1:
         pass
@@ -134,6 +143,7 @@ def test_study_lease_runs_through_calls_and_collects(tmp_path):
     assert r.returncode == 0, (r.stdout, r.stderr)
     log = (tmp_path / "out" / "study_log.txt").read_text()
     assert "study exit: 0" in log and (tmp_path / "out" / "study.tgz").is_file()
+    assert "--start-by" in (tmp_path / "out" / "device.txt").read_text()     # START_BY=auto reached the study
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["missing"] == []
     assert "MPS=auto: MPS=0" in (tmp_path / "out" / "mps.txt").read_text()
     assert json.loads((tmp_path / "out" / "probe.json").read_text())["plain"]["tok_per_s"] > 0
