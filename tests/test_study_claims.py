@@ -100,3 +100,26 @@ def test_judge_rules_and_pairs():
     assert claim_pairs(fp8, ["bf16", "fp8"]) == [("fp8", "bf16")]
     quartet = next(c for c in CLAIMS if c.key == "quartet-rtn")
     assert claim_pairs(quartet, ["mxfp4-bwd+amd", "mxfp4-bwd-sr+amd"]) == []
+
+
+def test_study_command_prints_the_claims(tmp_path, monkeypatch, capsys):
+    """``mxtrain study`` ends with the claim lines of the summary (as with the cooled-down verdict)."""
+    import json
+
+    from mxtrain.cli import main
+    from mxtrain.study import runner
+
+    def fake_run_study(spec, jobs=1, start_by=None):
+        out = tmp_path / "s"
+        out.mkdir(exist_ok=True)
+        (out / "summary.json").write_text(json.dumps({
+            "arms": {}, "planned_runs": 0, "missing": [],
+            "cooldown": {"verdict": ["mxfp4-all-sr: +2.0 % tokens"],
+                         "claim_lines": ['AMD, "stochastic rounding does not rescue MXFP4": CONSISTENT (x)']}}))
+        return out
+    monkeypatch.setattr(runner, "run_study", fake_run_study)
+    assert main(["study", "--arms", "mxfp4-all,mxfp4-all-sr", "--steps", "40", "--budgets", "0.5,1",
+                 "--out", str(tmp_path / "s")]) == 0
+    out = capsys.readouterr().out
+    assert "cooled down: mxfp4-all-sr: +2.0 % tokens" in out
+    assert 'claim: AMD, "stochastic rounding does not rescue MXFP4": CONSISTENT' in out

@@ -143,6 +143,8 @@ def study_main(args: argparse.Namespace) -> int:
         print(f"  {name:22s} final val loss {('–' if fl is None else f'{fl:.4f}')}   extra tokens: {cost}")
     for line in (s.get("cooldown") or {}).get("verdict") or []:
         print(f"  cooled down: {line}")
+    for line in (s.get("cooldown") or {}).get("claim_lines") or []:
+        print(f"  claim: {line}")
     if incomplete is not None:
         raise StudyIncomplete(f"{incomplete}; {out}/summary.json lists them; rerun the same command to train them")
     return 0
