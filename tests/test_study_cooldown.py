@@ -403,3 +403,16 @@ def test_bf16_cooldown_arm_shares_the_stable_run_between_workers(tmp_path):
     assert logs.count("mxtrain 0.1.0 | model") == 1 + 2     # one stable run and the two arms' branches
     st = json.loads((out / "runs" / "mxfp4-all@bf16cool" / "seed0" / "study_status.json").read_text())
     assert st["shared_from"] == "mxfp4-all"
+
+
+def test_trend_preset_plans_one_to_twenty_tokens_per_non_embedding_parameter(tmp_path, capsys):
+    """The ``trend`` preset: 30m, 11,500 steps, branches at 5-100 % of the run; its dry run on a corpus with the
+    32k vocabulary is what docs/study.md states (here the built-in data's vocabulary, so only the plan)."""
+    from mxtrain.cli import main
+    from mxtrain.study.runner import PRESETS
+    p = PRESETS["trend"]
+    assert p["arms"] == ["bf16", "mxfp4-all"] and p["steps"] == 11500 and p["budgets"][0] == 0.05
+    assert main(["study", "--preset", "trend", "--out", str(tmp_path / "t"), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "cooldown branches at budgets 0.05, 0.1, 0.25, 0.5, 1 of the run" in out
+    assert "'steps': 11500" in out and "'model': '30m'" in out and "'eval_every': 230" in out

@@ -96,6 +96,13 @@ PRESETS: dict[str, dict] = {
     # Hadamard, SR in the backward, Tseng's recipe and MXFP4 with weight de-oscillation
     "headline": dict(arms=["bf16", "fp8", "mxfp4-all", "mxfp4-all-dh16", "mxfp4-all-sr", "tseng", "mxfp4-all@deosc"],
                      baseline="bf16", references=["fp8"], seeds=3, diagnose_every=0),
+    # the trend with training length (issue's (c)): BF16 and plain MXFP4 at 30m, one run per arm x seed of
+    # 11,500 steps x 16,384 tokens (188 M tokens: 20 per non-embedding parameter, 5.4 per parameter in all with
+    # the 32k vocabulary), cooled-down branches from 1 to 20 tokens per non-embedding parameter; each run must
+    # finish inside one device lease (checkpoints do not travel): about 17 minutes with 3 runs under MPS on an
+    # H100, so 3 runs a lease (docs/study.md)
+    "trend": dict(arms=["bf16", "mxfp4-all"], baseline="bf16", seeds=3, model="30m", steps=11500,
+                  budgets=[0.05, 0.1, 0.25, 0.5, 1.0], eval_every=230, diagnose_every=0),
     # CI: tiny model on CPU, 3 arms x 2 seeds, a few minutes in all
     "smoke": dict(arms=["bf16", "mxfp4-all", "mxfp4-all-dh16"], baseline="bf16", seeds=2, model="tiny",
                   steps=16, batch_size=8, seq_len=64, eval_every=2, diagnose_every=8, device="cpu", target_frac=0.5,
