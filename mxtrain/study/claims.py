@@ -14,14 +14,14 @@ cooled-down points are fitted, ``arm``'s losses inverted to ``other``'s tokens (
 * ``equal`` ("near-lossless"): **supported** when the extra-token interval lies within +-``MARGIN``,
   **contradicted** when it lies wholly outside, else **not resolved**.
 
-With one seed there is no verdict: the interval covers evaluation-window noise only. Sources: docs/papers
-cited in docs/results.md; ``[AMD]`` arms also match their ``+amd`` scale-rule variants
-(``mxfp4-all+amd`` against ``mxfp4+amd`` arms, baselines unchanged)."""
+With one seed there is no verdict: the interval covers evaluation-window noise only. Sources: the papers
+cited in docs/results.md. The AMD paper's claims also match their ``+amd`` scale-rule arms
+(``mxfp4-all-dh16+amd`` against ``mxfp4-all+amd``; ``bf16`` and ``fp8`` keep their names)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Claim", "CLAIMS", "MARGIN", "EXPECTS", "claim_pairs", "judge", "evaluate_claims"]
+__all__ = ["Claim", "CLAIMS", "MARGIN", "EXPECTS", "claim_pairs", "judge", "evaluate_claims", "claim_lines"]
 
 MARGIN = 0.05   # "near-lossless": within 5 % extra tokens either way
 EXPECTS = ("more", "less", "not_less", "equal")
