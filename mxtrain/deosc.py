@@ -35,7 +35,8 @@ reset moves ``V_i`` to ``Q(V)_i``, and ``W`` changes by ``(Q(V) - V) R^T`` restr
 its quantized value (float32, 4 + 4 bytes), ``dist`` and ``dist_q`` (float32, 4 + 4 bytes) and ``flips``
 (int16, 2 bytes): 18 bytes, 4.5 times the float32 master weights. With ``window < period`` it is freed
 between windows. Every tracked step quantizes each tracked weight once more, one layer at a time (a few
-temporaries of one layer's size). The open window's state goes into checkpoints (``state_dict``), so a resumed
+temporaries of one layer's size; on a GPU one Triton pass, ``kernels.mxelem.quantize_mx_values``, the
+reference's values bit for bit, instead of the reference's ~170 PyTorch operations a layer). The open window's state goes into checkpoints (``state_dict``), so a resumed
 run continues bit for bit; checkpoints written while a window is open are larger by the same 18 bytes per
 tracked weight.
 
@@ -52,6 +53,7 @@ from pathlib import Path
 import torch
 
 from .errors import UserError
+from .formats import get_format
 
 __all__ = ["DeoscSettings", "Deoscillator", "DeoscCallback", "check_recipe", "tracked_layers", "STATS_NAME"]
 
@@ -152,8 +154,16 @@ class _Grid:
         return v
 
     def quantize(self, v: torch.Tensor) -> torch.Tensor:
+        from .kernels import mxelem
         from .quant import quantize
         op = self.op
+        if mxelem.mx_kernel_applies(v, op.fmt, op.block_size, "nearest", fp4=True):
+            # one Triton pass, the reference's values bit for bit (its variant self-checked once, else the
+            # reference below serves); the reference is ~170 PyTorch operations a layer
+            block = get_format(op.fmt).block_size if op.block_size is None else op.block_size
+            if mxelem.mx_ok(v, op.fmt, 1, block, op.scale_rule, op.prescale):
+                q = mxelem.quantize_mx_values(v, op.fmt, 1, block, op.scale_rule, op.prescale)
+                return q / op.prescale if op.prescale != 1.0 else q
         mx = quantize(v, op.fmt, axis=-1, block_size=op.block_size, rounding="nearest", scale_rule=op.scale_rule,
                       prescale=op.prescale)
         q = mx.dequantize(torch.float32)
@@ -240,9 +250,9 @@ class Deoscillator:
             st, g = self.state[name], self.grids[name]
             v = g.to_domain(m._mx_weight())
             q = g.quantize(v)
-            st["dist"] += (v - st["prev"]).abs()
-            st["dist_q"] += (q - st["prev_q"]).abs()
-            st["flips"] += (q != st["prev_q"]).to(torch.int16)
+            st["dist"] += (v - st["prev"]).abs_()
+            st["flips"] += (q != st["prev_q"])
+            st["dist_q"] += (q - st["prev_q"]).abs_()
             st["prev"], st["prev_q"] = v, q
 
     def oscillating(self, name: str) -> torch.Tensor:

@@ -201,3 +201,50 @@ def test_cuda_large_shapes_and_an_mxfp8_layer():
         return y.detach(), a.grad, b.grad
     for a, b in zip(run("auto"), run("off")):
         assert torch.equal(a, b)
+
+
+def test_deosc_weight_grid_runs_through_the_kernel_bit_for_bit(monkeypatch):
+    """``mxtrain.deosc`` quantizes every tracked weight every step; with the kernel (``mx_kernel=always``, MXFP4
+    admitted there) its window state and its resets equal the reference's bit for bit: plain, rotated (fixed
+    signs, H32) with AMD's scale rule and a prescale, and an MXFP6 weight."""
+    from mxtrain.deosc import DeoscSettings, Deoscillator
+    from mxtrain.nn import MXLinear
+    from mxtrain.recipe import Rotation
+
+    calls = []
+    real = K.quantize_mx_values
+
+    def counted(*a, **k):
+        calls.append(a[1])
+        return real(*a, **k)
+    monkeypatch.setattr(K, "quantize_mx_values", counted)
+    odd = Recipe("odd", fprop_x=Operand("mxfp4"), fprop_w=Operand("mxfp4", scale_rule="amd", prescale=0.75),
+                 fprop_rotation=Rotation(32, "fixed"), seed=3)
+    six = Recipe("six", fprop_x=Operand("mxfp6_e2m3"), fprop_w=Operand("mxfp6_e2m3"))
+
+    def run(mode):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(MXLinear(64, 32, bias=False, recipe="mxfp4-all"),
+                                    MXLinear(64, 64, bias=False, recipe=odd),
+                                    MXLinear(64, 16, bias=False, recipe=six)).to(DEV)
+        g = torch.Generator().manual_seed(1)
+        d = Deoscillator(model, DeoscSettings(period=5, threshold=2.0))
+        stats = []
+        with settings.override(mx_kernel=mode):
+            for step in range(10):
+                d.begin(step)
+                with torch.no_grad():   # small random steps: many entries cross a grid boundary and back
+                    for m in model:
+                        m.weight.add_((torch.randn(m.weight.shape, generator=g) * 3e-3).to(DEV))
+                s = d.end(step + 1)
+                if s is not None:
+                    stats.append(s)
+        return stats, [m.weight.detach().clone() for m in model]
+    got = run("always")
+    assert len(calls) >= 3 * 10 and {"mxfp4", "mxfp6_e2m3"} <= set(calls)
+    n = len(calls)
+    want = run("off")
+    assert len(calls) == n                                   # the reference ran the second time
+    assert got[0] == want[0] and len(got[0]) == 2 and all(s["reset"] > 0 for s in got[0])
+    for a, b in zip(got[1], want[1]):
+        assert torch.equal(a, b)

@@ -167,31 +167,41 @@ def test_compiled_model_trains_like_eager_without_recompiles(traced):
 @pytest.mark.parametrize("recipe", ["mxfp4-all", "mxfp4-all-dh16"])
 def test_cuda_compiled_model_equals_the_custom_ops(recipe, traced):
     """On a GPU: a compiled Llama with the traced layers against the same model with the custom ops
-    (``mx_traced=off``): the same loss and gradients after a step (bf16 rounding of the compiled kernels'
-    other fusions aside)."""
+    (``mx_traced=off``), one step under bf16 autocast. The layers are equal bit for bit (the compiled-layer
+    tests above), but the compiler fuses the kernels around them differently (bf16 roundings of norms and
+    residuals), and in a model each changed rounding moves FP4 roundings downstream: the same model compiled
+    against itself eager moves its gradients by 20-30 % of their norm (CPU and H100). So the traced form is
+    held to that noise floor (an error in its wiring, a transposed or mis-scaled operand, moves gradients by
+    about their own norm or more) and the loss to 1e-3."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from mxtrain.model import Llama, ModelConfig
 
-    def grads(mode):
+    def grads(mode, compiled=True):
         torch._dynamo.reset()
         torch.manual_seed(0)
         cfg = ModelConfig(dim=512, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=1536, vocab_size=1024,
                           max_seq_len=256)
         m = Llama(cfg).cuda()
         mxtrain.convert(m, recipe)
-        f = torch.compile(m)
+        f = torch.compile(m) if compiled else m
         g = torch.Generator(device="cuda").manual_seed(1)
         idx = torch.randint(0, 1024, (8, 256), device="cuda", generator=g)
         with settings.override(mx_traced=mode), torch.autocast("cuda", dtype=torch.bfloat16):
             loss = f(idx, idx.roll(-1, 1))
         loss.backward()
         return loss.item(), [p.grad.float() for p in m.parameters()]
+
+    def rel(a, b):
+        return [float((x - y).norm() / y.norm().clamp(min=1e-30)) for x, y in zip(a, b)]
     l1, g1 = grads("auto")
     l0, g0 = grads("off")
-    assert abs(l1 - l0) < 1e-3 * abs(l0)
-    for a, b in zip(g1, g0):
-        assert ((a - b).norm() / b.norm().clamp(min=1e-30)) < 2e-2
+    le, ge = grads("off", compiled=False)
+    assert abs(l1 - l0) < 1e-3 * abs(l0) and abs(le - l0) < 1e-3 * abs(l0)
+    floor = max(rel(g0, ge))
+    got = rel(g1, g0)
+    assert max(got) <= 1.5 * floor + 0.02, (max(got), floor)
+    assert max(got) < 0.7
 
 
 def test_e2m1_rounding_is_the_reference_on_every_float32_neighbourhood_of_the_grid():

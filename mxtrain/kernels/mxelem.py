@@ -177,11 +177,12 @@ def quantize_mx_values(x: torch.Tensor, fmt: str, axis: int = -1, block_size: in
 # where the kernel serves the reference path, and its runtime self-check
 
 
-def mx_kernel_applies(t: torch.Tensor, fmt: str, block_size, rounding: str, st=None) -> bool:
+def mx_kernel_applies(t: torch.Tensor, fmt: str, block_size, rounding: str, st=None, fp4: bool = False) -> bool:
     """Does ``fake_quantize_operand`` of this operand run through the kernel? The ``mx_kernel`` setting:
     ``auto`` on CUDA tensors, ``always`` also on CPU under Triton's interpreter (tests), ``off`` never. Only MX
     formats with FP6/FP8 elements (MXFP4 operands have the fast path; the reference that checks it stays plain
-    PyTorch) and 1-D blocks of a power of two, round-to-nearest, 2-D float32/bf16/fp16 operands, never inside a
+    PyTorch; ``fp4=True`` admits MXFP4 for callers outside the GEMM path, as ``mxtrain.deosc``'s weight grid)
+    and 1-D blocks of a power of two, round-to-nearest, 2-D float32/bf16/fp16 operands, never inside a
     ``torch.compile`` trace."""
     st = st or _settings.current()
     mode = st.mx_kernel
@@ -191,7 +192,7 @@ def mx_kernel_applies(t: torch.Tensor, fmt: str, block_size, rounding: str, st=N
     if rounding != "nearest" or torch.compiler.is_compiling():
         return False
     f = get_format(fmt)
-    if f.kind != "mx" or f.elem.bits == 4:   # (MXFP4 has the fast path; its reference stays plain PyTorch)
+    if f.kind != "mx" or (f.elem.bits == 4 and not fp4):   # (MXFP4 has the fast path; its reference stays plain PyTorch)
         return False
     b = f.block_size if block_size is None else block_size
     if not isinstance(b, int) or b & (b - 1) or not 2 <= b <= 1024:
