@@ -958,11 +958,12 @@ def remake_checkpoints(spec: StudySpec, arm: str, seed: int, rd: Path, steps: li
     """Train the finished stable run ``rd`` again, in ``rd/remake``, to make its kept checkpoints at ``steps``
     (they were not carried with the study), move them into ``rd``, and compare the remade run's training losses
     with the first run's at every logged step: ``rd/remake.json`` records ``bit_equal`` and the largest
-    difference. Training is deterministic for a seed on the same GPU model and software, so there the remade
-    checkpoints are the first run's; on another GPU model the kernels chosen differ and so do the losses (an
-    H200 run remade on an H100 differed by up to 0.25 in single logged losses, docs/results.md). Where the
-    losses differ, a warning says so and the branches start from the remade state. A remake
-    stopped by a signal continues from its own checkpoint next time."""
+    difference. On the CPU a remake equals the first run bit for bit (tests/test_study_cooldown.py); on a GPU it
+    need not unless ``train.deterministic`` is on, since PyTorch's default GPU kernels are not all deterministic
+    (which ones moved these runs was not traced): a 30m de-oscillation run remade on the same H100 model
+    differed from step 120 on, by up to 0.028 in single logged losses; an H200 run remade on an H100 by up to
+    0.25 (docs/results.md). Where the losses differ, a warning says so and the branches start from the remade
+    state. A remake stopped by a signal continues from its own checkpoint next time."""
     from ..train.branch import kept_checkpoint
     from ..train.trainer import kept_name
     what = f"{tag} {arm} seed {seed}".strip()
