@@ -142,7 +142,8 @@ class Settings:
     mx_kernel: str = _knob(
         "auto", "MXTRAIN_MX_KERNEL", "MXFP8/MXFP6 operands of the reference path (the `mxfp8` recipe and custom "
         "recipes with FP6/FP8 MX elements, round-to-nearest): fake-quantized by one fused Triton kernel "
-        "(`mxtrain/kernels/mxelem.py`) after the rotation in torch, instead of the plain-PyTorch quantizer: `auto` "
+        "(`mxtrain/kernels/mxelem.py`) after the rotation in torch, instead of the plain-PyTorch quantizer; the "
+        "same kernel gives weight de-oscillation (`deosc`) its weights' MX grid, MXFP4 included: `auto` "
         "on CUDA tensors, `always` also on CPU under Triton's interpreter (tests), `off` never. Bit-identical either "
         "way (each kernel variant checks itself against the reference on first use: `qselfcheck`).",
         "choice", choices=("auto", "always", "off"), aliases=_AUTO_OFF)
