@@ -170,7 +170,8 @@ def test_cuda_compiled_model_equals_the_custom_ops(recipe, traced):
     (``mx_traced=off``), one step under bf16 autocast. The layers are equal bit for bit (the compiled-layer
     tests above), but the compiler fuses the kernels around them differently (bf16 roundings of norms and
     residuals), and in a model each changed rounding moves FP4 roundings downstream: the same model compiled
-    against itself eager moves its gradients by 20-30 % of their norm (CPU and H100). So the traced form is
+    against itself eager moves its gradients by 20-30 % of their norm (measured on CPU; on an H100 the traced
+    form differed from the custom ops by 27 % and passes against the floor measured there). So the traced form is
     held to that noise floor (an error in its wiring, a transposed or mis-scaled operand, moves gradients by
     about their own norm or more) and the loss to 1e-3."""
     if not torch.cuda.is_available():

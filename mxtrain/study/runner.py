@@ -92,11 +92,11 @@ PRESETS: dict[str, dict] = {
     # baseline vs the papers' complete recipes ([ALTO]'s lever: MXFP4 with weight de-oscillation)
     "recipes": dict(arms=["bf16", "mxfp4-all-dh16", "tseng", "nvfp4", "mxfp4-all@deosc"], baseline="bf16", seeds=3,
                     diagnose_every=0),
-    # the headline comparison (issue's 125m runs): BF16 and FP8 baselines, plain MXFP4, AMD's deterministic
+    # the headline comparison (meant for 125m): BF16 and FP8 baselines, plain MXFP4, AMD's deterministic
     # Hadamard, SR in the backward, Tseng's recipe and MXFP4 with weight de-oscillation
     "headline": dict(arms=["bf16", "fp8", "mxfp4-all", "mxfp4-all-dh16", "mxfp4-all-sr", "tseng", "mxfp4-all@deosc"],
                      baseline="bf16", references=["fp8"], seeds=3, diagnose_every=0),
-    # the trend with training length (issue's (c)): BF16 and plain MXFP4 at 30m, one run per arm x seed of
+    # the trend with training length: BF16 and plain MXFP4 at 30m, one run per arm x seed of
     # 11,500 steps x 16,384 tokens (188 M tokens: 20 per non-embedding parameter, 5.4 per parameter in all with
     # the 32k vocabulary), cooled-down branches from 1 to 20 tokens per non-embedding parameter; each run must
     # finish inside one device lease (checkpoints do not travel): about 17 minutes with 3 runs under MPS on an
