@@ -407,3 +407,24 @@ def test_apply_dict_changes_only_the_given_keys():
     apply_dict(cfg, {"recipe_overrides.wgrad_dy.rounding": "stochastic", "model.n_layers": 3})
     assert cfg.recipe_overrides == {"wgrad_dy.rounding": "stochastic"} and cfg.model.n_layers == 3
     assert cfg.resolved_recipe().wgrad_dy.rounding == "stochastic"
+
+
+def test_arm_learning_rate_option(tmp_path):
+    """``RECIPE@lrVALUE`` sets that arm's peak learning rate over the study's ``--lr`` and ``--set``; the other
+    arms keep the study's; bad values are refused with the option's spelling."""
+    from mxtrain.errors import UserError
+    from mxtrain.study import arms as A
+    from mxtrain.study.runner import StudySpec, build_config as run_config
+    spec = StudySpec(out=str(tmp_path / "s"), arms=["bf16", "bf16@lr1.5e-3", "mxfp4-all@lr0.002@deosc"], lr=3e-3,
+                     overrides=["optim.lr=4e-3"], steps=8)
+    assert run_config(spec, "bf16", 0, tmp_path / "a").optim.lr == 4e-3
+    cfg = run_config(spec, "bf16@lr1.5e-3", 0, tmp_path / "b")
+    assert cfg.optim.lr == 1.5e-3 and cfg.recipe == "bf16"
+    cfg = run_config(spec, "mxfp4-all@lr0.002@deosc", 1, tmp_path / "c")
+    assert cfg.optim.lr == 0.002 and cfg.deosc.enable and cfg.recipe == "mxfp4-all"
+    assert A.describe_options("mxfp4-all@lr0.002@deosc").startswith("learning rate 0.002; weight de-osc")
+    assert A.stable_base("bf16@lr1.5e-3") is None          # its stable run is its own
+    for bad, msg in [("bf16@lr0", "positive number"), ("bf16@lr-1e-3", "positive number"),
+                     ("bf16@lrx", "positive number"), ("bf16@lr1e-3@lr2e-3", "two learning rates")]:
+        with pytest.raises(UserError, match=msg):
+            A.check(bad)

@@ -123,3 +123,19 @@ def test_study_command_prints_the_claims(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "cooled down: mxfp4-all-sr: +2.0 % tokens" in out
     assert 'claim: AMD, "stochastic rounding does not rescue MXFP4": CONSISTENT' in out
+
+
+def test_nvidia_claims():
+    # NVFP4 on top of FP8 (close: supported), MXFP4 well above NVFP4 (more tokens: supported); and the
+    # other way round: NVFP4 far above FP8 (contradicted), MXFP4 below NVFP4 (contradicted)
+    pts = _points({"bf16": 0.0, "fp8": 0.0, "nvfp4": 0.0, "mxfp4-all": 0.12})
+    got = _by_key(evaluate_claims(pts, list(pts), BUDGETS, n_boot=200))
+    assert got[("nvidia-fp8", "nvfp4", "fp8")]["verdict"] == "supported"
+    assert got[("nvidia-mxfp4", "mxfp4-all", "nvfp4")]["verdict"] == "supported"
+    pts = _points({"fp8": 0.0, "nvfp4": 0.12, "mxfp4-all": 0.02})
+    got = _by_key(evaluate_claims(pts, list(pts), BUDGETS, n_boot=200))
+    assert got[("nvidia-fp8", "nvfp4", "fp8")]["verdict"] == "contradicted"
+    assert got[("nvidia-mxfp4", "mxfp4-all", "nvfp4")]["verdict"] == "contradicted"
+    # NVIDIA's claims have no +amd variants
+    c = next(c for c in CLAIMS if c.key == "nvidia-mxfp4")
+    assert claim_pairs(c, ["mxfp4-all+amd", "nvfp4+amd", "nvfp4"]) == []

@@ -7,7 +7,9 @@ own ``--set`` items, so the arm's option wins). ``mxfp4-all@deosc`` is ``mxfp4-a
 de-oscillation (``mxtrain.deosc``); ``--set deosc.period=50`` then tunes it for every arm that has it on.
 Options in ``BRANCH_OPTIONS`` change a cooldown study's branches only: ``mxfp4-all@bf16cool`` trains the
 stable run of ``mxfp4-all`` and cools it down in BF16 (how much of MXFP4's cost a high-precision end of
-training recovers, as NVIDIA's NVFP4 recipe ends its runs).
+training recovers, as NVIDIA's NVFP4 recipe ends its runs). ``@lrVALUE`` sets the arm's peak learning rate
+(``optim.lr``, over the study's ``--lr``): ``bf16@lr1.5e-3`` next to ``bf16`` and ``mxfp4-all@lr1.5e-3`` next to
+``mxfp4-all`` tells in one study whether a recipe's cost holds at another learning rate.
 
 Arm names are folder names (``OUT/runs/<arm>/seed<k>``): letters, digits and ``-``, ``+``, ``@``, ``.``, ``_``
 only, all safe in file names on Linux, macOS and Windows.
@@ -34,6 +36,17 @@ BRANCH_OPTIONS: dict[str, tuple[str, ...]] = {
 }
 
 _SAFE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+@-]*$")
+# @lrVALUE: the arm's peak learning rate, a positive decimal number (1.5e-3, 0.002)
+_LR = re.compile(r"^lr((?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)$")
+
+
+def _lr(option: str) -> float | None:
+    """The learning rate an ``lrVALUE`` option names (None for any other option, or a value not above 0)."""
+    m = _LR.match(option)
+    if not m:
+        return None
+    v = float(m.group(1))
+    return v if 0 < v < float("inf") else None
 
 
 def split(arm: str) -> tuple[str, list[str]]:
@@ -51,7 +64,8 @@ def overrides_of(arm: str) -> list[str]:
     """The training-config overrides the arm's options add (``[]`` for a plain recipe)."""
     out: list[str] = []
     for o in split(arm)[1]:
-        out += list(OPTIONS[o][0])
+        lr = _lr(o)
+        out += [f"optim.lr={lr!r}"] if lr is not None else list(OPTIONS[o][0])
     return out
 
 
@@ -75,7 +89,8 @@ def stable_base(arm: str) -> str | None:
 
 def describe_options(arm: str) -> str:
     """The arm's options in words, ``""`` for a plain recipe."""
-    return "; ".join(OPTIONS[o][1] for o in split(arm)[1] if o in OPTIONS)
+    return "; ".join(OPTIONS[o][1] if o in OPTIONS else f"learning rate {_lr(o):g}"
+                     for o in split(arm)[1] if o in OPTIONS or _lr(o) is not None)
 
 
 def check(arm: str) -> None:
@@ -89,11 +104,16 @@ def check(arm: str) -> None:
                         f"(optionally +RULE, a scale rule for every MX operand, e.g. mxfp4-all+amd; and @OPTION, "
                         f"e.g. mxfp4-all@deosc)")
     for o in opts:
-        if o not in OPTIONS:
-            raise UserError(f"unknown arm option {o!r} in arm {arm!r}; options: "
-                            f"{', '.join(f'@{k} ({v[1]})' for k, v in OPTIONS.items())}")
+        if o not in OPTIONS and _lr(o) is None:
+            hint = (" (a learning rate is @lr followed by a positive number, e.g. @lr1.5e-3)"
+                    if o.startswith("lr") else "")
+            raise UserError(f"unknown arm option {o!r} in arm {arm!r}{hint}; options: "
+                            f"{', '.join(f'@{k} ({v[1]})' for k, v in OPTIONS.items())}, "
+                            f"@lrVALUE (the arm's learning rate, e.g. @lr1.5e-3)")
     if len(set(opts)) != len(opts):
         raise UserError(f"arm {arm!r} names an option twice")
+    if sum(_lr(o) is not None for o in opts) > 1:
+        raise UserError(f"arm {arm!r} names two learning rates; give one @lrVALUE")
 
 
 def is_arm(arm: str) -> bool:
