@@ -139,3 +139,25 @@ def test_nvidia_claims():
     # NVIDIA's claims have no +amd variants
     c = next(c for c in CLAIMS if c.key == "nvidia-mxfp4")
     assert claim_pairs(c, ["mxfp4-all+amd", "nvfp4+amd", "nvfp4"]) == []
+
+
+def test_claims_on_arms_with_the_same_further_options():
+    """A claim is judged again on arms that carry the same further options on both sides (the claim at another
+    learning rate), in any option order, and not across different options."""
+    sr = next(c for c in CLAIMS if c.key == "amd-sr")
+    arms = ["mxfp4-all", "mxfp4-all-sr", "mxfp4-all@lr1.5e-3", "mxfp4-all-sr@lr1.5e-3", "mxfp4-all-sr@lr7e-4",
+            "mxfp4-all+amd@lr1.5e-3", "mxfp4-all-sr+amd@lr1.5e-3"]
+    assert claim_pairs(sr, arms) == [("mxfp4-all-sr", "mxfp4-all"),
+                                      ("mxfp4-all-sr@lr1.5e-3", "mxfp4-all@lr1.5e-3"),
+                                      ("mxfp4-all-sr+amd@lr1.5e-3", "mxfp4-all+amd@lr1.5e-3")]
+    alto = next(c for c in CLAIMS if c.key == "alto")
+    assert claim_pairs(alto, ["mxfp4-all@lr1e-3", "mxfp4-all@lr1e-3@deosc", "mxfp4-all@deosc"]) == [
+        ("mxfp4-all@lr1e-3@deosc", "mxfp4-all@lr1e-3")]
+    assert claim_pairs(alto, ["mxfp4-all@lr1e-3", "mxfp4-all@deosc@lr1e-3"]) == [
+        ("mxfp4-all@deosc@lr1e-3", "mxfp4-all@lr1e-3")]
+    fp8 = next(c for c in CLAIMS if c.key == "amd-fp8")
+    assert claim_pairs(fp8, ["bf16@lr1e-3", "fp8@lr1e-3", "fp8"]) == [("fp8@lr1e-3", "bf16@lr1e-3")]
+    # judged from the points like any other pair
+    pts = _points({"bf16@lr1e-3": 0.0, "fp8@lr1e-3": 0.0})
+    (c,) = evaluate_claims(pts, list(pts), BUDGETS, n_boot=200)
+    assert (c["claim"], c["arm"], c["other"], c["verdict"]) == ("amd-fp8", "fp8@lr1e-3", "bf16@lr1e-3", "supported")

@@ -18,7 +18,9 @@ With one seed there is no verdict: the interval covers evaluation-window noise o
 cited in docs/results.md (NVIDIA: arXiv 2509.25149, whose MXFP4 comparison used a 32-wide random Hadamard and
 kept the last blocks in BF16; ``mxfp4-all`` against ``nvfp4`` compares the formats as this project's presets
 use them). The AMD paper's claims also match their ``+amd`` scale-rule arms
-(``mxfp4-all-dh16+amd`` against ``mxfp4-all+amd``; ``bf16`` and ``fp8`` keep their names)."""
+(``mxfp4-all-dh16+amd`` against ``mxfp4-all+amd``; ``bf16`` and ``fp8`` keep their names), and every claim
+matches arms that carry the same further options on both sides (``mxfp4-all-sr@lr1.5e-3`` against
+``mxfp4-all@lr1.5e-3``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -67,18 +69,34 @@ CLAIMS: tuple[Claim, ...] = (
 _BASELINES = ("bf16", "fp8")
 
 
+def _parse(arm: str) -> tuple[str, frozenset]:
+    recipe, *opts = arm.split("@")
+    return recipe, frozenset(opts)
+
+
 def claim_pairs(claim: Claim, arms) -> list[tuple[str, str]]:
-    """The ``(arm, other)`` pairs of the study's arms that test ``claim``: its own names, and for the AMD
-    paper's claims the ``+amd`` scale-rule variants (``X+amd``; BF16 and FP8 unchanged)."""
-    arms = set(arms)
-    out = []
-    if claim.arm in arms and claim.other in arms:
-        out.append((claim.arm, claim.other))
+    """The ``(arm, other)`` pairs of the study's arms that test ``claim``: its own names; for the AMD paper's
+    claims the ``+amd`` scale-rule variants (``X+amd``; BF16 and FP8 unchanged); and either of those with the
+    same further training options on both sides (``mxfp4-all-sr@lr1.5e-3`` against ``mxfp4-all@lr1.5e-3``:
+    the claim judged at another learning rate), whatever the order the options are written in."""
+    arms = list(dict.fromkeys(arms))
+    parsed = {a: _parse(a) for a in arms}
+    bases = [(claim.arm, claim.other)]
     if claim.source == "AMD":
         a = claim.arm if claim.arm in _BASELINES else claim.arm + "+amd"
         b = claim.other if claim.other in _BASELINES else claim.other + "+amd"
-        if (a, b) != (claim.arm, claim.other) and a in arms and b in arms:
-            out.append((a, b))
+        if (a, b) != (claim.arm, claim.other):
+            bases.append((a, b))
+    out: list[tuple[str, str]] = []
+    for a, b in bases:
+        (ra, oa), (rb, ob) = _parse(a), _parse(b)
+        # the plain pair first, then each set of further options both sides carry
+        extras = [frozenset()] + sorted({o - oa for r, o in parsed.values() if r == ra and o > oa}, key=sorted)
+        for extra in extras:
+            x = next((k for k, v in parsed.items() if v == (ra, oa | extra)), None)
+            y = next((k for k, v in parsed.items() if v == (rb, ob | extra)), None)
+            if x is not None and y is not None and (x, y) not in out:
+                out.append((x, y))
     return out
 
 
