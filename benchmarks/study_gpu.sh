@@ -11,9 +11,11 @@
 # SEED_STUDY: the study.tgz an earlier lease returned (its run folders without checkpoints), unpacked into the
 # study folder when that holds no study yet, so that a study spans several leases: finished runs and branches
 # are skipped, unfinished ones train again (docs/study.md, "A study over several GPU leases").
-# MPS=1: NVIDIA's Multi-Process Service for the study; MPS=auto: benchmarks/study_probe.sh first (JOBS runs of
+# MPS=1: NVIDIA's Multi-Process Service for the study (one daemon in PARTS, shared by studies running at once on
+# the lease's GPUs: started by the first, stopped by the last to end); MPS=auto: benchmarks/study_probe.sh first (JOBS runs of
 # MODEL for PROBE_STEPS steps, plain and under MPS; PROBE_EXTRA: their extra train flags), MPS where it is 15 %
 # faster or more; its output in OUT/mps.txt and OUT/probe.json (logs in OUT/probe/). BUDGET and START_BY include the probe's time.
+# (MPS=auto starts a daemon of its own for the probe: not while another study of the lease runs under MPS.)
 # START_BY: no run starts later than this many seconds after the study does (mxtrain study --start-by); set it
 # to BUDGET less one run's time so that the lease's end goes to runs and branches that can finish.
 # JOBS: runs sharing the GPU; a 30m run with 32 x 512-token batches and the 32k vocabulary peaks near 11 GiB,
@@ -42,14 +44,33 @@ m=r.get('mps',{}).get('tok_per_s',0); print(1 if p > 0 and m >= 1.15 * p else 0)
   echo "MPS=auto: MPS=$MPS" >> "$OUT/mps.txt"
 fi
 if [ "${MPS:-0}" = 1 ]; then   # NVIDIA's Multi-Process Service for this study: the runs' kernels share the GPU at once
+  # One daemon per machine, in PARTS: a study started while another's daemon runs joins it (two studies on the
+  # GPUs of one lease, each with its own GPUS), and the last study to end stops it. The daemon sees every GPU.
   export CUDA_MPS_PIPE_DIRECTORY="$PARTS/mps-pipe" CUDA_MPS_LOG_DIRECTORY="$PARTS/mps-log"
-  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-  if nvidia-cuda-mps-control -d; then
-    trap 'echo quit | nvidia-cuda-mps-control' EXIT
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY" "$PARTS/mps-users"
+  mps_leave() {   # this study's end: stop the daemon unless another study still uses it
+    rm -f "$PARTS/mps-users/$$"
+    local f
+    for f in "$PARTS"/mps-users/*; do
+      [ -e "$f" ] || continue
+      if kill -0 "$(basename "$f")" 2>/dev/null; then return 0; fi
+      rm -f "$f"
+    done
+    echo quit | nvidia-cuda-mps-control
+  }
+  if [ -e "$CUDA_MPS_PIPE_DIRECTORY/control" ]; then
+    echo "MPS on (joined the daemon another study started)" >> "$OUT/mps.txt"
+  elif env -u CUDA_VISIBLE_DEVICES nvidia-cuda-mps-control -d; then
     echo "MPS on" >> "$OUT/mps.txt"
+  elif [ -e "$CUDA_MPS_PIPE_DIRECTORY/control" ]; then   # another study started it at the same moment
+    echo "MPS on (joined the daemon another study started)" >> "$OUT/mps.txt"
   else
     unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
     echo "MPS requested but its daemon did not start: the runs take turns on the GPU" >> "$OUT/mps.txt"
+  fi
+  if [ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ]; then
+    echo $$ > "$PARTS/mps-users/$$"
+    trap mps_leave EXIT
   fi
 fi
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader

@@ -17,10 +17,17 @@
 #                                                    # device.txt and study_log.txt to OUT
 # (Never `pkill -f` a pattern of the study's command line from a device command: that command's own shell
 # carries the same text and is killed with it.)
-# State in PARTS (default /root/mx): lease.out (study_gpu.sh's OUT), lease.log (its output), lease.pid.
+# State in PARTS (default /root/mx): NAME.out (study_gpu.sh's OUT), NAME.log (its output), NAME.pid, with NAME
+# (default `lease`) naming one study: two studies (different models or lengths) share a multi-GPU lease with
+# NAME and GPUS on every call of each, e.g. `NAME=trend GPUS=3 PRESET=trend ... start auto` beside
+# `NAME=main GPUS=0,1,2 ARMS=... start auto`; a named study's folder is PARTS/study-NAME (unless STUDY is set),
+# GPUS (`start` only) its CUDA_VISIBLE_DEVICES, and with MPS=1 both share one daemon (study_gpu.sh).
 # Exit status: 0 done; 1 `watch` found it still running; 2 a usage error or nothing started.
 set -u
-PARTS=${PARTS:-/root/mx}; S=${STUDY:-$PARTS/study}; LO="$PARTS/lease.out"; PIDF="$PARTS/lease.pid"
+PARTS=${PARTS:-/root/mx}; NAME=${NAME:-lease}
+case "$NAME" in ''|*[!A-Za-z0-9_-]*) echo "study_lease: NAME=$NAME: letters, digits, - and _ only" >&2; exit 2;; esac
+if [ "$NAME" = lease ]; then S=${STUDY:-$PARTS/study}; else S=${STUDY:-$PARTS/study-$NAME}; fi
+LO="$PARTS/$NAME.out"; PIDF="$PARTS/$NAME.pid"; LOG="$PARTS/$NAME.log"
 running() { [ -f "$PIDF" ] && kill -0 "$(cat "$PIDF")" 2>/dev/null; }
 progress() {
   echo "--- $(date -u +%FT%TZ): study $(running && echo running || echo ended)"
@@ -28,7 +35,7 @@ progress() {
     echo "runs and branches done: $(cat "$S"/worker*.log 2>/dev/null | grep -c ': done')"
     for f in "$S"/worker*.log; do [ -f "$f" ] && echo "$(basename "$f"): $(tail -n 1 "$f" | cut -c1-200)"; done
   fi
-  [ -f "$PARTS/lease.log" ] && tail -n 3 "$PARTS/lease.log"
+  [ -f "$LOG" ] && tail -n 3 "$LOG"
 }
 case "${1:-}" in
   mark)
@@ -47,10 +54,11 @@ case "${1:-}" in
     fi
     if running; then echo "study_lease: a study is running already (pid $(cat "$PIDF"))" >&2; exit 2; fi
     mkdir -p "$PARTS" "$LO" || exit 2
-    BUDGET=$secs OUT="$LO" setsid nohup bash benchmarks/study_gpu.sh > "$PARTS/lease.log" 2>&1 < /dev/null &
+    if [ -n "${GPUS:-}" ]; then export CUDA_VISIBLE_DEVICES=$GPUS; fi
+    BUDGET=$secs OUT="$LO" STUDY="$S" setsid nohup bash benchmarks/study_gpu.sh > "$LOG" 2>&1 < /dev/null &
     echo $! > "$PIDF"
     sleep 2
-    running || { echo "study_lease: study_gpu.sh ended at once:" >&2; tail -n 20 "$PARTS/lease.log" >&2; exit 2; }
+    running || { echo "study_lease: study_gpu.sh ended at once:" >&2; tail -n 20 "$LOG" >&2; exit 2; }
     echo "study_lease: started (pid $(cat "$PIDF")), at most $secs s${START_BY:+, no run starting after $START_BY s}";;
   watch)
     secs=${2:?watch SECONDS}; end=$(( $(date +%s) + secs ))
@@ -65,7 +73,7 @@ case "${1:-}" in
     [ -f "$PIDF" ] || { echo "study_lease: nothing was started" >&2; exit 2; }
     while running; do sleep 5; done
     progress
-    mkdir -p "$OUT" && cp "$LO"/* "$OUT"/ 2>/dev/null; cp "$PARTS/lease.log" "$OUT/" 2>/dev/null
+    mkdir -p "$OUT" && cp "$LO"/* "$OUT"/ 2>/dev/null; cp "$LOG" "$OUT/lease.log" 2>/dev/null
     ls -la "$OUT";;
   *) echo "usage: study_lease.sh mark | start SECONDS|auto | watch SECONDS | stop | collect" >&2; exit 2;;
 esac

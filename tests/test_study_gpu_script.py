@@ -160,3 +160,62 @@ def test_study_probe_measures_runs_sharing_a_device(tmp_path):
     res = json.loads((tmp_path / "out" / "probe.json").read_text())["plain"]
     assert res["rc"] == [0, 0] and res["tok_per_s"] > 0 and len(res["per_run"]) == 2
     assert res["tok_per_s"] == sum(res["per_run"])
+
+
+MPS_STUB = r"""#!/usr/bin/env bash
+# stands in for NVIDIA's MPS control: logs each call; -d makes the control pipe, quit removes it
+echo "${CUDA_VISIBLE_DEVICES-unset} $*" >> "$MPS_STUB_LOG"
+if [ "${1:-}" = -d ]; then
+  [ -e "$CUDA_MPS_PIPE_DIRECTORY/control" ] && exit 1      # one daemon at a time, as the real one
+  touch "$CUDA_MPS_PIPE_DIRECTORY/control"; exit 0
+fi
+read -r cmd; echo "cmd $cmd" >> "$MPS_STUB_LOG"
+[ "$cmd" = quit ] && rm -f "$CUDA_MPS_PIPE_DIRECTORY/control"
+exit 0
+"""
+
+
+def test_two_named_studies_share_a_lease_and_one_mps_daemon(tmp_path):
+    """``study_lease.sh`` with NAME: two studies at once on one lease, each with its own state, folder and GPUS;
+    under MPS=1 the first starts the daemon (seeing every GPU), the second joins it, and the daemon is stopped
+    once, by the last study to end (here a stand-in for NVIDIA's control program records the calls)."""
+    import time
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    stub = bin_ / "nvidia-cuda-mps-control"
+    stub.write_text(MPS_STUB)
+    stub.chmod(0o755)
+    log = tmp_path / "mps.log"
+    parts = tmp_path / "parts"
+    env = _env(tmp_path, PARTS=parts, DATA=small_data(), MODEL="tiny", SEEDS="1", BUDGETS="1", JOBS="1",
+               DEVICE="cpu", EVAL_EVERY="8", EVAL_TOKENS="1024", FINAL_EVAL_TOKENS="1024", MPS="1",
+               MPS_STUB_LOG=log, EXTRA="--batch-size 2 --seq-len 32 --set schedule.warmup_steps=4")
+    env["PATH"] = f"{bin_}{os.pathsep}{env['PATH']}"
+
+    def lease(*args, **kw):
+        return subprocess.run(["bash", "benchmarks/study_lease.sh", *args], cwd=ROOT, env={**env, **kw},
+                              capture_output=True, text=True, timeout=600)
+    assert lease("start", "300", NAME="a b").returncode == 2                 # a NAME names files: refused
+    r = lease("start", "600", NAME="a", GPUS="0", ARMS="bf16", STEPS="16")
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    for _ in range(100):
+        if (parts / "a.out" / "mps.txt").exists():
+            break
+        time.sleep(0.2)
+    r = lease("start", "600", NAME="b", GPUS="1", ARMS="mxfp4-all", STEPS="24")
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert lease("start", "600", NAME="b").returncode == 2                   # b is running
+    for name in ("a", "b"):
+        while lease("watch", "30", NAME=name).returncode == 1:
+            pass
+        r = lease("collect", NAME=name, OUT=str(tmp_path / f"out-{name}"))
+        assert r.returncode == 0, (r.stdout, r.stderr)
+        assert "study exit: 0" in (tmp_path / f"out-{name}" / "study_log.txt").read_text()
+    assert (parts / "study-a" / "runs" / "bf16").is_dir() and not (parts / "study-a" / "runs" / "mxfp4-all").exists()
+    assert (parts / "study-b" / "runs" / "mxfp4-all").is_dir() and not (parts / "study-b" / "runs" / "bf16").exists()
+    assert (tmp_path / "out-a" / "mps.txt").read_text().strip() == "MPS on"
+    assert "joined" in (tmp_path / "out-b" / "mps.txt").read_text()
+    calls = log.read_text().splitlines()
+    # one start (the daemon sees every GPU), one quit: by whichever ended last (the first found the other alive)
+    assert calls[0] == "unset -d" and calls[1] in ("0 ", "1 ") and calls[2:] == ["cmd quit"], calls
+    assert not (parts / "mps-pipe" / "control").exists() and not list((parts / "mps-users").iterdir())
