@@ -208,9 +208,10 @@ class Ctx:
         """``operand``, with an NVFP4 operand's tensor scale taken out: ``(values, prescale, g)``, the values
         exact in bf16 and ``g`` a 0-d float32 tensor (None for other formats, whose values are as
         ``operand`` gives them). NVFP4 operands of 2-D tensors run through the fused Triton quantizer where the
-        ``nvfp4_kernel`` setting says (``auto``: CUDA tensors; bit-identical: tests/test_nvfp4_kernel.py), which
-        writes the values in ``out_dtype`` (bf16/fp16: exact; the GEMM's operand dtype, so no cast pass
-        follows) where given; the reference's values are float32 either way."""
+        ``nvfp4_kernel`` setting says (``auto``: CUDA tensors; bit-identical: tests/test_nvfp4_kernel.py, and
+        tests/test_nvfp4_rot_kernel.py for a 16-wide rotation, which runs inside the kernel), which writes the
+        values in ``out_dtype`` (bf16/fp16: exact; the GEMM's operand dtype, so no cast pass follows) where given;
+        the reference's values are float32 either way."""
         op: Operand = self.recipe.operand(name)
         if not (op.quantized and get_format(op.fmt).kind == "nvfp4"):
             return (*self.operand(t, axis, name, gemm, signs), None)

@@ -134,8 +134,9 @@ class Settings:
         aliases={**{k: "auto" for k in _TRUE if k != "on"}, **{k: "off" for k in _FALSE}})
     nvfp4_kernel: str = _knob(
         "auto", "MXTRAIN_NVFP4_KERNEL", "NVFP4 operands of the reference path's factored GEMMs (the `nvfp4` recipe "
-        "under autocast): quantized by the fused two-pass Triton kernel (`mxtrain/kernels/nvfp4.py`) after the "
-        "rotation in torch, instead of the plain-PyTorch quantizer: `auto` on CUDA tensors, `always` also on CPU "
+        "under autocast): quantized by the fused two-pass Triton kernel (`mxtrain/kernels/nvfp4.py`; a 16-wide "
+        "Hadamard rotation runs inside both passes, other rotations in torch before them), instead of the "
+        "plain-PyTorch quantizer: `auto` on CUDA tensors, `always` also on CPU "
         "under Triton's interpreter (tests), `off` never. Bit-identical either way (each kernel variant checks "
         "itself against the reference on first use: `qselfcheck`).",
         "choice", choices=("auto", "always", "off"), aliases=_AUTO_OFF)

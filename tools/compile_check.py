@@ -4,9 +4,9 @@ interpreter does not see, and reports each variant's registers and instruction c
 A representative set of variants (each layout of ``_mxfp4_kernel``, rotations 0/16/32 and wider ones on the
 tile layout, nearest and stochastic rounding, carrier / FP4 / both outputs, 64-bit offsets, a key in device
 memory, 128x128 groups, folded normalization, and the dual kernel; ``kernels/nvfp4.py``'s quantize kernel for
-rows and columns, 1-D blocks and 16x16 tiles, stochastic rounding with a key in device memory, and its amax
-kernel; ``kernels/mxelem.py``'s MX quantizer for FP6/FP8 elements, rows and columns, each scale rule) compiled
-with
+rows and columns, 1-D blocks and 16x16 tiles, stochastic rounding with a key in device memory, the 16-wide
+Hadamard rotation inside it, and its amax kernels (plain and rotating); ``kernels/mxelem.py``'s MX quantizer for
+FP6/FP8 elements, rows and columns, each scale rule) compiled with
 ``triton.compile(ASTSource(...), target=GPUTarget(...))`` and the launch options the kernels run with
 (``enable_fp_fusion=False``, ``maxnreg`` where ``launch.launch_opts`` sets it). The size arguments equal to 1
 on a real launch (the unit stride) are passed as 1, which Triton specializes on, and the pointers and the
@@ -81,11 +81,21 @@ def _mxelem(axis, TM, NB, _ebits, mbits, emin, emax, maxv, rule, prescale=False,
                 num_warps=nw, maxnreg=None, ptr_types={"out_ptr": "*i16"} if bf16 else {})
 
 
-def _nvfp4(axis, TM, NB, tile2d=False, sr=False, key_ptr=False, prescale=False, idx64=False, nw=4):
-    """A variant of ``kernels/nvfp4.py``'s ``_nvfp4_kernel`` (the unit strides of ``axis`` passed as 1)."""
-    consts = dict(TM=TM, NB=NB, TILE2D=tile2d, SR=sr, KEY_PTR=key_ptr, PRESCALE=prescale, IDX64=idx64)
-    return dict(kind="nvfp4", layout="nvfp4", consts=consts, ones=("s_k", "i_k") if axis == 1 else ("s_m", "i_m"),
-                num_warps=nw, maxnreg=None)
+def _nvfp4(axis, TM, NB, tile2d=False, sr=False, key_ptr=False, prescale=False, idx64=False, nw=4, rot=0,
+           signs=False):
+    """A variant of ``kernels/nvfp4.py``'s ``_nvfp4_kernel`` (the unit strides of ``axis`` passed as 1); ``rot``
+    16: the variant that rotates its input (``signs``: with a sign vector)."""
+    consts = dict(TM=TM, NB=NB, TILE2D=tile2d, SR=sr, KEY_PTR=key_ptr, PRESCALE=prescale, IDX64=idx64, ROT=rot,
+                  HAS_SIGNS=signs)
+    return dict(kind="nvfp4", layout="nvfp4", consts=consts,
+                ones=("s_k", "o_k", "i_k") if axis == 1 else ("s_m", "o_m", "i_m"), num_warps=nw, maxnreg=None)
+
+
+def _nvfp4_rot_amax(axis, TM, NB, signs=True, idx64=False, nw=4):
+    """A variant of ``kernels/nvfp4.py``'s ``_rot_amax_kernel`` (pass 1 of a rotated operand)."""
+    consts = dict(TM=TM, NB=NB, HAS_SIGNS=signs, IDX64=idx64)
+    return dict(kind="nvfp4_rot_amax", layout="nvfp4_rot_amax", consts=consts, ones=("s_k",) if axis == 1 else
+                ("s_m",), num_warps=nw, maxnreg=None)
 
 
 # (name, variant): block rows and warps as launch.block_config picks them
@@ -121,6 +131,11 @@ VARIANTS = {
     "nvfp4 cols 2d": _nvfp4(0, 4, 2, tile2d=True),
     "nvfp4 amax": dict(kind="nvfp4_amax", layout="nvfp4_amax", consts=dict(BLOCK=4096), ones=(), num_warps=8,
                        maxnreg=None),
+    # its rotating variants (the 16-wide Hadamard inside both passes: the nvfp4 recipe's Wgrad operands)
+    "nvfp4 rows rot16 signs sr": _nvfp4(1, 2, 4, sr=True, rot=16, signs=True),
+    "nvfp4 cols rot16 signs sr keyptr": _nvfp4(0, 4, 2, sr=True, key_ptr=True, rot=16, signs=True),
+    "nvfp4 rot amax rows signs": _nvfp4_rot_amax(1, 2, 4),
+    "nvfp4 rot amax cols idx64": _nvfp4_rot_amax(0, 4, 2, signs=False, idx64=True),
     # the MX fake quantizer for FP6/FP8 elements (kernels/mxelem.py), as quantize_mx_values launches it
     "mxelem e4m3 rows floor": _mxelem(1, 16, 4, 8, 3, -6, 8, 448.0, 0),
     "mxelem e4m3 cols floor bf16": _mxelem(0, 32, 2, 8, 3, -6, 8, 448.0, 0, bf16=True),
@@ -135,9 +150,10 @@ def kernel_of(v):
     if v["kind"] == "mxelem":
         from mxtrain.kernels import mxelem as X
         return X._mx_kernel, {}
-    if v["kind"] in ("nvfp4", "nvfp4_amax"):
+    if v["kind"] in ("nvfp4", "nvfp4_amax", "nvfp4_rot_amax"):
         from mxtrain.kernels import nvfp4 as N
-        return (N._nvfp4_kernel if v["kind"] == "nvfp4" else N._finite_amax_kernel), {}
+        return {"nvfp4": N._nvfp4_kernel, "nvfp4_amax": N._finite_amax_kernel,
+                "nvfp4_rot_amax": N._rot_amax_kernel}[v["kind"]], {}
     from mxtrain.kernels.mxfp4 import kernels as K
     if v["kind"] == "dual":
         return K._mxfp4_dual_kernel, {}

@@ -17,15 +17,28 @@ Triton kernel: one read of ``x``, one write of the values; ``g`` and a stochasti
 tensor are read from device memory (no host synchronisation; a CUDA graph replays with the new ones). The
 reference did the same in about twenty full-tensor PyTorch passes plus the int64 hash of every element.
 
+With ``rot=16`` (the ``nvfp4`` recipe's Wgrad operands: a 16-wide Hadamard with one sign vector along the
+quantization axis) ``x`` is the unrotated bf16/float32 operand and both passes rotate it as they read it
+(``_tile``): pass 1 (``_rot_amax_kernel``) takes the amax of the rotated finite values, pass 2 rotates again
+and quantizes, writing the rotated tensor's values (its axis padded to a multiple of 16; the stochastic-rounding
+index is the row-major index in that padded shape): no float32 rotated copy and none of the torch rotation's
+full-tensor passes (``hadamard(pad_axis(x))`` before the kernel, as other rotation sizes still run). The rotation is
+``mxtrain.hadamard.hadamard``'s float32 arithmetic step for step: signs times the +0-padded values (so padding
+next to a -1 sign is -0, as in the reference), butterfly stages h = 1, 2, 4, 8 (``mxfp4.device._bfly``), one
+multiply by 0.25. A rotation block is exactly one NVFP4 block, so no block mixes real and wholly padded
+rotation blocks (``factored_operand`` picks the route).
+
 Why bit-exact: every step is the reference's float32 operation or exact. The block amax is a maximum; ``g * 6``,
 ``amax / (g * 6)`` (``div_rn``), ``b * g`` and ``x * prescale / d`` (``div_rn``) are single correctly rounded
-float32 operations in the reference's order; the E4M3 rounding of the block scale is done with exact power-of-two
+float32 operations in the reference's order (so are the rotation's sign multiply, adds and subtracts and its
+multiply by 0.25); the E4M3 rounding of the block scale is done with exact power-of-two
 scaling built from bits and round-half-even through ``(y + 1.5 * 2**23) - 1.5 * 2**23`` (Triton's hardware
 fp32->e4m3 cast wrote wrong bytes on sm_90 in some layouts: ``mxfp4/device.py``), as is the E2M1 rounding
 (``device._fp4_round``, shared with the MXFP4 kernels); ``element * b`` is exact. The kernel is launched with
-``enable_fp_fusion=False`` so that no multiply-add becomes an FMA. ``tests/test_nvfp4_kernel.py`` compares it
-with the reference; each variant also checks itself on its first GPU run (``nvfp4_ok``: the ``qselfcheck``
-setting) and falls back to the reference where it differs.
+``enable_fp_fusion=False`` so that no multiply-add becomes an FMA. ``tests/test_nvfp4_kernel.py`` and
+``tests/test_nvfp4_rot_kernel.py`` compare it with the reference; each variant (its key names the rotation) also
+checks itself on its first GPU run (``nvfp4_ok``: the ``qselfcheck`` setting) and falls back where it differs:
+a rotating variant to the torch rotation and the unrotated kernel, that one to the reference.
 """
 
 from __future__ import annotations
@@ -40,13 +53,13 @@ from . import HAS_TRITON, INTERPRET, kernels_available
 from .caches import CACHES
 
 __all__ = ["quantize_nvfp4_factored", "tensor_scale_nvfp4", "nvfp4_kernel_applies", "nvfp4_ok",
-           "nvfp4_selfcheck", "factored_operand", "CALLS"]
+           "nvfp4_selfcheck", "factored_operand", "fused_rotation_applies", "CALLS"]
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .mxfp4.device import _fp4_round, _uniform
+    from .mxfp4.device import _bfly, _fp4_round, _uniform
 
     @triton.jit
     def _finite_amax_kernel(x_ptr, part_ptr, n, BLOCK: tl.constexpr):
@@ -58,23 +71,68 @@ if HAS_TRITON:
         tl.store(part_ptr + tl.program_id(0), tl.max(a, axis=0))
 
     @triton.jit
-    def _nvfp4_kernel(x_ptr, out_ptr, g_ptr, key64_ptr, key, prescale, M, K, s_m, s_k, i_m, i_k,
-                      TM: tl.constexpr, NB: tl.constexpr, TILE2D: tl.constexpr, SR: tl.constexpr,
-                      KEY_PTR: tl.constexpr, PRESCALE: tl.constexpr, IDX64: tl.constexpr):
-        """Logical (M, K) view of ``x`` (K: the quantization axis): element (m, k) at ``x_ptr + m*s_m + k*s_k``,
-        its output at ``out_ptr`` + the same offset, its stochastic-rounding index ``m*i_m + k*i_k``. A program
-        quantizes a [TM, 16, NB, 16] piece: rows ``16*TM`` from ``pid_m``, ``NB`` blocks of 16 from ``pid_k``."""
-        pid_m = tl.program_id(0)
-        pid_k = tl.program_id(1)
+    def _tile(x_ptr, signs_ptr, pid_m, pid_k, M, K, s_m, s_k, TM: tl.constexpr, NB: tl.constexpr,
+              ROT: tl.constexpr, HAS_SIGNS: tl.constexpr, IDX64: tl.constexpr):
+        """The program's [TM, 16, NB, 16] piece of the logical (M, K) view of ``x`` in float32 (element (m, k) at
+        ``x_ptr + m*s_m + k*s_k``; +0 outside it), with ``ROT`` 16: rotated along K as ``mxtrain.hadamard``
+        rotates the +0-padded tensor (signs first, butterfly stages h = 1, 2, 4, 8 of ``mxfp4.device._bfly`` on a
+        [TM*NB*2, 128] view whose rows hold 8 whole rotation blocks, then one multiply by 0.25). Returns (x, m, k)."""
         r = tl.arange(0, 16)
         m = pid_m * (TM * 16) + tl.arange(0, TM)[:, None, None, None] * 16 + r[None, :, None, None]
         k = pid_k * (NB * 16) + tl.arange(0, NB)[None, None, :, None] * 16 + r[None, None, None, :]
         if IDX64:
             m = m.to(tl.int64)
             k = k.to(tl.int64)
-        msk = (m < M) & (k < K)
-        offs = m * s_m + k * s_k
-        x = tl.load(x_ptr + offs, mask=msk, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + (m * s_m + k * s_k), mask=(m < M) & (k < K), other=0.0).to(tl.float32)
+        if ROT == 16:
+            # A rotation block is an NVFP4 block (16 along K from a multiple of 16). The reference pads the axis
+            # with +0 to a multiple of 16 and then applies the signs, so its padding inside the last block is
+            # sign * +0 (-0 where the sign is -1), as this masked load times the signs gives; blocks wholly past
+            # the padded length (and rows past M) come out +-0, are never stored and only add |0| to maxima.
+            if HAS_SIGNS:
+                x = x * tl.load(signs_ptr + r)[None, None, None, :]
+            BR: tl.constexpr = TM * NB * 2
+            y = tl.reshape(x, [BR, 128])
+            y = _bfly(y, BR, 1)
+            y = _bfly(y, BR, 2)
+            y = _bfly(y, BR, 4)
+            y = _bfly(y, BR, 8)
+            x = tl.reshape(y, [TM, 16, NB, 16]) * 0.25     # float32(1 / sqrt(16)), exact
+        return x, m, k
+
+    @triton.jit
+    def _rot_amax_kernel(x_ptr, signs_ptr, part_ptr, M, K, s_m, s_k, TM: tl.constexpr, NB: tl.constexpr,
+                         HAS_SIGNS: tl.constexpr, IDX64: tl.constexpr):
+        """Pass 1 of a rotated operand: one partial maximum of the finite |rotated x| per program (0 where none),
+        over the same pieces as ``_nvfp4_kernel``'s (``_tile``)."""
+        x, m, k = _tile(x_ptr, signs_ptr, tl.program_id(0), tl.program_id(1), M, K, s_m, s_k, TM, NB, 16,
+                        HAS_SIGNS, IDX64)
+        a = tl.abs(x)
+        a = tl.where((x == x) & (a != float("inf")), a, 0.0)
+        a = tl.max(tl.max(tl.max(tl.max(a, axis=3), axis=2), axis=1), axis=0)
+        tl.store(part_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), a)
+
+    @triton.jit
+    def _nvfp4_kernel(x_ptr, out_ptr, g_ptr, key64_ptr, signs_ptr, key, prescale, M, K, Ko, s_m, s_k, o_m, o_k,
+                      i_m, i_k,
+                      TM: tl.constexpr, NB: tl.constexpr, TILE2D: tl.constexpr, SR: tl.constexpr,
+                      KEY_PTR: tl.constexpr, PRESCALE: tl.constexpr, IDX64: tl.constexpr, ROT: tl.constexpr = 0,
+                      HAS_SIGNS: tl.constexpr = False):
+        """Logical (M, K) view of ``x`` (K: the quantization axis): element (m, k) at ``x_ptr + m*s_m + k*s_k``,
+        its output at ``out_ptr + m*o_m + k*o_k`` (``ROT`` 0: the input's offset), its stochastic-rounding index
+        ``m*i_m + k*i_k``. ``ROT`` 16: ``x`` is rotated first (``_tile``) and the output has ``Ko`` (K rounded
+        up to a multiple of 16: the reference's padded axis) entries along K; ``ROT`` 0: ``Ko`` is ``K``. A
+        program quantizes a [TM, 16, NB, 16] piece: rows ``16*TM`` from ``pid_m``, ``NB`` blocks of 16 from
+        ``pid_k``."""
+        pid_m = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        x, m, k = _tile(x_ptr, signs_ptr, pid_m, pid_k, M, K, s_m, s_k, TM, NB, ROT, HAS_SIGNS, IDX64)
+        if ROT == 0:
+            offs = m * s_m + k * s_k
+            msk = (m < M) & (k < K)
+        else:
+            offs = m * o_m + k * o_k
+            msk = (m < M) & (k < Ko)
         g = tl.load(g_ptr)
         # block maxima of the finite magnitudes, and whether the block is finite (padding reads 0)
         ax = tl.abs(x)
@@ -133,6 +191,11 @@ def tensor_scale_nvfp4(x: torch.Tensor) -> torch.Tensor:
         part = torch.empty(nprog, dtype=torch.float32, device=x.device)
         _finite_amax_kernel[(nprog,)](x, part, n, BLOCK=BLOCK, num_warps=8)
         tmax = part.amax()
+    return _scale_of_tmax(tmax)
+
+
+def _scale_of_tmax(tmax: torch.Tensor) -> torch.Tensor:
+    """The reference's 0-d ops from the largest finite magnitude to ``g`` (1 if not > 0)."""
     g = _div_by_constant(tmax, NVFP4_TENSOR_MAX)
     return torch.where(g > 0, g, torch.ones_like(g))   # zero tensor, or g underflowed
 
@@ -154,14 +217,35 @@ def _launch_config(axis: int, block_2d: bool) -> tuple[int, int, int]:
     return (2, 4, 4) if axis == 1 else (4, 2, 4)
 
 
+def _signs_arg(signs, device) -> torch.Tensor | None:
+    """The 16 rotation signs as a contiguous float32 tensor on ``device`` (the reference's ``signs.to(float32)``),
+    or None."""
+    if signs is None:
+        return None
+    return signs.to(device=device, dtype=torch.float32).reshape(-1).contiguous()
+
+
+def fused_rotation_applies(x: torch.Tensor, rot: int, signs) -> bool:
+    """Can ``quantize_nvfp4_factored`` rotate this operand itself? Only the 16-wide rotation (one rotation block
+    per NVFP4 block) with no signs or one sign per block element (not one per axis element), of a non-empty
+    float32/bf16/fp16 ``x`` (a float64 one rotates in float64: never the kernel)."""
+    return (rot == 16 and x.ndim == 2 and x.numel() > 0
+            and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and (signs is None or (isinstance(signs, torch.Tensor) and signs.numel() == 16)))
+
+
 def quantize_nvfp4_factored(x: torch.Tensor, axis: int = -1, block_2d: bool = False, rounding: str = "nearest",
                             key=None, prescale: float = 1.0, out_dtype: torch.dtype = torch.float32,
+                            rot: int = 0, signs: torch.Tensor | None = None,
                             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(values, g)`` of 2-D float32/bf16 ``x`` as ``fake_quantize_operand(x, None, key, axis, 0, "nvfp4",
+    """``(values, g)`` of 2-D float32/bf16 ``x`` as ``fake_quantize_operand(x, signs, key, axis, rot, "nvfp4",
     (16, 16) if block_2d else 16, rounding, "floor", prescale, factored=True)`` gives them (bit for bit):
-    ``values`` in ``x``'s shape, dtype ``out_dtype`` (float32, or bf16/fp16: exact), ``g`` a 0-d float32 tensor.
+    ``values`` in ``x``'s shape (with ``rot`` 16: the rotated tensor's, ``axis`` padded to a multiple of 16),
+    dtype ``out_dtype`` (float32, or bf16/fp16: exact), ``g`` a 0-d float32 tensor.
     ``key``: the stochastic-rounding stream key (an int, or an int64 0-d tensor on ``x``'s device, read on the
-    device), required for ``rounding="stochastic"``."""
+    device), required for ``rounding="stochastic"``. ``rot``: 0 (``x`` is already rotated, or not rotated) or 16
+    (both passes rotate ``x`` along ``axis`` by the 16-wide Hadamard with the 16 ``signs`` (None: all +1), as
+    ``mxtrain.hadamard.hadamard`` of the +0-padded tensor does, reading ``x`` unrotated)."""
     if not HAS_TRITON:
         raise RuntimeError("quantize_nvfp4_factored needs Triton")
     if x.ndim != 2:
@@ -172,6 +256,12 @@ def quantize_nvfp4_factored(x: torch.Tensor, axis: int = -1, block_2d: bool = Fa
         raise ValueError(f"unknown rounding {rounding!r}")
     if not prescale > 0:
         raise ValueError(f"prescale must be positive, got {prescale}")
+    if rot not in (0, 16):
+        raise ValueError(f"quantize_nvfp4_factored rotates by 16-wide blocks only (rot 0 or 16), got {rot}")
+    if rot == 0 and signs is not None:
+        raise ValueError("quantize_nvfp4_factored: signs without a rotation")
+    if signs is not None and signs.numel() != 16:
+        raise ValueError(f"quantize_nvfp4_factored: expected 16 rotation signs, got {signs.numel()}")
     sr = rounding == "stochastic"
     if sr and key is None:
         raise ValueError("stochastic rounding needs a key")
@@ -180,21 +270,36 @@ def quantize_nvfp4_factored(x: torch.Tensor, axis: int = -1, block_2d: bool = Fa
     if x.data_ptr() % 16:
         x = x.clone()           # (the kernel is specialized for 16-byte aligned pointers)
     R0, C0 = x.shape
-    g = tensor_scale_nvfp4(x)
-    out = torch.empty((R0, C0), dtype=out_dtype, device=x.device)
-    if x.numel() == 0:
-        return out, g
     if axis == 1:
-        M, K, s_m, s_k, i_m, i_k = R0, C0, C0, 1, C0, 1
+        M, K, s_m, s_k = R0, C0, C0, 1
     else:
-        M, K, s_m, s_k, i_m, i_k = C0, R0, 1, C0, 1, C0
-    kval, kt = _key_args(key, x.device) if sr else (0, None)
+        M, K, s_m, s_k = C0, R0, 1, C0
+    Ko = -(-K // 16) * 16 if rot else K              # the reference pads the rotated axis to whole blocks
+    oshape = (R0, Ko) if axis == 1 else (Ko, C0)
+    o_m, o_k = (Ko, 1) if axis == 1 else (1, C0)     # the output's (contiguous) strides; the SR index
+    out = torch.empty(oshape, dtype=out_dtype, device=x.device)
+    idx64 = out.numel() >= 2**31 - 1
     TM, NB, nw = _launch_config(axis, block_2d)
     grid = (triton.cdiv(M, 16 * TM), triton.cdiv(K, 16 * NB))
+    sg = _signs_arg(signs, x.device)
+    if not rot:
+        g = tensor_scale_nvfp4(x)
+    elif x.numel() == 0:
+        g = _scale_of_tmax(torch.zeros((), dtype=torch.float32, device=x.device))
+    else:
+        # pass 1: the finite amax of the rotated values, from the unrotated input
+        part = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=x.device)
+        _rot_amax_kernel[grid](x, sg if sg is not None else x, part, M, K, s_m, s_k, TM=TM, NB=NB,
+                               HAS_SIGNS=sg is not None, IDX64=idx64, num_warps=nw, enable_fp_fusion=False)
+        g = _scale_of_tmax(part.amax())
+    if x.numel() == 0:
+        return out, g
+    kval, kt = _key_args(key, x.device) if sr else (0, None)
     ps = float(torch.tensor(prescale, dtype=torch.float32))
-    _nvfp4_kernel[grid](x, out, g, kt if kt is not None else g, kval, ps, M, K, s_m, s_k, i_m, i_k,
+    _nvfp4_kernel[grid](x, out, g, kt if kt is not None else g, sg if sg is not None else g, kval, ps, M, K, Ko,
+                        s_m, s_k, o_m if rot else s_m, o_k if rot else s_k, o_m, o_k,
                         TM=TM, NB=NB, TILE2D=bool(block_2d), SR=sr, KEY_PTR=kt is not None,
-                        PRESCALE=ps != 1.0, IDX64=x.numel() >= 2**31 - 1, num_warps=nw,
+                        PRESCALE=ps != 1.0, IDX64=idx64, ROT=rot, HAS_SIGNS=sg is not None, num_warps=nw,
                         enable_fp_fusion=False)
     return out, g
 
@@ -223,10 +328,18 @@ def nvfp4_kernel_applies(t: torch.Tensor, fmt: str, block_size, rounding: str, s
     return mode == "always" and kernels_available(t.device)
 
 
-def _variant_key(x: torch.Tensor, axis: int, block_2d: bool, sr: bool, key_ptr: bool, prescale: float):
+def _variant_key(x: torch.Tensor, axis: int, block_2d: bool, sr: bool, key_ptr: bool, prescale: float,
+                 rot: int = 0, has_signs: bool = False):
+    """The kernel variant of input ``x`` (for ``rot`` 16: the unrotated operand the kernel rotates; its 64-bit
+    offsets follow the padded output's size)."""
     R0, C0 = x.shape
-    return ("nvfp4", x.device.index, x.dtype, axis % 2, bool(block_2d), sr, key_ptr, prescale != 1.0,
-            R0 % 16 == 0, C0 % 16 == 0, R0 == 1, C0 == 1, x.numel() >= 2**31 - 1)
+    n = x.numel()
+    if rot:
+        n = (-(-R0 // 16) * 16) * C0 if axis % 2 == 0 else R0 * (-(-C0 // 16) * 16)
+    key = ("nvfp4", x.device.index, x.dtype, axis % 2, bool(block_2d), sr, key_ptr, prescale != 1.0,
+           R0 % 16 == 0, C0 % 16 == 0, R0 == 1, C0 == 1, n >= 2**31 - 1)
+    # (the unrotated variants keep their keys as they were; a rotated one adds its rotation and signs)
+    return key + (("rot", rot, bool(has_signs)),) if rot else key
 
 
 def _adversarial(R: int, C: int, seed: int = 99) -> torch.Tensor:
@@ -257,12 +370,18 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and _mismatches(a, b) == 0
 
 
+SELFCHECK_SIGNS = (1, -1, -1, 1, -1, 1, 1, 1, -1, -1, 1, -1, 1, 1, -1, -1)   # rotated variants' check signs
+
+
 def nvfp4_selfcheck(device, dtype, axis: int, block_2d: bool, sr: bool, key_ptr: bool, prescale: float,
-                    r16: bool, c16: bool, quantize_fn=None, r1: bool = False, c1: bool = False) -> dict:
+                    r16: bool, c16: bool, quantize_fn=None, r1: bool = False, c1: bool = False, rot: int = 0,
+                    has_signs: bool = False) -> dict:
     """Run one kernel variant on an adversarial tensor of the same divisibility of sizes by 16 and compare
     ``(values, g)`` with the reference (``fake_quantize_operand``); ``r1``/``c1``: a single row / column (a size
-    of 1, which Triton specializes on). ``quantize_fn``: the quantizer checked
-    (default ``quantize_nvfp4_factored``; tests pass a faulty one). Returns ``ok`` and mismatch counts."""
+    of 1, which Triton specializes on); ``rot`` 16: the variant that rotates (with ``SELFCHECK_SIGNS`` where
+    ``has_signs``: -1 at some padded positions, whose padding then is -0 as in the reference).
+    ``quantize_fn``: the quantizer checked (default ``quantize_nvfp4_factored``; tests pass a faulty one; a
+    rotated variant's gets ``rot`` and ``signs`` as keywords). Returns ``ok`` and mismatch counts."""
     from ..context import fake_quantize_operand
     quantize_fn = quantize_fn or quantize_nvfp4_factored
     if torch.device(device).type == "cpu":
@@ -275,8 +394,13 @@ def nvfp4_selfcheck(device, dtype, axis: int, block_2d: bool, sr: bool, key_ptr:
     kq = torch.tensor(key, dtype=torch.int64, device=device) if (sr and key_ptr) else key
     bs = (16, 16) if block_2d else 16
     rnd = "stochastic" if sr else "nearest"
-    v, g = quantize_fn(t, axis, block_2d, rnd, kq, prescale)
-    rv, rg = fake_quantize_operand(t, None, key, axis, 0, "nvfp4", bs, rnd, "floor", prescale, True)
+    signs = None
+    if rot:
+        signs = torch.tensor(SELFCHECK_SIGNS, dtype=torch.float32, device=device) if has_signs else None
+        v, g = quantize_fn(t, axis, block_2d, rnd, kq, prescale, rot=rot, signs=signs)
+    else:
+        v, g = quantize_fn(t, axis, block_2d, rnd, kq, prescale)
+    rv, rg = fake_quantize_operand(t, signs, key, axis, rot, "nvfp4", bs, rnd, "floor", prescale, True)
     nv = _mismatches(v, rv) if v.shape == rv.shape else v.numel()
     out = {"values": nv, "g": int(not _bits_equal(g, rg))}
     out["ok"] = nv == 0 and out["g"] == 0
@@ -306,33 +430,45 @@ def checked_once(x: torch.Tensor, vkey: tuple, check, what: str, st=None) -> boo
 
 
 def nvfp4_ok(x: torch.Tensor, axis: int, block_2d: bool, sr: bool, key_ptr: bool, prescale: float,
-             st=None) -> bool:
-    """``checked_once`` for this NVFP4 kernel variant."""
-    vkey = _variant_key(x, axis, block_2d, sr, key_ptr, prescale)
+             st=None, rot: int = 0, has_signs: bool = False) -> bool:
+    """``checked_once`` for this NVFP4 kernel variant (``rot`` 16: the one that rotates ``x`` itself)."""
+    vkey = _variant_key(x, axis, block_2d, sr, key_ptr, prescale, rot, has_signs)
     return checked_once(x, vkey, lambda: nvfp4_selfcheck(x.device, x.dtype, axis, block_2d, sr, key_ptr, prescale,
-                                                         vkey[8], vkey[9], r1=vkey[10], c1=vkey[11]), "NVFP4", st)
+                                                         vkey[8], vkey[9], r1=vkey[10], c1=vkey[11], rot=rot,
+                                                         has_signs=has_signs), "NVFP4", st)
 
 
 def factored_operand(t: torch.Tensor, signs, key, axis: int, rot: int, fmt: str, block_size, rounding: str,
                      scale_rule: str, prescale: float, out_dtype: torch.dtype | None = None):
     """``fake_quantize_operand(..., factored=True)`` through the kernel where ``nvfp4_kernel_applies`` and its
-    variant passed its self-check, else None (the caller runs the reference). The rotation stays in torch
-    (float32); without one a bf16/fp16 ``t`` goes to the kernel as it is (its upcast is exact). ``out_dtype``:
-    the values' dtype (default float32; bf16/fp16 hold them exactly)."""
+    variant passed its self-check, else None (the caller runs the reference). A 16-wide rotation
+    (``fused_rotation_applies``) runs inside both kernel passes, which read ``t`` unrotated (the variant's key
+    names the rotation; if it failed its self-check, the torch rotation below serves it); other rotations stay
+    in torch (float32, then the kernel). Without one a bf16/fp16 ``t`` goes to the kernel as it is (its upcast
+    is exact). ``out_dtype``: the values' dtype (default float32; bf16/fp16 hold them exactly)."""
     from ..context import compute_dtype, pad_axis
     from ..hadamard import hadamard
     if not nvfp4_kernel_applies(t, fmt, block_size, rounding, scale_rule):
         return None
+    block_2d = block_size == (16, 16)
+    sr = rounding == "stochastic"
+    key_ptr = isinstance(key, torch.Tensor)
+    od = out_dtype if out_dtype is not None else torch.float32
+    if rot and fused_rotation_applies(t, rot, signs) and nvfp4_ok(t, axis, block_2d, sr, key_ptr, prescale,
+                                                                   rot=rot, has_signs=signs is not None):
+        CALLS["kernel"] += 1
+        CALLS["fused_rotation"] += 1
+        return quantize_nvfp4_factored(t, axis, block_2d, rounding, key, prescale, out_dtype=od, rot=rot,
+                                       signs=signs)
     r = t
     if rot:
         r = hadamard(pad_axis(t.to(compute_dtype(t)), axis, rot), rot, axis=axis, signs=signs)
-    block_2d = block_size == (16, 16)
-    sr = rounding == "stochastic"
-    if not nvfp4_ok(r, axis, block_2d, sr, isinstance(key, torch.Tensor), prescale):
+    if not nvfp4_ok(r, axis, block_2d, sr, key_ptr, prescale):
         return None
     CALLS["kernel"] += 1
-    return quantize_nvfp4_factored(r, axis, block_2d, rounding, key, prescale,
-                                   out_dtype=out_dtype if out_dtype is not None else torch.float32)
+    return quantize_nvfp4_factored(r, axis, block_2d, rounding, key, prescale, out_dtype=od)
 
 
-CALLS = {"kernel": 0}   # operands quantized by ``factored_operand`` in this process (tests read it)
+# operands quantized by ``factored_operand`` in this process ("kernel"), and of those the ones whose rotation
+# ran inside the kernel ("fused_rotation"); tests read them
+CALLS = {"kernel": 0, "fused_rotation": 0}
