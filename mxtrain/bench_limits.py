@@ -127,9 +127,10 @@ def reference_bytes(recipe, cfg, batch: int, seq: int, layers: int | None = None
     * ``fp8``, per element: X an amax pass (read) and a cast (read, 1-byte write), its codes transposed for
       Wgrad (1 + 1); dY likewise; W (the float32 master) quantized for Fprop and again for Dgrad, plus its Dgrad
       codes transposed. The GEMMs write their bf16 output themselves.
-    * ``nvfp4``, per element: an unrotated operand an amax pass and one kernel pass writing bf16 values; a
-      rotated one (Wgrad's X and dY, H16) first made float32 and rotated in torch (counted as one read and
-      write of float32), then the two passes from float32; W for Fprop and Dgrad. ``outputs``: each GEMM's
+    * ``nvfp4``, per element: an operand an amax pass and one kernel pass writing bf16 values, a 16-wide
+      rotation (Wgrad's X and dY) done inside both passes; another rotation size first made float32 and rotated
+      in torch (counted as one read and write of float32), then the two passes from float32; W for Fprop and
+      Dgrad. ``outputs``: each GEMM's
       float32 output multiplied by the tensor scales, then cast (Y and dX to bf16; dW stays float32).
     Blocks the recipe keeps in high precision are not counted."""
     kinds = {_fmt_kind(recipe, n) for n in ("fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_dy", "wgrad_x")}
@@ -143,12 +144,13 @@ def reference_bytes(recipe, cfg, batch: int, seq: int, layers: int | None = None
                "weights": nk * (2 * (2 * weight_bytes + 1) + 2), "outputs": 0.0}
     elif kinds == {"nvfp4"}:
         plain = lambda b: 2 * b + 2                       # noqa: E731  amax read, kernel read, bf16 write
-        rotated = act_bytes + 4 + 8 + plain(4)             # to float32, the rotation, then from float32
-        rot = {g: recipe.rotation(g).enabled for g in ("fprop", "dgrad", "wgrad")}
-        per = {"activations": mk * ((rotated if rot["fprop"] else plain(act_bytes))
-                                    + (rotated if rot["wgrad"] else plain(act_bytes))),
-               "grads": mn * ((rotated if rot["dgrad"] else plain(act_bytes))
-                              + (rotated if rot["wgrad"] else plain(act_bytes))),
+        def op(gemm: str) -> int:   # one operand of ``gemm``, per element
+            r = recipe.rotation(gemm)
+            if not r.enabled or r.size == 16:              # no rotation, or H16 inside the kernel's two passes
+                return plain(act_bytes)
+            return act_bytes + 4 + 8 + plain(4)            # to float32, the rotation in torch, then from float32
+        per = {"activations": mk * (op("fprop") + op("wgrad")),
+               "grads": mn * (op("dgrad") + op("wgrad")),
                "weights": nk * 2 * plain(weight_bytes),
                # Y and dX: the float32 write, the scale pass (read, write), the cast's read (its bf16 write, BF16
                # pays too); dW: the scale pass
