@@ -323,3 +323,30 @@ def test_second_reference_arm_and_presets(tmp_path, capsys):
     assert "--references 'fp8' is not one of the arms" in capsys.readouterr().err
     with pytest.raises(UserError, match="--fit must be"):
         StudySpec(arms=["bf16"], fit="l1")
+
+
+def test_report_names_the_learning_rate(tmp_path):
+    """A study report says how its runs trained, the peak learning rate above all: one value when every run
+    shares it, else per arm (an ``@lrVALUE`` arm beside the plain ones)."""
+    from mxtrain.study import report
+
+    def run(arm, seed, lr):
+        d = tmp_path / "st" / "runs" / arm / f"seed{seed}"
+        toks = [1000.0 * i for i in range(1, 21)]
+        write_run(d, toks, [curve(t) for t in toks])
+        (d / "config.json").write_text(json.dumps({"model": {"name": "tiny"}, "train": {"batch_size": 8},
+                                                   "data": {"seq_len": 64}, "schedule": {"warmup_steps": 4},
+                                                   "optim": {"lr": lr, "weight_decay": 0.1}}))
+    for s in (0, 1):
+        run("bf16", s, 3e-3)
+        run("mxfp4-all", s, 3e-3)
+    runs = M.load_study_runs(tmp_path / "st")
+    assert report.training_line(runs) == ("Training: model tiny, 8 x 64 tokens a step, 4 warm-up steps, "
+                                          "weight decay 0.1, peak learning rate 0.003 for every run.")
+    for s in (0, 1):
+        run("bf16@lr1.5e-3", s, 1.5e-3)
+    runs = M.load_study_runs(tmp_path / "st")
+    line = report.training_line(runs)
+    assert "peak learning rate by arm:" in line and "bf16@lr1.5e-3 0.0015" in line and "bf16 0.003" in line
+    _, md = report.write_report(tmp_path / "st")
+    assert line in md.read_text()

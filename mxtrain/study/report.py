@@ -598,6 +598,49 @@ def _env_of(runs: dict[str, dict[int, M.RunData]]) -> dict:
     return {}
 
 
+def training_line(runs: dict) -> str | None:
+    """One sentence on how the study's runs trained, from their ``config.json``: model, tokens a step, warm-up,
+    weight decay and the peak learning rate, for every run if they share one, else by arm (a cost measured at
+    one learning rate holds at that rate only: docs/study.md, "Check the learning rate first"). None when no
+    run has a config."""
+    cfgs = {arm: [rd.config for rd in rs.values() if rd.config] for arm, rs in runs.items()}
+    cfgs = {a: c for a, c in cfgs.items() if c}
+    if not cfgs:
+        return None
+
+    def get(c, sec, key):
+        return (c.get(sec) or {}).get(key)
+
+    def one(vals):
+        vals = {v for v in vals if v is not None}
+        return next(iter(vals)) if len(vals) == 1 else None
+
+    allc = [c for cs in cfgs.values() for c in cs]
+    parts = []
+    model = one(get(c, "model", "name") for c in allc)
+    bs, sl = one(get(c, "train", "batch_size") for c in allc), one(get(c, "data", "seq_len") for c in allc)
+    if model:
+        parts.append(f"model {model}")
+    if bs and sl:
+        parts.append(f"{bs} x {sl} tokens a step")
+    wu = one(get(c, "schedule", "warmup_steps") for c in allc)
+    if wu is not None:
+        parts.append(f"{wu} warm-up steps")
+    wd = one(get(c, "optim", "weight_decay") for c in allc)
+    if wd is not None:
+        parts.append(f"weight decay {wd:g}")
+    lr = one(get(c, "optim", "lr") for c in allc)
+    if lr is not None:
+        parts.append(f"peak learning rate {lr:g} for every run")
+    else:
+        by = []
+        for arm, cs in cfgs.items():
+            v = {get(c, "optim", "lr") for c in cs} - {None}
+            by.append(f"{arm} {', '.join(f'{x:g}' for x in sorted(v)) or '?'}")
+        parts.append("peak learning rate by arm: " + "; ".join(by))
+    return "Training: " + ", ".join(parts) + "."
+
+
 _CSS = ("body{font-family:sans-serif;max-width:1300px;margin:2em auto;color:#222}"
         "table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #bbb;padding:4px 8px;text-align:left}"
         "th{background:#eee}pre{background:#f6f6f6;padding:8px;font-size:12px;overflow:auto}img{max-width:100%}")
@@ -658,6 +701,10 @@ def write_report(d: str | Path, summary: dict | None = None) -> tuple[Path, Path
          f"<style>{_CSS}</style></head><body><h1>{html.escape(title)}</h1>",
          f"<p>Generated {now} from <code>{html.escape(str(d))}</code>.</p>"]
     md = [f"# {title}", "", f"Generated {now} from `{d}`.", ""]
+    tline = None if single else training_line(runs)
+    if tline:
+        h.append(f"<p>{html.escape(tline)}</p>")
+        md += [tline, ""]
     if single:
         srows = single_run_rows(d, rd)
         h += ["<h2>Run</h2>", _table_html(srows)]
