@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 import math
 
 import pytest
@@ -50,6 +51,21 @@ def test_cooldown_study_end_to_end_and_resume(tmp_path, monkeypatch, capsys):
     folders = [out / "runs" / "bf16" / "seed0", *sorted((out / "runs" / "bf16" / "seed0" / "branches").iterdir())]
     rows = [json.loads(x) for f in folders for x in (f / "metrics.jsonl").read_text().splitlines()]
     assert sum("val_loss" in r for r in rows) * 512 * plan["runs"] == plan["eval_tokens"]
+    # ... and on the finished folder it counts nothing left; a run missing one branch is left whole
+    assert plan["runs_done"] == plan["runs"] == 4 and plan["train_tokens_left"] == 0 == plan["eval_tokens_left"]
+    bst = out / "runs" / "bf16" / "seed1" / "branches" / "k9-n3" / "study_status.json"
+    kept = bst.read_text()
+    bst.unlink()
+    part = compute_plan(_spec(out), tokens_per_s=1000.0)
+    assert part["runs_done"] == 3 and part["train_tokens_left"] == plan["train_tokens"] / 4
+    assert part["hours"] == pytest.approx((part["train_tokens_left"] + part["eval_tokens_left"] / 3) / 1000 / 3600)
+    from mxtrain.study.runner import describe_compute
+    assert "left to train: 1 runs" in describe_compute(part)
+    bst.write_text(kept)
+    # another base config: the study would refuse the folder, and the dry run says so
+    other = compute_plan(StudySpec(**{**asdict(_spec(out)), "steps": 20}))
+    assert other["folder_mismatch"] and other["runs_done"] == 0
+    assert "different base config" in describe_compute(other)
     rd = out / "runs" / "mxfp4-all" / "seed1"
     cfg = json.loads((rd / "config.json").read_text())
     assert cfg["schedule"]["kind"] == "constant" and cfg["train"]["steps"] == 12

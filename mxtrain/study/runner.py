@@ -325,8 +325,26 @@ def compute_plan(spec: StudySpec, tokens_per_s: float | None = None) -> dict:
            "eval_tokens": runs * eval_tok}
     out["tokens_per_param"] = out["tokens_per_run"] / out["params"]
     out["epochs"] = out["tokens_per_run"] / train_tokens if train_tokens else None
+    # an existing study folder (a study resumed, or seeded from an earlier lease's archive): what is finished,
+    # stable run and every branch, is not trained again
+    done, meta_p = 0, Path(spec.out) / "study.json"
+    out["folder_mismatch"] = False
+    if meta_p.is_file():
+        try:
+            old_key = json.loads(meta_p.read_text()).get("plan_key")
+        except json.JSONDecodeError:
+            old_key = None
+        out["folder_mismatch"] = old_key != json.loads(json.dumps(spec.plan_key()))
+    if (Path(spec.out) / "runs").is_dir() and not out["folder_mismatch"]:
+        done = sum(1 for a, sd in plan_order(spec)
+                   if _finished(_status(Path(spec.out) / "runs" / a / f"seed{sd}"))
+                   and not branches_pending(spec, Path(spec.out), a, sd))
+    left = (runs - done) / runs if runs else 0.0
+    out["runs_done"] = done
+    out["train_tokens_left"] = out["train_tokens"] * left
+    out["eval_tokens_left"] = out["eval_tokens"] * left
     if tokens_per_s:
-        out["hours"] = (out["train_tokens"] + out["eval_tokens"] / 3) / tokens_per_s / 3600
+        out["hours"] = (out["train_tokens_left"] + out["eval_tokens_left"] / 3) / tokens_per_s / 3600
     if not _m.isfinite(out["tokens_per_param"]):
         out["tokens_per_param"] = None
     return out
@@ -341,8 +359,15 @@ def describe_compute(c: dict) -> str:
              + (f", {c['epochs']:.2f} passes over the training split" if c.get("epochs") is not None else ""),
              f"  all {c['runs']} runs with their branches: {c['steps_per_run_and_branches']:,} steps each, "
              f"{c['train_tokens'] / 1e9:.3f} B tokens trained, {c['eval_tokens'] / 1e6:.1f} M evaluated"]
+    if c.get("folder_mismatch"):
+        lines.append("  the study folder holds a study with a different base config: the study would refuse it "
+                     "(use another --out, or that study's settings)")
+    if c.get("runs_done"):
+        lines.append(f"  finished already in the study folder: {c['runs_done']} of the {c['runs']} runs with all their "
+                     f"branches; left to train: {c['runs'] - c['runs_done']} runs, "
+                     f"{c['train_tokens_left'] / 1e9:.3f} B tokens trained, {c['eval_tokens_left'] / 1e6:.1f} M evaluated")
     if c.get("hours") is not None:
-        lines.append(f"  at the rate given: about {c['hours']:.2f} hours")
+        lines.append(f"  at the rate given: about {c['hours']:.2f} hours" + (" for what is left" if c.get("runs_done") else ""))
     if c.get("epochs") is not None and c["epochs"] > 1:
         lines.append(f"  note: each run passes over its training split {c['epochs']:.1f} times (repeated tokens "
                      f"lower the loss in ways a larger corpus would not: use more data or fewer steps)")
