@@ -173,6 +173,16 @@ def test_compute_plan_counts_what_the_study_trains(tmp_path, capsys):
         assert "--tokens-per-s" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
     from mxtrain.study.runner import describe_compute
+    # the peak learning rate each arm trains at; a study that names none is told it is the base experiment's
+    nolr = [o for o in SMOKE if not o.startswith("optim.lr=")]
+    lr = compute_plan(StudySpec(**{**asdict(_spec(tmp_path / "l1", overrides=nolr)), "arms": ["bf16", "bf16@lr1e-3"]}))
+    assert lr["lr_by_arm"]["bf16@lr1e-3"] == 1e-3 and lr["lr_given"]
+    assert "peak learning rate: bf16 0.003; bf16@lr1e-3 0.001\n" in describe_compute(lr) + "\n"
+    plain = compute_plan(_spec(tmp_path / "l2", overrides=nolr))
+    assert not plain["lr_given"] and set(plain["lr_by_arm"].values()) == {0.003}
+    assert "the base experiment's, not chosen for this model" in describe_compute(plain)
+    given = compute_plan(_spec(tmp_path / "l3", overrides=nolr, lr=2e-3))
+    assert given["lr_given"] and "peak learning rate: 0.002 for every arm\n" in describe_compute(given) + "\n"
     assert "passes over its training split 2.5 times" in describe_compute({**c, "epochs": 2.5})
     assert "passes over its training split" not in describe_compute({**c, "epochs": 0.5})
 

@@ -324,6 +324,10 @@ def compute_plan(spec: StudySpec, tokens_per_s: float | None = None) -> dict:
            "steps_per_run_and_branches": per_run, "runs": runs, "train_tokens": runs * per_run * tok_step,
            "eval_tokens": runs * eval_tok}
     out["tokens_per_param"] = out["tokens_per_run"] / out["params"]
+    out["lr_by_arm"] = {a: build_config(spec, a, 0, Path(spec.out) / "plan").optim.lr for a in spec.arms}
+    out["lr_given"] = (spec.lr is not None or any(o.startswith("optim.lr=") for o in spec.overrides)
+                       or any(A.overrides_of(a) and any(o.startswith("optim.lr=") for o in A.overrides_of(a))
+                              for a in spec.arms))
     out["epochs"] = out["tokens_per_run"] / train_tokens if train_tokens else None
     # an existing study folder (a study resumed, or seeded from an earlier lease's archive): what is finished,
     # stable run and every branch, is not trained again
@@ -359,6 +363,14 @@ def describe_compute(c: dict) -> str:
              + (f", {c['epochs']:.2f} passes over the training split" if c.get("epochs") is not None else ""),
              f"  all {c['runs']} runs with their branches: {c['steps_per_run_and_branches']:,} steps each, "
              f"{c['train_tokens'] / 1e9:.3f} B tokens trained, {c['eval_tokens'] / 1e6:.1f} M evaluated"]
+    lrs = c.get("lr_by_arm") or {}
+    if lrs:
+        vals = sorted(set(lrs.values()))
+        lines.append("  peak learning rate: " + (f"{vals[0]:g} for every arm" if len(vals) == 1 else
+                                                 "; ".join(f"{a} {v:g}" for a, v in lrs.items()))
+                     + ("" if c.get("lr_given") else " (the base experiment's, not chosen for this model: a cost "
+                        "holds at the learning rate it was measured at; docs/study.md, \"Check the learning rate "
+                        "first\")"))
     if c.get("folder_mismatch"):
         lines.append("  the study folder holds a study with a different base config: the study would refuse it "
                      "(use another --out, or that study's settings)")
