@@ -57,6 +57,7 @@ if [ "${MPS:-0}" = 1 ]; then   # NVIDIA's Multi-Process Service for this study: 
       rm -f "$f"
     done
     echo quit | nvidia-cuda-mps-control
+    rm -f "$CUDA_MPS_PIPE_DIRECTORY/control"   # no later study of the lease takes a stopped daemon for a running one
   }
   if [ -e "$CUDA_MPS_PIPE_DIRECTORY/control" ]; then
     echo "MPS on (joined the daemon another study started)" >> "$OUT/mps.txt"
