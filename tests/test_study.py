@@ -350,3 +350,33 @@ def test_report_names_the_learning_rate(tmp_path):
     assert "peak learning rate by arm:" in line and "bf16@lr1.5e-3 0.0015" in line and "bf16 0.003" in line
     _, md = report.write_report(tmp_path / "st")
     assert line in md.read_text()
+
+
+def test_every_arm_has_its_own_colour_past_the_palette():
+    """A report of more arms than the palette holds (the 30m study has 23) still gives each its own colour, the
+    same in every figure: the palette's first, then generated ones, none repeated."""
+    from mxtrain.study import report
+    arms = [f"arm{i}" for i in range(40)]
+    c = report.arm_colors(arms, ["extra", "arm3"])
+    assert len(c) == 41 and len(set(c.values())) == 41
+    assert [c[a] for a in arms[:16]] == report._PALETTE
+    assert all(len(v) == 7 and v.startswith("#") for v in c.values())
+    assert report.arm_colors(arms, ["extra"]) == c        # the same map every time it is built
+
+
+def test_many_arms_put_the_legend_below_the_figure():
+    """A panel with a few arms keeps its legend inside; with many (23 in the 30m study) one legend goes below
+    the figure, in columns, where it hides no curve; and arms past the palette are dashed in every line plot."""
+    pytest.importorskip("matplotlib")
+    from mxtrain.study import report
+    plt = report._plt()
+    for n, below in ((3, False), (report._LEGEND_INSIDE + 1, True)):
+        fig, ax = plt.subplots()
+        for i in range(n):
+            ax.plot([0, 1], [i, i], label=f"arm{i}")
+        assert report._legend(fig, ax) is below
+        assert (ax.get_legend() is None) is below and bool(fig.legends) is below
+        plt.close(fig)
+    colors = report.arm_colors([f"arm{i}" for i in range(20)])
+    assert {report._ls(colors, f"arm{i}") for i in range(16)} == {"-"}
+    assert {report._ls(colors, f"arm{i}") for i in range(16, 20)} == {"--"}

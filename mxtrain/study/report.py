@@ -179,15 +179,53 @@ _PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#
             "#7f7f7f", "#393b79", "#ad494a", "#637939", "#8c6d31", "#7b4173", "#3182bd"]
 
 
+def _extra_color(i: int, taken: set[str]) -> str:
+    """The colour of arm ``i`` past the palette: hues a golden angle apart, lightness alternating, none taken."""
+    import colorsys
+    j = i
+    while True:
+        h = (j * 0.6180339887498949) % 1.0
+        light = (0.38, 0.55, 0.30)[j % 3]
+        r, g, b = colorsys.hls_to_rgb(h, light, 0.8)
+        c = f"#{round(255 * r):02x}{round(255 * g):02x}{round(255 * b):02x}"
+        if c not in taken:
+            return c
+        j += 1
+
+
 def arm_colors(*arm_lists) -> dict[str, str]:
     """The fixed arm -> colour map of a report: arms in the order first seen over ``arm_lists`` (the summary's
-    arms first), each its own colour; every plot of the report uses this one map."""
+    arms first), each its own colour (the palette's, then generated ones for studies of more arms); every plot of
+    the report uses this one map."""
     out: dict[str, str] = {}
     for arms in arm_lists:
         for a in arms or []:
             if a not in out:
-                out[a] = _PALETTE[len(out) % len(_PALETTE)]
+                n = len(out)
+                out[a] = _PALETTE[n] if n < len(_PALETTE) else _extra_color(n, set(out.values()))
     return out
+
+
+_LEGEND_INSIDE = 8   # legend entries a panel holds inside itself; more go below the figure
+
+
+def _legend(fig, ax, fontsize: int = 9) -> bool:
+    """The panel's legend: inside it for a few entries; for many (a study of many arms) one legend below the
+    figure, in columns, where it hides no curve. Returns True when it went below."""
+    h, lab = ax.get_legend_handles_labels()
+    if len(h) <= _LEGEND_INSIDE:
+        ax.legend(fontsize=fontsize)
+        return False
+    fig.legend(h, lab, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=4 if len(h) > 12 else 3,
+               fontsize=fontsize, frameon=False)
+    return True
+
+
+def _ls(colors: dict[str, str], arm: str) -> str:
+    """Line style of an arm: solid for the palette's arms, dashed (then dotted) past it, so that arms with
+    similar generated colours still differ in every line plot."""
+    idx = list(colors).index(arm) if arm in colors else 0
+    return ("-", "--", ":")[(idx // len(_PALETTE)) % 3]
 
 
 def _curve_plot(runs: dict[str, dict[int, M.RunData]], summary: dict | None, k: int,
@@ -205,7 +243,8 @@ def _curve_plot(runs: dict[str, dict[int, M.RunData]], summary: dict | None, k: 
         ys = [[cv[1][j] for cv in curves] for j in range(n)]
         mean = [sum(y) / len(y) for y in ys]
         for ax in axes:
-            ax.plot(t, mean, color=c, label=f"{arm} ({len(curves)} seed{'s' if len(curves) != 1 else ''})")
+            ax.plot(t, mean, color=c, ls=_ls(colors, arm),
+                    label=f"{arm} ({len(curves)} seed{'s' if len(curves) != 1 else ''})")
             if len(curves) > 1:
                 ax.fill_between(t, [min(y) for y in ys], [max(y) for y in ys], color=c, alpha=0.2)
         if n > 1 and t[n // 2] < t[-1]:
@@ -224,7 +263,7 @@ def _curve_plot(runs: dict[str, dict[int, M.RunData]], summary: dict | None, k: 
         ax.set_ylabel("val loss")
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=9)
+    _legend(fig, axes[0])
     return _png(fig)
 
 
@@ -238,7 +277,7 @@ def _diff_plot(summary: dict, colors: dict[str, str] | None = None) -> bytes | N
     for n, a in arms:
         pd = a["paired_diff"]
         x = pd["tokens"] if all(v is not None for v in pd["tokens"]) else pd["steps"]
-        ax.plot(x, pd["mean"], label=n, color=colors.get(n))
+        ax.plot(x, pd["mean"], label=n, color=colors.get(n), ls=_ls(colors, n))
         if all(v is not None for v in pd["ci_lo"]):
             ax.fill_between(x, pd["ci_lo"], pd["ci_hi"], alpha=0.2, color=colors.get(n))
     ax.axhline(0, color="k", lw=1)
@@ -246,7 +285,7 @@ def _diff_plot(summary: dict, colors: dict[str, str] | None = None) -> bytes | N
     ax.set_ylabel(f"val loss - {summary['baseline']} (same seed)")
     ax.set_title("paired per-evaluation differences vs baseline (band: 95% CI over seeds)", fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=9)
+    _legend(fig, ax)
     return _png(fig)
 
 
@@ -268,7 +307,7 @@ def _cooldown_plot(cool: dict, colors: dict[str, str]) -> bytes | None:
         c = colors.get(n)
         rows = a["budgets"]
         t = [r["tokens"] for r in rows]
-        axes[0].plot(t, [r["loss"] for r in rows], marker="o", ls="" if n == base else "-", color=c,
+        axes[0].plot(t, [r["loss"] for r in rows], marker="o", ls="" if n == base else _ls(colors, n), color=c,
                      label=f"{n} ({a.get('n_seeds')} seed{'' if a.get('n_seeds') == 1 else 's'})")
         if n != base:
             # small horizontal offsets keep overlapping intervals apart
@@ -293,7 +332,9 @@ def _cooldown_plot(cool: dict, colors: dict[str, str]) -> bytes | None:
     for ax in (axes if any_extra else axes[:1]):
         ax.set_xscale("log")
         ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=9)
+    # a few arms: each panel its legend; many: one below the figure (the colours are the same in both panels)
+    if not _legend(fig, axes[0]) and any_extra:
+        axes[1].legend(fontsize=9)
     for ax in axes:
         ax.set_xlabel("tokens (end of the cooldown branch)")
     axes[0].set_ylabel("cooled-down val loss")
@@ -460,7 +501,8 @@ def _diag_plots(aggs: dict[str, dict], colors: dict[str, str] | None = None) -> 
             for arm, h in hs.items():
                 tot = sum(h.values())
                 ks = list(range(lo, hi + 1))
-                ax.plot(ks, [h.get(str(e), 0) / tot for e in ks], marker=".", color=colors.get(arm), label=arm)
+                ax.plot(ks, [h.get(str(e), 0) / tot for e in ks], marker=".", color=colors.get(arm),
+                        ls=_ls(colors, arm), label=arm)
             ax.set_xlim(lo - 0.5, hi + 0.5)
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             notes = ([f"{100 * zero:.2g} % all-zero blocks"] if zero > 0 else []) + (
@@ -472,7 +514,8 @@ def _diag_plots(aggs: dict[str, dict], colors: dict[str, str] | None = None) -> 
         for ax in list(axes.flat)[len(ops):]:
             ax.set_visible(False)
         arms_h = [a for a in aggs if any(aggs[a]["scale_hist"].get(o) for o in ops)]
-        fig.legend(handles=[Line2D([], [], color=colors.get(a), marker=".", lw=2, label=a) for a in arms_h],
+        fig.legend(handles=[Line2D([], [], color=colors.get(a), ls=_ls(colors, a), marker=".", lw=2, label=a)
+                            for a in arms_h],
                    loc="lower center", ncol=min(len(arms_h), 6), fontsize=10, frameon=False,
                    bbox_to_anchor=(0.5, -0.06 / nrow))
         fig.tight_layout()
