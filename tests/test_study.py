@@ -350,6 +350,10 @@ def test_report_names_the_learning_rate(tmp_path):
     assert "peak learning rate by arm:" in line and "bf16@lr1.5e-3 0.0015" in line and "bf16 0.003" in line
     _, md = report.write_report(tmp_path / "st")
     assert line in md.read_text()
+    # runs whose configs record no learning rate: the line names none (no "?" per arm)
+    from types import SimpleNamespace
+    bare = {a: {0: SimpleNamespace(config={"model": {"name": "tiny"}})} for a in ("bf16", "fp8")}
+    assert report.training_line(bare) == "Training: model tiny."
 
 
 def test_every_arm_has_its_own_colour_past_the_palette():

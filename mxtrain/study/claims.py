@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .arms import split
+
 __all__ = ["Claim", "CLAIMS", "MARGIN", "EXPECTS", "claim_pairs", "judge", "evaluate_claims", "claim_lines"]
 
 MARGIN = 0.05   # "near-lossless": within 5 % extra tokens either way
@@ -70,7 +72,7 @@ _BASELINES = ("bf16", "fp8")
 
 
 def _parse(arm: str) -> tuple[str, frozenset]:
-    recipe, *opts = arm.split("@")
+    recipe, opts = split(arm)
     return recipe, frozenset(opts)
 
 

@@ -675,7 +675,7 @@ def training_line(runs: dict) -> str | None:
     lr = one(get(c, "optim", "lr") for c in allc)
     if lr is not None:
         parts.append(f"peak learning rate {lr:g} for every run")
-    else:
+    elif any(get(c, "optim", "lr") is not None for c in allc):
         by = []
         for arm, cs in cfgs.items():
             v = {get(c, "optim", "lr") for c in cs} - {None}

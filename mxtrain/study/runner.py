@@ -325,9 +325,9 @@ def compute_plan(spec: StudySpec, tokens_per_s: float | None = None) -> dict:
            "eval_tokens": runs * eval_tok}
     out["tokens_per_param"] = out["tokens_per_run"] / out["params"]
     out["lr_by_arm"] = {a: build_config(spec, a, 0, Path(spec.out) / "plan").optim.lr for a in spec.arms}
-    out["lr_given"] = (spec.lr is not None or any(o.startswith("optim.lr=") for o in spec.overrides)
-                       or any(A.overrides_of(a) and any(o.startswith("optim.lr=") for o in A.overrides_of(a))
-                              for a in spec.arms))
+    out["lr_given"] = (spec.lr is not None
+                       or any(o.startswith("optim.lr=") for a in spec.arms
+                              for o in list(spec.overrides) + A.overrides_of(a)))
     out["epochs"] = out["tokens_per_run"] / train_tokens if train_tokens else None
     # an existing study folder (a study resumed, or seeded from an earlier lease's archive): what is finished,
     # stable run and every branch, is not trained again
