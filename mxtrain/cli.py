@@ -23,7 +23,7 @@ BUILTIN = ("data", "train")
 # subcommand -> module exposing register(subparsers) or add_parsers(subparsers), in the order `mxtrain` lists
 # them. The one call site of mxtrain.hfcli (export, generate, eval: Hugging Face folders in and out): its
 # add_parsers(subparsers) adds the three parsers, each with set_defaults(func=...) returning an exit code.
-EXTERNAL = {"study": "mxtrain.study.cli", "report": "mxtrain.study.cli", "bench": "mxtrain.bench",
+EXTERNAL = {"study": "mxtrain.study.cli", "report": "mxtrain.study.cli", "study-import": "mxtrain.study.cli", "bench": "mxtrain.bench",
             "export": "mxtrain.hfcli", "generate": "mxtrain.hfcli", "eval": "mxtrain.hfcli"}
 
 

@@ -96,6 +96,7 @@ def register(subparsers) -> None:
     r.add_argument("--smooth-k", type=int)
     r.add_argument("--fit", choices=["lsq", "huber"], help="the cooled-down baseline fit (default: the study's)")
     r.set_defaults(func=report_main)
+    register_import(subparsers)
 
 
 def study_main(args: argparse.Namespace) -> int:
@@ -326,4 +327,32 @@ def report_main(args: argparse.Namespace) -> int:
         (d / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False))
     hp, mp = write_report(d, summary)
     print(f"wrote {hp} and {mp}")
+    return 0
+
+
+def register_import(subparsers) -> None:
+    """Add the ``study-import`` sub-command."""
+    p = subparsers.add_parser(
+        "study-import", help="copy finished runs of one study folder into another, as arms of it (checked)",
+        description="Copy the finished runs (with their cooldown branches) of study SRC into study DST, under "
+                    "DST's arm names, e.g. a learning-rate check trained as its own study (--lr 1.5e-3) into the "
+                    "main study as bf16@lr1.5e-3. A run is copied only if DST would train exactly it: the config "
+                    "DST builds for that arm and seed equals the run's config.json (all but its folder), and both "
+                    "studies branch at the same steps; nothing in DST is overwritten. Then run mxtrain report DST.")
+    p.add_argument("src", help="the study folder to copy runs from")
+    p.add_argument("dst", help="the study folder to copy them into")
+    p.add_argument("--arms", help="comma-separated SOURCE_ARM=NEW_ARM (or SOURCE_ARM to keep its name), e.g. "
+                   "bf16=bf16@lr1.5e-3,mxfp4-dgrad=mxfp4-dgrad@lr1.5e-3 (default: every arm of SRC, same names)")
+    p.add_argument("--dry-run", action="store_true", help="check and list what would be copied; copy nothing")
+    p.set_defaults(func=study_import_main)
+
+
+def study_import_main(args: argparse.Namespace) -> int:
+    from .importruns import import_runs, parse_renames
+
+    done = import_runs(args.src, args.dst, parse_renames(args.arms) or None, dry_run=args.dry_run)
+    if args.dry_run:
+        print(f"dry run: {len(done)} runs would be imported; nothing copied")
+    else:
+        print(f"{len(done)} runs imported into {args.dst}; `mxtrain report {args.dst}` writes its report")
     return 0
