@@ -164,6 +164,8 @@ def measure(variants, model: str = "8b-layers", layers: int | None = 4, batch: i
            "memory_budget": memory_budget, "param_dtype": param_dtype, "checkpoint_blocks": checkpoint_blocks,
            "recompute_gemm_inputs": recompute_gemm_inputs, "runs": {}}
     from . import settings
+    import torch._dynamo
+    import torch._functorch.config
     for v in variants:
         try:
             base, over = split_variant(v)

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 
 from .context import (Ctx, advances_calls, autocast_dtype, bf16_exact, compute_dtype, gemm_dtype, needs_seeds,
                       seed_spec)
+from ._constant import assume_constant_result
 from .formats import get_format
 from . import tensorfp8
 from .recipe import Recipe
@@ -584,7 +585,7 @@ def compiled_linear(x, weight, bias, state, recipe_str: str, seeded: bool, quant
     return y
 
 
-@torch._dynamo.assume_constant_result
+@assume_constant_result
 def _compile_spec(recipe: str) -> tuple[str, bool, bool, bool, str, str]:
     """``recipe``: a preset name or a recipe's JSON string (strings only: a traced call passes its
     arguments as constants, and some torch versions cannot rebuild a frozen dataclass there)."""

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import torch
 
+from ._constant import assume_constant_result
 from .formats import get_format
 from .recipe import Recipe
 
@@ -76,7 +77,7 @@ def applies(fmts: tuple | None, x: torch.Tensor, weight: torch.Tensor) -> bool:
     return _capable(str(x.device))
 
 
-@torch._dynamo.assume_constant_result
+@assume_constant_result
 def _capable(device: str) -> bool:
     from . import tensorfp8
     return tensorfp8._fp8_capable(torch.device(device))

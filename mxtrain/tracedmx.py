@@ -38,6 +38,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ._constant import assume_constant_result
 from .formats import get_format
 from .hadamard import _INV_SQRT
 from .quant import mx_scale_exponent, pow2
@@ -70,7 +71,7 @@ def spec(recipe: Recipe) -> str | None:
     return ";".join(parts) if mx else None
 
 
-@torch._dynamo.assume_constant_result
+@assume_constant_result
 def _plan(device: str) -> int:
     """Group rows of Wgrad's X (128 or 1, as the fast path chooses: ``gemm.activation_b_group_rows``) where
     the traced form can run on ``device`` (FP8 tensor cores, the blockwise GEMM with 128x128 weight groups

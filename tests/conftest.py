@@ -6,9 +6,18 @@ import os
 
 import pytest
 import torch
+import torch._dynamo  # noqa: F401  (tests call torch._dynamo.reset(); mxtrain itself no longer imports it)
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Under pytest-xdist (CI: `-n 2` on 2 cores) each worker computes with one thread, and so do the processes it
+# starts (OMP_NUM_THREADS is inherited): two workers with a thread per core each oversubscribe the machine, and
+# OpenMP's waiting threads then slow small CPU ops down (measured: 12 % of two test files' wall time). A run
+# with OMP_NUM_THREADS set keeps its setting.
+if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 # records of checked data shards go to a temporary folder, not the user's cache
 if "MXTRAIN_CACHE" not in os.environ:

@@ -849,8 +849,9 @@ def _run(cfg: TrainConfig, resume, callbacks) -> Outcome:
     patch = {} if budget is None else {"activation_memory_budget": float(budget)}
     if cfg.train.recompute_gemm_inputs:
         patch["ban_recompute_materialized_backward"] = False
+    import torch._functorch.config as functorch_config   # (explicitly: mxtrain does not import torch._dynamo)
     try:
-        with torch._functorch.config.patch(**patch):
+        with functorch_config.patch(**patch):
             outcome = _train(cfg, resume, env, locks, cbs)
     except torch.OutOfMemoryError as e:   # one line that says what to change, not a traceback
         err = OutOfMemory(_oom_message(cfg, device, e, getattr(e, "outcome", None)))

@@ -1,0 +1,36 @@
+"""Start-up cost: importing mxtrain (every CLI call, study worker and torchrun rank does) does not import
+``torch._dynamo`` (about 0.9 s), and mxtrain's own ``assume_constant_result`` marks a function exactly as
+torch's decorator does, so ``torch.compile`` still treats the marked functions' results as constants."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_mark_equals_torchs_decorator():
+    import torch._dynamo
+    from mxtrain._constant import assume_constant_result
+
+    def a():
+        return 1
+
+    def b():
+        return 1
+    assert torch._dynamo.assume_constant_result(a) is a and assume_constant_result(b) is b
+    assert a.__dict__ == b.__dict__ == {"_dynamo_marked_constant": True}
+    from mxtrain import linear, tracedfp8, tracedmx
+    assert linear._compile_spec._dynamo_marked_constant and tracedfp8._capable._dynamo_marked_constant
+    marked = [f for m in (linear, tracedfp8, tracedmx) for f in vars(m).values()
+              if callable(f) and getattr(f, "_dynamo_marked_constant", False)]
+    assert len(marked) == 3, marked
+
+
+def test_importing_mxtrain_does_not_import_dynamo():
+    code = ("import sys, mxtrain, mxtrain.cli, mxtrain.train.trainer, mxtrain.study.runner; "
+            "print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]", r.stdout
