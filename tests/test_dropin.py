@@ -449,9 +449,11 @@ def test_split_ops_equal_reference_and_share_input_quantization(preset, carrier,
     rec = recipes.get(preset)
     rs = recipe_json(rec)
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 9, 64, generator=g).requires_grad_()
-    ws = [(torch.randn(n, 64, generator=g) / 8).requires_grad_() for n in (48, 16, 16)]
-    gys = [torch.randn(2, 9, w.shape[0], generator=g) for w in ws]
+    # 14 tokens (a ragged 16-row tile) and outputs of 32 and 16 (layers of different widths): each operand one
+    # row tile of the interpreted kernels, which pad K (64 features, 14 tokens or 32/16 outputs) to whole tiles
+    x = torch.randn(2, 7, 64, generator=g).requires_grad_()
+    ws = [(torch.randn(n, 64, generator=g) / 8).requires_grad_() for n in (32, 16, 16)]
+    gys = [torch.randn(2, 7, w.shape[0], generator=g) for w in ws]
 
     def ops(x, w, keys, signs):
         f0, f1, w0, w1 = torch.ops.mxtrain.quantize_input(x, keys, signs, rs, True)

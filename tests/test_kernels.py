@@ -43,6 +43,27 @@ def kern(request):
         yield request.param
 
 
+def _distinct(kern: str, axis: int, rot: int = 0) -> bool:
+    """Whether forcing kernel ``kern`` (the ``kern`` fixture) on a row-major input quantized along ``axis`` with
+    a ``rot``-wide rotation launches something that forcing another kernel does not (``launch.kernel_for``):
+    forced "cols" quantizes along rows (axis 1) of a row-major input with the "blocks" kernel (cols runs only
+    where the output rows are the input's contiguous axis), and rotations wider than 32 run the "tile" kernel
+    whatever is forced. Such a launch is the other case's exactly (same kernel, constexprs, tile shape and
+    self-check key: the setting reaches nothing else), so tests leave those pairs out."""
+    return not (kern == "cols" and axis == 1) and (rot in kq.BLOCK_ROTS or kern == "tile")
+
+
+def _kern_axis():
+    """``(kern, axis)`` parameters (``kern`` indirect) of the distinct pairs (``_distinct``)."""
+    return [pytest.param(k, a, id=f"{k}-{a}") for k in ("blocks", "tile", "cols") for a in (1, 0) if _distinct(k, a)]
+
+
+def _kern_axis_rot(rots):
+    """``(kern, axis, rot)`` parameters (``kern`` indirect) of the distinct triples (``_distinct``)."""
+    return [pytest.param(k, a, r, id=f"{k}-{a}-r{r}") for r in rots for k in ("blocks", "tile", "cols")
+            for a in (1, 0) if _distinct(k, a, r)]
+
+
 @pytest.fixture
 def use():
     """``use(**fields)``: ``settings.override(**fields)`` until the test ends."""
@@ -93,15 +114,15 @@ def _check(x, axis, **kw):
 
 @pytest.mark.parametrize("rule", SCALE_RULES)
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
-@pytest.mark.parametrize("axis", [1, 0])
+@pytest.mark.parametrize("kern,axis", _kern_axis(), indirect=["kern"])
 def test_scale_rules_roundings_axes(rule, rounding, axis, kern):
-    x = _data(33, 100, seed=hash((rule, rounding, axis)) % 1000)
+    # 33 x 72: ragged blocks both ways, several row tiles of every kernel (1 of the tile kernel along rows)
+    x = _data(33, 72, seed=hash((rule, rounding, axis)) % 1000)
     _check(x, axis, rule=rule, rounding=rounding)
 
 
-@pytest.mark.parametrize("rot", [16, 32, 64, 128])
 @pytest.mark.parametrize("signs_mode", ["none", "fixed", "per_step"])
-@pytest.mark.parametrize("axis", [1, 0])
+@pytest.mark.parametrize("kern,axis,rot", _kern_axis_rot((16, 32, 64, 128)), indirect=["kern"])
 def test_rotation(rot, signs_mode, axis, kern):
     signs = rotation_signs(rot, signs_mode, seed=5, layer=2, gemm=1, step=3, device=DEV)
     # odd reduction lengths: 1..3 blocks and partial rotation blocks
@@ -209,9 +230,10 @@ def _independent_inexact(ref_scales, R, group_rows):
 
 
 @pytest.mark.parametrize("group_rows", [1, 128])
-@pytest.mark.parametrize("axis", [1, 0])
+@pytest.mark.parametrize("kern,axis", _kern_axis(), indirect=["kern"])
 def test_carrier_exact_and_inexact_count(group_rows, axis, kern):
-    x = _data(40, 260, seed=11)
+    # 170 wide: along rows two 128-wide groups (the second ragged); along columns 2-6 row tiles of each kernel
+    x = _data(40, 170, seed=11)
     # wide dynamic range inside groups: some blocks far below their group max (inexact in e4m3)
     if axis == 1:
         x[:5, 32:64] *= 2.0**-20
@@ -252,6 +274,7 @@ def test_carrier_exact_and_inexact_count(group_rows, axis, kern):
         assert (vals[R:] == 0).all() and (vals[:, Kq:] == 0).all()
 
 
+@pytest.mark.parametrize("kern", [k for k in ("blocks", "tile", "cols") if _distinct(k, 1)], indirect=True)
 def test_carrier_nan_blocks_are_nan(kern):
     x = _data(4, 64, seed=2)
     x[1, 3] = float("nan")
@@ -260,6 +283,7 @@ def test_carrier_nan_blocks_are_nan(kern):
     assert torch.isnan(v[1, :32]).all() and not torch.isnan(v[1, 32:]).any() and not torch.isnan(v[0]).any()
 
 
+@pytest.mark.parametrize("kern", [k for k in ("blocks", "tile", "cols") if _distinct(k, 1)], indirect=True)
 def test_k_multiple_pads_carrier_with_zeros(kern):
     x = torch.randn(20, 200, generator=torch.Generator().manual_seed(6)).to(DEV)
     q = kq.quantize_mxfp4_2d(x, 1, carrier=True, fp4=True, k_multiple=512, group_rows=128)
@@ -270,10 +294,11 @@ def test_k_multiple_pads_carrier_with_zeros(kern):
 
 
 @pytest.mark.parametrize("group_rows", [1, 128])
-@pytest.mark.parametrize("axis", [1, 0])
+@pytest.mark.parametrize("kern,axis", _kern_axis(), indirect=["kern"])
 def test_carrier_from_fp4_matches_kernel(group_rows, axis, kern):
     """The torch fallback that rebuilds the carrier from FP4 codes (GPU safety net) equals the kernel."""
-    x = _data(40, 300, seed=13)
+    # 140 wide: along rows two groups (the second ragged) and two of padding; along columns 2-5 row tiles
+    x = _data(40, 140, seed=13)
     x[3, 7] = float("nan")
     x[:5, 32:64] *= 2.0**-20
     q = kq.quantize_mxfp4_2d(x, axis, carrier=True, fp4=True, group_rows=group_rows, k_multiple=512)
@@ -295,12 +320,22 @@ def _same_quant(a, b):
     assert a.group_rows == b.group_rows and (a.R, a.K) == (b.R, b.K)
 
 
-@pytest.mark.parametrize("cfg", [
-    dict(axis=1, carrier=True, fp4=True),
-    dict(axis=0, carrier=True, fp4=False, rot=16, signs=True, group_rows=128),
-    dict(axis=1, carrier=False, fp4=True, rounding="stochastic", prescale=0.75),
-    dict(axis=0, carrier=True, fp4=True, rounding="stochastic", rot=32, k_multiple=256),
-], ids=["rows", "cols-h16-128x128", "fp4-sr", "cols-sr-h32"])
+_PLAN_CFGS = {
+    "rows": dict(axis=1, carrier=True, fp4=True),
+    "cols-h16-128x128": dict(axis=0, carrier=True, fp4=False, rot=16, signs=True, group_rows=128),
+    "fp4-sr": dict(axis=1, carrier=False, fp4=True, rounding="stochastic", prescale=0.75),
+    # 32 columns: one row tile of 32 (the stochastic-rounding cols kernel's) x 2 K tiles (the second all
+    # padding), where 130 columns made 5 x 2 of that kernel, the slowest in the interpreter (the other
+    # configurations replay grids of several row tiles)
+    "cols-sr-h32": dict(axis=0, carrier=True, fp4=True, rounding="stochastic", rot=32, k_multiple=256,
+                        shape=(37, 32)),
+}
+
+
+@pytest.mark.parametrize("cfg,kern", [pytest.param(c, k, id=f"{k}-{name}") for name, c in _PLAN_CFGS.items()
+                                      for k in ("blocks", "tile", "cols")
+                                      if _distinct(k, c["axis"], c.get("rot", 0))],
+                         indirect=["kern"])
 def test_launch_plans_replay_every_argument(cfg, kern, use, fresh_caches):
     """A configuration seen before is launched through its compiled kernel directly (``launch.Plan``; in the
     interpreter, the interpreted kernel with the same argument tuple); the arguments it assembles give the
@@ -309,12 +344,13 @@ def test_launch_plans_replay_every_argument(cfg, kern, use, fresh_caches):
     use(fast_launch="always")   # on the interpreter too
     cfg = dict(cfg)
     axis = cfg.pop("axis")
+    shape = cfg.pop("shape", (37, 130))
     rot = cfg.get("rot", 0)
     if cfg.pop("signs", False):
         cfg["signs"] = rotation_signs(rot, "fixed", seed=4, device=DEV)
-    big = _data(1, 37 * 130 + 1, seed=21).flatten()
+    big = _data(1, shape[0] * shape[1] + 1, seed=21).flatten()
     log = []
-    for i, x in enumerate([_data(37, 130, seed=20), _data(37, 130, seed=22), big[1:].view(37, 130)]):
+    for i, x in enumerate([_data(*shape, seed=20), _data(*shape, seed=22), big[1:].view(shape)]):
         kw = dict(cfg, key=rng.stream_key(i + 5))
         with kq.record_launches() as got_log:
             got = kq.quantize_mxfp4_2d(x, axis, **kw)
@@ -328,16 +364,16 @@ def test_launch_plans_replay_every_argument(cfg, kern, use, fresh_caches):
             assert torch.equal(got.packed, ref.data.view(torch.uint8)) and torch.equal(got.scales, ref.scales)
     # the first array made the plan, the second ran it, the misaligned third made a second one (on a
     # GPU the once-per-variant self-check quantizes arrays of its own, with plans of their own)
-    mine = [p for k, p in fresh_caches.plans.items() if k[2] == (37, 130)]
-    planned = [e for e in log if e.shape == (37, 130) and e.plan]
+    mine = [p for k, p in fresh_caches.plans.items() if k[2] == shape]
+    planned = [e for e in log if e.shape == shape and e.plan]
     assert len(planned) == 1 and len(mine) == 2 and all(p is not None for p in mine)
 
 
-@pytest.mark.parametrize("axis", [1, 0])
+@pytest.mark.parametrize("kern,axis", _kern_axis(), indirect=["kern"])
 def test_key_from_device_memory_equals_scalar_key(axis, kern):
     """``key_tensor``: the kernel reads the stochastic-rounding key from device memory (what a CUDA
     graph replays with) and quantizes exactly as with the same key passed as a scalar."""
-    x = _data(40, 96, seed=31)
+    x = _data(40, 40, seed=31)   # several row tiles: blocks along rows, tile and cols along columns
     k1, k2 = rng.stream_key(9), rng.stream_key(10)
     kw = dict(rounding="stochastic", carrier=True, fp4=True, rot=16)
     a = kq.quantize_mxfp4_2d(x, axis, key=k1, **kw)
@@ -353,7 +389,9 @@ def test_self_check_and_fallback(use, fresh_caches):
     """The once-per-configuration self-check passes, and a configuration marked bad is served by the
     torch fallback with identical results (the GPU safety net, exercised here on any device)."""
     use(qselfcheck="always")
-    x = _data(33, 200, seed=17, dtype=torch.bfloat16)
+    # along columns: 72 rows of output (2 tiles of the cols kernel, the second ragged), 8 past a multiple of
+    # 16 as 200 was (the same self-checked variant)
+    x = _data(33, 72, seed=17, dtype=torch.bfloat16)
     good = kq.quantize_mxfp4_2d(x, 0, rot=16, carrier=True, fp4=False, k_multiple=512)
     verified = fresh_caches.verified
     assert verified and all(verified.values())
@@ -522,9 +560,11 @@ def test_block_and_tile_kernels_agree(case, join, use):
     x = _data(45, 166, seed=rot + case["axis"], dtype=torch.bfloat16)
     xt = x.t().contiguous().t()          # the same values, the other memory layout
     signs = rotation_signs(rot, "fixed", seed=3, device=DEV) if case.get("signs") else None
+    # K padded to 256: along rows (166) a ragged second tile, along columns (45) a ragged tile and one all
+    # padding (512 added two more padding tiles, each the same masked code again)
     kw = dict(rot=rot, signs=signs, rounding="stochastic" if case.get("sr") else "nearest", key=99,
               prescale=case.get("prescale", 1.0), carrier=True, fp4=True, group_rows=case["group_rows"],
-              k_multiple=512, _check=False)
+              k_multiple=256, _check=False)
     outs = {}
     # the store variant only matters to the blocks kernel: without joined stores, compare it alone
     for kern in ("blocks", "tile", "cols") if join else ("blocks", "tile"):
@@ -590,13 +630,15 @@ def _signs(n, seed):
 
 
 DUAL_CASES = [
-    # (M, K, dtype, options along rows (A), options along columns (B), carrier K padding)
-    (128, 384, torch.bfloat16, dict(), dict(), 512),
-    (130, 300, torch.float32, dict(rot=16, signs=_signs(16, 1)), dict(rot=16, signs=_signs(16, 2), group_rows=128),
+    # (M, K, dtype, options along rows (A), options along columns (B), carrier K padding). Each spans several
+    # tiles of both sides (K and M past 128 where the case is ragged: more than one 128 x 128 block of the
+    # dual grid both ways), with whole tiles of carrier padding.
+    (128, 256, torch.bfloat16, dict(), dict(), 512),
+    (130, 140, torch.float32, dict(rot=16, signs=_signs(16, 1)), dict(rot=16, signs=_signs(16, 2), group_rows=128),
      128),
-    (257, 129, torch.float32, dict(rounding="stochastic", key=rng.stream_key(5), prescale=0.75, scale_rule="even"),
-     dict(rot=32, rounding="stochastic", key=rng.stream_key(6), scale_rule="rceil"), 512),
-    (96, 640, torch.bfloat16, dict(rot=8, scale_rule="ceil", index_strides=(1000, 1)),
+    (131, 129, torch.float32, dict(rounding="stochastic", key=rng.stream_key(5), prescale=0.75, scale_rule="even"),
+     dict(rot=32, rounding="stochastic", key=rng.stream_key(6), scale_rule="rceil"), 256),
+    (96, 256, torch.bfloat16, dict(rot=8, scale_rule="ceil", index_strides=(1000, 1)),
      dict(rot=4, signs=_signs(4, 3), group_rows=128, scale_rule="amd"), 128),
 ]
 
@@ -694,7 +736,7 @@ def test_dual_falls_back_to_two_passes(use):
     """Where one pass does not apply (a column-major input, a rotation wider than 32, the ``dual`` setting
     off) the two single passes run, with the same results."""
     use(qselfcheck="off", dual="on")
-    x = _data(96, 160, seed=52)
+    x = _data(40, 72, seed=52)    # (the policy, not the tiling, is under test: a small ragged tensor)
     xt = x.t().contiguous().t()   # same values, column-major
     for xx, a, b in ((xt, dict(), dict()), (x, dict(rot=64), dict()), (x, dict(), dict(rot=128))):
         assert not kq.dual_applies(xx, a.get("rot", 0), b.get("rot", 0))
@@ -737,13 +779,23 @@ def test_dual_self_check(use, fresh_caches):
         _same_carrier(p, q)
 
 
+@pytest.fixture(scope="module")
+def dual_config_case():
+    """The input, options and two-pass outputs of ``test_dual_kernel_configurations``, made once for all its
+    configurations (none of which the two passes depend on). 130 x 140: two 128-row and two 128-column
+    blocks of the dual grid, both ragged."""
+    with settings.override(qselfcheck="off"):
+        x = _data(130, 140, seed=54)
+        a, b = dict(rot=16, signs=_signs(16, 4)), dict(rot=8, rounding="stochastic", key=rng.stream_key(8))
+        return x, a, b, _dual_expect(x, a, b, 128)
+
+
 @pytest.mark.parametrize("cfg", [dict(sequential=True), dict(sequential=True, block_rows=(16, 128), num_warps=4),
                                  dict(sequential=False, block_rows=(64, 64), num_warps=2)])
-def test_dual_kernel_configurations(cfg, use):
+def test_dual_kernel_configurations(cfg, use, dual_config_case):
     """Every program layout of the dual kernel (one program per tile, or per 128x128 block running its
     A then its B tiles) and block sizes give the two passes' outputs."""
     use(qselfcheck="off", dual="on")
-    x = _data(130, 300, seed=54)
-    a, b = dict(rot=16, signs=_signs(16, 4)), dict(rot=8, rounding="stochastic", key=rng.stream_key(8))
-    for p, q in zip(kq.quantize_mxfp4_dual(x, a, b, **cfg), _dual_expect(x, a, b, 128)):
+    x, a, b, want = dual_config_case
+    for p, q in zip(kq.quantize_mxfp4_dual(x, a, b, **cfg), want):
         _same_carrier(p, q)
