@@ -53,6 +53,22 @@ def _distinct(kern: str, axis: int, rot: int = 0) -> bool:
     return not (kern == "cols" and axis == 1) and (rot in kq.BLOCK_ROTS or kern == "tile")
 
 
+def test_left_out_kernel_cases_launch_a_kept_case():
+    """What ``_distinct`` relies on: each left-out forced kernel on a row-major input launches the kernel of a
+    case the tests keep (should ``launch.kernel_for`` change, this fails and the cases must come back)."""
+    for k in ("blocks", "tile", "cols"):
+        for axis in (1, 0):
+            for rot in (0, 2, 4, 8, 16, 32, 64, 128):
+                if _distinct(k, axis, rot):
+                    continue
+                want = "blocks" if rot in kq.BLOCK_ROTS else "tile"
+                assert _distinct(want, axis, rot), (k, axis, rot)
+                for fp4 in (False, True):
+                    # a row-major input's output rows are its contiguous axis only along columns (axis 0)
+                    got = kq.kernel_for(axis, rot, fp4, rows_contiguous=axis == 0, kernel=k)
+                    assert got == want, (k, axis, rot, fp4, got)
+
+
 def _kern_axis():
     """``(kern, axis)`` parameters (``kern`` indirect) of the distinct pairs (``_distinct``)."""
     return [pytest.param(k, a, id=f"{k}-{a}") for k in ("blocks", "tile", "cols") for a in (1, 0) if _distinct(k, a)]
