@@ -133,8 +133,7 @@ def import_runs(src: str | Path, dst: str | Path, renames: dict[str, str] | None
     todo: list[tuple[str, str, int, Path, Path]] = []
     problems: list[str] = []
     for old, new in renames.items():
-        spec_new = RN.StudySpec(**{**asdict(dspec), "arms": list(dict.fromkeys(list(dspec.arms) + [new])),
-                                   "seeds": max(dspec.seeds, 1)})
+        spec_new = RN.StudySpec(**{**asdict(dspec), "arms": list(dict.fromkeys(list(dspec.arms) + [new]))})
         seeds = sorted(int(p.name[4:]) for p in (src / "runs" / old).iterdir()
                        if p.is_dir() and p.name.startswith("seed") and p.name[4:].isdigit())
         for seed in seeds:
