@@ -442,3 +442,4 @@ def test_trend_preset_plans_one_to_twenty_tokens_per_non_embedding_parameter(tmp
     out = capsys.readouterr().out
     assert "cooldown branches at budgets 0.05, 0.1, 0.25, 0.5, 1 of the run" in out
     assert "'steps': 11500" in out and "'model': '30m'" in out and "'eval_every': 230" in out
+    assert "'lr': 0.0015" in out and "peak learning rate: 0.0015 for every arm" in out   # the rate it was run at
