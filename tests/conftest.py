@@ -6,10 +6,14 @@ import os
 
 import pytest
 import torch
-import torch._dynamo  # noqa: F401  (tests call torch._dynamo.reset(); mxtrain itself no longer imports it)
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# after TRITON_INTERPRET: importing torch._dynamo imports triton.language, whose own jitted functions (tl.max, ...)
+# must be made in interpreter mode too (under pytest-xdist the workers inherit the variable from the controller,
+# so only a run without -n showed it)
+import torch._dynamo  # noqa: E402, F401  (tests call torch._dynamo.reset(); mxtrain itself no longer imports it)
 
 # Under pytest-xdist (CI: `-n 2` on 2 cores) each worker computes with one thread, and so do the processes it
 # starts (OMP_NUM_THREADS is inherited): two workers with a thread per core each oversubscribe the machine, and
