@@ -11,7 +11,8 @@ FP6/FP8 elements, rows and columns, each scale rule) compiled with
 (``enable_fp_fusion=False``, ``maxnreg`` where ``launch.launch_opts`` sets it). The size arguments equal to 1
 on a real launch (the unit stride) are passed as 1, which Triton specializes on, and the pointers and the
 padded sizes as multiples of 16; the rest as plain int32. For each variant: registers and SASS instruction
-count (the bundled ``cuobjdump``), PTX instruction count and a hash of the PTX code without debug information
+count (the bundled ``cuobjdump``; for the single-pass MXFP4 kernel, straight-line code, also SASS instructions per
+element of its tile, which at the GPU's issue rate bounds its time from below), PTX instruction count and a hash of the PTX code without debug information
 and symbol names (equal hashes: identical PTX; ptxas may still schedule it slightly differently, as the line
 table it reads differs).
 
@@ -107,6 +108,10 @@ VARIANTS = {
                                       KEY_PTR=True),
     "tile r128 signs car idx64": _single("tile", 64, 4, 128, HAS_SIGNS=True, IDX64=True),
     "tile r0 g128 prescale": _single("tile", 128, 8, GROUP_ROWS=128, PRESCALE=True, RULE=2),
+    # tseng's backward operands (H64 with per-step signs, SR, prescale 3/4: only the tile layout rotates 64
+    # wide), along rows and along columns as launch.block_config sizes them
+    "tile r64 signs sr prescale rows": _single("tile", 64, 4, 64, HAS_SIGNS=True, SR=True, PRESCALE=True),
+    "tile r64 signs sr prescale cols": _single("tile", 32, 4, 64, HAS_SIGNS=True, SR=True, PRESCALE=True),
     "blocks r0 car": _single("blocks", 16, 2),
     "blocks r0 car nojoin": _single("blocks", 16, 2, JOIN_STORE=False),
     "blocks r0 fp4": _single("blocks", 16, 2, WRITE_CARRIER=False, WRITE_FP4=True),
@@ -211,7 +216,13 @@ def compile_one(item):
     regs = int(re.search(r"REG:(\d+)", res).group(1))
     n_sass = sum(1 for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", ln))
     text = re.sub(r"_(mxfp4|nvfp4|finite_amax)\w*", "K", "\n".join(code))
-    return name, {"regs": regs, "sass": n_sass, "ptx": n_ptx, "hash": hashlib.sha1(text.encode()).hexdigest()[:12]}
+    r = {"regs": regs, "sass": n_sass, "ptx": n_ptx, "hash": hashlib.sha1(text.encode()).hexdigest()[:12]}
+    if v["kind"] == "single":
+        # the single-pass kernel is straight-line code (no loops) over one tile of BR x 128 elements: every
+        # thread issues its SASS once, so SASS instructions per element bound its time from below at the GPU's
+        # issue rate (one warp instruction a clock per scheduler)
+        r["sass_per_elem"] = round(n_sass * 32 * v["num_warps"] / (v["consts"]["BR"] * 128), 1)
+    return name, r
 
 
 def main(argv=None):
@@ -230,7 +241,8 @@ def main(argv=None):
             if "error" in r:
                 print(f"{name:32s} FAILED {r['error']}", flush=True)
             else:
-                print(f"{name:32s} regs {r['regs']:4d}  sass {r['sass']:6d}  ptx {r['ptx']:6d}  {r['hash']}",
+                per = f"  sass/element {r['sass_per_elem']:5.1f}" if "sass_per_elem" in r else ""
+                print(f"{name:32s} regs {r['regs']:4d}  sass {r['sass']:6d}  ptx {r['ptx']:6d}  {r['hash']}{per}",
                       flush=True)
     if a.json:
         with open(a.json, "w") as f:
