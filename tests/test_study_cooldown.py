@@ -443,3 +443,24 @@ def test_trend_preset_plans_one_to_twenty_tokens_per_non_embedding_parameter(tmp
     assert "cooldown branches at budgets 0.05, 0.1, 0.25, 0.5, 1 of the run" in out
     assert "'steps': 11500" in out and "'model': '30m'" in out and "'eval_every': 230" in out
     assert "'lr': 0.0015" in out and "peak learning rate: 0.0015 for every arm" in out   # the rate it was run at
+    # the whole design it was run with (benchmarks/study_gpu.sh's flags): 32 x 512 tokens a step, its evaluation
+    assert "'batch_size': 32, 'seq_len': 512" in out
+    assert "6 runs with their branches: 13,570 steps each, 1.334 B tokens trained" in out
+    ev = ["log.eval_tokens=131072", "log.final_eval_tokens=1048576", "schedule.warmup_steps=20"]
+    assert f"'overrides': {ev}" in out
+    # the same settings repeated on the command line (as study_gpu.sh passes them) leave the plan unchanged: a
+    # study started with --preset trend and one started with --arms and the flags resume each other
+    from mxtrain.study.runner import StudySpec
+    from mxtrain.cli import make_parser
+    ap = make_parser(["study"])
+    flags = ["--batch-size", "32", "--seq-len", "512", "--steps", "11500", "--lr", "1.5e-3", "--model", "30m",
+             "--budgets", "0.05,0.1,0.25,0.5,1", "--eval-every", "230", "--diagnose-every", "0",
+             *[a for o in ev for a in ("--set", o)], "--out", str(tmp_path / "s")]
+    a = StudySpec.from_args(ap.parse_args(["study", "--preset", "trend", *flags]))
+    b = StudySpec.from_args(ap.parse_args(["study", "--arms", "bf16,mxfp4-all", *flags]))
+    assert a.overrides == b.overrides == ev and a.plan_key() == b.plan_key()
+    # a key given twice keeps its last value
+    c = StudySpec.from_args(ap.parse_args(["study", "--preset", "trend", "--set", "log.eval_tokens=4096",
+                                           "--set", "log.eval_tokens=131072", "--out", str(tmp_path / "c")]))
+    assert c.overrides == ["log.final_eval_tokens=1048576", "schedule.warmup_steps=20", "log.eval_tokens=4096",
+                           "log.eval_tokens=131072"]

@@ -78,6 +78,10 @@ PAPER_ARMS = ["bf16", "mxfp4-fprop", "mxfp4-fprop-dgrad", "mxfp4-all", "mxfp4-al
 FITS = ("lsq", "huber")
 
 # preset -> StudySpec fields (explicit flags override them)
+# what the cooled-down studies of docs/results.md evaluated: 131,072 tokens at each evaluation, 1,048,576 in each
+# branch's final one, and a 20-step warm-up
+_COOLED_EVAL = ("log.eval_tokens=131072", "log.final_eval_tokens=1048576", "schedule.warmup_steps=20")
+
 PRESETS: dict[str, dict] = {
     # [AMD] Table 1: the GEMM-by-GEMM ladder and the three interventions, vs a BF16 baseline and (a second
     # reference) the paper's own FP8 baseline
@@ -92,10 +96,14 @@ PRESETS: dict[str, dict] = {
     # baseline vs the papers' complete recipes ([ALTO]'s lever: MXFP4 with weight de-oscillation)
     "recipes": dict(arms=["bf16", "mxfp4-all-dh16", "tseng", "nvfp4", "mxfp4-all@deosc"], baseline="bf16", seeds=3,
                     diagnose_every=0),
-    # the headline comparison (meant for 125m): BF16 and FP8 baselines, plain MXFP4, AMD's deterministic
-    # Hadamard, SR in the backward, Tseng's recipe and MXFP4 with weight de-oscillation
+    # the headline comparison at 125m: BF16 and FP8 baselines, plain MXFP4, AMD's deterministic Hadamard, SR in
+    # the backward, Tseng's recipe and MXFP4 with weight de-oscillation; 3,840 steps x 32 x 512 tokens (62.9 M
+    # tokens: 0.5 per parameter with a 32k vocabulary), cooled down at 25/50/100 %, evaluation every 2 %. Peak LR
+    # left to the base experiment's: check it first at this size (docs/study.md)
     "headline": dict(arms=["bf16", "fp8", "mxfp4-all", "mxfp4-all-dh16", "mxfp4-all-sr", "tseng", "mxfp4-all@deosc"],
-                     baseline="bf16", references=["fp8"], seeds=3, diagnose_every=0),
+                     baseline="bf16", references=["fp8"], seeds=3, model="125m", steps=3840, batch_size=32,
+                     seq_len=512, budgets=[0.25, 0.5, 1.0], eval_every=77, diagnose_every=0,
+                     overrides=list(_COOLED_EVAL)),
     # the trend with training length: BF16 and plain MXFP4 at 30m, one run per arm x seed of
     # 11,500 steps x 16,384 tokens (188 M tokens: 20 per non-embedding parameter, 5.4 per parameter in all with
     # the 32k vocabulary), cooled-down branches from 1 to 20 tokens per non-embedding parameter; each run must
@@ -103,7 +111,8 @@ PRESETS: dict[str, dict] = {
     # MPS on two H100s (docs/results.md). Peak LR 1.5e-3, where the learning-rate sweep at 30m put BF16 and
     # MXFP4 well below 3e-3 (the base experiment's rate)
     "trend": dict(arms=["bf16", "mxfp4-all"], baseline="bf16", seeds=3, model="30m", steps=11500, lr=1.5e-3,
-                  budgets=[0.05, 0.1, 0.25, 0.5, 1.0], eval_every=230, diagnose_every=0),
+                  batch_size=32, seq_len=512, budgets=[0.05, 0.1, 0.25, 0.5, 1.0], eval_every=230, diagnose_every=0,
+                  overrides=list(_COOLED_EVAL)),
     # CI: tiny model on CPU, 3 arms x 2 seeds, a few minutes in all
     "smoke": dict(arms=["bf16", "mxfp4-all", "mxfp4-all-dh16"], baseline="bf16", seeds=2, model="tiny",
                   steps=16, batch_size=8, seq_len=64, eval_every=2, diagnose_every=8, device="cpu", target_frac=0.5,
@@ -226,7 +235,11 @@ class StudySpec:
                 except ValueError:
                     raise UserError(f"--budgets expects fractions of the run, e.g. 0.25,0.5,0.75,1; got {b!r}") from None
             base["budgets"] = b
-        base["overrides"] = list(base.get("overrides", [])) + list(args.overrides or [])
+        # the preset's overrides, then the flags'; a key=value given again (a preset's, repeated on the command
+        # line) is kept once, at its last place, so the last value of each key still wins and the study's plan is
+        # the same as without the repetition
+        ov = list(base.get("overrides", [])) + list(args.overrides or [])
+        base["overrides"] = [o for i, o in enumerate(ov) if o not in ov[i + 1:]]
         base["out"] = args.out or f"studies/{args.preset or 'custom'}"
         return cls(**base)
 
