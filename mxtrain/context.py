@@ -6,8 +6,11 @@ Random inputs of a call (see ``docs/numerics.md``): GEMM ``g`` (fprop 0, dgrad 1
 ``layer`` rotates with ``rotation_signs(size, mode, seed=recipe.seed, layer=layer, gemm=g, step=step)``;
 a stochastically rounded operand ``k`` (its index in ``mxtrain.recipe.OPERANDS``) draws its uniforms
 from the stream key ``rng.stream_key(operand_seed(recipe.seed, layer, k, step, call))``, where ``call``
-counts the layer's forward calls since its step last changed (micro-batches of one step draw different
-bits; the backward pass of a call reuses its forward's).
+counts the layer's forward calls that record gradients since its step last changed (micro-batches of one
+step draw different bits; the backward pass of a call reuses its forward's). A call under ``no_grad`` or
+``inference_mode`` draws the bits the next such call will draw and does not advance the count: evaluating
+between steps leaves training's bits as they were, and reentrant activation checkpointing (Hugging Face's
+default), whose first pass runs without gradients, recomputes with the bits that first pass drew.
 
 A ``Ctx`` holds them in one of two forms with equal values:
 

@@ -285,12 +285,14 @@ def _seeds_on_device(state: torch.Tensor) -> bool:
     return kernels_available(state.device)
 
 
-def call_seeds(state: torch.Tensor, recipe: Recipe) -> tuple[torch.Tensor, torch.Tensor]:
+def call_seeds(state: torch.Tensor, recipe: Recipe, grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """This call's (keys, signs) from a layer's state tensor; advances its call counter when the recipe
-    rounds stochastically. On a CUDA device one kernel, no host synchronisation."""
+    rounds stochastically and the call records gradients (``grad``: ``torch.is_grad_enabled()`` where the
+    layer is called; a call under ``no_grad`` draws the next call's bits without taking them, ``Ctx``). On a
+    CUDA device one kernel, no host synchronisation."""
     from .kernels import seeds as S
     sr, modes, sizes = seed_spec(recipe)
-    adv = any(sr)
+    adv = any(sr) and grad
     if _seeds_on_device(state):
         return S.call_seeds(state, seed=recipe.seed, sr=sr, sign_modes=modes, sign_sizes=sizes, advance=adv)
     layer, step, call = (int(v) for v in state.tolist())
@@ -303,15 +305,16 @@ def call_seeds(state: torch.Tensor, recipe: Recipe) -> tuple[torch.Tensor, torch
 
 def call_context(recipe: Recipe, state: torch.Tensor | None) -> Ctx:
     """The context of one eager call of a layer with ``state`` (None: layer 0, step 0, call 0, nothing
-    advanced). On a CPU state: host integers (and the call counter advanced); on a CUDA state: device
-    keys and signs from ``call_seeds``."""
+    advanced). On a CPU state: host integers (and the call counter advanced, for a call that records
+    gradients); on a CUDA state: device keys and signs from ``call_seeds``."""
     if state is None or not needs_seeds(recipe):
         return Ctx(recipe)
+    grad = torch.is_grad_enabled()
     if _seeds_on_device(state):
-        keys, signs = call_seeds(state, recipe)
+        keys, signs = call_seeds(state, recipe, grad)
         return Ctx.from_seeds(recipe, keys, signs)
     layer, step, call = (int(v) for v in state.tolist())
-    if advances_calls(recipe):
+    if advances_calls(recipe) and grad:
         state[2] += 1
     return Ctx(recipe, layer, step, call)
 
@@ -330,12 +333,14 @@ def recipe_json(recipe: Recipe) -> str:
 
 
 @torch.library.custom_op("mxtrain::call_seeds", mutates_args=("state",))
-def _call_seeds_op(state: torch.Tensor, recipe: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return call_seeds(state, _recipe_from_json(recipe))
+def _call_seeds_op(state: torch.Tensor, recipe: str, grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    # ``grad``: the grad mode where the layer was called, fixed when the graph was traced (a compiled forward
+    # itself runs without grad mode)
+    return call_seeds(state, _recipe_from_json(recipe), grad)
 
 
 @_call_seeds_op.register_fake
-def _(state, recipe):
+def _(state, recipe, grad):
     return state.new_empty((24,), dtype=torch.int32), state.new_empty((3, 128), dtype=torch.float32)
 
 
@@ -570,7 +575,7 @@ def compiled_linear(x, weight, bias, state, recipe_str: str, seeded: bool, quant
     if seeded:
         if state is None:
             state = torch.zeros((3,), dtype=torch.int64, device=x.device)
-        keys, signs = torch.ops.mxtrain.call_seeds(state, recipe_str)
+        keys, signs = torch.ops.mxtrain.call_seeds(state, recipe_str, torch.is_grad_enabled())
     dt = x.device.type
     amp = torch.get_autocast_dtype(dt) if torch.is_autocast_enabled(dt) else None
     from . import fast, settings

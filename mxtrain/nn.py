@@ -165,7 +165,8 @@ class MXLayer:
         _write_states([self], step, call)
 
     def call_context(self, last: bool = True) -> Ctx:
-        """The host ``Ctx`` of this layer's last forward call (``last``) or of its next one."""
+        """The host ``Ctx`` of this layer's last forward call that recorded gradients (``last``) or of its next
+        one (calls under ``no_grad`` do not advance the call counter: ``mxtrain.context``)."""
         layer, step, call = (int(v) for v in self.mx_state.tolist())
         if last and advances_calls(self.recipe):
             call -= 1
@@ -447,7 +448,8 @@ def _keep(m: nn.Module, rep: ConvertReport, name: str, why: str) -> None:
 
 def _checkpoint_policy(ctx, op, *args, **kwargs):
     """Selective-checkpoint policy of ``checkpoint`` under ``torch.compile``: every operation is made again in the
-    backward except ``mxtrain.call_seeds`` (a layer's random inputs; it advances the layer's call counter): kept,
+    backward except ``mxtrain.call_seeds`` (a layer's random inputs; it advances the layer's call counter in a call
+    that records gradients): kept,
     so the recomputed forward draws what the first one drew."""
     from torch.utils.checkpoint import CheckpointPolicy
     from . import linear as _linear   # noqa: F401 - registers the mxtrain ops

@@ -556,3 +556,88 @@ def test_activation_checkpointing_recomputes_the_same_forward(recipe):
 
     for a, b in zip(run(False), run(True)):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_hf_gradient_checkpointing_equals_no_checkpointing(reentrant):
+    """A converted Hugging Face Llama with its own gradient checkpointing on (``gradient_checkpointing_enable``,
+    both of torch's checkpoint modes): the recomputed forward draws the same stochastic-rounding bits and per-step
+    signs as the first, so loss and every gradient equal the run without checkpointing, bit for bit."""
+    torch.manual_seed(0)
+    model = _hf("llama")
+    mxtrain.convert(model, "tseng")      # SR and per-step random H64 in the backward
+    ref = copy.deepcopy(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model.train()
+    ref.train()
+    assert model.is_gradient_checkpointing and not ref.is_gradient_checkpointing
+    ids = _ids()
+    for m in (model, ref):
+        mxtrain.set_step(m, 3)
+        m.zero_grad()
+        m(ids, labels=ids).loss.backward()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert p.grad is not None and torch.equal(p.grad, q.grad), n
+
+
+def test_evaluation_between_steps_leaves_training_bits_alone():
+    """A plain loop with a stochastically rounding recipe: forward calls under ``no_grad`` (evaluation between
+    optimizer steps) draw without advancing the call counter, so the trained weights equal those of the same loop
+    without evaluation, bit for bit; calls that record gradients still draw new bits (micro-batches differ)."""
+    torch.manual_seed(0)
+    m0 = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64))
+    mxtrain.convert(m0, "mxfp4-all-sr")
+    x, xe = torch.randn(32, 64), torch.randn(8, 64)
+
+    def run(evaluate):
+        m = copy.deepcopy(m0)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        for _ in range(3):
+            m(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            if evaluate:
+                with torch.no_grad():
+                    m(xe)
+                with torch.inference_mode():
+                    m(xe)
+        return [p.detach().clone() for p in m.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(run(False), run(True)))
+    m = copy.deepcopy(m0)
+    before = m[0].mx_state.clone()
+    with torch.no_grad():
+        m(x)
+    assert torch.equal(m[0].mx_state, before)
+    m(x)
+    assert int(m[0].mx_state[2]) == int(before[2]) + 1
+    # two micro-batches of one step still draw different bits: the same input gives different weight gradients
+    g = []
+    for _ in range(2):
+        m.zero_grad()
+        m(x).square().mean().backward()
+        g.append(m[0].weight.grad.clone())
+    assert not torch.equal(g[0], g[1])
+
+
+def test_compiled_call_under_no_grad_does_not_advance():
+    """Under ``torch.compile`` the grad mode of the call is fixed when the graph is traced (a compiled forward
+    itself runs without grad mode): a compiled call under ``no_grad`` leaves the call counter alone and draws
+    the bits of the next call that records gradients; a compiled call with gradients advances it, as eagerly."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
+    mxtrain.convert(m, "mxfp4-all-sr")
+    eager = copy.deepcopy(m)
+    c = torch.compile(m, fullgraph=True)
+    x = torch.randn(16, 64)
+    before = m[0].mx_state.clone()
+    with torch.no_grad():
+        y0 = c(x)
+    assert torch.equal(m[0].mx_state, before)
+    y1 = c(x)
+    assert int(m[0].mx_state[2]) == int(before[2]) + 1
+    assert torch.equal(y0, y1.detach())   # no preset rounds the forward stochastically: the same output
+    with torch.no_grad():
+        eager(x)
+    eager(x)
+    assert torch.equal(eager[0].mx_state, m[0].mx_state) and torch.equal(eager[2].mx_state, m[2].mx_state)
