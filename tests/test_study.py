@@ -187,7 +187,7 @@ def test_runner_resumes_skips_and_records_divergence(tmp_path):
 
 
 @pytest.mark.slow
-def test_smoke_preset_end_to_end(tmp_path, capsys):
+def test_smoke_preset_end_to_end(tmp_path, capsys, monkeypatch):
     """What CI runs: `mxtrain study --preset smoke` (tiny model, CPU, 3 arms x 2 seeds, diagnostics)."""
     from mxtrain.cli import main
 
@@ -230,6 +230,18 @@ def test_smoke_preset_end_to_end(tmp_path, capsys):
     capsys.readouterr()
     assert main(["report", str(empty)]) == 2 and "no run that trained yet" in capsys.readouterr().err
     assert main(["study", "--arms", "bf16,nope", "--out", str(tmp_path / "x")]) == 2
+    # without matplotlib (the README's first command installs no `plots` extra) the report has its tables, says
+    # why it has no figures, and the command still succeeds (it once ended in a traceback)
+    import sys
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    capsys.readouterr()
+    assert main(["report", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "matplotlib is not installed" in err and "Traceback" not in err
+    html = (out / "report.html").read_text()
+    assert "data:image/png" not in html and "Figures left out: matplotlib is not installed" in html
+    assert "Effects next to seed-to-seed spread" in html
+    assert "Figures left out" in (out / "report.md").read_text()
 
 
 def test_arms_added_later_to_the_same_study_are_kept(tmp_path):

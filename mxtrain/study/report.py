@@ -167,6 +167,19 @@ def _plt():
     return plt
 
 
+PLOTS_MISSING = ("figures left out: matplotlib is not installed (pip install 'mxtrain[plots]', then `mxtrain report "
+                 "FOLDER` draws them); the tables are complete")
+
+
+def plots_available() -> bool:
+    """Whether matplotlib can be imported (the ``plots`` extra); without it reports have tables only."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def _png(fig) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
@@ -717,14 +730,16 @@ def write_report(d: str | Path, summary: dict | None = None) -> tuple[Path, Path
     colors = arm_colors(list((summary or {}).get("arms") or []), study_meta.get("arms"), list(runs))
     cool = (summary or {}).get("cooldown") if not single else None
     figs: list[tuple[str, bytes]] = []
-    if cool:
+    plots = plots_available()
+    if plots and cool:
         p = _cooldown_plot(cool, colors)
         if p:
             figs.append(("cooled-down comparison", p))
-    figs.append(("validation loss" + (" (stable runs)" if cool else ""), _curve_plot(runs, summary, k, colors)))
-    if single:
+    if plots:
+        figs.append(("validation loss" + (" (stable runs)" if cool else ""), _curve_plot(runs, summary, k, colors)))
+    if plots and single:
         figs.append(("training loss", _train_plot(rd)))
-    elif summary:
+    elif plots and summary:
         p = _diff_plot(summary, colors)
         if p:
             figs.append(("paired differences", p))
@@ -735,7 +750,8 @@ def write_report(d: str | Path, summary: dict | None = None) -> tuple[Path, Path
             rows += D.load(rd.path)
         if rows:
             aggs[arm] = D.aggregate(rows)
-    figs += _diag_plots(aggs, colors)
+    if plots:
+        figs += _diag_plots(aggs, colors)
 
     env = _env_of(runs)
     now = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -868,6 +884,9 @@ def write_report(d: str | Path, summary: dict | None = None) -> tuple[Path, Path
         md += ["## Per-GEMM diagnostics", "", dnote, "", _table_md(drows), ""]
     h.append("<h2>Plots</h2>")
     md += ["## Plots", ""]
+    if not plots:
+        h.append(f"<p>{html.escape(PLOTS_MISSING[0].upper() + PLOTS_MISSING[1:])}.</p>")
+        md += [PLOTS_MISSING[0].upper() + PLOTS_MISSING[1:] + ".", ""]
     files = d / "report_files"
     files.mkdir(exist_ok=True)
     for i, (cap, png) in enumerate(figs):
