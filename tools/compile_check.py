@@ -12,8 +12,8 @@ FP6/FP8 elements, rows and columns, each scale rule) compiled with
 on a real launch (the unit stride) are passed as 1, which Triton specializes on, and the pointers and the
 padded sizes as multiples of 16; the rest as plain int32. For each variant: registers and SASS instruction
 count (the bundled ``cuobjdump``; for the single-pass MXFP4 kernel, straight-line code, also SASS instructions per
-element of its tile, which at the GPU's issue rate bounds its time from below), PTX instruction count and a hash of the PTX code without debug information
-and symbol names (equal hashes: identical PTX; ptxas may still schedule it slightly differently, as the line
+element of its tile: at the GPU's issue rate an estimate of the time it needs, to compare variants before
+measuring them), PTX instruction count and a hash of the PTX code without debug information and symbol names (equal hashes: identical PTX; ptxas may still schedule it slightly differently, as the line
 table it reads differs).
 
     python tools/compile_check.py [--arch 90] [--jobs 2] [--json out.json] [--only SUBSTRING ...]
@@ -219,8 +219,8 @@ def compile_one(item):
     r = {"regs": regs, "sass": n_sass, "ptx": n_ptx, "hash": hashlib.sha1(text.encode()).hexdigest()[:12]}
     if v["kind"] == "single":
         # the single-pass kernel is straight-line code (no loops) over one tile of BR x 128 elements: every
-        # thread issues its SASS once, so SASS instructions per element bound its time from below at the GPU's
-        # issue rate (one warp instruction a clock per scheduler)
+        # thread issues its SASS once, so SASS instructions per element estimate its time at the GPU's issue
+        # rate (one warp instruction a clock per scheduler); a guide, not a bound (BENCHMARKS.md)
         r["sass_per_elem"] = round(n_sass * 32 * v["num_warps"] / (v["consts"]["BR"] * 128), 1)
     return name, r
 

@@ -136,9 +136,8 @@ def study_main(args: argparse.Namespace) -> int:
         print(f"study done: {out}/report.html")
     elif s["arms"]:
         print(f"study summary of the finished runs (incomplete): {out}/report.html")
-    from .report import PLOTS_MISSING, plots_available
-    if s["arms"] and not plots_available():
-        print(f"mxtrain: {PLOTS_MISSING}", file=sys.stderr)
+    if s["arms"]:
+        _say_if_no_plots()
     for name, a in s["arms"].items():
         e = a["extra_tokens"]
         cost = (f"{100 * e['mean']:+.1f} % tokens" if e.get("state") == "ok" and e.get("mean") is not None
@@ -330,10 +329,15 @@ def report_main(args: argparse.Namespace) -> int:
         (d / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False))
     hp, mp = write_report(d, summary)
     print(f"wrote {hp} and {mp}")
+    _say_if_no_plots()
+    return 0
+
+
+def _say_if_no_plots() -> None:
+    """One line on stderr when the report just written has no figures (matplotlib missing)."""
     from .report import PLOTS_MISSING, plots_available
     if not plots_available():
         print(f"mxtrain: {PLOTS_MISSING}", file=sys.stderr)
-    return 0
 
 
 def register_import(subparsers) -> None:
