@@ -188,6 +188,40 @@ def test_nan_inf_zero_blocks(kern):
         _check(x, axis, rot=16)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rot64_special_values_carrier(dtype, use, fresh_caches):
+    """The tile kernel's 64-wide path (its own code: one row's group a thread, sign bits of padding groups
+    masked, fused first stage): FP4 codes equal the reference's, and the carrier, group scales and inexact count
+    equal those rebuilt from the codes, with NaN, Inf, -0, subnormals, the largest values, padding groups and
+    padding rows (40 x 200: K pads to 256, a group wholly past K), along rows and columns, SR and prescale."""
+    x = _data(40, 200, seed=11)
+    x[0, :64] = 0.0
+    x[1, 40] = float("nan")
+    x[2, 70] = float("inf")
+    x[3, 100] = -float("inf")
+    x[4, 64:128] = -0.0
+    x[5, :] = 1e-40 if dtype == torch.float32 else 1e-30   # (bf16 subnormals: see BENCHMARKS.md, ninth session)
+    x[6, :64] = 3e38
+    x[7, 130] = 3e38
+    x = x.to(dtype)
+    signs = rotation_signs(64, "per_step", seed=3, layer=1, gemm=2, step=5, device=DEV)
+    use(qselfcheck="always")
+    for axis in (1, 0):
+        for rounding in ("nearest", "stochastic"):
+            _check(x, axis, rot=64, signs=signs, rounding=rounding, prescale=0.75, rule="even")
+            kw = dict(rot=64, signs=signs, rounding=rounding, key=rng.stream_key(7), prescale=0.75,
+                      scale_rule="even", carrier=True, fp4=False, k_multiple=512)
+            good = kq.quantize_mxfp4_2d(x, axis, **kw)
+            verified = fresh_caches.verified
+            for k in list(verified):
+                verified[k] = False
+            fb = kq.quantize_mxfp4_2d(x, axis, **kw)   # the carrier rebuilt from FP4 codes by torch ops
+            assert torch.equal(fb.carrier.view(torch.uint8), good.carrier.view(torch.uint8)), (axis, rounding)
+            assert torch.equal(fb.gscale, good.gscale)
+            assert int(fb.inexact.item()) == int(good.inexact.item())
+            fresh_caches.clear()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("k", ["blocks", "cols"])
 def test_folded_rotation_scale_is_bit_exact(dtype, k, use):

@@ -50,17 +50,22 @@ BASE = dict(HAS_SIGNS=False, RULE=0, SR=False, PRESCALE=False, GROUP_ROWS=1, WRI
             IDX64=False, KEY_PTR=False)
 
 
-def _single(layout, BR, nw, rot=0, maxnreg=None, **kw):
+def _single(layout, BR, nw, rot=0, maxnreg=None, ones=None, div16=(), **kw):
+    """A variant of ``_mxfp4_kernel``; ``ones``: the arguments passed as 1 (default: the input's unit stride
+    along the reduction, the cols layout's along rows); ``div16``: more integer arguments passed as multiples
+    of 16 (as a launch on such sizes specializes them)."""
     consts = dict(BASE, BR=BR, ROT=rot, **kw)
-    if layout != "tile":
+    if layout != "tile" or rot == 64:
         consts.setdefault("USE_ASM", True)
         consts.setdefault("FOLD", False)
     if layout == "blocks":
         consts.setdefault("JOIN_STORE", True)
     if layout == "cols":
         consts.setdefault("PACK", 4 if 4 * BR // (32 * nw) > 2 else 2)
-    ones = ("sx_r",) if layout == "cols" else ("sx_k",)
-    return dict(kind="single", layout=layout, consts=consts, ones=ones, num_warps=nw, maxnreg=maxnreg)
+    if ones is None:
+        ones = ("sx_r",) if layout == "cols" else ("sx_k",)
+    return dict(kind="single", layout=layout, consts=consts, ones=ones, num_warps=nw, maxnreg=maxnreg,
+                div16=div16)
 
 
 def _dual(bra=32, brb=64, nw=4, gr_b=1, rot=0, sr=False, fp4_b=False, maxnreg=80, **kw):
@@ -109,9 +114,19 @@ VARIANTS = {
     "tile r128 signs car idx64": _single("tile", 64, 4, 128, HAS_SIGNS=True, IDX64=True),
     "tile r0 g128 prescale": _single("tile", 128, 8, GROUP_ROWS=128, PRESCALE=True, RULE=2),
     # tseng's backward operands (H64 with per-step signs, SR, prescale 3/4: only the tile layout rotates 64
-    # wide), along rows and along columns as launch.block_config sizes them
-    "tile r64 signs sr prescale rows": _single("tile", 64, 4, 64, HAS_SIGNS=True, SR=True, PRESCALE=True),
-    "tile r64 signs sr prescale cols": _single("tile", 32, 4, 64, HAS_SIGNS=True, SR=True, PRESCALE=True),
+    # wide), along rows and along columns as launch.block_config sizes them and as a launch on a row-major
+    # 16384 x 4096 operand specializes the integers (the unit strides of input, index and group scales passed
+    # as 1, the other sizes and strides as multiples of 16; fast.py's index strides)
+    "tile r64 signs sr prescale rows": _single("tile", 64, 4, 64, HAS_SIGNS=True, SR=True, PRESCALE=True,
+                                               ones=("sx_k", "si_k", "gs_sr"),
+                                               div16=("R", "K", "sx_r", "si_r", "gs_sk")),
+    "tile r64 signs sr prescale cols": _single("tile", 64, 4, 64, HAS_SIGNS=True, SR=True, PRESCALE=True,
+                                               ones=("sx_r", "si_r", "gs_sr"),
+                                               div16=("R", "K", "sx_k", "si_k", "gs_sk")),
+    # the 64-wide path's other branches (no signs, FP4 codes, 64-bit index, key in memory, 128x128 groups)
+    "tile r64 signs sr fp4 idx64 keyptr": _single("tile", 64, 4, 64, HAS_SIGNS=True, SR=True, WRITE_CARRIER=False,
+                                                  WRITE_FP4=True, IDX64=True, KEY_PTR=True),
+    "tile r64 g128 car+fp4": _single("tile", 128, 8, 64, GROUP_ROWS=128, WRITE_FP4=True),
     "blocks r0 car": _single("blocks", 16, 2),
     "blocks r0 car nojoin": _single("blocks", 16, 2, JOIN_STORE=False),
     "blocks r0 fp4": _single("blocks", 16, 2, WRITE_CARRIER=False, WRITE_FP4=True),
@@ -178,7 +193,7 @@ def source(v):
             consts.setdefault(n, p.default)
         else:
             sig[n] = v.get("ptr_types", {}).get(n) or PTR_TYPES.get(n, "fp32" if n in FLOATS else "i32")
-            if n in PTR_TYPES or n in DIV16:
+            if n in PTR_TYPES or n in DIV16 or n in v.get("div16", ()):
                 attrs[(i,)] = [["tt.divisibility", 16]]
     consts = {n: c for n, c in consts.items() if n in sig}
     return ASTSource(kfn, sig, constexprs=consts, attrs=attrs)

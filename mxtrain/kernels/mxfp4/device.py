@@ -215,3 +215,116 @@ if triton is not None:
         v = _join_level(v, 2)
         v = _join_level(v, 1)
         return tl.reshape(v[0], [4, BR, N])
+
+    # ---- the tile layout's 64-wide rotation (``_mxfp4_kernel`` with ROT == 64): a thread holds one row's whole
+    # rotation group as 64 tensors of one value each, so every butterfly stage and block maximum is register-local
+
+    @triton.jit
+    def _split8(p):
+        """[..., 8] tensor whose last axis a thread holds -> tuple of its 8 slices [...] in index order."""
+        BR: tl.constexpr = p.shape[0]
+        G: tl.constexpr = p.shape[1]
+        a0, a1 = tl.split(tl.reshape(p, [BR, G, 2, 2, 2]))        # index bit 0
+        a00, a01 = tl.split(a0)                                    # bit 1
+        a10, a11 = tl.split(a1)
+        e0, e4 = tl.split(a00)                                     # bit 2
+        e2, e6 = tl.split(a01)
+        e1, e5 = tl.split(a10)
+        e3, e7 = tl.split(a11)
+        return e0, e1, e2, e3, e4, e5, e6, e7
+
+    @triton.jit
+    def _bfly_tuple_n(xs, H: tl.constexpr, N: tl.constexpr):
+        """``_bfly_tuple`` over a tuple of ``N`` tensors."""
+        w = ()
+        for j in tl.static_range(N):
+            if (j // H) % 2 == 0:
+                w = w + (xs[j] + xs[j + H],)
+            else:
+                w = w + (xs[j - H] - xs[j],)
+        return w
+
+    @triton.jit
+    def _join_all(v, N: tl.constexpr):
+        """Tuple of ``N`` (2 to 64) [BR, G] tensors -> one [BR, G, N] tensor, in tuple order (as ``_join_tree``:
+        every value stays in its thread's registers)."""
+        BR: tl.constexpr = v[0].shape[0]
+        G: tl.constexpr = v[0].shape[1]
+        if N >= 64:
+            v = _join_level(v, 32)
+        if N >= 32:
+            v = _join_level(v, 16)
+        if N >= 16:
+            v = _join_level(v, 8)
+        if N >= 8:
+            v = _join_level(v, 4)
+        if N >= 4:
+            v = _join_level(v, 2)
+        v = _join_level(v, 1)
+        return tl.reshape(v[0], [BR, G, N])
+
+    @triton.jit
+    def _uniform_kk(idx, key, kk):
+        """``_uniform(idx, key)``, with ``kk`` = key ^ (key >> 16) (uint32) computed once by the caller: for an
+        int32 ``idx``, mix32's first round on idx ^ key is written idx ^ (idx >> 16) ^ kk (the same bits, one
+        instruction fewer an element)."""
+        if idx.dtype == tl.int64:
+            return _uniform(idx, key)
+        else:
+            i = idx.to(tl.uint32, bitcast=True)
+            x = i ^ (i >> 16) ^ kk
+            x = x * tl.full(x.shape, 0x7FEB352D, tl.uint32)
+            x = x ^ (x >> 15)
+            x = x * tl.full(x.shape, 0x846CA68B, tl.uint32)
+            x = x ^ (x >> 16)
+            return (x >> 8).to(tl.float32) * 5.9604644775390625e-08
+
+    @triton.jit
+    def _fp4_round_kk(v, SR: tl.constexpr, idx, key, kk):
+        """``_fp4_round`` with the uniform of ``_uniform_kk`` and the floor of y >= 0 as one rounding
+        instruction (the same value as the int32 round trip: y < 4)."""
+        a = tl.minimum(tl.abs(v), 6.0)
+        pbits = tl.maximum(a, 1.0).to(tl.int32, bitcast=True) & 0x7F800000   # 2**e, e = max(E(a), 0)
+        if SR:
+            y = a * ((0x7F800000 - pbits).to(tl.float32, bitcast=True))      # a * 2**(1-e): step 1
+            u = _uniform_kk(idx, key, kk)
+            fl = tl.floor(y)
+            rr = fl + tl.where(u < (y - fl), 1.0, 0.0)
+            q = rr * (pbits - 0x00800000).to(tl.float32, bitcast=True)        # * 2**(e-1)
+        else:
+            m = pbits.to(tl.float32, bitcast=True) * 6291456.0
+            q = (a + m) - m
+        return q
+
+    @triton.jit
+    def _split64(P):
+        """[BR, G, 8, 8] tensor (element 8 j + e of each group at [.., j, e]) -> tuple of its 64 slices [BR, G]
+        in element order (every value stays in its thread's registers where the layout holds the last two
+        axes in one thread)."""
+        BR: tl.constexpr = P.shape[0]
+        G: tl.constexpr = P.shape[1]
+        P = tl.reshape(tl.permute(P, (0, 1, 3, 2)), [BR, G, 8, 2, 2, 2])   # [.., e, bits 2 1 0 of j]
+        q0, q1 = tl.split(P)
+        q00, q01 = tl.split(q0)
+        q10, q11 = tl.split(q1)
+        p0, p4 = tl.split(q00)
+        p2, p6 = tl.split(q01)
+        p1, p5 = tl.split(q10)
+        p3, p7 = tl.split(q11)
+        e0, e1, e2, e3, e4, e5, e6, e7 = _split8(p0)
+        xs = (e0, e1, e2, e3, e4, e5, e6, e7)
+        e0, e1, e2, e3, e4, e5, e6, e7 = _split8(p1)
+        xs = xs + (e0, e1, e2, e3, e4, e5, e6, e7)
+        e0, e1, e2, e3, e4, e5, e6, e7 = _split8(p2)
+        xs = xs + (e0, e1, e2, e3, e4, e5, e6, e7)
+        e0, e1, e2, e3, e4, e5, e6, e7 = _split8(p3)
+        xs = xs + (e0, e1, e2, e3, e4, e5, e6, e7)
+        e0, e1, e2, e3, e4, e5, e6, e7 = _split8(p4)
+        xs = xs + (e0, e1, e2, e3, e4, e5, e6, e7)
+        e0, e1, e2, e3, e4, e5, e6, e7 = _split8(p5)
+        xs = xs + (e0, e1, e2, e3, e4, e5, e6, e7)
+        e0, e1, e2, e3, e4, e5, e6, e7 = _split8(p6)
+        xs = xs + (e0, e1, e2, e3, e4, e5, e6, e7)
+        e0, e1, e2, e3, e4, e5, e6, e7 = _split8(p7)
+        xs = xs + (e0, e1, e2, e3, e4, e5, e6, e7)
+        return xs

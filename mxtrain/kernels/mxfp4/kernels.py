@@ -9,7 +9,8 @@ transposed tile directly from the row-major tensor: no transpose copy. Two kerne
   tile (each layout writes identical bytes; ``launch.kernel_for`` picks one, the ``qkernel`` setting forces
   one), and only that layout's code is compiled:
 
-  - "tile": any rotation, the whole tile as one [BR, 128] tensor;
+  - "tile": any rotation, the whole tile as one [BR, 128] tensor; 64-wide rotations (``tseng``) in a path of
+    their own where each thread holds one row's whole 64-wide group (every stage register-local);
   - "blocks": rotations up to 32 wide; the tile as four pieces so that a thread holds whole MX blocks
     (1.2-2x faster on an H100, BENCHMARKS.md);
   - "cols": inputs whose output rows are the contiguous axis; the tile as 32 coalesced [4, BR] tensors.
@@ -44,8 +45,9 @@ LAYOUTS = ("tile", "blocks", "cols")   # values of _mxfp4_kernel's LAYOUT (the n
 if triton is not None:
     import triton.language as tl
 
-    from .device import (_bfly, _bfly8, _bfly_tuple, _block_scale, _carrier_exp, _join_tree, _pack4, _piece,
-                         _pow2, _pow2n, _uniform)
+    from .device import (_bfly, _bfly8, _bfly_tuple, _bfly_tuple_n, _block_scale, _carrier_exp, _e4m3_bits,
+                         _fp4_round_kk, _join_all, _join_tree, _pack4, _piece, _pow2, _pow2n, _split64,
+                         _uniform)
 
     @triton.jit(do_not_specialize=["key"])
     def _mxfp4_kernel(
@@ -81,7 +83,145 @@ if triton is not None:
             rows = pid_r * BR + tl.arange(0, BR)
             kbase = pid_k * 128
 
-        if LAYOUT == "tile":
+        if LAYOUT == "tile" and ROT == 64:
+            # ================================================================ tile, 64-wide rotation groups
+            # The 128-wide tile as 2 rotation groups a row, loaded as one [BR, 2, 8, 8] tensor (element 8 j + e
+            # of group g of row r at [r, g, j, e]) in which each thread holds one row's whole group (along
+            # columns, rows contiguous, Triton converts the load's layout to it through shared memory): split
+            # into 64 tensors of one value a thread (xs[i] = element i of the group), the butterfly, the block
+            # maxima and the element math are all register-local, and the results are joined back for 64-byte
+            # stores. One value a thread of each [BR, 2] tensor: BR x 2 must be at least the thread count.
+            r2 = rows[:, None]                                         # [BR, 1]
+            gk = kbase + tl.arange(0, 2)[None, :] * 64                 # [1, 2] first column of each group
+            rm = r2 < R
+            cc = (gk[:, :, None, None] + tl.arange(0, 8)[None, None, :, None] * 8
+                  + tl.arange(0, 8)[None, None, None, :])                # [1, 2, 8, 8] columns
+            r4 = rows[:, None, None, None]
+            P = tl.load(x_ptr + r4 * sx_r + cc * sx_k, mask=(r4 < R) & (cc < K), other=0.0)
+            xs = _split64(P.to(tl.float32))
+            if HAS_SIGNS:   # signs and butterfly stage 1: (a s, b t) -> (a s + b t, a s - b t) as fused
+                # multiply-adds b * (+-t) + a s (exact products: the same rounding and signed zeros as the add
+                # and subtraction; -t as t * -1.0, not 0 - t, which is +0 for t = +0); the 64 signs read once
+                # as one [1, 2, 8, 8] tensor
+                sgs = _split64(tl.load(signs_ptr + (cc - gk[:, :, None, None])))
+                w = ()
+                for i in tl.static_range(0, 64, 2):
+                    a_s = xs[i] * sgs[i]
+                    w = w + (tl.fma(xs[i + 1], sgs[i + 1], a_s), tl.fma(xs[i + 1], sgs[i + 1] * -1.0, a_s))
+                xs = w
+            else:
+                xs = _bfly_tuple_n(xs, 1, 64)
+            xs = _bfly_tuple_n(xs, 2, 64)
+            xs = _bfly_tuple_n(xs, 4, 64)
+            xs = _bfly_tuple_n(xs, 8, 64)
+            xs = _bfly_tuple_n(xs, 16, 64)
+            xs = _bfly_tuple_n(xs, 32, 64)
+            w = ()
+            for i in tl.static_range(64):
+                w = w + (xs[i] * inv_sqrt,)
+            xs = w
+            # the reference pads with +0 to whole rotation blocks only (a group lies wholly inside or past
+            # them), and padding rows (up to Rc) hold +0: there the values are +-0 (signs), and the outputs
+            # take no sign from them (smask: the sign bit of live groups' values only)
+            live_g = (gk < K) & rm                                     # [BR, 2]
+            smask = tl.where(live_g, -2147483648, 0)
+
+            # ---- block scales of the group's two MX blocks (elements 0..31, 32..63): |x| maximum, NaN
+            # propagating, read as bit patterns (ordered as the values; NaN above all)
+            m0 = tl.abs(xs[0])
+            m1 = tl.abs(xs[32])
+            for i in tl.static_range(1, 32):
+                m0 = tl.maximum(m0, tl.abs(xs[i]), propagate_nan=tl.PropagateNan.ALL)
+                m1 = tl.maximum(m1, tl.abs(xs[32 + i]), propagate_nan=tl.PropagateNan.ALL)
+            ab0 = m0.to(tl.int32, bitcast=True)
+            ab1 = m1.to(tl.int32, bitcast=True)
+            ok0 = ab0 < 0x7F800000
+            ok1 = ab1 < 0x7F800000
+            s0, nz0 = _block_scale(tl.where(ok0, ab0, 0), RULE)
+            s1, nz1 = _block_scale(tl.where(ok1, ab1, 0), RULE)
+            sc0 = _pow2n(-s0)
+            sc1 = _pow2n(-s1)
+            if WRITE_CARRIER:
+                live0 = ok0 & nz0
+                live1 = ok1 & nz1
+                smax = tl.maximum(tl.where(live0, s0, -127), tl.where(live1, s1, -127))   # [BR, 2]
+                if GROUP_ROWS == 1:
+                    G = tl.maximum(tl.max(smax, axis=1), -120)                           # [BR]
+                    G2 = G[:, None]
+                else:
+                    G = tl.maximum(tl.max(tl.max(smax, axis=1), axis=0), -120)
+                    G2 = G
+                k0 = s0 - G2 + 6
+                k1 = s1 - G2 + 6
+                fc0 = tl.where(ok0, _pow2n(tl.maximum(k0, -126)), float("nan"))
+                fc1 = tl.where(ok1, _pow2n(tl.maximum(k1, -126)), float("nan"))
+                inexact = (live0 & (k0 < -8)).to(tl.int32) + (live1 & (k1 < -8)).to(tl.int32)
+
+            # ---- elements: stochastic-rounding index of element i = base + i * si_k
+            if SR:
+                if IDX64:
+                    ibase = r2.to(tl.int64) * si_r + gk.to(tl.int64) * si_k
+                else:
+                    ibase = r2 * si_r + gk * si_k
+                ku = key.to(tl.uint32, bitcast=True)
+                kk = ku ^ (ku >> 16)
+            else:
+                kk = 0
+            cs = ()
+            qs = ()
+            for i in tl.static_range(64):
+                if i < 32:
+                    sc = sc0
+                    ok = ok0
+                else:
+                    sc = sc1
+                    ok = ok1
+                v = xs[i]
+                if PRESCALE:
+                    v = v * prescale
+                v = v * sc
+                if SR:
+                    idx = ibase + i * si_k
+                else:
+                    idx = 0
+                q = _fp4_round_kk(v, SR, idx, key, kk)
+                if WRITE_CARRIER:
+                    if i < 32:
+                        fc = fc0
+                    else:
+                        fc = fc1
+                    cs = cs + ((q.to(tl.int32, bitcast=True)
+                                | (v.to(tl.int32, bitcast=True) & smask)).to(tl.float32, bitcast=True) * fc,)
+                if WRITE_FP4:
+                    cf = tl.minimum(tl.minimum(q * 2.0, q + 2.0), q * 0.5 + 4.0)   # as _fp4_code
+                    c = ((cf + 12582912.0).to(tl.int32, bitcast=True) & 0xF) | (((v.to(tl.int32, bitcast=True)
+                                                                                  & smask) >> 28) & 8)
+                    qs = qs + (tl.where(ok, c, 0),)
+
+            r3 = rows[:, None, None]
+            if WRITE_FP4:
+                pk = ()
+                for i in tl.static_range(32):
+                    pk = pk + ((qs[2 * i] | (qs[2 * i + 1] << 4)).to(tl.uint8),)
+                jb = gk[:, :, None] // 2 + tl.arange(0, 32)[None, None, :]
+                tl.store(fp4_ptr + r3 * (Kq // 2) + jb, _join_all(pk, 32), mask=(r3 < R) & (jb * 2 < Kq))
+                bidx = gk // 32                                          # [1, 2] first MX block of each group
+                scp = sc_ptr + r2 * (Kq // 32) + bidx
+                tl.store(scp, tl.where(ok0, s0 + 127, 255).to(tl.uint8), mask=rm & (bidx * 32 < Kq))
+                tl.store(scp + 1, tl.where(ok1, s1 + 127, 255).to(tl.uint8), mask=rm & (bidx * 32 + 32 < Kq))
+
+            if WRITE_CARRIER:
+                cb = gk[:, :, None] + tl.arange(0, 64)[None, None, :]
+                tl.store(car_ptr + r3 * Kc + cb, _e4m3_bits(_join_all(cs, 64), USE_ASM), mask=r3 < Rc)
+                gval = _pow2(G - 6)
+                if GROUP_ROWS == 1:
+                    tl.store(gs_ptr + rows * gs_sr + pid_k * gs_sk, gval, mask=rows < Rc)
+                else:
+                    tl.store(gs_ptr + pid_r * gs_sr + pid_k * gs_sk, gval)
+                nin = tl.sum(tl.sum(tl.where(rm, inexact, 0), axis=1), axis=0)
+                tl.atomic_add(cnt_ptr, nin, mask=nin > 0)  # rare: no contention on the common path
+
+        elif LAYOUT == "tile":
             # ================================================================ tile: one [BR, 128] tensor
             cols = kbase + tl.arange(0, 128)
             r2 = rows[:, None]

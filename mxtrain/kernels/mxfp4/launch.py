@@ -128,7 +128,9 @@ def block_config(kern: str, axis: int, group_rows: int, sr: bool, block_rows: in
         # (32 values a thread); 128x128 groups: 8 warps (64 values a thread)
         BR = block_rows or (128 if group_rows == 128 else (16 if axis == 1 else 64))
         return BR, num_warps or (8 if group_rows == 128 else max(1, min(16, BR // 8)))
-    BR = block_rows or (128 if group_rows == 128 else (64 if axis == 1 else 32))
+    # tile: 64 rows either way (along columns it was 32 rows before the 64-wide rotation groups: there a thread
+    # holds one row's group, so 32 rows x 2 groups would leave half of 4 warps' threads repeating the others)
+    BR = block_rows or (128 if group_rows == 128 else 64)
     return BR, num_warps or (8 if BR >= 128 else 4)
 
 
@@ -150,6 +152,8 @@ def single_kernel(kern: str, dev: torch.device, dtype: torch.dtype, BR: int, num
     elif kern == "blocks":
         consts.update(USE_ASM=dev.type == "cuda", JOIN_STORE=st.qjoin,
                       FOLD=fold_applies(dtype, rot, prescale, st.qfold))
+    elif rot == 64:   # the tile kernel's 64-wide groups: the hardware e4m3 conversion as blocks and cols
+        consts.update(USE_ASM=dev.type == "cuda")
     return _kernels._mxfp4_kernel, consts
 
 
