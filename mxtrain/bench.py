@@ -77,6 +77,8 @@ def bench_quantize(args) -> dict:
         ("act 16384x4096 cols (wgrad) carrier H16", (16384, 4096), 0, dict(rot=16)),
         ("act 16384x4096 cols (wgrad) carrier H32 signs SR", (16384, 4096), 0,
          dict(rot=32, signs=rotation_signs(32, "fixed", device=dev), rounding="stochastic", key=123)),
+        ("act 16384x4096 cols (wgrad) carrier H64 signs SR x0.75", (16384, 4096), 0,
+         dict(rot=64, signs=rotation_signs(64, "fixed", device=dev), rounding="stochastic", key=123, prescale=0.75)),
         ("act 16384x4096 cols fp4 only H16", (16384, 4096), 0, dict(rot=16, carrier=False, fp4=True)),
         ("act 16384x14336 rows carrier H16", (16384, 14336), 1, dict(rot=16)),
         ("act 16384x14336 cols (wgrad) carrier H16", (16384, 14336), 0, dict(rot=16)),

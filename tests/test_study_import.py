@@ -39,7 +39,9 @@ def test_import_lr_check_into_main_study(tmp_path, monkeypatch):
     torch.set_num_threads(1)
     src, dst = tmp_path / "lrcheck", tmp_path / "main"
     run_study(_spec(src, 2e-3), log=lambda m: None)          # the check: its own study at another LR
-    run_study(_spec(dst, 5e-3), log=lambda m: None)          # the main study at its base LR
+    run_study(_spec(dst, 5e-3, preset="smoke"), log=lambda m: None)   # the main study at its base LR, named by
+    # a preset (its runs' exp is study-smoke, the check's study-custom: a label, not a difference in training)
+    assert json.loads((dst / "runs" / "bf16" / "seed0" / "config.json").read_text())["exp"] == "study-smoke"
 
     # the wrong LR, or a name the destination would train differently: refused, with the key and both values
     with pytest.raises(UserError, match=r"optim\.lr: 0\.002 in the run, 0\.003"):
@@ -65,7 +67,7 @@ def test_import_lr_check_into_main_study(tmp_path, monkeypatch):
     # the destination's runner counts the imported run (and its branches) as finished: nothing trains again
     def must_not_train(*a, **k):
         raise AssertionError(f"trained again: {a[1:3]}")
-    run_study(_spec(dst, 5e-3, arms=("bf16", "bf16@lr2e-3")), train_fn=must_not_train, branch_fn=must_not_train,
+    run_study(_spec(dst, 5e-3, arms=("bf16", "bf16@lr2e-3"), preset="smoke"), train_fn=must_not_train, branch_fn=must_not_train,
               log=lambda m: None)
     s = json.loads((dst / "summary.json").read_text())
     assert set(s["arms"]) == {"bf16", "bf16@lr2e-3"} and s["missing"] == []

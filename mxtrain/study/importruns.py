@@ -9,7 +9,9 @@ spend GPU time on runs that exist. ``import_runs`` copies them instead, and copi
 * the source run is finished (``study_status.json`` says done or diverged), with every branch of its cooldown
   plan finished;
 * the training config the destination study builds for the new arm and that seed (``runner.build_config``)
-  equals the source run's ``config.json`` in every key but the run's own folder (``log.out``);
+  equals the source run's ``config.json`` in every key but the run's own folder (``log.out``) and the
+  experiment's name (``exp``: ``study-<preset>``, a label that changes nothing trained, so a check run with
+  ``--arms`` imports into a study made from a preset);
 * both studies have the same cooldown plan (budgets, cooldown share and shape, branch steps);
 * the destination holds no folder for that arm and seed yet (nothing is overwritten).
 
@@ -64,7 +66,7 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def config_differences(a: dict, b: dict, ignore: tuple[str, ...] = ("log.out",)) -> list[tuple[str, object, object]]:
+def config_differences(a: dict, b: dict, ignore: tuple[str, ...] = ("log.out", "exp")) -> list[tuple[str, object, object]]:
     """Keys (dotted) whose values differ between two nested configs, as ``(key, a's value, b's value)``;
     a key missing on one side counts as a difference (value ``<absent>``)."""
     fa, fb = _flat(json.loads(json.dumps(a))), _flat(json.loads(json.dumps(b)))
