@@ -325,7 +325,9 @@ def test_second_reference_arm_and_presets(tmp_path, capsys):
     for name, p in PRESETS.items():   # every preset is a valid study
         StudySpec(**{k: v for k, v in p.items() if k in StudySpec.__dataclass_fields__})
     assert main(["study", "--preset", "headline", "--out", str(tmp_path / "h"), "--dry-run"]) == 0
-    assert "baseline bf16; also compared with fp8" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "baseline bf16; also compared with fp8" in said
+    assert "peak learning rate: 0.00075 for every arm" in said      # the rate it was run at, not the base's
     # a preset's reference that --arms leaves out is dropped, not an error
     assert main(["study", "--preset", "paper", "--arms", "bf16,mxfp4-all", "--out", str(tmp_path / "p"),
                  "--dry-run"]) == 0
