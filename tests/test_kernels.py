@@ -192,7 +192,8 @@ def test_nan_inf_zero_blocks(kern):
 def test_rot64_special_values_carrier(dtype, use, fresh_caches):
     """The tile kernel's 64-wide path (its own code: one row's group a thread, sign bits of padding groups
     masked, fused first stage): FP4 codes equal the reference's, and the carrier, group scales and inexact count
-    equal those rebuilt from the codes, with NaN, Inf, -0, subnormals, the largest values, padding groups and
+    equal those rebuilt from the codes, with NaN, Inf, -0, subnormals (rows of them alone, whose codes are not
+    all zero, and subnormals mixed with tiny normal values in one group), the largest values, padding groups and
     padding rows (40 x 200: K pads to 256, a group wholly past K), along rows and columns, SR and prescale."""
     x = _data(40, 200, seed=11)
     x[0, :64] = 0.0
@@ -200,9 +201,12 @@ def test_rot64_special_values_carrier(dtype, use, fresh_caches):
     x[2, 70] = float("inf")
     x[3, 100] = -float("inf")
     x[4, 64:128] = -0.0
-    x[5, :] = 1e-40 if dtype == torch.float32 else 1e-30   # (bf16 subnormals: see BENCHMARKS.md, ninth session)
+    x[5, :] = 1e-40
     x[6, :64] = 3e38
     x[7, 130] = 3e38
+    g = torch.Generator().manual_seed(5)   # subnormals (in bf16 too) that keep non-zero codes: rows of tiny values
+    x[8:12] = (torch.randn(4, 200, generator=g) * 2.0 ** -130).to(DEV)
+    x[12, :128] = torch.where(torch.rand(128, generator=g) < 0.8, 2.0 ** -133, 2.0 ** -118).to(DEV)
     x = x.to(dtype)
     signs = rotation_signs(64, "per_step", seed=3, layer=1, gemm=2, step=5, device=DEV)
     use(qselfcheck="always")
@@ -220,6 +224,49 @@ def test_rot64_special_values_carrier(dtype, use, fresh_caches):
             assert torch.equal(fb.gscale, good.gscale)
             assert int(fb.inexact.item()) == int(good.inexact.item())
             fresh_caches.clear()
+
+
+def _tiny_bf16(M, K, seed):
+    """bf16 values where subnormals decide codes: rows of subnormals alone (|x| about 2**-130), rows mixing
+    subnormals and tiny normal values (2**-120), rows mixing 90 % subnormals (2**-133) with a few 2**-110."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g)
+    u = torch.rand(M, K, generator=g)
+    kind = torch.arange(M)[:, None] % 3
+    x = torch.where(kind == 0, x * 2.0 ** -130,
+                    torch.where(kind == 1, torch.where(u < 0.5, x * 2.0 ** -130, x * 2.0 ** -120),
+                                torch.where(u < 0.9, x * 2.0 ** -133, x * 2.0 ** -110)))
+    x = x.to(torch.bfloat16)
+    assert (x.float().abs() < 2.0 ** -126).float().mean() > 0.5   # mostly subnormal
+    return x.to(DEV)
+
+
+def test_f32_widens_every_bf16_exactly():
+    """``device._f32`` (every kernel's input conversion) gives each of the 65536 bf16 bit patterns' float32 value
+    exactly, subnormals included (Triton 3.6's interpreter converts bf16 subnormals wrongly with a plain cast)."""
+    @triton.jit
+    def widen(x_ptr, o_ptr, N: tl.constexpr):
+        i = tl.arange(0, N)
+        tl.store(o_ptr + i, device._f32(tl.load(x_ptr + i)))
+
+    x = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).to(DEV)
+    o = torch.empty(65536, dtype=torch.float32, device=DEV)
+    widen[(1,)](x, o, 65536)
+    assert torch.equal(o.view(torch.int32), x.float().view(torch.int32))
+
+
+@pytest.mark.parametrize("kern,axis,rot", _kern_axis_rot([0, 16, 32, 64]), indirect=["kern"])
+def test_bf16_subnormal_inputs(kern, axis, rot):
+    """bf16 inputs whose subnormals decide FP4 codes (``_tiny_bf16``), with and without the rotation's signs
+    (H64: the tile kernel's 64-wide path, ``tseng``'s operands), nearest and stochastic rounding, prescale 3/4:
+    codes and scales equal the reference's (the interpreted kernels read bf16 subnormals wrongly before
+    ``device._f32``; the compiled ones were right)."""
+    x = _tiny_bf16(40, 192, seed=rot + axis)
+    sg = rotation_signs(rot, "per_step", seed=3, layer=1, gemm=2, step=5, device=DEV) if rot else None
+    for signs in ((None, sg) if rot else (None,)):
+        for rounding in ("nearest", "stochastic"):
+            for prescale in (1.0, 0.75):
+                _check(x, axis, rot=rot, signs=signs, rounding=rounding, prescale=prescale, rule="even")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -25,6 +25,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from .mxfp4.device import _f32
+
     @triton.jit
     def _fp8_cast_kernel(x_ptr, out_ptr, scale_ptr, n, prescale, MAXV: tl.constexpr, MBITS: tl.constexpr,
                          EMIN: tl.constexpr, BIAS: tl.constexpr, SUB: tl.constexpr, PRESCALE: tl.constexpr,
@@ -32,7 +34,7 @@ if HAS_TRITON:
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         m = offs < n
         s = tl.load(scale_ptr)
-        x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        x = _f32(tl.load(x_ptr + offs, mask=m, other=0.0))
         if PRESCALE:
             x = x * prescale
         v = tl.math.div_rn(x, tl.full(x.shape, 1.0, tl.float32) * s)

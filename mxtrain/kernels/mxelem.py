@@ -44,6 +44,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from .mxfp4.device import _f32
+
     @triton.jit
     def _pow2(e):
         """Exact float32 2**e for int32 e in [-149, 127] (as ``quant.pow2``)."""
@@ -68,7 +70,7 @@ if HAS_TRITON:
             k = k.to(tl.int64)
         msk = (m < M) & (k < K)
         offs = m * s_m + k * s_k
-        x = tl.load(x_ptr + offs, mask=msk, other=0.0).to(tl.float32)
+        x = _f32(tl.load(x_ptr + offs, mask=msk, other=0.0))
         ax = tl.abs(x)
         fin = (x == x) & (ax != float("inf"))
         amax = tl.max(tl.where(fin, ax, 0.0), axis=2)[:, :, None]            # [TM, NB, 1]

@@ -59,13 +59,13 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .mxfp4.device import _bfly, _fp4_round, _uniform
+    from .mxfp4.device import _bfly, _f32, _fp4_round, _uniform
 
     @triton.jit
     def _finite_amax_kernel(x_ptr, part_ptr, n, BLOCK: tl.constexpr):
         """One partial maximum of the finite |x| per program (0 where none)."""
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+        x = _f32(tl.load(x_ptr + offs, mask=offs < n, other=0.0))
         a = tl.abs(x)
         a = tl.where((x == x) & (a != float("inf")), a, 0.0)
         tl.store(part_ptr + tl.program_id(0), tl.max(a, axis=0))
@@ -83,7 +83,7 @@ if HAS_TRITON:
         if IDX64:
             m = m.to(tl.int64)
             k = k.to(tl.int64)
-        x = tl.load(x_ptr + (m * s_m + k * s_k), mask=(m < M) & (k < K), other=0.0).to(tl.float32)
+        x = _f32(tl.load(x_ptr + (m * s_m + k * s_k), mask=(m < M) & (k < K), other=0.0))
         if ROT == 16:
             # A rotation block is an NVFP4 block (16 along K from a multiple of 16). The reference pads the axis
             # with +0 to a multiple of 16 and then applies the signs, so its padding inside the last block is

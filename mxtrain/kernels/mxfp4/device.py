@@ -12,6 +12,8 @@ layout's (``_bfly`` and the scalar helpers), the blocks layout's four [BR, 4, 8]
 
 from __future__ import annotations
 
+import os
+
 try:
     import triton
     import triton.language as tl
@@ -19,6 +21,8 @@ except Exception:  # pragma: no cover
     triton = None
 
 if triton is not None:
+    # whether Triton's interpreter runs the kernels (as Triton itself reads it where a kernel is decorated)
+    _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
     @triton.jit
     def _mix32(x):
@@ -28,6 +32,22 @@ if triton is not None:
         x = x * tl.full(x.shape, 0x846CA68B, tl.uint32)
         x = x ^ (x >> 16)
         return x
+
+    @triton.jit
+    def _f32(x):
+        """Loaded float32 / bf16 / fp16 values in float32, exactly (bf16 subnormals included). Compiled: the
+        plain cast (the hardware widening, exact). Interpreted (``TRITON_INTERPRET=1``): bf16 widened by its bits
+        (the 16 bits above 16 zero bits), since Triton 3.6's interpreter converts bf16 subnormals wrongly
+        (``triton.runtime.interpreter._convert_float`` shifts the significand's leading one out but leaves the
+        exponent field 0: bf16 0x0021, 2**-128 + 2**-133, came back as 2**-131), which made the interpreted
+        kernels differ from the reference on such inputs while the GPU's did not (docs/kernels.md)."""
+        if _INTERPRETED:
+            if x.dtype == tl.bfloat16:
+                return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+            else:
+                return x.to(tl.float32)
+        else:
+            return x.to(tl.float32)
 
     @triton.jit
     def _pow2(e):

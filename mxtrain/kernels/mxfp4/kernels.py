@@ -45,7 +45,7 @@ LAYOUTS = ("tile", "blocks", "cols")   # values of _mxfp4_kernel's LAYOUT (the n
 if triton is not None:
     import triton.language as tl
 
-    from .device import (_bfly, _bfly8, _bfly_tuple, _bfly_tuple_n, _block_scale, _carrier_exp, _e4m3_bits,
+    from .device import (_bfly, _bfly8, _bfly_tuple, _bfly_tuple_n, _block_scale, _carrier_exp, _e4m3_bits, _f32,
                          _fp4_round_kk, _join_all, _join_tree, _pack4, _piece, _pow2, _pow2n, _split64,
                          _uniform)
 
@@ -98,7 +98,7 @@ if triton is not None:
                   + tl.arange(0, 8)[None, None, None, :])                # [1, 2, 8, 8] columns
             r4 = rows[:, None, None, None]
             P = tl.load(x_ptr + r4 * sx_r + cc * sx_k, mask=(r4 < R) & (cc < K), other=0.0)
-            xs = _split64(P.to(tl.float32))
+            xs = _split64(_f32(P))
             if HAS_SIGNS:   # signs and butterfly stage 1: (a s, b t) -> (a s + b t, a s - b t) as fused
                 # multiply-adds b * (+-t) + a s (exact products: the same rounding and signed zeros as the add
                 # and subtraction; -t as t * -1.0, not 0 - t, which is +0 for t = +0); the 64 signs read once
@@ -229,7 +229,7 @@ if triton is not None:
             r3 = rows[:, None, None]
             c3 = kbase + (tl.arange(0, 4) * 32)[None, :, None] + tl.arange(0, 32)[None, None, :]
             inb = (r2 < R) & (c2 < K)
-            x = tl.load(x_ptr + r2 * sx_r + c2 * sx_k, mask=inb, other=0.0).to(tl.float32)
+            x = _f32(tl.load(x_ptr + r2 * sx_r + c2 * sx_k, mask=inb, other=0.0))
 
             # ---- optional blockwise Hadamard (signs first, butterfly h = 1..ROT/2, one scale multiply)
             if ROT > 0:
@@ -335,10 +335,10 @@ if triton is not None:
             c3 = c0 + 24
             rm = r3 < R
             xp = x_ptr + r3 * sx_r
-            x0 = tl.load(xp + c0 * sx_k, mask=rm & (c0 < K), other=0.0).to(tl.float32)
-            x1 = tl.load(xp + c1 * sx_k, mask=rm & (c1 < K), other=0.0).to(tl.float32)
-            x2 = tl.load(xp + c2 * sx_k, mask=rm & (c2 < K), other=0.0).to(tl.float32)
-            x3 = tl.load(xp + c3 * sx_k, mask=rm & (c3 < K), other=0.0).to(tl.float32)
+            x0 = _f32(tl.load(xp + c0 * sx_k, mask=rm & (c0 < K), other=0.0))
+            x1 = _f32(tl.load(xp + c1 * sx_k, mask=rm & (c1 < K), other=0.0))
+            x2 = _f32(tl.load(xp + c2 * sx_k, mask=rm & (c2 < K), other=0.0))
+            x3 = _f32(tl.load(xp + c3 * sx_k, mask=rm & (c3 < K), other=0.0))
 
             if ROT > 0:
                 if HAS_SIGNS:
@@ -494,7 +494,7 @@ if triton is not None:
             xp = x_ptr + r2 * sx_r
             xs = ()
             for j in tl.static_range(32):
-                xs = xs + (tl.load(xp + (kb + j) * sx_k, mask=rm & (kb + j < K), other=0.0).to(tl.float32),)
+                xs = xs + (_f32(tl.load(xp + (kb + j) * sx_k, mask=rm & (kb + j < K), other=0.0)),)
 
             if ROT > 0:
                 if HAS_SIGNS:
