@@ -26,7 +26,11 @@ if triton is not None:
 
     @triton.jit
     def _mix32(x):
-        x = x ^ (x >> 16)
+        return _mix32_rest(x ^ (x >> 16))
+
+    @triton.jit
+    def _mix32_rest(x):
+        """``_mix32`` after its first xor-shift (``_uniform_kk`` writes that round its own way)."""
         x = x * tl.full(x.shape, 0x7FEB352D, tl.uint32)
         x = x ^ (x >> 15)
         x = x * tl.full(x.shape, 0x846CA68B, tl.uint32)
@@ -154,14 +158,20 @@ if triton is not None:
             return b.to(tl.uint8)
 
     @triton.jit
-    def _fp4_round(v, SR: tl.constexpr, idx, key):
-        """|v| rounded to E2M1 magnitudes (float32 0..6), nearest-even or stochastic (hash of idx)."""
+    def _fp4_round(v, SR: tl.constexpr, idx, key, kk=0, KK: tl.constexpr = False):
+        """|v| rounded to E2M1 magnitudes (float32 0..6), nearest-even or stochastic (hash of idx). ``KK``: the
+        uniform of ``_uniform_kk`` with ``kk`` = key ^ (key >> 16) computed once by the caller, and the floor of
+        y >= 0 as one rounding instruction (the same values as the int32 round trip: y < 4)."""
         a = tl.minimum(tl.abs(v), 6.0)
         pbits = tl.maximum(a, 1.0).to(tl.int32, bitcast=True) & 0x7F800000   # 2**e, e = max(E(a), 0)
         if SR:
             y = a * ((0x7F800000 - pbits).to(tl.float32, bitcast=True))      # a * 2**(1-e): step 1
-            u = _uniform(idx, key)
-            fl = y.to(tl.int32).to(tl.float32)
+            if KK:
+                u = _uniform_kk(idx, key, kk)
+                fl = tl.floor(y)
+            else:
+                u = _uniform(idx, key)
+                fl = y.to(tl.int32).to(tl.float32)
             rr = fl + tl.where(u < (y - fl), 1.0, 0.0)
             q = rr * (pbits - 0x00800000).to(tl.float32, bitcast=True)        # * 2**(e-1)
         else:
@@ -292,29 +302,8 @@ if triton is not None:
             return _uniform(idx, key)
         else:
             i = idx.to(tl.uint32, bitcast=True)
-            x = i ^ (i >> 16) ^ kk
-            x = x * tl.full(x.shape, 0x7FEB352D, tl.uint32)
-            x = x ^ (x >> 15)
-            x = x * tl.full(x.shape, 0x846CA68B, tl.uint32)
-            x = x ^ (x >> 16)
+            x = _mix32_rest(i ^ (i >> 16) ^ kk)
             return (x >> 8).to(tl.float32) * 5.9604644775390625e-08
-
-    @triton.jit
-    def _fp4_round_kk(v, SR: tl.constexpr, idx, key, kk):
-        """``_fp4_round`` with the uniform of ``_uniform_kk`` and the floor of y >= 0 as one rounding
-        instruction (the same value as the int32 round trip: y < 4)."""
-        a = tl.minimum(tl.abs(v), 6.0)
-        pbits = tl.maximum(a, 1.0).to(tl.int32, bitcast=True) & 0x7F800000   # 2**e, e = max(E(a), 0)
-        if SR:
-            y = a * ((0x7F800000 - pbits).to(tl.float32, bitcast=True))      # a * 2**(1-e): step 1
-            u = _uniform_kk(idx, key, kk)
-            fl = tl.floor(y)
-            rr = fl + tl.where(u < (y - fl), 1.0, 0.0)
-            q = rr * (pbits - 0x00800000).to(tl.float32, bitcast=True)        # * 2**(e-1)
-        else:
-            m = pbits.to(tl.float32, bitcast=True) * 6291456.0
-            q = (a + m) - m
-        return q
 
     @triton.jit
     def _split64(P):

@@ -46,7 +46,7 @@ if triton is not None:
     import triton.language as tl
 
     from .device import (_bfly, _bfly8, _bfly_tuple, _bfly_tuple_n, _block_scale, _carrier_exp, _e4m3_bits, _f32,
-                         _fp4_round_kk, _join_all, _join_tree, _pack4, _piece, _pow2, _pow2n, _split64,
+                         _fp4_round, _join_all, _join_tree, _pack4, _piece, _pow2, _pow2n, _split64,
                          _uniform)
 
     @triton.jit(do_not_specialize=["key"])
@@ -184,7 +184,7 @@ if triton is not None:
                     idx = ibase + i * si_k
                 else:
                     idx = 0
-                q = _fp4_round_kk(v, SR, idx, key, kk)
+                q = _fp4_round(v, SR, idx, key, kk, True)
                 if WRITE_CARRIER:
                     if i < 32:
                         fc = fc0
