@@ -14,7 +14,9 @@
 #   bash benchmarks/study_lease.sh stop              # end the training now (SIGTERM to study_gpu.sh's `timeout`,
 #                                                    # as its BUDGET would): the report and study.tgz follow
 #   OUT=$OUT bash benchmarks/study_lease.sh collect  # wait for it to end; copy study.tgz, summary.json, report.md,
-#                                                    # device.txt and study_log.txt to OUT
+#                                                    # device.txt and study_log.txt to OUT; with PACK=1 everything
+#                                                    # in one archive, OUT/NAME-collected.tgz, and report.md beside it
+#                                                    # (two files a study: a device call returns a few files only)
 # (Never `pkill -f` a pattern of the study's command line from a device command: that command's own shell
 # carries the same text and is killed with it.)
 # State in PARTS (default /root/mx): NAME.out (study_gpu.sh's OUT), NAME.log (its output), NAME.pid, with NAME
@@ -73,7 +75,12 @@ case "${1:-}" in
     [ -f "$PIDF" ] || { echo "study_lease: nothing was started" >&2; exit 2; }
     while running; do sleep 5; done
     progress
-    mkdir -p "$OUT" && cp "$LO"/* "$OUT"/ 2>/dev/null; cp "$LOG" "$OUT/lease.log" 2>/dev/null
+    if [ "${PACK:-0}" = 1 ]; then
+      cp "$LOG" "$LO/lease.log" 2>/dev/null
+      mkdir -p "$OUT" && tar -C "$LO" -czf "$OUT/$NAME-collected.tgz" . && cp "$LO/report.md" "$OUT/$NAME-report.md" 2>/dev/null
+    else
+      mkdir -p "$OUT" && cp "$LO"/* "$OUT"/ 2>/dev/null; cp "$LOG" "$OUT/lease.log" 2>/dev/null
+    fi
     ls -la "$OUT";;
   *) echo "usage: study_lease.sh mark | start SECONDS|auto | watch SECONDS | stop | collect" >&2; exit 2;;
 esac

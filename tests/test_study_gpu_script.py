@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 from train_helpers import small_data
@@ -212,6 +213,14 @@ def test_two_named_studies_share_a_lease_and_one_mps_daemon(tmp_path):
         r = lease("collect", NAME=name, OUT=str(tmp_path / f"out-{name}"))
         assert r.returncode == 0, (r.stdout, r.stderr)
         assert "study exit: 0" in (tmp_path / f"out-{name}" / "study_log.txt").read_text()
+    # PACK=1: the same in one archive (and the report beside it), two files a study
+    r = lease("collect", NAME="b", OUT=str(tmp_path / "packed"), PACK="1")
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert sorted(p.name for p in (tmp_path / "packed").iterdir()) == ["b-collected.tgz", "b-report.md"]
+    with tarfile.open(tmp_path / "packed" / "b-collected.tgz") as tf:
+        names = {n.lstrip("./") for n in tf.getnames()}
+        assert {"study.tgz", "study_log.txt", "device.txt", "lease.log", "mps.txt"} <= names, names
+        assert b"study exit: 0" in tf.extractfile("./study_log.txt").read()
     assert (parts / "study-a" / "runs" / "bf16").is_dir() and not (parts / "study-a" / "runs" / "mxfp4-all").exists()
     assert (parts / "study-b" / "runs" / "mxfp4-all").is_dir() and not (parts / "study-b" / "runs" / "bf16").exists()
     assert (tmp_path / "out-a" / "mps.txt").read_text().strip() == "MPS on"
