@@ -210,8 +210,10 @@ def test_rot64_special_values_carrier(dtype, use, fresh_caches):
     x = x.to(dtype)
     signs = rotation_signs(64, "per_step", seed=3, layer=1, gemm=2, step=5, device=DEV)
     use(qselfcheck="always")
+    # float32 inputs: stochastic rounding only (the path's nearest rounding is the same code, checked with bf16;
+    # the interpreter takes about 5 s a case here)
     for axis in (1, 0):
-        for rounding in ("nearest", "stochastic"):
+        for rounding in ("nearest", "stochastic") if dtype == torch.bfloat16 else ("stochastic",):
             _check(x, axis, rot=64, signs=signs, rounding=rounding, prescale=0.75, rule="even")
             kw = dict(rot=64, signs=signs, rounding=rounding, key=rng.stream_key(7), prescale=0.75,
                       scale_rule="even", carrier=True, fp4=False, k_multiple=512)
