@@ -33,7 +33,7 @@ def test_parse_renames():
         == [("a.c", 2, 3)]
 
 
-def test_import_lr_check_into_main_study(tmp_path, monkeypatch):
+def test_import_lr_check_into_main_study(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MXTRAIN_DATA", str(tmp_path / "cache"))
     import torch
     torch.set_num_threads(1)
@@ -72,6 +72,28 @@ def test_import_lr_check_into_main_study(tmp_path, monkeypatch):
     s = json.loads((dst / "summary.json").read_text())
     assert set(s["arms"]) == {"bf16", "bf16@lr2e-3"} and s["missing"] == []
     assert len([b for b in s["branches"] if b.get("arm") == "bf16@lr2e-3"]) == 2
+
+    # a report of some arms (the check left out) goes to its own folder; the study's summary stays whole
+    from mxtrain.cli import main
+    whole = (dst / "summary.json").read_text()
+    assert main(["report", str(dst), "--arms", "bf16", "--out", str(tmp_path / "only")]) == 0
+    part = json.loads((tmp_path / "only" / "summary.json").read_text())
+    assert set(part["arms"]) == {"bf16"} and part["missing"] == []
+    assert {b["arm"] for b in part["branches"]} == {"bf16"}
+    md = (tmp_path / "only" / "report.md").read_text()
+    assert "Arms in this report: bf16 (the study has 2)" in md and "bf16@lr2e-3" not in md.split("## Exact")[0]
+    assert (dst / "summary.json").read_text() == whole
+    from mxtrain.study import report as R
+    seen = []
+    monkeypatch.setattr(R, "arm_colors", lambda *lists: seen.append(lists) or {})
+    R.write_report(dst, part, out=tmp_path / "only", arms=["bf16@lr2e-3"])
+    assert list(seen[0][0]) == ["bf16", "bf16@lr2e-3"]     # coloured in the whole study's order
+    capsys.readouterr()
+    for extra, err in ((["--arms", "bf16"], "needs --out"), (["--arms", "bf16@lr2e-3", "--out", "x"], "baseline"),
+                       (["--arms", "bf16,nope", "--out", "x"], "no finished runs")):
+        assert main(["report", str(dst), *[str(tmp_path / a) if a == "x" else a for a in extra]]) != 0
+        said = capsys.readouterr().err.strip().splitlines()
+        assert len(said) == 1 and err in said[0], said
 
 
 def test_import_refuses_another_cooldown_plan(tmp_path):

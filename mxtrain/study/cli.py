@@ -95,6 +95,10 @@ def register(subparsers) -> None:
     r.add_argument("--target-frac", type=float)
     r.add_argument("--smooth-k", type=int)
     r.add_argument("--fit", choices=["lsq", "huber"], help="the cooled-down baseline fit (default: the study's)")
+    r.add_argument("--arms", help="comma-separated arms to report (the baseline among them), e.g. to leave out a "
+                   "learning-rate check whose curve dwarfs the others in the figures; needs --out")
+    r.add_argument("--out", help="write report.html, report.md, its figures and summary.json here instead of DIR "
+                   "(DIR's own summary and report stay as they are)")
     r.set_defaults(func=report_main)
     register_import(subparsers)
 
@@ -286,6 +290,13 @@ def report_main(args: argparse.Namespace) -> int:
     if not d.is_dir():
         raise UserError(f"{d}: no such folder")
     single = (d / "metrics.jsonl").is_file() and not (d / "runs").is_dir()
+    out = Path(args.out) if getattr(args, "out", None) else d
+    sel = [a.strip() for a in (getattr(args, "arms", None) or "").split(",") if a.strip()]
+    if sel and single:
+        raise UserError(f"--arms: {d} is a single run's folder, not a study")
+    if sel and out.resolve() == d.resolve():
+        raise UserError("--arms needs --out: a report of some of the arms goes to its own folder, so that the "
+                        f"study's summary.json and report in {d} stay whole")
     summary = None
     if not single:
         runs = M.load_study_runs(d)
@@ -299,6 +310,18 @@ def report_main(args: argparse.Namespace) -> int:
         base = args.baseline or meta.get("baseline") or old.get("baseline") or next(iter(runs))
         if base not in runs:
             raise UserError(f"baseline {base!r} has no runs in {d}; arms: {', '.join(runs)}")
+        if sel:
+            unknown = [a for a in sel if a not in runs]
+            if unknown:
+                raise UserError(f"--arms {','.join(unknown)}: no finished runs of that arm in {d}; arms: "
+                                f"{', '.join(runs)}")
+            if base not in sel:
+                raise UserError(f"--arms leaves out the baseline {base!r}: add it, or name another baseline "
+                                f"among them with --baseline")
+            runs = {a: runs[a] for a in dict.fromkeys(sel)}
+            meta = {**meta, "references": [r for r in meta.get("references") or [] if r in runs]}
+            if meta.get("arms"):
+                meta["arms"] = [a for a in meta["arms"] if a in runs]
         k = args.smooth_k or meta.get("smooth_k") or 3
         tl = args.target_loss if args.target_loss is not None else meta.get("target_loss")
         tf = args.target_frac or meta.get("target_frac") or 0.8
@@ -324,10 +347,11 @@ def report_main(args: argparse.Namespace) -> int:
             if meta.get("cooldown"):
                 if args.fit:
                     meta = {**meta, "cooldown": {**meta["cooldown"], "fit": args.fit}}
-                add_cooldown(summary, d, meta, runs)
+                add_cooldown(summary, d, meta, runs, only=list(runs) if sel else None)
         summary = M.sanitize(summary)
-        (d / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False))
-    hp, mp = write_report(d, summary)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False))
+    hp, mp = write_report(d, summary, out=out, arms=list(runs) if sel else None)
     print(f"wrote {hp} and {mp}")
     _say_if_no_plots()
     return 0

@@ -702,9 +702,13 @@ _CSS = ("body{font-family:sans-serif;max-width:1300px;margin:2em auto;color:#222
         "th{background:#eee}pre{background:#f6f6f6;padding:8px;font-size:12px;overflow:auto}img{max-width:100%}")
 
 
-def write_report(d: str | Path, summary: dict | None = None) -> tuple[Path, Path]:
-    """Write ``report.html`` and ``report.md`` into ``d`` (a study or a run folder)."""
+def write_report(d: str | Path, summary: dict | None = None, out: str | Path | None = None,
+                 arms: list[str] | None = None) -> tuple[Path, Path]:
+    """Write ``report.html`` and ``report.md`` of ``d`` (a study or a run folder) into ``out`` (default ``d``);
+    ``arms``: only these arms' runs (the summary given holds only them too)."""
     d = Path(d)
+    out = Path(out) if out is not None else d
+    out.mkdir(parents=True, exist_ok=True)
     single = (d / "metrics.jsonl").is_file() and not (d / "runs").is_dir()
     study_meta = {}
     if (d / "study.json").is_file():
@@ -720,6 +724,9 @@ def write_report(d: str | Path, summary: dict | None = None) -> tuple[Path, Path
         runs = M.load_study_runs(d)
         if not runs:
             raise FileNotFoundError(f"{d}: neither a run folder (metrics.jsonl) nor a study (runs/<arm>/seed<k>)")
+        every_arm = list(runs)   # the whole study's order, which its own report colours by
+        if arms:
+            runs = {a: runs[a] for a in arms if a in runs}
         if summary is None and (d / "summary.json").is_file():
             summary = json.loads((d / "summary.json").read_text())
         if summary is None:
@@ -727,7 +734,9 @@ def write_report(d: str | Path, summary: dict | None = None) -> tuple[Path, Path
             summary = M.sanitize(M.summarize(runs, base, smooth_k=study_meta.get("smooth_k", 3),
                                              recipes=study_meta.get("recipes")))
         k = summary["smoothing"]["k"]
-    colors = arm_colors(list((summary or {}).get("arms") or []), study_meta.get("arms"), list(runs))
+    # some arms of a study: the colours of the whole study's report
+    colors = arm_colors(every_arm if arms and not single else list((summary or {}).get("arms") or []),
+                        study_meta.get("arms"), list(runs))
     cool = (summary or {}).get("cooldown") if not single else None
     figs: list[tuple[str, bytes]] = []
     plots = plots_available()
@@ -760,6 +769,11 @@ def write_report(d: str | Path, summary: dict | None = None) -> tuple[Path, Path
          f"<style>{_CSS}</style></head><body><h1>{html.escape(title)}</h1>",
          f"<p>Generated {now} from <code>{html.escape(str(d))}</code>.</p>"]
     md = [f"# {title}", "", f"Generated {now} from `{d}`.", ""]
+    if arms:
+        shown = (f"Arms in this report: {', '.join(runs)} (the study has "
+                 f"{len(study_meta.get('arms') or M.load_study_runs(d))}).")
+        h.append(f"<p>{html.escape(shown)}</p>")
+        md += [shown, ""]
     tline = None if single else training_line(runs)
     if tline:
         h.append(f"<p>{html.escape(tline)}</p>")
@@ -887,7 +901,7 @@ def write_report(d: str | Path, summary: dict | None = None) -> tuple[Path, Path
     if not plots:
         h.append(f"<p>{html.escape(PLOTS_MISSING[0].upper() + PLOTS_MISSING[1:])}.</p>")
         md += [PLOTS_MISSING[0].upper() + PLOTS_MISSING[1:] + ".", ""]
-    files = d / "report_files"
+    files = out / "report_files"
     files.mkdir(exist_ok=True)
     for i, (cap, png) in enumerate(figs):
         if png is None:
@@ -916,7 +930,7 @@ def write_report(d: str | Path, summary: dict | None = None) -> tuple[Path, Path
                 md += [f"<details><summary>{arm} seed {s}: config.json</summary>", "", "```json", t, "```",
                        "</details>", ""]
     h.append("</body></html>")
-    hp, mp = d / "report.html", d / "report.md"
+    hp, mp = out / "report.html", out / "report.md"
     hp.write_text("\n".join(h))
     mp.write_text("\n".join(md))
     return hp, mp

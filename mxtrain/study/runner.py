@@ -1250,15 +1250,19 @@ def add_references(summary: dict, meta: dict, runs: dict) -> None:
         summary["references"] = refs
 
 
-def add_cooldown(summary: dict, out: Path, meta: dict, runs: dict | None = None) -> None:
+def add_cooldown(summary: dict, out: Path, meta: dict, runs: dict | None = None,
+                 only: list[str] | None = None) -> None:
     """The cooldown design's results into ``summary``: ``branches`` (every planned branch of a stable run that
     is done: its state and cooled-down loss), ``cooldown`` (``mxtrain.study.cooldown.summarize_cooldown``:
     extra tokens per budget with paired bootstrap intervals, the verdict lines) and the branches not finished
-    under ``missing`` (with their budget), counted in ``planned_runs``."""
+    under ``missing`` (with their budget), counted in ``planned_runs``. ``only``: these arms' branches alone
+    (a report of some of the arms)."""
     from . import cooldown as C
 
     cd = meta["cooldown"]
     points = C.load_cooldown_points(out)
+    if only is not None:
+        points = {a: v for a, v in points.items() if a in only}
     plan = cd.get("branches") or []
     rows, missing = [], []
     for s in meta["seeds"]:
