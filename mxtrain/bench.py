@@ -120,8 +120,8 @@ def bench_quantize(args) -> dict:
                 # more takes minutes
                 if kern == "cols":   # 2 or 4 values of each [4, BR] tensor a thread
                     cfgs = ((64, 4), (32, 2), (16, 1)) if kw.get("group_rows", 1) == 1 else ((128, 8), (128, 4))
-                elif kern == "tile":
-                    cfgs = ((32, 4), (64, 8)) if kw.get("group_rows", 1) == 1 else ((128, 8),)
+                elif kern == "tile":   # (64, 4): the launch table's choice (a thread per 64-wide row group)
+                    cfgs = ((64, 4), (32, 4), (64, 8), (128, 8)) if kw.get("group_rows", 1) == 1 else ((128, 8),)
                 else:
                     cfgs = ((16, 2), (32, 4), (64, 4)) if kw.get("group_rows", 1) == 1 else ((128, 8),)
                 best = None

@@ -363,9 +363,8 @@ def test_cuda_graph_replays_stochastic_rounding_like_eager(one_pass, use):
         assert lin.mx_state.tolist() == [3, step, micro + 1]
         xr.grad, ref.weight.grad = None, None
         ref.set_step(step)
-        for _ in range(micro):   # the earlier micro-steps' calls
-            with torch.no_grad():
-                ref(xr)
+        for _ in range(micro):   # the earlier micro-steps' calls (recording gradients: a no_grad call
+            ref(xr)              # does not advance the counter), their graphs dropped
         ref(xr).backward(dy)
         for g, e in zip([x.grad, lin.weight.grad], [xr.grad, ref.weight.grad]):
             assert torch.equal(g, e) or _rel(g.float(), e.float()) < 1e-6, (step, micro)
