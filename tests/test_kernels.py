@@ -6,6 +6,7 @@ marked ``cuda`` add large shapes and the FP8-carrier GEMM.
 """
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -563,7 +564,7 @@ def test_compat_module_reexports_the_package():
 
 
 @pytest.mark.skipif(DEV != "cpu", reason="the GPU tests run the compiled kernels instead")
-def test_kernels_compile_for_sm90():
+def test_kernels_compile_for_sm90(tmp_path):
     """The interpreter compiles nothing: one variant of each layout of ``_mxfp4_kernel`` and the dual kernel
     (which calls it as a device function, ``pid_r`` / ``pid_k`` given) compiled for sm_90
     (``tools/compile_check.py``)."""
@@ -571,10 +572,14 @@ def test_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     only = ["tile r16 signs car+fp4", "blocks r16 signs fold car", "cols r32 sr car+fp4", "dual r0 fp4_b seq idx64"]
     p = subprocess.run([sys.executable, os.path.join(root, "tools", "compile_check.py"), "--jobs", "2",
-                        *[a for o in only for a in ("--only", o)]], capture_output=True, text=True, env=env,
-                       cwd=root, timeout=600)
+                        "--json", str(tmp_path / "cc.json"), *[a for o in only for a in ("--only", o)]],
+                       capture_output=True, text=True, env=env, cwd=root, timeout=600)
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
     assert sorted(ln.split("  regs")[0].strip() for ln in p.stdout.splitlines()) == sorted(only), p.stdout
+    res = json.loads((tmp_path / "cc.json").read_text())
+    for name in only:   # the opcode histogram counts every SASS instruction, and sees the kernels' float work
+        ops = res[name]["ops"]
+        assert sum(ops.values()) == res[name]["sass"] and ops.get("FADD", 0) + ops.get("FMUL", 0) > 0, (name, ops)
 
 
 def test_record_launches_nests():

@@ -13,7 +13,8 @@ on a real launch (the unit stride) are passed as 1, which Triton specializes on,
 padded sizes as multiples of 16; the rest as plain int32. For each variant: registers and SASS instruction
 count (the bundled ``cuobjdump``; for the single-pass MXFP4 kernel, straight-line code, also SASS instructions per
 element of its tile: at the GPU's issue rate an estimate of the time it needs, to compare variants before
-measuring them), PTX instruction count and a hash of the PTX code without debug information and symbol names (equal hashes: identical PTX; ptxas may still schedule it slightly differently, as the line
+measuring them; with ``--json``, the count of each SASS opcode as well, to see which pipe the code loads:
+integer and logic operations issue to the ALU pipe, float operations to the FMA pipe), PTX instruction count and a hash of the PTX code without debug information and symbol names (equal hashes: identical PTX; ptxas may still schedule it slightly differently, as the line
 table it reads differs).
 
     python tools/compile_check.py [--arch 90] [--jobs 2] [--json out.json] [--only SUBSTRING ...]
@@ -232,6 +233,12 @@ def compile_one(item):
     n_sass = sum(1 for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", ln))
     text = re.sub(r"_(mxfp4|nvfp4|finite_amax)\w*", "K", "\n".join(code))
     r = {"regs": regs, "sass": n_sass, "ptx": n_ptx, "hash": hashlib.sha1(text.encode()).hexdigest()[:12]}
+    ops: dict[str, int] = {}   # SASS opcode (first word after the address, predicate dropped) -> count
+    for ln in sass.splitlines():
+        m = re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", ln)
+        if m:
+            ops[m.group(1)] = ops.get(m.group(1), 0) + 1
+    r["ops"] = dict(sorted(ops.items(), key=lambda t: -t[1]))
     if v["kind"] == "single":
         # the single-pass kernel is straight-line code (no loops) over one tile of BR x 128 elements: every
         # thread issues its SASS once, so SASS instructions per element estimate its time at the GPU's issue
