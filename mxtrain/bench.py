@@ -673,18 +673,16 @@ def run(args) -> int:
         raise UserError(f"unknown benchmark {bad[0]!r}; choose from {', '.join(_WHAT)} or all")
     from . import recipes as _recipes
     from . import settings as _settings
-    from .bench_step import split_variant
-    from .bench_step import TORCHAO
+    from .bench_step import TORCHAO, split_variant, step_options
     named = _presets(args, []) + [v.strip() for v in (getattr(args, "variants", "") or "").split(",") if v.strip()]
     for p in named:
-        if p in TORCHAO:
-            continue
         try:
             name, over = split_variant(p)
+            step_options(over)   # (a variant's own recompute_ffn / checkpoint_blocks; the rest are settings)
             _settings.fresh().replace(**over)
         except ValueError as e:
             raise UserError(f"variant {p!r}: {e}") from None
-        if not _recipes.is_name(name):
+        if name not in TORCHAO and not _recipes.is_name(name):
             raise UserError(f"unknown recipe {name!r} in variant {p!r}; choose from {', '.join(_recipes.names())}")
     if not torch.cuda.is_available():
         raise UserError("mxtrain bench needs a CUDA GPU (the fast path's kernels and GEMMs run there)")

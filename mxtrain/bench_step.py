@@ -19,7 +19,10 @@ variant's steps by tensor, and the ratios to BF16 and to the fastest FP8 variant
 variant that fails (out of memory, say) is reported with its error; the others still run.
 
 A variant may carry settings (``docs/settings.md``) after a colon, applied while it is built, compiled and
-timed: ``mxfp4-all-dh16:wgrad_x=forward`` or ``mxfp4-all:dual=off:qfold=false``.
+timed: ``mxfp4-all-dh16:wgrad_x=forward`` or ``mxfp4-all:dual=off:qfold=false``; and the model options
+``recompute_ffn`` and ``checkpoint_blocks`` (``STEP_OPTIONS``; true or false) for that variant alone, over the
+run-wide ones: ``mxfp4-all-dh16:recompute_ffn=true`` beside a plain ``bf16`` compares an MX recipe that
+recomputes its feed-forward GEMMs with a BF16 step that does not, in one run.
 """
 
 from __future__ import annotations
@@ -131,6 +134,23 @@ def _one_variant(variant: str, model: str, layers: int | None, batch: int, seq: 
     return out
 
 
+STEP_OPTIONS = ("recompute_ffn", "checkpoint_blocks")   # model options a variant may set for itself
+
+
+def step_options(over: dict, **defaults: bool) -> dict:
+    """The model options of one variant: ``defaults`` (the run's), replaced by those among the variant's
+    ``key=value`` pairs ``over`` (removed from it, so that the rest are settings). Refuses a value that is not a
+    boolean."""
+    opts = dict(defaults)
+    for key in STEP_OPTIONS:
+        if key in over:
+            val = str(over.pop(key)).strip().lower()
+            if val not in ("true", "false", "1", "0", "on", "off"):
+                raise ValueError(f"{key}={val!r}: give true or false")
+            opts[key] = val in ("true", "1", "on")
+    return opts
+
+
 def split_variant(v: str) -> tuple[str, dict]:
     """``"name:key=value:key=value"`` -> ``("name", {key: value})`` (values parsed by ``settings``)."""
     name, _, rest = v.partition(":")
@@ -169,13 +189,15 @@ def measure(variants, model: str = "8b-layers", layers: int | None = 4, batch: i
     for v in variants:
         try:
             base, over = split_variant(v)
+            opts = step_options(over, recompute_ffn=recompute_ffn, checkpoint_blocks=checkpoint_blocks)
             budget = {} if memory_budget is None else {"activation_memory_budget": float(memory_budget)}
             if recompute_gemm_inputs:
                 budget["ban_recompute_materialized_backward"] = False
             with settings.override(**over), torch._functorch.config.patch(**budget):
                 res["runs"][v] = _one_variant(base, model, layers, batch, seq, steps, warmup, compile_mode, device,
-                                              recompute_ffn, param_dtype, checkpoint_blocks)
+                                              opts["recompute_ffn"], param_dtype, opts["checkpoint_blocks"])
                 res["runs"][v]["settings"] = over
+                res["runs"][v]["step_options"] = opts
                 if on_variant is not None:   # (inside: it sees the variant's settings)
                     on_variant(v, res["runs"][v])
         except Exception as e:  # noqa: BLE001 - one variant's failure (OOM, torchao missing) is a result

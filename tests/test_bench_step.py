@@ -142,3 +142,46 @@ def test_recompute_gemm_inputs_applies_to_every_variant_while_it_runs():
     assert seen == [("bf16", False), ("mxfp4-all", False)]
     assert fc.ban_recompute_materialized_backward == before and res["recompute_gemm_inputs"] is True
     assert "GEMM inputs recomputable" in bs.format_table(res)
+
+
+def test_a_variant_sets_its_own_model_options(monkeypatch):
+    """``name:recompute_ffn=true`` / ``:checkpoint_blocks=on``: that variant alone builds its blocks with the
+    option, over the run's; the rest of the pairs stay settings; a value that is not a boolean fails that
+    variant with a message naming the option."""
+    from mxtrain import settings
+    seen = []
+    real = bs._one_variant
+
+    def spy(variant, *args):   # args[8], args[10]: recompute_ffn, checkpoint_blocks
+        seen.append((variant, settings.current().wgrad_x, args[8], args[10]))
+        return real(variant, *args)
+    monkeypatch.setattr(bs, "_one_variant", spy)
+    res = bs.measure(["bf16", "mxfp4-all:recompute_ffn=true:wgrad_x=backward", "bf16:checkpoint_blocks=on",
+                      "mxfp4-all:recompute_ffn=maybe"], model="tiny", layers=1, batch=1, seq=16, steps=1,
+                     warmup=0, compile_mode="none", device="cpu")
+    assert seen == [("bf16", "forward", False, False), ("mxfp4-all", "backward", True, False),
+                    ("bf16", "forward", False, True)]   # the refused variant never builds
+    runs = res["runs"]
+    assert runs["mxfp4-all:recompute_ffn=true:wgrad_x=backward"]["step_options"] == {
+        "recompute_ffn": True, "checkpoint_blocks": False}
+    assert runs["mxfp4-all:recompute_ffn=true:wgrad_x=backward"]["settings"] == {"wgrad_x": "backward"}
+    assert runs["bf16:checkpoint_blocks=on"]["step_options"] == {"recompute_ffn": False, "checkpoint_blocks": True}
+    assert runs["bf16"]["step_options"] == {"recompute_ffn": False, "checkpoint_blocks": False}
+    assert "recompute_ffn='maybe'" in runs["mxfp4-all:recompute_ffn=maybe"]["error"]
+    # the run-wide option, replaced by a variant's own
+    res = bs.measure(["bf16", "bf16:recompute_ffn=false"], model="tiny", layers=1, batch=1, seq=16, steps=1,
+                     warmup=0, compile_mode="none", device="cpu", recompute_ffn=True)
+    assert [r["step_options"]["recompute_ffn"] for r in res["runs"].values()] == [True, False]
+
+
+def test_bench_cli_checks_a_variants_model_options_before_the_gpu():
+    import torch
+
+    from train_helpers import one_line_error, run_cli
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    one_line_error(run_cli("bench", "step", "--variants", "bf16,mxfp4-all:recompute_ffn=maybe"), "recompute_ffn='maybe'")
+    # accepted (torchao's variants and recipes alike); then refused only for want of a GPU
+    one_line_error(run_cli("bench", "step", "--variants",
+                           "torchao-tensorwise:recompute_ffn=true,mxfp4-all-dh16:recompute_ffn=on:wgrad_x=forward"),
+                   "needs a CUDA GPU")
