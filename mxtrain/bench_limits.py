@@ -181,6 +181,10 @@ def limits(cfg, batch: int, seq: int, recipes: list[str], rates: Rates = Rates()
     head_ms, attn_ms = ms(fl["head"], rates.bf16_tflops), ms(fl["attention"], rates.attention_tflops)
     bf16_lin_ms = ms(fl["linear"], rates.bf16_tflops)
     other = None if bf16_step_ms is None else bf16_step_ms - bf16_lin_ms - head_ms - attn_ms
+    if other is not None and not other > -1e-9 * abs(bf16_step_ms):   # else negative ceilings and ratios
+        raise UserError(f"--bf16-step-ms {bf16_step_ms:g} is shorter than the BF16 step's GEMMs, head and attention "
+                        f"alone at these rates ({bf16_lin_ms + head_ms + attn_ms:.1f} ms): give the measured BF16 "
+                        f"step of this model, batch and sequence (mxtrain bench step), or the GPU's --rates")
     bw = rates.copy_tbs * rates.quantize_of_copy * 1e12
     out = {"flops": fl, "tokens": batch * seq, "rates": asdict(rates), "head_ms": head_ms, "attention_ms": attn_ms,
            "other_ms": other, "recipes": {}}

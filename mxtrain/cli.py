@@ -199,6 +199,9 @@ def build_config(args):
         from .distributed import find_dcp  # a multi-process run's checkpoint.dcp folder
         path = find_dcp(src) or ckpt.find(src)
         cfg_file = path.parent / "config.json"
+        if not cfg_file.exists():
+            raise UserError(f"--resume {src}: no config.json beside the checkpoint {path}; give a run folder, or a "
+                            f"checkpoint file inside its run folder (the run's config.json is read from there)")
         try:
             cfg = TrainConfig.from_dict(json.loads(cfg_file.read_text()), source=str(cfg_file))
         except (OSError, json.JSONDecodeError) as e:
@@ -244,6 +247,8 @@ def _cmd_train(args) -> int:
         print("recipes:    ", ", ".join(recipes.names()))
         return 0
     import os
+    if args.nproc is not None and args.nproc < 1:
+        raise UserError(f"--nproc must be a number of processes >= 1, got {args.nproc}")
     if args.nproc is not None and args.nproc > 1 and "WORLD_SIZE" not in os.environ:  # --nproc N
         from .distributed import launch, strip_nproc
         return launch(args.nproc, strip_nproc(list(getattr(args, "argv", None) or sys.argv[1:]))[1])

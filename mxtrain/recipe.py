@@ -188,8 +188,11 @@ class Recipe:
                 raise ValueError(f"unknown recipe field {head!r}; fields: {', '.join(f.name for f in fields(self))}")
             if rest:
                 inner = top.get(head, getattr(self, head))
-                if not dataclasses.is_dataclass(inner) or not any(f.name == rest for f in fields(inner)):
-                    raise ValueError(f"unknown recipe field {key!r}")
+                if not dataclasses.is_dataclass(inner):
+                    raise ValueError(f"unknown recipe field {key!r}: {head} has no fields of its own")
+                if not any(f.name == rest for f in fields(inner)):
+                    raise ValueError(f"unknown recipe field {key!r}; fields of {head}: "
+                                     f"{', '.join(f.name for f in fields(inner))}")
                 top[head] = replace(inner, **{rest: value})
             else:
                 top[head] = value

@@ -96,6 +96,11 @@ def test_cli_prints_table_and_refuses_bad_rates(tmp_path):
     p = subprocess.run([sys.executable, "-m", "mxtrain.cli", "bench", "limits", "--rates", "bf16_tflops=-1"],
                        capture_output=True, text=True)
     assert p.returncode == 2 and p.stderr.strip().count("\n") == 0 and "positive" in p.stderr
+    for ms in ("-1", "1", "nan"):   # a BF16 step shorter than its own counted GEMMs: no negative ceilings printed
+        p = subprocess.run([sys.executable, "-m", "mxtrain.cli", "bench", "limits", "--bf16-step-ms", ms],
+                           capture_output=True, text=True)
+        assert p.returncode == 2 and p.stdout == "" and p.stderr.strip().count("\n") == 0, (ms, p.stdout, p.stderr)
+        assert p.stderr.startswith(f"mxtrain: error: --bf16-step-ms {ms} is shorter than"), p.stderr
 
 
 @pytest.mark.parametrize("preset", ["fp8", "nvfp4"])

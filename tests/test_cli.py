@@ -54,6 +54,14 @@ def files():
     ("corrupt checkpoint", ["train", "--resume", "{d}/corrupt_run"], ["corrupt or truncated"]),
     ("truncated checkpoint", ["train", "--resume", "{d}/truncated_run"], ["corrupt or truncated"]),
     ("no checkpoint", ["train", "--resume", "{d}/nothing_here"], ["no checkpoint"]),
+    ("a file outside any run folder", ["train", "--resume", "{d}/a_file"],
+     ["--resume {d}/a_file: no config.json beside the checkpoint", "give a run folder"]),
+    ("zero processes", ["train", "--exp", "debug", "--data", "{small}", "--nproc", "0"],
+     ["--nproc must be a number of processes >= 1, got 0"]),
+    ("negative processes", ["train", "--exp", "debug", "--data", "{small}", "--nproc", "-2"],
+     ["--nproc must be a number of processes >= 1, got -2"]),
+    ("zero steps printed as a config", ["train", "--steps", "0", "--print-config"],
+     ["train.steps must be in [1, inf)"]),
     ("output folder not writable", ["train", "--exp", "debug", "--data", "{small}", "--out", "{d}/a_file/run"],
      ["cannot write to output folder"]),
     ("cuda on a CPU machine", ["train", "--exp", "debug", "--data", "{small}", "--device", "cuda:0"], ["CUDA"]),
@@ -69,7 +77,7 @@ def test_bad_input_is_one_line(files, case):
     if "cuda" in case[0] and torch.cuda.is_available():
         pytest.skip("has a GPU")
     args = [a.format(d=files, small=small_data()) for a in args]
-    one_line_error(run_cli(*args), *fragments)
+    one_line_error(run_cli(*args), *[f.format(d=files) for f in fragments])
 
 
 def test_help_and_version():

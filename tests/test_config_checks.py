@@ -28,6 +28,12 @@ BAD = [
     ("model.vocab_size=8", "model.vocab_size must be in [32, 16777216]"),
     ("data.seq_len=0", "data.seq_len must be in [1, 1048576]"),
     ("train.checkpoint_minutes=-1", "train.checkpoint_minutes must be in [0, inf)"),
+    # also checked here, not only by the trainer: a study's runs and --print-config go through validate alone
+    ("train.steps=0", "train.steps must be in [1, inf)"),
+    ("train.batch_size=-1", "train.batch_size must be in [1, inf)"),
+    ("log.eval_every=0", "log.eval_every must be in [1, inf)"),
+    ("log.eval_tokens=0", "log.eval_tokens must be in [1, inf)"),
+    ("log.log_every=0", "log.log_every must be in [1, inf)"),
     ("recipe_overrides={\"fprop_x.prescale\": Infinity}", "prescale must be a positive finite number"),
 ]
 

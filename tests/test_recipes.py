@@ -93,8 +93,10 @@ def test_unknown_names_list_the_valid_choices():
         Recipe(keep_hp="*.lm_head")
     with pytest.raises(ValueError, match="unknown recipe field 'fprop'; fields: name, fprop_x"):
         recipes.get("mxfp4-all").with_(fprop=1)
-    with pytest.raises(ValueError, match="unknown recipe field"):
+    with pytest.raises(ValueError, match="unknown recipe field 'fprop_x.colour'; fields of fprop_x: fmt, rounding"):
         recipes.get("mxfp4-all").with_(**{"fprop_x.colour": 1})
+    with pytest.raises(ValueError, match="unknown recipe field 'name.x': name has no fields of its own"):
+        recipes.get("mxfp4-all").with_(**{"name.x": 1})
     with pytest.raises(ValueError, match="unknown recipe fields: bogus"):
         Recipe.from_dict({"bogus": 1})
     with pytest.raises(ValueError, match="choose one of"):

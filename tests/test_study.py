@@ -141,6 +141,21 @@ def test_report_on_synthetic_study(tmp_path):
     assert "data:image/png;base64," in hp.read_text()
 
 
+@pytest.mark.parametrize("flag", [["--baseline", "nope"], ["--references", "fp8"], ["--target-loss", "3"],
+                                  ["--smooth-k", "2"], ["--fit", "huber"], ["--arms", "bf16", "--out", "x"]])
+def test_report_of_one_run_refuses_the_study_options(tmp_path, capsys, flag):
+    """A run folder's report has no arms to compare: a study's option is refused in one line, not ignored."""
+    from mxtrain.cli import main
+    toks = [1000.0 * i for i in range(1, 11)]
+    rd = write_run(tmp_path / "run", toks, [curve(t) for t in toks])
+    capsys.readouterr()
+    assert main(["report", str(rd.path), *flag]) == 2
+    err = capsys.readouterr().err
+    assert err == f"mxtrain: error: {flag[0]}: {rd.path} is a single run's folder, not a study (these options " \
+                  f"compare a study's arms)\n", err
+    assert not (rd.path / "report.html").exists()
+
+
 def _fake_trainer(calls, fail_at=None):
     """A stand-in for the trainer: writes an analytic run folder (arm 'mxfp4-all' needs 10 % more tokens)."""
     def train_fn(spec, arm, seed, run_dir):

@@ -110,6 +110,8 @@ def study_main(args: argparse.Namespace) -> int:
         apply_study_file(args, args.config)
     if args.jobs is None:
         args.jobs = 1
+    if args.jobs < 1:   # as run_study checks, also before a --dry-run's plan
+        raise UserError(f"--jobs must be >= 1, got {args.jobs}")
     spec = StudySpec.from_args(args)
     spec.check_branch_options()
     from ..train.config import check_init_from
@@ -292,8 +294,13 @@ def report_main(args: argparse.Namespace) -> int:
     single = (d / "metrics.jsonl").is_file() and not (d / "runs").is_dir()
     out = Path(args.out) if getattr(args, "out", None) else d
     sel = [a.strip() for a in (getattr(args, "arms", None) or "").split(",") if a.strip()]
-    if sel and single:
-        raise UserError(f"--arms: {d} is a single run's folder, not a study")
+    if single:   # the study's options would be silently ignored for one run
+        given = [f for f, v in (("--arms", sel), ("--baseline", args.baseline), ("--references", args.references),
+                                ("--target-loss", args.target_loss), ("--target-frac", args.target_frac),
+                                ("--smooth-k", args.smooth_k), ("--fit", args.fit)) if v not in (None, [])]
+        if given:
+            raise UserError(f"{', '.join(given)}: {d} is a single run's folder, not a study (these options compare "
+                            f"a study's arms)")
     if sel and out.resolve() == d.resolve():
         raise UserError("--arms needs --out: a report of some of the arms goes to its own folder, so that the "
                         f"study's summary.json and report in {d} stay whole")

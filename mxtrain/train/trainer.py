@@ -314,6 +314,8 @@ def validate(cfg: TrainConfig) -> None:
     if getattr(sc, "decay_steps", None) is not None and sc.decay_steps > (sc.horizon_steps or t.steps):
         raise UserError(f"schedule.decay_steps ({sc.decay_steps}) must be <= the schedule's horizon "
                         f"({sc.horizon_steps or t.steps} steps)")
+    _num("train.steps", t.steps, lo=1, integer=True)   # also where _check does not run first (a study, --print-config)
+    _num("train.batch_size", t.batch_size, lo=1, integer=True)
     _num("train.micro_batch_size", t.micro_batch_size, lo=1, integer=True, optional=True)
     _num("train.seed", t.seed, integer=True)
     _num("train.checkpoint_every", t.checkpoint_every, lo=0, integer=True)
@@ -321,6 +323,8 @@ def validate(cfg: TrainConfig) -> None:
     _num("parallel.prefetch", cfg.parallel.prefetch, lo=0, integer=True)
     _num("train.memory_budget", getattr(t, "memory_budget", None), lo=0, lo_open=True, hi=1, optional=True)
     keep_steps(cfg)
+    for k in ("eval_every", "eval_tokens", "log_every"):
+        _num(f"log.{k}", getattr(lg, k), lo=1, integer=True)
     _num("log.peak_tflops", lg.peak_tflops, lo=0, lo_open=True, optional=True)
     wandb_project(getattr(lg, "wandb", None))   # true, false or a project name (read only if the field exists)
     recipe = cfg.resolved_recipe()   # unknown presets and bad recipe fields: one line
