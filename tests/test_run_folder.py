@@ -3,6 +3,7 @@ trains in its new place, never in the folder it was copied from), never into a f
 run, and a run locks its folder so that a second run there is refused."""
 
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -64,6 +65,28 @@ def test_a_locked_folder_is_refused(tmp_path):
         lock.close()
     train(_cfg(out, 2))   # free again
     assert (out / "metrics.jsonl").exists()
+
+
+def test_runs_started_in_the_same_second_get_a_folder_each(tmp_path, monkeypatch):
+    """With no --out the folder is named by the second the run started: a second run of that second (another
+    seed, launched by the same script) trains in NAME-2, instead of being refused a folder it never chose."""
+    import time
+    monkeypatch.chdir(tmp_path)
+    real = time.strftime
+    monkeypatch.setattr(time, "strftime", lambda fmt, *t: "20260101-000000" if fmt == "%Y%m%d-%H%M%S"
+                        else real(fmt, *t))
+    first = train(_cfg(None, 2))
+    busy = tmp_path / "runs" / "debug-mxfp4-all-20260101-000000-2"
+    busy.mkdir()
+    lock = _RunLock(busy)   # a run of the same second that holds NAME-2 and has written nothing yet
+    try:
+        second = train(_cfg(None, 2))
+    finally:
+        lock.close()
+    assert first == Path("runs/debug-mxfp4-all-20260101-000000")
+    assert second == Path("runs/debug-mxfp4-all-20260101-000000-3")
+    assert (first / "checkpoint.pt").exists() and (second / "checkpoint.pt").exists()
+    assert not (busy / "metrics.jsonl").exists()
 
 
 def test_metrics_without_checkpoint_hold_a_run(tmp_path):

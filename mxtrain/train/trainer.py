@@ -439,15 +439,33 @@ def _holds_run(out: Path) -> str | None:
     return None
 
 
+def _new_default_folder(out: Path) -> Path:
+    """A new folder for a run given no ``--out``: ``out`` (named by the second the run started), or ``out-2``,
+    ``out-3``, ... when a run started in the same second (say another seed) has taken it. ``mkdir`` without
+    ``exist_ok`` is atomic, so two runs never get one folder, nor is the second refused a folder it never chose."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for i in range(1, 1000):
+        p = out if i == 1 else out.with_name(f"{out.name}-{i}")
+        try:
+            p.mkdir()
+            return p
+        except FileExistsError:
+            continue
+    raise UserError(f"no free run folder named like {out}; give one with --out")
+
+
 def _make_out(cfg: TrainConfig, resume_dir: Path | None, rank: int, locks: list) -> Path:
     """The run folder, created and (rank 0) locked. A new run refuses a folder that holds a run; a resumed run
     refuses one that holds another run than the one it continues. Rank 0 decides, before it writes anything,
     and every rank acts on its answer (a rank that looked later would find rank 0's first files)."""
+    default = not cfg.log.out
     out = Path(cfg.log.out) if cfg.log.out else Path("runs") / f"{cfg.exp}-{cfg.recipe_name()}-{time.strftime('%Y%m%d-%H%M%S')}"
     try:
         verdict = None
         if rank == 0:
             try:
+                if default:   # rank 0 names it for all ranks (their clocks may be a second apart)
+                    out = _new_default_folder(out)
                 if out.exists() and not out.is_dir():
                     raise UserError(f"output folder {out} exists and is not a folder")
                 out.mkdir(parents=True, exist_ok=True)
@@ -467,7 +485,8 @@ def _make_out(cfg: TrainConfig, resume_dir: Path | None, rank: int, locks: list)
                 verdict = f"cannot write to output folder {out}: {e.strerror or e}"
             except Exception as e:  # noqa: BLE001 - the other ranks wait for this answer: never leave them waiting
                 verdict = f"cannot use output folder {out}: {type(e).__name__}: {e}"
-        verdict = D.from_rank0(verdict)
+        verdict, out = D.from_rank0((verdict, str(out)))
+        out = Path(out)
         if verdict is not None:
             raise UserError(verdict)
         out.mkdir(parents=True, exist_ok=True)
