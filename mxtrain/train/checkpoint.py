@@ -125,8 +125,10 @@ def check_compatible(saved: dict, now: dict, path) -> None:
             b = b.get(k) if isinstance(b, dict) else None
         if isinstance(a, dict) and isinstance(b, dict):   # a key added since the checkpoint: unset is absent
             a, b = ({k: v for k, v in d.items() if v is not None} for d in (a, b))
-        if a != b:
-            diffs.append(f"{'.'.join(key)} ({a!r} in checkpoint, {b!r} now)" if not isinstance(a, dict)
-                         else f"{'.'.join(key)}")
+        if a != b and isinstance(a, dict) and isinstance(b, dict):   # name the fields that differ
+            diffs += [f"{'.'.join(key)}.{k} ({a.get(k)!r} in checkpoint, {b.get(k)!r} now)"
+                      for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+        elif a != b:
+            diffs.append(f"{'.'.join(key)} ({a!r} in checkpoint, {b!r} now)")
     if diffs:
         raise UserError(f"checkpoint {path} does not match this config: {'; '.join(diffs)}")
