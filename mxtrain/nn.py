@@ -310,7 +310,7 @@ class ConvertReport:
         return self.mx_params / self.total_params if self.total_params else 0.0
 
     def __str__(self) -> str:
-        lines = [f"mxtrain.convert: recipe {self.recipe.name}: {len(self.converted)} layers converted, "
+        lines = [f"mxtrain.convert: recipe {self.recipe.name}: {len(self.converted)} layer{'' if len(self.converted) == 1 else 's'} converted, "
                  f"{100 * self.share:.1f} % of {self.total_params:,} parameters in MX layers"]
         for what, d in (("kept in high precision", self.kept), ("NOT converted (mxtrain cannot run them)", self.refused)):
             if d:

@@ -34,6 +34,9 @@ def get(name: str | Recipe) -> Recipe:
     ``rceil``, ``even``, ``amd``: ``mxtrain.quant.SCALE_RULES``), e.g. [AMD]'s ladder with its own rule."""
     if isinstance(name, Recipe):
         return name
+    if not isinstance(name, str):
+        raise TypeError(f"a recipe is a preset name (mxtrain.recipes.names()) or an mxtrain.Recipe, got "
+                        f"{type(name).__name__} {name!r}")
     base, plus, rule = name.partition("+")
     try:
         fn = _REGISTRY[base]

@@ -4,6 +4,7 @@ import dataclasses
 import json
 
 import pytest
+import torch
 
 import mxtrain
 from mxtrain import Operand, Recipe, Rotation, recipes
@@ -57,9 +58,19 @@ def test_preset_contents_follow_the_papers():
     assert nv.keep_first >= 1 and nv.keep_last >= 1
 
 
+def test_convert_report_counts_its_layers_in_words():
+    rep = mxtrain.convert(torch.nn.Linear(32, 32), "mxfp4-all")
+    assert str(rep).startswith("mxtrain.convert: recipe mxfp4-all: 1 layer converted, 100.0 % of 1,056 parameters")
+    rep = mxtrain.convert(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)), "mxfp4-all")
+    assert "2 layers converted," in str(rep)
+
+
 def test_unknown_names_list_the_valid_choices():
     with pytest.raises(ValueError, match="valid recipes: bf16, fp8"):
         recipes.get("mxfp3")
+    with pytest.raises(TypeError, match=r"a recipe is a preset name \(mxtrain.recipes.names\(\)\) or an "
+                                        r"mxtrain.Recipe, got int 42"):   # not AttributeError: 'partition'
+        mxtrain.convert(torch.nn.Linear(32, 32), 42)
     with pytest.raises(ValueError, match="choose one of: mxfp4"):
         Operand("mxfp5")
     with pytest.raises(ValueError, match="choose one of: nearest, stochastic"):
