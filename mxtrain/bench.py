@@ -746,7 +746,8 @@ def _add_args(p: argparse.ArgumentParser) -> None:
                         "(full activation checkpointing, train.checkpoint_blocks)")
     p.add_argument("--variants", default="",
                    help="step: exactly these variants, comma-separated (bf16, torchao-tensorwise, torchao-rowwise, "
-                        "recipes, each optionally with settings), instead of the FP8 baselines + --presets")
+                        "recipes, each optionally with settings or its own recompute_ffn / checkpoint_blocks, e.g. "
+                        "mxfp4-all-dh16:recompute_ffn=true), instead of the FP8 baselines + --presets")
     p.add_argument("--memory-budget", type=_budget, default=None,
                    help="step: torch's activation_memory_budget for every variant, in (0, 1] (the compiler "
                         "recomputes activations in the backward to save only that share)")

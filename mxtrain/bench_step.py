@@ -141,13 +141,14 @@ def step_options(over: dict, **defaults: bool) -> dict:
     """The model options of one variant: ``defaults`` (the run's), replaced by those among the variant's
     ``key=value`` pairs ``over`` (removed from it, so that the rest are settings). Refuses a value that is not a
     boolean."""
+    from .settings import _FALSE, _TRUE   # the booleans the settings accept, the same words here
     opts = dict(defaults)
     for key in STEP_OPTIONS:
         if key in over:
             val = str(over.pop(key)).strip().lower()
-            if val not in ("true", "false", "1", "0", "on", "off"):
+            if val not in _TRUE + _FALSE:
                 raise ValueError(f"{key}={val!r}: give true or false")
-            opts[key] = val in ("true", "1", "on")
+            opts[key] = val in _TRUE
     return opts
 
 
