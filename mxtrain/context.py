@@ -51,6 +51,10 @@ def operand_seed(seed: int, layer: int, operand: str, step: int, call: int) -> i
 
 def seed_spec(recipe: Recipe) -> tuple[tuple[bool, ...], tuple[str, ...], tuple[int, ...]]:
     """(stochastic rounding per operand, sign mode per GEMM, rotation size per GEMM)."""
+    return recipe.memo("seed_spec", _seed_spec)
+
+
+def _seed_spec(recipe: Recipe) -> tuple[tuple[bool, ...], tuple[str, ...], tuple[int, ...]]:
     sr = tuple(recipe.operand(n).quantized and recipe.operand(n).rounding == "stochastic" for n in OPERANDS)
     rots = [recipe.rotation(g) for g in GEMMS]
     modes = tuple(r.signs if r.enabled else "none" for r in rots)
@@ -60,13 +64,12 @@ def seed_spec(recipe: Recipe) -> tuple[tuple[bool, ...], tuple[str, ...], tuple[
 
 def needs_seeds(recipe: Recipe) -> bool:
     """Does a call of this recipe draw anything random (stochastic rounding or signed rotations)?"""
-    sr, modes, _ = seed_spec(recipe)
-    return any(sr) or any(m != "none" for m in modes)
+    return recipe.memo("needs_seeds", lambda r: any(seed_spec(r)[0]) or any(m != "none" for m in seed_spec(r)[1]))
 
 
 def advances_calls(recipe: Recipe) -> bool:
     """Does the call counter matter (some operand is stochastically rounded)?"""
-    return any(seed_spec(recipe)[0])
+    return recipe.memo("advances_calls", lambda r: any(seed_spec(r)[0]))
 
 
 def compute_dtype(*ts: torch.Tensor) -> torch.dtype:

@@ -61,12 +61,12 @@ def supported(recipe, enabled_only: bool = True) -> bool:
     (``enabled_only``: and the fast path is on)."""
     if enabled_only and not _settings.current().fast:
         return False
+    return recipe.memo("fast_supported", _supported)
+
+
+def _supported(recipe) -> bool:
     from .recipe import OPERANDS
-    for n in OPERANDS:
-        op = recipe.operand(n)
-        if op.fmt not in ("mxfp4", "bf16") or op.block_2d:
-            return False
-    return True
+    return all(recipe.operand(n).fmt in ("mxfp4", "bf16") and not recipe.operand(n).block_2d for n in OPERANDS)
 
 
 OK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

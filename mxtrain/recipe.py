@@ -31,6 +31,8 @@ __all__ = ["Operand", "Rotation", "Recipe", "OPERANDS", "GEMMS", "BF16", "NONE"]
 
 OPERANDS = ("fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_dy", "wgrad_x")
 GEMMS = ("fprop", "dgrad", "wgrad")
+_OPERAND_SET = frozenset(OPERANDS)
+_ROTATION_FIELD = {g: f"{g}_rotation" for g in GEMMS}
 
 
 def _as_int(value):
@@ -166,18 +168,34 @@ class Recipe:
 
     # -- helpers ----------------------------------------------------------------------------
     def operand(self, name: str) -> Operand:
-        _choice("operand", name, OPERANDS)
+        if name not in _OPERAND_SET:
+            _choice("operand", name, OPERANDS)
         return getattr(self, name)
 
     def rotation(self, gemm: str) -> Rotation:
-        _choice("GEMM", gemm, GEMMS)
-        return getattr(self, f"{gemm}_rotation")
+        field_name = _ROTATION_FIELD.get(gemm)
+        if field_name is None:
+            _choice("GEMM", gemm, GEMMS)
+        return getattr(self, field_name)
 
     @property
     def quantized(self) -> bool:
         """True if any operand is quantized or any GEMM rotated."""
-        return any(getattr(self, n).quantized for n in OPERANDS) or any(
-            self.rotation(g).enabled for g in GEMMS)
+        return self.memo("quantized", lambda r: any(getattr(r, n).quantized for n in OPERANDS) or any(
+            r.rotation(g).enabled for g in GEMMS))
+
+    def memo(self, key: str, fn):
+        """``fn(self)``, computed once for this recipe (recipes are immutable): what a layer derives from its
+        recipe at every call (is it quantized, which operands draw random bits, does the fast path run it)
+        then costs a dictionary lookup. Not a field: equality, ``asdict`` and the JSON form ignore it."""
+        m = self.__dict__.get("_memo")
+        if m is None:
+            m = self.__dict__["_memo"] = {}
+        try:
+            return m[key]
+        except KeyError:
+            v = m[key] = fn(self)
+            return v
 
     def with_(self, **changes) -> "Recipe":
         """A copy with fields replaced; dotted keys reach into operands: ``{"wgrad_dy.rounding": "stochastic"}``."""

@@ -166,3 +166,37 @@ def test_dual_self_check_covers_fp4_b(fresh_caches, use):
     kq.quantize_mxfp4_dual(x, dict(), dict(group_rows=128), fp4_b=True)
     verified = fresh_caches.dual_verified
     assert [k[-1] for k in verified] == [True] and list(verified.values()) == [True]
+
+
+@pytest.mark.parametrize("group_rows", [1, 128])
+def test_carrier_rebuild_through_its_launch_plan(group_rows, fresh_caches, use):
+    """With launch plans on (the interpreter here, as GPUs by default) the first rebuild of a shape launches
+    the kernel the generic way and keeps a plan (``CACHES.direct``); the next one, into new buffers, goes
+    through that plan; both equal the rebuild without plans (bytes, group scales, inexact count). Another
+    shape gets a plan of its own."""
+    use(qselfcheck="off", fast_launch="always")
+    x = _wide(40, 140, seed=3 + group_rows)
+    q = kq.quantize_mxfp4_2d(x, 1, carrier=False, fp4=True, group_rows=group_rows, k_multiple=512)
+
+    def rebuild():
+        cnt = torch.zeros((1,), dtype=torch.int32, device=DEV)
+        return carrier_from_packed(q, k_multiple=512, counter=cnt), int(cnt.item())
+
+    with settings.override(fast_launch="off"):
+        want, want_n = rebuild()
+    assert len(fresh_caches.direct) == 0 and want_n > 0
+    first, n1 = rebuild()
+    assert len(fresh_caches.direct) == 1
+    (key, (run, rest)), = fresh_caches.direct.items()
+    used = []
+    fresh_caches.direct[key] = (lambda *a: (used.append(1), run(*a))[1], rest)
+    second, n2 = rebuild()
+    assert used == [1] and len(fresh_caches.direct) == 1
+    for got, n in ((first, n1), (second, n2)):
+        assert torch.equal(got.carrier.view(torch.uint8), want.carrier.view(torch.uint8))
+        assert torch.equal(got.gscale, want.gscale) and got.gscale.stride() == want.gscale.stride()
+        assert n == want_n
+    other = kq.quantize_mxfp4_2d(_wide(40, 300, seed=5), 0, carrier=False, fp4=True, group_rows=group_rows,
+                                 k_multiple=512)
+    carrier_from_packed(other, k_multiple=512)
+    assert len(fresh_caches.direct) == 2 and used == [1]

@@ -164,3 +164,33 @@ def test_cuda_graph_replays_current_call():
                                         sign_sizes=kw["sign_sizes"], device=DEV)
         assert torch.equal(keys, hkeys) and torch.equal(signs, hsigns)
         assert state.tolist() == [37, 2**33 + 1, call + 1]
+
+
+def test_launch_plan_replays_with_the_current_state():
+    """With launch plans on (the interpreter here, as GPUs by default) the first call of a recipe's
+    arguments launches the kernel the generic way and keeps a plan (``CACHES.direct``); later calls, with a
+    new state value and new outputs, go through it and still match the host reference and advance the
+    state. Another recipe's arguments get a plan of their own."""
+    from mxtrain import settings
+    from mxtrain.kernels import CACHES
+    kw = dict(seed=2**40 + 3, sr=SR_MASKS[2], sign_modes=ROTATIONS[2][0], sign_sizes=ROTATIONS[2][1])
+    CACHES.direct.clear()
+    try:
+        with settings.override(fast_launch="always"):
+            state = _state(37, 2**33 + 1, 0)
+            used = []
+            for call in range(3):
+                keys, signs = call_seeds(state, advance=True, **kw)
+                hkeys, hsigns = call_seeds_host(kw["seed"], 37, 2**33 + 1, call, sr=kw["sr"], device=DEV,
+                                                sign_modes=kw["sign_modes"], sign_sizes=kw["sign_sizes"])
+                assert torch.equal(keys, hkeys) and torch.equal(signs, hsigns)
+                assert state.cpu().tolist() == [37, 2**33 + 1, call + 1]
+                assert len(CACHES.direct) == 1
+                if call == 0:   # spy on the plan made by the first call
+                    (key, (run, rest)), = CACHES.direct.items()
+                    CACHES.direct[key] = (lambda *a: (used.append(1), run(*a))[1], rest)
+            assert used == [1, 1]
+            call_seeds(state, advance=False, **dict(kw, seed=1))
+            assert len(CACHES.direct) == 2 and used == [1, 1]
+    finally:
+        CACHES.direct.clear()

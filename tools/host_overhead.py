@@ -36,6 +36,8 @@ def main():
     ap.add_argument("--K", type=int, default=512)
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", action="store_true", help="also print a cProfile of 100 fwd+bwd calls")
+    ap.add_argument("--compiled", action="store_true",
+                    help="only the layer under torch.compile(fullgraph=True): time, cProfile and torch.profiler")
     a = ap.parse_args()
     from mxtrain import fast
     from mxtrain.bench import fwd_bwd_call
@@ -52,6 +54,9 @@ def main():
 
     def step(mod, clear):
         return fwd_bwd_call(mod, x, gy, clear)
+
+    if a.compiled:
+        return compiled_profile(a, res, base, lin, x, gy, step)
 
     res["bf16_fwd_bwd_us"] = per_call_us(step(base, False))
     res["mx_fwd_bwd_us"] = per_call_us(step(lin, True))
@@ -129,7 +134,7 @@ def main():
     undo = [timed(fast, "_gemm_fn", "fast._gemm_fn"), timed(fast, "_quant", "fast._quant"),
             timed(Q, "quantize_mxfp4_2d", "quantize_mxfp4_2d"), timed(G, "mx_gemm_nt", "gemm.mx_gemm_nt"),
             timed(torch, "_scaled_mm", "torch._scaled_mm"), timed(torch.autograd, "backward", "autograd.backward"),
-            timed(fast, "_signs", "fast._signs"), timed(fast, "_backend", "fast._backend")]
+            timed(fast, "_backend", "fast._backend")]
     fwd0, bwd0 = Fn.forward, Fn.backward
     undo += [timed(Fn, "forward", "Function.forward"), timed(Fn, "backward", "Function.backward")]
     Fn.forward, Fn.backward = staticmethod(Fn.forward), staticmethod(Fn.backward)
@@ -166,11 +171,43 @@ def main():
             f()
         pr.disable()
         torch.cuda.synchronize()
-        pstats.Stats(pr).sort_stats("tottime").print_stats(30)
+        pstats.Stats(pr).sort_stats("tottime").print_stats(40)
+        pstats.Stats(pr).sort_stats("cumulative").print_stats(60)
     print(json.dumps(res, indent=1))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)
+
+
+def compiled_profile(a, res, base, lin, x, gy, step):
+    """The module under ``torch.compile(fullgraph=True)``: time per fwd+bwd (BF16 and MX), then where the
+    MX layer's host time goes (cProfile by own time; torch.profiler by self CPU time)."""
+    import cProfile
+    import pstats
+    cb = torch.compile(base, fullgraph=True)
+    cm = torch.compile(lin, fullgraph=True)
+    res["compiled_bf16_fwd_bwd_us"] = per_call_us(step(cb, False))
+    res["compiled_mx_fwd_bwd_us"] = per_call_us(step(cm, True))
+    f = step(cm, True)
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(100):
+        f()
+    pr.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(pr).sort_stats("tottime").print_stats(45)
+    pstats.Stats(pr).sort_stats("cumulative").print_stats(45)
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(50):
+            f()
+    torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
+    print(json.dumps(res, indent=1))
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(res, fh, indent=1)
 
 
 if __name__ == "__main__":

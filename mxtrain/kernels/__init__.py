@@ -60,11 +60,21 @@ def backend(device) -> str:
     """The GEMM path for ``device``: ``fp8_carrier``, ``native_mx`` or ``dequant``.
 
     The ``gemm_backend`` setting (``MXTRAIN_GEMM_BACKEND``) overrides the choice (e.g. ``dequant`` to debug
-    on a GPU).
+    on a GPU). A ``torch.device`` with an index (a tensor's) is looked up once (``CACHES.backends``): this
+    runs several times in every call of an MX layer.
     """
     forced = _settings.current().gemm_backend
     if forced != "auto":
         return forced
+    if type(device) is torch.device and device.index is not None:
+        b = CACHES.backends.get(device)
+        if b is None:
+            b = CACHES.backends[device] = _backend(device)
+        return b
+    return _backend(device)
+
+
+def _backend(device) -> str:
     cap = capability(device)
     if cap is None:
         return "dequant"

@@ -72,33 +72,39 @@ class KernelCaches:
     """The kernels' per-process memory.
 
     * ``capability``: CUDA device index -> compute capability (``mxtrain.kernels.capability``)
+    * ``backends``: ``torch.device`` (with an index) -> its GEMM backend (``mxtrain.kernels.backend``)
     * ``native``: CUDA device index -> whether an MX-native GEMM exists there (``mxdot.supports_native``)
-    * ``probes``: device name -> which blockwise ``_scaled_mm`` configurations are exact
-      (``gemm.probe``), ``"native:<device>"`` -> the native-MX GEMM plan (``gemm.native_plan``), and
+    * ``probes``: device name (and, once a layer call asked, the ``torch.device`` itself) -> which blockwise
+      ``_scaled_mm`` configurations are exact (``gemm.probe``), ``"native:<device>"`` -> the native-MX GEMM plan (``gemm.native_plan``), and
       ``"mm_out_dtype:<device>"`` -> whether ``torch.mm`` gives float32 from bf16 there (``linear._mm_f32``)
     * ``verified``, ``dual_verified``: kernel variant -> whether its self-check passed on this GPU
       (``quantize_mxfp4_2d``'s fused carrier, ``quantize_mxfp4_dual``)
     * ``plans``, ``dual_plans``: launch plans (``mxfp4.launch.Plan``, ``mxfp4.launch.DualPlan``; None where a
       configuration cannot be launched directly), LRU-bounded
+    * ``direct``: launch plans of the small kernels (the call seeds, the carrier rebuild:
+      ``mxfp4.launch.launch_direct``), LRU-bounded
     """
 
     def __init__(self, max_plans: int = 4096, max_dual_plans: int = 1024):
         self.capability: dict = {}
+        self.backends: dict = {}
         self.native: dict = {}
         self.probes: dict = {}
         self.verified: dict = {}
         self.dual_verified: dict = {}
         self.plans = LRU(max_plans)
         self.dual_plans = LRU(max_dual_plans)
+        self.direct = LRU(max_dual_plans)
 
     def clear_plans(self) -> None:
         """Drop the launch plans (the next launch of each configuration takes Triton's generic path)."""
         self.plans.clear()
         self.dual_plans.clear()
+        self.direct.clear()
 
     def clear(self) -> None:
         """Forget everything, as a new process would start."""
-        for d in (self.capability, self.native, self.probes, self.verified, self.dual_verified):
+        for d in (self.capability, self.backends, self.native, self.probes, self.verified, self.dual_verified):
             d.clear()
         self.clear_plans()
 

@@ -102,7 +102,12 @@ def carrier_from_packed(q: QuantOut, k_multiple: int = TILE_K, row_multiple: int
     cnt = counter if counter is not None else torch.zeros((1,), dtype=torch.int32, device=dev)
     BR = 128 if gr == 128 else 32
     grid = (triton.cdiv(Rc, BR), Kc // TILE_K)
-    _expand_kernel[grid](q.packed, q.scales, car, gs, cnt, R, Kq, Rc, Kc, gsr, gsk, BR=BR, GROUP_ROWS=gr,
-                         num_warps=4 if gr == 1 else 8)
+    from .. import settings as _settings
+    from .mxfp4.launch import launch_direct, use_plans
+    args = (q.packed, q.scales, car, gs, cnt, R, Kq, Rc, Kc, gsr, gsk)
+    key = (("expand", dev, q.packed.data_ptr() & 15, q.scales.data_ptr() & 15, car.data_ptr() & 15,
+            gs.data_ptr() & 15, cnt.data_ptr() & 15, R, Kq, Rc, Kc, gsr, gsk, BR, gr)
+           if use_plans(q.packed, _settings.current()) else None)
+    launch_direct(_expand_kernel, grid, args, {"BR": BR, "GROUP_ROWS": gr}, 4 if gr == 1 else 8, key)
     return QuantOut(R, q.K, car.view(torch.float8_e4m3fn), gs, gr, cnt, q.packed, q.scales, base)
 

@@ -98,11 +98,22 @@ def outputs_for(backend: str) -> tuple[bool, bool]:
     return False, True
 
 
+def _probe_of(device) -> dict:
+    """``probe(device)``'s result; for a ``torch.device`` with an index (a tensor's, at every layer call) also
+    kept under that object, so the lookup makes no device name."""
+    if type(device) is torch.device and device.index is not None:
+        p = CACHES.probes.get(device)
+        if p is None:
+            p = CACHES.probes[device] = CACHES.probes.get(str(device)) or probe(device)
+        return p
+    return CACHES.probes.get(str(torch.device(device))) or probe(device)
+
+
 def weight_group_rows(device=None) -> int:
     """128x128 weight groups when cuBLAS takes (1x128, 128x128) correctly, else 1x128."""
     if device is None or torch.device(device).type != "cuda":
         return 128
-    p = CACHES.probes.get(str(torch.device(device))) or probe(device)
+    p = _probe_of(device)
     return 128 if p.get("a1x128_b128x128", False) or not p.get("b_1x128", False) else 1
 
 
@@ -113,7 +124,7 @@ def activation_b_group_rows(device) -> int:
     the inexact counter reports). The ``wgrad_b_group`` setting 1 (``MXTRAIN_WGRAD_B_GROUP=1``) selects 1x128
     (exact in more cases)."""
     want = _settings.current().wgrad_b_group
-    p = CACHES.probes.get(str(torch.device(device))) or probe(device)
+    p = _probe_of(device)
     if want == 128 and p.get("a1x128_b128x128", False):
         return 128
     return 1 if p.get("b_1x128", False) else 128
@@ -195,7 +206,9 @@ def mx_gemm_nt(a: QuantOut, b: QuantOut, backend: str, out_dtype=torch.float32,
             if odt == torch.bfloat16:
                 raise
             out = _scaled_mm(a, b, torch.bfloat16, 1.0 / divisor)
-        return out[:Ra, :Rb].to(out_dtype)
+        if out.shape[0] != Ra or out.shape[1] != Rb:
+            out = out[:Ra, :Rb]
+        return out if out.dtype == out_dtype else out.to(out_dtype)
     if backend == "native_mx" or backend == "dot_scaled":
         plan = native_plan(a.packed.device) if backend == "native_mx" else "dot_scaled"
         if plan == "scaled_mm":

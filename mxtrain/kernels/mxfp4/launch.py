@@ -24,6 +24,7 @@ import torch
 
 from ... import settings as _settings
 from .. import INTERPRET
+from ..caches import CACHES
 from .carrier import TILE_K, QuantOut
 from . import kernels as _kernels   # (its kernels exist where Triton imports; read at launch time)
 
@@ -288,19 +289,20 @@ def use_plans(x: torch.Tensor, st) -> bool:
     return mode == "always"
 
 
-def _direct_runner(kfn, compiled, grid, args, consts, tail: list, first_int: tuple):
+def _direct_runner(kfn, compiled, grid, args, consts, tail: list | None, first_int: tuple | None):
     """(a callable that launches ``kfn`` on ``grid`` with every argument positional, constexprs last; the
     values of the arguments after ``args``, in order), or None where the kernel cannot be called that way: the
     launch's positional ``args`` must have the argument named ``first_int[1]`` at position ``first_int[0]``
-    and end with ``tail``; every later argument is one of ``consts`` or keeps its default (as the launch
+    and end with ``tail`` (where given); every later argument is one of ``consts`` or keeps its default (as the launch
     bound it: a constexpr the layout ignores, ``_mxfp4_kernel``'s ``pid_r`` / ``pid_k``), and every one of
     ``consts`` is such an argument. Compiled: the compiled kernel bound to ``grid``; under Triton's
     interpreter: the interpreted kernel."""
     try:
         names = list(kfn.arg_names)
         n = len(args)
-        if (names[n - len(tail):n] != tail or names[first_int[0]] != first_int[1]
-                or any(a not in names[n:] for a in consts)):
+        if tail is not None and (names[n - len(tail):n] != tail or names[first_int[0]] != first_int[1]):
+            return None
+        if any(a not in names[n:] for a in consts):
             return None
         params = inspect.signature(kfn.fn).parameters
         rest = []
@@ -319,6 +321,25 @@ def _direct_runner(kfn, compiled, grid, args, consts, tail: list, first_int: tup
         return compiled[tuple(grid) + (1,) * (3 - len(grid))], rest
     except Exception:  # noqa: BLE001 - a Triton without this interface: keep the generic launch
         return None
+
+
+def launch_direct(kfn, grid, args: tuple, consts: dict, num_warps: int, key) -> None:
+    """Launch the small kernel ``kfn`` (the call seeds, the carrier rebuild) on ``grid``: the first time for
+    ``key`` through Triton's generic launch, then through its compiled kernel directly (``CACHES.direct``),
+    which costs the host a fraction of the generic launch's argument binding. ``key`` must name everything
+    the compiled kernel depends on: the device, every integer argument, the 16-byte alignment of every
+    pointer, the constexprs and the grid (callers put the values themselves in it); None: always the
+    generic launch (``use_plans`` says no)."""
+    if key is not None:
+        got = CACHES.direct.get(key)
+        if got is not None:
+            got[0](*args, *got[1])
+            return
+    compiled = kfn[grid](*args, **consts, num_warps=num_warps)
+    if key is not None:
+        got = _direct_runner(kfn, compiled, grid, args, consts, None, None)
+        if got is not None:
+            CACHES.direct[key] = got
 
 
 class Plan:
