@@ -849,9 +849,12 @@ def test_dual_falls_back_to_two_passes(use):
         assert len(log) == 2 and "dual" not in [e.kernel for e in log], log   # two single passes
         for p, q in zip(got, _dual_expect(xx, a, b, 128)):
             _same_carrier(p, q)
-    with settings.override(dual="auto"):   # the default: one pass only without rotations and SR
-        assert kq.dual_applies(x, 0, 0) and not kq.dual_applies(x, 16, 0) and not kq.dual_applies(x, 0, 16)
-        assert not kq.dual_applies(x, 0, 0, sr=True)
+    with settings.override(dual="auto"):   # the default: one pass, but not with SR on a large tensor
+        assert kq.dual_applies(x, 0, 0) and kq.dual_applies(x, 16, 0) and kq.dual_applies(x, 0, 16)
+        assert kq.dual_applies(x, 0, 0, sr=True) and kq.dual_applies(x, 16, 16, sr=True)
+        big = torch.empty((2048, 2080), device=x.device)   # (more than 2**22 elements)
+        assert kq.dual_applies(big, 16, 16) and not kq.dual_applies(big, 16, 16, sr=True)
+        assert not kq.dual_applies(x, 64, 0)   # (a rotation the blocks kernel does not take)
     with settings.override(dual="off"):
         assert not kq.dual_applies(x, 0, 0)
     with pytest.raises(TypeError, match="unknown option"):

@@ -101,14 +101,19 @@ def fold_applies(dtype: torch.dtype, rot: int, prescale: float, fold: bool | Non
     return fold and rot in FOLD_ROTS and dtype in (torch.bfloat16, torch.float16) and prescale == 1.0
 
 
+DUAL_SR_MAX = 1 << 22   # the largest tensor (elements) that the dual pass takes with stochastic rounding (auto)
+
+
 def dual_applies(x: torch.Tensor, rot_a: int, rot_b: int, group_rows_a: int = 1, sr: bool = False) -> bool:
     """Whether ``quantize_mxfp4_dual`` runs one fused pass for ``x`` (else it runs two): a row-major 2-D
     tensor, FP8-carrier outputs, A with 1x128 groups, and rotations the blocks and cols kernels take (with
-    the ``dual`` setting ``auto``: no rotation and no stochastic rounding on either side (``sr``), where one
-    pass measured faster; with SR on both sides one pass took 394 us against ~265 us for the two passes,
-    H100, 16384 x 4096; ``off``: never)."""
+    the ``dual`` setting ``auto``: not with stochastic rounding on either side (``sr``) on more than
+    ``DUAL_SR_MAX`` elements; ``off``: never). Nearest rounding, with or without H16, measured faster in one
+    pass at every size from 256 x 512 to 16384 x 4096 (H100, GPU and host time); with stochastic rounding one
+    pass took 394 us against ~265 us for the two passes with SR on both sides and 249 against 239 us on one
+    side at 16384 x 4096, and saved host time below a few million elements (BENCHMARKS.md)."""
     st = _settings.current()
-    if st.dual == "off" or (st.dual == "auto" and (rot_a or rot_b or sr)):
+    if st.dual == "off" or (st.dual == "auto" and sr and x.numel() > DUAL_SR_MAX):
         return False
     return (x.ndim == 2 and x.shape[0] > 0 and x.shape[1] > 1 and x.stride(1) == 1
             and group_rows_a == 1 and kernel_for(1, rot_a, False, kernel=st.qkernel) == "blocks"
