@@ -1,0 +1,42 @@
+"""A line profile (the ``line_profiler`` package, carried as a wheel) of 200 ``MXLinear`` forward + backward calls
+(256 x 512 x 512, bf16) over the fast path's functions, eager or compiled. The profiler's own cost per line
+inflates short lines: read it for where the time goes relative to the rest, not for absolute times.
+
+    python tools/host_lineprof.py [RECIPE] [compiled]
+"""
+import sys, torch
+from line_profiler import LineProfiler
+from mxtrain import fast
+from mxtrain.bench import fwd_bwd_call
+from mxtrain.nn import MXLinear
+from mxtrain.kernels.mxfp4 import ops as Q, launch as L
+from mxtrain.kernels import gemm as G, expand as E
+from mxtrain import linear as LIN
+
+recipe = sys.argv[1] if len(sys.argv) > 1 else "mxfp4-all-dh16"
+comp = len(sys.argv) > 2 and sys.argv[2] == "compiled"
+dev = "cuda"
+x = torch.randn(256, 512, device=dev, dtype=torch.bfloat16, requires_grad=True)
+gy = torch.randn(256, 512, device=dev, dtype=torch.bfloat16)
+lin = MXLinear(512, 512, bias=False, device=dev, dtype=torch.bfloat16, recipe=recipe)
+mod = torch.compile(lin, fullgraph=True) if comp else lin
+f = fwd_bwd_call(mod, x, gy, True)
+for _ in range(30):
+    f()
+torch.cuda.synchronize()
+lp = LineProfiler()
+for fn in (fast.backward, fast.forward, fast.quantize_input, fast._quant, fast._quant_pair, fast._gemm_fn,
+           fast.carrier_of, fast._FastMXLinearFunction.forward, fast._FastMXLinearFunction.backward, fast.apply,
+           Q.quantize_mxfp4_2d, Q.quantize_op, L.Plan.__call__, G.mx_gemm_nt, G._scaled_mm, E.carrier_from_packed,
+           LIN.mx_linear, LIN._linear_backward_op, LIN._linear_q_op, LIN._quantize_input_op, fast.unpack_operand,
+           fast.pack_operand, fast._outputs, fast._counter):
+    try:
+        lp.add_function(fn)
+    except Exception as e:
+        print("skip", fn, e)
+lp.enable_by_count()
+for _ in range(200):
+    f()
+lp.disable_by_count()
+torch.cuda.synchronize()
+lp.print_stats(output_unit=1e-6, stripzeros=True)
