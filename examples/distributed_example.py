@@ -12,6 +12,7 @@ float rounding). Runs on GPUs (NCCL) or CPUs (gloo); ``--out losses.json`` write
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 
@@ -54,7 +55,21 @@ def main():
         torch.cuda.set_device(device)
     if world > 1:
         dist.init_process_group("nccl" if cuda else "gloo")
+    # the model, its optimizer and every tensor of its last graph live in train() and are gone when it returns:
+    # a sharded or wrapped model still alive when the process group is destroyed (or at interpreter exit) can
+    # abort the process after a finished run (gloo: "terminate called without an active exception")
+    losses = train(a, world, rank, device, cuda)
+    if rank == 0 and a.out:
+        with open(a.out, "w") as f:
+            json.dump({"recipe": a.recipe, "world": world, "parallel": a.parallel if world > 1 else "none",
+                       "losses": losses}, f)
+    if world > 1:
+        gc.collect()   # (modules in reference cycles, e.g. DDP's hooks, go now)
+        dist.destroy_process_group()
 
+
+def train(a, world: int, rank: int, device: torch.device, cuda: bool) -> list:
+    """Build, convert, shard or wrap and train the model; the losses of every step."""
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=a.seq)
@@ -106,13 +121,7 @@ def main():
         losses.append(total.item())
         if rank == 0:
             print(f"step {step + 1}: loss {losses[-1]:.6f}", flush=True)
-    if rank == 0 and a.out:
-        with open(a.out, "w") as f:
-            json.dump({"recipe": a.recipe, "world": world, "parallel": a.parallel if world > 1 else "none",
-                       "losses": losses}, f)
-    if world > 1:
-        del model, opt   # the model holds the process group: drop it before destroying the group
-        dist.destroy_process_group()
+    return losses
 
 
 if __name__ == "__main__":
