@@ -211,9 +211,9 @@ def test_rot64_special_values_carrier(dtype, use, fresh_caches):
     x = x.to(dtype)
     signs = rotation_signs(64, "per_step", seed=3, layer=1, gemm=2, step=5, device=DEV)
     use(qselfcheck="always")
-    # float32 inputs: stochastic rounding only (the path's nearest rounding is the same code, checked with bf16;
-    # the interpreter takes about 5 s a case here)
-    for axis in (1, 0):
+    # float32 inputs: stochastic rounding along columns only (nearest rounding and the rows layout are the same
+    # code after the load, checked with bf16; the interpreter takes about 5-9 s a case here, and CI's time is short)
+    for axis in (1, 0) if dtype == torch.bfloat16 else (0,):
         for rounding in ("nearest", "stochastic") if dtype == torch.bfloat16 else ("stochastic",):
             _check(x, axis, rot=64, signs=signs, rounding=rounding, prescale=0.75, rule="even")
             kw = dict(rot=64, signs=signs, rounding=rounding, key=rng.stream_key(7), prescale=0.75,
