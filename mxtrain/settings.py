@@ -84,7 +84,8 @@ class Settings:
     dual: str = _knob(
         "auto", "MXTRAIN_QDUAL", "Both operands of an activation from one read (`quantize_mxfp4_dual`): `auto` "
         "wherever the kernels apply except stochastic rounding on tensors of more than 2**22 elements, `on` "
-        "wherever the kernels apply, `off` never. Same bytes either way.", "choice", choices=("auto", "on", "off"), aliases=_ON_OFF)
+        "wherever the kernels apply, `off` never. Same bytes either way.", "choice", choices=("auto", "on", "off"),
+        aliases=_ON_OFF)
     reuse_act: bool = _knob(
         True, "MXTRAIN_REUSE_ACT", "Layers reading one input (q/k/v, gate/up) quantize its operands once "
         "(eager only). Same results either way.", "bool")

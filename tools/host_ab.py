@@ -10,18 +10,7 @@ import torch
 from mxtrain.bench import fwd_bwd_call
 from mxtrain.nn import MXLinear
 
-def best_us(fn, n=200, reps=7, warm=30):
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - t) / n * 1e6)
-    return best
+from _timing import best_us  # noqa: E402
 
 dev = "cuda"
 x = torch.randn(256, 512, device=dev, dtype=torch.bfloat16, requires_grad=True)

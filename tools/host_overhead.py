@@ -15,17 +15,7 @@ import time
 
 import torch
 
-
-def per_call_us(fn, n=300, warm=30) -> float:
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    dt = time.perf_counter() - t
-    torch.cuda.synchronize()
-    return dt / n * 1e6
+from _timing import per_call_us  # noqa: E402
 
 
 def main():

@@ -14,18 +14,7 @@ from mxtrain.nn import MXLinear
 from mxtrain.kernels.mxfp4 import launch as L
 from mxtrain.kernels import gemm as G, expand as E, seeds as S
 
-def best_us(fn, n=200, reps=7, warm=30):
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - t) / n * 1e6)
-    return best
+from _timing import best_us  # noqa: E402
 
 recipe = sys.argv[2] if len(sys.argv) > 2 else "mxfp4-all-dh16"
 dev = "cuda"

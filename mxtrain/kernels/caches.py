@@ -75,7 +75,8 @@ class KernelCaches:
     * ``backends``: ``torch.device`` (with an index) -> its GEMM backend (``mxtrain.kernels.backend``)
     * ``native``: CUDA device index -> whether an MX-native GEMM exists there (``mxdot.supports_native``)
     * ``probes``: device name (and, once a layer call asked, the ``torch.device`` itself) -> which blockwise
-      ``_scaled_mm`` configurations are exact (``gemm.probe``), ``"native:<device>"`` -> the native-MX GEMM plan (``gemm.native_plan``), and
+      ``_scaled_mm`` configurations are exact (``gemm.probe``), ``"native:<device>"`` -> the native-MX GEMM
+      plan (``gemm.native_plan``), and
       ``"mm_out_dtype:<device>"`` -> whether ``torch.mm`` gives float32 from bf16 there (``linear._mm_f32``)
     * ``verified``, ``dual_verified``: kernel variant -> whether its self-check passed on this GPU
       (``quantize_mxfp4_2d``'s fused carrier, ``quantize_mxfp4_dual``)

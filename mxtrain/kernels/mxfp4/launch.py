@@ -109,7 +109,7 @@ def dual_applies(x: torch.Tensor, rot_a: int, rot_b: int, group_rows_a: int = 1,
     tensor, FP8-carrier outputs, A with 1x128 groups, and rotations the blocks and cols kernels take (with
     the ``dual`` setting ``auto``: not with stochastic rounding on either side (``sr``) on more than
     ``DUAL_SR_MAX`` elements; ``off``: never). Nearest rounding, with or without H16, measured faster in one
-    pass at every size from 256 x 512 to 16384 x 4096 (H100, GPU and host time); with stochastic rounding one
+    pass at the sizes from 256 x 512 to 16384 x 4096 (H100, GPU and host time; one noisy outlier); with stochastic rounding one
     pass took 394 us against ~265 us for the two passes with SR on both sides and 249 against 239 us on one
     side at 16384 x 4096, and saved host time below a few million elements (BENCHMARKS.md)."""
     st = _settings.current()
@@ -298,8 +298,8 @@ def _direct_runner(kfn, compiled, grid, args, consts, tail: list | None, first_i
     """(a callable that launches ``kfn`` on ``grid`` with every argument positional, constexprs last; the
     values of the arguments after ``args``, in order), or None where the kernel cannot be called that way: the
     launch's positional ``args`` must have the argument named ``first_int[1]`` at position ``first_int[0]``
-    and end with ``tail`` (where given); every later argument is one of ``consts`` or keeps its default (as the launch
-    bound it: a constexpr the layout ignores, ``_mxfp4_kernel``'s ``pid_r`` / ``pid_k``), and every one of
+    and end with ``tail`` (where given); every later argument is one of ``consts`` or keeps its default (as the
+    launch bound it: a constexpr the layout ignores, ``_mxfp4_kernel``'s ``pid_r`` / ``pid_k``), and every one of
     ``consts`` is such an argument. Compiled: the compiled kernel bound to ``grid``; under Triton's
     interpreter: the interpreted kernel."""
     try:
