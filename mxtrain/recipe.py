@@ -168,12 +168,12 @@ class Recipe:
 
     # -- helpers ----------------------------------------------------------------------------
     def operand(self, name: str) -> Operand:
-        if name not in _OPERAND_SET:
+        if not (isinstance(name, str) and name in _OPERAND_SET):
             _choice("operand", name, OPERANDS)
         return getattr(self, name)
 
     def rotation(self, gemm: str) -> Rotation:
-        field_name = _ROTATION_FIELD.get(gemm)
+        field_name = _ROTATION_FIELD.get(gemm) if isinstance(gemm, str) else None
         if field_name is None:
             _choice("GEMM", gemm, GEMMS)
         return getattr(self, field_name)

@@ -150,26 +150,17 @@ def call_seeds(state: torch.Tensor, *, seed: int, sr: tuple[bool, ...], sign_mod
     elif signs_out.dtype != torch.float32 or signs_out.shape != (3, SIGNS_WIDTH) \
             or not signs_out.is_contiguous() or signs_out.device != dev:
         raise ValueError(f"signs_out must be a contiguous float32 (3, {SIGNS_WIDTH}) tensor on {dev}")
-    spec = (seed, tuple(sr), tuple(sign_modes), tuple(sign_sizes), bool(advance))
-    ints = _SPEC_INTS.get(spec)
-    if ints is None:   # (checked once per recipe: the arguments are the recipe's)
-        _check(sr, sign_modes, sign_sizes)
-        seed = int(seed)
-        sr_mask = sum(1 << i for i, on in enumerate(sr) if on)
-        ints = (_i32(seed), _i32(seed >> 32), sr_mask, *(_MODE_ID[m] for m in sign_modes),
-                *(int(s) for s in sign_sizes), int(bool(advance)))
-        if len(_SPEC_INTS) < 4096:
-            _SPEC_INTS[spec] = ints
+    _check(sr, sign_modes, sign_sizes)
+    seed = int(seed)
+    sr_mask = sum(1 << i for i, on in enumerate(sr) if on)
+    ints = (_i32(seed), _i32(seed >> 32), sr_mask, *(_MODE_ID[m] for m in sign_modes),
+            *(int(s) for s in sign_sizes), int(bool(advance)))
     from .mxfp4.launch import launch_direct, use_plans
     from .. import settings as _settings
     key = (("seeds", dev, state.data_ptr() & 15, keys_out.data_ptr() & 15, signs_out.data_ptr() & 15) + ints
            if use_plans(state, _settings.current()) else None)
     launch_direct(_call_seeds_kernel, (1,), (state, keys_out, signs_out, *ints), {"N_KEYS": _N_KEYS}, 1, key)
     return keys_out, signs_out
-
-
-# (seed, sr, sign modes, sign sizes, advance) -> the kernel's integer arguments, validated
-_SPEC_INTS: dict = {}
 
 
 def call_seeds_host(seed: int, layer: int, step: int, call: int, *, sr: tuple[bool, ...],
