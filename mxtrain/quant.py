@@ -24,11 +24,14 @@ Pipeline for one tensor (``quantize``):
      ``b = e4m3(amax(block) / (g * 6))`` rounded to nearest even and saturated at 448, element
      divisor ``d = float32(b) * g``. Non-finite values are left out of the tensor amax, and their
      block gets the E4M3 NaN scale.
-   * per-tensor FP8: ``scale = amax / max_elem`` in float32 (1 if that is 0: an all-zero tensor, or
-     one so tiny that the quotient underflows); NaN if any element is not finite.
+   * per-tensor FP8 (current scaling as TransformerEngine and torchao's float8 define it): multiplier
+     ``m = max_elem / amax`` in float32 (1 for an all-zero tensor; at most float32's max), and the
+     scale ``1 / m`` in float32 that the codes dequantize with; both NaN if any element is not
+     finite (``tensor_fp8_scales``).
 
-3. Elements ``v = x / scale`` (exact for power-of-two scales), clamped to +-max_elem
-   (saturation), then rounded onto the element grid:
+3. Elements ``v = x / scale`` (MX and NVFP4: exact for power-of-two scales) or ``v = x * m``
+   (per-tensor FP8, a float32 product), clamped to +-max_elem (saturation), then rounded onto the
+   element grid:
 
    * ``nearest``: round half to even;
    * ``stochastic``: on magnitudes: with ``lo <= |v| <= hi`` the neighbouring grid magnitudes,
@@ -140,6 +143,29 @@ def _div_by_constant(a: torch.Tensor, c: float) -> torch.Tensor:
     turns a division by a constant into a multiply by its reciprocal on GPUs (a different rounding unless
     ``c`` is a power of two); a divisor computed from ``a`` (``0 * a + c``, exactly ``c``) is not a constant."""
     return a / (a * 0.0 + c)
+
+
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def tensor_fp8_scales(amax: torch.Tensor, max_elem: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-tensor FP8 current scaling from the float32 tensor ``amax``: ``(m, scale)``, 0-d float32 tensors.
+
+    Every element is multiplied by ``m = max_elem / amax`` (in float32) before the saturating cast, and the
+    codes dequantize with ``scale = 1 / m`` (the GEMM's scale): the definition of TransformerEngine's and
+    torchao's float8 tensorwise scaling, so an ``fp8`` recipe's codes are theirs bit for bit (torchao
+    additionally clamps ``amax`` at 1e-12; tests/test_torchao_agree.py). Both quotients are computed in
+    float64 and rounded once to float32, which is the IEEE float32 quotient (a float64 quotient of float32
+    numbers lands exactly on a float32 halfway point only when the exact quotient does), on every device and
+    under ``torch.compile`` (whose float32 division on GPUs is an approximation). An all-zero tensor gets
+    ``m = 1``; ``m`` is clamped to float32's max (``amax`` below ``max_elem / 3.4e38``); a non-finite ``amax``
+    (NaN or Inf) gives NaN for both."""
+    a = amax.to(torch.float64)
+    a = torch.where(a > 0, a, torch.ones_like(a))
+    m = (a * 0.0 + max_elem) / a   # a division by a, not a multiply by a reciprocal (``_div_by_constant``)
+    m = torch.where(amax > 0, m, torch.ones_like(m)).clamp(max=_FLOAT32_MAX).to(torch.float32)
+    m = torch.where(torch.isfinite(amax), m, torch.full_like(m, float("nan")))
+    return m, (1.0 / m.to(torch.float64)).to(torch.float32)
 
 
 def mx_scale_exponent(amax: torch.Tensor, elem: ElemFormat, rule: str) -> torch.Tensor:
@@ -388,12 +414,11 @@ def quantize(x: torch.Tensor, fmt: str | Format, *, axis: int = -1, block_size=N
         finite = torch.isfinite(xm)
         absx = torch.where(finite, xm.abs(), torch.zeros_like(xm))
         amax = absx.amax() if absx.numel() else torch.zeros((), device=xm.device)
-        scale = _div_by_constant(amax, elem.max)
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # zero or underflowed
-        scale = torch.where(finite.all(), scale, torch.full_like(scale, float("nan")))
+        amax = torch.where(finite.all(), amax, torch.full_like(amax, float("nan")))
+        m, scale = tensor_fp8_scales(amax, elem.max)
         xs = xm * prescale if prescale != 1.0 else xm
         # (no host read of the scale: a CUDA graph may be capturing)
-        v = torch.where(finite & torch.isfinite(scale), xs / scale, torch.zeros_like(xm))
+        v = torch.where(finite & torch.isfinite(m), xs * m, torch.zeros_like(xm))
         if rounding == "stochastic":
             u = rng.uniform(idx, key)
         q = round_to_elem(v, elem, rounding, u)

@@ -6,26 +6,15 @@ stored. For per-tensor FP8 that costs the speed race against torchao's float8, w
 operations that the compiler fuses into the neighbouring norm, activation and residual kernels and recomputes
 in the backward instead of storing. This module gives the ``fp8`` recipe (every operand per-tensor E4M3/E5M2,
 round-to-nearest, no prescale, no rotation, all three GEMMs on FP8 tensor cores) the same form: an autograd
-function made of traced operations (amax reduction, division, saturation, cast to the FP8 dtype) around
+function made of traced operations (amax reduction, multiplication, saturation, cast to the FP8 dtype) around
 ``torch._scaled_mm``. It keeps X and W for the backward (the compiler decides what to store or recompute) and
 quantizes them again there.
 
 The numbers are the reference's, bit for bit: ``cast`` computes ``mxtrain.quant.quantize``'s per-tensor FP8
-codes and scale (``kernels.fp8cast`` documents the definition). One detail makes that hold on every compiler
-backend: the definition divides each element by the scale with IEEE rounding, while Triton's float32 division
-(what the compiler emits for ``x / s``, torch 2.11) is an approximation off by up to two units in the last
-place, and ``x * (1 / s)`` in float32 rounds twice (wrong in about a quarter of the near-halfway cases of
-tests/test_tracedfp8.py).
-``cast`` multiplies in float64 by the float64 reciprocal and rounds the product to float32, which is the
-correctly rounded float32 quotient ``RN32(x / s)``: the float64 product is within 2**-52 (relative) of ``x / s``;
-``x / s`` is never exactly halfway between two float32 numbers (that halfway point has a 25-bit significand
-whose odd part times ``s``'s would need more than ``x``'s 24 bits) and, when not, lies at least about 2**-49
-(relative) from it (``x`` and the halfway point times ``s`` differ by a multiple of a unit 2**-48 below
-``x``); so both round to the same float32. (Quotients below float32's normal range round to FP8 zero either
-way, with their sign.) A division per element in float64 would be exact too, but made the whole step of
-`mxtrain bench step` 4-5 % slower on an H100 than a float32 division (BENCHMARKS.md). The GEMM
-calls are those of the reference's FP8 route (``tensorfp8.scaled_mm``): same codes, same scales, same output
-dtypes.
+codes and scale (``quant.tensor_fp8_scales``: TransformerEngine's and torchao's definition, each element
+multiplied in float32 by ``max_elem / amax``, the codes dequantized with its reciprocal; the two 0-d quotients
+through float64, so that the compiler's approximate float32 division on GPUs never enters). The GEMM calls are
+those of the reference's FP8 route (``tensorfp8.scaled_mm``): same codes, same scales, same output dtypes.
 
 Used by ``linear.compiled_linear`` when ``applies`` (setting ``fp8_traced``: ``auto``, the default, or ``off``
 for the custom op). Eagerly the custom-op path runs (its Triton cast kernel is faster than unfused operations).
@@ -37,6 +26,7 @@ import torch
 
 from ._constant import assume_constant_result
 from .formats import get_format
+from .quant import tensor_fp8_scales
 from .recipe import Recipe
 
 __all__ = ["spec", "applies", "cast", "linear"]
@@ -85,17 +75,14 @@ def _capable(device: str) -> bool:
 
 def cast(t: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(FP8 codes in ``t``'s shape, float32 0-d scale): ``mxtrain.quant.quantize(t, fmt)``'s per-tensor FP8
-    with nearest rounding, in traced operations. ``scale = amax / max_elem`` (1 where that is 0; NaN when an
-    element is not finite, and then every code +0); each element ``t / scale`` (IEEE, through float64),
-    saturated to +-max_elem, rounded half to even by the cast to the FP8 dtype (negative values that round
-    to zero keep their sign)."""
+    with nearest rounding, in traced operations: the multiplier ``m = max_elem / amax`` and the scale ``1 / m``
+    of ``quant.tensor_fp8_scales`` (``m = 1`` for an all-zero tensor; both NaN when an element is not finite,
+    and then every code +0); each element ``t * m`` in float32, saturated to +-max_elem, rounded half to even
+    by the cast to the FP8 dtype (negative values that round to zero keep their sign)."""
     mx = get_format(fmt).elem.max
-    amax = torch.linalg.vector_norm(t, float("inf"), dtype=torch.float32)
-    scale = amax / mx
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    scale = torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
-    v = (t.to(torch.float64) * (1.0 / scale.to(torch.float64))).to(torch.float32)   # = t / scale, IEEE (above)
-    v = torch.where(torch.isfinite(scale), v, torch.zeros_like(v))
+    m, scale = tensor_fp8_scales(torch.linalg.vector_norm(t, float("inf"), dtype=torch.float32), mx)
+    v = t.to(torch.float32) * m
+    v = torch.where(torch.isfinite(m), v, torch.zeros_like(v))
     return v.clamp(-mx, mx).to(_DT[fmt]), scale
 
 

@@ -404,6 +404,37 @@ def test_nvfp4_2d_tiles_identical_for_w_and_wt():
     assert not torch.equal(a, c)
 
 
+def np_tensor_fp8_scales(amax, mx):
+    """Per-tensor FP8 current scaling (TransformerEngine's and torchao's float8): the float32 multiplier
+    ``mx / amax`` and scale ``1 / multiplier``, IEEE float32 divisions in numpy (multiplier 1 for amax 0, at
+    most float32's max)."""
+    amax, mx = np.float32(amax), np.float32(mx)
+    if amax == 0:
+        return np.float32(1), np.float32(1)
+    with np.errstate(over="ignore"):
+        m = np.minimum(mx / amax, np.finfo(np.float32).max).astype(np.float32)
+    return m, (np.float32(1) / m).astype(np.float32)
+
+
+def test_per_tensor_fp8_scales_are_ieee_float32_quotients():
+    """``tensor_fp8_scales`` computes its two quotients through float64: each must be the IEEE float32
+    quotient (numpy's float32 division), here for amax across float32's range, near powers of two and at
+    the clamp (subnormal amax: the multiplier overflows float32 and is clamped)."""
+    from mxtrain.quant import tensor_fp8_scales
+    g = np.random.default_rng(0)
+    amax = (g.random(20000) + 0.5) * np.exp2(g.integers(-149, 127, 20000).astype(np.float64))
+    amax = np.concatenate([amax, np.exp2(np.arange(-149, 127, dtype=np.float64))]).astype(np.float32)
+    amax = np.concatenate([amax, np.nextafter(amax, np.float32(np.inf)), np.nextafter(amax, np.float32(0))])
+    amax = amax[(amax > 0) & np.isfinite(amax)]
+    for mx in (448.0, 57344.0):
+        m, s = tensor_fp8_scales(torch.from_numpy(amax), mx)
+        want = [np_tensor_fp8_scales(a, mx) for a in amax]
+        assert_bitwise_equal(m.double(), np.array([w[0] for w in want], np.float64), f"multiplier {mx}")
+        assert_bitwise_equal(s.double(), np.array([w[1] for w in want], np.float64), f"scale {mx}")
+    m, s = tensor_fp8_scales(torch.tensor([0.0, float("inf"), float("nan")]), 448.0)
+    assert m[0] == s[0] == 1 and m[1:].isnan().all() and s[1:].isnan().all()
+
+
 @pytest.mark.parametrize("fmt,ename", [("fp8_e4m3", "e4m3"), ("fp8_e5m2", "e5m2")])
 def test_per_tensor_fp8_against_numpy_reference(fmt, ename):
     gen = torch.Generator().manual_seed(7)
@@ -416,9 +447,8 @@ def test_per_tensor_fp8_against_numpy_reference(fmt, ename):
         q = mxtrain.quantize(x, fmt, axis=0)
         xm = np.moveaxis(x.float().numpy(), 0, -1).astype(np.float32)
         mx = np.float32(elem_info(ename)[0])
-        scale = np.float32(np.abs(xm).max()) / mx
-        scale = scale if scale > 0 else np.float32(1)
-        v = (xm / scale).astype(np.float32)
+        m, scale = np_tensor_fp8_scales(np.abs(xm).max(), mx)
+        v = (xm * m).astype(np.float32)
         codes = np.clip(v, -mx, mx).astype(ML[ename]).view(np.uint8)
         assert q.scales.item() == float(scale)
         assert_bitwise_equal(q.codes(), codes, fmt)
@@ -436,6 +466,15 @@ def neighbours(v: np.ndarray, ename: str):
     hi = g[np.searchsorted(g, v, side="left")]
     lo = g[np.searchsorted(g, v, side="right") - 1]
     return lo, hi
+
+
+def values_before_rounding(xm: np.ndarray, d: np.ndarray, fmt: str) -> np.ndarray:
+    """float64 copies of the float32 values a format rounds onto its grid: ``x / d`` for the block formats
+    (``d``: ``scale_values()``; exact for MX), ``x * m`` for per-tensor FP8 (``np_tensor_fp8_scales``)."""
+    if fmt.startswith("fp8_"):
+        m, _ = np_tensor_fp8_scales(np.abs(xm).max(), elem_info(fmt[4:])[0])
+        return (xm.astype(np.float32) * m).astype(np.float32).astype(np.float64)
+    return (xm / d).astype(np.float32).astype(np.float64)
 
 
 @pytest.mark.parametrize("fmt", MX_FORMATS)
@@ -466,7 +505,7 @@ def test_sr_bit_exact_against_hash_reference(fmt):
     n = d.shape[-1]
     xm = np.zeros((7, n), np.float32)
     xm[:, :45] = x.numpy().T
-    v = (xm / d).astype(np.float32).astype(np.float64)  # float32 division (exact for MX)
+    v = values_before_rounding(xm, d, fmt)
     idx = np.zeros((7, n), np.uint64)
     idx[:, :45] = np.arange(x.numel(), dtype=np.uint64).reshape(45, 7).T
     u = (np_mix32(idx ^ np.uint64(rng.stream_key(seed))) >> np.uint32(8)).astype(np.float64) * 2.0**-24
@@ -491,7 +530,8 @@ def test_sr_is_seeded_and_reproducible():
 def sr_z_scores(fmt: str, rounding: str, n_seeds: int = 400) -> np.ndarray:
     """Per-element z statistic of mean(quantized element over seeds) - v under the SR model.
 
-    ``v = x / scale`` is the value before rounding (the scale does not depend on the rounding).
+    ``v = x / scale`` (per-tensor FP8: ``x * m``) is the value before rounding (the scale does not depend on
+    the rounding).
     For v strictly between grid neighbours lo < v < hi, unbiased SR gives hi with probability
     p = (v - lo) / (hi - lo); one draw has variance (hi - lo)**2 p (1 - p).
     """
@@ -500,7 +540,7 @@ def sr_z_scores(fmt: str, rounding: str, n_seeds: int = 400) -> np.ndarray:
     x = torch.rand(4, 32, generator=gen) * 5.5 - 2.75
     x[:, ::16] = 4.0  # block maxima; with the MX floor rule: scale 1, v = x, no saturation
     d = mxtrain.quantize(x, fmt).scale_values().numpy()
-    v = (x.numpy() / d).astype(np.float32).astype(np.float64)
+    v = values_before_rounding(x.numpy(), d, fmt)
     keep = np.arange(32) % 16 != 0  # leave the block maxima out: for nvfp4/fp8 x / d can be 1 ulp above max
     v = v[:, keep]
     lo, hi = neighbours(v, ename)

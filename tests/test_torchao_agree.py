@@ -330,3 +330,44 @@ def test_nonfinite_blocks(rule, fmt):
     assert torch.equal(deq_t[2:5][inf], x.reshape(6, 32)[2:5][inf])
     assert (deq_t[2:5][~inf] == 0).all()
     assert torch.equal(deq_t[5].view(torch.int32), deq_m[5].view(torch.int32))
+
+
+# ------------------------------------------------------------------- per-tensor FP8 against torchao's float8
+# mxtrain's per-tensor FP8 (the ``fp8`` recipe) is current scaling as torchao's float8 tensorwise recipe and
+# TransformerEngine define it: every element multiplied in float32 by ``max_elem / amax``, saturated and cast;
+# the codes dequantized with the reciprocal. torchao's ``_scale`` is that multiplier, and its GEMM
+# (``float8_ops``) passes ``_scale.reciprocal()`` to ``torch._scaled_mm``: mxtrain's scale. torchao clamps amax
+# at 1e-12 (mxtrain does not), so tensors here have amax of at least 2**-40.
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_per_tensor_fp8_is_torchao_float8_tensorwise(fmt, dtype):
+    from torchao.float8.config import ScalingGranularity
+    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import LinearMMConfig
+
+    dt = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[fmt]
+    g = torch.Generator().manual_seed(5)
+    grid = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dt).float()
+    grid = grid[torch.isfinite(grid)]
+    mids = (grid[1:] + grid[:-1]) / 2
+    checked = 0
+    for t in range(48):
+        e = int(torch.randint(-40, 40, (1,), generator=g))
+        x = torch.randn(64, 96, generator=g) * 2.0 ** e
+        if t % 3 == 1:   # elements on the grid's midpoints for a random multiplier, and their neighbours
+            amax = float(x.abs().max())
+            m = float((torch.tensor(float(grid.max()), dtype=torch.float64) / amax).float())
+            pts = (mids[torch.randint(0, len(mids), (x.numel() // 2,), generator=g)] / m).float()
+            pts = torch.cat([pts, torch.nextafter(pts, torch.tensor(float("inf")))])
+            x = torch.where(pts.abs().reshape(x.shape) <= amax, pts.reshape(x.shape), x)
+        if t % 3 == 2:   # signed zeros after rounding, exact zeros, one huge element
+            x[0, :8] = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 2.0 ** -60, -(2.0 ** -60), 0.0, 0.0]) * 2.0 ** e
+            x[1, 1] = 3e4 * 2.0 ** e
+        x = x.to(dtype)
+        q = quantize(x, fmt)
+        ao = hp_tensor_to_float8_dynamic(x, dt, LinearMMConfig(), scaling_granularity=ScalingGranularity.TENSORWISE)
+        assert torch.equal(q.data.view(torch.uint8), ao._data.view(torch.uint8)), (t, fmt, dtype)
+        assert torch.equal(q.scales.reshape(()), ao._scale.reciprocal().reshape(())), (t, q.scales, ao._scale)
+        checked += x.numel()
+    assert checked == 48 * 64 * 96

@@ -3,7 +3,7 @@ quantizer's codes and scales bit for bit (eagerly and compiled by Inductor), a c
 the eager path's outputs and gradients, the graph holds no mxtrain custom op, and the setting ``fp8_traced=off``
 brings the custom op back. CPU runs ``torch._scaled_mm``'s CPU implementation with the device check forced
 on; the cuda-marked tests compare the compiled casts with the Triton cast kernel on large tensors (where an
-approximate division would show) and a compiled model's training with the eager one."""
+approximate float32 division of the scales would show) and a compiled model's training with the eager one."""
 
 import pytest
 import torch
@@ -54,7 +54,7 @@ def test_cast_is_the_reference_quantizer(fmt, dtype, compiled):
     x = _tensor(256, 128, dtype)
     x[0, 0], x[0, 1], x[1, 1] = -1e-30, 1e-30, 0.0          # signed zeros after rounding, an exact zero
     _same_as_reference(x, fmt, fn)
-    # values exactly on the midpoints between two FP8 neighbours (ties to even) once divided by the scale
+    # values exactly on the midpoints between two FP8 neighbours (ties to even) once multiplied by m = 1
     grid = torch.arange(0, 127, dtype=torch.int32).to(torch.uint8).view(tracedfp8._DT[fmt]).float()
     grid = grid[torch.isfinite(grid)]
     mids = (grid[1:] + grid[:-1]) / 2
@@ -70,24 +70,6 @@ def test_cast_is_the_reference_quantizer(fmt, dtype, compiled):
     bad[3, 4] = float("inf")
     codes, scale = fn(bad, fmt)
     assert scale.isnan() and not _bits(codes).any()
-
-
-def test_float64_reciprocal_product_is_the_ieee_float32_quotient():
-    """``cast``'s division: ``RN32(RN64(x * RN64(1 / s)))`` equals the IEEE float32 quotient ``x / s``, here on
-    a million pairs built to sit near float32 halfway points (``x = RN32(m s)`` for a halfway point ``m``),
-    where a float32 reciprocal-multiply is wrong about half the time."""
-    g = torch.Generator().manual_seed(0)
-    n = 1 << 20
-    s = ((torch.rand(n, generator=g, dtype=torch.float64) * 2 + 0.5)
-         * torch.exp2(torch.randint(-60, 60, (n,), generator=g).double())).float()
-    a = ((torch.rand(n, generator=g, dtype=torch.float64) + 1)
-         * torch.exp2(torch.randint(-20, 20, (n,), generator=g).double())).float()
-    mid = (a.double() + torch.nextafter(a, torch.tensor(float("inf"))).double()) / 2
-    x = (mid * s.double()).float()
-    want = x / s                                         # IEEE float32 division (CPU)
-    got = (x.double() * (1.0 / s.double())).float()
-    assert torch.equal(got, want)
-    assert (x * (1 / s) != want).sum() > n // 10         # (a single-precision shortcut is not)
 
 
 def test_spec_takes_per_tensor_fp8_with_nearest_rounding_only():
@@ -150,13 +132,18 @@ def test_compiled_layer_is_traced_and_equals_eager(bias, amp, dtype, fp8_on):
 
 def test_compiled_model_trains_like_eager_without_recompiles(fp8_on):
     """A converted MLP under ``torch.compile(fullgraph=True)``, 6 steps of AdamW in a plain loop under bf16
-    autocast: the same losses as eagerly, one graph (no recompile after the first step)."""
+    autocast: the same losses as eagerly, one graph (no recompile after the first step). With inductor's
+    ``emulate_precision_casts``: by default inductor may fuse a cast into the GELU producing its input and
+    read the GELU's float32 value before its bf16 rounding (as for any compiled bf16 code), and the codes of
+    those elements then differ from eager's (docs/library.md)."""
     from torch._dynamo.utils import counters
+    from torch._inductor import config as ic
 
     eager = mlp_losses("fp8", False, DEV)
     torch._dynamo.reset()
     counters.clear()
-    got = mlp_losses("fp8", True, DEV)
+    with ic.patch(emulate_precision_casts=True):
+        got = mlp_losses("fp8", True, DEV)
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     assert eager[-1] < eager[0] * 0.9
     # biases' gradients are float32 sums in another order when compiled: the losses agree to float32 rounding
@@ -167,8 +154,8 @@ def test_compiled_model_trains_like_eager_without_recompiles(fp8_on):
 @pytest.mark.cuda
 def test_compiled_casts_equal_the_cast_kernel_on_large_tensors():
     """Inductor's Triton code for ``cast`` against the Triton cast kernel (the definition bit for bit) on 2**24
-    elements of each kind: a float32 division rounded other than IEEE would change codes near FP8 rounding
-    midpoints (about one element in a quarter million)."""
+    elements of each kind (the 0-d quotients computed by the compiler, the products and the saturating casts
+    in its kernels)."""
     from mxtrain.kernels.fp8cast import quantize_tensor_fp8
     torch._dynamo.reset()
     fn = torch.compile(tracedfp8.cast)

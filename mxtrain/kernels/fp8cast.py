@@ -1,15 +1,16 @@
 """Per-tensor FP8 quantization in two passes (the ``fp8`` recipe's quantizer on a GPU).
 
 ``quantize_tensor_fp8(x, fmt)`` gives the codes and the float32 scale that ``mxtrain.quant.quantize(x, fmt)``
-gives for per-tensor FP8 with nearest rounding (the definition, bit for bit): ``scale = amax / max_elem``
-(1 for an all-zero tensor, NaN when an element is not finite, then every code +0), each element
-``x * prescale / scale`` (an IEEE division) saturated to +-max_elem and rounded half to even onto the
-E4M3 or E5M2 grid, negative values that round to zero kept as -0.
+gives for per-tensor FP8 with nearest rounding (the definition, bit for bit; TransformerEngine's and torchao's
+float8 tensorwise scaling): the multiplier ``m = max_elem / amax`` and the scale ``1 / m``, both float32
+(``quant.tensor_fp8_scales``: ``m = 1`` for an all-zero tensor, both NaN when an element is not finite, then
+every code +0), each element ``x * prescale * m`` (float32 products) saturated to +-max_elem and rounded half to
+even onto the E4M3 or E5M2 grid, negative values that round to zero kept as -0.
 
 Pass 1 is the amax (``torch.linalg.vector_norm`` with ``ord=inf``: one read; NaN or Inf when an element is
-not finite). Pass 2 is one Triton kernel: one read of ``x`` and a 1-byte write, the scale read from device
-memory (no host synchronisation; a CUDA graph replays with the new scale). The reference path did the
-same in about fifteen full-tensor PyTorch passes.
+not finite) and the two 0-d quotients. Pass 2 is one Triton kernel: one read of ``x`` and a 1-byte write, the
+multiplier read from device memory (no host synchronisation; a CUDA graph replays with the new scale). The
+reference path did the same in about fifteen full-tensor PyTorch passes.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..formats import get_format
+from ..quant import tensor_fp8_scales
 from . import HAS_TRITON
 
 __all__ = ["quantize_tensor_fp8", "tensor_scale"]
@@ -28,17 +30,17 @@ if HAS_TRITON:
     from .mxfp4.device import _f32
 
     @triton.jit
-    def _fp8_cast_kernel(x_ptr, out_ptr, scale_ptr, n, prescale, MAXV: tl.constexpr, MBITS: tl.constexpr,
+    def _fp8_cast_kernel(x_ptr, out_ptr, mult_ptr, n, prescale, MAXV: tl.constexpr, MBITS: tl.constexpr,
                          EMIN: tl.constexpr, BIAS: tl.constexpr, SUB: tl.constexpr, PRESCALE: tl.constexpr,
                          BLOCK: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         m = offs < n
-        s = tl.load(scale_ptr)
+        s = tl.load(mult_ptr)
         x = _f32(tl.load(x_ptr + offs, mask=m, other=0.0))
         if PRESCALE:
             x = x * prescale
-        v = tl.math.div_rn(x, tl.full(x.shape, 1.0, tl.float32) * s)
-        ok = (s == s) & (tl.abs(s) != float("inf"))
+        v = x * s
+        ok = s == s                                    # NaN when an element of the tensor is not finite
         v = tl.where(ok, v, 0.0)
         a = tl.minimum(tl.abs(v), MAXV)
         # spacing of a's binade (the subnormal binade shares the first normal one's): 2**(e - MBITS)
@@ -58,14 +60,13 @@ if HAS_TRITON:
         tl.store(out_ptr + offs, code.to(tl.uint8), mask=m)
 
 
-def tensor_scale(x: torch.Tensor, max_elem: float) -> torch.Tensor:
-    """The float32 per-tensor scale ``amax / max_elem`` of the definition (0-d, on ``x``'s device)."""
+def tensor_scale(x: torch.Tensor, max_elem: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The definition's float32 multiplier ``m = max_elem / amax`` and scale ``1 / m`` of ``x``
+    (``quant.tensor_fp8_scales``; 0-d, on ``x``'s device)."""
     if x.numel() == 0:
-        return torch.ones((), dtype=torch.float32, device=x.device)
-    amax = torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32)
-    scale = amax / max_elem
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))   # zero, or so small it underflowed
-    return torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
+        one = torch.ones((), dtype=torch.float32, device=x.device)
+        return one, one
+    return tensor_fp8_scales(torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32), max_elem)
 
 
 def quantize_tensor_fp8(x: torch.Tensor, fmt: str = "fp8_e4m3", prescale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,13 +77,13 @@ def quantize_tensor_fp8(x: torch.Tensor, fmt: str = "fp8_e4m3", prescale: float 
         raise ValueError(f"quantize_tensor_fp8: {fmt!r} is not a per-tensor FP8 format")
     el = f.elem
     x = x.contiguous()
-    scale = tensor_scale(x, el.max)
+    mult, scale = tensor_scale(x, el.max)
     out = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
     n = x.numel()
     if n:
         BLOCK = 4096
         ps = float(torch.tensor(prescale, dtype=torch.float32))
-        _fp8_cast_kernel[(triton.cdiv(n, BLOCK),)](x, out, scale, n, ps, MAXV=el.max, MBITS=el.mbits, EMIN=el.emin,
+        _fp8_cast_kernel[(triton.cdiv(n, BLOCK),)](x, out, mult, n, ps, MAXV=el.max, MBITS=el.mbits, EMIN=el.emin,
                                                     BIAS=el.bias, SUB=2.0 ** (el.mbits - el.emin),
                                                     PRESCALE=prescale != 1.0, BLOCK=BLOCK,
                                                     num_warps=8)
