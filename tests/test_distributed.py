@@ -237,14 +237,23 @@ def test_nproc_bad_input_is_one_line_per_rank(tmp_path):
 # A 2-block Llama (dim 64) on a small generated corpus, mxfp4-all-dh16, global batch 8 x 32 tokens,
 # micro-batch 4: 2 ranks x 1 micro-step against 1 process x 2 accumulation steps, one thread per
 # process. The LR schedule's horizon is fixed at 25 steps so that shorter legs can be resumed.
-# Three 2-rank launches (process start-up dominates): DDP 20 steps, then resumed on 1 process to 25;
-# FSDP2 20 steps; 1 process 10 steps, then resumed with FSDP2 on 2 ranks to 25.
+# Two 2-rank launches (process start-up dominates: 11-12 s a launch here, against 0.15 s a step): DDP 20 steps
+# through ``--nproc 2`` (then resumed on 1 process to 25); and one torchrun launch of tests/_dist_trainer.py
+# that runs the other 2-rank legs one after another in the same ranks: FSDP2 20 steps; the same with a
+# background checkpoint, resumed; DDP with stochastic rounding; 1 process's step-10 checkpoint continued by
+# FSDP2 to 25; FSDP2 over compiled blocks.
 TRAINER_FSDP2_TOL = 2e-3  # measured 1.2e-4: FSDP2's clip norm is summed shard-wise (an ulp apart), and
 # under MXFP4 an ulp can flip one FP4 rounding (here at step 13), after which the runs drift apart.
 
 
 def _metrics(run: Path, key: str) -> list[float]:
     return [r[key] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if key in r]
+
+
+def _check_launch(p: subprocess.CompletedProcess) -> None:
+    # every rank's error line first (the last lines are usually the rank that waited for a crashed one)
+    errors = "\n".join(ln for ln in p.stderr.splitlines() if "Error" in ln or "error:" in ln)
+    assert p.returncode == 0, p.stdout[-2000:] + "\n" + errors[-6000:] + "\n" + p.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")
@@ -280,37 +289,47 @@ def trainer_runs(tmp_path_factory):
     def two(*args):  # 2 ranks through the --nproc convenience (torchrun underneath)
         p = subprocess.run([sys.executable, "-m", "mxtrain", *common, "--nproc", "2", *args], env=env,
                            capture_output=True, text=True, timeout=600)
-        # every rank's error line first (the last lines are usually the rank that waited for a crashed one)
-        errors = "\n".join(ln for ln in p.stderr.splitlines() if "Error" in ln or "error:" in ln)
-        assert p.returncode == 0, p.stdout[-2000:] + "\n" + errors[-6000:] + "\n" + p.stderr[-3000:]
+        _check_launch(p)
+        return p
+
+    def two_in_one(*runs):  # 2 ranks, several runs one after another in one torchrun launch (tests/_dist_trainer.py)
+        spec = root / "runs.json"
+        spec.write_text(json.dumps([list(common) + list(a) for a in runs]))
+        p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                            str(HERE / "_dist_trainer.py"), str(spec)], env=env, capture_output=True, text=True,
+                           timeout=600)
+        _check_launch(p)
         return p
 
     r = {k: root / k for k in ("single", "ddp", "fsdp2", "single10", "fsdp2_compiled", "sr_single", "sr_ddp",
                                "fsdp2_async", "async_resumed")}
     one("--steps", "25", "--out", str(r["single"]))
+    # stochastic rounding and per-step signs (tseng): 1 process with 2 micro-steps (against DDP on 2 ranks below;
+    # and one validation window, fewer than the ranks: rank 1 evaluates a padding window of weight 0)
+    one("--steps", "6", "--out", str(r["sr_single"]), "--recipe", "tseng", "--eval-tokens", "32")
+    # 1 process for 10 steps (checkpoint.pt), continued below by FSDP2 on 2 ranks to step 25
+    one("--steps", "10", "--out", str(r["single10"]))
     r["ddp_proc"] = two("--steps", "20", "--out", str(r["ddp"]), "--parallel", "ddp")
     r["ddp_val_at_20"] = _metrics(r["ddp"], "val_loss")
     # 2 ranks -> 1 process: the DDP run's DCP checkpoint at step 20, continued by one process to 25
     one("--steps", "25", "--out", str(r["ddp"]), "--resume", str(r["ddp"]))
-    two("--steps", "20", "--out", str(r["fsdp2"]), "--parallel", "fsdp2")
-    # the same run with its step-10 checkpoint written in the background (kept as checkpoint-10.dcp) and every
-    # block's activations recomputed in the backward (train.checkpoint_blocks), then resumed from that
-    # checkpoint on 2 ranks to step 20
-    two("--steps", "20", "--out", str(r["fsdp2_async"]), "--parallel", "fsdp2", "--set", "train.checkpoint_every=10",
-        "--set", "train.async_checkpoint=true", "--set", "train.keep_checkpoints_at=10",
-        "--set", "train.checkpoint_blocks=true")
-    two("--steps", "20", "--out", str(r["async_resumed"]), "--parallel", "fsdp2",
-        "--resume", str(r["fsdp2_async"] / "checkpoint-10.dcp"))
-    # the blocks compiled before FSDP2 wraps them (what GPU runs do by default), with explicit prefetching, 6 steps
-    r["fsdp2_compiled_proc"] = two("--steps", "6", "--out", str(r["fsdp2_compiled"]), "--parallel", "fsdp2",
-                                   "--set", "train.compile=on", "--set", "parallel.prefetch=1")
-    # stochastic rounding and per-step signs (tseng): 1 process with 2 micro-steps, DDP on 2 ranks
-    # (and one validation window, fewer than the ranks: rank 1 evaluates a padding window of weight 0)
-    one("--steps", "6", "--out", str(r["sr_single"]), "--recipe", "tseng", "--eval-tokens", "32")
-    two("--steps", "6", "--out", str(r["sr_ddp"]), "--parallel", "ddp", "--recipe", "tseng", "--eval-tokens", "32")
-    # 1 process -> 2 ranks: 10 steps (checkpoint.pt), then FSDP2 on 2 ranks to step 25
-    one("--steps", "10", "--out", str(r["single10"]))
-    two("--steps", "25", "--out", str(r["single10"]), "--resume", str(r["single10"]), "--parallel", "fsdp2")
+    r["launch_proc"] = two_in_one(
+        ("--steps", "20", "--out", str(r["fsdp2"]), "--parallel", "fsdp2"),
+        # the same run with its step-10 checkpoint written in the background (kept as checkpoint-10.dcp) and every
+        # block's activations recomputed in the backward (train.checkpoint_blocks), then resumed from that
+        # checkpoint on 2 ranks to step 20
+        ("--steps", "20", "--out", str(r["fsdp2_async"]), "--parallel", "fsdp2", "--set", "train.checkpoint_every=10",
+         "--set", "train.async_checkpoint=true", "--set", "train.keep_checkpoints_at=10",
+         "--set", "train.checkpoint_blocks=true"),
+        ("--steps", "20", "--out", str(r["async_resumed"]), "--parallel", "fsdp2",
+         "--resume", str(r["fsdp2_async"] / "checkpoint-10.dcp")),
+        ("--steps", "6", "--out", str(r["sr_ddp"]), "--parallel", "ddp", "--recipe", "tseng", "--eval-tokens", "32"),
+        # 1 process -> 2 ranks: the 1-process run's step-10 checkpoint.pt, continued by FSDP2 to step 25
+        ("--steps", "25", "--out", str(r["single10"]), "--resume", str(r["single10"]), "--parallel", "fsdp2"),
+        # the blocks compiled before FSDP2 wraps them (what GPU runs do by default), with explicit prefetching,
+        # 6 steps (last: the compiled graphs stay with the processes)
+        ("--steps", "6", "--out", str(r["fsdp2_compiled"]), "--parallel", "fsdp2",
+         "--set", "train.compile=on", "--set", "parallel.prefetch=1"))
     return r
 
 
@@ -386,7 +405,7 @@ def test_trainer_fsdp2_with_compiled_blocks_equals_eager(trainer_runs):
     assert len(got) == 6 and got == _metrics(trainer_runs["fsdp2"], "loss")[:6]
     run = json.loads((trainer_runs["fsdp2_compiled"] / "config.json").read_text())
     assert run["train"]["compile"] == "on" and run["parallel"]["mode"] == "fsdp2" and run["parallel"]["prefetch"] == 1
-    assert "returned a view tensor" not in trainer_runs["fsdp2_compiled_proc"].stderr   # apply_fsdp2 says why
+    assert "returned a view tensor" not in trainer_runs["launch_proc"].stderr   # apply_fsdp2 says why
 
 
 def test_trainer_resume_across_world_sizes(trainer_runs):
@@ -465,18 +484,32 @@ def test_user_loop_example_with_hf_llama_matches_one_process(tmp_path):
     """examples/distributed_example.py: a user's own loop over a converted Hugging Face Llama, sharded with
     FSDP2 or wrapped in DDP by the user, stochastic rounding (tseng) included: 2 ranks give one process's
     losses (with 2 accumulation steps on the same global batch) bit for bit on CPU, eagerly, converted after
-    fully_shard, and with the decoder layers compiled."""
+    fully_shard, and with the decoder layers compiled. The 1-process references run the script in this process
+    (one thread, as each torchrun rank): two process start-ups with torch and transformers fewer."""
     pytest.importorskip("transformers")
+    import runpy
     script = HERE.parent / "examples" / "distributed_example.py"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
     common = ["--recipe", "tseng", "--steps", "6"]
 
     def losses(name, *launch, extra=()):
         out = tmp_path / f"{name}{''.join(extra)}.json"
-        p = subprocess.run([sys.executable, *launch, str(script), *common, "--out", str(out), *extra, *
-                            (["--parallel", name] if name != "single" else ["--accum", "2"])],
-                           env=env, capture_output=True, text=True, timeout=600)
-        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+        args = [*common, "--out", str(out), *extra, *(["--parallel", name] if name != "single" else ["--accum", "2"])]
+        if name == "single":   # `python examples/distributed_example.py ...`, in this process
+            assert "WORLD_SIZE" not in os.environ
+            argv, threads = sys.argv, torch.get_num_threads()
+            sys.argv = [str(script), *args]
+            torch.set_num_threads(1)
+            try:
+                runpy.run_path(str(script), run_name="__main__")
+            finally:
+                sys.argv = argv
+                torch.set_num_threads(threads)
+                torch._dynamo.reset()   # (the compiled layers' graphs go with their model)
+        else:
+            p = subprocess.run([sys.executable, *launch, str(script), *args],
+                               env=env, capture_output=True, text=True, timeout=600)
+            assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
         return json.loads(out.read_text())["losses"]
 
     ref = losses("single")

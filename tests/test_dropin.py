@@ -431,7 +431,7 @@ def test_gpu_compile_before_any_eager_call(mode):
 def test_split_ops_equal_reference_and_share_input_quantization(preset, carrier, monkeypatch, use):
     """The compiled fast path's two ops (``quantize_input``, then ``linear_q``; run here on CPU through
     Triton's interpreter and the dequantize GEMM) give the reference's outputs and gradients, and under
-    torch.compile three layers reading one input quantize it once (common subexpression elimination).
+    torch.compile two layers reading one input quantize it once (common subexpression elimination).
     ``carrier``: with the FP8-carrier outputs of the Hopper path (float32 group scales among the op's
     outputs, which autograd must not differentiate), multiplied as float math here."""
     from mxtrain import fast
@@ -450,9 +450,11 @@ def test_split_ops_equal_reference_and_share_input_quantization(preset, carrier,
     rs = recipe_json(rec)
     g = torch.Generator().manual_seed(0)
     # 14 tokens (a ragged 16-row tile) and outputs of 32 and 16 (layers of different widths): each operand one
-    # row tile of the interpreted kernels, which pad K (64 features, 14 tokens or 32/16 outputs) to whole tiles
+    # row tile of the interpreted kernels, which pad K (64 features, 14 tokens or 32/16 outputs) to whole tiles.
+    # Two layers show the sharing (one quantization, not two); a third of the second's width covered nothing more
+    # and cost a third of the time (its interpreted backward passes)
     x = torch.randn(2, 7, 64, generator=g).requires_grad_()
-    ws = [(torch.randn(n, 64, generator=g) / 8).requires_grad_() for n in (32, 16, 16)]
+    ws = [(torch.randn(n, 64, generator=g) / 8).requires_grad_() for n in (32, 16)]
     gys = [torch.randn(2, 7, w.shape[0], generator=g) for w in ws]
 
     def ops(x, w, keys, signs):
@@ -470,8 +472,9 @@ def test_split_ops_equal_reference_and_share_input_quantization(preset, carrier,
     from mxtrain.kernels.seeds import call_seeds_host
     from mxtrain.context import seed_spec
     sr, modes, sizes = seed_spec(rec)
-    seeds = [call_seeds_host(rec.seed, i, 3, 0, sr=sr, sign_modes=modes, sign_sizes=sizes) for i in range(3)]
-    ref = run(lambda: [_MXLinearFunction.apply(x, w, None, Ctx(rec, i, 3, 0)) for i, w in enumerate(ws)])
+    n = len(ws)
+    seeds = [call_seeds_host(rec.seed, i, n, 0, sr=sr, sign_modes=modes, sign_sizes=sizes) for i in range(n)]
+    ref = run(lambda: [_MXLinearFunction.apply(x, w, None, Ctx(rec, i, n, 0)) for i, w in enumerate(ws)])
     got = run(lambda: [ops(x, w, *seeds[i]) for i, w in enumerate(ws)])
     for r, o in zip(ref, got):
         assert ((o - r).norm() / r.norm()).item() < 1e-5
@@ -481,12 +484,12 @@ def test_split_ops_equal_reference_and_share_input_quantization(preset, carrier,
     try:
         torch._dynamo.reset()
         same = [None, None] if not any(sr) else None   # without randomness every layer quantizes X alike
-        f = torch.compile(lambda x, a, b, c: [ops(x, w, *(same or seeds[i])) for i, w in enumerate((a, b, c))],
+        f = torch.compile(lambda x, a, b: [ops(x, w, *(same or seeds[i])) for i, w in enumerate((a, b))],
                           backend="aot_eager", fullgraph=True)
         comp = run(lambda: f(x, *ws))
     finally:
         fast.quantize_input = real
-    assert len(calls) == (1 if same else 3)
+    assert len(calls) == (1 if same else n)
     for r, o in zip(got, comp):
         assert torch.equal(r, o)
 

@@ -10,6 +10,7 @@ import pytest
 
 from mxtrain.errors import UserError
 from mxtrain.study.runner import StudySpec, branch_plan, run_study, train_branch
+from train_helpers import data_cache
 
 SMOKE = ["model.dim=64", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1", "schedule.warmup_steps=2",
          "optim.lr=5e-3", "log.eval_tokens=512", "log.log_every=4", "log.tensorboard=false"]
@@ -33,7 +34,7 @@ def test_branch_plan_and_checks(tmp_path):
 
 
 def test_cooldown_study_end_to_end_and_resume(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("MXTRAIN_DATA", str(tmp_path / "cache"))
+    monkeypatch.setenv("MXTRAIN_DATA", str(data_cache()))   # the built-in corpus, prepared once
     import torch
     torch.set_num_threads(1)
     out = tmp_path / "study"
@@ -192,7 +193,7 @@ def test_final_evaluation_over_more_tokens_feeds_the_cooled_down_losses(tmp_path
     over that many validation tokens (eval_final.json: its windows, their mean the val_loss); the cooled-down
     metric reads those (more windows than the periodic evaluations) where every finished branch has one over
     the same tokens, and falls back to the periodic ones for all where one lacks it."""
-    monkeypatch.setenv("MXTRAIN_DATA", str(tmp_path / "cache"))
+    monkeypatch.setenv("MXTRAIN_DATA", str(data_cache()))   # the built-in corpus, prepared once
     import torch
 
     from mxtrain.study import cooldown as C
@@ -240,7 +241,7 @@ def test_cooled_down_gap_by_validation_source(tmp_path, monkeypatch):
 
     from mxtrain.data.prepare import prepare
     from mxtrain.study import cooldown as C
-    monkeypatch.setenv("MXTRAIN_DATA", str(tmp_path / "cache"))
+    monkeypatch.setenv("MXTRAIN_DATA", str(data_cache()))   # (its own data below; no user cache)
     rnd = random.Random(0)
     prose = "the of and a to in is was he for it with as his on be at by had not are but from or".split()
     code = "def return if else for in range self x y import print class None True".split()
@@ -284,7 +285,7 @@ def test_run_stopped_by_a_signal_continues_from_its_checkpoint(tmp_path, monkeyp
     from mxtrain.study.runner import StudyInterrupted, build_config
     from mxtrain.train import trainer as TR
     from mxtrain.train.callbacks import Callback
-    monkeypatch.setenv("MXTRAIN_DATA", str(tmp_path / "cache"))
+    monkeypatch.setenv("MXTRAIN_DATA", str(data_cache()))   # the built-in corpus, prepared once
     import torch
     torch.set_num_threads(1)
 
@@ -322,7 +323,7 @@ def test_carried_study_remakes_gone_checkpoints(tmp_path, monkeypatch):
     """A study carried to another machine without its checkpoints (a GPU lease's study.tgz): a branch whose
     stable-run checkpoint is gone is trained after the stable run is trained again to make it; the remade
     losses equal the first run's, and so does the branch's result."""
-    monkeypatch.setenv("MXTRAIN_DATA", str(tmp_path / "cache"))
+    monkeypatch.setenv("MXTRAIN_DATA", str(data_cache()))   # the built-in corpus, prepared once
     import torch
     torch.set_num_threads(1)
     out = tmp_path / "study"
@@ -378,7 +379,7 @@ def test_bf16_cooldown_arm_trains_its_branches_in_bf16(tmp_path, monkeypatch):
     """``mxfp4-all@bf16cool``: the stable run is ``mxfp4-all``'s, shared (not trained again) when both arms are in
     the study, trained alike when alone; every branch switches to BF16 at its branch point
     (``train.switch_recipe``); the option needs a cooldown study."""
-    monkeypatch.setenv("MXTRAIN_DATA", str(tmp_path / "cache"))
+    monkeypatch.setenv("MXTRAIN_DATA", str(data_cache()))   # the built-in corpus, prepared once
     import torch
     torch.set_num_threads(1)
     out = tmp_path / "s"

@@ -15,14 +15,18 @@ from train_helpers import small_data
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# The scripts' mechanics (leases, skipped and carried runs, the probe, MPS) do not depend on the model's size:
+# "tiny" cut to 2 blocks of width 64 (0.2M parameters, not 0.8M), and (where a test names no steps of its own)
+# 16-step studies (branches at budgets 0.75 and 1: steps 10 and 13, after the 4 warm-up steps)
+SMALL = "--set model.dim=64 --set model.n_layers=2 --set model.n_heads=2 --set model.n_kv_heads=1"
 
 
 def _call(tmp, name, arms, seed_study=None, data=None):
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1",
                OUT=str(tmp / f"out-{name}"), STUDY=str(tmp / f"study-{name}"), DATA=str(data),
-               ARMS=arms, MODEL="tiny", STEPS="24", SEEDS="1", BUDGETS="0.75,1", JOBS="1", DEVICE="cpu",
+               ARMS=arms, MODEL="tiny", STEPS="16", SEEDS="1", BUDGETS="0.75,1", JOBS="1", DEVICE="cpu",
                EVAL_EVERY="8", EVAL_TOKENS="1024", FINAL_EVAL_TOKENS="2048",
-               EXTRA="--batch-size 2 --seq-len 32 --set schedule.warmup_steps=4",
+               EXTRA=f"--batch-size 2 --seq-len 32 --set schedule.warmup_steps=4 {SMALL}",
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     if seed_study:
         env["SEED_STUDY"] = str(seed_study)
@@ -118,11 +122,11 @@ def test_study_lease_runs_through_calls_and_collects(tmp_path):
     """``benchmarks/study_lease.sh``: ``start`` returns at once with the study training in a session of its own,
     ``watch`` waits for it (exit 1 while it runs, 0 once it ended), ``collect`` copies its results; a second
     ``start`` while one runs is refused, and ``stop`` with nothing running says so."""
-    env = _env(tmp_path, PARTS=tmp_path / "parts", DATA=small_data(), ARMS="bf16", MODEL="tiny", STEPS="24",
+    env = _env(tmp_path, PARTS=tmp_path / "parts", DATA=small_data(), ARMS="bf16", MODEL="tiny", STEPS="16",
                SEEDS="1", BUDGETS="0.75,1", JOBS="1", DEVICE="cpu", EVAL_EVERY="8", EVAL_TOKENS="1024",
-               FINAL_EVAL_TOKENS="2048", EXTRA="--batch-size 2 --seq-len 32 --set schedule.warmup_steps=4",
+               FINAL_EVAL_TOKENS="2048", EXTRA=f"--batch-size 2 --seq-len 32 --set schedule.warmup_steps=4 {SMALL}",
                # MPS=auto measures first (here: no MPS on the machine, the plain probe only, so MPS stays off)
-               MPS="auto", PROBE_FORCE="1", PROBE_STEPS="12", PROBE_EXTRA="--batch-size 2 --seq-len 32")
+               MPS="auto", PROBE_FORCE="1", PROBE_STEPS="12", PROBE_EXTRA=f"--batch-size 2 --seq-len 32 {SMALL}")
 
     def lease(*args, **kw):
         return subprocess.run(["bash", "benchmarks/study_lease.sh", *args], cwd=ROOT, env={**env, **kw},
@@ -155,7 +159,7 @@ def test_study_lease_runs_through_calls_and_collects(tmp_path):
 def test_study_probe_measures_runs_sharing_a_device(tmp_path):
     """``benchmarks/study_probe.sh`` (plain mode on CPU): JOBS runs at once, the aggregate tokens/s in probe.json."""
     env = _env(tmp_path, OUT=tmp_path / "out", DATA=small_data(), MODES="plain", JOBS="2", STEPS="12", MODEL="tiny",
-               DEVICE="cpu", EXTRA="--seq-len 32 --batch-size 2")
+               DEVICE="cpu", EXTRA=f"--seq-len 32 --batch-size 2 {SMALL}")
     r = subprocess.run(["bash", "benchmarks/study_probe.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0 and "plain:" in r.stdout, (r.stdout, r.stderr)
@@ -204,7 +208,8 @@ def test_two_named_studies_share_a_lease_and_one_mps_daemon(tmp_path):
         if (parts / "a.out" / "mps.txt").exists():
             break
         time.sleep(0.2)
-    r = lease("start", "600", NAME="b", GPUS="1", ARMS="mxfp4-all", STEPS="24")
+    # (a keeps tiny's full size: it must still run when b starts; b, the longer study, is the small model)
+    r = lease("start", "600", NAME="b", GPUS="1", ARMS="mxfp4-all", STEPS="24", EXTRA=f"{env['EXTRA']} {SMALL}")
     assert r.returncode == 0, (r.stdout, r.stderr)
     assert lease("start", "600", NAME="b").returncode == 2                   # b is running
     for name in ("a", "b"):

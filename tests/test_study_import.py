@@ -11,6 +11,7 @@ import pytest
 from mxtrain.errors import UserError
 from mxtrain.study.importruns import config_differences, import_runs, parse_renames
 from mxtrain.study.runner import StudySpec, run_study
+from train_helpers import data_cache
 
 SMOKE = ["model.dim=64", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1", "schedule.warmup_steps=2",
          "log.eval_tokens=512", "log.log_every=4", "log.tensorboard=false"]
@@ -34,7 +35,7 @@ def test_parse_renames():
 
 
 def test_import_lr_check_into_main_study(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("MXTRAIN_DATA", str(tmp_path / "cache"))
+    monkeypatch.setenv("MXTRAIN_DATA", str(data_cache()))   # the built-in corpus, prepared once
     import torch
     torch.set_num_threads(1)
     src, dst = tmp_path / "lrcheck", tmp_path / "main"

@@ -40,10 +40,16 @@ def builtin_data() -> Path:
     return prepare(["builtin"], _TMP / "builtin", vocab_size=4096, progress=False)
 
 
+def data_cache() -> Path:
+    """The tests' ``MXTRAIN_DATA`` folder (not the user's cache): the built-in corpus that runs without ``--data``
+    train on is prepared there once per test session (about 10 s each time otherwise)."""
+    return _TMP / "cache"
+
+
 def run_cli(*args: str, cwd: Path | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
     """``python -m mxtrain ARGS`` in a subprocess (one torch thread, the repo on PYTHONPATH)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               OMP_NUM_THREADS="1", MXTRAIN_DATA=str(_TMP / "cache"))
+               OMP_NUM_THREADS="1", MXTRAIN_DATA=str(data_cache()))
     return subprocess.run([sys.executable, "-m", "mxtrain", *args], cwd=cwd or _TMP, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
