@@ -18,7 +18,7 @@ from mxtrain.quant import fake_quantize
 from mxtrain.recipe import Rotation
 from mxtrain.recipes import get as get_recipe
 
-from train_helpers import one_line_error, run_cli, small_data, tiny_run_cfg
+from train_helpers import one_line_error, run_cli, run_main, small_data, tiny_run_cfg
 
 LO, HI = 1.25 - 1 / 64, 1.25 + 1 / 64   # either side of the FP4 boundary 1.25 (scale 1): Q = 1.0 / 1.5
 
@@ -172,9 +172,10 @@ def test_cli_errors_are_one_line(tmp_path):
     base = ["train", "--exp", "debug", "--data", str(small_data()), "--steps", "2", "--device", "cpu"]
     one_line_error(run_cli(*base, "--recipe", "tseng", "--set", "deosc.enable=true", "--out", str(tmp_path / "a")),
                    "deosc.enable", "tseng")
-    one_line_error(run_cli(*base, "--set", "deosc.window=500", "--out", str(tmp_path / "b")), "deosc.window")
-    one_line_error(run_cli(*base, "--set", "deosc.threshold=x", "--out", str(tmp_path / "c")), "deosc.threshold")
-    one_line_error(run_cli(*base, "--set", "deosc.enable=true", "--parallel", "fsdp2", "--out", str(tmp_path / "d")),
+    # the others through mxtrain.cli.main in this process (tests/train_helpers.py: run_main)
+    one_line_error(run_main(*base, "--set", "deosc.window=500", "--out", str(tmp_path / "b")), "deosc.window")
+    one_line_error(run_main(*base, "--set", "deosc.threshold=x", "--out", str(tmp_path / "c")), "deosc.threshold")
+    one_line_error(run_main(*base, "--set", "deosc.enable=true", "--parallel", "fsdp2", "--out", str(tmp_path / "d")),
                    "deosc.enable", "FSDP2")
 
 

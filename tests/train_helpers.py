@@ -58,6 +58,35 @@ def tmpdir() -> Path:
     return _TMP
 
 
+def run_main(*args: str) -> subprocess.CompletedProcess:
+    """``mxtrain ARGS`` through ``mxtrain.cli.main`` in this process, as ``run_cli`` runs it in a subprocess
+    (same working folder and ``MXTRAIN_DATA``), its stdout and stderr captured and its exit status returned
+    (an argparse error's ``SystemExit`` too); any other exception propagates and fails the caller, as a
+    traceback in the subprocess would. For the many one-line-error cases, where a process start costs more
+    than the check."""
+    import contextlib
+    import io
+
+    from mxtrain.cli import main
+    out, err = io.StringIO(), io.StringIO()
+    old_env, old_cwd = os.environ.get("MXTRAIN_DATA"), os.getcwd()
+    os.environ["MXTRAIN_DATA"] = str(data_cache())
+    os.chdir(_TMP)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                rc = main(list(args))
+            except SystemExit as e:
+                rc = e.code if isinstance(e.code, int) else 1
+    finally:
+        os.chdir(old_cwd)
+        if old_env is None:
+            os.environ.pop("MXTRAIN_DATA", None)
+        else:
+            os.environ["MXTRAIN_DATA"] = old_env
+    return subprocess.CompletedProcess(["mxtrain", *args], rc, out.getvalue(), err.getvalue())
+
+
 def one_line_error(p: subprocess.CompletedProcess, *fragments: str) -> None:
     """A CLI run that failed as mxtrain promises: non-zero exit, one ``mxtrain: error:`` line holding every
     fragment, no traceback."""
