@@ -6,39 +6,61 @@ mode), fused AdamW under bf16 autocast, 4 x 4096 tokens; 4 warm-up steps, then `
 prints kernels per step, device time per step and the 45 costliest kernels, and writes every kernel's row (name,
 calls a step, us a step) to OUT.json. Usage: ``python tools/step_kernels.py 125m OUT.json`` (GPU, torchao
 installed)."""
-import sys, torch, json
-from mxtrain import bench_step as B
-from torch.profiler import profile, ProfilerActivity
-model = sys.argv[1]
-out = {}
-for variant in ("torchao-tensorwise", "fp8"):
+import json
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from mxtrain import bench_step
+
+
+def kernel_rows(model: str, variant: str, steps: int = 3) -> list[tuple[str, int, float]]:
+    """(kernel name, calls a step, device us a step) of ``variant``'s training step, costliest first."""
     torch._dynamo.reset()
     dev = torch.device("cuda")
-    m = B._build(model, 4, 4096, dev)
-    V = m.cfg.vocab_size
+    m = bench_step._build(model, 4, 4096, dev)
     g = torch.Generator(device=dev).manual_seed(0)
-    idx = torch.randint(0, V, (4, 4097), device=dev, generator=g)
+    idx = torch.randint(0, m.cfg.vocab_size, (4, 4097), device=dev, generator=g)
     x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
-    B._convert(m, variant)
+    bench_step._convert(m, variant)
     f = torch.compile(m)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True)
+
     def step():
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = f(x, y)
-        loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
-    for _ in range(4): step()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(4):
+        step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as p:
-        for _ in range(3): step()
+        for _ in range(steps):
+            step()
         torch.cuda.synchronize()
     rows = []
     for e in p.key_averages():
         t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
         if t > 0:
-            rows.append((e.key[:110], e.count // 3, round(t / 3, 1)))
-    rows.sort(key=lambda r: -r[2])
-    tot = sum(r[2] for r in rows); n = sum(r[1] for r in rows)
-    print(f"== {variant}: {n} kernels/step, {tot/1e3:.2f} ms device time/step")
-    for r in rows[:45]: print(f"{r[2]:9.1f} us {r[1]:4d}x  {r[0]}")
-    out[variant] = rows
-json.dump(out, open(sys.argv[2], "w"))
+            rows.append((e.key[:110], e.count // steps, round(t / steps, 1)))
+    return sorted(rows, key=lambda r: -r[2])
+
+
+def main(model: str, out_path: str) -> dict:
+    out = {}
+    for variant in ("torchao-tensorwise", "fp8"):
+        rows = out[variant] = kernel_rows(model, variant)
+        total, n = sum(r[2] for r in rows), sum(r[1] for r in rows)
+        print(f"== {variant}: {n} kernels/step, {total / 1e3:.2f} ms device time/step")
+        for name, calls, us in rows[:45]:
+            print(f"{us:9.1f} us {calls:4d}x  {name}")
+    with open(out_path, "w") as f:
+        json.dump(out, f)
+    return out
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
