@@ -1,9 +1,9 @@
 """Per-tensor FP8 GEMMs on FP8 tensor cores (the ``fp8`` recipe's GEMMs on a CUDA GPU).
 
 The reference path quantizes each operand with ``mxtrain.quant.quantize`` (per-tensor current scaling:
-elements times ``max_elem / amax``, codes dequantized with the reciprocal ``scale``), dequantizes it to float32 and multiplies in float32. Where both operands
-of a GEMM are per-tensor FP8 (E4M3 or E5M2, not both E5M2), not rotated, on a CUDA device with FP8
-tensor cores (sm_89 and later), ``scaled_mm`` multiplies the same FP8 codes with ``torch._scaled_mm``
+elements times ``max_elem / amax``, codes dequantized with the reciprocal ``scale``), dequantizes it to
+float32 and multiplies in float32. Where both operands of a GEMM are per-tensor FP8 (E4M3 or E5M2, not both
+E5M2), not rotated, on a CUDA device with FP8 tensor cores (sm_89 and later), ``scaled_mm`` multiplies the same FP8 codes with ``torch._scaled_mm``
 instead: the products of the codes accumulated in float32, then multiplied by the two scales. The
 operands are the reference's, bit for bit; the result differs from the reference's only by float32
 rounding (the reference rounds each dequantized operand ``code * scale`` to float32 before multiplying,
