@@ -22,7 +22,9 @@ A variant may carry settings (``docs/settings.md``) after a colon, applied while
 timed: ``mxfp4-all-dh16:wgrad_x=forward`` or ``mxfp4-all:dual=off:qfold=false``; and the model options
 ``recompute_ffn`` and ``checkpoint_blocks`` (``STEP_OPTIONS``; true or false) for that variant alone, over the
 run-wide ones: ``mxfp4-all-dh16:recompute_ffn=true`` beside a plain ``bf16`` compares an MX recipe that
-recomputes its feed-forward GEMMs with a BF16 step that does not, in one run.
+recomputes its feed-forward GEMMs with a BF16 step that does not, in one run. A torchao variant takes
+``fast_accum=false`` (its forward GEMM accumulating in float32, as mxtrain's ``fp8`` does by default) or ``true``
+(torchao's default); mxtrain's ``fp8`` takes the setting ``fp8_fast_accum=fprop`` (torchao's accumulation).
 """
 
 from __future__ import annotations
@@ -51,13 +53,18 @@ def _build(model: str, layers: int | None, seq: int, device):
     return Llama(ModelConfig.named(MODELS.get(model, model), **over), device=device)
 
 
-def _convert(m, variant: str) -> None:
+def _convert(m, variant: str, torchao_fast_accum: bool | None = None) -> None:
     if variant == "bf16":
         return
     if variant in TORCHAO:
+        import dataclasses
+
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-        convert_to_float8_training(m, config=Float8LinearConfig.from_recipe_name(variant.split("-", 1)[1]),
-                                   module_filter_fn=lambda mod, fqn: fqn.startswith("layers."))
+        from torchao.float8.config import Float8GemmConfig
+        config = Float8LinearConfig.from_recipe_name(variant.split("-", 1)[1])
+        if torchao_fast_accum is not None:   # (torchao's default: fast accumulation in the forward GEMM only)
+            config = dataclasses.replace(config, gemm_config_output=Float8GemmConfig(use_fast_accum=torchao_fast_accum))
+        convert_to_float8_training(m, config=config, module_filter_fn=lambda mod, fqn: fqn.startswith("layers."))
         return
     import warnings
 
@@ -69,7 +76,7 @@ def _convert(m, variant: str) -> None:
 
 def _one_variant(variant: str, model: str, layers: int | None, batch: int, seq: int, steps: int, warmup: int,
                  compile_mode: str, device, recompute_ffn: bool = False, param_dtype: str = "float32",
-                 checkpoint_blocks: bool = False) -> dict:
+                 checkpoint_blocks: bool = False, torchao_fast_accum: bool | None = None) -> dict:
     import contextlib
     dev = torch.device(device)
     cuda = dev.type == "cuda"
@@ -85,7 +92,7 @@ def _one_variant(variant: str, model: str, layers: int | None, batch: int, seq: 
     g = torch.Generator(device=dev).manual_seed(0)
     idx = torch.randint(0, V, (batch, seq + 1), device=dev, generator=g)
     x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
-    _convert(m, variant)
+    _convert(m, variant, torchao_fast_accum)
     f = m if compile_mode == "none" else torch.compile(m, mode=None if compile_mode == "default" else compile_mode)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=cuda)
     amp = torch.autocast(dev.type, dtype=torch.bfloat16) if param_dtype == "float32" else contextlib.nullcontext()
@@ -152,6 +159,21 @@ def step_options(over: dict, **defaults: bool) -> dict:
     return opts
 
 
+def torchao_option(base: str, over: dict) -> bool | None:
+    """A torchao variant's ``fast_accum=true|false`` (removed from ``over``): whether torchao's forward GEMM
+    accumulates in the fast mode (its default: true); None where not given. Refused on other variants."""
+    if "fast_accum" not in over:
+        return None
+    if base not in TORCHAO:
+        raise ValueError(f"fast_accum= is an option of the torchao variants; for mxtrain's fp8 give "
+                         f"fp8_fast_accum=fprop or off")
+    from .settings import _FALSE, _TRUE
+    val = str(over.pop("fast_accum")).strip().lower()
+    if val not in _TRUE + _FALSE:
+        raise ValueError(f"fast_accum={val!r}: give true or false")
+    return val in _TRUE
+
+
 def split_variant(v: str) -> tuple[str, dict]:
     """``"name:key=value:key=value"`` -> ``("name", {key: value})`` (values parsed by ``settings``)."""
     name, _, rest = v.partition(":")
@@ -191,12 +213,13 @@ def measure(variants, model: str = "8b-layers", layers: int | None = 4, batch: i
         try:
             base, over = split_variant(v)
             opts = step_options(over, recompute_ffn=recompute_ffn, checkpoint_blocks=checkpoint_blocks)
+            tao_fa = torchao_option(base, over)
             budget = {} if memory_budget is None else {"activation_memory_budget": float(memory_budget)}
             if recompute_gemm_inputs:
                 budget["ban_recompute_materialized_backward"] = False
             with settings.override(**over), torch._functorch.config.patch(**budget):
                 res["runs"][v] = _one_variant(base, model, layers, batch, seq, steps, warmup, compile_mode, device,
-                                              opts["recompute_ffn"], param_dtype, opts["checkpoint_blocks"])
+                                              opts["recompute_ffn"], param_dtype, opts["checkpoint_blocks"], tao_fa)
                 res["runs"][v]["settings"] = over
                 res["runs"][v]["step_options"] = opts
                 if on_variant is not None:   # (inside: it sees the variant's settings)

@@ -49,7 +49,7 @@ from .context import (Ctx, advances_calls, autocast_dtype, bf16_exact, compute_d
                       seed_spec)
 from ._constant import assume_constant_result
 from .formats import get_format
-from . import tensorfp8
+from . import tensorfp8, tracedfp8
 from .recipe import Recipe
 from .recipes import get as get_recipe
 
@@ -142,9 +142,11 @@ def ref_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         fin = out_dtype if bias is None else None   # (the GEMM may write the output dtype itself)
         if keep_x:
             xc = tensorfp8.codes(qctx, x2, -1, "fprop_x")
-            y = tensorfp8.scaled_mm(qctx, x2, -1, "fprop_x", weight, -1, "fprop_w", cdt, a_codes=xc, final_dtype=fin)
+            y = tensorfp8.scaled_mm(qctx, x2, -1, "fprop_x", weight, -1, "fprop_w", cdt, a_codes=xc, final_dtype=fin,
+                                    fast_accum=tensorfp8.fast_accum_fprop())
         elif _fp8_mm(r, "fprop_x", "fprop_w", "fprop", cdt, x2.shape[0], weight.shape[0], x2.shape[1], x.device):
-            y = tensorfp8.scaled_mm(qctx, x2, -1, "fprop_x", weight, -1, "fprop_w", cdt, final_dtype=fin)
+            y = tensorfp8.scaled_mm(qctx, x2, -1, "fprop_x", weight, -1, "fprop_w", cdt, final_dtype=fin,
+                                    fast_accum=tensorfp8.fast_accum_fprop())
         elif factors_nvfp4(r, "fprop_x", "fprop_w", "fprop", amp, cdt):
             y = _factored_gemm(qctx, "fprop", (x2, -1, "fprop_x", False), (weight, -1, "fprop_w", True), amp, cdt,
                                x.device)
@@ -201,11 +203,13 @@ def ref_backward(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor,
             if pa * pb != 1.0:
                 dx = dx / (pa * pb)
             dx = dx.to(x.dtype).reshape(x.shape)
+        wio = tensorfp8.autocast_io(r, amp)   # (dW rounded to the autocast dtype first: fp8_autocast)
         if fp8_wgrad:
             dw = tensorfp8.scaled_mm(qctx, dy2, 0, "wgrad_dy", x2, 0, "wgrad_x", cdt,
                                      a_codes=tensorfp8.reorient(dy_codes, 0) if dy_codes is not None else None,
-                                     b_codes=tensorfp8.reorient(x_codes, 0) if x_codes is not None else None)
-            dw = dw.to(weight.dtype)
+                                     b_codes=tensorfp8.reorient(x_codes, 0) if x_codes is not None else None,
+                                     final_dtype=wio)
+            dw = dw.to(wio or weight.dtype).to(weight.dtype)
         elif need[1] and factors_nvfp4(r, "wgrad_dy", "wgrad_x", "wgrad", amp, cdt):
             dw = _factored_gemm(qctx, "wgrad", (dy2, 0, "wgrad_dy", True), (x2, 0, "wgrad_x", False), amp, cdt,
                                 dy.device).to(weight.dtype)
@@ -217,7 +221,7 @@ def ref_backward(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor,
             dw = torch.matmul(dyq.to(gd).t(), xq.to(gd)).to(cdt)
             if pa * pb != 1.0:
                 dw = dw / (pa * pb)
-            dw = dw.to(weight.dtype)
+            dw = dw.to(wio or weight.dtype).to(weight.dtype)
         if need[2]:
             db = dy2.to(cdt).sum(0).to(weight.dtype)
     return dx, dw, db
@@ -568,6 +572,7 @@ def compiled_linear(x, weight, bias, state, recipe_str: str, seeded: bool, quant
             return tracedmx.linear(x, weight, bias, mx, rows)
     if fp8:
         from . import tracedfp8
+        x = _fp8_input(x)
         fmts = tuple(fp8.split(","))
         if tracedfp8.applies(fmts, x, weight):
             return tracedfp8.linear(x, weight, bias, fmts)
@@ -588,6 +593,17 @@ def compiled_linear(x, weight, bias, state, recipe_str: str, seeded: bool, quant
         return torch.ops.mxtrain.linear_q(x, f0, f1, w0, w1, weight, bias, keys, signs, recipe_str, _AMP_NAME[amp])
     y, _, _ = torch.ops.mxtrain.linear(x, weight, bias, keys, signs, recipe_str, _AMP_NAME[amp], need_wgrad)
     return y
+
+
+def _fp8_input(x: torch.Tensor) -> torch.Tensor:
+    """A per-tensor FP8 layer's input: cast to the autocast dtype where autocast is on and the setting
+    ``fp8_autocast`` says ``autocast`` (``tensorfp8.autocast_io``), else ``x`` itself."""
+    from . import settings
+    dt = x.device.type
+    if settings.current().fp8_autocast != "autocast" or not torch.is_autocast_enabled(dt):
+        return x
+    amp = torch.get_autocast_dtype(dt)
+    return x if amp == torch.float32 or not x.is_floating_point() or x.dtype == torch.float64 else x.to(amp)
 
 
 @assume_constant_result
@@ -620,6 +636,8 @@ def mx_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
         rs, seeded, quantized, split, fp8, mx = _compile_spec(recipe if isinstance(recipe, str) else recipe._json)
         return compiled_linear(x, weight, bias, state, rs, seeded, quantized, split, fp8, mx)
     recipe = get_recipe(recipe)
+    if recipe.memo("tracedfp8_spec", tracedfp8.spec) is not None:
+        x = _fp8_input(x)
     rt = route(recipe, x, weight)
     if rt == "plain":
         return F.linear(x, weight, bias)

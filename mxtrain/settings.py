@@ -155,6 +155,21 @@ class Settings:
         "compiler fuses with the kernels around them and recomputes in the backward as it does torchao's float8: "
         "`auto` on GPUs with FP8 tensor cores, `off`: the custom op (Triton casts, X's codes kept). Same values "
         "either way.", "choice", choices=("auto", "off"), aliases=_AUTO_OFF)
+    fp8_fast_accum: str = _knob(
+        "off", "MXTRAIN_FP8_FAST_ACCUM", "Accumulation of the GEMMs that run on FP8 tensor cores with per-tensor "
+        "scales (the `fp8` recipe's): `off`: float32 accumulation in all three GEMMs; `fprop`: the forward GEMM "
+        "in the tensor cores' fast mode (`torch._scaled_mm(use_fast_accum=True)`: partial sums kept in fewer "
+        "bits on Hopper), as TransformerEngine and torchao's float8 run it by default, faster; Dgrad and Wgrad "
+        "stay float32. Where no FP8 tensor core runs the GEMM (CPU, older GPUs) the product is float32 either "
+        "way.", "choice", choices=("off", "fprop"), numerics=True)
+    fp8_autocast: str = _knob(
+        "float32", "MXTRAIN_FP8_AUTOCAST", "Under autocast, the layers of per-tensor FP8 recipes (`fp8`): "
+        "`float32`: the input quantized as given (float32 where a float32 norm feeds the layer) and float32 "
+        "gradients written to float32 tensors (the input, the master weight); `autocast`: as `nn.Linear`, "
+        "torchao's float8 and TransformerEngine do, the input cast to the autocast dtype before its FP8 cast, "
+        "dX and dW written by their GEMMs in the autocast dtype (autograd widens them to float32): fewer bytes, "
+        "gradients rounded to bf16. With `fp8_fast_accum=fprop` the layers compute what torchao's float8 "
+        "tensorwise layers do.", "choice", choices=("float32", "autocast"), numerics=True)
     mx_traced: str = _knob(
         "off", "MXTRAIN_MX_TRACED", "Under `torch.compile`, the layers of MXFP4 recipes whose GEMMs all use "
         "round-to-nearest, prescale 1 and no or a deterministic Hadamard rotation (`mxfp4-all`, `mxfp4-all-dh16`, "

@@ -21,7 +21,8 @@ import torch
 from .context import Ctx
 from .recipe import Recipe
 
-__all__ = ["FP8_DTYPES", "applies", "codes", "scaled_mm", "shares_codes", "reorient"]
+__all__ = ["FP8_DTYPES", "applies", "codes", "scaled_mm", "shares_codes", "reorient", "fast_accum_fprop",
+           "autocast_io"]
 
 FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}   # format -> its codes' dtype
 
@@ -42,6 +43,23 @@ def applies(recipe: Recipe, a_name: str, b_name: str, gemm: str, *dims: int, dev
     if recipe.rotation(gemm).enabled or any(d % 16 for d in dims):
         return False
     return _fp8_capable(torch.device(device))
+
+
+def fast_accum_fprop() -> bool:
+    """Does the forward GEMM accumulate in the FP8 tensor cores' fast mode (setting ``fp8_fast_accum``:
+    ``fprop``, TransformerEngine's and torchao's default)? Dgrad and Wgrad always accumulate in float32."""
+    from . import settings
+    return settings.current().fp8_fast_accum == "fprop"
+
+
+def autocast_io(recipe: Recipe, amp: torch.dtype | None) -> torch.dtype | None:
+    """The dtype a per-tensor FP8 layer's input is cast to, and its dW written in, under autocast ``amp``
+    (setting ``fp8_autocast``: ``autocast``, as ``nn.Linear`` and torchao's float8 do); None: neither (the
+    input quantized as given, float32 gradients to float32 tensors), also for every other recipe."""
+    from . import settings, tracedfp8
+    if amp is None or amp == torch.float32 or settings.current().fp8_autocast != "autocast":
+        return None
+    return amp if recipe.memo("tracedfp8_spec", tracedfp8.spec) is not None else None
 
 
 def codes(qctx: Ctx, t: torch.Tensor, axis: int, name: str):
@@ -79,19 +97,20 @@ def _cast_kernel_runs(device: torch.device) -> bool:
 
 def scaled_mm(qctx: Ctx, a: torch.Tensor, a_axis: int, a_name: str, b: torch.Tensor, b_axis: int, b_name: str,
               out_dtype: torch.dtype, a_codes: tuple | None = None, b_codes: tuple | None = None,
-              final_dtype: torch.dtype | None = None) -> torch.Tensor:
+              final_dtype: torch.dtype | None = None, fast_accum: bool = False) -> torch.Tensor:
     """``op(a) @ op(b)^T`` for 2-D ``a`` and ``b`` quantized along ``a_axis`` / ``b_axis`` (-1 or 1: the
     GEMM reduces along the tensor's columns, the stored layout; 0: along its rows, the tensor is used
     transposed), divided by the two prescales, in ``out_dtype``. ``a_codes``: ``a``'s quantization along
     ``a_axis`` made already (``shares_codes``); ``b_codes`` likewise for ``b``. ``final_dtype``: the dtype
     the caller casts the result to next (bf16/fp16 under autocast); where no prescale divides the product,
     the GEMM writes it directly (its float32 accumulator scaled and rounded once, as the cast would) instead
-    of a float32 output and a cast pass over it."""
+    of a float32 output and a cast pass over it. ``fast_accum``: the tensor cores' fast accumulation
+    (``fast_accum_fprop``), else float32."""
     A, sa, pa = a_codes if a_codes is not None else codes(qctx, a, a_axis, a_name)   # (M, R) row-major
     Bt, sb, pb = b_codes if b_codes is not None else codes(qctx, b, b_axis, b_name)  # (N, R): Bt.t() col-major
     if final_dtype in (torch.bfloat16, torch.float16) and pa * pb == 1.0:
-        return torch._scaled_mm(A, Bt.t(), scale_a=sa, scale_b=sb, out_dtype=final_dtype)
-    y = torch._scaled_mm(A, Bt.t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32)
+        return torch._scaled_mm(A, Bt.t(), scale_a=sa, scale_b=sb, out_dtype=final_dtype, use_fast_accum=fast_accum)
+    y = torch._scaled_mm(A, Bt.t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32, use_fast_accum=fast_accum)
     if pa * pb != 1.0:
         y = y / (pa * pb)
     return y.to(out_dtype)

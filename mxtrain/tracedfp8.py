@@ -86,28 +86,30 @@ def cast(t: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     return v.clamp(-mx, mx).to(_DT[fmt]), scale
 
 
-def _mm(a, sa, b_t, sb, out_dtype: torch.dtype) -> torch.Tensor:
+def _mm(a, sa, b_t, sb, out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
     """``a @ b_t.t()`` of FP8 codes (``a`` (M, R) and ``b_t`` (N, R), both row-major) times the scales in
     ``out_dtype``: the reference's own call, ``tensorfp8.scaled_mm`` with the codes given (the GEMM writes
-    bf16/fp16 itself, else float32)."""
+    bf16/fp16 itself, else float32; ``fast_accum`` as there)."""
     from .tensorfp8 import scaled_mm
     return scaled_mm(None, None, -1, "", None, -1, "", out_dtype, a_codes=(a, sa, 1.0), b_codes=(b_t, sb, 1.0),
-                     final_dtype=out_dtype)
+                     final_dtype=out_dtype, fast_accum=fast_accum)
 
 
 class _TracedFP8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, fmts, out_dtype):
+    def forward(ctx, x, weight, bias, fmts, out_dtype, wgrad_dtype):
         ctx.save_for_backward(x, weight)
-        ctx.fmts, ctx.has_bias = fmts, bias is not None
+        ctx.fmts, ctx.has_bias, ctx.wgrad_dtype = fmts, bias is not None, wgrad_dtype
         K, N = x.shape[-1], weight.shape[0]
+        from .tensorfp8 import fast_accum_fprop
+        fa = fast_accum_fprop()
         with torch.autocast(x.device.type, enabled=False):
             cx, sx = cast(x.reshape(-1, K), fmts[0])
             cw, sw = cast(weight, fmts[1])
             if bias is None:
-                y = _mm(cx, sx, cw, sw, out_dtype)
+                y = _mm(cx, sx, cw, sw, out_dtype, fa)
             else:
-                y = (_mm(cx, sx, cw, sw, torch.float32) + bias.to(torch.float32)).to(out_dtype)
+                y = (_mm(cx, sx, cw, sw, torch.float32, fa) + bias.to(torch.float32)).to(out_dtype)
         return y.reshape(*x.shape[:-1], N)
 
     @staticmethod
@@ -127,15 +129,19 @@ class _TracedFP8Linear(torch.autograd.Function):
             if n[1]:
                 cdw, sdw = (cdy, sdy) if f[4] == f[2] else cast(dy2, f[4])
                 cx, sx = cast(x.reshape(-1, K), f[5])
-                dw = _mm(cdw.t().contiguous(), sdw, cx.t().contiguous(), sx, torch.float32).to(weight.dtype)
+                dw = _mm(cdw.t().contiguous(), sdw, cx.t().contiguous(), sx, ctx.wgrad_dtype).to(weight.dtype)
             if ctx.has_bias and n[2]:
                 db = dy2.to(torch.float32).sum(0).to(weight.dtype)
-        return dx, dw, db, None, None
+        return dx, dw, db, None, None, None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fmts: tuple) -> torch.Tensor:
     """``x @ weight.T + bias`` with the ``fp8`` recipe's GEMMs (``spec`` gave ``fmts``), in the autocast
-    dtype where autocast is on (as the reference)."""
+    dtype where autocast is on (as the reference); dW in float32, or in the autocast dtype with the setting
+    ``fp8_autocast=autocast`` (whose input cast the caller made: ``linear.compiled_linear``)."""
+    from . import settings
     dt = x.device.type
-    out_dtype = torch.get_autocast_dtype(dt) if torch.is_autocast_enabled(dt) else x.dtype
-    return _TracedFP8Linear.apply(x, weight, bias, fmts, out_dtype)
+    amp = torch.get_autocast_dtype(dt) if torch.is_autocast_enabled(dt) else None
+    out_dtype = amp if amp is not None else x.dtype
+    wio = amp if amp not in (None, torch.float32) and settings.current().fp8_autocast == "autocast" else None
+    return _TracedFP8Linear.apply(x, weight, bias, fmts, out_dtype, wio or torch.float32)

@@ -185,3 +185,20 @@ def test_bench_cli_checks_a_variants_model_options_before_the_gpu():
     one_line_error(run_cli("bench", "step", "--variants",
                            "torchao-tensorwise:recompute_ffn=true,mxfp4-all-dh16:recompute_ffn=on:wgrad_x=forward"),
                    "needs a CUDA GPU")
+
+
+def test_torchao_variants_take_fast_accum_and_others_refuse_it():
+    """``torchao-tensorwise:fast_accum=false``: the option is taken out of the settings and given to torchao's
+    config (its forward GEMM's accumulation); on an mxtrain variant it fails that variant with a message naming
+    mxtrain's own setting; a value that is not a boolean is refused."""
+    over = {"fast_accum": "no", "wgrad_x": "forward"}
+    assert bs.torchao_option("torchao-tensorwise", over) is False and over == {"wgrad_x": "forward"}
+    assert bs.torchao_option("torchao-rowwise", {"fast_accum": "on"}) is True
+    assert bs.torchao_option("torchao-tensorwise", {}) is None
+    with pytest.raises(ValueError, match="fp8_fast_accum"):
+        bs.torchao_option("fp8", {"fast_accum": "true"})
+    with pytest.raises(ValueError, match="true or false"):
+        bs.torchao_option("torchao-tensorwise", {"fast_accum": "fast"})
+    res = bs.measure(["fp8:fast_accum=true"], model="tiny", layers=1, batch=1, seq=16, steps=1, warmup=0,
+                     compile_mode="none", device="cpu")
+    assert "fp8_fast_accum" in res["runs"]["fp8:fast_accum=true"]["error"]

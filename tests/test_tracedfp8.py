@@ -223,3 +223,102 @@ def test_hf_llama_with_fp8_compiles_to_traced_layers(fp8_on):
     assert counters["stats"]["unique_graphs"] == 1 and not counters["recompiles"]
     assert any("autograd_function_apply" in o for o in ops) and not any("mxtrain" in o for o in ops), ops
     assert got == pytest.approx(eager, rel=1e-6)
+
+
+TORCHAO_NUMERICS = dict(fp8_fast_accum="fprop", fp8_autocast="autocast")
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_fp8_autocast_casts_the_input_and_writes_dw_in_bf16(compiled, fp8_on):
+    """Setting ``fp8_autocast=autocast`` under bf16 autocast: the layer computes what the default computes for
+    the input cast to bf16 first (output, dX through the cast's backward), and dW is that dW rounded to bf16
+    (written so by its GEMM): eagerly, and compiled (the traced layer; with inductor's
+    ``emulate_precision_casts``, else it may fuse the bf16 cast into the FP8 cast and read the float32 value:
+    docs/library.md). Without the setting dW is not bf16."""
+    from torch._inductor import config as ic
+    x = _tensor(64, 96, torch.float32, spread=4)
+    w = _tensor(48, 96, torch.float32, seed=2, spread=1) / 10
+    gy = _tensor(64, 48, torch.bfloat16, seed=4, spread=2)
+
+    def f(a, c, d):
+        with torch.autocast(DEV, dtype=torch.bfloat16):
+            return mx_linear(a, c, d, recipe="fp8")
+
+    def f_cast(a, c, d):
+        with torch.autocast(DEV, dtype=torch.bfloat16):
+            return mx_linear(a.to(torch.bfloat16), c, d, recipe="fp8")
+    want = fwd_bwd(x, w, None, gy, f_cast)
+    plain = fwd_bwd(x, w, None, gy, f)
+    with settings.override(fp8_autocast="autocast"), ic.patch(emulate_precision_casts=True):
+        torch._dynamo.reset()
+        got = fwd_bwd(x, w, None, gy, torch.compile(f, fullgraph=True) if compiled else f)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(got[2], want[2].to(torch.bfloat16).float())
+    assert not torch.equal(plain[2], plain[2].to(torch.bfloat16).float())   # (the default keeps float32 dW)
+    assert not torch.equal(plain[1], got[1])   # (dX of the float32 input: float32, the cast's widens bf16)
+
+
+def test_fp8_settings_leave_other_recipes_alone(fp8_on):
+    """``fp8_autocast`` and ``fp8_fast_accum`` act on per-tensor FP8 layers only: an ``mxfp4-all`` layer and a
+    recipe mixing FP8 with MXFP4 operands give the same outputs and gradients with them on."""
+    x = _tensor(64, 96, torch.float32, spread=4)
+    w = _tensor(48, 96, torch.float32, seed=2, spread=1) / 10
+    gy = _tensor(64, 48, torch.bfloat16, seed=4, spread=2)
+    mixed = Recipe(name="fp8-x-mxfp4-w", fprop_x=Operand("fp8_e4m3"), fprop_w=Operand("mxfp4"))
+    for r in ("mxfp4-all", mixed):
+        def f(a, c, d, r=r):
+            with torch.autocast(DEV, dtype=torch.bfloat16):
+                return mx_linear(a, c, d, recipe=r)
+        want = fwd_bwd(x, w, None, gy, f)
+        with settings.override(**TORCHAO_NUMERICS):
+            got = fwd_bwd(x, w, None, gy, f)
+        for g, e in zip(got, want):
+            assert torch.equal(g, e), r
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp8_with_torchao_numerics_is_torchao_float8_tensorwise(bias):
+    """mxtrain's ``fp8`` with ``fp8_fast_accum=fprop`` and ``fp8_autocast=autocast`` computes what torchao's
+    float8 tensorwise ``Float8Linear`` (its default config) computes, bit for bit: a float32 input (as a norm
+    under autocast gives) and float32 master weight under bf16 autocast, output, dX and dW (and db), eagerly.
+    mxtrain's compiled layer gives its eager numbers (with inductor's ``emulate_precision_casts``). With
+    mxtrain's defaults dW differs (float32, not rounded to bf16) and dX differs (the float32 input quantized
+    as given)."""
+    pytest.importorskip("torchao", minversion="0.18.0")
+    import copy
+
+    from torch._inductor import config as ic
+
+    from torchao.float8 import convert_to_float8_training
+    torch.manual_seed(0)
+    lin = torch.nn.Sequential(torch.nn.Linear(1024, 768, bias=bias)).cuda()
+    with torch.no_grad():
+        lin[0].weight.mul_(3.0)
+    tao = copy.deepcopy(lin)
+    convert_to_float8_training(tao)
+    ours = copy.deepcopy(lin)
+    mxtrain.convert(ours, "fp8", skip=())
+    x = torch.randn(4, 512, 1024, device="cuda") * 2.5
+    gy = torch.randn(4, 512, 768, device="cuda", dtype=torch.bfloat16) * 1e-2
+
+    def run(m):
+        m.zero_grad(set_to_none=True)
+        xg = x.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = m(xg)
+        y.backward(gy)
+        return [y, xg.grad] + [p.grad for p in m.parameters()]
+    want = run(tao)
+    with settings.override(**TORCHAO_NUMERICS):
+        got = run(ours)
+        torch._dynamo.reset()
+        with ic.patch(emulate_precision_casts=True):
+            comp = run(torch.compile(ours))
+    assert [t.dtype for t in got] == [t.dtype for t in want]
+    for i, (g, e, c) in enumerate(zip(got, want, comp)):
+        assert torch.equal(g, e), (i, ((g.float() - e.float()).norm() / e.float().norm()).item())
+        if i < 3:
+            assert torch.equal(c, g), i
+    plain = run(ours)
+    assert not torch.equal(plain[1], want[1]) and not torch.equal(plain[2], want[2])
