@@ -281,10 +281,12 @@ def test_fp8_settings_leave_other_recipes_alone(fp8_on):
 def test_fp8_with_torchao_numerics_is_torchao_float8_tensorwise(bias):
     """mxtrain's ``fp8`` with ``fp8_fast_accum=fprop`` and ``fp8_autocast=autocast`` computes what torchao's
     float8 tensorwise ``Float8Linear`` (its default config) computes, bit for bit: a float32 input (as a norm
-    under autocast gives) and float32 master weight under bf16 autocast, output, dX and dW (and db), eagerly.
-    mxtrain's compiled layer gives its eager numbers (with inductor's ``emulate_precision_casts``). With
-    mxtrain's defaults dW differs (float32, not rounded to bf16) and dX differs (the float32 input quantized
-    as given)."""
+    under autocast gives) and float32 master weight under bf16 autocast, output, dX and dW, eagerly. A bias is
+    the exception: torchao adds it to the bf16 output in bf16 (two roundings) and sums db in bf16; mxtrain adds
+    it in float32 (one rounding) and sums db in float32, so there the output agrees to one bf16 rounding and db
+    to bf16's precision. mxtrain's compiled layer gives its eager numbers (with inductor's
+    ``emulate_precision_casts``). With mxtrain's defaults dW differs (float32, not rounded to bf16) and dX
+    differs (the float32 input quantized as given)."""
     pytest.importorskip("torchao", minversion="0.18.0")
     import copy
 
@@ -317,8 +319,14 @@ def test_fp8_with_torchao_numerics_is_torchao_float8_tensorwise(bias):
             comp = run(torch.compile(ours))
     assert [t.dtype for t in got] == [t.dtype for t in want]
     for i, (g, e, c) in enumerate(zip(got, want, comp)):
-        assert torch.equal(g, e), (i, ((g.float() - e.float()).norm() / e.float().norm()).item())
         if i < 3:
             assert torch.equal(c, g), i
+        if bias and i == 0:   # (one bf16 rounding of the output apart: 2**-8 of it, and the bias's)
+            err = (g.float() - e.float()).abs()
+            assert (err <= (e.float().abs() + ours[0].bias.detach().abs()) * 2.0 ** -7).all(), err.max()
+        elif bias and i == 3:
+            torch.testing.assert_close(g, e, rtol=2.0 ** -7, atol=1e-6)
+        else:
+            assert torch.equal(g, e), (i, ((g.float() - e.float()).norm() / e.float().norm()).item())
     plain = run(ours)
     assert not torch.equal(plain[1], want[1]) and not torch.equal(plain[2], want[2])
