@@ -55,7 +55,8 @@ def fast_accum_fprop() -> bool:
 def autocast_io(recipe: Recipe, amp: torch.dtype | None) -> torch.dtype | None:
     """The dtype a per-tensor FP8 layer's input is cast to, and its dW written in, under autocast ``amp``
     (setting ``fp8_autocast``: ``autocast``, as ``nn.Linear`` and torchao's float8 do); None: neither (the
-    input quantized as given, float32 gradients to float32 tensors), also for every other recipe."""
+    input quantized as given, float32 gradients to float32 tensors), also for every recipe that
+    ``tracedfp8.spec`` does not take."""
     from . import settings, tracedfp8
     if amp is None or amp == torch.float32 or settings.current().fp8_autocast != "autocast":
         return None
