@@ -237,10 +237,10 @@ def measure(variants, model: str = "8b-layers", layers: int | None = 4, batch: i
 
 def summarize(res: dict) -> dict:
     """Add each variant's ratios: ``speed_vs_bf16``, ``memory_vs_bf16``, ``speed_vs_best_fp8`` (against the
-    fastest FP8 variant of the run, named in ``best_fp8``)."""
+    fastest FP8 variant of the run, with or without options, named in ``best_fp8``)."""
     runs = res["runs"]
     bf = runs.get("bf16", {})
-    fp8 = {k: v["ms"] for k, v in runs.items() if k in FP8_VARIANTS and "ms" in v}
+    fp8 = {k: v["ms"] for k, v in runs.items() if k.partition(":")[0] in FP8_VARIANTS and "ms" in v}
     best = min(fp8, key=fp8.get) if fp8 else None
     res["best_fp8"] = best
     for k, v in runs.items():

@@ -50,6 +50,10 @@ def test_summarize_picks_the_fastest_fp8():
     assert "memory_vs_bf16" not in out["runs"]["fp8"] and "speed_vs_bf16" not in out["runs"]["tseng"]
     assert "failed: OutOfMemoryError" in bs.format_table(dict(out, model="8b-layers", layers=4, batch=4, seq=4096,
                                                                compile="default", steps=10))
+    # an FP8 variant with options is an FP8 variant of the run; a recipe with options is not
+    res["runs"]["fp8:fp8_fast_accum=fprop:fp8_autocast=autocast"] = {"ms": 79.0}
+    res["runs"]["mxfp4-all:dual=off"] = {"ms": 60.0}
+    assert bs.summarize(res)["best_fp8"] == "fp8:fp8_fast_accum=fprop:fp8_autocast=autocast"
 
 
 def test_bench_cli_refuses_without_a_gpu_in_one_line():
