@@ -571,7 +571,6 @@ def compiled_linear(x, weight, bias, state, recipe_str: str, seeded: bool, quant
         if rows:
             return tracedmx.linear(x, weight, bias, mx, rows)
     if fp8:
-        from . import tracedfp8
         x = _fp8_input(x)
         fmts = tuple(fp8.split(","))
         if tracedfp8.applies(fmts, x, weight):

@@ -163,9 +163,9 @@ class Settings:
         "stay float32. Where no FP8 tensor core runs the GEMM (CPU, older GPUs) the product is float32 either "
         "way.", "choice", choices=("off", "fprop"), numerics=True)
     fp8_autocast: str = _knob(
-        "float32", "MXTRAIN_FP8_AUTOCAST", "Under autocast, the layers of the `fp8` recipe (and of any recipe whose operands are all per-tensor FP8 "
-        "with round-to-nearest, no prescale or rotation: those `fp8_traced` takes): "
-        "`float32`: the input quantized as given (float32 where a float32 norm feeds the layer) and float32 "
+        "float32", "MXTRAIN_FP8_AUTOCAST", "Under autocast, the layers of the `fp8` recipe (and of any recipe "
+        "whose operands are all per-tensor FP8 with round-to-nearest, no prescale or rotation: those `fp8_traced` "
+        "takes): `float32`: the input quantized as given (float32 where a float32 norm feeds the layer) and float32 "
         "gradients written to float32 tensors (the input, the master weight); `autocast`: as `nn.Linear`, "
         "torchao's float8 and TransformerEngine do, the input cast to the autocast dtype before its FP8 cast, "
         "dX and dW written by their GEMMs in the autocast dtype (autograd widens them to float32): fewer bytes, "
