@@ -413,3 +413,36 @@ def test_many_arms_put_the_legend_below_the_figure():
     colors = report.arm_colors([f"arm{i}" for i in range(20)])
     assert {report._ls(colors, f"arm{i}") for i in range(16)} == {"-"}
     assert {report._ls(colors, f"arm{i}") for i in range(16, 20)} == {"--"}
+
+
+def test_report_names_numerics_settings_other_than_the_defaults(tmp_path):
+    """A report says loudly which numerics settings (those that can change a run's numbers) runs trained with
+    other than the defaults, from each run's ``run.json`` (every leg of a resumed run): for every run or by arm;
+    nothing when all are the defaults or no run recorded its settings."""
+    from types import SimpleNamespace
+
+    from mxtrain import settings
+    from mxtrain.study import report
+    dflt = settings.Settings().to_dict()
+
+    def rd(**over):
+        return SimpleNamespace(info={"settings": dict(dflt, **over)}, config={})
+    plain = {a: {s: rd() for s in (0, 1)} for a in ("bf16", "fp8")}
+    assert report.numerics_line(plain) is None
+    assert report.numerics_line({"bf16": {0: SimpleNamespace(info={}, config={})}}) is None
+    every = {a: {s: rd(fp8_fast_accum="fprop") for s in (0, 1)} for a in ("bf16", "fp8")}
+    assert report.numerics_line(every) == ("Numerics settings other than the defaults (docs/settings.md): "
+                                           "fp8_fast_accum=fprop (every run).")
+    some = {"bf16": {0: rd(), 1: rd()}, "fp8": {0: rd(fp8_autocast="autocast"), 1: rd()}}
+    assert "fp8_autocast=autocast (fp8: 1 of 2 runs)" in report.numerics_line(some)
+    # a resumed run whose first leg ran with another setting; a non-numerics setting is not named
+    legs = {"fp8": {0: SimpleNamespace(config={}, info={"settings": dict(dflt, qkernel="tile"),
+                                                        "legs": [{"settings": dict(dflt, fast=False)}]})}}
+    assert report.numerics_line(legs).endswith("fast=False (every run).")
+    # in the written report of a study folder
+    d = tmp_path / "st" / "runs" / "fp8" / "seed0"
+    toks = [1000.0 * i for i in range(1, 21)]
+    write_run(d, toks, [curve(t) for t in toks])
+    (d / "run.json").write_text(json.dumps({"settings": dict(dflt, fp8_fast_accum="fprop")}))
+    _, md = report.write_report(tmp_path / "st")
+    assert "fp8_fast_accum=fprop (every run)" in md.read_text()

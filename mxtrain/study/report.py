@@ -697,6 +697,40 @@ def training_line(runs: dict) -> str | None:
     return "Training: " + ", ".join(parts) + "."
 
 
+def _numerics_of(info: dict) -> set[tuple[str, str]] | None:
+    """The numerics settings (``settings.NUMERICS``) a run trained with that are not the defaults, over every
+    leg its ``run.json`` records; None where no leg recorded its settings."""
+    from .. import settings as S
+    defaults = S.Settings().to_dict()
+    legs = [info] + [g for g in (info.get("legs") or []) if isinstance(g, dict)]
+    recorded = [g["settings"] for g in legs if isinstance(g.get("settings"), dict)]
+    if not recorded:
+        return None
+    return {(k, str(st[k])) for st in recorded for k in S.NUMERICS if k in st and st[k] != defaults.get(k)}
+
+
+def numerics_line(runs: dict) -> str | None:
+    """One sentence naming the numerics settings (docs/settings.md: those that can change a run's numbers, e.g.
+    ``fp8_fast_accum``) that runs trained with other than the defaults, and which runs: "every run" or by arm
+    (runs out of the arm's). None when every run that recorded its settings used the defaults."""
+    seen: dict[tuple[str, str], dict[str, int]] = {}
+    total = {arm: len(rs) for arm, rs in runs.items()}
+    for arm, rs in runs.items():
+        for rd in rs.values():
+            for kv in _numerics_of(rd.info if isinstance(rd.info, dict) else {}) or ():
+                seen.setdefault(kv, {}).setdefault(arm, 0)
+                seen[kv][arm] += 1
+    if not seen:
+        return None
+    parts = []
+    for (k, v), by in sorted(seen.items()):
+        if by == total:
+            parts.append(f"{k}={v} (every run)")
+        else:
+            parts.append(f"{k}={v} (" + ", ".join(f"{a}: {n} of {total[a]} runs" for a, n in by.items()) + ")")
+    return "Numerics settings other than the defaults (docs/settings.md): " + "; ".join(parts) + "."
+
+
 _CSS = ("body{font-family:sans-serif;max-width:1300px;margin:2em auto;color:#222}"
         "table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #bbb;padding:4px 8px;text-align:left}"
         "th{background:#eee}pre{background:#f6f6f6;padding:8px;font-size:12px;overflow:auto}img{max-width:100%}")
@@ -778,6 +812,10 @@ def write_report(d: str | Path, summary: dict | None = None, out: str | Path | N
     if tline:
         h.append(f"<p>{html.escape(tline)}</p>")
         md += [tline, ""]
+    nline = numerics_line(runs)
+    if nline:
+        h.append(f"<p><b>{html.escape(nline)}</b></p>")
+        md += [f"**{nline}**", ""]
     if single:
         srows = single_run_rows(d, rd)
         h += ["<h2>Run</h2>", _table_html(srows)]
