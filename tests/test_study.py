@@ -438,11 +438,11 @@ def test_report_names_numerics_settings_other_than_the_defaults(tmp_path):
     # a resumed run whose first leg ran with another setting; a non-numerics setting is not named
     legs = {"fp8": {0: SimpleNamespace(config={}, info={"settings": dict(dflt, qkernel="tile"),
                                                         "legs": [{"settings": dict(dflt, fast=False)}]})}}
-    assert report.numerics_line(legs).endswith("fast=False (every run).")
+    assert report.numerics_line(legs).endswith(": fast=False.")   # (one run: no "every run")
     # in the written report of a study folder
     d = tmp_path / "st" / "runs" / "fp8" / "seed0"
     toks = [1000.0 * i for i in range(1, 21)]
     write_run(d, toks, [curve(t) for t in toks])
     (d / "run.json").write_text(json.dumps({"settings": dict(dflt, fp8_fast_accum="fprop")}))
     _, md = report.write_report(tmp_path / "st")
-    assert "fp8_fast_accum=fprop (every run)" in md.read_text()
+    assert "defaults (docs/settings.md): fp8_fast_accum=fprop.**" in md.read_text()

@@ -711,8 +711,9 @@ def _numerics_of(info: dict) -> set[tuple[str, str]] | None:
 
 def numerics_line(runs: dict) -> str | None:
     """One sentence naming the numerics settings (docs/settings.md: those that can change a run's numbers, e.g.
-    ``fp8_fast_accum``) that runs trained with other than the defaults, and which runs: "every run" or by arm
-    (runs out of the arm's). None when every run that recorded its settings used the defaults."""
+    ``fp8_fast_accum``) that runs trained with other than the defaults, and which runs: "every run" (nothing for a
+    single run) or by arm (runs out of the arm's). None when every run that recorded its settings used the
+    defaults."""
     seen: dict[tuple[str, str], dict[str, int]] = {}
     total = {arm: len(rs) for arm, rs in runs.items()}
     for arm, rs in runs.items():
@@ -725,7 +726,7 @@ def numerics_line(runs: dict) -> str | None:
     parts = []
     for (k, v), by in sorted(seen.items()):
         if by == total:
-            parts.append(f"{k}={v} (every run)")
+            parts.append(f"{k}={v}" + (" (every run)" if sum(total.values()) > 1 else ""))
         else:
             parts.append(f"{k}={v} (" + ", ".join(f"{a}: {n} of {total[a]} runs" for a, n in by.items()) + ")")
     return "Numerics settings other than the defaults (docs/settings.md): " + "; ".join(parts) + "."
