@@ -595,14 +595,11 @@ def compiled_linear(x, weight, bias, state, recipe_str: str, seeded: bool, quant
 
 
 def _fp8_input(x: torch.Tensor) -> torch.Tensor:
-    """A per-tensor FP8 layer's input: cast to the autocast dtype where autocast is on and the setting
-    ``fp8_autocast`` says ``autocast`` (``tensorfp8.autocast_io``), else ``x`` itself."""
-    from . import settings
+    """A per-tensor FP8 layer's input: cast to ``tensorfp8.autocast_io_dtype`` of the autocast state (setting
+    ``fp8_autocast``) where that is a dtype, else ``x`` itself (also float64 and non-float inputs)."""
     dt = x.device.type
-    if settings.current().fp8_autocast != "autocast" or not torch.is_autocast_enabled(dt):
-        return x
-    amp = torch.get_autocast_dtype(dt)
-    return x if amp == torch.float32 or not x.is_floating_point() or x.dtype == torch.float64 else x.to(amp)
+    io = tensorfp8.autocast_io_dtype(torch.get_autocast_dtype(dt) if torch.is_autocast_enabled(dt) else None)
+    return x if io is None or not x.is_floating_point() or x.dtype == torch.float64 else x.to(io)
 
 
 @assume_constant_result

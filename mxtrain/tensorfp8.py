@@ -22,7 +22,7 @@ from .context import Ctx
 from .recipe import Recipe
 
 __all__ = ["FP8_DTYPES", "applies", "codes", "scaled_mm", "shares_codes", "reorient", "fast_accum_fprop",
-           "autocast_io"]
+           "autocast_io", "autocast_io_dtype"]
 
 FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}   # format -> its codes' dtype
 
@@ -52,15 +52,24 @@ def fast_accum_fprop() -> bool:
     return settings.current().fp8_fast_accum == "fprop"
 
 
-def autocast_io(recipe: Recipe, amp: torch.dtype | None) -> torch.dtype | None:
-    """The dtype a per-tensor FP8 layer's input is cast to, and its dW written in, under autocast ``amp``
-    (setting ``fp8_autocast``: ``autocast``, as ``nn.Linear`` and torchao's float8 do); None: neither (the
-    input quantized as given, float32 gradients to float32 tensors), also for every recipe that
-    ``tracedfp8.spec`` does not take."""
-    from . import settings, tracedfp8
+def autocast_io_dtype(amp: torch.dtype | None) -> torch.dtype | None:
+    """The dtype a per-tensor FP8 layer's input is cast to, and its dW written in, under autocast ``amp`` (None:
+    autocast off): ``amp`` where the setting ``fp8_autocast`` says ``autocast`` (as ``nn.Linear`` and torchao's
+    float8 do) and ``amp`` is a 16-bit dtype; None: neither (the input quantized as given, float32 gradients to
+    float32 tensors). The one place this rule is decided (``autocast_io``, ``linear._fp8_input``,
+    ``tracedfp8.linear``)."""
+    from . import settings
     if amp is None or amp == torch.float32 or settings.current().fp8_autocast != "autocast":
         return None
-    return amp if recipe.memo("tracedfp8_spec", tracedfp8.spec) is not None else None
+    return amp
+
+
+def autocast_io(recipe: Recipe, amp: torch.dtype | None) -> torch.dtype | None:
+    """``autocast_io_dtype(amp)`` for a recipe that ``tracedfp8.spec`` takes (every operand per-tensor FP8,
+    nearest, no prescale or rotation), None for every other recipe."""
+    from . import tracedfp8
+    io = autocast_io_dtype(amp)
+    return io if io is not None and recipe.memo("tracedfp8_spec", tracedfp8.spec) is not None else None
 
 
 def codes(qctx: Ctx, t: torch.Tensor, axis: int, name: str):

@@ -139,9 +139,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fmt
     """``x @ weight.T + bias`` with the ``fp8`` recipe's GEMMs (``spec`` gave ``fmts``), in the autocast
     dtype where autocast is on (as the reference); dW in float32, or in the autocast dtype with the setting
     ``fp8_autocast=autocast`` (whose input cast the caller made: ``linear.compiled_linear``)."""
-    from . import settings
+    from .tensorfp8 import autocast_io_dtype
     dt = x.device.type
     amp = torch.get_autocast_dtype(dt) if torch.is_autocast_enabled(dt) else None
     out_dtype = amp if amp is not None else x.dtype
-    wio = amp if amp not in (None, torch.float32) and settings.current().fp8_autocast == "autocast" else None
-    return _TracedFP8Linear.apply(x, weight, bias, fmts, out_dtype, wio or torch.float32)
+    return _TracedFP8Linear.apply(x, weight, bias, fmts, out_dtype, autocast_io_dtype(amp) or torch.float32)

@@ -330,3 +330,34 @@ def test_fp8_with_torchao_numerics_is_torchao_float8_tensorwise(bias):
             assert torch.equal(g, e), (i, ((g.float() - e.float()).norm() / e.float().norm()).item())
     plain = run(ours)
     assert not torch.equal(plain[1], want[1]) and not torch.equal(plain[2], want[2])
+
+
+def test_fp8_fast_accum_reaches_the_forward_gemm_only(fp8_on, monkeypatch):
+    """``fp8_fast_accum=fprop``: the forward GEMM is called with ``use_fast_accum=True``, Dgrad and Wgrad with
+    False, on the eager path (the reference's FP8 route) and in the traced layer; by default every call False.
+    (On CPU ``torch._scaled_mm`` accumulates in float32 either way, so the calls are what is checked.)"""
+    calls = []
+    real = torch._scaled_mm
+
+    def spy(*a, **kw):
+        calls.append(bool(kw.get("use_fast_accum", False)))
+        return real(*a, **kw)
+    monkeypatch.setattr(torch, "_scaled_mm", spy)
+    x = _tensor(64, 96, torch.float32, spread=4)
+    w = _tensor(48, 96, torch.float32, seed=2, spread=1) / 10
+    gy = _tensor(64, 48, torch.bfloat16, seed=4, spread=2)
+    fmts = tracedfp8.spec(recipes.get("fp8"))
+
+    def eager(a, c, d):
+        with torch.autocast(DEV, dtype=torch.bfloat16):
+            return mx_linear(a, c, d, recipe="fp8")
+
+    def traced(a, c, d):
+        with torch.autocast(DEV, dtype=torch.bfloat16):
+            return tracedfp8.linear(a, c, d, fmts)
+    for f in (eager, traced):
+        for setting, want in (("off", [False, False, False]), ("fprop", [True, False, False])):
+            calls.clear()
+            with settings.override(fp8_fast_accum=setting):
+                fwd_bwd(x, w, None, gy, f)
+            assert calls == want, (f.__name__, setting, calls)
