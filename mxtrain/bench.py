@@ -12,7 +12,9 @@ Every ratio is measured in the same run (``triton.testing.do_bench`` medians, ra
 * ``step``: the whole training step (embedding, blocks, head, loss, fused AdamW; the whole model under
   ``torch.compile``) per variant: BF16, torchao's float8 (tensorwise, rowwise; when torchao is
   installed), mxtrain's ``fp8`` and MXFP4 presets, with peak memory and the ratios to BF16 and to the
-  fastest FP8 of the run (``mxtrain.bench_step``). ``--model 8b-layers|1b|125m``.
+  fastest FP8 of the run (``mxtrain.bench_step``). ``--model 8b-layers|1b|125m``. ``--rounds R``: every
+  variant timed R times in one process, the order rotated each round; medians of the rounds' ratios with
+  their range (a ratio near 1 moves by a percent or two between measurements).
 * ``blocks``: forward+backward of a stack of Llama blocks with 8B shapes only (bf16, an unfused FP8
   rowwise reference, MXFP4 presets), eager and with compiled elementwise layers: a breakdown of the
   step without embedding, head, loss and optimizer.
@@ -558,7 +560,8 @@ def bench_step(args) -> dict:
                       recompute_ffn=args.recompute_ffn, on_variant=_step_progress,
                       memory_budget=args.memory_budget, param_dtype=args.param_dtype,
                       checkpoint_blocks=args.checkpoint_blocks,
-                      recompute_gemm_inputs=args.recompute_gemm_inputs)
+                      recompute_gemm_inputs=args.recompute_gemm_inputs, rounds=args.rounds,
+                      profile=args.profile)
     res["variants"] = variants
     print(_bs.format_table(res), flush=True)
     return {"step": res}
@@ -573,44 +576,15 @@ def _peak_gib(f) -> float:
     return torch.cuda.max_memory_allocated() / 2**30
 
 
-def _kernel_class(name: str) -> str:
-    n = name.lower()
-    if "_mxfp4" in n or "quantize" in n:
-        return "quantize"
-    if any(t in n for t in ("flash", "fmha", "attention", "attn")):
-        return "attention"
-    if any(t in n for t in ("gemm", "xmma", "cutlass", "nvjet", "sm90_", "scaled_mm", "matmul", "cublas")):
-        return "gemm"
-    if n.startswith("triton_"):
-        return "glue (compiled)"
-    return "glue (eager) / other"
-
-
 def _profile(f, steps: int = 3) -> dict:
-    """GPU kernel time of one step by class (quantize, gemm, attention, glue), from torch.profiler."""
-    from torch.profiler import ProfilerActivity, profile
+    """GPU kernel time of one step by class (quantize, gemm, attention, glue), from torch.profiler; prints the
+    12 costliest kernels."""
+    from .bench_step import kernel_profile
     f()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            f()
-        torch.cuda.synchronize()
-    out: dict = {}
-    top = []
-    for e in prof.key_averages():
-        t = getattr(e, "self_device_time_total", None)
-        if t is None:
-            t = getattr(e, "self_cuda_time_total", 0)
-        if t <= 0:
-            continue
-        c = _kernel_class(e.key)
-        out[c] = out.get(c, 0.0) + t / 1e3 / steps
-        top.append((t / 1e3 / steps, e.key[:90]))
-    out = dict(sorted(out.items(), key=lambda kv: -kv[1]))
-    out["total"] = sum(out.values())
-    for t, k in sorted(top, reverse=True)[:12]:
-        print(f"  {t:7.3f} ms  {k}", flush=True)
-    return out
+    prof = kernel_profile(f, steps, "cuda")
+    for name, _, ms in prof["kernels"][:12]:
+        print(f"  {ms:7.3f} ms  {name[:90]}", flush=True)
+    return prof["by_class"]
 
 
 # --------------------------------------------------------------------------------------------- CLI
@@ -706,6 +680,16 @@ def run(args) -> int:
     return 0
 
 
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return v
+
+
 def _budget(text: str) -> float:
     try:
         v = float(text)
@@ -739,6 +723,10 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rates", default="", help="limits: NAME=VALUE,... (bf16_tflops, fp8_tflops, mx_carrier_tflops, "
                                                "copy_tbs, quantize_of_copy, attention_tflops; defaults: an H100's)")
     p.add_argument("--steps", type=int, default=10, help="step: timed steps (median reported)")
+    p.add_argument("--rounds", type=_positive, default=1,
+                   help="step: build, compile and time every variant this many times, the order rotated each round; "
+                        "ms and ratios are the medians over the rounds, with their lowest and highest (a ratio near "
+                        "1 moves by a percent or two between measurements; 3 or more rounds to judge it)")
     p.add_argument("--recompute-ffn", action="store_true",
                    help="step: every variant's compiled blocks recompute their feed-forward outputs in the backward")
     p.add_argument("--checkpoint-blocks", action="store_true",
@@ -765,8 +753,10 @@ def _add_args(p: argparse.ArgumentParser) -> None:
                         "comma-separated, each measured for every recipe")
     p.add_argument("--graphs", action="store_true",
                    help="blocks: also time each step replayed from a CUDA graph (no host time in it)")
-    p.add_argument("--profile", action="store_true",
-                   help="blocks: also print GPU time by kernel class (torch.profiler) for bf16 and mxfp4-all-dh16")
+    p.add_argument("--profile", type=_positive, nargs="?", const=45, default=0, metavar="N",
+                   help="step: after timing, profile 3 more steps of each variant (torch.profiler): device time by "
+                        "kernel class and the N costliest kernels (default 45) in the JSON, the 10 costliest printed; "
+                        "blocks: also print GPU time by kernel class for bf16 and mxfp4-all-dh16")
 
 
 def register(subparsers) -> None:

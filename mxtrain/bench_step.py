@@ -76,7 +76,7 @@ def _convert(m, variant: str, torchao_fast_accum: bool | None = None) -> None:
 
 def _one_variant(variant: str, model: str, layers: int | None, batch: int, seq: int, steps: int, warmup: int,
                  compile_mode: str, device, recompute_ffn: bool = False, param_dtype: str = "float32",
-                 checkpoint_blocks: bool = False, torchao_fast_accum: bool | None = None) -> dict:
+                 checkpoint_blocks: bool = False, torchao_fast_accum: bool | None = None, profile: int = 0) -> dict:
     import contextlib
     dev = torch.device(device)
     cuda = dev.type == "cuda"
@@ -137,8 +137,59 @@ def _one_variant(variant: str, model: str, layers: int | None, batch: int, seq: 
         # (``mxtrain.fast.inexact_by_tensor``; 0 everywhere: every GEMM multiplied the exact MX values)
         after = fast.inexact_by_tensor(dev)
         out["inexact_blocks"] = {k: after[k] - inexact0[k] for k in after}
+    if profile:   # after the timed steps, so that the profiler does not slow them
+        out["profile"] = kernel_profile(step, 3, dev)
+        out["profile"]["kernels"] = out["profile"]["kernels"][:profile]
     del m, f, opt
     return out
+
+
+def kernel_class(name: str) -> str:
+    """The class of a profiled kernel by its name: quantize, attention, gemm, glue (compiled), or other."""
+    n = name.lower()
+    if any(t in n for t in ("_mxfp4", "quantize", "nvfp4", "_mx_kernel", "_fp8_cast", "amax_kernel", "_expand_kernel")):
+        return "quantize"   # (mxtrain's Triton quantize, cast and carrier kernels by name)
+    if any(t in n for t in ("flash", "fmha", "attention", "attn")):
+        return "attention"
+    if any(t in n for t in ("gemm", "xmma", "cutlass", "nvjet", "sm90_", "scaled_mm", "matmul", "cublas", "_mx_dot",
+                                   "aten::mm", "aten::addmm", "aten::bmm")):
+        return "gemm"
+    if n.startswith("triton_"):
+        return "glue (compiled)"
+    return "glue (eager) / other"
+
+
+def kernel_profile(step, steps: int = 3, device="cuda") -> dict:
+    """``steps`` calls of ``step`` under ``torch.profiler``: ``kernels``, a list of ``[name, calls a step, ms a
+    step]`` (self time on the device; on a CPU, of the operators), costliest first, and ``by_class``, their ms
+    a step summed by ``kernel_class`` with the ``total``."""
+    from torch.profiler import ProfilerActivity, profile
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        if cuda:
+            t = getattr(e, "self_device_time_total", None)
+            if t is None:
+                t = getattr(e, "self_cuda_time_total", 0)
+        else:
+            t = e.self_cpu_time_total
+        if t > 0:
+            rows.append([e.key, e.count / steps, t / 1e3 / steps])
+    rows.sort(key=lambda r: -r[2])
+    by_class: dict = {}
+    for name, _, ms in rows:
+        c = kernel_class(name)
+        by_class[c] = by_class.get(c, 0.0) + ms
+    by_class = dict(sorted(by_class.items(), key=lambda kv: -kv[1]))
+    by_class["total"] = sum(r[2] for r in rows)
+    return {"kernels": rows, "by_class": by_class, "time": "device" if cuda else "cpu"}
 
 
 STEP_OPTIONS = ("recompute_ffn", "checkpoint_blocks")   # model options a variant may set for itself
@@ -190,7 +241,7 @@ def measure(variants, model: str = "8b-layers", layers: int | None = 4, batch: i
             steps: int = 10, warmup: int = 3, compile_mode: str = "default", device="cuda",
             recompute_ffn: bool = False, on_variant=None, memory_budget: float | None = None,
             param_dtype: str = "float32", checkpoint_blocks: bool = False,
-            recompute_gemm_inputs: bool = False) -> dict:
+            recompute_gemm_inputs: bool = False, rounds: int = 1, profile: int = 0) -> dict:
     """Time and memory of the whole training step for each variant (see the module docstring);
     ``recompute_ffn``: every variant's blocks recompute their feed-forward outputs (``Block.recompute_ffn``);
     ``checkpoint_blocks``: every variant's blocks keep only their input and run again in the backward
@@ -201,38 +252,117 @@ def measure(variants, model: str = "8b-layers", layers: int | None = 4, batch: i
     variant; ``param_dtype``: ``float32`` (master weights under bf16 autocast) or ``bfloat16`` (the whole model
     and its optimizer state in bf16, no autocast), for every variant; ``recompute_gemm_inputs``: the compiler may
     recompute activations that feed GEMMs in the backward (``train.recompute_gemm_inputs``), for every
-    variant."""
+    variant.
+
+    ``rounds``: every variant is built, compiled and timed that many times, the order of the variants rotated
+    each round so that none always runs first (a ratio of two variants moves by a percent or two from one
+    measurement to the next on the same GPU). Each round's results and ratios are kept under ``rounds``;
+    a variant's ``ms`` is then the median of its rounds' medians, and its ratios the medians of the rounds'
+    ratios (each round's variant against BF16 and against the run's best FP8 variant timed in the same round),
+    with their lowest and highest in ``speed_vs_bf16_range`` and ``speed_vs_best_fp8_range``.
+
+    ``profile``: after its timed steps, each variant runs 3 more under ``torch.profiler`` (``kernel_profile``):
+    its device time a step by kernel class and its ``profile`` costliest kernels (with rounds, in each round's
+    results)."""
+    if int(rounds) < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds!r}")
+    rounds = int(rounds)
     res = {"model": model, "layers": layers, "batch": batch, "seq": seq, "tokens": batch * seq,
            "compile": compile_mode, "steps": steps, "warmup": warmup, "recompute_ffn": recompute_ffn,
            "memory_budget": memory_budget, "param_dtype": param_dtype, "checkpoint_blocks": checkpoint_blocks,
-           "recompute_gemm_inputs": recompute_gemm_inputs, "runs": {}}
+           "recompute_gemm_inputs": recompute_gemm_inputs, "rounds_run": rounds, "runs": {}}
+    variants = list(variants)
+    kw = dict(model=model, layers=layers, batch=batch, seq=seq, steps=steps, warmup=warmup,
+              compile_mode=compile_mode, device=device, recompute_ffn=recompute_ffn, param_dtype=param_dtype,
+              checkpoint_blocks=checkpoint_blocks, recompute_gemm_inputs=recompute_gemm_inputs,
+              memory_budget=memory_budget, profile=profile)
+    if rounds == 1:
+        for v in variants:
+            res["runs"][v] = _measure_variant(v, on_variant, **kw)
+        return summarize(res)
+    res["rounds"] = []
+    for r in range(rounds):
+        k = r % len(variants) if variants else 0
+        order = variants[k:] + variants[:k]
+        runs = {}
+        for v in order:
+            runs[v] = _measure_variant(v, None if on_variant is None else
+                                       (lambda name, out, r=r: on_variant(f"{name} (round {r + 1}/{rounds})", out)),
+                                       **kw)
+        res["rounds"].append(summarize({"order": order, "runs": {v: runs[v] for v in variants}}))
+    return _over_rounds(res, variants)
+
+
+def _measure_variant(v: str, on_variant, *, model, layers, batch, seq, steps, warmup, compile_mode, device,
+                     recompute_ffn, param_dtype, checkpoint_blocks, recompute_gemm_inputs, memory_budget,
+                     profile) -> dict:
+    """One variant built, compiled and timed (``_one_variant``) under its own settings; a failure is a result."""
     from . import settings
     import torch._dynamo
     import torch._functorch.config
+    try:
+        base, over = split_variant(v)
+        opts = step_options(over, recompute_ffn=recompute_ffn, checkpoint_blocks=checkpoint_blocks)
+        tao_fa = torchao_option(base, over)
+        budget = {} if memory_budget is None else {"activation_memory_budget": float(memory_budget)}
+        if recompute_gemm_inputs:
+            budget["ban_recompute_materialized_backward"] = False
+        with settings.override(**over), torch._functorch.config.patch(**budget):
+            out = _one_variant(base, model, layers, batch, seq, steps, warmup, compile_mode, device,
+                               opts["recompute_ffn"], param_dtype, opts["checkpoint_blocks"], tao_fa, profile)
+            out["settings"] = over
+            out["step_options"] = opts
+            if on_variant is not None:   # (inside: it sees the variant's settings)
+                on_variant(v, out)
+    except Exception as e:  # noqa: BLE001 - one variant's failure (OOM, torchao missing) is a result
+        out = {"error": f"{type(e).__name__}: {e}"[:400]}
+        if on_variant is not None:
+            on_variant(v, out)
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+    torch._dynamo.reset()
+    return out
+
+
+def _over_rounds(res: dict, variants: list) -> dict:
+    """Each variant's result over the rounds of ``res["rounds"]`` (each already ``summarize``d): the median of
+    its rounds' medians and of their ratios, the ratios' range, all steps' times; the best FP8 variant is the
+    one with the lowest median over the rounds, and each round's ratio is against it in that round."""
+    rounds = res["rounds"]
+    timed = {v: [rr["runs"][v] for rr in rounds if "ms" in rr["runs"][v]] for v in variants}
+    fp8 = {v: statistics.median(x["ms"] for x in rs) for v, rs in timed.items()
+           if v.partition(":")[0] in FP8_VARIANTS and rs}
+    best = min(fp8, key=fp8.get) if fp8 else None
+    res["best_fp8"] = best
     for v in variants:
-        try:
-            base, over = split_variant(v)
-            opts = step_options(over, recompute_ffn=recompute_ffn, checkpoint_blocks=checkpoint_blocks)
-            tao_fa = torchao_option(base, over)
-            budget = {} if memory_budget is None else {"activation_memory_budget": float(memory_budget)}
-            if recompute_gemm_inputs:
-                budget["ban_recompute_materialized_backward"] = False
-            with settings.override(**over), torch._functorch.config.patch(**budget):
-                res["runs"][v] = _one_variant(base, model, layers, batch, seq, steps, warmup, compile_mode, device,
-                                              opts["recompute_ffn"], param_dtype, opts["checkpoint_blocks"], tao_fa)
-                res["runs"][v]["settings"] = over
-                res["runs"][v]["step_options"] = opts
-                if on_variant is not None:   # (inside: it sees the variant's settings)
-                    on_variant(v, res["runs"][v])
-        except Exception as e:  # noqa: BLE001 - one variant's failure (OOM, torchao missing) is a result
-            res["runs"][v] = {"error": f"{type(e).__name__}: {e}"[:400]}
-            if on_variant is not None:
-                on_variant(v, res["runs"][v])
-        gc.collect()
-        if torch.device(device).type == "cuda":
-            torch.cuda.empty_cache()
-        torch._dynamo.reset()
-    return summarize(res)
+        rs = timed[v]
+        if not rs:   # failed in every round: the last round's error
+            res["runs"][v] = {"error": rounds[-1]["runs"][v].get("error", "?"), "rounds_timed": 0}
+            continue
+        ms = statistics.median(x["ms"] for x in rs)
+        out = {"ms": ms, "ms_all": [t for x in rs for t in x["ms_all"]], "ms_rounds": [x["ms"] for x in rs],
+               "rounds_timed": len(rs), "tokens_per_s": res["tokens"] / (ms * 1e-3),
+               "warmup_s": statistics.median(x["warmup_s"] for x in rs), "loss": rs[-1]["loss"],
+               "params": rs[-1]["params"], "settings": rs[-1]["settings"], "step_options": rs[-1]["step_options"]}
+        if all("peak_gib" in x for x in rs):
+            out["peak_gib"] = max(x["peak_gib"] for x in rs)
+        if "profile" in rs[-1]:
+            out["profile"] = rs[-1]["profile"]   # (the last round that timed it)
+        if all("inexact_blocks" in x for x in rs):
+            out["inexact_blocks"] = {k: sum(x["inexact_blocks"][k] for x in rs) for k in rs[0]["inexact_blocks"]}
+        for key, ref in (("speed_vs_bf16", "bf16"), ("speed_vs_best_fp8", best)):
+            rat = [rr["runs"][ref]["ms"] / rr["runs"][v]["ms"] for rr in rounds
+                   if ref is not None and "ms" in rr["runs"].get(ref, {}) and "ms" in rr["runs"][v]]
+            if rat:
+                out[key] = statistics.median(rat)
+                out[key + "_range"] = [min(rat), max(rat)]
+        res["runs"][v] = out
+    bf = res["runs"].get("bf16", {})
+    for out in res["runs"].values():
+        if "peak_gib" in out and "peak_gib" in bf:
+            out["memory_vs_bf16"] = out["peak_gib"] / bf["peak_gib"]
+    return res
 
 
 def summarize(res: dict) -> dict:
@@ -258,8 +388,11 @@ def summarize(res: dict) -> dict:
 def format_table(res: dict) -> str:
     """The results as a Markdown table (what ``mxtrain bench step`` prints)."""
     best = res.get("best_fp8")
+    rounds = res.get("rounds_run", 1)
     head = (f"whole training step: model {res['model']}" + (f" ({res['layers']} layers)" if res.get("layers") else "")
             + f", {res['batch']} x {res['seq']} tokens, compile {res['compile']}, median of {res['steps']} steps"
+            + (f"; {rounds} rounds, the order rotated: ms the median of the rounds' medians, ratios the median "
+               f"of the rounds' ratios (lowest-highest)" if rounds > 1 else "")
             + (", bf16 parameters" if res.get("param_dtype") == "bfloat16" else "")
             + (", feed-forward recomputed" if res.get("recompute_ffn") else "")
             + (", GEMM inputs recomputable" if res.get("recompute_gemm_inputs") else "")
@@ -267,15 +400,26 @@ def format_table(res: dict) -> str:
     lines = [head, "", f"| variant | ms/step | min-max ms | tokens/s | vs bf16 | vs {best or 'best FP8'} | peak GiB | "
              "vs bf16 mem |", "|---|---|---|---|---|---|---|---|"]
 
-    def f(v, key, fmt):
-        return format(v[key], fmt) if key in v else "-"
+    def f(v, key, fmt, unit=""):
+        if key not in v:
+            return "-"
+        lo_hi = v.get(key + "_range") if rounds > 1 else None
+        return format(v[key], fmt) + unit + (f" ({lo_hi[0]:{fmt}}-{lo_hi[1]:{fmt}})" if lo_hi else "")
     for k, v in res["runs"].items():
         if "ms" not in v:
             lines.append(f"| {k} | failed: {v.get('error', '?')[:80]} | | | | | | |")
             continue
         spread = f"{min(v['ms_all']):.1f}-{max(v['ms_all']):.1f}" if v.get("ms_all") else "-"
         lines.append(f"| {k} | {v['ms']:.1f} | {spread} | {f(v, 'tokens_per_s', ',.0f')} | "
-                     f"{f(v, 'speed_vs_bf16', '.3f')}x | "
-                     f"{f(v, 'speed_vs_best_fp8', '.3f')}x | {f(v, 'peak_gib', '.2f')} | "
-                     f"{f(v, 'memory_vs_bf16', '.3f')}x |")
+                     f"{f(v, 'speed_vs_bf16', '.3f', 'x')} | "
+                     f"{f(v, 'speed_vs_best_fp8', '.3f', 'x')} | {f(v, 'peak_gib', '.2f')} | "
+                     f"{f(v, 'memory_vs_bf16', '.3f', 'x')} |")
+    for k, v in res["runs"].items():
+        prof = v.get("profile")
+        if not prof:
+            continue
+        what = "device ms" if prof.get("time") == "device" else "CPU ms (operators' self time)"
+        lines += ["", f"{k}: {what} a step by kernel class: "
+                  + ", ".join(f"{c} {ms:.2f}" for c, ms in prof["by_class"].items())]
+        lines += [f"  {ms:8.3f} ms {calls:6.1f}x  {name[:100]}" for name, calls, ms in prof["kernels"][:10]]
     return "\n".join(lines)

@@ -4,6 +4,7 @@ the same initialization, ratios are against BF16 and the fastest FP8 variant of 
 that fails is reported without stopping the others."""
 
 import importlib.util
+import statistics
 
 import pytest
 import torch
@@ -206,3 +207,58 @@ def test_torchao_variants_take_fast_accum_and_others_refuse_it():
     res = bs.measure(["fp8:fast_accum=true"], model="tiny", layers=1, batch=1, seq=16, steps=1, warmup=0,
                      compile_mode="none", device="cpu")
     assert "fp8_fast_accum" in res["runs"]["fp8:fast_accum=true"]["error"]
+
+
+def test_rounds_rotate_the_order_and_take_medians_of_each_rounds_ratios(monkeypatch):
+    """``rounds=3``: every variant timed once a round, the order rotated so that none always runs first;
+    a variant's ms is the median of its rounds' medians, its ratios the medians of the per-round ratios
+    (against BF16 and against the FP8 variant with the lowest median, both of the same round), with their
+    range; a variant failing in one round keeps the others' results."""
+    times = {   # ms of each variant in rounds 1, 2, 3 (one round a slow GPU: every variant slower)
+        "bf16": [100.0, 120.0, 104.0],
+        "torchao-tensorwise": [80.0, 100.0, 82.0],
+        "fp8": [81.0, 96.0, 86.0],
+        "mxfp4-all-dh16": [None, 90.0, 75.0],   # failed in round 1
+    }
+    calls = []
+
+    def fake(base, model, layers, batch, seq, steps, warmup, compile_mode, device, *a):
+        n = sum(1 for c in calls if c == base)
+        calls.append(base)
+        ms = times[base][n]
+        if ms is None:
+            raise RuntimeError("CUDA out of memory")
+        return {"ms": ms, "ms_all": [ms - 1, ms, ms + 1], "warmup_s": 1.0, "tokens_per_s": 1.0, "loss": 5.0,
+                "params": 10, "peak_gib": {"bf16": 40.0}.get(base, 30.0) + n}
+    monkeypatch.setattr(bs, "_one_variant", fake)
+    seen = []
+    res = bs.measure(list(times), model="tiny", layers=1, batch=2, seq=8, steps=3, warmup=0, compile_mode="none",
+                     device="cpu", rounds=3, on_variant=lambda v, r: seen.append(v))
+    assert calls == ["bf16", "torchao-tensorwise", "fp8", "mxfp4-all-dh16",
+                     "torchao-tensorwise", "fp8", "mxfp4-all-dh16", "bf16",
+                     "fp8", "mxfp4-all-dh16", "bf16", "torchao-tensorwise"]
+    assert seen[0] == "bf16 (round 1/3)" and seen[-1] == "torchao-tensorwise (round 3/3)"
+    assert [rr["order"][0] for rr in res["rounds"]] == ["bf16", "torchao-tensorwise", "fp8"]
+    runs = res["runs"]
+    assert runs["fp8"]["ms"] == 86.0 and runs["fp8"]["ms_rounds"] == [81.0, 96.0, 86.0]
+    assert res["best_fp8"] == "torchao-tensorwise"   # median 82 against fp8's 86
+    # per-round ratios to BF16 (100/81, 120/96, 104/86): the median of the ratios (100/81), not the ratio of
+    # the medians (104/86)
+    assert runs["fp8"]["speed_vs_bf16"] == pytest.approx(100 / 81)
+    assert runs["fp8"]["speed_vs_bf16_range"] == pytest.approx([104 / 86, 120 / 96])
+    assert runs["fp8"]["speed_vs_best_fp8"] == pytest.approx(statistics.median([80 / 81, 100 / 96, 82 / 86]))
+    m = runs["mxfp4-all-dh16"]
+    assert m["rounds_timed"] == 2 and m["ms"] == pytest.approx(82.5)
+    assert m["speed_vs_best_fp8"] == pytest.approx(statistics.median([100 / 90, 82 / 75]))
+    assert "error" in res["rounds"][0]["runs"]["mxfp4-all-dh16"]
+    assert runs["bf16"]["peak_gib"] == 42.0 and m["memory_vs_bf16"] == pytest.approx(32.0 / 42.0)
+    table = bs.format_table(res)
+    assert "3 rounds" in table
+    assert f"| {runs['fp8']['speed_vs_bf16']:.3f}x ({104 / 86:.3f}-{120 / 96:.3f}) |" in table
+    with pytest.raises(ValueError, match="rounds"):
+        bs.measure(["bf16"], model="tiny", device="cpu", rounds=0)
+
+
+def test_bench_cli_refuses_a_bad_rounds_value_in_one_line():
+    from train_helpers import one_line_error, run_cli
+    one_line_error(run_cli("bench", "step", "--rounds", "0"), "--rounds")
