@@ -555,6 +555,16 @@ def split_capable(recipe: Recipe) -> bool:
         recipe.operand(n).fmt == "mxfp4" for n in ("fprop_x", "fprop_w"))
 
 
+def _check_floats(x: torch.Tensor, weight: torch.Tensor) -> None:
+    """Refuse integer, boolean and complex operands (``nn.Linear`` refuses them too; quantizing them would
+    silently truncate or drop the imaginary part)."""
+    for name, t in (("input", x), ("weight", weight)):
+        if not t.is_floating_point():
+            raise TypeError(f"mxtrain linear layer: the {name} is {t.dtype}, a quantized linear layer takes "
+                            f"floating-point tensors (float32, bfloat16, float16, float64); convert it with "
+                            f".float() first")
+
+
 def compiled_linear(x, weight, bias, state, recipe_str: str, seeded: bool, quantized: bool, split: bool = False,
                     fp8: str = "", mx: str = ""):
     """The traced form of ``mx_linear`` (what a compiled ``MXLinear.forward`` calls): only strings and
@@ -565,6 +575,7 @@ def compiled_linear(x, weight, bias, state, recipe_str: str, seeded: bool, quant
     empty): traced operations around the FP8-carrier GEMM where ``tracedmx.applies``."""
     if not quantized:
         return F.linear(x, weight, bias)
+    _check_floats(x, weight)
     if mx:
         from . import tracedmx
         rows = tracedmx.applies(mx, x, weight)
@@ -637,6 +648,7 @@ def mx_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     rt = route(recipe, x, weight)
     if rt == "plain":
         return F.linear(x, weight, bias)
+    _check_floats(x, weight)
     qctx = call_context(recipe, state)
     if rt == "fast":
         from . import fast

@@ -41,13 +41,44 @@ _LAYERS: "weakref.WeakSet[MXLayer]" = weakref.WeakSet()
 _HOOK = None
 
 
+# optimizers whose layers' ids were checked for repeats (once each)
+_CHECKED: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def _held(m: nn.Module, ids: set) -> bool:
+    """Whether an optimizer holding the parameters ``ids`` trains layer ``m``: its weight, or any parameter of
+    its own (a parametrized weight's ``original``, or the bias of a layer whose weight is frozen)."""
+    return any(id(p) in ids for p in m.parameters())
+
+
 def _after_optimizer_step(opt, args, kwargs) -> None:
-    """Global optimizer step post-hook: advance the step of every MX layer whose weight ``opt`` holds."""
+    """Global optimizer step post-hook: advance the step of every MX layer that ``opt`` trains."""
     if not _LAYERS:
         return
     ids = {id(p) for g in opt.param_groups for p in g["params"]}
-    states = [m.mx_state for m in list(_LAYERS) if id(m.weight) in ids and m._mx_seeded]
-    _advance(states)
+    layers = [m for m in list(_LAYERS) if m._mx_seeded and _held(m, ids)]
+    if layers and opt not in _CHECKED:
+        _CHECKED.add(opt)
+        _warn_repeated_ids(layers)
+    _advance([m.mx_state for m in layers])
+
+
+def _warn_repeated_ids(layers) -> None:
+    """Warn when layers trained by one optimizer share a ``layer_id``: they would draw the same stochastic
+    rounding and random signs for the same inputs (e.g. blocks converted one ``convert`` call each, or
+    ``MXLinear`` layers built with the default ``layer_id=0``)."""
+    by_id: dict = {}
+    for m in layers:
+        by_id.setdefault(m.layer_id, []).append(m)
+    rep = {i: ms for i, ms in by_id.items() if len(ms) > 1}
+    if rep:
+        i, ms = next(iter(rep.items()))
+        warnings.warn(f"mxtrain: {sum(len(v) for v in rep.values())} MX layers trained by one optimizer share "
+                      f"layer ids ({len(ms)} have layer_id {i}, {len(rep)} id{'s' if len(rep) > 1 else ''} repeated): "
+                      f"their recipe draws random numbers (stochastic rounding or random signs) by layer id, so "
+                      f"those layers draw the same ones. Number them apart: convert the whole model in one call, "
+                      f"or pass convert(..., first_layer_id=N) to each later call, or give MXLinear(..., layer_id=N)",
+                      stacklevel=3)
 
 
 def _ensure_hook() -> None:
@@ -92,6 +123,8 @@ def _write_states(layers, step: int, call: int | None = None) -> None:
     """state = [layer_id, step, call] for every layer (one host-to-device copy per device); ``call`` None:
     ``call_base()``."""
     call = call_base() if call is None else call
+    if int(step) < 0 or int(call) < 0:
+        raise ValueError(f"set_step: step and call must be non-negative, got step={step}, call={call}")
     groups: dict = {}
     for m in layers:
         if m.mx_state.device.type != "meta":
@@ -125,6 +158,14 @@ class MXLayer:
         _LAYERS.add(self)
         _ensure_hook()
         _prepare_counters(dev)
+
+    def __setstate__(self, state):
+        # a deep copy or an unpickled layer (torch.save / torch.load of a whole model) is a new live layer:
+        # registered, so that optimizer steps advance its step as they do the original's
+        super().__setstate__(state)
+        if "mx_state" in self._buffers:
+            _LAYERS.add(self)
+            _ensure_hook()
 
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)
@@ -266,8 +307,24 @@ _BLOCK_RE = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
 
 
 def _block_index(name: str) -> int | None:
-    m = _BLOCK_RE.search(name)
+    """The block a layer named ``name`` is in: the first integer component of its name that is not the last
+    (``layers.3.mlp.w1`` -> 3; ``5``, an ``nn.Sequential``'s item that is the layer itself -> None)."""
+    m = _BLOCK_RE.search(name.rpartition(".")[0])
     return int(m.group(1)) if m else None
+
+
+def _encoder_fast_paths_off(model: nn.Module, rep) -> None:
+    """Turn off the inference fast path of ``nn.TransformerEncoderLayer``s whose feed-forward layers are MX
+    layers (it reads ``linear1.weight`` and ``linear2.weight`` directly in ``eval()`` under ``no_grad``) and
+    the nested-tensor path of ``nn.TransformerEncoder``s holding them."""
+    for n, m in model.named_modules():
+        if isinstance(m, nn.TransformerEncoderLayer) and (isinstance(m.linear1, MXLayer)
+                                                          or isinstance(m.linear2, MXLayer)):
+            m.activation_relu_or_gelu = 0   # (torch's fast-path condition; the slow path uses m.activation)
+            rep.notes.append(f"{n or '<root>'}: nn.TransformerEncoderLayer's inference fast path turned off (it "
+                             "would bypass the MX layers in eval)")
+        elif isinstance(m, nn.TransformerEncoder) and any(isinstance(x, MXLayer) for x in m.layers.modules()):
+            m.use_nested_tensor = False
 
 
 def _conv1d_base(m: nn.Module) -> type | None:
@@ -303,6 +360,8 @@ class ConvertReport:
     refused: dict[str, str] = field(default_factory=dict)
     mx_params: int = 0
     total_params: int = 0
+    outside_blocks: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def share(self) -> float:
@@ -316,10 +375,16 @@ class ConvertReport:
             if d:
                 lines.append(f"  {what}:")
                 lines += [f"    {n or '<root>'}: {why}" for n, why in d.items()]
+        if self.outside_blocks:   # an output head with a name the skip patterns miss shows here
+            more = len(self.outside_blocks) - 8
+            lines.append("  converted outside numbered blocks (an output head among them? skip it by name): "
+                         + ", ".join(self.outside_blocks[:8]) + (f", and {more} more" if more > 0 else ""))
+        lines += [f"  note: {t}" for t in self.notes]
         return "\n".join(lines)
 
 
-def convert(model: nn.Module, recipe: Recipe | str, *, skip=DEFAULT_SKIP, strict: bool = False) -> ConvertReport:
+def convert(model: nn.Module, recipe: Recipe | str, *, skip=DEFAULT_SKIP, strict: bool = False,
+            first_layer_id: int = 0, keep_tied: bool = True) -> ConvertReport:
     """Turn the linear layers of ``model`` into MX layers in place; returns a ``ConvertReport``.
 
     **Converted:** ``nn.Linear`` and its subclasses that keep ``nn.Linear.forward``, Hugging Face's GPT-2
@@ -330,8 +395,16 @@ def convert(model: nn.Module, recipe: Recipe | str, *, skip=DEFAULT_SKIP, strict
     **Kept in high precision:** layers matching ``skip`` (fnmatch patterns on a module's last name
     component and its full name; the default keeps output heads such as ``lm_head`` and anything named
     like an embedding: the head's error goes straight into the loss, vocabularies are rarely multiples
-    of the block size) or the recipe's ``keep_hp``, and the recipe's ``keep_first``/``keep_last`` blocks
-    (the first integer in a module's name, e.g. ``layers.3.mlp.w1`` is block 3).
+    of the block size; a string is one pattern) or the recipe's ``keep_hp``; with ``keep_tied`` (default), a
+    layer whose weight is an embedding's weight (a tied output head, whatever its name); and the recipe's
+    ``keep_first``/``keep_last`` blocks: the blocks are the numbered modules that hold linear layers (the first
+    integer in a layer's name that is not the layer's own name: ``layers.3.mlp.w1`` is in block 3; in
+    ``nn.Sequential(embedding, block, ..., block, head)`` the first and last blocks, not the embedding and head).
+
+    **Layer ids** number each layer's random streams (stochastic rounding, random signs): ``first_layer_id``,
+    ``first_layer_id + 1``, ... in module order. Converting parts of one model in several calls, give each
+    later call a ``first_layer_id`` past the ids used before (an optimizer that trains layers sharing an id
+    warns at its first step).
 
     **Refused** (reported, warned about, left in high precision; ``strict=True`` raises instead):
     ``nn.Linear`` subclasses with a forward of their own (LoRA-style layers: mxtrain cannot know what
@@ -339,13 +412,30 @@ def convert(model: nn.Module, recipe: Recipe | str, *, skip=DEFAULT_SKIP, strict
     (it reads their weights directly), and modules with 3-D or larger weights such as fused MoE
     experts (their GEMMs are not linear-layer calls; call ``mxtrain.mx_linear`` per expert).
 
+    ``nn.TransformerEncoderLayer`` (and ``nn.TransformerEncoder``) whose feed-forward layers are converted get
+    their inference fast path turned off: in ``eval()`` under ``no_grad`` it would multiply by the layers'
+    weights directly, in high precision, instead of calling them.
+
     Warns when nothing was converted.
     """
     recipe = get_recipe(recipe)
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert expects an nn.Module, got {type(model).__name__}")
+    if isinstance(skip, str):
+        skip = (skip,)
+    if isinstance(first_layer_id, bool) or not isinstance(first_layer_id, int) or first_layer_id < 0:
+        raise ValueError(f"first_layer_id must be a non-negative int, got {first_layer_id!r}")
+    lazy = [n for n, p in model.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
+    if lazy:   # (checked before anything changes)
+        raise ValueError(f"convert: {lazy[0]} is an uninitialized parameter of a lazy module (nn.LazyLinear): run one "
+                         "forward pass first, which makes the weights, then convert")
     rep = ConvertReport(model, recipe)
     patterns = tuple(skip) + tuple(recipe.keep_hp)
+    tied = {}
+    if keep_tied:
+        for n, m in model.named_modules():
+            if isinstance(m, nn.Embedding):
+                tied.setdefault(id(m.weight), n)
     mods = list(model.named_modules())
     mha_children = set()
     for n, m in mods:
@@ -378,9 +468,10 @@ def convert(model: nn.Module, recipe: Recipe | str, *, skip=DEFAULT_SKIP, strict
         if any(n.startswith(r + ".") for r in rep.refused if r):
             candidates.remove((n, m))
             rep.kept[n] = "inside a module that mxtrain does not convert"
-    blocks = [b for b in (_block_index(n) for n, _ in candidates) if b is not None]
-    nblocks = max(blocks) + 1 if blocks else 0
-    layer_id = 0
+    blocks = sorted({b for b in (_block_index(n) for n, _ in candidates) if b is not None})
+    first = set(blocks[:recipe.keep_first])
+    last = set(blocks[len(blocks) - recipe.keep_last:]) if recipe.keep_last else set()
+    layer_id = first_layer_id
     for name, m in candidates:
         leaf = name.rsplit(".", 1)[-1]
         pat = next((p for p in patterns if fnmatch.fnmatch(leaf, p) or fnmatch.fnmatch(name, p)), None)
@@ -388,16 +479,24 @@ def convert(model: nn.Module, recipe: Recipe | str, *, skip=DEFAULT_SKIP, strict
             why = f"matches skip pattern {pat!r}" if pat in skip else f"matches the recipe's keep_hp pattern {pat!r}"
             _keep(m, rep, name, why)
             continue
+        if id(m.weight) in tied:
+            _keep(m, rep, name, f"its weight is the weight of embedding {tied[id(m.weight)]!r} (a tied output head; "
+                                "keep_tied=False converts it)")
+            continue
         b = _block_index(name)
-        if b is not None and b < recipe.keep_first:
+        if b in first:
             _keep(m, rep, name, f"block {b} is among the recipe's keep_first={recipe.keep_first} blocks")
             continue
-        if b is not None and b >= nblocks - recipe.keep_last:
-            _keep(m, rep, name, f"block {b} is among the recipe's keep_last={recipe.keep_last} of {nblocks} blocks")
+        if b in last:
+            _keep(m, rep, name, f"block {b} is among the recipe's keep_last={recipe.keep_last} of {len(blocks)} blocks")
             continue
         _make_mx(m, recipe, layer_id)
         layer_id += 1
         rep.converted.append(name)
+        if b is None:
+            w = m._mx_weight()
+            rep.outside_blocks.append(f"{name or '<root>'} ({w.shape[1]} -> {w.shape[0]})")
+    _encoder_fast_paths_off(model, rep)
     seen: set = set()
     for _, p in model.named_parameters(remove_duplicate=False):
         if id(p) not in seen:
@@ -405,7 +504,7 @@ def convert(model: nn.Module, recipe: Recipe | str, *, skip=DEFAULT_SKIP, strict
             rep.total_params += p.numel()
     mx_seen: set = set()
     for n in rep.converted:
-        for p in model.get_submodule(n).parameters(recurse=False):
+        for p in model.get_submodule(n).parameters():   # (a parametrized weight's original is a child's)
             if id(p) not in mx_seen:
                 mx_seen.add(id(p))
                 rep.mx_params += p.numel()

@@ -561,14 +561,15 @@ def test_activation_checkpointing_recomputes_the_same_forward(recipe):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("recipe", ["tseng", "mxfp4-all-sr"])
 @pytest.mark.parametrize("reentrant", [False, True])
-def test_hf_gradient_checkpointing_equals_no_checkpointing(reentrant):
+def test_hf_gradient_checkpointing_equals_no_checkpointing(reentrant, recipe):
     """A converted Hugging Face Llama with its own gradient checkpointing on (``gradient_checkpointing_enable``,
     both of torch's checkpoint modes): the recomputed forward draws the same stochastic-rounding bits and per-step
     signs as the first, so loss and every gradient equal the run without checkpointing, bit for bit."""
     torch.manual_seed(0)
     model = _hf("llama")
-    mxtrain.convert(model, "tseng")      # SR and per-step random H64 in the backward
+    mxtrain.convert(model, recipe)      # tseng: SR and per-step random H64 in the backward; -sr: SR everywhere
     ref = copy.deepcopy(model)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     model.train()
