@@ -720,7 +720,10 @@ def llama_from_hf(hf_dir: str | Path, *, vocab_size: int | None = None, max_seq_
 
     ``vocab_size``: the training data's vocab (``TokenData.vocab_size``); refused when it exceeds the model's
     (the data was tokenized with another tokenizer). The model's vocab is the folder's, padded to a multiple of
-    32 for MX blocks (zero rows). ``max_seq_len``: at least this (the run's ``data.seq_len``)."""
+    32 for MX blocks (zero rows). Their logits are 0, not minus infinity, so where the folder's vocab is not a
+    multiple of 32 the imported model's loss over the padded vocab is above the Hugging Face model's until
+    training lowers those logits (the real vocab's logits are the same; Llama 2 and 3, Mistral and Qwen2
+    vocabularies are multiples of 32). ``max_seq_len``: at least this (the run's ``data.seq_len``)."""
     from dataclasses import replace
     mcfg = config_from_hf(hf_dir, vocab_multiple=32)
     if vocab_size is not None and vocab_size > mcfg.vocab_size:
