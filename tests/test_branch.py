@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 
@@ -90,6 +91,14 @@ def test_branch_equals_single_wsd_run_bit_for_bit(tmp_path):
         assert info["at_step"] == k and info["cooldown_steps"] == n and info["shape"] == shape
         # calling it again returns the finished branch untouched
         assert branch(run, k, n, b, shape=shape) == b
+    # resuming from the kept checkpoint into its own folder would overwrite steps 5-8: refused; into another
+    # folder it continues from step 4
+    again = copy.deepcopy(a)
+    again.train.steps, again.log.out = 6, None
+    with pytest.raises(UserError, match=f"kept at step {k} .* would overwrite the run after step {k}.*--out NEW"):
+        train(again, resume=run / f"checkpoint-{k}.pt")
+    again.log.out = str(tmp_path / "continued")
+    assert ckpt.load(train(again, resume=run / f"checkpoint-{k}.pt"))["step"] == 6
     after = {p.name: p.stat().st_mtime_ns for p in run.iterdir() if p.is_file()}
     assert after == before                                                   # the stable run is never touched
 

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from mxtrain import distributed as D
 from mxtrain.errors import UserError
+from mxtrain.train import checkpoint as ckpt
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
@@ -374,3 +375,33 @@ def test_resume_of_a_run_still_training_without_a_checkpoint_names_it(tmp_path):
             ck.find(run)
     with pytest.raises(UserError, match="no checkpoint at .*expected a run folder"):
         ck.find(run)   # the lock is free: an ordinary missing checkpoint
+
+
+class _Evil:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("protocol", [2, 4])
+def test_a_crafted_or_empty_checkpoint_pt_is_one_clear_refusal(tmp_path, protocol):
+    """``checkpoint.pt`` whose pickle would run a command is never unpickled, and says so (not 'corrupt' with a
+    cut-off torch message); an empty file says it is corrupt or truncated (not an IndexError from the handler)."""
+    import warnings
+    marker = tmp_path / "pwned"
+    bad = tmp_path / "evil" / ckpt.NAME
+    bad.parent.mkdir()
+    with open(bad, "wb") as f:
+        pickle.dump({"format": 1, "model": _Evil(marker)}, f, protocol=protocol)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # (torch warns on protocol-4 files: the message must be the one line)
+        with pytest.raises(UserError, match="holds objects other than tensors and plain data.*not trusted"):
+            ckpt.load(bad.parent)
+    assert not marker.exists()
+    empty = tmp_path / "empty" / ckpt.NAME
+    empty.parent.mkdir()
+    empty.write_bytes(b"")
+    with pytest.raises(UserError, match=r"is corrupt or truncated \(EOFError\); restore it"):
+        ckpt.load(empty.parent)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import random
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -104,9 +105,16 @@ def find(path: str | Path) -> Path:
 def load(path: str | Path) -> dict:
     p = find(path)
     try:
-        st = torch.load(p, map_location="cpu", weights_only=True)
-    except Exception as e:  # truncated zip, bad pickle, random bytes...
-        raise UserError(f"checkpoint {p} is corrupt or truncated ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
+        with warnings.catch_warnings():   # (torch warns of a file in another pickle protocol: not ours; the
+            warnings.simplefilter("ignore")   # error below says so in one line)
+            st = torch.load(p, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated zip, bad pickle, random bytes, an empty file...
+        first = (str(e).splitlines() or [""])[0]
+        if "Weights only load failed" in str(e):   # objects beyond tensors and plain data: never unpickled
+            raise UserError(f"checkpoint {p} holds objects other than tensors and plain data, which mxtrain does "
+                            f"not load (the folder is not trusted: mxtrain's checkpoints never hold them); restore "
+                            f"it from a trusted copy or start a new run") from None
+        raise UserError(f"checkpoint {p} is corrupt or truncated ({type(e).__name__}{': ' + first[:120] if first else ''}); "
                         f"restore it or start a new run") from None
     if not isinstance(st, dict) or st.get("format") != FORMAT:
         raise UserError(f"{p} is not an mxtrain checkpoint (format {st.get('format') if isinstance(st, dict) else None!r})")

@@ -454,6 +454,20 @@ def _new_default_folder(out: Path) -> Path:
     raise UserError(f"no free run folder named like {out}; give one with --out")
 
 
+def _refuse_rewind(src: Path, out: Path, step: int) -> None:
+    """Resuming from a kept checkpoint (``checkpoint-<step>.pt``, ``.dcp``) into its own run folder, which has a
+    newer ``checkpoint.pt`` (``.dcp``), would overwrite the run's later checkpoint and metrics: refused, with
+    the ways that keep them."""
+    if src.name in (ckpt.NAME, D.DCP_NAME) or out.resolve() != src.parent.resolve():
+        return
+    latest = next((c for c in (out / ckpt.NAME, out / D.DCP_NAME) if c.exists()), None)
+    if latest is None:
+        return
+    raise UserError(f"{src} is a checkpoint kept at step {step} of the run in {out}, which has a later one "
+                    f"({latest.name}): resuming into {out} would overwrite the run after step {step}; continue from "
+                    f"it into another folder (--out NEW), or branch it (--resume {out} --branch-at {step} ...)")
+
+
 def _make_out(cfg: TrainConfig, resume_dir: Path | None, rank: int, locks: list) -> Path:
     """The run folder, created and (rank 0) locked. A new run refuses a folder that holds a run; a resumed run
     refuses one that holds another run than the one it continues. Rank 0 decides, before it writes anything,
@@ -1022,7 +1036,9 @@ def _train(cfg: TrainConfig, resume: str | Path | None, env: D.DistEnv, locks: l
 
     resume_dir = None
     if state is not None:
-        resume_dir = dcp_path.parent if dcp_path is not None else ckpt.find(resume).parent
+        src = dcp_path if dcp_path is not None else ckpt.find(resume)
+        resume_dir = src.parent
+        _refuse_rewind(src, Path(cfg.log.out), start_step)
     out = _make_out(cfg, resume_dir, rank, locks)
     if rank == 0:
         _write_json(out / "config.json", cfg_dict)
