@@ -365,6 +365,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("mxtrain: interrupted", file=sys.stderr)
         return 130
+    except (FileExistsError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError) as e:
+        # a path given that cannot be written or read (an --out that is a file, a folder under /proc, ...)
+        what = f"{e.filename}" + (f" -> {e.filename2}" if getattr(e, "filename2", None) else "")
+        sys.stderr.write(f"mxtrain: error: cannot use {what or 'a path given'}: {e.strerror or e}; give another path\n")
+        sys.stderr.flush()
+        return 2
     except BrokenPipeError:  # `mxtrain ... | head`: the reader left; no traceback
         import os
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

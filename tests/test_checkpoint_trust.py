@@ -30,7 +30,7 @@ from mxtrain.train import checkpoint as ckpt
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 import _dist_worker as W  # noqa: E402
-from train_helpers import one_line_error, run_cli, small_data  # noqa: E402
+from train_helpers import one_line_error, run_cli, small_data, tiny_run_cfg  # noqa: E402
 
 REFUSED = ("never contains", "not trusted", "nothing from it was executed")
 
@@ -377,6 +377,25 @@ def test_resume_of_a_run_still_training_without_a_checkpoint_names_it(tmp_path):
         ck.find(run)   # the lock is free: an ordinary missing checkpoint
 
 
+def test_a_run_stopped_before_its_first_checkpoint_gets_advice_that_works(tmp_path):
+    """A run killed before its first checkpoint leaves metrics and no checkpoint: --resume says there is nothing
+    to resume, and training into the folder again says so too, instead of each sending the user to the other;
+    following the advice (another --out) trains."""
+    from mxtrain.train import train
+    from mxtrain.train import checkpoint as ck
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    with pytest.raises(UserError, match="stopped before its first checkpoint.*nothing to resume.*another --out"):
+        ck.find(run)
+    cfg = tiny_run_cfg(run, 1)
+    with pytest.raises(UserError, match="stopped before its first checkpoint.*nothing to resume.*another --out"):
+        train(cfg)
+    assert (run / "metrics.jsonl").read_text().count("\n") == 1   # the folder left as it was
+    cfg.log.out = str(tmp_path / "again")
+    assert ck.load(train(cfg))["step"] == 1
+
+
 class _Evil:
     def __init__(self, marker):
         self.marker = marker
@@ -385,10 +404,14 @@ class _Evil:
         return (os.system, (f"touch {self.marker}",))
 
 
-@pytest.mark.parametrize("protocol", [2, 4])
-def test_a_crafted_or_empty_checkpoint_pt_is_one_clear_refusal(tmp_path, protocol):
-    """``checkpoint.pt`` whose pickle would run a command is never unpickled, and says so (not 'corrupt' with a
-    cut-off torch message); an empty file says it is corrupt or truncated (not an IndexError from the handler)."""
+@pytest.mark.parametrize("protocol,says", [(2, r"holds objects other than tensors and plain data \(posix.system\)"
+                                                r".*not trusted"),
+                                           (4, r"corrupt or truncated \(UnpicklingError: Unsupported operand")])
+def test_a_crafted_or_empty_checkpoint_pt_is_one_clear_refusal(tmp_path, protocol, says):
+    """``checkpoint.pt`` whose pickle would run a command is never unpickled, and says so, naming what it would
+    call (not 'corrupt' with a cut-off torch message; a protocol-4 pickle is refused before any object: 'corrupt'
+    with torch's reason, one line); an empty file says it is corrupt or truncated (not an IndexError from the
+    handler)."""
     import warnings
     marker = tmp_path / "pwned"
     bad = tmp_path / "evil" / ckpt.NAME
@@ -397,7 +420,7 @@ def test_a_crafted_or_empty_checkpoint_pt_is_one_clear_refusal(tmp_path, protoco
         pickle.dump({"format": 1, "model": _Evil(marker)}, f, protocol=protocol)
     with warnings.catch_warnings():
         warnings.simplefilter("error")   # (torch warns on protocol-4 files: the message must be the one line)
-        with pytest.raises(UserError, match="holds objects other than tensors and plain data.*not trusted"):
+        with pytest.raises(UserError, match=says):
             ckpt.load(bad.parent)
     assert not marker.exists()
     empty = tmp_path / "empty" / ckpt.NAME

@@ -4,6 +4,8 @@ the test process (a process start costs more than the check; an exception escapi
 traceback would), and a few of every kind (data, argparse, checkpoint, bench) also as a subprocess."""
 
 import json
+import os
+import pickle
 
 import pytest
 import torch
@@ -30,7 +32,26 @@ def files():
     buf = tmpdir() / "full.pt"
     torch.save({"format": "mxtrain-ckpt-v1", "model": {"w": torch.zeros(10000)}}, buf)
     (trunc / "checkpoint.pt").write_bytes(buf.read_bytes()[:20000])
+    for name, data in (("crafted_run", pickle.dumps({"format": 1, "model": _Call()}, protocol=2)), ("empty_run", b"")):
+        (d / name).mkdir(exist_ok=True)
+        (d / name / "config.json").write_text(json.dumps({"exp": "debug"}))
+        (d / name / "checkpoint.pt").write_bytes(data)
+    row = json.dumps({"step": 1, "tokens": 64, "loss": 5.0})
+    for name, files in (("list_cfg_run", {"metrics.jsonl": row + "\n", "config.json": "[1, 2, 3]"}),
+                        ("bad_row_run", {"metrics.jsonl": row + '\n{"step": "a", "loss": "zz"}\n' + row + "\n"}),
+                        ("bad_study", {"study.json": "{bad", "runs/bf16/seed0/metrics.jsonl": row + "\n",
+                                      "runs/bf16/seed0/study_status.json": '{"state": "done"}'})):
+        for rel, text in files.items():
+            (d / name / rel).parent.mkdir(parents=True, exist_ok=True)
+            (d / name / rel).write_text(text)
     return d
+
+
+class _Call:
+    """A pickled call of a shell command (never run: checkpoints load with weights_only)."""
+
+    def __reduce__(self):
+        return (os.system, ("true",))
 
 
 @pytest.mark.parametrize("case", [
@@ -73,6 +94,18 @@ def files():
     ("unknown benchmark", ["bench", "speed"], ["unknown benchmark 'speed'"]),
     ("unknown bench recipe", ["bench", "linear", "--presets", "tseng,mxfp5"], ["unknown recipe 'mxfp5'"]),
     ("bench on a CPU machine (cuda)", ["bench", "linear"], ["needs a CUDA GPU"]),
+    ("crafted checkpoint", ["train", "--resume", "{d}/crafted_run"], ["holds objects other than tensors", "posix.system"]),
+    ("empty checkpoint", ["train", "--resume", "{d}/empty_run"], ["corrupt or truncated (EOFError)"]),
+    ("report: config.json not an object", ["report", "{d}/list_cfg_run"], ["config.json holds a JSON list"]),
+    ("report: a metrics row not a number", ["report", "{d}/bad_row_run"], ["metrics.jsonl:2", "not a number"]),
+    ("report: study.json not JSON", ["report", "{d}/bad_study"], ["study.json is not valid JSON"]),
+    ("report: --smooth-k", ["report", "{d}/bad_study", "--smooth-k", "-3"], ["--smooth-k must be >= 1"]),
+    ("report: --target-frac", ["report", "{d}/bad_study", "--target-frac", "5"], ["--target-frac must be in (0, 1]"]),
+    ("report: --out a file", ["report", "{d}/bad_study", "--out", "{d}/a_file"], ["exists and is not a folder"]),
+    ("report: --out a run folder", ["report", "{d}/bad_study", "--out", "{d}/corrupt_run"],
+     ["holds other files (checkpoint.pt, config.json)", "would overwrite its summary.json"]),
+    ("bench limits: --out under a file", ["bench", "limits", "--bf16-step-ms", "257.5", "--out", "{d}/a_file/x.json"],
+     ["cannot use {d}/a_file/x.json", "Not a directory"]),
 ], ids=lambda c: c[0])
 def test_bad_input_is_one_line(files, case):
     _, args, fragments = case
@@ -87,7 +120,7 @@ def test_bad_input_is_one_line(files, case):
 # the cases also run as a subprocess: one of each kind of failure (data files, argparse, a checkpoint, --set,
 # the output folder, a command needing a GPU)
 IN_A_PROCESS = {"unreadable JSON line", "bad flag type", "corrupt checkpoint", "infinite prescale",
-                "output folder not writable", "bench on a CPU machine (cuda)"}
+                "output folder not writable", "bench on a CPU machine (cuda)", "bench limits: --out under a file"}
 
 
 def test_help_and_version():

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
-from ..errors import UserError
+from ..errors import UserError, read_json_object, write_json_atomic
 
 __all__ = ["register", "study_main", "report_main"]
 
@@ -304,6 +305,21 @@ def report_main(args: argparse.Namespace) -> int:
     if sel and out.resolve() == d.resolve():
         raise UserError("--arms needs --out: a report of some of the arms goes to its own folder, so that the "
                         f"study's summary.json and report in {d} stay whole")
+    if out.resolve() != d.resolve() and out.exists():
+        if not out.is_dir():
+            raise UserError(f"--out {out} exists and is not a folder; give a new or empty folder")
+        mine = {"report.html", "report.md", "summary.json", "report_files"}
+        other = sorted(p.name for p in out.iterdir() if p.name not in mine)
+        if other or ((out / "summary.json").is_file() and not (out / "report.html").is_file()):
+            raise UserError(f"--out {out} holds other files ({', '.join(other[:3]) or 'a summary.json of its own'}"
+                            f"{', ...' if len(other) > 3 else ''}): the report would overwrite its summary.json; "
+                            f"give a new or empty folder, or a folder an earlier report was written to")
+    if args.smooth_k is not None and args.smooth_k < 1:
+        raise UserError(f"--smooth-k must be >= 1, got {args.smooth_k}")
+    if args.target_frac is not None and not 0 < args.target_frac <= 1:
+        raise UserError(f"--target-frac must be in (0, 1], got {args.target_frac}")
+    if args.target_loss is not None and not math.isfinite(args.target_loss):
+        raise UserError(f"--target-loss must be a finite number, got {args.target_loss}")
     summary = None
     if not single:
         runs = M.load_study_runs(d)
@@ -312,8 +328,8 @@ def report_main(args: argparse.Namespace) -> int:
                 raise UserError(f"{d}: a study with no run that trained yet (nothing to report); run "
                                 f"`mxtrain study` with its settings to train it")
             raise UserError(f"{d}: neither a run folder (metrics.jsonl) nor a study folder (runs/<arm>/seed<k>)")
-        meta = json.loads((d / "study.json").read_text()) if (d / "study.json").is_file() else {}
-        old = json.loads((d / "summary.json").read_text()) if (d / "summary.json").is_file() else {}
+        meta = read_json_object(d / "study.json") if (d / "study.json").is_file() else {}
+        old = read_json_object(d / "summary.json") if (d / "summary.json").is_file() else {}
         base = args.baseline or meta.get("baseline") or old.get("baseline") or next(iter(runs))
         if base not in runs:
             raise UserError(f"baseline {base!r} has no runs in {d}; arms: {', '.join(runs)}")
@@ -329,9 +345,9 @@ def report_main(args: argparse.Namespace) -> int:
             meta = {**meta, "references": [r for r in meta.get("references") or [] if r in runs]}
             if meta.get("arms"):
                 meta["arms"] = [a for a in meta["arms"] if a in runs]
-        k = args.smooth_k or meta.get("smooth_k") or 3
+        k = args.smooth_k if args.smooth_k is not None else meta.get("smooth_k") or 3
         tl = args.target_loss if args.target_loss is not None else meta.get("target_loss")
-        tf = args.target_frac or meta.get("target_frac") or 0.8
+        tf = args.target_frac if args.target_frac is not None else meta.get("target_frac") or 0.8
         summary = M.summarize(runs, base, target_loss=tl, target_frac=tf, smooth_k=k, recipes=meta.get("recipes"))
         if meta.get("arms") and meta.get("seeds") is not None:
             from .runner import incomplete_message
@@ -357,7 +373,7 @@ def report_main(args: argparse.Namespace) -> int:
                 add_cooldown(summary, d, meta, runs, only=list(runs) if sel else None)
         summary = M.sanitize(summary)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False))
+        write_json_atomic(out / "summary.json", summary, indent=1, allow_nan=False)
     hp, mp = write_report(d, summary, out=out, arms=list(runs) if sel else None)
     print(f"wrote {hp} and {mp}")
     _say_if_no_plots()

@@ -29,7 +29,7 @@ from dataclasses import asdict, fields
 from datetime import datetime, timezone
 from pathlib import Path
 
-from ..errors import UserError
+from ..errors import UserError, read_json_object
 from . import arms as A
 
 __all__ = ["import_runs", "parse_renames", "config_differences"]
@@ -94,10 +94,7 @@ def _read_meta(folder: Path) -> dict:
     p = folder / "study.json"
     if not p.is_file():
         raise UserError(f"{folder} is not a study folder (no study.json); give the OUT folder of mxtrain study")
-    try:
-        return json.loads(p.read_text())
-    except ValueError as e:
-        raise UserError(f"{p} is not valid JSON ({e}); is the study folder damaged?") from None
+    return read_json_object(p, "is the study folder damaged?")
 
 
 def import_runs(src: str | Path, dst: str | Path, renames: dict[str, str] | None = None,
@@ -161,7 +158,7 @@ def import_runs(src: str | Path, dst: str | Path, renames: dict[str, str] | None
                 problems.append(f"{rd} has no config.json: cannot check it")
                 continue
             want = RN.build_config(spec_new, new, seed, target).to_dict()
-            diff = config_differences(json.loads(cfg_p.read_text()), want)
+            diff = config_differences(read_json_object(cfg_p, "a run's config"), want)
             if diff:
                 shown = "; ".join(f"{k}: {a!r} in the run, {b!r} for {new} in {dst.name}" for k, a, b in diff[:6])
                 problems.append(f"{old} seed {seed} is not the run {dst} would train as {new}: {shown}"
@@ -185,7 +182,7 @@ def import_runs(src: str | Path, dst: str | Path, renames: dict[str, str] | None
         tmp.parent.mkdir(parents=True, exist_ok=True)
         shutil.copytree(rd, tmp, ignore=shutil.ignore_patterns("*.pt", "*.importing"))
         for sp in tmp.rglob("study_status.json"):
-            st = json.loads(sp.read_text())
+            st = read_json_object(sp, "a run's study status")
             if "arm" in st:
                 st["arm"] = new
                 sp.write_text(json.dumps(st))

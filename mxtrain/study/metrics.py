@@ -32,6 +32,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..errors import UserError, read_json_object
+
 __all__ = [
     "RunData", "read_run", "load_study_runs", "t_quantile", "mean_ci", "smooth",
     "tokens_to_target", "loss_at_tokens", "default_target", "extra_token_cost",
@@ -117,27 +119,30 @@ def read_run(path: str | Path, arm: str = "", seed: int = 0) -> RunData:
             raise ValueError(f"{f}:{i + 1}: not valid JSON") from None
         if not isinstance(row, dict):
             continue
-        if "val_loss" in row:
-            rd.eval_steps.append(int(row.get("step", len(rd.eval_steps))))
-            rd.eval_tokens.append(_num(row.get("tokens")))
-            rd.val_loss.append(_num(row["val_loss"]))
-        if "loss" in row:
-            rd.train_steps.append(int(row.get("step", len(rd.train_steps))))
-            rd.train_tokens.append(_num(row.get("tokens")))
-            rd.train_loss.append(_num(row["loss"]))
+        try:
+            if "val_loss" in row:
+                rd.eval_steps.append(int(row.get("step", len(rd.eval_steps))))
+                rd.eval_tokens.append(_num(row.get("tokens")))
+                rd.val_loss.append(_num(row["val_loss"]))
+            if "loss" in row:
+                rd.train_steps.append(int(row.get("step", len(rd.train_steps))))
+                rd.train_tokens.append(_num(row.get("tokens")))
+                rd.train_loss.append(_num(row["loss"]))
+        except (TypeError, ValueError):
+            raise UserError(f"{f}:{i + 1}: a row whose step, tokens or loss is not a number ({line[:80]}); "
+                            f"restore the file or remove the row") from None
         if row.get("diverged") or row.get("event") in ("diverged", "nonfinite", "non_finite_loss", "non-finite loss"):
             rd.status.setdefault("state", "diverged")
     for name, attr in (("config.json", "config"), ("run.json", "info"), ("study_status.json", "status")):
         p = path / name
         if p.is_file():
-            try:
-                d = json.loads(p.read_text())
-                if attr == "status":
-                    rd.status.update(d)
-                else:
-                    setattr(rd, attr, d)
-            except json.JSONDecodeError:
-                pass
+            if attr == "status":   # (a study's own note; unreadable: as if the run had none)
+                try:
+                    rd.status.update(read_json_object(p))
+                except UserError:
+                    pass
+            else:
+                setattr(rd, attr, read_json_object(p, "a run folder's record"))
     return rd
 
 

@@ -15,6 +15,7 @@ import platform
 from datetime import datetime, timezone
 from pathlib import Path
 
+from ..errors import read_json_object
 from . import arms as A
 from . import diagnostics as D
 from . import metrics as M
@@ -747,7 +748,7 @@ def write_report(d: str | Path, summary: dict | None = None, out: str | Path | N
     single = (d / "metrics.jsonl").is_file() and not (d / "runs").is_dir()
     study_meta = {}
     if (d / "study.json").is_file():
-        study_meta = json.loads((d / "study.json").read_text())
+        study_meta = read_json_object(d / "study.json")
     if single:
         rd = M.read_run(d, arm=d.name, seed=0)
         rec = (rd.config or {}).get("recipe")
@@ -763,7 +764,7 @@ def write_report(d: str | Path, summary: dict | None = None, out: str | Path | N
         if arms:
             runs = {a: runs[a] for a in arms if a in runs}
         if summary is None and (d / "summary.json").is_file():
-            summary = json.loads((d / "summary.json").read_text())
+            summary = read_json_object(d / "summary.json")
         if summary is None:
             base = study_meta.get("baseline") or next(iter(runs))
             summary = M.sanitize(M.summarize(runs, base, smooth_k=study_meta.get("smooth_k", 3),

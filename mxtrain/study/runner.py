@@ -47,7 +47,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
-from ..errors import UserError
+from ..errors import UserError, read_json_object, write_json_atomic
 from .. import recipes as R
 from . import arms as A
 from . import metrics as M
@@ -312,7 +312,7 @@ def compute_plan(spec: StudySpec, tokens_per_s: float | None = None) -> dict:
     vocab, train_tokens = cfg.data.vocab_size, None
     meta = Path(cfg.data.path) / "meta.json" if cfg.data.path else None
     if meta is not None and meta.is_file():
-        m = json.loads(meta.read_text())
+        m = read_json_object(meta)
         vocab, train_tokens = m.get("vocab_size", vocab), m.get("train_tokens")
     mcfg = _model_config(cfg, vocab)
     steps = run_steps(cfg)
@@ -350,8 +350,8 @@ def compute_plan(spec: StudySpec, tokens_per_s: float | None = None) -> dict:
     out["folder_mismatch"] = False
     if meta_p.is_file():
         try:
-            old_key = json.loads(meta_p.read_text()).get("plan_key")
-        except json.JSONDecodeError:
+            old_key = read_json_object(meta_p).get("plan_key")
+        except UserError:   # (a damaged study.json: the dry run says the folder is another plan's)
             old_key = None
         out["folder_mismatch"] = old_key != json.loads(json.dumps(spec.plan_key()))
     if (Path(spec.out) / "runs").is_dir() and not out["folder_mismatch"]:
@@ -734,7 +734,7 @@ def _run_study_locked(spec: StudySpec, out: Path, train_fn, log, jobs: int, lock
         raise UserError(f"cannot write to study folder {out}: {e.strerror or e}") from None
     meta_p = out / "study.json"
     if meta_p.is_file():
-        old = json.loads(meta_p.read_text())
+        old = read_json_object(meta_p)
         if old.get("plan_key") != json.loads(json.dumps(spec.plan_key())):
             raise UserError(f"{out} holds a study with a different base config ({old.get('plan_key')}); "
                             f"use another --out, or the same settings to resume it")
@@ -751,8 +751,8 @@ def _run_study_locked(spec: StudySpec, out: Path, train_fn, log, jobs: int, lock
                             "branches": [{"budget": b, "at_step": k, "cooldown_steps": n}
                                          for b, k, n in study_branch_plan(spec)]}
     if meta_p.is_file():
-        meta["created"] = json.loads(meta_p.read_text()).get("created", meta["created"])
-    meta_p.write_text(json.dumps(meta, indent=1, default=str))
+        meta["created"] = read_json_object(meta_p).get("created", meta["created"])
+    write_json_atomic(meta_p, meta, indent=1, default=str)
 
     order = plan_order(spec)
     t0 = time.time()
@@ -1204,7 +1204,7 @@ def summarize_study(out: str | Path) -> dict:
     from .report import write_report
 
     out = Path(out)
-    meta = json.loads((out / "study.json").read_text())
+    meta = read_json_object(out / "study.json")
     runs = M.load_study_runs(out)
     arms = [a for a in meta["arms"] if a in runs] + sorted(a for a in runs if a not in meta["arms"])
     runs = {a: runs[a] for a in arms}  # arms of earlier invocations with other --arms are kept
@@ -1228,7 +1228,7 @@ def summarize_study(out: str | Path) -> dict:
     if meta.get("cooldown"):
         add_cooldown(summary, out, meta, runs)
     summary = M.sanitize(summary)
-    (out / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False))
+    write_json_atomic(out / "summary.json", summary, indent=1, allow_nan=False)
     if summary["arms"]:
         write_report(out, summary)
     return summary

@@ -98,6 +98,10 @@ def find(path: str | Path) -> Path:
         if holder is not None:
             raise UserError(f"no checkpoint at {path} yet: the run training there (pid {holder}) has not written one; "
                             f"wait for its first checkpoint (train.checkpoint_every) or for it to end")
+        if (p.parent / "metrics.jsonl").is_file():
+            raise UserError(f"no checkpoint at {path}: the run there stopped before its first checkpoint "
+                            f"(train.checkpoint_minutes), so there is nothing to resume; train again into another "
+                            f"--out, or remove {p.parent} first")
         raise UserError(f"no checkpoint at {path} (expected a run folder with {NAME}, or a checkpoint file)")
     return p
 
@@ -109,11 +113,15 @@ def load(path: str | Path) -> dict:
             warnings.simplefilter("ignore")   # error below says so in one line)
             st = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated zip, bad pickle, random bytes, an empty file...
-        first = (str(e).splitlines() or [""])[0]
-        if "Weights only load failed" in str(e):   # objects beyond tensors and plain data: never unpickled
-            raise UserError(f"checkpoint {p} holds objects other than tensors and plain data, which mxtrain does "
-                            f"not load (the folder is not trusted: mxtrain's checkpoints never hold them); restore "
-                            f"it from a trusted copy or start a new run") from None
+        import re
+        text = str(e)
+        glob = re.search(r"GLOBAL (\S+)", text)
+        if glob:   # a pickle that names a Python object (a function to call...): never unpickled
+            raise UserError(f"checkpoint {p} holds objects other than tensors and plain data ({glob.group(1)}), "
+                            f"which mxtrain does not load (the folder is not trusted: mxtrain's checkpoints never "
+                            f"hold them); restore it from a trusted copy or start a new run") from None
+        why = re.search(r"WeightsUnpickler error:\s*([^\n]+)", text)   # (torch's long preamble left out)
+        first = why.group(1).strip() if why else (text.splitlines() or [""])[0]
         raise UserError(f"checkpoint {p} is corrupt or truncated ({type(e).__name__}{': ' + first[:120] if first else ''}); "
                         f"restore it or start a new run") from None
     if not isinstance(st, dict) or st.get("format") != FORMAT:

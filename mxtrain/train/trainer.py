@@ -487,6 +487,10 @@ def _make_out(cfg: TrainConfig, resume_dir: Path | None, rank: int, locks: list)
                 _clean_stale(out)
                 what = _holds_run(out)
                 same = resume_dir is not None and out.resolve() == resume_dir.resolve()
+                if what and resume_dir is None and not (out / ckpt.NAME).exists() and not D.find_dcp(out):
+                    raise UserError(f"output folder {out} already holds a run that stopped before its first "
+                                    f"checkpoint (its metrics, no checkpoint.pt): there is nothing to resume; "
+                                    f"train into another --out, or remove {out} and train again")
                 if what and resume_dir is None:
                     raise UserError(f"output folder {out} already holds a run ({what}); use --resume {out} or "
                                     "another --out")
@@ -792,7 +796,8 @@ class _Log:
             if start_step > 0 and path.exists():  # drop rows past the checkpoint (a crash after it)
                 keep = [ln for ln in path.read_text().splitlines()
                         if ln.strip() and _row_step(ln) is not None and _row_step(ln) <= start_step]
-                path.write_text("".join(ln + "\n" for ln in keep))
+                text = "".join(ln + "\n" for ln in keep).encode()
+                ckpt.write_atomic(path, lambda f: f.write(text))   # (a kill here leaves the old file whole)
             elif start_step == 0:
                 path.write_text("")
         self.f = open(self.path, "a")
