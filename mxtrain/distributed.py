@@ -842,6 +842,13 @@ def find_dcp(path: str | os.PathLike) -> Path | None:
     for c in (p, p / DCP_NAME):
         if is_checkpoint(c):
             return c
+    # a save stopped between its two renames (``save_checkpoint``): the previous checkpoint is whole in
+    # ``checkpoint.dcp.old`` and nothing at ``checkpoint.dcp``: put it back
+    dcp = p if p.name == DCP_NAME else p / DCP_NAME
+    old = dcp.with_name(DCP_NAME + ".old")
+    if not dcp.exists() and is_checkpoint(old):
+        os.replace(old, dcp)
+        return dcp
     return None
 
 

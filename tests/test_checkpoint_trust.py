@@ -310,6 +310,16 @@ def test_cli_resume_refuses_crafted_run_folder(tmp_path):
     assert '"step": 3' in (good / "metrics.jsonl").read_text()
 
 
+def test_a_dcp_save_stopped_between_its_renames_resumes_from_the_previous_checkpoint(tmp_path):
+    """The instant between ``checkpoint.dcp -> checkpoint.dcp.old`` and the new folder's rename: the run folder
+    has only ``checkpoint.dcp.old``; finding the checkpoint puts it back, and the run resumes from it."""
+    run = tmp_path / "run"
+    _tiny_dcp_run(run)
+    (run / D.DCP_NAME).rename(run / (D.DCP_NAME + ".old"))
+    assert D.find_dcp(run) == run / D.DCP_NAME and not (run / (D.DCP_NAME + ".old")).exists()
+    assert D.read_extra(run / D.DCP_NAME)["step"] == 2
+
+
 def test_full_disk_during_a_dcp_save_is_one_clear_error(tmp_path, monkeypatch):
     """A writer failing with ENOSPC inside torch's DCP save: one UserError naming the checkpoint, the
     temporary folder removed, the previous checkpoint intact."""

@@ -75,7 +75,7 @@ def check_vocab_size(vocab_size) -> int:
         raise UserError(f"vocab size must be an integer, got {vocab_size!r}")
     if vocab_size % 32 or not MIN_VOCAB <= vocab_size <= MAX_VOCAB:
         raise UserError(f"vocab size must be a multiple of 32 between {MIN_VOCAB} and {MAX_VOCAB:,} (MX blocks are "
-                        f"32 wide), got {vocab_size}; use e.g. --vocab-size 4096")
+                        f"32 wide), got {vocab_size}; e.g. 4096 (mxtrain data prepare --vocab-size, or data.vocab_size)")
     return vocab_size
 
 
