@@ -33,8 +33,9 @@ def test_switch_trains_the_rest_with_the_new_recipe_and_resumes_past_it(tmp_path
     assert sw[:3] == mx[:3] and sw[3:] != mx[3:]          # the first 3 steps in MXFP4, the rest not
     ev = [r for r in rows if r.get("event") == "recipe_switch"]
     assert [(e["step"], e["recipe"]) for e in ev] == [(3, "bf16")]
-    # a BF16 run from the MXFP4 run's step-3 state: the same steps 4-6 (the switch is all that differs)
-    resumed = train(_cfg(None, 6, "3:bf16"), resume=sw_run / "checkpoint-3.pt")
+    # a BF16 run from the MXFP4 run's step-3 state, in a folder of its own (the kept checkpoint's own folder has
+    # the later steps, which a resume there would overwrite): the same steps 4-6 (the switch is all that differs)
+    resumed = train(_cfg(tmp_path / "from3", 6, "3:bf16"), resume=sw_run / "checkpoint-3.pt")
     again, rows2 = _losses(resumed)
     assert again[-3:] == sw[3:]
     assert [(e["step"], e["recipe"]) for e in rows2 if e.get("event") == "recipe_switch"][-1] == (3, "bf16")
