@@ -446,3 +446,11 @@ def test_report_names_numerics_settings_other_than_the_defaults(tmp_path):
     (d / "run.json").write_text(json.dumps({"settings": dict(dflt, fp8_fast_accum="fprop")}))
     _, md = report.write_report(tmp_path / "st")
     assert "defaults (docs/settings.md): fp8_fast_accum=fprop.**" in md.read_text()
+
+
+def test_markdown_tables_carry_values_as_text():
+    """A value from a run folder (a crafted ``run.json`` device name) cannot end a table cell or become HTML in
+    report.md (report.html escapes it too)."""
+    from mxtrain.study.report import _table_md
+    md = _table_md([["key", "value"], ["device", "<img src=x onerror=alert(1)> | x"]])
+    assert "<img" not in md and "&lt;img src=x onerror=alert(1)&gt; \\| x" in md

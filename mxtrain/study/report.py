@@ -637,7 +637,8 @@ def _table_html(rows: list[list[str]]) -> str:
 
 
 def _table_md(rows: list[list[str]]) -> str:
-    esc = [[c.replace("|", "\\|") for c in r] for r in rows]
+    # (a cell's text is data, e.g. a run.json value: no Markdown table break, no raw HTML a renderer would run)
+    esc = [[c.replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;") for c in r] for r in rows]
     lines = ["| " + " | ".join(esc[0]) + " |", "|" + "---|" * len(esc[0])]
     lines += ["| " + " | ".join(r) + " |" for r in esc[1:]]
     return "\n".join(lines)
