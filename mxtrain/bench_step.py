@@ -271,7 +271,7 @@ def measure(variants, model: str = "8b-layers", layers: int | None = 4, batch: i
            "compile": compile_mode, "steps": steps, "warmup": warmup, "recompute_ffn": recompute_ffn,
            "memory_budget": memory_budget, "param_dtype": param_dtype, "checkpoint_blocks": checkpoint_blocks,
            "recompute_gemm_inputs": recompute_gemm_inputs, "rounds_run": rounds, "runs": {}}
-    variants = list(variants)
+    variants = list(dict.fromkeys(variants))   # (a variant named twice is timed once a round)
     kw = dict(model=model, layers=layers, batch=batch, seq=seq, steps=steps, warmup=warmup,
               compile_mode=compile_mode, device=device, recompute_ffn=recompute_ffn, param_dtype=param_dtype,
               checkpoint_blocks=checkpoint_blocks, recompute_gemm_inputs=recompute_gemm_inputs,
