@@ -263,8 +263,8 @@ def _cmd_train(args) -> int:
         import copy
         import json
 
-        from .train.trainer import validate
-        validate(copy.deepcopy(cfg))
+        from .train.trainer import _check
+        _check(copy.deepcopy(cfg))   # every check training makes before it reads data or the machine
         print(json.dumps(config_json(cfg), indent=2))
         return 0
     out = train(cfg, resume=args.resume)

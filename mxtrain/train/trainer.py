@@ -203,6 +203,19 @@ def _check(cfg: TrainConfig) -> None:
     if cfg.log.final_eval_tokens < 0:
         raise UserError(f"log.final_eval_tokens must be 0 (none) or positive, got {cfg.log.final_eval_tokens}")
     profiling.parse_steps(cfg.log.profile_steps, t.steps)
+    if t.micro_batch_size is not None and t.micro_batch_size > 0 and t.batch_size % t.micro_batch_size:
+        raise UserError(f"train.batch_size ({t.batch_size}) must be a multiple of train.micro_batch_size "
+                        f"({t.micro_batch_size}) (times the number of processes)")
+    if t.device != "auto":   # the name only: whether this machine has the device is checked when training starts
+        try:
+            ok = torch.device(t.device).type in ("cpu", "cuda")
+        except (RuntimeError, TypeError):
+            ok = False
+        if not ok:
+            raise UserError(f"unknown device {t.device!r}; use auto, cpu, cuda or cuda:N")
+    if d.path == "builtin":   # the built-in corpus's tokenizer is trained at this vocab
+        from ..data.tokenizer import check_vocab_size
+        check_vocab_size(d.vocab_size)
     if t.gc_every < 0:
         raise UserError(f"train.gc_every must be 0 (Python's automatic collection) or positive, got {t.gc_every}")
     switch_step(cfg)   # train.switch_recipe: well formed, a known recipe, inside the run
