@@ -34,18 +34,3 @@ def read_json_object(path, what: str = "") -> dict:
                         f"{': ' + what if what else ''}; restore it or remove it")
     return d
 
-
-def write_json_atomic(path, obj, **dumps) -> None:
-    """``obj`` as JSON into ``path``, whole or not at all (a temporary sibling renamed over it: a run or study
-    stopped mid-write leaves the previous file)."""
-    import json
-    import os
-    from pathlib import Path
-    p = Path(path)
-    tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(json.dumps(obj, **dumps))
-        os.replace(tmp, p)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise UserError(f"cannot write {p}: {e.strerror or e}") from None

@@ -13,7 +13,8 @@ import math
 import sys
 from pathlib import Path
 
-from ..errors import UserError, read_json_object, write_json_atomic
+from ..errors import UserError, read_json_object
+from ..train.checkpoint import write_json
 
 __all__ = ["register", "study_main", "report_main"]
 
@@ -373,7 +374,7 @@ def report_main(args: argparse.Namespace) -> int:
                 add_cooldown(summary, d, meta, runs, only=list(runs) if sel else None)
         summary = M.sanitize(summary)
         out.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(out / "summary.json", summary, indent=1, allow_nan=False)
+        write_json(out / "summary.json", summary, indent=1, allow_nan=False)
     hp, mp = write_report(d, summary, out=out, arms=list(runs) if sel else None)
     print(f"wrote {hp} and {mp}")
     _say_if_no_plots()

@@ -47,7 +47,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
-from ..errors import UserError, read_json_object, write_json_atomic
+from ..errors import UserError, read_json_object
+from ..train.checkpoint import write_json
 from .. import recipes as R
 from . import arms as A
 from . import metrics as M
@@ -752,7 +753,7 @@ def _run_study_locked(spec: StudySpec, out: Path, train_fn, log, jobs: int, lock
                                          for b, k, n in study_branch_plan(spec)]}
     if meta_p.is_file():
         meta["created"] = read_json_object(meta_p).get("created", meta["created"])
-    write_json_atomic(meta_p, meta, indent=1, default=str)
+    write_json(meta_p, meta, indent=1, default=str)
 
     order = plan_order(spec)
     t0 = time.time()
@@ -1228,7 +1229,7 @@ def summarize_study(out: str | Path) -> dict:
     if meta.get("cooldown"):
         add_cooldown(summary, out, meta, runs)
     summary = M.sanitize(summary)
-    write_json_atomic(out / "summary.json", summary, indent=1, allow_nan=False)
+    write_json(out / "summary.json", summary, indent=1, allow_nan=False)
     if summary["arms"]:
         write_report(out, summary)
     return summary

@@ -68,6 +68,14 @@ def write_atomic(path: Path, write, what: str = "") -> None:
         raise UserError(f"cannot write {what}{path}: {e.strerror or e}") from None
 
 
+def write_json(path: Path, obj, **dumps) -> None:
+    """``obj`` as JSON into ``path`` through ``write_atomic`` (whole or not at all); ``dumps``: ``json.dumps``
+    options."""
+    import json
+    text = json.dumps(obj, **dumps).encode()
+    write_atomic(path, lambda f: f.write(text))
+
+
 def save(path: Path, state: dict) -> None:
     state = {"format": FORMAT, **state}
     write_atomic(path, lambda f: torch.save(state, f), "checkpoint ")

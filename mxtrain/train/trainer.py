@@ -443,12 +443,15 @@ def _clean_stale(out: Path) -> None:
                 pass
 
 
+_NO_CHECKPOINT = "the metrics of a run that wrote no checkpoint"
+
+
 def _holds_run(out: Path) -> str | None:
     """What makes ``out`` a run folder (a checkpoint, or metrics of a run that wrote none), or None."""
     if (out / ckpt.NAME).exists() or D.find_dcp(out):
         return "a checkpoint"
     if (out / "metrics.jsonl").exists():
-        return "the metrics of a run that wrote no checkpoint"
+        return _NO_CHECKPOINT
     return None
 
 
@@ -500,7 +503,7 @@ def _make_out(cfg: TrainConfig, resume_dir: Path | None, rank: int, locks: list)
                 _clean_stale(out)
                 what = _holds_run(out)
                 same = resume_dir is not None and out.resolve() == resume_dir.resolve()
-                if what and resume_dir is None and not (out / ckpt.NAME).exists() and not D.find_dcp(out):
+                if what == _NO_CHECKPOINT and resume_dir is None:
                     raise UserError(f"output folder {out} already holds a run that stopped before its first "
                                     f"checkpoint (its metrics, no checkpoint.pt): there is nothing to resume; "
                                     f"train into another --out, or remove {out} and train again")
