@@ -1,4 +1,4 @@
-"""Extra tokens from cooled-down losses at several budgets, with paired bootstrap intervals.
+"""Extra tokens from cooled-down losses at several budgets, with seed-level paired intervals.
 
 A cooldown study (``mxtrain study --budgets 0.25,0.5,0.75,1 --cooldown 0.2``; docs/study.md) gives, for
 every arm, seed and budget ``D`` (tokens), the validation loss of every evaluation window after a cooldown
@@ -17,22 +17,42 @@ branch that ends at ``D``. This module turns them into the extra-token cost:
      started at the least-squares solution; the same 1-D search over ``beta`` follows.
 
    ``D`` is scaled by the largest budget inside the fit (numerics only). At least 3 budgets are needed (3
-   parameters); with 3 the curve goes through the points.
+   parameters); with exactly 3 the curve goes through the points, so its shape is never checked
+   (``fit_exact``: the reports say so).
 2. **Invert** an arm's cooled-down loss ``L`` at budget ``D``: the baseline tokens reaching it,
    ``D_equiv = (B / (L - E))^(1 / beta)``, and the **extra tokens** ``D / D_equiv - 1`` (> 0: the arm needs
    more tokens than the baseline for the same loss). ``L <= E`` (below the baseline's fitted floor) has no
-   finite ``D_equiv``: the point estimate's state is ``below_floor`` and bootstrap replicates count it as
-   the limit, -1.
-3. **Intervals**: a paired bootstrap (``n_boot`` replicates, fixed generator seed): each replicate resamples
-   the seeds with replacement, each drawn seed bringing its arm run *and* its baseline run (same init and
-   data order), and resamples the evaluation windows with replacement, the same windows for every run (the
-   same text); the cooled-down loss of a run is its mean over the drawn windows, a point is the mean over
-   the drawn seeds; the baseline is refitted in every replicate. The 95 % interval is the 2.5 and 97.5
-   percentiles of the replicates; ``se`` is their standard deviation.
-4. **Smallest detectable effect** (``mde``): ``2.8 * se``, the true effect a two-sided test at alpha 0.05
-   detects with 80 % power under a normal approximation (``z_0.975 + z_0.80 = 1.960 + 0.842``). The verdict
-   calls an arm's effect *significant* when its interval excludes 0, else *not distinguishable from 0* at
-   that detectable effect.
+   finite ``D_equiv``: the point estimate's state is ``below_floor`` and a leave-one-out estimate counts it
+   as the limit, -1. An arm better than the baseline at the largest budget has ``D_equiv`` beyond every
+   budget fitted: the estimate **extrapolates** the fit (``extrapolated``).
+3. **Intervals are seed-level.** Seed ``s`` of an arm is paired with seed ``s`` of the baseline (same init
+   and data order). The loss gap of seed ``s`` at a budget is the mean over the evaluation windows of the
+   arm's loss minus the baseline's (the same windows: the same text). The gap's interval is Student's t over
+   these per-seed gaps with ``seeds - 1`` degrees of freedom (``stats.paired_t``). The extra tokens are a
+   nonlinear function of the seed means (the baseline is fitted to its seed-mean curve), so their standard
+   error comes from the **jackknife over seeds**: the estimate recomputed with each seed left out (the
+   baseline refitted each time), ``se = sqrt((n-1)/n sum (theta_i - theta_bar)^2)``, and the interval is
+   ``extra +- t_{0.975, n-1} se`` (``stats.jackknife_t``; for a plain mean it is exactly the paired t
+   interval). Why not resample: a percentile bootstrap over 3 seeds draws from only 10 distinct seed sets and
+   its spread is ``sqrt((n-1)/n)`` of the sample's, with normal rather than t quantiles; simulated at 3
+   seeds with seed noise far above window noise it covered a null effect about 75 % of the time (the t and
+   jackknife-t intervals: about 95 %; tests/test_cooldown_metric.py). Evaluation windows are never resampled
+   for the interval: a seed's window mean already carries its window noise into the seed-to-seed spread.
+   Each seed's gap is kept (``gap_seeds``), with each seed's extra tokens: the baseline's seed-mean loss
+   plus that seed's gap, inverted on the baseline fit (``extra_seeds``).
+4. **Detectable effect** (``mde``): ``(t_{0.975, n-1} + t_{0.80, n-1}) * se``, the true effect a two-sided
+   t test at alpha 0.05 detects with 80 % power: 5.36 standard errors at 3 seeds, 3.72 at 5, 2.8 for many.
+5. **Evaluation noise** (``eval_se``, ``n_boot`` replicates, fixed generator seed): a bootstrap over the
+   evaluation windows alone, seeds held fixed: the part of the uncertainty more windows would remove. With
+   one seed it is the only interval there is (``eval_ci95``), and no verdict is given.
+6. **Verdicts** (``verdict_lines``): an arm's effect is *resolved* when the gap's Holm-adjusted p-value
+   (over the report's arms, ``stats.holm``) is below 0.05, with at least ``MIN_SEEDS`` seeds, and only for
+   runs at or above ``MIN_VERDICT_PARAMS`` parameters and ``MIN_VERDICT_TOKENS`` tokens at the largest budget
+   (``scale``): a smaller run reports its numbers and no verdict.
+7. **AMD's metric beside ours** (``own_tokens``): the tokens the arm's own cooled-down curve takes to reach
+   the baseline's cooled-down loss at the largest budget, over that budget, minus 1 (AMD's definition
+   of its token cost, arXiv 2605.09825), read off the arm's points by linear interpolation in ``log D``;
+   when the arm does not reach that loss within the run it is ``beyond_run``, never extrapolated.
 
 Everything works on plain numbers and NumPy arrays, so tests can feed synthetic curves with known answers.
 """
@@ -45,10 +65,13 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["fit_power_law", "power_law", "equivalent_tokens", "extra_tokens", "bootstrap_extra_tokens",
-           "load_cooldown_points", "summarize_cooldown", "verdict_lines", "MDE_FACTOR", "FITS", "HUBER_DELTA"]
+__all__ = ["fit_power_law", "power_law", "equivalent_tokens", "extra_tokens", "paired_extra_tokens", "own_tokens",
+           "load_cooldown_points", "summarize_cooldown", "verdict_lines", "verdict_scale", "FITS", "HUBER_DELTA",
+           "MIN_SEEDS", "MIN_VERDICT_PARAMS", "MIN_VERDICT_TOKENS"]
 
-MDE_FACTOR = 2.8            # z_{0.975} + z_{0.80}: 80 % power at two-sided alpha 0.05
+MIN_SEEDS = 3                   # fewer: no verdict (2 seeds give a t interval with 1 degree of freedom)
+MIN_VERDICT_PARAMS = 10e6       # a smaller model (the CPU smoke study's 0.6 M) reports numbers, no verdict
+MIN_VERDICT_TOKENS = 10e6       # nor a run shorter than this (tokens at the largest budget)
 FITS = ("lsq", "huber")
 HUBER_DELTA = 1e-3          # Hoffmann et al. 2022: Huber on log L with delta 1e-3
 _BETAS = np.geomspace(0.01, 4.0, 400)
@@ -215,53 +238,97 @@ def _extra_or_limit(D: float, L: float, fit: dict | None) -> float:
     return -1.0 if x is None else x
 
 
-def bootstrap_extra_tokens(D, arm: np.ndarray, base: np.ndarray, *, n_boot: int = 1000, seed: int = 0,
-                           fit: str = "lsq") -> dict:
-    """Extra tokens of one arm per budget, with paired bootstrap intervals (module docstring).
+def _extras(D, a_pt: np.ndarray, b_pt: np.ndarray, loss: str) -> np.ndarray:
+    """Extra tokens at every budget of arm points ``a_pt`` on a fit of baseline points ``b_pt`` (the limit -1
+    below the fitted floor, NaN without a fit)."""
+    f = fit_power_law(D, b_pt, loss)
+    return np.array([_extra_or_limit(D[j], a_pt[j], f) for j in range(len(D))])
+
+
+def own_tokens(D, a_pt, b_pt) -> dict:
+    """AMD's metric (arXiv 2605.09825): the arm's own tokens to reach the baseline's loss at the largest budget
+    ``b_pt[-1]``, read off the arm's cooled-down points ``a_pt`` by linear interpolation in ``(log D, L)``,
+    over the largest budget, minus 1. ``{"target", "tokens", "extra", "state"}``; ``state``: ``ok``,
+    ``beyond_run`` (the arm's loss at the largest budget is still above the target: no value, nothing is
+    extrapolated) or ``before_first_budget`` (the arm is there at the smallest budget already: ``tokens`` and
+    ``extra`` are upper bounds)."""
+    D, a, target = np.asarray(D, dtype=float), np.asarray(a_pt, dtype=float), float(b_pt[-1])
+    out = {"target": target, "tokens": None, "extra": None, "state": "beyond_run"}
+    hit = [j for j in range(len(D)) if a[j] <= target]
+    if not hit:
+        return out
+    j = hit[0]
+    if j == 0:
+        out.update(tokens=float(D[0]), extra=float(D[0] / D[-1] - 1), state="before_first_budget")
+        return out
+    x0, x1, y0, y1 = math.log(D[j - 1]), math.log(D[j]), a[j - 1], a[j]
+    t = math.exp(x0 + (x1 - x0) * (y0 - target) / (y0 - y1)) if y0 != y1 else float(D[j])
+    out.update(tokens=t, extra=t / float(D[-1]) - 1, state="ok")
+    return out
+
+
+def paired_extra_tokens(D, arm: np.ndarray, base: np.ndarray, *, n_boot: int = 1000, seed: int = 0,
+                        fit: str = "lsq") -> dict:
+    """Extra tokens and loss gaps of one arm per budget, with seed-level intervals (module docstring).
 
     ``D``: tokens at each of K budgets. ``arm``, ``base``: arrays (S, K, W) of per-window cooled-down losses,
     seed ``i`` of ``arm`` paired with seed ``i`` of ``base`` (same windows in the same order everywhere).
-    ``fit``: the baseline fit's loss, ``lsq`` or ``huber`` (``fit_power_law``), in every replicate.
-    Returns ``{"budgets": [{"tokens", "loss", "base_loss", "gap", "gap_ci95", "extra", "state", "ci95",
-    "se", "mde", "boot_valid"}...], "fit": {...}, "n_seeds", "n_windows", "n_boot"}``."""
+    ``fit``: the baseline fit's loss, ``lsq`` or ``huber`` (``fit_power_law``). ``n_boot``: replicates of the
+    window-only bootstrap (``eval_se``; 0: none). Returns ``{"budgets": [{"tokens", "loss", "base_loss", "gap",
+    "gap_seeds", "gap_se", "gap_ci95", "gap_p", "gap_mde", "extra", "extra_seeds", "state", "d_equiv",
+    "extrapolated", "ci95", "se", "p", "mde", "eval_se", "eval_gap_se", "eval_ci95"}...], "fit": {...},
+    "fit_budgets", "fit_exact", "own_tokens", "n_seeds", "n_windows", "n_boot", "df"}``."""
+    from . import stats as T
+
     D = np.asarray(D, dtype=float)
     arm, base = np.asarray(arm, dtype=float), np.asarray(base, dtype=float)
     if arm.shape != base.shape or arm.ndim != 3 or arm.shape[1] != len(D):
         raise ValueError(f"arm {arm.shape} and base {base.shape} must both be (seeds, {len(D)} budgets, windows)")
     S, K, W = arm.shape
-    a_pt, b_pt = arm.mean(axis=(0, 2)), base.mean(axis=(0, 2))
+    a_s, b_s = arm.mean(axis=2), base.mean(axis=2)            # (S, K): each seed's window mean
+    a_pt, b_pt = a_s.mean(axis=0), b_s.mean(axis=0)
+    gap_s = a_s - b_s
     loss = fit
     fit = fit_power_law(D, b_pt, loss)
+    # leave one seed out: the baseline refitted each time
+    loo = np.stack([_extras(D, np.delete(a_s, i, 0).mean(0), np.delete(b_s, i, 0).mean(0), loss)
+                    for i in range(S)]) if S >= 2 else None
     rows = []
     for j in range(K):
         e = extra_tokens(D[j], a_pt[j], fit) if fit is not None else None
         state = "ok" if e is not None else ("no_fit" if fit is None else "below_floor")
-        rows.append({"tokens": float(D[j]), "loss": float(a_pt[j]), "base_loss": float(b_pt[j]),
-                     "gap": float(a_pt[j] - b_pt[j]), "extra": e, "state": state})
-    rng = np.random.default_rng(seed)
-    reps = np.full((n_boot, K), np.nan)
-    gaps = np.full((n_boot, K), np.nan)
-    # per-seed, per-window sums make a replicate two small matrix products
-    for r in range(n_boot):
-        si = rng.integers(0, S, size=S)
-        wi = rng.integers(0, W, size=W)
-        a_r = arm[si][:, :, wi].mean(axis=(0, 2))
-        b_r = base[si][:, :, wi].mean(axis=(0, 2))
-        gaps[r] = a_r - b_r
-        f_r = fit_power_law(D, b_r, loss)
-        reps[r] = [_extra_or_limit(D[j], a_r[j], f_r) for j in range(K)]
-    for j, row in enumerate(rows):
-        v = reps[:, j][np.isfinite(reps[:, j])]
-        g = gaps[:, j]
-        row["gap_ci95"] = [float(np.percentile(g, 2.5)), float(np.percentile(g, 97.5))]
-        row["boot_valid"] = int(len(v))
-        if len(v) >= max(10, n_boot // 2):
-            row["ci95"] = [float(np.percentile(v, 2.5)), float(np.percentile(v, 97.5))]
-            row["se"] = float(v.std(ddof=1))
-            row["mde"] = MDE_FACTOR * row["se"]
-        else:
-            row["ci95"] = row["se"] = row["mde"] = None
-    return {"budgets": rows, "fit": fit, "n_seeds": S, "n_windows": W, "n_boot": n_boot}
+        de = equivalent_tokens(a_pt[j], fit) if fit is not None else None
+        g = T.paired_t(gap_s[:, j])
+        row = {"tokens": float(D[j]), "loss": float(a_pt[j]), "base_loss": float(b_pt[j]),
+               "gap": float(a_pt[j] - b_pt[j]), "gap_seeds": [float(x) for x in gap_s[:, j]],
+               "gap_se": g["se"], "gap_ci95": g["ci"], "gap_p": g["p"], "gap_mde": g["mde"],
+               "extra": e, "state": state, "d_equiv": de,
+               "extrapolated": bool(de is not None and de > D.max() * (1 + 1e-9)),
+               "extra_seeds": [None if fit is None else extra_tokens(D[j], float(b_pt[j] + x), fit)
+                               for x in gap_s[:, j]]}
+        jk = T.jackknife_t(e, loo[:, j]) if (loo is not None and e is not None) else {}
+        row.update(ci95=jk.get("ci"), se=jk.get("se"), p=jk.get("p"), mde=jk.get("mde"))
+        rows.append(row)
+    if n_boot:
+        # evaluation noise alone: resample the windows (the same ones for every run), seeds held fixed
+        rng = np.random.default_rng(seed)
+        reps = np.full((n_boot, K), np.nan)
+        gaps = np.full((n_boot, K), np.nan)
+        for r in range(n_boot):
+            wi = rng.integers(0, W, size=W)
+            a_r, b_r = arm[:, :, wi].mean(axis=(0, 2)), base[:, :, wi].mean(axis=(0, 2))
+            gaps[r] = a_r - b_r
+            reps[r] = _extras(D, a_r, b_r, loss)
+        for j, row in enumerate(rows):
+            v = reps[:, j][np.isfinite(reps[:, j])]
+            row["eval_gap_se"] = float(gaps[:, j].std(ddof=1)) if n_boot > 1 else None
+            ok = len(v) >= max(10, n_boot // 2)
+            row["eval_se"] = float(v.std(ddof=1)) if ok else None
+            row["eval_ci95"] = [float(np.percentile(v, 2.5)), float(np.percentile(v, 97.5))] if ok else None
+    nb = len(np.unique(D))
+    return {"budgets": rows, "fit": fit, "fit_budgets": int(nb), "fit_exact": nb == 3,
+            "own_tokens": own_tokens(D, a_pt, b_pt), "n_seeds": S, "n_windows": W, "n_boot": n_boot,
+            "df": S - 1 if S >= 2 else None}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -384,8 +451,8 @@ def gaps_by_source(points: dict, baseline: str, budget: float) -> dict:
 def gaps_by_budget(points: dict, baseline: str, budgets: list[float]) -> dict:
     """``{arm: [{"budget", "gaps": {seed: gap}, "mean", "n_seeds"}...]}``: at each budget, the arm's cooled-down
     loss minus the baseline's of the same seed (mean over the windows both evaluated), for **every** seed whose
-    branch at that budget finished in both, whether or not the seed finished its other budgets. The bootstrap
-    of ``summarize_cooldown`` needs seeds complete at every budget (one baseline fit across them); this view
+    branch at that budget finished in both, whether or not the seed finished its other budgets. The intervals
+    of ``summarize_cooldown`` need seeds complete at every budget (one baseline fit across them); this view
     keeps what a study cut short (a lease that ended mid-way) has already measured."""
     base = points.get(baseline, {})
     out: dict = {}
@@ -411,7 +478,7 @@ def gaps_by_budget(points: dict, baseline: str, budgets: list[float]) -> dict:
 def summarize_cooldown(points: dict, baseline: str, budgets: list[float], *, n_boot: int = 1000,
                        seed: int = 0, fit: str = "lsq") -> dict:
     """The ``cooldown`` section of summary.json: per arm, extra tokens per budget with intervals
-    (``bootstrap_extra_tokens`` over the seeds every budget of both the arm and the baseline finished), the
+    (``paired_extra_tokens`` over the seeds every budget of both the arm and the baseline finished), the
     baseline's fit (``fit``: ``lsq`` or ``huber``), and which branches are missing or diverged."""
     budgets = sorted(float(b) for b in budgets)
     base = points.get(baseline, {})
@@ -422,11 +489,12 @@ def summarize_cooldown(points: dict, baseline: str, budgets: list[float], *, n_b
 
     base_ok = complete(base)
     how = "least squares on L" if fit == "lsq" else f"Huber loss on log L, delta {HUBER_DELTA:g}"
-    res: dict = {"budgets": budgets, "baseline": baseline, "n_boot": n_boot, "mde_factor": MDE_FACTOR,
-                 "fit_loss": fit,
+    res: dict = {"budgets": budgets, "baseline": baseline, "n_boot": n_boot, "fit_loss": fit,
                  "method": f"fit L = E + B D^-beta to the baseline's cooled-down points ({how}, 1-D search "
-                           "over beta); extra tokens = D / D_equiv - 1; paired bootstrap over seeds and "
-                           "evaluation windows; mde = 2.8 x bootstrap s.e.", "arms": {}}
+                           "over beta); extra tokens = D / D_equiv - 1; intervals: Student t over the per-seed "
+                           "paired gaps (df = seeds - 1) and, for extra tokens, the jackknife over seeds with the "
+                           "same t quantile; detectable effect = (t_0.975 + t_0.80) x s.e.; eval s.e.: bootstrap "
+                           "over the evaluation windows with the seeds held fixed", "arms": {}}
     for arm, runs in points.items():
         bad = sorted({(s, b, p["state"]) for s, bs in runs.items() for b, p in bs.items() if p["state"] != "done"})
         ok = complete(runs)
@@ -443,7 +511,7 @@ def summarize_cooldown(points: dict, baseline: str, budgets: list[float], *, n_b
         A = np.array([[ok[s][b]["losses"][:W] for b in budgets] for s in seeds], dtype=float)
         Bm = np.array([[base_ok[s][b]["losses"][:W] for b in budgets] for s in seeds], dtype=float)
         D = np.array([np.mean([base_ok[s][b]["tokens"] for s in seeds]) for b in budgets])
-        r = bootstrap_extra_tokens(D, A, Bm, n_boot=n_boot, seed=seed, fit=fit)
+        r = paired_extra_tokens(D, A, Bm, n_boot=n_boot, seed=seed, fit=fit)
         for row, b in zip(r["budgets"], budgets):
             row["budget"] = b
         entry.update(r)
@@ -466,41 +534,111 @@ def _pct(x) -> str:
     return f"{0.0 if abs(v) < 0.05 else v:+.1f} %"   # no "-0.0 %"
 
 
-_TOL = 1e-6   # an interval within this of 0 (fit round-off) does not exclude 0
+def _p(x) -> str:
+    return "–" if x is None else (f"{x:.2g}" if x >= 0.001 else "<0.001")
 
 
-def verdict_lines(cool: dict) -> list[str]:
-    """One line per arm: its extra tokens at the largest budget, the interval, and whether the effect is
-    distinguishable from 0 at this design's detectable effect."""
+def verdict_scale(params, tokens) -> str | None:
+    """Why a run of ``params`` parameters and ``tokens`` tokens (at the largest budget) gets no verdict on a
+    published claim, or None when it is large enough (``MIN_VERDICT_PARAMS``, ``MIN_VERDICT_TOKENS``)."""
+    if params is None:
+        return "the runs record no parameter count, so their scale is unknown"
+    if params < MIN_VERDICT_PARAMS:
+        return f"{params / 1e6:.2g} M parameters, below the {MIN_VERDICT_PARAMS / 1e6:.0f} M a verdict needs"
+    if tokens is not None and tokens < MIN_VERDICT_TOKENS:
+        return (f"{tokens / 1e6:.2g} M tokens at the largest budget, below the {MIN_VERDICT_TOKENS / 1e6:.0f} M a "
+                f"verdict needs")
+    return None
+
+
+def seeds_text(row: dict, key: str = "gap_seeds", fmt=None) -> str:
+    """Each seed's value, ``seeds +0.0123, +0.0101, +0.0150``."""
+    xs = row.get(key) or []
+    fmt = fmt or (lambda x: f"{x:+.4f}")
+    return ", ".join("–" if x is None else fmt(x) for x in xs)
+
+
+_TOL = 1e-6   # a gap within this of 0 (round-off) is no effect
+
+
+def fit_notes(cool: dict) -> list[str]:
+    """Cautions about the baseline's fit: a floor at its bound, or exactly as many budgets as parameters."""
     out = []
-    if (cool.get("fit") or {}).get("floor_at_zero"):
-        out.append(f"caution: the baseline's fitted loss floor E is at its bound 0: its cooled-down losses do not "
-                   f"bend toward a floor over these budgets, so L(D) is fitted as a pure power law and the extra "
-                   f"tokens below extrapolate it (train longer or add budgets)")
-    for arm, e in (cool.get("arms") or {}).items():
-        if arm == cool.get("baseline"):
-            continue
+    f = cool.get("fit") or {}
+    if f.get("floor_at_zero"):
+        out.append("caution: the baseline's fitted loss floor E is at its bound 0: its cooled-down losses do not "
+                   "bend toward a floor over these budgets, so L(D) is fitted as a pure power law and the extra "
+                   "tokens below extrapolate it (train longer or add budgets)")
+    if f and len(cool.get("budgets") or []) == 3:
+        out.append("caution: the baseline's fit has 3 parameters and 3 budgets, so it passes through every point "
+                   "and its shape is not checked by the data (add budgets to test it)")
+    return out
+
+
+def verdict_lines(cool: dict, scale: dict | None = None) -> list[str]:
+    """One line per arm: its extra tokens at the largest budget with the seed-level interval, each seed's gap,
+    AMD's own-tokens metric beside ours, and whether the effect is resolved: the gap's paired t test,
+    Holm-adjusted over the arms of this list, at alpha 0.05. No verdict with fewer than ``MIN_SEEDS`` seeds
+    or, where ``scale`` (``{"params", "tokens"}``) is given, below ``verdict_scale``'s size; the numbers
+    stay. The adjusted p-values are written into each arm's ``p_holm``."""
+    from . import stats as T
+
+    out = fit_notes(cool)
+    arms = {a: e for a, e in (cool.get("arms") or {}).items() if a != cool.get("baseline")}
+    small = None
+    if scale is not None:
+        small = verdict_scale(scale.get("params"), scale.get("tokens"))
+        if small:
+            out.append(f"no verdict in this report: {small}; the numbers below are measurements only")
+    # the family: every arm with a finite gap p-value and enough seeds
+    fam = {a: e["budgets"][-1].get("gap_p") for a, e in arms.items()
+           if e.get("budgets") and e.get("state") not in ("no_runs", "diverged")
+           and (e.get("n_seeds") or 0) >= MIN_SEEDS}
+    adj = dict(zip(fam, T.holm(list(fam.values()))))
+    for arm, e in arms.items():
         if e.get("state") in ("no_runs", "diverged") or not e.get("budgets"):
             out.append(f"{arm}: {str(e.get('state', 'no result')).replace('_', ' ')} (no cooled-down comparison)")
             continue
         row = e["budgets"][-1]
+        e["p_holm"] = adj.get(arm)
         at = f"at {100 * row['budget']:.0f} % budget"
+        n = e.get("n_seeds") or 0
+        gap = f"gap {row['gap']:+.4f} nats (seeds {seeds_text(row)})"
         if row["state"] != "ok":
-            out.append(f"{arm}: cooled-down loss {row['loss']:.4f} is below the baseline's fitted floor {at} "
-                       f"(gap {row['gap']:+.4f} nats): no finite token equivalent")
-            continue
-        ci, mde = row.get("ci95"), row.get("mde")
-        ci_s = f"[{_pct(ci[0])}, {_pct(ci[1])}]" if ci else "[no interval]"
-        if (e.get("n_seeds") or 0) < 2:
-            # one seed: resampling windows alone measures evaluation noise, not seed-to-seed noise
-            out.append(f"{arm}: {_pct(row['extra'])} tokens {at} {ci_s}, no verdict: 1 seed, so the interval "
-                       f"covers evaluation-window noise only, not seed-to-seed noise (train 2 or more seeds)")
-            continue
-        if ci and (ci[0] > _TOL or ci[1] < -_TOL):
-            judge = "significant"
+            num = (f"cooled-down loss {row['loss']:.4f} is below the baseline's fitted floor {at}, no finite token "
+                   f"equivalent; {gap}")
         else:
-            judge = "not distinguishable from 0"
-        mde_s = f" (detectable effect of this design: {100 * mde:.1f} %)" if mde is not None else ""
-        out.append(f"{arm}: {_pct(row['extra'])} tokens {at} {ci_s}, {judge}{mde_s}; "
-                   f"{e['n_seeds']} seed(s) x {e['n_windows']} window(s)")
+            ci = row.get("ci95")
+            ci_s = f" [{_pct(ci[0])}, {_pct(ci[1])}]" if ci else ""
+            ext = ", extrapolated: the arm is better than the baseline, so D_equiv lies beyond the largest budget " \
+                  "fitted" if row.get("extrapolated") else ""
+            num = f"{_pct(row['extra'])} tokens {at}{ci_s}{ext}; {gap}"
+        own = e.get("own_tokens") or {}
+        if own:
+            num += ("; the arm's own tokens to the baseline's final loss (AMD's metric): "
+                    + ("beyond the run" if own["state"] == "beyond_run" else
+                       f"at most {_pct(own['extra'])}" if own["state"] == "before_first_budget" else _pct(own["extra"])))
+        if n < 2:
+            ec = row.get("eval_ci95")
+            out.append(f"{arm}: {num}" + (f"; evaluation-window interval [{_pct(ec[0])}, {_pct(ec[1])}]" if ec else "")
+                       + f"; no verdict: 1 seed, so only evaluation-window noise is measured, not seed-to-seed "
+                         f"noise (train {MIN_SEEDS} or more seeds)")
+            continue
+        if n < MIN_SEEDS:
+            out.append(f"{arm}: {num}; no verdict: {n} seeds, below the {MIN_SEEDS} a verdict needs (a t interval "
+                       f"over {n} seeds has {n - 1} degree of freedom)")
+            continue
+        mde = row.get("mde")
+        mde_s = f"; detectable effect {100 * mde:.1f} %" if mde is not None else ""
+        ph = adj.get(arm)
+        if small:
+            judge = "no verdict (scale)"
+        elif ph is None:
+            judge = "not resolved (no test)"
+        elif ph < 0.05 and abs(row["gap"]) > _TOL:
+            judge = "resolved " + ("worse" if row["gap"] > 0 else "better")
+        else:
+            judge = "not resolved"
+        out.append(f"{arm}: {num}{mde_s}; p {_p(row.get('gap_p'))}, Holm-adjusted {_p(ph)}: {judge}; "
+                   f"{n} seeds x {e['n_windows']} windows")
     return out
