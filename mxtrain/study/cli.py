@@ -65,12 +65,14 @@ def register(subparsers) -> None:
     p.add_argument("--budgets", help="cooldown design: comma-separated budgets as fractions of the run, e.g. "
                    "0.25,0.5,0.75,1; every arm x seed trains one constant-LR run with checkpoints at the branch "
                    "points, then a cooldown branch per budget, and the report gives the extra tokens per budget "
-                   "with paired bootstrap intervals (docs/study.md)")
+                   "with seed-level paired intervals (docs/study.md)")
     p.add_argument("--cooldown", type=float, help="with --budgets: share of each budget spent cooling down "
                    "(default 0.2)")
     p.add_argument("--cooldown-shape", choices=["linear", "1-sqrt"], help="with --budgets: the decay's shape "
                    "(default 1-sqrt)")
-    p.add_argument("--n-boot", type=int, help="bootstrap replicates of the cooled-down metric (default 1000)")
+    p.add_argument("--n-boot", type=int, help="replicates of the bootstrap over evaluation windows (seeds held fixed) "
+                   "that measures the evaluation-noise share of the cooled-down metric (default 1000); the "
+                   "intervals themselves are seed-level t intervals (docs/study.md)")
     p.add_argument("--fit", choices=["lsq", "huber"], help="with --budgets: fit the baseline's L(D) = E + B D^-beta "
                    "by least squares on L (lsq, default) or by a Huber loss on log L (huber, delta 1e-3, as "
                    "Hoffmann et al. 2022): robust to one bad point")
@@ -309,7 +311,7 @@ def report_main(args: argparse.Namespace) -> int:
     if out.resolve() != d.resolve() and out.exists():
         if not out.is_dir():
             raise UserError(f"--out {out} exists and is not a folder; give a new or empty folder")
-        mine = {"report.html", "report.md", "summary.json", "report_files"}
+        mine = {"report.html", "report.md", "summary.json", "seeds.json", "report_files"}
         other = sorted(p.name for p in out.iterdir() if p.name not in mine)
         if other or ((out / "summary.json").is_file() and not (out / "report.html").is_file()):
             raise UserError(f"--out {out} holds other files ({', '.join(other[:3]) or 'a summary.json of its own'}"
@@ -375,6 +377,8 @@ def report_main(args: argparse.Namespace) -> int:
         summary = M.sanitize(summary)
         out.mkdir(parents=True, exist_ok=True)
         write_json(out / "summary.json", summary, indent=1, allow_nan=False)
+        if summary.get("per_seed"):
+            write_json(out / "seeds.json", summary["per_seed"], indent=1, allow_nan=False)
     hp, mp = write_report(d, summary, out=out, arms=list(runs) if sel else None)
     print(f"wrote {hp} and {mp}")
     _say_if_no_plots()

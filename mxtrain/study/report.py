@@ -305,7 +305,7 @@ def _diff_plot(summary: dict, colors: dict[str, str] | None = None) -> bytes | N
 
 def _cooldown_plot(cool: dict, colors: dict[str, str]) -> bytes | None:
     """Left: every arm's cooled-down loss per budget (seed mean) and the baseline's fitted L(D) = E + B D^-beta;
-    right: extra tokens per budget with 95 % paired bootstrap intervals. Colours: the report's arm map."""
+    right: extra tokens per budget with seed-level 95 % intervals (jackknife-t). Colours: the report's arm map."""
     import numpy as np
 
     from . import cooldown as C
@@ -354,7 +354,7 @@ def _cooldown_plot(cool: dict, colors: dict[str, str]) -> bytes | None:
     axes[0].set_ylabel("cooled-down val loss")
     axes[0].set_title("cooled-down loss per budget (seed mean)\nand the baseline's power-law fit", fontsize=10)
     axes[1].set_ylabel("extra tokens vs baseline (%)")
-    axes[1].set_title("extra tokens D / D_equiv - 1\n(bars: 95 % paired bootstrap over seeds and windows)",
+    axes[1].set_title("extra tokens D / D_equiv - 1\n(bars: 95 % seed-level interval, jackknife over seeds, t)",
                       fontsize=10)
     return _png(fig)
 
@@ -376,7 +376,7 @@ def source_table_rows(cool: dict) -> list[list[str]] | None:
 def budget_gap_rows(cool: dict) -> list[list[str]] | None:
     """Paired gaps per budget over every seed with that branch (``summary["cooldown"]["by_budget"]``): one row
     per arm, one column per budget (mean gap, then each seed's), or None when they add nothing to the
-    cooled-down table (every arm's seeds at every budget are the ones its bootstrap used)."""
+    cooled-down table (every arm's seeds at every budget are the ones its intervals used)."""
     by = cool.get("by_budget") or {}
     arms = cool.get("arms") or {}
     if not by or all(r["n_seeds"] == len((arms.get(a) or {}).get("seeds") or []) for a, rows in by.items()
@@ -397,28 +397,34 @@ def budget_gap_rows(cool: dict) -> list[list[str]] | None:
 
 
 def cooldown_table_rows(cool: dict) -> list[list[str]]:
-    """The cooled-down table: per arm and budget, tokens, loss, gap vs baseline, extra tokens, each with its
-    95 % paired bootstrap interval, and the smallest detectable effect (2.8 x bootstrap s.e.)."""
-    rows = [["arm", "budget", "tokens", "cooled-down val loss", "gap vs baseline [95 % CI]",
-             "extra tokens [95 % CI]", "detectable effect", "seeds x windows"]]
+    """The cooled-down table: per arm and budget, tokens, loss, the gap vs baseline with its seed-level 95 % t
+    interval and each seed's gap, the extra tokens with their jackknife-t interval (flagged where they
+    extrapolate the fit), the smallest detectable effect ((t_0.975 + t_0.80) x s.e.) and the evaluation-window
+    s.e. (the part more windows would remove)."""
+    rows = [["arm", "budget", "tokens", "cooled-down val loss", "gap vs baseline [95 % CI] (each seed)",
+             "extra tokens [95 % CI]", "detectable effect", "window s.e.", "seeds x windows"]]
     for n, a in (cool.get("arms") or {}).items():
         if not a.get("budgets"):
-            rows.append([n, "–", "–", "–", "–", str(a.get("state", "no runs")).replace("_", " "), "–", "–"])
+            rows.append([n, "–", "–", "–", "–", str(a.get("state", "no runs")).replace("_", " "), "–", "–", "–"])
             continue
         for r in a["budgets"]:
             g = r.get("gap_ci95")
             ci = r.get("ci95")
-            if n == cool.get("baseline"):
+            base = n == cool.get("baseline")
+            if base:
                 extra = "reference"
             elif r.get("state") != "ok":
                 extra = "below the baseline's floor" if r.get("state") == "below_floor" else "no fit"
             else:
                 extra = f"{_pct(r['extra'])} [{_pct(ci[0])}, {_pct(ci[1])}]" if ci else _pct(r["extra"])
+                if r.get("extrapolated"):
+                    extra += " (extrapolated)"
+            each = ", ".join(f"{x:+.4f}" for x in r.get("gap_seeds") or [])
+            gap = (f"{r['gap']:+.4f} [{g[0]:+.4f}, {g[1]:+.4f}]" if g else f"{r['gap']:+.4f}") + (f" ({each})" if each else "")
             rows.append([n, f"{100 * r['budget']:.0f} %" if r.get("budget") is not None else "–",
-                         f"{r['tokens']:,.0f}", _f(r["loss"]),
-                         "–" if n == cool.get("baseline") else
-                         f"{r['gap']:+.4f} [{g[0]:+.4f}, {g[1]:+.4f}]" if g else f"{r['gap']:+.4f}",
-                         extra, "–" if n == cool.get("baseline") or r.get("mde") is None else _pct(r["mde"]).lstrip("+"),
+                         f"{r['tokens']:,.0f}", _f(r["loss"]), "–" if base else gap,
+                         extra, "–" if base or r.get("mde") is None else _pct(r["mde"]).lstrip("+"),
+                         "–" if base or r.get("eval_se") is None else _pct(r["eval_se"]).lstrip("+"),
                          f"{a.get('n_seeds')} x {a.get('n_windows')}"])
     return rows
 
@@ -739,6 +745,38 @@ _CSS = ("body{font-family:sans-serif;max-width:1300px;margin:2em auto;color:#222
         "th{background:#eee}pre{background:#f6f6f6;padding:8px;font-size:12px;overflow:auto}img{max-width:100%}")
 
 
+def verdict_note(cool: dict) -> str:
+    """The sentence under the verdict lines: what the intervals, the test, the correction and the refusals are."""
+    sc = cool.get("scale") or {}
+    size = ""
+    if sc.get("min_params"):
+        size = (f" No verdict below {sc['min_params'] / 1e6:.0f} M parameters or {sc['min_tokens'] / 1e6:.0f} M tokens "
+                f"at the largest budget (this study: "
+                + (f"{sc['params'] / 1e6:.3g} M parameters" if sc.get("params") else "parameters not recorded")
+                + (f", {sc['tokens'] / 1e6:.3g} M tokens" if sc.get("tokens") else "") + ").")
+    return (f"Extra tokens to reach the same cooled-down loss as {cool.get('baseline')} at each budget's end "
+            f"(largest budget below), with a seed-level 95 % interval (the jackknife over seeds, Student t with "
+            f"seeds - 1 degrees of freedom); each seed's paired gap in nats beside it. Resolved: the paired t test of "
+            f"the gap, Holm-adjusted over the arms listed, below 0.05. Detectable effect: (t_0.975 + t_0.80) x s.e., "
+            f"80 % power at alpha 0.05 (5.4 s.e. at 3 seeds). No verdict with fewer than 3 seeds.{size} "
+            f"AMD's metric (the arm's own tokens to the baseline's final loss) is given beside ours; it differs "
+            f"from ours and the two are not compared with each other's figures.")
+
+
+def claims_note(cool: dict) -> str:
+    """The sentence under the claim lines: how a claim is judged and corrected."""
+    cl = cool.get("claims") or []
+    fam = max((c.get("family") or 0 for c in cl), default=0)
+    return ("Each published claim this study's arms can test, judged at the largest budget from the two arms it "
+            "compares (the second one's cooled-down points fitted; each seed paired with the same seed): "
+            "directions from the paired t test of the loss gap (supported / contradicted / not resolved; 'does "
+            "not rescue' claims are consistent unless the arm is resolved better), 'near-lossless' from an "
+            "equivalence test (TOST) of the extra tokens against +-5 %. "
+            + (f"p-values Holm-adjusted over the {fam} claims judged in this report (family-wise error 0.05); "
+               if fam else "No claim is judged here (too few seeds, or runs below the scale a verdict needs); ")
+            + "intervals shown are unadjusted 95 %. docs/study.md, \"Published claims\".")
+
+
 def write_report(d: str | Path, summary: dict | None = None, out: str | Path | None = None,
                  arms: list[str] | None = None) -> tuple[Path, Path]:
     """Write ``report.html`` and ``report.md`` of ``d`` (a study or a run folder) into ``out`` (default ``d``);
@@ -827,11 +865,8 @@ def write_report(d: str | Path, summary: dict | None = None, out: str | Path | N
         verdict = cool.get("verdict") or []
         if not verdict:
             from .cooldown import verdict_lines
-            verdict = verdict_lines(cool)
-        vnote = (f"Extra tokens to reach the same cooled-down loss as {cool.get('baseline')} at each budget's end "
-                 f"(largest budget below), 95 % paired bootstrap interval over seeds and evaluation windows; "
-                 f"significant: the interval excludes 0; detectable effect: 2.8 x bootstrap s.e. (80 % power, "
-                 f"alpha 0.05).")
+            verdict = verdict_lines(cool, cool.get("scale"))
+        vnote = verdict_note(cool)
         h += ["<h2>Verdict</h2><ul>"] + [f"<li><b>{html.escape(v.split(':', 1)[0])}</b>:{html.escape(v.split(':', 1)[1])}</li>"
                                           for v in verdict] + ["</ul>", f"<p>{html.escape(vnote)}</p>"]
         md += ["## Verdict", ""] + [f"* {v}" for v in verdict] + ["", vnote, ""]
@@ -844,12 +879,7 @@ def write_report(d: str | Path, summary: dict | None = None, out: str | Path | N
                 md += [f"Against {ref} (its own fit, same method):", ""] + [f"* {v}" for v in rv] + [""]
         cl = cool.get("claim_lines") or []
         if cl:
-            cnote = ("Each published claim this study's arms can test, judged at the largest budget from the two "
-                     "arms it compares (the second one's cooled-down points fitted, paired bootstrap over seeds "
-                     "and windows): directions from the loss gap's 95 % interval (supported / contradicted / not "
-                     "resolved; 'does not rescue' claims are consistent unless the arm is resolved better), "
-                     "'near-lossless' from the extra-token interval against +-5 %. docs/study.md, \"Published "
-                     "claims\".")
+            cnote = claims_note(cool)
             h += ["<h2>Published claims</h2><ul>"] + [f"<li>{html.escape(v)}</li>" for v in cl] + [
                 "</ul>", f"<p>{html.escape(cnote)}</p>"]
             md += ["## Published claims", ""] + [f"* {v}" for v in cl] + ["", cnote, ""]
@@ -877,8 +907,10 @@ def write_report(d: str | Path, summary: dict | None = None, out: str | Path | N
                      + (f"L(D) = {fit['E']:.4f} + {fit['B']:.4g} D^-{fit['beta']:.3f} "
                         f"({'Huber loss on log L' if fit.get('loss') == 'huber' else 'least squares'}). "
                         if fit else "failed. ")
-                     + f"Extra tokens = D / D_equiv - 1, D_equiv = (B / (L - E))^(1/beta); "
-                     f"{cool.get('n_boot')} bootstrap replicates. docs/study.md.")
+                     + f"Extra tokens = D / D_equiv - 1, D_equiv = (B / (L - E))^(1/beta). Intervals: Student t "
+                     f"over the per-seed paired gaps (df = seeds - 1); for extra tokens the jackknife over seeds "
+                     f"with the same t quantile; window s.e.: {cool.get('n_boot')} bootstrap replicates over the "
+                     f"evaluation windows, seeds fixed. docs/study.md.")
             crows = cooldown_table_rows(cool)
             h += ["<h2>Cooled-down comparison</h2>", f"<p>{html.escape(cnote)}</p>", _table_html(crows)]
             md += ["## Cooled-down comparison", "", cnote, "", _table_md(crows), ""]

@@ -1230,6 +1230,8 @@ def summarize_study(out: str | Path) -> dict:
         add_cooldown(summary, out, meta, runs)
     summary = M.sanitize(summary)
     write_json(out / "summary.json", summary, indent=1, allow_nan=False)
+    if summary.get("per_seed"):
+        write_json(out / "seeds.json", summary["per_seed"], indent=1, allow_nan=False)
     if summary["arms"]:
         write_report(out, summary)
     return summary
@@ -1255,7 +1257,8 @@ def add_cooldown(summary: dict, out: Path, meta: dict, runs: dict | None = None,
                  only: list[str] | None = None) -> None:
     """The cooldown design's results into ``summary``: ``branches`` (every planned branch of a stable run that
     is done: its state and cooled-down loss), ``cooldown`` (``mxtrain.study.cooldown.summarize_cooldown``:
-    extra tokens per budget with paired bootstrap intervals, the verdict lines) and the branches not finished
+    extra tokens per budget with seed-level intervals, the verdict lines, the claims), ``per_seed``
+    (``per_seed_record``, also written to ``OUT/seeds.json``) and the branches not finished
     under ``missing`` (with their budget), counted in ``planned_runs``. ``only``: these arms' branches alone
     (a report of some of the arms)."""
     from . import cooldown as C
@@ -1288,24 +1291,72 @@ def add_cooldown(summary: dict, out: Path, meta: dict, runs: dict | None = None,
     summary["planned_runs"] = summary.get("planned_runs", 0) + len(meta["arms"]) * len(meta["seeds"]) * len(plan)
     summary["missing"] = list(summary.get("missing") or []) + missing
     fit = cd.get("fit") or "lsq"
+    if runs is None:
+        runs = M.load_study_runs(out)
+    scale = study_scale(runs, points)
     cool = C.summarize_cooldown(points, meta["baseline"], cd["budgets"], n_boot=int(cd.get("n_boot", 1000)), fit=fit)
     cool["shape"], cool["cooldown"] = cd.get("shape"), cd.get("cooldown")
-    cool["verdict"] = C.verdict_lines(cool)
+    cool["scale"] = {**scale, "min_params": C.MIN_VERDICT_PARAMS, "min_tokens": C.MIN_VERDICT_TOKENS,
+                     "min_seeds": C.MIN_SEEDS, "no_verdict": C.verdict_scale(scale["params"], scale["tokens"])}
+    cool["verdict"] = C.verdict_lines(cool, scale)
     refs = {}
     for ref in meta.get("references") or []:
         if ref == meta["baseline"] or ref not in points:
             continue
         rc = C.summarize_cooldown(points, ref, cd["budgets"], n_boot=int(cd.get("n_boot", 1000)), fit=fit)
-        rc["verdict"] = C.verdict_lines(rc)
+        rc["verdict"] = C.verdict_lines(rc, scale)
         refs[ref] = rc
     if refs:
         cool["references"] = refs
     from .claims import claim_lines, evaluate_claims
-    claims = evaluate_claims(points, meta["arms"], cd["budgets"], n_boot=int(cd.get("n_boot", 1000)), fit=fit)
+    claims = evaluate_claims(points, meta["arms"], cd["budgets"], n_boot=int(cd.get("n_boot", 1000)), fit=fit,
+                             scale=scale)
     if claims:
         cool["claims"] = claims
         cool["claim_lines"] = claim_lines(claims)
     summary["cooldown"] = cool
+    summary["per_seed"] = per_seed_record(summary, meta, runs, points)
+
+
+def study_scale(runs: dict, points: dict) -> dict:
+    """``{"params", "tokens"}`` of a cooldown study: the smallest parameter count its runs record (``run.json``'s
+    ``model_params``; None where none does) and the tokens of its largest budget's branches (the smallest)."""
+    ps = [rd.info.get("model_params") for rs in (runs or {}).values() for rd in rs.values()
+          if isinstance(rd.info, dict)]
+    ps = [float(p) for p in ps if isinstance(p, (int, float)) and not isinstance(p, bool)]
+    bmax = max((b for a in points.values() for bs in a.values() for b in bs), default=None)
+    toks = [p["tokens"] for a in points.values() for bs in a.values() for b, p in bs.items()
+            if b == bmax and p.get("tokens")]
+    return {"params": min(ps) if ps else None, "tokens": min(toks) if toks else None}
+
+
+def per_seed_record(summary: dict, meta: dict, runs: dict, points: dict) -> dict:
+    """The study's per-seed numbers, small enough to keep beside a report (``OUT/seeds.json``; docs/study.md): per
+    arm and seed, the cooled-down loss at each budget (mean over its evaluation windows) with its tokens and
+    window count, and the stable run's final validation loss; with the design (model, parameters, tokens per
+    run, learning rate per arm, budgets, baseline). Every seed-level interval and test of the report can be
+    recomputed from it (they use seed means only)."""
+    arms: dict = {}
+    for a, seeds in sorted(points.items()):
+        for s, bs in sorted(seeds.items()):
+            cooled = {}
+            for b, p in sorted(bs.items()):
+                ls = p.get("losses") or []
+                fin = [x for x in ls if isinstance(x, (int, float))]
+                cooled[f"{b:g}"] = {"state": p.get("state"), "tokens": p.get("tokens"),
+                                    "loss": (sum(fin) / len(fin)) if fin and len(fin) == len(ls) else None,
+                                    "n_windows": len(ls)}
+            rd = (runs.get(a) or {}).get(s)
+            t, v, _ = rd.finite_evals if rd is not None else ([], [], [])
+            arms.setdefault(a, {})[str(s)] = {"cooled": cooled, "final_val_loss": v[-1] if v else None,
+                                              "tokens_trained": t[-1] if t else None,
+                                              "lr": ((rd.config or {}).get("optim") or {}).get("lr") if rd else None}
+    scale = study_scale(runs, points)
+    spec = meta.get("spec") or {}
+    return {"schema": 1, "baseline": meta.get("baseline"), "model": spec.get("model"), "params": scale["params"],
+            "steps": spec.get("steps"), "budgets": (meta.get("cooldown") or {}).get("budgets"),
+            "cooldown": (meta.get("cooldown") or {}).get("cooldown"), "shape": (meta.get("cooldown") or {}).get("shape"),
+            "data": spec.get("data"), "arms": arms}
 
 
 def incomplete_message(summary: dict, limit: int = 8) -> str | None:
