@@ -389,7 +389,7 @@ def load_cooldown_points(study_dir: str | Path) -> dict:
     """``{arm: {seed: {budget: {"tokens", "losses", "state", "path"}}}}`` from every branch folder of a study
     (``runs/<arm>/seed<k>/branches/*/study_status.json``, written by the runner with the budget). The losses
     are those of each branch's end-of-run evaluation over ``log.final_eval_tokens`` (``eval_final.json``) where
-    every finished branch has one over the same number of tokens (the same windows, as the paired bootstrap
+    every finished branch has one over the same number of tokens (the same windows, as the paired comparison
     needs), else those of its last periodic evaluation."""
     out: dict = {}
     finals: list = []
