@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ._child import python_command
 from .errors import UserError
 
 __all__ = [
@@ -933,8 +934,10 @@ def launch(nproc: int, argv: list[str], module: str = "mxtrain") -> int:
     env = dict(os.environ)
     for k, v in SAFE_ENV.items():
         env.setdefault(k, v)
-    cmd = [sys.executable, "-m", "mxtrain._launch", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", module, *argv]
+    # torchrun starts each rank with our command (--no-python), not its own ``python -u -m module``: neither
+    # it nor a rank has the working folder on its sys.path (mxtrain._child)
+    cmd = python_command("mxtrain._launch", ["--standalone", f"--nproc-per-node={nproc}", "--no-python",
+                                             *python_command(module, argv, unbuffered=True)])
     return subprocess.call(cmd, env=env)
 
 

@@ -47,6 +47,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
+from .._child import python_command
 from ..errors import UserError, read_json_object
 from ..train.checkpoint import write_json
 from .. import recipes as R
@@ -1133,7 +1134,7 @@ def _run_workers(spec: StudySpec, out: Path, jobs: int, log, lock: _StudyLock | 
                 env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // jobs)))
             lf = open(out / f"worker{k}.log", "w")
             try:
-                p = subprocess.Popen([sys.executable, "-m", "mxtrain.study.worker", str(out), str(k), str(jobs)],
+                p = subprocess.Popen(python_command("mxtrain.study.worker", [str(out), str(k), str(jobs)]),
                                      env=env, stdout=lf, stderr=subprocess.STDOUT,
                                      pass_fds=(lock_fd,) if lock_fd is not None else ())
             except BaseException:
