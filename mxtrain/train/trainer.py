@@ -33,7 +33,7 @@ from ..data.loader import val_window_sources
 from ..errors import OutOfMemory, UserError
 from ..model import Llama, ModelConfig
 from . import checkpoint as ckpt
-from . import profiling
+from . import profiling, threads
 from .callbacks import (Callback, CallbackList, Outcome, Status, TensorBoardLogger, TrainState, WandbLogger,
                         read_outcome, wandb_project)
 from .config import TrainConfig
@@ -997,6 +997,10 @@ def _train(cfg: TrainConfig, resume: str | Path | None, env: D.DistEnv, locks: l
         if cfg.log.out is None:
             cfg.log.out = str(ckpt.find(resume).parent)
     read_s = time.perf_counter() - t_read   # reading checkpoint.pt (a DCP folder's extra state only)
+    # one thread per free core on a CPU run of one process, a resumed run its first leg's (mxtrain.train.threads;
+    # said in the log below)
+    cpu_threads = threads.apply(src.parent if src is not None else None) if device.type == "cpu" and world == 1 \
+        else None
 
     # data
     if cfg.data.path == "builtin":
@@ -1072,6 +1076,7 @@ def _train(cfg: TrainConfig, resume: str | Path | None, env: D.DistEnv, locks: l
                 "model_params": mcfg.num_params(), "flops_per_token": mcfg.flops_per_token(T),
                 "world_size": world, "grad_accum": accum, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "resumed_from_step": start_step or None,
+                "cpu_threads_chosen": cpu_threads.message if cpu_threads is not None else None,
                 # every knob of mxtrain.settings (docs/settings.md), those that change numerics included
                 "settings": _settings.current().to_dict()}
         # every leg of a resumed run keeps its record: the earlier legs go under "legs", oldest first
@@ -1103,6 +1108,8 @@ def _train(cfg: TrainConfig, resume: str | Path | None, env: D.DistEnv, locks: l
         log.say(f"mxtrain {__version__} | model {cfg.model.name} ({mcfg.num_params() / 1e6:.1f}M params, "
                 f"{flops_tok / 1e6:.1f} MFLOP/token) | recipe {recipe.name} | {device}"
                 f"{' bf16 autocast' if amp_dtype else ' fp32'} | {cfg.train.steps} steps x {B} x {T} tokens | run {out}")
+        if cpu_threads is not None:
+            log.say(cpu_threads.message)
         if rank == 0:
             write_window_sources(data, cfg, out)
         cbs.begin(tstate)
