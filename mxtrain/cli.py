@@ -196,8 +196,7 @@ def build_config(args):
         src = args.out if args.resume is True else args.resume
         if src is None:
             raise UserError("--resume needs a run folder (--resume RUN, or --resume with --out RUN)")
-        from .distributed import find_dcp  # a multi-process run's checkpoint.dcp folder
-        path = find_dcp(src) or ckpt.find(src)
+        path = ckpt.find(src)   # a run folder: its newest checkpoint (checkpoint.pt, or a multi-process run's .dcp)
         cfg_file = path.parent / "config.json"
         if not cfg_file.exists():
             raise UserError(f"--resume {src}: no config.json beside the checkpoint {path}; give a run folder, or a "

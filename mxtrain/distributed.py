@@ -51,7 +51,7 @@ __all__ = [
     "DistEnv", "init", "shutdown", "get_env", "is_rank0", "rank0_print", "barrier", "all_reduce_sum",
     "apply_ddp", "apply_fsdp2", "wrap", "unwrap", "grad_sync", "clip_grad_norm_", "local_batch_size",
     "save_checkpoint", "PendingCheckpoint", "load_checkpoint", "is_checkpoint", "read_extra", "launch", "strip_nproc", "MODES", "SAFE_ENV",
-    "DCP_NAME", "find_dcp", "reduce_mean", "reduce_sums", "even_batches", "load_full_state",
+    "DCP_NAME", "DCP_OLD", "find_dcp", "reduce_mean", "reduce_sums", "even_batches", "load_full_state",
 ]
 
 MODES = ("none", "ddp", "fsdp2")
@@ -468,6 +468,8 @@ class PendingCheckpoint:
                     shutil.rmtree(old)
                 else:
                     os.replace(tmp, path)
+                    if old.exists():   # the run's previous checkpoint, left by a save stopped between its renames
+                        shutil.rmtree(old)
         err = from_rank0(err, env)   # rank 0's outcome to every rank (this is also the closing barrier)
         if err is not None:
             raise UserError(err)
@@ -835,21 +837,22 @@ def _dcp_reason(e: BaseException) -> str:
 # What mxtrain.train.trainer calls; each is a no-op (or the plain single-process thing) on one process.
 
 DCP_NAME = "checkpoint.dcp"  # a run folder's distributed checkpoint (the single-process one is checkpoint.pt)
+DCP_OLD = DCP_NAME + ".old"   # the previous one, whole, while a save is between its two renames
 
 
 def find_dcp(path: str | os.PathLike) -> Path | None:
-    """``path`` itself if it is a DCP checkpoint folder, ``path/checkpoint.dcp`` if that is one, else None."""
+    """``path`` itself if it is a DCP checkpoint folder, ``path/checkpoint.dcp`` if that is one, else
+    ``checkpoint.dcp.old`` where a save stopped between its two renames (``save_checkpoint``) left the previous
+    checkpoint whole there and nothing at ``checkpoint.dcp``; else None. Nothing is renamed (a run folder's
+    checkpoint, of either kind, is picked by ``mxtrain.train.checkpoint.latest``)."""
     p = Path(path)
     for c in (p, p / DCP_NAME):
         if is_checkpoint(c):
             return c
-    # a save stopped between its two renames (``save_checkpoint``): the previous checkpoint is whole in
-    # ``checkpoint.dcp.old`` and nothing at ``checkpoint.dcp``: put it back
     dcp = p if p.name == DCP_NAME else p / DCP_NAME
-    old = dcp.with_name(DCP_NAME + ".old")
+    old = dcp.with_name(DCP_OLD)
     if not dcp.exists() and is_checkpoint(old):
-        os.replace(old, dcp)
-        return dcp
+        return old
     return None
 
 

@@ -191,15 +191,16 @@ class RunCheckpoint:
 
 
 def _find_checkpoint(run_dir: Path) -> Path:
-    from .distributed import find_dcp
+    """A checkpoint file or DCP folder, or a run folder's newest checkpoint (``checkpoint.latest``); read only."""
+    from .distributed import is_checkpoint
     from .train import checkpoint as ckpt
     if not run_dir.exists():
         raise UserError(f"run folder not found: {run_dir}")
-    dcp = find_dcp(run_dir)
-    if dcp is not None:
-        return dcp
-    if run_dir.is_file() or (run_dir / ckpt.NAME).is_file():
+    if run_dir.is_file() or is_checkpoint(run_dir):
         return ckpt.find(run_dir)
+    path = ckpt.latest(run_dir)
+    if path is not None:
+        return path
     raise UserError(f"{run_dir} holds no checkpoint (no {ckpt.NAME} and no checkpoint.dcp/): a run writes one at its "
                     f"end and every train.checkpoint_every steps; pass the folder of a run that saved one")
 

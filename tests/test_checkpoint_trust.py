@@ -10,6 +10,7 @@ one-line ``UserError`` before anything in it runs. Each payload here would creat
 from __future__ import annotations
 
 import builtins
+import json
 import os
 import pickle
 import shlex
@@ -310,14 +311,48 @@ def test_cli_resume_refuses_crafted_run_folder(tmp_path):
     assert '"step": 3' in (good / "metrics.jsonl").read_text()
 
 
-def test_a_dcp_save_stopped_between_its_renames_resumes_from_the_previous_checkpoint(tmp_path):
-    """The instant between ``checkpoint.dcp -> checkpoint.dcp.old`` and the new folder's rename: the run folder
-    has only ``checkpoint.dcp.old``; finding the checkpoint puts it back, and the run resumes from it."""
+def _files(d: Path) -> dict:
+    """Every file and folder under ``d`` with its size and modification time (what a read-only command leaves)."""
+    return {str(p.relative_to(d)): (p.is_dir(), p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(d.rglob("*"))}
+
+
+def test_the_newest_checkpoint_by_step_is_resumed_and_read_without_writing(tmp_path, capsys):
+    """The instant between ``checkpoint.dcp -> checkpoint.dcp.old`` and the new folder's rename leaves only
+    ``checkpoint.dcp.old``: the run resumes from it. A later one-process leg writes ``checkpoint.pt`` (step 4);
+    a stale ``.old`` (step 2) beside it never wins: resume, branch and export take step 4, and export, eval
+    and generate write nothing into the run folder."""
+    from mxtrain.hf import load_run
+    from train_helpers import run_main
     run = tmp_path / "run"
     _tiny_dcp_run(run)
-    (run / D.DCP_NAME).rename(run / (D.DCP_NAME + ".old"))
-    assert D.find_dcp(run) == run / D.DCP_NAME and not (run / (D.DCP_NAME + ".old")).exists()
-    assert D.read_extra(run / D.DCP_NAME)["step"] == 2
+    (run / D.DCP_NAME).rename(run / D.DCP_OLD)
+    before = _files(run)
+    assert D.find_dcp(run) == run / D.DCP_OLD and ckpt.latest(run) == run / D.DCP_OLD
+    assert load_run(run)[1].step == 2
+    assert _files(run) == before                                   # finding it renamed nothing
+    stale = tmp_path / "stale"
+    shutil.copytree(run / D.DCP_OLD, stale)
+    assert run_main("train", "--resume", str(run), "--steps", "4", "--no-progress").returncode == 0
+    assert ckpt.load(run)["step"] == 4 and not (run / D.DCP_OLD).exists()   # the writer removed the old one
+    shutil.copytree(stale, run / D.DCP_OLD)                        # a stale .old at step 2 beside step 4
+    assert ckpt.latest(run) == run / ckpt.NAME and ckpt.find(run) == run / ckpt.NAME
+    assert ckpt.step_of(ckpt.find(run / D.DCP_NAME)) == 2          # (named explicitly, it is still found)
+    before = _files(run)
+    text = tmp_path / "t.txt"
+    text.write_text(" ".join(["The quick brown fox jumps over the lazy dog."] * 40))
+    for argv in (["export", str(run), "--out", str(tmp_path / "hf")],
+                 ["eval", str(run), "--data", str(text), "--no-progress"],
+                 ["generate", str(run), "--prompt", "The", "--max-tokens", "2"]):
+        p = run_main(*argv)
+        assert p.returncode == 0, (argv, p.stderr)
+    assert json.loads((tmp_path / "hf" / "mxtrain_export.json").read_text())["step"] == 4
+    assert _files(run) == before                                   # read-only commands wrote nothing
+    # resuming from the stale one into its own folder would overwrite steps 3-4: refused
+    one_line_error(run_main("train", "--resume", str(run / D.DCP_OLD), "--steps", "5", "--no-progress"),
+                   "older checkpoint at step 2", "(checkpoint.pt, step 4)", "--out NEW")
+    assert run_main("train", "--resume", str(run), "--steps", "5", "--no-progress").returncode == 0
+    assert '"resumed_from_step": 4' in (run / "run.json").read_text()
+    assert ckpt.load(run)["step"] == 5 and not (run / D.DCP_OLD).exists()
 
 
 def test_full_disk_during_a_dcp_save_is_one_clear_error(tmp_path, monkeypatch):

@@ -26,7 +26,8 @@ def test_python_command_leaves_out_the_working_folder(tmp_path, monkeypatch, saf
     lib, work = tmp_path / "lib", tmp_path / "work"
     (lib / "pkgx").mkdir(parents=True)
     (lib / "pkgx" / "__init__.py").write_text("")
-    (lib / "pkgx" / "__main__.py").write_text("import sys; print('real', sys.argv[1:], sys.argv[0].endswith('__main__.py'))\n")
+    (lib / "pkgx" / "__main__.py").write_text(
+        "import sys; print('real', sys.argv[1:], sys.argv[0].endswith('__main__.py'))\n")
     _crafted(work, "pkgx", marker)
     monkeypatch.chdir(work)
     env = dict(os.environ, PYTHONPATH=str(lib))

@@ -606,9 +606,8 @@ def _resume_point(rd: Path) -> int | None:
         return None
     if oc is None or oc.status is not Status.INTERRUPTED or oc.step is None:
         return None
-    from .. import distributed as D
     from ..train import checkpoint as ckpt
-    if not ((rd / ckpt.NAME).is_file() or (rd / D.DCP_NAME / ".metadata").is_file()):
+    if not ckpt.holds_checkpoint(rd):
         return None
     return oc.step
 
@@ -977,13 +976,12 @@ def _gone_checkpoints(spec: StudySpec, rd: Path) -> list[int]:
     kept checkpoint of the stable run is missing. Only for a run folder the trainer wrote (``run.json``)."""
     from ..train import checkpoint as ckpt
     from ..train.branch import kept_checkpoint
-    from .. import distributed as D
     if not (rd / "run.json").is_file():
         return []
     gone = []
     for _, k, n in study_branch_plan(spec):
         bd = branch_folder(rd, k, n)
-        if _finished(_status(bd)) or (bd / ckpt.NAME).is_file() or (bd / D.DCP_NAME / ".metadata").is_file():
+        if _finished(_status(bd)) or ckpt.holds_checkpoint(bd):
             continue
         try:
             kept_checkpoint(rd, k)

@@ -1,5 +1,5 @@
-"""Worker process of ``mxtrain study --jobs N``: ``python -P -m mxtrain.study.worker OUT K N`` (``mxtrain._child``) trains
-pending runs of study folder ``OUT`` (plan and settings from ``OUT/study.json``, written by the
+"""Worker process of ``mxtrain study --jobs N``: ``python -P -m mxtrain.study.worker OUT K N`` (``mxtrain._child``)
+trains pending runs of study folder ``OUT`` (plan and settings from ``OUT/study.json``, written by the
 parent), taking them in plan order: a worker claims a run by creating ``OUT/claims/<arm>-seed<k>``
 (an atomic create, so no two workers train the same run), which balances fast and slow arms. The
 parent clears stale claims before it starts the workers (it holds the study lock, ``OUT/.lock``, whose

@@ -23,7 +23,6 @@ import json
 import shutil
 from pathlib import Path
 
-from .. import distributed as D
 from ..errors import UserError
 from . import checkpoint as ckpt
 from .config import TrainConfig
@@ -47,13 +46,9 @@ def kept_checkpoint(run_dir: str | Path, at_step: int) -> Path:
         p = run / kept_name(at_step, dcp)
         if (p.is_dir() if dcp else p.is_file()):
             return p
-    latest = D.find_dcp(run)
-    if latest is not None:
-        if int(D.read_extra(latest).get("step", -1)) == at_step:
-            return latest
-    elif (run / ckpt.NAME).is_file():
-        if int(ckpt.load(run).get("step", -1)) == at_step:
-            return run / ckpt.NAME
+    latest = ckpt.latest(run)
+    if latest is not None and ckpt.step_of(latest) == at_step:
+        return latest
     kept = sorted(int(p.name.split("-", 1)[1].split(".")[0]) for p in run.glob("checkpoint-*.*")
                   if p.name.split("-", 1)[1].split(".")[0].isdigit())
     raise UserError(f"{run} has no checkpoint at step {at_step} (kept: {', '.join(map(str, kept)) or 'none'}); "
@@ -139,7 +134,7 @@ def branch_fit(run_dir: str | Path, at_step: int, cooldown_steps: int, out: str 
         if ours and _finished(out):
             log(f"branch {out} finished already")
             return Outcome(Status.COMPLETED, at_step + cooldown_steps, None, out)
-        if ours and (D.find_dcp(out) or (out / ckpt.NAME).is_file()):
+        if ours and ckpt.holds_checkpoint(out):
             log(f"branch {out}: resuming from its own checkpoint")
             return fit(bcfg, resume=out, callbacks=callbacks)
         if ours:   # a branch that stopped before its first checkpoint: trained again

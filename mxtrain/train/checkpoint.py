@@ -96,11 +96,68 @@ def _lock_holder(folder: Path) -> str | None:
     return None
 
 
+def _candidates(folder: Path) -> list[Path]:
+    """A run folder's complete latest checkpoints, in the order that wins a tie: ``checkpoint.pt`` (one
+    process), ``checkpoint.dcp`` (several), ``checkpoint.dcp.old`` (the previous DCP checkpoint, whole, where a
+    save stopped between its two renames)."""
+    from .. import distributed as D
+    return ([folder / NAME] if (folder / NAME).is_file() else []) + \
+        [p for p in (folder / D.DCP_NAME, folder / D.DCP_OLD) if D.is_checkpoint(p)]
+
+
+def holds_checkpoint(folder: str | Path) -> bool:
+    """Whether run folder ``folder`` holds a checkpoint to resume from (nothing is read)."""
+    return bool(_candidates(Path(folder)))
+
+
+def step_of(path: str | Path) -> int:
+    """The step recorded in a checkpoint file or DCP folder, read without its tensors."""
+    from .. import distributed as D
+    path = Path(path)
+    if D.is_checkpoint(path):
+        st = D.read_extra(path)
+    else:
+        st = _read(path, mmap=True)   # (the tensors stay on disk)
+    try:
+        return int(st["step"])
+    except (KeyError, TypeError, ValueError):
+        raise UserError(f"checkpoint {path} is incomplete (no step)") from None
+
+
+def latest(folder: str | Path) -> Path | None:
+    """The newest complete checkpoint of run folder ``folder`` by its recorded step (``_candidates``), or None.
+
+    The one rule by which resume, branch, export, eval and generate pick a run's checkpoint: a stale
+    ``checkpoint.dcp.old`` (or a multi-process leg's ``checkpoint.dcp``) never beats a newer ``checkpoint.pt``.
+    Only reads: a read-only command renames and deletes nothing. A checkpoint whose step cannot be read loses
+    to one whose step can; where none can, the first is returned (loading it says what is wrong)."""
+    cands = _candidates(Path(folder))
+    if len(cands) <= 1:
+        return cands[0] if cands else None
+    steps = {}
+    for p in cands:
+        try:
+            steps[p] = step_of(p)
+        except UserError:
+            pass
+    if not steps:
+        return cands[0]
+    return max(steps, key=lambda p: (steps[p], -cands.index(p)))
+
+
 def find(path: str | Path) -> Path:
-    """A checkpoint file, or a run folder holding one."""
+    """A checkpoint file or DCP folder, or the newest checkpoint of a run folder (``latest``)."""
+    from .. import distributed as D
     p = Path(path)
+    if D.is_checkpoint(p):
+        return p
     if p.is_dir():
+        c = latest(p)
+        if c is not None:
+            return c
         p = p / NAME
+    elif p.name == D.DCP_NAME and D.is_checkpoint(p.with_name(D.DCP_OLD)):   # stopped between its renames
+        return p.with_name(D.DCP_OLD)
     if not p.is_file():
         holder = _lock_holder(p.parent) if p.parent.is_dir() else None
         if holder is not None:
@@ -114,12 +171,13 @@ def find(path: str | Path) -> Path:
     return p
 
 
-def load(path: str | Path) -> dict:
-    p = find(path)
+def _read(p: Path, mmap: bool = False) -> dict:
+    """The dict in checkpoint file ``p`` (``weights_only``; ``mmap``: tensors left on disk until used), its
+    format checked; anything else is one UserError."""
     try:
         with warnings.catch_warnings():   # (torch warns of a file in another pickle protocol: not ours; the
             warnings.simplefilter("ignore")   # error below says so in one line)
-            st = torch.load(p, map_location="cpu", weights_only=True)
+            st = torch.load(p, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:  # truncated zip, bad pickle, random bytes, an empty file...
         import re
         text = str(e)
@@ -134,6 +192,16 @@ def load(path: str | Path) -> dict:
                         f"restore it or start a new run") from None
     if not isinstance(st, dict) or st.get("format") != FORMAT:
         raise UserError(f"{p} is not an mxtrain checkpoint (format {st.get('format') if isinstance(st, dict) else None!r})")
+    return st
+
+
+def load(path: str | Path) -> dict:
+    """The state in a checkpoint file, or in the newest checkpoint of a run folder when that is a
+    ``checkpoint.pt`` (a DCP folder is read by ``mxtrain.distributed``)."""
+    p = find(path)
+    if p.is_dir():
+        raise UserError(f"{p} is a multi-process (DCP) checkpoint, not a checkpoint file")
+    st = _read(p)
     for k in ("model", "optimizer", "step", "loader", "config", "rng"):
         if k not in st:
             raise UserError(f"checkpoint {p} is incomplete (no {k!r})")

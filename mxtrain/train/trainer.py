@@ -448,7 +448,7 @@ _NO_CHECKPOINT = "the metrics of a run that wrote no checkpoint"
 
 def _holds_run(out: Path) -> str | None:
     """What makes ``out`` a run folder (a checkpoint, or metrics of a run that wrote none), or None."""
-    if (out / ckpt.NAME).exists() or D.find_dcp(out):
+    if ckpt.holds_checkpoint(out):
         return "a checkpoint"
     if (out / "metrics.jsonl").exists():
         return _NO_CHECKPOINT
@@ -471,17 +471,25 @@ def _new_default_folder(out: Path) -> Path:
 
 
 def _refuse_rewind(src: Path, out: Path, step: int) -> None:
-    """Resuming from a kept checkpoint (``checkpoint-<step>.pt``, ``.dcp``) into its own run folder, which has a
-    newer ``checkpoint.pt`` (``.dcp``), would overwrite the run's later checkpoint and metrics: refused, with
-    the ways that keep them."""
-    if src.name in (ckpt.NAME, D.DCP_NAME) or out.resolve() != src.parent.resolve():
+    """Resuming from a kept checkpoint (``checkpoint-<step>.pt``, ``.dcp``), or from an older one than the run's
+    newest (``checkpoint.latest``), into its own run folder would overwrite the run's later checkpoint and
+    metrics: refused, with the ways that keep them."""
+    if out.resolve() != src.parent.resolve():
         return
-    latest = next((c for c in (out / ckpt.NAME, out / D.DCP_NAME) if c.exists()), None)
-    if latest is None:
+    latest = ckpt.latest(out)
+    if latest is None or latest.resolve() == src.resolve():
         return
-    raise UserError(f"{src} is a checkpoint kept at step {step} of the run in {out}, which has a later one "
-                    f"({latest.name}): resuming into {out} would overwrite the run after step {step}; continue from "
-                    f"it into another folder (--out NEW), or branch it (--resume {out} --branch-at {step} ...)")
+    try:
+        later = ckpt.step_of(latest)
+    except UserError:   # unreadable: not a later state of the run
+        return
+    if later <= step:
+        return
+    what = "a checkpoint kept" if src.name.startswith("checkpoint-") else "an older checkpoint"
+    raise UserError(f"{src} is {what} at step {step} of the run in {out}, which has a later one "
+                    f"({latest.name}, step {later}): resuming into {out} would overwrite the run after step {step}; "
+                    f"continue from it into another folder (--out NEW), or branch it (--resume {out} --branch-at "
+                    f"{step} ...)")
 
 
 def _make_out(cfg: TrainConfig, resume_dir: Path | None, rank: int, locks: list) -> Path:
@@ -987,15 +995,14 @@ def _train(cfg: TrainConfig, resume: str | Path | None, env: D.DistEnv, locks: l
 
     state = None
     t_read = time.perf_counter()
-    dcp_path = D.find_dcp(resume) if resume is not None else None  # a DCP checkpoint?
+    src = ckpt.find(resume) if resume is not None else None   # a run folder: its newest checkpoint
+    dcp_path = src if src is not None and src.is_dir() else None  # a DCP checkpoint?
     if dcp_path is not None:
         state = D.read_extra(dcp_path)
-        if cfg.log.out is None:
-            cfg.log.out = str(dcp_path.parent)
-    elif resume is not None:
-        state = ckpt.load(resume)
-        if cfg.log.out is None:
-            cfg.log.out = str(ckpt.find(resume).parent)
+    elif src is not None:
+        state = ckpt.load(src)
+    if src is not None and cfg.log.out is None:
+        cfg.log.out = str(src.parent)
     read_s = time.perf_counter() - t_read   # reading checkpoint.pt (a DCP folder's extra state only)
     # one thread per free core on a CPU run of one process, a resumed run its first leg's (mxtrain.train.threads;
     # said in the log below)
@@ -1061,7 +1068,6 @@ def _train(cfg: TrainConfig, resume: str | Path | None, env: D.DistEnv, locks: l
 
     resume_dir = None
     if state is not None:
-        src = dcp_path if dcp_path is not None else ckpt.find(resume)
         resume_dir = src.parent
         _refuse_rewind(src, Path(cfg.log.out), start_step)
     out = _make_out(cfg, resume_dir, rank, locks)
@@ -1292,9 +1298,10 @@ def _train_steps(cfg: TrainConfig, env, model, opt, loader, data, log: _Log, cbs
             path = ckpt_path
             if rank == 0:
                 ckpt.save(ckpt_path, {"model": model.state_dict(), "optimizer": opt.state_dict(), **rest})
-                if D.find_dcp(out):  # an older multi-process leg's checkpoint
-                    import shutil
-                    shutil.rmtree(out / D.DCP_NAME)
+                for old in (out / D.DCP_NAME, out / D.DCP_OLD):   # an older multi-process leg's checkpoint
+                    if D.is_checkpoint(old):
+                        import shutil
+                        shutil.rmtree(old)
         # the time every rank waited for the checkpoint (a DCP save ends with the ranks together)
         completed(path, step, tokens, {"save_s": time.perf_counter() - t_save})
 
