@@ -323,7 +323,7 @@ def test_run_stopped_by_a_signal_continues_from_its_checkpoint(tmp_path, monkeyp
     assert max(losses(out)) < 12
     said = []
     run_study(spec(out), log=said.append)
-    assert any("interrupted at step" in m and "continuing from its checkpoint" in m for m in said), said
+    assert any("unfinished, continuing from its checkpoint at step 7" in m for m in said), said
     ref = losses(tmp_path / "ref")
     assert losses(out) == ref and len(ref) == 12          # the stable run: 16 steps, branch points at 6 and 12
     s = json.loads((out / "summary.json").read_text())

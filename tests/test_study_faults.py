@@ -375,3 +375,31 @@ def test_out_of_memory_worker_gives_its_run_back_and_worker_0_trains_it(tmp_path
         for s in (0, 1):
             st = json.loads((out / "runs" / a / f"seed{s}" / "study_status.json").read_text())
             assert st["state"] == "done" and "oom" not in st
+
+
+def test_a_run_killed_after_its_checkpoint_continues_from_it(tmp_path):
+    """A run killed after a checkpoint (SIGKILL, a lost machine) leaves its checkpoint, a run.json without an
+    outcome, no study_status.json and no summary.json: the next session continues it from that checkpoint, its
+    folder kept, instead of deleting it and training from step 0."""
+    from mxtrain.study.runner import StudySpec, build_config, run_study
+    from mxtrain.train import trainer as TR
+
+    spec = StudySpec(out=str(tmp_path / "s"), arms=["bf16"], seeds=1, model="tiny", steps=4, batch_size=4,
+                     seq_len=32, eval_every=4, device="cpu", data=str(small_data()),
+                     overrides=["model.dim=64", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1",
+                                "log.eval_tokens=256", "log.tensorboard=false"])
+    rd = tmp_path / "s" / "runs" / "bf16" / "seed0"
+    cfg = build_config(spec, "bf16", 0, rd)
+    cfg.train.steps = 2
+    TR.fit(cfg)
+    info = json.loads((rd / "run.json").read_text())
+    del info["outcome"]                                     # what the kill leaves: no outcome, no summary
+    (rd / "run.json").write_text(json.dumps(info))
+    (rd / "summary.json").unlink()
+    (rd / "kept.txt").write_text("")
+    said = []
+    run_study(spec, log=said.append)
+    assert any("bf16 seed 0: unfinished, continuing from its checkpoint at step 2" in m for m in said), said
+    assert (rd / "kept.txt").exists()
+    assert json.loads((rd / "run.json").read_text())["resumed_from_step"] == 2
+    assert json.loads((rd / "study_status.json").read_text())["state"] == "done"

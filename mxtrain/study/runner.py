@@ -597,19 +597,26 @@ def ran_out_of_memory(run_dir: Path) -> bool:
 
 
 def _resume_point(rd: Path) -> int | None:
-    """The step of an interrupted run's checkpoint (the trainer writes one when SIGINT or SIGTERM stops it, and
-    records the outcome ``interrupted`` in ``RUN/run.json``), where the run can continue from it; else None."""
+    """The step of the checkpoint an unfinished run continues from, or None (train it again): a run stopped by a
+    signal (the trainer writes a checkpoint when SIGINT or SIGTERM stops it, and records the outcome
+    ``interrupted`` in ``RUN/run.json``) or killed (SIGKILL, a lost machine: no outcome recorded) after a
+    checkpoint. The checkpoint is the run folder's newest (``checkpoint.latest``); a run whose record says it
+    ended otherwise, or whose checkpoint cannot be read, has none."""
+    from ..train import checkpoint as ckpt
     from ..train.callbacks import Status, read_outcome
     try:
         oc = read_outcome(rd)
     except Exception:  # noqa: BLE001 - an unreadable record: train the run again
         return None
-    if oc is None or oc.status is not Status.INTERRUPTED or oc.step is None:
+    if oc is not None and oc.status is not Status.INTERRUPTED:
         return None
-    from ..train import checkpoint as ckpt
-    if not ckpt.holds_checkpoint(rd):
+    latest = ckpt.latest(rd)
+    if latest is None:
         return None
-    return oc.step
+    try:
+        return ckpt.step_of(latest)
+    except UserError:
+        return None
 
 
 def _finished(st: dict | None) -> bool:
@@ -827,8 +834,8 @@ def run_one(spec: StudySpec, arm: str, seed: int, tag: str, train_fn, log=print,
         if busy is not None:
             raise UserError(f"run folder {rd} is in use by another process ({busy}); stop it, then rerun the study")
         at = _resume_point(rd) if st is None else None
-        if at is not None:   # stopped by a signal (a time limit): its own checkpoint continues it, bit for bit
-            log(f"{tag} {arm} seed {seed}: interrupted at step {at}, continuing from its checkpoint")
+        if at is not None:   # stopped by a signal (a time limit) or killed: its own checkpoint continues it, bit for bit
+            log(f"{tag} {arm} seed {seed}: unfinished, continuing from its checkpoint at step {at}")
             resume = rd
         else:
             log(f"{tag} {arm} seed {seed}: " + (f"failed before ({st.get('message')}), " if st else
