@@ -131,6 +131,30 @@ def test_branch_errors(tmp_path):
         branch(run, 3, 2, run)
 
 
+def test_a_branch_trained_again_in_its_folder_removes_only_its_own_files(tmp_path):
+    """``--branch-at K --out DIR`` where DIR holds an attempt at this branch that stopped before its first
+    checkpoint (a matching branch.json): the attempt's files are replaced, the rest of DIR is kept."""
+    from mxtrain.train.callbacks import Callback
+    torch.set_num_threads(1)
+    a = tiny_run_cfg(tmp_path / "stable", 2, keep_checkpoints_at="1")
+    a.schedule.kind, a.schedule.horizon_steps, a.schedule.warmup_steps = "constant", None, 1
+    run = train(a)
+
+    class Fail(Callback):
+        def on_step_end(self, step, metrics):
+            raise RuntimeError("stopped")
+    out = tmp_path / "mine"
+    with pytest.raises(RuntimeError, match="stopped"):
+        branch(run, 1, 2, out, callbacks=[Fail()])
+    assert (out / "branch.json").is_file() and (out / "metrics.jsonl").is_file() and not ckpt.holds_checkpoint(out)
+    (out / "notes.txt").write_text("mine")
+    (out / "data").mkdir()
+    (out / "data" / "x.bin").write_bytes(b"x")
+    assert branch(run, 1, 2, out) == out
+    assert (out / "notes.txt").read_text() == "mine" and (out / "data" / "x.bin").is_file()
+    assert ckpt.load(out)["step"] == 3 and (out / "summary.json").is_file()
+
+
 def test_cli_branch(tmp_path):
     run = tmp_path / "stable"
     p = run_cli("train", "--exp", "debug", "--data", str(__import__("train_helpers").small_data()), "--steps", "4",

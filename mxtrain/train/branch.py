@@ -23,6 +23,7 @@ import json
 import shutil
 from pathlib import Path
 
+from .. import distributed as D
 from ..errors import UserError
 from . import checkpoint as ckpt
 from .config import TrainConfig
@@ -99,6 +100,23 @@ def branch_config(base: TrainConfig, at_step: int, cooldown_steps: int, out: str
     return cfg
 
 
+def _attempt_files(out: Path) -> list[Path]:
+    """What an earlier attempt at the branch in ``out`` wrote there: ``branch.json``, and what a run writes into
+    its folder (the trainer, its callbacks, a study's runner). Nothing else in ``out`` is the branch's."""
+    import re
+    from .profiling import PROFILE_DIR
+    from .trainer import DOMAINS_NAME, WINDOWS_NAME
+    names = {BRANCH_INFO, "metrics.jsonl", WINDOWS_NAME, DOMAINS_NAME, "run.json", "config.json", "recipe.json",
+             "summary.json", "diagnostics.jsonl", "wandb_id", "tb", PROFILE_DIR, "study_status.json",
+             "study_error.txt", ckpt.NAME, D.DCP_NAME, D.DCP_OLD, D.DCP_NAME + ".tmp"}
+
+    def written(name: str) -> bool:
+        m = re.fullmatch(r"\.(.+)\.tmp-\d+", name)   # checkpoint.write_atomic's temporary of one of them
+        name = m.group(1) if m else name
+        return name in names or re.fullmatch(r"checkpoint-\d+\.(pt|dcp)", name) is not None   # (kept ones)
+    return [p for p in out.iterdir() if written(p.name) or p.name.startswith(".write-test-")]
+
+
 def _finished(out: Path) -> bool:
     from .callbacks import read_outcome
     oc = read_outcome(out)
@@ -137,8 +155,12 @@ def branch_fit(run_dir: str | Path, at_step: int, cooldown_steps: int, out: str 
         if ours and ckpt.holds_checkpoint(out):
             log(f"branch {out}: resuming from its own checkpoint")
             return fit(bcfg, resume=out, callbacks=callbacks)
-        if ours:   # a branch that stopped before its first checkpoint: trained again
-            shutil.rmtree(out)
+        if ours:   # a branch that stopped before its first checkpoint: trained again, in place of its own files
+            for p in _attempt_files(out):   # (only those: anything else in the folder is not the branch's)
+                if p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p)
+                else:
+                    p.unlink()
     src = kept_checkpoint(run, at_step)
     out.mkdir(parents=True, exist_ok=True)
     (out / BRANCH_INFO).write_text(json.dumps({**info, "checkpoint": str(src.resolve())}, indent=1) + "\n")
