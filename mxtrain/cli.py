@@ -81,9 +81,17 @@ def _cmd_corpus(args) -> int:
                  progress=not args.no_progress)
     t = m["totals"]
     print(f"corpus folder: {args.out}: {t['documents']:,} documents, {t['bytes'] / 1e6:.1f} MB, ~{t['est_tokens']:,} "
-          f"tokens (bytes / 4), ~{t['val_est_tokens']:,} held out; next: mxtrain data prepare {args.out}/train "
-          f"--val {args.out}/val --out DATA")
+          f"tokens (bytes / 4), ~{t['val_est_tokens']:,} held out; next: {corpus_prepare_hint(args.out, m)}")
     return 0
+
+
+def corpus_prepare_hint(out: str, manifest: dict) -> str:
+    """The ``data prepare`` command for a corpus folder: its training files named one by one, code last (the
+    folder ``OUT/train`` would be read alphabetically, and the tokenizer trained mostly on code: docs/data.md)."""
+    domains = list((manifest.get("domains") or {}).keys())
+    domains.sort(key=lambda d: d == "code")   # (stable: the other domains keep their order)
+    files = " ".join(f"{out}/train/{d}.jsonl" for d in domains) or f"{out}/train/<domain>.jsonl ..."
+    return f"mxtrain data prepare {files} --val {out}/val --out DATA"
 
 
 def _cmd_prepare(args) -> int:
@@ -274,8 +282,21 @@ def _cmd_train(args) -> int:
     if s.get("final_val_loss") is not None:
         print(f"final validation loss {s['final_val_loss']:.4f} (perplexity {s['final_val_ppl']:.2f}) after "
               f"{s['tokens']:,} tokens")
-    print(f"run folder: {out}")
+    print(next_commands(out, cfg.data.path))
+    print(f"run folder: {out}")   # (the last line: scripts read it)
     return 0
+
+
+def next_commands(run, data) -> str:
+    """What to do with a finished run, as commands naming its folder (and its data for ``eval``)."""
+    import shlex
+    r = shlex.quote(str(run))
+    d = "builtin" if data in (None, "builtin") else shlex.quote(str(data))
+    return "\n".join(["next:",
+                      f"  mxtrain report {r}   # its curves, in report.html",
+                      f"  mxtrain generate {r} --prompt 'The history of'   # sample text",
+                      f"  mxtrain eval {r} --data {d}   # validation loss and perplexity",
+                      f"  mxtrain export {r} --format hf --out {shlex.quote(str(run) + '-hf')}   # a transformers folder"])
 
 
 def _cmd_branch(args) -> int:

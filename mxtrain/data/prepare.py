@@ -25,6 +25,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -275,13 +276,7 @@ def _prepare(docs: Callable, out: Path, inputs: list[str], meta_sources: list[st
         val_w = _ShardWriter(tmp, "val", dtype, shard_tokens, tok.vocab_size)
         ndocs = {"train": 0, "val": 0}
         nbytes = 0
-        bar = None
-        if progress:
-            try:
-                from tqdm import tqdm
-                bar = tqdm(desc="tokenizing", unit=" docs", dynamic_ncols=True, total=total)
-            except ImportError:
-                bar = None
+        bar = _Progress(total) if progress else None
         eot = np.array([tok.eot_id], dtype=np.int64)
 
         val_spans: list[dict] = []   # fixed validation files: each file's token span, in order
@@ -301,8 +296,7 @@ def _prepare(docs: Callable, out: Path, inputs: list[str], meta_sources: list[st
                     train_w.write(arr)
                     ndocs["train"] += 1
             if bar is not None:
-                bar.update(len(batch))
-                bar.set_postfix(MB=f"{nbytes / 1e6:.1f}", tokens=f"{train_w.n + val_w.n:,}")
+                bar.update(len(batch), nbytes, train_w.n + val_w.n)
 
         batch: list[str] = []
         for _, text in docs(warn):
@@ -362,11 +356,39 @@ def _prepare(docs: Callable, out: Path, inputs: list[str], meta_sources: list[st
         raise
     # the ids were checked as they were written: opening the folder need not read the shards again
     checked.record(dest, meta["dtype"], {**train_w.max_ids, **val_w.max_ids})
-    if progress:
-        print(f"prepared {out}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} validation tokens "
-              f"({ndocs['train']} + {ndocs['val']} documents, vocab {tok.vocab_size}, end of text "
-              f"{tok.eot_token!r} = {tok.eot_id}) in {time.time() - t0:.1f} s", flush=True)
+    # the result, with or without progress reports
+    print(f"prepared {out}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} validation tokens "
+          f"({ndocs['train']} + {ndocs['val']} documents, vocab {tok.vocab_size}, end of text "
+          f"{tok.eot_token!r} = {tok.eot_id}) in {time.time() - t0:.1f} s", flush=True)
     return out
+
+
+class _Progress:
+    """Tokenizing progress on stderr: a tqdm bar on a terminal; else (a log file, a pipe, a batch job's output)
+    a plain line about every ``every`` seconds, never a carriage return."""
+
+    def __init__(self, total: int | None, every: float = 30.0):
+        self.bar, self.every, self.last, self.docs = None, every, time.time(), 0
+        if sys.stderr.isatty():
+            try:
+                from tqdm import tqdm
+                self.bar = tqdm(desc="tokenizing", unit=" docs", dynamic_ncols=True, total=total, file=sys.stderr)
+            except ImportError:
+                self.bar = None
+
+    def update(self, docs: int, nbytes: int, tokens: int) -> None:
+        self.docs += docs
+        if self.bar is not None:
+            self.bar.update(docs)
+            self.bar.set_postfix(MB=f"{nbytes / 1e6:.1f}", tokens=f"{tokens:,}")
+        elif time.time() - self.last >= self.every:
+            self.last = time.time()
+            print(f"tokenizing: {self.docs:,} documents, {nbytes / 1e6:.1f} MB, {tokens:,} tokens so far",
+                  file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def _warn_small_vocab(got: int, asked: int) -> None:

@@ -181,7 +181,25 @@ def plots_available() -> bool:
     return True
 
 
+def tokens_label(v: float) -> str:
+    """A token count as a short tick label: 51.2k, 1.5M, 2B (six-digit counts ran together on a run's axis)."""
+    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if abs(v) >= div:
+            return f"{v / div:.4g}{unit}"
+    return f"{v:.4g}"
+
+
+def _tokens_axes(fig) -> None:
+    """Every x axis of ``fig`` that counts tokens: at most 6 ticks, labelled ``tokens_label``."""
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
+    for ax in fig.axes:
+        if ax.get_xlabel().startswith("tokens"):
+            ax.xaxis.set_major_locator(MaxNLocator(nbins=6))
+            ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: tokens_label(v)))
+
+
 def _png(fig) -> bytes:
+    _tokens_axes(fig)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
     _plt().close(fig)

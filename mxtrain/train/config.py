@@ -227,6 +227,18 @@ _ALIASES = {
 }
 
 
+# torchtitan's config sections -> mxtrain's sections that hold what they set, and a few of their keys
+_TITAN_SECTIONS = {
+    "job": ("log", "dump_folder -> log.out"),
+    "training": ("train or data", "steps -> train.steps, local_batch_size -> train.micro_batch_size, "
+                 "seq_len -> data.seq_len, dataset_path -> data.path"),
+    "optimizer": ("optim", ""), "lr_scheduler": ("schedule", "warmup_steps -> schedule.warmup_steps"),
+    "parallelism": ("parallel", ""), "checkpoint": ("train", ""), "activation_checkpoint": ("train", ""),
+    "metrics": ("log", ""), "compile": ("train", "enable -> train.compile"), "float8": ("recipe", ""),
+    "mx": ("recipe", ""), "quantize": ("recipe", ""),
+}
+
+
 def section_names() -> list[str]:
     """The config's sections (model, data, optim, ...), in order."""
     cfg = TrainConfig()
@@ -262,6 +274,10 @@ def suggest(key: str) -> list[str]:
 
 def unknown_key_message(key: str, where: str = "") -> str:
     """``unknown key 'train.lr'; did you mean optim.lr? (keys of train: ...)`` on one line."""
+    if key in _TITAN_SECTIONS:   # a torchtitan config file
+        ours, keys = _TITAN_SECTIONS[key]
+        return (f"{where}unknown key {key!r}; did you mean {ours}? ([{key}] is a torchtitan section; mxtrain's "
+                f"sections are {', '.join(section_names())}{'; ' + keys if keys else ''}; docs/config.md)")
     near = suggest(key)
     msg = f"{where}unknown key {key!r}"
     if near:
