@@ -2,6 +2,7 @@
 one nor more than PyTorch's default; what the user set is kept; the run says what it chose."""
 
 import json
+import os
 
 import torch
 
@@ -97,3 +98,20 @@ def test_resumed_run_takes_its_first_legs_count(tmp_path):
     assert threads.first_leg(tmp_path) == 3
     (tmp_path / "run.json").write_text("{")
     assert threads.first_leg(tmp_path) is None and threads.first_leg(tmp_path / "gone") is None
+
+
+def test_a_second_run_in_one_process_chooses_again(monkeypatch):
+    before = torch.get_num_threads()
+    monkeypatch.setattr(threads, "_AT_IMPORT", 2)
+    monkeypatch.setattr(threads, "_CHOSEN", None)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.setattr(threads, "_own_load", lambda: 0.0)
+        monkeypatch.setattr(threads.os, "getloadavg", lambda: (100.0 * (os.cpu_count() or 1), 0, 0))
+        assert threads.apply().threads == 1 and torch.get_num_threads() == 1
+        m = threads.measure()   # the 1 thread is the first run's choice, not the user's
+        assert m["user_set"] is None and m["default"] == 2
+    finally:
+        torch.set_num_threads(before)

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 _AT_IMPORT = torch.get_num_threads()   # PyTorch's default, unless set before mxtrain was imported
+_CHOSEN: int | None = None               # what ``apply`` set last
 ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
@@ -98,6 +99,8 @@ def measure() -> dict:
     except (AttributeError, OSError):
         load = None
     default = torch.get_num_threads()
+    if default == _CHOSEN:   # set by an earlier run of this process, not by the user
+        default = _AT_IMPORT
     env = next((f"{v}={os.environ[v]}" for v in ENV_VARS if os.environ.get(v)), None)
     user = env or (f"torch.set_num_threads({default})" if default != _AT_IMPORT else None)
     return {"default": default, "cores": cores, "host_cpus": os.cpu_count() or cores, "load": load,
@@ -119,6 +122,8 @@ def apply(resumed_from: Path | None = None) -> Choice:
     """Choose this CPU run's threads (``choose`` on ``measure()``; a run resumed from the folder ``resumed_from``:
     its first leg's) and set them."""
     c = choose(**measure(), first_leg=first_leg(resumed_from) if resumed_from is not None else None)
+    global _CHOSEN
     if c.threads is not None and c.threads != torch.get_num_threads():
         torch.set_num_threads(c.threads)
+        _CHOSEN = c.threads
     return c
