@@ -39,6 +39,7 @@ def files():
     row = json.dumps({"step": 1, "tokens": 64, "loss": 5.0})
     for name, files in (("list_cfg_run", {"metrics.jsonl": row + "\n", "config.json": "[1, 2, 3]"}),
                         ("bad_row_run", {"metrics.jsonl": row + '\n{"step": "a", "loss": "zz"}\n' + row + "\n"}),
+                        ("bad_line_run", {"metrics.jsonl": row + '\n{"step": 2, "lo\n' + row + "\n"}),
                         ("bad_study", {"study.json": "{bad", "runs/bf16/seed0/metrics.jsonl": row + "\n",
                                       "runs/bf16/seed0/study_status.json": '{"state": "done"}'})):
         for rel, text in files.items():
@@ -65,6 +66,8 @@ class _Call:
     ("bad --set key", ["train", "--set", "optim.speed=1"], ["unknown field 'speed'"]),
     ("non-finite lr", ["train", "--exp", "debug", "--data", "{small}", "--set", "optim.lr=nan"],
      ["optim.lr must be finite"]),
+    ("lr past float32", ["train", "--exp", "debug", "--data", "{small}", "--lr", "1e39"],
+     ["optim.lr 1e+39 is too large", "overflows float32"]),
     ("beta out of range", ["train", "--exp", "debug", "--data", "{small}", "--set", "optim.beta2=1.5"],
      ["optim.beta2 must be in [0, 1)"]),
     ("infinite prescale", ["train", "--exp", "debug", "--data", "{small}", "--set", "recipe.wgrad_dy.prescale=inf"],
@@ -106,6 +109,8 @@ class _Call:
     ("empty checkpoint", ["train", "--resume", "{d}/empty_run"], ["corrupt or truncated (EOFError)"]),
     ("report: config.json not an object", ["report", "{d}/list_cfg_run"], ["config.json holds a JSON list"]),
     ("report: a metrics row not a number", ["report", "{d}/bad_row_run"], ["metrics.jsonl:2", "not a number"]),
+    ("report: a metrics line not JSON", ["report", "{d}/bad_line_run"],
+     ["metrics.jsonl:2: a line that is not valid JSON", "remove the line"]),
     ("report: study.json not JSON", ["report", "{d}/bad_study"], ["study.json is not valid JSON"]),
     ("report: --smooth-k", ["report", "{d}/bad_study", "--smooth-k", "-3"], ["--smooth-k must be >= 1"]),
     ("report: --target-frac", ["report", "{d}/bad_study", "--target-frac", "5"], ["--target-frac must be in (0, 1]"]),
@@ -129,6 +134,38 @@ def test_bad_input_is_one_line(files, case):
 # the output folder, a command needing a GPU)
 IN_A_PROCESS = {"unreadable JSON line", "bad flag type", "corrupt checkpoint", "infinite prescale",
                 "output folder not writable", "bench on a CPU machine (cuda)", "bench limits: --out under a file"}
+
+
+def test_report_on_a_read_only_run_folder_is_one_line(tmp_path, monkeypatch):
+    """``report`` writes into the run folder: a read-only one is one line that says to write it elsewhere, and
+    ``--out`` does."""
+    import builtins
+    import errno
+    import io
+    from pathlib import Path
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "tokens": 64 * i, "loss": 5.0 - i / 10}) + "\n"
+                                               for i in range(1, 5))
+                                       + json.dumps({"step": 4, "tokens": 256, "val_loss": 4.8}) + "\n")
+    real = builtins.open
+
+    def read_only(file, mode="r", *a, **k):   # root ignores the folder's mode: opening to write fails as it would
+        if isinstance(file, (str, os.PathLike)) and any(c in mode for c in "wax+") \
+                and Path(file).resolve().parent == run.resolve():
+            raise PermissionError(errno.EACCES, "Permission denied", str(file))
+        return real(file, mode, *a, **k)
+    run.chmod(0o555)
+    try:
+        monkeypatch.setattr(builtins, "open", read_only)
+        monkeypatch.setattr(io, "open", read_only)
+        one_line_error(run_main("report", str(run)),
+                       f"cannot write the report into {run}: Permission denied", "--out DIR")
+        assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl"]
+        assert run_main("report", str(run), "--out", str(tmp_path / "rep")).returncode == 0
+    finally:
+        run.chmod(0o755)
+    assert (tmp_path / "rep" / "report.html").is_file()
 
 
 def test_help_and_version():

@@ -156,3 +156,50 @@ def test_absurd_block_size_is_refused():
     import mxtrain
     with pytest.raises(ValueError, match="block_size must be an even integer from 2 to 4096"):
         mxtrain.quantize(torch.randn(4, 64), "mxfp4", block_size=2**20)
+
+
+def test_a_checkpoint_without_its_numpy_rng_state_is_one_line(tmp_path):
+    """A checkpoint whose RNG state lacks a part (damaged, or written by something else) cannot continue the run as
+    it was: one line, nothing written."""
+    from mxtrain.train import checkpoint as ckpt
+    from train_helpers import one_line_error, run_main
+    out = tmp_path / "run"
+    train(_cfg(out, 2))
+    st = ckpt.load(out)
+    del st["rng"]["numpy"]
+    st.pop("format")
+    ckpt.save(out / ckpt.NAME, st)
+    before = _snapshot(out)
+    one_line_error(run_main("train", "--resume", str(out), "--steps", "3", "--no-progress"),
+                   f"checkpoint {out / ckpt.NAME}: its RNG state is incomplete or damaged (no 'numpy')")
+    assert _snapshot(out) == before
+
+
+def test_a_full_disk_at_a_checkpoint_is_one_line_and_leaves_no_temporary(tmp_path, monkeypatch):
+    """ENOSPC while the second checkpoint is written (inside torch.save, which reports it as a RuntimeError of its
+    own): one line naming the disk, no temporary file left, the first checkpoint whole."""
+    import errno
+    import io
+    from mxtrain.train import checkpoint as ckpt
+    from train_helpers import one_line_error, run_main
+
+    class Full(io.FileIO):
+        def write(self, b):
+            raise OSError(errno.ENOSPC, "No space left on device")
+    opened = []
+
+    def fake_open(p, mode="r", *a, **k):
+        if ".checkpoint.pt.tmp-" in str(p):
+            opened.append(p)
+            if len(opened) == 2:
+                return Full(p, "w")
+        return open(p, mode, *a, **k)
+    monkeypatch.setattr(ckpt, "open", fake_open, raising=False)   # (the module's name for the builtin)
+    out = tmp_path / "run"
+    one_line_error(run_main("train", "--exp", "debug", "--data", str(small_data()), "--steps", "4", "--seq-len", "32",
+                            "--batch-size", "4", "--out", str(out), "--no-progress", "--set", "train.checkpoint_every=2",
+                            "--set", "log.eval_every=100", "--set", "log.tensorboard=false"),
+                   f"cannot write checkpoint {out / ckpt.NAME}: No space left on device", "the previous one is intact")
+    assert len(opened) == 2 and not list(out.glob(".*.tmp-*"))
+    monkeypatch.undo()
+    assert ckpt.load(out)["step"] == 2

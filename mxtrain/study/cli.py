@@ -8,8 +8,10 @@ in ``mxtrain train --config`` (docs/config.md). Precedence: preset < file < flag
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -323,6 +325,11 @@ def report_main(args: argparse.Namespace) -> int:
         raise UserError(f"--target-frac must be in (0, 1], got {args.target_frac}")
     if args.target_loss is not None and not math.isfinite(args.target_loss):
         raise UserError(f"--target-loss must be a finite number, got {args.target_loss}")
+    if out.is_dir():   # a read-only run folder: said now, before the report is computed
+        with _report_writes(out):
+            probe = out / f".write-test-{os.getpid()}"
+            probe.write_text("")
+            probe.unlink()
     summary = None
     if not single:
         runs = M.load_study_runs(d)
@@ -375,14 +382,27 @@ def report_main(args: argparse.Namespace) -> int:
                     meta = {**meta, "cooldown": {**meta["cooldown"], "fit": args.fit}}
                 add_cooldown(summary, d, meta, runs, only=list(runs) if sel else None)
         summary = M.sanitize(summary)
-        out.mkdir(parents=True, exist_ok=True)
-        write_json(out / "summary.json", summary, indent=1, allow_nan=False)
-        if summary.get("per_seed"):
-            write_json(out / "seeds.json", summary["per_seed"], indent=1, allow_nan=False)
-    hp, mp = write_report(d, summary, out=out, arms=list(runs) if sel else None)
+        with _report_writes(out):
+            out.mkdir(parents=True, exist_ok=True)
+            write_json(out / "summary.json", summary, indent=1, allow_nan=False)
+            if summary.get("per_seed"):
+                write_json(out / "seeds.json", summary["per_seed"], indent=1, allow_nan=False)
+    with _report_writes(out):
+        hp, mp = write_report(d, summary, out=out, arms=list(runs) if sel else None)
     print(f"wrote {hp} and {mp}")
     _say_if_no_plots()
     return 0
+
+
+@contextlib.contextmanager
+def _report_writes(out: Path):
+    """Writing the report into ``out``: a folder that cannot be written (read-only, a full disk) is one
+    UserError that says where else to write it (``write_json`` says so itself)."""
+    try:
+        yield
+    except OSError as e:
+        raise UserError(f"cannot write the report into {out}: {e.strerror or e}; write it to another folder with "
+                        f"--out DIR") from None
 
 
 def _say_if_no_plots() -> None:

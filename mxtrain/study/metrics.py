@@ -107,7 +107,7 @@ def read_run(path: str | Path, arm: str = "", seed: int = 0) -> RunData:
     if not f.is_file():
         raise FileNotFoundError(f"{f} not found: not a run folder")
     rd = RunData(path=path, arm=arm, seed=seed)
-    lines = f.read_text().splitlines()
+    lines = f.read_text(errors="replace").splitlines()
     for i, line in enumerate(lines):
         if not line.strip():
             continue
@@ -116,7 +116,8 @@ def read_run(path: str | Path, arm: str = "", seed: int = 0) -> RunData:
         except json.JSONDecodeError:
             if i == len(lines) - 1:
                 break
-            raise ValueError(f"{f}:{i + 1}: not valid JSON") from None
+            raise UserError(f"{f}:{i + 1}: a line that is not valid JSON ({line[:60]}); restore the file or remove "
+                            f"the line") from None
         if not isinstance(row, dict):
             continue
         try:

@@ -107,7 +107,7 @@ def _attempt_files(out: Path) -> list[Path]:
     from .profiling import PROFILE_DIR
     from .trainer import DOMAINS_NAME, WINDOWS_NAME
     names = {BRANCH_INFO, "metrics.jsonl", WINDOWS_NAME, DOMAINS_NAME, "run.json", "config.json", "recipe.json",
-             "summary.json", "diagnostics.jsonl", "wandb_id", "tb", PROFILE_DIR, "study_status.json",
+             "summary.json", "diagnostics.jsonl", "deosc.jsonl", "wandb_id", "tb", PROFILE_DIR, "study_status.json",
              "study_error.txt", ckpt.NAME, D.DCP_NAME, D.DCP_OLD, D.DCP_NAME + ".tmp"}
 
     def written(name: str) -> bool:

@@ -39,33 +39,68 @@ def rng_state() -> dict:
     return st
 
 
-def set_rng_state(st: dict) -> None:
-    random.setstate((st["python_version"], tuple(st["python"]), st["python_gauss"]))
-    name, keys, pos, has_gauss, cached = st["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(st["torch"])
-    if "cuda" in st and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(st["cuda"])
+def set_rng_state(st: dict, path: str | Path = "") -> None:
+    """Restore the RNG states ``rng_state`` saved. A state that lacks a part or does not fit (a damaged or
+    foreign checkpoint ``path``) is one UserError; the run would not continue as it was."""
+    try:
+        if not isinstance(st, dict):
+            raise KeyError("rng")
+        random.setstate((st["python_version"], tuple(st["python"]), st["python_gauss"]))
+        name, keys, pos, has_gauss, cached = st["numpy"]
+        np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+        torch.set_rng_state(st["torch"])
+        if "cuda" in st and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(st["cuda"])
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError) as e:
+        why = f"no {e.args[0]!r}" if isinstance(e, KeyError) and e.args else \
+            f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]}"
+        raise UserError(f"checkpoint {path}: its RNG state is incomplete or damaged ({why}), so the run cannot "
+                        f"continue as it was; restore the checkpoint from a good copy or start a new run") from None
+
+
+class _Writes:
+    """The file ``write_atomic`` hands to its writer: the OSError of a write (a full disk) is kept, since a writer
+    may report it as an error of its own (``torch.save`` raises a RuntimeError that does not name it)."""
+
+    def __init__(self, f):
+        self.f, self.error = f, None
+
+    def write(self, data):
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
 
 
 def write_atomic(path: Path, write, what: str = "") -> None:
     """``write(f)`` into a temporary sibling of ``path`` (binary file), synced, then renamed over ``path``:
-    a crash or a full disk leaves the previous file whole; an OSError is one UserError, the temporary
-    removed. ``what`` names the file in the message (e.g. "checkpoint ")."""
+    a crash or a full disk leaves the previous file whole; an OSError (also one a writer reports as an error of
+    its own) is one UserError; the temporary is removed whatever stopped the write. ``what`` names the file in
+    the message (e.g. "checkpoint ")."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    w = None
     try:
         with open(tmp, "wb") as f:
-            write(f)
+            w = _Writes(f)
+            write(w)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except OSError as e:
+    except BaseException as e:
         try:
             tmp.unlink()
         except OSError:
             pass
-        raise UserError(f"cannot write {what}{path}: {e.strerror or e}") from None
+        why = e if isinstance(e, OSError) else w.error if w is not None else None
+        if why is None:
+            raise
+        raise UserError(f"cannot write {what}{path}: {why.strerror or why}"
+                        + ("; the previous one is intact" if path.exists() else "")) from None
 
 
 def write_json(path: Path, obj, **dumps) -> None:

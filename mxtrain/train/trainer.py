@@ -318,6 +318,13 @@ def validate(cfg: TrainConfig) -> None:
     _num("optim.beta2", o.beta2, lo=0, hi=1, hi_open=True)
     _num("optim.eps", o.eps, lo=0, lo_open=True, hi=1)
     _num("optim.grad_clip", o.grad_clip, lo=0)
+    # AdamW's first step is lr / (1 - beta1) and its weight decay lr x weight_decay: Python numbers torch converts
+    # to the weights' type, a RuntimeError beyond float32's largest number (bfloat16's is about the same)
+    big = torch.finfo(torch.float32).max
+    top = min(big * (1 - o.beta1), big / o.weight_decay if o.weight_decay > 0 else math.inf)
+    if o.lr >= top:
+        raise UserError(f"optim.lr {o.lr:g} is too large: AdamW's first step (lr / (1 - beta1)) or its weight decay "
+                        f"(lr x weight_decay) overflows float32; use a learning rate below {top:.3g}")
     _num("schedule.warmup_steps", sc.warmup_steps, lo=0, integer=True)
     _num("schedule.horizon_steps", sc.horizon_steps, lo=1, integer=True, optional=True)
     _num("schedule.decay_fraction", sc.decay_fraction, lo=0, hi=1)
@@ -1060,7 +1067,7 @@ def _train(cfg: TrainConfig, resume: str | Path | None, env: D.DistEnv, locks: l
         load_s = read_s + time.perf_counter() - t_load
         _apply_optim_values(opt, cfg)   # this run's optimizer values, not the checkpoint's
         loader.load_state_dict(state["loader"])
-        ckpt.set_rng_state(state["rng"])
+        ckpt.set_rng_state(state.get("rng"), src)
         start_step, tokens = int(state["step"]), int(state["tokens"])
         if start_step >= cfg.train.steps:
             raise UserError(f"checkpoint is at step {start_step}, nothing to do for --steps {cfg.train.steps}; "
