@@ -17,7 +17,11 @@ measuring them; with ``--json``, the count of each SASS opcode as well, to see w
 integer and logic operations issue to the ALU pipe, float operations to the FMA pipe), PTX instruction count and a hash of the PTX code without debug information and symbol names (equal hashes: identical PTX; ptxas may still schedule it slightly differently, as the line
 table it reads differs).
 
-    python tools/compile_check.py [--arch 90] [--jobs 2] [--json out.json] [--only SUBSTRING ...]
+    python tools/compile_check.py [--arch 90] [--jobs 2] [--json out.json] [--only SUBSTRING ...] [--fusion]
+
+``--fusion``: the variants the compiled MX layer launches (``FUSION_CHECKED``; or those ``--only`` names) compiled
+with contraction off and on: inductor compiles user kernels with it on, and every one of them must compile to the
+same code (``fusion_check``; tests/test_compiledmx.py runs it in CI).
 
 Runs on a CPU machine (``TRITON_INTERPRET`` is cleared for the run); needs only the Triton wheel. Exit status
 1 if a variant fails to compile. ``tests/test_kernels.py`` runs a few variants.
@@ -39,7 +43,7 @@ os.environ.pop("TRITON_INTERPRET", None)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # runtime argument types of the kernels, by name (everything else is int32 or a constexpr)
-PTR_TYPES = {"x_ptr": "*bf16", "signs_ptr": "*fp32", "car_ptr": "*u8", "gs_ptr": "*fp32", "fp4_ptr": "*u8",
+PTR_TYPES = {"pk_ptr": "*u8", "x_ptr": "*bf16", "signs_ptr": "*fp32", "car_ptr": "*u8", "gs_ptr": "*fp32", "fp4_ptr": "*u8",
              "sc_ptr": "*u8", "cnt_ptr": "*i32", "key_ptr": "*i32",
              "sg_a": "*fp32", "car_a": "*u8", "gs_a": "*fp32", "kp_a": "*i32",
              "sg_b": "*fp32", "car_b": "*u8", "gs_b": "*fp32", "kp_b": "*i32",
@@ -145,6 +149,23 @@ VARIANTS = {
     "dual r0 g128": _dual(64, 128, 8, gr_b=128),
     "dual r16 sr": _dual(rot=16, sr=True),
     "dual r0 fp4_b seq idx64": _dual(fp4_b=True, SEQ=True, IDX64=True),
+    # what the compiled MX layer launches through inductor (mxtrain/compiledmx.py: round to nearest, no signs,
+    # prescale 1; bf16 activations, float32 weights): X's two operands (B as FP4 codes), dY's two carriers, W
+    # along K and along N with 128x128 groups, and the carrier rebuild; FUSION_CHECKED below
+    "graph dual x r0 g128 fp4_b": _dual(64, 128, 8, gr_b=128, fp4_b=True),
+    "graph dual x r16 g128 fp4_b": _dual(64, 128, 8, gr_b=128, rot=16, fp4_b=True, HAS_SIGNS_A=False,
+                                         HAS_SIGNS_B=False),
+    "graph dual x r32 g128 fp4_b": _dual(64, 128, 8, gr_b=128, rot=32, fp4_b=True, HAS_SIGNS_A=False,
+                                         HAS_SIGNS_B=False),
+    "graph dual dy r16": _dual(rot=16, HAS_SIGNS_A=False, HAS_SIGNS_B=False),
+    "graph blocks w r16 g128": _single("blocks", 128, 8, 16, GROUP_ROWS=128, maxnreg=80),
+    "graph blocks w r32 g128 amd": _single("blocks", 128, 8, 32, GROUP_ROWS=128, RULE=4, maxnreg=80),
+    "graph cols w r16 g128": _single("cols", 128, 8, 16, GROUP_ROWS=128, maxnreg=80, PACK=2),
+    "graph blocks x r16 fold": _single("blocks", 16, 2, 16, FOLD=True),
+    "graph tile x r16 fp4 cols": _single("tile", 64, 4, 16, WRITE_CARRIER=False, WRITE_FP4=True,
+                                         ones=("sx_r",)),
+    "graph expand g128": dict(kind="expand", layout="expand", consts=dict(BR=128, GROUP_ROWS=128), ones=(),
+                              num_warps=8, maxnreg=None),
     # the NVFP4 quantizer (kernels/nvfp4.py), as quantize_nvfp4_factored launches it on a GPU
     "nvfp4 rows 1d": _nvfp4(1, 2, 4),
     "nvfp4 rows 2d sr prescale": _nvfp4(1, 2, 4, tile2d=True, sr=True, prescale=True),
@@ -175,6 +196,9 @@ def kernel_of(v):
         from mxtrain.kernels import nvfp4 as N
         return {"nvfp4": N._nvfp4_kernel, "nvfp4_amax": N._finite_amax_kernel,
                 "nvfp4_rot_amax": N._rot_amax_kernel}[v["kind"]], {}
+    if v["kind"] == "expand":
+        from mxtrain.kernels import expand as E
+        return E._expand_kernel, {}
     from mxtrain.kernels.mxfp4 import kernels as K
     if v["kind"] == "dual":
         return K._mxfp4_dual_kernel, {}
@@ -206,12 +230,16 @@ def _tool(name):
 
 
 def compile_one(item):
-    name, v, arch = item
+    name, v, arch, *rest = item
+    fusion = bool(rest and rest[0])
     import triton
     from triton.backends.compiler import GPUTarget
-    opts = dict(num_warps=v["num_warps"], enable_fp_fusion=False)
-    if v["maxnreg"]:
-        opts["maxnreg"] = v["maxnreg"]
+    if fusion:   # as inductor compiles a user kernel: Triton's defaults (contraction on, no register cap)
+        opts = dict(num_warps=v["num_warps"], enable_fp_fusion=True)
+    else:
+        opts = dict(num_warps=v["num_warps"], enable_fp_fusion=False)
+        if v["maxnreg"]:
+            opts["maxnreg"] = v["maxnreg"]
     try:
         c = triton.compile(source(v), target=GPUTarget("cuda", arch, 32), options=opts)
     except Exception as e:  # noqa: BLE001 - reported per variant
@@ -231,8 +259,13 @@ def compile_one(item):
         sass = subprocess.run([_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
     regs = int(re.search(r"REG:(\d+)", res).group(1))
     n_sass = sum(1 for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", ln))
-    text = re.sub(r"_(mxfp4|nvfp4|finite_amax)\w*", "K", "\n".join(code))
-    r = {"regs": regs, "sass": n_sass, "ptx": n_ptx, "hash": hashlib.sha1(text.encode()).hexdigest()[:12]}
+    text = re.sub(r"_(mxfp4|nvfp4|finite_amax|expand)\w*", "K", "\n".join(code))
+    # the same PTX but for the rounding modifiers of float adds and multiplies (".rn": what a build without
+    # contraction writes so that ptxas fuses nothing) and the register cap directive (a launch option)
+    plain = re.sub(r"^(add|sub|mul)\.rn\.f32", r"\1.f32", text, flags=re.M)
+    plain = re.sub(r"^\.maxnreg \d+\n", "", plain, flags=re.M)
+    r = {"regs": regs, "sass": n_sass, "ptx": n_ptx, "hash": hashlib.sha1(text.encode()).hexdigest()[:12],
+         "hash_plain": hashlib.sha1(plain.encode()).hexdigest()[:12]}
     ops: dict[str, int] = {}   # SASS opcode (first word after the address, predicate dropped) -> count
     for ln in sass.splitlines():
         m = re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", ln)
@@ -247,6 +280,34 @@ def compile_one(item):
     return name, r
 
 
+# The variants the compiled MX layer launches through inductor, which compiles user kernels with floating-point
+# contraction on (mxtrain/kernels/mxfp4/traced.py): each must compile to the same code either way.
+FUSION_CHECKED = tuple(n for n in VARIANTS if n.startswith("graph "))
+FLOAT_OPS = ("FFMA", "FMUL", "FADD")
+
+
+def fusion_check(names=FUSION_CHECKED, arch: int = 90, jobs: int = 1) -> dict:
+    """For each variant: compiled with contraction off (mxtrain's launches) and on (inductor's), is the code the
+    same? ``same``: the PTX equal but for the ``.rn`` modifiers of float adds and multiplies, and the SASS holds
+    the same number of each float instruction (no product was fused into an FMA, by LLVM or by ptxas)."""
+    items = [(n, VARIANTS[n], arch, f) for n in names for f in (False, True)]
+    if jobs > 1:
+        with ProcessPoolExecutor(jobs) as ex:
+            res = list(ex.map(compile_one, items))
+    else:
+        res = [compile_one(it) for it in items]
+    out = {}
+    for i in range(0, len(res), 2):
+        (name, off), (_, on) = res[i], res[i + 1]
+        if "error" in off or "error" in on:
+            out[name] = {"same": False, "error": off.get("error") or on.get("error")}
+            continue
+        fl = {k: (off["ops"].get(k, 0), on["ops"].get(k, 0)) for k in FLOAT_OPS}
+        out[name] = {"same": off["hash_plain"] == on["hash_plain"] and all(a == b for a, b in fl.values()),
+                     "float_ops": fl, "regs": (off["regs"], on["regs"])}
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", type=int, default=90)
@@ -254,7 +315,19 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     ap.add_argument("--only", action="append", default=None,
                     help="variants whose name contains this (repeatable: any of them)")
+    ap.add_argument("--fusion", action="store_true",
+                    help="compile each variant (default: FUSION_CHECKED) with contraction off and on and say whether "
+                         "the code is the same (exit status 1 if not)")
     a = ap.parse_args(argv)
+    if a.fusion:
+        names = [n for n in VARIANTS if any(o in n for o in a.only)] if a.only else list(FUSION_CHECKED)
+        res = fusion_check(names, a.arch, a.jobs)
+        for name, r in res.items():
+            print(f"{name:34s} {'same' if r['same'] else 'DIFFERENT'}  {r.get('error') or r['float_ops']}", flush=True)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(res, f, indent=1)
+        return 0 if all(r["same"] for r in res.values()) else 1
     items = [(n, v, a.arch) for n, v in VARIANTS.items() if a.only is None or any(o in n for o in a.only)]
     out = {}
     with ProcessPoolExecutor(a.jobs) as ex:

@@ -20,7 +20,7 @@ import torch
 from . import HAS_TRITON
 from .mxfp4.carrier import TILE_K, QuantOut, carrier_buffers, ceil_to
 
-__all__ = ["carrier_from_packed"]
+__all__ = ["carrier_from_packed", "expand_spec"]
 
 if HAS_TRITON:
     import triton
@@ -67,7 +67,8 @@ if HAS_TRITON:
         e = mag >> 1
         m = (mag & 1).to(tl.float32)
         # E2M1: e == 0 -> 0.5 m; else (1 + 0.5 m) 2**(e - 1)
-        val = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * ((e + 126) << 23).to(tl.float32, bitcast=True))
+        # (explicit FMA: 0.5 m is exact; contraction on or off leaves the code as written)
+        val = tl.where(e == 0, 0.5 * m, tl.fma(m, 0.5, 1.0) * ((e + 126) << 23).to(tl.float32, bitcast=True))
         val = (val.to(tl.int32, bitcast=True) | ((codes & 8) << 28)).to(tl.float32, bitcast=True)  # -0 kept
         c = tl.reshape(tl.reshape(val, [BR, 4, 32]) * fc[:, :, None], [BR, 128])
         # e4m3 bits by float32 arithmetic (the values are E2M1 times a power of two: exact above 2**-6,
@@ -84,6 +85,21 @@ if HAS_TRITON:
         tl.atomic_add(cnt_ptr, n_bad, mask=n_bad > 0)
 
 
+def expand_spec(R: int, K: int, Kq: int, group_rows: int, k_multiple: int = TILE_K, row_multiple: int = 16) -> tuple:
+    """The launch of ``_expand_kernel`` for an operand of ``R`` rows, reduction length ``K`` (codes padded to
+    ``Kq``): ``(Rc, Kc, group-scale storage shape, its strides (per row group, per K group), BR, grid, warps)``, for
+    the eager launch (``carrier_from_packed``) and the traced one (``mxfp4.traced.q_expand``)."""
+    Kc = ceil_to(max(K, 1), k_multiple)
+    Rc = ceil_to(max(R, 1), 128 if group_rows == 128 else max(row_multiple, 1))
+    if group_rows == 1:   # (carrier.carrier_buffers' layouts)
+        gs_shape, gsr, gsk = (Kc // TILE_K, Rc), 1, Rc
+    else:
+        ld = ceil_to(Kc // TILE_K, 4)
+        gs_shape, gsr, gsk = (Rc // 128, ld), ld, 1
+    BR = 128 if group_rows == 128 else 32
+    return Rc, Kc, gs_shape, gsr, gsk, BR, (-(-Rc // BR), Kc // TILE_K), 4 if group_rows == 1 else 8
+
+
 def carrier_from_packed(q: QuantOut, k_multiple: int = TILE_K, row_multiple: int = 16,
                         counter: torch.Tensor | None = None) -> QuantOut:
     """A copy of ``q`` (packed FP4 codes + E8M0 scales) with its FP8 carrier and group scales
@@ -96,18 +112,15 @@ def carrier_from_packed(q: QuantOut, k_multiple: int = TILE_K, row_multiple: int
     R, dev = q.R, q.packed.device
     Kq = q.scales.shape[1] * 32
     gr = q.group_rows
-    Kc = ceil_to(max(q.K, 1), k_multiple)
-    Rc = ceil_to(max(R, 1), 128 if gr == 128 else max(row_multiple, 1))
-    car, gs, base, gsr, gsk = carrier_buffers(Rc, Kc, gr, dev)
+    Rc, Kc, _, gsr, gsk, BR, grid, nw = expand_spec(R, q.K, Kq, gr, k_multiple, row_multiple)
+    car, gs, base, _, _ = carrier_buffers(Rc, Kc, gr, dev)
     cnt = counter if counter is not None else torch.zeros((1,), dtype=torch.int32, device=dev)
-    BR = 128 if gr == 128 else 32
-    grid = (triton.cdiv(Rc, BR), Kc // TILE_K)
     from .. import settings as _settings
     from .mxfp4.launch import launch_direct, use_plans
     args = (q.packed, q.scales, car, gs, cnt, R, Kq, Rc, Kc, gsr, gsk)
     key = (("expand", dev, q.packed.data_ptr() & 15, q.scales.data_ptr() & 15, car.data_ptr() & 15,
             gs.data_ptr() & 15, cnt.data_ptr() & 15, R, Kq, Rc, Kc, gsr, gsk, BR, gr)
            if use_plans(q.packed, _settings.current()) else None)
-    launch_direct(_expand_kernel, grid, args, {"BR": BR, "GROUP_ROWS": gr}, 4 if gr == 1 else 8, key)
+    launch_direct(_expand_kernel, grid, args, {"BR": BR, "GROUP_ROWS": gr}, nw, key)
     return QuantOut(R, q.K, car.view(torch.float8_e4m3fn), gs, gr, cnt, q.packed, q.scales, base)
 

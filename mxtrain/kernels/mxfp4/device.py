@@ -143,15 +143,16 @@ if triton is not None:
         elif USE_ASM:
             # the hardware conversion, two values per instruction; the first value goes to the low byte
             return tl.inline_asm_elementwise(
-                asm="{ .reg .b16 lo, hi;\n"
-                    "cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n"
-                    "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\n"
+                # (one line, no escape sequences: inductor copies a kernel's source into a string literal)
+                asm="{ .reg .b16 lo, hi; "
+                    "cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; "
+                    "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
                     "mov.b32 $0, {lo, hi}; }",
                 constraints="=r,r,r,r,r", args=[c], dtype=tl.uint8, is_pure=True, pack=4)
         else:
             a = tl.abs(c)
             nrm = (a.to(tl.int32, bitcast=True) >> 20) - 960
-            sub = (a * 512.0 + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
+            sub = tl.fma(a, 512.0, 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000   # (a * 512: exact)
             b = tl.where(a < 0.015625, sub, nrm)
             b = tl.minimum(b, 0x7E) | ((c.to(tl.int32, bitcast=True) >> 24) & 0x80)
             b = tl.where(c != c, 0x7F, b)
@@ -175,15 +176,18 @@ if triton is not None:
             rr = fl + tl.where(u < (y - fl), 1.0, 0.0)
             q = rr * (pbits - 0x00800000).to(tl.float32, bitcast=True)        # * 2**(e-1)
         else:
-            # round to the step 2**(e-1) by adding and removing 1.5 * 2**(22+e)
-            m = pbits.to(tl.float32, bitcast=True) * 6291456.0
+            # round to the step 2**(e-1) by adding and removing m = 1.5 * 2**(22+e), built from 2**e's bits (no
+            # multiply: a product feeding the add could be contracted into an FMA where contraction is on)
+            m = (pbits + ((22 << 23) | 0x400000)).to(tl.float32, bitcast=True)
             q = (a + m) - m
         return q
 
     @triton.jit
     def _fp4_code(q, v):
         """E2M1 code of magnitude q (0, .5, 1, 1.5, 2, 3, 4, 6 -> 0..7) with the sign of v."""
-        cf = tl.minimum(tl.minimum(q * 2.0, q + 2.0), q * 0.5 + 4.0)
+        # (an explicit FMA: q * 0.5 is exact, so it is the product-then-add either way, and contraction, on or
+        # off, leaves the code as written)
+        cf = tl.minimum(tl.minimum(q * 2.0, q + 2.0), tl.fma(q, 0.5, 4.0))
         c = (cf + 12582912.0).to(tl.int32, bitcast=True) & 0xF
         return c | ((v.to(tl.int32, bitcast=True) >> 28) & 8)
 

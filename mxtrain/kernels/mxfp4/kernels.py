@@ -74,6 +74,10 @@ if triton is not None:
         if pid_r is None:
             pid_r = tl.program_id(0)
             pid_k = tl.program_id(1)
+        # float32 arithmetic whatever type the launcher gave the float arguments (Triton's launch: float32;
+        # inductor's generated launch of a user kernel: float64); their values are float32 (launch.rot_floats)
+        inv_sqrt = tl.cast(inv_sqrt, tl.float32)
+        prescale = tl.cast(prescale, tl.float32)
         if KEY_PTR:  # the seed read from device memory (refreshed between CUDA-graph replays)
             key = tl.load(key_ptr)
         if IDX64:  # offsets beyond 2**31 - 1: 64-bit index math (costs integer throughput)
@@ -193,7 +197,7 @@ if triton is not None:
                     cs = cs + ((q.to(tl.int32, bitcast=True)
                                 | (v.to(tl.int32, bitcast=True) & smask)).to(tl.float32, bitcast=True) * fc,)
                 if WRITE_FP4:
-                    cf = tl.minimum(tl.minimum(q * 2.0, q + 2.0), q * 0.5 + 4.0)   # as _fp4_code
+                    cf = tl.minimum(tl.minimum(q * 2.0, q + 2.0), tl.fma(q, 0.5, 4.0))   # as _fp4_code
                     c = ((cf + 12582912.0).to(tl.int32, bitcast=True) & 0xF) | (((v.to(tl.int32, bitcast=True)
                                                                                   & smask) >> 28) & 8)
                     qs = qs + (tl.where(ok, c, 0),)
@@ -272,14 +276,16 @@ if triton is not None:
             vbits = v.to(tl.int32, bitcast=True)
             a = tl.minimum(tl.abs(v), 6.0)
             e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, 0)
-            y = a * _pow2n(1 - e)
+            p = _pow2n(1 - e)
             if SR:
+                y = a * p
                 idx = r3.to(tl.int64) * si_r + c3.to(tl.int64) * si_k
                 u3 = _uniform(idx, key)
                 fl = y.to(tl.int32).to(tl.float32)
                 rr = fl + tl.where(u3 < (y - fl), 1.0, 0.0)
             else:
-                rr = (y + 12582912.0) - 12582912.0
+                # (a * p is exact: written as the FMA it is, so contraction on or off leaves the code as written)
+                rr = tl.fma(a, p, 12582912.0) - 12582912.0
             ri = rr.to(tl.int32)
             mag = tl.minimum(ri + 2 * e, 7)                              # E2M1 magnitude code
 
@@ -306,7 +312,7 @@ if triton is not None:
                 # throughput, and Triton's fp32 -> e4m3 cast wrote wrong bytes on sm_90: module docstring.)
                 cval = rr * _pow2n(tl.maximum(e - 1 + kexp[:, :, None], -126))
                 nrm = (cval.to(tl.int32, bitcast=True) >> 20) - 960
-                sub = (cval * 512.0 + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
+                sub = tl.fma(cval, 512.0, 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000   # (exact product)
                 bits8 = tl.where(cval < 0.015625, sub, nrm)
                 bits8 = bits8 | ((vbits >> 24) & 0x80)
                 bits8 = tl.where(ok[:, :, None], bits8, 0x7F)
