@@ -97,12 +97,13 @@ class FastState:
       call that finds none does not count, and its device is then in ``missed``.
     """
 
-    __slots__ = ("activations", "counters", "missed")
+    __slots__ = ("activations", "counters", "missed", "by_name")
 
     def __init__(self):
         self.activations: dict = {}
         self.counters: dict = {}
         self.missed: set = set()
+        self.by_name: dict = {}   # str(device) -> the (x, w, dy) counters, for compiled layers (compiledmx)
 
     @staticmethod
     def _dev(device) -> torch.device:
@@ -121,7 +122,10 @@ class FastState:
             warm_elem_tables(d)    # (the reference quantizer's tables, used by the kernels' self-check too)
         for r in ROLES:
             if (d, r) not in self.counters:
-                self.counters[(d, r)] = torch.zeros((1,), dtype=torch.int32, device=d)
+                c = self.counters[(d, r)] = torch.zeros((1,), dtype=torch.int32, device=d)
+                if d.type == "cuda":   # (a CUDA graph replays writes to it: its address never changes)
+                    torch._dynamo.mark_static_address(c)
+        self.by_name[str(d)] = tuple(self.counters[(d, r)] for r in ROLES)
 
     def counter(self, device, role: str = "x", create: bool = True) -> torch.Tensor | None:
         """The running count of ``role`` on ``device``; without ``create``, None (and the device noted in
@@ -158,6 +162,7 @@ class FastState:
         self.activations.clear()
         self.counters.clear()
         self.missed.clear()
+        self.by_name.clear()
 
 
 state = FastState()

@@ -53,7 +53,7 @@ from . import tensorfp8, tracedfp8
 from .recipe import Recipe
 from .recipes import get as get_recipe
 
-__all__ = ["mx_linear", "route", "call_context", "new_state"]
+__all__ = ["mx_linear", "route", "call_context", "new_state", "implementation", "COMPILED_FORMS"]
 
 _AMP = {"": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _AMP_NAME = {v: k for k, v in _AMP.items()}
@@ -565,6 +565,60 @@ def _check_floats(x: torch.Tensor, weight: torch.Tensor) -> None:
                             f".float() first")
 
 
+COMPILED_FORMS = {
+    "plain": "F.linear (the recipe quantizes nothing)",
+    "traced_mx": "traced PyTorch operations around the FP8-carrier GEMM (mxtrain.tracedmx, setting mx_traced)",
+    "graph": "compiled into the graph: Triton quantize kernels and the carrier GEMM in inductor's code "
+             "(mxtrain.compiledmx, setting mx_compiled)",
+    "traced_fp8": "traced per-tensor FP8 casts and torch._scaled_mm (mxtrain.tracedfp8, setting fp8_traced)",
+    "split_ops": "the custom ops mxtrain::quantize_input and mxtrain::linear_q (the fast path, decided in Python "
+                 "at each call)",
+    "op": "the custom op mxtrain::linear (the fast path or the reference, decided in Python at each call)",
+}
+
+
+def compiled_form(x, weight, quantized: bool, split: bool, fp8: str, mx: str) -> tuple[str, object]:
+    """Which implementation a compiled call of a layer takes (``COMPILED_FORMS``' keys), with what that form
+    needs (``tracedmx``'s group rows, ``compiledmx``'s plan, ``tracedfp8``'s formats): the one place that
+    reads the routing settings of compiled layers (``compiled_linear`` calls it while tracing; ``implementation``
+    answers users). Works on fake tensors."""
+    if not quantized:
+        return "plain", None
+    if mx:
+        from . import compiledmx, tracedmx
+        rows = tracedmx.applies(mx, x, weight)
+        if rows:
+            return "traced_mx", rows
+        plan = compiledmx.applies(mx, x, weight)
+        if plan[0]:
+            return "graph", plan
+    if fp8:
+        fmts = tuple(fp8.split(","))
+        if tracedfp8.applies(fmts, _fp8_input(x), weight):
+            return "traced_fp8", fmts
+    from . import fast, settings
+    s = settings.current()
+    # (exact_carrier: the one op, whose GEMMs see the FP4 codes beside each carrier)
+    if (split and s.fast and not s.exact_carrier and fast.KERNELS and x.is_cuda and x.dtype in fast.OK_DTYPES
+            and weight.dtype in fast.OK_DTYPES):
+        return "split_ops", None
+    return "op", None
+
+
+def implementation(recipe: Recipe | str, x: torch.Tensor, weight: torch.Tensor, compiled: bool = True) -> str:
+    """What runs a layer of ``recipe`` called on ``x`` with ``weight`` (real or meta tensors of the shapes,
+    dtypes and device you use), in words: under ``torch.compile`` (``compiled``), one of ``COMPILED_FORMS``;
+    eagerly, ``route``'s answer (plain, the fast path's fused kernels, or the reference quantizer). Reads the
+    settings as they are now: a setting changed after a model was compiled does not change its graph."""
+    r = get_recipe(recipe)
+    if not compiled:
+        return {"plain": "F.linear (the recipe quantizes nothing)",
+                "fast": "the fast path: fused Triton quantizers and MX GEMMs (mxtrain.fast)",
+                "reference": "the reference quantizer and GEMMs (mxtrain.linear.ref_forward)"}[route(r, x, weight)]
+    json_, _, quantized, split, fp8, mx = _compile_spec(r._json)
+    return COMPILED_FORMS[compiled_form(x, weight, quantized, split, fp8, mx)[0]]
+
+
 def compiled_linear(x, weight, bias, state, recipe_str: str, seeded: bool, quantized: bool, split: bool = False,
                     fp8: str = "", mx: str = ""):
     """The traced form of ``mx_linear`` (what a compiled ``MXLinear.forward`` calls): only strings and
@@ -573,19 +627,20 @@ def compiled_linear(x, weight, bias, state, recipe_str: str, seeded: bool, quant
     recipe's operand formats joined by commas where ``tracedfp8.spec`` accepts it (else empty): traced
     operations instead of the custom op where ``tracedfp8.applies``. ``mx``: ``tracedmx.spec`` of the recipe (else
     empty): traced operations around the FP8-carrier GEMM where ``tracedmx.applies``."""
-    if not quantized:
+    form, arg = compiled_form(x, weight, quantized, split, fp8, mx)
+    if form == "plain":
         return F.linear(x, weight, bias)
     _check_floats(x, weight)
-    if mx:
+    if form == "traced_mx":
         from . import tracedmx
-        rows = tracedmx.applies(mx, x, weight)
-        if rows:
-            return tracedmx.linear(x, weight, bias, mx, rows)
+        return tracedmx.linear(x, weight, bias, mx, arg)
+    if form == "graph":
+        from . import compiledmx
+        return compiledmx.linear(x, weight, bias, mx, arg)
     if fp8:
         x = _fp8_input(x)
-        fmts = tuple(fp8.split(","))
-        if tracedfp8.applies(fmts, x, weight):
-            return tracedfp8.linear(x, weight, bias, fmts)
+    if form == "traced_fp8":
+        return tracedfp8.linear(x, weight, bias, arg)
     keys = signs = None
     if seeded:
         if state is None:
@@ -593,12 +648,10 @@ def compiled_linear(x, weight, bias, state, recipe_str: str, seeded: bool, quant
         keys, signs = torch.ops.mxtrain.call_seeds(state, recipe_str, torch.is_grad_enabled())
     dt = x.device.type
     amp = torch.get_autocast_dtype(dt) if torch.is_autocast_enabled(dt) else None
-    from . import fast, settings
+    from . import settings
     # (wgrad_x=backward: the graph keeps X, not its Wgrad operand, and the backward quantizes it)
     need_wgrad = torch.is_grad_enabled() and weight.requires_grad and settings.current().wgrad_x == "forward"
-    # (exact_carrier: the one op, whose GEMMs see the FP4 codes beside each carrier)
-    if (split and settings.current().fast and not settings.current().exact_carrier and fast.KERNELS and x.is_cuda
-            and x.dtype in fast.OK_DTYPES and weight.dtype in fast.OK_DTYPES):
+    if form == "split_ops":
         f0, f1, w0, w1 = torch.ops.mxtrain.quantize_input(x, keys, signs, recipe_str, need_wgrad)
         return torch.ops.mxtrain.linear_q(x, f0, f1, w0, w1, weight, bias, keys, signs, recipe_str, _AMP_NAME[amp])
     y, _, _ = torch.ops.mxtrain.linear(x, weight, bias, keys, signs, recipe_str, _AMP_NAME[amp], need_wgrad)

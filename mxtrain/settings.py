@@ -171,6 +171,14 @@ class Settings:
         "dX and dW written by their GEMMs in the autocast dtype (autograd widens them to float32): fewer bytes, "
         "gradients rounded to bf16. With `fp8_fast_accum=fprop` the layers compute what torchao's float8 "
         "tensorwise layers do.", "choice", choices=("float32", "autocast"), numerics=True)
+    mx_compiled: str = _knob(
+        "auto", "MXTRAIN_MX_COMPILED", "Under `torch.compile`, the layers of MXFP4 recipes whose GEMMs all use "
+        "round-to-nearest, prescale 1 and no or a deterministic Hadamard rotation (`mxfp4-all`, `mxfp4-all-dh16`, "
+        "`mxfp4-fprop`...): `auto`: compiled into the graph (`mxtrain/compiledmx.py`: the quantize kernels as "
+        "`triton_op`s and the carrier GEMM traced, every decision made when the graph is traced, so a layer "
+        "costs the host what inductor's generated code spends on it) on GPUs with FP8 tensor cores; `ops`: the "
+        "opaque custom ops, which decide in Python at every call. Same values and inexact-block counts either "
+        "way.", "choice", choices=("auto", "ops"))
     mx_traced: str = _knob(
         "off", "MXTRAIN_MX_TRACED", "Under `torch.compile`, the layers of MXFP4 recipes whose GEMMs all use "
         "round-to-nearest, prescale 1 and no or a deterministic Hadamard rotation (`mxfp4-all`, `mxfp4-all-dh16`, "

@@ -25,12 +25,13 @@ import torch
 from ... import settings as _settings
 from .. import INTERPRET
 from ..caches import CACHES
-from .carrier import TILE_K, QuantOut
+from .carrier import TILE_K, QuantOut, ceil_to
 from . import kernels as _kernels   # (its kernels exist where Triton imports; read at launch time)
 
 __all__ = ["RULE_ID", "BLOCK_ROTS", "FOLD_ROTS", "CAPPED_KERNELS", "DUAL_CONFIG", "DUAL_SEQ", "kernel_for",
            "fold_applies", "dual_applies", "block_config", "single_kernel", "launch_opts", "needs_idx64",
-           "single_args", "dual_args", "use_plans", "Plan", "DualPlan", "Launch", "LAUNCHES", "record_launches"]
+           "single_args", "dual_args", "single_spec", "dual_spec", "SingleSpec", "DualSpec", "kernel_kwargs",
+           "use_plans", "Plan", "DualPlan", "Launch", "LAUNCHES", "record_launches"]
 
 RULE_ID = {"floor": 0, "ceil": 1, "rceil": 2, "even": 3, "amd": 4}   # the kernels' RULE constexpr
 
@@ -179,6 +180,129 @@ def needs_idx64(Rp: int, Kc: int, Kq: int, sx_r: int, sx_k: int, si) -> bool:
     programs) could pass 2**31 - 1."""
     return max(Rp * abs(sx_r) + Kc * abs(sx_k), Rp * Kc, Rp * Kq,
                Rp * max(si[0], 1) + Kc * max(si[1], 1)) >= 2**31 - 1
+
+
+# ---------------------------------------------------------------------------------------------- launch specs
+
+SingleSpec = namedtuple("SingleSpec", ["kern", "kfn", "consts", "num_warps", "opts", "grid", "ints", "floats",
+                                       "R", "K", "Rc", "Kc", "Kq"])
+SingleSpec.__doc__ = """Everything one single-pass launch depends on but the tensors (``single_spec``): the layout
+``kern``, the kernel ``kfn`` and its constexprs ``consts``, warps, launch options, the grid, the integer and
+float arguments of ``single_args``, and the outputs' sizes (rows ``R``, reduction ``K``, carrier rows ``Rc``
+and length ``Kc``, the MX padded length ``Kq``)."""
+
+
+def single_spec(shape, strides, dtype: torch.dtype, dev: torch.device, axis: int, *, rot: int, has_signs: bool,
+                rounding: str, scale_rule: str, prescale: float, index_strides, carrier: bool, fp4: bool,
+                group_rows: int, row_multiple: int, block_rows: int | None, num_warps: int | None,
+                k_multiple: int, key_ptr: bool, force_idx64: bool, st) -> SingleSpec:
+    """The launch of ``_mxfp4_kernel`` that quantizes a 2-D tensor of ``shape`` / ``strides`` along ``axis``
+    (``quantize_mxfp4_2d``'s options; ``st``: the settings): written once, for the eager launch and launch
+    plans (``ops.quantize_mxfp4_2d``) and for the traced form under ``torch.compile`` (``traced.q_single``).
+    Depends on sizes, strides, dtype, device and options only (works on fake tensors' metadata)."""
+    if axis == 1:
+        R, K = shape
+        sx_r, sx_k = strides[0], strides[1]
+        si = index_strides or (shape[1], 1)
+    else:
+        K, R = shape
+        sx_r, sx_k = strides[1], strides[0]
+        si = index_strides or (1, shape[1])
+    sr = rounding == "stochastic"
+    Kq = ceil_to(ceil_to(max(K, 1), rot or 1), 32)   # the reference pads to whole rotation blocks first
+    Kc = ceil_to(max(K, 1), k_multiple)  # fp8_carrier uses 512: cuBLAS wants K/128 % 4 == 0
+    if group_rows == 128:
+        row_multiple = 128
+    kern = kernel_for(axis, rot, fp4, rows_contiguous=sx_r == 1 and sx_k != 1, kernel=st.qkernel)
+    BR, nw = block_config(kern, axis, group_rows, sr, block_rows, num_warps)
+    Rc = ceil_to(max(R, 1), max(row_multiple, 1)) if carrier else R
+    if carrier:
+        gsr, gsk = (1, Rc) if group_rows == 1 else (ceil_to(Kc // TILE_K, 4), 1)   # (carrier.carrier_buffers)
+    else:
+        gsr = gsk = 0
+    grid = (-(-max(Rc, 1) // BR), Kc // TILE_K)
+    idx64 = force_idx64 or needs_idx64(grid[0] * BR, Kc, Kq, sx_r, sx_k, si)
+    kfn, consts = single_kernel(kern, dev, dtype, BR, nw, rot, has_signs, scale_rule, sr, prescale, group_rows,
+                                carrier, fp4, idx64, key_ptr, st)
+    opts = launch_opts(kern + ("128" if kern == "blocks" and group_rows == 128 else ""), dev, sr=sr,
+                       maxnreg=st.qmaxnreg)
+    ints = (R, K, Rc, sx_r, sx_k, si[0], si[1], Kc, Kq, gsr, gsk)
+    return SingleSpec(kern, kfn, consts, nw, opts, grid, ints, rot_floats(rot, prescale), R, K, Rc, Kc, Kq)
+
+
+DualSpec = namedtuple("DualSpec", ["consts", "num_warps", "opts", "grid", "ints", "floats_a", "floats_b", "sides"])
+DualSpec.__doc__ = """Everything one dual-kernel launch depends on but the tensors (``dual_spec``): constexprs,
+warps, launch options, grid, the integer arguments of ``dual_args`` and each side's floats; ``sides``: per
+output (A, B) ``(R, K, Rc, Kc, Kq, group_rows, fp4)``."""
+
+
+def dual_spec(shape, stride0: int, dtype: torch.dtype, dev: torch.device, a: dict, b: dict, *, k_multiple: int,
+              block_rows, num_warps, sequential, fp4_b: bool, force_idx64: bool, st) -> DualSpec:
+    """The launch of ``_mxfp4_dual_kernel`` for a row-major (M, K) tensor with row stride ``stride0``; ``a``,
+    ``b``: each side's options as ``ops.quantize_mxfp4_dual`` takes them, where ``signs`` and ``key_tensor``
+    only need to say whether they are given. Written once for the eager launch (``ops``) and the traced form
+    (``traced.q_dual``)."""
+    M, K = shape
+    gr_b = b.get("group_rows", 1)
+    cfg = DUAL_CONFIG[gr_b == 128]
+    nw = num_warps or cfg[2]
+    bra, brb = block_rows or cfg[:2]
+    seq = DUAL_SEQ if sequential is None else sequential
+    BR = {1: bra, 0: brb}
+    assert 128 % bra == 0 and brb in (64, 128) and (gr_b == 1 or brb == 128), (bra, brb, gr_b)
+    pack = 4 * brb // (32 * nw)
+    assert 4 * brb % (32 * nw) == 0 and pack in (2, 4, 8, 16), \
+        "dual kernel: 4 x block_rows[1] must be 64, 128, ... x 32 x num_warps"
+    dims, floats, consts, geo, sides = [], [], {}, [], []
+    for axis, side, R, Kr, sfx in ((1, a, M, K, "A"), (0, b, K, M, "B")):
+        rot = side.get("rot", 0)
+        gr = side.get("group_rows", 1)
+        Kq = ceil_to(ceil_to(Kr, rot or 1), 32)
+        Kc = ceil_to(Kr, k_multiple)
+        Rc = ceil_to(R, 128 if gr == 128 else 16)
+        si = side.get("index_strides") or ((K, 1) if axis == 1 else (1, K))
+        rounding = side.get("rounding", "nearest")
+        prescale = side.get("prescale", 1.0)
+        fp = axis == 0 and fp4_b
+        if fp:   # packed codes and scales take the carrier's and group scales' places
+            gsr = gsk = 0
+        else:
+            gsr, gsk = (1, Rc) if gr == 1 else (ceil_to(Kc // TILE_K, 4), 1)   # (carrier.carrier_buffers)
+        sides.append((R, Kr, Rc, Kc, Kq, gr, fp))
+        nr, nk = -(-Rc // BR[axis]), Kc // TILE_K
+        sx = (stride0, 1) if axis == 1 else (1, stride0)
+        geo.append((nr, nk, force_idx64 or needs_idx64(nr * BR[axis], Kc, Kq, sx[0], sx[1], si)))
+        dims.append((Rc, si[0], si[1], Kc, Kq, gsr, gsk))
+        floats.append(rot_floats(rot, prescale))
+        consts.update({f"BR_{sfx}": BR[axis], f"ROT_{sfx}": rot, f"HAS_SIGNS_{sfx}": side.get("signs") is not None,
+                       f"RULE_{sfx}": RULE_ID[side.get("scale_rule", "floor")], f"SR_{sfx}": rounding == "stochastic",
+                       f"PRESCALE_{sfx}": prescale != 1.0, f"KEY_PTR_{sfx}": side.get("key_tensor") is not None,
+                       f"FOLD_{sfx}": fold_applies(dtype, rot, prescale, st.qfold)})
+    consts.update(GROUP_ROWS_B=gr_b, PACK_B=2 if pack == 2 else 4, IDX64=geo[0][2] or geo[1][2],
+                  USE_ASM=dev.type == "cuda", JOIN_STORE=st.qjoin, SEQ=seq, CAR_B=not fp4_b, FP4_B=fp4_b)
+    (nr_a, nk_a, _), (nr_b, nk_b, _) = geo
+    NA, NB = 128 // BR[1], 128 // BR[0]
+    F = max(nk_a, -(-nr_b // NB))
+    T = max(-(-nr_a // NA), nk_b)
+    grid = (T * F * (1 if seq else NA + NB),)
+    ints = (M, K, stride0, 1, *dims[0], *dims[1], nr_a, nk_a, nr_b, nk_b, F)
+    opts = launch_opts("dual", dev, sr=consts["SR_A"] or consts["SR_B"], maxnreg=st.qmaxnreg)
+    return DualSpec(consts, nw, opts, grid, ints, floats[0], floats[1], tuple(sides))
+
+
+def kernel_kwargs(kfn, args: tuple, consts: dict) -> dict:
+    """Every argument of ``kfn`` by name: the positional ``args`` (``single_args``, ``dual_args``), then the
+    constexprs ``consts``, then the defaults of the rest (``pid_r``...). Under ``torch.compile`` a kernel
+    launched with any argument left out is treated as writing every tensor it takes (torch's mutation
+    analysis fails), so the traced launches pass them all."""
+    names = list(kfn.arg_names)
+    kw = dict(zip(names, args))
+    kw.update(consts)
+    params = inspect.signature(kfn.fn).parameters
+    for n in names[len(args):]:
+        if n not in kw:
+            kw[n] = params[n].default
+    return kw
 
 
 # ---------------------------------------------------------------------------------------------- argument tuples

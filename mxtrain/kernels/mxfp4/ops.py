@@ -18,9 +18,8 @@ from ...quant import MXTensor
 from ..caches import CACHES
 from . import kernels as _kernels   # (its kernels exist where Triton imports; read at launch time)
 from .carrier import TILE_K, QuantOut, carrier_buffers, carrier_from_fp4, ceil_to, out_shapes, reference_quantize
-from .launch import (DUAL_CONFIG, DUAL_SEQ, RULE_ID, DualPlan, Plan, block_config, dual_applies, dual_args,
-                     fold_applies, i32, kernel_for, launch, launch_opts, needs_idx64, rot_floats, single_args,
-                     single_kernel, use_plans)
+from .launch import (DUAL_CONFIG, DUAL_SEQ, RULE_ID, DualPlan, Plan, dual_applies, dual_args, dual_spec, i32,
+                     launch, single_args, single_spec, use_plans)
 from .verify import config_ok, dual_ok, selfcheck_applies
 
 try:
@@ -75,31 +74,22 @@ def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.
         plan = CACHES.plans.get(pkey)
         if plan is not None:
             return plan(x, signs, key, counter, key_tensor)
-    if axis == 1:
-        R, K = x.shape
-        sx_r, sx_k = x.stride(0), x.stride(1)
-        si = index_strides or (x.shape[1], 1)
-    else:
-        K, R = x.shape
-        sx_r, sx_k = x.stride(1), x.stride(0)
-        si = index_strides or (1, x.shape[1])
     dev = x.device
+    sp = single_spec(x.shape, x.stride(), x.dtype, dev, axis, rot=rot, has_signs=signs is not None,
+                     rounding=rounding, scale_rule=scale_rule, prescale=prescale, index_strides=index_strides,
+                     carrier=carrier, fp4=fp4, group_rows=group_rows, row_multiple=row_multiple,
+                     block_rows=block_rows, num_warps=num_warps, k_multiple=k_multiple,
+                     key_ptr=key_tensor is not None, force_idx64=force_idx64, st=st)
+    R, K, Kc, Kq = sp.R, sp.K, sp.Kc, sp.Kq
     sr = rounding == "stochastic"
-    Kq = ceil_to(ceil_to(max(K, 1), rot or 1), 32)   # the reference pads to whole rotation blocks first
-    Kc = ceil_to(max(K, 1), k_multiple)  # fp8_carrier uses 512: cuBLAS wants K/128 % 4 == 0
     if group_rows == 128:
         row_multiple = 128
-    kern = kernel_for(axis, rot, fp4, rows_contiguous=sx_r == 1 and sx_k != 1, kernel=st.qkernel)
-    BR, num_warps = block_config(kern, axis, group_rows, sr, block_rows, num_warps)
-    Rc = ceil_to(max(R, 1), max(row_multiple, 1)) if carrier else R
-    Rgrid = Rc if carrier else R
     if carrier:
-        car, gs, gs_base, gsr, gsk = carrier_buffers(Rc, Kc, group_rows, dev)
+        car, gs, gs_base, _, _ = carrier_buffers(sp.Rc, Kc, group_rows, dev)
         cnt = counter if counter is not None else torch.zeros((1,), dtype=torch.int32, device=dev)
     else:
         car = gs = gs_base = None
         cnt = counter if counter is not None else torch.empty((1,), dtype=torch.int32, device=dev)
-        gsr = gsk = 0
     if fp4:
         packed = torch.empty((R, Kq // 2), dtype=torch.uint8, device=dev)
         sc = torch.empty((R, Kq // 32), dtype=torch.uint8, device=dev)
@@ -107,18 +97,12 @@ def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.
         packed = sc = None
     if signs is not None:
         assert signs.numel() == rot
-    floats = rot_floats(rot, prescale)
-    grid = (triton.cdiv(max(Rgrid, 1), BR), Kc // TILE_K)
-    idx64 = force_idx64 or needs_idx64(grid[0] * BR, Kc, Kq, sx_r, sx_k, si)
+    floats, grid, BR, num_warps = sp.floats, sp.grid, sp.consts["BR"], sp.num_warps
     compiled = kfn = consts = ints = None
     if R > 0 and K > 0:
-        ints = (R, K, Rgrid, sx_r, sx_k, si[0], si[1], Kc, Kq, gsr, gsk)
-        kfn, consts = single_kernel(kern, dev, x.dtype, BR, num_warps, rot, signs is not None, scale_rule, sr,
-                                    prescale, group_rows, carrier, fp4, idx64, key_tensor is not None, st)
-        opts = launch_opts(kern + ("128" if kern == "blocks" and group_rows == 128 else ""), dev, sr=sr,
-                           maxnreg=st.qmaxnreg)
+        ints, kfn, consts = sp.ints, sp.kfn, sp.consts
         args = single_args(x, cnt, signs, car, gs, packed, sc, key_tensor, ints, key, floats)
-        compiled = launch(kern, kfn, grid, args, consts, num_warps, opts, x.shape)
+        compiled = launch(sp.kern, kfn, grid, args, consts, num_warps, sp.opts, x.shape)
     out = QuantOut(R, K, car.view(torch.float8_e4m3fn) if carrier else None, gs, group_rows,
                    cnt if carrier else None, packed, sc, gs_base)
     if (carrier and _check and selfcheck_applies(dev, st) and R > 0 and K > 0
@@ -137,7 +121,7 @@ def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.
             out.packed = out.scales = None
         return out
     if pkey is not None and pkey not in CACHES.plans:   # (bounded: least recently used plans are dropped)
-        CACHES.plans[pkey] = Plan.make(kern, kfn, compiled, grid, ints, floats, consts, out, Kc, group_rows)
+        CACHES.plans[pkey] = Plan.make(sp.kern, kfn, compiled, grid, ints, floats, consts, out, Kc, group_rows)
     return out
 
 
@@ -190,62 +174,26 @@ def quantize_mxfp4_dual(x: torch.Tensor, a: dict, b: dict, *, k_multiple: int = 
         return tuple(quantize_mxfp4_2d(x, ax, **side, carrier=not fp, fp4=fp, k_multiple=k_multiple,
                                        counter=cnt, force_idx64=force_idx64, _check=_check)
                      for ax, side, fp in ((1, a, False), (0, b, fp4_b)))
-    M, K = x.shape
     dev = x.device
-    gr_b = b.get("group_rows", 1)
-    cfg = DUAL_CONFIG[gr_b == 128]
-    nw = num_warps or cfg[2]
-    bra, brb = block_rows or cfg[:2]
-    seq = DUAL_SEQ if sequential is None else sequential
-    BR = {1: bra, 0: brb}
-    assert 128 % bra == 0 and brb in (64, 128) and (gr_b == 1 or brb == 128), (bra, brb, gr_b)
-    pack = 4 * brb // (32 * nw)
-    assert 4 * brb % (32 * nw) == 0 and pack in (2, 4, 8, 16), \
-        "dual kernel: 4 x block_rows[1] must be 64, 128, ... x 32 x num_warps"
-    outs, ptrs, dims, floats, consts, geo = [], [], [], [], {}, []
-    for axis, side, R, Kr, sfx in ((1, a, M, K, "A"), (0, b, K, M, "B")):
-        rot = side.get("rot", 0)
+    sp = dual_spec(x.shape, x.stride(0), x.dtype, dev, a, b, k_multiple=k_multiple, block_rows=block_rows,
+                   num_warps=num_warps, sequential=sequential, fp4_b=fp4_b, force_idx64=force_idx64, st=st)
+    outs, ptrs = [], []
+    for side, (R, Kr, Rc, Kc, Kq, gr, fp) in zip((a, b), sp.sides):
         signs = side.get("signs")
         if signs is not None:
             signs = signs.to(device=dev, dtype=torch.float32).contiguous()
-            assert signs.numel() == rot
-        gr = side.get("group_rows", 1)
-        Kq = ceil_to(ceil_to(Kr, rot or 1), 32)
-        Kc = ceil_to(Kr, k_multiple)
-        Rc = ceil_to(R, 128 if gr == 128 else 16)
-        si = side.get("index_strides") or ((K, 1) if axis == 1 else (1, K))
-        kt = side.get("key_tensor")
-        rounding = side.get("rounding", "nearest")
-        prescale = side.get("prescale", 1.0)
-        if axis == 0 and fp4_b:   # packed codes and scales take the carrier's and group scales' places
+            assert signs.numel() == side.get("rot", 0)
+        if fp:   # packed codes and scales take the carrier's and group scales' places
             car = torch.empty((R, Kq // 2), dtype=torch.uint8, device=dev)
             gs = torch.empty((R, Kq // 32), dtype=torch.uint8, device=dev)
-            gsr = gsk = 0
             outs.append(QuantOut(R, Kr, None, None, gr, None, car, gs))
         else:
-            car, gs, base, gsr, gsk = carrier_buffers(Rc, Kc, gr, dev)
+            car, gs, base, _, _ = carrier_buffers(Rc, Kc, gr, dev)
             outs.append(QuantOut(R, Kr, car.view(torch.float8_e4m3fn), gs, gr, cnt, None, None, base))
-        nr, nk = triton.cdiv(Rc, BR[axis]), Kc // TILE_K
-        sx = (x.stride(0), 1) if axis == 1 else (1, x.stride(0))
-        geo.append((nr, nk, force_idx64 or needs_idx64(nr * BR[axis], Kc, Kq, sx[0], sx[1], si)))
-        ptrs.append((signs, car, gs, kt))
-        dims.append((Rc, si[0], si[1], Kc, Kq, gsr, gsk))
-        floats.append(rot_floats(rot, prescale))
-        consts.update({f"BR_{sfx}": BR[axis], f"ROT_{sfx}": rot, f"HAS_SIGNS_{sfx}": signs is not None,
-                       f"RULE_{sfx}": RULE_ID[side.get("scale_rule", "floor")], f"SR_{sfx}": rounding == "stochastic",
-                       f"PRESCALE_{sfx}": prescale != 1.0, f"KEY_PTR_{sfx}": kt is not None,
-                       f"FOLD_{sfx}": fold_applies(x.dtype, rot, prescale, st.qfold)})
-    consts.update(GROUP_ROWS_B=gr_b, PACK_B=2 if pack == 2 else 4, IDX64=geo[0][2] or geo[1][2],
-                  USE_ASM=dev.type == "cuda", JOIN_STORE=st.qjoin, SEQ=seq, CAR_B=not fp4_b, FP4_B=fp4_b)
-    (nr_a, nk_a, _), (nr_b, nk_b, _) = geo
-    NA, NB = 128 // BR[1], 128 // BR[0]
-    F = max(nk_a, triton.cdiv(nr_b, NB))
-    T = max(triton.cdiv(nr_a, NA), nk_b)
-    grid = (T * F * (1 if seq else NA + NB),)
-    ints = (M, K, x.stride(0), 1, *dims[0], *dims[1], nr_a, nk_a, nr_b, nk_b, F)
+        ptrs.append((signs, car, gs, side.get("key_tensor")))
+    grid, ints, floats, consts = sp.grid, sp.ints, (sp.floats_a, sp.floats_b), sp.consts
     args = dual_args(x, cnt, ptrs[0], ptrs[1], ints, a.get("key", 0), floats[0], b.get("key", 0), floats[1])
-    compiled = launch("dual", _kernels._mxfp4_dual_kernel, grid, args, consts, nw,
-                      launch_opts("dual", dev, sr=consts["SR_A"] or consts["SR_B"], maxnreg=st.qmaxnreg), x.shape)
+    compiled = launch("dual", _kernels._mxfp4_dual_kernel, grid, args, consts, sp.num_warps, sp.opts, x.shape)
     if pkey is not None:   # (bounded: least recently used plans are dropped)
         CACHES.dual_plans[pkey] = DualPlan.make(compiled, grid, ints, floats[0], floats[1], consts, outs)
     return outs[0], outs[1]

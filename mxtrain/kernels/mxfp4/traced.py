@@ -1,0 +1,159 @@
+"""The MXFP4 quantize kernels as ``torch.library.triton_op``s, for the compiled MX layer (``mxtrain.compiledmx``).
+
+Under ``torch.compile`` an op made with ``triton_op`` is not an opaque Python call: its body runs once, at
+trace time, on fake tensors, and what it records (the output allocations and one ``wrap_triton`` launch of the
+same Triton kernel the eager path launches) goes into the graph. Inductor's generated code then launches the
+kernel itself, so a compiled MX layer costs the host a few wrapper lines per kernel instead of a Python call
+that re-makes every decision (``docs/kernels.md``, "The compiled MX layer").
+
+* ``mxtrain::q_single``: ``_mxfp4_kernel`` over a 2-D tensor along one axis (``ops.quantize_mxfp4_2d``);
+* ``mxtrain::q_dual``: ``_mxfp4_dual_kernel``, both operands of an activation from one read
+  (``ops.quantize_mxfp4_dual``);
+* ``mxtrain::q_expand``: ``expand._expand_kernel``, the FP8 carrier of an operand kept as FP4 codes
+  (``expand.carrier_from_packed``).
+
+Each launch is described by the same function the eager path launches from (``launch.single_spec``,
+``launch.dual_spec``): the kernel variant, grid, constexprs and integer arguments are written once. Every kernel
+argument is passed by name, defaults included (``launch.kernel_kwargs``): torch's analysis of which tensors a
+kernel writes fails on a launch that leaves one out, and then treats every input as written (it would copy X
+before each quantize). The inexact-block counter is the one tensor an op mutates besides its fresh outputs.
+
+Eagerly (not compiling) each op runs its body directly: the same launch through Triton's generic path (on a CPU
+under ``TRITON_INTERPRET=1``, the interpreted kernel: the tests). The first time a variant is traced on a GPU
+its eager twin runs the self-check of ``verify`` (the ``qselfcheck`` setting); a variant that fails it stops the
+trace with the way out (``mx_compiled=ops``) instead of compiling a kernel that is known wrong.
+
+What inductor changes: it compiles user kernels with Triton's default options, floating-point contraction on and
+no register cap. The kernels' source is written so that contraction changes nothing: no product feeds an add
+except through an explicit ``tl.fma`` (each such product is exact), and the rounding constants are built from
+bits, not multiplied. ``tools/compile_check.py --fusion`` compiles every variant these ops launch both ways and
+finds the same code (tests/test_compiledmx.py runs it in CI), so the bytes are the eager kernels'. The register
+caps (``launch.CAPPED_KERNELS``) are lost: a speed matter only. Recipes with stochastic rounding, random signs or
+prescales keep the custom ops for now.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ... import settings as _settings
+from .. import HAS_TRITON
+from . import kernels as _kernels
+from .carrier import TILE_K
+from .launch import dual_args, dual_spec, kernel_kwargs, single_args, single_spec
+
+__all__ = ["q_single", "q_dual", "q_expand", "AVAILABLE"]
+
+try:
+    from torch.library import triton_op, wrap_triton
+    AVAILABLE = HAS_TRITON
+except ImportError:  # pragma: no cover - torch without triton_op
+    AVAILABLE = False
+
+
+def _tracing(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+    return is_fake(t) or torch.compiler.is_compiling()
+
+
+def _selfcheck(fn, *args) -> None:
+    """Run a ``verify`` check on real tensors (outside the fake and functional modes of a trace); raise where the
+    variant failed it on this GPU."""
+    from torch.utils._python_dispatch import _disable_current_modes
+    from .verify import selfcheck_applies
+    dev = args[0].device
+    if not selfcheck_applies(dev, _settings.current()):
+        return
+    with _disable_current_modes():
+        ok = fn(*args)
+    if not ok:
+        from ...errors import UserError
+        raise UserError("mxtrain: a fused quantize kernel variant failed its self-check on this GPU, so the "
+                        "compiled MX layer cannot use it: set mxtrain.settings.configure(mx_compiled='ops') "
+                        "(MXTRAIN_MX_COMPILED=ops) and compile again")
+
+
+if AVAILABLE:
+    def _launch(kfn, grid, args: tuple, consts: dict, num_warps: int) -> None:
+        wrap_triton(kfn)[grid](**kernel_kwargs(kfn, args, consts), num_warps=num_warps)
+
+    @triton_op("mxtrain::q_single", mutates_args={"cnt"})
+    def q_single(x: torch.Tensor, cnt: torch.Tensor, axis: int, rot: int, rule: str, carrier: bool, fp4: bool,
+                 group_rows: int, k_multiple: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``quantize_mxfp4_2d(x, axis, rot=rot, scale_rule=rule, carrier=carrier, fp4=fp4, group_rows=...,
+        k_multiple=..., counter=cnt)`` (round to nearest, no signs): (carrier bytes (Rc, Kc) uint8, group-scale
+        storage (``carrier_buffers``' layout), packed codes, E8M0 scales); an output not written is (0,)."""
+        st = _settings.current()
+        sp = single_spec(x.shape, x.stride(), x.dtype, x.device, axis, rot=rot, has_signs=False,
+                         rounding="nearest", scale_rule=rule, prescale=1.0, index_strides=None, carrier=carrier,
+                         fp4=fp4, group_rows=group_rows, row_multiple=16, block_rows=None, num_warps=None,
+                         k_multiple=k_multiple, key_ptr=False, force_idx64=False, st=st)
+        dev = x.device
+        e = x.new_empty((0,), dtype=torch.uint8)
+        car = gs = None
+        if carrier:
+            car = torch.empty((sp.Rc, sp.Kc), dtype=torch.uint8, device=dev)
+            gs = (torch.empty((sp.Kc // TILE_K, sp.Rc), dtype=torch.float32, device=dev) if group_rows == 1 else
+                  torch.empty((sp.Rc // 128, sp.ints[9]), dtype=torch.float32, device=dev))
+        pk = torch.empty((sp.R, sp.Kq // 2), dtype=torch.uint8, device=dev) if fp4 else None
+        sc = torch.empty((sp.R, sp.Kq // 32), dtype=torch.uint8, device=dev) if fp4 else None
+        if sp.R > 0 and sp.K > 0:
+            if carrier and _tracing(x):
+                from .verify import config_ok
+                _selfcheck(lambda *a: config_ok(*a, st), x, axis, rot, False, rule, False, 1.0, group_rows,
+                           sp.consts["BR"], sp.num_warps, k_multiple, fp4, sp.R, sp.K)
+            args = single_args(x, cnt, None, car, gs, pk, sc, None, sp.ints, 0, sp.floats)
+            _launch(sp.kfn, sp.grid, args, sp.consts, sp.num_warps)
+        return (car if car is not None else e, gs if gs is not None else x.new_empty((0,), dtype=torch.float32),
+                pk if pk is not None else x.new_empty((0,), dtype=torch.uint8),
+                sc if sc is not None else x.new_empty((0,), dtype=torch.uint8))
+
+    @triton_op("mxtrain::q_dual", mutates_args={"cnt"})
+    def q_dual(x: torch.Tensor, cnt: torch.Tensor, rot_a: int, rule_a: str, rot_b: int, rule_b: str,
+               group_rows_b: int, fp4_b: bool, k_multiple: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``quantize_mxfp4_dual(x, a, b, k_multiple=..., counter=cnt, fp4_b=fp4_b)`` of a row-major 2-D ``x`` with
+        A = (``rot_a``, ``rule_a``, 1x128 groups) and B = (``rot_b``, ``rule_b``, ``group_rows_b``), round to
+        nearest, no signs, where ``launch.dual_applies``: (A's carrier, A's group-scale storage, B's carrier or
+        packed codes, B's group-scale storage or E8M0 scales)."""
+        st = _settings.current()
+        a = dict(rot=rot_a, scale_rule=rule_a)
+        b = dict(rot=rot_b, scale_rule=rule_b, group_rows=group_rows_b)
+        sp = dual_spec(x.shape, x.stride(0), x.dtype, x.device, a, b, k_multiple=k_multiple, block_rows=None,
+                       num_warps=None, sequential=None, fp4_b=fp4_b, force_idx64=False, st=st)
+        dev = x.device
+        bufs = []
+        for (R, Kr, Rc, Kc, Kq, gr, fp), dims in zip(sp.sides, (sp.ints[4:11], sp.ints[11:18])):
+            if fp:
+                bufs.append((torch.empty((R, Kq // 2), dtype=torch.uint8, device=dev),
+                             torch.empty((R, Kq // 32), dtype=torch.uint8, device=dev)))
+            elif gr == 1:
+                bufs.append((torch.empty((Rc, Kc), dtype=torch.uint8, device=dev),
+                             torch.empty((Kc // TILE_K, Rc), dtype=torch.float32, device=dev)))
+            else:
+                bufs.append((torch.empty((Rc, Kc), dtype=torch.uint8, device=dev),
+                             torch.empty((Rc // 128, dims[5]), dtype=torch.float32, device=dev)))
+        if _tracing(x):
+            from .verify import dual_ok
+            _selfcheck(lambda *args: dual_ok(*args, fp4_b=fp4_b), x, a, b, k_multiple)
+        args = dual_args(x, cnt, (None, bufs[0][0], bufs[0][1], None), (None, bufs[1][0], bufs[1][1], None),
+                         sp.ints, 0, sp.floats_a, 0, sp.floats_b)
+        _launch(_kernels._mxfp4_dual_kernel, sp.grid, args, sp.consts, sp.num_warps)
+        return bufs[0][0], bufs[0][1], bufs[1][0], bufs[1][1]
+
+    @triton_op("mxtrain::q_expand", mutates_args={"cnt"})
+    def q_expand(packed: torch.Tensor, scales: torch.Tensor, cnt: torch.Tensor, K: int, group_rows: int,
+                 k_multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``expand.carrier_from_packed`` of an operand of ``packed.shape[0]`` rows and reduction length ``K``
+        (packed codes + E8M0 scales, ``group_rows`` of its carrier): (carrier bytes, group-scale storage)."""
+        from ..expand import _expand_kernel, expand_spec
+        R = packed.shape[0]
+        Kq = scales.shape[1] * 32
+        Rc, Kc, gs_shape, gsr, gsk, BR, grid, nw = expand_spec(R, K, Kq, group_rows, k_multiple)
+        car = torch.empty((Rc, Kc), dtype=torch.uint8, device=packed.device)
+        gs = torch.empty(gs_shape, dtype=torch.float32, device=packed.device)
+        args = (packed, scales, car, gs, cnt, R, Kq, Rc, Kc, gsr, gsk)
+        _launch(_expand_kernel, grid, args, {"BR": BR, "GROUP_ROWS": group_rows}, nw)
+        return car, gs
+else:  # pragma: no cover
+    q_single = q_dual = q_expand = None

@@ -1,0 +1,254 @@
+"""The MX layer compiled into the graph (mxtrain.compiledmx, the quantize kernels as triton_ops).
+
+CPU (CI): the layer's autograd function run eagerly (each triton_op runs its body: the Triton kernels under the
+interpreter, the carrier GEMM emulated in float32) gives the reference's outputs and gradients for every recipe
+it takes, with bias, 3-D inputs and sizes that need padding; every kernel launch passes every argument; the
+dispatcher takes the form only where it applies. CUDA (cuda-marked, run on a GPU before a change lands): the
+compiled layer against the eager fast path bit for bit (outputs, dX, dW, inexact-block counts), no custom op left
+in the graph, CUDA graphs not skipped, a compiled model training like eager without recompiles."""
+
+import pytest
+import torch
+
+import mxtrain
+from mxtrain import compiledmx, fast, mx_linear, recipes, settings, tracedmx
+from mxtrain.kernels.mxfp4 import kernels as K
+from mxtrain.kernels.mxfp4.launch import kernel_kwargs
+
+from compile_helpers import fwd_bwd, ops_of
+
+RECIPES = ["mxfp4-all", "mxfp4-all-dh16", "mxfp4-all-dh32", "mxfp4-all-dh16+amd", "mxfp4-fprop"]
+
+
+def _cpu_layer(x, w, b, recipe, rows=128):
+    """The compiled layer's autograd function, eagerly on CPU tensors."""
+    fast.state.prepare("cpu")
+    mx = tracedmx.spec(recipes.get(recipe))
+    return compiledmx._CompiledMXLinear.apply(x, w, b, tuple(mx.split(";")), x.dtype, None, rows, True)
+
+
+@pytest.mark.parametrize("recipe,shape,bias,rows", [
+    ("mxfp4-all", (2, 48, 160), True, 128),
+    ("mxfp4-all-dh16", (96, 160), False, 128),
+    ("mxfp4-all-dh16+amd", (3, 20, 100), True, 1),     # M=60, K=100: rows and reduction padded
+    ("mxfp4-all-dh32", (64, 96), False, 128),
+    ("mxfp4-fprop", (40, 64), True, 128),               # plain Dgrad and Wgrad
+])
+def test_layer_equals_the_reference_on_cpu(recipe, shape, bias, rows):
+    g = torch.Generator().manual_seed(3)
+    N = 80
+    x = torch.randn(*shape, generator=g) * 4
+    w = torch.randn(N, shape[-1], generator=g)
+    b = torch.randn(N, generator=g) if bias else None
+    gy = torch.randn(*shape[:-1], N, generator=g)
+    got = fwd_bwd(x, w, b, gy, lambda x, w, b: _cpu_layer(x, w, b, recipe, rows))
+    with settings.override(fast=False):
+        want = fwd_bwd(x, w, b, gy, lambda x, w, b: mx_linear(x, w, b, recipe))
+    for a, r, name in zip(got, want, ("y", "dX", "dW", "db")):
+        # the same MX values multiplied in float32 on both sides: equal up to summation order
+        assert torch.allclose(a, r, rtol=1e-5, atol=1e-5 * r.abs().max().item()), (recipe, name)
+
+
+def test_kernel_launches_pass_every_argument():
+    """torch's analysis of what a user kernel writes fails on a launch that leaves an argument out (then every
+    input counts as written and the compiler copies X before each quantize)."""
+    launched = []
+    real = compiledmx._traced._launch
+
+    def spy(kfn, grid, args, consts, nw):
+        launched.append((kfn, kernel_kwargs(kfn, args, consts)))
+        return real(kfn, grid, args, consts, nw)
+    compiledmx._traced._launch = spy
+    try:
+        x = torch.randn(64, 96, requires_grad=True)
+        w = torch.randn(32, 96, requires_grad=True)
+        _cpu_layer(x, w, None, "mxfp4-all-dh16").sum().backward()
+    finally:
+        compiledmx._traced._launch = real
+    names = {kfn.fn.__name__ for kfn, _ in launched}
+    assert names == {"_mxfp4_kernel", "_mxfp4_dual_kernel", "_expand_kernel"}, names
+    for kfn, kw in launched:
+        assert set(kw) == set(kfn.arg_names), kfn.fn.__name__
+    assert len(launched) == 5   # X dual, W along K, dY dual, W along N, X's carrier from its codes
+
+
+def test_the_dispatcher_takes_the_form_only_where_it_applies():
+    mx = tracedmx.spec(recipes.get("mxfp4-all-dh16"))
+    x, w = torch.zeros(64, 96), torch.zeros(32, 96)
+    assert compiledmx.applies(mx, x, w) == (0, 0)            # a CPU tensor
+    assert compiledmx.applies("", x, w) == (0, 0)
+    assert tracedmx.spec(recipes.get("mxfp4-all-sr")) is None   # SR keeps the custom ops
+    assert tracedmx.spec(recipes.get("tseng")) is None
+    with settings.override(mx_compiled="ops"):
+        assert compiledmx.applies(mx, x, w) == (0, 0)
+
+
+def test_setting_is_read_from_the_environment():
+    assert settings.Settings.from_env({"MXTRAIN_MX_COMPILED": "ops"}).mx_compiled == "ops"
+    with pytest.raises(settings.SettingsError):
+        settings.Settings.from_env({"MXTRAIN_MX_COMPILED": "sometimes"})
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+def _gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    from mxtrain.kernels import backend
+    if backend("cuda") != "fp8_carrier":
+        pytest.skip("needs FP8 tensor cores (the FP8-carrier GEMM)")
+
+
+def _data(M, Kd, N, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = (torch.randn(M, Kd, device="cuda", generator=g)
+         * torch.exp2(torch.randint(-8, 8, (M, 1), device="cuda", generator=g).float())).to(dtype)
+    w = torch.randn(N, Kd, device="cuda", generator=g) * 0.05
+    b = torch.randn(N, device="cuda", generator=g)
+    gy = torch.randn(M, N, device="cuda", generator=g)
+    return x, w, b, gy
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("dtype,amp,bias,shape", [
+    (torch.bfloat16, False, False, (2048, 768, 2304)),
+    (torch.float32, True, True, (1000, 768, 256)),       # rows padded, autocast, bias
+    (torch.float32, False, True, (512, 2048, 768)),
+    (torch.bfloat16, True, False, (4, 256, 4096, 512)),  # 3-D input
+])
+def test_cuda_compiled_layer_equals_the_eager_fast_path(recipe, dtype, amp, bias, shape):
+    _gpu()
+    *lead, Kd, N = shape
+    M = 1
+    for d in lead:
+        M *= d
+    x, w, b, gy = _data(M, Kd, N, dtype)
+    x, gy = x.reshape(*lead, Kd), gy.reshape(*lead, N).to(torch.bfloat16 if amp else dtype)
+    b = b if bias else None
+
+    def run(fn):
+        ctx = torch.autocast("cuda", dtype=torch.bfloat16) if amp else torch.autocast("cuda", enabled=False)
+        with ctx:
+            return fwd_bwd(x, w, b, gy, fn)
+
+    def layer(x, w, b):
+        return mx_linear(x, w, b, recipe)
+    before = fast.inexact_by_tensor("cuda")
+    eager = run(layer)
+    mid = fast.inexact_by_tensor("cuda")
+    torch._dynamo.reset()
+    comp = run(torch.compile(layer, fullgraph=True))
+    after = fast.inexact_by_tensor("cuda")
+    for a, e, name in zip(comp, eager, ("y", "dX", "dW", "db")):
+        assert torch.equal(a, e), (recipe, name, (a - e).abs().max().item())
+    assert {k: after[k] - mid[k] for k in after} == {k: mid[k] - before[k] for k in mid}
+    assert fast.state.counted("cuda")
+
+
+@pytest.mark.cuda
+def test_cuda_compiled_graph_holds_no_custom_op():
+    _gpu()
+    x, w, b, _ = _data(256, 512, 256, torch.bfloat16)
+    x.requires_grad_()
+
+    def f(x, w, b):
+        return mx_linear(x, w, b, "mxfp4-all-dh16")
+    ops = ops_of(f, x, w.requires_grad_(), b)
+    assert not any(o.startswith("mxtrain.linear") or "quantize_input" in o or "linear_q" in o for o in ops), ops
+    assert any("q_dual" in o for o in ops), ops
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_cuda_compiled_model_trains_like_eager_without_recompiles(mode, caplog):
+    """A converted Llama compiled with its MX layers in the graph trains with the losses of the same model
+    compiled with the custom ops (which are the eager fast path's calls), bit for bit, in both compile modes;
+    no recompile across steps; CUDA graphs are not skipped."""
+    _gpu()
+    import logging
+    from mxtrain.model import Llama, ModelConfig
+    losses = {}
+    for kind in ("auto", "ops"):
+        torch.manual_seed(0)
+        m = Llama(ModelConfig.named("tiny", vocab_size=512)).cuda()
+        mxtrain.convert(m, "mxfp4-all-dh16")
+        f = torch.compile(m, mode=None if mode == "default" else mode)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True)
+        g = torch.Generator(device="cuda").manual_seed(1)
+        out = []
+        torch._dynamo.reset()
+        with caplog.at_level(logging.WARNING), settings.override(mx_compiled=kind):
+            for _ in range(6):
+                idx = torch.randint(0, 512, (4, 129), device="cuda", generator=g)
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss = f(idx[:, :-1], idx[:, 1:])
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                out.append(loss.item())
+        losses[kind] = out
+    assert losses["auto"] == losses["ops"], losses
+    assert "skipping cudagraphs" not in caplog.text
+    assert "Recompiling" not in caplog.text
+
+
+def test_kernel_sources_hold_no_escape_sequences():
+    """Inductor copies the source of a user kernel and of the functions it calls into a string literal of its
+    generated code without escaping it: a backslash in that source (an asm string's ``\\n``) breaks the
+    generated module (a SyntaxError when the compiled layer loads)."""
+    import inspect
+    from mxtrain.kernels import expand
+    from mxtrain.kernels.mxfp4 import device
+    for mod in (K, device, expand):
+        src = inspect.getsource(mod)
+        assert "\\" not in src, mod.__name__
+
+
+def test_implementation_says_which_form_runs_a_layer():
+    from mxtrain.linear import COMPILED_FORMS, implementation
+    x, w = torch.zeros(64, 96), torch.zeros(32, 96)
+    assert implementation("bf16", x, w) == COMPILED_FORMS["plain"]
+    assert implementation("mxfp4-all-dh16", x, w) == COMPILED_FORMS["op"]          # CPU: no fused kernels
+    assert "reference" in implementation("mxfp4-all-dh16", x, w, compiled=False)
+    with settings.override(mx_traced="always"):                                   # the CPU emulation
+        assert implementation("mxfp4-all-dh16", x, w) == COMPILED_FORMS["traced_mx"]
+        assert implementation("tseng", x, w) == COMPILED_FORMS["op"]              # outside the traced form
+
+
+@pytest.mark.cuda
+def test_cuda_implementation_of_the_default_settings():
+    _gpu()
+    from mxtrain.linear import COMPILED_FORMS, implementation
+    x, w = torch.zeros(64, 96, device="cuda"), torch.zeros(32, 96, device="cuda")
+    assert implementation("mxfp4-all-dh16", x, w) == COMPILED_FORMS["graph"]
+    assert implementation("mxfp4-all-sr", x, w) == COMPILED_FORMS["split_ops"]
+    with settings.override(mx_compiled="ops"):
+        assert implementation("mxfp4-all-dh16", x, w) == COMPILED_FORMS["split_ops"]
+
+
+def test_compiled_layer_kernels_are_the_same_code_with_contraction_on():
+    """Inductor compiles user kernels with floating-point contraction on (torch 2.11 and 2.13), mxtrain's own
+    launches with it off: every kernel variant the compiled layer launches must compile to the same code either
+    way (no product fused into an FMA by LLVM or ptxas), so that its bytes cannot differ from the eager path's.
+    Compiled for sm_90 on the CPU (``tools/compile_check.py --fusion``)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    only = ["graph dual x r16 g128 fp4_b", "graph dual dy r16", "graph blocks w r16 g128", "graph cols w r16 g128",
+            "graph expand g128"]
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "fusion.json")
+        p = subprocess.run([sys.executable, os.path.join(root, "tools", "compile_check.py"), "--fusion", "--jobs", "2",
+                            "--json", out, *[a for o in only for a in ("--only", o)]],
+                           capture_output=True, text=True, env=env, cwd=root, timeout=900)
+        assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+        res = json.loads(open(out).read())
+    assert sorted(res) == sorted(only)
+    for name, r in res.items():
+        assert r["same"], (name, r)
+        assert sum(a for a, _ in r["float_ops"].values()) > 0, name   # (it sees the kernels' float work)
