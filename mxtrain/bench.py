@@ -714,8 +714,10 @@ def _add_args(p: argparse.ArgumentParser) -> None:
                         "step's 1b and 125m: the whole model)")
     p.add_argument("--batch", type=int, default=4, help="step, blocks: batch size")
     p.add_argument("--seq", type=int, default=4096, help="step, blocks: sequence length")
-    p.add_argument("--model", default="8b-layers", choices=["8b-layers", "1b", "125m"],
-                   help="step: Llama-8B-shaped layers (128k vocabulary) or a whole 1B / 125M model")
+    p.add_argument("--model", default="8b-layers", choices=["8b-layers", "1b", "125m", "125m-fused", "8b-fused"],
+                   help="step: Llama-8B-shaped layers (128k vocabulary), a whole 1B / 125M model, or a model written "
+                        "outside mxtrain with fused q|k|v and gate|up layers (125m-fused: the 125M class; 8b-fused: "
+                        "Llama-8B layer shapes, 32k vocabulary)")
     p.add_argument("--compile", default="default", choices=["default", "reduce-overhead", "none"],
                    help="step: torch.compile mode of the whole model, the same for every variant")
     p.add_argument("--bf16-step-ms", type=float, default=None,

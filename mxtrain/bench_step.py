@@ -35,7 +35,7 @@ import time
 
 import torch
 
-__all__ = ["MODELS", "FP8_VARIANTS", "split_variant", "measure", "summarize", "format_table"]
+__all__ = ["MODELS", "USER_MODELS", "UserLlama", "FP8_VARIANTS", "split_variant", "measure", "summarize", "format_table"]
 
 # Shapes: Llama-8B layers (the paper's model, ``--layers`` of them, its 128k vocabulary), and two whole
 # small models where launch overhead shows.
@@ -44,7 +44,83 @@ TORCHAO = ("torchao-tensorwise", "torchao-rowwise")
 FP8_VARIANTS = TORCHAO + ("fp8",)
 
 
+# Models written as a user writes one, outside mxtrain (``UserLlama``): fused q|k|v and gate|up projections (4
+# linear layers a block, an ``nn.Linear`` subclass that ``mxtrain.convert`` converts), vocabulary 32,768.
+# ``125m-fused``: the 125M class (d768, 12 heads and KV heads, feed-forward 2048, 12 blocks); ``8b-fused``: Llama-8B
+# layer shapes (d4096, 32 heads, 8 KV heads, feed-forward 14336, 4 blocks unless ``--layers`` says otherwise).
+USER_MODELS = {"125m-fused": dict(dim=768, n_heads=12, n_kv_heads=12, ffn_dim=2048, n_layers=12),
+               "8b-fused": dict(dim=4096, n_heads=32, n_kv_heads=8, ffn_dim=14336, n_layers=4)}
+
+
+class UserLinear(torch.nn.Linear):
+    """A user's own linear layer: an ``nn.Linear`` subclass (``convert`` converts subclasses too)."""
+
+
+class _UserBlock(torch.nn.Module):
+    def __init__(self, dim, n_heads, n_kv_heads, ffn_dim, device):
+        super().__init__()
+        self.h, self.kv, self.hd = n_heads, n_kv_heads, dim // n_heads
+        self.qkv = UserLinear(dim, (n_heads + 2 * n_kv_heads) * self.hd, bias=False, device=device)
+        self.o = UserLinear(dim, dim, bias=False, device=device)
+        self.up = UserLinear(dim, 2 * ffn_dim, bias=False, device=device)
+        self.down = UserLinear(ffn_dim, dim, bias=False, device=device)
+        self.n1 = torch.nn.RMSNorm(dim, device=device)
+        self.n2 = torch.nn.RMSNorm(dim, device=device)
+        self.recompute_ffn = self.checkpoint_block = False   # (bench step's model options: not offered here)
+
+    def forward(self, x, cos, sin):
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.n1(x)).split([self.h * self.hd, self.kv * self.hd, self.kv * self.hd], dim=-1)
+        q, k, v = (t.view(B, T, -1, self.hd).transpose(1, 2) for t in (q, k, v))
+
+        def rope(t):
+            a, b = t.float().chunk(2, dim=-1)
+            return torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1).type_as(t)
+        y = torch.nn.functional.scaled_dot_product_attention(rope(q), rope(k), v, is_causal=True,
+                                                             enable_gqa=self.kv != self.h)
+        x = x + self.o(y.transpose(1, 2).reshape(B, T, C))
+        g, u = self.up(self.n2(x)).chunk(2, dim=-1)
+        return x + self.down(torch.nn.functional.silu(g) * u)
+
+
+class UserLlama(torch.nn.Module):
+    """A Llama-style decoder written outside mxtrain (``USER_MODELS``): ``forward(idx, targets)`` returns the
+    cross-entropy loss, as ``mxtrain.model.Llama`` does, so ``bench step`` times it the same way."""
+
+    def __init__(self, dim, n_heads, n_kv_heads, ffn_dim, n_layers, vocab=32768, seq=1024, device=None):
+        super().__init__()
+        from types import SimpleNamespace
+        self.cfg = SimpleNamespace(vocab_size=vocab)
+        self.emb = torch.nn.Embedding(vocab, dim, device=device)
+        self.layers = torch.nn.ModuleList(_UserBlock(dim, n_heads, n_kv_heads, ffn_dim, device)
+                                          for _ in range(n_layers))
+        self.norm = torch.nn.RMSNorm(dim, device=device)
+        self.head = torch.nn.Linear(dim, vocab, bias=False, device=device)
+        hd = dim // n_heads
+        inv = 1.0 / (500000.0 ** (torch.arange(0, hd, 2, device=device, dtype=torch.float32) / hd))
+        ang = torch.outer(torch.arange(seq, device=device, dtype=torch.float32), inv)
+        self.register_buffer("cos", ang.cos(), persistent=False)
+        self.register_buffer("sin", ang.sin(), persistent=False)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, idx, targets):
+        T = idx.shape[1]
+        x = self.emb(idx)
+        for b in self.layers:
+            x = b(x, self.cos[:T], self.sin[:T])
+        logits = self.head(self.norm(x))
+        return torch.nn.functional.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+
+
 def _build(model: str, layers: int | None, seq: int, device):
+    if model in USER_MODELS:
+        kw = dict(USER_MODELS[model])
+        if layers:
+            kw["n_layers"] = layers
+        torch.manual_seed(0)
+        return UserLlama(**kw, seq=max(seq, 128), device=device)
     from .model import Llama, ModelConfig
     over = {"max_seq_len": max(seq, 128)}
     if layers:
@@ -85,6 +161,8 @@ def _one_variant(variant: str, model: str, layers: int | None, batch: int, seq: 
         m.to(torch.bfloat16)
     elif param_dtype != "float32":
         raise ValueError(f"param_dtype must be float32 or bfloat16, not {param_dtype!r}")
+    if model in USER_MODELS and (recompute_ffn or checkpoint_blocks):
+        raise ValueError(f"model {model}: recompute_ffn and checkpoint_blocks are options of mxtrain's own models")
     for b in m.layers:
         b.recompute_ffn = recompute_ffn
         b.checkpoint_block = checkpoint_blocks
@@ -113,13 +191,15 @@ def _one_variant(variant: str, model: str, layers: int | None, batch: int, seq: 
     if cuda:
         torch.cuda.synchronize()
     t_compile = time.perf_counter() - t_compile
-    times, peak = [], 0.0
+    times, host, peak = [], [], 0.0
     for _ in range(steps):
         if cuda:
             torch.cuda.reset_peak_memory_stats()
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
             a.record()
             loss = step()
+            host.append(1e3 * (time.perf_counter() - t0))   # (the host's time to issue the step: nothing syncs)
             b.record()
             b.synchronize()
             times.append(a.elapsed_time(b))
@@ -133,6 +213,14 @@ def _one_variant(variant: str, model: str, layers: int | None, batch: int, seq: 
            "params": m.num_params()}
     if cuda:
         out["peak_gib"] = peak
+        # the host's time to issue a step (CPU wall time until the step's Python returns, nothing synchronized):
+        # near ms, the step is bound by the host; and over the MX layers, an upper bound of one layer's host time
+        out["host_ms"] = statistics.median(host)
+        from .nn import MXLayer
+        n_mx = sum(isinstance(mod, MXLayer) for mod in m.modules())
+        out["mx_layers"] = n_mx
+        if n_mx:
+            out["host_us_per_mx_layer_at_most"] = 1e3 * out["host_ms"] / n_mx
         # MXFP4 blocks the FP8 carrier could not hold exactly, over this variant's steps, by tensor
         # (``mxtrain.fast.inexact_by_tensor``; 0 everywhere: every GEMM multiplied the exact MX values)
         after = fast.inexact_by_tensor(dev)
@@ -347,6 +435,11 @@ def _over_rounds(res: dict, variants: list) -> dict:
                "params": rs[-1]["params"], "settings": rs[-1]["settings"], "step_options": rs[-1]["step_options"]}
         if all("peak_gib" in x for x in rs):
             out["peak_gib"] = max(x["peak_gib"] for x in rs)
+        if all("host_ms" in x for x in rs):
+            out["host_ms"] = statistics.median(x["host_ms"] for x in rs)
+            out["mx_layers"] = rs[-1]["mx_layers"]
+            if out["mx_layers"]:
+                out["host_us_per_mx_layer_at_most"] = 1e3 * out["host_ms"] / out["mx_layers"]
         if "profile" in rs[-1]:
             out["profile"] = rs[-1]["profile"]   # (the last round that timed it)
         if all("inexact_blocks" in x for x in rs):
@@ -414,6 +507,12 @@ def format_table(res: dict) -> str:
                      f"{f(v, 'speed_vs_bf16', '.3f', 'x')} | "
                      f"{f(v, 'speed_vs_best_fp8', '.3f', 'x')} | {f(v, 'peak_gib', '.2f')} | "
                      f"{f(v, 'memory_vs_bf16', '.3f', 'x')} |")
+    hosts = [(k, v) for k, v in res["runs"].items() if "host_ms" in v]
+    if hosts:
+        lines += ["", "host time to issue a step (ms; near ms/step: bound by the host), and over the MX layers: "
+                  + ", ".join(f"{k} {v['host_ms']:.1f}"
+                              + (f" ({v['host_us_per_mx_layer_at_most']:.0f} us a layer at most, {v['mx_layers']} layers)"
+                                 if v.get("mx_layers") else "") for k, v in hosts)]
     for k, v in res["runs"].items():
         prof = v.get("profile")
         if not prof:

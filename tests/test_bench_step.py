@@ -262,3 +262,26 @@ def test_rounds_rotate_the_order_and_take_medians_of_each_rounds_ratios(monkeypa
 def test_bench_cli_refuses_a_bad_rounds_value_in_one_line():
     from train_helpers import one_line_error, run_cli
     one_line_error(run_cli("bench", "step", "--rounds", "0"), "--rounds")
+
+
+def test_user_model_with_fused_projections_converts_its_four_layers_a_block():
+    """``--model 125m-fused`` / ``8b-fused``: a model written outside mxtrain (an ``nn.Linear`` subclass, fused
+    q|k|v and gate|up): ``convert`` takes its 4 linear layers a block and leaves the head; the model trains in a
+    measured step like mxtrain's own; the model options it does not offer are refused."""
+    import mxtrain
+    assert set(bs.USER_MODELS) == {"125m-fused", "8b-fused"}
+    m = bs.UserLlama(dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, n_layers=2, vocab=128, seq=32)
+    bs._convert(m, "mxfp4-all-dh16")
+    mx = [n for n, mod in m.named_modules() if isinstance(mod, mxtrain.nn.MXLayer)]
+    assert mx == [f"layers.{i}.{n}" for i in range(2) for n in ("qkv", "o", "up", "down")]
+    assert type(m.head) is torch.nn.Linear
+    idx = torch.randint(0, 128, (2, 17))
+    loss = m(idx[:, :-1], idx[:, 1:])
+    loss.backward()
+    assert torch.isfinite(loss) and all(p.grad is not None for p in m.parameters() if p.requires_grad)
+    res = bs.measure(["bf16"], model="125m-fused", layers=1, batch=1, seq=32, steps=1, warmup=0,
+                     compile_mode="none", device="cpu")
+    assert res["runs"]["bf16"]["params"] > 30e6   # d768 and a 32k vocabulary: the 125M class's widths
+    res = bs.measure(["bf16"], model="125m-fused", layers=1, batch=1, seq=32, steps=1, warmup=0,
+                     compile_mode="none", device="cpu", recompute_ffn=True)
+    assert "recompute_ffn" in res["runs"]["bf16"]["error"]
