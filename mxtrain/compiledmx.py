@@ -15,6 +15,10 @@ operands with 128x128 groups, dY's two operands from one read, X's carrier rebui
 Wgrad GEMM. Outputs and gradients are the eager fast path's bit for bit (cuda tests), and the inexact-block
 counts are kept as eagerly (``fast.state``).
 
+X's operands are made outside the autograd function (``_x_operands``; they carry no gradient), so that layers
+reading one input can share them: with ``mx_compiled=shared`` a pass over the graph dynamo captures
+(``share_inputs``) merges their quantize calls, as the compiler merged the custom ops.
+
 Which recipes: those ``tracedmx.spec`` describes, each GEMM either MXFP4 on both operands with round to
 nearest, prescale 1 and no or a deterministic Hadamard rotation (``mxfp4-all``, ``mxfp4-all-dh16``,
 ``mxfp4-all-dh32``, ``+amd`` scale rules, ``mxfp4-fprop``...) or plain. Recipes with stochastic rounding, random
@@ -38,7 +42,7 @@ _OK = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @assume_constant_result
-def plan(device: str) -> tuple:
+def plan(device: str, share: bool = False) -> tuple:
     """``(x_rows, w_rows)``: group rows of Wgrad's X and of the weights on ``device``, or ``(0, 0)`` where the
     compiled layer cannot run there (no FP8 tensor cores, the FP8-carrier GEMM not the device's backend,
     128x128 weight groups not exact). Makes the inexact-block counters of the device (outside any graph,
@@ -54,22 +58,24 @@ def plan(device: str) -> tuple:
     fast.state.prepare(d)
     if not COUNT:
         fast.state.missed.add(fast.state._dev(d))
+    if share:
+        install_share_pass()
     return (gemm.activation_b_group_rows(d), 128)
 
 
 def applies(mx: str, x: torch.Tensor, weight: torch.Tensor) -> tuple:
     """``plan``'s answer where the compiled layer runs this call, else ``(0, 0)``: ``mx`` from
-    ``tracedmx.spec`` (non-empty), the settings ``mx_compiled`` (``auto``) and ``fast`` on, ``exact_carrier`` off,
-    CUDA float tensors, a 2-D weight, a non-empty input."""
+    ``tracedmx.spec`` (non-empty), the settings ``mx_compiled`` (``auto`` or ``shared``) and ``fast`` on,
+    ``exact_carrier`` off, CUDA float tensors, a 2-D weight, a non-empty input."""
     from . import settings
     s = settings.current()
-    if not mx or s.mx_compiled != "auto" or not s.fast or s.exact_carrier:
+    if not mx or s.mx_compiled == "ops" or not s.fast or s.exact_carrier:
         return (0, 0)
     if x.device.type != "cuda" or x.dtype not in _OK or weight.dtype not in _OK or weight.ndim != 2:
         return (0, 0)
     if x.numel() == 0 or weight.numel() == 0:
         return (0, 0)
-    return plan(str(x.device))
+    return plan(str(x.device), s.mx_compiled == "shared")
 
 
 def _ceil(a: int, b: int) -> int:
@@ -122,43 +128,33 @@ def _quant_cols(t2: torch.Tensor, cnt, rot: int, rule: str, group_rows: int, fp4
 
 class _CompiledMXLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, gemms, out_dtype, amp, x_rows, keep_wgrad):
+    def forward(ctx, x, weight, bias, ca, ga, pk, sc, gemms, out_dtype, amp, x_rows):
+        """``ca``, ``ga``: X's Fprop carrier and group-scale storage; ``pk``, ``sc``: its Wgrad operand as FP4 codes
+        and E8M0 scales (None: the backward quantizes the kept X); all None where Fprop is plain (``_x_operands``)."""
         from .tracedmx import _gemm as plain_gemm
-        cx, cw, _ = _counters(x.device)
+        _, cw, _ = _counters(x.device)
         K, N = x.shape[-1], weight.shape[0]
-        x2 = x.reshape(-1, K).contiguous()
+        x2 = x.reshape(-1, K)
         M = x2.shape[0]
-        need_wgrad = keep_wgrad and ctx.needs_input_grad[1] and gemms[2] != "p"
         ydt = torch.float32 if bias is not None else out_dtype
         ctx.gemms, ctx.amp, ctx.x_rows, ctx.has_bias, ctx.x_dtype = gemms, amp, x_rows, bias is not None, x.dtype
-        ctx.x_shape, ctx.saved_codes = x.shape, False
-        xcodes = None
+        ctx.x_shape = x.shape
         # (no autocast context here: dynamo's trace of one inside an autograd.Function left autocast off for the
         # layers after it; nothing below depends on autocast: custom ops, _scaled_mm, and plain GEMMs whose
         # operands are cast to the GEMM dtype first)
         if gemms[0] == "p":
             y = plain_gemm("p", x2, 1, weight, 1, ydt, amp, 128)
         else:
-            rot, ra, rb = _parse(gemms[0])
-            if need_wgrad:
-                rot_w, _, rule_x = _parse(gemms[2])
-                if _dual_ok(x2, rot, rot_w):
-                    ca, ga, pk, sc = torch.ops.mxtrain.q_dual(x2, cx, rot, ra, rot_w, rule_x, x_rows, True, _KMUL)
-                else:
-                    ca, ga = _quant_rows(x2, cx, rot, ra, 1)
-                    pk, sc = _quant_cols(x2, cx, rot_w, rule_x, x_rows, fp4=True)
-                xcodes = (pk, sc)
-            else:
-                ca, ga = _quant_rows(x2, cx, rot, ra, 1)
+            rot, _, rb = _parse(gemms[0])
             cw_, gw_ = _quant_rows(weight, cw, rot, rb, 128)
             y = _mm(ca, ga, M, cw_, gw_, 128, N, ydt)
         if bias is not None:
             y = (y + bias.to(torch.float32)).to(out_dtype)
-        if xcodes is not None:
-            ctx.save_for_backward(xcodes[0], xcodes[1], weight)
-            ctx.saved_codes = True
+        ctx.saved_codes = pk is not None
+        if ctx.saved_codes:
+            ctx.save_for_backward(pk, sc, weight)
         else:
-            ctx.save_for_backward(x2, weight)
+            ctx.save_for_backward(x2.contiguous(), weight)
         return y.reshape(*x.shape[:-1], N)
 
     @staticmethod
@@ -207,7 +203,7 @@ class _CompiledMXLinear(torch.autograd.Function):
             dw = dw.to(weight.dtype)
         if ctx.has_bias and n[2]:
             db = dy2.to(torch.float32).sum(0).to(weight.dtype)
-        return dx, dw, db, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None
 
 
 # Inexact-block counts: the ops add to the device's running counters (``fast.state``), made by ``plan`` before
@@ -223,6 +219,26 @@ def _counters(device: torch.device) -> tuple:
     return tuple(torch.empty((1,), dtype=torch.int32, device=device) for _ in range(3))
 
 
+def _x_operands(x2: torch.Tensor, gemms: tuple, x_rows: int, need_wgrad: bool) -> tuple:
+    """X's operands, made outside the layer's autograd function (they carry no gradient; dX comes from the
+    function's backward), so that layers reading one input can share them (``share_inputs``): ``(Fprop carrier,
+    its group-scale storage, Wgrad FP4 codes, Wgrad E8M0 scales)``, the last two None where the backward needs no
+    Wgrad operand from the forward; all None where Fprop is plain."""
+    if gemms[0] == "p":
+        return None, None, None, None
+    cx = _counters(x2.device)[0]
+    rot, ra, _ = _parse(gemms[0])
+    if need_wgrad:
+        rot_w, _, rule_x = _parse(gemms[2])
+        if _dual_ok(x2, rot, rot_w):
+            return tuple(torch.ops.mxtrain.q_dual(x2, cx, rot, ra, rot_w, rule_x, x_rows, True, _KMUL))
+        ca, ga = _quant_rows(x2, cx, rot, ra, 1)
+        pk, sc = _quant_cols(x2, cx, rot_w, rule_x, x_rows, fp4=True)
+        return ca, ga, pk, sc
+    ca, ga = _quant_rows(x2, cx, rot, ra, 1)
+    return ca, ga, None, None
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, mx: str, rows: tuple) -> torch.Tensor:
     """``x @ weight.T + bias`` with the GEMMs ``tracedmx.spec`` described as ``mx``, as the compiled layer
     (``applies``' answer ``rows``), in the autocast dtype where autocast is on (as the fast path)."""
@@ -230,5 +246,101 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, mx:
     dt = x.device.type
     amp = torch.get_autocast_dtype(dt) if torch.is_autocast_enabled(dt) else None
     out_dtype = amp if amp is not None else x.dtype
-    keep = torch.is_grad_enabled() and weight.requires_grad and settings.current().wgrad_x == "forward"
-    return _CompiledMXLinear.apply(x, weight, bias, tuple(mx.split(";")), out_dtype, amp, rows[0], keep)
+    gemms = tuple(mx.split(";"))
+    need_wgrad = (torch.is_grad_enabled() and weight.requires_grad and settings.current().wgrad_x == "forward"
+                  and gemms[2] != "p")
+    x2 = x.detach().reshape(-1, x.shape[-1]).contiguous()   # (quantized operands carry no gradient)
+    ca, ga, pk, sc = _x_operands(x2, gemms, rows[0], need_wgrad)
+    return _CompiledMXLinear.apply(x, weight, bias, ca, ga, pk, sc, gemms, out_dtype, amp, rows[0])
+
+
+# ---------------------------------------------------------------------------------------------- shared inputs
+
+_PURE_METHODS = ("detach", "reshape", "view", "contiguous", "flatten")
+
+
+def _freeze(v):
+    if isinstance(v, (list, tuple)):
+        return tuple(_freeze(a) for a in v)
+    if isinstance(v, dict):
+        return tuple(sorted((k, _freeze(a)) for k, a in v.items()))
+    if isinstance(v, torch.fx.Node):
+        return ("node", v)
+    if v is None or isinstance(v, (int, float, str, bool, torch.dtype, torch.device)):
+        return (type(v).__name__, v)
+    return ("object", id(v))
+
+
+def share_inputs(graph: torch.fx.Graph) -> int:
+    """Merge the calls of ``mxtrain::q_dual`` and ``mxtrain::q_single`` that quantize one input the same way (the
+    layers of separate q/k/v or gate/up projections), with the views of the input that lead to them: the input is
+    quantized once, its Wgrad operand kept once for the backward, and its inexact blocks counted once (as the eager
+    fast path's activation reuse does). A pass over the graph dynamo captured (inductor's pre-grad custom pass),
+    where these calls are still ops: later, each is output allocations and a kernel launch, which the compiler
+    does not merge. Calls that read a tensor written in place between them are not merged. Returns the number of
+    nodes removed."""
+    import operator
+    ops = (torch.ops.mxtrain.q_dual, torch.ops.mxtrain.q_single,                   # (dynamo records the packets)
+           torch.ops.mxtrain.q_dual.default, torch.ops.mxtrain.q_single.default)
+    seen: dict = {}
+    plan = []
+    for node in graph.nodes:
+        if node.op == "call_method" and isinstance(node.target, str) and node.target.endswith("_") and node.args:
+            t = node.args[0]   # written in place: its readers seen so far are not merged with later ones
+            seen = {k: v for k, v in seen.items() if t not in v[1]}
+            continue
+        if not ((node.op == "call_method" and node.target in _PURE_METHODS)
+                or (node.op == "call_function" and (node.target in ops or node.target is operator.getitem))):
+            continue
+        key = (node.op, node.target, _freeze(node.args), _freeze(node.kwargs))
+        hit = seen.get(key)
+        if hit is not None:
+            plan.append((node, hit[0]))
+            # (later nodes name the kept node in their keys)
+            node.replace_all_uses_with(hit[0])
+        else:
+            seen[key] = (node, set(node.all_input_nodes))
+    for node, _ in reversed(plan):
+        graph.erase_node(node)
+    return len(plan)
+
+
+try:
+    from torch._inductor.custom_graph_pass import CustomGraphPass as _PassBase
+except ImportError:  # pragma: no cover - torch without custom graph passes
+    _PassBase = object
+
+
+class SharePass(_PassBase):
+    """``share_inputs`` as inductor's pre-grad custom pass (with a ``uuid``, so that inductor's caches stay on),
+    chained after the pass a user set."""
+
+    def __init__(self, before=None):
+        self.before = before
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        if self.before is not None:
+            self.before(graph)
+        share_inputs(graph)
+
+    def uuid(self):
+        import hashlib
+        import inspect
+        src = inspect.getsource(share_inputs) + inspect.getsource(_freeze)
+        mine = hashlib.sha256(src.encode()).hexdigest()
+        before = getattr(self.before, "uuid", lambda: repr(self.before))() if self.before is not None else None
+        return (mine, before)
+
+
+def install_share_pass() -> bool:
+    """Install ``SharePass`` as inductor's pre-grad custom pass (chaining the one already set), once; False where
+    this torch has no such hook."""
+    try:
+        from torch._inductor import config as ic
+    except ImportError:  # pragma: no cover
+        return False
+    if _PassBase is object or not hasattr(ic, "pre_grad_custom_pass"):
+        return False
+    if not isinstance(ic.pre_grad_custom_pass, SharePass):
+        ic.pre_grad_custom_pass = SharePass(ic.pre_grad_custom_pass)
+    return True

@@ -177,8 +177,10 @@ class Settings:
         "`mxfp4-fprop`...): `auto`: compiled into the graph (`mxtrain/compiledmx.py`: the quantize kernels as "
         "`triton_op`s and the carrier GEMM traced, every decision made when the graph is traced, so a layer "
         "costs the host what inductor's generated code spends on it) on GPUs with FP8 tensor cores; `ops`: the "
-        "opaque custom ops, which decide in Python at every call. Same values and inexact-block counts either "
-        "way.", "choice", choices=("auto", "ops"))
+        "opaque custom ops, which decide in Python at every call; `shared`: as `auto`, and layers that read one "
+        "input (separate q/k/v, gate/up) quantize it once (`compiledmx.share_inputs`, a pass over the captured "
+        "graph; not yet measured on a GPU, so not the default). Same values and inexact-block counts every "
+        "way.", "choice", choices=("auto", "shared", "ops"))
     mx_traced: str = _knob(
         "off", "MXTRAIN_MX_TRACED", "Under `torch.compile`, the layers of MXFP4 recipes whose GEMMs all use "
         "round-to-nearest, prescale 1 and no or a deterministic Hadamard rotation (`mxfp4-all`, `mxfp4-all-dh16`, "

@@ -21,10 +21,9 @@ RECIPES = ["mxfp4-all", "mxfp4-all-dh16", "mxfp4-all-dh32", "mxfp4-all-dh16+amd"
 
 
 def _cpu_layer(x, w, b, recipe, rows=128):
-    """The compiled layer's autograd function, eagerly on CPU tensors."""
+    """The compiled layer (``compiledmx.linear``), eagerly on CPU tensors."""
     fast.state.prepare("cpu")
-    mx = tracedmx.spec(recipes.get(recipe))
-    return compiledmx._CompiledMXLinear.apply(x, w, b, tuple(mx.split(";")), x.dtype, None, rows, True)
+    return compiledmx.linear(x, w, b, tracedmx.spec(recipes.get(recipe)), (rows, 128))
 
 
 @pytest.mark.parametrize("recipe,shape,bias,rows", [
@@ -85,6 +84,7 @@ def test_the_dispatcher_takes_the_form_only_where_it_applies():
 
 def test_setting_is_read_from_the_environment():
     assert settings.Settings.from_env({"MXTRAIN_MX_COMPILED": "ops"}).mx_compiled == "ops"
+    assert settings.Settings.from_env({"MXTRAIN_MX_COMPILED": "shared"}).mx_compiled == "shared"
     with pytest.raises(settings.SettingsError):
         settings.Settings.from_env({"MXTRAIN_MX_COMPILED": "sometimes"})
 
@@ -252,3 +252,69 @@ def test_compiled_layer_kernels_are_the_same_code_with_contraction_on():
     for name, r in res.items():
         assert r["same"], (name, r)
         assert sum(a for a, _ in r["float_ops"].values()) > 0, name   # (it sees the kernels' float work)
+
+
+def test_layers_reading_one_input_share_its_quantization(monkeypatch):
+    """``mx_compiled=shared``: the pass over dynamo's graph merges the q/k/v-style layers' quantize calls of their
+    shared input into one (with the views leading to them), and the graph computes the same outputs and
+    gradients as without it. CPU: dynamo's fake run of the ops skips the interpreted launches; the captured graph
+    then runs for real."""
+    from torch._subclasses.fake_tensor import is_fake
+    real = compiledmx._traced._launch
+    monkeypatch.setattr(compiledmx._traced, "_launch", lambda kfn, grid, args, consts, nw: None if any(
+        is_fake(a) for a in args if isinstance(a, torch.Tensor)) else real(kfn, grid, args, consts, nw))
+    fast.state.prepare("cpu")
+    mx = tracedmx.spec(recipes.get("mxfp4-all-dh16"))
+
+    def block(x, wq, wk, wv):
+        return sum(compiledmx.linear(x, w, None, mx, (128, 128)).sum() for w in (wq, wk, wv))
+
+    def counts(graph):
+        return sum(1 for n in graph.nodes if n.target in (torch.ops.mxtrain.q_dual, torch.ops.mxtrain.q_dual.default))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 32, 64, generator=g)
+    ws = [torch.randn(n, 64, generator=g) for n in (64, 32, 32)]
+    results = {}
+    for share in (False, True):
+        seen = {}
+
+        def backend(gm, example_inputs, share=share, seen=seen):
+            seen["before"] = counts(gm.graph)
+            seen["removed"] = compiledmx.share_inputs(gm.graph) if share else 0
+            gm.recompile()
+            seen["after"] = counts(gm.graph)
+            return gm
+        torch._dynamo.reset()
+        xs, wts = x.clone().requires_grad_(), [w.clone().requires_grad_() for w in ws]
+        torch.compile(block, backend=backend, fullgraph=True)(xs, *wts).backward()
+        results[share] = (seen, [xs.grad, *[w.grad for w in wts]])
+    torch._dynamo.reset()
+    assert results[False][0]["before"] == results[False][0]["after"] == 3
+    assert results[True][0]["before"] == 3 and results[True][0]["after"] == 1 and results[True][0]["removed"] >= 3
+    for a, b in zip(results[True][1], results[False][1]):
+        assert torch.equal(a, b)
+
+
+def test_share_pass_keeps_reads_across_an_in_place_write_apart():
+    import operator
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    c = graph.placeholder("c")
+    q1 = graph.call_function(torch.ops.mxtrain.q_single.default, (x, c, 1, 0, "floor", True, False, 1, 512))
+    graph.call_method("add_", (x, 1.0))
+    q2 = graph.call_function(torch.ops.mxtrain.q_single.default, (x, c, 1, 0, "floor", True, False, 1, 512))
+    q3 = graph.call_function(torch.ops.mxtrain.q_single.default, (x, c, 1, 0, "floor", True, False, 1, 512))
+    graph.output((graph.call_function(operator.getitem, (q1, 0)), graph.call_function(operator.getitem, (q2, 0)),
+                  graph.call_function(operator.getitem, (q3, 0))))
+    assert compiledmx.share_inputs(graph) == 2   # q3 and its getitem merge with q2's; q1 stays apart
+    left = [n for n in graph.nodes if n.target is torch.ops.mxtrain.q_single.default]
+    assert left == [q1, q2]
+
+
+def test_share_pass_chains_a_users_pass_and_has_a_uuid():
+    calls = []
+    p = compiledmx.SharePass(lambda g: calls.append(g))
+    graph = torch.fx.Graph()
+    graph.output(graph.placeholder("x"))
+    p(graph)
+    assert calls == [graph] and p.uuid() == compiledmx.SharePass(p.before).uuid()
