@@ -233,6 +233,7 @@ def test_inexact_blocks_recorded_per_run(tmp_path, monkeypatch):
         return count["n"]
 
     monkeypatch.setattr(fast, "inexact_blocks", inexact_blocks)
+    monkeypatch.setattr(fast.state, "missed", set())   # (an earlier test in this process may have left a mark)
     cfg = tiny_run_cfg(tmp_path / "a", 3)
     cfg.log.log_every = 1
     TR.train(cfg)

@@ -60,8 +60,9 @@ def test_measure_sees_the_environment_and_set_num_threads(monkeypatch):
 def test_cpu_run_says_its_threads(tmp_path, capsys, monkeypatch):
     from mxtrain.train import train
     before = torch.get_num_threads()
-    monkeypatch.setattr(threads, "measure", lambda: {"default": before, "cores": before, "host_cpus": before,
-                                                     "load": before + 5.0, "own": 0.0, "user_set": None})
+    # (4 cores, whatever this process's own thread count is: under pytest-xdist it is 1)
+    monkeypatch.setattr(threads, "measure", lambda: {"default": 4, "cores": 4, "host_cpus": 4,
+                                                     "load": 9.0, "own": 0.0, "user_set": None})
     try:
         out = train(tiny_run_cfg(tmp_path / "run", 1))
     finally:
