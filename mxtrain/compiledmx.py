@@ -24,7 +24,8 @@ nearest, prescale 1 and no or a deterministic Hadamard rotation (``mxfp4-all``, 
 ``mxfp4-all-dh32``, ``+amd`` scale rules, ``mxfp4-fprop``...) or plain. Recipes with stochastic rounding, random
 signs or prescales (``mxfp4-all-sr``, ``mxfp4-all-rht16``, ``tseng``) keep the custom ops for now.
 Where: CUDA tensors (float32, bfloat16, float16) on a GPU whose FP8 GEMM takes 128x128 weight groups exactly
-(Hopper), the fast path on, ``exact_carrier`` off. ``route_layer`` answers which form a compiled layer takes.
+(Hopper), the fast path on, ``exact_carrier`` off. ``mxtrain.linear.implementation`` answers which form a
+compiled layer takes.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import torch
 from ._constant import assume_constant_result
 from .kernels.mxfp4 import traced as _traced  # noqa: F401  (registers mxtrain::q_single, q_dual, q_expand)
 
-__all__ = ["applies", "linear", "plan"]
+__all__ = ["applies", "linear", "plan", "share_inputs", "SharePass", "install_share_pass"]
 
 _KMUL = 512          # carrier reduction multiple (kernels.gemm.k_multiple_for("fp8_carrier"))
 _TILE = 128

@@ -25,6 +25,7 @@ forward pass through MX-quantized GEMMs; in ``transformers`` the model runs in h
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import re
@@ -374,6 +375,14 @@ def _warn(msg: str) -> None:
     warn(msg)
 
 
+def _rope_parameters(mcfg: ModelConfig) -> dict:
+    if not mcfg.rope_scaling:
+        return {"rope_type": "default", "rope_theta": mcfg.rope_theta}
+    factor, low, high, old = mcfg.rope_scaling
+    return {"rope_type": "llama3", "rope_theta": mcfg.rope_theta, "factor": factor, "low_freq_factor": low,
+            "high_freq_factor": high, "original_max_position_embeddings": int(old)}
+
+
 def hf_config(mcfg: ModelConfig, eot_id: int | None, dtype: str = "float32") -> dict:
     """The ``config.json`` of a ``LlamaForCausalLM`` computing exactly what mxtrain's ``Llama(mcfg)`` does. The
     RoPE base is given both as transformers 5's ``rope_parameters`` and as the older ``rope_theta``."""
@@ -392,7 +401,8 @@ def hf_config(mcfg: ModelConfig, eot_id: int | None, dtype: str = "float32") -> 
         "initializer_range": mcfg.init_std,
         "rms_norm_eps": mcfg.norm_eps,
         "rope_theta": mcfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": mcfg.rope_theta},
+        "rope_parameters": _rope_parameters(mcfg),
+        **({"rope_scaling": _rope_parameters(mcfg)} if mcfg.rope_scaling else {}),   # (transformers 4's key)
         "attention_bias": False,
         "attention_dropout": 0.0,
         "mlp_bias": False,
@@ -550,7 +560,8 @@ def config_from_hf(hf_dir: str | Path, vocab_multiple: int = 1) -> ModelConfig:
 
     ``vocab_multiple``: round the vocab up to this multiple (the trainer pads its vocab to 32 for MX blocks;
     ``load_hf_llama`` fills the extra rows' embedding and head weights with zeros). Refused with a ``UserError``:
-    a model that is not a Llama, or a Llama feature mxtrain's model does not compute (biases, RoPE scaling,
+    a model that is not a Llama, or a Llama feature mxtrain's model does not compute (biases, RoPE scaling other
+    than Llama 3.1's ``llama3``,
     another activation, a head size other than hidden_size / heads).
     """
     hf_dir = Path(hf_dir)
@@ -575,8 +586,21 @@ def config_from_hf(hf_dir: str | Path, vocab_multiple: int = 1) -> ModelConfig:
     rtype = (rp or {}).get("rope_type") or (rp or {}).get("type") or "default"
     if rs:
         rtype = rs.get("rope_type") or rs.get("type") or rtype
-    if rtype != "default":
-        bad.append(f"RoPE scaling {rtype!r} (mxtrain's RoPE is the plain one)")
+    scaling = ()
+    if rtype == "llama3":   # Llama 3.1 / 3.2's frequency scaling (model.rope_tables)
+        src = {**(rp or {}), **(rs or {})}
+        keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        vals = [src.get(k) for k in keys]
+        wrong = [k for k, v in zip(keys, vals) if isinstance(v, bool) or not isinstance(v, (int, float))
+                 or not math.isfinite(v) or v <= 0]
+        if wrong:
+            bad.append(f"RoPE scaling 'llama3' without a positive number for {', '.join(wrong)}")
+        elif vals[2] <= vals[1]:
+            bad.append("RoPE scaling 'llama3' with high_freq_factor not above low_freq_factor")
+        else:
+            scaling = tuple(float(v) for v in vals)
+    elif rtype != "default":
+        bad.append(f"RoPE scaling {rtype!r} (mxtrain computes the plain RoPE and Llama 3.1's 'llama3' scaling)")
     theta = (rp or {}).get("rope_theta", c.get("rope_theta", 10000.0))
     if (rp or {}).get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0)) != 1.0:
         bad.append("partial_rotary_factor (mxtrain rotates the whole head)")
@@ -593,7 +617,7 @@ def config_from_hf(hf_dir: str | Path, vocab_multiple: int = 1) -> ModelConfig:
         return ModelConfig(dim=hidden, n_layers=c["num_hidden_layers"], n_heads=heads,
                            n_kv_heads=c.get("num_key_value_heads") or heads, ffn_dim=c["intermediate_size"],
                            vocab_size=m * -(-vocab // m), max_seq_len=int(c.get("max_position_embeddings") or 2048),
-                           rope_theta=float(theta), norm_eps=float(eps),
+                           rope_theta=float(theta), rope_scaling=scaling, norm_eps=float(eps),
                            tie_embeddings=bool(c.get("tie_word_embeddings", False)),
                            init_std=float(c.get("initializer_range", 0.02)))
     except UserError as e:
@@ -657,7 +681,8 @@ def load_hf_llama(model: Llama, hf_dir: str | Path) -> dict:
                                 ("n_heads", "n_heads", "num_attention_heads"),
                                 ("n_kv_heads", "n_kv_heads", "num_key_value_heads"),
                                 ("hidden_dim", "hidden_dim", "intermediate_size"),
-                                ("rope_theta", "rope_theta", "rope_theta"), ("norm_eps", "norm_eps", "rms_norm_eps"),
+                                ("rope_theta", "rope_theta", "rope_theta"),
+                                ("rope_scaling", "rope_scaling", "rope scaling"), ("norm_eps", "norm_eps", "rms_norm_eps"),
                                 ("tie_embeddings", "tie_embeddings", "tie_word_embeddings")):
         a, b = getattr(mcfg, ours), getattr(hcfg, theirs)
         if a != b:

@@ -42,8 +42,16 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
+    # Llama 3.1's RoPE frequency scaling ("llama3" in Hugging Face configs): () for none, else (factor,
+    # low_freq_factor, high_freq_factor, original_max_position_embeddings) (``rope_tables``)
+    rope_scaling: tuple = ()
 
     def __post_init__(self):
+        rs = tuple(float(v) for v in (self.rope_scaling or ()))   # (a list from a checkpoint's JSON, too)
+        object.__setattr__(self, "rope_scaling", rs)
+        if rs and (len(rs) != 4 or not all(math.isfinite(v) and v > 0 for v in rs) or rs[2] <= rs[1]):
+            raise UserError(f"model.rope_scaling={list(rs)}: give (factor, low_freq_factor, high_freq_factor, "
+                            f"original_max_position_embeddings), all positive, high_freq_factor above low_freq_factor")
         if self.dim % self.n_heads:
             raise UserError(f"model.dim={self.dim} must be a multiple of model.n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads:
@@ -203,9 +211,22 @@ class RMSNorm(nn.Module):
         return _run_glue(_rms_norm, x, self.weight, self.eps)
 
 
-def rope_tables(head_dim: int, seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape (T, D/2) for rotary embeddings with base ``theta``."""
+def rope_tables(head_dim: int, seq_len: int, theta: float, device=None,
+                scaling: tuple = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (T, D/2) for rotary embeddings with base ``theta``; ``scaling``: Llama 3.1's frequency
+    scaling ``(factor, low_freq_factor, high_freq_factor, original_max_position_embeddings)`` (Meta's Llama 3.1
+    reference code, ``apply_scaling``; Hugging Face's ``rope_type: "llama3"``): wavelengths longer than
+    ``original / low_freq_factor`` are stretched by ``factor``, those shorter than ``original / high_freq_factor``
+    kept, those between interpolated."""
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    if scaling:
+        factor, low, high, old = scaling
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / low, inv / factor, inv)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+        inv = torch.where(medium, smoothed, scaled)
     t = torch.arange(seq_len, device=device, dtype=torch.float32)
     ang = torch.outer(t, inv)
     return ang.cos(), ang.sin()
@@ -358,10 +379,10 @@ class Llama(nn.Module):
         graph (a few tiny ops), because a tensor a graph stores on the module is one of its outputs, which CUDA
         graphs (``mode="reduce-overhead"``) overwrite at the next replay."""
         if torch.compiler.is_compiling():
-            return rope_tables(self.cfg.head_dim, T, self.cfg.rope_theta, device)
+            return rope_tables(self.cfg.head_dim, T, self.cfg.rope_theta, device, self.cfg.rope_scaling)
         key = (T, str(device))
         if getattr(self, "_rope_key", None) != key:
-            self._rope = rope_tables(self.cfg.head_dim, T, self.cfg.rope_theta, device)
+            self._rope = rope_tables(self.cfg.head_dim, T, self.cfg.rope_theta, device, self.cfg.rope_scaling)
             self._rope_key = key
         return self._rope
 

@@ -14,7 +14,7 @@ import torch
 
 from mxtrain import hfcli
 from mxtrain.errors import UserError
-from mxtrain.hf import (config_from_hf, export_hf, hf_name, llama_from_hf, load_hf_llama, load_run,
+from mxtrain.hf import (config_from_hf, export_hf, hf_config, hf_name, llama_from_hf, load_hf_llama, load_run,
                         load_safetensors, run_tokenizer, save_safetensors)
 from mxtrain.model import Llama
 from mxtrain.train import checkpoint as ckpt
@@ -152,7 +152,11 @@ def test_config_from_hf_reads_older_configs_and_refuses_what_mxtrain_cannot_comp
 
     mc = config_from_hf(write())   # transformers 4 style: rope_theta at the top
     assert (mc.rope_theta, mc.n_kv_heads, mc.ffn_dim, mc.max_seq_len) == (250000.0, 1, 96, 128)
-    for kw, frag in (({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "RoPE scaling 'llama3'"),
+    for kw, frag in (({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "RoPE scaling 'llama3' without"),
+                     ({"rope_scaling": {"rope_type": "yarn", "factor": 8.0}}, "RoPE scaling 'yarn'"),
+                     ({"rope_scaling": {"rope_type": "llama3", "factor": "8", "low_freq_factor": 1,
+                                        "high_freq_factor": 4, "original_max_position_embeddings": 64}},
+                      "positive number for factor"),
                      ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, "is not a Llama"),
                      ({"attention_bias": True}, "attention_bias"),
                      ({"hidden_act": "gelu"}, "hidden_act"),
@@ -303,3 +307,42 @@ def test_mxtrain_command_has_export_when_wired(run, tmp_path):
     assert p.returncode == 0, p.stderr
     p = run_cli("export", str(tmp_path), "--out", str(tmp_path / "x"))
     one_line_error(p, "holds no checkpoint")
+
+
+def test_llama_3_1_rope_scaling_loads_with_transformers_logits_and_exports_back(tmp_path):
+    """Llama 3.1/3.2's ``rope_type: "llama3"`` (the checkpoints people continue, as the AMD paper does): mxtrain's
+    model gives transformers' logits in float32 on positions where all three bands of the scaling differ from
+    plain RoPE, and its export writes the scaling back (a transformers model built from the export agrees)."""
+    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    c = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                 num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+                                 rms_norm_eps=1e-6, rope_parameters=dict(rope))
+    hf = transformers.LlamaForCausalLM(c).eval()
+    _randomize(hf)
+    hf.save_pretrained(str(tmp_path / "hf"))
+    mc = config_from_hf(tmp_path / "hf")
+    assert mc.rope_scaling == (8.0, 1.0, 4.0, 64.0)
+    from mxtrain.model import rope_tables
+    plain, scaled = rope_tables(32, 8, 10000.0)[0], rope_tables(32, 8, 10000.0, scaling=mc.rope_scaling)[0]
+    d = (plain != scaled).any(0)
+    assert d.any() and not d.all()   # (the lowest frequencies scaled, the highest kept)
+    model = Llama(mc)
+    load_hf_llama(model, tmp_path / "hf")
+    x = torch.randint(0, 96, (2, 100))
+    with torch.no_grad():
+        ours, theirs = model(x), hf(x).logits
+    assert (ours - theirs).abs().max().item() < 1e-5
+    # the plain RoPE gives other logits: the scaling is what makes them agree
+    from dataclasses import replace
+    other = Llama(replace(mc, rope_scaling=()))
+    other.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert (other(x) - theirs).abs().max().item() > 1e-3
+    cfg = hf_config(mc, None)
+    assert cfg["rope_parameters"] == rope
+    back = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{k: v for k, v in cfg.items()
+                                                                     if k not in ("architectures", "model_type")}))
+    back.load_state_dict(hf.state_dict())
+    with torch.no_grad():
+        assert (back.eval()(x).logits - theirs).abs().max().item() < 1e-5
