@@ -57,8 +57,6 @@ def plan(device: str, share: bool = False) -> tuple:
     if gemm.weight_group_rows(d) != 128:
         return (0, 0)
     fast.state.prepare(d)
-    if not COUNT:
-        fast.state.missed.add(fast.state._dev(d))
     if share:
         install_share_pass()
     return (gemm.activation_b_group_rows(d), 128)
@@ -77,10 +75,6 @@ def applies(mx: str, x: torch.Tensor, weight: torch.Tensor) -> tuple:
     if x.numel() == 0 or weight.numel() == 0:
         return (0, 0)
     return plan(str(x.device), s.mx_compiled == "shared")
-
-
-def _ceil(a: int, b: int) -> int:
-    return -(-a // b) * b
 
 
 def _mm(ca: torch.Tensor, ga: torch.Tensor, Ra: int, cb: torch.Tensor, gb: torch.Tensor, rows_b: int, Rb: int,
@@ -207,17 +201,11 @@ class _CompiledMXLinear(torch.autograd.Function):
         return dx, dw, db, None, None, None, None, None, None, None, None
 
 
-# Inexact-block counts: the ops add to the device's running counters (``fast.state``), made by ``plan`` before
-# the graph. ``COUNT`` False: each op gets a scratch counter instead and the device's counts are marked as not
-# counted (``fast.state.missed``).
-COUNT = True
-
-
 def _counters(device: torch.device) -> tuple:
+    """The device's running inexact-block counters ``(x, w, dy)`` (``fast.state``), which the ops add to; made
+    by ``plan`` before the graph."""
     from . import fast
-    if COUNT:
-        return fast.state.by_name[str(device)]
-    return tuple(torch.empty((1,), dtype=torch.int32, device=device) for _ in range(3))
+    return fast.state.by_name[str(device)]
 
 
 def _x_operands(x2: torch.Tensor, gemms: tuple, x_rows: int, need_wgrad: bool) -> tuple:
