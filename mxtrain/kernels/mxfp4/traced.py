@@ -28,7 +28,9 @@ no register cap. The kernels' source is written so that contraction changes noth
 except through an explicit ``tl.fma`` (each such product is exact), and the rounding constants are built from
 bits, not multiplied. ``tools/compile_check.py --fusion`` compiles every variant these ops launch both ways and
 finds the same code (tests/test_compiledmx.py runs it in CI), so the bytes are the eager kernels'. The register
-caps (``launch.CAPPED_KERNELS``) are lost: a speed matter only. Recipes with stochastic rounding, random signs or
+caps (``launch.CAPPED_KERNELS``) are lost: a speed matter only. Importing this module installs
+``kernels.access_cache``: torch's analysis of which tensors a launch writes runs once per kernel variant instead
+of several times per launch (most of a first compile's time without it). Recipes with stochastic rounding, random signs or
 prescales keep the custom ops for now.
 """
 
@@ -74,6 +76,9 @@ def _selfcheck(fn, *args) -> None:
 
 
 if AVAILABLE:
+    from ..access_cache import install as _install_access_cache
+    _install_access_cache()   # torch's per-launch analysis of which tensors a kernel writes, once per variant
+
     def _launch(kfn, grid, args: tuple, consts: dict, num_warps: int) -> None:
         wrap_triton(kfn)[grid](**kernel_kwargs(kfn, args, consts), num_warps=num_warps)
 

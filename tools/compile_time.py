@@ -1,0 +1,107 @@
+"""Where the first compiled step's time goes: one training step of a ``bench step`` model under cProfile.
+
+``python3 tools/compile_time.py [--model 125m] [--layers 2] [--top 40] [--out prof.json] VARIANT [VARIANT ...]``
+
+Per variant: wall time of the first step (trace, compile, run), the time and count of two suspects
+(Triton's kernel-access analysis that functionalization runs for every ``wrap_triton`` call, and Triton
+compiles), and the cProfile table of the step sorted by cumulative and by own time. Needs a CUDA GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import sys
+import time
+
+
+def _timed(owner, name: str, box: dict):
+    fn = getattr(owner, name)
+
+    def wrapper(*a, **k):
+        t = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            box["calls"] += 1
+            box["s"] += time.perf_counter() - t
+    setattr(owner, name, wrapper)
+    return lambda: setattr(owner, name, fn)
+
+
+def one(variant: str, model: str, layers: int, batch: int, seq: int, top: int) -> dict:
+    import torch
+    import torch._higher_order_ops.triton_kernel_wrap as tkw
+
+    from mxtrain import bench_step
+    torch._dynamo.reset()
+    dev = torch.device("cuda")
+    m = bench_step._build(model, layers, seq, dev)
+    bench_step._convert(m, variant)
+    f = torch.compile(m)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True)
+    idx = torch.randint(0, m.cfg.vocab_size, (batch, seq + 1), device=dev)
+    x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
+    access = {"calls": 0, "s": 0.0}
+    ttir = {"calls": 0, "s": 0.0}
+    name = "identify_accessed_tensors" if hasattr(tkw, "identify_accessed_tensors") else "identify_mutated_tensors"
+    undo = [_timed(tkw, name, access), _timed(tkw, "generate_ttir", ttir)]
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = f(x, y)
+    loss.backward()
+    opt.step()
+    torch.cuda.synchronize()
+    prof.disable()
+    first = time.perf_counter() - t0
+    for u in undo:
+        u()
+    t0 = time.perf_counter()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = f(x, y)
+    loss.backward()
+    opt.step()
+    torch.cuda.synchronize()
+    second = time.perf_counter() - t0
+    from mxtrain.kernels import access_cache
+    tables = {"access_cache": access_cache.stats()}
+    for key in ("cumulative", "tottime"):
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats(key).print_stats(top)
+        tables[key] = s.getvalue()
+    return {"variant": variant, "model": model, "layers": layers, "first_step_s": first, "second_step_s": second,
+            "kernel_access_analysis": access, "generate_ttir": ttir, "profile": tables}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("variants", nargs="+")
+    p.add_argument("--model", default="125m")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--top", type=int, default=40)
+    p.add_argument("--out")
+    a = p.parse_args(argv)
+    res = []
+    for v in a.variants:
+        r = one(v, a.model, a.layers, a.batch, a.seq, a.top)
+        print(f"{v}: first step {r['first_step_s']:.1f} s, second {r['second_step_s']:.3f} s, kernel-access "
+              f"analysis {r['kernel_access_analysis']['calls']} calls {r['kernel_access_analysis']['s']:.1f} s, "
+              f"of which TTIR {r['generate_ttir']['calls']} calls {r['generate_ttir']['s']:.1f} s",
+              flush=True)
+        print("access cache", r["profile"]["access_cache"], flush=True)
+        print(r["profile"]["tottime"][:5000], flush=True)
+        res.append(r)
+    if a.out:
+        with open(a.out, "w") as fh:
+            json.dump(res, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
