@@ -42,6 +42,18 @@ def _as_int(value):
     return int(value.__index__())
 
 
+_F32_TINY, _F32_MAX = 2.0 ** -126, float.fromhex("0x1.fffffep+127")
+
+
+def _check_float32(what: str, value: float) -> None:
+    """A prescale is used in float32 (the operand times it, the GEMM output divided by the product of its two
+    operands' prescales): a finite Python float that float32 rounds to inf or to zero or a subnormal makes every
+    MX layer output only its bias, so it is refused here."""
+    if not _F32_TINY <= abs(value) <= _F32_MAX:
+        raise ValueError(f"{what} must be a normal float32 number (between {_F32_TINY:.4g} and {_F32_MAX:.4g}; "
+                         f"it is used in float32), got {value!r}")
+
+
 def _choice(what: str, value, valid) -> None:
     if value not in valid:
         raise ValueError(f"{what}: {value!r} is not valid; choose one of: {', '.join(map(str, valid))}")
@@ -71,6 +83,7 @@ class Operand:
         if (isinstance(self.prescale, bool) or not isinstance(self.prescale, (int, float)) or not self.prescale > 0
                 or not math.isfinite(self.prescale)):
             raise ValueError(f"prescale must be a positive finite number, got {self.prescale!r}")
+        _check_float32("prescale", self.prescale)
         if self.block_2d and self.fmt != "nvfp4":
             raise ValueError(f"block_2d (16x16 tiles) is only defined for nvfp4, not {self.fmt!r}")
 
@@ -157,6 +170,14 @@ class Recipe:
         if _as_int(self.seed) is None:
             raise ValueError(f"Recipe.seed must be an integer, got {self.seed!r}")
         object.__setattr__(self, "seed", _as_int(self.seed))
+        for g, (a, b) in zip(GEMMS, (("fprop_x", "fprop_w"), ("dgrad_dy", "dgrad_w"), ("wgrad_dy", "wgrad_x"))):
+            pa, pb = getattr(self, a).prescale, getattr(self, b).prescale
+            if pa != 1.0 or pb != 1.0:
+                try:
+                    _check_float32(f"the product of {a}.prescale and {b}.prescale (the {g} output is divided by it)",
+                                   float(pa) * float(pb))
+                except ValueError as e:
+                    raise ValueError(f"{e} ({a}.prescale={pa!r}, {b}.prescale={pb!r})") from None
         # the recipe as one string (every field but the description): the argument of the custom ops,
         # and what a compiled ``mx_linear`` reads from a Recipe object (a plain attribute, no tracing)
         d = dataclasses.asdict(self)

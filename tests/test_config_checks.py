@@ -37,6 +37,13 @@ BAD = [
     ("log.eval_tokens=0", "log.eval_tokens must be in [1, inf)"),
     ("log.log_every=0", "log.log_every must be in [1, inf)"),
     ("recipe_overrides={\"fprop_x.prescale\": Infinity}", "prescale must be a positive finite number"),
+    # finite as a Python float, infinite or zero in float32, the type it is used in (issue #47, 7)
+    ("recipe.fprop_x.prescale=1e300", "prescale must be a normal float32 number"),
+    ("recipe.wgrad_x.prescale=1e-300", "prescale must be a normal float32 number"),
+    ("recipe.fprop_x.prescale=1e30 recipe.fprop_w.prescale=1e30",
+     "the product of fprop_x.prescale and fprop_w.prescale (the fprop output is divided by it) must be a normal"),
+    ("optim.lr=1e-50", "optim.lr 1e-50 is zero or subnormal in float32"),
+    ("optim.eps=1e-46", "optim.eps 1e-46 is zero or subnormal in float32"),
 ]
 
 
@@ -45,10 +52,12 @@ def test_bad_values_are_one_clear_line(item, msg):
     cfg = experiments.get("debug")
     if item.startswith("recipe_overrides="):
         cfg.recipe_overrides = {"fprop_x.prescale": math.inf}
+        with pytest.raises(UserError) as e:
+            validate(cfg)
     else:
-        apply_overrides(cfg, [item])
-    with pytest.raises(UserError) as e:
-        validate(cfg)
+        with pytest.raises(UserError) as e:
+            apply_overrides(cfg, item.split())
+            validate(cfg)
     assert msg in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 

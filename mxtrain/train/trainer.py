@@ -325,6 +325,11 @@ def validate(cfg: TrainConfig) -> None:
     if o.lr >= top:
         raise UserError(f"optim.lr {o.lr:g} is too large: AdamW's first step (lr / (1 - beta1)) or its weight decay "
                         f"(lr x weight_decay) overflows float32; use a learning rate below {top:.3g}")
+    tiny = torch.finfo(torch.float32).tiny   # the optimizer uses lr and eps in float32: a smaller one is 0 there
+    for k in ("lr", "eps"):
+        if getattr(o, k) < tiny:
+            raise UserError(f"optim.{k} {getattr(o, k):g} is zero or subnormal in float32, the type AdamW uses it "
+                            f"in; use a value of at least {tiny:.4g}")
     _num("schedule.warmup_steps", sc.warmup_steps, lo=0, integer=True)
     _num("schedule.horizon_steps", sc.horizon_steps, lo=1, integer=True, optional=True)
     _num("schedule.decay_fraction", sc.decay_fraction, lo=0, hi=1)
