@@ -35,19 +35,27 @@ import torch
 from ._constant import assume_constant_result
 from .kernels.mxfp4 import traced as _traced  # noqa: F401  (registers mxtrain::q_single, q_dual, q_expand)
 
-__all__ = ["applies", "linear", "plan", "share_inputs", "SharePass", "install_share_pass"]
+__all__ = ["applies", "linear", "plan", "share_inputs", "SharePass", "install_share_pass", "TRACE_TIME_SETTINGS"]
 
 _KMUL = 512          # carrier reduction multiple (kernels.gemm.k_multiple_for("fp8_carrier"))
 _TILE = 128
 _OK = (torch.float32, torch.bfloat16, torch.float16)
 
 
+# The settings the quantize ops' bodies read when they are traced (``launch.single_spec``, ``dual_spec``,
+# ``dual_applies``, ``verify``): ``applies`` passes their values to ``plan``, so that dynamo guards on them and a
+# change after a model was compiled recompiles it instead of being ignored. (``fast_launch`` and ``append`` steer
+# the eager launches only.) tests/test_compiledmx.py checks this list against what those modules read.
+TRACE_TIME_SETTINGS = ("dual", "qkernel", "qjoin", "qfold", "qmaxnreg", "qselfcheck")
+
+
 @assume_constant_result
-def plan(device: str, share: bool = False) -> tuple:
+def plan(device: str, share: bool = False, *trace_settings) -> tuple:
     """``(x_rows, w_rows)``: group rows of Wgrad's X and of the weights on ``device``, or ``(0, 0)`` where the
     compiled layer cannot run there (no FP8 tensor cores, the FP8-carrier GEMM not the device's backend,
     128x128 weight groups not exact). Makes the inexact-block counters of the device (outside any graph,
-    static addresses for CUDA graphs). Called with the tracing modes off, once per graph."""
+    static addresses for CUDA graphs). Called with the tracing modes off, once per graph. ``trace_settings``: the
+    values of ``TRACE_TIME_SETTINGS`` (unused here: passed so that dynamo guards on them)."""
     from . import fast
     from .kernels import backend, gemm
     from .kernels.mxfp4.traced import AVAILABLE
@@ -70,11 +78,13 @@ def applies(mx: str, x: torch.Tensor, weight: torch.Tensor) -> tuple:
     s = settings.current()
     if not mx or s.mx_compiled == "ops" or not s.fast or s.exact_carrier:
         return (0, 0)
-    if x.device.type != "cuda" or x.dtype not in _OK or weight.dtype not in _OK or weight.ndim != 2:
+    if x.dtype not in _OK or weight.dtype not in _OK or weight.ndim != 2:
         return (0, 0)
     if x.numel() == 0 or weight.numel() == 0:
         return (0, 0)
-    return plan(str(x.device), s.mx_compiled == "shared")
+    # (the device is plan's to judge: it answers (0, 0) off CUDA)
+    return plan(str(x.device), s.mx_compiled == "shared", s.dual, s.qkernel, s.qjoin, s.qfold, s.qmaxnreg,
+                s.qselfcheck)
 
 
 def _mm(ca: torch.Tensor, ga: torch.Tensor, Ra: int, cb: torch.Tensor, gb: torch.Tensor, rows_b: int, Rb: int,

@@ -609,7 +609,9 @@ def implementation(recipe: Recipe | str, x: torch.Tensor, weight: torch.Tensor, 
     """What runs a layer of ``recipe`` called on ``x`` with ``weight`` (real or meta tensors of the shapes,
     dtypes and device you use), in words: under ``torch.compile`` (``compiled``), one of ``COMPILED_FORMS``;
     eagerly, ``route``'s answer (plain, the fast path's fused kernels, or the reference quantizer). Reads the
-    settings as they are now: a setting changed after a model was compiled does not change its graph."""
+    settings as they are now. A routing setting changed after a model was compiled makes dynamo compile its graph
+    again at the next call (it guards on the settings it read while tracing; the compiled layer also on the
+    launch settings of its kernels, ``compiledmx.TRACE_TIME_SETTINGS``)."""
     r = get_recipe(recipe)
     if not compiled:
         return {"plain": "F.linear (the recipe quantizes nothing)",

@@ -387,3 +387,44 @@ def test_kernel_access_analysis_runs_once_per_variant_and_agrees_with_torch(tmp_
         assert cached == fresh, fn
         assert "cnt_ptr" in cached and "x_ptr" not in cached and len(cached) >= 2, (fn, cached)
     assert res["stats"] == {"hits": 3, "misses": 3, "bypassed": 2}
+
+
+def test_a_setting_changed_after_compiling_recompiles_the_layer(monkeypatch):
+    """Every decision of the compiled layer is made at trace time, the ops' launch settings included: the
+    settings the ops' bodies read are passed to ``plan`` (dynamo guards on them), so a change after compiling
+    recompiles, and a setting the layer does not read does not. CPU: ``plan`` stands in for the GPU's answer."""
+    from torch._dynamo.utils import counters
+    from mxtrain._constant import assume_constant_result
+    monkeypatch.setattr(compiledmx, "plan", assume_constant_result(lambda device, share=False, *knobs: (1, 128)))
+    mx = tracedmx.spec(recipes.get("mxfp4-all-dh16"))
+    w = torch.zeros(8, 32)
+
+    def f(x):
+        return x * compiledmx.applies(mx, x, w)[1]
+    torch._dynamo.reset()
+    counters.clear()
+    cf = torch.compile(f, backend="eager", fullgraph=True)
+    x = torch.ones(4, 32)
+    graphs = []
+    with settings.override(dual="auto", qkernel="auto", qmaxnreg=80):
+        for change in ({}, {"dual": "off"}, {"qkernel": "tile"}, {"qmaxnreg": 64}, {"qselfcheck": "off"},
+                       {"wgrad_x": "forward"}):
+            with settings.override(**change):
+                assert torch.equal(cf(x), x * 128)
+            graphs.append(counters["stats"]["unique_graphs"])
+    torch._dynamo.reset()
+    assert graphs == [1, 2, 3, 4, 5, 5]   # (wgrad_x is read by compiledmx.linear, not by applies)
+
+
+def test_trace_time_settings_are_the_ones_the_ops_read():
+    """``compiledmx.TRACE_TIME_SETTINGS`` names every setting the launch descriptions and the self-check read
+    (``st.<name>`` in kernels/mxfp4/launch.py and verify.py) but the eager launch machinery's."""
+    import os
+    import re
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    read = set()
+    for f in ("launch.py", "verify.py"):
+        read |= set(re.findall(r"\bst\.([a-z_]+)", open(os.path.join(root, "mxtrain", "kernels", "mxfp4", f)).read()))
+    assert read - {"fast_launch", "append"} == set(compiledmx.TRACE_TIME_SETTINGS)
+    for n in compiledmx.TRACE_TIME_SETTINGS:
+        assert n in settings.Settings.__dataclass_fields__
