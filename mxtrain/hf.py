@@ -555,6 +555,73 @@ def _read_hf_config(hf_dir: Path) -> dict:
     return cfg
 
 
+# Every field of a foreign config.json that mxtrain reads, with the type it must have: checked in one place
+# (``_check_hf_types``) before any is used, so that a string "false" is not a true value and a null or a string in a
+# number's place is one line naming the field, not a traceback. ``None`` after the kind: a null means "absent".
+_POS_INT, _POS_NUM, _NUM, _BOOL, _STR, _DICT, _STRS = ("a positive integer", "a positive finite number",
+                                                       "a finite number", "true or false", "a string", "an object",
+                                                       "a list of strings")
+_HF_FIELDS = {
+    "model_type": (_STR, None), "architectures": (_STRS, None),
+    "hidden_size": (_POS_INT,), "intermediate_size": (_POS_INT,), "num_hidden_layers": (_POS_INT,),
+    "num_attention_heads": (_POS_INT,), "vocab_size": (_POS_INT,),
+    "num_key_value_heads": (_POS_INT, None), "head_dim": (_POS_INT, None),
+    "max_position_embeddings": (_POS_INT, None),
+    "hidden_act": (_STR,), "attention_bias": (_BOOL,), "mlp_bias": (_BOOL,), "tie_word_embeddings": (_BOOL,),
+    "rope_theta": (_POS_NUM,), "partial_rotary_factor": (_POS_NUM,), "rms_norm_eps": (_POS_NUM,),
+    "initializer_range": (_NUM,),
+    "rope_parameters": (_DICT, None), "rope_scaling": (_DICT, None),
+}
+_HF_ROPE_FIELDS = {   # inside rope_parameters / rope_scaling
+    "rope_type": (_STR,), "type": (_STR,), "rope_theta": (_POS_NUM,), "partial_rotary_factor": (_POS_NUM,),
+    "factor": (_POS_NUM,), "low_freq_factor": (_POS_NUM,), "high_freq_factor": (_POS_NUM,),
+    "original_max_position_embeddings": (_POS_NUM,),
+}
+
+
+def _hf_type_ok(kind: str, v) -> bool:
+    if kind == _BOOL:
+        return isinstance(v, bool)
+    if kind == _STR:
+        return isinstance(v, str)
+    if kind == _DICT:
+        return isinstance(v, dict)
+    if kind == _STRS:
+        return isinstance(v, list) and all(isinstance(x, str) for x in v)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    if kind == _POS_INT:
+        return isinstance(v, int) and v > 0
+    return math.isfinite(v) and (v > 0 or kind == _NUM)
+
+
+def _check_hf_types(c: dict, where: Path) -> None:
+    """Refuse (one ``UserError`` naming each field, its value and what it must be) any field of a Hugging Face
+    ``config.json`` that mxtrain reads (``_HF_FIELDS``, and ``_HF_ROPE_FIELDS`` inside the RoPE objects) whose
+    value has the wrong type; an absent field takes its default later."""
+    bad = []
+
+    def check(table: dict, obj: dict, prefix: str) -> None:
+        for key, (kind, *nullable) in table.items():
+            if key not in obj or (nullable and obj[key] is None):
+                continue
+            v = obj[key]
+            if not _hf_type_ok(kind, v):
+                try:
+                    shown = json.dumps(v)
+                except (ValueError, RecursionError):
+                    shown = f"a {type(v).__name__}"
+                shown = shown if len(shown) <= 40 else shown[:37] + "..."
+                bad.append(f"{prefix}{key} is {shown}, expected {kind}{' or null' if nullable else ''}")
+
+    check(_HF_FIELDS, c, "")
+    for k in ("rope_parameters", "rope_scaling"):
+        if isinstance(c.get(k), dict):
+            check(_HF_ROPE_FIELDS, c[k], f"{k}.")
+    if bad:
+        raise UserError(f"{where}: {'; '.join(bad)}")
+
+
 def config_from_hf(hf_dir: str | Path, vocab_multiple: int = 1) -> ModelConfig:
     """mxtrain's ``ModelConfig`` for a local Hugging Face Llama folder (its ``config.json``).
 
@@ -567,22 +634,22 @@ def config_from_hf(hf_dir: str | Path, vocab_multiple: int = 1) -> ModelConfig:
     hf_dir = Path(hf_dir)
     c = _read_hf_config(hf_dir)
     where = hf_dir / "config.json"
+    _check_hf_types(c, where)
     mt, arch = c.get("model_type"), c.get("architectures") or []
     if mt != "llama" and "LlamaForCausalLM" not in arch:
         raise UserError(f"{where}: model_type {mt!r} ({', '.join(map(str, arch)) or 'no architectures'}) is not a "
                         f"Llama; mxtrain loads Llama models only")
     need = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-    miss = [k for k in need if not isinstance(c.get(k), int) or isinstance(c.get(k), bool)]
+    miss = [k for k in need if k not in c]
     if miss:
-        raise UserError(f"{where}: missing or non-integer {', '.join(miss)}")
+        raise UserError(f"{where}: missing {', '.join(miss)} (each a positive integer)")
     bad = []
     if c.get("hidden_act", "silu") != "silu":
         bad.append(f"hidden_act {c['hidden_act']!r} (mxtrain's feed-forward is SwiGLU with silu)")
     for k in ("attention_bias", "mlp_bias"):
         if c.get(k):
             bad.append(f"{k} true (mxtrain's linear layers have no bias)")
-    rp = c.get("rope_parameters") if isinstance(c.get("rope_parameters"), dict) else None
-    rs = c.get("rope_scaling") if isinstance(c.get("rope_scaling"), dict) else None
+    rp, rs = c.get("rope_parameters"), c.get("rope_scaling")
     rtype = (rp or {}).get("rope_type") or (rp or {}).get("type") or "default"
     if rs:
         rtype = rs.get("rope_type") or rs.get("type") or rtype

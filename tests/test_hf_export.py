@@ -156,7 +156,7 @@ def test_config_from_hf_reads_older_configs_and_refuses_what_mxtrain_cannot_comp
                      ({"rope_scaling": {"rope_type": "yarn", "factor": 8.0}}, "RoPE scaling 'yarn'"),
                      ({"rope_scaling": {"rope_type": "llama3", "factor": "8", "low_freq_factor": 1,
                                         "high_freq_factor": 4, "original_max_position_embeddings": 64}},
-                      "positive number for factor"),
+                      'rope_scaling.factor is "8", expected a positive finite number'),
                      ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, "is not a Llama"),
                      ({"attention_bias": True}, "attention_bias"),
                      ({"hidden_act": "gelu"}, "hidden_act"),
@@ -167,6 +167,44 @@ def test_config_from_hf_reads_older_configs_and_refuses_what_mxtrain_cannot_comp
         config_from_hf(tmp_path)
     with pytest.raises(UserError, match="not found"):
         config_from_hf(tmp_path / "nope")
+
+
+def test_config_from_hf_checks_each_field_by_type(tmp_path):
+    """Issue #47, 6: a string "false" tied the embeddings (and skipped the folder's lm_head.weight) with exit 0;
+    strings and nulls in number fields were tracebacks. Each is one line naming the field, value and type."""
+    base = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": None, "head_dim": None, "vocab_size": 256}
+
+    def write(**kw):
+        d = tmp_path / f"c{len(list(tmp_path.iterdir()))}"
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({**base, **kw}))
+        return d
+
+    mc = config_from_hf(write(tie_word_embeddings=True, rope_parameters=None))   # nulls where HF allows them
+    assert (mc.tie_embeddings, mc.n_kv_heads) == (True, 4)
+    for kw, msg in (({"tie_word_embeddings": "false"}, 'tie_word_embeddings is "false", expected true or false'),
+                    ({"tie_word_embeddings": 0}, "tie_word_embeddings is 0, expected true or false"),
+                    ({"attention_bias": "false"}, 'attention_bias is "false", expected true or false'),
+                    ({"rms_norm_eps": None}, "rms_norm_eps is null, expected a positive finite number"),
+                    ({"rope_theta": "1e4"}, 'rope_theta is "1e4", expected a positive finite number'),
+                    ({"initializer_range": [0.02]}, "initializer_range is [0.02], expected a finite number"),
+                    ({"hidden_size": "64"}, 'hidden_size is "64", expected a positive integer'),
+                    ({"vocab_size": None}, "vocab_size is null, expected a positive integer"),
+                    ({"num_attention_heads": 0}, "num_attention_heads is 0, expected a positive integer"),
+                    ({"num_key_value_heads": 1.5}, "num_key_value_heads is 1.5, expected a positive integer or null"),
+                    ({"max_position_embeddings": "2k"}, 'max_position_embeddings is "2k", expected a positive'),
+                    ({"hidden_act": None}, "hidden_act is null, expected a string"),
+                    ({"model_type": ["llama"]}, 'model_type is ["llama"], expected a string or null'),
+                    ({"architectures": "LlamaForCausalLM"}, "architectures is \"LlamaForCausalLM\", expected a list"),
+                    ({"rope_scaling": "llama3"}, 'rope_scaling is "llama3", expected an object or null'),
+                    ({"rope_parameters": {"rope_theta": None}}, "rope_parameters.rope_theta is null, expected a "),
+                    ({"rope_parameters": {"rope_type": 3}}, "rope_parameters.rope_type is 3, expected a string")):
+        with pytest.raises(UserError) as e:
+            config_from_hf(write(**kw))
+        assert msg in str(e.value) and "\n" not in str(e.value), (kw, str(e.value))
+    with pytest.raises(UserError, match=r"config.json: tie_word_embeddings is \"no\", .*; rms_norm_eps is \"x\""):
+        config_from_hf(write(tie_word_embeddings="no", rms_norm_eps="x"))   # every bad field in the one line
 
 
 def test_load_hf_llama_refuses_mismatches(run, tmp_path):
