@@ -139,8 +139,8 @@ def _add_train(sub) -> None:
     a("--eval-every", type=int, help="steps between validation evaluations")
     a("--eval-tokens", type=int, help="validation tokens per evaluation")
     a("--device", help="auto, cpu, cuda, cuda:N")
-    a("--init-from", metavar="DIR", help="a local Hugging Face Llama folder whose weights initialise the model "
-                                         "(train.init_from)")
+    a("--init-from", metavar="DIR", help="a local Hugging Face Llama, Mistral or Qwen2 folder whose weights initialise "
+                                         "the model (train.init_from)")
     a("--nproc", type=int, help="processes (GPUs) on this machine: re-runs this command under "
                                 "torchrun --nproc-per-node N (docs/distributed.md)")
     a("--parallel", choices=["auto", "none", "ddp", "fsdp2"], help="multi-process mode (parallel.mode; default auto: ddp)")

@@ -7,7 +7,9 @@ Hugging Face ``tokenizers`` file) and ``mxtrain_export.json`` (where the weights
 
 ``config_from_hf(hf_dir)`` reads a local Hugging Face Llama folder's ``config.json`` into mxtrain's
 ``ModelConfig``, and ``load_hf_llama(model, hf_dir)`` copies its weights into an mxtrain ``Llama`` built with
-that config (continued pretraining: ``train.init_from``). Nothing is downloaded, and nothing in either folder
+that config (continued pretraining: ``train.init_from``). Mistral folders (no sliding window shorter than the
+sequences: the same computation) and Qwen2 folders (q/k/v biases: ``ModelConfig.qkv_bias``) load too, and a
+model loaded from one exports back as its type (``ModelConfig.hf_model_type``). Nothing is downloaded, and nothing in either folder
 is executed: safetensors files are read by the small reader below (a JSON header and raw bytes), a
 ``pytorch_model.bin`` only with ``torch.load(weights_only=True)``.
 
@@ -48,6 +50,9 @@ _BLOCK_MAP = {  # mxtrain name inside a block -> Hugging Face name inside model.
     "attention.wq.weight": "self_attn.q_proj.weight",
     "attention.wk.weight": "self_attn.k_proj.weight",
     "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wq.bias": "self_attn.q_proj.bias",      # (qkv_bias: Qwen2)
+    "attention.wk.bias": "self_attn.k_proj.bias",
+    "attention.wv.bias": "self_attn.v_proj.bias",
     "attention.wo.weight": "self_attn.o_proj.weight",
     "feed_forward.w1.weight": "mlp.gate_proj.weight",
     "feed_forward.w3.weight": "mlp.up_proj.weight",
@@ -60,7 +65,8 @@ _TOP_MAP = {"embed_tokens.weight": "model.embed_tokens.weight", "norm.weight": "
 
 
 def hf_name(name: str) -> str:
-    """The Hugging Face ``LlamaForCausalLM`` parameter name of mxtrain ``Llama`` parameter ``name``."""
+    """The Hugging Face ``LlamaForCausalLM`` (``MistralForCausalLM``, ``Qwen2ForCausalLM``) parameter name of
+    mxtrain ``Llama`` parameter ``name``."""
     if name in _TOP_MAP:
         return _TOP_MAP[name]
     m = _LAYER.fullmatch(name)
@@ -72,7 +78,7 @@ def hf_name(name: str) -> str:
 def _expected_names(cfg: ModelConfig) -> list[str]:
     names = ["embed_tokens.weight", "norm.weight", "lm_head.weight"]
     for i in range(cfg.n_layers):
-        names += [f"layers.{i}.{k}" for k in _BLOCK_MAP]
+        names += [f"layers.{i}.{k}" for k in _BLOCK_MAP if cfg.qkv_bias or not k.endswith(".bias")]
     return names
 
 
@@ -235,8 +241,8 @@ def _run_model_config(state: dict, cfg, vocab: int, path: Path) -> ModelConfig:
         if not (Path(init_from) / "config.json").is_file():
             raise UserError(f"checkpoint {path}: the run started from the Hugging Face folder {init_from}, which is "
                             f"gone, and its checkpoint does not record the model's shapes; put the folder back")
-        hc = config_from_hf(init_from, vocab_multiple=32)
-        return replace(hc, vocab_size=vocab, max_seq_len=max(hc.max_seq_len, int(cfg.data.seq_len)))
+        hc = config_from_hf(init_from, vocab_multiple=32, max_seq_len=int(cfg.data.seq_len))
+        return replace(hc, vocab_size=vocab)
     return _model_config(cfg, vocab)
 
 
@@ -384,11 +390,20 @@ def _rope_parameters(mcfg: ModelConfig) -> dict:
 
 
 def hf_config(mcfg: ModelConfig, eot_id: int | None, dtype: str = "float32") -> dict:
-    """The ``config.json`` of a ``LlamaForCausalLM`` computing exactly what mxtrain's ``Llama(mcfg)`` does. The
-    RoPE base is given both as transformers 5's ``rope_parameters`` and as the older ``rope_theta``."""
+    """The ``config.json`` of a ``LlamaForCausalLM`` computing exactly what mxtrain's ``Llama(mcfg)`` does (a
+    ``MistralForCausalLM`` without sliding window or a ``Qwen2ForCausalLM`` without sliding window, as
+    ``mcfg.hf_model_type`` says: a model loaded from such a folder goes back as one). The RoPE base is given both
+    as transformers 5's ``rope_parameters`` and as the older ``rope_theta``."""
+    mt = mcfg.hf_model_type
+    own = {   # what each architecture's config has beyond the shared fields
+        "llama": {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1},
+        "mistral": {"sliding_window": None},
+        "qwen2": {"use_sliding_window": False, "sliding_window": None, "max_window_layers": mcfg.n_layers,
+                  "layer_types": ["full_attention"] * mcfg.n_layers},
+    }[mt]
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [_HF_ARCHS[mt]],
+        "model_type": mt,
         "vocab_size": mcfg.vocab_size,
         "hidden_size": mcfg.dim,
         "intermediate_size": mcfg.hidden_dim,
@@ -403,10 +418,8 @@ def hf_config(mcfg: ModelConfig, eot_id: int | None, dtype: str = "float32") -> 
         "rope_theta": mcfg.rope_theta,
         "rope_parameters": _rope_parameters(mcfg),
         **({"rope_scaling": _rope_parameters(mcfg)} if mcfg.rope_scaling else {}),   # (transformers 4's key)
-        "attention_bias": False,
+        **own,
         "attention_dropout": 0.0,
-        "mlp_bias": False,
-        "pretraining_tp": 1,
         "tie_word_embeddings": mcfg.tie_embeddings,
         "bos_token_id": eot_id,
         "eos_token_id": eot_id,
@@ -622,23 +635,23 @@ def _check_hf_types(c: dict, where: Path) -> None:
         raise UserError(f"{where}: {'; '.join(bad)}")
 
 
-def config_from_hf(hf_dir: str | Path, vocab_multiple: int = 1) -> ModelConfig:
-    """mxtrain's ``ModelConfig`` for a local Hugging Face Llama folder (its ``config.json``).
+def config_from_hf(hf_dir: str | Path, vocab_multiple: int = 1, max_seq_len: int | None = None) -> ModelConfig:
+    """mxtrain's ``ModelConfig`` for a local Hugging Face Llama, Mistral or Qwen2 folder (its ``config.json``).
 
     ``vocab_multiple``: round the vocab up to this multiple (the trainer pads its vocab to 32 for MX blocks;
-    ``load_hf_llama`` fills the extra rows' embedding and head weights with zeros). Refused with a ``UserError``:
-    a model that is not a Llama, or a Llama feature mxtrain's model does not compute (biases, RoPE scaling other
-    than Llama 3.1's ``llama3``,
-    another activation, a head size other than hidden_size / heads).
+    ``load_hf_llama`` fills the extra rows' embedding and head weights with zeros). ``max_seq_len``: the
+    longest sequence the model will see (the run's ``data.seq_len``), when above ``max_position_embeddings``.
+    Refused with a ``UserError``: another model type, or a feature mxtrain's model does not compute (Llama's
+    ``attention_bias`` / ``mlp_bias``, RoPE scaling other than Llama 3.1's ``llama3``, another activation, a
+    head size other than hidden_size / heads, a Mistral or Qwen2 sliding window shorter than the longest
+    sequence). A Qwen2 model's q/k/v biases are ``qkv_bias``; the model type is ``hf_model_type`` (what an
+    export writes back).
     """
     hf_dir = Path(hf_dir)
     c = _read_hf_config(hf_dir)
     where = hf_dir / "config.json"
     _check_hf_types(c, where)
-    mt, arch = c.get("model_type"), c.get("architectures") or []
-    if mt != "llama" and "LlamaForCausalLM" not in arch:
-        raise UserError(f"{where}: model_type {mt!r} ({', '.join(map(str, arch)) or 'no architectures'}) is not a "
-                        f"Llama; mxtrain loads Llama models only")
+    mt = _hf_model_type(c, where)
     need = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
     miss = [k for k in need if k not in c]
     if miss:
@@ -675,20 +688,65 @@ def config_from_hf(hf_dir: str | Path, vocab_multiple: int = 1) -> ModelConfig:
     hd = c.get("head_dim")
     if hd is not None and heads and hd * heads != hidden:
         bad.append(f"head_dim {hd} x {heads} heads != hidden_size {hidden} (mxtrain's head size is dim / heads)")
+    longest = int(c.get("max_position_embeddings") or 2048)
+    if max_seq_len is not None:
+        longest = max(longest, int(max_seq_len))
+    window = _sliding_window(c, mt, where)
+    if window is not None and window < longest:
+        bad.append(f"sliding_window {window} below the longest sequence, {longest} tokens (mxtrain's attention sees "
+                   f"every earlier position; a window at least as long as the sequences computes the same)")
     if bad:
-        raise UserError(f"{where}: this Llama uses what mxtrain's model does not compute: {'; '.join(bad)}")
+        raise UserError(f"{where}: this {_HF_NAMES[mt]} uses what mxtrain's model does not compute: {'; '.join(bad)}")
     vocab = c["vocab_size"]
     m = max(1, int(vocab_multiple))
     eps = c.get("rms_norm_eps", 1e-6)
     try:
         return ModelConfig(dim=hidden, n_layers=c["num_hidden_layers"], n_heads=heads,
                            n_kv_heads=c.get("num_key_value_heads") or heads, ffn_dim=c["intermediate_size"],
-                           vocab_size=m * -(-vocab // m), max_seq_len=int(c.get("max_position_embeddings") or 2048),
+                           vocab_size=m * -(-vocab // m), max_seq_len=longest,
                            rope_theta=float(theta), rope_scaling=scaling, norm_eps=float(eps),
                            tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-                           init_std=float(c.get("initializer_range", 0.02)))
+                           init_std=float(c.get("initializer_range", 0.02)), qkv_bias=mt == "qwen2",
+                           hf_model_type=mt)
     except UserError as e:
         raise UserError(f"{where}: {e}") from None
+
+
+_HF_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_HF_NAMES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
+
+
+def _hf_model_type(c: dict, where: Path) -> str:
+    """``llama``, ``mistral`` or ``qwen2``: the config's model_type, else its architectures'; else a UserError."""
+    mt, arch = c.get("model_type"), c.get("architectures") or []
+    if mt in _HF_ARCHS:
+        return mt
+    for t, a in _HF_ARCHS.items():
+        if isinstance(arch, list) and a in arch:
+            return t
+    shown = ", ".join(map(str, arch)) if isinstance(arch, list) else str(arch)
+    raise UserError(f"{where}: model_type {mt!r} ({shown or 'no architectures'}) is not a Llama, Mistral or Qwen2; "
+                    f"mxtrain loads these model types only")
+
+
+def _sliding_window(c: dict, mt: str, where: Path) -> int | None:
+    """The attention window of a Mistral or Qwen2 config (None: full causal attention). Mistral's
+    ``sliding_window`` applies when it is set; Qwen2's only with ``use_sliding_window: true`` (transformers
+    ignores it otherwise)."""
+    if mt == "llama":
+        return None
+    if mt == "qwen2":
+        use = c.get("use_sliding_window", False)
+        if not isinstance(use, bool):
+            raise UserError(f"{where}: use_sliding_window is {json.dumps(use)[:40]}, expected true or false")
+        if not use:
+            return None
+    w = c.get("sliding_window")
+    if w is None:
+        return None
+    if isinstance(w, bool) or not isinstance(w, int) or w <= 0:
+        raise UserError(f"{where}: sliding_window is {json.dumps(w)[:40]}, expected a positive integer or null")
+    return w
 
 
 def _weight_files(hf_dir: Path) -> list[Path]:
@@ -739,10 +797,10 @@ def load_hf_llama(model: Llama, hf_dir: str | Path) -> dict:
     cast to the model's dtype. Missing or unexpected tensors are refused by name.
     """
     hf_dir = Path(hf_dir)
-    hcfg = config_from_hf(hf_dir)
     mcfg = getattr(model, "cfg", None)
     if not isinstance(mcfg, ModelConfig) or not hasattr(model, "layers"):
         raise UserError(f"load_hf_llama needs an mxtrain Llama model, got {type(model).__name__}")
+    hcfg = config_from_hf(hf_dir, max_seq_len=mcfg.max_seq_len)
     diffs = []
     for ours, theirs, label in (("dim", "dim", "hidden_size"), ("n_layers", "n_layers", "num_hidden_layers"),
                                 ("n_heads", "n_heads", "num_attention_heads"),
@@ -750,7 +808,8 @@ def load_hf_llama(model: Llama, hf_dir: str | Path) -> dict:
                                 ("hidden_dim", "hidden_dim", "intermediate_size"),
                                 ("rope_theta", "rope_theta", "rope_theta"),
                                 ("rope_scaling", "rope_scaling", "rope scaling"), ("norm_eps", "norm_eps", "rms_norm_eps"),
-                                ("tie_embeddings", "tie_embeddings", "tie_word_embeddings")):
+                                ("tie_embeddings", "tie_embeddings", "tie_word_embeddings"),
+                                ("qkv_bias", "qkv_bias", "q/k/v biases")):
         a, b = getattr(mcfg, ours), getattr(hcfg, theirs)
         if a != b:
             diffs.append(f"{ours} {a} here, {label} {b} in the Hugging Face config")
@@ -817,14 +876,11 @@ def llama_from_hf(hf_dir: str | Path, *, vocab_size: int | None = None, max_seq_
     multiple of 32 the imported model's loss over the padded vocab is above the Hugging Face model's until
     training lowers those logits (the real vocab's logits are the same; Llama 2 and 3, Mistral and Qwen2
     vocabularies are multiples of 32). ``max_seq_len``: at least this (the run's ``data.seq_len``)."""
-    from dataclasses import replace
-    mcfg = config_from_hf(hf_dir, vocab_multiple=32)
+    mcfg = config_from_hf(hf_dir, vocab_multiple=32, max_seq_len=max_seq_len)
     if vocab_size is not None and vocab_size > mcfg.vocab_size:
         raise UserError(f"the training data's vocab ({vocab_size:,} ids) is larger than the model's in {hf_dir} "
                         f"({mcfg.vocab_size:,}): tokenize the data with the model's tokenizer (mxtrain data prepare "
                         f"FILES --tokenizer {Path(hf_dir) / 'tokenizer.json'} --out DIR)")
-    if max_seq_len is not None and max_seq_len > mcfg.max_seq_len:
-        mcfg = replace(mcfg, max_seq_len=int(max_seq_len))
     model = Llama(mcfg, device="meta").to_empty(device=device)
     if mcfg.tie_embeddings:
         model.lm_head.weight = model.embed_tokens.weight

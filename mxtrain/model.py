@@ -25,6 +25,9 @@ from .errors import UserError
 
 __all__ = ["ModelConfig", "Llama", "SIZES", "size_names"]
 
+# the Hugging Face architectures mxtrain's Llama computes exactly (ModelConfig.hf_model_type)
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -45,6 +48,11 @@ class ModelConfig:
     # Llama 3.1's RoPE frequency scaling ("llama3" in Hugging Face configs): () for none, else (factor,
     # low_freq_factor, high_freq_factor, original_max_position_embeddings) (``rope_tables``)
     rope_scaling: tuple = ()
+    # biases on the query, key and value projections (Qwen2; the output projection and the FFN have none)
+    qkv_bias: bool = False
+    # the Hugging Face model type of an export (``mxtrain.hf.hf_config``): "llama", "mistral" (a Llama without
+    # a sliding window) or "qwen2" (a Llama with q/k/v biases: ``qkv_bias``)
+    hf_model_type: str = "llama"
 
     def __post_init__(self):
         rs = tuple(float(v) for v in (self.rope_scaling or ()))   # (a list from a checkpoint's JSON, too)
@@ -52,6 +60,11 @@ class ModelConfig:
         if rs and (len(rs) != 4 or not all(math.isfinite(v) and v > 0 for v in rs) or rs[2] <= rs[1]):
             raise UserError(f"model.rope_scaling={list(rs)}: give (factor, low_freq_factor, high_freq_factor, "
                             f"original_max_position_embeddings), all positive, high_freq_factor above low_freq_factor")
+        if self.hf_model_type not in HF_MODEL_TYPES:
+            raise UserError(f"model.hf_model_type={self.hf_model_type!r}: one of {', '.join(HF_MODEL_TYPES)}")
+        if bool(self.qkv_bias) != (self.hf_model_type == "qwen2"):
+            raise UserError(f"model.qkv_bias={bool(self.qkv_bias)} with hf_model_type={self.hf_model_type!r}: q/k/v "
+                            f"biases are Qwen2's (qkv_bias=True goes with hf_model_type='qwen2' and only with it)")
         if self.dim % self.n_heads:
             raise UserError(f"model.dim={self.dim} must be a multiple of model.n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads:
@@ -88,6 +101,8 @@ class ModelConfig:
         C, F_, V, L = self.dim, self.hidden_dim, self.vocab_size, self.n_layers
         kv = self.n_kv_heads * self.head_dim
         block = C * C * 2 + C * kv * 2 + 3 * C * F_ + 2 * C  # wq, wo, wk, wv, w1/w2/w3, 2 norms
+        if self.qkv_bias:
+            block += C + 2 * kv
         n = L * block + C  # final norm
         if embeddings:
             n += V * C * (1 if self.tie_embeddings else 2)
@@ -242,9 +257,10 @@ class Attention(nn.Module):
         super().__init__()
         C, D = cfg.dim, cfg.head_dim
         self.n_heads, self.n_kv, self.head_dim = cfg.n_heads, cfg.n_kv_heads, D
-        self.wq = nn.Linear(C, cfg.n_heads * D, bias=False, device=device)
-        self.wk = nn.Linear(C, cfg.n_kv_heads * D, bias=False, device=device)
-        self.wv = nn.Linear(C, cfg.n_kv_heads * D, bias=False, device=device)
+        b = bool(cfg.qkv_bias)
+        self.wq = nn.Linear(C, cfg.n_heads * D, bias=b, device=device)
+        self.wk = nn.Linear(C, cfg.n_kv_heads * D, bias=b, device=device)
+        self.wv = nn.Linear(C, cfg.n_kv_heads * D, bias=b, device=device)
         self.wo = nn.Linear(cfg.n_heads * D, C, bias=False, device=device)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -363,11 +379,14 @@ class Llama(nn.Module):
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:
         """Normal(0, init_std) everywhere; output projections (wo, w2) scaled by 1/sqrt(2 * n_layers)
-        (GPT-2); norms to 1. Pass a ``generator`` for an init independent of the global RNG."""
+        (GPT-2); norms to 1, biases (``qkv_bias``) to 0. Pass a ``generator`` for an init independent of the
+        global RNG."""
         std = self.cfg.init_std
         out_std = std / math.sqrt(2 * self.cfg.n_layers)
         for name, p in self.named_parameters():
-            if p.ndim == 1:
+            if name.endswith(".bias"):
+                p.zero_()
+            elif p.ndim == 1:
                 p.fill_(1.0)
             elif name.endswith(("wo.weight", "w2.weight")):
                 p.normal_(0.0, out_std, generator=generator)

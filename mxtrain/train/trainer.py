@@ -570,15 +570,13 @@ def _model_config(cfg: TrainConfig, vocab: int) -> ModelConfig:
 def build_model(cfg: TrainConfig, vocab: int, device: torch.device, load_init: bool = True) -> Llama:
     """The model with its init fixed by ``model.init_seed`` (default ``train.seed``), whatever the recipe;
     with ``train.init_from``, the shapes and (``load_init``: not when resuming, the checkpoint has them)
-    the weights of that local Hugging Face Llama folder."""
+    the weights of that local Hugging Face Llama, Mistral or Qwen2 folder."""
     if cfg.train.init_from:
         from .. import hf
         if load_init:
             return hf.llama_from_hf(cfg.train.init_from, vocab_size=vocab, max_seq_len=cfg.data.seq_len,
                                     device=device)
-        from dataclasses import replace
-        mcfg = hf.config_from_hf(cfg.train.init_from, vocab_multiple=32)
-        mcfg = replace(mcfg, max_seq_len=max(mcfg.max_seq_len, cfg.data.seq_len))
+        mcfg = hf.config_from_hf(cfg.train.init_from, vocab_multiple=32, max_seq_len=cfg.data.seq_len)
         model = Llama(mcfg, device="meta").to_empty(device=device)
         if mcfg.tie_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
