@@ -32,7 +32,7 @@ from . import rng
 from . import settings as _settings
 from .formats import get_format
 from .hadamard import hadamard, rotation_signs
-from .quant import MXTensor, quantize
+from .quant import MXTensor, quantize, reference_only
 from .recipe import GEMMS, OPERANDS, Operand, Recipe, Rotation
 
 __all__ = ["OPERAND_ID", "GEMM_ID", "operand_seed", "Ctx", "needs_seeds", "seed_spec", "compute_dtype",
@@ -202,7 +202,9 @@ class Ctx:
         spec = (axis, rot.size if rot.enabled else 0, op.fmt, op.block_size, op.rounding, op.scale_rule,
                 op.prescale)
         mode = _settings.current().mx_kernel
-        if op.rounding == "nearest" and (mode == "always" or (mode == "auto" and t.is_cuda)):
+        # (the fused kernel implements the formats and scale rules before the reference-only ones)
+        if (op.rounding == "nearest" and not reference_only(op.fmt, op.scale_rule)
+                and (mode == "always" or (mode == "auto" and t.is_cuda))):
             from .kernels.mxelem import mx_operand   # the fused MXFP8/MXFP6 kernel (mxtrain/kernels/mxelem.py)
             v = mx_operand(t, signs if rot.enabled else None, key, *spec, out_dtype=out_dtype)
             if v is not None:

@@ -155,9 +155,10 @@ class _Grid:
 
     def quantize(self, v: torch.Tensor) -> torch.Tensor:
         from .kernels import mxelem
-        from .quant import quantize
+        from .quant import quantize, reference_only
         op = self.op
-        if mxelem.mx_kernel_applies(v, op.fmt, op.block_size, "nearest", fp4=True):
+        if not reference_only(op.fmt, op.scale_rule) and mxelem.mx_kernel_applies(v, op.fmt, op.block_size,
+                                                                                   "nearest", fp4=True):
             # one Triton pass, the reference's values bit for bit (its variant self-checked once, else the
             # reference below serves); the reference is ~170 PyTorch operations a layer
             block = get_format(op.fmt).block_size if op.block_size is None else op.block_size

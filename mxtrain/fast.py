@@ -65,8 +65,13 @@ def supported(recipe, enabled_only: bool = True) -> bool:
 
 
 def _supported(recipe) -> bool:
+    # (MXFP4 operands only with a scale rule the kernels implement, ``RULE_ID``: a rule of the reference
+    # quantizer alone, ``quant.REF_SCALE_RULES`` such as ``adaptive``, goes to the reference path)
+    from .kernels.mxfp4.launch import RULE_ID
     from .recipe import OPERANDS
-    return all(recipe.operand(n).fmt in ("mxfp4", "bf16") and not recipe.operand(n).block_2d for n in OPERANDS)
+    ops = [recipe.operand(n) for n in OPERANDS]
+    return all((op.fmt == "bf16" or (op.fmt == "mxfp4" and op.scale_rule in RULE_ID)) and not op.block_2d
+               for op in ops)
 
 
 OK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

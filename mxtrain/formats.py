@@ -3,7 +3,27 @@
 References: OCP Microscaling Formats (MX) Specification v1.0 (2023), sections 5.1-5.3 (E8M0 scale,
 FP8/FP6/FP4 element encodings); NVIDIA, "Pretraining Large Language Models with NVFP4",
 arXiv 2509.25149, section 2 (NVFP4: E2M1 elements, 16-element blocks, E4M3 block scale and an
-FP32 per-tensor scale).
+FP32 per-tensor scale); Zhao et al., "Rethinking Shrinkage Bias in LLM FP4 Pretraining: Geometric Origin,
+Systemic Impact, and UFP4 Recipe", arXiv 2606.20381 (uniform 4-bit grids, "E1M2/INT4", with block scales:
+``mxint4`` and ``mxe1m2`` below).
+
+Uniform 4-bit grids. The paper's abstract names "E1M2/INT4-style uniform grids"; its exact element
+definition and block-scale rule were not in the sources this project could read (only the abstract and
+third-party summaries), so both readings are here, each with the MX block structure (32 elements, one E8M0
+scale, the same scale rules as MXFP4):
+
+* ``mxint4``: sign-magnitude integers -7 .. 7 (``INT4``: no exponent field, 3 magnitude bits; the
+  symmetric INT4 range, -8 unused); ``emax`` 2, so the OCP floor rule puts block maxima in [4, 8);
+* ``mxe1m2``: E1M2 (1 exponent bit, bias 1, 2 mantissa bits): magnitudes {0, 0.25, ..., 1.75}, the same
+  grid divided by 4 (the 4-bit analogue of OCP MXINT8's fixed point); ``emax`` 0, block maxima in [1, 2).
+
+With power-of-two scales the two are the same quantizer: their codes are equal and their E8M0 scales differ
+by exactly 2 in the exponent, for every scale rule but ``even`` (which rounds the block maximum to the
+element's mantissa width: 3 bits for INT4, 2 for E1M2) and except for blocks whose maximum is below about
+2**-125, where E8M0's smallest scale 2**-127 leaves ``mxe1m2`` a finer step (2**-129) than ``mxint4``
+(2**-127). Every value of either grid times a power of two within FP8 E4M3's range is exact in E4M3 (at most
+3 significant bits; tests/test_ufp4.py checks it exhaustively), so an FP8 carrier could run them on Hopper;
+mxtrain runs them on the reference path only for now (``mxtrain.fast`` takes ``mxfp4`` only).
 
 Element formats are described by (exponent bits, mantissa bits, bias, largest finite value). The
 quantizer rounds onto the finite grid only and saturates to +-max, as hardware conversions with
@@ -15,7 +35,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["ElemFormat", "Format", "ELEMENTS", "FORMATS", "get_format", "format_names"]
+__all__ = ["ElemFormat", "Format", "ELEMENTS", "FORMATS", "REFERENCE_ONLY", "get_format", "format_names"]
 
 
 @dataclass(frozen=True)
@@ -75,8 +95,12 @@ E2M3 = ElemFormat("e2m3", 2, 3, 1, 7.5)
 E3M2 = ElemFormat("e3m2", 3, 2, 3, 28.0)
 E4M3 = ElemFormat("e4m3", 4, 3, 7, 448.0, "float8_e4m3fn", "fn")
 E5M2 = ElemFormat("e5m2", 5, 2, 15, 57344.0, "float8_e5m2", "ieee")
+# uniform 4-bit grids (arXiv 2606.20381): E1M2 {0, 0.25, ..., 1.75}; INT4 {0, 1, ..., 7} as an encoding with no
+# exponent field (every code "subnormal": m * 2**(emin - mbits) with emin = 1 - bias = 3, spacing 1)
+E1M2 = ElemFormat("e1m2", 1, 2, 1, 1.75)
+INT4 = ElemFormat("int4", 0, 3, -2, 7.0)
 
-ELEMENTS = {f.name: f for f in (E2M1, E2M3, E3M2, E4M3, E5M2)}
+ELEMENTS = {f.name: f for f in (E2M1, E2M3, E3M2, E4M3, E5M2, E1M2, INT4)}
 
 
 @dataclass(frozen=True)
@@ -99,6 +123,12 @@ class Format:
     def quantized(self) -> bool:
         return self.kind != "none"
 
+    @property
+    def reference_only(self) -> bool:
+        """Only the reference quantizer (``mxtrain.quant``) implements this format: no fused kernel, fast
+        path or compiled form may be given it (the uniform 4-bit grids, for now)."""
+        return self.name in REFERENCE_ONLY
+
 
 FORMATS = {
     f.name: f
@@ -108,12 +138,18 @@ FORMATS = {
         Format("mxfp6_e3m2", "mx", E3M2, 32),
         Format("mxfp8_e4m3", "mx", E4M3, 32),
         Format("mxfp8_e5m2", "mx", E5M2, 32),
+        Format("mxint4", "mx", INT4, 32),
+        Format("mxe1m2", "mx", E1M2, 32),
         Format("nvfp4", "nvfp4", E2M1, 16),
         Format("fp8_e4m3", "tensor", E4M3, None),
         Format("fp8_e5m2", "tensor", E5M2, None),
         Format("bf16", "none", None, None),
     )
 }
+
+
+# formats that only the reference path runs (``Format.reference_only``)
+REFERENCE_ONLY = frozenset({"mxint4", "mxe1m2"})
 
 
 def format_names() -> list[str]:

@@ -52,6 +52,17 @@ largest binade, ``max_elem`` its largest value):
 * ``even``: round ``sig`` to the element's mantissa width (half to even) first, then ``floor``.
 * ``amd``: ``floor``, plus one when ``sig >= 1.75`` (ROCm Transformer Engine's MXFP4 cast adds
   2**21 to the float32 bit pattern and clears the mantissa). For FP4 this equals ``even``.
+* ``adaptive`` (reference path only: ``REF_SCALE_RULES``): per block, ``floor``'s exponent ``s`` or ``s + 1``,
+  whichever gives the lower squared error of the block quantized with round-to-nearest-even (ties, e.g. a
+  block both represent exactly, keep ``s``; ``s + 1`` only where it is within the clamp). The E8M0 analogue
+  of "Four over Six" (Cook et al., arXiv 2512.02010: per NVFP4 block, scale the maximum to 4 or to 6,
+  whichever errs less): ``s + 1`` halves the block onto the grid, so its near-maximal values land in the
+  finer binades. The error is compared on the values the quantizer rounds (after ``prescale``), as
+  ``sum((qa - qb) * (qa + qb - 2 v))`` in units of ``2**s`` (``qa``, ``qb`` the two candidates' rounded
+  values, ``v`` the scaled value), each term and partial sum in float64: exact for FP4 and FP6 elements and
+  blocks of 32 (every term is a multiple of one power of two and the sum stays below 2**53 of it), so the
+  choice does not depend on summation order; for FP8 elements a near-tie may be decided by float64
+  rounding. Stochastic rounding then rounds with the chosen scale (the choice itself is deterministic).
 
 ``prescale`` (e.g. 3/4, Tseng et al. arXiv 2502.20586, Algorithm 2) multiplies the values *after*
 the scale was chosen from the unscaled block (one float32 multiply, before the exact division by the
@@ -77,6 +88,9 @@ __all__ = [
     "quantize",
     "fake_quantize",
     "SCALE_RULES",
+    "REF_SCALE_RULES",
+    "ALL_SCALE_RULES",
+    "reference_only",
     "ROUNDINGS",
     "pow2",
     "round_to_elem",
@@ -88,11 +102,22 @@ __all__ = [
     "unpack_fp4",
 ]
 
-SCALE_RULES = ("floor", "ceil", "rceil", "even", "amd")
+SCALE_RULES = ("floor", "ceil", "rceil", "even", "amd")   # every implementation has these (kernels included)
+REF_SCALE_RULES = ("adaptive",)   # the reference quantizer only: never given to a kernel (``reference_only``)
+ALL_SCALE_RULES = SCALE_RULES + REF_SCALE_RULES
 ROUNDINGS = ("nearest", "stochastic")
 E8M0_NAN = 255
 MAX_BLOCK = 4096   # elements per MX block: far beyond any format's use (the OCP formats use 32)
 NVFP4_TENSOR_MAX = 6.0 * 448.0
+
+
+def reference_only(fmt: str | Format, scale_rule: str = "floor") -> bool:
+    """Does only this module implement an operand of format ``fmt`` with ``scale_rule``? (A format of
+    ``formats.REFERENCE_ONLY``, or a rule of ``REF_SCALE_RULES`` on a quantized operand.) Such an operand must
+    never reach a fused kernel, the fast path or a compiled form: they implement ``SCALE_RULES`` and the
+    formats before it only."""
+    f = get_format(fmt)
+    return f.quantized and (f.reference_only or scale_rule in REF_SCALE_RULES)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -186,10 +211,28 @@ def mx_scale_exponent(amax: torch.Tensor, elem: ElemFormat, rule: str) -> torch.
         bump = (torch.round(sig * 2.0**elem.mbits) >= 2.0 ** (elem.mbits + 1)).to(E.dtype)
     elif rule == "amd":
         bump = (sig >= 1.75).to(E.dtype)
+    elif rule in REF_SCALE_RULES:
+        raise ValueError(f"scale rule {rule!r} chooses each block's exponent from all its values, not from its "
+                         f"maximum: only mxtrain.quant.quantize computes it (the reference path); valid here: "
+                         f"{', '.join(SCALE_RULES)}")
     else:
         raise ValueError(f"unknown scale rule {rule!r}; valid: {', '.join(SCALE_RULES)}")
     s = (E - emax + bump).clamp(-127, 127 - emax)  # upper bound: max_elem * 2**s < 2**128
     return torch.where(amax > 0, s, torch.full_like(s, -127)).to(torch.int32)
+
+
+def _adaptive_exponent(xs: torch.Tensor, amax: torch.Tensor, elem: ElemFormat) -> torch.Tensor:
+    """The ``adaptive`` rule's exponent per block (module docstring): ``xs`` (..., nblocks, block) the values
+    to be quantized (prescaled; 0 in non-finite blocks), ``amax`` (..., nblocks) the unscaled block maxima."""
+    s0 = mx_scale_exponent(amax, elem, "floor")
+    s1 = s0 + 1
+    can = (amax > 0) & (s1 <= 127 - elem.emax)
+    v = xs * pow2(-s0)[..., None]                                  # exact (power-of-two scaling)
+    qa = round_to_elem(v, elem, "nearest")
+    qb = round_to_elem(xs * pow2(-s1.clamp(max=127))[..., None], elem, "nearest") * 2.0   # in units of 2**s0
+    qa64, qb64, v64 = qa.double(), qb.double(), v.double()
+    d = ((qa64 - qb64) * (qa64 + qb64 - 2.0 * v64)).sum(-1)       # err(s0)**2 - err(s0 + 1)**2, summed
+    return torch.where(can & (d > 0), s1, s0)
 
 
 def encode_elem(q: torch.Tensor, elem: ElemFormat) -> torch.Tensor:
@@ -255,7 +298,8 @@ class MXTensor:
 
     Layout: ``data`` and ``scales`` have the quantization ``axis`` moved last (``movedim``) and
     padded with zeros to whole blocks. ``data`` holds element codes: ``torch.float4_e2m1fn_x2``
-    (two FP4 codes per byte, lower index in the low nibble) for FP4 formats, ``uint8`` codes
+    (two FP4 codes per byte, lower index in the low nibble) for E2M1 formats, packed the same way as ``uint8``
+    for the other 4-bit grids (``mxint4``, ``mxe1m2``), ``uint8`` codes
     (one per byte) for FP6, ``float8_e4m3fn``/``float8_e5m2`` for FP8. ``scales``: uint8 biased
     E8M0 exponents for MX formats (one per block; 255 = NaN), ``float8_e4m3fn`` for NVFP4 (one per
     16 elements, or per 16x16 tile), a float32 scalar for per-tensor FP8.
@@ -348,8 +392,11 @@ def _check_args(x, f: Format, axis, block_size, rounding, scale_rule, prescale):
         raise ValueError(f"axis {axis} is out of range for a {x.ndim}-d tensor")
     if rounding not in ROUNDINGS:
         raise ValueError(f"unknown rounding {rounding!r}; valid: {', '.join(ROUNDINGS)}")
-    if scale_rule not in SCALE_RULES:
-        raise ValueError(f"unknown scale rule {scale_rule!r}; valid: {', '.join(SCALE_RULES)}")
+    if scale_rule not in ALL_SCALE_RULES:
+        raise ValueError(f"unknown scale rule {scale_rule!r}; valid: {', '.join(ALL_SCALE_RULES)}")
+    if scale_rule in REF_SCALE_RULES and f.kind != "mx":
+        raise ValueError(f"scale rule {scale_rule!r} is defined for MX formats (E8M0 block scales), not {f.name!r} "
+                         f"(NVFP4's own 4-over-6 choice is not implemented)")
     if not (prescale > 0):
         raise ValueError(f"prescale must be positive, got {prescale}")
     if f.kind == "mx":
@@ -384,7 +431,8 @@ def quantize(x: torch.Tensor, fmt: str | Format, *, axis: int = -1, block_size=N
       * ``block_size``: elements per scale; default 32 for MX, 16 for NVFP4 (``(16, 16)`` for
         2-D tiles over the last two dimensions); must be ``None`` for per-tensor FP8.
       * ``rounding``: ``"nearest"`` (half to even) or ``"stochastic"``.
-      * ``scale_rule``: MX shared-exponent rule: ``floor``, ``ceil``, ``rceil``, ``even``, ``amd``.
+      * ``scale_rule``: MX shared-exponent rule: ``floor``, ``ceil``, ``rceil``, ``even``, ``amd``, or
+        ``adaptive`` (this module only).
       * ``seed``: stochastic rounding seed; ``None`` draws one from torch's global generator.
       * ``prescale``: multiply values by this after the scales are chosen (e.g. 0.75).
       * ``key``: instead of ``seed``, the stream key itself (``rng.stream_key(seed)``): an int, or an
@@ -454,8 +502,11 @@ def quantize(x: torch.Tensor, fmt: str | Format, *, axis: int = -1, block_size=N
     amax = absb.amax(-1)
 
     if f.kind == "mx":
-        s = mx_scale_exponent(amax, elem, scale_rule)
         xs = xb * prescale if prescale != 1.0 else xb
+        if scale_rule == "adaptive":
+            s = _adaptive_exponent(torch.where(block_ok[..., None], xs, torch.zeros_like(xs)), amax, elem)
+        else:
+            s = mx_scale_exponent(amax, elem, scale_rule)
         v = torch.where(block_ok[..., None], xs * pow2(-s)[..., None], torch.zeros_like(xb))
         q = round_to_elem(v, elem, rounding, u)
         scales = torch.where(block_ok, s + 127, torch.full_like(s, E8M0_NAN)).to(torch.uint8)
@@ -479,8 +530,10 @@ def quantize(x: torch.Tensor, fmt: str | Format, *, axis: int = -1, block_size=N
     else:
         q = q.reshape(xm.shape)
     codes = encode_elem(q, elem)
-    if elem.bits == 4:
-        data = pack_fp4(codes).view(torch.float4_e2m1fn_x2)
+    if elem.bits == 4:   # (E2M1 as torch's FP4 dtype; other 4-bit grids as packed uint8 codes, no dtype claims them)
+        data = pack_fp4(codes)
+        if elem.name == "e2m1":
+            data = data.view(torch.float4_e2m1fn_x2)
     elif elem.bits == 8:
         data = q.to(getattr(torch, elem.torch_dtype))
     else:

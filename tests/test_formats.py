@@ -102,7 +102,7 @@ def test_quantized_data_dtypes_and_layout():
 def test_format_registry():
     assert mxtrain.format_names() == list(FORMATS)
     assert set(mxtrain.format_names()) == {"mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8_e4m3", "mxfp8_e5m2",
-                                           "nvfp4", "fp8_e4m3", "fp8_e5m2", "bf16"}
+                                           "mxint4", "mxe1m2", "nvfp4", "fp8_e4m3", "fp8_e5m2", "bf16"}
     with pytest.raises(ValueError, match="valid formats: mxfp4"):
         get_format("mxfp5")
     with pytest.raises(ValueError, match="valid formats"):
