@@ -227,6 +227,12 @@ def build_config(args):
     if getattr(args, "cuda_graphs", False):
         items.append("train.cuda_graphs=true")
     apply_overrides(cfg, items + list(args.set))
+    given = {i.split("=", 1)[0].strip(): i for i in items + list(args.set) if "=" in i}
+    if "train.steps" in given:   # the steps given take effect: a length in tokens from elsewhere would replace them
+        if "train.tokens" in given and cfg.train.tokens is not None:
+            raise UserError(f"{_given_as(given['train.steps'], args)} and {_given_as(given['train.tokens'], args)} "
+                            f"both set the run's length; give one of them")
+        cfg.train.tokens = None
     if args.model is not None:
         from .model import ModelConfig
         ModelConfig.named(args.model)  # unknown name -> clear error now
@@ -234,6 +240,15 @@ def build_config(args):
     if args.resume is None:  # a resumed run's weights come from its checkpoint
         check_init_from(cfg.train.init_from)
     return cfg
+
+
+def _given_as(item: str, args) -> str:
+    """How the user gave ``key=value`` ``item``: ``--steps 4`` for a flag's, ``--set train.steps=4`` otherwise."""
+    key, value = item.split("=", 1)
+    flag = next((f for f, k in _FLAG_KEYS.items() if k == key.strip() and getattr(args, f, None) is not None), None)
+    if flag is not None and item not in args.set:
+        return f"--{flag.replace('_', '-')} {value}"
+    return f"--set {item}"
 
 
 def config_json(cfg) -> dict:

@@ -313,6 +313,65 @@ def test_study_file_flags_win_and_set_comes_last(tmp_path):
     assert run_config(StudySpec.from_args(args), "bf16", 0, tmp_path / "r").schedule.kind == "wsd"  # ... or the file's
 
 
+def test_study_settings_given_beat_the_preset(tmp_path):
+    """Issue #47, 5: the smoke preset's own overrides (optim.lr=5e-3, model.dim=64, ...) came after the flags and
+    replaced --lr and --model; its steps replaced a train.tokens given, its eval_every a log.eval_every given."""
+    from mxtrain.study.runner import StudySpec, build_config as run_config
+
+    def cfg(*argv):
+        return run_config(StudySpec.from_args(_study_args("--preset", "smoke", *argv)), "bf16", 0, tmp_path / "r")
+
+    assert cfg("--lr", "1e-3").optim.lr == 1e-3 and cfg().optim.lr == 5e-3
+    c = cfg("--model", "30m")
+    assert (c.model.name, c.model.dim, c.model.n_layers) == ("30m", None, None) and cfg().model.dim == 64
+    c = cfg("--set", "model.name=30m")
+    assert (c.model.name, c.model.dim) == ("30m", None)
+    c = cfg("--set", "train.tokens=4096")
+    assert (c.train.tokens, c.log.eval_every) == (4096, 2)
+    assert cfg("--set", "log.eval_every=5").log.eval_every == 5
+    assert cfg("--eval-every", "3", "--set", "log.eval_every=5").log.eval_every == 5   # --set comes last
+    assert cfg("--set", "schedule.kind=wsd").schedule.kind == "wsd"
+    assert cfg("--set", "log.tensorboard=false").log.tensorboard is False
+
+
+STUDY_REFUSED = [   # a setting a study replaces for each run, or one that contradicts another: refused, not dropped
+    (["--set", "data.seed=3"], "--set data.seed=3: data.seed is set by the study for each run (seeds are 0..seeds-1)"),
+    (["--set", "train.seed=3"], "train.seed is set by the study for each run"),
+    (["--set", "model.init_seed=3"], "model.init_seed is set by the study for each run"),
+    (["--set", "recipe=bf16"], "recipe is set by the study for each run (the recipe is the arm"),
+    (["--set", "log.out=x"], "log.out is set by the study for each run (runs go to OUT/runs/<arm>/seed<k>"),
+    (["--set", "log.progress=true"], "log.progress is set by the study for each run"),
+    (["--set", "deosc.enable=true"], "deosc.enable is set by the study for each run"),
+    (["--steps", "4", "--set", "train.tokens=4096"],
+     "steps 4 (--steps) and train.tokens=4096 (--set) both set the length of every run; give one"),
+    (["--schedule", "constant", "--set", "schedule.kind=wsd"],
+     "schedule.kind=wsd (--set) and --schedule constant both set every run's schedule"),
+    (["--schedule", "long-cosine", "--set", "schedule.horizon_steps=50"],
+     "--schedule long-cosine sets the horizon to --lr-horizon x the run's steps"),
+    (["--budgets", "0.5,1", "--set", "train.keep_checkpoints_at=3"],
+     "with --budgets every run is constant-LR with checkpoints at the branch points"),
+]
+
+
+@pytest.mark.parametrize("argv,msg", STUDY_REFUSED, ids=[" ".join(a) for a, _ in STUDY_REFUSED])
+def test_study_refuses_settings_it_would_replace(tmp_path, capsys, argv, msg):
+    line = _one_line(capsys, "study", "--preset", "smoke", *argv, "--out", str(tmp_path / "st"), "--dry-run")
+    assert msg in line, line
+    assert not (tmp_path / "st").exists()
+
+
+def test_train_steps_given_take_effect_or_are_refused(tmp_path, capsys):
+    """Issue #47, 5: --steps 2 --tokens 4096 printed 2 steps and trained 4 (tokens won, silently)."""
+    line = _one_line(capsys, "train", "--exp", "debug", "--steps", "2", "--tokens", "4096", "--print-config")
+    assert "--steps 2 and --tokens 4096 both set the run's length; give one of them" in line
+    assert "--set train.steps=2 and --tokens 4096" in _one_line(
+        capsys, "train", "--exp", "debug", "--set", "train.steps=2", "--tokens", "4096", "--print-config")
+    f = _write(tmp_path, "exp = \"debug\"\n[train]\ntokens = 4096\n", "t.toml")
+    c = _cfg("--config", f, "--steps", "2")   # the flag beats the file's length in tokens
+    assert (c.train.steps, c.train.tokens) == (2, None)
+    assert _cfg("--config", f).train.tokens == 4096
+
+
 def test_study_dry_run_from_the_example():
     p = run_cli("study", "--config", str(ROOT / "examples" / "study.toml"), "--seeds", "3", "--dry-run")
     assert p.returncode == 0, p.stderr

@@ -167,15 +167,6 @@ def study_main(args: argparse.Namespace) -> int:
 
 # [study] keys that are not StudySpec fields
 _STUDY_EXTRA = ("jobs",)
-# flag (StudySpec field) -> the training-config key it sets; a flag given wins over the file's training tables
-_FLAG_KEYS = {"model": "model.name", "steps": "train.steps", "batch_size": "train.batch_size", "seq_len": "data.seq_len",
-              "lr": "optim.lr", "data": "data.path", "device": "train.device", "eval_every": "log.eval_every"}
-# set by the study for each run (the control): a study file cannot set them
-_PER_RUN = {"recipe": "the recipe is the arm: list the recipes in [study] arms",
-            "deosc.enable": "an arm option: name the arm RECIPE@deosc in [study] arms",
-            "train.seed": "seeds are 0..seeds-1", "model.init_seed": "seeds are 0..seeds-1",
-            "data.seed": "seeds are 0..seeds-1", "log.out": "runs go to OUT/runs/<arm>/seed<k>: set [study] out",
-            "log.progress": "runs log plain lines", "log.tensorboard": "set per run by the study"}
 
 
 def _text(v) -> str:
@@ -198,7 +189,7 @@ def apply_study_file(args: argparse.Namespace, path) -> None:
 
     from ..train import experiments
     from ..train.config import TrainConfig, _coerce, apply_dict, config_file_path, read_config_file
-    from .runner import PRESETS, StudySpec
+    from .runner import FLAG_KEYS, PER_RUN, PRESETS, StudySpec
 
     p = config_file_path(path)
     src = str(p)
@@ -257,8 +248,8 @@ def apply_study_file(args: argparse.Namespace, path) -> None:
     keys = _given_keys(d, f"{src}: ")
     for key in keys:
         per_run = "recipe" if key == "recipe" or key.startswith("recipe.") else key
-        if per_run in _PER_RUN:
-            raise UserError(f"{src}: {per_run} is set by the study for each run ({_PER_RUN[per_run]}); remove it")
+        if per_run in PER_RUN:
+            raise UserError(f"{src}: {per_run} is set by the study for each run ({PER_RUN[per_run]}); remove it")
     given = apply_dict(TrainConfig(), d, src)  # types and unknown keys checked, values read as the fields' types
     items = []
     for key in keys:
@@ -266,14 +257,12 @@ def apply_study_file(args: argparse.Namespace, path) -> None:
             rk = key.split(".", 1)[1]
             items.append(f"recipe.{rk}={_text(given.recipe_overrides[rk])}")
             continue
-        flag = next((f for f, fk in _FLAG_KEYS.items() if fk == key), None)
+        flag = next((f for f, fk in FLAG_KEYS.items() if fk == key), None)
         if flag is not None and getattr(args, flag, None) is not None:
             continue  # the flag (or [study] value) wins
         sec, field = key.split(".", 1)
         items.append(f"{key}={_text(getattr(getattr(given, sec), field))}")
-    if any(i.startswith("schedule.kind=") for i in items) and args.schedule is None:
-        args.schedule = "config"  # the file chose the schedule: keep it (the study's default is constant)
-    args.overrides = items + list(args.overrides or [])
+    args.overrides = items + list(args.overrides or [])   # (StudySpec.from_args keeps a schedule.kind given)
 
 
 def _given_keys(d: dict, where: str = "") -> list[str]:

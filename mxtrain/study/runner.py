@@ -124,6 +124,26 @@ PRESETS: dict[str, dict] = {
 }
 
 
+# flag (StudySpec field) -> the training-config key it sets
+FLAG_KEYS = {"model": "model.name", "steps": "train.steps", "batch_size": "train.batch_size", "seq_len": "data.seq_len",
+             "lr": "optim.lr", "data": "data.path", "device": "train.device", "eval_every": "log.eval_every"}
+# the model's shape beside its name: a preset's values go when the user names another model
+MODEL_SHAPE = ("model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads", "model.ffn_dim")
+# set by the study for each run (the control): refused in --set and in a study file
+PER_RUN = {"recipe": "the recipe is the arm: list the recipes in --arms or [study] arms",
+           "deosc.enable": "an arm option: name the arm RECIPE@deosc",
+           "train.seed": "seeds are 0..seeds-1", "model.init_seed": "seeds are 0..seeds-1",
+           "data.seed": "seeds are 0..seeds-1",
+           "log.out": "runs go to OUT/runs/<arm>/seed<k>: give --out or [study] out",
+           "log.progress": "runs log plain lines"}
+_NONE = ("none", "null", "")
+
+
+def override_key(item: str) -> str:
+    """The training-config key of a ``KEY=VALUE`` override."""
+    return item.split("=", 1)[0].strip()
+
+
 @dataclass
 class StudySpec:
     """Everything that defines a study. ``overrides`` are ``key=value`` strings for the training config."""
@@ -188,6 +208,7 @@ class StudySpec:
         for o in self.overrides:
             if "=" not in o:
                 raise UserError(f"--set expects KEY=VALUE, got {o!r}")
+        self._check_overrides()
         if self.budgets is not None:
             try:
                 bs = sorted({float(b) for b in self.budgets})
@@ -206,12 +227,49 @@ class StudySpec:
         if self.n_boot < 10:
             raise UserError(f"--n-boot must be >= 10, got {self.n_boot}")
 
+    def _check_overrides(self) -> None:
+        """Refuse (one line) an override that the study would replace for each run, or that contradicts one of
+        the study's own settings: a setting given is used or refused, never dropped (issue #47)."""
+        keys = {override_key(o): o for o in self.overrides}
+        for key, o in keys.items():
+            if key in PER_RUN:
+                raise UserError(f"--set {o}: {key} is set by the study for each run ({PER_RUN[key]}); remove it")
+        tokens = keys.get("train.tokens")
+        if self.steps is not None and tokens is not None and tokens.split("=", 1)[1].strip().lower() not in _NONE:
+            raise UserError(f"steps {self.steps} (--steps) and {tokens} (--set) both set the length of every run; "
+                            f"give one")
+        if "schedule.kind" in keys and self.schedule != "config":
+            raise UserError(f"{keys['schedule.kind']} (--set) and --schedule {self.schedule} both set every run's "
+                            f"schedule; give one (--schedule config keeps the training config's)")
+        if "schedule.horizon_steps" in keys and self.schedule == "long-cosine":
+            raise UserError(f"{keys['schedule.horizon_steps']} (--set): --schedule long-cosine sets the horizon to "
+                            f"--lr-horizon x the run's steps; give --lr-horizon, or --schedule config")
+        if self.budgets:
+            for key in ("schedule.kind", "schedule.horizon_steps", "train.keep_checkpoints_at"):
+                if key in keys:
+                    raise UserError(f"{keys[key]} (--set): with --budgets every run is constant-LR with checkpoints "
+                                    f"at the branch points, which the study sets; remove it")
+
     @classmethod
     def from_args(cls, args) -> "StudySpec":
         base: dict = {}
         if args.preset:
             base.update(json.loads(json.dumps(PRESETS[args.preset])))
             base["preset"] = args.preset
+            # what the user gives (a flag, the file's [study] value, an override of the file or --set) replaces the
+            # preset's settings of the same training keys: the preset's own overrides come after the flags in
+            # build_config and would win; --model replaces the preset's model shape too; train.tokens its steps
+            user = {override_key(o) for o in args.overrides or []}
+            user |= {key for flag, key in FLAG_KEYS.items() if getattr(args, flag, None) is not None}
+            gone = set(user) | (set(MODEL_SHAPE) if "model.name" in user else set())
+            base["overrides"] = [o for o in base.get("overrides", []) if override_key(o) not in gone]
+            if "train.tokens" in user and getattr(args, "steps", None) is None:
+                base.pop("steps", None)
+            if "log.eval_every" in user and getattr(args, "eval_every", None) is None:
+                base.pop("eval_every", None)
+        if getattr(args, "schedule", None) is None and any(override_key(o) == "schedule.kind"
+                                                            for o in args.overrides or []):
+            base["schedule"] = "config"   # the user chose the schedule: keep it (the study's default is constant)
         if args.arms:
             base["arms"] = [a.strip() for a in args.arms.split(",") if a.strip()]
             if not getattr(args, "references", None):   # the preset's references that are still arms
@@ -425,18 +483,16 @@ def build_config(spec: StudySpec, arm: str, seed: int, run_dir: Path):
     sets = []
     for key, val in (("model.name", spec.model), ("train.steps", spec.steps), ("train.batch_size", spec.batch_size),
                      ("data.seq_len", spec.seq_len), ("optim.lr", spec.lr), ("data.path", spec.data),
-                     ("train.device", spec.device)):
+                     ("train.device", spec.device), ("log.eval_every", spec.eval_every)):
         if val is not None:
             sets.append(f"{key}={val}")
-    apply_overrides(cfg, sets + list(spec.overrides))
-    if spec.steps is not None:
+    apply_overrides(cfg, sets + list(spec.overrides))   # the overrides last: --set wins over the flags
+    if spec.steps is not None:   # (an override of train.tokens with steps is refused by StudySpec)
         cfg.train.tokens = None
     steps = cfg.train.steps
     if cfg.train.tokens:
         steps = -(-cfg.train.tokens // (cfg.train.batch_size * cfg.data.seq_len))
-    if spec.eval_every is not None:
-        cfg.log.eval_every = spec.eval_every
-    elif not any(o.startswith("log.eval_every=") for o in spec.overrides):
+    if spec.eval_every is None and not any(override_key(o) == "log.eval_every" for o in spec.overrides):
         cfg.log.eval_every = max(1, steps // 40)
     if spec.schedule == "constant":
         cfg.schedule.kind = "constant"
