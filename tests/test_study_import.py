@@ -68,6 +68,13 @@ def test_import_lr_check_into_main_study(tmp_path, monkeypatch, capsys):
     # the destination's runner counts the imported run (and its branches) as finished: nothing trains again
     def must_not_train(*a, **k):
         raise AssertionError(f"trained again: {a[1:3]}")
+    # the study's own command again (its arms without the imported one) keeps the import's records (issue #47, 8:
+    # study.json was written anew, without them)
+    run_study(_spec(dst, 5e-3, preset="smoke"), train_fn=must_not_train, branch_fn=must_not_train, log=lambda m: None)
+    again = json.loads((dst / "study.json").read_text())
+    assert again["arms"] == ["bf16", "bf16@lr2e-3"] and again["imported"] == meta["imported"]
+    assert again["recipes"]["bf16@lr2e-3"] == meta["recipes"]["bf16@lr2e-3"] and again["spec"]["arms"] == ["bf16"]
+    assert set(json.loads((dst / "summary.json").read_text())["arms"]) == {"bf16", "bf16@lr2e-3"}
     run_study(_spec(dst, 5e-3, arms=("bf16", "bf16@lr2e-3"), preset="smoke"), train_fn=must_not_train, branch_fn=must_not_train,
               log=lambda m: None)
     s = json.loads((dst / "summary.json").read_text())

@@ -815,7 +815,7 @@ def _run_study_locked(spec: StudySpec, out: Path, train_fn, log, jobs: int, lock
                             "branches": [{"budget": b, "at_step": k, "cooldown_steps": n}
                                          for b, k, n in study_branch_plan(spec)]}
     if meta_p.is_file():
-        meta["created"] = read_json_object(meta_p).get("created", meta["created"])
+        _keep_records(read_json_object(meta_p), meta)
     write_json(meta_p, meta, indent=1, default=str)
 
     order = plan_order(spec)
@@ -842,6 +842,27 @@ def _run_study_locked(spec: StudySpec, out: Path, train_fn, log, jobs: int, lock
     summarize_study(out)
     if worker_error:
         raise UserError(worker_error)
+
+
+def _keep_records(old: dict, meta: dict) -> None:
+    """What an earlier study.json records that the command run again does not make: when it was created, and
+    what ``study-import`` added (its ``imported`` records, the arms imported with their recipes and options).
+    Running the study's own command again after an import keeps them (it replaced them before)."""
+    meta["created"] = old.get("created", meta["created"])
+    records = old.get("imported")
+    if not isinstance(records, list) or not records:
+        return
+    meta["imported"] = records
+    added = [r.get("as") for rec in records if isinstance(rec, dict) and isinstance(rec.get("runs"), list)
+             for r in rec["runs"] if isinstance(r, dict)]
+    old_arms = old.get("arms") if isinstance(old.get("arms"), list) else []
+    for a in dict.fromkeys(added):
+        if not isinstance(a, str) or a in meta["arms"] or a not in old_arms:
+            continue
+        meta["arms"] = meta["arms"] + [a]
+        for key in ("recipes", "arm_options"):
+            if isinstance(old.get(key), dict) and a in old[key]:
+                meta[key][a] = old[key][a]
 
 
 def plan_order(spec: StudySpec) -> list[tuple[str, int]]:
