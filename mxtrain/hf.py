@@ -661,7 +661,8 @@ def config_from_hf(hf_dir: str | Path, vocab_multiple: int = 1, max_seq_len: int
         bad.append(f"hidden_act {c['hidden_act']!r} (mxtrain's feed-forward is SwiGLU with silu)")
     for k in ("attention_bias", "mlp_bias"):
         if c.get(k):
-            bad.append(f"{k} true (mxtrain's linear layers have no bias)")
+            bad.append(f"{k} true (mxtrain's model has biases on q/k/v only, as Qwen2 has; not on the "
+                       f"{'output projection' if k == 'attention_bias' else 'feed-forward'})")
     rp, rs = c.get("rope_parameters"), c.get("rope_scaling")
     rtype = (rp or {}).get("rope_type") or (rp or {}).get("type") or "default"
     if rs:
