@@ -3,7 +3,11 @@
 ``mxtrain.recipes.get(name)`` builds one, ``mxtrain.recipes.names()`` lists them. Presets
 are plain ``Recipe`` values: derive variants with ``recipe.with_(**{"wgrad_dy.rounding": "stochastic"})``.
 Papers: [AMD] Cim et al., arXiv 2605.09825; [Tseng] Tseng, Yu, Park, arXiv 2502.20586;
-[NVIDIA] arXiv 2509.25149; [Quartet II] its published runs. docs/numerics.md tabulates every preset.
+[NVIDIA] arXiv 2509.25149; [Quartet II] its published runs; [UFP4] Zhao et al., arXiv 2606.20381;
+[4/6] Cook et al., "Four over Six", arXiv 2512.02010. Round-up scales ([Mishra] Mishra, Stosic, Layton,
+arXiv 2506.08027: the ``rceil`` rule) are ``mxfp4-all+rceil`` (any preset ``+rceil``), on the fast path.
+docs/numerics.md tabulates every preset. Presets with a format or rule of the reference quantizer alone
+(``ufp4``, ``mxfp4-all-adaptive``: ``mxtrain.quant.reference_only``) run on the reference path everywhere.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ def names() -> list[str]:
 def get(name: str | Recipe) -> Recipe:
     """The preset called ``name`` (a ``Recipe`` passes through unchanged). ``PRESET+RULE`` (for example
     ``mxfp4-all-dh16+amd``) is the preset with scale rule RULE on every MX operand (``floor``, ``ceil``,
-    ``rceil``, ``even``, ``amd``: ``mxtrain.quant.SCALE_RULES``), e.g. [AMD]'s ladder with its own rule."""
+    ``rceil``, ``even``, ``amd``, ``adaptive``: ``mxtrain.quant.ALL_SCALE_RULES``), e.g. [AMD]'s ladder with
+    its own rule."""
     if isinstance(name, Recipe):
         return name
     if not isinstance(name, str):
@@ -45,11 +50,12 @@ def get(name: str | Recipe) -> Recipe:
                          f"(optionally +RULE, a scale rule for every MX operand)") from None
     r = fn()
     if plus:
-        from .quant import SCALE_RULES
-        if rule not in SCALE_RULES:
-            raise ValueError(f"unknown scale rule {rule!r} in recipe {name!r}; valid: {', '.join(SCALE_RULES)}")
+        from .formats import get_format
+        from .quant import ALL_SCALE_RULES
+        if rule not in ALL_SCALE_RULES:
+            raise ValueError(f"unknown scale rule {rule!r} in recipe {name!r}; valid: {', '.join(ALL_SCALE_RULES)}")
         mx = [n for n in ("fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_dy", "wgrad_x")
-              if r.operand(n).fmt.startswith("mx")]
+              if get_format(r.operand(n).fmt).kind == "mx"]
         if not mx:
             raise ValueError(f"recipe {name!r}: {base} has no MX operand for scale rule {rule!r}")
         r = r.with_(**{f"{n}.scale_rule": rule for n in mx})
@@ -176,6 +182,33 @@ def mxfp4_all_dh32() -> Recipe:
     rot = Rotation(32, "none")
     return Recipe("mxfp4-all-dh32", **_all(MX4, fprop_rotation=rot, dgrad_rotation=rot, wgrad_rotation=rot),
                   description=mxfp4_all_dh32.__doc__)
+
+
+@register("mxfp4-all-adaptive")
+def mxfp4_all_adaptive() -> Recipe:
+    """The E8M0 analogue of [4/6] ("Four over Six": per NVFP4 block, scale the maximum to 4 or to 6,
+    whichever gives the lower error): MXFP4 everywhere (RNE, no rotation), each block's exponent OCP's floor
+    or one more, whichever quantizes the block with the lower squared error (``adaptive``; ties keep floor).
+    Reference path only (no kernel implements the rule yet)."""
+    return Recipe("mxfp4-all-adaptive", **_all(Operand("mxfp4", scale_rule="adaptive")),
+                  description=mxfp4_all_adaptive.__doc__)
+
+
+@register("ufp4")
+def ufp4() -> Recipe:
+    """[UFP4] recipe: a uniform 4-bit grid instead of E2M1 on all three GEMMs, a random Hadamard rotation on
+    all three GEMMs, stochastic rounding on the gradient dY only (Dgrad and Wgrad; RNE elsewhere).
+
+    The grid is ``mxint4`` (integers -7..7, 32-element blocks, E8M0 scales by OCP's floor rule); the paper's
+    own element definition, block size, scale rule and rotation size were not in the sources read (only the
+    abstract): ``mxe1m2`` is the same quantizer here (docs/numerics.md), and the rotation is 16-wide with
+    signs re-drawn every step, as ``mxfp4-all-rht16``, so the two differ in the grid and dY's rounding only.
+    Reference path only (the fast path runs E2M1)."""
+    u = Operand("mxint4")
+    u_sr = Operand("mxint4", rounding="stochastic")
+    rot = Rotation(16, "per_step")
+    return Recipe("ufp4", **_all(u, dgrad_dy=u_sr, wgrad_dy=u_sr, fprop_rotation=rot, dgrad_rotation=rot,
+                                 wgrad_rotation=rot), description=ufp4.__doc__)
 
 
 @register("tseng")
