@@ -26,6 +26,7 @@ forward pass through MX-quantized GEMMs; in ``transformers`` the model runs in h
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import mmap
@@ -510,7 +511,7 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, step: int | None = None,
             "tokenizer": "tokenizer.json" if tok is not None and tok.kind == "hf" else None,
             "note": "float32 master weights of an mxtrain run; transformers runs them in high precision, not "
                     "with the run's MX recipe"})
-        _swap_in(tmp, out)
+        _swap_in(tmp, out, force)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -531,9 +532,20 @@ def _write_json(path: Path, obj) -> None:
     path.write_text(json.dumps(obj, indent=2) + "\n")
 
 
-def _swap_in(tmp: Path, out: Path) -> None:
+def _swap_in(tmp: Path, out: Path, force: bool = False) -> None:
+    """Move the finished export ``tmp`` to ``out``. Without ``force`` one rename that replaces nothing but an empty
+    folder (the kernel refuses it over a folder with files): of two exports started at once to one new ``out``,
+    the second is refused instead of replacing the first (``_check_out`` saw no folder for either)."""
     try:
-        if out.is_dir():
+        if not force:
+            try:
+                os.rename(tmp, out)
+            except OSError as e:
+                if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise UserError(f"output folder {out} was written by another command while this export ran; "
+                                    f"nothing replaced (use --force to replace an earlier export)") from None
+                raise
+        elif out.is_dir():
             aside = out.parent / f".{out.name}.old-{os.getpid()}"
             if aside.exists():
                 shutil.rmtree(aside)

@@ -338,6 +338,30 @@ def test_cli_export(run, tmp_path, capsys):
     one_line_error(p, "--format 'gguf' is not supported")
 
 
+def test_two_exports_to_one_new_folder_never_replace_each_other(run, tmp_path, monkeypatch):
+    """Issue #47, 8: two exports started at once to one new --out both passed the check for an existing folder,
+    and the second to finish replaced the first without --force. Here the other export finishes while this one
+    reads the checkpoint: this one is refused and the other's folder stays as it was."""
+    import os
+
+    import mxtrain.hf as H
+    out, real, first = tmp_path / "hf", H.load_run, []
+
+    def load_run_while_another_export_finishes(*a, **k):
+        monkeypatch.setattr(H, "load_run", real)
+        export_hf(run, out)
+        first.append(os.stat(out).st_ino)
+        return real(*a, **k)
+
+    monkeypatch.setattr(H, "load_run", load_run_while_another_export_finishes)
+    with pytest.raises(UserError, match=f"output folder {out} was written by another command while this export "
+                                        f"ran; nothing replaced"):
+        export_hf(run, out)
+    assert os.stat(out).st_ino == first[0] and (out / "model.safetensors").is_file()   # the other's, untouched
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]   # no temporary folder left
+    assert export_hf(run, out, force=True) == out and os.stat(out).st_ino != first[0]   # --force replaces it
+
+
 def test_mxtrain_command_has_export_when_wired(run, tmp_path):
     if "hfcli" not in (ROOT / "mxtrain" / "cli.py").read_text():
         pytest.skip("mxtrain/cli.py does not add mxtrain.hfcli's subcommands yet (the handlers are tested above)")
