@@ -26,7 +26,15 @@ against the same GEMM in float32, and appends one JSON row per (step, layer, GEM
 * Wgrad only: ``err_corr_prev``: Pearson correlation between the weight-gradient quantization
   error ``dW_q - dW`` at this diagnosed step and at the previous one (on a fixed subsample of
   at most ``max_corr_elems`` entries per layer). Near 0: the error is fresh noise each step;
-  near 1: the same structured error is applied again and again, so it accumulates in the weights.
+  near 1: the same structured error is applied again and again, so it accumulates in the weights;
+* per operand, the error split (``error_split`` below, on the same values): ``split_bias``,
+  ``split_gain_rounded``, ``split_flush_energy``, ``split_clip_energy``, ``split_systematic_energy``,
+  ``split_noise_energy``.
+
+``error_split(t, op)`` splits one operand's quantization error by where it comes from (a function, for
+any tensor; each diagnosed operand's row holds it too): values flushed to zero, values saturated at the element's
+largest value, and the values rounded onto the grid, whose error splits again into a systematic part (a
+common relative gain, the least-squares ``g`` in ``q - x = g x + n``) and rounding noise ``n``.
 
 With ``every = 0`` nothing is registered: no hooks, no overhead. Layers whose recipe quantizes
 nothing are skipped. Cost on a diagnosed step: a few extra GEMMs per layer, in float32.
@@ -52,7 +60,8 @@ from ..quant import E8M0_NAN
 
 from ..train.callbacks import Callback
 
-__all__ = ["Diagnostics", "DiagnosticsCallback", "operand_quantize", "gemm_diagnostics", "load", "aggregate"]
+__all__ = ["Diagnostics", "DiagnosticsCallback", "operand_quantize", "gemm_diagnostics", "error_split", "load",
+           "aggregate"]
 
 # (gemm, operand A, A's quantization axis, operand B, B's axis); A/B name the tensors X, W, dY
 _GEMMS = (
@@ -74,6 +83,95 @@ def operand_quantize(ctx: Ctx, t: torch.Tensor, axis: int, name: str, gemm: str,
     if mx is None:
         return r, 1.0, r, None
     return mx.dequantize(torch.float32), mx.prescale, r, mx
+
+
+def error_split(t: torch.Tensor, op, axis: int = -1, *, seed: int = 0, block_size=None) -> dict:
+    """Where the quantization error of ``t`` as operand ``op`` comes from (reference quantizer; float64 sums).
+
+    ``op``: an ``Operand`` (format, rounding, scale rule, prescale, 16x16 tiles) or a format name (round to
+    nearest, ``floor``); ``axis``: the block axis; ``seed``: the stochastic-rounding seed; ``block_size``:
+    instead of ``op``'s (tests: one block holding a whole hand-made set). The values compared
+    are those the quantizer sees, ``x = t * prescale`` (float32), and their quantized values ``q``; elements that are
+    not finite, or lie in a block that holds a NaN or an Inf (its values read back NaN), are left out
+    (``n``: the elements counted). Every nonzero ``x`` is in exactly one set:
+
+    * flushed: ``q == 0``; * saturated: ``|x| / scale`` above the element's largest value (``q`` is that
+      value); * rounded: the rest.
+
+    Returns a dict (None where a denominator is 0):
+
+    * ``bias``: ``sum(sign(x) (q - x)) / sum(|x|)`` over all nonzero ``x``: the mean signed relative error
+      weighted by ``|x|`` (negative: values shrink toward zero on average, as E2M1's "shrinkage bias" of
+      arXiv 2606.20381; flushed values count -1 each). On data uniform over whole cells of the grid (between
+      neighbouring grid values) it is 0 on every grid, E2M1 included: each cell's errors cancel. E2M1 shrinks
+      where a block's data ends inside one of its wide top cells ([4, 6): all of [4, 5) rounds down),
+      where the density falls within its wide cells, and by saturation (tests/test_error_split.py);
+    * ``flush_rate``, ``clip_rate``: flushed and saturated elements over nonzero ones;
+    * ``error_energy``: ``sum((q - x)**2) / sum(x**2)`` (1 / SQNR), the sum of four shares of the signal energy:
+      ``flush_energy`` (``sum(x**2)`` over the flushed), ``clip_energy`` (the saturated elements' squared
+      errors), ``systematic_energy`` (``g**2 sum(x**2)`` over the rounded set, with ``g = sum((q - x) x) /
+      sum(x**2)`` there, reported as ``gain_rounded``: the least-squares relative gain, negative for shrinkage)
+      and ``noise_energy`` (``sum((q - x - g x)**2)`` over the rounded set, orthogonal to ``x`` there).
+    """
+    from ..quant import quantize
+    from ..recipe import Operand
+    if isinstance(op, str):
+        op = Operand(op)
+    x32 = t.detach().to(torch.float32)
+    bs = op.block_size if block_size is None else block_size
+    mx = quantize(x32, op.fmt, axis=axis, block_size=bs, rounding=op.rounding,
+                  scale_rule=op.scale_rule, seed=seed, prescale=op.prescale)
+    x = x32 * op.prescale if op.prescale != 1.0 else x32   # (as the quantizer multiplies, in float32)
+    if not mx.fmt.quantized:
+        return _split(x, x, None)
+    return _split(x, mx.dequantize(torch.float32), mx)
+
+
+def _split(x: torch.Tensor, q: torch.Tensor, mx) -> dict:
+    """``error_split``'s numbers from the values the quantizer saw (``x``), their quantized values (``q``,
+    prescale not undone) and the ``MXTensor`` (None: not quantized)."""
+    from ..quant import _unpad
+    x, q = x.double(), q.double()
+    if mx is None:
+        scale, top = torch.ones_like(x), float("inf")
+    else:
+        scale = _unpad(mx.scale_values(), mx.shape, mx.axis).double()
+        top = mx.fmt.elem.max
+    ok = torch.isfinite(x) & torch.isfinite(q)
+    nz = ok & (x != 0)
+    e = torch.where(ok, q - x, torch.zeros_like(x))
+    x0 = torch.where(ok, x, torch.zeros_like(x))
+    flushed = nz & (q == 0)
+    clipped = nz & ~flushed & (x.abs() > top * scale)
+    rounded = nz & ~flushed & ~clipped
+    sig = float((x0 * x0).sum())
+    absx = float(x0.abs().sum())
+    n_nz = int(nz.sum())
+
+    def frac(a, b):
+        return a / b if b > 0 else None
+
+    xr = torch.where(rounded, x0, torch.zeros_like(x0))
+    er = torch.where(rounded, e, torch.zeros_like(e))
+    sr = float((xr * xr).sum())
+    g = float((er * xr).sum()) / sr if sr > 0 else 0.0
+    noise = er - g * xr
+    return {
+        "n": int(ok.sum()),
+        "bias": frac(float((torch.sign(x0) * e).sum()), absx),
+        "gain_rounded": g if sr > 0 else None,
+        "flush_rate": frac(int(flushed.sum()), n_nz),
+        "clip_rate": frac(int(clipped.sum()), n_nz),
+        "error_energy": frac(float((e * e).sum()), sig),
+        "flush_energy": frac(float((x0 * x0)[flushed].sum()), sig),
+        "clip_energy": frac(float((e * e)[clipped].sum()), sig),
+        "systematic_energy": frac(g * g * sr, sig),
+        "noise_energy": frac(float((noise * noise).sum()), sig),
+    }
+
+
+# the error split's numbers in each diagnostics row's operand stats (``split_<name>``)
+SPLIT_KEYS = ("bias", "gain_rounded", "flush_energy", "clip_energy", "systematic_energy", "noise_energy")
 
 
 def _operand_stats(q: torch.Tensor, p: float, r: torch.Tensor, mx, axis: int) -> dict:
@@ -111,6 +209,8 @@ def _operand_stats(q: torch.Tensor, p: float, r: torch.Tensor, mx, axis: int) ->
     if exps is not None and exps.numel():
         u, c = torch.unique(exps, return_counts=True)
         st["scale_hist"] = {str(int(a)): int(b) for a, b in zip(u.tolist(), c.tolist())}
+    sp = _split(r * p if p != 1.0 else r, q, mx)
+    st.update({f"split_{k}": sp[k] for k in SPLIT_KEYS})
     return st
 
 
@@ -365,7 +465,7 @@ def aggregate(rows: list[dict]) -> dict:
     """
     steps = sorted({r["step"] for r in rows})
     gm = ("cos", "rel_err", "rel_bias", "err_corr_prev", "impl_rel_diff")
-    om = ("sqnr_db", "clip_rate", "underflow_rate", "scale_change_rate")
+    om = ("sqnr_db", "clip_rate", "underflow_rate", "scale_change_rate") + tuple(f"split_{k}" for k in SPLIT_KEYS)
     out = {"steps": steps, "gemm": {}, "operand": {}, "overall": {"gemm": {}, "operand": {}}, "scale_hist": {}}
     by = {}
     for r in rows:
