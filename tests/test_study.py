@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -446,6 +447,28 @@ def test_report_names_numerics_settings_other_than_the_defaults(tmp_path):
     (d / "run.json").write_text(json.dumps({"settings": dict(dflt, fp8_fast_accum="fprop")}))
     _, md = report.write_report(tmp_path / "st")
     assert "defaults (docs/settings.md): fp8_fast_accum=fprop.**" in md.read_text()
+
+
+def test_report_md_escapes_names_from_folders(tmp_path, monkeypatch):
+    """Issue #47, 9: an arm folder named <img src=x onerror=alert(1)> stood unescaped in report.md's prose
+    (report.html escaped it); a name can neither be raw HTML nor a link, image or code span there."""
+    from mxtrain.study import report
+    monkeypatch.setattr(report, "plots_available", lambda: False)   # (the figures are not what is tested)
+    toks = [1000.0 * i for i in range(1, 21)]
+    bad = ("<img src=x onerror=alert(1)>", "[x](javascript:alert(1)) `y`")
+    for arm, c in (("bf16", 1.0), (bad[0], 1.2), (bad[1], 1.1)):
+        for s in range(2):
+            write_run(tmp_path / "runs" / arm / f"seed{s}", toks, [curve(t / c, 2.0 + 0.01 * s) for t in toks])
+            (tmp_path / "runs" / arm / f"seed{s}" / "config.json").write_text(json.dumps({"recipe": arm}))
+    summary = M.sanitize(M.summarize(M.load_study_runs(tmp_path), "bf16", smooth_k=2))
+    hp, mp = report.write_report(tmp_path, summary)
+    md = mp.read_text()
+    prose = md.split("## Exact configurations")[0]
+    assert "<img" not in md.replace("```json", "").split("```")[0] and "<img" not in prose
+    assert "&lt;img src=x onerror=alert(1)&gt;" in prose and "&lt;img src=x onerror=alert(1)&gt; seed 0" in md
+    assert not re.search(r"(?<!\\)\]\(", prose) and "\\[x\\](javascript:alert(1)) \\`y\\`" in prose
+    assert "<img" not in hp.read_text().split("<h2>Exact configurations")[0].replace("<img alt=", "")
+    assert report._md_code("a`b") == "``a`b``" and report._md_text("a\nb\\") == "a b\\\\"
 
 
 def test_markdown_tables_carry_values_as_text():

@@ -12,6 +12,7 @@ import io
 import json
 import math
 import platform
+import re
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -660,9 +661,29 @@ def _table_html(rows: list[list[str]]) -> str:
     return h + "</table>"
 
 
+_MD_SPECIAL = re.compile(r"([\\`\[\]])")
+
+
+def _md_text(s) -> str:
+    """``s`` as literal text in report.md: names there come from folders and files (an arm folder named ``<img src=x
+    onerror=alert(1)>``), so nothing in them may become raw HTML (``&``, ``<``, ``>`` as entities), a link or image
+    or code span (backslash escapes), or a new line or block (line breaks as spaces)."""
+    s = re.sub(r"[\r\n]+", " ", str(s))
+    s = s.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    return _MD_SPECIAL.sub(r"\\\1", s)
+
+
+def _md_code(s) -> str:
+    """``s`` as a Markdown code span (literal: no HTML, no escapes), fenced by more backticks than it holds."""
+    s = re.sub(r"[\r\n]+", " ", str(s))
+    n = max((len(m) for m in re.findall(r"`+", s)), default=0) + 1
+    pad = " " if s.startswith("`") or s.endswith("`") else ""
+    return f"{'`' * n}{pad}{s}{pad}{'`' * n}"
+
+
 def _table_md(rows: list[list[str]]) -> str:
     # (a cell's text is data, e.g. a run.json value: no Markdown table break, no raw HTML a renderer would run)
-    esc = [[c.replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;") for c in r] for r in rows]
+    esc = [[_md_text(c).replace("|", "\\|") for c in r] for r in rows]
     lines = ["| " + " | ".join(esc[0]) + " |", "|" + "---|" * len(esc[0])]
     lines += ["| " + " | ".join(r) + " |" for r in esc[1:]]
     return "\n".join(lines)
@@ -861,20 +882,20 @@ def write_report(d: str | Path, summary: dict | None = None, out: str | Path | N
     h = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
          f"<style>{_CSS}</style></head><body><h1>{html.escape(title)}</h1>",
          f"<p>Generated {now} from <code>{html.escape(str(d))}</code>.</p>"]
-    md = [f"# {title}", "", f"Generated {now} from `{d}`.", ""]
+    md = [f"# {_md_text(title)}", "", f"Generated {now} from {_md_code(d)}.", ""]
     if arms:
         shown = (f"Arms in this report: {', '.join(runs)} (the study has "
                  f"{len(study_meta.get('arms') or M.load_study_runs(d))}).")
         h.append(f"<p>{html.escape(shown)}</p>")
-        md += [shown, ""]
+        md += [_md_text(shown), ""]
     tline = None if single else training_line(runs)
     if tline:
         h.append(f"<p>{html.escape(tline)}</p>")
-        md += [tline, ""]
+        md += [_md_text(tline), ""]
     nline = numerics_line(runs)
     if nline:
         h.append(f"<p><b>{html.escape(nline)}</b></p>")
-        md += [f"**{nline}**", ""]
+        md += [f"**{_md_text(nline)}**", ""]
     if single:
         srows = single_run_rows(d, rd)
         h += ["<h2>Run</h2>", _table_html(srows)]
@@ -887,27 +908,27 @@ def write_report(d: str | Path, summary: dict | None = None, out: str | Path | N
         vnote = verdict_note(cool)
         h += ["<h2>Verdict</h2><ul>"] + [f"<li><b>{html.escape(v.split(':', 1)[0])}</b>:{html.escape(v.split(':', 1)[1])}</li>"
                                           for v in verdict] + ["</ul>", f"<p>{html.escape(vnote)}</p>"]
-        md += ["## Verdict", ""] + [f"* {v}" for v in verdict] + ["", vnote, ""]
+        md += ["## Verdict", ""] + [f"* {_md_text(v)}" for v in verdict] + ["", _md_text(vnote), ""]
         for ref, rc in (cool.get("references") or {}).items():
             rv = rc.get("verdict") or []
             if rv:
                 h += [f"<p>Against {html.escape(ref)} (its own fit, same method):</p><ul>"] + [
                     f"<li><b>{html.escape(v.split(':', 1)[0])}</b>:{html.escape(v.split(':', 1)[1])}</li>"
                     for v in rv] + ["</ul>"]
-                md += [f"Against {ref} (its own fit, same method):", ""] + [f"* {v}" for v in rv] + [""]
+                md += [f"Against {_md_text(ref)} (its own fit, same method):", ""] + [f"* {_md_text(v)}" for v in rv] + [""]
         cl = cool.get("claim_lines") or []
         if cl:
             cnote = claims_note(cool)
             h += ["<h2>Published claims</h2><ul>"] + [f"<li>{html.escape(v)}</li>" for v in cl] + [
                 "</ul>", f"<p>{html.escape(cnote)}</p>"]
-            md += ["## Published claims", ""] + [f"* {v}" for v in cl] + ["", cnote, ""]
+            md += ["## Published claims", ""] + [f"* {_md_text(v)}" for v in cl] + ["", _md_text(cnote), ""]
     if summary and not single:
         intro = (f"Baseline: {summary['baseline']}. Target val loss "
                  f"{_f(summary['target_loss'])} ({summary['target_rule']}). Smoothing: "
                  f"{summary['smoothing']['kind']}, k = {k}. Extra tokens = tokens to reach the "
                  f"target / the same seed's baseline tokens - 1; CIs are t-based 95 % over seeds.")
         h.append(f"<p>{html.escape(intro)}</p>")
-        md += [intro, ""]
+        md += [_md_text(intro), ""]
         rows = arm_table_rows(summary)
         h += ["<h2>Extra-token cost and final loss</h2>", _table_html(rows)]
         md += ["## Extra-token cost and final loss", "", _table_md(rows), ""]
@@ -916,7 +937,7 @@ def write_report(d: str | Path, summary: dict | None = None, out: str | Path | N
                      f"({c.get('target_rule')}); extra tokens and gaps paired by seed with {ref}'s runs.")
             rrows = reference_table_rows(summary, ref)
             h += [f"<h2>Against {html.escape(ref)}</h2>", f"<p>{html.escape(rnote)}</p>", _table_html(rrows)]
-            md += [f"## Against {ref}", "", rnote, "", _table_md(rrows), ""]
+            md += [f"## Against {_md_text(ref)}", "", _md_text(rnote), "", _table_md(rrows), ""]
         if cool:
             fit = cool.get("fit") or {}
             cnote = (f"Cooldown design: one constant-LR run per arm x seed, a cooldown branch at each budget "
@@ -931,7 +952,7 @@ def write_report(d: str | Path, summary: dict | None = None, out: str | Path | N
                      f"evaluation windows, seeds fixed. docs/study.md.")
             crows = cooldown_table_rows(cool)
             h += ["<h2>Cooled-down comparison</h2>", f"<p>{html.escape(cnote)}</p>", _table_html(crows)]
-            md += ["## Cooled-down comparison", "", cnote, "", _table_md(crows), ""]
+            md += ["## Cooled-down comparison", "", _md_text(cnote), "", _table_md(crows), ""]
             grows = budget_gap_rows(cool)
             if grows:
                 gnote = ("Some seeds finished only some budgets, so the table above (seeds complete at every "
@@ -940,14 +961,14 @@ def write_report(d: str | Path, summary: dict | None = None, out: str | Path | N
                          "(nats; mean over windows; no interval: the seeds differ from budget to budget).")
                 h += ["<h3>Paired gaps per budget, every finished seed</h3>", f"<p>{html.escape(gnote)}</p>",
                       _table_html(grows)]
-                md += ["### Paired gaps per budget, every finished seed", "", gnote, "", _table_md(grows), ""]
+                md += ["### Paired gaps per budget, every finished seed", "", _md_text(gnote), "", _table_md(grows), ""]
             srows = source_table_rows(cool)
             if srows:
                 snote = (f"Cooled-down loss minus the baseline's at the {100 * cool['by_source']['budget']:.0f} % "
                          f"budget, by validation source (the prepared folder's fixed validation files), paired by "
                          f"seed and window, mean over windows and seeds (nats; windows per seed in brackets).")
                 h += ["<h3>By validation source</h3>", f"<p>{html.escape(snote)}</p>", _table_html(srows)]
-                md += ["### By validation source", "", snote, "", _table_md(srows), ""]
+                md += ["### By validation source", "", _md_text(snote), "", _table_md(srows), ""]
             for ref, rc in (cool.get("references") or {}).items():
                 rf = rc.get("fit") or {}
                 rnote = (f"Against {ref}: its cooled-down points fitted the same way"
@@ -955,17 +976,17 @@ def write_report(d: str | Path, summary: dict | None = None, out: str | Path | N
                 rrows = cooldown_table_rows(rc)
                 h += [f"<h3>Cooled-down, against {html.escape(ref)}</h3>", f"<p>{html.escape(rnote)}</p>",
                       _table_html(rrows)]
-                md += [f"### Cooled-down, against {ref}", "", rnote, "", _table_md(rrows), ""]
+                md += [f"### Cooled-down, against {_md_text(ref)}", "", _md_text(rnote), "", _table_md(rrows), ""]
         drows = deosc_table_rows(runs)
         if drows:
             dnote = ("Weight de-oscillation (mxtrain.deosc; docs/numerics.md): per window, the share of tracked "
                      "weights reset to their quantized value, and the share whose quantized value changed at least "
                      "once.")
             h += ["<h2>Weight de-oscillation</h2>", f"<p>{html.escape(dnote)}</p>", _table_html(drows)]
-            md += ["## Weight de-oscillation", "", dnote, "", _table_md(drows), ""]
+            md += ["## Weight de-oscillation", "", _md_text(dnote), "", _table_md(drows), ""]
         noise = _noise_lines(summary)
         h += ["<h2>Effects next to seed-to-seed spread</h2><ul>"] + [f"<li>{html.escape(x)}</li>" for x in noise] + ["</ul>"]
-        md += ["## Effects next to seed-to-seed spread", ""] + [f"* {x}" for x in noise] + [""]
+        md += ["## Effects next to seed-to-seed spread", ""] + [f"* {_md_text(x)}" for x in noise] + [""]
     if aggs:
         drows = [["arm", "GEMM", "cos", "rel. error", "rel. bias", "dW err corr (step to step)", "trained path vs reference",
                   "operand SQNR dB (A / B)", "clip rate (A / B)", "underflow (A / B)"]]
@@ -986,7 +1007,7 @@ def write_report(d: str | Path, summary: dict | None = None, out: str | Path | N
                  "kernels or reference path): about 1e-3 under bf16 autocast; far above that, the path that trained "
                  "does not compute the recipe. Definitions: docs/study.md.")
         h += ["<h2>Per-GEMM diagnostics</h2>", f"<p>{dnote}</p>", _table_html(drows)]
-        md += ["## Per-GEMM diagnostics", "", dnote, "", _table_md(drows), ""]
+        md += ["## Per-GEMM diagnostics", "", _md_text(dnote), "", _table_md(drows), ""]
     h.append("<h2>Plots</h2>")
     md += ["## Plots", ""]
     if not plots:
@@ -1001,7 +1022,7 @@ def write_report(d: str | Path, summary: dict | None = None, out: str | Path | N
                  f"src='data:image/png;base64,{base64.b64encode(png).decode()}'>")
         fn = f"fig{i}.png"
         (files / fn).write_bytes(png)
-        md += [f"### {cap}", "", f"![{cap}](report_files/{fn})", ""]
+        md += [f"### {_md_text(cap)}", "", f"![{_md_text(cap)}](report_files/{fn})", ""]
     h.append("<h2>Environment</h2>")
     envtxt = json.dumps({**env, "report_python": platform.python_version()}, indent=1, default=str)
     h.append(f"<pre>{html.escape(envtxt)}</pre>")
@@ -1018,7 +1039,7 @@ def write_report(d: str | Path, summary: dict | None = None, out: str | Path | N
                 t = json.dumps({"config": rd.config, "run": rd.info}, indent=1, default=str)
                 h.append(f"<details><summary>{html.escape(arm)} seed {s}: config.json</summary>"
                          f"<pre>{html.escape(t)}</pre></details>")
-                md += [f"<details><summary>{arm} seed {s}: config.json</summary>", "", "```json", t, "```",
+                md += [f"<details><summary>{_md_text(arm)} seed {s}: config.json</summary>", "", "```json", t, "```",
                        "</details>", ""]
     h.append("</body></html>")
     hp, mp = out / "report.html", out / "report.md"
