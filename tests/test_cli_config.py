@@ -350,6 +350,10 @@ STUDY_REFUSED = [   # a setting a study replaces for each run, or one that contr
      "--schedule long-cosine sets the horizon to --lr-horizon x the run's steps"),
     (["--budgets", "0.5,1", "--set", "train.keep_checkpoints_at=3"],
      "with --budgets every run is constant-LR with checkpoints at the branch points"),
+    (["--lr-horizon", "5"], "--lr-horizon 5 is the horizon of --schedule long-cosine; add --schedule long-cosine"),
+    (["--cooldown", "0.3"], "--cooldown is an option of a cooldown study: add --budgets"),
+    (["--fit", "huber"], "--fit is an option of a cooldown study"),
+    (["--n-boot", "50"], "--n-boot is an option of a cooldown study"),
 ]
 
 

@@ -302,6 +302,15 @@ class StudySpec:
         ov = list(base.get("overrides", [])) + list(args.overrides or [])
         base["overrides"] = [o for i, o in enumerate(ov) if o not in ov[i + 1:]]
         base["out"] = args.out or f"studies/{args.preset or 'custom'}"
+        # options of one design given without it would be dropped: refused instead
+        if getattr(args, "lr_horizon", None) is not None and base.get("schedule", "constant") != "long-cosine":
+            raise UserError(f"--lr-horizon {args.lr_horizon:g} is the horizon of --schedule long-cosine; add "
+                            f"--schedule long-cosine, or leave it out")
+        if not base.get("budgets"):
+            for k in ("cooldown", "cooldown_shape", "fit", "n_boot"):
+                if getattr(args, k, None) is not None:
+                    raise UserError(f"--{k.replace('_', '-')} is an option of a cooldown study: add --budgets "
+                                    f"(e.g. 0.25,0.5,1), or leave it out")
         return cls(**base)
 
     def check_branch_options(self) -> None:
