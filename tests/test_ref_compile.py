@@ -67,9 +67,12 @@ def _signs(mode):
     return None if mode == "none" else rotation_signs(16, mode, seed=3, layer=1, gemm=2, step=5)
 
 
-_MX = [n for n, f in FORMATS.items() if f.kind == "mx"]
+_MX = [n for n, f in FORMATS.items() if f.kind == "mx" and not f.reference_only]
 _CASES = [(fmt, None, "nearest", rule) for fmt in _MX for rule in SCALE_RULES]
 _CASES += [(fmt, None, "stochastic", "floor") for fmt in _MX]
+# issue #51's adaptive rule, one case (its error sum is exact, so no reordering by the compiler can change its
+# choice; the uniform grids run round_to_elem's code with other constants, not compiled here: CI time)
+_CASES += [("mxfp4", None, "nearest", "adaptive")]
 _CASES += [("nvfp4", bs, rnd, "floor") for bs in (16, (16, 16)) for rnd in ("nearest", "stochastic")]
 _CASES += [(n, None, rnd, "floor") for n, f in FORMATS.items() if f.kind == "tensor" for rnd in ("nearest", "stochastic")]
 
