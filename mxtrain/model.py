@@ -60,6 +60,12 @@ class ModelConfig:
         if rs and (len(rs) != 4 or not all(math.isfinite(v) and v > 0 for v in rs) or rs[2] <= rs[1]):
             raise UserError(f"model.rope_scaling={list(rs)}: give (factor, low_freq_factor, high_freq_factor, "
                             f"original_max_position_embeddings), all positive, high_freq_factor above low_freq_factor")
+        f32 = torch.finfo(torch.float32)   # RoPE's frequencies and RMSNorm's epsilon are computed in float32
+        for k in ("rope_theta", "norm_eps"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not f32.tiny <= v <= f32.max:
+                raise UserError(f"model.{k}={v!r} must be a positive number within float32's normal range "
+                                f"({f32.tiny:.4g} to {f32.max:.4g}; it is used in float32)")
         if self.hf_model_type not in HF_MODEL_TYPES:
             raise UserError(f"model.hf_model_type={self.hf_model_type!r}: one of {', '.join(HF_MODEL_TYPES)}")
         if bool(self.qkv_bias) != (self.hf_model_type == "qwen2"):

@@ -199,7 +199,10 @@ def test_config_from_hf_checks_each_field_by_type(tmp_path):
                     ({"architectures": "LlamaForCausalLM"}, "architectures is \"LlamaForCausalLM\", expected a list"),
                     ({"rope_scaling": "llama3"}, 'rope_scaling is "llama3", expected an object or null'),
                     ({"rope_parameters": {"rope_theta": None}}, "rope_parameters.rope_theta is null, expected a "),
-                    ({"rope_parameters": {"rope_type": 3}}, "rope_parameters.rope_type is 3, expected a string")):
+                    ({"rope_parameters": {"rope_type": 3}}, "rope_parameters.rope_type is 3, expected a string"),
+                    # a number of the right type that float32, where it is used, makes inf or 0 (issue #47, 7)
+                    ({"rope_theta": 1e300}, "model.rope_theta=1e+300 must be a positive number within float32's"),
+                    ({"rms_norm_eps": 1e-50}, "model.norm_eps=1e-50 must be a positive number within float32's")):
         with pytest.raises(UserError) as e:
             config_from_hf(write(**kw))
         assert msg in str(e.value) and "\n" not in str(e.value), (kw, str(e.value))
