@@ -343,9 +343,10 @@ STUDY_REFUSED = [   # a setting a study replaces for each run, or one that contr
     (["--set", "log.progress=true"], "log.progress is set by the study for each run"),
     (["--set", "deosc.enable=true"], "deosc.enable is set by the study for each run"),
     (["--steps", "4", "--set", "train.tokens=4096"],
-     "steps 4 (--steps) and train.tokens=4096 (--set) both set the length of every run; give one"),
+     "steps 4 (--steps or [study] steps) and train.tokens=4096 (--set or the study file) both set the length of "
+     "every run; give one"),
     (["--schedule", "constant", "--set", "schedule.kind=wsd"],
-     "schedule.kind=wsd (--set) and --schedule constant both set every run's schedule"),
+     "schedule.kind=wsd (--set or the study file) and --schedule constant both set every run's schedule"),
     (["--schedule", "long-cosine", "--set", "schedule.horizon_steps=50"],
      "--schedule long-cosine sets the horizon to --lr-horizon x the run's steps"),
     (["--budgets", "0.5,1", "--set", "train.keep_checkpoints_at=3"],

@@ -915,7 +915,8 @@ def write_report(d: str | Path, summary: dict | None = None, out: str | Path | N
                 h += [f"<p>Against {html.escape(ref)} (its own fit, same method):</p><ul>"] + [
                     f"<li><b>{html.escape(v.split(':', 1)[0])}</b>:{html.escape(v.split(':', 1)[1])}</li>"
                     for v in rv] + ["</ul>"]
-                md += [f"Against {_md_text(ref)} (its own fit, same method):", ""] + [f"* {_md_text(v)}" for v in rv] + [""]
+                md += [f"Against {_md_text(ref)} (its own fit, same method):", ""] + [
+                    f"* {_md_text(v)}" for v in rv] + [""]
         cl = cool.get("claim_lines") or []
         if cl:
             cnote = claims_note(cool)

@@ -234,20 +234,21 @@ class StudySpec:
         for key, o in keys.items():
             if key in PER_RUN:
                 raise UserError(f"--set {o}: {key} is set by the study for each run ({PER_RUN[key]}); remove it")
+        src = "(--set or the study file)"
         tokens = keys.get("train.tokens")
         if self.steps is not None and tokens is not None and tokens.split("=", 1)[1].strip().lower() not in _NONE:
-            raise UserError(f"steps {self.steps} (--steps) and {tokens} (--set) both set the length of every run; "
-                            f"give one")
+            raise UserError(f"steps {self.steps} (--steps or [study] steps) and {tokens} {src} both set the length of "
+                            f"every run; give one")
         if "schedule.kind" in keys and self.schedule != "config":
-            raise UserError(f"{keys['schedule.kind']} (--set) and --schedule {self.schedule} both set every run's "
+            raise UserError(f"{keys['schedule.kind']} {src} and --schedule {self.schedule} both set every run's "
                             f"schedule; give one (--schedule config keeps the training config's)")
         if "schedule.horizon_steps" in keys and self.schedule == "long-cosine":
-            raise UserError(f"{keys['schedule.horizon_steps']} (--set): --schedule long-cosine sets the horizon to "
+            raise UserError(f"{keys['schedule.horizon_steps']} {src}: --schedule long-cosine sets the horizon to "
                             f"--lr-horizon x the run's steps; give --lr-horizon, or --schedule config")
         if self.budgets:
             for key in ("schedule.kind", "schedule.horizon_steps", "train.keep_checkpoints_at"):
                 if key in keys:
-                    raise UserError(f"{keys[key]} (--set): with --budgets every run is constant-LR with checkpoints "
+                    raise UserError(f"{keys[key]} {src}: with --budgets every run is constant-LR with checkpoints "
                                     f"at the branch points, which the study sets; remove it")
 
     @classmethod
