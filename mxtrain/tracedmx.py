@@ -7,8 +7,8 @@ operand as FP4 codes), and each call costs host time in Python. ``mxtrain.traced
 torchao's speed and memory by writing its layer as traced operations; this module does the same for recipes
 whose GEMMs are each either
 
-* **MX**: both operands ``mxfp4`` (blocks of 32), round-to-nearest, prescale 1, any scale rule, with no
-  rotation or a deterministic blockwise Hadamard rotation (sign mode ``none``: the AMD recipe's H16/H32),
+* **MX**: both operands ``mxfp4`` (blocks of 32), round-to-nearest, prescale 1, a scale rule the kernels
+  implement (``quant.SCALE_RULES``), with no rotation or a deterministic blockwise Hadamard rotation (sign mode ``none``: the AMD recipe's H16/H32),
 * **plain**: both operands unquantized and not rotated (``mxfp4-fprop``'s backward GEMMs, say).
 
 Stochastic rounding, random signs, prescales and other formats keep the custom ops (they need the call's
@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from ._constant import assume_constant_result
 from .formats import get_format
 from .hadamard import _INV_SQRT
-from .quant import mx_scale_exponent, pow2
+from .quant import SCALE_RULES, mx_scale_exponent, pow2
 from .recipe import Recipe
 
 __all__ = ["spec", "applies", "carrier", "linear"]
@@ -55,7 +55,9 @@ _GEMMS = (("fprop", "fprop_x", "fprop_w"), ("dgrad", "dgrad_dy", "dgrad_w"), ("w
 
 def spec(recipe: Recipe) -> str | None:
     """The recipe's three GEMMs as this module runs them (``"p"`` plain, ``"m<rot>:<rule A>:<rule B>"``
-    MX), joined by ``;``; None where a GEMM is neither or none is MX. Depends on the recipe only."""
+    MX), joined by ``;``; None where a GEMM is neither or none is MX. Depends on the recipe only. Scale rules
+    the fused kernels do not implement (``adaptive``, the reference path's) get None: such a recipe never reaches
+    a traced or compiled kernel form."""
     parts, mx = [], False
     for g, a, b in _GEMMS:
         oa, ob, rot = recipe.operand(a), recipe.operand(b), recipe.rotation(g)
@@ -63,7 +65,8 @@ def spec(recipe: Recipe) -> str | None:
             parts.append("p")
         elif (oa.fmt == ob.fmt == "mxfp4" and not oa.block_2d and not ob.block_2d
               and oa.rounding == ob.rounding == "nearest" and oa.prescale == ob.prescale == 1.0
-              and (not rot.enabled or rot.signs == "none")):
+              and (not rot.enabled or rot.signs == "none")
+              and oa.scale_rule in SCALE_RULES and ob.scale_rule in SCALE_RULES):
             parts.append(f"m{rot.size if rot.enabled else 0}:{oa.scale_rule}:{ob.scale_rule}")
             mx = True
         else:

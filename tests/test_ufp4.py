@@ -245,13 +245,17 @@ def test_presets_and_their_routes():
         assert mxtrain.linear.route(r, xm, xm) == "reference"
 
 
-def test_traced_form_fails_loudly_on_the_adaptive_rule():
-    """``tracedmx.spec`` (compiled layers) admits any scale rule on MXFP4 operands; its quantizer asks
-    ``quant.mx_scale_exponent``, which refuses ``adaptive``: a compiled adaptive recipe on a GPU fails, never
-    silently runs another rule (docs/numerics.md). New formats are not MXFP4 and get no spec."""
-    assert mxtrain.tracedmx.spec(recipes.get("ufp4")) is None
+def test_compiled_forms_never_take_the_new_formats_or_rule():
+    """``tracedmx.spec`` (which both compiled MX forms start from) gives no spec for a recipe with the ``adaptive``
+    rule or a new format, so a compiled layer of it runs the reference quantizer; and the traced quantizer itself
+    refuses ``adaptive`` should it ever be asked (``quant.mx_scale_exponent``)."""
+    for name in ("ufp4", "mxfp4-all-adaptive", "mxfp4-all-dh16+adaptive"):
+        assert mxtrain.tracedmx.spec(recipes.get(name)) is None, name
+    assert mxtrain.tracedmx.spec(recipes.get("mxfp4-all-dh16+rceil")) is not None
     with pytest.raises(ValueError, match="adaptive"):
         mxtrain.tracedmx.carrier(torch.randn(32, 64), 0, "adaptive", 1)
+    from mxtrain.kernels.mxfp4.launch import RULE_ID
+    assert set(SCALE_RULES) == set(RULE_ID)   # (the rules the kernels take are the ones spec admits)
 
 
 @pytest.mark.parametrize("name", ["ufp4", "mxfp4-all-adaptive"])
