@@ -548,13 +548,14 @@ class _FastMXLinearFunction(torch.autograd.Function):
 
 
 def apply(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, qctx: Ctx, amp="auto") -> torch.Tensor:
-    """The fast MX linear (autograd-aware, eager). ``amp``: the autocast dtype, or "auto" to read it."""
+    """The fast MX linear (autograd-aware, eager). ``amp``: the autocast dtype, or "auto" to read it. Only where
+    ``applies(x, weight)``: the choice between this and the reference is ``linear.route``'s (``mx_linear``)."""
     if amp == "auto":
         from .context import autocast_dtype
         amp = autocast_dtype(x.device.type)
     if not applies(x, weight):
-        from .linear import _MXLinearFunction
-        return _MXLinearFunction.apply(x, weight, bias, qctx, amp)
+        raise ValueError(f"mxtrain.fast.apply: the fused kernels cannot run these tensors (device {x.device}, "
+                         f"dtypes {x.dtype} and {weight.dtype}); call mxtrain.mx_linear, which routes them")
     return _FastMXLinearFunction.apply(x, weight, bias, qctx, amp, torch.is_grad_enabled())
 
 
