@@ -1,0 +1,134 @@
+"""The package's import graph, read from the source (every ``import`` statement, at module level or inside a
+function): no import cycle beyond the ones already known (each to be removed, none to be added), the MX linear
+stack one-way, and the numerics importing nothing above them. Static: nothing is imported or run."""
+
+from __future__ import annotations
+
+import ast
+import os
+
+ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "mxtrain")
+
+# Cycles that exist today (file sets); a change may shrink or remove them, never add one or grow one.
+KNOWN_CYCLES = [
+    {"context", "kernels.mxelem", "kernels.nvfp4"},
+    {"data.hf", "data.loader", "data.prepare", "data.sources", "data.tokenizer"},
+    {"hf", "train", "train.branch", "train.trainer"},
+    {"kernels.mxfp4.ops", "kernels.mxfp4.verify"},
+    {"tensorfp8", "tracedfp8"},
+    {"train.config", "train.experiments"},
+]
+# the MX linear call, bottom to top: each may import only the ones before it (and anything outside the list)
+MX_LINEAR_STACK = ["fast", "tracedmx", "compiledmx", "linear", "nn"]
+# the numerics: no import of anything but each other and the package's leaf helpers
+NUMERICS = {"formats", "quant", "hadamard", "recipe", "rng", "settings", "errors", "_constant"}
+
+
+def _modules() -> dict:
+    mods = {}
+    for d, _, files in os.walk(ROOT):
+        for f in files:
+            if f.endswith(".py"):
+                rel = os.path.relpath(os.path.join(d, f), ROOT)[:-3].replace(os.sep, ".")
+                mods[rel[: -len(".__init__")] if rel.endswith("__init__") else rel] = os.path.join(d, f)
+    mods[""] = mods.pop("__init__", os.path.join(ROOT, "__init__.py"))
+    return mods
+
+
+def _resolve(mods: dict, name: str) -> str | None:
+    """The module file ``name`` (dotted, relative to the package) lives in: itself, or its package."""
+    while name not in mods and "." in name:
+        name = name.rsplit(".", 1)[0]
+    return name if name in mods else None
+
+
+def import_graph() -> dict:
+    mods = _modules()
+    graph = {m: set() for m in mods}
+    for mod, path in mods.items():
+        pkg = mod if path.endswith("__init__.py") else (mod.rsplit(".", 1)[0] if "." in mod else "")
+        for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name[len("mxtrain."):] for a in node.names if a.name.startswith("mxtrain.")]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = pkg.split(".") if pkg else []
+                    base = base[: len(base) - (node.level - 1)] if node.level > 1 else base
+                    prefix = ".".join(base + ([node.module] if node.module else []))
+                elif node.module and (node.module == "mxtrain" or node.module.startswith("mxtrain.")):
+                    prefix = node.module[len("mxtrain"):].lstrip(".")
+                else:
+                    continue
+                # ``from . import x``: x may be a module; ``from .m import name``: the module m
+                for a in node.names:
+                    sub = f"{prefix}.{a.name}" if prefix else a.name
+                    targets.append(sub if sub in mods else prefix)
+            for t in targets:
+                r = _resolve(mods, t)
+                if r is not None and r != mod:
+                    graph[mod].add(r)
+    return graph
+
+
+def cycles(graph: dict) -> list:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index, low, on, stack, out, counter = {}, {}, set(), [], [], [0]
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter[0]
+        counter[0] += 1
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[v])
+                if low[v] == index[v]:
+                    comp = set()
+                    while True:
+                        x = stack.pop()
+                        on.discard(x)
+                        comp.add(x)
+                        if x == v:
+                            break
+                    if len(comp) > 1:
+                        out.append(comp)
+            elif w not in index:
+                index[w] = low[w] = counter[0]
+                counter[0] += 1
+                stack.append(w)
+                on.add(w)
+                work.append((w, iter(sorted(graph[w]))))
+            elif w in on:
+                low[v] = min(low[v], index[w])
+    return out
+
+
+def test_the_reader_sees_known_imports():
+    g = import_graph()
+    assert "fast" in g["linear"] and "compiledmx" in g["linear"] and "formats" in g["quant"]
+    assert "kernels.mxfp4.traced" in g["compiledmx"]
+
+
+def test_no_import_cycle_beyond_the_known_ones():
+    for comp in cycles(import_graph()):
+        assert any(comp <= known for known in KNOWN_CYCLES), f"a new or grown import cycle: {sorted(comp)}"
+
+
+def test_the_mx_linear_stack_imports_one_way():
+    g = import_graph()
+    for i, mod in enumerate(MX_LINEAR_STACK):
+        above = set(MX_LINEAR_STACK[i + 1:])
+        assert not g[mod] & above, f"{mod} imports {sorted(g[mod] & above)}, which sit above it"
+
+
+def test_the_numerics_import_nothing_above_them():
+    g = import_graph()
+    for mod in NUMERICS:
+        assert g[mod] <= NUMERICS | {""}, f"{mod} imports {sorted(g[mod] - NUMERICS)}"
