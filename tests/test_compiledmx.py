@@ -30,9 +30,8 @@ def _cpu_layer(x, w, b, recipe, rows=128):
     ("mxfp4-all", (2, 48, 160), True, 128),
     ("mxfp4-all-dh16", (96, 160), False, 128),
     ("mxfp4-all-dh16+amd", (3, 20, 100), True, 1),     # M=60, K=100: rows and reduction padded
-    ("mxfp4-all-dh32", (64, 96), False, 128),
     ("mxfp4-fprop", (40, 64), True, 128),               # plain Dgrad and Wgrad
-])
+])   # (mxfp4-all-dh32 differs from -dh16 in a constexpr only: its case runs on the GPU, for CI's time)
 def test_layer_equals_the_reference_on_cpu(recipe, shape, bias, rows):
     g = torch.Generator().manual_seed(3)
     N = 80
@@ -40,17 +39,6 @@ def test_layer_equals_the_reference_on_cpu(recipe, shape, bias, rows):
     w = torch.randn(N, shape[-1], generator=g)
     b = torch.randn(N, generator=g) if bias else None
     gy = torch.randn(*shape[:-1], N, generator=g)
-    got = fwd_bwd(x, w, b, gy, lambda x, w, b: _cpu_layer(x, w, b, recipe, rows))
-    with settings.override(fast=False):
-        want = fwd_bwd(x, w, b, gy, lambda x, w, b: mx_linear(x, w, b, recipe))
-    for a, r, name in zip(got, want, ("y", "dX", "dW", "db")):
-        # the same MX values multiplied in float32 on both sides: equal up to summation order
-        assert torch.allclose(a, r, rtol=1e-5, atol=1e-5 * r.abs().max().item()), (recipe, name)
-
-
-def test_kernel_launches_pass_every_argument():
-    """torch's analysis of what a user kernel writes fails on a launch that leaves an argument out (then every
-    input counts as written and the compiler copies X before each quantize)."""
     launched = []
     real = compiledmx._traced._launch
 
@@ -59,16 +47,21 @@ def test_kernel_launches_pass_every_argument():
         return real(kfn, grid, args, consts, nw)
     compiledmx._traced._launch = spy
     try:
-        x = torch.randn(64, 96, requires_grad=True)
-        w = torch.randn(32, 96, requires_grad=True)
-        _cpu_layer(x, w, None, "mxfp4-all-dh16").sum().backward()
+        got = fwd_bwd(x, w, b, gy, lambda x, w, b: _cpu_layer(x, w, b, recipe, rows))
     finally:
         compiledmx._traced._launch = real
-    names = {kfn.fn.__name__ for kfn, _ in launched}
-    assert names == {"_mxfp4_kernel", "_mxfp4_dual_kernel", "_expand_kernel"}, names
+    # torch's analysis of what a user kernel writes fails on a launch that leaves an argument out (then every
+    # input counts as written and the compiler copies X before each quantize): every launch passes them all
     for kfn, kw in launched:
         assert set(kw) == set(kfn.arg_names), kfn.fn.__name__
-    assert len(launched) == 5   # X dual, W along K, dY dual, W along N, X's carrier from its codes
+    if recipe == "mxfp4-all-dh16":   # X dual, W along K, dY dual, W along N, X's carrier from its codes
+        assert sorted(kfn.fn.__name__ for kfn, _ in launched) == sorted(
+            ["_mxfp4_dual_kernel", "_mxfp4_kernel", "_mxfp4_dual_kernel", "_mxfp4_kernel", "_expand_kernel"])
+    with settings.override(fast=False):
+        want = fwd_bwd(x, w, b, gy, lambda x, w, b: mx_linear(x, w, b, recipe))
+    for a, r, name in zip(got, want, ("y", "dX", "dW", "db")):
+        # the same MX values multiplied in float32 on both sides: equal up to summation order
+        assert torch.allclose(a, r, rtol=1e-5, atol=1e-5 * r.abs().max().item()), (recipe, name)
 
 
 def test_the_dispatcher_takes_the_form_only_where_it_applies():
@@ -428,3 +421,80 @@ def test_trace_time_settings_are_the_ones_the_ops_read():
     assert read - {"fast_launch", "append"} == set(compiledmx.TRACE_TIME_SETTINGS)
     for n in compiledmx.TRACE_TIME_SETTINGS:
         assert n in settings.Settings.__dataclass_fields__
+
+
+_GRAPH_SCRIPT = r'''
+import collections, json, sys, torch, triton
+from triton.backends.compiler import GPUTarget
+from functorch.compile import aot_function, default_partition, make_boxed_func
+from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+from mxtrain import compiledmx, fast, recipes, settings, tracedmx
+
+class Target:   # (Triton IR for sm_90 on a machine without a GPU: torch's analysis of what each launch writes)
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+triton.runtime.driver._active = Target()
+settings.configure(qselfcheck="off")
+amp = torch.is_autocast_enabled
+torch.is_autocast_enabled = lambda *a: False if a and a[0] == "meta" else amp(*a)
+fast.state.prepare("meta")
+joint = []
+
+def partition(gm, inputs, **kw):
+    joint.append(gm)
+    return default_partition(gm, inputs, **kw)
+
+def run(recipe, n_layers, M=256, K=256, N=512):
+    mx = tracedmx.spec(recipes.get(recipe))
+    def block(x, c0, c1, c2, *ws):
+        fast.state.by_name["meta"] = (c0, c1, c2)   # (the counters as graph inputs, as dynamo lifts them)
+        return sum(compiledmx.linear(x, w, None, mx, (128, 128)).float().sum() for w in ws)
+    x = torch.empty(M, K, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    ws = [torch.empty(N, K, device="meta", dtype=torch.bfloat16, requires_grad=True) for _ in range(n_layers)]
+    cs = [torch.zeros(1, dtype=torch.int32, device="meta") for _ in range(3)]
+    joint.clear()
+    compiler = lambda gm, example_inputs: make_boxed_func(gm.forward)
+    aot_function(block, fw_compiler=compiler, bw_compiler=compiler, partition_fn=partition)(x, *cs, *ws)
+    g = joint[0].graph
+    inputs = {n for n in g.nodes if n.op == "placeholder"}
+    kernels, cloned, clones = collections.Counter(), [], 0
+    for n in g.nodes:
+        if n.target is torch.ops.higher_order.triton_kernel_wrapper_functional:
+            k = kernel_side_table.get_kernel(n.kwargs["kernel_idx"])
+            kernels[k.fn.__name__] += 1
+            for name in n.kwargs["tensors_to_clone"]:
+                arg = n.kwargs["kwargs"][name]
+                if arg in inputs and arg.meta["val"].dtype != torch.int32:   # (a counter is a mutated input)
+                    cloned.append(name)
+        clones += n.target is torch.ops.aten.clone.default
+    return {"kernels": dict(kernels), "cloned_inputs": cloned, "clones": clones}
+json.dump({f"{r} x{n}": run(r, n) for r, n in (("mxfp4-all", 1), ("mxfp4-all", 2), ("mxfp4-fprop", 1))},
+          sys.stdout)
+'''
+
+
+def test_graph_of_a_compiled_layer_under_fake_gpu_tensors(tmp_path):
+    """What the compiler gets from a compiled layer, forward and backward (the joint graph aot_autograd traces,
+    with the quantize ops decomposed into their Triton launches and torch's analysis of what each writes, for
+    sm_90, on meta tensors): five quantize launches a layer (X and dY in one pass each, W along K and along N,
+    X's carrier from its FP4 codes), two for ``mxfp4-fprop``; no launch makes the compiler copy an input (X, W,
+    dY) and no clone at all. Without the sharing pass two layers reading one input quantize it twice (the graph
+    ``mx_compiled=shared`` merges, tested above). Rotated variants are left out for CI's time: torch 2.13's
+    analysis walks the Hadamard butterflies without a memo (minutes on a CPU)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = tmp_path / "graph.py"
+    script.write_text(_GRAPH_SCRIPT)
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=root, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(p.stdout)
+    one = {"_mxfp4_dual_kernel": 2, "_mxfp4_kernel": 2, "_expand_kernel": 1}
+    assert res["mxfp4-all x1"]["kernels"] == one
+    assert res["mxfp4-all x2"]["kernels"] == {k: 2 * v for k, v in one.items()}
+    assert res["mxfp4-fprop x1"]["kernels"] == {"_mxfp4_kernel": 2}
+    for r in res.values():
+        assert r["cloned_inputs"] == [] and r["clones"] == 0, r

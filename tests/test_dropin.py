@@ -426,8 +426,10 @@ def test_gpu_compile_before_any_eager_call(mode):
     assert CACHES.probes and torch.isfinite(m[0].weight).all()
 
 
-@pytest.mark.parametrize("carrier", [False, True])
-@pytest.mark.parametrize("preset", ["mxfp4-all-dh16", "mxfp4-all-sr"])
+# (mxfp4-all-dh16 with the carrier outputs is left out for CI's time: on a GPU that recipe runs as the compiled
+# layer, tests/test_compiledmx.py; the split ops run SR, sign and prescale recipes, whose carrier case stays)
+@pytest.mark.parametrize("preset,carrier", [("mxfp4-all-dh16", False), ("mxfp4-all-sr", False),
+                                            ("mxfp4-all-sr", True)])
 def test_split_ops_equal_reference_and_share_input_quantization(preset, carrier, monkeypatch, use):
     """The compiled fast path's two ops (``quantize_input``, then ``linear_q``; run here on CPU through
     Triton's interpreter and the dequantize GEMM) give the reference's outputs and gradients, and under
