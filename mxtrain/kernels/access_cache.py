@@ -14,6 +14,10 @@ defined in mxtrain's own modules only; any other kernel is analysed by torch as 
 copy of the answer torch gave for the first launch with the same key, so it is torch's own result, not a claim of
 ours. Where torch's module has neither name the analysis went by (``identify_accessed_tensors``, torch 2.12 and
 later; ``identify_mutated_tensors`` before), nothing is installed and compiles are slow but correct.
+
+The cache removes repeats only: the first analysis of each variant is torch's. From torch 2.12 that analysis walks
+the IR without a memo (pytorch/pytorch#193703), which takes minutes for the rotated variants (their Hadamard
+butterflies share subgraphs deeply): docs/kernels.md, "First compile".
 """
 
 from __future__ import annotations
