@@ -1,4 +1,4 @@
-"""``mxtrain bench quantize|gemm|breakdown|linear|step|blocks|limits|all``: GPU benchmarks of the fast path, JSON out.
+"""``mxtrain bench quantize|gemm|breakdown|linear|step|blocks|host|limits|all``: GPU benchmarks of the fast path, JSON out.
 
 Every ratio is measured in the same run (``triton.testing.do_bench`` medians, random data):
 
@@ -18,6 +18,9 @@ Every ratio is measured in the same run (``triton.testing.do_bench`` medians, ra
 * ``blocks``: forward+backward of a stack of Llama blocks with 8B shapes only (bf16, an unfused FP8
   rowwise reference, MXFP4 presets), eager and with compiled elementwise layers: a breakdown of the
   step without embedding, head, loss and optimizer.
+* ``host``: the host's time to issue one compiled layer's forward and backward at a tiny shape (256 x 512 x
+  512, bf16), ``nn.Linear``, torchao's float8 and ``MXLinear`` per recipe, with the ratio to ``nn.Linear`` and
+  the compiled form each MX layer takes.
 * ``limits`` (no GPU needed): the step's FLOPs and quantize bytes counted per recipe, and the fastest
   step each recipe can reach at given GEMM rates and bandwidth (``mxtrain.bench_limits``; ``--bf16-step-ms``
   a measured BF16 step, ``--rates bf16_tflops=...,copy_tbs=...``). Printed as a table, JSON with ``--out``.
@@ -567,6 +570,64 @@ def bench_step(args) -> dict:
     return {"step": res}
 
 
+# ------------------------------------------------------------------------------------------ host
+
+HOST_SHAPE = (256, 512, 512)   # tokens, in, out: GPU work of microseconds, so a call's time is the host's
+
+
+def _best_us(fn, n: int = 200, reps: int = 7, warm: int = 30) -> float:
+    """The least of ``reps`` loops of ``n`` calls, microseconds a call, the GPU drained after each loop (a
+    noisy host's interruptions left out; at ``HOST_SHAPE`` a call's time is the host's time to issue it)."""
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t) / n * 1e6)
+    return best
+
+
+def bench_host(args) -> dict:
+    """The host's time to issue one linear layer's forward and backward under ``torch.compile(fullgraph=True)``
+    (default mode) at ``HOST_SHAPE``, bf16: ``nn.Linear``, torchao's float8 tensorwise layer (when installed) and
+    ``MXLinear`` per recipe, with the ratio to ``nn.Linear`` and the form each compiled MX layer takes
+    (``linear.implementation``). Issue #45's target: a compiled MX layer at most 1.5x ``nn.Linear``."""
+    from .linear import implementation
+    from .nn import MXLinear
+    dev = "cuda"
+    M, K, N = HOST_SHAPE
+    x = torch.randn(M, K, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    gy = torch.randn(M, N, device=dev, dtype=torch.bfloat16)
+
+    def compiled_us(mod) -> float:
+        torch._dynamo.reset()
+        return _best_us(fwd_bwd_call(torch.compile(mod, fullgraph=True), x, gy))
+    res = {"shape": {"M": M, "K": K, "N": N}, "us": {}, "vs_nn_linear": {}, "form": {}}
+    base = torch.nn.Linear(K, N, bias=False, device=dev, dtype=torch.bfloat16)
+    res["us"]["nn.Linear"] = compiled_us(base)
+    try:
+        from torchao.float8 import convert_to_float8_training
+        seq = torch.nn.Sequential(torch.nn.Linear(K, N, bias=False, device=dev, dtype=torch.bfloat16))
+        convert_to_float8_training(seq)   # (it swaps the children of a module: the converted layer is seq[0])
+        res["us"]["torchao-tensorwise"] = compiled_us(seq[0])
+    except ImportError:
+        print("bench host: torchao is not installed: no torchao float8 row", file=sys.stderr, flush=True)
+    for p in _presets(args, STEP_PRESETS):
+        lin = MXLinear(K, N, bias=False, device=dev, dtype=torch.bfloat16, recipe=p)
+        res["form"][p] = implementation(p, x, lin.weight)
+        res["us"][p] = compiled_us(lin)
+    for k, v in res["us"].items():
+        res["vs_nn_linear"][k] = v / res["us"]["nn.Linear"]
+        print(f"bench host: {k}: {v:.1f} us a layer call (fwd+bwd), {res['vs_nn_linear'][k]:.2f}x nn.Linear"
+              + (f"  [{res['form'][k]}]" if k in res["form"] else ""), flush=True)
+    torch._dynamo.reset()
+    return {"host": res}
+
+
 def _peak_gib(f) -> float:
     """Peak GPU memory allocated during one call of ``f`` (GiB), the memory held before it included."""
     torch.cuda.synchronize()
@@ -590,7 +651,7 @@ def _profile(f, steps: int = 3) -> dict:
 # --------------------------------------------------------------------------------------------- CLI
 
 _WHAT = {"quantize": bench_quantize, "gemm": bench_gemm, "breakdown": bench_breakdown, "linear": bench_linear,
-         "step": bench_step, "blocks": bench_blocks}
+         "step": bench_step, "blocks": bench_blocks, "host": bench_host}
 
 
 def warm_gpu(seconds: float = 1.0) -> float:
@@ -701,7 +762,7 @@ def _budget(text: str) -> float:
 
 
 def _add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("what", help="quantize, gemm, breakdown, linear, step, blocks, all, or a comma-separated list; "
+    p.add_argument("what", help="quantize, gemm, breakdown, linear, step, blocks, host, all, or a comma-separated list; "
                                 "limits (no GPU: the step's ceilings counted)")
     p.add_argument("--out", default=None, help="write the JSON results here (default: stdout)")
     p.add_argument("--filter", default="", help="quantize: only the cases whose name contains this text")
