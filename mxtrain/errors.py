@@ -34,3 +34,57 @@ def read_json_object(path, what: str = "") -> dict:
                         f"{': ' + what if what else ''}; restore it or remove it")
     return d
 
+
+
+# the largest integer a setting may hold: counts and seeds are stored in int64 tensors and checkpoints
+INT_MAX = 2**63 - 1
+
+
+def check_number(name: str, v, lo=None, hi=None, lo_open=False, hi_open=False, integer=False,
+                 optional=False) -> None:
+    """One number a user gave (a flag, ``--set``, a config file): a finite number (an int if ``integer``, at
+    most ``INT_MAX`` in size unless ``hi`` says less) within [lo, hi] (open ends as asked); a ``UserError``
+    naming ``name`` otherwise. The one range check every flag parser and config check uses."""
+    import math
+    if v is None and optional:
+        return
+    kind = "an integer" if integer else "a number"
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)):
+        raise UserError(f"{name} must be {kind}, got {v!r}")
+    if integer:   # (math.isfinite of a 400-digit int is an OverflowError)
+        if not -INT_MAX - 1 <= v <= INT_MAX and (lo is None or v >= lo) and (hi is None or v <= hi):
+            lo, hi = -INT_MAX - 1 if lo is None else lo, INT_MAX if hi is None else hi
+    elif not math.isfinite(v):
+        raise UserError(f"{name} must be finite, got {v}")
+    bad_lo = lo is not None and (v <= lo if lo_open else v < lo)
+    bad_hi = hi is not None and (v >= hi if hi_open else v > hi)
+    if bad_lo or bad_hi:
+        shown = v if not integer or abs(v) < 10**30 else f"an integer of {len(str(abs(v)))} digits"
+        if not bad_hi and hi is not None and hi >= 2**53:   # a size guard only: said when it is what failed
+            hi = None
+        rng = (f"{'(' if lo_open else '['}{'-inf' if lo is None else _short(lo)}, "
+               f"{'inf' if hi is None else _short(hi)}{')' if hi_open or hi is None else ']'}")
+        raise UserError(f"{name} must be in {rng}, got {shown}")
+
+
+def _short(x) -> str:
+    return "2**63 - 1" if x == INT_MAX else "-2**63" if x == -INT_MAX - 1 else f"{x:g}" if isinstance(x, float) else str(x)
+
+
+def number_flag(lo=None, hi=None, lo_open=False, hi_open=False, integer=False):
+    """An argparse ``type=`` for a numeric flag: the text read as an int (``integer``) or a float, then
+    ``check_number``'s range check; argparse names the flag in its one-line error."""
+    import argparse
+
+    def parse(text: str):
+        try:
+            v = int(text) if integer else float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if integer else 'a number'}, "
+                                             f"got {text[:40]!r}") from None
+        try:
+            check_number("", v, lo, hi, lo_open, hi_open, integer)
+        except UserError as e:   # argparse writes "argument --flag: must be ..."
+            raise argparse.ArgumentTypeError(str(e).strip()) from None
+        return v
+    return parse

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .errors import UserError
+from .errors import UserError, check_number
 from .hf import RunCheckpoint, load_run, run_tokenizer
 
 __all__ = ["load", "Loaded", "generate", "generate_ids", "evaluate", "PRECISIONS"]
@@ -99,8 +99,7 @@ def _check_sampling(max_new_tokens, temperature, top_k, seed) -> None:
         raise UserError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
         raise UserError(f"top-k must be an integer >= 0 (0: no top-k cut), got {top_k!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise UserError(f"seed must be an integer, got {seed!r}")
+    check_number("seed", seed, lo=0, integer=True)
 
 
 @torch.no_grad()
@@ -132,7 +131,9 @@ def generate_ids(model, ids: list[int], max_new_tokens: int = 64, temperature: f
             if temperature == 0:
                 nxt = int(torch.argmax(logits))
             else:
-                logits = logits / temperature
+                # the largest logit subtracted first: a tiny temperature (1e-45) makes the others -inf, never
+                # inf - inf = nan (a float32 division overflows where the float64 one need not)
+                logits = (logits.double() - logits.max().double()) / temperature
                 if 0 < top_k < limit:
                     kth = torch.topk(logits, top_k).values[-1]
                     logits = logits.masked_fill(logits < kth, float("-inf"))

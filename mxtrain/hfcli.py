@@ -16,7 +16,7 @@ import json
 import math
 import sys
 
-from .errors import UserError
+from .errors import UserError, number_flag
 
 __all__ = ["add_parsers", "register", "cmd_export", "cmd_generate", "cmd_eval", "main"]
 
@@ -86,7 +86,7 @@ def add_parsers(sub) -> None:
                    help="sampling temperature; 0: greedy (default 0.8)")
     g.add_argument("--top-k", type=_nonneg_int, default=50,
                    help="sample among the K likeliest tokens; 0: all (default 50)")
-    g.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    g.add_argument("--seed", type=number_flag(lo=0, integer=True), default=0, help="sampling seed (default 0)")
     _precision_flags(g)
     g.set_defaults(func=cmd_generate)
 

@@ -316,7 +316,7 @@ def test_bad_set_value_is_reported_before_the_study_folder_is_written(tmp_path):
 @pytest.mark.parametrize("args,msg", [(["--steps", "0"], "train.steps must be in [1, inf), got 0"),
                                       (["--steps", "0", "--dry-run"], "train.steps must be in [1, inf), got 0"),
                                       (["--set", "log.eval_every=0"], "log.eval_every must be in [1, inf), got 0"),
-                                      (["--jobs", "0", "--dry-run"], "--jobs must be >= 1, got 0")])
+                                      (["--jobs", "0", "--dry-run"], "--jobs: must be in [1, 4096], got 0")])
 def test_zero_steps_or_jobs_are_refused_before_the_study_folder_is_written(tmp_path, capsys, args, msg):
     """Not one failed run per arm and seed with 'rerun the same command', nor a plan of 0 steps: one line."""
     from mxtrain.cli import main

@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..errors import UserError, read_json_object
+from ..errors import UserError, number_flag, read_json_object
 from ..train.checkpoint import write_json
 
 __all__ = ["register", "study_main", "report_main"]
@@ -37,7 +37,7 @@ def register(subparsers) -> None:
                    "flags given explicitly override the preset's values")
     p.add_argument("--arms", help="comma-separated arms: recipe names, each optionally with @OPTION training "
                    "options, e.g. bf16,mxfp4-all,mxfp4-all-dh16,mxfp4-all@deosc (docs/study.md)")
-    p.add_argument("--seeds", type=int, help="seeds per arm (seeds 0..N-1)")
+    p.add_argument("--seeds", type=number_flag(lo=1, hi=10**6, integer=True), help="seeds per arm (seeds 0..N-1)")
     p.add_argument("--baseline", help="arm the others are compared with (default: the first arm)")
     p.add_argument("--references", help="comma-separated further arms every arm is also compared with, e.g. fp8 "
                    "(the report gives extra tokens and loss gaps against each)")
@@ -55,37 +55,37 @@ def register(subparsers) -> None:
     p.add_argument("--schedule", choices=SCHEDULES, help="learning-rate schedule of every run: 'constant' "
                    "(after warmup; default), 'long-cosine' (cosine over --lr-horizon x the run's steps, as MLPerf), "
                    "or 'config' (leave the training config's schedule alone)")
-    p.add_argument("--lr-horizon", type=float, help="cosine horizon as a multiple of the run length "
+    p.add_argument("--lr-horizon", type=number_flag(lo=1), help="cosine horizon as a multiple of the run length "
                    "(with --schedule long-cosine; default 10)")
     p.add_argument("--eval-every", type=int, help="evaluate every N steps (default: about 1/40 of the run)")
-    p.add_argument("--diagnose-every", type=int, help="per-GEMM diagnostics every N steps (0: off)")
-    p.add_argument("--target-loss", type=float, help="val loss the extra-token cost is measured at "
+    p.add_argument("--diagnose-every", type=number_flag(lo=0, integer=True), help="per-GEMM diagnostics every N steps (0: off)")
+    p.add_argument("--target-loss", type=number_flag(), help="val loss the extra-token cost is measured at "
                    "(default: the baseline's smoothed loss at --target-frac of its tokens)")
-    p.add_argument("--target-frac", type=float, help="share of the baseline's tokens the target loss is read at "
+    p.add_argument("--target-frac", type=number_flag(lo=0, lo_open=True, hi=1), help="share of the baseline's tokens the target loss is read at "
                    "(default 0.8)")
-    p.add_argument("--smooth-k", type=int, help="running mean over the last k evaluations (default 3)")
+    p.add_argument("--smooth-k", type=number_flag(lo=1, integer=True), help="running mean over the last k evaluations (default 3)")
     p.add_argument("--budgets", help="cooldown design: comma-separated budgets as fractions of the run, e.g. "
                    "0.25,0.5,0.75,1; every arm x seed trains one constant-LR run with checkpoints at the branch "
                    "points, then a cooldown branch per budget, and the report gives the extra tokens per budget "
                    "with seed-level paired intervals (docs/study.md)")
-    p.add_argument("--cooldown", type=float, help="with --budgets: share of each budget spent cooling down "
+    p.add_argument("--cooldown", type=number_flag(lo=0, hi=1, lo_open=True, hi_open=True), help="with --budgets: share of each budget spent cooling down "
                    "(default 0.2)")
     p.add_argument("--cooldown-shape", choices=["linear", "1-sqrt"], help="with --budgets: the decay's shape "
                    "(default 1-sqrt)")
-    p.add_argument("--n-boot", type=int, help="replicates of the bootstrap over evaluation windows (seeds held fixed) "
+    p.add_argument("--n-boot", type=number_flag(lo=10, hi=10**7, integer=True), help="replicates of the bootstrap over evaluation windows (seeds held fixed) "
                    "that measures the evaluation-noise share of the cooled-down metric (default 1000); the "
                    "intervals themselves are seed-level t intervals (docs/study.md)")
     p.add_argument("--fit", choices=["lsq", "huber"], help="with --budgets: fit the baseline's L(D) = E + B D^-beta "
                    "by least squares on L (lsq, default) or by a Huber loss on log L (huber, delta 1e-3, as "
                    "Hoffmann et al. 2022): robust to one bad point")
-    p.add_argument("--jobs", type=int, help="train this many runs at once, in worker processes "
+    p.add_argument("--jobs", type=number_flag(lo=1, hi=4096, integer=True), help="train this many runs at once, in worker processes "
                    "(spread over the visible GPUs; small models share one GPU well). Default 1")
-    p.add_argument("--start-by", type=float, metavar="SECONDS", help="start no run later than SECONDS from now "
+    p.add_argument("--start-by", type=number_flag(), metavar="SECONDS", help="start no run later than SECONDS from now "
                    "(nor continue or remake one); cooldown branches whose checkpoints are at hand still train: a "
                    "time-limited machine spends its end on what can finish, and the rest waits for the next session")
     p.add_argument("--dry-run", action="store_true", help="print the plan and what it will train (parameters, "
                    "tokens per run and per parameter, tokens of all runs and branches) and exit")
-    p.add_argument("--tokens-per-s", type=float, help="with --dry-run: training tokens a second of this machine, "
+    p.add_argument("--tokens-per-s", type=number_flag(), help="with --dry-run: training tokens a second of this machine, "
                    "all jobs together (measured: a finished study's runs report tok_per_s), for a time estimate")
     p.set_defaults(func=study_main)
 
@@ -97,9 +97,9 @@ def register(subparsers) -> None:
     r.add_argument("--baseline", help="baseline arm (default: the study's)")
     r.add_argument("--references", help="comma-separated further arms every arm is also compared with (default: "
                    "the study's), e.g. mxfp4-all to see what an intervention changes against plain MXFP4")
-    r.add_argument("--target-loss", type=float)
-    r.add_argument("--target-frac", type=float)
-    r.add_argument("--smooth-k", type=int)
+    r.add_argument("--target-loss", type=number_flag())
+    r.add_argument("--target-frac", type=number_flag(lo=0, lo_open=True, hi=1))
+    r.add_argument("--smooth-k", type=number_flag(lo=1, integer=True))
     r.add_argument("--fit", choices=["lsq", "huber"], help="the cooled-down baseline fit (default: the study's)")
     r.add_argument("--arms", help="comma-separated arms to report (the baseline among them), e.g. to leave out a "
                    "learning-rate check whose curve dwarfs the others in the figures; needs --out")

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Callable
 
 from .._child import python_command
-from ..errors import UserError, read_json_object
+from ..errors import UserError, check_number, read_json_object
 from ..train.checkpoint import write_json
 from .. import recipes as R
 from . import arms as A
@@ -193,6 +193,18 @@ class StudySpec:
                 raise UserError(f"--references {r!r} is not one of the arms ({', '.join(self.arms)})")
         if self.fit not in FITS:
             raise UserError(f"--fit must be {' or '.join(FITS)}, got {self.fit!r}")
+        # the numbers (a flag's own check said it already; a study file's value is checked here): finite, in range
+        for name, lo, hi, lo_open, hi_open, integer, optional in (
+                ("seeds", 1, 10**6, False, False, True, False), ("lr_horizon", 1, None, False, False, False, False),
+                # (their ranges: the training config's check, which names them train.steps, ...)
+                ("steps", None, 2**53, False, False, True, True), ("batch_size", None, None, False, False, True, True),
+                ("seq_len", None, None, False, False, True, True), ("lr", None, None, False, False, False, True),
+                ("eval_every", None, None, False, False, True, True), ("diagnose_every", 0, None, False, False, True, False),
+                ("target_loss", None, None, False, False, False, True), ("target_frac", 0, 1, True, False, False, False),
+                ("smooth_k", 1, None, False, False, True, False), ("cooldown", 0, 1, True, True, False, False),
+                ("n_boot", 10, 10**7, False, False, True, False)):
+            check_number(f"--{name.replace('_', '-')}", getattr(self, name), lo, hi, lo_open, hi_open, integer,
+                         optional)
         if self.seeds < 1:
             raise UserError(f"--seeds must be >= 1, got {self.seeds}")
         if self.schedule not in SCHEDULES:

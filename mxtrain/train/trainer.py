@@ -30,7 +30,7 @@ from .. import distributed as D  # DDP / FSDP2 / DCP hooks
 from .. import settings as _settings
 from ..data import Loader, TokenData, ensure_builtin, val_batches
 from ..data.loader import val_window_sources
-from ..errors import OutOfMemory, UserError
+from ..errors import OutOfMemory, UserError, check_number
 from ..model import Llama, ModelConfig
 from . import checkpoint as ckpt
 from . import profiling, threads
@@ -149,6 +149,8 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 DECAY_SHAPES = ("linear", "1-sqrt")
+# the most steps or tokens a run may have: the schedule and the logs compute with them as float64 numbers
+MAX_COUNT = 2**53
 
 
 def wsd_decay_start(cfg: TrainConfig) -> int:
@@ -194,12 +196,16 @@ def _check(cfg: TrainConfig) -> None:
     if t.tokens is not None:
         if t.tokens <= 0:
             raise UserError("--tokens must be positive")
+        _num("train.tokens", t.tokens, lo=1, hi=MAX_COUNT, integer=True)
+        _num("train.batch_size", t.batch_size, lo=1, integer=True)
+        _num("data.seq_len", d.seq_len, lo=1, hi=2**20, integer=True)
         t.steps = math.ceil(t.tokens / (t.batch_size * d.seq_len))
     for name, v in (("train.steps", t.steps), ("train.batch_size", t.batch_size), ("data.seq_len", d.seq_len),
                     ("log.eval_every", cfg.log.eval_every), ("log.eval_tokens", cfg.log.eval_tokens),
                     ("log.log_every", cfg.log.log_every)):
         if v <= 0:
             raise UserError(f"{name} must be positive, got {v}")
+    _num("train.steps", t.steps, lo=1, hi=MAX_COUNT, integer=True)
     if cfg.log.final_eval_tokens < 0:
         raise UserError(f"log.final_eval_tokens must be 0 (none) or positive, got {cfg.log.final_eval_tokens}")
     profiling.parse_steps(cfg.log.profile_steps, t.steps)
@@ -276,20 +282,8 @@ def _switch(model, name: str, log, step: int, tokens: int) -> None:
 
 
 def _num(name: str, v, lo=None, hi=None, lo_open=False, hi_open=False, integer=False, optional=False) -> None:
-    """One config value: a finite number (an int if ``integer``) within [lo, hi] (open ends as asked)."""
-    if v is None and optional:
-        return
-    kind = "an integer" if integer else "a number"
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)):
-        raise UserError(f"{name} must be {kind}, got {v!r}")
-    if not math.isfinite(v):
-        raise UserError(f"{name} must be finite, got {v}")
-    bad_lo = lo is not None and (v <= lo if lo_open else v < lo)
-    bad_hi = hi is not None and (v >= hi if hi_open else v > hi)
-    if bad_lo or bad_hi:
-        rng = (f"{'(' if lo_open else '['}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}"
-               f"{')' if hi_open or hi is None else ']'}")
-        raise UserError(f"{name} must be in {rng}, got {v}")
+    """One config value: ``errors.check_number`` (finite, in range, an int at most 2**63 - 1 if ``integer``)."""
+    check_number(name, v, lo, hi, lo_open, hi_open, integer, optional)
 
 
 def validate(cfg: TrainConfig) -> None:
@@ -299,7 +293,7 @@ def validate(cfg: TrainConfig) -> None:
     for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
         _num(f"model.{k}", getattr(m, k), lo=1, integer=True, optional=True)
     _num("model.rope_theta", m.rope_theta, lo=0, lo_open=True, optional=True)
-    _num("model.init_seed", m.init_seed, integer=True, optional=True)
+    _num("model.init_seed", m.init_seed, lo=0, integer=True, optional=True)   # (numpy refuses a negative seed)
     _num("model.vocab_size", m.vocab_size, lo=32, hi=2**24, integer=True, optional=True)
     try:
         mc = ModelConfig.named(m.name, **{k: getattr(m, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads",
@@ -310,7 +304,7 @@ def validate(cfg: TrainConfig) -> None:
         raise UserError(f"the head size model.dim / model.n_heads ({mc.dim // mc.n_heads}) must be even (RoPE)")
     _num("data.vocab_size", d.vocab_size, lo=32, hi=2**20, integer=True)
     _num("data.seq_len", d.seq_len, lo=1, hi=2**20, integer=True)
-    _num("data.seed", d.seed, integer=True, optional=True)
+    _num("data.seed", d.seed, lo=0, integer=True, optional=True)
     _num("optim.lr", o.lr, lo=0, lo_open=True)
     _num("optim.min_lr_ratio", o.min_lr_ratio, lo=0, hi=1)
     _num("optim.weight_decay", o.weight_decay, lo=0)
@@ -345,10 +339,10 @@ def validate(cfg: TrainConfig) -> None:
     if getattr(sc, "decay_steps", None) is not None and sc.decay_steps > (sc.horizon_steps or t.steps):
         raise UserError(f"schedule.decay_steps ({sc.decay_steps}) must be <= the schedule's horizon "
                         f"({sc.horizon_steps or t.steps} steps)")
-    _num("train.steps", t.steps, lo=1, integer=True)   # also where _check does not run first (a study, --print-config)
+    _num("train.steps", t.steps, lo=1, hi=MAX_COUNT, integer=True)   # also where _check does not run first (a study, --print-config)
     _num("train.batch_size", t.batch_size, lo=1, integer=True)
     _num("train.micro_batch_size", t.micro_batch_size, lo=1, integer=True, optional=True)
-    _num("train.seed", t.seed, integer=True)
+    _num("train.seed", t.seed, lo=0, integer=True)
     _num("train.checkpoint_every", t.checkpoint_every, lo=0, integer=True)
     _num("train.checkpoint_minutes", t.checkpoint_minutes, lo=0)
     _num("parallel.prefetch", cfg.parallel.prefetch, lo=0, integer=True)
