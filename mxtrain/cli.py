@@ -99,6 +99,7 @@ def _cmd_prepare(args) -> int:
     out = args.out
     if out is None:
         out = default_builtin_dir(args.vocab_size) if args.sources == ["builtin"] and not args.tokenizer else "data/prepared"
+        args.out = str(out)   # (named by a full disk's message)
     extra = {}
     if getattr(args, "val", None):
         extra["val_sources"] = args.val
@@ -211,7 +212,7 @@ def build_config(args):
                             f"checkpoint file inside its run folder (the run's config.json is read from there)")
         try:
             cfg = TrainConfig.from_dict(json.loads(cfg_file.read_text()), source=str(cfg_file))
-        except (OSError, json.JSONDecodeError) as e:
+        except (OSError, json.JSONDecodeError, RecursionError) as e:
             raise UserError(f"cannot read {cfg_file} to resume ({e})") from None
         # the run continues where its checkpoint is (a copied or moved run stays in its new place), unless
         # --out names another folder (applied below with the other flags)
@@ -410,6 +411,41 @@ def main(argv: list[str] | None = None) -> int:
         import os
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    except BaseException as e:   # the machine's limits and a library's panic: one line, decided by type
+        msg = machine_limit_message(e, locals().get("args"))
+        if msg is None:
+            raise
+        sys.stderr.write(f"mxtrain: error: {msg}\n")
+        sys.stderr.flush()
+        return 1
+
+
+_NO_SPACE = {28, 122}   # ENOSPC, EDQUOT (a full disk, a full quota)
+
+
+def machine_limit_message(e: BaseException, args=None) -> str | None:
+    """One line for what stopped a command that its input did not get wrong, or None (a bug: its traceback):
+    a full disk or quota (naming the folder), host memory exhausted (naming what to reduce), a panic of a Rust
+    library (``tokenizers``: pyo3's PanicException, a BaseException, not an Exception)."""
+    import errno
+    cause = e
+    while cause is not None and not (isinstance(cause, OSError) and cause.errno in _NO_SPACE):
+        cause = cause.__cause__ or cause.__context__
+    if cause is not None:
+        where = (getattr(args, "out", None) or getattr(args, "dir", None) or
+                 (__import__("os").path.dirname(str(cause.filename)) or "." if cause.filename else "the output folder"))
+        what = "no space left on the device" if cause.errno == errno.ENOSPC else "the disk quota is used up"
+        return (f"cannot write into {where}: {what}; free space there or give another folder (--out), then run "
+                f"the command again (what it wrote whole is kept)")
+    text = " ".join(str(e).split())
+    if isinstance(e, MemoryError) or (isinstance(e, RuntimeError) and (
+            "DefaultCPUAllocator" in text or "can't allocate memory" in text)):
+        return (f"out of host (CPU) memory{': ' + text[:160] if text else ''}; reduce what one step holds "
+                f"(--batch-size, --seq-len, --micro-batch-size for gradient accumulation, a smaller --model) or "
+                f"the input's size")
+    if type(e).__name__ == "PanicException":
+        return f"a library failed inside (a Rust panic: {text[:200]}); the input that reached it is not supported"
+    return None
 
 
 def entry() -> None:

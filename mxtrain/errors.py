@@ -26,6 +26,9 @@ def read_json_object(path, what: str = "") -> dict:
         d = json.loads(p.read_text())
     except OSError as e:
         raise UserError(f"cannot read {p}: {e.strerror or e}") from None
+    except RecursionError:
+        raise UserError(f"{p} is nested too deeply to be a file mxtrain wrote{': ' + what if what else ''}; "
+                        f"restore it or remove it") from None
     except (ValueError, UnicodeDecodeError) as e:   # (json.JSONDecodeError is a ValueError)
         raise UserError(f"{p} is not valid JSON ({str(e)[:120]}){': ' + what if what else ''}; restore it or "
                         f"remove it") from None

@@ -802,8 +802,11 @@ def _write_manifest(out: Path, m: dict) -> None:
     m["totals"]["val_est_tokens"] = sum(d["val"]["est_tokens"] for d in doms.values())
     m["updated"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     tmp = out / f".{MANIFEST}.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(m, indent=2) + "\n")
-    os.replace(tmp, out / MANIFEST)
+    try:
+        tmp.write_text(json.dumps(m, indent=2) + "\n")
+        os.replace(tmp, out / MANIFEST)
+    finally:   # (a full disk: the previous manifest stays, no temporary beside it)
+        tmp.unlink(missing_ok=True)
 
 
 def _domain_done(out: Path, m: dict, domain: str) -> bool:

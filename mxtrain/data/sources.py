@@ -226,12 +226,19 @@ def _json_documents(path: Path, text_field: str) -> Iterator[tuple[str, str]]:
         raise UserError(f"{path}: cannot read ({e})") from None
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def _row_text(path, lineno, row, text_field):
     if not isinstance(row, dict) or text_field not in row:
         raise UserError(f"{path}:{lineno}: expected a JSON object with a {text_field!r} field")
     text = row[text_field]
     if not isinstance(text, str):
         raise UserError(f"{path}:{lineno}: field {text_field!r} is not a string")
+    bad = _SURROGATE.search(text)
+    if bad:   # a JSON escape "\ud800" without its pair: no UTF-8 text has it, the tokenizer cannot encode it
+        raise UserError(f"{path}:{lineno}: field {text_field!r} holds a lone surrogate \\u{ord(bad.group()):04x} at "
+                        f"character {bad.start()} (half of a UTF-16 pair, not text); fix or remove that line")
     if text.strip():
         yield path.name, text
 

@@ -16,7 +16,9 @@ one ``<|end_of_text|>`` (or ``eot_token``) right after its ranks.
 from __future__ import annotations
 
 import base64
+import contextlib
 import re
+import sys
 from pathlib import Path
 from typing import Iterable
 
@@ -39,6 +41,44 @@ def _need_tokenizers():
         raise UserError("tokenizers is not installed: pip install -e \".[data]\"") from None
 
 
+@contextlib.contextmanager
+def rust_calls(source):
+    """Around a call into the ``tokenizers`` library: a Rust panic there (pyo3's PanicException, which is a
+    BaseException: e.g. a pre-tokenizer regex that backtracks past Oniguruma's limit) is one UserError naming
+    the tokenizer file, and the panic's own report, which Rust writes to file descriptor 2, is dropped;
+    anything else written there meanwhile is passed on."""
+    import os
+    import tempfile
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):   # no file descriptor 2 to guard
+        saved = None
+    cap = tempfile.TemporaryFile() if saved is not None else None
+    if cap is not None:
+        os.dup2(cap.fileno(), 2)
+    panicked = False
+    try:
+        yield
+    except BaseException as e:
+        if type(e).__name__ != "PanicException":
+            raise
+        panicked = True
+        msg = " ".join(str(e).split())[:200]
+        raise UserError(f"{source}: the tokenizers library cannot run this tokenizer on the text ({msg}); a "
+                        f"pre-tokenizer or normalizer regex it holds fails here: use another tokenizer") from None
+    finally:
+        if cap is not None:
+            os.dup2(saved, 2)
+            os.close(saved)
+            if not panicked:
+                cap.seek(0)
+                text = cap.read()
+                if text:
+                    os.write(2, text)
+            cap.close()
+
+
 class Tokenizer:
     """A thin wrapper: ``encode_batch(list[str]) -> list[list[int]]``, ``vocab_size``, ``eot_id``.
 
@@ -53,10 +93,14 @@ class Tokenizer:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         if self.kind == "sentencepiece":
             return self.impl.encode(texts)
-        return [e.ids for e in self.impl.encode_batch(texts, add_special_tokens=False)]
+        with rust_calls(self.source):
+            return [e.ids for e in self.impl.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, ids: list[int]) -> str:
-        return self.impl.decode(ids)
+        if self.kind == "sentencepiece":
+            return self.impl.decode(ids)
+        with rust_calls(self.source):
+            return self.impl.decode(ids)
 
     def save(self, folder: Path) -> str:
         """Write the tokenizer into ``folder``; returns the file name."""
@@ -65,7 +109,14 @@ class Tokenizer:
             (folder / name).write_bytes(Path(self.source).read_bytes())
         else:
             name = "tokenizer.json"
-            self.impl.save(str(folder / name))
+            try:
+                self.impl.save(str(folder / name))
+            except Exception as e:   # the library's own error type for an OSError: "... (os error 28)"
+                m = re.search(r"\(os error (\d+)\)", str(e))
+                if m is None:
+                    raise
+                import os
+                raise OSError(int(m.group(1)), os.strerror(int(m.group(1))), str(folder / name)) from None
         return name
 
 
@@ -166,7 +217,10 @@ def load_tokenizer(path: str | Path, eot_token: str | None = None) -> Tokenizer:
         _need_tokenizers()
         from tokenizers import Tokenizer as HFTok
         try:
-            tok = HFTok.from_file(str(p))
+            with rust_calls(p):
+                tok = HFTok.from_file(str(p))
+        except UserError:
+            raise
         except Exception as e:
             raise UserError(f"{p}: not a valid tokenizer.json ({e})") from None
         eot, name = _hf_eot(tok, p, eot_token)

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from ..errors import UserError, read_json_object
 from . import arms as A
+from . import metrics as M
 
 __all__ = ["import_runs", "parse_renames", "config_differences"]
 
@@ -134,7 +135,7 @@ def import_runs(src: str | Path, dst: str | Path, renames: dict[str, str] | None
     for old, new in renames.items():
         spec_new = RN.StudySpec(**{**asdict(dspec), "arms": list(dict.fromkeys(list(dspec.arms) + [new]))})
         seeds = sorted(int(p.name[4:]) for p in (src / "runs" / old).iterdir()
-                       if p.is_dir() and p.name.startswith("seed") and p.name[4:].isdigit())
+                       if p.is_dir() and M.SEED_DIR.fullmatch(p.name))
         for seed in seeds:
             rd = src / "runs" / old / f"seed{seed}"
             st = RN._status(rd)

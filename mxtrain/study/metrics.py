@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -147,6 +148,9 @@ def read_run(path: str | Path, arm: str = "", seed: int = 0) -> RunData:
     return rd
 
 
+SEED_DIR = re.compile(r"seed(0|[1-9][0-9]*)")   # a run's folder name, as the runner writes it (ASCII digits)
+
+
 def load_study_runs(study_dir: str | Path, finished_only: bool = True) -> dict[str, dict[int, RunData]]:
     """``{arm: {seed: RunData}}`` for every ``runs/<arm>/seed<k>`` holding a metrics.jsonl.
 
@@ -160,10 +164,10 @@ def load_study_runs(study_dir: str | Path, finished_only: bool = True) -> dict[s
         return out
     for arm_dir in sorted(p for p in root.iterdir() if p.is_dir()):
         for sd in sorted(arm_dir.glob("seed*")):
-            try:
-                seed = int(sd.name[4:])
-            except ValueError:
+            # exactly the names the runner writes (seed0, seed12): int() would read "seed1 " or "seed01" as seed 1
+            if not SEED_DIR.fullmatch(sd.name):
                 continue
+            seed = int(sd.name[4:])
             if finished_only and not ((sd / "study_status.json").is_file() or (sd / "summary.json").is_file()):
                 continue
             if finished_only and _status_state(sd) == "failed":   # an error, not a result: trained again

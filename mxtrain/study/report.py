@@ -1014,16 +1014,16 @@ def write_report(d: str | Path, summary: dict | None = None, out: str | Path | N
     if not plots:
         h.append(f"<p>{html.escape(PLOTS_MISSING[0].upper() + PLOTS_MISSING[1:])}.</p>")
         md += [PLOTS_MISSING[0].upper() + PLOTS_MISSING[1:] + ".", ""]
+    from ..train.checkpoint import write_atomic   # each file whole or not at all: a full disk keeps the old one
     files = out / "report_files"
+    made = not files.is_dir()
     files.mkdir(exist_ok=True)
-    for i, (cap, png) in enumerate(figs):
-        if png is None:
-            continue
-        h.append(f"<h3>{html.escape(cap)}</h3><img alt='{html.escape(cap)}' "
-                 f"src='data:image/png;base64,{base64.b64encode(png).decode()}'>")
-        fn = f"fig{i}.png"
-        (files / fn).write_bytes(png)
-        md += [f"### {_md_text(cap)}", "", f"![{_md_text(cap)}](report_files/{fn})", ""]
+    try:
+        _write_figures(figs, files, h, md, write_atomic)
+    except BaseException:
+        if made and not any(files.iterdir()):
+            files.rmdir()
+        raise
     h.append("<h2>Environment</h2>")
     envtxt = json.dumps({**env, "report_python": platform.python_version()}, indent=1, default=str)
     h.append(f"<pre>{html.escape(envtxt)}</pre>")
@@ -1044,9 +1044,22 @@ def write_report(d: str | Path, summary: dict | None = None, out: str | Path | N
                        "</details>", ""]
     h.append("</body></html>")
     hp, mp = out / "report.html", out / "report.md"
-    hp.write_text("\n".join(h))
-    mp.write_text("\n".join(md))
+    html_text, md_text = "\n".join(h).encode(), "\n".join(md).encode()
+    write_atomic(hp, lambda f: f.write(html_text))
+    write_atomic(mp, lambda f: f.write(md_text))
     return hp, mp
+
+
+def _write_figures(figs, files: Path, h: list, md: list, write_atomic) -> None:
+    """The figures as report_files/figN.png (each written whole) and their places in the two pages."""
+    for i, (cap, png) in enumerate(figs):
+        if png is None:
+            continue
+        h.append(f"<h3>{html.escape(cap)}</h3><img alt='{html.escape(cap)}' "
+                 f"src='data:image/png;base64,{base64.b64encode(png).decode()}'>")
+        fn = f"fig{i}.png"
+        write_atomic(files / fn, lambda f, png=png: f.write(png))
+        md += [f"### {_md_text(cap)}", "", f"![{_md_text(cap)}](report_files/{fn})", ""]
 
 
 def _train_plot(rd: M.RunData) -> bytes:

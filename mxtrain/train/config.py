@@ -562,6 +562,31 @@ def config_file_path(path) -> Path:
     return p
 
 
+MAX_DEPTH = 16        # a config file's tables and lists in each other (a run's config.json: 3)
+MAX_VALUES = 100_000  # its values in all
+
+
+def check_shape(data, path) -> None:
+    """A parsed config file is a tree of at most ``MAX_DEPTH`` levels and ``MAX_VALUES`` values, each table or
+    list in it once: YAML aliases (``&a`` / ``*a``) that refer to themselves, or nest into a billion values,
+    are refused in one line naming the file, not a RecursionError or a hang."""
+    seen: set[int] = set()
+    stack, n = [(data, 1)], 0
+    while stack:
+        v, depth = stack.pop()
+        n += 1
+        if n > MAX_VALUES:
+            raise UserError(f"{path}: more than {MAX_VALUES:,} values; not a config file (YAML aliases that "
+                            f"multiply?)")
+        if isinstance(v, (dict, list)):
+            if id(v) in seen:
+                raise UserError(f"{path}: a table or list used twice (a YAML alias *NAME); write the values out")
+            seen.add(id(v))
+            if depth > MAX_DEPTH:
+                raise UserError(f"{path}: nested too deeply to be a config file (at most {MAX_DEPTH} levels)")
+            stack.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
+
+
 def read_config_file(path) -> dict:
     """The content of a TOML / JSON / YAML config file (chosen by the suffix) as a dict; a run folder reads
     its ``config.json``. Any problem (missing file, other suffix, a syntax error, YAML without PyYAML) is a
@@ -588,6 +613,9 @@ def read_config_file(path) -> dict:
             data = _yaml_loads(text, p)
     except ValueError as e:
         raise UserError(f"{p}: {e}") from None
+    except RecursionError:   # (the parsers recurse per level of nesting)
+        raise UserError(f"{p}: nested too deeply to be a config file (at most {MAX_DEPTH} levels)") from None
+    check_shape(data, p)
     if data is None:  # an empty YAML file
         data = {}
     if not isinstance(data, dict):
