@@ -362,6 +362,9 @@ class ConvertReport:
     total_params: int = 0
     outside_blocks: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # what runs the converted layers where their weights are now (``linear.implementation`` of the first one):
+    # {"device", "eager", "compiled"}; empty where nothing was converted or the weights are on the meta device
+    runs_as: dict[str, str] = field(default_factory=dict)
 
     @property
     def share(self) -> float:
@@ -379,6 +382,9 @@ class ConvertReport:
             more = len(self.outside_blocks) - 8
             lines.append("  converted outside numbered blocks (an output head among them? skip it by name): "
                          + ", ".join(self.outside_blocks[:8]) + (f", and {more} more" if more > 0 else ""))
+        if self.runs_as:
+            lines.append(f"  on {self.runs_as['device']}: eagerly {self.runs_as['eager']}; under torch.compile "
+                         f"{self.runs_as['compiled']} (mxtrain.linear.implementation answers for a layer and input)")
         lines += [f"  note: {t}" for t in self.notes]
         return "\n".join(lines)
 
@@ -509,6 +515,7 @@ def convert(model: nn.Module, recipe: Recipe | str, *, skip=DEFAULT_SKIP, strict
                 mx_seen.add(id(p))
                 rep.mx_params += p.numel()
     ddp_ignore_states(model)
+    rep.runs_as = _runs_as(model, rep, recipe)
     if rep.refused:
         msg = ("mxtrain.convert: these modules stay in high precision because mxtrain cannot run their GEMMs:\n"
                + "\n".join(f"  {n or '<root>'}: {why}" for n, why in rep.refused.items()))
@@ -520,6 +527,21 @@ def convert(model: nn.Module, recipe: Recipe | str, *, skip=DEFAULT_SKIP, strict
         warnings.warn(f"mxtrain.convert: no layer was converted to recipe {recipe.name} ({reasons}); the model "
                       "trains entirely in high precision", stacklevel=2)
     return rep
+
+
+def _runs_as(model: nn.Module, rep: ConvertReport, recipe: Recipe) -> dict:
+    """``ConvertReport.runs_as``: what runs the first converted layer on its weights' device and dtype, eagerly
+    and compiled (the routing of ``linear.route`` and ``linear.compiled_form``, which every converted layer of one
+    recipe on one device shares up to input shapes)."""
+    if not rep.converted:
+        return {}
+    w = model.get_submodule(rep.converted[0])._mx_weight()
+    if w.device.type == "meta" or w.ndim != 2:
+        return {}
+    from .linear import implementation
+    x = torch.zeros(1, w.shape[1], device=w.device, dtype=w.dtype)
+    return {"device": str(w.device), "eager": implementation(recipe, x, w.detach(), compiled=False),
+            "compiled": implementation(recipe, x, w.detach(), compiled=True)}
 
 
 def ddp_ignore_states(model: nn.Module) -> None:

@@ -202,3 +202,20 @@ def test_set_step_refuses_negative_steps():
     m = _seq()
     with pytest.raises(ValueError, match="non-negative"):
         mxtrain.set_step(m, -1)
+
+
+def test_report_says_what_runs_the_layers():
+    """``ConvertReport.runs_as``: the route of the converted layers on their device, eagerly and compiled (the
+    same answers as ``linear.implementation``), in the printed report; nothing for weights on the meta device."""
+    import mxtrain
+    from mxtrain.linear import implementation
+    m = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 64))
+    rep = mxtrain.convert(m, "mxfp4-all-dh16")
+    x, w = torch.zeros(1, 64), m[0].weight.detach()
+    assert rep.runs_as == {"device": "cpu", "eager": implementation("mxfp4-all-dh16", x, w, compiled=False),
+                           "compiled": implementation("mxfp4-all-dh16", x, w, compiled=True)}
+    assert "reference" in rep.runs_as["eager"] and "on cpu: eagerly" in str(rep)
+    assert "F.linear" in mxtrain.convert(torch.nn.Sequential(torch.nn.Linear(8, 8)), "bf16").runs_as["eager"]
+    with torch.device("meta"):
+        meta = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    assert mxtrain.convert(meta, "mxfp4-all").runs_as == {}
