@@ -575,7 +575,7 @@ def bench_step(args) -> dict:
 HOST_SHAPE = (256, 512, 512)   # tokens, in, out: GPU work of microseconds, so a call's time is the host's
 
 
-def _best_us(fn, n: int = 200, reps: int = 7, warm: int = 30) -> float:
+def best_us(fn, n: int = 200, reps: int = 7, warm: int = 30) -> float:
     """The least of ``reps`` loops of ``n`` calls, microseconds a call, the GPU drained after each loop (a
     noisy host's interruptions left out; at ``HOST_SHAPE`` a call's time is the host's time to issue it)."""
     for _ in range(warm):
@@ -605,7 +605,7 @@ def bench_host(args) -> dict:
 
     def compiled_us(mod) -> float:
         torch._dynamo.reset()
-        return _best_us(fwd_bwd_call(torch.compile(mod, fullgraph=True), x, gy))
+        return best_us(fwd_bwd_call(torch.compile(mod, fullgraph=True), x, gy))
     res = {"shape": {"M": M, "K": K, "N": N}, "us": {}, "vs_nn_linear": {}, "form": {}}
     base = torch.nn.Linear(K, N, bias=False, device=dev, dtype=torch.bfloat16)
     res["us"]["nn.Linear"] = compiled_us(base)

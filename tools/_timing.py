@@ -19,16 +19,4 @@ def per_call_us(fn, n: int = 300, warm: int = 30) -> float:
     return dt / n * 1e6
 
 
-def best_us(fn, n: int = 200, reps: int = 7, warm: int = 30) -> float:
-    """The least of ``reps`` loops of ``n`` calls, microseconds a call (a noisy host's interruptions left out)."""
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - t) / n * 1e6)
-    return best
+from mxtrain.bench import best_us  # noqa: E402,F401  (one definition: mxtrain bench host times the same way)
