@@ -184,6 +184,27 @@ def mxfp4_all_dh32() -> Recipe:
                   description=mxfp4_all_dh32.__doc__)
 
 
+@register("mxfp4-all-dh16-fprop")
+def mxfp4_all_dh16_fprop() -> Recipe:
+    """One of issue #51's "cheapest levers on the forward": MXFP4 everywhere (OCP floor, RNE) with
+    ``mxfp4-all-dh16``'s deterministic H16 (no signs) on the Fprop GEMM only (both its operands), Dgrad and
+    Wgrad unrotated. Motivation: [Quartet II] and our own studies (docs/results.md) find the forward GEMM
+    carries most of MXFP4's cost; against ``mxfp4-all`` and ``mxfp4-all-dh16`` it says how much of the
+    rotation's gain the forward alone holds."""
+    return Recipe("mxfp4-all-dh16-fprop", **_all(MX4, fprop_rotation=Rotation(16, "none")),
+                  description=mxfp4_all_dh16_fprop.__doc__)
+
+
+@register("mxfp4-all-bf16last")
+def mxfp4_all_bf16last() -> Recipe:
+    """One of issue #51's "cheapest levers on the forward": ``mxfp4-all`` with the last transformer block's
+    linear layers in BF16 (``keep_last=1``; as [NVIDIA]'s high-precision last blocks, without its NVFP4).
+    Motivation: [Quartet II] and our own studies (docs/results.md) find the forward carries most of MXFP4's
+    cost, and the last block's output goes straight into the head. More blocks for one run:
+    ``--set recipe.keep_last=N`` (docs/numerics.md)."""
+    return Recipe("mxfp4-all-bf16last", **_all(MX4), keep_last=1, description=mxfp4_all_bf16last.__doc__)
+
+
 @register("mxfp4-all-adaptive")
 def mxfp4_all_adaptive() -> Recipe:
     """The E8M0 analogue of [4/6] ("Four over Six": per NVFP4 block, scale the maximum to 4 or to 6,

@@ -75,7 +75,7 @@ def runs(tmp_path_factory):
         single["single_resume_fsdp2"] = W.run_scenario("single_resume_fsdp2", "none", env1, ref, accum=2,
                                                        resume=str(out / "ck_fsdp2"))
         import mxtrain
-        for r in mxtrain.recipes.names():
+        for r in W.DIST_RECIPES:
             single[f"recipe:{r}"] = W.run_scenario(f"{r}_single", "none", env1, ref, steps=3, accum=2, recipe=r)
     finally:
         torch.set_num_threads(threads)
@@ -441,7 +441,7 @@ def test_every_recipe_under_ddp_and_fsdp2(runs):
     process's bits (not all ranks the same ones)."""
     import mxtrain
     n_sr = 0
-    for r in mxtrain.recipes.names():
+    for r in W.DIST_RECIPES:
         ref = runs[f"recipe:{r}"]["losses"]
         n_sr += any(mxtrain.recipes.get(r).operand(o).rounding == "stochastic"
                     for o in ("fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_dy", "wgrad_x"))

@@ -176,3 +176,34 @@ def test_preset_plus_scale_rule():
         q = recipes.get(name)
         assert q.operand("fprop_x").fmt == "bf16"
         assert q.description
+
+
+def test_cheapest_forward_levers_presets():
+    """Issue #51's "cheapest levers on the forward": ``mxfp4-all-dh16-fprop`` is ``mxfp4-all`` with
+    ``mxfp4-all-dh16``'s rotation on Fprop only; ``mxfp4-all-bf16last`` is ``mxfp4-all`` with the last block
+    of the trainer's model kept as ``nn.Linear`` (every other block's linear layers become MX layers). Both
+    stay on the fast path."""
+    from mxtrain import fast
+    from mxtrain.model import Llama, ModelConfig
+    from mxtrain.nn import MXLinear
+
+    g = recipes.get
+    f = g("mxfp4-all-dh16-fprop")
+    assert all(f.operand(n) == g("mxfp4-all").operand(n) for n in OPERANDS)
+    assert f.fprop_rotation == g("mxfp4-all-dh16").fprop_rotation == Rotation(16, "none")
+    assert not f.dgrad_rotation.enabled and not f.wgrad_rotation.enabled
+    last = g("mxfp4-all-bf16last")
+    assert last == g("mxfp4-all").with_(keep_last=1, name="mxfp4-all-bf16last", description=last.description)
+    assert g("mxfp4-all").with_(**{"keep_last": 2}).keep_last == 2   # --set recipe.keep_last=2: more blocks
+    for r in (f, last, g("mxfp4-all-dh16-fprop+rceil")):
+        assert fast.supported(r, enabled_only=False), r.name
+    model = Llama(ModelConfig(dim=32, n_layers=3, n_heads=2, n_kv_heads=1, vocab_size=64, max_seq_len=16))
+    rep = mxtrain.convert(model, last)
+    for i, block in enumerate(model.layers):
+        lin = [m for m in block.modules() if isinstance(m, torch.nn.Linear)]
+        assert len(lin) == 7
+        if i == 2:
+            assert all(type(m) is torch.nn.Linear for m in lin)
+        else:
+            assert all(isinstance(m, MXLinear) for m in lin)
+    assert type(model.lm_head) is torch.nn.Linear and "keep_last=1 of 3 blocks" in rep.kept["layers.2.attention.wq"]
