@@ -560,7 +560,84 @@ def _diag_plots(aggs: dict[str, dict], colors: dict[str, str] | None = None) -> 
         fig.tight_layout()
         out.append(("block-scale exponents (per operand, all layers and diagnosed steps; x axis: the populated "
                     "range)", _png(fig)))
+    p = _split_plot(aggs, colors)
+    if p is not None:
+        out.append((SPLIT_CAPTION, p))
     return out
+
+
+# the error split's four energies (``diagnostics.error_split``) in the order they are stacked, with their colours
+SPLIT_PARTS = (("flush_energy", "flushed to zero", "#4c72b0"), ("clip_energy", "saturated (clipped)", "#c44e52"),
+               ("systematic_energy", "systematic (common gain)", "#dd8452"),
+               ("noise_energy", "rounding noise", "#8c8c8c"))
+SPLIT_CAPTION = ("where each operand's quantization error comes from (error split, mean over layers and diagnosed "
+                 "steps; bar height = 1/SQNR; above each bar its bias)")
+
+
+def split_data(aggs: dict[str, dict]) -> dict[str, dict[str, dict]]:
+    """Per arm, per operand (GEMM order: Fprop X, W, Dgrad dY, W, Wgrad dY, X) the error split's means over
+    layers and diagnosed steps: ``{arm: {operand: {"flush_energy": ..., ..., "bias": ...}}}``. Operands without
+    split numbers (runs from before the split, unquantized operands) and arms without any are left out."""
+    out = {}
+    for arm, ag in aggs.items():
+        ops = (ag.get("overall") or {}).get("operand") or {}
+        row = {}
+        for o in (o for _, a, b in _OPS for o in (a, b)):
+            st = ops.get(o) or {}
+            vals = {k: st.get(f"split_{k}") for k, _, _ in SPLIT_PARTS}
+            if all(v is None for v in vals.values()):
+                continue
+            row[o] = {k: (v or 0.0) for k, v in vals.items()} | {"bias": st.get("split_bias")}
+        if row:
+            out[arm] = row
+    return out
+
+
+def _split_plot(aggs: dict[str, dict], colors: dict[str, str] | None = None) -> bytes | None:
+    """One panel per arm: per quantized operand a bar of its error energy relative to its signal energy (1/SQNR)
+    stacked by where it comes from (flushed, saturated, systematic gain, rounding noise), and its bias (the
+    |x|-weighted mean signed relative error, negative: shrinkage) written above the bar. None without split data."""
+    data = split_data(aggs)
+    if not data:
+        return None
+    plt = _plt()
+    from matplotlib.patches import Patch
+    colors = colors or arm_colors(list(aggs))
+    ncol = min(4, len(data))
+    nrow = -(-len(data) // ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(4.2 * ncol, 3.6 * nrow), squeeze=False, sharey=True)
+    top = max(sum(v[k] for k, _, _ in SPLIT_PARTS) for row in data.values() for v in row.values())
+    # the same operand slots in every panel (an operand an arm does not quantize stays empty)
+    slots = [o for _, a, b in _OPS for o in (a, b) if any(o in row for row in data.values())]
+    for ax, (arm, row) in zip(axes.flat, data.items()):
+        xs = [i for i, o in enumerate(slots) if o in row]
+        names = [o for o in slots if o in row]
+        bottom = [0.0] * len(names)
+        for k, _, c in SPLIT_PARTS:
+            hs = [row[o][k] for o in names]
+            ax.bar(xs, hs, 0.7, bottom=bottom, color=c)
+            bottom = [b + h for b, h in zip(bottom, hs)]
+        for x, o, b in zip(xs, names, bottom):
+            bias = row[o]["bias"]
+            if bias is not None:
+                ax.annotate(f"{100 * bias:+.2g} %", (x, b), xytext=(0, 2), textcoords="offset points", ha="center",
+                            va="bottom", fontsize=8)
+        ax.set_xticks(range(len(slots)))
+        ax.set_xticklabels(slots, rotation=30, fontsize=8)
+        ax.set_xlim(-0.6, len(slots) - 0.4)
+        ax.set_title(arm, fontsize=10, color=colors.get(arm, "k"))
+        ax.grid(alpha=0.3, axis="y")
+        ax.set_ylim(0, 1.2 * top if top > 0 else 1)
+    for ax in list(axes.flat)[len(data):]:
+        ax.set_visible(False)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("error energy / signal energy")
+    handles = [Patch(color=c, label=lab) for _, lab, c in reversed(SPLIT_PARTS)]
+    fig.legend(handles=handles, loc="lower center", ncol=4, fontsize=9, frameon=False,
+               title="stacked: where the error comes from; above each bar: bias (mean signed relative error, "
+                     "negative = shrinkage)", title_fontsize=9, bbox_to_anchor=(0.5, -0.02))
+    fig.tight_layout(rect=(0, 0.1 / nrow + 0.02, 1, 1))
+    return _png(fig)
 
 
 def _read_json(p: Path):
