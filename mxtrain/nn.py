@@ -147,9 +147,10 @@ class MXLayer:
     """What every MX layer has (mixed into ``nn.Linear`` and linear-like classes by ``convert``)."""
 
     _mx_transposed = False   # HF Conv1D keeps its weight as (in, out)
+    _mx_ids = 1   # layer ids a layer takes (its GEMMs' random streams): MXExperts takes one per expert GEMM
 
     def _mx_setup(self, recipe: Recipe | str, layer_id: int) -> None:
-        dev = self.weight.device
+        dev = self._mx_weight().device
         if "mx_state" not in self._buffers:
             self.register_buffer("mx_state", torch.tensor([0, 0, call_base()], dtype=torch.int64, device=dev),
                                  persistent=False)
@@ -169,7 +170,7 @@ class MXLayer:
 
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)
-        _prepare_counters(self.weight.device)
+        _prepare_counters(self._mx_weight().device)
         return out
 
     @property
@@ -247,6 +248,50 @@ class MXLinear(MXLayer, nn.Linear):
         return lin
 
 
+class MXExperts(MXLayer):
+    """Hugging Face fused MoE experts (Mixtral's ``MixtralExperts``, Qwen3-MoE's ``Qwen3MoeExperts``: ``gate_up_proj``
+    ``(E, 2 I, H)``, ``down_proj`` ``(E, H, I)``; ``mxtrain.moe.fused_experts`` says which) whose expert GEMMs follow
+    a ``Recipe``: ``convert`` mixes this class in, keeping the parameters, their names and the module's attributes.
+
+    The forward is ``transformers``' eager experts forward (``mxtrain.moe.experts_forward``: the routing the block
+    computed, tokens gathered per expert) with each expert's two GEMMs one ``mx_linear`` call on ``weight[e]``: MX
+    numerics exact per expert GEMM (the reference path on CPU; on CUDA whatever ``mx_linear`` routes to). The module
+    takes ``2 E`` layer ids: expert ``e``'s ``gate_up_proj`` GEMM draws its random inputs (stochastic rounding,
+    random signs) as layer ``layer_id + 2 e``, its ``down_proj`` GEMM as ``layer_id + 2 e + 1``, at the module's
+    step and call (``mx_state``); a forward that records gradients advances the call once."""
+
+    @property
+    def _mx_ids(self) -> int:
+        from .moe import GEMMS_PER_EXPERT
+        return GEMMS_PER_EXPERT * self.num_experts
+
+    def _mx_weight(self) -> torch.Tensor:
+        return self.gate_up_proj
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        from .moe import experts_forward
+        recipe, seeded = self._mx_recipe, self._mx_seeded
+
+        def gemm(x: torch.Tensor, w: torch.Tensor, k: int) -> torch.Tensor:
+            state = None
+            if seeded:   # this GEMM's own layer id, the module's step and call (mx_linear advances the copy)
+                state = self.mx_state.clone()
+                state[0] += k
+            return mx_linear(x, w, None, recipe, state)
+
+        out = experts_forward(self, hidden_states, top_k_index, top_k_weights, gemm)
+        if seeded and advances_calls(recipe) and torch.is_grad_enabled():
+            with torch.no_grad():
+                self.mx_state[2] += 1
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.num_experts}, gate_up_proj={tuple(self.gate_up_proj.shape)}, down_proj="
+                f"{tuple(self.down_proj.shape)}, recipe={self.recipe.name}, layer_ids={self.layer_id}.."
+                f"{self.layer_id + self._mx_ids - 1}")
+
+
 class _MXClass(type):
     """The metaclass of the classes ``convert`` makes for ``nn.Linear`` subclasses and HF's Conv1D: they pickle
     as "the MX class of <original class>", so a pickled model loads wherever the original class imports."""
@@ -265,8 +310,10 @@ def _mx_class(cls: type) -> type:
         ns = {"__module__": __name__, "__qualname__": name, "_mx_base": cls}
         if issubclass(cls, nn.Linear):
             new = _MXClass(name, (MXLinear, cls), ns)
-        else:   # HF Conv1D: y = x @ W + b with W (in, out)
+        elif any(c.__name__ == "Conv1D" for c in cls.__mro__):   # HF Conv1D: y = x @ W + b with W (in, out)
             new = _MXClass(name, (MXLayer, cls), {**ns, "_mx_transposed": True})
+        else:   # HF fused MoE experts (mxtrain.moe.fused_experts)
+            new = _MXClass(name, (MXExperts, cls), ns)
         _CLASSES[cls] = new
     return new
 
@@ -394,8 +441,9 @@ def convert(model: nn.Module, recipe: Recipe | str, *, skip=DEFAULT_SKIP, strict
     """Turn the linear layers of ``model`` into MX layers in place; returns a ``ConvertReport``.
 
     **Converted:** ``nn.Linear`` and its subclasses that keep ``nn.Linear.forward``, Hugging Face's GPT-2
-    ``Conv1D`` (a linear layer with a transposed weight), and layers converted before (their recipe
-    changes). The module object stays the same (its class changes), so parameters, hooks, attributes
+    ``Conv1D`` (a linear layer with a transposed weight), Hugging Face's fused MoE experts (Mixtral's,
+    Qwen3-MoE's: ``MXExperts``, one ``mx_linear`` call per expert GEMM, taking ``2 E`` layer ids; the router stays
+    in high precision), and layers converted before (their recipe changes). The module object stays the same (its class changes), so parameters, hooks, attributes
     and ``state_dict`` keys are kept; ``convert(nn.Linear(...))`` makes that layer an ``MXLinear``.
 
     **Kept in high precision:** layers matching ``skip`` (fnmatch patterns on a module's last name
@@ -415,8 +463,9 @@ def convert(model: nn.Module, recipe: Recipe | str, *, skip=DEFAULT_SKIP, strict
     **Refused** (reported, warned about, left in high precision; ``strict=True`` raises instead):
     ``nn.Linear`` subclasses with a forward of their own (LoRA-style layers: mxtrain cannot know what
     they compute; call ``mxtrain.mx_linear`` inside them), the projections of ``nn.MultiheadAttention``
-    (it reads their weights directly), and modules with 3-D or larger weights such as fused MoE
-    experts (their GEMMs are not linear-layer calls; call ``mxtrain.mx_linear`` per expert).
+    (it reads their weights directly), and other modules with 3-D or larger weights (fused experts in
+    another layout, e.g. transposed or with biases: their GEMMs are not linear-layer calls; call
+    ``mxtrain.mx_linear`` per expert).
 
     ``nn.TransformerEncoderLayer`` (and ``nn.TransformerEncoder``) whose feed-forward layers are converted get
     their inference fast path turned off: in ``eval()`` under ``no_grad`` it would multiply by the layers'
@@ -459,9 +508,14 @@ def convert(model: nn.Module, recipe: Recipe | str, *, skip=DEFAULT_SKIP, strict
         if kind is None:
             big = [pn for pn, p in m.named_parameters(recurse=False) if p.ndim >= 3]
             if big and not isinstance(m, nn.modules.conv._ConvNd):
-                rep.refused[n] = (f"holds {'/'.join(big)} with 3 or more dimensions (e.g. fused MoE experts): "
-                                  "its GEMMs are not linear-layer calls; call mxtrain.mx_linear on each expert's "
-                                  "weight in the module's forward")
+                from .moe import fused_experts
+                why = fused_experts(m)
+                if why is None:   # HF Mixtral / Qwen3-MoE experts: MXExperts
+                    candidates.append((n, m))
+                    continue
+                rep.refused[n] = (f"holds {'/'.join(big)} with 3 or more dimensions ({why}): its GEMMs are not "
+                                  "linear-layer calls; call mxtrain.mx_linear on each expert's weight in the "
+                                  "module's forward")
             continue
         if kind == "own_forward":
             own = next(c for c in type(m).__mro__ if "forward" in c.__dict__)
@@ -485,7 +539,7 @@ def convert(model: nn.Module, recipe: Recipe | str, *, skip=DEFAULT_SKIP, strict
             why = f"matches skip pattern {pat!r}" if pat in skip else f"matches the recipe's keep_hp pattern {pat!r}"
             _keep(m, rep, name, why)
             continue
-        if id(m.weight) in tied:
+        if id(getattr(m, "weight", None)) in tied:
             _keep(m, rep, name, f"its weight is the weight of embedding {tied[id(m.weight)]!r} (a tied output head; "
                                 "keep_tied=False converts it)")
             continue
@@ -497,11 +551,12 @@ def convert(model: nn.Module, recipe: Recipe | str, *, skip=DEFAULT_SKIP, strict
             _keep(m, rep, name, f"block {b} is among the recipe's keep_last={recipe.keep_last} of {len(blocks)} blocks")
             continue
         _make_mx(m, recipe, layer_id)
-        layer_id += 1
+        layer_id += m._mx_ids
         rep.converted.append(name)
         if b is None:
             w = m._mx_weight()
-            rep.outside_blocks.append(f"{name or '<root>'} ({w.shape[1]} -> {w.shape[0]})")
+            rep.outside_blocks.append(f"{name or '<root>'} ({w.shape[-1]} -> {w.shape[-2]}"
+                                      + (f", {w.shape[0]} experts)" if w.ndim == 3 else ")"))
     _encoder_fast_paths_off(model, rep)
     seen: set = set()
     for _, p in model.named_parameters(remove_duplicate=False):

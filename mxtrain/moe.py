@@ -1,0 +1,80 @@
+"""Fused Mixture-of-Experts weights: which Hugging Face experts modules ``convert`` turns into MX layers, and
+their forward with each expert's GEMMs through a given GEMM function (``mxtrain.nn.MXExperts`` passes
+``mx_linear`` with the expert's own random-input state).
+
+The modules are those of ``transformers``' ``@use_experts_implementation`` classes in the standard layout
+(Mixtral's ``MixtralExperts``, Qwen3-MoE's ``Qwen3MoeExperts``, and others alike): ``gate_up_proj`` of shape
+``(E, 2 I, H)`` with the gate rows first, ``down_proj`` of shape ``(E, H, I)``, no biases, not transposed, gated.
+The forward below is ``transformers``' eager experts forward with ``F.linear`` replaced by ``gemm``: the same
+routing (the block's router and its top-k are not touched), the same per-expert token order, the same sums, so
+with a GEMM that is ``F.linear`` the output is the eager implementation's, bit for bit (tests/test_moe.py).
+
+Reference numerics only: one ``mx_linear`` call per expert and projection, exact MX per GEMM; a grouped kernel
+(all experts in one launch) is not built.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+GEMMS_PER_EXPERT = 2   # gate_up_proj, down_proj: expert e's GEMMs are numbered 2 e and 2 e + 1
+
+# the layout flags ``transformers.integrations.moe.use_experts_implementation`` sets on an instance, as they must be
+_LAYOUT = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True,
+           "has_post_expert_norm": False, "_is_expert_parallel": False}
+
+
+def _default_gate(cls: type) -> bool:
+    gate = getattr(cls, "_apply_gate", None)
+    return gate is None or (gate.__name__ == "_default_apply_gate" and gate.__module__.startswith("transformers"))
+
+
+def fused_experts(m: nn.Module) -> str | None:
+    """None when ``m`` is a fused experts module that ``convert`` converts; else why not (for a module holding
+    3-D parameters that is not one). ``m`` may be converted already."""
+    own = dict(m.named_parameters(recurse=False))
+    gu, down = own.get("gate_up_proj"), own.get("down_proj")
+    if gu is None or down is None or set(own) != {"gate_up_proj", "down_proj"}:
+        return "not a fused experts module with exactly the parameters gate_up_proj and down_proj"
+    if not all(hasattr(m, k) for k in _LAYOUT) or not hasattr(m, "act_fn") or not hasattr(m, "num_experts"):
+        return "not a transformers @use_experts_implementation experts module (layout flags and act_fn unknown)"
+    off = [f"{k}={getattr(m, k)!r}" for k, v in _LAYOUT.items() if getattr(m, k) != v]
+    if off:
+        return "fused experts in a layout mxtrain does not convert (" + ", ".join(off) + ")"
+    if not _default_gate(type(m)):
+        return "fused experts with a gate function of their own (_apply_gate)"
+    e = m.num_experts
+    if (gu.ndim != 3 or down.ndim != 3 or gu.shape[0] != e or down.shape[0] != e or gu.shape[2] != down.shape[1]
+            or gu.shape[1] != 2 * down.shape[2]):
+        return (f"fused experts with shapes gate_up_proj {tuple(gu.shape)}, down_proj {tuple(down.shape)} (expected "
+                f"({e}, 2 I, H) and ({e}, H, I))")
+    return None
+
+
+def experts_forward(m: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor,
+                    gemm: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
+    """``transformers``' eager experts forward (``MixtralExperts.forward``) with ``gemm(x, weight, k)`` for
+    ``F.linear(x, weight)``; ``k`` numbers the GEMM in the module (``GEMMS_PER_EXPERT * e + j``)."""
+    final_hidden_states = torch.zeros_like(hidden_states)
+    with torch.no_grad():
+        expert_mask = torch.nn.functional.one_hot(top_k_index, num_classes=m.num_experts + 1)
+        expert_mask = expert_mask.permute(2, 1, 0)
+        expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+
+    for expert_idx in expert_hit:
+        e = int(expert_idx[0])
+        if e == m.num_experts:
+            continue
+        top_k_pos, token_idx = torch.where(expert_mask[e])
+        current_state = hidden_states[token_idx]
+        gate, up = gemm(current_state, m.gate_up_proj[e], GEMMS_PER_EXPERT * e).chunk(2, dim=-1)
+        current_hidden_states = m.act_fn(gate) * up
+        current_hidden_states = gemm(current_hidden_states, m.down_proj[e], GEMMS_PER_EXPERT * e + 1)
+        current_hidden_states = current_hidden_states * top_k_weights[token_idx, top_k_pos, None]
+        final_hidden_states.index_add_(0, token_idx, current_hidden_states.to(final_hidden_states.dtype))
+
+    return final_hidden_states

@@ -1,0 +1,161 @@
+"""Hugging Face MoE models under ``convert``: Mixtral's and Qwen3-MoE's fused experts become ``MXExperts`` (one
+``mx_linear`` call per expert GEMM, ``mxtrain.moe``), with the parameters, names and routing of the original.
+
+Tiny models built from configs (2 layers, 4 experts, dims 64): with a recipe that quantizes nothing the converted
+model is transformers' eager model bit for bit; with MX recipes each expert GEMM is ``mx_linear`` on ``weight[e]``
+with the expert's own layer id; a few optimizer steps train.
+"""
+
+import copy
+import io
+
+import pytest
+import torch
+import torch.nn as nn
+
+import mxtrain
+from mxtrain.linear import mx_linear
+from mxtrain.nn import MXExperts, MXLayer
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 96
+
+
+def _hf(kind: str, layers: int = 2):
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
+                  num_key_value_heads=2, num_experts_per_tok=2, max_position_embeddings=64)
+    if kind == "mixtral":
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(intermediate_size=64, num_local_experts=4,
+                                                                           **common))
+    else:
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            intermediate_size=128, moe_intermediate_size=64, num_experts=4, head_dim=16, decoder_sparse_step=1,
+            mlp_only_layers=[], **common))
+    return model
+
+
+def _ids(n=2, t=16, seed=0):
+    return torch.randint(0, VOCAB, (n, t), generator=torch.Generator().manual_seed(seed))
+
+
+def _eager(model):
+    """The unconverted model with transformers' eager experts loop (its default may be grouped_mm)."""
+    ref = copy.deepcopy(model)
+    ref.set_experts_implementation("eager")
+    return ref
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_experts_convert_same_parameters_and_bf16_is_the_hf_model(kind):
+    model = _hf(kind)
+    ref = _eager(model)
+    shapes = {k: v.shape for k, v in model.state_dict().items()}
+    rep = mxtrain.convert(model, "bf16", strict=True)
+    experts = [f"model.layers.{i}.mlp.experts" for i in range(2)]
+    assert rep.refused == {} and all(n in rep.converted for n in experts)
+    assert rep.share > 0.85, str(rep)   # Mixtral 90.4 %, Qwen3-MoE 89.6 % (was 9.6 % and 15.7 %: experts refused)
+    ex = model.get_submodule(experts[1])
+    assert isinstance(ex, MXExperts) and isinstance(ex, type(ref.get_submodule(experts[1])))
+    assert ex.layer_id == 4 + 8 + 4 and ex._mx_ids == 8   # 4 attention projections, then 2 ids per expert
+    assert not isinstance(model.get_submodule("model.layers.0.mlp.gate"), MXLayer)   # the router: high prec.
+    assert {k: v.shape for k, v in model.state_dict().items()} == shapes
+    model.load_state_dict(ref.state_dict())
+    ids = _ids()
+    want = ref(ids).logits
+    assert torch.equal(model(ids).logits, want)
+    # a whole-model save and load keeps the MX class (pickled as "the MX class of the HF class")
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    back = torch.load(buf, weights_only=False)
+    assert isinstance(back.get_submodule(experts[0]), MXExperts) and torch.equal(back(ids).logits, want)
+    mxtrain.convert(model, "mxfp4-all")
+    out = model(ids).logits
+    assert torch.isfinite(out).all() and 0 < (out - want).norm() / want.norm() < 0.5
+
+
+def _by_hand(ex, x, idx, w, recipe, layer_of):
+    """The experts' output, computed with one mx_linear per expert GEMM (state ``[layer_of(e, k), 3, 5]``)."""
+    out = torch.zeros_like(x)
+    for e in range(4):
+        pos, tok = torch.where(idx.T == e)
+        if not len(tok):
+            continue
+        gate, up = mx_linear(x[tok], ex.gate_up_proj[e], None, recipe,
+                             torch.tensor([layer_of(e, 0), 3, 5])).chunk(2, dim=-1)
+        h = mx_linear(ex.act_fn(gate) * up, ex.down_proj[e], None, recipe, torch.tensor([layer_of(e, 1), 3, 5]))
+        out.index_add_(0, tok, h * w[tok, pos, None])
+    return out
+
+
+def _grads(y, dy, *ts):
+    return torch.autograd.grad(y, ts, dy)
+
+
+def test_expert_gemms_are_mx_linear_per_expert():
+    """Forward and backward of the experts are mx_linear per expert GEMM, each with its own layer id (mxfp4-all-sr:
+    MXFP4 forward as mxfp4-all, stochastic rounding of the gradients, drawn by layer id, step and call)."""
+    recipe = "mxfp4-all-sr"
+    model = _hf("qwen3_moe")
+    mxtrain.convert(model, recipe, strict=True)
+    ex = model.model.layers[1].mlp.experts
+    mxtrain.set_step(model, 3, call=5)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(24, 64, generator=g, requires_grad=True)
+    idx = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(24)])
+    idx[idx == 3] = 2   # expert 3 chosen by nobody
+    w = torch.rand(24, 2, generator=g)
+    dy = torch.randn(24, 64, generator=g)
+    y = ex(x, idx, w)
+    assert ex.mx_state.tolist() == [ex.layer_id, 3, 6]   # a call that records gradients takes one call number
+    own = _by_hand(ex, x, idx, w, recipe, lambda e, k: ex.layer_id + 2 * e + k)
+    assert torch.equal(y, own)
+    got = _grads(y, dy, x, ex.gate_up_proj, ex.down_proj)
+    for a, b in zip(got, _grads(own, dy, x, ex.gate_up_proj, ex.down_proj)):
+        assert torch.equal(a, b)
+    # the experts draw bits of their own: with one layer id for all of them the gradients differ
+    one = _by_hand(ex, x, idx, w, recipe, lambda e, k: ex.layer_id + k)
+    assert torch.equal(one, y)   # (the forward rounds to nearest)
+    assert not torch.equal(_grads(one, dy, ex.gate_up_proj)[0], got[1])
+    with torch.no_grad():   # no call number taken
+        assert torch.equal(ex(x, idx, w), y) and ex.mx_state.tolist() == [ex.layer_id, 3, 6]
+
+
+def test_moe_trains_a_few_steps_in_a_plain_loop():
+    model = _hf("mixtral", layers=1)
+    mxtrain.convert(model, "mxfp4-all-sr", strict=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    ids = _ids(n=2, t=16, seed=2)
+    ex = model.model.layers[0].mlp.experts
+    before = ex.gate_up_proj.detach().clone()
+    losses = []
+    for _ in range(4):
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0] - 0.1, losses
+    assert not torch.equal(ex.gate_up_proj, before)
+    assert ex.step == 4   # the optimizer step hook advances the experts' step as any MX layer's
+
+
+def test_other_3d_layouts_stay_refused():
+    cfg = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                     num_experts_per_tok=2)
+    ex = transformers.models.mixtral.modeling_mixtral.MixtralExperts(cfg)
+    ex.is_transposed = True
+    wrap = nn.ModuleDict({"experts": ex, "proj": nn.Linear(64, 64)})
+    with pytest.warns(UserWarning, match=r"(?s)experts: holds gate_up_proj/down_proj.*is_transposed=True.*mx_linear"):
+        rep = mxtrain.convert(wrap, "mxfp4-all")
+    assert list(rep.refused) == ["experts"] and rep.converted == ["proj"]
+
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.zeros(4, 8, 8))
+    with pytest.raises(ValueError, match="not a fused experts module"):
+        mxtrain.convert(nn.Sequential(Odd(), nn.Linear(8, 8)), "mxfp4-all", strict=True)
