@@ -691,8 +691,9 @@ def mx_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
         one as its ``mx_state`` buffer), which numbers the random streams of stochastic rounding and
         random rotation signs. None: layer 0, step 0, call 0, every call alike.
 
-    Use it for GEMMs that are not ``nn.Linear`` calls (for example fused expert weights: call it once
-    per expert with ``weight[e]``).
+    Use it for GEMMs that are not ``nn.Linear`` calls (for example fused expert weights of a layout
+    ``convert`` does not take: call it once per expert with ``weight[e]``, as ``nn.MXExperts`` does for
+    Hugging Face's Mixtral and Qwen3-MoE experts).
     """
     if torch.compiler.is_compiling():
         rs, seeded, quantized, split, fp8, mx = _compile_spec(recipe if isinstance(recipe, str) else recipe._json)
