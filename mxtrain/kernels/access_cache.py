@@ -15,9 +15,11 @@ copy of the answer torch gave for the first launch with the same key, so it is t
 ours. Where torch's module has neither name the analysis went by (``identify_accessed_tensors``, torch 2.12 and
 later; ``identify_mutated_tensors`` before), nothing is installed and compiles are slow but correct.
 
-The cache removes repeats only: the first analysis of each variant is torch's. From torch 2.12 that analysis walks
-the IR without a memo (pytorch/pytorch#193703), which takes minutes for the rotated variants (their Hadamard
-butterflies share subgraphs deeply): docs/kernels.md, "First compile".
+From torch 2.12 the analysis walks the IR without a memo (pytorch/pytorch#193703), which takes minutes for the
+rotated variants (their Hadamard butterflies share subgraphs deeply): there mxtrain's quantize kernels are answered
+from a table of the arguments each only reads (``READ_ONLY``; every other tensor argument counts as written,
+every one as read), checked in CI against torch's own analysis of the unrotated variants (docs/kernels.md,
+"First compile").
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import threading
 _NAMES = ("identify_accessed_tensors", "identify_mutated_tensors")
 _PREFIX = "mxtrain."
 _lock = threading.Lock()
-_stats = {"hits": 0, "misses": 0, "bypassed": 0}
+_stats = {"hits": 0, "misses": 0, "bypassed": 0, "declared": 0}
 
 
 def _python_function(kernel):
@@ -78,9 +80,57 @@ def key(kernel, kwargs: dict, *rest) -> tuple:
             repr(rest))
 
 
+# The tensor arguments each of mxtrain's kernels only reads (its inputs: the tensor quantized, random signs, a
+# key in device memory, packed codes and scales to expand); every other tensor argument is one it may write (its
+# outputs and the inexact-block counter; an unused output slot holds the counter and is not written). Rotation, rounding and layout change
+# what a kernel computes, never where it stores: every ``tl.store`` / ``tl.atomic_*`` of these kernels writes
+# through an output pointer (tests/test_compiledmx.py compares this table with torch's own analysis of every
+# unrotated variant the compiled layer launches, and scans the sources).
+READ_ONLY = {
+    "_mxfp4_kernel": frozenset({"x_ptr", "signs_ptr", "key_ptr"}),
+    "_mxfp4_dual_kernel": frozenset({"x_ptr", "sg_a", "kp_a", "sg_b", "kp_b"}),
+    "_expand_kernel": frozenset({"pk_ptr", "sc_ptr"}),
+}
+# Where torch's analysis is ``identify_accessed_tensors`` (2.12 and later), whose walk of the IR has no memo and
+# takes minutes on the rotated variants (pytorch/pytorch#193703), the kernels of ``READ_ONLY`` are answered from
+# that table instead of being analysed: writes = the counter and every tensor argument neither in the table nor
+# the counter itself (an unused slot), reads = every tensor argument, no epilogue fusion. Off: torch analyses them (once per variant, cached).
+DECLARE = True
+
+
+def declared(kernel, kwargs: dict):
+    """The table's answer for a launch of ``kernel`` with ``kwargs``, in the form of torch's
+    ``identify_accessed_tensors``; None where the kernel is not in ``READ_ONLY`` or torch has no such form."""
+    name = getattr(_python_function(kernel), "__name__", "")
+    if name not in READ_ONLY:
+        return None
+    try:
+        import torch
+        from torch._higher_order_ops.triton_kernel_wrap import TensorAccesses
+        from torch._inductor.dependencies import ReadWrites, StarDep
+        from torch._inductor.ir import TensorBox
+        from torch.utils._ordered_set import OrderedSet
+    except ImportError:
+        return None
+    tensors = [n for n, v in kwargs.items() if isinstance(v, (torch.Tensor, TensorBox))]
+    cnt = kwargs.get("cnt_ptr")
+    if cnt is None:
+        return None
+    # (an output slot the launch does not use holds the counter itself: not a write of its own; counted as one,
+    # functionalization would copy the counter twice and could write back the copy without the kernel's adds)
+    # (the counter counts inexact carrier blocks: ``_mxfp4_kernel`` without its carrier output never adds to it)
+    counts = not (name == "_mxfp4_kernel" and not kwargs.get("WRITE_CARRIER", True))
+    writes = [n for n in tensors if n not in READ_ONLY[name]
+              and (counts if n == "cnt_ptr" else kwargs[n] is not cnt)]
+    return TensorAccesses(read_writes=ReadWrites(reads=OrderedSet(StarDep(n) for n in tensors),
+                                                 writes=OrderedSet(StarDep(n) for n in writes),
+                                                 index_exprs=OrderedSet()), can_fuse_epilogue=False)
+
+
 def _wrap(fn):
     if getattr(fn, "_mxtrain_cached", False):
         return fn
+    accessed = fn.__name__ == "identify_accessed_tensors"
     cache: dict = {}
     keep: list = []   # the kernels whose id is in a key, alive as long as the cache
 
@@ -90,6 +140,12 @@ def _wrap(fn):
             with _lock:
                 _stats["bypassed"] += 1
             return fn(kernel, kwargs, *rest, **kw)
+        if accessed and DECLARE:
+            out = declared(kernel, kwargs)
+            if out is not None:
+                with _lock:
+                    _stats["declared"] += 1
+                return out
         k = key(kernel, kwargs, *rest)
         with _lock:
             hit = k in cache
@@ -123,6 +179,7 @@ def install() -> str | None:
 
 
 def stats() -> dict:
-    """Hits, misses and launches of other kernels passed through, since the process started."""
+    """Hits, misses, launches of other kernels passed through, and answers from ``READ_ONLY`` (``declared``),
+    since the process started."""
     with _lock:
         return dict(_stats)
