@@ -348,6 +348,13 @@ def test_second_reference_arm_and_presets(tmp_path, capsys):
     assert main(["study", "--preset", "paper", "--arms", "bf16,mxfp4-all", "--out", str(tmp_path / "p"),
                  "--dry-run"]) == 0
     assert "also compared" not in capsys.readouterr().out
+    # flags that shape how a study runs, not its plan, are named by a dry run (never dropped silently) and checked
+    assert main(["study", "--preset", "paper", "--arms", "bf16", "--out", str(tmp_path / "j"), "--jobs", "3",
+                 "--start-by", "60", "--dry-run"]) == 0
+    assert "not part of this plan: --jobs 3 and --start-by 60 apply when the study runs" in capsys.readouterr().out
+    assert main(["study", "--preset", "paper", "--arms", "bf16", "--out", str(tmp_path / "j"), "--start-by", "-1",
+                 "--dry-run"]) == 2
+    assert "--start-by -1" in capsys.readouterr().err
     assert main(["study", "--arms", "bf16,mxfp4-all", "--references", "fp8", "--out", str(tmp_path / "r"),
                  "--dry-run"]) == 2
     assert "--references 'fp8' is not one of the arms" in capsys.readouterr().err

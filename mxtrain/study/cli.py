@@ -114,6 +114,7 @@ def study_main(args: argparse.Namespace) -> int:
 
     if getattr(args, "config", None):
         apply_study_file(args, args.config)
+    jobs_given = args.jobs is not None
     if args.jobs is None:
         args.jobs = 1
     if args.jobs < 1:   # as run_study checks, also before a --dry-run's plan
@@ -132,14 +133,18 @@ def study_main(args: argparse.Namespace) -> int:
     if rate is not None and (not args.dry_run or not rate > 0):
         raise UserError(f"--tokens-per-s {rate:g}: " + ("give a positive rate" if args.dry_run else
                         "it only sizes the plan of --dry-run; add --dry-run, or leave it out"))
+    sb = getattr(args, "start_by", None)
+    if sb is not None and not sb >= 0:
+        raise UserError(f"--start-by {sb:g}: give the seconds from now after which no run starts (0 or more)")
     if args.dry_run:
         from .runner import compute_plan, describe_compute
         print(spec.describe())
         print(describe_compute(compute_plan(spec, getattr(args, "tokens_per_s", None))))
+        later = ([f"--jobs {args.jobs}"] if jobs_given else []) + ([f"--start-by {sb:g}"] if sb is not None else [])
+        if later:   # (a flag given is never dropped silently: these shape how the study runs, not its plan)
+            print(f"not part of this plan: {' and '.join(later)} {'apply' if len(later) > 1 else 'applies'} when "
+                  "the study runs (the same command without --dry-run)")
         return 0
-    sb = getattr(args, "start_by", None)
-    if sb is not None and not sb >= 0:
-        raise UserError(f"--start-by {sb:g}: give the seconds from now after which no run starts (0 or more)")
     import time
     out = run_study(spec, jobs=args.jobs, start_by=None if sb is None else time.time() + sb)
     s = json.loads((out / "summary.json").read_text())
