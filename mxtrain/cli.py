@@ -196,8 +196,9 @@ def build_config(args):
 
     from .train import TrainConfig, apply_overrides, experiments
     from .train import checkpoint as ckpt
-    from .train.config import check_init_from, load_train_config
+    from .train.config import check_init_from, check_model_shape, load_train_config
     config_file = _config_file_arg(args)
+    file_model: dict = {}   # the config file's model table (what it sets of the model)
     if args.resume is not None:
         if args.exp or config_file:
             raise UserError(f"{'--exp' if args.exp else '--config'} cannot be combined with --resume (the run's own "
@@ -219,7 +220,10 @@ def build_config(args):
         cfg.log.out = str(path.parent.resolve())
         args.resume = str(path)
     elif config_file is not None:
-        cfg = load_train_config(config_file, exp=args.exp)
+        from .train.config import read_config_file
+        data = read_config_file(config_file)
+        cfg = load_train_config(config_file, exp=args.exp, data=data)
+        file_model = _file_model_table(data)
     else:
         cfg = experiments.get(args.exp or experiments.DEFAULT)
     items = [f"{_FLAG_KEYS[k]}={v}" for k, v in vars(args).items() if k in _FLAG_KEYS and v is not None]
@@ -227,8 +231,17 @@ def build_config(args):
         items.append("log.progress=false")
     if getattr(args, "cuda_graphs", False):
         items.append("train.cuda_graphs=true")
-    apply_overrides(cfg, items + list(args.set))
     given = {i.split("=", 1)[0].strip(): i for i in items + list(args.set) if "=" in i}
+    if "model.name" in given:   # a named size drops the shape below it: not a config file's explicit fields
+        from .train.config import MODEL_SHAPE_FIELDS
+        dropped = [k for k in MODEL_SHAPE_FIELDS if k in file_model and f"model.{k}" not in given]
+        if dropped:
+            keep = " ".join(f"--set model.{k}={file_model[k]}" for k in dropped)
+            raise UserError(f"{_given_as(given['model.name'], args)} names a model size, and the config file "
+                            f"{config_file} sets {', '.join('model.' + k for k in dropped)} of the shape: say which "
+                            f"shape you mean: add {keep} to keep the file's on top of the size, or set model.name "
+                            f"in the file instead of the flag")
+    apply_overrides(cfg, items + list(args.set))
     if "train.steps" in given:   # the steps given take effect: a length in tokens from elsewhere would replace them
         if "train.tokens" in given and cfg.train.tokens is not None:
             raise UserError(f"{_given_as(given['train.steps'], args)} and {_given_as(given['train.tokens'], args)} "
@@ -237,10 +250,38 @@ def build_config(args):
     if args.model is not None:
         from .model import ModelConfig
         ModelConfig.named(args.model)  # unknown name -> clear error now
+    how = {k: _given_as(i, args) for k, i in given.items()}
+    check_model_shape(cfg, how)   # a named size and shape fields that contradict it: one line now
     cfg.resolved_recipe()
     if args.resume is None:  # a resumed run's weights come from its checkpoint
         check_init_from(cfg.train.init_from)
+        if cfg.train.init_from:
+            _refuse_shape_with_init_from(cfg, how, file_model)
     return cfg
+
+
+def _refuse_shape_with_init_from(cfg, how: dict, file_model: dict) -> None:
+    """--init-from takes the model's shape from the folder's config.json: a model size or shape field the user
+    gave (a flag, --set, the config file's model table) would be ignored, so it is refused."""
+    from .train.config import MODEL_SHAPE_FIELDS
+    keys = ["model.name", *(f"model.{k}" for k in MODEL_SHAPE_FIELDS)]
+    for k in keys:
+        if k in how:
+            what = how[k]
+        elif k.split(".", 1)[1] in file_model:
+            what = f"the config file's {k} = {file_model[k.split('.', 1)[1]]!r}"
+        else:
+            continue
+        raise UserError(f"{what} cannot be combined with --init-from (train.init_from): the model's shape comes "
+                        f"from {cfg.train.init_from}/config.json; remove {k}")
+
+
+def _file_model_table(data: dict) -> dict:
+    """The model fields a config file's content sets (``[model]``, or dotted ``"model.dim"`` keys)."""
+    out = dict(data.get("model") or {}) if isinstance(data.get("model"), dict) else {}
+    out.update({k.split(".", 1)[1]: v for k, v in data.items() if isinstance(k, str) and k.startswith("model.")})
+    return {k: v for k, v in out.items() if v is not None and not (isinstance(v, str) and v.strip().lower() in
+                                                                    ("none", "null"))}   # (unset: a run's config.json)
 
 
 def _given_as(item: str, args) -> str:

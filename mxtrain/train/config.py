@@ -381,10 +381,58 @@ def apply_override(cfg: TrainConfig, item: str) -> None:
     setattr(sec, parts[1], parse_value(value.strip(), hints[parts[1]], key))
 
 
+# the fields of the model section a named size (model.name) defines: a layer of settings that names a size
+# starts from that size's shape, so these fields set by an earlier layer (an experiment, a config file) are dropped
+MODEL_SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "rope_theta", "tie_embeddings")
+
+
+def _reset_model_shape(cfg: TrainConfig, keep=()) -> None:
+    """A named size replaces the shape of the layers below: clear the shape fields except ``keep`` (those the
+    same layer sets, which then override the named size's)."""
+    for k in MODEL_SHAPE_FIELDS:
+        if k not in keep:
+            setattr(cfg.model, k, None)
+
+
+def _override_key(item: str) -> str:
+    return item.split("=", 1)[0].strip() if "=" in item else ""
+
+
 def apply_overrides(cfg: TrainConfig, items: list[str]) -> TrainConfig:
-    for it in items or []:
+    """Apply ``key=value`` items in order, as one layer of settings: when they name a model size
+    (``model.name``, ``--model``), the model shape fields set before them (by the experiment or a config file)
+    are dropped first, and those among ``items`` override the named size's (``--model 30m --set model.dim=512``:
+    the 30m model, 512 wide)."""
+    items = list(items or [])
+    keys = [_override_key(it) for it in items]
+    if "model.name" in keys:
+        _reset_model_shape(cfg, keep={k.split(".", 1)[1] for k in keys if k.startswith("model.")})
+    for it in items:
         apply_override(cfg, it)
     return cfg
+
+
+def check_model_shape(cfg: TrainConfig, given: dict | None = None) -> None:
+    """The model shape that ``cfg.model`` asks for (the named size, with the fields set replacing its own) is a
+    valid one; a contradiction (``--model 30m --set model.dim=100``: 30m's 6 heads do not divide 100) is one line
+    naming which values came from the named size and how to set them. ``given``: key -> how the user gave it."""
+    from ..model import SIZES, ModelConfig
+    m = cfg.model
+    if m.name not in SIZES:
+        raise UserError(f"model.name={m.name!r}: unknown model size; valid sizes: {', '.join(SIZES)}")
+    over = {k: getattr(m, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")
+            if getattr(m, k) is not None}
+    if not over:
+        return
+    try:
+        ModelConfig.named(m.name, **over)
+    except (UserError, TypeError, ValueError) as e:
+        base = SIZES[m.name]
+        named = [f"model.{k}={getattr(base, k)}" for k in ("dim", "n_heads", "n_kv_heads") if k not in over]
+        how = ", ".join((given or {}).get(f"model.{k}", f"model.{k}={v}") for k, v in over.items())
+        raise UserError(f"{str(e).splitlines()[0]}: the model is the named size {m.name!r} with {how}"
+                        f"{' (and ' + m.name + chr(39) + 's ' + ', '.join(named) + ')' if named else ''}; set the "
+                        f"other shape fields to match (--set model.n_heads=N, ...) or choose another size") from None
 
 
 # -- config files ----------------------------------------------------------------------------------
@@ -465,7 +513,9 @@ def _flat(d: dict, prefix: str = "") -> dict:
 
 
 def apply_dict(cfg: TrainConfig, d: dict, source: str = "") -> TrainConfig:
-    """Apply a nested dict on top of ``cfg`` in place (and return it): only the keys given change.
+    """Apply a nested dict on top of ``cfg`` in place (and return it): only the keys given change, except that
+    a ``model`` table with a ``name`` (a named size) drops the model shape fields set before (an experiment's),
+    keeping those of the same table, which override the named size's (``MODEL_SHAPE_FIELDS``).
 
     ``d`` has ``TrainConfig.to_dict()``'s form: ``exp``, ``recipe`` (a preset name, or a full recipe table as
     in a run's ``recipe.json``), ``recipe_overrides`` (``{"wgrad_dy.rounding": "stochastic"}``, or nested) and
@@ -509,6 +559,8 @@ def apply_dict(cfg: TrainConfig, d: dict, source: str = "") -> TrainConfig:
                                 f"JSON, e.g. {k}.{fields(getattr(cfg, k))[0].name}), got {v!r}")
             sec = getattr(cfg, k)
             hints = typing.get_type_hints(type(sec))
+            if k == "model" and "name" in v:   # a named size: its shape, with this table's fields over it
+                _reset_model_shape(cfg, keep=set(v))
             for fk, fv in v.items():
                 if fk not in hints:
                     raise UserError(unknown_key_message(f"{k}.{fk}", where))
