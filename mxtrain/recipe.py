@@ -54,6 +54,33 @@ def _check_float32(what: str, value: float) -> None:
                          f"it is used in float32), got {value!r}")
 
 
+def _largest_prescale(fmt: str, scale_rule: str) -> tuple[float, float]:
+    """``(bound, low)`` for a quantized format: the prescale multiplies the values after the block scale was
+    chosen, which puts a block's largest value at ``low`` or above (by the scale rule: ``floor`` at 2**emax and
+    up, ``ceil`` and ``adaptive`` above 2**(emax - 1), ``rceil`` above half the format's largest element, ...;
+    NVFP4's and the per-tensor FP8 scales at the largest element or near it, taken as 2**(emax - 1) here).
+    A prescale above ``bound`` = largest element / ``low`` pushes the largest value of every block past the
+    format's largest element, where it saturates: no prescale that large can be meant."""
+    elem = get_format(fmt).elem
+    emax, top = elem.emax, elem.max
+    low = {"floor": 2.0 ** emax, "rceil": top / 2, "even": 2.0 ** emax * (1 - 2.0 ** -(elem.mbits + 2)),
+           "amd": 0.875 * 2.0 ** emax}.get(scale_rule, 2.0 ** (emax - 1)) if get_format(fmt).kind == "mx" \
+        else 2.0 ** (emax - 1)
+    return top / low, low
+
+
+def _check_prescale_range(fmt: str, scale_rule: str, prescale: float) -> None:
+    if not get_format(fmt).quantized:
+        return
+    bound, low = _largest_prescale(fmt, scale_rule)
+    if prescale > bound:
+        top = get_format(fmt).elem.max
+        raise ValueError(f"prescale {prescale:g} is too large for {fmt} (scale rule {scale_rule}): the block scale "
+                         f"puts a block's largest value at {low:g} or above before the prescale, so every block's "
+                         f"largest value would overflow {fmt}'s largest element {top:g} and saturate; use a prescale "
+                         f"of at most {bound:.4g} (below 1, e.g. 0.75, leaves room for stochastic rounding)")
+
+
 def _choice(what: str, value, valid) -> None:
     if value not in valid:
         raise ValueError(f"{what}: {value!r} is not valid; choose one of: {', '.join(map(str, valid))}")
@@ -88,6 +115,7 @@ class Operand:
                 or not math.isfinite(self.prescale)):
             raise ValueError(f"prescale must be a positive finite number, got {self.prescale!r}")
         _check_float32("prescale", self.prescale)
+        _check_prescale_range(self.fmt, self.scale_rule, float(self.prescale))
         if self.block_2d and self.fmt != "nvfp4":
             raise ValueError(f"block_2d (16x16 tiles) is only defined for nvfp4, not {self.fmt!r}")
 
@@ -236,7 +264,12 @@ class Recipe:
                 if not any(f.name == rest for f in fields(inner)):
                     raise ValueError(f"unknown recipe field {key!r}; fields of {head}: "
                                      f"{', '.join(f.name for f in fields(inner))}")
-                top[head] = replace(inner, **{rest: value})
+                try:
+                    top[head] = replace(inner, **{rest: value})
+                except ValueError as e:
+                    if not str(e).startswith("prescale"):
+                        raise
+                    raise ValueError(f"{head}.{rest}={value!r}: {e}") from None   # (names the operand)
             else:
                 top[head] = value
         return replace(self, **top)

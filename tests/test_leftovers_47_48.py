@@ -90,3 +90,58 @@ def test_shape_with_init_from_is_refused(tmp_path):
     f.write_text("[model]\nn_layers = 3\n")
     with pytest.raises(UserError, match="the config file's model.n_layers = 3 cannot be combined"):
         _cfg("--config", str(f), "--init-from", str(hf))
+
+
+# -- 2. an operand prescale the format cannot hold (#47, 7) ------------------------------------------------------
+
+RULES = ("floor", "ceil", "rceil", "even", "amd")
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8_e4m3", "mxfp6_e3m2"])
+def test_prescale_bound_is_where_every_block_saturates(fmt):
+    """Above the bound every block's largest value lands past the format's largest element (the prescale is
+    applied after the scale is chosen); just below it some block still fits, so nothing sensible is refused."""
+    import torch
+
+    from mxtrain.formats import get_format
+    from mxtrain.quant import mx_scale_exponent
+    from mxtrain.recipe import _largest_prescale
+    elem = get_format(fmt).elem
+    g = torch.Generator().manual_seed(0)
+    # block maxima over many binades and every significand (the edges of each rule's bump exactly)
+    sig = torch.cat([torch.rand(20000, generator=g) + 1, torch.tensor([1.0, 1.5, 1.75, 1.875, 2 - 2 ** -20])])
+    amax = sig * 2.0 ** torch.randint(-20, 20, sig.shape, generator=g).float()
+    for rule in RULES:
+        bound, _ = _largest_prescale(fmt, rule)
+        m = amax * torch.pow(2.0, -mx_scale_exponent(amax, elem, rule).float())   # a block's scaled maximum
+        assert bool((m * bound * (1 + 1e-6) > elem.max).all()), (fmt, rule)
+        assert not bool((m * bound * (1 - 1e-3) > elem.max).all()), (fmt, rule)
+
+
+def test_large_prescale_is_refused_in_one_line_and_valid_ones_keep_their_recipe():
+    import mxtrain.recipes as R
+    from mxtrain.recipe import Operand
+    one_line_error(run_main("train", "--set", "recipe.fprop_x.prescale=1e30", "--print-config"),
+                   "fprop_x.prescale=1e+30", "too large for mxfp4 (scale rule floor)", "largest element 6",
+                   "at most 1.5")
+    one_line_error(run_main("train", "--set", "recipe.wgrad_dy.prescale=2", "--print-config"), "at most 1.5")
+    for bad in (0.0, -1.0, float("nan"), float("inf"), 1.51):
+        with pytest.raises(ValueError, match="prescale"):
+            Operand("mxfp4", prescale=bad)
+    for ok in (0.75, 1.0, 1.5):
+        assert Operand("mxfp4", prescale=ok).prescale == ok
+    assert Operand("mxfp4", scale_rule="ceil", prescale=2.9).prescale == 2.9   # ceil leaves a binade free
+    assert Operand("bf16", prescale=1e30).prescale == 1e30    # not quantized: no format to overflow
+    t = R.get("tseng")
+    assert t.with_(**{"fprop_x.prescale": 1.25}).fprop_x.prescale == 1.25
+
+
+def test_large_prescale_in_a_config_files_recipe_table(tmp_path):
+    import mxtrain.recipes as R
+    d = R.get("mxfp4-all-dh16").to_dict()
+    d["fprop_w"]["prescale"] = 8.0
+    f = tmp_path / "r.json"
+    f.write_text(json.dumps({"recipe": d}))
+    one_line_error(run_main("train", "--config", str(f), "--print-config"), "prescale 8 is too large for mxfp4")
+    f.write_text(json.dumps({"recipe_overrides": {"dgrad_w.prescale": 1e6}}))
+    one_line_error(run_main("train", "--config", str(f), "--print-config"), "dgrad_w.prescale=1000000.0")
