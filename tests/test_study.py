@@ -453,7 +453,7 @@ def test_report_names_numerics_settings_other_than_the_defaults(tmp_path):
     write_run(d, toks, [curve(t) for t in toks])
     (d / "run.json").write_text(json.dumps({"settings": dict(dflt, fp8_fast_accum="fprop")}))
     _, md = report.write_report(tmp_path / "st")
-    assert "defaults (docs/settings.md): fp8_fast_accum=fprop.**" in md.read_text()
+    assert "defaults (docs/settings.md): fp8\\_fast\\_accum=fprop.**" in md.read_text()   # (_ escaped)
 
 
 def test_report_md_escapes_names_from_folders(tmp_path, monkeypatch):
@@ -476,6 +476,33 @@ def test_report_md_escapes_names_from_folders(tmp_path, monkeypatch):
     assert not re.search(r"(?<!\\)\]\(", prose) and "\\[x\\](javascript:alert(1)) \\`y\\`" in prose
     assert "<img" not in hp.read_text().split("<h2>Exact configurations")[0].replace("<img alt=", "")
     assert report._md_code("a`b") == "``a`b``" and report._md_text("a\nb\\") == "a b\\\\"
+
+
+def test_report_md_escapes_markdown_specials_in_names(tmp_path, monkeypatch):
+    """Issue #47 leftover: arm names with * _ ` | [ ] (a run `a*b_c`) became emphasis, code spans or broke tables
+    in report.md; each is backslash-escaped wherever a name is written (prose, tables, headings), and shown as
+    itself in the HTML block of the exact configurations."""
+    from mxtrain.study import report
+    monkeypatch.setattr(report, "plots_available", lambda: False)
+    toks = [1000.0 * i for i in range(1, 21)]
+    arms = ("bf16", "a*b_c", "x|y~z", "[l]`t`")
+    for arm, c in zip(arms, (1.0, 1.2, 1.1, 1.05)):
+        for s in range(2):
+            write_run(tmp_path / "runs" / arm / f"seed{s}", toks, [curve(t / c, 2.0 + 0.01 * s) for t in toks])
+            (tmp_path / "runs" / arm / f"seed{s}" / "config.json").write_text(json.dumps({"recipe": arm}))
+    summary = M.sanitize(M.summarize(M.load_study_runs(tmp_path), "bf16", smooth_k=2))
+    _, mp = report.write_report(tmp_path, summary)
+    md = mp.read_text()
+    prose = md.split("## Exact configurations")[0]
+    assert "a\\*b\\_c" in prose and "x\\|y\\~z" in prose and "\\[l\\]\\`t\\`" in prose
+    for raw in ("a*b_c", "x|y~z", "[l]`t`"):
+        assert raw not in prose, raw
+    tables = re.findall(r"(?m)(?:^\|.*\n)+", prose)   # every row of a table has its header's cells: no | from a
+    assert any("x\\|y" in t for t in tables)              # name ends a cell
+    for t in tables:
+        assert len({len(re.findall(r"(?<!\\)\|", ln)) for ln in t.splitlines()}) == 1, t
+    assert "<summary>a*b_c seed 0: config.json</summary>" in md    # (HTML block: no Markdown escapes there)
+    assert report._md_text("a*b_c") == "a\\*b\\_c" and report._table_md([["k"], ["a|b"]]).endswith("| a\\|b |")
 
 
 def test_markdown_tables_carry_values_as_text():

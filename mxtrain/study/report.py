@@ -738,13 +738,14 @@ def _table_html(rows: list[list[str]]) -> str:
     return h + "</table>"
 
 
-_MD_SPECIAL = re.compile(r"([\\`\[\]])")
+_MD_SPECIAL = re.compile(r"([\\`\[\]*_|~])")
 
 
 def _md_text(s) -> str:
     """``s`` as literal text in report.md: names there come from folders and files (an arm folder named ``<img src=x
-    onerror=alert(1)>``), so nothing in them may become raw HTML (``&``, ``<``, ``>`` as entities), a link or image
-    or code span (backslash escapes), or a new line or block (line breaks as spaces)."""
+    onerror=alert(1)>``, a run ``a*b_c``), so nothing in them may become raw HTML (``&``, ``<``, ``>`` as entities),
+    a link or image or code span, emphasis or strikethrough, or the end of a table cell (backslash escapes of
+    ``\\ ` [ ] * _ | ~``: CommonMark shows each as itself), or a new line or block (line breaks as spaces)."""
     s = re.sub(r"[\r\n]+", " ", str(s))
     s = s.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
     return _MD_SPECIAL.sub(r"\\\1", s)
@@ -760,7 +761,7 @@ def _md_code(s) -> str:
 
 def _table_md(rows: list[list[str]]) -> str:
     # (a cell's text is data, e.g. a run.json value: no Markdown table break, no raw HTML a renderer would run)
-    esc = [[_md_text(c).replace("|", "\\|") for c in r] for r in rows]
+    esc = [[_md_text(c) for c in r] for r in rows]   # (_md_text escapes | too)
     lines = ["| " + " | ".join(esc[0]) + " |", "|" + "---|" * len(esc[0])]
     lines += ["| " + " | ".join(r) + " |" for r in esc[1:]]
     return "\n".join(lines)
@@ -1117,7 +1118,8 @@ def write_report(d: str | Path, summary: dict | None = None, out: str | Path | N
                 t = json.dumps({"config": rd.config, "run": rd.info}, indent=1, default=str)
                 h.append(f"<details><summary>{html.escape(arm)} seed {s}: config.json</summary>"
                          f"<pre>{html.escape(t)}</pre></details>")
-                md += [f"<details><summary>{_md_text(arm)} seed {s}: config.json</summary>", "", "```json", t, "```",
+                # (an HTML block: no Markdown in it, so the name is escaped as HTML only)
+                md += [f"<details><summary>{html.escape(arm)} seed {s}: config.json</summary>", "", "```json", t, "```",
                        "</details>", ""]
     h.append("</body></html>")
     hp, mp = out / "report.html", out / "report.md"
