@@ -8,7 +8,8 @@ Hugging Face ``tokenizers`` file) and ``mxtrain_export.json`` (where the weights
 ``config_from_hf(hf_dir)`` reads a local Hugging Face Llama folder's ``config.json`` into mxtrain's
 ``ModelConfig``, and ``load_hf_llama(model, hf_dir)`` copies its weights into an mxtrain ``Llama`` built with
 that config (continued pretraining: ``train.init_from``). Mistral folders (no sliding window shorter than the
-sequences: the same computation) and Qwen2 folders (q/k/v biases: ``ModelConfig.qkv_bias``) load too, and a
+sequences: the same computation), Qwen2 folders (q/k/v biases: ``ModelConfig.qkv_bias``) and Llama folders with
+``attention_bias`` / ``mlp_bias`` (``ModelConfig.attention_bias``, ``mlp_bias``) load too, and a
 model loaded from one exports back as its type (``ModelConfig.hf_model_type``). Nothing is downloaded, and nothing in either folder
 is executed: safetensors files are read by the small reader below (a JSON header and raw bytes), a
 ``pytorch_model.bin`` only with ``torch.load(weights_only=True)``.
@@ -55,9 +56,13 @@ _BLOCK_MAP = {  # mxtrain name inside a block -> Hugging Face name inside model.
     "attention.wk.bias": "self_attn.k_proj.bias",
     "attention.wv.bias": "self_attn.v_proj.bias",
     "attention.wo.weight": "self_attn.o_proj.weight",
+    "attention.wo.bias": "self_attn.o_proj.bias",      # (attention_bias: Llama's, with q/k/v)
     "feed_forward.w1.weight": "mlp.gate_proj.weight",
     "feed_forward.w3.weight": "mlp.up_proj.weight",
     "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "feed_forward.w1.bias": "mlp.gate_proj.bias",      # (mlp_bias: Llama's)
+    "feed_forward.w3.bias": "mlp.up_proj.bias",
+    "feed_forward.w2.bias": "mlp.down_proj.bias",
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
@@ -76,10 +81,21 @@ def hf_name(name: str) -> str:
     raise KeyError(name)
 
 
+def _has_bias(cfg: ModelConfig, key: str) -> bool:
+    """Whether block parameter ``key`` (a ``_BLOCK_MAP`` key) is in a model of ``cfg``."""
+    if not key.endswith(".bias"):
+        return True
+    if key.startswith("feed_forward."):
+        return bool(cfg.mlp_bias)
+    if key == "attention.wo.bias":
+        return bool(cfg.attention_bias)
+    return bool(cfg.qkv_bias or cfg.attention_bias)
+
+
 def _expected_names(cfg: ModelConfig) -> list[str]:
     names = ["embed_tokens.weight", "norm.weight", "lm_head.weight"]
     for i in range(cfg.n_layers):
-        names += [f"layers.{i}.{k}" for k in _BLOCK_MAP if cfg.qkv_bias or not k.endswith(".bias")]
+        names += [f"layers.{i}.{k}" for k in _BLOCK_MAP if _has_bias(cfg, k)]
     return names
 
 
@@ -397,7 +413,7 @@ def hf_config(mcfg: ModelConfig, eot_id: int | None, dtype: str = "float32") -> 
     as transformers 5's ``rope_parameters`` and as the older ``rope_theta``."""
     mt = mcfg.hf_model_type
     own = {   # what each architecture's config has beyond the shared fields
-        "llama": {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1},
+        "llama": {"attention_bias": bool(mcfg.attention_bias), "mlp_bias": bool(mcfg.mlp_bias), "pretraining_tp": 1},
         "mistral": {"sliding_window": None},
         "qwen2": {"use_sliding_window": False, "sliding_window": None, "max_window_layers": mcfg.n_layers,
                   "layer_types": ["full_attention"] * mcfg.n_layers},
@@ -653,11 +669,12 @@ def config_from_hf(hf_dir: str | Path, vocab_multiple: int = 1, max_seq_len: int
     ``vocab_multiple``: round the vocab up to this multiple (the trainer pads its vocab to 32 for MX blocks;
     ``load_hf_llama`` fills the extra rows' embedding and head weights with zeros). ``max_seq_len``: the
     longest sequence the model will see (the run's ``data.seq_len``), when above ``max_position_embeddings``.
-    Refused with a ``UserError``: another model type, or a feature mxtrain's model does not compute (Llama's
-    ``attention_bias`` / ``mlp_bias``, RoPE scaling other than Llama 3.1's ``llama3``, another activation, a
-    head size other than hidden_size / heads, a Mistral or Qwen2 sliding window shorter than the longest
-    sequence). A Qwen2 model's q/k/v biases are ``qkv_bias``; the model type is ``hf_model_type`` (what an
-    export writes back).
+    Refused with a ``UserError``: another model type, or a feature mxtrain's model does not compute (RoPE
+    scaling other than Llama 3.1's ``llama3``, another activation, a head size other than hidden_size / heads,
+    a Mistral or Qwen2 sliding window shorter than the longest sequence, ``attention_bias`` / ``mlp_bias``
+    outside a Llama config). A Qwen2 model's q/k/v biases are ``qkv_bias``; a Llama's ``attention_bias`` (q/k/v
+    and output projection) and ``mlp_bias`` (gate/up/down) are ``attention_bias`` and ``mlp_bias``; the model
+    type is ``hf_model_type`` (what an export writes back).
     """
     hf_dir = Path(hf_dir)
     c = _read_hf_config(hf_dir)
@@ -671,10 +688,9 @@ def config_from_hf(hf_dir: str | Path, vocab_multiple: int = 1, max_seq_len: int
     bad = []
     if c.get("hidden_act", "silu") != "silu":
         bad.append(f"hidden_act {c['hidden_act']!r} (mxtrain's feed-forward is SwiGLU with silu)")
-    for k in ("attention_bias", "mlp_bias"):
-        if c.get(k):
-            bad.append(f"{k} true (mxtrain's model has biases on q/k/v only, as Qwen2 has; not on the "
-                       f"{'output projection' if k == 'attention_bias' else 'feed-forward'})")
+    for k in ("attention_bias", "mlp_bias"):   # Llama's (ModelConfig.attention_bias, mlp_bias); others ignore them
+        if c.get(k) and mt != "llama":
+            bad.append(f"{k} true (a Llama config's field: transformers' {_HF_NAMES[mt]} has no such biases)")
     rp, rs = c.get("rope_parameters"), c.get("rope_scaling")
     rtype = (rp or {}).get("rope_type") or (rp or {}).get("type") or "default"
     if rs:
@@ -720,7 +736,8 @@ def config_from_hf(hf_dir: str | Path, vocab_multiple: int = 1, max_seq_len: int
                            rope_theta=float(theta), rope_scaling=scaling, norm_eps=float(eps),
                            tie_embeddings=bool(c.get("tie_word_embeddings", False)),
                            init_std=float(c.get("initializer_range", 0.02)), qkv_bias=mt == "qwen2",
-                           hf_model_type=mt)
+                           attention_bias=mt == "llama" and bool(c.get("attention_bias", False)),
+                           mlp_bias=mt == "llama" and bool(c.get("mlp_bias", False)), hf_model_type=mt)
     except UserError as e:
         raise UserError(f"{where}: {e}") from None
 
@@ -822,7 +839,9 @@ def load_hf_llama(model: Llama, hf_dir: str | Path) -> dict:
                                 ("rope_theta", "rope_theta", "rope_theta"),
                                 ("rope_scaling", "rope_scaling", "rope scaling"), ("norm_eps", "norm_eps", "rms_norm_eps"),
                                 ("tie_embeddings", "tie_embeddings", "tie_word_embeddings"),
-                                ("qkv_bias", "qkv_bias", "q/k/v biases")):
+                                ("qkv_bias", "qkv_bias", "q/k/v biases"),
+                                ("attention_bias", "attention_bias", "attention_bias"),
+                                ("mlp_bias", "mlp_bias", "mlp_bias")):
         a, b = getattr(mcfg, ours), getattr(hcfg, theirs)
         if a != b:
             diffs.append(f"{ours} {a} here, {label} {b} in the Hugging Face config")

@@ -50,6 +50,10 @@ class ModelConfig:
     rope_scaling: tuple = ()
     # biases on the query, key and value projections (Qwen2; the output projection and the FFN have none)
     qkv_bias: bool = False
+    # Llama's ``attention_bias``: biases on the query, key, value and output projections; ``mlp_bias``: on the
+    # feed-forward's three (gate w1, up w3, down w2). Hugging Face Llama configs only (hf_model_type "llama")
+    attention_bias: bool = False
+    mlp_bias: bool = False
     # the Hugging Face model type of an export (``mxtrain.hf.hf_config``): "llama", "mistral" (a Llama without
     # a sliding window) or "qwen2" (a Llama with q/k/v biases: ``qkv_bias``)
     hf_model_type: str = "llama"
@@ -71,6 +75,10 @@ class ModelConfig:
         if bool(self.qkv_bias) != (self.hf_model_type == "qwen2"):
             raise UserError(f"model.qkv_bias={bool(self.qkv_bias)} with hf_model_type={self.hf_model_type!r}: q/k/v "
                             f"biases are Qwen2's (qkv_bias=True goes with hf_model_type='qwen2' and only with it)")
+        for k in ("attention_bias", "mlp_bias"):
+            if getattr(self, k) and self.hf_model_type != "llama":
+                raise UserError(f"model.{k}=True with hf_model_type={self.hf_model_type!r}: {k} is a Llama config's "
+                                f"field (hf_model_type='llama')")
         if self.dim % self.n_heads:
             raise UserError(f"model.dim={self.dim} must be a multiple of model.n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads:
@@ -107,8 +115,12 @@ class ModelConfig:
         C, F_, V, L = self.dim, self.hidden_dim, self.vocab_size, self.n_layers
         kv = self.n_kv_heads * self.head_dim
         block = C * C * 2 + C * kv * 2 + 3 * C * F_ + 2 * C  # wq, wo, wk, wv, w1/w2/w3, 2 norms
-        if self.qkv_bias:
+        if self.qkv_bias or self.attention_bias:
             block += C + 2 * kv
+        if self.attention_bias:
+            block += C             # wo
+        if self.mlp_bias:
+            block += 2 * F_ + C    # w1, w3, w2
         n = L * block + C  # final norm
         if embeddings:
             n += V * C * (1 if self.tie_embeddings else 2)
@@ -263,11 +275,11 @@ class Attention(nn.Module):
         super().__init__()
         C, D = cfg.dim, cfg.head_dim
         self.n_heads, self.n_kv, self.head_dim = cfg.n_heads, cfg.n_kv_heads, D
-        b = bool(cfg.qkv_bias)
+        b = bool(cfg.qkv_bias or cfg.attention_bias)
         self.wq = nn.Linear(C, cfg.n_heads * D, bias=b, device=device)
         self.wk = nn.Linear(C, cfg.n_kv_heads * D, bias=b, device=device)
         self.wv = nn.Linear(C, cfg.n_kv_heads * D, bias=b, device=device)
-        self.wo = nn.Linear(cfg.n_heads * D, C, bias=False, device=device)
+        self.wo = nn.Linear(cfg.n_heads * D, C, bias=bool(cfg.attention_bias), device=device)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
@@ -288,13 +300,14 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+    """SwiGLU: w2(silu(w1 x) * w3 x) (with biases on all three where ``mlp_bias``: Llama's)."""
 
     def __init__(self, cfg: ModelConfig, device=None):
         super().__init__()
-        self.w1 = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False, device=device)
-        self.w3 = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False, device=device)
-        self.w2 = nn.Linear(cfg.hidden_dim, cfg.dim, bias=False, device=device)
+        b = bool(cfg.mlp_bias)
+        self.w1 = nn.Linear(cfg.dim, cfg.hidden_dim, bias=b, device=device)
+        self.w3 = nn.Linear(cfg.dim, cfg.hidden_dim, bias=b, device=device)
+        self.w2 = nn.Linear(cfg.hidden_dim, cfg.dim, bias=b, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(_run_glue(_swiglu, self.w1(x), self.w3(x)))
@@ -385,8 +398,8 @@ class Llama(nn.Module):
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:
         """Normal(0, init_std) everywhere; output projections (wo, w2) scaled by 1/sqrt(2 * n_layers)
-        (GPT-2); norms to 1, biases (``qkv_bias``) to 0. Pass a ``generator`` for an init independent of the
-        global RNG."""
+        (GPT-2); norms to 1, biases (``qkv_bias``, ``attention_bias``, ``mlp_bias``) to 0. Pass a ``generator``
+        for an init independent of the global RNG."""
         std = self.cfg.init_std
         out_std = std / math.sqrt(2 * self.cfg.n_layers)
         for name, p in self.named_parameters():

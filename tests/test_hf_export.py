@@ -158,7 +158,7 @@ def test_config_from_hf_reads_older_configs_and_refuses_what_mxtrain_cannot_comp
                                         "high_freq_factor": 4, "original_max_position_embeddings": 64}},
                       'rope_scaling.factor is "8", expected a positive finite number'),
                      ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, "is not a Llama"),
-                     ({"attention_bias": True}, "attention_bias"),
+                     ({"model_type": "qwen2", "attention_bias": True}, "attention_bias true"),   # (a Llama's: loads)
                      ({"hidden_act": "gelu"}, "hidden_act"),
                      ({"head_dim": 32}, "head_dim 32")):
         with pytest.raises(UserError, match=frag):

@@ -145,3 +145,121 @@ def test_large_prescale_in_a_config_files_recipe_table(tmp_path):
     one_line_error(run_main("train", "--config", str(f), "--print-config"), "prescale 8 is too large for mxfp4")
     f.write_text(json.dumps({"recipe_overrides": {"dgrad_w.prescale": 1e6}}))
     one_line_error(run_main("train", "--config", str(f), "--print-config"), "dgrad_w.prescale=1000000.0")
+
+
+# -- 4. Llama checkpoints with attention_bias / mlp_bias (#48, 1) --------------------------------------------------
+
+def _make_llama(folder, vocab=100, **kw):
+    """A transformers LlamaForCausalLM with every weight random (biases and norms too), saved to ``folder``."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+    from test_hf_mistral_qwen2 import SHAPES
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=vocab, **{**SHAPES, **kw}))
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight"):
+                p.copy_(1 + 0.5 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_((0.5 if n.endswith("bias") else 0.1) * torch.randn(p.shape, generator=g))
+    model.eval().save_pretrained(str(folder))
+    return model
+
+
+@pytest.mark.parametrize("bias", [dict(attention_bias=True), dict(mlp_bias=True),
+                                  dict(attention_bias=True, mlp_bias=True)], ids=["attention", "mlp", "both"])
+def test_llama_with_biases_loads_with_transformers_logits_and_exports_back(bias, tmp_path):
+    """These folders were refused ("mxtrain's model has biases on q/k/v only"); now their biases load, the logits
+    equal transformers' in float32, and the export round trip gives the same Llama back."""
+    import torch
+    transformers = pytest.importorskip("transformers")
+    from mxtrain.hf import config_from_hf, hf_config, hf_name, load_hf_llama, save_safetensors
+    from mxtrain.model import Llama
+    hf = _make_llama(tmp_path / "hf", **bias)
+    mc = config_from_hf(tmp_path / "hf", vocab_multiple=32)
+    att, mlp = bias.get("attention_bias", False), bias.get("mlp_bias", False)
+    assert (mc.attention_bias, mc.mlp_bias, mc.qkv_bias, mc.hf_model_type) == (att, mlp, False, "llama")
+    model = Llama(mc)
+    assert model.num_params() == mc.num_params()
+    load_hf_llama(model, tmp_path / "hf")
+    a, f = model.layers[1].attention, model.layers[1].feed_forward
+    ha, hm = hf.model.layers[1].self_attn, hf.model.layers[1].mlp
+    assert (a.wo.bias is not None, a.wq.bias is not None, f.w2.bias is not None) == (att, att, mlp)
+    if att:
+        assert torch.equal(a.wo.bias, ha.o_proj.bias) and torch.equal(a.wk.bias, ha.k_proj.bias)
+    if mlp:
+        assert torch.equal(f.w1.bias, hm.gate_proj.bias) and torch.equal(f.w2.bias, hm.down_proj.bias)
+    x = torch.randint(0, 100, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        theirs = hf(x).logits
+        torch.testing.assert_close(model(x)[..., :100], theirs, atol=1e-5, rtol=0)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(hf_config(mc, None)))
+    save_safetensors(out / "model.safetensors", {hf_name(k): v for k, v in model.state_dict().items()})
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    assert type(back).__name__ == "LlamaForCausalLM"
+    assert (back.config.attention_bias, back.config.mlp_bias) == (att, mlp)
+    with torch.no_grad():
+        torch.testing.assert_close(back(x).logits[..., :100], theirs, atol=1e-5, rtol=0)
+    again = config_from_hf(out)
+    assert (again.attention_bias, again.mlp_bias) == (att, mlp)
+
+
+def test_llama_bias_mismatches_and_foreign_bias_fields_are_one_line(tmp_path):
+    from dataclasses import replace
+
+    from mxtrain.hf import config_from_hf, load_hf_llama
+    from mxtrain.model import Llama, ModelConfig
+    _make_llama(tmp_path / "hf", attention_bias=True)
+    plain = replace(config_from_hf(tmp_path / "hf", vocab_multiple=32), attention_bias=False)
+    with pytest.raises(UserError, match="attention_bias False here, attention_bias True in the Hugging Face"):
+        load_hf_llama(Llama(plain), tmp_path / "hf")
+    with pytest.raises(UserError, match="mlp_bias is a Llama config's field"):
+        ModelConfig(qkv_bias=True, hf_model_type="qwen2", mlp_bias=True)
+    q = tmp_path / "q"
+    q.mkdir()
+    (q / "config.json").write_text(json.dumps({"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 96,
+                                               "num_hidden_layers": 1, "num_attention_heads": 4, "vocab_size": 64,
+                                               "mlp_bias": True}))
+    with pytest.raises(UserError, match="mlp_bias true \\(a Llama config's field"):
+        config_from_hf(q)
+
+
+def test_llama_with_biases_trains_from_init_and_exports_as_a_llama(tmp_path):
+    """--init-from such a folder: the MX layers keep every bias (none weight-decayed), the checkpoint holds them,
+    and the exported folder is a Llama with both bias fields that transformers runs with mxtrain's logits."""
+    import torch
+    transformers = pytest.importorskip("transformers")
+    from mxtrain.hf import export_hf, load_run
+    from mxtrain.train import checkpoint as ckpt
+    from mxtrain.train import train
+    from mxtrain.train.callbacks import Callback
+    from train_helpers import tiny_run_cfg
+    _make_llama(tmp_path / "hf", vocab=512, attention_bias=True, mlp_bias=True)
+
+    class Look(Callback):
+        def on_train_begin(self, state):
+            from mxtrain import distributed as D
+            m = D.unwrap(state.model)
+            self.kinds = {type(m.layers[0].attention.wo).__name__, type(m.layers[0].feed_forward.w2).__name__}
+            decay = {id(p) for g in state.optimizer.param_groups if g["weight_decay"] > 0 for p in g["params"]}
+            self.decayed = {n for n, p in m.named_parameters() if id(p) in decay}
+
+    look = Look()
+    cfg = tiny_run_cfg(tmp_path / "run", 1)
+    cfg.train.init_from = str(tmp_path / "hf")
+    run = train(cfg, callbacks=[look])
+    assert all(k.startswith("MX") for k in look.kinds), look.kinds
+    assert not any(n.endswith("bias") for n in look.decayed)
+    state = ckpt.load(run)
+    assert state["model_config"]["attention_bias"] is True and state["model_config"]["mlp_bias"] is True
+    assert "layers.1.feed_forward.w3.bias" in state["model"] and "layers.1.attention.wo.bias" in state["model"]
+    out = export_hf(run, tmp_path / "out", tokenizer=False)
+    c = json.loads((out / "config.json").read_text())
+    assert (c["model_type"], c["attention_bias"], c["mlp_bias"]) == ("llama", True, True)
+    model, _ = load_run(run)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    x = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), hf(x).logits, atol=1e-5, rtol=0)
