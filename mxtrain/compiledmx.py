@@ -19,10 +19,15 @@ X's operands are made outside the autograd function (``_x_operands``; they carry
 reading one input can share them: with ``mx_compiled=shared`` a pass over the graph dynamo captures
 (``share_inputs``) merges their quantize calls, as the compiler merged the custom ops.
 
-Which recipes: those ``tracedmx.spec`` describes, each GEMM either MXFP4 on both operands with round to
-nearest, prescale 1 and no or a deterministic Hadamard rotation (``mxfp4-all``, ``mxfp4-all-dh16``,
-``mxfp4-all-dh32``, ``+amd`` scale rules, ``mxfp4-fprop``...) or plain. Recipes with stochastic rounding, random
-signs or prescales (``mxfp4-all-sr``, ``mxfp4-all-rht16``, ``tseng``) keep the custom ops for now.
+Which recipes: those ``spec`` describes: every operand one the fast path takes, each GEMM either MXFP4 on both
+operands (round to nearest or stochastic, any prescale, no rotation or a Hadamard rotation with or without random
+signs: ``mxfp4-all``, ``mxfp4-all-dh16``, ``+amd`` scale rules, ``mxfp4-all-sr``, ``mxfp4-all-rht16``, ``tseng``...)
+or plain. A recipe that draws random bits gets the call's keys and sign vectors from ``mxtrain::call_seeds`` (one
+small op a layer, which advances the layer's call counter; activation checkpointing keeps its outputs): the
+kernels read them from device memory, so CUDA graphs replay with the current step's bits, as eagerly. Those
+recipes (``seeded``) only with the setting ``mx_compiled_seeded`` (off by default): inductor compiles kernels with
+floating-point contraction on, and their stochastic-rounding, sign and prescale variants are not all shown yet to
+compile to the eager kernels' code (``tools/compile_check.py --fusion``); off, they keep the custom ops.
 Where: CUDA tensors (float32, bfloat16, float16) on a GPU whose FP8 GEMM takes 128x128 weight groups exactly
 (Hopper), the fast path on, ``exact_carrier`` off. ``mxtrain.linear.implementation`` answers which form a
 compiled layer takes.
@@ -35,8 +40,9 @@ import torch
 from ._constant import assume_constant_result
 from .kernels.mxfp4 import traced as _traced  # noqa: F401  (registers mxtrain::q_single, q_dual, q_expand)
 
-__all__ = ["applies", "linear", "plan", "share_inputs", "SharePass", "install_share_pass", "TRACE_TIME_SETTINGS"]
+__all__ = ["applies", "linear", "plan", "spec", "seeded", "share_inputs", "SharePass", "install_share_pass", "TRACE_TIME_SETTINGS"]
 
+_GEMMS = (("fprop", "fprop_x", "fprop_w"), ("dgrad", "dgrad_dy", "dgrad_w"), ("wgrad", "wgrad_dy", "wgrad_x"))
 _KMUL = 512          # carrier reduction multiple (kernels.gemm.k_multiple_for("fp8_carrier"))
 _TILE = 128
 _OK = (torch.float32, torch.bfloat16, torch.float16)
@@ -73,10 +79,13 @@ def plan(device: str, share: bool = False, *trace_settings) -> tuple:
 def applies(mx: str, x: torch.Tensor, weight: torch.Tensor) -> tuple:
     """``plan``'s answer where the compiled layer runs this call, else ``(0, 0)``: ``mx`` from
     ``tracedmx.spec`` (non-empty), the settings ``mx_compiled`` (``auto`` or ``shared``) and ``fast`` on,
-    ``exact_carrier`` off, CUDA float tensors, a 2-D weight, a non-empty input."""
+    ``exact_carrier`` off, CUDA float tensors, a 2-D weight, a non-empty input; a recipe with stochastic rounding,
+    random signs or prescales only with ``mx_compiled_seeded`` on."""
     from . import settings
     s = settings.current()
     if not mx or s.mx_compiled == "ops" or not s.fast or s.exact_carrier:
+        return (0, 0)
+    if not s.mx_compiled_seeded and seeded(mx):
         return (0, 0)
     if x.dtype not in _OK or weight.dtype not in _OK or weight.ndim != 2:
         return (0, 0)
@@ -88,13 +97,14 @@ def applies(mx: str, x: torch.Tensor, weight: torch.Tensor) -> tuple:
 
 
 def _mm(ca: torch.Tensor, ga: torch.Tensor, Ra: int, cb: torch.Tensor, gb: torch.Tensor, rows_b: int, Rb: int,
-        out_dtype: torch.dtype) -> torch.Tensor:
+        out_dtype: torch.dtype, alpha: float = 1.0) -> torch.Tensor:
     """``A B^T`` of two carriers (``q_*``'s outputs: A with 1x128 group-scale storage (Kc/128, Rca), B with
     ``rows_b`` 1 or 128), the first ``Ra`` x ``Rb`` entries, in ``out_dtype``: the fast path's
-    ``kernels.gemm.mx_gemm_nt`` (the same ``_scaled_mm`` call and scale views)."""
+    ``kernels.gemm.mx_gemm_nt`` (the same ``_scaled_mm`` call and scale views). ``alpha``: the output multiplier
+    (1 / the prescales), folded into A's float32 group scales as the fast path folds it."""
     odt = out_dtype if out_dtype in (torch.bfloat16, torch.float32) else torch.bfloat16
     Kc = ca.shape[1]
-    sa = ga.t()                                          # (Rca, Kc/128), outer-dim-major
+    sa = (ga * alpha).t() if alpha != 1.0 else ga.t()   # (Rca, Kc/128), outer-dim-major
     sb = gb if rows_b == 1 else gb[:, : Kc // _TILE].t()  # (Kc/128, Rcb) or (Kc/128, Rcb/128)
     if ca.device.type != "cuda":   # (the tests' emulation on a CPU: the carriers' values in float32)
         from .tracedmx import carrier_values
@@ -107,35 +117,124 @@ def _mm(ca: torch.Tensor, ga: torch.Tensor, Ra: int, cb: torch.Tensor, gb: torch
     return y if y.dtype == out_dtype else y.to(out_dtype)
 
 
+def spec(recipe) -> str | None:
+    """The recipe's three GEMMs as the compiled layer runs them, joined by ``;``, or None where it does not take
+    the recipe: ``"p"`` plain, ``"m<rot>:<rule A>:<rule B>"`` MXFP4 with round to nearest, no random signs and
+    prescale 1 (``tracedmx.spec``'s form), else ``"m<rot>:<rule A>:<rule B>:<signs s|n>:<rounding A n|s>:<rounding
+    B>:<prescale A>:<prescale B>"``. Every operand as the fast path takes it (``fast.supported``); no GEMM that
+    rotates or scales high-precision operands. Depends on the recipe only."""
+    from . import fast
+    if not fast.supported(recipe, enabled_only=False):
+        return None
+    parts, mx = [], False
+    for g, a, b in _GEMMS:
+        oa, ob, rot = recipe.operand(a), recipe.operand(b), recipe.rotation(g)
+        if not oa.quantized and not ob.quantized and not rot.enabled and oa.prescale == ob.prescale == 1.0:
+            parts.append("p")
+            continue
+        if not (oa.fmt == ob.fmt == "mxfp4"):
+            return None
+        size = rot.size if rot.enabled else 0
+        signs = rot.enabled and rot.signs != "none"
+        head = f"m{size}:{oa.scale_rule}:{ob.scale_rule}"
+        if signs or oa.rounding != "nearest" or ob.rounding != "nearest" or oa.prescale != 1.0 or ob.prescale != 1.0:
+            head += (f":{'s' if signs else 'n'}:{oa.rounding[0]}:{ob.rounding[0]}:{float(oa.prescale)!r}"
+                     f":{float(ob.prescale)!r}")
+        parts.append(head)
+        mx = True
+    return ";".join(parts) if mx else None
+
+
+class _G:
+    """One MX GEMM of a spec: rotation size, scale rules, random signs, stochastic rounding and prescales of its
+    operands A and B."""
+    __slots__ = ("rot", "ra", "rb", "signs", "sra", "srb", "pa", "pb")
+
+    def __init__(self, g: str):
+        f = g[1:].split(":")
+        self.rot, self.ra, self.rb = int(f[0]), f[1], f[2]
+        if len(f) > 3:
+            self.signs, self.sra, self.srb = f[3] == "s", f[4] == "s", f[5] == "s"
+            self.pa, self.pb = float(f[6]), float(f[7])
+        else:
+            self.signs = self.sra = self.srb = False
+            self.pa = self.pb = 1.0
+
+    @property
+    def alpha(self) -> float:
+        """The GEMM's output multiplier, 1 / (prescale A x prescale B), as the fast path computes it."""
+        return 1.0 / (self.pa * self.pb)
+
+
+def seeded(mx: str) -> bool:
+    """Does ``spec``'s answer ``mx`` round stochastically, draw random signs or prescale (its wider form)?"""
+    return any(g.count(":") > 2 for g in mx.split(";"))
+
+
 def _parse(g: str) -> tuple[int, str, str]:
-    rot, ra, rb = g[1:].split(":")
+    rot, ra, rb = g[1:].split(":")[:3]
     return int(rot), ra, rb
 
 
-def _dual_ok(t2: torch.Tensor, rot_a: int, rot_b: int) -> bool:
+# the operands' positions in ``call_seeds``' keys (``keys[4 i]``: operand ``i`` of ``recipe.OPERANDS``)
+_KEY_INDEX = {"fprop_x": 0, "fprop_w": 1, "dgrad_dy": 2, "dgrad_w": 3, "wgrad_dy": 4, "wgrad_x": 5}
+_GEMM_INDEX = {"fprop": 0, "dgrad": 1, "wgrad": 2}
+
+
+class _Seeds:
+    """The call's random inputs as the kernels take them: ``key(name)`` an int32 one-element view of ``call_seeds``'
+    keys where operand ``name`` rounds stochastically, ``signs(gemm, G)`` the GEMM's sign vector where it has
+    random signs; None otherwise (and always without seeds)."""
+    __slots__ = ("keys", "sign_rows")
+
+    def __init__(self, keys, sign_rows):
+        self.keys, self.sign_rows = keys, sign_rows
+
+    def key(self, name: str, sr: bool):
+        if not sr or self.keys is None:
+            return None
+        i = 4 * _KEY_INDEX[name]
+        return self.keys[i: i + 1]
+
+    def signs(self, gemm: str, G: _G):
+        if not G.signs or self.sign_rows is None:
+            return None
+        return self.sign_rows[_GEMM_INDEX[gemm], : G.rot]
+
+
+def _dual_ok(t2: torch.Tensor, rot_a: int, rot_b: int, sr: bool = False) -> bool:
     """Does one pass make both operands of ``t2`` (``launch.dual_applies`` on the trace's tensor)?"""
     from .kernels.mxfp4.launch import dual_applies
-    return dual_applies(t2, rot_a, rot_b)
+    return dual_applies(t2, rot_a, rot_b, sr=sr)
 
 
-def _quant_rows(t2: torch.Tensor, cnt, rot: int, rule: str, group_rows: int):
-    """``t2`` (R, K) quantized along K: (carrier, group-scale storage)."""
-    c, g, _, _ = torch.ops.mxtrain.q_single(t2, cnt, 1, rot, rule, True, False, group_rows, _KMUL)
+def _side(seeds: _Seeds, name: str, gemm: str, G: _G, a: bool) -> tuple:
+    """(signs, key, rounding, prescale) of operand ``name`` (A or B of ``gemm``) for ``q_single`` / ``q_dual``."""
+    sr, ps = (G.sra, G.pa) if a else (G.srb, G.pb)
+    return seeds.signs(gemm, G), seeds.key(name, sr), "stochastic" if sr else "nearest", ps
+
+
+def _quant_rows(t2: torch.Tensor, cnt, rot: int, rule: str, group_rows: int, side: tuple = (None, None, "nearest",
+                                                                                           1.0)):
+    """``t2`` (R, K) quantized along K: (carrier, group-scale storage). ``side``: ``_side``'s answer."""
+    c, g, _, _ = torch.ops.mxtrain.q_single(t2, cnt, 1, rot, rule, True, False, group_rows, _KMUL, *side)
     return c, g
 
 
-def _quant_cols(t2: torch.Tensor, cnt, rot: int, rule: str, group_rows: int, fp4: bool = False):
+def _quant_cols(t2: torch.Tensor, cnt, rot: int, rule: str, group_rows: int, fp4: bool = False,
+                side: tuple = (None, None, "nearest", 1.0)):
     """``t2`` (M, K) quantized along M (the operand of K rows): (carrier, group-scale storage) or, with
     ``fp4``, (packed codes, E8M0 scales)."""
-    c, g, p, s = torch.ops.mxtrain.q_single(t2, cnt, 0, rot, rule, not fp4, fp4, group_rows, _KMUL)
+    c, g, p, s = torch.ops.mxtrain.q_single(t2, cnt, 0, rot, rule, not fp4, fp4, group_rows, _KMUL, *side)
     return (p, s) if fp4 else (c, g)
 
 
 class _CompiledMXLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, ca, ga, pk, sc, gemms, out_dtype, amp, x_rows):
+    def forward(ctx, x, weight, bias, ca, ga, pk, sc, keys, sign_rows, gemms, out_dtype, amp, x_rows):
         """``ca``, ``ga``: X's Fprop carrier and group-scale storage; ``pk``, ``sc``: its Wgrad operand as FP4 codes
-        and E8M0 scales (None: the backward quantizes the kept X); all None where Fprop is plain (``_x_operands``)."""
+        and E8M0 scales (None: the backward quantizes the kept X); all None where Fprop is plain (``_x_operands``).
+        ``keys``, ``sign_rows``: the call's random inputs (``call_seeds``), or None where the recipe draws none."""
         from .tracedmx import _gemm as plain_gemm
         _, cw, _ = _counters(x.device)
         K, N = x.shape[-1], weight.shape[0]
@@ -144,22 +243,25 @@ class _CompiledMXLinear(torch.autograd.Function):
         ydt = torch.float32 if bias is not None else out_dtype
         ctx.gemms, ctx.amp, ctx.x_rows, ctx.has_bias, ctx.x_dtype = gemms, amp, x_rows, bias is not None, x.dtype
         ctx.x_shape = x.shape
+        seeds = _Seeds(keys, sign_rows)
         # (no autocast context here: dynamo's trace of one inside an autograd.Function left autocast off for the
         # layers after it; nothing below depends on autocast: custom ops, _scaled_mm, and plain GEMMs whose
         # operands are cast to the GEMM dtype first)
         if gemms[0] == "p":
             y = plain_gemm("p", x2, 1, weight, 1, ydt, amp, 128)
         else:
-            rot, _, rb = _parse(gemms[0])
-            cw_, gw_ = _quant_rows(weight, cw, rot, rb, 128)
-            y = _mm(ca, ga, M, cw_, gw_, 128, N, ydt)
+            G = _G(gemms[0])
+            cw_, gw_ = _quant_rows(weight, cw, G.rot, G.rb, 128, _side(seeds, "fprop_w", "fprop", G, False))
+            y = _mm(ca, ga, M, cw_, gw_, 128, N, ydt, G.alpha)
         if bias is not None:
             y = (y + bias.to(torch.float32)).to(out_dtype)
         ctx.saved_codes = pk is not None
+        ctx.seeded = (keys is not None, sign_rows is not None)
+        seeded = tuple(t for t in (keys, sign_rows) if t is not None)
         if ctx.saved_codes:
-            ctx.save_for_backward(pk, sc, weight)
+            ctx.save_for_backward(pk, sc, weight, *seeded)
         else:
-            ctx.save_for_backward(x2.contiguous(), weight)
+            ctx.save_for_backward(x2.contiguous(), weight, *seeded)
         return y.reshape(*x.shape[:-1], N)
 
     @staticmethod
@@ -167,11 +269,16 @@ class _CompiledMXLinear(torch.autograd.Function):
         from .tracedmx import _gemm as plain_gemm
         g = ctx.gemms
         n = ctx.needs_input_grad
+        saved = list(ctx.saved_tensors)
         if ctx.saved_codes:
-            pk, sc, weight = ctx.saved_tensors
+            pk, sc, weight = saved[:3]
             x2 = None
         else:
-            x2, weight = ctx.saved_tensors
+            x2, weight = saved[:2]
+        rest = saved[3 if ctx.saved_codes else 2:]
+        keys = rest.pop(0) if ctx.seeded[0] else None
+        sign_rows = rest.pop(0) if ctx.seeded[1] else None
+        seeds = _Seeds(keys, sign_rows)
         cx, cw, cdy = _counters(dy.device)
         K, N = weight.shape[1], weight.shape[0]
         dx = dw = db = None
@@ -179,36 +286,40 @@ class _CompiledMXLinear(torch.autograd.Function):
         M = dy2.shape[0]
         pre = {}
         if n[0] and n[1] and g[1] != "p" and g[2] != "p":
-            rot_d, rule_dy, _ = _parse(g[1])
-            rot_w, rule_wdy, _ = _parse(g[2])
-            if _dual_ok(dy2, rot_d, rot_w):
-                a0, a1, b0, b1 = torch.ops.mxtrain.q_dual(dy2, cdy, rot_d, rule_dy, rot_w, rule_wdy, 1, False, _KMUL)
+            D, W = _G(g[1]), _G(g[2])
+            if _dual_ok(dy2, D.rot, W.rot, D.sra or W.sra):
+                a0, a1, b0, b1 = torch.ops.mxtrain.q_dual(dy2, cdy, D.rot, D.ra, W.rot, W.ra, 1, False, _KMUL,
+                                                         *_side(seeds, "dgrad_dy", "dgrad", D, True),
+                                                         *_side(seeds, "wgrad_dy", "wgrad", W, True))
                 pre = {"dgrad": (a0, a1), "wgrad": (b0, b1)}
         if n[0]:
             odt = ctx.x_dtype
             if g[1] == "p":
                 dx = plain_gemm("p", dy2, 1, weight, 0, odt, ctx.amp, 128)
             else:
-                rot_d, rule_dy, rule_w = _parse(g[1])
-                ca, ga = pre["dgrad"] if "dgrad" in pre else _quant_rows(dy2, cdy, rot_d, rule_dy, 1)
-                cb, gb = _quant_cols(weight, cw, rot_d, rule_w, 128)
-                dx = _mm(ca, ga, M, cb, gb, 128, K, odt)
+                D = _G(g[1])
+                ca, ga = (pre["dgrad"] if "dgrad" in pre else
+                          _quant_rows(dy2, cdy, D.rot, D.ra, 1, _side(seeds, "dgrad_dy", "dgrad", D, True)))
+                cb, gb = _quant_cols(weight, cw, D.rot, D.rb, 128, side=_side(seeds, "dgrad_w", "dgrad", D, False))
+                dx = _mm(ca, ga, M, cb, gb, 128, K, odt, D.alpha)
             dx = dx.to(ctx.x_dtype).reshape(ctx.x_shape)
         if n[1]:
             if g[2] == "p":
                 dw = plain_gemm("p", dy2, 0, x2, 0, weight.dtype, ctx.amp, ctx.x_rows)
             else:
-                rot_w, rule_wdy, rule_x = _parse(g[2])
-                ca, ga = pre["wgrad"] if "wgrad" in pre else _quant_cols(dy2, cdy, rot_w, rule_wdy, 1)
+                W = _G(g[2])
+                ca, ga = (pre["wgrad"] if "wgrad" in pre else
+                          _quant_cols(dy2, cdy, W.rot, W.ra, 1, side=_side(seeds, "wgrad_dy", "wgrad", W, True)))
                 if x2 is None:
                     cb, gb = torch.ops.mxtrain.q_expand(pk, sc, cx, M, ctx.x_rows, _KMUL)
                 else:
-                    cb, gb = _quant_cols(x2, cx, rot_w, rule_x, ctx.x_rows)
-                dw = _mm(ca, ga, N, cb, gb, ctx.x_rows, K, weight.dtype)
+                    cb, gb = _quant_cols(x2, cx, W.rot, W.rb, ctx.x_rows,
+                                         side=_side(seeds, "wgrad_x", "wgrad", W, False))
+                dw = _mm(ca, ga, N, cb, gb, ctx.x_rows, K, weight.dtype, W.alpha)
             dw = dw.to(weight.dtype)
         if ctx.has_bias and n[2]:
             db = dy2.to(torch.float32).sum(0).to(weight.dtype)
-        return dx, dw, db, None, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None, None, None
 
 
 def _counters(device: torch.device) -> tuple:
@@ -218,7 +329,7 @@ def _counters(device: torch.device) -> tuple:
     return fast.state.by_name[str(device)]
 
 
-def _x_operands(x2: torch.Tensor, gemms: tuple, x_rows: int, need_wgrad: bool) -> tuple:
+def _x_operands(x2: torch.Tensor, gemms: tuple, x_rows: int, need_wgrad: bool, seeds: _Seeds) -> tuple:
     """X's operands, made outside the layer's autograd function (they carry no gradient; dX comes from the
     function's backward), so that layers reading one input can share them (``share_inputs``): ``(Fprop carrier,
     its group-scale storage, Wgrad FP4 codes, Wgrad E8M0 scales)``, the last two None where the backward needs no
@@ -226,21 +337,25 @@ def _x_operands(x2: torch.Tensor, gemms: tuple, x_rows: int, need_wgrad: bool) -
     if gemms[0] == "p":
         return None, None, None, None
     cx = _counters(x2.device)[0]
-    rot, ra, _ = _parse(gemms[0])
+    F = _G(gemms[0])
+    fa = _side(seeds, "fprop_x", "fprop", F, True)
     if need_wgrad:
-        rot_w, _, rule_x = _parse(gemms[2])
-        if _dual_ok(x2, rot, rot_w):
-            return tuple(torch.ops.mxtrain.q_dual(x2, cx, rot, ra, rot_w, rule_x, x_rows, True, _KMUL))
-        ca, ga = _quant_rows(x2, cx, rot, ra, 1)
-        pk, sc = _quant_cols(x2, cx, rot_w, rule_x, x_rows, fp4=True)
+        W = _G(gemms[2])
+        wb = _side(seeds, "wgrad_x", "wgrad", W, False)
+        if _dual_ok(x2, F.rot, W.rot, F.sra or W.srb):
+            return tuple(torch.ops.mxtrain.q_dual(x2, cx, F.rot, F.ra, W.rot, W.rb, x_rows, True, _KMUL, *fa, *wb))
+        ca, ga = _quant_rows(x2, cx, F.rot, F.ra, 1, fa)
+        pk, sc = _quant_cols(x2, cx, W.rot, W.rb, x_rows, fp4=True, side=wb)
         return ca, ga, pk, sc
-    ca, ga = _quant_rows(x2, cx, rot, ra, 1)
+    ca, ga = _quant_rows(x2, cx, F.rot, F.ra, 1, fa)
     return ca, ga, None, None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, mx: str, rows: tuple) -> torch.Tensor:
-    """``x @ weight.T + bias`` with the GEMMs ``tracedmx.spec`` described as ``mx``, as the compiled layer
-    (``applies``' answer ``rows``), in the autocast dtype where autocast is on (as the fast path)."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, mx: str, rows: tuple,
+           keys: torch.Tensor | None = None, signs: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` with the GEMMs ``spec`` described as ``mx``, as the compiled layer (``applies``'
+    answer ``rows``), in the autocast dtype where autocast is on (as the fast path). ``keys``, ``signs``: the
+    call's ``call_seeds`` outputs where the recipe rounds stochastically or draws random signs (else None)."""
     from . import settings
     dt = x.device.type
     amp = torch.get_autocast_dtype(dt) if torch.is_autocast_enabled(dt) else None
@@ -249,8 +364,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, mx:
     need_wgrad = (torch.is_grad_enabled() and weight.requires_grad and settings.current().wgrad_x == "forward"
                   and gemms[2] != "p")
     x2 = x.detach().reshape(-1, x.shape[-1]).contiguous()   # (quantized operands carry no gradient)
-    ca, ga, pk, sc = _x_operands(x2, gemms, rows[0], need_wgrad)
-    return _CompiledMXLinear.apply(x, weight, bias, ca, ga, pk, sc, gemms, out_dtype, amp, rows[0])
+    ca, ga, pk, sc = _x_operands(x2, gemms, rows[0], need_wgrad, _Seeds(keys, signs))
+    return _CompiledMXLinear.apply(x, weight, bias, ca, ga, pk, sc, keys, signs, gemms, out_dtype, amp, rows[0])
 
 
 # ---------------------------------------------------------------------------------------------- shared inputs

@@ -638,7 +638,12 @@ def compiled_linear(x, weight, bias, state, recipe_str: str, seeded: bool, quant
         return tracedmx.linear(x, weight, bias, mx, arg)
     if form == "graph":
         from . import compiledmx
-        return compiledmx.linear(x, weight, bias, mx, arg)
+        keys = signs = None
+        if seeded:   # (the call's random inputs: one small op; it advances the layer's call counter)
+            if state is None:
+                state = torch.zeros((3,), dtype=torch.int64, device=x.device)
+            keys, signs = torch.ops.mxtrain.call_seeds(state, recipe_str, torch.is_grad_enabled())
+        return compiledmx.linear(x, weight, bias, mx, arg, keys, signs)
     if fp8:
         x = _fp8_input(x)
     if form == "traced_fp8":
@@ -672,11 +677,18 @@ def _fp8_input(x: torch.Tensor) -> torch.Tensor:
 def _compile_spec(recipe: str) -> tuple[str, bool, bool, bool, str, str]:
     """``recipe``: a preset name or a recipe's JSON string (strings only: a traced call passes its
     arguments as constants, and some torch versions cannot rebuild a frozen dataclass there)."""
-    from . import tracedfp8, tracedmx
+    from . import tracedfp8
     r = _recipe_from_json(recipe) if recipe.startswith("{") else get_recipe(recipe)
     fp8 = tracedfp8.spec(r)
     return (recipe_json(r), needs_seeds(r), r.quantized, split_capable(r), ",".join(fp8) if fp8 else "",
-            tracedmx.spec(r) or "")
+            mx_spec(r))
+
+
+def mx_spec(r: Recipe) -> str:
+    """The recipe's GEMMs as the traced MX forms take them (``tracedmx.spec``; where that declines, the wider
+    ``compiledmx.spec``: stochastic rounding, random signs, prescales), else ""."""
+    from . import compiledmx, tracedmx
+    return r.memo("mx_spec", lambda r: tracedmx.spec(r) or compiledmx.spec(r) or "")
 
 
 def mx_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

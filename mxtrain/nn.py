@@ -26,8 +26,8 @@ import torch
 import torch.nn as nn
 
 from .context import OPERAND_ID as _OPERAND_ID, Ctx, advances_calls, needs_seeds, operand_seed, pad_axis as _pad_axis
-from .linear import _MXLinearFunction, compiled_linear, mx_linear, recipe_json, split_capable
-from . import tracedfp8, tracedmx
+from .linear import _MXLinearFunction, compiled_linear, mx_linear, mx_spec, recipe_json, split_capable
+from . import tracedfp8
 from .recipe import Recipe
 from .recipes import get as get_recipe
 
@@ -186,7 +186,7 @@ class MXLayer:
         self._mx_split = split_capable(r)
         fp8 = tracedfp8.spec(r)
         self._mx_fp8 = ",".join(fp8) if fp8 else ""
-        self._mx_traced = tracedmx.spec(r) or ""
+        self._mx_traced = mx_spec(r)
 
     @property
     def layer_id(self) -> int:

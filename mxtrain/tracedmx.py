@@ -103,6 +103,8 @@ def applies(mx: str, x: torch.Tensor, weight: torch.Tensor) -> int:
     s = settings.current()
     if not mx or s.mx_traced == "off" or not s.fast or s.exact_carrier:
         return 0
+    if any(g.count(":") > 2 for g in mx.split(";")):
+        return 0   # (compiledmx.spec's wider form: stochastic rounding, random signs or prescales)
     if x.device.type != "cuda" and s.mx_traced != "always":
         return 0
     ok = (torch.float32, torch.bfloat16, torch.float16)

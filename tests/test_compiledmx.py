@@ -12,6 +12,7 @@ import torch
 
 import mxtrain
 from mxtrain import compiledmx, fast, mx_linear, recipes, settings, tracedmx
+from mxtrain.linear import COMPILED_FORMS
 from mxtrain.kernels.mxfp4 import kernels as K
 from mxtrain.kernels.mxfp4.launch import kernel_kwargs
 
@@ -64,13 +65,52 @@ def test_layer_equals_the_reference_on_cpu(recipe, shape, bias, rows):
         assert torch.allclose(a, r, rtol=1e-5, atol=1e-5 * r.abs().max().item()), (recipe, name)
 
 
+@pytest.mark.parametrize("recipe,shape,bias", [
+    ("tseng", (2, 24, 96), False),            # plain Fprop; SR, per-step H64 signs and prescale 0.75 behind it;
+                                              # K = 96 pads to whole 64-blocks (the SR stream's index strides)
+    ("mxfp4-all-sr", (40, 64), True),         # SR on dY only, nearest elsewhere: X's operands from one pass
+    ("mxfp4-all-rht16", (3, 20, 64), False),  # random signs on every GEMM, rows padded
+])
+def test_seeded_layer_equals_the_reference_on_cpu(recipe, shape, bias):
+    """Stochastic rounding, random signs and prescales in the compiled layer: with the call's keys and signs from
+    ``call_seeds`` (the layer's state [layer 7, step 3, call 2]), the same MX values as the reference at that
+    state, so the same outputs and gradients up to summation order (a key of the wrong operand, or the SR
+    stream's index strides of an unpadded operand, fail it)."""
+    from mxtrain.linear import call_seeds, mx_spec
+    rec = recipes.get(recipe)
+    mx = mx_spec(rec)
+    assert mx and not tracedmx.spec(rec)
+    g = torch.Generator().manual_seed(5)
+    N = 80
+    x = torch.randn(*shape, generator=g) * 4
+    w = torch.randn(N, shape[-1], generator=g)
+    b = torch.randn(N, generator=g) if bias else None
+    gy = torch.randn(*shape[:-1], N, generator=g)
+    fast.state.prepare("cpu")
+    st = torch.tensor([7, 3, 2])
+
+    def layer(x, w, b):
+        keys, signs = call_seeds(st, rec, True)
+        return compiledmx.linear(x, w, b, mx, (128, 128), keys, signs)
+    got = fwd_bwd(x, w, b, gy, layer)
+    assert st.tolist() == [7, 3, 3 if rec.operand("dgrad_dy").rounding == "stochastic" else 2]
+    ref_state = torch.tensor([7, 3, 2])
+    with settings.override(fast=False):
+        want = fwd_bwd(x, w, b, gy, lambda x, w, b: mx_linear(x, w, b, recipe, ref_state))
+    for a, r, name in zip(got, want, ("y", "dX", "dW", "db")):
+        assert torch.allclose(a, r, rtol=1e-5, atol=1e-5 * r.abs().max().item()), (recipe, name)
+
+
 def test_the_dispatcher_takes_the_form_only_where_it_applies():
     mx = tracedmx.spec(recipes.get("mxfp4-all-dh16"))
     x, w = torch.zeros(64, 96), torch.zeros(32, 96)
     assert compiledmx.applies(mx, x, w) == (0, 0)            # a CPU tensor
     assert compiledmx.applies("", x, w) == (0, 0)
-    assert tracedmx.spec(recipes.get("mxfp4-all-sr")) is None   # SR keeps the custom ops
-    assert tracedmx.spec(recipes.get("tseng")) is None
+    assert tracedmx.spec(recipes.get("mxfp4-all-sr")) is None   # SR: the compiled layer's wider spec
+    assert tracedmx.applies(compiledmx.spec(recipes.get("tseng")), x, w) == 0
+    assert compiledmx.seeded(compiledmx.spec(recipes.get("tseng"))) and not compiledmx.seeded(mx)
+    for name in ("nvfp4", "mxfp8", "mxfp4-all-adaptive", "fp8"):   # what the fast path does not run
+        assert compiledmx.spec(recipes.get(name)) is None, name
     with settings.override(mx_compiled="ops"):
         assert compiledmx.applies(mx, x, w) == (0, 0)
 
@@ -111,6 +151,27 @@ def _data(M, Kd, N, dtype, seed=0):
     (torch.bfloat16, True, False, (4, 256, 4096, 512)),  # 3-D input
 ])
 def test_cuda_compiled_layer_equals_the_eager_fast_path(recipe, dtype, amp, bias, shape):
+    _compiled_vs_eager(recipe, dtype, amp, bias, shape)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("recipe", ["tseng", "mxfp4-all-sr", "mxfp4-all-rht16"])
+@pytest.mark.parametrize("dtype,amp,bias,shape", [
+    (torch.bfloat16, False, False, (2048, 768, 2304)),
+    (torch.float32, True, True, (1000, 768, 256)),
+])
+def test_cuda_seeded_compiled_layer_equals_the_eager_fast_path(recipe, dtype, amp, bias, shape):
+    """Stochastic rounding, random signs and prescales (``mx_compiled_seeded``): the compiled layer draws the eager
+    fast path's bits (both at layer 0, step 0, call 0: the eager call's host key against the compiled call's key
+    in device memory)."""
+    from mxtrain.linear import implementation
+    with settings.override(mx_compiled_seeded=True):
+        x = torch.zeros(64, 256, device="cuda")
+        assert implementation(recipe, x, torch.zeros(128, 256, device="cuda")) == COMPILED_FORMS["graph"]
+        _compiled_vs_eager(recipe, dtype, amp, bias, shape)
+
+
+def _compiled_vs_eager(recipe, dtype, amp, bias, shape):
     _gpu()
     *lead, Kd, N = shape
     M = 1
@@ -467,18 +528,21 @@ def partition(gm, inputs, **kw):
     return default_partition(gm, inputs, **kw)
 
 def run(recipe, n_layers, M=256, K=256, N=512):
-    mx = tracedmx.spec(recipes.get(recipe))
-    def block(x, c0, c1, c2, *ws):
+    from mxtrain.linear import mx_spec
+    mx = mx_spec(recipes.get(recipe))
+    def block(x, c0, c1, c2, keys, signs, *ws):
         fast.state.by_name["meta"] = (c0, c1, c2)   # (the counters as graph inputs, as dynamo lifts them)
-        return sum(compiledmx.linear(x, w, None, mx, (128, 128)).float().sum() for w in ws)
+        return sum(compiledmx.linear(x, w, None, mx, (128, 128), keys, signs).float().sum() for w in ws)
     x = torch.empty(M, K, device="meta", dtype=torch.bfloat16, requires_grad=True)
     ws = [torch.empty(N, K, device="meta", dtype=torch.bfloat16, requires_grad=True) for _ in range(n_layers)]
     cs = [torch.zeros(1, dtype=torch.int32, device="meta") for _ in range(3)]
+    seeds = (torch.zeros(24, dtype=torch.int32, device="meta"), torch.ones(3, 128, device="meta"))
     joint.clear()
     compiler = lambda gm, example_inputs: make_boxed_func(gm.forward)
-    aot_function(block, fw_compiler=compiler, bw_compiler=compiler, partition_fn=partition)(x, *cs, *ws)
+    aot_function(block, fw_compiler=compiler, bw_compiler=compiler, partition_fn=partition)(x, *cs, *seeds, *ws)
     g = joint[0].graph
-    inputs = {n for n in g.nodes if n.op == "placeholder"}
+    places = [n for n in g.nodes if n.op == "placeholder"]
+    inputs, counters = set(places), set(places[1:4])   # (a counter is a mutated input)
     kernels, cloned, clones = collections.Counter(), [], 0
     for n in g.nodes:
         if n.target is torch.ops.higher_order.triton_kernel_wrapper_functional:
@@ -486,12 +550,12 @@ def run(recipe, n_layers, M=256, K=256, N=512):
             kernels[k.fn.__name__] += 1
             for name in n.kwargs["tensors_to_clone"]:
                 arg = n.kwargs["kwargs"][name]
-                if arg in inputs and arg.meta["val"].dtype != torch.int32:   # (a counter is a mutated input)
+                if arg in inputs and arg not in counters:
                     cloned.append(name)
         clones += n.target is torch.ops.aten.clone.default
     return {"kernels": dict(kernels), "cloned_inputs": cloned, "clones": clones}
 json.dump({f"{r} x{n}": run(r, n) for r, n in (("mxfp4-all", 1), ("mxfp4-all", 2), ("mxfp4-all-dh16", 1),
-                                                ("mxfp4-fprop", 1))}, sys.stdout)
+                                                ("mxfp4-fprop", 1), ("mxfp4-all-sr", 1), ("tseng", 1))}, sys.stdout)
 '''
 
 
@@ -501,7 +565,8 @@ def test_graph_of_a_compiled_layer_under_fake_gpu_tensors(tmp_path):
     sm_90, on meta tensors): five quantize launches a layer (X and dY in one pass each, W along K and along N,
     X's carrier from its FP4 codes), two for ``mxfp4-fprop``; no launch makes the compiler copy an input (X, W,
     dY) and no clone at all. Without the sharing pass two layers reading one input quantize it twice (the graph
-    ``mx_compiled=shared`` merges, tested above). (On torch 2.12+ the launches' writes come from
+    ``mx_compiled=shared`` merges, tested above). With stochastic rounding and random signs (``mxfp4-all-sr``,
+    ``tseng``) the keys and signs are read from device memory: not copied either. (On torch 2.12+ the launches' writes come from
     ``access_cache.READ_ONLY``; without it the rotated variant's analysis takes minutes here.)"""
     import json
     import os
@@ -519,6 +584,10 @@ def test_graph_of_a_compiled_layer_under_fake_gpu_tensors(tmp_path):
     assert res["mxfp4-all x2"]["kernels"] == {k: 2 * v for k, v in one.items()}
     assert res["mxfp4-all-dh16 x1"]["kernels"] == one
     assert res["mxfp4-fprop x1"]["kernels"] == {"_mxfp4_kernel": 2}
+    # stochastic rounding on dY (keys and signs read from device memory, nothing copied): dY still in one pass
+    assert res["mxfp4-all-sr x1"]["kernels"] == one
+    # tseng: plain Fprop; dY along both axes, W along N, X along M (H64: no one-pass kernel), all stochastic
+    assert res["tseng x1"]["kernels"] == {"_mxfp4_kernel": 4}, res["tseng x1"]
     for r in res.values():
         assert r["cloned_inputs"] == [] and r["clones"] == 0, r
 

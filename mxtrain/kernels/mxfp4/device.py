@@ -166,14 +166,17 @@ if triton is not None:
         a = tl.minimum(tl.abs(v), 6.0)
         pbits = tl.maximum(a, 1.0).to(tl.int32, bitcast=True) & 0x7F800000   # 2**e, e = max(E(a), 0)
         if SR:
-            y = a * ((0x7F800000 - pbits).to(tl.float32, bitcast=True))      # a * 2**(1-e): step 1
+            p1 = (0x7F800000 - pbits).to(tl.float32, bitcast=True)
+            y = a * p1                                                        # a * 2**(1-e): step 1
             if KK:
                 u = _uniform_kk(idx, key, kk)
                 fl = tl.floor(y)
             else:
                 u = _uniform(idx, key)
                 fl = y.to(tl.int32).to(tl.float32)
-            rr = fl + tl.where(u < (y - fl), 1.0, 0.0)
+            # (y - fl as an explicit FMA: a * 2**(1-e) is exact, so it is the product-then-subtract either way,
+            # and contraction, on or off, leaves the code as written)
+            rr = fl + tl.where(u < tl.fma(a, p1, -fl), 1.0, 0.0)
             q = rr * (pbits - 0x00800000).to(tl.float32, bitcast=True)        # * 2**(e-1)
         else:
             # round to the step 2**(e-1) by adding and removing m = 1.5 * 2**(22+e), built from 2**e's bits (no

@@ -30,8 +30,9 @@ bits, not multiplied. ``tools/compile_check.py --fusion`` compiles every variant
 finds the same code (tests/test_compiledmx.py runs it in CI), so the bytes are the eager kernels'. The register
 caps (``launch.CAPPED_KERNELS``) are lost: a speed matter only. Importing this module installs
 ``kernels.access_cache``: torch's analysis of which tensors a launch writes runs once per kernel variant instead
-of several times per launch (most of a first compile's time without it). Recipes with stochastic rounding, random signs or
-prescales keep the custom ops for now.
+of several times per launch (most of a first compile's time without it). Stochastic rounding, random signs and prescales: the keys and
+sign vectors are device tensors (``call_seeds``' outputs, read by the kernels at run time), the prescale a
+constant of the graph.
 """
 
 from __future__ import annotations
@@ -82,17 +83,31 @@ if AVAILABLE:
     def _launch(kfn, grid, args: tuple, consts: dict, num_warps: int) -> None:
         wrap_triton(kfn)[grid](**kernel_kwargs(kfn, args, consts), num_warps=num_warps)
 
+    def _index_strides(shape, axis: int, rot: int) -> tuple[int, int]:
+        """The logical index strides of the (rotation-padded) operand, as the eager fast path passes them
+        (``fast._index_strides``): the stochastic-rounding stream's element numbering."""
+        if axis == 1:
+            return (-(-shape[1] // rot) * rot if rot else shape[1], 1)
+        return (1, shape[1])
+
     @triton_op("mxtrain::q_single", mutates_args={"cnt"})
     def q_single(x: torch.Tensor, cnt: torch.Tensor, axis: int, rot: int, rule: str, carrier: bool, fp4: bool,
-                 group_rows: int, k_multiple: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``quantize_mxfp4_2d(x, axis, rot=rot, scale_rule=rule, carrier=carrier, fp4=fp4, group_rows=...,
-        k_multiple=..., counter=cnt)`` (round to nearest, no signs): (carrier bytes (Rc, Kc) uint8, group-scale
-        storage (``carrier_buffers``' layout), packed codes, E8M0 scales); an output not written is (0,)."""
+                 group_rows: int, k_multiple: int, signs: torch.Tensor | None = None, key: torch.Tensor | None = None,
+                 rounding: str = "nearest", prescale: float = 1.0
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``quantize_mxfp4_2d(x, axis, rot=rot, signs=signs, rounding=rounding, scale_rule=rule, key_tensor=key,
+        prescale=prescale, carrier=carrier, fp4=fp4, group_rows=..., k_multiple=..., counter=cnt)`` with the index
+        strides the eager fast path passes: (carrier bytes (Rc, Kc) uint8, group-scale storage (``carrier_buffers``'
+        layout), packed codes, E8M0 scales); an output not written is (0,). ``signs``: the rotation's sign vector
+        (``call_seeds``' row, float32, ``rot`` long) or None; ``key``: the stochastic-rounding key in device memory
+        (one int32, ``call_seeds``' keys) or None."""
         st = _settings.current()
-        sp = single_spec(x.shape, x.stride(), x.dtype, x.device, axis, rot=rot, has_signs=False,
-                         rounding="nearest", scale_rule=rule, prescale=1.0, index_strides=None, carrier=carrier,
-                         fp4=fp4, group_rows=group_rows, row_multiple=16, block_rows=None, num_warps=None,
-                         k_multiple=k_multiple, key_ptr=False, force_idx64=False, st=st)
+        sr = rounding == "stochastic"
+        sp = single_spec(x.shape, x.stride(), x.dtype, x.device, axis, rot=rot, has_signs=signs is not None,
+                         rounding=rounding, scale_rule=rule, prescale=prescale,
+                         index_strides=_index_strides(x.shape, axis, rot), carrier=carrier, fp4=fp4,
+                         group_rows=group_rows, row_multiple=16, block_rows=None, num_warps=None,
+                         k_multiple=k_multiple, key_ptr=key is not None, force_idx64=False, st=st)
         dev = x.device
         e = x.new_empty((0,), dtype=torch.uint8)
         car = gs = None
@@ -105,9 +120,9 @@ if AVAILABLE:
         if sp.R > 0 and sp.K > 0:
             if carrier and _tracing(x):
                 from .verify import config_ok
-                _selfcheck(lambda *a: config_ok(*a, st), x, axis, rot, False, rule, False, 1.0, group_rows,
-                           sp.consts["BR"], sp.num_warps, k_multiple, fp4, sp.R, sp.K)
-            args = single_args(x, cnt, None, car, gs, pk, sc, None, sp.ints, 0, sp.floats)
+                _selfcheck(lambda *a: config_ok(*a, st), x, axis, rot, signs is not None, rule, sr, prescale,
+                           group_rows, sp.consts["BR"], sp.num_warps, k_multiple, fp4, sp.R, sp.K)
+            args = single_args(x, cnt, signs, car, gs, pk, sc, key, sp.ints, 0, sp.floats)
             _launch(sp.kfn, sp.grid, args, sp.consts, sp.num_warps)
         return (car if car is not None else e, gs if gs is not None else x.new_empty((0,), dtype=torch.float32),
                 pk if pk is not None else x.new_empty((0,), dtype=torch.uint8),
@@ -115,15 +130,20 @@ if AVAILABLE:
 
     @triton_op("mxtrain::q_dual", mutates_args={"cnt"})
     def q_dual(x: torch.Tensor, cnt: torch.Tensor, rot_a: int, rule_a: str, rot_b: int, rule_b: str,
-               group_rows_b: int, fp4_b: bool, k_multiple: int
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+               group_rows_b: int, fp4_b: bool, k_multiple: int, signs_a: torch.Tensor | None = None,
+               key_a: torch.Tensor | None = None, rounding_a: str = "nearest", prescale_a: float = 1.0,
+               signs_b: torch.Tensor | None = None, key_b: torch.Tensor | None = None, rounding_b: str = "nearest",
+               prescale_b: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``quantize_mxfp4_dual(x, a, b, k_multiple=..., counter=cnt, fp4_b=fp4_b)`` of a row-major 2-D ``x`` with
-        A = (``rot_a``, ``rule_a``, 1x128 groups) and B = (``rot_b``, ``rule_b``, ``group_rows_b``), round to
-        nearest, no signs, where ``launch.dual_applies``: (A's carrier, A's group-scale storage, B's carrier or
-        packed codes, B's group-scale storage or E8M0 scales)."""
+        A = (``rot_a``, ``rule_a``, 1x128 groups) and B = (``rot_b``, ``rule_b``, ``group_rows_b``), each side with
+        its signs, key tensor, rounding and prescale (``q_single``'s) and the eager fast path's index strides,
+        where ``launch.dual_applies``: (A's carrier, A's group-scale storage, B's carrier or packed codes, B's
+        group-scale storage or E8M0 scales)."""
         st = _settings.current()
-        a = dict(rot=rot_a, scale_rule=rule_a)
-        b = dict(rot=rot_b, scale_rule=rule_b, group_rows=group_rows_b)
+        a = dict(rot=rot_a, scale_rule=rule_a, signs=signs_a, key_tensor=key_a, rounding=rounding_a,
+                 prescale=prescale_a, index_strides=_index_strides(x.shape, 1, rot_a))
+        b = dict(rot=rot_b, scale_rule=rule_b, group_rows=group_rows_b, signs=signs_b, key_tensor=key_b,
+                 rounding=rounding_b, prescale=prescale_b, index_strides=_index_strides(x.shape, 0, rot_b))
         sp = dual_spec(x.shape, x.stride(0), x.dtype, x.device, a, b, k_multiple=k_multiple, block_rows=None,
                        num_warps=None, sequential=None, fp4_b=fp4_b, force_idx64=False, st=st)
         dev = x.device
@@ -141,7 +161,7 @@ if AVAILABLE:
         if _tracing(x):
             from .verify import dual_ok
             _selfcheck(lambda *args: dual_ok(*args, fp4_b=fp4_b), x, a, b, k_multiple)
-        args = dual_args(x, cnt, (None, bufs[0][0], bufs[0][1], None), (None, bufs[1][0], bufs[1][1], None),
+        args = dual_args(x, cnt, (signs_a, bufs[0][0], bufs[0][1], key_a), (signs_b, bufs[1][0], bufs[1][1], key_b),
                          sp.ints, 0, sp.floats_a, 0, sp.floats_b)
         _launch(_kernels._mxfp4_dual_kernel, sp.grid, args, sp.consts, sp.num_warps)
         return bufs[0][0], bufs[0][1], bufs[1][0], bufs[1][1]
