@@ -45,6 +45,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ._child import python_command
+from ._io import swap_in, write_atomic, write_json
 from .errors import UserError
 
 __all__ = [
@@ -448,28 +449,15 @@ class PendingCheckpoint:
             old = path.with_name(path.name + ".old")
             try:
                 meta = {"format": "mxtrain-dcp-1", "world_size": env.world_size, "has_optim": self.has_optim}
-                with open(tmp / _EXTRA, "wb") as f:
-                    torch.save(self.extra or {}, f)
-                    f.flush()
-                    os.fsync(f.fileno())
-                with open(tmp / _META, "w") as f:
-                    json.dump(meta, f, indent=1, sort_keys=True)
-                    f.flush()
-                    os.fsync(f.fileno())
+                write_atomic(tmp / _EXTRA, lambda f: torch.save(self.extra or {}, f), user_error=False)
+                write_json(tmp / _META, meta, user_error=False, indent=1, sort_keys=True)
             except OSError as e:   # a full disk on rank 0's last files: every rank must hear of it (no hang)
                 shutil.rmtree(tmp, ignore_errors=True)
                 err = f"cannot write checkpoint {path}: {e.strerror or e}; the previous checkpoint is intact"
             else:
-                if path.exists():
-                    if old.exists():
-                        shutil.rmtree(old)
-                    os.replace(path, old)
-                    os.replace(tmp, path)
-                    shutil.rmtree(old)
-                else:
-                    os.replace(tmp, path)
-                    if old.exists():   # the run's previous checkpoint, left by a save stopped between its renames
-                        shutil.rmtree(old)
+                # (a save stopped between the two renames leaves the previous checkpoint whole at ``old``,
+                # DCP_OLD, which ``checkpoint.latest`` reads)
+                swap_in(tmp, path, old)
         err = from_rank0(err, env)   # rank 0's outcome to every rank (this is also the closing barrier)
         if err is not None:
             raise UserError(err)

@@ -22,6 +22,8 @@ KNOWN_CYCLES = [
 MX_LINEAR_STACK = ["fast", "tracedmx", "compiledmx", "linear", "nn"]
 # the numerics: no import of anything but each other and the package's leaf helpers
 NUMERICS = {"formats", "quant", "hadamard", "recipe", "rng", "settings", "errors", "_constant"}
+# layer 0 of the layered layout (issue #49): imports nothing of the package but each other
+LAYER_0 = {"errors", "settings", "_io"}
 
 
 def _modules() -> dict:
@@ -132,3 +134,9 @@ def test_the_numerics_import_nothing_above_them():
     g = import_graph()
     for mod in NUMERICS:
         assert g[mod] <= NUMERICS | {""}, f"{mod} imports {sorted(g[mod] - NUMERICS)}"
+
+
+def test_layer_0_imports_only_layer_0():
+    g = import_graph()
+    for mod in LAYER_0:
+        assert g[mod] <= LAYER_0, f"{mod} (layer 0) imports {sorted(g[mod] - LAYER_0)}"

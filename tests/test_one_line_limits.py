@@ -186,13 +186,16 @@ def test_full_disk_in_corpus_manifest(tmp_path, monkeypatch):
     out.mkdir()
     (out / corpus.MANIFEST).write_text("{}")
     m = {"domains": {}}
-    import pathlib
+    import io
+    from mxtrain import _io
 
-    def write_text(self, text, *a, **k):
-        self.write_bytes(text[:10].encode())   # part of it, then the disk is full
-        raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(pathlib.Path, "write_text", write_text)
-    with pytest.raises(OSError):
+    class Full(io.FileIO):
+        def write(self, b):
+            super().write(bytes(b)[:10])   # part of it, then the disk is full
+            raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(_io, "open", lambda p, mode="r", *a, **k: Full(p, "w") if ".tmp-" in str(p)
+                        else open(p, mode, *a, **k), raising=False)   # (the module's name for the builtin)
+    with pytest.raises(OSError, match="No space left"):
         corpus._write_manifest(out, m)
     monkeypatch.undo()
     assert (out / corpus.MANIFEST).read_text() == "{}" and not _leftovers(tmp_path)

@@ -9,7 +9,7 @@ import pytest
 
 from mxtrain.errors import UserError
 from mxtrain.train import train
-from mxtrain.train.trainer import _RunLock
+from mxtrain.train.trainer import _run_lock
 
 from train_helpers import run_cli, small_data, tiny_run_cfg
 
@@ -56,7 +56,7 @@ def test_resume_refuses_a_folder_holding_another_run(tmp_path):
 def test_a_locked_folder_is_refused(tmp_path):
     out = tmp_path / "busy"
     out.mkdir()
-    lock = _RunLock(out)   # another run holds the folder
+    lock = _run_lock(out)   # another run holds the folder
     try:
         with pytest.raises(UserError, match=r"in use by another mxtrain run \(pid \d+\)"):
             train(_cfg(out, 2))
@@ -78,7 +78,7 @@ def test_runs_started_in_the_same_second_get_a_folder_each(tmp_path, monkeypatch
     first = train(_cfg(None, 2))
     busy = tmp_path / "runs" / "debug-mxfp4-all-20260101-000000-2"
     busy.mkdir()
-    lock = _RunLock(busy)   # a run of the same second that holds NAME-2 and has written nothing yet
+    lock = _run_lock(busy)   # a run of the same second that holds NAME-2 and has written nothing yet
     try:
         second = train(_cfg(None, 2))
     finally:
@@ -161,6 +161,7 @@ def test_absurd_block_size_is_refused():
 def test_a_checkpoint_without_its_numpy_rng_state_is_one_line(tmp_path):
     """A checkpoint whose RNG state lacks a part (damaged, or written by something else) cannot continue the run as
     it was: one line, nothing written."""
+    from mxtrain import _io
     from mxtrain.train import checkpoint as ckpt
     from train_helpers import one_line_error, run_main
     out = tmp_path / "run"
@@ -180,6 +181,7 @@ def test_a_full_disk_at_a_checkpoint_is_one_line_and_leaves_no_temporary(tmp_pat
     own): one line naming the disk, no temporary file left, the first checkpoint whole."""
     import errno
     import io
+    from mxtrain import _io
     from mxtrain.train import checkpoint as ckpt
     from train_helpers import one_line_error, run_main
 
@@ -194,7 +196,7 @@ def test_a_full_disk_at_a_checkpoint_is_one_line_and_leaves_no_temporary(tmp_pat
             if len(opened) == 2:
                 return Full(p, "w")
         return open(p, mode, *a, **k)
-    monkeypatch.setattr(ckpt, "open", fake_open, raising=False)   # (the module's name for the builtin)
+    monkeypatch.setattr(_io, "open", fake_open, raising=False)   # (the module's name for the builtin)
     out = tmp_path / "run"
     one_line_error(run_main("train", "--exp", "debug", "--data", str(small_data()), "--steps", "4", "--seq-len", "32",
                             "--batch-size", "4", "--out", str(out), "--no-progress", "--set", "train.checkpoint_every=2",

@@ -18,6 +18,8 @@ import json
 import os
 from pathlib import Path
 
+from .._io import write_json
+
 
 def cache_dir() -> Path:
     from .. import settings
@@ -88,9 +90,8 @@ class Record:
                     self.shards[name] = {"identity": ident, "max_id": top}
             path = _record_path(self.folder)
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-            tmp.write_text(json.dumps({"folder": str(self.folder.resolve()), "shards": self.shards}))
-            os.replace(tmp, path)  # atomic: ranks opening the same folder at once each write a whole file
+            # atomic: ranks opening the same folder at once each write a whole file
+            write_json(path, {"folder": str(self.folder.resolve()), "shards": self.shards}, user_error=False)
         except (OSError, RuntimeError):
             pass
         self.new = {}

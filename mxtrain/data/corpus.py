@@ -52,6 +52,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
+from .._io import replace_folder, write_json
 from ..errors import UserError
 from .sources import builtin_documents, decode_bytes, not_text_share
 
@@ -549,8 +550,7 @@ def fetch(src: Source, cache: Path) -> Path:
     got = [f for f in tmp.iterdir() if f.is_file()]
     if len(got) != 1:
         raise UserError(f"{what}: expected one file, got {len(got)} ({', '.join(f.name for f in got)})")
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
+    replace_folder(tmp, final)
     return final / got[0].name
 
 
@@ -801,12 +801,8 @@ def _write_manifest(out: Path, m: dict) -> None:
     m["totals"] = {k: sum(d[k] for d in doms.values()) for k in ("documents", "bytes", "est_tokens")}
     m["totals"]["val_est_tokens"] = sum(d["val"]["est_tokens"] for d in doms.values())
     m["updated"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    tmp = out / f".{MANIFEST}.tmp-{os.getpid()}"
-    try:
-        tmp.write_text(json.dumps(m, indent=2) + "\n")
-        os.replace(tmp, out / MANIFEST)
-    finally:   # (a full disk: the previous manifest stays, no temporary beside it)
-        tmp.unlink(missing_ok=True)
+    # (a full disk: the previous manifest stays, no temporary beside it; the OSError is the CLI's to word)
+    write_json(out / MANIFEST, m, end="\n", user_error=False, indent=2)
 
 
 def _domain_done(out: Path, m: dict, domain: str) -> bool:

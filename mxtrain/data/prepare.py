@@ -32,6 +32,7 @@ from typing import Callable
 
 import numpy as np
 
+from .._io import pid_alive, swap_in, temp_path
 from ..errors import UserError
 from . import checked, hf
 from .sources import BUILTIN, check_sources, documents, expand_sources, kind_of, note, warn
@@ -246,7 +247,7 @@ def _prepare(docs: Callable, out: Path, inputs: list[str], meta_sources: list[st
         dest.parent.mkdir(parents=True, exist_ok=True)
         if _clean_stale(dest):  # an old folder came back: check --out again
             dest = _check_out(out, inputs, force)
-        tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}"
+        tmp = temp_path(dest)
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()
@@ -477,18 +478,6 @@ def _check_out(out: Path, sources: list[str], force: bool) -> Path:
     return dest
 
 
-def _pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OSError):
-        return True
-    return True
-
-
 def _clean_stale(dest: Path) -> bool:
     """Remove the temporary folders of killed runs next to ``dest`` (``.NAME.tmp-PID`` whose process is gone).
     A moved-aside old folder (``.NAME.old-PID``) is deleted when ``dest`` exists (the swap finished), and
@@ -497,7 +486,10 @@ def _clean_stale(dest: Path) -> bool:
     restored = False
     for p in sorted(dest.parent.iterdir()):
         m = pat.fullmatch(p.name)
-        if not m or p.is_symlink() or not p.is_dir() or _pid_alive(int(m.group(2))):
+        if not m or p.is_symlink() or not p.is_dir():
+            continue
+        pid = int(m.group(2))
+        if pid != os.getpid() and pid_alive(pid):   # (this process's own: left by an earlier call, stale)
             continue
         if m.group(1) == "old" and not os.path.lexists(dest) and _prepared_files(p) is not None:
             os.rename(p, dest)
@@ -525,16 +517,7 @@ def _swap_in(tmp: Path, dest: Path, out: Path, force: bool) -> None:
     why = _replace_refusal(dest, out)
     if why or not force:
         raise UserError(why or f"output folder {out} already exists and is not empty (use --force to overwrite)")
-    aside = dest.parent / f".{dest.name}.old-{os.getpid()}"
-    if aside.exists():
-        shutil.rmtree(aside)
-    os.rename(dest, aside)
-    try:
-        os.rename(tmp, dest)
-    except BaseException:
-        os.rename(aside, dest)
-        raise
-    shutil.rmtree(aside, ignore_errors=True)
+    swap_in(tmp, dest, dest.parent / f".{dest.name}.old-{os.getpid()}")   # (``_clean_stale`` puts back an aside)
 
 
 def _carve_val(folder: Path, train_w: _ShardWriter, val_w: _ShardWriter, dtype) -> None:

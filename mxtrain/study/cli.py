@@ -15,8 +15,8 @@ import os
 import sys
 from pathlib import Path
 
+from .._io import write_json
 from ..errors import UserError, number_flag, read_json_object
-from ..train.checkpoint import write_json
 
 __all__ = ["register", "study_main", "report_main"]
 

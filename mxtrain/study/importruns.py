@@ -29,6 +29,7 @@ from dataclasses import asdict, fields
 from datetime import datetime, timezone
 from pathlib import Path
 
+from .._io import write_json
 from ..errors import UserError, read_json_object
 from . import arms as A
 from . import metrics as M
@@ -209,8 +210,5 @@ def import_runs(src: str | Path, dst: str | Path, renames: dict[str, str] | None
     spec = dict(dmeta.get("spec") or {})
     spec["arms"] = arms
     dmeta["spec"] = spec
-    p = dst / "study.json"
-    tmp = p.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(dmeta, indent=1, default=str))
-    tmp.replace(p)
+    write_json(dst / "study.json", dmeta, user_error=False, indent=1, default=str)
     return done

@@ -33,7 +33,6 @@ Llama 3.1-8B config does: its cosine spans 1.2 M steps for a ~6 k-step run).
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
@@ -48,8 +47,8 @@ from pathlib import Path
 from typing import Callable
 
 from .._child import python_command
+from .._io import FolderLock, lock_holder, pid_alive, write_json
 from ..errors import UserError, check_number, read_json_object
-from ..train.checkpoint import write_json
 from .. import recipes as R
 from . import arms as A
 from . import metrics as M
@@ -701,55 +700,23 @@ def _finished(st: dict | None) -> bool:
     return st is not None and st.get("state") in FINISHED_STATES
 
 
-class _StudyLock:
-    """Exclusive ownership of a study folder: ``fcntl.flock`` on ``OUT/.lock``, which holds the owner's pid.
+def _study_lock(out: Path) -> FolderLock:
+    """Exclusive ownership of a study folder: ``FolderLock`` on ``OUT/.lock``, which holds the owner's pid.
 
     Taken before anything in the folder is written and held for the whole study. Worker processes get the
     locked file descriptor (``pass_fds``), so the lock lasts until the owner and all its workers have
     ended; the system drops it when they end, however they end. Where ``fcntl`` does not exist the folder
     is not locked."""
-
-    def __init__(self, out: Path):
-        self.f = None
-        try:
-            import fcntl
-        except ImportError:  # pragma: no cover - not POSIX
-            return
-        try:
-            f = open(out / ".lock", "a+")
-        except OSError as e:
-            raise UserError(f"cannot write to study folder {out}: {e.strerror or e}") from None
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            f.seek(0)
-            who = f.read().strip()
-            f.close()
-            if e.errno not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
-                raise UserError(f"cannot lock study folder {out} ({e.strerror or e})") from None
-            owner = f"pid {who}" if who else "another process"
-            try:
-                if who:
-                    os.kill(int(who), 0)
-            except ProcessLookupError:
-                owner = f"the worker processes of pid {who}, which has exited; they stop in a moment"
-            except (ValueError, OSError):
-                pass
-            raise UserError(f"study folder {out} is in use by another mxtrain study ({owner}); wait for it to "
-                            f"finish or choose another --out") from None
-        f.seek(0)
-        f.truncate()
-        f.write(f"{os.getpid()}\n")
-        f.flush()
-        self.f = f
-
-    def fileno(self) -> int | None:
-        return None if self.f is None else self.f.fileno()
-
-    def close(self) -> None:
-        if self.f is not None:
-            self.f.close()
-            self.f = None
+    def busy(who: str) -> str:
+        owner = f"pid {who}" if who else "another process"
+        if who.isdecimal() and not pid_alive(int(who)):
+            owner = f"the worker processes of pid {who}, which has exited; they stop in a moment"
+        return f"study folder {out} is in use by another mxtrain study ({owner}); wait for it to finish or choose " \
+               f"another --out"
+    try:
+        return FolderLock(out, busy, refused=lambda e: f"cannot lock study folder {out} ({e.strerror or e})")
+    except OSError as e:
+        raise UserError(f"cannot write to study folder {out}: {e.strerror or e}") from None
 
 
 class _StopOnSignal:
@@ -802,7 +769,7 @@ def run_study(spec: StudySpec, train_fn: Callable[[StudySpec, str, int, Path], N
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UserError(f"cannot write to study folder {out}: {e.strerror or e}") from None
-    lock = _StudyLock(out)   # before anything in the folder is written: one owner at a time
+    lock = _study_lock(out)   # before anything in the folder is written: one owner at a time
     try:
         with _StopOnSignal():
             _run_study_locked(spec, out, train_fn, log, jobs, lock, branch_fn, start_by)
@@ -811,7 +778,7 @@ def run_study(spec: StudySpec, train_fn: Callable[[StudySpec, str, int, Path], N
     return out
 
 
-def _run_study_locked(spec: StudySpec, out: Path, train_fn, log, jobs: int, lock: _StudyLock, branch_fn=None,
+def _run_study_locked(spec: StudySpec, out: Path, train_fn, log, jobs: int, lock: FolderLock, branch_fn=None,
                       start_by: float | None = None) -> None:
     try:
         (out / ".write_test").write_text("")
@@ -1175,24 +1142,11 @@ def branches_pending(spec: StudySpec, out: Path, arm: str, seed: int) -> bool:
 
 def _run_folder_owner(rd: Path) -> str | None:
     """Who holds the trainer's lock on run folder ``rd`` (``RUN/.lock``), or None when nobody does."""
-    p = rd / ".lock"
-    if not p.is_file():
-        return None
-    try:
-        import fcntl
-        with open(p) as f:
-            try:
-                fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except OSError as e:
-                if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
-                    who = f.read().strip()
-                    return f"pid {who}" if who else "unknown pid"
-            return None
-    except (ImportError, OSError):
-        return None
+    who = lock_holder(rd / ".lock")
+    return None if who is None else f"pid {who}" if who else "unknown pid"
 
 
-def _run_workers(spec: StudySpec, out: Path, jobs: int, log, lock: _StudyLock | None = None,
+def _run_workers(spec: StudySpec, out: Path, jobs: int, log, lock: FolderLock | None = None,
                  start_by: float | None = None) -> str | None:
     """Start ``jobs`` worker processes over the pending runs and wait for all of them.
 

@@ -111,7 +111,7 @@ def _attempt_files(out: Path) -> list[Path]:
              "study_error.txt", ckpt.NAME, D.DCP_NAME, D.DCP_OLD, D.DCP_NAME + ".tmp"}
 
     def written(name: str) -> bool:
-        m = re.fullmatch(r"\.(.+)\.tmp-\d+", name)   # checkpoint.write_atomic's temporary of one of them
+        m = re.fullmatch(r"\.(.+)\.tmp-\d+", name)   # _io.write_atomic's temporary of one of them
         name = m.group(1) if m else name
         return name in names or re.fullmatch(r"checkpoint-\d+\.(pt|dcp)", name) is not None   # (kept ones)
     return [p for p in out.iterdir() if written(p.name) or p.name.startswith(".write-test-")]

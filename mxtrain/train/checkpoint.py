@@ -1,4 +1,5 @@
-"""Checkpoints: one ``torch.save`` file written atomically (temporary file, fsync, ``os.replace``).
+"""Checkpoints: one ``torch.save`` file written atomically (``_io.write_atomic``: temporary file, fsync,
+``os.replace``).
 
 Contents: model and optimizer state, schedule step, data loader position, RNG states (Python,
 NumPy, torch CPU and CUDA), the step and token counters, and the full config. A crash mid-write
@@ -8,7 +9,6 @@ leaves the previous checkpoint intact. Loading a corrupt, truncated or mismatche
 
 from __future__ import annotations
 
-import os
 import random
 import warnings
 from pathlib import Path
@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .._io import lock_holder, write_atomic  # (hf.py and study/report.py import write_atomic from here)
 from ..errors import UserError
 
 FORMAT = "mxtrain-ckpt-v1"
@@ -58,77 +59,9 @@ def set_rng_state(st: dict, path: str | Path = "") -> None:
                         f"continue as it was; restore the checkpoint from a good copy or start a new run") from None
 
 
-class _Writes:
-    """The file ``write_atomic`` hands to its writer: the OSError of a write (a full disk) is kept, since a writer
-    may report it as an error of its own (``torch.save`` raises a RuntimeError that does not name it)."""
-
-    def __init__(self, f):
-        self.f, self.error = f, None
-
-    def write(self, data):
-        try:
-            return self.f.write(data)
-        except OSError as e:
-            self.error = e
-            raise
-
-    def __getattr__(self, name):
-        return getattr(self.f, name)
-
-
-def write_atomic(path: Path, write, what: str = "") -> None:
-    """``write(f)`` into a temporary sibling of ``path`` (binary file), synced, then renamed over ``path``:
-    a crash or a full disk leaves the previous file whole; an OSError (also one a writer reports as an error of
-    its own) is one UserError; the temporary is removed whatever stopped the write. ``what`` names the file in
-    the message (e.g. "checkpoint ")."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    w = None
-    try:
-        with open(tmp, "wb") as f:
-            w = _Writes(f)
-            write(w)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
-        why = e if isinstance(e, OSError) else w.error if w is not None else None
-        if why is None:
-            raise
-        raise UserError(f"cannot write {what}{path}: {why.strerror or why}"
-                        + ("; the previous one is intact" if path.exists() else "")) from None
-
-
-def write_json(path: Path, obj, **dumps) -> None:
-    """``obj`` as JSON into ``path`` through ``write_atomic`` (whole or not at all); ``dumps``: ``json.dumps``
-    options."""
-    import json
-    text = json.dumps(obj, **dumps).encode()
-    write_atomic(path, lambda f: f.write(text))
-
-
 def save(path: Path, state: dict) -> None:
     state = {"format": FORMAT, **state}
     write_atomic(path, lambda f: torch.save(state, f), "checkpoint ")
-
-
-def _lock_holder(folder: Path) -> str | None:
-    """The pid written in ``folder/.lock`` while a run holds that lock (the trainer's run-folder lock), else None."""
-    lock = folder / ".lock"
-    try:
-        import fcntl
-        with open(lock, encoding="utf-8") as f:
-            try:
-                fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except OSError:
-                return f.read().strip() or "unknown"
-    except (ImportError, OSError, UnicodeDecodeError):
-        return None
-    return None
 
 
 def _candidates(folder: Path) -> list[Path]:
@@ -194,9 +127,10 @@ def find(path: str | Path) -> Path:
     elif p.name == D.DCP_NAME and D.is_checkpoint(p.with_name(D.DCP_OLD)):   # stopped between its renames
         return p.with_name(D.DCP_OLD)
     if not p.is_file():
-        holder = _lock_holder(p.parent) if p.parent.is_dir() else None
+        holder = lock_holder(p.parent / ".lock") if p.parent.is_dir() else None   # the trainer's run-folder lock
         if holder is not None:
-            raise UserError(f"no checkpoint at {path} yet: the run training there (pid {holder}) has not written one; "
+            raise UserError(f"no checkpoint at {path} yet: the run training there (pid {holder or 'unknown'}) has "
+                            f"not written one; "
                             f"wait for its first checkpoint (train.checkpoint_every) or for it to end")
         if (p.parent / "metrics.jsonl").is_file():
             raise UserError(f"no checkpoint at {path}: the run there stopped before its first checkpoint "

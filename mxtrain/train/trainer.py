@@ -28,6 +28,7 @@ import torch
 from .. import __version__, convert, set_step
 from .. import distributed as D  # DDP / FSDP2 / DCP hooks
 from .. import settings as _settings
+from .._io import FolderLock, pid_alive, replace_folder, temp_path, write_json, write_text
 from ..data import Loader, TokenData, ensure_builtin, val_batches
 from ..data.loader import val_window_sources
 from ..errors import OutOfMemory, UserError, check_number
@@ -412,35 +413,11 @@ def _git_sha() -> str | None:
         return None
 
 
-class _RunLock:
-    """An exclusive lock on a run folder while a run trains in it (``fcntl.flock`` on ``RUN/.lock``, which
-    holds the owner's pid; the system drops the lock when the process ends, however it ends)."""
-
-    def __init__(self, out: Path):
-        self.f = None
-        try:
-            import fcntl
-        except ImportError:   # no flock on this system: unlocked
-            return
-        f = open(out / ".lock", "a+")
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            f.seek(0)
-            who = f.read().strip()
-            f.close()
-            raise UserError(f"output folder {out} is in use by another mxtrain run{f' (pid {who})' if who else ''}; "
-                            f"wait for it to finish or choose another --out") from None
-        f.seek(0)
-        f.truncate()
-        f.write(f"{os.getpid()}\n")
-        f.flush()
-        self.f = f
-
-    def close(self) -> None:
-        if self.f is not None:
-            self.f.close()
-            self.f = None
+def _run_lock(out: Path) -> FolderLock:
+    """An exclusive lock on a run folder while a run trains in it (``RUN/.lock``, which holds the owner's pid;
+    the system drops the lock when the process ends, however it ends)."""
+    return FolderLock(out, lambda who: f"output folder {out} is in use by another mxtrain run"
+                      f"{f' (pid {who})' if who else ''}; wait for it to finish or choose another --out")
 
 
 def _clean_stale(out: Path) -> None:
@@ -448,7 +425,7 @@ def _clean_stale(out: Path) -> None:
     the folder is locked (no live run can be writing them)."""
     for p in list(out.glob(".*.tmp-*")) + list(out.glob(".write-test-*")):
         pid = p.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and int(pid) != os.getpid() and not Path(f"/proc/{pid}").exists():
+        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
             try:
                 p.unlink()
             except OSError:
@@ -519,7 +496,7 @@ def _make_out(cfg: TrainConfig, resume_dir: Path | None, rank: int, locks: list)
                 if out.exists() and not out.is_dir():
                     raise UserError(f"output folder {out} exists and is not a folder")
                 out.mkdir(parents=True, exist_ok=True)
-                locks.append(_RunLock(out))
+                locks.append(_run_lock(out))
                 _clean_stale(out)
                 what = _holds_run(out)
                 same = resume_dir is not None and out.resolve() == resume_dir.resolve()
@@ -758,14 +735,12 @@ def _keep_copy(path: Path, step: int) -> None:
     path = Path(path)
     dst = path.with_name(kept_name(step, dcp=path.is_dir()))
     try:
+        tmp = temp_path(dst)
         if path.is_dir():
-            tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
             shutil.rmtree(tmp, ignore_errors=True)
             shutil.copytree(path, tmp)
-            shutil.rmtree(dst, ignore_errors=True)
-            os.replace(tmp, dst)
+            replace_folder(tmp, dst)
             return
-        tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
         if tmp.exists():
             tmp.unlink()
         try:
@@ -783,9 +758,8 @@ def kept_name(step: int, dcp: bool = False) -> str:
 
 
 def _write_json(path: Path, obj) -> None:
-    """A small JSON file written whole (``checkpoint.write_atomic``)."""
-    text = json.dumps(obj, indent=2, default=str, allow_nan=False) + "\n"
-    ckpt.write_atomic(path, lambda f: f.write(text.encode()))
+    """A run folder's JSON file, written whole (``_io.write_json``): indented, ending in a newline."""
+    write_json(path, obj, end="\n", indent=2, default=str, allow_nan=False)
 
 
 def _isatty(stream) -> bool:
@@ -830,8 +804,7 @@ class _Log:
             if start_step > 0 and path.exists():  # drop rows past the checkpoint (a crash after it)
                 keep = [ln for ln in path.read_text().splitlines()
                         if ln.strip() and _row_step(ln) is not None and _row_step(ln) <= start_step]
-                text = "".join(ln + "\n" for ln in keep).encode()
-                ckpt.write_atomic(path, lambda f: f.write(text))   # (a kill here leaves the old file whole)
+                write_text(path, "".join(ln + "\n" for ln in keep))   # (a kill here leaves the old file whole)
             elif start_step == 0:
                 path.write_text("")
         self.f = open(self.path, "a")

@@ -1,0 +1,196 @@
+"""Files and folders written whole, and folders owned by one process: the package's one copy of each.
+
+Layer 0: imports the standard library and ``mxtrain.errors`` only (train, study, data and the exports use it).
+
+- ``write_atomic`` / ``write_bytes`` / ``write_text`` / ``write_json``: a file written into a temporary sibling
+  (``temp_path``: ``.NAME.tmp-PID``), flushed and fsynced, then renamed over the file: a crash or a full disk
+  leaves the previous file whole, and the temporary is removed whatever stopped the write.
+- ``replace_folder`` and ``swap_in``: a finished temporary folder renamed into place.
+- ``FolderLock``: an exclusive ``flock`` on a folder's lock file, which holds the owner's pid; ``lock_holder``:
+  who holds one (a shared, non-blocking probe). ``pid_alive``: whether a process still runs.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Callable
+
+from .errors import UserError
+
+# the errno of a non-blocking flock on a file another process has locked
+_HELD = (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES)
+
+
+def temp_path(path: Path) -> Path:
+    """The temporary sibling a file or folder ``path`` is written as before it is renamed into place:
+    ``.NAME.tmp-PID`` (hidden; the pid tells whose it is, so a dead process's can be removed)."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def pid_alive(pid: int) -> bool:
+    """Does process ``pid`` still run? One that exists but belongs to another user counts as running."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+class _Writes:
+    """The file ``write_atomic`` hands to its writer: the OSError of a write (a full disk) is kept, since a writer
+    may report it as an error of its own (``torch.save`` raises a RuntimeError that does not name it)."""
+
+    def __init__(self, f):
+        self.f, self.error = f, None
+
+    def write(self, data):
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+
+def write_atomic(path: Path, write: Callable, what: str = "", user_error: bool = True) -> None:
+    """``write(f)`` into a temporary sibling of ``path`` (binary file), synced, then renamed over ``path``:
+    a crash or a full disk leaves the previous file whole; the temporary is removed whatever stopped the write.
+    An OSError (also one a writer reports as an error of its own) is one UserError, ``what`` naming the file in
+    its message (e.g. "checkpoint "); with ``user_error=False`` the exception is raised as it came (for callers
+    that word it themselves, or ignore it)."""
+    path = Path(path)
+    tmp = temp_path(path)
+    w = None
+    try:
+        with open(tmp, "wb") as f:
+            w = _Writes(f)
+            write(w)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        why = e if isinstance(e, OSError) else w.error if w is not None else None
+        if why is None or not user_error:
+            raise
+        raise UserError(f"cannot write {what}{path}: {why.strerror or why}"
+                        + ("; the previous one is intact" if path.exists() else "")) from None
+
+
+def write_bytes(path: Path, data: bytes, what: str = "", user_error: bool = True) -> None:
+    """``data`` into ``path`` through ``write_atomic`` (whole or not at all)."""
+    write_atomic(path, lambda f: f.write(data), what, user_error)
+
+
+def write_text(path: Path, text: str, what: str = "", user_error: bool = True) -> None:
+    """``text`` (UTF-8) into ``path`` through ``write_atomic`` (whole or not at all)."""
+    write_bytes(path, text.encode(), what, user_error)
+
+
+def write_json(path: Path, obj, end: str = "", user_error: bool = True, **dumps) -> None:
+    """``obj`` as JSON (then ``end``, e.g. a newline) into ``path`` through ``write_atomic`` (whole or not at
+    all); ``dumps``: ``json.dumps`` options. An object JSON cannot hold raises before anything is written."""
+    write_text(path, json.dumps(obj, **dumps) + end, "", user_error)
+
+
+def replace_folder(tmp: Path, dst: Path) -> None:
+    """Put the finished folder ``tmp`` at ``dst``: ``dst`` (if any) deleted, then ``tmp`` renamed to it. For a
+    folder that can be made again (a copy, a download): a crash between the two leaves no ``dst``, and ``tmp``."""
+    shutil.rmtree(dst, ignore_errors=True)
+    os.replace(tmp, dst)
+
+
+def swap_in(tmp: Path, dst: Path, aside: Path) -> None:
+    """Put the finished folder ``tmp`` at ``dst`` with a whole folder on disk at every moment: the previous
+    ``dst`` (if any) is renamed to ``aside``, ``tmp`` renamed to ``dst``, then ``aside`` deleted. A crash between
+    the renames leaves the previous folder at ``aside`` (the caller's readers or clean-up know the name); a
+    rename that fails puts it back at ``dst`` and raises. A leftover ``aside`` of an earlier swap is deleted (once
+    ``dst`` is in place, where there was no ``dst``: then it is the previous folder)."""
+    dst, aside = Path(dst), Path(aside)
+    if not dst.exists():
+        os.rename(tmp, dst)
+        if aside.exists():
+            shutil.rmtree(aside)
+        return
+    if aside.exists():
+        shutil.rmtree(aside)
+    os.rename(dst, aside)   # (each rename's target is absent: os.rename, as os.replace, on every system)
+    try:
+        os.rename(tmp, dst)
+    except BaseException:
+        os.rename(aside, dst)
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+class FolderLock:
+    """Exclusive ownership of a folder: a non-blocking ``fcntl.flock`` on ``folder/name``, which holds the
+    owner's pid. The system drops the lock when the process (and every process that inherited the locked file,
+    ``fileno()`` for ``pass_fds``) ends, however it ends: a lock file left by a dead owner is simply taken
+    over. Where ``fcntl`` does not exist the folder is not locked.
+
+    Held by another process: a ``UserError`` with ``busy(who)``, ``who`` the pid written in the file ("" if
+    none). Another error of ``flock``: ``refused(e)``'s message, or (``refused`` None) ``busy``'s. The file that
+    cannot be opened: its OSError, for the caller to word."""
+
+    def __init__(self, folder: Path, busy: Callable[[str], str], name: str = ".lock",
+                 refused: Callable[[OSError], str] | None = None):
+        self.f = None
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover - not POSIX: unlocked
+            return
+        f = open(Path(folder) / name, "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            f.seek(0)
+            who = f.read().strip()
+            f.close()
+            if refused is not None and e.errno not in _HELD:
+                raise UserError(refused(e)) from None
+            raise UserError(busy(who)) from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        self.f = f
+
+    def fileno(self) -> int | None:
+        return None if self.f is None else self.f.fileno()
+
+    def close(self) -> None:
+        if self.f is not None:
+            self.f.close()
+            self.f = None
+
+
+def lock_holder(path: Path) -> str | None:
+    """What the process holding the ``FolderLock`` file ``path`` wrote in it (its pid; "" if nothing yet), or
+    None when nobody holds it (or there is no such file, or no ``fcntl``). A shared non-blocking ``flock``:
+    it never waits, and a probe never stops the owner from locking."""
+    if not Path(path).is_file():   # (nor wait on a pipe)
+        return None
+    try:
+        import fcntl
+        with open(path, encoding="utf-8") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except OSError as e:
+                if e.errno in _HELD:
+                    return f.read().strip()
+            return None
+    except (ImportError, OSError, UnicodeDecodeError):
+        return None
