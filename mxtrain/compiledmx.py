@@ -76,16 +76,13 @@ def plan(device: str, share: bool = False, *trace_settings) -> tuple:
     return (gemm.activation_b_group_rows(d), 128)
 
 
-def applies(mx: str, x: torch.Tensor, weight: torch.Tensor) -> tuple:
-    """``plan``'s answer where the compiled layer runs this call, else ``(0, 0)``: ``mx`` from
-    ``tracedmx.spec`` (non-empty), the settings ``mx_compiled`` (``auto`` or ``shared``) and ``fast`` on,
-    ``exact_carrier`` off, CUDA float tensors, a 2-D weight, a non-empty input; a recipe with stochastic rounding,
-    random signs or prescales only with ``mx_compiled_seeded`` on."""
-    from . import settings
-    s = settings.current()
-    if not mx or s.mx_compiled == "ops" or not s.fast or s.exact_carrier:
-        return (0, 0)
-    if not s.mx_compiled_seeded and seeded(mx):
+def applies(mx: str, x: torch.Tensor, weight: torch.Tensor, s) -> tuple:
+    """``plan``'s answer where the compiled layer can run this call, else ``(0, 0)``: ``mx`` from ``spec``
+    (non-empty), CUDA float tensors, a 2-D weight, a non-empty input. ``s``: the settings the dispatcher read
+    (``linear.compiled_form``, which decides from ``mx_compiled``, ``mx_compiled_seeded``, ``fast`` and
+    ``exact_carrier`` whether to ask): ``mx_compiled=shared`` and the launch settings of the kernels go to
+    ``plan``, so that dynamo guards on them."""
+    if not mx:
         return (0, 0)
     if x.dtype not in _OK or weight.dtype not in _OK or weight.ndim != 2:
         return (0, 0)
@@ -124,7 +121,7 @@ def spec(recipe) -> str | None:
     B>:<prescale A>:<prescale B>"``. Every operand as the fast path takes it (``fast.supported``); no GEMM that
     rotates or scales high-precision operands. Depends on the recipe only."""
     from . import fast
-    if not fast.supported(recipe, enabled_only=False):
+    if not fast.supported(recipe):
         return None
     parts, mx = [], False
     for g, a, b in _GEMMS:

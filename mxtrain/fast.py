@@ -56,11 +56,10 @@ _settings.current()
 KERNELS = _HAS_TRITON
 
 
-def supported(recipe, enabled_only: bool = True) -> bool:
-    """Recipes the fast path implements: every operand ``mxfp4`` (default blocks) or ``bf16``
-    (``enabled_only``: and the fast path is on)."""
-    if enabled_only and not _settings.current().fast:
-        return False
+def supported(recipe) -> bool:
+    """Recipes the fast path implements: every operand ``mxfp4`` (default blocks, a scale rule the kernels have)
+    or ``bf16``. Depends on the recipe only: whether the fast path runs a call (the ``fast`` setting, the device)
+    is ``linear.route``'s decision."""
     return recipe.memo("fast_supported", _supported)
 
 

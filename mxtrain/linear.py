@@ -52,6 +52,7 @@ from .formats import get_format
 from . import tensorfp8, tracedfp8
 from .recipe import Recipe
 from .recipes import get as get_recipe
+from . import settings
 
 __all__ = ["mx_linear", "route", "call_context", "new_state", "implementation", "COMPILED_FORMS"]
 
@@ -244,7 +245,6 @@ class _MXLinearFunction(torch.autograd.Function):
             amp = autocast_dtype(x.device.type)
         ctx.qctx, ctx.amp, ctx.has_bias, ctx.x_dtype = qctx, amp, bias is not None, x.dtype
         # (a Wgrad will need X's codes; the wgrad_x setting as in the compiled op: backward keeps X)
-        from . import settings
         if ctx.needs_input_grad[1] and settings.current().wgrad_x == "forward" and keeps_fp8_x(qctx.recipe, x, weight):
             y, (codes, scale, prescale) = ref_forward(x, weight, bias, qctx, amp, keep_x=True)
             ctx.save_for_backward(None, weight, codes, scale)
@@ -266,11 +266,17 @@ class _MXLinearFunction(torch.autograd.Function):
 # ----------------------------------------------------------------------------------------------
 # routing and the per-call context
 
+# The dispatcher: ``route`` (an eager call) and ``compiled_form`` (a traced call) are the only readers of the
+# routing settings (fast, mx_traced, mx_compiled, mx_compiled_seeded, fp8_traced, and exact_carrier where it
+# decides a form); the forms' ``supported`` / ``spec`` / ``applies`` answer from the recipe, the tensors and the
+# device alone. (Inside the reference, the choice of quantize kernel, ``mx_kernel``, ``nvfp4_kernel`` and
+# ``ref_compile``, is ``context.Ctx``'s.)
+
 def route(recipe: Recipe, x: torch.Tensor, weight: torch.Tensor) -> str:
     """``plain``, ``fast`` or ``reference`` (module docstring). Works on fake tensors too."""
     if not recipe.quantized:
         return "plain"
-    if x.device.type == "cuda":
+    if x.device.type == "cuda" and settings.current().fast:
         from . import fast
         if fast.supported(recipe) and fast.applies(x, weight):
             return "fast"
@@ -551,7 +557,7 @@ _linear_q_op.register_autograd(_backward_q, setup_context=_setup_context_q)
 def split_capable(recipe: Recipe) -> bool:
     """Can the compiled fast path quantize X in its own op (MXFP4 on both Fprop operands)?"""
     from . import fast
-    return fast.supported(recipe, enabled_only=False) and all(
+    return fast.supported(recipe) and all(
         recipe.operand(n).fmt == "mxfp4" for n in ("fprop_x", "fprop_w"))
 
 
@@ -584,21 +590,22 @@ def compiled_form(x, weight, quantized: bool, split: bool, fp8: str, mx: str) ->
     answers users). Works on fake tensors."""
     if not quantized:
         return "plain", None
-    if mx:
+    s = settings.current()
+    # (exact_carrier: the one op, whose GEMMs see the FP4 codes beside each carrier)
+    if mx and s.fast and not s.exact_carrier:
         from . import compiledmx, tracedmx
-        rows = tracedmx.applies(mx, x, weight)
+        rows = tracedmx.applies(mx, x, weight, s.mx_traced)
         if rows:
             return "traced_mx", rows
-        plan = compiledmx.applies(mx, x, weight)
-        if plan[0]:
-            return "graph", plan
-    if fp8:
+        if s.mx_compiled != "ops" and (s.mx_compiled_seeded or not compiledmx.seeded(mx)):
+            plan = compiledmx.applies(mx, x, weight, s)
+            if plan[0]:
+                return "graph", plan
+    if fp8 and s.fast and s.fp8_traced == "auto":
         fmts = tuple(fp8.split(","))
         if tracedfp8.applies(fmts, _fp8_input(x), weight):
             return "traced_fp8", fmts
-    from . import fast, settings
-    s = settings.current()
-    # (exact_carrier: the one op, whose GEMMs see the FP4 codes beside each carrier)
+    from . import fast
     if (split and s.fast and not s.exact_carrier and fast.KERNELS and x.is_cuda and x.dtype in fast.OK_DTYPES
             and weight.dtype in fast.OK_DTYPES):
         return "split_ops", None
@@ -655,7 +662,6 @@ def compiled_linear(x, weight, bias, state, recipe_str: str, seeded: bool, quant
         keys, signs = torch.ops.mxtrain.call_seeds(state, recipe_str, torch.is_grad_enabled())
     dt = x.device.type
     amp = torch.get_autocast_dtype(dt) if torch.is_autocast_enabled(dt) else None
-    from . import settings
     # (wgrad_x=backward: the graph keeps X, not its Wgrad operand, and the backward quantizes it)
     need_wgrad = torch.is_grad_enabled() and weight.requires_grad and settings.current().wgrad_x == "forward"
     if form == "split_ops":

@@ -51,11 +51,10 @@ def spec(recipe: Recipe) -> tuple[str, ...] | None:
 
 
 def applies(fmts: tuple | None, x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Does the traced form run this call? ``fmts`` from ``spec``; the setting ``fp8_traced`` is ``auto``;
-    float16/bfloat16/float32 tensors on a device with FP8 tensor cores (``tensorfp8``); every GEMM dimension
-    a multiple of 16 (``torch._scaled_mm``)."""
-    from . import settings, tensorfp8
-    if fmts is None or settings.current().fp8_traced != "auto" or not settings.current().fast:
+    """Can the traced form run this call? ``fmts`` from ``spec``; float16/bfloat16/float32 tensors on a device
+    with FP8 tensor cores (``tensorfp8``); every GEMM dimension a multiple of 16 (``torch._scaled_mm``). Whether
+    to ask (the settings ``fp8_traced`` and ``fast``) is the dispatcher's (``linear.compiled_form``)."""
+    if fmts is None:
         return False
     ok = (torch.float32, torch.bfloat16, torch.float16)
     if x.dtype not in ok or weight.dtype not in ok:

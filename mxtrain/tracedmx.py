@@ -94,18 +94,17 @@ def _plan(device: str) -> int:
     return rows
 
 
-def applies(mx: str, x: torch.Tensor, weight: torch.Tensor) -> int:
-    """Group rows of Wgrad's X where the traced form runs this call, else 0: ``mx`` from ``spec``; the
-    settings ``mx_traced`` (``auto``) and ``fast`` on, ``exact_carrier`` off; float16/bfloat16/float32
-    tensors on a GPU with FP8 tensor cores (CPU: only with ``mx_traced=always``, the tests' emulation);
-    every GEMM dimension a multiple of 32."""
-    from . import settings
-    s = settings.current()
-    if not mx or s.mx_traced == "off" or not s.fast or s.exact_carrier:
+def applies(mx: str, x: torch.Tensor, weight: torch.Tensor, mode: str = "auto") -> int:
+    """Group rows of Wgrad's X where the traced form can run this call, else 0: ``mx`` from ``spec``;
+    float16/bfloat16/float32 tensors on a GPU with FP8 tensor cores (CPU: only with ``mode`` ``always``, the
+    tests' emulation); every GEMM dimension a multiple of 32. ``mode``: the ``mx_traced`` setting as the
+    dispatcher read it (``linear.compiled_form``, which asks only with it on, the fast path on and
+    ``exact_carrier`` off)."""
+    if not mx or mode == "off":
         return 0
     if any(g.count(":") > 2 for g in mx.split(";")):
         return 0   # (compiledmx.spec's wider form: stochastic rounding, random signs or prescales)
-    if x.device.type != "cuda" and s.mx_traced != "always":
+    if x.device.type != "cuda" and mode != "always":
         return 0
     ok = (torch.float32, torch.bfloat16, torch.float16)
     if x.dtype not in ok or weight.dtype not in ok or weight.ndim != 2:

@@ -104,15 +104,37 @@ def test_seeded_layer_equals_the_reference_on_cpu(recipe, shape, bias):
 def test_the_dispatcher_takes_the_form_only_where_it_applies():
     mx = tracedmx.spec(recipes.get("mxfp4-all-dh16"))
     x, w = torch.zeros(64, 96), torch.zeros(32, 96)
-    assert compiledmx.applies(mx, x, w) == (0, 0)            # a CPU tensor
-    assert compiledmx.applies("", x, w) == (0, 0)
+    s = settings.current()
+    assert compiledmx.applies(mx, x, w, s) == (0, 0)            # a CPU tensor
+    assert compiledmx.applies("", x, w, s) == (0, 0)
     assert tracedmx.spec(recipes.get("mxfp4-all-sr")) is None   # SR: the compiled layer's wider spec
     assert tracedmx.applies(compiledmx.spec(recipes.get("tseng")), x, w) == 0
     assert compiledmx.seeded(compiledmx.spec(recipes.get("tseng"))) and not compiledmx.seeded(mx)
     for name in ("nvfp4", "mxfp8", "mxfp4-all-adaptive", "fp8"):   # what the fast path does not run
         assert compiledmx.spec(recipes.get(name)) is None, name
-    with settings.override(mx_compiled="ops"):
-        assert compiledmx.applies(mx, x, w) == (0, 0)
+    # the settings are the dispatcher's (linear.compiled_form): with mx_compiled=ops, or a seeded recipe without
+    # mx_compiled_seeded, it never asks (a spy stands in for a GPU's answer)
+    from mxtrain.linear import compiled_form
+    asked = []
+
+    def spy(mx_, x_, w_, s_):
+        asked.append(mx_)
+        return (128, 128)
+    real = compiledmx.applies
+    compiledmx.applies = spy
+    try:
+        assert compiled_form(x, w, True, True, "", mx)[0] == "graph"
+        tseng = compiledmx.spec(recipes.get("tseng"))
+        assert compiled_form(x, w, True, False, "", tseng)[0] == "op" and asked == [mx]
+        with settings.override(mx_compiled_seeded=True):
+            assert compiled_form(x, w, True, False, "", tseng)[0] == "graph"
+        with settings.override(mx_compiled="ops"):
+            assert compiled_form(x, w, True, True, "", mx)[0] == "op"
+        with settings.override(fast=False):
+            assert compiled_form(x, w, True, True, "", mx)[0] == "op"
+        assert asked == [mx, tseng]
+    finally:
+        compiledmx.applies = real
 
 
 def test_setting_is_read_from_the_environment():
@@ -476,7 +498,7 @@ def test_a_setting_changed_after_compiling_recompiles_the_layer(monkeypatch):
     w = torch.zeros(8, 32)
 
     def f(x):
-        return x * compiledmx.applies(mx, x, w)[1]
+        return x * compiledmx.applies(mx, x, w, settings.current())[1]
     torch._dynamo.reset()
     counters.clear()
     cf = torch.compile(f, backend="eager", fullgraph=True)

@@ -196,7 +196,7 @@ def test_cheapest_forward_levers_presets():
     assert last == g("mxfp4-all").with_(keep_last=1, name="mxfp4-all-bf16last", description=last.description)
     assert g("mxfp4-all").with_(**{"keep_last": 2}).keep_last == 2   # --set recipe.keep_last=2: more blocks
     for r in (f, last, g("mxfp4-all-dh16-fprop+rceil")):
-        assert fast.supported(r, enabled_only=False), r.name
+        assert fast.supported(r), r.name
     model = Llama(ModelConfig(dim=32, n_layers=3, n_heads=2, n_kv_heads=1, vocab_size=64, max_seq_len=16))
     rep = mxtrain.convert(model, last)
     for i, block in enumerate(model.layers):

@@ -95,10 +95,13 @@ def test_applies_needs_the_setting_fp8_tensor_cores_and_multiples_of_16(fp8_on, 
     assert not tracedfp8.applies(f, torch.zeros(4, 8, 33, device=DEV), torch.zeros(48, 33, device=DEV))
     assert not tracedfp8.applies(f, x, torch.zeros(40, 32, device=DEV))
     assert not tracedfp8.applies(f, x.double(), w.double())
+    # the settings are the dispatcher's to read (linear.compiled_form), which asks only where they allow it
+    from mxtrain.linear import compiled_form
+    assert compiled_form(x, w, True, False, ",".join(f), "")[0] == "traced_fp8"
     with settings.override(fp8_traced="off"):
-        assert not tracedfp8.applies(f, x, w)
+        assert compiled_form(x, w, True, False, ",".join(f), "")[0] != "traced_fp8"
     with settings.override(fast=False):
-        assert not tracedfp8.applies(f, x, w)
+        assert compiled_form(x, w, True, False, ",".join(f), "")[0] != "traced_fp8"
     monkeypatch.setattr(tensorfp8, "_fp8_capable", lambda device: False)
     assert not tracedfp8.applies(f, x, w)
 

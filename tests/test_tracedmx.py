@@ -93,17 +93,21 @@ def test_spec_takes_round_to_nearest_mxfp4_with_deterministic_rotations_only():
 def test_applies_needs_the_setting_and_multiples_of_32(traced):
     f = tracedmx.spec(recipes.get("mxfp4-all-dh16"))
     x, w = torch.zeros(4, 8, 64, device=DEV), torch.zeros(96, 64, device=DEV)
-    assert tracedmx.applies(f, x, w) in (1, 128)
-    assert not tracedmx.applies("", x, w)
-    assert not tracedmx.applies(f, torch.zeros(4, 8, 48, device=DEV), torch.zeros(96, 48, device=DEV))
-    assert not tracedmx.applies(f, x, torch.zeros(80, 64, device=DEV))
-    assert not tracedmx.applies(f, x.double(), w.double())
+    mode = settings.current().mx_traced
+    assert tracedmx.applies(f, x, w, mode) in (1, 128)
+    assert not tracedmx.applies("", x, w, mode)
+    assert not tracedmx.applies(f, torch.zeros(4, 8, 48, device=DEV), torch.zeros(96, 48, device=DEV), mode)
+    assert not tracedmx.applies(f, x, torch.zeros(80, 64, device=DEV), mode)
+    assert not tracedmx.applies(f, x.double(), w.double(), mode)
+    # the settings are the dispatcher's to read (linear.compiled_form), which asks only where they allow it
+    from mxtrain.linear import compiled_form
+    assert compiled_form(x, w, True, False, "", f)[0] == "traced_mx"
     for off in (dict(mx_traced="off"), dict(fast=False), dict(exact_carrier=True)):
         with settings.override(**off):
-            assert not tracedmx.applies(f, x, w), off
+            assert compiled_form(x, w, True, False, "", f)[0] != "traced_mx", off
+    assert not tracedmx.applies(f, x, w, "off")
     if DEV == "cpu":
-        with settings.override(mx_traced="auto"):       # auto: GPUs only
-            assert not tracedmx.applies(f, x, w)
+        assert not tracedmx.applies(f, x, w, "auto")   # auto: GPUs only
 
 
 def _recording_inductor(seen: list):

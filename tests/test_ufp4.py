@@ -236,9 +236,9 @@ def test_presets_and_their_routes():
     for r in (u, a, recipes.get("mxfp4-all-dh16+adaptive"), recipes.get("ufp4+floor"),
               recipes.get("mxfp4-all").with_(**{"wgrad_x.scale_rule": "adaptive"}),
               mxtrain.Recipe(fprop_x=Operand("mxe1m2"))):
-        assert not fast.supported(r, enabled_only=False), r.name
+        assert not fast.supported(r), r.name
         assert mxtrain.tracedfp8.spec(r) is None
-    assert fast.supported(recipes.get("mxfp4-all+rceil"), enabled_only=False)   # round-up scales: kernels have it
+    assert fast.supported(recipes.get("mxfp4-all+rceil"))   # round-up scales: kernels have it
     # the route on a CUDA tensor (meta tensors stand in: route reads device and dtype only)
     xm = torch.empty(64, 64, device="meta")
     for r in (u, a):
