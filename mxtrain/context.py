@@ -228,7 +228,8 @@ class Ctx:
         spec = (axis, rot.size if rot.enabled else 0, op.fmt, op.block_size, op.rounding, op.scale_rule,
                 op.prescale, True)
         mode = _settings.current().nvfp4_kernel
-        if mode == "always" or (mode == "auto" and t.is_cuda):   # the fused kernel (mxtrain/kernels/nvfp4.py)
+        # (the kernel has the standard block scale only: a rule of the reference alone, ``four_over_six``, stays here)
+        if not reference_only(op.fmt, op.scale_rule) and (mode == "always" or (mode == "auto" and t.is_cuda)):
             from .kernels.nvfp4 import factored_operand
             res = factored_operand(t, signs if rot.enabled else None, key, *spec[:-1], out_dtype=out_dtype)
             if res is not None:

@@ -64,6 +64,38 @@ largest binade, ``max_elem`` its largest value):
   choice does not depend on summation order; for FP8 elements a near-tie may be decided by float64
   rounding. Stochastic rounding then rounds with the chosen scale (the choice itself is deterministic).
 
+Scale rule for NVFP4 (any other rule leaves NVFP4's standard block scale):
+
+* ``four_over_six`` (reference path only: ``REF_SCALE_RULES``): "Four over Six" (Cook et al., arXiv 2512.02010).
+  Per block (16 values, or a 16x16 tile), two candidate E4M3 block scales, both from the block maximum as the
+  standard path computes its own: ``b6 = e4m3(amax / (g * 6))`` (the standard scale, bit for bit) and
+  ``b4 = e4m3(amax / (g * 4))`` (``g * 4`` is exact), each rounded to nearest even and saturated at 448. Each
+  candidate quantizes the block with round-to-nearest-even as the standard path does (``v = xs / float32(b * g)``);
+  the block takes ``b4`` iff its squared error ``sum((q * b * g - xs)**2)`` (``q * b * g`` the exact NVFP4 value,
+  as ``MXTensor.dequantize_factored`` gives it; ``xs`` the values after ``prescale``) is strictly lower than
+  ``b6``'s; ties (e.g. a block both represent exactly, or an all-zero block) keep ``b6``. The comparison is
+  exact: ``err4 - err6 = g * (g * A - 2 * B)`` with ``A = sum(a**2 - c**2)``, ``B = sum(xs * (a - c))`` (``a``,
+  ``c`` = ``q * b`` of the 4 and the 6 candidate: at most 6 significant bits); in float64 every square and
+  difference of ``A`` is a multiple of ``2**(2k - 2)`` below ``2**25`` of it (``2**k`` the smaller candidate's
+  E4M3 quantum; the two candidates' quanta differ by at most a factor 2), so ``A`` and ``g * A`` are exact; every
+  term of ``B`` is a multiple of ``ulp(x_min) * 2**(k - 1)`` (``x_min`` the smallest value some candidate does not
+  flush to zero, which is above 1/36 of the block maximum) below ``2**40 * prescale`` of it, so ``B`` is exact
+  for tiles of 256 and any prescale up to 16 (``Operand`` allows at most 3); the final subtraction is correctly
+  rounded and keeps the exact sign. With stochastic rounding the choice is the same deterministic one and the
+  elements are then rounded stochastically with the chosen scale (the authors' reference code compares the
+  candidates after the operand's own rounding). With ``b4`` a normal E4M3 number below 448 the block maximum
+  lands within 1/16 of 4 and rounds to 4 exactly.
+
+  **The tensor scale is NVFP4's own, unchanged:** ``g = amax(tensor) / (6 * 448)``. Blocks whose maximum is
+  above about 2/3 of the tensor's (``amax / (g * 4) > 448``) therefore get ``b4`` saturated at 448: their "4"
+  candidate maps the block maximum to ``amax / (448 g)``, between 4 and 6, instead of to 4. The authors'
+  reference code (github.com/mit-han-lab/fouroversix, ``quantize/reference.py``) instead divides the tensor
+  maximum by ``6 * 256`` under its adaptive rules, so that ``1.5 * b6 <= 384`` never saturates. We keep ``g``
+  because then the 6 candidate is the standard ``nvfp4`` block scale bit for bit, so per block the rule never
+  errs more than ``nvfp4`` (tests/test_four_over_six.py), and the tensor scale is the same under both rules;
+  the cost is a milder alternative on the blocks near the tensor maximum (with ``6 * 256`` every block scale
+  would use 0.8 binade less of E4M3's range instead).
+
 ``prescale`` (e.g. 3/4, Tseng et al. arXiv 2502.20586, Algorithm 2) multiplies the values *after*
 the scale was chosen from the unscaled block (one float32 multiply, before the exact division by the
 scale): with the ``floor`` rule and 3/4, block maxima land in [3, 6) and nothing saturates, so
@@ -89,6 +121,7 @@ __all__ = [
     "fake_quantize",
     "SCALE_RULES",
     "REF_SCALE_RULES",
+    "REF_RULE_KIND",
     "ALL_SCALE_RULES",
     "reference_only",
     "ROUNDINGS",
@@ -103,7 +136,8 @@ __all__ = [
 ]
 
 SCALE_RULES = ("floor", "ceil", "rceil", "even", "amd")   # every implementation has these (kernels included)
-REF_SCALE_RULES = ("adaptive",)   # the reference quantizer only: never given to a kernel (``reference_only``)
+REF_SCALE_RULES = ("adaptive", "four_over_six")   # the reference quantizer only: never given to a kernel
+REF_RULE_KIND = {"adaptive": "mx", "four_over_six": "nvfp4"}   # the format kind each of them is defined for
 ALL_SCALE_RULES = SCALE_RULES + REF_SCALE_RULES
 ROUNDINGS = ("nearest", "stochastic")
 E8M0_NAN = 255
@@ -118,6 +152,15 @@ def reference_only(fmt: str | Format, scale_rule: str = "floor") -> bool:
     formats before it only."""
     f = get_format(fmt)
     return f.quantized and (f.reference_only or scale_rule in REF_SCALE_RULES)
+
+
+def ref_rule_error(scale_rule: str, fmt_name: str) -> str:
+    """The one-line refusal of a rule of ``REF_SCALE_RULES`` on a format it is not defined for."""
+    if REF_RULE_KIND[scale_rule] == "mx":
+        return (f"scale rule {scale_rule!r} is defined for MX formats (E8M0 block scales), not {fmt_name!r} "
+                f"(NVFP4's 4-over-6 choice is the rule 'four_over_six')")
+    return (f"scale rule {scale_rule!r} is defined for nvfp4 (E4M3 block scales), not {fmt_name!r} "
+            f"(its E8M0 analogue for MX formats is the rule 'adaptive')")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -233,6 +276,33 @@ def _adaptive_exponent(xs: torch.Tensor, amax: torch.Tensor, elem: ElemFormat) -
     qa64, qb64, v64 = qa.double(), qb.double(), v.double()
     d = ((qa64 - qb64) * (qa64 + qb64 - 2.0 * v64)).sum(-1)       # err(s0)**2 - err(s0 + 1)**2, summed
     return torch.where(can & (d > 0), s1, s0)
+
+
+def _nvfp4_block_values(xs: torch.Tensor, b: torch.Tensor, g: torch.Tensor, elem: ElemFormat) -> torch.Tensor:
+    """float64 ``element * block scale`` (exact) of the finite values ``xs`` (..., nblocks, block) rounded to
+    nearest even with E4M3 block scales ``b`` (..., nblocks) and tensor scale ``g``, as ``quantize`` rounds
+    them: ``xs / float32(b * g)`` (0 where that divisor is 0)."""
+    bf = b.to(torch.float32)
+    d = bf * g
+    ok = d > 0
+    v = torch.where(ok[..., None], xs / torch.where(ok, d, torch.ones_like(d))[..., None], torch.zeros_like(xs))
+    return round_to_elem(v, elem, "nearest").double() * bf.double()[..., None]
+
+
+def _four_over_six(xs: torch.Tensor, b6: torch.Tensor, b4: torch.Tensor, g: torch.Tensor,
+                   elem: ElemFormat) -> torch.Tensor:
+    """The ``four_over_six`` choice per block (module docstring): True where the candidate ``b4`` gives the lower
+    squared error than ``b6``. ``xs`` (..., nblocks, block) the values to be quantized (prescaled; 0 in
+    non-finite blocks). With ``a``/``c`` the two candidates' ``element * block scale`` and ``x`` the values,
+    ``err4 - err6 = g * (g * A - 2 * B)`` where ``A = sum(a*a - c*c)`` and ``B = sum(x * (a - c))`` (the
+    ``x*x`` terms cancel), so the sign of ``g * A - 2 * B`` decides; every product and partial sum of ``A`` and
+    ``B`` and the product ``g * A`` are exact in float64 (module docstring), the one subtraction rounds
+    correctly, and a correctly rounded difference has the exact difference's sign: the choice is exact."""
+    a = _nvfp4_block_values(xs, b4, g, elem)
+    c = _nvfp4_block_values(xs, b6, g, elem)
+    A = (a * a - c * c).sum(-1)
+    B = (xs.double() * (a - c)).sum(-1)
+    return g.double() * A - 2.0 * B < 0
 
 
 def encode_elem(q: torch.Tensor, elem: ElemFormat) -> torch.Tensor:
@@ -394,9 +464,8 @@ def _check_args(x, f: Format, axis, block_size, rounding, scale_rule, prescale):
         raise ValueError(f"unknown rounding {rounding!r}; valid: {', '.join(ROUNDINGS)}")
     if scale_rule not in ALL_SCALE_RULES:
         raise ValueError(f"unknown scale rule {scale_rule!r}; valid: {', '.join(ALL_SCALE_RULES)}")
-    if scale_rule in REF_SCALE_RULES and f.kind != "mx":
-        raise ValueError(f"scale rule {scale_rule!r} is defined for MX formats (E8M0 block scales), not {f.name!r} "
-                         f"(NVFP4's own 4-over-6 choice is not implemented)")
+    if scale_rule in REF_SCALE_RULES and f.kind != REF_RULE_KIND[scale_rule]:
+        raise ValueError(ref_rule_error(scale_rule, f.name))
     if not (prescale > 0):
         raise ValueError(f"prescale must be positive, got {prescale}")
     if f.kind == "mx":
@@ -432,7 +501,8 @@ def quantize(x: torch.Tensor, fmt: str | Format, *, axis: int = -1, block_size=N
         2-D tiles over the last two dimensions); must be ``None`` for per-tensor FP8.
       * ``rounding``: ``"nearest"`` (half to even) or ``"stochastic"``.
       * ``scale_rule``: MX shared-exponent rule: ``floor``, ``ceil``, ``rceil``, ``even``, ``amd``, or
-        ``adaptive`` (this module only).
+        ``adaptive`` (this module only); for NVFP4 ``four_over_six`` (this module only) or any of the five
+        others, which NVFP4 ignores (its standard block scale).
       * ``seed``: stochastic rounding seed; ``None`` draws one from torch's global generator.
       * ``prescale``: multiply values by this after the scales are chosen (e.g. 0.75).
       * ``key``: instead of ``seed``, the stream key itself (``rng.stream_key(seed)``): an int, or an
@@ -516,10 +586,14 @@ def quantize(x: torch.Tensor, fmt: str | Format, *, axis: int = -1, block_size=N
         g = _div_by_constant(tmax, NVFP4_TENSOR_MAX)
         g = torch.where(g > 0, g, torch.ones_like(g))  # zero tensor, or g underflowed
         bsc = (amax / (g * 6.0)).clamp(max=448.0).to(torch.float8_e4m3fn)
+        xs = xb * prescale if prescale != 1.0 else xb
+        if scale_rule == "four_over_six":   # (module docstring; 6 is the line above, 4 the same with g * 4)
+            b4 = (amax / (g * 4.0)).clamp(max=448.0).to(torch.float8_e4m3fn)
+            four = _four_over_six(torch.where(block_ok[..., None], xs, torch.zeros_like(xs)), bsc, b4, g, elem)
+            bsc = torch.where(four, b4.to(torch.float32), bsc.to(torch.float32)).to(torch.float8_e4m3fn)
         bsc = torch.where(block_ok, bsc.to(torch.float32), torch.full_like(amax, float("nan"))).to(torch.float8_e4m3fn)
         d = bsc.to(torch.float32) * g
         ok = block_ok & (d > 0)
-        xs = xb * prescale if prescale != 1.0 else xb
         v = torch.where(ok[..., None], xs / torch.where(ok, d, torch.ones_like(d))[..., None], torch.zeros_like(xb))
         q = round_to_elem(v, elem, rounding, u)
         scales, gscale = bsc, g

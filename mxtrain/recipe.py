@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, fields, replace
 
 from .formats import FORMATS, get_format
 from .hadamard import ROTATION_SIZES, SIGN_MODES
-from .quant import ALL_SCALE_RULES, REF_SCALE_RULES, ROUNDINGS
+from .quant import ALL_SCALE_RULES, REF_RULE_KIND, REF_SCALE_RULES, ROUNDINGS, ref_rule_error
 
 __all__ = ["Operand", "Rotation", "Recipe", "OPERANDS", "GEMMS", "BF16", "NONE"]
 
@@ -93,7 +93,8 @@ class Operand:
     * ``fmt``: a format name (``mxtrain.format_names()``); ``bf16`` means not quantized.
     * ``rounding``: ``nearest`` or ``stochastic``.
     * ``scale_rule``: MX shared-exponent rule (``floor``, ``ceil``, ``rceil``, ``even``, ``amd``; or
-      ``adaptive``, which only the reference path runs: ``mxtrain.quant``).
+      ``adaptive``, which only the reference path runs: ``mxtrain.quant``); for ``nvfp4``, ``four_over_six``
+      (reference path only) chooses each block's scale by "Four over Six".
     * ``prescale``: multiply before quantizing; the GEMM output is divided by the operands' product.
     * ``block_2d``: NVFP4 only: 16x16 tiles (weights), so W and W^T quantize identically.
     """
@@ -108,9 +109,9 @@ class Operand:
         _choice("format", self.fmt, list(FORMATS))
         _choice("rounding", self.rounding, ROUNDINGS)
         _choice("scale_rule", self.scale_rule, ALL_SCALE_RULES)
-        if self.scale_rule in REF_SCALE_RULES and get_format(self.fmt).kind not in ("mx", "none"):
-            raise ValueError(f"scale_rule {self.scale_rule!r} is defined for MX formats (E8M0 block scales), not "
-                             f"{self.fmt!r}")
+        if self.scale_rule in REF_SCALE_RULES and get_format(self.fmt).kind not in (REF_RULE_KIND[self.scale_rule],
+                                                                                    "none"):
+            raise ValueError(ref_rule_error(self.scale_rule, self.fmt))
         if (isinstance(self.prescale, bool) or not isinstance(self.prescale, (int, float)) or not self.prescale > 0
                 or not math.isfinite(self.prescale)):
             raise ValueError(f"prescale must be a positive finite number, got {self.prescale!r}")

@@ -7,7 +7,8 @@ Papers: [AMD] Cim et al., arXiv 2605.09825; [Tseng] Tseng, Yu, Park, arXiv 2502.
 [4/6] Cook et al., "Four over Six", arXiv 2512.02010. Round-up scales ([Mishra] Mishra, Stosic, Layton,
 arXiv 2506.08027: the ``rceil`` rule) are ``mxfp4-all+rceil`` (any preset ``+rceil``), on the fast path.
 docs/numerics.md tabulates every preset. Presets with a format or rule of the reference quantizer alone
-(``ufp4``, ``mxfp4-all-adaptive``: ``mxtrain.quant.reference_only``) run on the reference path everywhere.
+(``ufp4``, ``mxfp4-all-adaptive``, ``nvfp4-4over6``: ``mxtrain.quant.reference_only``) run on the reference path
+everywhere.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from .recipe import BF16, Operand, Recipe, Rotation
 __all__ = ["get", "names", "register", "is_name"]
 
 _REGISTRY: dict[str, Callable[[], Recipe]] = {}
+_OPERANDS = ("fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_dy", "wgrad_x")
 
 
 def register(name: str):
@@ -36,7 +38,7 @@ def get(name: str | Recipe) -> Recipe:
     """The preset called ``name`` (a ``Recipe`` passes through unchanged). ``PRESET+RULE`` (for example
     ``mxfp4-all-dh16+amd``) is the preset with scale rule RULE on every MX operand (``floor``, ``ceil``,
     ``rceil``, ``even``, ``amd``, ``adaptive``: ``mxtrain.quant.ALL_SCALE_RULES``), e.g. [AMD]'s ladder with
-    its own rule."""
+    its own rule; ``four_over_six`` goes on every NVFP4 operand instead (``nvfp4+four_over_six``)."""
     if isinstance(name, Recipe):
         return name
     if not isinstance(name, str):
@@ -51,13 +53,14 @@ def get(name: str | Recipe) -> Recipe:
     r = fn()
     if plus:
         from .formats import get_format
-        from .quant import ALL_SCALE_RULES
+        from .quant import ALL_SCALE_RULES, REF_RULE_KIND
         if rule not in ALL_SCALE_RULES:
             raise ValueError(f"unknown scale rule {rule!r} in recipe {name!r}; valid: {', '.join(ALL_SCALE_RULES)}")
-        mx = [n for n in ("fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_dy", "wgrad_x")
-              if get_format(r.operand(n).fmt).kind == "mx"]
+        kind = REF_RULE_KIND.get(rule, "mx")   # (``four_over_six``: the NVFP4 operands)
+        mx = [n for n in _OPERANDS if get_format(r.operand(n).fmt).kind == kind]
         if not mx:
-            raise ValueError(f"recipe {name!r}: {base} has no MX operand for scale rule {rule!r}")
+            raise ValueError(f"recipe {name!r}: {base} has no {'MX' if kind == 'mx' else kind.upper()} operand for "
+                             f"scale rule {rule!r}")
         r = r.with_(**{f"{n}.scale_rule": rule for n in mx})
     return r if r.name == name else r.with_(name=name)
 
@@ -254,6 +257,21 @@ def nvfp4() -> Recipe:
     g = Operand("nvfp4", rounding="stochastic")
     return Recipe("nvfp4", fprop_x=a, fprop_w=w, dgrad_dy=g, dgrad_w=w, wgrad_dy=g, wgrad_x=a,
                   wgrad_rotation=Rotation(16, "fixed"), keep_first=1, keep_last=1, description=nvfp4.__doc__)
+
+
+@register("nvfp4-4over6")
+def nvfp4_4over6() -> Recipe:
+    """[4/6] Cook et al., "Four over Six", arXiv 2512.02010: the ``nvfp4`` preset ([NVIDIA]'s recipe) with each
+    block's E4M3 scale chosen so that the block maximum maps to 6 (the standard scale) or to 4, whichever gives
+    the lower squared error (``scale_rule="four_over_six"``; ties keep 6). On all six operands: the paper's
+    abstract has every GEMM operand (weights, activations, gradients) in NVFP4 and 4/6 evaluating two scales
+    "for each block of values", and the authors' code gives the rule to activations, weights and gradients
+    alike (github.com/mit-han-lab/fouroversix, ``model/config.py``: one ``scale_rule`` for all three; its
+    training configs set it per layer). The weights' 16x16 tiles take the rule per tile. NVFP4's tensor
+    scale is kept (``amax / (6 * 448)``, where the authors' code uses ``6 * 256``: ``mxtrain.quant``'s
+    docstring says why). Reference path only (``mxtrain.quant.reference_only``); also ``nvfp4+four_over_six``."""
+    return nvfp4().with_(name="nvfp4-4over6", description=nvfp4_4over6.__doc__,
+                         **{f"{n}.scale_rule": "four_over_six" for n in _OPERANDS})
 
 
 _ = BF16  # re-exported name kept for users building recipes from this module
