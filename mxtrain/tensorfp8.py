@@ -22,9 +22,26 @@ from .context import Ctx
 from .recipe import Recipe
 
 __all__ = ["FP8_DTYPES", "applies", "codes", "scaled_mm", "shares_codes", "reorient", "fast_accum_fprop",
-           "autocast_io", "autocast_io_dtype"]
+           "autocast_io", "autocast_io_dtype", "spec"]
 
 FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}   # format -> its codes' dtype
+_OPS = ("fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_dy", "wgrad_x")
+
+
+def spec(recipe: Recipe) -> tuple[str, ...] | None:
+    """The six operand formats (``fprop_x, fprop_w, dgrad_dy, dgrad_w, wgrad_dy, wgrad_x``) where ``recipe``
+    is one the traced form (``tracedfp8``, which re-exports this as ``tracedfp8.spec``) runs: every operand
+    per-tensor FP8 with round-to-nearest and prescale 1, no rotation, no GEMM of two E5M2 operands; else None.
+    Depends on the recipe only."""
+    ops = [recipe.operand(n) for n in _OPS]
+    if any(op.fmt not in FP8_DTYPES or op.rounding != "nearest" or op.prescale != 1.0 for op in ops):
+        return None
+    if any(recipe.rotation(g).enabled for g in ("fprop", "dgrad", "wgrad")):
+        return None
+    fmts = tuple(op.fmt for op in ops)
+    if any(fmts[i] == fmts[i + 1] == "fp8_e5m2" for i in (0, 2, 4)):
+        return None
+    return fmts
 
 
 def _fp8_capable(device: torch.device) -> bool:
@@ -65,11 +82,10 @@ def autocast_io_dtype(amp: torch.dtype | None) -> torch.dtype | None:
 
 
 def autocast_io(recipe: Recipe, amp: torch.dtype | None) -> torch.dtype | None:
-    """``autocast_io_dtype(amp)`` for a recipe that ``tracedfp8.spec`` takes (every operand per-tensor FP8,
+    """``autocast_io_dtype(amp)`` for a recipe that ``spec`` takes (every operand per-tensor FP8,
     nearest, no prescale or rotation), None for every other recipe."""
-    from . import tracedfp8
     io = autocast_io_dtype(amp)
-    return io if io is not None and recipe.memo("tracedfp8_spec", tracedfp8.spec) is not None else None
+    return io if io is not None and recipe.memo("tracedfp8_spec", spec) is not None else None
 
 
 def codes(qctx: Ctx, t: torch.Tensor, axis: int, name: str):

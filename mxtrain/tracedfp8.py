@@ -24,30 +24,14 @@ from __future__ import annotations
 
 import torch
 
+from . import tensorfp8
 from ._constant import assume_constant_result
 from .formats import get_format
 from .quant import tensor_fp8_scales
-from .recipe import Recipe
+from .tensorfp8 import FP8_DTYPES as _DT
+from .tensorfp8 import spec
 
 __all__ = ["spec", "applies", "cast", "linear"]
-
-_DT = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-_OPS = ("fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_dy", "wgrad_x")
-
-
-def spec(recipe: Recipe) -> tuple[str, ...] | None:
-    """The six operand formats (``fprop_x, fprop_w, dgrad_dy, dgrad_w, wgrad_dy, wgrad_x``) where ``recipe``
-    is one the traced form runs (every operand per-tensor FP8 with round-to-nearest and prescale 1, no
-    rotation, no GEMM of two E5M2 operands); else None. Depends on the recipe only."""
-    ops = [recipe.operand(n) for n in _OPS]
-    if any(op.fmt not in _DT or op.rounding != "nearest" or op.prescale != 1.0 for op in ops):
-        return None
-    if any(recipe.rotation(g).enabled for g in ("fprop", "dgrad", "wgrad")):
-        return None
-    fmts = tuple(op.fmt for op in ops)
-    if any(fmts[i] == fmts[i + 1] == "fp8_e5m2" for i in (0, 2, 4)):
-        return None
-    return fmts
 
 
 def applies(fmts: tuple | None, x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -68,7 +52,6 @@ def applies(fmts: tuple | None, x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 @assume_constant_result
 def _capable(device: str) -> bool:
-    from . import tensorfp8
     return tensorfp8._fp8_capable(torch.device(device))
 
 
@@ -89,9 +72,8 @@ def _mm(a, sa, b_t, sb, out_dtype: torch.dtype, fast_accum: bool = False) -> tor
     """``a @ b_t.t()`` of FP8 codes (``a`` (M, R) and ``b_t`` (N, R), both row-major) times the scales in
     ``out_dtype``: the reference's own call, ``tensorfp8.scaled_mm`` with the codes given (the GEMM writes
     bf16/fp16 itself, else float32; ``fast_accum`` as there)."""
-    from .tensorfp8 import scaled_mm
-    return scaled_mm(None, None, -1, "", None, -1, "", out_dtype, a_codes=(a, sa, 1.0), b_codes=(b_t, sb, 1.0),
-                     final_dtype=out_dtype, fast_accum=fast_accum)
+    return tensorfp8.scaled_mm(None, None, -1, "", None, -1, "", out_dtype, a_codes=(a, sa, 1.0),
+                               b_codes=(b_t, sb, 1.0), final_dtype=out_dtype, fast_accum=fast_accum)
 
 
 class _TracedFP8Linear(torch.autograd.Function):
@@ -100,8 +82,7 @@ class _TracedFP8Linear(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.fmts, ctx.has_bias, ctx.wgrad_dtype = fmts, bias is not None, wgrad_dtype
         K, N = x.shape[-1], weight.shape[0]
-        from .tensorfp8 import fast_accum_fprop
-        fa = fast_accum_fprop()
+        fa = tensorfp8.fast_accum_fprop()
         with torch.autocast(x.device.type, enabled=False):
             cx, sx = cast(x.reshape(-1, K), fmts[0])
             cw, sw = cast(weight, fmts[1])
@@ -138,8 +119,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fmt
     """``x @ weight.T + bias`` with the ``fp8`` recipe's GEMMs (``spec`` gave ``fmts``), in the autocast
     dtype where autocast is on (as the reference); dW in float32, or in the autocast dtype with the setting
     ``fp8_autocast=autocast`` (whose input cast the caller made: ``linear.compiled_linear``)."""
-    from .tensorfp8 import autocast_io_dtype
     dt = x.device.type
     amp = torch.get_autocast_dtype(dt) if torch.is_autocast_enabled(dt) else None
     out_dtype = amp if amp is not None else x.dtype
-    return _TracedFP8Linear.apply(x, weight, bias, fmts, out_dtype, autocast_io_dtype(amp) or torch.float32)
+    wgrad_dtype = tensorfp8.autocast_io_dtype(amp) or torch.float32
+    return _TracedFP8Linear.apply(x, weight, bias, fmts, out_dtype, wgrad_dtype)

@@ -15,7 +15,6 @@ KNOWN_CYCLES = [
     {"data.hf", "data.loader", "data.prepare", "data.sources", "data.tokenizer"},
     {"hf", "train", "train.branch", "train.trainer"},
     {"kernels.mxfp4.ops", "kernels.mxfp4.verify"},
-    {"tensorfp8", "tracedfp8"},
     {"train.config", "train.experiments"},
 ]
 # the MX linear call, bottom to top: each may import only the ones before it (and anything outside the list)

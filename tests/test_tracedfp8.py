@@ -77,7 +77,7 @@ def test_spec_takes_per_tensor_fp8_with_nearest_rounding_only():
                                                   "fp8_e4m3")
     assert tracedfp8.spec(recipes.get("mxfp4-all")) is None
     assert tracedfp8.spec(recipes.get("mxfp8")) is None
-    base = {n: Operand(recipes.get("fp8").operand(n).fmt) for n in tracedfp8._OPS}
+    base = {n: Operand(recipes.get("fp8").operand(n).fmt) for n in tensorfp8._OPS}
     sr = Recipe("sr", **{**base, "wgrad_dy": Operand("fp8_e5m2", rounding="stochastic")})
     pre = Recipe("pre", **{**base, "fprop_x": Operand("fp8_e4m3", prescale=0.75)})
     rot = Recipe("rot", **base, wgrad_rotation=Rotation(16, "none"))
