@@ -246,14 +246,18 @@ def test_presets_and_their_routes():
 
 
 def test_compiled_forms_never_take_the_new_formats_or_rule():
-    """``tracedmx.spec`` (which both compiled MX forms start from) gives no spec for a recipe with the ``adaptive``
-    rule or a new format, so a compiled layer of it runs the reference quantizer; and the traced quantizer itself
-    refuses ``adaptive`` should it ever be asked (``quant.mx_scale_exponent``)."""
+    """``linear.mx_spec`` (what both compiled MX forms start from: ``tracedmx.spec``, else ``compiledmx.spec``)
+    gives no spec for a recipe with the ``adaptive`` rule or a new format, so a compiled layer of it runs the
+    reference quantizer; and the traced quantizer itself refuses ``adaptive`` should it ever be asked
+    (``quant.mx_scale_exponent``)."""
+    from mxtrain import compiledmx, tracedmx
+    from mxtrain.linear import mx_spec
     for name in ("ufp4", "mxfp4-all-adaptive", "mxfp4-all-dh16+adaptive"):
-        assert mxtrain.tracedmx.spec(recipes.get(name)) is None, name
-    assert mxtrain.tracedmx.spec(recipes.get("mxfp4-all-dh16+rceil")) is not None
+        r = recipes.get(name)
+        assert tracedmx.spec(r) is None and compiledmx.spec(r) is None and mx_spec(r) == "", name
+    assert tracedmx.spec(recipes.get("mxfp4-all-dh16+rceil")) is not None
     with pytest.raises(ValueError, match="adaptive"):
-        mxtrain.tracedmx.carrier(torch.randn(32, 64), 0, "adaptive", 1)
+        tracedmx.carrier(torch.randn(32, 64), 0, "adaptive", 1)
     from mxtrain.kernels.mxfp4.launch import RULE_ID
     assert set(SCALE_RULES) == set(RULE_ID)   # (the rules the kernels take are the ones spec admits)
 
