@@ -20,7 +20,7 @@ from . import kernels as _kernels   # (its kernels exist where Triton imports; r
 from .carrier import TILE_K, QuantOut, carrier_buffers, carrier_from_fp4, ceil_to, out_shapes, reference_quantize
 from .launch import (DUAL_CONFIG, DUAL_SEQ, RULE_ID, DualPlan, Plan, dual_applies, dual_args, dual_spec, i32,
                      launch, single_args, single_spec, use_plans)
-from .verify import config_ok, dual_ok, selfcheck_applies
+from .verify import config_ok, dual_ok, selfcheck_applies, set_quantizers
 
 try:
     import triton
@@ -108,7 +108,7 @@ def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.
     if (carrier and _check and selfcheck_applies(dev, st) and R > 0 and K > 0
             and not torch.compiler.is_compiling()
             and not config_ok(x, axis, rot, signs is not None, scale_rule, sr, prescale, group_rows, BR, num_warps,
-                              k_multiple, fp4, R, K, st, force_idx64)):
+                              k_multiple, fp4, R, K, st, force_idx64, quantize_fn=quantize_mxfp4_2d)):
         # safety net: this variant's fused carrier failed its self-check on this GPU; rebuild the
         # carrier from FP4 codes and scales of the FP4-only kernel (bit-exact on GPU) with torch ops
         q2 = quantize_mxfp4_2d(x, axis, rot=rot, signs=signs, rounding=rounding, scale_rule=scale_rule,
@@ -170,7 +170,8 @@ def quantize_mxfp4_dual(x: torch.Tensor, a: dict, b: dict, *, k_multiple: int = 
             return plan(x, a, b, cnt)
     sr = a.get("rounding", "nearest") == "stochastic" or b.get("rounding", "nearest") == "stochastic"
     if not dual_applies(x, ra, rb, a.get("group_rows", 1), sr=sr) or (
-            checked and not dual_ok(x, a, b, k_multiple, fp4_b, force_idx64)):
+            checked and not dual_ok(x, a, b, k_multiple, fp4_b, force_idx64, dual_fn=quantize_mxfp4_dual,
+                                    single_fn=quantize_mxfp4_2d)):
         return tuple(quantize_mxfp4_2d(x, ax, **side, carrier=not fp, fp4=fp, k_multiple=k_multiple,
                                        counter=cnt, force_idx64=force_idx64, _check=_check)
                      for ax, side, fp in ((1, a, False), (0, b, fp4_b)))
@@ -197,6 +198,9 @@ def quantize_mxfp4_dual(x: torch.Tensor, a: dict, b: dict, *, k_multiple: int = 
     if pkey is not None:   # (bounded: least recently used plans are dropped)
         CACHES.dual_plans[pkey] = DualPlan.make(compiled, grid, ints, floats[0], floats[1], consts, outs)
     return outs[0], outs[1]
+
+
+set_quantizers(quantize_mxfp4_2d, quantize_mxfp4_dual)   # (what verify checks where a caller passes none)
 
 
 def quantize(x: torch.Tensor, fmt: str = "mxfp4", *, axis: int = -1, block_size=None,

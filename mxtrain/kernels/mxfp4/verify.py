@@ -7,6 +7,10 @@ result is kept in ``CACHES.verified`` / ``CACHES.dual_verified``. A single-pass 
 from then on by the FP4-only kernel plus ``carrier.carrier_from_fp4`` (exact, slower), a dual variant by the
 two single passes, each with a ``RuntimeWarning``. Where it runs: the ``qselfcheck`` setting (``auto``: GPUs,
 where a miscompiled variant is possible; ``always``: every device, Triton's interpreter too; ``off``).
+
+The quantizers checked are given to this module, not imported by it: ``ops`` (which imports this module) passes
+``quantize_mxfp4_2d`` / ``quantize_mxfp4_dual`` in its calls and hands them in once as the defaults
+(``set_quantizers``) for the other callers (``traced``, ``mxtrain.kernels.mxfp4.selfcheck``).
 """
 
 from __future__ import annotations
@@ -21,7 +25,15 @@ from ..caches import CACHES
 from .carrier import QuantOut, carrier_from_fp4, ceil_to, reference_quantize
 from .launch import DUAL_CONFIG, DUAL_SEQ, kernel_for
 
-__all__ = ["selfcheck_applies", "config_ok", "dual_ok", "selfcheck"]
+__all__ = ["selfcheck_applies", "config_ok", "dual_ok", "selfcheck", "set_quantizers"]
+
+_QUANTIZERS: dict = {}   # "single", "dual": the fused quantizers checked where a caller passes none
+
+
+def set_quantizers(single, dual) -> None:
+    """The quantizers checked by default: ``single`` as ``ops.quantize_mxfp4_2d``, ``dual`` as
+    ``ops.quantize_mxfp4_dual`` (``ops`` hands them in when it is imported)."""
+    _QUANTIZERS.update(single=single, dual=dual)
 
 
 def selfcheck_applies(device: torch.device, st) -> bool:
@@ -32,13 +44,14 @@ def selfcheck_applies(device: torch.device, st) -> bool:
 
 def config_ok(x: torch.Tensor, axis: int, rot: int, has_signs: bool, scale_rule: str, sr: bool,
               prescale: float, group_rows: int, BR: int, nw: int, k_multiple: int, fp4: bool,
-              R: int, K: int, st=None, force_idx64: bool = False) -> bool:
+              R: int, K: int, st=None, force_idx64: bool = False, quantize_fn=None) -> bool:
     """Once per compiled kernel variant: is the fused carrier right?
 
     Runs the same variant (every constexpr, the dtype, and the divisibility-by-16 of the sizes and
     strides that Triton specializes on) on a random tensor and compares carrier bytes and group
     scales with ones built by torch ops from the reference quantizer's output (``mxtrain.quant``).
-    ``st``: the settings the variant runs under (default: the current ones).
+    ``st``: the settings the variant runs under (default: the current ones). ``quantize_fn``: the fused
+    quantizer checked (default: ``set_quantizers``' ``single``, ``ops.quantize_mxfp4_2d``).
     """
     st = st or _settings.current()
     r16, k16 = R % 16 == 0, K % 16 == 0
@@ -52,7 +65,8 @@ def config_ok(x: torch.Tensor, axis: int, rot: int, has_signs: bool, scale_rule:
     ok = CACHES.verified.get(vkey)
     if ok is None:
         ok = selfcheck(x.device, x.dtype, axis, rot, has_signs, scale_rule, sr, prescale, group_rows, BR, nw,
-                       k_multiple, fp4, r16, k16, rows_contiguous=rc, force_idx64=force_idx64)["ok"]
+                       k_multiple, fp4, r16, k16, rows_contiguous=rc, force_idx64=force_idx64,
+                       quantize_fn=quantize_fn)["ok"]
         CACHES.verified[vkey] = ok
         if not ok:
             warnings.warn(f"mxtrain: fused FP8-carrier kernel variant {vkey} failed its self-check on this GPU; "
@@ -61,13 +75,14 @@ def config_ok(x: torch.Tensor, axis: int, rot: int, has_signs: bool, scale_rule:
 
 
 def dual_ok(x: torch.Tensor, a: dict, b: dict, k_multiple: int, fp4_b: bool = False, force_idx64: bool = False,
-            dual_fn=None) -> bool:
+            dual_fn=None, single_fn=None) -> bool:
     """Once per dual-kernel variant: are both outputs bit-identical to the two single passes
     (themselves self-checked against the reference quantizer)? Runs the variant on a random tensor with
     the same dtype, options and divisibility of the sizes by 16. ``dual_fn``: the one-pass quantizer
-    checked (default ``quantize_mxfp4_dual``; tests pass a faulty one)."""
-    from .ops import quantize_mxfp4_2d, quantize_mxfp4_dual
-    dual_fn = dual_fn or quantize_mxfp4_dual
+    checked (default ``quantize_mxfp4_dual``; tests pass a faulty one); ``single_fn``: the single pass it is
+    compared with (default ``quantize_mxfp4_2d``); defaults from ``set_quantizers``."""
+    dual_fn = dual_fn or _QUANTIZERS["dual"]
+    single_fn = single_fn or _QUANTIZERS["single"]
     M, K = x.shape
 
     def opt(side):
@@ -97,8 +112,7 @@ def dual_ok(x: torch.Tensor, a: dict, b: dict, k_multiple: int, fp4_b: bool = Fa
                 t["key"] = 12345 + i
             sides.append(t)
         got = dual_fn(xt, *sides, k_multiple=k_multiple, fp4_b=fp4_b, force_idx64=force_idx64, _check=False)
-        want = [quantize_mxfp4_2d(xt, ax, **s, carrier=not fp, fp4=fp, k_multiple=k_multiple,
-                                  force_idx64=force_idx64)
+        want = [single_fn(xt, ax, **s, carrier=not fp, fp4=fp, k_multiple=k_multiple, force_idx64=force_idx64)
                 for ax, s, fp in ((1, sides[0], False), (0, sides[1], fp4_b))]
         ok = all(torch.equal(p.packed, q.packed) and torch.equal(p.scales, q.scales) if q.carrier is None
                  else torch.equal(p.carrier.view(torch.uint8), q.carrier.view(torch.uint8))
@@ -121,9 +135,9 @@ def selfcheck(device, dtype, axis: int, rot: int, has_signs: bool, scale_rule: s
     ``rows_contiguous``: lay the tensor out with the output rows contiguous (default: row-major, which
     makes them contiguous along columns only), as the variant being checked reads it. ``force_idx64``: the
     variant with 64-bit offsets. ``quantize_fn``: the fused quantizer checked (default
-    ``quantize_mxfp4_2d``; tests pass a faulty one)."""
+    ``quantize_mxfp4_2d``, from ``set_quantizers``; tests pass a faulty one)."""
     if quantize_fn is None:
-        from .ops import quantize_mxfp4_2d as quantize_fn
+        quantize_fn = _QUANTIZERS["single"]
     g = torch.Generator(device="cpu").manual_seed(1234)
     if torch.device(device).type == "cpu":   # the interpreter (tests): fewer programs, the same edge cases
         Rt, Kt = (128 if r16 else 129), (304 if k16 else 305)
