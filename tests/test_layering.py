@@ -14,7 +14,6 @@ KNOWN_CYCLES = [
     {"context", "kernels.mxelem", "kernels.nvfp4"},
     {"data.hf", "data.loader", "data.prepare", "data.sources", "data.tokenizer"},
     {"hf", "train", "train.branch", "train.trainer"},
-    {"train.config", "train.experiments"},
 ]
 # the MX linear call, bottom to top: each may import only the ones before it (and anything outside the list)
 MX_LINEAR_STACK = ["fast", "tracedmx", "compiledmx", "linear", "nn"]

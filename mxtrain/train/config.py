@@ -676,25 +676,55 @@ def read_config_file(path) -> dict:
     return data
 
 
+# -- named experiments: the registry (the experiments themselves: ``experiments``, which fills it) ----------
+
+_EXPERIMENTS: dict[str, typing.Callable[[], TrainConfig]] = {}
+DEFAULT_EXPERIMENT = "tiny-main"   # ``mxtrain train`` alone (``experiments.DEFAULT``)
+
+
+def experiment(name: str):
+    """Decorator: register a function returning a ``TrainConfig`` as the experiment ``name``."""
+    def deco(fn):
+        _EXPERIMENTS[name] = fn
+        return fn
+    return deco
+
+
+def experiment_names() -> list[str]:
+    """The registered experiments' names (``experiments.names``)."""
+    return list(_EXPERIMENTS)
+
+
+def get_experiment(name: str) -> TrainConfig:
+    """A fresh config of the experiment ``name`` (``experiments.get``); an unknown name is a ``UserError``."""
+    if name not in _EXPERIMENTS:
+        near = difflib.get_close_matches(name, list(_EXPERIMENTS), n=1, cutoff=0.6)
+        raise UserError(f"unknown experiment {name!r}; {f'did you mean {near[0]}? ' if near else ''}valid experiments: "
+                        f"{', '.join(_EXPERIMENTS)} (a config file is given with --config FILE)")
+    cfg = _EXPERIMENTS[name]()
+    cfg.exp = name
+    return cfg
+
+
 def load_train_config(path, exp: str | None = None, data: dict | None = None) -> TrainConfig:
     """The config of ``mxtrain train --config FILE [--exp NAME]``: the defaults, then the experiment, then
     the file. The experiment is ``exp`` if given, else the file's ``exp`` when it names one
     (``mxtrain train --list``), else the default one (``tiny-main``); a file's ``exp`` that names no
     experiment is only the run's label (the run folder's name starts with it). A file without ``exp`` is
     labelled by its file name.
-    ``data``: the file's content when already read."""
-    from . import experiments
+    ``data``: the file's content when already read. (The experiments are registered by ``experiments``, which
+    the package ``mxtrain.train`` imports.)"""
     p = config_file_path(path)
     d = read_config_file(p) if data is None else data
     if "study" in d:
         raise UserError(f"{p} has a [study] section: it is a study config, run it with mxtrain study --config {p}")
     file_exp = d.get("exp")
     if exp is not None:
-        cfg = experiments.get(exp)
-    elif isinstance(file_exp, str) and file_exp in experiments.names():
-        cfg = experiments.get(file_exp)
+        cfg = get_experiment(exp)
+    elif isinstance(file_exp, str) and file_exp in experiment_names():
+        cfg = get_experiment(file_exp)
     else:
-        cfg = experiments.get(experiments.DEFAULT)
+        cfg = get_experiment(DEFAULT_EXPERIMENT)
     if file_exp is None and exp is None:
         cfg.exp = p.stem if p.name != "config.json" else p.parent.name
     return apply_dict(cfg, d, str(p))

@@ -4,35 +4,12 @@ their baseline and change a few fields. ``mxtrain train --exp NAME``; ``mxtrain 
 
 from __future__ import annotations
 
-import difflib
-from typing import Callable
+from .config import DEFAULT_EXPERIMENT, TrainConfig, experiment, experiment_names, get_experiment
 
-from ..errors import UserError
-from .config import TrainConfig
-
-_EXPERIMENTS: dict[str, Callable[[], TrainConfig]] = {}
-DEFAULT = "tiny-main"
-
-
-def experiment(name: str):
-    def deco(fn):
-        _EXPERIMENTS[name] = fn
-        return fn
-    return deco
-
-
-def names() -> list[str]:
-    return list(_EXPERIMENTS)
-
-
-def get(name: str) -> TrainConfig:
-    if name not in _EXPERIMENTS:
-        near = difflib.get_close_matches(name, list(_EXPERIMENTS), n=1, cutoff=0.6)
-        raise UserError(f"unknown experiment {name!r}; {f'did you mean {near[0]}? ' if near else ''}valid experiments: "
-                        f"{', '.join(_EXPERIMENTS)} (a config file is given with --config FILE)")
-    cfg = _EXPERIMENTS[name]()
-    cfg.exp = name
-    return cfg
+# the registry lives with the config loader (``config.load_train_config`` reads it); the names used from here
+DEFAULT = DEFAULT_EXPERIMENT
+names = experiment_names
+get = get_experiment
 
 
 @experiment("tiny-main")
