@@ -20,7 +20,7 @@ import torch
 
 from ..errors import UserError
 from . import checked
-from .prepare import DTYPES, FORMAT, UINT16_VOCAB
+from .shards import DTYPES, FORMAT, UINT16_VOCAB
 
 
 def _is_int(v) -> bool:

@@ -36,21 +36,8 @@ from .._io import pid_alive, swap_in, temp_path
 from ..errors import UserError
 from . import checked, hf
 from .sources import BUILTIN, check_sources, documents, expand_sources, kind_of, note, warn
+from .shards import FORMAT, shard_dtype
 from .tokenizer import check_eot_token, check_vocab_size, load_tokenizer, train_bpe
-
-FORMAT = "mxtrain-tokens-v1"
-DTYPES = ("uint16", "uint32")  # the shard dtypes prepare writes
-UINT16_VOCAB = 1 << 16         # uint16 holds ids below 65,536
-
-
-def shard_dtype(vocab_size: int) -> type:
-    """The shard dtype for ids in ``[0, vocab_size)``: uint16 up to a vocab of 65,536, else uint32 (never wrapped)."""
-    if vocab_size <= UINT16_VOCAB:
-        return np.uint16
-    if vocab_size <= 1 << 32:
-        return np.uint32
-    raise UserError(f"the tokenizer's ids go up to {vocab_size - 1:,}, beyond what mxtrain stores (uint32, below "
-                    f"{1 << 32:,}); use a tokenizer with a smaller vocabulary")
 
 
 def _corpus_bytes(sources: list[str]) -> int | None:

@@ -22,12 +22,12 @@ import importlib.util
 import json
 import os
 import re
-import sys
 from pathlib import Path
 from typing import Callable, Iterator
 
 from ..errors import UserError
 from . import hf
+from .messages import note, warn
 
 BUILTIN = "builtin"
 TEXT_EXTS = (".txt", ".text", ".txt.gz", ".text.gz", ".md")
@@ -70,12 +70,6 @@ def decode_bytes(data: bytes) -> str:
 _NOT_TEXT = re.compile("[\x00-\x08\x0e-\x1f\x7f-\x9f\ufffd]")
 BINARY_SHARE = 0.05   # a file with at least this share of such characters is refused as not text
 SNIFF_BYTES = 1 << 16
-
-
-def warn(msg: str) -> None:
-    """One line on stderr: ``mxtrain: warning: <msg>``."""
-    sys.stderr.write(f"mxtrain: warning: {' '.join(msg.splitlines())}\n")
-    sys.stderr.flush()
 
 
 def not_text_share(text: str) -> tuple[int, float]:
@@ -289,11 +283,6 @@ def _text_documents(path: Path, warn_fn: Callable[[str], None] | None = warn) ->
             buf, size = [], 0
     if buf:
         yield path.name, "\n\n".join(buf)
-
-
-def note(msg: str) -> None:
-    """One log line on stdout: ``mxtrain: <msg>`` (what was read or skipped; not a warning)."""
-    print(f"mxtrain: {' '.join(msg.splitlines())}", flush=True)
 
 
 def _names(items: list[str], most: int = 8) -> str:

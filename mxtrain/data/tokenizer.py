@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Iterable
 
 from ..errors import UserError
+from .messages import warn
 
 EOT = "<|endoftext|>"
 EOT_CANDIDATES = (EOT, "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>")  # looked up in this order
@@ -194,7 +195,6 @@ def _hf_eot(tok, p: Path, eot_token: str | None) -> tuple[int, str]:
             raise UserError(f"{p}: --eot-token {eot_token!r} is not a token of this tokenizer; "
                             f"{_candidates(_hf_specials(tok))}")
         if eot_token not in {t.content for t in tok.get_added_tokens_decoder().values()}:
-            from .sources import warn
             warn(f"{p}: --eot-token {eot_token!r} is an ordinary token of the vocabulary, not a special one: text "
                  f"that contains it gets the same id, so documents are not reliably separated")
         return i, eot_token
