@@ -294,7 +294,7 @@ def load_run(run_dir: str | Path, step: int | None = None) -> tuple[Llama, RunCh
     also be a checkpoint file or DCP folder.
     """
     from . import distributed as D
-    from .train import TrainConfig
+    from .train.config import TrainConfig
     from .train import checkpoint as ckpt
     run_dir = Path(run_dir)
     path = _find_checkpoint(run_dir)

@@ -12,7 +12,6 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 # Cycles that exist today (file sets); a change may shrink or remove them, never add one or grow one.
 KNOWN_CYCLES = [
     {"context", "kernels.mxelem", "kernels.nvfp4"},
-    {"hf", "train", "train.branch", "train.trainer"},
 ]
 # the MX linear call, bottom to top: each may import only the ones before it (and anything outside the list)
 MX_LINEAR_STACK = ["fast", "tracedmx", "compiledmx", "linear", "nn"]
