@@ -329,7 +329,12 @@ def test_compiled_layer_kernels_are_the_same_code_with_contraction_on():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     only = ["graph dual x r16 g128 fp4_b", "graph dual dy r16", "graph blocks w r16 g128", "graph cols w r16 g128",
-            "graph expand g128"]
+            "graph expand g128",
+            # the seeded recipes' (mx_compiled_seeded), one variant each (CI time; tools/compile_check.py --fusion
+            # checks all of FUSION_CHECKED): tseng's 64-wide pass with signs, SR and prescale, mxfp4-all-sr's dY
+            # with SR on both sides, mxfp4-all-rht16's X with random signs (the blocks and cols layouts' sign code)
+            "graph tile dy r64 signs sr prescale keyptr rows", "graph dual dy sr keyptr r0",
+            "graph dual x signs r16 fold g128 fp4_b"]
     import tempfile
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "fusion.json")

@@ -21,7 +21,8 @@ table it reads differs).
 
 ``--fusion``: the variants the compiled MX layer launches (``FUSION_CHECKED``; or those ``--only`` names) compiled
 with contraction off and on: inductor compiles user kernels with it on, and every one of them must compile to the
-same code (``fusion_check``; tests/test_compiledmx.py runs it in CI).
+same code (``fusion_check``; tests/test_compiledmx.py runs it in CI). The second build starts from the first one's
+TTGIR (``compile_pair``: the same code as a build from the source, in half the time).
 
 Runs on a CPU machine (``TRITON_INTERPRET`` is cleared for the run); needs only the Triton wheel. Exit status
 1 if a variant fails to compile. ``tests/test_kernels.py`` runs a few variants.
@@ -55,10 +56,11 @@ BASE = dict(HAS_SIGNS=False, RULE=0, SR=False, PRESCALE=False, GROUP_ROWS=1, WRI
             IDX64=False, KEY_PTR=False)
 
 
-def _single(layout, BR, nw, rot=0, maxnreg=None, ones=None, div16=(), **kw):
+def _single(layout, BR, nw, rot=0, maxnreg=None, ones=None, div16=(), ptr_types=None, **kw):
     """A variant of ``_mxfp4_kernel``; ``ones``: the arguments passed as 1 (default: the input's unit stride
     along the reduction, the cols layout's along rows); ``div16``: more integer arguments passed as multiples
-    of 16 (as a launch on such sizes specializes them)."""
+    of 16 (as a launch on such sizes specializes them); ``ptr_types``: pointer types other than ``PTR_TYPES``'
+    (``{"x_ptr": "*fp32"}``: a float32 input, the weights)."""
     consts = dict(BASE, BR=BR, ROT=rot, **kw)
     if layout != "tile" or rot == 64:
         consts.setdefault("USE_ASM", True)
@@ -70,7 +72,7 @@ def _single(layout, BR, nw, rot=0, maxnreg=None, ones=None, div16=(), **kw):
     if ones is None:
         ones = ("sx_r",) if layout == "cols" else ("sx_k",)
     return dict(kind="single", layout=layout, consts=consts, ones=ones, num_warps=nw, maxnreg=maxnreg,
-                div16=div16)
+                div16=div16, ptr_types=ptr_types or {})
 
 
 def _dual(bra=32, brb=64, nw=4, gr_b=1, rot=0, sr=False, fp4_b=False, maxnreg=80, **kw):
@@ -164,6 +166,26 @@ VARIANTS = {
     "graph blocks x r16 fold": _single("blocks", 16, 2, 16, FOLD=True),
     "graph tile x r16 fp4 cols": _single("tile", 64, 4, 16, WRITE_CARRIER=False, WRITE_FP4=True,
                                          ones=("sx_r",)),
+    # what it launches for the seeded recipes (mx_compiled_seeded: keys in device memory, sign vectors, prescales;
+    # launch.single_spec / dual_spec as traced.q_single / q_dual call them): tseng's dY along rows and W (float32)
+    # along N with 128x128 groups (the 64-wide tile path with signs, SR and prescale 3/4, specialized as the r64
+    # rows / cols variants above), mxfp4-all-sr's dY (SR on both sides; auto takes the dual pass up to
+    # launch.DUAL_SR_MAX elements), mxfp4-all-rht16's X and dY (signs, 1/4 folded into the block scales) and W
+    # along K (float32: no fold)
+    "graph tile dy r64 signs sr prescale keyptr rows": _single("tile", 64, 4, 64, HAS_SIGNS=True, SR=True,
+                                                               PRESCALE=True, KEY_PTR=True,
+                                                               ones=("sx_k", "si_k", "gs_sr"),
+                                                               div16=("R", "K", "sx_r", "si_r", "gs_sk")),
+    "graph tile w r64 signs sr prescale keyptr g128 cols": _single("tile", 128, 8, 64, GROUP_ROWS=128, HAS_SIGNS=True,
+                                                                   SR=True, PRESCALE=True, KEY_PTR=True,
+                                                                   ones=("sx_r", "si_r", "gs_sk"),
+                                                                   div16=("R", "K", "sx_k", "si_k"),
+                                                                   ptr_types={"x_ptr": "*fp32"}),
+    "graph dual dy sr keyptr r0": _dual(sr=True, KEY_PTR_A=True, KEY_PTR_B=True),
+    "graph dual x signs r16 fold g128 fp4_b": _dual(64, 128, 8, gr_b=128, rot=16, fp4_b=True),
+    "graph dual dy signs r16 fold": _dual(rot=16),
+    "graph blocks w signs r16 g128": _single("blocks", 128, 8, 16, GROUP_ROWS=128, HAS_SIGNS=True, maxnreg=80,
+                                             ptr_types={"x_ptr": "*fp32"}),
     "graph expand g128": dict(kind="expand", layout="expand", consts=dict(BR=128, GROUP_ROWS=128), ones=(),
                               num_warps=8, maxnreg=None),
     # the NVFP4 quantizer (kernels/nvfp4.py), as quantize_nvfp4_factored launches it on a GPU
@@ -244,6 +266,39 @@ def compile_one(item):
         c = triton.compile(source(v), target=GPUTarget("cuda", arch, 32), options=opts)
     except Exception as e:  # noqa: BLE001 - reported per variant
         return name, {"error": f"{type(e).__name__}: {e}"[:2000]}
+    return name, _stats(v, c)
+
+
+def compile_pair(item):
+    """``(name, (stats off, stats on))``: variant ``v`` compiled as mxtrain launches it (contraction off, its
+    register cap) and as inductor compiles it (contraction on, no cap). The second build starts from the
+    first one's TTGIR with the register-cap attribute removed: up to TTGIR neither option is read (Triton 3.6's
+    NVIDIA backend reads ``enable_fp_fusion`` making PTX and SASS, and ``maxnreg`` only to set that attribute),
+    so it is the TTGIR a build from the source would make, and the front end and TTGIR passes, most of a
+    build's time, run once."""
+    name, v, arch = item
+    import triton
+    from triton.backends.compiler import GPUTarget
+    opts = dict(num_warps=v["num_warps"], enable_fp_fusion=False)
+    if v["maxnreg"]:
+        opts["maxnreg"] = v["maxnreg"]
+    try:
+        off = triton.compile(source(v), target=GPUTarget("cuda", arch, 32), options=opts)
+        ttgir = re.sub(r"ttg\.maxnreg = \d+ : i32, ", "", off.asm["ttgir"])
+        assert "maxnreg" not in ttgir, "compile_pair: the register cap attribute not removed"
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "k.ttgir")
+            with open(path, "w") as f:
+                f.write(ttgir)
+            on = triton.compile(path, target=GPUTarget("cuda", arch, 32), options=dict(enable_fp_fusion=True))
+    except Exception as e:  # noqa: BLE001 - reported per variant
+        err = {"error": f"{type(e).__name__}: {e}"[:2000]}
+        return name, (err, err)
+    return name, (_stats(v, off), _stats(v, on))
+
+
+def _stats(v, c):
+    """Registers, instruction counts and PTX hashes of the compiled kernel ``c`` of variant ``v``."""
     ptx = c.asm["ptx"]
     # the PTX code without debug information (line table, file names, labels for it) nor symbol names (kernels
     # of different names compile to the same code)
@@ -277,7 +332,7 @@ def compile_one(item):
         # thread issues its SASS once, so SASS instructions per element estimate its time at the GPU's issue
         # rate (one warp instruction a clock per scheduler); a guide, not a bound (BENCHMARKS.md)
         r["sass_per_elem"] = round(n_sass * 32 * v["num_warps"] / (v["consts"]["BR"] * 128), 1)
-    return name, r
+    return r
 
 
 # The variants the compiled MX layer launches through inductor, which compiles user kernels with floating-point
@@ -290,15 +345,14 @@ def fusion_check(names=FUSION_CHECKED, arch: int = 90, jobs: int = 1) -> dict:
     """For each variant: compiled with contraction off (mxtrain's launches) and on (inductor's), is the code the
     same? ``same``: the PTX equal but for the ``.rn`` modifiers of float adds and multiplies, and the SASS holds
     the same number of each float instruction (no product was fused into an FMA, by LLVM or by ptxas)."""
-    items = [(n, VARIANTS[n], arch, f) for n in names for f in (False, True)]
+    items = [(n, VARIANTS[n], arch) for n in names]
     if jobs > 1:
         with ProcessPoolExecutor(jobs) as ex:
-            res = list(ex.map(compile_one, items))
+            res = list(ex.map(compile_pair, items))
     else:
-        res = [compile_one(it) for it in items]
+        res = [compile_pair(it) for it in items]
     out = {}
-    for i in range(0, len(res), 2):
-        (name, off), (_, on) = res[i], res[i + 1]
+    for name, (off, on) in res:
         if "error" in off or "error" in on:
             out[name] = {"same": False, "error": off.get("error") or on.get("error")}
             continue

@@ -122,6 +122,40 @@ if triton is not None:
         return tl.reshape(v4, [BR, 128])
 
     @triton.jit
+    def _signs_bfly1(a, b, sa, sb):
+        """Signs and butterfly stage 1 of a pair: (a sa, b sb) -> (a sa + b sb, a sa - b sb), the add and the
+        subtraction as FMAs b * (+-sb) + a sa. The signs are +-1, so every product is exact: the FMA rounds the
+        same sum once, as the add of the two products does (the same signed zeros: x - y is x + (-y)); -sb as
+        sb * -1.0, not 0 - sb (+0 for sb = +0). Written so because the add of a product is what contraction
+        would fuse: with it on or off the code is the same."""
+        a_s = a * sa
+        return tl.fma(b, sb, a_s), tl.fma(b, sb * -1.0, a_s)
+
+    @triton.jit
+    def _bfly_signs(x, sg, BR: tl.constexpr):
+        """``_bfly(x * sg, BR, 1)`` with the stage's adds as FMAs of exact products (``_signs_bfly1``); ``sg``: the
+        signs broadcast to x's shape [BR, 128] (split as x is, so its pieces have x's layout)."""
+        v4 = tl.permute(tl.reshape(x, [BR, 64, 2, 1]), (0, 1, 3, 2))
+        s4 = tl.permute(tl.reshape(sg, [BR, 64, 2, 1]), (0, 1, 3, 2))
+        a, b = tl.split(v4)
+        sa, sb = tl.split(s4)
+        p, m = _signs_bfly1(a, b, sa, sb)
+        v4 = tl.permute(tl.join(p, m), (0, 1, 3, 2))
+        return tl.reshape(v4, [BR, 128])
+
+    @triton.jit
+    def _bfly8_signs(x, sg, BR: tl.constexpr):
+        """``_bfly8(x * sg, BR, 1)`` with the stage's adds as FMAs of exact products (``_signs_bfly1``); ``sg``: the
+        signs broadcast to x's shape [BR, 4, 8]."""
+        v = tl.permute(tl.reshape(x, [BR, 4, 4, 2, 1]), (0, 1, 2, 4, 3))
+        t = tl.permute(tl.reshape(sg, [BR, 4, 4, 2, 1]), (0, 1, 2, 4, 3))
+        a, b = tl.split(v)
+        sa, sb = tl.split(t)
+        p, m = _signs_bfly1(a, b, sa, sb)
+        v = tl.permute(tl.join(p, m), (0, 1, 2, 4, 3))
+        return tl.reshape(v, [BR, 4, 8])
+
+    @triton.jit
     def _bfly8(x, BR: tl.constexpr, H: tl.constexpr):
         """Butterfly stage h = H (1, 2 or 4) inside the last axis (8 values, all held by one thread)."""
         v = tl.reshape(x, [BR, 4, 8 // (2 * H), 2, H])
@@ -163,6 +197,14 @@ if triton is not None:
         """|v| rounded to E2M1 magnitudes (float32 0..6), nearest-even or stochastic (hash of idx). ``KK``: the
         uniform of ``_uniform_kk`` with ``kk`` = key ^ (key >> 16) computed once by the caller, and the floor of
         y >= 0 as one rounding instruction (the same values as the int32 round trip: y < 4)."""
+        q, _q2 = _fp4_round2(v, SR, idx, key, kk, KK)
+        return q
+
+    @triton.jit
+    def _fp4_round2(v, SR: tl.constexpr, idx, key, kk=0, KK: tl.constexpr = False):
+        """``_fp4_round``'s q and q + 2 (``_fp4_code``'s), the latter written so that contraction cannot change
+        its code: with stochastic rounding q is the product rr * 2**(e-1), which an add of 2 would take into an
+        FMA where contraction is on (the same value: the product is exact), so q + 2 is that FMA, explicitly."""
         a = tl.minimum(tl.abs(v), 6.0)
         pbits = tl.maximum(a, 1.0).to(tl.int32, bitcast=True) & 0x7F800000   # 2**e, e = max(E(a), 0)
         if SR:
@@ -175,22 +217,30 @@ if triton is not None:
                 u = _uniform(idx, key)
                 fl = y.to(tl.int32).to(tl.float32)
             # (y - fl as an explicit FMA: a * 2**(1-e) is exact, so it is the product-then-subtract either way,
-            # and contraction, on or off, leaves the code as written)
-            rr = fl + tl.where(u < tl.fma(a, p1, -fl), 1.0, 0.0)
-            q = rr * (pbits - 0x00800000).to(tl.float32, bitcast=True)        # * 2**(e-1)
+            # and contraction, on or off, leaves the code as written; -fl as fl * -1.0, a sign flip that ptxas
+            # folds into the FMA's operand, where Triton's -fl is an add, 0 - fl)
+            rr = fl + tl.where(u < tl.fma(a, p1, fl * -1.0), 1.0, 0.0)
+            pe = (pbits - 0x00800000).to(tl.float32, bitcast=True)            # 2**(e-1)
+            q = rr * pe
+            # q + 2 as the FMA it is: rr is an integer in 0..4 (y < 4: a < 2**(e+1), and a <= 6 where e = 2)
+            # and 2**(e-1) a power of two in [0.5, 2], so rr * 2**(e-1) has at most 3 significant bits and is
+            # exact: one rounding either way, and q >= 0 (no signed-zero case)
+            q2 = tl.fma(rr, pe, 2.0)
         else:
             # round to the step 2**(e-1) by adding and removing m = 1.5 * 2**(22+e), built from 2**e's bits (no
             # multiply: a product feeding the add could be contracted into an FMA where contraction is on)
             m = (pbits + ((22 << 23) | 0x400000)).to(tl.float32, bitcast=True)
             q = (a + m) - m
-        return q
+            q2 = q + 2.0
+        return q, q2
 
     @triton.jit
-    def _fp4_code(q, v):
-        """E2M1 code of magnitude q (0, .5, 1, 1.5, 2, 3, 4, 6 -> 0..7) with the sign of v."""
+    def _fp4_code(q, q2, v):
+        """E2M1 code of magnitude q (0, .5, 1, 1.5, 2, 3, 4, 6 -> 0..7) with the sign of v; ``q2``: q + 2
+        (``_fp4_round2``)."""
         # (an explicit FMA: q * 0.5 is exact, so it is the product-then-add either way, and contraction, on or
         # off, leaves the code as written)
-        cf = tl.minimum(tl.minimum(q * 2.0, q + 2.0), tl.fma(q, 0.5, 4.0))
+        cf = tl.minimum(tl.minimum(q * 2.0, q2), tl.fma(q, 0.5, 4.0))
         c = (cf + 12582912.0).to(tl.int32, bitcast=True) & 0xF
         return c | ((v.to(tl.int32, bitcast=True) >> 28) & 8)
 
@@ -200,7 +250,7 @@ if triton is not None:
         if PRESCALE:
             x_j = x_j * prescale
         v = x_j * sc
-        q = _fp4_round(v, SR, idx, key)
+        q, q2 = _fp4_round2(v, SR, idx, key)
         if WRITE_CARRIER:
             qs = (q.to(tl.int32, bitcast=True)
                   | (v.to(tl.int32, bitcast=True) & -2147483648)).to(tl.float32, bitcast=True)
@@ -208,7 +258,7 @@ if triton is not None:
         else:
             byte = tl.zeros(v.shape, tl.uint8)
         if WRITE_FP4:
-            code = tl.where(ok3, _fp4_code(q, v), 0)
+            code = tl.where(ok3, _fp4_code(q, q2, v), 0)
         else:
             code = tl.zeros(v.shape, tl.int32)
         return byte, code

@@ -45,9 +45,9 @@ LAYOUTS = ("tile", "blocks", "cols")   # values of _mxfp4_kernel's LAYOUT (the n
 if triton is not None:
     import triton.language as tl
 
-    from .device import (_bfly, _bfly8, _bfly_tuple, _bfly_tuple_n, _block_scale, _carrier_exp, _e4m3_bits, _f32,
-                         _fp4_round, _join_all, _join_tree, _pack4, _piece, _pow2, _pow2n, _split64,
-                         _uniform)
+    from .device import (_bfly, _bfly8, _bfly8_signs, _bfly_signs, _bfly_tuple, _bfly_tuple_n, _block_scale,
+                         _carrier_exp, _e4m3_bits, _f32, _fp4_round2, _join_all, _join_tree, _pack4, _piece, _pow2,
+                         _pow2n, _signs_bfly1, _split64, _uniform)
 
     @triton.jit(do_not_specialize=["key"])
     def _mxfp4_kernel(
@@ -188,7 +188,7 @@ if triton is not None:
                     idx = ibase + i * si_k
                 else:
                     idx = 0
-                q = _fp4_round(v, SR, idx, key, kk, True)
+                q, q2 = _fp4_round2(v, SR, idx, key, kk, True)
                 if WRITE_CARRIER:
                     if i < 32:
                         fc = fc0
@@ -197,7 +197,7 @@ if triton is not None:
                     cs = cs + ((q.to(tl.int32, bitcast=True)
                                 | (v.to(tl.int32, bitcast=True) & smask)).to(tl.float32, bitcast=True) * fc,)
                 if WRITE_FP4:
-                    cf = tl.minimum(tl.minimum(q * 2.0, q + 2.0), tl.fma(q, 0.5, 4.0))   # as _fp4_code
+                    cf = tl.minimum(tl.minimum(q * 2.0, q2), tl.fma(q, 0.5, 4.0))   # as _fp4_code (q2 = q + 2)
                     c = ((cf + 12582912.0).to(tl.int32, bitcast=True) & 0xF) | (((v.to(tl.int32, bitcast=True)
                                                                                   & smask) >> 28) & 8)
                     qs = qs + (tl.where(ok, c, 0),)
@@ -237,10 +237,13 @@ if triton is not None:
 
             # ---- optional blockwise Hadamard (signs first, butterfly h = 1..ROT/2, one scale multiply)
             if ROT > 0:
-                if HAS_SIGNS:
+                if HAS_SIGNS and ROT > 1:   # signs and stage 1 as FMAs of exact products (_signs_bfly1)
+                    sg = tl.load(signs_ptr + (tl.arange(0, 128) % ROT))
+                    x = _bfly_signs(x, tl.broadcast_to(sg[None, :], [BR, 128]), BR)
+                elif HAS_SIGNS:
                     sg = tl.load(signs_ptr + (tl.arange(0, 128) % ROT))
                     x = x * sg[None, :]
-                if ROT > 1:
+                elif ROT > 1:
                     x = _bfly(x, BR, 1)
                 if ROT > 2:
                     x = _bfly(x, BR, 2)
@@ -282,7 +285,10 @@ if triton is not None:
                 idx = r3.to(tl.int64) * si_r + c3.to(tl.int64) * si_k
                 u3 = _uniform(idx, key)
                 fl = y.to(tl.int32).to(tl.float32)
-                rr = fl + tl.where(u3 < (y - fl), 1.0, 0.0)
+                # (y - fl as an explicit FMA: p = 2**(1-e) with e = 0 for a < 2 (p = 2) and a >= 2**e, so a * p
+                # is exact (no underflow: a times 2, 1 or 0.5 where a >= 4): the product-then-subtract either
+                # way, and contraction, on or off, leaves the code as written; -fl as fl * -1.0: _fp4_round2)
+                rr = fl + tl.where(u3 < tl.fma(a, p, fl * -1.0), 1.0, 0.0)
             else:
                 # (a * p is exact: written as the FMA it is, so contraction on or off leaves the code as written)
                 rr = tl.fma(a, p, 12582912.0) - 12582912.0
@@ -347,13 +353,19 @@ if triton is not None:
             x3 = _f32(tl.load(xp + c3 * sx_k, mask=rm & (c3 < K), other=0.0))
 
             if ROT > 0:
-                if HAS_SIGNS:
+                if HAS_SIGNS and ROT > 1:   # signs and stage 1 as FMAs of exact products (_signs_bfly1)
+                    lb = blk * 32 + ee
+                    x0 = _bfly8_signs(x0, tl.broadcast_to(tl.load(signs_ptr + lb % ROT), [BR, 4, 8]), BR)
+                    x1 = _bfly8_signs(x1, tl.broadcast_to(tl.load(signs_ptr + (lb + 8) % ROT), [BR, 4, 8]), BR)
+                    x2 = _bfly8_signs(x2, tl.broadcast_to(tl.load(signs_ptr + (lb + 16) % ROT), [BR, 4, 8]), BR)
+                    x3 = _bfly8_signs(x3, tl.broadcast_to(tl.load(signs_ptr + (lb + 24) % ROT), [BR, 4, 8]), BR)
+                elif HAS_SIGNS:
                     lb = blk * 32 + ee
                     x0 = x0 * tl.load(signs_ptr + lb % ROT)
                     x1 = x1 * tl.load(signs_ptr + (lb + 8) % ROT)
                     x2 = x2 * tl.load(signs_ptr + (lb + 16) % ROT)
                     x3 = x3 * tl.load(signs_ptr + (lb + 24) % ROT)
-                if ROT > 1:
+                elif ROT > 1:
                     x0 = _bfly8(x0, BR, 1)
                     x1 = _bfly8(x1, BR, 1)
                     x2 = _bfly8(x2, BR, 1)
@@ -503,12 +515,19 @@ if triton is not None:
                 xs = xs + (_f32(tl.load(xp + (kb + j) * sx_k, mask=rm & (kb + j < K), other=0.0)),)
 
             if ROT > 0:
-                if HAS_SIGNS:
+                if HAS_SIGNS and ROT > 1:   # signs and stage 1 as FMAs of exact products (_signs_bfly1)
+                    w = ()
+                    for j in tl.static_range(0, 32, 2):
+                        p, m = _signs_bfly1(xs[j], xs[j + 1], tl.load(signs_ptr + j % ROT),
+                                            tl.load(signs_ptr + (j + 1) % ROT))
+                        w = w + (p, m)
+                    xs = w
+                elif HAS_SIGNS:
                     w = ()
                     for j in tl.static_range(32):
                         w = w + (xs[j] * tl.load(signs_ptr + j % ROT),)
                     xs = w
-                if ROT > 1:
+                elif ROT > 1:
                     xs = _bfly_tuple(xs, 1)
                 if ROT > 2:
                     xs = _bfly_tuple(xs, 2)
