@@ -168,7 +168,8 @@ def test_callback_error_is_a_failed_outcome(tmp_path):
 
 def test_study_state_comes_from_the_typed_outcome(tmp_path):
     """run_one records what the outcome says: returned, carried by any exception type, or in run.json."""
-    from mxtrain.study.runner import StudyInterrupted, StudySpec, run_one
+    from mxtrain.study.plan import StudySpec
+    from mxtrain.study.run import StudyInterrupted, run_one
 
     spec = StudySpec(out=str(tmp_path / "st"), arms=["bf16"], seeds=1)
 
@@ -205,7 +206,8 @@ def test_study_state_comes_from_the_typed_outcome(tmp_path):
 
 def test_study_train_one_returns_the_trainers_outcome(tmp_path):
     """A real diverging study run: train_one returns the typed outcome, run_one records it as diverged."""
-    from mxtrain.study.runner import StudySpec, run_one, train_one
+    from mxtrain.study.plan import StudySpec
+    from mxtrain.study.run import run_one, train_one
     from train_helpers import small_data
 
     spec = StudySpec(out=str(tmp_path / "st"), arms=["bf16"], seeds=1, model="tiny", steps=6, batch_size=4,

@@ -50,7 +50,7 @@ def test_example_loads_and_validates(path):
     d = read_config_file(path)
     if "study" in d:
         from mxtrain.study.cli import apply_study_file
-        from mxtrain.study.runner import StudySpec, build_config as study_run_config
+        from mxtrain.study.plan import StudySpec, build_config as study_run_config
         args = _study_args("--config", str(path))
         apply_study_file(args, args.config)
         spec = StudySpec.from_args(args)
@@ -295,7 +295,7 @@ def _write(tmp_path, text, name="s.toml"):
 
 def test_study_file_flags_win_and_set_comes_last(tmp_path):
     from mxtrain.study.cli import apply_study_file
-    from mxtrain.study.runner import StudySpec, build_config as run_config
+    from mxtrain.study.plan import StudySpec, build_config as run_config
     f = _write(tmp_path, '[study]\narms = ["bf16", "mxfp4-all"]\nseeds = 2\nout = "x"\njobs = 2\n'
                          '[train]\nsteps = 16\nbatch_size = 8\n[optim]\nlr = 5e-3\n'
                          '[recipe_overrides]\n"wgrad_dy.rounding" = "stochastic"\n')
@@ -316,7 +316,7 @@ def test_study_file_flags_win_and_set_comes_last(tmp_path):
 def test_study_settings_given_beat_the_preset(tmp_path):
     """Issue #47, 5: the smoke preset's own overrides (optim.lr=5e-3, model.dim=64, ...) came after the flags and
     replaced --lr and --model; its steps replaced a train.tokens given, its eval_every a log.eval_every given."""
-    from mxtrain.study.runner import StudySpec, build_config as run_config
+    from mxtrain.study.plan import StudySpec, build_config as run_config
 
     def cfg(*argv):
         return run_config(StudySpec.from_args(_study_args("--preset", "smoke", *argv)), "bf16", 0, tmp_path / "r")
@@ -478,7 +478,7 @@ def test_arm_learning_rate_option(tmp_path):
     arms keep the study's; bad values are refused with the option's spelling."""
     from mxtrain.errors import UserError
     from mxtrain.study import arms as A
-    from mxtrain.study.runner import StudySpec, build_config as run_config
+    from mxtrain.study.plan import StudySpec, build_config as run_config
     spec = StudySpec(out=str(tmp_path / "s"), arms=["bf16", "bf16@lr1.5e-3", "mxfp4-all@lr0.002@deosc"], lr=3e-3,
                      overrides=["optim.lr=4e-3"], steps=8)
     assert run_config(spec, "bf16", 0, tmp_path / "a").optim.lr == 4e-3

@@ -42,7 +42,7 @@ def _study(d: Path) -> dict:
     runs = M.load_study_runs(d)
     meta = {"baseline": "bf16", "references": ["fp8"], "target_frac": 0.8, "smooth_k": 2}
     summary = M.summarize(runs, "bf16", smooth_k=2)
-    from mxtrain.study.runner import add_references
+    from mxtrain.study.summary import add_references
     add_references(summary, meta, runs)
     summary = M.sanitize(summary)
     report.write_report(d, summary)

@@ -176,7 +176,8 @@ def _fake_trainer(calls, fail_at=None):
 
 def test_runner_resumes_skips_and_records_divergence(tmp_path):
     from mxtrain.errors import UserError
-    from mxtrain.study.runner import StudySpec, run_study
+    from mxtrain.study.plan import StudySpec
+    from mxtrain.study.workers import run_study
 
     spec = StudySpec(out=str(tmp_path / "st"), arms=["bf16", "mxfp4-all", "mxfp4-all-sr"], seeds=2, smooth_k=1)
     calls = []
@@ -261,7 +262,8 @@ def test_smoke_preset_end_to_end(tmp_path, capsys, monkeypatch):
 
 
 def test_arms_added_later_to_the_same_study_are_kept(tmp_path):
-    from mxtrain.study.runner import StudySpec, run_study
+    from mxtrain.study.plan import StudySpec
+    from mxtrain.study.workers import run_study
 
     out = str(tmp_path / "st")
     run_study(StudySpec(out=out, arms=["bf16", "mxfp4-all"], seeds=1, smooth_k=1), _fake_trainer([]), log=lambda *a: None)
@@ -315,7 +317,8 @@ def test_second_reference_arm_and_presets(tmp_path, capsys):
     summary.json and the report; the presets that name fp8 as a reference, and the errors."""
     from mxtrain.cli import main
     from mxtrain.errors import UserError
-    from mxtrain.study.runner import PRESETS, StudySpec, run_study
+    from mxtrain.study.plan import PRESETS, StudySpec
+    from mxtrain.study.workers import run_study
 
     def trainer(spec, arm, seed, run_dir):
         c = {"bf16": 1.0, "fp8": 1.05, "mxfp4-all": 1.2}[arm]

@@ -124,7 +124,7 @@ def test_study_command_prints_the_claims(tmp_path, monkeypatch, capsys):
     import json
 
     from mxtrain.cli import main
-    from mxtrain.study import runner
+    from mxtrain.study import cli as runner
 
     def fake_run_study(spec, jobs=1, start_by=None):
         out = tmp_path / "s"

@@ -9,7 +9,9 @@ import math
 import pytest
 
 from mxtrain.errors import UserError
-from mxtrain.study.runner import StudySpec, branch_plan, run_study, train_branch
+from mxtrain.study.plan import StudySpec, branch_plan
+from mxtrain.study.run import train_branch
+from mxtrain.study.workers import run_study
 from train_helpers import data_cache
 
 SMOKE = ["model.dim=64", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1", "schedule.warmup_steps=2",
@@ -47,7 +49,7 @@ def test_cooldown_study_end_to_end_and_resume(tmp_path, monkeypatch, capsys):
     run_study(_spec(out), log=lambda m: None, branch_fn=counting)
     assert len(calls) == 2 * 2 * 3
     # what the dry run counted is what ran: steps and evaluations of a run and its branches
-    from mxtrain.study.runner import compute_plan
+    from mxtrain.study.run import compute_plan
     plan = compute_plan(_spec(out))
     folders = [out / "runs" / "bf16" / "seed0", *sorted((out / "runs" / "bf16" / "seed0" / "branches").iterdir())]
     rows = [json.loads(x) for f in folders for x in (f / "metrics.jsonl").read_text().splitlines()]
@@ -60,7 +62,7 @@ def test_cooldown_study_end_to_end_and_resume(tmp_path, monkeypatch, capsys):
     part = compute_plan(_spec(out), tokens_per_s=1000.0)
     assert part["runs_done"] == 3 and part["train_tokens_left"] == plan["train_tokens"] / 4
     assert part["hours"] == pytest.approx((part["train_tokens_left"] + part["eval_tokens_left"] / 3) / 1000 / 3600)
-    from mxtrain.study.runner import describe_compute
+    from mxtrain.study.run import describe_compute
     assert "left to train: 1 runs" in describe_compute(part)
     bst.write_text(kept)
     # another base config: the study would refuse the folder, and the dry run says so
@@ -152,12 +154,12 @@ def test_compute_plan_counts_what_the_study_trains(tmp_path, capsys):
     stable steps plus its branches (16-step runs, budgets 0.5/0.75/1 with a quarter cooling down: the stable
     run to step 12, branches of 2, 3 and 4 steps), evaluations, and the time at a given rate."""
     from mxtrain.cli import main
-    from mxtrain.study.runner import compute_plan
+    from mxtrain.study.run import compute_plan
     from mxtrain.train.trainer import _model_config, build_model
     import torch
     spec = _spec(tmp_path / "s")
     c = compute_plan(spec, tokens_per_s=1000.0)
-    from mxtrain.study.runner import build_config
+    from mxtrain.study.plan import build_config
     cfg = build_config(spec, "bf16", 0, tmp_path / "r")
     model = build_model(cfg, cfg.data.vocab_size, torch.device("cpu"))
     assert c["params"] == sum(p.numel() for p in model.parameters())
@@ -184,7 +186,7 @@ def test_compute_plan_counts_what_the_study_trains(tmp_path, capsys):
         assert main(["study", "--arms", "bf16", "--steps", "100", "--out", str(tmp_path / "x"), *extra]) == 2
         assert "--tokens-per-s" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
-    from mxtrain.study.runner import describe_compute
+    from mxtrain.study.run import describe_compute
     # the peak learning rate each arm trains at; a study that names none is told it is the base experiment's
     nolr = [o for o in SMOKE if not o.startswith("optim.lr=")]
     lr = compute_plan(StudySpec(**{**asdict(_spec(tmp_path / "l1", overrides=nolr)), "arms": ["bf16", "bf16@lr1e-3"]}))
@@ -293,7 +295,8 @@ def test_run_stopped_by_a_signal_continues_from_its_checkpoint(tmp_path, monkeyp
     stopped, bit for bit (stochastic rounding included); then its cooldown branches train."""
     import os
     import signal
-    from mxtrain.study.runner import StudyInterrupted, build_config
+    from mxtrain.study.plan import build_config
+    from mxtrain.study.run import StudyInterrupted
     from mxtrain.train import trainer as TR
     from mxtrain.train.callbacks import Callback
     monkeypatch.setenv("MXTRAIN_DATA", str(data_cache()))   # the built-in corpus, prepared once
@@ -447,7 +450,7 @@ def test_trend_preset_plans_one_to_twenty_tokens_per_non_embedding_parameter(tmp
     """The ``trend`` preset: 30m, 11,500 steps, branches at 5-100 % of the run; its dry run on a corpus with the
     32k vocabulary is what docs/study.md states (here the built-in data's vocabulary, so only the plan)."""
     from mxtrain.cli import main
-    from mxtrain.study.runner import PRESETS
+    from mxtrain.study.plan import PRESETS
     p = PRESETS["trend"]
     assert p["arms"] == ["bf16", "mxfp4-all"] and p["steps"] == 11500 and p["budgets"][0] == 0.05
     assert main(["study", "--preset", "trend", "--out", str(tmp_path / "t"), "--dry-run"]) == 0
@@ -462,7 +465,7 @@ def test_trend_preset_plans_one_to_twenty_tokens_per_non_embedding_parameter(tmp
     assert f"'overrides': {ev}" in out
     # the same settings repeated on the command line (as study_gpu.sh passes them) leave the plan unchanged: a
     # study started with --preset trend and one started with --arms and the flags resume each other
-    from mxtrain.study.runner import StudySpec
+    from mxtrain.study.plan import StudySpec
     from mxtrain.cli import make_parser
     ap = make_parser(["study"])
     flags = ["--batch-size", "32", "--seq-len", "512", "--steps", "11500", "--lr", "1.5e-3", "--model", "30m",

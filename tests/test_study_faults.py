@@ -193,7 +193,7 @@ def test_killed_parallel_study_workers_die_and_release_the_folder(tmp_path):
 
 def test_second_study_on_a_locked_folder_is_refused_and_changes_nothing(tmp_path, monkeypatch, capsys):
     from mxtrain.cli import main
-    from mxtrain.study import runner
+    from mxtrain.study import workers as runner
 
     out = tmp_path / "st"
     args = ["study", "--arms", "bf16,mxfp4-all", "--seeds", "2", "--smooth-k", "1", "--out", str(out)]
@@ -230,7 +230,7 @@ def test_second_study_on_a_locked_folder_is_refused_and_changes_nothing(tmp_path
 
 def test_missing_planned_run_is_named_and_exits_nonzero(tmp_path, monkeypatch, capsys):
     from mxtrain.cli import main
-    from mxtrain.study import runner
+    from mxtrain.study import workers as runner
 
     out = tmp_path / "st"
     args = ["study", "--arms", "bf16,mxfp4-all", "--seeds", "2", "--smooth-k", "1", "--out", str(out)]
@@ -268,7 +268,7 @@ def test_missing_planned_run_is_named_and_exits_nonzero(tmp_path, monkeypatch, c
 
 def test_failure_mentioning_nan_is_failed_not_diverged(tmp_path, monkeypatch, capsys):
     from mxtrain.cli import main
-    from mxtrain.study import runner
+    from mxtrain.study import workers as runner
     from mxtrain.train import NonFiniteLoss
 
     out = tmp_path / "st"
@@ -338,9 +338,9 @@ def test_out_of_memory_worker_gives_its_run_back_and_worker_0_trains_it(tmp_path
     memory makes the incomplete message say to train fewer runs at once."""
     import torch
 
-    from mxtrain.study import runner as RN
+    from mxtrain.study import run as RN
     from mxtrain.study import worker as W
-    from mxtrain.study.runner import StudySpec
+    from mxtrain.study.plan import StudySpec
 
     out = tmp_path / "st"
     out.mkdir()
@@ -381,7 +381,8 @@ def test_a_run_killed_after_its_checkpoint_continues_from_it(tmp_path):
     """A run killed after a checkpoint (SIGKILL, a lost machine) leaves its checkpoint, a run.json without an
     outcome, no study_status.json and no summary.json: the next session continues it from that checkpoint, its
     folder kept, instead of deleting it and training from step 0."""
-    from mxtrain.study.runner import StudySpec, build_config, run_study
+    from mxtrain.study.plan import StudySpec, build_config
+    from mxtrain.study.workers import run_study
     from mxtrain.train import trainer as TR
 
     spec = StudySpec(out=str(tmp_path / "s"), arms=["bf16"], seeds=1, model="tiny", steps=4, batch_size=4,

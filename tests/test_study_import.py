@@ -10,7 +10,8 @@ import pytest
 
 from mxtrain.errors import UserError
 from mxtrain.study.importruns import config_differences, import_runs, parse_renames
-from mxtrain.study.runner import StudySpec, run_study
+from mxtrain.study.plan import StudySpec
+from mxtrain.study.workers import run_study
 from train_helpers import data_cache
 
 SMOKE = ["model.dim=64", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1", "schedule.warmup_steps=2",

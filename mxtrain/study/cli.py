@@ -17,14 +17,16 @@ from pathlib import Path
 
 from .._io import write_json
 from ..errors import UserError, number_flag, read_json_object
+from .plan import FLAG_KEYS, PER_RUN, PRESETS, SCHEDULES, StudySpec, build_config
+from .run import StudyIncomplete, compute_plan, describe_compute, incomplete_message
+from .summary import add_cooldown, add_references
+from .workers import run_study
 
 __all__ = ["register", "study_main", "report_main"]
 
 
 def register(subparsers) -> None:
     """Add the ``study`` and ``report`` sub-commands to an argparse ``subparsers`` object."""
-    from .runner import PRESETS, SCHEDULES
-
     p = subparsers.add_parser(
         "study", help="run a controlled study: recipes (arms) x seeds, then summary.json and report.html",
         description="Train every arm (recipe) with every seed from one base config (same init, data order and "
@@ -110,8 +112,6 @@ def register(subparsers) -> None:
 
 
 def study_main(args: argparse.Namespace) -> int:
-    from .runner import StudyIncomplete, StudySpec, incomplete_message, run_study
-
     if getattr(args, "config", None):
         apply_study_file(args, args.config)
     jobs_given = args.jobs is not None
@@ -123,7 +123,6 @@ def study_main(args: argparse.Namespace) -> int:
     spec.check_branch_options()
     from ..train.config import check_init_from
     from ..train.trainer import validate
-    from .runner import build_config
     for arm in spec.arms:  # every run's config is valid (as run_study checks first), before anything is written
         cfg = build_config(spec, arm, 0, Path(spec.out) / "runs" / "check")
         if args.dry_run:
@@ -137,7 +136,6 @@ def study_main(args: argparse.Namespace) -> int:
     if sb is not None and not sb >= 0:
         raise UserError(f"--start-by {sb:g}: give the seconds from now after which no run starts (0 or more)")
     if args.dry_run:
-        from .runner import compute_plan, describe_compute
         print(spec.describe())
         print(describe_compute(compute_plan(spec, getattr(args, "tokens_per_s", None))))
         later = ([f"--jobs {args.jobs}"] if jobs_given else []) + ([f"--start-by {sb:g}"] if sb is not None else [])
@@ -194,7 +192,6 @@ def apply_study_file(args: argparse.Namespace, path) -> None:
 
     from ..train import experiments
     from ..train.config import TrainConfig, _coerce, apply_dict, config_file_path, read_config_file
-    from .runner import FLAG_KEYS, PER_RUN, PRESETS, StudySpec
 
     p = config_file_path(path)
     src = str(p)
@@ -354,13 +351,11 @@ def report_main(args: argparse.Namespace) -> int:
         tf = args.target_frac if args.target_frac is not None else meta.get("target_frac") or 0.8
         summary = M.summarize(runs, base, target_loss=tl, target_frac=tf, smooth_k=k, recipes=meta.get("recipes"))
         if meta.get("arms") and meta.get("seeds") is not None:
-            from .runner import incomplete_message
             summary["planned_runs"] = len(meta["arms"]) * len(meta["seeds"])
             summary["missing"] = M.missing_runs(d, meta["arms"], meta["seeds"], runs)
             msg = incomplete_message(summary)
             if msg:
                 print(f"warning: {msg}", file=sys.stderr)
-            from .runner import add_cooldown, add_references
             meta = {**meta, "baseline": base, "target_loss": tl, "target_frac": tf, "smooth_k": k}
             if getattr(args, "references", None) is not None:
                 refs = [r.strip() for r in args.references.split(",") if r.strip()]

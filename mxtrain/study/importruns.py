@@ -8,7 +8,7 @@ spend GPU time on runs that exist. ``import_runs`` copies them instead, and copi
 
 * the source run is finished (``study_status.json`` says done or diverged), with every branch of its cooldown
   plan finished;
-* the training config the destination study builds for the new arm and that seed (``runner.build_config``)
+* the training config the destination study builds for the new arm and that seed (``plan.build_config``)
   equals the source run's ``config.json`` in every key but the run's own folder (``log.out``) and the
   experiment's name (``exp``: ``study-<preset>``, a label that changes nothing trained, so a check run with
   ``--arms`` imports into a study made from a preset);
@@ -33,6 +33,8 @@ from .._io import write_json
 from ..errors import UserError, read_json_object
 from . import arms as A
 from . import metrics as M
+from .plan import StudySpec, branch_folder, build_config, study_branch_plan
+from .run import _finished, _status
 
 __all__ = ["import_runs", "parse_renames", "config_differences"]
 
@@ -83,8 +85,6 @@ def config_differences(a: dict, b: dict, ignore: tuple[str, ...] = ("log.out", "
 
 
 def _spec_of(meta: dict, where: Path):
-    from .runner import StudySpec
-
     spec = meta.get("spec")
     if not isinstance(spec, dict):
         raise UserError(f"{where}/study.json has no study spec (written by an older mxtrain?): cannot check the runs")
@@ -104,8 +104,6 @@ def import_runs(src: str | Path, dst: str | Path, renames: dict[str, str] | None
     """Copy the finished runs of study ``src`` into study ``dst`` (see the module docstring). ``renames`` maps
     source arms to destination arms (default: every arm of ``src`` under its own name). Returns the
     ``(source arm, destination arm, seed)`` of the runs copied (or, with ``dry_run``, that would be)."""
-    from . import runner as RN
-
     src, dst = Path(src), Path(dst)
     if src.resolve() == dst.resolve():
         raise UserError(f"{src} is both the source and the destination; give two study folders")
@@ -125,8 +123,8 @@ def import_runs(src: str | Path, dst: str | Path, renames: dict[str, str] | None
         raise UserError(f"the two studies' cooldown designs differ: {src} budgets {sspec.budgets} cooldown "
                         f"{sspec.cooldown} {sspec.cooldown_shape}; {dst} budgets {dspec.budgets} cooldown "
                         f"{dspec.cooldown} {dspec.cooldown_shape}: their runs are not interchangeable")
-    plan_s = RN.study_branch_plan(sspec) if sspec.budgets else []
-    plan_d = RN.study_branch_plan(dspec) if dspec.budgets else []
+    plan_s = study_branch_plan(sspec) if sspec.budgets else []
+    plan_d = study_branch_plan(dspec) if dspec.budgets else []
     if plan_s != plan_d:
         raise UserError(f"the two studies branch at different steps ({plan_s} and {plan_d}): their runs are not "
                         f"interchangeable")
@@ -134,16 +132,16 @@ def import_runs(src: str | Path, dst: str | Path, renames: dict[str, str] | None
     todo: list[tuple[str, str, int, Path, Path]] = []
     problems: list[str] = []
     for old, new in renames.items():
-        spec_new = RN.StudySpec(**{**asdict(dspec), "arms": list(dict.fromkeys(list(dspec.arms) + [new]))})
+        spec_new = StudySpec(**{**asdict(dspec), "arms": list(dict.fromkeys(list(dspec.arms) + [new]))})
         seeds = sorted(int(p.name[4:]) for p in (src / "runs" / old).iterdir()
                        if p.is_dir() and M.SEED_DIR.fullmatch(p.name))
         for seed in seeds:
             rd = src / "runs" / old / f"seed{seed}"
-            st = RN._status(rd)
-            if not RN._finished(st):
+            st = _status(rd)
+            if not _finished(st):
                 log(f"skipped {old} seed {seed}: not finished ({(st or {}).get('state', 'no status')})")
                 continue
-            pending = [f"{k}+{n}" for _, k, n in plan_s if not RN._finished(RN._status(RN.branch_folder(rd, k, n)))]
+            pending = [f"{k}+{n}" for _, k, n in plan_s if not _finished(_status(branch_folder(rd, k, n)))]
             if pending and (st or {}).get("state") == "done":
                 log(f"skipped {old} seed {seed}: cooldown branches not finished (at step+length {', '.join(pending)})")
                 continue
@@ -159,7 +157,7 @@ def import_runs(src: str | Path, dst: str | Path, renames: dict[str, str] | None
             if not cfg_p.is_file():
                 problems.append(f"{rd} has no config.json: cannot check it")
                 continue
-            want = RN.build_config(spec_new, new, seed, target).to_dict()
+            want = build_config(spec_new, new, seed, target).to_dict()
             diff = config_differences(read_json_object(cfg_p, "a run's config"), want)
             if diff:
                 shown = "; ".join(f"{k}: {a!r} in the run, {b!r} for {new} in {dst.name}" for k, a, b in diff[:6])

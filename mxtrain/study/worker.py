@@ -46,7 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     from pathlib import Path
 
     from ..errors import UserError
-    from .runner import StudySpec, claim_path, plan_order, ran_out_of_memory, run_one, train_one
+    # (start-up cost: a worker whose parent is gone exits before it imports the study and the trainer)
+    from .plan import StudySpec, plan_order
+    from .run import claim_path, ran_out_of_memory, run_one, train_one
 
     argv = sys.argv[1:] if argv is None else argv
     out, k = Path(argv[0]), int(argv[1])
