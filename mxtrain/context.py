@@ -33,6 +33,7 @@ from . import settings as _settings
 from .formats import get_format
 from .hadamard import hadamard, rotation_signs
 from .quant import MXTensor, quantize, reference_only
+from .operand import compute_dtype, fake_quantize_operand, pad_axis
 from .recipe import GEMMS, OPERANDS, Operand, Recipe, Rotation
 
 __all__ = ["OPERAND_ID", "GEMM_ID", "operand_seed", "Ctx", "needs_seeds", "seed_spec", "compute_dtype",
@@ -70,21 +71,6 @@ def needs_seeds(recipe: Recipe) -> bool:
 def advances_calls(recipe: Recipe) -> bool:
     """Does the call counter matter (some operand is stochastically rounded)?"""
     return recipe.memo("advances_calls", lambda r: any(seed_spec(r)[0]))
-
-
-def compute_dtype(*ts: torch.Tensor) -> torch.dtype:
-    """float64 if any input is float64 (gradcheck), else float32."""
-    return torch.float64 if any(t.dtype == torch.float64 for t in ts) else torch.float32
-
-
-def pad_axis(t: torch.Tensor, axis: int, multiple: int) -> torch.Tensor:
-    """``t`` with zeros appended along ``axis`` up to a multiple of ``multiple``."""
-    n = t.shape[axis]
-    pad = (-n) % multiple
-    if not pad:
-        return t
-    axis = axis % t.ndim
-    return F.pad(t, [0, 0] * (t.ndim - 1 - axis) + [0, pad])
 
 
 def bf16_exact(op: Operand, rot: Rotation) -> bool:
@@ -236,24 +222,6 @@ class Ctx:
                 return res[0], op.prescale, res[1]
         v, g = REF_COMPILE.run(t, signs if rot.enabled else None, key, spec)
         return v, op.prescale, g
-
-
-def fake_quantize_operand(t: torch.Tensor, signs: torch.Tensor | None, key, axis: int, rot: int, fmt: str,
-                          block_size, rounding: str, scale_rule: str, prescale: float, factored: bool = False):
-    """``Ctx.operand``'s values: ``t`` in float32 (float64 stays float64), rotated along ``axis`` by
-    ``rot``-element Hadamard blocks (0: none) after zero-padding the axis, quantized and dequantized
-    (prescale not undone). A pure function of tensors (``t``, ``signs``, ``key``: None, an int or an int64
-    0-d tensor) and constants, so that ``torch.compile`` makes one graph per operand spec and shape, never
-    one per step, call or layer (those enter through ``key`` and ``signs`` only)."""
-    r = t.to(compute_dtype(t))
-    if rot:
-        r = hadamard(pad_axis(r, axis, rot), rot, axis=axis, signs=signs)
-    mx = quantize(r, fmt, axis=axis, block_size=block_size, rounding=rounding, scale_rule=scale_rule, key=key,
-                  prescale=prescale)
-    if factored:   # NVFP4 without its tensor scale, and that scale (``MXTensor.dequantize_factored``)
-        v, g = mx.dequantize_factored()
-        return v.to(r.dtype), g
-    return mx.dequantize(torch.float32).to(r.dtype)
 
 
 # inductor settings that keep eager's float32 semantics on GPUs: IEEE division (not div.full), no FMA

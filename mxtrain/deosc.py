@@ -150,7 +150,7 @@ class _Grid:
     def to_domain(self, w: torch.Tensor) -> torch.Tensor:
         v = w.detach().to(torch.float32, copy=True)   # a copy: the window keeps it while the weight moves on
         if self.rot.enabled:
-            from .context import pad_axis
+            from .operand import pad_axis
             from .hadamard import hadamard
             v = hadamard(pad_axis(v, -1, self.rot.size), self.rot.size, axis=-1, signs=self.signs)
         return v

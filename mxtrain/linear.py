@@ -45,8 +45,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .context import (Ctx, advances_calls, autocast_dtype, bf16_exact, compute_dtype, gemm_dtype, needs_seeds,
-                      seed_spec)
+from .context import Ctx, advances_calls, autocast_dtype, bf16_exact, gemm_dtype, needs_seeds, seed_spec
+from .operand import compute_dtype
 from ._constant import assume_constant_result
 from .formats import get_format
 from . import tensorfp8, tracedfp8

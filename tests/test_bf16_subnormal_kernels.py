@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from mxtrain import rng  # noqa: E402
-from mxtrain.context import fake_quantize_operand  # noqa: E402
+from mxtrain.operand import fake_quantize_operand  # noqa: E402
 from mxtrain.kernels import kernels_available  # noqa: E402
 from mxtrain.kernels import mxelem as M  # noqa: E402
 from mxtrain.kernels import nvfp4 as K  # noqa: E402

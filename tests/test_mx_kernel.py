@@ -18,7 +18,8 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from mxtrain import mx_linear, settings  # noqa: E402
-from mxtrain.context import Ctx, fake_quantize_operand  # noqa: E402
+from mxtrain.context import Ctx  # noqa: E402
+from mxtrain.operand import fake_quantize_operand  # noqa: E402
 from mxtrain.formats import get_format  # noqa: E402
 from mxtrain.kernels import kernels_available  # noqa: E402
 from mxtrain.kernels import mxelem as K  # noqa: E402

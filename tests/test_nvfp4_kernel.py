@@ -19,7 +19,8 @@ pytest.importorskip("triton")
 
 from mxtrain import settings  # noqa: E402
 from numerics import wide_values  # noqa: E402
-from mxtrain.context import Ctx, fake_quantize_operand  # noqa: E402
+from mxtrain.context import Ctx  # noqa: E402
+from mxtrain.operand import fake_quantize_operand  # noqa: E402
 from mxtrain.kernels import kernels_available  # noqa: E402
 from mxtrain.kernels import nvfp4 as K  # noqa: E402
 from mxtrain.kernels.caches import CACHES  # noqa: E402

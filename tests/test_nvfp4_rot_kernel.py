@@ -19,7 +19,8 @@ pytest.importorskip("triton")
 
 from mxtrain import rng, settings  # noqa: E402
 from numerics import wide_values  # noqa: E402
-from mxtrain.context import Ctx, fake_quantize_operand, pad_axis  # noqa: E402
+from mxtrain.context import Ctx  # noqa: E402
+from mxtrain.operand import fake_quantize_operand, pad_axis  # noqa: E402
 from mxtrain.hadamard import hadamard  # noqa: E402
 from mxtrain.kernels import kernels_available  # noqa: E402
 from mxtrain.kernels import nvfp4 as K  # noqa: E402

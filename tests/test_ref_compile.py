@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from mxtrain import settings
-from mxtrain.context import REF_COMPILE, Ctx, fake_quantize_operand
+from mxtrain.context import REF_COMPILE, Ctx
+from mxtrain.operand import fake_quantize_operand
 from mxtrain.formats import FORMATS
 from mxtrain.hadamard import rotation_signs
 from mxtrain.nn import MXLinear

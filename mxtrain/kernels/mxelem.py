@@ -33,6 +33,7 @@ import torch
 
 from .. import settings as _settings
 from ..formats import get_format
+from ..operand import compute_dtype, fake_quantize_operand, pad_axis
 from ..quant import SCALE_RULES
 from . import HAS_TRITON, INTERPRET, kernels_available
 
@@ -216,7 +217,6 @@ def mx_selfcheck(device, dtype, fmt: str, axis: int, block: int, rule: str, pres
     and compare its values with the reference (``fake_quantize_operand``); ``r1``/``c1``: a single row /
     column. ``quantize_fn``: the quantizer checked (default ``quantize_mx_values``; tests pass a faulty one).
     Returns ``ok`` and the mismatch count."""
-    from ..context import fake_quantize_operand
     from .nvfp4 import _adversarial, _mismatches
     quantize_fn = quantize_fn or quantize_mx_values
     base = 4 * block if torch.device(device).type == "cpu" else 8 * block
@@ -244,7 +244,6 @@ def mx_operand(t: torch.Tensor, signs, key, axis: int, rot: int, fmt: str, block
     variant passed its self-check, else None (the caller runs the reference). The rotation stays in torch
     (float32); without one a bf16/fp16 ``t`` goes to the kernel as it is (its upcast is exact). ``out_dtype``:
     bf16/fp16 to have the kernel write the values cast to it (what the caller's GEMM multiplies), else float32."""
-    from ..context import compute_dtype, pad_axis
     from ..hadamard import hadamard
     if not mx_kernel_applies(t, fmt, block_size, rounding):
         return None

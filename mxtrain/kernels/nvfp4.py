@@ -48,6 +48,7 @@ import warnings
 import torch
 
 from .. import settings as _settings
+from ..operand import compute_dtype, fake_quantize_operand, pad_axis
 from ..quant import NVFP4_TENSOR_MAX, _div_by_constant
 from . import HAS_TRITON, INTERPRET, kernels_available
 from .caches import CACHES
@@ -382,7 +383,6 @@ def nvfp4_selfcheck(device, dtype, axis: int, block_2d: bool, sr: bool, key_ptr:
     ``has_signs``: -1 at some padded positions, whose padding then is -0 as in the reference).
     ``quantize_fn``: the quantizer checked (default ``quantize_nvfp4_factored``; tests pass a faulty one; a
     rotated variant's gets ``rot`` and ``signs`` as keywords). Returns ``ok`` and mismatch counts."""
-    from ..context import fake_quantize_operand
     quantize_fn = quantize_fn or quantize_nvfp4_factored
     if torch.device(device).type == "cpu":
         R, C = (48 if r16 else 49), (64 if c16 else 67)
@@ -446,7 +446,6 @@ def factored_operand(t: torch.Tensor, signs, key, axis: int, rot: int, fmt: str,
     names the rotation; if it failed its self-check, the torch rotation below serves it); other rotations stay
     in torch (float32, then the kernel). Without one a bf16/fp16 ``t`` goes to the kernel as it is (its upcast
     is exact). ``out_dtype``: the values' dtype (default float32; bf16/fp16 hold them exactly)."""
-    from ..context import compute_dtype, pad_axis
     from ..hadamard import hadamard
     if not nvfp4_kernel_applies(t, fmt, block_size, rounding, scale_rule):
         return None
