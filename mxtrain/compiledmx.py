@@ -25,9 +25,9 @@ signs: ``mxfp4-all``, ``mxfp4-all-dh16``, ``+amd`` scale rules, ``mxfp4-all-sr``
 or plain. A recipe that draws random bits gets the call's keys and sign vectors from ``mxtrain::call_seeds`` (one
 small op a layer, which advances the layer's call counter; activation checkpointing keeps its outputs): the
 kernels read them from device memory, so CUDA graphs replay with the current step's bits, as eagerly. Those
-recipes (``seeded``) only with the setting ``mx_compiled_seeded`` (off by default): inductor compiles kernels with
-floating-point contraction on, and their stochastic-rounding, sign and prescale variants are not all shown yet to
-compile to the eager kernels' code (``tools/compile_check.py --fusion``); off, they keep the custom ops.
+recipes (``seeded``) only with the setting ``mx_compiled_seeded`` (off by default until the cuda tests against the
+eager fast path have passed on a GPU; their kernel variants compile to the eager kernels' code under inductor's
+contraction, ``tools/compile_check.py --fusion``); off, they keep the custom ops.
 Where: CUDA tensors (float32, bfloat16, float16) on a GPU whose FP8 GEMM takes 128x128 weight groups exactly
 (Hopper), the fast path on, ``exact_carrier`` off. ``mxtrain.linear.implementation`` answers which form a
 compiled layer takes.

@@ -184,11 +184,10 @@ class Settings:
     mx_compiled_seeded: bool = _knob(
         False, "MXTRAIN_MX_COMPILED_SEEDED", "With `mx_compiled` `auto` or `shared`, also compile into the graph "
         "the layers of MXFP4 recipes with stochastic rounding, random Hadamard signs or prescales (`tseng`, "
-        "`mxfp4-all-sr`, `mxfp4-all-rht16`...), their keys and signs read from device memory. Off by default: "
-        "inductor compiles these kernel variants with floating-point contraction on, and not all of them are yet "
-        "shown to compile to the same code as the eager kernels (`tools/compile_check.py --fusion`), so their "
-        "quantized values may differ from the eager fast path's in the last bit of an intermediate; off, they "
-        "run as the custom ops (exact).", "bool", numerics=True)
+        "`mxfp4-all-sr`, `mxfp4-all-rht16`...), their keys and signs read from device memory. Their kernel variants compile to the same code with "
+        "inductor's floating-point contraction on as eagerly (`tools/compile_check.py --fusion`, a CPU test), and "
+        "CPU tests match the reference; off by default until the compiled form has passed its cuda tests against "
+        "the eager fast path on a GPU. Off: they run as the custom ops.", "bool", numerics=True)
     mx_traced: str = _knob(
         "off", "MXTRAIN_MX_TRACED", "Under `torch.compile`, the layers of MXFP4 recipes whose GEMMs all use "
         "round-to-nearest, prescale 1 and no or a deterministic Hadamard rotation (`mxfp4-all`, `mxfp4-all-dh16`, "
