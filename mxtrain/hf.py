@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from ._io import swap_in
 from .errors import UserError
 from .model import SIZES, Llama, ModelConfig
 
@@ -562,16 +563,7 @@ def _swap_in(tmp: Path, out: Path, force: bool = False) -> None:
                                     f"nothing replaced (use --force to replace an earlier export)") from None
                 raise
         elif out.is_dir():
-            aside = out.parent / f".{out.name}.old-{os.getpid()}"
-            if aside.exists():
-                shutil.rmtree(aside)
-            os.rename(out, aside)
-            try:
-                os.rename(tmp, out)
-            except BaseException:
-                os.rename(aside, out)
-                raise
-            shutil.rmtree(aside, ignore_errors=True)
+            swap_in(tmp, out, out.parent / f".{out.name}.old-{os.getpid()}")
         else:
             os.rename(tmp, out)
     except OSError as e:
