@@ -327,7 +327,7 @@ def _cmd_train(args) -> int:
         import copy
         import json
 
-        from .train.trainer import _check
+        from .train.config import _check
         _check(copy.deepcopy(cfg))   # every check training makes before it reads data or the machine
         print(json.dumps(config_json(cfg), indent=2))
         return 0

@@ -12,7 +12,7 @@ import torch
 from mxtrain.errors import UserError
 from mxtrain.train import TrainConfig, branch, lr_at, train
 from mxtrain.train import checkpoint as ckpt
-from mxtrain.train.trainer import keep_steps
+from mxtrain.train.config import keep_steps
 
 from train_helpers import one_line_error, run_cli, tiny_run_cfg
 

@@ -11,7 +11,7 @@ from mxtrain.cli import build_config, main, make_parser
 from mxtrain.errors import UserError
 from mxtrain.train import TrainConfig, experiments
 from mxtrain.train.config import apply_dict, check_init_from, load_train_config, read_config_file
-from mxtrain.train.trainer import validate
+from mxtrain.train.config import validate
 from train_helpers import ROOT, one_line_error, run_cli, tiny_run_cfg
 
 EXAMPLES = sorted(p for p in (ROOT / "examples").iterdir() if p.suffix in (".toml", ".json", ".yaml", ".yml"))

@@ -6,7 +6,7 @@ import pytest
 
 from mxtrain.errors import UserError
 from mxtrain.train import apply_overrides, experiments
-from mxtrain.train.trainer import validate
+from mxtrain.train.config import validate
 
 BAD = [
     ("optim.lr=0", "optim.lr must be in (0, inf)"),

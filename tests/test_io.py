@@ -189,7 +189,7 @@ def test_no_lock_file_no_holder_and_an_unopenable_lock_is_the_callers_oserror(tm
 def test_the_study_lock_names_an_owner_that_has_exited(tmp_path):
     """Workers inherit the study's locked file: it can stay held after the pid written in it exited."""
     from mxtrain.study.workers import _study_lock
-    from mxtrain.train.trainer import _run_lock
+    from mxtrain.train.run_folder import _run_lock
     lock = _study_lock(tmp_path)
     try:
         with pytest.raises(UserError, match=rf"in use by another mxtrain study \(pid {os.getpid()}\)"):

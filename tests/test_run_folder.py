@@ -9,7 +9,7 @@ import pytest
 
 from mxtrain.errors import UserError
 from mxtrain.train import train
-from mxtrain.train.trainer import _run_lock
+from mxtrain.train.run_folder import _run_lock
 
 from train_helpers import run_cli, small_data, tiny_run_cfg
 

@@ -235,7 +235,7 @@ def test_final_evaluation_over_more_tokens_feeds_the_cooled_down_losses(tmp_path
 
 
 def test_final_eval_tokens_must_not_be_negative(tmp_path):
-    from mxtrain.train.trainer import _check
+    from mxtrain.train.config import _check
     from train_helpers import tiny_run_cfg
     cfg = tiny_run_cfg(tmp_path / "r", 2)
     cfg.log.final_eval_tokens = -5

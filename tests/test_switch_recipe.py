@@ -61,7 +61,7 @@ def test_bad_values_are_refused(tmp_path, value, what):
 
 
 def test_fraction_of_the_run():
-    from mxtrain.train.trainer import switch_step
+    from mxtrain.train.config import switch_step
     cfg = _cfg(None, 10, "0.8:bf16")
     assert switch_step(cfg) == (8, "bf16")
     cfg.train.switch_recipe = "4:mxfp4-all-dh16"

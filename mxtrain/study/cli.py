@@ -122,7 +122,7 @@ def study_main(args: argparse.Namespace) -> int:
     spec = StudySpec.from_args(args)
     spec.check_branch_options()
     from ..train.config import check_init_from
-    from ..train.trainer import validate
+    from ..train.config import validate
     for arm in spec.arms:  # every run's config is valid (as run_study checks first), before anything is written
         cfg = build_config(spec, arm, 0, Path(spec.out) / "runs" / "check")
         if args.dry_run:

@@ -100,7 +100,7 @@ def run_study(spec: StudySpec, train_fn: Callable[[StudySpec, str, int, Path], N
     spec.check_branch_options()
     out = Path(spec.out)
     from ..train.callbacks import require_wandb, wandb_project  # (start-up cost)
-    from ..train.trainer import validate  # (start-up cost)
+    from ..train.config import validate  # (start-up cost)
     for arm in spec.arms:   # every run's config checked before the study folder is written
         cfg = build_config(spec, arm, 0, out / "runs" / "check")
         validate(cfg)

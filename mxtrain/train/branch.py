@@ -70,7 +70,8 @@ def branch_config(base: TrainConfig, at_step: int, cooldown_steps: int, out: str
     cooldown_steps`` decaying over the last ``cooldown_steps`` (``shape``: linear or 1-sqrt; default the
     base's ``schedule.decay_shape``), ``train.steps = at_step + cooldown_steps``, no kept checkpoints, into
     ``out``. UserError if the base run's LR is not constant (after warmup) up to ``at_step``."""
-    from .trainer import DECAY_SHAPES, wsd_decay_start
+    from .config import DECAY_SHAPES
+    from .trainer import wsd_decay_start
     if not isinstance(at_step, int) or isinstance(at_step, bool) or at_step < 1:
         raise UserError(f"--branch-at must be a step >= 1, got {at_step!r}")
     if not isinstance(cooldown_steps, int) or isinstance(cooldown_steps, bool) or cooldown_steps < 1:

@@ -15,13 +15,20 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
 
-from ..errors import UserError
+import torch
+
+from ..distributed import MODES
+from ..errors import UserError, check_number
+from ..model import ModelConfig
+from . import profiling
+from .callbacks import wandb_project
 
 
 @dataclass
@@ -744,3 +751,206 @@ def check_init_from(path) -> None:
     if not (p / "config.json").is_file():
         raise UserError(f"train.init_from (--init-from): {p} has no config.json, so it is not a Hugging Face "
                         f"model folder")
+
+# ------------------------------------------------------------------------------- checking a config
+# ``validate(cfg)``: every value training reads; ``_check(cfg)``: that, and what ``train`` needs besides
+# (``train.tokens`` turned into steps, the device's name, the combinations not supported).
+
+DECAY_SHAPES = ("linear", "1-sqrt")
+# the most steps or tokens a run may have: the schedule and the logs compute with them as float64 numbers
+MAX_COUNT = 2**53
+
+
+def keep_steps(cfg: TrainConfig) -> list[int]:
+    """The steps of ``train.keep_checkpoints_at`` (sorted, unique): integers are steps, numbers with a point are
+    fractions of ``train.steps`` (rounded to a step, at least 1). UserError on anything else."""
+    text = getattr(cfg.train, "keep_checkpoints_at", None)
+    if text is None or str(text).strip() == "":
+        return []
+    out = set()
+    for item in str(text).replace(" ", "").split(","):
+        if not item:
+            continue
+        try:
+            if "." in item or "e" in item.lower():
+                f = float(item)
+                if not 0 < f <= 1:
+                    raise ValueError
+                out.add(max(1, int(round(f * cfg.train.steps))))
+            else:
+                k = int(item)
+                if k < 1:
+                    raise ValueError
+                out.add(k)
+        except ValueError:
+            raise UserError(f"train.keep_checkpoints_at: {item!r} is neither a step (an integer >= 1) nor a fraction "
+                            f"of train.steps in (0, 1] (written with a point, e.g. 0.5)") from None
+    bad = [k for k in out if k > cfg.train.steps]
+    if bad:
+        raise UserError(f"train.keep_checkpoints_at: step {min(bad)} is past train.steps ({cfg.train.steps})")
+    return sorted(out)
+
+
+def _check(cfg: TrainConfig) -> None:
+    t, d = cfg.train, cfg.data
+    if t.tokens is not None:
+        if t.tokens <= 0:
+            raise UserError("--tokens must be positive")
+        _num("train.tokens", t.tokens, lo=1, hi=MAX_COUNT, integer=True)
+        _num("train.batch_size", t.batch_size, lo=1, integer=True)
+        _num("data.seq_len", d.seq_len, lo=1, hi=2**20, integer=True)
+        t.steps = math.ceil(t.tokens / (t.batch_size * d.seq_len))
+    for name, v in (("train.steps", t.steps), ("train.batch_size", t.batch_size), ("data.seq_len", d.seq_len),
+                    ("log.eval_every", cfg.log.eval_every), ("log.eval_tokens", cfg.log.eval_tokens),
+                    ("log.log_every", cfg.log.log_every)):
+        if v <= 0:
+            raise UserError(f"{name} must be positive, got {v}")
+    _num("train.steps", t.steps, lo=1, hi=MAX_COUNT, integer=True)
+    if cfg.log.final_eval_tokens < 0:
+        raise UserError(f"log.final_eval_tokens must be 0 (none) or positive, got {cfg.log.final_eval_tokens}")
+    profiling.parse_steps(cfg.log.profile_steps, t.steps)
+    if t.micro_batch_size is not None and t.micro_batch_size > 0 and t.batch_size % t.micro_batch_size:
+        raise UserError(f"train.batch_size ({t.batch_size}) must be a multiple of train.micro_batch_size "
+                        f"({t.micro_batch_size}) (times the number of processes)")
+    if t.device != "auto":   # the name only: whether this machine has the device is checked when training starts
+        try:
+            ok = torch.device(t.device).type in ("cpu", "cuda")
+        except (RuntimeError, TypeError):
+            ok = False
+        if not ok:
+            raise UserError(f"unknown device {t.device!r}; use auto, cpu, cuda or cuda:N")
+    if d.path == "builtin":   # the built-in corpus's tokenizer is trained at this vocab
+        from ..data.tokenizer import check_vocab_size
+        check_vocab_size(d.vocab_size)
+    if t.gc_every < 0:
+        raise UserError(f"train.gc_every must be 0 (Python's automatic collection) or positive, got {t.gc_every}")
+    switch_step(cfg)   # train.switch_recipe: well formed, a known recipe, inside the run
+    if t.switch_recipe and t.cuda_graphs:
+        raise UserError("train.switch_recipe and train.cuda_graphs together are not supported (the captured graphs "
+                        "hold the first recipe's kernels); set one of them off")
+    if t.checkpoint_blocks and t.cuda_graphs:
+        raise UserError("train.checkpoint_blocks and train.cuda_graphs together are not supported (a recomputation "
+                        "inside a replayed graph is not tested); set one of them to false")
+    validate(cfg)
+    if cfg.schedule.horizon_steps is not None and cfg.schedule.horizon_steps < cfg.train.steps:
+        raise UserError(f"schedule.horizon_steps ({cfg.schedule.horizon_steps}) must be >= train.steps ({t.steps})")
+    if cfg.schedule.kind not in ("cosine", "wsd", "constant"):
+        raise UserError(f"schedule.kind must be cosine, wsd or constant, got {cfg.schedule.kind!r}")
+    if cfg.train.compile not in ("auto", "on", "off"):
+        raise UserError(f"train.compile must be auto, on or off, got {cfg.train.compile!r}")
+    if cfg.parallel.mode not in ("auto",) + MODES:
+        raise UserError(f"parallel.mode must be auto, {', '.join(MODES)}; got {cfg.parallel.mode!r}")
+    if cfg.parallel.param_dtype not in ("auto", "bf16", "fp32"):
+        raise UserError(f"parallel.param_dtype must be auto, bf16 or fp32, got {cfg.parallel.param_dtype!r}")
+
+
+def switch_step(cfg: TrainConfig) -> tuple[int, str] | None:
+    """``train.switch_recipe`` as ``(step, recipe name)``: the optimizer steps after ``step`` train with the
+    recipe; None when unset. UserError for a malformed value, an unknown recipe or a step outside the run."""
+    v = cfg.train.switch_recipe
+    if not v:
+        return None
+    from .. import recipes as _recipes
+    at, sep, name = str(v).partition(":")
+    try:
+        x = float(at)
+    except ValueError:
+        x = float("nan")
+    if not sep or not name or not math.isfinite(x) or x < 0:
+        raise UserError(f"train.switch_recipe must be STEP:RECIPE (a step, or a fraction of train.steps, then a "
+                        f"preset), e.g. 800:bf16 or 0.8:bf16; got {v!r}")
+    step = int(round(x * cfg.train.steps)) if 0 < x < 1 and "." in at else int(x)
+    if step != x and not (0 < x < 1 and "." in at):
+        raise UserError(f"train.switch_recipe: step {at} must be a whole number or a fraction in (0, 1)")
+    if not 0 < step < cfg.train.steps:
+        raise UserError(f"train.switch_recipe: step {step} must be inside the run (1 to {cfg.train.steps - 1}; "
+                        f"train.steps = {cfg.train.steps})")
+    try:
+        _recipes.get(name)
+    except (KeyError, ValueError, UserError):
+        raise UserError(f"train.switch_recipe: unknown recipe {name!r}; presets: "
+                        f"{', '.join(_recipes.names())}") from None
+    return step, name
+
+
+def _num(name: str, v, lo=None, hi=None, lo_open=False, hi_open=False, integer=False, optional=False) -> None:
+    """One config value: ``errors.check_number`` (finite, in range, an int at most 2**63 - 1 if ``integer``)."""
+    check_number(name, v, lo, hi, lo_open, hi_open, integer, optional)
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Every value of ``cfg`` that training reads, checked before anything is written (UserError on the first
+    bad one): the model's shape, the optimizer's values (finite, in range), the schedule, the recipe."""
+    m, o, sc, t, d, lg = cfg.model, cfg.optim, cfg.schedule, cfg.train, cfg.data, cfg.log
+    for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
+        _num(f"model.{k}", getattr(m, k), lo=1, integer=True, optional=True)
+    _num("model.rope_theta", m.rope_theta, lo=0, lo_open=True, optional=True)
+    _num("model.init_seed", m.init_seed, lo=0, integer=True, optional=True)   # (numpy refuses a negative seed)
+    _num("model.vocab_size", m.vocab_size, lo=32, hi=2**24, integer=True, optional=True)
+    try:
+        mc = ModelConfig.named(m.name, **{k: getattr(m, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads",
+                                                                    "ffn_dim") if getattr(m, k) is not None})
+    except TypeError as e:
+        raise UserError(f"model: {e}") from None
+    if (mc.dim // mc.n_heads) % 2:
+        raise UserError(f"the head size model.dim / model.n_heads ({mc.dim // mc.n_heads}) must be even (RoPE)")
+    _num("data.vocab_size", d.vocab_size, lo=32, hi=2**20, integer=True)
+    _num("data.seq_len", d.seq_len, lo=1, hi=2**20, integer=True)
+    _num("data.seed", d.seed, lo=0, integer=True, optional=True)
+    _num("optim.lr", o.lr, lo=0, lo_open=True)
+    _num("optim.min_lr_ratio", o.min_lr_ratio, lo=0, hi=1)
+    _num("optim.weight_decay", o.weight_decay, lo=0)
+    _num("optim.beta1", o.beta1, lo=0, hi=1, hi_open=True)
+    _num("optim.beta2", o.beta2, lo=0, hi=1, hi_open=True)
+    _num("optim.eps", o.eps, lo=0, lo_open=True, hi=1)
+    _num("optim.grad_clip", o.grad_clip, lo=0)
+    # AdamW's first step is lr / (1 - beta1) and its weight decay lr x weight_decay: Python numbers torch converts
+    # to the weights' type, a RuntimeError beyond float32's largest number (bfloat16's is about the same)
+    big = torch.finfo(torch.float32).max
+    top = min(big * (1 - o.beta1), big / o.weight_decay if o.weight_decay > 0 else math.inf)
+    if o.lr >= top:
+        raise UserError(f"optim.lr {o.lr:g} is too large: AdamW's first step (lr / (1 - beta1)) or its weight decay "
+                        f"(lr x weight_decay) overflows float32; use a learning rate below {top:.3g}")
+    tiny = torch.finfo(torch.float32).tiny   # the optimizer uses lr and eps in float32: a smaller one is 0 there
+    for k in ("lr", "eps"):
+        if getattr(o, k) < tiny:
+            raise UserError(f"optim.{k} {getattr(o, k):g} is zero or subnormal in float32, the type AdamW uses it "
+                            f"in; use a value of at least {tiny:.4g}")
+    if 0 < o.grad_clip < tiny:   # (0: no clipping) the clip factor is computed in float32: it would zero every step
+        raise UserError(f"optim.grad_clip {o.grad_clip:g} is subnormal or zero in float32 and would zero every "
+                        f"gradient; use 0 (no clipping) or at least {tiny:.4g}")
+    if m.rope_theta is not None and not tiny <= m.rope_theta <= torch.finfo(torch.float32).max:
+        raise UserError(f"model.rope_theta {m.rope_theta:g} is outside float32's normal range, the type RoPE's "
+                        f"frequencies are computed in")
+    _num("schedule.warmup_steps", sc.warmup_steps, lo=0, integer=True)
+    _num("schedule.horizon_steps", sc.horizon_steps, lo=1, integer=True, optional=True)
+    _num("schedule.decay_fraction", sc.decay_fraction, lo=0, hi=1)
+    _num("schedule.decay_steps", getattr(sc, "decay_steps", None), lo=0, integer=True, optional=True)
+    if getattr(sc, "decay_shape", "linear") not in DECAY_SHAPES:
+        raise UserError(f"schedule.decay_shape must be {' or '.join(DECAY_SHAPES)}, got {sc.decay_shape!r}")
+    if getattr(sc, "decay_steps", None) is not None and sc.decay_steps > (sc.horizon_steps or t.steps):
+        raise UserError(f"schedule.decay_steps ({sc.decay_steps}) must be <= the schedule's horizon "
+                        f"({sc.horizon_steps or t.steps} steps)")
+    _num("train.steps", t.steps, lo=1, hi=MAX_COUNT, integer=True)   # also where _check does not run first (a study, --print-config)
+    _num("train.batch_size", t.batch_size, lo=1, integer=True)
+    _num("train.micro_batch_size", t.micro_batch_size, lo=1, integer=True, optional=True)
+    _num("train.seed", t.seed, lo=0, integer=True)
+    _num("train.checkpoint_every", t.checkpoint_every, lo=0, integer=True)
+    _num("train.checkpoint_minutes", t.checkpoint_minutes, lo=0)
+    _num("parallel.prefetch", cfg.parallel.prefetch, lo=0, integer=True)
+    _num("train.memory_budget", getattr(t, "memory_budget", None), lo=0, lo_open=True, hi=1, optional=True)
+    keep_steps(cfg)
+    for k in ("eval_every", "eval_tokens", "log_every"):
+        _num(f"log.{k}", getattr(lg, k), lo=1, integer=True)
+    _num("log.peak_tflops", lg.peak_tflops, lo=0, lo_open=True, optional=True)
+    wandb_project(getattr(lg, "wandb", None))   # true, false or a project name (read only if the field exists)
+    recipe = cfg.resolved_recipe()   # unknown presets and bad recipe fields: one line
+    if not isinstance(cfg.deosc.enable, bool):
+        raise UserError(f"deosc.enable must be true or false, got {cfg.deosc.enable!r}")
+    from ..deosc import DeoscSettings, check_recipe
+    DeoscSettings.from_config(cfg)   # the deosc.* values, checked whether or not it is on
+    if cfg.deosc.enable:
+        check_recipe(recipe)
+        if cfg.parallel.mode == "fsdp2":
+            raise UserError("deosc.enable needs whole weights on every process (one process, or parallel.mode=ddp); "
+                            "FSDP2 shards them")
