@@ -307,7 +307,9 @@ class _CompiledMXLinear(torch.autograd.Function):
                 W = _G(g[2])
                 ca, ga = (pre["wgrad"] if "wgrad" in pre else
                           _quant_cols(dy2, cdy, W.rot, W.ra, 1, side=_side(seeds, "wgrad_dy", "wgrad", W, True)))
-                if x2 is None:
+                if x2 is None and sc.dtype == torch.float32:   # (kept as its carrier: wgrad_x=carrier)
+                    cb, gb = pk, sc
+                elif x2 is None:
                     cb, gb = torch.ops.mxtrain.q_expand(pk, sc, cx, M, ctx.x_rows, _KMUL)
                 else:
                     cb, gb = _quant_cols(x2, cx, W.rot, W.rb, ctx.x_rows,
@@ -326,11 +328,13 @@ def _counters(device: torch.device) -> tuple:
     return fast.state.by_name[str(device)]
 
 
-def _x_operands(x2: torch.Tensor, gemms: tuple, x_rows: int, need_wgrad: bool, seeds: _Seeds) -> tuple:
+def _x_operands(x2: torch.Tensor, gemms: tuple, x_rows: int, need_wgrad: bool, seeds: _Seeds,
+                codes: bool = True) -> tuple:
     """X's operands, made outside the layer's autograd function (they carry no gradient; dX comes from the
     function's backward), so that layers reading one input can share them (``share_inputs``): ``(Fprop carrier,
-    its group-scale storage, Wgrad FP4 codes, Wgrad E8M0 scales)``, the last two None where the backward needs no
-    Wgrad operand from the forward; all None where Fprop is plain."""
+    its group-scale storage, Wgrad operand, its scales)``, the Wgrad operand as FP4 codes and E8M0 scales
+    (``codes``) or as its FP8 carrier and group-scale storage (setting ``wgrad_x=carrier``), None where the
+    backward needs no Wgrad operand from the forward; all None where Fprop is plain."""
     if gemms[0] == "p":
         return None, None, None, None
     cx = _counters(x2.device)[0]
@@ -340,9 +344,9 @@ def _x_operands(x2: torch.Tensor, gemms: tuple, x_rows: int, need_wgrad: bool, s
         W = _G(gemms[2])
         wb = _side(seeds, "wgrad_x", "wgrad", W, False)
         if _dual_ok(x2, F.rot, W.rot, F.sra or W.srb):
-            return tuple(torch.ops.mxtrain.q_dual(x2, cx, F.rot, F.ra, W.rot, W.rb, x_rows, True, _KMUL, *fa, *wb))
+            return tuple(torch.ops.mxtrain.q_dual(x2, cx, F.rot, F.ra, W.rot, W.rb, x_rows, codes, _KMUL, *fa, *wb))
         ca, ga = _quant_rows(x2, cx, F.rot, F.ra, 1, fa)
-        pk, sc = _quant_cols(x2, cx, W.rot, W.rb, x_rows, fp4=True, side=wb)
+        pk, sc = _quant_cols(x2, cx, W.rot, W.rb, x_rows, fp4=codes, side=wb)
         return ca, ga, pk, sc
     ca, ga = _quant_rows(x2, cx, F.rot, F.ra, 1, fa)
     return ca, ga, None, None
@@ -358,10 +362,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, mx:
     amp = torch.get_autocast_dtype(dt) if torch.is_autocast_enabled(dt) else None
     out_dtype = amp if amp is not None else x.dtype
     gemms = tuple(mx.split(";"))
-    need_wgrad = (torch.is_grad_enabled() and weight.requires_grad and settings.current().wgrad_x == "forward"
-                  and gemms[2] != "p")
+    where = settings.current().wgrad_x
+    need_wgrad = torch.is_grad_enabled() and weight.requires_grad and where != "backward" and gemms[2] != "p"
     x2 = x.detach().reshape(-1, x.shape[-1]).contiguous()   # (quantized operands carry no gradient)
-    ca, ga, pk, sc = _x_operands(x2, gemms, rows[0], need_wgrad, _Seeds(keys, signs))
+    ca, ga, pk, sc = _x_operands(x2, gemms, rows[0], need_wgrad, _Seeds(keys, signs), where == "forward")
     return _CompiledMXLinear.apply(x, weight, bias, ca, ga, pk, sc, keys, signs, gemms, out_dtype, amp, rows[0])
 
 

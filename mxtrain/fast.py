@@ -402,7 +402,8 @@ def _no_autocast(device_type: str, enabled: bool):
     return torch.autocast(device_type, enabled=False) if enabled else contextlib.nullcontext()
 
 
-def quantize_input(x2: torch.Tensor, qctx: Ctx, need_wgrad: bool, reuse: bool = False) -> dict:
+def quantize_input(x2: torch.Tensor, qctx: Ctx, need_wgrad: bool, reuse: bool = False,
+                   codes: bool = True) -> dict:
     """X's operands made in the forward: ``{"fprop_x": (QuantOut, prescale)}``, plus ``"wgrad_x"`` when a
     backward will compute dW and Wgrad is MXFP4 on both sides (from one read with Fprop's where that
     pays), as packed FP4 codes and E8M0 scales: the backward keeps 0.53 bytes an element instead of the
@@ -413,20 +414,23 @@ def quantize_input(x2: torch.Tensor, qctx: Ctx, need_wgrad: bool, reuse: bool = 
     with _no_autocast(dev.type, torch.is_autocast_enabled(dev.type)):
         if need_wgrad and _both_mx(qctx.recipe, "wgrad_dy", "wgrad_x"):
             return _quant_pair(qctx, x2, "fprop_x", "fprop", "wgrad_x", "wgrad", backend,
-                               _b_group_rows(dev, backend), always=True, reuse=reuse, keep_b=True)
+                               _b_group_rows(dev, backend), always=True, reuse=reuse, keep_b=codes)
         return {"fprop_x": _quant(qctx, x2, 1, "fprop_x", "fprop", qctx.signs("fprop", dev), backend, 1, reuse)}
 
 
 def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, qctx: Ctx, amp: torch.dtype | None,
-            need_wgrad: bool, reuse: bool = False, pre: dict | None = None) -> tuple[torch.Tensor, QuantOut | None]:
-    """``(Y, X's Wgrad operand or None)`` (see ``quantize_input``). ``pre``: X's operands already made."""
+            need_wgrad: bool, reuse: bool = False, pre: dict | None = None,
+            codes: bool = True) -> tuple[torch.Tensor, QuantOut | None]:
+    """``(Y, X's Wgrad operand or None)`` (see ``quantize_input``). ``pre``: X's operands already made.
+    ``codes``: the Wgrad operand as packed FP4 codes (else as the GEMM's FP8 carrier: setting
+    ``wgrad_x=carrier``)."""
     dev = x.device
     out_dtype = amp if amp is not None else x.dtype
     backend = _backend(dev)
     x2 = x.reshape(-1, x.shape[-1])
     if pre is None and _both_mx(qctx.recipe, "fprop_x", "fprop_w") and (
             need_wgrad and _both_mx(qctx.recipe, "wgrad_dy", "wgrad_x")):
-        pre = quantize_input(x2, qctx, need_wgrad, reuse)
+        pre = quantize_input(x2, qctx, need_wgrad, reuse, codes)
     with _no_autocast(dev.type, torch.is_autocast_enabled(dev.type)):
         ydt = torch.float32 if (bias is not None or backend != "fp8_carrier") else out_dtype
         y = _gemm_fn(qctx, x2, 1, "fprop_x", weight, 1, "fprop_w", "fprop", True, backend, ydt, amp, pre, reuse)
@@ -530,8 +534,9 @@ class _FastMXLinearFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, qctx: Ctx, amp, grad: bool):
         # (``grad``: grad mode at the call; needs_input_grad says True under torch.no_grad too, where no
         # backward will come, e.g. evaluation)
-        keep_codes = _settings.current().wgrad_x == "forward"
-        y, wq = forward(x, weight, bias, qctx, amp, grad and ctx.needs_input_grad[1] and keep_codes, reuse=True)
+        where = _settings.current().wgrad_x   # forward (FP4 codes kept), carrier (FP8 carrier kept), backward
+        y, wq = forward(x, weight, bias, qctx, amp, grad and ctx.needs_input_grad[1] and where != "backward",
+                        reuse=True, codes=where == "forward")
         ctx.wq = wq
         ctx.save_for_backward(x if wq is None else None, weight)
         ctx.qctx, ctx.amp, ctx.has_bias, ctx.x_dtype = qctx, amp, bias is not None, x.dtype

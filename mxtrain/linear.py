@@ -245,7 +245,7 @@ class _MXLinearFunction(torch.autograd.Function):
             amp = autocast_dtype(x.device.type)
         ctx.qctx, ctx.amp, ctx.has_bias, ctx.x_dtype = qctx, amp, bias is not None, x.dtype
         # (a Wgrad will need X's codes; the wgrad_x setting as in the compiled op: backward keeps X)
-        if ctx.needs_input_grad[1] and settings.current().wgrad_x == "forward" and keeps_fp8_x(qctx.recipe, x, weight):
+        if ctx.needs_input_grad[1] and settings.current().wgrad_x != "backward" and keeps_fp8_x(qctx.recipe, x, weight):
             y, (codes, scale, prescale) = ref_forward(x, weight, bias, qctx, amp, keep_x=True)
             ctx.save_for_backward(None, weight, codes, scale)
             ctx.x_prescale = prescale
@@ -663,7 +663,8 @@ def compiled_linear(x, weight, bias, state, recipe_str: str, seeded: bool, quant
     dt = x.device.type
     amp = torch.get_autocast_dtype(dt) if torch.is_autocast_enabled(dt) else None
     # (wgrad_x=backward: the graph keeps X, not its Wgrad operand, and the backward quantizes it)
-    need_wgrad = torch.is_grad_enabled() and weight.requires_grad and settings.current().wgrad_x == "forward"
+    # (wgrad_x=carrier keeps FP4 codes here: the custom ops' fake shapes are those of codes; same values)
+    need_wgrad = torch.is_grad_enabled() and weight.requires_grad and settings.current().wgrad_x != "backward"
     if form == "split_ops":
         f0, f1, w0, w1 = torch.ops.mxtrain.quantize_input(x, keys, signs, recipe_str, need_wgrad)
         return torch.ops.mxtrain.linear_q(x, f0, f1, w0, w1, weight, bias, keys, signs, recipe_str, _AMP_NAME[amp])

@@ -92,10 +92,12 @@ class Settings:
     wgrad_x: str = _knob(
         "forward", "MXTRAIN_WGRAD_X", "Where X's Wgrad operand is quantized on the fast path (and the `fp8` "
         "recipe's FP8 GEMMs): `forward` (with its Fprop operand; the backward keeps packed FP4 codes + scales, "
-        "0.53 bytes a value, or FP8 codes), `backward` (the "
+        "0.53 bytes a value, or FP8 codes), `carrier` (as `forward`, but an MXFP4 operand is kept as the GEMM's "
+        "FP8 carrier, about 1.03 bytes a value, so the backward skips rebuilding it; where the layer runs eagerly on "
+        "the fast path or compiled into the graph, `mx_compiled`; the custom ops keep codes), `backward` (the "
         "backward keeps X itself and quantizes it there: faster, more memory unless the compiler recomputes X, e.g. "
-        "under `train.memory_budget`; figures in BENCHMARKS.md). Same values either way.",
-        "choice", choices=("forward", "backward"))
+        "under `train.memory_budget`; figures in BENCHMARKS.md). Same values every way.",
+        "choice", choices=("forward", "carrier", "backward"))
     fast_launch: str = _knob(
         "auto", "MXTRAIN_FAST_LAUNCH", "Launch plans: a quantize configuration seen before is launched through its "
         "compiled kernel directly (less host time): `auto` on GPUs, `always` also under Triton's interpreter "

@@ -101,6 +101,30 @@ def test_seeded_layer_equals_the_reference_on_cpu(recipe, shape, bias):
         assert torch.allclose(a, r, rtol=1e-5, atol=1e-5 * r.abs().max().item()), (recipe, name)
 
 
+def test_wgrad_operand_kept_as_its_carrier_on_cpu():
+    """``wgrad_x=carrier``: X's Wgrad operand comes out of the forward's dual pass as its FP8 carrier and the
+    backward multiplies it as it is (no rebuild from FP4 codes): the same outputs and gradients as ``forward``."""
+    g = torch.Generator().manual_seed(4)
+    x, w, gy = torch.randn(64, 96, generator=g), torch.randn(48, 96, generator=g), torch.randn(64, 48, generator=g)
+    out = {}
+    for mode in ("forward", "carrier"):
+        launched = []
+        real = compiledmx._traced._launch
+
+        def spy(kfn, grid, args, consts, nw):
+            launched.append(kfn.fn.__name__)
+            return real(kfn, grid, args, consts, nw)
+        compiledmx._traced._launch = spy
+        try:
+            with settings.override(wgrad_x=mode):
+                out[mode] = fwd_bwd(x, w, None, gy, lambda x, w, b: _cpu_layer(x, w, b, "mxfp4-all-dh16"))
+        finally:
+            compiledmx._traced._launch = real
+        assert ("_expand_kernel" in launched) == (mode == "forward"), (mode, launched)
+    for a, b in zip(out["forward"], out["carrier"]):
+        assert torch.equal(a, b)
+
+
 def test_the_dispatcher_takes_the_form_only_where_it_applies():
     mx = tracedmx.spec(recipes.get("mxfp4-all-dh16"))
     x, w = torch.zeros(64, 96), torch.zeros(32, 96)

@@ -486,11 +486,13 @@ def _two_layers_grads(recipe: str, wgrad_x: str, compiled: bool):
 @pytest.mark.parametrize("compiled", [False, True])
 def test_wgrad_x_in_forward_or_backward_gives_the_same_gradients(recipe, compiled):
     """The ``wgrad_x`` setting moves the quantization of X's Wgrad operand between the forward (packed codes
-    kept) and the backward (X kept): outputs and gradients equal bit for bit, eagerly and compiled."""
+    kept, or the FP8 carrier with ``carrier``) and the backward (X kept): outputs and gradients equal bit for bit,
+    eagerly and compiled."""
     a = _two_layers_grads(recipe, "forward", compiled)
     b = _two_layers_grads(recipe, "backward", compiled)
-    for u, v in zip(a, b):
-        assert torch.equal(u, v)
+    c = _two_layers_grads(recipe, "carrier", compiled)
+    for u, v, w in zip(a, b, c):
+        assert torch.equal(u, v) and torch.equal(u, w)
 
 
 @pytest.mark.cuda
@@ -527,10 +529,11 @@ def test_wgrad_x_in_backward_keeps_no_codes_in_a_compiled_block():
 
 @pytest.mark.parametrize("recipe", ["mxfp4-all-dh16", "mxfp4-all-sr"])
 def test_wgrad_x_placement_same_gradients_eager(recipe):
-    """Eager fast path (CPU under Triton's interpreter, or a GPU): ``wgrad_x=forward`` and ``backward`` give
-    the same output and gradients bit for bit; ``backward`` keeps X instead of the packed operand."""
+    """Eager fast path (CPU under Triton's interpreter, or a GPU): ``wgrad_x=forward``, ``carrier`` and
+    ``backward`` give the same output and gradients bit for bit; ``backward`` keeps X instead of the packed
+    operand."""
     out = {}
-    for mode in ("forward", "backward"):
+    for mode in ("forward", "carrier", "backward"):
         torch.manual_seed(0)
         rec = recipes.get(recipe)
         lin = MXLinear(64, 32, recipe=rec, device=DEV, dtype=torch.bfloat16, layer_id=2)
@@ -546,6 +549,6 @@ def test_wgrad_x_placement_same_gradients_eager(recipe):
                 y = fast.apply(x, lin.weight, lin.bias, _Ctx(rec, 2, 3, 0))
             y.float().backward(torch.linspace(-1, 1, y.numel(), device=DEV).reshape(y.shape))
         out[mode] = ([y.detach(), x.grad, lin.weight.grad, lin.bias.grad], kept)
-    for a, b in zip(out["forward"][0], out["backward"][0]):
-        assert torch.equal(a, b)
+    for a, b, c in zip(out["forward"][0], out["backward"][0], out["carrier"][0]):
+        assert torch.equal(a, b) and torch.equal(a, c)
     assert (64, 64) in out["backward"][1] and (64, 64) not in out["forward"][1]   # X itself, only with backward
