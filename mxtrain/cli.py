@@ -301,6 +301,9 @@ def config_json(cfg) -> dict:
     return d
 
 
+_MAX_NPROC = 1024   # torchrun's --nproc-per-node: processes on one machine, not a number of any size
+
+
 def _cmd_train(args) -> int:
     if args.list:
         from . import recipes
@@ -313,6 +316,9 @@ def _cmd_train(args) -> int:
     import os
     if args.nproc is not None and args.nproc < 1:
         raise UserError(f"--nproc must be a number of processes >= 1, got {args.nproc}")
+    if args.nproc is not None and args.nproc > _MAX_NPROC:  # torchrun would try to start them all (#47)
+        raise UserError(f"--nproc must be a number of processes on this machine (at most {_MAX_NPROC}), "
+                        f"got {args.nproc}")
     if args.nproc is not None and args.nproc > 1 and "WORLD_SIZE" not in os.environ:  # --nproc N
         from .distributed import launch, strip_nproc
         return launch(args.nproc, strip_nproc(list(getattr(args, "argv", None) or sys.argv[1:]))[1])

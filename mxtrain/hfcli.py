@@ -15,6 +15,7 @@ import argparse
 import json
 import math
 import sys
+from pathlib import Path
 
 from .errors import UserError, number_flag
 
@@ -32,9 +33,23 @@ def _nonneg_int(text: str) -> int:
 
 
 def _pos_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < 1:   # not the ">= 0" of _nonneg_int: 0 is refused too (#47)
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {v}")
+    return v
+
+
+MAX_NEW_TOKENS = 1_000_000   # no KV cache: each new token is a forward pass over the context
+
+
+def _new_tokens(text: str) -> int:
+    """generate --max-tokens: 0 .. MAX_NEW_TOKENS (printed at the end: a count of any size ran for ever, #47)."""
     v = _nonneg_int(text)
-    if v == 0:
-        raise argparse.ArgumentTypeError("expected an integer >= 1, got 0")
+    if v > MAX_NEW_TOKENS:
+        raise argparse.ArgumentTypeError(f"expected at most {MAX_NEW_TOKENS:,} new tokens, got {v:,}")
     return v
 
 
@@ -81,7 +96,7 @@ def add_parsers(sub) -> None:
                                    "training). No KV cache: fine for small models.")
     g.add_argument("run", metavar="RUN", help="run folder (or its checkpoint)")
     g.add_argument("--prompt", required=True, help="text to continue ('' starts a new document)")
-    g.add_argument("--max-tokens", type=_nonneg_int, default=64, help="new tokens at most (default 64)")
+    g.add_argument("--max-tokens", type=_new_tokens, default=64, help="new tokens at most (default 64)")
     g.add_argument("--temperature", type=_temperature, default=0.8,
                    help="sampling temperature; 0: greedy (default 0.8)")
     g.add_argument("--top-k", type=_nonneg_int, default=50,
@@ -139,6 +154,12 @@ def _json_safe(obj):
 
 def cmd_eval(args) -> int:
     from .generate import evaluate
+    if args.json and args.json != "-":   # before the evaluation, not after it (#47)
+        jp = Path(args.json)
+        if jp.is_dir():
+            raise UserError(f"--json {args.json} is a folder; give a file name for the results, e.g. {jp / 'eval.json'}")
+        if not jp.parent.is_dir():
+            raise UserError(f"--json {args.json}: folder {jp.parent} does not exist; create it or give another file")
     res = evaluate(args.run, args.data, step=args.step, precision=_precision(args), device=args.device,
                    batch_size=args.batch_size, max_tokens=args.max_tokens, text_field=args.text_field,
                    progress=False if args.no_progress else None)

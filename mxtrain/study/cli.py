@@ -114,6 +114,10 @@ def register(subparsers) -> None:
 def study_main(args: argparse.Namespace) -> int:
     if getattr(args, "config", None):
         apply_study_file(args, args.config)
+    if isinstance(args.arms, str) and not [a for a in args.arms.split(",") if a.strip()]:
+        # "" (or "," or arms = [] in a file) names no arm: refused, not replaced by the default arms (#47)
+        raise UserError(f"--arms {args.arms!r} names no arm: list recipe names, e.g. --arms bf16,mxfp4-all "
+                        "(or leave it out for the default arms)")
     jobs_given = args.jobs is not None
     if args.jobs is None:
         args.jobs = 1

@@ -1,0 +1,47 @@
+"""Issue #47, a sweep of our own: hostile or careless CLI inputs that were a hang, a silent wrong result or a
+misleading message, each now one ``mxtrain: error:`` line (in this process, no training, no model loaded).
+
+Found by the sweep (each case: command, what happened before the fix):
+* ``study --arms ""`` (and ``arms = []`` in a study file): planned and ran the default arms (silent wrong).
+* ``train --nproc 99999999999999999999``: torchrun tried to start that many processes (a hang, growing memory).
+* ``generate RUN --prompt hi --max-tokens 99999999999999``: ran for ever with no output (a hang).
+* ``eval RUN --max-tokens -5``: "expected an integer >= 0", though 0 is refused too.
+* ``eval RUN --json FOLDER``: evaluated the whole split, then failed to write the result.
+"""
+
+import pytest
+
+from train_helpers import one_line_error, run_main
+
+
+@pytest.mark.parametrize("arms", ["", ",", " , "])
+def test_study_arms_naming_no_arm_is_refused(arms):
+    one_line_error(run_main("study", "--exp", "debug", "--arms", arms, "--dry-run"), "--arms", "names no arm")
+
+
+def test_study_file_with_empty_arms_is_refused(tmp_path):
+    f = tmp_path / "s.toml"
+    f.write_text("[study]\narms = []\n")
+    one_line_error(run_main("study", "--exp", "debug", "--config", str(f), "--dry-run"), "--arms", "names no arm")
+
+
+def test_nproc_beyond_one_machine_is_refused_before_torchrun():
+    one_line_error(run_main("train", "--exp", "debug", "--print-config", "--nproc", "9" * 20), "--nproc", "at most")
+
+
+def test_generate_max_tokens_has_an_upper_bound():
+    one_line_error(run_main("generate", "nope", "--prompt", "hi", "--max-tokens", str(10 ** 14)),
+                   "--max-tokens", "at most")
+
+
+@pytest.mark.parametrize("v", ["-5", "0"])
+def test_eval_max_tokens_message_says_positive(v):
+    one_line_error(run_main("eval", "nope", "--data", "builtin", "--max-tokens", v), "--max-tokens", ">= 1")
+
+
+def test_eval_json_into_a_folder_fails_before_evaluating(tmp_path):
+    # the run does not exist: the --json check comes first, before any model is loaded or evaluated
+    one_line_error(run_main("eval", str(tmp_path / "nope"), "--data", "builtin", "--json", str(tmp_path)),
+                   "--json", "is a folder")
+    one_line_error(run_main("eval", str(tmp_path / "nope"), "--data", "builtin", "--json",
+                            str(tmp_path / "no" / "such" / "e.json")), "--json", "does not exist")
