@@ -45,3 +45,17 @@ def test_eval_json_into_a_folder_fails_before_evaluating(tmp_path):
                    "--json", "is a folder")
     one_line_error(run_main("eval", str(tmp_path / "nope"), "--data", "builtin", "--json",
                             str(tmp_path / "no" / "such" / "e.json")), "--json", "does not exist")
+
+
+def test_report_of_a_run_with_one_logged_step_prints_no_matplotlib_warning(tmp_path):
+    """A run folder killed after its first step (metrics.jsonl: one record, then a torn line): report wrote
+    matplotlib's "No artists with labels found to put in legend" warning (a source line) to stderr."""
+    import warnings
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "tokens": 512, "loss": 8.34, "lr": 0.0006, "grad_norm": 0.6}\n'
+                                            '{"step": 2, "tokens": 1024, "lo')
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        p = run_main("report", str(tmp_path))
+    assert p.returncode == 0, p.stderr
+    assert not [x for x in w if "legend" in str(x.message)], [str(x.message) for x in w]
+    assert (tmp_path / "report.md").is_file()

@@ -246,6 +246,8 @@ def _legend(fig, ax, fontsize: int = 9) -> bool:
     """The panel's legend: inside it for a few entries; for many (a study of many arms) one legend below the
     figure, in columns, where it hides no curve. Returns True when it went below."""
     h, lab = ax.get_legend_handles_labels()
+    if not h:   # nothing labelled (e.g. a run with one logged step): no legend, and no matplotlib warning (#47)
+        return False
     if len(h) <= _LEGEND_INSIDE:
         ax.legend(fontsize=fontsize)
         return False
