@@ -59,3 +59,15 @@ def test_report_of_a_run_with_one_logged_step_prints_no_matplotlib_warning(tmp_p
     assert p.returncode == 0, p.stderr
     assert not [x for x in w if "legend" in str(x.message)], [str(x.message) for x in w]
     assert (tmp_path / "report.md").is_file()
+
+
+def test_study_out_that_is_a_run_folder_is_refused_and_untouched(tmp_path):
+    """``study --out RUN`` wrote the study's summary.json over the run's and its report next to the run."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 8.0}\n')
+    (run / "summary.json").write_text('{"the run": 1}')
+    one_line_error(run_main("study", "--exp", "debug", "--arms", "bf16", "--seeds", "1", "--steps", "2",
+                            "--out", str(run)), "not a study folder", "metrics.jsonl")
+    assert (run / "summary.json").read_text() == '{"the run": 1}'
+    assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl", "summary.json"]

@@ -147,6 +147,7 @@ def study_main(args: argparse.Namespace) -> int:
             print(f"not part of this plan: {' and '.join(later)} {'apply' if len(later) > 1 else 'applies'} when "
                   "the study runs (the same command without --dry-run)")
         return 0
+    _check_study_out(Path(spec.out))
     import time
     out = run_study(spec, jobs=args.jobs, start_by=None if sb is None else time.time() + sb)
     s = json.loads((out / "summary.json").read_text())
@@ -170,6 +171,27 @@ def study_main(args: argparse.Namespace) -> int:
     if incomplete is not None:
         raise StudyIncomplete(f"{incomplete}; {out}/summary.json lists them; rerun the same command to train them")
     return 0
+
+
+# what a study folder holds (before its study.json is written, too): anything else is another command's folder
+_STUDY_FILES = {"study.json", "runs", "claims", ".lock", ".write_test", "summary.json", "seeds.json", "report.html",
+                "report.md", "report_files"}
+
+
+def _check_study_out(out: Path) -> None:
+    """A study writes summary.json, report.html and report.md into OUT: an existing folder that is not a
+    study's (a run folder, a data folder, anything else) is refused, not written over (#47: a study with --out
+    RUN replaced the run's summary.json)."""
+    if not out.is_dir() or (out / "study.json").exists():
+        return
+    try:
+        other = sorted(p.name for p in out.iterdir() if p.name not in _STUDY_FILES)
+    except OSError as e:
+        raise UserError(f"cannot read the study folder {out}: {e.strerror or e}") from None
+    if other:
+        raise UserError(f"--out {out} is not a study folder (no study.json) and holds other files "
+                        f"({', '.join(other[:3])}{', ...' if len(other) > 3 else ''}): a study would write its "
+                        f"summary.json and report there; give a new or empty folder")
 
 
 # [study] keys that are not StudySpec fields
