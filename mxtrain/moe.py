@@ -11,6 +11,17 @@ with a GEMM that is ``F.linear`` the output is the eager implementation's, bit f
 
 Reference numerics only: one ``mx_linear`` call per expert and projection, exact MX per GEMM; a grouped kernel
 (all experts in one launch) is not built.
+
+Under ``torch.compile``: the eager loop iterates over the experts that ``nonzero`` found and gathers each one's
+tokens with ``torch.where``, whose output shapes depend on the data, so dynamo breaks the graph there (one graph
+per piece between the breaks; ``fullgraph=True`` fails). With ``torch._dynamo.config.capture_dynamic_output_shape_ops
+= True`` set before compiling, the forward is ``_traced_experts_forward``: every expert in turn (a loop of static
+length), its token count an unbacked symbol, so one graph serves every routing and nothing recompiles per step.
+Each expert's token rows are padded with zero rows to the next multiple of 32 (at least one row: an expert no token
+chose runs on zero rows), which leaves every real row's numbers as the eager loop's: MX blocks lie along the hidden
+axis in Fprop and Dgrad (one token per row), and along the token axis in Wgrad, where the quantizer pads with zeros
+to a multiple of 32 anyway and a zero row's products are zero; stochastic rounding draws by element position, the
+same for the real rows (tests/test_moe.py: compiled losses equal eager bit for bit on CPU).
 """
 
 from __future__ import annotations
@@ -19,6 +30,8 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
+
+from ._constant import assume_constant_result
 
 GEMMS_PER_EXPERT = 2   # gate_up_proj, down_proj: expert e's GEMMs are numbered 2 e and 2 e + 1
 
@@ -58,7 +71,10 @@ def experts_forward(m: nn.Module, hidden_states: torch.Tensor, top_k_index: torc
                     top_k_weights: torch.Tensor,
                     gemm: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
     """``transformers``' eager experts forward (``MixtralExperts.forward``) with ``gemm(x, weight, k)`` for
-    ``F.linear(x, weight)``; ``k`` numbers the GEMM in the module (``GEMMS_PER_EXPERT * e + j``)."""
+    ``F.linear(x, weight)``; ``k`` numbers the GEMM in the module (``GEMMS_PER_EXPERT * e + j``). Under
+    ``torch.compile`` with ``capture_dynamic_output_shape_ops`` on: ``_traced_experts_forward`` (same numbers)."""
+    if torch.compiler.is_compiling() and torch._dynamo.config.capture_dynamic_output_shape_ops:
+        return _traced_experts_forward(m, hidden_states, top_k_index, top_k_weights, gemm)
     final_hidden_states = torch.zeros_like(hidden_states)
     with torch.no_grad():
         expert_mask = torch.nn.functional.one_hot(top_k_index, num_classes=m.num_experts + 1)
@@ -78,3 +94,43 @@ def experts_forward(m: nn.Module, hidden_states: torch.Tensor, top_k_index: torc
         final_hidden_states.index_add_(0, token_idx, current_hidden_states.to(final_hidden_states.dtype))
 
     return final_hidden_states
+
+
+ROW_MULTIPLE = 32   # an expert's token rows are padded to a multiple of this under torch.compile (the MX block)
+
+
+def _traced_experts_forward(m: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                            top_k_weights: torch.Tensor,
+                            gemm: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
+    """``experts_forward`` as one graph: every expert in turn (none skipped: no host read), each one's token
+    count ``n`` an unbacked symbol, its rows padded with ``32 - n % 32`` zero rows (never none, so that the MX
+    layer's routing never asks whether ``n`` is 0; a multiple of 32, as the traced GPU forms ask of every GEMM
+    dimension), the padding's outputs dropped. The same sums in the same order as the eager loop."""
+    final_hidden_states = torch.zeros_like(hidden_states)
+    with torch.no_grad():
+        expert_mask = torch.nn.functional.one_hot(top_k_index, num_classes=m.num_experts + 1)
+        expert_mask = expert_mask.permute(2, 1, 0)
+
+    for e in range(m.num_experts):
+        top_k_pos, token_idx = torch.where(expert_mask[e])
+        n = token_idx.size(0)
+        current_state = hidden_states[token_idx]
+        pad = current_state.new_zeros(ROW_MULTIPLE - n % ROW_MULTIPLE, current_state.size(-1))
+        current_state = torch.cat([current_state, pad])
+        gate, up = gemm(current_state, m.gate_up_proj[e], GEMMS_PER_EXPERT * e).chunk(2, dim=-1)
+        current_hidden_states = m.act_fn(gate) * up
+        current_hidden_states = gemm(current_hidden_states, m.down_proj[e], GEMMS_PER_EXPERT * e + 1)[:n]
+        current_hidden_states = current_hidden_states * top_k_weights[token_idx, top_k_pos, None]
+        final_hidden_states.index_add_(0, token_idx, current_hidden_states.to(final_hidden_states.dtype))
+
+    return final_hidden_states
+
+
+@assume_constant_result
+def advances_calls_json(recipe_json: str) -> bool:
+    """``mxtrain.context.advances_calls`` of a recipe given as ``MXLayer._mx_json`` (a constant to dynamo: a
+    compiled forward reads no recipe object, whose memo would add guards)."""
+    from .context import advances_calls
+    from .linear import _recipe_from_json
+    from .recipes import get as get_recipe
+    return advances_calls(_recipe_from_json(recipe_json) if recipe_json.startswith("{") else get_recipe(recipe_json))

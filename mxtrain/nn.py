@@ -270,18 +270,23 @@ class MXExperts(MXLayer):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        from .moe import experts_forward
+        from .moe import advances_calls_json, experts_forward
         recipe, seeded = self._mx_recipe, self._mx_seeded
+        compiling = torch.compiler.is_compiling()
 
         def gemm(x: torch.Tensor, w: torch.Tensor, k: int) -> torch.Tensor:
             state = None
             if seeded:   # this GEMM's own layer id, the module's step and call (mx_linear advances the copy)
                 state = self.mx_state.clone()
                 state[0] += k
+            if compiling:   # (as MXLayer.forward: constants per recipe, no recipe object for dynamo to guard on)
+                return compiled_linear(x, w, None, state, self._mx_json, seeded, self._mx_quantized, self._mx_split,
+                                       self._mx_fp8, self._mx_traced)
             return mx_linear(x, w, None, recipe, state)
 
         out = experts_forward(self, hidden_states, top_k_index, top_k_weights, gemm)
-        if seeded and advances_calls(recipe) and torch.is_grad_enabled():
+        advances = advances_calls_json(self._mx_json) if compiling else advances_calls(recipe)
+        if seeded and advances and torch.is_grad_enabled():
             with torch.no_grad():
                 self.mx_state[2] += 1
         return out

@@ -144,6 +144,69 @@ def test_moe_trains_a_few_steps_in_a_plain_loop():
     assert ex.step == 4   # the optimizer step hook advances the experts' step as any MX layer's
 
 
+
+def _train(f, model, steps=3):
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for s in range(steps):   # other tokens each step: other routings, other token counts per expert
+        ids = _ids(n=2, t=16, seed=s)
+        loss = f(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_compiled_moe_one_graph_losses_equal_eager():
+    """torch.compile(fullgraph=True) of a converted Mixtral (mxfp4-all-sr: stochastic rounding drawn by layer id,
+    step and call) with capture_dynamic_output_shape_ops: one graph over 4 steps of changing routings, no recompile,
+    losses and the experts' state equal eager's bit for bit (aot_eager runs eager's kernels)."""
+    from torch._dynamo.utils import counters
+    model = _hf("mixtral", layers=1)
+    mxtrain.convert(model, "mxfp4-all-sr", strict=True)
+    eager = _train(model, model)
+    torch._dynamo.reset()
+    counters.clear()
+    model = _hf("mixtral", layers=1)
+    mxtrain.convert(model, "mxfp4-all-sr", strict=True)
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        compiled = _train(torch.compile(model, fullgraph=True, backend="aot_eager"), model)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["recompiles"], dict(counters["stats"])
+    assert compiled == eager
+    assert model.model.layers[0].mlp.experts.mx_state.tolist() == [4, 3, 0]
+
+
+def test_compiled_experts_with_an_expert_nobody_chose_equal_eager():
+    """The compiled experts (padded rows, every expert run) equal the eager loop, forward and gradients, also when
+    an expert gets no token, and take one call number as eagerly; a second routing reuses the graph."""
+    from torch._dynamo.utils import counters
+    recipe = "mxfp4-all-sr"
+    model = _hf("qwen3_moe", layers=1)
+    mxtrain.convert(model, recipe, strict=True)
+    ex = model.model.layers[0].mlp.experts
+    torch._dynamo.reset()
+    counters.clear()
+    f = torch.compile(ex, fullgraph=True, backend="aot_eager")
+    g = torch.Generator().manual_seed(1)
+    n = 24
+    for other in (2, 3):   # expert 3 chosen by nobody, then expert 0 (the same input shape: one graph)
+        x = torch.randn(n, 64, generator=g, requires_grad=True)
+        idx = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(n)])
+        idx[idx == 3] = other
+        idx[idx == 0] = other if other == 3 else 0
+        w = torch.rand(n, 2, generator=g)
+        dy = torch.randn(n, 64, generator=g)
+        got = {}
+        for mode in ("eager", "compiled"):
+            mxtrain.set_step(model, 3, call=5)
+            with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+                y = (f if mode == "compiled" else ex)(x, idx, w)
+            got[mode] = (y, *_grads(y, dy, x, ex.gate_up_proj, ex.down_proj), ex.mx_state.tolist())
+        for a, b in zip(got["compiled"], got["eager"]):
+            assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["recompiles"], dict(counters["stats"])
+
 def test_other_3d_layouts_stay_refused():
     cfg = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
                                      num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
