@@ -1,5 +1,11 @@
 """The training loop: ``train(cfg) -> run folder`` (``fit(cfg) -> Outcome``), with callbacks.
 
+The phases of a run are the methods of ``Trainer``: ``setup()`` (checkpoint read, data, model, optimizer,
+run folder, callbacks), ``run()`` (the loop, the final evaluation, the outcome), ``train_step()`` (one
+optimizer step: micro-steps eager or replayed as a CUDA graph), ``evaluate()`` and ``save()``. The run folder
+(which folder, its lock, ``run.json``, the outcome record) is ``mxtrain.train.run_folder``; the checks of a
+config are ``mxtrain.train.config.validate``.
+
 One code path for every device and world size: the loop never assumes a single process (the data
 loader takes rank / world size, the global batch is split into micro-batches per rank). The
 multi-GPU code wraps the model (DDP / FSDP2) in ``_wrap_parallel`` and reduces metrics in
@@ -628,186 +634,524 @@ def fit(cfg: TrainConfig, resume: str | Path | None = None, callbacks=None) -> O
         return e.outcome
 
 
-def _train(cfg: TrainConfig, resume: str | Path | None, env: D.DistEnv, locks: list, callbacks: list) -> Outcome:
-    rank, world, device = env.rank, env.world_size, env.device
-    amp_dtype = _autocast_dtype(cfg, device)
-    recipe = cfg.resolved_recipe()
-    if cfg.train.cuda_graphs:
-        why = graph_blockers(recipe, device, world)
-        if why:
-            raise UserError("train.cuda_graphs needs one GPU: " + "; ".join(why))
-    if cfg.train.deterministic:
-        torch.use_deterministic_algorithms(True)
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+class Trainer:
+    """One training run, phase by phase: ``setup()`` reads a resumed checkpoint and builds the data, the model
+    (converted, compiled, wrapped for DDP / FSDP2), the optimizer, the run folder and the callbacks; ``run()``
+    trains to ``train.steps`` and returns the run's ``Outcome``; each step is ``train_step(step)`` (one
+    optimizer step: micro-steps, eager or replayed as a CUDA graph), then its log row, ``evaluate(done)`` and
+    ``save(done)`` when due. What the phases share is an attribute (the model, the optimizer, ``tokens``,
+    ``last_ckpt_step``, the background checkpoint ``pending``, the captured graph ``graphed``)."""
 
-    state = None
-    t_read = time.perf_counter()
-    src = ckpt.find(resume) if resume is not None else None   # a run folder: its newest checkpoint
-    dcp_path = src if src is not None and src.is_dir() else None  # a DCP checkpoint?
-    if dcp_path is not None:
-        state = D.read_extra(dcp_path)
-    elif src is not None:
-        state = ckpt.load(src)
-    if src is not None and cfg.log.out is None:
-        cfg.log.out = str(src.parent)
-    read_s = time.perf_counter() - t_read   # reading checkpoint.pt (a DCP folder's extra state only)
-    # one thread per free core on a CPU run of one process, a resumed run its first leg's (mxtrain.train.threads;
-    # said in the log below)
-    cpu_threads = threads.apply(src.parent if src is not None else None) if device.type == "cpu" and world == 1 \
-        else None
+    def __init__(self, cfg: TrainConfig, resume: str | Path | None, env: D.DistEnv, locks: list, callbacks: list):
+        self.cfg, self.resume, self.env, self.locks, self.callbacks = cfg, resume, env, locks, callbacks
+        self.rank, self.world, self.device = env.rank, env.world_size, env.device
+        self.graphed = None   # train.cuda_graphs: the loss module captured at the first micro-step
+        self.pending = None   # train.async_checkpoint: (PendingCheckpoint, step, tokens, t_start, seconds waited)
+        self.val_loss = None
 
-    # data
-    if cfg.data.path == "builtin":
-        data_dir = ensure_builtin(cfg.data.vocab_size, progress=cfg.log.progress and _isatty(sys.stderr))
-    else:
-        data_dir = Path(cfg.data.path)
-        if not data_dir.exists():
-            raise UserError(f"data folder not found: {data_dir} (prepare it with: mxtrain data prepare SOURCES --out {data_dir})")
-    data = TokenData(data_dir)
-    B, T = cfg.train.batch_size, cfg.data.seq_len
-    micro = cfg.train.micro_batch_size or B // world
-    if micro <= 0 or B % (micro * world):
-        raise UserError(f"train.batch_size ({B}) must be a multiple of micro_batch_size x world size ({micro} x {world})")
-    accum = B // (micro * world)
-    data_seed = cfg.data.seed if cfg.data.seed is not None else cfg.train.seed
-    loader = Loader(data, T, micro, data_seed, rank, world)
+    # ------------------------------------------------------------------------------------------------ setup
+    def setup(self) -> None:
+        """Everything before the first step, in this order: checks of the device, the checkpoint read (when
+        resuming), the data, the model and optimizer (with the checkpoint's state), the run folder with its
+        ``config.json``, ``recipe.json`` and ``run.json``, the callbacks and the ``TrainState`` they see."""
+        cfg, device = self.cfg, self.device
+        self.amp_dtype = _autocast_dtype(cfg, device)
+        self.recipe = cfg.resolved_recipe()
+        if cfg.train.cuda_graphs:
+            why = graph_blockers(self.recipe, device, self.world)
+            if why:
+                raise UserError("train.cuda_graphs needs one GPU: " + "; ".join(why))
+        if cfg.train.deterministic:
+            torch.use_deterministic_algorithms(True)
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        self._read_checkpoint()
+        self._setup_data()
+        self._setup_model()
+        self._load_state()
+        self._setup_folder()
+        builtin = []
+        if cfg.log.tensorboard and not any(isinstance(c, TensorBoardLogger) for c in self.callbacks):
+            builtin.append(TensorBoardLogger())
+        self.cbs = CallbackList(builtin + list(self.callbacks))
+        self.tstate = TrainState(cfg=cfg, config=self.cfg_dict, out=self.out, model=self.model, optimizer=self.opt,
+                                 device=device, rank=self.rank, world_size=self.world, start_step=self.start_step,
+                                 total_steps=cfg.train.steps, step=self.start_step, tokens=self.tokens)
 
-    # model + optimizer
-    torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg, data.vocab_size, device, load_init=state is None)
-    convert(model, recipe)
-    for block in model.layers:
-        block.checkpoint_block = cfg.train.checkpoint_blocks
-    if compiles(cfg, device):
-        # each block compiled on its own (one graph shared by all blocks: layer numbers and steps are
-        # tensors), before DDP / FSDP2 wrap them, as torchtitan does; state_dict keys are unchanged
+    def _read_checkpoint(self) -> None:
+        """``state``: the resumed checkpoint's (None for a new run); ``src``: its path; ``dcp_path``: the same
+        when it is a DCP folder (whose model and optimizer are loaded later, in ``_load_state``)."""
+        cfg, resume = self.cfg, self.resume
+        self.state = None
+        t_read = time.perf_counter()
+        self.src = src = ckpt.find(resume) if resume is not None else None   # a run folder: its newest checkpoint
+        self.dcp_path = src if src is not None and src.is_dir() else None  # a DCP checkpoint?
+        if self.dcp_path is not None:
+            self.state = D.read_extra(self.dcp_path)
+        elif src is not None:
+            self.state = ckpt.load(src)
+        if src is not None and cfg.log.out is None:
+            cfg.log.out = str(src.parent)
+        self.read_s = time.perf_counter() - t_read   # reading checkpoint.pt (a DCP folder's extra state only)
+        # one thread per free core on a CPU run of one process, a resumed run its first leg's
+        # (mxtrain.train.threads; said in the log)
+        self.cpu_threads = threads.apply(src.parent if src is not None else None) \
+            if self.device.type == "cpu" and self.world == 1 else None
+
+    def _setup_data(self) -> None:
+        """The token data, the micro-batch size and gradient accumulation, this rank's loader."""
+        cfg, world = self.cfg, self.world
+        if cfg.data.path == "builtin":
+            self.data_dir = ensure_builtin(cfg.data.vocab_size, progress=cfg.log.progress and _isatty(sys.stderr))
+        else:
+            self.data_dir = Path(cfg.data.path)
+            if not self.data_dir.exists():
+                raise UserError(f"data folder not found: {self.data_dir} (prepare it with: mxtrain data prepare "
+                                f"SOURCES --out {self.data_dir})")
+        self.data = TokenData(self.data_dir)
+        B, T = cfg.train.batch_size, cfg.data.seq_len
+        micro = cfg.train.micro_batch_size or B // world
+        if micro <= 0 or B % (micro * world):
+            raise UserError(f"train.batch_size ({B}) must be a multiple of micro_batch_size x world size "
+                            f"({micro} x {world})")
+        self.accum = B // (micro * world)
+        data_seed = cfg.data.seed if cfg.data.seed is not None else cfg.train.seed
+        self.loader = Loader(self.data, T, micro, data_seed, self.rank, world)
+
+    def _setup_model(self) -> None:
+        """The model (its init from ``train.seed``), converted to the recipe, its blocks compiled (each on its
+        own, before DDP / FSDP2 wrap them, as torchtitan does; state_dict keys are unchanged), wrapped; the
+        optimizer; the run's config as a dict (the recipe in full unless it is a preset's name)."""
+        cfg, device = self.cfg, self.device
+        torch.manual_seed(cfg.train.seed)
+        model = build_model(cfg, self.data.vocab_size, device, load_init=self.state is None)
+        convert(model, self.recipe)
         for block in model.layers:
-            block.recompute_ffn = cfg.train.recompute_ffn
-            block.compile()
-    model = _wrap_parallel(model, cfg, env)
-    opt = _optimizer(model, cfg, device)
-    mcfg = D.unwrap(model).cfg
-    cfg_dict = cfg.to_dict()
-    cfg_dict["recipe"] = cfg.recipe if isinstance(cfg.recipe, str) else recipe.to_dict()
+            block.checkpoint_block = cfg.train.checkpoint_blocks
+        if compiles(cfg, device):   # (one graph shared by all blocks: layer numbers and steps are tensors)
+            for block in model.layers:
+                block.recompute_ffn = cfg.train.recompute_ffn
+                block.compile()
+        self.model = _wrap_parallel(model, cfg, self.env)
+        self.opt = _optimizer(self.model, cfg, device)
+        self.mcfg = D.unwrap(self.model).cfg
+        self.cfg_dict = cfg.to_dict()
+        self.cfg_dict["recipe"] = cfg.recipe if isinstance(cfg.recipe, str) else self.recipe.to_dict()
 
-    start_step, tokens, load_s = 0, 0, None
-    if state is not None:
-        ckpt.check_compatible(state["config"], cfg_dict, resume)
+    def _load_state(self) -> None:
+        """A resumed run: the checkpoint's model, optimizer (with this run's optimizer values), loader and RNG
+        state, its step and tokens; ``load_s``: the time that took. A new run starts at step 0."""
+        cfg, state, env = self.cfg, self.state, self.env
+        self.start_step, self.tokens, self.load_s = 0, 0, None
+        self.last_ckpt_step = None
+        if state is None:
+            return
+        ckpt.check_compatible(state["config"], self.cfg_dict, self.resume)
         t_load = time.perf_counter()
         try:
-            if dcp_path is not None:  # any writer world size -> this one
-                D.load_checkpoint(dcp_path, model, opt, env=env)
+            if self.dcp_path is not None:  # any writer world size -> this one
+                D.load_checkpoint(self.dcp_path, self.model, self.opt, env=env)
             elif env.distributed:  # a single-process checkpoint.pt -> DDP / FSDP2
-                D.load_full_state(model, opt, state["model"], state["optimizer"])
+                D.load_full_state(self.model, self.opt, state["model"], state["optimizer"])
             else:
-                model.load_state_dict(state["model"])
-                opt.load_state_dict(state["optimizer"])
+                self.model.load_state_dict(state["model"])
+                self.opt.load_state_dict(state["optimizer"])
         except (RuntimeError, ValueError, KeyError) as e:
-            raise UserError(f"checkpoint {resume} does not fit this model ({str(e).splitlines()[0][:160]})") from None
-        load_s = read_s + time.perf_counter() - t_load
-        _apply_optim_values(opt, cfg)   # this run's optimizer values, not the checkpoint's
-        loader.load_state_dict(state["loader"])
-        ckpt.set_rng_state(state.get("rng"), src)
-        start_step, tokens = int(state["step"]), int(state["tokens"])
-        if start_step >= cfg.train.steps:
-            raise UserError(f"checkpoint is at step {start_step}, nothing to do for --steps {cfg.train.steps}; "
+            raise UserError(f"checkpoint {self.resume} does not fit this model "
+                            f"({str(e).splitlines()[0][:160]})") from None
+        self.load_s = self.read_s + time.perf_counter() - t_load
+        _apply_optim_values(self.opt, cfg)   # this run's optimizer values, not the checkpoint's
+        self.loader.load_state_dict(state["loader"])
+        ckpt.set_rng_state(state.get("rng"), self.src)
+        self.start_step, self.tokens = int(state["step"]), int(state["tokens"])
+        self.last_ckpt_step = self.start_step
+        if self.start_step >= cfg.train.steps:
+            raise UserError(f"checkpoint is at step {self.start_step}, nothing to do for --steps {cfg.train.steps}; "
                             f"raise --steps to continue")
 
-    resume_dir = None
-    if state is not None:
-        resume_dir = src.parent
-        _refuse_rewind(src, Path(cfg.log.out), start_step)
-    out = _make_out(cfg, resume_dir, rank, locks)
-    if rank == 0:
-        _write_json(out / "config.json", cfg_dict)
-        _write_json(out / "recipe.json", recipe.to_dict())
+    def _setup_folder(self) -> None:
+        """The run folder (``run_folder._make_out``: decided by rank 0, locked) and, by rank 0, its
+        ``config.json``, ``recipe.json`` and ``run.json``."""
+        cfg, device, state = self.cfg, self.device, self.state
+        resume_dir = None
+        if state is not None:
+            resume_dir = self.src.parent
+            _refuse_rewind(self.src, Path(cfg.log.out), self.start_step)
+        self.out = out = _make_out(cfg, resume_dir, self.rank, self.locks)
+        self.ckpt_path = out / ckpt.NAME
+        self.keep = set(keep_steps(cfg))   # train.keep_checkpoints_at
+        if self.rank != 0:
+            return
+        _write_json(out / "config.json", self.cfg_dict)
+        _write_json(out / "recipe.json", self.recipe.to_dict())
+        data, mcfg, T = self.data, self.mcfg, cfg.data.seq_len
         info = {"mxtrain": __version__, "torch": torch.__version__, "python": platform.python_version(),
                 "device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda"
                 else (platform.processor() or platform.machine()), "cpu_threads": torch.get_num_threads(),
-                "git_sha": _git_sha(), "argv": sys.argv, "data": str(Path(data_dir).resolve()),
+                "git_sha": _git_sha(), "argv": sys.argv, "data": str(Path(self.data_dir).resolve()),
                 "data_meta": {k: data.meta[k] for k in ("train_tokens", "val_tokens", "vocab_size", "sources")},
                 "model_params": mcfg.num_params(), "flops_per_token": mcfg.flops_per_token(T),
-                "world_size": world, "grad_accum": accum, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "resumed_from_step": start_step or None,
-                "cpu_threads_chosen": cpu_threads.message if cpu_threads is not None else None,
+                "world_size": self.world, "grad_accum": self.accum,
+                "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "resumed_from_step": self.start_step or None,
+                "cpu_threads_chosen": self.cpu_threads.message if self.cpu_threads is not None else None,
                 # every knob of mxtrain.settings (docs/settings.md), those that change numerics included
                 "settings": _settings.current().to_dict()}
         write_run_json(out, info, resumed=state is not None)
 
-    builtin = []
-    if cfg.log.tensorboard and not any(isinstance(c, TensorBoardLogger) for c in callbacks):
-        builtin.append(TensorBoardLogger())
-    cbs = CallbackList(builtin + list(callbacks))
-    tstate = TrainState(cfg=cfg, config=cfg_dict, out=out, model=model, optimizer=opt, device=device, rank=rank,
-                        world_size=world, start_step=start_step, total_steps=cfg.train.steps, step=start_step,
-                        tokens=tokens)
-    outcome = None
-    log = sig = None
-    try:
-        log = _Log(out, cfg, start_step, cfg.train.steps, rank, cbs)
-        flops_tok = mcfg.flops_per_token(T)
-        peak = _peak_tflops(cfg, device)
-        inexact = _inexact_reader(device)
+    # -------------------------------------------------------------------------------------------------- run
+    def run(self) -> Outcome:
+        """Train from ``start_step`` to ``train.steps``, then the final evaluation and ``summary.json``. How
+        the run ended is an ``Outcome``: recorded in ``run.json`` (rank 0), handed to the callbacks, carried
+        by the exception that ends a run early (``e.outcome``), returned when it completes."""
+        cfg, rank, device, out, tstate = self.cfg, self.rank, self.device, self.out, self.tstate
+        outcome = None
+        self.log = log = self.sig = None
+        try:
+            self.log = log = _Log(out, cfg, self.start_step, cfg.train.steps, rank, self.cbs)
+            self._begin()
+            self.sig = _Signals()
+            val_loss = self._loop()
+            tokens = tstate.tokens
+            big_val = final_evaluation(self.model, self.data, cfg, device, self.amp_dtype, tstate.step, tokens, out,
+                                       rank, self.world)
+            if big_val is not None:
+                log.say(f"final evaluation over {cfg.log.final_eval_tokens:,} validation tokens: val_loss "
+                        f"{big_val:.4f}")
+            if rank == 0:
+                summary = {"steps": cfg.train.steps, "tokens": tokens, "final_val_loss": val_loss,
+                           "final_val_ppl": math.exp(min(val_loss, 50)) if val_loss is not None else None,
+                           "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+                _write_json(out / "summary.json", summary)
+            outcome = Outcome(Status.COMPLETED, tstate.step, None, out)
+        except NonFiniteLoss as e:
+            outcome = e.outcome = Outcome(Status.DIVERGED, e.step if e.step is not None else tstate.step, str(e), out)
+            raise
+        except Interrupted as e:
+            outcome = e.outcome = Outcome(Status.INTERRUPTED, e.step if e.step is not None else tstate.step, str(e),
+                                          out)
+            raise
+        except KeyboardInterrupt:
+            outcome = Outcome(Status.INTERRUPTED, tstate.step, "stopped at once by a second signal (or Ctrl-C "
+                              "outside the training loop); resume from the last checkpoint", out)
+            raise
+        except BaseException as e:
+            outcome = Outcome(Status.FAILED, tstate.step,
+                              str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}", out)
+            try:
+                e.outcome = outcome
+            except AttributeError:  # an exception type that takes no attributes
+                pass
+            raise
+        finally:
+            if self.sig is not None:
+                self.sig.restore()
+            if log is not None:
+                log.close()
+            if outcome is not None:
+                failing = not outcome.completed
+                if rank == 0:
+                    _record_outcome(out, outcome, quiet=failing)
+                self.cbs.end(outcome, quiet=failing)
+        return outcome
+
+    def _begin(self) -> None:
+        """The run's first lines, ``eval_sources.json``, the callbacks' ``on_train_begin`` (and their state from
+        the checkpoint), the resumed row, the progress bar."""
+        cfg, log, device, out = self.cfg, self.log, self.device, self.out
+        B, T, mcfg = cfg.train.batch_size, cfg.data.seq_len, self.mcfg
+        self.flops_tok = flops_tok = mcfg.flops_per_token(T)
+        self.peak = _peak_tflops(cfg, device)
+        self.inexact = _inexact_reader(device)
         log.say(f"mxtrain {__version__} | model {cfg.model.name} ({mcfg.num_params() / 1e6:.1f}M params, "
-                f"{flops_tok / 1e6:.1f} MFLOP/token) | recipe {recipe.name} | {device}"
-                f"{' bf16 autocast' if amp_dtype else ' fp32'} | {cfg.train.steps} steps x {B} x {T} tokens | run {out}")
-        if cpu_threads is not None:
-            log.say(cpu_threads.message)
-        if rank == 0:
-            write_window_sources(data, cfg, out)
-        cbs.begin(tstate)
-        if state is not None:
-            cbs.load_state_dicts(state.get("callbacks"))
-        if load_s is not None:   # the checkpoint's load into this world size, timed (metrics.jsonl only: a
+                f"{flops_tok / 1e6:.1f} MFLOP/token) | recipe {self.recipe.name} | {device}"
+                f"{' bf16 autocast' if self.amp_dtype else ' fp32'} | {cfg.train.steps} steps x {B} x {T} tokens | "
+                f"run {out}")
+        if self.cpu_threads is not None:
+            log.say(self.cpu_threads.message)
+        if self.rank == 0:
+            write_window_sources(self.data, cfg, out)
+        self.cbs.begin(self.tstate)
+        if self.state is not None:
+            self.cbs.load_state_dicts(self.state.get("callbacks"))
+        if self.load_s is not None:   # the checkpoint's load into this world size, timed (metrics.jsonl only: a
             # logger that continues the run, such as W&B, takes no row at a step it already has)
-            log.row({"step": start_step, "tokens": tokens, "event": "resumed", "load_s": load_s, "world_size": world},
-                    callbacks=False)
+            log.row({"step": self.start_step, "tokens": self.tokens, "event": "resumed", "load_s": self.load_s,
+                     "world_size": self.world}, callbacks=False)
         log.start_bar()
         if device.type == "cuda":   # peak_mem_gib: training only (not a whole model built before FSDP2 shards it)
             torch.cuda.reset_peak_memory_stats(device)
-        sig = _Signals()
-        val_loss = _train_loop(cfg, env, model, opt, loader, data, log, cbs, tstate, sig, inexact,
-                               amp_dtype=amp_dtype, accum=accum, flops_tok=flops_tok, peak=peak,
-                               last_ckpt_step=start_step if state is not None else None)
-        tokens = tstate.tokens
-        big_val = final_evaluation(model, data, cfg, device, amp_dtype, tstate.step, tokens, out, rank, world)
-        if big_val is not None:
-            log.say(f"final evaluation over {cfg.log.final_eval_tokens:,} validation tokens: val_loss {big_val:.4f}")
-        if rank == 0:
-            summary = {"steps": cfg.train.steps, "tokens": tokens, "final_val_loss": val_loss,
-                       "final_val_ppl": math.exp(min(val_loss, 50)) if val_loss is not None else None,
-                       "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-            _write_json(out / "summary.json", summary)
-        outcome = Outcome(Status.COMPLETED, tstate.step, None, out)
-    except NonFiniteLoss as e:
-        outcome = e.outcome = Outcome(Status.DIVERGED, e.step if e.step is not None else tstate.step, str(e), out)
-        raise
-    except Interrupted as e:
-        outcome = e.outcome = Outcome(Status.INTERRUPTED, e.step if e.step is not None else tstate.step, str(e), out)
-        raise
-    except KeyboardInterrupt:
-        outcome = Outcome(Status.INTERRUPTED, tstate.step, "stopped at once by a second signal (or Ctrl-C outside "
-                          "the training loop); resume from the last checkpoint", out)
-        raise
-    except BaseException as e:
-        outcome = Outcome(Status.FAILED, tstate.step,
-                          str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}", out)
+
+    def _loop(self) -> float | None:
+        """Steps ``start_step`` .. ``train.steps`` inside ``log.profile_steps`` and ``train.gc_every``
+        (mxtrain.train.profiling). Returns the last validation loss (None if none ran)."""
+        cfg, log, tstate = self.cfg, self.log, self.tstate
+        span = profiling.parse_steps(cfg.log.profile_steps, cfg.train.steps)
+        if span is not None and span[0] <= tstate.start_step:   # a resumed run starts after the first profiled step
+            log.say(f"note: log.profile_steps {span[0]}-{span[1]} starts at or before the resumed step "
+                    f"{tstate.start_step}; nothing is profiled (choose steps after it)")
+            span = None
+        self.prof = profiling.StepProfiler(span, tstate.out, self.rank, self.device)
+        self.gcol = profiling.GarbageCollection(cfg.train.gc_every)
         try:
-            e.outcome = outcome
-        except AttributeError:  # an exception type that takes no attributes
-            pass
-        raise
-    finally:
-        if sig is not None:
-            sig.restore()
-        if log is not None:
-            log.close()
-        if outcome is not None:
-            failing = not outcome.completed
-            if rank == 0:
-                _record_outcome(out, outcome, quiet=failing)
-            cbs.end(outcome, quiet=failing)
-    return outcome
+            return self._steps()
+        finally:
+            self.gcol.close()
+            self.prof.close()
+
+    def _steps(self) -> float | None:
+        """The loop: each step's update, log row, evaluation, checkpoint, callbacks, and the stop on a signal."""
+        cfg, env, log, cbs, tstate = self.cfg, self.env, self.log, self.cbs, self.tstate
+        start_step = self.start_step
+        if cfg.train.async_checkpoint and not env.distributed:
+            log.say("note: train.async_checkpoint applies to runs of several processes (DCP checkpoints); this one "
+                    "writes checkpoint.pt at once")
+        self.model.train()
+        self.t_last, self.tok_last, self.steps_last = time.perf_counter(), self.tokens, 0
+        self.loss_acc = 0.0
+        self.t_ckpt = time.perf_counter()
+        self.inexact0 = self.inexact() if self.inexact is not None else None
+        self.record_inexact = self.device.type == "cuda"   # where the fast path's kernels run; elsewhere once nonzero
+        self.said_uncounted = False
+        switch = switch_step(cfg)
+        if switch is not None and start_step >= switch[0]:   # resumed (or branched) past the switch
+            _switch(self.model, switch[1], log, start_step, self.tokens)
+        for step in range(start_step, cfg.train.steps):
+            if switch is not None and step == switch[0] and step > start_step:
+                _switch(self.model, switch[1], log, step, self.tokens)
+            lr = lr_at(step, cfg)
+            for g in self.opt.param_groups:
+                g["lr"] = lr
+            set_step(self.model, step)
+            cbs.step_begin(step)
+            self.prof.before(step)
+            loss_val, gnorm = self.train_step(step)
+            self.tokens += cfg.train.batch_size * cfg.data.seq_len
+            done = step + 1
+            self.prof.after(step)
+            self.gcol.step(done)
+            tstate.step, tstate.tokens = done, self.tokens
+            cbs.step_end(done, {"loss": loss_val, "lr": lr, "grad_norm": gnorm, "tokens": self.tokens})
+            self.loss_acc += loss_val
+            self.steps_last += 1
+            if done % cfg.log.log_every == 0 or done == cfg.train.steps or done == start_step + 1:
+                self._log_row(done, lr, gnorm)
+            if log.bar is not None:
+                log.bar.update(1)
+            if done % cfg.log.eval_every == 0 or done == cfg.train.steps:
+                self.evaluate(done)
+            self._checkpoint_or_stop(done)
+        self._finish_pending()   # a background checkpoint still being written completes before the run ends
+        return self.val_loss
+
+    # --------------------------------------------------------------------------------------------- one step
+    def train_step(self, step: int) -> tuple[float, float]:
+        """One optimizer step (the LR and the layers' step already set): ``accum`` micro-steps, the loss
+        averaged over ranks and checked, the gradient clipped and checked (before the update: the weights and
+        the last checkpoint stay those of the last good step), the update. Returns (loss, gradient norm)."""
+        cfg, env, model, log = self.cfg, self.env, self.model, self.log
+        loss_sum = torch.zeros((), device=self.device)
+        for k in range(self.accum):
+            if env.world_size > 1:   # this rank's micro-batch k is the global batch's k * N + r: its SR draws too
+                set_step(model, step, call=k * env.world_size + env.rank)
+            x, y = self.loader.next()
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            loss = self._graphed_micro_step(x, y, step) if cfg.train.cuda_graphs else self._micro_step(x, y, k)
+            loss_sum += loss.detach()
+        loss_val = _reduce_mean(loss_sum.item())
+        if not math.isfinite(loss_val):
+            log.row({"step": step + 1, "tokens": self.tokens, "event": "non-finite loss", "loss": str(loss_val)})
+            raise NonFiniteLoss(f"loss is {loss_val} at step {step + 1}; training stopped ({self._where()}); "
+                                f"try a lower --lr or another recipe", step=step + 1)
+        gnorm = float(D.clip_grad_norm_(model, cfg.optim.grad_clip if cfg.optim.grad_clip > 0  # DTensor grads
+                                        else float("inf")))
+        if not math.isfinite(gnorm):
+            log.row({"step": step + 1, "tokens": self.tokens, "event": "non-finite gradient", "grad_norm": gnorm})
+            advice = ("resume with a lower --lr (it may change on resume) or another recipe"
+                      if self.last_ckpt_step is not None else "start again with a lower --lr or another recipe")
+            raise NonFiniteLoss(f"gradient norm is {gnorm} at step {step + 1}; the weights were not updated "
+                                f"({self._where()}); {advice}", step=step + 1)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=self.graphed is None)
+        return loss_val, gnorm
+
+    def _micro_step(self, x, y, k: int) -> torch.Tensor:
+        """Micro-step ``k``, eager: forward under autocast, backward (gradients reduced on the last one only)."""
+        amp_dtype = self.amp_dtype
+        with D.grad_sync(self.model, k == self.accum - 1):
+            with torch.autocast(self.device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
+                loss = self.model(x, y) / self.accum
+            loss.backward()
+        return loss
+
+    def _graphed_micro_step(self, x, y, step: int) -> torch.Tensor:
+        """A micro-step as a replay of the CUDA graph (``train.cuda_graphs``), captured at the first one (after
+        3 eager warm-up passes)."""
+        model = self.model
+        if self.graphed is None:
+            try:
+                self.graphed = torch.cuda.make_graphed_callables(_LossModule(model, self.device.type, self.amp_dtype),
+                                                                 (x, y))
+            except RuntimeError as e:
+                raise UserError(f"could not capture the training step as a CUDA graph "
+                                f"({str(e).splitlines()[0][:300]}); run without train.cuda_graphs") from None
+            # a replayed backward hands autograd its static gradient buffers; a .grad that already exists is
+            # added to in place, so accumulation never aliases (and sums) those buffers. The grads stay
+            # allocated: zero_grad zeroes, not frees.
+            for p in model.parameters():
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            # the warm-up and capture passes advanced the layers' call counters: this first replay is call 0
+            # of this step, as in eager training
+            set_step(model, step)
+        loss = self.graphed(x, y) / self.accum
+        loss.backward()
+        return loss
+
+    def _log_row(self, done: int, lr: float, gnorm: float) -> None:
+        """A training row of metrics.jsonl (the mean loss since the last row, rates, memory, inexact blocks)."""
+        device, log, inexact = self.device, self.log, self.inexact
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        now = time.perf_counter()
+        tps = (self.tokens - self.tok_last) / max(now - self.t_last, 1e-9)
+        row = {"step": done, "tokens": self.tokens, "loss": self.loss_acc / self.steps_last, "lr": lr,
+               "grad_norm": gnorm, "tok_per_s": tps, "epoch": self.loader.epoch}
+        row.update(rate_fields(tps, self.flops_tok, self.peak, self.env.world_size))
+        if device.type == "cuda":   # the largest of the ranks' peaks (GiB), since the run started
+            row["peak_mem_gib"] = D.reduce_max(torch.cuda.max_memory_allocated(device) / 2**30)
+        cur = inexact() if inexact is not None else None
+        if cur is not None and self.inexact0 is not None:
+            d = {k: v - self.inexact0.get(k, 0) for k, v in cur.items()}
+            self.record_inexact = self.record_inexact or d["inexact_blocks"] != 0
+            if self.record_inexact:
+                row.update(d)
+        elif inexact is not None and not self.said_uncounted:
+            self.said_uncounted = True   # say so, rather than record a count of 0 that was never made
+            log.say(f"note: inexact FP8-carrier blocks are not counted on {device} in this run (a compiled "
+                    "MX call found no counter, or MX layers ran in the traced form of the mx_traced setting); "
+                    "metrics.jsonl has no inexact_blocks")
+        log.row(row)
+        log.train_line(done, row)
+        self.loss_acc, self.steps_last = 0.0, 0
+        self.t_last, self.tok_last = now, self.tokens
+
+    # --------------------------------------------------------------------------------------------- evaluate
+    def evaluate(self, done: int) -> float:
+        """The validation loss after step ``done``: logged (with each window's loss in eval_windows.jsonl),
+        handed to the callbacks; a non-finite one is divergence. Its time is kept out of tokens/s."""
+        cfg, log, tokens, last = self.cfg, self.log, self.tokens, self.last_ckpt_step
+        te = time.perf_counter()
+        val_loss, windows = evaluate_windows(self.model, self.data, cfg, self.device, self.amp_dtype, self.rank,
+                                             self.env.world_size)
+        self.val_loss = val_loss
+        if self.rank == 0:
+            _append_windows(self.out / WINDOWS_NAME, done, tokens, windows)
+        ppl = math.exp(min(val_loss, 50))
+        log.row({"step": done, "tokens": tokens, "val_loss": val_loss, "val_ppl": ppl})
+        self.cbs.eval(done, {"val_loss": val_loss, "val_ppl": ppl, "tokens": tokens})
+        if not math.isfinite(val_loss):
+            raise NonFiniteLoss(f"validation loss is {val_loss} at step {done}; training stopped (last good "
+                                f"checkpoint: {self.ckpt_path} (step {last})); resume with a lower --lr "
+                                f"or another recipe" if last is not None else
+                                f"validation loss is {val_loss} at step {done}; training stopped (no checkpoint "
+                                f"was written yet); try a lower --lr or another recipe", step=done)
+        log.say(f"{log.step_str(done)} | tokens {tokens:>11,} | val_loss {val_loss:.4f} | val_ppl {ppl:.2f}",
+                stamp=True)
+        self.t_last += time.perf_counter() - te  # keep evaluation out of tokens/s
+        return val_loss
+
+    # ------------------------------------------------------------------------------------------------- save
+    def _checkpoint_or_stop(self, done: int) -> None:
+        """After step ``done``: a checkpoint when one is due (every ``checkpoint_every`` steps or minutes, the
+        last step, a kept step, a signal), a background one completed once written; a signal stops the run."""
+        cfg, env, log = self.cfg, self.env, self.log
+        sig = self.sig
+        caught = sig.caught if not env.distributed else int(_reduce_mean(float(sig.caught or 0)) > 0) and (
+            sig.caught or 15)   # a signal on any rank stops every rank at the same step
+        minutes = cfg.train.checkpoint_minutes
+        due = minutes > 0 and time.perf_counter() - self.t_ckpt >= 60 * minutes
+        if self.pending is not None and done % cfg.log.log_every == 0 and D.reduce_sums(
+                0.0 if self.pending[0].done() else 1.0)[0] == 0.0:
+            self._finish_pending()   # every rank's shards are written: complete it now rather than at the next one
+        if ((cfg.train.checkpoint_every and done % cfg.train.checkpoint_every == 0)
+                or (done == cfg.train.steps and cfg.train.final_checkpoint) or due or caught or done in self.keep):
+            # in the background where asked (several processes), except the last one and one for a signal
+            self.save(done, background=cfg.train.async_checkpoint and env.distributed and not caught
+                      and done < cfg.train.steps)
+            self.t_ckpt = time.perf_counter()
+        if caught and done < cfg.train.steps:
+            import signal
+            name = signal.Signals(caught).name
+            log.row({"step": done, "tokens": self.tokens, "event": f"interrupted ({name})"})
+            raise Interrupted(f"interrupted by {name} at step {done}; checkpoint saved in {self.out}; continue "
+                              f"with: mxtrain train --resume {self.out}", caught, step=done)
+
+    def save(self, step: int, background: bool = False) -> None:
+        """A checkpoint at ``step`` (never of non-finite weights): ``checkpoint.pt`` (one process) or a DCP
+        folder (every rank its shards; ``background``: copied to host memory now, written by a thread and
+        completed later by ``_finish_pending``). One checkpoint at a time, completed in order."""
+        env, model, opt, out, ckpt_path = self.env, self.model, self.opt, self.out, self.ckpt_path
+        self._finish_pending()
+        if not _all_finite(model):
+            raise NonFiniteLoss(f"weights are not finite at step {step}; no checkpoint written (last good "
+                                f"checkpoint: {ckpt_path if self.last_ckpt_step is not None else 'none'}); try a "
+                                f"lower --lr", step=step)
+        rest = {"schedule": {"step": step, "lr": lr_at(step, self.cfg)}, "loader": self.loader.state_dict(),
+                "rng": ckpt.rng_state(), "step": step, "tokens": self.tokens, "config": self.cfg_dict,
+                "model_config": D.unwrap(model).cfg.to_dict()}
+        cb_states = self.cbs.state_dicts()   # callbacks with state (mxtrain.deosc's open window)
+        if cb_states:
+            rest["callbacks"] = cb_states
+        t_save = time.perf_counter()
+        if env.distributed:  # DCP folder, every rank writes its shards; atomic rename
+            path = out / D.DCP_NAME
+            if background:
+                job = D.save_checkpoint(path, model, opt, extra=rest, env=env, background=True)
+                self.pending = (job, step, self.tokens, t_save, time.perf_counter() - t_save)
+                return
+            D.save_checkpoint(path, model, opt, extra=rest, env=env)
+        else:
+            path = ckpt_path
+            if self.rank == 0:
+                ckpt.save(ckpt_path, {"model": model.state_dict(), "optimizer": opt.state_dict(), **rest})
+                for old in (out / D.DCP_NAME, out / D.DCP_OLD):   # an older multi-process leg's checkpoint
+                    if D.is_checkpoint(old):
+                        import shutil
+                        shutil.rmtree(old)
+        # the time every rank waited for the checkpoint (a DCP save ends with the ranks together)
+        self._completed(path, step, self.tokens, {"save_s": time.perf_counter() - t_save})
+
+    def _finish_pending(self) -> None:
+        """The background checkpoint completed (every rank together): shards waited for, folder renamed."""
+        if self.pending is None:
+            return
+        (job, step, at_tokens, t0, wait_s), self.pending = self.pending, None
+        t_fin = time.perf_counter()
+        path = job.finish()
+        # save_s: what the ranks waited (the copy to host memory, then this finish); write_s: start to complete
+        self._completed(path, step, at_tokens, {"save_s": wait_s + time.perf_counter() - t_fin,
+                                                "write_s": time.perf_counter() - t0, "background": True})
+
+    def _completed(self, path, step: int, at_tokens: int, row: dict) -> None:
+        """A checkpoint written: its row, a kept copy (``train.keep_checkpoints_at``), the callbacks told."""
+        env = self.env
+        if env.distributed and self.rank == 0 and self.ckpt_path.exists():
+            self.ckpt_path.unlink()  # a single-process leg's older checkpoint: resume must find the newest
+        self.log.row({"step": step, "tokens": at_tokens, "event": "checkpoint", **row, "world_size": env.world_size})
+        if step in self.keep and self.rank == 0:   # a budget checkpoint (train.keep_checkpoints_at): kept by its step
+            _keep_copy(path, step)
+        self.last_ckpt_step = step
+        self.cbs.checkpoint(step, path)
+
+    def _where(self) -> str:
+        return (f"last good checkpoint: {self.ckpt_path} (step {self.last_ckpt_step})"
+                if self.last_ckpt_step is not None else "no checkpoint was written yet")
+
+
+def _train(cfg: TrainConfig, resume: str | Path | None, env: D.DistEnv, locks: list, callbacks: list) -> Outcome:
+    trainer = Trainer(cfg, resume, env, locks, callbacks)
+    trainer.setup()
+    return trainer.run()
 
 
 def _inexact_reader(device: torch.device):
@@ -836,240 +1180,3 @@ def _inexact_reader(device: torch.device):
             v.update({f"inexact_{r}": int(n) for r, n in by(device).items()})
         return v
     return read
-
-
-def _train_loop(cfg: TrainConfig, env, model, opt, loader, data, log: _Log, cbs: CallbackList, tstate: TrainState,
-                sig: _Signals, inexact, **kw):
-    """Steps ``tstate.step`` .. ``train.steps``: updates, logs, evaluations, checkpoints, callbacks. Returns the
-    last validation loss (None if none ran). Raises NonFiniteLoss (diverged) or Interrupted (a signal).
-    ``log.profile_steps`` and ``train.gc_every`` (mxtrain.train.profiling) wrap the steps."""
-    span = profiling.parse_steps(cfg.log.profile_steps, cfg.train.steps)
-    if span is not None and span[0] <= tstate.start_step:   # a resumed run starts after the first profiled step
-        log.say(f"note: log.profile_steps {span[0]}-{span[1]} starts at or before the resumed step "
-                f"{tstate.start_step}; nothing is profiled (choose steps after it)")
-        span = None
-    prof = profiling.StepProfiler(span, tstate.out, env.rank, env.device)
-    gcol = profiling.GarbageCollection(cfg.train.gc_every)
-    try:
-        return _train_steps(cfg, env, model, opt, loader, data, log, cbs, tstate, sig, inexact, prof=prof,
-                            gcol=gcol, **kw)
-    finally:
-        gcol.close()
-        prof.close()
-
-
-def _train_steps(cfg: TrainConfig, env, model, opt, loader, data, log: _Log, cbs: CallbackList, tstate: TrainState,
-                 sig: _Signals, inexact, *, amp_dtype, accum: int, flops_tok: float, peak, last_ckpt_step,
-                 prof: profiling.StepProfiler, gcol: profiling.GarbageCollection):
-    rank, device, out = env.rank, env.device, tstate.out
-    B, T = cfg.train.batch_size, cfg.data.seq_len
-    start_step, tokens = tstate.start_step, tstate.tokens
-    ckpt_path = out / ckpt.NAME
-    cfg_dict = tstate.config
-    keep = set(keep_steps(cfg))
-    windows_path = out / WINDOWS_NAME
-
-    pending = None   # train.async_checkpoint: (PendingCheckpoint, step, tokens, t_start, seconds the ranks waited)
-    if cfg.train.async_checkpoint and not env.distributed:
-        log.say("note: train.async_checkpoint applies to runs of several processes (DCP checkpoints); this one "
-                "writes checkpoint.pt at once")
-
-    def completed(path, step, at_tokens, row):
-        nonlocal last_ckpt_step
-        if env.distributed and rank == 0 and ckpt_path.exists():
-            ckpt_path.unlink()  # a single-process leg's older checkpoint: resume must find the newest
-        log.row({"step": step, "tokens": at_tokens, "event": "checkpoint", **row, "world_size": env.world_size})
-        if step in keep and rank == 0:   # a budget checkpoint (train.keep_checkpoints_at): kept by its step
-            _keep_copy(path, step)
-        last_ckpt_step = step
-        cbs.checkpoint(step, path)
-
-    def finish_pending():
-        """The background checkpoint completed (every rank together): shards waited for, folder renamed."""
-        nonlocal pending
-        if pending is None:
-            return
-        (job, step, at_tokens, t0, wait_s), pending = pending, None
-        t_fin = time.perf_counter()
-        path = job.finish()
-        # save_s: what the ranks waited (the copy to host memory, then this finish); write_s: start to complete
-        completed(path, step, at_tokens, {"save_s": wait_s + time.perf_counter() - t_fin,
-                                          "write_s": time.perf_counter() - t0, "background": True})
-
-    def save_ckpt(step, background=False):
-        nonlocal pending
-        finish_pending()   # one checkpoint at a time, completed in order
-        if not _all_finite(model):   # never a checkpoint of non-finite weights
-            raise NonFiniteLoss(f"weights are not finite at step {step}; no checkpoint written (last good "
-                                f"checkpoint: {ckpt_path if last_ckpt_step is not None else 'none'}); try a lower --lr",
-                                step=step)
-        rest = {"schedule": {"step": step, "lr": lr_at(step, cfg)}, "loader": loader.state_dict(),
-                "rng": ckpt.rng_state(), "step": step, "tokens": tokens, "config": cfg_dict,
-                "model_config": D.unwrap(model).cfg.to_dict()}
-        cb_states = cbs.state_dicts()   # callbacks with state (mxtrain.deosc's open window)
-        if cb_states:
-            rest["callbacks"] = cb_states
-        t_save = time.perf_counter()
-        if env.distributed:  # DCP folder, every rank writes its shards; atomic rename
-            path = out / D.DCP_NAME
-            if background:   # copied to host memory now, written by a thread, completed later (finish_pending)
-                job = D.save_checkpoint(path, model, opt, extra=rest, env=env, background=True)
-                pending = (job, step, tokens, t_save, time.perf_counter() - t_save)
-                return
-            D.save_checkpoint(path, model, opt, extra=rest, env=env)
-        else:
-            path = ckpt_path
-            if rank == 0:
-                ckpt.save(ckpt_path, {"model": model.state_dict(), "optimizer": opt.state_dict(), **rest})
-                for old in (out / D.DCP_NAME, out / D.DCP_OLD):   # an older multi-process leg's checkpoint
-                    if D.is_checkpoint(old):
-                        import shutil
-                        shutil.rmtree(old)
-        # the time every rank waited for the checkpoint (a DCP save ends with the ranks together)
-        completed(path, step, tokens, {"save_s": time.perf_counter() - t_save})
-
-    def where():
-        return (f"last good checkpoint: {ckpt_path} (step {last_ckpt_step})" if last_ckpt_step is not None
-                else "no checkpoint was written yet")
-
-    model.train()
-    graphed = None
-    t_last, tok_last, steps_last = time.perf_counter(), tokens, 0
-    loss_acc = 0.0
-    val_loss = None
-    t_ckpt = time.perf_counter()
-    inexact0 = inexact() if inexact is not None else None
-    record_inexact = device.type == "cuda"   # where the fast path's kernels run; elsewhere once nonzero
-    said_uncounted = False
-    switch = switch_step(cfg)
-    if switch is not None and start_step >= switch[0]:   # resumed (or branched) past the switch
-        _switch(model, switch[1], log, start_step, tokens)
-    for step in range(start_step, cfg.train.steps):
-        if switch is not None and step == switch[0] and step > start_step:
-            _switch(model, switch[1], log, step, tokens)
-        lr = lr_at(step, cfg)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        set_step(model, step)
-        cbs.step_begin(step)
-        prof.before(step)
-        loss_sum = torch.zeros((), device=device)
-        for k in range(accum):
-            if env.world_size > 1:   # this rank's micro-batch k is the global batch's k * N + r: its SR draws too
-                set_step(model, step, call=k * env.world_size + env.rank)
-            x, y = loader.next()
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            if cfg.train.cuda_graphs:
-                if graphed is None:   # capture once (after 3 eager warm-up passes), replay from then on
-                    try:
-                        graphed = torch.cuda.make_graphed_callables(
-                            _LossModule(model, device.type, amp_dtype), (x, y))
-                    except RuntimeError as e:
-                        raise UserError(f"could not capture the training step as a CUDA graph "
-                                        f"({str(e).splitlines()[0][:300]}); run without train.cuda_graphs") from None
-                    # a replayed backward hands autograd its static gradient buffers; a .grad that
-                    # already exists is added to in place, so accumulation never aliases (and sums)
-                    # those buffers. The grads stay allocated: zero_grad below zeroes, not frees.
-                    for p in model.parameters():
-                        if p.grad is None:
-                            p.grad = torch.zeros_like(p)
-                    # the warm-up and capture passes advanced the layers' call counters: this first
-                    # replay is call 0 of this step, as in eager training
-                    set_step(model, step)
-                loss = graphed(x, y) / accum
-                loss.backward()
-            else:
-                with D.grad_sync(model, k == accum - 1):  # reduce grads on the last micro-step only
-                    with torch.autocast(device.type, dtype=amp_dtype or torch.float32,
-                                        enabled=amp_dtype is not None):
-                        loss = model(x, y) / accum
-                    loss.backward()
-            loss_sum += loss.detach()
-        loss_val = _reduce_mean(loss_sum.item())
-        if not math.isfinite(loss_val):
-            log.row({"step": step + 1, "tokens": tokens, "event": "non-finite loss", "loss": str(loss_val)})
-            raise NonFiniteLoss(f"loss is {loss_val} at step {step + 1}; training stopped ({where()}); "
-                                f"try a lower --lr or another recipe", step=step + 1)
-        gnorm = float(D.clip_grad_norm_(model, cfg.optim.grad_clip if cfg.optim.grad_clip > 0  # DTensor grads
-                                        else float("inf")))
-        if not math.isfinite(gnorm):
-            # checked before the update: the weights (and the last checkpoint) stay those of the last good step
-            log.row({"step": step + 1, "tokens": tokens, "event": "non-finite gradient", "grad_norm": gnorm})
-            advice = ("resume with a lower --lr (it may change on resume) or another recipe"
-                      if last_ckpt_step is not None else "start again with a lower --lr or another recipe")
-            raise NonFiniteLoss(f"gradient norm is {gnorm} at step {step + 1}; the weights were not updated "
-                                f"({where()}); {advice}", step=step + 1)
-        opt.step()
-        opt.zero_grad(set_to_none=graphed is None)
-        tokens += B * T
-        done = step + 1
-        prof.after(step)
-        gcol.step(done)
-        tstate.step, tstate.tokens = done, tokens
-        cbs.step_end(done, {"loss": loss_val, "lr": lr, "grad_norm": gnorm, "tokens": tokens})
-        loss_acc += loss_val
-        steps_last += 1
-        if done % cfg.log.log_every == 0 or done == cfg.train.steps or done == start_step + 1:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            now = time.perf_counter()
-            tps = (tokens - tok_last) / max(now - t_last, 1e-9)
-            row = {"step": done, "tokens": tokens, "loss": loss_acc / steps_last, "lr": lr,
-                   "grad_norm": gnorm, "tok_per_s": tps, "epoch": loader.epoch}
-            row.update(rate_fields(tps, flops_tok, peak, env.world_size))
-            if device.type == "cuda":   # the largest of the ranks' peaks (GiB), since the run started
-                row["peak_mem_gib"] = D.reduce_max(torch.cuda.max_memory_allocated(device) / 2**30)
-            cur = inexact() if inexact is not None else None
-            if cur is not None and inexact0 is not None:
-                d = {k: v - inexact0.get(k, 0) for k, v in cur.items()}
-                record_inexact = record_inexact or d["inexact_blocks"] != 0
-                if record_inexact:
-                    row.update(d)
-            elif inexact is not None and not said_uncounted:
-                said_uncounted = True   # say so, rather than record a count of 0 that was never made
-                log.say(f"note: inexact FP8-carrier blocks are not counted on {device} in this run (a compiled "
-                        "MX call found no counter, or MX layers ran in the traced form of the mx_traced setting); "
-                        "metrics.jsonl has no inexact_blocks")
-            log.row(row)
-            log.train_line(done, row)
-            loss_acc, steps_last = 0.0, 0
-            t_last, tok_last = now, tokens
-        if log.bar is not None:
-            log.bar.update(1)
-        if done % cfg.log.eval_every == 0 or done == cfg.train.steps:
-            te = time.perf_counter()
-            val_loss, windows = evaluate_windows(model, data, cfg, device, amp_dtype, rank, env.world_size)
-            if rank == 0:
-                _append_windows(windows_path, done, tokens, windows)
-            ppl = math.exp(min(val_loss, 50))
-            log.row({"step": done, "tokens": tokens, "val_loss": val_loss, "val_ppl": ppl})
-            cbs.eval(done, {"val_loss": val_loss, "val_ppl": ppl, "tokens": tokens})
-            if not math.isfinite(val_loss):
-                raise NonFiniteLoss(f"validation loss is {val_loss} at step {done}; training stopped (last good "
-                                    f"checkpoint: {ckpt_path} (step {last_ckpt_step})); resume with a lower --lr "
-                                    f"or another recipe" if last_ckpt_step is not None else
-                                    f"validation loss is {val_loss} at step {done}; training stopped (no checkpoint "
-                                    f"was written yet); try a lower --lr or another recipe", step=done)
-            log.say(f"{log.step_str(done)} | tokens {tokens:>11,} | val_loss {val_loss:.4f} | val_ppl {ppl:.2f}",
-                    stamp=True)
-            t_last += time.perf_counter() - te  # keep evaluation out of tokens/s
-        caught = sig.caught if not env.distributed else int(_reduce_mean(float(sig.caught or 0)) > 0) and (
-            sig.caught or 15)   # a signal on any rank stops every rank at the same step
-        due = cfg.train.checkpoint_minutes > 0 and time.perf_counter() - t_ckpt >= 60 * cfg.train.checkpoint_minutes
-        if pending is not None and done % cfg.log.log_every == 0 and D.reduce_sums(0.0 if pending[0].done()
-                                                                                  else 1.0)[0] == 0.0:
-            finish_pending()   # every rank's shards are written: complete it now rather than at the next one
-        if ((cfg.train.checkpoint_every and done % cfg.train.checkpoint_every == 0)
-                or (done == cfg.train.steps and cfg.train.final_checkpoint) or due or caught or done in keep):
-            # in the background where asked (several processes), except the last one and one for a signal
-            save_ckpt(done, background=cfg.train.async_checkpoint and env.distributed and not caught
-                      and done < cfg.train.steps)
-            t_ckpt = time.perf_counter()
-        if caught and done < cfg.train.steps:
-            import signal
-            name = signal.Signals(caught).name
-            log.row({"step": done, "tokens": tokens, "event": f"interrupted ({name})"})
-            raise Interrupted(f"interrupted by {name} at step {done}; checkpoint saved in {out}; continue with: "
-                              f"mxtrain train --resume {out}", caught, step=done)
-    finish_pending()   # a background checkpoint still being written completes before the run ends
-    return val_loss
