@@ -458,6 +458,25 @@ def main(argv: list[str] | None = None) -> int:
         import os
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    except (OSError, ValueError) as e:
+        # a path too long for the file system, or one holding a NUL character (a config file's string can): one
+        # line, as for the other unusable paths above (#47); anything else stays a bug's traceback
+        import errno
+        if isinstance(e, OSError) and e.errno == errno.ENAMETOOLONG:
+            what = f"{e.filename}"[:80] + ("..." if len(f"{e.filename}") > 80 else "")
+            sys.stderr.write(f"mxtrain: error: cannot use {what}: a file or folder name is too long for the file "
+                             f"system; give a shorter path\n")
+        elif isinstance(e, ValueError) and "embedded null" in str(e):
+            sys.stderr.write("mxtrain: error: a path given holds a NUL character (\\0); give another path\n")
+        else:
+            msg = machine_limit_message(e, locals().get("args"))
+            if msg is None:
+                raise
+            sys.stderr.write(f"mxtrain: error: {msg}\n")
+            sys.stderr.flush()
+            return 1
+        sys.stderr.flush()
+        return 2
     except BaseException as e:   # the machine's limits and a library's panic: one line, decided by type
         msg = machine_limit_message(e, locals().get("args"))
         if msg is None:

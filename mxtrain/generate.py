@@ -157,6 +157,11 @@ def generate(model, tokenizer, prompt: str, max_new_tokens: int = 64, temperatur
     ``load`` for a run's model and tokenizer (pass ``amp_dtype=loaded.amp_dtype``)."""
     if not isinstance(prompt, str):
         raise UserError(f"the prompt must be text, got {type(prompt).__name__}")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:   # a lone surrogate: bytes that are not UTF-8 on the command line (#47)
+        raise UserError(f"the prompt is not valid UTF-8 text (character {e.start + 1} is "
+                        f"{prompt[e.start]!a}, e.g. a byte of another encoding); give UTF-8 text") from None
     ids = [tokenizer.eot_id] + list(tokenizer.encode_batch([prompt])[0])
     limit = vocab_limit if vocab_limit is not None else min(model.cfg.vocab_size, int(tokenizer.vocab_size))
     new = generate_ids(model, ids, max_new_tokens, temperature, top_k, seed,

@@ -71,3 +71,28 @@ def test_study_out_that_is_a_run_folder_is_refused_and_untouched(tmp_path):
                             "--out", str(run)), "not a study folder", "metrics.jsonl")
     assert (run / "summary.json").read_text() == '{"the run": 1}'
     assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl", "summary.json"]
+
+
+def test_a_path_too_long_or_with_a_nul_is_one_line(tmp_path):
+    """``OSError: [Errno 36] File name too long`` (export, data prepare, study --out) and ``ValueError: embedded
+    null byte`` (a NUL in a path, e.g. from a config file's string) were tracebacks."""
+    one_line_error(run_main("study", "--exp", "debug", "--arms", "bf16", "--seeds", "1", "--steps", "1",
+                            "--out", str(tmp_path / ("q" * 300))), "too long", "shorter path")
+    one_line_error(run_main("study", "--exp", "debug", "--arms", "bf16", "--out", str(tmp_path / "a\x00b")), "NUL")
+
+
+def test_generate_prompt_that_is_not_utf8_is_one_line():
+    """``generate --prompt $'\\xff'``: the byte arrives as a lone surrogate, which the tokenizer refused with a
+    TypeError traceback."""
+    import pytest as _pytest
+
+    from mxtrain.errors import UserError
+    from mxtrain.generate import generate
+
+    class Tok:
+        eot_id, vocab_size = 0, 64
+
+        def encode_batch(self, texts):
+            raise AssertionError("not reached: the prompt is checked first")
+    with _pytest.raises(UserError, match="not valid UTF-8"):
+        generate(None, Tok(), "a\udcffb", 2)
