@@ -152,6 +152,17 @@ def _json_safe(obj):
     return {k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v) for k, v in obj.items()}
 
 
+def _is_eval_json(p: Path) -> bool:
+    """Whether ``p`` holds what ``eval --json`` writes (a JSON object with its loss and perplexity)."""
+    try:
+        if p.stat().st_size > 1 << 20:
+            return False
+        d = json.loads(p.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(d, dict) and {"loss", "perplexity", "windows"} <= d.keys()
+
+
 def cmd_eval(args) -> int:
     from .generate import evaluate
     if args.json and args.json != "-":   # before the evaluation, not after it (#47)
@@ -160,6 +171,9 @@ def cmd_eval(args) -> int:
             raise UserError(f"--json {args.json} is a folder; give a file name for the results, e.g. {jp / 'eval.json'}")
         if not jp.parent.is_dir():
             raise UserError(f"--json {args.json}: folder {jp.parent} does not exist; create it or give another file")
+        if jp.exists() and not _is_eval_json(jp):   # replace an earlier result, never another file (#47)
+            raise UserError(f"--json {args.json} exists and is not an earlier result of mxtrain eval; give a new file "
+                            "name (or remove that file)")
     res = evaluate(args.run, args.data, step=args.step, precision=_precision(args), device=args.device,
                    batch_size=args.batch_size, max_tokens=args.max_tokens, text_field=args.text_field,
                    progress=False if args.no_progress else None)

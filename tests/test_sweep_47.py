@@ -96,3 +96,17 @@ def test_generate_prompt_that_is_not_utf8_is_one_line():
             raise AssertionError("not reached: the prompt is checked first")
     with _pytest.raises(UserError, match="not valid UTF-8"):
         generate(None, Tok(), "a\udcffb", 2)
+
+
+def test_eval_json_never_replaces_another_file(tmp_path):
+    """``eval --json notes.txt`` wrote the result over the user's file; an earlier result is still replaced."""
+    import json
+    notes = tmp_path / "notes.txt"
+    notes.write_text("hello")
+    one_line_error(run_main("eval", str(tmp_path / "nope"), "--data", "builtin", "--json", str(notes)),
+                   "--json", "not an earlier result")
+    assert notes.read_text() == "hello"
+    old = tmp_path / "e.json"
+    old.write_text(json.dumps({"loss": 1.0, "perplexity": 2.7, "windows": 3}))
+    p = run_main("eval", str(tmp_path / "nope"), "--data", "builtin", "--json", str(old))
+    one_line_error(p, "run folder not found")   # past the --json check: an earlier result may be replaced
