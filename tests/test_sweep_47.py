@@ -110,3 +110,17 @@ def test_eval_json_never_replaces_another_file(tmp_path):
     old.write_text(json.dumps({"loss": 1.0, "perplexity": 2.7, "windows": 3}))
     p = run_main("eval", str(tmp_path / "nope"), "--data", "builtin", "--json", str(old))
     one_line_error(p, "run folder not found")   # past the --json check: an earlier result may be replaced
+
+
+def test_report_refuses_a_finished_run_with_an_emptied_metrics_file(tmp_path):
+    """A finished study run whose metrics.jsonl was emptied was reported as "did not reach (> -100.0 %)" with
+    exit 0: a claim about the recipe from a damaged file."""
+    import json
+    for arm, val in (("bf16", True), ("mxfp4-all", False)):
+        sd = tmp_path / "runs" / arm / "seed0"
+        sd.mkdir(parents=True)
+        rows = [{"step": s, "tokens": 512 * s, "loss": 8.0 - 0.1 * s} for s in (1, 2, 3, 4)]
+        rows += [{"step": s, "tokens": 512 * s, "val_loss": 8.0 - 0.1 * s} for s in (2, 4)] if val else []
+        (sd / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) if val else "")
+        (sd / "study_status.json").write_text('{"state": "done"}')
+    one_line_error(run_main("report", str(tmp_path)), "mxfp4-all/seed0/metrics.jsonl", "no validation loss")

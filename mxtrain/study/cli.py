@@ -150,6 +150,8 @@ def study_main(args: argparse.Namespace) -> int:
     _check_study_out(Path(spec.out))
     import time
     out = run_study(spec, jobs=args.jobs, start_by=None if sb is None else time.time() + sb)
+    from . import metrics as M
+    _check_runs_have_evaluations(M.load_study_runs(out))
     s = json.loads((out / "summary.json").read_text())
     incomplete = incomplete_message(s)
     if incomplete is None:
@@ -171,6 +173,17 @@ def study_main(args: argparse.Namespace) -> int:
     if incomplete is not None:
         raise StudyIncomplete(f"{incomplete}; {out}/summary.json lists them; rerun the same command to train them")
     return 0
+
+
+def _check_runs_have_evaluations(runs: dict) -> None:
+    """A finished run (not diverged) records a validation loss at its end at least: one with none has a damaged
+    or emptied metrics.jsonl, and its arm was reported as "did not reach" the target (#47). Refused in one line."""
+    for arm, seeds in runs.items():
+        for seed, rd in seeds.items():
+            if not rd.val_loss and rd.status.get("state") != "diverged":
+                raise UserError(f"{rd.path}/metrics.jsonl holds no validation loss, though the run finished: the "
+                                f"file is damaged or emptied; restore it, or remove {rd.path} to train {arm} seed "
+                                f"{seed} again")
 
 
 # what a study folder holds (before its study.json is written, too): anything else is another command's folder
@@ -350,6 +363,7 @@ def report_main(args: argparse.Namespace) -> int:
     summary = None
     if not single:
         runs = M.load_study_runs(d)
+        _check_runs_have_evaluations(runs)
         if not runs:
             if (d / "study.json").is_file():
                 raise UserError(f"{d}: a study with no run that trained yet (nothing to report); run "
