@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import platform
 import sys
 import time
@@ -557,7 +558,9 @@ def bench_step(args) -> dict:
         variants = [v for v in variants if not v.startswith("torchao-")]
         print("bench step: torchao is not installed (pip install torchao): no torchao float8 variants",
               file=sys.stderr, flush=True)
-    layers = args.layers if args.layers else (4 if args.model == "8b-layers" else None)
+    layers = args.layers if args.layers is not None else (4 if args.model == "8b-layers" else None)
+    if layers is not None and layers <= 0:
+        raise UserError("--layers must be positive")
     res = _bs.measure(variants, model=args.model, layers=layers, batch=args.batch, seq=args.seq,
                       steps=args.steps, warmup=args.warmup, compile_mode=args.compile,
                       recompute_ffn=args.recompute_ffn, on_variant=_step_progress,
@@ -684,10 +687,10 @@ def _limits(args) -> int:
             rates[k.strip()] = float(v)
         except ValueError:
             raise UserError(f"--rates: {k.strip()} must be a number, got {v!r}") from None
-        if rates[k.strip()] <= 0:
-            raise UserError(f"--rates: {k.strip()} must be positive")
+        if not (math.isfinite(rates[k.strip()]) and rates[k.strip()] > 0):
+            raise UserError(f"--rates: {k.strip()} must be a positive finite number, got {v!r}")
     cfg = ModelConfig.named(MODELS[args.model])
-    layers = args.layers if args.layers else (4 if args.model == "8b-layers" else None)
+    layers = args.layers if args.layers is not None else (4 if args.model == "8b-layers" else None)
     if args.batch <= 0 or args.seq <= 0 or (layers is not None and layers <= 0):
         raise UserError("--batch, --seq and --layers must be positive")
     res = BL.limits(cfg, args.batch, args.seq, ["bf16", "torchao-tensorwise"] + _presets(args, STEP_PRESETS),

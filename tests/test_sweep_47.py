@@ -124,3 +124,40 @@ def test_report_refuses_a_finished_run_with_an_emptied_metrics_file(tmp_path):
         (sd / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) if val else "")
         (sd / "study_status.json").write_text('{"state": "done"}')
     one_line_error(run_main("report", str(tmp_path)), "mxfp4-all/seed0/metrics.jsonl", "no validation loss")
+
+
+def test_config_files_refuse_a_key_given_twice(tmp_path):
+    """JSON and YAML keep the last of two equal keys silently (TOML refuses them): a config file whose `steps`
+    appears twice is refused in one line instead of training with the second value."""
+    from mxtrain.errors import UserError
+    from mxtrain.train.config import load_train_config
+    j = tmp_path / "d.json"
+    j.write_text('{"train": {"steps": 3, "steps": 5}}')
+    y = tmp_path / "d.yaml"
+    y.write_text("train:\n  steps: 3\n  steps: 7\n")
+    for p in (j, y):
+        with pytest.raises(UserError, match="'steps' is given twice"):
+            load_train_config(p, exp="debug")
+    y.write_text("train:\n  steps: 3\nmodel:\n  steps: 3\n")   # the same key in two tables is fine here
+    with pytest.raises(UserError) as e:
+        load_train_config(y, exp="debug")
+    assert "given twice" not in str(e.value)
+
+
+def test_print_config_checks_the_dtype_training_would_refuse():
+    from mxtrain.errors import UserError
+    from mxtrain.train.config import TrainConfig, _check
+    cfg = TrainConfig()
+    cfg.train.dtype = "int8"
+    with pytest.raises(UserError, match="train.dtype must be auto, bf16 or fp32"):
+        _check(cfg)   # (what --print-config runs, as training does)
+
+
+def test_bench_limits_layers_zero_and_nan_rates_are_refused():
+    import subprocess
+    import sys
+    for extra, msg in ((["--layers", "0"], "--layers must be positive"),
+                       (["--rates", "bf16_tflops=nan"], "must be a positive finite number")):
+        p = subprocess.run([sys.executable, "-m", "mxtrain", "bench", "limits", *extra], capture_output=True,
+                           text=True)
+        assert p.returncode != 0 and msg in p.stderr and "Traceback" not in p.stderr, p.stderr

@@ -12,6 +12,8 @@ both on top of the right experiment. Unknown keys are refused with the nearest v
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 import dataclasses
 import difflib
 import json
@@ -599,14 +601,40 @@ def _toml_loads(text: str):
         raise ValueError(f"not valid TOML ({e})") from None
 
 
+def _no_duplicate_keys(pairs: list) -> dict:
+    """A JSON object's pairs as a dict, refusing a key given twice (JSON would keep the last one silently; TOML
+    refuses it too)."""
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"the key {k!r} is given twice in one table")
+        out[k] = v
+    return out
+
+
 def _yaml_loads(text: str, path: Path):
     try:
         import yaml
     except ModuleNotFoundError:
         raise UserError(f"{path}: reading YAML needs PyYAML: pip install pyyaml (or use a .toml or .json "
                         f"config file)") from None
+
+    class Loader(yaml.SafeLoader):
+        """safe_load, refusing a key given twice in one mapping (PyYAML keeps the last one silently)."""
+
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if not isinstance(key, Hashable):   # (the base class refuses it in its own words)
+                    continue
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(None, None, f"the key {key!r} is given twice",
+                                                            key_node.start_mark)
+                seen.add(key)
+            return super().construct_mapping(node, deep=deep)
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=Loader)
     except yaml.YAMLError as e:
         raise ValueError("not valid YAML (" + " ".join(str(e).split()) + ")") from None
 
@@ -665,7 +693,7 @@ def read_config_file(path) -> dict:
             data = _toml_loads(text)
         elif kind == "JSON":
             try:
-                data = json.loads(text)
+                data = json.loads(text, object_pairs_hook=_no_duplicate_keys)
             except json.JSONDecodeError as e:
                 raise ValueError(f"not valid JSON at line {e.lineno}, column {e.colno} ({e.msg})") from None
         else:
@@ -842,6 +870,8 @@ def _check(cfg: TrainConfig) -> None:
         raise UserError(f"parallel.mode must be auto, {', '.join(MODES)}; got {cfg.parallel.mode!r}")
     if cfg.parallel.param_dtype not in ("auto", "bf16", "fp32"):
         raise UserError(f"parallel.param_dtype must be auto, bf16 or fp32, got {cfg.parallel.param_dtype!r}")
+    if cfg.train.dtype not in ("auto", "bf16", "fp32"):
+        raise UserError(f"train.dtype must be auto, bf16 or fp32, got {cfg.train.dtype!r}")
 
 
 def switch_step(cfg: TrainConfig) -> tuple[int, str] | None:
