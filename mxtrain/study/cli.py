@@ -363,13 +363,13 @@ def report_main(args: argparse.Namespace) -> int:
     summary = None
     if not single:
         runs = M.load_study_runs(d)
-        _check_runs_have_evaluations(runs)
         if not runs:
             if (d / "study.json").is_file():
                 raise UserError(f"{d}: a study with no run that trained yet (nothing to report); run "
                                 f"`mxtrain study` with its settings to train it")
             raise UserError(f"{d}: neither a run folder (metrics.jsonl) nor a study folder (runs/<arm>/seed<k>)")
         meta = read_json_object(d / "study.json") if (d / "study.json").is_file() else {}
+        _check_runs_have_evaluations(runs)   # (after study.json: the study's own definition is checked first)
         old = read_json_object(d / "summary.json") if (d / "summary.json").is_file() else {}
         base = args.baseline or meta.get("baseline") or old.get("baseline") or next(iter(runs))
         if base not in runs:
