@@ -469,21 +469,22 @@ def main(argv: list[str] | None = None) -> int:
         elif isinstance(e, ValueError) and "embedded null" in str(e):
             sys.stderr.write("mxtrain: error: a path given holds a NUL character (\\0); give another path\n")
         else:
-            msg = machine_limit_message(e, locals().get("args"))
-            if msg is None:
-                raise
-            sys.stderr.write(f"mxtrain: error: {msg}\n")
-            sys.stderr.flush()
-            return 1
+            return _limit_line(e, locals().get("args"))
         sys.stderr.flush()
         return 2
     except BaseException as e:   # the machine's limits and a library's panic: one line, decided by type
-        msg = machine_limit_message(e, locals().get("args"))
-        if msg is None:
-            raise
-        sys.stderr.write(f"mxtrain: error: {msg}\n")
-        sys.stderr.flush()
-        return 1
+        return _limit_line(e, locals().get("args"))
+
+
+def _limit_line(e: BaseException, args) -> int:
+    """``machine_limit_message``'s one line for ``e`` (exit status 1); re-raises what it does not name (a bug's
+    traceback). Called while ``e`` is being handled."""
+    msg = machine_limit_message(e, args)
+    if msg is None:
+        raise
+    sys.stderr.write(f"mxtrain: error: {msg}\n")
+    sys.stderr.flush()
+    return 1
 
 
 _NO_SPACE = {28, 122}   # ENOSPC, EDQUOT (a full disk, a full quota)

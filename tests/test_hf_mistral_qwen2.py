@@ -32,6 +32,13 @@ def _make(kind: str, folder, vocab: int = 100, **kw):
     else:
         c = transformers.Qwen2Config(vocab_size=vocab, **{**SHAPES, "use_sliding_window": False, **kw})
         model = transformers.Qwen2ForCausalLM(c)
+    return randomize_and_save(model, folder)
+
+
+def randomize_and_save(model, folder):
+    """Every weight of ``model`` random (norms near 1, biases larger than weights, so that a bias left out shows),
+    then saved to ``folder``; returns the model."""
+    import torch
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for n, p in model.named_parameters():

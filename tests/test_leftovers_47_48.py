@@ -152,18 +152,9 @@ def test_large_prescale_in_a_config_files_recipe_table(tmp_path):
 def _make_llama(folder, vocab=100, **kw):
     """A transformers LlamaForCausalLM with every weight random (biases and norms too), saved to ``folder``."""
     transformers = pytest.importorskip("transformers")
-    import torch
-    from test_hf_mistral_qwen2 import SHAPES
+    from test_hf_mistral_qwen2 import SHAPES, randomize_and_save
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=vocab, **{**SHAPES, **kw}))
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if n.endswith("norm.weight"):
-                p.copy_(1 + 0.5 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_((0.5 if n.endswith("bias") else 0.1) * torch.randn(p.shape, generator=g))
-    model.eval().save_pretrained(str(folder))
-    return model
+    return randomize_and_save(model, folder)
 
 
 @pytest.mark.parametrize("bias", [dict(attention_bias=True), dict(mlp_bias=True),
