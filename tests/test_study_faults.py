@@ -56,10 +56,15 @@ def _snapshot(root: Path) -> dict:
 
 
 def _children(pid: int) -> list[int]:
+    """The PIDs of `pid`'s children; [] once it has ended (it may end while its /proc entry is read)."""
     kids = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return kids
+    for task in tasks:
         try:
-            kids += [int(x) for x in (task / "children").read_text().split()]
+            kids += [int(x) for x in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
         except OSError:
             pass
     return kids
