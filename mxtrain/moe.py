@@ -26,6 +26,7 @@ same for the real rows (tests/test_moe.py: compiled losses equal eager bit for b
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 import torch
@@ -73,8 +74,10 @@ def experts_forward(m: nn.Module, hidden_states: torch.Tensor, top_k_index: torc
     """``transformers``' eager experts forward (``MixtralExperts.forward``) with ``gemm(x, weight, k)`` for
     ``F.linear(x, weight)``; ``k`` numbers the GEMM in the module (``GEMMS_PER_EXPERT * e + j``). Under
     ``torch.compile`` with ``capture_dynamic_output_shape_ops`` on: ``_traced_experts_forward`` (same numbers)."""
-    if torch.compiler.is_compiling() and torch._dynamo.config.capture_dynamic_output_shape_ops:
-        return _traced_experts_forward(m, hidden_states, top_k_index, top_k_weights, gemm)
+    if torch.compiler.is_compiling():
+        if torch._dynamo.config.capture_dynamic_output_shape_ops:
+            return _traced_experts_forward(m, hidden_states, top_k_index, top_k_weights, gemm)
+        _warn_graph_breaks()
     final_hidden_states = torch.zeros_like(hidden_states)
     with torch.no_grad():
         expert_mask = torch.nn.functional.one_hot(top_k_index, num_classes=m.num_experts + 1)
@@ -94,6 +97,23 @@ def experts_forward(m: nn.Module, hidden_states: torch.Tensor, top_k_index: torc
         final_hidden_states.index_add_(0, token_idx, current_hidden_states.to(final_hidden_states.dtype))
 
     return final_hidden_states
+
+
+DYNAMO_HINT = ("mxtrain: MX experts compiled without torch._dynamo.config.capture_dynamic_output_shape_ops: the "
+               "experts' loop breaks the graph at every expert (about 15 graphs a block; fullgraph=True fails). Set "
+               "torch._dynamo.config.capture_dynamic_output_shape_ops = True before compiling for one graph that "
+               "serves every routing (same numbers; docs/library.md)")
+_warned = False
+
+
+@torch.compiler.disable
+def _warn_graph_breaks() -> None:
+    """Said once a process, when dynamo meets the eager experts loop (a graph break here costs nothing more: the
+    loop breaks the graph anyway)."""
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn(DYNAMO_HINT, stacklevel=2)
 
 
 ROW_MULTIPLE = 32   # an expert's token rows are padded to a multiple of this under torch.compile (the MX block)

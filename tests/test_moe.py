@@ -207,6 +207,27 @@ def test_compiled_experts_with_an_expert_nobody_chose_equal_eager():
             assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
     assert counters["stats"]["unique_graphs"] == 1 and not counters["recompiles"], dict(counters["stats"])
 
+def test_compiling_experts_without_dynamic_shapes_warns_once(monkeypatch):
+    """Without capture_dynamic_output_shape_ops the experts' loop breaks dynamo's graph at every expert: said once,
+    with the setting that fixes it; the numbers are the eager loop's."""
+    from mxtrain import moe
+    monkeypatch.setattr(moe, "_warned", False)
+    model = _hf("qwen3_moe", layers=1)
+    mxtrain.convert(model, "mxfp4-all", strict=True)
+    ex = model.model.layers[0].mlp.experts
+    torch._dynamo.reset()
+    f = torch.compile(ex, backend="eager")
+    g = torch.Generator().manual_seed(2)
+    x, idx, w = torch.randn(8, 64, generator=g), torch.randint(0, 4, (8, 2), generator=g), torch.rand(8, 2, generator=g)
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=False):
+        with pytest.warns(UserWarning, match="capture_dynamic_output_shape_ops = True") as rec:
+            y = f(x, idx, w)
+            f(x, idx, w)
+    assert sum("capture_dynamic_output_shape_ops" in str(r.message) for r in rec) == 1
+    assert torch.equal(y, ex(x, idx, w))
+    torch._dynamo.reset()
+
+
 def test_other_3d_layouts_stay_refused():
     cfg = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
                                      num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
