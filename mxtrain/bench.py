@@ -702,13 +702,49 @@ def _limits(args) -> int:
     return 0
 
 
+# The benchmarks that take each option (every one takes --out). An option given to a benchmark that does not
+# take it is refused in one line, never dropped (#47); the options default to None so that "given" is exact,
+# and take their default values (_DEFAULTS) once the check has passed.
+_TAKES = {"filter": ("quantize",), "presets": ("linear", "step", "blocks", "host", "limits"),
+          "layers": ("step", "blocks", "limits"), "batch": ("step", "blocks", "limits"),
+          "seq": ("step", "blocks", "limits"), "model": ("step", "limits"), "compile": ("step",),
+          "bf16_step_ms": ("limits",), "rates": ("limits",), "steps": ("step",), "rounds": ("step",),
+          "recompute_ffn": ("step",), "checkpoint_blocks": ("step",), "variants": ("step",),
+          "memory_budget": ("step",), "recompute_gemm_inputs": ("step",), "param_dtype": ("step",),
+          "warmup": ("step",), "glue": ("blocks",), "graphs": ("blocks",), "profile": ("step", "blocks")}
+_DEFAULTS = {"filter": "", "presets": "", "batch": 4, "seq": 4096, "model": "8b-layers", "compile": "default",
+             "rates": "", "steps": 10, "rounds": 1, "recompute_ffn": False, "checkpoint_blocks": False,
+             "variants": "", "recompute_gemm_inputs": False, "param_dtype": "float32", "warmup": 3,
+             "glue": "auto,eager", "graphs": False, "profile": 0}
+
+
+def _check_options(args, what: list[str]) -> None:
+    """Refuse an option none of the benchmarks ``what`` takes, naming the ones that do; then fill in the
+    defaults of the options not given."""
+    for dest, takes in _TAKES.items():
+        if getattr(args, dest, None) in (None, False):   # not given (a store_true flag given is True)
+            continue
+        if not set(what) & set(takes):
+            raise UserError(f"--{dest.replace('_', '-')} is an option of bench {' and '.join(takes)}, "
+                            f"not of bench {args.what}")
+    if args.variants is not None and args.presets is not None and not set(what) & {"linear", "blocks", "host"}:
+        raise UserError("--presets and --variants: bench step times exactly the --variants; "
+                        "name the recipes there")
+    for dest, value in _DEFAULTS.items():
+        if getattr(args, dest, None) is None:
+            setattr(args, dest, value)
+
+
 def run(args) -> int:
+    what = ["limits"] if args.what == "limits" else list(_WHAT) if args.what == "all" else args.what.split(",")
+    bad = [w for w in what if w not in _WHAT]
+    if "limits" in bad and len(what) > 1:
+        raise UserError("bench limits runs alone (it counts, needs no GPU): give it without other benchmarks")
+    if bad and what != ["limits"]:
+        raise UserError(f"unknown benchmark {bad[0]!r}; choose from {', '.join(_WHAT)}, limits or all")
+    _check_options(args, what)
     if args.what == "limits":
         return _limits(args)
-    what = list(_WHAT) if args.what == "all" else args.what.split(",")
-    bad = [w for w in what if w not in _WHAT]
-    if bad:
-        raise UserError(f"unknown benchmark {bad[0]!r}; choose from {', '.join(_WHAT)}, limits or all")
     from . import recipes as _recipes
     from . import settings as _settings
     from .bench_step import TORCHAO, split_variant, step_options
@@ -768,37 +804,37 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("what", help="quantize, gemm, breakdown, linear, step, blocks, host, all, or a comma-separated list; "
                                 "limits (no GPU: the step's ceilings counted)")
     p.add_argument("--out", default=None, help="write the JSON results here (default: stdout)")
-    p.add_argument("--filter", default="", help="quantize: only the cases whose name contains this text")
-    p.add_argument("--presets", default="",
-                   help="linear, step: comma-separated recipes to time against BF16, each optionally with "
-                        "settings for step (mxfp4-all-dh16:wgrad_x=forward:dual=off) (default: "
-                        + ", ".join(LINEAR_PRESETS) + " for linear; " + ", ".join(STEP_PRESETS) + " for step)")
+    p.add_argument("--filter", default=None, help="quantize: only the cases whose name contains this text")
+    p.add_argument("--presets", default=None,
+                   help="linear, step, blocks, host, limits: comma-separated recipes to time against BF16, each "
+                        "optionally with settings for step (mxfp4-all-dh16:wgrad_x=forward:dual=off) (default: "
+                        + ", ".join(LINEAR_PRESETS) + " for linear; " + ", ".join(STEP_PRESETS) + " for the others)")
     p.add_argument("--layers", type=int, default=None,
-                   help="step, blocks: number of blocks (default: 4 for step's 8b-layers, 2 for blocks; "
+                   help="step, blocks, limits: number of blocks (default: 4 for 8b-layers, 2 for blocks; "
                         "step's 1b and 125m: the whole model)")
-    p.add_argument("--batch", type=int, default=4, help="step, blocks: batch size")
-    p.add_argument("--seq", type=int, default=4096, help="step, blocks: sequence length")
-    p.add_argument("--model", default="8b-layers", choices=["8b-layers", "1b", "125m", "125m-fused", "8b-fused"],
-                   help="step: Llama-8B-shaped layers (128k vocabulary), a whole 1B / 125M model, or a model written "
-                        "outside mxtrain with fused q|k|v and gate|up layers (125m-fused: the 125M class; 8b-fused: "
+    p.add_argument("--batch", type=int, default=None, help="step, blocks, limits: batch size (default 4)")
+    p.add_argument("--seq", type=int, default=None, help="step, blocks, limits: sequence length (default 4096)")
+    p.add_argument("--model", default=None, choices=["8b-layers", "1b", "125m", "125m-fused", "8b-fused"],
+                   help="step, limits: Llama-8B-shaped layers (default; 128k vocabulary), a whole 1B / 125M model, "
+                        "or a model written outside mxtrain with fused q|k|v and gate|up layers (125m-fused: the 125M class; 8b-fused: "
                         "Llama-8B layer shapes, 32k vocabulary)")
-    p.add_argument("--compile", default="default", choices=["default", "reduce-overhead", "none"],
-                   help="step: torch.compile mode of the whole model, the same for every variant")
+    p.add_argument("--compile", default=None, choices=["default", "reduce-overhead", "none"],
+                   help="step: torch.compile mode of the whole model, the same for every variant (default: default)")
     p.add_argument("--bf16-step-ms", type=float, default=None,
                    help="limits: a measured BF16 step (ms); the part of the step no recipe changes is taken from it")
-    p.add_argument("--rates", default="", help="limits: NAME=VALUE,... (bf16_tflops, fp8_tflops, mx_carrier_tflops, "
+    p.add_argument("--rates", default=None, help="limits: NAME=VALUE,... (bf16_tflops, fp8_tflops, mx_carrier_tflops, "
                                                "copy_tbs, quantize_of_copy, attention_tflops; defaults: an H100's)")
-    p.add_argument("--steps", type=int, default=10, help="step: timed steps (median reported)")
-    p.add_argument("--rounds", type=_positive, default=1,
-                   help="step: build, compile and time every variant this many times, the order rotated each round; "
-                        "ms and ratios are the medians over the rounds, with their lowest and highest (a ratio near "
+    p.add_argument("--steps", type=int, default=None, help="step: timed steps (median reported; default 10)")
+    p.add_argument("--rounds", type=_positive, default=None,
+                   help="step: build, compile and time every variant this many times (default 1), the order rotated "
+                        "each round; ms and ratios are the medians over the rounds, with their lowest and highest (a ratio near "
                         "1 moves by a percent or two between measurements; 3 or more rounds to judge it)")
     p.add_argument("--recompute-ffn", action="store_true",
                    help="step: every variant's compiled blocks recompute their feed-forward outputs in the backward")
     p.add_argument("--checkpoint-blocks", action="store_true",
                    help="step: every variant's blocks keep only their input and run again in the backward "
                         "(full activation checkpointing, train.checkpoint_blocks)")
-    p.add_argument("--variants", default="",
+    p.add_argument("--variants", default=None,
                    help="step: exactly these variants, comma-separated (bf16, torchao-tensorwise, torchao-rowwise, "
                         "recipes, each optionally with settings or its own recompute_ffn / checkpoint_blocks, e.g. "
                         "mxfp4-all-dh16:recompute_ffn=true; torchao-tensorwise:fast_accum=false for torchao's forward "
@@ -810,16 +846,16 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recompute-gemm-inputs", action="store_true",
                    help="step: the compiler may recompute activations that feed GEMMs in the backward instead of "
                         "keeping them, for every variant (train.recompute_gemm_inputs)")
-    p.add_argument("--param-dtype", default="float32", choices=["float32", "bfloat16"],
+    p.add_argument("--param-dtype", default=None, choices=["float32", "bfloat16"],
                    help="step: float32 master weights and AdamW state under bf16 autocast (default), or the whole "
                         "model and its AdamW state in bfloat16 without autocast")
-    p.add_argument("--warmup", type=int, default=3, help="step: untimed steps first (compilation)")
-    p.add_argument("--glue", default="auto,eager",
+    p.add_argument("--warmup", type=int, default=None, help="step: untimed steps first (compilation; default 3)")
+    p.add_argument("--glue", default=None,
                    help="blocks: elementwise layers (RMSNorm, RoPE, SwiGLU) compiled ('auto' on CUDA) and/or 'eager'; "
-                        "comma-separated, each measured for every recipe")
+                        "comma-separated, each measured for every recipe (default auto,eager)")
     p.add_argument("--graphs", action="store_true",
                    help="blocks: also time each step replayed from a CUDA graph (no host time in it)")
-    p.add_argument("--profile", type=_positive, nargs="?", const=45, default=0, metavar="N",
+    p.add_argument("--profile", type=_positive, nargs="?", const=45, default=None, metavar="N",
                    help="step: after timing, profile 3 more steps of each variant (torch.profiler): device time by "
                         "kernel class and the N costliest kernels (default 45) in the JSON, the 10 costliest printed; "
                         "blocks: also print GPU time by kernel class for bf16 and mxfp4-all-dh16")

@@ -146,3 +146,22 @@ def test_reference_recipe_bytes_equal_a_count_of_the_model_calls(preset):
     assert reference_bytes(recipes.get("bf16"), cfg4, 2, 16) is None
     res = limits(cfg4, 2, 16, ["bf16", preset], Rates(), bf16_step_ms=10.0)
     assert res["recipes"][preset]["quantize_bytes"] == pytest.approx(expect, rel=1e-12)
+
+
+@pytest.mark.parametrize("args,says", [
+    (["limits", "--steps", "5"], "--steps is an option of bench step, not of bench limits"),
+    (["limits", "--warmup", "3"], "--warmup is an option of bench step, not of bench limits"),
+    (["limits", "--variants", "bf16"], "--variants is an option of bench step, not of bench limits"),
+    (["limits", "--filter", ""], "--filter is an option of bench quantize, not of bench limits"),
+    (["limits", "--glue", "eager"], "--glue is an option of bench blocks, not of bench limits"),
+    (["limits", "--recompute-ffn"], "--recompute-ffn is an option of bench step, not of bench limits"),
+    (["limits", "--profile"], "--profile is an option of bench step and blocks, not of bench limits"),
+    (["quantize,gemm", "--rates", "bf16_tflops=1"], "--rates is an option of bench limits, not of bench quantize,gemm"),
+    (["step", "--presets", "tseng", "--variants", "bf16"], "bench step times exactly the --variants"),
+    (["limits,step"], "bench limits runs alone"),
+])
+def test_an_option_the_benchmark_does_not_take_is_refused(args, says):
+    """#47: ``bench limits --steps 5`` (and every other option of another benchmark) was silently ignored; now
+    one line naming the benchmarks that take it, before any GPU is asked for."""
+    from train_helpers import one_line_error, run_main
+    one_line_error(run_main("bench", *args), says)
