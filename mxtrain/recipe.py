@@ -305,7 +305,7 @@ class Recipe:
                 if not o.quantized:
                     return "bf16"
                 s = f"{o.fmt}{'(16x16)' if o.block_2d else ''} {o.rounding}"
-                if get_format(o.fmt).kind == "mx":
+                if get_format(o.fmt).kind == "mx" or o.scale_rule in REF_SCALE_RULES:   # (NVFP4: four_over_six)
                     s += f" {o.scale_rule}"
                 if o.prescale != 1.0:
                     s += f" x{o.prescale:g}"

@@ -261,6 +261,9 @@ def test_preset():
                    description=base.description) == base
     assert recipes.get("nvfp4+four_over_six").with_(name="nvfp4-4over6", description=r.description) == r
     assert "2512.02010" in r.description
+    # the summary names NVFP4's rule as it names MX ones (and none where NVFP4 keeps its standard block scale)
+    assert "x=nvfp4 nearest four_over_six, w=nvfp4(16x16) nearest four_over_six" in r.summary()
+    assert "x=nvfp4 nearest, w=nvfp4(16x16) nearest," in base.summary()
     from mxtrain.linear import mx_spec
     assert not fast.supported(r) and mx_spec(r) == ""
     xm = torch.empty(64, 64, device="meta")
