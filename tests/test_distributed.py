@@ -485,43 +485,51 @@ def test_user_loop_example_with_hf_llama_matches_one_process(tmp_path):
     FSDP2 or wrapped in DDP by the user, stochastic rounding (tseng) included: 2 ranks give one process's
     losses (with 2 accumulation steps on the same global batch) bit for bit on CPU, eagerly, converted after
     fully_shard, and with the decoder layers compiled. The 1-process references run the script in this process
-    (one thread, as each torchrun rank): two process start-ups with torch and transformers fewer."""
+    (one thread, as each torchrun rank): two process start-ups with torch and transformers fewer; the four 2-rank
+    runs run one after another in one torchrun launch (tests/_dist_example.py): three launches fewer."""
     pytest.importorskip("transformers")
     import runpy
     script = HERE.parent / "examples" / "distributed_example.py"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
     common = ["--recipe", "tseng", "--steps", "6"]
 
-    def losses(name, *launch, extra=()):
+    def args(name, extra=()):
         out = tmp_path / f"{name}{''.join(extra)}.json"
-        args = [*common, "--out", str(out), *extra, *(["--parallel", name] if name != "single" else ["--accum", "2"])]
-        if name == "single":   # `python examples/distributed_example.py ...`, in this process
-            assert "WORLD_SIZE" not in os.environ
-            argv, threads = sys.argv, torch.get_num_threads()
-            sys.argv = [str(script), *args]
-            torch.set_num_threads(1)
-            try:
-                runpy.run_path(str(script), run_name="__main__")
-            finally:
-                sys.argv = argv
-                torch.set_num_threads(threads)
-                torch._dynamo.reset()   # (the compiled layers' graphs go with their model)
-        else:
-            p = subprocess.run([sys.executable, *launch, str(script), *args],
-                               env=env, capture_output=True, text=True, timeout=600)
-            assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+        return out, [*common, "--out", str(out), *extra, *(["--parallel", name] if name != "single" else ["--accum", "2"])]
+
+    def single(extra=()):   # `python examples/distributed_example.py ...`, in this process
+        out, a = args("single", extra)
+        assert "WORLD_SIZE" not in os.environ
+        argv, threads = sys.argv, torch.get_num_threads()
+        sys.argv = [str(script), *a]
+        torch.set_num_threads(1)
+        try:
+            runpy.run_path(str(script), run_name="__main__")
+        finally:
+            sys.argv = argv
+            torch.set_num_threads(threads)
+            torch._dynamo.reset()   # (the compiled layers' graphs go with their model)
         return json.loads(out.read_text())["losses"]
 
-    ref = losses("single")
+    ref = single()
     assert len(ref) == 6 and ref[-1] < ref[0]
-    two = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    assert losses("fsdp2", *two) == ref
-    assert losses("ddp", *two) == ref
-    assert losses("fsdp2", *two, extra=["--convert-late"]) == ref   # converted after fully_shard
     # decoder layers compiled before sharding (torchtitan's way): FSDP2 equals one compiled process
-    ref_c = losses("single", extra=["--compile"])
+    ref_c = single(extra=["--compile"])
     assert _max_diff(ref_c, ref) <= 1e-4     # the compiler may order the model's float sums otherwise
-    assert losses("fsdp2", *two, extra=["--compile"]) == ref_c
+    # `torchrun --nproc-per-node 2 examples/distributed_example.py ...` for each, in one launch
+    launched = [args("fsdp2"), args("ddp"), args("fsdp2", ["--convert-late"]),   # converted after fully_shard
+                args("fsdp2", ["--compile"])]
+    spec = tmp_path / "runs.json"
+    spec.write_text(json.dumps([a for _, a in launched]))
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        str(HERE / "_dist_example.py"), str(spec)], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    fsdp2, ddp, late, compiled = (json.loads(out.read_text())["losses"] for out, _ in launched)
+    assert fsdp2 == ref
+    assert ddp == ref
+    assert late == ref
+    assert compiled == ref_c
 
 
 @pytest.mark.parametrize("prefetch", [0, 1, 2])
