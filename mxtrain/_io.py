@@ -143,25 +143,33 @@ class FolderLock:
 
     Held by another process: a ``UserError`` with ``busy(who)``, ``who`` the pid written in the file ("" if
     none). Another error of ``flock``: ``refused(e)``'s message, or (``refused`` None) ``busy``'s. The file that
-    cannot be opened: its OSError, for the caller to word."""
+    cannot be opened: its OSError, for the caller to word.
+
+    ``remove``: the lock file is the lock's own (beside a folder not made yet, e.g. ``.NAME.lock`` for an
+    export's ``NAME``), deleted by ``close`` while still locked; a lock taken on a file its owner deleted in the
+    meantime is taken again on the file now at the path. A context manager: ``with FolderLock(...):``."""
 
     def __init__(self, folder: Path, busy: Callable[[str], str], name: str = ".lock",
-                 refused: Callable[[OSError], str] | None = None):
-        self.f = None
+                 refused: Callable[[OSError], str] | None = None, remove: bool = False):
+        self.f, self.path, self.remove = None, Path(folder) / name, remove
         try:
             import fcntl
         except ImportError:  # pragma: no cover - not POSIX: unlocked
             return
-        f = open(Path(folder) / name, "a+")
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            f.seek(0)
-            who = f.read().strip()
-            f.close()
-            if refused is not None and e.errno not in _HELD:
-                raise UserError(refused(e)) from None
-            raise UserError(busy(who)) from None
+        while True:
+            f = open(self.path, "a+")
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                f.seek(0)
+                who = f.read().strip()
+                f.close()
+                if refused is not None and e.errno not in _HELD:
+                    raise UserError(refused(e)) from None
+                raise UserError(busy(who)) from None
+            if not remove or _same_file(f, self.path):
+                break
+            f.close()   # its owner deleted it after it was opened here: lock the one at the path now
         f.seek(0)
         f.truncate()
         f.write(f"{os.getpid()}\n")
@@ -173,8 +181,28 @@ class FolderLock:
 
     def close(self) -> None:
         if self.f is not None:
+            if self.remove:
+                try:
+                    self.path.unlink()
+                except OSError:
+                    pass
             self.f.close()
             self.f = None
+
+    def __enter__(self) -> "FolderLock":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _same_file(f, path: Path) -> bool:
+    """Is the open file ``f`` the file at ``path`` (not one deleted, or deleted and made again)?"""
+    try:
+        a, b = os.fstat(f.fileno()), os.stat(path)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 def lock_holder(path: Path) -> str | None:

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from ._io import swap_in
+from ._io import FolderLock, swap_in
 from .errors import UserError
 from .model import SIZES, Llama, ModelConfig
 
@@ -472,14 +472,38 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, step: int | None = None,
     tokenizer when it is a ``tokenizers`` file (else a warning says why it was skipped).
 
     Refused with a ``UserError``: a folder without a checkpoint, a checkpoint that is not an mxtrain Llama,
-    a non-empty ``out_dir``. The folder is written under a temporary name and renamed at the end.
+    a non-empty ``out_dir``, an ``out_dir`` another export is writing (its lock, ``.NAME.lock`` beside it, is
+    taken first: a second export is refused at once, naming the first one's pid). The folder is written under
+    a temporary name and renamed at the end.
     """
-    from . import __version__
     if dtype not in _DTYPES:
         raise UserError(f"unknown export dtype {dtype!r}; use float32, bfloat16 or float16")
+    out = Path(out_dir)
+    made = [d for d in reversed(out.parents) if not d.exists()]   # (removed again if the export fails)
+    try:
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            lock = FolderLock(out.parent, lambda who: f"output folder {out} is being written by another mxtrain "
+                              f"export{f' (pid {who})' if who else ''}; wait for it to finish or choose another --out",
+                              name=f".{out.name}.lock", remove=True)
+        except OSError as e:
+            raise UserError(f"cannot write to {out.parent}: {e.strerror or e}") from None
+        with lock:
+            return _export(run_dir, out, step, dtype, force, tokenizer)
+    except BaseException:
+        for d in reversed(made):   # the folders this export made, if still empty
+            try:
+                d.rmdir()
+            except OSError:
+                break
+        raise
+
+
+def _export(run_dir, out: Path, step, dtype: str, force: bool, tokenizer: bool) -> Path:
+    """``export_hf``'s work, with the output's lock held."""
+    from . import __version__
     tdtype = _DTYPES[dtype]
     dname = str(tdtype).replace("torch.", "")
-    out = Path(out_dir)
     _check_out(out, force)
     model, run = load_run(run_dir, step)
     mcfg = model.cfg
@@ -493,7 +517,6 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, step: int | None = None,
         tensors[hf_name(name)] = p.detach().to(tdtype).contiguous()
 
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
         if tmp.exists():
             shutil.rmtree(tmp)
@@ -551,8 +574,8 @@ def _write_json(path: Path, obj) -> None:
 
 def _swap_in(tmp: Path, out: Path, force: bool = False) -> None:
     """Move the finished export ``tmp`` to ``out``. Without ``force`` one rename that replaces nothing but an empty
-    folder (the kernel refuses it over a folder with files): of two exports started at once to one new ``out``,
-    the second is refused instead of replacing the first (``_check_out`` saw no folder for either)."""
+    folder (the kernel refuses it over a folder with files): a folder another command put at ``out`` while this
+    export ran is not replaced (``_check_out`` saw none; another export is kept out by the lock from the start)."""
     try:
         if not force:
             try:

@@ -343,26 +343,45 @@ def test_cli_export(run, tmp_path, capsys):
 
 def test_two_exports_to_one_new_folder_never_replace_each_other(run, tmp_path, monkeypatch):
     """Issue #47, 8: two exports started at once to one new --out both passed the check for an existing folder,
-    and the second to finish replaced the first without --force. Here the other export finishes while this one
-    reads the checkpoint: this one is refused and the other's folder stays as it was."""
+    and the second to finish replaced the first without --force. The output's lock is taken first: a second
+    export while this one reads the checkpoint is refused at once, naming this one's pid, before it reads
+    anything. A folder another command puts at --out meanwhile is not replaced either. No lock file, no
+    temporary folder and no parent folder made for a failed export is left."""
     import os
 
     import mxtrain.hf as H
-    out, real, first = tmp_path / "hf", H.load_run, []
+    out, real, loads, first = tmp_path / "hf", H.load_run, [], []
 
-    def load_run_while_another_export_finishes(*a, **k):
-        monkeypatch.setattr(H, "load_run", real)
-        export_hf(run, out)
-        first.append(os.stat(out).st_ino)
+    def load_run_while_another_export_starts(*a, **k):
+        loads.append(a[0])
+        with pytest.raises(UserError, match=rf"^output folder {out} is being written by another mxtrain export "
+                                            rf"\(pid {os.getpid()}\); wait for it"):
+            export_hf(run, out)
         return real(*a, **k)
 
-    monkeypatch.setattr(H, "load_run", load_run_while_another_export_finishes)
-    with pytest.raises(UserError, match=f"output folder {out} was written by another command while this export "
-                                        f"ran; nothing replaced"):
-        export_hf(run, out)
-    assert os.stat(out).st_ino == first[0] and (out / "model.safetensors").is_file()   # the other's, untouched
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]   # no temporary folder left
-    assert export_hf(run, out, force=True) == out and os.stat(out).st_ino != first[0]   # --force replaces it
+    monkeypatch.setattr(H, "load_run", load_run_while_another_export_starts)
+    assert export_hf(run, out) == out and len(loads) == 1   # (the second never read the checkpoint)
+    first.append(os.stat(out).st_ino)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]   # no lock file left
+
+    other = tmp_path / "other"
+    other.mkdir()
+
+    def load_run_while_another_command_writes(*a, **k):   # (a folder moved in by hand, say)
+        os.rename(out, other / "hf")
+        return real(*a, **k)
+
+    monkeypatch.setattr(H, "load_run", load_run_while_another_command_writes)
+    with pytest.raises(UserError, match=f"output folder {other / 'hf'} was written by another command while this "
+                                        f"export ran; nothing replaced"):
+        export_hf(run, other / "hf")
+    assert os.stat(other / "hf").st_ino == first[0] and (other / "hf" / "model.safetensors").is_file()
+    assert sorted(p.name for p in other.iterdir()) == ["hf"]   # no temporary folder, no lock file
+    monkeypatch.setattr(H, "load_run", real)
+    assert export_hf(run, other / "hf", force=True) == other / "hf" and os.stat(other / "hf").st_ino != first[0]
+    with pytest.raises(UserError, match="run folder not found"):
+        export_hf(tmp_path / "nope", tmp_path / "new" / "deeper" / "hf")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other"]   # the folders it made, removed again
 
 
 def test_mxtrain_command_has_export_when_wired(run, tmp_path):
