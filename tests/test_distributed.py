@@ -452,31 +452,39 @@ def test_every_recipe_under_ddp_and_fsdp2(runs):
     assert n_sr >= 3   # mxfp4-all-sr, mxfp4-bwd-sr, tseng, nvfp4
 
 
-@pytest.mark.parametrize("where", ["shards", "meta"])
-def test_full_disk_on_rank0_reaches_every_rank(tmp_path, where):
-    """Rank 0 cannot write its shard or the checkpoint's last files (ENOSPC): both ranks stop with the same
-    one-line error, none waits at a barrier, the temporary folder is gone."""
+@pytest.fixture(scope="module")
+def edges(tmp_path_factory):
+    """The late rank's run folder, then rank 0's full disk at its shards and at its metadata: one after another in
+    one torchrun launch (tests/_dist_edges.py; the start-up of a launch is most of each case's cost)."""
+    root = tmp_path_factory.mktemp("edges")
+    for case in ("late", "shards", "meta"):
+        (root / case).mkdir()
     penv = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent),
                                                                              os.environ.get("PYTHONPATH", "")]))
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                        str(HERE / "_dist_enospc.py"), str(tmp_path), where], env=penv, capture_output=True, text=True,
+                        str(HERE / "_dist_edges.py"), str(root)], env=penv, capture_output=True, text=True,
                        timeout=300)
-    lines = sorted(f.read_text().strip() for f in tmp_path.glob("rank*.txt"))
+    return root, p
+
+
+@pytest.mark.parametrize("where", ["shards", "meta"])
+def test_full_disk_on_rank0_reaches_every_rank(edges, where):
+    """Rank 0 cannot write its shard or the checkpoint's last files (ENOSPC): both ranks stop with the same
+    one-line error, none waits at a barrier, the temporary folder is gone."""
+    root, p = edges
+    folder = root / where
+    lines = sorted(f.read_text().strip() for f in folder.glob("rank*.txt"))
     assert [ln.split()[:3] for ln in lines] == [["RANK", "0", "ERROR"], ["RANK", "1", "ERROR"]], p.stdout + p.stderr
     assert len({ln.split(" ", 3)[3] for ln in lines}) == 1 and "No space left on device" in lines[0]
     assert "previous checkpoint is intact" in lines[0]
-    assert not (tmp_path / "ck.tmp").exists() and not (tmp_path / "ck").exists()
+    assert not (folder / "ck.tmp").exists() and not (folder / "ck").exists()
 
 
-def test_a_late_rank_accepts_the_new_run_folder(tmp_path):
+def test_a_late_rank_accepts_the_new_run_folder(edges):
     """Rank 0 decides whether the run folder is free, before it writes there, and every rank acts on its answer:
     a rank that reaches the check after rank 0 wrote its first files does not refuse the run."""
-    penv = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent),
-                                                                             os.environ.get("PYTHONPATH", "")]))
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                        str(HERE / "_dist_make_out.py"), str(tmp_path)], env=penv, capture_output=True, text=True,
-                       timeout=300)
-    lines = sorted(f.read_text().strip() for f in tmp_path.glob("rank*.txt"))
+    root, p = edges
+    lines = sorted(f.read_text().strip() for f in (root / "late").glob("rank*.txt"))
     assert lines == ["RANK 0 OK", "RANK 1 OK"], p.stdout + p.stderr
 
 
