@@ -345,21 +345,26 @@ def _cmd_train(args) -> int:
     if s.get("final_val_loss") is not None:
         print(f"final validation loss {s['final_val_loss']:.4f} (perplexity {s['final_val_ppl']:.2f}) after "
               f"{s['tokens']:,} tokens")
-    print(next_commands(out, cfg.data.path))
+    from .model import ModelConfig
+    from .train.config import shape_overrides
+    moe = bool(ModelConfig.named(cfg.model.name, **shape_overrides(cfg.model)).n_experts)
+    print(next_commands(out, cfg.data.path, export=not moe))   # (export is built for dense models)
     print(f"run folder: {out}")   # (the last line: scripts read it)
     return 0
 
 
-def next_commands(run, data) -> str:
-    """What to do with a finished run, as commands naming its folder (and its data for ``eval``)."""
+def next_commands(run, data, export: bool = True) -> str:
+    """What to do with a finished run, as commands naming its folder (and its data for ``eval``; ``export``: with
+    the Hugging Face export)."""
     import shlex
     r = shlex.quote(str(run))
     d = "builtin" if data in (None, "builtin") else shlex.quote(str(data))
     return "\n".join(["next:",
                       f"  mxtrain report {r}   # its curves, in report.html",
                       f"  mxtrain generate {r} --prompt 'The history of'   # sample text",
-                      f"  mxtrain eval {r} --data {d}   # validation loss and perplexity",
-                      f"  mxtrain export {r} --format hf --out {shlex.quote(str(run) + '-hf')}   # a transformers folder"])
+                      f"  mxtrain eval {r} --data {d}   # validation loss and perplexity"]
+                     + ([f"  mxtrain export {r} --format hf --out {shlex.quote(str(run) + '-hf')}   # a transformers "
+                         f"folder"] if export else []))
 
 
 def _cmd_branch(args) -> int:

@@ -42,6 +42,7 @@ import torch
 from ._io import FolderLock, swap_in
 from .errors import UserError
 from .model import SIZES, Llama, ModelConfig
+from .train.config import shape_overrides
 
 __all__ = ["export_hf", "load_hf_llama", "config_from_hf", "llama_from_hf", "load_run", "run_tokenizer",
            "RunCheckpoint", "hf_name", "hf_config", "save_safetensors", "load_safetensors"]
@@ -95,8 +96,11 @@ def _has_bias(cfg: ModelConfig, key: str) -> bool:
 
 def _expected_names(cfg: ModelConfig) -> list[str]:
     names = ["embed_tokens.weight", "norm.weight", "lm_head.weight"]
+    moe = ("feed_forward.router.weight", "feed_forward.experts.gate_up_proj", "feed_forward.experts.down_proj")
     for i in range(cfg.n_layers):
-        names += [f"layers.{i}.{k}" for k in _BLOCK_MAP if _has_bias(cfg, k)]
+        names += [f"layers.{i}.{k}" for k in _BLOCK_MAP if _has_bias(cfg, k)
+                  and not (cfg.n_experts and k.startswith("feed_forward."))]
+        names += [f"layers.{i}.{k}" for k in (moe if cfg.n_experts else ())]   # (run folders only: no HF names)
     return names
 
 
@@ -236,8 +240,7 @@ def _model_config(cfg, vocab: int) -> ModelConfig:
     if m.name not in SIZES:
         raise UserError(f"the run's model {m.name!r} is not one of mxtrain's Llama sizes ({', '.join(SIZES)}); "
                         f"only Llama models can be exported or loaded")
-    over = {k: getattr(m, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "rope_theta",
-                                        "tie_embeddings") if getattr(m, k, None) is not None}
+    over = shape_overrides(m)
     base = SIZES[m.name]
     return ModelConfig.named(m.name, **over, vocab_size=vocab, max_seq_len=max(base.max_seq_len, int(cfg.data.seq_len)))
 
@@ -507,6 +510,9 @@ def _export(run_dir, out: Path, step, dtype: str, force: bool, tokenizer: bool) 
     _check_out(out, force)
     model, run = load_run(run_dir, step)
     mcfg = model.cfg
+    if mcfg.n_experts:
+        raise UserError(f"{run_dir} is a mixture-of-experts model (model.n_experts={mcfg.n_experts}): export to "
+                        f"Hugging Face is built for dense models only; eval and generate read the run folder itself")
     tok, why = (run_tokenizer(run) if tokenizer else (None, "not asked for"))
     eot = tok.eot_id if tok is not None else _eot_from_meta(run)
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from . import settings as _settings
 from .errors import UserError
 
-__all__ = ["ModelConfig", "Llama", "SIZES", "size_names"]
+__all__ = ["ModelConfig", "Llama", "MoEFeedForward", "SIZES", "size_names"]
 
 # the Hugging Face architectures mxtrain's Llama computes exactly (ModelConfig.hf_model_type)
 HF_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -57,6 +57,13 @@ class ModelConfig:
     # the Hugging Face model type of an export (``mxtrain.hf.hf_config``): "llama", "mistral" (a Llama without
     # a sliding window) or "qwen2" (a Llama with q/k/v biases: ``qkv_bias``)
     hf_model_type: str = "llama"
+    # Mixture of experts (``MoEFeedForward``): 0 for the dense SwiGLU feed-forward; else each block's feed-forward
+    # is ``n_experts`` SwiGLU experts of width ``hidden_dim``, ``top_k`` of them per token (Mixtral's routing),
+    # and training adds ``router_aux_coef`` times the load-balancing loss of Switch Transformers (Fedus et al.,
+    # arXiv 2101.03961, eq. 4; their coefficient 0.01) to the training loss (not to the validation loss)
+    n_experts: int = 0
+    top_k: int = 2
+    router_aux_coef: float = 0.01
 
     def __post_init__(self):
         rs = tuple(float(v) for v in (self.rope_scaling or ()))   # (a list from a checkpoint's JSON, too)
@@ -88,6 +95,16 @@ class ModelConfig:
         for f in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "max_seq_len", "multiple_of"):
             if getattr(self, f) <= 0:
                 raise UserError(f"model.{f} must be positive, got {getattr(self, f)}")
+        if self.n_experts:
+            if isinstance(self.n_experts, bool) or not isinstance(self.n_experts, int) or self.n_experts < 2:
+                raise UserError(f"model.n_experts={self.n_experts!r}: 0 (a dense feed-forward) or at least 2 experts")
+            if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not 1 <= self.top_k <= self.n_experts:
+                raise UserError(f"model.top_k={self.top_k!r}: between 1 and model.n_experts={self.n_experts}")
+            c = self.router_aux_coef
+            if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 <= c < math.inf:
+                raise UserError(f"model.router_aux_coef={c!r}: a number >= 0 (0: no load-balancing loss)")
+            if self.mlp_bias:
+                raise UserError("model.mlp_bias=True with model.n_experts: the experts have no biases (Mixtral's)")
 
     @property
     def head_dim(self) -> int:
@@ -114,7 +131,8 @@ class ModelConfig:
         """Parameter count (exact; equals ``sum(p.numel())`` of the built model)."""
         C, F_, V, L = self.dim, self.hidden_dim, self.vocab_size, self.n_layers
         kv = self.n_kv_heads * self.head_dim
-        block = C * C * 2 + C * kv * 2 + 3 * C * F_ + 2 * C  # wq, wo, wk, wv, w1/w2/w3, 2 norms
+        ffn = 3 * C * F_ * self.n_experts + C * self.n_experts if self.n_experts else 3 * C * F_   # (+ router)
+        block = C * C * 2 + C * kv * 2 + ffn + 2 * C  # wq, wo, wk, wv, w1/w2/w3 (or the experts), 2 norms
         if self.qkv_bias or self.attention_bias:
             block += C + 2 * kv
         if self.attention_bias:
@@ -132,18 +150,26 @@ class ModelConfig:
         """Training FLOPs per token: 6 * (matmul params incl. head) + attention (12 * L * C * T), as in PaLM/nanoGPT.
 
         With causal attention only half the score matrix matters; we count the full product, like
-        the PaLM formula, so MFU is comparable to published numbers.
+        the PaLM formula, so MFU is comparable to published numbers. A mixture of experts counts the ``top_k``
+        experts a token runs through and its router (the active parameters), not all experts.
         """
         C, F_, V, L = self.dim, self.hidden_dim, self.vocab_size, self.n_layers
         kv = self.n_kv_heads * self.head_dim
-        matmul = L * (2 * C * C + 2 * C * kv + 3 * C * F_) + V * C
+        ffn = 3 * C * F_ * self.top_k + C * self.n_experts if self.n_experts else 3 * C * F_
+        matmul = L * (2 * C * C + 2 * C * kv + ffn) + V * C
         return 6.0 * matmul + 12.0 * L * C * seq_len
 
 
 SIZES: dict[str, ModelConfig] = {
     # tiny: the CPU main job (1.8M parameters with the 4k built-in vocab; see docs/training.md)
     "tiny": ModelConfig(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=4096, max_seq_len=512),
+    # tiny-moe: tiny with 4 experts a block, 2 a token (3.4M parameters, 2.3M of them active a token, 4k vocab)
+    "tiny-moe": ModelConfig(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=4096, max_seq_len=512,
+                            n_experts=4, top_k=2),
     "30m": ModelConfig(dim=384, n_layers=6, n_heads=6, n_kv_heads=2, vocab_size=16384, max_seq_len=1024),
+    # 30m-moe: 30m with 8 experts a block, 2 a token (Mixtral's ratio)
+    "30m-moe": ModelConfig(dim=384, n_layers=6, n_heads=6, n_kv_heads=2, vocab_size=16384, max_seq_len=1024,
+                           n_experts=8, top_k=2),
     "125m": ModelConfig(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, vocab_size=16384, max_seq_len=2048),
     "350m": ModelConfig(dim=1024, n_layers=24, n_heads=16, n_kv_heads=4, vocab_size=32768, max_seq_len=2048),
     "1b": ModelConfig(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192, vocab_size=32768,
@@ -313,6 +339,76 @@ class FeedForward(nn.Module):
         return self.w2(_run_glue(_swiglu, self.w1(x), self.w3(x)))
 
 
+class Router(nn.Module):
+    """The gate of a mixture of experts: ``(N, C) -> (N, E)`` logits. Not an ``nn.Linear``, so ``convert`` keeps it
+    in high precision (as it keeps Hugging Face's MoE routers)."""
+
+    def __init__(self, dim: int, n_experts: int, device=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_experts, dim, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class Experts(nn.Module):
+    """``E`` SwiGLU experts as two fused weights in the layout of ``transformers``' experts modules (Mixtral's
+    ``MixtralExperts``): ``gate_up_proj`` ``(E, 2 F, C)`` with the gate rows first, ``down_proj`` ``(E, C, F)``.
+    ``convert`` turns it into ``mxtrain.nn.MXExperts`` (each expert's two GEMMs one MX linear call);
+    the forward is ``mxtrain.moe.experts_forward`` (tokens gathered per expert) with ``F.linear``."""
+
+    # the layout flags ``mxtrain.moe.fused_experts`` checks (those transformers sets on its experts modules)
+    has_gate, has_bias, is_transposed, is_concatenated = True, False, False, True
+    has_post_expert_norm, _is_expert_parallel = False, False
+
+    def __init__(self, cfg: ModelConfig, device=None):
+        super().__init__()
+        E, C, F_ = cfg.n_experts, cfg.dim, cfg.hidden_dim
+        self.num_experts = E
+        self.act_fn = F.silu
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * F_, C, device=device))
+        self.down_proj = nn.Parameter(torch.empty(E, C, F_, device=device))
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        from .moe import experts_forward
+        return experts_forward(self, hidden_states, top_k_index, top_k_weights, lambda x, w, k: F.linear(x, w))
+
+
+class MoEFeedForward(nn.Module):
+    """A mixture of SwiGLU experts with Mixtral's routing: softmax of the router's logits in float32, the
+    ``top_k`` largest kept and renormalized to sum to 1, each token's output the weighted sum of its experts'.
+
+    ``aux_loss`` (set by a forward that records gradients, else None): Switch Transformers' load-balancing loss
+    ``E * sum_e f_e P_e`` with ``f_e`` the share of the ``N * top_k`` token-to-expert assignments that went to
+    expert ``e`` and ``P_e`` its mean router probability (1 when the load is even; ``Llama`` adds
+    ``router_aux_coef`` times its mean over blocks to the training loss)."""
+
+    def __init__(self, cfg: ModelConfig, device=None):
+        super().__init__()
+        self.top_k = cfg.top_k
+        self.router = Router(cfg.dim, cfg.n_experts, device)
+        self.experts = Experts(cfg, device)
+        self.aux_loss = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        h = x.reshape(-1, shape[-1])
+        probs = torch.softmax(self.router(h).float(), dim=-1)              # (N, E)
+        w, idx = torch.topk(probs, self.top_k, dim=-1)
+        w = w / w.sum(dim=-1, keepdim=True)
+        out = self.experts(h, idx, w.to(h.dtype))
+        if torch.is_grad_enabled():
+            E = probs.shape[-1]
+            with torch.no_grad():
+                share = torch.zeros(E, device=h.device).index_add_(
+                    0, idx.reshape(-1), torch.ones(idx.numel(), device=h.device)) / idx.numel()
+            self.aux_loss = E * (share * probs.mean(dim=0)).sum()
+        else:
+            self.aux_loss = None
+        return out.reshape(shape)
+
+
 def _recompute_linears(ctx, op, *args, **kwargs):
     """Selective-checkpoint policy of ``Block.recompute_ffn``: matrix products (BF16 ``mm``, FP8
     ``_scaled_mm`` as torchao's float8 layers run it, mxtrain's MX linear ops) are made again in the backward from the tensors they read; everything else is the
@@ -360,7 +456,7 @@ class Block(nn.Module):
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps, device)
         self.attention = Attention(cfg, device)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, device)
-        self.feed_forward = FeedForward(cfg, device)
+        self.feed_forward = MoEFeedForward(cfg, device) if cfg.n_experts else FeedForward(cfg, device)
 
     def _ffn(self, x):
         return self.feed_forward(self.ffn_norm(x))
@@ -373,7 +469,8 @@ class Block(nn.Module):
 
     def _block(self, x, cos, sin):
         x = x + self.attention(self.attention_norm(x), cos, sin)
-        if self.recompute_ffn and not self.checkpoint_block and torch.compiler.is_compiling():
+        if (self.recompute_ffn and not self.checkpoint_block and torch.compiler.is_compiling()
+                and isinstance(self.feed_forward, FeedForward)):   # (experts: their outputs are kept)
             from torch.utils.checkpoint import checkpoint
             return x + checkpoint(self._ffn, x, use_reentrant=False, context_fn=_ffn_context)
         return x + self._ffn(x)
@@ -381,7 +478,8 @@ class Block(nn.Module):
 
 class Llama(nn.Module):
     """Decoder-only transformer. ``forward(idx (B, T) int64, targets=None) -> logits (B, T, V)`` or, with
-    targets, the mean cross-entropy loss (float32 scalar)."""
+    targets, the mean cross-entropy loss (float32 scalar; a mixture of experts in training mode adds its
+    load-balancing loss, ``ModelConfig.router_aux_coef``)."""
 
     def __init__(self, cfg: ModelConfig, device=None):
         super().__init__()
@@ -397,7 +495,7 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:
-        """Normal(0, init_std) everywhere; output projections (wo, w2) scaled by 1/sqrt(2 * n_layers)
+        """Normal(0, init_std) everywhere; output projections (wo, w2, the experts' down_proj) scaled by 1/sqrt(2 * n_layers)
         (GPT-2); norms to 1, biases (``qkv_bias``, ``attention_bias``, ``mlp_bias``) to 0. Pass a ``generator``
         for an init independent of the global RNG."""
         std = self.cfg.init_std
@@ -407,7 +505,7 @@ class Llama(nn.Module):
                 p.zero_()
             elif p.ndim == 1:
                 p.fill_(1.0)
-            elif name.endswith(("wo.weight", "w2.weight")):
+            elif name.endswith(("wo.weight", "w2.weight", "down_proj")):
                 p.normal_(0.0, out_std, generator=generator)
             else:
                 p.normal_(0.0, std, generator=generator)
@@ -433,7 +531,11 @@ class Llama(nn.Module):
         logits = self.lm_head(self.norm(x))               # (B, T, V)
         if targets is None:
             return logits
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+        if self.cfg.n_experts and self.cfg.router_aux_coef and self.training and torch.is_grad_enabled():
+            aux = [b.feed_forward.aux_loss for b in self.layers]
+            loss = loss + self.cfg.router_aux_coef * torch.stack(aux).mean()
+        return loss
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -37,7 +37,8 @@ largest value, and the values rounded onto the grid, whose error splits again in
 common relative gain, the least-squares ``g`` in ``q - x = g x + n``) and rounding noise ``n``.
 
 With ``every = 0`` nothing is registered: no hooks, no overhead. Layers whose recipe quantizes
-nothing are skipped. Cost on a diagnosed step: a few extra GEMMs per layer, in float32.
+nothing are skipped, and so are fused MoE experts (``MXExperts``: their GEMMs run per expert inside one module,
+out of reach of a layer's hooks; the rest of a mixture-of-experts model is diagnosed). Cost on a diagnosed step: a few extra GEMMs per layer, in float32.
 """
 
 from __future__ import annotations
@@ -299,7 +300,7 @@ class Diagnostics:
         self._active_step = step
         self._cap = {}
         for name, m in mx_layers(self.model):
-            if m.recipe.quantized:
+            if m.recipe.quantized and isinstance(m, MXLinear):
                 self._handles.append(m.register_forward_hook(self._fwd_hook(name)))
                 self._handles.append(m.register_full_backward_hook(self._bwd_hook(name)))
                 if m.weight.requires_grad:

@@ -46,6 +46,9 @@ class ModelSection:
     vocab_size: Optional[int] = None        # embedding and head rows; None: the data's vocabulary; larger pads
                                             # it (128256: Llama 3.1's head); always padded to a multiple of 32
     init_seed: Optional[int] = None         # model init seed; None: train.seed (same init for every recipe)
+    n_experts: Optional[int] = None         # a mixture of experts in every block (0: the dense feed-forward)
+    top_k: Optional[int] = None             # experts a token runs through
+    router_aux_coef: Optional[float] = None  # weight of the load-balancing loss in the training loss
 
 
 @dataclass
@@ -392,7 +395,14 @@ def apply_override(cfg: TrainConfig, item: str) -> None:
 
 # the fields of the model section a named size (model.name) defines: a layer of settings that names a size
 # starts from that size's shape, so these fields set by an earlier layer (an experiment, a config file) are dropped
-MODEL_SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "rope_theta", "tie_embeddings")
+MODEL_SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "rope_theta", "tie_embeddings",
+                      "n_experts", "top_k", "router_aux_coef")
+
+
+def shape_overrides(m) -> dict:
+    """The shape fields a model section sets (``MODEL_SHAPE_FIELDS`` that are not None): what replaces the named
+    size's own in ``ModelConfig.named(m.name, **shape_overrides(m))``."""
+    return {k: getattr(m, k) for k in MODEL_SHAPE_FIELDS if getattr(m, k, None) is not None}
 
 
 def _reset_model_shape(cfg: TrainConfig, keep=()) -> None:
@@ -429,8 +439,7 @@ def check_model_shape(cfg: TrainConfig, given: dict | None = None) -> None:
     m = cfg.model
     if m.name not in SIZES:
         raise UserError(f"model.name={m.name!r}: unknown model size; valid sizes: {', '.join(SIZES)}")
-    over = {k: getattr(m, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")
-            if getattr(m, k) is not None}
+    over = shape_overrides(m)
     if not over:
         return
     try:
@@ -860,6 +869,9 @@ def _check(cfg: TrainConfig) -> None:
         raise UserError("train.checkpoint_blocks and train.cuda_graphs together are not supported (a recomputation "
                         "inside a replayed graph is not tested); set one of them to false")
     validate(cfg)
+    if t.cuda_graphs and ModelConfig.named(cfg.model.name, **shape_overrides(cfg.model)).n_experts:
+        raise UserError("train.cuda_graphs with a mixture of experts is not supported (the experts' token counts "
+                        "change every step, which a captured graph cannot); set one of them off")
     if cfg.schedule.horizon_steps is not None and cfg.schedule.horizon_steps < cfg.train.steps:
         raise UserError(f"schedule.horizon_steps ({cfg.schedule.horizon_steps}) must be >= train.steps ({t.steps})")
     if cfg.schedule.kind not in ("cosine", "wsd", "constant"):
@@ -912,14 +924,15 @@ def validate(cfg: TrainConfig) -> None:
     """Every value of ``cfg`` that training reads, checked before anything is written (UserError on the first
     bad one): the model's shape, the optimizer's values (finite, in range), the schedule, the recipe."""
     m, o, sc, t, d, lg = cfg.model, cfg.optim, cfg.schedule, cfg.train, cfg.data, cfg.log
-    for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
+    for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "top_k"):
         _num(f"model.{k}", getattr(m, k), lo=1, integer=True, optional=True)
+    _num("model.n_experts", m.n_experts, lo=0, integer=True, optional=True)
+    _num("model.router_aux_coef", m.router_aux_coef, lo=0, optional=True)
     _num("model.rope_theta", m.rope_theta, lo=0, lo_open=True, optional=True)
     _num("model.init_seed", m.init_seed, lo=0, integer=True, optional=True)   # (numpy refuses a negative seed)
     _num("model.vocab_size", m.vocab_size, lo=32, hi=2**24, integer=True, optional=True)
     try:
-        mc = ModelConfig.named(m.name, **{k: getattr(m, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads",
-                                                                    "ffn_dim") if getattr(m, k) is not None})
+        mc = ModelConfig.named(m.name, **shape_overrides(m))
     except TypeError as e:
         raise UserError(f"model: {e}") from None
     if (mc.dim // mc.n_heads) % 2:

@@ -42,7 +42,7 @@ from . import checkpoint as ckpt
 from . import profiling, threads
 from .callbacks import (Callback, CallbackList, Outcome, Status, TensorBoardLogger, TrainState, WandbLogger,
                         read_outcome, wandb_project)
-from .config import TrainConfig, _check, keep_steps, switch_step
+from .config import TrainConfig, _check, keep_steps, shape_overrides, switch_step
 from .run_folder import _git_sha, _make_out, _record_outcome, _refuse_rewind, _write_json, write_run_json
 
 # re-exported for callers of this module: Callback, Outcome, Status, TrainState, read_outcome (mxtrain.train.callbacks)
@@ -208,8 +208,7 @@ class _LossModule(torch.nn.Module):
 
 def _model_config(cfg: TrainConfig, vocab: int) -> ModelConfig:
     m = cfg.model
-    over = {k: getattr(m, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "rope_theta",
-                                        "tie_embeddings") if getattr(m, k) is not None}
+    over = shape_overrides(m)
     if m.vocab_size is not None and m.vocab_size < vocab:
         raise UserError(f"model.vocab_size={m.vocab_size:,} is smaller than the data's vocabulary ({vocab:,} ids): "
                         f"raise it to at least {vocab:,} or leave it unset")
@@ -728,6 +727,8 @@ class Trainer:
         for block in model.layers:
             block.checkpoint_block = cfg.train.checkpoint_blocks
         if compiles(cfg, device):   # (one graph shared by all blocks: layer numbers and steps are tensors)
+            if model.cfg.n_experts:   # the experts as one traced loop, not a graph break per expert (mxtrain.moe)
+                torch._dynamo.config.capture_dynamic_output_shape_ops = True
             for block in model.layers:
                 block.recompute_ffn = cfg.train.recompute_ffn
                 block.compile()
