@@ -249,19 +249,28 @@ def test_other_3d_layouts_stay_refused():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("source", ["hf", "own"])
 @pytest.mark.parametrize("recipe", ["mxfp4-all-dh16", "mxfp4-all-sr"])
-def test_cuda_experts_run_the_fast_path_as_mx_linear_per_expert(recipe):
+def test_cuda_experts_run_the_fast_path_as_mx_linear_per_expert(recipe, source):
     """On a GPU each expert GEMM takes mx_linear's fast path (bf16, 256 tokens, dims 64): the experts equal the
-    by-hand loop bit for bit, and the reference path (``fast="off"``) to within MX-vs-MX kernel noise."""
+    by-hand loop bit for bit, and the reference path (``fast="off"``) to within MX-vs-MX kernel noise. ``source``:
+    a Hugging Face Qwen3-MoE, or mxtrain's own mixture of experts (``tiny-moe``; whatever transformers has)."""
     from mxtrain import settings
     from mxtrain.linear import route
     from mxtrain.moe import fused_experts
-    model = _hf("qwen3_moe").cuda().to(torch.bfloat16)
-    why = fused_experts(model.model.layers[1].mlp.experts)
+    if source == "own":
+        from mxtrain.model import Llama, ModelConfig
+        model = Llama(ModelConfig.named("tiny-moe", dim=64, n_heads=2, n_kv_heads=1, n_layers=2, vocab_size=256))
+        model = model.cuda().to(torch.bfloat16)
+        experts = lambda: model.layers[1].feed_forward.experts
+    else:
+        model = _hf("qwen3_moe").cuda().to(torch.bfloat16)
+        experts = lambda: model.model.layers[1].mlp.experts
+    why = fused_experts(experts())
     if why is not None:   # convert refuses these loudly (test above); here only the GPU path is under test
         pytest.skip(f"transformers {transformers.__version__}: {why}")
     mxtrain.convert(model, recipe, strict=True)
-    ex = model.model.layers[1].mlp.experts
+    ex = experts()
     g = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(256, 64, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
     idx = torch.stack([torch.randperm(4, device="cuda", generator=g)[:2] for _ in range(256)])
