@@ -180,6 +180,9 @@ class Ctx:
         rounding the fused kernel where the ``mx_kernel`` setting says so (bit-identical:
         tests/test_mx_kernel.py).
         """
+        gathered = getattr(t, "mx_gathered", None)   # a weight FSDP2 all-gathered quantized (mxtrain.qgather)
+        if gathered is not None:
+            return gathered.operand(self, t, axis, name, gemm, signs)
         op: Operand = self.recipe.operand(name)
         if not op.quantized:
             return self.rotate(t, axis, gemm, signs), 1.0
@@ -209,6 +212,9 @@ class Ctx:
         op: Operand = self.recipe.operand(name)
         if not (op.quantized and get_format(op.fmt).kind == "nvfp4"):
             return (*self.operand(t, axis, name, gemm, signs), None)
+        gathered = getattr(t, "mx_gathered", None)
+        if gathered is not None:
+            return gathered.operand_factored(self, t, axis, name, gemm, signs)
         rot = self.recipe.rotation(gemm)
         key = self.stream_key(name) if op.rounding == "stochastic" else None
         spec = (axis, rot.size if rot.enabled else 0, op.fmt, op.block_size, op.rounding, op.scale_rule,

@@ -53,6 +53,7 @@ __all__ = [
     "apply_ddp", "apply_fsdp2", "wrap", "unwrap", "grad_sync", "clip_grad_norm_", "local_batch_size",
     "save_checkpoint", "PendingCheckpoint", "load_checkpoint", "is_checkpoint", "read_extra", "launch", "strip_nproc", "MODES", "SAFE_ENV",
     "DCP_NAME", "DCP_OLD", "find_dcp", "reduce_mean", "reduce_sums", "even_batches", "load_full_state",
+    "gather_report",
 ]
 
 MODES = ("none", "ddp", "fsdp2")
@@ -240,7 +241,7 @@ def apply_ddp(model: nn.Module, env: DistEnv | None = None, **ddp_kwargs) -> nn.
 
 def apply_fsdp2(model: nn.Module, env: DistEnv | None = None, *, param_dtype: torch.dtype | None = "auto",
                 reduce_dtype: torch.dtype | None = torch.float32, reshard_after_forward: bool = True,
-                prefetch: int = 0) -> nn.Module:
+                prefetch: int = 0, gather: str = "high") -> nn.Module:
     """``fully_shard`` every block in ``model.layers``, then the root (embeddings, final norm, head).
 
     **Arguments:**
@@ -255,13 +256,21 @@ def apply_fsdp2(model: nn.Module, env: DistEnv | None = None, *, param_dtype: to
       * ``prefetch``: each block's forward starts the all-gathers of the next ``prefetch`` blocks, and its
         backward those of the ``prefetch`` blocks before it (FSDP2's ``set_modules_to_forward_prefetch`` /
         ``set_modules_to_backward_prefetch``); 0 leaves FSDP2's implicit overlap. Values are unchanged.
+      * ``gather``: ``"high"`` (the default) all-gathers every weight in ``param_dtype`` and the MX layers
+        quantize the gathered weight; ``"quantized"`` all-gathers each MX layer's weight as its two quantized
+        operands (``mxtrain.qgather``: bit-identical, fewer bytes), and where a layer cannot be gathered that
+        way exactly it gathers in high precision, said once (a warning on rank 0 naming the layers and why).
+        What was done: ``gather_report(model)``.
 
     The model is changed in place (``fully_shard`` swaps parameters for ``DTensor`` shards) and
     returned. On one process it is returned unchanged.
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from .qgather import GATHER_MODES, prepare
     env = env or _ENV
+    if gather not in GATHER_MODES:
+        raise UserError(f"FSDP2 gather must be one of {', '.join(GATHER_MODES)}, got {gather!r}")
     if not env.distributed:
         return model
     if param_dtype == "auto":
@@ -269,6 +278,8 @@ def apply_fsdp2(model: nn.Module, env: DistEnv | None = None, *, param_dtype: to
     mesh = init_device_mesh(env.device.type, (env.world_size,))
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     blocks = _blocks(model)
+    if gather == "quantized":   # (before fully_shard: the weights it shards carry the all-gather extension)
+        model._mx_gather_report = prepare(model, blocks, env.world_size, env.device, warn=env.is_rank0)
     from .model import Block
     if blocks and all(type(b) is Block for b in blocks):
         # A compiled Block can return a view (the compiler's output); FSDP2 then warns that an in-place op on it
@@ -288,6 +299,12 @@ def apply_fsdp2(model: nn.Module, env: DistEnv | None = None, *, param_dtype: to
             if i > 0:
                 block.set_modules_to_backward_prefetch(blocks[max(0, i - prefetch): i][::-1])
     return model
+
+
+def gather_report(model: nn.Module):
+    """What ``apply_fsdp2(..., gather="quantized")`` did to ``model`` (``mxtrain.qgather.GatherReport``: the MX
+    layers whose weights gather as quantized operands, and why the others gather in high precision), or None."""
+    return getattr(unwrap(model), "_mx_gather_report", None)
 
 
 def wrap(model: nn.Module, mode: str, env: DistEnv | None = None, **kwargs) -> nn.Module:
