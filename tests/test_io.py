@@ -207,6 +207,31 @@ def test_the_study_lock_names_an_owner_that_has_exited(tmp_path):
         _study_lock(tmp_path / "missing")
 
 
+def test_a_lock_of_its_own_is_deleted_on_close_and_taken_again_when_its_file_was_replaced(tmp_path, monkeypatch):
+    """``remove=True`` (an export's ``.DIR.lock`` beside a folder not made yet): the file goes with the lock; a
+    lock taken on a file its previous owner deleted after it was opened here is taken again on the file now at
+    the path (else two owners: this one on the deleted file, another on the new one)."""
+    with _io.FolderLock(tmp_path, _busy, name=".x.lock", remove=True):
+        assert _io.lock_holder(tmp_path / ".x.lock") == str(os.getpid())
+        with pytest.raises(UserError, match=rf"^held \({os.getpid()}\)$"):
+            _io.FolderLock(tmp_path, _busy, name=".x.lock", remove=True)
+    assert list(tmp_path.iterdir()) == []
+    real, calls = _io._same_file, []
+
+    def replaced_once(f, path):
+        if not calls:   # its owner deleted it meanwhile, and another made it again
+            path.unlink()
+            path.write_text("")
+        calls.append(path)
+        return real(f, path)
+
+    monkeypatch.setattr(_io, "_same_file", replaced_once)
+    lock = _io.FolderLock(tmp_path, _busy, name=".x.lock", remove=True)
+    assert len(calls) == 2 and _io.lock_holder(tmp_path / ".x.lock") == str(os.getpid())
+    lock.close()
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_pid_alive():
     assert _io.pid_alive(os.getpid())
     assert not _io.pid_alive(_dead_pid())
