@@ -52,6 +52,7 @@ from pathlib import Path
 
 import torch
 
+from ._io import write_text
 from .errors import UserError
 from .formats import get_format
 
@@ -340,7 +341,7 @@ class DeoscCallback:
                             rows.append(line)
                     except (ValueError, KeyError, TypeError):
                         continue
-            self.path.write_text("".join(r + "\n" for r in rows))
+            write_text(self.path, "".join(r + "\n" for r in rows))   # (a kill here leaves the old file whole)
 
     def on_step_begin(self, step: int) -> None:
         self.deosc.begin(step)

@@ -17,6 +17,7 @@ import math
 import sys
 from pathlib import Path
 
+from ._io import write_text
 from .errors import UserError, number_flag
 
 __all__ = ["add_parsers", "register", "cmd_export", "cmd_generate", "cmd_eval", "main"]
@@ -184,12 +185,8 @@ def cmd_eval(args) -> int:
         print(f"loss {res['loss']:.4f} | perplexity {res['perplexity']:.2f} | {res['windows']} windows x "
               f"{res['seq_len']} tokens ({res['tokens']:,} tokens) | step {res['step']} | {res['precision']}"
               f"{' (' + res['recipe'] + ')' if res['precision'] == 'mx' else ''}")
-        if args.json:
-            try:
-                with open(args.json, "w") as f:
-                    f.write(text)
-            except OSError as e:
-                raise UserError(f"cannot write {args.json}: {e.strerror or e}") from None
+        if args.json:   # (whole or not at all: a crash leaves an earlier result as it was)
+            write_text(Path(args.json), text)
     return 0
 
 

@@ -232,6 +232,55 @@ def test_a_lock_of_its_own_is_deleted_on_close_and_taken_again_when_its_file_was
     assert list(tmp_path.iterdir()) == []
 
 
+def test_the_package_writes_its_records_whole():
+    """Every file mxtrain writes in place goes through ``write_atomic`` (a kill mid-write leaves the previous
+    file whole): a direct ``Path.write_text`` / ``write_bytes`` / ``open(..., "w")`` only where listed here,
+    with why (by file and innermost function)."""
+    import ast
+    from pathlib import Path
+    allowed = {   # (file, function): why a direct write is whole enough there
+        ("train/run_folder.py", "_make_out"): "an empty probe file",
+        ("study/cli.py", "report_main"): "an empty probe file",
+        ("study/workers.py", "_run_study_locked"): "an empty probe file",
+        ("train/trainer.py", "__init__"): "an empty metrics file, before the first step",
+        ("study/workers.py", "_run_workers"): "a worker's log, streamed",
+        ("data/prepare.py", "_open"): "shards, streamed into a temporary folder renamed whole",
+        ("data/prepare.py", "_prepare"): "meta.json, in a temporary folder renamed whole",
+        ("data/tokenizer.py", "save"): "a copy into a temporary folder (prepare, export) renamed whole",
+        ("data/corpus.py", "_assemble_domain"): "temporary files, renamed whole",
+        ("hf.py", "_write_json"): "an export's files, in a temporary folder renamed whole",
+        ("bench.py", "_limits"): "a benchmark's --out, not yet atomic",
+        ("bench.py", "run"): "a benchmark's --out, not yet atomic",
+    }
+
+    class Writes(ast.NodeVisitor):
+        def __init__(self, rel):
+            self.rel, self.fn = rel, None
+
+        def visit_FunctionDef(self, node):
+            outer, self.fn = self.fn, node.name
+            self.generic_visit(node)
+            self.fn = outer
+        visit_AsyncFunctionDef = visit_FunctionDef
+
+        def visit_Call(self, c):
+            direct = isinstance(c.func, ast.Attribute) and c.func.attr in ("write_text", "write_bytes")
+            mode = c.args[1] if len(c.args) > 1 else next((k.value for k in c.keywords if k.arg == "mode"), None)
+            opened = (isinstance(c.func, ast.Name) and c.func.id == "open" and isinstance(mode, ast.Constant)
+                      and isinstance(mode.value, str) and "w" in mode.value)
+            if direct or opened:
+                found.add((self.rel, self.fn))
+            self.generic_visit(c)
+
+    root = Path(__file__).resolve().parents[1] / "mxtrain"
+    found = set()
+    for f in root.rglob("*.py"):
+        rel = f.relative_to(root).as_posix()
+        if rel != "_io.py":
+            Writes(rel).visit(ast.parse(f.read_text()))
+    assert found <= set(allowed), sorted(found - set(allowed))
+
+
 def test_pid_alive():
     assert _io.pid_alive(os.getpid())
     assert not _io.pid_alive(_dead_pid())

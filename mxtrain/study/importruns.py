@@ -185,7 +185,7 @@ def import_runs(src: str | Path, dst: str | Path, renames: dict[str, str] | None
             st = read_json_object(sp, "a run's study status")
             if "arm" in st:
                 st["arm"] = new
-                sp.write_text(json.dumps(st))
+                write_json(sp, st)
         tmp.rename(target)   # a crash leaves a *.importing folder, never a half-copied run
         done.append((old, new, seed))
         log(f"imported {old} seed {seed} as {new}")

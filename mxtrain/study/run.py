@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from .._io import lock_holder
+from .._io import lock_holder, write_json, write_text
 from ..errors import UserError, read_json_object
 from .. import recipes as R
 from . import arms as A
@@ -437,7 +437,7 @@ def _share_stable_run(spec: StudySpec, arm: str, seed: int, rd: Path, tag: str, 
             except OSError:
                 pass
         shutil.copy2(f, tmp / f.name)
-    (tmp / "study_status.json").write_text(json.dumps({**st, "arm": arm, "shared_from": base}))
+    write_json(tmp / "study_status.json", {**st, "arm": arm, "shared_from": base})
     os.replace(tmp, rd)
     log(f"{tag} {arm} seed {seed}: the stable run of {base} seed {seed}, shared (its options change only the "
         f"cooldown branches)")
@@ -472,10 +472,10 @@ def _run_and_record(call, folder: Path, interrupted: str, fields: dict, log) -> 
         log(f"    {state}: {msg}")
     folder.mkdir(parents=True, exist_ok=True)
     if tb:
-        (folder / "study_error.txt").write_text(tb)
-    (folder / "study_status.json").write_text(json.dumps(
-        {"state": state, "message": msg, "step": oc.step, "seconds": round(time.time() - ts, 1), **fields,
-         **({"oom": True} if oom and state == "failed" else {})}))
+        write_text(folder / "study_error.txt", tb)
+    write_json(folder / "study_status.json",
+               {"state": state, "message": msg, "step": oc.step, "seconds": round(time.time() - ts, 1), **fields,
+                **({"oom": True} if oom and state == "failed" else {})})
     return state
 
 
@@ -595,7 +595,7 @@ def remake_checkpoints(spec: StudySpec, arm: str, seed: int, rd: Path, steps: li
     diff = max((abs(first[s] - again[s]) for s in common), default=float("nan"))
     rec = {"steps": steps, "compared_steps": len(common), "bit_equal": bool(common) and diff == 0.0,
            "max_abs_loss_diff": diff if common else None, "seconds": round(time.time() - ts, 1)}
-    (rd / "remake.json").write_text(json.dumps(rec, indent=1) + "\n")
+    write_json(rd / "remake.json", rec, end="\n", indent=1)
     try:
         os.replace(tmp / "metrics.jsonl", rd / "remake-metrics.jsonl")
     except OSError:

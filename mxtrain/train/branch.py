@@ -24,6 +24,7 @@ import shutil
 from pathlib import Path
 
 from .. import distributed as D
+from .._io import write_json
 from ..errors import UserError
 from . import checkpoint as ckpt
 from .config import TrainConfig
@@ -164,7 +165,7 @@ def branch_fit(run_dir: str | Path, at_step: int, cooldown_steps: int, out: str 
                     p.unlink()
     src = kept_checkpoint(run, at_step)
     out.mkdir(parents=True, exist_ok=True)
-    (out / BRANCH_INFO).write_text(json.dumps({**info, "checkpoint": str(src.resolve())}, indent=1) + "\n")
+    write_json(out / BRANCH_INFO, {**info, "checkpoint": str(src.resolve())}, end="\n", indent=1)
     log(f"branch of {run} at step {at_step}: {cooldown_steps} cooldown steps ({info['shape']}) -> {out}")
     return fit(bcfg, resume=src, callbacks=callbacks)
 

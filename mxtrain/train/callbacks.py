@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .._io import write_text
 from ..errors import UserError
 
 __all__ = ["Status", "Outcome", "TrainState", "Callback", "CallbackList", "TensorBoardLogger", "WandbLogger",
@@ -325,7 +326,7 @@ class WandbLogger(Callback):
             rid = id_file.read_text().strip() or None
         if rid is None:
             rid = uuid.uuid4().hex[:12]
-            id_file.write_text(rid + "\n")
+            write_text(id_file, rid + "\n")
         try:
             self.run = self.wandb.init(project=self.project, name=self.name or out.name, group=self.group,
                                        id=rid, resume="allow", dir=str(out), config=state.config)

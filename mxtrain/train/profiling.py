@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import gc
 import gzip
-import json
 import shutil
 import time
 from pathlib import Path
 
 import torch
 
+from .._io import write_json, write_text
 from ..errors import UserError
 
 PROFILE_DIR = "profile"
@@ -97,8 +97,8 @@ class StepProfiler:
             shutil.copyfileobj(src, dst)
         raw.unlink()
         avg = prof.key_averages()
-        (d / f"rank{self.rank}.txt").write_text(self.report(avg))
-        (d / f"summary-rank{self.rank}.json").write_text(json.dumps(self.summary(avg), indent=1) + "\n")
+        write_text(d / f"rank{self.rank}.txt", self.report(avg))
+        write_json(d / f"summary-rank{self.rank}.json", self.summary(avg), end="\n", indent=1)
 
     def summary(self, avg) -> dict:
         """Per profiled step: wall time, the host's self time (every operator's, the profiler's own cost
