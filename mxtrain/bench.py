@@ -37,9 +37,11 @@ import math
 import platform
 import sys
 import time
+from pathlib import Path
 
 import torch
 
+from ._io import write_json, write_text
 from .errors import UserError
 
 __all__ = ["register", "main"]
@@ -697,8 +699,7 @@ def _limits(args) -> int:
                     BL.Rates(**rates), layers, args.bf16_step_ms)
     print(BL.format_table(res))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"limits": res, "command": " ".join(sys.argv)}, f, indent=1)
+        write_json(Path(args.out), {"limits": res, "command": " ".join(sys.argv)}, indent=1)
     return 0
 
 
@@ -773,8 +774,7 @@ def run(args) -> int:
     out["seconds"] = time.time() - t0
     text = json.dumps(out, indent=1)
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+        write_text(Path(args.out), text)
     else:
         print(text)
     return 0

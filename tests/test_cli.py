@@ -118,7 +118,7 @@ class _Call:
     ("report: --out a run folder", ["report", "{d}/bad_study", "--out", "{d}/corrupt_run"],
      ["holds other files (checkpoint.pt, config.json)", "would overwrite its summary.json"]),
     ("bench limits: --out under a file", ["bench", "limits", "--bf16-step-ms", "257.5", "--out", "{d}/a_file/x.json"],
-     ["cannot use {d}/a_file/x.json", "Not a directory"]),
+     ["cannot write {d}/a_file/x.json", "Not a directory"]),
 ], ids=lambda c: c[0])
 def test_bad_input_is_one_line(files, case):
     _, args, fragments = case

@@ -249,8 +249,6 @@ def test_the_package_writes_its_records_whole():
         ("data/tokenizer.py", "save"): "a copy into a temporary folder (prepare, export) renamed whole",
         ("data/corpus.py", "_assemble_domain"): "temporary files, renamed whole",
         ("hf.py", "_write_json"): "an export's files, in a temporary folder renamed whole",
-        ("bench.py", "_limits"): "a benchmark's --out, not yet atomic",
-        ("bench.py", "run"): "a benchmark's --out, not yet atomic",
     }
 
     class Writes(ast.NodeVisitor):
