@@ -25,6 +25,14 @@ single process computes from the same parameters. (Quantizing the local shard be
 would be wrong: Dgrad blocks run along out-features, which is the sharded dim, and the Hadamard
 rotations mix 16-32 neighbouring elements.) See ``docs/distributed.md`` and
 ``tests/test_distributed.py::test_fsdp2_quantizes_full_weight``.
+
+The exception, opt-in: ``apply_fsdp2(..., gather="quantized")`` (``parallel.gather``) all-gathers each MX
+layer's weight as its two quantized operands (``mxtrain.qgather``), each rank quantizing its own shard, where
+that is exact: the Dgrad operand's blocks and rotation blocks must not straddle shards (``out / ranks`` a
+multiple of the block), NVFP4 / per-tensor FP8 take the all-reduced amax, and no weight operand is rounded
+stochastically or rotated with per-step signs. Bit-identical to the high-precision gather; every other layer
+gathers in high precision, said once with its reason (``gather_report``). Tested in
+``tests/test_qgather.py``.
 """
 
 from __future__ import annotations
@@ -279,7 +287,12 @@ def apply_fsdp2(model: nn.Module, env: DistEnv | None = None, *, param_dtype: to
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     blocks = _blocks(model)
     if gather == "quantized":   # (before fully_shard: the weights it shards carry the all-gather extension)
-        model._mx_gather_report = prepare(model, blocks, env.world_size, env.device, warn=env.is_rank0)
+        if not reshard_after_forward:
+            raise UserError("FSDP2 gather='quantized' needs reshard_after_forward=True: a gathered weight holds only "
+                            "its quantized operands, so no block may stay unsharded after a forward (an evaluation's, "
+                            "whose parameters other code may then read)")
+        model._mx_gather_report = prepare(model, blocks, env.world_size, env.device, warn=env.is_rank0,
+                                          param_dtype=param_dtype)
     from .model import Block
     if blocks and all(type(b) is Block for b in blocks):
         # A compiled Block can return a view (the compiler's output); FSDP2 then warns that an in-place op on it
@@ -288,9 +301,11 @@ def apply_fsdp2(model: nn.Module, env: DistEnv | None = None, *, param_dtype: to
         import warnings
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPBlock\) returned a view tensor")
     for i, block in enumerate(blocks):
-        # The last block's parameters are needed again at once by backward: keep them gathered.
-        fully_shard(block, mesh=mesh, mp_policy=mp,
-                    reshard_after_forward=reshard_after_forward and i < len(blocks) - 1)
+        # The last block's parameters are needed again at once by backward: keep them gathered (not quantized
+        # gathers: their unsharded weights hold no values for code that reads parameters after an evaluation)
+        keep = i == len(blocks) - 1 and not (gather == "quantized" and any(
+            hasattr(p, "fsdp_pre_all_gather") for p in block.parameters()))
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward and not keep)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     if prefetch > 0:
         for i, block in enumerate(blocks):

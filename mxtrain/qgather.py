@@ -32,12 +32,21 @@ the fast path or the FP8 tensor-core GEMM would run (they quantize the weight th
 recipe changes after ``apply_fsdp2`` to one these rules refuse raises at its next gather (never a silent
 high-precision or wrong value).
 
-Each shard is quantized once per weight value: the all-gather inputs are kept and reused while the shard's
-version counter, storage and (for NVFP4 / per-tensor FP8) the all-reduced amax are unchanged, so the
-re-gather of FSDP2's backward (``reshard_after_forward``) and the micro-steps of gradient accumulation do
-not quantize again; an optimizer step (an in-place update) makes a new version.
+Each forward's gather quantizes the shard's current values (nothing older is ever reused across a step:
+whatever changed the weight, the next forward sees it); the backward's re-gather of the same micro-step
+(``reshard_after_forward``) reuses the forward's operands while no in-place update went through the weight
+or any view of it (the wrapper's dispatch counts them), and its storage, dtype, plan and (NVFP4, per-tensor
+FP8) all-reduced amax are unchanged: one quantization per shard per forward, where the high-precision gather
+quantizes the whole weight's two operands in every forward and backward. (Torch's version counters do not
+see in-place updates made inside a tensor subclass's dispatch, which is why the wrapper counts them itself.)
 
-Layer 3 (the MX linear): imports the numerics, ``context`` and ``linear`` only.
+State dicts hold the plain high-precision tensors (a state-dict post hook), so ``torch.save``, DCP
+checkpoints and their loads work as with ``gather="high"``, in either direction.
+
+The bytes one all-gather assembles, for either gather: ``all_gather_bytes``.
+
+Layer 3 (the MX linear): imports the numerics, ``context``, ``fast`` and ``settings`` (CUDA checks) and ``nn``;
+nothing below imports it (``Ctx.operand`` finds the gathered operands on the tensor).
 """
 
 from __future__ import annotations
@@ -50,7 +59,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from .context import GEMM_ID, Ctx, compute_dtype
+from .context import Ctx, compute_dtype
 from .formats import get_format
 from .hadamard import hadamard
 from .operand import pad_axis
@@ -506,10 +515,12 @@ def _compiled(m: nn.Module) -> bool:
     return getattr(m, "_compiled_call_impl", None) is not None
 
 
-def prepare(model: nn.Module, blocks, world: int, device: torch.device, warn: bool = True) -> GatherReport:
+def prepare(model: nn.Module, blocks, world: int, device: torch.device, warn: bool = True,
+            param_dtype: torch.dtype | None = None) -> GatherReport:
     """Turn the weight of every MX layer in ``blocks`` that can be gathered exactly into a ``QGatherWeight``
-    (before ``fully_shard``); the others stay as they are, each with its reason in the report. Says the
-    report once (a warning) when some layer falls back and ``warn``."""
+    (before ``fully_shard``); the others stay as they are, each with its reason in the report (also a layer
+    whose operands would not move fewer bytes than gathering it in ``param_dtype``, None: the weight's dtype).
+    Says the report once (a warning) when some layer falls back and ``warn``."""
     from .nn import MXLayer, MXExperts
     rep = GatherReport()
     counts: dict = {}
@@ -542,6 +553,12 @@ def prepare(model: nn.Module, blocks, world: int, device: torch.device, warn: bo
                 plan = plan_layer(m.recipe, tuple(w.shape), world, m.layer_id, w.device)
                 if isinstance(plan, str):
                     why, plan = plan, None
+            if plan is not None:   # (MXFP8 against a bf16 gather: 2 x (1 + 1/32) bytes an element, more than 2)
+                hp = (param_dtype or w.dtype).itemsize
+                q = _plan_bytes(plan, param_dtype) / w.numel()
+                if q >= hp:
+                    why, plan = (f"its two quantized operands ({q:.4g} bytes an element) would move no fewer bytes "
+                                 f"than the {str(param_dtype or w.dtype).replace('torch.', '')} gather ({hp})"), None
             if why is not None:
                 rep.high[name] = why
                 continue
@@ -603,6 +620,8 @@ def all_gather_bytes(model: nn.Module, world: int, gather: str = "high", param_d
                 plan = plan_layer(m.recipe, tuple(w.shape), world, m.layer_id)
                 memo[key] = None if isinstance(plan, str) else _plan_bytes(plan, param_dtype)
             n = memo[key]
+            if n is not None and n >= hp(w):   # (prepare gathers those in high precision)
+                n = None
         if n is None:
             n, nh = hp(w), nh + 1
         else:
@@ -617,7 +636,12 @@ def all_gather_bytes(model: nn.Module, world: int, gather: str = "high", param_d
     return {"total": total + mx_total, "mx_weights": mx_total, "quantized_layers": nq, "high_layers": nh}
 
 
-def _plan_bytes(plan: Plan, param_dtype) -> int:
-    z = torch.zeros((plan.rows, plan.shape[1]), dtype=param_dtype or torch.float32)
-    inputs, _ = shard_operands(z, plan, None)
-    return sum(t.numel() for t in inputs) * plan.world
+def _plan_bytes(plan: Plan, param_dtype=None) -> int:
+    """Bytes one all-gather of ``plan``'s operands assembles (all ranks' inputs), from the inputs of a zero
+    shard a few blocks tall (their size is proportional to the shard's rows)."""
+    need = math.lcm(_block_rows(plan.recipe.operand("dgrad_w")), 2, plan.specs[1].rot or 1,
+                    16 if plan.recipe.operand("fprop_w").block_2d else 1)
+    r0 = need if plan.rows % need == 0 else plan.rows
+    z = torch.zeros((r0, plan.shape[1]), dtype=param_dtype or torch.float32)
+    inputs, _ = shard_operands(z, plan, {})
+    return sum(t.numel() for t in inputs) * (plan.rows // r0) * plan.world

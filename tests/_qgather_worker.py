@@ -59,8 +59,8 @@ NVFP4 = mxtrain.recipes.get("nvfp4").with_(keep_first=0, keep_last=0, name="nvfp
 # recipe, FSDP2 param_dtype (None: fp32 gathers; bf16: the shard is cast before it is quantized), fused AdamW
 SCENARIOS = {
     "mxfp4-all-dh16": ("mxfp4-all-dh16", None, True),
-    "mxfp8": ("mxfp8", torch.bfloat16, False),
-    "nvfp4": (NVFP4, None, False),
+    "mxfp8": ("mxfp8", None, False),
+    "nvfp4": (NVFP4, torch.bfloat16, False),
     "fp8": ("fp8", None, False),
 }
 

@@ -215,6 +215,12 @@ def test_all_gather_bytes():
     q = Q.all_gather_bytes(model, 2, "quantized")
     assert q["mx_weights"] == 2 * (n // 2 + n // 32) and q["quantized_layers"] == 4
     assert Q.all_gather_bytes(model, 4, "quantized")["high_layers"] == 2   # (the 64-row weights fall back)
+    # MXFP8's two operands (2 x (1 + 1/32) bytes an element) move more than a bf16 gather: it stays high
+    m8 = mxtrain.convert(_Toy(), "mxfp8").model
+    assert Q.all_gather_bytes(m8, 2, "quantized", torch.bfloat16)["quantized_layers"] == 0
+    assert Q.all_gather_bytes(m8, 2, "quantized")["mx_weights"] == 2 * (n + n // 32)
+    with pytest.warns(UserWarning, match=r"2\.062 bytes an element\) would move no fewer bytes than the bfloat16"):
+        assert not Q.prepare(m8, m8.layers, 2, torch.device("cpu"), param_dtype=torch.bfloat16).quantized
 
 
 # ----------------------------------------------------------------------------------- several processes

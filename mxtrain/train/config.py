@@ -161,6 +161,8 @@ class ParallelSection:
     reshard_after_forward: bool = True      # FSDP2: free gathered weights after each block's forward (ZeRO-3)
     prefetch: int = 0                       # FSDP2: all-gather this many blocks ahead explicitly, forward and
                                             # backward (0: FSDP2's own implicit overlap)
+    gather: str = "high"                    # FSDP2 weight all-gather: high | quantized (each MX layer's weight as
+                                            # its quantized operands, bit-identical; docs/distributed.md)
 
 
 @dataclass
@@ -882,6 +884,18 @@ def _check(cfg: TrainConfig) -> None:
         raise UserError(f"parallel.mode must be auto, {', '.join(MODES)}; got {cfg.parallel.mode!r}")
     if cfg.parallel.param_dtype not in ("auto", "bf16", "fp32"):
         raise UserError(f"parallel.param_dtype must be auto, bf16 or fp32, got {cfg.parallel.param_dtype!r}")
+    from ..qgather import GATHER_MODES
+    if cfg.parallel.gather not in GATHER_MODES:
+        raise UserError(f"parallel.gather must be {' or '.join(GATHER_MODES)}, got {cfg.parallel.gather!r}")
+    if cfg.parallel.gather == "quantized" and cfg.parallel.mode != "fsdp2":
+        raise UserError(f"parallel.gather=quantized is FSDP2's weight all-gather: it needs parallel.mode=fsdp2 "
+                        f"(got {cfg.parallel.mode})")
+    if cfg.parallel.gather == "quantized" and not cfg.parallel.reshard_after_forward:
+        raise UserError("parallel.gather=quantized needs parallel.reshard_after_forward=true (a gathered weight holds "
+                        "only its quantized operands: no block may stay unsharded after a forward)")
+    if cfg.parallel.gather == "quantized" and t.switch_recipe:
+        raise UserError("parallel.gather=quantized with train.switch_recipe is not supported (each layer's gather "
+                        "is planned for one recipe's weight operands); use parallel.gather=high")
     if cfg.train.dtype not in ("auto", "bf16", "fp32"):
         raise UserError(f"train.dtype must be auto, bf16 or fp32, got {cfg.train.dtype!r}")
 

@@ -280,8 +280,11 @@ def _wrap_parallel(model, cfg, env):  # DDP / FSDP2 (mxtrain.distributed.wrap)
     if mode != "fsdp2":
         return D.wrap(model, mode, env)
     dt = {"auto": "auto", "bf16": torch.bfloat16, "fp32": None}[p.param_dtype]
-    return D.wrap(model, mode, env, param_dtype=dt, reshard_after_forward=p.reshard_after_forward,
-                  prefetch=p.prefetch)
+    import warnings
+    with warnings.catch_warnings():   # (the quantized gather's fallbacks: said once, in the run's log, by _begin)
+        warnings.filterwarnings("ignore", message="mxtrain: FSDP2 gather='quantized'")
+        return D.wrap(model, mode, env, param_dtype=dt, reshard_after_forward=p.reshard_after_forward,
+                      prefetch=p.prefetch, gather=p.gather)
 
 
 def _reduce_mean(x: float) -> float:  # all-reduce over ranks
@@ -869,6 +872,8 @@ class Trainer:
                 f"run {out}")
         if self.cpu_threads is not None:
             log.say(self.cpu_threads.message)
+        if D.gather_report(self.model) is not None:   # parallel.gather=quantized: which layers, and why not the others
+            log.say(D.gather_report(self.model).message())
         if self.rank == 0:
             write_window_sources(self.data, cfg, out)
         self.cbs.begin(self.tstate)
