@@ -25,16 +25,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from .context import OPERAND_ID as _OPERAND_ID, Ctx, advances_calls, needs_seeds, operand_seed, pad_axis as _pad_axis
-from .linear import _MXLinearFunction, compiled_linear, mx_linear, mx_spec, recipe_json, split_capable
+from .context import Ctx, advances_calls, needs_seeds, operand_seed
+from .linear import compiled_linear, mx_linear, mx_spec, recipe_json, split_capable
 from . import tracedfp8
 from .recipe import Recipe
 from .recipes import get as get_recipe
 
 __all__ = ["MXLinear", "MXLayer", "convert", "ConvertReport", "set_step", "mx_layers", "operand_seed", "mx_linear"]
-
-_Ctx = Ctx   # the name the diagnostics and older tests use
-_ = (_OPERAND_ID, _pad_axis, _MXLinearFunction)   # re-exported for mxtrain.study.diagnostics and tests
 
 # every MX layer alive, for the optimizer step hook (a registry, not a cache: it holds no tensor)
 _LAYERS: "weakref.WeakSet[MXLayer]" = weakref.WeakSet()

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import mxtrain
 from mxtrain import distributed as D
-from mxtrain.nn import MXLinear, _Ctx
+from mxtrain.nn import MXLinear
 
 V, C, T, N_LAYERS = 128, 64, 16, 2
 GLOBAL_BATCH = 8
@@ -113,7 +113,7 @@ def train(model, opt, env, start: int, steps: int, accum: int, save_at: int | No
 
 def add_capture_hooks(model, capture: dict):
     """Record, at the first forward of every MXLinear, the weight it sees (type, shape) and its
-    fprop-quantized value computed exactly as MXLinear.forward computes it (same ``_Ctx``)."""
+    fprop-quantized value computed exactly as MXLinear.forward computes it (same ``Ctx``)."""
     def hook(m, args):
         if capture.get("done"):
             return

@@ -10,14 +10,15 @@ import torch
 import torch.nn as nn
 
 from mxtrain import convert, recipes, set_step
-from mxtrain.nn import _Ctx, mx_layers
+from mxtrain.context import Ctx
+from mxtrain.nn import mx_layers
 from mxtrain.study import diagnostics as D
 
 
 @pytest.mark.parametrize("name", ["mxfp4-all", "mxfp4-all-sr", "mxfp4-all-rht16", "tseng", "nvfp4", "mxfp4-all-dh32"])
 def test_operand_quantize_matches_layer(name):
     rec = recipes.get(name)
-    ctx = _Ctx(rec, layer=3, step=7, call=1)
+    ctx = Ctx(rec, layer=3, step=7, call=1)
     g = torch.Generator().manual_seed(0)
     t = torch.randn(40, 64, generator=g)
     for opname, gemm, axis in (("fprop_x", "fprop", -1), ("dgrad_w", "dgrad", 0), ("wgrad_dy", "wgrad", 0)):
@@ -52,7 +53,7 @@ def test_recomputed_gemms_equal_the_layer(tmp_path):
     assert {(r["layer"], r["gemm"]) for r in rows0} == {(n, g) for n in ("0", "2") for g in ("fprop", "dgrad", "wgrad")}
     # the Wgrad GEMM recomputed by the diagnostics is the layer's actual weight gradient
     (_, lin), = [(n, m) for n, m in mx_layers(model) if n == "2"]
-    cap_ctx = _Ctx(lin.recipe, lin.layer_id, 2, 0)
+    cap_ctx = Ctx(lin.recipe, lin.layer_id, 2, 0)
     # re-run step 2's capture through the public function and compare with .grad
     h = {}
     def fwd(m, i, o):
@@ -64,7 +65,7 @@ def test_recomputed_gemms_equal_the_layer(tmp_path):
     y = model(x)
     (y * tgt).sum().backward()
     hk.remove()
-    d = D.gemm_diagnostics(_Ctx(lin.recipe, lin.layer_id, 2, 1), h["x"], lin.weight.detach(), h["dy"])
+    d = D.gemm_diagnostics(Ctx(lin.recipe, lin.layer_id, 2, 1), h["x"], lin.weight.detach(), h["dy"])
     dw_q = d["wgrad"]["_err"] + h["dy"].reshape(-1, 64).t() @ h["x"].reshape(-1, 96)
     assert torch.allclose(dw_q, lin.weight.grad, rtol=1e-5, atol=1e-6)
     del cap_ctx
@@ -98,7 +99,7 @@ def test_off_registers_nothing_and_bf16_is_skipped(tmp_path):
 
 def test_clip_and_underflow_rates_known():
     rec = recipes.get("mxfp4-all")
-    ctx = _Ctx(rec, 0, 0, 0)
+    ctx = Ctx(rec, 0, 0, 0)
     # one block of 32: max 7.0 * 2^k (floor rule -> scale 2^(2-2)=1 for amax in [4,8)), so 7 clips
     t = torch.full((1, 32), 1e-6)
     t[0, 0] = 7.0
@@ -109,7 +110,7 @@ def test_clip_and_underflow_rates_known():
     assert st["underflow_rate"] == pytest.approx(30 / 32)
     assert st["scale_hist"] == {"0": 1}
     # the ceil rule never saturates
-    ctx = _Ctx(recipes.get("mxfp4-all").with_(**{"wgrad_dy.scale_rule": "ceil"}), 0, 0, 0)
+    ctx = Ctx(recipes.get("mxfp4-all").with_(**{"wgrad_dy.scale_rule": "ceil"}), 0, 0, 0)
     q, p, r, mx = D.operand_quantize(ctx, torch.randn(64, 64), 0, "wgrad_dy", "wgrad", None)
     assert D._operand_stats(q, p, r, mx, 0)["clip_rate"] == 0.0
 

@@ -15,7 +15,8 @@ if not torch.cuda.is_available():
 
 from mxtrain import fast, recipes, settings  # noqa: E402
 from mxtrain.kernels import kernels_available  # noqa: E402
-from mxtrain.nn import _Ctx, _MXLinearFunction  # noqa: E402
+from mxtrain.context import Ctx  # noqa: E402
+from mxtrain.linear import _MXLinearFunction  # noqa: E402
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available() or not kernels_available(torch.device("cpu")),
                                 reason="CPU emulation of the carrier GEMM (Triton's interpreter)")
@@ -56,7 +57,7 @@ def _data(spread: bool):
 
 def _run(fn, rec, spread):
     x, w, b, gy = (t.clone().requires_grad_(i < 3) for i, t in enumerate(_data(spread)))
-    y = fn(x, w, b, _Ctx(rec, 1, 2, 0))
+    y = fn(x, w, b, Ctx(rec, 1, 2, 0))
     y.backward(gy)
     return [t.detach() for t in (y, x.grad, w.grad)]
 

@@ -20,7 +20,8 @@ pytest.importorskip("triton")
 from mxtrain import MXLinear, recipes  # noqa: E402
 from mxtrain import fast, settings  # noqa: E402
 from mxtrain.kernels import kernels_available  # noqa: E402
-from mxtrain.nn import _Ctx, _MXLinearFunction  # noqa: E402
+from mxtrain.context import Ctx  # noqa: E402
+from mxtrain.linear import _MXLinearFunction  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(not kernels_available(DEV), reason="Triton kernels unavailable")
@@ -46,7 +47,7 @@ def _run(fn, rec, M, K, N, dtype=torch.float32, seed=0, layer=3, step=5, call=1)
     w = (torch.randn(N, K, generator=g) / K**0.5).to(DEV, dtype).requires_grad_()
     b = torch.randn(N, generator=g).to(DEV, dtype).requires_grad_()
     gy = torch.randn(M, N, generator=g).to(DEV, dtype)
-    q = _Ctx(rec, layer, step, call)
+    q = Ctx(rec, layer, step, call)
     y = fn(x, w, b, q)
     y.backward(gy)
     return [t.detach().float() for t in (y, x.grad, w.grad, b.grad)]
@@ -100,7 +101,7 @@ def test_weights_quantized_from_current_values(update):
     torch.manual_seed(0)
     lin = MXLinear(64, 48, recipe=rec).to(DEV)
     x = torch.randn(5, 64, device=DEV)
-    y0 = fast.apply(x, lin.weight, lin.bias, _Ctx(rec, 0, 0, 0))
+    y0 = fast.apply(x, lin.weight, lin.bias, Ctx(rec, 0, 0, 0))
     new = torch.randn_like(lin.weight)
     v = lin.weight._version
     if update == "inplace_no_grad":
@@ -112,8 +113,8 @@ def test_weights_quantized_from_current_values(update):
     else:
         torch._foreach_copy_([lin.weight.data], [new])
         assert lin.weight._version == v
-    y1 = fast.apply(x, lin.weight, lin.bias, _Ctx(rec, 0, 0, 1))
-    ref1 = _MXLinearFunction.apply(x, lin.weight, lin.bias, _Ctx(rec, 0, 0, 1))
+    y1 = fast.apply(x, lin.weight, lin.bias, Ctx(rec, 0, 0, 1))
+    ref1 = _MXLinearFunction.apply(x, lin.weight, lin.bias, Ctx(rec, 0, 0, 1))
     assert _rel(y1, ref1) < (1e-6 if DEV == "cpu" else 1e-2)
     assert _rel(y1, y0) > 0.1
 
@@ -136,7 +137,7 @@ def test_shared_input_quantized_once(preset, monkeypatch):
         for w in ws:
             w.grad = None
         x.grad = None
-        ys = [fn(x, w, None, _Ctx(rec, i, 3, 0)) for i, w in enumerate(ws)]
+        ys = [fn(x, w, None, Ctx(rec, i, 3, 0)) for i, w in enumerate(ws)]
         torch.autograd.backward(ys, gys)
         return [y.detach() for y in ys] + [x.grad.clone()] + [w.grad.clone() for w in ws]
 
@@ -146,7 +147,7 @@ def test_shared_input_quantized_once(preset, monkeypatch):
     per_layer = 6  # X, W (Fprop); dY, W (Dgrad); dY, X (Wgrad)
     # X is reused by layers 2 and 3 for a GEMM whose rotation has no sign vector (random signs differ
     # per layer, so those operands differ and are quantized anew)
-    reusable = [_Ctx(rec, 0, 3, 0).signs(gm, DEV) is None for gm in ("fprop", "wgrad")]
+    reusable = [Ctx(rec, 0, 3, 0).signs(gm, DEV) is None for gm in ("fprop", "wgrad")]
     want = 3 * per_layer - 2 * sum(reusable)
     assert len(calls) == want, (len(calls), want)
     for r, o in zip(ref, got):
@@ -425,9 +426,9 @@ def test_no_wgrad_operand_under_no_grad(monkeypatch, use):
     x = torch.randn(33, 72, device=DEV)
     w = torch.randn(40, 72, device=DEV, requires_grad=True)
     with torch.no_grad():
-        y0 = fast.apply(x, w, None, _Ctx(recipes.get("mxfp4-all-dh16"), 3, 5, 1))
+        y0 = fast.apply(x, w, None, Ctx(recipes.get("mxfp4-all-dh16"), 3, 5, 1))
     assert pairs == []
-    y1 = fast.apply(x, w, None, _Ctx(recipes.get("mxfp4-all-dh16"), 3, 5, 1))
+    y1 = fast.apply(x, w, None, Ctx(recipes.get("mxfp4-all-dh16"), 3, 5, 1))
     assert pairs == ["fprop_x"] and torch.equal(y0, y1.detach())
 
 
@@ -546,7 +547,7 @@ def test_wgrad_x_placement_same_gradients_eager(recipe):
             return t
         with settings.override(wgrad_x=mode):
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                y = fast.apply(x, lin.weight, lin.bias, _Ctx(rec, 2, 3, 0))
+                y = fast.apply(x, lin.weight, lin.bias, Ctx(rec, 2, 3, 0))
             y.float().backward(torch.linspace(-1, 1, y.numel(), device=DEV).reshape(y.shape))
         out[mode] = ([y.detach(), x.grad, lin.weight.grad, lin.bias.grad], kept)
     for a, b, c in zip(out["forward"][0], out["backward"][0], out["carrier"][0]):

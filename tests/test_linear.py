@@ -153,7 +153,7 @@ def test_gradcheck_unquantized_rotated_path():
     x = torch.randn(2, 3, 10, dtype=torch.float64, requires_grad=True)
 
     def f(x, w, b):
-        return mxtrain.nn._MXLinearFunction.apply(x, w, b, mxtrain.nn._Ctx(ROT_ONLY, 0, 4, 0))
+        return mxtrain.linear._MXLinearFunction.apply(x, w, b, mxtrain.context.Ctx(ROT_ONLY, 0, 4, 0))
 
     w = layer.weight.detach().clone().requires_grad_(True)
     b = layer.bias.detach().clone().requires_grad_(True)
@@ -206,7 +206,7 @@ def test_steps_and_calls_select_random_streams():
 def test_nvfp4_weight_tiles_are_the_same_in_fprop_and_dgrad():
     r = recipes.get("nvfp4")
     w = torch.randn(48, 64)
-    ctx = mxtrain.nn._Ctx(r, 0, 0, 0)
+    ctx = mxtrain.context.Ctx(r, 0, 0, 0)
     wf, _ = ctx.operand(w, -1, "fprop_w", "fprop", None)
     wd, _ = ctx.operand(w, 0, "dgrad_w", "dgrad", None)
     assert torch.equal(wf, wd)
