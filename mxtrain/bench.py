@@ -73,7 +73,7 @@ def _env() -> dict:
 
 def bench_quantize(args) -> dict:
     from .hadamard import rotation_signs
-    from .kernels.quantize import quantize_mxfp4_2d
+    from .kernels.mxfp4 import quantize_mxfp4_2d
     dev = "cuda"
     res = []
     cases = [
@@ -95,7 +95,7 @@ def bench_quantize(args) -> dict:
         ("act 16384x4096 rows carrier+fp4 H16", (16384, 4096), 1, dict(rot=16, fp4=True)),
         ("act 16384x4096 rows fp4 only", (16384, 4096), 1, dict(carrier=False, fp4=True)),
     ]
-    from .kernels import quantize as kq
+    from .kernels import mxfp4 as kq
     flt = getattr(args, "filter", "") or ""
     for name, shape, axis, kw in cases:
         if flt not in name:
@@ -178,7 +178,7 @@ def dual_timings(x: torch.Tensor, a: dict, b: dict, configs=({},)) -> dict:
     """``quantize_mxfp4_dual(x, a, b, **cfg)`` timed for each kernel configuration in ``configs`` (ms, in
     order; None where it failed), the two single passes it replaces, and a copy of ``x``: with the bytes
     one pass moves (2-byte input read once, both carriers and their group scales written)."""
-    from .kernels import quantize as kq
+    from .kernels import mxfp4 as kq
     y = torch.empty_like(x)
     t_copy = _bench(lambda: y.copy_(x))
     n = x.numel()
@@ -204,7 +204,7 @@ def _fp8_rowwise(x: torch.Tensor):
 
 def bench_gemm(args) -> dict:
     from .kernels.gemm import mx_gemm_nt, probe
-    from .kernels.quantize import quantize_mxfp4_2d
+    from .kernels.mxfp4 import quantize_mxfp4_2d
     dev = "cuda"
     res = {"probe": probe(dev), "shapes": []}
     shapes = [(8192, 8192, 8192)] + [(16384, n, k) for n, k in LLAMA8B_NK]
@@ -234,7 +234,7 @@ def bench_gemm(args) -> dict:
                                torch.bfloat16))
         # exactness vs float64 of the dequantized operands (sample rows to keep it cheap)
         y = mx_gemm_nt(qa, qb, "fp8_carrier", torch.bfloat16)[:256].double()
-        from .kernels.quantize import carrier_values
+        from .kernels.mxfp4 import carrier_values
         ref = carrier_values(qa)[:256].double() @ carrier_values(qb)[:N].double().t()
         r["rel_err_vs_f64"] = ((y - ref).norm() / ref.norm()).item()
         r["inexact_blocks"] = int(qa.inexact.item() + qb.inexact.item())
@@ -242,7 +242,7 @@ def bench_gemm(args) -> dict:
         # dequantize + bf16 GEMM, each checked against float64 like the carrier
         fa = quantize_mxfp4_2d(a, 1, carrier=False, fp4=True)
         fb = quantize_mxfp4_2d(b, 1, carrier=False, fp4=True)
-        from .kernels.quantize import dequantize_fp4
+        from .kernels.mxfp4 import dequantize_fp4
         ref4 = dequantize_fp4(fa)[:256].double() @ dequantize_fp4(fb).double().t()
         for name in ("dot_scaled", "dequant"):
             try:
@@ -412,7 +412,7 @@ def bench_breakdown(args) -> dict:
     """Where an MXLinear fwd+bwd (mxfp4-all-dh16) spends its time at 16384x4096x4096: each fused
     quantize and each GEMM timed alone (bf16 GEMMs for comparison)."""
     from .kernels.gemm import mx_gemm_nt
-    from .kernels.quantize import quantize_mxfp4_2d as q
+    from .kernels.mxfp4 import quantize_mxfp4_2d as q
     dev = "cuda"
     M, N, K = 16384, 4096, 4096
     x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)

@@ -190,8 +190,7 @@ def size_names() -> list[str]:
 # one or two Triton kernels instead of the ~10 separate passes eager PyTorch makes over the tensor.
 # Same formulas either way (float32 math, one rounding to the input dtype); only the rounding of
 # float32 intermediate steps may differ. The ``glue`` setting (mxtrain.settings): MXTRAIN_GLUE=eager turns
-# it off; "compiled" compiles on every device; "auto" (default) compiles on CUDA only. ``model.GLUE`` is kept
-# as an alias of it (assigning it calls ``settings.configure(glue=...)``).
+# it off; "compiled" compiles on every device; "auto" (default) compiles on CUDA only.
 
 
 class GlueState:
@@ -540,6 +539,3 @@ class Llama(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-
-# ``mxtrain.model.GLUE``: an alias of the ``glue`` setting
-_settings.alias_module_attributes(__name__, GLUE="glue")

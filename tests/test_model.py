@@ -97,25 +97,25 @@ def test_tiny_overfits_a_batch(recipe, steps):
 
 @pytest.fixture
 def glue_state():
-    """Restore mxtrain.model's glue mode and compile caches after a test changes them."""
+    """Restore mxtrain.model's glue compile caches after a test changes them."""
     from mxtrain import model
-    saved = model.GLUE, dict(model.GLUE_STATE.compiled), model.GLUE_STATE.failed
+    saved = dict(model.GLUE_STATE.compiled), model.GLUE_STATE.failed
     yield model
-    model.GLUE = saved[0]
     model.GLUE_STATE.clear()
-    model.GLUE_STATE.compiled.update(saved[1])
-    model.GLUE_STATE.failed = saved[2]
+    model.GLUE_STATE.compiled.update(saved[0])
+    model.GLUE_STATE.failed = saved[1]
 
 
 def _block_grads(model, dev, glue, T=24):
-    model.GLUE = glue
+    from mxtrain import settings
     cfg = ModelConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=64)
     torch.manual_seed(1)
     blk = model.Block(cfg).to(dev)
     x = torch.randn(2, T, cfg.dim).to(dev).requires_grad_()   # same values on every device
     cos, sin = rope_tables(cfg.head_dim, T, cfg.rope_theta, dev)
-    y = blk(x, cos, sin)
-    (y * torch.linspace(-1, 1, y.numel(), device=dev).view_as(y)).sum().backward()
+    with settings.override(glue=glue):
+        y = blk(x, cos, sin)
+        (y * torch.linspace(-1, 1, y.numel(), device=dev).view_as(y)).sum().backward()
     return [y.detach().cpu(), x.grad.cpu()] + [p.grad.cpu() for p in blk.parameters()]
 
 
@@ -145,14 +145,15 @@ def test_glue_falls_back_to_eager_when_compile_fails(glue_state, monkeypatch):
             raise RuntimeError("no compiler here")
         return f
     monkeypatch.setattr(torch, "compile", broken)
+    from mxtrain import settings
     glue_state.GLUE_STATE.clear()
-    glue_state.GLUE = "compiled"
     norm = glue_state.RMSNorm(8, 1e-5)
     x = torch.randn(3, 8)
-    with pytest.warns(RuntimeWarning, match="running them eagerly"):
-        y = norm(x)
+    with settings.override(glue="compiled"):
+        with pytest.warns(RuntimeWarning, match="running them eagerly"):
+            y = norm(x)
+        assert glue_state.GLUE_STATE.failed and glue_state._glue(glue_state._rms_norm, x) is glue_state._rms_norm
     assert torch.allclose(y, x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
-    assert glue_state.GLUE_STATE.failed and glue_state._glue(glue_state._rms_norm, x) is glue_state._rms_norm
 
 
 def test_compiled_model_stores_no_graph_output_on_the_module():

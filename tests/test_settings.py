@@ -74,7 +74,7 @@ def test_bad_values_name_the_variable_the_value_and_the_choices(var, value, allo
 
 def test_override_is_read_at_use_time_nests_and_restores():
     from mxtrain import fast, kernels, recipes
-    from mxtrain.kernels import quantize as kq
+    from mxtrain.kernels import mxfp4 as kq
     base = settings.current()
     assert settings.current() is base   # cached: nothing parsed per call
     rec = recipes.get("mxfp4-all")
@@ -110,8 +110,8 @@ def test_override_validates_and_is_seen_by_other_threads():
 
 
 def test_configure_aliases_and_reset(monkeypatch):
-    from mxtrain import fast, model
-    assert fast.ENABLED is settings.current().fast and model.GLUE == settings.current().glue
+    from mxtrain import fast
+    assert fast.ENABLED is settings.current().fast
     monkeypatch.setattr(fast, "ENABLED", False)   # old code: the alias configures the setting
     assert settings.current().fast is False
     monkeypatch.undo()
