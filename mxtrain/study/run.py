@@ -572,7 +572,7 @@ def remake_checkpoints(spec: StudySpec, arm: str, seed: int, rd: Path, steps: li
     0.25 (docs/results.md). Where the losses differ, a warning says so and the branches start from the remade
     state. A remake stopped by a signal continues from its own checkpoint next time."""
     from ..train.branch import kept_checkpoint  # (start-up cost)
-    from ..train.trainer import kept_name  # (start-up cost)
+    from ..train.checkpoint import kept_name  # (start-up cost)
     what = f"{tag} {arm} seed {seed}".strip()
     tmp = rd / "remake"
     at = _resume_point(tmp) if tmp.exists() else None

@@ -6,6 +6,7 @@ from .config import (DataSection as DataSection, DeoscSection as DeoscSection, L
                      ModelSection as ModelSection, OptimSection as OptimSection, ParallelSection as ParallelSection,
                      ScheduleSection as ScheduleSection, TrainConfig as TrainConfig, TrainSection as TrainSection,
                      apply_overrides as apply_overrides)
+from .evaluation import evaluate as evaluate
 from .trainer import (Interrupted as Interrupted, NonFiniteLoss as NonFiniteLoss, Trainer as Trainer,
-                      evaluate as evaluate, lr_at as lr_at, train as train)
+                      lr_at as lr_at, train as train)
 from .branch import branch as branch, branch_fit as branch_fit

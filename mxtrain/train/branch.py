@@ -28,6 +28,7 @@ from .._io import write_json
 from ..errors import UserError
 from . import checkpoint as ckpt
 from .config import TrainConfig
+from .evaluation import DOMAINS_NAME, WINDOWS_NAME
 
 __all__ = ["branch", "branch_fit", "branch_config", "branch_dir", "kept_checkpoint", "BRANCH_INFO"]
 
@@ -42,10 +43,9 @@ def branch_dir(run_dir: str | Path, at_step: int, cooldown_steps: int) -> Path:
 def kept_checkpoint(run_dir: str | Path, at_step: int) -> Path:
     """The checkpoint of ``run_dir`` at step ``at_step``: ``checkpoint-<step>.pt`` (or ``.dcp``), or the
     latest checkpoint when it is at that step. UserError naming the kept steps otherwise."""
-    from .trainer import kept_name
     run = Path(run_dir)
     for dcp in (False, True):
-        p = run / kept_name(at_step, dcp)
+        p = run / ckpt.kept_name(at_step, dcp)
         if (p.is_dir() if dcp else p.is_file()):
             return p
     latest = ckpt.latest(run)
@@ -107,7 +107,6 @@ def _attempt_files(out: Path) -> list[Path]:
     its folder (the trainer, its callbacks, a study's runner). Nothing else in ``out`` is the branch's."""
     import re
     from .profiling import PROFILE_DIR
-    from .trainer import DOMAINS_NAME, WINDOWS_NAME
     names = {BRANCH_INFO, "metrics.jsonl", WINDOWS_NAME, DOMAINS_NAME, "run.json", "config.json", "recipe.json",
              "summary.json", "diagnostics.jsonl", "deosc.jsonl", "wandb_id", "tb", PROFILE_DIR, "study_status.json",
              "study_error.txt", ckpt.NAME, D.DCP_NAME, D.DCP_OLD, D.DCP_NAME + ".tmp"}

@@ -4,19 +4,23 @@
 Contents: model and optimizer state, schedule step, data loader position, RNG states (Python,
 NumPy, torch CPU and CUDA), the step and token counters, and the full config. A crash mid-write
 leaves the previous checkpoint intact. Loading a corrupt, truncated or mismatched file raises a
-``UserError``, never a silent restart.
+``UserError``, never a silent restart. The checkpoints kept at chosen steps (``train.keep_checkpoints_at``):
+``keep_copy`` and ``kept_name``.
 """
 
 from __future__ import annotations
 
+import os
 import random
+import shutil
 import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from .._io import lock_holder, write_atomic  # (hf.py and study/report.py import write_atomic from here)
+# (hf.py and study/report.py import write_atomic from here)
+from .._io import lock_holder, replace_folder, temp_path, write_atomic
 from ..errors import UserError
 
 FORMAT = "mxtrain-ckpt-v1"
@@ -193,3 +197,32 @@ def check_compatible(saved: dict, now: dict, path) -> None:
             diffs.append(f"{'.'.join(key)} ({a!r} in checkpoint, {b!r} now)")
     if diffs:
         raise UserError(f"checkpoint {path} does not match this config: {'; '.join(diffs)}")
+
+
+def keep_copy(path: Path, step: int) -> None:
+    """Keep the checkpoint just written at ``path`` as ``checkpoint-<step>.pt`` (a hard link where the file
+    system allows: the next checkpoint replaces ``checkpoint.pt`` by a rename, the link keeps this one) or,
+    for a DCP folder, ``checkpoint-<step>.dcp`` (a copy)."""
+    path = Path(path)
+    dst = path.with_name(kept_name(step, dcp=path.is_dir()))
+    try:
+        tmp = temp_path(dst)
+        if path.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.copytree(path, tmp)
+            replace_folder(tmp, dst)
+            return
+        if tmp.exists():
+            tmp.unlink()
+        try:
+            os.link(path, tmp)
+        except OSError:
+            shutil.copy2(path, tmp)
+        os.replace(tmp, dst)
+    except OSError as e:
+        raise UserError(f"cannot keep checkpoint {dst}: {e.strerror or e}") from None
+
+
+def kept_name(step: int, dcp: bool = False) -> str:
+    """The file (folder) name of the checkpoint kept at ``step``: ``checkpoint-<step>.pt`` (``.dcp``)."""
+    return f"checkpoint-{step}.{'dcp' if dcp else 'pt'}"

@@ -33,9 +33,8 @@ import torch
 from .. import __version__, convert, set_step
 from .. import distributed as D  # DDP / FSDP2 / DCP hooks
 from .. import settings as _settings
-from .._io import replace_folder, temp_path, write_text
-from ..data import Loader, TokenData, ensure_builtin, val_batches
-from ..data.loader import val_window_sources
+from .._io import write_text
+from ..data import Loader, TokenData, ensure_builtin
 from ..errors import OutOfMemory, UserError
 from ..model import Llama, ModelConfig
 from . import checkpoint as ckpt
@@ -43,6 +42,7 @@ from . import profiling, threads
 from .callbacks import (Callback, CallbackList, Outcome, Status, TensorBoardLogger, TrainState, WandbLogger,
                         read_outcome, wandb_project)
 from .config import TrainConfig, _check, keep_steps, shape_overrides, switch_step
+from .evaluation import WINDOWS_NAME, append_windows, evaluate_windows, final_evaluation, write_window_sources
 from .run_folder import _git_sha, _make_out, _record_outcome, _refuse_rewind, _write_json, write_run_json
 
 # re-exported for callers of this module: Callback, Outcome, Status, TrainState, read_outcome (mxtrain.train.callbacks)
@@ -310,128 +310,6 @@ def _peak_tflops(cfg: TrainConfig, dev: torch.device) -> float | None:
         if k in name:
             return v
     return None
-
-
-@torch.no_grad()
-def evaluate(model, data: TokenData, cfg: TrainConfig, device, amp_dtype, rank=0, world=1) -> float:
-    """The mean validation loss over the fixed validation windows (``log.eval_tokens``)."""
-    return evaluate_windows(model, data, cfg, device, amp_dtype, rank, world)[0]
-
-
-WINDOWS_NAME = "eval_windows.jsonl"   # per evaluation: {"step", "tokens", "losses": [one mean loss per window]}
-FINAL_EVAL_NAME = "eval_final.json"   # log.final_eval_tokens: {"step", "tokens", "eval_tokens", "val_loss", "losses"}
-
-
-def final_evaluation(model, data: TokenData, cfg: TrainConfig, device, amp_dtype, step: int, tokens: int, out: Path,
-                     rank=0, world=1) -> float | None:
-    """The end-of-run evaluation over ``log.final_eval_tokens`` validation tokens (when that exceeds
-    ``log.eval_tokens``): the same spread of windows for every run of that setting, written by rank 0 to
-    ``RUN/eval_final.json`` (atomically); returns its mean loss, or None when the setting is off."""
-    n = cfg.log.final_eval_tokens
-    if not n or n <= cfg.log.eval_tokens:
-        return None
-    import copy
-    big = copy.deepcopy(cfg)
-    big.log.eval_tokens = n
-    val, windows = evaluate_windows(model, data, big, device, amp_dtype, rank, world)
-    if rank == 0:
-        src = val_window_sources(data, cfg.data.seq_len, n)
-        _write_json(out / FINAL_EVAL_NAME, {"step": step, "tokens": tokens, "eval_tokens": n, "val_loss": val,
-                                            "losses": [round(float(w), 6) for w in windows],
-                                            **({"sources": src} if src else {})})
-    return val
-
-
-DOMAINS_NAME = "eval_sources.json"   # the validation source of each window of eval_windows.jsonl (fixed val files)
-
-
-def write_window_sources(data: TokenData, cfg: TrainConfig, out: Path) -> None:
-    """``RUN/eval_sources.json``: ``{"eval_tokens", "sources": [the fixed validation file of each window, in
-    eval_windows.jsonl's order]}`` where the prepared folder records its validation files' spans."""
-    src = val_window_sources(data, cfg.data.seq_len, cfg.log.eval_tokens)
-    if src:
-        _write_json(out / DOMAINS_NAME, {"eval_tokens": cfg.log.eval_tokens, "sources": src})
-
-
-@torch.no_grad()
-def evaluate_windows(model, data: TokenData, cfg: TrainConfig, device, amp_dtype, rank=0,
-                     world=1) -> tuple[float, list[float]]:
-    """``(mean loss, [loss of each validation window])``: the windows are the fixed validation set's
-    (``val_batches``), in order, each window's loss the mean over its ``seq_len`` tokens; the mean is the
-    token-weighted mean of ``evaluate`` (the same number as ``model(x, y)`` gives, batch by batch). The
-    per-window losses let a study bootstrap over evaluation windows (``mxtrain.study.cooldown``)."""
-    import torch.nn.functional as F
-    model.eval()
-    total, count = 0.0, 0
-    mine: list[float] = []
-    bs = cfg.train.micro_batch_size or max(1, cfg.train.batch_size // world)
-    # every rank runs as many forwards (FSDP2 gathers in each); padding batches weigh 0
-    def first_window():   # a rank without a window of its own (fewer windows than ranks) forwards the first
-        # batch of the set (weight 0), of the other ranks' batch size where there are that many windows
-        return next(iter(val_batches(data, cfg.data.seq_len, bs, cfg.log.eval_tokens, 0, 1)))
-    mine_batches = val_batches(data, cfg.data.seq_len, bs, cfg.log.eval_tokens, rank, world)
-    for (x, y), w in D.even_batches(mine_batches, pad=first_window):
-        x, y = x.to(device), y.to(device)
-        with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
-            logits = model(x)
-            flat = logits.float().view(-1, logits.size(-1))
-            loss = F.cross_entropy(flat, y.reshape(-1))   # as Llama.forward(x, y) computes it
-            per = F.cross_entropy(flat, y.reshape(-1), reduction="none").view(y.shape).mean(dim=1)
-        total += w * loss.item() * y.numel()
-        count += w * y.numel()
-        if w:
-            mine += per.tolist()
-    model.train()
-    total, count = D.reduce_sums(total, count)  # token-weighted mean over all ranks
-    windows = mine
-    if world > 1:   # rank r holds windows r, r + world, ...: gathered in order by one sum
-        n = int(round(D.reduce_sums(float(len(mine)))[0]))
-        full = [0.0] * n
-        for k, v in enumerate(mine):
-            full[rank + k * world] = v
-        windows = D.reduce_sums(*full) if n else []
-    return total / count, [float(v) for v in windows]
-
-
-def _append_windows(path: Path, step: int, tokens: int, losses: list[float]) -> None:
-    """One row of ``eval_windows.jsonl`` (losses rounded to 6 decimals: compact, far below seed noise)."""
-    row = {"step": step, "tokens": tokens,
-           "losses": [round(v, 6) if math.isfinite(v) else str(v) for v in losses]}
-    try:
-        with open(path, "a") as f:
-            f.write(json.dumps(row) + "\n")
-    except OSError as e:
-        raise UserError(f"cannot write {path}: {e.strerror or e}; the last checkpoint is intact") from None
-
-
-def _keep_copy(path: Path, step: int) -> None:
-    """Keep the checkpoint just written at ``path`` as ``checkpoint-<step>.pt`` (a hard link where the file
-    system allows: the next checkpoint replaces ``checkpoint.pt`` by a rename, the link keeps this one) or,
-    for a DCP folder, ``checkpoint-<step>.dcp`` (a copy)."""
-    import shutil
-    path = Path(path)
-    dst = path.with_name(kept_name(step, dcp=path.is_dir()))
-    try:
-        tmp = temp_path(dst)
-        if path.is_dir():
-            shutil.rmtree(tmp, ignore_errors=True)
-            shutil.copytree(path, tmp)
-            replace_folder(tmp, dst)
-            return
-        if tmp.exists():
-            tmp.unlink()
-        try:
-            os.link(path, tmp)
-        except OSError:
-            shutil.copy2(path, tmp)
-        os.replace(tmp, dst)
-    except OSError as e:
-        raise UserError(f"cannot keep checkpoint {dst}: {e.strerror or e}") from None
-
-
-def kept_name(step: int, dcp: bool = False) -> str:
-    """The file (folder) name of the checkpoint kept at ``step``: ``checkpoint-<step>.pt`` (``.dcp``)."""
-    return f"checkpoint-{step}.{'dcp' if dcp else 'pt'}"
 
 
 def _isatty(stream) -> bool:
@@ -1051,7 +929,7 @@ class Trainer:
                                              self.env.world_size)
         self.val_loss = val_loss
         if self.rank == 0:
-            _append_windows(self.out / WINDOWS_NAME, done, tokens, windows)
+            append_windows(self.out / WINDOWS_NAME, done, tokens, windows)
         ppl = math.exp(min(val_loss, 50))
         log.row({"step": done, "tokens": tokens, "val_loss": val_loss, "val_ppl": ppl})
         self.cbs.eval(done, {"val_loss": val_loss, "val_ppl": ppl, "tokens": tokens})
@@ -1145,7 +1023,7 @@ class Trainer:
             self.ckpt_path.unlink()  # a single-process leg's older checkpoint: resume must find the newest
         self.log.row({"step": step, "tokens": at_tokens, "event": "checkpoint", **row, "world_size": env.world_size})
         if step in self.keep and self.rank == 0:   # a budget checkpoint (train.keep_checkpoints_at): kept by its step
-            _keep_copy(path, step)
+            ckpt.keep_copy(path, step)
         self.last_ckpt_step = step
         self.cbs.checkpoint(step, path)
 
