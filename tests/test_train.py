@@ -33,10 +33,11 @@ def _rows(run: Path):
     return [r for r in rows if "loss" in r and "val_loss" not in r], [r for r in rows if "val_loss" in r]
 
 
-def golden_config(out) -> TrainConfig:
-    """The golden run: the ``debug`` experiment (2 x 64 model, mxfp4-all-dh16) on the built-in corpus."""
+def golden_config(out, data=None) -> TrainConfig:
+    """The golden run: the ``debug`` experiment (2 x 64 model, mxfp4-all-dh16) on the built-in corpus (``data``:
+    its prepared folder, else prepared here)."""
     cfg = experiments.get("debug")
-    cfg.data.path = str(builtin_data())
+    cfg.data.path = str(data or builtin_data())
     cfg.log.out = str(out)
     cfg.log.progress = False
     cfg.log.tensorboard = False
@@ -49,7 +50,10 @@ def _golden_in_subprocess(out: Path) -> Path:
     import sys
     env = dict(os.environ, **GOLDEN_ENV)
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent)] + [p for p in [env.get("PYTHONPATH")] if p])
-    r = subprocess.run([sys.executable, __file__, "--golden-run", str(out)], env=env, capture_output=True, text=True)
+    # the corpus prepared in this process (once per test session, for the runs without --data too; ATen's kernels
+    # play no part in preparing it), not again in the child
+    r = subprocess.run([sys.executable, __file__, "--golden-run", str(out), str(builtin_data())], env=env,
+                       capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
     return Path(r.stdout.strip().splitlines()[-1])
 
@@ -199,7 +203,7 @@ if __name__ == "__main__":
     import sys
     import tempfile
     if "--golden-run" in sys.argv:
-        print(train(golden_config(Path(sys.argv[sys.argv.index("--golden-run") + 1]))))
+        print(train(golden_config(*map(Path, sys.argv[sys.argv.index("--golden-run") + 1:][:2]))))
     if "--regenerate" in sys.argv:
         out = _golden_in_subprocess(Path(tempfile.mkdtemp()) / "run")
         losses = [r["loss"] for r in _rows(out)[0]]

