@@ -280,11 +280,11 @@ def _wrap_parallel(model, cfg, env):  # DDP / FSDP2 (mxtrain.distributed.wrap)
     if mode != "fsdp2":
         return D.wrap(model, mode, env)
     dt = {"auto": "auto", "bf16": torch.bfloat16, "fp32": None}[p.param_dtype]
-    import warnings
-    with warnings.catch_warnings():   # (the quantized gather's fallbacks: said once, in the run's log, by _begin)
+    if p.gather == "quantized":   # (its fallbacks are said once, in the run's log, by _begin; not as a warning too.
+        import warnings           # A filter, not catch_warnings, which would also undo the filter wrap installs)
         warnings.filterwarnings("ignore", message="mxtrain: FSDP2 gather='quantized'")
-        return D.wrap(model, mode, env, param_dtype=dt, reshard_after_forward=p.reshard_after_forward,
-                      prefetch=p.prefetch, gather=p.gather)
+    return D.wrap(model, mode, env, param_dtype=dt, reshard_after_forward=p.reshard_after_forward,
+                  prefetch=p.prefetch, gather=p.gather)
 
 
 def _reduce_mean(x: float) -> float:  # all-reduce over ranks
