@@ -178,22 +178,24 @@ def test_help_and_version():
 
 
 def test_prepare_then_train_and_resume(tmp_path):
+    # in this process (mxtrain.cli.main, as run_cli runs it): no step needs a process of its own, and the
+    # subprocess path of prepare, train and resume runs elsewhere (test_prepare_force, test_cli_config, test_run_folder)
     src = tmp_path / "corpus.jsonl"
     src.write_text("".join(json.dumps({"text": f"Sentence {i % 7} is about topic {i % 5}. " * 12}) + "\n"
                            for i in range(300)))
-    p = run_cli("data", "prepare", str(src), "--out", str(tmp_path / "data"), "--vocab-size", "512", "--no-progress")
+    p = run_main("data", "prepare", str(src), "--out", str(tmp_path / "data"), "--vocab-size", "512", "--no-progress")
     assert p.returncode == 0, p.stderr
     assert (tmp_path / "data" / "meta.json").is_file()
     out = tmp_path / "run"
     common = ["--exp", "debug", "--recipe", "bf16", "--data", str(tmp_path / "data"), "--seq-len", "32",
               "--batch-size", "4", "--eval-every", "2", "--eval-tokens", "128", "--out", str(out), "--no-progress",
               "--set", "schedule.horizon_steps=6"]
-    p = run_cli("train", *common, "--steps", "3")
+    p = run_main("train", *common, "--steps", "3")
     assert p.returncode == 0, p.stderr
     assert "val_ppl" in p.stdout and f"run folder: {out}" in p.stdout.strip().splitlines()[-1]
     # the same folder again without --resume is refused
-    one_line_error(run_cli("train", *common, "--steps", "3"), "already holds a run")
-    p = run_cli("train", "--resume", str(out), "--steps", "6", "--no-progress")
+    one_line_error(run_main("train", *common, "--steps", "3"), "already holds a run")
+    p = run_main("train", "--resume", str(out), "--steps", "6", "--no-progress")
     assert p.returncode == 0, p.stderr
     steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()
              if "loss" in json.loads(x) and "val_loss" not in json.loads(x)]
