@@ -14,7 +14,7 @@ from mxtrain.train import TrainConfig, branch, lr_at, train
 from mxtrain.train import checkpoint as ckpt
 from mxtrain.train.config import keep_steps
 
-from train_helpers import one_line_error, run_cli, tiny_run_cfg
+from train_helpers import one_line_error, run_main, tiny_run_cfg
 
 
 def test_wsd_shapes_and_decay_steps():
@@ -156,21 +156,22 @@ def test_a_branch_trained_again_in_its_folder_removes_only_its_own_files(tmp_pat
 
 
 def test_cli_branch(tmp_path):
+    # through mxtrain.cli.main in this process (as run_cli runs it): nothing here needs a process of its own
     run = tmp_path / "stable"
-    p = run_cli("train", "--exp", "debug", "--data", str(__import__("train_helpers").small_data()), "--steps", "4",
+    p = run_main("train", "--exp", "debug", "--data", str(__import__("train_helpers").small_data()), "--steps", "4",
                 "--seq-len", "32", "--batch-size", "4", "--out", str(run), "--no-progress", "--device", "cpu",
                 "--set", "schedule.kind=constant", "--set", "schedule.warmup_steps=1",
                 "--set", "train.keep_checkpoints_at=0.5", "--set", "log.tensorboard=false",
                 "--set", "log.eval_tokens=256")
     assert p.returncode == 0, p.stderr
     assert (run / "checkpoint-2.pt").is_file()
-    p = run_cli("train", "--resume", str(run), "--branch-at", "2", "--cooldown", "2", "--cooldown-shape", "1-sqrt",
+    p = run_main("train", "--resume", str(run), "--branch-at", "2", "--cooldown", "2", "--cooldown-shape", "1-sqrt",
                 "--no-progress")
     assert p.returncode == 0, p.stderr
     b = run / "branches" / "k2-n2"
     assert "cooled-down validation loss" in p.stdout and (b / "summary.json").is_file()
     assert json.loads((b / "config.json").read_text())["schedule"]["decay_shape"] == "1-sqrt"
-    one_line_error(run_cli("train", "--resume", str(run), "--branch-at", "3", "--cooldown", "2"),
+    one_line_error(run_main("train", "--resume", str(run), "--branch-at", "3", "--cooldown", "2"),
                    "no checkpoint at step 3", "kept: 2")
-    one_line_error(run_cli("train", "--resume", str(run), "--branch-at", "2"), "--cooldown STEPS")
-    one_line_error(run_cli("train", "--cooldown", "2"), "go with --branch-at")
+    one_line_error(run_main("train", "--resume", str(run), "--branch-at", "2"), "--cooldown STEPS")
+    one_line_error(run_main("train", "--cooldown", "2"), "go with --branch-at")
