@@ -6,9 +6,11 @@ bit-identical to ``Ctx.operand`` (same rotation, signs, stochastic-rounding key 
 GEMMs multiply exactly those MX values (on sm_90 through the FP8 e4m3 carrier and blockwise
 ``torch._scaled_mm``). Only fp32 accumulation order and the bf16 rounding of GEMM outputs differ.
 
-Used by ``mxtrain.linear`` for CUDA inputs when ``supported(recipe)``: every operand is ``mxfp4``
-(32-element blocks) or ``bf16``, with any rotation, rounding, scale rule or prescale. A GEMM whose two
-operands are not both MXFP4 runs exactly as the reference does.
+Used by ``mxtrain.linear`` for CUDA inputs when ``supported(recipe)``: every operand is ``mxfp4`` or the
+uniform 4-bit grid ``mxint4`` (32-element blocks; ``kernels.mxfp4.carrier.KERNEL_FORMATS``) or ``bf16``, with any
+rotation, rounding, prescale and a scale rule the kernels have (``adaptive`` is the reference's alone). A GEMM
+whose two operands are not both of those MX formats runs exactly as the reference does. (``mxint4`` runs through
+the same FP8 carrier: every INT4 value times a power of two is exact in e4m3.)
 
 Weights are quantized from their current values at every call: nothing is cached across calls, so
 any update (fused, foreach or for-loop optimizers, ``p.data.copy_``, ``load_state_dict``, FSDP2
@@ -33,6 +35,7 @@ once. ``ENABLED`` is kept as an alias of the ``fast`` setting (assigning it call
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 
@@ -42,6 +45,7 @@ from .kernels import HAS_TRITON as _HAS_TRITON, backend as _backend, kernels_ava
 from .kernels import gemm as _gemm
 from .kernels import quantize as _quantize
 from .kernels.quantize import QuantOut, quantize_op
+from .kernels.mxfp4.carrier import KERNEL_FORMATS
 
 __all__ = ["supported", "applies", "apply", "forward", "backward", "ENABLED", "inexact_blocks", "inexact_by_tensor",
            "clear_caches", "FastState", "state", "ROLES"]
@@ -57,9 +61,9 @@ KERNELS = _HAS_TRITON
 
 
 def supported(recipe) -> bool:
-    """Recipes the fast path implements: every operand ``mxfp4`` (default blocks, a scale rule the kernels have)
-    or ``bf16``. Depends on the recipe only: whether the fast path runs a call (the ``fast`` setting, the device)
-    is ``linear.route``'s decision."""
+    """Recipes the fast path implements: every operand ``mxfp4`` or ``mxint4`` (default blocks, a scale rule the
+    kernels have) or ``bf16``. Depends on the recipe only: whether the fast path runs a call (the ``fast`` setting,
+    the device) is ``linear.route``'s decision."""
     return recipe.memo("fast_supported", _supported)
 
 
@@ -69,7 +73,7 @@ def _supported(recipe) -> bool:
     from .kernels.mxfp4.launch import RULE_ID
     from .recipe import OPERANDS
     ops = [recipe.operand(n) for n in OPERANDS]
-    return all((op.fmt == "bf16" or (op.fmt == "mxfp4" and op.scale_rule in RULE_ID)) and not op.block_2d
+    return all((op.fmt == "bf16" or (op.fmt in KERNEL_FORMATS and op.scale_rule in RULE_ID)) and not op.block_2d
                for op in ops)
 
 
@@ -145,10 +149,10 @@ class FastState:
         return c
 
     def inexact_blocks(self, device="cuda", role: str | None = None) -> int:
-        """Running count of MXFP4 blocks that the FP8 carrier could not hold exactly (more than 14
-        binades below their group's largest block) over every fast-path quantize on ``device`` so far
-        (0 means every GEMM multiplied the exact MX values), of one tensor ``role`` or all. Reading it
-        synchronizes the device."""
+        """Running count of MX blocks that the FP8 carrier could not hold exactly (more than 14 binades below
+        their group's largest block; 15 for ``mxint4``) over every fast-path quantize on ``device`` so far (0 means
+        every GEMM multiplied the exact MX values), of one tensor ``role`` or all. Reading it synchronizes the
+        device."""
         d = self._dev(device)
         return sum(int(c.item()) for (cd, r), c in self.counters.items() if cd == d and role in (None, r))
 
@@ -219,9 +223,9 @@ def _exact_gemm(qctx: Ctx, qa: QuantOut, nA: str, qb: QuantOut, nB: str, backend
 
 
 def inexact_blocks(device="cuda") -> int:
-    """Running count of MXFP4 blocks that the FP8 carrier could not hold exactly (more than 14
-    binades below their group's largest block) over every fast-path quantize on ``device`` so far
-    (0 means every GEMM multiplied the exact MX values). Reading it synchronizes the device.
+    """Running count of MX blocks that the FP8 carrier could not hold exactly (more than 14 binades
+    below their group's largest block; 15 for ``mxint4``) over every fast-path quantize on ``device`` so far (0
+    means every GEMM multiplied the exact MX values). Reading it synchronizes the device.
     ``inexact_by_tensor`` splits it by tensor; ``state.counted(device)`` says whether every call counted."""
     return state.inexact_blocks(device)
 
@@ -256,7 +260,7 @@ def _act_key(name, t, axis, rsize, op, backend, group_rows, capturing, fp4=False
     (an eagerly made one would be a constant of the graph, never recomputed on replay), and eager code
     only eager ones."""
     return (name, t.device, t.dtype, t.data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()),
-            t._version, axis, rsize, op.scale_rule, op.prescale, backend, group_rows, capturing, fp4,
+            t._version, axis, rsize, op.fmt, op.scale_rule, op.prescale, backend, group_rows, capturing, fp4,
             _settings.current().exact_carrier)
 
 
@@ -291,7 +295,7 @@ def _quant(qctx: Ctx, t: torch.Tensor, axis: int, name: str, gemm: str, signs, b
     q = quantize_op(t, axis, rot=rsize, signs=signs, rounding=op.rounding, scale_rule=op.scale_rule, key=key,
                     prescale=op.prescale, index_strides=_index_strides(t, axis, rsize), carrier=carrier, fp4=fp4,
                     group_rows=group_rows, k_multiple=_gemm.k_multiple_for(backend),
-                    counter=_counter(qctx, t.device, name), key_tensor=key_t)
+                    counter=_counter(qctx, t.device, name), key_tensor=key_t, fmt=op.fmt)
     if act is not None:
         _act_put(name, act, t, q)
     return q, op.prescale
@@ -336,7 +340,7 @@ def _quant_pair(qctx: Ctx, t: torch.Tensor, na: str, ga: str, nb: str, gb: str, 
         acts.append((n, act, op.prescale))
         sides.append(dict(rot=rsize, signs=signs, rounding=op.rounding, scale_rule=op.scale_rule, key=key,
                           prescale=op.prescale, index_strides=_index_strides(t, axis, rsize), key_tensor=key_t,
-                          group_rows=gr))
+                          group_rows=gr, fmt=op.fmt))
     hits = [state.activations.get(n) for n, _, _ in acts]
     if all(act is not None and h is not None and h[0] == act for (_, act, _), h in zip(acts, hits)):
         return {n: (h[2], ps) for (n, _, ps), h in zip(acts, hits)}
@@ -356,7 +360,15 @@ def _quant_pair(qctx: Ctx, t: torch.Tensor, na: str, ga: str, nb: str, gb: str, 
 
 
 def _both_mx(recipe, a: str, b: str) -> bool:
-    return recipe.operand(a).fmt == "mxfp4" and recipe.operand(b).fmt == "mxfp4"
+    """Are both operands of a GEMM of an MX format of the fused quantizer (``mxfp4``, ``mxint4``)? Their GEMM
+    multiplies the MX values (the carrier holds either grid, so they may differ)."""
+    return recipe.operand(a).fmt in KERNEL_FORMATS and recipe.operand(b).fmt in KERNEL_FORMATS
+
+
+def _as_fmt(q: QuantOut, fmt: str) -> QuantOut:
+    """``q`` naming its codes' format ``fmt`` (an operand that came back from a custom op's tensors,
+    ``unpack_operand``, carries the default)."""
+    return q if q.fmt == fmt else dataclasses.replace(q, fmt=fmt)
 
 
 def _b_group_rows(dev, backend: str) -> int:
@@ -377,6 +389,7 @@ def _gemm_fn(qctx: Ctx, A: torch.Tensor, axA: int, nA: str, B: torch.Tensor | No
         qa, pa = pre[nA] if nA in pre else _quant(qctx, A, axA, nA, gemm, signs, backend, 1, reuse)
         gr = _gemm.weight_group_rows(dev) if b_is_weight else _b_group_rows(dev, backend)
         qb, pb = pre[nB] if nB in pre else _quant(qctx, B, axB, nB, gemm, signs, backend, gr, reuse)
+        qa, qb = _as_fmt(qa, recipe.operand(nA).fmt), _as_fmt(qb, recipe.operand(nB).fmt)
         if backend == "fp8_carrier" and _settings.current().exact_carrier:
             return _exact_gemm(qctx, qa, nA, qb, nB, backend, out_dtype, pa * pb)
         return _gemm.mx_gemm_nt(qa, qb, backend, out_dtype, pa * pb)
@@ -459,6 +472,8 @@ def backward(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor, wq:
     dy2 = dy.reshape(-1, dy.shape[-1])
     x2 = x.reshape(-1, x.shape[-1]) if x is not None else None
     dx = dw = db = None
+    if wq is not None:   # (its format from the recipe: the custom ops' tensors do not carry it)
+        wq = _as_fmt(wq, qctx.recipe.operand("wgrad_x").fmt)
     if wq is not None and need[1]:
         wq = carrier_of(wq, backend, qctx)
     pre = {} if wq is None else {"wgrad_x": (wq, qctx.recipe.operand("wgrad_x").prescale)}
@@ -490,15 +505,17 @@ def pack_operand(q: QuantOut) -> tuple[torch.Tensor, torch.Tensor]:
     return q.packed, q.scales
 
 
-def unpack_operand(s0: torch.Tensor, s1: torch.Tensor, R: int, K: int, group_rows: int | None = None) -> QuantOut:
+def unpack_operand(s0: torch.Tensor, s1: torch.Tensor, R: int, K: int, group_rows: int | None = None,
+                   fmt: str = "mxfp4") -> QuantOut:
     """Inverse of ``pack_operand``: an operand of R rows reduced along K. ``group_rows``: of the carrier's
-    scales, made or to be made (default: what X's Wgrad operand uses on this device)."""
+    scales, made or to be made (default: what X's Wgrad operand uses on this device). ``fmt``: its MX format
+    (the tensors do not say; ``forward`` and ``backward`` also set it from the recipe)."""
     gr = group_rows if group_rows is not None else _b_group_rows(s0.device, _backend(s0.device))
     if s1.dtype == torch.float32:   # FP8 carrier and its group scales
         Kc = s0.shape[1]
         gview = s1.t() if gr == 1 else s1[:, : Kc // _quantize.TILE_K]
-        return QuantOut(R, K, s0.view(torch.float8_e4m3fn), gview, gr, None, None, None, s1)
-    return QuantOut(R, K, None, None, gr, None, s0, s1)
+        return QuantOut(R, K, s0.view(torch.float8_e4m3fn), gview, gr, None, None, None, s1, fmt)
+    return QuantOut(R, K, None, None, gr, None, s0, s1, fmt=fmt)
 
 
 def operand_shapes(recipe, x: torch.Tensor, name: str):

@@ -22,8 +22,9 @@ by exactly 2 in the exponent, for every scale rule but ``even`` (which rounds th
 element's mantissa width: 3 bits for INT4, 2 for E1M2) and except for blocks whose maximum is below about
 2**-125, where E8M0's smallest scale 2**-127 leaves ``mxe1m2`` a finer step (2**-129) than ``mxint4``
 (2**-127). Every value of either grid times a power of two within FP8 E4M3's range is exact in E4M3 (at most
-3 significant bits; tests/test_ufp4.py checks it exhaustively), so an FP8 carrier could run them on Hopper;
-mxtrain runs them on the reference path only for now (``mxtrain.fast`` takes ``mxfp4`` only).
+3 significant bits; tests/test_ufp4.py checks it exhaustively), so an FP8 carrier runs them on Hopper:
+``mxtrain.fast`` takes ``mxint4`` (the fused quantizer's INT4 grid, docs/kernels.md); ``mxe1m2`` runs on the
+reference path only.
 
 Element formats are described by (exponent bits, mantissa bits, bias, largest finite value). The
 quantizer rounds onto the finite grid only and saturates to +-max, as hardware conversions with
@@ -125,8 +126,9 @@ class Format:
 
     @property
     def reference_only(self) -> bool:
-        """Only the reference quantizer (``mxtrain.quant``) implements this format: no fused kernel, fast
-        path or compiled form may be given it (the uniform 4-bit grids, for now)."""
+        """On the reference path only the reference quantizer (``mxtrain.quant``) implements this format: no
+        fused kernel of that path (``kernels/mxelem.py``) and no compiled form may be given it (the uniform 4-bit
+        grids). The fast path has its own answer, ``mxtrain.fast.supported``: it takes ``mxint4``."""
         return self.name in REFERENCE_ONLY
 
 
@@ -148,7 +150,8 @@ FORMATS = {
 }
 
 
-# formats that only the reference path runs (``Format.reference_only``)
+# formats that no kernel of the reference path and no compiled form runs (``Format.reference_only``; the fast
+# path's fused quantizer takes ``mxint4``: ``mxtrain.kernels.mxfp4.carrier.KERNEL_FORMATS``)
 REFERENCE_ONLY = frozenset({"mxint4", "mxe1m2"})
 
 

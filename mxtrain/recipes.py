@@ -6,9 +6,9 @@ Papers: [AMD] Cim et al., arXiv 2605.09825; [Tseng] Tseng, Yu, Park, arXiv 2502.
 [NVIDIA] arXiv 2509.25149; [Quartet II] its published runs; [UFP4] Zhao et al., arXiv 2606.20381;
 [4/6] Cook et al., "Four over Six", arXiv 2512.02010. Round-up scales ([Mishra] Mishra, Stosic, Layton,
 arXiv 2506.08027: the ``rceil`` rule) are ``mxfp4-all+rceil`` (any preset ``+rceil``), on the fast path.
-docs/numerics.md tabulates every preset. Presets with a format or rule of the reference quantizer alone
-(``ufp4``, ``mxfp4-all-adaptive``, ``nvfp4-4over6``: ``mxtrain.quant.reference_only``) run on the reference path
-everywhere.
+docs/numerics.md tabulates every preset. Presets with a rule of the reference quantizer alone
+(``mxfp4-all-adaptive``, ``nvfp4-4over6``: ``mxtrain.quant.reference_only``) run on the reference path
+everywhere; ``ufp4`` (the INT4 grid) takes the fast path where the MXFP4 presets do (CUDA, the ``fast`` setting).
 """
 
 from __future__ import annotations
@@ -227,7 +227,8 @@ def ufp4() -> Recipe:
     own element definition, block size, scale rule and rotation size were not in the sources read (only the
     abstract): ``mxe1m2`` is the same quantizer here (docs/numerics.md), and the rotation is 16-wide with
     signs re-drawn every step, as ``mxfp4-all-rht16``, so the two differ in the grid and dY's rounding only.
-    Reference path only (the fast path runs E2M1)."""
+    On the fast path (``mxtrain.fast``: the fused quantizer's INT4 grid and the FP8-carrier GEMMs, exact as for
+    MXFP4; not yet run on a GPU, docs/kernels.md)."""
     u = Operand("mxint4")
     u_sr = Operand("mxint4", rounding="stochastic")
     rot = Rotation(16, "per_step")

@@ -3,7 +3,8 @@ interpreter does not see, and reports each variant's registers and instruction c
 
 A representative set of variants (each layout of ``_mxfp4_kernel``, rotations 0/16/32 and wider ones on the
 tile layout, nearest and stochastic rounding, carrier / FP4 / both outputs, 64-bit offsets, a key in device
-memory, 128x128 groups, folded normalization, and the dual kernel; ``kernels/nvfp4.py``'s quantize kernel for
+memory, 128x128 groups, folded normalization, and the dual kernel; the same kernels and the carrier rebuild with
+the uniform INT4 grid (``GRID=1``: ``mxint4``, the ``int4 ...`` variants); ``kernels/nvfp4.py``'s quantize kernel for
 rows and columns, 1-D blocks and 16x16 tiles, stochastic rounding with a key in device memory, the 16-wide
 Hadamard rotation inside it, and its amax kernels (plain and rotating); ``kernels/mxelem.py``'s MX quantizer for
 FP6/FP8 elements, rows and columns, each scale rule) compiled with
@@ -188,6 +189,25 @@ VARIANTS = {
                                              ptr_types={"x_ptr": "*fp32"}),
     "graph expand g128": dict(kind="expand", layout="expand", consts=dict(BR=128, GROUP_ROWS=128), ones=(),
                               num_warps=8, maxnreg=None),
+    # the uniform 4-bit grid (GRID=1: mxint4, the ufp4 recipe's format) in each layout, as the ufp4 recipe launches
+    # it (H16 with per-step signs on every GEMM, SR on dY; bf16 inputs fold 1/4 into the scales), the 64-wide tile
+    # path, the scale rules whose bump differs from E2M1's (rceil, even), and the carrier rebuild of its codes
+    "int4 tile r16 signs sr car+fp4": _single("tile", 64, 4, 16, HAS_SIGNS=True, SR=True, WRITE_FP4=True, GRID=1),
+    "int4 tile r0 fp4 even": _single("tile", 64, 4, WRITE_CARRIER=False, WRITE_FP4=True, RULE=3, GRID=1),
+    "int4 tile r64 signs sr car+fp4": _single("tile", 64, 4, 64, HAS_SIGNS=True, SR=True, WRITE_FP4=True, GRID=1),
+    "int4 blocks r16 fold signs car": _single("blocks", 16, 2, 16, HAS_SIGNS=True, FOLD=True, GRID=1),
+    "int4 blocks r16 signs sr car+fp4": _single("blocks", 16, 2, 16, HAS_SIGNS=True, SR=True, WRITE_FP4=True,
+                                                GRID=1),
+    "int4 blocks w r16 signs g128": _single("blocks", 128, 8, 16, GROUP_ROWS=128, HAS_SIGNS=True, maxnreg=80,
+                                            ptr_types={"x_ptr": "*fp32"}, GRID=1),
+    "int4 blocks r0 car rceil": _single("blocks", 16, 2, RULE=2, GRID=1),
+    "int4 cols r16 signs sr car": _single("cols", 32, 2, 16, HAS_SIGNS=True, SR=True, GRID=1),
+    "int4 cols r16 signs fold fp4": _single("cols", 64, 4, 16, HAS_SIGNS=True, FOLD=True, WRITE_CARRIER=False,
+                                            WRITE_FP4=True, maxnreg=80, GRID=1),
+    "int4 dual x signs r16 fold fp4_b": _dual(rot=16, fp4_b=True, GRID_A=1, GRID_B=1),
+    "int4 dual dy signs r16 sr": _dual(rot=16, sr=True, GRID_A=1, GRID_B=1),
+    "int4 expand": dict(kind="expand", layout="expand", consts=dict(BR=32, GROUP_ROWS=1, GRID=1), ones=(),
+                        num_warps=4, maxnreg=None),
     # the NVFP4 quantizer (kernels/nvfp4.py), as quantize_nvfp4_factored launches it on a GPU
     "nvfp4 rows 1d": _nvfp4(1, 2, 4),
     "nvfp4 rows 2d sr prescale": _nvfp4(1, 2, 4, tile2d=True, sr=True, prescale=True),

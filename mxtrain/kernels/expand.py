@@ -5,7 +5,7 @@ X's Wgrad operand is made in the forward pass (from one read of X, with its Fpro
 in the backward. Kept as packed FP4 codes and E8M0 block scales it takes 0.53 bytes an element; as the
 FP8 carrier, 1.03. The forward therefore keeps the codes, and the backward rebuilds the carrier just
 before the Wgrad GEMM with ``carrier_from_packed``: one read of 0.53 bytes and one write of 1 byte an
-element.
+element. The codes are E2M1 (``mxfp4``) or INT4 (``mxint4``, the uniform grid): ``QuantOut.fmt`` says which.
 
 The carrier it writes is the one the fused quantizer writes for the same operand, byte for byte (the
 same group exponent ``G``, the same ``v * 2**(s - G + 6)`` in e4m3 and the same count of inexact
@@ -30,9 +30,10 @@ if HAS_TRITON:
 
     @triton.jit
     def _expand_kernel(pk_ptr, sc_ptr, car_ptr, gs_ptr, cnt_ptr, R, Kq, Rc, Kc, gs_sr, gs_sk,
-                       BR: tl.constexpr, GROUP_ROWS: tl.constexpr):
+                       BR: tl.constexpr, GROUP_ROWS: tl.constexpr, GRID: tl.constexpr = 0):
         """One program: ``BR`` rows x one 128-wide group (4 MX blocks). With 128x128 groups ``BR`` is 128
-        and the program's tile is one group."""
+        and the program's tile is one group. ``GRID``: the codes' element grid (``mxfp4.launch.GRID_ID``: 0 E2M1,
+        1 INT4)."""
         pid_r = tl.program_id(0)
         pid_k = tl.program_id(1)
         rows = pid_r * BR + tl.arange(0, BR)                         # [BR]
@@ -59,19 +60,22 @@ if HAS_TRITON:
         else:
             G = tl.maximum(tl.max(tl.max(s_live, axis=1), axis=0), -120)
             G2 = G
-        inexact = live & (s - G2 + 6 < -8) & rm[:, None]
+        inexact = live & (s - G2 + 6 < -8 - GRID) & rm[:, None]   # (mxfp4.carrier.EXACT_KEXP)
         kexp = s - G2 + 6                                             # [BR, 4]
-        # carrier value of each element: its E2M1 magnitude times 2**kexp (exact in float32)
+        # carrier value of each element: its E2M1 (INT4) magnitude times 2**kexp (exact in float32)
         fc = ((tl.maximum(kexp, -126) + 127) << 23).to(tl.float32, bitcast=True)
         fc = tl.where(nan_blk, float("nan"), fc)
-        e = mag >> 1
-        m = (mag & 1).to(tl.float32)
-        # E2M1: e == 0 -> 0.5 m; else (1 + 0.5 m) 2**(e - 1)
-        # (explicit FMA: 0.5 m is exact; contraction on or off leaves the code as written)
-        val = tl.where(e == 0, 0.5 * m, tl.fma(m, 0.5, 1.0) * ((e + 126) << 23).to(tl.float32, bitcast=True))
+        if GRID == 1:   # INT4: the magnitude code is the value
+            val = mag.to(tl.float32)
+        else:
+            e = mag >> 1
+            m = (mag & 1).to(tl.float32)
+            # E2M1: e == 0 -> 0.5 m; else (1 + 0.5 m) 2**(e - 1)
+            # (explicit FMA: 0.5 m is exact; contraction on or off leaves the code as written)
+            val = tl.where(e == 0, 0.5 * m, tl.fma(m, 0.5, 1.0) * ((e + 126) << 23).to(tl.float32, bitcast=True))
         val = (val.to(tl.int32, bitcast=True) | ((codes & 8) << 28)).to(tl.float32, bitcast=True)  # -0 kept
         c = tl.reshape(tl.reshape(val, [BR, 4, 32]) * fc[:, :, None], [BR, 128])
-        # e4m3 bits by float32 arithmetic (the values are E2M1 times a power of two: exact above 2**-6,
+        # e4m3 bits by float32 arithmetic (the values are E2M1/INT4 times a power of two: exact above 2**-6,
         # rounded half to even onto the subnormal grid below), as the quantizer's interpreter path
         b = _e4m3_bits(c, False)
         kc = pid_k * 128 + tl.arange(0, 128)
@@ -117,10 +121,14 @@ def carrier_from_packed(q: QuantOut, k_multiple: int = TILE_K, row_multiple: int
     cnt = counter if counter is not None else torch.zeros((1,), dtype=torch.int32, device=dev)
     from .. import settings as _settings
     from .mxfp4.launch import launch_direct, use_plans
+    from .mxfp4.launch import GRID_ID
+    gid = GRID_ID[q.fmt]
     args = (q.packed, q.scales, car, gs, cnt, R, Kq, Rc, Kc, gsr, gsk)
     key = (("expand", dev, q.packed.data_ptr() & 15, q.scales.data_ptr() & 15, car.data_ptr() & 15,
-            gs.data_ptr() & 15, cnt.data_ptr() & 15, R, Kq, Rc, Kc, gsr, gsk, BR, gr)
+            gs.data_ptr() & 15, cnt.data_ptr() & 15, R, Kq, Rc, Kc, gsr, gsk, BR, gr, gid)
            if use_plans(q.packed, _settings.current()) else None)
-    launch_direct(_expand_kernel, grid, args, {"BR": BR, "GROUP_ROWS": gr}, nw, key)
-    return QuantOut(R, q.K, car.view(torch.float8_e4m3fn), gs, gr, cnt, q.packed, q.scales, base)
+    # (GRID only where it is not the default: the E2M1 launches keep their constexprs and plans as before)
+    consts = {"BR": BR, "GROUP_ROWS": gr} if gid == 0 else {"BR": BR, "GROUP_ROWS": gr, "GRID": gid}
+    launch_direct(_expand_kernel, grid, args, consts, nw, key)
+    return QuantOut(R, q.K, car.view(torch.float8_e4m3fn), gs, gr, cnt, q.packed, q.scales, base, q.fmt)
 

@@ -13,7 +13,9 @@ along K (their last axis) by ``mxtrain.kernels.mxfp4``.
   decodes the codes to bf16 in registers (Triton interpreter). Selected with the ``gemm_backend`` setting
   (``MXTRAIN_GEMM_BACKEND``).
 * ``dequant``: decode codes and scales and multiply: in bf16 with fp32 accumulation on GPUs (MX values
-  are exact in bf16), in float32 on CPU.
+  are exact in bf16), in float32 on CPU. Operands of the uniform INT4 grid (``mxint4``, ``QuantOut.fmt``) take
+  this path where the backend is ``native_mx`` or ``dot_scaled`` (no FP4 tensor core multiplies INT4 codes);
+  on ``fp8_carrier`` they run as MXFP4 does (every INT4 value times a power of two is exact in e4m3).
 
 All paths multiply the same MX values; only accumulation order and output rounding differ.
 """
@@ -209,7 +211,8 @@ def mx_gemm_nt(a: QuantOut, b: QuantOut, backend: str, out_dtype=torch.float32,
         if out.shape[0] != Ra or out.shape[1] != Rb:
             out = out[:Ra, :Rb]
         return out if out.dtype == out_dtype else out.to(out_dtype)
-    if backend == "native_mx" or backend == "dot_scaled":
+    if (backend == "native_mx" or backend == "dot_scaled") and a.fmt == b.fmt == "mxfp4":
+        # (FP4 tensor cores and tl.dot_scaled multiply E2M1 codes: other grids, ``mxint4``, are dequantized)
         plan = native_plan(a.packed.device) if backend == "native_mx" else "dot_scaled"
         if plan == "scaled_mm":
             out = _native_mx(a, b, torch.bfloat16)[:Ra, :Rb].float()

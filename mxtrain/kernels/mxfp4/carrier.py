@@ -3,11 +3,11 @@ plain-PyTorch definitions the kernels are checked against.
 
 FP8 carrier (``docs/kernels.md``): each MX element ``v * 2**s`` is stored as ``v * 2**(s - G + 6)`` in e4m3,
 with ``2**(G - 6)`` as its group's float32 scale, where ``G`` is the largest block exponent of the group
-(1x128: one row x 128; 128x128: the whole tile), at least ``MIN_G``. Exact when ``s >= G - 14``; non-zero
-blocks below that are counted in ``inexact``. ``carrier_from_fp4`` builds it from packed FP4 codes and E8M0
-scales with torch ops (the definition, and the fallback of a kernel variant that failed its self-check);
-``reference_quantize`` is the reference quantizer (``mxtrain.quant``) with the optional rotation first, the
-spec every kernel output must equal bit for bit.
+(1x128: one row x 128; 128x128: the whole tile), at least ``MIN_G``. Exact when ``s >= G - 14`` (``mxint4``:
+``s >= G - 15``, ``EXACT_KEXP``); non-zero blocks below that are counted in ``inexact``. ``carrier_from_fp4``
+builds it from packed FP4 codes and E8M0 scales with torch ops (the definition, and the fallback of a kernel
+variant that failed its self-check); ``reference_quantize`` is the reference quantizer (``mxtrain.quant``) with
+the optional rotation first, the spec every kernel output must equal bit for bit.
 """
 
 from __future__ import annotations
@@ -18,11 +18,16 @@ import torch
 
 from ...formats import get_format
 
-__all__ = ["TILE_K", "MIN_G", "QuantOut", "ceil_to", "carrier_buffers", "out_shapes", "carrier_from_fp4",
-           "carrier_values", "dequantize_fp4", "reference_quantize"]
+__all__ = ["TILE_K", "MIN_G", "KERNEL_FORMATS", "EXACT_KEXP", "QuantOut", "ceil_to", "carrier_buffers", "out_shapes",
+           "carrier_from_fp4", "carrier_values", "dequantize_fp4", "reference_quantize"]
 
 TILE_K = 128   # reduction elements of one kernel tile: 4 MX blocks of 32, one carrier group
 MIN_G = -120   # group exponent floor: keeps 2**(G-6) a normal float32
+# The MX formats of the fused quantizer (``launch.GRID_ID``) and, for each, the lowest block shift
+# ``kexp = s - G + 6`` at which the carrier holds every value of a block exactly: the smallest non-zero element
+# (E2M1 0.5, INT4 1) times 2**kexp must be at least e4m3's quantum 2**-9.
+KERNEL_FORMATS = ("mxfp4", "mxint4")
+EXACT_KEXP = {"mxfp4": -8, "mxint4": -9}
 
 
 @dataclass
@@ -33,6 +38,8 @@ class QuantOut:
       (Rc, Kc/128) for 1x128 groups (stored outer-dim-major, as ``_scaled_mm`` wants) or
       (Rc/128, Kc/128) for 128x128; ``inexact``: int32 count of inexact carrier blocks.
     * ``packed``: uint8 (R, Kq/2) FP4 codes (low nibble = lower index); ``scales``: uint8 E8M0 (R, Kq/32).
+    * ``fmt``: the MX format of the elements, one of ``KERNEL_FORMATS`` (``mxfp4``: E2M1 codes; ``mxint4``: INT4 codes,
+      sign and magnitude 0..7). The carrier and its group scales are the same construction for both.
     """
 
     R: int
@@ -44,6 +51,7 @@ class QuantOut:
     packed: torch.Tensor | None
     scales: torch.Tensor | None
     gs_base: torch.Tensor | None = None  # contiguous storage behind ``gscale`` (128x128: padded)
+    fmt: str = "mxfp4"   # the MX format of the codes (``KERNEL_FORMATS``)
 
 
 def ceil_to(a: int, b: int) -> int:
@@ -106,7 +114,7 @@ def carrier_from_fp4(q: QuantOut, k_multiple: int, row_multiple: int) -> None:
     car = (v * pow2(6 - gfull).repeat_interleave(TILE_K, 1)).to(torch.float8_e4m3fn)
     gs = pow2(g - 6)
     live = (s > -127).reshape(Rc, Kc // TILE_K, 4)
-    lo = s.reshape(Rc, Kc // TILE_K, 4) < (gfull[:, :, None] - 14)
+    lo = s.reshape(Rc, Kc // TILE_K, 4) - gfull[:, :, None] + 6 < EXACT_KEXP[q.fmt]
     q.inexact = (live & lo)[:R].sum().to(torch.int32).reshape(1)
     if q.group_rows == 1:
         q.gscale = gs.t().contiguous().t()
@@ -130,10 +138,10 @@ def carrier_values(q: QuantOut) -> torch.Tensor:
 
 
 def dequantize_fp4(q: QuantOut) -> torch.Tensor:
-    """float32 MX values (R, Kq) from the packed codes and E8M0 scales (NaN blocks give NaN)."""
+    """float32 MX values (R, Kq) from the packed codes (of ``q.fmt``) and E8M0 scales (NaN blocks give NaN)."""
     from ...quant import E8M0_NAN, elem_table, pow2, unpack_fp4
     codes = unpack_fp4(q.packed)
-    vals = elem_table(get_format("mxfp4").elem, codes.device)[codes.long()]
+    vals = elem_table(get_format(q.fmt).elem, codes.device)[codes.long()]
     s = q.scales.to(torch.int32) - 127
     sv = torch.where(q.scales == E8M0_NAN, torch.full(s.shape, float("nan"), device=s.device), pow2(s))
     return vals * sv.repeat_interleave(32, dim=1)

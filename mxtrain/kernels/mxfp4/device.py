@@ -80,10 +80,11 @@ if triton is not None:
         return (h >> 8).to(tl.float32) * 5.9604644775390625e-08
 
     @triton.jit
-    def _block_scale(abits, RULE: tl.constexpr):
+    def _block_scale(abits, RULE: tl.constexpr, GRID: tl.constexpr = 0):
         """E8M0 block exponent s from the bit pattern of the block's |x| maximum (finite, >= 0), as the
         spec: floor(log2 amax) - 2 (+1 where the scale rule rounds up), clamped to [-127, 125];
-        -127 for all-zero blocks. Returns (s, nonzero)."""
+        -127 for all-zero blocks. Returns (s, nonzero). ``GRID`` (``launch.GRID_ID``): 0 E2M1, 1 INT4 (both have
+        emax 2; they differ in where ``rceil`` and ``even`` round up: ``quant.mx_scale_exponent``)."""
         E = (abits >> 23) - 127
         mant = abits & 0x7FFFFF
         if RULE == 0:
@@ -91,8 +92,13 @@ if triton is not None:
         elif RULE == 1:
             bump = (mant != 0).to(tl.int32)
         elif RULE == 2:
-            bump = (mant > 0x400000).to(tl.int32)
-        else:  # even / amd: sig >= 1.75 (identical for FP4)
+            if GRID == 1:   # INT4: sig * 4 > 7
+                bump = (mant > 0x600000).to(tl.int32)
+            else:           # E2M1: sig * 4 > 6
+                bump = (mant > 0x400000).to(tl.int32)
+        elif RULE == 3 and GRID == 1:   # INT4 even: round(sig * 8) >= 16 (half to even), sig >= 1.9375
+            bump = (mant >= 0x780000).to(tl.int32)
+        else:  # even / amd: sig >= 1.75 (identical for FP4); amd for every grid
             bump = (mant >= 0x600000).to(tl.int32)
         s = tl.minimum(tl.maximum(E - 2 + bump, -127), 125)   # [-127, 127 - emax], as the spec
         nz = abits > 0
@@ -235,6 +241,24 @@ if triton is not None:
         return q, q2
 
     @triton.jit
+    def _int4_round(v, SR: tl.constexpr, idx, key, kk=0, KK: tl.constexpr = False):
+        """|v| rounded to INT4 magnitudes (float32 integers 0..7; ``quant.round_to_elem`` on the grid of spacing 1
+        and maximum 7), nearest-even or stochastic (hash of idx; ``KK`` as in ``_fp4_round2``). No product
+        feeds an add here, so contraction on or off leaves the code as written."""
+        a = tl.minimum(tl.abs(v), 7.0)
+        if SR:
+            if KK:
+                u = _uniform_kk(idx, key, kk)
+                fl = tl.floor(a)
+            else:
+                u = _uniform(idx, key)
+                fl = a.to(tl.int32).to(tl.float32)
+            q = fl + tl.where(u < a - fl, 1.0, 0.0)                          # a - fl: exact (a < 8)
+        else:
+            q = (a + 12582912.0) - 12582912.0                                 # half to even (a < 2**22)
+        return q
+
+    @triton.jit
     def _fp4_code(q, q2, v):
         """E2M1 code of magnitude q (0, .5, 1, 1.5, 2, 3, 4, 6 -> 0..7) with the sign of v; ``q2``: q + 2
         (``_fp4_round2``)."""
@@ -246,11 +270,16 @@ if triton is not None:
 
     @triton.jit
     def _piece(x_j, sc, fc, ok3, SR: tl.constexpr, idx, key, PRESCALE: tl.constexpr, prescale,
-               WRITE_CARRIER: tl.constexpr, WRITE_FP4: tl.constexpr, USE_ASM: tl.constexpr, PACK: tl.constexpr = 4):
+               WRITE_CARRIER: tl.constexpr, WRITE_FP4: tl.constexpr, USE_ASM: tl.constexpr, PACK: tl.constexpr = 4,
+               GRID: tl.constexpr = 0):
         if PRESCALE:
             x_j = x_j * prescale
         v = x_j * sc
-        q, q2 = _fp4_round2(v, SR, idx, key)
+        if GRID == 1:   # INT4: magnitude q (0..7) is its own code
+            q = _int4_round(v, SR, idx, key)
+            q2 = q
+        else:
+            q, q2 = _fp4_round2(v, SR, idx, key)
         if WRITE_CARRIER:
             qs = (q.to(tl.int32, bitcast=True)
                   | (v.to(tl.int32, bitcast=True) & -2147483648)).to(tl.float32, bitcast=True)
@@ -258,7 +287,10 @@ if triton is not None:
         else:
             byte = tl.zeros(v.shape, tl.uint8)
         if WRITE_FP4:
-            code = tl.where(ok3, _fp4_code(q, q2, v), 0)
+            if GRID == 1:
+                code = tl.where(ok3, q.to(tl.int32) | ((v.to(tl.int32, bitcast=True) >> 28) & 8), 0)
+            else:
+                code = tl.where(ok3, _fp4_code(q, q2, v), 0)
         else:
             code = tl.zeros(v.shape, tl.int32)
         return byte, code

@@ -20,6 +20,11 @@ transposed tile directly from the row-major tensor: no transpose copy. Two kerne
   columns), naming the tile through ``pid_r`` / ``pid_k`` (launched, ``_mxfp4_kernel`` takes its program
   ids).
 
+Element grid: the ``GRID`` constexpr (``GRID_A`` / ``GRID_B`` in the dual kernel; ``launch.GRID_ID``) rounds to
+E2M1 (0: ``mxfp4``) or to the uniform INT4 grid (1: ``mxint4``, integers 0..7 with sign; the ``ufp4`` recipe); both
+have emax 2, and the carrier holds either (docs/kernels.md, "The uniform 4-bit grid"). GRID 0 compiles to the code
+the kernels had before the switch.
+
 The single-pass signature (8 pointers, sizes and strides, key, 1/sqrt(rot), prescale, then the constexprs) is
 written once, in ``_mxfp4_kernel``; the constexprs that only some layouts read (``USE_ASM``, ``JOIN_STORE``,
 ``PACK``, ``FOLD``) have defaults that the others ignore. Spelled out elsewhere are only what must name each
@@ -46,8 +51,8 @@ if triton is not None:
     import triton.language as tl
 
     from .device import (_bfly, _bfly8, _bfly8_signs, _bfly_signs, _bfly_tuple, _bfly_tuple_n, _block_scale,
-                         _carrier_exp, _e4m3_bits, _f32, _fp4_round2, _join_all, _join_tree, _pack4, _piece, _pow2,
-                         _pow2n, _signs_bfly1, _split64, _uniform)
+                         _carrier_exp, _e4m3_bits, _f32, _fp4_round2, _int4_round, _join_all, _join_tree, _pack4,
+                         _piece, _pow2, _pow2n, _signs_bfly1, _split64, _uniform)
 
     @triton.jit(do_not_specialize=["key"])
     def _mxfp4_kernel(
@@ -66,6 +71,7 @@ if triton is not None:
         JOIN_STORE: tl.constexpr = False,  # blocks: one store per thread and block (the qjoin setting)
         PACK: tl.constexpr = 4,            # cols: e4m3 conversions per inline-PTX call (2 or 4)
         FOLD: tl.constexpr = False,        # blocks, cols: 1/sqrt(ROT) folded into the block scales
+        GRID: tl.constexpr = 0,            # the element grid (launch.GRID_ID): 0 E2M1 (mxfp4), 1 INT4 (mxint4)
         pid_r=None, pid_k=None,            # the tile (row block, reduction block); launched: the program ids
     ):
         """Quantize the tile (row block ``pid_r``, reduction block ``pid_k``) of a (R, K) view, read through
@@ -141,8 +147,8 @@ if triton is not None:
             ab1 = m1.to(tl.int32, bitcast=True)
             ok0 = ab0 < 0x7F800000
             ok1 = ab1 < 0x7F800000
-            s0, nz0 = _block_scale(tl.where(ok0, ab0, 0), RULE)
-            s1, nz1 = _block_scale(tl.where(ok1, ab1, 0), RULE)
+            s0, nz0 = _block_scale(tl.where(ok0, ab0, 0), RULE, GRID)
+            s1, nz1 = _block_scale(tl.where(ok1, ab1, 0), RULE, GRID)
             sc0 = _pow2n(-s0)
             sc1 = _pow2n(-s1)
             if WRITE_CARRIER:
@@ -159,7 +165,7 @@ if triton is not None:
                 k1 = s1 - G2 + 6
                 fc0 = tl.where(ok0, _pow2n(tl.maximum(k0, -126)), float("nan"))
                 fc1 = tl.where(ok1, _pow2n(tl.maximum(k1, -126)), float("nan"))
-                inexact = (live0 & (k0 < -8)).to(tl.int32) + (live1 & (k1 < -8)).to(tl.int32)
+                inexact = (live0 & (k0 < -8 - GRID)).to(tl.int32) + (live1 & (k1 < -8 - GRID)).to(tl.int32)
 
             # ---- elements: stochastic-rounding index of element i = base + i * si_k
             if SR:
@@ -188,7 +194,11 @@ if triton is not None:
                     idx = ibase + i * si_k
                 else:
                     idx = 0
-                q, q2 = _fp4_round2(v, SR, idx, key, kk, True)
+                if GRID == 1:
+                    q = _int4_round(v, SR, idx, key, kk, True)
+                    q2 = q
+                else:
+                    q, q2 = _fp4_round2(v, SR, idx, key, kk, True)
                 if WRITE_CARRIER:
                     if i < 32:
                         fc = fc0
@@ -197,9 +207,12 @@ if triton is not None:
                     cs = cs + ((q.to(tl.int32, bitcast=True)
                                 | (v.to(tl.int32, bitcast=True) & smask)).to(tl.float32, bitcast=True) * fc,)
                 if WRITE_FP4:
-                    cf = tl.minimum(tl.minimum(q * 2.0, q2), tl.fma(q, 0.5, 4.0))   # as _fp4_code (q2 = q + 2)
-                    c = ((cf + 12582912.0).to(tl.int32, bitcast=True) & 0xF) | (((v.to(tl.int32, bitcast=True)
-                                                                                  & smask) >> 28) & 8)
+                    if GRID == 1:   # INT4: the magnitude is the code
+                        c = q.to(tl.int32) | (((v.to(tl.int32, bitcast=True) & smask) >> 28) & 8)
+                    else:
+                        cf = tl.minimum(tl.minimum(q * 2.0, q2), tl.fma(q, 0.5, 4.0))   # as _fp4_code (q2 = q + 2)
+                        c = ((cf + 12582912.0).to(tl.int32, bitcast=True) & 0xF) | (((v.to(tl.int32, bitcast=True)
+                                                                                      & smask) >> 28) & 8)
                     qs = qs + (tl.where(ok, c, 0),)
 
             r3 = rows[:, None, None]
@@ -268,7 +281,7 @@ if triton is not None:
             mbits = tl.max(xb.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2)   # [BR, 4]
             ok = mbits < 0x7F800000
             abits = tl.where(ok, mbits, 0)
-            s, nz = _block_scale(abits, RULE)
+            s, nz = _block_scale(abits, RULE, GRID)
             code_sc = tl.where(ok, s + 127, 255)
 
             # ---- elements
@@ -277,23 +290,30 @@ if triton is not None:
             v = xb * _pow2n(-s)[:, :, None]
             v = tl.where(ok[:, :, None], v, 0.0)
             vbits = v.to(tl.int32, bitcast=True)
-            a = tl.minimum(tl.abs(v), 6.0)
-            e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, 0)
-            p = _pow2n(1 - e)
-            if SR:
-                y = a * p
-                idx = r3.to(tl.int64) * si_r + c3.to(tl.int64) * si_k
-                u3 = _uniform(idx, key)
-                fl = y.to(tl.int32).to(tl.float32)
-                # (y - fl as an explicit FMA: p = 2**(1-e) with e = 0 for a < 2 (p = 2) and a >= 2**e, so a * p
-                # is exact (no underflow: a times 2, 1 or 0.5 where a >= 4): the product-then-subtract either
-                # way, and contraction, on or off, leaves the code as written; -fl as fl * -1.0: _fp4_round2)
-                rr = fl + tl.where(u3 < tl.fma(a, p, fl * -1.0), 1.0, 0.0)
+            if GRID == 1:   # INT4: rr the magnitude (0..7), which is also the code
+                if SR:
+                    rr = _int4_round(v, SR, r3.to(tl.int64) * si_r + c3.to(tl.int64) * si_k, key)
+                else:
+                    rr = _int4_round(v, SR, 0, key)
+                mag = rr.to(tl.int32)
             else:
-                # (a * p is exact: written as the FMA it is, so contraction on or off leaves the code as written)
-                rr = tl.fma(a, p, 12582912.0) - 12582912.0
-            ri = rr.to(tl.int32)
-            mag = tl.minimum(ri + 2 * e, 7)                              # E2M1 magnitude code
+                a = tl.minimum(tl.abs(v), 6.0)
+                e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, 0)
+                p = _pow2n(1 - e)
+                if SR:
+                    y = a * p
+                    idx = r3.to(tl.int64) * si_r + c3.to(tl.int64) * si_k
+                    u3 = _uniform(idx, key)
+                    fl = y.to(tl.int32).to(tl.float32)
+                    # (y - fl as an explicit FMA: p = 2**(1-e) with e = 0 for a < 2 (p = 2) and a >= 2**e, so a * p
+                    # is exact (no underflow: a times 2, 1 or 0.5 where a >= 4): the product-then-subtract either
+                    # way, and contraction, on or off, leaves the code as written; -fl as fl * -1.0: _fp4_round2)
+                    rr = fl + tl.where(u3 < tl.fma(a, p, fl * -1.0), 1.0, 0.0)
+                else:
+                    # (a * p is exact: written as the FMA it is, so contraction on or off leaves the code as written)
+                    rr = tl.fma(a, p, 12582912.0) - 12582912.0
+                ri = rr.to(tl.int32)
+                mag = tl.minimum(ri + 2 * e, 7)                              # E2M1 magnitude code
 
             if WRITE_FP4:
                 code = mag | ((vbits >> 28) & 8)
@@ -310,13 +330,16 @@ if triton is not None:
             if WRITE_CARRIER:
                 live = ok & nz
                 G, kexp = _carrier_exp(s, live, GROUP_ROWS)                # kexp [BR, 4]
-                inexact = live & (kexp < -8)
+                inexact = live & (kexp < -8 - GRID)
                 # e4m3 bits of c = (FP4 value) * 2**kexp, exact in float32 (the value has at most two
                 # significant bits). In e4m3's normal range the bits are the float32 exponent and top
                 # mantissa bits, rebiased; below 2**-6 they are the subnormal count k = RNE(c * 2**9),
                 # rounded by the float add of 1.5 * 2**23. (Float ops: the integer pipes have half the
                 # throughput, and Triton's fp32 -> e4m3 cast wrote wrong bytes on sm_90: module docstring.)
-                cval = rr * _pow2n(tl.maximum(e - 1 + kexp[:, :, None], -126))
+                if GRID == 1:   # INT4: magnitude rr (an integer) times 2**kexp
+                    cval = rr * _pow2n(tl.maximum(kexp, -126))[:, :, None]
+                else:
+                    cval = rr * _pow2n(tl.maximum(e - 1 + kexp[:, :, None], -126))
                 nrm = (cval.to(tl.int32, bitcast=True) >> 20) - 960
                 sub = tl.fma(cval, 512.0, 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000   # (exact product)
                 bits8 = tl.where(cval < 0.015625, sub, nrm)
@@ -417,7 +440,7 @@ if triton is not None:
                 abits = (abits.to(tl.float32, bitcast=True) * inv_sqrt).to(tl.int32, bitcast=True)
             ok = abits < 0x7F800000                                           # not NaN / Inf
             abits = tl.where(ok, abits, 0)
-            s, nz = _block_scale(abits, RULE)
+            s, nz = _block_scale(abits, RULE, GRID)
             code_sc = tl.where(ok, s + 127, 255)
             if FOLD:
                 sc = (_pow2n(-s) * inv_sqrt)[:, :, None]
@@ -428,7 +451,7 @@ if triton is not None:
             if WRITE_CARRIER:
                 live = ok & nz
                 G, kexp = _carrier_exp(s, live, GROUP_ROWS)
-                inexact = live & (kexp < -8)
+                inexact = live & (kexp < -8 - GRID)
                 fc = tl.where(ok, _pow2n(tl.maximum(kexp, -126)), float("nan"))[:, :, None]
             else:
                 fc = sc
@@ -451,10 +474,14 @@ if triton is not None:
                 i1 = 0
                 i2 = 0
                 i3 = 0
-            b0, q0 = _piece(x0, sc, fc, ok3, SR, i0, key, PRESCALE, prescale, WRITE_CARRIER, WRITE_FP4, USE_ASM)
-            b1, q1 = _piece(x1, sc, fc, ok3, SR, i1, key, PRESCALE, prescale, WRITE_CARRIER, WRITE_FP4, USE_ASM)
-            b2, q2 = _piece(x2, sc, fc, ok3, SR, i2, key, PRESCALE, prescale, WRITE_CARRIER, WRITE_FP4, USE_ASM)
-            b3, q3 = _piece(x3, sc, fc, ok3, SR, i3, key, PRESCALE, prescale, WRITE_CARRIER, WRITE_FP4, USE_ASM)
+            b0, q0 = _piece(x0, sc, fc, ok3, SR, i0, key, PRESCALE, prescale, WRITE_CARRIER, WRITE_FP4, USE_ASM,
+                            GRID=GRID)
+            b1, q1 = _piece(x1, sc, fc, ok3, SR, i1, key, PRESCALE, prescale, WRITE_CARRIER, WRITE_FP4, USE_ASM,
+                            GRID=GRID)
+            b2, q2 = _piece(x2, sc, fc, ok3, SR, i2, key, PRESCALE, prescale, WRITE_CARRIER, WRITE_FP4, USE_ASM,
+                            GRID=GRID)
+            b3, q3 = _piece(x3, sc, fc, ok3, SR, i3, key, PRESCALE, prescale, WRITE_CARRIER, WRITE_FP4, USE_ASM,
+                            GRID=GRID)
 
             if WRITE_FP4:
                 fb = fp4_ptr + r3 * (Kq // 2)
@@ -556,7 +583,7 @@ if triton is not None:
                 abits = (abits.to(tl.float32, bitcast=True) * inv_sqrt).to(tl.int32, bitcast=True)
             ok = abits < 0x7F800000                                           # not NaN / Inf
             abits = tl.where(ok, abits, 0)
-            s, nz = _block_scale(abits, RULE)                                 # [4, BR]
+            s, nz = _block_scale(abits, RULE, GRID)                                 # [4, BR]
             code_sc = tl.where(ok, s + 127, 255)
             if FOLD:
                 sc = _pow2n(-s) * inv_sqrt
@@ -573,7 +600,7 @@ if triton is not None:
                     G = tl.maximum(tl.max(tl.max(s_live, axis=0), axis=0), -120)
                     G2 = G
                 kexp = s - G2 + 6
-                inexact = live & (kexp < -8)
+                inexact = live & (kexp < -8 - GRID)
                 fc = tl.where(ok, _pow2n(tl.maximum(kexp, -126)), float("nan"))
             else:
                 fc = sc
@@ -589,7 +616,7 @@ if triton is not None:
                 else:
                     idx = 0
                 b, q = _piece(xs[j], sc, fc, ok, SR, idx, key, PRESCALE, prescale, WRITE_CARRIER, WRITE_FP4,
-                              USE_ASM, PACK)
+                              USE_ASM, PACK, GRID)
                 bs = bs + (b,)
                 qs = qs + (q,)
 
@@ -633,6 +660,7 @@ if triton is not None:
         PACK_B: tl.constexpr,
         IDX64: tl.constexpr, USE_ASM: tl.constexpr, JOIN_STORE: tl.constexpr, SEQ: tl.constexpr,
         FOLD_A: tl.constexpr, FOLD_B: tl.constexpr, CAR_B: tl.constexpr = True, FP4_B: tl.constexpr = False,
+        GRID_A: tl.constexpr = 0, GRID_B: tl.constexpr = 0,
     ):
         """Both FP8-carrier operands of a row-major (M, K) tensor from one read of it: A quantized along
         rows (K; the "blocks" layout of ``_mxfp4_kernel``, 1x128 group scales) and B along columns (M; the
@@ -655,7 +683,7 @@ if triton is not None:
                     _mxfp4_kernel(x_ptr, sg_a, car_a, gs_a, cnt_ptr, cnt_ptr, cnt_ptr, kp_a,
                                   M, K, Rc_a, sx_m, sx_k, si_ra, si_ka, Kc_a, Kq_a, gsr_a, gsk_a, key_a, inv_a, ps_a,
                                   BR_A, ROT_A, HAS_SIGNS_A, RULE_A, SR_A, PRESCALE_A, 1, True, False, IDX64,
-                                  KEY_PTR_A, "blocks", USE_ASM=USE_ASM, JOIN_STORE=JOIN_STORE, FOLD=FOLD_A,
+                                  KEY_PTR_A, "blocks", USE_ASM=USE_ASM, JOIN_STORE=JOIN_STORE, FOLD=FOLD_A, GRID=GRID_A,
                                   pid_r=pr, pid_k=fb)
             for w in range(NB):
                 pr = fb * NB + w
@@ -663,7 +691,7 @@ if triton is not None:
                     _mxfp4_kernel(x_ptr, sg_b, car_b, gs_b, car_b, gs_b, cnt_ptr, kp_b,
                                   K, M, Rc_b, sx_k, sx_m, si_rb, si_kb, Kc_b, Kq_b, gsr_b, gsk_b, key_b, inv_b, ps_b,
                                   BR_B, ROT_B, HAS_SIGNS_B, RULE_B, SR_B, PRESCALE_B, GROUP_ROWS_B, CAR_B, FP4_B,
-                                  IDX64, KEY_PTR_B, "cols", USE_ASM=USE_ASM, PACK=PACK_B, FOLD=FOLD_B,
+                                  IDX64, KEY_PTR_B, "cols", USE_ASM=USE_ASM, PACK=PACK_B, FOLD=FOLD_B, GRID=GRID_B,
                                   pid_r=pr, pid_k=tb)
         else:
             g = pid // (NA + NB)
@@ -676,7 +704,7 @@ if triton is not None:
                     _mxfp4_kernel(x_ptr, sg_a, car_a, gs_a, cnt_ptr, cnt_ptr, cnt_ptr, kp_a,
                                   M, K, Rc_a, sx_m, sx_k, si_ra, si_ka, Kc_a, Kq_a, gsr_a, gsk_a, key_a, inv_a, ps_a,
                                   BR_A, ROT_A, HAS_SIGNS_A, RULE_A, SR_A, PRESCALE_A, 1, True, False, IDX64,
-                                  KEY_PTR_A, "blocks", USE_ASM=USE_ASM, JOIN_STORE=JOIN_STORE, FOLD=FOLD_A,
+                                  KEY_PTR_A, "blocks", USE_ASM=USE_ASM, JOIN_STORE=JOIN_STORE, FOLD=FOLD_A, GRID=GRID_A,
                                   pid_r=pr, pid_k=fb)
             else:
                 pr = fb * NB + (w - NA)
@@ -684,5 +712,5 @@ if triton is not None:
                     _mxfp4_kernel(x_ptr, sg_b, car_b, gs_b, car_b, gs_b, cnt_ptr, kp_b,
                                   K, M, Rc_b, sx_k, sx_m, si_rb, si_kb, Kc_b, Kq_b, gsr_b, gsk_b, key_b, inv_b, ps_b,
                                   BR_B, ROT_B, HAS_SIGNS_B, RULE_B, SR_B, PRESCALE_B, GROUP_ROWS_B, CAR_B, FP4_B,
-                                  IDX64, KEY_PTR_B, "cols", USE_ASM=USE_ASM, PACK=PACK_B, FOLD=FOLD_B,
+                                  IDX64, KEY_PTR_B, "cols", USE_ASM=USE_ASM, PACK=PACK_B, FOLD=FOLD_B, GRID=GRID_B,
                                   pid_r=pr, pid_k=tb)

@@ -28,12 +28,18 @@ from ..caches import CACHES
 from .carrier import TILE_K, QuantOut, ceil_to
 from . import kernels as _kernels   # (its kernels exist where Triton imports; read at launch time)
 
-__all__ = ["RULE_ID", "BLOCK_ROTS", "FOLD_ROTS", "CAPPED_KERNELS", "DUAL_CONFIG", "DUAL_SEQ", "kernel_for",
+__all__ = ["RULE_ID", "GRID_ID", "BLOCK_ROTS", "FOLD_ROTS", "CAPPED_KERNELS", "DUAL_CONFIG", "DUAL_SEQ", "kernel_for",
            "fold_applies", "dual_applies", "block_config", "single_kernel", "launch_opts", "needs_idx64",
            "single_args", "dual_args", "single_spec", "dual_spec", "SingleSpec", "DualSpec", "kernel_kwargs",
            "use_plans", "Plan", "DualPlan", "Launch", "LAUNCHES", "record_launches"]
 
 RULE_ID = {"floor": 0, "ceil": 1, "rceil": 2, "even": 3, "amd": 4}   # the kernels' RULE constexpr
+# The kernels' GRID constexpr, by MX format: the element grid rounded to. ``mxint4`` (integers -7..7 with E8M0
+# scales, the uniform 4-bit grid of the ``ufp4`` recipe) has E2M1's emax (2), so the same block exponents but for
+# ``rceil`` and ``even``; every INT4 value times a power of two from 2**-9 up is exact in e4m3 (one binade lower
+# than E2M1's 0.5), so its carrier blocks are inexact only below ``kexp = -9``. GRID 0 compiles to the code the
+# kernels had before the switch (tools/compile_check.py's hashes).
+GRID_ID = {"mxfp4": 0, "mxint4": 1}
 
 # ---------------------------------------------------------------------------------------------- the launch table
 
@@ -143,14 +149,14 @@ def block_config(kern: str, axis: int, group_rows: int, sr: bool, block_rows: in
 
 def single_kernel(kern: str, dev: torch.device, dtype: torch.dtype, BR: int, num_warps: int, rot: int,
                   has_signs: bool, scale_rule: str, sr: bool, prescale: float, group_rows: int, carrier: bool,
-                  fp4: bool, idx64: bool, key_ptr: bool, st) -> tuple:
+                  fp4: bool, idx64: bool, key_ptr: bool, st, fmt: str = "mxfp4") -> tuple:
     """(the Triton kernel, its constexpr arguments) for one single-pass launch in layout ``kern``: the layout's
     own constexprs only (the others keep their defaults, so that no setting they ignore makes a new variant);
     ``st``: the settings (``qjoin``, ``qfold``)."""
     assert kern in _kernels.LAYOUTS, kern
     consts = dict(BR=BR, ROT=rot, HAS_SIGNS=has_signs, RULE=RULE_ID[scale_rule], SR=sr, PRESCALE=prescale != 1.0,
                   GROUP_ROWS=group_rows, WRITE_CARRIER=carrier, WRITE_FP4=fp4, IDX64=idx64, KEY_PTR=key_ptr,
-                  LAYOUT=kern)
+                  LAYOUT=kern, GRID=GRID_ID[fmt])
     if kern == "cols":
         per_thread = 4 * BR // (32 * num_warps)   # values of each [4, BR] tensor a thread holds
         assert per_thread in (2, 4, 8, 16), "cols kernel: 4 x block_rows must be 64, 128, ... x 32 x num_warps"
@@ -195,7 +201,7 @@ and length ``Kc``, the MX padded length ``Kq``)."""
 def single_spec(shape, strides, dtype: torch.dtype, dev: torch.device, axis: int, *, rot: int, has_signs: bool,
                 rounding: str, scale_rule: str, prescale: float, index_strides, carrier: bool, fp4: bool,
                 group_rows: int, row_multiple: int, block_rows: int | None, num_warps: int | None,
-                k_multiple: int, key_ptr: bool, force_idx64: bool, st) -> SingleSpec:
+                k_multiple: int, key_ptr: bool, force_idx64: bool, st, fmt: str = "mxfp4") -> SingleSpec:
     """The launch of ``_mxfp4_kernel`` that quantizes a 2-D tensor of ``shape`` / ``strides`` along ``axis``
     (``quantize_mxfp4_2d``'s options; ``st``: the settings): written once, for the eager launch and launch
     plans (``ops.quantize_mxfp4_2d``) and for the traced form under ``torch.compile`` (``traced.q_single``).
@@ -223,7 +229,7 @@ def single_spec(shape, strides, dtype: torch.dtype, dev: torch.device, axis: int
     grid = (-(-max(Rc, 1) // BR), Kc // TILE_K)
     idx64 = force_idx64 or needs_idx64(grid[0] * BR, Kc, Kq, sx_r, sx_k, si)
     kfn, consts = single_kernel(kern, dev, dtype, BR, nw, rot, has_signs, scale_rule, sr, prescale, group_rows,
-                                carrier, fp4, idx64, key_ptr, st)
+                                carrier, fp4, idx64, key_ptr, st, fmt)
     opts = launch_opts(kern + ("128" if kern == "blocks" and group_rows == 128 else ""), dev, sr=sr,
                        maxnreg=st.qmaxnreg)
     ints = (R, K, Rc, sx_r, sx_k, si[0], si[1], Kc, Kq, gsr, gsk)
@@ -277,7 +283,8 @@ def dual_spec(shape, stride0: int, dtype: torch.dtype, dev: torch.device, a: dic
         consts.update({f"BR_{sfx}": BR[axis], f"ROT_{sfx}": rot, f"HAS_SIGNS_{sfx}": side.get("signs") is not None,
                        f"RULE_{sfx}": RULE_ID[side.get("scale_rule", "floor")], f"SR_{sfx}": rounding == "stochastic",
                        f"PRESCALE_{sfx}": prescale != 1.0, f"KEY_PTR_{sfx}": side.get("key_tensor") is not None,
-                       f"FOLD_{sfx}": fold_applies(dtype, rot, prescale, st.qfold)})
+                       f"FOLD_{sfx}": fold_applies(dtype, rot, prescale, st.qfold),
+                       f"GRID_{sfx}": GRID_ID[side.get("fmt", "mxfp4")]})
     consts.update(GROUP_ROWS_B=gr_b, PACK_B=2 if pack == 2 else 4, IDX64=geo[0][2] or geo[1][2],
                   USE_ASM=dev.type == "cuda", JOIN_STORE=st.qjoin, SEQ=seq, CAR_B=not fp4_b, FP4_B=fp4_b)
     (nr_a, nk_a, _), (nr_b, nk_b, _) = geo
@@ -477,7 +484,7 @@ class Plan:
     outputs and passes ``single_args`` of the new input, signs, key and counter."""
 
     __slots__ = ("run", "kernel", "ints", "floats", "consts", "R", "K", "carrier", "fp4", "group_rows",
-                 "car_shape", "gs_shape", "gs_cols", "pk_shape", "sc_shape")
+                 "car_shape", "gs_shape", "gs_cols", "pk_shape", "sc_shape", "fmt")
 
     @staticmethod
     def make(kern: str, kfn, compiled, grid, ints: tuple, floats: tuple, consts: dict, out: QuantOut, Kc: int,
@@ -493,7 +500,7 @@ class Plan:
         p = Plan()
         p.run, p.consts = got
         p.kernel, p.ints, p.floats = kern, ints, floats
-        p.R, p.K, p.group_rows = out.R, out.K, group_rows
+        p.R, p.K, p.group_rows, p.fmt = out.R, out.K, group_rows, out.fmt
         p.carrier, p.fp4 = out.carrier is not None, out.packed is not None
         if p.carrier:
             p.car_shape = tuple(out.carrier.shape)
@@ -521,7 +528,7 @@ class Plan:
         if LAUNCHES.logs:
             LAUNCHES.note(self.kernel, x.shape, True)
         return QuantOut(self.R, self.K, car.view(torch.float8_e4m3fn) if car is not None else None, gs,
-                        self.group_rows, cnt if car is not None else None, packed, sc, base)
+                        self.group_rows, cnt if car is not None else None, packed, sc, base, self.fmt)
 
 
 class DualPlan:
@@ -542,23 +549,24 @@ class DualPlan:
         p = DualPlan()
         p.run, p.consts = got
         p.ints, p.floats = ints, (floats_a, floats_b)
-        p.bufs = [(o.R, o.K, tuple(o.packed.shape), tuple(o.scales.shape), o.group_rows, "fp4") if o.carrier is None
+        p.bufs = [(o.R, o.K, tuple(o.packed.shape), tuple(o.scales.shape), o.group_rows, "fp4", o.fmt)
+                  if o.carrier is None
                   else (o.R, o.K, tuple(o.carrier.shape), tuple(o.gs_base.shape), o.group_rows,
-                        o.gscale.shape[1] if o.group_rows == 128 else None) for o in outs]
+                        o.gscale.shape[1] if o.group_rows == 128 else None, o.fmt) for o in outs]
         return p
 
     def __call__(self, x, a, b, cnt):
         dev = x.device
         outs, ptrs = [], []
-        for (R, Kr, cshape, gshape, gr, gcols), side in zip(self.bufs, (a, b)):
+        for (R, Kr, cshape, gshape, gr, gcols, fmt), side in zip(self.bufs, (a, b)):
             car = torch.empty(cshape, dtype=torch.uint8, device=dev)
             if gcols == "fp4":   # packed codes (car) and E8M0 scales (gs)
                 gs = torch.empty(gshape, dtype=torch.uint8, device=dev)
-                outs.append(QuantOut(R, Kr, None, None, gr, None, car, gs))
+                outs.append(QuantOut(R, Kr, None, None, gr, None, car, gs, fmt=fmt))
             else:
                 base = torch.empty(gshape, dtype=torch.float32, device=dev)
                 gs = base.t() if gr == 1 else base[:, :gcols]
-                outs.append(QuantOut(R, Kr, car.view(torch.float8_e4m3fn), gs, gr, cnt, None, None, base))
+                outs.append(QuantOut(R, Kr, car.view(torch.float8_e4m3fn), gs, gr, cnt, None, None, base, fmt))
             sg = side.get("signs")
             if sg is not None and (sg.dtype != torch.float32 or not sg.is_contiguous() or sg.device != dev):
                 sg = sg.to(device=dev, dtype=torch.float32).contiguous()

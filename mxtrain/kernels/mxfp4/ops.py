@@ -17,8 +17,9 @@ from ...formats import get_format
 from ...quant import MXTensor
 from ..caches import CACHES
 from . import kernels as _kernels   # (its kernels exist where Triton imports; read at launch time)
-from .carrier import TILE_K, QuantOut, carrier_buffers, carrier_from_fp4, ceil_to, out_shapes, reference_quantize
-from .launch import (DUAL_CONFIG, DUAL_SEQ, RULE_ID, DualPlan, Plan, dual_applies, dual_args, dual_spec, i32,
+from .carrier import (KERNEL_FORMATS, TILE_K, QuantOut, carrier_buffers, carrier_from_fp4, ceil_to, out_shapes,
+                      reference_quantize)
+from .launch import (DUAL_CONFIG, DUAL_SEQ, GRID_ID, RULE_ID, DualPlan, Plan, dual_applies, dual_args, dual_spec, i32,
                      launch, single_args, single_spec, use_plans)
 from .verify import config_ok, dual_ok, selfcheck_applies, set_quantizers
 
@@ -29,12 +30,14 @@ except Exception:  # pragma: no cover
 
 __all__ = ["supported", "quantize_mxfp4_2d", "quantize_mxfp4_dual", "quantize", "quantize_mxfp4_op", "quantize_op"]
 
-SIDE_KEYS = ("rot", "signs", "rounding", "scale_rule", "key", "prescale", "index_strides", "key_tensor", "group_rows")
+SIDE_KEYS = ("rot", "signs", "rounding", "scale_rule", "key", "prescale", "index_strides", "key_tensor", "group_rows",
+             "fmt")
 
 
 def supported(fmt: str, block_size=None) -> bool:
-    """Formats the fused kernel implements (others fall back to the reference)."""
-    return fmt == "mxfp4" and block_size in (None, 32)
+    """Formats the fused kernel implements (others fall back to the reference): ``mxfp4`` and the uniform 4-bit
+    grid ``mxint4`` (``carrier.KERNEL_FORMATS``), 32-element blocks."""
+    return fmt in KERNEL_FORMATS and block_size in (None, 32)
 
 
 def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.Tensor | None = None,
@@ -44,8 +47,9 @@ def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.
                       row_multiple: int = 16, block_rows: int | None = None, num_warps: int | None = None,
                       k_multiple: int = TILE_K,
                       counter: torch.Tensor | None = None, key_tensor: torch.Tensor | None = None,
-                      force_idx64: bool = False, _check: bool = True) -> QuantOut:
-    """Quantize a 2-D tensor to MXFP4 along ``axis`` (0 or 1) in one fused pass.
+                      force_idx64: bool = False, fmt: str = "mxfp4", _check: bool = True) -> QuantOut:
+    """Quantize a 2-D tensor to MXFP4 (or ``fmt``: ``mxint4``, ``carrier.KERNEL_FORMATS``) along ``axis`` (0 or 1)
+    in one fused pass.
 
     ``index_strides``: logical (outer, reduction) strides of the element index used for stochastic
     rounding (defaults to ``x``'s contiguous layout). The carrier rows are padded to
@@ -60,6 +64,8 @@ def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.
     variant's self-check where the ``qselfcheck`` setting applies (``verify.py``).
     """
     assert x.ndim == 2 and axis in (0, 1)
+    if fmt not in GRID_ID:
+        raise ValueError(f"quantize_mxfp4_2d: format {fmt!r} has no fused kernel; valid: {', '.join(GRID_ID)}")
     if signs is not None:
         signs = signs.to(device=x.device, dtype=torch.float32).contiguous()
     pkey = None
@@ -70,7 +76,7 @@ def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.
                 None if signs is None else signs.data_ptr() & 15, rounding, scale_rule, prescale, index_strides,
                 carrier, fp4, group_rows, row_multiple, block_rows, num_warps, k_multiple,
                 None if counter is None else counter.data_ptr() & 15,
-                None if key_tensor is None else key_tensor.data_ptr() & 15, _check, force_idx64, st.launch_key)
+                None if key_tensor is None else key_tensor.data_ptr() & 15, _check, force_idx64, st.launch_key, fmt)
         plan = CACHES.plans.get(pkey)
         if plan is not None:
             return plan(x, signs, key, counter, key_tensor)
@@ -79,7 +85,7 @@ def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.
                      rounding=rounding, scale_rule=scale_rule, prescale=prescale, index_strides=index_strides,
                      carrier=carrier, fp4=fp4, group_rows=group_rows, row_multiple=row_multiple,
                      block_rows=block_rows, num_warps=num_warps, k_multiple=k_multiple,
-                     key_ptr=key_tensor is not None, force_idx64=force_idx64, st=st)
+                     key_ptr=key_tensor is not None, force_idx64=force_idx64, st=st, fmt=fmt)
     R, K, Kc, Kq = sp.R, sp.K, sp.Kc, sp.Kq
     sr = rounding == "stochastic"
     if group_rows == 128:
@@ -104,17 +110,17 @@ def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.
         args = single_args(x, cnt, signs, car, gs, packed, sc, key_tensor, ints, key, floats)
         compiled = launch(sp.kern, kfn, grid, args, consts, num_warps, sp.opts, x.shape)
     out = QuantOut(R, K, car.view(torch.float8_e4m3fn) if carrier else None, gs, group_rows,
-                   cnt if carrier else None, packed, sc, gs_base)
+                   cnt if carrier else None, packed, sc, gs_base, fmt)
     if (carrier and _check and selfcheck_applies(dev, st) and R > 0 and K > 0
             and not torch.compiler.is_compiling()
             and not config_ok(x, axis, rot, signs is not None, scale_rule, sr, prescale, group_rows, BR, num_warps,
-                              k_multiple, fp4, R, K, st, force_idx64, quantize_fn=quantize_mxfp4_2d)):
+                              k_multiple, fp4, R, K, st, force_idx64, quantize_fn=quantize_mxfp4_2d, fmt=fmt)):
         # safety net: this variant's fused carrier failed its self-check on this GPU; rebuild the
         # carrier from FP4 codes and scales of the FP4-only kernel (bit-exact on GPU) with torch ops
         q2 = quantize_mxfp4_2d(x, axis, rot=rot, signs=signs, rounding=rounding, scale_rule=scale_rule,
                                key=key, prescale=prescale, index_strides=index_strides, carrier=False,
                                fp4=True, group_rows=group_rows, block_rows=block_rows, k_multiple=k_multiple,
-                               key_tensor=key_tensor, force_idx64=force_idx64, _check=False)
+                               key_tensor=key_tensor, force_idx64=force_idx64, fmt=fmt, _check=False)
         out.packed, out.scales = q2.packed, q2.scales
         carrier_from_fp4(out, k_multiple, row_multiple)
         if not fp4:
@@ -159,7 +165,7 @@ def quantize_mxfp4_dual(x: torch.Tensor, a: dict, b: dict, *, k_multiple: int = 
                           None if sg is None else (sg.dtype, sg.is_contiguous(), sg.data_ptr() & 15),
                           side.get("rounding", "nearest"), side.get("scale_rule", "floor"), side.get("prescale", 1.0),
                           side.get("index_strides"), side.get("group_rows", 1),
-                          None if kt is None else kt.data_ptr() & 15))
+                          None if kt is None else kt.data_ptr() & 15, side.get("fmt", "mxfp4")))
         # and what decided for one pass (the dual and qkernel settings, the self-check): a plan is only made
         # after dual_applies and the variant's self-check passed, so a hit skips both (host time per call)
         pkey = (x.device, x.dtype, x.shape, x.stride(), x.data_ptr() & 15, tuple(sides), k_multiple,
@@ -184,13 +190,14 @@ def quantize_mxfp4_dual(x: torch.Tensor, a: dict, b: dict, *, k_multiple: int = 
         if signs is not None:
             signs = signs.to(device=dev, dtype=torch.float32).contiguous()
             assert signs.numel() == side.get("rot", 0)
+        fmt = side.get("fmt", "mxfp4")
         if fp:   # packed codes and scales take the carrier's and group scales' places
             car = torch.empty((R, Kq // 2), dtype=torch.uint8, device=dev)
             gs = torch.empty((R, Kq // 32), dtype=torch.uint8, device=dev)
-            outs.append(QuantOut(R, Kr, None, None, gr, None, car, gs))
+            outs.append(QuantOut(R, Kr, None, None, gr, None, car, gs, fmt=fmt))
         else:
             car, gs, base, _, _ = carrier_buffers(Rc, Kc, gr, dev)
-            outs.append(QuantOut(R, Kr, car.view(torch.float8_e4m3fn), gs, gr, cnt, None, None, base))
+            outs.append(QuantOut(R, Kr, car.view(torch.float8_e4m3fn), gs, gr, cnt, None, None, base, fmt))
         ptrs.append((signs, car, gs, side.get("key_tensor")))
     grid, ints, floats, consts = sp.grid, sp.ints, (sp.floats_a, sp.floats_b), sp.consts
     args = dual_args(x, cnt, ptrs[0], ptrs[1], ints, a.get("key", 0), floats[0], b.get("key", 0), floats[1])
@@ -235,8 +242,9 @@ def quantize(x: torch.Tensor, fmt: str = "mxfp4", *, axis: int = -1, block_size=
             si = (1, N)
     else:
         si = None
+    fname = fmt if isinstance(fmt, str) else fmt.name
     q = quantize_mxfp4_2d(x2, a2, rot=rotation, signs=signs, rounding=rounding, scale_rule=scale_rule,
-                          key=key, prescale=prescale, index_strides=si, carrier=False, fp4=True)
+                          key=key, prescale=prescale, index_strides=si, carrier=False, fp4=True, fmt=fname)
     if rotation:
         rshape = list(shape)
         rshape[axis_n] = ceil_to(shape[axis_n], rotation)
@@ -246,8 +254,9 @@ def quantize(x: torch.Tensor, fmt: str = "mxfp4", *, axis: int = -1, block_size=
         scales = q.scales.reshape(*shape[:-1], -1)
     else:
         data, scales = q.packed, q.scales
-    return MXTensor(get_format("mxfp4"), data.view(torch.float4_e2m1fn_x2), scales, shape, axis_n, 32,
-                    prescale=prescale, dtype=x.dtype)
+    if fname == "mxfp4":   # (as mxtrain.quantize: E2M1 codes as torch's FP4 dtype, other 4-bit grids as uint8)
+        data = data.view(torch.float4_e2m1fn_x2)
+    return MXTensor(get_format(fname), data, scales, shape, axis_n, 32, prescale=prescale, dtype=x.dtype)
 
 
 # ---------------------------------------------------------------------------------------------- custom op
@@ -256,15 +265,17 @@ def quantize(x: torch.Tensor, fmt: str = "mxfp4", *, axis: int = -1, block_size=
 @torch.library.custom_op("mxtrain::quantize_mxfp4", mutates_args=())
 def quantize_mxfp4_op(x: torch.Tensor, signs: torch.Tensor | None, axis: int, rot: int, stochastic: bool,
                       rule: int, key: int, prescale: float, si0: int, si1: int, carrier: bool, fp4: bool,
-                      group_rows: int, row_multiple: int,
-                      k_multiple: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                      group_rows: int, row_multiple: int, k_multiple: int,
+                      grid: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fused MXFP4 quantize as one op: (carrier uint8, group scales (contiguous; 1x128 ones
-    transposed: (Kc/128, Rc)), inexact count, packed FP4, E8M0 scales); unused outputs are empty."""
+    transposed: (Kc/128, Rc)), inexact count, packed FP4, E8M0 scales); unused outputs are empty. ``grid``: the
+    format's ``launch.GRID_ID``."""
     rules = {v: k for k, v in RULE_ID.items()}
+    fmts = {v: k for k, v in GRID_ID.items()}
     q = quantize_mxfp4_2d(x, axis, rot=rot, signs=signs, rounding="stochastic" if stochastic else "nearest",
                           scale_rule=rules[rule], key=key, prescale=prescale, index_strides=(si0, si1),
                           carrier=carrier, fp4=fp4, group_rows=group_rows, row_multiple=row_multiple,
-                          k_multiple=k_multiple)
+                          k_multiple=k_multiple, fmt=fmts[grid])
 
     def e(dt=torch.uint8):
         return torch.empty((0, 0), dtype=dt, device=x.device)
@@ -276,7 +287,7 @@ def quantize_mxfp4_op(x: torch.Tensor, signs: torch.Tensor | None, axis: int, ro
 
 @quantize_mxfp4_op.register_fake
 def _(x, signs, axis, rot, stochastic, rule, key, prescale, si0, si1, carrier, fp4, group_rows, row_multiple,
-      k_multiple):
+      k_multiple, grid=0):
     R, K = (x.shape[0], x.shape[1]) if axis == 1 else (x.shape[1], x.shape[0])
     car, gs, pk, sc = out_shapes(R, K, rot, carrier, fp4, group_rows, row_multiple, k_multiple)
     return (x.new_empty(car, dtype=torch.uint8), x.new_empty(gs, dtype=torch.float32),
@@ -288,14 +299,14 @@ def quantize_op(x: torch.Tensor, axis: int, *, rot: int = 0, signs=None, roundin
                 scale_rule: str = "floor", key: int = 0, prescale: float = 1.0, index_strides=None,
                 carrier: bool = True, fp4: bool = True, group_rows: int = 1, row_multiple: int = 16,
                 k_multiple: int = TILE_K, counter: torch.Tensor | None = None,
-                key_tensor: torch.Tensor | None = None) -> QuantOut:
+                key_tensor: torch.Tensor | None = None, fmt: str = "mxfp4") -> QuantOut:
     """``quantize_mxfp4_2d`` through the registered op under ``torch.compile`` (eagerly: a direct
     call, which saves the custom-op dispatch overhead); same result either way."""
     if not torch.compiler.is_compiling():
         return quantize_mxfp4_2d(x, axis, rot=rot, signs=signs, rounding=rounding, scale_rule=scale_rule, key=key,
                                  prescale=prescale, index_strides=index_strides, carrier=carrier, fp4=fp4,
                                  group_rows=group_rows, row_multiple=row_multiple, k_multiple=k_multiple,
-                                 counter=counter, key_tensor=key_tensor)
+                                 counter=counter, key_tensor=key_tensor, fmt=fmt)
     if key_tensor is not None:
         raise NotImplementedError("quantize_op: a key in device memory is for eager CUDA-graph capture, "
                                   "not for torch.compile")
@@ -307,9 +318,9 @@ def quantize_op(x: torch.Tensor, axis: int, *, rot: int = 0, signs=None, roundin
         si = index_strides or (1, x.shape[1])
     car, gs, cnt, pk, sc = quantize_mxfp4_op(x, signs, axis, rot, rounding == "stochastic", RULE_ID[scale_rule],
                                               i32(key), float(prescale), si[0], si[1], carrier, fp4,
-                                              group_rows, row_multiple, k_multiple)
+                                              group_rows, row_multiple, k_multiple, GRID_ID[fmt])
     gview = None
     if carrier:
         gview = gs.t() if group_rows == 1 else gs[:, : ceil_to(max(K, 1), k_multiple) // TILE_K]
     return QuantOut(R, K, car.view(torch.float8_e4m3fn) if carrier else None, gview, group_rows,
-                    cnt if carrier else None, pk if fp4 else None, sc if fp4 else None, gs if carrier else None)
+                    cnt if carrier else None, pk if fp4 else None, sc if fp4 else None, gs if carrier else None, fmt)

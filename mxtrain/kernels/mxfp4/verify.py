@@ -44,14 +44,15 @@ def selfcheck_applies(device: torch.device, st) -> bool:
 
 def config_ok(x: torch.Tensor, axis: int, rot: int, has_signs: bool, scale_rule: str, sr: bool,
               prescale: float, group_rows: int, BR: int, nw: int, k_multiple: int, fp4: bool,
-              R: int, K: int, st=None, force_idx64: bool = False, quantize_fn=None) -> bool:
+              R: int, K: int, st=None, force_idx64: bool = False, quantize_fn=None, fmt: str = "mxfp4") -> bool:
     """Once per compiled kernel variant: is the fused carrier right?
 
     Runs the same variant (every constexpr, the dtype, and the divisibility-by-16 of the sizes and
     strides that Triton specializes on) on a random tensor and compares carrier bytes and group
     scales with ones built by torch ops from the reference quantizer's output (``mxtrain.quant``).
     ``st``: the settings the variant runs under (default: the current ones). ``quantize_fn``: the fused
-    quantizer checked (default: ``set_quantizers``' ``single``, ``ops.quantize_mxfp4_2d``).
+    quantizer checked (default: ``set_quantizers``' ``single``, ``ops.quantize_mxfp4_2d``). ``fmt``: the MX format
+    (``carrier.KERNEL_FORMATS``).
     """
     st = st or _settings.current()
     r16, k16 = R % 16 == 0, K % 16 == 0
@@ -59,14 +60,14 @@ def config_ok(x: torch.Tensor, axis: int, rot: int, has_signs: bool, scale_rule:
     if x.ndim == 2:
         sx_r, sx_k = (x.stride(0), x.stride(1)) if axis == 1 else (x.stride(1), x.stride(0))
         rc = sx_r == 1 and sx_k != 1
-    vkey = (x.device.index, x.dtype, axis, rot, has_signs, scale_rule, sr, prescale != 1.0, group_rows, BR, nw,
+    vkey = (x.device.index, x.dtype, axis, rot, has_signs, scale_rule, fmt, sr, prescale != 1.0, group_rows, BR, nw,
             k_multiple, fp4, r16, k16, force_idx64, st.qmaxnreg, kernel_for(axis, rot, fp4, rc, kernel=st.qkernel),
             st.qjoin, st.qfold)
     ok = CACHES.verified.get(vkey)
     if ok is None:
         ok = selfcheck(x.device, x.dtype, axis, rot, has_signs, scale_rule, sr, prescale, group_rows, BR, nw,
                        k_multiple, fp4, r16, k16, rows_contiguous=rc, force_idx64=force_idx64,
-                       quantize_fn=quantize_fn)["ok"]
+                       quantize_fn=quantize_fn, fmt=fmt)["ok"]
         CACHES.verified[vkey] = ok
         if not ok:
             warnings.warn(f"mxtrain: fused FP8-carrier kernel variant {vkey} failed its self-check on this GPU; "
@@ -88,7 +89,7 @@ def dual_ok(x: torch.Tensor, a: dict, b: dict, k_multiple: int, fp4_b: bool = Fa
     def opt(side):
         s = side.get("signs")
         return (side.get("rot", 0), s is not None, side.get("rounding", "nearest"), side.get("scale_rule", "floor"),
-                side.get("prescale", 1.0) != 1.0, side.get("group_rows", 1))
+                side.get("prescale", 1.0) != 1.0, side.get("group_rows", 1), side.get("fmt", "mxfp4"))
     st = _settings.current()
     vkey = (x.device.index, x.dtype, opt(a), opt(b), k_multiple, M % 16 == 0, K % 16 == 0, st.qjoin,
             DUAL_CONFIG[b.get("group_rows", 1) == 128], DUAL_SEQ, st.qfold, st.qmaxnreg, force_idx64, fp4_b)
@@ -128,14 +129,15 @@ def dual_ok(x: torch.Tensor, a: dict, b: dict, k_multiple: int, fp4_b: bool = Fa
 def selfcheck(device, dtype, axis: int, rot: int, has_signs: bool, scale_rule: str, sr: bool, prescale: float,
               group_rows: int, BR: int, nw: int, k_multiple: int, fp4: bool, r16: bool = True, k16: bool = True,
               samples: int = 0, rows_contiguous: bool | None = None, force_idx64: bool = False,
-              quantize_fn=None) -> dict:
+              quantize_fn=None, fmt: str = "mxfp4") -> dict:
     """Run one fused-kernel variant on a fixed random tensor and compare every output with the one
     built by torch ops from the reference quantizer. Returns ``ok`` and, per output, the number of
     mismatching entries (``samples`` > 0 adds the first mismatching carrier entries, for diagnosis).
     ``rows_contiguous``: lay the tensor out with the output rows contiguous (default: row-major, which
     makes them contiguous along columns only), as the variant being checked reads it. ``force_idx64``: the
     variant with 64-bit offsets. ``quantize_fn``: the fused quantizer checked (default
-    ``quantize_mxfp4_2d``, from ``set_quantizers``; tests pass a faulty one)."""
+    ``quantize_mxfp4_2d``, from ``set_quantizers``; tests pass a faulty one). ``fmt``: the MX format
+    (``carrier.KERNEL_FORMATS``), checked against the reference quantizer of that format."""
     if quantize_fn is None:
         quantize_fn = _QUANTIZERS["single"]
     g = torch.Generator(device="cpu").manual_seed(1234)
@@ -159,11 +161,12 @@ def selfcheck(device, dtype, axis: int, rot: int, has_signs: bool, scale_rule: s
                     scale_rule=scale_rule, key=_rng.stream_key(seed), prescale=prescale,
                     index_strides=(ceil_to(Kt, rot) if rot else Kt, 1) if axis == 1 else None,
                     carrier=True, fp4=fp4, group_rows=group_rows, block_rows=BR, num_warps=nw,
-                    k_multiple=k_multiple, force_idx64=force_idx64, _check=False)
-    ref = reference_quantize(t, "mxfp4", axis, None, "stochastic" if sr else "nearest", scale_rule, seed, prescale,
+                    k_multiple=k_multiple, force_idx64=force_idx64, _check=False,
+                    **({} if fmt == "mxfp4" else {"fmt": fmt}))
+    ref = reference_quantize(t, fmt, axis, None, "stochastic" if sr else "nearest", scale_rule, seed, prescale,
                              rot, signs)
     qr = QuantOut(Rt, Kt, None, None, group_rows, None, ref.data.view(torch.uint8).reshape(Rt, -1),
-                  ref.scales.reshape(Rt, -1))
+                  ref.scales.reshape(Rt, -1), fmt=fmt)
     carrier_from_fp4(qr, k_multiple, 16)
     cq, cr = q.carrier.view(torch.uint8), qr.carrier.view(torch.uint8)
     out = {"carrier": int((cq != cr).sum()), "gscale": int((q.gscale != qr.gscale).sum()),
