@@ -11,7 +11,7 @@ from mxtrain.errors import UserError
 from mxtrain.train import train
 from mxtrain.train.run_folder import _run_lock
 
-from train_helpers import run_cli, small_data, tiny_run_cfg
+from train_helpers import run_cli, run_main, small_data, tiny_run_cfg
 
 
 def _cfg(out, steps):
@@ -42,14 +42,15 @@ def test_resume_refuses_a_folder_holding_another_run(tmp_path):
     train(_cfg(a, 2))
     train(_cfg(b, 2))
     before = _snapshot(b)
-    p = run_cli("train", "--resume", str(a), "--out", str(b), "--steps", "3", "--no-progress", cwd=tmp_path)
+    # through mxtrain.cli.main in this process (run_main, as run_cli runs it; the paths are absolute): no process
+    # boundary needed
+    p = run_main("train", "--resume", str(a), "--out", str(b), "--steps", "3", "--no-progress")
     assert p.returncode != 0 and "Traceback" not in p.stderr
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("mxtrain: error: ") and "holds another run" in lines[0], p.stderr
     assert _snapshot(b) == before
     # into an empty folder it continues there
-    p = run_cli("train", "--resume", str(a), "--out", str(tmp_path / "c"), "--steps", "3", "--no-progress",
-                cwd=tmp_path)
+    p = run_main("train", "--resume", str(a), "--out", str(tmp_path / "c"), "--steps", "3", "--no-progress")
     assert p.returncode == 0, p.stderr
 
 
@@ -133,7 +134,7 @@ def test_a_signal_saves_a_checkpoint_and_resume_finishes(tmp_path, sig):
     step = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"]
     from mxtrain.train import checkpoint as ckpt
     assert ckpt.load(out)["step"] == step >= 2
-    q = run_cli("train", "--resume", str(out), "--steps", str(step + 1), "--no-progress")
+    q = run_main("train", "--resume", str(out), "--steps", str(step + 1), "--no-progress")   # (in this process)
     assert q.returncode == 0, q.stderr
     assert ckpt.load(out)["step"] == step + 1
 
