@@ -11,7 +11,7 @@ from mxtrain.errors import UserError
 from mxtrain.train import train
 from mxtrain.train.run_folder import _run_lock
 
-from train_helpers import run_cli, run_main, small_data, tiny_run_cfg
+from train_helpers import run_main, small_data, tiny_run_cfg
 
 
 def _cfg(out, steps):
@@ -29,7 +29,7 @@ def test_resuming_a_copied_run_trains_in_the_copy(tmp_path):
     copy = tmp_path / "elsewhere" / "copy"
     shutil.copytree(orig, copy)
     # from another working folder, with the run given by a relative path
-    p = run_cli("train", "--resume", "../elsewhere/copy", "--steps", "3", "--no-progress", cwd=tmp_path / "orig")
+    p = run_main("train", "--resume", "../elsewhere/copy", "--steps", "3", "--no-progress", cwd=tmp_path / "orig")
     assert p.returncode == 0, p.stderr
     assert _snapshot(orig) == before                       # the original is untouched
     rows = (copy / "metrics.jsonl").read_text()

@@ -68,7 +68,7 @@ def tmpdir() -> Path:
     return _TMP
 
 
-def run_main(*args: str) -> subprocess.CompletedProcess:
+def run_main(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """``mxtrain ARGS`` through ``mxtrain.cli.main`` in this process, as ``run_cli`` runs it in a subprocess
     (same working folder and ``MXTRAIN_DATA``), its stdout and stderr captured and its exit status returned
     (an argparse error's ``SystemExit`` too); any other exception propagates and fails the caller, as a
@@ -81,7 +81,7 @@ def run_main(*args: str) -> subprocess.CompletedProcess:
     out, err = io.StringIO(), io.StringIO()
     old_env, old_cwd = os.environ.get("MXTRAIN_DATA"), os.getcwd()
     os.environ["MXTRAIN_DATA"] = str(data_cache())
-    os.chdir(_TMP)
+    os.chdir(cwd or _TMP)
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
