@@ -31,7 +31,7 @@ from mxtrain.train import checkpoint as ckpt
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 import _dist_worker as W  # noqa: E402
-from train_helpers import one_line_error, run_cli, small_data, tiny_run_cfg  # noqa: E402
+from train_helpers import one_line_error, run_cli, run_main, small_data, tiny_run_cfg  # noqa: E402
 
 REFUSED = ("never contains", "not trusted", "nothing from it was executed")
 
@@ -306,7 +306,7 @@ def test_cli_resume_refuses_crafted_run_folder(tmp_path):
     assert not marker.exists()
 
     # the untouched copy resumes from its DCP checkpoint in one process (the allow-list covers it)
-    p = run_cli("train", "--resume", str(good), "--steps", "3", "--no-progress", cwd=tmp_path)
+    p = run_main("train", "--resume", str(good), "--steps", "3", "--no-progress", cwd=tmp_path)   # (this process)
     assert p.returncode == 0, p.stderr
     assert '"step": 3' in (good / "metrics.jsonl").read_text()
 
