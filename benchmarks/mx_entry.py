@@ -1,11 +1,7 @@
-"""``mxtrain`` entry point for benchmarks: MXTRAIN_FAST=0 forces the reference MXLinear path
-(``mxtrain.fast.ENABLED = False``) in this process; usable as a torchrun script."""
-import os
+"""``mxtrain`` entry point for benchmarks: MXTRAIN_FAST=0 (the ``fast`` setting, read from the environment)
+forces the reference MXLinear path in this process; usable as a torchrun script."""
 import sys
 
-import mxtrain.fast as fast
-
-fast.ENABLED = os.environ.get("MXTRAIN_FAST", "1") != "0"
-from mxtrain.cli import main  # noqa: E402
+from mxtrain.cli import main
 
 sys.exit(main(sys.argv[1:]))

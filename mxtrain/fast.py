@@ -29,7 +29,7 @@ State: what the fast path remembers between calls (the reused activation operand
 counters per tensor role) is one object, ``state`` (a ``FastState``); the kernels' own memory (probes, self-checks,
 launch plans) is ``mxtrain.kernels.CACHES``. Settings (``mxtrain.settings``: ``fast``, ``gemm_backend``,
 ``wgrad_b_group``, ``dual``, ``reuse_act``...) are read at each call, so ``settings.override`` applies at
-once. ``ENABLED`` is kept as an alias of the ``fast`` setting (assigning it calls ``settings.configure``).
+once.
 """
 
 from __future__ import annotations
@@ -43,11 +43,10 @@ from . import settings as _settings
 from .context import Ctx, gemm_dtype
 from .kernels import HAS_TRITON as _HAS_TRITON, backend as _backend, kernels_available
 from .kernels import gemm as _gemm
-from .kernels import quantize as _quantize
-from .kernels.quantize import QuantOut, quantize_op
-from .kernels.mxfp4.carrier import KERNEL_FORMATS
+from .kernels.mxfp4 import TILE_K, QuantOut, dual_applies, quantize_mxfp4_dual, quantize_op
+from .kernels.mxfp4.carrier import KERNEL_FORMATS, out_shapes
 
-__all__ = ["supported", "applies", "apply", "forward", "backward", "ENABLED", "inexact_blocks", "inexact_by_tensor",
+__all__ = ["supported", "applies", "apply", "forward", "backward", "inexact_blocks", "inexact_by_tensor",
            "clear_caches", "FastState", "state", "ROLES"]
 
 # The ``fast`` setting off (MXTRAIN_FAST=0, ``settings.override(fast=False)``) forces the reference path
@@ -325,7 +324,7 @@ def _quant_pair(qctx: Ctx, t: torch.Tensor, na: str, ga: str, nb: str, gb: str, 
     rsa, rsb = (ra.size if ra.enabled else 0), (rb.size if rb.enabled else 0)
     sr = recipe.operand(na).rounding != "nearest" or recipe.operand(nb).rounding != "nearest"
     # (exact_carrier: one count per operand, so two passes)
-    one = _quantize.dual_applies(t, rsa, rsb, sr=sr) and not _settings.current().exact_carrier
+    one = dual_applies(t, rsa, rsb, sr=sr) and not _settings.current().exact_carrier
     if not (one or always):
         return None
     dev = t.device
@@ -347,7 +346,7 @@ def _quant_pair(qctx: Ctx, t: torch.Tensor, na: str, ga: str, nb: str, gb: str, 
     km = _gemm.k_multiple_for(backend)
     cnt = _counter(qctx, dev, na)
     if one:
-        qs = _quantize.quantize_mxfp4_dual(t, sides[0], sides[1], k_multiple=km, counter=cnt, fp4_b=keep_b)
+        qs = quantize_mxfp4_dual(t, sides[0], sides[1], k_multiple=km, counter=cnt, fp4_b=keep_b)
     else:
         qs = [quantize_op(t, ax, **sd, carrier=out[0], fp4=out[1], k_multiple=km, counter=cnt)
               for ax, sd, out in ((1, sides[0], _outputs(backend, False)), (0, sides[1], _outputs(backend, keep_b)))]
@@ -513,7 +512,7 @@ def unpack_operand(s0: torch.Tensor, s1: torch.Tensor, R: int, K: int, group_row
     gr = group_rows if group_rows is not None else _b_group_rows(s0.device, _backend(s0.device))
     if s1.dtype == torch.float32:   # FP8 carrier and its group scales
         Kc = s0.shape[1]
-        gview = s1.t() if gr == 1 else s1[:, : Kc // _quantize.TILE_K]
+        gview = s1.t() if gr == 1 else s1[:, : Kc // TILE_K]
         return QuantOut(R, K, s0.view(torch.float8_e4m3fn), gview, gr, None, None, None, s1, fmt)
     return QuantOut(R, K, None, None, gr, None, s0, s1, fmt=fmt)
 
@@ -532,8 +531,8 @@ def operand_shapes(recipe, x: torch.Tensor, name: str):
     for d in x.shape[:-1]:
         M = M * d
     R, K = (x.shape[-1], M) if name == "wgrad_x" else (M, x.shape[-1])
-    car, gs, pk, sc = _quantize._out_shapes(R, K, rot.size if rot.enabled else 0, carrier, fp4, gr, 16,
-                                            _gemm.k_multiple_for(backend))
+    car, gs, pk, sc = out_shapes(R, K, rot.size if rot.enabled else 0, carrier, fp4, gr, 16,
+                                 _gemm.k_multiple_for(backend))
     if carrier:
         return (car, torch.uint8), (gs, torch.float32)
     return (pk, torch.uint8), (sc, torch.uint8)
@@ -579,7 +578,3 @@ def apply(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, qctx
                          f"dtypes {x.dtype} and {weight.dtype}); call mxtrain.mx_linear, which routes them")
     return _FastMXLinearFunction.apply(x, weight, bias, qctx, amp, torch.is_grad_enabled())
 
-
-# ``mxtrain.fast.ENABLED``: an alias of the ``fast`` setting (reading it gives ``settings.current().fast``;
-# assigning it calls ``settings.configure(fast=...)``)
-_settings.alias_module_attributes(__name__, ENABLED="fast")

@@ -28,9 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import sys
 import threading
-import types
 from dataclasses import dataclass, field
 
 from .errors import UserError
@@ -377,17 +375,6 @@ def reset() -> Settings:
         _env = None
         _configured.clear()
         return _rebuild()
-
-
-def alias_module_attributes(module_name: str, **aliases: str) -> None:
-    """Keep old module attributes (e.g. ``mxtrain.fast.ENABLED``) as aliases of settings: reading one gives
-    ``current().<field>``, assigning it calls ``configure(<field>=value)``."""
-    mod = sys.modules[module_name]
-
-    def prop(name):
-        return property(lambda self: getattr(current(), name), lambda self, v: configure(**{name: v}))
-    cls = type(f"{module_name}.<module>", (types.ModuleType,), {a: prop(n) for a, n in aliases.items()})
-    mod.__class__ = cls
 
 
 # ---------------------------------------------------------------------------------------------- docs

@@ -195,7 +195,7 @@ def test_env_switch_disables_the_fast_path():
     import subprocess
     import sys
     code = ("import mxtrain, mxtrain.fast as f; "
-            "print(f.ENABLED, f.supported(mxtrain.recipes.get('mxfp4-all-dh16')))")
+            "print(mxtrain.settings.current().fast, f.supported(mxtrain.recipes.get('mxfp4-all-dh16')))")
     # (supported is the recipe's answer; whether the fast path runs is linear.route's, from the setting)
     for value, expect in (("0", "False True"), ("off", "False True")):
         env = dict(__import__("os").environ, MXTRAIN_FAST=value)

@@ -555,17 +555,6 @@ def test_self_check_reports_a_wrong_carrier():
     assert not r["ok"] and r["carrier"] == 1 and r["samples"][0][:2] == (1, 5)
 
 
-def test_compat_module_reexports_the_package():
-    """``mxtrain.kernels.quantize`` (the module the package replaced) gives the package's own objects, and none
-    of the module globals that tests once rebound: kernels and policies are settings and arguments now."""
-    from mxtrain.kernels import quantize as old
-    for name in old.__all__:
-        assert getattr(old, name) is getattr(kq, name), name
-    assert old._out_shapes is kq.carrier.out_shapes and old._e4m3_bits is device._e4m3_bits
-    for gone in ("SELF_CHECK_DEVICES", "FORCE_IDX64", "_use_plans", "_INTERPRET", "_Plan", "_DualPlan"):
-        assert not hasattr(old, gone) and not hasattr(kq, gone), gone
-
-
 @pytest.mark.skipif(DEV != "cpu", reason="the GPU tests run the compiled kernels instead")
 def test_kernels_compile_for_sm90(tmp_path):
     """The interpreter compiles nothing: one variant of each layout of ``_mxfp4_kernel`` and the dual kernel

@@ -82,7 +82,7 @@ def test_override_is_read_at_use_time_nests_and_restores():
         assert s is settings.current() and s.qkernel == "tile"
         assert kq.kernel_for(1, 0, False) == "tile" and kernels.backend("cpu") == "dequant"
         with settings.override(fast=False, qkernel="cols"):
-            assert fast.ENABLED is False and not settings.current().fast   # (linear.route reads it)
+            assert settings.current().fast is False   # (linear.route reads it)
             assert kq.kernel_for(0, 0, False, rows_contiguous=True) == "cols"
         assert fast.supported(rec) and settings.current().qkernel == "tile"
     assert settings.current() == base and kq.kernel_for(1, 0, False) == "blocks"
@@ -109,13 +109,7 @@ def test_override_validates_and_is_seen_by_other_threads():
     assert seen == [("off", False)]
 
 
-def test_configure_aliases_and_reset(monkeypatch):
-    from mxtrain import fast
-    assert fast.ENABLED is settings.current().fast
-    monkeypatch.setattr(fast, "ENABLED", False)   # old code: the alias configures the setting
-    assert settings.current().fast is False
-    monkeypatch.undo()
-    assert settings.current().fast is True
+def test_configure_and_reset(monkeypatch):
     try:
         settings.configure(qfold=False)
         with settings.override(qfold=True):        # overrides win over configure

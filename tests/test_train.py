@@ -214,16 +214,16 @@ if __name__ == "__main__":
     _ = os
 
 
-def test_cuda_graphs_refused_where_they_cannot_replay(tmp_path, monkeypatch):
-    from mxtrain import fast, recipes
+def test_cuda_graphs_refused_where_they_cannot_replay(tmp_path):
+    from mxtrain import recipes, settings
     from mxtrain.train.trainer import graph_blockers
     cuda = torch.device("cuda")
     # every recipe's random inputs come from the layers' device state: replayable on one GPU, on the fast
     # path and on the reference path alike
     for name in ("bf16", "mxfp4-all-dh16", "mxfp4-all-rht16", "mxfp4-all-sr", "tseng", "nvfp4"):
         assert graph_blockers(recipes.get(name), cuda, 1) == []
-    monkeypatch.setattr(fast, "ENABLED", False)
-    assert graph_blockers(recipes.get("mxfp4-all-sr"), cuda, 1) == []
+    with settings.override(fast=False):
+        assert graph_blockers(recipes.get("mxfp4-all-sr"), cuda, 1) == []
     assert any("several processes" in w for w in graph_blockers(recipes.get("bf16"), cuda, 2))
     assert any("not a CUDA GPU" in w for w in graph_blockers(recipes.get("bf16"), torch.device("cpu"), 1))
     cfg = _resume_cfg(tmp_path / "g", 2, recipe="mxfp4-all-sr")
