@@ -12,7 +12,7 @@ from mxtrain.errors import UserError
 from mxtrain.train import TrainConfig, experiments
 from mxtrain.train.config import apply_dict, check_init_from, load_train_config, read_config_file
 from mxtrain.train.config import validate
-from train_helpers import ROOT, one_line_error, run_cli, tiny_run_cfg
+from train_helpers import ROOT, one_line_error, run_cli, run_main, tiny_run_cfg
 
 EXAMPLES = sorted(p for p in (ROOT / "examples").iterdir() if p.suffix in (".toml", ".json", ".yaml", ".yml"))
 
@@ -147,7 +147,9 @@ def test_underscore_keys_are_metadata_and_run_folders_read_config_json(tmp_path)
 
 
 def test_print_config_roundtrips(tmp_path):
-    p = run_cli("train", "--exp", "debug", "--steps", "9", "--set", "recipe.wgrad_dy.rounding=stochastic", "--print-config")
+    # (this and the other run_main calls: mxtrain.cli.main in this process, as run_cli runs it in a subprocess; the
+    # subprocess path stays in the tests of the command listing, a rerun of a run and a bad study file)
+    p = run_main("train", "--exp", "debug", "--steps", "9", "--set", "recipe.wgrad_dy.rounding=stochastic", "--print-config")
     assert p.returncode == 0, p.stderr
     (tmp_path / "c.json").write_text(p.stdout)
     assert _cfg("--config", str(tmp_path / "c.json")).to_dict() == json.loads(p.stdout)
@@ -211,7 +213,7 @@ def _one_line(capsys, *argv) -> str:
 def test_bad_config_file_through_the_cli(tmp_path, capsys):
     f = tmp_path / "typo.toml"
     f.write_text("[train]\nlr = 1e-3\n")
-    one_line_error(run_cli("train", "--config", str(f)), "typo.toml", "unknown key 'train.lr'", "did you mean optim.lr")
+    one_line_error(run_main("train", "--config", str(f)), "typo.toml", "unknown key 'train.lr'", "did you mean optim.lr")
     assert "config file not found" in _one_line(capsys, "train", "--config", str(tmp_path / "missing.toml"))
     assert "config file not found: missing.json" in _one_line(capsys, "train", "--exp", "missing.json")
     msg = _one_line(capsys, "train", "--exp", "debgu")
@@ -282,7 +284,7 @@ def test_init_from_flag_sets_the_field_and_checks_the_folder(tmp_path):
     with pytest.raises(UserError, match="not found"):
         _cfg("--config", str(f))
     check_init_from(None)
-    one_line_error(run_cli("train", "--init-from", str(tmp_path / "nope")), "train.init_from", "not found")
+    one_line_error(run_main("train", "--init-from", str(tmp_path / "nope")), "train.init_from", "not found")
 
 
 # -- study --config ------------------------------------------------------------------------------------------
@@ -378,7 +380,7 @@ def test_train_steps_given_take_effect_or_are_refused(tmp_path, capsys):
 
 
 def test_study_dry_run_from_the_example():
-    p = run_cli("study", "--config", str(ROOT / "examples" / "study.toml"), "--seeds", "3", "--dry-run")
+    p = run_main("study", "--config", str(ROOT / "examples" / "study.toml"), "--seeds", "3", "--dry-run")
     assert p.returncode == 0, p.stderr
     assert "arms (3): bf16, mxfp4-all, mxfp4-all-dh16" in p.stdout and "9 runs" in p.stdout
     assert "model.n_layers=1" in p.stdout
@@ -422,12 +424,12 @@ def test_mxtrain_alone_lists_every_command():
     assert p.returncode == 2 and "Traceback" not in p.stderr
     for cmd in ALL_COMMANDS:
         assert any(line.split()[:1] == [cmd] and len(line.split()) > 1 for line in p.stdout.splitlines()), (cmd, p.stdout)
-    help_ = run_cli("--help")
+    help_ = run_main("--help")
     assert help_.returncode == 0 and all(f"    {c} " in help_.stdout for c in ALL_COMMANDS)
 
 
 def test_unknown_command_lists_every_command(capsys):
-    p = run_cli("foo")
+    p = run_main("foo")
     one_line_error(p, "unknown command 'foo'", *ALL_COMMANDS)
     assert p.returncode == 2
     assert "did you mean train?" in _one_line(capsys, "trian")
