@@ -171,9 +171,9 @@ def test_report_on_a_read_only_run_folder_is_one_line(tmp_path, monkeypatch):
 def test_help_and_version():
     p = run_cli("--help")
     assert p.returncode == 0 and "train" in p.stdout and "data" in p.stdout
-    p = run_cli("--version")
+    p = run_main("--version")   # (--version and --list in this process: --help stays a subprocess)
     assert p.returncode == 0 and p.stdout.startswith("mxtrain ")
-    p = run_cli("train", "--list")
+    p = run_main("train", "--list")
     assert p.returncode == 0 and "tiny-main" in p.stdout and "mxfp4-all-dh16" in p.stdout and "llama3-8b" in p.stdout
 
 
