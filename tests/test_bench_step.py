@@ -182,12 +182,13 @@ def test_a_variant_sets_its_own_model_options(monkeypatch):
 def test_bench_cli_checks_a_variants_model_options_before_the_gpu():
     import torch
 
-    from train_helpers import one_line_error, run_cli
+    from train_helpers import one_line_error, run_main
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
-    one_line_error(run_cli("bench", "step", "--variants", "bf16,mxfp4-all:recompute_ffn=maybe"), "recompute_ffn='maybe'")
+    # through mxtrain.cli.main in this process (test_bench_cli_refuses_without_a_gpu_in_one_line runs a subprocess)
+    one_line_error(run_main("bench", "step", "--variants", "bf16,mxfp4-all:recompute_ffn=maybe"), "recompute_ffn='maybe'")
     # accepted (torchao's variants and recipes alike); then refused only for want of a GPU
-    one_line_error(run_cli("bench", "step", "--variants",
+    one_line_error(run_main("bench", "step", "--variants",
                            "torchao-tensorwise:recompute_ffn=true,mxfp4-all-dh16:recompute_ffn=on:wgrad_x=forward"),
                    "needs a CUDA GPU")
 
@@ -260,8 +261,8 @@ def test_rounds_rotate_the_order_and_take_medians_of_each_rounds_ratios(monkeypa
 
 
 def test_bench_cli_refuses_a_bad_rounds_value_in_one_line():
-    from train_helpers import one_line_error, run_cli
-    one_line_error(run_cli("bench", "step", "--rounds", "0"), "--rounds")
+    from train_helpers import one_line_error, run_main
+    one_line_error(run_main("bench", "step", "--rounds", "0"), "--rounds")   # (in this process)
 
 
 def test_user_model_with_fused_projections_converts_its_four_layers_a_block():
