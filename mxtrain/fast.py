@@ -17,6 +17,9 @@ any update (fused, foreach or for-loop optimizers, ``p.data.copy_``, ``load_stat
 resharding) is seen by the next call. The random inputs (stochastic-rounding keys, rotation signs)
 come from the call's ``Ctx``: on a CUDA device they are tensors written by one kernel from the
 layer's state, read by the quantize kernels at run time, so CUDA graphs replay with the current step.
+A weight FSDP2 all-gathered as its quantized operands (``mxtrain.qgather``, ``gather="quantized"``) is not
+quantized here: ``gathered_operand`` turns its gathered codes and scales into the operand the GEMM takes
+(bit-identical to quantizing the whole weight).
 
 Activation reuse (eager only): layers that read the same input (a Llama block's q/k/v and gate/up
 projections) quantize its Fprop and Wgrad operands once when both use nearest rounding and no sign
@@ -300,6 +303,33 @@ def _quant(qctx: Ctx, t: torch.Tensor, axis: int, name: str, gemm: str, signs, b
     return q, op.prescale
 
 
+def gathered_operand(qctx: Ctx, w: torch.Tensor, axis: int, name: str, gemm: str, signs, backend: str,
+                     group_rows: int) -> tuple[QuantOut, float]:
+    """W's operand ``name`` (blocks along ``axis`` of W) where ``w`` was all-gathered by FSDP2 as its quantized
+    operands (``mxtrain.qgather``: ``w.mx_gathered``), as ``_quant`` would make it from the whole weight: the
+    gathered codes and E8M0 scales (the reference quantizer's of the rotated weight, which the fused quantizer
+    equals bit for bit) as a ``QuantOut`` of ``w.shape[1 - axis]`` rows reduced along ``w.shape[axis]``, and
+    where the backend's GEMM reads the FP8 carrier, the carrier and group scales ``carrier_from_packed`` rebuilds
+    from them (the fused quantizer's bytes; inexact blocks counted as its would be). The layouts agree: both
+    have the block axis last, padded with zeros to whole rotation blocks and then to whole 32-blocks, two codes
+    a byte with the lower index in the low nibble, one scale byte per block."""
+    mx = w.mx_gathered.get(qctx, axis, name, gemm, signs)   # (refuses another recipe, axis or signs)
+    op = qctx.recipe.operand(name)
+    R, K = w.shape[1 - axis], w.shape[axis]
+    if mx.fmt.name != op.fmt or mx.fmt.name not in KERNEL_FORMATS or mx.block_size != 32 or mx.data.shape[0] != R:
+        raise RuntimeError(f"mxtrain: the gathered {name} operand ({mx.fmt.name}, blocks of {mx.block_size}, "
+                           f"{tuple(mx.data.shape)} codes) is not the fast path's {op.fmt} operand of {R} rows "
+                           "(an mxtrain bug: please report it)")
+    # (the Dgrad operand is a transposed view of the gathered bytes: the kernels read contiguous rows)
+    packed = mx.data.view(torch.uint8).contiguous()
+    scales = mx.scales.view(torch.uint8).contiguous()
+    q = QuantOut(R, K, None, None, group_rows, None, packed, scales, fmt=op.fmt)
+    if _outputs(backend, False)[0]:
+        from .kernels.expand import carrier_from_packed
+        q = carrier_from_packed(q, k_multiple=_gemm.k_multiple_for(backend), counter=_counter(qctx, w.device, name))
+    return q, op.prescale
+
+
 # Both operands of one activation from one pass (quantize_mxfp4_dual, where it applies: the ``dual``
 # setting) at any size: with launch plans for the fused kernel, one pass measured 1.08-1.22x faster than
 # two on an H100 from 2048x4096 to 16384x14336 (BENCHMARKS.md), and one launch costs the host less than two.
@@ -387,7 +417,12 @@ def _gemm_fn(qctx: Ctx, A: torch.Tensor, axA: int, nA: str, B: torch.Tensor | No
         pre = pre or {}
         qa, pa = pre[nA] if nA in pre else _quant(qctx, A, axA, nA, gemm, signs, backend, 1, reuse)
         gr = _gemm.weight_group_rows(dev) if b_is_weight else _b_group_rows(dev, backend)
-        qb, pb = pre[nB] if nB in pre else _quant(qctx, B, axB, nB, gemm, signs, backend, gr, reuse)
+        if nB in pre:
+            qb, pb = pre[nB]
+        elif getattr(B, "mx_gathered", None) is not None:   # (a weight FSDP2 gathered quantized: mxtrain.qgather)
+            qb, pb = gathered_operand(qctx, B, axB, nB, gemm, signs, backend, gr)
+        else:
+            qb, pb = _quant(qctx, B, axB, nB, gemm, signs, backend, gr, reuse)
         qa, qb = _as_fmt(qa, recipe.operand(nA).fmt), _as_fmt(qb, recipe.operand(nB).fmt)
         if backend == "fp8_carrier" and _settings.current().exact_carrier:
             return _exact_gemm(qctx, qa, nA, qb, nB, backend, out_dtype, pa * pb)

@@ -6,8 +6,16 @@ the MX linear then quantizes the gathered weight twice: the Fprop operand ``W`` 
 and the Dgrad operand ``W^T`` (blocks along out-features). With ``apply_fsdp2(..., gather="quantized")``
 each rank instead quantizes its own shard into both operands (element codes and scales as ``uint8``
 tensors: FP4 two codes a byte, FP6 one a byte, FP8 one a byte, E8M0 or E4M3 scales one a byte) and FSDP2
-all-gathers those; the MX linear's reference path then reads the gathered operands (``Ctx.operand`` asks
-the weight for them: ``GatheredWeight.mx_gathered``) instead of quantizing the weight again.
+all-gathers those; the MX linear then reads the gathered operands instead of quantizing the weight again: the
+reference path through ``Ctx.operand`` (which asks the weight for them: ``GatheredWeight.mx_gathered``), the
+fast path (CUDA; on CPU under Triton's interpreter in tests) through ``fast.gathered_operand``, which hands the
+gathered MXFP4 / MXINT4 codes and E8M0 scales to its GEMMs as the fused quantizer's output and, on the
+FP8-carrier backend (sm_90), rebuilds the carrier and its group scales from them (``kernels.expand``, the
+fused quantizer's bytes). Both layouts put the block axis last, padded with zeros to whole rotation blocks
+and then to whole 32-element blocks, two codes a byte with the lower index in the low nibble, one scale byte
+per block; the Dgrad operand (blocks along out-features) is made contiguous first (a transposed copy of its
+codes and scales, 0.53 bytes an element). (The fast path's use is checked on CPU under the interpreter, not
+yet run on a GPU.)
 
 Exactness: the gathered operands equal the quantization of the gathered weight bit for bit, because
 
@@ -27,10 +35,13 @@ the element's index in the full tensor and by the call), rotation signs re-drawn
 on Fprop or Dgrad, an unquantized weight operand (the GEMM needs the high-precision weight), shards that
 split a Dgrad block, rotation block or NVFP4 tile, out-features not divisible by the world size (torch's
 all-gather extension needs inputs of the padded shard's shape on uneven shards), a compiled block
-(``torch.compile`` does not take gathered operands), a weight tied to another module, and on CUDA a layer
-the fast path or the FP8 tensor-core GEMM would run (they quantize the weight themselves). A layer whose
-recipe changes after ``apply_fsdp2`` to one these rules refuse raises at its next gather (never a silent
-high-precision or wrong value).
+(``torch.compile`` does not take gathered operands), a weight tied to another module, and on CUDA a
+per-tensor FP8 weight, which the FP8 tensor-core GEMM may quantize itself. (Every layer the fast path runs
+that the rules above accept takes the quantized gather: its weight operands are MXFP4 or MXINT4 with
+round-to-nearest and no per-step signs, e.g. ``mxfp4-all``, ``mxfp4-all-dh16``, ``mxfp4-all-sr``,
+``mxfp4-fprop-dgrad``; ``mxfp4-fprop``, ``tseng``, ``mxfp4-all-rht16`` and ``ufp4`` fall back by the rules
+above, on any device.) A layer whose recipe changes after ``apply_fsdp2`` to one these rules refuse raises at
+its next gather (never a silent high-precision or wrong value).
 
 Each forward's gather quantizes the shard's current values (nothing older is ever reused across a step:
 whatever changed the weight, the next forward sees it); the backward's re-gather of the same micro-step
@@ -45,8 +56,8 @@ checkpoints and their loads work as with ``gather="high"``, in either direction.
 
 The bytes one all-gather assembles, for either gather: ``all_gather_bytes``.
 
-Layer 3 (the MX linear): imports the numerics, ``context``, ``fast`` and ``settings`` (CUDA checks) and ``nn``;
-nothing below imports it (``Ctx.operand`` finds the gathered operands on the tensor).
+Layer 3 (the MX linear): imports the numerics, ``context`` and ``nn``; nothing below imports it (``Ctx.operand``
+and ``fast`` find the gathered operands on the tensor).
 """
 
 from __future__ import annotations
@@ -173,12 +184,10 @@ def plan_layer(recipe: Recipe | str, shape, world: int, layer_id: int = 0, devic
 
 
 def _device_reason(recipe: Recipe, device: torch.device) -> str | None:
-    """On CUDA: the forms that quantize the weight themselves (they do not take gathered operands yet)."""
+    """On CUDA: a form that quantizes the weight itself and does not take gathered operands yet (the FP8
+    tensor-core GEMM). (The fast path takes them: ``fast.gathered_operand``.)"""
     if device.type != "cuda":
         return None
-    from . import fast, settings
-    if settings.current().fast and fast.supported(recipe):
-        return "on CUDA the fast path runs this layer and quantizes the weight itself (not hooked yet)"
     if any(get_format(recipe.operand(n).fmt).kind == "tensor" for n, _, _ in WEIGHT_OPERANDS):
         return "on CUDA a per-tensor FP8 weight may go to the FP8 tensor-core GEMM, which quantizes it itself"
     return None
@@ -304,7 +313,10 @@ class Gathered:
     def __init__(self, plan: Plan, ops: dict):
         self.plan, self.ops = plan, ops
 
-    def _get(self, ctx: Ctx, axis: int, name: str, gemm: str, signs) -> MXTensor:
+    def get(self, ctx: Ctx, axis: int, name: str, gemm: str, signs) -> MXTensor:
+        """The gathered operand ``name`` (an ``MXTensor`` of the whole weight) for a call of ``ctx``'s recipe along
+        ``axis`` of W in GEMM ``gemm`` with rotation ``signs``; raises where it does not fit that call (the
+        reference reads it through ``operand``, the fast path through ``fast.gathered_operand``)."""
         plan = self.plan
         spec = plan.spec(name)
         why = None
@@ -324,20 +336,20 @@ class Gathered:
 
     def operand(self, ctx: Ctx, t: torch.Tensor, axis: int, name: str, gemm: str, signs):
         """``Ctx.operand``'s (values, prescale): the gathered operand dequantized as the reference does."""
-        mx = self._get(ctx, axis, name, gemm, signs)
+        mx = self.get(ctx, axis, name, gemm, signs)
         return mx.dequantize(torch.float32).to(compute_dtype(t)), mx.prescale
 
     def operand_factored(self, ctx: Ctx, t: torch.Tensor, axis: int, name: str, gemm: str, signs):
         """``Ctx.operand_factored``'s (values, prescale, tensor scale) of an NVFP4 operand."""
-        mx = self._get(ctx, axis, name, gemm, signs)
+        mx = self.get(ctx, axis, name, gemm, signs)
         v, g = mx.dequantize_factored()
         return v.to(compute_dtype(t)), mx.prescale, g
 
 
 _NOT_HERE = ("mxtrain: this weight was all-gathered by FSDP2 as its quantized operands (gather='quantized') and "
-             "holds no high-precision values; {op} cannot run on it. Only the MX linear's reference path reads it "
-             "(mxtrain.qgather); use apply_fsdp2(..., gather='high') (parallel.gather=high) for code that reads "
-             "the weight itself")
+             "holds no high-precision values; {op} cannot run on it. Only the MX linear (reference and fast "
+             "paths) reads it (mxtrain.qgather); use apply_fsdp2(..., gather='high') (parallel.gather=high) for "
+             "code that reads the weight itself")
 
 
 class GatheredWeight(torch.Tensor):
