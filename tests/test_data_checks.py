@@ -14,7 +14,7 @@ from mxtrain.data.prepare import _ShardWriter, shard_dtype
 from mxtrain.data.tokenizer import load_tokenizer, train_bpe
 from mxtrain.errors import UserError
 
-from train_helpers import SENTENCES, one_line_error, run_cli, small_data
+from train_helpers import SENTENCES, one_line_error, run_main, small_data
 
 
 
@@ -301,11 +301,13 @@ def test_sparse_tokenizer_ids_get_uint32(tmp_path):
 
 
 # ---- the command line: one error line, no traceback ----------------------------------------------------------
+# (through mxtrain.cli.main in this process, as run_cli runs it: the refusals come before any work; a data
+# refusal in a process of its own: tests/test_cli.py's "unreadable JSON line", tests/test_prepare_force.py)
 
 def test_cli_binary_source(tmp_path):
     bad = tmp_path / "photo.txt"
     bad.write_bytes(random.Random(0).randbytes(30000))
-    p = run_cli("data", "prepare", str(bad), "--out", str(tmp_path / "out"), "--vocab-size", "512", "--no-progress")
+    p = run_main("data", "prepare", str(bad), "--out", str(tmp_path / "out"), "--vocab-size", "512", "--no-progress")
     one_line_error(p, "photo.txt is not a text file")
     assert not (tmp_path / "out").exists()
 
@@ -313,7 +315,7 @@ def test_cli_binary_source(tmp_path):
 def test_cli_absurd_vocab(tmp_path):
     src = tmp_path / "t.txt"
     src.write_text(_text())
-    p = run_cli("data", "prepare", str(src), "--out", str(tmp_path / "out"), "--vocab-size", "-4096", "--no-progress")
+    p = run_main("data", "prepare", str(src), "--out", str(tmp_path / "out"), "--vocab-size", "-4096", "--no-progress")
     one_line_error(p, "vocab size must be a multiple of 32 between 512 and 1,048,576", "-4096")
     assert not (tmp_path / "out").exists()
 
@@ -322,7 +324,7 @@ def test_cli_train_on_crafted_folder(tmp_path):
     d = _copy(tmp_path)
     _outside(d)
     _edit_meta(d, _set_shard("train", file="../x.bin"))
-    p = run_cli("train", "--exp", "debug", "--data", str(d), "--out", str(tmp_path / "run"), "--no-progress")
+    p = run_main("train", "--exp", "debug", "--data", str(d), "--out", str(tmp_path / "run"), "--no-progress")
     one_line_error(p, "'../x.bin' is not a plain file name")
     assert not (tmp_path / "run").exists()
 
