@@ -21,7 +21,7 @@ from mxtrain.data import Loader, TokenData, documents, load_tokenizer, prepare, 
 from mxtrain.data import loader as loader_mod
 from mxtrain.errors import UserError
 
-from train_helpers import ROOT, SENTENCES, run_cli, small_data
+from train_helpers import ROOT, SENTENCES, run_main, small_data
 
 
 @pytest.fixture(autouse=True)
@@ -131,8 +131,8 @@ def test_gzipped_text_is_read(tmp_path):
 
 
 def test_cli_logs_skipped_files(messy, tmp_path):
-    p = run_cli("data", "prepare", str(messy), "--out", str(tmp_path / "out"), "--vocab-size", "512",
-                "--no-progress")
+    p = run_main("data", "prepare", str(messy), "--out", str(tmp_path / "out"), "--vocab-size", "512",
+                 "--no-progress")   # (mxtrain.cli.main in this process, as run_cli runs it)
     assert p.returncode == 0, p.stderr
     assert "skipped 8 files that are not data: .git/, .gitattributes, LICENSE, README.md" in p.stdout
     assert "Traceback" not in p.stderr
