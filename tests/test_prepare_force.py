@@ -10,7 +10,7 @@ import pytest
 from mxtrain.data import TokenData, prepare
 from mxtrain.errors import UserError
 
-from train_helpers import one_line_error, run_cli
+from train_helpers import one_line_error, run_cli, run_main
 
 TEXT = "hello world. the quick brown fox. " * 300
 
@@ -52,8 +52,9 @@ def test_cli_out_dot_force_refused_keeps_every_file(tmp_path):
 
 def test_cli_out_is_input_folder_refused(corpus):
     before = _snapshot(corpus)
-    p = run_cli("data", "prepare", str(corpus), "--out", str(corpus), "--force", "--vocab-size", "512",
-                "--no-progress")
+    # (in this process: the refusal above runs in a process of its own)
+    p = run_main("data", "prepare", str(corpus), "--out", str(corpus), "--force", "--vocab-size", "512",
+                 "--no-progress")
     one_line_error(p, "is the input", "choose an empty or new --out")
     assert _snapshot(corpus) == before
 
