@@ -309,9 +309,9 @@ def test_real_trainer_missing_nan_path_is_failed(tmp_path, capsys):
 
 
 def test_bad_set_value_is_reported_before_the_study_folder_is_written(tmp_path):
-    from train_helpers import run_cli
+    from train_helpers import run_main
     out = tmp_path / "study"
-    p = run_cli("study", "--preset", "smoke", "--out", str(out), "--set", "optim.beta2=1.5")
+    p = run_main("study", "--preset", "smoke", "--out", str(out), "--set", "optim.beta2=1.5")   # (in this process)
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert p.returncode != 0 and "Traceback" not in p.stderr
     assert len(lines) == 1 and lines[0].startswith("mxtrain: error: ") and "optim.beta2" in lines[0], p.stderr
