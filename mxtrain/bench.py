@@ -116,14 +116,14 @@ def bench_quantize(args) -> dict:
         copy_bw = 4 * n / (t_copy * 1e-3)
         # every kernel that can run this case, each at its best of a few configurations; the default first
         if kw.get("rot", 0) not in kq.BLOCK_ROTS:
-            kernels = [("tile", False)]
+            kernels = ["tile"]
         elif axis == 0:   # a row-major input along columns
-            kernels = [("cols", False), ("blocks", True)]
+            kernels = ["cols", "blocks"]
         else:
-            kernels = [("blocks", True), ("blocks", False), ("tile", False)]
+            kernels = ["blocks", "tile"]
         from . import settings as _settings
-        for kern, join in kernels:
-            with _settings.override(qkernel=kern, qjoin=join):   # this kernel, with or without joined stores
+        for kern in kernels:
+            with _settings.override(qkernel=kern):   # this kernel
                 # (block rows, warps): the fastest ones of earlier sweeps on the H100 (BENCHMARKS.md); compiling
                 # more takes minutes
                 if kern == "cols":   # 2 or 4 values of each [4, BR] tensor a thread
@@ -145,11 +145,10 @@ def bench_quantize(args) -> dict:
                     continue
                 t = best[0]
                 bw = moved / (t * 1e-3)
-                label = kern + ("+join" if join else "")
-                res.append({"case": name, "kernel": label, "shape": list(shape), "axis": axis, "ms": t,
+                res.append({"case": name, "kernel": kern, "shape": list(shape), "axis": axis, "ms": t,
                             "block_rows": best[1], "num_warps": best[2], "bytes": moved, "GBps": bw / 1e9,
                             "copy_ms": t_copy, "copy_GBps": copy_bw / 1e9, "frac_of_copy_bw": bw / copy_bw})
-                print(f"quantize {name:46s} {label:12s} {t*1e3:8.1f} us  {bw/1e9:7.0f} GB/s  copy {copy_bw/1e9:6.0f} GB/s  "
+                print(f"quantize {name:46s} {kern:12s} {t*1e3:8.1f} us  {bw/1e9:7.0f} GB/s  copy {copy_bw/1e9:6.0f} GB/s  "
                       f"{100*bw/copy_bw:5.1f}%  (BR={best[1]}, warps={best[2]})", flush=True)
         del x, y
     # both operands of one activation from one read (quantize_mxfp4_dual) against the two passes

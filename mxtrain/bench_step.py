@@ -19,7 +19,7 @@ variant's steps by tensor, and the ratios to BF16 and to the fastest FP8 variant
 variant that fails (out of memory, say) is reported with its error; the others still run.
 
 A variant may carry settings (``docs/settings.md``) after a colon, applied while it is built, compiled and
-timed: ``mxfp4-all-dh16:wgrad_x=forward`` or ``mxfp4-all:dual=off:qfold=false``; and the model options
+timed: ``mxfp4-all-dh16:wgrad_x=forward`` or ``mxfp4-all:dual=off:qkernel=tile``; and the model options
 ``recompute_ffn`` and ``checkpoint_blocks`` (``STEP_OPTIONS``; true or false) for that variant alone, over the
 run-wide ones: ``mxfp4-all-dh16:recompute_ffn=true`` beside a plain ``bf16`` compares an MX recipe that
 recomputes its feed-forward GEMMs with a BF16 step that does not, in one run. A torchao variant takes

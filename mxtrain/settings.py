@@ -105,12 +105,6 @@ class Settings:
         "auto", "MXTRAIN_QKERNEL", "Quantize kernel: `auto` (`kernel_for` picks by layout), or `blocks`, `cols`, "
         "`tile` forced where it applies (rotations wider than 32 always run `tile`). Same bytes from each.",
         "choice", choices=("auto", "blocks", "cols", "tile"))
-    qjoin: bool = _knob(
-        True, "MXTRAIN_QJOIN", "Blocks kernel: one 32-byte carrier store per thread and block (off: 8-byte "
-        "stores from the four pieces, slower). Same bytes either way.", "bool")
-    qfold: bool = _knob(
-        True, "MXTRAIN_QFOLD", "H4/H16/H64 on bf16/fp16 inputs: fold the rotation's power-of-two 1/sqrt(n) into "
-        "the block scale instead of multiplying every value (bit-identical).", "bool")
     qmaxnreg: int = _knob(
         80, "MXTRAIN_QMAXNREG", "Register cap (Triton `maxnreg`) of the cols, dual and 128x128-group blocks "
         "kernels on NVIDIA GPUs (stochastic rounding runs uncapped); 0: no cap. Same bytes either way.",
@@ -207,8 +201,7 @@ class Settings:
         for f in dataclasses.fields(self):
             object.__setattr__(self, f.name, _coerce(f, getattr(self, f.name), f"Settings.{f.name}"))
         # what quantize launch plans and self-check results depend on, hashed once per object
-        object.__setattr__(self, "launch_key", (self.qkernel, self.qjoin, self.qfold, self.dual, self.qmaxnreg,
-                                                self.qselfcheck))
+        object.__setattr__(self, "launch_key", (self.qkernel, self.dual, self.qmaxnreg, self.qselfcheck))
 
     @classmethod
     def from_env(cls, environ=None) -> "Settings":

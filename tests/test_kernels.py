@@ -525,7 +525,7 @@ def test_self_check_accepts_correct_variants(variant, rows_contiguous, fresh_cac
     assert verify.config_ok(x, variant["axis"], variant["rot"], variant["has_signs"], variant["scale_rule"],
                             variant["sr"], variant["prescale"], variant["group_rows"], br, nw, 512, variant["fp4"],
                             4096, 1000)
-    assert len(fresh_caches.verified) == 1 and next(iter(fresh_caches.verified))[-3] == kern   # (..., kernel, qjoin, qfold)
+    assert len(fresh_caches.verified) == 1 and next(iter(fresh_caches.verified))[-1] == kern   # (..., kernel)
 
 
 @pytest.mark.parametrize("variant", [
@@ -645,13 +645,10 @@ def test_carrier_gemm_gpu():
     dict(axis=0, rot=16, group_rows=128),
     dict(axis=1, rot=8, group_rows=1, sr=True),
 ])
-@pytest.mark.parametrize("join", [True, False])
-def test_block_and_tile_kernels_agree(case, join, use):
+def test_block_and_tile_kernels_agree(case):
     """The three quantize kernels ("blocks": whole MX blocks per thread, rotations up to 32; "tile":
     any rotation; "cols": inputs whose output rows are the contiguous axis) write the same bytes for
-    every output, padding included, whichever way the input is laid out; the blocks kernel with joined
-    32-byte stores (the default) and with the pieces' own stores alike."""
-    use(qjoin=join)
+    every output, padding included, whichever way the input is laid out."""
     rot = case["rot"]
     x = _data(45, 166, seed=rot + case["axis"], dtype=torch.bfloat16)
     xt = x.t().contiguous().t()          # the same values, the other memory layout
@@ -662,16 +659,15 @@ def test_block_and_tile_kernels_agree(case, join, use):
               prescale=case.get("prescale", 1.0), carrier=True, fp4=True, group_rows=case["group_rows"],
               k_multiple=256, _check=False)
     outs = {}
-    # the store variant only matters to the blocks kernel: without joined stores, compare it alone
-    for kern in ("blocks", "tile", "cols") if join else ("blocks", "tile"):
+    for kern in ("blocks", "tile", "cols"):
         with settings.override(qkernel=kern):
-            for name, t in (("", x), ("T", xt)) if join else (("", x),):
+            for name, t in (("", x), ("T", xt)):
                 rows_contig = (t.stride(1) if case["axis"] == 0 else t.stride(0)) == 1
                 got = kq.kernel_for(case["axis"], rot, True, rows_contig)
                 assert got == (kern if kern != "cols" or rows_contig else "blocks")
                 if got + name not in outs:
                     outs[got + name] = kq.quantize_mxfp4_2d(t, case["axis"], **kw)
-    assert not join or "cols" in outs or "colsT" in outs
+    assert "cols" in outs or "colsT" in outs
     ref = outs["tile"]
     for k, a in outs.items():
         assert torch.equal(a.carrier.view(torch.uint8), ref.carrier.view(torch.uint8)), k

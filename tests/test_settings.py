@@ -40,7 +40,7 @@ def test_one_parser_for_every_variable():
     for raw, want in [("1", True), ("0", False), ("TRUE", True), ("false", False), (" Yes ", True), ("no", False),
                       ("On", True), ("OFF", False)]:
         assert Settings.from_env({"MXTRAIN_FAST": raw}).fast is want
-        assert Settings.from_env({"MXTRAIN_QJOIN": raw}).qjoin is want
+        assert Settings.from_env({"MXTRAIN_REUSE_ACT": raw}).reuse_act is want
     s = Settings.from_env({"MXTRAIN_QDUAL": "0", "MXTRAIN_QMAXNREG": " 64 ", "MXTRAIN_WGRAD_B_GROUP": "1",
                            "MXTRAIN_GEMM_BACKEND": "DEQUANT", "MXTRAIN_QKERNEL": "tile", "MXTRAIN_GLUE": "eager",
                            "MXTRAIN_DATA": "/some/where", "MXTRAIN_FAST_LAUNCH": ""})
@@ -102,8 +102,8 @@ def test_override_validates_and_is_seen_by_other_threads():
         with settings.override(qmaxnreg=True):   # a bool is not an int here
             pass
     seen = []
-    with settings.override(dual=False, qjoin="0"):   # typed values or the environment's strings
-        t = threading.Thread(target=lambda: seen.append((settings.current().dual, settings.current().qjoin)))
+    with settings.override(dual=False, reuse_act="0"):   # typed values or the environment's strings
+        t = threading.Thread(target=lambda: seen.append((settings.current().dual, settings.current().reuse_act)))
         t.start()
         t.join()
     assert seen == [("off", False)]
@@ -111,14 +111,15 @@ def test_override_validates_and_is_seen_by_other_threads():
 
 def test_configure_and_reset(monkeypatch):
     try:
-        settings.configure(qfold=False)
-        with settings.override(qfold=True):        # overrides win over configure
-            assert settings.current().qfold
-        assert not settings.current().qfold
-        monkeypatch.setenv("MXTRAIN_QJOIN", "0")
-        assert settings.current().qjoin            # the environment was read once
+        settings.configure(reuse_act=False)
+        with settings.override(reuse_act=True):        # overrides win over configure
+            assert settings.current().reuse_act
+        assert not settings.current().reuse_act
+        cap = settings.current().qmaxnreg
+        monkeypatch.setenv("MXTRAIN_QMAXNREG", str(cap + 8))
+        assert settings.current().qmaxnreg == cap       # the environment was read once
         settings.reset()
-        assert settings.current().qfold and not settings.current().qjoin
+        assert settings.current().reuse_act and settings.current().qmaxnreg == cap + 8
     finally:
         monkeypatch.undo()
         settings.reset()

@@ -66,8 +66,6 @@ def _single(layout, BR, nw, rot=0, maxnreg=None, ones=None, div16=(), ptr_types=
     if layout != "tile" or rot == 64:
         consts.setdefault("USE_ASM", True)
         consts.setdefault("FOLD", False)
-    if layout == "blocks":
-        consts.setdefault("JOIN_STORE", True)
     if layout == "cols":
         consts.setdefault("PACK", 4 if 4 * BR // (32 * nw) > 2 else 2)
     if ones is None:
@@ -80,7 +78,7 @@ def _dual(bra=32, brb=64, nw=4, gr_b=1, rot=0, sr=False, fp4_b=False, maxnreg=80
     consts = dict(BR_A=bra, ROT_A=rot, HAS_SIGNS_A=bool(rot), RULE_A=0, SR_A=sr, PRESCALE_A=False, KEY_PTR_A=False,
                   BR_B=brb, ROT_B=rot, HAS_SIGNS_B=bool(rot), RULE_B=0, SR_B=sr, PRESCALE_B=False, KEY_PTR_B=False,
                   GROUP_ROWS_B=gr_b, PACK_B=2 if 4 * brb // (32 * nw) == 2 else 4, IDX64=False, USE_ASM=True,
-                  JOIN_STORE=True, SEQ=False, FOLD_A=rot == 16, FOLD_B=rot == 16, CAR_B=not fp4_b, FP4_B=fp4_b)
+                  SEQ=False, FOLD_A=rot == 16, FOLD_B=rot == 16, CAR_B=not fp4_b, FP4_B=fp4_b)
     consts.update(kw)
     return dict(kind="dual", layout="dual", consts=consts, ones=("sx_k",), num_warps=nw,
                 maxnreg=None if sr else maxnreg)
@@ -136,7 +134,6 @@ VARIANTS = {
                                                   WRITE_FP4=True, IDX64=True, KEY_PTR=True),
     "tile r64 g128 car+fp4": _single("tile", 128, 8, 64, GROUP_ROWS=128, WRITE_FP4=True),
     "blocks r0 car": _single("blocks", 16, 2),
-    "blocks r0 car nojoin": _single("blocks", 16, 2, JOIN_STORE=False),
     "blocks r0 fp4": _single("blocks", 16, 2, WRITE_CARRIER=False, WRITE_FP4=True),
     "blocks r16 signs fold car": _single("blocks", 16, 2, 16, HAS_SIGNS=True, FOLD=True),
     "blocks r32 signs sr car+fp4": _single("blocks", 16, 2, 32, HAS_SIGNS=True, SR=True, WRITE_FP4=True),

@@ -13,9 +13,9 @@ The public surface (what ``mxtrain.fast``, the GEMMs, benchmarks and tests use);
 * ``kernels``: the two Triton kernels (single-pass, in three layouts: tile, blocks, cols; and dual); ``device``:
   their shared device functions.
 
-Tests and benchmarks choose kernels and policies through ``mxtrain.settings`` (``qkernel``, ``qjoin``,
-``qfold``, ``qmaxnreg``, ``dual``, ``fast_launch``, ``qselfcheck``) and through arguments
-(``force_idx64``, ``block_rows``, ``num_warps``), not by changing module attributes.
+Tests and benchmarks choose kernels and policies through ``mxtrain.settings`` (``qkernel``, ``qmaxnreg``,
+``dual``, ``fast_launch``, ``qselfcheck``) and through arguments (``force_idx64``, ``block_rows``,
+``num_warps``), not by changing module attributes.
 """
 
 from .carrier import TILE_K, QuantOut, carrier_from_fp4, carrier_values, dequantize_fp4

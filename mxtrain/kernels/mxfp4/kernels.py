@@ -26,8 +26,8 @@ have emax 2, and the carrier holds either (docs/kernels.md, "The uniform 4-bit g
 the kernels had before the switch.
 
 The single-pass signature (8 pointers, sizes and strides, key, 1/sqrt(rot), prescale, then the constexprs) is
-written once, in ``_mxfp4_kernel``; the constexprs that only some layouts read (``USE_ASM``, ``JOIN_STORE``,
-``PACK``, ``FOLD``) have defaults that the others ignore. Spelled out elsewhere are only what must name each
+written once, in ``_mxfp4_kernel``; the constexprs that only some layouts read (``USE_ASM``, ``PACK``,
+``FOLD``) have defaults that the others ignore. Spelled out elsewhere are only what must name each
 argument: the call sites in ``_mxfp4_dual_kernel`` (per side, which of its own arguments fills each one) and,
 on the host, the argument tuples (``launch.single_args``, ``launch.dual_args``), one place each. Kernels are
 launched with ``enable_fp_fusion=False`` so no multiply-add is contracted to an FMA; ``tools/compile_check.py``
@@ -68,7 +68,6 @@ if triton is not None:
         WRITE_CARRIER: tl.constexpr, WRITE_FP4: tl.constexpr, IDX64: tl.constexpr, KEY_PTR: tl.constexpr,
         LAYOUT: tl.constexpr,              # "tile", "blocks" or "cols" (LAYOUTS)
         USE_ASM: tl.constexpr = False,     # blocks, cols: the hardware e4m3 conversion (inline PTX)
-        JOIN_STORE: tl.constexpr = False,  # blocks: one store per thread and block (the qjoin setting)
         PACK: tl.constexpr = 4,            # cols: e4m3 conversions per inline-PTX call (2 or 4)
         FOLD: tl.constexpr = False,        # blocks, cols: 1/sqrt(ROT) folded into the block scales
         GRID: tl.constexpr = 0,            # the element grid (launch.GRID_ID): 0 E2M1 (mxfp4), 1 INT4 (mxint4)
@@ -485,36 +484,23 @@ if triton is not None:
 
             if WRITE_FP4:
                 fb = fp4_ptr + r3 * (Kq // 2)
-                if JOIN_STORE:   # the block's 16 bytes in one store
-                    p01 = tl.reshape(tl.permute(tl.join(_pack4(q0), _pack4(q1)), (0, 1, 3, 2)), [BR, 4, 8])
-                    p23 = tl.reshape(tl.permute(tl.join(_pack4(q2), _pack4(q3)), (0, 1, 3, 2)), [BR, 4, 8])
-                    pp = tl.reshape(tl.permute(tl.join(p01, p23), (0, 1, 3, 2)), [BR, 4, 16])
-                    jb = kbase // 2 + blk * 16 + tl.arange(0, 16)[None, None, :]
-                    tl.store(fb + jb, pp, mask=rm & (jb * 2 < Kq))
-                else:
-                    jb = kbase // 2 + blk * 16 + tl.arange(0, 4)[None, None, :]    # byte columns of piece 0
-                    tl.store(fb + jb, _pack4(q0), mask=rm & (jb * 2 < Kq))
-                    tl.store(fb + jb + 4, _pack4(q1), mask=rm & ((jb + 4) * 2 < Kq))
-                    tl.store(fb + jb + 8, _pack4(q2), mask=rm & ((jb + 8) * 2 < Kq))
-                    tl.store(fb + jb + 12, _pack4(q3), mask=rm & ((jb + 12) * 2 < Kq))
+                # the block's 16 bytes in one store
+                p01 = tl.reshape(tl.permute(tl.join(_pack4(q0), _pack4(q1)), (0, 1, 3, 2)), [BR, 4, 8])
+                p23 = tl.reshape(tl.permute(tl.join(_pack4(q2), _pack4(q3)), (0, 1, 3, 2)), [BR, 4, 8])
+                pp = tl.reshape(tl.permute(tl.join(p01, p23), (0, 1, 3, 2)), [BR, 4, 16])
+                jb = kbase // 2 + blk * 16 + tl.arange(0, 16)[None, None, :]
+                tl.store(fb + jb, pp, mask=rm & (jb * 2 < Kq))
                 r2 = rows[:, None]
                 bidx = kbase // 32 + tl.arange(0, 4)[None, :]
                 tl.store(sc_ptr + r2 * (Kq // 32) + bidx, code_sc.to(tl.uint8), mask=(r2 < R) & (bidx * 32 < Kq))
 
             if WRITE_CARRIER:
-                if JOIN_STORE:  # one 32-byte run per thread and block: join the pieces back in column order
-                    b01 = tl.reshape(tl.permute(tl.join(b0, b1), (0, 1, 3, 2)), [BR, 4, 16])
-                    b23 = tl.reshape(tl.permute(tl.join(b2, b3), (0, 1, 3, 2)), [BR, 4, 16])
-                    bb = tl.reshape(tl.permute(tl.join(b01, b23), (0, 1, 3, 2)), [BR, 4, 32])
-                    cb = kbase + blk * 32 + tl.arange(0, 32)[None, None, :]
-                    tl.store(car_ptr + r3 * Kc + cb, bb, mask=r3 < Rc)
-                else:  # four 8-byte stores per thread and block, straight from the pieces' registers
-                    cp = car_ptr + r3 * Kc
-                    mc = r3 < Rc
-                    tl.store(cp + c0, b0, mask=mc)
-                    tl.store(cp + c1, b1, mask=mc)
-                    tl.store(cp + c2, b2, mask=mc)
-                    tl.store(cp + c3, b3, mask=mc)
+                # one 32-byte run per thread and block: join the pieces back in column order
+                b01 = tl.reshape(tl.permute(tl.join(b0, b1), (0, 1, 3, 2)), [BR, 4, 16])
+                b23 = tl.reshape(tl.permute(tl.join(b2, b3), (0, 1, 3, 2)), [BR, 4, 16])
+                bb = tl.reshape(tl.permute(tl.join(b01, b23), (0, 1, 3, 2)), [BR, 4, 32])
+                cb = kbase + blk * 32 + tl.arange(0, 32)[None, None, :]
+                tl.store(car_ptr + r3 * Kc + cb, bb, mask=r3 < Rc)
                 gval = _pow2(G - 6)
                 if GROUP_ROWS == 1:
                     tl.store(gs_ptr + rows * gs_sr + pid_k * gs_sk, gval, mask=rows < Rc)
@@ -658,7 +644,7 @@ if triton is not None:
         BR_B: tl.constexpr, ROT_B: tl.constexpr, HAS_SIGNS_B: tl.constexpr, RULE_B: tl.constexpr,
         SR_B: tl.constexpr, PRESCALE_B: tl.constexpr, KEY_PTR_B: tl.constexpr, GROUP_ROWS_B: tl.constexpr,
         PACK_B: tl.constexpr,
-        IDX64: tl.constexpr, USE_ASM: tl.constexpr, JOIN_STORE: tl.constexpr, SEQ: tl.constexpr,
+        IDX64: tl.constexpr, USE_ASM: tl.constexpr, SEQ: tl.constexpr,
         FOLD_A: tl.constexpr, FOLD_B: tl.constexpr, CAR_B: tl.constexpr = True, FP4_B: tl.constexpr = False,
         GRID_A: tl.constexpr = 0, GRID_B: tl.constexpr = 0,
     ):
@@ -683,7 +669,7 @@ if triton is not None:
                     _mxfp4_kernel(x_ptr, sg_a, car_a, gs_a, cnt_ptr, cnt_ptr, cnt_ptr, kp_a,
                                   M, K, Rc_a, sx_m, sx_k, si_ra, si_ka, Kc_a, Kq_a, gsr_a, gsk_a, key_a, inv_a, ps_a,
                                   BR_A, ROT_A, HAS_SIGNS_A, RULE_A, SR_A, PRESCALE_A, 1, True, False, IDX64,
-                                  KEY_PTR_A, "blocks", USE_ASM=USE_ASM, JOIN_STORE=JOIN_STORE, FOLD=FOLD_A, GRID=GRID_A,
+                                  KEY_PTR_A, "blocks", USE_ASM=USE_ASM, FOLD=FOLD_A, GRID=GRID_A,
                                   pid_r=pr, pid_k=fb)
             for w in range(NB):
                 pr = fb * NB + w
@@ -704,7 +690,7 @@ if triton is not None:
                     _mxfp4_kernel(x_ptr, sg_a, car_a, gs_a, cnt_ptr, cnt_ptr, cnt_ptr, kp_a,
                                   M, K, Rc_a, sx_m, sx_k, si_ra, si_ka, Kc_a, Kq_a, gsr_a, gsk_a, key_a, inv_a, ps_a,
                                   BR_A, ROT_A, HAS_SIGNS_A, RULE_A, SR_A, PRESCALE_A, 1, True, False, IDX64,
-                                  KEY_PTR_A, "blocks", USE_ASM=USE_ASM, JOIN_STORE=JOIN_STORE, FOLD=FOLD_A, GRID=GRID_A,
+                                  KEY_PTR_A, "blocks", USE_ASM=USE_ASM, FOLD=FOLD_A, GRID=GRID_A,
                                   pid_r=pr, pid_k=fb)
             else:
                 pr = fb * NB + (w - NA)

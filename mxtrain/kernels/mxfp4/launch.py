@@ -47,8 +47,7 @@ GRID_ID = {"mxfp4": 0, "mxint4": 1}
 # (each thread holds whole MX blocks; rotations up to 32 wide) or "tile" (any rotation) or "cols" (along columns
 # of a row-major input); ``kernel_for`` picks by the input's layout, the ``qkernel`` setting overrides. Blocks
 # layout: the four pieces joined into one 32-byte carrier store (16 bytes of FP4 codes) per thread and block
-# (1.2-2x faster on an H100 than 8-byte stores straight from the pieces, BENCHMARKS.md); the ``qjoin`` setting
-# off for those.
+# (1.2-2x faster on an H100 than 8-byte stores straight from the pieces, BENCHMARKS.md).
 BLOCK_ROTS = (0, 2, 4, 8, 16, 32)
 
 # Rotations whose normalization 1/sqrt(ROT) is a power of two (H4, H16, H64) on bf16/fp16 inputs: the blocks
@@ -56,7 +55,7 @@ BLOCK_ROTS = (0, 2, 4, 8, 16, 32)
 # fewer). Bit-identical: the butterfly sums of bf16 (fp16) values are multiples of 2**-133 (2**-24), so
 # x / sqrt(ROT) is exact in float32, subnormals included, and (x * 2**-k) * 2**-s rounds the same real number
 # as x * 2**(-s-k) (a power of two down to 2**-128, exact). Not with a prescale (applied between the two) or
-# float32 inputs (x / sqrt(ROT) can round there). The ``qfold`` setting off turns it off.
+# float32 inputs (x / sqrt(ROT) can round there). Measured faster on an H100 (BENCHMARKS.md); always on.
 FOLD_ROTS = (4, 16, 64)
 
 # Extra Triton launch options per kernel ("blocks", "blocks128" = blocks with 128x128 groups, "cols", "tile",
@@ -100,12 +99,9 @@ def kernel_for(axis: int, rot: int, fp4: bool = False, rows_contiguous: bool = F
     return "blocks"
 
 
-def fold_applies(dtype: torch.dtype, rot: int, prescale: float, fold: bool | None = None) -> bool:
-    """Whether the blocks and cols kernels fold 1/sqrt(rot) into the block scales (``FOLD_ROTS``); ``fold``:
-    the ``qfold`` setting (default: the current one)."""
-    if fold is None:
-        fold = _settings.current().qfold
-    return fold and rot in FOLD_ROTS and dtype in (torch.bfloat16, torch.float16) and prescale == 1.0
+def fold_applies(dtype: torch.dtype, rot: int, prescale: float) -> bool:
+    """Whether the blocks and cols kernels fold 1/sqrt(rot) into the block scales (``FOLD_ROTS``)."""
+    return rot in FOLD_ROTS and dtype in (torch.bfloat16, torch.float16) and prescale == 1.0
 
 
 DUAL_SR_MAX = 1 << 22   # the largest tensor (elements) that the dual pass takes with stochastic rounding (auto)
@@ -149,10 +145,9 @@ def block_config(kern: str, axis: int, group_rows: int, sr: bool, block_rows: in
 
 def single_kernel(kern: str, dev: torch.device, dtype: torch.dtype, BR: int, num_warps: int, rot: int,
                   has_signs: bool, scale_rule: str, sr: bool, prescale: float, group_rows: int, carrier: bool,
-                  fp4: bool, idx64: bool, key_ptr: bool, st, fmt: str = "mxfp4") -> tuple:
+                  fp4: bool, idx64: bool, key_ptr: bool, fmt: str = "mxfp4") -> tuple:
     """(the Triton kernel, its constexpr arguments) for one single-pass launch in layout ``kern``: the layout's
-    own constexprs only (the others keep their defaults, so that no setting they ignore makes a new variant);
-    ``st``: the settings (``qjoin``, ``qfold``)."""
+    own constexprs only (the others keep their defaults, so that no option they ignore makes a new variant)."""
     assert kern in _kernels.LAYOUTS, kern
     consts = dict(BR=BR, ROT=rot, HAS_SIGNS=has_signs, RULE=RULE_ID[scale_rule], SR=sr, PRESCALE=prescale != 1.0,
                   GROUP_ROWS=group_rows, WRITE_CARRIER=carrier, WRITE_FP4=fp4, IDX64=idx64, KEY_PTR=key_ptr,
@@ -161,10 +156,9 @@ def single_kernel(kern: str, dev: torch.device, dtype: torch.dtype, BR: int, num
         per_thread = 4 * BR // (32 * num_warps)   # values of each [4, BR] tensor a thread holds
         assert per_thread in (2, 4, 8, 16), "cols kernel: 4 x block_rows must be 64, 128, ... x 32 x num_warps"
         consts.update(USE_ASM=dev.type == "cuda", PACK=2 if per_thread == 2 else 4,
-                      FOLD=fold_applies(dtype, rot, prescale, st.qfold))
+                      FOLD=fold_applies(dtype, rot, prescale))
     elif kern == "blocks":
-        consts.update(USE_ASM=dev.type == "cuda", JOIN_STORE=st.qjoin,
-                      FOLD=fold_applies(dtype, rot, prescale, st.qfold))
+        consts.update(USE_ASM=dev.type == "cuda", FOLD=fold_applies(dtype, rot, prescale))
     elif rot == 64:   # the tile kernel's 64-wide groups: the hardware e4m3 conversion as blocks and cols
         consts.update(USE_ASM=dev.type == "cuda")
     return _kernels._mxfp4_kernel, consts
@@ -229,7 +223,7 @@ def single_spec(shape, strides, dtype: torch.dtype, dev: torch.device, axis: int
     grid = (-(-max(Rc, 1) // BR), Kc // TILE_K)
     idx64 = force_idx64 or needs_idx64(grid[0] * BR, Kc, Kq, sx_r, sx_k, si)
     kfn, consts = single_kernel(kern, dev, dtype, BR, nw, rot, has_signs, scale_rule, sr, prescale, group_rows,
-                                carrier, fp4, idx64, key_ptr, st, fmt)
+                                carrier, fp4, idx64, key_ptr, fmt)
     opts = launch_opts(kern + ("128" if kern == "blocks" and group_rows == 128 else ""), dev, sr=sr,
                        maxnreg=st.qmaxnreg)
     ints = (R, K, Rc, sx_r, sx_k, si[0], si[1], Kc, Kq, gsr, gsk)
@@ -283,10 +277,10 @@ def dual_spec(shape, stride0: int, dtype: torch.dtype, dev: torch.device, a: dic
         consts.update({f"BR_{sfx}": BR[axis], f"ROT_{sfx}": rot, f"HAS_SIGNS_{sfx}": side.get("signs") is not None,
                        f"RULE_{sfx}": RULE_ID[side.get("scale_rule", "floor")], f"SR_{sfx}": rounding == "stochastic",
                        f"PRESCALE_{sfx}": prescale != 1.0, f"KEY_PTR_{sfx}": side.get("key_tensor") is not None,
-                       f"FOLD_{sfx}": fold_applies(dtype, rot, prescale, st.qfold),
+                       f"FOLD_{sfx}": fold_applies(dtype, rot, prescale),
                        f"GRID_{sfx}": GRID_ID[side.get("fmt", "mxfp4")]})
     consts.update(GROUP_ROWS_B=gr_b, PACK_B=2 if pack == 2 else 4, IDX64=geo[0][2] or geo[1][2],
-                  USE_ASM=dev.type == "cuda", JOIN_STORE=st.qjoin, SEQ=seq, CAR_B=not fp4_b, FP4_B=fp4_b)
+                  USE_ASM=dev.type == "cuda", SEQ=seq, CAR_B=not fp4_b, FP4_B=fp4_b)
     (nr_a, nk_a, _), (nr_b, nk_b, _) = geo
     NA, NB = 128 // BR[1], 128 // BR[0]
     F = max(nk_a, -(-nr_b // NB))
