@@ -75,7 +75,9 @@ def test_bad_config_is_user_error():
         ModelConfig.named("gpt5")
 
 
-@pytest.mark.parametrize("recipe,steps", [("bf16", 60), ("mxfp4-all-dh16", 40)])
+# (mxfp4-all-dh16: the loss is under 0.5 from step 15 and 0.07 at step 25 here; 25 steps keep a wide margin at
+# a third less of the reference quantizer's time)
+@pytest.mark.parametrize("recipe,steps", [("bf16", 60), ("mxfp4-all-dh16", 25)])
 def test_tiny_overfits_a_batch(recipe, steps):
     torch.set_num_threads(1)
     torch.manual_seed(0)
