@@ -46,7 +46,7 @@ BAD = [
     ("optim.lr=1e-50", "optim.lr 1e-50 is zero or subnormal in float32"),
     ("optim.eps=1e-46", "optim.eps 1e-46 is zero or subnormal in float32"),
     ("optim.grad_clip=1e-40", "optim.grad_clip 1e-40 is subnormal or zero in float32"),
-    ("model.rope_theta=1e300", "model.rope_theta 1e+300 is outside float32's normal range"),
+    ("model.rope_theta=1e300", "model.rope_theta=1e+300 must be a positive number within float32's normal range"),
 ]
 
 

@@ -976,9 +976,7 @@ def validate(cfg: TrainConfig) -> None:
     if 0 < o.grad_clip < tiny:   # (0: no clipping) the clip factor is computed in float32: it would zero every step
         raise UserError(f"optim.grad_clip {o.grad_clip:g} is subnormal or zero in float32 and would zero every "
                         f"gradient; use 0 (no clipping) or at least {tiny:.4g}")
-    if m.rope_theta is not None and not tiny <= m.rope_theta <= torch.finfo(torch.float32).max:
-        raise UserError(f"model.rope_theta {m.rope_theta:g} is outside float32's normal range, the type RoPE's "
-                        f"frequencies are computed in")
+    # (model.rope_theta's float32 range: ModelConfig checks it, through ModelConfig.named above)
     _num("schedule.warmup_steps", sc.warmup_steps, lo=0, integer=True)
     _num("schedule.horizon_steps", sc.horizon_steps, lo=1, integer=True, optional=True)
     _num("schedule.decay_fraction", sc.decay_fraction, lo=0, hi=1)
