@@ -129,3 +129,26 @@ def test_resumed_run_tensorboard_has_each_step_once(tmp_path):
     steps = [e.step for e in acc.Scalars("loss")]
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4, 5, 6]
+
+
+def test_resumed_leg_event_file_sorts_after_the_earlier_legs(tmp_path):
+    """TensorBoard reads event files in name order; a leg started in the same second as an earlier leg's file
+    (whose name has a larger counter or pid, e.g. ``...9`` against ``...10``) must still sort after it, or the
+    earlier file undoes the purge of the steps past the checkpoint (a CI failure: steps read 3-6 then 1-3)."""
+    pytest.importorskip("tensorboard")
+    import time
+
+    from mxtrain.train.callbacks import TensorBoardLogger, TrainState
+
+    tb = tmp_path / "tb"
+    tb.mkdir()
+    earlier = tb / f"events.out.tfevents.{int(time.time()):010d}.zzzz.99999.9"
+    earlier.write_bytes(b"")
+    log = TensorBoardLogger(log_dir=tb)
+    log.on_train_begin(TrainState(cfg=None, config={}, out=tmp_path, model=None, optimizer=None, device=None,
+                                  rank=0, world_size=1, start_step=2, total_steps=6))
+    try:
+        names = sorted(p.name for p in tb.glob("events.out.tfevents.*"))
+        assert len(names) == 2 and names[0] == earlier.name, names
+    finally:
+        log.writer.close()

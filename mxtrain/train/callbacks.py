@@ -231,6 +231,23 @@ def scalars(row: dict) -> dict:
             if k not in ("step", "tokens", "world_size") and isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
+def _after_existing_event_files(log_dir: Path) -> None:
+    """Wait (at most a second) until a new event file's name sorts after every one already in ``log_dir``.
+
+    TensorBoard reads a folder's event files in name order, and a name is ``events.out.tfevents.<seconds>.<host>.
+    <pid>.<counter>``: a resumed leg started within the same second as an earlier leg's file could sort before it
+    (counter 10 before 9, or a smaller pid), and its purge of the steps past the checkpoint would then be read
+    first and undone by the earlier file."""
+    newest = 0
+    for f in log_dir.glob("events.out.tfevents.*"):
+        parts = f.name.split(".")
+        if len(parts) > 3 and parts[3].isdigit():
+            newest = max(newest, int(parts[3]))
+    if newest and newest - time.time() < 2:   # a file from the future (a clock moved back): no wait helps
+        while int(time.time()) <= newest:
+            time.sleep(0.02)
+
+
 class TensorBoardLogger(Callback):
     """Every ``metrics.jsonl`` row's numbers as TensorBoard scalars (x axis: the step) in ``log_dir``
     (default ``RUN/tb``); rank 0 only. Does nothing when ``tensorboard`` is not installed."""
@@ -246,8 +263,10 @@ class TensorBoardLogger(Callback):
             from torch.utils.tensorboard import SummaryWriter
         except Exception:  # noqa: BLE001 - tensorboard not installed (or broken): no event files
             return
+        log_dir = Path(self.log_dir or Path(state.out) / "tb")
+        _after_existing_event_files(log_dir)
         # a resumed run: hide events an earlier leg logged past the checkpoint (as metrics.jsonl drops its rows)
-        self.writer = SummaryWriter(str(self.log_dir or Path(state.out) / "tb"), flush_secs=self.flush_secs,
+        self.writer = SummaryWriter(str(log_dir), flush_secs=self.flush_secs,
                                     purge_step=state.start_step + 1 if state.start_step else None)
 
     def on_log(self, step: int, row: dict) -> None:
