@@ -6,7 +6,8 @@ tile layout, nearest and stochastic rounding, carrier / FP4 / both outputs, 64-b
 memory, 128x128 groups, folded normalization, and the dual kernel; the same kernels and the carrier rebuild with
 the uniform INT4 grid (``GRID=1``: ``mxint4``, the ``int4 ...`` variants); ``kernels/nvfp4.py``'s quantize kernel for
 rows and columns, 1-D blocks and 16x16 tiles, stochastic rounding with a key in device memory, the 16-wide
-Hadamard rotation inside it, and its amax kernels (plain and rotating); ``kernels/mxelem.py``'s MX quantizer for
+Hadamard rotation inside it, its ``four_over_six`` scale rule (the ``4over6 ...`` variants), and its amax kernels
+(plain and rotating); ``kernels/mxelem.py``'s MX quantizer for
 FP6/FP8 elements, rows and columns, each scale rule) compiled with
 ``triton.compile(ASTSource(...), target=GPUTarget(...))`` and the launch options the kernels run with
 (``enable_fp_fusion=False``, ``maxnreg`` where ``launch.launch_opts`` sets it). The size arguments equal to 1
@@ -94,11 +95,14 @@ def _mxelem(axis, TM, NB, _ebits, mbits, emin, emax, maxv, rule, prescale=False,
 
 
 def _nvfp4(axis, TM, NB, tile2d=False, sr=False, key_ptr=False, prescale=False, idx64=False, nw=4, rot=0,
-           signs=False):
+           signs=False, four_six=False):
     """A variant of ``kernels/nvfp4.py``'s ``_nvfp4_kernel`` (the unit strides of ``axis`` passed as 1); ``rot``
-    16: the variant that rotates its input (``signs``: with a sign vector)."""
+    16: the variant that rotates its input (``signs``: with a sign vector); ``four_six``: the ``four_over_six``
+    scale rule (``FOUR_SIX``)."""
     consts = dict(TM=TM, NB=NB, TILE2D=tile2d, SR=sr, KEY_PTR=key_ptr, PRESCALE=prescale, IDX64=idx64, ROT=rot,
                   HAS_SIGNS=signs)
+    if four_six:
+        consts["FOUR_SIX"] = True
     return dict(kind="nvfp4", layout="nvfp4", consts=consts,
                 ones=("s_k", "o_k", "i_k") if axis == 1 else ("s_m", "o_m", "i_m"), num_warps=nw, maxnreg=None)
 
@@ -217,6 +221,13 @@ VARIANTS = {
     "nvfp4 cols rot16 signs sr keyptr": _nvfp4(0, 4, 2, sr=True, key_ptr=True, rot=16, signs=True),
     "nvfp4 rot amax rows signs": _nvfp4_rot_amax(1, 2, 4),
     "nvfp4 rot amax cols idx64": _nvfp4_rot_amax(0, 4, 2, signs=False, idx64=True),
+    # the same quantizer with NVFP4's "Four over Six" rule (FOUR_SIX: the nvfp4-4over6 recipe's operands: 1-D
+    # blocks along rows, 16x16 tiles (the weights), SR with a key in device memory, the fused 16-wide rotation)
+    # (named without "nvfp4": tests/test_nvfp4_kernel.py counts the variants that name it)
+    "4over6 rows 1d": _nvfp4(1, 2, 4, four_six=True),
+    "4over6 cols 2d prescale": _nvfp4(0, 4, 2, tile2d=True, prescale=True, four_six=True),
+    "4over6 rows 2d": _nvfp4(1, 2, 4, tile2d=True, four_six=True),
+    "4over6 cols rot16 signs sr keyptr": _nvfp4(0, 4, 2, sr=True, key_ptr=True, rot=16, signs=True, four_six=True),
     # the MX fake quantizer for FP6/FP8 elements (kernels/mxelem.py), as quantize_mx_values launches it
     "mxelem e4m3 rows floor": _mxelem(1, 16, 4, 8, 3, -6, 8, 448.0, 0),
     "mxelem e4m3 cols floor bf16": _mxelem(0, 32, 2, 8, 3, -6, 8, 448.0, 0, bf16=True),

@@ -49,12 +49,23 @@ import torch
 
 from .. import settings as _settings
 from ..operand import compute_dtype, fake_quantize_operand, pad_axis
-from ..quant import NVFP4_TENSOR_MAX, _div_by_constant
+from ..quant import NVFP4_TENSOR_MAX, SCALE_RULES, _div_by_constant
 from . import HAS_TRITON, INTERPRET, kernels_available
 from .caches import CACHES
 
 __all__ = ["quantize_nvfp4_factored", "tensor_scale_nvfp4", "nvfp4_kernel_applies", "nvfp4_ok",
-           "nvfp4_selfcheck", "factored_operand", "fused_rotation_applies", "CALLS"]
+           "nvfp4_selfcheck", "factored_operand", "fused_rotation_applies", "kernel_rule", "KERNEL_RULES", "CALLS"]
+
+# The scale rules the kernel takes: NVFP4's standard block scale (the MX rules of ``quant.SCALE_RULES``, which
+# NVFP4 ignores) and ``four_over_six`` (``FOUR_SIX``), the one rule of ``quant.REF_SCALE_RULES`` defined for NVFP4.
+KERNEL_RULES = SCALE_RULES + ("four_over_six",)
+
+
+def kernel_rule(scale_rule: str) -> bool:
+    """Does the NVFP4 kernel implement ``scale_rule``, though ``quant.reference_only`` names it a rule of the
+    reference alone (``four_over_six``)? What ``Ctx.operand_factored`` asks before it gives such an operand to
+    ``factored_operand``."""
+    return scale_rule == "four_over_six"
 
 if HAS_TRITON:
     import triton
@@ -114,17 +125,69 @@ if HAS_TRITON:
         tl.store(part_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), a)
 
     @triton.jit
+    def _e4m3_scale(amax, gk):
+        """E4M3 block scale ``amax / gk`` (IEEE division), saturated at 448, rounded half to even (the reference's
+        ``(amax / (g * k)).clamp(max=448).to(float8_e4m3fn)``), as float32: exact power-of-two scaling built from
+        bits and round-half-even through the add of 1.5 * 2**23 (module docstring)."""
+        c = tl.minimum(tl.math.div_rn(amax, tl.zeros_like(amax) + gk), 448.0)
+        E = ((c.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        e = tl.maximum(E, -6)                           # E4M3: emin -6, 3 mantissa bits
+        y = c * ((127 + 3 - e) << 23).to(tl.float32, bitcast=True)            # c / spacing, exact (< 16)
+        rr = (y + 12582912.0) - 12582912.0                                   # half to even
+        return rr * ((127 - 3 + e) << 23).to(tl.float32, bitcast=True)       # back on the grid, exact
+
+    @triton.jit
+    def _block_values(xs, b, g):
+        """float32 ``element * block scale`` (exact: at most 2 + 4 significant bits, no underflow) of the values
+        ``xs`` rounded to nearest even onto E2M1 with block scale ``b`` (broadcast to ``xs``) and tensor scale
+        ``g``, as ``quant._nvfp4_block_values`` rounds them: ``xs / float32(b * g)``, 0 where that divisor is 0."""
+        d = b * g
+        okd = d > 0.0
+        v = tl.where(okd, tl.math.div_rn(xs, tl.where(okd, d, 1.0)), 0.0)
+        q = _fp4_round(v, False, 0, 0)
+        qs = (q.to(tl.int32, bitcast=True) | (v.to(tl.int32, bitcast=True) & -2147483648)).to(tl.float32,
+                                                                                                bitcast=True)
+        return qs * b
+
+    @triton.jit
+    def _four_over_six(xs, fin, b6, b4, g, TILE2D: tl.constexpr):
+        """The ``four_over_six`` choice per block (``quant._four_over_six``): True where the candidate scale ``b4``
+        gives a strictly lower squared error than ``b6``. ``xs`` [TM, 16, NB, 16] the values to be quantized
+        (prescaled; ``fin`` where finite: the others count as 0, as the reference zeroes a non-finite block, whose
+        scale is NaN whatever this says). With ``a`` and ``c`` the two candidates' ``element * block scale``, the
+        sign of ``g * A - 2 * B`` decides, ``A = sum(a*a - c*c)``, ``B = sum(xs * (a - c))``, in float64 and in
+        the reference's operations: every product, difference and partial sum of ``A`` and ``B`` is exact
+        (``mxtrain.quant``'s docstring), so the sums do not depend on their order, and ``g * A`` and the final
+        subtraction are the reference's two correctly rounded float64 operations (the kernel is compiled without
+        contraction: an FMA of them could round differently)."""
+        xz = tl.where(fin, xs, 0.0)
+        a = _block_values(xz, b4, g).to(tl.float64)
+        c = _block_values(xz, b6, g).to(tl.float64)
+        ta = a * a - c * c
+        tb = xz.to(tl.float64) * (a - c)
+        A = tl.sum(ta, axis=3)                          # [TM, 16, NB]
+        B = tl.sum(tb, axis=3)
+        if TILE2D:
+            A = tl.sum(A, axis=1)[:, None, :, None]     # [TM, 1, NB, 1]
+            B = tl.sum(B, axis=1)[:, None, :, None]
+        else:
+            A = A[:, :, :, None]
+            B = B[:, :, :, None]
+        return g.to(tl.float64) * A - 2.0 * B < 0.0
+
+    @triton.jit
     def _nvfp4_kernel(x_ptr, out_ptr, g_ptr, key64_ptr, signs_ptr, key, prescale, M, K, Ko, s_m, s_k, o_m, o_k,
                       i_m, i_k,
                       TM: tl.constexpr, NB: tl.constexpr, TILE2D: tl.constexpr, SR: tl.constexpr,
                       KEY_PTR: tl.constexpr, PRESCALE: tl.constexpr, IDX64: tl.constexpr, ROT: tl.constexpr = 0,
-                      HAS_SIGNS: tl.constexpr = False):
+                      HAS_SIGNS: tl.constexpr = False, FOUR_SIX: tl.constexpr = False):
         """Logical (M, K) view of ``x`` (K: the quantization axis): element (m, k) at ``x_ptr + m*s_m + k*s_k``,
         its output at ``out_ptr + m*o_m + k*o_k`` (``ROT`` 0: the input's offset), its stochastic-rounding index
         ``m*i_m + k*i_k``. ``ROT`` 16: ``x`` is rotated first (``_tile``) and the output has ``Ko`` (K rounded
         up to a multiple of 16: the reference's padded axis) entries along K; ``ROT`` 0: ``Ko`` is ``K``. A
         program quantizes a [TM, 16, NB, 16] piece: rows ``16*TM`` from ``pid_m``, ``NB`` blocks of 16 from
-        ``pid_k``."""
+        ``pid_k``. ``FOUR_SIX``: the ``four_over_six`` scale rule (``_four_over_six``: per block the E4M3 scale
+        mapping the maximum to 4 or to 6, whichever errs less); False: NVFP4's standard block scale."""
         pid_m = tl.program_id(0)
         pid_k = tl.program_id(1)
         x, m, k = _tile(x_ptr, signs_ptr, pid_m, pid_k, M, K, s_m, s_k, TM, NB, ROT, HAS_SIGNS, IDX64)
@@ -152,12 +215,14 @@ if HAS_TRITON:
             nbad = nbad[:, :, :, None]
         # E4M3 block scale: amax / (g * 6) (IEEE division), saturated at 448, rounded half to even
         g6 = g * 6.0
-        c = tl.minimum(tl.math.div_rn(amax, tl.zeros_like(amax) + g6), 448.0)
-        E = ((c.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-        e = tl.maximum(E, -6)                           # E4M3: emin -6, 3 mantissa bits
-        y = c * ((127 + 3 - e) << 23).to(tl.float32, bitcast=True)            # c / spacing, exact (< 16)
-        rr = (y + 12582912.0) - 12582912.0                                   # half to even
-        b = rr * ((127 - 3 + e) << 23).to(tl.float32, bitcast=True)          # back on the grid, exact
+        b = _e4m3_scale(amax, g6)
+        if FOUR_SIX:   # the candidate mapping the block maximum to 4 where it errs less (g * 4: exact)
+            if PRESCALE:
+                xs = x * prescale
+            else:
+                xs = x
+            b4 = _e4m3_scale(amax, g * 4.0)
+            b = tl.where(_four_over_six(xs, fin, b, b4, g, TILE2D), b4, b)
         b = tl.where(nbad == 0, b, float("nan"))
         d = b * g
         ok = (nbad == 0) & (d > 0.0)
@@ -237,7 +302,7 @@ def fused_rotation_applies(x: torch.Tensor, rot: int, signs) -> bool:
 
 def quantize_nvfp4_factored(x: torch.Tensor, axis: int = -1, block_2d: bool = False, rounding: str = "nearest",
                             key=None, prescale: float = 1.0, out_dtype: torch.dtype = torch.float32,
-                            rot: int = 0, signs: torch.Tensor | None = None,
+                            rot: int = 0, signs: torch.Tensor | None = None, scale_rule: str = "floor",
                             ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(values, g)`` of 2-D float32/bf16 ``x`` as ``fake_quantize_operand(x, signs, key, axis, rot, "nvfp4",
     (16, 16) if block_2d else 16, rounding, "floor", prescale, factored=True)`` gives them (bit for bit):
@@ -246,7 +311,9 @@ def quantize_nvfp4_factored(x: torch.Tensor, axis: int = -1, block_2d: bool = Fa
     ``key``: the stochastic-rounding stream key (an int, or an int64 0-d tensor on ``x``'s device, read on the
     device), required for ``rounding="stochastic"``. ``rot``: 0 (``x`` is already rotated, or not rotated) or 16
     (both passes rotate ``x`` along ``axis`` by the 16-wide Hadamard with the 16 ``signs`` (None: all +1), as
-    ``mxtrain.hadamard.hadamard`` of the +0-padded tensor does, reading ``x`` unrotated)."""
+    ``mxtrain.hadamard.hadamard`` of the +0-padded tensor does, reading ``x`` unrotated). ``scale_rule``:
+    ``four_over_six`` (per block the E4M3 scale that maps the maximum to 4 or to 6, whichever errs less:
+    ``mxtrain.quant``), or one of ``quant.SCALE_RULES``, which NVFP4 ignores (its standard block scale)."""
     if not HAS_TRITON:
         raise RuntimeError("quantize_nvfp4_factored needs Triton")
     if x.ndim != 2:
@@ -255,6 +322,9 @@ def quantize_nvfp4_factored(x: torch.Tensor, axis: int = -1, block_2d: bool = Fa
         raise TypeError(f"quantize_nvfp4_factored: expected float32/bf16/fp16, got {x.dtype}")
     if rounding not in ("nearest", "stochastic"):
         raise ValueError(f"unknown rounding {rounding!r}")
+    if scale_rule not in KERNEL_RULES:
+        raise ValueError(f"quantize_nvfp4_factored: scale rule {scale_rule!r} is not NVFP4's; valid: "
+                         f"{', '.join(KERNEL_RULES)}")
     if not prescale > 0:
         raise ValueError(f"prescale must be positive, got {prescale}")
     if rot not in (0, 16):
@@ -301,8 +371,14 @@ def quantize_nvfp4_factored(x: torch.Tensor, axis: int = -1, block_2d: bool = Fa
                         s_m, s_k, o_m if rot else s_m, o_k if rot else s_k, o_m, o_k,
                         TM=TM, NB=NB, TILE2D=bool(block_2d), SR=sr, KEY_PTR=kt is not None,
                         PRESCALE=ps != 1.0, IDX64=idx64, ROT=rot, HAS_SIGNS=sg is not None, num_warps=nw,
-                        enable_fp_fusion=False)
+                        enable_fp_fusion=False, **_rule_consts(scale_rule))
     return out, g
+
+
+def _rule_consts(scale_rule: str) -> dict:
+    """The kernel's constexpr of the scale rule: ``FOUR_SIX`` for ``four_over_six`` only (the standard rule's
+    launches keep their constexprs, variants and code as before the rule came)."""
+    return {"FOUR_SIX": True} if scale_rule == "four_over_six" else {}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -313,13 +389,15 @@ def nvfp4_kernel_applies(t: torch.Tensor, fmt: str, block_size, rounding: str, s
                          st=None) -> bool:
     """Does ``fake_quantize_operand(t, ..., factored=True)`` of this NVFP4 operand run through the kernel? The
     ``nvfp4_kernel`` setting: ``auto`` on CUDA tensors, ``always`` also on CPU under Triton's interpreter
-    (tests), ``off`` never. Only 2-D float32/bf16/fp16 operands, never inside a ``torch.compile`` trace."""
+    (tests), ``off`` never. Only 2-D float32/bf16/fp16 operands, never inside a ``torch.compile`` trace, with a
+    scale rule of ``KERNEL_RULES``."""
     st = st or _settings.current()
     mode = st.nvfp4_kernel
     if mode == "off" or not HAS_TRITON or t.ndim != 2 or t.dtype not in (torch.float32, torch.bfloat16,
                                                                             torch.float16):
         return False
-    if block_size not in (None, 16, (16, 16)) or rounding not in ("nearest", "stochastic"):
+    if (block_size not in (None, 16, (16, 16)) or rounding not in ("nearest", "stochastic")
+            or scale_rule not in KERNEL_RULES):
         return False
     from ..formats import get_format
     if get_format(fmt).kind != "nvfp4" or torch.compiler.is_compiling():
@@ -330,9 +408,9 @@ def nvfp4_kernel_applies(t: torch.Tensor, fmt: str, block_size, rounding: str, s
 
 
 def _variant_key(x: torch.Tensor, axis: int, block_2d: bool, sr: bool, key_ptr: bool, prescale: float,
-                 rot: int = 0, has_signs: bool = False):
+                 rot: int = 0, has_signs: bool = False, scale_rule: str = "floor"):
     """The kernel variant of input ``x`` (for ``rot`` 16: the unrotated operand the kernel rotates; its 64-bit
-    offsets follow the padded output's size)."""
+    offsets follow the padded output's size; ``four_over_six`` adds itself at the end)."""
     R0, C0 = x.shape
     n = x.numel()
     if rot:
@@ -340,7 +418,9 @@ def _variant_key(x: torch.Tensor, axis: int, block_2d: bool, sr: bool, key_ptr: 
     key = ("nvfp4", x.device.index, x.dtype, axis % 2, bool(block_2d), sr, key_ptr, prescale != 1.0,
            R0 % 16 == 0, C0 % 16 == 0, R0 == 1, C0 == 1, n >= 2**31 - 1)
     # (the unrotated variants keep their keys as they were; a rotated one adds its rotation and signs)
-    return key + (("rot", rot, bool(has_signs)),) if rot else key
+    if rot:
+        key = key + (("rot", rot, bool(has_signs)),)
+    return key + (("rule", scale_rule),) if _rule_consts(scale_rule) else key
 
 
 def _adversarial(R: int, C: int, seed: int = 99) -> torch.Tensor:
@@ -376,13 +456,14 @@ SELFCHECK_SIGNS = (1, -1, -1, 1, -1, 1, 1, 1, -1, -1, 1, -1, 1, 1, -1, -1)   # r
 
 def nvfp4_selfcheck(device, dtype, axis: int, block_2d: bool, sr: bool, key_ptr: bool, prescale: float,
                     r16: bool, c16: bool, quantize_fn=None, r1: bool = False, c1: bool = False, rot: int = 0,
-                    has_signs: bool = False) -> dict:
+                    has_signs: bool = False, scale_rule: str = "floor") -> dict:
     """Run one kernel variant on an adversarial tensor of the same divisibility of sizes by 16 and compare
     ``(values, g)`` with the reference (``fake_quantize_operand``); ``r1``/``c1``: a single row / column (a size
     of 1, which Triton specializes on); ``rot`` 16: the variant that rotates (with ``SELFCHECK_SIGNS`` where
     ``has_signs``: -1 at some padded positions, whose padding then is -0 as in the reference).
     ``quantize_fn``: the quantizer checked (default ``quantize_nvfp4_factored``; tests pass a faulty one; a
-    rotated variant's gets ``rot`` and ``signs`` as keywords). Returns ``ok`` and mismatch counts."""
+    rotated variant's gets ``rot`` and ``signs`` as keywords, a ``four_over_six`` one ``scale_rule``). Returns
+    ``ok`` and mismatch counts."""
     quantize_fn = quantize_fn or quantize_nvfp4_factored
     if torch.device(device).type == "cpu":
         R, C = (48 if r16 else 49), (64 if c16 else 67)
@@ -395,12 +476,14 @@ def nvfp4_selfcheck(device, dtype, axis: int, block_2d: bool, sr: bool, key_ptr:
     bs = (16, 16) if block_2d else 16
     rnd = "stochastic" if sr else "nearest"
     signs = None
+    kw = {"scale_rule": scale_rule} if _rule_consts(scale_rule) else {}
     if rot:
         signs = torch.tensor(SELFCHECK_SIGNS, dtype=torch.float32, device=device) if has_signs else None
-        v, g = quantize_fn(t, axis, block_2d, rnd, kq, prescale, rot=rot, signs=signs)
+        v, g = quantize_fn(t, axis, block_2d, rnd, kq, prescale, rot=rot, signs=signs, **kw)
     else:
-        v, g = quantize_fn(t, axis, block_2d, rnd, kq, prescale)
-    rv, rg = fake_quantize_operand(t, signs, key, axis, rot, "nvfp4", bs, rnd, "floor", prescale, True)
+        v, g = quantize_fn(t, axis, block_2d, rnd, kq, prescale, **kw)
+    rv, rg = fake_quantize_operand(t, signs, key, axis, rot, "nvfp4", bs, rnd, scale_rule if kw else "floor",
+                                   prescale, True)
     nv = _mismatches(v, rv) if v.shape == rv.shape else v.numel()
     out = {"values": nv, "g": int(not _bits_equal(g, rg))}
     out["ok"] = nv == 0 and out["g"] == 0
@@ -430,12 +513,13 @@ def checked_once(x: torch.Tensor, vkey: tuple, check, what: str, st=None) -> boo
 
 
 def nvfp4_ok(x: torch.Tensor, axis: int, block_2d: bool, sr: bool, key_ptr: bool, prescale: float,
-             st=None, rot: int = 0, has_signs: bool = False) -> bool:
-    """``checked_once`` for this NVFP4 kernel variant (``rot`` 16: the one that rotates ``x`` itself)."""
-    vkey = _variant_key(x, axis, block_2d, sr, key_ptr, prescale, rot, has_signs)
+             st=None, rot: int = 0, has_signs: bool = False, scale_rule: str = "floor") -> bool:
+    """``checked_once`` for this NVFP4 kernel variant (``rot`` 16: the one that rotates ``x`` itself;
+    ``scale_rule`` ``four_over_six``: the one with that rule)."""
+    vkey = _variant_key(x, axis, block_2d, sr, key_ptr, prescale, rot, has_signs, scale_rule)
     return checked_once(x, vkey, lambda: nvfp4_selfcheck(x.device, x.dtype, axis, block_2d, sr, key_ptr, prescale,
                                                          vkey[8], vkey[9], r1=vkey[10], c1=vkey[11], rot=rot,
-                                                         has_signs=has_signs), "NVFP4", st)
+                                                         has_signs=has_signs, scale_rule=scale_rule), "NVFP4", st)
 
 
 def factored_operand(t: torch.Tensor, signs, key, axis: int, rot: int, fmt: str, block_size, rounding: str,
@@ -453,19 +537,21 @@ def factored_operand(t: torch.Tensor, signs, key, axis: int, rot: int, fmt: str,
     sr = rounding == "stochastic"
     key_ptr = isinstance(key, torch.Tensor)
     od = out_dtype if out_dtype is not None else torch.float32
+    rule = scale_rule if _rule_consts(scale_rule) else "floor"   # (NVFP4 ignores the MX rules)
     if rot and fused_rotation_applies(t, rot, signs) and nvfp4_ok(t, axis, block_2d, sr, key_ptr, prescale,
-                                                                   rot=rot, has_signs=signs is not None):
+                                                                   rot=rot, has_signs=signs is not None,
+                                                                   scale_rule=rule):
         CALLS["kernel"] += 1
         CALLS["fused_rotation"] += 1
         return quantize_nvfp4_factored(t, axis, block_2d, rounding, key, prescale, out_dtype=od, rot=rot,
-                                       signs=signs)
+                                       signs=signs, scale_rule=rule)
     r = t
     if rot:
         r = hadamard(pad_axis(t.to(compute_dtype(t)), axis, rot), rot, axis=axis, signs=signs)
-    if not nvfp4_ok(r, axis, block_2d, sr, key_ptr, prescale):
+    if not nvfp4_ok(r, axis, block_2d, sr, key_ptr, prescale, scale_rule=rule):
         return None
     CALLS["kernel"] += 1
-    return quantize_nvfp4_factored(r, axis, block_2d, rounding, key, prescale, out_dtype=od)
+    return quantize_nvfp4_factored(r, axis, block_2d, rounding, key, prescale, out_dtype=od, scale_rule=rule)
 
 
 # operands quantized by ``factored_operand`` in this process ("kernel"), and of those the ones whose rotation
