@@ -10,8 +10,10 @@ Hugging Face ``tokenizers`` file) and ``mxtrain_export.json`` (where the weights
 that config (continued pretraining: ``train.init_from``). Mistral folders (no sliding window shorter than the
 sequences: the same computation), Qwen2 folders (q/k/v biases: ``ModelConfig.qkv_bias``) and Llama folders with
 ``attention_bias`` / ``mlp_bias`` (``ModelConfig.attention_bias``, ``mlp_bias``) load too, and a
-model loaded from one exports back as its type (``ModelConfig.hf_model_type``). Nothing is downloaded, and nothing in either folder
-is executed: safetensors files are read by the small reader below (a JSON header and raw bytes), a
+model loaded from one exports back as its type (``ModelConfig.hf_model_type``). A mixture of experts
+(``ModelConfig.n_experts``) is a Mixtral both ways: mxtrain's routing is Mixtral's (``MoEFeedForward``), and its
+fused experts are Mixtral's per-expert weights stacked (``hf_state_dict``). Nothing is downloaded, and nothing
+in either folder is executed: safetensors files are read by the small reader below (a JSON header and raw bytes), a
 ``pytorch_model.bin`` only with ``torch.load(weights_only=True)``.
 
 Layouts match without any permutation: mxtrain's RoPE rotates the halves ``(x[..., :D/2], x[..., D/2:])`` of
@@ -45,7 +47,7 @@ from .model import SIZES, Llama, ModelConfig
 from .train.config import shape_overrides
 
 __all__ = ["export_hf", "load_hf_llama", "config_from_hf", "llama_from_hf", "load_run", "run_tokenizer",
-           "RunCheckpoint", "hf_name", "hf_config", "save_safetensors", "load_safetensors"]
+           "RunCheckpoint", "hf_name", "hf_state_dict", "hf_config", "save_safetensors", "load_safetensors"]
 
 # ------------------------------------------------------------------------------------------ names
 
@@ -71,6 +73,15 @@ _BLOCK_MAP = {  # mxtrain name inside a block -> Hugging Face name inside model.
 _TOP_MAP = {"embed_tokens.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
             "lm_head.weight": "lm_head.weight"}
 
+# A mixture of experts in Mixtral's names, as transformers saves a MixtralForCausalLM (and as Mixtral's own
+# checkpoints are): the router ``block_sparse_moe.gate.weight`` (E, C); per expert e ``block_sparse_moe.experts.e.w1``
+# (gate, (F, C)), ``w3`` (up, (F, C)) and ``w2`` (down, (C, F)). mxtrain keeps the experts fused as transformers 5
+# does in memory (``model.Experts``): ``gate_up_proj[e]`` is w1 over w3 (gate rows first), ``down_proj[e]`` is w2.
+# Reading takes that fused layout under transformers 5's module names too (``mlp.gate.weight``,
+# ``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``).
+_MOE_ROUTER, _MOE_GATE_UP, _MOE_DOWN = ("feed_forward.router.weight", "feed_forward.experts.gate_up_proj",
+                                        "feed_forward.experts.down_proj")
+
 
 def hf_name(name: str) -> str:
     """The Hugging Face ``LlamaForCausalLM`` (``MistralForCausalLM``, ``Qwen2ForCausalLM``) parameter name of
@@ -80,7 +91,49 @@ def hf_name(name: str) -> str:
     m = _LAYER.fullmatch(name)
     if m and m.group(2) in _BLOCK_MAP:
         return f"model.layers.{m.group(1)}.{_BLOCK_MAP[m.group(2)]}"
-    raise KeyError(name)
+    if m and m.group(2) == _MOE_ROUTER:
+        return f"model.layers.{m.group(1)}.block_sparse_moe.gate.weight"
+    raise KeyError(name)   # (also the fused experts: one tensor per expert, ``hf_state_dict``)
+
+
+def hf_state_dict(state_dict: dict, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The tensors of a Hugging Face folder holding the mxtrain ``Llama`` of ``cfg`` whose ``state_dict`` this is:
+    Hugging Face names (``hf_name``), a tied head left out, fused experts split into Mixtral's per-expert weights
+    (views, no copies)."""
+    out = {}
+    F_ = cfg.hidden_dim
+    for name, t in state_dict.items():
+        if name == "lm_head.weight" and cfg.tie_embeddings:
+            continue  # tied: transformers re-ties lm_head to the embedding
+        m = _LAYER.fullmatch(name)
+        if m and m.group(2) in (_MOE_GATE_UP, _MOE_DOWN):
+            base = f"model.layers.{m.group(1)}.block_sparse_moe.experts"
+            for e in range(t.shape[0]):
+                if m.group(2) == _MOE_GATE_UP:
+                    out[f"{base}.{e}.w1.weight"], out[f"{base}.{e}.w3.weight"] = t[e, :F_], t[e, F_:]
+                else:
+                    out[f"{base}.{e}.w2.weight"] = t[e]
+        else:
+            out[hf_name(name)] = t
+    return out
+
+
+def _hf_sources(name: str, cfg: ModelConfig) -> list[list[tuple[str, tuple | None]]]:
+    """Where mxtrain parameter ``name`` comes from in a Hugging Face folder: the layouts it may be stored in, each
+    a list of (Hugging Face name, the part of the parameter it fills: an index, or None for all of it)."""
+    m = _LAYER.fullmatch(name)
+    if not m or m.group(2) not in (_MOE_ROUTER, _MOE_GATE_UP, _MOE_DOWN):
+        return [[(hf_name(name), None)]]
+    i, key = m.group(1), m.group(2)
+    legacy, fused = f"model.layers.{i}.block_sparse_moe", f"model.layers.{i}.mlp"
+    if key == _MOE_ROUTER:
+        return [[(f"{legacy}.gate.weight", None)], [(f"{fused}.gate.weight", None)]]
+    E, F_ = cfg.n_experts, cfg.hidden_dim
+    if key == _MOE_GATE_UP:
+        per = [(f"{legacy}.experts.{e}.{w}.weight", (e, rows)) for e in range(E)
+               for w, rows in (("w1", slice(0, F_)), ("w3", slice(F_, 2 * F_)))]
+        return [per, [(f"{fused}.experts.gate_up_proj", None)]]
+    return [[(f"{legacy}.experts.{e}.w2.weight", (e,)) for e in range(E)], [(f"{fused}.experts.down_proj", None)]]
 
 
 def _has_bias(cfg: ModelConfig, key: str) -> bool:
@@ -414,13 +467,29 @@ def hf_config(mcfg: ModelConfig, eot_id: int | None, dtype: str = "float32") -> 
     """The ``config.json`` of a ``LlamaForCausalLM`` computing exactly what mxtrain's ``Llama(mcfg)`` does (a
     ``MistralForCausalLM`` without sliding window or a ``Qwen2ForCausalLM`` without sliding window, as
     ``mcfg.hf_model_type`` says: a model loaded from such a folder goes back as one). The RoPE base is given both
-    as transformers 5's ``rope_parameters`` and as the older ``rope_theta``."""
+    as transformers 5's ``rope_parameters`` and as the older ``rope_theta``.
+
+    A mixture of experts (``n_experts``) is a ``MixtralForCausalLM`` (no sliding window, no router jitter): its
+    routing is mxtrain's (softmax in float32, top-k renormalized; ``MoEFeedForward``). Its
+    ``router_aux_loss_coef`` (weight of the load-balancing loss transformers adds when asked for router logits;
+    it changes no logits) is ``router_aux_coef / top_k``: transformers' loss is ``E * sum_e f_e P_e`` with ``f_e``
+    counted per token rather than per assignment, ``top_k`` times mxtrain's, and pools the layers instead of
+    averaging them. Refused (``UserError``): a mixture of experts with attention biases, which no Mixtral has."""
     mt = mcfg.hf_model_type
+    if mcfg.n_experts:
+        if mcfg.qkv_bias or mcfg.attention_bias:
+            what = "q/k/v biases (Qwen2)" if mcfg.qkv_bias else "attention_bias"
+            raise UserError(f"a mixture of experts with {what} cannot be exported: the Hugging Face mixture of "
+                            f"experts mxtrain writes is a Mixtral, whose attention has no biases")
+        mt = "mixtral"
     own = {   # what each architecture's config has beyond the shared fields
         "llama": {"attention_bias": bool(mcfg.attention_bias), "mlp_bias": bool(mcfg.mlp_bias), "pretraining_tp": 1},
         "mistral": {"sliding_window": None},
         "qwen2": {"use_sliding_window": False, "sliding_window": None, "max_window_layers": mcfg.n_layers,
                   "layer_types": ["full_attention"] * mcfg.n_layers},
+        "mixtral": {"sliding_window": None, "num_local_experts": mcfg.n_experts, "num_experts_per_tok": mcfg.top_k,
+                    "router_aux_loss_coef": mcfg.router_aux_coef / mcfg.top_k, "router_jitter_noise": 0.0,
+                    "output_router_logits": False},
     }[mt]
     return {
         "architectures": [_HF_ARCHS[mt]],
@@ -510,17 +579,13 @@ def _export(run_dir, out: Path, step, dtype: str, force: bool, tokenizer: bool) 
     _check_out(out, force)
     model, run = load_run(run_dir, step)
     mcfg = model.cfg
-    if mcfg.n_experts:
-        raise UserError(f"{run_dir} is a mixture-of-experts model (model.n_experts={mcfg.n_experts}): export to "
-                        f"Hugging Face is built for dense models only; eval and generate read the run folder itself")
     tok, why = (run_tokenizer(run) if tokenizer else (None, "not asked for"))
     eot = tok.eot_id if tok is not None else _eot_from_meta(run)
-
-    tensors = {}
-    for name, p in model.state_dict().items():
-        if name == "lm_head.weight" and mcfg.tie_embeddings:
-            continue  # tied: transformers re-ties lm_head to the embedding
-        tensors[hf_name(name)] = p.detach().to(tdtype).contiguous()
+    try:
+        config = hf_config(mcfg, eot, dname)   # (refuses a model no Hugging Face architecture computes, first)
+    except UserError as e:
+        raise UserError(f"{run_dir}: {e}") from None
+    tensors = {k: t.detach().to(tdtype).contiguous() for k, t in hf_state_dict(model.state_dict(), mcfg).items()}
 
     try:
         tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
@@ -534,7 +599,7 @@ def _export(run_dir, out: Path, step, dtype: str, force: bool, tokenizer: bool) 
         if eot is None:
             _warn("the run's end-of-text id is unknown (its data folder is gone): config.json has no bos/eos token "
                   "id; set them before generating with transformers")
-        _write_json(tmp / "config.json", hf_config(mcfg, eot, dname))
+        _write_json(tmp / "config.json", config)
         gen = {"bos_token_id": eot, "eos_token_id": eot, "do_sample": True, "temperature": 0.8, "top_k": 50}
         _write_json(tmp / "generation_config.json", {k: v for k, v in gen.items() if v is not None})
         if tok is not None and tok.kind == "hf":
@@ -633,6 +698,8 @@ _HF_FIELDS = {
     "rope_theta": (_POS_NUM,), "partial_rotary_factor": (_POS_NUM,), "rms_norm_eps": (_POS_NUM,),
     "initializer_range": (_NUM,),
     "rope_parameters": (_DICT, None), "rope_scaling": (_DICT, None),
+    "num_local_experts": (_POS_INT,), "num_experts_per_tok": (_POS_INT,),   # (Mixtral's)
+    "router_aux_loss_coef": (_NUM,), "router_jitter_noise": (_NUM,),
 }
 _HF_ROPE_FIELDS = {   # inside rope_parameters / rope_scaling
     "rope_type": (_STR,), "type": (_STR,), "rope_theta": (_POS_NUM,), "partial_rotary_factor": (_POS_NUM,),
@@ -685,7 +752,7 @@ def _check_hf_types(c: dict, where: Path) -> None:
 
 
 def config_from_hf(hf_dir: str | Path, vocab_multiple: int = 1, max_seq_len: int | None = None) -> ModelConfig:
-    """mxtrain's ``ModelConfig`` for a local Hugging Face Llama, Mistral or Qwen2 folder (its ``config.json``).
+    """mxtrain's ``ModelConfig`` for a local Hugging Face Llama, Mistral, Qwen2 or Mixtral folder (its ``config.json``).
 
     ``vocab_multiple``: round the vocab up to this multiple (the trainer pads its vocab to 32 for MX blocks;
     ``load_hf_llama`` fills the extra rows' embedding and head weights with zeros). ``max_seq_len``: the
@@ -696,6 +763,13 @@ def config_from_hf(hf_dir: str | Path, vocab_multiple: int = 1, max_seq_len: int
     outside a Llama config). A Qwen2 model's q/k/v biases are ``qkv_bias``; a Llama's ``attention_bias`` (q/k/v
     and output projection) and ``mlp_bias`` (gate/up/down) are ``attention_bias`` and ``mlp_bias``; the model
     type is ``hf_model_type`` (what an export writes back).
+
+    A Mixtral is a mixture of experts: ``num_local_experts`` is ``n_experts``, ``num_experts_per_tok`` ``top_k``,
+    ``intermediate_size`` each expert's width, and ``router_aux_coef`` is ``top_k * router_aux_loss_coef``
+    (transformers' load-balancing loss is ``top_k`` times mxtrain's, ``hf_config``). Its ``router_jitter_noise``
+    (noise transformers puts on the block's input in training only) changes no logits and is not applied in
+    mxtrain's training. Absent fields take transformers' defaults for the type (a Mixtral's RoPE base 1e6, epsilon
+    1e-5, 8 experts, 2 a token). Refused besides: fewer than 2 experts, or more experts a token than experts.
     """
     hf_dir = Path(hf_dir)
     c = _read_hf_config(hf_dir)
@@ -712,6 +786,18 @@ def config_from_hf(hf_dir: str | Path, vocab_multiple: int = 1, max_seq_len: int
     for k in ("attention_bias", "mlp_bias"):   # Llama's (ModelConfig.attention_bias, mlp_bias); others ignore them
         if c.get(k) and mt != "llama":
             bad.append(f"{k} true (a Llama config's field: transformers' {_HF_NAMES[mt]} has no such biases)")
+    mixtral = mt == "mixtral"
+    moe = {}
+    if mixtral:
+        E, k = c.get("num_local_experts", 8), c.get("num_experts_per_tok", 2)
+        coef = c.get("router_aux_loss_coef", 0.001)
+        if E < 2:
+            bad.append(f"num_local_experts {E} (mxtrain's mixture of experts has at least 2)")
+        elif k > E:
+            bad.append(f"num_experts_per_tok {k} above num_local_experts {E}")
+        if coef < 0:
+            bad.append(f"router_aux_loss_coef {coef} below 0")
+        moe = dict(n_experts=E, top_k=k, router_aux_coef=k * float(coef))
     rp, rs = c.get("rope_parameters"), c.get("rope_scaling")
     rtype = (rp or {}).get("rope_type") or (rp or {}).get("type") or "default"
     if rs:
@@ -731,14 +817,14 @@ def config_from_hf(hf_dir: str | Path, vocab_multiple: int = 1, max_seq_len: int
             scaling = tuple(float(v) for v in vals)
     elif rtype != "default":
         bad.append(f"RoPE scaling {rtype!r} (mxtrain computes the plain RoPE and Llama 3.1's 'llama3' scaling)")
-    theta = (rp or {}).get("rope_theta", c.get("rope_theta", 10000.0))
+    theta = (rp or {}).get("rope_theta", c.get("rope_theta", 1e6 if mixtral else 10000.0))   # (transformers' defaults)
     if (rp or {}).get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0)) != 1.0:
         bad.append("partial_rotary_factor (mxtrain rotates the whole head)")
     heads, hidden = c["num_attention_heads"], c["hidden_size"]
     hd = c.get("head_dim")
     if hd is not None and heads and hd * heads != hidden:
         bad.append(f"head_dim {hd} x {heads} heads != hidden_size {hidden} (mxtrain's head size is dim / heads)")
-    longest = int(c.get("max_position_embeddings") or 2048)
+    longest = int(c.get("max_position_embeddings") or (4096 * 32 if mixtral else 2048))
     if max_seq_len is not None:
         longest = max(longest, int(max_seq_len))
     window = _sliding_window(c, mt, where)
@@ -749,7 +835,7 @@ def config_from_hf(hf_dir: str | Path, vocab_multiple: int = 1, max_seq_len: int
         raise UserError(f"{where}: this {_HF_NAMES[mt]} uses what mxtrain's model does not compute: {'; '.join(bad)}")
     vocab = c["vocab_size"]
     m = max(1, int(vocab_multiple))
-    eps = c.get("rms_norm_eps", 1e-6)
+    eps = c.get("rms_norm_eps", 1e-5 if mixtral else 1e-6)
     try:
         return ModelConfig(dim=hidden, n_layers=c["num_hidden_layers"], n_heads=heads,
                            n_kv_heads=c.get("num_key_value_heads") or heads, ffn_dim=c["intermediate_size"],
@@ -758,17 +844,19 @@ def config_from_hf(hf_dir: str | Path, vocab_multiple: int = 1, max_seq_len: int
                            tie_embeddings=bool(c.get("tie_word_embeddings", False)),
                            init_std=float(c.get("initializer_range", 0.02)), qkv_bias=mt == "qwen2",
                            attention_bias=mt == "llama" and bool(c.get("attention_bias", False)),
-                           mlp_bias=mt == "llama" and bool(c.get("mlp_bias", False)), hf_model_type=mt)
+                           mlp_bias=mt == "llama" and bool(c.get("mlp_bias", False)), hf_model_type=mt, **moe)
     except UserError as e:
         raise UserError(f"{where}: {e}") from None
 
 
-_HF_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-_HF_NAMES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
+_HF_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+             "mixtral": "MixtralForCausalLM"}
+_HF_NAMES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "mixtral": "Mixtral"}
 
 
 def _hf_model_type(c: dict, where: Path) -> str:
-    """``llama``, ``mistral`` or ``qwen2``: the config's model_type, else its architectures'; else a UserError."""
+    """``llama``, ``mistral``, ``qwen2`` or ``mixtral``: the config's model_type, else its architectures'; else a
+    UserError."""
     mt, arch = c.get("model_type"), c.get("architectures") or []
     if mt in _HF_ARCHS:
         return mt
@@ -776,13 +864,13 @@ def _hf_model_type(c: dict, where: Path) -> str:
         if isinstance(arch, list) and a in arch:
             return t
     shown = ", ".join(map(str, arch)) if isinstance(arch, list) else str(arch)
-    raise UserError(f"{where}: model_type {mt!r} ({shown or 'no architectures'}) is not a Llama, Mistral or Qwen2; "
-                    f"mxtrain loads these model types only")
+    raise UserError(f"{where}: model_type {mt!r} ({shown or 'no architectures'}) is not a Llama, Mistral, Qwen2 or "
+                    f"Mixtral; mxtrain loads these model types only")
 
 
 def _sliding_window(c: dict, mt: str, where: Path) -> int | None:
-    """The attention window of a Mistral or Qwen2 config (None: full causal attention). Mistral's
-    ``sliding_window`` applies when it is set; Qwen2's only with ``use_sliding_window: true`` (transformers
+    """The attention window of a Mistral, Mixtral or Qwen2 config (None: full causal attention). Mistral's and
+    Mixtral's ``sliding_window`` applies when it is set; Qwen2's only with ``use_sliding_window: true`` (transformers
     ignores it otherwise)."""
     if mt == "llama":
         return None
@@ -838,12 +926,14 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def load_hf_llama(model: Llama, hf_dir: str | Path) -> dict:
-    """Copy a local Hugging Face Llama folder's weights into the mxtrain ``model`` (built from a matching
-    ``ModelConfig``, e.g. ``config_from_hf(hf_dir, 32)``; plain or already converted to MX layers, before any
-    DDP / FSDP2 wrapping). Returns ``{"tensors", "hf_vocab", "padded_rows", "source"}``.
+    """Copy a local Hugging Face Llama (Mistral, Qwen2, Mixtral) folder's weights into the mxtrain ``model`` (built
+    from a matching ``ModelConfig``, e.g. ``config_from_hf(hf_dir, 32)``; plain or already converted to MX layers,
+    before any DDP / FSDP2 wrapping). Returns ``{"tensors", "hf_vocab", "padded_rows", "source"}``.
 
-    The shapes must match: a differing width, depth, head count, key/value heads, FFN size, RoPE base or
-    norm epsilon is one ``UserError`` naming each difference. The model's vocab may exceed the folder's
+    The shapes must match: a differing width, depth, head count, key/value heads, FFN size, expert count or
+    experts a token, RoPE base or norm epsilon is one ``UserError`` naming each difference. A Mixtral's experts
+    come per expert (``block_sparse_moe.experts.E.w1/w2/w3``, as transformers saves them) or fused (transformers
+    5's ``mlp.experts.gate_up_proj`` / ``down_proj``). The model's vocab may exceed the folder's
     (padding to a multiple of 32): the extra rows of the embedding and the head are set to zero. Weights are
     cast to the model's dtype. Missing or unexpected tensors are refused by name.
     """
@@ -862,10 +952,12 @@ def load_hf_llama(model: Llama, hf_dir: str | Path) -> dict:
                                 ("tie_embeddings", "tie_embeddings", "tie_word_embeddings"),
                                 ("qkv_bias", "qkv_bias", "q/k/v biases"),
                                 ("attention_bias", "attention_bias", "attention_bias"),
-                                ("mlp_bias", "mlp_bias", "mlp_bias")):
+                                ("mlp_bias", "mlp_bias", "mlp_bias"), ("n_experts", "n_experts", "num_local_experts")):
         a, b = getattr(mcfg, ours), getattr(hcfg, theirs)
         if a != b:
             diffs.append(f"{ours} {a} here, {label} {b} in the Hugging Face config")
+    if mcfg.n_experts and hcfg.n_experts and mcfg.top_k != hcfg.top_k:
+        diffs.append(f"top_k {mcfg.top_k} here, num_experts_per_tok {hcfg.top_k} in the Hugging Face config")
     if mcfg.vocab_size < hcfg.vocab_size:
         diffs.append(f"vocab_size {mcfg.vocab_size} here, smaller than vocab_size {hcfg.vocab_size} in the Hugging "
                      f"Face config")
@@ -873,11 +965,15 @@ def load_hf_llama(model: Llama, hf_dir: str | Path) -> dict:
         raise UserError(f"{hf_dir} does not fit this model: {'; '.join(diffs)}; build the model from "
                         f"mxtrain.hf.config_from_hf({str(hf_dir)!r})")
     params = dict(model.named_parameters(remove_duplicate=False))
-    want = {}
+    want = {}      # Hugging Face name -> (mxtrain name, the part of it the tensor fills: an index or None)
+    layouts = {}   # mxtrain name -> the layouts it may come in (``_hf_sources``)
     for name in _expected_names(mcfg):
         if name == "lm_head.weight" and mcfg.tie_embeddings:
             continue
-        want[hf_name(name)] = name
+        layouts[name] = _hf_sources(name, mcfg)
+        for layout in layouts[name]:
+            for key, index in layout:
+                want[key] = (name, index)
     done: set[str] = set()
     unexpected = []
     for f in _weight_files(hf_dir):
@@ -888,8 +984,8 @@ def load_hf_llama(model: Llama, hf_dir: str | Path) -> dict:
             if key not in want:
                 unexpected.append(key)
                 continue
-            name = want[key]
-            p = params[name]
+            name, index = want[key]
+            p = params[name] if index is None else params[name][index]
             if not isinstance(t, torch.Tensor):
                 raise UserError(f"{f}: {key} is not a tensor")
             shape = tuple(t.shape)
@@ -911,7 +1007,14 @@ def load_hf_llama(model: Llama, hf_dir: str | Path) -> dict:
     if unexpected:
         raise UserError(f"{hf_dir}: tensors mxtrain's Llama does not have: {', '.join(sorted(unexpected)[:4])}"
                         f"{' ...' if len(unexpected) > 4 else ''}")
-    missing = sorted(set(want) - done)
+    missing = []
+    for name, options in layouts.items():
+        hit = [layout for layout in options if any(k in done for k, _ in layout)]
+        if len(hit) > 1:
+            raise UserError(f"{hf_dir}: {name} is given in two layouts ({hit[0][0][0]} and {hit[1][0][0]}); a folder "
+                            f"holds one of them")
+        missing += [k for k, _ in (hit or options)[0] if k not in done]
+    missing.sort()
     if missing:
         raise UserError(f"{hf_dir}: missing weights {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
     return {"tensors": len(done), "hf_vocab": hcfg.vocab_size, "padded_rows": mcfg.vocab_size - hcfg.vocab_size,

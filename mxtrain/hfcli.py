@@ -79,7 +79,8 @@ def _precision(args) -> str:
 
 def add_parsers(sub) -> None:
     """Add ``export``, ``generate`` and ``eval`` to an argparse subparsers object (``mxtrain``'s)."""
-    p = sub.add_parser("export", help="export a run's checkpoint as a Hugging Face Llama folder",
+    p = sub.add_parser("export", help="export a run's checkpoint as a Hugging Face Llama folder (a Mixtral for a "
+                                      "mixture of experts)",
                        description="Write a folder transformers.AutoModelForCausalLM.from_pretrained loads offline: "
                                    "model.safetensors, config.json, generation_config.json and the run's tokenizer.")
     p.add_argument("run", metavar="RUN", help="run folder (or its checkpoint)")

@@ -25,8 +25,9 @@ from .errors import UserError
 
 __all__ = ["ModelConfig", "Llama", "MoEFeedForward", "SIZES", "size_names"]
 
-# the Hugging Face architectures mxtrain's Llama computes exactly (ModelConfig.hf_model_type)
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2")
+# the Hugging Face architectures mxtrain's Llama computes exactly (ModelConfig.hf_model_type; "mixtral": a mixture of
+# experts, ``n_experts`` > 0)
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral")
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,8 @@ class ModelConfig:
     attention_bias: bool = False
     mlp_bias: bool = False
     # the Hugging Face model type of an export (``mxtrain.hf.hf_config``): "llama", "mistral" (a Llama without
-    # a sliding window) or "qwen2" (a Llama with q/k/v biases: ``qkv_bias``)
+    # a sliding window) or "qwen2" (a Llama with q/k/v biases: ``qkv_bias``); "mixtral" (a model loaded from a
+    # Mixtral folder; needs ``n_experts``). A mixture of experts exports as a Mixtral whatever this says
     hf_model_type: str = "llama"
     # Mixture of experts (``MoEFeedForward``): 0 for the dense SwiGLU feed-forward; else each block's feed-forward
     # is ``n_experts`` SwiGLU experts of width ``hidden_dim``, ``top_k`` of them per token (Mixtral's routing),
@@ -105,6 +107,8 @@ class ModelConfig:
                 raise UserError(f"model.router_aux_coef={c!r}: a number >= 0 (0: no load-balancing loss)")
             if self.mlp_bias:
                 raise UserError("model.mlp_bias=True with model.n_experts: the experts have no biases (Mixtral's)")
+        elif self.hf_model_type == "mixtral":
+            raise UserError("model.hf_model_type='mixtral' with model.n_experts=0: a Mixtral is a mixture of experts")
 
     @property
     def head_dim(self) -> int:
