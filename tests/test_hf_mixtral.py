@@ -117,6 +117,23 @@ def test_transformers_loss_of_the_export_is_the_runs_validation_loss(run, export
     assert res["loss"] == pytest.approx(final, abs=1e-5)
 
 
+def test_transformers_balancing_loss_with_the_exported_coefficient_is_mxtrains_in_one_layer(tmp_path):
+    """The exported ``router_aux_loss_coef`` (``router_aux_coef / top_k``) weighs transformers' load-balancing loss
+    (``output_router_logits=True``) as mxtrain weighs its own: equal for one layer (transformers pools the layers)."""
+    mc = ModelConfig.named("tiny-moe", n_layers=1, dim=64, n_heads=2, n_kv_heads=1, vocab_size=128)
+    torch.manual_seed(4)
+    model = Llama(mc).train()
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(mc, None)))
+    save_safetensors(tmp_path / "model.safetensors", hf_state_dict(model.state_dict(), mc))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).train()
+    x = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))
+    model(x, x)
+    ours = mc.router_aux_coef * model.layers[0].feed_forward.aux_loss
+    theirs = hf.config.router_aux_loss_coef * hf(x, output_router_logits=True).aux_loss
+    assert abs(ours.item() - 0.01) > 1e-5    # (not the value of an even load, which any weighting would give)
+    assert theirs.item() == pytest.approx(ours.item(), rel=1e-6)
+
+
 @pytest.mark.parametrize("layout", ["per-expert", "fused"])
 def test_transformers_mixtral_loads_with_its_logits_and_exports_back(tmp_path, layout):
     """A folder as transformers saves a Mixtral (experts one by one, ``block_sparse_moe``), or with transformers 5's
