@@ -4,7 +4,7 @@ Public API (see README.md and docs/):
   quantize, fake_quantize, MXTensor      reference quantizers (mxtrain.quant)
   hadamard, rotation_signs               blockwise Hadamard rotations (mxtrain.hadamard)
   Recipe, Operand, Rotation, recipes     per-GEMM-operand recipes and named presets
-  MXLinear, convert, set_step            the linear layer and the model converter (mxtrain.nn)
+  MXLinear, convert, set_step            the linear layer and the model converter (mxtrain.linear.module)
   mx_linear                              the MX linear as a function (eager or torch.compile; mxtrain.linear)
 """
 
@@ -12,7 +12,7 @@ from . import recipes as recipes
 from .formats import format_names as format_names
 from .hadamard import hadamard as hadamard, rotation_signs as rotation_signs
 from .linear import mx_linear as mx_linear
-from .nn import ConvertReport as ConvertReport, MXLinear as MXLinear, checkpoint as checkpoint, convert as convert, \
+from .linear.module import ConvertReport as ConvertReport, MXLinear as MXLinear, checkpoint as checkpoint, convert as convert, \
     set_step as set_step
 from .quant import MXTensor as MXTensor, fake_quantize as fake_quantize, quantize as quantize
 from .recipe import Operand as Operand, Recipe as Recipe, Rotation as Rotation

@@ -307,7 +307,7 @@ def fwd_bwd_call(mod, x: torch.Tensor, gy: torch.Tensor, clear_weight: bool = Fa
     call, so its reused activation operands are dropped first (or they would be quantized once for all
     repeats; a real layer sees a new input every call). Weights are quantized at every call
     (``clear_weight`` is kept for callers; nothing caches them)."""
-    from . import fast as _fast
+    from .linear import fast as _fast
 
     def f():
         _fast.clear_caches()
@@ -340,7 +340,7 @@ def _presets(args, default: list) -> list:
 
 def bench_linear(args) -> dict:
     from .train.trainer import graph_blockers
-    from .nn import MXLinear
+    from .linear.module import MXLinear
     dev = "cuda"
     M = 16384
     res = []
@@ -443,9 +443,9 @@ def bench_breakdown(args) -> dict:
 # -------------------------------------------------------------------------------------------- step
 
 def bench_blocks(args) -> dict:
-    from . import fast as _fast
+    from .linear import fast as _fast
     from .model import Block, ModelConfig, rope_tables
-    from .nn import convert
+    from .linear.module import convert
     dev = "cuda"
     n_layers = args.layers or 2
     cfg = ModelConfig.named("llama3-8b", n_layers=n_layers)
@@ -601,7 +601,7 @@ def bench_host(args) -> dict:
     ``MXLinear`` per recipe, with the ratio to ``nn.Linear`` and the form each compiled MX layer takes
     (``linear.implementation``). Issue #45's target: a compiled MX layer at most 1.5x ``nn.Linear``."""
     from .linear import implementation
-    from .nn import MXLinear
+    from .linear.module import MXLinear
     dev = "cuda"
     M, K, N = HOST_SHAPE
     x = torch.randn(M, K, device=dev, dtype=torch.bfloat16, requires_grad=True)

@@ -144,7 +144,7 @@ def _convert(m, variant: str, torchao_fast_accum: bool | None = None) -> None:
         return
     import warnings
 
-    from .nn import convert
+    from .linear.module import convert
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")   # the conversion report's warnings are not the benchmark's
         convert(m, variant)
@@ -183,7 +183,7 @@ def _one_variant(variant: str, model: str, layers: int | None, batch: int, seq: 
         opt.zero_grad(set_to_none=True)
         return loss
 
-    from . import fast
+    from .linear import fast
     inexact0 = fast.inexact_by_tensor(dev) if cuda else None
     t_compile = time.perf_counter()
     for _ in range(warmup):
@@ -216,13 +216,13 @@ def _one_variant(variant: str, model: str, layers: int | None, batch: int, seq: 
         # the host's time to issue a step (CPU wall time until the step's Python returns, nothing synchronized):
         # near ms, the step is bound by the host; and over the MX layers, an upper bound of one layer's host time
         out["host_ms"] = statistics.median(host)
-        from .nn import MXLayer
+        from .linear.module import MXLayer
         n_mx = sum(isinstance(mod, MXLayer) for mod in m.modules())
         out["mx_layers"] = n_mx
         if n_mx:
             out["host_us_per_mx_layer_at_most"] = 1e3 * out["host_ms"] / n_mx
         # MXFP4 blocks the FP8 carrier could not hold exactly, over this variant's steps, by tensor
-        # (``mxtrain.fast.inexact_by_tensor``; 0 everywhere: every GEMM multiplied the exact MX values)
+        # (``mxtrain.linear.fast.inexact_by_tensor``; 0 everywhere: every GEMM multiplied the exact MX values)
         after = fast.inexact_by_tensor(dev)
         out["inexact_blocks"] = {k: after[k] - inexact0[k] for k in after}
     if profile:   # after the timed steps, so that the profiler does not slow them

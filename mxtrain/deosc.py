@@ -130,7 +130,7 @@ def check_recipe(recipe) -> None:
 def tracked_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """``(name, layer)`` of every MX linear layer of ``model`` whose recipe gives its Fprop weight a fixed grid
     (fused MoE experts, ``MXExperts``, have no ``weight`` and are not tracked)."""
-    from .nn import mx_layers
+    from .linear.module import mx_layers
     return [(n, m) for n, m in mx_layers(model)
             if isinstance(getattr(m, "weight", None), torch.Tensor) and _grid_problem(m.recipe) is None]
 

@@ -27,7 +27,7 @@ rotations mix 16-32 neighbouring elements.) See ``docs/distributed.md`` and
 ``tests/test_distributed.py::test_fsdp2_quantizes_full_weight``.
 
 The exception, opt-in: ``apply_fsdp2(..., gather="quantized")`` (``parallel.gather``) all-gathers each MX
-layer's weight as its two quantized operands (``mxtrain.qgather``), each rank quantizing its own shard, where
+layer's weight as its two quantized operands (``mxtrain.linear.qgather``), each rank quantizing its own shard, where
 that is exact: the Dgrad operand's blocks and rotation blocks must not straddle shards (``out / ranks`` a
 multiple of the block), NVFP4 / per-tensor FP8 take the all-reduced amax, and no weight operand is rounded
 stochastically or rotated with per-step signs. Bit-identical to the high-precision gather; every other layer
@@ -242,7 +242,7 @@ def apply_ddp(model: nn.Module, env: DistEnv | None = None, **ddp_kwargs) -> nn.
     if not env.distributed:
         return model
     ids = [env.device.index] if env.device.type == "cuda" else None
-    from .nn import ddp_ignore_states
+    from .linear.module import ddp_ignore_states
     ddp_ignore_states(model)   # each rank keeps its own MX call numbers (no buffer broadcast of them)
     return DDP(model, device_ids=ids, **ddp_kwargs)
 
@@ -266,7 +266,7 @@ def apply_fsdp2(model: nn.Module, env: DistEnv | None = None, *, param_dtype: to
         ``set_modules_to_backward_prefetch``); 0 leaves FSDP2's implicit overlap. Values are unchanged.
       * ``gather``: ``"high"`` (the default) all-gathers every weight in ``param_dtype`` and the MX layers
         quantize the gathered weight; ``"quantized"`` all-gathers each MX layer's weight as its two quantized
-        operands (``mxtrain.qgather``: bit-identical, fewer bytes), and where a layer cannot be gathered that
+        operands (``mxtrain.linear.qgather``: bit-identical, fewer bytes), and where a layer cannot be gathered that
         way exactly it gathers in high precision, said once (a warning on rank 0 naming the layers and why).
         What was done: ``gather_report(model)``.
 
@@ -275,7 +275,7 @@ def apply_fsdp2(model: nn.Module, env: DistEnv | None = None, *, param_dtype: to
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from .qgather import GATHER_MODES, prepare
+    from .linear.qgather import GATHER_MODES, prepare
     env = env or _ENV
     if gather not in GATHER_MODES:
         raise UserError(f"FSDP2 gather must be one of {', '.join(GATHER_MODES)}, got {gather!r}")
@@ -317,7 +317,7 @@ def apply_fsdp2(model: nn.Module, env: DistEnv | None = None, *, param_dtype: to
 
 
 def gather_report(model: nn.Module):
-    """What ``apply_fsdp2(..., gather="quantized")`` did to ``model`` (``mxtrain.qgather.GatherReport``: the MX
+    """What ``apply_fsdp2(..., gather="quantized")`` did to ``model`` (``mxtrain.linear.qgather.GatherReport``: the MX
     layers whose weights gather as quantized operands, and why the others gather in high precision), or None."""
     return getattr(unwrap(model), "_mx_gather_report", None)
 

@@ -2,7 +2,7 @@
 converted model's MX layers by the trainer's own optimizer step.
 
 An MX layer's stochastic rounding and random signs are numbered by its ``mx_state`` buffer ``[layer, step,
-call]`` (``mxtrain.nn``), which advances after every optimizer step but is not in the model's ``state_dict``
+call]`` (``mxtrain.linear.module``), which advances after every optimizer step but is not in the model's ``state_dict``
 (``convert`` keeps a model's keys as they were, so a converted model's checkpoint loads into the plain model, into
 ``transformers`` and into anything that reads Hugging Face folders). A run resumed from a checkpoint therefore
 starts its MX steps at 0 again and draws the bits of the first steps once more. ``Trainer`` saves and restores
@@ -20,7 +20,7 @@ try:
 except ImportError as e:   # (mxtrain itself never imports this module)
     raise ImportError(f"mxtrain.hftrainer needs transformers (pip install transformers accelerate): {e}") from None
 
-from .nn import set_step
+from .linear.module import set_step
 
 __all__ = ["StepCallback"]
 
@@ -28,7 +28,7 @@ __all__ = ["StepCallback"]
 class StepCallback(TrainerCallback):
     """Set the step of every MX layer of the trained model to ``state.global_step`` before each optimizer step
     (``on_step_begin``, once per step whatever the gradient accumulation; the call counters start again as
-    after an optimizer step: ``mxtrain.nn.call_base()``, each data-parallel rank its own). Uninterrupted, that
+    after an optimizer step: ``mxtrain.linear.module.call_base()``, each data-parallel rank its own). Uninterrupted, that
     is the step the layers hold anyway; resumed from a checkpoint, it is the checkpoint's step, not 0."""
 
     def on_step_begin(self, args, state, control, model=None, **kwargs):

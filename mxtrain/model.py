@@ -357,10 +357,10 @@ class Router(nn.Module):
 class Experts(nn.Module):
     """``E`` SwiGLU experts as two fused weights in the layout of ``transformers``' experts modules (Mixtral's
     ``MixtralExperts``): ``gate_up_proj`` ``(E, 2 F, C)`` with the gate rows first, ``down_proj`` ``(E, C, F)``.
-    ``convert`` turns it into ``mxtrain.nn.MXExperts`` (each expert's two GEMMs one MX linear call);
-    the forward is ``mxtrain.moe.experts_forward`` (tokens gathered per expert) with ``F.linear``."""
+    ``convert`` turns it into ``mxtrain.linear.module.MXExperts`` (each expert's two GEMMs one MX linear call);
+    the forward is ``mxtrain.linear.moe.experts_forward`` (tokens gathered per expert) with ``F.linear``."""
 
-    # the layout flags ``mxtrain.moe.fused_experts`` checks (those transformers sets on its experts modules)
+    # the layout flags ``mxtrain.linear.moe.fused_experts`` checks (those transformers sets on its experts modules)
     has_gate, has_bias, is_transposed, is_concatenated = True, False, False, True
     has_post_expert_norm, _is_expert_parallel = False, False
 
@@ -374,7 +374,7 @@ class Experts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        from .moe import experts_forward
+        from .linear.moe import experts_forward
         return experts_forward(self, hidden_states, top_k_index, top_k_weights, lambda x, w, k: F.linear(x, w))
 
 
@@ -428,7 +428,7 @@ _RECOMPUTED_OPS: set = set()
 def _ffn_context():
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
     if not _RECOMPUTED_OPS:
-        from . import linear as _linear   # noqa: F401 - registers the mxtrain ops
+        from .linear import ops as _ops   # noqa: F401 - registers the mxtrain ops
         _RECOMPUTED_OPS.update({torch.ops.aten.mm.default, torch.ops.aten._scaled_mm.default,
                                 torch.ops.mxtrain.linear.default, torch.ops.mxtrain.linear_q.default})
     return create_selective_checkpoint_contexts(_recompute_linears)
@@ -466,7 +466,7 @@ class Block(nn.Module):
 
     def forward(self, x, cos, sin):
         if self.checkpoint_block and torch.is_grad_enabled():
-            from .nn import checkpoint
+            from .linear.module import checkpoint
             return checkpoint(self._block, x, cos, sin, layers=self)
         return self._block(x, cos, sin)
 

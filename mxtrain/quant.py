@@ -149,7 +149,7 @@ def reference_only(fmt: str | Format, scale_rule: str = "floor") -> bool:
     """Does only this module implement an operand of format ``fmt`` with ``scale_rule``? (A format of
     ``formats.REFERENCE_ONLY``, or a rule of ``REF_SCALE_RULES`` on a quantized operand.) Such an operand must
     never reach a fused kernel of the reference path or a compiled form: they implement ``SCALE_RULES`` and the
-    formats before it only. (The fast path decides for itself, ``mxtrain.fast.supported``: its fused quantizer
+    formats before it only. (The fast path decides for itself, ``mxtrain.linear.fast.supported``: its fused quantizer
     has ``mxint4`` with ``SCALE_RULES``, never a rule of ``REF_SCALE_RULES``.)"""
     f = get_format(fmt)
     return f.quantized and (f.reference_only or scale_rule in REF_SCALE_RULES)

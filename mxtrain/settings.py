@@ -17,7 +17,7 @@ a cached object: reading a field costs an attribute lookup, nothing is parsed pe
 (``data_dir``, ``cache_dir``) are read rarely and pointed elsewhere while a process runs (tests, tools):
 their users call ``fresh()``, which reads the environment at that moment.
 
-``mxtrain.fast`` calls ``current()`` when it is imported, so that a model compiled before any eager call
+``mxtrain.linear.fast`` calls ``current()`` when it is imported, so that a model compiled before any eager call
 never reads the environment inside a ``torch.compile`` trace. ``MXTRAIN_STUDY_PARENT`` and
 ``MXTRAIN_STUDY_START_BY`` are not settings: ``mxtrain study`` sets them for its worker processes (internal
 plumbing).
@@ -145,7 +145,7 @@ class Settings:
         "choice", choices=("auto", "always", "off"), aliases=_AUTO_OFF)
     fp8_traced: str = _knob(
         "auto", "MXTRAIN_FP8_TRACED", "Under `torch.compile`, the `fp8` recipe's layers (every operand per-tensor "
-        "FP8, round-to-nearest) as traced operations around `torch._scaled_mm` (`mxtrain/tracedfp8.py`), which the "
+        "FP8, round-to-nearest) as traced operations around `torch._scaled_mm` (`mxtrain/linear/tracedfp8.py`), which the "
         "compiler fuses with the kernels around them and recomputes in the backward as it does torchao's float8: "
         "`auto` on GPUs with FP8 tensor cores, `off`: the custom op (Triton casts, X's codes kept). Same values "
         "either way.", "choice", choices=("auto", "off"), aliases=_AUTO_OFF)
@@ -168,7 +168,7 @@ class Settings:
     mx_compiled: str = _knob(
         "auto", "MXTRAIN_MX_COMPILED", "Under `torch.compile`, the layers of MXFP4 recipes whose GEMMs all use "
         "round-to-nearest, prescale 1 and no or a deterministic Hadamard rotation (`mxfp4-all`, `mxfp4-all-dh16`, "
-        "`mxfp4-fprop`...): `auto`: compiled into the graph (`mxtrain/compiledmx.py`: the quantize kernels as "
+        "`mxfp4-fprop`...): `auto`: compiled into the graph (`mxtrain/linear/compiledmx.py`: the quantize kernels as "
         "`triton_op`s and the carrier GEMM traced, every decision made when the graph is traced, so a layer "
         "costs the host what inductor's generated code spends on it) on GPUs with FP8 tensor cores; `ops`: the "
         "opaque custom ops, which decide in Python at every call; `shared`: as `auto`, and layers that read one "
@@ -185,7 +185,7 @@ class Settings:
     mx_traced: str = _knob(
         "off", "MXTRAIN_MX_TRACED", "Under `torch.compile`, the layers of MXFP4 recipes whose GEMMs all use "
         "round-to-nearest, prescale 1 and no or a deterministic Hadamard rotation (`mxfp4-all`, `mxfp4-all-dh16`, "
-        "`mxfp4-fprop`...) as traced operations around the FP8-carrier GEMM (`mxtrain/tracedmx.py`), which the "
+        "`mxfp4-fprop`...) as traced operations around the FP8-carrier GEMM (`mxtrain/linear/tracedmx.py`), which the "
         "compiler fuses with the kernels around them and recomputes in the backward: `auto` on GPUs with FP8 "
         "tensor cores, `always` also on CPU (an emulated GEMM, for tests), `off`: the custom ops. Same values "
         "either way; the traced form does not count inexact carrier blocks.",

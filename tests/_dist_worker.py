@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import mxtrain
 from mxtrain import distributed as D
-from mxtrain.nn import MXLinear
+from mxtrain.linear.module import MXLinear
 
 V, C, T, N_LAYERS = 128, 64, 16, 2
 GLOBAL_BATCH = 8
@@ -121,7 +121,7 @@ def add_capture_hooks(model, capture: dict):
         q = m.call_context(last=False)
         wq, _ = q.operand(w, -1, "fprop_w", "fprop", q.signs("fprop", w.device))
         capture[f"layer{m.layer_id}"] = {"type": type(w.data).__name__, "shape": list(w.shape), "wq": wq.detach().clone()}
-    for _, m in mxtrain.nn.mx_layers(model):
+    for _, m in mxtrain.linear.module.mx_layers(model):
         m.register_forward_pre_hook(hook)
 
 

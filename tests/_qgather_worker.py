@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 import mxtrain
 from mxtrain import distributed as D
-from mxtrain import qgather as Q
+from mxtrain.linear import qgather as Q
 
 V, C, T, N_LAYERS = 64, 64, 8, 2
 GLOBAL_BATCH = 8

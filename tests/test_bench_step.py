@@ -273,7 +273,7 @@ def test_user_model_with_fused_projections_converts_its_four_layers_a_block():
     assert set(bs.USER_MODELS) == {"125m-fused", "8b-fused"}
     m = bs.UserLlama(dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, n_layers=2, vocab=128, seq=32)
     bs._convert(m, "mxfp4-all-dh16")
-    mx = [n for n, mod in m.named_modules() if isinstance(mod, mxtrain.nn.MXLayer)]
+    mx = [n for n, mod in m.named_modules() if isinstance(mod, mxtrain.linear.module.MXLayer)]
     assert mx == [f"layers.{i}.{n}" for i in range(2) for n in ("qkv", "o", "up", "down")]
     assert type(m.head) is torch.nn.Linear
     idx = torch.randint(0, 128, (2, 17))

@@ -227,7 +227,7 @@ def test_study_train_one_returns_the_trainers_outcome(tmp_path):
 
 
 def test_inexact_blocks_recorded_per_run(tmp_path, monkeypatch):
-    from mxtrain import fast
+    from mxtrain.linear import fast
     count = {"n": 1000}   # a running count that an earlier run in this process left at 1000
 
     def inexact_blocks(device="cuda"):
@@ -319,7 +319,7 @@ def test_wandb_values():
 def test_uncounted_inexact_blocks_are_said_not_recorded_as_zero(tmp_path, monkeypatch, capsys):
     """Where a compiled call could not count inexact blocks, the run says so once and its metrics carry no
     inexact_blocks (never a count of 0 that was not made)."""
-    from mxtrain import fast
+    from mxtrain.linear import fast
     monkeypatch.setattr(fast, "inexact_blocks", lambda device="cuda": 3)
     monkeypatch.setattr(fast.state, "missed", {torch.device("cpu")})
     cfg = tiny_run_cfg(tmp_path / "a", 3)

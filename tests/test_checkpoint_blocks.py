@@ -53,7 +53,7 @@ def test_eager_checkpointing_gives_the_same_gradients_and_keeps_less(recipe):
 
 def test_without_putting_the_counters_back_stochastic_rounding_would_differ(monkeypatch):
     """The test above can fail: recomputing with the call counters left advanced draws other bits."""
-    from mxtrain import nn as N
+    from mxtrain.linear import module as N
     g = torch.Generator().manual_seed(1)
     idx = torch.randint(0, 96, (2, 4, 32), generator=g)
     tgt = torch.randint(0, 96, (2, 4, 32), generator=g)
@@ -89,7 +89,7 @@ def test_compiled_checkpointing_gives_the_same_gradients_and_keeps_less(recipe):
 def test_compiled_without_keeping_the_seeds_stochastic_rounding_would_differ(monkeypatch):
     """The policy's one kept operation is what makes the compiled test above pass for stochastic rounding."""
     from torch.utils.checkpoint import CheckpointPolicy
-    from mxtrain import nn as N
+    from mxtrain.linear import module as N
     g = torch.Generator().manual_seed(2)
     idx = torch.randint(0, 96, (2, 4, 32), generator=g)
     tgt = torch.randint(0, 96, (2, 4, 32), generator=g)

@@ -1,4 +1,4 @@
-"""The MX layer compiled into the graph (mxtrain.compiledmx, the quantize kernels as triton_ops).
+"""The MX layer compiled into the graph (mxtrain.linear.compiledmx, the quantize kernels as triton_ops).
 
 CPU (CI): the layer's autograd function run eagerly (each triton_op runs its body: the Triton kernels under the
 interpreter, the carrier GEMM emulated in float32) gives the reference's outputs and gradients for every recipe
@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import mxtrain
-from mxtrain import compiledmx, fast, mx_linear, recipes, settings, tracedmx
+from mxtrain.linear import compiledmx, fast, tracedmx
+from mxtrain import mx_linear, recipes, settings
 from mxtrain.linear import COMPILED_FORMS
 from mxtrain.kernels.mxfp4 import kernels as K
 from mxtrain.kernels.mxfp4.launch import kernel_kwargs
@@ -76,7 +77,7 @@ def test_seeded_layer_equals_the_reference_on_cpu(recipe, shape, bias):
     ``call_seeds`` (the layer's state [layer 7, step 3, call 2]), the same MX values as the reference at that
     state, so the same outputs and gradients up to summation order (a key of the wrong operand, or the SR
     stream's index strides of an unpadded operand, fail it)."""
-    from mxtrain.linear import call_seeds, mx_spec
+    from mxtrain.linear.dispatch import call_seeds, mx_spec
     rec = recipes.get(recipe)
     mx = mx_spec(rec)
     assert mx and not tracedmx.spec(rec)
@@ -138,7 +139,7 @@ def test_the_dispatcher_takes_the_form_only_where_it_applies():
         assert compiledmx.spec(recipes.get(name)) is None, name
     # the settings are the dispatcher's (linear.compiled_form): with mx_compiled=ops, or a seeded recipe without
     # mx_compiled_seeded, it never asks (a spy stands in for a GPU's answer)
-    from mxtrain.linear import compiled_form
+    from mxtrain.linear.dispatch import compiled_form
     asked = []
 
     def spy(mx_, x_, w_, s_):
@@ -521,7 +522,7 @@ def test_a_setting_changed_after_compiling_recompiles_the_layer(monkeypatch):
     settings the ops' bodies read are passed to ``plan`` (dynamo guards on them), so a change after compiling
     recompiles, and a setting the layer does not read does not. CPU: ``plan`` stands in for the GPU's answer."""
     from torch._dynamo.utils import counters
-    from mxtrain._constant import assume_constant_result
+    from mxtrain.linear._constant import assume_constant_result
     monkeypatch.setattr(compiledmx, "plan", assume_constant_result(lambda device, share=False, *knobs: (1, 128)))
     mx = tracedmx.spec(recipes.get("mxfp4-all-dh16"))
     w = torch.zeros(8, 32)
@@ -562,7 +563,8 @@ import collections, json, sys, torch, triton
 from triton.backends.compiler import GPUTarget
 from functorch.compile import aot_function, default_partition, make_boxed_func
 from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
-from mxtrain import compiledmx, fast, recipes, settings, tracedmx
+from mxtrain.linear import compiledmx, fast, tracedmx
+from mxtrain import recipes, settings
 
 class Target:   # (Triton IR for sm_90 on a machine without a GPU: torch's analysis of what each launch writes)
     def get_current_target(self):
@@ -579,7 +581,7 @@ def partition(gm, inputs, **kw):
     return default_partition(gm, inputs, **kw)
 
 def run(recipe, n_layers, M=256, K=256, N=512):
-    from mxtrain.linear import mx_spec
+    from mxtrain.linear.dispatch import mx_spec
     mx = mx_spec(recipes.get(recipe))
     def block(x, c0, c1, c2, keys, signs, *ws):
         fast.state.by_name["meta"] = (c0, c1, c2)   # (the counters as graph inputs, as dynamo lifts them)

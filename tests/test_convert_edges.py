@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 import mxtrain
-from mxtrain.nn import MXLayer, mx_layers
+from mxtrain.linear.module import MXLayer, mx_layers
 
 
 def _encoder(layers: int | None = None):

@@ -13,7 +13,7 @@ import torch
 from mxtrain.deosc import DeoscSettings, Deoscillator, check_recipe
 from mxtrain.errors import UserError
 from mxtrain.hadamard import hadamard_matrix, rotation_signs
-from mxtrain.nn import MXLinear
+from mxtrain.linear.module import MXLinear
 from mxtrain.quant import fake_quantize
 from mxtrain.recipe import Rotation
 from mxtrain.recipes import get as get_recipe

@@ -10,8 +10,8 @@ import torch
 import torch.nn as nn
 
 from mxtrain import convert, recipes, set_step
-from mxtrain.context import Ctx
-from mxtrain.nn import mx_layers
+from mxtrain.linear.context import Ctx
+from mxtrain.linear.module import mx_layers
 from mxtrain.study import diagnostics as D
 
 

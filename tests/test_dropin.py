@@ -16,7 +16,7 @@ import torch.nn as nn
 
 import mxtrain
 from mxtrain import MXLinear, recipes
-from mxtrain.nn import MXLayer, mx_layers
+from mxtrain.linear.module import MXLayer, mx_layers
 
 transformers = pytest.importorskip("transformers")
 
@@ -135,7 +135,7 @@ def test_subclasses_bare_linear_and_second_convert():
     # pickling and deep copies keep the converted classes
     import pickle
     blob = pickle.dumps(model)
-    mxtrain.nn._CLASSES.clear()   # as in a fresh process: the class is made again from MyLinear
+    mxtrain.linear.module._CLASSES.clear()   # as in a fresh process: the class is made again from MyLinear
     back = pickle.loads(blob)
     assert isinstance(back[0], MyLinear) and isinstance(back[0], MXLinear)
     assert torch.equal(back[0](x), model[0](x))
@@ -200,7 +200,7 @@ def test_data_parallel_ranks_draw_their_own_bits_untold(monkeypatch):
     optimizer step and at set_step without call=), so ranks that nobody numbers draw their own stochastic
     rounding rather than rank 0's; an explicit call= wins."""
     import torch.distributed as dist
-    from mxtrain.nn import RANK_CALL_SHIFT
+    from mxtrain.linear.module import RANK_CALL_SHIFT
     x = torch.randn(8, 64)
 
     def grad_at(m):
@@ -404,7 +404,7 @@ def test_gpu_compile_before_any_eager_call(mode):
     """A fresh process's first MX call is a compiled one: the fake implementation probes the GEMM paths on
     the device (outside the fake mode), nothing made during the CUDA graph tree's warm-up outlives it, and
     the compiled model trains."""
-    from mxtrain import fast
+    from mxtrain.linear import fast
     from mxtrain.kernels import CACHES
     CACHES.probes.clear()   # as in a new process: no GEMM probe, no inexact-block counter yet
     fast.state.clear()
@@ -435,10 +435,11 @@ def test_split_ops_equal_reference_and_share_input_quantization(preset, carrier,
     torch.compile two layers reading one input quantize it once (common subexpression elimination).
     ``carrier``: with the FP8-carrier outputs of the Hopper path (float32 group scales among the op's
     outputs, which autograd must not differentiate), multiplied as float math here."""
-    from mxtrain import fast
+    from mxtrain.linear import fast
     from mxtrain.kernels import kernels_available
-    from mxtrain.linear import _MXLinearFunction, recipe_json
-    from mxtrain.context import Ctx
+    from mxtrain.linear.reference import _MXLinearFunction
+    from mxtrain.linear.dispatch import recipe_json
+    from mxtrain.linear.context import Ctx
     if not kernels_available("cpu"):
         pytest.skip("needs Triton's interpreter")
     if carrier:
@@ -471,7 +472,7 @@ def test_split_ops_equal_reference_and_share_input_quantization(preset, carrier,
         return [y.detach() for y in ys] + [x.grad.clone()] + [w.grad.clone() for w in ws]
 
     from mxtrain.kernels.seeds import call_seeds_host
-    from mxtrain.context import seed_spec
+    from mxtrain.linear.context import seed_spec
     sr, modes, sizes = seed_spec(rec)
     n = len(ws)
     seeds = [call_seeds_host(rec.seed, i, n, 0, sr=sr, sign_modes=modes, sign_sizes=sizes) for i in range(n)]

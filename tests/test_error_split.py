@@ -115,7 +115,7 @@ def test_each_diagnosed_operand_row_holds_its_split():
     """``gemm_diagnostics`` (the ``--diagnose-every`` rows) carries the split of every quantized operand: for an
     unrotated nearest-rounding operand it is ``error_split`` of that tensor; ``aggregate`` averages it."""
     from mxtrain import recipes
-    from mxtrain.context import Ctx
+    from mxtrain.linear.context import Ctx
     from mxtrain.study.diagnostics import SPLIT_KEYS, aggregate, gemm_diagnostics
     g = torch.Generator().manual_seed(2)
     x, w, dy = torch.randn(64, 64, generator=g), torch.randn(32, 64, generator=g), torch.randn(64, 32, generator=g)

@@ -13,10 +13,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from mxtrain import fast, recipes, settings  # noqa: E402
+from mxtrain.linear import fast
+from mxtrain import recipes, settings  # noqa: E402
 from mxtrain.kernels import kernels_available  # noqa: E402
-from mxtrain.context import Ctx  # noqa: E402
-from mxtrain.linear import _MXLinearFunction  # noqa: E402
+from mxtrain.linear.context import Ctx  # noqa: E402
+from mxtrain.linear.reference import _MXLinearFunction  # noqa: E402
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available() or not kernels_available(torch.device("cpu")),
                                 reason="CPU emulation of the carrier GEMM (Triton's interpreter)")

@@ -1,4 +1,4 @@
-"""The fast MXLinear path (mxtrain.fast) equals the reference MXLinear autograd function.
+"""The fast MXLinear path (mxtrain.linear.fast) equals the reference MXLinear autograd function.
 
 On CPU the kernels run in Triton's interpreter and the GEMM path is dequantize + matmul, so the
 fast path multiplies the same float32 values as the reference: results agree to fp32 rounding.
@@ -18,10 +18,11 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from mxtrain import MXLinear, recipes  # noqa: E402
-from mxtrain import fast, settings  # noqa: E402
+from mxtrain.linear import fast
+from mxtrain import settings  # noqa: E402
 from mxtrain.kernels import kernels_available  # noqa: E402
-from mxtrain.context import Ctx  # noqa: E402
-from mxtrain.linear import _MXLinearFunction  # noqa: E402
+from mxtrain.linear.context import Ctx  # noqa: E402
+from mxtrain.linear.reference import _MXLinearFunction  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(not kernels_available(DEV), reason="Triton kernels unavailable")
@@ -194,7 +195,7 @@ def test_mxlinear_uses_fast_path_and_compiles():
 def test_env_switch_disables_the_fast_path():
     import subprocess
     import sys
-    code = ("import mxtrain, mxtrain.fast as f; "
+    code = ("import mxtrain, mxtrain.linear.fast as f; "
             "print(mxtrain.settings.current().fast, f.supported(mxtrain.recipes.get('mxfp4-all-dh16')))")
     # (supported is the recipe's answer; whether the fast path runs is linear.route's, from the setting)
     for value, expect in (("0", "False True"), ("off", "False True")):
@@ -226,7 +227,7 @@ def test_inexact_blocks_counter_gpu():
 def test_inexact_counters_by_tensor_and_missed_devices():
     """The counts are kept per tensor role and summed by ``inexact_blocks``; a compiled call (``count ==
     "existing"``) never makes a counter, and a device where one was missing is reported as not counted."""
-    from mxtrain.context import Ctx
+    from mxtrain.linear.context import Ctx
     st = fast.FastState()
     assert st.counter("cpu", "dy", create=False) is None and not st.counted("cpu")
     st.clear()

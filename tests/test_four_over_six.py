@@ -19,8 +19,9 @@ import torch
 
 import mxtrain
 import mxtrain.linear
-import mxtrain.tracedmx
-from mxtrain import Operand, fast, recipes, settings
+import mxtrain.linear.tracedmx
+from mxtrain.linear import fast
+from mxtrain import Operand, recipes, settings
 from mxtrain.hadamard import hadamard
 from mxtrain.quant import REF_SCALE_RULES, SCALE_RULES, quantize, reference_only
 from mxtrain.recipe import OPERANDS
@@ -264,7 +265,7 @@ def test_preset():
     # the summary names NVFP4's rule as it names MX ones (and none where NVFP4 keeps its standard block scale)
     assert "x=nvfp4 nearest four_over_six, w=nvfp4(16x16) nearest four_over_six" in r.summary()
     assert "x=nvfp4 nearest, w=nvfp4(16x16) nearest," in base.summary()
-    from mxtrain.linear import mx_spec
+    from mxtrain.linear.dispatch import mx_spec
     assert not fast.supported(r) and mx_spec(r) == ""
     xm = torch.empty(64, 64, device="meta")
     assert mxtrain.linear.route(r, xm, xm) == "reference"
@@ -285,7 +286,7 @@ def kernel_spy(monkeypatch):
 
 
 def test_the_nvfp4_kernel_is_never_asked(kernel_spy):
-    from mxtrain.context import Ctx
+    from mxtrain.linear.context import Ctx
     gen = torch.Generator().manual_seed(5)
     x, w = torch.randn(32, 64, generator=gen), torch.randn(48, 64, generator=gen)
     dy = torch.randn(32, 48, generator=gen)
@@ -314,7 +315,7 @@ def test_the_nvfp4_kernel_is_never_asked(kernel_spy):
 def test_layer_under_autocast_with_the_kernel_setting_on(kernel_spy):
     """The whole layer (factored NVFP4 GEMMs under bf16 autocast) with ``nvfp4_kernel="always"``: the kernel entry
     is never called and the outputs and gradients equal those with the kernel off."""
-    from mxtrain.nn import MXLinear
+    from mxtrain.linear.module import MXLinear
     out = {}
     for mode in ("off", "always"):
         torch.manual_seed(0)

@@ -13,7 +13,7 @@ import torch
 from mxtrain import hfcli
 from mxtrain.errors import UserError
 from mxtrain.generate import evaluate, generate, generate_ids, load
-from mxtrain.nn import MXLinear
+from mxtrain.linear.module import MXLinear
 
 from train_helpers import SENTENCES, ROOT, one_line_error, run_cli, small_data, tiny_run_cfg
 

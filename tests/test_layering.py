@@ -12,12 +12,15 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 # Cycles that exist today (file sets); a change may shrink or remove them, never add one or grow one.
 KNOWN_CYCLES = [
 ]
-# the MX linear call, bottom to top: each may import only the ones before it (and anything outside the list)
-MX_LINEAR_STACK = ["fast", "tracedmx", "compiledmx", "linear", "nn"]
+# the MX linear package (mxtrain/linear/), bottom to top: each may import only the ones before it (and anything
+# outside the list but below the package: the numerics, kernels, settings)
+MX_LINEAR_STACK = ["linear._constant", "linear.context", "linear.tensorfp8", "linear.tracedfp8", "linear.reference",
+                   "linear.fast", "linear.tracedmx", "linear.compiledmx", "linear.dispatch", "linear.ops", "linear.api",
+                   "linear", "linear.moe", "linear.module", "linear.qgather"]
 # the study runner (issue #49), bottom to top: each may import only the ones before it
 STUDY_STACK = ["study.plan", "study.run", "study.summary", "study.workers"]
 # the numerics: no import of anything but each other and the package's leaf helpers
-NUMERICS = {"formats", "quant", "hadamard", "recipe", "rng", "operand", "settings", "errors", "_constant"}
+NUMERICS = {"formats", "quant", "hadamard", "recipe", "rng", "operand", "settings", "errors"}
 # layer 0 of the layered layout (issue #49): imports nothing of the package but each other
 LAYER_0 = {"errors", "settings", "_io"}
 
@@ -110,8 +113,8 @@ def cycles(graph: dict) -> list:
 
 def test_the_reader_sees_known_imports():
     g = import_graph()
-    assert "fast" in g["linear"] and "compiledmx" in g["linear"] and "formats" in g["quant"]
-    assert "kernels.mxfp4.traced" in g["compiledmx"]
+    assert "linear.fast" in g["linear.api"] and "linear.compiledmx" in g["linear.dispatch"] and "formats" in g["quant"]
+    assert "kernels.mxfp4.traced" in g["linear.compiledmx"] and "linear.api" in g["linear"]
 
 
 def test_no_import_cycle_beyond_the_known_ones():
@@ -131,6 +134,26 @@ def test_the_mx_linear_stack_imports_one_way():
     for i, mod in enumerate(MX_LINEAR_STACK):
         above = set(MX_LINEAR_STACK[i + 1:])
         assert not g[mod] & above, f"{mod} imports {sorted(g[mod] & above)}, which sit above it"
+
+
+def test_the_mx_linear_package_is_listed_whole():
+    g = import_graph()
+    assert {m for m in g if m == "linear" or m.startswith("linear.")} == set(MX_LINEAR_STACK)
+
+
+def test_the_mx_linear_package_imports_only_downward():
+    """mxtrain/linear/ reads the numerics, the kernels and layer 0; nothing of the model, data, trainer, study,
+    interop, benchmarks or CLI, and neither the kernels nor the numerics import it."""
+    g = import_graph()
+    below = NUMERICS | LAYER_0 | {"recipes", "formats", "hadamard", "operand", "rng", "quant", "recipe"}
+    for mod in MX_LINEAR_STACK:
+        outside = {m for m in g[mod] if not (m == "linear" or m.startswith("linear."))}
+        bad = {m for m in outside if m not in below and m != "kernels" and not m.startswith("kernels.")}
+        assert not bad, f"{mod} imports {sorted(bad)}, which sit above the MX linear package"
+    for mod in g:
+        if mod in NUMERICS or mod == "kernels" or mod.startswith("kernels."):
+            up = {m for m in g[mod] if m == "linear" or m.startswith("linear.")}
+            assert not up, f"{mod} imports {sorted(up)} from the MX linear package above it"
 
 
 def test_the_numerics_import_nothing_above_them():

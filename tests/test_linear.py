@@ -153,7 +153,7 @@ def test_gradcheck_unquantized_rotated_path():
     x = torch.randn(2, 3, 10, dtype=torch.float64, requires_grad=True)
 
     def f(x, w, b):
-        return mxtrain.linear._MXLinearFunction.apply(x, w, b, mxtrain.context.Ctx(ROT_ONLY, 0, 4, 0))
+        return mxtrain.linear.reference._MXLinearFunction.apply(x, w, b, mxtrain.linear.context.Ctx(ROT_ONLY, 0, 4, 0))
 
     w = layer.weight.detach().clone().requires_grad_(True)
     b = layer.bias.detach().clone().requires_grad_(True)
@@ -206,7 +206,7 @@ def test_steps_and_calls_select_random_streams():
 def test_nvfp4_weight_tiles_are_the_same_in_fprop_and_dgrad():
     r = recipes.get("nvfp4")
     w = torch.randn(48, 64)
-    ctx = mxtrain.context.Ctx(r, 0, 0, 0)
+    ctx = mxtrain.linear.context.Ctx(r, 0, 0, 0)
     wf, _ = ctx.operand(w, -1, "fprop_w", "fprop", None)
     wd, _ = ctx.operand(w, 0, "dgrad_w", "dgrad", None)
     assert torch.equal(wf, wd)
@@ -214,7 +214,7 @@ def test_nvfp4_weight_tiles_are_the_same_in_fprop_and_dgrad():
 
 def test_operand_seed_helper_is_the_documented_derivation():
     for name in OPERANDS:
-        assert mxtrain.nn.operand_seed(9, 3, name, 4, 2) == rng.stream_key(9, 3, OPERANDS.index(name), 4, 2)
+        assert mxtrain.linear.module.operand_seed(9, 3, name, 4, 2) == rng.stream_key(9, 3, OPERANDS.index(name), 4, 2)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -297,7 +297,7 @@ def test_convert_swaps_exactly_the_block_linears_and_shares_parameters():
     assert all(after[n] is p for n, p in params_before.items())
     assert model.state_dict().keys() == sd_before.keys()  # checkpoints load either way
     model.load_state_dict(sd_before)
-    ids = [m.layer_id for _, m in mxtrain.nn.mx_layers(model)]
+    ids = [m.layer_id for _, m in mxtrain.linear.module.mx_layers(model)]
     assert ids == list(range(28))
     # an optimizer built before convert trains the converted model
     w0 = model.model.layers[1].mlp.up_proj.weight.detach().clone()

@@ -1,5 +1,5 @@
 """Hugging Face MoE models under ``convert``: Mixtral's and Qwen3-MoE's fused experts become ``MXExperts`` (one
-``mx_linear`` call per expert GEMM, ``mxtrain.moe``), with the parameters, names and routing of the original.
+``mx_linear`` call per expert GEMM, ``mxtrain.linear.moe``), with the parameters, names and routing of the original.
 
 Tiny models built from configs (2 layers, 4 experts, dims 64): with a recipe that quantizes nothing the converted
 model is transformers' eager model bit for bit; with MX recipes each expert GEMM is ``mx_linear`` on ``weight[e]``
@@ -15,7 +15,7 @@ import torch.nn as nn
 
 import mxtrain
 from mxtrain.linear import mx_linear
-from mxtrain.nn import MXExperts, MXLayer
+from mxtrain.linear.module import MXExperts, MXLayer
 
 transformers = pytest.importorskip("transformers")
 
@@ -210,7 +210,7 @@ def test_compiled_experts_with_an_expert_nobody_chose_equal_eager():
 def test_compiling_experts_without_dynamic_shapes_warns_once(monkeypatch):
     """Without capture_dynamic_output_shape_ops the experts' loop breaks dynamo's graph at every expert: said once,
     with the setting that fixes it; the numbers are the eager loop's."""
-    from mxtrain import moe
+    from mxtrain.linear import moe
     monkeypatch.setattr(moe, "_warned", False)
     model = _hf("qwen3_moe", layers=1)
     mxtrain.convert(model, "mxfp4-all", strict=True)
@@ -257,7 +257,7 @@ def test_cuda_experts_run_the_fast_path_as_mx_linear_per_expert(recipe, source):
     a Hugging Face Qwen3-MoE, or mxtrain's own mixture of experts (``tiny-moe``; whatever transformers has)."""
     from mxtrain import settings
     from mxtrain.linear import route
-    from mxtrain.moe import fused_experts
+    from mxtrain.linear.moe import fused_experts
     if source == "own":
         from mxtrain.model import Llama, ModelConfig
         model = Llama(ModelConfig.named("tiny-moe", dim=64, n_heads=2, n_kv_heads=1, n_layers=2, vocab_size=256))

@@ -13,7 +13,7 @@ import mxtrain
 from mxtrain import cli
 from mxtrain.errors import UserError
 from mxtrain.model import Llama, ModelConfig, MoEFeedForward
-from mxtrain.nn import MXExperts, MXLinear
+from mxtrain.linear.module import MXExperts, MXLinear
 from mxtrain.study.diagnostics import Diagnostics
 from train_helpers import small_data
 

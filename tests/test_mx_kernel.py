@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from mxtrain import mx_linear, settings  # noqa: E402
-from mxtrain.context import Ctx  # noqa: E402
+from mxtrain.linear.context import Ctx  # noqa: E402
 from mxtrain.operand import fake_quantize_operand  # noqa: E402
 from mxtrain.formats import get_format  # noqa: E402
 from mxtrain.kernels import kernels_available  # noqa: E402
@@ -209,7 +209,7 @@ def test_deosc_weight_grid_runs_through_the_kernel_bit_for_bit(monkeypatch):
     admitted there) its window state and its resets equal the reference's bit for bit: plain, rotated (fixed
     signs, H32) with AMD's scale rule and a prescale, and an MXFP6 weight."""
     from mxtrain.deosc import DeoscSettings, Deoscillator
-    from mxtrain.nn import MXLinear
+    from mxtrain.linear.module import MXLinear
     from mxtrain.recipe import Rotation
 
     calls = []

@@ -6,9 +6,9 @@ product is scaled by both tensor scales. Checked against float64 math on the sam
 import pytest
 import torch
 
-from mxtrain import linear as L
-from mxtrain.context import Ctx
-from mxtrain.nn import MXLinear
+from mxtrain.linear import reference as L
+from mxtrain.linear.context import Ctx
+from mxtrain.linear.module import MXLinear
 from mxtrain.quant import quantize
 from mxtrain.recipes import get as get_recipe
 

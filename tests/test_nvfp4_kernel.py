@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 
 from mxtrain import settings  # noqa: E402
 from numerics import wide_values  # noqa: E402
-from mxtrain.context import Ctx  # noqa: E402
+from mxtrain.linear.context import Ctx  # noqa: E402
 from mxtrain.operand import fake_quantize_operand  # noqa: E402
 from mxtrain.kernels import kernels_available  # noqa: E402
 from mxtrain.kernels import nvfp4 as K  # noqa: E402
@@ -136,7 +136,7 @@ def test_refuses_bad_arguments():
 
 def _device_ctx(recipe, layer, step, call, device):
     """``Ctx.from_seeds`` with the keys and signs ``call_seeds`` would write (host computation)."""
-    from mxtrain.context import seed_spec
+    from mxtrain.linear.context import seed_spec
     from mxtrain.kernels.seeds import call_seeds_host
     sr, modes, sizes = seed_spec(recipe)
     keys, signs = call_seeds_host(recipe.seed, layer, step, call, sr=sr, sign_modes=modes, sign_sizes=sizes,
@@ -173,7 +173,7 @@ def test_operand_factored_runs_the_kernel_and_off_runs_the_reference():
 
 
 def test_layer_under_autocast_is_the_same_with_the_kernel():
-    from mxtrain.nn import MXLinear
+    from mxtrain.linear.module import MXLinear
     dev_type = "cuda" if DEV == "cuda" else "cpu"
     mode = "auto" if DEV == "cuda" else "always"
     out = {}

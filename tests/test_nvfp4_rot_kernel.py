@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 
 from mxtrain import rng, settings  # noqa: E402
 from numerics import wide_values  # noqa: E402
-from mxtrain.context import Ctx  # noqa: E402
+from mxtrain.linear.context import Ctx  # noqa: E402
 from mxtrain.operand import fake_quantize_operand, pad_axis  # noqa: E402
 from mxtrain.hadamard import hadamard  # noqa: E402
 from mxtrain.kernels import kernels_available  # noqa: E402

@@ -1,4 +1,4 @@
-"""FSDP2's quantized weight all-gather (mxtrain.qgather): bit-identical to gathering in high precision and
+"""FSDP2's quantized weight all-gather (mxtrain.linear.qgather): bit-identical to gathering in high precision and
 quantizing after, and a loud fallback where it cannot be.
 
 Single-process tests quantize a weight shard by shard (2 and 4 shards), put the pieces together as FSDP2's
@@ -24,8 +24,8 @@ import torch
 import torch.nn as nn
 
 import mxtrain
-from mxtrain import qgather as Q
-from mxtrain.context import Ctx
+from mxtrain.linear import qgather as Q
+from mxtrain.linear.context import Ctx
 from mxtrain.linear import mx_linear
 from mxtrain.quant import quantize
 from mxtrain.recipe import Rotation
@@ -269,12 +269,12 @@ _INT4 = _SIGNED.with_(**{f"{o}.fmt": "mxint4" for o in ("fprop_x", "fprop_w", "d
 
 
 def _fast_kernels(dev: str):
-    """``mxtrain.fast``, where its Triton kernels run on ``dev`` (else the test is skipped)."""
+    """``mxtrain.linear.fast``, where its Triton kernels run on ``dev`` (else the test is skipped)."""
     pytest.importorskip("triton")
     from mxtrain.kernels import kernels_available
     if not kernels_available(dev):
         pytest.skip(f"the Triton kernels cannot run on {dev}")
-    from mxtrain import fast
+    from mxtrain.linear import fast
     return fast
 
 

@@ -183,9 +183,9 @@ def test_cheapest_forward_levers_presets():
     ``mxfp4-all-dh16``'s rotation on Fprop only; ``mxfp4-all-bf16last`` is ``mxfp4-all`` with the last block
     of the trainer's model kept as ``nn.Linear`` (every other block's linear layers become MX layers). Both
     stay on the fast path."""
-    from mxtrain import fast
+    from mxtrain.linear import fast
     from mxtrain.model import Llama, ModelConfig
-    from mxtrain.nn import MXLinear
+    from mxtrain.linear.module import MXLinear
 
     g = recipes.get
     f = g("mxfp4-all-dh16-fprop")

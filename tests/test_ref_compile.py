@@ -1,4 +1,4 @@
-"""The reference path's compiled quantizer (``ref_compile`` setting, ``mxtrain.context.REF_COMPILE``) is
+"""The reference path's compiled quantizer (``ref_compile`` setting, ``mxtrain.linear.context.REF_COMPILE``) is
 bit-identical to the eager reference: every operand format, rounding and scale rule, NVFP4 1-D and 16x16
 blocks, rotations with each sign mode, special values, float32 and bf16 inputs; an ``MXLinear`` forward and
 backward; and a bounded number of graphs over steps and layers (no recompile per step or layer).
@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from mxtrain import settings
-from mxtrain.context import REF_COMPILE, Ctx
+from mxtrain.linear.context import REF_COMPILE, Ctx
 from mxtrain.operand import fake_quantize_operand
 from mxtrain.formats import FORMATS
 from mxtrain.hadamard import rotation_signs
-from mxtrain.nn import MXLinear
+from mxtrain.linear.module import MXLinear
 from mxtrain.quant import SCALE_RULES
 
 KEY = 0x9E3779B9

@@ -45,11 +45,11 @@ def _i32(v):
 
 
 def _operand_key(seed, layer, i, step, call):
-    """``rng.stream_key(nn.operand_seed(...))``, independently if mxtrain.nn does not import."""
+    """``rng.stream_key(nn.operand_seed(...))``, independently if mxtrain.linear.module does not import."""
     try:
-        from mxtrain.nn import operand_seed
+        from mxtrain.linear.module import operand_seed
         inner = operand_seed(seed, layer, OPERANDS[i], step, call)
-    except Exception:  # pragma: no cover - mxtrain.nn mid-edit
+    except Exception:  # pragma: no cover - mxtrain.linear.module mid-edit
         inner = rng.stream_key(seed, layer, i, step, call)
     return _i32(rng.stream_key(inner))
 

@@ -73,7 +73,8 @@ def test_bad_values_name_the_variable_the_value_and_the_choices(var, value, allo
 
 
 def test_override_is_read_at_use_time_nests_and_restores():
-    from mxtrain import fast, kernels, recipes
+    from mxtrain.linear import fast
+    from mxtrain import kernels, recipes
     from mxtrain.kernels import mxfp4 as kq
     base = settings.current()
     assert settings.current() is base   # cached: nothing parsed per call
@@ -164,7 +165,7 @@ def test_lru_evicts_the_least_recently_used():
 
 
 def test_fast_state_owns_activations_and_counters():
-    from mxtrain import fast
+    from mxtrain.linear import fast
     st = fast.FastState()
     c = st.counter(torch.device("cpu"))
     c += 5
@@ -178,7 +179,7 @@ def test_fast_state_owns_activations_and_counters():
 
 
 def test_compiled_code_reads_the_settings_without_a_graph_break():
-    """``current()`` is cached before any trace (``mxtrain.fast`` reads it at import; every change rebuilds it
+    """``current()`` is cached before any trace (``mxtrain.linear.fast`` reads it at import; every change rebuilds it
     at once), so ``torch.compile(fullgraph=True)`` of code that reads a setting traces, and recompiles when
     the setting changes."""
     with settings.override(fast=False):

@@ -1,4 +1,4 @@
-"""The ``fp8`` recipe's GEMMs on FP8 tensor cores (mxtrain.tensorfp8): the reference's own FP8 codes and
+"""The ``fp8`` recipe's GEMMs on FP8 tensor cores (mxtrain.linear.tensorfp8): the reference's own FP8 codes and
 per-tensor scales multiplied by ``torch._scaled_mm``. Against the float32 reference (dequantize, then
 multiply): outputs and gradients equal up to float32 rounding, in every GEMM (E4M3 x E4M3 Fprop, E5M2 x E4M3
 Dgrad and Wgrad), eagerly and under torch.compile. CPU runs the same code (``_scaled_mm`` has a CPU
@@ -7,8 +7,9 @@ implementation) with the device check forced on; the cuda-marked test runs it wh
 import pytest
 import torch
 
-from mxtrain import mx_linear, recipes, tensorfp8
-from mxtrain.linear import _MXLinearFunction
+from mxtrain.linear import tensorfp8
+from mxtrain import mx_linear, recipes
+from mxtrain.linear.reference import _MXLinearFunction
 from mxtrain.linear import call_context
 from mxtrain.recipe import Operand, Recipe, Rotation
 
@@ -227,7 +228,7 @@ def test_gemm_writes_the_final_dtype_directly(fp8_on):
     """Where the caller casts the product to bf16 next and no prescale divides it, the FP8 GEMM writes bf16
     itself (no float32 output and cast pass): on CPU the very bits of the float32 product cast to bf16; on a
     GPU the same up to the accumulation order (the GEMM may pick another algorithm for a bf16 output)."""
-    from mxtrain.context import Ctx
+    from mxtrain.linear.context import Ctx
     rec = recipes.get("fp8")
     x, w, _ = _case(64, 96, 48, torch.bfloat16)
     q = Ctx(rec, layer=0, step=0, call=0)

@@ -1,4 +1,4 @@
-"""The ``fp8`` recipe under torch.compile as traced operations (mxtrain.tracedfp8): the casts are the reference
+"""The ``fp8`` recipe under torch.compile as traced operations (mxtrain.linear.tracedfp8): the casts are the reference
 quantizer's codes and scales bit for bit (eagerly and compiled by Inductor), a compiled layer or model gives
 the eager path's outputs and gradients, the graph holds no mxtrain custom op, and the setting ``fp8_traced=off``
 brings the custom op back. CPU runs ``torch._scaled_mm``'s CPU implementation with the device check forced
@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import mxtrain
-from mxtrain import mx_linear, recipes, settings, tensorfp8, tracedfp8
+from mxtrain.linear import tensorfp8, tracedfp8
+from mxtrain import mx_linear, recipes, settings
 from mxtrain.quant import quantize
 from mxtrain.recipe import Operand, Recipe, Rotation
 
@@ -96,7 +97,7 @@ def test_applies_needs_the_setting_fp8_tensor_cores_and_multiples_of_16(fp8_on, 
     assert not tracedfp8.applies(f, x, torch.zeros(40, 32, device=DEV))
     assert not tracedfp8.applies(f, x.double(), w.double())
     # the settings are the dispatcher's to read (linear.compiled_form), which asks only where they allow it
-    from mxtrain.linear import compiled_form
+    from mxtrain.linear.dispatch import compiled_form
     assert compiled_form(x, w, True, False, ",".join(f), "")[0] == "traced_fp8"
     with settings.override(fp8_traced="off"):
         assert compiled_form(x, w, True, False, ",".join(f), "")[0] != "traced_fp8"

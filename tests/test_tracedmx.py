@@ -1,4 +1,4 @@
-"""MXFP4 recipes under torch.compile as traced operations (mxtrain.tracedmx): the carrier bytes and group scales
+"""MXFP4 recipes under torch.compile as traced operations (mxtrain.linear.tracedmx): the carrier bytes and group scales
 equal the definition (``kernels.mxfp4.carrier.carrier_from_fp4`` over the reference quantizer's codes) bit for
 bit, eagerly and compiled by Inductor; a layer gives the reference path's outputs and gradients (CPU: the
 carrier GEMM emulated in float32, ``mx_traced=always``); a compiled model holds no ``mxtrain::linear`` op, makes
@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import mxtrain
-from mxtrain import mx_linear, recipes, settings, tracedmx
+from mxtrain.linear import tracedmx
+from mxtrain import mx_linear, recipes, settings
 from mxtrain.kernels.mxfp4.carrier import QuantOut, carrier_from_fp4, reference_quantize
 from mxtrain.recipe import Operand, Recipe, Rotation
 
@@ -22,7 +23,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 def traced():
     """The traced form on (CPU: its emulation); afterwards the fast path's "not counted" marks of the devices
     are put back as they were (a traced graph marks its device; later tests in this process count)."""
-    from mxtrain import fast
+    from mxtrain.linear import fast
     missed = set(fast.state.missed)
     torch._dynamo.reset()
     with settings.override(mx_traced="always" if DEV == "cpu" else "auto"):
@@ -100,7 +101,7 @@ def test_applies_needs_the_setting_and_multiples_of_32(traced):
     assert not tracedmx.applies(f, x, torch.zeros(80, 64, device=DEV), mode)
     assert not tracedmx.applies(f, x.double(), w.double(), mode)
     # the settings are the dispatcher's to read (linear.compiled_form), which asks only where they allow it
-    from mxtrain.linear import compiled_form
+    from mxtrain.linear.dispatch import compiled_form
     assert compiled_form(x, w, True, False, "", f)[0] == "traced_mx"
     for off in (dict(mx_traced="off"), dict(fast=False), dict(exact_carrier=True)):
         with settings.override(**off):
@@ -164,7 +165,7 @@ def test_compiled_model_trains_like_eager_without_recompiles(traced):
     autocast: the reference path's losses, one graph, and the inexact-block counts of the
     device marked as not counted."""
     from torch._dynamo.utils import counters
-    from mxtrain import fast
+    from mxtrain.linear import fast
 
     eager = mlp_losses("mxfp4-all-dh16", False, DEV, width=128, batch=64)
     torch._dynamo.reset()

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import mxtrain
-from mxtrain import Operand, fast, recipes
+from mxtrain.linear import fast
+from mxtrain import Operand, recipes
 from mxtrain.formats import ELEMENTS, FORMATS, get_format
 from mxtrain.quant import ALL_SCALE_RULES, SCALE_RULES, quantize, reference_only
 
@@ -237,12 +238,12 @@ def test_presets_and_their_routes():
               recipes.get("mxfp4-all").with_(**{"wgrad_x.scale_rule": "adaptive"}),
               mxtrain.Recipe(fprop_x=Operand("mxe1m2"))):
         assert not fast.supported(r), r.name
-        assert mxtrain.tracedfp8.spec(r) is None
+        assert mxtrain.linear.tracedfp8.spec(r) is None
     # round-up scales: the kernels have them; the INT4 grid: the fast path's fused quantizer has it
     # (tests/test_ufp4_kernel.py), the compiled forms do not (below)
     for r in (recipes.get("mxfp4-all+rceil"), u, recipes.get("ufp4+floor"), recipes.get("ufp4+rceil")):
         assert fast.supported(r), r.name
-        assert mxtrain.tracedfp8.spec(r) is None
+        assert mxtrain.linear.tracedfp8.spec(r) is None
     # the route on a CUDA tensor (meta tensors stand in: route reads device and dtype only)
     xm = torch.empty(64, 64, device="meta")
     assert mxtrain.linear.route(a, xm, xm) == "reference"
@@ -253,8 +254,8 @@ def test_compiled_forms_never_take_the_new_formats_or_rule():
     gives no spec for a recipe with the ``adaptive`` rule or a new format, so a compiled layer of it runs the
     reference quantizer; and the traced quantizer itself refuses ``adaptive`` should it ever be asked
     (``quant.mx_scale_exponent``)."""
-    from mxtrain import compiledmx, tracedmx
-    from mxtrain.linear import mx_spec
+    from mxtrain.linear import compiledmx, tracedmx
+    from mxtrain.linear.dispatch import mx_spec
     for name in ("ufp4", "mxfp4-all-adaptive", "mxfp4-all-dh16+adaptive"):
         r = recipes.get(name)
         assert tracedmx.spec(r) is None and compiledmx.spec(r) is None and mx_spec(r) == "", name
@@ -269,7 +270,7 @@ def test_compiled_forms_never_take_the_new_formats_or_rule():
 def test_mx_linear_on_cpu_is_the_reference_quantizer(name):
     """``mxtrain.mx_linear`` with a new-format / new-rule recipe: forward and both gradients equal the GEMMs of
     the reference quantizer's values, computed here from ``quant.quantize`` and the Hadamard blocks."""
-    from mxtrain.context import Ctx
+    from mxtrain.linear.context import Ctx
     from mxtrain.hadamard import hadamard
     r = recipes.get(name)
     torch.manual_seed(3)

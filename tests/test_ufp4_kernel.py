@@ -15,7 +15,8 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from mxtrain import fast, recipes, rng, settings  # noqa: E402
+from mxtrain.linear import fast
+from mxtrain import recipes, rng, settings  # noqa: E402
 from mxtrain.kernels import kernels_available  # noqa: E402
 from mxtrain.kernels.expand import carrier_from_packed  # noqa: E402
 from mxtrain.kernels.mxfp4 import carrier as kc, ops, verify  # noqa: E402
@@ -204,8 +205,8 @@ def test_fast_path_admits_the_uniform_grid_and_round_up_scales():
 def test_fast_equals_reference_gpu(preset):
     """The eager fast path (fused quantizers, FP8-carrier GEMMs on sm_90) against the reference MXLinear, bf16,
     ragged shapes: outputs and gradients within bf16 output rounding."""
-    from mxtrain.context import Ctx
-    from mxtrain.linear import _MXLinearFunction
+    from mxtrain.linear.context import Ctx
+    from mxtrain.linear.reference import _MXLinearFunction
     rec = recipes.get(preset)
     g = torch.Generator().manual_seed(0)
     M, K, N = 1024 + 16, 1024 + 64, 768

@@ -9,7 +9,8 @@ import sys
 
 import torch
 
-from mxtrain import bench_step, tracedfp8
+from mxtrain.linear import tracedfp8
+from mxtrain import bench_step
 from mxtrain.formats import get_format
 
 

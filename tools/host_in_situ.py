@@ -10,9 +10,9 @@ import json, sys, time, collections
 import torch
 
 from _timing import per_call_us  # noqa: E402
-from mxtrain import fast
+from mxtrain.linear import fast
 from mxtrain.bench import fwd_bwd_call
-from mxtrain.nn import MXLinear
+from mxtrain.linear.module import MXLinear
 import torch._C._dynamo.eval_frame as EF
 
 recipe = sys.argv[2] if len(sys.argv) > 2 else "mxfp4-all-dh16"

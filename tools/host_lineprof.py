@@ -6,9 +6,9 @@ inflates short lines: read it for where the time goes relative to the rest, not 
 """
 import sys, torch
 from line_profiler import LineProfiler
-from mxtrain import fast
+from mxtrain.linear import fast
 from mxtrain.bench import fwd_bwd_call
-from mxtrain.nn import MXLinear
+from mxtrain.linear.module import MXLinear
 from mxtrain.kernels.mxfp4 import ops as Q, launch as L
 from mxtrain.kernels import gemm as G, expand as E
 from mxtrain import linear as LIN

@@ -29,11 +29,11 @@ def main():
     ap.add_argument("--compiled", action="store_true",
                     help="only the layer under torch.compile(fullgraph=True): time, cProfile and torch.profiler")
     a = ap.parse_args()
-    from mxtrain import fast
+    from mxtrain.linear import fast
     from mxtrain.bench import fwd_bwd_call
     from mxtrain.kernels.mxfp4 import kernels as QK
     from mxtrain.kernels.mxfp4 import ops as Q   # where quantize_op and the dual pass look quantize_mxfp4_2d up
-    from mxtrain.nn import MXLinear
+    from mxtrain.linear.module import MXLinear
 
     dev = "cuda"
     res: dict = {"device": torch.cuda.get_device_name(), "recipe": a.recipe, "shape": [a.M, a.N, a.K]}

@@ -7,9 +7,9 @@ import time
 
 import torch
 
-from mxtrain import fast
+from mxtrain.linear import fast
 from mxtrain.model import Llama, ModelConfig
-from mxtrain.nn import convert, set_step
+from mxtrain.linear.module import convert, set_step
 
 dev = "cuda"
 B, T = 16, 1024

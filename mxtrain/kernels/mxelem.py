@@ -2,7 +2,7 @@
 MXFP8, MXFP6 and MXFP4 operands of recipes that the MXFP4 fast path does not run, such as ``mxfp8``).
 
 ``quantize_mx_values(x, fmt, axis, block_size, scale_rule, prescale)`` gives the values that
-``mxtrain.context.fake_quantize_operand(x, None, None, axis, 0, fmt, block_size, "nearest", scale_rule,
+``mxtrain.linear.context.fake_quantize_operand(x, None, None, axis, 0, fmt, block_size, "nearest", scale_rule,
 prescale)`` gives (the definition, bit for bit: ``mxtrain.quant.quantize`` then ``MXTensor.dequantize``) for
 an already rotated 2-D float32/bf16/fp16 ``x``: per block of ``block_size`` elements along ``axis`` the E8M0
 exponent ``s`` of the largest finite magnitude by the scale rule (``quant.mx_scale_exponent``: floor, ceil,

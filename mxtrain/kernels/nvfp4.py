@@ -1,7 +1,7 @@
 """NVFP4 quantization in two passes (the ``nvfp4`` recipe's operand quantizer on a GPU).
 
 ``quantize_nvfp4_factored(x, axis, block_2d, rounding, key, prescale)`` gives the ``(values, g)`` that
-``mxtrain.context.fake_quantize_operand(..., factored=True)`` gives for an NVFP4 operand (the definition, bit
+``mxtrain.linear.context.fake_quantize_operand(..., factored=True)`` gives for an NVFP4 operand (the definition, bit
 for bit: ``mxtrain.quant.quantize`` then ``MXTensor.dequantize_factored``) of an already rotated 2-D float32 or
 bf16 tensor ``x``: the tensor scale ``g = tmax / (6 * 448)`` of the largest finite magnitude (1 if that is not
 > 0), per block of 16 along ``axis`` (or 16x16 tile) the E4M3 block scale ``b = e4m3(amax / (g * 6))``

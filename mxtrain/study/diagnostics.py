@@ -54,8 +54,8 @@ import torch
 warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with respect "
                         "to module outputs")
 
-from ..context import Ctx
-from ..nn import MXLinear, mx_layers
+from ..linear.context import Ctx
+from ..linear.module import MXLinear, mx_layers
 from ..formats import get_format
 from ..quant import E8M0_NAN
 

@@ -884,7 +884,7 @@ def _check(cfg: TrainConfig) -> None:
         raise UserError(f"parallel.mode must be auto, {', '.join(MODES)}; got {cfg.parallel.mode!r}")
     if cfg.parallel.param_dtype not in ("auto", "bf16", "fp32"):
         raise UserError(f"parallel.param_dtype must be auto, bf16 or fp32, got {cfg.parallel.param_dtype!r}")
-    from ..qgather import GATHER_MODES
+    from ..linear.qgather import GATHER_MODES
     if cfg.parallel.gather not in GATHER_MODES:
         raise UserError(f"parallel.gather must be {' or '.join(GATHER_MODES)}, got {cfg.parallel.gather!r}")
     if cfg.parallel.gather == "quantized" and cfg.parallel.mode != "fsdp2":

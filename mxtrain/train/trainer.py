@@ -608,7 +608,7 @@ class Trainer:
         for block in model.layers:
             block.checkpoint_block = cfg.train.checkpoint_blocks
         if compiles(cfg, device):   # (one graph shared by all blocks: layer numbers and steps are tensors)
-            if model.cfg.n_experts:   # the experts as one traced loop, not a graph break per expert (mxtrain.moe)
+            if model.cfg.n_experts:   # the experts as one traced loop, not a graph break per expert (mxtrain.linear.moe)
                 torch._dynamo.config.capture_dynamic_output_shape_ops = True
             for block in model.layers:
                 block.recompute_ffn = cfg.train.recompute_ffn
@@ -1041,10 +1041,10 @@ def _train(cfg: TrainConfig, resume: str | Path | None, env: D.DistEnv, locks: l
 def _inexact_reader(device: torch.device):
     """A function that returns the fast path's running counts of inexact MXFP4 carrier blocks on ``device``:
     ``{"inexact_blocks": all, "inexact_x": inputs, "inexact_w": weights, "inexact_dy": output gradients}``
-    (``mxtrain.fast.inexact_blocks``; by tensor on a GPU), or None from a call where some fast-path call
+    (``mxtrain.linear.fast.inexact_blocks``; by tensor on a GPU), or None from a call where some fast-path call
     could not count; the function is None where this mxtrain has no such count."""
     try:
-        from .. import fast
+        from ..linear import fast
     except ImportError:
         return None
     fn = getattr(fast, "inexact_blocks", None)

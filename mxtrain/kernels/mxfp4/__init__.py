@@ -1,7 +1,7 @@
 """Fused MXFP4 quantizer (Triton), the fast path's quantize step, bit-identical to ``mxtrain.quant.quantize``; also
 the uniform 4-bit grid ``mxint4`` (``fmt="mxint4"``, the kernels' ``GRID`` constexpr: ``launch.GRID_ID``).
 
-The public surface (what ``mxtrain.fast``, the GEMMs, benchmarks and tests use); one module per concept:
+The public surface (what ``mxtrain.linear.fast``, the GEMMs, benchmarks and tests use); one module per concept:
 
 * ``ops``: ``quantize_mxfp4_2d``, ``quantize_mxfp4_dual``, the drop-in ``quantize`` and the custom op
   ``mxtrain::quantize_mxfp4`` (``quantize_mxfp4_op``, ``quantize_op``);

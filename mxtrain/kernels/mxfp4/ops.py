@@ -57,7 +57,7 @@ def quantize_mxfp4_2d(x: torch.Tensor, axis: int, *, rot: int = 0, signs: torch.
     tensor of one element that the count of inexact carrier blocks is added to (and returned as
     ``inexact``), instead of a fresh zeroed one per call (saves a memset launch). ``key_tensor``: an
     int32 tensor whose first element the kernel reads as the stochastic-rounding key instead of ``key``
-    (a CUDA graph then replays with whatever key is stored there; ``mxtrain.fast`` refreshes it).
+    (a CUDA graph then replays with whatever key is stored there; ``mxtrain.linear.fast`` refreshes it).
     ``block_rows``, ``num_warps``: the tile shape (default: the launch table's, ``launch.block_config``).
     ``force_idx64``: the 64-bit offset variant even where 32-bit offsets suffice (tests run it on small
     shapes; by default it runs only for tensors whose offsets could pass 2**31 - 1). ``_check``: the

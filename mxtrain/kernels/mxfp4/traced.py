@@ -1,4 +1,4 @@
-"""The MXFP4 quantize kernels as ``torch.library.triton_op``s, for the compiled MX layer (``mxtrain.compiledmx``).
+"""The MXFP4 quantize kernels as ``torch.library.triton_op``s, for the compiled MX layer (``mxtrain.linear.compiledmx``).
 
 Under ``torch.compile`` an op made with ``triton_op`` is not an opaque Python call: its body runs once, at
 trace time, on fake tensors, and what it records (the output allocations and one ``wrap_triton`` launch of the

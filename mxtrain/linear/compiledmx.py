@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 
 from ._constant import assume_constant_result
-from .kernels.mxfp4 import traced as _traced  # noqa: F401  (registers mxtrain::q_single, q_dual, q_expand)
+from ..kernels.mxfp4 import traced as _traced  # noqa: F401  (registers mxtrain::q_single, q_dual, q_expand)
 
 __all__ = ["applies", "linear", "plan", "spec", "seeded", "share_inputs", "SharePass", "install_share_pass", "TRACE_TIME_SETTINGS"]
 
@@ -63,8 +63,8 @@ def plan(device: str, share: bool = False, *trace_settings) -> tuple:
     static addresses for CUDA graphs). Called with the tracing modes off, once per graph. ``trace_settings``: the
     values of ``TRACE_TIME_SETTINGS`` (unused here: passed so that dynamo guards on them)."""
     from . import fast
-    from .kernels import backend, gemm
-    from .kernels.mxfp4.traced import AVAILABLE
+    from ..kernels import backend, gemm
+    from ..kernels.mxfp4.traced import AVAILABLE
     d = torch.device(device)
     if d.type != "cuda" or not AVAILABLE or backend(d) != "fp8_carrier":
         return (0, 0)
@@ -200,7 +200,7 @@ class _Seeds:
 
 def _dual_ok(t2: torch.Tensor, rot_a: int, rot_b: int, sr: bool = False) -> bool:
     """Does one pass make both operands of ``t2`` (``launch.dual_applies`` on the trace's tensor)?"""
-    from .kernels.mxfp4.launch import dual_applies
+    from ..kernels.mxfp4.launch import dual_applies
     return dual_applies(t2, rot_a, rot_b, sr=sr)
 
 
@@ -356,7 +356,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, mx:
     """``x @ weight.T + bias`` with the GEMMs ``spec`` described as ``mx``, as the compiled layer (``applies``'
     answer ``rows``), in the autocast dtype where autocast is on (as the fast path). ``keys``, ``signs``: the
     call's ``call_seeds`` outputs where the recipe rounds stochastically or draws random signs (else None)."""
-    from . import settings
+    from .. import settings
     dt = x.device.type
     amp = torch.get_autocast_dtype(dt) if torch.is_autocast_enabled(dt) else None
     out_dtype = amp if amp is not None else x.dtype

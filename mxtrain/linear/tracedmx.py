@@ -3,7 +3,7 @@
 Under ``torch.compile`` the MXFP4 fast path is a chain of opaque custom ops (``mxtrain::quantize_input``,
 ``mxtrain::linear_q``, ``mxtrain::linear_backward``): the compiler cannot fuse their quantizers into the
 norm, activation and residual kernels around them, must store what they keep for the backward (X's Wgrad
-operand as FP4 codes), and each call costs host time in Python. ``mxtrain.tracedfp8`` gave the ``fp8`` recipe
+operand as FP4 codes), and each call costs host time in Python. ``mxtrain.linear.tracedfp8`` gave the ``fp8`` recipe
 torchao's speed and memory by writing its layer as traced operations; this module does the same for recipes
 whose GEMMs are each either
 
@@ -39,10 +39,10 @@ import torch
 import torch.nn.functional as F
 
 from ._constant import assume_constant_result
-from .formats import get_format
-from .hadamard import _INV_SQRT
-from .quant import SCALE_RULES, mx_scale_exponent, pow2
-from .recipe import Recipe
+from ..formats import get_format
+from ..hadamard import _INV_SQRT
+from ..quant import SCALE_RULES, mx_scale_exponent, pow2
+from ..recipe import Recipe
 
 __all__ = ["spec", "applies", "carrier", "linear"]
 
@@ -80,8 +80,9 @@ def _plan(device: str) -> int:
     the traced form can run on ``device`` (FP8 tensor cores, the blockwise GEMM with 128x128 weight groups
     exact, the fast path on), else 0. Called once per compiled graph: the inexact-block counts of
     ``device`` are then marked as not counted (``fast.state.missed``)."""
-    from . import fast, settings
-    from .kernels import gemm
+    from . import fast
+    from .. import settings
+    from ..kernels import gemm
     d = torch.device(device)
     if d.type == "cuda":
         from . import tensorfp8

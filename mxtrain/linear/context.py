@@ -28,13 +28,13 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from . import rng
-from . import settings as _settings
-from .formats import get_format
-from .hadamard import hadamard, rotation_signs
-from .quant import MXTensor, quantize, reference_only
-from .operand import compute_dtype, fake_quantize_operand, pad_axis
-from .recipe import GEMMS, OPERANDS, Operand, Recipe, Rotation
+from .. import rng
+from .. import settings as _settings
+from ..formats import get_format
+from ..hadamard import hadamard, rotation_signs
+from ..quant import MXTensor, quantize, reference_only
+from ..operand import compute_dtype, fake_quantize_operand, pad_axis
+from ..recipe import GEMMS, OPERANDS, Operand, Recipe, Rotation
 
 __all__ = ["OPERAND_ID", "GEMM_ID", "operand_seed", "Ctx", "needs_seeds", "seed_spec", "compute_dtype",
            "pad_axis", "gemm_dtype", "bf16_exact", "fake_quantize_operand", "REF_COMPILE"]
@@ -105,7 +105,7 @@ class Ctx:
     def __init__(self, recipe: Recipe, layer: int = 0, step: int = 0, call: int = 0):
         self.recipe, self.layer, self.step, self.call = recipe, int(layer), int(step), int(call)
         self.keys = self.sign_rows = None
-        # add the fast path's inexact carrier blocks to mxtrain.fast.inexact_blocks(): True, "existing" (only
+        # add the fast path's inexact carrier blocks to mxtrain.linear.fast.inexact_blocks(): True, "existing" (only
         # into counters made earlier: inside the custom ops) or False
         self.count = True
 
@@ -180,7 +180,7 @@ class Ctx:
         rounding the fused kernel where the ``mx_kernel`` setting says so (bit-identical:
         tests/test_mx_kernel.py).
         """
-        gathered = getattr(t, "mx_gathered", None)   # a weight FSDP2 all-gathered quantized (mxtrain.qgather)
+        gathered = getattr(t, "mx_gathered", None)   # a weight FSDP2 all-gathered quantized (mxtrain.linear.qgather)
         if gathered is not None:
             return gathered.operand(self, t, axis, name, gemm, signs)
         op: Operand = self.recipe.operand(name)
@@ -194,7 +194,7 @@ class Ctx:
         # (the fused kernel implements the formats and scale rules before the reference-only ones)
         if (op.rounding == "nearest" and not reference_only(op.fmt, op.scale_rule)
                 and (mode == "always" or (mode == "auto" and t.is_cuda))):
-            from .kernels.mxelem import mx_operand   # the fused MXFP8/MXFP6 kernel (mxtrain/kernels/mxelem.py)
+            from ..kernels.mxelem import mx_operand   # the fused MXFP8/MXFP6 kernel (mxtrain/kernels/mxelem.py)
             v = mx_operand(t, signs if rot.enabled else None, key, *spec, out_dtype=out_dtype)
             if v is not None:
                 return v, op.prescale
@@ -222,7 +222,7 @@ class Ctx:
         mode = _settings.current().nvfp4_kernel
         # (the kernel has the standard block scale only: a rule of the reference alone, ``four_over_six``, stays here)
         if not reference_only(op.fmt, op.scale_rule) and (mode == "always" or (mode == "auto" and t.is_cuda)):
-            from .kernels.nvfp4 import factored_operand
+            from ..kernels.nvfp4 import factored_operand
             res = factored_operand(t, signs if rot.enabled else None, key, *spec[:-1], out_dtype=out_dtype)
             if res is not None:
                 return res[0], op.prescale, res[1]

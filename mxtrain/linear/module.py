@@ -26,10 +26,11 @@ import torch
 import torch.nn as nn
 
 from .context import Ctx, advances_calls, needs_seeds, operand_seed
-from .linear import compiled_linear, mx_linear, mx_spec, recipe_json, split_capable
+from .api import compiled_linear, mx_linear
+from .dispatch import mx_spec, recipe_json, split_capable
 from . import tracedfp8
-from .recipe import Recipe
-from .recipes import get as get_recipe
+from ..recipe import Recipe
+from ..recipes import get as get_recipe
 
 __all__ = ["MXLinear", "MXLayer", "convert", "ConvertReport", "set_step", "mx_layers", "operand_seed", "mx_linear"]
 
@@ -134,7 +135,7 @@ def _write_states(layers, step: int, call: int | None = None) -> None:
 
 def _prepare_counters(device) -> None:
     """The fast path's inexact-block counters of a GPU, made now, outside any compiled graph or CUDA graph
-    (``mxtrain.fast.FastState.prepare``), so that compiled calls count too."""
+    (``mxtrain.linear.fast.FastState.prepare``), so that compiled calls count too."""
     if device.type == "cuda" and not torch.compiler.is_compiling():
         from . import fast
         fast.state.prepare(device)
@@ -205,7 +206,7 @@ class MXLayer:
 
     def call_context(self, last: bool = True) -> Ctx:
         """The host ``Ctx`` of this layer's last forward call that recorded gradients (``last``) or of its next
-        one (calls under ``no_grad`` do not advance the call counter: ``mxtrain.context``)."""
+        one (calls under ``no_grad`` do not advance the call counter: ``mxtrain.linear.context``)."""
         layer, step, call = (int(v) for v in self.mx_state.tolist())
         if last and advances_calls(self.recipe):
             call -= 1
@@ -247,10 +248,10 @@ class MXLinear(MXLayer, nn.Linear):
 
 class MXExperts(MXLayer):
     """Hugging Face fused MoE experts (Mixtral's ``MixtralExperts``, Qwen3-MoE's ``Qwen3MoeExperts``: ``gate_up_proj``
-    ``(E, 2 I, H)``, ``down_proj`` ``(E, H, I)``; ``mxtrain.moe.fused_experts`` says which) whose expert GEMMs follow
+    ``(E, 2 I, H)``, ``down_proj`` ``(E, H, I)``; ``mxtrain.linear.moe.fused_experts`` says which) whose expert GEMMs follow
     a ``Recipe``: ``convert`` mixes this class in, keeping the parameters, their names and the module's attributes.
 
-    The forward is ``transformers``' eager experts forward (``mxtrain.moe.experts_forward``: the routing the block
+    The forward is ``transformers``' eager experts forward (``mxtrain.linear.moe.experts_forward``: the routing the block
     computed, tokens gathered per expert) with each expert's two GEMMs one ``mx_linear`` call on ``weight[e]``: MX
     numerics exact per expert GEMM (the reference path on CPU; on CUDA whatever ``mx_linear`` routes to). The module
     takes ``2 E`` layer ids: expert ``e``'s ``gate_up_proj`` GEMM draws its random inputs (stochastic rounding,
@@ -314,7 +315,7 @@ def _mx_class(cls: type) -> type:
             new = _MXClass(name, (MXLinear, cls), ns)
         elif any(c.__name__ == "Conv1D" for c in cls.__mro__):   # HF Conv1D: y = x @ W + b with W (in, out)
             new = _MXClass(name, (MXLayer, cls), {**ns, "_mx_transposed": True})
-        else:   # HF fused MoE experts (mxtrain.moe.fused_experts)
+        else:   # HF fused MoE experts (mxtrain.linear.moe.fused_experts)
             new = _MXClass(name, (MXExperts, cls), ns)
         _CLASSES[cls] = new
     return new
@@ -595,7 +596,7 @@ def _runs_as(model: nn.Module, rep: ConvertReport, recipe: Recipe) -> dict:
     w = model.get_submodule(rep.converted[0])._mx_weight()
     if w.device.type == "meta" or w.ndim != 2:
         return {}
-    from .linear import implementation
+    from .dispatch import implementation
     x = torch.zeros(1, w.shape[1], device=w.device, dtype=w.dtype)
     return {"device": str(w.device), "eager": implementation(recipe, x, w.detach(), compiled=False),
             "compiled": implementation(recipe, x, w.detach(), compiled=True)}
@@ -630,7 +631,7 @@ def _checkpoint_policy(ctx, op, *args, **kwargs):
     that records gradients): kept,
     so the recomputed forward draws what the first one drew."""
     from torch.utils.checkpoint import CheckpointPolicy
-    from . import linear as _linear   # noqa: F401 - registers the mxtrain ops
+    from . import ops as _ops   # noqa: F401 - registers the mxtrain ops
     if op is torch.ops.mxtrain.call_seeds.default:
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE

@@ -26,8 +26,8 @@ import torch
 
 from . import tensorfp8
 from ._constant import assume_constant_result
-from .formats import get_format
-from .quant import tensor_fp8_scales
+from ..formats import get_format
+from ..quant import tensor_fp8_scales
 from .tensorfp8 import FP8_DTYPES as _DT
 from .tensorfp8 import spec
 

@@ -1,5 +1,5 @@
 """Fused Mixture-of-Experts weights: which Hugging Face experts modules ``convert`` turns into MX layers, and
-their forward with each expert's GEMMs through a given GEMM function (``mxtrain.nn.MXExperts`` passes
+their forward with each expert's GEMMs through a given GEMM function (``mxtrain.linear.module.MXExperts`` passes
 ``mx_linear`` with the expert's own random-input state).
 
 The modules are those of ``transformers``' ``@use_experts_implementation`` classes in the standard layout
@@ -148,9 +148,9 @@ def _traced_experts_forward(m: nn.Module, hidden_states: torch.Tensor, top_k_ind
 
 @assume_constant_result
 def advances_calls_json(recipe_json: str) -> bool:
-    """``mxtrain.context.advances_calls`` of a recipe given as ``MXLayer._mx_json`` (a constant to dynamo: a
+    """``mxtrain.linear.context.advances_calls`` of a recipe given as ``MXLayer._mx_json`` (a constant to dynamo: a
     compiled forward reads no recipe object, whose memo would add guards)."""
     from .context import advances_calls
-    from .linear import _recipe_from_json
-    from .recipes import get as get_recipe
+    from .dispatch import _recipe_from_json
+    from ..recipes import get as get_recipe
     return advances_calls(_recipe_from_json(recipe_json) if recipe_json.startswith("{") else get_recipe(recipe_json))

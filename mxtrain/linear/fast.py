@@ -1,6 +1,6 @@
 """Fast MX linear path: fused Triton quantizers + capability-dispatched MX GEMMs.
 
-Same function as the reference ``mxtrain.linear.ref_forward`` / ``ref_backward`` (the spec): every
+Same function as the reference ``mxtrain.linear.reference.ref_forward`` / ``ref_backward`` (the spec): every
 MXFP4 operand is quantized from the high-precision tensor of this call by the fused kernel,
 bit-identical to ``Ctx.operand`` (same rotation, signs, stochastic-rounding key and index), and the
 GEMMs multiply exactly those MX values (on sm_90 through the FP8 e4m3 carrier and blockwise
@@ -17,7 +17,7 @@ any update (fused, foreach or for-loop optimizers, ``p.data.copy_``, ``load_stat
 resharding) is seen by the next call. The random inputs (stochastic-rounding keys, rotation signs)
 come from the call's ``Ctx``: on a CUDA device they are tensors written by one kernel from the
 layer's state, read by the quantize kernels at run time, so CUDA graphs replay with the current step.
-A weight FSDP2 all-gathered as its quantized operands (``mxtrain.qgather``, ``gather="quantized"``) is not
+A weight FSDP2 all-gathered as its quantized operands (``mxtrain.linear.qgather``, ``gather="quantized"``) is not
 quantized here: ``gathered_operand`` turns its gathered codes and scales into the operand the GEMM takes
 (bit-identical to quantizing the whole weight).
 
@@ -42,12 +42,12 @@ import dataclasses
 
 import torch
 
-from . import settings as _settings
+from .. import settings as _settings
 from .context import Ctx, gemm_dtype
-from .kernels import HAS_TRITON as _HAS_TRITON, backend as _backend, kernels_available
-from .kernels import gemm as _gemm
-from .kernels.mxfp4 import TILE_K, QuantOut, dual_applies, quantize_mxfp4_dual, quantize_op
-from .kernels.mxfp4.carrier import KERNEL_FORMATS, out_shapes
+from ..kernels import HAS_TRITON as _HAS_TRITON, backend as _backend, kernels_available
+from ..kernels import gemm as _gemm
+from ..kernels.mxfp4 import TILE_K, QuantOut, dual_applies, quantize_mxfp4_dual, quantize_op
+from ..kernels.mxfp4.carrier import KERNEL_FORMATS, out_shapes
 
 __all__ = ["supported", "applies", "apply", "forward", "backward", "inexact_blocks", "inexact_by_tensor",
            "clear_caches", "FastState", "state", "ROLES"]
@@ -72,8 +72,8 @@ def supported(recipe) -> bool:
 def _supported(recipe) -> bool:
     # (MXFP4 operands only with a scale rule the kernels implement, ``RULE_ID``: a rule of the reference
     # quantizer alone, ``quant.REF_SCALE_RULES`` such as ``adaptive``, goes to the reference path)
-    from .kernels.mxfp4.launch import RULE_ID
-    from .recipe import OPERANDS
+    from ..kernels.mxfp4.launch import RULE_ID
+    from ..recipe import OPERANDS
     ops = [recipe.operand(n) for n in OPERANDS]
     return all((op.fmt == "bf16" or (op.fmt in KERNEL_FORMATS and op.scale_rule in RULE_ID)) and not op.block_2d
                for op in ops)
@@ -128,7 +128,7 @@ class FastState:
         """Make the counters of ``device`` now (outside any CUDA graph), if they do not exist yet."""
         d = self._dev(device)
         if any((d, r) not in self.counters for r in ROLES):
-            from .quant import warm_elem_tables
+            from ..quant import warm_elem_tables
             warm_elem_tables(d)    # (the reference quantizer's tables, used by the kernels' self-check too)
         for r in ROLES:
             if (d, r) not in self.counters:
@@ -205,7 +205,7 @@ def _exact_gemm(qctx: Ctx, qa: QuantOut, nA: str, qb: QuantOut, nB: str, backend
     exactly, else the exact ``dequant`` GEMM of their FP4 codes (one device sync to decide). The operands'
     counts are added to the running ones."""
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        from .errors import UserError
+        from ..errors import UserError
         raise UserError("the exact_carrier setting decides each GEMM on the host, which a CUDA graph cannot "
                         "capture: turn train.cuda_graphs / mode='reduce-overhead' off, or exact_carrier off")
     n = None
@@ -306,7 +306,7 @@ def _quant(qctx: Ctx, t: torch.Tensor, axis: int, name: str, gemm: str, signs, b
 def gathered_operand(qctx: Ctx, w: torch.Tensor, axis: int, name: str, gemm: str, signs, backend: str,
                      group_rows: int) -> tuple[QuantOut, float]:
     """W's operand ``name`` (blocks along ``axis`` of W) where ``w`` was all-gathered by FSDP2 as its quantized
-    operands (``mxtrain.qgather``: ``w.mx_gathered``), as ``_quant`` would make it from the whole weight: the
+    operands (``mxtrain.linear.qgather``: ``w.mx_gathered``), as ``_quant`` would make it from the whole weight: the
     gathered codes and E8M0 scales (the reference quantizer's of the rotated weight, which the fused quantizer
     equals bit for bit) as a ``QuantOut`` of ``w.shape[1 - axis]`` rows reduced along ``w.shape[axis]``, and
     where the backend's GEMM reads the FP8 carrier, the carrier and group scales ``carrier_from_packed`` rebuilds
@@ -325,7 +325,7 @@ def gathered_operand(qctx: Ctx, w: torch.Tensor, axis: int, name: str, gemm: str
     scales = mx.scales.view(torch.uint8).contiguous()
     q = QuantOut(R, K, None, None, group_rows, None, packed, scales, fmt=op.fmt)
     if _outputs(backend, False)[0]:
-        from .kernels.expand import carrier_from_packed
+        from ..kernels.expand import carrier_from_packed
         q = carrier_from_packed(q, k_multiple=_gemm.k_multiple_for(backend), counter=_counter(qctx, w.device, name))
     return q, op.prescale
 
@@ -419,7 +419,7 @@ def _gemm_fn(qctx: Ctx, A: torch.Tensor, axA: int, nA: str, B: torch.Tensor | No
         gr = _gemm.weight_group_rows(dev) if b_is_weight else _b_group_rows(dev, backend)
         if nB in pre:
             qb, pb = pre[nB]
-        elif getattr(B, "mx_gathered", None) is not None:   # (a weight FSDP2 gathered quantized: mxtrain.qgather)
+        elif getattr(B, "mx_gathered", None) is not None:   # (a weight FSDP2 gathered quantized: mxtrain.linear.qgather)
             qb, pb = gathered_operand(qctx, B, axB, nB, gemm, signs, backend, gr)
         else:
             qb, pb = _quant(qctx, B, axB, nB, gemm, signs, backend, gr, reuse)
@@ -492,7 +492,7 @@ def carrier_of(q: QuantOut, backend: str, qctx: Ctx) -> QuantOut:
     codes gets its carrier (the fused quantizer's bytes; inexact blocks counted here)."""
     if backend != "fp8_carrier" or q.carrier is not None:
         return q
-    from .kernels.expand import carrier_from_packed
+    from ..kernels.expand import carrier_from_packed
     dev = q.packed.device
     return carrier_from_packed(q, k_multiple=_gemm.k_multiple_for(backend), counter=_counter(qctx, dev, "wgrad_x"))
 
@@ -609,7 +609,7 @@ def apply(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, qctx
         from .context import autocast_dtype
         amp = autocast_dtype(x.device.type)
     if not applies(x, weight):
-        raise ValueError(f"mxtrain.fast.apply: the fused kernels cannot run these tensors (device {x.device}, "
+        raise ValueError(f"mxtrain.linear.fast.apply: the fused kernels cannot run these tensors (device {x.device}, "
                          f"dtypes {x.dtype} and {weight.dtype}); call mxtrain.mx_linear, which routes them")
     return _FastMXLinearFunction.apply(x, weight, bias, qctx, amp, torch.is_grad_enabled())
 
