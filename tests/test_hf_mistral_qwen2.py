@@ -108,8 +108,8 @@ def test_sliding_windows_shorter_than_the_sequences_are_refused(tmp_path):
         config_from_hf(write("qs", model_type="qwen2", use_sliding_window=True, sliding_window=16))
     for kw, frag in (({"use_sliding_window": "false"}, "use_sliding_window is \"false\""),
                      ({"sliding_window": "4096", "use_sliding_window": True}, "sliding_window is \"4096\""),
-                     ({"model_type": "mixtral", "architectures": ["MixtralForCausalLM"]},
-                      "is not a Llama, Mistral or Qwen2")):
+                     ({"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]},
+                      "is not a Llama, Mistral, Qwen2 or Mixtral")):
         with pytest.raises(UserError, match=frag):
             config_from_hf(write(f"bad{len(list(tmp_path.iterdir()))}", **{"model_type": "qwen2", **kw}))
     # q/k/v biases are Qwen2's; a model without them does not take a Qwen2 folder's weights
