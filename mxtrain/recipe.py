@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import struct
 from dataclasses import dataclass, field, fields, replace
 
 from .formats import FORMATS, get_format
@@ -54,13 +55,22 @@ def _check_float32(what: str, value: float) -> None:
                          f"it is used in float32), got {value!r}")
 
 
+def _f32(x: float) -> float:
+    """``x`` rounded to float32 (to nearest), as a Python float (inf past float32's range)."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
+
+
 def _largest_prescale(fmt: str, scale_rule: str) -> tuple[float, float]:
     """``(bound, low)`` for a quantized format: the prescale multiplies the values after the block scale was
-    chosen, which puts a block's largest value at ``low`` or above (by the scale rule: ``floor`` at 2**emax and
-    up, ``ceil`` and ``adaptive`` above 2**(emax - 1), ``rceil`` above half the format's largest element, ...;
-    NVFP4's and the per-tensor FP8 scales at the largest element or near it, taken as 2**(emax - 1) here).
-    A prescale above ``bound`` = largest element / ``low`` pushes the largest value of every block past the
-    format's largest element, where it saturates: no prescale that large can be meant."""
+    chosen (so the E8M0 scale's own range never limits it), which puts a block's largest value at ``low`` or
+    above (by the scale rule: ``floor`` at 2**emax and up, ``ceil`` and ``adaptive`` above 2**(emax - 1),
+    ``rceil`` above half the format's largest element, ...; NVFP4's and the per-tensor FP8 scales at the largest
+    element or near it, taken as 2**(emax - 1) here). A prescale above ``bound`` = largest element / ``low``
+    pushes the largest value of every block past the format's largest element, where it saturates: no prescale
+    that large can be meant."""
     elem = get_format(fmt).elem
     emax, top = elem.emax, elem.max
     low = {"floor": 2.0 ** emax, "rceil": top / 2, "even": 2.0 ** emax * (1 - 2.0 ** -(elem.mbits + 2)),
@@ -69,16 +79,59 @@ def _largest_prescale(fmt: str, scale_rule: str) -> tuple[float, float]:
     return top / low, low
 
 
+def _smallest_prescale(fmt: str, scale_rule: str) -> tuple[float, float]:
+    """``(bound, high)`` for a quantized format: the block scale puts a block's largest value at ``high`` or below
+    before the prescale (``floor`` and ``adaptive`` below 2**(emax + 1), ``ceil`` at 2**emax, ``rceil`` at the
+    largest element, ``even`` below 2**emax * (2 - 2**-(mbits + 1)), ``amd`` below 1.75 * 2**emax; per-tensor FP8
+    maps the tensor's largest value to the largest element; NVFP4's E4M3 block scale rounds down by up to 1.5x
+    among its subnormals (a block 2e5 times below the tensor's largest), so a block's largest value stays below
+    1.5 * 6 = 9; both with 2**-20 to spare for their float32 roundings). A prescale with ``prescale * high`` at
+    or below half the smallest nonzero element (``bound`` = that half / ``high``) rounds every value of every
+    block to zero: the operand is nothing. (Exact for MX formats: tests/test_round3_limits.py.)"""
+    f = get_format(fmt)
+    elem = f.elem
+    emax = elem.emax
+    if f.kind == "mx":
+        high = {"ceil": 2.0 ** emax, "rceil": elem.max, "even": 2.0 ** emax * (2 - 2.0 ** -(elem.mbits + 1)),
+                "amd": 1.75 * 2.0 ** emax}.get(scale_rule, 2.0 ** (emax + 1))
+    else:
+        high = (1.5 if f.kind == "nvfp4" else 1.0) * elem.max * (1 + 2.0 ** -20)
+    return elem.min_subnormal / 2 / high, high
+
+
+def _usable(fmt: str, scale_rule: str) -> str:
+    lo, hi = _smallest_prescale(fmt, scale_rule)[0], _largest_prescale(fmt, scale_rule)[0]
+    return f"usable prescales for {fmt} with scale rule {scale_rule} lie above {lo:.4g} and at most {hi:.4g}"
+
+
 def _check_prescale_range(fmt: str, scale_rule: str, prescale: float) -> None:
+    """The prescale as float32 (the operand is multiplied by it in float32) may not saturate every block."""
     if not get_format(fmt).quantized:
         return
     bound, low = _largest_prescale(fmt, scale_rule)
-    if prescale > bound:
+    if _f32(prescale) > bound:
         top = get_format(fmt).elem.max
         raise ValueError(f"prescale {prescale:g} is too large for {fmt} (scale rule {scale_rule}): the block scale "
                          f"puts a block's largest value at {low:g} or above before the prescale, so every block's "
                          f"largest value would overflow {fmt}'s largest element {top:g} and saturate; use a prescale "
-                         f"of at most {bound:.4g} (below 1, e.g. 0.75, leaves room for stochastic rounding)")
+                         f"of at most {bound:.4g} ({_usable(fmt, scale_rule)}; below 1, e.g. 0.75, leaves room for "
+                         f"stochastic rounding)")
+
+
+def _check_prescale_small(fmt: str, scale_rule: str, prescale: float) -> None:
+    """The prescale as float32 may not round every value of every block to zero: the quantizer rounds the float32
+    product of a value and the float32 prescale (then scales it by a power of two, exactly), and a value at most
+    half the smallest element (a power of two: ties go to zero) rounds to zero."""
+    if not get_format(fmt).quantized:
+        return
+    bound, high = _smallest_prescale(fmt, scale_rule)
+    half = get_format(fmt).elem.min_subnormal / 2
+    if _f32(_f32(prescale) * high) <= half:
+        raise ValueError(f"prescale {prescale:g} is too small for {fmt} (scale rule {scale_rule}): the block scale "
+                         f"puts a block's largest value at {high:g} or below before the prescale, so every value "
+                         f"would be at most {half:g}, half of {fmt}'s smallest nonzero element {2 * half:g}, and "
+                         f"round to zero (to nearest; stochastic rounding keeps one now and then); "
+                         f"{_usable(fmt, scale_rule)}")
 
 
 def _choice(what: str, value, valid) -> None:
@@ -117,6 +170,7 @@ class Operand:
             raise ValueError(f"prescale must be a positive finite number, got {self.prescale!r}")
         _check_float32("prescale", self.prescale)
         _check_prescale_range(self.fmt, self.scale_rule, float(self.prescale))
+        _check_prescale_small(self.fmt, self.scale_rule, float(self.prescale))
         if self.block_2d and self.fmt != "nvfp4":
             raise ValueError(f"block_2d (16x16 tiles) is only defined for nvfp4, not {self.fmt!r}")
 

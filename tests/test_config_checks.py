@@ -40,8 +40,8 @@ BAD = [
     # finite as a Python float, infinite or zero in float32, the type it is used in (issue #47, 7)
     ("recipe.fprop_x.prescale=1e300", "prescale must be a normal float32 number"),
     ("recipe.wgrad_x.prescale=1e-300", "prescale must be a normal float32 number"),
-    ("recipe.fprop_x.prescale=1e-30 recipe.fprop_w.prescale=1e-30",   # (1e30 each: refused as too large alone)
-     "the product of fprop_x.prescale and fprop_w.prescale (the fprop output is divided by it) must be a normal"),
+    ("recipe.fprop_x.prescale=1e-30 recipe.fprop_w.prescale=1e-30",   # (each alone rounds MXFP4 to nothing)
+     "fprop_x.prescale=1e-30: prescale 1e-30 is too small for mxfp4 (scale rule floor)"),
     ("recipe.fprop_x.prescale=1e30", "prescale 1e+30 is too large for mxfp4 (scale rule floor)"),
     ("optim.lr=1e-50", "optim.lr 1e-50 is zero or subnormal in float32"),
     ("optim.eps=1e-46", "optim.eps 1e-46 is zero or subnormal in float32"),
