@@ -124,7 +124,8 @@ def _add_train(sub) -> None:
     a("--config", metavar="FILE", help="config file (.toml, .json, .yaml) setting any field, e.g. examples/tiny.toml "
                                        "or a run folder's config.json (re-runs that run); docs/config.md")
     a("--exp", help="named experiment config (see --list); default tiny-main")
-    a("--model", help="model size: tiny, 30m, 125m, 350m, 1b, llama3-8b")
+    a("--model", help="model size: tiny, tiny-moe, 30m, 30m-moe, 125m, 350m, 1b, llama3-8b; model.dim and the other "
+                      "shape keys given with it (--set) replace the size's own")
     a("--recipe", help="quantization recipe (mxtrain.recipes.names())")
     a("--data", help="prepared data folder, or 'builtin' (prepared on first use)")
     a("--steps", type=int, help="optimizer steps")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .._io import write_json
 from ..errors import UserError, number_flag, read_json_object
-from .plan import FLAG_KEYS, PER_RUN, PRESETS, SCHEDULES, StudySpec, build_config
+from .plan import FLAG_KEYS, PER_RUN, PRESETS, SCHEDULES, StudySpec, build_config, override_key
 from .run import StudyIncomplete, compute_plan, describe_compute, incomplete_message
 from .summary import add_cooldown, add_references
 from .workers import run_study
@@ -112,6 +112,7 @@ def register(subparsers) -> None:
 
 
 def study_main(args: argparse.Namespace) -> int:
+    cli_sets = list(args.overrides or [])
     if getattr(args, "config", None):
         apply_study_file(args, args.config)
     if isinstance(args.arms, str) and not [a for a in args.arms.split(",") if a.strip()]:
@@ -125,10 +126,11 @@ def study_main(args: argparse.Namespace) -> int:
         raise UserError(f"--jobs must be >= 1, got {args.jobs}")
     spec = StudySpec.from_args(args)
     spec.check_branch_options()
-    from ..train.config import check_init_from
-    from ..train.config import validate
+    from ..train.config import check_init_from, check_model_shape, validate
+    how = _override_sources(spec, args, cli_sets)
     for arm in spec.arms:  # every run's config is valid (as run_study checks first), before anything is written
         cfg = build_config(spec, arm, 0, Path(spec.out) / "runs" / "check")
+        check_model_shape(cfg, how)   # a named size and shape fields that contradict it: one line, as for train
         if args.dry_run:
             validate(cfg)
         check_init_from(cfg.train.init_from)
@@ -173,6 +175,21 @@ def study_main(args: argparse.Namespace) -> int:
     if incomplete is not None:
         raise StudyIncomplete(f"{incomplete}; {out}/summary.json lists them; rerun the same command to train them")
     return 0
+
+
+def _override_sources(spec: StudySpec, args, cli_sets: list[str]) -> dict:
+    """key -> how the user gave each of the study's overrides (``--set model.dim=64``, ``model.dim=64 (study file
+    s.toml)``, ``model.dim=64 (preset smoke)``), for messages that name where a value came from."""
+    config = getattr(args, "config", None)
+    how = {}
+    for o in spec.overrides:
+        if o in cli_sets:
+            how[override_key(o)] = f"--set {o}"
+        elif config and o in (args.overrides or []):
+            how[override_key(o)] = f"{o} (study file {config})"
+        else:
+            how[override_key(o)] = f"{o} (preset {spec.preset})" if spec.preset else o
+    return how
 
 
 def _check_runs_have_evaluations(runs: dict) -> None:
@@ -235,6 +252,10 @@ def apply_study_file(args: argparse.Namespace, path) -> None:
     p = config_file_path(path)
     src = str(p)
     d = {k: v for k, v in read_config_file(p).items() if not (isinstance(k, str) and k.startswith("_"))}
+    model_flag = getattr(args, "model", None)   # (--model on the command line, before [study] model fills it)
+    cli_keys = {override_key(o) for o in args.overrides or []}   # (--set on the command line)
+    file_overrides: list[str] = []   # [study] overrides
+    from_study: dict = {}            # flag -> the value the [study] table gave it
     study = d.pop("study", {})
     if not isinstance(study, dict):
         raise UserError(f"{src}: study must be a table ([study] in TOML) of arms, seeds, baseline, ...; got {study!r}")
@@ -268,6 +289,7 @@ def apply_study_file(args: argparse.Namespace, path) -> None:
             if not isinstance(v, list) or not all(isinstance(o, str) for o in v):
                 raise UserError(f"{src}: study.overrides: expected a list of \"KEY=VALUE\" texts, got {v!r}")
             args.overrides = list(v) + list(args.overrides or [])
+            file_overrides += v
             continue
         tp = int if k == "jobs" else hints[k]
         v = _coerce(v, tp, f"study.{k}", src)
@@ -275,6 +297,7 @@ def apply_study_file(args: argparse.Namespace, path) -> None:
             raise UserError(f"{src}: study.preset: unknown preset {v!r}; presets: {', '.join(sorted(PRESETS))}")
         if getattr(args, k, None) is None:
             setattr(args, k, v)
+            from_study[k] = v
 
     # the base training config: top-level exp names the base experiment; the tables become --set items
     if "exp" in d:
@@ -292,6 +315,7 @@ def apply_study_file(args: argparse.Namespace, path) -> None:
         if per_run in PER_RUN:
             raise UserError(f"{src}: {per_run} is set by the study for each run ({PER_RUN[per_run]}); remove it")
     given = apply_dict(TrainConfig(), d, src)  # types and unknown keys checked, values read as the fields' types
+    _check_file_against_flags(src, keys, given, from_study, model_flag, cli_keys, file_overrides)
     items = []
     for key in keys:
         if key.startswith("recipe_overrides."):
@@ -304,6 +328,33 @@ def apply_study_file(args: argparse.Namespace, path) -> None:
         sec, field = key.split(".", 1)
         items.append(f"{key}={_text(getattr(getattr(given, sec), field))}")
     args.overrides = items + list(args.overrides or [])   # (StudySpec.from_args keeps a schedule.kind given)
+
+
+def _check_file_against_flags(src: str, keys: list[str], given, from_study: dict, model_flag, cli_keys: set,
+                              file_overrides: list[str]) -> None:
+    """A setting a study file gives twice ([study] steps and [train] steps, [study] model and [model] name) with
+    two values, and a model size named by --model over a study file that sets the model's shape, are refused in
+    one line, as ``mxtrain train`` refuses the second: neither value may be dropped silently (#47)."""
+    for key in keys:
+        flag = next((f for f, fk in FLAG_KEYS.items() if fk == key), None)
+        if flag in from_study:
+            sec, fld = key.split(".", 1)
+            v = getattr(getattr(given, sec), fld)
+            if v != from_study[flag]:
+                raise UserError(f"{src}: [study] {flag} = {_text(from_study[flag])} and {key} = {_text(v)} both set "
+                                f"{key} of every run; give one of them")
+    if model_flag is None:
+        return
+    from .plan import model_shape_keys
+    shape = set(model_shape_keys())
+    items = {k: f"{k}={_text(getattr(given.model, k.split('.', 1)[1]))}" for k in keys if k in shape}
+    items.update({override_key(o): o for o in file_overrides if override_key(o) in shape})
+    dropped = {k: o for k, o in items.items() if k not in cli_keys}
+    if dropped:
+        keep = " ".join(f"--set {o}" for o in dropped.values())
+        raise UserError(f"--model {model_flag} names a model size, and the study file {src} sets "
+                        f"{', '.join(dropped)} of the shape: say which shape you mean: add {keep} to keep the file's "
+                        f"on top of the size, or name the size in the file ([study] model) instead of the flag")
 
 
 def _given_keys(d: dict, where: str = "") -> list[str]:

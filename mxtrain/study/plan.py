@@ -91,8 +91,15 @@ PRESETS: dict[str, dict] = {
 # flag (StudySpec field) -> the training-config key it sets
 FLAG_KEYS = {"model": "model.name", "steps": "train.steps", "batch_size": "train.batch_size", "seq_len": "data.seq_len",
              "lr": "optim.lr", "data": "data.path", "device": "train.device", "eval_every": "log.eval_every"}
-# the model's shape beside its name: a preset's values go when the user names another model
-MODEL_SHAPE = ("model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads", "model.ffn_dim")
+
+
+def model_shape_keys() -> tuple[str, ...]:
+    """The model's shape beside its name (``train.config.MODEL_SHAPE_FIELDS``, as ``model.`` keys): a preset's
+    values of these go when the user names another model, as a named size drops them in ``mxtrain train``."""
+    from ..train.config import MODEL_SHAPE_FIELDS  # (start-up cost)
+    return tuple(f"model.{k}" for k in MODEL_SHAPE_FIELDS)
+
+
 # set by the study for each run (the control): refused in --set and in a study file
 PER_RUN = {"recipe": "the recipe is the arm: list the recipes in --arms or [study] arms",
            "deosc.enable": "an arm option: name the arm RECIPE@deosc",
@@ -238,7 +245,7 @@ class StudySpec:
             # build_config and would win; --model replaces the preset's model shape too; train.tokens its steps
             user = {override_key(o) for o in args.overrides or []}
             user |= {key for flag, key in FLAG_KEYS.items() if getattr(args, flag, None) is not None}
-            gone = set(user) | (set(MODEL_SHAPE) if "model.name" in user else set())
+            gone = set(user) | (set(model_shape_keys()) if "model.name" in user else set())
             base["overrides"] = [o for o in base.get("overrides", []) if override_key(o) not in gone]
             if "train.tokens" in user and getattr(args, "steps", None) is None:
                 base.pop("steps", None)
