@@ -10,7 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import mxtrain
 from mxtrain import recipes
-from mxtrain.bench_limits import Rates, flops, limits, quantize_bytes
+from mxtrain.bench.limits import Rates, flops, limits, quantize_bytes
 from mxtrain.model import Llama, ModelConfig
 
 CFG = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=96, max_seq_len=32)
@@ -108,7 +108,7 @@ def test_reference_recipe_bytes_equal_a_count_of_the_model_calls(preset):
     """``fp8`` and ``nvfp4`` (every layer quantizes its own input): a count from the converted model's linear
     calls (their inputs, outputs and weights) with the per-element bytes of each recipe's passes equals
     ``reference_bytes``; MXFP4 presets and BF16 have none (``quantize_bytes`` counts those)."""
-    from mxtrain.bench_limits import reference_bytes
+    from mxtrain.bench.limits import reference_bytes
     from mxtrain.linear.module import MXLinear
     cfg4 = ModelConfig(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=96, max_seq_len=32)
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""``mxtrain bench step`` (mxtrain.bench_step): the whole-step benchmark's bookkeeping on CPU with a tiny model
+"""``mxtrain bench step`` (mxtrain.bench.step): the whole-step benchmark's bookkeeping on CPU with a tiny model
 (the timings themselves are GPU work, recorded in BENCHMARKS.md): every variant trains the same model from
 the same initialization, ratios are against BF16 and the fastest FP8 variant of the run, and a variant
 that fails is reported without stopping the others."""
@@ -9,7 +9,7 @@ import statistics
 import pytest
 import torch
 
-from mxtrain import bench_step as bs
+from mxtrain.bench import step as bs
 
 
 def test_measure_runs_every_variant_and_computes_ratios():
@@ -85,7 +85,7 @@ def test_variant_settings_apply_while_it_runs():
 
 
 def test_progress_line_names_inexact_blocks(capsys):
-    from mxtrain import bench
+    from mxtrain.bench import suite as bench
     bench._step_progress("mxfp4-all", {"ms": 10.0, "tokens_per_s": 1000.0, "peak_gib": 1.0,
                                        "inexact_blocks": {"x": 3, "w": 0, "dy": 12}})
     bench._step_progress("bf16", {"ms": 10.0, "tokens_per_s": 1000.0, "peak_gib": 1.0,

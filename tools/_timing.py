@@ -19,4 +19,4 @@ def per_call_us(fn, n: int = 300, warm: int = 30) -> float:
     return dt / n * 1e6
 
 
-from mxtrain.bench import best_us  # noqa: E402,F401  (one definition: mxtrain bench host times the same way)
+from mxtrain.bench.suite import best_us  # noqa: E402,F401  (one definition: mxtrain bench host times the same way)

@@ -35,7 +35,7 @@ def one(variant: str, model: str, layers: int, batch: int, seq: int, top: int) -
     import torch
     import torch._higher_order_ops.triton_kernel_wrap as tkw
 
-    from mxtrain import bench_step
+    from mxtrain.bench import step as bench_step
     torch._dynamo.reset()
     dev = torch.device("cuda")
     m = bench_step._build(model, layers, seq, dev)

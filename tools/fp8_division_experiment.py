@@ -10,7 +10,7 @@ import sys
 import torch
 
 from mxtrain.linear import tracedfp8
-from mxtrain import bench_step
+from mxtrain.bench import step as bench_step
 from mxtrain.formats import get_format
 
 

@@ -7,7 +7,7 @@ processes is large; BENCHMARKS.md, "The host time of the fast path, continued").
 """
 import json, sys, time
 import torch
-from mxtrain.bench import fwd_bwd_call
+from mxtrain.bench.suite import fwd_bwd_call
 from mxtrain.linear.module import MXLinear
 
 from _timing import best_us  # noqa: E402

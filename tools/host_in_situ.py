@@ -11,7 +11,7 @@ import torch
 
 from _timing import per_call_us  # noqa: E402
 from mxtrain.linear import fast
-from mxtrain.bench import fwd_bwd_call
+from mxtrain.bench.suite import fwd_bwd_call
 from mxtrain.linear.module import MXLinear
 import torch._C._dynamo.eval_frame as EF
 

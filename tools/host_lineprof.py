@@ -7,7 +7,7 @@ inflates short lines: read it for where the time goes relative to the rest, not 
 import sys, torch
 from line_profiler import LineProfiler
 from mxtrain.linear import fast
-from mxtrain.bench import fwd_bwd_call
+from mxtrain.bench.suite import fwd_bwd_call
 from mxtrain.linear.module import MXLinear
 from mxtrain.kernels.mxfp4 import ops as Q, launch as L
 from mxtrain.kernels import gemm as G, expand as E

@@ -30,7 +30,7 @@ def main():
                     help="only the layer under torch.compile(fullgraph=True): time, cProfile and torch.profiler")
     a = ap.parse_args()
     from mxtrain.linear import fast
-    from mxtrain.bench import fwd_bwd_call
+    from mxtrain.bench.suite import fwd_bwd_call
     from mxtrain.kernels.mxfp4 import kernels as QK
     from mxtrain.kernels.mxfp4 import ops as Q   # where quantize_op and the dual pass look quantize_mxfp4_2d up
     from mxtrain.linear.module import MXLinear

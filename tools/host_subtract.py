@@ -9,7 +9,7 @@ stage: timing only.
 import json, sys, time
 import torch
 from mxtrain.linear import fast
-from mxtrain.bench import fwd_bwd_call
+from mxtrain.bench.suite import fwd_bwd_call
 from mxtrain.linear.module import MXLinear
 from mxtrain.kernels.mxfp4 import launch as L
 from mxtrain.kernels import gemm as G, expand as E, seeds as S

@@ -12,7 +12,7 @@ Every ratio is measured in the same run (``triton.testing.do_bench`` medians, ra
 * ``step``: the whole training step (embedding, blocks, head, loss, fused AdamW; the whole model under
   ``torch.compile``) per variant: BF16, torchao's float8 (tensorwise, rowwise; when torchao is
   installed), mxtrain's ``fp8`` and MXFP4 presets, with peak memory and the ratios to BF16 and to the
-  fastest FP8 of the run (``mxtrain.bench_step``). ``--model 8b-layers|1b|125m``. ``--rounds R``: every
+  fastest FP8 of the run (``mxtrain.bench.step``). ``--model 8b-layers|1b|125m``. ``--rounds R``: every
   variant timed R times in one process, the order rotated each round; medians of the rounds' ratios with
   their range (a ratio near 1 moves by a percent or two between measurements).
 * ``blocks``: forward+backward of a stack of Llama blocks with 8B shapes only (bf16, an unfused FP8
@@ -22,7 +22,7 @@ Every ratio is measured in the same run (``triton.testing.do_bench`` medians, ra
   512, bf16), ``nn.Linear``, torchao's float8 and ``MXLinear`` per recipe, with the ratio to ``nn.Linear`` and
   the compiled form each MX layer takes.
 * ``limits`` (no GPU needed): the step's FLOPs and quantize bytes counted per recipe, and the fastest
-  step each recipe can reach at given GEMM rates and bandwidth (``mxtrain.bench_limits``; ``--bf16-step-ms``
+  step each recipe can reach at given GEMM rates and bandwidth (``mxtrain.bench.limits``; ``--bf16-step-ms``
   a measured BF16 step, ``--rates bf16_tflops=...,copy_tbs=...``). Printed as a table, JSON with ``--out``.
 
 Run as ``mxtrain bench all --out bench.json`` or ``python -m mxtrain.bench all``.
@@ -41,8 +41,8 @@ from pathlib import Path
 
 import torch
 
-from ._io import write_json, write_text
-from .errors import UserError
+from .._io import write_json, write_text
+from ..errors import UserError
 
 __all__ = ["register", "main"]
 
@@ -64,7 +64,7 @@ def _env() -> dict:
     if torch.cuda.is_available():
         d["device"] = torch.cuda.get_device_name()
         d["capability"] = list(torch.cuda.get_device_capability())
-    from .kernels import backend
+    from ..kernels import backend
     d["backend"] = backend("cuda" if torch.cuda.is_available() else "cpu")
     return d
 
@@ -72,8 +72,8 @@ def _env() -> dict:
 # ---------------------------------------------------------------------------------------- quantize
 
 def bench_quantize(args) -> dict:
-    from .hadamard import rotation_signs
-    from .kernels.mxfp4 import quantize_mxfp4_2d
+    from ..hadamard import rotation_signs
+    from ..kernels.mxfp4 import quantize_mxfp4_2d
     dev = "cuda"
     res = []
     cases = [
@@ -95,7 +95,7 @@ def bench_quantize(args) -> dict:
         ("act 16384x4096 rows carrier+fp4 H16", (16384, 4096), 1, dict(rot=16, fp4=True)),
         ("act 16384x4096 rows fp4 only", (16384, 4096), 1, dict(carrier=False, fp4=True)),
     ]
-    from .kernels import mxfp4 as kq
+    from ..kernels import mxfp4 as kq
     flt = getattr(args, "filter", "") or ""
     for name, shape, axis, kw in cases:
         if flt not in name:
@@ -121,7 +121,7 @@ def bench_quantize(args) -> dict:
             kernels = ["cols", "blocks"]
         else:
             kernels = ["blocks", "tile"]
-        from . import settings as _settings
+        from .. import settings as _settings
         for kern in kernels:
             with _settings.override(qkernel=kern):   # this kernel
                 # (block rows, warps): the fastest ones of earlier sweeps on the H100 (BENCHMARKS.md); compiling
@@ -177,7 +177,7 @@ def dual_timings(x: torch.Tensor, a: dict, b: dict, configs=({},)) -> dict:
     """``quantize_mxfp4_dual(x, a, b, **cfg)`` timed for each kernel configuration in ``configs`` (ms, in
     order; None where it failed), the two single passes it replaces, and a copy of ``x``: with the bytes
     one pass moves (2-byte input read once, both carriers and their group scales written)."""
-    from .kernels import mxfp4 as kq
+    from ..kernels import mxfp4 as kq
     y = torch.empty_like(x)
     t_copy = _bench(lambda: y.copy_(x))
     n = x.numel()
@@ -202,8 +202,8 @@ def _fp8_rowwise(x: torch.Tensor):
 
 
 def bench_gemm(args) -> dict:
-    from .kernels.gemm import mx_gemm_nt, probe
-    from .kernels.mxfp4 import quantize_mxfp4_2d
+    from ..kernels.gemm import mx_gemm_nt, probe
+    from ..kernels.mxfp4 import quantize_mxfp4_2d
     dev = "cuda"
     res = {"probe": probe(dev), "shapes": []}
     shapes = [(8192, 8192, 8192)] + [(16384, n, k) for n, k in LLAMA8B_NK]
@@ -233,7 +233,7 @@ def bench_gemm(args) -> dict:
                                torch.bfloat16))
         # exactness vs float64 of the dequantized operands (sample rows to keep it cheap)
         y = mx_gemm_nt(qa, qb, "fp8_carrier", torch.bfloat16)[:256].double()
-        from .kernels.mxfp4 import carrier_values
+        from ..kernels.mxfp4 import carrier_values
         ref = carrier_values(qa)[:256].double() @ carrier_values(qb)[:N].double().t()
         r["rel_err_vs_f64"] = ((y - ref).norm() / ref.norm()).item()
         r["inexact_blocks"] = int(qa.inexact.item() + qb.inexact.item())
@@ -241,7 +241,7 @@ def bench_gemm(args) -> dict:
         # dequantize + bf16 GEMM, each checked against float64 like the carrier
         fa = quantize_mxfp4_2d(a, 1, carrier=False, fp4=True)
         fb = quantize_mxfp4_2d(b, 1, carrier=False, fp4=True)
-        from .kernels.mxfp4 import dequantize_fp4
+        from ..kernels.mxfp4 import dequantize_fp4
         ref4 = dequantize_fp4(fa)[:256].double() @ dequantize_fp4(fb).double().t()
         for name in ("dot_scaled", "dequant"):
             try:
@@ -307,7 +307,7 @@ def fwd_bwd_call(mod, x: torch.Tensor, gy: torch.Tensor, clear_weight: bool = Fa
     call, so its reused activation operands are dropped first (or they would be quantized once for all
     repeats; a real layer sees a new input every call). Weights are quantized at every call
     (``clear_weight`` is kept for callers; nothing caches them)."""
-    from .linear import fast as _fast
+    from ..linear import fast as _fast
 
     def f():
         _fast.clear_caches()
@@ -339,8 +339,8 @@ def _presets(args, default: list) -> list:
 
 
 def bench_linear(args) -> dict:
-    from .train.trainer import graph_blockers
-    from .linear.module import MXLinear
+    from ..train.trainer import graph_blockers
+    from ..linear.module import MXLinear
     dev = "cuda"
     M = 16384
     res = []
@@ -381,7 +381,7 @@ def bench_linear(args) -> dict:
                 # the same call with each activation's two operands quantized in two passes (no
                 # quantize_mxfp4_dual, which by default runs only without rotations): what the
                 # one-pass kernel saves, measured in this run
-                from . import settings as _settings
+                from .. import settings as _settings
                 with _settings.override(dual="off"):
                     r[f"{p}_twopass_reuseW_ms"] = _bench(step(lin, clear=False))
                     if f"{p}_graph_ms" in r:
@@ -410,8 +410,8 @@ def bench_linear(args) -> dict:
 def bench_breakdown(args) -> dict:
     """Where an MXLinear fwd+bwd (mxfp4-all-dh16) spends its time at 16384x4096x4096: each fused
     quantize and each GEMM timed alone (bf16 GEMMs for comparison)."""
-    from .kernels.gemm import mx_gemm_nt
-    from .kernels.mxfp4 import quantize_mxfp4_2d as q
+    from ..kernels.gemm import mx_gemm_nt
+    from ..kernels.mxfp4 import quantize_mxfp4_2d as q
     dev = "cuda"
     M, N, K = 16384, 4096, 4096
     x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
@@ -443,9 +443,9 @@ def bench_breakdown(args) -> dict:
 # -------------------------------------------------------------------------------------------- step
 
 def bench_blocks(args) -> dict:
-    from .linear import fast as _fast
-    from .model import Block, ModelConfig, rope_tables
-    from .linear.module import convert
+    from ..linear import fast as _fast
+    from ..model import Block, ModelConfig, rope_tables
+    from ..linear.module import convert
     dev = "cuda"
     n_layers = args.layers or 2
     cfg = ModelConfig.named("llama3-8b", n_layers=n_layers)
@@ -483,7 +483,7 @@ def bench_blocks(args) -> dict:
             h.float().square().mean().backward()
         return f
 
-    from . import settings as _settings
+    from .. import settings as _settings
     glues = args.glue.split(",")
     for glue in glues:
         with _settings.override(glue=glue):
@@ -550,7 +550,7 @@ def _step_progress(name: str, r: dict) -> None:
 
 
 def bench_step(args) -> dict:
-    from . import bench_step as _bs
+    from . import step as _bs
     only = [v.strip() for v in (getattr(args, "variants", "") or "").split(",") if v.strip()]
     variants = only or STEP_VARIANTS + _presets(args, STEP_PRESETS)
     try:
@@ -600,8 +600,8 @@ def bench_host(args) -> dict:
     (default mode) at ``HOST_SHAPE``, bf16: ``nn.Linear``, torchao's float8 tensorwise layer (when installed) and
     ``MXLinear`` per recipe, with the ratio to ``nn.Linear`` and the form each compiled MX layer takes
     (``linear.implementation``). Issue #45's target: a compiled MX layer at most 1.5x ``nn.Linear``."""
-    from .linear import implementation
-    from .linear.module import MXLinear
+    from ..linear import implementation
+    from ..linear.module import MXLinear
     dev = "cuda"
     M, K, N = HOST_SHAPE
     x = torch.randn(M, K, device=dev, dtype=torch.bfloat16, requires_grad=True)
@@ -644,7 +644,7 @@ def _peak_gib(f) -> float:
 def _profile(f, steps: int = 3) -> dict:
     """GPU kernel time of one step by class (quantize, gemm, attention, glue), from torch.profiler; prints the
     12 costliest kernels."""
-    from .bench_step import kernel_profile
+    from .step import kernel_profile
     f()
     prof = kernel_profile(f, steps, "cuda")
     for name, _, ms in prof["kernels"][:12]:
@@ -674,9 +674,9 @@ def warm_gpu(seconds: float = 1.0) -> float:
 
 
 def _limits(args) -> int:
-    from . import bench_limits as BL
-    from .bench_step import MODELS
-    from .model import ModelConfig
+    from . import limits as BL
+    from .step import MODELS
+    from ..model import ModelConfig
     from dataclasses import asdict, fields
     rates = {}
     for item in filter(None, args.rates.split(",")):
@@ -745,9 +745,9 @@ def run(args) -> int:
     _check_options(args, what)
     if args.what == "limits":
         return _limits(args)
-    from . import recipes as _recipes
-    from . import settings as _settings
-    from .bench_step import TORCHAO, split_variant, step_options
+    from .. import recipes as _recipes
+    from .. import settings as _settings
+    from .step import TORCHAO, split_variant, step_options
     named = _presets(args, []) + [v.strip() for v in (getattr(args, "variants", "") or "").split(",") if v.strip()]
     for p in named:
         try:
