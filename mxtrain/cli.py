@@ -346,10 +346,7 @@ def _cmd_train(args) -> int:
     if s.get("final_val_loss") is not None:
         print(f"final validation loss {s['final_val_loss']:.4f} (perplexity {s['final_val_ppl']:.2f}) after "
               f"{s['tokens']:,} tokens")
-    from .model import ModelConfig
-    from .train.config import shape_overrides
-    moe = bool(ModelConfig.named(cfg.model.name, **shape_overrides(cfg.model)).n_experts)
-    print(next_commands(out, cfg.data.path, export=not moe))   # (export is built for dense models)
+    print(next_commands(out, cfg.data.path))
     print(f"run folder: {out}")   # (the last line: scripts read it)
     return 0
 
