@@ -265,7 +265,8 @@ def _refuse_shape_with_init_from(cfg, how: dict, file_model: dict) -> None:
     """--init-from takes the model's shape from the folder's config.json: a model size or shape field the user
     gave (a flag, --set, the config file's model table) would be ignored, so it is refused."""
     from .train.config import MODEL_SHAPE_FIELDS
-    keys = ["model.name", *(f"model.{k}" for k in MODEL_SHAPE_FIELDS)]
+    # (router_aux_coef weighs a loss, it is no shape: it replaces the folder's, train.trainer._check_folder_model)
+    keys = ["model.name", *(f"model.{k}" for k in MODEL_SHAPE_FIELDS if k != "router_aux_coef")]
     for k in keys:
         if k in how:
             what = how[k]

@@ -255,3 +255,30 @@ def test_what_a_mixtral_of_mxtrain_cannot_be_is_refused_in_one_line(run, tmp_pat
     with pytest.raises(UserError, match="with attention_bias cannot be exported"):
         export_hf(biased, tmp_path / "o")
     assert not (tmp_path / "o").exists()
+
+
+def test_init_from_a_mixtral_takes_the_balancing_weight_and_refuses_cuda_graphs(tmp_path):
+    """``model.router_aux_coef`` weighs a loss (no shape): with ``--init-from`` it replaces the folder's, for a new
+    run and a resumed one; on a dense folder it is refused, and so is ``train.cuda_graphs`` with a Mixtral folder
+    (refused for the named MoE sizes already; a folder's shape is known only when the model is built)."""
+    from mxtrain.train.trainer import build_model
+    from train_helpers import run_main
+    _mixtral(tmp_path / "hf", vocab=128)
+    cfg = tiny_run_cfg(tmp_path / "run", 1)
+    cfg.train.init_from, cfg.model.router_aux_coef = str(tmp_path / "hf"), 0.5
+    for load in (True, False):
+        assert build_model(cfg, 128, torch.device("cpu"), load_init=load).cfg.router_aux_coef == 0.5
+    cfg.train.cuda_graphs = True
+    with pytest.raises(UserError, match="cuda_graphs with a mixture of experts"):
+        build_model(cfg, 128, torch.device("cpu"))
+    dense = tmp_path / "dense"
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**{k: SHAPES[k] for k in (
+        "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")},
+        vocab_size=128)).save_pretrained(str(dense))
+    cfg.train.init_from, cfg.train.cuda_graphs = str(dense), False
+    with pytest.raises(UserError, match="router_aux_coef=0.5 weighs .* dense model"):
+        build_model(cfg, 128, torch.device("cpu"))
+    r = run_main("train", "--init-from", str(tmp_path / "hf"), "--data", str(small_data()), "--set",
+                 "model.router_aux_coef=0.25", "--print-config")
+    assert r.returncode == 0, r.stderr
+    assert [ln for ln in r.stdout.splitlines() if "router_aux_coef" in ln and "0.25" in ln], r.stdout

@@ -126,8 +126,8 @@ class TrainSection:
                                             # train.steps, "0.8:bf16"); which layers stay in high precision
                                             # is the new recipe's rule, as in convert (head, embedding stay).
                                             # A run resumed past STEP, or a branch from it, trains with RECIPE
-    init_from: Optional[str] = None         # a local Hugging Face Llama, Mistral or Qwen2 folder whose weights
-                                            # initialise the model (instead of the random init); None: random init
+    init_from: Optional[str] = None         # a local Hugging Face Llama, Mistral, Qwen2 or Mixtral folder whose
+                                            # weights initialise the model; None: the random init
     gc_every: int = 0                       # > 0: Python's automatic garbage collection off while training,
                                             # collected on every rank every this many steps (torchtitan's
                                             # gc_freq; under DDP/FSDP2 one rank's collection stalls all);
@@ -782,11 +782,11 @@ def check_init_from(path) -> None:
         return
     p = Path(path)
     if not p.exists():
-        raise UserError(f"train.init_from (--init-from): {p} not found; give a local Hugging Face Llama, Mistral or "
-                        f"Qwen2 folder (config.json and *.safetensors)")
+        raise UserError(f"train.init_from (--init-from): {p} not found; give a local Hugging Face Llama, Mistral, "
+                        f"Qwen2 or Mixtral folder (config.json and *.safetensors)")
     if not p.is_dir():
         raise UserError(f"train.init_from (--init-from): {p} is not a folder; give a local Hugging Face Llama, "
-                        f"Mistral or Qwen2 folder (config.json and *.safetensors)")
+                        f"Mistral, Qwen2 or Mixtral folder (config.json and *.safetensors)")
     if not (p / "config.json").is_file():
         raise UserError(f"train.init_from (--init-from): {p} has no config.json, so it is not a Hugging Face "
                         f"model folder")

@@ -20,6 +20,7 @@ of every step, at every log row, evaluation and checkpoint. How a run ended is a
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -218,19 +219,39 @@ def _model_config(cfg: TrainConfig, vocab: int) -> ModelConfig:
     return ModelConfig.named(m.name, **over, vocab_size=padded, max_seq_len=max(base.max_seq_len, cfg.data.seq_len))
 
 
+def _check_folder_model(cfg: TrainConfig, model: Llama) -> None:
+    """What the config says beside a model read from ``train.init_from``: the load-balancing weight
+    (``model.router_aux_coef``) replaces the folder's, and the combinations ``validate`` refuses for a named
+    mixture-of-experts size are refused for one read from a folder (it knows the folder's shape only now)."""
+    if not model.cfg.n_experts:
+        if cfg.model.router_aux_coef is not None:
+            raise UserError(f"model.router_aux_coef={cfg.model.router_aux_coef!r} weighs a mixture of experts' "
+                            f"load-balancing loss, but {cfg.train.init_from} is a dense model; remove it")
+        return
+    if cfg.model.router_aux_coef is not None:
+        model.cfg = dataclasses.replace(model.cfg, router_aux_coef=float(cfg.model.router_aux_coef))
+    if cfg.train.cuda_graphs:
+        raise UserError(f"train.cuda_graphs with a mixture of experts ({cfg.train.init_from} has "
+                        f"{model.cfg.n_experts} experts) is not supported (the experts' token counts change from "
+                        f"step to step); leave train.cuda_graphs off")
+
+
 def build_model(cfg: TrainConfig, vocab: int, device: torch.device, load_init: bool = True) -> Llama:
     """The model with its init fixed by ``model.init_seed`` (default ``train.seed``), whatever the recipe;
     with ``train.init_from``, the shapes and (``load_init``: not when resuming, the checkpoint has them)
-    the weights of that local Hugging Face Llama, Mistral or Qwen2 folder."""
+    the weights of that local Hugging Face Llama, Mistral, Qwen2 or Mixtral folder (``model.router_aux_coef``, a
+    loss weight and not a shape, replaces the folder's)."""
     if cfg.train.init_from:
         from .. import hf
         if load_init:
-            return hf.llama_from_hf(cfg.train.init_from, vocab_size=vocab, max_seq_len=cfg.data.seq_len,
-                                    device=device)
-        mcfg = hf.config_from_hf(cfg.train.init_from, vocab_multiple=32, max_seq_len=cfg.data.seq_len)
-        model = Llama(mcfg, device="meta").to_empty(device=device)
-        if mcfg.tie_embeddings:
-            model.lm_head.weight = model.embed_tokens.weight
+            model = hf.llama_from_hf(cfg.train.init_from, vocab_size=vocab, max_seq_len=cfg.data.seq_len,
+                                     device=device)
+        else:
+            mcfg = hf.config_from_hf(cfg.train.init_from, vocab_multiple=32, max_seq_len=cfg.data.seq_len)
+            model = Llama(mcfg, device="meta").to_empty(device=device)
+            if mcfg.tie_embeddings:
+                model.lm_head.weight = model.embed_tokens.weight
+        _check_folder_model(cfg, model)
         return model
     mcfg = _model_config(cfg, vocab)
     seed = cfg.model.init_seed if cfg.model.init_seed is not None else cfg.train.seed
