@@ -14,6 +14,7 @@ Found by the sweep (each case: command, what happened before the fix):
 """
 
 import json
+import re
 
 import pytest
 
@@ -111,3 +112,46 @@ def test_train_help_names_every_model_size():
     from mxtrain.model import SIZES
     p = run_main("train", "--help")
     assert all(name in " ".join(p.stdout.split()) for name in SIZES), p.stdout
+
+
+# -- 4. names in report.md render as themselves ------------------------------------------------------------------
+
+HOSTILE_ARMS = ("# h1", "- item", "1. first", "2) second", "a$x^2$b", "tail ##", "    code", "===", "---",
+                "q\n\n# w", "*a* _b_ `c`")
+
+
+def test_report_md_names_with_markdown_block_syntax_render_literally(tmp_path, monkeypatch):
+    """Arm folders named like a heading, a list item, math, an indented code block, a rule or a blank line
+    inside the HTML block of the configurations: each is shown as itself where report.md names it (rendered
+    with markdown-it, CommonMark with tables), and makes no heading, list, rule or code block of its own."""
+    import html
+
+    markdown_it = pytest.importorskip("markdown_it")
+    from mxtrain.study import metrics as M
+    from mxtrain.study import report
+    from test_study import curve, write_run
+    monkeypatch.setattr(report, "plots_available", lambda: False)
+    toks = [1000.0 * i for i in range(1, 21)]
+    arms = ("bf16",) + HOSTILE_ARMS
+    for i, arm in enumerate(arms):
+        for s in range(2):
+            write_run(tmp_path / "runs" / arm / f"seed{s}", toks, [curve(t / (1 + 0.01 * i), 2.0 + 0.01 * s)
+                                                                   for t in toks])
+            (tmp_path / "runs" / arm / f"seed{s}" / "config.json").write_text(json.dumps({"recipe": "x"}))
+    runs = M.load_study_runs(tmp_path)
+    assert set(runs) == set(arms)
+    summary = M.sanitize(M.summarize(runs, "bf16", smooth_k=2))
+    _, mp = report.write_report(tmp_path, summary)
+    md = mp.read_text()
+    out = markdown_it.MarkdownIt("commonmark").enable("table").render(md)
+    body = out.split("<h2>Environment</h2>")[0]
+    for arm in HOSTILE_ARMS:
+        shown = html.escape(re.sub(r"[\r\n]+", " ", arm), quote=False)
+        assert shown in out, arm
+    headings = re.findall(r"<h\d>(.*?)</h\d>", body)
+    assert not [h for h in headings if any(a.strip("# \n") in h for a in HOSTILE_ARMS)], headings
+    assert "<hr" not in out and "<ol" not in out and "<pre>" not in body   # (no rule, ordered list, code block)
+    items = re.findall(r"<li>(.*?)</li>", body, re.S)
+    assert not [i for i in items if i.startswith(("item", "h1", "first"))], items
+    assert "a\\$x^2\\$b" in md and "tail \\#\\#" in md          # (GitHub's math and a heading's closing #s)
+    assert "<summary>q # w seed 0: config.json</summary>" in md   # (a blank line would end the HTML block)

@@ -740,17 +740,33 @@ def _table_html(rows: list[list[str]]) -> str:
     return h + "</table>"
 
 
-_MD_SPECIAL = re.compile(r"([\\`\[\]*_|~])")
+_MD_SPECIAL = re.compile(r"([\\`\[\]*_|~#$])")
+# what starts a block where the text starts a line: a bullet (``- x``, ``+ x``), a thematic break or setext
+# underline (``---``, ``===``), an ordered list item (``1. x``, ``2)``); not ``-0.5`` or ``1.5``
+_MD_LEAD = re.compile(r"^(?:([-+=])(?=\s|$|\1)|(\d{1,9})(?=[.)](?:\s|$)))")
 
 
 def _md_text(s) -> str:
     """``s`` as literal text in report.md: names there come from folders and files (an arm folder named ``<img src=x
     onerror=alert(1)>``, a run ``a*b_c``), so nothing in them may become raw HTML (``&``, ``<``, ``>`` as entities),
-    a link or image or code span, emphasis or strikethrough, or the end of a table cell (backslash escapes of
-    ``\\ ` [ ] * _ | ~``: CommonMark shows each as itself), or a new line or block (line breaks as spaces)."""
+    a link or image or code span, emphasis or strikethrough, a heading or its closing ``#``s, math (GitHub's
+    ``$...$``), or the end of a table cell (backslash escapes of ``\\ ` [ ] * _ | ~ # $``: CommonMark shows each as
+    itself), nor a new line or block: line breaks as spaces, leading spaces as entities (no indented code), and a
+    leading block marker escaped (``_MD_LEAD``: no list, rule or setext heading where the text starts a line)."""
     s = re.sub(r"[\r\n]+", " ", str(s))
     s = s.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
-    return _MD_SPECIAL.sub(r"\\\1", s)
+    s = _MD_SPECIAL.sub(r"\\\1", s)
+    lead = len(s) - len(s.lstrip(" \t"))
+    s = "".join("&#9;" if c == "\t" else "&#32;" for c in s[:lead]) + s[lead:]
+    m = _MD_LEAD.match(s) if lead == 0 else None
+    if m:
+        s = "\\" + s if m.group(1) else s[:m.end()] + "\\" + s[m.end():]
+    return s
+
+
+def _one_line(s) -> str:
+    """``s`` with its line breaks as spaces: a blank line inside an HTML block ends it, and Markdown starts there."""
+    return re.sub(r"[\r\n]+", " ", str(s))
 
 
 def _md_code(s) -> str:
@@ -1121,7 +1137,8 @@ def write_report(d: str | Path, summary: dict | None = None, out: str | Path | N
                 h.append(f"<details><summary>{html.escape(arm)} seed {s}: config.json</summary>"
                          f"<pre>{html.escape(t)}</pre></details>")
                 # (an HTML block: no Markdown in it, so the name is escaped as HTML only)
-                md += [f"<details><summary>{html.escape(arm)} seed {s}: config.json</summary>", "", "```json", t, "```",
+                md += [f"<details><summary>{html.escape(_one_line(arm))} seed {s}: config.json</summary>", "", "```json",
+                       t, "```",
                        "</details>", ""]
     h.append("</body></html>")
     hp, mp = out / "report.html", out / "report.md"
