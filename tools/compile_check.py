@@ -4,7 +4,8 @@ interpreter does not see, and reports each variant's registers and instruction c
 A representative set of variants (each layout of ``_mxfp4_kernel``, rotations 0/16/32 and wider ones on the
 tile layout, nearest and stochastic rounding, carrier / FP4 / both outputs, 64-bit offsets, a key in device
 memory, 128x128 groups, folded normalization, and the dual kernel; the same kernels and the carrier rebuild with
-the uniform INT4 grid (``GRID=1``: ``mxint4``, the ``int4 ...`` variants); ``kernels/nvfp4.py``'s quantize kernel for
+the uniform INT4 grid (``GRID=1``: ``mxint4``, the ``int4 ...`` variants) and E1M2 grid (``GRID=2``: ``mxe1m2``,
+the ``e1m2 ...`` variants); the ``adaptive`` scale rule (``RULE=5``, the ``adaptive ...`` variants); ``kernels/nvfp4.py``'s quantize kernel for
 rows and columns, 1-D blocks and 16x16 tiles, stochastic rounding with a key in device memory, the 16-wide
 Hadamard rotation inside it, its ``four_over_six`` scale rule (the ``4over6 ...`` variants), and its amax kernels
 (plain and rotating); ``kernels/mxelem.py``'s MX quantizer for
@@ -209,6 +210,35 @@ VARIANTS = {
     "int4 dual dy signs r16 sr": _dual(rot=16, sr=True, GRID_A=1, GRID_B=1),
     "int4 expand": dict(kind="expand", layout="expand", consts=dict(BR=32, GROUP_ROWS=1, GRID=1), ones=(),
                         num_warps=4, maxnreg=None),
+    # the uniform E1M2 grid (GRID=2: mxe1m2; E8M0 exponents up to 127, 4 v rounded on INT4's grid, the carrier's
+    # 2**(kexp - 2)) in each layout, the 64-wide path, the rules whose bump is E1M2's own, dual and the rebuild
+    "e1m2 tile r16 signs sr car+fp4": _single("tile", 64, 4, 16, HAS_SIGNS=True, SR=True, WRITE_FP4=True, GRID=2),
+    "e1m2 tile r64 signs sr car+fp4": _single("tile", 64, 4, 64, HAS_SIGNS=True, SR=True, WRITE_FP4=True, GRID=2),
+    "e1m2 blocks r16 fold signs car even": _single("blocks", 16, 2, 16, HAS_SIGNS=True, FOLD=True, RULE=3, GRID=2),
+    "e1m2 blocks r0 car+fp4 rceil": _single("blocks", 16, 2, RULE=2, WRITE_FP4=True, GRID=2),
+    "e1m2 cols r16 signs sr car": _single("cols", 32, 2, 16, HAS_SIGNS=True, SR=True, GRID=2),
+    "e1m2 cols r16 signs fold fp4": _single("cols", 64, 4, 16, HAS_SIGNS=True, FOLD=True, WRITE_CARRIER=False,
+                                            WRITE_FP4=True, maxnreg=80, GRID=2),
+    "e1m2 dual x signs r16 fold fp4_b": _dual(rot=16, fp4_b=True, GRID_A=2, GRID_B=2),
+    "e1m2 expand": dict(kind="expand", layout="expand", consts=dict(BR=32, GROUP_ROWS=1, GRID=2), ones=(),
+                        num_warps=4, maxnreg=None),
+    # the adaptive scale rule (RULE=5: per block floor's exponent or the next, by the exact float64 comparison of the
+    # squared errors, device._adaptive_term) in each layout, the 64-wide path, with folded normalization, SR and
+    # prescale, on the uniform grids, and in the dual kernel (an mxfp4-all-adaptive activation's two operands)
+    "adaptive tile r16 signs sr car+fp4": _single("tile", 64, 4, 16, HAS_SIGNS=True, SR=True, WRITE_FP4=True, RULE=5),
+    "adaptive tile r64 signs sr prescale car": _single("tile", 64, 4, 64, HAS_SIGNS=True, SR=True, PRESCALE=True,
+                                                       RULE=5),
+    "adaptive blocks r0 car": _single("blocks", 16, 2, RULE=5),
+    "adaptive blocks r16 signs fold car": _single("blocks", 16, 2, 16, HAS_SIGNS=True, FOLD=True, RULE=5),
+    "adaptive blocks w r16 g128": _single("blocks", 128, 8, 16, GROUP_ROWS=128, maxnreg=80, RULE=5,
+                                          ptr_types={"x_ptr": "*fp32"}),
+    "adaptive cols r0 sr car": _single("cols", 32, 2, SR=True, RULE=5),
+    "adaptive cols r16 signs fold fp4": _single("cols", 64, 4, 16, HAS_SIGNS=True, FOLD=True, WRITE_CARRIER=False,
+                                                WRITE_FP4=True, maxnreg=80, RULE=5),
+    "adaptive dual x r0 fp4_b": _dual(fp4_b=True, RULE_A=5, RULE_B=5),
+    "adaptive int4 blocks r16 signs sr car+fp4": _single("blocks", 16, 2, 16, HAS_SIGNS=True, SR=True, WRITE_FP4=True,
+                                                         RULE=5, GRID=1),
+    "adaptive e1m2 cols r16 signs car": _single("cols", 64, 4, 16, HAS_SIGNS=True, maxnreg=80, RULE=5, GRID=2),
     # the NVFP4 quantizer (kernels/nvfp4.py), as quantize_nvfp4_factored launches it on a GPU
     "nvfp4 rows 1d": _nvfp4(1, 2, 4),
     "nvfp4 rows 2d sr prescale": _nvfp4(1, 2, 4, tile2d=True, sr=True, prescale=True),

@@ -5,7 +5,8 @@ X's Wgrad operand is made in the forward pass (from one read of X, with its Fpro
 in the backward. Kept as packed FP4 codes and E8M0 block scales it takes 0.53 bytes an element; as the
 FP8 carrier, 1.03. The forward therefore keeps the codes, and the backward rebuilds the carrier just
 before the Wgrad GEMM with ``carrier_from_packed``: one read of 0.53 bytes and one write of 1 byte an
-element. The codes are E2M1 (``mxfp4``) or INT4 (``mxint4``, the uniform grid): ``QuantOut.fmt`` says which.
+element. The codes are E2M1 (``mxfp4``), INT4 (``mxint4``) or E1M2 (``mxe1m2``; the uniform grids):
+``QuantOut.fmt`` says which.
 
 The carrier it writes is the one the fused quantizer writes for the same operand, byte for byte (the
 same group exponent ``G``, the same ``v * 2**(s - G + 6)`` in e4m3 and the same count of inexact
@@ -33,7 +34,7 @@ if HAS_TRITON:
                        BR: tl.constexpr, GROUP_ROWS: tl.constexpr, GRID: tl.constexpr = 0):
         """One program: ``BR`` rows x one 128-wide group (4 MX blocks). With 128x128 groups ``BR`` is 128
         and the program's tile is one group. ``GRID``: the codes' element grid (``mxfp4.launch.GRID_ID``: 0 E2M1,
-        1 INT4)."""
+        1 INT4, 2 E1M2)."""
         pid_r = tl.program_id(0)
         pid_k = tl.program_id(1)
         rows = pid_r * BR + tl.arange(0, BR)                         # [BR]
@@ -60,12 +61,19 @@ if HAS_TRITON:
         else:
             G = tl.maximum(tl.max(tl.max(s_live, axis=1), axis=0), -120)
             G2 = G
-        inexact = live & (s - G2 + 6 < -8 - GRID) & rm[:, None]   # (mxfp4.carrier.EXACT_KEXP)
+        if GRID == 2:   # E1M2 (mxfp4.carrier.EXACT_KEXP)
+            inexact = live & (s - G2 + 6 < -7) & rm[:, None]
+        else:
+            inexact = live & (s - G2 + 6 < -8 - GRID) & rm[:, None]   # (mxfp4.carrier.EXACT_KEXP)
         kexp = s - G2 + 6                                             # [BR, 4]
-        # carrier value of each element: its E2M1 (INT4) magnitude times 2**kexp (exact in float32)
-        fc = ((tl.maximum(kexp, -126) + 127) << 23).to(tl.float32, bitcast=True)
+        # carrier value of each element: its E2M1 (INT4) magnitude times 2**kexp (exact in float32); E1M2: its
+        # magnitude code (4 x the value) times 2**(kexp - 2), as the quantizer writes it (device._carrier_factor)
+        if GRID == 2:
+            fc = ((tl.maximum(kexp - 2, -126) + 127) << 23).to(tl.float32, bitcast=True)
+        else:
+            fc = ((tl.maximum(kexp, -126) + 127) << 23).to(tl.float32, bitcast=True)
         fc = tl.where(nan_blk, float("nan"), fc)
-        if GRID == 1:   # INT4: the magnitude code is the value
+        if GRID != 0:   # INT4 (E1M2: 4 x) the magnitude code is the value
             val = mag.to(tl.float32)
         else:
             e = mag >> 1
@@ -121,8 +129,8 @@ def carrier_from_packed(q: QuantOut, k_multiple: int = TILE_K, row_multiple: int
     cnt = counter if counter is not None else torch.zeros((1,), dtype=torch.int32, device=dev)
     from .. import settings as _settings
     from .mxfp4.launch import launch_direct, use_plans
-    from .mxfp4.launch import GRID_ID
-    gid = GRID_ID[q.fmt]
+    from .mxfp4.launch import KERNEL_GRIDS
+    gid = KERNEL_GRIDS[q.fmt]
     args = (q.packed, q.scales, car, gs, cnt, R, Kq, Rc, Kc, gsr, gsk)
     key = (("expand", dev, q.packed.data_ptr() & 15, q.scales.data_ptr() & 15, car.data_ptr() & 15,
             gs.data_ptr() & 15, cnt.data_ptr() & 15, R, Kq, Rc, Kc, gsr, gsk, BR, gr, gid)

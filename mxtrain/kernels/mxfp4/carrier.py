@@ -4,7 +4,8 @@ plain-PyTorch definitions the kernels are checked against.
 FP8 carrier (``docs/kernels.md``): each MX element ``v * 2**s`` is stored as ``v * 2**(s - G + 6)`` in e4m3,
 with ``2**(G - 6)`` as its group's float32 scale, where ``G`` is the largest block exponent of the group
 (1x128: one row x 128; 128x128: the whole tile), at least ``MIN_G``. Exact when ``s >= G - 14`` (``mxint4``:
-``s >= G - 15``, ``EXACT_KEXP``); non-zero blocks below that are counted in ``inexact``. ``carrier_from_fp4``
+``s >= G - 15``, ``mxe1m2``: ``s >= G - 13``, ``EXACT_KEXP``); non-zero blocks below that are counted in
+``inexact``. ``carrier_from_fp4``
 builds it from packed FP4 codes and E8M0 scales with torch ops (the definition, and the fallback of a kernel
 variant that failed its self-check); ``reference_quantize`` is the reference quantizer (``mxtrain.quant``) with
 the optional rotation first, the spec every kernel output must equal bit for bit.
@@ -25,9 +26,10 @@ TILE_K = 128   # reduction elements of one kernel tile: 4 MX blocks of 32, one c
 MIN_G = -120   # group exponent floor: keeps 2**(G-6) a normal float32
 # The MX formats of the fused quantizer (``launch.GRID_ID``) and, for each, the lowest block shift
 # ``kexp = s - G + 6`` at which the carrier holds every value of a block exactly: the smallest non-zero element
-# (E2M1 0.5, INT4 1) times 2**kexp must be at least e4m3's quantum 2**-9.
+# (E2M1 0.5, INT4 1, E1M2 0.25) times 2**kexp must be at least e4m3's quantum 2**-9.
+# (``KERNEL_FORMATS``: the formats the fast path takes; the kernels implement ``mxe1m2`` too, ``launch.KERNEL_GRIDS``)
 KERNEL_FORMATS = ("mxfp4", "mxint4")
-EXACT_KEXP = {"mxfp4": -8, "mxint4": -9}
+EXACT_KEXP = {"mxfp4": -8, "mxint4": -9, "mxe1m2": -7}
 
 
 @dataclass
@@ -39,7 +41,8 @@ class QuantOut:
       (Rc/128, Kc/128) for 128x128; ``inexact``: int32 count of inexact carrier blocks.
     * ``packed``: uint8 (R, Kq/2) FP4 codes (low nibble = lower index); ``scales``: uint8 E8M0 (R, Kq/32).
     * ``fmt``: the MX format of the elements, one of ``KERNEL_FORMATS`` (``mxfp4``: E2M1 codes; ``mxint4``: INT4 codes,
-      sign and magnitude 0..7). The carrier and its group scales are the same construction for both.
+      sign and magnitude 0..7; ``mxe1m2``: E1M2 codes, sign and 4 x the magnitude). The carrier and its group
+      scales are the same construction for all.
     """
 
     R: int

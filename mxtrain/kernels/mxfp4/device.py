@@ -84,10 +84,13 @@ if triton is not None:
         """E8M0 block exponent s from the bit pattern of the block's |x| maximum (finite, >= 0), as the
         spec: floor(log2 amax) - 2 (+1 where the scale rule rounds up), clamped to [-127, 125];
         -127 for all-zero blocks. Returns (s, nonzero). ``GRID`` (``launch.GRID_ID``): 0 E2M1, 1 INT4 (both have
-        emax 2; they differ in where ``rceil`` and ``even`` round up: ``quant.mx_scale_exponent``)."""
+        emax 2; they differ in where ``rceil`` and ``even`` round up: ``quant.mx_scale_exponent``), 2 E1M2 (emax
+        0: floor(log2 amax) (+1), clamped to [-127, 127]; ``_e1m2_scale``)."""
+        if GRID == 2:
+            return _e1m2_scale(abits, RULE)
         E = (abits >> 23) - 127
         mant = abits & 0x7FFFFF
-        if RULE == 0:
+        if RULE == 0 or RULE == 5:   # floor; adaptive starts from floor's exponent (``_adaptive``)
             bump = tl.zeros_like(E)
         elif RULE == 1:
             bump = (mant != 0).to(tl.int32)
@@ -103,6 +106,103 @@ if triton is not None:
         s = tl.minimum(tl.maximum(E - 2 + bump, -127), 125)   # [-127, 127 - emax], as the spec
         nz = abits > 0
         return tl.where(nz, s, -127), nz
+
+    @triton.jit
+    def _e1m2_scale(abits, RULE: tl.constexpr):
+        """``_block_scale`` for the E1M2 grid (``mxe1m2``: emax 0, largest element 1.75): s = floor(log2 amax)
+        (+1 where the rule rounds up: ``ceil`` sig > 1, ``rceil`` sig > 1.75, ``even`` round(sig * 4) >= 8 half to
+        even, i.e. sig >= 1.875, ``amd`` sig >= 1.75), clamped to [-127, 127]; a subnormal maximum (exponent field
+        0, below 2**-126) gives -127 whatever its mantissa, as the reference's exponent (below -127) clamps."""
+        E = (abits >> 23) - 127
+        mant = abits & 0x7FFFFF
+        if RULE == 0 or RULE == 5:   # floor; adaptive starts from floor's exponent (``_adaptive``)
+            bump = tl.zeros_like(E)
+        elif RULE == 1:
+            bump = (mant != 0).to(tl.int32)
+        elif RULE == 3:
+            bump = (mant >= 0x700000).to(tl.int32)
+        else:  # rceil (sig > 1.75) / amd (sig >= 1.75)
+            if RULE == 2:
+                bump = (mant > 0x600000).to(tl.int32)
+            else:
+                bump = (mant >= 0x600000).to(tl.int32)
+        s = tl.where(E > -127, tl.minimum(E + bump, 127), -127)
+        nz = abits > 0
+        return tl.where(nz, s, -127), nz
+
+    @triton.jit
+    def _adaptive_term(x, sc0, PRESCALE: tl.constexpr, prescale, GRID: tl.constexpr):
+        """The ``adaptive`` scale rule's comparison term of each value (``quant._adaptive_exponent``), float64:
+        ``(qa - qb) * (qa + qb - 2 |v|)`` with ``v`` the value (prescaled) times ``sc0`` (2**-s0 of floor's
+        exponent ``s0``, times 1/sqrt(rot) where the kernel folds it: the same float32 product as the reference's,
+        ``launch.FOLD_ROTS``), ``qa`` its magnitude rounded to nearest even onto the grid, ``qb`` that of ``v / 2``
+        (``x * sc0 / 2``: exact) times 2. The reference's signed values give the same term (every factor flips
+        sign with the value). E1M2 (GRID 2) in units of its grid step (``4 v``, ``_int4_round``): 16 times the
+        reference's term, exactly, which keeps the sign of every sum. Every term is exact in float64 and so is
+        every partial sum of a block (``mxtrain.quant``'s docstring), so the block sums do not depend on their
+        order; written as explicit FMAs of exact products (the sum's adds then take FMA results, which no
+        contraction fuses), so contraction on or off gives the same code and values."""
+        if PRESCALE:
+            x = x * prescale
+        va = x * sc0
+        vb = x * (sc0 * 0.5)
+        if GRID == 0:
+            qa = _fp4_round(va, False, 0, 0)
+            qb = _fp4_round(vb, False, 0, 0) * 2.0
+            a = tl.abs(va)
+        elif GRID == 1:
+            qa = _int4_round(va, False, 0, 0)
+            qb = _int4_round(vb, False, 0, 0) * 2.0
+            a = tl.abs(va)
+        else:
+            qa = _int4_round(va * 4.0, False, 0, 0)
+            qb = _int4_round(vb * 4.0, False, 0, 0) * 2.0
+            a = tl.abs(va * 4.0)
+        qa64 = qa.to(tl.float64)
+        qb64 = qb.to(tl.float64)
+        # (qa + qb - 2 a: 2 a is exact, so the FMA rounds the same sum once; the product exact: FMA with +0, which
+        # LLVM keeps, so the block sums add FMA results, with nothing left to contract)
+        return tl.fma(qa64 - qb64, tl.fma(a.to(tl.float64), -2.0, qa64 + qb64), 0.0)
+
+    @triton.jit
+    def _adaptive_pick(s, d, nz, GRID: tl.constexpr):
+        """The ``adaptive`` rule's exponent from floor's ``s`` and the block's summed ``_adaptive_term`` ``d``:
+        ``s + 1`` where ``d > 0`` (its squared error is lower) and the block is not all zero and ``s + 1`` within
+        the clamp (127 - emax: 125 for E2M1 and INT4, 127 for E1M2), else ``s`` (ties keep ``s``; a NaN ``d``, of
+        a non-finite block, too: its scale is NaN whatever ``s`` is)."""
+        if GRID == 2:
+            can = nz & (s < 127)
+        else:
+            can = nz & (s < 125)
+        return tl.where(can & (d > 0.0), s + 1, s)
+
+    @triton.jit
+    def _grid_scale(s, GRID: tl.constexpr):
+        """2**-s, the elements' multiplier of a block of exponent ``s``: E2M1 and INT4 (s <= 125) through the normal
+        range's bits, E1M2 (s up to 127: 2**-127 is a float32 subnormal) through ``_pow2``."""
+        if GRID == 2:
+            return _pow2(-s)
+        else:
+            return _pow2n(-s)
+
+    @triton.jit
+    def _carrier_factor(kexp, ok, GRID: tl.constexpr):
+        """The carrier multiplier of a block's rounded magnitudes (NaN where the block is not finite): 2**kexp for
+        E2M1 and INT4 (their magnitudes are the values), 2**(kexp - 2) for E1M2 (whose integer magnitudes 0..7
+        are the values times 4); at least 2**-126 (what lies below rounds to e4m3 zero either way)."""
+        if GRID == 2:
+            return tl.where(ok, _pow2n(tl.maximum(kexp - 2, -126)), float("nan"))
+        else:
+            return tl.where(ok, _pow2n(tl.maximum(kexp, -126)), float("nan"))
+
+    @triton.jit
+    def _inexact(live, kexp, GRID: tl.constexpr):
+        """Live blocks the carrier holds inexactly: ``kexp`` below ``carrier.EXACT_KEXP`` (-8 E2M1, -9 INT4, -7
+        E1M2)."""
+        if GRID == 2:
+            return live & (kexp < -7)
+        else:
+            return live & (kexp < -8 - GRID)
 
     @triton.jit
     def _carrier_exp(s, live, GROUP_ROWS: tl.constexpr):
@@ -244,7 +344,10 @@ if triton is not None:
     def _int4_round(v, SR: tl.constexpr, idx, key, kk=0, KK: tl.constexpr = False):
         """|v| rounded to INT4 magnitudes (float32 integers 0..7; ``quant.round_to_elem`` on the grid of spacing 1
         and maximum 7), nearest-even or stochastic (hash of idx; ``KK`` as in ``_fp4_round2``). No product
-        feeds an add here, so contraction on or off leaves the code as written."""
+        feeds an add here, so contraction on or off leaves the code as written. The E1M2 grid (``mxe1m2``, GRID 2)
+        rounds ``4 v`` (exact) with it: E1M2's magnitudes {0, 0.25, ..., 1.75} are INT4's divided by 4, with
+        ``quant.round_to_elem``'s spacing 0.25 on |v| (emin 0, 2 mantissa bits) the spacing 1 on 4|v| (the same
+        floor and fraction for stochastic rounding, the same ties), and the E1M2 code of magnitude m / 4 is m."""
         a = tl.minimum(tl.abs(v), 7.0)
         if SR:
             if KK:
@@ -278,6 +381,9 @@ if triton is not None:
         if GRID == 1:   # INT4: magnitude q (0..7) is its own code
             q = _int4_round(v, SR, idx, key)
             q2 = q
+        elif GRID == 2:   # E1M2: 4 v (exact) rounded on INT4's grid, q (0..7) its code (``_int4_round``)
+            q = _int4_round(v * 4.0, SR, idx, key)
+            q2 = q
         else:
             q, q2 = _fp4_round2(v, SR, idx, key)
         if WRITE_CARRIER:
@@ -287,7 +393,7 @@ if triton is not None:
         else:
             byte = tl.zeros(v.shape, tl.uint8)
         if WRITE_FP4:
-            if GRID == 1:
+            if GRID != 0:
                 code = tl.where(ok3, q.to(tl.int32) | ((v.to(tl.int32, bitcast=True) >> 28) & 8), 0)
             else:
                 code = tl.where(ok3, _fp4_code(q, q2, v), 0)

@@ -22,7 +22,9 @@ transposed tile directly from the row-major tensor: no transpose copy. Two kerne
 
 Element grid: the ``GRID`` constexpr (``GRID_A`` / ``GRID_B`` in the dual kernel; ``launch.GRID_ID``) rounds to
 E2M1 (0: ``mxfp4``) or to the uniform INT4 grid (1: ``mxint4``, integers 0..7 with sign; the ``ufp4`` recipe); both
-have emax 2, and the carrier holds either (docs/kernels.md, "The uniform 4-bit grid"). GRID 0 compiles to the code
+have emax 2, and the carrier holds either (docs/kernels.md, "The uniform 4-bit grid"); or to the uniform E1M2 grid
+(2: ``mxe1m2``, INT4's grid divided by 4, emax 0: block exponents up to 127, scaled through ``device._grid_scale``,
+rounded as ``4 v`` on INT4's grid, the same codes; carrier ``device._carrier_factor``). GRID 0 compiles to the code
 the kernels had before the switch.
 
 The single-pass signature (8 pointers, sizes and strides, key, 1/sqrt(rot), prescale, then the constexprs) is
@@ -51,8 +53,10 @@ if triton is not None:
     import triton.language as tl
 
     from .device import (_bfly, _bfly8, _bfly8_signs, _bfly_signs, _bfly_tuple, _bfly_tuple_n, _block_scale,
-                         _carrier_exp, _e4m3_bits, _f32, _fp4_round2, _int4_round, _join_all, _join_tree, _pack4,
-                         _piece, _pow2, _pow2n, _signs_bfly1, _split64, _uniform)
+                         _adaptive_pick, _adaptive_term, _carrier_exp, _carrier_factor, _e4m3_bits, _f32,
+                         _fp4_round2, _grid_scale, _inexact,
+                         _int4_round, _join_all, _join_tree, _pack4, _piece, _pow2, _pow2n, _signs_bfly1, _split64,
+                         _uniform)
 
     @triton.jit(do_not_specialize=["key"])
     def _mxfp4_kernel(
@@ -70,7 +74,8 @@ if triton is not None:
         USE_ASM: tl.constexpr = False,     # blocks, cols: the hardware e4m3 conversion (inline PTX)
         PACK: tl.constexpr = 4,            # cols: e4m3 conversions per inline-PTX call (2 or 4)
         FOLD: tl.constexpr = False,        # blocks, cols: 1/sqrt(ROT) folded into the block scales
-        GRID: tl.constexpr = 0,            # the element grid (launch.GRID_ID): 0 E2M1 (mxfp4), 1 INT4 (mxint4)
+        GRID: tl.constexpr = 0,            # the element grid (launch.GRID_ID): 0 E2M1 (mxfp4), 1 INT4 (mxint4),
+                                           # 2 E1M2 (mxe1m2)
         pid_r=None, pid_k=None,            # the tile (row block, reduction block); launched: the program ids
     ):
         """Quantize the tile (row block ``pid_r``, reduction block ``pid_k``) of a (R, K) view, read through
@@ -148,8 +153,22 @@ if triton is not None:
             ok1 = ab1 < 0x7F800000
             s0, nz0 = _block_scale(tl.where(ok0, ab0, 0), RULE, GRID)
             s1, nz1 = _block_scale(tl.where(ok1, ab1, 0), RULE, GRID)
-            sc0 = _pow2n(-s0)
-            sc1 = _pow2n(-s1)
+            if RULE == 5:   # adaptive: floor's exponent or the next, by the blocks' squared errors
+                sa0 = _grid_scale(s0, GRID)
+                sa1 = _grid_scale(s1, GRID)
+                d0 = _adaptive_term(xs[0], sa0, PRESCALE, prescale, GRID)
+                d1 = _adaptive_term(xs[32], sa1, PRESCALE, prescale, GRID)
+                for i in tl.static_range(1, 32):
+                    d0 = d0 + _adaptive_term(xs[i], sa0, PRESCALE, prescale, GRID)
+                    d1 = d1 + _adaptive_term(xs[32 + i], sa1, PRESCALE, prescale, GRID)
+                s0 = _adaptive_pick(s0, d0, nz0, GRID)
+                s1 = _adaptive_pick(s1, d1, nz1, GRID)
+            if GRID == 2:   # (E1M2's 2**-127: a float32 subnormal; device._grid_scale)
+                sc0 = _pow2(-s0)
+                sc1 = _pow2(-s1)
+            else:
+                sc0 = _pow2n(-s0)
+                sc1 = _pow2n(-s1)
             if WRITE_CARRIER:
                 live0 = ok0 & nz0
                 live1 = ok1 & nz1
@@ -162,9 +181,14 @@ if triton is not None:
                     G2 = G
                 k0 = s0 - G2 + 6
                 k1 = s1 - G2 + 6
-                fc0 = tl.where(ok0, _pow2n(tl.maximum(k0, -126)), float("nan"))
-                fc1 = tl.where(ok1, _pow2n(tl.maximum(k1, -126)), float("nan"))
-                inexact = (live0 & (k0 < -8 - GRID)).to(tl.int32) + (live1 & (k1 < -8 - GRID)).to(tl.int32)
+                if GRID == 2:   # (device._carrier_factor, device._inexact)
+                    fc0 = _carrier_factor(k0, ok0, GRID)
+                    fc1 = _carrier_factor(k1, ok1, GRID)
+                    inexact = _inexact(live0, k0, GRID).to(tl.int32) + _inexact(live1, k1, GRID).to(tl.int32)
+                else:
+                    fc0 = tl.where(ok0, _pow2n(tl.maximum(k0, -126)), float("nan"))
+                    fc1 = tl.where(ok1, _pow2n(tl.maximum(k1, -126)), float("nan"))
+                    inexact = (live0 & (k0 < -8 - GRID)).to(tl.int32) + (live1 & (k1 < -8 - GRID)).to(tl.int32)
 
             # ---- elements: stochastic-rounding index of element i = base + i * si_k
             if SR:
@@ -196,6 +220,9 @@ if triton is not None:
                 if GRID == 1:
                     q = _int4_round(v, SR, idx, key, kk, True)
                     q2 = q
+                elif GRID == 2:   # E1M2: 4 v on INT4's grid (device._int4_round)
+                    q = _int4_round(v * 4.0, SR, idx, key, kk, True)
+                    q2 = q
                 else:
                     q, q2 = _fp4_round2(v, SR, idx, key, kk, True)
                 if WRITE_CARRIER:
@@ -206,7 +233,7 @@ if triton is not None:
                     cs = cs + ((q.to(tl.int32, bitcast=True)
                                 | (v.to(tl.int32, bitcast=True) & smask)).to(tl.float32, bitcast=True) * fc,)
                 if WRITE_FP4:
-                    if GRID == 1:   # INT4: the magnitude is the code
+                    if GRID != 0:   # INT4, E1M2: the magnitude is the code
                         c = q.to(tl.int32) | (((v.to(tl.int32, bitcast=True) & smask) >> 28) & 8)
                     else:
                         cf = tl.minimum(tl.minimum(q * 2.0, q2), tl.fma(q, 0.5, 4.0))   # as _fp4_code (q2 = q + 2)
@@ -281,12 +308,18 @@ if triton is not None:
             ok = mbits < 0x7F800000
             abits = tl.where(ok, mbits, 0)
             s, nz = _block_scale(abits, RULE, GRID)
+            if RULE == 5:   # adaptive: floor's exponent or the next, by the block's squared errors
+                d = tl.sum(_adaptive_term(xb, _grid_scale(s, GRID)[:, :, None], PRESCALE, prescale, GRID), axis=2)
+                s = _adaptive_pick(s, d, nz, GRID)
             code_sc = tl.where(ok, s + 127, 255)
 
             # ---- elements
             if PRESCALE:
                 xb = xb * prescale
-            v = xb * _pow2n(-s)[:, :, None]
+            if GRID == 2:
+                v = xb * _grid_scale(s, GRID)[:, :, None]
+            else:
+                v = xb * _pow2n(-s)[:, :, None]
             v = tl.where(ok[:, :, None], v, 0.0)
             vbits = v.to(tl.int32, bitcast=True)
             if GRID == 1:   # INT4: rr the magnitude (0..7), which is also the code
@@ -294,6 +327,12 @@ if triton is not None:
                     rr = _int4_round(v, SR, r3.to(tl.int64) * si_r + c3.to(tl.int64) * si_k, key)
                 else:
                     rr = _int4_round(v, SR, 0, key)
+                mag = rr.to(tl.int32)
+            elif GRID == 2:   # E1M2: 4 v on INT4's grid (device._int4_round), rr the code
+                if SR:
+                    rr = _int4_round(v * 4.0, SR, r3.to(tl.int64) * si_r + c3.to(tl.int64) * si_k, key)
+                else:
+                    rr = _int4_round(v * 4.0, SR, 0, key)
                 mag = rr.to(tl.int32)
             else:
                 a = tl.minimum(tl.abs(v), 6.0)
@@ -329,7 +368,10 @@ if triton is not None:
             if WRITE_CARRIER:
                 live = ok & nz
                 G, kexp = _carrier_exp(s, live, GROUP_ROWS)                # kexp [BR, 4]
-                inexact = live & (kexp < -8 - GRID)
+                if GRID == 2:
+                    inexact = _inexact(live, kexp, GRID)
+                else:
+                    inexact = live & (kexp < -8 - GRID)
                 # e4m3 bits of c = (FP4 value) * 2**kexp, exact in float32 (the value has at most two
                 # significant bits). In e4m3's normal range the bits are the float32 exponent and top
                 # mantissa bits, rebiased; below 2**-6 they are the subnormal count k = RNE(c * 2**9),
@@ -337,6 +379,8 @@ if triton is not None:
                 # throughput, and Triton's fp32 -> e4m3 cast wrote wrong bytes on sm_90: module docstring.)
                 if GRID == 1:   # INT4: magnitude rr (an integer) times 2**kexp
                     cval = rr * _pow2n(tl.maximum(kexp, -126))[:, :, None]
+                elif GRID == 2:   # E1M2: rr / 4 times 2**kexp
+                    cval = rr * _pow2n(tl.maximum(kexp - 2, -126))[:, :, None]
                 else:
                     cval = rr * _pow2n(tl.maximum(e - 1 + kexp[:, :, None], -126))
                 nrm = (cval.to(tl.int32, bitcast=True) >> 20) - 960
@@ -440,8 +484,23 @@ if triton is not None:
             ok = abits < 0x7F800000                                           # not NaN / Inf
             abits = tl.where(ok, abits, 0)
             s, nz = _block_scale(abits, RULE, GRID)
+            if RULE == 5:   # adaptive: floor's exponent or the next, by the block's squared errors
+                if FOLD:
+                    sa = (_grid_scale(s, GRID) * inv_sqrt)[:, :, None]
+                else:
+                    sa = _grid_scale(s, GRID)[:, :, None]
+                d = (tl.sum(_adaptive_term(x0, sa, PRESCALE, prescale, GRID), axis=2)
+                     + tl.sum(_adaptive_term(x1, sa, PRESCALE, prescale, GRID), axis=2)
+                     + tl.sum(_adaptive_term(x2, sa, PRESCALE, prescale, GRID), axis=2)
+                     + tl.sum(_adaptive_term(x3, sa, PRESCALE, prescale, GRID), axis=2))
+                s = _adaptive_pick(s, d, nz, GRID)
             code_sc = tl.where(ok, s + 127, 255)
-            if FOLD:
+            if GRID == 2:
+                if FOLD:
+                    sc = (_grid_scale(s, GRID) * inv_sqrt)[:, :, None]
+                else:
+                    sc = _grid_scale(s, GRID)[:, :, None]
+            elif FOLD:
                 sc = (_pow2n(-s) * inv_sqrt)[:, :, None]
             else:
                 sc = _pow2n(-s)[:, :, None]
@@ -450,8 +509,12 @@ if triton is not None:
             if WRITE_CARRIER:
                 live = ok & nz
                 G, kexp = _carrier_exp(s, live, GROUP_ROWS)
-                inexact = live & (kexp < -8 - GRID)
-                fc = tl.where(ok, _pow2n(tl.maximum(kexp, -126)), float("nan"))[:, :, None]
+                if GRID == 2:
+                    inexact = _inexact(live, kexp, GRID)
+                    fc = _carrier_factor(kexp, ok, GRID)[:, :, None]
+                else:
+                    inexact = live & (kexp < -8 - GRID)
+                    fc = tl.where(ok, _pow2n(tl.maximum(kexp, -126)), float("nan"))[:, :, None]
             else:
                 fc = sc
 
@@ -570,8 +633,22 @@ if triton is not None:
             ok = abits < 0x7F800000                                           # not NaN / Inf
             abits = tl.where(ok, abits, 0)
             s, nz = _block_scale(abits, RULE, GRID)                                 # [4, BR]
+            if RULE == 5:   # adaptive: floor's exponent or the next, by the blocks' squared errors
+                if FOLD:
+                    sa = _grid_scale(s, GRID) * inv_sqrt
+                else:
+                    sa = _grid_scale(s, GRID)
+                d = _adaptive_term(xs[0], sa, PRESCALE, prescale, GRID)
+                for j in tl.static_range(1, 32):
+                    d = d + _adaptive_term(xs[j], sa, PRESCALE, prescale, GRID)
+                s = _adaptive_pick(s, d, nz, GRID)
             code_sc = tl.where(ok, s + 127, 255)
-            if FOLD:
+            if GRID == 2:
+                if FOLD:
+                    sc = _grid_scale(s, GRID) * inv_sqrt
+                else:
+                    sc = _grid_scale(s, GRID)
+            elif FOLD:
                 sc = _pow2n(-s) * inv_sqrt
             else:
                 sc = _pow2n(-s)
@@ -586,8 +663,12 @@ if triton is not None:
                     G = tl.maximum(tl.max(tl.max(s_live, axis=0), axis=0), -120)
                     G2 = G
                 kexp = s - G2 + 6
-                inexact = live & (kexp < -8 - GRID)
-                fc = tl.where(ok, _pow2n(tl.maximum(kexp, -126)), float("nan"))
+                if GRID == 2:
+                    inexact = _inexact(live, kexp, GRID)
+                    fc = _carrier_factor(kexp, ok, GRID)
+                else:
+                    inexact = live & (kexp < -8 - GRID)
+                    fc = tl.where(ok, _pow2n(tl.maximum(kexp, -126)), float("nan"))
             else:
                 fc = sc
 

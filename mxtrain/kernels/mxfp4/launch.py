@@ -28,18 +28,31 @@ from ..caches import CACHES
 from .carrier import TILE_K, QuantOut, ceil_to
 from . import kernels as _kernels   # (its kernels exist where Triton imports; read at launch time)
 
-__all__ = ["RULE_ID", "GRID_ID", "BLOCK_ROTS", "FOLD_ROTS", "CAPPED_KERNELS", "DUAL_CONFIG", "DUAL_SEQ", "kernel_for",
+__all__ = ["RULE_ID", "GRID_ID", "KERNEL_RULES", "KERNEL_GRIDS",
+           "BLOCK_ROTS", "FOLD_ROTS", "CAPPED_KERNELS", "DUAL_CONFIG", "DUAL_SEQ", "kernel_for",
            "fold_applies", "dual_applies", "block_config", "single_kernel", "launch_opts", "needs_idx64",
            "single_args", "dual_args", "single_spec", "dual_spec", "SingleSpec", "DualSpec", "kernel_kwargs",
            "use_plans", "Plan", "DualPlan", "Launch", "LAUNCHES", "record_launches"]
 
-RULE_ID = {"floor": 0, "ceil": 1, "rceil": 2, "even": 3, "amd": 4}   # the kernels' RULE constexpr
+# The kernels' RULE constexpr, by scale rule: ``RULE_ID`` the rules the fast path takes (``mxtrain.linear.fast``'s
+# ``supported`` reads it), ``KERNEL_RULES`` every rule the kernels implement: also ``adaptive`` (5;
+# ``quant.REF_SCALE_RULES``' MX rule: per block floor's exponent or the next, whichever gives the lower squared error,
+# compared in the reference's exact float64 terms, ``device._adaptive_term``), bit-identical to the reference
+# (tests/test_rules_kernels.py) and not yet admitted to the fast path (issue #51: its admission, with the tests that
+# pin today's lists, is a change of its own).
+RULE_ID = {"floor": 0, "ceil": 1, "rceil": 2, "even": 3, "amd": 4}
+KERNEL_RULES = {**RULE_ID, "adaptive": 5}
 # The kernels' GRID constexpr, by MX format: the element grid rounded to. ``mxint4`` (integers -7..7 with E8M0
 # scales, the uniform 4-bit grid of the ``ufp4`` recipe) has E2M1's emax (2), so the same block exponents but for
 # ``rceil`` and ``even``; every INT4 value times a power of two from 2**-9 up is exact in e4m3 (one binade lower
 # than E2M1's 0.5), so its carrier blocks are inexact only below ``kexp = -9``. GRID 0 compiles to the code the
-# kernels had before the switch (tools/compile_check.py's hashes).
+# kernels had before the switch (tools/compile_check.py's hashes). ``mxe1m2`` (E1M2: INT4's grid divided by 4, emax 0,
+# so block exponents 2 above INT4's and up to 127) rounds ``4 v`` on INT4's grid with the same codes; its carrier holds
+# the magnitude code times ``2**(kexp - 2)`` (at most 112), exact from ``kexp = -7`` up (``carrier.EXACT_KEXP``).
+# ``GRID_ID``: the formats ``quantize_mxfp4_2d`` and the fast path take; ``KERNEL_GRIDS``: every grid the kernels
+# implement, ``mxe1m2`` too (implemented and tested, not yet admitted: as ``KERNEL_RULES``).
 GRID_ID = {"mxfp4": 0, "mxint4": 1}
+KERNEL_GRIDS = {**GRID_ID, "mxe1m2": 2}
 
 # ---------------------------------------------------------------------------------------------- the launch table
 
@@ -149,9 +162,10 @@ def single_kernel(kern: str, dev: torch.device, dtype: torch.dtype, BR: int, num
     """(the Triton kernel, its constexpr arguments) for one single-pass launch in layout ``kern``: the layout's
     own constexprs only (the others keep their defaults, so that no option they ignore makes a new variant)."""
     assert kern in _kernels.LAYOUTS, kern
-    consts = dict(BR=BR, ROT=rot, HAS_SIGNS=has_signs, RULE=RULE_ID[scale_rule], SR=sr, PRESCALE=prescale != 1.0,
+    consts = dict(BR=BR, ROT=rot, HAS_SIGNS=has_signs, RULE=KERNEL_RULES[scale_rule], SR=sr,
+                  PRESCALE=prescale != 1.0,
                   GROUP_ROWS=group_rows, WRITE_CARRIER=carrier, WRITE_FP4=fp4, IDX64=idx64, KEY_PTR=key_ptr,
-                  LAYOUT=kern, GRID=GRID_ID[fmt])
+                  LAYOUT=kern, GRID=KERNEL_GRIDS[fmt])
     if kern == "cols":
         per_thread = 4 * BR // (32 * num_warps)   # values of each [4, BR] tensor a thread holds
         assert per_thread in (2, 4, 8, 16), "cols kernel: 4 x block_rows must be 64, 128, ... x 32 x num_warps"
@@ -275,10 +289,11 @@ def dual_spec(shape, stride0: int, dtype: torch.dtype, dev: torch.device, a: dic
         dims.append((Rc, si[0], si[1], Kc, Kq, gsr, gsk))
         floats.append(rot_floats(rot, prescale))
         consts.update({f"BR_{sfx}": BR[axis], f"ROT_{sfx}": rot, f"HAS_SIGNS_{sfx}": side.get("signs") is not None,
-                       f"RULE_{sfx}": RULE_ID[side.get("scale_rule", "floor")], f"SR_{sfx}": rounding == "stochastic",
+                       f"RULE_{sfx}": KERNEL_RULES[side.get("scale_rule", "floor")],
+                       f"SR_{sfx}": rounding == "stochastic",
                        f"PRESCALE_{sfx}": prescale != 1.0, f"KEY_PTR_{sfx}": side.get("key_tensor") is not None,
                        f"FOLD_{sfx}": fold_applies(dtype, rot, prescale),
-                       f"GRID_{sfx}": GRID_ID[side.get("fmt", "mxfp4")]})
+                       f"GRID_{sfx}": KERNEL_GRIDS[side.get("fmt", "mxfp4")]})
     consts.update(GROUP_ROWS_B=gr_b, PACK_B=2 if pack == 2 else 4, IDX64=geo[0][2] or geo[1][2],
                   USE_ASM=dev.type == "cuda", SEQ=seq, CAR_B=not fp4_b, FP4_B=fp4_b)
     (nr_a, nk_a, _), (nr_b, nk_b, _) = geo

@@ -19,8 +19,8 @@ from ..caches import CACHES
 from . import kernels as _kernels   # (its kernels exist where Triton imports; read at launch time)
 from .carrier import (KERNEL_FORMATS, TILE_K, QuantOut, carrier_buffers, carrier_from_fp4, ceil_to, out_shapes,
                       reference_quantize)
-from .launch import (DUAL_CONFIG, DUAL_SEQ, GRID_ID, RULE_ID, DualPlan, Plan, dual_applies, dual_args, dual_spec, i32,
-                     launch, single_args, single_spec, use_plans)
+from .launch import (DUAL_CONFIG, DUAL_SEQ, GRID_ID, KERNEL_GRIDS, KERNEL_RULES, DualPlan, Plan, dual_applies,
+                     dual_args, dual_spec, i32, launch, single_args, single_spec, use_plans)
 from .verify import config_ok, dual_ok, selfcheck_applies, set_quantizers
 
 try:
@@ -270,8 +270,8 @@ def quantize_mxfp4_op(x: torch.Tensor, signs: torch.Tensor | None, axis: int, ro
     """Fused MXFP4 quantize as one op: (carrier uint8, group scales (contiguous; 1x128 ones
     transposed: (Kc/128, Rc)), inexact count, packed FP4, E8M0 scales); unused outputs are empty. ``grid``: the
     format's ``launch.GRID_ID``."""
-    rules = {v: k for k, v in RULE_ID.items()}
-    fmts = {v: k for k, v in GRID_ID.items()}
+    rules = {v: k for k, v in KERNEL_RULES.items()}
+    fmts = {v: k for k, v in KERNEL_GRIDS.items()}
     q = quantize_mxfp4_2d(x, axis, rot=rot, signs=signs, rounding="stochastic" if stochastic else "nearest",
                           scale_rule=rules[rule], key=key, prescale=prescale, index_strides=(si0, si1),
                           carrier=carrier, fp4=fp4, group_rows=group_rows, row_multiple=row_multiple,
@@ -316,9 +316,9 @@ def quantize_op(x: torch.Tensor, axis: int, *, rot: int = 0, signs=None, roundin
     else:
         K, R = x.shape
         si = index_strides or (1, x.shape[1])
-    car, gs, cnt, pk, sc = quantize_mxfp4_op(x, signs, axis, rot, rounding == "stochastic", RULE_ID[scale_rule],
+    car, gs, cnt, pk, sc = quantize_mxfp4_op(x, signs, axis, rot, rounding == "stochastic", KERNEL_RULES[scale_rule],
                                               i32(key), float(prescale), si[0], si[1], carrier, fp4,
-                                              group_rows, row_multiple, k_multiple, GRID_ID[fmt])
+                                              group_rows, row_multiple, k_multiple, KERNEL_GRIDS[fmt])
     gview = None
     if carrier:
         gview = gs.t() if group_rows == 1 else gs[:, : ceil_to(max(K, 1), k_multiple) // TILE_K]
