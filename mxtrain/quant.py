@@ -52,7 +52,7 @@ largest binade, ``max_elem`` its largest value):
 * ``even``: round ``sig`` to the element's mantissa width (half to even) first, then ``floor``.
 * ``amd``: ``floor``, plus one when ``sig >= 1.75`` (ROCm Transformer Engine's MXFP4 cast adds
   2**21 to the float32 bit pattern and clears the mantissa). For FP4 this equals ``even``.
-* ``adaptive`` (reference path only: ``REF_SCALE_RULES``): per block, ``floor``'s exponent ``s`` or ``s + 1``,
+* ``adaptive`` (``REF_SCALE_RULES``; in the MXFP4 kernels too): per block, ``floor``'s exponent ``s`` or ``s + 1``,
   whichever gives the lower squared error of the block quantized with round-to-nearest-even (ties, e.g. a
   block both represent exactly, keep ``s``; ``s + 1`` only where it is within the clamp). The E8M0 analogue
   of "Four over Six" (Cook et al., arXiv 2512.02010: per NVFP4 block, scale the maximum to 4 or to 6,
@@ -66,7 +66,7 @@ largest binade, ``max_elem`` its largest value):
 
 Scale rule for NVFP4 (any other rule leaves NVFP4's standard block scale):
 
-* ``four_over_six`` (reference path only: ``REF_SCALE_RULES``): "Four over Six" (Cook et al., arXiv 2512.02010).
+* ``four_over_six`` (``REF_SCALE_RULES``; in the NVFP4 kernel too): "Four over Six" (Cook et al., arXiv 2512.02010).
   Per block (16 values, or a 16x16 tile), two candidate E4M3 block scales, both from the block maximum as the
   standard path computes its own: ``b6 = e4m3(amax / (g * 6))`` (the standard scale, bit for bit) and
   ``b4 = e4m3(amax / (g * 4))`` (``g * 4`` is exact), each rounded to nearest even and saturated at 448. Each
@@ -136,7 +136,10 @@ __all__ = [
 ]
 
 SCALE_RULES = ("floor", "ceil", "rceil", "even", "amd")   # every implementation has these (kernels included)
-REF_SCALE_RULES = ("adaptive", "four_over_six")   # the reference quantizer only: never given to a kernel
+# rules that ``reference_only`` keeps on this module: the reference path's MX kernel (``kernels/mxelem.py``) and the
+# compiled forms lack them; the NVFP4 kernel implements ``four_over_six`` (``kernels.nvfp4.KERNEL_RULES``) and the
+# MXFP4 kernels ``adaptive`` (``kernels.mxfp4.launch.KERNEL_RULES``), each given it only where its caller admits it
+REF_SCALE_RULES = ("adaptive", "four_over_six")
 REF_RULE_KIND = {"adaptive": "mx", "four_over_six": "nvfp4"}   # the format kind each of them is defined for
 ALL_SCALE_RULES = SCALE_RULES + REF_SCALE_RULES
 ROUNDINGS = ("nearest", "stochastic")

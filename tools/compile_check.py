@@ -373,9 +373,10 @@ def _stats(v, c):
     regs = int(re.search(r"REG:(\d+)", res).group(1))
     n_sass = sum(1 for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", ln))
     text = re.sub(r"_(mxfp4|nvfp4|finite_amax|expand)\w*", "K", "\n".join(code))
-    # the same PTX but for the rounding modifiers of float adds and multiplies (".rn": what a build without
-    # contraction writes so that ptxas fuses nothing) and the register cap directive (a launch option)
-    plain = re.sub(r"^(add|sub|mul)\.rn\.f32", r"\1.f32", text, flags=re.M)
+    # the same PTX but for the rounding modifiers of float adds and multiplies, float32 and float64 (the adaptive
+    # rule's terms) (".rn": what a build without contraction writes so that ptxas fuses nothing) and the register
+    # cap directive (a launch option)
+    plain = re.sub(r"^(add|sub|mul)\.rn\.f(32|64)", r"\1.f\2", text, flags=re.M)
     plain = re.sub(r"^\.maxnreg \d+\n", "", plain, flags=re.M)
     r = {"regs": regs, "sass": n_sass, "ptx": n_ptx, "hash": hashlib.sha1(text.encode()).hexdigest()[:12],
          "hash_plain": hashlib.sha1(plain.encode()).hexdigest()[:12]}
@@ -396,7 +397,7 @@ def _stats(v, c):
 # The variants the compiled MX layer launches through inductor, which compiles user kernels with floating-point
 # contraction on (mxtrain/kernels/mxfp4/traced.py): each must compile to the same code either way.
 FUSION_CHECKED = tuple(n for n in VARIANTS if n.startswith("graph "))
-FLOAT_OPS = ("FFMA", "FMUL", "FADD")
+FLOAT_OPS = ("FFMA", "FMUL", "FADD", "DFMA", "DMUL", "DADD")
 
 
 def fusion_check(names=FUSION_CHECKED, arch: int = 90, jobs: int = 1) -> dict:

@@ -158,8 +158,8 @@ if HAS_TRITON:
         sign of ``g * A - 2 * B`` decides, ``A = sum(a*a - c*c)``, ``B = sum(xs * (a - c))``, in float64 and in
         the reference's operations: every product, difference and partial sum of ``A`` and ``B`` is exact
         (``mxtrain.quant``'s docstring), so the sums do not depend on their order, and ``g * A`` and the final
-        subtraction are the reference's two correctly rounded float64 operations (the kernel is compiled without
-        contraction: an FMA of them could round differently)."""
+        subtraction are the reference's two correctly rounded float64 operations, kept apart with contraction on
+        or off (an FMA of the two could round differently)."""
         xz = tl.where(fin, xs, 0.0)
         a = _block_values(xz, b4, g).to(tl.float64)
         c = _block_values(xz, b6, g).to(tl.float64)
@@ -173,7 +173,9 @@ if HAS_TRITON:
         else:
             A = A[:, :, :, None]
             B = B[:, :, :, None]
-        return g.to(tl.float64) * A - 2.0 * B < 0.0
+        # (g * A as an FMA with +0: the reference's rounded product, which no contraction can fuse into the
+        # subtraction; 2 * B is exact, so an FMA of it rounds the same difference)
+        return tl.fma(g.to(tl.float64), A, 0.0) - 2.0 * B < 0.0
 
     @triton.jit
     def _nvfp4_kernel(x_ptr, out_ptr, g_ptr, key64_ptr, signs_ptr, key, prescale, M, K, Ko, s_m, s_k, o_m, o_k,
