@@ -197,12 +197,11 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(quant, "warm_elem_tables", lambda d: None)
     CACHES.clear()
 
-    def tensors(c=(9, 0)):
+    def tensors(c=(9, 0)):   # (called in the fake mode: an input (256 tokens, K 256) and a weight (N 512))
         cap[0] = c
         CACHES.clear()
-        with FakeTensorMode():
-            return (torch.zeros(256, 256, device="cuda", dtype=torch.bfloat16),
-                    torch.zeros(512, 256, device="cuda", dtype=torch.bfloat16))
+        return (torch.zeros(256, 256, device="cuda", dtype=torch.bfloat16),
+                torch.zeros(512, 256, device="cuda", dtype=torch.bfloat16))
     with ic.patch(pre_grad_custom_pass=None), FakeTensorMode():
         yield tensors
     CACHES.clear()
