@@ -151,6 +151,28 @@ def test_four_over_six_admission_selfcheck_and_routing():
         CACHES.verified.pop(k1, None)
 
 
+def test_four_over_six_layer_runs_the_kernel():
+    """An ``nvfp4-4over6`` layer under bf16 autocast with the kernel setting on: its six operands go through the NVFP4
+    kernel (``Ctx.operand_factored``), and outputs and gradients equal those with the kernel off."""
+    from mxtrain import MXLinear
+    dev_type = "cuda" if DEV == "cuda" else "cpu"
+    mode = "auto" if DEV == "cuda" else "always"
+    out = {}
+    for m in ("off", mode):
+        torch.manual_seed(0)
+        lin = MXLinear(64, 32, recipe="nvfp4-4over6", layer_id=1).to(DEV)
+        x = torch.randn(2, 16, 64, device=DEV, requires_grad=True)
+        n0 = K.CALLS["kernel"]
+        with settings.override(nvfp4_kernel=m, qselfcheck="off"):
+            with torch.autocast(dev_type, dtype=torch.bfloat16):
+                y = lin(x)
+            y.float().square().sum().backward()
+        out[m] = (y.detach(), x.grad, lin.weight.grad, K.CALLS["kernel"] - n0)
+    assert out["off"][3] == 0 and out[mode][3] == 6
+    for a, b in zip(out["off"][:3], out[mode][:3]):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("shape", [(4096, 1024), (1000, 2056)])
 @pytest.mark.parametrize("axis", [1, 0])

@@ -220,12 +220,13 @@ class Ctx:
         spec = (axis, rot.size if rot.enabled else 0, op.fmt, op.block_size, op.rounding, op.scale_rule,
                 op.prescale, True)
         mode = _settings.current().nvfp4_kernel
-        # (the kernel has the standard block scale only: a rule of the reference alone, ``four_over_six``, stays here)
-        if not reference_only(op.fmt, op.scale_rule) and (mode == "always" or (mode == "auto" and t.is_cuda)):
-            from ..kernels.nvfp4 import factored_operand
-            res = factored_operand(t, signs if rot.enabled else None, key, *spec[:-1], out_dtype=out_dtype)
-            if res is not None:
-                return res[0], op.prescale, res[1]
+        if mode == "always" or (mode == "auto" and t.is_cuda):
+            from ..kernels.nvfp4 import factored_operand, kernel_rule
+            # (the kernel has NVFP4's standard block scale and ``four_over_six``, a rule ``reference_only`` names)
+            if not reference_only(op.fmt, op.scale_rule) or kernel_rule(op.scale_rule):
+                res = factored_operand(t, signs if rot.enabled else None, key, *spec[:-1], out_dtype=out_dtype)
+                if res is not None:
+                    return res[0], op.prescale, res[1]
         v, g = REF_COMPILE.run(t, signs if rot.enabled else None, key, spec)
         return v, op.prescale, g
 
