@@ -94,10 +94,10 @@ def fake_hopper() -> None:
     with exact 1x128 x 128x128 and 1x128 x 1x128 blockwise ``_scaled_mm``), every one on the compiled layer's
     path: ``kernels.capability`` (hence ``kernels.backend``: ``fp8_carrier``), ``gemm.probe`` (what cuBLAS's
     blockwise GEMM gets right: weight and Wgrad group rows) and the trace-time self-check of each kernel variant
-    (setting ``qselfcheck=off``: it runs the variant on the GPU). (``torch.cuda.get_device_capability``, which
-    the per-tensor FP8 forms ask, is not on the path of the MX recipes captured here.) ``kernels.kernels_available``, ``fast.KERNELS`` and
-    ``compiledmx``'s ``AVAILABLE`` answer from Triton's presence, as on the GPU; Triton's target is sm_90 for
-    torch's analysis of the launches."""
+    (setting ``qselfcheck=off``: it runs the variant on the GPU). ``kernels.kernels_available``, ``fast.KERNELS``
+    and ``compiledmx``'s ``AVAILABLE`` answer from Triton's presence, as on the GPU; Triton's target is sm_90 for
+    torch's analysis of the launches. (``torch.cuda.get_device_capability``, which the per-tensor FP8 forms ask,
+    is not on the path of the MX recipes captured here.)"""
     import triton
     from triton.backends.compiler import GPUTarget
     import mxtrain.kernels as MK

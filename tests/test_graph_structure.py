@@ -97,7 +97,7 @@ def test_a_layer_is_five_quantize_launches_and_three_gemms(graphs, case):
     fw, bw = g["fw"], g["bw"]
     assert _sum(fw["ops"], bw["ops"]) == LAUNCHES_PER_LAYER, (fw["ops"], bw["ops"])
     assert _sum(fw["q_single_layouts"], bw["q_single_layouts"]) == LAYOUTS_PER_LAYER
-    assert (fw["scaled_mm"], bw["scaled_mm"]) == (1, 2)
+    assert fw["scaled_mm"] + bw["scaled_mm"] == GEMMS_PER_LAYER and (fw["scaled_mm"], bw["scaled_mm"]) == (1, 2)
     assert fw["ops"]["q_dual"] == 1 and fw["q_single_layouts"].get("blocks") == 1   # X's and W's Fprop operands
     assert bw["ops"].get("q_dual") == 1                                             # dY's two operands
     assert fw["mxtrain_ops"] == [] and bw["mxtrain_ops"] == []
@@ -109,7 +109,9 @@ def test_a_layer_is_five_quantize_launches_and_three_gemms(graphs, case):
     "codes (0.53 bytes an element). Cause: the backward's launches add to the x and w inexact-block counters, "
     "which the forward's launches mutate too; aot_autograd completes a mutated graph input in the forward (its "
     "final value is a forward output), so every launch that writes it must run there. Counting the backward's "
-    "launches into counters the forward does not write (tried: the dy counter) gives the design's graphs"))
+    "launches into counters the forward does not write (tried: the dy counter) gives the design's graphs. At "
+    "Llama-8B layer shapes (16384 tokens, mxtrain.model.Block, fake Hopper) the backward then receives 10.07 "
+    "instead of 10.55 GiB a block (9.97 with mx_compiled=shared, whose merged X pass saves nothing today)"))
 @pytest.mark.parametrize("case", ["linear mxfp4-all-dh16"])
 def test_the_backward_quantizes_in_the_backward(graphs, case):
     """The design (module docstring): the forward keeps X's Wgrad operand as FP4 codes and the backward
@@ -140,7 +142,7 @@ def test_a_block_quantizes_a_shared_input_once(graphs):
     assert fw["ops"]["q_dual"] == 4 and bw["ops"]["q_dual"] == 7
     assert _sum(fw["ops"], bw["ops"]) == _sum(_times(LAUNCHES_PER_LAYER, 7), {"q_dual": -3})
     assert _sum(fw["q_single_layouts"], bw["q_single_layouts"]) == _times(LAYOUTS_PER_LAYER, 7)
-    assert (fw["scaled_mm"], bw["scaled_mm"]) == (7, 14)
+    assert (fw["scaled_mm"], bw["scaled_mm"]) == (7, 14) and fw["scaled_mm"] + bw["scaled_mm"] == 7 * GEMMS_PER_LAYER
     assert fw["mxtrain_ops"] == [] and bw["mxtrain_ops"] == []
 
 
@@ -152,7 +154,7 @@ def test_a_block_with_fused_projections(graphs):
     fw, bw = g["fw"], g["bw"]
     assert _sum(fw["ops"], bw["ops"]) == _times(LAUNCHES_PER_LAYER, 4)
     assert _sum(fw["q_single_layouts"], bw["q_single_layouts"]) == _times(LAYOUTS_PER_LAYER, 4)
-    assert (fw["scaled_mm"], bw["scaled_mm"]) == (4, 8)
+    assert (fw["scaled_mm"], bw["scaled_mm"]) == (4, 8) and fw["scaled_mm"] + bw["scaled_mm"] == 4 * GEMMS_PER_LAYER
     assert fw["mxtrain_ops"] == [] and bw["mxtrain_ops"] == []
 
 
