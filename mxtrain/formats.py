@@ -23,8 +23,8 @@ element's mantissa width: 3 bits for INT4, 2 for E1M2) and except for blocks who
 2**-125, where E8M0's smallest scale 2**-127 leaves ``mxe1m2`` a finer step (2**-129) than ``mxint4``
 (2**-127). Every value of either grid times a power of two within FP8 E4M3's range is exact in E4M3 (at most
 3 significant bits; tests/test_ufp4.py checks it exhaustively), so an FP8 carrier runs them on Hopper:
-``mxtrain.linear.fast`` takes ``mxint4`` (the fused quantizer's INT4 grid, docs/kernels.md); ``mxe1m2`` runs on the
-reference path only.
+``mxtrain.linear.fast`` takes both (the fused quantizer's INT4 and E1M2 grids, docs/kernels.md); the compiled MX
+forms and the reference path's fused MX kernel take neither.
 
 Element formats are described by (exponent bits, mantissa bits, bias, largest finite value). The
 quantizer rounds onto the finite grid only and saturates to +-max, as hardware conversions with
@@ -128,7 +128,7 @@ class Format:
     def reference_only(self) -> bool:
         """On the reference path only the reference quantizer (``mxtrain.quant``) implements this format: no
         fused kernel of that path (``kernels/mxelem.py``) and no compiled form may be given it (the uniform 4-bit
-        grids). The fast path has its own answer, ``mxtrain.linear.fast.supported``: it takes ``mxint4``."""
+        grids). The fast path has its own answer, ``mxtrain.linear.fast.supported``: it takes both."""
         return self.name in REFERENCE_ONLY
 
 
@@ -151,7 +151,7 @@ FORMATS = {
 
 
 # formats that no kernel of the reference path and no compiled form runs (``Format.reference_only``; the fast
-# path's fused quantizer takes ``mxint4``: ``mxtrain.kernels.mxfp4.carrier.KERNEL_FORMATS``)
+# path's fused quantizer takes both: ``mxtrain.kernels.mxfp4.carrier.KERNEL_FORMATS``)
 REFERENCE_ONLY = frozenset({"mxint4", "mxe1m2"})
 
 

@@ -146,8 +146,9 @@ class Operand:
     * ``fmt``: a format name (``mxtrain.format_names()``); ``bf16`` means not quantized.
     * ``rounding``: ``nearest`` or ``stochastic``.
     * ``scale_rule``: MX shared-exponent rule (``floor``, ``ceil``, ``rceil``, ``even``, ``amd``; or
-      ``adaptive``, which only the reference path runs: ``mxtrain.quant``); for ``nvfp4``, ``four_over_six``
-      (reference path only) chooses each block's scale by "Four over Six".
+      ``adaptive``: the reference quantizer, ``mxtrain.quant``, and the fast path's fused quantizers, not the
+      compiled MX forms); for ``nvfp4``, ``four_over_six`` (the reference and the fused NVFP4 quantizer) chooses
+      each block's scale by "Four over Six".
     * ``prescale``: multiply before quantizing; the GEMM output is divided by the operands' product.
     * ``block_2d``: NVFP4 only: 16x16 tiles (weights), so W and W^T quantize identically.
     """

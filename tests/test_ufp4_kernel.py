@@ -183,17 +183,19 @@ def test_carrier_exact_one_binade_lower_than_e2m1():
 
 
 def test_fast_path_admits_the_uniform_grid_and_round_up_scales():
-    """``fast.supported``: the ``ufp4`` preset and any preset of MXFP4 or MXINT4 with a scale rule the kernels have
-    (``rceil`` included); not the reference's ``adaptive`` rule, ``mxe1m2`` (not in the kernels), or NVFP4."""
-    for name in ("ufp4", "ufp4+rceil", "ufp4+even", "mxfp4-all+rceil", "mxfp4-all-dh16+rceil"):
+    """``fast.supported``: the ``ufp4`` preset and any preset of MXFP4, MXINT4 or MXE1M2 with a scale rule the kernels
+    have (``rceil`` and ``adaptive`` included: tests/test_rules_kernels.py); not NVFP4 or an MXFP6 format."""
+    for name in ("ufp4", "ufp4+rceil", "ufp4+even", "mxfp4-all+rceil", "mxfp4-all-dh16+rceil", "mxfp4-all-adaptive",
+                 "ufp4+adaptive"):
         assert fast.supported(recipes.get(name)), name
-    for name in ("mxfp4-all-adaptive", "ufp4+adaptive", "nvfp4-4over6", "nvfp4"):
+    for name in ("nvfp4-4over6", "nvfp4"):
         assert not fast.supported(recipes.get(name)), name
-    assert not fast.supported(recipes.get("mxfp4-all").with_(**{"fprop_x.fmt": "mxe1m2"}))
-    assert set(GRID_ID) == set(kc.KERNEL_FORMATS) == {"mxfp4", "mxint4"} and set(RULE_ID) == set(SCALE_RULES)
-    assert ops.supported("mxint4") and not ops.supported("mxe1m2")
+    assert fast.supported(recipes.get("mxfp4-all").with_(**{"fprop_x.fmt": "mxe1m2"}))
+    assert set(GRID_ID) == set(kc.KERNEL_FORMATS) == {"mxfp4", "mxint4", "mxe1m2"}
+    assert set(RULE_ID) == set(SCALE_RULES) | {"adaptive"}
+    assert ops.supported("mxint4") and ops.supported("mxe1m2") and not ops.supported("mxfp6_e2m3")
     with pytest.raises(ValueError, match="no fused kernel"):
-        ops.quantize_mxfp4_2d(torch.ones(4, 32), 1, fmt="mxe1m2")
+        ops.quantize_mxfp4_2d(torch.ones(4, 32), 1, fmt="mxfp6_e2m3")
 
 
 # ---------------------------------------------------------------------------------------------- GPU (cuda)

@@ -39,6 +39,7 @@ import torch
 
 from ._constant import assume_constant_result
 from ..kernels.mxfp4 import traced as _traced  # noqa: F401  (registers mxtrain::q_single, q_dual, q_expand)
+from ..quant import SCALE_RULES
 
 __all__ = ["applies", "linear", "plan", "spec", "seeded", "share_inputs", "SharePass", "install_share_pass", "TRACE_TIME_SETTINGS"]
 
@@ -128,8 +129,8 @@ def spec(recipe) -> str | None:
         if not oa.quantized and not ob.quantized and not rot.enabled and oa.prescale == ob.prescale == 1.0:
             parts.append("p")
             continue
-        if not (oa.fmt == ob.fmt == "mxfp4"):
-            return None
+        if not (oa.fmt == ob.fmt == "mxfp4") or oa.scale_rule not in SCALE_RULES or ob.scale_rule not in SCALE_RULES:
+            return None   # (the adaptive rule: the fast path's eager kernels only, not yet run on a GPU)
         size = rot.size if rot.enabled else 0
         signs = rot.enabled and rot.signs != "none"
         head = f"m{size}:{oa.scale_rule}:{ob.scale_rule}"

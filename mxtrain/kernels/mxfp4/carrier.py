@@ -28,7 +28,7 @@ MIN_G = -120   # group exponent floor: keeps 2**(G-6) a normal float32
 # ``kexp = s - G + 6`` at which the carrier holds every value of a block exactly: the smallest non-zero element
 # (E2M1 0.5, INT4 1, E1M2 0.25) times 2**kexp must be at least e4m3's quantum 2**-9.
 # (``KERNEL_FORMATS``: the formats the fast path takes; the kernels implement ``mxe1m2`` too, ``launch.KERNEL_GRIDS``)
-KERNEL_FORMATS = ("mxfp4", "mxint4")
+KERNEL_FORMATS = ("mxfp4", "mxint4", "mxe1m2")
 EXACT_KEXP = {"mxfp4": -8, "mxint4": -9, "mxe1m2": -7}
 
 

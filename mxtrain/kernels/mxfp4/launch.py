@@ -40,8 +40,8 @@ __all__ = ["RULE_ID", "GRID_ID", "KERNEL_RULES", "KERNEL_GRIDS",
 # compared in the reference's exact float64 terms, ``device._adaptive_term``), bit-identical to the reference
 # (tests/test_rules_kernels.py) and not yet admitted to the fast path (issue #51: its admission, with the tests that
 # pin today's lists, is a change of its own).
-RULE_ID = {"floor": 0, "ceil": 1, "rceil": 2, "even": 3, "amd": 4}
-KERNEL_RULES = {**RULE_ID, "adaptive": 5}
+RULE_ID = {"floor": 0, "ceil": 1, "rceil": 2, "even": 3, "amd": 4, "adaptive": 5}
+KERNEL_RULES = RULE_ID
 # The kernels' GRID constexpr, by MX format: the element grid rounded to. ``mxint4`` (integers -7..7 with E8M0
 # scales, the uniform 4-bit grid of the ``ufp4`` recipe) has E2M1's emax (2), so the same block exponents but for
 # ``rceil`` and ``even``; every INT4 value times a power of two from 2**-9 up is exact in e4m3 (one binade lower
@@ -51,8 +51,8 @@ KERNEL_RULES = {**RULE_ID, "adaptive": 5}
 # the magnitude code times ``2**(kexp - 2)`` (at most 112), exact from ``kexp = -7`` up (``carrier.EXACT_KEXP``).
 # ``GRID_ID``: the formats ``quantize_mxfp4_2d`` and the fast path take; ``KERNEL_GRIDS``: every grid the kernels
 # implement, ``mxe1m2`` too (implemented and tested, not yet admitted: as ``KERNEL_RULES``).
-GRID_ID = {"mxfp4": 0, "mxint4": 1}
-KERNEL_GRIDS = {**GRID_ID, "mxe1m2": 2}
+GRID_ID = {"mxfp4": 0, "mxint4": 1, "mxe1m2": 2}
+KERNEL_GRIDS = GRID_ID
 
 # ---------------------------------------------------------------------------------------------- the launch table
 
