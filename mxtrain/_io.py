@@ -5,6 +5,8 @@ Layer 0: imports the standard library and ``mxtrain.errors`` only (train, study,
 - ``write_atomic`` / ``write_bytes`` / ``write_text`` / ``write_json``: a file written into a temporary sibling
   (``temp_path``: ``.NAME.tmp-PID``), flushed and fsynced, then renamed over the file: a crash or a full disk
   leaves the previous file whole, and the temporary is removed whatever stopped the write.
+- ``check_writable``: whether a file can be made in a folder, before the work whose result goes there.
+- ``read_regular``: a regular file's content (a device or pipe refused before it is opened), with a size limit.
 - ``replace_folder`` and ``swap_in``: a finished temporary folder renamed into place.
 - ``FolderLock``: an exclusive ``flock`` on a folder's lock file, which holds the owner's pid; ``lock_holder``:
   who holds one (a shared, non-blocking probe). ``pid_alive``: whether a process still runs.
@@ -92,6 +94,42 @@ def write_atomic(path: Path, write: Callable, what: str = "", user_error: bool =
 def write_bytes(path: Path, data: bytes, what: str = "", user_error: bool = True) -> None:
     """``data`` into ``path`` through ``write_atomic`` (whole or not at all)."""
     write_atomic(path, lambda f: f.write(data), what, user_error)
+
+
+def read_regular(path: Path, what: str = "", limit: int | None = None, encoding: str | None = "utf-8"):
+    """The content of the regular file ``path`` (text in ``encoding``; bytes with ``encoding=None``), a symbolic link
+    followed. A device, a pipe or a socket is a ``UserError`` before it is opened (``/dev/zero`` would be read until
+    the memory is full, a pipe waited on for ever), and so is a file over ``limit`` bytes; ``what`` names the file's
+    role in the message ("config file "). Other errors (a missing file, an unreadable one, bytes that are not
+    ``encoding``) are raised as they come, for the caller to word."""
+    import stat
+    p = Path(path)
+    st = os.stat(p)
+    if stat.S_ISDIR(st.st_mode):
+        raise IsADirectoryError(errno.EISDIR, "Is a directory", str(p))
+    if not stat.S_ISREG(st.st_mode):
+        raise UserError(f"{what}{p} is not a regular file (a device, a pipe or a socket): give a file")
+    if limit is not None and st.st_size > limit:
+        raise UserError(f"{what}{p} is {st.st_size:,} bytes, more than such a file can be ({limit:,}); give the "
+                        f"right file")
+    with open(p, "rb") as f:
+        data = f.read() if limit is None else f.read(limit + 1)
+    if limit is not None and len(data) > limit:   # (it grew after the stat)
+        raise UserError(f"{what}{p} is more than {limit:,} bytes, more than such a file can be; give the right file")
+    return data if encoding is None else data.decode(encoding)
+
+
+def check_writable(folder: Path, what: str) -> None:
+    """A file can be made in ``folder`` (a read-only or full file system, a folder of another user's): asked before
+    a long computation whose result goes there, not after it. Refused: a ``UserError`` naming ``what`` (e.g.
+    "--json eval.json") and why. The probe is ``temp_path``'s name, removed at once."""
+    probe = temp_path(Path(folder) / ".write-test")
+    try:
+        with open(probe, "wb"):
+            pass
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"{what}: cannot write to {folder}: {e.strerror or e}") from None
 
 
 def write_text(path: Path, text: str, what: str = "", user_error: bool = True) -> None:

@@ -94,8 +94,25 @@ def corpus_prepare_hint(out: str, manifest: dict) -> str:
     return f"mxtrain data prepare {files} --val {out}/val --out DATA"
 
 
+def check_text_field(text_field: str, sources: list[str], flag: str = "--text-field") -> None:
+    """A text field other than the default names the text in JSON, Parquet or datasets sources: given for sources
+    with none of them (plain text, the built-in corpus, a prepared folder) it would be dropped, so it is refused."""
+    if text_field == "text":
+        return
+    from pathlib import Path
+
+    from .data.sources import BUILTIN, expand_sources, kind_of
+    srcs = [s for s in sources if s != BUILTIN and not (Path(s) / "meta.json").is_file()]   # (prepared: tokens)
+    files = expand_sources(srcs, note_fn=None, warn_fn=None) if srcs else []
+    if not any(kind_of(Path(f)) in ("json", "parquet", "hf-disk") for f in files):
+        raise UserError(f"{flag} {text_field}: none of the data is JSON, Parquet or a datasets folder (the field "
+                        f"names their text; plain text, the built-in corpus and prepared folders have none); leave "
+                        f"it out")
+
+
 def _cmd_prepare(args) -> int:
     from .data import default_builtin_dir, prepare
+    check_text_field(args.text_field, list(args.sources) + list(getattr(args, "val", None) or []))
     out = args.out
     if out is None:
         out = default_builtin_dir(args.vocab_size) if args.sources == ["builtin"] and not args.tokenizer else "data/prepared"
@@ -197,7 +214,8 @@ def build_config(args):
 
     from .train import TrainConfig, apply_overrides, experiments
     from .train import checkpoint as ckpt
-    from .train.config import check_init_from, check_model_shape, load_train_config
+    from ._io import read_regular
+    from .train.config import CONFIG_MAX_BYTES, check_init_from, check_model_shape, load_train_config
     config_file = _config_file_arg(args)
     file_model: dict = {}   # the config file's model table (what it sets of the model)
     if args.resume is not None:
@@ -213,8 +231,9 @@ def build_config(args):
             raise UserError(f"--resume {src}: no config.json beside the checkpoint {path}; give a run folder, or a "
                             f"checkpoint file inside its run folder (the run's config.json is read from there)")
         try:
-            cfg = TrainConfig.from_dict(json.loads(cfg_file.read_text()), source=str(cfg_file))
-        except (OSError, json.JSONDecodeError, RecursionError) as e:
+            cfg = TrainConfig.from_dict(json.loads(read_regular(cfg_file, "", limit=CONFIG_MAX_BYTES)),
+                                        source=str(cfg_file))
+        except (OSError, ValueError, RecursionError) as e:   # (ValueError: not JSON, not UTF-8)
             raise UserError(f"cannot read {cfg_file} to resume ({e})") from None
         # the run continues where its checkpoint is (a copied or moved run stays in its new place), unless
         # --out names another folder (applied below with the other flags)
@@ -428,6 +447,30 @@ def make_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+# options whose empty value means something: an empty prompt; no reference arms (clearing a preset's); every case
+# of bench quantize (a filter every name contains); --arms '' has its own message
+_EMPTY_MEANS = {("generate", "--prompt"), ("study", "--references"), ("report", "--references"), ("study", "--arms"),
+                ("bench", "--filter")}
+
+
+def _refuse_empty(argv: list[str], cmd) -> None:
+    """An empty argument (``--out ""``, ``--data=``, ``eval ""``: a shell variable that was never set) is one line,
+    not read as "not given" (``--out ""`` trained into the default folder, ``--exp ""`` the default experiment,
+    ``eval RUN --data ""`` read the working folder as the data): a value given is used or refused (#47)."""
+    for i, tok in enumerate(argv):
+        if tok.startswith("--") and "=" in tok:
+            opt, val = tok.split("=", 1)
+        elif tok == "" and i > 0 and argv[i - 1].startswith("-") and "=" not in argv[i - 1]:
+            opt, val = argv[i - 1], tok
+        elif tok == "":
+            raise UserError(f"an empty argument ('') after `{' '.join(argv[:i]) or 'mxtrain'}`: give a file or folder "
+                            f"name there")
+        else:
+            continue
+        if val == "" and (cmd, opt) not in _EMPTY_MEANS and opt != "--set":   # (--set '' says what it expects)
+            raise UserError(f"{opt} '': an empty value (an unset shell variable?); give one, or leave {opt} out")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -436,6 +479,7 @@ def main(argv: list[str] | None = None) -> int:
         parser = make_parser(argv)
         args = parser.parse_args(argv)
         args.argv = argv  # for train --nproc N, which re-runs the command under torchrun
+        _refuse_empty(argv, getattr(args, "cmd", None))
         if args.version:
             from . import __version__
             print(f"mxtrain {__version__}")

@@ -17,7 +17,7 @@ import math
 import sys
 from pathlib import Path
 
-from ._io import write_text
+from ._io import check_writable, write_text
 from .errors import UserError, number_flag
 
 __all__ = ["add_parsers", "register", "cmd_export", "cmd_generate", "cmd_eval", "main"]
@@ -156,8 +156,8 @@ def _json_safe(obj):
 
 def _is_eval_json(p: Path) -> bool:
     """Whether ``p`` holds what ``eval --json`` writes (a JSON object with its loss and perplexity)."""
-    try:
-        if p.stat().st_size > 1 << 20:
+    try:   # (a regular file of at most 1 MiB: /dev/zero would be read until the memory is full)
+        if not p.is_file() or p.stat().st_size > 1 << 20:
             return False
         d = json.loads(p.read_text())
     except (OSError, ValueError):
@@ -166,7 +166,10 @@ def _is_eval_json(p: Path) -> bool:
 
 
 def cmd_eval(args) -> int:
+    from .cli import check_text_field
     from .generate import evaluate
+    if Path(args.data).exists() or args.data == "builtin":   # (a missing one: evaluate says so)
+        check_text_field(args.text_field, [args.data])
     if args.json and args.json != "-":   # before the evaluation, not after it (#47)
         jp = Path(args.json)
         if jp.is_dir():
@@ -176,6 +179,7 @@ def cmd_eval(args) -> int:
         if jp.exists() and not _is_eval_json(jp):   # replace an earlier result, never another file (#47)
             raise UserError(f"--json {args.json} exists and is not an earlier result of mxtrain eval; give a new file "
                             "name (or remove that file)")
+        check_writable(jp.parent, f"--json {args.json}")   # (a read-only or full folder: now, not after it)
     res = evaluate(args.run, args.data, step=args.step, precision=_precision(args), device=args.device,
                    batch_size=args.batch_size, max_tokens=args.max_tokens, text_field=args.text_field,
                    progress=False if args.no_progress else None)

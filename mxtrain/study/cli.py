@@ -295,6 +295,11 @@ def apply_study_file(args: argparse.Namespace, path) -> None:
         v = _coerce(v, tp, f"study.{k}", src)
         if k == "preset" and v is not None and v not in PRESETS:
             raise UserError(f"{src}: study.preset: unknown preset {v!r}; presets: {', '.join(sorted(PRESETS))}")
+        if v == "":   # (not "not given": the file gave it; a flag's '' is refused the same way)
+            raise UserError(f"{src}: study.{k} = '': an empty value; give one, or leave study.{k} out")
+        if k == "exp" and v is not None and v not in experiments.names():   # (even where --exp wins)
+            raise UserError(f"{src}: study.exp: {v!r} is not an experiment (the base config of every run); "
+                            f"experiments: {', '.join(experiments.names())}")
         if getattr(args, k, None) is None:
             setattr(args, k, v)
             from_study[k] = v

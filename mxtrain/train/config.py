@@ -27,6 +27,7 @@ from typing import Any, Optional
 import torch
 
 from ..distributed import MODES
+from .._io import read_regular
 from ..errors import UserError, check_number
 from ..model import ModelConfig
 from . import profiling
@@ -444,6 +445,7 @@ def check_model_shape(cfg: TrainConfig, given: dict | None = None) -> None:
     over = shape_overrides(m)
     if not over:
         return
+    _check_model_numbers(m)
     try:
         ModelConfig.named(m.name, **over)
     except (UserError, TypeError, ValueError) as e:
@@ -685,6 +687,9 @@ def check_shape(data, path) -> None:
             stack.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
 
 
+CONFIG_MAX_BYTES = 16 << 20   # a config file larger than this is not one (and would be read whole)
+
+
 def read_config_file(path) -> dict:
     """The content of a TOML / JSON / YAML config file (chosen by the suffix) as a dict; a run folder reads
     its ``config.json``. Any problem (missing file, other suffix, a syntax error, YAML without PyYAML) is a
@@ -694,7 +699,8 @@ def read_config_file(path) -> dict:
     if kind is None:
         raise UserError(f"{p}: unknown config file type {p.suffix or '(no suffix)'!r}; use .toml, .json, .yaml or .yml")
     try:
-        text = p.read_text(encoding="utf-8")
+        # (a byte-order mark, as some editors write, is not content; /dev/zero or a pipe is no config file)
+        text = read_regular(p, "config file ", limit=CONFIG_MAX_BYTES, encoding="utf-8-sig")
     except FileNotFoundError:
         raise UserError(f"config file not found: {p}") from None
     except (OSError, UnicodeDecodeError) as e:
@@ -714,8 +720,11 @@ def read_config_file(path) -> dict:
     except RecursionError:   # (the parsers recurse per level of nesting)
         raise UserError(f"{p}: nested too deeply to be a config file (at most {MAX_DEPTH} levels)") from None
     check_shape(data, p)
-    if data is None:  # an empty YAML file
-        data = {}
+    if data is None and kind == "YAML" and not [ln for ln in text.splitlines() if ln.strip() and not
+                                                ln.lstrip().startswith("#") and ln.strip() not in ("---", "...")]:
+        data = {}   # an empty YAML file (or comments only): no settings, as an empty TOML file
+    if data is None:   # (JSON null, YAML "~" or "null": a value where the settings should be)
+        raise UserError(f"{p}: the file must hold a table of keys (sections like model, train), not null")
     if not isinstance(data, dict):
         raise UserError(f"{p}: the file must hold a table of keys (sections like model, train), "
                         f"not a {type(data).__name__}")
@@ -934,10 +943,9 @@ def _num(name: str, v, lo=None, hi=None, lo_open=False, hi_open=False, integer=F
     check_number(name, v, lo, hi, lo_open, hi_open, integer, optional)
 
 
-def validate(cfg: TrainConfig) -> None:
-    """Every value of ``cfg`` that training reads, checked before anything is written (UserError on the first
-    bad one): the model's shape, the optimizer's values (finite, in range), the schedule, the recipe."""
-    m, o, sc, t, d, lg = cfg.model, cfg.optim, cfg.schedule, cfg.train, cfg.data, cfg.log
+def _check_model_numbers(m) -> None:
+    """The model section's numbers, each in its range (before a ModelConfig is built of them: ``n_heads=0``
+    would be a division by zero there)."""
     for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "top_k"):
         _num(f"model.{k}", getattr(m, k), lo=1, integer=True, optional=True)
     _num("model.n_experts", m.n_experts, lo=0, integer=True, optional=True)
@@ -945,6 +953,13 @@ def validate(cfg: TrainConfig) -> None:
     _num("model.rope_theta", m.rope_theta, lo=0, lo_open=True, optional=True)
     _num("model.init_seed", m.init_seed, lo=0, integer=True, optional=True)   # (numpy refuses a negative seed)
     _num("model.vocab_size", m.vocab_size, lo=32, hi=2**24, integer=True, optional=True)
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Every value of ``cfg`` that training reads, checked before anything is written (UserError on the first
+    bad one): the model's shape, the optimizer's values (finite, in range), the schedule, the recipe."""
+    m, o, sc, t, d, lg = cfg.model, cfg.optim, cfg.schedule, cfg.train, cfg.data, cfg.log
+    _check_model_numbers(m)
     try:
         mc = ModelConfig.named(m.name, **shape_overrides(m))
     except TypeError as e:

@@ -373,7 +373,12 @@ class _Log:
             return
         for path in (self.path, out / WINDOWS_NAME):
             if start_step > 0 and path.exists():  # drop rows past the checkpoint (a crash after it)
-                keep = [ln for ln in path.read_text().splitlines()
+                try:
+                    text = path.read_text(encoding="utf-8")
+                except UnicodeDecodeError as e:   # (a damaged file: refused, not rewritten without its rows)
+                    raise UserError(f"{path} is damaged (bytes that are not UTF-8 text at byte {e.start}): restore "
+                                    f"it, or cut it off before that byte, to resume this run") from None
+                keep = [ln for ln in text.splitlines()
                         if ln.strip() and _row_step(ln) is not None and _row_step(ln) <= start_step]
                 write_text(path, "".join(ln + "\n" for ln in keep))   # (a kill here leaves the old file whole)
             elif start_step == 0:
@@ -514,6 +519,41 @@ def _oom_message(cfg: TrainConfig, device: torch.device, e: BaseException, outco
             f"(--nproc N --parallel fsdp2)")
 
 
+# what a run folder holds (a run, and what eval, report, a study, a branch, a profile write beside it; hidden
+# files: its lock, temporaries, write tests): a run with --out a folder that holds no run yet refuses one holding
+# anything else, which is another command's (a study's summary.json, a data folder) or the user's (#47)
+_RUN_FOLDER_NAMES = frozenset({
+    "config.json", "recipe.json", "run.json", "metrics.jsonl", "summary.json", "eval_windows.jsonl",
+    "eval_sources.json", "eval_final.json", "diagnostics.jsonl", "deosc.jsonl", "tb", "wandb", "wandb_id",
+    "profile", "branches", "branch.json", "remake", "remake.json", "remake-metrics.jsonl", "study_status.json",
+    "study_error.txt", "report.html", "report.md", "report_files", "seeds.json"})
+
+
+def _check_out_folder(cfg: TrainConfig, rank: int) -> None:
+    """``--out`` (``log.out``) names a new folder, an empty one, one a run trained in, or one only a run's files
+    are in: a folder holding other files (a study folder, a data folder, the file system's root) is refused in one
+    line before anything is built or written, not written into (a run with --out STUDY replaced the study's
+    summary.json). Rank 0 looks; every rank acts on its answer."""
+    from .run_folder import _holds_run
+    verdict = None
+    if rank == 0 and cfg.log.out:
+        out = Path(cfg.log.out)
+        try:
+            # (a cooldown branch's folder: the branch command checked it, and keeps what is not its own there)
+            other = [] if not out.is_dir() or _holds_run(out) or (out / "branch.json").is_file() else sorted(
+                p.name for p in out.iterdir() if p.name not in _RUN_FOLDER_NAMES
+                and not p.name.startswith((".", "checkpoint")))
+        except OSError:   # (unreadable: the run folder's own checks say why)
+            other = []
+        if other:
+            verdict = (f"output folder {out} holds files a run does not write ({', '.join(other[:3])}"
+                       f"{', ...' if len(other) > 3 else ''}): a run would write its config.json, metrics.jsonl, "
+                       f"summary.json and checkpoints among them; give a new or empty --out")
+    verdict = D.from_rank0(verdict)
+    if verdict is not None:
+        raise UserError(verdict)
+
+
 def train(cfg: TrainConfig, resume: str | Path | None = None, callbacks=None) -> Path:
     """Train as ``cfg`` says; returns the run folder. ``resume``: a run folder or checkpoint to continue.
     ``callbacks``: ``mxtrain.train.callbacks.Callback`` objects called during the run (see that module).
@@ -556,6 +596,7 @@ class Trainer:
         resuming), the data, the model and optimizer (with the checkpoint's state), the run folder with its
         ``config.json``, ``recipe.json`` and ``run.json``, the callbacks and the ``TrainState`` they see."""
         cfg, device = self.cfg, self.device
+        _check_out_folder(cfg, self.rank)   # another command's folder: refused now, before anything is built
         self.amp_dtype = _autocast_dtype(cfg, device)
         self.recipe = cfg.resolved_recipe()
         if cfg.train.cuda_graphs:
