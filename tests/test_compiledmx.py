@@ -583,19 +583,19 @@ def partition(gm, inputs, **kw):
 def run(recipe, n_layers, M=256, K=256, N=512):
     from mxtrain.linear.dispatch import mx_spec
     mx = mx_spec(recipes.get(recipe))
-    def block(x, c0, c1, c2, keys, signs, *ws):
-        fast.state.by_name["meta"] = (c0, c1, c2)   # (the counters as graph inputs, as dynamo lifts them)
+    def block(x, c0, c1, c2, c3, c4, keys, signs, *ws):
+        fast.state.by_name["meta"] = (c0, c1, c2, c3, c4)   # (the counters as graph inputs, as dynamo lifts them)
         return sum(compiledmx.linear(x, w, None, mx, (128, 128), keys, signs).float().sum() for w in ws)
     x = torch.empty(M, K, device="meta", dtype=torch.bfloat16, requires_grad=True)
     ws = [torch.empty(N, K, device="meta", dtype=torch.bfloat16, requires_grad=True) for _ in range(n_layers)]
-    cs = [torch.zeros(1, dtype=torch.int32, device="meta") for _ in range(3)]
+    cs = [torch.zeros(1, dtype=torch.int32, device="meta") for _ in range(len(fast.COUNTERS))]
     seeds = (torch.zeros(24, dtype=torch.int32, device="meta"), torch.ones(3, 128, device="meta"))
     joint.clear()
     compiler = lambda gm, example_inputs: make_boxed_func(gm.forward)
     aot_function(block, fw_compiler=compiler, bw_compiler=compiler, partition_fn=partition)(x, *cs, *seeds, *ws)
     g = joint[0].graph
     places = [n for n in g.nodes if n.op == "placeholder"]
-    inputs, counters = set(places), set(places[1:4])   # (a counter is a mutated input)
+    inputs, counters = set(places), set(places[1:1 + len(fast.COUNTERS)])   # (a counter is a mutated input)
     kernels, cloned, clones = collections.Counter(), [], 0
     for n in g.nodes:
         if n.target is torch.ops.higher_order.triton_kernel_wrapper_functional:

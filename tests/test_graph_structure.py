@@ -26,8 +26,10 @@ What the design says a layer is (``mxtrain/linear/compiledmx.py``; every GEMM MX
   per layer (weights, dY), 32 launches. The block of ``bench step``'s user model (fused q|k|v, gate|up): four
   layers reading four inputs, 20 launches, 12 GEMMs.
 
-Where the graphs depart from the design (W's Dgrad operand and X's carrier made in the forward, their carriers
-kept for the backward instead of X's codes), the test of the design is marked xfail (strict) with the cause.
+The backward's launches write inexact-block counters of their own (``fast.COUNTERS``): a counter both graphs
+wrote would be finished in the forward by aot_autograd, which then ran W's Dgrad operand and X's carrier there and
+kept their 1-byte carriers for the backward instead of X's FP4 codes (``test_the_backward_quantizes_in_the_backward``
+failed so until that was changed).
 """
 
 import json
@@ -103,15 +105,6 @@ def test_a_layer_is_five_quantize_launches_and_three_gemms(graphs, case):
     assert fw["mxtrain_ops"] == [] and bw["mxtrain_ops"] == []
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "defect: W's Dgrad quantize and the rebuild of X's carrier from its codes run in the forward graph, and the "
-    "backward gets their outputs (1-byte carriers, X's padded to K rounded up to 512) instead of W and X's FP4 "
-    "codes (0.53 bytes an element). Cause: the backward's launches add to the x and w inexact-block counters, "
-    "which the forward's launches mutate too; aot_autograd completes a mutated graph input in the forward (its "
-    "final value is a forward output), so every launch that writes it must run there. Counting the backward's "
-    "launches into counters the forward does not write (tried: the dy counter) gives the design's graphs. At "
-    "Llama-8B layer shapes (16384 tokens, mxtrain.model.Block, fake Hopper) the backward then receives 10.07 "
-    "instead of 10.55 GiB a block (9.97 with mx_compiled=shared, whose merged X pass saves nothing today)"))
 @pytest.mark.parametrize("case", ["linear mxfp4-all-dh16"])
 def test_the_backward_quantizes_in_the_backward(graphs, case):
     """The design (module docstring): the forward keeps X's Wgrad operand as FP4 codes and the backward

@@ -233,7 +233,7 @@ class _CompiledMXLinear(torch.autograd.Function):
         and E8M0 scales (None: the backward quantizes the kept X); all None where Fprop is plain (``_x_operands``).
         ``keys``, ``sign_rows``: the call's random inputs (``call_seeds``), or None where the recipe draws none."""
         from .tracedmx import _gemm as plain_gemm
-        _, cw, _ = _counters(x.device)
+        cw = _counters(x.device)[1]
         K, N = x.shape[-1], weight.shape[0]
         x2 = x.reshape(-1, K)
         M = x2.shape[0]
@@ -276,7 +276,7 @@ class _CompiledMXLinear(torch.autograd.Function):
         keys = rest.pop(0) if ctx.seeded[0] else None
         sign_rows = rest.pop(0) if ctx.seeded[1] else None
         seeds = _Seeds(keys, sign_rows)
-        cx, cw, cdy = _counters(dy.device)
+        _, _, cdy, cx, cw = _counters(dy.device)   # (x and w: the counters only backward graphs write, fast.COUNTERS)
         K, N = weight.shape[1], weight.shape[0]
         dx = dw = db = None
         dy2 = dy.reshape(-1, N).contiguous()
@@ -322,8 +322,8 @@ class _CompiledMXLinear(torch.autograd.Function):
 
 
 def _counters(device: torch.device) -> tuple:
-    """The device's running inexact-block counters ``(x, w, dy)`` (``fast.state``), which the ops add to; made
-    by ``plan`` before the graph."""
+    """The device's running inexact-block counters ``(x, w, dy, x.bwd, w.bwd)`` (``fast.COUNTERS``, ``fast.state``),
+    which the ops add to; made by ``plan`` before the graph."""
     from . import fast
     return fast.state.by_name[str(device)]
 

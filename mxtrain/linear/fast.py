@@ -90,6 +90,12 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 # the tensor each operand is quantized from: the counts of inexact carrier blocks are kept per tensor role
 # (one fused pass makes both operands of a tensor, and adds their blocks to one count)
 ROLES = ("x", "w", "dy")
+# The counters kept per device: one per role, and for ``x`` and ``w`` a second one that only the compiled layer's
+# backward adds to (``compiledmx``): a counter both of its graphs wrote would be an input the forward mutates,
+# which aot_autograd finishes in the forward graph, pulling the backward's launches that write it (W's Dgrad
+# operand, X's carrier rebuilt from its codes) into the forward (tests/test_graph_structure.py). A role's count
+# adds its counters.
+COUNTERS = ROLES + ("x.bwd", "w.bwd")
 ROLE = {"fprop_x": "x", "wgrad_x": "x", "fprop_w": "w", "dgrad_w": "w", "dgrad_dy": "dy", "wgrad_dy": "dy"}
 
 
@@ -113,7 +119,7 @@ class FastState:
         self.activations: dict = {}
         self.counters: dict = {}
         self.missed: set = set()
-        self.by_name: dict = {}   # str(device) -> the (x, w, dy) counters, for compiled layers (compiledmx)
+        self.by_name: dict = {}   # str(device) -> the COUNTERS (x, w, dy, x.bwd, w.bwd), for compiledmx
 
     @staticmethod
     def _dev(device) -> torch.device:
@@ -127,15 +133,15 @@ class FastState:
     def prepare(self, device) -> None:
         """Make the counters of ``device`` now (outside any CUDA graph), if they do not exist yet."""
         d = self._dev(device)
-        if any((d, r) not in self.counters for r in ROLES):
+        if any((d, r) not in self.counters for r in COUNTERS):
             from ..quant import warm_elem_tables
             warm_elem_tables(d)    # (the reference quantizer's tables, used by the kernels' self-check too)
-        for r in ROLES:
+        for r in COUNTERS:
             if (d, r) not in self.counters:
                 c = self.counters[(d, r)] = torch.zeros((1,), dtype=torch.int32, device=d)
                 if d.type == "cuda":   # (a CUDA graph replays writes to it: its address never changes)
                     torch._dynamo.mark_static_address(c)
-        self.by_name[str(d)] = tuple(self.counters[(d, r)] for r in ROLES)
+        self.by_name[str(d)] = tuple(self.counters[(d, r)] for r in COUNTERS)
 
     def counter(self, device, role: str = "x", create: bool = True) -> torch.Tensor | None:
         """The running count of ``role`` on ``device``; without ``create``, None (and the device noted in
@@ -156,7 +162,7 @@ class FastState:
         every GEMM multiplied the exact MX values), of one tensor ``role`` or all. Reading it synchronizes the
         device."""
         d = self._dev(device)
-        return sum(int(c.item()) for (cd, r), c in self.counters.items() if cd == d and role in (None, r))
+        return sum(int(c.item()) for (cd, r), c in self.counters.items() if cd == d and role in (None, r.split(".")[0]))
 
     def counted(self, device="cuda") -> bool:
         """Did every fast-path call on ``device`` count its inexact blocks (no compiled call found its
