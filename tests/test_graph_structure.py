@@ -61,12 +61,13 @@ def _child_graphs() -> dict:
 def graphs(tmp_path_factory):
     """``compile_helpers.graph_cases()`` from one child process per test session (pytest-xdist's workers share it
     through a file in the session's temporary folder)."""
-    from filelock import FileLock
+    import fcntl
     base = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         base = base.parent   # (the session's folder, common to the workers)
     path = base / "fake-hopper-graphs.json"
-    with FileLock(str(path) + ".lock"):
+    with open(str(path) + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)   # (released when the file closes)
         if path.is_file():
             return json.loads(path.read_text())
         res = _child_graphs()

@@ -563,7 +563,7 @@ def test_kernels_compile_for_sm90(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     only = ["tile r16 signs car+fp4", "blocks r16 signs fold car", "cols r32 sr car+fp4", "dual r0 fp4_b seq idx64"]
-    p = subprocess.run([sys.executable, os.path.join(root, "tools", "compile_check.py"), "--jobs", "2",
+    p = subprocess.run([sys.executable, os.path.join(root, "tools", "compile_check.py"), "--jobs", "2", "--exact",
                         "--json", str(tmp_path / "cc.json"), *[a for o in only for a in ("--only", o)]],
                        capture_output=True, text=True, env=env, cwd=root, timeout=600)
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]

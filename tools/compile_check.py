@@ -20,7 +20,7 @@ measuring them; with ``--json``, the count of each SASS opcode as well, to see w
 integer and logic operations issue to the ALU pipe, float operations to the FMA pipe), PTX instruction count and a hash of the PTX code without debug information and symbol names (equal hashes: identical PTX; ptxas may still schedule it slightly differently, as the line
 table it reads differs).
 
-    python tools/compile_check.py [--arch 90] [--jobs 2] [--json out.json] [--only SUBSTRING ...] [--fusion]
+    python tools/compile_check.py [--arch 90] [--jobs 2] [--json out.json] [--only SUBSTRING ...] [--exact] [--fusion]
 
 ``--fusion``: the variants the compiled MX layer launches (``FUSION_CHECKED``; or those ``--only`` names) compiled
 with contraction off and on: inductor compiles user kernels with it on, and every one of them must compile to the
@@ -428,12 +428,14 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     ap.add_argument("--only", action="append", default=None,
                     help="variants whose name contains this (repeatable: any of them)")
+    ap.add_argument("--exact", action="store_true", help="--only names whole variant names, not substrings")
     ap.add_argument("--fusion", action="store_true",
                     help="compile each variant (default: FUSION_CHECKED) with contraction off and on and say whether "
                          "the code is the same (exit status 1 if not)")
     a = ap.parse_args(argv)
+    picked = (lambda n: n in a.only) if a.exact else (lambda n: any(o in n for o in a.only))
     if a.fusion:
-        names = [n for n in VARIANTS if any(o in n for o in a.only)] if a.only else list(FUSION_CHECKED)
+        names = [n for n in VARIANTS if picked(n)] if a.only else list(FUSION_CHECKED)
         res = fusion_check(names, a.arch, a.jobs)
         for name, r in res.items():
             print(f"{name:34s} {'same' if r['same'] else 'DIFFERENT'}  {r.get('error') or r['float_ops']}", flush=True)
@@ -441,7 +443,7 @@ def main(argv=None):
             with open(a.json, "w") as f:
                 json.dump(res, f, indent=1)
         return 0 if all(r["same"] for r in res.values()) else 1
-    items = [(n, v, a.arch) for n, v in VARIANTS.items() if a.only is None or any(o in n for o in a.only)]
+    items = [(n, v, a.arch) for n, v in VARIANTS.items() if a.only is None or picked(n)]
     out = {}
     with ProcessPoolExecutor(a.jobs) as ex:
         for name, r in ex.map(compile_one, items):
