@@ -2,6 +2,6 @@
 forces the reference MXLinear path in this process; usable as a torchrun script."""
 import sys
 
-from mxtrain.cli import main
+from mxtrain.cli.core import main
 
 sys.exit(main(sys.argv[1:]))

@@ -1,5 +1,5 @@
 """``python -m mxtrain ...`` is the ``mxtrain`` command."""
 
-from .cli import entry
+from .cli.core import entry
 
 entry()

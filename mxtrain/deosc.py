@@ -19,7 +19,7 @@ to target +20 % -> +5 %). The method, as both implement it:
   the first 50 steps of every 400 (threshold 8) from 70 % of its run.
 
 **The grid.** ``Q`` is the layer's Fprop weight operand (``recipe.fprop_w``: format, block size or 16x16
-tiles, scale rule, prescale) computed by the reference quantizer (``mxtrain.quant.quantize``) along the
+tiles, scale rule, prescale) computed by the reference quantizer (``mxtrain.numerics.quant.quantize``) along the
 in-features axis, always rounding to nearest (stochastic rounding of ``fprop_w``, which no preset uses, has
 no fixed grid to oscillate on). Layers whose recipe keeps ``fprop_w`` in high precision are not tracked;
 ``check_recipe`` refuses a run none of whose layers would be.
@@ -54,7 +54,7 @@ import torch
 
 from ._io import write_text
 from .errors import UserError
-from .formats import get_format
+from .numerics.formats import get_format
 
 __all__ = ["DeoscSettings", "Deoscillator", "DeoscCallback", "check_recipe", "tracked_layers", "STATS_NAME"]
 
@@ -140,7 +140,7 @@ class _Grid:
     ``quantize(V) -> Q(V)`` and ``snap`` (moves entries of ``V`` onto the grid, through ``W``)."""
 
     def __init__(self, layer):
-        from .hadamard import rotation_signs
+        from .numerics.hadamard import rotation_signs
         r = layer.recipe
         self.op, self.rot = r.fprop_w, r.fprop_rotation
         self.signs = None
@@ -151,14 +151,14 @@ class _Grid:
     def to_domain(self, w: torch.Tensor) -> torch.Tensor:
         v = w.detach().to(torch.float32, copy=True)   # a copy: the window keeps it while the weight moves on
         if self.rot.enabled:
-            from .operand import pad_axis
-            from .hadamard import hadamard
+            from .numerics.operand import pad_axis
+            from .numerics.hadamard import hadamard
             v = hadamard(pad_axis(v, -1, self.rot.size), self.rot.size, axis=-1, signs=self.signs)
         return v
 
     def quantize(self, v: torch.Tensor) -> torch.Tensor:
         from .kernels import mxelem
-        from .quant import quantize, reference_only
+        from .numerics.quant import quantize, reference_only
         op = self.op
         if not reference_only(op.fmt, op.scale_rule) and mxelem.mx_kernel_applies(v, op.fmt, op.block_size,
                                                                                    "nearest", fp4=True):
@@ -180,7 +180,7 @@ class _Grid:
         if not self.rot.enabled:
             w.copy_(torch.where(mask, q.to(w.dtype), w))
             return
-        from .hadamard import hadamard
+        from .numerics.hadamard import hadamard
         delta = torch.where(mask, q - v, torch.zeros_like(v))
         # R = diag(s) H / sqrt(n) on each block: H / sqrt(n) is symmetric and its own inverse
         delta = hadamard(delta, self.rot.size, axis=-1)

@@ -293,7 +293,7 @@ def apply_fsdp2(model: nn.Module, env: DistEnv | None = None, *, param_dtype: to
                             "whose parameters other code may then read)")
         model._mx_gather_report = prepare(model, blocks, env.world_size, env.device, warn=env.is_rank0,
                                           param_dtype=param_dtype)
-    from .model import Block
+    from .model.llama import Block
     if blocks and all(type(b) is Block for b in blocks):
         # A compiled Block can return a view (the compiler's output); FSDP2 then warns that an in-place op on it
         # would skip its pre-backward hook. mxtrain's Llama adds to block outputs out of place only (model.py),

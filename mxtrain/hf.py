@@ -43,7 +43,7 @@ import torch
 
 from ._io import FolderLock, swap_in
 from .errors import UserError
-from .model import SIZES, Llama, ModelConfig
+from .model.llama import SIZES, Llama, ModelConfig
 from .train.config import shape_overrides
 
 __all__ = ["export_hf", "load_hf_llama", "config_from_hf", "llama_from_hf", "load_run", "run_tokenizer",

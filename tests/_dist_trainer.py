@@ -16,7 +16,7 @@ import json
 import sys
 
 from mxtrain import distributed as D
-from mxtrain.cli import main
+from mxtrain.cli.core import main
 
 
 def run_all(runs: list[list[str]]) -> int:

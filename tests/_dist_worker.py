@@ -27,7 +27,7 @@ RECIPE = "mxfp4-all-dh16"
 # every preset under DDP and FSDP2 but those that add no distributed behaviour to one already run (CI time):
 # mxfp4-all-dh16-fprop (mxfp4-all-dh16's deterministic rotation, on one GEMM) and mxfp4-all-bf16last
 # (mxfp4-all plus keep_last, which nvfp4 runs; no random stream of its own)
-DIST_RECIPES = [r for r in mxtrain.recipes.names() if r not in ("mxfp4-all-dh16-fprop", "mxfp4-all-bf16last")]
+DIST_RECIPES = [r for r in mxtrain.numerics.recipes.names() if r not in ("mxfp4-all-dh16-fprop", "mxfp4-all-bf16last")]
 
 
 class Block(nn.Module):

@@ -55,7 +55,7 @@ class Toy(nn.Module):
 
 
 # nvfp4 without its high-precision first and last blocks (two blocks here: both would stay nn.Linear)
-NVFP4 = mxtrain.recipes.get("nvfp4").with_(keep_first=0, keep_last=0, name="nvfp4-all-blocks")
+NVFP4 = mxtrain.numerics.recipes.get("nvfp4").with_(keep_first=0, keep_last=0, name="nvfp4-all-blocks")
 # recipe, FSDP2 param_dtype (None: fp32 gathers; bf16: the shard is cast before it is quantized), fused AdamW
 SCENARIOS = {
     "mxfp4-all-dh16": ("mxfp4-all-dh16", None, True),

@@ -9,9 +9,9 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import mxtrain
-from mxtrain import recipes
+from mxtrain.numerics import recipes
 from mxtrain.bench.limits import Rates, flops, limits, quantize_bytes
-from mxtrain.model import Llama, ModelConfig
+from mxtrain.model.llama import Llama, ModelConfig
 
 CFG = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=96, max_seq_len=32)
 
@@ -89,15 +89,15 @@ def test_ceilings_follow_the_rates():
 
 
 def test_cli_prints_table_and_refuses_bad_rates(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "mxtrain.cli", "bench", "limits", "--bf16-step-ms", "257.5",
+    p = subprocess.run([sys.executable, "-m", "mxtrain", "bench", "limits", "--bf16-step-ms", "257.5",
                         "--out", str(tmp_path / "l.json")], capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     assert "mxfp4-all-dh16" in p.stdout and "torchao-tensorwise" in p.stdout and (tmp_path / "l.json").exists()
-    p = subprocess.run([sys.executable, "-m", "mxtrain.cli", "bench", "limits", "--rates", "bf16_tflops=-1"],
+    p = subprocess.run([sys.executable, "-m", "mxtrain", "bench", "limits", "--rates", "bf16_tflops=-1"],
                        capture_output=True, text=True)
     assert p.returncode == 2 and p.stderr.strip().count("\n") == 0 and "positive" in p.stderr
     for ms in ("-1", "1", "nan"):   # a BF16 step shorter than its own counted GEMMs: no negative ceilings printed
-        p = subprocess.run([sys.executable, "-m", "mxtrain.cli", "bench", "limits", "--bf16-step-ms", ms],
+        p = subprocess.run([sys.executable, "-m", "mxtrain", "bench", "limits", "--bf16-step-ms", ms],
                            capture_output=True, text=True)
         assert p.returncode == 2 and p.stdout == "" and p.stderr.strip().count("\n") == 0, (ms, p.stdout, p.stderr)
         assert p.stderr.startswith(f"mxtrain: error: --bf16-step-ms {ms} is shorter than"), p.stderr
@@ -137,7 +137,7 @@ def test_reference_recipe_bytes_equal_a_count_of_the_model_calls(preset):
     assert reference_bytes(recipes.get("mxfp4-all-dh16"), cfg4, 2, 16) is None
     if preset == "nvfp4":   # a rotation the kernel does not fuse (H32) goes through float32 in torch: 2+4, 8, 4+4+2
         import dataclasses
-        from mxtrain.recipe import Rotation
+        from mxtrain.numerics.recipe import Rotation
         r32 = dataclasses.replace(recipes.get("nvfp4"), wgrad_rotation=Rotation(32, "fixed"))
         b = reference_bytes(r32, cfg4, 2, 16)
         assert b["activations"] == pytest.approx(expect["activations"] * (6 + 24) / 12, rel=1e-12)

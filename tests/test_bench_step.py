@@ -118,7 +118,7 @@ def test_bf16_parameters_train_the_same_model_in_bf16(monkeypatch):
 def test_checkpoint_blocks_reaches_every_variants_blocks(monkeypatch):
     """--checkpoint-blocks: every variant's blocks run their forward again in the backward: twice the block
     calls of the same measurement without it."""
-    from mxtrain import model as M
+    from mxtrain.model import llama as M
     calls = []
     real = M.Block._block
 
@@ -185,7 +185,7 @@ def test_bench_cli_checks_a_variants_model_options_before_the_gpu():
     from train_helpers import one_line_error, run_main
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
-    # through mxtrain.cli.main in this process (test_bench_cli_refuses_without_a_gpu_in_one_line runs a subprocess)
+    # through mxtrain.cli.core.main in this process (test_bench_cli_refuses_without_a_gpu_in_one_line runs a subprocess)
     one_line_error(run_main("bench", "step", "--variants", "bf16,mxfp4-all:recompute_ffn=maybe"), "recompute_ffn='maybe'")
     # accepted (torchao's variants and recipes alike); then refused only for want of a GPU
     one_line_error(run_main("bench", "step", "--variants",

@@ -14,13 +14,13 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from mxtrain import rng  # noqa: E402
-from mxtrain.operand import fake_quantize_operand  # noqa: E402
+from mxtrain.numerics import rng  # noqa: E402
+from mxtrain.numerics.operand import fake_quantize_operand  # noqa: E402
 from mxtrain.kernels import kernels_available  # noqa: E402
 from mxtrain.kernels import mxelem as M  # noqa: E402
 from mxtrain.kernels import nvfp4 as K  # noqa: E402
 from mxtrain.kernels.fp8cast import quantize_tensor_fp8  # noqa: E402
-from mxtrain.quant import quantize  # noqa: E402
+from mxtrain.numerics.quant import quantize  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(not kernels_available(DEV), reason="Triton kernels unavailable")

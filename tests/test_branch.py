@@ -156,7 +156,7 @@ def test_a_branch_trained_again_in_its_folder_removes_only_its_own_files(tmp_pat
 
 
 def test_cli_branch(tmp_path):
-    # through mxtrain.cli.main in this process (as run_cli runs it): nothing here needs a process of its own
+    # through mxtrain.cli.core.main in this process (as run_cli runs it): nothing here needs a process of its own
     run = tmp_path / "stable"
     p = run_main("train", "--exp", "debug", "--data", str(__import__("train_helpers").small_data()), "--steps", "4",
                 "--seq-len", "32", "--batch-size", "4", "--out", str(run), "--no-progress", "--device", "cpu",

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import mxtrain
-from mxtrain.model import Llama, ModelConfig
+from mxtrain.model.llama import Llama, ModelConfig
 from mxtrain.train import experiments, train
 
 from train_helpers import small_data

@@ -1,5 +1,5 @@
 """The mxtrain command line: every bad input is one line on stderr, a non-zero exit and no traceback; a short
-training run prints validation perplexity and the run folder. The bad-input cases run ``mxtrain.cli.main`` in
+training run prints validation perplexity and the run folder. The bad-input cases run ``mxtrain.cli.core.main`` in
 the test process (a process start costs more than the check; an exception escaping ``main`` fails the test as a
 traceback would), and a few of every kind (data, argparse, checkpoint, bench) also as a subprocess."""
 
@@ -178,7 +178,7 @@ def test_help_and_version():
 
 
 def test_prepare_then_train_and_resume(tmp_path):
-    # in this process (mxtrain.cli.main, as run_cli runs it): no step needs a process of its own, and the
+    # in this process (mxtrain.cli.core.main, as run_cli runs it): no step needs a process of its own, and the
     # subprocess path of prepare, train and resume runs elsewhere (test_prepare_force, test_cli_config, test_run_folder)
     src = tmp_path / "corpus.jsonl"
     src.write_text("".join(json.dumps({"text": f"Sentence {i % 7} is about topic {i % 5}. " * 12}) + "\n"

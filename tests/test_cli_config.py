@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from mxtrain.cli import build_config, main, make_parser
+from mxtrain.cli.core import build_config, main, make_parser
 from mxtrain.errors import UserError
 from mxtrain.train import TrainConfig, experiments
 from mxtrain.train.config import apply_dict, check_init_from, load_train_config, read_config_file
@@ -49,7 +49,7 @@ def test_there_are_examples_of_both_kinds():
 def test_example_loads_and_validates(path):
     d = read_config_file(path)
     if "study" in d:
-        from mxtrain.study.cli import apply_study_file
+        from mxtrain.cli.study import apply_study_file
         from mxtrain.study.plan import StudySpec, build_config as study_run_config
         args = _study_args("--config", str(path))
         apply_study_file(args, args.config)
@@ -147,7 +147,7 @@ def test_underscore_keys_are_metadata_and_run_folders_read_config_json(tmp_path)
 
 
 def test_print_config_roundtrips(tmp_path):
-    # (this and the other run_main calls: mxtrain.cli.main in this process, as run_cli runs it in a subprocess; the
+    # (this and the other run_main calls: mxtrain.cli.core.main in this process, as run_cli runs it in a subprocess; the
     # subprocess path stays in the tests of the command listing, a rerun of a run and a bad study file)
     p = run_main("train", "--exp", "debug", "--steps", "9", "--set", "recipe.wgrad_dy.rounding=stochastic", "--print-config")
     assert p.returncode == 0, p.stderr
@@ -296,7 +296,7 @@ def _write(tmp_path, text, name="s.toml"):
 
 
 def test_study_file_flags_win_and_set_comes_last(tmp_path):
-    from mxtrain.study.cli import apply_study_file
+    from mxtrain.cli.study import apply_study_file
     from mxtrain.study.plan import StudySpec, build_config as run_config
     f = _write(tmp_path, '[study]\narms = ["bf16", "mxfp4-all"]\nseeds = 2\nout = "x"\njobs = 2\n'
                          '[train]\nsteps = 16\nbatch_size = 8\n[optim]\nlr = 5e-3\n'
@@ -415,8 +415,7 @@ def test_bad_study_file_through_the_cli(tmp_path):
 
 # -- the command listing -------------------------------------------------------------------------------------
 
-ALL_COMMANDS = ["data", "train", "study", "report", "bench"] + (
-    ["export", "generate", "eval"] if (ROOT / "mxtrain" / "hfcli.py").exists() else [])
+ALL_COMMANDS = ["data", "train", "study", "report", "bench", "export", "generate", "eval"]
 
 
 def test_mxtrain_alone_lists_every_command():

@@ -12,7 +12,8 @@ import torch
 
 import mxtrain
 from mxtrain.linear import compiledmx, fast, tracedmx
-from mxtrain import mx_linear, recipes, settings
+from mxtrain import mx_linear, settings
+from mxtrain.numerics import recipes
 from mxtrain.linear import COMPILED_FORMS
 from mxtrain.kernels.mxfp4 import kernels as K
 from mxtrain.kernels.mxfp4.launch import kernel_kwargs
@@ -280,7 +281,7 @@ def test_cuda_compiled_model_trains_like_eager_without_recompiles(mode, caplog):
     step 1 when their inputs are)."""
     _gpu()
     import logging
-    from mxtrain.model import Llama, ModelConfig
+    from mxtrain.model.llama import Llama, ModelConfig
     losses = {}
     for kind in ("auto", "ops"):
         torch.manual_seed(0)
@@ -564,7 +565,8 @@ from triton.backends.compiler import GPUTarget
 from functorch.compile import aot_function, default_partition, make_boxed_func
 from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 from mxtrain.linear import compiledmx, fast, tracedmx
-from mxtrain import recipes, settings
+from mxtrain.numerics import recipes
+from mxtrain import settings
 
 class Target:   # (Triton IR for sm_90 on a machine without a GPU: torch's analysis of what each launch writes)
     def get_current_target(self):

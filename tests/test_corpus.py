@@ -12,7 +12,7 @@ import tarfile
 import numpy as np
 import pytest
 
-from mxtrain import cli
+from mxtrain.cli import core as cli
 from mxtrain.data import corpus, prepare
 from mxtrain.data.corpus import (Source, choose_val, chunk_text, code_skip_reason, dict_entries, doc_hash,
                                  html_to_text, pod_to_text, strip_gutenberg)

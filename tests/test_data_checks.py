@@ -301,7 +301,7 @@ def test_sparse_tokenizer_ids_get_uint32(tmp_path):
 
 
 # ---- the command line: one error line, no traceback ----------------------------------------------------------
-# (through mxtrain.cli.main in this process, as run_cli runs it: the refusals come before any work; a data
+# (through mxtrain.cli.core.main in this process, as run_cli runs it: the refusals come before any work; a data
 # refusal in a process of its own: tests/test_cli.py's "unreadable JSON line", tests/test_prepare_force.py)
 
 def test_cli_binary_source(tmp_path):

@@ -132,7 +132,7 @@ def test_gzipped_text_is_read(tmp_path):
 
 def test_cli_logs_skipped_files(messy, tmp_path):
     p = run_main("data", "prepare", str(messy), "--out", str(tmp_path / "out"), "--vocab-size", "512",
-                 "--no-progress")   # (mxtrain.cli.main in this process, as run_cli runs it)
+                 "--no-progress")   # (mxtrain.cli.core.main in this process, as run_cli runs it)
     assert p.returncode == 0, p.stderr
     assert "skipped 8 files that are not data: .git/, .gitattributes, LICENSE, README.md" in p.stdout
     assert "Traceback" not in p.stderr

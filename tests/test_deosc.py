@@ -12,11 +12,11 @@ import torch
 
 from mxtrain.deosc import DeoscSettings, Deoscillator, check_recipe
 from mxtrain.errors import UserError
-from mxtrain.hadamard import hadamard_matrix, rotation_signs
+from mxtrain.numerics.hadamard import hadamard_matrix, rotation_signs
 from mxtrain.linear.module import MXLinear
-from mxtrain.quant import fake_quantize
-from mxtrain.recipe import Rotation
-from mxtrain.recipes import get as get_recipe
+from mxtrain.numerics.quant import fake_quantize
+from mxtrain.numerics.recipe import Rotation
+from mxtrain.numerics.recipes import get as get_recipe
 
 from train_helpers import one_line_error, run_cli, run_main, small_data, tiny_run_cfg
 
@@ -116,7 +116,7 @@ def test_schedule_windows_and_stats():
 
 
 def _rotation_matrix(size: int, width: int, signs):
-    """R with V = W R for the blockwise Hadamard of mxtrain.hadamard (signs first), from the explicit matrix."""
+    """R with V = W R for the blockwise Hadamard of mxtrain.numerics.hadamard (signs first), from the explicit matrix."""
     h = hadamard_matrix(size)
     s = torch.ones(size, dtype=torch.float64) if signs is None else signs.double()
     blk = torch.diag(s) @ h.t()
@@ -172,7 +172,7 @@ def test_cli_errors_are_one_line(tmp_path):
     base = ["train", "--exp", "debug", "--data", str(small_data()), "--steps", "2", "--device", "cpu"]
     one_line_error(run_cli(*base, "--recipe", "tseng", "--set", "deosc.enable=true", "--out", str(tmp_path / "a")),
                    "deosc.enable", "tseng")
-    # the others through mxtrain.cli.main in this process (tests/train_helpers.py: run_main)
+    # the others through mxtrain.cli.core.main in this process (tests/train_helpers.py: run_main)
     one_line_error(run_main(*base, "--set", "deosc.window=500", "--out", str(tmp_path / "b")), "deosc.window")
     one_line_error(run_main(*base, "--set", "deosc.threshold=x", "--out", str(tmp_path / "c")), "deosc.threshold")
     one_line_error(run_main(*base, "--set", "deosc.enable=true", "--parallel", "fsdp2", "--out", str(tmp_path / "d")),
@@ -241,7 +241,7 @@ def test_other_settings_on_resume_are_refused(tmp_path):
 def test_study_arm_with_deosc(tmp_path, capsys):
     """A tiny study whose arm `mxfp4-all@deosc` is mxfp4-all with de-oscillation on: it trains, resets weights,
     and the summary and report carry it; bad arm names are one line."""
-    from mxtrain.cli import main
+    from mxtrain.cli.core import main
     out = tmp_path / "st"
     args = ["study", "--preset", "smoke", "--arms", "bf16,mxfp4-all@deosc", "--seeds", "1", "--steps", "8",
             "--diagnose-every", "0", "--set", "deosc.period=2", "--set", "deosc.threshold=0.5",

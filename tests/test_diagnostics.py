@@ -9,7 +9,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing")
 import torch
 import torch.nn as nn
 
-from mxtrain import convert, recipes, set_step
+from mxtrain import convert, set_step
+from mxtrain.numerics import recipes
 from mxtrain.linear.context import Ctx
 from mxtrain.linear.module import mx_layers
 from mxtrain.study import diagnostics as D

@@ -259,7 +259,7 @@ def _check_launch(p: subprocess.CompletedProcess) -> None:
 @pytest.fixture(scope="module")
 def trainer_runs(tmp_path_factory):
     pytest.importorskip("tokenizers")
-    from mxtrain.cli import main
+    from mxtrain.cli.core import main
     from mxtrain.data import prepare
     root = tmp_path_factory.mktemp("trainer")
     g = torch.Generator().manual_seed(0)
@@ -443,7 +443,7 @@ def test_every_recipe_under_ddp_and_fsdp2(runs):
     n_sr = 0
     for r in W.DIST_RECIPES:
         ref = runs[f"recipe:{r}"]["losses"]
-        n_sr += any(mxtrain.recipes.get(r).operand(o).rounding == "stochastic"
+        n_sr += any(mxtrain.numerics.recipes.get(r).operand(o).rounding == "stochastic"
                     for o in ("fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_dy", "wgrad_x"))
         for mode in ("ddp", "fsdp2"):
             got = runs[f"recipe:{r}:{mode}"]["losses"]

@@ -15,7 +15,8 @@ import torch
 import torch.nn as nn
 
 import mxtrain
-from mxtrain import MXLinear, recipes
+from mxtrain import MXLinear
+from mxtrain.numerics import recipes
 from mxtrain.linear.module import MXLayer, mx_layers
 
 transformers = pytest.importorskip("transformers")

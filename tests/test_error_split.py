@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mxtrain import Operand
-from mxtrain.quant import quantize
+from mxtrain.numerics.quant import quantize
 from mxtrain.study.diagnostics import error_split
 
 
@@ -114,7 +114,7 @@ def test_prescale_and_unquantized_operands():
 def test_each_diagnosed_operand_row_holds_its_split():
     """``gemm_diagnostics`` (the ``--diagnose-every`` rows) carries the split of every quantized operand: for an
     unrotated nearest-rounding operand it is ``error_split`` of that tensor; ``aggregate`` averages it."""
-    from mxtrain import recipes
+    from mxtrain.numerics import recipes
     from mxtrain.linear.context import Ctx
     from mxtrain.study.diagnostics import SPLIT_KEYS, aggregate, gemm_diagnostics
     g = torch.Generator().manual_seed(2)

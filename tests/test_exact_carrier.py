@@ -14,7 +14,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from mxtrain.linear import fast
-from mxtrain import recipes, settings  # noqa: E402
+from mxtrain.numerics import recipes
+from mxtrain import settings  # noqa: E402
 from mxtrain.kernels import kernels_available  # noqa: E402
 from mxtrain.linear.context import Ctx  # noqa: E402
 from mxtrain.linear.reference import _MXLinearFunction  # noqa: E402

@@ -99,7 +99,7 @@ def test_blocks_at_the_smallest_scale():
     x[1, 32:64] = 1e-42                                          # scale 2**-127, every code 0
     q = kq.quantize_mxfp4_2d(x.to(DEV), 1, carrier=False, fp4=True)
     assert (q.scales[:, 1] == 0).all()
-    from mxtrain.quant import unpack_fp4
+    from mxtrain.numerics.quant import unpack_fp4
     codes = unpack_fp4(q.packed)[:, 32:64] & 7
     assert codes[0].any() and not codes[1].any()
     got = carrier_from_packed(q)

@@ -17,7 +17,8 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from mxtrain import MXLinear, recipes  # noqa: E402
+from mxtrain import MXLinear
+from mxtrain.numerics import recipes  # noqa: E402
 from mxtrain.linear import fast
 from mxtrain import settings  # noqa: E402
 from mxtrain.kernels import kernels_available  # noqa: E402
@@ -196,7 +197,7 @@ def test_env_switch_disables_the_fast_path():
     import subprocess
     import sys
     code = ("import mxtrain, mxtrain.linear.fast as f; "
-            "print(mxtrain.settings.current().fast, f.supported(mxtrain.recipes.get('mxfp4-all-dh16')))")
+            "print(mxtrain.settings.current().fast, f.supported(mxtrain.numerics.recipes.get('mxfp4-all-dh16')))")
     # (supported is the recipe's answer; whether the fast path runs is linear.route's, from the setting)
     for value, expect in (("0", "False True"), ("off", "False True")):
         env = dict(__import__("os").environ, MXTRAIN_FAST=value)
@@ -503,7 +504,7 @@ def test_wgrad_x_in_backward_keeps_no_codes_in_a_compiled_block():
     """What a compiled transformer block keeps for its backward: packed FP4 codes (uint8) with
     ``wgrad_x=forward``, none with ``backward`` (X itself instead: more bytes, 2 a value against 0.53)."""
     import mxtrain
-    from mxtrain.model import Block, ModelConfig, rope_tables
+    from mxtrain.model.llama import Block, ModelConfig, rope_tables
     cfg = ModelConfig(dim=256, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=768, vocab_size=64)
     out = {}
     for mode in ("forward", "backward"):

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import mxtrain
-from mxtrain.formats import ELEMENTS, FORMATS, get_format
-from mxtrain.quant import MXTensor, elem_table, encode_elem, pack_fp4, unpack_fp4
+from mxtrain.numerics.formats import ELEMENTS, FORMATS, get_format
+from mxtrain.numerics.quant import MXTensor, elem_table, encode_elem, pack_fp4, unpack_fp4
 
 from numerics import ML, assert_bitwise_equal
 

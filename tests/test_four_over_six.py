@@ -21,10 +21,11 @@ import mxtrain
 import mxtrain.linear
 import mxtrain.linear.tracedmx
 from mxtrain.linear import fast
-from mxtrain import Operand, recipes, settings
-from mxtrain.hadamard import hadamard
-from mxtrain.quant import REF_SCALE_RULES, SCALE_RULES, quantize, reference_only
-from mxtrain.recipe import OPERANDS
+from mxtrain import Operand, settings
+from mxtrain.numerics import recipes
+from mxtrain.numerics.hadamard import hadamard
+from mxtrain.numerics.quant import REF_SCALE_RULES, SCALE_RULES, quantize, reference_only
+from mxtrain.numerics.recipe import OPERANDS
 
 F32 = np.float32
 

@@ -1,4 +1,4 @@
-"""The two-pass per-tensor FP8 quantizer (kernels/fp8cast.py) against the reference (mxtrain.quant.quantize):
+"""The two-pass per-tensor FP8 quantizer (kernels/fp8cast.py) against the reference (mxtrain.numerics.quant.quantize):
 bit-identical codes and scales for E4M3 and E5M2, float32 and bf16 inputs, with a prescale, across the whole
 range (saturation, subnormals, rounding ties, -0), an all-zero tensor and non-finite inputs. On CPU the kernel
 runs in Triton's interpreter."""
@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 
 from mxtrain.kernels import kernels_available  # noqa: E402
 from mxtrain.kernels.fp8cast import quantize_tensor_fp8  # noqa: E402
-from mxtrain.quant import quantize  # noqa: E402
+from mxtrain.numerics.quant import quantize  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(not kernels_available(DEV), reason="Triton kernels unavailable")

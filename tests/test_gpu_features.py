@@ -62,7 +62,7 @@ def test_real_cuda_out_of_memory_is_one_line(tmp_path, capsys):
     one line, exit status 1, no traceback."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from mxtrain.cli import main
+    from mxtrain.cli.core import main
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.empty_cache()
     torch.cuda.set_per_process_memory_fraction(min(1.0, 0.1 * 2**30 / total), 0)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import mxtrain
-from mxtrain.hadamard import hadamard_matrix, rotation_signs
+from mxtrain.numerics.hadamard import hadamard_matrix, rotation_signs
 
 from numerics import assert_bitwise_equal
 

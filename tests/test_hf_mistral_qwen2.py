@@ -11,7 +11,7 @@ import torch
 from mxtrain.errors import UserError
 from mxtrain.hf import (config_from_hf, export_hf, hf_config, llama_from_hf, load_hf_llama, load_run,
                         save_safetensors)
-from mxtrain.model import Llama, ModelConfig
+from mxtrain.model.llama import Llama, ModelConfig
 from mxtrain.train import checkpoint as ckpt
 
 from train_helpers import tiny_run_cfg

@@ -19,7 +19,7 @@ import torch
 from mxtrain.errors import UserError
 from mxtrain.hf import (config_from_hf, export_hf, hf_config, hf_state_dict, llama_from_hf, load_hf_llama, load_run,
                         load_safetensors, save_safetensors)
-from mxtrain.model import Llama, ModelConfig
+from mxtrain.model.llama import Llama, ModelConfig
 
 from train_helpers import small_data, tiny_run_cfg
 

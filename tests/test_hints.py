@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from mxtrain import cli
+from mxtrain.cli import core as cli
 from mxtrain.errors import UserError
 from mxtrain.train.config import load_train_config
 

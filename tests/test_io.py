@@ -240,7 +240,7 @@ def test_the_package_writes_its_records_whole():
     from pathlib import Path
     allowed = {   # (file, function): why a direct write is whole enough there
         ("train/run_folder.py", "_make_out"): "an empty probe file",
-        ("study/cli.py", "report_main"): "an empty probe file",
+        ("cli/study.py", "report_main"): "an empty probe file",
         ("study/workers.py", "_run_study_locked"): "an empty probe file",
         ("train/trainer.py", "__init__"): "an empty metrics file, before the first step",
         ("study/workers.py", "_run_workers"): "a worker's log, streamed",

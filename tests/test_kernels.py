@@ -22,12 +22,13 @@ tl = triton.language
 
 import torch.nn.functional as F  # noqa: E402
 
-from mxtrain import rng, settings  # noqa: E402
-from mxtrain.hadamard import hadamard, rotation_signs  # noqa: E402
+from mxtrain.numerics import rng
+from mxtrain import settings  # noqa: E402
+from mxtrain.numerics.hadamard import hadamard, rotation_signs  # noqa: E402
 from mxtrain.kernels import CACHES, kernels_available  # noqa: E402
 from mxtrain.kernels import mxfp4 as kq  # noqa: E402
 from mxtrain.kernels.mxfp4 import device, launch, verify  # noqa: E402
-from mxtrain.quant import SCALE_RULES, quantize as ref_quantize  # noqa: E402
+from mxtrain.numerics.quant import SCALE_RULES, quantize as ref_quantize  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(not kernels_available(DEV), reason="Triton kernels unavailable (set TRITON_INTERPRET=1 on CPU)")

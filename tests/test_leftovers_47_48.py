@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from mxtrain.cli import build_config, make_parser
+from mxtrain.cli.core import build_config, make_parser
 from mxtrain.errors import UserError
 from mxtrain.train import experiments
 from train_helpers import one_line_error, run_main
@@ -103,9 +103,9 @@ def test_prescale_bound_is_where_every_block_saturates(fmt):
     applied after the scale is chosen); just below it some block still fits, so nothing sensible is refused."""
     import torch
 
-    from mxtrain.formats import get_format
-    from mxtrain.quant import mx_scale_exponent
-    from mxtrain.recipe import _largest_prescale
+    from mxtrain.numerics.formats import get_format
+    from mxtrain.numerics.quant import mx_scale_exponent
+    from mxtrain.numerics.recipe import _largest_prescale
     elem = get_format(fmt).elem
     g = torch.Generator().manual_seed(0)
     # block maxima over many binades and every significand (the edges of each rule's bump exactly)
@@ -119,8 +119,8 @@ def test_prescale_bound_is_where_every_block_saturates(fmt):
 
 
 def test_large_prescale_is_refused_in_one_line_and_valid_ones_keep_their_recipe():
-    import mxtrain.recipes as R
-    from mxtrain.recipe import Operand
+    import mxtrain.numerics.recipes as R
+    from mxtrain.numerics.recipe import Operand
     one_line_error(run_main("train", "--set", "recipe.fprop_x.prescale=1e30", "--print-config"),
                    "fprop_x.prescale=1e+30", "too large for mxfp4 (scale rule floor)", "largest element 6",
                    "at most 1.5")
@@ -137,7 +137,7 @@ def test_large_prescale_is_refused_in_one_line_and_valid_ones_keep_their_recipe(
 
 
 def test_large_prescale_in_a_config_files_recipe_table(tmp_path):
-    import mxtrain.recipes as R
+    import mxtrain.numerics.recipes as R
     d = R.get("mxfp4-all-dh16").to_dict()
     d["fprop_w"]["prescale"] = 8.0
     f = tmp_path / "r.json"
@@ -165,7 +165,7 @@ def test_llama_with_biases_loads_with_transformers_logits_and_exports_back(bias,
     import torch
     transformers = pytest.importorskip("transformers")
     from mxtrain.hf import config_from_hf, hf_config, hf_name, load_hf_llama, save_safetensors
-    from mxtrain.model import Llama
+    from mxtrain.model.llama import Llama
     hf = _make_llama(tmp_path / "hf", **bias)
     mc = config_from_hf(tmp_path / "hf", vocab_multiple=32)
     att, mlp = bias.get("attention_bias", False), bias.get("mlp_bias", False)
@@ -201,7 +201,7 @@ def test_llama_bias_mismatches_and_foreign_bias_fields_are_one_line(tmp_path):
     from dataclasses import replace
 
     from mxtrain.hf import config_from_hf, load_hf_llama
-    from mxtrain.model import Llama, ModelConfig
+    from mxtrain.model.llama import Llama, ModelConfig
     _make_llama(tmp_path / "hf", attention_bias=True)
     plain = replace(config_from_hf(tmp_path / "hf", vocab_multiple=32), attention_bias=False)
     with pytest.raises(UserError, match="attention_bias False here, attention_bias True in the Hugging Face"):

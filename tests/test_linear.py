@@ -7,9 +7,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import mxtrain
-from mxtrain import MXLinear, Recipe, Rotation, recipes, rng
-from mxtrain.hadamard import rotation_signs
-from mxtrain.recipe import GEMMS, OPERANDS
+from mxtrain import MXLinear, Recipe, Rotation
+from mxtrain.numerics import recipes, rng
+from mxtrain.numerics.hadamard import rotation_signs
+from mxtrain.numerics.recipe import GEMMS, OPERANDS
 
 from numerics import FP32_TOL, sqnr_db
 

@@ -78,7 +78,7 @@ def test_study_runs_write_tensorboard_and_diagnostics_through_callbacks(tmp_path
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from mxtrain.cli import main
+    from mxtrain.cli.core import main
 
     out = tmp_path / "st"
     assert main(["study", "--preset", "smoke", "--arms", "bf16,mxfp4-all", "--seeds", "1", "--steps", "4",

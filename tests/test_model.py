@@ -7,7 +7,7 @@ import torch
 
 import mxtrain
 from mxtrain.errors import UserError
-from mxtrain.model import SIZES, Llama, ModelConfig, apply_rope, rope_tables
+from mxtrain.model.llama import SIZES, Llama, ModelConfig, apply_rope, rope_tables
 
 
 def test_llama3_8b_shapes_and_count():
@@ -99,8 +99,8 @@ def test_tiny_overfits_a_batch(recipe, steps):
 
 @pytest.fixture
 def glue_state():
-    """Restore mxtrain.model's glue compile caches after a test changes them."""
-    from mxtrain import model
+    """Restore mxtrain.model.llama's glue compile caches after a test changes them."""
+    from mxtrain.model import llama as model
     saved = dict(model.GLUE_STATE.compiled), model.GLUE_STATE.failed
     yield model
     model.GLUE_STATE.clear()

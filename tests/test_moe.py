@@ -259,7 +259,7 @@ def test_cuda_experts_run_the_fast_path_as_mx_linear_per_expert(recipe, source):
     from mxtrain.linear import route
     from mxtrain.linear.moe import fused_experts
     if source == "own":
-        from mxtrain.model import Llama, ModelConfig
+        from mxtrain.model.llama import Llama, ModelConfig
         model = Llama(ModelConfig.named("tiny-moe", dim=64, n_heads=2, n_kv_heads=1, n_layers=2, vocab_size=256))
         model = model.cuda().to(torch.bfloat16)
         experts = lambda: model.layers[1].feed_forward.experts
@@ -276,7 +276,7 @@ def test_cuda_experts_run_the_fast_path_as_mx_linear_per_expert(recipe, source):
     idx = torch.stack([torch.randperm(4, device="cuda", generator=g)[:2] for _ in range(256)])
     w = torch.rand(256, 2, device="cuda", generator=g).to(torch.bfloat16)
     dy = torch.randn(256, 64, device="cuda", generator=g).to(torch.bfloat16)
-    assert route(mxtrain.recipes.get(recipe), x, ex.gate_up_proj[0]) == "fast"
+    assert route(mxtrain.numerics.recipes.get(recipe), x, ex.gate_up_proj[0]) == "fast"
     mxtrain.set_step(model, 3, call=5)
     y = ex(x, idx, w)
     got = _grads(y, dy, x, ex.gate_up_proj, ex.down_proj)
@@ -286,7 +286,7 @@ def test_cuda_experts_run_the_fast_path_as_mx_linear_per_expert(recipe, source):
         assert torch.equal(a, b)
     mxtrain.set_step(model, 3, call=5)
     with settings.override(fast="off"):
-        assert route(mxtrain.recipes.get(recipe), x, ex.gate_up_proj[0]) == "reference"
+        assert route(mxtrain.numerics.recipes.get(recipe), x, ex.gate_up_proj[0]) == "reference"
         ref = ex(x, idx, w)
         rgot = _grads(ref, dy, x, ex.gate_up_proj, ex.down_proj)
     rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()

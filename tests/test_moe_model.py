@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 import mxtrain
-from mxtrain import cli
+from mxtrain.cli import core as cli
 from mxtrain.errors import UserError
-from mxtrain.model import Llama, ModelConfig, MoEFeedForward
+from mxtrain.model.llama import Llama, ModelConfig, MoEFeedForward
 from mxtrain.linear.module import MXExperts, MXLinear
 from mxtrain.study.diagnostics import Diagnostics
 from train_helpers import small_data

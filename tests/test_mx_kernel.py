@@ -1,5 +1,5 @@
 """The one-pass MX fake quantizer for FP6/FP8 elements (kernels/mxelem.py) against the reference
-(``fake_quantize_operand``: ``mxtrain.quant.quantize`` + ``MXTensor.dequantize``): bit-identical values for every
+(``fake_quantize_operand``: ``mxtrain.numerics.quant.quantize`` + ``MXTensor.dequantize``): bit-identical values for every
 MX element format, every scale rule, rows and columns, float32 and bf16 inputs, block sizes 16/32/64, prescale,
 sizes that are not multiples of the block, magnitudes over many binades, NaN/Inf blocks, all-zero blocks,
 subnormals, and every element code times scales from the smallest to the largest. Then the integration
@@ -19,15 +19,15 @@ pytest.importorskip("triton")
 
 from mxtrain import mx_linear, settings  # noqa: E402
 from mxtrain.linear.context import Ctx  # noqa: E402
-from mxtrain.operand import fake_quantize_operand  # noqa: E402
-from mxtrain.formats import get_format  # noqa: E402
+from mxtrain.numerics.operand import fake_quantize_operand  # noqa: E402
+from mxtrain.numerics.formats import get_format  # noqa: E402
 from mxtrain.kernels import kernels_available  # noqa: E402
 from mxtrain.kernels import mxelem as K  # noqa: E402
 from mxtrain.kernels.caches import CACHES  # noqa: E402
 from mxtrain.kernels.nvfp4 import _mismatches  # noqa: E402
-from mxtrain.quant import SCALE_RULES, elem_table  # noqa: E402
-from mxtrain.recipe import Operand, Recipe  # noqa: E402
-from mxtrain.recipes import get as get_recipe  # noqa: E402
+from mxtrain.numerics.quant import SCALE_RULES, elem_table  # noqa: E402
+from mxtrain.numerics.recipe import Operand, Recipe  # noqa: E402
+from mxtrain.numerics.recipes import get as get_recipe  # noqa: E402
 from numerics import wide_values  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -210,7 +210,7 @@ def test_deosc_weight_grid_runs_through_the_kernel_bit_for_bit(monkeypatch):
     signs, H32) with AMD's scale rule and a prescale, and an MXFP6 weight."""
     from mxtrain.deosc import DeoscSettings, Deoscillator
     from mxtrain.linear.module import MXLinear
-    from mxtrain.recipe import Rotation
+    from mxtrain.numerics.recipe import Rotation
 
     calls = []
     real = K.quantize_mx_values

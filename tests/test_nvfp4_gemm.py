@@ -9,8 +9,8 @@ import torch
 from mxtrain.linear import reference as L
 from mxtrain.linear.context import Ctx
 from mxtrain.linear.module import MXLinear
-from mxtrain.quant import quantize
-from mxtrain.recipes import get as get_recipe
+from mxtrain.numerics.quant import quantize
+from mxtrain.numerics.recipes import get as get_recipe
 
 
 def _x(shape, seed):

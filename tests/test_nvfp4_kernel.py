@@ -1,5 +1,5 @@
 """The two-pass NVFP4 quantizer (kernels/nvfp4.py) against the reference (``fake_quantize_operand(...,
-factored=True)``: ``mxtrain.quant.quantize`` + ``MXTensor.dequantize_factored``): bit-identical values and tensor
+factored=True)``: ``mxtrain.numerics.quant.quantize`` + ``MXTensor.dequantize_factored``): bit-identical values and tensor
 scale for rows and columns, 1-D blocks and 16x16 tiles, nearest and stochastic rounding (a key as an int or in
 device memory), prescale, sizes that are not multiples of 16, magnitudes over many binades, NaN/Inf blocks,
 all-zero and tiny tensors, and every E2M1 code times every E4M3 block scale. Then the integration
@@ -20,12 +20,12 @@ pytest.importorskip("triton")
 from mxtrain import settings  # noqa: E402
 from numerics import wide_values  # noqa: E402
 from mxtrain.linear.context import Ctx  # noqa: E402
-from mxtrain.operand import fake_quantize_operand  # noqa: E402
+from mxtrain.numerics.operand import fake_quantize_operand  # noqa: E402
 from mxtrain.kernels import kernels_available  # noqa: E402
 from mxtrain.kernels import nvfp4 as K  # noqa: E402
 from mxtrain.kernels.caches import CACHES  # noqa: E402
-from mxtrain.recipe import OPERANDS  # noqa: E402
-from mxtrain.recipes import get as get_recipe  # noqa: E402
+from mxtrain.numerics.recipe import OPERANDS  # noqa: E402
+from mxtrain.numerics.recipes import get as get_recipe  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(not kernels_available(DEV), reason="Triton kernels unavailable")

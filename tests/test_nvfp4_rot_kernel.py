@@ -17,15 +17,16 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from mxtrain import rng, settings  # noqa: E402
+from mxtrain.numerics import rng
+from mxtrain import settings  # noqa: E402
 from numerics import wide_values  # noqa: E402
 from mxtrain.linear.context import Ctx  # noqa: E402
-from mxtrain.operand import fake_quantize_operand, pad_axis  # noqa: E402
-from mxtrain.hadamard import hadamard  # noqa: E402
+from mxtrain.numerics.operand import fake_quantize_operand, pad_axis  # noqa: E402
+from mxtrain.numerics.hadamard import hadamard  # noqa: E402
 from mxtrain.kernels import kernels_available  # noqa: E402
 from mxtrain.kernels import nvfp4 as K  # noqa: E402
 from mxtrain.kernels.caches import CACHES  # noqa: E402
-from mxtrain.recipes import get as get_recipe  # noqa: E402
+from mxtrain.numerics.recipes import get as get_recipe  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = [pytest.mark.skipif(not kernels_available(DEV), reason="Triton kernels unavailable"),
@@ -152,7 +153,7 @@ def test_factored_operand_takes_the_fused_route(monkeypatch):
     """The recipe's Wgrad operands (rotated, fixed signs, along tokens) through ``Ctx.operand_factored``: no torch
     rotation runs (``hadamard`` raises), ``CALLS`` counts them as fused, and the values equal the reference's."""
     import sys
-    H = sys.modules["mxtrain.hadamard"]    # (the package's ``hadamard`` attribute is the function)
+    H = sys.modules["mxtrain.numerics.hadamard"]    # (the package's ``hadamard`` attribute is the function)
     r = get_recipe("nvfp4")
     assert r.rotation("wgrad").size == 16
     mode = "auto" if DEV == "cuda" else "always"

@@ -1,7 +1,7 @@
 """Issue #47, "one line, never a traceback": numbers beyond range, config files nested too deeply or referring
 to themselves, lone surrogates in JSONL, full disks, host memory exhausted, a tokenizer that makes the
 ``tokenizers`` library panic, stray seed folders in a study, non-finite study values. Each case runs
-``mxtrain.cli.main`` in this process (tiny inputs, no training): a non-zero exit, exactly one line on stderr,
+``mxtrain.cli.core.main`` in this process (tiny inputs, no training): a non-zero exit, exactly one line on stderr,
 no traceback, and no temporary file left where a write failed."""
 
 import errno
@@ -204,7 +204,7 @@ def test_full_disk_in_corpus_manifest(tmp_path, monkeypatch):
 def test_full_disk_in_study_is_one_line_naming_the_folder(tmp_path, monkeypatch):
     """What the top-level handler says for an ENOSPC that reaches it from any command (here: a study's first
     write), and a MemoryError / a CPU allocation failure / a Rust panic likewise."""
-    from mxtrain.study import cli as study_cli
+    from mxtrain.cli import study as study_cli
 
     def full(args):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -216,7 +216,7 @@ def test_full_disk_in_study_is_one_line_naming_the_folder(tmp_path, monkeypatch)
                                  RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't "
                                               "allocate memory: you tried to allocate 412316860416 bytes.")])
 def test_host_memory_exhausted(monkeypatch, exc):
-    from mxtrain import cli
+    from mxtrain.cli import core as cli
 
     def train(args):
         raise exc

@@ -128,8 +128,8 @@ def test_out_of_gpu_memory_is_one_line_with_what_to_change(tmp_path, monkeypatch
     command with one line that names the step and the settings that need less memory, exit status 1, and the
     run's outcome recorded as failed."""
     import torch
-    from mxtrain.cli import main
-    from mxtrain.model import Llama
+    from mxtrain.cli.core import main
+    from mxtrain.model.llama import Llama
     real = Llama.forward
     calls = []
 

@@ -27,9 +27,9 @@ import mxtrain
 from mxtrain.linear import qgather as Q
 from mxtrain.linear.context import Ctx
 from mxtrain.linear import mx_linear
-from mxtrain.quant import quantize
-from mxtrain.recipe import Rotation
-from mxtrain.recipes import get as get_recipe
+from mxtrain.numerics.quant import quantize
+from mxtrain.numerics.recipe import Rotation
+from mxtrain.numerics.recipes import get as get_recipe
 
 HERE = Path(__file__).parent
 

@@ -1,6 +1,6 @@
 """Bit-exact tests of the reference quantizers against an independent numpy/ml_dtypes reference.
 
-The reference below shares no code with ``mxtrain.quant``: shared exponents come from exact rational
+The reference below shares no code with ``mxtrain.numerics.quant``: shared exponents come from exact rational
 arithmetic (``fractions.Fraction``) or, for the ``amd`` rule, from the float32 bit trick of ROCm's
 cast kernel; element codes come from ml_dtypes casts (round half to even; the value is clipped to
 +-max first, because ml_dtypes' FP8 casts overflow to NaN instead of saturating).
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import mxtrain
-from mxtrain import rng
-from mxtrain.formats import get_format
+from mxtrain.numerics import rng
+from mxtrain.numerics.formats import get_format
 
 from numerics import ML, assert_bitwise_equal
 
@@ -420,7 +420,7 @@ def test_per_tensor_fp8_scales_are_ieee_float32_quotients():
     """``tensor_fp8_scales`` computes its two quotients through float64: each must be the IEEE float32
     quotient (numpy's float32 division), here for amax across float32's range, near powers of two and at
     the clamp (subnormal amax: the multiplier overflows float32 and is clamped)."""
-    from mxtrain.quant import tensor_fp8_scales
+    from mxtrain.numerics.quant import tensor_fp8_scales
     g = np.random.default_rng(0)
     amax = (g.random(20000) + 0.5) * np.exp2(g.integers(-149, 127, 20000).astype(np.float64))
     amax = np.concatenate([amax, np.exp2(np.arange(-149, 127, dtype=np.float64))]).astype(np.float32)
@@ -571,16 +571,16 @@ def test_unbiasedness_test_has_power():
     z = sr_z_scores("mxfp4", "nearest", n_seeds=50)
     assert np.abs(z).max() > Z_MAX
     # and so is a stochastic rounder whose threshold is 3 % off
-    orig = mxtrain.quant.round_to_elem
+    orig = mxtrain.numerics.quant.round_to_elem
 
     def biased(v, elem, rounding="nearest", u=None):
         return orig(v, elem, rounding, None if u is None else u * 1.03)
 
-    mxtrain.quant.round_to_elem = biased
+    mxtrain.numerics.quant.round_to_elem = biased
     try:
         z = sr_z_scores("mxfp4", "stochastic")
     finally:
-        mxtrain.quant.round_to_elem = orig
+        mxtrain.numerics.quant.round_to_elem = orig
     assert np.abs(z).max() > Z_MAX
 
 

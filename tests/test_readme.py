@@ -45,7 +45,7 @@ def test_readme_command_lines_parse():
     (parsed by the CLI's own parser; nothing is run)."""
     import shlex
 
-    from mxtrain import cli
+    from mxtrain.cli import core as cli
     section = README.split("## The command line", 1)[1].split("\n## ", 1)[0]
     block = re.findall(r"```bash\n(.*?)```", section, re.S)[0]
     lines = [ln.split("#", 1)[0].strip() for ln in block.splitlines()]

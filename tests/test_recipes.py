@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import mxtrain
-from mxtrain import Operand, Recipe, Rotation, recipes
-from mxtrain.recipe import OPERANDS
+from mxtrain import Operand, Recipe, Rotation
+from mxtrain.numerics import recipes
+from mxtrain.numerics.recipe import OPERANDS
 
 EXPECTED = ["bf16", "fp8", "mxfp8", "mxfp4-fprop", "mxfp4-fprop-dgrad", "mxfp4-all", "mxfp4-all-sr",
             "mxfp4-all-rht16", "mxfp4-all-dh16", "mxfp4-all-dh32", "tseng", "nvfp4"]
@@ -68,7 +69,7 @@ def test_convert_report_counts_its_layers_in_words():
 def test_unknown_names_list_the_valid_choices():
     with pytest.raises(ValueError, match="valid recipes: bf16, fp8"):
         recipes.get("mxfp3")
-    with pytest.raises(TypeError, match=r"a recipe is a preset name \(mxtrain.recipes.names\(\)\) or an "
+    with pytest.raises(TypeError, match=r"a recipe is a preset name \(mxtrain.numerics.recipes.names\(\)\) or an "
                                         r"mxtrain.Recipe, got int 42"):   # not AttributeError: 'partition'
         mxtrain.convert(torch.nn.Linear(32, 32), 42)
     with pytest.raises(ValueError, match="choose one of: mxfp4"):
@@ -158,7 +159,7 @@ def test_preset_plus_scale_rule():
     without MX operands are refused with the valid choices."""
     import pytest
 
-    from mxtrain import recipes
+    from mxtrain.numerics import recipes
     base = recipes.get("tseng")
     r = recipes.get("tseng+amd")
     assert r.name == "tseng+amd"
@@ -184,7 +185,7 @@ def test_cheapest_forward_levers_presets():
     of the trainer's model kept as ``nn.Linear`` (every other block's linear layers become MX layers). Both
     stay on the fast path."""
     from mxtrain.linear import fast
-    from mxtrain.model import Llama, ModelConfig
+    from mxtrain.model.llama import Llama, ModelConfig
     from mxtrain.linear.module import MXLinear
 
     g = recipes.get

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import mxtrain
-from mxtrain.model import Block, ModelConfig, rope_tables
+from mxtrain.model.llama import Block, ModelConfig, rope_tables
 
 CFG = ModelConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=192, vocab_size=64)
 # (on the GPU, shapes where the fast path's 128-row padding of small operands does not dominate)

@@ -10,7 +10,7 @@ import torch._functorch.config as fc
 
 import mxtrain
 from mxtrain import settings
-from mxtrain.model import Block, ModelConfig, rope_tables
+from mxtrain.model.llama import Block, ModelConfig, rope_tables
 
 CFG = ModelConfig(dim=128, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=384, vocab_size=64)
 

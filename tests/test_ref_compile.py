@@ -11,11 +11,11 @@ import torch
 
 from mxtrain import settings
 from mxtrain.linear.context import REF_COMPILE, Ctx
-from mxtrain.operand import fake_quantize_operand
-from mxtrain.formats import FORMATS
-from mxtrain.hadamard import rotation_signs
+from mxtrain.numerics.operand import fake_quantize_operand
+from mxtrain.numerics.formats import FORMATS
+from mxtrain.numerics.hadamard import rotation_signs
 from mxtrain.linear.module import MXLinear
-from mxtrain.quant import SCALE_RULES
+from mxtrain.numerics.quant import SCALE_RULES
 
 KEY = 0x9E3779B9
 

@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from mxtrain.formats import FORMATS, get_format
-from mxtrain.quant import ALL_SCALE_RULES, quantize
-from mxtrain.recipe import Operand, _f32, _largest_prescale, _smallest_prescale
+from mxtrain.numerics.formats import FORMATS, get_format
+from mxtrain.numerics.quant import ALL_SCALE_RULES, quantize
+from mxtrain.numerics.recipe import Operand, _f32, _largest_prescale, _smallest_prescale
 from train_helpers import one_line_error, run_main
 
 
@@ -82,7 +82,7 @@ def test_small_prescale_is_one_line_naming_the_usable_range(tmp_path):
     one_line_error(run_main("train", "--set", "recipe.dgrad_dy.prescale=0.03125", "--print-config"), "too small")
     one_line_error(run_main("train", "--set", "recipe.fprop_x.prescale=1e30", "--print-config"),
                    "too large", "lie above 0.03125 and at most 1.5")
-    import mxtrain.recipes as R
+    import mxtrain.numerics.recipes as R
     d = R.get("mxfp4-all-dh16").to_dict()
     d["wgrad_x"]["prescale"] = 0.001
     f = tmp_path / "r.json"
@@ -104,7 +104,7 @@ def test_prescales_are_checked_as_the_float32_they_are_used_in():
 
 def test_usable_prescales_and_every_recipe_still_build():
     """Tseng's 3/4, 0.5 to 1.5 on MXFP4 (to 3 with ceil), small ones on MXFP8, and every named recipe."""
-    import mxtrain.recipes as R
+    import mxtrain.numerics.recipes as R
     for p in (0.75, 0.5, 0.04, 1.0, 1.25, 1.5):
         assert Operand("mxfp4", rounding="stochastic", prescale=p).prescale == p
     assert Operand("mxfp4", scale_rule="ceil", prescale=2.0).prescale == 2.0

@@ -1,7 +1,7 @@
 """Issue #47, third round: settings that take effect or are refused the same way in ``train`` and ``study``,
 names that render literally in report.md, an export refused at once while another process writes its output,
 and a sweep of our own (bad values in flags, ``--set`` and files, hostile names, read-only folders), each case
-in this process through ``cli.main`` (no training unless said).
+in this process through ``cli.core`` (no training unless said).
 
 Found by the sweep (each case: command, what happened before the fix):
 * ``study --config F --model 30m`` with ``[model] dim = 576`` in F: 30m 576 wide, where ``train`` refuses the
@@ -18,7 +18,7 @@ import re
 
 import pytest
 
-from mxtrain.cli import build_config, make_parser
+from mxtrain.cli.core import build_config, make_parser
 from train_helpers import one_line_error, run_main
 
 
@@ -31,7 +31,7 @@ def _train_model(*argv) -> dict:
 
 
 def _study_model(tmp_path, *argv) -> dict:
-    from mxtrain.study.cli import apply_study_file
+    from mxtrain.cli.study import apply_study_file
     from mxtrain.study.plan import StudySpec, build_config as run_config
     argv = ["study", "--arms", "bf16", *argv]
     args = make_parser(argv).parse_args(argv)
@@ -109,7 +109,7 @@ def test_a_named_size_drops_every_shape_key_of_a_preset():
 
 
 def test_train_help_names_every_model_size():
-    from mxtrain.model import SIZES
+    from mxtrain.model.llama import SIZES
     p = run_main("train", "--help")
     assert all(name in " ".join(p.stdout.split()) for name in SIZES), p.stdout
 

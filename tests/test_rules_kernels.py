@@ -1,5 +1,5 @@
 """The 2026 scale rules and formats in the Triton kernels (issue #51), bit for bit against the reference quantizer
-(``mxtrain.quant``): NVFP4's ``four_over_six`` in ``kernels/nvfp4.py``'s quantizer, and the uniform E1M2 grid
+(``mxtrain.numerics.quant``): NVFP4's ``four_over_six`` in ``kernels/nvfp4.py``'s quantizer, and the uniform E1M2 grid
 (``mxe1m2``) in the MXFP4 kernels (``kernels/mxfp4``, ``GRID`` 2). Adversarial inputs: NaN/Inf blocks, zero
 blocks, subnormals, rounding and error ties, magnitudes from float32's bottom to its top, bf16 and float32, both
 axes, 16x16 tiles, stochastic rounding, prescale, rotations. On CPU the kernels run in Triton's interpreter (tiny
@@ -22,7 +22,7 @@ from mxtrain import settings  # noqa: E402
 from mxtrain.kernels import kernels_available  # noqa: E402
 from mxtrain.kernels import nvfp4 as K  # noqa: E402
 from mxtrain.kernels.caches import CACHES  # noqa: E402
-from mxtrain.operand import fake_quantize_operand  # noqa: E402
+from mxtrain.numerics.operand import fake_quantize_operand  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(not kernels_available(DEV), reason="Triton kernels unavailable")
@@ -204,13 +204,13 @@ def test_cuda_four_over_six_selfcheck_every_variant():
 
 # ---------------------------------------------------------------------------------------------- MX E1M2 (GRID 2)
 
-from mxtrain import rng  # noqa: E402
+from mxtrain.numerics import rng  # noqa: E402
 from mxtrain.kernels.expand import carrier_from_packed  # noqa: E402
 from mxtrain.kernels.mxfp4 import carrier as kc, ops, verify  # noqa: E402
 from mxtrain.kernels.mxfp4 import launch  # noqa: E402
 from mxtrain.kernels.mxfp4.launch import GRID_ID, KERNEL_GRIDS, KERNEL_RULES, record_launches  # noqa: E402
 from mxtrain.linear import fast  # noqa: E402
-from mxtrain.quant import SCALE_RULES, quantize as ref_quantize  # noqa: E402
+from mxtrain.numerics.quant import SCALE_RULES, quantize as ref_quantize  # noqa: E402
 
 F32 = torch.float32
 

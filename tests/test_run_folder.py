@@ -42,7 +42,7 @@ def test_resume_refuses_a_folder_holding_another_run(tmp_path):
     train(_cfg(a, 2))
     train(_cfg(b, 2))
     before = _snapshot(b)
-    # through mxtrain.cli.main in this process (run_main, as run_cli runs it; the paths are absolute): no process
+    # through mxtrain.cli.core.main in this process (run_main, as run_cli runs it; the paths are absolute): no process
     # boundary needed
     p = run_main("train", "--resume", str(a), "--out", str(b), "--steps", "3", "--no-progress")
     assert p.returncode != 0 and "Traceback" not in p.stderr

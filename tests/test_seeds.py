@@ -13,8 +13,8 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton")
 
-from mxtrain import rng  # noqa: E402
-from mxtrain.hadamard import rotation_signs  # noqa: E402
+from mxtrain.numerics import rng  # noqa: E402
+from mxtrain.numerics.hadamard import rotation_signs  # noqa: E402
 from mxtrain.kernels import kernels_available  # noqa: E402
 from mxtrain.kernels.seeds import call_seeds, call_seeds_host  # noqa: E402
 

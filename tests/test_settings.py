@@ -74,7 +74,8 @@ def test_bad_values_name_the_variable_the_value_and_the_choices(var, value, allo
 
 def test_override_is_read_at_use_time_nests_and_restores():
     from mxtrain.linear import fast
-    from mxtrain import kernels, recipes
+    from mxtrain import kernels
+    from mxtrain.numerics import recipes
     from mxtrain.kernels import mxfp4 as kq
     base = settings.current()
     assert settings.current() is base   # cached: nothing parsed per call

@@ -30,7 +30,7 @@ def test_mark_equals_torchs_decorator():
 
 
 def test_importing_mxtrain_does_not_import_dynamo():
-    code = ("import sys, mxtrain, mxtrain.cli, mxtrain.train.trainer, mxtrain.study.workers; "
+    code = ("import sys, mxtrain, mxtrain.cli.core, mxtrain.train.trainer, mxtrain.study.workers; "
             "print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
                        env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})

@@ -146,7 +146,7 @@ def test_report_on_synthetic_study(tmp_path):
                                   ["--smooth-k", "2"], ["--fit", "huber"], ["--arms", "bf16", "--out", "x"]])
 def test_report_of_one_run_refuses_the_study_options(tmp_path, capsys, flag):
     """A run folder's report has no arms to compare: a study's option is refused in one line, not ignored."""
-    from mxtrain.cli import main
+    from mxtrain.cli.core import main
     toks = [1000.0 * i for i in range(1, 11)]
     rd = write_run(tmp_path / "run", toks, [curve(t) for t in toks])
     capsys.readouterr()
@@ -206,7 +206,7 @@ def test_runner_resumes_skips_and_records_divergence(tmp_path):
 @pytest.mark.slow
 def test_smoke_preset_end_to_end(tmp_path, capsys, monkeypatch):
     """What CI runs: `mxtrain study --preset smoke` (tiny model, CPU, 3 arms x 2 seeds, diagnostics)."""
-    from mxtrain.cli import main
+    from mxtrain.cli.core import main
 
     out = tmp_path / "smoke"
     assert main(["study", "--preset", "smoke", "--out", str(out)]) == 0
@@ -281,7 +281,7 @@ def test_parallel_workers_equal_sequential(tmp_path, monkeypatch):
     """`--jobs 2` trains every run once, in worker processes, with the same losses as one by one."""
     import torch
 
-    from mxtrain.cli import main
+    from mxtrain.cli.core import main
 
     # bit-equal losses need the same intra-op thread count in this process and in the workers (a CPU matmul
     # split over a different number of threads sums in another order)
@@ -315,7 +315,7 @@ def _parallel_equal_sequential(tmp_path, main):
 def test_second_reference_arm_and_presets(tmp_path, capsys):
     """An arm list with fp8 beside the bf16 baseline: every arm is also compared with fp8 (its own target), in
     summary.json and the report; the presets that name fp8 as a reference, and the errors."""
-    from mxtrain.cli import main
+    from mxtrain.cli.core import main
     from mxtrain.errors import UserError
     from mxtrain.study.plan import PRESETS, StudySpec
     from mxtrain.study.workers import run_study

@@ -123,8 +123,8 @@ def test_study_command_prints_the_claims(tmp_path, monkeypatch, capsys):
     """``mxtrain study`` ends with the claim lines of the summary (as with the cooled-down verdict)."""
     import json
 
-    from mxtrain.cli import main
-    from mxtrain.study import cli as runner
+    from mxtrain.cli.core import main
+    from mxtrain.cli import study as runner
 
     def fake_run_study(spec, jobs=1, start_by=None):
         out = tmp_path / "s"

@@ -114,7 +114,7 @@ def test_cooldown_study_end_to_end_and_resume(tmp_path, monkeypatch, capsys):
     assert cool["fit_loss"] == "lsq" and cool["fit"]["loss"] == "lsq"
 
     # the same points refitted with the Huber loss (mxtrain report --fit huber)
-    from mxtrain.cli import main
+    from mxtrain.cli.core import main
     assert main(["report", str(out), "--fit", "huber"]) == 0
     s3 = json.loads((out / "summary.json").read_text())
     assert s3["cooldown"]["fit_loss"] == "huber" and s3["cooldown"]["fit"]["loss"] == "huber"
@@ -133,7 +133,7 @@ def test_cooldown_study_end_to_end_and_resume(tmp_path, monkeypatch, capsys):
 
 
 def test_cli_and_config_file_budgets(tmp_path, capsys):
-    from mxtrain.cli import main
+    from mxtrain.cli.core import main
     assert main(["study", "--arms", "bf16,mxfp4-all", "--steps", "100", "--budgets", "0.5,1", "--cooldown", "0.1",
                  "--out", str(tmp_path / "s"), "--dry-run"]) == 0
     assert "cooldown branches at budgets 0.5, 1 of the run (0.1 of each branch cooling down, 1-sqrt)" in capsys.readouterr().out
@@ -153,7 +153,7 @@ def test_compute_plan_counts_what_the_study_trains(tmp_path, capsys):
     """The dry run's counts: the model's parameters as built, tokens per run and per parameter, every run's
     stable steps plus its branches (16-step runs, budgets 0.5/0.75/1 with a quarter cooling down: the stable
     run to step 12, branches of 2, 3 and 4 steps), evaluations, and the time at a given rate."""
-    from mxtrain.cli import main
+    from mxtrain.cli.core import main
     from mxtrain.study.run import compute_plan
     from mxtrain.train.trainer import _model_config, build_model
     import torch
@@ -372,7 +372,7 @@ def test_carried_study_remakes_gone_checkpoints(tmp_path, monkeypatch):
 def test_start_by_starts_no_run_after_it(tmp_path):
     """``mxtrain study --start-by S``: past it no run starts; the summary lists them as not trained; a negative
     value is refused."""
-    from mxtrain.cli import main
+    from mxtrain.cli.core import main
     import time
     said = []
     out = tmp_path / "s"
@@ -433,7 +433,7 @@ def test_bf16_cooldown_arm_trains_its_branches_in_bf16(tmp_path, monkeypatch):
 def test_bf16_cooldown_arm_shares_the_stable_run_between_workers(tmp_path):
     """With ``--jobs 2`` the two arms are trained by two workers at once: the ``@bf16cool`` arm waits for the
     plain arm's stable run and shares it (one stable run trained, not two)."""
-    from mxtrain.cli import main
+    from mxtrain.cli.core import main
     out = tmp_path / "s"
     assert main(["study", "--preset", "smoke", "--arms", "mxfp4-all,mxfp4-all@bf16cool", "--baseline", "mxfp4-all",
                  "--seeds", "1", "--steps",
@@ -449,7 +449,7 @@ def test_bf16_cooldown_arm_shares_the_stable_run_between_workers(tmp_path):
 def test_trend_preset_plans_one_to_twenty_tokens_per_non_embedding_parameter(tmp_path, capsys):
     """The ``trend`` preset: 30m, 11,500 steps, branches at 5-100 % of the run; its dry run on a corpus with the
     32k vocabulary is what docs/study.md states (here the built-in data's vocabulary, so only the plan)."""
-    from mxtrain.cli import main
+    from mxtrain.cli.core import main
     from mxtrain.study.plan import PRESETS
     p = PRESETS["trend"]
     assert p["arms"] == ["bf16", "mxfp4-all"] and p["steps"] == 11500 and p["budgets"][0] == 0.05
@@ -466,7 +466,7 @@ def test_trend_preset_plans_one_to_twenty_tokens_per_non_embedding_parameter(tmp
     # the same settings repeated on the command line (as study_gpu.sh passes them) leave the plan unchanged: a
     # study started with --preset trend and one started with --arms and the flags resume each other
     from mxtrain.study.plan import StudySpec
-    from mxtrain.cli import make_parser
+    from mxtrain.cli.core import make_parser
     ap = make_parser(["study"])
     flags = ["--batch-size", "32", "--seq-len", "512", "--steps", "11500", "--lr", "1.5e-3", "--model", "30m",
              "--budgets", "0.05,0.1,0.25,0.5,1", "--eval-every", "230", "--diagnose-every", "0",

@@ -159,7 +159,7 @@ def _cleanup(proc, pids):
 
 
 def test_sigterm_to_parallel_study_stops_its_workers(tmp_path, capsys):
-    from mxtrain.cli import main
+    from mxtrain.cli.core import main
 
     out = tmp_path / "st"
     proc, workers, seen = _start_parallel_study(out)
@@ -197,7 +197,7 @@ def test_killed_parallel_study_workers_die_and_release_the_folder(tmp_path):
 
 
 def test_second_study_on_a_locked_folder_is_refused_and_changes_nothing(tmp_path, monkeypatch, capsys):
-    from mxtrain.cli import main
+    from mxtrain.cli.core import main
     from mxtrain.study import workers as runner
 
     out = tmp_path / "st"
@@ -234,7 +234,7 @@ def test_second_study_on_a_locked_folder_is_refused_and_changes_nothing(tmp_path
 
 
 def test_missing_planned_run_is_named_and_exits_nonzero(tmp_path, monkeypatch, capsys):
-    from mxtrain.cli import main
+    from mxtrain.cli.core import main
     from mxtrain.study import workers as runner
 
     out = tmp_path / "st"
@@ -272,7 +272,7 @@ def test_missing_planned_run_is_named_and_exits_nonzero(tmp_path, monkeypatch, c
 
 
 def test_failure_mentioning_nan_is_failed_not_diverged(tmp_path, monkeypatch, capsys):
-    from mxtrain.cli import main
+    from mxtrain.cli.core import main
     from mxtrain.study import workers as runner
     from mxtrain.train import NonFiniteLoss
 
@@ -295,7 +295,7 @@ def test_failure_mentioning_nan_is_failed_not_diverged(tmp_path, monkeypatch, ca
 
 def test_real_trainer_missing_nan_path_is_failed(tmp_path, capsys):
     """The real trainer on a data path containing 'nan' that does not exist: failed, not diverged."""
-    from mxtrain.cli import main
+    from mxtrain.cli.core import main
 
     out = tmp_path / "st"
     assert main(["study", "--preset", "smoke", "--arms", "bf16", "--seeds", "1", "--steps", "2",
@@ -324,7 +324,7 @@ def test_bad_set_value_is_reported_before_the_study_folder_is_written(tmp_path):
                                       (["--jobs", "0", "--dry-run"], "--jobs: must be in [1, 4096], got 0")])
 def test_zero_steps_or_jobs_are_refused_before_the_study_folder_is_written(tmp_path, capsys, args, msg):
     """Not one failed run per arm and seed with 'rerun the same command', nor a plan of 0 steps: one line."""
-    from mxtrain.cli import main
+    from mxtrain.cli.core import main
     out = tmp_path / "study"
     assert main(["study", "--arms", "bf16", "--seeds", "1", "--out", str(out), *args]) == 2
     err = capsys.readouterr().err

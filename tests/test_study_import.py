@@ -83,7 +83,7 @@ def test_import_lr_check_into_main_study(tmp_path, monkeypatch, capsys):
     assert len([b for b in s["branches"] if b.get("arm") == "bf16@lr2e-3"]) == 2
 
     # a report of some arms (the check left out) goes to its own folder; the study's summary stays whole
-    from mxtrain.cli import main
+    from mxtrain.cli.core import main
     whole = (dst / "summary.json").read_text()
     assert main(["report", str(dst), "--arms", "bf16", "--out", str(tmp_path / "only")]) == 0
     part = json.loads((tmp_path / "only" / "summary.json").read_text())
@@ -117,7 +117,7 @@ def test_import_refuses_another_cooldown_plan(tmp_path):
 
 
 def test_cli_one_line_error(tmp_path, capsys):
-    from mxtrain.cli import main
+    from mxtrain.cli.core import main
     assert main(["study-import", str(tmp_path / "x"), str(tmp_path / "y")]) != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "not a study folder" in err[0]

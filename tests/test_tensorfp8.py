@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from mxtrain.linear import tensorfp8
-from mxtrain import mx_linear, recipes
+from mxtrain import mx_linear
+from mxtrain.numerics import recipes
 from mxtrain.linear.reference import _MXLinearFunction
 from mxtrain.linear import call_context
-from mxtrain.recipe import Operand, Recipe, Rotation
+from mxtrain.numerics.recipe import Operand, Recipe, Rotation
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -69,7 +70,7 @@ def test_scaled_mm_equals_the_float32_reference(shape, dtype, fp8_on, monkeypatc
 
 
 def test_codes_are_the_reference_quantizer(fp8_on):
-    from mxtrain.quant import quantize
+    from mxtrain.numerics.quant import quantize
     rec = recipes.get("fp8")
     x, w, _ = _case(64, 96, 48, torch.float32)
     q = call_context(rec, None)

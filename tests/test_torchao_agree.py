@@ -49,8 +49,8 @@ from torchao.prototype.mx_formats.config import ScaleCalculationMode  # noqa: E4
 from torchao.prototype.mx_formats.constants import DTYPE_FP6_E2M3  # noqa: E402
 from torchao.prototype.mx_formats.mx_tensor import to_dtype, to_mx  # noqa: E402
 
-from mxtrain.formats import get_format  # noqa: E402
-from mxtrain.quant import elem_table, encode_elem, pow2, quantize, round_to_elem, unpack_fp4  # noqa: E402
+from mxtrain.numerics.formats import get_format  # noqa: E402
+from mxtrain.numerics.quant import elem_table, encode_elem, pow2, quantize, round_to_elem, unpack_fp4  # noqa: E402
 
 RULES = {"floor": ScaleCalculationMode.FLOOR, "ceil": ScaleCalculationMode.CEIL,
          "even": ScaleCalculationMode.EVEN, "rceil": ScaleCalculationMode.RCEIL}

@@ -10,9 +10,10 @@ import torch
 
 import mxtrain
 from mxtrain.linear import tensorfp8, tracedfp8
-from mxtrain import mx_linear, recipes, settings
-from mxtrain.quant import quantize
-from mxtrain.recipe import Operand, Recipe, Rotation
+from mxtrain import mx_linear, settings
+from mxtrain.numerics import recipes
+from mxtrain.numerics.quant import quantize
+from mxtrain.numerics.recipe import Operand, Recipe, Rotation
 
 from compile_helpers import fwd_bwd, mlp_losses, ops_of
 

@@ -10,9 +10,10 @@ import torch
 
 import mxtrain
 from mxtrain.linear import tracedmx
-from mxtrain import mx_linear, recipes, settings
+from mxtrain import mx_linear, settings
+from mxtrain.numerics import recipes
 from mxtrain.kernels.mxfp4.carrier import QuantOut, carrier_from_fp4, reference_quantize
-from mxtrain.recipe import Operand, Recipe, Rotation
+from mxtrain.numerics.recipe import Operand, Recipe, Rotation
 
 from compile_helpers import fwd_bwd, mlp_losses, ops_of
 
@@ -192,7 +193,7 @@ def test_cuda_compiled_model_equals_the_custom_ops(recipe, traced):
     about their own norm or more) and the loss to 1e-3."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from mxtrain.model import Llama, ModelConfig
+    from mxtrain.model.llama import Llama, ModelConfig
 
     def grads(mode, compiled=True):
         torch._dynamo.reset()
@@ -224,8 +225,8 @@ def test_cuda_compiled_model_equals_the_custom_ops(recipe, traced):
 def test_e2m1_rounding_is_the_reference_on_every_float32_neighbourhood_of_the_grid():
     """``_round_e2m1`` against ``quant.round_to_elem`` on every grid point, every midpoint, their float32
     neighbours, signed zeros, saturation and a dense random sweep."""
-    from mxtrain.formats import get_format
-    from mxtrain.quant import round_to_elem
+    from mxtrain.numerics.formats import get_format
+    from mxtrain.numerics.quant import round_to_elem
     grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
     pts = torch.cat([grid, (grid[1:] + grid[:-1]) / 2, torch.tensor([7.0, 1e30, 1e-30, 5.0, 6.5])])
     pts = torch.cat([pts, torch.nextafter(pts, torch.tensor(float("inf"))), torch.nextafter(pts, torch.tensor(0.0))])

@@ -215,7 +215,8 @@ if __name__ == "__main__":
 
 
 def test_cuda_graphs_refused_where_they_cannot_replay(tmp_path):
-    from mxtrain import recipes, settings
+    from mxtrain.numerics import recipes
+    from mxtrain import settings
     from mxtrain.train.trainer import graph_blockers
     cuda = torch.device("cuda")
     # every recipe's random inputs come from the layers' device state: replayable on one GPU, on the fast

@@ -11,9 +11,10 @@ import torch
 
 import mxtrain
 from mxtrain.linear import fast
-from mxtrain import Operand, recipes
-from mxtrain.formats import ELEMENTS, FORMATS, get_format
-from mxtrain.quant import ALL_SCALE_RULES, SCALE_RULES, quantize, reference_only
+from mxtrain import Operand
+from mxtrain.numerics import recipes
+from mxtrain.numerics.formats import ELEMENTS, FORMATS, get_format
+from mxtrain.numerics.quant import ALL_SCALE_RULES, SCALE_RULES, quantize, reference_only
 
 UNIFORM = ("mxint4", "mxe1m2")
 
@@ -211,8 +212,8 @@ def test_adaptive_never_errs_more_than_floor_and_refuses_kernels():
         ea = ((a - x.double()) ** 2).reshape(-1, 32).sum(-1)
         ef = ((f - x.double()) ** 2).reshape(-1, 32).sum(-1)
         assert (ea <= ef).all()
-    with pytest.raises(ValueError, match="only mxtrain.quant.quantize"):
-        mxtrain.quant.mx_scale_exponent(torch.ones(2), ELEMENTS["e2m1"], "adaptive")
+    with pytest.raises(ValueError, match="only mxtrain.numerics.quant.quantize"):
+        mxtrain.numerics.quant.mx_scale_exponent(torch.ones(2), ELEMENTS["e2m1"], "adaptive")
     with pytest.raises(ValueError, match="MX formats"):
         quantize(torch.ones(16), "nvfp4", scale_rule="adaptive")
     with pytest.raises(ValueError, match="MX formats"):
@@ -226,12 +227,12 @@ def test_adaptive_never_errs_more_than_floor_and_refuses_kernels():
 
 def test_presets_and_their_routes():
     u = recipes.get("ufp4")
-    assert {u.operand(n).fmt for n in mxtrain.recipe.OPERANDS} == {"mxint4"}
-    assert [u.operand(n).rounding for n in mxtrain.recipe.OPERANDS] == ["nearest", "nearest", "stochastic",
+    assert {u.operand(n).fmt for n in mxtrain.numerics.recipe.OPERANDS} == {"mxint4"}
+    assert [u.operand(n).rounding for n in mxtrain.numerics.recipe.OPERANDS] == ["nearest", "nearest", "stochastic",
                                                                        "nearest", "stochastic", "nearest"]
-    assert all(u.rotation(g).size == 16 and u.rotation(g).signs == "per_step" for g in mxtrain.recipe.GEMMS)
+    assert all(u.rotation(g).size == 16 and u.rotation(g).signs == "per_step" for g in mxtrain.numerics.recipe.GEMMS)
     a = recipes.get("mxfp4-all-adaptive")
-    assert {a.operand(n).scale_rule for n in mxtrain.recipe.OPERANDS} == {"adaptive"}
+    assert {a.operand(n).scale_rule for n in mxtrain.numerics.recipe.OPERANDS} == {"adaptive"}
     assert recipes.get("mxfp4-all+adaptive").with_(name="mxfp4-all-adaptive") == a
     assert recipes.get("ufp4+rceil").fprop_x == Operand("mxint4", scale_rule="rceil")
     for r in (a, recipes.get("mxfp4-all-dh16+adaptive"), recipes.get("ufp4+adaptive"),
@@ -271,7 +272,7 @@ def test_mx_linear_on_cpu_is_the_reference_quantizer(name):
     """``mxtrain.mx_linear`` with a new-format / new-rule recipe: forward and both gradients equal the GEMMs of
     the reference quantizer's values, computed here from ``quant.quantize`` and the Hadamard blocks."""
     from mxtrain.linear.context import Ctx
-    from mxtrain.hadamard import hadamard
+    from mxtrain.numerics.hadamard import hadamard
     r = recipes.get(name)
     torch.manual_seed(3)
     x = torch.randn(64, 64, requires_grad=True)

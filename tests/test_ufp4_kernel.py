@@ -1,5 +1,5 @@
 """The uniform 4-bit grid (``mxint4``, the ``ufp4`` recipe's format) in the fused quantizer and the FP8 carrier:
-bit-identical to the reference quantizer (``mxtrain.quant``), and the fast path that takes it (issue #51).
+bit-identical to the reference quantizer (``mxtrain.numerics.quant``), and the fast path that takes it (issue #51).
 
 On CPU the kernels run in Triton's interpreter on small shapes (this file's CPU tests take a few seconds); the
 tests marked ``cuda`` run the compiled kernels and the sm_90 carrier GEMM (not yet run on a GPU when written).
@@ -16,12 +16,13 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from mxtrain.linear import fast
-from mxtrain import recipes, rng, settings  # noqa: E402
+from mxtrain.numerics import recipes, rng
+from mxtrain import settings  # noqa: E402
 from mxtrain.kernels import kernels_available  # noqa: E402
 from mxtrain.kernels.expand import carrier_from_packed  # noqa: E402
 from mxtrain.kernels.mxfp4 import carrier as kc, ops, verify  # noqa: E402
 from mxtrain.kernels.mxfp4.launch import GRID_ID, RULE_ID  # noqa: E402
-from mxtrain.quant import SCALE_RULES, quantize as ref_quantize  # noqa: E402
+from mxtrain.numerics.quant import SCALE_RULES, quantize as ref_quantize  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(not kernels_available(DEV), reason="Triton kernels unavailable")

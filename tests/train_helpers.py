@@ -69,7 +69,7 @@ def tmpdir() -> Path:
 
 
 def run_main(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """``mxtrain ARGS`` through ``mxtrain.cli.main`` in this process, as ``run_cli`` runs it in a subprocess
+    """``mxtrain ARGS`` through ``mxtrain.cli.core.main`` in this process, as ``run_cli`` runs it in a subprocess
     (same working folder and ``MXTRAIN_DATA``), its stdout and stderr captured and its exit status returned
     (an argparse error's ``SystemExit`` too); any other exception propagates and fails the caller, as a
     traceback in the subprocess would. For the many one-line-error cases, where a process start costs more
@@ -77,7 +77,7 @@ def run_main(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess
     import contextlib
     import io
 
-    from mxtrain.cli import main
+    from mxtrain.cli.core import main
     out, err = io.StringIO(), io.StringIO()
     old_env, old_cwd = os.environ.get("MXTRAIN_DATA"), os.getcwd()
     os.environ["MXTRAIN_DATA"] = str(data_cache())

@@ -11,7 +11,7 @@ import triton
 from mxtrain import settings
 from mxtrain.kernels import mxfp4 as kq
 from mxtrain.kernels.mxfp4.launch import dual_applies
-from mxtrain.hadamard import rotation_signs
+from mxtrain.numerics.hadamard import rotation_signs
 
 dev = "cuda"
 res = []

@@ -11,7 +11,7 @@ import torch
 
 from mxtrain.linear import tracedfp8
 from mxtrain.bench import step as bench_step
-from mxtrain.formats import get_format
+from mxtrain.numerics.formats import get_format
 
 
 def cast_float32_division(t, fmt):

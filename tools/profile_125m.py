@@ -8,7 +8,7 @@ import time
 import torch
 
 from mxtrain.linear import fast
-from mxtrain.model import Llama, ModelConfig
+from mxtrain.model.llama import Llama, ModelConfig
 from mxtrain.linear.module import convert, set_step
 
 dev = "cuda"

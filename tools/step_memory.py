@@ -18,7 +18,7 @@ import time
 import torch
 
 from mxtrain import convert
-from mxtrain.model import Llama, ModelConfig
+from mxtrain.model.llama import Llama, ModelConfig
 
 
 def _label(frames) -> str:
@@ -62,7 +62,7 @@ def main():
     ap.add_argument("--compile", default="default", help="torch.compile mode, or 'none'")
     ap.add_argument("--out", default=None)
     ap.add_argument("--recompute-ffn", action="store_true",
-                    help="every variant's blocks recompute their feed-forward outputs (mxtrain.model.Block)")
+                    help="every variant's blocks recompute their feed-forward outputs (mxtrain.model.llama.Block)")
     ap.add_argument("--peak-report", type=int, default=0, metavar="N",
                     help="print the N largest groups of memory alive at the last step's peak")
     a = ap.parse_args()

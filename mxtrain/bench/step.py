@@ -121,7 +121,7 @@ def _build(model: str, layers: int | None, seq: int, device):
             kw["n_layers"] = layers
         torch.manual_seed(0)
         return UserLlama(**kw, seq=max(seq, 128), device=device)
-    from ..model import Llama, ModelConfig
+    from ..model.llama import Llama, ModelConfig
     over = {"max_seq_len": max(seq, 128)}
     if layers:
         over["n_layers"] = layers

@@ -72,7 +72,7 @@ def _env() -> dict:
 # ---------------------------------------------------------------------------------------- quantize
 
 def bench_quantize(args) -> dict:
-    from ..hadamard import rotation_signs
+    from ..numerics.hadamard import rotation_signs
     from ..kernels.mxfp4 import quantize_mxfp4_2d
     dev = "cuda"
     res = []
@@ -444,7 +444,7 @@ def bench_breakdown(args) -> dict:
 
 def bench_blocks(args) -> dict:
     from ..linear import fast as _fast
-    from ..model import Block, ModelConfig, rope_tables
+    from ..model.llama import Block, ModelConfig, rope_tables
     from ..linear.module import convert
     dev = "cuda"
     n_layers = args.layers or 2
@@ -676,7 +676,7 @@ def warm_gpu(seconds: float = 1.0) -> float:
 def _limits(args) -> int:
     from . import limits as BL
     from .step import MODELS
-    from ..model import ModelConfig
+    from ..model.llama import ModelConfig
     from dataclasses import asdict, fields
     rates = {}
     for item in filter(None, args.rates.split(",")):
@@ -745,7 +745,7 @@ def run(args) -> int:
     _check_options(args, what)
     if args.what == "limits":
         return _limits(args)
-    from .. import recipes as _recipes
+    from ..numerics import recipes as _recipes
     from .. import settings as _settings
     from .step import TORCHAO, split_variant, step_options
     named = _presets(args, []) + [v.strip() for v in (getattr(args, "variants", "") or "").split(",") if v.strip()]

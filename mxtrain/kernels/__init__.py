@@ -8,7 +8,7 @@ Capability flags (evaluated lazily, cheap):
   ``"native_mx"`` (NVIDIA sm_100+ and AMD gfx950: MX-scaled GEMM, never run on such a GPU here), or
   ``"dequant"`` (everything else: dequantize the MX operands and multiply).
 
-The plain-PyTorch reference quantizer (``mxtrain.quant``) is the specification: the kernels in
+The plain-PyTorch reference quantizer (``mxtrain.numerics.quant``) is the specification: the kernels in
 ``mxtrain.kernels.mxfp4`` produce bit-identical codes and scales (see ``tests/test_kernels.py``).
 What the kernels remember within a process (device facts, probes, self-checks, launch plans) is in one
 object, ``CACHES`` (``mxtrain.kernels.caches``). See ``docs/kernels.md``.

@@ -1,6 +1,6 @@
 """Per-tensor FP8 quantization in two passes (the ``fp8`` recipe's quantizer on a GPU).
 
-``quantize_tensor_fp8(x, fmt)`` gives the codes and the float32 scale that ``mxtrain.quant.quantize(x, fmt)``
+``quantize_tensor_fp8(x, fmt)`` gives the codes and the float32 scale that ``mxtrain.numerics.quant.quantize(x, fmt)``
 gives for per-tensor FP8 with nearest rounding (the definition, bit for bit; TransformerEngine's and torchao's
 float8 tensorwise scaling): the multiplier ``m = max_elem / amax`` and the scale ``1 / m``, both float32
 (``quant.tensor_fp8_scales``: ``m = 1`` for an all-zero tensor, both NaN when an element is not finite, then
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from ..formats import get_format
-from ..quant import tensor_fp8_scales
+from ..numerics.formats import get_format
+from ..numerics.quant import tensor_fp8_scales
 from . import HAS_TRITON
 
 __all__ = ["quantize_tensor_fp8", "tensor_scale"]
@@ -71,7 +71,7 @@ def tensor_scale(x: torch.Tensor, max_elem: float) -> tuple[torch.Tensor, torch.
 
 def quantize_tensor_fp8(x: torch.Tensor, fmt: str = "fp8_e4m3", prescale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes in ``x``'s shape, contiguous, dtype float8_e4m3fn / float8_e5m2; float32 0-d scale), as
-    ``mxtrain.quant.quantize(x, fmt, prescale=prescale)`` makes them with nearest rounding."""
+    ``mxtrain.numerics.quant.quantize(x, fmt, prescale=prescale)`` makes them with nearest rounding."""
     f = get_format(fmt)
     if f.kind != "tensor" or f.elem.name not in ("e4m3", "e5m2"):
         raise ValueError(f"quantize_tensor_fp8: {fmt!r} is not a per-tensor FP8 format")

@@ -3,7 +3,7 @@ MXFP8, MXFP6 and MXFP4 operands of recipes that the MXFP4 fast path does not run
 
 ``quantize_mx_values(x, fmt, axis, block_size, scale_rule, prescale)`` gives the values that
 ``mxtrain.linear.context.fake_quantize_operand(x, None, None, axis, 0, fmt, block_size, "nearest", scale_rule,
-prescale)`` gives (the definition, bit for bit: ``mxtrain.quant.quantize`` then ``MXTensor.dequantize``) for
+prescale)`` gives (the definition, bit for bit: ``mxtrain.numerics.quant.quantize`` then ``MXTensor.dequantize``) for
 an already rotated 2-D float32/bf16/fp16 ``x``: per block of ``block_size`` elements along ``axis`` the E8M0
 exponent ``s`` of the largest finite magnitude by the scale rule (``quant.mx_scale_exponent``: floor, ceil,
 rceil, even or amd; -127 for an all-zero block), each element ``x * prescale * 2**-s`` rounded half to even
@@ -32,9 +32,9 @@ from __future__ import annotations
 import torch
 
 from .. import settings as _settings
-from ..formats import get_format
-from ..operand import compute_dtype, fake_quantize_operand, pad_axis
-from ..quant import SCALE_RULES
+from ..numerics.formats import get_format
+from ..numerics.operand import compute_dtype, fake_quantize_operand, pad_axis
+from ..numerics.quant import SCALE_RULES
 from . import HAS_TRITON, INTERPRET, kernels_available
 
 __all__ = ["quantize_mx_values", "mx_kernel_applies", "mx_ok", "mx_selfcheck", "mx_operand", "CALLS"]
@@ -244,7 +244,7 @@ def mx_operand(t: torch.Tensor, signs, key, axis: int, rot: int, fmt: str, block
     variant passed its self-check, else None (the caller runs the reference). The rotation stays in torch
     (float32); without one a bf16/fp16 ``t`` goes to the kernel as it is (its upcast is exact). ``out_dtype``:
     bf16/fp16 to have the kernel write the values cast to it (what the caller's GEMM multiplies), else float32."""
-    from ..hadamard import hadamard
+    from ..numerics.hadamard import hadamard
     if not mx_kernel_applies(t, fmt, block_size, rounding):
         return None
     block = get_format(fmt).block_size if block_size is None else block_size

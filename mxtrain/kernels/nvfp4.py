@@ -2,11 +2,11 @@
 
 ``quantize_nvfp4_factored(x, axis, block_2d, rounding, key, prescale)`` gives the ``(values, g)`` that
 ``mxtrain.linear.context.fake_quantize_operand(..., factored=True)`` gives for an NVFP4 operand (the definition, bit
-for bit: ``mxtrain.quant.quantize`` then ``MXTensor.dequantize_factored``) of an already rotated 2-D float32 or
+for bit: ``mxtrain.numerics.quant.quantize`` then ``MXTensor.dequantize_factored``) of an already rotated 2-D float32 or
 bf16 tensor ``x``: the tensor scale ``g = tmax / (6 * 448)`` of the largest finite magnitude (1 if that is not
 > 0), per block of 16 along ``axis`` (or 16x16 tile) the E4M3 block scale ``b = e4m3(amax / (g * 6))``
 saturated at 448 (NaN for a block holding NaN or +-Inf), each element ``x * prescale / (b * g)`` (an IEEE
-division) rounded onto E2M1 (half to even, or stochastically with the hash ``mxtrain.rng.uniform`` of the
+division) rounded onto E2M1 (half to even, or stochastically with the hash ``mxtrain.numerics.rng.uniform`` of the
 element's row-major index in ``x``), and written as ``element * b`` (exact in bf16) in ``x``'s shape. A block
 whose divisor ``b * g`` is 0 gives +0 everywhere, a non-finite block NaN everywhere (``+0 * NaN``), as the
 reference does; negative values that round to zero stay -0.
@@ -23,7 +23,7 @@ quantization axis) ``x`` is the unrotated bf16/float32 operand and both passes r
 and quantizes, writing the rotated tensor's values (its axis padded to a multiple of 16; the stochastic-rounding
 index is the row-major index in that padded shape): no float32 rotated copy and none of the torch rotation's
 full-tensor passes (``hadamard(pad_axis(x))`` before the kernel, as other rotation sizes still run). The rotation is
-``mxtrain.hadamard.hadamard``'s float32 arithmetic step for step: signs times the +0-padded values (so padding
+``mxtrain.numerics.hadamard.hadamard``'s float32 arithmetic step for step: signs times the +0-padded values (so padding
 next to a -1 sign is -0, as in the reference), butterfly stages h = 1, 2, 4, 8 (``mxfp4.device._bfly``), one
 multiply by 0.25. A rotation block is exactly one NVFP4 block, so no block mixes real and wholly padded
 rotation blocks (``factored_operand`` picks the route).
@@ -48,8 +48,8 @@ import warnings
 import torch
 
 from .. import settings as _settings
-from ..operand import compute_dtype, fake_quantize_operand, pad_axis
-from ..quant import NVFP4_TENSOR_MAX, SCALE_RULES, _div_by_constant
+from ..numerics.operand import compute_dtype, fake_quantize_operand, pad_axis
+from ..numerics.quant import NVFP4_TENSOR_MAX, SCALE_RULES, _div_by_constant
 from . import HAS_TRITON, INTERPRET, kernels_available
 from .caches import CACHES
 
@@ -86,7 +86,7 @@ if HAS_TRITON:
     def _tile(x_ptr, signs_ptr, pid_m, pid_k, M, K, s_m, s_k, TM: tl.constexpr, NB: tl.constexpr,
               ROT: tl.constexpr, HAS_SIGNS: tl.constexpr, IDX64: tl.constexpr):
         """The program's [TM, 16, NB, 16] piece of the logical (M, K) view of ``x`` in float32 (element (m, k) at
-        ``x_ptr + m*s_m + k*s_k``; +0 outside it), with ``ROT`` 16: rotated along K as ``mxtrain.hadamard``
+        ``x_ptr + m*s_m + k*s_k``; +0 outside it), with ``ROT`` 16: rotated along K as ``mxtrain.numerics.hadamard``
         rotates the +0-padded tensor (signs first, butterfly stages h = 1, 2, 4, 8 of ``mxfp4.device._bfly`` on a
         [TM*NB*2, 128] view whose rows hold 8 whole rotation blocks, then one multiply by 0.25). Returns (x, m, k)."""
         r = tl.arange(0, 16)
@@ -157,7 +157,7 @@ if HAS_TRITON:
         scale is NaN whatever this says). With ``a`` and ``c`` the two candidates' ``element * block scale``, the
         sign of ``g * A - 2 * B`` decides, ``A = sum(a*a - c*c)``, ``B = sum(xs * (a - c))``, in float64 and in
         the reference's operations: every product, difference and partial sum of ``A`` and ``B`` is exact
-        (``mxtrain.quant``'s docstring), so the sums do not depend on their order, and ``g * A`` and the final
+        (``mxtrain.numerics.quant``'s docstring), so the sums do not depend on their order, and ``g * A`` and the final
         subtraction are the reference's two correctly rounded float64 operations, kept apart with contraction on
         or off (an FMA of the two could round differently)."""
         xz = tl.where(fin, xs, 0.0)
@@ -313,9 +313,9 @@ def quantize_nvfp4_factored(x: torch.Tensor, axis: int = -1, block_2d: bool = Fa
     ``key``: the stochastic-rounding stream key (an int, or an int64 0-d tensor on ``x``'s device, read on the
     device), required for ``rounding="stochastic"``. ``rot``: 0 (``x`` is already rotated, or not rotated) or 16
     (both passes rotate ``x`` along ``axis`` by the 16-wide Hadamard with the 16 ``signs`` (None: all +1), as
-    ``mxtrain.hadamard.hadamard`` of the +0-padded tensor does, reading ``x`` unrotated). ``scale_rule``:
+    ``mxtrain.numerics.hadamard.hadamard`` of the +0-padded tensor does, reading ``x`` unrotated). ``scale_rule``:
     ``four_over_six`` (per block the E4M3 scale that maps the maximum to 4 or to 6, whichever errs less:
-    ``mxtrain.quant``), or one of ``quant.SCALE_RULES``, which NVFP4 ignores (its standard block scale)."""
+    ``mxtrain.numerics.quant``), or one of ``quant.SCALE_RULES``, which NVFP4 ignores (its standard block scale)."""
     if not HAS_TRITON:
         raise RuntimeError("quantize_nvfp4_factored needs Triton")
     if x.ndim != 2:
@@ -401,7 +401,7 @@ def nvfp4_kernel_applies(t: torch.Tensor, fmt: str, block_size, rounding: str, s
     if (block_size not in (None, 16, (16, 16)) or rounding not in ("nearest", "stochastic")
             or scale_rule not in KERNEL_RULES):
         return False
-    from ..formats import get_format
+    from ..numerics.formats import get_format
     if get_format(fmt).kind != "nvfp4" or torch.compiler.is_compiling():
         return False
     if t.device.type == "cuda":
@@ -532,7 +532,7 @@ def factored_operand(t: torch.Tensor, signs, key, axis: int, rot: int, fmt: str,
     names the rotation; if it failed its self-check, the torch rotation below serves it); other rotations stay
     in torch (float32, then the kernel). Without one a bf16/fp16 ``t`` goes to the kernel as it is (its upcast
     is exact). ``out_dtype``: the values' dtype (default float32; bf16/fp16 hold them exactly)."""
-    from ..hadamard import hadamard
+    from ..numerics.hadamard import hadamard
     if not nvfp4_kernel_applies(t, fmt, block_size, rounding, scale_rule):
         return None
     block_2d = block_size == (16, 16)

@@ -14,7 +14,7 @@ capture:
   first ``size_g`` entries and 1.0 elsewhere (all 1.0 for mode ``none``).
 
 ``advance=True`` also increments ``state[2]`` in the same kernel, after reading it. The kernel folds
-the same 32-bit lowbias32 hash as ``mxtrain.rng`` in uint32 arithmetic and matches
+the same 32-bit lowbias32 hash as ``mxtrain.numerics.rng`` in uint32 arithmetic and matches
 ``call_seeds_host`` (the plain-PyTorch reference) bit for bit (``tests/test_seeds.py``). Modes,
 sizes, the SR mask and ``advance`` are runtime arguments: one compiled variant serves every layer.
 """
@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import rng
-from ..hadamard import ROTATION_SIZES, SIGN_MODES, rotation_signs
+from ..numerics import rng
+from ..numerics.hadamard import ROTATION_SIZES, SIGN_MODES, rotation_signs
 from . import HAS_TRITON, kernels_available
 
 __all__ = ["call_seeds", "call_seeds_host", "N_OPERANDS", "KEY_STRIDE", "SIGNS_WIDTH"]
@@ -166,7 +166,7 @@ def call_seeds(state: torch.Tensor, *, seed: int, sr: tuple[bool, ...], sign_mod
 def call_seeds_host(seed: int, layer: int, step: int, call: int, *, sr: tuple[bool, ...],
                     sign_modes: tuple[str, str, str], sign_sizes: tuple[int, int, int],
                     device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``call_seeds`` computed on the host with ``mxtrain.rng`` (the reference; CPU without Triton).
+    """``call_seeds`` computed on the host with ``mxtrain.numerics.rng`` (the reference; CPU without Triton).
 
     Same outputs for ``state = [layer, step, call]``, on ``device``; nothing is advanced.
     """

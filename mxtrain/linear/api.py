@@ -14,8 +14,8 @@ from . import ops as _ops   # noqa: F401 - registers the mxtrain custom ops that
 from . import tracedfp8
 from .dispatch import _check_floats, _compile_spec, _fp8_input, call_context, compiled_form, route
 from .ops import _AMP_NAME
-from ..recipe import Recipe
-from ..recipes import get as get_recipe
+from ..numerics.recipe import Recipe
+from ..numerics.recipes import get as get_recipe
 from .reference import _MXLinearFunction
 
 __all__ = ["mx_linear", "compiled_linear"]

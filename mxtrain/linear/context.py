@@ -4,7 +4,7 @@ compiled op and the study diagnostics all import it from here, so each formula i
 
 Random inputs of a call (see ``docs/numerics.md``): GEMM ``g`` (fprop 0, dgrad 1, wgrad 2) of layer
 ``layer`` rotates with ``rotation_signs(size, mode, seed=recipe.seed, layer=layer, gemm=g, step=step)``;
-a stochastically rounded operand ``k`` (its index in ``mxtrain.recipe.OPERANDS``) draws its uniforms
+a stochastically rounded operand ``k`` (its index in ``mxtrain.numerics.recipe.OPERANDS``) draws its uniforms
 from the stream key ``rng.stream_key(operand_seed(recipe.seed, layer, k, step, call))``, where ``call``
 counts the layer's forward calls that record gradients since its step last changed (micro-batches of one
 step draw different bits; the backward pass of a call reuses its forward's). A call under ``no_grad`` or
@@ -28,13 +28,13 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from .. import rng
+from ..numerics import rng
 from .. import settings as _settings
-from ..formats import get_format
-from ..hadamard import hadamard, rotation_signs
-from ..quant import MXTensor, quantize, reference_only
-from ..operand import compute_dtype, fake_quantize_operand, pad_axis
-from ..recipe import GEMMS, OPERANDS, Operand, Recipe, Rotation
+from ..numerics.formats import get_format
+from ..numerics.hadamard import hadamard, rotation_signs
+from ..numerics.quant import MXTensor, quantize, reference_only
+from ..numerics.operand import compute_dtype, fake_quantize_operand, pad_axis
+from ..numerics.recipe import GEMMS, OPERANDS, Operand, Recipe, Rotation
 
 __all__ = ["OPERAND_ID", "GEMM_ID", "operand_seed", "Ctx", "needs_seeds", "seed_spec", "compute_dtype",
            "pad_axis", "gemm_dtype", "bf16_exact", "fake_quantize_operand", "REF_COMPILE"]
@@ -45,8 +45,8 @@ GEMM_ID = {g: i for i, g in enumerate(GEMMS)}          # fprop 0, dgrad 1, wgrad
 
 def operand_seed(seed: int, layer: int, operand: str, step: int, call: int) -> int:
     """Stochastic-rounding seed of one operand of one layer call: ``rng.stream_key(seed, layer, k,
-    step, call)`` with ``k`` the operand's index in ``mxtrain.recipe.OPERANDS``. The quantizer's stream
-    key is ``rng.stream_key`` of this (``mxtrain.quant.quantize(seed=...)``)."""
+    step, call)`` with ``k`` the operand's index in ``mxtrain.numerics.recipe.OPERANDS``. The quantizer's stream
+    key is ``rng.stream_key`` of this (``mxtrain.numerics.quant.quantize(seed=...)``)."""
     return rng.stream_key(seed, layer, OPERAND_ID[operand], step, call)
 
 

@@ -17,8 +17,8 @@ from .. import settings
 from . import tensorfp8, tracedfp8
 from ._constant import assume_constant_result
 from .context import Ctx, advances_calls, needs_seeds, seed_spec
-from ..recipe import Recipe
-from ..recipes import get as get_recipe
+from ..numerics.recipe import Recipe
+from ..numerics.recipes import get as get_recipe
 
 __all__ = ["route", "new_state", "call_seeds", "call_context", "recipe_json", "split_capable", "COMPILED_FORMS",
            "compiled_form", "implementation", "mx_spec"]

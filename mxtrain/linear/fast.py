@@ -73,7 +73,7 @@ def _supported(recipe) -> bool:
     # (MXFP4 operands only with a scale rule the kernels implement, ``RULE_ID``: a rule of the reference
     # quantizer alone, ``quant.REF_SCALE_RULES`` such as ``adaptive``, goes to the reference path)
     from ..kernels.mxfp4.launch import RULE_ID
-    from ..recipe import OPERANDS
+    from ..numerics.recipe import OPERANDS
     ops = [recipe.operand(n) for n in OPERANDS]
     return all((op.fmt == "bf16" or (op.fmt in KERNEL_FORMATS and op.scale_rule in RULE_ID)) and not op.block_2d
                for op in ops)
@@ -134,7 +134,7 @@ class FastState:
         """Make the counters of ``device`` now (outside any CUDA graph), if they do not exist yet."""
         d = self._dev(device)
         if any((d, r) not in self.counters for r in COUNTERS):
-            from ..quant import warm_elem_tables
+            from ..numerics.quant import warm_elem_tables
             warm_elem_tables(d)    # (the reference quantizer's tables, used by the kernels' self-check too)
         for r in COUNTERS:
             if (d, r) not in self.counters:

@@ -29,8 +29,8 @@ from .context import Ctx, advances_calls, needs_seeds, operand_seed
 from .api import compiled_linear, mx_linear
 from .dispatch import mx_spec, recipe_json, split_capable
 from . import tracedfp8
-from ..recipe import Recipe
-from ..recipes import get as get_recipe
+from ..numerics.recipe import Recipe
+from ..numerics.recipes import get as get_recipe
 
 __all__ = ["MXLinear", "MXLayer", "convert", "ConvertReport", "set_step", "mx_layers", "operand_seed", "mx_linear"]
 

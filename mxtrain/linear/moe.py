@@ -152,5 +152,5 @@ def advances_calls_json(recipe_json: str) -> bool:
     compiled forward reads no recipe object, whose memo would add guards)."""
     from .context import advances_calls
     from .dispatch import _recipe_from_json
-    from ..recipes import get as get_recipe
+    from ..numerics.recipes import get as get_recipe
     return advances_calls(_recipe_from_json(recipe_json) if recipe_json.startswith("{") else get_recipe(recipe_json))

@@ -24,7 +24,7 @@ Exactness: the gathered operands equal the quantization of the gathered weight b
   out-features, which needs shards of a multiple of the block (and rotation) size;
 * NVFP4's tensor scale and per-tensor FP8's scale come from the amax of the whole tensor: each rank computes
   its shard's amax (finite values; and whether any value is not finite), they are all-reduced (MAX), and
-  the shard is quantized by ``mxtrain.quant.quantize`` itself next to a "phantom" slice holding the global
+  the shard is quantized by ``mxtrain.numerics.quant.quantize`` itself next to a "phantom" slice holding the global
   amax (a slice of its own along a new leading dimension, so no block of the shard changes), so the
   quantizer computes the whole tensor's scale from the formula it always uses;
 * the shard is cast to FSDP2's ``param_dtype`` first, as FSDP2 casts it before a high-precision gather.
@@ -71,12 +71,12 @@ import torch.nn as nn
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from .context import Ctx, compute_dtype
-from ..formats import get_format
-from ..hadamard import hadamard
-from ..operand import pad_axis
-from ..quant import MXTensor, quantize
-from ..recipe import Recipe
-from ..recipes import get as get_recipe
+from ..numerics.formats import get_format
+from ..numerics.hadamard import hadamard
+from ..numerics.operand import pad_axis
+from ..numerics.quant import MXTensor, quantize
+from ..numerics.recipe import Recipe
+from ..numerics.recipes import get as get_recipe
 
 __all__ = ["GATHER_MODES", "GatherReport", "QGatherWeight", "GatheredWeight", "Gathered", "Plan", "plan_layer",
            "prepare", "all_gather_bytes", "amaxes", "quantize_operand", "shard_operands", "assemble"]

@@ -11,9 +11,9 @@ import torch
 from .. import settings
 from . import tensorfp8
 from .context import Ctx, autocast_dtype, bf16_exact, gemm_dtype
-from ..formats import get_format
-from ..operand import compute_dtype
-from ..recipe import Recipe
+from ..numerics.formats import get_format
+from ..numerics.operand import compute_dtype
+from ..numerics.recipe import Recipe
 
 __all__ = ["ref_forward", "ref_backward", "keeps_fp8_x", "factors_nvfp4"]
 

@@ -1,6 +1,6 @@
 """Per-tensor FP8 GEMMs on FP8 tensor cores (the ``fp8`` recipe's GEMMs on a CUDA GPU).
 
-The reference path quantizes each operand with ``mxtrain.quant.quantize`` (per-tensor current scaling:
+The reference path quantizes each operand with ``mxtrain.numerics.quant.quantize`` (per-tensor current scaling:
 elements times ``max_elem / amax``, codes dequantized with the reciprocal ``scale``), dequantizes it to
 float32 and multiplies in float32. Where both operands of a GEMM are per-tensor FP8 (E4M3 or E5M2, not both
 E5M2), not rotated, on a CUDA device with FP8 tensor cores (sm_89 and later), ``scaled_mm`` multiplies the same FP8 codes with ``torch._scaled_mm``
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from .context import Ctx
-from ..recipe import Recipe
+from ..numerics.recipe import Recipe
 
 __all__ = ["FP8_DTYPES", "applies", "codes", "scaled_mm", "shares_codes", "reorient", "fast_accum_fprop",
            "autocast_io", "autocast_io_dtype", "spec"]

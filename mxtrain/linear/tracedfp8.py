@@ -10,7 +10,7 @@ function made of traced operations (amax reduction, multiplication, saturation, 
 ``torch._scaled_mm``. It keeps X and W for the backward (the compiler decides what to store or recompute) and
 quantizes them again there.
 
-The numbers are the reference's, bit for bit: ``cast`` computes ``mxtrain.quant.quantize``'s per-tensor FP8
+The numbers are the reference's, bit for bit: ``cast`` computes ``mxtrain.numerics.quant.quantize``'s per-tensor FP8
 codes and scale (``quant.tensor_fp8_scales``: TransformerEngine's and torchao's definition, each element
 multiplied in float32 by ``max_elem / amax``, the codes dequantized with its reciprocal; the two 0-d quotients
 through float64, so that the compiler's approximate float32 division on GPUs never enters). The GEMM calls are
@@ -26,8 +26,8 @@ import torch
 
 from . import tensorfp8
 from ._constant import assume_constant_result
-from ..formats import get_format
-from ..quant import tensor_fp8_scales
+from ..numerics.formats import get_format
+from ..numerics.quant import tensor_fp8_scales
 from .tensorfp8 import FP8_DTYPES as _DT
 from .tensorfp8 import spec
 
@@ -56,7 +56,7 @@ def _capable(device: str) -> bool:
 
 
 def cast(t: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(FP8 codes in ``t``'s shape, float32 0-d scale): ``mxtrain.quant.quantize(t, fmt)``'s per-tensor FP8
+    """(FP8 codes in ``t``'s shape, float32 0-d scale): ``mxtrain.numerics.quant.quantize(t, fmt)``'s per-tensor FP8
     with nearest rounding, in traced operations: the multiplier ``m = max_elem / amax`` and the scale ``1 / m``
     of ``quant.tensor_fp8_scales`` (``m = 1`` for an all-zero tensor; both NaN when an element is not finite,
     and then every code +0); each element ``t * m`` in float32, saturated to +-max_elem, rounded half to even

@@ -15,7 +15,7 @@ Stochastic rounding, random signs, prescales and other formats keep the custom o
 random streams or kernels of their own).
 
 An MX GEMM here is the fast path's FP8-carrier GEMM written as traced operations: each operand is rotated
-(``mxtrain.hadamard``: the reference's fixed butterfly order), split into blocks of 32 along the GEMM's
+(``mxtrain.numerics.hadamard``: the reference's fixed butterfly order), split into blocks of 32 along the GEMM's
 reduction axis, given the block exponent of the recipe's scale rule (``quant.mx_scale_exponent``), rounded
 onto the E2M1 grid (``quant.round_to_elem``), and written as the FP8 carrier with float32 group scales
 (``kernels.mxfp4.carrier``: ``v * 2**(s - G + 6)`` in e4m3 and ``2**(G - 6)`` per group of 1x128, or 128x128
@@ -39,10 +39,10 @@ import torch
 import torch.nn.functional as F
 
 from ._constant import assume_constant_result
-from ..formats import get_format
-from ..hadamard import _INV_SQRT
-from ..quant import SCALE_RULES, mx_scale_exponent, pow2
-from ..recipe import Recipe
+from ..numerics.formats import get_format
+from ..numerics.hadamard import _INV_SQRT
+from ..numerics.quant import SCALE_RULES, mx_scale_exponent, pow2
+from ..numerics.recipe import Recipe
 
 __all__ = ["spec", "applies", "carrier", "linear"]
 

@@ -1,7 +1,7 @@
 """Arms of a study: a recipe, optionally with training options.
 
 An arm is named ``RECIPE`` or ``RECIPE@OPTION`` (several options: ``RECIPE@A@B``): ``RECIPE`` is any name
-``mxtrain.recipes.get`` knows (a preset, or ``PRESET+RULE``), each ``OPTION`` a name from ``OPTIONS``, which
+``mxtrain.numerics.recipes.get`` knows (a preset, or ``PRESET+RULE``), each ``OPTION`` a name from ``OPTIONS``, which
 turns on a training feature by training-config overrides applied to that arm's runs only (after the study's
 own ``--set`` items, so the arm's option wins). ``mxfp4-all@deosc`` is ``mxfp4-all`` with weight
 de-oscillation (``mxtrain.deosc``); ``--set deosc.period=50`` then tunes it for every arm that has it on.
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 
-from .. import recipes as R
+from ..numerics import recipes as R
 from ..errors import UserError
 
 __all__ = ["OPTIONS", "BRANCH_OPTIONS", "split", "recipe_of", "overrides_of", "branch_overrides_of", "stable_base",

@@ -191,7 +191,7 @@ def import_runs(src: str | Path, dst: str | Path, renames: dict[str, str] | None
         log(f"imported {old} seed {seed} as {new}")
 
     # the destination lists the new arms and remembers where they came from
-    from .. import recipes as R
+    from ..numerics import recipes as R
     arms = list(dmeta.get("arms", []))
     for _, new, _ in done:
         if new not in arms:

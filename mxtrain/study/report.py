@@ -694,7 +694,7 @@ def single_run_rows(d: Path, rd: M.RunData) -> list[list[str]]:
     info = rd.info or {}
     rec = _read_json(d / "recipe.json") or cfg.get("recipe")
     if isinstance(rec, str):
-        from .. import recipes as R
+        from ..numerics import recipes as R
         rec = R.get(rec).to_dict() if R.is_name(rec) else rec
     name = rec.get("name") if isinstance(rec, dict) else rec
     desc = (rec.get("description") or "").strip().split("\n")[0] if isinstance(rec, dict) else ""

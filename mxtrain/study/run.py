@@ -28,7 +28,7 @@ import torch
 
 from .._io import lock_holder, write_json, write_text
 from ..errors import UserError, read_json_object
-from .. import recipes as R
+from ..numerics import recipes as R
 from . import arms as A
 from .plan import StudySpec, branch_folder, branch_plan, build_config, plan_order, run_steps, study_branch_plan
 

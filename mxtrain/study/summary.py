@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .._io import write_json
 from ..errors import read_json_object
-from .. import recipes as R
+from ..numerics import recipes as R
 from . import arms as A
 from . import cooldown as C
 from . import metrics as M

@@ -32,7 +32,7 @@ import torch
 from .._child import python_command
 from .._io import FolderLock, pid_alive, write_json
 from ..errors import UserError, read_json_object
-from .. import recipes as R
+from ..numerics import recipes as R
 from . import arms as A
 from .plan import StudySpec, build_config, plan_order, study_branch_plan
 from .run import StudyInterrupted, _finished, _is_interrupt, _status, branches_pending, run_one, train_one

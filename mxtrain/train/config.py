@@ -29,7 +29,7 @@ import torch
 from ..distributed import MODES
 from .._io import read_regular
 from ..errors import UserError, check_number
-from ..model import ModelConfig
+from ..model.llama import ModelConfig
 from . import profiling
 from .callbacks import wandb_project
 
@@ -208,7 +208,7 @@ class TrainConfig:
         return apply_dict(cls(), d, source)
 
     def resolved_recipe(self):
-        from .. import recipes
+        from ..numerics import recipes
         try:
             r = recipes.get(self.recipe)
             return r.with_(**self.recipe_overrides) if self.recipe_overrides else r
@@ -438,7 +438,7 @@ def check_model_shape(cfg: TrainConfig, given: dict | None = None) -> None:
     """The model shape that ``cfg.model`` asks for (the named size, with the fields set replacing its own) is a
     valid one; a contradiction (``--model 30m --set model.dim=100``: 30m's 6 heads do not divide 100) is one line
     naming which values came from the named size and how to set them. ``given``: key -> how the user gave it."""
-    from ..model import SIZES, ModelConfig
+    from ..model.llama import SIZES, ModelConfig
     m = cfg.model
     if m.name not in SIZES:
         raise UserError(f"model.name={m.name!r}: unknown model size; valid sizes: {', '.join(SIZES)}")
@@ -560,7 +560,7 @@ def apply_dict(cfg: TrainConfig, d: dict, source: str = "") -> TrainConfig:
                     raise UserError(f"{where}recipe: a recipe table is a whole recipe (as in a run's recipe.json, "
                                     f"with a name); to change fields of a preset, set recipe = \"NAME\" and "
                                     f"[recipe_overrides] \"OPERAND.FIELD\" = VALUE")
-                from ..recipe import Recipe
+                from ..numerics.recipe import Recipe
                 try:
                     cfg.recipe = Recipe.from_dict(v)
                 except (TypeError, ValueError) as e:
@@ -915,7 +915,7 @@ def switch_step(cfg: TrainConfig) -> tuple[int, str] | None:
     v = cfg.train.switch_recipe
     if not v:
         return None
-    from .. import recipes as _recipes
+    from ..numerics import recipes as _recipes
     at, sep, name = str(v).partition(":")
     try:
         x = float(at)

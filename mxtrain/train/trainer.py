@@ -37,7 +37,7 @@ from .. import settings as _settings
 from .._io import write_text
 from ..data import Loader, TokenData, ensure_builtin
 from ..errors import OutOfMemory, UserError
-from ..model import Llama, ModelConfig
+from ..model.llama import Llama, ModelConfig
 from . import checkpoint as ckpt
 from . import profiling, threads
 from .callbacks import (Callback, CallbackList, Outcome, Status, TensorBoardLogger, TrainState, WandbLogger,

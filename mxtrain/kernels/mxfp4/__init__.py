@@ -1,4 +1,4 @@
-"""Fused MXFP4 quantizer (Triton), the fast path's quantize step, bit-identical to ``mxtrain.quant.quantize``; also
+"""Fused MXFP4 quantizer (Triton), the fast path's quantize step, bit-identical to ``mxtrain.numerics.quant.quantize``; also
 the uniform 4-bit grid ``mxint4`` (``fmt="mxint4"``, the kernels' ``GRID`` constexpr: ``launch.GRID_ID``).
 
 The public surface (what ``mxtrain.linear.fast``, the GEMMs, benchmarks and tests use); one module per concept:

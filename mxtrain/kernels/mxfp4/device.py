@@ -1,7 +1,7 @@
 """Triton device functions shared by the MXFP4 quantize kernels (``kernels.py``) and by the kernels that
 reuse their arithmetic (``mxtrain.kernels.expand``: ``_e4m3_bits``; ``mxtrain.kernels.seeds``: ``_mix32``).
 
-Every helper does the reference's float32 operations (``mxtrain.quant``, ``mxtrain.rng``) so that the kernels
+Every helper does the reference's float32 operations (``mxtrain.numerics.quant``, ``mxtrain.numerics.rng``) so that the kernels
 are bit-exact: exact power-of-two scaling built from bits, round-half-even through
 ``(y + 1.5*2**23) - 1.5*2**23`` (exact for 0 <= y < 2**22), floor by truncation (y >= 0), the reference's
 butterfly stage order (``tl.reshape``/``tl.permute``/``tl.split``/``tl.join`` views), and the same 32-bit
@@ -68,7 +68,7 @@ if triton is not None:
 
     @triton.jit
     def _uniform(idx, key):
-        """Uniform [0, 1) float32 from the element index and the stream key (``mxtrain.rng``). An int32
+        """Uniform [0, 1) float32 from the element index and the stream key (``mxtrain.numerics.rng``). An int32
         ``idx`` (callers use one only where every index is below 2**31) skips the high word's hash,
         which is 0 there."""
         if idx.dtype == tl.int64:
@@ -139,7 +139,7 @@ if triton is not None:
         (``x * sc0 / 2``: exact) times 2. The reference's signed values give the same term (every factor flips
         sign with the value). E1M2 (GRID 2) in units of its grid step (``4 v``, ``_int4_round``): 16 times the
         reference's term, exactly, which keeps the sign of every sum. Every term is exact in float64 and so is
-        every partial sum of a block (``mxtrain.quant``'s docstring), so the block sums do not depend on their
+        every partial sum of a block (``mxtrain.numerics.quant``'s docstring), so the block sums do not depend on their
         order; written as explicit FMAs of exact products (the sum's adds then take FMA results, which no
         contraction fuses), so contraction on or off gives the same code and values."""
         if PRESCALE:

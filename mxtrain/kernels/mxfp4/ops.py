@@ -3,7 +3,7 @@ or columns), ``quantize_mxfp4_dual`` (both FP8-carrier operands of an activation
 drop-in ``quantize`` (an ``MXTensor``, as ``mxtrain.quantize``) and the custom op ``mxtrain::quantize_mxfp4``
 (``quantize_mxfp4_op``; ``quantize_op`` calls it under ``torch.compile``).
 
-Bit-exactness with ``mxtrain.quant.quantize`` (the spec) comes from the kernels doing the same float32
+Bit-exactness with ``mxtrain.numerics.quant.quantize`` (the spec) comes from the kernels doing the same float32
 operations (``device.py``); ``verify.py`` checks each compiled variant once on GPUs.
 """
 
@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from ... import rng
+from ...numerics import rng
 from ... import settings as _settings
-from ...formats import get_format
-from ...quant import MXTensor
+from ...numerics.formats import get_format
+from ...numerics.quant import MXTensor
 from ..caches import CACHES
 from . import kernels as _kernels   # (its kernels exist where Triton imports; read at launch time)
 from .carrier import (KERNEL_FORMATS, TILE_K, QuantOut, carrier_buffers, carrier_from_fp4, ceil_to, out_shapes,

@@ -19,7 +19,7 @@ import warnings
 
 import torch
 
-from ... import rng as _rng
+from ...numerics import rng as _rng
 from ... import settings as _settings
 from ..caches import CACHES
 from .carrier import QuantOut, carrier_from_fp4, ceil_to, reference_quantize
@@ -49,7 +49,7 @@ def config_ok(x: torch.Tensor, axis: int, rot: int, has_signs: bool, scale_rule:
 
     Runs the same variant (every constexpr, the dtype, and the divisibility-by-16 of the sizes and
     strides that Triton specializes on) on a random tensor and compares carrier bytes and group
-    scales with ones built by torch ops from the reference quantizer's output (``mxtrain.quant``).
+    scales with ones built by torch ops from the reference quantizer's output (``mxtrain.numerics.quant``).
     ``st``: the settings the variant runs under (default: the current ones). ``quantize_fn``: the fused
     quantizer checked (default: ``set_quantizers``' ``single``, ``ops.quantize_mxfp4_2d``). ``fmt``: the MX format
     (``carrier.KERNEL_FORMATS``).

@@ -37,7 +37,7 @@ Pipeline for one tensor (``quantize``):
    * ``stochastic``: on magnitudes: with ``lo <= |v| <= hi`` the neighbouring grid magnitudes,
      ``|v|`` goes to ``hi`` iff ``u < (|v| - lo) / (hi - lo)`` (an exact float32 fraction), else to
      ``lo``; the sign is kept (a negative value that goes to 0 gives -0). ``u`` is the 24-bit
-     uniform ``mxtrain.rng.uniform(i, rng.stream_key(seed))`` of the element's linear index ``i``
+     uniform ``mxtrain.numerics.rng.uniform(i, rng.stream_key(seed))`` of the element's linear index ``i``
      in ``x``'s own (unpadded, contiguous row-major) layout. Unbiased for values inside the range
      (to within 2**-24 of the spacing); values beyond +-max saturate.
 
@@ -260,7 +260,7 @@ def mx_scale_exponent(amax: torch.Tensor, elem: ElemFormat, rule: str) -> torch.
         bump = (sig >= 1.75).to(E.dtype)
     elif rule in REF_SCALE_RULES:
         raise ValueError(f"scale rule {rule!r} chooses each block's exponent from all its values, not from its "
-                         f"maximum: only mxtrain.quant.quantize computes it (the reference path); valid here: "
+                         f"maximum: only mxtrain.numerics.quant.quantize computes it (the reference path); valid here: "
                          f"{', '.join(SCALE_RULES)}")
     else:
         raise ValueError(f"unknown scale rule {rule!r}; valid: {', '.join(SCALE_RULES)}")

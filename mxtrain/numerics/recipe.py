@@ -146,7 +146,7 @@ class Operand:
     * ``fmt``: a format name (``mxtrain.format_names()``); ``bf16`` means not quantized.
     * ``rounding``: ``nearest`` or ``stochastic``.
     * ``scale_rule``: MX shared-exponent rule (``floor``, ``ceil``, ``rceil``, ``even``, ``amd``; or
-      ``adaptive``: the reference quantizer, ``mxtrain.quant``, and the fast path's fused quantizers, not the
+      ``adaptive``: the reference quantizer, ``mxtrain.numerics.quant``, and the fast path's fused quantizers, not the
       compiled MX forms); for ``nvfp4``, ``four_over_six`` (the reference and the fused NVFP4 quantizer) chooses
       each block's scale by "Four over Six".
     * ``prescale``: multiply before quantizing; the GEMM output is divided by the operands' product.

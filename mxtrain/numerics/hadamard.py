@@ -12,7 +12,7 @@ n/2``, each replacing the pair ``(a, b) = (x[i], x[i + h])`` (for ``i`` with bit
 ``(a + b, a - b)``, and finally one float32 multiply by ``float32(1 / sqrt(n))`` (exact for
 n = 16 and 64). Float64 inputs are transformed in float64 the same way.
 
-Sign modes used by recipes (see ``mxtrain.recipe.Rotation``):
+Sign modes used by recipes (see ``mxtrain.numerics.recipe.Rotation``):
   * ``none``: all +1 (the deterministic Hadamard of the AMD MXFP4 recipe, arXiv 2605.09825);
   * ``fixed``: one random vector for the whole run, shared by all layers (NVIDIA NVFP4 recipe);
   * ``per_layer``: one random vector per layer, fixed over training;

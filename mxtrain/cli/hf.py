@@ -1,11 +1,11 @@
-"""The ``export``, ``generate`` and ``eval`` subcommands (``mxtrain.cli`` adds them with ``add_parsers``).
+"""The ``export``, ``generate`` and ``eval`` subcommands (``mxtrain.cli.core`` adds them with ``add_parsers``).
 
     mxtrain export RUN --format hf --out DIR [--step N] [--dtype float32|bfloat16|float16] [--force]
     mxtrain generate RUN --prompt TEXT [--max-tokens N --temperature T --top-k K --seed S --bf16 | --fp32]
     mxtrain eval RUN --data FILE-or-FOLDER [--json OUT] [--max-tokens N --batch-size B --bf16 | --fp32]
 
-Handlers return the exit status; bad input raises ``UserError``, which ``mxtrain.cli.main`` prints as one
-line ``mxtrain: error: ...`` (exit status 2). ``python -m mxtrain.hfcli ...`` runs these three commands alone,
+Handlers return the exit status; bad input raises ``UserError``, which ``mxtrain.cli.core.main`` prints as one
+line ``mxtrain: error: ...`` (exit status 2). ``python -m mxtrain.cli.hf ...`` runs these three commands alone,
 with the same error handling.
 """
 
@@ -17,8 +17,8 @@ import math
 import sys
 from pathlib import Path
 
-from ._io import check_writable, write_text
-from .errors import UserError, number_flag
+from .._io import check_writable, write_text
+from ..errors import UserError, number_flag
 
 __all__ = ["add_parsers", "register", "cmd_export", "cmd_generate", "cmd_eval", "main"]
 
@@ -124,11 +124,11 @@ def add_parsers(sub) -> None:
     e.set_defaults(func=cmd_eval)
 
 
-register = add_parsers   # the name mxtrain.cli's EXTERNAL modules expose
+register = add_parsers   # the name mxtrain.cli.core's EXTERNAL modules expose
 
 
 def cmd_export(args) -> int:
-    from .hf import export_hf
+    from ..hf import export_hf
     if args.format != "hf":
         raise UserError(f"export --format {args.format!r} is not supported; the format is hf (a Hugging Face "
                         f"transformers folder)")
@@ -141,7 +141,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from .generate import generate, load
+    from ..interop.generate import generate, load
     ld = load(args.run, args.step, _precision(args), args.device)
     text = generate(ld.model, ld.tokenizer, args.prompt, args.max_tokens, args.temperature, args.top_k, args.seed,
                     amp_dtype=ld.amp_dtype, vocab_limit=ld.vocab_limit)
@@ -166,8 +166,8 @@ def _is_eval_json(p: Path) -> bool:
 
 
 def cmd_eval(args) -> int:
-    from .cli import check_text_field
-    from .generate import evaluate
+    from .core import check_text_field
+    from ..interop.generate import evaluate
     if Path(args.data).exists() or args.data == "builtin":   # (a missing one: evaluate says so)
         check_text_field(args.text_field, [args.data])
     if args.json and args.json != "-":   # before the evaluation, not after it (#47)
@@ -196,12 +196,12 @@ def cmd_eval(args) -> int:
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, no usage block (as mxtrain.cli)
+    def error(self, message):  # one line, no usage block (as mxtrain.cli.core)
         raise UserError(f"{self.prog.split(' ', 1)[-1] + ': ' if ' ' in self.prog else ''}{message}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m mxtrain.hfcli export|generate|eval ...``: these commands alone, errors as one line."""
+    """``python -m mxtrain.cli.hf export|generate|eval ...``: these commands alone, errors as one line."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         parser = _Parser(prog="mxtrain")

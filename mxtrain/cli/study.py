@@ -1,4 +1,4 @@
-"""``mxtrain study`` and ``mxtrain report``: argument parsers, registered by ``mxtrain.cli``.
+"""``mxtrain study`` and ``mxtrain report``: argument parsers, registered by ``mxtrain.cli.core``.
 
 ``mxtrain study --config FILE`` reads a TOML / JSON / YAML file whose ``[study]`` table sets what the flags
 set (arms, seeds, baseline, out, ...) and whose other tables are the base training config of every run, as
@@ -17,10 +17,10 @@ from pathlib import Path
 
 from .._io import write_json
 from ..errors import UserError, number_flag, read_json_object
-from .plan import FLAG_KEYS, PER_RUN, PRESETS, SCHEDULES, StudySpec, build_config, override_key
-from .run import StudyIncomplete, compute_plan, describe_compute, incomplete_message
-from .summary import add_cooldown, add_references
-from .workers import run_study
+from ..study.plan import FLAG_KEYS, PER_RUN, PRESETS, SCHEDULES, StudySpec, build_config, override_key
+from ..study.run import StudyIncomplete, compute_plan, describe_compute, incomplete_message
+from ..study.summary import add_cooldown, add_references
+from ..study.workers import run_study
 
 __all__ = ["register", "study_main", "report_main"]
 
@@ -152,7 +152,7 @@ def study_main(args: argparse.Namespace) -> int:
     _check_study_out(Path(spec.out))
     import time
     out = run_study(spec, jobs=args.jobs, start_by=None if sb is None else time.time() + sb)
-    from . import metrics as M
+    from ..study import metrics as M
     _check_runs_have_evaluations(M.load_study_runs(out))
     s = json.loads((out / "summary.json").read_text())
     incomplete = incomplete_message(s)
@@ -350,7 +350,7 @@ def _check_file_against_flags(src: str, keys: list[str], given, from_study: dict
                                 f"{key} of every run; give one of them")
     if model_flag is None:
         return
-    from .plan import model_shape_keys
+    from ..study.plan import model_shape_keys
     shape = set(model_shape_keys())
     items = {k: f"{k}={_text(getattr(given.model, k.split('.', 1)[1]))}" for k in keys if k in shape}
     items.update({override_key(o): o for o in file_overrides if override_key(o) in shape})
@@ -377,8 +377,8 @@ def _given_keys(d: dict, where: str = "") -> list[str]:
 
 
 def report_main(args: argparse.Namespace) -> int:
-    from . import metrics as M
-    from .report import write_report
+    from ..study import metrics as M
+    from ..study.report import write_report
 
     d = Path(args.dir)
     if not d.is_dir():
@@ -492,7 +492,7 @@ def _report_writes(out: Path):
 
 def _say_if_no_plots() -> None:
     """One line on stderr when the report just written has no figures (matplotlib missing)."""
-    from .report import PLOTS_MISSING, plots_available
+    from ..study.report import PLOTS_MISSING, plots_available
     if not plots_available():
         print(f"mxtrain: {PLOTS_MISSING}", file=sys.stderr)
 
@@ -515,7 +515,7 @@ def register_import(subparsers) -> None:
 
 
 def study_import_main(args: argparse.Namespace) -> int:
-    from .importruns import import_runs, parse_renames
+    from ..study.importruns import import_runs, parse_renames
 
     done = import_runs(args.src, args.dst, parse_renames(args.arms) or None, dry_run=args.dry_run)
     if args.dry_run:

@@ -126,7 +126,7 @@ class Format:
 
     @property
     def reference_only(self) -> bool:
-        """On the reference path only the reference quantizer (``mxtrain.quant``) implements this format: no
+        """On the reference path only the reference quantizer (``mxtrain.numerics.quant``) implements this format: no
         fused kernel of that path (``kernels/mxelem.py``) and no compiled form may be given it (the uniform 4-bit
         grids). The fast path has its own answer, ``mxtrain.linear.fast.supported``: it takes both."""
         return self.name in REFERENCE_ONLY

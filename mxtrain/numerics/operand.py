@@ -2,7 +2,7 @@
 
 ``fake_quantize_operand`` is the definition every quantize kernel is checked against (``kernels.mxelem``,
 ``kernels.nvfp4``, the MXFP4 kernels' tests): rotate, quantize and dequantize one operand with the reference
-quantizer (``mxtrain.quant``). ``compute_dtype`` and ``pad_axis`` are the two helpers it and the kernels share.
+quantizer (``mxtrain.numerics.quant``). ``compute_dtype`` and ``pad_axis`` are the two helpers it and the kernels share.
 Imports only the numerics below it.
 """
 

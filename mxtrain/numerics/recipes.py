@@ -1,13 +1,13 @@
 """Named recipes. Each preset is a function whose docstring cites where the recipe comes from.
 
-``mxtrain.recipes.get(name)`` builds one, ``mxtrain.recipes.names()`` lists them. Presets
+``mxtrain.numerics.recipes.get(name)`` builds one, ``mxtrain.numerics.recipes.names()`` lists them. Presets
 are plain ``Recipe`` values: derive variants with ``recipe.with_(**{"wgrad_dy.rounding": "stochastic"})``.
 Papers: [AMD] Cim et al., arXiv 2605.09825; [Tseng] Tseng, Yu, Park, arXiv 2502.20586;
 [NVIDIA] arXiv 2509.25149; [Quartet II] its published runs; [UFP4] Zhao et al., arXiv 2606.20381;
 [4/6] Cook et al., "Four over Six", arXiv 2512.02010. Round-up scales ([Mishra] Mishra, Stosic, Layton,
 arXiv 2506.08027: the ``rceil`` rule) are ``mxfp4-all+rceil`` (any preset ``+rceil``), on the fast path.
 docs/numerics.md tabulates every preset. Presets with a rule of the reference quantizer alone
-(``mxfp4-all-adaptive``, ``nvfp4-4over6``: ``mxtrain.quant.reference_only``) run on the reference path
+(``mxfp4-all-adaptive``, ``nvfp4-4over6``: ``mxtrain.numerics.quant.reference_only``) run on the reference path
 everywhere; ``ufp4`` (the INT4 grid) takes the fast path where the MXFP4 presets do (CUDA, the ``fast`` setting).
 """
 
@@ -37,12 +37,12 @@ def names() -> list[str]:
 def get(name: str | Recipe) -> Recipe:
     """The preset called ``name`` (a ``Recipe`` passes through unchanged). ``PRESET+RULE`` (for example
     ``mxfp4-all-dh16+amd``) is the preset with scale rule RULE on every MX operand (``floor``, ``ceil``,
-    ``rceil``, ``even``, ``amd``, ``adaptive``: ``mxtrain.quant.ALL_SCALE_RULES``), e.g. [AMD]'s ladder with
+    ``rceil``, ``even``, ``amd``, ``adaptive``: ``mxtrain.numerics.quant.ALL_SCALE_RULES``), e.g. [AMD]'s ladder with
     its own rule; ``four_over_six`` goes on every NVFP4 operand instead (``nvfp4+four_over_six``)."""
     if isinstance(name, Recipe):
         return name
     if not isinstance(name, str):
-        raise TypeError(f"a recipe is a preset name (mxtrain.recipes.names()) or an mxtrain.Recipe, got "
+        raise TypeError(f"a recipe is a preset name (mxtrain.numerics.recipes.names()) or an mxtrain.Recipe, got "
                         f"{type(name).__name__} {name!r}")
     base, plus, rule = name.partition("+")
     try:
@@ -269,8 +269,8 @@ def nvfp4_4over6() -> Recipe:
     "for each block of values", and the authors' code gives the rule to activations, weights and gradients
     alike (github.com/mit-han-lab/fouroversix, ``model/config.py``: one ``scale_rule`` for all three; its
     training configs set it per layer). The weights' 16x16 tiles take the rule per tile. NVFP4's tensor
-    scale is kept (``amax / (6 * 448)``, where the authors' code uses ``6 * 256``: ``mxtrain.quant``'s
-    docstring says why). Reference path only (``mxtrain.quant.reference_only``); also ``nvfp4+four_over_six``."""
+    scale is kept (``amax / (6 * 448)``, where the authors' code uses ``6 * 256``: ``mxtrain.numerics.quant``'s
+    docstring says why). Reference path only (``mxtrain.numerics.quant.reference_only``); also ``nvfp4+four_over_six``."""
     return nvfp4().with_(name="nvfp4-4over6", description=nvfp4_4over6.__doc__,
                          **{f"{n}.scale_rule": "four_over_six" for n in _OPERANDS})
 

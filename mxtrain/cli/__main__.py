@@ -1,0 +1,5 @@
+"""``python -m mxtrain.cli ...`` is the ``mxtrain`` command."""
+
+from .core import entry
+
+entry()
