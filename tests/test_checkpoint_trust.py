@@ -321,7 +321,7 @@ def test_the_newest_checkpoint_by_step_is_resumed_and_read_without_writing(tmp_p
     ``checkpoint.dcp.old``: the run resumes from it. A later one-process leg writes ``checkpoint.pt`` (step 4);
     a stale ``.old`` (step 2) beside it never wins: resume, branch and export take step 4, and export, eval
     and generate write nothing into the run folder."""
-    from mxtrain.hf import load_run
+    from mxtrain.interop.export import load_run
     from train_helpers import run_main
     run = tmp_path / "run"
     _tiny_dcp_run(run)

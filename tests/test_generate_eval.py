@@ -1,4 +1,4 @@
-"""Generation and held-out evaluation of a run (mxtrain.generate, and the generate / eval commands): sampling
+"""Generation and held-out evaluation of a run (mxtrain.interop.generate, and the generate / eval commands): sampling
 is reproducible, greedy decoding picks what transformers picks on the exported model, evaluation over a
 prepared folder gives the trainer's own validation loss, over text files the loss of the windows training
 would form."""
@@ -12,7 +12,7 @@ import torch
 
 from mxtrain.cli import hf as hfcli
 from mxtrain.errors import UserError
-from mxtrain.generate import evaluate, generate, generate_ids, load
+from mxtrain.interop.generate import evaluate, generate, generate_ids, load
 from mxtrain.linear.module import MXLinear
 
 from train_helpers import SENTENCES, ROOT, one_line_error, run_cli, small_data, tiny_run_cfg
@@ -52,7 +52,7 @@ def test_generate_is_reproducible_and_greedy_matches_transformers(run, tmp_path)
     assert generate_ids(ld.model, ids, 10, temperature=3.0, top_k=1, seed=5) == greedy
 
     transformers = pytest.importorskip("transformers")
-    from mxtrain.hf import export_hf
+    from mxtrain.interop.export import export_hf
     out = export_hf(run, tmp_path / "hf")
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
     gc = transformers.GenerationConfig(do_sample=False, max_new_tokens=10, eos_token_id=None, pad_token_id=tok.eot_id)

@@ -1,4 +1,4 @@
-"""Export to Hugging Face and back (mxtrain.hf): a tiny CPU run with grouped-query attention is exported,
+"""Export to Hugging Face and back (mxtrain.interop.export): a tiny CPU run with grouped-query attention is exported,
 loaded by transformers offline and gives the same logits; a Llama built by transformers from a small
 LlamaConfig loads into mxtrain with the same logits; bad run folders, models and configs are refused in
 one line."""
@@ -14,8 +14,8 @@ import torch
 
 from mxtrain.cli import hf as hfcli
 from mxtrain.errors import UserError
-from mxtrain.hf import (config_from_hf, export_hf, hf_config, hf_name, llama_from_hf, load_hf_llama, load_run,
-                        load_safetensors, run_tokenizer, save_safetensors)
+from mxtrain.model.hf_io import (config_from_hf, hf_config, hf_name, llama_from_hf, load_hf_llama, load_safetensors, save_safetensors)
+from mxtrain.interop.export import export_hf, load_run, run_tokenizer
 from mxtrain.model.llama import Llama
 from mxtrain.train import checkpoint as ckpt
 
@@ -297,7 +297,7 @@ def test_export_takes_the_model_shapes_a_checkpoint_records(run, tmp_path):
 
 
 def test_export_without_the_tokenizer_warns_and_exports_the_model(run, tmp_path, monkeypatch, capsys):
-    import mxtrain.hf as H
+    import mxtrain.interop.export as H
     monkeypatch.setattr(H, "_data_dir", lambda run_dir, cfg: None)
     out = export_hf(run, tmp_path / "hf")
     err = capsys.readouterr().err
@@ -349,7 +349,7 @@ def test_two_exports_to_one_new_folder_never_replace_each_other(run, tmp_path, m
     temporary folder and no parent folder made for a failed export is left."""
     import os
 
-    import mxtrain.hf as H
+    import mxtrain.interop.export as H
     out, real, loads, first = tmp_path / "hf", H.load_run, [], []
 
     def load_run_while_another_export_starts(*a, **k):

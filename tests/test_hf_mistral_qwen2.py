@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from mxtrain.errors import UserError
-from mxtrain.hf import (config_from_hf, export_hf, hf_config, llama_from_hf, load_hf_llama, load_run,
-                        save_safetensors)
+from mxtrain.model.hf_io import config_from_hf, hf_config, llama_from_hf, load_hf_llama, save_safetensors
+from mxtrain.interop.export import export_hf, load_run
 from mxtrain.model.llama import Llama, ModelConfig
 from mxtrain.train import checkpoint as ckpt
 
@@ -74,7 +74,7 @@ def test_loads_with_transformers_logits_and_exports_as_the_same_type(kind, tmp_p
     out = tmp_path / "out"
     out.mkdir()
     (out / "config.json").write_text(json.dumps(hf_config(mc, None)))
-    from mxtrain.hf import hf_name
+    from mxtrain.model.hf_io import hf_name
     save_safetensors(out / "model.safetensors", {hf_name(k): v for k, v in model.state_dict().items()})
     back = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
     assert back.config.model_type == kind and type(back).__name__ == type(hf).__name__

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from mxtrain.errors import UserError
-from mxtrain.hf import (config_from_hf, export_hf, hf_config, hf_state_dict, llama_from_hf, load_hf_llama, load_run,
-                        load_safetensors, save_safetensors)
+from mxtrain.model.hf_io import (config_from_hf, hf_config, hf_state_dict, llama_from_hf, load_hf_llama, load_safetensors, save_safetensors)
+from mxtrain.interop.export import export_hf, load_run
 from mxtrain.model.llama import Llama, ModelConfig
 
 from train_helpers import small_data, tiny_run_cfg
@@ -94,7 +94,7 @@ def test_moe_run_exports_as_a_mixtral_with_mxtrains_logits(run, exported, monkey
 def test_transformers_loss_of_the_export_is_the_runs_validation_loss(run, exported):
     """Over the windows the run's evaluation used (``mxtrain eval``'s, with its ``log.eval_tokens``), transformers'
     own causal-LM loss of the exported model is the validation loss the run logged; so is ``mxtrain eval``'s."""
-    from mxtrain.generate import evaluate, load
+    from mxtrain.interop.generate import evaluate, load
     final = json.loads((run / "summary.json").read_text())["final_val_loss"]
     assert evaluate(run, small_data(), max_tokens=256, device="cpu", progress=False)["loss"] == pytest.approx(final,
                                                                                                             abs=1e-6)

@@ -1,5 +1,5 @@
 """A converted Hugging Face Llama trained by ``transformers.Trainer``, checkpointed and resumed: with
-``mxtrain.hftrainer.StepCallback`` the resumed steps draw the uninterrupted run's bits (their losses equal, bit
+``mxtrain.interop.hftrainer.StepCallback`` the resumed steps draw the uninterrupted run's bits (their losses equal, bit
 for bit, with ``tseng``'s per-step signs and stochastic rounding); without it they draw the first steps' bits."""
 
 import pytest
@@ -10,7 +10,7 @@ import mxtrain
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")   # (Trainer needs it)
 
-from mxtrain.hftrainer import StepCallback   # noqa: E402
+from mxtrain.interop.hftrainer import StepCallback   # noqa: E402
 
 STEPS, SAVE = 4, 2
 

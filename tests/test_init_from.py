@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from mxtrain.hf import export_hf, load_run
+from mxtrain.interop.export import export_hf, load_run
 from mxtrain.train import checkpoint as ckpt
 
 from train_helpers import tiny_run_cfg

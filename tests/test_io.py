@@ -248,7 +248,7 @@ def test_the_package_writes_its_records_whole():
         ("data/prepare.py", "_prepare"): "meta.json, in a temporary folder renamed whole",
         ("data/tokenizer.py", "save"): "a copy into a temporary folder (prepare, export) renamed whole",
         ("data/corpus.py", "_assemble_domain"): "temporary files, renamed whole",
-        ("hf.py", "_write_json"): "an export's files, in a temporary folder renamed whole",
+        ("interop/export.py", "_write_json"): "an export's files, in a temporary folder renamed whole",
     }
 
     class Writes(ast.NodeVisitor):

@@ -179,3 +179,33 @@ def test_the_kernels_import_only_the_numerics_and_layer_0():
         if mod == "kernels" or mod.startswith("kernels."):
             bad = {m for m in g[mod] if not (m == "kernels" or m.startswith("kernels.")) and m not in NUMERICS | LAYER_0}
             assert not bad, f"{mod} (kernels) imports {sorted(bad)}, which sit above it"
+
+
+# The layers of the package (docs/architecture.md), bottom to top; a module may import its own layer and the ones
+# below. The package itself (mxtrain/__init__.py: the public API) sits on the MX linear layer it re-exports.
+LAYERS = [
+    ("layer 0", lambda m: m in ("errors", "settings", "_io", "_child", "_launch")),
+    ("numerics", lambda m: m.split(".")[0] == "numerics"),
+    ("kernels", lambda m: m.split(".")[0] == "kernels"),
+    ("the MX linear layer and the public API", lambda m: m == "" or m.split(".")[0] == "linear"),
+    ("model, data", lambda m: m.split(".")[0] in ("model", "data")),
+    ("train", lambda m: m.split(".")[0] in ("train", "distributed", "deosc")),
+    ("study, interop, bench", lambda m: m.split(".")[0] in ("study", "interop", "bench")),
+    ("cli", lambda m: m.split(".")[0] in ("cli", "__main__")),
+]
+
+
+def _layer(mod: str) -> int:
+    hits = [i for i, (_, is_in) in enumerate(LAYERS) if is_in(mod)]
+    assert len(hits) == 1, f"module {mod!r} is in {len(hits)} layers of LAYERS: place it in exactly one"
+    return hits[0]
+
+
+def test_every_import_goes_down_the_layers():
+    """Every module of the package has a layer, and every import (module level or inside a function) goes to its
+    own layer or one below: the model never imports the trainer, the trainer never the study runner or the CLI."""
+    g = import_graph()
+    for mod, targets in g.items():
+        for t in targets:
+            assert _layer(t) <= _layer(mod), (f"{mod} ({LAYERS[_layer(mod)][0]}) imports {t} "
+                                              f"({LAYERS[_layer(t)][0]}), a layer above it")

@@ -164,7 +164,7 @@ def test_llama_with_biases_loads_with_transformers_logits_and_exports_back(bias,
     equal transformers' in float32, and the export round trip gives the same Llama back."""
     import torch
     transformers = pytest.importorskip("transformers")
-    from mxtrain.hf import config_from_hf, hf_config, hf_name, load_hf_llama, save_safetensors
+    from mxtrain.model.hf_io import config_from_hf, hf_config, hf_name, load_hf_llama, save_safetensors
     from mxtrain.model.llama import Llama
     hf = _make_llama(tmp_path / "hf", **bias)
     mc = config_from_hf(tmp_path / "hf", vocab_multiple=32)
@@ -200,7 +200,7 @@ def test_llama_with_biases_loads_with_transformers_logits_and_exports_back(bias,
 def test_llama_bias_mismatches_and_foreign_bias_fields_are_one_line(tmp_path):
     from dataclasses import replace
 
-    from mxtrain.hf import config_from_hf, load_hf_llama
+    from mxtrain.model.hf_io import config_from_hf, load_hf_llama
     from mxtrain.model.llama import Llama, ModelConfig
     _make_llama(tmp_path / "hf", attention_bias=True)
     plain = replace(config_from_hf(tmp_path / "hf", vocab_multiple=32), attention_bias=False)
@@ -222,7 +222,7 @@ def test_llama_with_biases_trains_from_init_and_exports_as_a_llama(tmp_path):
     and the exported folder is a Llama with both bias fields that transformers runs with mxtrain's logits."""
     import torch
     transformers = pytest.importorskip("transformers")
-    from mxtrain.hf import export_hf, load_run
+    from mxtrain.interop.export import export_hf, load_run
     from mxtrain.train import checkpoint as ckpt
     from mxtrain.train import train
     from mxtrain.train.callbacks import Callback

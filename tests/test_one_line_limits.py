@@ -52,7 +52,7 @@ def test_a_tiny_temperature_samples_the_top_token():
     """--temperature 1e-45 was a nan in multinomial; now as greedy as the logits are apart."""
     import torch
 
-    from mxtrain.generate import generate_ids
+    from mxtrain.interop.generate import generate_ids
 
     class M(torch.nn.Module):
         cfg = type("C", (), {"vocab_size": 64, "max_seq_len": 8})()

@@ -87,7 +87,7 @@ def test_generate_prompt_that_is_not_utf8_is_one_line():
     import pytest as _pytest
 
     from mxtrain.errors import UserError
-    from mxtrain.generate import generate
+    from mxtrain.interop.generate import generate
 
     class Tok:
         eot_id, vocab_size = 0, 64

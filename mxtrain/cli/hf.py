@@ -128,7 +128,7 @@ register = add_parsers   # the name mxtrain.cli.core's EXTERNAL modules expose
 
 
 def cmd_export(args) -> int:
-    from ..hf import export_hf
+    from ..interop.export import export_hf
     if args.format != "hf":
         raise UserError(f"export --format {args.format!r} is not supported; the format is hf (a Hugging Face "
                         f"transformers folder)")

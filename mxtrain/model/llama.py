@@ -55,7 +55,7 @@ class ModelConfig:
     # feed-forward's three (gate w1, up w3, down w2). Hugging Face Llama configs only (hf_model_type "llama")
     attention_bias: bool = False
     mlp_bias: bool = False
-    # the Hugging Face model type of an export (``mxtrain.hf.hf_config``): "llama", "mistral" (a Llama without
+    # the Hugging Face model type of an export (``mxtrain.model.hf_io.hf_config``): "llama", "mistral" (a Llama without
     # a sliding window) or "qwen2" (a Llama with q/k/v biases: ``qkv_bias``); "mixtral" (a model loaded from a
     # Mixtral folder; needs ``n_experts``). A mixture of experts exports as a Mixtral whatever this says
     hf_model_type: str = "llama"

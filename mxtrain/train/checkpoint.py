@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-# (hf.py and study/report.py import write_atomic from here)
+# (study/report.py imports write_atomic from here)
 from .._io import lock_holder, replace_folder, temp_path, write_atomic
 from ..errors import UserError
 

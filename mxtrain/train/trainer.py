@@ -242,7 +242,7 @@ def build_model(cfg: TrainConfig, vocab: int, device: torch.device, load_init: b
     the weights of that local Hugging Face Llama, Mistral, Qwen2 or Mixtral folder (``model.router_aux_coef``, a
     loss weight and not a shape, replaces the folder's)."""
     if cfg.train.init_from:
-        from .. import hf
+        from ..model import hf_io as hf
         if load_init:
             model = hf.llama_from_hf(cfg.train.init_from, vocab_size=vocab, max_seq_len=cfg.data.seq_len,
                                      device=device)

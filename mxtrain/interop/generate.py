@@ -28,8 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .errors import UserError, check_number
-from .hf import RunCheckpoint, load_run, run_tokenizer
+from ..errors import UserError, check_number
+from .export import RunCheckpoint, load_run, run_tokenizer
 
 __all__ = ["load", "Loaded", "generate", "generate_ids", "evaluate", "PRECISIONS"]
 
@@ -49,7 +49,7 @@ class Loaded:
 
 
 def _device(name: str) -> torch.device:
-    from .train.trainer import _resolve_device
+    from ..train.trainer import _resolve_device
     return _resolve_device(name)
 
 
@@ -76,7 +76,7 @@ def load(run_dir: str | Path, step: int | None = None, precision: str = "mx", de
         raise UserError(f"cannot use the run's tokenizer: {why}")
     amp = None
     if precision == "mx":
-        from . import convert, set_step
+        from .. import convert, set_step
         recipe = run.recipe
         if recipe.quantized:
             convert(model, recipe)
@@ -213,7 +213,7 @@ class _Progress:
 
 def _text_tokens(tok, data: Path, text_field: str) -> tuple[np.ndarray, int, int]:
     """(token ids, documents, text bytes) of text sources, each document followed by the end-of-text id."""
-    from .data.sources import check_sources, documents, expand_sources
+    from ..data.sources import check_sources, documents, expand_sources
     sources = expand_sources([str(data)])
     check_sources(sources)
     parts, ndocs, nbytes, batch = [], 0, 0, []
@@ -241,7 +241,7 @@ def _same_tokenizer(a: Path, b: Path) -> bool:
     serialization (a file saved again is the same tokenizer), other files byte for byte."""
     if a.resolve() == b.resolve():
         return True
-    from .data.tokenizer import load_tokenizer
+    from ..data.tokenizer import load_tokenizer
     try:
         ta, tb = load_tokenizer(a), load_tokenizer(b)
     except UserError:
@@ -254,7 +254,7 @@ def _same_tokenizer(a: Path, b: Path) -> bool:
 def _prepared_split(folder: Path, run: RunCheckpoint, vocab: int):
     """A prepared folder (``TokenData``: its validation split is evaluated), refused when its tokenizer is not
     the run's."""
-    from .data import TokenData
+    from ..data import TokenData
     data = TokenData(folder)
     if data.vocab_size > vocab:
         raise UserError(f"{folder} was tokenized with a vocabulary of {data.vocab_size:,} ids, more than the model's "
@@ -289,14 +289,14 @@ def evaluate(run_dir: str | Path, data: str | Path, *, step: int | None = None, 
     run's micro-batch size, so an MX forward pass sees the batches the trainer's evaluation saw).
     ``precision``: see ``load``. ``progress``: None shows a bar on a terminal and plain lines otherwise.
     """
-    from .data import val_batches
+    from ..data import val_batches
     t0 = time.perf_counter()
     if str(data) != "builtin" and not Path(data).exists():
         raise UserError(f"evaluation data not found: {data}")
     if loaded is None:
         loaded = load(run_dir, step, precision, device)
     if str(data) == "builtin":   # as in training: the prepared built-in corpus (its validation split)
-        from .data import ensure_builtin
+        from ..data import ensure_builtin
         data = ensure_builtin(loaded.run.config.data.vocab_size, progress=bool(progress))
     data = Path(data)
     run, model, tok = loaded.run, loaded.model, loaded.tokenizer

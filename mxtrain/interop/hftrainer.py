@@ -9,7 +9,7 @@ starts its MX steps at 0 again and draws the bits of the first steps once more. 
 its step (``state.global_step``, in ``trainer_state.json``); the callback sets every MX layer's step to it
 before each optimizer step (``mxtrain.set_step``), so a resumed run draws what the uninterrupted run drew::
 
-    trainer = transformers.Trainer(model, args, train_dataset=data, callbacks=[mxtrain.hftrainer.StepCallback()])
+    trainer = transformers.Trainer(model, args, train_dataset=data, callbacks=[mxtrain.interop.hftrainer.StepCallback()])
     trainer.train(resume_from_checkpoint=True)
 """
 
@@ -18,9 +18,9 @@ from __future__ import annotations
 try:
     from transformers import TrainerCallback
 except ImportError as e:   # (mxtrain itself never imports this module)
-    raise ImportError(f"mxtrain.hftrainer needs transformers (pip install transformers accelerate): {e}") from None
+    raise ImportError(f"mxtrain.interop.hftrainer needs transformers (pip install transformers accelerate): {e}") from None
 
-from .linear.module import set_step
+from ..linear.module import set_step
 
 __all__ = ["StepCallback"]
 
