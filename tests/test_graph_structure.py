@@ -180,7 +180,7 @@ def fake_gpu(monkeypatch):
     ``fast.state`` and the element tables it warms are this test's (the counters ``compiledmx.plan`` makes are
     fake tensors), and so are inductor's pre-grad pass and the kernels' device caches."""
     import mxtrain.kernels as MK
-    from mxtrain import quant
+    from mxtrain.numerics import quant
     from mxtrain.kernels import CACHES, gemm
     from mxtrain.linear import fast
     from torch._inductor import config as ic

@@ -230,7 +230,7 @@ def test_an_empty_value_is_refused_not_read_as_not_given(argv, fragment, tmp_pat
 
 
 def test_empty_values_that_mean_something_stay_allowed():
-    from mxtrain.cli import _refuse_empty
+    from mxtrain.cli.core import _refuse_empty
     _refuse_empty(["generate", "RUN", "--prompt", ""], "generate")          # an empty prompt
     _refuse_empty(["study", "--preset", "headline", "--references", ""], "study")   # no reference arms
     _refuse_empty(["train", "--set", "log.out="], "train")                   # --set's own rule (unset)
@@ -263,7 +263,7 @@ def test_study_file_values_given_empty_or_unknown_are_refused_even_under_a_flag(
 def test_a_text_field_with_no_json_or_parquet_data_is_refused(tmp_path):
     """--text-field names the text of JSON / Parquet / datasets sources; with plain text, the built-in corpus or a
     prepared folder it was dropped silently."""
-    from mxtrain.cli import check_text_field
+    from mxtrain.cli.core import check_text_field
     from mxtrain.errors import UserError
     txt, jl = tmp_path / "a.txt", tmp_path / "b.jsonl"
     txt.write_text("plain text\n")
@@ -391,7 +391,7 @@ def test_read_only_folders(run_dir, tmp_path, read_only, monkeypatch):
     --json into a read-only folder is refused before the evaluation (it evaluated the whole split first)."""
     import shutil
 
-    import mxtrain.generate as G
+    import mxtrain.interop.generate as G
     from train_helpers import small_data
     src = tmp_path / "src"
     shutil.copytree(run_dir, src / "run")

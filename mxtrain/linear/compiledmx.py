@@ -39,7 +39,7 @@ import torch
 
 from ._constant import assume_constant_result
 from ..kernels.mxfp4 import traced as _traced  # noqa: F401  (registers mxtrain::q_single, q_dual, q_expand)
-from ..quant import SCALE_RULES
+from ..numerics.quant import SCALE_RULES
 
 __all__ = ["applies", "linear", "plan", "spec", "seeded", "share_inputs", "SharePass", "install_share_pass", "TRACE_TIME_SETTINGS"]
 
