@@ -564,3 +564,28 @@ def test_fsdp2_prefetch_names_the_next_blocks(tmp_path, monkeypatch, prefetch):
         return
     assert seen["fwd"] == {ids[i]: ids[i + 1: i + 1 + prefetch] for i in range(3)}
     assert seen["bwd"] == {ids[i]: ids[max(0, i - prefetch): i][::-1] for i in range(1, 4)}
+
+
+def test_a_failed_gloo_rank_destroys_its_group_before_exit(monkeypatch):
+    """A rank whose training raised destroys its gloo group itself (one left for the interpreter's exit can abort
+    the process, turning the one-line error of ``test_nproc_bad_input_is_one_line_per_rank`` into exit 134 under
+    load); an NCCL group is left to torchrun. The exception's frames lose their locals, not their lines."""
+    from mxtrain.distributed import DistEnv
+    from mxtrain.train import trainer as TR
+    calls = []
+    monkeypatch.setattr(TR.D, "shutdown", lambda: calls.append("shutdown"))
+
+    def fail():
+        model = object()   # noqa: F841 - a local the failed frame holds (the model, in a real run)
+        raise ValueError("bad input")
+    for backend, expect in (("gloo", ["shutdown"]), ("nccl", [])):
+        calls.clear()
+        try:
+            fail()
+        except ValueError as e:
+            TR._shutdown_after_failure(DistEnv(rank=0, world_size=2, backend=backend), e)
+            frames = [f for f, _ in __import__("traceback").walk_tb(e.__traceback__)]
+            assert calls == expect, backend
+            assert ("model" in frames[-1].f_locals) == (backend == "nccl"), backend
+    TR._shutdown_after_failure(DistEnv(), ValueError("one process"))   # (no group: nothing to do)
+    assert calls == []

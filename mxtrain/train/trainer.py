@@ -476,21 +476,41 @@ def _run(cfg: TrainConfig, resume, callbacks) -> Outcome:
         patch["ban_recompute_materialized_backward"] = False
     import torch._functorch.config as functorch_config   # (explicitly: mxtrain does not import torch._dynamo)
     try:
-        with functorch_config.patch(**patch):
-            outcome = _train(cfg, resume, env, locks, cbs)
-    except torch.OutOfMemoryError as e:   # one line that says what to change, not a traceback
-        err = OutOfMemory(_oom_message(cfg, device, e, getattr(e, "outcome", None)))
-        err.outcome = getattr(e, "outcome", None)
-        raise err from None
-    finally:
-        for lock in locks:   # the run folder's lock (rank 0)
-            lock.close()
+        try:
+            with functorch_config.patch(**patch):
+                outcome = _train(cfg, resume, env, locks, cbs)
+        except torch.OutOfMemoryError as e:   # one line that says what to change, not a traceback
+            err = OutOfMemory(_oom_message(cfg, device, e, getattr(e, "outcome", None)))
+            err.outcome = getattr(e, "outcome", None)
+            raise err from None
+        finally:
+            for lock in locks:   # the run folder's lock (rank 0)
+                lock.close()
+    except BaseException as e:
+        _shutdown_after_failure(env, e)
+        raise
     # _train's frame is gone, and with it the DDP / FSDP2 model that holds the process group:
     # D.shutdown destroys the group while the interpreter is whole (not at exit, where gloo can abort)
     if env.distributed:
         D.barrier()
         D.shutdown()
     return outcome
+
+
+def _shutdown_after_failure(env, e: BaseException) -> None:
+    """A rank whose training failed (a bad input every rank finds, a crash) destroys its gloo process group now:
+    a group left for the interpreter's exit can abort the process ("terminate called without an active
+    exception", ``D.shutdown``), which turned a one-line error into SIGABRT (exit 134) once under load. The failed
+    frames' locals (the model that holds the group) are cleared first; the traceback's lines stay. NCCL groups are
+    left as they are: their destruction can wait on ranks still in a collective, and torchrun stops those."""
+    if not (env.distributed and env.backend == "gloo"):
+        return
+    import traceback
+    traceback.clear_frames(e.__traceback__)
+    try:
+        D.shutdown()
+    except Exception:  # noqa: BLE001 - the failure being raised is the one to report
+        pass
 
 
 def _oom_message(cfg: TrainConfig, device: torch.device, e: BaseException, outcome) -> str:
