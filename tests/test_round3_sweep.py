@@ -422,3 +422,30 @@ def test_read_only_folders(run_dir, tmp_path, read_only, monkeypatch):
     assert run_main("report", str(run), "--out", str(tmp_path / "rep")).returncode == 0
     assert run_main("export", str(run), "--format", "hf", "--out", str(tmp_path / "hf")).returncode == 0
     assert _files(src) == before   # (the read-only folder as it was)
+
+
+def test_data_prepare_is_refused_at_once_while_another_prepares_its_output(tmp_path):
+    """As an export (above): ``data prepare`` takes ``.NAME.lock`` beside its new --out before any work, so a second
+    prepare to the same folder is refused at once, naming the holder's pid, instead of after tokenizing everything
+    (the sweep found it refused only at the end); afterwards the same command prepares the folder and leaves no
+    lock file behind."""
+    import subprocess
+    import sys
+    src = tmp_path / "c.txt"
+    src.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    out = tmp_path / "prep"
+    holder = ("import fcntl, os, sys\nf = open(sys.argv[1], 'a+')\nfcntl.flock(f, fcntl.LOCK_EX)\n"
+              "f.write(f'{os.getpid()}\\n'); f.flush()\nprint('locked', flush=True)\nsys.stdin.read()\n")
+    p = subprocess.Popen([sys.executable, "-I", "-c", holder, str(tmp_path / ".prep.lock")], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "locked"
+        one_line_error(run_main("data", "prepare", str(src), "--out", str(out), "--vocab-size", "512"),
+                       f"output folder {out} is being prepared by another mxtrain data prepare (pid {p.pid})")
+        assert sorted(x.name for x in tmp_path.iterdir()) == [".prep.lock", "c.txt"]   # (nothing made)
+    finally:
+        p.stdin.close()
+        p.wait(timeout=30)
+    r = run_main("data", "prepare", str(src), "--out", str(out), "--vocab-size", "512")
+    assert r.returncode == 0, r.stderr
+    assert (out / "meta.json").is_file() and not (tmp_path / ".prep.lock").exists()

@@ -20,6 +20,7 @@ the old one deleted, so an interrupted run leaves the old folder or the new one,
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -32,7 +33,7 @@ from typing import Callable
 
 import numpy as np
 
-from .._io import pid_alive, swap_in, temp_path
+from .._io import FolderLock, pid_alive, swap_in, temp_path
 from ..errors import UserError
 from . import checked, hf
 from .sources import BUILTIN, check_sources, documents, expand_sources, kind_of, note, warn
@@ -232,123 +233,134 @@ def _prepare(docs: Callable, out: Path, inputs: list[str], meta_sources: list[st
         shard_dtype(tok.vocab_size)
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
-        if _clean_stale(dest):  # an old folder came back: check --out again
-            dest = _check_out(out, inputs, force)
-        tmp = temp_path(dest)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
+        # one prepare at a time per output folder, refused before any work (not when its result is swapped in)
+        lock = FolderLock(dest.parent, lambda who: f"output folder {out} is being prepared by another mxtrain data "
+                          f"prepare{f' (pid {who})' if who else ''}; wait for it to finish or choose another --out",
+                          name=f".{dest.name}.lock", remove=True)
     except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise   # (the command's one line for a full disk or quota names the folder and what to do)
         raise UserError(f"cannot write to {dest.parent}: {e.strerror or e}") from None
+    with lock:
+        try:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            if _clean_stale(dest):  # an old folder came back: check --out again
+                dest = _check_out(out, inputs, force)
+            tmp = temp_path(dest)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+        except OSError as e:
+            raise UserError(f"cannot write to {dest.parent}: {e.strerror or e}") from None
 
-    try:
-        t0 = time.time()
-        if tok is None:
-            def sample():
-                n = 0
-                for _, text in docs(None):  # the pass below warns
-                    if is_val(text):
-                        continue
-                    yield text
-                    n += len(text)
-                    if n >= tokenizer_train_bytes:
-                        return
-            if progress:
-                print(f"training a byte-level BPE tokenizer (vocab {vocab_size}) ...", flush=True)
-            tok = train_bpe(sample(), vocab_size, eot_token=eot_token)
-            if tok.vocab_size < vocab_size:
-                _warn_small_vocab(tok.vocab_size, vocab_size)
-        dtype = shard_dtype(tok.vocab_size)  # the largest id decides: ids are never wrapped into uint16
-        tok_file = tok.save(tmp)
-        train_w = _ShardWriter(tmp, "train", dtype, shard_tokens, tok.vocab_size)
-        val_w = _ShardWriter(tmp, "val", dtype, shard_tokens, tok.vocab_size)
-        ndocs = {"train": 0, "val": 0}
-        nbytes = 0
-        bar = _Progress(total) if progress else None
-        eot = np.array([tok.eot_id], dtype=np.int64)
+        try:
+            t0 = time.time()
+            if tok is None:
+                def sample():
+                    n = 0
+                    for _, text in docs(None):  # the pass below warns
+                        if is_val(text):
+                            continue
+                        yield text
+                        n += len(text)
+                        if n >= tokenizer_train_bytes:
+                            return
+                if progress:
+                    print(f"training a byte-level BPE tokenizer (vocab {vocab_size}) ...", flush=True)
+                tok = train_bpe(sample(), vocab_size, eot_token=eot_token)
+                if tok.vocab_size < vocab_size:
+                    _warn_small_vocab(tok.vocab_size, vocab_size)
+            dtype = shard_dtype(tok.vocab_size)  # the largest id decides: ids are never wrapped into uint16
+            tok_file = tok.save(tmp)
+            train_w = _ShardWriter(tmp, "train", dtype, shard_tokens, tok.vocab_size)
+            val_w = _ShardWriter(tmp, "val", dtype, shard_tokens, tok.vocab_size)
+            ndocs = {"train": 0, "val": 0}
+            nbytes = 0
+            bar = _Progress(total) if progress else None
+            eot = np.array([tok.eot_id], dtype=np.int64)
 
-        val_spans: list[dict] = []   # fixed validation files: each file's token span, in order
+            val_spans: list[dict] = []   # fixed validation files: each file's token span, in order
 
-        def flush(batch, to_val=False, names=None):
-            for j, (text, ids) in enumerate(zip(batch, tok.encode_batch(batch))):
-                arr = np.concatenate([np.asarray(ids, dtype=np.int64), eot])
-                if to_val or is_val(text):
-                    val_w.write(arr)
-                    ndocs["val"] += 1
-                    if names is not None:
-                        if val_spans and val_spans[-1]["source"] == names[j]:
-                            val_spans[-1]["tokens"] += len(arr)
-                        else:
-                            val_spans.append({"source": names[j], "tokens": len(arr)})
-                else:
-                    train_w.write(arr)
-                    ndocs["train"] += 1
-            if bar is not None:
-                bar.update(len(batch), nbytes, train_w.n + val_w.n)
+            def flush(batch, to_val=False, names=None):
+                for j, (text, ids) in enumerate(zip(batch, tok.encode_batch(batch))):
+                    arr = np.concatenate([np.asarray(ids, dtype=np.int64), eot])
+                    if to_val or is_val(text):
+                        val_w.write(arr)
+                        ndocs["val"] += 1
+                        if names is not None:
+                            if val_spans and val_spans[-1]["source"] == names[j]:
+                                val_spans[-1]["tokens"] += len(arr)
+                            else:
+                                val_spans.append({"source": names[j], "tokens": len(arr)})
+                    else:
+                        train_w.write(arr)
+                        ndocs["train"] += 1
+                if bar is not None:
+                    bar.update(len(batch), nbytes, train_w.n + val_w.n)
 
-        batch: list[str] = []
-        for _, text in docs(warn):
-            batch.append(text)
-            nbytes += len(text.encode("utf-8", "surrogatepass"))
-            if len(batch) >= 512:
-                flush(batch)
-                batch = []
-        if batch:
-            flush(batch)
-        if val_docs is not None:
-            batch, names = [], []
-            for name, text in val_docs(warn):
+            batch: list[str] = []
+            for _, text in docs(warn):
                 batch.append(text)
-                names.append(str(name))
                 nbytes += len(text.encode("utf-8", "surrogatepass"))
                 if len(batch) >= 512:
-                    flush(batch, True, names)
-                    batch, names = [], []
+                    flush(batch)
+                    batch = []
             if batch:
-                flush(batch, True, names)
-        if bar is not None:
-            bar.close()
-        train_w.close()
-        val_w.close()
-        if train_w.n == 0:
-            raise UserError(f"no text found in {shown}")
-        if val_w.n == 0 and val_docs is not None:
-            raise UserError("the validation sources (--val) hold no text")
-        if val_w.n == 0:
-            _carve_val(tmp, train_w, val_w, dtype)
-        meta = {
-            "format": FORMAT,
-            "dtype": np.dtype(dtype).name,
-            "vocab_size": 32 * -(-tok.vocab_size // 32),  # padded to MX blocks of 32 (ids above are never used)
-            "tokenizer_vocab_size": tok.vocab_size,
-            "eot_id": tok.eot_id,
-            "eot_token": tok.eot_token,
-            "tokenizer": tok_file,
-            "tokenizer_source": tok.source,
-            "train": train_w.shards,
-            "val": val_w.shards,
-            "train_tokens": train_w.n,
-            "val_tokens": val_w.n,
-            "documents": ndocs,
-            "text_bytes": nbytes,
-            "sources": meta_sources,
-            "val_fraction": val_fraction,
-            **({"val_sources": val_meta, "val_split": "fixed files", "val_spans": val_spans}
-               if val_docs is not None else {}),
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        }
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-        _swap_in(tmp, dest, out, force)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    # the ids were checked as they were written: opening the folder need not read the shards again
-    checked.record(dest, meta["dtype"], {**train_w.max_ids, **val_w.max_ids})
-    # the result, with or without progress reports
-    print(f"prepared {out}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} validation tokens "
-          f"({ndocs['train']} + {ndocs['val']} documents, vocab {tok.vocab_size}, end of text "
-          f"{tok.eot_token!r} = {tok.eot_id}) in {time.time() - t0:.1f} s", flush=True)
-    return out
+                flush(batch)
+            if val_docs is not None:
+                batch, names = [], []
+                for name, text in val_docs(warn):
+                    batch.append(text)
+                    names.append(str(name))
+                    nbytes += len(text.encode("utf-8", "surrogatepass"))
+                    if len(batch) >= 512:
+                        flush(batch, True, names)
+                        batch, names = [], []
+                if batch:
+                    flush(batch, True, names)
+            if bar is not None:
+                bar.close()
+            train_w.close()
+            val_w.close()
+            if train_w.n == 0:
+                raise UserError(f"no text found in {shown}")
+            if val_w.n == 0 and val_docs is not None:
+                raise UserError("the validation sources (--val) hold no text")
+            if val_w.n == 0:
+                _carve_val(tmp, train_w, val_w, dtype)
+            meta = {
+                "format": FORMAT,
+                "dtype": np.dtype(dtype).name,
+                "vocab_size": 32 * -(-tok.vocab_size // 32),  # padded to MX blocks of 32 (ids above are never used)
+                "tokenizer_vocab_size": tok.vocab_size,
+                "eot_id": tok.eot_id,
+                "eot_token": tok.eot_token,
+                "tokenizer": tok_file,
+                "tokenizer_source": tok.source,
+                "train": train_w.shards,
+                "val": val_w.shards,
+                "train_tokens": train_w.n,
+                "val_tokens": val_w.n,
+                "documents": ndocs,
+                "text_bytes": nbytes,
+                "sources": meta_sources,
+                "val_fraction": val_fraction,
+                **({"val_sources": val_meta, "val_split": "fixed files", "val_spans": val_spans}
+                   if val_docs is not None else {}),
+                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            }
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+            _swap_in(tmp, dest, out, force)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        # the ids were checked as they were written: opening the folder need not read the shards again
+        checked.record(dest, meta["dtype"], {**train_w.max_ids, **val_w.max_ids})
+        # the result, with or without progress reports
+        print(f"prepared {out}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} validation tokens "
+              f"({ndocs['train']} + {ndocs['val']} documents, vocab {tok.vocab_size}, end of text "
+              f"{tok.eot_token!r} = {tok.eot_id}) in {time.time() - t0:.1f} s", flush=True)
+        return out
 
 
 class _Progress:
