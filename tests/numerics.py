@@ -79,3 +79,29 @@ def wide_values(shape, seed, device, nonfinite=True, zero_block=16) -> torch.Ten
         x[R - 1, C - 1] = float("inf")
         x[R // 2, 1] = -float("inf")
     return x.to(device)
+
+
+def mx_reference_out(x, axis, fmt, rounding="nearest", rule="floor", seed=5, rot=0, signs=None, gr=1, km=128,
+                     prescale=1.0):
+    """The reference quantizer's codes and scales of ``x`` as the fused MXFP4 quantizer's ``QuantOut`` (rows along
+    the output's rows), with the carrier and inexact count built from them by ``carrier_from_fp4`` (the carrier's
+    definition): what a kernel's output is compared with, bit for bit (``assert_quant_out_equal``)."""
+    from mxtrain.kernels.mxfp4 import carrier as kc
+    ref = kc.reference_quantize(x.cpu(), fmt, axis, None, rounding, rule, seed, prescale, rot,
+                                None if signs is None else signs.cpu())
+    R = x.shape[0] if axis == 1 else x.shape[1]
+    q = kc.QuantOut(R, x.shape[axis], None, None, gr, None, ref.data.view(torch.uint8).reshape(R, -1),
+                    ref.scales.reshape(R, -1), fmt=fmt)
+    kc.carrier_from_fp4(q, km, 16)
+    return q
+
+
+def assert_quant_out_equal(q, r, fp4=True, carrier=True) -> None:
+    """Every output of the fused quantizer ``q`` equals the reference's ``r`` (``mx_reference_out``): FP4 codes and
+    E8M0 scales (``fp4``), carrier bytes, group scales and the inexact count (``carrier``)."""
+    if fp4:
+        assert torch.equal(q.packed.cpu(), r.packed) and torch.equal(q.scales.cpu(), r.scales)
+    if carrier:
+        assert torch.equal(q.carrier.view(torch.uint8).cpu(), r.carrier.view(torch.uint8))
+        assert torch.equal(q.gscale.cpu(), r.gscale)
+        assert int(q.inexact.item()) == int(r.inexact.item())

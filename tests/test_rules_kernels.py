@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from numerics import wide_values  # noqa: E402
+from numerics import assert_quant_out_equal, mx_reference_out, wide_values  # noqa: E402
 
 from mxtrain import settings  # noqa: E402
 from mxtrain.kernels import kernels_available  # noqa: E402
@@ -207,48 +207,18 @@ def test_cuda_four_over_six_selfcheck_every_variant():
 from mxtrain.numerics import rng  # noqa: E402
 from mxtrain.kernels.expand import carrier_from_packed  # noqa: E402
 from mxtrain.kernels.mxfp4 import carrier as kc, ops, verify  # noqa: E402
-from mxtrain.kernels.mxfp4 import launch  # noqa: E402
-from mxtrain.kernels.mxfp4.launch import GRID_ID, KERNEL_GRIDS, KERNEL_RULES, record_launches  # noqa: E402
+from mxtrain.kernels.mxfp4.launch import GRID_ID, record_launches  # noqa: E402
 from mxtrain.linear import fast  # noqa: E402
 from mxtrain.numerics.quant import SCALE_RULES, quantize as ref_quantize  # noqa: E402
 
 F32 = torch.float32
 
 
-@pytest.fixture
-def admitted(monkeypatch):
-    """The kernels implement ``mxe1m2`` and ``adaptive`` (``launch.KERNEL_GRIDS``, ``launch.KERNEL_RULES``); what
-    ``quantize_mxfp4_2d`` and the fast path take (``launch.GRID_ID``, ``launch.RULE_ID``, ``carrier.KERNEL_FORMATS``)
-    does not list them yet (their admission, with the tests that pin today's lists, is the lead's change): admitted
-    here for the test's duration, as that change will admit them."""
-    assert KERNEL_GRIDS["mxe1m2"] == 2 and KERNEL_RULES["adaptive"] == 5
-    monkeypatch.setitem(launch.GRID_ID, "mxe1m2", KERNEL_GRIDS["mxe1m2"])
-    monkeypatch.setitem(launch.RULE_ID, "adaptive", KERNEL_RULES["adaptive"])
-    formats = kc.KERNEL_FORMATS + ("mxe1m2",)
-    for mod in (kc, ops, fast):
-        monkeypatch.setattr(mod, "KERNEL_FORMATS", formats)
+def _mx_ref(x, axis, fmt="mxe1m2", **kw):
+    return mx_reference_out(x, axis, fmt, **kw)
 
 
-def _mx_ref(x, axis, fmt="mxe1m2", rounding="nearest", rule="floor", seed=5, rot=0, signs=None, gr=1, km=128,
-            prescale=1.0):
-    """The reference quantizer's codes and scales as a ``QuantOut`` (rows along the output's rows), with the carrier
-    and inexact count built from them by ``carrier_from_fp4`` (the carrier's definition)."""
-    ref = kc.reference_quantize(x.cpu(), fmt, axis, None, rounding, rule, seed, prescale, rot,
-                                None if signs is None else signs.cpu())
-    R = x.shape[0] if axis == 1 else x.shape[1]
-    q = kc.QuantOut(R, x.shape[axis], None, None, gr, None, ref.data.view(torch.uint8).reshape(R, -1),
-                    ref.scales.reshape(R, -1), fmt=fmt)
-    kc.carrier_from_fp4(q, km, 16)
-    return q
-
-
-def _mx_same(q, r, fp4=True, carrier=True):
-    if fp4:
-        assert torch.equal(q.packed.cpu(), r.packed) and torch.equal(q.scales.cpu(), r.scales)
-    if carrier:
-        assert torch.equal(q.carrier.view(torch.uint8).cpu(), r.carrier.view(torch.uint8))
-        assert torch.equal(q.gscale.cpu(), r.gscale)
-        assert int(q.inexact.item()) == int(r.inexact.item())
+_mx_same = assert_quant_out_equal
 
 
 def _e1m2_table(dtype) -> torch.Tensor:
@@ -274,7 +244,7 @@ def _e1m2_table(dtype) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-def test_e1m2_grid_table_every_layout_both_axes(dtype, admitted):
+def test_e1m2_grid_table_every_layout_both_axes(dtype):
     """Round to nearest over the whole E1M2 grid and around every midpoint, exponents from -127 to 127, in the three
     layouts of the single-pass kernel along rows and columns: codes, scales, carrier and inexact count equal the
     reference's; the drop-in ``quantize`` gives the reference's values."""
@@ -294,7 +264,7 @@ def test_e1m2_grid_table_every_layout_both_axes(dtype, admitted):
 
 
 @pytest.mark.parametrize("rule", [r for r in SCALE_RULES if r != "floor"])
-def test_e1m2_scale_rules_at_their_thresholds_and_subnormal_maxima(rule, admitted):
+def test_e1m2_scale_rules_at_their_thresholds_and_subnormal_maxima(rule):
     """Block maxima at and one ulp around where each rule rounds E1M2's exponent up (rceil above 1.75 x 2**E, even
     from 1.875, amd from 1.75, ceil above 1), at 2**127 (the clamp) and float32-subnormal block maxima (whose
     exponent clamps at -127 whatever the rule): scales and codes equal the reference's, in each layout."""
@@ -315,7 +285,7 @@ def test_e1m2_scale_rules_at_their_thresholds_and_subnormal_maxima(rule, admitte
         _mx_same(q, _mx_ref(t, axis, rule=rule))
 
 
-def test_e1m2_rotation_signs_sr_prescale_dual_and_expand(admitted):
+def test_e1m2_rotation_signs_sr_prescale_dual_and_expand():
     """16-wide Hadamard with signs, stochastic rounding, prescale, bf16 (the scales folding 1/4) and float32, rows
     and columns; the 64-wide tile path; the dual kernel's two outputs; the carrier rebuilt from E1M2 codes: each equal
     to the reference's codes, scales and carrier."""
@@ -348,7 +318,7 @@ def test_e1m2_rotation_signs_sr_prescale_dual_and_expand(admitted):
     _mx_same(carrier_from_packed(qb), rb)   # the backward's carrier of the kept codes
 
 
-def test_e1m2_carrier_exact_two_binades_above_int4(admitted):
+def test_e1m2_carrier_exact_two_binades_above_int4():
     """E1M2's smallest non-zero value is 0.25 (of its scale): a block 13 binades under its group's largest one is
     exact in the carrier (kexp -7: 2**-9, e4m3's smallest), 14 binades under is counted inexact; the fused quantizer,
     the carrier rebuild and the definition agree on bytes and counts, and the carrier's values are the MX values
@@ -371,7 +341,7 @@ def test_e1m2_carrier_exact_two_binades_above_int4(admitted):
     assert not torch.equal(vals[:, 64:96], mx[:, 64:96])
 
 
-def test_e1m2_the_fast_path(admitted):
+def test_e1m2_the_fast_path():
     """Admitted (the fixture), a layer whose operands are all ``mxe1m2`` (stochastic rounding on dY) runs through the
     fast path (``fast.apply``: the fused quantizers under Triton's interpreter, the exact dequantized GEMM on CPU)
     with the reference path's outputs and gradients (the self-check of its variants: the cuda test below)."""
@@ -461,7 +431,7 @@ def _adaptive_wide(dtype) -> torch.Tensor:
 
 @pytest.mark.parametrize("fmt,dtype", [("mxfp4", F32), ("mxint4", F32), ("mxe1m2", F32), ("mxfp4", torch.bfloat16)],
                          ids=["mxfp4-f32", "mxint4-f32", "mxe1m2-f32", "mxfp4-bf16"])
-def test_adaptive_every_layout_wide_values(fmt, dtype, admitted):
+def test_adaptive_every_layout_wide_values(fmt, dtype):
     """The three layouts of the single-pass kernel, along rows and columns, on values over many binades with the
     exponent clamps, NaN/Inf/zero blocks: the reference's codes, scales, carrier and count."""
     x = _adaptive_wide(dtype)
@@ -475,7 +445,7 @@ def test_adaptive_every_layout_wide_values(fmt, dtype, admitted):
         _mx_same(q, _mx_ref(t, axis, fmt=fmt, rule="adaptive"))
 
 
-def test_adaptive_rotation_sr_prescale_fold_dual_and_the_fast_path(admitted):
+def test_adaptive_rotation_sr_prescale_fold_dual_and_the_fast_path():
     """16-wide Hadamard with signs and the normalization folded into the scales (bf16), stochastic rounding with the
     chosen exponent, prescale 3/4 (the errors compared on the prescaled values), the 64-wide tile path, the dual
     kernel (the tile layout without rotation: the wide-values test); a layer of ``mxfp4-all-adaptive``'s operands
@@ -530,7 +500,7 @@ def test_adaptive_rotation_sr_prescale_fold_dual_and_the_fast_path(admitted):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
-def test_cuda_adaptive_every_layout_and_selfcheck(dtype, admitted):
+def test_cuda_adaptive_every_layout_and_selfcheck(dtype):
     from mxtrain.kernels.mxfp4.launch import block_config, kernel_for
     for fmt in ("mxfp4", "mxint4", "mxe1m2"):
         for x in (_adaptive_wide(dtype), _adaptive_blocks(fmt).to(dtype)):
@@ -561,7 +531,7 @@ def test_cuda_adaptive_every_layout_and_selfcheck(dtype, admitted):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
-def test_cuda_e1m2_every_layout_and_selfcheck(dtype, admitted):
+def test_cuda_e1m2_every_layout_and_selfcheck(dtype):
     from mxtrain.kernels.mxfp4.launch import block_config, kernel_for
     x = _e1m2_table(dtype)
     r = _mx_ref(x, 1)

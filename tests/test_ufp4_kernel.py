@@ -23,6 +23,7 @@ from mxtrain.kernels.expand import carrier_from_packed  # noqa: E402
 from mxtrain.kernels.mxfp4 import carrier as kc, ops, verify  # noqa: E402
 from mxtrain.kernels.mxfp4.launch import GRID_ID, RULE_ID  # noqa: E402
 from mxtrain.numerics.quant import SCALE_RULES, quantize as ref_quantize  # noqa: E402
+from numerics import assert_quant_out_equal, mx_reference_out  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(not kernels_available(DEV), reason="Triton kernels unavailable")
@@ -31,27 +32,11 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 F32 = torch.float32
 
 
-def _ref_out(x, axis, fmt="mxint4", rounding="nearest", rule="floor", seed=5, rot=0, signs=None, gr=1, km=128):
-    """The reference quantizer's codes and scales as a ``QuantOut`` (rows along the output's rows), with the
-    carrier and inexact count built from them by ``carrier_from_fp4`` (the carrier's definition)."""
-    ref = kc.reference_quantize(x.cpu(), fmt, axis, None, rounding, rule, seed, 1.0, rot,
-                                None if signs is None else signs.cpu())
-    R = x.shape[0] if axis == 1 else x.shape[1]
-    q = kc.QuantOut(R, x.shape[axis], None, None, gr, None, ref.data.view(torch.uint8).reshape(R, -1),
-                    ref.scales.reshape(R, -1), fmt=fmt)
-    kc.carrier_from_fp4(q, km, 16)
-    return q
+def _ref_out(x, axis, fmt="mxint4", **kw):
+    return mx_reference_out(x, axis, fmt, **kw)
 
 
-def _same(q, r, fp4=True, carrier=True):
-    """Every output of the fused quantizer ``q`` equals the reference's ``r`` (codes, scales, carrier bytes,
-    group scales, inexact count)."""
-    if fp4:
-        assert torch.equal(q.packed.cpu(), r.packed) and torch.equal(q.scales.cpu(), r.scales)
-    if carrier:
-        assert torch.equal(q.carrier.view(torch.uint8).cpu(), r.carrier.view(torch.uint8))
-        assert torch.equal(q.gscale.cpu(), r.gscale)
-        assert int(q.inexact.item()) == int(r.inexact.item())
+_same = assert_quant_out_equal   # (tests/numerics.py)
 
 
 def _table(dtype) -> torch.Tensor:
