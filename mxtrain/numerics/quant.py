@@ -74,10 +74,13 @@ Scale rule for NVFP4 (any other rule leaves NVFP4's standard block scale):
   the block takes ``b4`` iff its squared error ``sum((q * b * g - xs)**2)`` (``q * b * g`` the exact NVFP4 value,
   as ``MXTensor.dequantize_factored`` gives it; ``xs`` the values after ``prescale``) is strictly lower than
   ``b6``'s; ties (e.g. a block both represent exactly, or an all-zero block) keep ``b6``. The comparison is
-  exact: ``err4 - err6 = g * (g * A - 2 * B)`` with ``A = sum(a**2 - c**2)``, ``B = sum(xs * (a - c))`` (``a``,
+  exact for blocks of 16 (for 16x16 tiles, see below): ``err4 - err6 = g * (g * A - 2 * B)`` with ``A = sum(a**2 - c**2)``, ``B = sum(xs * (a - c))`` (``a``,
   ``c`` = ``q * b`` of the 4 and the 6 candidate: at most 6 significant bits); in float64 every square and
   difference of ``A`` is a multiple of ``2**(2k - 2)`` below ``2**25`` of it (``2**k`` the smaller candidate's
-  E4M3 quantum; the two candidates' quanta differ by at most a factor 2), so ``A`` and ``g * A`` are exact; every
+  E4M3 quantum; the two candidates' quanta differ by at most a factor 2), so ``A`` is exact (below ``2**29`` of
+  that unit for 16 values, ``2**33`` for a tile of 256) and ``g * A`` (``g`` a float32: 24 significant bits) is
+  exact for blocks of 16 and rounded once for 16x16 tiles, where a near tie may then keep ``b6`` or take ``b4``
+  against the exact errors (the fused kernel rounds it the same way: bit-identical either way); every
   term of ``B`` is a multiple of ``ulp(x_min) * 2**(k - 1)`` (``x_min`` the smallest value some candidate does not
   flush to zero, which is above 1/36 of the block maximum) below ``2**40 * prescale`` of it, so ``B`` is exact
   for tiles of 256 and any prescale up to 16 (``Operand`` allows at most 3); the final subtraction is correctly
@@ -300,8 +303,9 @@ def _four_over_six(xs: torch.Tensor, b6: torch.Tensor, b4: torch.Tensor, g: torc
     non-finite blocks). With ``a``/``c`` the two candidates' ``element * block scale`` and ``x`` the values,
     ``err4 - err6 = g * (g * A - 2 * B)`` where ``A = sum(a*a - c*c)`` and ``B = sum(x * (a - c))`` (the
     ``x*x`` terms cancel), so the sign of ``g * A - 2 * B`` decides; every product and partial sum of ``A`` and
-    ``B`` and the product ``g * A`` are exact in float64 (module docstring), the one subtraction rounds
-    correctly, and a correctly rounded difference has the exact difference's sign: the choice is exact."""
+    ``B`` is exact in float64, and so is ``g * A`` for blocks of 16 (module docstring; for 16x16 tiles it is
+    rounded once), the one subtraction rounds correctly, and a correctly rounded difference has the exact
+    difference's sign: the choice is exact for blocks of 16."""
     a = _nvfp4_block_values(xs, b4, g, elem)
     c = _nvfp4_block_values(xs, b6, g, elem)
     A = (a * a - c * c).sum(-1)
