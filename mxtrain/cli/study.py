@@ -252,8 +252,11 @@ def apply_study_file(args: argparse.Namespace, path) -> None:
     p = config_file_path(path)
     src = str(p)
     d = {k: v for k, v in read_config_file(p).items() if not (isinstance(k, str) and k.startswith("_"))}
-    model_flag = getattr(args, "model", None)   # (--model on the command line, before [study] model fills it)
     cli_keys = {override_key(o) for o in args.overrides or []}   # (--set on the command line)
+    # the model size named on the command line (before [study] model fills --model): --set model.name=M names it
+    # as --model M does (and wins over it, as in mxtrain train)
+    named = [f"--set {o}" for o in args.overrides or [] if override_key(o) == "model.name"]
+    model_flag = named[-1] if named else (f"--model {args.model}" if getattr(args, "model", None) else None)
     file_overrides: list[str] = []   # [study] overrides
     from_study: dict = {}            # flag -> the value the [study] table gave it
     study = d.pop("study", {})
@@ -338,8 +341,9 @@ def apply_study_file(args: argparse.Namespace, path) -> None:
 def _check_file_against_flags(src: str, keys: list[str], given, from_study: dict, model_flag, cli_keys: set,
                               file_overrides: list[str]) -> None:
     """A setting a study file gives twice ([study] steps and [train] steps, [study] model and [model] name) with
-    two values, and a model size named by --model over a study file that sets the model's shape, are refused in
-    one line, as ``mxtrain train`` refuses the second: neither value may be dropped silently (#47)."""
+    two values, and a model size named on the command line (``model_flag``: ``--model M`` or ``--set
+    model.name=M``) over a study file that sets the model's shape, are refused in one line, as ``mxtrain train``
+    refuses the second: neither value may be dropped silently (#47)."""
     for key in keys:
         flag = next((f for f, fk in FLAG_KEYS.items() if fk == key), None)
         if flag in from_study:
@@ -357,7 +361,7 @@ def _check_file_against_flags(src: str, keys: list[str], given, from_study: dict
     dropped = {k: o for k, o in items.items() if k not in cli_keys}
     if dropped:
         keep = " ".join(f"--set {o}" for o in dropped.values())
-        raise UserError(f"--model {model_flag} names a model size, and the study file {src} sets "
+        raise UserError(f"{model_flag} names a model size, and the study file {src} sets "
                         f"{', '.join(dropped)} of the shape: say which shape you mean: add {keep} to keep the file's "
                         f"on top of the size, or name the size in the file ([study] model) instead of the flag")
 
