@@ -1,0 +1,131 @@
+"""The one-read quantize of both operands (``quantize_mxfp4_dual``) at the 125M model's shapes, against a copy of
+the same tensor and across launch configurations: where the dual pass stands against memory bandwidth at small
+widths, and whether another configuration is faster there (the defaults, ``launch.DUAL_CONFIG``, were chosen at
+8B shapes).
+
+Cases, as ``mxfp4-all-dh16`` quantizes them in a step (``linear/fast.py``, ``_quant_pair``): ``X`` (A: the Fprop
+operand along rows, FP8 carrier; B: the Wgrad operand along tokens as packed FP4 codes and E8M0 scales, kept for
+the backward) and ``dY`` (A: the Dgrad operand, B: the Wgrad operand, both carriers), H16 on both sides, bf16
+input of 16,384 tokens and 768, 1,280, 2,048 and 4,096 features. For each: GPU time by ``triton.testing.do_bench``
+(us), the bytes it moves (bf16 read, carrier 1 B, packed codes 0.5 B, scales) and that as a share of a bf16
+``copy_`` of the same tensor timed in the same run; then the sweep of (A block rows, B block rows, warps), and the
+register cap (``qmaxnreg``) at the default configuration; and the carrier rebuild of X's B side
+(``kernels.expand.carrier_from_packed``, the backward's ``_expand_kernel``). Stops starting new measurements after
+``--budget`` seconds; the JSON is rewritten after each one.
+
+    python tools/dual_sweep.py OUT.json [--budget 400] [--quick]
+"""
+import argparse, itertools, json, time
+
+import torch
+import triton
+
+from mxtrain import settings
+from mxtrain.kernels import mxfp4 as kq
+from mxtrain.kernels.expand import carrier_from_packed
+from mxtrain.kernels.mxfp4.launch import DUAL_CONFIG
+
+ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+ap.add_argument("out")
+ap.add_argument("--budget", type=float, default=400.0, help="seconds after which no new measurement starts")
+ap.add_argument("--quick", action="store_true", help="one shape, two configurations (a smoke test)")
+ap.add_argument("--device", default="cuda", help="cpu: a smoke test of the script under TRITON_INTERPRET=1")
+args = ap.parse_args()
+t0 = time.time()
+dev = args.device
+M = (64 if dev == "cpu" else 2048) if args.quick else 16384
+WIDTHS = ((256,) if dev == "cpu" else (768,)) if args.quick else (768, 1280, 2048, 4096)
+CASES = {"X": (dict(rot=16), dict(rot=16), True), "dY": (dict(rot=16), dict(rot=16), False)}
+res = {"env": {"torch": torch.__version__, "triton": triton.__version__, "device": torch.cuda.get_device_name() if dev == "cuda" else dev,
+               "default_config": {str(k): v for k, v in DUAL_CONFIG.items()}}, "rows": []}
+
+
+def save():
+    json.dump(res, open(args.out, "w"), indent=1)
+
+
+def bench(fn) -> float:
+    if dev != "cuda":
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e6
+    return triton.testing.do_bench(fn, warmup=25, rep=100) * 1e3
+
+
+def moved(K: int, fp4_b: bool) -> int:
+    """Bytes the dual pass reads and writes for an (M, K) bf16 input (scales and group scales included)."""
+    a = M * K * (1 + 4 / 128)                     # carrier + float32 1x128 group scales
+    b = M * K * (0.5 + 1 / 32) if fp4_b else M * K * (1 + 4 / 128)
+    return int(2 * M * K + a + b)
+
+
+def row(**kw):
+    kw["t"] = round(time.time() - t0, 1)
+    print(kw, flush=True)
+    res["rows"].append(kw)
+    save()
+
+
+cnt = torch.zeros(1, dtype=torch.int32, device=dev)
+xs = {K: torch.randn(M, K, device=dev, dtype=torch.bfloat16) for K in WIDTHS}
+copy_us = {}
+for K, x in xs.items():
+    y = torch.empty_like(x)
+    copy_us[K] = bench(lambda: y.copy_(x))
+    row(what="copy", K=K, us=copy_us[K], tb_s=4 * M * K / copy_us[K] / 1e6)
+
+
+def dual(case, K, block_rows=None, num_warps=None, maxnreg=None):
+    a, b, fp4_b = CASES[case]
+    x = xs[K]
+    sa = dict(a, index_strides=(K, 1))
+    sb = dict(b, index_strides=(1, K))
+    ov = dict(dual="on") if maxnreg is None else dict(dual="on", qmaxnreg=maxnreg)
+    with settings.override(**ov):
+        fn = lambda: kq.quantize_mxfp4_dual(x, sa, sb, k_multiple=512, counter=cnt, fp4_b=fp4_b,
+                                            block_rows=block_rows, num_warps=num_warps)
+        fn()
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        us = bench(fn)
+    by = moved(K, fp4_b)
+    return dict(what="dual", case=case, K=K, block_rows=block_rows, num_warps=num_warps, maxnreg=maxnreg, us=us,
+                tb_s=by / us / 1e6, of_copy=(by / us) / (4 * M * K / copy_us[K]))
+
+
+# the defaults at every width, the two single passes, the carrier rebuild
+for case, K in itertools.product(CASES, WIDTHS):
+    row(**dual(case, K))
+for K in WIDTHS:
+    x = xs[K]
+    with settings.override(dual="on"):
+        a = kq.quantize_mxfp4_dual(x, dict(rot=16, index_strides=(K, 1)), dict(rot=16, index_strides=(1, K)),
+                                   k_multiple=512, counter=cnt, fp4_b=True)[1]
+        us = bench(lambda: carrier_from_packed(a, 512))
+    row(what="expand (X's Wgrad carrier from codes)", K=K, us=us, tb_s=M * K * (0.5 + 1 / 32 + 1 + 4 / 128) / us / 1e6)
+for case, K in itertools.product(CASES, WIDTHS):
+    a, b, fp4_b = CASES[case]
+    x = xs[K]
+    sa, sb = dict(a, index_strides=(K, 1)), dict(b, index_strides=(1, K))
+    two = lambda: (kq.quantize_mxfp4_2d(x, 1, **sa, carrier=True, fp4=False, k_multiple=512, counter=cnt),
+                   kq.quantize_mxfp4_2d(x, 0, **sb, carrier=not fp4_b, fp4=fp4_b, k_multiple=512, counter=cnt))
+    two()
+    row(what="two passes", case=case, K=K, us=bench(two))
+
+# the sweep: (A block rows, B block rows, warps), at 768 and 4096 features
+configs = [((32, 64), 4), ((64, 128), 8)] if args.quick else [
+    (br, nw) for br in ((16, 64), (32, 64), (64, 64), (32, 128), (64, 128), (128, 128)) for nw in (2, 4, 8)
+    if 4 * br[1] % (32 * nw) == 0 and 4 * br[1] // (32 * nw) in (2, 4, 8, 16)]
+for (br, nw), case, K in itertools.product(configs, CASES, (WIDTHS[0], WIDTHS[-1])):
+    if time.time() - t0 > args.budget:
+        row(what="stopped", why=f"budget of {args.budget} s spent")
+        break
+    try:
+        row(**dual(case, K, block_rows=br, num_warps=nw))
+    except Exception as e:   # a configuration the kernel refuses or that does not compile
+        row(what="dual", case=case, K=K, block_rows=br, num_warps=nw, error=f"{type(e).__name__}: {e}"[:300])
+for cap, case, K in itertools.product((0, 96, 128), CASES, (WIDTHS[0], WIDTHS[-1])):
+    if time.time() - t0 > args.budget:
+        break
+    row(**dual(case, K, maxnreg=cap))
+save()
