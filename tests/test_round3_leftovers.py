@@ -5,6 +5,9 @@ Found (each case: command, what happened before the fix):
 * ``study --config F --set model.name=30m`` with ``[model] dim = 576`` in F: 30m 576 wide, silently, where
   ``train --config F --set model.name=30m`` refuses (the size named by ``--set`` drops the file's shape, as
   ``--model`` does; the study refused ``--model 30m`` only).
+* ``study --set train.init_from=HF --set model.dim=64`` (or ``--model 30m``, ``[study] model``, a study file's
+  ``[model]`` table): accepted, and every run trained the folder's shape, ignoring them, where ``train`` refuses
+  a size or shape key with ``--init-from``.
 """
 
 import pytest
@@ -44,3 +47,31 @@ def test_set_model_name_over_a_files_shape_is_refused_by_study_as_by_train(tmp_p
                                                                                           *argv]))
     assert _study_model(tmp_path, "--config", str(s), *argv) == {"name": "30m", "dim": 576} == \
         {k: v for k, v in train.to_dict()["model"].items() if v is not None}
+
+
+def test_study_refuses_a_shape_given_with_init_from_as_train_does(tmp_path):
+    """--init-from (train.init_from) takes the model's shape from the folder: a size or shape key the user gave
+    would be ignored by every run of the study, so it is refused before anything is written; a preset's shape
+    gives way to the folder's, as an experiment's does in train."""
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    out = str(tmp_path / "st")
+    init = ("--set", f"train.init_from={hf}")
+    one_line_error(run_main("train", "--init-from", str(hf), "--set", "model.dim=64", "--print-config"),
+                   "--set model.dim=64 cannot be combined with --init-from")
+    one_line_error(run_main("study", "--arms", "bf16", *init, "--set", "model.dim=64", "--dry-run", "--out", out),
+                   "--set model.dim=64 cannot be combined with --init-from", "remove model.dim")
+    one_line_error(run_main("study", "--arms", "bf16", *init, "--model", "30m", "--dry-run", "--out", out),
+                   "--model 30m cannot be combined with --init-from", "remove model.name")
+    f = tmp_path / "s.toml"
+    f.write_text(f"[study]\narms = ['bf16']\nmodel = '30m'\n[train]\ninit_from = '{hf}'\n")
+    one_line_error(run_main("study", "--config", str(f), "--dry-run", "--out", out),
+                   f"[study] model = '30m' (study file {f}) cannot be combined with --init-from")
+    f.write_text(f"[study]\narms = ['bf16']\n[train]\ninit_from = '{hf}'\n[model]\nn_layers = 3\n")
+    one_line_error(run_main("study", "--config", str(f), "--dry-run", "--out", out),
+                   f"model.n_layers=3 (study file {f}) cannot be combined with --init-from")
+    assert not (tmp_path / "st").exists()
+    for argv in ((), ("--preset", "smoke")):   # no shape of the user's: fine
+        p = run_main("study", "--arms", "bf16", *init, *argv, "--dry-run", "--out", out)
+        assert p.returncode == 0, p.stderr

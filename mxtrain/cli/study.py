@@ -113,6 +113,7 @@ def register(subparsers) -> None:
 
 def study_main(args: argparse.Namespace) -> int:
     cli_sets = list(args.overrides or [])
+    cli_model = getattr(args, "model", None)   # (--model on the command line, before [study] model fills it)
     if getattr(args, "config", None):
         apply_study_file(args, args.config)
     if isinstance(args.arms, str) and not [a for a in args.arms.split(",") if a.strip()]:
@@ -127,6 +128,7 @@ def study_main(args: argparse.Namespace) -> int:
     spec = StudySpec.from_args(args)
     spec.check_branch_options()
     from ..train.config import check_init_from, check_model_shape, validate
+    from .core import _refuse_shape_with_init_from
     how = _override_sources(spec, args, cli_sets)
     for arm in spec.arms:  # every run's config is valid (as run_study checks first), before anything is written
         cfg = build_config(spec, arm, 0, Path(spec.out) / "runs" / "check")
@@ -134,6 +136,8 @@ def study_main(args: argparse.Namespace) -> int:
         if args.dry_run:
             validate(cfg)
         check_init_from(cfg.train.init_from)
+        if cfg.train.init_from:   # the folder's shape: a size or shape key the user gave would be ignored (#47)
+            _refuse_shape_with_init_from(cfg, _user_given(spec, args, cli_sets, cli_model, how), {})
     rate = getattr(args, "tokens_per_s", None)
     if rate is not None and (not args.dry_run or not rate > 0):
         raise UserError(f"--tokens-per-s {rate:g}: " + ("give a positive rate" if args.dry_run else
@@ -190,6 +194,19 @@ def _override_sources(spec: StudySpec, args, cli_sets: list[str]) -> dict:
         else:
             how[override_key(o)] = f"{o} (preset {spec.preset})" if spec.preset else o
     return how
+
+
+def _user_given(spec: StudySpec, args, cli_sets: list[str], cli_model, how: dict) -> dict:
+    """key -> how the user gave it, for the settings the user gave (``--set``, the study file, ``--model`` or
+    ``[study] model``), not a preset's: a preset's model shape gives way to an ``init_from`` folder's as an
+    experiment's does in ``mxtrain train``, one the user gave is refused there."""
+    mine = set(cli_sets) | set(args.overrides or [])
+    given = {override_key(o): how.get(override_key(o), f"--set {o}") for o in spec.overrides if o in mine}
+    if cli_model is not None:
+        given["model.name"] = f"--model {cli_model}"
+    elif getattr(args, "config", None) and getattr(args, "model", None) is not None:
+        given["model.name"] = f"[study] model = {args.model!r} (study file {args.config})"
+    return given
 
 
 def _check_runs_have_evaluations(runs: dict) -> None:
