@@ -131,9 +131,10 @@ def test_large_prescale_is_refused_in_one_line_and_valid_ones_keep_their_recipe(
     for ok in (0.75, 1.0, 1.5):
         assert Operand("mxfp4", prescale=ok).prescale == ok
     assert Operand("mxfp4", scale_rule="ceil", prescale=2.9).prescale == 2.9   # ceil leaves a binade free
-    assert Operand("bf16", prescale=1e30).prescale == 1e30    # not quantized: no format to overflow
+    with pytest.raises(ValueError, match="no effect on a bf16 operand"):   # not quantized: it would be ignored
+        Operand("bf16", prescale=1e30)
     t = R.get("tseng")
-    assert t.with_(**{"fprop_x.prescale": 1.25}).fprop_x.prescale == 1.25
+    assert t.with_(**{"dgrad_dy.prescale": 1.25}).dgrad_dy.prescale == 1.25
 
 
 def test_large_prescale_in_a_config_files_recipe_table(tmp_path):

@@ -109,7 +109,8 @@ def test_usable_prescales_and_every_recipe_still_build():
         assert Operand("mxfp4", rounding="stochastic", prescale=p).prescale == p
     assert Operand("mxfp4", scale_rule="ceil", prescale=2.0).prescale == 2.0
     assert Operand("mxfp8_e4m3", prescale=1e-4).prescale == 1e-4 and Operand("nvfp4", prescale=0.75)
-    assert Operand("bf16", prescale=1e-30).prescale == 1e-30   # not quantized: nothing to round away
+    with pytest.raises(ValueError, match="no effect on a bf16 operand"):   # not quantized: it would be ignored
+        Operand("bf16", prescale=1e-30)
     for name in R.names():
         R.get(name)
     assert R.get("tseng").with_(**{"wgrad_dy.prescale": 0.5}).wgrad_dy.prescale == 0.5

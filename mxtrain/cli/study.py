@@ -130,14 +130,17 @@ def study_main(args: argparse.Namespace) -> int:
     from ..train.config import check_init_from, check_model_shape, validate
     from .core import _refuse_shape_with_init_from
     how = _override_sources(spec, args, cli_sets)
+    kept = {}   # arm -> the recipe overrides its runs keep
     for arm in spec.arms:  # every run's config is valid (as run_study checks first), before anything is written
         cfg = build_config(spec, arm, 0, Path(spec.out) / "runs" / "check")
+        kept[arm] = set(cfg.recipe_overrides)
         check_model_shape(cfg, how)   # a named size and shape fields that contradict it: one line, as for train
         if args.dry_run:
             validate(cfg)
         check_init_from(cfg.train.init_from)
         if cfg.train.init_from:   # the folder's shape: a size or shape key the user gave would be ignored (#47)
             _refuse_shape_with_init_from(cfg, _user_given(spec, args, cli_sets, cli_model, how), {})
+    prescale_note = _prescales_by_arm(spec, how, kept)
     rate = getattr(args, "tokens_per_s", None)
     if rate is not None and (not args.dry_run or not rate > 0):
         raise UserError(f"--tokens-per-s {rate:g}: " + ("give a positive rate" if args.dry_run else
@@ -147,6 +150,8 @@ def study_main(args: argparse.Namespace) -> int:
         raise UserError(f"--start-by {sb:g}: give the seconds from now after which no run starts (0 or more)")
     if args.dry_run:
         print(spec.describe())
+        if prescale_note:
+            print(prescale_note)
         print(describe_compute(compute_plan(spec, getattr(args, "tokens_per_s", None))))
         later = ([f"--jobs {args.jobs}"] if jobs_given else []) + ([f"--start-by {sb:g}"] if sb is not None else [])
         if later:   # (a flag given is never dropped silently: these shape how the study runs, not its plan)
@@ -154,6 +159,8 @@ def study_main(args: argparse.Namespace) -> int:
                   "the study runs (the same command without --dry-run)")
         return 0
     _check_study_out(Path(spec.out))
+    if prescale_note:
+        print(prescale_note)
     import time
     out = run_study(spec, jobs=args.jobs, start_by=None if sb is None else time.time() + sb)
     from ..study import metrics as M
@@ -194,6 +201,25 @@ def _override_sources(spec: StudySpec, args, cli_sets: list[str]) -> dict:
         else:
             how[override_key(o)] = f"{o} (preset {spec.preset})" if spec.preset else o
     return how
+
+
+def _prescales_by_arm(spec: StudySpec, how: dict, kept: dict) -> str | None:
+    """A prescale override (``recipe.OPERAND.prescale``) applies to the arms that quantize the operand
+    (``plan.unquantized_prescales``; ``kept``: arm -> the recipe overrides its runs keep): refused in one line
+    where no arm does (it would change nothing), else a line naming the arms it skips (None when it skips none)."""
+    notes = []
+    for o in spec.overrides:
+        key = override_key(o)
+        if not (key.startswith("recipe.") and key.endswith(".prescale")):
+            continue
+        op = key.split(".")[1]
+        skipped = [a for a in spec.arms if key[len("recipe."):] not in kept[a]]
+        if len(skipped) == len(spec.arms):
+            raise UserError(f"{how.get(key, o)}: no arm quantizes {op} ({', '.join(spec.arms)}), so the prescale "
+                            f"would change nothing; remove it, or add an arm that quantizes {op}")
+        if skipped:
+            notes.append(f"{o} applies to the arms that quantize {op}: not to {', '.join(skipped)}")
+    return "; ".join(notes) or None
 
 
 def _user_given(spec: StudySpec, args, cli_sets: list[str], cli_model, how: dict) -> dict:

@@ -64,18 +64,31 @@ def _f32(x: float) -> float:
 
 
 def _largest_prescale(fmt: str, scale_rule: str) -> tuple[float, float]:
-    """``(bound, low)`` for a quantized format: the prescale multiplies the values after the block scale was
-    chosen (so the E8M0 scale's own range never limits it), which puts a block's largest value at ``low`` or
-    above (by the scale rule: ``floor`` at 2**emax and up, ``ceil`` and ``adaptive`` above 2**(emax - 1),
-    ``rceil`` above half the format's largest element, ...; NVFP4's and the per-tensor FP8 scales at the largest
-    element or near it, taken as 2**(emax - 1) here). A prescale above ``bound`` = largest element / ``low``
-    pushes the largest value of every block past the format's largest element, where it saturates: no prescale
-    that large can be meant."""
-    elem = get_format(fmt).elem
+    """``(bound, low)`` for a quantized format: the prescale multiplies the values after the scale was chosen (so
+    the E8M0 scale's own range never limits it), and the scale puts a block's largest value at ``low`` or above
+    before it. A prescale above ``bound`` = largest element / ``low`` pushes the largest value of every block past
+    the format's largest element, where it saturates: no prescale that large can be meant. Values above 1 up to
+    ``bound`` are legitimate where the scale rule leaves headroom (``ceil`` puts MXFP4 block maxima in (2, 4], so
+    up to 1.5 none saturates and up to 3 some block still fits), and they trade saturation for resolution.
+
+    ``low`` by the scale rule: MX ``floor`` 2**emax (MXFP4: 4, bound 1.5); ``ceil`` and ``adaptive`` above
+    2**(emax - 1) (3); ``rceil`` above half the largest element (2); ``even``, ``amd`` 7/8 of 2**emax or above.
+    NVFP4: the E4M3 block scale of ``amax / 6`` rounds up by at most 1/16 among its normal numbers (block maxima
+    at 5.625 and above) but by up to 2x among its subnormals (a block 28672x below the tensor's largest: above 3),
+    so ``low`` is 3 (bound 2); ``four_over_six`` may take the scale of ``amax / 4`` instead (above 2, bound 3).
+    Per-tensor FP8: the one scale maps the tensor's largest value to the largest element itself (``m = max /
+    amax``, rounded once to float32), so every prescale above 1 saturates it: bound 1 (below 1 leaves room, e.g.
+    for stochastic rounding)."""
+    f = get_format(fmt)
+    elem = f.elem
     emax, top = elem.emax, elem.max
-    low = {"floor": 2.0 ** emax, "rceil": top / 2, "even": 2.0 ** emax * (1 - 2.0 ** -(elem.mbits + 2)),
-           "amd": 0.875 * 2.0 ** emax}.get(scale_rule, 2.0 ** (emax - 1)) if get_format(fmt).kind == "mx" \
-        else 2.0 ** (emax - 1)
+    if f.kind == "mx":
+        low = {"floor": 2.0 ** emax, "rceil": top / 2, "even": 2.0 ** emax * (1 - 2.0 ** -(elem.mbits + 2)),
+               "amd": 0.875 * 2.0 ** emax}.get(scale_rule, 2.0 ** (emax - 1))
+    elif f.kind == "nvfp4":
+        low = top / 3 if scale_rule == "four_over_six" else top / 2
+    else:   # (per-tensor FP8)
+        low = top
     return top / low, low
 
 
@@ -111,10 +124,14 @@ def _check_prescale_range(fmt: str, scale_rule: str, prescale: float) -> None:
     bound, low = _largest_prescale(fmt, scale_rule)
     if _f32(prescale) > bound:
         top = get_format(fmt).elem.max
-        raise ValueError(f"prescale {prescale:g} is too large for {fmt} (scale rule {scale_rule}): the block scale "
-                         f"puts a block's largest value at {low:g} or above before the prescale, so every block's "
-                         f"largest value would overflow {fmt}'s largest element {top:g} and saturate; use a prescale "
-                         f"of at most {bound:.4g} ({_usable(fmt, scale_rule)}; below 1, e.g. 0.75, leaves room for "
+        if get_format(fmt).kind == "tensor":
+            why = (f"its per-tensor scale puts the tensor's largest value at {fmt}'s largest element {top:g} before "
+                   f"the prescale, so any prescale above 1 makes it overflow and saturate")
+        else:
+            why = (f"the block scale puts a block's largest value at {low:g} or above before the prescale, so every "
+                   f"block's largest value would overflow {fmt}'s largest element {top:g} and saturate")
+        raise ValueError(f"prescale {prescale:g} is too large for {fmt} (scale rule {scale_rule}): {why}; use a "
+                         f"prescale of at most {bound:.4g} ({_usable(fmt, scale_rule)}; below 1, e.g. 0.75, leaves room for "
                          f"stochastic rounding)")
 
 
@@ -149,7 +166,10 @@ class Operand:
       ``adaptive``: the reference quantizer, ``mxtrain.numerics.quant``, and the fast path's fused quantizers, not the
       compiled MX forms); for ``nvfp4``, ``four_over_six`` (the reference and the fused NVFP4 quantizer) chooses
       each block's scale by "Four over Six".
-    * ``prescale``: multiply before quantizing; the GEMM output is divided by the operands' product.
+    * ``prescale``: multiply before quantizing; the GEMM output is divided by the operands' product. Only for a
+      quantized operand (a ``bf16`` operand reaches its GEMM as it is: a prescale other than 1 there would be
+      ignored, so it is refused; ``Recipe.with_`` setting ``fmt`` to ``bf16`` sets an inherited prescale to 1),
+      and within the format's usable range (``_largest_prescale``, ``_smallest_prescale``).
     * ``block_2d``: NVFP4 only: 16x16 tiles (weights), so W and W^T quantize identically.
     """
 
@@ -170,6 +190,10 @@ class Operand:
                 or not math.isfinite(self.prescale)):
             raise ValueError(f"prescale must be a positive finite number, got {self.prescale!r}")
         _check_float32("prescale", self.prescale)
+        if not get_format(self.fmt).quantized and self.prescale != 1:
+            raise ValueError(f"prescale {self.prescale:g} has no effect on a {self.fmt} operand: it is not "
+                             f"quantized, its values reach the GEMM as they are (nothing multiplies them, nothing "
+                             f"divides the output); leave the prescale at 1, or quantize the operand (fmt=mxfp4, ...)")
         _check_prescale_range(self.fmt, self.scale_rule, float(self.prescale))
         _check_prescale_small(self.fmt, self.scale_rule, float(self.prescale))
         if self.block_2d and self.fmt != "nvfp4":
@@ -307,27 +331,42 @@ class Recipe:
             return v
 
     def with_(self, **changes) -> "Recipe":
-        """A copy with fields replaced; dotted keys reach into operands: ``{"wgrad_dy.rounding": "stochastic"}``."""
-        top: dict = {}
+        """A copy with fields replaced; dotted keys reach into operands: ``{"wgrad_dy.rounding": "stochastic"}``.
+        The dotted changes of one operand are made together (``{"fprop_x.fmt": "mxfp4", "fprop_x.prescale": 0.75}``
+        on a bf16 operand, in either order); a whole value (``fprop_x=Operand(...)``) replaces the dotted changes
+        given before it. Setting ``fmt`` to a format that is not quantized (``bf16``) without a prescale sets the
+        operand's prescale to 1: one inherited from the recipe (``tseng``'s 3/4) would mean nothing there."""
+        base: dict = {}
+        sub: dict = {}
         for key, value in changes.items():
             head, _, rest = key.partition(".")
             if not any(f.name == head for f in fields(self)):
                 raise ValueError(f"unknown recipe field {head!r}; fields: {', '.join(f.name for f in fields(self))}")
             if rest:
-                inner = top.get(head, getattr(self, head))
+                inner = base.get(head, getattr(self, head))
                 if not dataclasses.is_dataclass(inner):
                     raise ValueError(f"unknown recipe field {key!r}: {head} has no fields of its own")
                 if not any(f.name == rest for f in fields(inner)):
                     raise ValueError(f"unknown recipe field {key!r}; fields of {head}: "
                                      f"{', '.join(f.name for f in fields(inner))}")
-                try:
-                    top[head] = replace(inner, **{rest: value})
-                except ValueError as e:
-                    if not str(e).startswith("prescale"):
-                        raise
-                    raise ValueError(f"{head}.{rest}={value!r}: {e}") from None   # (names the operand)
+                sub.setdefault(head, {})[rest] = value
             else:
-                top[head] = value
+                base[head] = value
+                sub.pop(head, None)
+        top = dict(base)
+        for head, ch in sub.items():
+            inner = base.get(head, getattr(self, head))
+            fmt = ch.get("fmt")
+            if (isinstance(inner, Operand) and "prescale" not in ch and isinstance(fmt, str) and fmt in FORMATS
+                    and not get_format(fmt).quantized):
+                ch = {**ch, "prescale": 1.0}
+            try:
+                top[head] = replace(inner, **ch)
+            except ValueError as e:
+                if not str(e).startswith("prescale"):
+                    raise
+                k = "prescale" if "prescale" in ch else next(iter(ch))
+                raise ValueError(f"{head}.{k}={ch[k]!r}: {e}") from None   # (names the operand)
         return replace(self, **top)
 
     def to_dict(self) -> dict:

@@ -395,6 +395,8 @@ def build_config(spec: StudySpec, arm: str, seed: int, run_dir: Path):
     # the control: only the recipe (and the arm's options) differ between arms of one seed
     cfg.recipe = A.recipe_of(arm)
     cfg.recipe_overrides = dict(cfg.recipe_overrides, seed=seed)  # SR / random-sign streams differ per seed
+    for k in unquantized_prescales(cfg.recipe, cfg.recipe_overrides):   # (the arms that quantize it take it)
+        del cfg.recipe_overrides[k]
     cfg.train.seed = seed
     cfg.model.init_seed = seed
     cfg.data.seed = seed
@@ -407,6 +409,28 @@ def build_config(spec: StudySpec, arm: str, seed: int, run_dir: Path):
     cfg.log.out = str(run_dir)
     cfg.log.progress = False   # a study prints one line per run; log.tensorboard stays as configured (default on)
     return cfg
+
+
+def unquantized_prescales(recipe: str, overrides: dict) -> list[str]:
+    """The ``OPERAND.prescale`` keys of recipe ``overrides`` whose operand ``recipe`` (with the overrides'
+    formats) does not quantize. A prescale means nothing there (``Operand`` refuses one), so a study's ``--set
+    recipe.OPERAND.prescale=P`` applies to the arms that quantize the operand (a prescale for the quantized arms
+    beside a bf16 baseline); ``mxtrain study`` refuses it when no arm does and names the arms it skips."""
+    from ..numerics import recipes  # (start-up cost)
+    from ..numerics.formats import FORMATS, get_format
+    try:
+        r = recipes.get(recipe)
+    except (ValueError, TypeError, KeyError, UserError):
+        return []   # (refused with its own message where the recipe is resolved)
+    out = []
+    for k in overrides:
+        op, _, fld = str(k).partition(".")
+        if fld != "prescale" or not hasattr(r, op) or not hasattr(getattr(r, op), "fmt"):
+            continue
+        fmt = overrides.get(f"{op}.fmt", getattr(r, op).fmt)
+        if isinstance(fmt, str) and fmt in FORMATS and not get_format(fmt).quantized:
+            out.append(k)
+    return out
 
 
 def study_branch_plan(spec: StudySpec) -> list[tuple[float, int, int]]:
