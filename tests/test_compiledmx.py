@@ -103,6 +103,91 @@ def test_seeded_layer_equals_the_reference_on_cpu(recipe, shape, bias):
         assert torch.allclose(a, r, rtol=1e-5, atol=1e-5 * r.abs().max().item()), (recipe, name)
 
 
+def _uniform(fmt, base="mxfp4-all", **over):
+    """``base`` with every operand of MX format ``fmt`` (and the operand fields ``over``)."""
+    from mxtrain.numerics.recipe import OPERANDS
+    return recipes.get(base).with_(**{**{f"{n}.fmt": fmt for n in OPERANDS}, **over})
+
+
+# issue #51's recipes: the uniform grids (``ufp4``: mxint4, H16 per-step signs, SR on dY; E1M2 with an INT4 Wgrad X
+# and an E2M1 Fprop W, so that one GEMM and one dual pass mix grids) and the adaptive rule (with H16, and on ufp4)
+NEW_RECIPES = {
+    "ufp4": lambda: recipes.get("ufp4"),
+    "e1m2-mixed": lambda: _uniform("mxe1m2", "mxfp4-all-dh16", **{"wgrad_x.fmt": "mxint4", "fprop_w.fmt": "mxfp4"}),
+    "mxfp4-all-dh16+adaptive": lambda: recipes.get("mxfp4-all-dh16+adaptive"),
+    "ufp4+adaptive": lambda: recipes.get("ufp4+adaptive"),
+    "mxint4-dh16": lambda: _uniform("mxint4", "mxfp4-all-dh16"),   # (round to nearest, no signs: not seeded)
+}
+
+
+def _gemm_as_compiled(a, b, backend, out_dtype=torch.float32, divisor=1.0):
+    """The fast path's FP8-carrier GEMM (``kernels.gemm.mx_gemm_nt``, whose ``_scaled_mm`` a CPU lacks) as the
+    compiled layer's CPU emulation computes it (``compiledmx._mm``): the same carriers and group scales give the
+    same float32 products and sums, so outputs equal bit for bit exactly when the operands do."""
+    assert backend == "fp8_carrier"
+    return compiledmx._mm(a.carrier.view(torch.uint8), a.gs_base, a.R, b.carrier.view(torch.uint8), b.gs_base,
+                          b.group_rows, b.R, out_dtype, 1.0 / divisor)
+
+
+@pytest.mark.parametrize("name,shape,bias", [
+    ("ufp4", (3, 20, 96), True),                # M=60, K=96: rows and rotation blocks padded
+    ("e1m2-mixed", (48, 64), False),            # one pass makes X's E1M2 Fprop and INT4 Wgrad operands
+    ("mxfp4-all-dh16+adaptive", (2, 24, 64), True),
+])   # (ufp4+adaptive: as these, on the GPU only, for CI's time)
+def test_new_formats_and_the_adaptive_rule_equal_the_eager_fast_path_on_cpu(name, shape, bias, monkeypatch):
+    """Issue #51's uniform grids (``mxint4``, ``mxe1m2``) and the ``adaptive`` rule in the compiled layer: ``spec``
+    takes them (its wider form, with the formats where one is not ``mxfp4``) and each launch gets the operand's
+    format and rule as the eager fast path passes them, so Y, dX, dW, db and the inexact-block counts equal the
+    eager fast path's bit for bit (at the layer's state [7, 3, 2]: the same keys and signs). CPU: the fast path
+    with the FP8-carrier backend, its GEMM the compiled layer's emulation (``_gemm_as_compiled``)."""
+    from mxtrain.kernels import gemm as kg
+    from mxtrain.kernels.mxfp4.launch import GRID_ID, RULE_ID
+    from mxtrain.linear.context import Ctx
+    from mxtrain.linear.dispatch import call_seeds, mx_spec
+    rec = NEW_RECIPES[name]()
+    mx = mx_spec(rec)
+    assert mx and mx == compiledmx.spec(rec) and tracedmx.spec(rec) is None
+    assert compiledmx.seeded(mx) == name.startswith("ufp4")    # (the grids and the rule draw nothing)
+    g = torch.Generator().manual_seed(6)
+    N = 48
+    x = torch.randn(*shape, generator=g) * torch.exp2(torch.randint(-6, 6, (shape[-1],), generator=g).float())
+    w = torch.randn(N, shape[-1], generator=g)
+    b = torch.randn(N, generator=g) if bias else None
+    gy = torch.randn(*shape[:-1], N, generator=g)
+    monkeypatch.setattr(kg, "mx_gemm_nt", _gemm_as_compiled)
+    monkeypatch.setattr(kg, "activation_b_group_rows", lambda dev: 128)
+    launched = []
+    real = compiledmx._traced._launch
+
+    def spy(kfn, grid, args, consts, nw):
+        launched.append(kernel_kwargs(kfn, args, consts))
+        return real(kfn, grid, args, consts, nw)
+    with settings.override(gemm_backend="fp8_carrier", qselfcheck="off"):
+        fast.state.prepare("cpu")
+        fast.clear_caches()
+        before = fast.inexact_by_tensor("cpu")
+        eager = fwd_bwd(x, w, b, gy, lambda x, w, b: fast.apply(x, w, b, Ctx(rec, 7, 3, 2)))
+        mid = fast.inexact_by_tensor("cpu")
+        st = torch.tensor([7, 3, 2])
+
+        def layer(x, w, b):
+            keys, signs = call_seeds(st, rec, True)
+            return compiledmx.linear(x, w, b, mx, (128, 128), keys, signs)
+        monkeypatch.setattr(compiledmx._traced, "_launch", spy)
+        comp = fwd_bwd(x, w, b, gy, layer)
+        after = fast.inexact_by_tensor("cpu")
+    for a, e, what in zip(comp, eager, ("y", "dX", "dW", "db")):
+        assert torch.equal(a, e), (name, what, (a - e).abs().max().item())
+    assert {k: after[k] - mid[k] for k in after} == {k: mid[k] - before[k] for k in mid}
+    # not vacuous: the launches carried the recipe's grids and rules (the single and dual kernels' constexprs)
+    grids = {kw[k] for kw in launched for k in ("GRID", "GRID_A", "GRID_B") if k in kw}
+    rules = {kw[k] for kw in launched for k in ("RULE", "RULE_A", "RULE_B") if k in kw}
+    fmts = {rec.operand(n).fmt for n in ("fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_dy", "wgrad_x")}
+    assert grids == {GRID_ID[f] for f in fmts}, (grids, fmts)
+    assert rules == {RULE_ID[rec.operand("fprop_x").scale_rule]}, rules
+    assert any("GRID_A" in kw for kw in launched)   # (X's and dY's operands from one pass each)
+
+
 def test_wgrad_operand_kept_as_its_carrier_on_cpu():
     """``wgrad_x=carrier``: X's Wgrad operand comes out of the forward's dual pass as its FP8 carrier and the
     backward multiplies it as it is (no rebuild from FP4 codes): the same outputs and gradients as ``forward``."""
@@ -136,8 +221,10 @@ def test_the_dispatcher_takes_the_form_only_where_it_applies():
     assert tracedmx.spec(recipes.get("mxfp4-all-sr")) is None   # SR: the compiled layer's wider spec
     assert tracedmx.applies(compiledmx.spec(recipes.get("tseng")), x, w) == 0
     assert compiledmx.seeded(compiledmx.spec(recipes.get("tseng"))) and not compiledmx.seeded(mx)
-    for name in ("nvfp4", "mxfp8", "mxfp4-all-adaptive", "fp8"):   # what the fast path does not run
+    for name in ("nvfp4", "mxfp8", "fp8"):   # what the fast path does not run
         assert compiledmx.spec(recipes.get(name)) is None, name
+    # an MX operand against a high-precision one: the fast path runs that GEMM as the reference does
+    assert compiledmx.spec(recipes.get("mxfp4-all").with_(**{"fprop_w.fmt": "bf16"})) is None
     # the settings are the dispatcher's (linear.compiled_form): with mx_compiled=ops, or a seeded recipe without
     # mx_compiled_seeded, it never asks (a spy stands in for a GPU's answer)
     from mxtrain.linear.dispatch import compiled_form
@@ -217,6 +304,55 @@ def test_cuda_seeded_compiled_layer_equals_the_eager_fast_path(recipe, dtype, am
         x = torch.zeros(64, 256, device="cuda")
         assert implementation(recipe, x, torch.zeros(128, 256, device="cuda")) == COMPILED_FORMS["graph"]
         _compiled_vs_eager(recipe, dtype, amp, bias, shape)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["ufp4", "mxfp4-all-dh16+adaptive", "e1m2-mixed", "mxint4-dh16"])
+@pytest.mark.parametrize("dtype,amp,bias,shape", [
+    (torch.bfloat16, False, False, (2048, 768, 2304)),
+    (torch.bfloat16, False, True, (3, 333, 776, 264)),   # M 999, K 776 (not whole rotation blocks), N 264: padded
+])
+def test_cuda_new_formats_and_adaptive_rule_compiled_equal_the_eager_fast_path(name, dtype, amp, bias, shape):
+    """Issue #51's uniform grids and adaptive rule compiled into the graph (``torch.compile(fullgraph=True)``):
+    Y, dX, dW and the inexact-block counts equal the eager fast path's bit for bit, db to float32 summation order
+    (``_compiled_vs_eager``). ``mx_compiled_seeded`` on for ``ufp4``'s random signs and stochastic rounding (its
+    bits: layer 0, step 0, call 0 on both sides). (An adaptive kernel variant takes Triton 20-25 s to compile for
+    sm_90, docs/kernels.md: the adaptive case's first run compiles its variants eagerly and under inductor.)"""
+    from mxtrain.linear import implementation
+    rec = NEW_RECIPES[name]()
+    with settings.override(mx_compiled_seeded=True):
+        _gpu()
+        x = torch.zeros(64, 256, device="cuda", dtype=dtype)
+        assert implementation(rec, x, torch.zeros(128, 256, device="cuda")) == COMPILED_FORMS["graph"]
+        _compiled_vs_eager(rec, dtype, amp, bias, shape)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["ufp4", "mxfp4-all-dh16+adaptive", "e1m2-mixed"])
+def test_cuda_new_formats_and_adaptive_rule_under_cuda_graphs(name, caplog):
+    """The same layers compiled with ``mode="reduce-overhead"`` (CUDA graphs): every call, the first ones and the
+    replays, gives the eager fast path's Y, dX and dW bit for bit; CUDA graphs are not skipped and nothing
+    recompiles."""
+    import logging
+    _gpu()
+    rec = NEW_RECIPES[name]()
+    x, w, b, gy = _data(1000, 768, 512, torch.bfloat16)
+
+    def layer(x, w, b):
+        return mx_linear(x, w, b, rec)
+    eager = fwd_bwd(x, w, b, gy, layer)
+    torch._dynamo.reset()
+    with caplog.at_level(logging.WARNING), settings.override(mx_compiled_seeded=True):
+        f = torch.compile(layer, mode="reduce-overhead", fullgraph=True)
+        for i in range(4):
+            torch.compiler.cudagraph_mark_step_begin()
+            got = fwd_bwd(x, w, b, gy, f)
+            for a, e, what in zip(got[:3], eager[:3], ("y", "dX", "dW")):
+                assert torch.equal(a, e), (name, i, what, (a - e).abs().max().item())
+            del got
+    torch._dynamo.reset()
+    assert "skipping cudagraphs" not in caplog.text
+    assert "Recompiling" not in caplog.text
 
 
 def _compiled_vs_eager(recipe, dtype, amp, bias, shape):

@@ -238,6 +238,38 @@ def test_the_dispatcher_on_a_hopper_gpu(fake_gpu):
     assert "reference" in implementation("nvfp4", x, w, compiled=False)
 
 
+NEW_RECIPES = ["mxfp4-all-adaptive", "mxfp4-all-dh16+adaptive", "ufp4", "ufp4+adaptive", "ufp4+rceil"]
+
+
+def test_the_dispatcher_compiles_the_uniform_grids_and_the_adaptive_rule(fake_gpu):
+    """Issue #51's recipes on an sm_90 GPU: the ``adaptive`` rule and the uniform grids (``mxint4``: ``ufp4``;
+    ``mxe1m2``) compiled into the graph as today's MXFP4 presets are: by default where nothing is drawn at random
+    (``mxfp4-all-adaptive``, a round-to-nearest INT4 or E1M2 recipe), with ``mx_compiled_seeded`` where it is
+    (``ufp4``: random signs, stochastic rounding on dY; without the setting the custom op, as ``tseng``). The traced
+    MX form (``mx_traced``) does not take them; with ``mx_compiled=ops`` the MXFP4 ones run as the split ops; on
+    other GPUs the compiled layer is not taken."""
+    from mxtrain import settings
+    from mxtrain.linear import COMPILED_FORMS, implementation
+    from mxtrain.numerics import recipes
+    from mxtrain.numerics.recipe import OPERANDS
+    x, w = fake_gpu()
+    name = {v: k for k, v in COMPILED_FORMS.items()}
+    want = {"mxfp4-all-adaptive": "graph", "mxfp4-all-dh16+adaptive": "graph", "ufp4": "op", "ufp4+adaptive": "op",
+            "ufp4+rceil": "op"}
+    assert _forms(x, w, NEW_RECIPES) == want
+    with settings.override(mx_traced="auto"):
+        assert _forms(x, w, NEW_RECIPES) == want
+    with settings.override(mx_compiled_seeded=True):
+        assert _forms(x, w, NEW_RECIPES) == {r: "graph" for r in NEW_RECIPES}
+    with settings.override(mx_compiled="ops"):
+        assert _forms(x, w, NEW_RECIPES) == {r: "split_ops" if f == "graph" else f for r, f in want.items()}
+    for fmt in ("mxint4", "mxe1m2"):   # (round to nearest, H16 without signs: nothing drawn)
+        r = recipes.get("mxfp4-all-dh16").with_(**{f"{n}.fmt": fmt for n in OPERANDS})
+        assert name[implementation(r, x, w)] == "graph", fmt
+    x, w = fake_gpu((8, 0))
+    assert _forms(x, w, NEW_RECIPES) == {r: "split_ops" if f == "graph" else f for r, f in want.items()}
+
+
 def test_shared_installs_the_share_pass_and_auto_does_not(fake_gpu):
     """``mx_compiled=shared`` makes ``compiledmx.plan`` install ``SharePass`` as inductor's pre-grad pass (the pass
     the block test sees merge q/k/v and gate/up); ``auto`` leaves inductor's pass as it was."""

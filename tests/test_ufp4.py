@@ -241,7 +241,7 @@ def test_presets_and_their_routes():
         assert fast.supported(r), r.name   # (the kernels have them: tests/test_rules_kernels.py)
         assert mxtrain.linear.tracedfp8.spec(r) is None
     # round-up scales: the kernels have them; the INT4 grid: the fast path's fused quantizer has it
-    # (tests/test_ufp4_kernel.py), the compiled forms do not (below)
+    # (tests/test_ufp4_kernel.py), and the compiled layer (below)
     for r in (recipes.get("mxfp4-all+rceil"), u, recipes.get("ufp4+floor"), recipes.get("ufp4+rceil")):
         assert fast.supported(r), r.name
         assert mxtrain.linear.tracedfp8.spec(r) is None
@@ -250,21 +250,25 @@ def test_presets_and_their_routes():
     assert mxtrain.linear.route(a, xm, xm) == "reference"
 
 
-def test_compiled_forms_never_take_the_new_formats_or_rule():
-    """``linear.mx_spec`` (what both compiled MX forms start from: ``tracedmx.spec``, else ``compiledmx.spec``)
-    gives no spec for a recipe with the ``adaptive`` rule or a new format, so a compiled layer of it runs the
-    reference quantizer; and the traced quantizer itself refuses ``adaptive`` should it ever be asked
-    (``quant.mx_scale_exponent``)."""
+def test_the_compiled_layer_takes_the_new_formats_and_rule_the_traced_form_does_not():
+    """``linear.mx_spec`` (what both compiled MX forms start from: ``tracedmx.spec``, else ``compiledmx.spec``):
+    the traced MX form gives no spec for a recipe with the ``adaptive`` rule or a uniform grid, the compiled layer
+    its wider form (formats named where not ``mxfp4``; tests/test_compiledmx.py runs it against the eager fast
+    path), which ``tracedmx.applies`` declines; and the traced quantizer itself refuses ``adaptive`` should it ever
+    be asked (``quant.mx_scale_exponent``)."""
     from mxtrain.linear import compiledmx, tracedmx
     from mxtrain.linear.dispatch import mx_spec
     for name in ("ufp4", "mxfp4-all-adaptive", "mxfp4-all-dh16+adaptive"):
         r = recipes.get(name)
-        assert tracedmx.spec(r) is None and compiledmx.spec(r) is None and mx_spec(r) == "", name
+        mx = compiledmx.spec(r)
+        assert tracedmx.spec(r) is None and mx and mx_spec(r) == mx, name
+        assert ("mxint4" in mx) == name.startswith("ufp4") and ("adaptive" in mx) == name.endswith("adaptive")
+        assert tracedmx.applies(mx, torch.zeros(64, 64), torch.zeros(64, 64), "always") == 0, name
     assert tracedmx.spec(recipes.get("mxfp4-all-dh16+rceil")) is not None
     with pytest.raises(ValueError, match="adaptive"):
         tracedmx.carrier(torch.randn(32, 64), 0, "adaptive", 1)
     from mxtrain.kernels.mxfp4.launch import RULE_ID
-    assert set(RULE_ID) - set(SCALE_RULES) == {"adaptive"}   # (the kernels' one rule that spec does not admit)
+    assert set(RULE_ID) - set(SCALE_RULES) == {"adaptive"}   # (the kernels' one rule the traced form lacks)
 
 
 @pytest.mark.parametrize("name", ["ufp4", "mxfp4-all-adaptive"])

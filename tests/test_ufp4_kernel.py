@@ -270,8 +270,9 @@ def test_selfcheck_every_int4_variant_gpu(dtype):
 @cuda
 @needs_cuda
 def test_ufp4_mxlinear_compiled_and_cuda_graph_gpu():
-    """A ``ufp4`` layer routes to the fast path, runs under ``torch.compile`` (the compiled forms take MXFP4 only, so
-    it runs as the custom op around the eager fast path) and under a CUDA graph, with the eager results."""
+    """A ``ufp4`` layer routes to the fast path, runs under ``torch.compile`` (it draws random signs and stochastic
+    rounding, so without ``mx_compiled_seeded`` it runs as the custom op around the eager fast path; with it, compiled
+    into the graph: tests/test_compiledmx.py) and under a CUDA graph, with the eager results."""
     from mxtrain import MXLinear
     from mxtrain.linear import route
     rec = recipes.get("ufp4")

@@ -19,10 +19,13 @@ X's operands are made outside the autograd function (``_x_operands``; they carry
 reading one input can share them: with ``mx_compiled=shared`` a pass over the graph dynamo captures
 (``share_inputs``) merges their quantize calls, as the compiler merged the custom ops.
 
-Which recipes: those ``spec`` describes: every operand one the fast path takes, each GEMM either MXFP4 on both
-operands (round to nearest or stochastic, any prescale, no rotation or a Hadamard rotation with or without random
-signs: ``mxfp4-all``, ``mxfp4-all-dh16``, ``+amd`` scale rules, ``mxfp4-all-sr``, ``mxfp4-all-rht16``, ``tseng``...)
-or plain. A recipe that draws random bits gets the call's keys and sign vectors from ``mxtrain::call_seeds`` (one
+Which recipes: those ``spec`` describes: every operand one the fast path takes (``fast.supported``), each GEMM
+either MX on both operands or plain. MX: ``mxfp4``, or the uniform 4-bit grids ``mxint4`` and ``mxe1m2``
+(``carrier.KERNEL_FORMATS``: the FP8 carrier holds them exactly), any scale rule of the kernels (``adaptive``
+included), round to nearest or stochastic, any prescale, no rotation or a Hadamard rotation with or without random
+signs: ``mxfp4-all``, ``mxfp4-all-dh16``, ``+amd``, ``+rceil``, ``mxfp4-all-adaptive``, ``mxfp4-all-sr``,
+``mxfp4-all-rht16``, ``tseng``, ``ufp4``... The format and rule of each operand go to its kernel launch (the
+``GRID`` and ``RULE`` constexprs) as the eager fast path passes them. A recipe that draws random bits gets the call's keys and sign vectors from ``mxtrain::call_seeds`` (one
 small op a layer, which advances the layer's call counter; activation checkpointing keeps its outputs): the
 kernels read them from device memory, so CUDA graphs replay with the current step's bits, as eagerly. Those
 recipes (``seeded``) only with the setting ``mx_compiled_seeded`` (off by default until the cuda tests against the
@@ -116,11 +119,16 @@ def _mm(ca: torch.Tensor, ga: torch.Tensor, Ra: int, cb: torch.Tensor, gb: torch
 
 def spec(recipe) -> str | None:
     """The recipe's three GEMMs as the compiled layer runs them, joined by ``;``, or None where it does not take
-    the recipe: ``"p"`` plain, ``"m<rot>:<rule A>:<rule B>"`` MXFP4 with round to nearest, no random signs and
-    prescale 1 (``tracedmx.spec``'s form), else ``"m<rot>:<rule A>:<rule B>:<signs s|n>:<rounding A n|s>:<rounding
-    B>:<prescale A>:<prescale B>"``. Every operand as the fast path takes it (``fast.supported``); no GEMM that
-    rotates or scales high-precision operands. Depends on the recipe only."""
+    the recipe: ``"p"`` plain, ``"m<rot>:<rule A>:<rule B>"`` MXFP4 with round to nearest, no random signs,
+    prescale 1 and a scale rule of ``quant.SCALE_RULES`` (``tracedmx.spec``'s form), else ``"m<rot>:<rule A>:<rule
+    B>:<signs s|n>:<rounding A n|s>:<rounding B>:<prescale A>:<prescale B>"``, followed by ``":<format A>:<format
+    B>"`` where an operand is not ``mxfp4`` (``mxint4``, ``mxe1m2``: ``carrier.KERNEL_FORMATS``). Every operand as
+    the fast path takes it (``fast.supported``: the ``adaptive`` rule and the uniform grids included); no GEMM that
+    rotates or scales high-precision operands. Depends on the recipe only. (The wider forms are the ones
+    ``tracedmx.applies`` declines; the strings of the MXFP4 recipes it had before the uniform grids and the adaptive
+    rule are unchanged.)"""
     from . import fast
+    from ..kernels.mxfp4.carrier import KERNEL_FORMATS
     if not fast.supported(recipe):
         return None
     parts, mx = [], False
@@ -129,23 +137,27 @@ def spec(recipe) -> str | None:
         if not oa.quantized and not ob.quantized and not rot.enabled and oa.prescale == ob.prescale == 1.0:
             parts.append("p")
             continue
-        if not (oa.fmt == ob.fmt == "mxfp4") or oa.scale_rule not in SCALE_RULES or ob.scale_rule not in SCALE_RULES:
-            return None   # (the adaptive rule: the fast path's eager kernels only, not yet run on a GPU)
+        if oa.fmt not in KERNEL_FORMATS or ob.fmt not in KERNEL_FORMATS:
+            return None   # (an MX operand against a high-precision one: the fast path runs it as the reference)
         size = rot.size if rot.enabled else 0
         signs = rot.enabled and rot.signs != "none"
+        fmts = oa.fmt != "mxfp4" or ob.fmt != "mxfp4"
         head = f"m{size}:{oa.scale_rule}:{ob.scale_rule}"
-        if signs or oa.rounding != "nearest" or ob.rounding != "nearest" or oa.prescale != 1.0 or ob.prescale != 1.0:
+        if (signs or oa.rounding != "nearest" or ob.rounding != "nearest" or oa.prescale != 1.0 or ob.prescale != 1.0
+                or oa.scale_rule not in SCALE_RULES or ob.scale_rule not in SCALE_RULES or fmts):
             head += (f":{'s' if signs else 'n'}:{oa.rounding[0]}:{ob.rounding[0]}:{float(oa.prescale)!r}"
                      f":{float(ob.prescale)!r}")
+        if fmts:
+            head += f":{oa.fmt}:{ob.fmt}"
         parts.append(head)
         mx = True
     return ";".join(parts) if mx else None
 
 
 class _G:
-    """One MX GEMM of a spec: rotation size, scale rules, random signs, stochastic rounding and prescales of its
-    operands A and B."""
-    __slots__ = ("rot", "ra", "rb", "signs", "sra", "srb", "pa", "pb")
+    """One MX GEMM of a spec: rotation size, scale rules, random signs, stochastic rounding, prescales and MX
+    formats of its operands A and B."""
+    __slots__ = ("rot", "ra", "rb", "signs", "sra", "srb", "pa", "pb", "fa", "fb")
 
     def __init__(self, g: str):
         f = g[1:].split(":")
@@ -156,6 +168,12 @@ class _G:
         else:
             self.signs = self.sra = self.srb = False
             self.pa = self.pb = 1.0
+        self.fa, self.fb = (f[8], f[9]) if len(f) > 8 else ("mxfp4", "mxfp4")
+
+    @property
+    def seeded(self) -> bool:
+        """Random signs, stochastic rounding or a prescale on either operand."""
+        return self.signs or self.sra or self.srb or self.pa != 1.0 or self.pb != 1.0
 
     @property
     def alpha(self) -> float:
@@ -164,8 +182,9 @@ class _G:
 
 
 def seeded(mx: str) -> bool:
-    """Does ``spec``'s answer ``mx`` round stochastically, draw random signs or prescale (its wider form)?"""
-    return any(g.count(":") > 2 for g in mx.split(";"))
+    """Does ``spec``'s answer ``mx`` round stochastically, draw random signs or prescale? (Its wider form also
+    carries the ``adaptive`` rule and the uniform grids, which draw nothing.)"""
+    return any(_G(g).seeded for g in mx.split(";") if g != "p")
 
 
 def _parse(g: str) -> tuple[int, str, str]:
@@ -206,20 +225,29 @@ def _dual_ok(t2: torch.Tensor, rot_a: int, rot_b: int, sr: bool = False) -> bool
 
 
 def _side(seeds: _Seeds, name: str, gemm: str, G: _G, a: bool) -> tuple:
-    """(signs, key, rounding, prescale) of operand ``name`` (A or B of ``gemm``) for ``q_single`` / ``q_dual``."""
-    sr, ps = (G.sra, G.pa) if a else (G.srb, G.pb)
-    return seeds.signs(gemm, G), seeds.key(name, sr), "stochastic" if sr else "nearest", ps
+    """(signs, key, rounding, prescale, MX format) of operand ``name`` (A or B of ``gemm``): ``q_single``'s last
+    arguments; ``q_dual`` takes the first four of each side, then the two formats (``_dual``)."""
+    sr, ps, fmt = (G.sra, G.pa, G.fa) if a else (G.srb, G.pb, G.fb)
+    return seeds.signs(gemm, G), seeds.key(name, sr), "stochastic" if sr else "nearest", ps, fmt
 
 
-def _quant_rows(t2: torch.Tensor, cnt, rot: int, rule: str, group_rows: int, side: tuple = (None, None, "nearest",
-                                                                                           1.0)):
+def _dual(t2: torch.Tensor, cnt, rot_a: int, rule_a: str, rot_b: int, rule_b: str, group_rows_b: int, fp4_b: bool,
+          side_a: tuple, side_b: tuple) -> tuple:
+    """``q_dual`` of ``t2`` with A's and B's ``_side`` answers: (A's carrier, its group-scale storage, B's carrier
+    or packed codes, its group-scale storage or E8M0 scales)."""
+    return tuple(torch.ops.mxtrain.q_dual(t2, cnt, rot_a, rule_a, rot_b, rule_b, group_rows_b, fp4_b, _KMUL,
+                                          *side_a[:4], *side_b[:4], side_a[4], side_b[4]))
+
+
+def _quant_rows(t2: torch.Tensor, cnt, rot: int, rule: str, group_rows: int,
+                side: tuple = (None, None, "nearest", 1.0, "mxfp4")):
     """``t2`` (R, K) quantized along K: (carrier, group-scale storage). ``side``: ``_side``'s answer."""
     c, g, _, _ = torch.ops.mxtrain.q_single(t2, cnt, 1, rot, rule, True, False, group_rows, _KMUL, *side)
     return c, g
 
 
 def _quant_cols(t2: torch.Tensor, cnt, rot: int, rule: str, group_rows: int, fp4: bool = False,
-                side: tuple = (None, None, "nearest", 1.0)):
+                side: tuple = (None, None, "nearest", 1.0, "mxfp4")):
     """``t2`` (M, K) quantized along M (the operand of K rows): (carrier, group-scale storage) or, with
     ``fp4``, (packed codes, E8M0 scales)."""
     c, g, p, s = torch.ops.mxtrain.q_single(t2, cnt, 0, rot, rule, not fp4, fp4, group_rows, _KMUL, *side)
@@ -285,9 +313,9 @@ class _CompiledMXLinear(torch.autograd.Function):
         if n[0] and n[1] and g[1] != "p" and g[2] != "p":
             D, W = _G(g[1]), _G(g[2])
             if _dual_ok(dy2, D.rot, W.rot, D.sra or W.sra):
-                a0, a1, b0, b1 = torch.ops.mxtrain.q_dual(dy2, cdy, D.rot, D.ra, W.rot, W.ra, 1, False, _KMUL,
-                                                         *_side(seeds, "dgrad_dy", "dgrad", D, True),
-                                                         *_side(seeds, "wgrad_dy", "wgrad", W, True))
+                a0, a1, b0, b1 = _dual(dy2, cdy, D.rot, D.ra, W.rot, W.ra, 1, False,
+                                       _side(seeds, "dgrad_dy", "dgrad", D, True),
+                                       _side(seeds, "wgrad_dy", "wgrad", W, True))
                 pre = {"dgrad": (a0, a1), "wgrad": (b0, b1)}
         if n[0]:
             odt = ctx.x_dtype
@@ -310,7 +338,7 @@ class _CompiledMXLinear(torch.autograd.Function):
                 if x2 is None and sc.dtype == torch.float32:   # (kept as its carrier: wgrad_x=carrier)
                     cb, gb = pk, sc
                 elif x2 is None:
-                    cb, gb = torch.ops.mxtrain.q_expand(pk, sc, cx, M, ctx.x_rows, _KMUL)
+                    cb, gb = torch.ops.mxtrain.q_expand(pk, sc, cx, M, ctx.x_rows, _KMUL, W.fb)
                 else:
                     cb, gb = _quant_cols(x2, cx, W.rot, W.rb, ctx.x_rows,
                                          side=_side(seeds, "wgrad_x", "wgrad", W, False))
@@ -344,7 +372,7 @@ def _x_operands(x2: torch.Tensor, gemms: tuple, x_rows: int, need_wgrad: bool, s
         W = _G(gemms[2])
         wb = _side(seeds, "wgrad_x", "wgrad", W, False)
         if _dual_ok(x2, F.rot, W.rot, F.sra or W.srb):
-            return tuple(torch.ops.mxtrain.q_dual(x2, cx, F.rot, F.ra, W.rot, W.rb, x_rows, codes, _KMUL, *fa, *wb))
+            return _dual(x2, cx, F.rot, F.ra, W.rot, W.rb, x_rows, codes, fa, wb)
         ca, ga = _quant_rows(x2, cx, F.rot, F.ra, 1, fa)
         pk, sc = _quant_cols(x2, cx, W.rot, W.rb, x_rows, fp4=codes, side=wb)
         return ca, ga, pk, sc

@@ -93,21 +93,22 @@ if AVAILABLE:
     @triton_op("mxtrain::q_single", mutates_args={"cnt"})
     def q_single(x: torch.Tensor, cnt: torch.Tensor, axis: int, rot: int, rule: str, carrier: bool, fp4: bool,
                  group_rows: int, k_multiple: int, signs: torch.Tensor | None = None, key: torch.Tensor | None = None,
-                 rounding: str = "nearest", prescale: float = 1.0
+                 rounding: str = "nearest", prescale: float = 1.0, fmt: str = "mxfp4"
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``quantize_mxfp4_2d(x, axis, rot=rot, signs=signs, rounding=rounding, scale_rule=rule, key_tensor=key,
         prescale=prescale, carrier=carrier, fp4=fp4, group_rows=..., k_multiple=..., counter=cnt)`` with the index
         strides the eager fast path passes: (carrier bytes (Rc, Kc) uint8, group-scale storage (``carrier_buffers``'
         layout), packed codes, E8M0 scales); an output not written is (0,). ``signs``: the rotation's sign vector
         (``call_seeds``' row, float32, ``rot`` long) or None; ``key``: the stochastic-rounding key in device memory
-        (one int32, ``call_seeds``' keys) or None."""
+        (one int32, ``call_seeds``' keys) or None; ``fmt``: the MX format (``launch.GRID_ID``: ``mxfp4``, ``mxint4``,
+        ``mxe1m2``), as ``quantize_mxfp4_2d``'s."""
         st = _settings.current()
         sr = rounding == "stochastic"
         sp = single_spec(x.shape, x.stride(), x.dtype, x.device, axis, rot=rot, has_signs=signs is not None,
                          rounding=rounding, scale_rule=rule, prescale=prescale,
                          index_strides=_index_strides(x.shape, axis, rot), carrier=carrier, fp4=fp4,
                          group_rows=group_rows, row_multiple=16, block_rows=None, num_warps=None,
-                         k_multiple=k_multiple, key_ptr=key is not None, force_idx64=False, st=st)
+                         k_multiple=k_multiple, key_ptr=key is not None, force_idx64=False, st=st, fmt=fmt)
         dev = x.device
         e = x.new_empty((0,), dtype=torch.uint8)
         car = gs = None
@@ -120,7 +121,7 @@ if AVAILABLE:
         if sp.R > 0 and sp.K > 0:
             if carrier and _tracing(x):
                 from .verify import config_ok
-                _selfcheck(lambda *a: config_ok(*a, st), x, axis, rot, signs is not None, rule, sr, prescale,
+                _selfcheck(lambda *a: config_ok(*a, st, fmt=fmt), x, axis, rot, signs is not None, rule, sr, prescale,
                            group_rows, sp.consts["BR"], sp.num_warps, k_multiple, fp4, sp.R, sp.K)
             args = single_args(x, cnt, signs, car, gs, pk, sc, key, sp.ints, 0, sp.floats)
             _launch(sp.kfn, sp.grid, args, sp.consts, sp.num_warps)
@@ -133,17 +134,18 @@ if AVAILABLE:
                group_rows_b: int, fp4_b: bool, k_multiple: int, signs_a: torch.Tensor | None = None,
                key_a: torch.Tensor | None = None, rounding_a: str = "nearest", prescale_a: float = 1.0,
                signs_b: torch.Tensor | None = None, key_b: torch.Tensor | None = None, rounding_b: str = "nearest",
-               prescale_b: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+               prescale_b: float = 1.0, fmt_a: str = "mxfp4", fmt_b: str = "mxfp4"
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``quantize_mxfp4_dual(x, a, b, k_multiple=..., counter=cnt, fp4_b=fp4_b)`` of a row-major 2-D ``x`` with
         A = (``rot_a``, ``rule_a``, 1x128 groups) and B = (``rot_b``, ``rule_b``, ``group_rows_b``), each side with
-        its signs, key tensor, rounding and prescale (``q_single``'s) and the eager fast path's index strides,
+        its signs, key tensor, rounding, prescale and MX format (``q_single``'s) and the eager fast path's index strides,
         where ``launch.dual_applies``: (A's carrier, A's group-scale storage, B's carrier or packed codes, B's
         group-scale storage or E8M0 scales)."""
         st = _settings.current()
         a = dict(rot=rot_a, scale_rule=rule_a, signs=signs_a, key_tensor=key_a, rounding=rounding_a,
-                 prescale=prescale_a, index_strides=_index_strides(x.shape, 1, rot_a))
+                 prescale=prescale_a, index_strides=_index_strides(x.shape, 1, rot_a), fmt=fmt_a)
         b = dict(rot=rot_b, scale_rule=rule_b, group_rows=group_rows_b, signs=signs_b, key_tensor=key_b,
-                 rounding=rounding_b, prescale=prescale_b, index_strides=_index_strides(x.shape, 0, rot_b))
+                 rounding=rounding_b, prescale=prescale_b, index_strides=_index_strides(x.shape, 0, rot_b), fmt=fmt_b)
         sp = dual_spec(x.shape, x.stride(0), x.dtype, x.device, a, b, k_multiple=k_multiple, block_rows=None,
                        num_warps=None, sequential=None, fp4_b=fp4_b, force_idx64=False, st=st)
         dev = x.device
@@ -168,17 +170,19 @@ if AVAILABLE:
 
     @triton_op("mxtrain::q_expand", mutates_args={"cnt"})
     def q_expand(packed: torch.Tensor, scales: torch.Tensor, cnt: torch.Tensor, K: int, group_rows: int,
-                 k_multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
+                 k_multiple: int, fmt: str = "mxfp4") -> tuple[torch.Tensor, torch.Tensor]:
         """``expand.carrier_from_packed`` of an operand of ``packed.shape[0]`` rows and reduction length ``K``
-        (packed codes + E8M0 scales, ``group_rows`` of its carrier): (carrier bytes, group-scale storage)."""
+        (packed codes + E8M0 scales of MX format ``fmt``, ``group_rows`` of its carrier): (carrier bytes,
+        group-scale storage)."""
         from ..expand import _expand_kernel, expand_spec
+        from .launch import KERNEL_GRIDS
         R = packed.shape[0]
         Kq = scales.shape[1] * 32
         Rc, Kc, gs_shape, gsr, gsk, BR, grid, nw = expand_spec(R, K, Kq, group_rows, k_multiple)
         car = torch.empty((Rc, Kc), dtype=torch.uint8, device=packed.device)
         gs = torch.empty(gs_shape, dtype=torch.float32, device=packed.device)
         args = (packed, scales, car, gs, cnt, R, Kq, Rc, Kc, gsr, gsk)
-        _launch(_expand_kernel, grid, args, {"BR": BR, "GROUP_ROWS": group_rows}, nw)
+        _launch(_expand_kernel, grid, args, {"BR": BR, "GROUP_ROWS": group_rows, "GRID": KERNEL_GRIDS[fmt]}, nw)
         return car, gs
 else:  # pragma: no cover
     q_single = q_dual = q_expand = None
