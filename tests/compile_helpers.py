@@ -61,7 +61,8 @@ def mlp_losses(recipe: str, compiled: bool, dev: str, width: int = 64, batch: in
 # layer made as on that GPU (``compiled_form``, ``compiledmx.plan``, ``_mm``'s ``torch._scaled_mm``). The backend
 # then does what inductor does before it generates code: the pre-grad custom pass (``mx_compiled=shared``
 # installs ``compiledmx.SharePass`` there), aot_autograd's functionalized joint graph with inductor's
-# decompositions, split by the min-cut partitioner inductor uses; it records the forward and backward graphs and
+# decompositions, the joint custom pre-pass (``compiledmx.ShareCarrierPass`` with ``shared``), split by the
+# min-cut partitioner inductor uses; it records the forward and backward graphs and
 # never runs anything. One difference from a GPU: torch built without CUDA cannot run its autograd engine on
 # CUDA tensors (``torch.autograd.grad`` asks for the accelerator's streams), so aot_autograd traces dynamo's graph
 # with meta tensors of the same shapes, strides and dtypes (device constants rewritten to meta); by then every
@@ -229,6 +230,10 @@ def capture(model, args) -> dict:
             t.requires_grad) if isinstance(t, torch.Tensor) else t for t in example_inputs]
 
         def partition(joint, inputs, **kw):
+            if ic.joint_custom_pre_pass is not None:   # (inductor's partition_fn: the joint passes first)
+                ic.joint_custom_pre_pass(joint.graph)
+                joint.graph.lint()
+                joint.recompile()
             fw, bw = min_cut_rematerialization_partition(joint, inputs, compiler="inductor", **kw)
             out["fw"], out["bw"] = _aten_summary(fw), _aten_summary(bw)
             return fw, bw
@@ -267,7 +272,8 @@ def graph_cases() -> dict:
     res = {}
 
     def run(name, make, args, recipe, **over):
-        ic.pre_grad_custom_pass = None   # (each case as in a fresh process: the share pass installs itself once)
+        # (each case as in a fresh process: the share passes install themselves once)
+        ic.pre_grad_custom_pass = ic.joint_custom_pre_pass = None
         t0 = time.perf_counter()
         with settings.override(**over), mode:
             torch.set_default_dtype(torch.bfloat16)

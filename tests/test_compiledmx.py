@@ -568,13 +568,91 @@ def test_share_pass_keeps_reads_across_an_in_place_write_apart():
     assert left == [q1, q2]
 
 
-def test_share_pass_chains_a_users_pass_and_has_a_uuid():
-    calls = []
-    p = compiledmx.SharePass(lambda g: calls.append(g))
+def test_carrier_pass_merges_rebuilds_of_the_same_codes_only():
+    """``share_carriers`` on a joint graph as aot_autograd writes it (functional launches of ``_expand_kernel``, each
+    into fresh buffers, the inexact-block counter chained through them): of three rebuilds of one operand's codes the
+    first stays and serves the others' readers, the counter chain skips the dropped launches; a rebuild of other
+    codes, or of the same codes with other arguments, stays. (tests/test_graph_structure.py: the real block's graph.)"""
+    import operator
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+    from mxtrain.kernels.expand import _expand_kernel
+    hop = torch.ops.higher_order.triton_kernel_wrapper_functional
     graph = torch.fx.Graph()
-    graph.output(graph.placeholder("x"))
-    p(graph)
-    assert calls == [graph] and p.uuid() == compiledmx.SharePass(p.before).uuid()
+    pk, sc, pk2, cnt = (graph.placeholder(n) for n in ("pk", "sc", "pk2", "cnt"))
+    kidx = kernel_side_table.add_kernel(_expand_kernel)
+    cidx = kernel_side_table.add_constant_args({})
+
+    def expand(p, c, rows=256):
+        car = graph.call_function(torch.ops.aten.empty.memory_format, ([rows, 512],), {"dtype": torch.uint8})
+        gs = graph.call_function(torch.ops.aten.empty.memory_format, ([2, 4],), {"dtype": torch.float32})
+        kw = dict(pk_ptr=p, sc_ptr=sc, car_ptr=car, gs_ptr=gs, cnt_ptr=c, R=rows, Kq=256, Rc=rows, Kc=512, gs_sr=4,
+                  gs_sk=1, BR=128, GROUP_ROWS=128, GRID=0)
+        n = graph.call_function(hop, (), dict(kernel_idx=kidx, constant_args_idx=cidx, grid=[(2, 4, 1)],
+                                              tma_descriptor_metadata={}, kwargs=kw,
+                                              tensors_to_clone=["car_ptr", "gs_ptr", "cnt_ptr"]))
+        return n, [graph.call_function(operator.getitem, (n, k)) for k in ("car_ptr", "gs_ptr", "cnt_ptr")]
+    e1, (car1, gs1, c1) = expand(pk, cnt)
+    e2, (car2, gs2, c2) = expand(pk, c1)
+    e3, (car3, _, c3) = expand(pk2, c2)           # other codes
+    e4, (car4, gs4, c4) = expand(pk, c3)
+    e5, (car5, _, c5) = expand(pk, c4, rows=384)  # the same codes, another launch
+    graph.output((car1, car2, gs2, car3, car4, gs4, car5, c5))
+    assert compiledmx.share_carriers(graph) == 2
+    graph.lint()
+    launches = [n for n in graph.nodes if n.target is hop]
+    assert launches == [e1, e3, e5]
+    out = graph.output_node().args[0]
+    assert [o.args for o in out[:3]] == [(e1, "car_ptr"), (e1, "car_ptr"), (e1, "gs_ptr")]
+    assert out[3] is car3 and [o.args for o in out[4:6]] == [(e1, "car_ptr"), (e1, "gs_ptr")] and out[6] is car5
+    assert e3.kwargs["kwargs"]["cnt_ptr"] is c1 and e5.kwargs["kwargs"]["cnt_ptr"] is c3 and out[7] is c5
+    assert sum(1 for n in graph.nodes if n.target is torch.ops.aten.empty.memory_format) == 6   # (2 dropped launches)
+
+
+def test_share_pass_chains_a_users_pass_and_has_a_uuid():
+    for cls in (compiledmx.SharePass, compiledmx.ShareCarrierPass):
+        calls = []
+        p = cls(lambda g: calls.append(g))
+        graph = torch.fx.Graph()
+        graph.output(graph.placeholder("x"))
+        p(graph)
+        assert calls == [graph] and p.uuid() == cls(p.before).uuid(), cls
+    assert compiledmx.SharePass().uuid() != compiledmx.ShareCarrierPass().uuid()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("recipe", ["mxfp4-all-dh16", "mxfp4-all"])
+def test_cuda_shared_input_gives_the_unshared_values(recipe):
+    """``mx_compiled=shared`` on a GPU: three layers reading one input (q/k/v), compiled with the shared quantize
+    (``share_inputs``) and the shared carrier of X's Wgrad operand (``share_carriers``, inductor's joint pass), give
+    the outputs and weight gradients of the same layers compiled with ``auto`` bit for bit (the same kernels on the
+    same values; each output's gradient is given, so nothing between the layers and the loss can be fused
+    differently); dX, a sum of the three layers' bf16 contributions whose additions inductor may fuse differently
+    in the two graphs, to a few bf16 roundings."""
+    _gpu()
+    from torch._inductor import config as ic
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(4, 256, 512, device="cuda", generator=g).to(torch.bfloat16)
+    ws = [(torch.randn(n, 512, device="cuda", generator=g) * 0.05) for n in (512, 256, 256)]
+    gys = [torch.randn(4, 256, n, device="cuda", generator=g).to(torch.bfloat16) for n in (512, 256, 256)]
+
+    def block(x, wq, wk, wv):
+        return tuple(mx_linear(x, w, None, recipe) for w in (wq, wk, wv))
+    out = {}
+    for mode in ("auto", "shared"):
+        torch._dynamo.reset()
+        xs = x.clone().requires_grad_()
+        wts = [w.clone().requires_grad_() for w in ws]
+        with settings.override(mx_compiled=mode), ic.patch(pre_grad_custom_pass=None, joint_custom_pre_pass=None):
+            ys = torch.compile(block, fullgraph=True)(xs, *wts)
+            torch.autograd.backward(ys, gys)
+            if mode == "shared":
+                assert isinstance(ic.joint_custom_pre_pass, compiledmx.ShareCarrierPass)
+        out[mode] = ([y.detach() for y in ys], xs.grad, [w.grad for w in wts])
+    torch._dynamo.reset()
+    (ya, dxa, dwa), (ysh, dxs, dws) = out["auto"], out["shared"]
+    for a, b in zip(ya + dwa, ysh + dws):
+        assert torch.equal(a, b)
+    assert torch.allclose(dxa.float(), dxs.float(), rtol=2 ** -6, atol=1e-3 * dxa.float().abs().max().item())
 
 
 _ACCESS_SCRIPT = r'''

@@ -22,8 +22,9 @@ What the design says a layer is (``mxtrain/linear/compiledmx.py``; every GEMM MX
   treat every input as written and copy it first) and no clone at all.
 * A block of ``mxtrain.model.Block`` (separate wq, wk, wv, wo, w1, w3, w2): seven layers, 35 launches and 21
   GEMMs. With ``mx_compiled=shared`` q/k/v read one input (the attention norm's output) and w1/w3 another (the
-  FFN norm's): X's ``q_dual`` is made once for each of the four distinct inputs (7 - 2 - 1); everything else is
-  per layer (weights, dY), 32 launches. The block of ``bench step``'s user model (fused q|k|v, gate|up): four
+  FFN norm's): X's ``q_dual`` is made once for each of the four distinct inputs (7 - 2 - 1), and so is X's carrier
+  rebuilt from its shared codes in the backward (``q_expand``); everything else is per layer (weights, dY), 29
+  launches. The block of ``bench step``'s user model (fused q|k|v, gate|up): four
   layers reading four inputs, 20 launches, 12 GEMMs.
 
 The backward's launches write inexact-block counters of their own (``fast.COUNTERS``): a counter both graphs
@@ -40,7 +41,7 @@ import sys
 import pytest
 import torch
 
-from compile_helpers import HOPPER_PROBE
+from compile_helpers import GRAPH_SIZES, HOPPER_PROBE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCHES_PER_LAYER = {"q_dual": 2, "q_single": 2, "q_expand": 1}
@@ -123,10 +124,11 @@ def test_the_backward_quantizes_in_the_backward(graphs, case):
 def test_a_block_quantizes_a_shared_input_once(graphs):
     """``mxtrain.model.Block`` of ``mxfp4-all-dh16`` with ``mx_compiled=shared``: dynamo captures one X pass per
     layer (7); the share pass leaves one per distinct input (4: q/k/v share the attention norm's output, w1/w3
-    the FFN norm's); the compiled graphs hold 32 launches (the 35 of seven layers less the three merged X passes:
-    4 + 7 dual passes, 7 ``blocks`` and 7 ``cols`` launches, 7 ``q_expand``) and 21 GEMMs, 7 in the forward
-    and 14 in the backward; no custom op of the eager path. (Each layer's backward still rebuilds its own X
-    carrier from the shared codes: 7 ``q_expand``.)"""
+    the FFN norm's). Each layer's backward body asks for X's carrier from the shared codes (7 ``q_expand`` in
+    dynamo's graph); the joint pass (``compiledmx.share_carriers``) leaves one launch per distinct input (4). The
+    compiled graphs hold 29 launches (the 35 of seven layers less the three merged X passes and the three merged
+    carriers: 4 + 7 dual passes, 7 ``blocks`` and 7 ``cols`` launches, 4 ``q_expand``) and 21 GEMMs, 7 in the
+    forward and 14 in the backward; no custom op of the eager path."""
     g = graphs["block mxfp4-all-dh16 shared"]
     assert g["dynamo_captured"]["top"] == {"q_dual": 7}
     assert g["dynamo"]["top"] == {"q_dual": 4}
@@ -134,10 +136,16 @@ def test_a_block_quantizes_a_shared_input_once(graphs):
     assert g["dynamo"]["bwd_body"] == _times({"q_dual": 1, "q_single": 1, "q_expand": 1}, 7)
     fw, bw = g["fw"], g["bw"]
     assert fw["ops"]["q_dual"] == 4 and bw["ops"]["q_dual"] == 7
-    assert _sum(fw["ops"], bw["ops"]) == _sum(_times(LAUNCHES_PER_LAYER, 7), {"q_dual": -3})
+    assert bw["ops"]["q_expand"] == 4 and "q_expand" not in fw["ops"]    # (one X carrier per shared input)
+    assert _sum(fw["ops"], bw["ops"]) == _sum(_times(LAUNCHES_PER_LAYER, 7), {"q_dual": -3, "q_expand": -3})
     assert _sum(fw["q_single_layouts"], bw["q_single_layouts"]) == _times(LAYOUTS_PER_LAYER, 7)
     assert (fw["scaled_mm"], bw["scaled_mm"]) == (7, 14) and fw["scaled_mm"] + bw["scaled_mm"] == 7 * GEMMS_PER_LAYER
     assert fw["mxtrain_ops"] == [] and bw["mxtrain_ops"] == []
+    # what the backward receives holds X's codes, once per distinct input (not the carriers: they are made there)
+    M, C = GRAPH_SIZES["batch"] * GRAPH_SIZES["seq"], GRAPH_SIZES["dim"]
+    codes = [d for _, d in bw["inputs"] if d == ["uint8", [C, M // 2]]]
+    assert len(codes) == 3, bw["inputs"]   # (q/k/v's and w1/w3's inputs: dim wide; wo's too; w2's is ffn wide)
+    assert not any(d[0] == "uint8" and d[1][-1] % 512 == 0 for _, d in bw["inputs"] if d), bw["inputs"]
 
 
 def test_a_block_with_fused_projections(graphs):
@@ -198,7 +206,7 @@ def fake_gpu(monkeypatch):
         CACHES.clear()
         return (torch.zeros(256, 256, device="cuda", dtype=torch.bfloat16),
                 torch.zeros(512, 256, device="cuda", dtype=torch.bfloat16))
-    with ic.patch(pre_grad_custom_pass=None), FakeTensorMode():
+    with ic.patch(pre_grad_custom_pass=None, joint_custom_pre_pass=None), FakeTensorMode():
         yield tensors
     CACHES.clear()
 
@@ -278,10 +286,11 @@ def test_shared_installs_the_share_pass_and_auto_does_not(fake_gpu):
     from torch._inductor import config as ic
     x, w = fake_gpu()
     assert _forms(x, w, ["mxfp4-all-dh16"]) == {"mxfp4-all-dh16": "graph"}
-    assert ic.pre_grad_custom_pass is None
+    assert ic.pre_grad_custom_pass is None and ic.joint_custom_pre_pass is None
     with settings.override(mx_compiled="shared"):
         assert _forms(x, w, ["mxfp4-all-dh16", "mxfp4-all"]) == {"mxfp4-all-dh16": "graph", "mxfp4-all": "graph"}
     assert isinstance(ic.pre_grad_custom_pass, compiledmx.SharePass)
+    assert isinstance(ic.joint_custom_pre_pass, compiledmx.ShareCarrierPass)
 
 
 @pytest.mark.parametrize("cap,forms", [

@@ -17,7 +17,8 @@ counts are kept as eagerly (``fast.state``).
 
 X's operands are made outside the autograd function (``_x_operands``; they carry no gradient), so that layers
 reading one input can share them: with ``mx_compiled=shared`` a pass over the graph dynamo captures
-(``share_inputs``) merges their quantize calls, as the compiler merged the custom ops.
+(``share_inputs``) merges their quantize calls, as the compiler merged the custom ops, and a pass over the joint
+graph (``share_carriers``) the carrier each layer's backward rebuilds from the shared codes.
 
 Which recipes: those ``spec`` describes: every operand one the fast path takes (``fast.supported``), each GEMM
 either MX on both operands or plain. MX: ``mxfp4``, or the uniform 4-bit grids ``mxint4`` and ``mxe1m2``
@@ -44,7 +45,8 @@ from ._constant import assume_constant_result
 from ..kernels.mxfp4 import traced as _traced  # noqa: F401  (registers mxtrain::q_single, q_dual, q_expand)
 from ..numerics.quant import SCALE_RULES
 
-__all__ = ["applies", "linear", "plan", "spec", "seeded", "share_inputs", "SharePass", "install_share_pass", "TRACE_TIME_SETTINGS"]
+__all__ = ["applies", "linear", "plan", "spec", "seeded", "share_inputs", "SharePass", "share_carriers",
+           "ShareCarrierPass", "install_share_pass", "TRACE_TIME_SETTINGS"]
 
 _GEMMS = (("fprop", "fprop_x", "fprop_w"), ("dgrad", "dgrad_dy", "dgrad_w"), ("wgrad", "wgrad_dy", "wgrad_x"))
 _KMUL = 512          # carrier reduction multiple (kernels.gemm.k_multiple_for("fp8_carrier"))
@@ -475,9 +477,103 @@ class SharePass(_PassBase):
         return (mine, before)
 
 
+# The user kernels whose launches on the same inputs ``share_carriers`` merges in the joint graph: X's carrier rebuilt
+# from its kept FP4 codes (``q_expand``), which each consumer's backward asks for.
+_SHARED_KERNELS = ("_expand_kernel",)
+_FRESH = ("empty.memory_format", "empty_strided.default")
+
+
+def _fresh(node) -> bool:
+    """Is ``node`` a new allocation (``aten.empty``, ``aten.empty_strided``): a launch's output buffer?"""
+    return (isinstance(node, torch.fx.Node) and node.op == "call_function"
+            and any(str(node.target).endswith(f) for f in _FRESH) and str(node.target).startswith("aten."))
+
+
+def share_carriers(graph: torch.fx.Graph) -> int:
+    """Merge the launches of ``_SHARED_KERNELS`` that read the same tensors with the same arguments in the joint
+    (forward and backward) graph aot_autograd traced: with ``mx_compiled=shared`` the layers reading one input (q/k/v,
+    gate/up) keep one copy of its Wgrad operand as FP4 codes (``share_inputs``), and each layer's backward rebuilds
+    its FP8 carrier from those codes (``q_expand``, a launch of ``expand._expand_kernel`` by then); the launches are
+    identical but for their fresh output buffers and the inexact-block counter they add to, and the compiler merges
+    no user-kernel launches. Here the first one's carrier and group scales serve every later one, whose launch, output
+    buffers and count are dropped (the carrier's inexact blocks are counted once, as the shared codes' quantize is).
+    The carrier (1.03 bytes an element of X) then lives from the first consumer's Wgrad GEMM to the last one's, which
+    in a backward pass follow one another (only dY's operands and the other layers' W operands are made between).
+    Inductor's joint custom pre-pass (``ShareCarrierPass``). Returns the number of launches removed."""
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+    import operator
+    hop = torch.ops.higher_order.triton_kernel_wrapper_functional
+    seen: dict = {}
+    made: dict = {}
+    removed = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not hop:
+            continue
+        kernel = kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
+        if getattr(getattr(kernel, "fn", None), "__name__", None) not in _SHARED_KERNELS:
+            continue
+        kw, clone = node.kwargs["kwargs"], tuple(node.kwargs["tensors_to_clone"])
+        outs = tuple(n for n in clone if _fresh(kw[n]))          # (its output buffers)
+        chained = tuple(n for n in clone if n not in outs)       # (the counter it adds to)
+        if not outs or any(not isinstance(kw[n], torch.fx.Node) for n in chained):
+            continue
+        consts = kernel_side_table.get_constant_args(node.kwargs["constant_args_idx"])
+        # (the kernel by its function: the side table may hold a wrapper of its own per launch)
+        key = (id(kernel.fn), _freeze(node.kwargs["grid"]), _freeze(node.kwargs.get("tma_descriptor_metadata", {})),
+               _freeze(consts), outs, chained,
+               tuple(sorted((n, _freeze(v)) for n, v in kw.items() if n not in clone)),
+               tuple((n, kw[n].target, _freeze(kw[n].args), _freeze(kw[n].kwargs)) for n in outs))
+        first = seen.get(key)
+        if first is None:
+            seen[key] = node
+            continue
+        users = list(node.users)
+        if any(u.op != "call_function" or u.target is not operator.getitem for u in users):
+            continue
+        for u in users:
+            name = u.args[1]
+            if name in chained:     # the count this launch would have added: dropped
+                u.replace_all_uses_with(kw[name])
+            else:                   # the first launch's output, through a getitem placed right after it
+                same = made.get((first, name))
+                if same is None:
+                    with graph.inserting_after(first):
+                        same = made[(first, name)] = graph.call_function(operator.getitem, (first, name))
+                    same.meta = dict(u.meta)
+                u.replace_all_uses_with(same)
+            graph.erase_node(u)
+        graph.erase_node(node)
+        for n in outs:
+            if not kw[n].users:
+                graph.erase_node(kw[n])
+        removed += 1
+    return removed
+
+
+class ShareCarrierPass(_PassBase):
+    """``share_carriers`` as inductor's joint custom pre-pass (with a ``uuid``, so that inductor's caches stay on),
+    chained after the pass a user set."""
+
+    def __init__(self, before=None):
+        self.before = before
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        if self.before is not None:
+            self.before(graph)
+        share_carriers(graph)
+
+    def uuid(self):
+        import hashlib
+        import inspect
+        src = inspect.getsource(share_carriers) + inspect.getsource(_fresh) + inspect.getsource(_freeze)
+        mine = hashlib.sha256((src + repr(_SHARED_KERNELS)).encode()).hexdigest()
+        before = getattr(self.before, "uuid", lambda: repr(self.before))() if self.before is not None else None
+        return (mine, before)
+
+
 def install_share_pass() -> bool:
-    """Install ``SharePass`` as inductor's pre-grad custom pass (chaining the one already set), once; False where
-    this torch has no such hook."""
+    """Install ``SharePass`` as inductor's pre-grad custom pass and ``ShareCarrierPass`` as its joint custom pre-pass
+    (each chaining the one already set), once; False where this torch has no such hooks."""
     try:
         from torch._inductor import config as ic
     except ImportError:  # pragma: no cover
@@ -486,4 +582,6 @@ def install_share_pass() -> bool:
         return False
     if not isinstance(ic.pre_grad_custom_pass, SharePass):
         ic.pre_grad_custom_pass = SharePass(ic.pre_grad_custom_pass)
+    if hasattr(ic, "joint_custom_pre_pass") and not isinstance(ic.joint_custom_pre_pass, ShareCarrierPass):
+        ic.joint_custom_pre_pass = ShareCarrierPass(ic.joint_custom_pre_pass)
     return True
