@@ -496,7 +496,13 @@ def test_compiled_layer_kernels_are_the_same_code_with_contraction_on():
             # checks all of FUSION_CHECKED): tseng's 64-wide pass with signs, SR and prescale, mxfp4-all-sr's dY
             # with SR on both sides, mxfp4-all-rht16's X with random signs (the blocks and cols layouts' sign code)
             "graph tile dy r64 signs sr prescale keyptr rows", "graph dual dy sr keyptr r0",
-            "graph dual x signs r16 fold g128 fp4_b"]
+            "graph dual x signs r16 fold g128 fp4_b",
+            # issue #51's grids and rule (the variants of tools/compile_check.py's table): INT4 and E1M2 dual passes
+            # and carrier rebuilds, an adaptive one. (The adaptive blocks-128 and dual variants differ with and without
+            # contraction in the count of FMULs alone, through the register cap their eager launch has and inductor's
+            # drops: compiled both ways without the cap they are the same code.)
+            "int4 dual x signs r16 fold fp4_b", "int4 expand", "e1m2 dual x signs r16 fold fp4_b",
+            "adaptive cols r0 sr car"]
     import tempfile
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "fusion.json")
