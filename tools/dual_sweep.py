@@ -13,7 +13,11 @@ register cap (``qmaxnreg``) at the default configuration; and the carrier rebuil
 (``kernels.expand.carrier_from_packed``, the backward's ``_expand_kernel``). Stops starting new measurements after
 ``--budget`` seconds; the JSON is rewritten after each one.
 
-    python tools/dual_sweep.py OUT.json [--budget 400] [--quick]
+``--what expand``: only the carrier rebuild, both group layouts (1x128: eager X; 128x128: the compiled layer's
+X), across its launch configurations (``expand.EXPAND_BR``, ``EXPAND_CHUNK``, ``EXPAND_KG``, ``EXPAND_WARPS``),
+each checked byte for byte against the fused quantizer's own carrier of the same operand.
+
+    python tools/dual_sweep.py OUT.json [--budget 400] [--quick] [--what dual,expand]
 """
 import argparse, itertools, json, time
 
@@ -22,6 +26,7 @@ import triton
 
 from mxtrain import settings
 from mxtrain.kernels import mxfp4 as kq
+from mxtrain.kernels import expand as E
 from mxtrain.kernels.expand import carrier_from_packed
 from mxtrain.kernels.mxfp4.launch import DUAL_CONFIG
 
@@ -30,6 +35,7 @@ ap.add_argument("out")
 ap.add_argument("--budget", type=float, default=400.0, help="seconds after which no new measurement starts")
 ap.add_argument("--quick", action="store_true", help="one shape, two configurations (a smoke test)")
 ap.add_argument("--device", default="cuda", help="cpu: a smoke test of the script under TRITON_INTERPRET=1")
+ap.add_argument("--what", default="dual,expand", help="dual, expand, or both (comma-separated)")
 args = ap.parse_args()
 t0 = time.time()
 dev = args.device
@@ -93,39 +99,77 @@ def dual(case, K, block_rows=None, num_warps=None, maxnreg=None):
                 tb_s=by / us / 1e6, of_copy=(by / us) / (4 * M * K / copy_us[K]))
 
 
-# the defaults at every width, the two single passes, the carrier rebuild
-for case, K in itertools.product(CASES, WIDTHS):
-    row(**dual(case, K))
-for K in WIDTHS:
-    x = xs[K]
-    with settings.override(dual="on"):
-        a = kq.quantize_mxfp4_dual(x, dict(rot=16, index_strides=(K, 1)), dict(rot=16, index_strides=(1, K)),
-                                   k_multiple=512, counter=cnt, fp4_b=True)[1]
-        us = bench(lambda: carrier_from_packed(a, 512))
-    row(what="expand (X's Wgrad carrier from codes)", K=K, us=us, tb_s=M * K * (0.5 + 1 / 32 + 1 + 4 / 128) / us / 1e6)
-for case, K in itertools.product(CASES, WIDTHS):
-    a, b, fp4_b = CASES[case]
-    x = xs[K]
-    sa, sb = dict(a, index_strides=(K, 1)), dict(b, index_strides=(1, K))
-    two = lambda: (kq.quantize_mxfp4_2d(x, 1, **sa, carrier=True, fp4=False, k_multiple=512, counter=cnt),
-                   kq.quantize_mxfp4_2d(x, 0, **sb, carrier=not fp4_b, fp4=fp4_b, k_multiple=512, counter=cnt))
-    two()
-    row(what="two passes", case=case, K=K, us=bench(two))
+if "dual" in args.what:
+    # the defaults at every width, the two single passes, the carrier rebuild
+    for case, K in itertools.product(CASES, WIDTHS):
+        row(**dual(case, K))
+    for K in WIDTHS:
+        x = xs[K]
+        with settings.override(dual="on"):
+            a = kq.quantize_mxfp4_dual(x, dict(rot=16, index_strides=(K, 1)), dict(rot=16, index_strides=(1, K)),
+                                       k_multiple=512, counter=cnt, fp4_b=True)[1]
+            us = bench(lambda: carrier_from_packed(a, 512))
+        row(what="expand (X's Wgrad carrier from codes)", K=K, us=us, tb_s=M * K * (0.5 + 1 / 32 + 1 + 4 / 128) / us / 1e6)
+    for case, K in itertools.product(CASES, WIDTHS):
+        a, b, fp4_b = CASES[case]
+        x = xs[K]
+        sa, sb = dict(a, index_strides=(K, 1)), dict(b, index_strides=(1, K))
+        two = lambda: (kq.quantize_mxfp4_2d(x, 1, **sa, carrier=True, fp4=False, k_multiple=512, counter=cnt),
+                       kq.quantize_mxfp4_2d(x, 0, **sb, carrier=not fp4_b, fp4=fp4_b, k_multiple=512, counter=cnt))
+        two()
+        row(what="two passes", case=case, K=K, us=bench(two))
 
-# the sweep: (A block rows, B block rows, warps), at 768 and 4096 features
-configs = [((32, 64), 4), ((64, 128), 8)] if args.quick else [
-    (br, nw) for br in ((16, 64), (32, 64), (64, 64), (32, 128), (64, 128), (128, 128)) for nw in (2, 4, 8)
-    if 4 * br[1] % (32 * nw) == 0 and 4 * br[1] // (32 * nw) in (2, 4, 8, 16)]
-for (br, nw), case, K in itertools.product(configs, CASES, (WIDTHS[0], WIDTHS[-1])):
-    if time.time() - t0 > args.budget:
-        row(what="stopped", why=f"budget of {args.budget} s spent")
-        break
-    try:
-        row(**dual(case, K, block_rows=br, num_warps=nw))
-    except Exception as e:   # a configuration the kernel refuses or that does not compile
-        row(what="dual", case=case, K=K, block_rows=br, num_warps=nw, error=f"{type(e).__name__}: {e}"[:300])
-for cap, case, K in itertools.product((0, 96, 128), CASES, (WIDTHS[0], WIDTHS[-1])):
-    if time.time() - t0 > args.budget:
-        break
-    row(**dual(case, K, maxnreg=cap))
+    # the sweep: (A block rows, B block rows, warps), at 768 and 4096 features
+    configs = [((32, 64), 4), ((64, 128), 8)] if args.quick else [
+        (br, nw) for br in ((16, 64), (32, 64), (64, 64), (32, 128), (64, 128), (128, 128)) for nw in (2, 4, 8)
+        if 4 * br[1] % (32 * nw) == 0 and 4 * br[1] // (32 * nw) in (2, 4, 8, 16)]
+    for (br, nw), case, K in itertools.product(configs, CASES, (WIDTHS[0], WIDTHS[-1])):
+        if time.time() - t0 > args.budget:
+            row(what="stopped", why=f"budget of {args.budget} s spent")
+            break
+        try:
+            row(**dual(case, K, block_rows=br, num_warps=nw))
+        except Exception as e:   # a configuration the kernel refuses or that does not compile
+            row(what="dual", case=case, K=K, block_rows=br, num_warps=nw, error=f"{type(e).__name__}: {e}"[:300])
+    for cap, case, K in itertools.product((0, 96, 128), CASES, (WIDTHS[0], WIDTHS[-1])):
+        if time.time() - t0 > args.budget:
+            break
+        row(**dual(case, K, maxnreg=cap))
+
+
+def expand_case(K, gr, br, ch, kg, nw):
+    """Time ``carrier_from_packed`` of X's Wgrad operand (16,384 tokens x K features, H16) with group rows ``gr``
+    under one launch configuration, after checking its bytes against the fused quantizer's carrier."""
+    x = xs[K]
+    E.EXPAND_BR, E.EXPAND_CHUNK, E.EXPAND_KG = br, ch, kg
+    E.EXPAND_WARPS = (nw, nw)
+    side = dict(rot=16, group_rows=gr, index_strides=(1, K))
+    ref = kq.quantize_mxfp4_2d(x, 0, **side, carrier=True, fp4=True, k_multiple=512, counter=cnt)
+    codes = kq.QuantOut(ref.R, ref.K, None, None, gr, None, ref.packed, ref.scales)
+    got = carrier_from_packed(codes, 512)
+    same = bool(torch.equal(got.carrier.view(torch.uint8), ref.carrier.view(torch.uint8))
+                and torch.equal(got.gscale, ref.gscale))
+    us = bench(lambda: carrier_from_packed(codes, 512))
+    return dict(what="expand", K=K, group_rows=gr, BR=br, CH=ch, KG=kg, warps=nw, same=same, us=us,
+                tb_s=M * K * (0.5 + 1 / 32 + 1) / us / 1e6, of_copy=(M * K * 1.53 / us) / (4 * M * K / copy_us[K]))
+
+
+if "expand" in args.what:
+    base = (E.EXPAND_BR, E.EXPAND_CHUNK, E.EXPAND_KG, E.EXPAND_WARPS)
+    cfgs = [(1, 32, 32, 1, 4), (128, 128, 32, 1, 8)]          # the defaults first (1x128, 128x128)
+    if not args.quick:
+        cfgs += [(1, br, ch, kg, nw) for br, ch in ((32, 32), (64, 32), (64, 64), (128, 32)) for kg in (1, 2, 4)
+                 for nw in (2, 4, 8) if (br, ch, kg, nw) != (32, 32, 1, 4)]
+        cfgs += [(128, 128, ch, kg, nw) for ch in (16, 32, 64) for kg in (1, 2) for nw in (4, 8)
+                 if (ch, kg, nw) != (32, 1, 8)]
+    widths = (WIDTHS[0], WIDTHS[-1])
+    for (gr, br, ch, kg, nw), K in itertools.product(cfgs, widths):
+        if time.time() - t0 > args.budget:
+            row(what="stopped", why=f"budget of {args.budget} s spent")
+            break
+        try:
+            row(**expand_case(K, gr, br, ch, kg, nw))
+        except Exception as e:
+            row(what="expand", K=K, group_rows=gr, BR=br, CH=ch, KG=kg, warps=nw, error=f"{type(e).__name__}: {e}"[:300])
+    E.EXPAND_BR, E.EXPAND_CHUNK, E.EXPAND_KG, E.EXPAND_WARPS = base
 save()
