@@ -14,8 +14,7 @@ register cap (``qmaxnreg``) at the default configuration; and the carrier rebuil
 ``--budget`` seconds; the JSON is rewritten after each one.
 
 ``--what expand``: only the carrier rebuild, both group layouts (1x128: eager X; 128x128: the compiled layer's
-X), across its launch configurations (``expand.EXPAND_BR``, ``EXPAND_CHUNK``, ``EXPAND_KG``, ``EXPAND_WARPS``),
-each checked byte for byte against the fused quantizer's own carrier of the same operand.
+X), each checked byte for byte against the fused quantizer's own carrier of the same operand.
 
     python tools/dual_sweep.py OUT.json [--budget 400] [--quick] [--what dual,expand]
 """
@@ -26,7 +25,6 @@ import triton
 
 from mxtrain import settings
 from mxtrain.kernels import mxfp4 as kq
-from mxtrain.kernels import expand as E
 from mxtrain.kernels.expand import carrier_from_packed
 from mxtrain.kernels.mxfp4.launch import DUAL_CONFIG
 
@@ -137,12 +135,10 @@ if "dual" in args.what:
         row(**dual(case, K, maxnreg=cap))
 
 
-def expand_case(K, gr, br, ch, kg, nw):
-    """Time ``carrier_from_packed`` of X's Wgrad operand (16,384 tokens x K features, H16) with group rows ``gr``
-    under one launch configuration, after checking its bytes against the fused quantizer's carrier."""
+def expand_case(K, gr):
+    """Time ``carrier_from_packed`` of X's Wgrad operand (16,384 tokens x K features, H16) with group rows ``gr``,
+    after checking its bytes against the fused quantizer's carrier of the same operand."""
     x = xs[K]
-    E.EXPAND_BR, E.EXPAND_CHUNK, E.EXPAND_KG = br, ch, kg
-    E.EXPAND_WARPS = (nw, nw)
     side = dict(rot=16, group_rows=gr, index_strides=(1, K))
     ref = kq.quantize_mxfp4_2d(x, 0, **side, carrier=True, fp4=True, k_multiple=512, counter=cnt)
     codes = kq.QuantOut(ref.R, ref.K, None, None, gr, None, ref.packed, ref.scales)
@@ -150,26 +146,14 @@ def expand_case(K, gr, br, ch, kg, nw):
     same = bool(torch.equal(got.carrier.view(torch.uint8), ref.carrier.view(torch.uint8))
                 and torch.equal(got.gscale, ref.gscale))
     us = bench(lambda: carrier_from_packed(codes, 512))
-    return dict(what="expand", K=K, group_rows=gr, BR=br, CH=ch, KG=kg, warps=nw, same=same, us=us,
-                tb_s=M * K * (0.5 + 1 / 32 + 1) / us / 1e6, of_copy=(M * K * 1.53 / us) / (4 * M * K / copy_us[K]))
+    return dict(what="expand", K=K, group_rows=gr, same=same, us=us, tb_s=M * K * (0.5 + 1 / 32 + 1) / us / 1e6,
+                of_copy=(M * K * 1.53 / us) / (4 * M * K / copy_us[K]))
 
 
 if "expand" in args.what:
-    base = (E.EXPAND_BR, E.EXPAND_CHUNK, E.EXPAND_KG, E.EXPAND_WARPS)
-    cfgs = [(1, 32, 32, 1, 4), (128, 128, 32, 1, 8)]          # the defaults first (1x128, 128x128)
-    if not args.quick:
-        cfgs += [(1, br, ch, kg, nw) for br, ch in ((32, 32), (64, 32), (64, 64), (128, 32)) for kg in (1, 2, 4)
-                 for nw in (2, 4, 8) if (br, ch, kg, nw) != (32, 32, 1, 4)]
-        cfgs += [(128, 128, ch, kg, nw) for ch in (16, 32, 64) for kg in (1, 2) for nw in (4, 8)
-                 if (ch, kg, nw) != (32, 1, 8)]
-    widths = (WIDTHS[0], WIDTHS[-1])
-    for (gr, br, ch, kg, nw), K in itertools.product(cfgs, widths):
+    for gr, K in itertools.product((1, 128), WIDTHS):
         if time.time() - t0 > args.budget:
             row(what="stopped", why=f"budget of {args.budget} s spent")
             break
-        try:
-            row(**expand_case(K, gr, br, ch, kg, nw))
-        except Exception as e:
-            row(what="expand", K=K, group_rows=gr, BR=br, CH=ch, KG=kg, warps=nw, error=f"{type(e).__name__}: {e}"[:300])
-    E.EXPAND_BR, E.EXPAND_CHUNK, E.EXPAND_KG, E.EXPAND_WARPS = base
+        row(**expand_case(K, gr))
 save()
