@@ -320,7 +320,7 @@ def test_cuda_new_formats_and_adaptive_rule_compiled_equal_the_eager_fast_path(n
     sm_90, docs/kernels.md: the adaptive case's first run compiles its variants eagerly and under inductor.)"""
     from mxtrain.linear import implementation
     rec = NEW_RECIPES[name]()
-    with settings.override(mx_compiled_seeded=True):
+    with settings.override(mx_compiled_seeded=True, mx_compiled_grids=True):
         _gpu()
         x = torch.zeros(64, 256, device="cuda", dtype=dtype)
         assert implementation(rec, x, torch.zeros(128, 256, device="cuda")) == COMPILED_FORMS["graph"]
@@ -342,7 +342,7 @@ def test_cuda_new_formats_and_adaptive_rule_under_cuda_graphs(name, caplog):
         return mx_linear(x, w, b, rec)
     eager = fwd_bwd(x, w, b, gy, layer)
     torch._dynamo.reset()
-    with caplog.at_level(logging.WARNING), settings.override(mx_compiled_seeded=True):
+    with caplog.at_level(logging.WARNING), settings.override(mx_compiled_seeded=True, mx_compiled_grids=True):
         f = torch.compile(layer, mode="reduce-overhead", fullgraph=True)
         for i in range(4):
             torch.compiler.cudagraph_mark_step_begin()

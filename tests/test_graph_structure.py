@@ -251,7 +251,8 @@ NEW_RECIPES = ["mxfp4-all-adaptive", "mxfp4-all-dh16+adaptive", "ufp4", "ufp4+ad
 
 def test_the_dispatcher_compiles_the_uniform_grids_and_the_adaptive_rule(fake_gpu):
     """Issue #51's recipes on an sm_90 GPU: the ``adaptive`` rule and the uniform grids (``mxint4``: ``ufp4``;
-    ``mxe1m2``) compiled into the graph as today's MXFP4 presets are: by default where nothing is drawn at random
+    ``mxe1m2``) run as the custom ops unless ``mx_compiled_grids`` is on; with it, compiled into the graph as
+    today's MXFP4 presets are: where nothing is drawn at random
     (``mxfp4-all-adaptive``, a round-to-nearest INT4 or E1M2 recipe), with ``mx_compiled_seeded`` where it is
     (``ufp4``: random signs, stochastic rounding on dY; without the setting the custom op, as ``tseng``). The traced
     MX form (``mx_traced``) does not take them; with ``mx_compiled=ops`` the MXFP4 ones run as the split ops; on
@@ -264,18 +265,24 @@ def test_the_dispatcher_compiles_the_uniform_grids_and_the_adaptive_rule(fake_gp
     name = {v: k for k, v in COMPILED_FORMS.items()}
     want = {"mxfp4-all-adaptive": "graph", "mxfp4-all-dh16+adaptive": "graph", "ufp4": "op", "ufp4+adaptive": "op",
             "ufp4+rceil": "op"}
-    assert _forms(x, w, NEW_RECIPES) == want
-    with settings.override(mx_traced="auto"):
+    ops = {r: "split_ops" if f == "graph" else f for r, f in want.items()}
+    # by default (mx_compiled_grids off: their first cuda tests failed) every one runs as the custom ops
+    assert _forms(x, w, NEW_RECIPES) == ops
+    r_int4 = recipes.get("mxfp4-all-dh16").with_(**{f"{n}.fmt": "mxint4" for n in OPERANDS})
+    assert name[implementation(r_int4, x, w)] == "op"   # (INT4 operands: the one op, not the split ops)
+    with settings.override(mx_compiled_grids=True):
         assert _forms(x, w, NEW_RECIPES) == want
-    with settings.override(mx_compiled_seeded=True):
-        assert _forms(x, w, NEW_RECIPES) == {r: "graph" for r in NEW_RECIPES}
-    with settings.override(mx_compiled="ops"):
-        assert _forms(x, w, NEW_RECIPES) == {r: "split_ops" if f == "graph" else f for r, f in want.items()}
-    for fmt in ("mxint4", "mxe1m2"):   # (round to nearest, H16 without signs: nothing drawn)
-        r = recipes.get("mxfp4-all-dh16").with_(**{f"{n}.fmt": fmt for n in OPERANDS})
-        assert name[implementation(r, x, w)] == "graph", fmt
-    x, w = fake_gpu((8, 0))
-    assert _forms(x, w, NEW_RECIPES) == {r: "split_ops" if f == "graph" else f for r, f in want.items()}
+        with settings.override(mx_traced="auto"):
+            assert _forms(x, w, NEW_RECIPES) == want
+        with settings.override(mx_compiled_seeded=True):
+            assert _forms(x, w, NEW_RECIPES) == {r: "graph" for r in NEW_RECIPES}
+        with settings.override(mx_compiled="ops"):
+            assert _forms(x, w, NEW_RECIPES) == ops
+        for fmt in ("mxint4", "mxe1m2"):   # (round to nearest, H16 without signs: nothing drawn)
+            r = recipes.get("mxfp4-all-dh16").with_(**{f"{n}.fmt": fmt for n in OPERANDS})
+            assert name[implementation(r, x, w)] == "graph", fmt
+        x, w = fake_gpu((8, 0))
+        assert _forms(x, w, NEW_RECIPES) == ops
 
 
 def test_shared_installs_the_share_pass_and_auto_does_not(fake_gpu):

@@ -189,6 +189,13 @@ def seeded(mx: str) -> bool:
     return any(_G(g).seeded for g in mx.split(";") if g != "p")
 
 
+def grids(mx: str) -> bool:
+    """Does ``spec``'s answer ``mx`` hold an operand of a uniform 4-bit grid (``mxint4``, ``mxe1m2``) or the
+    ``adaptive`` scale rule (what the setting ``mx_compiled_grids`` admits)?"""
+    return any(gg.fa != "mxfp4" or gg.fb != "mxfp4" or "adaptive" in (gg.ra, gg.rb)
+               for gg in (_G(g) for g in mx.split(";") if g != "p"))
+
+
 def _parse(g: str) -> tuple[int, str, str]:
     rot, ra, rb = g[1:].split(":")[:3]
     return int(rot), ra, rb
