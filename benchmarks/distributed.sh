@@ -7,7 +7,7 @@
 # (1 GPU: 2 accumulation steps; 2 GPUs: 1 micro-step per rank). EXTRA="--lr 3e-4" adds train flags.
 set -uo pipefail
 DATA=${1:?data folder}; OUT=${2:?out folder}
-# NVLink multicast stays off (shared hosts; see the device docs); mxtrain.distributed sets these too.
+# NVLink multicast stays off (shared hosts; see the device docs); mxtrain.train.parallel sets these too.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PY:-python3}; MODEL=${MODEL:-1b}; DEVICE=${DEVICE:-cuda}

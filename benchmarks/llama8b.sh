@@ -28,7 +28,7 @@
 set -uo pipefail
 OUT=${OUT:?set OUT}; STAGE=${STAGE:?set STAGE to recipes, scaling or dcp}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-# NVLink multicast stays off (shared hosts; see the device docs); mxtrain.distributed sets these too.
+# NVLink multicast stays off (shared hosts; see the device docs); mxtrain.train.parallel sets these too.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 PY=${PY:-python3}; MODEL=${MODEL:-llama3-8b}; DEVICE=${DEVICE:-cuda}; RUNS=${RUNS:-/tmp/mx8b}
 SEQ=${SEQ:-8192}; MB=${MB:-1}; STEPS=${STEPS:-60}

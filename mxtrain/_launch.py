@@ -1,7 +1,7 @@
 """torchrun, with a failed rank reported in one line instead of torchrun's traceback.
 
 ``mxtrain train --nproc N`` runs ``python -P -m mxtrain._launch --standalone --nproc-per-node N --no-python
-python -P -u -m mxtrain ...`` (``mxtrain.distributed.launch``; ``-P``: the working folder is not on ``sys.path``,
+python -P -u -m mxtrain ...`` (``mxtrain.train.parallel.launch``; ``-P``: the working folder is not on ``sys.path``,
 ``mxtrain._child``). Arguments are torchrun's, parsed by torchrun. What changes:
 
 * a rank that fails has already said why on stderr (``mxtrain: error: ...`` for a bad input, a Python

@@ -9,7 +9,7 @@ import faulthandler
 import sys
 from pathlib import Path
 
-from mxtrain import distributed as D
+from mxtrain.train import parallel as D
 
 from _dist_enospc import full_disk
 from _dist_make_out import late_rank

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from mxtrain import distributed as D
+from mxtrain.train import parallel as D
 from mxtrain.errors import UserError
 
 import _dist_worker as W

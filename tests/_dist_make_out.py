@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from mxtrain import distributed as D
+from mxtrain.train import parallel as D
 from mxtrain.errors import UserError
 from mxtrain.train import config as C
 from mxtrain.train import trainer as TR

@@ -3,7 +3,7 @@
 
 Run as ``python -m torch.distributed.run --standalone --nproc-per-node 2 tests/_dist_trainer.py RUNS.json``,
 where RUNS.json holds a list of runs, each the list of its ``mxtrain`` arguments. The ranks keep one process
-group for all the runs: the trainer's ``mxtrain.distributed.shutdown`` at the end of a run is put off until the
+group for all the runs: the trainer's ``mxtrain.train.parallel.shutdown`` at the end of a run is put off until the
 last one (a destroyed gloo group started again in the same processes can fail to connect: the new group's
 ranks may read the old group's addresses from torchrun's store). Everything else of a run is as a launch of
 its own does it: the trainer's ``init`` finds the group started and joins it.
@@ -15,7 +15,7 @@ import faulthandler
 import json
 import sys
 
-from mxtrain import distributed as D
+from mxtrain.train import parallel as D
 from mxtrain.cli.core import main
 
 

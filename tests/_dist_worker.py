@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import mxtrain
-from mxtrain import distributed as D
+from mxtrain.train import parallel as D
 from mxtrain.linear.module import MXLinear
 
 V, C, T, N_LAYERS = 128, 64, 16, 2

@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import mxtrain
-from mxtrain import distributed as D
+from mxtrain.train import parallel as D
 from mxtrain.linear import qgather as Q
 
 V, C, T, N_LAYERS = 64, 64, 8, 2

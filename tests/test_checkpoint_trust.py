@@ -24,7 +24,7 @@ import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-from mxtrain import distributed as D
+from mxtrain.train import parallel as D
 from mxtrain.errors import UserError
 from mxtrain.train import checkpoint as ckpt
 
@@ -359,7 +359,7 @@ def test_full_disk_during_a_dcp_save_is_one_clear_error(tmp_path, monkeypatch):
     """A writer failing with ENOSPC inside torch's DCP save: one UserError naming the checkpoint, the
     temporary folder removed, the previous checkpoint intact."""
     import torch.distributed.checkpoint as dcp
-    from mxtrain import distributed as D
+    from mxtrain.train import parallel as D
     from mxtrain.errors import UserError
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 8)

@@ -42,7 +42,7 @@ def test_python_command_leaves_out_the_working_folder(tmp_path, monkeypatch, saf
 
 
 def test_study_workers_and_nproc_ranks_do_not_import_the_working_folder(tmp_path, monkeypatch):
-    from mxtrain.distributed import launch
+    from mxtrain.train.parallel import launch
     from mxtrain.study import workers as runner
 
     marker = tmp_path / "imported"

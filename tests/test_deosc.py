@@ -1,4 +1,4 @@
-"""Weight de-oscillation (mxtrain.deosc): the detector on a weight sequence with known oscillations, the reset
+"""Weight de-oscillation (mxtrain.train.deosc): the detector on a weight sequence with known oscillations, the reset
 snapping exactly the oscillating entries (in the rotated domain for rotated recipes, against an explicit
 Hadamard matrix), bit-exact resume with the open window in the checkpoint, and clear errors."""
 
@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from mxtrain.deosc import DeoscSettings, Deoscillator, check_recipe
+from mxtrain.train.deosc import DeoscSettings, Deoscillator, check_recipe
 from mxtrain.errors import UserError
 from mxtrain.numerics.hadamard import hadamard_matrix, rotation_signs
 from mxtrain.linear.module import MXLinear

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mxtrain import distributed as D
+from mxtrain.train import parallel as D
 from mxtrain.errors import UserError
 
 HERE = Path(__file__).parent
@@ -209,7 +209,7 @@ def test_nproc_launch_reports_a_failed_rank_in_one_line(tmp_path, what):
     (tmp_path / "launched_mod.py").write_text(_LAUNCHED)
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(tmp_path), str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
-    code = ("import sys; from mxtrain.distributed import launch; "
+    code = ("import sys; from mxtrain.train.parallel import launch; "
             f"sys.exit(launch(2, [{what!r}], module='launched_mod'))")
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
@@ -570,7 +570,7 @@ def test_a_failed_gloo_rank_destroys_its_group_before_exit(monkeypatch):
     """A rank whose training raised destroys its gloo group itself (one left for the interpreter's exit can abort
     the process, turning the one-line error of ``test_nproc_bad_input_is_one_line_per_rank`` into exit 134 under
     load); an NCCL group is left to torchrun. The exception's frames lose their locals, not their lines."""
-    from mxtrain.distributed import DistEnv
+    from mxtrain.train.parallel import DistEnv
     from mxtrain.train import trainer as TR
     calls = []
     monkeypatch.setattr(TR.D, "shutdown", lambda: calls.append("shutdown"))

@@ -313,7 +313,7 @@ def test_export_without_the_tokenizer_warns_and_exports_the_model(run, tmp_path,
 
 def test_export_from_a_distributed_checkpoint(run, tmp_path):
     """A multi-process run's checkpoint.dcp folder exports the same weights as checkpoint.pt."""
-    from mxtrain import distributed as D
+    from mxtrain.train import parallel as D
     dcp_run = tmp_path / "dcp"
     shutil.copytree(run, dcp_run, ignore=shutil.ignore_patterns(".lock"))
     model, _ = load_run(run)

@@ -136,7 +136,7 @@ def test_qwen2_run_converts_checkpoints_resumes_and_exports_its_biases(tmp_path)
 
     class Look(Callback):
         def on_train_begin(self, state):
-            from mxtrain import distributed as D
+            from mxtrain.train import parallel as D
             m = D.unwrap(state.model)
             self.kind = type(m.layers[0].attention.wq).__name__
             self.bias0 = m.layers[0].attention.wk.bias.detach().clone()

@@ -173,7 +173,7 @@ def test_transformers_mixtral_loads_with_its_logits_and_exports_back(tmp_path, l
 def test_init_from_a_mixtral_trains_mx_experts_and_exports_a_mixtral(tmp_path):
     """``train.init_from`` a Mixtral folder: its experts become MX layers (the router stays high precision), the
     checkpoint records the mixture, and the export is a Mixtral with the trained model's logits."""
-    from mxtrain import distributed as D
+    from mxtrain.train import parallel as D
     from mxtrain.train import checkpoint as ckpt
     from mxtrain.train import train
     from mxtrain.train.callbacks import Callback

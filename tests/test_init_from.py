@@ -33,7 +33,7 @@ def test_init_from_starts_from_the_exported_weights(exported, tmp_path):
 
     class Initial(Callback):          # the weights the first step starts from
         def on_train_begin(self, state):
-            from mxtrain import distributed as D
+            from mxtrain.train import parallel as D
             self.sd = {k: v.detach().clone() for k, v in D.unwrap(state.model).state_dict().items()}
     cap = Initial()
     out = train(cfg, callbacks=[cap])

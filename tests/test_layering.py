@@ -189,7 +189,7 @@ LAYERS = [
     ("kernels", lambda m: m.split(".")[0] == "kernels"),
     ("the MX linear layer and the public API", lambda m: m == "" or m.split(".")[0] == "linear"),
     ("model, data", lambda m: m.split(".")[0] in ("model", "data")),
-    ("train", lambda m: m.split(".")[0] in ("train", "distributed", "deosc")),
+    ("train", lambda m: m.split(".")[0] == "train"),
     ("study, interop, bench", lambda m: m.split(".")[0] in ("study", "interop", "bench")),
     ("cli", lambda m: m.split(".")[0] in ("cli", "__main__")),
 ]

@@ -232,7 +232,7 @@ def test_llama_with_biases_trains_from_init_and_exports_as_a_llama(tmp_path):
 
     class Look(Callback):
         def on_train_begin(self, state):
-            from mxtrain import distributed as D
+            from mxtrain.train import parallel as D
             m = D.unwrap(state.model)
             self.kinds = {type(m.layers[0].attention.wo).__name__, type(m.layers[0].feed_forward.w2).__name__}
             decay = {id(p) for g in state.optimizer.param_groups if g["weight_decay"] > 0 for p in g["params"]}

@@ -72,7 +72,7 @@ def test_experts_convert_same_parameters_and_bf16_is_the_hf_model(kind):
     back = torch.load(buf, weights_only=False)
     assert isinstance(back.get_submodule(experts[0]), MXExperts) and torch.equal(back(ids).logits, want)
     mxtrain.convert(model, "mxfp4-all")
-    from mxtrain.deosc import tracked_layers   # weight de-oscillation tracks the linear layers, not the experts
+    from mxtrain.train.deosc import tracked_layers   # weight de-oscillation tracks the linear layers, not the experts
     assert len(tracked_layers(model)) == 8
     out = model(ids).logits
     assert torch.isfinite(out).all() and 0 < (out - want).norm() / want.norm() < 0.5

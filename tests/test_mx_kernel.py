@@ -205,10 +205,10 @@ def test_cuda_large_shapes_and_an_mxfp8_layer():
 
 
 def test_deosc_weight_grid_runs_through_the_kernel_bit_for_bit(monkeypatch):
-    """``mxtrain.deosc`` quantizes every tracked weight every step; with the kernel (``mx_kernel=always``, MXFP4
+    """``mxtrain.train.deosc`` quantizes every tracked weight every step; with the kernel (``mx_kernel=always``, MXFP4
     admitted there) its window state and its resets equal the reference's bit for bit: plain, rotated (fixed
     signs, H32) with AMD's scale rule and a prescale, and an MXFP6 weight."""
-    from mxtrain.deosc import DeoscSettings, Deoscillator
+    from mxtrain.train.deosc import DeoscSettings, Deoscillator
     from mxtrain.linear.module import MXLinear
     from mxtrain.numerics.recipe import Rotation
 

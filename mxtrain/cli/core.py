@@ -341,7 +341,7 @@ def _cmd_train(args) -> int:
         raise UserError(f"--nproc must be a number of processes on this machine (at most {_MAX_NPROC}), "
                         f"got {args.nproc}")
     if args.nproc is not None and args.nproc > 1 and "WORLD_SIZE" not in os.environ:  # --nproc N
-        from ..distributed import launch, strip_nproc
+        from ..train.parallel import launch, strip_nproc
         return launch(args.nproc, strip_nproc(list(getattr(args, "argv", None) or sys.argv[1:]))[1])
     from ..train import train
     branch_at = getattr(args, "branch_at", None)

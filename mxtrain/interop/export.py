@@ -54,7 +54,7 @@ class RunCheckpoint:
 
 def _find_checkpoint(run_dir: Path) -> Path:
     """A checkpoint file or DCP folder, or a run folder's newest checkpoint (``checkpoint.latest``); read only."""
-    from ..distributed import is_checkpoint
+    from ..train.parallel import is_checkpoint
     from ..train import checkpoint as ckpt
     if not run_dir.exists():
         raise UserError(f"run folder not found: {run_dir}")
@@ -130,7 +130,7 @@ def load_run(run_dir: str | Path, step: int | None = None) -> tuple[Llama, RunCh
     at (a run folder's checkpoint is its latest; kept ones are ``checkpoint-<step>.pt`` files). ``run_dir`` may
     also be a checkpoint file or DCP folder.
     """
-    from .. import distributed as D
+    from ..train import parallel as D
     from ..train.config import TrainConfig
     from ..train import checkpoint as ckpt
     run_dir = Path(run_dir)
@@ -192,7 +192,7 @@ def load_run(run_dir: str | Path, step: int | None = None) -> tuple[Llama, RunCh
 
 def _dcp_vocab(path: Path) -> int:
     """The embedding's row count in a DCP folder's metadata (read through the allow-list unpickler)."""
-    from .. import distributed as D
+    from ..train import parallel as D
     md = D._read_dcp_metadata(path)
     for key, item in getattr(md, "state_dict_metadata", {}).items():
         if key in ("model.embed_tokens.weight", "embed_tokens.weight") and hasattr(item, "size"):

@@ -184,7 +184,7 @@ def mx_kernel_applies(t: torch.Tensor, fmt: str, block_size, rounding: str, st=N
     """Does ``fake_quantize_operand`` of this operand run through the kernel? The ``mx_kernel`` setting:
     ``auto`` on CUDA tensors, ``always`` also on CPU under Triton's interpreter (tests), ``off`` never. Only MX
     formats with FP6/FP8 elements (MXFP4 operands have the fast path; the reference that checks it stays plain
-    PyTorch; ``fp4=True`` admits MXFP4 for callers outside the GEMM path, as ``mxtrain.deosc``'s weight grid)
+    PyTorch; ``fp4=True`` admits MXFP4 for callers outside the GEMM path, as ``mxtrain.train.deosc``'s weight grid)
     and 1-D blocks of a power of two, round-to-nearest, 2-D float32/bf16/fp16 operands, never inside a
     ``torch.compile`` trace."""
     st = st or _settings.current()

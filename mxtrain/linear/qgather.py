@@ -1,6 +1,6 @@
 """Weights that travel quantized: FSDP2 all-gathers an MX layer's weight as its quantized operands.
 
-Under FSDP2 (``mxtrain.distributed.apply_fsdp2``) every rank holds a row shard of each weight (dim 0,
+Under FSDP2 (``mxtrain.train.parallel.apply_fsdp2``) every rank holds a row shard of each weight (dim 0,
 out-features, ``N / world`` rows) and all-gathers the full weight before each block's forward and backward;
 the MX linear then quantizes the gathered weight twice: the Fprop operand ``W`` (blocks along in-features)
 and the Dgrad operand ``W^T`` (blocks along out-features). With ``apply_fsdp2(..., gather="quantized")``

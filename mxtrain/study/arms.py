@@ -4,7 +4,7 @@ An arm is named ``RECIPE`` or ``RECIPE@OPTION`` (several options: ``RECIPE@A@B``
 ``mxtrain.numerics.recipes.get`` knows (a preset, or ``PRESET+RULE``), each ``OPTION`` a name from ``OPTIONS``, which
 turns on a training feature by training-config overrides applied to that arm's runs only (after the study's
 own ``--set`` items, so the arm's option wins). ``mxfp4-all@deosc`` is ``mxfp4-all`` with weight
-de-oscillation (``mxtrain.deosc``); ``--set deosc.period=50`` then tunes it for every arm that has it on.
+de-oscillation (``mxtrain.train.deosc``); ``--set deosc.period=50`` then tunes it for every arm that has it on.
 Options in ``BRANCH_OPTIONS`` change a cooldown study's branches only: ``mxfp4-all@bf16cool`` trains the
 stable run of ``mxfp4-all`` and cools it down in BF16 (how much of MXFP4's cost a high-precision end of
 training recovers, as NVIDIA's NVFP4 recipe ends its runs). ``@lrVALUE`` sets the arm's peak learning rate

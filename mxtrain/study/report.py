@@ -650,7 +650,7 @@ def _read_json(p: Path):
 
 
 def deosc_stats(run_dir: Path) -> dict | None:
-    """A run's weight de-oscillation record (``RUN/deosc.jsonl``, ``mxtrain.deosc``): windows, entries tracked,
+    """A run's weight de-oscillation record (``RUN/deosc.jsonl``, ``mxtrain.train.deosc``): windows, entries tracked,
     mean share reset and mean share whose quantized value changed per window; None without one."""
     p = Path(run_dir) / "deosc.jsonl"
     if not p.is_file():
@@ -1076,7 +1076,7 @@ def write_report(d: str | Path, summary: dict | None = None, out: str | Path | N
                 md += [f"### Cooled-down, against {_md_text(ref)}", "", _md_text(rnote), "", _table_md(rrows), ""]
         drows = deosc_table_rows(runs)
         if drows:
-            dnote = ("Weight de-oscillation (mxtrain.deosc; docs/numerics.md): per window, the share of tracked "
+            dnote = ("Weight de-oscillation (mxtrain.train.deosc; docs/numerics.md): per window, the share of tracked "
                      "weights reset to their quantized value, and the share whose quantized value changed at least "
                      "once.")
             h += ["<h2>Weight de-oscillation</h2>", f"<p>{html.escape(dnote)}</p>", _table_html(drows)]

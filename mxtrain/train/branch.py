@@ -23,7 +23,7 @@ import json
 import shutil
 from pathlib import Path
 
-from .. import distributed as D
+from . import parallel as D
 from .._io import write_json
 from ..errors import UserError
 from . import checkpoint as ckpt

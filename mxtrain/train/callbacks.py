@@ -22,7 +22,7 @@ A callback is an object with any of the ``Callback`` methods; pass a list of the
   failed), to every callback whose ``on_train_begin`` was called. After an error, an exception raised here
   is printed as a warning and the run's own error goes on.
 
-A callback with state that must survive a resume (as ``mxtrain.deosc.DeoscCallback``'s open window) has a
+A callback with state that must survive a resume (as ``mxtrain.train.deosc.DeoscCallback``'s open window) has a
 ``state_key`` (a name) and ``state_dict()`` / ``load_state_dict(d)``: every checkpoint holds each such callback's
 ``state_dict()`` under ``"callbacks"`` / ``state_key``, and a resumed run hands it back to ``load_state_dict``
 right after ``on_train_begin`` (not called when the checkpoint has none for that key). On several processes

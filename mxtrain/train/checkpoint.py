@@ -72,7 +72,7 @@ def _candidates(folder: Path) -> list[Path]:
     """A run folder's complete latest checkpoints, in the order that wins a tie: ``checkpoint.pt`` (one
     process), ``checkpoint.dcp`` (several), ``checkpoint.dcp.old`` (the previous DCP checkpoint, whole, where a
     save stopped between its two renames)."""
-    from .. import distributed as D
+    from . import parallel as D
     return ([folder / NAME] if (folder / NAME).is_file() else []) + \
         [p for p in (folder / D.DCP_NAME, folder / D.DCP_OLD) if D.is_checkpoint(p)]
 
@@ -84,7 +84,7 @@ def holds_checkpoint(folder: str | Path) -> bool:
 
 def step_of(path: str | Path) -> int:
     """The step recorded in a checkpoint file or DCP folder, read without its tensors."""
-    from .. import distributed as D
+    from . import parallel as D
     path = Path(path)
     if D.is_checkpoint(path):
         st = D.read_extra(path)
@@ -119,7 +119,7 @@ def latest(folder: str | Path) -> Path | None:
 
 def find(path: str | Path) -> Path:
     """A checkpoint file or DCP folder, or the newest checkpoint of a run folder (``latest``)."""
-    from .. import distributed as D
+    from . import parallel as D
     p = Path(path)
     if D.is_checkpoint(p):
         return p
@@ -170,7 +170,7 @@ def _read(p: Path, mmap: bool = False) -> dict:
 
 def load(path: str | Path) -> dict:
     """The state in a checkpoint file, or in the newest checkpoint of a run folder when that is a
-    ``checkpoint.pt`` (a DCP folder is read by ``mxtrain.distributed``)."""
+    ``checkpoint.pt`` (a DCP folder is read by ``mxtrain.train.parallel``)."""
     p = find(path)
     if p.is_dir():
         raise UserError(f"{p} is a multi-process (DCP) checkpoint, not a checkpoint file")

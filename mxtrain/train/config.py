@@ -26,7 +26,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..distributed import MODES
+from .parallel import MODES
 from .._io import read_regular
 from ..errors import UserError, check_number
 from ..model.llama import ModelConfig
@@ -168,9 +168,9 @@ class ParallelSection:
 
 @dataclass
 class DeoscSection:
-    """Weight de-oscillation (``mxtrain.deosc``; TetraJet-v2's OsciReset, AMD ALTO): weights whose quantized Fprop
+    """Weight de-oscillation (``mxtrain.train.deosc``; TetraJet-v2's OsciReset, AMD ALTO): weights whose quantized Fprop
     value flips back and forth over a window of steps are snapped onto the grid."""
-    enable: bool = False                    # on: the trainer adds mxtrain.deosc.DeoscCallback
+    enable: bool = False                    # on: the trainer adds mxtrain.train.deosc.DeoscCallback
     period: int = 200                       # a window opens every this many steps (ALTO: 200)
     window: Optional[int] = None            # steps tracked before each reset (<= period); None: the whole period
     threshold: float = 4.0                  # reset when sum|dQ(w)| >= threshold * sum|dw| over the window (ALTO: 4)
@@ -1017,7 +1017,7 @@ def validate(cfg: TrainConfig) -> None:
     recipe = cfg.resolved_recipe()   # unknown presets and bad recipe fields: one line
     if not isinstance(cfg.deosc.enable, bool):
         raise UserError(f"deosc.enable must be true or false, got {cfg.deosc.enable!r}")
-    from ..deosc import DeoscSettings, check_recipe
+    from .deosc import DeoscSettings, check_recipe
     DeoscSettings.from_config(cfg)   # the deosc.* values, checked whether or not it is on
     if cfg.deosc.enable:
         check_recipe(recipe)

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .. import distributed as D
+from . import parallel as D
 from ..data import TokenData, val_batches
 from ..data.loader import val_window_sources
 from ..errors import UserError

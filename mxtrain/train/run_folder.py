@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from .. import distributed as D
+from . import parallel as D
 from .._io import FolderLock, pid_alive, write_json
 from ..errors import UserError
 from . import checkpoint as ckpt

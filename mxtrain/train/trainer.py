@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from .. import __version__, convert, set_step
-from .. import distributed as D  # DDP / FSDP2 / DCP hooks
+from . import parallel as D  # DDP / FSDP2 / DCP hooks
 from .. import settings as _settings
 from .._io import write_text
 from ..data import Loader, TokenData, ensure_builtin
@@ -295,7 +295,7 @@ def _all_finite(model: torch.nn.Module) -> bool:
     return _reduce_mean(0.0 if here else 1.0) == 0.0   # any rank non-finite: all stop
 
 
-def _wrap_parallel(model, cfg, env):  # DDP / FSDP2 (mxtrain.distributed.wrap)
+def _wrap_parallel(model, cfg, env):  # DDP / FSDP2 (mxtrain.train.parallel.wrap)
     p = cfg.parallel
     mode = ("ddp" if env.distributed else "none") if p.mode == "auto" else p.mode
     if mode != "fsdp2":
@@ -450,13 +450,13 @@ class _Log:
 def _callbacks(cfg: TrainConfig, callbacks) -> list:
     """The run's callbacks: the caller's, plus a ``WandbLogger`` when ``log.wandb`` is on and the caller gave
     none (made here, before anything is written: a missing ``wandb`` is one error at startup), plus
-    ``mxtrain.deosc.DeoscCallback`` when ``deosc.enable`` is on."""
+    ``mxtrain.train.deosc.DeoscCallback`` when ``deosc.enable`` is on."""
     cbs = list(callbacks or ())
     project = wandb_project(getattr(cfg.log, "wandb", None))
     if project and not any(isinstance(c, WandbLogger) for c in cbs):
         cbs.insert(0, WandbLogger(project))
     if cfg.deosc.enable:
-        from ..deosc import DeoscCallback, DeoscSettings
+        from .deosc import DeoscCallback, DeoscSettings
         if not any(isinstance(c, DeoscCallback) for c in cbs):   # first: the others see the step's final weights
             cbs.insert(0, DeoscCallback(DeoscSettings.from_config(cfg)))
     return cbs
@@ -1065,7 +1065,7 @@ class Trainer:
         rest = {"schedule": {"step": step, "lr": lr_at(step, self.cfg)}, "loader": self.loader.state_dict(),
                 "rng": ckpt.rng_state(), "step": step, "tokens": self.tokens, "config": self.cfg_dict,
                 "model_config": D.unwrap(model).cfg.to_dict()}
-        cb_states = self.cbs.state_dicts()   # callbacks with state (mxtrain.deosc's open window)
+        cb_states = self.cbs.state_dicts()   # callbacks with state (mxtrain.train.deosc's open window)
         if cb_states:
             rest["callbacks"] = cb_states
         t_save = time.perf_counter()
