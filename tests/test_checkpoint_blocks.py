@@ -53,17 +53,17 @@ def test_eager_checkpointing_gives_the_same_gradients_and_keeps_less(recipe):
 
 def test_without_putting_the_counters_back_stochastic_rounding_would_differ(monkeypatch):
     """The test above can fail: recomputing with the call counters left advanced draws other bits."""
-    from mxtrain.linear import module as N
+    from mxtrain.model import llama as N   # (its blocks call mxtrain.linear.module.checkpoint as mx_checkpoint)
     g = torch.Generator().manual_seed(1)
     idx = torch.randint(0, 96, (2, 4, 32), generator=g)
     tgt = torch.randint(0, 96, (2, 4, 32), generator=g)
     plain, _ = _step(_model("mxfp4-all-sr"), idx, tgt, False)
-    real = N.checkpoint
+    real = N.mx_checkpoint
 
     def forgetful(fn, *args, layers, **kw):   # plain checkpointing: the recomputation advances the counters again
         import torch.nn as tnn
         return real(fn, *args, layers=tnn.Module(), **kw)
-    monkeypatch.setattr(N, "checkpoint", forgetful)
+    monkeypatch.setattr(N, "mx_checkpoint", forgetful)
     ckpt, _ = _step(_model("mxfp4-all-sr"), idx, tgt, True)
     assert not all(torch.equal(a, b) for a, b in zip(plain, ckpt))
 

@@ -199,6 +199,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: cap[0])
     monkeypatch.setattr(fast, "state", fast.FastState())
     monkeypatch.setattr(quant, "warm_elem_tables", lambda d: None)
+    monkeypatch.setattr(fast, "warm_elem_tables", lambda d: None)   # (the name fast.py calls)
     CACHES.clear()
 
     def tensors(c=(9, 0)):   # (called in the fake mode: an input (256 tokens, K 256) and a weight (N 512))

@@ -169,6 +169,7 @@ def test_factored_operand_takes_the_fused_route(monkeypatch):
     def no_torch_rotation(*a, **k):
         raise AssertionError("the torch rotation ran")
     monkeypatch.setattr(H, "hadamard", no_torch_rotation)
+    monkeypatch.setattr(K, "hadamard", no_torch_rotation)   # (the kernel module's own name for it)
     for name, t in (("wgrad_x", x), ("wgrad_dy", dy)):
         n0, f0 = K.CALLS["kernel"], K.CALLS["fused_rotation"]
         with settings.override(nvfp4_kernel=mode, qselfcheck="off"):

@@ -25,6 +25,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ..errors import UserError
+from ..numerics.formats import get_format
+from ..numerics import recipes as R
 
 __all__ = ["Rates", "linear_shapes", "flops", "quantize_bytes", "reference_bytes", "limits", "format_table"]
 
@@ -111,7 +113,6 @@ def quantize_bytes(recipe, cfg, batch: int, seq: int, layers: int | None = None,
 
 
 def _fmt_kind(recipe, name: str) -> str:
-    from ..numerics.formats import get_format
     op = recipe.operand(name)
     return get_format(op.fmt).kind if op.quantized else "none"
 
@@ -175,7 +176,6 @@ def limits(cfg, batch: int, seq: int, recipes: list[str], rates: Rates = Rates()
     """Counts and ideal times per recipe (milliseconds). ``other_ms``: a measured BF16 step minus its
     GEMMs and attention at ``rates`` (None without ``bf16_step_ms``); ``ceiling_ms``: the fastest step the
     recipe can run at ``rates`` (needs ``other_ms``)."""
-    from ..numerics import recipes as R
     fl = flops(cfg, batch, seq, layers)
     ms = lambda f, tf: f / (tf * 1e12) * 1e3   # noqa: E731
     head_ms, attn_ms = ms(fl["head"], rates.bf16_tflops), ms(fl["attention"], rates.attention_tflops)

@@ -34,6 +34,10 @@ import statistics
 import time
 
 import torch
+from ..model.llama import Llama, ModelConfig
+from ..linear.module import convert, MXLayer
+from ..settings import _FALSE, _TRUE   # the booleans the settings accept, the same words here
+from .. import settings
 
 __all__ = ["MODELS", "USER_MODELS", "UserLlama", "FP8_VARIANTS", "split_variant", "measure", "summarize", "format_table"]
 
@@ -121,7 +125,6 @@ def _build(model: str, layers: int | None, seq: int, device):
             kw["n_layers"] = layers
         torch.manual_seed(0)
         return UserLlama(**kw, seq=max(seq, 128), device=device)
-    from ..model.llama import Llama, ModelConfig
     over = {"max_seq_len": max(seq, 128)}
     if layers:
         over["n_layers"] = layers
@@ -135,8 +138,8 @@ def _convert(m, variant: str, torchao_fast_accum: bool | None = None) -> None:
     if variant in TORCHAO:
         import dataclasses
 
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-        from torchao.float8.config import Float8GemmConfig
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # optional
+        from torchao.float8.config import Float8GemmConfig  # optional
         config = Float8LinearConfig.from_recipe_name(variant.split("-", 1)[1])
         if torchao_fast_accum is not None:   # (torchao's default: fast accumulation in the forward GEMM only)
             config = dataclasses.replace(config, gemm_config_output=Float8GemmConfig(use_fast_accum=torchao_fast_accum))
@@ -144,7 +147,6 @@ def _convert(m, variant: str, torchao_fast_accum: bool | None = None) -> None:
         return
     import warnings
 
-    from ..linear.module import convert
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")   # the conversion report's warnings are not the benchmark's
         convert(m, variant)
@@ -183,7 +185,7 @@ def _one_variant(variant: str, model: str, layers: int | None, batch: int, seq: 
         opt.zero_grad(set_to_none=True)
         return loss
 
-    from ..linear import fast
+    from ..linear import fast  # startup
     inexact0 = fast.inexact_by_tensor(dev) if cuda else None
     t_compile = time.perf_counter()
     for _ in range(warmup):
@@ -216,7 +218,6 @@ def _one_variant(variant: str, model: str, layers: int | None, batch: int, seq: 
         # the host's time to issue a step (CPU wall time until the step's Python returns, nothing synchronized):
         # near ms, the step is bound by the host; and over the MX layers, an upper bound of one layer's host time
         out["host_ms"] = statistics.median(host)
-        from ..linear.module import MXLayer
         n_mx = sum(isinstance(mod, MXLayer) for mod in m.modules())
         out["mx_layers"] = n_mx
         if n_mx:
@@ -287,7 +288,6 @@ def step_options(over: dict, **defaults: bool) -> dict:
     """The model options of one variant: ``defaults`` (the run's), replaced by those among the variant's
     ``key=value`` pairs ``over`` (removed from it, so that the rest are settings). Refuses a value that is not a
     boolean."""
-    from ..settings import _FALSE, _TRUE   # the booleans the settings accept, the same words here
     opts = dict(defaults)
     for key in STEP_OPTIONS:
         if key in over:
@@ -306,7 +306,6 @@ def torchao_option(base: str, over: dict) -> bool | None:
     if base not in TORCHAO:
         raise ValueError(f"fast_accum= is an option of the torchao variants; for mxtrain's fp8 give "
                          f"fp8_fast_accum=fprop or off")
-    from ..settings import _FALSE, _TRUE
     val = str(over.pop("fast_accum")).strip().lower()
     if val not in _TRUE + _FALSE:
         raise ValueError(f"fast_accum={val!r}: give true or false")
@@ -385,7 +384,6 @@ def _measure_variant(v: str, on_variant, *, model, layers, batch, seq, steps, wa
                      recompute_ffn, param_dtype, checkpoint_blocks, recompute_gemm_inputs, memory_budget,
                      profile) -> dict:
     """One variant built, compiled and timed (``_one_variant``) under its own settings; a failure is a result."""
-    from .. import settings
     import torch._dynamo
     import torch._functorch.config
     try:

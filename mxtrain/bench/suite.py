@@ -43,6 +43,14 @@ import torch
 
 from .._io import write_json, write_text
 from ..errors import UserError
+from ..numerics.hadamard import rotation_signs
+from .. import settings as _settings
+from ..linear.module import MXLinear, convert
+from ..model.llama import Block, ModelConfig, rope_tables
+from . import step as _bs, limits as BL
+from ..linear import implementation
+from .step import kernel_profile, MODELS, TORCHAO, split_variant, step_options
+from ..numerics import recipes as _recipes
 
 __all__ = ["register", "main"]
 
@@ -53,18 +61,18 @@ STEP_PRESETS = ["mxfp4-all-dh16", "mxfp4-all", "tseng"]
 
 def _bench(fn, warmup=25, rep=100) -> float:
     """Median milliseconds of ``fn`` (triton.testing.do_bench)."""
-    import triton.testing
+    import triton.testing  # optional
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
 def _env() -> dict:
-    import triton
+    import triton  # optional
     d = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
          "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version()}
     if torch.cuda.is_available():
         d["device"] = torch.cuda.get_device_name()
         d["capability"] = list(torch.cuda.get_device_capability())
-    from ..kernels import backend
+    from ..kernels import backend  # startup
     d["backend"] = backend("cuda" if torch.cuda.is_available() else "cpu")
     return d
 
@@ -72,8 +80,7 @@ def _env() -> dict:
 # ---------------------------------------------------------------------------------------- quantize
 
 def bench_quantize(args) -> dict:
-    from ..numerics.hadamard import rotation_signs
-    from ..kernels.mxfp4 import quantize_mxfp4_2d
+    from ..kernels.mxfp4 import quantize_mxfp4_2d  # startup
     dev = "cuda"
     res = []
     cases = [
@@ -95,7 +102,7 @@ def bench_quantize(args) -> dict:
         ("act 16384x4096 rows carrier+fp4 H16", (16384, 4096), 1, dict(rot=16, fp4=True)),
         ("act 16384x4096 rows fp4 only", (16384, 4096), 1, dict(carrier=False, fp4=True)),
     ]
-    from ..kernels import mxfp4 as kq
+    from ..kernels import mxfp4 as kq  # startup
     flt = getattr(args, "filter", "") or ""
     for name, shape, axis, kw in cases:
         if flt not in name:
@@ -121,7 +128,6 @@ def bench_quantize(args) -> dict:
             kernels = ["cols", "blocks"]
         else:
             kernels = ["blocks", "tile"]
-        from .. import settings as _settings
         for kern in kernels:
             with _settings.override(qkernel=kern):   # this kernel
                 # (block rows, warps): the fastest ones of earlier sweeps on the H100 (BENCHMARKS.md); compiling
@@ -177,7 +183,7 @@ def dual_timings(x: torch.Tensor, a: dict, b: dict, configs=({},)) -> dict:
     """``quantize_mxfp4_dual(x, a, b, **cfg)`` timed for each kernel configuration in ``configs`` (ms, in
     order; None where it failed), the two single passes it replaces, and a copy of ``x``: with the bytes
     one pass moves (2-byte input read once, both carriers and their group scales written)."""
-    from ..kernels import mxfp4 as kq
+    from ..kernels import mxfp4 as kq  # startup
     y = torch.empty_like(x)
     t_copy = _bench(lambda: y.copy_(x))
     n = x.numel()
@@ -202,8 +208,8 @@ def _fp8_rowwise(x: torch.Tensor):
 
 
 def bench_gemm(args) -> dict:
-    from ..kernels.gemm import mx_gemm_nt, probe
-    from ..kernels.mxfp4 import quantize_mxfp4_2d
+    from ..kernels.gemm import mx_gemm_nt, probe  # startup
+    from ..kernels.mxfp4 import quantize_mxfp4_2d  # startup
     dev = "cuda"
     res = {"probe": probe(dev), "shapes": []}
     shapes = [(8192, 8192, 8192)] + [(16384, n, k) for n, k in LLAMA8B_NK]
@@ -233,7 +239,7 @@ def bench_gemm(args) -> dict:
                                torch.bfloat16))
         # exactness vs float64 of the dequantized operands (sample rows to keep it cheap)
         y = mx_gemm_nt(qa, qb, "fp8_carrier", torch.bfloat16)[:256].double()
-        from ..kernels.mxfp4 import carrier_values
+        from ..kernels.mxfp4 import carrier_values  # startup
         ref = carrier_values(qa)[:256].double() @ carrier_values(qb)[:N].double().t()
         r["rel_err_vs_f64"] = ((y - ref).norm() / ref.norm()).item()
         r["inexact_blocks"] = int(qa.inexact.item() + qb.inexact.item())
@@ -241,7 +247,7 @@ def bench_gemm(args) -> dict:
         # dequantize + bf16 GEMM, each checked against float64 like the carrier
         fa = quantize_mxfp4_2d(a, 1, carrier=False, fp4=True)
         fb = quantize_mxfp4_2d(b, 1, carrier=False, fp4=True)
-        from ..kernels.mxfp4 import dequantize_fp4
+        from ..kernels.mxfp4 import dequantize_fp4  # startup
         ref4 = dequantize_fp4(fa)[:256].double() @ dequantize_fp4(fb).double().t()
         for name in ("dot_scaled", "dequant"):
             try:
@@ -307,7 +313,7 @@ def fwd_bwd_call(mod, x: torch.Tensor, gy: torch.Tensor, clear_weight: bool = Fa
     call, so its reused activation operands are dropped first (or they would be quantized once for all
     repeats; a real layer sees a new input every call). Weights are quantized at every call
     (``clear_weight`` is kept for callers; nothing caches them)."""
-    from ..linear import fast as _fast
+    from ..linear import fast as _fast  # startup
 
     def f():
         _fast.clear_caches()
@@ -339,8 +345,7 @@ def _presets(args, default: list) -> list:
 
 
 def bench_linear(args) -> dict:
-    from ..train.trainer import graph_blockers
-    from ..linear.module import MXLinear
+    from ..train.trainer import graph_blockers  # startup
     dev = "cuda"
     M = 16384
     res = []
@@ -381,7 +386,6 @@ def bench_linear(args) -> dict:
                 # the same call with each activation's two operands quantized in two passes (no
                 # quantize_mxfp4_dual, which by default runs only without rotations): what the
                 # one-pass kernel saves, measured in this run
-                from .. import settings as _settings
                 with _settings.override(dual="off"):
                     r[f"{p}_twopass_reuseW_ms"] = _bench(step(lin, clear=False))
                     if f"{p}_graph_ms" in r:
@@ -410,8 +414,8 @@ def bench_linear(args) -> dict:
 def bench_breakdown(args) -> dict:
     """Where an MXLinear fwd+bwd (mxfp4-all-dh16) spends its time at 16384x4096x4096: each fused
     quantize and each GEMM timed alone (bf16 GEMMs for comparison)."""
-    from ..kernels.gemm import mx_gemm_nt
-    from ..kernels.mxfp4 import quantize_mxfp4_2d as q
+    from ..kernels.gemm import mx_gemm_nt  # startup
+    from ..kernels.mxfp4 import quantize_mxfp4_2d as q  # startup
     dev = "cuda"
     M, N, K = 16384, 4096, 4096
     x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
@@ -443,9 +447,7 @@ def bench_breakdown(args) -> dict:
 # -------------------------------------------------------------------------------------------- step
 
 def bench_blocks(args) -> dict:
-    from ..linear import fast as _fast
-    from ..model.llama import Block, ModelConfig, rope_tables
-    from ..linear.module import convert
+    from ..linear import fast as _fast  # startup
     dev = "cuda"
     n_layers = args.layers or 2
     cfg = ModelConfig.named("llama3-8b", n_layers=n_layers)
@@ -483,7 +485,6 @@ def bench_blocks(args) -> dict:
             h.float().square().mean().backward()
         return f
 
-    from .. import settings as _settings
     glues = args.glue.split(",")
     for glue in glues:
         with _settings.override(glue=glue):
@@ -550,11 +551,10 @@ def _step_progress(name: str, r: dict) -> None:
 
 
 def bench_step(args) -> dict:
-    from . import step as _bs
     only = [v.strip() for v in (getattr(args, "variants", "") or "").split(",") if v.strip()]
     variants = only or STEP_VARIANTS + _presets(args, STEP_PRESETS)
     try:
-        import torchao.float8  # noqa: F401
+        import torchao.float8  # optional  # noqa: F401
     except ImportError:
         variants = [v for v in variants if not v.startswith("torchao-")]
         print("bench step: torchao is not installed (pip install torchao): no torchao float8 variants",
@@ -600,8 +600,6 @@ def bench_host(args) -> dict:
     (default mode) at ``HOST_SHAPE``, bf16: ``nn.Linear``, torchao's float8 tensorwise layer (when installed) and
     ``MXLinear`` per recipe, with the ratio to ``nn.Linear`` and the form each compiled MX layer takes
     (``linear.implementation``). Issue #45's target: a compiled MX layer at most 1.5x ``nn.Linear``."""
-    from ..linear import implementation
-    from ..linear.module import MXLinear
     dev = "cuda"
     M, K, N = HOST_SHAPE
     x = torch.randn(M, K, device=dev, dtype=torch.bfloat16, requires_grad=True)
@@ -614,7 +612,7 @@ def bench_host(args) -> dict:
     base = torch.nn.Linear(K, N, bias=False, device=dev, dtype=torch.bfloat16)
     res["us"]["nn.Linear"] = compiled_us(base)
     try:
-        from torchao.float8 import convert_to_float8_training
+        from torchao.float8 import convert_to_float8_training  # optional
         seq = torch.nn.Sequential(torch.nn.Linear(K, N, bias=False, device=dev, dtype=torch.bfloat16))
         convert_to_float8_training(seq)   # (it swaps the children of a module: the converted layer is seq[0])
         res["us"]["torchao-tensorwise"] = compiled_us(seq[0])
@@ -644,7 +642,6 @@ def _peak_gib(f) -> float:
 def _profile(f, steps: int = 3) -> dict:
     """GPU kernel time of one step by class (quantize, gemm, attention, glue), from torch.profiler; prints the
     12 costliest kernels."""
-    from .step import kernel_profile
     f()
     prof = kernel_profile(f, steps, "cuda")
     for name, _, ms in prof["kernels"][:12]:
@@ -674,9 +671,6 @@ def warm_gpu(seconds: float = 1.0) -> float:
 
 
 def _limits(args) -> int:
-    from . import limits as BL
-    from .step import MODELS
-    from ..model.llama import ModelConfig
     from dataclasses import asdict, fields
     rates = {}
     for item in filter(None, args.rates.split(",")):
@@ -745,9 +739,6 @@ def run(args) -> int:
     _check_options(args, what)
     if args.what == "limits":
         return _limits(args)
-    from ..numerics import recipes as _recipes
-    from .. import settings as _settings
-    from .step import TORCHAO, split_variant, step_options
     named = _presets(args, []) + [v.strip() for v in (getattr(args, "variants", "") or "").split(",") if v.strip()]
     for p in named:
         try:

@@ -17,6 +17,9 @@ import re
 import sys
 
 from ..errors import UserError
+from .._io import read_regular
+from ..numerics import recipes
+from .. import settings, __version__
 
 BUILTIN = ("data", "train")
 
@@ -76,7 +79,7 @@ def _add_data(sub) -> None:
 
 
 def _cmd_corpus(args) -> int:
-    from ..data.corpus import assemble
+    from ..data.corpus import assemble  # startup
     m = assemble(args.out, args.domains, max_tokens=args.max_tokens, val_tokens=args.val_tokens, force=args.force,
                  progress=not args.no_progress)
     t = m["totals"]
@@ -101,7 +104,7 @@ def check_text_field(text_field: str, sources: list[str], flag: str = "--text-fi
         return
     from pathlib import Path
 
-    from ..data.sources import BUILTIN, expand_sources, kind_of
+    from ..data.sources import BUILTIN, expand_sources, kind_of  # startup
     srcs = [s for s in sources if s != BUILTIN and not (Path(s) / "meta.json").is_file()]   # (prepared: tokens)
     files = expand_sources(srcs, note_fn=None, warn_fn=None) if srcs else []
     if not any(kind_of(Path(f)) in ("json", "parquet", "hf-disk") for f in files):
@@ -111,7 +114,7 @@ def check_text_field(text_field: str, sources: list[str], flag: str = "--text-fi
 
 
 def _cmd_prepare(args) -> int:
-    from ..data import default_builtin_dir, prepare
+    from ..data import default_builtin_dir, prepare  # startup
     check_text_field(args.text_field, list(args.sources) + list(getattr(args, "val", None) or []))
     out = args.out
     if out is None:
@@ -195,8 +198,8 @@ def _config_file_arg(args) -> str | None:
     """The config file: --config, or an --exp value that is a file path rather than an experiment name."""
     from pathlib import Path
 
-    from ..train import experiments
-    from ..train.config import CONFIG_SUFFIXES
+    from ..train import experiments  # startup
+    from ..train.config import CONFIG_SUFFIXES  # startup
     config, exp = getattr(args, "config", None), args.exp
     if exp is not None and exp not in experiments.names() and (
             Path(exp).suffix.lower() in CONFIG_SUFFIXES or Path(exp).is_file() or "/" in exp):
@@ -212,10 +215,9 @@ def build_config(args):
     """Defaults < experiment < config file (or the resumed run's config) < flags < --set -> TrainConfig."""
     import json
 
-    from ..train import TrainConfig, apply_overrides, experiments
-    from ..train import checkpoint as ckpt
-    from .._io import read_regular
-    from ..train.config import CONFIG_MAX_BYTES, check_init_from, check_model_shape, load_train_config
+    from ..train import TrainConfig, apply_overrides, experiments  # startup
+    from ..train import checkpoint as ckpt  # startup
+    from ..train.config import CONFIG_MAX_BYTES, check_init_from, check_model_shape, load_train_config  # startup
     config_file = _config_file_arg(args)
     file_model: dict = {}   # the config file's model table (what it sets of the model)
     if args.resume is not None:
@@ -240,7 +242,7 @@ def build_config(args):
         cfg.log.out = str(path.parent.resolve())
         args.resume = str(path)
     elif config_file is not None:
-        from ..train.config import read_config_file
+        from ..train.config import read_config_file  # startup
         data = read_config_file(config_file)
         cfg = load_train_config(config_file, exp=args.exp, data=data)
         file_model = _file_model_table(data)
@@ -253,7 +255,7 @@ def build_config(args):
         items.append("train.cuda_graphs=true")
     given = {i.split("=", 1)[0].strip(): i for i in items + list(args.set) if "=" in i}
     if "model.name" in given:   # a named size drops the shape below it: not a config file's explicit fields
-        from ..train.config import MODEL_SHAPE_FIELDS
+        from ..train.config import MODEL_SHAPE_FIELDS  # startup
         dropped = [k for k in MODEL_SHAPE_FIELDS if k in file_model and f"model.{k}" not in given]
         if dropped:
             keep = " ".join(f"--set model.{k}={file_model[k]}" for k in dropped)
@@ -268,7 +270,7 @@ def build_config(args):
                             f"both set the run's length; give one of them")
         cfg.train.tokens = None
     if args.model is not None:
-        from ..model.llama import ModelConfig
+        from ..model.llama import ModelConfig  # startup
         ModelConfig.named(args.model)  # unknown name -> clear error now
     how = {k: _given_as(i, args) for k, i in given.items()}
     check_model_shape(cfg, how)   # a named size and shape fields that contradict it: one line now
@@ -283,7 +285,7 @@ def build_config(args):
 def _refuse_shape_with_init_from(cfg, how: dict, file_model: dict) -> None:
     """--init-from takes the model's shape from the folder's config.json: a model size or shape field the user
     gave (a flag, --set, the config file's model table) would be ignored, so it is refused."""
-    from ..train.config import MODEL_SHAPE_FIELDS
+    from ..train.config import MODEL_SHAPE_FIELDS  # startup
     # (router_aux_coef weighs a loss, it is no shape: it replaces the folder's, train.trainer._check_folder_model)
     keys = ["model.name", *(f"model.{k}" for k in MODEL_SHAPE_FIELDS if k != "router_aux_coef")]
     for k in keys:
@@ -327,9 +329,8 @@ _MAX_NPROC = 1024   # torchrun's --nproc-per-node: processes on one machine, not
 
 def _cmd_train(args) -> int:
     if args.list:
-        from ..numerics import recipes
-        from ..model.llama import size_names
-        from ..train import experiments
+        from ..model.llama import size_names  # startup
+        from ..train import experiments  # startup
         print("experiments:", ", ".join(experiments.names()))
         print("models:     ", ", ".join(size_names()))
         print("recipes:    ", ", ".join(recipes.names()))
@@ -341,9 +342,9 @@ def _cmd_train(args) -> int:
         raise UserError(f"--nproc must be a number of processes on this machine (at most {_MAX_NPROC}), "
                         f"got {args.nproc}")
     if args.nproc is not None and args.nproc > 1 and "WORLD_SIZE" not in os.environ:  # --nproc N
-        from ..train.parallel import launch, strip_nproc
+        from ..train.parallel import launch, strip_nproc  # startup
         return launch(args.nproc, strip_nproc(list(getattr(args, "argv", None) or sys.argv[1:]))[1])
-    from ..train import train
+    from ..train import train  # startup
     branch_at = getattr(args, "branch_at", None)
     if branch_at is None and (getattr(args, "cooldown", None) is not None or getattr(args, "cooldown_shape", None)):
         raise UserError("--cooldown and --cooldown-shape go with --branch-at STEP (and --resume RUN)")
@@ -354,7 +355,7 @@ def _cmd_train(args) -> int:
         import copy
         import json
 
-        from ..train.config import _check
+        from ..train.config import _check  # startup
         _check(copy.deepcopy(cfg))   # every check training makes before it reads data or the machine
         print(json.dumps(config_json(cfg), indent=2))
         return 0
@@ -389,7 +390,7 @@ def _cmd_branch(args) -> int:
     """``mxtrain train --resume RUN --branch-at STEP --cooldown STEPS``: a cooldown branch of RUN."""
     from pathlib import Path
 
-    from ..train.branch import branch, branch_dir
+    from ..train.branch import branch, branch_dir  # startup
     if args.resume is None or args.resume is True:
         raise UserError("--branch-at needs --resume RUN: the stable run folder to branch from")
     if args.cooldown is None:
@@ -474,14 +475,12 @@ def _refuse_empty(argv: list[str], cmd) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        from .. import settings
         settings.current()   # a bad MXTRAIN_* variable is one line here, not a traceback later
         parser = make_parser(argv)
         args = parser.parse_args(argv)
         args.argv = argv  # for train --nproc N, which re-runs the command under torchrun
         _refuse_empty(argv, getattr(args, "cmd", None))
         if args.version:
-            from .. import __version__
             print(f"mxtrain {__version__}")
             return 0
         if not getattr(args, "func", None):  # `mxtrain` alone: the commands, and a usage error's status

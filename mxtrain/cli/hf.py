@@ -19,6 +19,7 @@ from pathlib import Path
 
 from .._io import check_writable, write_text
 from ..errors import UserError, number_flag
+from .core import check_text_field
 
 __all__ = ["add_parsers", "register", "cmd_export", "cmd_generate", "cmd_eval", "main"]
 
@@ -128,7 +129,7 @@ register = add_parsers   # the name mxtrain.cli.core's EXTERNAL modules expose
 
 
 def cmd_export(args) -> int:
-    from ..interop.export import export_hf
+    from ..interop.export import export_hf  # startup
     if args.format != "hf":
         raise UserError(f"export --format {args.format!r} is not supported; the format is hf (a Hugging Face "
                         f"transformers folder)")
@@ -141,7 +142,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from ..interop.generate import generate, load
+    from ..interop.generate import generate, load  # startup
     ld = load(args.run, args.step, _precision(args), args.device)
     text = generate(ld.model, ld.tokenizer, args.prompt, args.max_tokens, args.temperature, args.top_k, args.seed,
                     amp_dtype=ld.amp_dtype, vocab_limit=ld.vocab_limit)
@@ -166,8 +167,7 @@ def _is_eval_json(p: Path) -> bool:
 
 
 def cmd_eval(args) -> int:
-    from .core import check_text_field
-    from ..interop.generate import evaluate
+    from ..interop.generate import evaluate  # startup
     if Path(args.data).exists() or args.data == "builtin":   # (a missing one: evaluate says so)
         check_text_field(args.text_field, [args.data])
     if args.json and args.json != "-":   # before the evaluation, not after it (#47)

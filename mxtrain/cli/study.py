@@ -17,10 +17,12 @@ from pathlib import Path
 
 from .._io import write_json
 from ..errors import UserError, number_flag, read_json_object
-from ..study.plan import FLAG_KEYS, PER_RUN, PRESETS, SCHEDULES, StudySpec, build_config, override_key
+from ..study.plan import FLAG_KEYS, PER_RUN, PRESETS, SCHEDULES, StudySpec, build_config, override_key, model_shape_keys
 from ..study.run import StudyIncomplete, compute_plan, describe_compute, incomplete_message
 from ..study.summary import add_cooldown, add_references
 from ..study.workers import run_study
+from ..study import metrics as M
+from ..study.importruns import import_runs, parse_renames
 
 __all__ = ["register", "study_main", "report_main"]
 
@@ -127,8 +129,8 @@ def study_main(args: argparse.Namespace) -> int:
         raise UserError(f"--jobs must be >= 1, got {args.jobs}")
     spec = StudySpec.from_args(args)
     spec.check_branch_options()
-    from ..train.config import check_init_from, check_model_shape, validate
-    from .core import _refuse_shape_with_init_from
+    from ..train.config import check_init_from, check_model_shape, validate  # startup
+    from .core import _refuse_shape_with_init_from  # startup
     how = _override_sources(spec, args, cli_sets)
     kept = {}   # arm -> the recipe overrides its runs keep
     for arm in spec.arms:  # every run's config is valid (as run_study checks first), before anything is written
@@ -163,7 +165,6 @@ def study_main(args: argparse.Namespace) -> int:
         print(prescale_note)
     import time
     out = run_study(spec, jobs=args.jobs, start_by=None if sb is None else time.time() + sb)
-    from ..study import metrics as M
     _check_runs_have_evaluations(M.load_study_runs(out))
     s = json.loads((out / "summary.json").read_text())
     incomplete = incomplete_message(s)
@@ -289,8 +290,8 @@ def apply_study_file(args: argparse.Namespace, path) -> None:
     import difflib
     import typing
 
-    from ..train import experiments
-    from ..train.config import TrainConfig, _coerce, apply_dict, config_file_path, read_config_file
+    from ..train import experiments  # startup
+    from ..train.config import TrainConfig, _coerce, apply_dict, config_file_path, read_config_file  # startup
 
     p = config_file_path(path)
     src = str(p)
@@ -397,7 +398,6 @@ def _check_file_against_flags(src: str, keys: list[str], given, from_study: dict
                                 f"{key} of every run; give one of them")
     if model_flag is None:
         return
-    from ..study.plan import model_shape_keys
     shape = set(model_shape_keys())
     items = {k: f"{k}={_text(getattr(given.model, k.split('.', 1)[1]))}" for k in keys if k in shape}
     items.update({override_key(o): o for o in file_overrides if override_key(o) in shape})
@@ -411,7 +411,7 @@ def _check_file_against_flags(src: str, keys: list[str], given, from_study: dict
 
 def _given_keys(d: dict, where: str = "") -> list[str]:
     """The dotted keys a config file's tables set (``optim.lr``, ``recipe_overrides.wgrad_dy.rounding``)."""
-    from ..train.config import _flat, _nest
+    from ..train.config import _flat, _nest  # startup
     out = []
     for k, v in _nest(d, where).items():
         if k == "recipe_overrides" and isinstance(v, dict):
@@ -424,8 +424,7 @@ def _given_keys(d: dict, where: str = "") -> list[str]:
 
 
 def report_main(args: argparse.Namespace) -> int:
-    from ..study import metrics as M
-    from ..study.report import write_report
+    from ..study.report import write_report  # startup
 
     d = Path(args.dir)
     if not d.is_dir():
@@ -539,7 +538,7 @@ def _report_writes(out: Path):
 
 def _say_if_no_plots() -> None:
     """One line on stderr when the report just written has no figures (matplotlib missing)."""
-    from ..study.report import PLOTS_MISSING, plots_available
+    from ..study.report import PLOTS_MISSING, plots_available  # startup
     if not plots_available():
         print(f"mxtrain: {PLOTS_MISSING}", file=sys.stderr)
 
@@ -562,7 +561,6 @@ def register_import(subparsers) -> None:
 
 
 def study_import_main(args: argparse.Namespace) -> int:
-    from ..study.importruns import import_runs, parse_renames
 
     done = import_runs(args.src, args.dst, parse_renames(args.arms) or None, dry_run=args.dry_run)
     if args.dry_run:

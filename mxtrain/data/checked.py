@@ -19,10 +19,10 @@ import os
 from pathlib import Path
 
 from .._io import write_json
+from .. import settings
 
 
 def cache_dir() -> Path:
-    from .. import settings
     root = settings.fresh().cache_dir   # MXTRAIN_CACHE, read now
     if not root:
         xdg = os.environ.get("XDG_CACHE_HOME")

@@ -723,7 +723,7 @@ class _Progress:
         self.docs = self.bytes = 0
         if enabled and sys.stderr.isatty():
             try:
-                from tqdm import tqdm
+                from tqdm import tqdm  # optional
                 self.bar = tqdm(desc=domain, unit=" docs", dynamic_ncols=True, file=sys.stderr)
             except ImportError:
                 self.bar = None

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from ..errors import UserError
+from .loader import TokenData
 
 DATASETS_HINT = "pip install datasets"
 HF_META_NAMES = ("dataset_info.json", "dataset_infos.json", "state.json", "dataset_dict.json")
@@ -25,7 +26,7 @@ TEXT_DTYPES = ("string", "large_string")
 def need_datasets(why: str):
     """The ``datasets`` module, or a one-line error saying what needs it and how to install it."""
     try:
-        import datasets
+        import datasets  # optional
     except ImportError:
         raise UserError(f"{why} needs the Hugging Face datasets package: {DATASETS_HINT}") from None
     return datasets
@@ -172,9 +173,8 @@ def as_hf_dataset(folder: str | Path, split: str = "train", seq_len: int | None 
     """
     datasets = need_datasets("as_hf_dataset")
     import numpy as np
-    import pyarrow as pa
+    import pyarrow as pa  # optional
 
-    from .loader import TokenData
     if split not in ("train", "val"):
         raise UserError(f"split must be 'train' or 'val', got {split!r}")
     if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1):

@@ -21,6 +21,7 @@ import torch
 from ..errors import UserError
 from . import checked
 from .shards import DTYPES, FORMAT, UINT16_VOCAB
+from .tokenizer import load_tokenizer
 
 
 def _is_int(v) -> bool:
@@ -127,7 +128,6 @@ class TokenData:
     def tokenizer(self):
         """The folder's tokenizer (``mxtrain.data.Tokenizer``), with the end-of-text token meta.json records
         (``--eot-token`` may have named one that the tokenizer file alone does not identify)."""
-        from .tokenizer import load_tokenizer
         _inside(self._real, self.tokenizer_path(), "the tokenizer")
         tok = load_tokenizer(self.tokenizer_path(), eot_token=self.meta.get("eot_token"))
         if tok.eot_id != self.eot_id:

@@ -39,6 +39,7 @@ from . import checked, hf
 from .sources import BUILTIN, check_sources, documents, expand_sources, kind_of, note, warn
 from .shards import FORMAT, shard_dtype
 from .tokenizer import check_eot_token, check_vocab_size, load_tokenizer, train_bpe
+from .. import settings
 
 
 def _corpus_bytes(sources: list[str]) -> int | None:
@@ -371,7 +372,7 @@ class _Progress:
         self.bar, self.every, self.last, self.docs = None, every, time.time(), 0
         if sys.stderr.isatty():
             try:
-                from tqdm import tqdm
+                from tqdm import tqdm  # optional
                 self.bar = tqdm(desc="tokenizing", unit=" docs", dynamic_ncols=True, total=total, file=sys.stderr)
             except ImportError:
                 self.bar = None
@@ -538,7 +539,6 @@ def _carve_val(folder: Path, train_w: _ShardWriter, val_w: _ShardWriter, dtype) 
 def default_builtin_dir(vocab_size: int) -> Path:
     """Where ``mxtrain train`` keeps the prepared built-in corpus: ``$MXTRAIN_DATA`` (the ``data_dir`` setting,
     read now) or ~/.cache/mxtrain/data."""
-    from .. import settings
     root = Path(settings.fresh().data_dir or Path.home() / ".cache" / "mxtrain" / "data")
     return root / f"builtin-bpe{vocab_size}"
 

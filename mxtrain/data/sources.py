@@ -254,7 +254,7 @@ def _parquet_documents(path: Path, text_field: str) -> Iterator[tuple[str, str]]
 def _pyarrow_parquet():
     """``pyarrow.parquet``, imported only when a Parquet source is read."""
     try:
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # optional
     except ImportError:
         raise UserError(PARQUET_HINT) from None
     return pq

@@ -37,7 +37,7 @@ LLAMA3_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N
 
 def _need_tokenizers():
     try:
-        import tokenizers  # noqa: F401
+        import tokenizers  # optional  # noqa: F401
     except ImportError:
         raise UserError("tokenizers is not installed: pip install -e \".[data]\"") from None
 
@@ -155,7 +155,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int, eot_token: str | None = Non
     check_vocab_size(vocab_size)  # before the trainer allocates anything
     eot_name = check_eot_token(eot_token) or EOT
     _need_tokenizers()
-    from tokenizers import Tokenizer as HFTok, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as HFTok, decoders, models, pre_tokenizers, trainers  # optional
     tok = HFTok(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -215,7 +215,7 @@ def load_tokenizer(path: str | Path, eot_token: str | None = None) -> Tokenizer:
     head = p.read_bytes()[:256]
     if p.suffix == ".json" or head.lstrip().startswith(b"{"):
         _need_tokenizers()
-        from tokenizers import Tokenizer as HFTok
+        from tokenizers import Tokenizer as HFTok  # optional
         try:
             with rust_calls(p):
                 tok = HFTok.from_file(str(p))
@@ -229,7 +229,7 @@ def load_tokenizer(path: str | Path, eot_token: str | None = None) -> Tokenizer:
         return _tiktoken_to_hf(p, eot_token)
     if p.suffix == ".model":
         try:
-            import sentencepiece as spm
+            import sentencepiece as spm  # optional
         except ImportError:
             raise UserError("loading a SentencePiece .model needs the sentencepiece package: pip install sentencepiece") from None
         try:
@@ -313,7 +313,7 @@ def _bpe_split(ranks: dict[bytes, int], token: bytes, max_rank: int) -> list[byt
 def _tiktoken_to_hf(p: Path, eot_token: str | None = None) -> Tokenizer:
     """Exact conversion of a tiktoken rank file to a HF byte-level BPE (see shared docs/data.md)."""
     _need_tokenizers()
-    from tokenizers import AddedToken, Regex, Tokenizer as HFTok, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Regex, Tokenizer as HFTok, decoders, models, pre_tokenizers  # optional
     ranks: dict[bytes, int] = {}
     for lineno, line in enumerate(p.read_bytes().splitlines(), 1):
         if not line.strip():

@@ -27,7 +27,14 @@ from .._io import FolderLock, swap_in
 from ..errors import UserError
 from ..model import Llama, ModelConfig, SIZES
 from ..model.hf_io import _expected_names, config_from_hf, hf_config, hf_state_dict, save_safetensors
-from ..train.config import shape_overrides
+from ..train.config import shape_overrides, TrainConfig
+from ..train.parallel import is_checkpoint
+from ..train import checkpoint as ckpt, parallel as D
+from ..data import default_builtin_dir
+from ..data.loader import bare_name
+from ..data.tokenizer import load_tokenizer
+from ..data.sources import warn
+from .. import __version__
 
 __all__ = ['export_hf', 'load_run', 'run_tokenizer', 'RunCheckpoint']
 
@@ -54,8 +61,6 @@ class RunCheckpoint:
 
 def _find_checkpoint(run_dir: Path) -> Path:
     """A checkpoint file or DCP folder, or a run folder's newest checkpoint (``checkpoint.latest``); read only."""
-    from ..train.parallel import is_checkpoint
-    from ..train import checkpoint as ckpt
     if not run_dir.exists():
         raise UserError(f"run folder not found: {run_dir}")
     if run_dir.is_file() or is_checkpoint(run_dir):
@@ -111,7 +116,6 @@ def _data_dir(run_dir: Path, cfg) -> Path | None:
         pass
     path = getattr(cfg.data, "path", None)
     if path == "builtin":
-        from ..data import default_builtin_dir
         cands.append(default_builtin_dir(int(cfg.data.vocab_size)))
     elif isinstance(path, str):
         cands += [Path(path), run_dir / path]
@@ -130,9 +134,6 @@ def load_run(run_dir: str | Path, step: int | None = None) -> tuple[Llama, RunCh
     at (a run folder's checkpoint is its latest; kept ones are ``checkpoint-<step>.pt`` files). ``run_dir`` may
     also be a checkpoint file or DCP folder.
     """
-    from ..train import parallel as D
-    from ..train.config import TrainConfig
-    from ..train import checkpoint as ckpt
     run_dir = Path(run_dir)
     path = _find_checkpoint(run_dir)
     is_dcp = path.is_dir()
@@ -192,7 +193,6 @@ def load_run(run_dir: str | Path, step: int | None = None) -> tuple[Llama, RunCh
 
 def _dcp_vocab(path: Path) -> int:
     """The embedding's row count in a DCP folder's metadata (read through the allow-list unpickler)."""
-    from ..train import parallel as D
     md = D._read_dcp_metadata(path)
     for key, item in getattr(md, "state_dict_metadata", {}).items():
         if key in ("model.embed_tokens.weight", "embed_tokens.weight") and hasattr(item, "size"):
@@ -203,8 +203,6 @@ def _dcp_vocab(path: Path) -> int:
 
 def run_tokenizer(run: RunCheckpoint):
     """(tokenizer, None) for the run's tokenizer (``mxtrain.data.Tokenizer``), or (None, why it is not there)."""
-    from ..data.loader import bare_name
-    from ..data.tokenizer import load_tokenizer
     if run.data_dir is None:
         return None, (f"the run's data folder ({run.config.data.path}) is not there any more, and with it its "
                       f"tokenizer")
@@ -231,7 +229,6 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 
 
 def _warn(msg: str) -> None:
-    from ..data.sources import warn
     warn(msg)
 
 
@@ -289,7 +286,6 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, step: int | None = None,
 
 def _export(run_dir, out: Path, step, dtype: str, force: bool, tokenizer: bool) -> Path:
     """``export_hf``'s work, with the output's lock held."""
-    from .. import __version__
     tdtype = _DTYPES[dtype]
     dname = str(tdtype).replace("torch.", "")
     _check_out(out, force)

@@ -30,6 +30,11 @@ import torch
 
 from ..errors import UserError, check_number
 from .export import RunCheckpoint, load_run, run_tokenizer
+from ..train.trainer import _resolve_device
+from .. import convert, set_step
+from ..data.sources import check_sources, documents, expand_sources
+from ..data.tokenizer import load_tokenizer
+from ..data import TokenData, val_batches, ensure_builtin
 
 __all__ = ["load", "Loaded", "generate", "generate_ids", "evaluate", "PRECISIONS"]
 
@@ -49,7 +54,6 @@ class Loaded:
 
 
 def _device(name: str) -> torch.device:
-    from ..train.trainer import _resolve_device
     return _resolve_device(name)
 
 
@@ -76,7 +80,6 @@ def load(run_dir: str | Path, step: int | None = None, precision: str = "mx", de
         raise UserError(f"cannot use the run's tokenizer: {why}")
     amp = None
     if precision == "mx":
-        from .. import convert, set_step
         recipe = run.recipe
         if recipe.quantized:
             convert(model, recipe)
@@ -190,7 +193,7 @@ class _Progress:
             return
         if sys.stderr.isatty():
             try:
-                from tqdm import tqdm
+                from tqdm import tqdm  # optional
                 self.bar = tqdm(total=total, desc=desc, unit="window", dynamic_ncols=True, file=sys.stderr)
             except ImportError:
                 self.bar = None
@@ -213,7 +216,6 @@ class _Progress:
 
 def _text_tokens(tok, data: Path, text_field: str) -> tuple[np.ndarray, int, int]:
     """(token ids, documents, text bytes) of text sources, each document followed by the end-of-text id."""
-    from ..data.sources import check_sources, documents, expand_sources
     sources = expand_sources([str(data)])
     check_sources(sources)
     parts, ndocs, nbytes, batch = [], 0, 0, []
@@ -241,7 +243,6 @@ def _same_tokenizer(a: Path, b: Path) -> bool:
     serialization (a file saved again is the same tokenizer), other files byte for byte."""
     if a.resolve() == b.resolve():
         return True
-    from ..data.tokenizer import load_tokenizer
     try:
         ta, tb = load_tokenizer(a), load_tokenizer(b)
     except UserError:
@@ -254,7 +255,6 @@ def _same_tokenizer(a: Path, b: Path) -> bool:
 def _prepared_split(folder: Path, run: RunCheckpoint, vocab: int):
     """A prepared folder (``TokenData``: its validation split is evaluated), refused when its tokenizer is not
     the run's."""
-    from ..data import TokenData
     data = TokenData(folder)
     if data.vocab_size > vocab:
         raise UserError(f"{folder} was tokenized with a vocabulary of {data.vocab_size:,} ids, more than the model's "
@@ -289,14 +289,12 @@ def evaluate(run_dir: str | Path, data: str | Path, *, step: int | None = None, 
     run's micro-batch size, so an MX forward pass sees the batches the trainer's evaluation saw).
     ``precision``: see ``load``. ``progress``: None shows a bar on a terminal and plain lines otherwise.
     """
-    from ..data import val_batches
     t0 = time.perf_counter()
     if str(data) != "builtin" and not Path(data).exists():
         raise UserError(f"evaluation data not found: {data}")
     if loaded is None:
         loaded = load(run_dir, step, precision, device)
     if str(data) == "builtin":   # as in training: the prepared built-in corpus (its validation split)
-        from ..data import ensure_builtin
         data = ensure_builtin(loaded.run.config.data.vocab_size, progress=bool(progress))
     data = Path(data)
     run, model, tok = loaded.run, loaded.model, loaded.tokenizer

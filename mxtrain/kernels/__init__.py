@@ -95,6 +95,6 @@ def _native(device) -> bool:
     k = d.index if d.index is not None else torch.cuda.current_device()
     native = CACHES.native
     if k not in native:
-        from .mxdot import supports_native
+        from .mxdot import supports_native  # startup
         native[k] = supports_native(torch.device("cuda", k))
     return native[k]

@@ -20,6 +20,8 @@ import torch
 
 from . import HAS_TRITON
 from .mxfp4.carrier import TILE_K, QuantOut, carrier_buffers, ceil_to
+from .. import settings as _settings
+from .mxfp4.launch import launch_direct, use_plans, KERNEL_GRIDS
 
 __all__ = ["carrier_from_packed", "expand_spec"]
 
@@ -127,9 +129,6 @@ def carrier_from_packed(q: QuantOut, k_multiple: int = TILE_K, row_multiple: int
     Rc, Kc, _, gsr, gsk, BR, grid, nw = expand_spec(R, q.K, Kq, gr, k_multiple, row_multiple)
     car, gs, base, _, _ = carrier_buffers(Rc, Kc, gr, dev)
     cnt = counter if counter is not None else torch.zeros((1,), dtype=torch.int32, device=dev)
-    from .. import settings as _settings
-    from .mxfp4.launch import launch_direct, use_plans
-    from .mxfp4.launch import KERNEL_GRIDS
     gid = KERNEL_GRIDS[q.fmt]
     args = (q.packed, q.scales, car, gs, cnt, R, Kq, Rc, Kc, gsr, gsk)
     key = (("expand", dev, q.packed.data_ptr() & 15, q.scales.data_ptr() & 15, car.data_ptr() & 15,

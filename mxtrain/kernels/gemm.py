@@ -27,6 +27,8 @@ import torch
 from .. import settings as _settings
 from .caches import CACHES
 from .mxfp4.carrier import QuantOut, carrier_values, dequantize_fp4
+from .mxfp4 import quantize_mxfp4_2d
+from .mxdot import mx_dot_nt
 
 __all__ = ["mx_gemm_nt", "probe", "native_plan", "weight_group_rows", "activation_b_group_rows", "outputs_for"]
 
@@ -52,7 +54,6 @@ def native_plan(device) -> str:
 
 @torch.compiler.disable
 def _probe_native(device) -> dict:
-    from .mxfp4 import quantize_mxfp4_2d
     res: dict = {"plan": "dequant", "errors": {}}
     if device.type != "cuda":
         return res
@@ -74,7 +75,6 @@ def _probe_native(device) -> dict:
 
 
 def _dot_scaled(a: QuantOut, b: QuantOut, out_dtype, divisor: float = 1.0) -> torch.Tensor:
-    from .mxdot import mx_dot_nt
     return mx_dot_nt(a.packed, a.scales, b.packed, b.scales, out_dtype=out_dtype, divisor=divisor,
                      native=a.packed.device.type == "cuda")
 
@@ -153,7 +153,6 @@ def probe(device) -> dict:
         return probes[key]
     res = {"a1x128_b128x128": False, "b_1x128": False, "errors": {}}
     if device.type == "cuda":
-        from .mxfp4 import quantize_mxfp4_2d
         g = torch.Generator(device=device).manual_seed(0)
         A = torch.randn(256, 1088, device=device, generator=g)
         B = torch.randn(384, 1088, device=device, generator=g)

@@ -36,6 +36,8 @@ from ..numerics.formats import get_format
 from ..numerics.operand import compute_dtype, fake_quantize_operand, pad_axis
 from ..numerics.quant import SCALE_RULES
 from . import HAS_TRITON, INTERPRET, kernels_available
+from .nvfp4 import _adversarial, _mismatches, checked_once
+from ..numerics.hadamard import hadamard
 
 __all__ = ["quantize_mx_values", "mx_kernel_applies", "mx_ok", "mx_selfcheck", "mx_operand", "CALLS"]
 
@@ -217,7 +219,6 @@ def mx_selfcheck(device, dtype, fmt: str, axis: int, block: int, rule: str, pres
     and compare its values with the reference (``fake_quantize_operand``); ``r1``/``c1``: a single row /
     column. ``quantize_fn``: the quantizer checked (default ``quantize_mx_values``; tests pass a faulty one).
     Returns ``ok`` and the mismatch count."""
-    from .nvfp4 import _adversarial, _mismatches
     quantize_fn = quantize_fn or quantize_mx_values
     base = 4 * block if torch.device(device).type == "cpu" else 8 * block
     R, C = (base if r_whole else base + 3), (2 * base if c_whole else 2 * base + 5)
@@ -232,7 +233,6 @@ def mx_selfcheck(device, dtype, fmt: str, axis: int, block: int, rule: str, pres
 def mx_ok(x: torch.Tensor, fmt: str, axis: int, block: int, rule: str, prescale: float, st=None) -> bool:
     """``nvfp4.checked_once`` for this kernel variant: once per variant (``qselfcheck``), did it reproduce the
     reference? A variant that fails warns once and the reference serves it from then on."""
-    from .nvfp4 import checked_once
     vkey = _variant_key(x, fmt, axis, block, rule, prescale)
     return checked_once(x, vkey, lambda: mx_selfcheck(x.device, x.dtype, fmt, axis, block, rule, prescale, vkey[8],
                                                       vkey[9], r1=vkey[10], c1=vkey[11]), "MX", st)
@@ -244,7 +244,6 @@ def mx_operand(t: torch.Tensor, signs, key, axis: int, rot: int, fmt: str, block
     variant passed its self-check, else None (the caller runs the reference). The rotation stays in torch
     (float32); without one a bf16/fp16 ``t`` goes to the kernel as it is (its upcast is exact). ``out_dtype``:
     bf16/fp16 to have the kernel write the values cast to it (what the caller's GEMM multiplies), else float32."""
-    from ..numerics.hadamard import hadamard
     if not mx_kernel_applies(t, fmt, block_size, rounding):
         return None
     block = get_format(fmt).block_size if block_size is None else block_size

@@ -52,6 +52,8 @@ from ..numerics.operand import compute_dtype, fake_quantize_operand, pad_axis
 from ..numerics.quant import NVFP4_TENSOR_MAX, SCALE_RULES, _div_by_constant
 from . import HAS_TRITON, INTERPRET, kernels_available
 from .caches import CACHES
+from ..numerics.formats import get_format
+from ..numerics.hadamard import hadamard
 
 __all__ = ["quantize_nvfp4_factored", "tensor_scale_nvfp4", "nvfp4_kernel_applies", "nvfp4_ok",
            "nvfp4_selfcheck", "factored_operand", "fused_rotation_applies", "kernel_rule", "KERNEL_RULES", "CALLS"]
@@ -401,7 +403,6 @@ def nvfp4_kernel_applies(t: torch.Tensor, fmt: str, block_size, rounding: str, s
     if (block_size not in (None, 16, (16, 16)) or rounding not in ("nearest", "stochastic")
             or scale_rule not in KERNEL_RULES):
         return False
-    from ..numerics.formats import get_format
     if get_format(fmt).kind != "nvfp4" or torch.compiler.is_compiling():
         return False
     if t.device.type == "cuda":
@@ -532,7 +533,6 @@ def factored_operand(t: torch.Tensor, signs, key, axis: int, rot: int, fmt: str,
     names the rotation; if it failed its self-check, the torch rotation below serves it); other rotations stay
     in torch (float32, then the kernel). Without one a bf16/fp16 ``t`` goes to the kernel as it is (its upcast
     is exact). ``out_dtype``: the values' dtype (default float32; bf16/fp16 hold them exactly)."""
-    from ..numerics.hadamard import hadamard
     if not nvfp4_kernel_applies(t, fmt, block_size, rounding, scale_rule):
         return None
     block_2d = block_size == (16, 16)

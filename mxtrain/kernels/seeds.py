@@ -26,6 +26,8 @@ import torch
 from ..numerics import rng
 from ..numerics.hadamard import ROTATION_SIZES, SIGN_MODES, rotation_signs
 from . import HAS_TRITON, kernels_available
+from .mxfp4.launch import launch_direct, use_plans
+from .. import settings as _settings
 
 __all__ = ["call_seeds", "call_seeds_host", "N_OPERANDS", "KEY_STRIDE", "SIGNS_WIDTH"]
 
@@ -155,8 +157,6 @@ def call_seeds(state: torch.Tensor, *, seed: int, sr: tuple[bool, ...], sign_mod
     sr_mask = sum(1 << i for i, on in enumerate(sr) if on)
     ints = (_i32(seed), _i32(seed >> 32), sr_mask, *(_MODE_ID[m] for m in sign_modes),
             *(int(s) for s in sign_sizes), int(bool(advance)))
-    from .mxfp4.launch import launch_direct, use_plans
-    from .. import settings as _settings
     key = (("seeds", dev, state.data_ptr() & 15, keys_out.data_ptr() & 15, signs_out.data_ptr() & 15) + ints
            if use_plans(state, _settings.current()) else None)
     launch_direct(_call_seeds_kernel, (1,), (state, keys_out, signs_out, *ints), {"N_KEYS": _N_KEYS}, 1, key)

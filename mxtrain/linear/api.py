@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from .. import settings
 from . import ops as _ops   # noqa: F401 - registers the mxtrain custom ops that compiled_linear calls
-from . import tracedfp8
+from . import tracedfp8, tracedmx
 from .dispatch import _check_floats, _compile_spec, _fp8_input, call_context, compiled_form, route
 from .ops import _AMP_NAME
 from ..numerics.recipe import Recipe
@@ -34,10 +34,9 @@ def compiled_linear(x, weight, bias, state, recipe_str: str, seeded: bool, quant
         return F.linear(x, weight, bias)
     _check_floats(x, weight)
     if form == "traced_mx":
-        from . import tracedmx
         return tracedmx.linear(x, weight, bias, mx, arg)
     if form == "graph":
-        from . import compiledmx
+        from . import compiledmx  # startup
         keys = signs = None
         if seeded:   # (the call's random inputs: one small op; it advances the layer's call counter)
             if state is None:
@@ -93,6 +92,6 @@ def mx_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     _check_floats(x, weight)
     qctx = call_context(recipe, state)
     if rt == "fast":   # (a weight FSDP2 gathered quantized, mxtrain.linear.qgather: fast.gathered_operand reads it)
-        from . import fast
+        from . import fast  # startup
         return fast.apply(x, weight, bias, qctx)
     return _MXLinearFunction.apply(x, weight, bias, qctx)

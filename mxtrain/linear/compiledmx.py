@@ -44,6 +44,13 @@ import torch
 from ._constant import assume_constant_result
 from ..kernels.mxfp4 import traced as _traced  # noqa: F401  (registers mxtrain::q_single, q_dual, q_expand)
 from ..numerics.quant import SCALE_RULES
+from . import fast
+from ..kernels import backend, gemm
+from ..kernels.mxfp4.traced import AVAILABLE
+from .tracedmx import carrier_values, _gemm as plain_gemm
+from ..kernels.mxfp4.launch import dual_applies
+from ..kernels.mxfp4.carrier import KERNEL_FORMATS
+from .. import settings
 
 __all__ = ["applies", "linear", "plan", "spec", "seeded", "share_inputs", "SharePass", "share_carriers",
            "ShareCarrierPass", "install_share_pass", "TRACE_TIME_SETTINGS"]
@@ -68,9 +75,6 @@ def plan(device: str, share: bool = False, *trace_settings) -> tuple:
     128x128 weight groups not exact). Makes the inexact-block counters of the device (outside any graph,
     static addresses for CUDA graphs). Called with the tracing modes off, once per graph. ``trace_settings``: the
     values of ``TRACE_TIME_SETTINGS`` (unused here: passed so that dynamo guards on them)."""
-    from . import fast
-    from ..kernels import backend, gemm
-    from ..kernels.mxfp4.traced import AVAILABLE
     d = torch.device(device)
     if d.type != "cuda" or not AVAILABLE or backend(d) != "fp8_carrier":
         return (0, 0)
@@ -109,7 +113,6 @@ def _mm(ca: torch.Tensor, ga: torch.Tensor, Ra: int, cb: torch.Tensor, gb: torch
     sa = (ga * alpha).t() if alpha != 1.0 else ga.t()   # (Rca, Kc/128), outer-dim-major
     sb = gb if rows_b == 1 else gb[:, : Kc // _TILE].t()  # (Kc/128, Rcb) or (Kc/128, Rcb/128)
     if ca.device.type != "cuda":   # (the tests' emulation on a CPU: the carriers' values in float32)
-        from .tracedmx import carrier_values
         va = carrier_values(ca.view(torch.float8_e4m3fn), sa)
         vb = carrier_values(cb.view(torch.float8_e4m3fn), sb.t())
         return torch.matmul(va, vb.t())[:Ra, :Rb].to(odt).to(out_dtype)
@@ -129,8 +132,6 @@ def spec(recipe) -> str | None:
     rotates or scales high-precision operands. Depends on the recipe only. (The wider forms are the ones
     ``tracedmx.applies`` declines; the strings of the MXFP4 recipes it had before the uniform grids and the adaptive
     rule are unchanged.)"""
-    from . import fast
-    from ..kernels.mxfp4.carrier import KERNEL_FORMATS
     if not fast.supported(recipe):
         return None
     parts, mx = [], False
@@ -229,7 +230,6 @@ class _Seeds:
 
 def _dual_ok(t2: torch.Tensor, rot_a: int, rot_b: int, sr: bool = False) -> bool:
     """Does one pass make both operands of ``t2`` (``launch.dual_applies`` on the trace's tensor)?"""
-    from ..kernels.mxfp4.launch import dual_applies
     return dual_applies(t2, rot_a, rot_b, sr=sr)
 
 
@@ -269,7 +269,6 @@ class _CompiledMXLinear(torch.autograd.Function):
         """``ca``, ``ga``: X's Fprop carrier and group-scale storage; ``pk``, ``sc``: its Wgrad operand as FP4 codes
         and E8M0 scales (None: the backward quantizes the kept X); all None where Fprop is plain (``_x_operands``).
         ``keys``, ``sign_rows``: the call's random inputs (``call_seeds``), or None where the recipe draws none."""
-        from .tracedmx import _gemm as plain_gemm
         cw = _counters(x.device)[1]
         K, N = x.shape[-1], weight.shape[0]
         x2 = x.reshape(-1, K)
@@ -300,7 +299,6 @@ class _CompiledMXLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        from .tracedmx import _gemm as plain_gemm
         g = ctx.gemms
         n = ctx.needs_input_grad
         saved = list(ctx.saved_tensors)
@@ -361,7 +359,6 @@ class _CompiledMXLinear(torch.autograd.Function):
 def _counters(device: torch.device) -> tuple:
     """The device's running inexact-block counters ``(x, w, dy, x.bwd, w.bwd)`` (``fast.COUNTERS``, ``fast.state``),
     which the ops add to; made by ``plan`` before the graph."""
-    from . import fast
     return fast.state.by_name[str(device)]
 
 
@@ -394,7 +391,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, mx:
     """``x @ weight.T + bias`` with the GEMMs ``spec`` described as ``mx``, as the compiled layer (``applies``'
     answer ``rows``), in the autocast dtype where autocast is on (as the fast path). ``keys``, ``signs``: the
     call's ``call_seeds`` outputs where the recipe rounds stochastically or draws random signs (else None)."""
-    from .. import settings
     dt = x.device.type
     amp = torch.get_autocast_dtype(dt) if torch.is_autocast_enabled(dt) else None
     out_dtype = amp if amp is not None else x.dtype

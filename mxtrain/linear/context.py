@@ -194,7 +194,7 @@ class Ctx:
         # (the fused kernel implements the formats and scale rules before the reference-only ones)
         if (op.rounding == "nearest" and not reference_only(op.fmt, op.scale_rule)
                 and (mode == "always" or (mode == "auto" and t.is_cuda))):
-            from ..kernels.mxelem import mx_operand   # the fused MXFP8/MXFP6 kernel (mxtrain/kernels/mxelem.py)
+            from ..kernels.mxelem import mx_operand  # startup; the fused MXFP8/MXFP6 kernel (mxtrain/kernels/mxelem.py)
             v = mx_operand(t, signs if rot.enabled else None, key, *spec, out_dtype=out_dtype)
             if v is not None:
                 return v, op.prescale
@@ -221,7 +221,7 @@ class Ctx:
                 op.prescale, True)
         mode = _settings.current().nvfp4_kernel
         if mode == "always" or (mode == "auto" and t.is_cuda):
-            from ..kernels.nvfp4 import factored_operand, kernel_rule
+            from ..kernels.nvfp4 import factored_operand, kernel_rule  # startup
             # (the kernel has NVFP4's standard block scale and ``four_over_six``, a rule ``reference_only`` names)
             if not reference_only(op.fmt, op.scale_rule) or kernel_rule(op.scale_rule):
                 res = factored_operand(t, signs if rot.enabled else None, key, *spec[:-1], out_dtype=out_dtype)

@@ -30,7 +30,7 @@ def route(recipe: Recipe, x: torch.Tensor, weight: torch.Tensor) -> str:
     if not recipe.quantized:
         return "plain"
     if x.device.type == "cuda" and settings.current().fast:
-        from . import fast
+        from . import fast  # startup
         if fast.supported(recipe) and fast.applies(x, weight):
             return "fast"
     return "reference"
@@ -44,7 +44,7 @@ def new_state(layer: int = 0, device=None) -> torch.Tensor:
 def _seeds_on_device(state: torch.Tensor) -> bool:
     if state.device.type != "cuda":
         return False
-    from ..kernels import kernels_available
+    from ..kernels import kernels_available  # startup
     return kernels_available(state.device)
 
 
@@ -53,7 +53,7 @@ def call_seeds(state: torch.Tensor, recipe: Recipe, grad: bool) -> tuple[torch.T
     rounds stochastically and the call records gradients (``grad``: ``torch.is_grad_enabled()`` where the
     layer is called; a call under ``no_grad`` draws the next call's bits without taking them, ``Ctx``). On a
     CUDA device one kernel, no host synchronisation."""
-    from ..kernels import seeds as S
+    from ..kernels import seeds as S  # startup
     sr, modes, sizes = seed_spec(recipe)
     adv = any(sr) and grad
     if _seeds_on_device(state):
@@ -94,7 +94,7 @@ def recipe_json(recipe: Recipe) -> str:
 
 def split_capable(recipe: Recipe) -> bool:
     """Can the compiled fast path quantize X in its own op (MXFP4 on both Fprop operands)?"""
-    from . import fast
+    from . import fast  # startup
     return fast.supported(recipe) and all(
         recipe.operand(n).fmt == "mxfp4" for n in ("fprop_x", "fprop_w"))
 
@@ -142,7 +142,7 @@ def compiled_form(x, weight, quantized: bool, split: bool, fp8: str, mx: str) ->
     s = settings.current()
     # (exact_carrier: the one op, whose GEMMs see the FP4 codes beside each carrier)
     if mx and s.fast and not s.exact_carrier:
-        from . import compiledmx, tracedmx
+        from . import compiledmx, tracedmx  # startup
         rows = tracedmx.applies(mx, x, weight, s.mx_traced)
         if rows:
             return "traced_mx", rows
@@ -157,7 +157,7 @@ def compiled_form(x, weight, quantized: bool, split: bool, fp8: str, mx: str) ->
         fmts = tuple(fp8.split(","))
         if tracedfp8.applies(fmts, _fp8_input(x), weight):
             return "traced_fp8", fmts
-    from . import fast
+    from . import fast  # startup
     if (split and s.fast and not s.exact_carrier and fast.KERNELS and x.is_cuda and x.dtype in fast.OK_DTYPES
             and weight.dtype in fast.OK_DTYPES):
         return "split_ops", None
@@ -192,7 +192,6 @@ def _fp8_input(x: torch.Tensor) -> torch.Tensor:
 def _compile_spec(recipe: str) -> tuple[str, bool, bool, bool, str, str]:
     """``recipe``: a preset name or a recipe's JSON string (strings only: a traced call passes its
     arguments as constants, and some torch versions cannot rebuild a frozen dataclass there)."""
-    from . import tracedfp8
     r = _recipe_from_json(recipe) if recipe.startswith("{") else get_recipe(recipe)
     fp8 = tracedfp8.spec(r)
     return (recipe_json(r), needs_seeds(r), r.quantized, split_capable(r), ",".join(fp8) if fp8 else "",
@@ -202,5 +201,5 @@ def _compile_spec(recipe: str) -> tuple[str, bool, bool, bool, str, str]:
 def mx_spec(r: Recipe) -> str:
     """The recipe's GEMMs as the traced MX forms take them (``tracedmx.spec``; where that declines, the wider
     ``compiledmx.spec``: stochastic rounding, random signs, prescales), else ""."""
-    from . import compiledmx, tracedmx
+    from . import compiledmx, tracedmx  # startup
     return r.memo("mx_spec", lambda r: tracedmx.spec(r) or compiledmx.spec(r) or "")

@@ -43,11 +43,16 @@ import dataclasses
 import torch
 
 from .. import settings as _settings
-from .context import Ctx, gemm_dtype
+from .context import Ctx, gemm_dtype, autocast_dtype
 from ..kernels import HAS_TRITON as _HAS_TRITON, backend as _backend, kernels_available
 from ..kernels import gemm as _gemm
 from ..kernels.mxfp4 import TILE_K, QuantOut, dual_applies, quantize_mxfp4_dual, quantize_op
 from ..kernels.mxfp4.carrier import KERNEL_FORMATS, out_shapes
+from ..kernels.mxfp4.launch import RULE_ID
+from ..numerics.recipe import OPERANDS
+from ..numerics.quant import warm_elem_tables
+from ..errors import UserError
+from ..kernels.expand import carrier_from_packed
 
 __all__ = ["supported", "applies", "apply", "forward", "backward", "inexact_blocks", "inexact_by_tensor",
            "clear_caches", "FastState", "state", "ROLES"]
@@ -72,8 +77,6 @@ def supported(recipe) -> bool:
 def _supported(recipe) -> bool:
     # (MXFP4 operands only with a scale rule the kernels implement, ``RULE_ID``: a rule of the reference
     # quantizer alone, ``quant.REF_SCALE_RULES`` such as ``adaptive``, goes to the reference path)
-    from ..kernels.mxfp4.launch import RULE_ID
-    from ..numerics.recipe import OPERANDS
     ops = [recipe.operand(n) for n in OPERANDS]
     return all((op.fmt == "bf16" or (op.fmt in KERNEL_FORMATS and op.scale_rule in RULE_ID)) and not op.block_2d
                for op in ops)
@@ -134,7 +137,6 @@ class FastState:
         """Make the counters of ``device`` now (outside any CUDA graph), if they do not exist yet."""
         d = self._dev(device)
         if any((d, r) not in self.counters for r in COUNTERS):
-            from ..numerics.quant import warm_elem_tables
             warm_elem_tables(d)    # (the reference quantizer's tables, used by the kernels' self-check too)
         for r in COUNTERS:
             if (d, r) not in self.counters:
@@ -211,7 +213,6 @@ def _exact_gemm(qctx: Ctx, qa: QuantOut, nA: str, qb: QuantOut, nB: str, backend
     exactly, else the exact ``dequant`` GEMM of their FP4 codes (one device sync to decide). The operands'
     counts are added to the running ones."""
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        from ..errors import UserError
         raise UserError("the exact_carrier setting decides each GEMM on the host, which a CUDA graph cannot "
                         "capture: turn train.cuda_graphs / mode='reduce-overhead' off, or exact_carrier off")
     n = None
@@ -331,7 +332,6 @@ def gathered_operand(qctx: Ctx, w: torch.Tensor, axis: int, name: str, gemm: str
     scales = mx.scales.view(torch.uint8).contiguous()
     q = QuantOut(R, K, None, None, group_rows, None, packed, scales, fmt=op.fmt)
     if _outputs(backend, False)[0]:
-        from ..kernels.expand import carrier_from_packed
         q = carrier_from_packed(q, k_multiple=_gemm.k_multiple_for(backend), counter=_counter(qctx, w.device, name))
     return q, op.prescale
 
@@ -498,7 +498,6 @@ def carrier_of(q: QuantOut, backend: str, qctx: Ctx) -> QuantOut:
     codes gets its carrier (the fused quantizer's bytes; inexact blocks counted here)."""
     if backend != "fp8_carrier" or q.carrier is not None:
         return q
-    from ..kernels.expand import carrier_from_packed
     dev = q.packed.device
     return carrier_from_packed(q, k_multiple=_gemm.k_multiple_for(backend), counter=_counter(qctx, dev, "wgrad_x"))
 
@@ -612,7 +611,6 @@ def apply(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, qctx
     """The fast MX linear (autograd-aware, eager). ``amp``: the autocast dtype, or "auto" to read it. Only where
     ``applies(x, weight)``: the choice between this and the reference is ``linear.route``'s (``mx_linear``)."""
     if amp == "auto":
-        from .context import autocast_dtype
         amp = autocast_dtype(x.device.type)
     if not applies(x, weight):
         raise ValueError(f"mxtrain.linear.fast.apply: the fused kernels cannot run these tensors (device {x.device}, "

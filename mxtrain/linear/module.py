@@ -27,8 +27,8 @@ import torch.nn as nn
 
 from .context import Ctx, advances_calls, needs_seeds, operand_seed
 from .api import compiled_linear, mx_linear
-from .dispatch import mx_spec, recipe_json, split_capable
-from . import tracedfp8
+from .dispatch import mx_spec, recipe_json, split_capable, implementation
+from . import ops as _ops, tracedfp8  # noqa: F401 - ops: registers the mxtrain ops
 from ..numerics.recipe import Recipe
 from ..numerics.recipes import get as get_recipe
 
@@ -137,7 +137,7 @@ def _prepare_counters(device) -> None:
     """The fast path's inexact-block counters of a GPU, made now, outside any compiled graph or CUDA graph
     (``mxtrain.linear.fast.FastState.prepare``), so that compiled calls count too."""
     if device.type == "cuda" and not torch.compiler.is_compiling():
-        from . import fast
+        from . import fast  # startup
         fast.state.prepare(device)
 
 
@@ -260,7 +260,7 @@ class MXExperts(MXLayer):
 
     @property
     def _mx_ids(self) -> int:
-        from .moe import GEMMS_PER_EXPERT
+        from .moe import GEMMS_PER_EXPERT  # startup
         return GEMMS_PER_EXPERT * self.num_experts
 
     def _mx_weight(self) -> torch.Tensor:
@@ -268,7 +268,7 @@ class MXExperts(MXLayer):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        from .moe import advances_calls_json, experts_forward
+        from .moe import advances_calls_json, experts_forward  # startup
         recipe, seeded = self._mx_recipe, self._mx_seeded
         compiling = torch.compiler.is_compiling()
 
@@ -511,7 +511,7 @@ def convert(model: nn.Module, recipe: Recipe | str, *, skip=DEFAULT_SKIP, strict
         if kind is None:
             big = [pn for pn, p in m.named_parameters(recurse=False) if p.ndim >= 3]
             if big and not isinstance(m, nn.modules.conv._ConvNd):
-                from .moe import fused_experts
+                from .moe import fused_experts  # startup
                 why = fused_experts(m)
                 if why is None:   # HF Mixtral / Qwen3-MoE experts: MXExperts
                     candidates.append((n, m))
@@ -596,7 +596,6 @@ def _runs_as(model: nn.Module, rep: ConvertReport, recipe: Recipe) -> dict:
     w = model.get_submodule(rep.converted[0])._mx_weight()
     if w.device.type == "meta" or w.ndim != 2:
         return {}
-    from .dispatch import implementation
     x = torch.zeros(1, w.shape[1], device=w.device, dtype=w.dtype)
     return {"device": str(w.device), "eager": implementation(recipe, x, w.detach(), compiled=False),
             "compiled": implementation(recipe, x, w.detach(), compiled=True)}
@@ -631,7 +630,6 @@ def _checkpoint_policy(ctx, op, *args, **kwargs):
     that records gradients): kept,
     so the recomputed forward draws what the first one drew."""
     from torch.utils.checkpoint import CheckpointPolicy
-    from . import ops as _ops   # noqa: F401 - registers the mxtrain ops
     if op is torch.ops.mxtrain.call_seeds.default:
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE

@@ -33,6 +33,9 @@ import torch
 import torch.nn as nn
 
 from ._constant import assume_constant_result
+from .context import advances_calls
+from .dispatch import _recipe_from_json
+from ..numerics.recipes import get as get_recipe
 
 GEMMS_PER_EXPERT = 2   # gate_up_proj, down_proj: expert e's GEMMs are numbered 2 e and 2 e + 1
 
@@ -150,7 +153,4 @@ def _traced_experts_forward(m: nn.Module, hidden_states: torch.Tensor, top_k_ind
 def advances_calls_json(recipe_json: str) -> bool:
     """``mxtrain.linear.context.advances_calls`` of a recipe given as ``MXLayer._mx_json`` (a constant to dynamo: a
     compiled forward reads no recipe object, whose memo would add guards)."""
-    from .context import advances_calls
-    from .dispatch import _recipe_from_json
-    from ..numerics.recipes import get as get_recipe
     return advances_calls(_recipe_from_json(recipe_json) if recipe_json.startswith("{") else get_recipe(recipe_json))

@@ -56,7 +56,7 @@ def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     qctx = _op_ctx(r, keys, signs)
     a = _AMP[amp]
     if route(r, x, weight) == "fast":
-        from . import fast
+        from . import fast  # startup
         y, wq = fast.forward(x, weight, bias, qctx, a, need_wgrad, reuse=False)
         # (contiguous: the padded GEMM output's slice is a strided view; the fake says contiguous)
         y = y.contiguous()
@@ -76,7 +76,7 @@ def _(x, weight, bias, keys, signs, recipe, amp, need_wgrad):
     a = _AMP[amp]
     y = x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=a if a is not None else x.dtype)
     if route(r, x, weight) == "fast":
-        from . import fast
+        from . import fast  # startup
         shapes = fast.saved_operand_shapes(r, x, weight, need_wgrad)
         if shapes is not None:
             (sh0, dt0), (sh1, dt1) = shapes
@@ -102,11 +102,11 @@ def _linear_backward_op(dy: torch.Tensor, x: Optional[torch.Tensor], weight: tor
         dx, dw, db = ref_backward(dy, None, weight, qctx, a, need, x_codes=(s0, s1, r.operand("wgrad_x").prescale),
                                   x_dtype=x_dtype)
     elif s0.numel():
-        from . import fast
+        from . import fast  # startup
         wq = fast.unpack_operand(s0, s1, weight.shape[1], dy.numel() // max(dy.shape[-1], 1))
         dx, dw, db = fast.backward(dy, None, weight, wq, qctx, a, x_dtype, need)
     elif route(r, x, weight) == "fast":
-        from . import fast
+        from . import fast  # startup
         dx, dw, db = fast.backward(dy, x, weight, None, qctx, a, x_dtype, need)
     else:
         dx, dw, db = ref_backward(dy, x, weight, qctx, a, need)
@@ -153,7 +153,7 @@ _linear_op.register_autograd(_backward, setup_context=_setup_context)
 def _quantize_input_op(x: torch.Tensor, keys: Optional[torch.Tensor], signs: Optional[torch.Tensor], recipe: str,
                        need_wgrad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """X's Fprop operand (two tensors) and, with ``need_wgrad``, its Wgrad operand (two tensors, else empty)."""
-    from . import fast
+    from . import fast  # startup
     r = _recipe_from_json(recipe)
     pre = fast.quantize_input(x.reshape(-1, x.shape[-1]), _op_ctx(r, keys, signs), need_wgrad)
     f0, f1 = fast.pack_operand(pre["fprop_x"][0])
@@ -165,7 +165,7 @@ def _quantize_input_op(x: torch.Tensor, keys: Optional[torch.Tensor], signs: Opt
 
 @_quantize_input_op.register_fake
 def _(x, keys, signs, recipe, need_wgrad):
-    from . import fast
+    from . import fast  # startup
     r = _recipe_from_json(recipe)
     (a0, d0), (a1, d1) = fast.operand_shapes(r, x, "fprop_x")
     out = [x.new_empty(a0, dtype=d0), x.new_empty(a1, dtype=d1)]
@@ -192,7 +192,7 @@ def _linear_q_op(x: torch.Tensor, f0: torch.Tensor, f1: torch.Tensor, w0: torch.
                  signs: Optional[torch.Tensor], recipe: str, amp: str) -> torch.Tensor:
     """``Y`` from X's Fprop operand ``(f0, f1)`` made by ``quantize_input`` (``x`` only routes dX; its
     values are not read)."""
-    from . import fast
+    from . import fast  # startup
     r = _recipe_from_json(recipe)
     M, K = x.numel() // max(x.shape[-1], 1), x.shape[-1]
     pre = {"fprop_x": (fast.unpack_operand(f0, f1, M, K, group_rows=1), r.operand("fprop_x").prescale)}

@@ -77,6 +77,7 @@ from ..numerics.operand import pad_axis
 from ..numerics.quant import MXTensor, quantize
 from ..numerics.recipe import Recipe
 from ..numerics.recipes import get as get_recipe
+from .module import MXLayer, MXExperts
 
 __all__ = ["GATHER_MODES", "GatherReport", "QGatherWeight", "GatheredWeight", "Gathered", "Plan", "plan_layer",
            "prepare", "all_gather_bytes", "amaxes", "quantize_operand", "shard_operands", "assemble"]
@@ -533,7 +534,6 @@ def prepare(model: nn.Module, blocks, world: int, device: torch.device, warn: bo
     (before ``fully_shard``); the others stay as they are, each with its reason in the report (also a layer
     whose operands would not move fewer bytes than gathering it in ``param_dtype``, None: the weight's dtype).
     Says the report once (a warning) when some layer falls back and ``warn``."""
-    from .module import MXLayer, MXExperts
     rep = GatherReport()
     counts: dict = {}
     for _, p in model.named_parameters(remove_duplicate=False):
@@ -612,7 +612,6 @@ def all_gather_bytes(model: nn.Module, world: int, gather: str = "high", param_d
     step gathers each block once in the forward and (``reshard_after_forward``) again in the backward, per
     micro-step. Layers that would fall back are counted at the high-precision size. Computed by quantizing a
     zero weight of each distinct shape (no collective, no change to the model)."""
-    from .module import MXLayer
     if gather not in GATHER_MODES:
         raise ValueError(f"gather must be one of {GATHER_MODES}, got {gather!r}")
     hp = lambda t: t.numel() * (param_dtype.itemsize if param_dtype is not None and t.is_floating_point()

@@ -44,7 +44,7 @@ def _mm_f32(a: torch.Tensor, b: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
 def _mm_out_dtype_ok(device) -> bool:
     """Can this device's ``torch.mm`` return float32 from bf16 operands (``out_dtype``)? Probed once per
     device (kept in ``mxtrain.kernels.CACHES.probes``)."""
-    from ..kernels.caches import CACHES
+    from ..kernels.caches import CACHES  # startup
     key = f"mm_out_dtype:{device}"
     ok = CACHES.probes.get(key)
     if ok is None:

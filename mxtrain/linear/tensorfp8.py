@@ -20,6 +20,7 @@ import torch
 
 from .context import Ctx
 from ..numerics.recipe import Recipe
+from .. import settings
 
 __all__ = ["FP8_DTYPES", "applies", "codes", "scaled_mm", "shares_codes", "reorient", "fast_accum_fprop",
            "autocast_io", "autocast_io_dtype", "spec"]
@@ -65,7 +66,6 @@ def applies(recipe: Recipe, a_name: str, b_name: str, gemm: str, *dims: int, dev
 def fast_accum_fprop() -> bool:
     """Does the forward GEMM accumulate in the FP8 tensor cores' fast mode (setting ``fp8_fast_accum``:
     ``fprop``, TransformerEngine's and torchao's default)? Dgrad and Wgrad always accumulate in float32."""
-    from .. import settings
     return settings.current().fp8_fast_accum == "fprop"
 
 
@@ -75,7 +75,6 @@ def autocast_io_dtype(amp: torch.dtype | None) -> torch.dtype | None:
     float8 do) and ``amp`` is a 16-bit dtype; None: neither (the input quantized as given, float32 gradients to
     float32 tensors). The one place this rule is decided (``autocast_io``, ``linear._fp8_input``,
     ``tracedfp8.linear``)."""
-    from .. import settings
     if amp is None or amp == torch.float32 or settings.current().fp8_autocast != "autocast":
         return None
     return amp
@@ -94,7 +93,7 @@ def codes(qctx: Ctx, t: torch.Tensor, axis: int, name: str):
     ``kernels.fp8cast``, bit for bit)."""
     op = qctx.recipe.operand(name)
     if op.rounding == "nearest" and _cast_kernel_runs(t.device):
-        from ..kernels.fp8cast import quantize_tensor_fp8
+        from ..kernels.fp8cast import quantize_tensor_fp8  # startup
         codes, scale = quantize_tensor_fp8(t, op.fmt, op.prescale)
         return (codes if axis in (-1, 1) else codes.t().contiguous()), scale, op.prescale
     mx = qctx.quantize(t, axis, name)
@@ -117,7 +116,7 @@ def reorient(q: tuple, axis: int) -> tuple:
 
 
 def _cast_kernel_runs(device: torch.device) -> bool:
-    from ..kernels import kernels_available
+    from ..kernels import kernels_available  # startup
     return kernels_available(device)
 
 

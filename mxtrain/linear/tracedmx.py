@@ -43,6 +43,8 @@ from ..numerics.formats import get_format
 from ..numerics.hadamard import _INV_SQRT
 from ..numerics.quant import SCALE_RULES, mx_scale_exponent, pow2
 from ..numerics.recipe import Recipe
+from .. import settings
+from . import tensorfp8
 
 __all__ = ["spec", "applies", "carrier", "linear"]
 
@@ -80,12 +82,10 @@ def _plan(device: str) -> int:
     the traced form can run on ``device`` (FP8 tensor cores, the blockwise GEMM with 128x128 weight groups
     exact, the fast path on), else 0. Called once per compiled graph: the inexact-block counts of
     ``device`` are then marked as not counted (``fast.state.missed``)."""
-    from . import fast
-    from .. import settings
-    from ..kernels import gemm
+    from . import fast  # startup
+    from ..kernels import gemm  # startup
     d = torch.device(device)
     if d.type == "cuda":
-        from . import tensorfp8
         if not tensorfp8._fp8_capable(d) or gemm.weight_group_rows(d) != 128:
             return 0
         rows = gemm.activation_b_group_rows(d)

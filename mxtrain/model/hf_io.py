@@ -33,6 +33,7 @@ import torch
 
 from ..errors import UserError
 from .llama import Llama, ModelConfig
+from .._io import write_atomic
 
 __all__ = ['load_hf_llama', 'config_from_hf', 'llama_from_hf', 'hf_name', 'hf_state_dict', 'hf_config', 'save_safetensors', 'load_safetensors']
 
@@ -164,7 +165,6 @@ _ST_TORCH = {v: k for k, v in _ST_DTYPES.items()}
 def save_safetensors(path: str | Path, tensors: dict[str, torch.Tensor],
                      metadata: dict[str, str] | None = None) -> None:
     """Write ``tensors`` (CPU, any shapes; no two may share storage) as a safetensors file, atomically."""
-    from .._io import write_atomic
     header: dict = {}
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
@@ -533,7 +533,7 @@ def _sliding_window(c: dict, mt: str, where: Path) -> int | None:
 
 
 def _weight_files(hf_dir: Path) -> list[Path]:
-    from ..data.loader import bare_name
+    from ..data.loader import bare_name  # startup
     for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
         ip = hf_dir / index
         if ip.is_file():

@@ -22,6 +22,8 @@ import torch.nn.functional as F
 
 from .. import settings as _settings
 from ..errors import UserError
+from ..linear import ops as _ops  # noqa: F401 - registers the mxtrain ops
+from ..linear.module import checkpoint as mx_checkpoint
 
 __all__ = ["ModelConfig", "Llama", "MoEFeedForward", "SIZES", "size_names"]
 
@@ -374,7 +376,7 @@ class Experts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        from ..linear.moe import experts_forward
+        from ..linear.moe import experts_forward  # startup
         return experts_forward(self, hidden_states, top_k_index, top_k_weights, lambda x, w, k: F.linear(x, w))
 
 
@@ -428,7 +430,6 @@ _RECOMPUTED_OPS: set = set()
 def _ffn_context():
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
     if not _RECOMPUTED_OPS:
-        from ..linear import ops as _ops   # noqa: F401 - registers the mxtrain ops
         _RECOMPUTED_OPS.update({torch.ops.aten.mm.default, torch.ops.aten._scaled_mm.default,
                                 torch.ops.mxtrain.linear.default, torch.ops.mxtrain.linear_q.default})
     return create_selective_checkpoint_contexts(_recompute_linears)
@@ -466,8 +467,7 @@ class Block(nn.Module):
 
     def forward(self, x, cos, sin):
         if self.checkpoint_block and torch.is_grad_enabled():
-            from ..linear.module import checkpoint
-            return checkpoint(self._block, x, cos, sin, layers=self)
+            return mx_checkpoint(self._block, x, cos, sin, layers=self)
         return self._block(x, cos, sin)
 
     def _block(self, x, cos, sin):

@@ -116,7 +116,7 @@ import torch
 import torch.nn.functional as F
 
 from . import rng
-from .formats import ElemFormat, Format, get_format
+from .formats import ElemFormat, Format, get_format, FORMATS
 
 __all__ = [
     "MXTensor",
@@ -339,7 +339,6 @@ def warm_elem_tables(device) -> None:
     layer reaches a GPU (``fast.state.prepare``): a table first made inside a CUDA graph's warm-up or
     capture would be memory of the graph's pool kept alive by this cache, which CUDA graph trees
     (``torch.compile(mode="reduce-overhead")``) refuse."""
-    from .formats import FORMATS
     d = torch.device(device)
     if d.type == "cuda" and d.index is None:
         d = torch.device("cuda", torch.cuda.current_device())

@@ -16,6 +16,8 @@ from __future__ import annotations
 from typing import Callable
 
 from .recipe import BF16, Operand, Recipe, Rotation
+from .formats import get_format
+from .quant import ALL_SCALE_RULES, REF_RULE_KIND
 
 __all__ = ["get", "names", "register", "is_name"]
 
@@ -52,8 +54,6 @@ def get(name: str | Recipe) -> Recipe:
                          f"(optionally +RULE, a scale rule for every MX operand)") from None
     r = fn()
     if plus:
-        from .formats import get_format
-        from .quant import ALL_SCALE_RULES, REF_RULE_KIND
         if rule not in ALL_SCALE_RULES:
             raise ValueError(f"unknown scale rule {rule!r} in recipe {name!r}; valid: {', '.join(ALL_SCALE_RULES)}")
         kind = REF_RULE_KIND.get(rule, "mx")   # (``four_over_six``: the NVFP4 operands)

@@ -32,6 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .arms import split
+from .stats import outside, tost, holm
+from .cooldown import MIN_SEEDS, summarize_cooldown, verdict_scale, _p, _pct, seeds_text
 
 __all__ = ["Claim", "CLAIMS", "MARGIN", "EXPECTS", "claim_pairs", "claim_p", "judge", "evaluate_claims", "claim_lines"]
 
@@ -112,7 +114,6 @@ def claim_p(expect: str, row: dict | None, df: int | None, margin: float = MARGI
     """The claim's p-value before correction: the paired t test of the loss gap for the directional claims;
     for ``equal`` the smaller of the equivalence test's (TOST) and the beyond-the-margin test's (only one of
     them can be small). None without a test (no row, no standard error, fewer than 2 seeds)."""
-    from .stats import outside, tost
     if row is None or not df:
         return None
     if expect != "equal":
@@ -127,8 +128,6 @@ def judge(expect: str, row: dict | None, n_seeds: int, margin: float = MARGIN, p
     """``(verdict, why)`` for one claim from the largest budget's ``row`` of ``paired_extra_tokens``.
     ``p_adj``: the claim's Holm-adjusted p-value (default: its own, uncorrected); ``small``: why the runs are
     too small for a verdict (``cooldown.verdict_scale``)."""
-    from .cooldown import MIN_SEEDS
-    from .stats import outside, tost
 
     if expect not in EXPECTS:
         raise ValueError(f"expect {expect!r}: one of {', '.join(EXPECTS)}")
@@ -170,8 +169,6 @@ def evaluate_claims(points: dict, arms, budgets: list[float], *, n_boot: int = 1
     "budgets": [{"budget", "extra", "ci95", "se", "mde", "gap", "gap_seeds", "gap_ci95", "gap_p", "state",
     "extrapolated"}]}]``. ``scale``: ``{"params", "tokens"}`` of the runs (``cooldown.verdict_scale``); None:
     not checked."""
-    from .cooldown import summarize_cooldown, verdict_scale
-    from .stats import holm
 
     small = verdict_scale(scale.get("params"), scale.get("tokens")) if scale is not None else None
     out, rows_of = [], []
@@ -193,7 +190,6 @@ def evaluate_claims(points: dict, arms, budgets: list[float], *, n_boot: int = 1
                                                              "gap_ci95", "gap_p", "state", "extrapolated")}
                                     for row in rows]})
             rows_of.append(row)
-    from .cooldown import MIN_SEEDS
     # the family: the claims that can get a verdict here
     fam = [i for i, c in enumerate(out) if c["p"] is not None and c["n_seeds"] >= MIN_SEEDS and not small]
     adj = holm([out[i]["p"] for i in fam])
@@ -210,7 +206,6 @@ def claim_lines(claims: list[dict]) -> list[str]:
     """One line per tested claim: source, statement, verdict, and the numbers at the largest budget: the loss gap
     with its seed-level 95 % interval and each seed's gap, the extra tokens (flagged where they extrapolate the
     fit), AMD's own-tokens metric, the p-value and its Holm adjustment."""
-    from .cooldown import _p, _pct, seeds_text
 
     out = []
     for c in claims:

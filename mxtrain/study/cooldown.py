@@ -64,6 +64,7 @@ import math
 from pathlib import Path
 
 import numpy as np
+from . import stats as T
 
 __all__ = ["fit_power_law", "power_law", "equivalent_tokens", "extra_tokens", "paired_extra_tokens", "own_tokens",
            "load_cooldown_points", "summarize_cooldown", "verdict_lines", "verdict_scale", "FITS", "HUBER_DELTA",
@@ -278,7 +279,6 @@ def paired_extra_tokens(D, arm: np.ndarray, base: np.ndarray, *, n_boot: int = 1
     "gap_seeds", "gap_se", "gap_ci95", "gap_p", "gap_mde", "extra", "extra_seeds", "state", "d_equiv",
     "extrapolated", "ci95", "se", "p", "mde", "eval_se", "eval_gap_se", "eval_ci95"}...], "fit": {...},
     "fit_budgets", "fit_exact", "own_tokens", "n_seeds", "n_windows", "n_boot", "df"}``."""
-    from . import stats as T
 
     D = np.asarray(D, dtype=float)
     arm, base = np.asarray(arm, dtype=float), np.asarray(base, dtype=float)
@@ -581,7 +581,6 @@ def verdict_lines(cool: dict, scale: dict | None = None) -> list[str]:
     Holm-adjusted over the arms of this list, at alpha 0.05. No verdict with fewer than ``MIN_SEEDS`` seeds
     or, where ``scale`` (``{"params", "tokens"}``) is given, below ``verdict_scale``'s size; the numbers
     stay. The adjusted p-values are written into each arm's ``p_holm``."""
-    from . import stats as T
 
     out = fit_notes(cool)
     arms = {a: e for a, e in (cool.get("arms") or {}).items() if a != cool.get("baseline")}

@@ -57,9 +57,10 @@ warnings.filterwarnings("ignore", message="Full backward hook is firing when gra
 from ..linear.context import Ctx
 from ..linear.module import MXLinear, mx_layers
 from ..numerics.formats import get_format
-from ..numerics.quant import E8M0_NAN
+from ..numerics.quant import E8M0_NAN, quantize, _unpad
 
 from ..train.callbacks import Callback
+from ..numerics.recipe import Operand
 
 __all__ = ["Diagnostics", "DiagnosticsCallback", "operand_quantize", "gemm_diagnostics", "error_split", "load",
            "aggregate"]
@@ -114,8 +115,6 @@ def error_split(t: torch.Tensor, op, axis: int = -1, *, seed: int = 0, block_siz
       sum(x**2)`` there, reported as ``gain_rounded``: the least-squares relative gain, negative for shrinkage)
       and ``noise_energy`` (``sum((q - x - g x)**2)`` over the rounded set, orthogonal to ``x`` there).
     """
-    from ..numerics.quant import quantize
-    from ..numerics.recipe import Operand
     if isinstance(op, str):
         op = Operand(op)
     x32 = t.detach().to(torch.float32)
@@ -131,7 +130,6 @@ def error_split(t: torch.Tensor, op, axis: int = -1, *, seed: int = 0, block_siz
 def _split(x: torch.Tensor, q: torch.Tensor, mx) -> dict:
     """``error_split``'s numbers from the values the quantizer saw (``x``), their quantized values (``q``,
     prescale not undone) and the ``MXTensor`` (None: not quantized)."""
-    from ..numerics.quant import _unpad
     x, q = x.double(), q.double()
     if mx is None:
         scale, top = torch.ones_like(x), float("inf")

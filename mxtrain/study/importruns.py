@@ -35,6 +35,7 @@ from . import arms as A
 from . import metrics as M
 from .plan import StudySpec, branch_folder, build_config, study_branch_plan
 from .run import _finished, _status
+from ..numerics import recipes as R
 
 __all__ = ["import_runs", "parse_renames", "config_differences"]
 
@@ -191,7 +192,6 @@ def import_runs(src: str | Path, dst: str | Path, renames: dict[str, str] | None
         log(f"imported {old} seed {seed} as {new}")
 
     # the destination lists the new arms and remembers where they came from
-    from ..numerics import recipes as R
     arms = list(dmeta.get("arms", []))
     for _, new, _ in done:
         if new not in arms:

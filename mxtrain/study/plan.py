@@ -21,7 +21,7 @@ meaningless. Studies therefore default to a constant rate after warmup (``--sche
 or a cosine whose horizon is ``--lr-horizon`` (10) times the run (``long-cosine``, as MLPerf's
 Llama 3.1-8B config does: its cosine spans 1.2 M steps for a ~6 k-step run).
 
-Imports marked ``(start-up cost)`` sit in the functions that use them: ``mxtrain.train`` (and the report)
+Imports marked ``# startup`` sit in the functions that use them: ``mxtrain.train`` (and the report)
 load on first use, not when ``mxtrain report`` or ``mxtrain study --dry-run`` imports this module.
 """
 
@@ -96,7 +96,7 @@ FLAG_KEYS = {"model": "model.name", "steps": "train.steps", "batch_size": "train
 def model_shape_keys() -> tuple[str, ...]:
     """The model's shape beside its name (``train.config.MODEL_SHAPE_FIELDS``, as ``model.`` keys): a preset's
     values of these go when the user names another model, as a named size drops them in ``mxtrain train``."""
-    from ..train.config import MODEL_SHAPE_FIELDS  # (start-up cost)
+    from ..train.config import MODEL_SHAPE_FIELDS  # startup
     return tuple(f"model.{k}" for k in MODEL_SHAPE_FIELDS)
 
 
@@ -366,8 +366,8 @@ def run_steps(cfg) -> int:
 def build_config(spec: StudySpec, arm: str, seed: int, run_dir: Path):
     """The ``TrainConfig`` of one run: the base experiment, the study's settings and overrides, then the
     per-run recipe, seeds and output folder (these last, so no ``--set`` can break the control)."""
-    from ..train.config import apply_overrides  # (start-up cost)
-    from ..train import experiments  # (start-up cost)
+    from ..train.config import apply_overrides  # startup
+    from ..train import experiments  # startup
 
     cfg = experiments.get(spec.exp) if spec.exp else experiments.get(experiments.DEFAULT)
     cfg.exp = f"study-{spec.preset or 'custom'}"

@@ -19,7 +19,11 @@ from pathlib import Path
 from ..errors import read_json_object
 from . import arms as A
 from . import diagnostics as D
-from . import metrics as M
+from . import metrics as M, cooldown as C
+from ..numerics import recipes as R
+from .. import settings as S
+from .cooldown import verdict_lines
+from ..train.checkpoint import write_atomic   # each file whole or not at all: a full disk keeps the old one
 
 __all__ = ["write_report", "recipe_brief", "arm_table_rows", "arm_colors", "cooldown_table_rows", "budget_gap_rows",
            "source_table_rows",
@@ -163,9 +167,9 @@ def _noise_lines(summary: dict) -> list[str]:
 
 
 def _plt():
-    import matplotlib
+    import matplotlib  # optional
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional
     return plt
 
 
@@ -176,7 +180,7 @@ PLOTS_MISSING = ("figures left out: matplotlib is not installed (pip install 'mx
 def plots_available() -> bool:
     """Whether matplotlib can be imported (the ``plots`` extra); without it reports have tables only."""
     try:
-        import matplotlib  # noqa: F401
+        import matplotlib  # optional  # noqa: F401
     except ImportError:
         return False
     return True
@@ -192,7 +196,7 @@ def tokens_label(v: float) -> str:
 
 def _tokens_axes(fig) -> None:
     """Every x axis of ``fig`` that counts tokens: at most 6 ticks, labelled ``tokens_label``."""
-    from matplotlib.ticker import FuncFormatter, MaxNLocator
+    from matplotlib.ticker import FuncFormatter, MaxNLocator  # optional
     for ax in fig.axes:
         if ax.get_xlabel().startswith("tokens"):
             ax.xaxis.set_major_locator(MaxNLocator(nbins=6))
@@ -329,7 +333,6 @@ def _cooldown_plot(cool: dict, colors: dict[str, str]) -> bytes | None:
     right: extra tokens per budget with seed-level 95 % intervals (jackknife-t). Colours: the report's arm map."""
     import numpy as np
 
-    from . import cooldown as C
     arms = {n: a for n, a in (cool.get("arms") or {}).items() if a.get("budgets")}
     if not arms:
         return None
@@ -479,8 +482,8 @@ def _diag_plots(aggs: dict[str, dict], colors: dict[str, str] | None = None) -> 
     error correlation by GEMM (line style); operand SQNR, clip and underflow rates; block-scale exponent
     histograms, one panel per operand, clipped to the populated range."""
     plt = _plt()
-    from matplotlib.lines import Line2D
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.lines import Line2D  # optional
+    from matplotlib.ticker import MaxNLocator  # optional
     aggs = {k: v for k, v in aggs.items() if v.get("steps")}
     if not aggs:
         return []
@@ -603,7 +606,7 @@ def _split_plot(aggs: dict[str, dict], colors: dict[str, str] | None = None) -> 
     if not data:
         return None
     plt = _plt()
-    from matplotlib.patches import Patch
+    from matplotlib.patches import Patch  # optional
     colors = colors or arm_colors(list(aggs))
     ncol = min(4, len(data))
     nrow = -(-len(data) // ncol)
@@ -694,7 +697,6 @@ def single_run_rows(d: Path, rd: M.RunData) -> list[list[str]]:
     info = rd.info or {}
     rec = _read_json(d / "recipe.json") or cfg.get("recipe")
     if isinstance(rec, str):
-        from ..numerics import recipes as R
         rec = R.get(rec).to_dict() if R.is_name(rec) else rec
     name = rec.get("name") if isinstance(rec, dict) else rec
     desc = (rec.get("description") or "").strip().split("\n")[0] if isinstance(rec, dict) else ""
@@ -843,7 +845,6 @@ def training_line(runs: dict) -> str | None:
 def _numerics_of(info: dict) -> set[tuple[str, str]] | None:
     """The numerics settings (``settings.NUMERICS``) a run trained with that are not the defaults, over every
     leg its ``run.json`` records; None where no leg recorded its settings."""
-    from .. import settings as S
     defaults = S.Settings().to_dict()
     legs = [info] + [g for g in (info.get("legs") or []) if isinstance(g, dict)]
     recorded = [g["settings"] for g in legs if isinstance(g.get("settings"), dict)]
@@ -999,7 +1000,6 @@ def write_report(d: str | Path, summary: dict | None = None, out: str | Path | N
     if cool:
         verdict = cool.get("verdict") or []
         if not verdict:
-            from .cooldown import verdict_lines
             verdict = verdict_lines(cool, cool.get("scale"))
         vnote = verdict_note(cool)
         h += ["<h2>Verdict</h2><ul>"] + [f"<li><b>{html.escape(v.split(':', 1)[0])}</b>:{html.escape(v.split(':', 1)[1])}</li>"
@@ -1110,7 +1110,6 @@ def write_report(d: str | Path, summary: dict | None = None, out: str | Path | N
     if not plots:
         h.append(f"<p>{html.escape(PLOTS_MISSING[0].upper() + PLOTS_MISSING[1:])}.</p>")
         md += [PLOTS_MISSING[0].upper() + PLOTS_MISSING[1:] + ".", ""]
-    from ..train.checkpoint import write_atomic   # each file whole or not at all: a full disk keeps the old one
     files = out / "report_files"
     made = not files.is_dir()
     files.mkdir(exist_ok=True)

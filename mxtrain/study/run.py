@@ -7,7 +7,7 @@ one was interrupted, and one that says ``failed`` (an error other than divergenc
 scratch (its folder is replaced). A summary that lacks a planned run lists it under ``missing``, and
 ``mxtrain study`` then exits 1 (``StudyIncomplete``, ``incomplete_message``).
 
-Imports marked ``(start-up cost)`` sit in the functions that use them: ``mxtrain.train`` (and the report)
+Imports marked ``# startup`` sit in the functions that use them: ``mxtrain.train`` (and the report)
 load on first use, not when ``mxtrain report`` or ``mxtrain study --dry-run`` imports this module.
 """
 
@@ -60,7 +60,7 @@ def compute_plan(spec: StudySpec, tokens_per_s: float | None = None) -> dict:
     training split; with ``tokens_per_s`` (training tokens a second of the whole machine, all jobs together,
     measured on it) the hours it needs, counting an evaluated token as a third of a trained one. Parameters
     "without the embedding" leave out the embedding table and the output head."""
-    from ..train.trainer import _model_config  # (start-up cost)
+    from ..train.trainer import _model_config  # startup
     cfg = build_config(StudySpec(**{**asdict(spec), "budgets": None}), spec.arms[0], 0, Path(spec.out) / "plan")
     vocab, train_tokens = cfg.data.vocab_size, None
     meta = Path(cfg.data.path) / "meta.json" if cfg.data.path else None
@@ -161,11 +161,11 @@ def describe_compute(c: dict) -> str:
 def train_branch(spec: StudySpec, arm: str, seed: int, run_dir: Path, budget: float, k: int, n: int, bdir: Path):
     """Train one cooldown branch of the stable run ``run_dir`` (``mxtrain.train.branch_fit``); returns its
     typed ``Outcome``. A branch folder with its own checkpoint resumes from it."""
-    from ..train.branch import _run_config, branch_fit  # (start-up cost)
+    from ..train.branch import _run_config, branch_fit  # startup
     cfg = None
     extra = A.branch_overrides_of(arm, k)   # an arm whose branches differ from its stable run (@bf16cool)
     if extra:
-        from ..train.config import apply_overrides  # (start-up cost)
+        from ..train.config import apply_overrides  # startup
         cfg = _run_config(Path(run_dir))
         apply_overrides(cfg, extra)
     return branch_fit(run_dir, k, n, bdir, shape=spec.cooldown_shape, cfg=cfg, log=lambda m: None)
@@ -176,8 +176,8 @@ def train_one(spec: StudySpec, arm: str, seed: int, run_dir: Path, resume: Path 
     diverged; an interrupted or failed run raises). ``resume``: continue the interrupted run in ``run_dir``
     from its checkpoint. Callbacks: per-GEMM diagnostics when ``diagnose_every`` is set, and a W&B logger (run
     ``<arm>-seed<k>``, grouped by study) when ``log.wandb`` is on."""
-    from ..train import trainer as TR  # (start-up cost)
-    from ..train.callbacks import WandbLogger, wandb_project  # (start-up cost)
+    from ..train import trainer as TR  # startup
+    from ..train.callbacks import WandbLogger, wandb_project  # startup
 
     cfg = build_config(spec, arm, seed, run_dir)
     callbacks = []
@@ -189,7 +189,7 @@ def train_one(spec: StudySpec, arm: str, seed: int, run_dir: Path, resume: Path 
         if cfg.train.cuda_graphs:
             raise UserError("diagnostics (--diagnose-every) read each step's operands in Python, which a CUDA graph "
                             "replay skips: turn train.cuda_graphs off for a diagnosed study")
-        from .diagnostics import DiagnosticsCallback  # (start-up cost)
+        from .diagnostics import DiagnosticsCallback  # startup
         cfg.train.compile = "off"   # diagnostics hook every MX layer on sampled steps, in Python
         diag = DiagnosticsCallback(spec.diagnose_every)
         callbacks.append(diag)
@@ -218,10 +218,7 @@ def _is_divergence(e: BaseException) -> bool:
     """For an exception that carries no typed outcome (a stand-in ``train_fn``), divergence is decided by its
     type, never by its text: the trainer's ``NonFiniteLoss`` (and Python's ``FloatingPointError``, the standard
     type of a floating-point failure) is a diverged run, a result of the study; anything else is a failure."""
-    try:
-        from ..train import NonFiniteLoss  # (start-up cost)
-    except ImportError:  # pragma: no cover - the trainer is part of the package
-        NonFiniteLoss = ()
+    from ..train import NonFiniteLoss  # startup
     return isinstance(e, (NonFiniteLoss, FloatingPointError))
 
 
@@ -233,10 +230,7 @@ def _is_interrupt(e: BaseException) -> bool:
     oc = getattr(e, "outcome", None)
     if getattr(oc, "status", None) is not None and getattr(oc.status, "value", None) == "interrupted":
         return True
-    try:
-        from ..train import Interrupted  # (start-up cost)
-    except ImportError:  # pragma: no cover
-        return False
+    from ..train import Interrupted  # startup
     return isinstance(e, Interrupted)
 
 
@@ -244,7 +238,7 @@ def _outcome_of(e: BaseException, rd: Path):
     """The typed outcome of a run that raised ``e``: the exception's own (the trainer attaches it as
     ``e.outcome``), else the one the trainer recorded in ``rd/run.json``, else by the exception's type
     (``_is_divergence``): diverged or failed."""
-    from ..train.callbacks import Outcome, Status, read_outcome  # (start-up cost)
+    from ..train.callbacks import Outcome, Status, read_outcome  # startup
 
     oc = getattr(e, "outcome", None)
     if isinstance(oc, Outcome):
@@ -285,8 +279,8 @@ def _resume_point(rd: Path) -> int | None:
     ``interrupted`` in ``RUN/run.json``) or killed (SIGKILL, a lost machine: no outcome recorded) after a
     checkpoint. The checkpoint is the run folder's newest (``checkpoint.latest``); a run whose record says it
     ended otherwise, or whose checkpoint cannot be read, has none."""
-    from ..train import checkpoint as ckpt  # (start-up cost)
-    from ..train.callbacks import Status, read_outcome  # (start-up cost)
+    from ..train import checkpoint as ckpt  # startup
+    from ..train.callbacks import Status, read_outcome  # startup
     try:
         oc = read_outcome(rd)
     except Exception:  # noqa: BLE001 - an unreadable record: train the run again
@@ -449,7 +443,7 @@ def _run_and_record(call, folder: Path, interrupted: str, fields: dict, log) -> 
     ``folder/study_status.json`` (done | diverged | failed, with ``fields``; a failure's traceback in
     ``study_error.txt``); the state is the trainer's typed outcome. An interrupted run stops the study
     (``interrupted``: the message, ``{}`` for the reason)."""
-    from ..train.callbacks import Outcome, Status, read_outcome  # (start-up cost)
+    from ..train.callbacks import Outcome, Status, read_outcome  # startup
     ts = time.time()
     tb = None
     oom = False
@@ -529,8 +523,8 @@ def run_branches(spec: StudySpec, arm: str, seed: int, tag: str, branch_fn, log=
 def _gone_checkpoints(spec: StudySpec, rd: Path) -> list[int]:
     """Branch steps of ``rd``'s pending branches (neither finished nor holding a checkpoint of their own) whose
     kept checkpoint of the stable run is missing. Only for a run folder the trainer wrote (``run.json``)."""
-    from ..train import checkpoint as ckpt  # (start-up cost)
-    from ..train.branch import kept_checkpoint  # (start-up cost)
+    from ..train import checkpoint as ckpt  # startup
+    from ..train.branch import kept_checkpoint  # startup
     if not (rd / "run.json").is_file():
         return []
     gone = []
@@ -571,8 +565,8 @@ def remake_checkpoints(spec: StudySpec, arm: str, seed: int, rd: Path, steps: li
     differed from step 120 on, by up to 0.028 in single logged losses; an H200 run remade on an H100 by up to
     0.25 (docs/results.md). Where the losses differ, a warning says so and the branches start from the remade
     state. A remake stopped by a signal continues from its own checkpoint next time."""
-    from ..train.branch import kept_checkpoint  # (start-up cost)
-    from ..train.checkpoint import kept_name  # (start-up cost)
+    from ..train.branch import kept_checkpoint  # startup
+    from ..train.checkpoint import kept_name  # startup
     what = f"{tag} {arm} seed {seed}".strip()
     tmp = rd / "remake"
     at = _resume_point(tmp) if tmp.exists() else None
@@ -583,7 +577,7 @@ def remake_checkpoints(spec: StudySpec, arm: str, seed: int, rd: Path, steps: li
         + (f", continuing the remake from step {at}" if at is not None else ""))
     ts = time.time()
     oc = train_fn(spec, arm, seed, tmp, **({"resume": tmp} if at is not None else {}))
-    from ..train.callbacks import Outcome, Status  # (start-up cost)
+    from ..train.callbacks import Outcome, Status  # startup
     if isinstance(oc, Outcome) and oc.status is Status.INTERRUPTED:
         raise StudyInterrupted(f"{what}: remaking its checkpoints was interrupted ({oc.reason}); rerun the same "
                                f"command to resume", signal.SIGINT)

@@ -2,7 +2,7 @@
 folders: ``summarize_study``, with the further references (``add_references``) and the cooldown design's
 results (``add_cooldown``).
 
-Imports marked ``(start-up cost)`` sit in the functions that use them: ``mxtrain.train`` (and the report)
+Imports marked ``# startup`` sit in the functions that use them: ``mxtrain.train`` (and the report)
 load on first use, not when ``mxtrain report`` or ``mxtrain study --dry-run`` imports this module.
 """
 
@@ -30,7 +30,7 @@ def summarize_study(out: str | Path) -> dict:
     without a finished run (failed, interrupted or never trained), each with its state and reason. When
     the baseline has no finished run there is nothing to compare with: ``summary.json`` then holds only
     the plan and the missing runs (``"arms": {}``) and no report is written."""
-    from .report import write_report  # (start-up cost)
+    from .report import write_report  # startup
 
     out = Path(out)
     meta = read_json_object(out / "study.json")

@@ -45,10 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     import json
     from pathlib import Path
 
-    from ..errors import UserError
-    # (start-up cost: a worker whose parent is gone exits before it imports the study and the trainer)
-    from .plan import StudySpec, plan_order
-    from .run import claim_path, ran_out_of_memory, run_one, train_one
+    # a worker whose parent is gone exits before it imports torch, the study and the trainer
+    from ..errors import UserError  # startup
+    from .plan import StudySpec, plan_order  # startup
+    from .run import claim_path, ran_out_of_memory, run_one, train_one  # startup
 
     argv = sys.argv[1:] if argv is None else argv
     out, k = Path(argv[0]), int(argv[1])

@@ -8,7 +8,7 @@ the lock lasts until the owner and every worker have ended. A second ``mxtrain s
 refused meanwhile. Workers die with their parent (``PR_SET_PDEATHSIG`` on Linux), and the parent stops
 and waits for its workers on SIGINT, SIGTERM or any error.
 
-Imports marked ``(start-up cost)`` sit in the functions that use them: ``mxtrain.train`` (and the report)
+Imports marked ``# startup`` sit in the functions that use them: ``mxtrain.train`` (and the report)
 load on first use, not when ``mxtrain report`` or ``mxtrain study --dry-run`` imports this module.
 """
 
@@ -99,8 +99,8 @@ def run_study(spec: StudySpec, train_fn: Callable[[StudySpec, str, int, Path], N
         raise UserError(f"--jobs must be >= 1, got {jobs}")
     spec.check_branch_options()
     out = Path(spec.out)
-    from ..train.callbacks import require_wandb, wandb_project  # (start-up cost)
-    from ..train.config import validate  # (start-up cost)
+    from ..train.callbacks import require_wandb, wandb_project  # startup
+    from ..train.config import validate  # startup
     for arm in spec.arms:   # every run's config checked before the study folder is written
         cfg = build_config(spec, arm, 0, out / "runs" / "check")
         validate(cfg)

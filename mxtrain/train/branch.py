@@ -27,8 +27,11 @@ from . import parallel as D
 from .._io import write_json
 from ..errors import UserError
 from . import checkpoint as ckpt
-from .config import TrainConfig
+from .config import TrainConfig, DECAY_SHAPES
 from .evaluation import DOMAINS_NAME, WINDOWS_NAME
+from .trainer import wsd_decay_start, fit, NonFiniteLoss
+from .profiling import PROFILE_DIR
+from .callbacks import read_outcome, Outcome, Status
 
 __all__ = ["branch", "branch_fit", "branch_config", "branch_dir", "kept_checkpoint", "BRANCH_INFO"]
 
@@ -71,8 +74,6 @@ def branch_config(base: TrainConfig, at_step: int, cooldown_steps: int, out: str
     cooldown_steps`` decaying over the last ``cooldown_steps`` (``shape``: linear or 1-sqrt; default the
     base's ``schedule.decay_shape``), ``train.steps = at_step + cooldown_steps``, no kept checkpoints, into
     ``out``. UserError if the base run's LR is not constant (after warmup) up to ``at_step``."""
-    from .config import DECAY_SHAPES
-    from .trainer import wsd_decay_start
     if not isinstance(at_step, int) or isinstance(at_step, bool) or at_step < 1:
         raise UserError(f"--branch-at must be a step >= 1, got {at_step!r}")
     if not isinstance(cooldown_steps, int) or isinstance(cooldown_steps, bool) or cooldown_steps < 1:
@@ -106,7 +107,6 @@ def _attempt_files(out: Path) -> list[Path]:
     """What an earlier attempt at the branch in ``out`` wrote there: ``branch.json``, and what a run writes into
     its folder (the trainer, its callbacks, a study's runner). Nothing else in ``out`` is the branch's."""
     import re
-    from .profiling import PROFILE_DIR
     names = {BRANCH_INFO, "metrics.jsonl", WINDOWS_NAME, DOMAINS_NAME, "run.json", "config.json", "recipe.json",
              "summary.json", "diagnostics.jsonl", "deosc.jsonl", "wandb_id", "tb", PROFILE_DIR, "study_status.json",
              "study_error.txt", ckpt.NAME, D.DCP_NAME, D.DCP_OLD, D.DCP_NAME + ".tmp"}
@@ -119,7 +119,6 @@ def _attempt_files(out: Path) -> list[Path]:
 
 
 def _finished(out: Path) -> bool:
-    from .callbacks import read_outcome
     oc = read_outcome(out)
     return (out / "summary.json").is_file() and (oc is None or oc.completed)
 
@@ -127,8 +126,6 @@ def _finished(out: Path) -> bool:
 def branch_fit(run_dir: str | Path, at_step: int, cooldown_steps: int, out: str | Path | None = None, *,
                shape: str | None = None, cfg: TrainConfig | None = None, callbacks=None, log=print):
     """``branch``, returning the trainer's typed ``Outcome`` (completed or diverged; ``fit``'s contract)."""
-    from .callbacks import Outcome, Status
-    from .trainer import fit
     run = Path(run_dir)
     if not run.is_dir():
         raise UserError(f"no run folder at {run_dir}")
@@ -177,7 +174,6 @@ def branch(run_dir: str | Path, at_step: int, cooldown_steps: int, out: str | Pa
     config.json; the identity keys must match its checkpoint). Returns the branch's run folder; a diverged
     branch raises ``NonFiniteLoss`` as ``train`` does. A finished branch is returned as it is, an
     interrupted one resumes from its own checkpoint."""
-    from .trainer import NonFiniteLoss
     oc = branch_fit(run_dir, at_step, cooldown_steps, out, shape=shape, cfg=cfg, callbacks=callbacks)
     if oc.diverged:
         e = NonFiniteLoss(oc.reason or "the branch diverged", step=oc.step)

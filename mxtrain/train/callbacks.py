@@ -260,7 +260,7 @@ class TensorBoardLogger(Callback):
         if state.rank:
             return
         try:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # optional
         except Exception:  # noqa: BLE001 - tensorboard not installed (or broken): no event files
             return
         log_dir = Path(self.log_dir or Path(state.out) / "tb")
@@ -313,7 +313,7 @@ def wandb_project(value) -> str | None:
 def require_wandb():
     """The ``wandb`` module, or one UserError saying how to install it."""
     try:
-        import wandb
+        import wandb  # optional
     except ImportError as e:
         if getattr(e, "name", None) == "wandb":
             raise UserError("log.wandb is on but the wandb package is not installed: pip install wandb "

@@ -22,6 +22,7 @@ import torch
 # (study/report.py imports write_atomic from here)
 from .._io import lock_holder, replace_folder, temp_path, write_atomic
 from ..errors import UserError
+from . import parallel as D
 
 FORMAT = "mxtrain-ckpt-v1"
 NAME = "checkpoint.pt"
@@ -72,7 +73,6 @@ def _candidates(folder: Path) -> list[Path]:
     """A run folder's complete latest checkpoints, in the order that wins a tie: ``checkpoint.pt`` (one
     process), ``checkpoint.dcp`` (several), ``checkpoint.dcp.old`` (the previous DCP checkpoint, whole, where a
     save stopped between its two renames)."""
-    from . import parallel as D
     return ([folder / NAME] if (folder / NAME).is_file() else []) + \
         [p for p in (folder / D.DCP_NAME, folder / D.DCP_OLD) if D.is_checkpoint(p)]
 
@@ -84,7 +84,6 @@ def holds_checkpoint(folder: str | Path) -> bool:
 
 def step_of(path: str | Path) -> int:
     """The step recorded in a checkpoint file or DCP folder, read without its tensors."""
-    from . import parallel as D
     path = Path(path)
     if D.is_checkpoint(path):
         st = D.read_extra(path)
@@ -119,7 +118,6 @@ def latest(folder: str | Path) -> Path | None:
 
 def find(path: str | Path) -> Path:
     """A checkpoint file or DCP folder, or the newest checkpoint of a run folder (``latest``)."""
-    from . import parallel as D
     p = Path(path)
     if D.is_checkpoint(p):
         return p

@@ -29,9 +29,14 @@ import torch
 from .parallel import MODES
 from .._io import read_regular
 from ..errors import UserError, check_number
-from ..model.llama import ModelConfig
+from ..model.llama import ModelConfig, SIZES
 from . import profiling
 from .callbacks import wandb_project
+from ..numerics import recipes
+from ..numerics.recipe import Recipe
+from ..data.tokenizer import check_vocab_size
+from ..linear.qgather import GATHER_MODES
+from .deosc import DeoscSettings, check_recipe
 
 
 @dataclass
@@ -208,7 +213,6 @@ class TrainConfig:
         return apply_dict(cls(), d, source)
 
     def resolved_recipe(self):
-        from ..numerics import recipes
         try:
             r = recipes.get(self.recipe)
             return r.with_(**self.recipe_overrides) if self.recipe_overrides else r
@@ -438,7 +442,6 @@ def check_model_shape(cfg: TrainConfig, given: dict | None = None) -> None:
     """The model shape that ``cfg.model`` asks for (the named size, with the fields set replacing its own) is a
     valid one; a contradiction (``--model 30m --set model.dim=100``: 30m's 6 heads do not divide 100) is one line
     naming which values came from the named size and how to set them. ``given``: key -> how the user gave it."""
-    from ..model.llama import SIZES, ModelConfig
     m = cfg.model
     if m.name not in SIZES:
         raise UserError(f"model.name={m.name!r}: unknown model size; valid sizes: {', '.join(SIZES)}")
@@ -560,7 +563,6 @@ def apply_dict(cfg: TrainConfig, d: dict, source: str = "") -> TrainConfig:
                     raise UserError(f"{where}recipe: a recipe table is a whole recipe (as in a run's recipe.json, "
                                     f"with a name); to change fields of a preset, set recipe = \"NAME\" and "
                                     f"[recipe_overrides] \"OPERAND.FIELD\" = VALUE")
-                from ..numerics.recipe import Recipe
                 try:
                     cfg.recipe = Recipe.from_dict(v)
                 except (TypeError, ValueError) as e:
@@ -627,7 +629,7 @@ def _no_duplicate_keys(pairs: list) -> dict:
 
 def _yaml_loads(text: str, path: Path):
     try:
-        import yaml
+        import yaml  # optional
     except ModuleNotFoundError:
         raise UserError(f"{path}: reading YAML needs PyYAML: pip install pyyaml (or use a .toml or .json "
                         f"config file)") from None
@@ -868,7 +870,6 @@ def _check(cfg: TrainConfig) -> None:
         if not ok:
             raise UserError(f"unknown device {t.device!r}; use auto, cpu, cuda or cuda:N")
     if d.path == "builtin":   # the built-in corpus's tokenizer is trained at this vocab
-        from ..data.tokenizer import check_vocab_size
         check_vocab_size(d.vocab_size)
     if t.gc_every < 0:
         raise UserError(f"train.gc_every must be 0 (Python's automatic collection) or positive, got {t.gc_every}")
@@ -893,7 +894,6 @@ def _check(cfg: TrainConfig) -> None:
         raise UserError(f"parallel.mode must be auto, {', '.join(MODES)}; got {cfg.parallel.mode!r}")
     if cfg.parallel.param_dtype not in ("auto", "bf16", "fp32"):
         raise UserError(f"parallel.param_dtype must be auto, bf16 or fp32, got {cfg.parallel.param_dtype!r}")
-    from ..linear.qgather import GATHER_MODES
     if cfg.parallel.gather not in GATHER_MODES:
         raise UserError(f"parallel.gather must be {' or '.join(GATHER_MODES)}, got {cfg.parallel.gather!r}")
     if cfg.parallel.gather == "quantized" and cfg.parallel.mode != "fsdp2":
@@ -915,7 +915,6 @@ def switch_step(cfg: TrainConfig) -> tuple[int, str] | None:
     v = cfg.train.switch_recipe
     if not v:
         return None
-    from ..numerics import recipes as _recipes
     at, sep, name = str(v).partition(":")
     try:
         x = float(at)
@@ -931,10 +930,10 @@ def switch_step(cfg: TrainConfig) -> tuple[int, str] | None:
         raise UserError(f"train.switch_recipe: step {step} must be inside the run (1 to {cfg.train.steps - 1}; "
                         f"train.steps = {cfg.train.steps})")
     try:
-        _recipes.get(name)
+        recipes.get(name)
     except (KeyError, ValueError, UserError):
         raise UserError(f"train.switch_recipe: unknown recipe {name!r}; presets: "
-                        f"{', '.join(_recipes.names())}") from None
+                        f"{', '.join(recipes.names())}") from None
     return step, name
 
 
@@ -1017,7 +1016,6 @@ def validate(cfg: TrainConfig) -> None:
     recipe = cfg.resolved_recipe()   # unknown presets and bad recipe fields: one line
     if not isinstance(cfg.deosc.enable, bool):
         raise UserError(f"deosc.enable must be true or false, got {cfg.deosc.enable!r}")
-    from .deosc import DeoscSettings, check_recipe
     DeoscSettings.from_config(cfg)   # the deosc.* values, checked whether or not it is on
     if cfg.deosc.enable:
         check_recipe(recipe)

@@ -55,6 +55,11 @@ import torch
 from .._io import write_text
 from ..errors import UserError
 from ..numerics.formats import get_format
+from ..linear.module import mx_layers
+from ..numerics.hadamard import rotation_signs, hadamard
+from ..numerics.operand import pad_axis
+from ..numerics.quant import quantize, reference_only
+from .parallel import unwrap
 
 __all__ = ["DeoscSettings", "Deoscillator", "DeoscCallback", "check_recipe", "tracked_layers", "STATS_NAME"]
 
@@ -130,7 +135,6 @@ def check_recipe(recipe) -> None:
 def tracked_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """``(name, layer)`` of every MX linear layer of ``model`` whose recipe gives its Fprop weight a fixed grid
     (fused MoE experts, ``MXExperts``, have no ``weight`` and are not tracked)."""
-    from ..linear.module import mx_layers
     return [(n, m) for n, m in mx_layers(model)
             if isinstance(getattr(m, "weight", None), torch.Tensor) and _grid_problem(m.recipe) is None]
 
@@ -140,7 +144,6 @@ class _Grid:
     ``quantize(V) -> Q(V)`` and ``snap`` (moves entries of ``V`` onto the grid, through ``W``)."""
 
     def __init__(self, layer):
-        from ..numerics.hadamard import rotation_signs
         r = layer.recipe
         self.op, self.rot = r.fprop_w, r.fprop_rotation
         self.signs = None
@@ -151,14 +154,11 @@ class _Grid:
     def to_domain(self, w: torch.Tensor) -> torch.Tensor:
         v = w.detach().to(torch.float32, copy=True)   # a copy: the window keeps it while the weight moves on
         if self.rot.enabled:
-            from ..numerics.operand import pad_axis
-            from ..numerics.hadamard import hadamard
             v = hadamard(pad_axis(v, -1, self.rot.size), self.rot.size, axis=-1, signs=self.signs)
         return v
 
     def quantize(self, v: torch.Tensor) -> torch.Tensor:
-        from ..kernels import mxelem
-        from ..numerics.quant import quantize, reference_only
+        from ..kernels import mxelem  # startup
         op = self.op
         if not reference_only(op.fmt, op.scale_rule) and mxelem.mx_kernel_applies(v, op.fmt, op.block_size,
                                                                                    "nearest", fp4=True):
@@ -180,7 +180,6 @@ class _Grid:
         if not self.rot.enabled:
             w.copy_(torch.where(mask, q.to(w.dtype), w))
             return
-        from ..numerics.hadamard import hadamard
         delta = torch.where(mask, q - v, torch.zeros_like(v))
         # R = diag(s) H / sqrt(n) on each block: H / sqrt(n) is symmetric and its own inverse
         delta = hadamard(delta, self.rot.size, axis=-1)
@@ -325,7 +324,6 @@ class DeoscCallback:
         self.rank = 0
 
     def on_train_begin(self, state) -> None:
-        from .parallel import unwrap
         self.deosc = Deoscillator(unwrap(state.model), self.settings)
         if not self.deosc.layers:
             raise UserError("deosc.enable: the model has no MX layer whose Fprop weight is quantized on a fixed "

@@ -55,6 +55,9 @@ import torch.nn as nn
 from .._child import python_command
 from .._io import swap_in, write_atomic, write_json
 from ..errors import UserError
+from ..linear.module import ddp_ignore_states
+from ..linear.qgather import GATHER_MODES, prepare
+from ..model.llama import Block
 
 __all__ = [
     "DistEnv", "init", "shutdown", "get_env", "is_rank0", "rank0_print", "barrier", "all_reduce_sum",
@@ -242,7 +245,6 @@ def apply_ddp(model: nn.Module, env: DistEnv | None = None, **ddp_kwargs) -> nn.
     if not env.distributed:
         return model
     ids = [env.device.index] if env.device.type == "cuda" else None
-    from ..linear.module import ddp_ignore_states
     ddp_ignore_states(model)   # each rank keeps its own MX call numbers (no buffer broadcast of them)
     return DDP(model, device_ids=ids, **ddp_kwargs)
 
@@ -275,7 +277,6 @@ def apply_fsdp2(model: nn.Module, env: DistEnv | None = None, *, param_dtype: to
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from ..linear.qgather import GATHER_MODES, prepare
     env = env or _ENV
     if gather not in GATHER_MODES:
         raise UserError(f"FSDP2 gather must be one of {', '.join(GATHER_MODES)}, got {gather!r}")
@@ -293,7 +294,6 @@ def apply_fsdp2(model: nn.Module, env: DistEnv | None = None, *, param_dtype: to
                             "whose parameters other code may then read)")
         model._mx_gather_report = prepare(model, blocks, env.world_size, env.device, warn=env.is_rank0,
                                           param_dtype=param_dtype)
-    from ..model.llama import Block
     if blocks and all(type(b) is Block for b in blocks):
         # A compiled Block can return a view (the compiler's output); FSDP2 then warns that an in-place op on it
         # would skip its pre-backward hook. mxtrain's Llama adds to block outputs out of place only (model.py),

@@ -44,7 +44,9 @@ from .callbacks import (Callback, CallbackList, Outcome, Status, TensorBoardLogg
                         read_outcome, wandb_project)
 from .config import TrainConfig, _check, keep_steps, shape_overrides, switch_step
 from .evaluation import WINDOWS_NAME, append_windows, evaluate_windows, final_evaluation, write_window_sources
-from .run_folder import _git_sha, _make_out, _record_outcome, _refuse_rewind, _write_json, write_run_json
+from .run_folder import _git_sha, _make_out, _record_outcome, _refuse_rewind, _write_json, write_run_json, _holds_run
+from ..model import hf_io as hf
+from .deosc import DeoscCallback, DeoscSettings
 
 # re-exported for callers of this module: Callback, Outcome, Status, TrainState, read_outcome (mxtrain.train.callbacks)
 
@@ -242,7 +244,6 @@ def build_model(cfg: TrainConfig, vocab: int, device: torch.device, load_init: b
     the weights of that local Hugging Face Llama, Mistral, Qwen2 or Mixtral folder (``model.router_aux_coef``, a
     loss weight and not a shape, replaces the folder's)."""
     if cfg.train.init_from:
-        from ..model import hf_io as hf
         if load_init:
             model = hf.llama_from_hf(cfg.train.init_from, vocab_size=vocab, max_seq_len=cfg.data.seq_len,
                                      device=device)
@@ -392,7 +393,7 @@ class _Log:
         on, total, start_step = self._bar_args
         if on:
             try:
-                from tqdm import tqdm
+                from tqdm import tqdm  # optional
                 self.bar = tqdm(total=total, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
                                 file=sys.stderr)
             except ImportError:
@@ -456,7 +457,6 @@ def _callbacks(cfg: TrainConfig, callbacks) -> list:
     if project and not any(isinstance(c, WandbLogger) for c in cbs):
         cbs.insert(0, WandbLogger(project))
     if cfg.deosc.enable:
-        from .deosc import DeoscCallback, DeoscSettings
         if not any(isinstance(c, DeoscCallback) for c in cbs):   # first: the others see the step's final weights
             cbs.insert(0, DeoscCallback(DeoscSettings.from_config(cfg)))
     return cbs
@@ -554,7 +554,6 @@ def _check_out_folder(cfg: TrainConfig, rank: int) -> None:
     are in: a folder holding other files (a study folder, a data folder, the file system's root) is refused in one
     line before anything is built or written, not written into (a run with --out STUDY replaced the study's
     summary.json). Rank 0 looks; every rank acts on its answer."""
-    from .run_folder import _holds_run
     verdict = None
     if rank == 0 and cfg.log.out:
         out = Path(cfg.log.out)
@@ -1126,7 +1125,7 @@ def _inexact_reader(device: torch.device):
     (``mxtrain.linear.fast.inexact_blocks``; by tensor on a GPU), or None from a call where some fast-path call
     could not count; the function is None where this mxtrain has no such count."""
     try:
-        from ..linear import fast
+        from ..linear import fast  # startup
     except ImportError:
         return None
     fn = getattr(fast, "inexact_blocks", None)

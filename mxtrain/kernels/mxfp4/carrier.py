@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from ...numerics.formats import get_format
+from ...numerics.quant import E8M0_NAN, pow2, elem_table, unpack_fp4, quantize as ref_quantize
+from ...numerics.hadamard import hadamard
 
 __all__ = ["TILE_K", "MIN_G", "KERNEL_FORMATS", "EXACT_KEXP", "QuantOut", "ceil_to", "carrier_buffers", "out_shapes",
            "carrier_from_fp4", "carrier_values", "dequantize_fp4", "reference_quantize"]
@@ -94,7 +96,6 @@ def out_shapes(R: int, K: int, rot: int, carrier: bool, fp4: bool, group_rows: i
 def carrier_from_fp4(q: QuantOut, k_multiple: int, row_multiple: int) -> None:
     """Build the FP8 carrier and group scales of ``q`` from its packed FP4 codes and E8M0 scales with
     plain torch ops (the definition; used where the fused carrier output failed its self-check)."""
-    from ...numerics.quant import E8M0_NAN, pow2
     R, dev = q.R, q.packed.device
     vals = dequantize_fp4(q)                                   # (R, Kq), NaN blocks NaN
     Kq = vals.shape[1]
@@ -142,7 +143,6 @@ def carrier_values(q: QuantOut) -> torch.Tensor:
 
 def dequantize_fp4(q: QuantOut) -> torch.Tensor:
     """float32 MX values (R, Kq) from the packed codes (of ``q.fmt``) and E8M0 scales (NaN blocks give NaN)."""
-    from ...numerics.quant import E8M0_NAN, elem_table, pow2, unpack_fp4
     codes = unpack_fp4(q.packed)
     vals = elem_table(get_format(q.fmt).elem, codes.device)[codes.long()]
     s = q.scales.to(torch.int32) - 127
@@ -153,8 +153,6 @@ def dequantize_fp4(q: QuantOut) -> torch.Tensor:
 def reference_quantize(x, fmt, axis, block_size, rounding, scale_rule, seed, prescale, rotation, signs):
     """``mxtrain.numerics.quant.quantize`` of ``x`` after the blockwise Hadamard rotation (``rotation`` wide, with
     ``signs``; ``axis`` padded with zeros to whole rotation blocks first): what the kernels must equal."""
-    from ...numerics.hadamard import hadamard
-    from ...numerics.quant import quantize as ref_quantize
     if rotation:
         import torch.nn.functional as F
         n = x.shape[axis]

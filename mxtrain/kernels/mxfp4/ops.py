@@ -22,6 +22,7 @@ from .carrier import (KERNEL_FORMATS, TILE_K, QuantOut, carrier_buffers, carrier
 from .launch import (DUAL_CONFIG, DUAL_SEQ, GRID_ID, KERNEL_GRIDS, KERNEL_RULES, DualPlan, Plan, dual_applies,
                      dual_args, dual_spec, i32, launch, single_args, single_spec, use_plans)
 from .verify import config_ok, dual_ok, selfcheck_applies, set_quantizers
+from .. import kernels_available
 
 try:
     import triton
@@ -221,7 +222,6 @@ def quantize(x: torch.Tensor, fmt: str = "mxfp4", *, axis: int = -1, block_size=
     2-D tensors (or N-D with ``axis`` last) where kernels are available, and the reference
     otherwise.
     """
-    from .. import kernels_available
     axis_n = axis % x.ndim
     nd_ok = x.ndim == 2 or (x.ndim > 2 and axis_n == x.ndim - 1)
     if not (supported(fmt if isinstance(fmt, str) else fmt.name, block_size) and nd_ok

@@ -43,7 +43,10 @@ from ... import settings as _settings
 from .. import HAS_TRITON
 from . import kernels as _kernels
 from .carrier import TILE_K
-from .launch import dual_args, dual_spec, kernel_kwargs, single_args, single_spec
+from .launch import KERNEL_GRIDS, dual_args, dual_spec, kernel_kwargs, single_args, single_spec
+from .verify import selfcheck_applies, config_ok, dual_ok
+from ...errors import UserError
+from ..expand import _expand_kernel, expand_spec
 
 __all__ = ["q_single", "q_dual", "q_expand", "AVAILABLE"]
 
@@ -63,14 +66,12 @@ def _selfcheck(fn, *args) -> None:
     """Run a ``verify`` check on real tensors (outside the fake and functional modes of a trace); raise where the
     variant failed it on this GPU."""
     from torch.utils._python_dispatch import _disable_current_modes
-    from .verify import selfcheck_applies
     dev = args[0].device
     if not selfcheck_applies(dev, _settings.current()):
         return
     with _disable_current_modes():
         ok = fn(*args)
     if not ok:
-        from ...errors import UserError
         raise UserError("mxtrain: a fused quantize kernel variant failed its self-check on this GPU, so the "
                         "compiled MX layer cannot use it: set mxtrain.settings.configure(mx_compiled='ops') "
                         "(MXTRAIN_MX_COMPILED=ops) and compile again")
@@ -120,7 +121,6 @@ if AVAILABLE:
         sc = torch.empty((sp.R, sp.Kq // 32), dtype=torch.uint8, device=dev) if fp4 else None
         if sp.R > 0 and sp.K > 0:
             if carrier and _tracing(x):
-                from .verify import config_ok
                 _selfcheck(lambda *a: config_ok(*a, st, fmt=fmt), x, axis, rot, signs is not None, rule, sr, prescale,
                            group_rows, sp.consts["BR"], sp.num_warps, k_multiple, fp4, sp.R, sp.K)
             args = single_args(x, cnt, signs, car, gs, pk, sc, key, sp.ints, 0, sp.floats)
@@ -161,7 +161,6 @@ if AVAILABLE:
                 bufs.append((torch.empty((Rc, Kc), dtype=torch.uint8, device=dev),
                              torch.empty((Rc // 128, dims[5]), dtype=torch.float32, device=dev)))
         if _tracing(x):
-            from .verify import dual_ok
             _selfcheck(lambda *args: dual_ok(*args, fp4_b=fp4_b), x, a, b, k_multiple)
         args = dual_args(x, cnt, (signs_a, bufs[0][0], bufs[0][1], key_a), (signs_b, bufs[1][0], bufs[1][1], key_b),
                          sp.ints, 0, sp.floats_a, 0, sp.floats_b)
@@ -174,8 +173,6 @@ if AVAILABLE:
         """``expand.carrier_from_packed`` of an operand of ``packed.shape[0]`` rows and reduction length ``K``
         (packed codes + E8M0 scales of MX format ``fmt``, ``group_rows`` of its carrier): (carrier bytes,
         group-scale storage)."""
-        from ..expand import _expand_kernel, expand_spec
-        from .launch import KERNEL_GRIDS
         R = packed.shape[0]
         Kq = scales.shape[1] * 32
         Rc, Kc, gs_shape, gsr, gsk, BR, grid, nw = expand_spec(R, K, Kq, group_rows, k_multiple)
