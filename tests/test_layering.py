@@ -1,6 +1,7 @@
 """The package's import graph, read from the source (every ``import`` statement, at module level or inside a
 function): no import cycle beyond the ones already known (each to be removed, none to be added), the MX linear
-stack one-way, and the numerics importing nothing above them. Static: nothing is imported or run."""
+stack one-way, and the numerics importing nothing above them; and every import of a package module inside a
+function marked with its reason (``# startup`` or ``# optional``). Static: nothing is imported or run."""
 
 from __future__ import annotations
 
@@ -209,3 +210,39 @@ def test_every_import_goes_down_the_layers():
         for t in targets:
             assert _layer(t) <= _layer(mod), (f"{mod} ({LAYERS[_layer(mod)][0]}) imports {t} "
                                               f"({LAYERS[_layer(t)][0]}), a layer above it")
+
+
+# the two reasons an import may sit inside a function (issue #49), one of them on the import's (first) line
+_MARKERS = ("# startup", "# optional")
+
+
+def _function_imports(tree):
+    """The import statements of ``tree`` that sit inside a function body (at any depth)."""
+    out, stack = [], [(tree, False)]
+    while stack:
+        node, in_func = stack.pop()
+        for ch in ast.iter_child_nodes(node):
+            if in_func and isinstance(ch, (ast.Import, ast.ImportFrom)):
+                out.append(ch)
+            stack.append((ch, in_func or isinstance(ch, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))))
+    return out
+
+
+def test_every_import_inside_a_function_says_why():
+    """Issue #49: an import inside a function is for start-up cost (``# startup``: importing the module at the top
+    would make importing this one slow, e.g. pull in Triton or the trainer for ``mxtrain --help``) or for an
+    optional dependency (``# optional``), and says which on its line (the first line of a multi-line import).
+    Checked for imports of the package's own modules; any other reason (a cycle) has no place."""
+    bad = []
+    for mod, path in _modules().items():
+        src = open(path, encoding="utf-8").read()
+        lines = src.splitlines()
+        for node in _function_imports(ast.parse(src)):
+            if isinstance(node, ast.ImportFrom):
+                own = node.level > 0 or (node.module or "").split(".")[0] == "mxtrain"
+            else:
+                own = any(a.name.split(".")[0] == "mxtrain" for a in node.names)
+            if own and not any(m in lines[node.lineno - 1] for m in _MARKERS):
+                bad.append(f"{os.path.relpath(path, os.path.dirname(ROOT))}:{node.lineno}")
+    assert not bad, ("imports of mxtrain modules inside functions without '# startup' or '# optional' (hoist them "
+                     "to the module's imports, or say why not): " + ", ".join(bad))
