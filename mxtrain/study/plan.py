@@ -416,8 +416,8 @@ def unquantized_prescales(recipe: str, overrides: dict) -> list[str]:
     formats) does not quantize. A prescale means nothing there (``Operand`` refuses one), so a study's ``--set
     recipe.OPERAND.prescale=P`` applies to the arms that quantize the operand (a prescale for the quantized arms
     beside a bf16 baseline); ``mxtrain study`` refuses it when no arm does and names the arms it skips."""
-    from ..numerics import recipes  # (start-up cost)
-    from ..numerics.formats import FORMATS, get_format
+    from ..numerics import recipes  # startup
+    from ..numerics.formats import FORMATS, get_format  # startup
     try:
         r = recipes.get(recipe)
     except (ValueError, TypeError, KeyError, UserError):
