@@ -68,15 +68,15 @@ KERNELS = _HAS_TRITON
 
 
 def supported(recipe) -> bool:
-    """Recipes the fast path implements: every operand ``mxfp4`` or ``mxint4`` (default blocks, a scale rule the
-    kernels have) or ``bf16``. Depends on the recipe only: whether the fast path runs a call (the ``fast`` setting,
+    """Recipes the fast path implements: every operand ``mxfp4``, ``mxint4`` or ``mxe1m2`` (default blocks, a scale
+    rule the kernels have: ``launch.RULE_ID``, the ``adaptive`` rule included) or ``bf16``. Depends on the recipe only: whether the fast path runs a call (the ``fast`` setting,
     the device) is ``linear.route``'s decision."""
     return recipe.memo("fast_supported", _supported)
 
 
 def _supported(recipe) -> bool:
-    # (MXFP4 operands only with a scale rule the kernels implement, ``RULE_ID``: a rule of the reference
-    # quantizer alone, ``quant.REF_SCALE_RULES`` such as ``adaptive``, goes to the reference path)
+    # (MX operands only with a scale rule the kernels implement, ``RULE_ID``, which has ``adaptive`` since issue
+    # #51; NVFP4's ``four_over_six`` and the other formats go to the reference path)
     ops = [recipe.operand(n) for n in OPERANDS]
     return all((op.fmt == "bf16" or (op.fmt in KERNEL_FORMATS and op.scale_rule in RULE_ID)) and not op.block_2d
                for op in ops)

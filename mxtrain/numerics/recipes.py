@@ -6,9 +6,10 @@ Papers: [AMD] Cim et al., arXiv 2605.09825; [Tseng] Tseng, Yu, Park, arXiv 2502.
 [NVIDIA] arXiv 2509.25149; [Quartet II] its published runs; [UFP4] Zhao et al., arXiv 2606.20381;
 [4/6] Cook et al., "Four over Six", arXiv 2512.02010. Round-up scales ([Mishra] Mishra, Stosic, Layton,
 arXiv 2506.08027: the ``rceil`` rule) are ``mxfp4-all+rceil`` (any preset ``+rceil``), on the fast path.
-docs/numerics.md tabulates every preset. Presets with a rule of the reference quantizer alone
-(``mxfp4-all-adaptive``, ``nvfp4-4over6``: ``mxtrain.numerics.quant.reference_only``) run on the reference path
-everywhere; ``ufp4`` (the INT4 grid) takes the fast path where the MXFP4 presets do (CUDA, the ``fast`` setting).
+docs/numerics.md tabulates every preset. ``nvfp4-4over6`` runs on the reference path everywhere
+(``mxtrain.numerics.quant.reference_only``); ``mxfp4-all-adaptive`` (the ``adaptive`` rule) and ``ufp4`` (the INT4
+grid) take the fast path where the MXFP4 presets do (CUDA, the ``fast`` setting), and under ``torch.compile`` run as
+the custom ops unless the setting ``mx_compiled_grids`` compiles them into the graph.
 """
 
 from __future__ import annotations
