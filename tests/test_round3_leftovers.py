@@ -16,6 +16,8 @@ Found (each case: command, what happened before the fix):
   saturates it), and NVFP4's block maxima lie above 3 (above 2 saturates every block, four_over_six: above 3).
 """
 
+import json
+
 import pytest
 import torch
 
@@ -62,7 +64,7 @@ def test_study_refuses_a_shape_given_with_init_from_as_train_does(tmp_path):
     gives way to the folder's, as an experiment's does in train."""
     hf = tmp_path / "hf"
     hf.mkdir()
-    (hf / "config.json").write_text("{}")
+    (hf / "config.json").write_text(json.dumps(_TINY_LLAMA))
     out = str(tmp_path / "st")
     init = ("--set", f"train.init_from={hf}")
     one_line_error(run_main("train", "--init-from", str(hf), "--set", "model.dim=64", "--print-config"),
@@ -79,9 +81,19 @@ def test_study_refuses_a_shape_given_with_init_from_as_train_does(tmp_path):
     one_line_error(run_main("study", "--config", str(f), "--dry-run", "--out", out),
                    f"model.n_layers=3 (study file {f}) cannot be combined with --init-from")
     assert not (tmp_path / "st").exists()
-    for argv in ((), ("--preset", "smoke")):   # no shape of the user's: fine
+    from mxtrain.model.hf_io import config_from_hf
+    n = config_from_hf(hf, vocab_multiple=32).num_params()
+    for argv in ((), ("--preset", "smoke")):   # no shape of the user's: fine, and the plan counts the folder's model
         p = run_main("study", "--arms", "bf16", *init, *argv, "--dry-run", "--out", out)
         assert p.returncode == 0, p.stderr
+        assert f"model: {n / 1e6:.1f} M parameters" in p.stdout, (n, p.stdout)
+
+
+# a Llama folder's config.json (no weights: the dry run reads the shape only), 0.2 M parameters: no preset's size
+_TINY_LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+               "intermediate_size": 160, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "vocab_size": 1000, "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+               "tie_word_embeddings": False, "hidden_act": "silu"}
 
 
 # -- 2. prescales: none on an operand that is not quantized; the largest where every block saturates -------------

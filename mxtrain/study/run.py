@@ -67,7 +67,11 @@ def compute_plan(spec: StudySpec, tokens_per_s: float | None = None) -> dict:
     if meta is not None and meta.is_file():
         m = read_json_object(meta)
         vocab, train_tokens = m.get("vocab_size", vocab), m.get("train_tokens")
-    mcfg = _model_config(cfg, vocab)
+    if cfg.train.init_from:   # the runs train the folder's model, whatever size the study's base names
+        from ..model import hf_io  # startup
+        mcfg = hf_io.config_from_hf(cfg.train.init_from, vocab_multiple=32, max_seq_len=cfg.data.seq_len)
+    else:
+        mcfg = _model_config(cfg, vocab)
     steps = run_steps(cfg)
     tok_step = cfg.train.batch_size * cfg.data.seq_len
     runs = spec.seeds * len(spec.arms)
