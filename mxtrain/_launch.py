@@ -1,7 +1,7 @@
 """torchrun, with a failed rank reported in one line instead of torchrun's traceback.
 
 ``mxtrain train --nproc N`` runs ``python -P -m mxtrain._launch --standalone --nproc-per-node N --no-python
-python -P -u -m mxtrain ...`` (``mxtrain.train.parallel.launch``; ``-P``: the working folder is not on ``sys.path``,
+python -P -u -m mxtrain ...`` (``launch`` below; ``-P``: the working folder is not on ``sys.path``,
 ``mxtrain._child``). Arguments are torchrun's, parsed by torchrun. What changes:
 
 * a rank that fails has already said why on stderr (``mxtrain: error: ...`` for a bad input, a Python
@@ -14,8 +14,72 @@ python -P -u -m mxtrain ...`` (``mxtrain.train.parallel.launch``; ``-P``: the wo
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import subprocess
 import sys
+
+from ._child import python_command
+from .errors import UserError
+
+# NVLink multicast (NVLS) off in NCCL, PyTorch symmetric memory and NVSHMEM: on shared hosts a program that uses it
+# can take the GPUs out of service. ``mxtrain.train.parallel.init`` and ``launch`` set these unless already set.
+SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def int_env(name: str, default: int) -> int:
+    """The integer environment variable ``name`` (``default`` when unset or empty); one line if not an integer."""
+    v = os.environ.get(name)
+    if v is None or v == "":
+        return default
+    try:
+        return int(v)
+    except ValueError:
+        raise UserError(f"environment variable {name}={v!r} is not an integer") from None
+
+
+def launch(nproc: int, argv: list[str], module: str = "mxtrain") -> int:
+    """Run ``torchrun --standalone --nproc-per-node nproc -m module *argv`` and return its exit status
+    (the ``--nproc N`` convenience). torchrun runs through ``mxtrain._launch``, which reports a failed
+    rank in one line rather than torchrun's traceback. The NVLink-multicast switches in ``SAFE_ENV``
+    are set in the children's environment unless already set."""
+    if nproc < 1:
+        raise UserError(f"--nproc must be >= 1, got {nproc}")
+    if "RANK" in os.environ and int_env("WORLD_SIZE", 1) > 1:
+        raise UserError("--nproc given inside a torchrun launch; use one or the other")
+    env = dict(os.environ)
+    for k, v in SAFE_ENV.items():
+        env.setdefault(k, v)
+    # torchrun starts each rank with our command (--no-python), not its own ``python -u -m module``: neither
+    # it nor a rank has the working folder on its sys.path (mxtrain._child)
+    cmd = python_command("mxtrain._launch", ["--standalone", f"--nproc-per-node={nproc}", "--no-python",
+                                             *python_command(module, argv, unbuffered=True)])
+    return subprocess.call(cmd, env=env)
+
+
+def strip_nproc(argv: list[str]) -> tuple[int | None, list[str]]:
+    """Split ``--nproc N`` / ``--nproc=N`` out of ``argv``: returns (N or None, the other args)."""
+    out, n, i = [], None, 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--nproc":
+            if i + 1 >= len(argv):
+                raise UserError("--nproc needs a number")
+            n, i = argv[i + 1], i + 2
+            continue
+        if a.startswith("--nproc="):
+            n, i = a.split("=", 1)[1], i + 1
+            continue
+        out.append(a)
+        i += 1
+    if n is not None:
+        try:
+            n = int(n)
+        except ValueError:
+            raise UserError(f"--nproc needs a number, got {n!r}") from None
+    return n, out
+
+
 
 
 def failure_message(rank: int, exitcode: int) -> tuple[str | None, int]:

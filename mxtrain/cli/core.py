@@ -18,6 +18,7 @@ import sys
 
 from ..errors import UserError
 from .._io import read_regular
+from .._launch import launch, strip_nproc
 from ..numerics import recipes
 from .. import settings, __version__
 
@@ -342,7 +343,6 @@ def _cmd_train(args) -> int:
         raise UserError(f"--nproc must be a number of processes on this machine (at most {_MAX_NPROC}), "
                         f"got {args.nproc}")
     if args.nproc is not None and args.nproc > 1 and "WORLD_SIZE" not in os.environ:  # --nproc N
-        from ..train.parallel import launch, strip_nproc  # startup
         return launch(args.nproc, strip_nproc(list(getattr(args, "argv", None) or sys.argv[1:]))[1])
     from ..train import train  # startup
     branch_at = getattr(args, "branch_at", None)

@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .._child import python_command
+from .._launch import SAFE_ENV, int_env as _int_env, launch, strip_nproc
 from .._io import swap_in, write_atomic, write_json
 from ..errors import UserError
 from ..linear.module import ddp_ignore_states
@@ -69,9 +69,9 @@ __all__ = [
 
 MODES = ("none", "ddp", "fsdp2")
 
-# NVLink multicast (NVLS) off in NCCL, PyTorch symmetric memory and NVSHMEM: on shared hosts a program
-# that uses it can take the GPUs out of service. ``init`` and ``launch`` set these unless already set.
-SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+# NVLink multicast (NVLS) off in NCCL, PyTorch symmetric memory and NVSHMEM (``SAFE_ENV``, from ``mxtrain._launch``
+# with ``launch`` and ``strip_nproc``): on shared hosts a program that uses it can take the GPUs out of service.
+# ``init`` and ``launch`` set these unless already set.
 
 
 @dataclass(frozen=True)
@@ -100,16 +100,6 @@ _ENV = DistEnv()
 def get_env() -> DistEnv:
     """The ``DistEnv`` set by the last ``init`` (a single CPU process before any)."""
     return _ENV
-
-
-def _int_env(name: str, default: int) -> int:
-    v = os.environ.get(name)
-    if v is None or v == "":
-        return default
-    try:
-        return int(v)
-    except ValueError:
-        raise UserError(f"environment variable {name}={v!r} is not an integer") from None
 
 
 def init(device: str = "auto", backend: str | None = None, timeout_s: float = 600.0) -> DistEnv:
@@ -940,48 +930,3 @@ def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, m
     fqn_sd = {"state": {order[int(i)]: st for i, st in optim_sd["state"].items()},
               "param_groups": [{**g, "params": [order[int(i)] for i in g["params"]]} for g in optim_sd["param_groups"]]}
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=fqn_sd, options=opts)
-
-
-# ------------------------------------------------------------------------------------------ launch
-
-def launch(nproc: int, argv: list[str], module: str = "mxtrain") -> int:
-    """Run ``torchrun --standalone --nproc-per-node nproc -m module *argv`` and return its exit status
-    (the ``--nproc N`` convenience). torchrun runs through ``mxtrain._launch``, which reports a failed
-    rank in one line rather than torchrun's traceback. The NVLink-multicast switches in ``SAFE_ENV``
-    are set in the children's environment unless already set."""
-    import subprocess
-    if nproc < 1:
-        raise UserError(f"--nproc must be >= 1, got {nproc}")
-    if "RANK" in os.environ and _int_env("WORLD_SIZE", 1) > 1:
-        raise UserError("--nproc given inside a torchrun launch; use one or the other")
-    env = dict(os.environ)
-    for k, v in SAFE_ENV.items():
-        env.setdefault(k, v)
-    # torchrun starts each rank with our command (--no-python), not its own ``python -u -m module``: neither
-    # it nor a rank has the working folder on its sys.path (mxtrain._child)
-    cmd = python_command("mxtrain._launch", ["--standalone", f"--nproc-per-node={nproc}", "--no-python",
-                                             *python_command(module, argv, unbuffered=True)])
-    return subprocess.call(cmd, env=env)
-
-
-def strip_nproc(argv: list[str]) -> tuple[int | None, list[str]]:
-    """Split ``--nproc N`` / ``--nproc=N`` out of ``argv``: returns (N or None, the other args)."""
-    out, n, i = [], None, 0
-    while i < len(argv):
-        a = argv[i]
-        if a == "--nproc":
-            if i + 1 >= len(argv):
-                raise UserError("--nproc needs a number")
-            n, i = argv[i + 1], i + 2
-            continue
-        if a.startswith("--nproc="):
-            n, i = a.split("=", 1)[1], i + 1
-            continue
-        out.append(a)
-        i += 1
-    if n is not None:
-        try:
-            n = int(n)
-        except ValueError:
-            raise UserError(f"--nproc needs a number, got {n!r}") from None
-    return n, out
