@@ -28,7 +28,6 @@ from .. import settings as _settings
 from .caches import CACHES
 from .mxfp4.carrier import QuantOut, carrier_values, dequantize_fp4
 from .mxfp4 import quantize_mxfp4_2d
-from .mxdot import mx_dot_nt
 
 __all__ = ["mx_gemm_nt", "probe", "native_plan", "weight_group_rows", "activation_b_group_rows", "outputs_for"]
 
@@ -75,6 +74,7 @@ def _probe_native(device) -> dict:
 
 
 def _dot_scaled(a: QuantOut, b: QuantOut, out_dtype, divisor: float = 1.0) -> torch.Tensor:
+    from .mxdot import mx_dot_nt  # optional (Triton: mxdot imports it)
     return mx_dot_nt(a.packed, a.scales, b.packed, b.scales, out_dtype=out_dtype, divisor=divisor,
                      native=a.packed.device.type == "cuda")
 

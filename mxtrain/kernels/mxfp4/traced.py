@@ -46,7 +46,7 @@ from .carrier import TILE_K
 from .launch import KERNEL_GRIDS, dual_args, dual_spec, kernel_kwargs, single_args, single_spec
 from .verify import selfcheck_applies, config_ok, dual_ok
 from ...errors import UserError
-from ..expand import _expand_kernel, expand_spec
+from ..expand import expand_spec
 
 __all__ = ["q_single", "q_dual", "q_expand", "AVAILABLE"]
 
@@ -173,6 +173,7 @@ if AVAILABLE:
         """``expand.carrier_from_packed`` of an operand of ``packed.shape[0]`` rows and reduction length ``K``
         (packed codes + E8M0 scales of MX format ``fmt``, ``group_rows`` of its carrier): (carrier bytes,
         group-scale storage)."""
+        from ..expand import _expand_kernel  # optional (defined only where Triton is installed)
         R = packed.shape[0]
         Kq = scales.shape[1] * 32
         Rc, Kc, gs_shape, gsr, gsk, BR, grid, nw = expand_spec(R, K, Kq, group_rows, k_multiple)
