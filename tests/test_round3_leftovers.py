@@ -22,21 +22,10 @@ import pytest
 import torch
 
 from mxtrain.cli.core import build_config, make_parser
-from train_helpers import one_line_error, run_main
+from train_helpers import study_model as _study_model, one_line_error, run_main
 
 
 # -- 1. a model size named by --set model.name over a config file's shape ----------------------------------------
-
-def _study_model(tmp_path, *argv) -> dict:
-    from mxtrain.cli.study import apply_study_file
-    from mxtrain.study.plan import StudySpec, build_config as run_config
-    argv = ["study", "--arms", "bf16", *argv]
-    args = make_parser(argv).parse_args(argv)
-    if args.config:
-        apply_study_file(args, args.config)
-    cfg = run_config(StudySpec.from_args(args), "bf16", 0, tmp_path / "r")
-    return {k: v for k, v in cfg.to_dict()["model"].items() if v is not None and k != "init_seed"}
-
 
 @pytest.mark.parametrize("table", ["[model]\ndim = 576\n", "[model]\nname = '125m'\ndim = 576\n",
                                    "[study]\noverrides = ['model.dim=576']\n"])

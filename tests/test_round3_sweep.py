@@ -19,7 +19,7 @@ import re
 import pytest
 
 from mxtrain.cli.core import build_config, make_parser
-from train_helpers import one_line_error, run_main
+from train_helpers import study_model as _study_model, one_line_error, run_main
 
 
 # -- 1. a model size with shape keys: the same in train and study ----------------------------------------------
@@ -28,17 +28,6 @@ def _train_model(*argv) -> dict:
     argv = ["train", *argv]
     cfg = build_config(make_parser(argv).parse_args(argv))
     return {k: v for k, v in cfg.to_dict()["model"].items() if v is not None}
-
-
-def _study_model(tmp_path, *argv) -> dict:
-    from mxtrain.cli.study import apply_study_file
-    from mxtrain.study.plan import StudySpec, build_config as run_config
-    argv = ["study", "--arms", "bf16", *argv]
-    args = make_parser(argv).parse_args(argv)
-    if args.config:
-        apply_study_file(args, args.config)
-    cfg = run_config(StudySpec.from_args(args), "bf16", 0, tmp_path / "r")
-    return {k: v for k, v in cfg.to_dict()["model"].items() if v is not None and k != "init_seed"}
 
 
 @pytest.mark.parametrize("argv", [("--model", "30m", "--set", "model.dim=576"), ("--exp", "debug", "--model", "30m"),

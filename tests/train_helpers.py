@@ -126,3 +126,17 @@ def tiny_run_cfg(out, steps: int, **train):
     cfg.log.out, cfg.log.progress, cfg.log.tensorboard = (str(out) if out is not None else None), False, False
     cfg.log.eval_every, cfg.log.eval_tokens = 100, 256
     return cfg
+
+
+def study_model(tmp_path, *argv) -> dict:
+    """The model section (set keys, ``init_seed`` left out) of the first run ``mxtrain study --arms bf16 *argv``
+    would train, as the study builds its config (a study file given with ``--config`` applied)."""
+    from mxtrain.cli.core import make_parser
+    from mxtrain.cli.study import apply_study_file
+    from mxtrain.study.plan import StudySpec, build_config as run_config
+    argv = ["study", "--arms", "bf16", *argv]
+    args = make_parser(argv).parse_args(argv)
+    if args.config:
+        apply_study_file(args, args.config)
+    cfg = run_config(StudySpec.from_args(args), "bf16", 0, tmp_path / "r")
+    return {k: v for k, v in cfg.to_dict()["model"].items() if v is not None and k != "init_seed"}

@@ -459,9 +459,9 @@ except ImportError:  # pragma: no cover - torch without custom graph passes
     _PassBase = object
 
 
-class SharePass(_PassBase):
-    """``share_inputs`` as inductor's pre-grad custom pass (with a ``uuid``, so that inductor's caches stay on),
-    chained after the pass a user set."""
+class _ChainedPass(_PassBase):
+    """An inductor custom graph pass that runs the pass a user had set (``before``) and then ``run``, with a
+    ``uuid`` (so that inductor's caches stay on) from the source of what it runs and the user pass's own."""
 
     def __init__(self, before=None):
         self.before = before
@@ -469,15 +469,31 @@ class SharePass(_PassBase):
     def __call__(self, graph: torch.fx.Graph) -> None:
         if self.before is not None:
             self.before(graph)
-        share_inputs(graph)
+        self.run(graph)
+
+    def run(self, graph: torch.fx.Graph) -> None:
+        raise NotImplementedError
+
+    def source(self) -> str:
+        """The text whose hash names this pass (its functions' source)."""
+        raise NotImplementedError
 
     def uuid(self):
         import hashlib
-        import inspect
-        src = inspect.getsource(share_inputs) + inspect.getsource(_freeze)
-        mine = hashlib.sha256(src.encode()).hexdigest()
+        mine = hashlib.sha256(self.source().encode()).hexdigest()
         before = getattr(self.before, "uuid", lambda: repr(self.before))() if self.before is not None else None
         return (mine, before)
+
+
+class SharePass(_ChainedPass):
+    """``share_inputs`` as inductor's pre-grad custom pass, chained after the pass a user set."""
+
+    def run(self, graph: torch.fx.Graph) -> None:
+        share_inputs(graph)
+
+    def source(self) -> str:
+        import inspect
+        return inspect.getsource(share_inputs) + inspect.getsource(_freeze)
 
 
 # The user kernels whose launches on the same inputs ``share_carriers`` merges in the joint graph: X's carrier rebuilt
@@ -553,25 +569,16 @@ def share_carriers(graph: torch.fx.Graph) -> int:
     return removed
 
 
-class ShareCarrierPass(_PassBase):
-    """``share_carriers`` as inductor's joint custom pre-pass (with a ``uuid``, so that inductor's caches stay on),
-    chained after the pass a user set."""
+class ShareCarrierPass(_ChainedPass):
+    """``share_carriers`` as inductor's joint custom pre-pass, chained after the pass a user set."""
 
-    def __init__(self, before=None):
-        self.before = before
-
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        if self.before is not None:
-            self.before(graph)
+    def run(self, graph: torch.fx.Graph) -> None:
         share_carriers(graph)
 
-    def uuid(self):
-        import hashlib
+    def source(self) -> str:
         import inspect
-        src = inspect.getsource(share_carriers) + inspect.getsource(_fresh) + inspect.getsource(_freeze)
-        mine = hashlib.sha256((src + repr(_SHARED_KERNELS)).encode()).hexdigest()
-        before = getattr(self.before, "uuid", lambda: repr(self.before))() if self.before is not None else None
-        return (mine, before)
+        return (inspect.getsource(share_carriers) + inspect.getsource(_fresh) + inspect.getsource(_freeze)
+                + repr(_SHARED_KERNELS))
 
 
 def install_share_pass() -> bool:
