@@ -173,23 +173,20 @@ class Settings:
         "costs the host what inductor's generated code spends on it) on GPUs with FP8 tensor cores; `ops`: the "
         "opaque custom ops, which decide in Python at every call; `shared`: as `auto`, and layers that read one "
         "input (separate q/k/v, gate/up) quantize it once (`compiledmx.share_inputs`, a pass over the captured "
-        "graph) and rebuild its Wgrad carrier once (`share_carriers`): **experimental**, its first GPU test "
-        "against `auto` failed (2026-11-29, cause not yet known), so it warns when it compiles for a GPU; it "
-        "counts a shared input's inexact carrier blocks once, not once per layer. `auto` and `ops` give the same "
-        "values and inexact-block counts.", "choice", choices=("auto", "shared", "ops"))
+        "graph) and rebuild its Wgrad carrier once (`share_carriers`): the values of `auto` (a cuda test, bit for "
+        "bit), but a shared input's inexact carrier blocks are counted once, not once per layer. `auto` and `ops` "
+        "give the same values and inexact-block counts.", "choice", choices=("auto", "shared", "ops"))
     mx_compiled_seeded: bool = _knob(
-        False, "MXTRAIN_MX_COMPILED_SEEDED", "With `mx_compiled` `auto` or `shared`, also compile into the graph "
+        True, "MXTRAIN_MX_COMPILED_SEEDED", "With `mx_compiled` `auto` or `shared`, also compile into the graph "
         "the layers of MXFP4 recipes with stochastic rounding, random Hadamard signs or prescales (`tseng`, "
-        "`mxfp4-all-sr`, `mxfp4-all-rht16`...), their keys and signs read from device memory. Their kernel variants compile to the same code with "
-        "inductor's floating-point contraction on as eagerly (`tools/compile_check.py --fusion`, a CPU test), and "
-        "CPU tests match the reference; off by default until the compiled form has passed its cuda tests against "
-        "the eager fast path on a GPU. Off: they run as the custom ops.", "bool", numerics=True)
+        "`mxfp4-all-sr`, `mxfp4-all-rht16`...), their keys and signs read from device memory: the eager fast "
+        "path's bits, layer by layer and step after step (cuda tests, bit for bit, in both compile modes). Off: "
+        "they run as the custom ops (an escape hatch; same values).", "bool")
     mx_compiled_grids: bool = _knob(
-        False, "MXTRAIN_MX_COMPILED_GRIDS", "With `mx_compiled` `auto` or `shared`, also compile into the graph the "
+        True, "MXTRAIN_MX_COMPILED_GRIDS", "With `mx_compiled` `auto` or `shared`, also compile into the graph the "
         "layers whose MX operands use the uniform 4-bit grids (`mxint4`, `mxe1m2`: `ufp4`...) or the `adaptive` "
-        "scale rule (`mxfp4-all-adaptive`...). CPU tests match the eager fast path bit for bit; off by default "
-        "because their first cuda tests on a GPU (2026-11-29) failed, cause not yet known. Off: they run as the "
-        "custom ops (the eager fast path's kernels).", "bool", numerics=True)
+        "scale rule (`mxfp4-all-adaptive`...): the eager fast path's values bit for bit (cuda tests, also under "
+        "CUDA graphs). Off: they run as the custom ops (an escape hatch; same values).", "bool")
     mx_traced: str = _knob(
         "off", "MXTRAIN_MX_TRACED", "Under `torch.compile`, the layers of MXFP4 recipes whose GEMMs all use "
         "round-to-nearest, prescale 1 and no or a deterministic Hadamard rotation (`mxfp4-all`, `mxfp4-all-dh16`, "

@@ -225,8 +225,8 @@ def test_the_dispatcher_takes_the_form_only_where_it_applies():
         assert compiledmx.spec(recipes.get(name)) is None, name
     # an MX operand against a high-precision one: the fast path runs that GEMM as the reference does
     assert compiledmx.spec(recipes.get("mxfp4-all").with_(**{"fprop_w.fmt": "bf16"})) is None
-    # the settings are the dispatcher's (linear.compiled_form): with mx_compiled=ops, or a seeded recipe without
-    # mx_compiled_seeded, it never asks (a spy stands in for a GPU's answer)
+    # the settings are the dispatcher's (linear.compiled_form): with mx_compiled=ops, or a seeded recipe with
+    # mx_compiled_seeded off, it never asks (a spy stands in for a GPU's answer)
     from mxtrain.linear.dispatch import compiled_form
     asked = []
 
@@ -238,9 +238,9 @@ def test_the_dispatcher_takes_the_form_only_where_it_applies():
     try:
         assert compiled_form(x, w, True, True, "", mx)[0] == "graph"
         tseng = compiledmx.spec(recipes.get("tseng"))
-        assert compiled_form(x, w, True, False, "", tseng)[0] == "op" and asked == [mx]
-        with settings.override(mx_compiled_seeded=True):
-            assert compiled_form(x, w, True, False, "", tseng)[0] == "graph"
+        with settings.override(mx_compiled_seeded=False):
+            assert compiled_form(x, w, True, False, "", tseng)[0] == "op" and asked == [mx]
+        assert compiled_form(x, w, True, False, "", tseng)[0] == "graph"   # (the default)
         with settings.override(mx_compiled="ops"):
             assert compiled_form(x, w, True, True, "", mx)[0] == "op"
         with settings.override(fast=False):

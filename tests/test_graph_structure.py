@@ -219,24 +219,27 @@ def _forms(x, w, recipes=RECIPES) -> dict:
 
 
 HOPPER_FORMS = {"bf16": "plain", "fp8": "traced_fp8", "nvfp4": "op", "mxfp4-all": "graph", "mxfp4-all-dh16": "graph",
-                "mxfp4-all-dh32": "graph", "mxfp4-fprop": "graph", "tseng": "op", "mxfp4-all-sr": "split_ops"}
+                "mxfp4-all-dh32": "graph", "mxfp4-fprop": "graph", "tseng": "graph", "mxfp4-all-sr": "graph"}
 
 
 def test_the_dispatcher_on_a_hopper_gpu(fake_gpu):
     """``implementation`` (``compiled_form``) on an sm_90 GPU with the default settings: the MXFP4 recipes of
     round-to-nearest (``mxfp4-all``, ``-dh16``, ``-dh32``, ``mxfp4-fprop``) compiled into the graph; ``fp8`` the
-    traced per-tensor FP8 form; ``bf16`` plain; ``nvfp4`` (no fast path) the custom op; seeded recipes (``tseng``:
-    plain Fprop, so no split; ``mxfp4-all-sr``: split ops) keep the custom ops until ``mx_compiled_seeded``."""
+    traced per-tensor FP8 form; ``bf16`` plain; ``nvfp4`` (no fast path) the custom op; the seeded recipes
+    (``tseng``, ``mxfp4-all-sr``) compiled too, and the custom ops with ``mx_compiled_seeded`` off (``tseng``: plain
+    Fprop, so no split, the one op; ``mxfp4-all-sr``: split ops)."""
     from mxtrain import settings
     x, w = fake_gpu()
     assert _forms(x, w) == HOPPER_FORMS
-    with settings.override(mx_compiled_seeded=True):
-        assert _forms(x, w) == {**HOPPER_FORMS, "tseng": "graph", "mxfp4-all-sr": "graph"}
+    with settings.override(mx_compiled_seeded=False):
+        assert _forms(x, w) == {**HOPPER_FORMS, "tseng": "op", "mxfp4-all-sr": "split_ops"}
     with settings.override(mx_compiled="ops"):
         graph_to_split = {r: "split_ops" if f == "graph" else f for r, f in HOPPER_FORMS.items()}
-        assert _forms(x, w) == graph_to_split
+        assert _forms(x, w) == {**graph_to_split, "tseng": "op"}
     with settings.override(mx_traced="auto"):
-        assert _forms(x, w) == {r: "traced_mx" if f == "graph" else f for r, f in HOPPER_FORMS.items()}
+        # (the traced form takes no seeded recipe: those stay compiled)
+        want = {r: "traced_mx" if f == "graph" else f for r, f in HOPPER_FORMS.items()}
+        assert _forms(x, w) == {**want, "tseng": "graph", "mxfp4-all-sr": "graph"}
     for over in ({"fast": False}, {"exact_carrier": True}):   # (exact_carrier: MX layers only)
         with settings.override(**over):
             want = {r: "plain" if r == "bf16" else "traced_fp8" if r == "fp8" and "exact_carrier" in over else "op"
@@ -252,12 +255,12 @@ NEW_RECIPES = ["mxfp4-all-adaptive", "mxfp4-all-dh16+adaptive", "ufp4", "ufp4+ad
 
 def test_the_dispatcher_compiles_the_uniform_grids_and_the_adaptive_rule(fake_gpu):
     """Issue #51's recipes on an sm_90 GPU: the ``adaptive`` rule and the uniform grids (``mxint4``: ``ufp4``;
-    ``mxe1m2``) run as the custom ops unless ``mx_compiled_grids`` is on; with it, compiled into the graph as
-    today's MXFP4 presets are: where nothing is drawn at random
-    (``mxfp4-all-adaptive``, a round-to-nearest INT4 or E1M2 recipe), with ``mx_compiled_seeded`` where it is
-    (``ufp4``: random signs, stochastic rounding on dY; without the setting the custom op, as ``tseng``). The traced
-    MX form (``mx_traced``) does not take them; with ``mx_compiled=ops`` the MXFP4 ones run as the split ops; on
-    other GPUs the compiled layer is not taken."""
+    ``mxe1m2``) compiled into the graph as the MXFP4 presets are (by default; as the custom ops with
+    ``mx_compiled_grids`` off): where nothing is drawn at random (``mxfp4-all-adaptive``, a round-to-nearest INT4
+    or E1M2 recipe), and with ``mx_compiled_seeded`` (on by default) where it is (``ufp4``: random signs,
+    stochastic rounding on dY; without the setting the custom op, as ``tseng``). The traced MX form (``mx_traced``)
+    does not take them; with ``mx_compiled=ops`` the MXFP4 ones run as the split ops; on other GPUs the compiled
+    layer is not taken."""
     from mxtrain import settings
     from mxtrain.linear import COMPILED_FORMS, implementation
     from mxtrain.numerics import recipes
@@ -267,16 +270,15 @@ def test_the_dispatcher_compiles_the_uniform_grids_and_the_adaptive_rule(fake_gp
     want = {"mxfp4-all-adaptive": "graph", "mxfp4-all-dh16+adaptive": "graph", "ufp4": "op", "ufp4+adaptive": "op",
             "ufp4+rceil": "op"}
     ops = {r: "split_ops" if f == "graph" else f for r, f in want.items()}
-    # by default (mx_compiled_grids off: their first cuda tests failed) every one runs as the custom ops
-    assert _forms(x, w, NEW_RECIPES) == ops
+    assert _forms(x, w, NEW_RECIPES) == {r: "graph" for r in NEW_RECIPES}   # (the defaults)
     r_int4 = recipes.get("mxfp4-all-dh16").with_(**{f"{n}.fmt": "mxint4" for n in OPERANDS})
-    assert name[implementation(r_int4, x, w)] == "op"   # (INT4 operands: the one op, not the split ops)
-    with settings.override(mx_compiled_grids=True):
+    with settings.override(mx_compiled_grids=False):   # every one as the custom ops
+        assert _forms(x, w, NEW_RECIPES) == ops
+        assert name[implementation(r_int4, x, w)] == "op"   # (INT4 operands: the one op, not the split ops)
+    with settings.override(mx_compiled_seeded=False):
         assert _forms(x, w, NEW_RECIPES) == want
         with settings.override(mx_traced="auto"):
             assert _forms(x, w, NEW_RECIPES) == want
-        with settings.override(mx_compiled_seeded=True):
-            assert _forms(x, w, NEW_RECIPES) == {r: "graph" for r in NEW_RECIPES}
         with settings.override(mx_compiled="ops"):
             assert _forms(x, w, NEW_RECIPES) == ops
         for fmt in ("mxint4", "mxe1m2"):   # (round to nearest, H16 without signs: nothing drawn)

@@ -5,6 +5,7 @@
 # SKIP_TESTS=1: benchmarks only; bench-what "none": tests only.
 set -o pipefail
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export INSTAFAIL=${INSTAFAIL:-${OUT:-out}/failures.txt}
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 WHAT=${1:-all}
@@ -15,11 +16,14 @@ WHAT=${1:-all}
 # (-v) and in $OUT/junit.xml as it ends, and a test that hangs fails after PER_TEST_TIMEOUT s (pytest-timeout), so
 # a run cut short by TEST_TIMEOUT still says which tests passed and which failed. -n needs pytest-xdist (carry its
 # wheel and execnet's); worksteal spreads the slow compiled cases over the workers.
+# tools/pytest_instafail.py writes each failure's traceback when it arrives (to $OUT/failures.txt), so a run killed
+# by TEST_TIMEOUT keeps the text of the failures it had.
 if [ "${SKIP_TESTS:-0}" != "1" ]; then
   if [ "${CUDA_TESTS:-}" = "all" ]; then TESTS=(-m cuda tests)
   elif [ -n "${CUDA_TESTS:-}" ]; then read -r -a FILES <<< "$CUDA_TESTS"; TESTS=(-m cuda "${FILES[@]}")
   else TESTS=(tests/test_kernels.py tests/test_fast_linear.py); fi
-  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -v -rfE -p no:cacheprovider -p no:benchmark -n "${WORKERS:-8}" \
+  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -v -rfE -p no:cacheprovider -p no:benchmark -p tools.pytest_instafail \
+    -n "${WORKERS:-8}" \
     --dist worksteal --timeout "${PER_TEST_TIMEOUT:-400}" --junitxml "$OUT/junit.xml" "${TESTS[@]}" \
     -k "${TEST_K:-}" > "$OUT/gpu_tests.log" 2>&1
   echo "pytest exit: $?"

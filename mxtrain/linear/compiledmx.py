@@ -29,9 +29,9 @@ signs: ``mxfp4-all``, ``mxfp4-all-dh16``, ``+amd``, ``+rceil``, ``mxfp4-all-adap
 ``GRID`` and ``RULE`` constexprs) as the eager fast path passes them. A recipe that draws random bits gets the call's keys and sign vectors from ``mxtrain::call_seeds`` (one
 small op a layer, which advances the layer's call counter; activation checkpointing keeps its outputs): the
 kernels read them from device memory, so CUDA graphs replay with the current step's bits, as eagerly. Those
-recipes (``seeded``) only with the setting ``mx_compiled_seeded`` (off by default until the cuda tests against the
-eager fast path have passed on a GPU; their kernel variants compile to the eager kernels' code under inductor's
-contraction, ``tools/compile_check.py --fusion``); off, they keep the custom ops.
+recipes (``seeded``) with the setting ``mx_compiled_seeded`` (on; its cuda tests equal the eager fast path bit for
+bit; their kernel variants compile to the eager kernels' code under inductor's contraction,
+``tools/compile_check.py --fusion``); off, they keep the custom ops.
 Where: CUDA tensors (float32, bfloat16, float16) on a GPU whose FP8 GEMM takes 128x128 weight groups exactly
 (Hopper), the fast path on, ``exact_carrier`` off. ``mxtrain.linear.implementation`` answers which form a
 compiled layer takes.

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import json
-import warnings
 
 import torch
 
@@ -121,17 +120,6 @@ COMPILED_FORMS = {
 }
 
 
-_SHARED_WARNED = []
-
-
-def _warn_shared_once() -> None:
-    if not _SHARED_WARNED:
-        _SHARED_WARNED.append(True)
-        warnings.warn("mxtrain: mx_compiled=shared is experimental: its first GPU test against mx_compiled=auto "
-                      "failed (2026-11-29, cause not yet known); use auto (the default) for runs whose numbers "
-                      "you keep", stacklevel=3)
-
-
 def compiled_form(x, weight, quantized: bool, split: bool, fp8: str, mx: str) -> tuple[str, object]:
     """Which implementation a compiled call of a layer takes (``COMPILED_FORMS``' keys), with what that form
     needs (``tracedmx``'s group rows, ``compiledmx``'s plan, ``tracedfp8``'s formats): the one place that
@@ -150,8 +138,6 @@ def compiled_form(x, weight, quantized: bool, split: bool, fp8: str, mx: str) ->
                 and (s.mx_compiled_grids or not compiledmx.grids(mx))):
             plan = compiledmx.applies(mx, x, weight, s)
             if plan[0]:
-                if s.mx_compiled == "shared" and x.is_cuda:
-                    _warn_shared_once()
                 return "graph", plan
     if fp8 and s.fast and s.fp8_traced == "auto":
         fmts = tuple(fp8.split(","))

@@ -157,7 +157,7 @@ def reference_only(fmt: str | Format, scale_rule: str = "floor") -> bool:
     never reach a fused kernel of the reference path or a compiled form: they implement ``SCALE_RULES`` and the
     formats before it only. (The fast path decides for itself, ``mxtrain.linear.fast.supported``: its fused quantizer
     has ``mxint4`` and ``mxe1m2`` and, of ``REF_SCALE_RULES``, the ``adaptive`` rule; the compiled MX layer takes
-    those only with the setting ``mx_compiled_grids``.)"""
+    those too, unless the setting ``mx_compiled_grids`` is off.)"""
     f = get_format(fmt)
     return f.quantized and (f.reference_only or scale_rule in REF_SCALE_RULES)
 

@@ -8,8 +8,8 @@ Papers: [AMD] Cim et al., arXiv 2605.09825; [Tseng] Tseng, Yu, Park, arXiv 2502.
 arXiv 2506.08027: the ``rceil`` rule) are ``mxfp4-all+rceil`` (any preset ``+rceil``), on the fast path.
 docs/numerics.md tabulates every preset. ``nvfp4-4over6`` runs on the reference path everywhere
 (``mxtrain.numerics.quant.reference_only``); ``mxfp4-all-adaptive`` (the ``adaptive`` rule) and ``ufp4`` (the INT4
-grid) take the fast path where the MXFP4 presets do (CUDA, the ``fast`` setting), and under ``torch.compile`` run as
-the custom ops unless the setting ``mx_compiled_grids`` compiles them into the graph.
+grid) take the fast path where the MXFP4 presets do (CUDA, the ``fast`` setting), and under ``torch.compile`` are
+compiled into the graph (the setting ``mx_compiled_grids``, on; off, they run as the custom ops).
 """
 
 from __future__ import annotations
