@@ -117,7 +117,9 @@ class Settings:
     glue: str = _knob(
         "auto", "MXTRAIN_GLUE", "The model's elementwise layers (RMSNorm, RoPE, SwiGLU): `auto` compiled with "
         "`torch.compile` on CUDA, `compiled` on every device, `eager` never (float32 intermediate rounding "
-        "may differ).", "choice", choices=("auto", "compiled", "eager"), numerics=True)
+        "may differ). Read by mxtrain's trainer and commands, which pass it to the model they build; a `Llama` "
+        "built in your own code takes `glue=` instead (default `auto`).", "choice",
+        choices=("auto", "compiled", "eager"), numerics=True)
     ref_compile: str = _knob(
         "off", "MXTRAIN_REF_COMPILE", "Reference path (recipes the fast path does not run: NVFP4, MXFP8, FP6, "
         "FP8): each operand's rotation + quantize + dequantize through `torch.compile` (fused kernels): `auto` on "

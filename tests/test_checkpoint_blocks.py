@@ -1,4 +1,4 @@
-"""train.checkpoint_blocks (Block.checkpoint_block): full activation checkpointing. The block keeps only its
+"""train.checkpoint_blocks (train.parallel.apply_ac, Block.checkpoint): full activation checkpointing. The block keeps only its
 input and runs its forward again in the backward; the recomputation draws the random inputs the first forward
 drew (stochastic rounding, per-step signs), so gradients and losses are those without checkpointing."""
 
@@ -10,6 +10,7 @@ import torch
 import mxtrain
 from mxtrain.model.llama import Llama, ModelConfig
 from mxtrain.train import experiments, train
+from mxtrain.train.parallel import apply_ac
 
 from train_helpers import small_data
 
@@ -25,8 +26,7 @@ def _model(recipe, seed=0):
 def _step(m, idx, tgt, checkpoint, compiled=False):
     """Two micro-steps' gradients (the second sees the call counters the first advanced) and the bytes the
     forward kept for the backward."""
-    for b in m.layers:
-        b.checkpoint_block = checkpoint
+    apply_ac(m, checkpoint_blocks=checkpoint)
     kept = [0]
 
     def pack(t):
@@ -53,7 +53,7 @@ def test_eager_checkpointing_gives_the_same_gradients_and_keeps_less(recipe):
 
 def test_without_putting_the_counters_back_stochastic_rounding_would_differ(monkeypatch):
     """The test above can fail: recomputing with the call counters left advanced draws other bits."""
-    from mxtrain.model import llama as N   # (its blocks call mxtrain.linear.module.checkpoint as mx_checkpoint)
+    from mxtrain.train import parallel as N   # (apply_ac's blocks call mxtrain.linear.module.checkpoint as mx_checkpoint)
     g = torch.Generator().manual_seed(1)
     idx = torch.randint(0, 96, (2, 4, 32), generator=g)
     tgt = torch.randint(0, 96, (2, 4, 32), generator=g)

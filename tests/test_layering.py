@@ -47,31 +47,38 @@ def _resolve(mods: dict, name: str) -> str | None:
 
 def import_graph() -> dict:
     mods = _modules()
-    graph = {m: set() for m in mods}
-    for mod, path in mods.items():
-        pkg = mod if path.endswith("__init__.py") else (mod.rsplit(".", 1)[0] if "." in mod else "")
-        for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
-            targets = []
-            if isinstance(node, ast.Import):
-                targets = [a.name[len("mxtrain."):] for a in node.names if a.name.startswith("mxtrain.")]
-            elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = pkg.split(".") if pkg else []
-                    base = base[: len(base) - (node.level - 1)] if node.level > 1 else base
-                    prefix = ".".join(base + ([node.module] if node.module else []))
-                elif node.module and (node.module == "mxtrain" or node.module.startswith("mxtrain.")):
-                    prefix = node.module[len("mxtrain"):].lstrip(".")
-                else:
-                    continue
-                # ``from . import x``: x may be a module; ``from .m import name``: the module m
-                for a in node.names:
-                    sub = f"{prefix}.{a.name}" if prefix else a.name
-                    targets.append(sub if sub in mods else prefix)
-            for t in targets:
-                r = _resolve(mods, t)
-                if r is not None and r != mod:
-                    graph[mod].add(r)
-    return graph
+    return {mod: _imports(mods, mod, path.endswith("__init__.py"), ast.parse(open(path, encoding="utf-8").read()))
+            for mod, path in mods.items()}
+
+
+def _imports(mods: dict, mod: str, is_package: bool, tree) -> set:
+    """The package modules that the source ``tree`` of module ``mod`` imports, anywhere in it (module level,
+    functions, classes)."""
+    found = set()
+    pkg = mod if is_package else (mod.rsplit(".", 1)[0] if "." in mod else "")
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, ast.Import):
+            targets = [a.name[len("mxtrain."):] for a in node.names if a.name.startswith("mxtrain.")]
+            targets += ["" for a in node.names if a.name == "mxtrain"]   # (the package root)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg.split(".") if pkg else []
+                base = base[: len(base) - (node.level - 1)] if node.level > 1 else base
+                prefix = ".".join(base + ([node.module] if node.module else []))
+            elif node.module and (node.module == "mxtrain" or node.module.startswith("mxtrain.")):
+                prefix = node.module[len("mxtrain"):].lstrip(".")
+            else:
+                continue
+            # ``from . import x``: x may be a module; ``from .m import name``: the module m
+            for a in node.names:
+                sub = f"{prefix}.{a.name}" if prefix else a.name
+                targets.append(sub if sub in mods else prefix)
+        for t in targets:
+            r = _resolve(mods, t)
+            if r is not None and r != mod:
+                found.add(r)
+    return found
 
 
 def cycles(graph: dict) -> list:
@@ -246,3 +253,67 @@ def test_every_import_inside_a_function_says_why():
                 bad.append(f"{os.path.relpath(path, os.path.dirname(ROOT))}:{node.lineno}")
     assert not bad, ("imports of mxtrain modules inside functions without '# startup' or '# optional' (hoist them "
                      "to the module's imports, or say why not): " + ", ".join(bad))
+
+
+# Issue #49: the model knows no quantization and reads no setting. Besides the layer rule above (which lets layer 4
+# import layers 0-3), mxtrain/model/ may import neither the settings nor the MX linear layer, nor the package's root
+# (``mxtrain/__init__.py`` re-exports the linear layer); what it needs of them comes in as options from train/.
+MODEL_FORBIDDEN = ("settings", "linear", "")
+
+
+def _forbidden_for_model(graph: dict) -> list:
+    bad = []
+    for mod, targets in graph.items():
+        if mod == "model" or mod.startswith("model."):
+            for t in targets:
+                if any(t == f or (f and t.startswith(f + ".")) for f in MODEL_FORBIDDEN):
+                    bad.append(f"{mod} imports {t or 'mxtrain (the package root)'}")
+    return bad
+
+
+def _reaches_for_mx(tree) -> list:
+    """Ways around an import statement that still tie the model to the linear layer or the settings:
+    ``torch.ops.mxtrain.*`` (ops the linear layer registers), ``importlib.import_module`` / ``__import__``."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr == "mxtrain" and isinstance(node.value, ast.Attribute) \
+                and node.value.attr == "ops":
+            out.append(f"line {node.lineno}: torch.ops.mxtrain")
+        elif isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+            if name in ("import_module", "__import__"):
+                out.append(f"line {node.lineno}: {name}(...)")
+    return out
+
+
+def test_the_model_imports_neither_settings_nor_the_linear_layer():
+    """mxtrain/model/ imports no ``mxtrain.settings``, nothing of ``mxtrain.linear`` and not the package root, at
+    module level or inside a function, and reaches for neither some other way (``torch.ops.mxtrain``, dynamic
+    imports): the trainer passes the glue mode, applies activation checkpointing, and ``convert`` swaps layers."""
+    g = import_graph()
+    assert any(m.startswith("model.") for m in g), "no model modules found"
+    bad = _forbidden_for_model(g)
+    assert not bad, "the model must not know quantization or settings: " + "; ".join(bad)
+    mods = _modules()
+    for mod in (m for m in mods if m == "model" or m.startswith("model.")):
+        found = _reaches_for_mx(ast.parse(open(mods[mod], encoding="utf-8").read()))
+        assert not found, f"{mod}: " + ", ".join(found)
+
+
+def test_the_model_rule_catches_a_regression():
+    """The check above fails on what it forbids, at module level and inside functions, relative or absolute: fed
+    the imports the model had before issue #49, and each forbidden import alone."""
+    mods = _modules()
+    before = ("from .. import settings as _settings\nfrom ..linear import ops as _ops\n"
+              "from ..linear.module import checkpoint as mx_checkpoint\n"
+              "class Experts:\n    def forward(self):\n        from ..linear.moe import experts_forward  # startup\n")
+    got = _imports(mods, "model.llama", False, ast.parse(before))
+    assert got == {"settings", "linear.ops", "linear.module", "linear.moe"}, got
+    assert len(_forbidden_for_model({"model.llama": got})) == 4
+    for src in ("def f():\n    import mxtrain.settings  # startup\n", "import mxtrain\n",
+                "def f():\n    from mxtrain.linear import module  # startup\n", "from .. import convert\n"):
+        assert _forbidden_for_model({"model.hf_io": _imports(mods, "model.hf_io", False, ast.parse(src))}), src
+    assert not _forbidden_for_model({"model.llama": {"errors", "model"}, "train.trainer": {"linear", "settings"}})
+    assert _reaches_for_mx(ast.parse("def f():\n    return torch.ops.mxtrain.linear.default\n"))
+    assert _reaches_for_mx(ast.parse("import importlib\nm = importlib.import_module('mxtrain.linear')\n"))

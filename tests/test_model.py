@@ -109,15 +109,13 @@ def glue_state():
 
 
 def _block_grads(model, dev, glue, T=24):
-    from mxtrain import settings
     cfg = ModelConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=64)
     torch.manual_seed(1)
-    blk = model.Block(cfg).to(dev)
+    blk = model.Block(cfg, glue=glue).to(dev)
     x = torch.randn(2, T, cfg.dim).to(dev).requires_grad_()   # same values on every device
     cos, sin = rope_tables(cfg.head_dim, T, cfg.rope_theta, dev)
-    with settings.override(glue=glue):
-        y = blk(x, cos, sin)
-        (y * torch.linspace(-1, 1, y.numel(), device=dev).view_as(y)).sum().backward()
+    y = blk(x, cos, sin)
+    (y * torch.linspace(-1, 1, y.numel(), device=dev).view_as(y)).sum().backward()
     return [y.detach().cpu(), x.grad.cpu()] + [p.grad.cpu() for p in blk.parameters()]
 
 
@@ -147,14 +145,13 @@ def test_glue_falls_back_to_eager_when_compile_fails(glue_state, monkeypatch):
             raise RuntimeError("no compiler here")
         return f
     monkeypatch.setattr(torch, "compile", broken)
-    from mxtrain import settings
     glue_state.GLUE_STATE.clear()
-    norm = glue_state.RMSNorm(8, 1e-5)
+    norm = glue_state.RMSNorm(8, 1e-5, glue="compiled")
     x = torch.randn(3, 8)
-    with settings.override(glue="compiled"):
-        with pytest.warns(RuntimeWarning, match="running them eagerly"):
-            y = norm(x)
-        assert glue_state.GLUE_STATE.failed and glue_state._glue(glue_state._rms_norm, x) is glue_state._rms_norm
+    with pytest.warns(RuntimeWarning, match="running them eagerly"):
+        y = norm(x)
+    assert (glue_state.GLUE_STATE.failed
+            and glue_state._glue(glue_state._rms_norm, x, "compiled") is glue_state._rms_norm)
     assert torch.allclose(y, x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
 
 

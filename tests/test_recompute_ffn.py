@@ -1,4 +1,4 @@
-"""``Block.recompute_ffn`` (``train.recompute_ffn``): under torch.compile the feed-forward's linear outputs are made
+"""``train.recompute_ffn`` (``train.parallel.apply_ac``, ``Block.ffn_checkpoint``): under torch.compile the feed-forward's linear outputs are made
 again in the backward instead of kept. Outputs and gradients are bit-identical; what the forward keeps for the
 backward shrinks by exactly the gate and up outputs."""
 
@@ -7,6 +7,7 @@ import torch
 
 import mxtrain
 from mxtrain.model.llama import Block, ModelConfig, rope_tables
+from mxtrain.train.parallel import apply_ac
 
 CFG = ModelConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=192, vocab_size=64)
 # (on the GPU, shapes where the fast path's 128-row padding of small operands does not dominate)
@@ -19,7 +20,7 @@ def _run(recipe: str, recompute: bool, device="cpu", backend="aot_eager_decomp_p
     blk = Block(cfg).to(device)
     if recipe != "bf16":
         mxtrain.convert(torch.nn.ModuleList([blk]), recipe)
-    blk.recompute_ffn = recompute
+    apply_ac(torch.nn.ModuleList([blk]), recompute_ffn=recompute)
     torch._dynamo.reset()
     f = torch.compile(blk, backend=backend, fullgraph=True)
     T = 32 if device == "cpu" else 256

@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from mxtrain import settings
 from mxtrain.linear import fast
 from mxtrain.model.llama import Llama, ModelConfig
 from mxtrain.linear.module import convert, set_step
@@ -20,7 +21,7 @@ torch.manual_seed(0)
 idx = torch.randint(0, 16384, (B, T + 1), device=dev)
 for rec in recipes:
     torch.manual_seed(0)
-    m = Llama(ModelConfig.named("125m", vocab_size=16384), device=dev)
+    m = Llama(ModelConfig.named("125m", vocab_size=16384), device=dev, glue=settings.current().glue)
     if rec != "bf16":
         convert(m, rec)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True)

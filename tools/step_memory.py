@@ -17,8 +17,9 @@ import time
 
 import torch
 
-from mxtrain import convert
+from mxtrain import convert, settings
 from mxtrain.model.llama import Llama, ModelConfig
+from mxtrain.train.parallel import apply_ac
 
 
 def _label(frames) -> str:
@@ -62,7 +63,7 @@ def main():
     ap.add_argument("--compile", default="default", help="torch.compile mode, or 'none'")
     ap.add_argument("--out", default=None)
     ap.add_argument("--recompute-ffn", action="store_true",
-                    help="every variant's blocks recompute their feed-forward outputs (mxtrain.model.llama.Block)")
+                    help="every variant's blocks recompute their feed-forward outputs (mxtrain.train.parallel.apply_ac)")
     ap.add_argument("--peak-report", type=int, default=0, metavar="N",
                     help="print the N largest groups of memory alive at the last step's peak")
     a = ap.parse_args()
@@ -73,9 +74,8 @@ def main():
     x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
     for rec in a.recipes:
         torch.manual_seed(0)
-        m = Llama(ModelConfig.named("llama3-8b", n_layers=a.layers), device=dev)
-        for b in m.layers:
-            b.recompute_ffn = a.recompute_ffn
+        m = Llama(ModelConfig.named("llama3-8b", n_layers=a.layers), device=dev, glue=settings.current().glue)
+        apply_ac(m, recompute_ffn=a.recompute_ffn)
         if rec.startswith("torchao-"):
             from torchao.float8 import Float8LinearConfig, convert_to_float8_training
             convert_to_float8_training(m, config=Float8LinearConfig.from_recipe_name(rec.split("-", 1)[1]),

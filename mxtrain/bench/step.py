@@ -36,6 +36,7 @@ import time
 import torch
 from ..model.llama import Llama, ModelConfig
 from ..linear.module import convert, MXLayer
+from ..train.parallel import apply_ac
 from ..settings import _FALSE, _TRUE   # the booleans the settings accept, the same words here
 from .. import settings
 
@@ -70,7 +71,6 @@ class _UserBlock(torch.nn.Module):
         self.down = UserLinear(ffn_dim, dim, bias=False, device=device)
         self.n1 = torch.nn.RMSNorm(dim, device=device)
         self.n2 = torch.nn.RMSNorm(dim, device=device)
-        self.recompute_ffn = self.checkpoint_block = False   # (bench step's model options: not offered here)
 
     def forward(self, x, cos, sin):
         B, T, C = x.shape
@@ -129,7 +129,7 @@ def _build(model: str, layers: int | None, seq: int, device):
     if layers:
         over["n_layers"] = layers
     torch.manual_seed(0)
-    return Llama(ModelConfig.named(MODELS.get(model, model), **over), device=device)
+    return Llama(ModelConfig.named(MODELS.get(model, model), **over), device=device, glue=settings.current().glue)
 
 
 def _convert(m, variant: str, torchao_fast_accum: bool | None = None) -> None:
@@ -165,9 +165,8 @@ def _one_variant(variant: str, model: str, layers: int | None, batch: int, seq: 
         raise ValueError(f"param_dtype must be float32 or bfloat16, not {param_dtype!r}")
     if model in USER_MODELS and (recompute_ffn or checkpoint_blocks):
         raise ValueError(f"model {model}: recompute_ffn and checkpoint_blocks are options of mxtrain's own models")
-    for b in m.layers:
-        b.recompute_ffn = recompute_ffn
-        b.checkpoint_block = checkpoint_blocks
+    if model not in USER_MODELS:   # (activation checkpointing from outside the model, as the trainer applies it)
+        apply_ac(m, checkpoint_blocks=checkpoint_blocks, recompute_ffn=recompute_ffn)
     V = m.cfg.vocab_size
     g = torch.Generator(device=dev).manual_seed(0)
     idx = torch.randint(0, V, (batch, seq + 1), device=dev, generator=g)
@@ -330,9 +329,9 @@ def measure(variants, model: str = "8b-layers", layers: int | None = 4, batch: i
             param_dtype: str = "float32", checkpoint_blocks: bool = False,
             recompute_gemm_inputs: bool = False, rounds: int = 1, profile: int = 0) -> dict:
     """Time and memory of the whole training step for each variant (see the module docstring);
-    ``recompute_ffn``: every variant's blocks recompute their feed-forward outputs (``Block.recompute_ffn``);
+    ``recompute_ffn``: every variant's blocks recompute their feed-forward outputs (``train.parallel.apply_ac``);
     ``checkpoint_blocks``: every variant's blocks keep only their input and run again in the backward
-    (``Block.checkpoint_block``, full activation checkpointing);
+    (``train.parallel.apply_ac``, full activation checkpointing);
     ``on_variant(name, result)`` is called as each variant finishes (progress; nothing lost if a later one
     hangs or the process is stopped); ``memory_budget``: torch's ``activation_memory_budget`` (in (0, 1]: the
     compiler recomputes activations in the backward to keep that share of what it would save) for every

@@ -460,7 +460,7 @@ def bench_blocks(args) -> dict:
     x = torch.randn(B, T, cfg.dim, device=dev, dtype=torch.bfloat16, requires_grad=True)
 
     def make(kind):
-        blocks = torch.nn.ModuleList(Block(cfg, dev) for _ in range(n_layers)).to(torch.bfloat16)
+        blocks = torch.nn.ModuleList(Block(cfg, dev, glue=glue) for _ in range(n_layers)).to(torch.bfloat16)
         blocks.load_state_dict(state)
         if kind == "fp8_rowwise":
             for name, m in list(blocks.named_modules()):

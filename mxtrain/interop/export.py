@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from .. import settings
 from .._io import FolderLock, swap_in
 from ..errors import UserError
 from ..model import Llama, ModelConfig, SIZES
@@ -175,7 +176,7 @@ def load_run(run_dir: str | Path, step: int | None = None) -> tuple[Llama, RunCh
                    ([f"missing {', '.join(missing[:3])}"] if missing else [])
             raise UserError(f"checkpoint {path} does not hold an mxtrain Llama of its config's shape "
                             f"({'; '.join(what)})")
-    model = Llama(mcfg, device="meta").to_empty(device="cpu")
+    model = Llama(mcfg, device="meta", glue=settings.current().glue).to_empty(device="cpu")
     if mcfg.tie_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     if is_dcp:

@@ -666,7 +666,7 @@ def load_hf_llama(model: Llama, hf_dir: str | Path) -> dict:
 
 
 def llama_from_hf(hf_dir: str | Path, *, vocab_size: int | None = None, max_seq_len: int | None = None,
-                  device: str | torch.device = "cpu") -> Llama:
+                  device: str | torch.device = "cpu", **options) -> Llama:
     """An mxtrain ``Llama`` with the shapes and weights of a local Hugging Face Llama folder (not converted to MX
     layers: ``convert`` it with a recipe, then wrap it for DDP / FSDP2, as the trainer does).
 
@@ -675,13 +675,14 @@ def llama_from_hf(hf_dir: str | Path, *, vocab_size: int | None = None, max_seq_
     32 for MX blocks (zero rows). Their logits are 0, not minus infinity, so where the folder's vocab is not a
     multiple of 32 the imported model's loss over the padded vocab is above the Hugging Face model's until
     training lowers those logits (the real vocab's logits are the same; Llama 2 and 3, Mistral and Qwen2
-    vocabularies are multiples of 32). ``max_seq_len``: at least this (the run's ``data.seq_len``)."""
+    vocabularies are multiples of 32). ``max_seq_len``: at least this (the run's ``data.seq_len``). ``options``:
+    ``Llama``'s options (``glue``, ``checkpoint``, ``ffn_checkpoint``, ``experts``)."""
     mcfg = config_from_hf(hf_dir, vocab_multiple=32, max_seq_len=max_seq_len)
     if vocab_size is not None and vocab_size > mcfg.vocab_size:
         raise UserError(f"the training data's vocab ({vocab_size:,} ids) is larger than the model's in {hf_dir} "
                         f"({mcfg.vocab_size:,}): tokenize the data with the model's tokenizer (mxtrain data prepare "
                         f"FILES --tokenizer {Path(hf_dir) / 'tokenizer.json'} --out DIR)")
-    model = Llama(mcfg, device="meta").to_empty(device=device)
+    model = Llama(mcfg, device="meta", **options).to_empty(device=device)
     if mcfg.tie_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     load_hf_llama(model, hf_dir)

@@ -8,6 +8,12 @@ heads, ``D`` head dim. The blocks live in ``model.layers`` (an ``nn.ModuleList``
 Named sizes (``SIZES``, ``ModelConfig.named(name)``) go from ``tiny`` (trains on 2 CPU cores in
 minutes) to ``llama3-8b`` (the exact Llama 3.1-8B shapes). Build large models on the meta device
 (``Llama(cfg, device="meta")``) to count parameters without allocating them.
+
+The model reads no setting and knows no number format. What a caller may choose comes in as options of
+``Llama`` (and ``Block``): ``glue`` (how the elementwise pieces run), ``checkpoint`` / ``ffn_checkpoint``
+(activation checkpointing of a block, or of its feed-forward) and ``experts`` (the experts module of a mixture of
+experts). ``mxtrain.train`` reads the settings and passes or applies them (``mxtrain.train.parallel.apply_ac``);
+``mxtrain.convert`` swaps the linear layers and experts for MX ones after the model is built.
 """
 
 from __future__ import annotations
@@ -15,17 +21,15 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import asdict, dataclass, replace
+from typing import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .. import settings as _settings
 from ..errors import UserError
-from ..linear import ops as _ops  # noqa: F401 - registers the mxtrain ops
-from ..linear.module import checkpoint as mx_checkpoint
 
-__all__ = ["ModelConfig", "Llama", "MoEFeedForward", "SIZES", "size_names"]
+__all__ = ["ModelConfig", "Llama", "MoEFeedForward", "SIZES", "size_names", "GLUE_MODES", "set_glue"]
 
 # the Hugging Face architectures mxtrain's Llama computes exactly (ModelConfig.hf_model_type; "mixtral": a mixture of
 # experts, ``n_experts`` > 0)
@@ -195,8 +199,18 @@ def size_names() -> list[str]:
 # PyTorch, and on CUDA runs through torch.compile, which fuses each function (and its backward) into
 # one or two Triton kernels instead of the ~10 separate passes eager PyTorch makes over the tensor.
 # Same formulas either way (float32 math, one rounding to the input dtype); only the rounding of
-# float32 intermediate steps may differ. The ``glue`` setting (mxtrain.settings): MXTRAIN_GLUE=eager turns
-# it off; "compiled" compiles on every device; "auto" (default) compiles on CUDA only.
+# float32 intermediate steps may differ. The modules that run them take a ``glue`` option: "auto" (default)
+# compiles on CUDA only, "compiled" on every device, "eager" never; or a function ``glue(fn, *args)`` that runs
+# ``fn(*args)`` its own way. mxtrain's trainer and commands pass the ``glue`` setting (``MXTRAIN_GLUE``);
+# ``set_glue`` changes it on a built model.
+
+GLUE_MODES = ("auto", "compiled", "eager")
+
+
+def _check_glue(glue):
+    if not callable(glue) and glue not in GLUE_MODES:
+        raise ValueError(f"glue={glue!r}: one of {', '.join(GLUE_MODES)}, or a function glue(fn, *args)")
+    return glue
 
 
 class GlueState:
@@ -236,11 +250,10 @@ def _swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return F.silu(a) * b
 
 
-def _glue(fn, x: torch.Tensor):
-    """``fn`` itself or its torch.compile'd twin, per the ``glue`` setting and the device of ``x``."""
+def _glue(fn, x: torch.Tensor, mode: str = "auto"):
+    """``fn`` itself or its torch.compile'd twin, per the glue ``mode`` and the device of ``x``."""
     if torch.compiler.is_compiling():
         return fn
-    mode = _settings.current().glue
     if mode == "eager" or (mode == "auto" and x.device.type != "cuda") or GLUE_STATE.failed is not None:
         return fn
     c = GLUE_STATE.compiled.get(fn)
@@ -249,8 +262,11 @@ def _glue(fn, x: torch.Tensor):
     return c
 
 
-def _run_glue(fn, *args):
-    f = _glue(fn, args[0])
+def _run_glue(glue, fn, *args):
+    """``fn(*args)`` as ``glue`` says (a mode of ``GLUE_MODES``, or a function that runs it)."""
+    if callable(glue):
+        return glue(fn, *args)
+    f = _glue(fn, args[0], glue)
     if f is fn:
         return fn(*args)
     try:
@@ -260,19 +276,29 @@ def _run_glue(fn, *args):
     except Exception as e:  # noqa: BLE001 - a missing compiler must not stop training
         GLUE_STATE.failed = repr(e)
         warnings.warn(f"mxtrain: torch.compile of the elementwise layers failed ({type(e).__name__}: "
-                      f"{str(e)[:200]}); running them eagerly (set MXTRAIN_GLUE=eager to skip the attempt)",
-                      RuntimeWarning, stacklevel=2)
+                      f"{str(e)[:200]}); running them eagerly (glue='eager' or MXTRAIN_GLUE=eager skips the "
+                      f"attempt)", RuntimeWarning, stacklevel=2)
         return fn(*args)
 
 
+def set_glue(module: nn.Module, glue) -> None:
+    """Make every glue-running module inside ``module`` (a ``Llama``, a ``Block``, a list of blocks) run its
+    elementwise pieces as ``glue`` says (``GLUE_MODES``, or a function ``glue(fn, *args)``)."""
+    _check_glue(glue)
+    for m in module.modules():
+        if isinstance(m, (RMSNorm, Attention, FeedForward)):
+            m.glue = glue
+
+
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, device=None):
+    def __init__(self, dim: int, eps: float, device=None, glue="auto"):
         super().__init__()
         self.eps = eps
+        self.glue = _check_glue(glue)
         self.weight = nn.Parameter(torch.ones(dim, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _run_glue(_rms_norm, x, self.weight, self.eps)
+        return _run_glue(self.glue, _rms_norm, x, self.weight, self.eps)
 
 
 def rope_tables(head_dim: int, seq_len: int, theta: float, device=None,
@@ -296,14 +322,16 @@ def rope_tables(head_dim: int, seq_len: int, theta: float, device=None,
     return ang.cos(), ang.sin()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (B, H, T, D); rotate pairs (x[..., :D/2], x[..., D/2:]) (the HF/Llama "rotate_half" layout)."""
-    return _run_glue(_rope, x, cos, sin)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, glue="auto") -> torch.Tensor:
+    """x: (B, H, T, D); rotate pairs (x[..., :D/2], x[..., D/2:]) (the HF/Llama "rotate_half" layout); ``glue``:
+    how it runs (``GLUE_MODES`` or a function ``glue(fn, *args)``)."""
+    return _run_glue(glue, _rope, x, cos, sin)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, device=None):
+    def __init__(self, cfg: ModelConfig, device=None, glue="auto"):
         super().__init__()
+        self.glue = _check_glue(glue)   # (of RoPE)
         C, D = cfg.dim, cfg.head_dim
         self.n_heads, self.n_kv, self.head_dim = cfg.n_heads, cfg.n_kv_heads, D
         b = bool(cfg.qkv_bias or cfg.attention_bias)
@@ -317,7 +345,7 @@ class Attention(nn.Module):
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = self.wk(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)     # (B, G, T, D)
         v = self.wv(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = apply_rope(q, cos, sin, self.glue), apply_rope(k, cos, sin, self.glue)
         if self.n_kv != self.n_heads and q.device.type == "cuda":
             # GQA inside the attention kernel: each K/V head serves n_heads / n_kv query heads
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
@@ -333,15 +361,16 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     """SwiGLU: w2(silu(w1 x) * w3 x) (with biases on all three where ``mlp_bias``: Llama's)."""
 
-    def __init__(self, cfg: ModelConfig, device=None):
+    def __init__(self, cfg: ModelConfig, device=None, glue="auto"):
         super().__init__()
+        self.glue = _check_glue(glue)   # (of SwiGLU)
         b = bool(cfg.mlp_bias)
         self.w1 = nn.Linear(cfg.dim, cfg.hidden_dim, bias=b, device=device)
         self.w3 = nn.Linear(cfg.dim, cfg.hidden_dim, bias=b, device=device)
         self.w2 = nn.Linear(cfg.hidden_dim, cfg.dim, bias=b, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(_run_glue(_swiglu, self.w1(x), self.w3(x)))
+        return self.w2(_run_glue(self.glue, _swiglu, self.w1(x), self.w3(x)))
 
 
 class Router(nn.Module):
@@ -359,10 +388,10 @@ class Router(nn.Module):
 class Experts(nn.Module):
     """``E`` SwiGLU experts as two fused weights in the layout of ``transformers``' experts modules (Mixtral's
     ``MixtralExperts``): ``gate_up_proj`` ``(E, 2 F, C)`` with the gate rows first, ``down_proj`` ``(E, C, F)``.
-    ``convert`` turns it into ``mxtrain.linear.module.MXExperts`` (each expert's two GEMMs one MX linear call);
-    the forward is ``mxtrain.linear.moe.experts_forward`` (tokens gathered per expert) with ``F.linear``."""
+    Plain PyTorch (``F.linear`` per expert); ``mxtrain.convert`` finds it by that layout and swaps it for an MX
+    experts module after the model is built, as it swaps ``nn.Linear`` layers."""
 
-    # the layout flags ``mxtrain.linear.moe.fused_experts`` checks (those transformers sets on its experts modules)
+    # the layout flags of transformers' experts modules (what ``convert`` checks before it converts one)
     has_gate, has_bias, is_transposed, is_concatenated = True, False, False, True
     has_post_expert_norm, _is_expert_parallel = False, False
 
@@ -376,8 +405,59 @@ class Experts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        from ..linear.moe import experts_forward  # startup
-        return experts_forward(self, hidden_states, top_k_index, top_k_weights, lambda x, w, k: F.linear(x, w))
+        return _experts_forward(self, hidden_states, top_k_index, top_k_weights)
+
+
+# Under torch.compile with ``torch._dynamo.config.capture_dynamic_output_shape_ops`` on (the trainer sets it for a
+# mixture of experts), every expert runs in turn, its token rows padded with zero rows up to the next multiple of
+# ``_ROWS`` (at least one), so that one graph serves every routing; the padding's outputs are dropped. Plain
+# ``F.linear`` would not need the padding; it is the loop the converted experts run (``mxtrain.linear.moe``), kept
+# here so that the model computes what it computed when it ran that code. Otherwise (eager, or compiled without
+# the flag: a graph break per expert) only the experts some token chose run, on their rows alone.
+_ROWS = 32
+_warned_breaks = False
+
+
+@torch.compiler.disable
+def _warn_graph_breaks() -> None:
+    global _warned_breaks
+    if not _warned_breaks:
+        _warned_breaks = True
+        warnings.warn("mxtrain: experts compiled without torch._dynamo.config.capture_dynamic_output_shape_ops: "
+                      "the experts' loop breaks the graph at every expert. Set it to True before compiling for one "
+                      "graph that serves every routing (same numbers)", stacklevel=2)
+
+
+def _experts_forward(m: Experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                     top_k_weights: torch.Tensor) -> torch.Tensor:
+    """Each token's output: the sum over its chosen experts of the routing weight times the expert's SwiGLU
+    (transformers' eager experts loop: tokens gathered per expert, added back with ``index_add_``)."""
+    traced = False
+    if torch.compiler.is_compiling():
+        traced = bool(torch._dynamo.config.capture_dynamic_output_shape_ops)
+        if not traced:
+            _warn_graph_breaks()
+    out = torch.zeros_like(hidden_states)
+    with torch.no_grad():
+        mask = F.one_hot(top_k_index, num_classes=m.num_experts + 1).permute(2, 1, 0)   # (E + 1, top_k, N)
+        hit = None if traced else torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+    for e in (range(m.num_experts) if traced else hit):
+        if not traced:
+            e = int(e[0])
+            if e == m.num_experts:
+                continue
+        pos, tok = torch.where(mask[e])
+        x = hidden_states[tok]
+        if traced:
+            n = tok.size(0)
+            x = torch.cat([x, x.new_zeros(_ROWS - n % _ROWS, x.size(-1))])
+        gate, up = F.linear(x, m.gate_up_proj[e]).chunk(2, dim=-1)
+        y = F.linear(m.act_fn(gate) * up, m.down_proj[e])
+        if traced:
+            y = y[:n]
+        y = y * top_k_weights[tok, pos, None]
+        out.index_add_(0, tok, y.to(out.dtype))
+    return out
 
 
 class MoEFeedForward(nn.Module):
@@ -387,13 +467,15 @@ class MoEFeedForward(nn.Module):
     ``aux_loss`` (set by a forward that records gradients, else None): Switch Transformers' load-balancing loss
     ``E * sum_e f_e P_e`` with ``f_e`` the share of the ``N * top_k`` token-to-expert assignments that went to
     expert ``e`` and ``P_e`` its mean router probability (1 when the load is even; ``Llama`` adds
-    ``router_aux_coef`` times its mean over blocks to the training loss)."""
+    ``router_aux_coef`` times its mean over blocks to the training loss). ``experts``: a factory
+    ``experts(cfg, device)`` of the experts module (default ``Experts``)."""
 
-    def __init__(self, cfg: ModelConfig, device=None):
+    def __init__(self, cfg: ModelConfig, device=None, experts: Callable | None = None):
         super().__init__()
         self.top_k = cfg.top_k
         self.router = Router(cfg.dim, cfg.n_experts, device)
-        self.experts = Experts(cfg, device)
+        # ``experts(cfg, device)``: a module called as ``experts(hidden (N, C), top_k_index, top_k_weights)``
+        self.experts = (experts or Experts)(cfg, device)
         self.aux_loss = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -414,82 +496,78 @@ class MoEFeedForward(nn.Module):
         return out.reshape(shape)
 
 
-def _recompute_linears(ctx, op, *args, **kwargs):
-    """Selective-checkpoint policy of ``Block.recompute_ffn``: matrix products (BF16 ``mm``, FP8
-    ``_scaled_mm`` as torchao's float8 layers run it, mxtrain's MX linear ops) are made again in the backward from the tensors they read; everything else is the
-    compiler's choice."""
-    from torch.utils.checkpoint import CheckpointPolicy
-    if op in _RECOMPUTED_OPS:
-        return CheckpointPolicy.PREFER_RECOMPUTE
-    return CheckpointPolicy.PREFER_SAVE
-
-
-_RECOMPUTED_OPS: set = set()
-
-
-def _ffn_context():
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-    if not _RECOMPUTED_OPS:
-        _RECOMPUTED_OPS.update({torch.ops.aten.mm.default, torch.ops.aten._scaled_mm.default,
-                                torch.ops.mxtrain.linear.default, torch.ops.mxtrain.linear_q.default})
-    return create_selective_checkpoint_contexts(_recompute_linears)
-
-
 class Block(nn.Module):
     """Pre-norm attention and SwiGLU feed-forward with residuals.
 
-    ``recompute_ffn`` (default False): under ``torch.compile``, the feed-forward's linear outputs are made
-    again in the backward (selective activation checkpointing of the FFN norm and FFN) instead of being
-    kept: the SwiGLU inputs (two ``hidden_dim``-wide bf16 tensors a token) give way to what the up
-    projections read (an MX layer's quantized input operand, 1 byte an element on Hopper; BF16 layers: the
-    normalized input, recomputed from the residual). Costs the gate and up GEMMs once more. Results are
-    the same (the recomputed GEMMs read the same operands). Eager calls keep the outputs.
+    Activation checkpointing comes from outside, as two optional functions (None: none, the default):
 
-    ``checkpoint_block`` (default False): full activation checkpointing: the block keeps only its input, and
-    its forward runs again in the backward. Under ``torch.compile`` a selective-checkpoint policy keeps each MX
-    layer's random inputs (``mxtrain.call_seeds``) and recomputes everything else; eagerly the layers' call
-    counters are put back before the recomputation. Either way the recomputed forward draws the random inputs
-    the first one drew, and training gives the losses it gives without checkpointing.
+    * ``checkpoint(block, fn, *args)``: full checkpointing. When gradients are recorded the block's forward is
+      ``checkpoint(self, self._block, x, cos, sin)``, which must return ``fn(*args)`` and may keep only the inputs
+      and run ``fn`` again in the backward (``torch.utils.checkpoint``).
+    * ``ffn_checkpoint(block, fn, x)``: the same for the feed-forward and its norm alone (selective
+      checkpointing), used where ``checkpoint`` is not.
+
+    They get the block so that they can reach what it holds (a quantized layer's random-input state, say).
+    ``mxtrain.train.parallel.apply_ac`` sets both for mxtrain's trainer (``train.checkpoint_blocks``,
+    ``train.recompute_ffn``), aware of MX layers; the model itself knows nothing of them.
     """
 
-    recompute_ffn = False
-    checkpoint_block = False
-
-    def __init__(self, cfg: ModelConfig, device=None):
+    def __init__(self, cfg: ModelConfig, device=None, *, glue="auto", checkpoint: Callable | None = None,
+                 ffn_checkpoint: Callable | None = None, experts: Callable | None = None):
         super().__init__()
-        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps, device)
-        self.attention = Attention(cfg, device)
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, device)
-        self.feed_forward = MoEFeedForward(cfg, device) if cfg.n_experts else FeedForward(cfg, device)
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps, device, glue)
+        self.attention = Attention(cfg, device, glue)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, device, glue)
+        self.feed_forward = (MoEFeedForward(cfg, device, experts) if cfg.n_experts
+                             else FeedForward(cfg, device, glue))
+        self.checkpoint = checkpoint
+        self.ffn_checkpoint = ffn_checkpoint
 
     def _ffn(self, x):
         return self.feed_forward(self.ffn_norm(x))
 
+    # the flags blocks had before ``checkpoint`` / ``ffn_checkpoint``: refused rather than ignored
+    def _gone(self, on, name="checkpoint_block"):
+        raise AttributeError(f"Block.{name} is gone: the model applies no checkpointing of its own; call "
+                             f"mxtrain.train.parallel.apply_ac(model, checkpoint_blocks=..., recompute_ffn=...) "
+                             f"(MX-aware), or give the block checkpoint= / ffn_checkpoint= functions")
+
+    checkpoint_block = property(lambda self: self.checkpoint is not None, _gone)
+    recompute_ffn = property(lambda self: self.ffn_checkpoint is not None,
+                             lambda self, on: self._gone(on, "recompute_ffn"))
+
     def forward(self, x, cos, sin):
-        if self.checkpoint_block and torch.is_grad_enabled():
-            return mx_checkpoint(self._block, x, cos, sin, layers=self)
+        if self.checkpoint is not None and torch.is_grad_enabled():
+            return self.checkpoint(self, self._block, x, cos, sin)
         return self._block(x, cos, sin)
 
     def _block(self, x, cos, sin):
         x = x + self.attention(self.attention_norm(x), cos, sin)
-        if (self.recompute_ffn and not self.checkpoint_block and torch.compiler.is_compiling()
-                and isinstance(self.feed_forward, FeedForward)):   # (experts: their outputs are kept)
-            from torch.utils.checkpoint import checkpoint
-            return x + checkpoint(self._ffn, x, use_reentrant=False, context_fn=_ffn_context)
+        if self.ffn_checkpoint is not None and self.checkpoint is None:
+            return x + self.ffn_checkpoint(self, self._ffn, x)
         return x + self._ffn(x)
 
 
 class Llama(nn.Module):
     """Decoder-only transformer. ``forward(idx (B, T) int64, targets=None) -> logits (B, T, V)`` or, with
     targets, the mean cross-entropy loss (float32 scalar; a mixture of experts in training mode adds its
-    load-balancing loss, ``ModelConfig.router_aux_coef``)."""
+    load-balancing loss, ``ModelConfig.router_aux_coef``).
 
-    def __init__(self, cfg: ModelConfig, device=None):
+    Options (keyword only; none reads a setting or knows a number format): ``glue`` how RMSNorm, RoPE and
+    SwiGLU run (``GLUE_MODES``: "auto", the default, compiles them on CUDA; or a function ``glue(fn, *args)``);
+    ``checkpoint`` and ``ffn_checkpoint`` each block's activation checkpointing (``Block``; default none);
+    ``experts`` the factory ``experts(cfg, device)`` of a mixture of experts' experts module (default
+    ``Experts``)."""
+
+    def __init__(self, cfg: ModelConfig, device=None, *, glue="auto", checkpoint: Callable | None = None,
+                 ffn_checkpoint: Callable | None = None, experts: Callable | None = None):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim, device=device)
-        self.layers = nn.ModuleList(Block(cfg, device) for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, device)
+        self.layers = nn.ModuleList(Block(cfg, device, glue=glue, checkpoint=checkpoint,
+                                          ffn_checkpoint=ffn_checkpoint, experts=experts)
+                                    for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, device, glue)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False, device=device)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight

@@ -113,10 +113,10 @@ class TrainSection:
                                             # auto (on CUDA without cuda_graphs) | on | off
     recompute_ffn: bool = False             # compiled blocks: make the feed-forward's linear outputs again in
                                             # the backward instead of keeping them (less memory, two more GEMMs
-                                            # a block; same results; mxtrain.model.Block)
+                                            # a block; same results; train.parallel.apply_ac)
     checkpoint_blocks: bool = False         # full activation checkpointing: each block keeps only its input and
                                             # runs its forward again in the backward (least memory, about a
-                                            # third more compute; the same losses; mxtrain.model.Block)
+                                            # third more compute; the same losses; train.parallel.apply_ac)
     memory_budget: Optional[float] = None   # compiled blocks: torch's activation_memory_budget in (0, 1]: the
                                             # compiler recomputes activations in the backward to keep only that
                                             # share of what it would save (less memory, more recompute); None:

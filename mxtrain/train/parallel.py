@@ -55,9 +55,9 @@ import torch.nn as nn
 from .._launch import SAFE_ENV, int_env as _int_env, launch, strip_nproc
 from .._io import swap_in, write_atomic, write_json
 from ..errors import UserError
-from ..linear.module import ddp_ignore_states
+from ..linear.module import checkpoint as mx_checkpoint, ddp_ignore_states
 from ..linear.qgather import GATHER_MODES, prepare
-from ..model.llama import Block
+from ..model.llama import Block, FeedForward
 
 __all__ = [
     "DistEnv", "init", "shutdown", "get_env", "is_rank0", "rank0_print", "barrier", "all_reduce_sum",
@@ -930,3 +930,66 @@ def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, m
     fqn_sd = {"state": {order[int(i)]: st for i, st in optim_sd["state"].items()},
               "param_groups": [{**g, "params": [order[int(i)] for i in g["params"]]} for g in optim_sd["param_groups"]]}
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=fqn_sd, options=opts)
+
+
+# ------------------------------------------------------------------------------- activation checkpointing
+# Applied to the model from outside, as DDP / FSDP2 are: the model's blocks take two optional functions
+# (``Block.checkpoint``, ``Block.ffn_checkpoint``) and know nothing of MX layers; these are mxtrain's, and
+# ``apply_ac`` gives them to every block. Each is one module-level function shared by all blocks, so compiled
+# blocks keep sharing one graph (dynamo guards on the function, the same object in every block).
+
+def checkpoint_block(block: nn.Module, fn, *args):
+    """Full activation checkpointing of one block (``train.checkpoint_blocks``): ``mxtrain.checkpoint`` over the
+    block's MX layers, so the recomputed forward draws the random inputs (stochastic rounding, per-step signs) the
+    first one drew and gradients are those without checkpointing, bit for bit."""
+    return mx_checkpoint(fn, *args, layers=block)
+
+
+_RECOMPUTED_OPS: set = set()
+
+
+def _recompute_linears(ctx, op, *args, **kwargs):
+    """Selective-checkpoint policy of ``recompute_ffn``: matrix products (BF16 ``mm``, FP8 ``_scaled_mm`` as
+    torchao's float8 layers run it, mxtrain's MX linear ops) are made again in the backward from the tensors they
+    read; everything else is the compiler's choice."""
+    from torch.utils.checkpoint import CheckpointPolicy
+    if op in _RECOMPUTED_OPS:
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.PREFER_SAVE
+
+
+def _ffn_context():
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+    if not _RECOMPUTED_OPS:
+        _RECOMPUTED_OPS.update({torch.ops.aten.mm.default, torch.ops.aten._scaled_mm.default,
+                                torch.ops.mxtrain.linear.default, torch.ops.mxtrain.linear_q.default})
+    return create_selective_checkpoint_contexts(_recompute_linears)
+
+
+def checkpoint_ffn(block: nn.Module, fn, x):
+    """``train.recompute_ffn``: under ``torch.compile``, the feed-forward's linear outputs are made again in the
+    backward (selective checkpointing of the FFN norm and FFN) instead of being kept: the SwiGLU inputs (two
+    ``hidden_dim``-wide tensors a token) give way to what the up projections read (an MX layer's quantized input
+    operand; BF16 layers: the normalized input, recomputed from the residual). Costs the gate and up GEMMs once
+    more; same results. Eager calls keep the outputs."""
+    if not torch.compiler.is_compiling():
+        return fn(x)
+    from torch.utils.checkpoint import checkpoint
+    return checkpoint(fn, x, use_reentrant=False, context_fn=_ffn_context)
+
+
+def apply_ac(model: nn.Module, checkpoint_blocks: bool = False, recompute_ffn: bool = False) -> nn.Module:
+    """Activation checkpointing for every block of ``model`` (``model.layers``, or ``model`` itself when it is a
+    list of blocks): ``checkpoint_blocks`` full (``checkpoint_block``), else ``recompute_ffn`` the dense
+    feed-forward's linear outputs under ``torch.compile`` (``checkpoint_ffn``; a mixture of experts keeps its
+    experts' outputs). False turns either off. Returns ``model``."""
+    for b in (model.layers if hasattr(model, "layers") else model):
+        if not isinstance(b, Block):
+            raise TypeError(f"apply_ac: {type(b).__name__} is not an mxtrain.model Block")
+        b.checkpoint = checkpoint_block if checkpoint_blocks else None
+        dense = isinstance(b.feed_forward, FeedForward)
+        b.ffn_checkpoint = checkpoint_ffn if recompute_ffn and dense and not checkpoint_blocks else None
+    return model
+
+
+__all__ += ["apply_ac", "checkpoint_block", "checkpoint_ffn"]

@@ -37,7 +37,7 @@ from .. import settings as _settings
 from .._io import write_text
 from ..data import Loader, TokenData, ensure_builtin
 from ..errors import OutOfMemory, UserError
-from ..model.llama import Llama, ModelConfig
+from ..model.llama import Llama, ModelConfig, set_glue
 from . import checkpoint as ckpt
 from . import profiling, threads
 from .callbacks import (Callback, CallbackList, Outcome, Status, TensorBoardLogger, TrainState, WandbLogger,
@@ -686,13 +686,16 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         model = build_model(cfg, self.data.vocab_size, device, load_init=self.state is None)
         convert(model, self.recipe)
-        for block in model.layers:
-            block.checkpoint_block = cfg.train.checkpoint_blocks
-        if compiles(cfg, device):   # (one graph shared by all blocks: layer numbers and steps are tensors)
+        set_glue(model, _settings.current().glue)   # (the model reads no setting: it is told)
+        compiled = compiles(cfg, device)
+        # activation checkpointing from outside the model (train.parallel.apply_ac, MX-aware); the feed-forward's
+        # recomputation is for compiled blocks only
+        D.apply_ac(model, checkpoint_blocks=cfg.train.checkpoint_blocks,
+                   recompute_ffn=compiled and cfg.train.recompute_ffn)
+        if compiled:   # (one graph shared by all blocks: layer numbers and steps are tensors)
             if model.cfg.n_experts:   # the experts as one traced loop, not a graph break per expert (mxtrain.linear.moe)
                 torch._dynamo.config.capture_dynamic_output_shape_ops = True
             for block in model.layers:
-                block.recompute_ffn = cfg.train.recompute_ffn
                 block.compile()
         self.model = _wrap_parallel(model, cfg, self.env)
         self.opt = _optimizer(self.model, cfg, device)
