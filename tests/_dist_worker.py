@@ -155,10 +155,36 @@ def run_scenario(name: str, mode: str, env: D.DistEnv, out: Path, *, accum=1, st
     return res
 
 
+def grad_vs_one_process(env: D.DistEnv) -> dict:
+    """The gradient FSDP2 hands the optimizer against one process's, before clipping (a clipped gradient has norm
+    1 whatever its scale, which is how a sum-for-mean reduction once passed for ulps): step 0's global batch, each
+    rank its rows under FSDP2 (no accumulation), and on every rank a plain copy of the model accumulating the
+    ranks' micro-batches as one process does. Returns the ratio of the gradient norms and the largest difference
+    relative to each parameter's largest gradient."""
+    torch.manual_seed(0)
+    ref = Toy()
+    torch.manual_seed(0)
+    model = D.wrap(Toy(), "fsdp2", env)
+    tokens = global_batch(0)
+    micro = GLOBAL_BATCH // env.world_size
+    for r in range(env.world_size):
+        chunk = tokens[r * micro:(r + 1) * micro]
+        (ref(chunk[:, :-1], chunk[:, 1:]) / env.world_size).backward()
+    chunk = tokens[env.rank * micro:(env.rank + 1) * micro]
+    model(chunk[:, :-1], chunk[:, 1:]).backward()
+    got = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    want = {n: p.grad for n, p in ref.named_parameters()}
+    assert got.keys() == want.keys()
+    norm = lambda gs: float(sum(g.double().square().sum() for g in gs.values()) ** 0.5)  # noqa: E731
+    return {"norm_ratio": norm(got) / norm(want),
+            "max_rel": max(float((got[n] - want[n]).abs().max() / want[n].abs().max()) for n in want)}
+
+
 def suite(out: Path, ref: Path):
     """The 2-rank scenarios, run in one torchrun launch (process start-up is most of the cost)."""
     env = D.init("cpu")
     results = {
+        "grad_vs_one_process": grad_vs_one_process(env),
         "ddp": run_scenario("ddp", "ddp", env, out, save_at=10),
         "ddp_accum2": run_scenario("ddp_accum2", "ddp", env, out, accum=2),
         "fsdp2": run_scenario("fsdp2", "fsdp2", env, out, save_at=10, capture=True),

@@ -250,7 +250,8 @@ def apply_fsdp2(model: nn.Module, env: DistEnv | None = None, *, param_dtype: to
         MXLinear casts whatever it gets to fp32 and quantizes it; with bf16 it quantizes the
         bf16-rounded master weight (the all-gather moves half the bytes), with ``None`` exactly the
         fp32 master weight, as a single process does.
-      * ``reduce_dtype``: dtype of the gradient reduce-scatter (fp32 by default).
+      * ``reduce_dtype``: dtype of the gradient reduce-scatter (fp32 by default). The reduction is the mean over
+        ranks: NCCL's AVG, on other backends (gloo) a sum divided by the world size (``_sum_then_divide``).
       * ``reshard_after_forward``: free the gathered weights after each block's forward and gather
         again for backward (ZeRO-3); ``False`` keeps them (ZeRO-2-like, more memory, less traffic).
       * ``prefetch``: each block's forward starts the all-gathers of the next ``prefetch`` blocks, and its
@@ -297,6 +298,9 @@ def apply_fsdp2(model: nn.Module, env: DistEnv | None = None, *, param_dtype: to
             hasattr(p, "fsdp_pre_all_gather") for p in block.parameters()))
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward and not keep)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    if _sum_then_divide(env):
+        for m in (*blocks, model):
+            m.set_force_sum_reduction_for_comms(True)
     if prefetch > 0:
         for i, block in enumerate(blocks):
             if i + 1 < len(blocks):
@@ -304,6 +308,17 @@ def apply_fsdp2(model: nn.Module, env: DistEnv | None = None, *, param_dtype: to
             if i > 0:
                 block.set_modules_to_backward_prefetch(blocks[max(0, i - prefetch): i][::-1])
     return model
+
+
+def _sum_then_divide(env: DistEnv) -> bool:
+    """Whether FSDP2 must reduce gradients with ``ReduceOp.SUM`` and divide by the world size itself: on every
+    backend but NCCL. FSDP2 reduce-scatters fp32 and bf16 gradients with ``ReduceOp.AVG`` by default, and on
+    torch 2.8 gloo's ``reduce_scatter_tensor`` returns the *sum* for AVG, without an error (pytorch/pytorch#162338;
+    torch 2.13 averages): every gradient was ``world_size`` times too large, which gradient clipping and Adam
+    mostly hide, so a 2-rank run drifted from one process's losses by up to 6e-2 in 20 toy steps instead of
+    failing. SUM then a division by the world size in fp32 is the mean on any backend and any torch (FSDP2's
+    ``set_force_sum_reduction_for_comms``); NCCL's AVG is native and keeps FSDP2's default (no extra division)."""
+    return env.backend != "nccl"
 
 
 def gather_report(model: nn.Module):
