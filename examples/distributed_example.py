@@ -86,6 +86,9 @@ def train(a, world: int, rank: int, device: torch.device, cuda: bool) -> list:
         for layer in model.model.layers:
             fully_shard(layer)
         fully_shard(model)
+        if not cuda:   # gloo's reduce-scatter returned the sum for an average on torch 2.8 (pytorch#162338):
+            for m in (*model.model.layers, model):   # sum, and FSDP2 divides by the world size itself
+                m.set_force_sum_reduction_for_comms(True)
     elif world > 1:
         # convert keeps the MX layers' states out of DDP's buffer broadcast (each rank numbers its own calls)
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
