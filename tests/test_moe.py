@@ -210,8 +210,8 @@ def test_compiled_experts_with_an_expert_nobody_chose_equal_eager():
 def test_compiling_experts_without_dynamic_shapes_warns_once(monkeypatch):
     """Without capture_dynamic_output_shape_ops the experts' loop breaks dynamo's graph at every expert: said once,
     with the setting that fixes it; the numbers are the eager loop's."""
-    from mxtrain.linear import moe
-    monkeypatch.setattr(moe, "_warned", False)
+    from mxtrain import _experts
+    monkeypatch.setattr(_experts, "_warned", False)
     model = _hf("qwen3_moe", layers=1)
     mxtrain.convert(model, "mxfp4-all", strict=True)
     ex = model.model.layers[0].mlp.experts

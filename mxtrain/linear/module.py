@@ -251,7 +251,7 @@ class MXExperts(MXLayer):
     ``(E, 2 I, H)``, ``down_proj`` ``(E, H, I)``; ``mxtrain.linear.moe.fused_experts`` says which) whose expert GEMMs follow
     a ``Recipe``: ``convert`` mixes this class in, keeping the parameters, their names and the module's attributes.
 
-    The forward is ``transformers``' eager experts forward (``mxtrain.linear.moe.experts_forward``: the routing the block
+    The forward is ``transformers``' eager experts forward (``mxtrain._experts.experts_forward``: the routing the block
     computed, tokens gathered per expert) with each expert's two GEMMs one ``mx_linear`` call on ``weight[e]``: MX
     numerics exact per expert GEMM (the reference path on CPU; on CUDA whatever ``mx_linear`` routes to). The module
     takes ``2 E`` layer ids: expert ``e``'s ``gate_up_proj`` GEMM draws its random inputs (stochastic rounding,
@@ -260,7 +260,7 @@ class MXExperts(MXLayer):
 
     @property
     def _mx_ids(self) -> int:
-        from .moe import GEMMS_PER_EXPERT  # startup
+        from .._experts import GEMMS_PER_EXPERT  # startup
         return GEMMS_PER_EXPERT * self.num_experts
 
     def _mx_weight(self) -> torch.Tensor:
@@ -268,7 +268,8 @@ class MXExperts(MXLayer):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        from .moe import advances_calls_json, experts_forward  # startup
+        from .._experts import experts_forward  # startup
+        from .moe import advances_calls_json  # startup
         recipe, seeded = self._mx_recipe, self._mx_seeded
         compiling = torch.compiler.is_compiling()
 

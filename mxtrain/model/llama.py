@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .._experts import experts_forward
 from ..errors import UserError
 
 __all__ = ["ModelConfig", "Llama", "MoEFeedForward", "SIZES", "size_names", "GLUE_MODES", "set_glue"]
@@ -405,59 +406,11 @@ class Experts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        return _experts_forward(self, hidden_states, top_k_index, top_k_weights)
+        return experts_forward(self, hidden_states, top_k_index, top_k_weights, _plain_gemm)
 
 
-# Under torch.compile with ``torch._dynamo.config.capture_dynamic_output_shape_ops`` on (the trainer sets it for a
-# mixture of experts), every expert runs in turn, its token rows padded with zero rows up to the next multiple of
-# ``_ROWS`` (at least one), so that one graph serves every routing; the padding's outputs are dropped. Plain
-# ``F.linear`` would not need the padding; it is the loop the converted experts run (``mxtrain.linear.moe``), kept
-# here so that the model computes what it computed when it ran that code. Otherwise (eager, or compiled without
-# the flag: a graph break per expert) only the experts some token chose run, on their rows alone.
-_ROWS = 32
-_warned_breaks = False
-
-
-@torch.compiler.disable
-def _warn_graph_breaks() -> None:
-    global _warned_breaks
-    if not _warned_breaks:
-        _warned_breaks = True
-        warnings.warn("mxtrain: experts compiled without torch._dynamo.config.capture_dynamic_output_shape_ops: "
-                      "the experts' loop breaks the graph at every expert. Set it to True before compiling for one "
-                      "graph that serves every routing (same numbers)", stacklevel=2)
-
-
-def _experts_forward(m: Experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                     top_k_weights: torch.Tensor) -> torch.Tensor:
-    """Each token's output: the sum over its chosen experts of the routing weight times the expert's SwiGLU
-    (transformers' eager experts loop: tokens gathered per expert, added back with ``index_add_``)."""
-    traced = False
-    if torch.compiler.is_compiling():
-        traced = bool(torch._dynamo.config.capture_dynamic_output_shape_ops)
-        if not traced:
-            _warn_graph_breaks()
-    out = torch.zeros_like(hidden_states)
-    with torch.no_grad():
-        mask = F.one_hot(top_k_index, num_classes=m.num_experts + 1).permute(2, 1, 0)   # (E + 1, top_k, N)
-        hit = None if traced else torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
-    for e in (range(m.num_experts) if traced else hit):
-        if not traced:
-            e = int(e[0])
-            if e == m.num_experts:
-                continue
-        pos, tok = torch.where(mask[e])
-        x = hidden_states[tok]
-        if traced:
-            n = tok.size(0)
-            x = torch.cat([x, x.new_zeros(_ROWS - n % _ROWS, x.size(-1))])
-        gate, up = F.linear(x, m.gate_up_proj[e]).chunk(2, dim=-1)
-        y = F.linear(m.act_fn(gate) * up, m.down_proj[e])
-        if traced:
-            y = y[:n]
-        y = y * top_k_weights[tok, pos, None]
-        out.index_add_(0, tok, y.to(out.dtype))
-    return out
+def _plain_gemm(x: torch.Tensor, weight: torch.Tensor, k: int) -> torch.Tensor:
+    return F.linear(x, weight)
 
 
 class MoEFeedForward(nn.Module):

@@ -1,0 +1,83 @@
+"""The experts loop of a fused Mixture-of-Experts module, with the GEMM as a parameter: the model's plain experts
+(``mxtrain.model.llama.Experts``: ``F.linear``) and the MX experts (``mxtrain.linear.module.MXExperts``:
+``mx_linear`` per expert GEMM) run this one loop. Layer 0: it imports nothing of the package.
+
+The loop is ``transformers``' eager experts forward (``MixtralExperts.forward``) with ``F.linear`` replaced by
+``gemm``: the same routing (the block's router and its top-k are not touched), the same per-expert token order,
+the same sums, so with a GEMM that is ``F.linear`` the output is the eager implementation's, bit for bit
+(tests/test_moe.py). The module ``m`` has ``gate_up_proj`` ``(E, 2 I, H)`` (gate rows first), ``down_proj``
+``(E, H, I)``, ``act_fn`` and ``num_experts``.
+
+Under ``torch.compile``: the eager loop iterates over the experts that ``nonzero`` found and gathers each one's
+tokens with ``torch.where``, whose output shapes depend on the data, so dynamo breaks the graph there (one graph
+per piece between the breaks; ``fullgraph=True`` fails). With ``torch._dynamo.config.capture_dynamic_output_shape_ops
+= True`` set before compiling, every expert runs in turn (a loop of static length), its token count an unbacked
+symbol, so one graph serves every routing and nothing recompiles per step. Each expert's token rows are padded with
+zero rows to the next multiple of ``ROW_MULTIPLE`` (at least one row: an expert no token chose runs on zero rows),
+which leaves every real row's numbers as the eager loop's: MX blocks lie along the hidden axis in Fprop and Dgrad
+(one token per row), and along the token axis in Wgrad, where the quantizer pads with zeros to a multiple of 32
+anyway and a zero row's products are zero; stochastic rounding draws by element position, the same for the real
+rows (tests/test_moe.py: compiled losses equal eager bit for bit on CPU).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+GEMMS_PER_EXPERT = 2   # gate_up_proj, down_proj: expert e's GEMMs are numbered 2 e and 2 e + 1
+ROW_MULTIPLE = 32      # an expert's token rows are padded to a multiple of this under torch.compile (the MX block)
+
+DYNAMO_HINT = ("mxtrain: experts compiled without torch._dynamo.config.capture_dynamic_output_shape_ops: the "
+               "experts' loop breaks the graph at every expert (about 15 graphs a block; fullgraph=True fails). Set "
+               "torch._dynamo.config.capture_dynamic_output_shape_ops = True before compiling for one graph that "
+               "serves every routing (same numbers; docs/library.md)")
+_warned = False
+
+
+@torch.compiler.disable
+def _warn_graph_breaks() -> None:
+    """Said once a process, when dynamo meets the eager experts loop (a graph break here costs nothing more: the
+    loop breaks the graph anyway)."""
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn(DYNAMO_HINT, stacklevel=2)
+
+
+def experts_forward(m: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor,
+                    gemm: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
+    """Each token's output: the sum over its chosen experts of the routing weight times the expert's SwiGLU, with
+    ``gemm(x, weight, k)`` for ``F.linear(x, weight)``; ``k`` numbers the GEMM in the module
+    (``GEMMS_PER_EXPERT * e + j``). Eagerly only the experts some token chose run, on their rows alone; compiled
+    with ``capture_dynamic_output_shape_ops`` every expert, its rows padded (same numbers; module docstring)."""
+    traced = False
+    if torch.compiler.is_compiling():
+        traced = bool(torch._dynamo.config.capture_dynamic_output_shape_ops)
+        if not traced:
+            _warn_graph_breaks()
+    out = torch.zeros_like(hidden_states)
+    with torch.no_grad():
+        mask = torch.nn.functional.one_hot(top_k_index, num_classes=m.num_experts + 1).permute(2, 1, 0)  # (E+1, k, N)
+        hit = None if traced else torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+    for e in (range(m.num_experts) if traced else hit):
+        if not traced:
+            e = int(e[0])
+            if e == m.num_experts:
+                continue
+        pos, tok = torch.where(mask[e])
+        x = hidden_states[tok]
+        if traced:
+            n = tok.size(0)
+            x = torch.cat([x, x.new_zeros(ROW_MULTIPLE - n % ROW_MULTIPLE, x.size(-1))])
+        gate, up = gemm(x, m.gate_up_proj[e], GEMMS_PER_EXPERT * e).chunk(2, dim=-1)
+        y = gemm(m.act_fn(gate) * up, m.down_proj[e], GEMMS_PER_EXPERT * e + 1)
+        if traced:
+            y = y[:n]
+        y = y * top_k_weights[tok, pos, None]
+        out.index_add_(0, tok, y.to(out.dtype))
+    return out
