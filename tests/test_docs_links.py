@@ -1,6 +1,7 @@
 """Every link and file path in the Markdown docs points to a file of this repository.
 
-Checked documents: README.md, BENCHMARKS.md, docs/*.md, docs/results/*.md and tools/README.md. Checked references:
+Checked documents: README.md, BENCHMARKS.md, docs/*.md, docs/results/*.md, tools/README.md and
+benchmarks/README.md. Checked references:
 
 * relative Markdown links and images, ``[text](path)`` / ``![alt](path)`` outside code, resolved against the
   document's folder (``#anchor`` stripped; http(s) and mailto links and pure anchors skipped). A link that
@@ -22,6 +23,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted([ROOT / "README.md", ROOT / "BENCHMARKS.md", ROOT / "tools" / "README.md",
+               ROOT / "benchmarks" / "README.md",
                *(ROOT / "docs").glob("*.md"), *(ROOT / "docs" / "results").glob("*.md")])
 FOLDERS = ("docs", "tools", "mxtrain", "examples", "tests", "benchmarks", "scripts", ".ci")
 

@@ -453,7 +453,7 @@ def gaps_by_budget(points: dict, baseline: str, budgets: list[float]) -> dict:
     loss minus the baseline's of the same seed (mean over the windows both evaluated), for **every** seed whose
     branch at that budget finished in both, whether or not the seed finished its other budgets. The intervals
     of ``summarize_cooldown`` need seeds complete at every budget (one baseline fit across them); this view
-    keeps what a study cut short (a lease that ended mid-way) has already measured."""
+    keeps what a study cut short (a GPU allocation that ended mid-way) has already measured."""
     base = points.get(baseline, {})
     out: dict = {}
     for arm, runs in points.items():

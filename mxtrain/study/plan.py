@@ -74,7 +74,7 @@ PRESETS: dict[str, dict] = {
     # the trend with training length: BF16 and plain MXFP4 at 30m, one run per arm x seed of
     # 11,500 steps x 16,384 tokens (188 M tokens: 20 per non-embedding parameter, 5.4 per parameter in all with
     # the 32k vocabulary), cooled-down branches from 1 to 20 tokens per non-embedding parameter; each run must
-    # finish inside one device lease (checkpoints do not travel): 18 minutes for all 6 with 3 runs a GPU under
+    # finish inside one time-limited GPU allocation (checkpoints did not travel between them): 18 minutes for all 6 with 3 runs a GPU under
     # MPS on two H100s (docs/results.md). Peak LR 1.5e-3, where the learning-rate sweep at 30m put BF16 and
     # MXFP4 well below 3e-3 (the base experiment's rate)
     "trend": dict(arms=["bf16", "mxfp4-all"], baseline="bf16", seeds=3, model="30m", steps=11500, lr=1.5e-3,

@@ -101,7 +101,7 @@ def compute_plan(spec: StudySpec, tokens_per_s: float | None = None) -> dict:
                        or any(o.startswith("optim.lr=") for a in spec.arms
                               for o in list(spec.overrides) + A.overrides_of(a)))
     out["epochs"] = out["tokens_per_run"] / train_tokens if train_tokens else None
-    # an existing study folder (a study resumed, or seeded from an earlier lease's archive): what is finished,
+    # an existing study folder (a study resumed, or seeded from an earlier allocation's archive): what is finished,
     # stable run and every branch, is not trained again
     done, meta_p = 0, Path(spec.out) / "study.json"
     out["folder_mismatch"] = False
