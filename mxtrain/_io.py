@@ -88,6 +88,7 @@ def write_atomic(path: Path, write: Callable, what: str = "", user_error: bool =
         if why is None or not user_error:
             raise
         raise UserError(f"cannot write {what}{path}: {why.strerror or why}"
+                        + (" (past the file size limit, `ulimit -f`)" if why.errno == errno.EFBIG else "")
                         + ("; the previous one is intact" if path.exists() else "")) from None
 
 
@@ -208,10 +209,14 @@ class FolderLock:
             if not remove or _same_file(f, self.path):
                 break
             f.close()   # its owner deleted it after it was opened here: lock the one at the path now
-        f.seek(0)
-        f.truncate()
-        f.write(f"{os.getpid()}\n")
-        f.flush()
+        # the pid is for messages only: written unbuffered, and a disk too full to hold it leaves the file empty
+        # (the lock holds all the same; a buffered write would fail again when the file is closed, and a lock file
+        # left behind by a constructor that raised is never removed)
+        try:
+            os.ftruncate(f.fileno(), 0)
+            os.pwrite(f.fileno(), f"{os.getpid()}\n".encode(), 0)
+        except OSError:
+            pass
         self.f = f
 
     def fileno(self) -> int | None:

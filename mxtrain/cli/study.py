@@ -12,6 +12,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -462,6 +463,17 @@ def report_main(args: argparse.Namespace) -> int:
             probe = out / f".write-test-{os.getpid()}"
             probe.write_text("")
             probe.unlink()
+    new_out = not out.exists()   # a folder this report makes: removed again if the report fails (a half report
+    try:                         # there, its summary.json without report.html, would make --out refused next time)
+        return _report(args, d, out, single, sel, write_report)
+    except BaseException:
+        if new_out and out.is_dir():
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
+def _report(args, d: Path, out: Path, single: bool, sel: list, write_report) -> int:
+    """``report_main`` once its arguments are checked: the summary and the report written into ``out``."""
     summary = None
     if not single:
         runs = M.load_study_runs(d)

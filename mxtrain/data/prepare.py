@@ -58,6 +58,9 @@ def _is_val(text: str, fraction: float) -> bool:
     return int.from_bytes(h, "little") < fraction * 2**64
 
 
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)   # a full disk or quota, the file size limit
+
+
 class _ShardWriter:
     def __init__(self, folder: Path, prefix: str, dtype, shard_tokens: int, vocab_size: int | None = None):
         self.folder, self.prefix, self.dtype, self.shard_tokens = folder, prefix, dtype, shard_tokens
@@ -239,8 +242,9 @@ def _prepare(docs: Callable, out: Path, inputs: list[str], meta_sources: list[st
                           f"prepare{f' (pid {who})' if who else ''}; wait for it to finish or choose another --out",
                           name=f".{dest.name}.lock", remove=True)
     except OSError as e:
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise   # (the command's one line for a full disk or quota names the folder and what to do)
+        if e.errno in _FULL:
+            e.folder = str(out)   # (the command's one line for a full disk or quota names this folder and what to do)
+            raise
         raise UserError(f"cannot write to {dest.parent}: {e.strerror or e}") from None
     with lock:
         try:
@@ -352,9 +356,11 @@ def _prepare(docs: Callable, out: Path, inputs: list[str], meta_sources: list[st
             }
             (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
             _swap_in(tmp, dest, out, force)
-        except BaseException:
+        except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            if isinstance(e, OSError) and e.errno in _FULL:
+                e.folder = str(out)   # the folder whose disk is full, which the command may not name (train's
+            raise                     # first use of the built-in corpus prepares it into the cache folder)
         # the ids were checked as they were written: opening the folder need not read the shards again
         checked.record(dest, meta["dtype"], {**train_w.max_ids, **val_w.max_ids})
         # the result, with or without progress reports

@@ -152,6 +152,8 @@ def _read(p: Path, mmap: bool = False) -> dict:
     except Exception as e:  # truncated zip, bad pickle, random bytes, an empty file...
         import re
         text = str(e)
+        if _memory_ran_out(e, text, p):
+            raise   # host memory ran out while reading the file: not "corrupt" (the CLI says what ran out)
         glob = re.search(r"GLOBAL (\S+)", text)
         if glob:   # a pickle that names a Python object (a function to call...): never unpickled
             raise UserError(f"checkpoint {p} holds objects other than tensors and plain data ({glob.group(1)}), "
@@ -164,6 +166,20 @@ def _read(p: Path, mmap: bool = False) -> dict:
     if not isinstance(st, dict) or st.get("format") != FORMAT:
         raise UserError(f"{p} is not an mxtrain checkpoint (format {st.get('format') if isinstance(st, dict) else None!r})")
     return st
+
+
+def _memory_ran_out(e: Exception, text: str, p: Path) -> bool:
+    """Did reading checkpoint ``p`` fail because host memory ran out, rather than because the file is damaged?
+    An allocation larger than the whole file is the file's fault (a damaged size field): no tensor read from it
+    can be larger."""
+    import re
+    if not (isinstance(e, MemoryError) or "DefaultCPUAllocator" in text or "can't allocate memory" in text):
+        return False
+    asked = re.search(r"tried to allocate (\d+) bytes", text)
+    try:
+        return asked is None or int(asked.group(1)) <= os.path.getsize(p)
+    except OSError:
+        return True
 
 
 def load(path: str | Path) -> dict:

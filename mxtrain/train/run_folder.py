@@ -6,6 +6,7 @@ answer. JSON files are written whole (``mxtrain._io.write_json``)."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -179,8 +180,16 @@ def _record_outcome(out: Path, outcome: Outcome, quiet: bool) -> None:
     try:
         info = json.loads(p.read_text()) if p.exists() else {}
         info["outcome"] = outcome.to_dict()
-        _write_json(p, info)
+        write_json(p, info, end="\n", indent=2, default=str, allow_nan=False, user_error=False)
     except (OSError, ValueError, UserError) as e:
         if not quiet:
+            if isinstance(e, OSError):
+                e = f"{e.strerror or e}" + ("; the previous one is intact" if p.exists() else "")
             raise UserError(f"cannot record the outcome in {p}: {e}") from None
-        print(f"mxtrain: warning: cannot record the outcome ({outcome.status.value}) in {p}: {e}", file=sys.stderr)
+        if isinstance(e, OSError) and e.errno in _FULL:
+            return   # the disk that stopped the run: its own error says so, in the command's one line
+        print(f"mxtrain: warning: cannot record the outcome ({outcome.status.value}) in {p}: "
+              f"{e.strerror if isinstance(e, OSError) and e.strerror else e}", file=sys.stderr)
+
+
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)   # a full disk or quota, the file size limit
