@@ -3,12 +3,12 @@ with EFBIG, as a full disk fails with ENOSPC, through the same code: ``torch.sav
 shards), an address-space limit (``RLIMIT_AS``: torch's CPU allocator and numpy really fail) and, when the tests
 run as root, a real full disk (a small tmpfs). The limits are set in a child process (or, for a soft limit that is
 raised again at once, around one call in this one), with SIGXFSZ ignored so that a write past the limit fails
-instead of killing the process. Each command must exit non-zero with one ``mxtrain: error:`` line on stderr, leave
+instead of killing the process (CPython ignores it at startup already; the child says so anyway). Each command must exit non-zero with one ``mxtrain: error:`` line on stderr, leave
 no temporary file or half folder, and keep what it had written whole (a resume continues bit for bit).
 
 The manual sweep behind these tests (2026-11-29, as root, on tmpfs mounts; the `tiny` model at dim 64, 1 layer,
 batch 2 x 32 tokens, bf16, a 6.6 MiB checkpoint; train: 6 steps, a checkpoint every 2). "free N": a filler file
-left N bytes free on a larger mount. 54 full-disk cases, 47 of them filling the disk (7 controls that fit ran to
+left N bytes free on a larger mount. 56 full-disk cases, 49 of them filling the disk (7 controls that fit ran to
 the end with status 0), then 7 host-memory and 4 file-size-limit cases. In every failing case, after the fixes of
 this change: a non-zero status, one ``mxtrain: error:`` line, no traceback, no ``.tmp-*``, ``.old-*``,
 ``.write-test-*`` or ``.NAME.lock`` left, the earlier output whole. "resume": after the space was freed
@@ -38,6 +38,7 @@ tensor. "fixed": what it did before this change.
 | study (2 arms x 1 seed) | 8k | study.json | one line; the same command finishes once space is freed |
 | study | 64k | a run's files | one line (fixed: the outcome warning and a traceback of TensorBoard's event writer thread) |
 | study | 4M, 8M | first, second run's checkpoint | one line, "study incomplete ... (failed: cannot write checkpoint ...)"; finished runs load; the rerun finishes |
+| study --jobs 2 | 64k, 8M | a run's files, summary.json; second run's checkpoint | one line on the terminal; worker0.log holds a traceback of TensorBoard's writer thread (left: the worker process has no CLI handler) |
 | eval --json | free 0, 100 | the JSON file | one line; no file left |
 | controls | train 20M keep 2,4; export 3M; export --force free 1.5M (bf16); report 512k, 1M; study 16M, 24M | - | everything fits: status 0 |
 
