@@ -18,7 +18,7 @@ tensor. "fixed": what it did before this change.
 | command | disk | filled at | outcome |
 |---|---|---|---|
 | train | 8k; 32M free 0, free 1000 | recipe.json, config.json, the folder's write test | one line; training again into the same --out works, bit-exact |
-| train | 24k | eval_windows.jsonl | one line (fixed: a second line, the warning that run.json's outcome could not be recorded); says "the last checkpoint is intact" though none was written (left: trainer/evaluation code) |
+| train | 24k | eval_windows.jsonl | one line (fixed: a second line, the warning that run.json's outcome could not be recorded); now says that no checkpoint was written yet (it said "the last checkpoint is intact") |
 | train | 64k, 256k, 2M; 32M free 30000 (fixed: two lines, as for 24k), free 100000 | first checkpoint | one line; the same --out is refused (metrics, no checkpoint) with a hint; a new --out trains |
 | train | 7M, 10M | second checkpoint | one line, "the previous one is intact"; the step-2 checkpoint loads; resume bit-exact |
 | train, keep_checkpoints_at=2,4 | 14M | third checkpoint | one line; the hard-linked step-2 and step-4 files load; resume bit-exact |
@@ -29,7 +29,7 @@ tensor. "fixed": what it did before this change.
 | data prepare --force over a prepared folder | free 0 | the lock file's pid | one line; old folder byte-identical (fixed: ``.data.lock`` left behind) |
 | data prepare --force over a prepared folder | free 20000, 200000 | shards | one line; old folder byte-identical |
 | data prepare builtin | 2M | shards | one line; nothing left |
-| export | 4k, 64k, 1M, 2M | model.safetensors | one line; no partial export (the line names the removed temporary folder's file) |
+| export | 4k, 64k, 1M, 2M | model.safetensors | one line; no partial export (fixed: the line named the removed temporary folder's file) |
 | export --force over an earlier export | free 0 | the lock file's pid, model.safetensors | one line; earlier export byte-identical (fixed: ``.hf.lock`` left behind) |
 | export --force over an earlier export | free 50000 | model.safetensors | one line; earlier export byte-identical |
 | report RUN --out NEW | 4k, 32k, 128k | figures, report.html | one line; NEW removed (fixed: a half report, figures without report.html) |
@@ -383,3 +383,33 @@ def test_a_real_full_disk_at_the_second_checkpoint(tmpfs, runs):
     p = _mx("train", "--resume", run, "--steps", 4, "--no-progress")
     assert p.returncode == 0, p.stderr[-3000:]
     assert _model_equal(run / ckpt.NAME, runs / "ref" / ckpt.NAME)
+
+
+def test_a_failed_log_write_says_whether_a_checkpoint_exists(tmp_path):
+    """A write of eval_windows.jsonl (or metrics.jsonl) that fails names the checkpoint a user can resume from,
+    or says that none was written yet, instead of always calling "the last checkpoint" intact."""
+    import torch
+    from mxtrain.train.checkpoint import FORMAT, NAME
+    from mxtrain.train.evaluation import append_windows
+    (tmp_path / "eval_windows.jsonl").mkdir()   # opening it for appending fails (an OSError, as a full disk)
+    with pytest.raises(UserError, match=r"; no checkpoint was written yet$"):
+        append_windows(tmp_path / "eval_windows.jsonl", 4, 256, [1.0])
+    torch.save({"format": FORMAT, "step": 7}, tmp_path / NAME)
+    with pytest.raises(UserError, match=r"; the last checkpoint \(step 7\) is intact$"):
+        append_windows(tmp_path / "eval_windows.jsonl", 4, 256, [1.0])
+
+
+def test_export_past_the_file_size_limit_names_the_export_not_its_temporary_folder(tmp_path, runs):
+    """An export whose model.safetensors cannot be written (a real EFBIG): one line naming the file as the export
+    would hold it (before: the temporary folder's file, already removed), saying nothing was written; no
+    temporary folder left. Over an earlier export (``--force``), that one stays and the line says so."""
+    out = tmp_path / "hf"
+    p = _mx("export", runs / "ref", "--out", out, fsize=20_000)
+    line = _one_error(p, f"cannot write {out / 'model.safetensors'}", "nothing was written")
+    assert ".tmp-" not in line and not out.exists() and _leftovers(tmp_path) == []
+    p = _mx("export", runs / "ref", "--out", out)
+    assert p.returncode == 0, p.stderr[-3000:]
+    before = (out / "model.safetensors").read_bytes()
+    p = _mx("export", runs / "ref", "--out", out, "--force", fsize=20_000)
+    _one_error(p, f"cannot write {out / 'model.safetensors'}", "the earlier export there is intact")
+    assert (out / "model.safetensors").read_bytes() == before and _leftovers(tmp_path) == []

@@ -336,6 +336,15 @@ def _export(run_dir, out: Path, step, dtype: str, force: bool, tokenizer: bool) 
             "note": "float32 master weights of an mxtrain run; transformers runs them in high precision, not "
                     "with the run's MX recipe"})
         _swap_in(tmp, out, force)
+    except (OSError, UserError) as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, UserError) and str(tmp) not in str(e):
+            raise   # (_swap_in's own errors say where things stand)
+        # a write into the temporary folder failed (a full disk...): name the file as the export would hold it,
+        # not the temporary folder, which is gone
+        why = str(e) if isinstance(e, UserError) else f"cannot write {out}: {e.strerror or e}"
+        kept = "; the earlier export there is intact" if out.exists() else "; nothing was written"
+        raise UserError(why.replace(str(tmp), str(out)) + kept) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -116,6 +116,18 @@ def latest(folder: str | Path) -> Path | None:
     return max(steps, key=lambda p: (steps[p], -cands.index(p)))
 
 
+def state_note(folder: str | Path) -> str:
+    """What a failed write in run folder ``folder`` leaves to resume from, for the end of its error line: the
+    newest checkpoint (``latest``), or that none was written yet (so a user does not look for one)."""
+    p = latest(folder)
+    if p is None:
+        return "; no checkpoint was written yet"
+    try:
+        return f"; the last checkpoint (step {step_of(p)}) is intact"
+    except UserError:
+        return "; the last checkpoint is intact"
+
+
 def find(path: str | Path) -> Path:
     """A checkpoint file or DCP folder, or the newest checkpoint of a run folder (``latest``)."""
     p = Path(path)

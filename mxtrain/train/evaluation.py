@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from . import parallel as D
+from .checkpoint import state_note
 from ..data import TokenData, val_batches
 from ..data.loader import val_window_sources
 from ..errors import UserError
@@ -111,4 +112,4 @@ def append_windows(path: Path, step: int, tokens: int, losses: list[float]) -> N
         with open(path, "a") as f:
             f.write(json.dumps(row) + "\n")
     except OSError as e:
-        raise UserError(f"cannot write {path}: {e.strerror or e}; the last checkpoint is intact") from None
+        raise UserError(f"cannot write {path}: {e.strerror or e}{state_note(path.parent)}") from None

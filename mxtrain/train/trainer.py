@@ -409,7 +409,7 @@ class _Log:
             self.f.write(line)
             self.f.flush()
         except OSError as e:
-            raise UserError(f"cannot write {self.path}: {e.strerror or e}; the last checkpoint is intact") from None
+            raise UserError(f"cannot write {self.path}: {e.strerror or e}{ckpt.state_note(self.path.parent)}") from None
         if callbacks:
             self.cbs.log(r["step"], r)
 
