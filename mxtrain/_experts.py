@@ -5,7 +5,7 @@
 The loop is ``transformers``' eager experts forward (``MixtralExperts.forward``) with ``F.linear`` replaced by
 ``gemm``: the same routing (the block's router and its top-k are not touched), the same per-expert token order,
 the same sums, so with a GEMM that is ``F.linear`` the output is the eager implementation's, bit for bit
-(tests/test_moe.py). The module ``m`` has ``gate_up_proj`` ``(E, 2 I, H)`` (gate rows first), ``down_proj``
+(tests/linear/test_moe.py). The module ``m`` has ``gate_up_proj`` ``(E, 2 I, H)`` (gate rows first), ``down_proj``
 ``(E, H, I)``, ``act_fn`` and ``num_experts``.
 
 Under ``torch.compile``: the eager loop iterates over the experts that ``nonzero`` found and gathers each one's
@@ -17,7 +17,7 @@ zero rows to the next multiple of ``ROW_MULTIPLE`` (at least one row: an expert 
 which leaves every real row's numbers as the eager loop's: MX blocks lie along the hidden axis in Fprop and Dgrad
 (one token per row), and along the token axis in Wgrad, where the quantizer pads with zeros to a multiple of 32
 anyway and a zero row's products are zero; stochastic rounding draws by element position, the same for the real
-rows (tests/test_moe.py: compiled losses equal eager bit for bit on CPU).
+rows (tests/linear/test_moe.py: compiled losses equal eager bit for bit on CPU).
 """
 
 from __future__ import annotations

@@ -125,8 +125,8 @@ class Settings:
         "FP8): each operand's rotation + quantize + dequantize through `torch.compile` (fused kernels): `auto` on "
         "CUDA tensors with round-to-nearest (stochastic rounding and CUDA graph capture stay eager), `on` also on "
         "CPU and for stochastic rounding on CPU (tests), `off` (default: the GPU test suite has not yet completed "
-        "with `auto`) never. Bit-identical to eager (tests/test_ref_compile.py, CPU and H100), faster (BENCHMARKS.md); "
-        "a compile that fails warns and runs eagerly.",
+        "with `auto`) never. Bit-identical to eager (tests/linear/test_ref_compile.py, CPU and H100), faster "
+        "(BENCHMARKS.md); a compile that fails warns and runs eagerly.",
         "choice", choices=("auto", "on", "off"),
         aliases={**{k: "auto" for k in _TRUE if k != "on"}, **{k: "off" for k in _FALSE}})
     nvfp4_kernel: str = _knob(

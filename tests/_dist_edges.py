@@ -1,4 +1,4 @@
-"""2-rank worker for tests/test_distributed.py: the edge cases of tests/_dist_make_out.py (a late rank accepts the
+"""2-rank worker for tests/train/test_distributed.py: the edge cases of tests/_dist_make_out.py (a late rank accepts the
 new run folder) and tests/_dist_enospc.py (rank 0's disk full at its shards, then at its metadata) one after
 another in one torchrun launch, in one process group (a launch's start-up is most of each case's cost), each
 case in its own folder under ROOT (``late``, ``shards``, ``meta``), which the caller makes.

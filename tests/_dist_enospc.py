@@ -1,4 +1,4 @@
-"""2-rank worker for tests/test_distributed.py: rank 0's checkpoint files hit a full disk (``shards``: a patched
+"""2-rank worker for tests/train/test_distributed.py: rank 0's checkpoint files hit a full disk (``shards``: a patched
 ``torch.save`` raises ENOSPC inside DCP's writer; ``meta``: rank 0's metadata file after the shards); every rank must get the same one-line error instead of waiting forever at
 the closing barrier. Writes ``RANK <r> ERROR <message>`` (then exits 3) or ``RANK <r> SAVED`` to
 ``<folder>/rank<r>.txt`` (two ranks printing to one pipe can interleave their lines).

@@ -1,5 +1,5 @@
-"""Worker for tests/test_distributed.py's user-loop test: ``examples/distributed_example.py`` run several times one
-after another in one ``torchrun`` launch (a launch's start-up, its agent and two ranks importing torch and
+"""Worker for tests/train/test_distributed.py's user-loop test: ``examples/distributed_example.py`` run several
+times one after another in one ``torchrun`` launch (a launch's start-up, its agent and two ranks importing torch and
 transformers, is most of a 6-step run's cost).
 
 Run as ``python -m torch.distributed.run --standalone --nproc-per-node 2 tests/_dist_example.py RUNS.json``,

@@ -1,4 +1,4 @@
-"""2-rank worker for tests/test_distributed.py: rank 1 reaches the run-folder check late, after rank 0 already
+"""2-rank worker for tests/train/test_distributed.py: rank 1 reaches the run-folder check late, after rank 0 already
 wrote into the new folder (as a fast rank 0 does when it starts training); every rank must still accept the
 folder (rank 0 decides for all). Writes ``RANK <r> OK`` or ``RANK <r> ERROR <message>`` to
 ``<folder>/rank<r>.txt``.

@@ -1,4 +1,4 @@
-"""Worker for tests/test_distributed.py's trainer tests: several ``mxtrain train`` runs one after another in one
+"""Worker for tests/train/test_distributed.py's trainer tests: several ``mxtrain train`` runs one after another in one
 ``torchrun`` launch (the start-up of a launch, its agent and its ranks, is most of a short run's cost).
 
 Run as ``python -m torch.distributed.run --standalone --nproc-per-node 2 tests/_dist_trainer.py RUNS.json``,

@@ -1,4 +1,4 @@
-"""Worker for tests/test_distributed.py: a toy transformer-shaped model of MXLinear layers trained on
+"""Worker for tests/train/test_distributed.py: a toy transformer-shaped model of MXLinear layers trained on
 deterministic synthetic batches, under 1 process or ``torchrun`` (gloo, CPU) with DDP or FSDP2.
 
 Run as ``python -m torch.distributed.run --nproc-per-node 2 tests/_dist_worker.py OUT_DIR [REF_DIR]``

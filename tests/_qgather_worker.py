@@ -1,4 +1,4 @@
-"""Worker for tests/test_qgather.py: a tiny transformer-shaped model of MXLinear layers trained a few steps
+"""Worker for tests/linear/test_qgather.py: a tiny transformer-shaped model of MXLinear layers trained a few steps
 under FSDP2 with ``gather="high"`` and ``gather="quantized"`` (torchrun, gloo, CPU), several recipes, one
 launch. Rank 0 writes ``results.json``: per scenario the losses, a bit-exact digest of the final weights,
 the gather report, and how often a shard was quantized.

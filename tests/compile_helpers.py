@@ -1,5 +1,5 @@
-"""Shared helpers of the tests of traced layers under torch.compile (tests/test_tracedfp8.py,
-tests/test_tracedmx.py)."""
+"""Shared helpers of the tests of traced layers under torch.compile (tests/linear/test_tracedfp8.py,
+tests/linear/test_tracedmx.py)."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def mlp_losses(recipe: str, compiled: bool, dev: str, width: int = 64, batch: in
 # ---------------------------------------------------------------------------------------------- fake Hopper graphs
 #
 # The graphs a compiled MX layer gives the compiler on an sm_90 GPU, captured on a CPU-only machine
-# (tests/test_graph_structure.py). Run in a child process (``fake_hopper_main``): Triton without its interpreter
+# (tests/linear/test_graph_structure.py). Run in a child process (``fake_hopper_main``): Triton without its interpreter
 # (``wrap_triton`` takes real jitted kernels) and process-wide patches that must not reach other tests.
 #
 # How: the model's parameters and inputs are fake CUDA tensors (``FakeTensorMode``); the device probes answer as
@@ -250,12 +250,12 @@ def capture(model, args) -> dict:
     return out
 
 
-# the cases of tests/test_graph_structure.py: sizes with every GEMM dimension a multiple of 128 (no padding)
+# the cases of tests/linear/test_graph_structure.py: sizes with every GEMM dimension a multiple of 128 (no padding)
 GRAPH_SIZES = dict(batch=2, seq=128, dim=256, ffn=512, heads=4)
 
 
 def graph_cases() -> dict:
-    """``{case: capture(...)}`` of tests/test_graph_structure.py, bf16 parameters and inputs (CUDA autocast is
+    """``{case: capture(...)}`` of tests/linear/test_graph_structure.py, bf16 parameters and inputs (CUDA autocast is
     off in a torch without CUDA): one ``MXLinear`` (dim -> 2 dim) of ``mxfp4-all-dh16`` and one with a bias of
     ``mxfp4-all``; one ``mxtrain.model.Block`` (separate q/k/v and gate/up) of ``mxfp4-all-dh16`` with
     ``mx_compiled=shared`` and the same block in BF16; one block of ``bench step``'s user model (fused q|k|v and
@@ -303,7 +303,7 @@ def graph_cases() -> dict:
 
 
 def fake_hopper_main() -> None:
-    """The child process of tests/test_graph_structure.py: ``graph_cases()`` as JSON on stdout."""
+    """The child process of tests/linear/test_graph_structure.py: ``graph_cases()`` as JSON on stdout."""
     import json
     import sys
     fake_hopper()

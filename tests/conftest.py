@@ -1,11 +1,23 @@
 """Test configuration: a fixed torch seed per test, CUDA-marked tests skipped on CPU machines, a temporary
 MXTRAIN_CACHE, and on machines without a GPU Triton's interpreter for every test module (Triton reads
-TRITON_INTERPRET when a kernel is defined, so it must be set before any module imports mxtrain.kernels)."""
+TRITON_INTERPRET when a kernel is defined, so it must be set before any module imports mxtrain.kernels).
+
+The test files sit in folders that mirror the package (tests/numerics/, tests/kernels/, ...; whole-repository
+checks in tests/ itself); the helpers they share stay here in tests/ (train_helpers, compile_helpers,
+numerics_helpers, the _dist_* and _qgather_worker scripts, assets/) and are imported by name
+(``from train_helpers import ...``): this folder is put first on sys.path. (pytest's default import mode does so
+too for a conftest.py outside a package; stated here so that it does not rest on the import mode.) No
+``__init__.py`` anywhere under tests/: every test file's name is unique."""
 
 import os
+import sys
 
 import pytest
 import torch
+
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+if _TESTS not in sys.path:
+    sys.path.insert(0, _TESTS)
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -47,6 +47,6 @@ def test_tests_run_in_the_interpreter_without_xdist():
         pytest.skip("a GPU machine runs the kernels compiled, not in the interpreter")
     env = {k: v for k, v in __import__("os").environ.items() if k not in ("TRITON_INTERPRET", "PYTEST_XDIST_WORKER")}
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
-                        "tests/test_nvfp4_kernel.py::test_values_and_scale_equal_the_reference"],
+                        "tests/kernels/test_nvfp4_kernel.py::test_values_and_scale_equal_the_reference"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and " passed" in r.stdout, (r.stdout + r.stderr)[-2000:]

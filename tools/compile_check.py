@@ -24,11 +24,11 @@ table it reads differs).
 
 ``--fusion``: the variants the compiled MX layer launches (``FUSION_CHECKED``; or those ``--only`` names) compiled
 with contraction off and on: inductor compiles user kernels with it on, and every one of them must compile to the
-same code (``fusion_check``; tests/test_compiledmx.py runs it in CI). The second build starts from the first one's
-TTGIR (``compile_pair``: the same code as a build from the source, in half the time).
+same code (``fusion_check``; tests/linear/test_compiledmx.py runs it in CI). The second build starts from the first
+one's TTGIR (``compile_pair``: the same code as a build from the source, in half the time).
 
 Runs on a CPU machine (``TRITON_INTERPRET`` is cleared for the run); needs only the Triton wheel. Exit status
-1 if a variant fails to compile. ``tests/test_kernels.py`` runs a few variants.
+1 if a variant fails to compile. ``tests/kernels/test_kernels.py`` runs a few variants.
 """
 
 from __future__ import annotations
@@ -253,7 +253,7 @@ VARIANTS = {
     "nvfp4 rot amax cols idx64": _nvfp4_rot_amax(0, 4, 2, signs=False, idx64=True),
     # the same quantizer with NVFP4's "Four over Six" rule (FOUR_SIX: the nvfp4-4over6 recipe's operands: 1-D
     # blocks along rows, 16x16 tiles (the weights), SR with a key in device memory, the fused 16-wide rotation)
-    # (named without "nvfp4": tests/test_nvfp4_kernel.py counts the variants that name it)
+    # (named without "nvfp4": tests/kernels/test_nvfp4_kernel.py counts the variants that name it)
     "4over6 rows 1d": _nvfp4(1, 2, 4, four_six=True),
     "4over6 cols 2d prescale": _nvfp4(0, 4, 2, tile2d=True, prescale=True, four_six=True),
     "4over6 rows 2d": _nvfp4(1, 2, 4, tile2d=True, four_six=True),

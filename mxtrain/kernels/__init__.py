@@ -9,7 +9,7 @@ Capability flags (evaluated lazily, cheap):
   ``"dequant"`` (everything else: dequantize the MX operands and multiply).
 
 The plain-PyTorch reference quantizer (``mxtrain.numerics.quant``) is the specification: the kernels in
-``mxtrain.kernels.mxfp4`` produce bit-identical codes and scales (see ``tests/test_kernels.py``).
+``mxtrain.kernels.mxfp4`` produce bit-identical codes and scales (see ``tests/kernels/test_kernels.py``).
 What the kernels remember within a process (device facts, probes, self-checks, launch plans) is in one
 object, ``CACHES`` (``mxtrain.kernels.caches``). See ``docs/kernels.md``.
 """

@@ -84,7 +84,7 @@ def key(kernel, kwargs: dict, *rest) -> tuple:
 # key in device memory, packed codes and scales to expand); every other tensor argument is one it may write (its
 # outputs and the inexact-block counter; an unused output slot holds the counter and is not written). Rotation, rounding and layout change
 # what a kernel computes, never where it stores: every ``tl.store`` / ``tl.atomic_*`` of these kernels writes
-# through an output pointer (tests/test_compiledmx.py compares this table with torch's own analysis of every
+# through an output pointer (tests/linear/test_compiledmx.py compares this table with torch's own analysis of every
 # unrotated variant the compiled layer launches, and scans the sources).
 READ_ONLY = {
     "_mxfp4_kernel": frozenset({"x_ptr", "signs_ptr", "key_ptr"}),

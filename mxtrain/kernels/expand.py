@@ -10,7 +10,7 @@ element. The codes are E2M1 (``mxfp4``), INT4 (``mxint4``) or E1M2 (``mxe1m2``; 
 
 The carrier it writes is the one the fused quantizer writes for the same operand, byte for byte (the
 same group exponent ``G``, the same ``v * 2**(s - G + 6)`` in e4m3 and the same count of inexact
-blocks). Its plain-PyTorch definition is ``mxfp4.carrier.carrier_from_fp4``; ``tests/test_expand.py``
+blocks). Its plain-PyTorch definition is ``mxfp4.carrier.carrier_from_fp4``; ``tests/kernels/test_expand.py``
 compares the two.
 """
 

@@ -22,7 +22,7 @@ are powers of two built from bits; ``x * prescale`` and ``* 2**-s`` are the refe
 its order (the second exact); the rounding onto the element grid is exact power-of-two scaling and
 round-half-even through ``(y + 1.5 * 2**23) - 1.5 * 2**23`` (as ``quant.round_to_elem`` does with
 ``torch.round``); ``element * 2**s`` is the reference's float32 multiply. The kernel is launched with
-``enable_fp_fusion=False`` so that no multiply-add becomes an FMA. ``tests/test_mx_kernel.py`` compares it
+``enable_fp_fusion=False`` so that no multiply-add becomes an FMA. ``tests/kernels/test_mx_kernel.py`` compares it
 with the reference; each variant also checks itself on its first GPU run (the ``qselfcheck`` setting) and
 falls back to the reference where it differs.
 """

@@ -35,8 +35,8 @@ multiply by 0.25); the E4M3 rounding of the block scale is done with exact power
 scaling built from bits and round-half-even through ``(y + 1.5 * 2**23) - 1.5 * 2**23`` (Triton's hardware
 fp32->e4m3 cast wrote wrong bytes on sm_90 in some layouts: ``mxfp4/device.py``), as is the E2M1 rounding
 (``device._fp4_round``, shared with the MXFP4 kernels); ``element * b`` is exact. The kernel is launched with
-``enable_fp_fusion=False`` so that no multiply-add becomes an FMA. ``tests/test_nvfp4_kernel.py`` and
-``tests/test_nvfp4_rot_kernel.py`` compare it with the reference; each variant (its key names the rotation) also
+``enable_fp_fusion=False`` so that no multiply-add becomes an FMA. ``tests/kernels/test_nvfp4_kernel.py`` and
+``tests/kernels/test_nvfp4_rot_kernel.py`` compare it with the reference; each variant (its key names the rotation) also
 checks itself on its first GPU run (``nvfp4_ok``: the ``qselfcheck`` setting) and falls back where it differs:
 a rotating variant to the torch rotation and the unrotated kernel, that one to the reference.
 """

@@ -15,7 +15,7 @@ capture:
 
 ``advance=True`` also increments ``state[2]`` in the same kernel, after reading it. The kernel folds
 the same 32-bit lowbias32 hash as ``mxtrain.numerics.rng`` in uint32 arithmetic and matches
-``call_seeds_host`` (the plain-PyTorch reference) bit for bit (``tests/test_seeds.py``). Modes,
+``call_seeds_host`` (the plain-PyTorch reference) bit for bit (``tests/kernels/test_seeds.py``). Modes,
 sizes, the SR mask and ``advance`` are runtime arguments: one compiled variant serves every layer.
 """
 

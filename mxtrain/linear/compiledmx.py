@@ -64,7 +64,7 @@ _OK = (torch.float32, torch.bfloat16, torch.float16)
 # The settings the quantize ops' bodies read when they are traced (``launch.single_spec``, ``dual_spec``,
 # ``dual_applies``, ``verify``): ``applies`` passes their values to ``plan``, so that dynamo guards on them and a
 # change after a model was compiled recompiles it instead of being ignored. (``fast_launch`` and ``append`` steer
-# the eager launches only.) tests/test_compiledmx.py checks this list against what those modules read.
+# the eager launches only.) tests/linear/test_compiledmx.py checks this list against what those modules read.
 TRACE_TIME_SETTINGS = ("dual", "qkernel", "qmaxnreg", "qselfcheck")
 
 

@@ -176,9 +176,9 @@ class Ctx:
         MX kernel makes them it writes that dtype itself (the same values as a cast of its float32 ones);
         other paths return float32 as before, so callers still cast. Runs ``fake_quantize_operand``, or its
         ``torch.compile``'d twin where the ``ref_compile`` setting says so (bit-identical:
-        tests/test_ref_compile.py), or for FP6/FP8 MX operands with nearest
+        tests/linear/test_ref_compile.py), or for FP6/FP8 MX operands with nearest
         rounding the fused kernel where the ``mx_kernel`` setting says so (bit-identical:
-        tests/test_mx_kernel.py).
+        tests/kernels/test_mx_kernel.py).
         """
         gathered = getattr(t, "mx_gathered", None)   # a weight FSDP2 all-gathered quantized (mxtrain.linear.qgather)
         if gathered is not None:
@@ -205,8 +205,8 @@ class Ctx:
         """``operand``, with an NVFP4 operand's tensor scale taken out: ``(values, prescale, g)``, the values
         exact in bf16 and ``g`` a 0-d float32 tensor (None for other formats, whose values are as
         ``operand`` gives them). NVFP4 operands of 2-D tensors run through the fused Triton quantizer where the
-        ``nvfp4_kernel`` setting says (``auto``: CUDA tensors; bit-identical: tests/test_nvfp4_kernel.py, and
-        tests/test_nvfp4_rot_kernel.py for a 16-wide rotation, which runs inside the kernel), which writes the
+        ``nvfp4_kernel`` setting says (``auto``: CUDA tensors; bit-identical: tests/kernels/test_nvfp4_kernel.py, and
+        tests/kernels/test_nvfp4_rot_kernel.py for a 16-wide rotation, which runs inside the kernel), which writes the
         values in ``out_dtype`` (bf16/fp16: exact; the GEMM's operand dtype, so no cast pass follows) where given;
         the reference's values are float32 either way."""
         op: Operand = self.recipe.operand(name)
@@ -275,7 +275,7 @@ class RefCompileState:
 
     def wanted(self, t: torch.Tensor, fmt: str, rounding: str = "nearest") -> bool:
         """Does this operand run through the compiled twin? Never stochastic rounding on a GPU: its compiled
-        form was not bit-identical to eager on an H100 (NVFP4, tests/test_ref_compile.py), so it runs eagerly."""
+        form was not bit-identical to eager on an H100 (NVFP4, tests/linear/test_ref_compile.py), so it runs eagerly."""
         if self.failed is not None or t.dtype == torch.float64 or torch.compiler.is_compiling():
             return False
         if rounding == "stochastic" and t.device.type != "cpu":

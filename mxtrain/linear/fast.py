@@ -96,7 +96,7 @@ ROLES = ("x", "w", "dy")
 # The counters kept per device: one per role, and for ``x`` and ``w`` a second one that only the compiled layer's
 # backward adds to (``compiledmx``): a counter both of its graphs wrote would be an input the forward mutates,
 # which aot_autograd finishes in the forward graph, pulling the backward's launches that write it (W's Dgrad
-# operand, X's carrier rebuilt from its codes) into the forward (tests/test_graph_structure.py). A role's count
+# operand, X's carrier rebuilt from its codes) into the forward (tests/linear/test_graph_structure.py). A role's count
 # adds its counters.
 COUNTERS = ROLES + ("x.bwd", "w.bwd")
 ROLE = {"fprop_x": "x", "wgrad_x": "x", "fprop_w": "w", "dgrad_w": "w", "dgrad_dy": "dy", "wgrad_dy": "dy"}

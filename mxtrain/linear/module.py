@@ -648,7 +648,7 @@ def checkpoint(fn, *args, layers: nn.Module, **kwargs):
     bits of the first run, so the gradients are those without checkpointing, bit for bit (on CPU; tested eagerly
     for ``bf16``, ``mxfp4-all-dh16``, ``mxfp4-all-sr`` and ``tseng``, compiled for ``mxfp4-all-dh16`` and ``tseng``;
     on an H200's fast path for ``mxfp4-all-sr``, ``tseng`` and ``mxfp4-all-dh16``, eager and compiled:
-    tests/test_gpu_features.py). ``layers``: the module holding the MX layers ``fn`` calls (their
+    tests/train/test_gpu_features.py). ``layers``: the module holding the MX layers ``fn`` calls (their
     ``mx_state``). Under ``torch.compile`` a selective-checkpoint policy keeps ``mxtrain.call_seeds`` and
     recomputes everything else; eagerly the layers' call counters are put back before the second run."""
     from torch.utils.checkpoint import checkpoint as _ckpt

@@ -22,7 +22,7 @@ by exactly 2 in the exponent, for every scale rule but ``even`` (which rounds th
 element's mantissa width: 3 bits for INT4, 2 for E1M2) and except for blocks whose maximum is below about
 2**-125, where E8M0's smallest scale 2**-127 leaves ``mxe1m2`` a finer step (2**-129) than ``mxint4``
 (2**-127). Every value of either grid times a power of two within FP8 E4M3's range is exact in E4M3 (at most
-3 significant bits; tests/test_ufp4.py checks it exhaustively), so an FP8 carrier runs them on Hopper:
+3 significant bits; tests/numerics/test_ufp4.py checks it exhaustively), so an FP8 carrier runs them on Hopper:
 ``mxtrain.linear.fast`` takes both (the fused quantizer's INT4 and E1M2 grids, docs/kernels.md); the compiled MX
 forms and the reference path's fused MX kernel take neither.
 

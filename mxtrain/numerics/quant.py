@@ -95,7 +95,7 @@ Scale rule for NVFP4 (any other rule leaves NVFP4's standard block scale):
   reference code (github.com/mit-han-lab/fouroversix, ``quantize/reference.py``) instead divides the tensor
   maximum by ``6 * 256`` under its adaptive rules, so that ``1.5 * b6 <= 384`` never saturates. We keep ``g``
   because then the 6 candidate is the standard ``nvfp4`` block scale bit for bit, so per block the rule never
-  errs more than ``nvfp4`` (tests/test_four_over_six.py), and the tensor scale is the same under both rules;
+  errs more than ``nvfp4`` (tests/numerics/test_four_over_six.py), and the tensor scale is the same under both rules;
   the cost is a milder alternative on the blocks near the tensor maximum (with ``6 * 256`` every block scale
   would use 0.8 binade less of E4M3's range instead).
 
@@ -230,7 +230,7 @@ def tensor_fp8_scales(amax: torch.Tensor, max_elem: float) -> tuple[torch.Tensor
     Every element is multiplied by ``m = max_elem / amax`` (in float32) before the saturating cast, and the
     codes dequantize with ``scale = 1 / m`` (the GEMM's scale): the definition of TransformerEngine's and
     torchao's float8 tensorwise scaling, so an ``fp8`` recipe's codes are theirs bit for bit (torchao
-    additionally clamps ``amax`` at 1e-12; tests/test_torchao_agree.py). Both quotients are computed in
+    additionally clamps ``amax`` at 1e-12; tests/numerics/test_torchao_agree.py). Both quotients are computed in
     float64 and rounded once to float32, which is the IEEE float32 quotient (a float64 quotient of float32
     numbers lands exactly on a float32 halfway point only when the exact quotient does), on every device and
     under ``torch.compile`` (whose float32 division on GPUs is an approximation). An all-zero tensor gets

@@ -100,7 +100,7 @@ def _smallest_prescale(fmt: str, scale_rule: str) -> tuple[float, float]:
     among its subnormals (a block 2e5 times below the tensor's largest), so a block's largest value stays below
     1.5 * 6 = 9; both with 2**-20 to spare for their float32 roundings). A prescale with ``prescale * high`` at
     or below half the smallest nonzero element (``bound`` = that half / ``high``) rounds every value of every
-    block to zero: the operand is nothing. (Exact for MX formats: tests/test_round3_limits.py.)"""
+    block to zero: the operand is nothing. (Exact for MX formats: tests/robustness/test_prescale_lower_bound.py.)"""
     f = get_format(fmt)
     elem = f.elem
     emax = elem.emax

@@ -77,7 +77,7 @@ def random_signs(n: int, key: int, device=None) -> torch.Tensor:
 
 def stream_key_t(*parts) -> torch.Tensor:
     """``stream_key`` element-wise: each part an int64 tensor (values in [0, 2**63)) or an int; the
-    parts broadcast. Equals ``stream_key`` on every element (tests/test_quant.py)."""
+    parts broadcast. Equals ``stream_key`` on every element (tests/numerics/test_quant.py)."""
     k = None
     for p in parts:
         p = torch.as_tensor(p, dtype=torch.int64)

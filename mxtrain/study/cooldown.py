@@ -36,7 +36,7 @@ branch that ends at ``D``. This module turns them into the extra-token cost:
    interval). Why not resample: a percentile bootstrap over 3 seeds draws from only 10 distinct seed sets and
    its spread is ``sqrt((n-1)/n)`` of the sample's, with normal rather than t quantiles; simulated at 3
    seeds with seed noise far above window noise it covered a null effect about 75 % of the time (the t and
-   jackknife-t intervals: about 95 %; tests/test_cooldown_metric.py). Evaluation windows are never resampled
+   jackknife-t intervals: about 95 %; tests/study/test_cooldown_metric.py). Evaluation windows are never resampled
    for the interval: a seed's window mean already carries its window noise into the seed-to-seed spread.
    Each seed's gap is kept (``gap_seeds``), with each seed's extra tokens: the baseline's seed-mean loss
    plus that seed's gap, inverted on the baseline fit (``extra_seeds``).

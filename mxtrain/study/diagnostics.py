@@ -107,7 +107,7 @@ def error_split(t: torch.Tensor, op, axis: int = -1, *, seed: int = 0, block_siz
       arXiv 2606.20381; flushed values count -1 each). On data uniform over whole cells of the grid (between
       neighbouring grid values) it is 0 on every grid, E2M1 included: each cell's errors cancel. E2M1 shrinks
       where a block's data ends inside one of its wide top cells ([4, 6): all of [4, 5) rounds down),
-      where the density falls within its wide cells, and by saturation (tests/test_error_split.py);
+      where the density falls within its wide cells, and by saturation (tests/study/test_error_split.py);
     * ``flush_rate``, ``clip_rate``: flushed and saturated elements over nonzero ones;
     * ``error_energy``: ``sum((q - x)**2) / sum(x**2)`` (1 / SQNR), the sum of four shares of the signal energy:
       ``flush_energy`` (``sum(x**2)`` over the flushed), ``clip_energy`` (the saturated elements' squared

@@ -563,7 +563,7 @@ def remake_checkpoints(spec: StudySpec, arm: str, seed: int, rd: Path, steps: li
     """Train the finished stable run ``rd`` again, in ``rd/remake``, to make its kept checkpoints at ``steps``
     (they were not carried with the study), move them into ``rd``, and compare the remade run's training losses
     with the first run's at every logged step: ``rd/remake.json`` records ``bit_equal`` and the largest
-    difference. On the CPU a remake equals the first run bit for bit (tests/test_study_cooldown.py); on a GPU it
+    difference. On the CPU a remake equals the first run bit for bit (tests/study/test_study_cooldown.py); on a GPU it
     need not unless ``train.deterministic`` is on, since PyTorch's default GPU kernels are not all deterministic
     (which ones moved these runs was not traced): a 30m de-oscillation run remade on the same H100 model
     differed from step 120 on, by up to 0.028 in single logged losses; an H200 run remade on an H100 by up to

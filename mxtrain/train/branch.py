@@ -6,7 +6,7 @@ checkpoint (model, optimizer, data position, RNG states) and trains ``n`` more s
 ``min_lr`` (a WSD schedule of horizon ``k + n`` and ``decay_steps = n``), into its own run folder
 (default ``RUN/branches/k<k>-n<n>/``); the main run is never touched. Because WSD equals the constant
 schedule before its decay and a resumed run continues bit for bit, the branch's weights and losses are
-those of a single WSD run of ``k + n`` steps whose cooldown starts at ``k`` (tests/test_branch.py checks
+those of a single WSD run of ``k + n`` steps whose cooldown starts at ``k`` (tests/train/test_branch.py checks
 it on CPU). Hägele et al. (arXiv 2405.18392): constant LR plus a short cooldown matches a cosine run of
 that length, so one run gives the cooled-down loss at every budget.
 

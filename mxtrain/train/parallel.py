@@ -24,7 +24,7 @@ recipe, layer id and step, so every rank uses a bit-identical quantized weight, 
 single process computes from the same parameters. (Quantizing the local shard before the gather
 would be wrong: Dgrad blocks run along out-features, which is the sharded dim, and the Hadamard
 rotations mix 16-32 neighbouring elements.) See ``docs/distributed.md`` and
-``tests/test_distributed.py::test_fsdp2_quantizes_full_weight``.
+``tests/train/test_distributed.py::test_fsdp2_quantizes_full_weight``.
 
 The exception, opt-in: ``apply_fsdp2(..., gather="quantized")`` (``parallel.gather``) all-gathers each MX
 layer's weight as its two quantized operands (``mxtrain.linear.qgather``), each rank quantizing its own shard, where
@@ -32,7 +32,7 @@ that is exact: the Dgrad operand's blocks and rotation blocks must not straddle 
 multiple of the block), NVFP4 / per-tensor FP8 take the all-reduced amax, and no weight operand is rounded
 stochastically or rotated with per-step signs. Bit-identical to the high-precision gather; every other layer
 gathers in high precision, said once with its reason (``gather_report``). Tested in
-``tests/test_qgather.py``.
+``tests/linear/test_qgather.py``.
 """
 
 from __future__ import annotations
@@ -288,7 +288,7 @@ def apply_fsdp2(model: nn.Module, env: DistEnv | None = None, *, param_dtype: to
     if blocks and all(type(b) is Block for b in blocks):
         # A compiled Block can return a view (the compiler's output); FSDP2 then warns that an in-place op on it
         # would skip its pre-backward hook. mxtrain's Llama adds to block outputs out of place only (model.py),
-        # and compiled FSDP2 runs equal eager ones bit for bit (tests/test_distributed.py): silenced for it alone.
+        # and compiled FSDP2 runs equal eager ones bit for bit (tests/train/test_distributed.py): silenced for it alone.
         import warnings
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPBlock\) returned a view tensor")
     for i, block in enumerate(blocks):

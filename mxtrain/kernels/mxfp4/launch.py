@@ -38,8 +38,8 @@ __all__ = ["RULE_ID", "GRID_ID", "KERNEL_RULES", "KERNEL_GRIDS",
 # ``supported`` reads it), ``KERNEL_RULES`` every rule the kernels implement: also ``adaptive`` (5;
 # ``quant.REF_SCALE_RULES``' MX rule: per block floor's exponent or the next, whichever gives the lower squared error,
 # compared in the reference's exact float64 terms, ``device._adaptive_term``), bit-identical to the reference
-# (tests/test_rules_kernels.py) and not yet admitted to the fast path (issue #51: its admission, with the tests that
-# pin today's lists, is a change of its own).
+# (tests/kernels/test_rules_kernels.py) and not yet admitted to the fast path (issue #51: its admission, with the
+# tests that pin today's lists, is a change of its own).
 RULE_ID = {"floor": 0, "ceil": 1, "rceil": 2, "even": 3, "amd": 4, "adaptive": 5}
 KERNEL_RULES = RULE_ID
 # The kernels' GRID constexpr, by MX format: the element grid rounded to. ``mxint4`` (integers -7..7 with E8M0

@@ -27,7 +27,7 @@ What inductor changes: it compiles user kernels with Triton's default options, f
 no register cap. The kernels' source is written so that contraction changes nothing: no product feeds an add
 except through an explicit ``tl.fma`` (each such product is exact), and the rounding constants are built from
 bits, not multiplied. ``tools/compile_check.py --fusion`` compiles every variant these ops launch both ways and
-finds the same code (tests/test_compiledmx.py runs it in CI), so the bytes are the eager kernels'. The register
+finds the same code (tests/linear/test_compiledmx.py runs it in CI), so the bytes are the eager kernels'. The register
 caps (``launch.CAPPED_KERNELS``) are lost: a speed matter only. Importing this module installs
 ``kernels.access_cache``: torch's analysis of which tensors a launch writes runs once per kernel variant instead
 of several times per launch (most of a first compile's time without it). Stochastic rounding, random signs and prescales: the keys and
