@@ -72,7 +72,7 @@ import pytest
 from mxtrain import _io
 from mxtrain.errors import UserError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # a child that ignores SIGXFSZ, sets the limits it is given, then runs the CLI
 _CHILD = ("import resource, signal, sys\n"
