@@ -27,7 +27,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .._experts import experts_forward
 from ..errors import UserError
 
 __all__ = ["ModelConfig", "Llama", "MoEFeedForward", "SIZES", "size_names", "GLUE_MODES", "set_glue"]
@@ -406,6 +405,7 @@ class Experts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        from .._experts import experts_forward  # startup (it makes a torch.compiler.disable'd function: dynamo)
         return experts_forward(self, hidden_states, top_k_index, top_k_weights, _plain_gemm)
 
 
