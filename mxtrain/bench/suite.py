@@ -487,33 +487,32 @@ def bench_blocks(args) -> dict:
 
     glues = args.glue.split(",")
     for glue in glues:
-        with _settings.override(glue=glue):
-            for kind in ["bf16", "fp8_rowwise"] + _presets(args, STEP_PRESETS):
-                name = kind if glue == glues[0] else f"{kind}@{glue}"
-                try:
-                    blocks = make(kind)
-                    f = fwd_bwd(blocks)
-                    # ~1 s of steps (25-35 of them at these shapes) for each median; the wall-clock times
-                    # of each measurement go in the JSON (to line up with a clock/power log of the GPU)
-                    t0 = time.time()
-                    t = _bench(f, warmup=200, rep=1000)
-                    res["runs"][name] = {"ms": t, "glue": glue, "recipe": kind, "unix_s": [t0, time.time()],
-                                         "peak_gib": _peak_gib(f)}
-                    if getattr(args, "graphs", False):
-                        # the same step replayed from one CUDA graph: GPU time only, where the eager step is
-                        # bound by the host's Python and launches (as `mxtrain train --cuda-graphs` avoids)
-                        try:
-                            t0 = time.time()
-                            res["runs"][name]["graph_ms"] = _bench(_graphed(f), warmup=200, rep=1000)
-                            res["runs"][name]["graph_unix_s"] = [t0, time.time()]
-                        except Exception as e:  # noqa: BLE001
-                            res["runs"][name]["graph_error"] = repr(e)[:300]
-                    if args.profile and kind in ("bf16", "mxfp4-all-dh16"):
-                        res["runs"][name]["profile_ms"] = _profile(f)
-                    del blocks, f
-                except Exception as e:  # noqa: BLE001
-                    res["runs"][name] = {"error": repr(e)[:300], "glue": glue, "recipe": kind}
-                torch.cuda.empty_cache()
+        for kind in ["bf16", "fp8_rowwise"] + _presets(args, STEP_PRESETS):
+            name = kind if glue == glues[0] else f"{kind}@{glue}"
+            try:
+                blocks = make(kind)
+                f = fwd_bwd(blocks)
+                # ~1 s of steps (25-35 of them at these shapes) for each median; the wall-clock times
+                # of each measurement go in the JSON (to line up with a clock/power log of the GPU)
+                t0 = time.time()
+                t = _bench(f, warmup=200, rep=1000)
+                res["runs"][name] = {"ms": t, "glue": glue, "recipe": kind, "unix_s": [t0, time.time()],
+                                     "peak_gib": _peak_gib(f)}
+                if getattr(args, "graphs", False):
+                    # the same step replayed from one CUDA graph: GPU time only, where the eager step is
+                    # bound by the host's Python and launches (as `mxtrain train --cuda-graphs` avoids)
+                    try:
+                        t0 = time.time()
+                        res["runs"][name]["graph_ms"] = _bench(_graphed(f), warmup=200, rep=1000)
+                        res["runs"][name]["graph_unix_s"] = [t0, time.time()]
+                    except Exception as e:  # noqa: BLE001
+                        res["runs"][name]["graph_error"] = repr(e)[:300]
+                if args.profile and kind in ("bf16", "mxfp4-all-dh16"):
+                    res["runs"][name]["profile_ms"] = _profile(f)
+                del blocks, f
+            except Exception as e:  # noqa: BLE001
+                res["runs"][name] = {"error": repr(e)[:300], "glue": glue, "recipe": kind}
+            torch.cuda.empty_cache()
     for glue in glues:
         sfx = "" if glue == glues[0] else f"@{glue}"
         bfr = res["runs"].get("bf16" + sfx, {})
