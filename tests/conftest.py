@@ -5,7 +5,7 @@ TRITON_INTERPRET when a kernel is defined, so it must be set before any module i
 The test files sit in folders that mirror the package (tests/numerics/, tests/kernels/, ...; whole-repository
 checks in tests/ itself); the helpers they share stay here in tests/ (train_helpers, compile_helpers,
 numerics_helpers, the _dist_* and _qgather_worker scripts, assets/) and are imported by name
-(``from train_helpers import ...``): this folder is put first on sys.path. (pytest's default import mode does so
+(``from train_helpers import ...``): this folder is put first on sys.path, and each folder of test files after it. (pytest's default import mode does so
 too for a conftest.py outside a package; stated here so that it does not rest on the import mode.) No
 ``__init__.py`` anywhere under tests/: every test file's name is unique."""
 
@@ -16,8 +16,14 @@ import pytest
 import torch
 
 _TESTS = os.path.dirname(os.path.abspath(__file__))
+# tests/ first, then each folder of test files: a test that reuses another file's fixtures by name
+# (``from test_study import curve``) finds it however few files a run collects
 if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
+for _d in sorted(os.listdir(_TESTS)):
+    _p = os.path.join(_TESTS, _d)
+    if os.path.isdir(_p) and not _d.startswith(("_", ".")) and _d != "assets" and _p not in sys.path:
+        sys.path.append(_p)
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

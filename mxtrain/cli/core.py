@@ -16,7 +16,7 @@ import importlib
 import re
 import sys
 
-from ..errors import UserError
+from ..errors import UserError, machine_limit_message, thread_limit_hook
 from .._io import read_regular
 from .._launch import launch, strip_nproc
 from ..numerics import recipes
@@ -475,7 +475,7 @@ def _refuse_empty(argv: list[str], cmd) -> None:
 def main(argv: list[str] | None = None) -> int:
     import threading
     seen: list[str] = []
-    hook, previous = _thread_limit_hook(seen)
+    hook, previous = thread_limit_hook(seen)
     threading.excepthook = hook
     try:
         rc = _main(argv)
@@ -547,75 +547,6 @@ def _limit_line(e: BaseException, args) -> int:
     sys.stderr.write(f"mxtrain: error: {msg}\n")
     sys.stderr.flush()
     return 1
-
-
-_NO_SPACE = {28, 122, 27}   # ENOSPC, EDQUOT, EFBIG (a full disk, a full quota, the file size limit)
-
-
-def machine_limit_message(e: BaseException, args=None) -> str | None:
-    """One line for what stopped a command that its input did not get wrong, or None (a bug: its traceback):
-    a full disk or quota (naming the folder), host memory exhausted (naming what to reduce), a panic of a Rust
-    library (``tokenizers``: pyo3's PanicException, a BaseException, not an Exception)."""
-    import errno
-    cause = e
-    while cause is not None and not (isinstance(cause, OSError) and cause.errno in _NO_SPACE):
-        cause = cause.__cause__ or cause.__context__
-    if cause is not None:
-        where = (getattr(cause, "folder", None) or   # (set by the code that knows the folder: data prepare)
-                 getattr(args, "out", None) or getattr(args, "dir", None) or
-                 (__import__("os").path.dirname(str(cause.filename)) or "." if cause.filename else "the output folder"))
-        if cause.errno == errno.EFBIG:   # a file grew past the process's file size limit (ulimit -f, a batch job's)
-            return (f"cannot write into {where}: file too large (a file grew past the file size limit of this "
-                    f"process, `ulimit -f`, or of the file system); raise the limit or write to another folder "
-                    f"(--out), then run the command again (what it wrote whole is kept)")
-        what = "no space left on the device" if cause.errno == errno.ENOSPC else "the disk quota is used up"
-        return (f"cannot write into {where}: {what}; free space there or give another folder (--out), then run "
-                f"the command again (what it wrote whole is kept)")
-    text = " ".join(str(e).split())
-    if isinstance(e, MemoryError) or (isinstance(e, RuntimeError) and (
-            "DefaultCPUAllocator" in text or "can't allocate memory" in text)):
-        return f"out of host (CPU) memory{_asked(text)}; " + _LOWER.get(getattr(args, "cmd", None), _LOWER[None])
-    if type(e).__name__ == "PanicException":
-        return f"a library failed inside (a Rust panic: {text[:200]}); the input that reached it is not supported"
-    return None
-
-
-# what to lower when host memory ran out, by command
-_STEP = ("reduce what one step holds (--batch-size, --seq-len, --micro-batch-size for gradient accumulation, a "
-         "smaller --model)")
-_LOWER = {"train": _STEP, "study": _STEP, "bench": _STEP,
-          "eval": "use a smaller --batch-size (windows per forward pass; --max-tokens evaluates fewer of them)",
-          "generate": "use a shorter --prompt or fewer --max-tokens",
-          None: _STEP + " or the input's size"}
-
-
-def _asked(text: str) -> str:
-    """What an allocation that failed asked for, from torch's message ("you tried to allocate N bytes"): ``": a
-    block of 1.0 GiB could not be allocated"``, or "" when the message does not say."""
-    import re
-    m = re.search(r"tried to allocate (\d+) bytes", text)
-    if not m:
-        return ""
-    n = int(m.group(1))
-    size = f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n:,} bytes"
-    return f": a block of {size} could not be allocated"
-
-
-def _thread_limit_hook(seen: list):
-    """A ``threading.excepthook`` for the command's run: a background thread stopped by a machine limit (a
-    TensorBoard event writer on a full disk) prints no traceback; its message is kept in ``seen``. The thread's
-    owner re-raises the error in the command itself (tensorboard does on its next write), whose one line then
-    says it; a command that still succeeds prints the kept message as a warning. Anything else: the previous
-    hook (a bug's traceback)."""
-    import threading
-    previous = threading.excepthook
-
-    def hook(a):
-        msg = machine_limit_message(a.exc_value) if a.exc_value is not None else None
-        if msg is None:
-            return previous(a)
-        seen.append(msg)
-    return hook, previous
 
 
 def entry() -> None:

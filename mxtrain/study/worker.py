@@ -43,12 +43,17 @@ def main(argv: list[str] | None = None) -> int:
         print("mxtrain: error: the study process that started this worker has ended", file=sys.stderr)
         return 2
     import json
+    import threading
     from pathlib import Path
 
     # a worker whose parent is gone exits before it imports torch, the study and the trainer
-    from ..errors import UserError  # startup
+    from ..errors import UserError, thread_limit_hook  # startup
     from .plan import StudySpec, plan_order  # startup
     from .run import claim_path, ran_out_of_memory, run_one, train_one  # startup
+
+    # a background thread stopped by a full disk (TensorBoard's writer) leaves no traceback in this worker's log:
+    # the run's own next write fails and its folder records why
+    threading.excepthook, _ = thread_limit_hook([])
 
     argv = sys.argv[1:] if argv is None else argv
     out, k = Path(argv[0]), int(argv[1])

@@ -38,7 +38,7 @@ tensor. "fixed": what it did before this change.
 | study (2 arms x 1 seed) | 8k | study.json | one line; the same command finishes once space is freed |
 | study | 64k | a run's files | one line (fixed: the outcome warning and a traceback of TensorBoard's event writer thread) |
 | study | 4M, 8M | first, second run's checkpoint | one line, "study incomplete ... (failed: cannot write checkpoint ...)"; finished runs load; the rerun finishes |
-| study --jobs 2 | 64k, 8M | a run's files, summary.json; second run's checkpoint | one line on the terminal; worker0.log holds a traceback of TensorBoard's writer thread (left: the worker process has no CLI handler) |
+| study --jobs 2 | 64k, 8M | a run's files, summary.json; second run's checkpoint | one line on the terminal; worker0.log held a traceback of TensorBoard's writer thread (fixed: the workers install the CLI's thread hook, `errors.thread_limit_hook`) |
 | eval --json | free 0, 100 | the JSON file | one line; no file left |
 | controls | train 20M keep 2,4; export 3M; export --force free 1.5M (bf16); report 512k, 1M; study 16M, 24M | - | everything fits: status 0 |
 
@@ -413,3 +413,33 @@ def test_export_past_the_file_size_limit_names_the_export_not_its_temporary_fold
     p = _mx("export", runs / "ref", "--out", out, "--force", fsize=20_000)
     _one_error(p, f"cannot write {out / 'model.safetensors'}", "the earlier export there is intact")
     assert (out / "model.safetensors").read_bytes() == before and _leftovers(tmp_path) == []
+
+
+def test_a_study_worker_keeps_a_stopped_writer_threads_traceback_out_of_its_log():
+    """The hook a study worker installs (``errors.thread_limit_hook``, the CLI's): a background thread stopped by a
+    full disk goes to no traceback (the run's next write fails and says why); any other thread error still reaches
+    the previous hook (a bug's traceback)."""
+    import threading
+
+    from mxtrain.errors import thread_limit_hook
+    outer, passed, seen = threading.excepthook, [], []
+    threading.excepthook = lambda a: passed.append(a.exc_type)   # the hook before: records what reaches it
+    try:
+        hook, previous = thread_limit_hook(seen)
+        threading.excepthook = hook
+
+        def full():
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def bug():
+            raise ValueError("a bug")
+        for fn in (full, bug):
+            t = threading.Thread(target=fn)
+            t.start()
+            t.join()
+    finally:
+        threading.excepthook = outer
+    assert len(seen) == 1 and "no space left on the device" in seen[0]
+    assert passed == [ValueError]
+    src = (ROOT / "mxtrain" / "study" / "worker.py").read_text()
+    assert "threading.excepthook, _ = thread_limit_hook(" in src   # (the worker installs it before any run)
