@@ -264,6 +264,26 @@ def test_outcome_not_recorded_for_a_full_disk_adds_no_line(tmp_path, capsys):
     assert _leftovers(tmp_path) == []
 
 
+def test_a_resumed_leg_that_cannot_record_its_outcome_shows_none_not_the_last_legs(tmp_path):
+    """A resumed run that fails on a full disk: run.json must not keep the previous leg's outcome as the run's
+    (``read_outcome`` would call an interrupted or failed run by the earlier leg's status and step). The leg's
+    start moves the earlier record under ``legs``, so an outcome that cannot be written reads as none (a run
+    still training or killed) and the earlier leg's stays in its own record."""
+    from mxtrain.train.callbacks import Outcome, Status, read_outcome
+    from mxtrain.train.run_folder import _record_outcome, write_run_json
+    (tmp_path / "run.json").write_text(json.dumps({"started": "leg 1", "outcome": Outcome(
+        Status.INTERRUPTED, step=4, reason="signal").to_dict()}))
+    assert read_outcome(tmp_path).status is Status.INTERRUPTED
+    write_run_json(tmp_path, {"started": "leg 2", "pad": "x" * 200}, resumed=True)
+    assert read_outcome(tmp_path) is None
+    with _SoftFileLimit(100):   # smaller than run.json: the outcome's write fails with EFBIG
+        _record_outcome(tmp_path, Outcome(Status.FAILED, step=6, reason="disk full"), quiet=True)
+    assert read_outcome(tmp_path) is None
+    info = json.loads((tmp_path / "run.json").read_text())
+    assert info["legs"][0]["outcome"]["status"] == "interrupted" and info["started"] == "leg 2"
+    assert _leftovers(tmp_path) == []
+
+
 @pytest.mark.parametrize("fails", [False, True])
 def test_a_background_writer_stopped_by_a_full_disk_prints_no_traceback(tmp_path, monkeypatch, capsys, fails):
     """A thread of the command hits a real EFBIG (as TensorBoard's event writer thread does on a full disk): no
