@@ -44,6 +44,12 @@ class SettingsError(UserError, ValueError):
     """A setting with a value it cannot take (names the variable or field, the value and what is allowed)."""
 
 
+# environment variables of settings that no longer exist: setting one is refused, not silently ignored
+_REMOVED = {"MXTRAIN_MX_TRACED": "MXFP4 layers under torch.compile now run compiled into the graph "
+                                 "(setting mx_compiled; the traced form was slower and held more memory, "
+                                 "BENCHMARKS.md)"}
+
+
 def _knob(default, env: str, doc: str, kind: str, choices: tuple = (), aliases: dict | None = None,
           minimum: int | None = None, numerics: bool = False):
     """A ``Settings`` field: ``kind`` is "bool", "int", "choice" or "path" (a folder, or None for the
@@ -189,14 +195,6 @@ class Settings:
         "layers whose MX operands use the uniform 4-bit grids (`mxint4`, `mxe1m2`: `ufp4`...) or the `adaptive` "
         "scale rule (`mxfp4-all-adaptive`...): the eager fast path's values bit for bit (cuda tests, also under "
         "CUDA graphs). Off: they run as the custom ops (an escape hatch; same values).", "bool")
-    mx_traced: str = _knob(
-        "off", "MXTRAIN_MX_TRACED", "Under `torch.compile`, the layers of MXFP4 recipes whose GEMMs all use "
-        "round-to-nearest, prescale 1 and no or a deterministic Hadamard rotation (`mxfp4-all`, `mxfp4-all-dh16`, "
-        "`mxfp4-fprop`...) as traced operations around the FP8-carrier GEMM (`mxtrain/linear/tracedmx.py`), which the "
-        "compiler fuses with the kernels around them and recomputes in the backward: `auto` on GPUs with FP8 "
-        "tensor cores, `always` also on CPU (an emulated GEMM, for tests), `off`: the custom ops. Same values "
-        "either way; the traced form does not count inexact carrier blocks.",
-        "choice", choices=("auto", "always", "off"), aliases=_AUTO_OFF)
     data_dir: str | None = _knob(
         None, "MXTRAIN_DATA", "Folder of the prepared built-in corpus (default `~/.cache/mxtrain/data`). "
         "Read when used.", "path")
@@ -215,6 +213,9 @@ class Settings:
         """The settings an environment (default ``os.environ``) gives; unset or empty variables keep the
         default. A bad value raises ``SettingsError`` naming the variable, the value and the allowed ones."""
         environ = os.environ if environ is None else environ
+        for var, why in _REMOVED.items():
+            if (environ.get(var) or "").strip():
+                raise SettingsError(f"{var} is set, but that setting was removed: {why}; unset it")
         kw = {}
         for f in dataclasses.fields(cls):
             raw = environ.get(f.metadata["env"])

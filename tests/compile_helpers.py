@@ -1,5 +1,4 @@
-"""Shared helpers of the tests of traced layers under torch.compile (tests/linear/test_tracedfp8.py,
-tests/linear/test_tracedmx.py)."""
+"""Shared helpers of the tests of traced layers under torch.compile (tests/linear/test_tracedfp8.py)."""
 
 from __future__ import annotations
 

@@ -25,9 +25,13 @@ def test_docs_page_is_generated_from_the_dataclass():
 
 
 def test_every_mxtrain_variable_in_the_code_is_a_setting():
-    """No module reads an MXTRAIN_* variable of its own (the study's parent->worker plumbing excepted)."""
+    """No module reads an MXTRAIN_* variable of its own (the study's parent->worker plumbing excepted; the
+    variables of removed settings are named only to refuse them)."""
+    from mxtrain.settings import _REMOVED
     envs = {f.metadata["env"] for f in Settings.__dataclass_fields__.values()}
     assert len(envs) == len(Settings.__dataclass_fields__) and all(e.startswith("MXTRAIN_") for e in envs)
+    assert not envs & set(_REMOVED)
+    envs |= set(_REMOVED)
     for path in (ROOT / "mxtrain").rglob("*.py"):
         text = path.read_text()
         for name in set(re.findall(r"MXTRAIN_[A-Z0-9_]+", text)):
@@ -207,3 +211,13 @@ def test_run_folder_records_the_settings(tmp_path, monkeypatch):
     assert {"fast", "gemm_backend", "wgrad_b_group"} <= set(info["settings"])
     monkeypatch.setenv("MXTRAIN_QDUAL", "sometimes")   # (run_cli passes this process's environment on)
     one_line_error(run_cli("train", "--steps", "1"), "MXTRAIN_QDUAL", "sometimes")
+
+
+def test_a_removed_settings_variable_is_refused_not_ignored():
+    """``MXTRAIN_MX_TRACED`` (the traced MXFP4 form, removed) set in the environment: one error that says so,
+    rather than a variable the user set and nothing reads; unset or empty, nothing happens."""
+    from mxtrain.settings import Settings, SettingsError
+    with pytest.raises(SettingsError, match="MXTRAIN_MX_TRACED is set, but that setting was removed.*mx_compiled"):
+        Settings.from_env({"MXTRAIN_MX_TRACED": "auto"})
+    assert Settings.from_env({"MXTRAIN_MX_TRACED": " "}) == Settings()
+    assert "mx_traced" not in Settings().to_dict()

@@ -22,9 +22,9 @@ def test_mark_equals_torchs_decorator():
         return 1
     assert torch._dynamo.assume_constant_result(a) is a and assume_constant_result(b) is b
     assert a.__dict__ == b.__dict__ == {"_dynamo_marked_constant": True}
-    from mxtrain.linear import dispatch, tracedfp8, tracedmx
+    from mxtrain.linear import compiledmx, dispatch, tracedfp8
     assert dispatch._compile_spec._dynamo_marked_constant and tracedfp8._capable._dynamo_marked_constant
-    marked = [f for m in (dispatch, tracedfp8, tracedmx) for f in vars(m).values()
+    marked = [f for m in (dispatch, tracedfp8, compiledmx) for f in vars(m).values()
               if callable(f) and getattr(f, "_dynamo_marked_constant", False)]
     assert len(marked) == 3, marked
 

@@ -544,9 +544,29 @@ def _step_progress(name: str, r: dict) -> None:
         line = f"failed: {r['error']}"
     else:
         line = f"{r['ms']:.1f} ms/step, {r['tokens_per_s']:,.0f} tokens/s, peak {r.get('peak_gib', float('nan')):.2f} GiB"
+        if "host_ms" in r:
+            line += f", host {r['host_ms']:.1f} ms to issue a step"
+        total = ((r.get("profile") or {}).get("by_class") or {}).get("total")
+        if total is not None:
+            line += f", device {total:.1f} ms a step"
         if any((r.get("inexact_blocks") or {}).values()):
             line += ", inexact carrier blocks " + ", ".join(f"{k} {v:,}" for k, v in r["inexact_blocks"].items())
     print(f"bench step: {name}: {line}", file=sys.stderr, flush=True)
+
+
+def _keeping(args, key: str, progress):
+    """``progress`` for ``measure``'s ``on_variant``, which also writes what is measured so far to ``--out`` (as
+    ``{key}_partial``) after each variant, so that a run stopped by a time limit or a crash keeps its finished
+    variants; the complete result replaces the file at the end."""
+    done: dict = {}
+
+    def on_variant(name: str, r: dict) -> None:
+        progress(name, r)
+        done[name] = r
+        if getattr(args, "out", None):
+            write_text(Path(args.out), json.dumps({"env": _env(), "command": " ".join(sys.argv),
+                                                   f"{key}_partial": {"runs": done}}, indent=1, default=str))
+    return on_variant
 
 
 def bench_step(args) -> dict:
@@ -563,7 +583,7 @@ def bench_step(args) -> dict:
         raise UserError("--layers must be positive")
     res = _bs.measure(variants, model=args.model, layers=layers, batch=args.batch, seq=args.seq,
                       steps=args.steps, warmup=args.warmup, compile_mode=args.compile,
-                      recompute_ffn=args.recompute_ffn, on_variant=_step_progress,
+                      recompute_ffn=args.recompute_ffn, on_variant=_keeping(args, "step", _step_progress),
                       memory_budget=args.memory_budget, param_dtype=args.param_dtype,
                       checkpoint_blocks=args.checkpoint_blocks,
                       recompute_gemm_inputs=args.recompute_gemm_inputs, rounds=args.rounds,

@@ -1,8 +1,7 @@
 """``mx_linear``: the MX linear call, eager or under ``torch.compile`` (the package docstring,
 ``mxtrain.linear``, says what it computes). Eagerly it calls the fast path or the reference's autograd
 function as ``dispatch.route`` says; while compiling, ``compiled_linear`` takes the form
-``dispatch.compiled_form`` chooses: ``F.linear``, a traced form (``tracedmx``, ``compiledmx``,
-``tracedfp8``) or the custom ops (``ops``)."""
+``dispatch.compiled_form`` chooses: ``F.linear``, a traced form (``compiledmx``, ``tracedfp8``) or the custom ops (``ops``)."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ import torch.nn.functional as F
 
 from .. import settings
 from . import ops as _ops   # noqa: F401 - registers the mxtrain custom ops that compiled_linear calls
-from . import tracedfp8, tracedmx
+from . import tracedfp8
 from .dispatch import _check_floats, _compile_spec, _fp8_input, call_context, compiled_form, route
 from .ops import _AMP_NAME
 from ..numerics.recipe import Recipe
@@ -27,14 +26,12 @@ def compiled_linear(x, weight, bias, state, recipe_str: str, seeded: bool, quant
     booleans that are constant per recipe, so graphs carry no step, call or layer. ``split``: the recipe
     is ``split_capable``; on a CUDA device with the fast path on, X is quantized by its own op. ``fp8``: the
     recipe's operand formats joined by commas where ``tracedfp8.spec`` accepts it (else empty): traced
-    operations instead of the custom op where ``tracedfp8.applies``. ``mx``: ``tracedmx.spec`` of the recipe (else
-    empty): traced operations around the FP8-carrier GEMM where ``tracedmx.applies``."""
+    operations instead of the custom op where ``tracedfp8.applies``. ``mx``: ``compiledmx.spec`` of the recipe (else
+    empty): the layer compiled into the graph where ``compiledmx.applies``."""
     form, arg = compiled_form(x, weight, quantized, split, fp8, mx)
     if form == "plain":
         return F.linear(x, weight, bias)
     _check_floats(x, weight)
-    if form == "traced_mx":
-        return tracedmx.linear(x, weight, bias, mx, arg)
     if form == "graph":
         from . import compiledmx  # startup
         keys = signs = None

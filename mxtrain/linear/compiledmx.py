@@ -47,9 +47,8 @@ from ..numerics.quant import SCALE_RULES
 from . import fast
 from ..kernels import backend, gemm
 from ..kernels.mxfp4.traced import AVAILABLE
-from .tracedmx import carrier_values, _gemm as plain_gemm
 from ..kernels.mxfp4.launch import dual_applies
-from ..kernels.mxfp4.carrier import KERNEL_FORMATS
+from ..kernels.mxfp4.carrier import KERNEL_FORMATS, group_values
 from .. import settings
 
 __all__ = ["applies", "linear", "plan", "spec", "seeded", "share_inputs", "SharePass", "share_carriers",
@@ -113,8 +112,8 @@ def _mm(ca: torch.Tensor, ga: torch.Tensor, Ra: int, cb: torch.Tensor, gb: torch
     sa = (ga * alpha).t() if alpha != 1.0 else ga.t()   # (Rca, Kc/128), outer-dim-major
     sb = gb if rows_b == 1 else gb[:, : Kc // _TILE].t()  # (Kc/128, Rcb) or (Kc/128, Rcb/128)
     if ca.device.type != "cuda":   # (the tests' emulation on a CPU: the carriers' values in float32)
-        va = carrier_values(ca.view(torch.float8_e4m3fn), sa)
-        vb = carrier_values(cb.view(torch.float8_e4m3fn), sb.t())
+        va = group_values(ca.view(torch.float8_e4m3fn), sa)
+        vb = group_values(cb.view(torch.float8_e4m3fn), sb.t())
         return torch.matmul(va, vb.t())[:Ra, :Rb].to(odt).to(out_dtype)
     y = torch._scaled_mm(ca.view(torch.float8_e4m3fn), cb.view(torch.float8_e4m3fn).t(), sa, sb, out_dtype=odt)
     if y.shape[0] != Ra or y.shape[1] != Rb:
@@ -122,16 +121,29 @@ def _mm(ca: torch.Tensor, ga: torch.Tensor, Ra: int, cb: torch.Tensor, gb: torch
     return y if y.dtype == out_dtype else y.to(out_dtype)
 
 
+def _plain(A: torch.Tensor, axA: int, B: torch.Tensor, axB: int, out_dtype: torch.dtype,
+           amp: torch.dtype | None) -> torch.Tensor:
+    """A plain GEMM of the spec (``"p"``): ``op(A) op(B)^T`` reduced along the given axes of the 2-D ``A`` and
+    ``B``, as the fast path computes it (``fast._gemm_fn``: bf16 operands multiplied as they are, others in the
+    autocast dtype, else float32), in ``out_dtype``."""
+    ta = A if axA == 1 else A.t()
+    tb = B if axB == 1 else B.t()
+    if A.dtype == torch.bfloat16 and B.dtype == torch.bfloat16:
+        y = torch.matmul(ta, tb.t())
+    else:
+        gd = amp if amp is not None else torch.float32
+        y = torch.matmul(ta.to(torch.float32).to(gd), tb.to(torch.float32).to(gd).t())
+    return y.to(torch.float32).to(out_dtype)
+
+
 def spec(recipe) -> str | None:
     """The recipe's three GEMMs as the compiled layer runs them, joined by ``;``, or None where it does not take
     the recipe: ``"p"`` plain, ``"m<rot>:<rule A>:<rule B>"`` MXFP4 with round to nearest, no random signs,
-    prescale 1 and a scale rule of ``quant.SCALE_RULES`` (``tracedmx.spec``'s form), else ``"m<rot>:<rule A>:<rule
+    prescale 1 and a scale rule of ``quant.SCALE_RULES``, else ``"m<rot>:<rule A>:<rule
     B>:<signs s|n>:<rounding A n|s>:<rounding B>:<prescale A>:<prescale B>"``, followed by ``":<format A>:<format
     B>"`` where an operand is not ``mxfp4`` (``mxint4``, ``mxe1m2``: ``carrier.KERNEL_FORMATS``). Every operand as
     the fast path takes it (``fast.supported``: the ``adaptive`` rule and the uniform grids included); no GEMM that
-    rotates or scales high-precision operands. Depends on the recipe only. (The wider forms are the ones
-    ``tracedmx.applies`` declines; the strings of the MXFP4 recipes it had before the uniform grids and the adaptive
-    rule are unchanged.)"""
+    rotates or scales high-precision operands. Depends on the recipe only."""
     if not fast.supported(recipe):
         return None
     parts, mx = [], False
@@ -281,7 +293,7 @@ class _CompiledMXLinear(torch.autograd.Function):
         # layers after it; nothing below depends on autocast: custom ops, _scaled_mm, and plain GEMMs whose
         # operands are cast to the GEMM dtype first)
         if gemms[0] == "p":
-            y = plain_gemm("p", x2, 1, weight, 1, ydt, amp, 128)
+            y = _plain(x2, 1, weight, 1, ydt, amp)
         else:
             G = _G(gemms[0])
             cw_, gw_ = _quant_rows(weight, cw, G.rot, G.rb, 128, _side(seeds, "fprop_w", "fprop", G, False))
@@ -327,7 +339,7 @@ class _CompiledMXLinear(torch.autograd.Function):
         if n[0]:
             odt = ctx.x_dtype
             if g[1] == "p":
-                dx = plain_gemm("p", dy2, 1, weight, 0, odt, ctx.amp, 128)
+                dx = _plain(dy2, 1, weight, 0, odt, ctx.amp)
             else:
                 D = _G(g[1])
                 ca, ga = (pre["dgrad"] if "dgrad" in pre else
@@ -337,7 +349,7 @@ class _CompiledMXLinear(torch.autograd.Function):
             dx = dx.to(ctx.x_dtype).reshape(ctx.x_shape)
         if n[1]:
             if g[2] == "p":
-                dw = plain_gemm("p", dy2, 0, x2, 0, weight.dtype, ctx.amp, ctx.x_rows)
+                dw = _plain(dy2, 0, x2, 0, weight.dtype, ctx.amp)
             else:
                 W = _G(g[2])
                 ca, ga = (pre["wgrad"] if "wgrad" in pre else

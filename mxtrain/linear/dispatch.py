@@ -1,7 +1,7 @@
 """The dispatcher: which implementation runs an MX linear call, and the per-call context.
 
 ``route`` (an eager call) and ``compiled_form`` (a traced call) are the only readers of the routing settings
-(fast, mx_traced, mx_compiled, mx_compiled_seeded, fp8_traced, and exact_carrier where it decides a form); the
+(fast, mx_compiled, mx_compiled_seeded, fp8_traced, and exact_carrier where it decides a form); the
 forms' ``supported`` / ``spec`` / ``applies`` answer from the recipe, the tensors and the device alone. (Inside
 the reference, the choice of quantize kernel, ``mx_kernel``, ``nvfp4_kernel`` and ``ref_compile``, is
 ``context.Ctx``'s.) ``implementation`` answers users: what runs a layer of a recipe on given tensors."""
@@ -110,7 +110,6 @@ def _check_floats(x: torch.Tensor, weight: torch.Tensor) -> None:
 
 COMPILED_FORMS = {
     "plain": "F.linear (the recipe quantizes nothing)",
-    "traced_mx": "traced PyTorch operations around the FP8-carrier GEMM (mxtrain.linear.tracedmx, setting mx_traced)",
     "graph": "compiled into the graph: Triton quantize kernels and the carrier GEMM in inductor's code "
              "(mxtrain.linear.compiledmx, setting mx_compiled)",
     "traced_fp8": "traced per-tensor FP8 casts and torch._scaled_mm (mxtrain.linear.tracedfp8, setting fp8_traced)",
@@ -122,7 +121,7 @@ COMPILED_FORMS = {
 
 def compiled_form(x, weight, quantized: bool, split: bool, fp8: str, mx: str) -> tuple[str, object]:
     """Which implementation a compiled call of a layer takes (``COMPILED_FORMS``' keys), with what that form
-    needs (``tracedmx``'s group rows, ``compiledmx``'s plan, ``tracedfp8``'s formats): the one place that
+    needs (``compiledmx``'s plan, ``tracedfp8``'s formats): the one place that
     reads the routing settings of compiled layers (``compiled_linear`` calls it while tracing; ``implementation``
     answers users). Works on fake tensors."""
     if not quantized:
@@ -130,10 +129,7 @@ def compiled_form(x, weight, quantized: bool, split: bool, fp8: str, mx: str) ->
     s = settings.current()
     # (exact_carrier: the one op, whose GEMMs see the FP4 codes beside each carrier)
     if mx and s.fast and not s.exact_carrier:
-        from . import compiledmx, tracedmx  # startup
-        rows = tracedmx.applies(mx, x, weight, s.mx_traced)
-        if rows:
-            return "traced_mx", rows
+        from . import compiledmx  # startup
         if (s.mx_compiled != "ops" and (s.mx_compiled_seeded or not compiledmx.seeded(mx))
                 and (s.mx_compiled_grids or not compiledmx.grids(mx))):
             plan = compiledmx.applies(mx, x, weight, s)
@@ -185,7 +181,6 @@ def _compile_spec(recipe: str) -> tuple[str, bool, bool, bool, str, str]:
 
 
 def mx_spec(r: Recipe) -> str:
-    """The recipe's GEMMs as the traced MX forms take them (``tracedmx.spec``; where that declines, the wider
-    ``compiledmx.spec``: stochastic rounding, random signs, prescales), else ""."""
-    from . import compiledmx, tracedmx  # startup
-    return r.memo("mx_spec", lambda r: tracedmx.spec(r) or compiledmx.spec(r) or "")
+    """The recipe's GEMMs as the compiled MX layer takes them (``compiledmx.spec``), else ""."""
+    from . import compiledmx  # startup
+    return r.memo("mx_spec", lambda r: compiledmx.spec(r) or "")

@@ -184,7 +184,7 @@ class MXLayer:
         self._mx_split = split_capable(r)
         fp8 = tracedfp8.spec(r)
         self._mx_fp8 = ",".join(fp8) if fp8 else ""
-        self._mx_traced = mx_spec(r)
+        self._mx_spec = mx_spec(r)
 
     @property
     def layer_id(self) -> int:
@@ -218,7 +218,7 @@ class MXLayer:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return compiled_linear(x, self._mx_weight(), self.bias, self.mx_state, self._mx_json, self._mx_seeded,
-                                   self._mx_quantized, self._mx_split, self._mx_fp8, self._mx_traced)
+                                   self._mx_quantized, self._mx_split, self._mx_fp8, self._mx_spec)
         return mx_linear(x, self._mx_weight(), self.bias, self._mx_recipe, self.mx_state)
 
     def extra_repr(self) -> str:
@@ -280,7 +280,7 @@ class MXExperts(MXLayer):
                 state[0] += k
             if compiling:   # (as MXLayer.forward: constants per recipe, no recipe object for dynamo to guard on)
                 return compiled_linear(x, w, None, state, self._mx_json, seeded, self._mx_quantized, self._mx_split,
-                                       self._mx_fp8, self._mx_traced)
+                                       self._mx_fp8, self._mx_spec)
             return mx_linear(x, w, None, recipe, state)
 
         out = experts_forward(self, hidden_states, top_k_index, top_k_weights, gemm)

@@ -996,7 +996,7 @@ class Trainer:
         elif inexact is not None and not self.said_uncounted:
             self.said_uncounted = True   # say so, rather than record a count of 0 that was never made
             log.say(f"note: inexact FP8-carrier blocks are not counted on {device} in this run (a compiled "
-                    "MX call found no counter, or MX layers ran in the traced form of the mx_traced setting); "
+                    "MX call found no counter); "
                     "metrics.jsonl has no inexact_blocks")
         log.row(row)
         log.train_line(done, row)

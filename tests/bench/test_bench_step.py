@@ -94,6 +94,26 @@ def test_progress_line_names_inexact_blocks(capsys):
     assert err[0].endswith("inexact carrier blocks x 3, w 0, dy 12") and "inexact" not in err[1]
 
 
+def test_each_finished_variant_is_kept_in_the_out_file(tmp_path, capsys):
+    """``bench step --out F``: after each variant, F holds the variants measured so far (a run cut by a time limit
+    keeps them); the progress line gives the host and device time a step where they were measured."""
+    import json
+    import types
+    from mxtrain.bench import suite as bench
+    out = tmp_path / "step.json"
+    on_variant = bench._keeping(types.SimpleNamespace(out=str(out)), "step", bench._step_progress)
+    on_variant("bf16", {"ms": 10.0, "tokens_per_s": 1000.0, "peak_gib": 1.0, "host_ms": 4.5,
+                        "profile": {"by_class": {"gemm": 6.0, "total": 9.25}}})
+    assert list(json.loads(out.read_text())["step_partial"]["runs"]) == ["bf16"]
+    on_variant("mxfp4-all", {"error": "RuntimeError: out of memory"})
+    got = json.loads(out.read_text())
+    assert list(got["step_partial"]["runs"]) == ["bf16", "mxfp4-all"] and "command" in got
+    err = capsys.readouterr().err.splitlines()
+    assert "host 4.5 ms to issue a step, device 9.2 ms a step" in err[0] and "failed" in err[1]
+    on_variant = bench._keeping(types.SimpleNamespace(out=None), "step", bench._step_progress)
+    on_variant("bf16", {"ms": 10.0, "tokens_per_s": 1000.0})   # (no --out: nothing written)
+
+
 def test_bf16_parameters_train_the_same_model_in_bf16(monkeypatch):
     """``param_dtype="bfloat16"``: every variant's model (and so its AdamW state) is bf16 and runs without
     autocast; the table says so; another value is refused."""

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import mxtrain
-from mxtrain.linear import compiledmx, fast, tracedmx
+from mxtrain.linear import compiledmx, fast
 from mxtrain import mx_linear, settings
 from mxtrain.numerics import recipes
 from mxtrain.linear import COMPILED_FORMS
@@ -26,7 +26,7 @@ RECIPES = ["mxfp4-all", "mxfp4-all-dh16", "mxfp4-all-dh32", "mxfp4-all-dh16+amd"
 def _cpu_layer(x, w, b, recipe, rows=128):
     """The compiled layer (``compiledmx.linear``), eagerly on CPU tensors."""
     fast.state.prepare("cpu")
-    return compiledmx.linear(x, w, b, tracedmx.spec(recipes.get(recipe)), (rows, 128))
+    return compiledmx.linear(x, w, b, compiledmx.spec(recipes.get(recipe)), (rows, 128))
 
 
 @pytest.mark.parametrize("recipe,shape,bias,rows", [
@@ -81,7 +81,7 @@ def test_seeded_layer_equals_the_reference_on_cpu(recipe, shape, bias):
     from mxtrain.linear.dispatch import call_seeds, mx_spec
     rec = recipes.get(recipe)
     mx = mx_spec(rec)
-    assert mx and not tracedmx.spec(rec)
+    assert mx and compiledmx.seeded(mx)
     g = torch.Generator().manual_seed(5)
     N = 80
     x = torch.randn(*shape, generator=g) * 4
@@ -146,7 +146,7 @@ def test_new_formats_and_the_adaptive_rule_equal_the_eager_fast_path_on_cpu(name
     from mxtrain.linear.dispatch import call_seeds, mx_spec
     rec = NEW_RECIPES[name]()
     mx = mx_spec(rec)
-    assert mx and mx == compiledmx.spec(rec) and tracedmx.spec(rec) is None
+    assert mx and mx == compiledmx.spec(rec)
     assert compiledmx.seeded(mx) == name.startswith("ufp4")    # (the grids and the rule draw nothing)
     g = torch.Generator().manual_seed(6)
     N = 48
@@ -213,13 +213,12 @@ def test_wgrad_operand_kept_as_its_carrier_on_cpu():
 
 
 def test_the_dispatcher_takes_the_form_only_where_it_applies():
-    mx = tracedmx.spec(recipes.get("mxfp4-all-dh16"))
+    mx = compiledmx.spec(recipes.get("mxfp4-all-dh16"))
     x, w = torch.zeros(64, 96), torch.zeros(32, 96)
     s = settings.current()
     assert compiledmx.applies(mx, x, w, s) == (0, 0)            # a CPU tensor
     assert compiledmx.applies("", x, w, s) == (0, 0)
-    assert tracedmx.spec(recipes.get("mxfp4-all-sr")) is None   # SR: the compiled layer's wider spec
-    assert tracedmx.applies(compiledmx.spec(recipes.get("tseng")), x, w) == 0
+    assert compiledmx.seeded(compiledmx.spec(recipes.get("mxfp4-all-sr")))   # SR: the spec's wider form
     assert compiledmx.seeded(compiledmx.spec(recipes.get("tseng"))) and not compiledmx.seeded(mx)
     for name in ("nvfp4", "mxfp8", "fp8"):   # what the fast path does not run
         assert compiledmx.spec(recipes.get(name)) is None, name
@@ -463,9 +462,6 @@ def test_implementation_says_which_form_runs_a_layer():
     assert implementation("bf16", x, w) == COMPILED_FORMS["plain"]
     assert implementation("mxfp4-all-dh16", x, w) == COMPILED_FORMS["op"]          # CPU: no fused kernels
     assert "reference" in implementation("mxfp4-all-dh16", x, w, compiled=False)
-    with settings.override(mx_traced="always"):                                   # the CPU emulation
-        assert implementation("mxfp4-all-dh16", x, w) == COMPILED_FORMS["traced_mx"]
-        assert implementation("tseng", x, w) == COMPILED_FORMS["op"]              # outside the traced form
 
 
 @pytest.mark.cuda
@@ -527,7 +523,7 @@ def test_layers_reading_one_input_share_its_quantization(monkeypatch):
     monkeypatch.setattr(compiledmx._traced, "_launch", lambda kfn, grid, args, consts, nw: None if any(
         is_fake(a) for a in args if isinstance(a, torch.Tensor)) else real(kfn, grid, args, consts, nw))
     fast.state.prepare("cpu")
-    mx = tracedmx.spec(recipes.get("mxfp4-all-dh16"))
+    mx = compiledmx.spec(recipes.get("mxfp4-all-dh16"))
 
     def block(x, wq, wk):
         return sum(compiledmx.linear(x, w, None, mx, (128, 128)).sum() for w in (wq, wk))
@@ -746,7 +742,7 @@ def test_a_setting_changed_after_compiling_recompiles_the_layer(monkeypatch):
     from torch._dynamo.utils import counters
     from mxtrain.linear._constant import assume_constant_result
     monkeypatch.setattr(compiledmx, "plan", assume_constant_result(lambda device, share=False, *knobs: (1, 128)))
-    mx = tracedmx.spec(recipes.get("mxfp4-all-dh16"))
+    mx = compiledmx.spec(recipes.get("mxfp4-all-dh16"))
     w = torch.zeros(8, 32)
 
     def f(x):
@@ -785,7 +781,7 @@ import collections, json, sys, torch, triton
 from triton.backends.compiler import GPUTarget
 from functorch.compile import aot_function, default_partition, make_boxed_func
 from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
-from mxtrain.linear import compiledmx, fast, tracedmx
+from mxtrain.linear import compiledmx, fast
 from mxtrain.numerics import recipes
 from mxtrain import settings
 

@@ -236,10 +236,6 @@ def test_the_dispatcher_on_a_hopper_gpu(fake_gpu):
     with settings.override(mx_compiled="ops"):
         graph_to_split = {r: "split_ops" if f == "graph" else f for r, f in HOPPER_FORMS.items()}
         assert _forms(x, w) == {**graph_to_split, "tseng": "op"}
-    with settings.override(mx_traced="auto"):
-        # (the traced form takes no seeded recipe: those stay compiled)
-        want = {r: "traced_mx" if f == "graph" else f for r, f in HOPPER_FORMS.items()}
-        assert _forms(x, w) == {**want, "tseng": "graph", "mxfp4-all-sr": "graph"}
     for over in ({"fast": False}, {"exact_carrier": True}):   # (exact_carrier: MX layers only)
         with settings.override(**over):
             want = {r: "plain" if r == "bf16" else "traced_fp8" if r == "fp8" and "exact_carrier" in over else "op"
@@ -258,9 +254,8 @@ def test_the_dispatcher_compiles_the_uniform_grids_and_the_adaptive_rule(fake_gp
     ``mxe1m2``) compiled into the graph as the MXFP4 presets are (by default; as the custom ops with
     ``mx_compiled_grids`` off): where nothing is drawn at random (``mxfp4-all-adaptive``, a round-to-nearest INT4
     or E1M2 recipe), and with ``mx_compiled_seeded`` (on by default) where it is (``ufp4``: random signs,
-    stochastic rounding on dY; without the setting the custom op, as ``tseng``). The traced MX form (``mx_traced``)
-    does not take them; with ``mx_compiled=ops`` the MXFP4 ones run as the split ops; on other GPUs the compiled
-    layer is not taken."""
+    stochastic rounding on dY; without the setting the custom op, as ``tseng``). With ``mx_compiled=ops`` the
+    MXFP4 ones run as the split ops; on other GPUs the compiled layer is not taken."""
     from mxtrain import settings
     from mxtrain.linear import COMPILED_FORMS, implementation
     from mxtrain.numerics import recipes
@@ -277,8 +272,6 @@ def test_the_dispatcher_compiles_the_uniform_grids_and_the_adaptive_rule(fake_gp
         assert name[implementation(r_int4, x, w)] == "op"   # (INT4 operands: the one op, not the split ops)
     with settings.override(mx_compiled_seeded=False):
         assert _forms(x, w, NEW_RECIPES) == want
-        with settings.override(mx_traced="auto"):
-            assert _forms(x, w, NEW_RECIPES) == want
         with settings.override(mx_compiled="ops"):
             assert _forms(x, w, NEW_RECIPES) == ops
         for fmt in ("mxint4", "mxe1m2"):   # (round to nearest, H16 without signs: nothing drawn)

@@ -19,7 +19,6 @@ import torch
 
 import mxtrain
 import mxtrain.linear
-import mxtrain.linear.tracedmx
 from mxtrain.linear import fast
 from mxtrain import Operand, settings
 from mxtrain.numerics import recipes

@@ -250,25 +250,21 @@ def test_presets_and_their_routes():
     assert mxtrain.linear.route(a, xm, xm) == "reference"
 
 
-def test_the_compiled_layer_takes_the_new_formats_and_rule_the_traced_form_does_not():
-    """``linear.mx_spec`` (what both compiled MX forms start from: ``tracedmx.spec``, else ``compiledmx.spec``):
-    the traced MX form gives no spec for a recipe with the ``adaptive`` rule or a uniform grid, the compiled layer
-    its wider form (formats named where not ``mxfp4``; tests/linear/test_compiledmx.py runs it against the eager fast
-    path), which ``tracedmx.applies`` declines; and the traced quantizer itself refuses ``adaptive`` should it ever
-    be asked (``quant.mx_scale_exponent``)."""
-    from mxtrain.linear import compiledmx, tracedmx
+def test_the_compiled_layer_takes_the_new_formats_and_rule():
+    """``linear.mx_spec`` (what the compiled MX layer starts from: ``compiledmx.spec``): a recipe with the
+    ``adaptive`` rule or a uniform grid gets the spec's wider form (formats named where not ``mxfp4``;
+    tests/linear/test_compiledmx.py runs it against the eager fast path); a plain MXFP4 recipe with a scale rule of
+    ``quant.SCALE_RULES`` the short form ``m<rot>:<rule A>:<rule B>``."""
+    from mxtrain.linear import compiledmx
     from mxtrain.linear.dispatch import mx_spec
     for name in ("ufp4", "mxfp4-all-adaptive", "mxfp4-all-dh16+adaptive"):
         r = recipes.get(name)
         mx = compiledmx.spec(r)
-        assert tracedmx.spec(r) is None and mx and mx_spec(r) == mx, name
+        assert mx and mx_spec(r) == mx and all(g.count(":") > 2 for g in mx.split(";")), name
         assert ("mxint4" in mx) == name.startswith("ufp4") and ("adaptive" in mx) == name.endswith("adaptive")
-        assert tracedmx.applies(mx, torch.zeros(64, 64), torch.zeros(64, 64), "always") == 0, name
-    assert tracedmx.spec(recipes.get("mxfp4-all-dh16+rceil")) is not None
-    with pytest.raises(ValueError, match="adaptive"):
-        tracedmx.carrier(torch.randn(32, 64), 0, "adaptive", 1)
+    assert compiledmx.spec(recipes.get("mxfp4-all-dh16+rceil")) == ";".join(["m16:rceil:rceil"] * 3)
     from mxtrain.kernels.mxfp4.launch import RULE_ID
-    assert set(RULE_ID) - set(SCALE_RULES) == {"adaptive"}   # (the kernels' one rule the traced form lacks)
+    assert set(RULE_ID) - set(SCALE_RULES) == {"adaptive"}   # (the kernels' one rule the reference has apart)
 
 
 @pytest.mark.parametrize("name", ["ufp4", "mxfp4-all-adaptive"])

@@ -22,7 +22,7 @@ from ...numerics.quant import E8M0_NAN, pow2, elem_table, unpack_fp4, quantize a
 from ...numerics.hadamard import hadamard
 
 __all__ = ["TILE_K", "MIN_G", "KERNEL_FORMATS", "EXACT_KEXP", "QuantOut", "ceil_to", "carrier_buffers", "out_shapes",
-           "carrier_from_fp4", "carrier_values", "dequantize_fp4", "reference_quantize"]
+           "carrier_from_fp4", "carrier_values", "group_values", "dequantize_fp4", "reference_quantize"]
 
 TILE_K = 128   # reduction elements of one kernel tile: 4 MX blocks of 32, one carrier group
 MIN_G = -120   # group exponent floor: keeps 2**(G-6) a normal float32
@@ -133,12 +133,17 @@ def carrier_from_fp4(q: QuantOut, k_multiple: int, row_multiple: int) -> None:
 
 def carrier_values(q: QuantOut) -> torch.Tensor:
     """float32 carrier x group scale, (Rc, Kc) (for tests and the dequantize GEMM path)."""
-    c = q.carrier.to(torch.float32)
-    if q.group_rows == 1:
-        g = q.gscale.repeat_interleave(TILE_K, dim=1)
-    else:
-        g = q.gscale.repeat_interleave(128, dim=0).repeat_interleave(TILE_K, dim=1)
-    return c * g
+    return group_values(q.carrier, q.gscale)
+
+
+def group_values(car: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
+    """float32 values (Rc, Kc) of an e4m3 carrier ``car`` and its group scales ``gs``: (Rc, Kc/128) for 1x128
+    groups, (Rc/128, Kc/128) for 128x128 groups (told apart by their row count)."""
+    Rc, Kc = car.shape
+    c = car.to(torch.float32).reshape(Rc, Kc // TILE_K, TILE_K)
+    if gs.shape[0] == Rc:
+        return (c * gs[..., None]).reshape(Rc, Kc)
+    return (c.reshape(Rc // 128, 128, Kc // TILE_K, TILE_K) * gs.reshape(Rc // 128, 1, -1, 1)).reshape(Rc, Kc)
 
 
 def dequantize_fp4(q: QuantOut) -> torch.Tensor:
