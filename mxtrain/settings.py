@@ -44,6 +44,12 @@ class SettingsError(UserError, ValueError):
     """A setting with a value it cannot take (names the variable or field, the value and what is allowed)."""
 
 
+# wgrad_x=auto keeps X's Wgrad operand as its FP8 carrier (1.03 bytes a value instead of 0.53) in layers of at most
+# this many input features: at the 125M model's widths the rebuild from codes ran at 0.46-0.96 TB/s and keeping the
+# carrier made the step 4 % faster (H200, BENCHMARKS.md); at 8B widths memory is the scarcer resource
+WGRAD_X_CARRIER_MAX = 2048
+
+
 # environment variables of settings that no longer exist: setting one is refused, not silently ignored
 _REMOVED = {"MXTRAIN_MX_TRACED": "MXFP4 layers under torch.compile now run compiled into the graph "
                                  "(setting mx_compiled; the traced form was slower and held more memory, "
@@ -94,14 +100,16 @@ class Settings:
         True, "MXTRAIN_REUSE_ACT", "Layers reading one input (q/k/v, gate/up) quantize its operands once "
         "(eager only). Same results either way.", "bool")
     wgrad_x: str = _knob(
-        "forward", "MXTRAIN_WGRAD_X", "Where X's Wgrad operand is quantized on the fast path (and the `fp8` "
-        "recipe's FP8 GEMMs): `forward` (with its Fprop operand; the backward keeps packed FP4 codes + scales, "
+        "auto", "MXTRAIN_WGRAD_X", "Where X's Wgrad operand is quantized on the fast path (and the `fp8` "
+        "recipe's FP8 GEMMs): `auto` (`carrier` for layers of at most 2,048 input features, where rebuilding the "
+        "carrier costs the most and the memory the least: about 4 % of a 125M model's step, BENCHMARKS.md; "
+        "`forward` for wider layers), `forward` (with its Fprop operand; the backward keeps packed FP4 codes + scales, "
         "0.53 bytes a value, or FP8 codes), `carrier` (as `forward`, but an MXFP4 operand is kept as the GEMM's "
         "FP8 carrier, about 1.03 bytes a value, so the backward skips rebuilding it; where the layer runs eagerly on "
         "the fast path or compiled into the graph, `mx_compiled`; the custom ops keep codes), `backward` (the "
         "backward keeps X itself and quantizes it there: faster, more memory unless the compiler recomputes X, e.g. "
         "under `train.memory_budget`; figures in BENCHMARKS.md). Same values every way.",
-        "choice", choices=("forward", "carrier", "backward"))
+        "choice", choices=("auto", "forward", "carrier", "backward"))
     fast_launch: str = _knob(
         "auto", "MXTRAIN_FAST_LAUNCH", "Launch plans: a quantize configuration seen before is launched through its "
         "compiled kernel directly (less host time): `auto` on GPUs, `always` also under Triton's interpreter "
@@ -207,6 +215,12 @@ class Settings:
             object.__setattr__(self, f.name, _coerce(f, getattr(self, f.name), f"Settings.{f.name}"))
         # what quantize launch plans and self-check results depend on, hashed once per object
         object.__setattr__(self, "launch_key", (self.qkernel, self.dual, self.qmaxnreg, self.qselfcheck))
+
+    def wgrad_x_for(self, in_features: int) -> str:
+        """``wgrad_x`` for a layer of ``in_features`` inputs: ``auto`` resolved (``WGRAD_X_CARRIER_MAX``)."""
+        if self.wgrad_x != "auto":
+            return self.wgrad_x
+        return "carrier" if in_features <= WGRAD_X_CARRIER_MAX else "forward"
 
     @classmethod
     def from_env(cls, environ=None) -> "Settings":

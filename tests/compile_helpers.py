@@ -111,7 +111,9 @@ def fake_hopper() -> None:
     _fake_cuda_guard()
     MK.capability = lambda d: (9, 0) if torch.device(d).type == "cuda" else None
     gemm.probe = lambda d: dict(HOPPER_PROBE)
-    settings.configure(qselfcheck="off")
+    # (the graph tests describe the layer that keeps X's Wgrad operand as FP4 codes and rebuilds its carrier in
+    # the backward, wgrad_x=forward; wgrad_x=auto keeps the carrier at these widths: its own case below)
+    settings.configure(qselfcheck="off", wgrad_x="forward")
     MK.CACHES.clear()
 
 
@@ -295,6 +297,8 @@ def graph_cases() -> dict:
         return Block(ModelConfig(dim=C, n_heads=H, n_kv_heads=H, ffn_dim=F, max_seq_len=T), device="cuda")
     run("linear mxfp4-all-dh16", lambda: torch.nn.Linear(C, 2 * C, bias=False, device="cuda"), x, "mxfp4-all-dh16")
     run("linear mxfp4-all", lambda: torch.nn.Linear(C, 2 * C, bias=True, device="cuda"), x, "mxfp4-all")
+    run("linear mxfp4-all-dh16 auto", lambda: torch.nn.Linear(C, 2 * C, bias=False, device="cuda"), x,
+        "mxfp4-all-dh16", wgrad_x="auto")
     run("block mxfp4-all-dh16 shared", block, xcs, "mxfp4-all-dh16", mx_compiled="shared")
     run("block bf16", block, xcs, None)
     run("user block mxfp4-all", lambda: _UserBlock(C, H, H, F, "cuda"), xcs, "mxfp4-all")

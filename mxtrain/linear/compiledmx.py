@@ -407,7 +407,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, mx:
     amp = torch.get_autocast_dtype(dt) if torch.is_autocast_enabled(dt) else None
     out_dtype = amp if amp is not None else x.dtype
     gemms = tuple(mx.split(";"))
-    where = settings.current().wgrad_x
+    where = settings.current().wgrad_x_for(x.shape[-1])
     need_wgrad = torch.is_grad_enabled() and weight.requires_grad and where != "backward" and gemms[2] != "p"
     x2 = x.detach().reshape(-1, x.shape[-1]).contiguous()   # (quantized operands carry no gradient)
     ca, ga, pk, sc = _x_operands(x2, gemms, rows[0], need_wgrad, _Seeds(keys, signs), where == "forward")

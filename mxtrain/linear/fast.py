@@ -590,7 +590,8 @@ class _FastMXLinearFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, qctx: Ctx, amp, grad: bool):
         # (``grad``: grad mode at the call; needs_input_grad says True under torch.no_grad too, where no
         # backward will come, e.g. evaluation)
-        where = _settings.current().wgrad_x   # forward (FP4 codes kept), carrier (FP8 carrier kept), backward
+        # forward (FP4 codes kept), carrier (FP8 carrier kept), backward
+        where = _settings.current().wgrad_x_for(x.shape[-1])
         y, wq = forward(x, weight, bias, qctx, amp, grad and ctx.needs_input_grad[1] and where != "backward",
                         reuse=True, codes=where == "forward")
         ctx.wq = wq

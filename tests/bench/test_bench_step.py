@@ -77,8 +77,8 @@ def test_variant_settings_apply_while_it_runs():
     res = bs.measure(["mxfp4-all:wgrad_x=backward", "mxfp4-all:wgrad_x=nowhere"], model="tiny", layers=1,
                      batch=1, seq=16, steps=1, warmup=0, compile_mode="none", device="cpu",
                      on_variant=lambda v, r: seen.append((v, settings.current().wgrad_x, "error" in r)))
-    assert seen == [("mxfp4-all:wgrad_x=backward", "backward", False), ("mxfp4-all:wgrad_x=nowhere", "forward", True)]
-    assert settings.current().wgrad_x == "forward"
+    assert seen == [("mxfp4-all:wgrad_x=backward", "backward", False), ("mxfp4-all:wgrad_x=nowhere", "auto", True)]
+    assert settings.current().wgrad_x == "auto"
     assert res["runs"]["mxfp4-all:wgrad_x=backward"]["ms"] > 0
     assert res["runs"]["mxfp4-all:wgrad_x=backward"]["settings"] == {"wgrad_x": "backward"}
     assert "wgrad_x" in res["runs"]["mxfp4-all:wgrad_x=nowhere"]["error"]
@@ -184,8 +184,8 @@ def test_a_variant_sets_its_own_model_options(monkeypatch):
     res = bs.measure(["bf16", "mxfp4-all:recompute_ffn=true:wgrad_x=backward", "bf16:checkpoint_blocks=on",
                       "mxfp4-all:recompute_ffn=maybe"], model="tiny", layers=1, batch=1, seq=16, steps=1,
                      warmup=0, compile_mode="none", device="cpu")
-    assert seen == [("bf16", "forward", False, False), ("mxfp4-all", "backward", True, False),
-                    ("bf16", "forward", False, True)]   # the refused variant never builds
+    assert seen == [("bf16", "auto", False, False), ("mxfp4-all", "backward", True, False),
+                    ("bf16", "auto", False, True)]   # the refused variant never builds
     runs = res["runs"]
     assert runs["mxfp4-all:recompute_ffn=true:wgrad_x=backward"]["step_options"] == {
         "recompute_ffn": True, "checkpoint_blocks": False}

@@ -438,9 +438,10 @@ def test_no_wgrad_operand_under_no_grad(monkeypatch, use):
 def test_wgrad_operand_made_in_forward_without_dual_pass(preset, monkeypatch, use):
     """With one-pass quantization off, the forward still makes X's Wgrad operand (two passes) and the
     backward keeps it instead of X: outputs and gradients equal the reference MXLinear's, and the
-    autograd node saved no copy of X, only X's Wgrad operand as FP4 codes."""
+    autograd node saved no copy of X, only X's Wgrad operand as FP4 codes (``wgrad_x=forward``; the default
+    ``auto`` keeps the carrier at this width)."""
     from mxtrain.kernels import gemm as kg
-    use(dual="off", gemm_backend="fp8_carrier", qselfcheck="off")
+    use(dual="off", gemm_backend="fp8_carrier", qselfcheck="off", wgrad_x="forward")
     real_gemm = kg.mx_gemm_nt
     monkeypatch.setattr(kg, "mx_gemm_nt", lambda a, b, backend, *r: real_gemm(a, b, "dequant", *r))
     monkeypatch.setattr(kg, "activation_b_group_rows", lambda dev: 128)

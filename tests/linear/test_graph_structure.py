@@ -121,6 +121,25 @@ def test_the_backward_quantizes_in_the_backward(graphs, case):
     assert ["uint8", [M, K // 2]] in [d for _, d in g["bw"]["inputs"]], g["bw"]["inputs"]
 
 
+def test_the_default_keeps_a_narrow_layers_carrier(graphs):
+    """``wgrad_x=auto`` (the default) at a width of at most ``settings.WGRAD_X_CARRIER_MAX`` input features: the
+    forward keeps X's Wgrad operand as its FP8 carrier (e4m3, the reduction over tokens padded to 512) and the
+    backward rebuilds nothing (four launches, no ``q_expand``), three GEMMs as before."""
+    from compile_helpers import GRAPH_SIZES
+    from mxtrain import settings
+    assert GRAPH_SIZES["dim"] <= settings.WGRAD_X_CARRIER_MAX and settings.Settings().wgrad_x == "auto"
+    g = graphs["linear mxfp4-all-dh16 auto"]
+    assert g["fw"]["ops"] == {"q_dual": 1, "q_single": 1} and g["bw"]["ops"] == {"q_dual": 1, "q_single": 1}
+    assert g["fw"]["scaled_mm"] + g["bw"]["scaled_mm"] == GEMMS_PER_LAYER
+    M, K = GRAPH_SIZES["batch"] * GRAPH_SIZES["seq"], GRAPH_SIZES["dim"]
+    kept = [d for _, d in g["bw"]["inputs"]]
+    assert [d for d in kept if d and d[0] == "float8_e4m3fn"] == [["float8_e4m3fn", [-(-M // 512) * 512, K]]], kept
+    assert ["uint8", [M, K // 2]] not in kept
+    assert settings.Settings(wgrad_x="auto").wgrad_x_for(2048) == "carrier"
+    assert settings.Settings(wgrad_x="auto").wgrad_x_for(4096) == "forward"
+    assert settings.Settings(wgrad_x="forward").wgrad_x_for(64) == "forward"
+
+
 def test_a_block_quantizes_a_shared_input_once(graphs):
     """``mxtrain.model.Block`` of ``mxfp4-all-dh16`` with ``mx_compiled=shared``: dynamo captures one X pass per
     layer (7); the share pass leaves one per distinct input (4: q/k/v share the attention norm's output, w1/w3
