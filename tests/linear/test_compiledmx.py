@@ -359,6 +359,27 @@ def test_cuda_new_formats_and_adaptive_rule_under_cuda_graphs(name, caplog):
     assert "Recompiling" not in caplog.text
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("recipe", ["mxfp4-all-dh16", "mxfp4-all-sr"])
+def test_cuda_wgrad_x_carrier_equals_codes_compiled_and_eager(recipe):
+    """``wgrad_x=carrier`` (``auto``'s choice up to 2,048 input features) against ``forward`` (codes, the carrier
+    rebuilt in the backward), on a GPU, compiled and eager: Y, dX and dW bit for bit."""
+    _gpu()
+    x, w, _, gy = _data(2048, 768, 2304, torch.bfloat16)
+
+    def layer(x, w, b):
+        return mx_linear(x, w, b, recipe, torch.tensor([3, 5, 0], device="cuda"))
+    out = {}
+    for mode in ("forward", "carrier"):
+        with settings.override(wgrad_x=mode):
+            out[mode, "eager"] = fwd_bwd(x, w, None, gy, layer)
+            torch._dynamo.reset()
+            out[mode, "compiled"] = fwd_bwd(x, w, None, gy, torch.compile(layer, fullgraph=True))
+    for key, got in out.items():
+        for a, e, name in zip(got, out["forward", "eager"], ("y", "dX", "dW")):
+            assert torch.equal(a, e), (recipe, key, name)
+
+
 def _compiled_vs_eager(recipe, dtype, amp, bias, shape):
     _gpu()
     *lead, Kd, N = shape
