@@ -105,3 +105,15 @@ def assert_quant_out_equal(q, r, fp4=True, carrier=True) -> None:
         assert torch.equal(q.carrier.view(torch.uint8).cpu(), r.carrier.view(torch.uint8))
         assert torch.equal(q.gscale.cpu(), r.gscale)
         assert int(q.inexact.item()) == int(r.inexact.item())
+
+
+def four_over_six_pairs() -> tuple[np.ndarray, np.ndarray]:
+    """Every ordered pair (p, r) of the signed points of either "Four over Six" candidate grid (E2M1's, scaled to
+    6, and E2M1's times 1.5, scaled to 4) and of the midpoints between neighbours, up to 6: rounding ties, error ties
+    and saturation (two float64 arrays from ``np.meshgrid``)."""
+    g6 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float64)
+    pts = np.unique(np.concatenate([g6, g6 * 1.5]))
+    pts = np.unique(np.concatenate([pts, (pts[1:] + pts[:-1]) / 2]))
+    pts = pts[pts <= 6]
+    signed = np.concatenate([pts, -pts[1:]])
+    return np.meshgrid(signed, signed, indexing="ij")

@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from numerics_helpers import assert_quant_out_equal, mx_reference_out, wide_values  # noqa: E402
+from numerics_helpers import assert_quant_out_equal, four_over_six_pairs, mx_reference_out, wide_values  # noqa: E402
 
 from mxtrain import settings  # noqa: E402
 from mxtrain.kernels import kernels_available  # noqa: E402
@@ -70,12 +70,7 @@ def test_four_over_six_ties_and_midpoints_exhaustively():
     """Blocks ``[6, p, r] * s`` (after an anchor block making the tensor scale 1) for every pair of signed points of
     either candidate's grid and every midpoint between neighbours: rounding ties, exact error ties (which keep 6)
     and saturation, at an exact E4M3 scale, one that rounds and an E4M3 subnormal one."""
-    g6 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float64)
-    pts = np.unique(np.concatenate([g6, g6 * 1.5]))
-    pts = np.unique(np.concatenate([pts, (pts[1:] + pts[:-1]) / 2]))
-    pts = pts[pts <= 6]
-    signed = np.concatenate([pts, -pts[1:]])
-    p, r = np.meshgrid(signed, signed, indexing="ij")
+    p, r = four_over_six_pairs()
     blocks = []
     for s in (1.0, 0.3, 3 * 2.0**-9):
         rows = np.zeros((p.size, 16), np.float32)

@@ -25,6 +25,7 @@ from mxtrain.numerics import recipes
 from mxtrain.numerics.hadamard import hadamard
 from mxtrain.numerics.quant import REF_SCALE_RULES, SCALE_RULES, quantize, reference_only
 from mxtrain.numerics.recipe import OPERANDS
+from numerics_helpers import four_over_six_pairs
 
 F32 = np.float32
 
@@ -148,12 +149,7 @@ def test_exhaustive_pairs_of_grid_points_and_midpoints():
     """Blocks ``[6, p, r] * s`` for every pair of signed points of either candidate's grid (the 6 grid and the 4
     grid x 1.5) and every midpoint between neighbours, at a few scales ``s`` (exact E4M3 scales, ones that round,
     an E4M3 subnormal one): rounding ties, error ties and saturation, against the exact reference."""
-    g6 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float64)
-    pts = np.unique(np.concatenate([g6, g6 * 1.5]))
-    pts = np.unique(np.concatenate([pts, (pts[1:] + pts[:-1]) / 2]))
-    pts = pts[pts <= 6]
-    signed = np.concatenate([pts, -pts[1:]])
-    p, r = np.meshgrid(signed, signed, indexing="ij")
+    p, r = four_over_six_pairs()
     for s in (1.0, 0.3, 3 * 2.0**-9, 2.0**-11):   # (3 * 2**-9: an E4M3 subnormal scale; 2**-11: both are 0)
         rows = np.zeros((p.size, 16), F32)
         rows[:, 0], rows[:, 1], rows[:, 2] = 6 * s, p.reshape(-1) * s, r.reshape(-1) * s
