@@ -3,7 +3,10 @@ under FSDP2 with ``gather="high"`` and ``gather="quantized"`` (torchrun, gloo, C
 launch. Rank 0 writes ``results.json``: per scenario the losses, a bit-exact digest of the final weights,
 the gather report, and how often a shard was quantized.
 
-Run as ``python -m torch.distributed.run --nproc-per-node N tests/_qgather_worker.py OUT_DIR``.
+Run as ``python -m torch.distributed.run --nproc-per-node N tests/_qgather_worker.py OUT_DIR [four]``. ``four``
+(for 4 ranks): a model twice as wide (every weight's out-features 128 or more, so that a 4-way row shard is a whole
+number of 32-element Dgrad blocks), ``mxfp4-all-dh16`` and ``nvfp4`` only (NVFP4's tensor scale is the amax
+all-reduced over the four shards), no checkpoint.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ import mxtrain
 from mxtrain.train import parallel as D
 from mxtrain.linear import qgather as Q
 
-V, C, T, N_LAYERS = 64, 64, 8, 2
+FOUR = len(sys.argv) > 2 and sys.argv[2] == "four"
+V, C, T, N_LAYERS = 64, 128 if FOUR else 64, 8, 2
 GLOBAL_BATCH = 8
 ACCUM = 2
 
@@ -148,6 +152,15 @@ def suite(out: Path):
     env = D.init("cpu")
     res = {}
     ck = str(out / "ck")
+    if FOUR:
+        for key in ("mxfp4-all-dh16", "nvfp4"):
+            r, dt, fused = SCENARIOS[key]
+            for gather in ("high", "quantized"):
+                res[f"{key}:{gather}"] = scenario(env, r, gather, dt, fused)
+        if env.is_rank0:
+            (out / "results.json").write_text(json.dumps(res))
+        D.shutdown()
+        return
     for key, (r, dt, fused) in SCENARIOS.items():
         for gather in ("high", "quantized"):
             # (the first one also writes a DCP checkpoint at step 2: model and fused AdamW state)

@@ -14,8 +14,8 @@ FP8-carrier backend (sm_90), rebuilds the carrier and its group scales from them
 fused quantizer's bytes). Both layouts put the block axis last, padded with zeros to whole rotation blocks
 and then to whole 32-element blocks, two codes a byte with the lower index in the low nibble, one scale byte
 per block; the Dgrad operand (blocks along out-features) is made contiguous first (a transposed copy of its
-codes and scales, 0.53 bytes an element). (The fast path's use is checked on CPU under the interpreter, not
-yet run on a GPU.)
+codes and scales, 0.53 bytes an element). (The fast path's use is checked on CPU under the interpreter and on
+one GPU; FSDP2 over several GPUs has not run it.)
 
 Exactness: the gathered operands equal the quantization of the gathered weight bit for bit, because
 

@@ -262,6 +262,28 @@ def test_fsdp2_quantized_gather_trains_bit_identically(tmp_path):
     assert b["quantized"]["quantized_layers"] == 4
 
 
+@pytest.mark.xdist_group("torchrun")
+@pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+                    reason="torch.distributed with gloo is not available")
+def test_fsdp2_quantized_gather_on_4_ranks_trains_bit_identically(tmp_path):
+    """Four ranks (each weight's rows in four shards of whole Dgrad blocks; NVFP4's tensor scale from four shards'
+    amax): the quantized gather trains as the high-precision one, every loss and every final weight bit equal."""
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(TESTS.parent), os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+                        str(TESTS / "_qgather_worker.py"), str(tmp_path), "four"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    res = json.loads((tmp_path / "results.json").read_text())
+    for key in ("mxfp4-all-dh16", "nvfp4"):
+        hi, q = res[f"{key}:high"], res[f"{key}:quantized"]
+        assert q["losses"] == hi["losses"] and len(q["losses"]) == 3, key
+        assert q["digest"] == hi["digest"], key
+        assert len(q["quantized"]) == 4 and q["high"] == {} and q["said"] == [], key
+        assert q["quantizations"] == 3 * 2 * 4, key
+    assert res["mxfp4-all-dh16:high"]["digest"] != res["nvfp4:high"]["digest"]
+
+
 # ------------------------------------------------------------------- the fast path (fused Triton kernels)
 
 _INT4 = _SIGNED.with_(**{f"{o}.fmt": "mxint4" for o in ("fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_dy",
@@ -396,7 +418,7 @@ def test_fast_path_on_gathered_weight_equals_whole_weight_cpu(recipe, dt, world,
 def test_fast_path_on_gathered_weight_equals_whole_weight_gpu(recipe, monkeypatch):
     """On a GPU (sm_90: FP8-carrier GEMMs, the carrier rebuilt from the gathered codes), ``mx_linear`` routes a
     gathered weight to the fast path: Y, dX, dW and the weight's inexact-block count equal the whole weight's,
-    for 2, 4 and 8 shards of a bf16 weight (in-features 1040: rotation and 512 padding). Not run yet."""
+    for 2, 4 and 8 shards of a bf16 weight (in-features 1040: rotation and 512 padding)."""
     w = _weight(N=768, K=1040, odd=False).to("cuda", torch.bfloat16)
     outs, ops = _fast_runs(recipe, w, (2, 4, 8), 256, monkeypatch, on_gpu=True)
     _check_runs(outs, ops, recipe)
