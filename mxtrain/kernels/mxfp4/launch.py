@@ -38,8 +38,7 @@ __all__ = ["RULE_ID", "GRID_ID", "KERNEL_RULES", "KERNEL_GRIDS",
 # ``supported`` reads it), ``KERNEL_RULES`` every rule the kernels implement: also ``adaptive`` (5;
 # ``quant.REF_SCALE_RULES``' MX rule: per block floor's exponent or the next, whichever gives the lower squared error,
 # compared in the reference's exact float64 terms, ``device._adaptive_term``), bit-identical to the reference
-# (tests/kernels/test_rules_kernels.py) and not yet admitted to the fast path (issue #51: its admission, with the
-# tests that pin today's lists, is a change of its own).
+# (tests/kernels/test_rules_kernels.py, on CPU and on the GPU) and admitted to the fast path.
 RULE_ID = {"floor": 0, "ceil": 1, "rceil": 2, "even": 3, "amd": 4, "adaptive": 5}
 KERNEL_RULES = RULE_ID
 # The kernels' GRID constexpr, by MX format: the element grid rounded to. ``mxint4`` (integers -7..7 with E8M0
@@ -50,7 +49,7 @@ KERNEL_RULES = RULE_ID
 # so block exponents 2 above INT4's and up to 127) rounds ``4 v`` on INT4's grid with the same codes; its carrier holds
 # the magnitude code times ``2**(kexp - 2)`` (at most 112), exact from ``kexp = -7`` up (``carrier.EXACT_KEXP``).
 # ``GRID_ID``: the formats ``quantize_mxfp4_2d`` and the fast path take; ``KERNEL_GRIDS``: every grid the kernels
-# implement, ``mxe1m2`` too (implemented and tested, not yet admitted: as ``KERNEL_RULES``).
+# implement, ``mxe1m2`` too (all three admitted: as ``KERNEL_RULES``).
 GRID_ID = {"mxfp4": 0, "mxint4": 1, "mxe1m2": 2}
 KERNEL_GRIDS = GRID_ID
 
