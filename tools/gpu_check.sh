@@ -9,6 +9,19 @@ export INSTAFAIL=${INSTAFAIL:-${OUT:-out}/failures.txt}
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 WHAT=${1:-all}
+# COMPILE_CACHE=dir: inductor's and Triton's compile caches in dir instead of /tmp (compiling the kernel variants
+# is most of a cuda test run's time). CACHE_IN=file(s): unpack those tarball parts into dir first (a cache an
+# earlier run packed, carried back to the machine); CACHE_PACK=1: pack dir into $OUT/compile_cache.tgz.NN at the
+# end, in parts of 15 MiB (what a run can bring back). The caches key every entry by source, options, torch and
+# device, so a stale entry is a miss, never a wrong kernel.
+if [ -n "${COMPILE_CACHE:-}" ]; then
+  mkdir -p "$COMPILE_CACHE"
+  if [ -n "${CACHE_IN:-}" ]; then
+    # shellcheck disable=SC2086
+    cat $CACHE_IN | tar -xzf - -C "$COMPILE_CACHE" && echo "compile cache: unpacked $(du -sh "$COMPILE_CACHE" | cut -f1)"
+  fi
+  export TORCHINDUCTOR_CACHE_DIR=$COMPILE_CACHE/inductor TRITON_CACHE_DIR=$COMPILE_CACHE/triton
+fi
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; \
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"; } \
   2>&1 | tee "$OUT/env.txt"
@@ -33,4 +46,8 @@ if [ "${SKIP_TESTS:-0}" != "1" ]; then
 fi
 if [ "$WHAT" != "none" ]; then
   timeout "${BENCH_TIMEOUT:-330}" python3 -m mxtrain.bench "$WHAT" --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+fi
+if [ -n "${COMPILE_CACHE:-}" ] && [ "${CACHE_PACK:-0}" = "1" ]; then
+  tar -czf - -C "$COMPILE_CACHE" . | split -b 15M -d - "$OUT/compile_cache.tgz."
+  ls -la "$OUT"/compile_cache.tgz.* | awk '{print "compile cache part:", $5, $9}'
 fi
