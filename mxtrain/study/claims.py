@@ -22,7 +22,9 @@ No verdict with fewer than ``cooldown.MIN_SEEDS`` seeds, nor from runs below the
 ``cooldown.verdict_scale`` (a smoke study reports numbers, not verdicts on papers). Sources: the papers
 cited in docs/results.md (NVIDIA: arXiv 2509.25149, whose MXFP4 comparison used a 32-wide random Hadamard and
 kept the last blocks in BF16; ``mxfp4-all`` against ``nvfp4`` compares the formats as this project's presets
-use them; AMD: arXiv 2605.09825, whose Wgrad claim rests on a cumulative ladder, Fprop, then +Dgrad, then
+use them; UFP4: Zhao et al., arXiv 2606.20381, whose ``ufp4`` differs from ``mxfp4-all-rht16`` in the grid and
+dY's rounding only; Four over Six: Cook et al., arXiv 2512.02010; Mishra, Stosic and Layton, arXiv 2506.08027,
+whose round-up rule (``rceil``) was shown on MXFP8 and is judged here on MXFP4; AMD: arXiv 2605.09825, whose Wgrad claim rests on a cumulative ladder, Fprop, then +Dgrad, then
 +Wgrad, so it is judged as the ladder's last step, ``mxfp4-all`` against ``mxfp4-fprop-dgrad``). The AMD
 paper's claims also match their ``+amd`` scale-rule arms (``mxfp4-all-dh16+amd`` against ``mxfp4-all+amd``;
 ``bf16`` and ``fp8`` keep their names), and every claim matches arms that carry the same further options on
@@ -75,6 +77,14 @@ CLAIMS: tuple[Claim, ...] = (
           "1.5 % relative at 12B)", "nvfp4", "fp8", "equal"),
     Claim("nvidia-mxfp4", "NVIDIA", "MXFP4 needs more tokens than NVFP4 to reach the same loss (36 % more at 8B)",
           "mxfp4-all", "nvfp4", "more"),
+    Claim("ufp4", "UFP4", "a uniform 4-bit grid (UFP4: random H16 on all three GEMMs, SR on dY) costs less than "
+          "E2M1's MXFP4", "ufp4", "mxfp4-all", "less"),
+    Claim("ufp4-grid", "UFP4", "under the same random H16 rotation the uniform grid costs less than E2M1, whose "
+          "shrinkage bias the rotation amplifies", "ufp4", "mxfp4-all-rht16", "less"),
+    Claim("4over6", "Four over Six", "scaling each block's maximum to 4 or to 6, whichever errs less, lowers "
+          "NVFP4's cost", "nvfp4-4over6", "nvfp4", "less"),
+    Claim("rceil", "Mishra et al.", "block scales rounded up instead of OCP's floor train MX formats better "
+          "(shown for MXFP8; judged here on MXFP4)", "mxfp4-all+rceil", "mxfp4-all", "less"),
 )
 _BASELINES = ("bf16", "fp8")
 

@@ -80,6 +80,18 @@ PRESETS: dict[str, dict] = {
     "trend": dict(arms=["bf16", "mxfp4-all"], baseline="bf16", seeds=3, model="30m", steps=11500, lr=1.5e-3,
                   batch_size=32, seq_len=512, budgets=[0.05, 0.1, 0.25, 0.5, 1.0], eval_every=230, diagnose_every=0,
                   overrides=list(_COOLED_EVAL)),
+    # issue #51's recipes of 2026 at 30m, planned before it runs (docs/results.md, "Next experiment at 30m"): the
+    # split study's design (4,224 steps of 32 x 512 tokens, 2 tokens per parameter, branches at 25/50/100 %,
+    # evaluation every 2 %) at peak LR 7.5e-4, BF16's lowest-loss rate of those tried at 30m (below 1.5e-3 at every budget, not resolved),
+    # with an 84-step (2 %) warm-up instead of 20; BF16 at half the rate as the rate check; 5 seeds. Every arm is
+    # also compared with plain MXFP4 (a second reference), the question of each new lever
+    "recipes-2026": dict(arms=["bf16", "mxfp4-all", "mxfp4-all-rht16", "mxfp4-all-dh16", "mxfp4-all-dh16-fprop",
+                               "ufp4", "mxfp4-all-adaptive", "mxfp4-all+rceil", "nvfp4", "nvfp4-4over6",
+                               "bf16@lr3.75e-4"],
+                         baseline="bf16", references=["mxfp4-all"], seeds=5, model="30m", steps=4224, lr=7.5e-4,
+                         batch_size=32, seq_len=512, budgets=[0.25, 0.5, 1.0], eval_every=84, diagnose_every=0,
+                         overrides=["log.eval_tokens=131072", "log.final_eval_tokens=1048576",
+                                    "schedule.warmup_steps=84"]),
     # CI: tiny model on CPU, 3 arms x 2 seeds, a few minutes in all
     "smoke": dict(arms=["bf16", "mxfp4-all", "mxfp4-all-dh16"], baseline="bf16", seeds=2, model="tiny",
                   steps=16, batch_size=8, seq_len=64, eval_every=2, diagnose_every=8, device="cpu", target_frac=0.5,

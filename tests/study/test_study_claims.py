@@ -204,3 +204,25 @@ def test_holm_decides_across_the_claims_of_one_report():
     # the running maximum keeps the order: 0.01 x3 = 0.03, then 0.011 x2 = 0.022 is raised to 0.03
     assert holm([0.011, 0.01, 0.04]) == pytest.approx([0.03, 0.03, 0.04])
     assert holm([None, 0.2]) == [None, 0.2]
+
+
+def test_claims_of_2026_recipes_and_their_preset():
+    """Issue #51's published claims (UFP4 against plain and against the same random rotation, Four over Six on
+    NVFP4, round-up scales) are judged on the ``recipes-2026`` preset's arms, Holm over every claim of the report:
+    a uniform grid clearly better, 4/6 as good as NVFP4 (not resolved, never "contradicted" by a null), round-up
+    scales worse (contradicted)."""
+    from mxtrain.study.plan import PRESETS, StudySpec
+    arms = PRESETS["recipes-2026"]["arms"]
+    StudySpec(out="unused", **{k: v for k, v in PRESETS["recipes-2026"].items()})   # a valid study
+    keys = {c.key: claim_pairs(c, arms) for c in CLAIMS}
+    assert keys["ufp4"] == [("ufp4", "mxfp4-all")] and keys["ufp4-grid"] == [("ufp4", "mxfp4-all-rht16")]
+    assert keys["4over6"] == [("nvfp4-4over6", "nvfp4")] and keys["rceil"] == [("mxfp4-all+rceil", "mxfp4-all")]
+    assert sum(len(v) for v in keys.values()) == 8          # the 8 tests docs/results.md pre-registers
+    pts = _points({"mxfp4-all": 0.10, "mxfp4-all-rht16": 0.10, "ufp4": 0.04, "nvfp4": 0.05, "nvfp4-4over6": 0.05,
+                   "mxfp4-all+rceil": 0.13, "bf16": 0.0})
+    got = _by_key(evaluate_claims(pts, list(pts), BUDGETS, n_boot=50))
+    assert got[("ufp4", "ufp4", "mxfp4-all")]["verdict"] == "supported"
+    assert got[("ufp4-grid", "ufp4", "mxfp4-all-rht16")]["verdict"] == "supported"
+    assert got[("4over6", "nvfp4-4over6", "nvfp4")]["verdict"] == "not resolved"
+    assert got[("rceil", "mxfp4-all+rceil", "mxfp4-all")]["verdict"] == "contradicted"
+    assert {c["family"] for c in got.values()} == {len(got)}   # one Holm family: every claim of the report
