@@ -25,6 +25,10 @@ run-wide ones: ``mxfp4-all-dh16:recompute_ffn=true`` beside a plain ``bf16`` com
 recomputes its feed-forward GEMMs with a BF16 step that does not, in one run. A torchao variant takes
 ``fast_accum=false`` (its forward GEMM accumulating in float32, as mxtrain's ``fp8`` does by default) or ``true``
 (torchao's default); mxtrain's ``fp8`` takes the setting ``fp8_fast_accum=fprop`` (torchao's accumulation).
+Any variant takes ``static_launch=true`` (``INDUCTOR_OPTIONS``): inductor launches the Triton kernels it did not
+generate itself (mxtrain's quantizers compiled into the graph) through its own static CUDA launcher instead of
+Triton's, torch's ``static_launch_user_defined_triton_kernels`` (off by default in torch 2.11-2.13), to measure
+what the launcher costs the host.
 """
 
 from __future__ import annotations
@@ -297,6 +301,23 @@ def step_options(over: dict, **defaults: bool) -> dict:
     return opts
 
 
+# variant options that patch inductor's config while the variant is compiled and timed: option -> config key
+INDUCTOR_OPTIONS = {"static_launch": "static_launch_user_defined_triton_kernels"}
+
+
+def inductor_options(over: dict) -> dict:
+    """The inductor config a variant's ``INDUCTOR_OPTIONS`` ask for (removed from ``over``), as
+    ``torch._inductor.config.patch`` takes it. Refuses a value that is not a boolean."""
+    out = {}
+    for key, cfg in INDUCTOR_OPTIONS.items():
+        if key in over:
+            val = str(over.pop(key)).strip().lower()
+            if val not in _TRUE + _FALSE:
+                raise ValueError(f"{key}={val!r}: give true or false")
+            out[cfg] = val in _TRUE
+    return out
+
+
 def torchao_option(base: str, over: dict) -> bool | None:
     """A torchao variant's ``fast_accum=true|false`` (removed from ``over``): whether torchao's forward GEMM
     accumulates in the fast mode (its default: true); None where not given. Refused on other variants."""
@@ -385,17 +406,22 @@ def _measure_variant(v: str, on_variant, *, model, layers, batch, seq, steps, wa
     """One variant built, compiled and timed (``_one_variant``) under its own settings; a failure is a result."""
     import torch._dynamo
     import torch._functorch.config
+    import torch._inductor.config
     try:
         base, over = split_variant(v)
         opts = step_options(over, recompute_ffn=recompute_ffn, checkpoint_blocks=checkpoint_blocks)
         tao_fa = torchao_option(base, over)
+        inductor = inductor_options(over)
         budget = {} if memory_budget is None else {"activation_memory_budget": float(memory_budget)}
         if recompute_gemm_inputs:
             budget["ban_recompute_materialized_backward"] = False
-        with settings.override(**over), torch._functorch.config.patch(**budget):
+        with settings.override(**over), torch._functorch.config.patch(**budget), \
+                torch._inductor.config.patch(**inductor):
             out = _one_variant(base, model, layers, batch, seq, steps, warmup, compile_mode, device,
                                opts["recompute_ffn"], param_dtype, opts["checkpoint_blocks"], tao_fa, profile)
             out["settings"] = over
+            if inductor:
+                out["inductor"] = inductor
             out["step_options"] = opts
             if on_variant is not None:   # (inside: it sees the variant's settings)
                 on_variant(v, out)

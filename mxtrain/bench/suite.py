@@ -848,7 +848,8 @@ def _add_args(p: argparse.ArgumentParser) -> None:
                         "recipes, each optionally with settings or its own recompute_ffn / checkpoint_blocks, e.g. "
                         "mxfp4-all-dh16:recompute_ffn=true; torchao-tensorwise:fast_accum=false for torchao's forward "
                         "GEMM in float32, fp8:fp8_fast_accum=fprop:fp8_autocast=autocast for torchao's numerics in "
-                        "mxtrain's fp8), instead of the FP8 baselines + --presets")
+                        "mxtrain's fp8; any variant:static_launch=true for inductor's own launcher of mxtrain's kernels), "
+                        "instead of the FP8 baselines + --presets")
     p.add_argument("--memory-budget", type=_budget, default=None,
                    help="step: torch's activation_memory_budget for every variant, in (0, 1] (the compiler "
                         "recomputes activations in the backward to save only that share)")

@@ -306,3 +306,21 @@ def test_user_model_with_fused_projections_converts_its_four_layers_a_block():
     res = bs.measure(["bf16"], model="125m-fused", layers=1, batch=1, seq=32, steps=1, warmup=0,
                      compile_mode="none", device="cpu", recompute_ffn=True)
     assert "recompute_ffn" in res["runs"]["bf16"]["error"]
+
+
+def test_static_launch_patches_inductor_while_the_variant_runs():
+    """``name:static_launch=true``: inductor's ``static_launch_user_defined_triton_kernels`` is on while that
+    variant is built, compiled and timed (and recorded with it), off again after; not a setting; a value that is
+    not a boolean fails that variant alone."""
+    import torch._inductor.config as ic
+    before = ic.static_launch_user_defined_triton_kernels
+    seen = []
+    res = bs.measure(["bf16", "bf16:static_launch=true", "bf16:static_launch=maybe"], model="tiny", layers=1,
+                     batch=1, seq=16, steps=1, warmup=0, compile_mode="none", device="cpu",
+                     on_variant=lambda v, r: seen.append((v, ic.static_launch_user_defined_triton_kernels)))
+    assert seen == [("bf16", before), ("bf16:static_launch=true", True), ("bf16:static_launch=maybe", before)]
+    assert ic.static_launch_user_defined_triton_kernels == before
+    runs = res["runs"]
+    assert runs["bf16:static_launch=true"]["inductor"] == {"static_launch_user_defined_triton_kernels": True}
+    assert runs["bf16:static_launch=true"]["settings"] == {} and "inductor" not in runs["bf16"]
+    assert "static_launch='maybe'" in runs["bf16:static_launch=maybe"]["error"]
