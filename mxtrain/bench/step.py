@@ -294,11 +294,16 @@ def step_options(over: dict, **defaults: bool) -> dict:
     opts = dict(defaults)
     for key in STEP_OPTIONS:
         if key in over:
-            val = str(over.pop(key)).strip().lower()
-            if val not in _TRUE + _FALSE:
-                raise ValueError(f"{key}={val!r}: give true or false")
-            opts[key] = val in _TRUE
+            opts[key] = _pop_bool(over, key)
     return opts
+
+
+def _pop_bool(over: dict, key: str) -> bool:
+    """``over[key]`` (removed from it) as a boolean; refuses any other word."""
+    val = str(over.pop(key)).strip().lower()
+    if val not in _TRUE + _FALSE:
+        raise ValueError(f"{key}={val!r}: give true or false")
+    return val in _TRUE
 
 
 # variant options that patch inductor's config while the variant is compiled and timed: option -> config key
@@ -308,14 +313,7 @@ INDUCTOR_OPTIONS = {"static_launch": "static_launch_user_defined_triton_kernels"
 def inductor_options(over: dict) -> dict:
     """The inductor config a variant's ``INDUCTOR_OPTIONS`` ask for (removed from ``over``), as
     ``torch._inductor.config.patch`` takes it. Refuses a value that is not a boolean."""
-    out = {}
-    for key, cfg in INDUCTOR_OPTIONS.items():
-        if key in over:
-            val = str(over.pop(key)).strip().lower()
-            if val not in _TRUE + _FALSE:
-                raise ValueError(f"{key}={val!r}: give true or false")
-            out[cfg] = val in _TRUE
-    return out
+    return {cfg: _pop_bool(over, key) for key, cfg in INDUCTOR_OPTIONS.items() if key in over}
 
 
 def torchao_option(base: str, over: dict) -> bool | None:
@@ -326,10 +324,7 @@ def torchao_option(base: str, over: dict) -> bool | None:
     if base not in TORCHAO:
         raise ValueError(f"fast_accum= is an option of the torchao variants; for mxtrain's fp8 give "
                          f"fp8_fast_accum=fprop or off")
-    val = str(over.pop("fast_accum")).strip().lower()
-    if val not in _TRUE + _FALSE:
-        raise ValueError(f"fast_accum={val!r}: give true or false")
-    return val in _TRUE
+    return _pop_bool(over, "fast_accum")
 
 
 def split_variant(v: str) -> tuple[str, dict]:
