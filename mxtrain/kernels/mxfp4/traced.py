@@ -82,7 +82,17 @@ if AVAILABLE:
     _install_access_cache()   # torch's per-launch analysis of which tensors a kernel writes, once per variant
 
     def _launch(kfn, grid, args: tuple, consts: dict, num_warps: int) -> None:
-        wrap_triton(kfn)[grid](**kernel_kwargs(kfn, args, consts), num_warps=num_warps)
+        # under TRITON_INTERPRET=1 the kernel is an InterpretedFunction: torch 2.13's wrap_triton returns it as it
+        # is, torch 2.12 and older raise ("only works on functions annotated with triton.jit"); do what 2.13 does
+        k = kfn if _is_interpreted(kfn) else wrap_triton(kfn)
+        k[grid](**kernel_kwargs(kfn, args, consts), num_warps=num_warps)
+
+    def _is_interpreted(kfn) -> bool:
+        try:
+            from triton.runtime.interpreter import InterpretedFunction
+        except ImportError:  # pragma: no cover - a Triton without the interpreter
+            return False
+        return isinstance(kfn, InterpretedFunction)
 
     def _index_strides(shape, axis: int, rot: int) -> tuple[int, int]:
         """The logical index strides of the (rotation-padded) operand, as the eager fast path passes them
