@@ -760,7 +760,10 @@ def test_kernel_access_analysis_runs_once_per_variant_and_agrees_with_torch(tmp_
         if res["name"] == "identify_accessed_tensors":   # torch 2.12+: the READ_ONLY table answers
             assert table == fresh and reads_missed == [], (fn, table, fresh, reads_missed)
     declared = 12 if res["name"] == "identify_accessed_tensors" else 0
-    assert res["stats"] == {"hits": 6, "misses": 6, "bypassed": 2, "declared": declared}
+    # before torch 2.12 (identify_mutated_tensors) there is no table: the script's third call of each launch
+    # (``table``) is a cache hit too, 12 more
+    hits = 6 if declared else 18
+    assert res["stats"] == {"hits": hits, "misses": 6, "bypassed": 2, "declared": declared}
 
 
 def test_a_setting_changed_after_compiling_recompiles_the_layer(monkeypatch):
