@@ -38,7 +38,8 @@ def fused_experts(m: nn.Module) -> str | None:
     if gu is None or down is None or set(own) != {"gate_up_proj", "down_proj"}:
         return "not a fused experts module with exactly the parameters gate_up_proj and down_proj"
     if not all(hasattr(m, k) for k in _LAYOUT) or not hasattr(m, "act_fn") or not hasattr(m, "num_experts"):
-        return "not a transformers @use_experts_implementation experts module (layout flags and act_fn unknown)"
+        return ("not a transformers @use_experts_implementation experts module (layout flags and act_fn unknown; "
+                "transformers 5.20 or newer builds Mixtral's and Qwen3-MoE's experts that way)")
     off = [f"{k}={getattr(m, k)!r}" for k, v in _LAYOUT.items() if getattr(m, k) != v]
     if off:
         return "fused experts in a layout mxtrain does not convert (" + ", ".join(off) + ")"
