@@ -35,7 +35,7 @@ if [ "${SKIP_TESTS:-0}" != "1" ]; then
   if [ "${CUDA_TESTS:-}" = "all" ]; then TESTS=(-m cuda tests)
   elif [ -n "${CUDA_TESTS:-}" ]; then read -r -a FILES <<< "$CUDA_TESTS"; TESTS=(-m cuda "${FILES[@]}")
   else TESTS=(tests/kernels/test_kernels.py tests/linear/test_fast_linear.py); fi
-  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -v -rfE -p no:cacheprovider -p no:benchmark -p tools.pytest_instafail \
+  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -v -rfEs -p no:cacheprovider -p no:benchmark -p tools.pytest_instafail \
     -n "${WORKERS:-8}" \
     --dist worksteal --timeout "${PER_TEST_TIMEOUT:-400}" --junitxml "$OUT/junit.xml" "${TESTS[@]}" \
     -k "${TEST_K:-}" > "$OUT/gpu_tests.log" 2>&1
