@@ -229,7 +229,8 @@ def ufp4() -> Recipe:
     abstract): ``mxe1m2`` is the same quantizer here (docs/numerics.md), and the rotation is 16-wide with
     signs re-drawn every step, as ``mxfp4-all-rht16``, so the two differ in the grid and dY's rounding only.
     On the fast path (``mxtrain.linear.fast``: the fused quantizer's INT4 grid and the FP8-carrier GEMMs, exact as for
-    MXFP4; its cuda tests passed on an H200, 2026-11-28/29: kernels, eager, compiled and under CUDA graphs, docs/kernels.md)."""
+    MXFP4; its cuda tests passed on an H200, 2026-11-28/29: kernels, eager, compiled and under CUDA graphs,
+    docs/kernels.md)."""
     u = Operand("mxint4")
     u_sr = Operand("mxint4", rounding="stochastic")
     rot = Rotation(16, "per_step")
