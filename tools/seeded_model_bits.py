@@ -4,7 +4,7 @@ the first configuration given (GPU; a diagnosis of tests/linear/test_compiled_se
 The tiny Llama with ``tseng`` (stochastic rounding and random signs in the backward), learning rate 0, fused AdamW:
 every step's gradients are a function of its batch and random bits only. A configuration is ``form:mode`` with form
 ``ops`` (the custom ops) or ``auto`` (compiled into the graph) and mode ``eager``, ``default`` or
-``reduce-overhead``. Each configuration runs in this process in the order given; its relative difference to the
+``reduce-overhead`` (``ro-notrees``: CUDA graphs without cudagraph trees). ``STEPS`` (3) steps. Each configuration runs in this process in the order given; its relative difference to the
 first one is printed as soon as it has run, step by step, with the three parameters that differ most.
 
     python3 tools/seeded_model_bits.py ops:eager ops:default auto:default ops:reduce-overhead auto:reduce-overhead
@@ -13,6 +13,7 @@ Stochastic rounding turns BF16-level differences of the code around the layers (
 sum) into a few % of the gradient, so only configurations whose glue is the same code are expected to agree within
 1e-3; two draws of other bits differ by about 40 %.
 """
+import os
 import sys
 
 import torch
@@ -26,6 +27,11 @@ def run(form: str, mode: str, steps: int, recipe: str) -> list[dict]:
     torch.manual_seed(0)
     m = Llama(ModelConfig.named("tiny", vocab_size=512)).cuda()
     mxtrain.convert(m, recipe)
+    if mode == "ro-notrees":   # CUDA graphs without cudagraph trees (torch's older cudagraphify)
+        torch._inductor.config.triton.cudagraph_trees = False
+        mode = "reduce-overhead"
+    else:
+        torch._inductor.config.triton.cudagraph_trees = True
     f = m if mode == "eager" else torch.compile(m, mode=None if mode == "default" else mode)
     opt = torch.optim.AdamW(m.parameters(), lr=0.0, fused=True)
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -52,7 +58,9 @@ def main(argv: list[str]) -> None:
                                                           ["auto", "reduce-overhead"]]
     ref = None
     for form, mode in configs:
-        out = run(form, mode, steps=3, recipe="tseng")
+        out = run(form, mode, steps=int(os.environ.get("STEPS", "3")), recipe="tseng")
+        if os.environ.get("SAVE"):   # every step's gradients, for a comparison across processes
+            torch.save(out, f"{os.environ['SAVE']}-{form}-{mode}.pt")
         if ref is None:
             ref = out
             print(f"{form}:{mode} is the reference", flush=True)
