@@ -3,10 +3,11 @@ tests/linear/test_compiled_seeded_model.py, BENCHMARKS.md "GPU test runs", 2026-
 
 Runs one call of ``mxtrain::call_seeds``, ``mxtrain::linear`` and ``mxtrain::linear_backward`` (the ops a layer is
 under ``torch.compile`` with ``mx_compiled=ops``) in two fresh processes, one with every new allocation NaN-filled
-(``torch.use_deterministic_algorithms(True, warn_only=True)`` and ``torch.utils.deterministic.fill_uninitialized_memory``),
-one without, and compares what each produced: the keys and signs, Y, dX, dW, and every operand the fast path quantized
-on the way (each ``quantize_op``, one-pass dual quantize and carrier rebuild of ``linear.fast``, in call order, as raw bytes). Correct code
-gives identical bytes; the first operand or output that differs is where an unwritten read starts.
+(``torch.use_deterministic_algorithms(True, warn_only=True)`` and
+``torch.utils.deterministic.fill_uninitialized_memory``), one without, and compares what each produced: the keys and
+signs, Y, dX, dW, and every operand the fast path quantized on the way (each ``quantize_op``, one-pass dual quantize
+and carrier rebuild of ``linear.fast``, in call order, as raw bytes). Correct code gives identical bytes; the first
+operand or output that differs is where an unwritten read starts.
 
     python3 tools/first_call_fill.py [RECIPE] [M K N] [--calls C]
 
@@ -29,7 +30,6 @@ def _child(fill: bool, recipe: str, M: int, K: int, N: int, calls: int, cpu: boo
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.utils.deterministic.fill_uninitialized_memory = True
     from mxtrain import settings
-    from mxtrain.kernels.mxfp4 import ops as kops
     from mxtrain.linear import dispatch as D, fast
     from mxtrain.numerics.recipes import get
     import mxtrain.linear.ops  # noqa: F401  (registers the custom ops)
@@ -59,7 +59,6 @@ def _child(fill: bool, recipe: str, M: int, K: int, N: int, calls: int, cpu: boo
     fast.quantize_op = lambda *a, **k: record(real_quant(*a, **k))
     fast.carrier_from_packed = lambda *a, **k: record(real_rebuild(*a, **k))
     fast.quantize_mxfp4_dual = lambda *a, **k: tuple(record(q) for q in real_dual(*a, **k))
-    del kops
     r = get(recipe)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(M, K, generator=g).to(dev, torch.bfloat16)

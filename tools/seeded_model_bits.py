@@ -4,8 +4,10 @@ the first configuration given (GPU; a diagnosis of tests/linear/test_compiled_se
 The tiny Llama with ``tseng`` (stochastic rounding and random signs in the backward), learning rate 0, fused AdamW:
 every step's gradients are a function of its batch and random bits only. A configuration is ``form:mode`` with form
 ``ops`` (the custom ops) or ``auto`` (compiled into the graph) and mode ``eager``, ``default`` or
-``reduce-overhead`` (``ro-notrees``: CUDA graphs without cudagraph trees). ``STEPS`` (3) steps. Each configuration runs in this process in the order given; its relative difference to the
-first one is printed as soon as it has run, step by step, with the three parameters that differ most.
+``reduce-overhead`` (``ro-notrees``: CUDA graphs without cudagraph trees), for ``STEPS`` steps (3). Each
+configuration runs in this process in the order given; its relative difference to the first one is printed as soon
+as it has run, step by step, with the three parameters that differ most. ``SAVE=prefix``: each configuration's
+gradients also go to ``prefix-FORM-MODE.pt``, to compare runs of separate processes.
 
     python3 tools/seeded_model_bits.py ops:eager ops:default auto:default ops:reduce-overhead auto:reduce-overhead
 
