@@ -33,6 +33,13 @@ if not torch.cuda.is_available():
 # so only a run without -n showed it)
 import torch._dynamo  # noqa: E402, F401  (tests call torch._dynamo.reset(); mxtrain itself no longer imports it)
 
+# one patch of triton.language per interpreted kernel launch, not one per device-function call (tests/interp_speed.py;
+# MXTRAIN_TEST_PLAIN_INTERPRETER=1 runs Triton's interpreter as it ships)
+if os.environ.get("TRITON_INTERPRET") == "1" and not os.environ.get("MXTRAIN_TEST_PLAIN_INTERPRETER"):
+    import interp_speed  # noqa: E402
+
+    interp_speed.install()
+
 # Under pytest-xdist (CI: `-n 2` on 2 cores) each worker computes with one thread, and so do the processes it
 # starts (OMP_NUM_THREADS is inherited): two workers with a thread per core each oversubscribe the machine, and
 # OpenMP's waiting threads then slow small CPU ops down (measured: 12 % of two test files' wall time). A run

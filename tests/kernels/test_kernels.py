@@ -196,8 +196,9 @@ def test_rot64_special_values_carrier(dtype, use, fresh_caches):
     masked, fused first stage): FP4 codes equal the reference's, and the carrier, group scales and inexact count
     equal those rebuilt from the codes, with NaN, Inf, -0, subnormals (rows of them alone, whose codes are not
     all zero, and subnormals mixed with tiny normal values in one group), the largest values, padding groups and
-    padding rows (40 x 200: K pads to 256, a group wholly past K), along rows and columns, SR and prescale."""
-    x = _data(40, 200, seed=11)
+    padding rows (20 x 136: K pads to 192, a group partly past K; with ``k_multiple`` groups wholly past it), along
+    rows and columns, SR and prescale."""
+    x = _data(20, 136, seed=11)
     x[0, :64] = 0.0
     x[1, 40] = float("nan")
     x[2, 70] = float("inf")
@@ -207,7 +208,7 @@ def test_rot64_special_values_carrier(dtype, use, fresh_caches):
     x[6, :64] = 3e38
     x[7, 130] = 3e38
     g = torch.Generator().manual_seed(5)   # subnormals (in bf16 too) that keep non-zero codes: rows of tiny values
-    x[8:12] = (torch.randn(4, 200, generator=g) * 2.0 ** -130).to(DEV)
+    x[8:12] = (torch.randn(4, 136, generator=g) * 2.0 ** -130).to(DEV)
     x[12, :128] = torch.where(torch.rand(128, generator=g) < 0.8, 2.0 ** -133, 2.0 ** -118).to(DEV)
     x = x.to(dtype)
     signs = rotation_signs(64, "per_step", seed=3, layer=1, gemm=2, step=5, device=DEV)
