@@ -10,10 +10,16 @@ function's patch is skipped when the modules it would patch were patched already
 patch of each launch, and of any module a device function sees that the kernel did not, still runs. What the
 kernels compute is untouched: the interpreter's functions run as before.
 
+``sanitize_overflow(on)`` switches the interpreter's check of signed integer overflow (every integer add, sub and
+mul of a kernel recomputed in int64 and asserted in range: about half of an interpreted launch's time). Triton
+compiles that check into GPU code only in debug mode; conftest.py keeps it on for the kernels' own tests
+(tests/kernels/) and turns it off for the tests that run the same kernels through the layers above them.
+
 Applied only to the Triton version it was written against (``_FOR``); any other version runs unpatched."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 _FOR = "3.6.0"
@@ -70,3 +76,12 @@ def install() -> bool:
     I.GridExecutor.__call__ = _grid_call
     I._mxtrain_fast_patch = True
     return True
+
+
+def sanitize_overflow(on: bool) -> None:
+    """Turn the interpreter's signed-overflow check on or off (where ``install`` applied)."""
+    from triton.runtime import interpreter as I
+    if not getattr(I, "_mxtrain_fast_patch", False):
+        return
+    if I.interpreter_builder.options.sanitize_overflow != on:
+        I.interpreter_builder.options = dataclasses.replace(I.interpreter_builder.options, sanitize_overflow=on)
