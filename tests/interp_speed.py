@@ -1,14 +1,14 @@
-"""A faster Triton interpreter for the CPU tests: one patch of ``triton.language`` per kernel launch, not one per
-device-function call.
+"""A faster Triton interpreter for the CPU tests: two overheads of Triton 3.6's interpreter removed.
 
-Triton 3.6's interpreter patches the language module (``_patch_lang``: every builtin of ``tl``, ``tl.tensor``,
-``tl.math`` and ``tl.core`` replaced by its interpreter form) when a kernel launch starts, restores it when the
-launch ends, and patches it again at every call of a ``@triton.jit`` device function inside the launch, with the
-same replacements and a scope it never restores. In the kernels' tests those repeated patches were about a sixth
-of the time (a profile of ``test_rot64_special_values_carrier``: 14,821 patches, 17.6 of 111 s). Here a device
-function's patch is skipped when the modules it would patch were patched already in the same launch; the first
-patch of each launch, and of any module a device function sees that the kernel did not, still runs. What the
-kernels compute is untouched: the interpreter's functions run as before.
+Its type table (``_get_np_dtype``) is built again at every lookup: answered here from a memo. And it patches the
+language module (``_patch_lang``: every builtin of ``tl``, ``tl.tensor``, ``tl.math`` and ``tl.core`` replaced by
+its interpreter form) when a kernel launch starts, restores it when the launch ends, and patches it again at every
+call of a ``@triton.jit`` device function inside the launch, with the same replacements and a scope it never
+restores. In the kernels' tests those repeated patches were about a sixth of the time (a profile of
+``test_rot64_special_values_carrier``: 14,821 patches, 17.6 of 111 s). Here a device function's patch is skipped
+when the modules it would patch were patched already in the same launch; the first patch of each launch, and of
+any module a device function sees that the kernel did not, still runs. What the kernels compute is untouched:
+the interpreter's functions run as before.
 
 ``sanitize_overflow(on)`` switches the interpreter's check of signed integer overflow (every integer add, sub and
 mul of a kernel recomputed in int64 and asserted in range: about half of an interpreted launch's time). Triton
@@ -72,8 +72,27 @@ def install() -> bool:
             state["depth"] -= 1
             state["patched"] = outer
 
+    orig_np = getattr(I, "_get_np_dtype", None)
+    np_cache: dict = {}
+
+    def _get_np_dtype(tt_dtype):   # the same answer, from a memo (Triton's builds its table at every call)
+        if isinstance(tt_dtype, tl.pointer_type):
+            return orig_np(tt_dtype)
+        base = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
+        if isinstance(base, tl.pointer_type):
+            return orig_np(tt_dtype)
+        try:
+            return np_cache[base]
+        except KeyError:
+            np_cache[base] = r = orig_np(base)
+            return r
+        except TypeError:
+            return orig_np(tt_dtype)
+
     I._patch_lang = _patch_lang
     I.GridExecutor.__call__ = _grid_call
+    if orig_np is not None:
+        I._get_np_dtype = _get_np_dtype
     I._mxtrain_fast_patch = True
     return True
 
