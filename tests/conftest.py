@@ -33,14 +33,12 @@ if not torch.cuda.is_available():
 # so only a run without -n showed it)
 import torch._dynamo  # noqa: E402, F401  (tests call torch._dynamo.reset(); mxtrain itself no longer imports it)
 
-# one patch of triton.language per interpreted kernel launch, not one per device-function call (tests/interp_speed.py;
-# and its signed-overflow check only in the kernels' own tests, tests/kernels/; MXTRAIN_TEST_PLAIN_INTERPRETER=1 runs
+# the interpreter without work whose result it drops (tests/interp_speed.py; MXTRAIN_TEST_PLAIN_INTERPRETER=1 runs
 # Triton's interpreter as it ships)
-_FAST_INTERPRETER = False
 if os.environ.get("TRITON_INTERPRET") == "1" and not os.environ.get("MXTRAIN_TEST_PLAIN_INTERPRETER"):
     import interp_speed  # noqa: E402
 
-    _FAST_INTERPRETER = interp_speed.install()
+    interp_speed.install()
 
 # Under pytest-xdist (CI: `-n 2` on 2 cores) each worker computes with one thread, and so do the processes it
 # starts (OMP_NUM_THREADS is inherited): two workers with a thread per core each oversubscribe the machine, and
@@ -59,17 +57,6 @@ if "MXTRAIN_CACHE" not in os.environ:
 @pytest.fixture(autouse=True)
 def _seed_torch():
     torch.manual_seed(0)
-    yield
-
-
-_KERNEL_TESTS = os.path.join(_TESTS, "kernels") + os.sep
-
-
-@pytest.fixture(autouse=True)
-def _interpreter_checks(request):
-    """The interpreter's signed-overflow check on for the kernels' own tests, off elsewhere (interp_speed.py)."""
-    if _FAST_INTERPRETER:
-        interp_speed.sanitize_overflow(str(request.fspath).startswith(_KERNEL_TESTS))
     yield
 
 

@@ -1,4 +1,4 @@
-"""A faster Triton interpreter for the CPU tests: two overheads of Triton 3.6's interpreter removed.
+"""A faster Triton interpreter for the CPU tests: three overheads of Triton 3.6's interpreter removed.
 
 Its type table (``_get_np_dtype``) is built again at every lookup: answered here from a memo. And it patches the
 language module (``_patch_lang``: every builtin of ``tl``, ``tl.tensor``, ``tl.math`` and ``tl.core`` replaced by
@@ -10,10 +10,11 @@ when the modules it would patch were patched already in the same launch; the fir
 any module a device function sees that the kernel did not, still runs. What the kernels compute is untouched:
 the interpreter's functions run as before.
 
-``sanitize_overflow(on)`` switches the interpreter's check of signed integer overflow (every integer add, sub and
-mul of a kernel recomputed in int64 and asserted in range: about half of an interpreted launch's time). Triton
-compiles that check into GPU code only in debug mode; conftest.py keeps it on for the kernels' own tests
-(tests/kernels/) and turns it off for the tests that run the same kernels through the layers above them.
+And it recomputes every integer add, sub and mul of a kernel in int64 to check it for signed overflow (about
+half of an interpreted launch's time), then hands the result to ``device_assert``, which in Triton 3.6 does
+nothing unless the interpreter runs in debug mode (``InterpreterOptions.debug``, off): the check is computed and
+dropped. ``install`` turns that computation off (``sanitize_overflow=False``); with debug mode off nothing else
+changes.
 
 Applied only to the Triton version it was written against (``_FOR``); any other version runs unpatched."""
 
@@ -93,14 +94,8 @@ def install() -> bool:
     I.GridExecutor.__call__ = _grid_call
     if orig_np is not None:
         I._get_np_dtype = _get_np_dtype
+    if not I.interpreter_builder.options.debug:
+        I.interpreter_builder.options = dataclasses.replace(I.interpreter_builder.options, sanitize_overflow=False)
     I._mxtrain_fast_patch = True
     return True
 
-
-def sanitize_overflow(on: bool) -> None:
-    """Turn the interpreter's signed-overflow check on or off (where ``install`` applied)."""
-    from triton.runtime import interpreter as I
-    if not getattr(I, "_mxtrain_fast_patch", False):
-        return
-    if I.interpreter_builder.options.sanitize_overflow != on:
-        I.interpreter_builder.options = dataclasses.replace(I.interpreter_builder.options, sanitize_overflow=on)
