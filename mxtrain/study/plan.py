@@ -74,11 +74,14 @@ PRESETS: dict[str, dict] = {
     # issue #46's AMD ladder at 125m, planned before it ran (docs/results.md, "Next experiment, planned before it
     # runs"): the headline study's design (3,840 steps of 32 x 512 tokens, 0.5 tokens per parameter, branches at
     # 25/50/100 %, a 20-step warm-up) with the ladder's arms at the common rate 7.5e-4 and at 3.75e-4, and a BF16
-    # cooldown of plain MXFP4 (branches only); 5 seeds. Its base settings equal the first leg's
+    # cooldown of plain MXFP4 (branches only); 5 seeds. BF16 did better at 3.75e-4 than at 7.5e-4 (the third leg), so
+    # by the plan's rule every arm also runs at 1.875e-4. Its base settings equal the first leg's
     # (docs/results/data/ladder-125m-study.tgz), so this preset resumes that folder
     "ladder-125m": dict(arms=["bf16", "mxfp4-fprop", "mxfp4-fprop-dgrad", "mxfp4-all", "mxfp4-all-dh16",
                               "mxfp4-all@bf16cool", "bf16@lr3.75e-4", "mxfp4-fprop@lr3.75e-4",
-                              "mxfp4-fprop-dgrad@lr3.75e-4", "mxfp4-all@lr3.75e-4", "mxfp4-all-dh16@lr3.75e-4"],
+                              "mxfp4-fprop-dgrad@lr3.75e-4", "mxfp4-all@lr3.75e-4", "mxfp4-all-dh16@lr3.75e-4",
+                              "bf16@lr1.875e-4", "mxfp4-fprop@lr1.875e-4", "mxfp4-fprop-dgrad@lr1.875e-4",
+                              "mxfp4-all@lr1.875e-4", "mxfp4-all-dh16@lr1.875e-4"],
                         baseline="bf16", seeds=5, model="125m", steps=3840, lr=7.5e-4, batch_size=32, seq_len=512,
                         budgets=[0.25, 0.5, 1.0], eval_every=77, diagnose_every=0, overrides=list(_COOLED_EVAL)),
     # the trend with training length: BF16 and plain MXFP4 at 30m, one run per arm x seed of

@@ -26,11 +26,14 @@ def test_the_preset_resumes_the_archived_runs():
     key = old["plan_key"]
     spec = StudySpec(out="unused", data=key["train"]["data"], device=key["train"]["device"], **PRESETS["ladder-125m"])
     assert json.loads(json.dumps(spec.plan_key())) == key
-    assert spec.baseline == "bf16" and spec.seeds == 5 and len(spec.arms) == 11
+    # (11 arms planned, and the third rate's 5: BF16 did better at 3.75e-4 than at 7.5e-4)
+    assert spec.baseline == "bf16" and spec.seeds == 5 and len(spec.arms) == 16
+    assert sum(a.endswith("@lr1.875e-4") for a in spec.arms) == 5
     seeds = _archived("./seeds.json")
     trained = ["0", "1", "2"]
     assert {a: sorted(v) for a, v in seeds["arms"].items()} == {
-        a: trained for a in ("bf16", "mxfp4-fprop", "mxfp4-fprop-dgrad", "mxfp4-all")}
+        a: trained for a in ("bf16", "mxfp4-fprop", "mxfp4-fprop-dgrad", "mxfp4-all", "mxfp4-all-dh16",
+                             "bf16@lr3.75e-4")}
     assert set(seeds["arms"]) <= set(spec.arms)
 
 
@@ -57,3 +60,16 @@ def test_the_quoted_contrasts_come_from_the_committed_record():
     dgrad = stats.paired_t(_full_budget_gaps(rec, "mxfp4-fprop-dgrad", "mxfp4-fprop"))
     assert dgrad["mean"] == pytest.approx(-0.0323, abs=5e-5) and dgrad["p"] == pytest.approx(0.073, abs=5e-4)
     assert dgrad["ci"][0] < 0 < dgrad["ci"][1]
+
+
+def test_the_third_legs_contrast_and_rate_check_as_quoted():
+    """Contrast 3 (H16 minus plain MXFP4 at 7.5e-4) is not resolved, as quoted; the planned rate check (BF16 at
+    3.75e-4 minus BF16 at 7.5e-4) is resolved lower at every seed, which is the plan's rule for the third rate."""
+    rec = json.loads((DATA / "ladder-125m-seeds.json").read_text())
+    h16 = stats.paired_t(_full_budget_gaps(rec, "mxfp4-all-dh16", "mxfp4-all"))
+    assert h16["mean"] == pytest.approx(-0.0319, abs=5e-5) and h16["p"] == pytest.approx(0.098, abs=5e-4)
+    assert h16["ci"][0] < 0 < h16["ci"][1]
+    gaps = _full_budget_gaps(rec, "bf16@lr3.75e-4", "bf16")
+    rate = stats.paired_t(gaps)
+    assert all(g < 0 for g in gaps) and rate["mean"] == pytest.approx(-0.0529, abs=5e-5)
+    assert rate["ci"][1] < 0 and rate["p"] == pytest.approx(0.012, abs=5e-4)
