@@ -105,6 +105,16 @@ PRESETS: dict[str, dict] = {
                          batch_size=32, seq_len=512, budgets=[0.25, 0.5, 1.0], eval_every=84, diagnose_every=0,
                          overrides=["log.eval_tokens=131072", "log.final_eval_tokens=1048576",
                                     "schedule.warmup_steps=84"]),
+    # issue #46's AMD ladder at a second size, planned before it runs (docs/results.md, "The ladder at 30m, planned
+    # before it runs"): the recipes-2026 design (same base settings, so both plans share one study folder and its
+    # runs of bf16, mxfp4-all, mxfp4-all-dh16 and bf16@lr3.75e-4) with the 125m ladder's arms and rates
+    "ladder-30m": dict(arms=["bf16", "mxfp4-fprop", "mxfp4-fprop-dgrad", "mxfp4-all", "mxfp4-all-dh16",
+                             "mxfp4-all@bf16cool", "bf16@lr3.75e-4", "mxfp4-fprop@lr3.75e-4",
+                             "mxfp4-fprop-dgrad@lr3.75e-4", "mxfp4-all@lr3.75e-4", "mxfp4-all-dh16@lr3.75e-4"],
+                       baseline="bf16", seeds=5, model="30m", steps=4224, lr=7.5e-4, batch_size=32, seq_len=512,
+                       budgets=[0.25, 0.5, 1.0], eval_every=84, diagnose_every=0,
+                       overrides=["log.eval_tokens=131072", "log.final_eval_tokens=1048576",
+                                  "schedule.warmup_steps=84"]),
     # CI: tiny model on CPU, 3 arms x 2 seeds, a few minutes in all
     "smoke": dict(arms=["bf16", "mxfp4-all", "mxfp4-all-dh16"], baseline="bf16", seeds=2, model="tiny",
                   steps=16, batch_size=8, seq_len=64, eval_every=2, diagnose_every=8, device="cpu", target_frac=0.5,

@@ -73,3 +73,13 @@ def test_the_third_legs_contrast_and_rate_check_as_quoted():
     rate = stats.paired_t(gaps)
     assert all(g < 0 for g in gaps) and rate["mean"] == pytest.approx(-0.0529, abs=5e-5)
     assert rate["ci"][1] < 0 and rate["p"] == pytest.approx(0.012, abs=5e-4)
+
+
+def test_the_30m_ladder_shares_the_recipes_2026_folder():
+    """The 30m ladder's preset has the ``recipes-2026`` plan's base settings, so the two share one study folder and
+    the runs both plans name (four arms x 5 seeds) train once."""
+    a = StudySpec(out="unused", data="DATA", device="cuda", **PRESETS["ladder-30m"])
+    b = StudySpec(out="unused", data="DATA", device="cuda", **PRESETS["recipes-2026"])
+    assert a.plan_key() == b.plan_key()
+    assert sorted(set(a.arms) & set(b.arms)) == ["bf16", "bf16@lr3.75e-4", "mxfp4-all", "mxfp4-all-dh16"]
+    assert a.seeds == b.seeds == 5 and a.baseline == "bf16" and len(a.arms) == 11
