@@ -6,7 +6,7 @@ inflates short lines: read it for where the time goes relative to the rest, not 
 """
 import sys, torch
 from line_profiler import LineProfiler
-from mxtrain.linear import fast
+from mxtrain.linear import fast, skeleton
 from mxtrain.bench.suite import fwd_bwd_call
 from mxtrain.linear.module import MXLinear
 from mxtrain.kernels.mxfp4 import ops as Q, launch as L
@@ -26,7 +26,7 @@ for _ in range(30):
 torch.cuda.synchronize()
 lp = LineProfiler()
 for fn in (fast.backward, fast.forward, fast.quantize_input, fast._quant, fast._quant_pair, fast._gemm_fn,
-           fast.carrier_of, fast._FastMXLinearFunction.forward, fast._FastMXLinearFunction.backward, fast.apply,
+           fast.carrier_of, skeleton.EagerLinear.forward, skeleton.EagerLinear.backward, fast.apply,
            Q.quantize_mxfp4_2d, Q.quantize_op, L.Plan.__call__, G.mx_gemm_nt, G._scaled_mm, E.carrier_from_packed,
            LIN.mx_linear, LIN._linear_backward_op, LIN._linear_q_op, LIN._quantize_input_op, fast.unpack_operand,
            fast.pack_operand, fast._outputs, fast._counter):

@@ -29,7 +29,7 @@ def main():
     ap.add_argument("--compiled", action="store_true",
                     help="only the layer under torch.compile(fullgraph=True): time, cProfile and torch.profiler")
     a = ap.parse_args()
-    from mxtrain.linear import fast
+    from mxtrain.linear import fast, skeleton
     from mxtrain.bench.suite import fwd_bwd_call
     from mxtrain.kernels.mxfp4 import kernels as QK
     from mxtrain.kernels.mxfp4 import ops as Q   # where quantize_op and the dual pass look quantize_mxfp4_2d up
@@ -120,7 +120,7 @@ def main():
         setattr(mod, name, w)
         return lambda: setattr(mod, name, orig)
 
-    Fn = fast._FastMXLinearFunction
+    Fn = skeleton.EagerLinear
     undo = [timed(fast, "_gemm_fn", "fast._gemm_fn"), timed(fast, "_quant", "fast._quant"),
             timed(Q, "quantize_mxfp4_2d", "quantize_mxfp4_2d"), timed(G, "mx_gemm_nt", "gemm.mx_gemm_nt"),
             timed(torch, "_scaled_mm", "torch._scaled_mm"), timed(torch.autograd, "backward", "autograd.backward"),

@@ -15,7 +15,7 @@ from .dispatch import _check_floats, _compile_spec, _fp8_input, call_context, co
 from .ops import _AMP_NAME
 from ..numerics.recipe import Recipe
 from ..numerics.recipes import get as get_recipe
-from .reference import _MXLinearFunction
+from . import reference
 
 __all__ = ["mx_linear", "compiled_linear"]
 
@@ -91,4 +91,4 @@ def mx_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     if rt == "fast":   # (a weight FSDP2 gathered quantized, mxtrain.linear.qgather: fast.gathered_operand reads it)
         from . import fast  # startup
         return fast.apply(x, weight, bias, qctx)
-    return _MXLinearFunction.apply(x, weight, bias, qctx)
+    return reference.apply(x, weight, bias, qctx)

@@ -3,7 +3,8 @@
 Under ``torch.compile`` the fast path used to be opaque Python custom ops (``mxtrain::quantize_input``,
 ``mxtrain::linear_q``, ``mxtrain::linear_backward``) that re-made every decision at every call: about 1.2 ms of
 host time a layer on a GPU server, more than the GPU work of a layer of a 125M model (BENCHMARKS.md). Here the
-layer is a traced ``autograd.Function`` whose forward and backward call the quantize kernels as ``triton_op``s
+layer is a traced ``autograd.Function`` whose forward and backward run the layer's skeleton (``mxtrain.linear.skeleton``)
+over ``_GraphBackend``, which calls the quantize kernels as ``triton_op``s
 (``kernels.mxfp4.traced``: ``q_dual``, ``q_single``, ``q_expand``) and multiply the FP8 carriers with a traced
 ``torch._scaled_mm``. Every decision (recipe, kernel variant, grid, group rows, padding) is made once, when the
 graph is traced; at run time the layer is the lines inductor's generated code holds for it: kernel launches and
@@ -44,7 +45,8 @@ import torch
 from ._constant import assume_constant_result
 from ..kernels.mxfp4 import traced as _traced  # noqa: F401  (registers mxtrain::q_single, q_dual, q_expand)
 from ..numerics.quant import SCALE_RULES
-from . import fast
+from . import fast, skeleton
+from .skeleton import DGRAD, FPROP, Backend
 from ..kernels import backend, gemm
 from ..kernels.mxfp4.traced import AVAILABLE
 from ..kernels.mxfp4.launch import dual_applies
@@ -275,96 +277,99 @@ def _quant_cols(t2: torch.Tensor, cnt, rot: int, rule: str, group_rows: int, fp4
     return (p, s) if fp4 else (c, g)
 
 
+class _GraphBackend(Backend):
+    """The compiled layer's GEMMs (``skeleton.Backend``), every decision taken from the spec's strings while the graph
+    is traced: a plain GEMM (``"p"``) as the fast path multiplies it (``_plain``); an MX one over ``q_*`` operands and
+    the carrier GEMM (``_mm``). X's Fprop operand comes from outside the autograd function (``pre``: carrier and group
+    scales, ``_x_operands``); its Wgrad operand kept from the forward (``kept``: FP4 codes and E8M0 scales, or the
+    carrier and group scales with ``wgrad_x=carrier``) or quantized from the kept X in the backward. ``counters``:
+    the inexact-block counters this phase adds to (x, w, dy): the backward's x and w are their own
+    (``fast.COUNTERS``). No autocast context (the skeleton's ``autocast_off``): nothing here depends on autocast."""
+
+    autocast_off = False
+
+    def __init__(self, gemms: tuple, seeds: "_Seeds", amp, x_rows: int, counters: tuple, pre=None, kept=None):
+        self.gemms, self.seeds, self.amp, self.x_rows, self.cnt = gemms, seeds, amp, x_rows, counters
+        self.pre = {} if pre is None else {"fprop": pre}
+        self.kept = kept
+
+    def start_backward(self, dy2, weight, need):
+        dy2 = dy2.contiguous()
+        g = self.gemms
+        if need[0] and need[1] and g[1] != "p" and g[2] != "p":
+            D, W = _G(g[1]), _G(g[2])
+            if _dual_ok(dy2, D.rot, W.rot, D.sra or W.sra):
+                a0, a1, b0, b1 = _dual(dy2, self.cnt[2], D.rot, D.ra, W.rot, W.ra, 1, False,
+                                       _side(self.seeds, "dgrad_dy", "dgrad", D, True),
+                                       _side(self.seeds, "wgrad_dy", "wgrad", W, True))
+                self.pre = {"dgrad": (a0, a1), "wgrad": (b0, b1)}
+        return dy2
+
+    def gemm(self, g, a, b, final, dims):
+        odt = final if final is not None else torch.float32
+        spec = self.gemms[_GEMM_INDEX[g.name]]
+        if spec == "p":
+            return _plain(a, g.a_axis, b, g.b_axis, odt, self.amp)
+        G, seeds = _G(spec), self.seeds
+        cx, cw, cdy = self.cnt
+        rows, cols, _ = dims
+        if g is FPROP:   # (A: X's carrier from outside; B: W along its rows, 128x128 groups)
+            ca, ga = self.pre["fprop"]
+            cb, gb = _quant_rows(b, cw, G.rot, G.rb, 128, _side(seeds, "fprop_w", "fprop", G, False))
+            return _mm(ca, ga, rows, cb, gb, 128, cols, odt, G.alpha)
+        side_a = _side(seeds, g.a, g.name, G, True)
+        if g is DGRAD:   # (A: dY along its rows; B: W along its columns, 128x128 groups)
+            ca, ga = self.pre["dgrad"] if "dgrad" in self.pre else _quant_rows(a, cdy, G.rot, G.ra, 1, side_a)
+            cb, gb = _quant_cols(b, cw, G.rot, G.rb, 128, side=_side(seeds, "dgrad_w", "dgrad", G, False))
+            return _mm(ca, ga, rows, cb, gb, 128, cols, odt, G.alpha)
+        # Wgrad (A: dY along its columns; B: X along its columns, from the kept operand or the kept X)
+        ca, ga = self.pre["wgrad"] if "wgrad" in self.pre else _quant_cols(a, cdy, G.rot, G.ra, 1, side=side_a)
+        pk, sc = self.kept if self.kept is not None else (None, None)
+        if b is None and sc.dtype == torch.float32:   # (kept as its carrier: wgrad_x=carrier)
+            cb, gb = pk, sc
+        elif b is None:
+            cb, gb = torch.ops.mxtrain.q_expand(pk, sc, cx, dims[2], self.x_rows, _KMUL, G.fb)
+        else:
+            cb, gb = _quant_cols(b, cx, G.rot, G.rb, self.x_rows, side=_side(seeds, "wgrad_x", "wgrad", G, False))
+        return _mm(ca, ga, rows, cb, gb, self.x_rows, cols, odt, G.alpha)
+
+
 class _CompiledMXLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, ca, ga, pk, sc, keys, sign_rows, gemms, out_dtype, amp, x_rows):
         """``ca``, ``ga``: X's Fprop carrier and group-scale storage; ``pk``, ``sc``: its Wgrad operand as FP4 codes
         and E8M0 scales (None: the backward quantizes the kept X); all None where Fprop is plain (``_x_operands``).
         ``keys``, ``sign_rows``: the call's random inputs (``call_seeds``), or None where the recipe draws none."""
-        cw = _counters(x.device)[1]
-        K, N = x.shape[-1], weight.shape[0]
-        x2 = x.reshape(-1, K)
-        M = x2.shape[0]
-        ydt = torch.float32 if bias is not None else out_dtype
+        cx, cw, cdy = _counters(x.device)[:3]
+        be = _GraphBackend(gemms, _Seeds(keys, sign_rows), amp, x_rows, (cx, cw, cdy),
+                           pre=(ca, ga) if gemms[0] != "p" else None)
+        y = skeleton.forward(be, x, weight, bias, out_dtype)
         ctx.gemms, ctx.amp, ctx.x_rows, ctx.has_bias, ctx.x_dtype = gemms, amp, x_rows, bias is not None, x.dtype
-        ctx.x_shape = x.shape
-        seeds = _Seeds(keys, sign_rows)
-        # (no autocast context here: dynamo's trace of one inside an autograd.Function left autocast off for the
-        # layers after it; nothing below depends on autocast: custom ops, _scaled_mm, and plain GEMMs whose
-        # operands are cast to the GEMM dtype first)
-        if gemms[0] == "p":
-            y = _plain(x2, 1, weight, 1, ydt, amp)
-        else:
-            G = _G(gemms[0])
-            cw_, gw_ = _quant_rows(weight, cw, G.rot, G.rb, 128, _side(seeds, "fprop_w", "fprop", G, False))
-            y = _mm(ca, ga, M, cw_, gw_, 128, N, ydt, G.alpha)
-        if bias is not None:
-            y = (y + bias.to(torch.float32)).to(out_dtype)
         ctx.saved_codes = pk is not None
         ctx.seeded = (keys is not None, sign_rows is not None)
         seeded = tuple(t for t in (keys, sign_rows) if t is not None)
         if ctx.saved_codes:
             ctx.save_for_backward(pk, sc, weight, *seeded)
         else:
-            ctx.save_for_backward(x2.contiguous(), weight, *seeded)
-        return y.reshape(*x.shape[:-1], N)
+            ctx.save_for_backward(x.reshape(-1, x.shape[-1]).contiguous(), weight, *seeded)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
-        g = ctx.gemms
         n = ctx.needs_input_grad
         saved = list(ctx.saved_tensors)
         if ctx.saved_codes:
             pk, sc, weight = saved[:3]
-            x2 = None
+            x2, kept = None, (pk, sc)
         else:
             x2, weight = saved[:2]
+            kept = None
         rest = saved[3 if ctx.saved_codes else 2:]
         keys = rest.pop(0) if ctx.seeded[0] else None
         sign_rows = rest.pop(0) if ctx.seeded[1] else None
-        seeds = _Seeds(keys, sign_rows)
         _, _, cdy, cx, cw = _counters(dy.device)   # (x and w: the counters only backward graphs write, fast.COUNTERS)
-        K, N = weight.shape[1], weight.shape[0]
-        dx = dw = db = None
-        dy2 = dy.reshape(-1, N).contiguous()
-        M = dy2.shape[0]
-        pre = {}
-        if n[0] and n[1] and g[1] != "p" and g[2] != "p":
-            D, W = _G(g[1]), _G(g[2])
-            if _dual_ok(dy2, D.rot, W.rot, D.sra or W.sra):
-                a0, a1, b0, b1 = _dual(dy2, cdy, D.rot, D.ra, W.rot, W.ra, 1, False,
-                                       _side(seeds, "dgrad_dy", "dgrad", D, True),
-                                       _side(seeds, "wgrad_dy", "wgrad", W, True))
-                pre = {"dgrad": (a0, a1), "wgrad": (b0, b1)}
-        if n[0]:
-            odt = ctx.x_dtype
-            if g[1] == "p":
-                dx = _plain(dy2, 1, weight, 0, odt, ctx.amp)
-            else:
-                D = _G(g[1])
-                ca, ga = (pre["dgrad"] if "dgrad" in pre else
-                          _quant_rows(dy2, cdy, D.rot, D.ra, 1, _side(seeds, "dgrad_dy", "dgrad", D, True)))
-                cb, gb = _quant_cols(weight, cw, D.rot, D.rb, 128, side=_side(seeds, "dgrad_w", "dgrad", D, False))
-                dx = _mm(ca, ga, M, cb, gb, 128, K, odt, D.alpha)
-            dx = dx.to(ctx.x_dtype).reshape(ctx.x_shape)
-        if n[1]:
-            if g[2] == "p":
-                dw = _plain(dy2, 0, x2, 0, weight.dtype, ctx.amp)
-            else:
-                W = _G(g[2])
-                ca, ga = (pre["wgrad"] if "wgrad" in pre else
-                          _quant_cols(dy2, cdy, W.rot, W.ra, 1, side=_side(seeds, "wgrad_dy", "wgrad", W, True)))
-                if x2 is None and sc.dtype == torch.float32:   # (kept as its carrier: wgrad_x=carrier)
-                    cb, gb = pk, sc
-                elif x2 is None:
-                    cb, gb = torch.ops.mxtrain.q_expand(pk, sc, cx, M, ctx.x_rows, _KMUL, W.fb)
-                else:
-                    cb, gb = _quant_cols(x2, cx, W.rot, W.rb, ctx.x_rows,
-                                         side=_side(seeds, "wgrad_x", "wgrad", W, False))
-                dw = _mm(ca, ga, N, cb, gb, ctx.x_rows, K, weight.dtype, W.alpha)
-            dw = dw.to(weight.dtype)
-        if ctx.has_bias and n[2]:
-            db = dy2.to(torch.float32).sum(0).to(weight.dtype)
+        be = _GraphBackend(ctx.gemms, _Seeds(keys, sign_rows), ctx.amp, ctx.x_rows, (cx, cw, cdy), kept=kept)
+        dx, dw, db = skeleton.backward(be, dy, x2, weight, ctx.x_dtype, (n[0], n[1], ctx.has_bias and n[2]))
         return dx, dw, db, None, None, None, None, None, None, None, None, None, None
 
 

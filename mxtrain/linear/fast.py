@@ -1,4 +1,5 @@
-"""Fast MX linear path: fused Triton quantizers + capability-dispatched MX GEMMs.
+"""Fast MX linear path: fused Triton quantizers + capability-dispatched MX GEMMs, as a backend of the layer's one
+skeleton (``FastBackend``; ``mxtrain.linear.skeleton`` writes the three GEMMs, the bias and the dtypes).
 
 Same function as the reference ``mxtrain.linear.reference.ref_forward`` / ``ref_backward`` (the spec): every
 MXFP4 operand is quantized from the high-precision tensor of this call by the fused kernel,
@@ -37,13 +38,14 @@ once.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import torch
 
 from .. import settings as _settings
+from . import skeleton
 from .context import Ctx, gemm_dtype, autocast_dtype
+from .skeleton import FPROP, WGRAD, Backend
 from ..kernels import HAS_TRITON as _HAS_TRITON, backend as _backend, kernels_available
 from ..kernels import gemm as _gemm
 from ..kernels.mxfp4 import TILE_K, QuantOut, dual_applies, quantize_mxfp4_dual, quantize_op
@@ -54,7 +56,7 @@ from ..numerics.quant import warm_elem_tables
 from ..errors import UserError
 from ..kernels.expand import carrier_from_packed
 
-__all__ = ["supported", "applies", "apply", "forward", "backward", "inexact_blocks", "inexact_by_tensor",
+__all__ = ["supported", "applies", "apply", "FastBackend", "forward", "backward", "inexact_blocks", "inexact_by_tensor",
            "clear_caches", "FastState", "state", "ROLES"]
 
 # The ``fast`` setting off (MXTRAIN_FAST=0, ``settings.override(fast=False)``) forces the reference path
@@ -450,11 +452,6 @@ def _gemm_fn(qctx: Ctx, A: torch.Tensor, axA: int, nA: str, B: torch.Tensor | No
     return y.to(out_dtype)
 
 
-def _no_autocast(device_type: str, enabled: bool):
-    """Autocast off inside (entering ``torch.autocast`` costs host time, so only when it is on)."""
-    return torch.autocast(device_type, enabled=False) if enabled else contextlib.nullcontext()
-
-
 def quantize_input(x2: torch.Tensor, qctx: Ctx, need_wgrad: bool, reuse: bool = False,
                    codes: bool = True) -> dict:
     """X's operands made in the forward: ``{"fprop_x": (QuantOut, prescale)}``, plus ``"wgrad_x"`` when a
@@ -464,33 +461,66 @@ def quantize_input(x2: torch.Tensor, qctx: Ctx, need_wgrad: bool, reuse: bool = 
     MXFP4 on both Fprop operands."""
     dev = x2.device
     backend = _backend(dev)
-    with _no_autocast(dev.type, torch.is_autocast_enabled(dev.type)):
+    with skeleton.no_autocast(dev.type):
         if need_wgrad and _both_mx(qctx.recipe, "wgrad_dy", "wgrad_x"):
             return _quant_pair(qctx, x2, "fprop_x", "fprop", "wgrad_x", "wgrad", backend,
                                _b_group_rows(dev, backend), always=True, reuse=reuse, keep_b=codes)
         return {"fprop_x": _quant(qctx, x2, 1, "fprop_x", "fprop", qctx.signs("fprop", dev), backend, 1, reuse)}
 
 
+class FastBackend(Backend):
+    """The fast path's GEMMs (``skeleton.Backend``): a GEMM whose two operands are both of the fused quantizer's MX
+    formats quantizes them with the fused kernels and multiplies them with the device's MX GEMM (``_gemm_fn``);
+    any other GEMM runs as the reference does. X's Fprop and Wgrad operands come from one read of X where a
+    backward needs both (``quantize_input``; the Wgrad one kept, ``kept``, as packed FP4 codes or with ``codes``
+    False as its FP8 carrier); dY's two operands likewise. ``pre``: X's operands made already (by name);
+    ``reuse``: share activation operands between layers that read one input (eager forward only)."""
+
+    def __init__(self, qctx: Ctx, amp: torch.dtype | None, kept: QuantOut | None = None, reuse: bool = False,
+                 pre: dict | None = None, codes: bool = True):
+        self.qctx, self.amp, self.kept, self.reuse, self.codes = qctx, amp, kept, reuse, codes
+        self.pre = dict(pre) if pre else {}
+
+    def start_forward(self, x2, weight, need_wgrad):
+        r = self.qctx.recipe
+        self.backend = _backend(x2.device)
+        if not self.pre and _both_mx(r, "fprop_x", "fprop_w") and need_wgrad and _both_mx(r, "wgrad_dy", "wgrad_x"):
+            self.pre = quantize_input(x2, self.qctx, need_wgrad, self.reuse, self.codes)
+        wq = self.pre.get("wgrad_x")
+        self.kept = wq[0] if wq is not None else None
+
+    def start_backward(self, dy2, weight, need):
+        state.activations.clear()   # the forward pass is over: reused activations are not needed any more
+        r = self.qctx.recipe
+        self.backend = _backend(dy2.device)
+        wq = self.kept
+        if wq is not None:   # (its format from the recipe: the custom ops' tensors do not carry it)
+            wq = _as_fmt(wq, r.operand("wgrad_x").fmt)
+        if wq is not None and need[1]:
+            wq = carrier_of(wq, self.backend, self.qctx)
+        self.pre = {} if wq is None else {"wgrad_x": (wq, r.operand("wgrad_x").prescale)}
+        if need[0] and need[1] and _both_mx(r, "dgrad_dy", "dgrad_w") and _both_mx(r, "wgrad_dy", "wgrad_x"):
+            # dY's Dgrad and Wgrad operands from one read
+            self.pre.update(_quant_pair(self.qctx, dy2, "dgrad_dy", "dgrad", "wgrad_dy", "wgrad", self.backend, 1)
+                            or {})
+        return dy2
+
+    def gemm(self, g, a, b, final, dims):
+        # (the FP8-carrier GEMM writes the final dtype itself; the others' results are float32)
+        out = final if final is not None and self.backend == "fp8_carrier" else torch.float32
+        return _gemm_fn(self.qctx, a, g.a_axis, g.a, b, g.b_axis, g.b, g.name, g is not WGRAD, self.backend, out,
+                        self.amp, self.pre, self.reuse and g is FPROP)
+
+
 def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, qctx: Ctx, amp: torch.dtype | None,
             need_wgrad: bool, reuse: bool = False, pre: dict | None = None,
             codes: bool = True) -> tuple[torch.Tensor, QuantOut | None]:
-    """``(Y, X's Wgrad operand or None)`` (see ``quantize_input``). ``pre``: X's operands already made.
-    ``codes``: the Wgrad operand as packed FP4 codes (else as the GEMM's FP8 carrier: setting
-    ``wgrad_x=carrier``)."""
-    dev = x.device
-    out_dtype = amp if amp is not None else x.dtype
-    backend = _backend(dev)
-    x2 = x.reshape(-1, x.shape[-1])
-    if pre is None and _both_mx(qctx.recipe, "fprop_x", "fprop_w") and (
-            need_wgrad and _both_mx(qctx.recipe, "wgrad_dy", "wgrad_x")):
-        pre = quantize_input(x2, qctx, need_wgrad, reuse, codes)
-    with _no_autocast(dev.type, torch.is_autocast_enabled(dev.type)):
-        ydt = torch.float32 if (bias is not None or backend != "fp8_carrier") else out_dtype
-        y = _gemm_fn(qctx, x2, 1, "fprop_x", weight, 1, "fprop_w", "fprop", True, backend, ydt, amp, pre, reuse)
-        if bias is not None:
-            y = y + bias.to(torch.float32)
-    wq = pre["wgrad_x"][0] if pre is not None and "wgrad_x" in pre else None
-    return y.to(out_dtype).reshape(*x.shape[:-1], weight.shape[0]), wq
+    """``(Y, X's Wgrad operand or None)`` (``skeleton.forward`` over ``FastBackend``; see ``quantize_input``).
+    ``pre``: X's operands already made. ``codes``: the Wgrad operand as packed FP4 codes (else as the GEMM's FP8
+    carrier: setting ``wgrad_x=carrier``)."""
+    be = FastBackend(qctx, amp, reuse=reuse, pre=pre, codes=codes)
+    y = skeleton.forward(be, x, weight, bias, amp if amp is not None else x.dtype, need_wgrad)
+    return y, be.kept
 
 
 def carrier_of(q: QuantOut, backend: str, qctx: Ctx) -> QuantOut:
@@ -504,36 +534,9 @@ def carrier_of(q: QuantOut, backend: str, qctx: Ctx) -> QuantOut:
 
 def backward(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor, wq: QuantOut | None, qctx: Ctx,
              amp: torch.dtype | None, x_dtype: torch.dtype, need: tuple[bool, bool, bool]) -> tuple:
-    """(dX, dW, db) (None where ``need`` says False); ``wq``: X's Wgrad operand from ``forward``, else
-    ``x`` is needed for dW."""
-    state.activations.clear()   # the forward pass is over: reused activations are not needed any more
-    backend = _backend(dy.device)
-    dy2 = dy.reshape(-1, dy.shape[-1])
-    x2 = x.reshape(-1, x.shape[-1]) if x is not None else None
-    dx = dw = db = None
-    if wq is not None:   # (its format from the recipe: the custom ops' tensors do not carry it)
-        wq = _as_fmt(wq, qctx.recipe.operand("wgrad_x").fmt)
-    if wq is not None and need[1]:
-        wq = carrier_of(wq, backend, qctx)
-    pre = {} if wq is None else {"wgrad_x": (wq, qctx.recipe.operand("wgrad_x").prescale)}
-    with _no_autocast(dy.device.type, torch.is_autocast_enabled(dy.device.type)):
-        if (need[0] and need[1] and _both_mx(qctx.recipe, "dgrad_dy", "dgrad_w")
-                and _both_mx(qctx.recipe, "wgrad_dy", "wgrad_x")):
-            # dY's Dgrad and Wgrad operands from one read
-            pre.update(_quant_pair(qctx, dy2, "dgrad_dy", "dgrad", "wgrad_dy", "wgrad", backend, 1) or {})
-        if need[0]:
-            # dX (M, K) = Q(dY) [rows, along N] x Q(W) [columns, along N]
-            dx = _gemm_fn(qctx, dy2, 1, "dgrad_dy", weight, 0, "dgrad_w", "dgrad", True, backend,
-                          x_dtype if backend == "fp8_carrier" else torch.float32, amp, pre)
-            dx = dx.to(x_dtype).reshape(*dy.shape[:-1], weight.shape[1])
-        if need[1]:
-            # dW (N, K) = Q(dY^T) [along tokens] x Q(X^T) [along tokens]
-            dw = _gemm_fn(qctx, dy2, 0, "wgrad_dy", x2, 0, "wgrad_x", "wgrad", False, backend,
-                          weight.dtype if backend == "fp8_carrier" else torch.float32, amp, pre)
-            dw = dw.to(weight.dtype)
-        if need[2]:
-            db = dy2.to(torch.float32).sum(0).to(weight.dtype)
-    return dx, dw, db
+    """(dX, dW, db) (``skeleton.backward`` over ``FastBackend``; None where ``need`` says False); ``wq``: X's
+    Wgrad operand from ``forward``, else ``x`` is needed for dW."""
+    return skeleton.backward(FastBackend(qctx, amp, kept=wq), dy, x, weight, x_dtype, need)
 
 
 # X's Wgrad operand as the two tensors the custom op returns and the backward op takes back
@@ -585,36 +588,20 @@ def saved_operand_shapes(recipe, x: torch.Tensor, weight: torch.Tensor, need_wgr
     return operand_shapes(recipe, x, "wgrad_x")
 
 
-class _FastMXLinearFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, qctx: Ctx, amp, grad: bool):
-        # (``grad``: grad mode at the call; needs_input_grad says True under torch.no_grad too, where no
-        # backward will come, e.g. evaluation)
-        # forward (FP4 codes kept), carrier (FP8 carrier kept), backward
-        where = _settings.current().wgrad_x_for(x.shape[-1])
-        y, wq = forward(x, weight, bias, qctx, amp, grad and ctx.needs_input_grad[1] and where != "backward",
-                        reuse=True, codes=where == "forward")
-        ctx.wq = wq
-        ctx.save_for_backward(x if wq is None else None, weight)
-        ctx.qctx, ctx.amp, ctx.has_bias, ctx.x_dtype = qctx, amp, bias is not None, x.dtype
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
-        n = ctx.needs_input_grad
-        dx, dw, db = backward(dy, x, weight, ctx.wq, ctx.qctx, ctx.amp, ctx.x_dtype, (n[0], n[1], ctx.has_bias and n[2]))
-        ctx.wq = None
-        return dx, dw, db, None, None, None
-
-
 def apply(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, qctx: Ctx, amp="auto") -> torch.Tensor:
-    """The fast MX linear (autograd-aware, eager). ``amp``: the autocast dtype, or "auto" to read it. Only where
-    ``applies(x, weight)``: the choice between this and the reference is ``linear.route``'s (``mx_linear``)."""
+    """The fast MX linear (autograd-aware, eager: ``skeleton.EagerLinear`` over ``FastBackend``). ``amp``: the
+    autocast dtype, or "auto" to read it. Only where ``applies(x, weight)``: the choice between this and the
+    reference is ``linear.route``'s (``mx_linear``)."""
     if amp == "auto":
         amp = autocast_dtype(x.device.type)
     if not applies(x, weight):
         raise ValueError(f"mxtrain.linear.fast.apply: the fused kernels cannot run these tensors (device {x.device}, "
                          f"dtypes {x.dtype} and {weight.dtype}); call mxtrain.mx_linear, which routes them")
-    return _FastMXLinearFunction.apply(x, weight, bias, qctx, amp, torch.is_grad_enabled())
 
+    def make(x_dtype, w, kept, where=None):   # (where: the forward's wgrad_x_for; None in the backward)
+        if where is None:
+            return FastBackend(qctx, amp, kept=kept)
+        return FastBackend(qctx, amp, reuse=True, codes=where == "forward")
+
+    return skeleton.EagerLinear.apply(x, weight, bias, make, amp if amp is not None else x.dtype,
+                                      torch.is_grad_enabled())

@@ -1,6 +1,7 @@
 """The reference MX linear layer (the spec): Fprop, Dgrad and Wgrad over operands quantized by
-``context.Ctx``, as an autograd function for eager calls (``_MXLinearFunction``) and as the functions the
-custom ops call (``ref_forward``, ``ref_backward``). The package docstring (``mxtrain.linear``) states the
+``context.Ctx``, as a backend of the layer's one skeleton (``RefBackend``, ``mxtrain.linear.skeleton``), run by an
+autograd function for eager calls (``apply``) and by the functions the custom ops call (``ref_forward``,
+``ref_backward``). The package docstring (``mxtrain.linear``) states the
 GEMMs; per-tensor FP8 GEMMs on FP8 tensor cores go through ``tensorfp8``; NVFP4 operands under autocast
 are multiplied without their tensor scales (``factors_nvfp4``)."""
 
@@ -8,14 +9,14 @@ from __future__ import annotations
 
 import torch
 
-from .. import settings
-from . import tensorfp8
+from . import skeleton, tensorfp8
 from .context import Ctx, autocast_dtype, bf16_exact, gemm_dtype
+from .skeleton import DGRAD, FPROP, WGRAD, Backend, Gemm
 from ..numerics.formats import get_format
 from ..numerics.operand import compute_dtype
 from ..numerics.recipe import Recipe
 
-__all__ = ["ref_forward", "ref_backward", "keeps_fp8_x", "factors_nvfp4"]
+__all__ = ["RefBackend", "ref_forward", "ref_backward", "apply", "keeps_fp8_x", "factors_nvfp4"]
 
 
 def factors_nvfp4(recipe: Recipe, a: str, b: str, gemm: str, amp: torch.dtype | None,
@@ -85,102 +86,115 @@ def keeps_fp8_x(recipe: Recipe, x: torch.Tensor, weight: torch.Tensor) -> bool:
             and _fp8_mm(recipe, "wgrad_dy", "wgrad_x", "wgrad", cdt, N, K, M, x.device))
 
 
+_AX = {1: -1, 0: 0}   # (the skeleton's reduction axis as the reference names it: the last axis is -1)
+
+
+class RefBackend(Backend):
+    """The reference's GEMMs (``skeleton.Backend``): each GEMM on FP8 tensor cores where both operands are
+    per-tensor FP8 (``tensorfp8``), with NVFP4's tensor scales factored out under autocast (``factors_nvfp4``), else
+    over operands fake-quantized by ``Ctx.operand``, multiplied in ``context.gemm_dtype`` and divided by the
+    prescales in ``acc`` (float32, float64 for float64 inputs). Where Fprop and Wgrad both run on FP8 tensor cores
+    with the same codes of X (``keeps_fp8_x``), X's codes are made once and kept for the backward instead of X
+    (``kept``: (codes, scale, prescale)); likewise dY's codes for Dgrad and Wgrad."""
+
+    def __init__(self, qctx: Ctx, amp: torch.dtype | None, x_dtype: torch.dtype, weight: torch.Tensor,
+                 kept: tuple | None = None):
+        self.qctx, self.amp, self.r = qctx, amp, qctx.recipe
+        self.acc = torch.float64 if torch.float64 in (x_dtype, weight.dtype) else torch.float32
+        self.kept = kept
+        self.codes = {}      # operand name -> FP8 codes made before its GEMM (tensorfp8.codes' tuple)
+
+    def _fp8(self, g: Gemm, dims, device) -> bool:
+        return _fp8_mm(self.r, g.a, g.b, g.name, self.acc, *dims, device)
+
+    def start_forward(self, x2, weight, need_wgrad):
+        if need_wgrad and keeps_fp8_x(self.r, x2, weight):
+            self.kept = self.codes["fprop_x"] = tensorfp8.codes(self.qctx, x2, -1, "fprop_x")
+
+    def start_backward(self, dy2, weight, need):
+        M, N, K = dy2.shape[0], dy2.shape[1], weight.shape[1]
+        self.fp8 = {"dgrad": need[0] and self._fp8(DGRAD, (M, K, N), dy2.device),
+                    "wgrad": need[1] and self._fp8(WGRAD, (N, K, M), dy2.device)}
+        if self.fp8["dgrad"] and self.fp8["wgrad"] and tensorfp8.shares_codes(self.r, "dgrad_dy", "wgrad_dy"):
+            c = tensorfp8.codes(self.qctx, dy2, -1, "dgrad_dy")   # (dY's codes once for both GEMMs)
+            self.codes["dgrad_dy"], self.codes["wgrad_dy"] = c, tensorfp8.reorient(c, 0)
+        if self.kept is not None:
+            self.codes["wgrad_x"] = tensorfp8.reorient(self.kept, 0)
+        return dy2
+
+    def gemm(self, g, a, b, final, dims):
+        r, amp, cdt, dev = self.r, self.amp, self.acc, a.device
+        fp8 = self.fp8[g.name] if g.name != "fprop" else (g.a in self.codes or self._fp8(g, dims, dev))
+        wio = None
+        if g is WGRAD:   # (dW rounded to the autocast dtype first: setting fp8_autocast)
+            wio = tensorfp8.autocast_io(r, amp)
+            final = wio or final
+        if fp8:
+            y = tensorfp8.scaled_mm(self.qctx, a, _AX[g.a_axis], g.a, b, _AX[g.b_axis], g.b, cdt,
+                                    a_codes=self.codes.get(g.a), b_codes=self.codes.get(g.b),
+                                    final_dtype=wio if g is WGRAD else final,
+                                    fast_accum=tensorfp8.fast_accum_fprop() if g is FPROP else False)
+            return y.to(final) if g is WGRAD else y
+        if factors_nvfp4(r, g.a, g.b, g.name, amp, cdt):
+            return _factored_gemm(self.qctx, g.name, (a, _AX[g.a_axis], g.a, g.a_axis == 0),
+                                  (b, _AX[g.b_axis], g.b, g.b_axis == 1), amp, cdt, dev)
+        gd = gemm_dtype(r, g.a, g.b, g.name, amp, cdt)
+        s = self.qctx.signs(g.name, dev)
+        aq, pa = self.qctx.operand(a, _AX[g.a_axis], g.a, g.name, s, out_dtype=gd)
+        bq, pb = self.qctx.operand(b, _AX[g.b_axis], g.b, g.name, s, out_dtype=gd)
+        aq, bq = aq.to(gd), bq.to(gd)
+        y = torch.matmul(aq if g.a_axis == 1 else aq.t(), bq.t() if g.b_axis == 1 else bq)
+        if not (pa * pb == 1.0 and gd == final):   # (else: cast to acc and back, identity)
+            y = y.to(cdt)
+        if pa * pb != 1.0:
+            y = y / (pa * pb)
+        return y.to(final) if g is WGRAD else y
+
+    def save(self, ctx, x, weight):
+        if self.kept is not None:   # (X's FP8 codes and scale, with the tensors the autograd engine keeps)
+            codes, scale, prescale = self.kept
+            ctx.save_for_backward(None, weight, codes, scale)
+            ctx.x_prescale = prescale
+        else:
+            ctx.save_for_backward(x, weight, None, None)
+
+    @staticmethod
+    def restore(ctx):
+        x, weight, codes, scale = ctx.saved_tensors
+        return x, weight, ((codes, scale, ctx.x_prescale) if codes is not None else None)
+
+
 def ref_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, qctx: Ctx,
                 amp: torch.dtype | None, keep_x: bool = False):
-    """The layer output; with ``keep_x`` (``keeps_fp8_x`` true), ``(output, X's FP8 codes tuple)``."""
-    out_dtype = amp if amp is not None else x.dtype
-    r = qctx.recipe
-    cdt = compute_dtype(x, weight)  # float32, or float64 for float64 inputs
-    gd = gemm_dtype(r, "fprop_x", "fprop_w", "fprop", amp, cdt)
-    x2 = x.reshape(-1, x.shape[-1])  # (M, K)
-    xc = None
-    with torch.autocast(x.device.type, enabled=False):
-        fin = out_dtype if bias is None else None   # (the GEMM may write the output dtype itself)
-        if keep_x:
-            xc = tensorfp8.codes(qctx, x2, -1, "fprop_x")
-            y = tensorfp8.scaled_mm(qctx, x2, -1, "fprop_x", weight, -1, "fprop_w", cdt, a_codes=xc, final_dtype=fin,
-                                    fast_accum=tensorfp8.fast_accum_fprop())
-        elif _fp8_mm(r, "fprop_x", "fprop_w", "fprop", cdt, x2.shape[0], weight.shape[0], x2.shape[1], x.device):
-            y = tensorfp8.scaled_mm(qctx, x2, -1, "fprop_x", weight, -1, "fprop_w", cdt, final_dtype=fin,
-                                    fast_accum=tensorfp8.fast_accum_fprop())
-        elif factors_nvfp4(r, "fprop_x", "fprop_w", "fprop", amp, cdt):
-            y = _factored_gemm(qctx, "fprop", (x2, -1, "fprop_x", False), (weight, -1, "fprop_w", True), amp, cdt,
-                               x.device)
-        else:
-            s = qctx.signs("fprop", x.device)
-            xq, px = qctx.operand(x2, -1, "fprop_x", "fprop", s, out_dtype=gd)
-            wq, pw = qctx.operand(weight, -1, "fprop_w", "fprop", s, out_dtype=gd)
-            y = torch.matmul(xq.to(gd), wq.to(gd).t())
-            if not (px * pw == 1.0 and bias is None and gd == out_dtype):   # (else: cast to cdt and back, identity)
-                y = y.to(cdt)
-            if px * pw != 1.0:
-                y = y / (px * pw)
-        if bias is not None:
-            y = y + bias.to(cdt)
-    y = y.to(out_dtype).reshape(*x.shape[:-1], weight.shape[0])
-    return (y, xc) if keep_x else y
+    """The layer output (``skeleton.forward`` over ``RefBackend``); with ``keep_x`` (``keeps_fp8_x`` true),
+    ``(output, X's FP8 codes tuple)``."""
+    be = RefBackend(qctx, amp, x.dtype, weight)
+    y = skeleton.forward(be, x, weight, bias, amp if amp is not None else x.dtype, keep_x)
+    return (y, be.kept) if keep_x else y
 
 
 def ref_backward(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor, qctx: Ctx,
                  amp: torch.dtype | None, need: tuple[bool, bool, bool], x_codes: tuple | None = None,
                  x_dtype: torch.dtype | None = None) -> tuple:
-    """(dX, dW, db) of the reference; an entry is None where ``need`` says False. ``x_codes``: X's FP8 codes
-    kept by the forward (``ref_forward(keep_x=True)``) in place of ``x`` (then None; ``x_dtype`` its dtype)."""
-    r = qctx.recipe
-    if x is None:   # (only its shape and dtype are read below: a tensor without storage stands in)
-        x = torch.empty((*dy.shape[:-1], weight.shape[1]), dtype=x_dtype, device="meta")
-    cdt = compute_dtype(x, weight)
-    x2 = x.reshape(-1, x.shape[-1])
-    dy2 = dy.reshape(-1, dy.shape[-1])  # (M, N)
-    dx = dw = db = None
-    with torch.autocast(dy.device.type, enabled=False):
-        M, N, K = dy2.shape[0], dy2.shape[1], x2.shape[1]
-        fp8_dgrad = need[0] and _fp8_mm(r, "dgrad_dy", "dgrad_w", "dgrad", cdt, M, K, N, dy.device)
-        fp8_wgrad = need[1] and _fp8_mm(r, "wgrad_dy", "wgrad_x", "wgrad", cdt, N, K, M, dy.device)
-        dy_codes = None   # (dY's FP8 codes, made once for both GEMMs where they are the same: shares_codes)
-        if fp8_dgrad and fp8_wgrad and tensorfp8.shares_codes(r, "dgrad_dy", "wgrad_dy"):
-            dy_codes = tensorfp8.codes(qctx, dy2, -1, "dgrad_dy")
-        if fp8_dgrad:
-            dx = tensorfp8.scaled_mm(qctx, dy2, -1, "dgrad_dy", weight, 0, "dgrad_w", cdt, a_codes=dy_codes,
-                                     final_dtype=x.dtype)
-            dx = dx.to(x.dtype).reshape(x.shape)
-        elif need[0] and factors_nvfp4(r, "dgrad_dy", "dgrad_w", "dgrad", amp, cdt):
-            dx = _factored_gemm(qctx, "dgrad", (dy2, -1, "dgrad_dy", False), (weight, 0, "dgrad_w", False), amp,
-                                cdt, dy.device)
-            dx = dx.to(x.dtype).reshape(x.shape)
-        elif need[0]:
-            gd = gemm_dtype(r, "dgrad_dy", "dgrad_w", "dgrad", amp, cdt)
-            s = qctx.signs("dgrad", dy.device)
-            dyq, pa = qctx.operand(dy2, -1, "dgrad_dy", "dgrad", s, out_dtype=gd)   # (M, Np)
-            wq, pb = qctx.operand(weight, 0, "dgrad_w", "dgrad", s, out_dtype=gd)   # (Np, K)
-            dx = torch.matmul(dyq.to(gd), wq.to(gd))
-            if not (pa * pb == 1.0 and gd == x.dtype):   # (else: cast to cdt and back, identity)
-                dx = dx.to(cdt)
-            if pa * pb != 1.0:
-                dx = dx / (pa * pb)
-            dx = dx.to(x.dtype).reshape(x.shape)
-        wio = tensorfp8.autocast_io(r, amp)   # (dW rounded to the autocast dtype first: fp8_autocast)
-        if fp8_wgrad:
-            dw = tensorfp8.scaled_mm(qctx, dy2, 0, "wgrad_dy", x2, 0, "wgrad_x", cdt,
-                                     a_codes=tensorfp8.reorient(dy_codes, 0) if dy_codes is not None else None,
-                                     b_codes=tensorfp8.reorient(x_codes, 0) if x_codes is not None else None,
-                                     final_dtype=wio)
-            dw = dw.to(wio or weight.dtype).to(weight.dtype)
-        elif need[1] and factors_nvfp4(r, "wgrad_dy", "wgrad_x", "wgrad", amp, cdt):
-            dw = _factored_gemm(qctx, "wgrad", (dy2, 0, "wgrad_dy", True), (x2, 0, "wgrad_x", False), amp, cdt,
-                                dy.device).to(weight.dtype)
-        elif need[1]:
-            gd = gemm_dtype(r, "wgrad_dy", "wgrad_x", "wgrad", amp, cdt)
-            s = qctx.signs("wgrad", dy.device)
-            dyq, pa = qctx.operand(dy2, 0, "wgrad_dy", "wgrad", s, out_dtype=gd)    # (Mp, N)
-            xq, pb = qctx.operand(x2, 0, "wgrad_x", "wgrad", s, out_dtype=gd)       # (Mp, K)
-            dw = torch.matmul(dyq.to(gd).t(), xq.to(gd)).to(cdt)
-            if pa * pb != 1.0:
-                dw = dw / (pa * pb)
-            dw = dw.to(wio or weight.dtype).to(weight.dtype)
-        if need[2]:
-            db = dy2.to(cdt).sum(0).to(weight.dtype)
-    return dx, dw, db
+    """(dX, dW, db) of the reference (``skeleton.backward`` over ``RefBackend``); an entry is None where ``need``
+    says False. ``x_codes``: X's FP8 codes kept by the forward (``ref_forward(keep_x=True)``) in place of ``x``
+    (then None; ``x_dtype`` its dtype)."""
+    xdt = x.dtype if x is not None else x_dtype
+    be = RefBackend(qctx, amp, xdt, weight, kept=x_codes)
+    return skeleton.backward(be, dy, x, weight, xdt, need)
+
+
+def apply(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, qctx: Ctx, amp="auto") -> torch.Tensor:
+    """The reference as an autograd function for eager calls (``skeleton.EagerLinear`` over ``RefBackend``).
+    ``amp``: the autocast dtype, or "auto" to read it from the autocast state at the call."""
+    if amp == "auto":
+        amp = autocast_dtype(x.device.type)
+
+    def make(x_dtype, w, kept, where=None):
+        return RefBackend(qctx, amp, x_dtype, w, kept)
+
+    return skeleton.EagerLinear.apply(x, weight, bias, make, amp if amp is not None else x.dtype,
+                                      torch.is_grad_enabled())
 
 
 def _fp8_mm(recipe: Recipe, a: str, b: str, gemm: str, cdt: torch.dtype, *dims_and_device) -> bool:
@@ -190,29 +204,3 @@ def _fp8_mm(recipe: Recipe, a: str, b: str, gemm: str, cdt: torch.dtype, *dims_a
     return cdt == torch.float32 and tensorfp8.applies(recipe, a, b, gemm, *dims, device=device)
 
 
-class _MXLinearFunction(torch.autograd.Function):
-    """The reference as an autograd function (eager use). ``amp``: the autocast dtype, or "auto" to
-    read it from the autocast state at the call."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, qctx: Ctx, amp="auto"):
-        if amp == "auto":
-            amp = autocast_dtype(x.device.type)
-        ctx.qctx, ctx.amp, ctx.has_bias, ctx.x_dtype = qctx, amp, bias is not None, x.dtype
-        # (a Wgrad will need X's codes; the wgrad_x setting as in the compiled op: backward keeps X)
-        if ctx.needs_input_grad[1] and settings.current().wgrad_x != "backward" and keeps_fp8_x(qctx.recipe, x, weight):
-            y, (codes, scale, prescale) = ref_forward(x, weight, bias, qctx, amp, keep_x=True)
-            ctx.save_for_backward(None, weight, codes, scale)
-            ctx.x_prescale = prescale
-            return y
-        ctx.save_for_backward(x, weight, None, None)
-        return ref_forward(x, weight, bias, qctx, amp)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight, codes, scale = ctx.saved_tensors
-        n = ctx.needs_input_grad
-        xc = (codes, scale, ctx.x_prescale) if codes is not None else None
-        dx, dw, db = ref_backward(dy, x, weight, ctx.qctx, ctx.amp, (n[0], n[1], ctx.has_bias and n[2]),
-                                  x_codes=xc, x_dtype=ctx.x_dtype)
-        return dx, dw, db, None, None

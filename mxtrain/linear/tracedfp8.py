@@ -7,7 +7,8 @@ operations that the compiler fuses into the neighbouring norm, activation and re
 in the backward instead of storing. This module gives the ``fp8`` recipe (every operand per-tensor E4M3/E5M2,
 round-to-nearest, no prescale, no rotation, all three GEMMs on FP8 tensor cores) the same form: an autograd
 function made of traced operations (amax reduction, multiplication, saturation, cast to the FP8 dtype) around
-``torch._scaled_mm``. It keeps X and W for the backward (the compiler decides what to store or recompute) and
+``torch._scaled_mm`` (the layer's skeleton, ``mxtrain.linear.skeleton``, over ``_FP8Backend``). It keeps X and W for
+the backward (the compiler decides what to store or recompute) and
 quantizes them again there.
 
 The numbers are the reference's, bit for bit: ``cast`` computes ``mxtrain.numerics.quant.quantize``'s per-tensor FP8
@@ -24,7 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from . import tensorfp8
+from . import skeleton, tensorfp8
+from .skeleton import DGRAD, FPROP, Backend
 from ._constant import assume_constant_result
 from ..numerics.formats import get_format
 from ..numerics.quant import tensor_fp8_scales
@@ -76,42 +78,46 @@ def _mm(a, sa, b_t, sb, out_dtype: torch.dtype, fast_accum: bool = False) -> tor
                                b_codes=(b_t, sb, 1.0), final_dtype=out_dtype, fast_accum=fast_accum)
 
 
+class _FP8Backend(Backend):
+    """The traced per-tensor FP8 GEMMs (``skeleton.Backend``): each operand ``cast`` in traced operations, the
+    product by ``_mm``; dY cast once where its two operands share the format. dW comes in ``wgrad_dtype``."""
+
+    def __init__(self, fmts: tuple, wgrad_dtype: torch.dtype):
+        self.fmts, self.wgrad_dtype = fmts, wgrad_dtype
+
+    def start_backward(self, dy2, weight, need):
+        if need[0] or need[1]:
+            self.cdy = cast(dy2, self.fmts[2])
+        return dy2
+
+    def gemm(self, g, a, b, final, dims):
+        f = self.fmts
+        if g is FPROP:
+            cx, sx = cast(a, f[0])
+            cw, sw = cast(b, f[1])
+            return _mm(cx, sx, cw, sw, final if final is not None else torch.float32, tensorfp8.fast_accum_fprop())
+        cdy, sdy = self.cdy
+        if g is DGRAD:
+            cw, sw = cast(b, f[3])
+            return _mm(cdy, sdy, cw.t().contiguous(), sw, final)
+        cdw, sdw = (cdy, sdy) if f[4] == f[2] else cast(a, f[4])
+        cx, sx = cast(b, f[5])
+        return _mm(cdw.t().contiguous(), sdw, cx.t().contiguous(), sx, self.wgrad_dtype)
+
+
 class _TracedFP8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, fmts, out_dtype, wgrad_dtype):
         ctx.save_for_backward(x, weight)
         ctx.fmts, ctx.has_bias, ctx.wgrad_dtype = fmts, bias is not None, wgrad_dtype
-        K, N = x.shape[-1], weight.shape[0]
-        fa = tensorfp8.fast_accum_fprop()
-        with torch.autocast(x.device.type, enabled=False):
-            cx, sx = cast(x.reshape(-1, K), fmts[0])
-            cw, sw = cast(weight, fmts[1])
-            if bias is None:
-                y = _mm(cx, sx, cw, sw, out_dtype, fa)
-            else:
-                y = (_mm(cx, sx, cw, sw, torch.float32, fa) + bias.to(torch.float32)).to(out_dtype)
-        return y.reshape(*x.shape[:-1], N)
+        return skeleton.forward(_FP8Backend(fmts, wgrad_dtype), x, weight, bias, out_dtype)
 
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        f = ctx.fmts
         n = ctx.needs_input_grad
-        dx = dw = db = None
-        K, N = x.shape[-1], weight.shape[0]
-        with torch.autocast(dy.device.type, enabled=False):
-            dy2 = dy.reshape(-1, N)
-            if n[0] or n[1]:
-                cdy, sdy = cast(dy2, f[2])
-            if n[0]:
-                cw, sw = cast(weight, f[3])
-                dx = _mm(cdy, sdy, cw.t().contiguous(), sw, x.dtype).reshape(x.shape)
-            if n[1]:
-                cdw, sdw = (cdy, sdy) if f[4] == f[2] else cast(dy2, f[4])
-                cx, sx = cast(x.reshape(-1, K), f[5])
-                dw = _mm(cdw.t().contiguous(), sdw, cx.t().contiguous(), sx, ctx.wgrad_dtype).to(weight.dtype)
-            if ctx.has_bias and n[2]:
-                db = dy2.to(torch.float32).sum(0).to(weight.dtype)
+        dx, dw, db = skeleton.backward(_FP8Backend(ctx.fmts, ctx.wgrad_dtype), dy, x, weight, x.dtype,
+                                       (n[0], n[1], ctx.has_bias and n[2]))
         return dx, dw, db, None, None, None
 
 

@@ -194,7 +194,7 @@ def test_fast_equals_reference_gpu(preset):
     """The eager fast path (fused quantizers, FP8-carrier GEMMs on sm_90) against the reference MXLinear, bf16,
     ragged shapes: outputs and gradients within bf16 output rounding."""
     from mxtrain.linear.context import Ctx
-    from mxtrain.linear.reference import _MXLinearFunction
+    from mxtrain.linear import reference as _ref_linear
     rec = recipes.get(preset)
     g = torch.Generator().manual_seed(0)
     M, K, N = 1024 + 16, 1024 + 64, 768
@@ -203,7 +203,7 @@ def test_fast_equals_reference_gpu(preset):
     b = torch.randn(N, generator=g).to(DEV, torch.bfloat16)
     gy = torch.randn(M, N, generator=g).to(DEV, torch.bfloat16)
     outs = []
-    for fn in (_MXLinearFunction.apply, fast.apply):
+    for fn in (_ref_linear.apply, fast.apply):
         xs, ws, bs = (t.clone().requires_grad_() for t in (x, w, b))
         y = fn(xs, ws, bs, Ctx(rec, 3, 5, 1))
         y.backward(gy)

@@ -438,7 +438,7 @@ def test_split_ops_equal_reference_and_share_input_quantization(preset, carrier,
     outputs, which autograd must not differentiate), multiplied as float math here."""
     from mxtrain.linear import fast
     from mxtrain.kernels import kernels_available
-    from mxtrain.linear.reference import _MXLinearFunction
+    from mxtrain.linear import reference as _ref_linear
     from mxtrain.linear.dispatch import recipe_json
     from mxtrain.linear.context import Ctx
     if not kernels_available("cpu"):
@@ -477,7 +477,7 @@ def test_split_ops_equal_reference_and_share_input_quantization(preset, carrier,
     sr, modes, sizes = seed_spec(rec)
     n = len(ws)
     seeds = [call_seeds_host(rec.seed, i, n, 0, sr=sr, sign_modes=modes, sign_sizes=sizes) for i in range(n)]
-    ref = run(lambda: [_MXLinearFunction.apply(x, w, None, Ctx(rec, i, n, 0)) for i, w in enumerate(ws)])
+    ref = run(lambda: [_ref_linear.apply(x, w, None, Ctx(rec, i, n, 0)) for i, w in enumerate(ws)])
     got = run(lambda: [ops(x, w, *seeds[i]) for i, w in enumerate(ws)])
     for r, o in zip(ref, got):
         assert ((o - r).norm() / r.norm()).item() < 1e-5

@@ -18,7 +18,7 @@ from mxtrain.numerics import recipes
 from mxtrain import settings  # noqa: E402
 from mxtrain.kernels import kernels_available  # noqa: E402
 from mxtrain.linear.context import Ctx  # noqa: E402
-from mxtrain.linear.reference import _MXLinearFunction  # noqa: E402
+from mxtrain.linear import reference as _ref_linear  # noqa: E402
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available() or not kernels_available(torch.device("cpu")),
                                 reason="CPU emulation of the carrier GEMM (Triton's interpreter)")
@@ -71,7 +71,7 @@ def _rel(a, b):
 @pytest.mark.parametrize("preset", ["mxfp4-all", "mxfp4-all-dh16"])
 def test_exact_mode_equals_reference_where_the_carrier_is_not(carrier_cpu, preset):
     rec = recipes.get(preset)
-    ref = _run(_MXLinearFunction.apply, rec, True)
+    ref = _run(_ref_linear.apply, rec, True)
     plain = _run(fast.apply, rec, True)
     assert _rel(plain[0], ref[0]) > 0.1          # the carrier alone loses the small blocks' products
     before = fast.inexact_by_tensor("cpu")
@@ -87,7 +87,7 @@ def test_exact_mode_equals_reference_where_the_carrier_is_not(carrier_cpu, prese
 
 def test_exact_mode_keeps_the_carrier_where_it_is_exact(carrier_cpu):
     rec = recipes.get("mxfp4-all")
-    ref = _run(_MXLinearFunction.apply, rec, False)
+    ref = _run(_ref_linear.apply, rec, False)
     with settings.override(exact_carrier=True):
         got = _run(fast.apply, rec, False)
     for g, r in zip(got, ref):

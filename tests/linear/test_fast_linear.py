@@ -23,7 +23,7 @@ from mxtrain.linear import fast
 from mxtrain import settings  # noqa: E402
 from mxtrain.kernels import kernels_available  # noqa: E402
 from mxtrain.linear.context import Ctx  # noqa: E402
-from mxtrain.linear.reference import _MXLinearFunction  # noqa: E402
+from mxtrain.linear import reference as _ref_linear  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(not kernels_available(DEV), reason="Triton kernels unavailable")
@@ -64,7 +64,7 @@ def test_fast_equals_reference_cpu(preset):
     if DEV != "cpu":
         pytest.skip("CPU comparison (exact GEMM path)")
     rec = recipes.get(preset)
-    ref = _run(lambda *a: _MXLinearFunction.apply(*a), rec, 33, 72, 40)
+    ref = _run(lambda *a: _ref_linear.apply(*a), rec, 33, 72, 40)
     got = _run(lambda *a: fast.apply(*a), rec, 33, 72, 40)
     for r, g in zip(ref, got):
         assert _rel(g, r) < 1e-6
@@ -82,7 +82,7 @@ def test_packed_fp4_backends_equal_reference(backend, preset, use):
     rec = recipes.get(preset)
     M, K, N = (33, 72, 40) if DEV == "cpu" else (1024, 1024 + 64, 768)
     dt = torch.float32 if DEV == "cpu" else torch.bfloat16
-    ref = _run(lambda *a: _MXLinearFunction.apply(*a), rec, M, K, N, dtype=dt)
+    ref = _run(lambda *a: _ref_linear.apply(*a), rec, M, K, N, dtype=dt)
     got = _run(lambda *a: fast.apply(*a), rec, M, K, N, dtype=dt)
     for r, g in zip(ref, got):
         assert _rel(g, r) < (1e-5 if DEV == "cpu" else 1e-2)
@@ -116,7 +116,7 @@ def test_weights_quantized_from_current_values(update):
         torch._foreach_copy_([lin.weight.data], [new])
         assert lin.weight._version == v
     y1 = fast.apply(x, lin.weight, lin.bias, Ctx(rec, 0, 0, 1))
-    ref1 = _MXLinearFunction.apply(x, lin.weight, lin.bias, Ctx(rec, 0, 0, 1))
+    ref1 = _ref_linear.apply(x, lin.weight, lin.bias, Ctx(rec, 0, 0, 1))
     assert _rel(y1, ref1) < (1e-6 if DEV == "cpu" else 1e-2)
     assert _rel(y1, y0) > 0.1
 
@@ -143,7 +143,7 @@ def test_shared_input_quantized_once(preset, monkeypatch):
         torch.autograd.backward(ys, gys)
         return [y.detach() for y in ys] + [x.grad.clone()] + [w.grad.clone() for w in ws]
 
-    ref = run(lambda *a: _MXLinearFunction.apply(*a))
+    ref = run(lambda *a: _ref_linear.apply(*a))
     calls.clear()
     got = run(lambda *a: fast.apply(*a))
     per_layer = 6  # X, W (Fprop); dY, W (Dgrad); dY, X (Wgrad)
@@ -156,7 +156,7 @@ def test_shared_input_quantized_once(preset, monkeypatch):
         assert _rel(o, r) < (1e-6 if DEV == "cpu" else 1e-2)
     with torch.no_grad():
         x.mul_(1.5)     # in place: new version, so no stale reuse
-    ref2 = run(lambda *a: _MXLinearFunction.apply(*a))
+    ref2 = run(lambda *a: _ref_linear.apply(*a))
     got2 = run(lambda *a: fast.apply(*a))
     for r, o in zip(ref2, got2):
         assert _rel(o, r) < (1e-6 if DEV == "cpu" else 1e-2)
@@ -168,7 +168,7 @@ def test_shared_input_quantized_once(preset, monkeypatch):
 def test_fast_equals_reference_gpu(preset):
     rec = recipes.get(preset)
     M, K, N = 1024, 1024 + 64, 768
-    ref = _run(lambda *a: _MXLinearFunction.apply(*a), rec, M, K, N, dtype=torch.bfloat16)
+    ref = _run(lambda *a: _ref_linear.apply(*a), rec, M, K, N, dtype=torch.bfloat16)
     got = _run(lambda *a: fast.apply(*a), rec, M, K, N, dtype=torch.bfloat16)
     for r, g in zip(ref, got):
         assert _rel(g, r) < 1e-2, preset
@@ -394,7 +394,7 @@ def test_dual_operand_passes_equal_reference(preset, monkeypatch, use):
     dt = torch.float32 if DEV == "cpu" else torch.bfloat16
     # CPU: 17 tokens, two row tiles of 16 (the second ragged), as 33 made three
     M, K, N = (17, 72, 40) if DEV == "cpu" else (1024, 1024 + 64, 768)
-    ref = _run(lambda *a: _MXLinearFunction.apply(*a), rec, M, K, N, dtype=dt)
+    ref = _run(lambda *a: _ref_linear.apply(*a), rec, M, K, N, dtype=dt)
     with kq.record_launches() as log:
         got = _run(lambda *a: fast.apply(*a), rec, M, K, N, dtype=dt)
     calls = [e.shape for e in log if e.kernel == "dual"]   # one-pass quantizes, by input shape
@@ -452,9 +452,9 @@ def test_wgrad_operand_made_in_forward_without_dual_pass(preset, monkeypatch, us
     def fast_fn(*a):
         y = fast.apply(*a)
         # what the autograd node keeps for its backward (read here: the backward releases it)
-        kept["saved"], kept["wq"] = [t for t in y.grad_fn.saved_tensors if t is not None], y.grad_fn.wq
+        kept["saved"], kept["wq"] = [t for t in y.grad_fn.saved_tensors if t is not None], y.grad_fn.kept
         return y
-    ref = _run(lambda *a: _MXLinearFunction.apply(*a), rec, 33, 72, 40)
+    ref = _run(lambda *a: _ref_linear.apply(*a), rec, 33, 72, 40)
     got = _run(fast_fn, rec, 33, 72, 40)
     for r, g in zip(ref, got):
         assert _rel(g, r) < 1e-5

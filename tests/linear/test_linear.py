@@ -154,7 +154,7 @@ def test_gradcheck_unquantized_rotated_path():
     x = torch.randn(2, 3, 10, dtype=torch.float64, requires_grad=True)
 
     def f(x, w, b):
-        return mxtrain.linear.reference._MXLinearFunction.apply(x, w, b, mxtrain.linear.context.Ctx(ROT_ONLY, 0, 4, 0))
+        return mxtrain.linear.reference.apply(x, w, b, mxtrain.linear.context.Ctx(ROT_ONLY, 0, 4, 0))
 
     w = layer.weight.detach().clone().requires_grad_(True)
     b = layer.bias.detach().clone().requires_grad_(True)

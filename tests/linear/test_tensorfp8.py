@@ -10,7 +10,7 @@ import torch
 from mxtrain.linear import tensorfp8
 from mxtrain import mx_linear
 from mxtrain.numerics import recipes
-from mxtrain.linear.reference import _MXLinearFunction
+from mxtrain.linear import reference as _ref_linear
 from mxtrain.linear import call_context
 from mxtrain.numerics.recipe import Operand, Recipe, Rotation
 
@@ -56,12 +56,12 @@ def test_scaled_mm_equals_the_float32_reference(shape, dtype, fp8_on, monkeypatc
     calls = []
     real = torch._scaled_mm
     monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: (calls.append(a[0].dtype), real(*a, **k))[1])
-    got = _fwd_bwd(x, w, gy, lambda a, b: _MXLinearFunction.apply(a, b, None, call_context(rec, None)))
+    got = _fwd_bwd(x, w, gy, lambda a, b: _ref_linear.apply(a, b, None, call_context(rec, None)))
     # Fprop E4M3 x E4M3, Dgrad E5M2 x E4M3, Wgrad E5M2 x E4M3: all three GEMMs on FP8 codes
     assert calls == [torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e5m2]
     monkeypatch.setattr(torch, "_scaled_mm", real)
     _reference(monkeypatch)
-    want = _fwd_bwd(x, w, gy, lambda a, b: _MXLinearFunction.apply(a, b, None, call_context(rec, None)))
+    want = _fwd_bwd(x, w, gy, lambda a, b: _ref_linear.apply(a, b, None, call_context(rec, None)))
     # CPU: float32 rounding apart. Hopper's FP8 tensor cores accumulate with less than float32's precision
     # (relative differences about 1e-4 seen on an H100), the same for every FP8 GEMM, torchao's included.
     tol = 2e-6 if DEV == "cpu" else 5e-4
@@ -166,12 +166,12 @@ def test_x_and_dy_are_quantized_once(fp8_on, monkeypatch):
         kept.append((t.dtype, tuple(t.shape)))
         return t
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        once = _fwd_bwd(x, w, gy, lambda a, b: _MXLinearFunction.apply(a, b, None, call_context(rec, None)))
+        once = _fwd_bwd(x, w, gy, lambda a, b: _ref_linear.apply(a, b, None, call_context(rec, None)))
     assert sorted(names) == sorted(["fprop_x", "fprop_w", "dgrad_dy", "dgrad_w"])
     assert (torch.float8_e4m3fn, (64, 96)) in kept and (x.dtype, (64, 96)) not in kept   # X's codes, not X
     monkeypatch.setattr(tensorfp8, "shares_codes", lambda *a: False)
     names.clear()
-    twice = _fwd_bwd(x, w, gy, lambda a, b: _MXLinearFunction.apply(a, b, None, call_context(rec, None)))
+    twice = _fwd_bwd(x, w, gy, lambda a, b: _ref_linear.apply(a, b, None, call_context(rec, None)))
     assert "wgrad_dy" in names and "wgrad_x" in names
     for a, b in zip(once, twice):
         assert torch.equal(a, b)
