@@ -1,0 +1,95 @@
+"""Does a finding hold at two model sizes? Planned contrasts judged in the per-seed records of two or more studies
+(``seeds.json``, one per size), each size as its own family, and a verdict across them.
+
+A contrast ``(arm, ref)`` is the per-seed gap of the cooled-down loss at one budget (``arm`` minus ``ref``, seeds
+both arms finished), tested with the paired t over the seeds (``stats.paired_t``); within one size the contrasts
+are one family, Holm-adjusted (``stats.holm``), as in the study's plan. Across sizes (docs/results.md, "The ladder
+at 30m, planned before it runs"):
+
+* ``carried (higher|lower)``: every size resolves it, in the same direction;
+* ``sizes disagree``: two sizes resolve it in opposite directions (reported as such, never averaged);
+* ``resolved at SIZE only``: one or more sizes resolve it, the others do not;
+* ``not resolved``: no size resolves it;
+* ``no verdict (...)``: a size has fewer than ``cooldown.MIN_SEEDS`` paired seeds, or lacks an arm.
+
+Nothing here fits curves or converts to tokens: the gap in nats is the quantity every size shares.
+"""
+
+from __future__ import annotations
+
+from . import stats
+from .cooldown import MIN_SEEDS
+
+__all__ = ["contrast", "across_sizes", "lines"]
+
+
+def contrast(record: dict, arm: str, ref: str, budget: str = "1") -> dict | None:
+    """The paired t of ``arm`` minus ``ref`` at ``budget`` in one study's per-seed record, with the seeds used and
+    each seed's gap; None where either arm is missing."""
+    arms = record.get("arms", {})
+    if arm not in arms or ref not in arms:
+        return None
+
+    def loss(a, s):
+        c = arms[a][s].get("cooled", {}).get(budget)
+        return c["loss"] if c and c.get("state") == "done" and c.get("loss") is not None else None
+    seeds = sorted((s for s in arms[arm] if s in arms[ref] and loss(arm, s) is not None and loss(ref, s) is not None),
+                   key=int)
+    gaps = [loss(arm, s) - loss(ref, s) for s in seeds]
+    return {**stats.paired_t(gaps), "seeds": seeds, "gaps": gaps}
+
+
+def across_sizes(records: dict, contrasts: list, budget: str = "1", alpha: float = stats.ALPHA) -> list[dict]:
+    """``records``: size name -> per-seed record; ``contrasts``: ``(arm, ref)`` pairs, the planned family of each
+    size. Returns one row per contrast: ``{"arm", "ref", "sizes": {size: contrast + "p_holm", "resolved"}, "verdict"}``
+    (``resolved``: "higher", "lower" or None)."""
+    per = {}
+    for size, rec in records.items():
+        cs = [contrast(rec, a, r, budget) for a, r in contrasts]
+        ps = [c["p"] if c is not None and c["n"] >= MIN_SEEDS else None for c in cs]
+        for c, p in zip(cs, stats.holm(ps)):
+            if c is not None:
+                c["p_holm"] = p
+                c["resolved"] = (None if p is None or p >= alpha else ("higher" if c["mean"] > 0 else "lower"))
+        per[size] = cs
+    rows = []
+    for i, (a, r) in enumerate(contrasts):
+        sizes = {size: per[size][i] for size in records}
+        missing = [s for s, c in sizes.items() if c is None]
+        few = [s for s, c in sizes.items() if c is not None and c["n"] < MIN_SEEDS]
+        if missing or few:
+            why = ", ".join([f"{s}: no run of {a if a not in records[s].get('arms', {}) else r}" for s in missing]
+                            + [f"{s}: {sizes[s]['n']} paired seed(s), below {MIN_SEEDS}" for s in few])
+            verdict = f"no verdict ({why})"
+        else:
+            dirs = {s: c["resolved"] for s, c in sizes.items()}
+            got = {d for d in dirs.values() if d is not None}
+            if len(got) > 1:
+                verdict = "sizes disagree"
+            elif got and all(d is not None for d in dirs.values()):
+                verdict = f"carried ({got.pop()})"
+            elif got:
+                verdict = f"resolved at {', '.join(s for s, d in dirs.items() if d is not None)} only"
+            else:
+                verdict = "not resolved"
+        rows.append({"arm": a, "ref": r, "sizes": sizes, "verdict": verdict})
+    return rows
+
+
+def lines(rows: list[dict]) -> list[str]:
+    """One line per contrast: the verdict, then each size's gap in nats with its 95 % interval, Holm-adjusted p and
+    seeds."""
+    out = []
+    for row in rows:
+        parts = []
+        for size, c in row["sizes"].items():
+            if c is None:
+                parts.append(f"{size}: missing")
+            elif c["ci"] is None:
+                parts.append(f"{size}: {c['n']} seed(s)")
+            else:
+                parts.append(f"{size}: {c['mean']:+.4f} nats [{c['ci'][0]:+.4f}, {c['ci'][1]:+.4f}], "
+                             f"Holm p {c['p_holm']:.2g}, {c['n']} seeds" if c.get("p_holm") is not None else
+                             f"{size}: {c['mean']:+.4f} nats [{c['ci'][0]:+.4f}, {c['ci'][1]:+.4f}], {c['n']} seeds")
+        out.append(f"{row['arm']} minus {row['ref']}: {row['verdict']}; " + "; ".join(parts))
+    return out

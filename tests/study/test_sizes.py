@@ -1,0 +1,55 @@
+"""Findings across model sizes (``mxtrain.study.sizes``): each size's planned contrasts Holm-adjusted as one family,
+and the verdict across sizes, on the committed 125m ladder record and records made from it."""
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from mxtrain.study import sizes, stats
+
+REC = json.loads((Path(__file__).resolve().parents[2] / "docs" / "results" / "data" / "ladder-125m-seeds.json")
+                 .read_text())
+LADDER = [("mxfp4-fprop", "bf16"), ("mxfp4-all", "mxfp4-fprop-dgrad"), ("mxfp4-all-dh16", "mxfp4-all")]
+
+
+def _shifted(rec, arm, by):
+    """``rec`` with ``arm``'s cooled-down losses moved by ``by`` nats at every seed and budget."""
+    out = copy.deepcopy(rec)
+    for s in out["arms"][arm].values():
+        for c in s["cooled"].values():
+            c["loss"] += by
+    return out
+
+
+def test_one_size_is_its_own_holm_family():
+    rows = sizes.across_sizes({"125m": REC}, LADDER)
+    ps = [r["sizes"]["125m"]["p"] for r in rows]
+    assert [r["sizes"]["125m"]["p_holm"] for r in rows] == stats.holm(ps)
+    fprop, wgrad, h16 = rows
+    assert fprop["sizes"]["125m"]["mean"] == pytest.approx(0.0901, abs=5e-5)
+    assert fprop["verdict"] == "carried (higher)" and wgrad["verdict"] == h16["verdict"] == "not resolved"
+    assert fprop["sizes"]["125m"]["seeds"] == ["0", "1", "2"]
+
+
+def test_two_sizes_carry_disagree_or_resolve_one():
+    other = _shifted(REC, "mxfp4-fprop", -0.2)              # Fprop now resolved lower at the second size
+    other = _shifted(other, "mxfp4-all-dh16", -0.2)         # H16 resolved lower there, not at 125m
+    rows = sizes.across_sizes({"125m": REC, "30m": other}, LADDER)
+    assert [r["verdict"] for r in rows] == ["sizes disagree", "not resolved", "resolved at 30m only"]
+    rows = sizes.across_sizes({"125m": REC, "30m": copy.deepcopy(REC)}, LADDER)
+    assert rows[0]["verdict"] == "carried (higher)"
+    text = sizes.lines(rows)
+    assert text[0].startswith("mxfp4-fprop minus bf16: carried (higher); 125m: +0.0901 nats [+0.0739, +0.1062]")
+
+
+def test_no_verdict_below_three_seeds_or_without_an_arm():
+    two = copy.deepcopy(REC)
+    for a in two["arms"].values():
+        a.pop("2", None)
+    del two["arms"]["mxfp4-all-dh16"]
+    rows = sizes.across_sizes({"125m": REC, "30m": two}, LADDER)
+    assert rows[0]["verdict"] == "no verdict (30m: 2 paired seed(s), below 3)"
+    assert rows[2]["verdict"] == "no verdict (30m: no run of mxfp4-all-dh16)"
+    assert rows[0]["sizes"]["30m"]["p_holm"] is None   # (left out of its size's family)
