@@ -12,6 +12,7 @@ from mxtrain.linear.module import MXLinear
 from mxtrain.kernels.mxfp4 import ops as Q, launch as L
 from mxtrain.kernels import gemm as G, expand as E
 from mxtrain import linear as LIN
+from mxtrain.linear import ops as LOPS
 
 recipe = sys.argv[1] if len(sys.argv) > 1 else "mxfp4-all-dh16"
 comp = len(sys.argv) > 2 and sys.argv[2] == "compiled"
@@ -26,9 +27,11 @@ for _ in range(30):
 torch.cuda.synchronize()
 lp = LineProfiler()
 for fn in (fast.backward, fast.forward, fast.quantize_input, fast._quant, fast._quant_pair, fast._gemm_fn,
-           fast.carrier_of, skeleton.EagerLinear.forward, skeleton.EagerLinear.backward, fast.apply,
+           fast.carrier_of, skeleton.EagerLinear.forward, skeleton.EagerLinear.backward, skeleton.forward,
+           skeleton.backward, fast.FastBackend.start_forward, fast.FastBackend.start_backward, fast.FastBackend.gemm,
+           fast.apply,
            Q.quantize_mxfp4_2d, Q.quantize_op, L.Plan.__call__, G.mx_gemm_nt, G._scaled_mm, E.carrier_from_packed,
-           LIN.mx_linear, LIN._linear_backward_op, LIN._linear_q_op, LIN._quantize_input_op, fast.unpack_operand,
+           LIN.mx_linear, LOPS._linear_backward_op, LOPS._linear_q_op, LOPS._quantize_input_op, fast.unpack_operand,
            fast.pack_operand, fast._outputs, fast._counter):
     try:
         lp.add_function(fn)
