@@ -147,7 +147,8 @@ def test_to_dict_for_run_folders():
     d = settings.current().to_dict()
     assert list(d) == list(Settings.__dataclass_fields__) and json.loads(json.dumps(d)) == d
     assert set(settings.current().numerics()) == set(settings.NUMERICS) == {"fast", "gemm_backend", "wgrad_b_group",
-                                                                            "exact_carrier", "glue", "fp8_fast_accum", "fp8_autocast"}
+                                                                            "carrier_k", "exact_carrier", "glue",
+                                                                            "fp8_fast_accum", "fp8_autocast"}
     fields = Settings.__dataclass_fields__.values()
     env = {f.metadata["env"]: str(v) for f, v in zip(fields, d.values()) if v is not None}
     assert Settings.from_env(env) == settings.current()   # what a run folder records gives the same settings

@@ -35,9 +35,10 @@ __all__ = ["mx_gemm_nt", "probe", "native_plan", "weight_group_rows", "activatio
 
 
 def k_multiple_for(backend: str) -> int:
-    """Carrier reduction-length padding: cuBLAS's blockwise FP8 path wants K/128 % 4 == 0 (with
-    K/128 = 9 it returned wrong results in both scale configurations; K multiple of 512 is exact)."""
-    return 512 if backend == "fp8_carrier" else 128
+    """Carrier reduction-length padding: the setting ``carrier_k`` (512 by default: cuBLAS's blockwise FP8 path
+    wants K/128 % 4 == 0 (with K/128 = 9 it returned wrong results in both scale configurations; K multiple of
+    512 is exact); 256 or 128 where ``tools/carrier_k_probe.py`` finds them exact); 128 for the other backends."""
+    return _settings.current().carrier_k if backend == "fp8_carrier" else 128
 
 
 def native_plan(device) -> str:

@@ -57,7 +57,6 @@ __all__ = ["applies", "linear", "plan", "spec", "seeded", "share_inputs", "Share
            "ShareCarrierPass", "install_share_pass", "TRACE_TIME_SETTINGS"]
 
 _GEMMS = (("fprop", "fprop_x", "fprop_w"), ("dgrad", "dgrad_dy", "dgrad_w"), ("wgrad", "wgrad_dy", "wgrad_x"))
-_KMUL = 512          # carrier reduction multiple (kernels.gemm.k_multiple_for("fp8_carrier"))
 _TILE = 128
 _OK = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -255,25 +254,25 @@ def _side(seeds: _Seeds, name: str, gemm: str, G: _G, a: bool) -> tuple:
 
 
 def _dual(t2: torch.Tensor, cnt, rot_a: int, rule_a: str, rot_b: int, rule_b: str, group_rows_b: int, fp4_b: bool,
-          side_a: tuple, side_b: tuple) -> tuple:
+          side_a: tuple, side_b: tuple, kmul: int) -> tuple:
     """``q_dual`` of ``t2`` with A's and B's ``_side`` answers: (A's carrier, its group-scale storage, B's carrier
     or packed codes, its group-scale storage or E8M0 scales)."""
-    return tuple(torch.ops.mxtrain.q_dual(t2, cnt, rot_a, rule_a, rot_b, rule_b, group_rows_b, fp4_b, _KMUL,
+    return tuple(torch.ops.mxtrain.q_dual(t2, cnt, rot_a, rule_a, rot_b, rule_b, group_rows_b, fp4_b, kmul,
                                           *side_a[:4], *side_b[:4], side_a[4], side_b[4]))
 
 
-def _quant_rows(t2: torch.Tensor, cnt, rot: int, rule: str, group_rows: int,
+def _quant_rows(t2: torch.Tensor, cnt, rot: int, rule: str, group_rows: int, kmul: int,
                 side: tuple = (None, None, "nearest", 1.0, "mxfp4")):
     """``t2`` (R, K) quantized along K: (carrier, group-scale storage). ``side``: ``_side``'s answer."""
-    c, g, _, _ = torch.ops.mxtrain.q_single(t2, cnt, 1, rot, rule, True, False, group_rows, _KMUL, *side)
+    c, g, _, _ = torch.ops.mxtrain.q_single(t2, cnt, 1, rot, rule, True, False, group_rows, kmul, *side)
     return c, g
 
 
-def _quant_cols(t2: torch.Tensor, cnt, rot: int, rule: str, group_rows: int, fp4: bool = False,
+def _quant_cols(t2: torch.Tensor, cnt, rot: int, rule: str, group_rows: int, kmul: int, fp4: bool = False,
                 side: tuple = (None, None, "nearest", 1.0, "mxfp4")):
     """``t2`` (M, K) quantized along M (the operand of K rows): (carrier, group-scale storage) or, with
     ``fp4``, (packed codes, E8M0 scales)."""
-    c, g, p, s = torch.ops.mxtrain.q_single(t2, cnt, 0, rot, rule, not fp4, fp4, group_rows, _KMUL, *side)
+    c, g, p, s = torch.ops.mxtrain.q_single(t2, cnt, 0, rot, rule, not fp4, fp4, group_rows, kmul, *side)
     return (p, s) if fp4 else (c, g)
 
 
@@ -288,8 +287,9 @@ class _GraphBackend(Backend):
 
     autocast_off = False
 
-    def __init__(self, gemms: tuple, seeds: "_Seeds", amp, x_rows: int, counters: tuple, pre=None, kept=None):
-        self.gemms, self.seeds, self.amp, self.x_rows, self.cnt = gemms, seeds, amp, x_rows, counters
+    def __init__(self, gemms: tuple, seeds: "_Seeds", amp, x_rows: int, kmul: int, counters: tuple, pre=None,
+                 kept=None):
+        self.gemms, self.seeds, self.amp, self.x_rows, self.kmul, self.cnt = gemms, seeds, amp, x_rows, kmul, counters
         self.pre = {} if pre is None else {"fprop": pre}
         self.kept = kept
 
@@ -301,7 +301,7 @@ class _GraphBackend(Backend):
             if _dual_ok(dy2, D.rot, W.rot, D.sra or W.sra):
                 a0, a1, b0, b1 = _dual(dy2, self.cnt[2], D.rot, D.ra, W.rot, W.ra, 1, False,
                                        _side(self.seeds, "dgrad_dy", "dgrad", D, True),
-                                       _side(self.seeds, "wgrad_dy", "wgrad", W, True))
+                                       _side(self.seeds, "wgrad_dy", "wgrad", W, True), self.kmul)
                 self.pre = {"dgrad": (a0, a1), "wgrad": (b0, b1)}
         return dy2
 
@@ -315,36 +315,40 @@ class _GraphBackend(Backend):
         rows, cols, _ = dims
         if g is FPROP:   # (A: X's carrier from outside; B: W along its rows, 128x128 groups)
             ca, ga = self.pre["fprop"]
-            cb, gb = _quant_rows(b, cw, G.rot, G.rb, 128, _side(seeds, "fprop_w", "fprop", G, False))
+            cb, gb = _quant_rows(b, cw, G.rot, G.rb, 128, self.kmul, _side(seeds, "fprop_w", "fprop", G, False))
             return _mm(ca, ga, rows, cb, gb, 128, cols, odt, G.alpha)
         side_a = _side(seeds, g.a, g.name, G, True)
         if g is DGRAD:   # (A: dY along its rows; B: W along its columns, 128x128 groups)
-            ca, ga = self.pre["dgrad"] if "dgrad" in self.pre else _quant_rows(a, cdy, G.rot, G.ra, 1, side_a)
-            cb, gb = _quant_cols(b, cw, G.rot, G.rb, 128, side=_side(seeds, "dgrad_w", "dgrad", G, False))
+            ca, ga = (self.pre["dgrad"] if "dgrad" in self.pre else
+                      _quant_rows(a, cdy, G.rot, G.ra, 1, self.kmul, side_a))
+            cb, gb = _quant_cols(b, cw, G.rot, G.rb, 128, self.kmul, side=_side(seeds, "dgrad_w", "dgrad", G, False))
             return _mm(ca, ga, rows, cb, gb, 128, cols, odt, G.alpha)
         # Wgrad (A: dY along its columns; B: X along its columns, from the kept operand or the kept X)
-        ca, ga = self.pre["wgrad"] if "wgrad" in self.pre else _quant_cols(a, cdy, G.rot, G.ra, 1, side=side_a)
+        ca, ga = (self.pre["wgrad"] if "wgrad" in self.pre else
+                  _quant_cols(a, cdy, G.rot, G.ra, 1, self.kmul, side=side_a))
         pk, sc = self.kept if self.kept is not None else (None, None)
         if b is None and sc.dtype == torch.float32:   # (kept as its carrier: wgrad_x=carrier)
             cb, gb = pk, sc
         elif b is None:
-            cb, gb = torch.ops.mxtrain.q_expand(pk, sc, cx, dims[2], self.x_rows, _KMUL, G.fb)
+            cb, gb = torch.ops.mxtrain.q_expand(pk, sc, cx, dims[2], self.x_rows, self.kmul, G.fb)
         else:
-            cb, gb = _quant_cols(b, cx, G.rot, G.rb, self.x_rows, side=_side(seeds, "wgrad_x", "wgrad", G, False))
+            cb, gb = _quant_cols(b, cx, G.rot, G.rb, self.x_rows, self.kmul,
+                                 side=_side(seeds, "wgrad_x", "wgrad", G, False))
         return _mm(ca, ga, rows, cb, gb, self.x_rows, cols, odt, G.alpha)
 
 
 class _CompiledMXLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, ca, ga, pk, sc, keys, sign_rows, gemms, out_dtype, amp, x_rows):
+    def forward(ctx, x, weight, bias, ca, ga, pk, sc, keys, sign_rows, gemms, out_dtype, amp, x_rows, kmul):
         """``ca``, ``ga``: X's Fprop carrier and group-scale storage; ``pk``, ``sc``: its Wgrad operand as FP4 codes
         and E8M0 scales (None: the backward quantizes the kept X); all None where Fprop is plain (``_x_operands``).
         ``keys``, ``sign_rows``: the call's random inputs (``call_seeds``), or None where the recipe draws none."""
         cx, cw, cdy = _counters(x.device)[:3]
-        be = _GraphBackend(gemms, _Seeds(keys, sign_rows), amp, x_rows, (cx, cw, cdy),
+        be = _GraphBackend(gemms, _Seeds(keys, sign_rows), amp, x_rows, kmul, (cx, cw, cdy),
                            pre=(ca, ga) if gemms[0] != "p" else None)
         y = skeleton.forward(be, x, weight, bias, out_dtype)
-        ctx.gemms, ctx.amp, ctx.x_rows, ctx.has_bias, ctx.x_dtype = gemms, amp, x_rows, bias is not None, x.dtype
+        ctx.gemms, ctx.amp, ctx.x_rows, ctx.kmul = gemms, amp, x_rows, kmul
+        ctx.has_bias, ctx.x_dtype = bias is not None, x.dtype
         ctx.saved_codes = pk is not None
         ctx.seeded = (keys is not None, sign_rows is not None)
         seeded = tuple(t for t in (keys, sign_rows) if t is not None)
@@ -368,9 +372,10 @@ class _CompiledMXLinear(torch.autograd.Function):
         keys = rest.pop(0) if ctx.seeded[0] else None
         sign_rows = rest.pop(0) if ctx.seeded[1] else None
         _, _, cdy, cx, cw = _counters(dy.device)   # (x and w: the counters only backward graphs write, fast.COUNTERS)
-        be = _GraphBackend(ctx.gemms, _Seeds(keys, sign_rows), ctx.amp, ctx.x_rows, (cx, cw, cdy), kept=kept)
+        be = _GraphBackend(ctx.gemms, _Seeds(keys, sign_rows), ctx.amp, ctx.x_rows, ctx.kmul, (cx, cw, cdy),
+                           kept=kept)
         dx, dw, db = skeleton.backward(be, dy, x2, weight, ctx.x_dtype, (n[0], n[1], ctx.has_bias and n[2]))
-        return dx, dw, db, None, None, None, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None, None, None, None
 
 
 def _counters(device: torch.device) -> tuple:
@@ -380,12 +385,13 @@ def _counters(device: torch.device) -> tuple:
 
 
 def _x_operands(x2: torch.Tensor, gemms: tuple, x_rows: int, need_wgrad: bool, seeds: _Seeds,
-                codes: bool = True) -> tuple:
+                codes: bool = True, kmul: int = 512) -> tuple:
     """X's operands, made outside the layer's autograd function (they carry no gradient; dX comes from the
     function's backward), so that layers reading one input can share them (``share_inputs``): ``(Fprop carrier,
     its group-scale storage, Wgrad operand, its scales)``, the Wgrad operand as FP4 codes and E8M0 scales
     (``codes``) or as its FP8 carrier and group-scale storage (setting ``wgrad_x=carrier``), None where the
-    backward needs no Wgrad operand from the forward; all None where Fprop is plain."""
+    backward needs no Wgrad operand from the forward; all None where Fprop is plain. ``kmul``: the carriers'
+    reduction multiple (setting ``carrier_k``)."""
     if gemms[0] == "p":
         return None, None, None, None
     cx = _counters(x2.device)[0]
@@ -395,11 +401,11 @@ def _x_operands(x2: torch.Tensor, gemms: tuple, x_rows: int, need_wgrad: bool, s
         W = _G(gemms[2])
         wb = _side(seeds, "wgrad_x", "wgrad", W, False)
         if _dual_ok(x2, F.rot, W.rot, F.sra or W.srb):
-            return _dual(x2, cx, F.rot, F.ra, W.rot, W.rb, x_rows, codes, fa, wb)
-        ca, ga = _quant_rows(x2, cx, F.rot, F.ra, 1, fa)
-        pk, sc = _quant_cols(x2, cx, W.rot, W.rb, x_rows, fp4=codes, side=wb)
+            return _dual(x2, cx, F.rot, F.ra, W.rot, W.rb, x_rows, codes, fa, wb, kmul)
+        ca, ga = _quant_rows(x2, cx, F.rot, F.ra, 1, kmul, fa)
+        pk, sc = _quant_cols(x2, cx, W.rot, W.rb, x_rows, kmul, fp4=codes, side=wb)
         return ca, ga, pk, sc
-    ca, ga = _quant_rows(x2, cx, F.rot, F.ra, 1, fa)
+    ca, ga = _quant_rows(x2, cx, F.rot, F.ra, 1, kmul, fa)
     return ca, ga, None, None
 
 
@@ -415,8 +421,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, mx:
     where = settings.current().wgrad_x_for(x.shape[-1])
     need_wgrad = torch.is_grad_enabled() and weight.requires_grad and where != "backward" and gemms[2] != "p"
     x2 = x.detach().reshape(-1, x.shape[-1]).contiguous()   # (quantized operands carry no gradient)
-    ca, ga, pk, sc = _x_operands(x2, gemms, rows[0], need_wgrad, _Seeds(keys, signs), where == "forward")
-    return _CompiledMXLinear.apply(x, weight, bias, ca, ga, pk, sc, keys, signs, gemms, out_dtype, amp, rows[0])
+    kmul = settings.current().carrier_k   # (read while tracing: dynamo guards on it, as on wgrad_x)
+    ca, ga, pk, sc = _x_operands(x2, gemms, rows[0], need_wgrad, _Seeds(keys, signs), where == "forward", kmul)
+    return _CompiledMXLinear.apply(x, weight, bias, ca, ga, pk, sc, keys, signs, gemms, out_dtype, amp, rows[0], kmul)
 
 
 # ---------------------------------------------------------------------------------------------- shared inputs
