@@ -217,25 +217,34 @@ def test_wgrad_operand_kept_as_its_carrier_on_cpu():
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("k", [128, 256])
-def test_carrier_k_pads_the_reduction_less_with_the_same_operands(k):
-    """The setting ``carrier_k``: a carrier's reduction length padded to a multiple of ``k`` instead of 512 (K 768:
-    768 columns, not 1,024), its first K columns the same bytes and the rest zeros; the compiled layer's outputs and
-    gradients (CPU emulation of the GEMM) the 512 ones up to the float32 sum's order."""
+def test_carrier_k_pads_the_reduction_less_with_the_same_operands(monkeypatch):
+    """The setting ``carrier_k``: a carrier's reduction length padded to a multiple of 128 or 256 instead of 512 (K
+    768: 768 columns, not 1,024), its first K columns the same bytes and the rest zeros; the compiled layer's outputs
+    and gradients (CPU emulation of the GEMM; K 384 with 128) the 512 ones up to the float32 sum's order."""
     from mxtrain.kernels.mxfp4 import quantize_op
     from mxtrain.kernels import gemm
     g = torch.Generator().manual_seed(6)
-    x, w, gy = torch.randn(40, 768, generator=g), torch.randn(64, 768, generator=g), torch.randn(40, 64, generator=g)
-    q = {m: quantize_op(x, 1, rot=16, carrier=True, fp4=False, group_rows=1, k_multiple=m) for m in (k, 512)}
-    assert q[k].carrier.shape[1] == 768 and q[512].carrier.shape[1] == 1024
-    assert torch.equal(q[k].carrier.view(torch.uint8), q[512].carrier.view(torch.uint8)[:, :768])
+    x = torch.randn(16, 768, generator=g)
+    q = {m: quantize_op(x, 1, rot=16, carrier=True, fp4=False, group_rows=1, k_multiple=m) for m in (128, 256, 512)}
+    assert q[128].carrier.shape[1] == q[256].carrier.shape[1] == 768 and q[512].carrier.shape[1] == 1024
+    for m in (128, 256):
+        assert torch.equal(q[m].carrier.view(torch.uint8), q[512].carrier.view(torch.uint8)[:, :768])
     assert not q[512].carrier.view(torch.uint8)[:, 768:].any()
-    out = {}
-    for m in (k, 512):
+    x, w, gy = torch.randn(32, 384, generator=g), torch.randn(32, 384, generator=g), torch.randn(32, 32, generator=g)
+    out, widths, real = {}, [], compiledmx._quant_rows
+
+    def spy(*a, **k):   # (the widths of the carriers made along rows here: W's Fprop operand)
+        c, gs = real(*a, **k)
+        widths.append(c.shape[1])
+        return c, gs
+    monkeypatch.setattr(compiledmx, "_quant_rows", spy)
+    for m in (128, 512):
+        widths.clear()
         with settings.override(carrier_k=m):
             assert gemm.k_multiple_for("fp8_carrier") == m and gemm.k_multiple_for("dequant") == 128
             out[m] = fwd_bwd(x, w, None, gy, lambda x, w, b: _cpu_layer(x, w, b, "mxfp4-all-dh16"))
-    for a, b in zip(out[k], out[512]):
+        assert widths and set(widths) == {384 if m == 128 else 512}, (m, widths)
+    for a, b in zip(out[128], out[512]):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
