@@ -128,3 +128,27 @@ def test_every_form_of_the_layer_runs_through_the_skeleton():
     assert sorted(backends) == ["FastBackend", "RefBackend", "_FP8Backend", "_GraphBackend"]
     src = {f: open(os.path.join(LINEAR, f), encoding="utf-8").read() for f in ("reference.py", "fast.py")}
     assert all("skeleton.EagerLinear.apply" in s for s in src.values())
+
+
+def test_the_bit_check_tool_runs_and_tells_a_changed_bit(tmp_path):
+    """``tools/forms_bitcheck.py`` (the old-against-new check of every form) on one recipe on a CPU: a file compared
+    with itself has no differing case, and one with a single bit flipped is named (exit status 1)."""
+    import subprocess
+    import sys
+    tool = os.path.join(os.path.dirname(os.path.dirname(LINEAR)), "tools", "forms_bitcheck.py")
+    a, b = tmp_path / "a.pt", tmp_path / "b.pt"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, tool, str(a), "--quick", "--only", "mxfp4-all"], capture_output=True,
+                       text=True, env=env, cwd=os.path.dirname(os.path.dirname(LINEAR)), timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = torch.load(a)
+    assert list(got) == ["reference/mxfp4-all/0"] and len(got["reference/mxfp4-all/0"]) == 8   # (y, dX, dW, db) x 2
+    ok = subprocess.run([sys.executable, tool, "--compare", str(a), str(a)], capture_output=True, text=True,
+                        timeout=300)
+    assert ok.returncode == 0 and "1 cases, 0 differ" in ok.stdout
+    t = got["reference/mxfp4-all/0"][0]
+    t.view(torch.int32).view(-1)[0] ^= 1
+    torch.save(got, b)
+    bad = subprocess.run([sys.executable, tool, "--compare", str(a), str(b)], capture_output=True, text=True,
+                         timeout=300)
+    assert bad.returncode == 1 and "1 differ" in bad.stdout and "reference/mxfp4-all/0" in bad.stdout, bad.stdout
