@@ -27,7 +27,8 @@ BUILTIN = ("data", "train")
 # subcommand -> module exposing register(subparsers) or add_parsers(subparsers), in the order `mxtrain` lists
 # them. The one call site of mxtrain.cli.hf (export, generate, eval: Hugging Face folders in and out): its
 # add_parsers(subparsers) adds the three parsers, each with set_defaults(func=...) returning an exit code.
-EXTERNAL = {"study": "mxtrain.cli.study", "report": "mxtrain.cli.study", "study-import": "mxtrain.cli.study", "bench": "mxtrain.bench",
+EXTERNAL = {"study": "mxtrain.cli.study", "report": "mxtrain.cli.study", "study-import": "mxtrain.cli.study",
+            "sizes": "mxtrain.cli.study", "bench": "mxtrain.bench",
             "export": "mxtrain.cli.hf", "generate": "mxtrain.cli.hf", "eval": "mxtrain.cli.hf"}
 
 

@@ -112,6 +112,7 @@ def register(subparsers) -> None:
                    "(DIR's own summary and report stay as they are)")
     r.set_defaults(func=report_main)
     register_import(subparsers)
+    register_sizes(subparsers)
 
 
 def study_main(args: argparse.Namespace) -> int:
@@ -579,4 +580,67 @@ def study_import_main(args: argparse.Namespace) -> int:
         print(f"dry run: {len(done)} runs would be imported; nothing copied")
     else:
         print(f"{len(done)} runs imported into {args.dst}; `mxtrain report {args.dst}` writes its report")
+    return 0
+
+
+def register_sizes(subparsers) -> None:
+    """Add the ``sizes`` sub-command (``mxtrain.study.sizes``)."""
+    p = subparsers.add_parser(
+        "sizes", help="judge planned contrasts in studies at several model sizes: does each size carry a finding?",
+        description="Each contrast ARM:REFERENCE is the per-seed gap of the cooled-down loss at one budget, tested "
+                    "at each size with the paired t over its seeds, Holm-adjusted over the contrasts given (one "
+                    "family per size); the verdict says whether every size resolves it the same way (carried), only "
+                    "some do, two disagree, or none does; no verdict below 3 seeds. Reads each study's seeds.json "
+                    "(mxtrain report writes it).")
+    p.add_argument("studies", nargs="+", metavar="SIZE=PATH",
+                   help="a name for the size and its study folder or seeds.json, e.g. 125m=studies/ladder-125m")
+    p.add_argument("--contrast", action="append", required=True, metavar="ARM:REFERENCE",
+                   help="a planned contrast, e.g. mxfp4-all:mxfp4-fprop-dgrad (repeat for each)")
+    p.add_argument("--budget", type=number_flag(lo=0, lo_open=True, hi=1), default=1.0,
+                   help="the budget (fraction of the run) the contrasts are read at (default 1, the full budget)")
+    p.add_argument("--json", help="also write the rows (each size's test and the verdict) to this file")
+    p.set_defaults(func=sizes_main)
+
+
+def _seeds_record(path: str) -> tuple[Path, dict]:
+    p = Path(path)
+    f = p / "seeds.json" if p.is_dir() else p
+    if not f.is_file():
+        raise UserError(f"{path}: no seeds.json {'in that folder' if p.is_dir() else 'file there'} (mxtrain report "
+                        "writes it into a study folder)")
+    rec = read_json_object(f, "a study's per-seed record")
+    if not isinstance(rec.get("arms"), dict):
+        raise UserError(f"{f} is not a study's per-seed record (no 'arms'): give the seeds.json mxtrain report wrote")
+    return f, rec
+
+
+def sizes_main(args: argparse.Namespace) -> int:
+    from ..study import sizes  # startup
+    import difflib
+    records = {}
+    for item in args.studies:
+        name, eq, path = item.partition("=")
+        if not eq or not name.strip() or not path.strip():
+            raise UserError(f"{item!r}: give each study as SIZE=PATH, e.g. 125m=studies/ladder-125m")
+        if name in records:
+            raise UserError(f"size {name!r} is given twice")
+        records[name] = _seeds_record(path)[1]
+    contrasts = []
+    every = sorted({a for r in records.values() for a in r["arms"]})
+    for c in args.contrast:
+        arm, colon, ref = (x.strip() for x in c.partition(":"))
+        if not colon or not arm or not ref:
+            raise UserError(f"--contrast {c!r}: give ARM:REFERENCE, e.g. mxfp4-all:mxfp4-fprop-dgrad")
+        for a in (arm, ref):
+            if a not in every:
+                near = difflib.get_close_matches(a, every, n=1)
+                raise UserError(f"--contrast {c!r}: no study has an arm {a!r}"
+                                f"{f' (did you mean {near[0]}?)' if near else ''}; arms: {', '.join(every)}")
+        contrasts.append((arm, ref))
+    budget = sizes.budget_key(records, args.budget)
+    rows = sizes.across_sizes(records, contrasts, budget)
+    print(f"at budget {args.budget:g}, {len(contrasts)} contrast(s), Holm within each size:")
+    print("\n".join(sizes.lines(rows)))
+    if args.json:
+        write_json(args.json, {"budget": args.budget, "sizes": list(records), "rows": rows})
     return 0

@@ -6,13 +6,14 @@ both arms finished), tested with the paired t over the seeds (``stats.paired_t``
 are one family, Holm-adjusted (``stats.holm``), as in the study's plan. Across sizes (docs/results.md, "The ladder
 at 30m, planned before it runs"):
 
-* ``carried (higher|lower)``: every size resolves it, in the same direction;
+* ``carried (higher|lower)``: every size resolves it, in the same direction (``resolved (...)`` with one size);
 * ``sizes disagree``: two sizes resolve it in opposite directions (reported as such, never averaged);
 * ``resolved at SIZE only``: one or more sizes resolve it, the others do not;
 * ``not resolved``: no size resolves it;
 * ``no verdict (...)``: a size has fewer than ``cooldown.MIN_SEEDS`` paired seeds, or lacks an arm.
 
-Nothing here fits curves or converts to tokens: the gap in nats is the quantity every size shares.
+Nothing here fits curves or converts to tokens: the gap in nats is the quantity every size shares. The command
+``mxtrain sizes 125m=DIR 30m=DIR --contrast ARM:REFERENCE ...`` prints the same (``mxtrain/cli/study.py``).
 """
 
 from __future__ import annotations
@@ -20,10 +21,29 @@ from __future__ import annotations
 from . import stats
 from .cooldown import MIN_SEEDS
 
-__all__ = ["contrast", "across_sizes", "lines"]
+__all__ = ["contrast", "across_sizes", "lines", "budget_key"]
 
 
-def contrast(record: dict, arm: str, ref: str, budget: str = "1") -> dict | None:
+def budget_key(records: dict, budget: float) -> float:
+    """``budget`` if every record has it among its budgets (else a ``UserError`` naming each record's budgets)."""
+    from ..errors import UserError  # startup
+    for size, rec in records.items():
+        have = sorted({float(b) for a in rec.get("arms", {}).values() for s in a.values() for b in s.get("cooled", {})})
+        if not any(abs(b - float(budget)) < 1e-9 for b in have):
+            raise UserError(f"the {size} study has no cooled-down budget {budget:g} (it has "
+                            f"{', '.join(f'{b:g}' for b in have) or 'none'})")
+    return float(budget)
+
+
+def _cooled(seed: dict, budget) -> dict | None:
+    """A seed's cooled-down point at ``budget`` (a number, or its key as the record writes it)."""
+    for k, c in seed.get("cooled", {}).items():
+        if abs(float(k) - float(budget)) < 1e-9:
+            return c
+    return None
+
+
+def contrast(record: dict, arm: str, ref: str, budget="1") -> dict | None:
     """The paired t of ``arm`` minus ``ref`` at ``budget`` in one study's per-seed record, with the seeds used and
     each seed's gap; None where either arm is missing."""
     arms = record.get("arms", {})
@@ -31,7 +51,7 @@ def contrast(record: dict, arm: str, ref: str, budget: str = "1") -> dict | None
         return None
 
     def loss(a, s):
-        c = arms[a][s].get("cooled", {}).get(budget)
+        c = _cooled(arms[a][s], budget)
         return c["loss"] if c and c.get("state") == "done" and c.get("loss") is not None else None
     seeds = sorted((s for s in arms[arm] if s in arms[ref] and loss(arm, s) is not None and loss(ref, s) is not None),
                    key=int)
@@ -39,7 +59,7 @@ def contrast(record: dict, arm: str, ref: str, budget: str = "1") -> dict | None
     return {**stats.paired_t(gaps), "seeds": seeds, "gaps": gaps}
 
 
-def across_sizes(records: dict, contrasts: list, budget: str = "1", alpha: float = stats.ALPHA) -> list[dict]:
+def across_sizes(records: dict, contrasts: list, budget="1", alpha: float = stats.ALPHA) -> list[dict]:
     """``records``: size name -> per-seed record; ``contrasts``: ``(arm, ref)`` pairs, the planned family of each
     size. Returns one row per contrast: ``{"arm", "ref", "sizes": {size: contrast + "p_holm", "resolved"}, "verdict"}``
     (``resolved``: "higher", "lower" or None)."""
@@ -67,7 +87,7 @@ def across_sizes(records: dict, contrasts: list, budget: str = "1", alpha: float
             if len(got) > 1:
                 verdict = "sizes disagree"
             elif got and all(d is not None for d in dirs.values()):
-                verdict = f"carried ({got.pop()})"
+                verdict = f"{'carried' if len(dirs) > 1 else 'resolved'} ({got.pop()})"
             elif got:
                 verdict = f"resolved at {', '.join(s for s, d in dirs.items() if d is not None)} only"
             else:

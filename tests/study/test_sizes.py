@@ -29,7 +29,7 @@ def test_one_size_is_its_own_holm_family():
     assert [r["sizes"]["125m"]["p_holm"] for r in rows] == stats.holm(ps)
     fprop, wgrad, h16 = rows
     assert fprop["sizes"]["125m"]["mean"] == pytest.approx(0.0901, abs=5e-5)
-    assert fprop["verdict"] == "carried (higher)" and wgrad["verdict"] == h16["verdict"] == "not resolved"
+    assert fprop["verdict"] == "resolved (higher)" and wgrad["verdict"] == h16["verdict"] == "not resolved"
     assert fprop["sizes"]["125m"]["seeds"] == ["0", "1", "2"]
 
 
@@ -53,3 +53,34 @@ def test_no_verdict_below_three_seeds_or_without_an_arm():
     assert rows[0]["verdict"] == "no verdict (30m: 2 paired seed(s), below 3)"
     assert rows[2]["verdict"] == "no verdict (30m: no run of mxfp4-all-dh16)"
     assert rows[0]["sizes"]["30m"]["p_holm"] is None   # (left out of its size's family)
+
+
+DATA = Path(__file__).resolve().parents[2] / "docs" / "results" / "data" / "ladder-125m-seeds.json"
+
+
+def test_the_command_prints_the_verdicts_and_writes_json(tmp_path, capsys):
+    from mxtrain.cli.core import main
+    other = tmp_path / "30m"
+    other.mkdir()
+    (other / "seeds.json").write_text(json.dumps(_shifted(REC, "mxfp4-fprop", -0.2)))
+    rc = main(["sizes", f"125m={DATA}", f"30m={other}", "--contrast", "mxfp4-fprop:bf16", "--contrast",
+               "mxfp4-all-dh16:mxfp4-all", "--json", str(tmp_path / "rows.json")])
+    out = capsys.readouterr().out
+    assert rc == 0 and "mxfp4-fprop minus bf16: sizes disagree" in out and "mxfp4-all-dh16 minus mxfp4-all: not resolved" in out
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert rows["sizes"] == ["125m", "30m"] and [r["verdict"] for r in rows["rows"]] == ["sizes disagree", "not resolved"]
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["125m", "--contrast", "mxfp4-fprop:bf16"], "give each study as SIZE=PATH"),
+    (["125m=/no/such/folder", "--contrast", "mxfp4-fprop:bf16"], "no seeds.json"),
+    ([f"125m={DATA}", "--contrast", "mxfp4-fprop-bf16"], "give ARM:REFERENCE"),
+    ([f"125m={DATA}", "--contrast", "mxfp4-fprp:bf16"], "did you mean mxfp4-fprop?"),
+    ([f"125m={DATA}", "--contrast", "mxfp4-fprop:bf16", "--budget", "0.75"], "no cooled-down budget 0.75 (it has 0.25, 0.5, 1)"),
+    ([f"125m={DATA}", f"125m={DATA}", "--contrast", "mxfp4-fprop:bf16"], "given twice"),
+])
+def test_the_command_refuses_bad_input_in_one_line(argv, says, capsys):
+    from mxtrain.cli.core import main
+    assert main(["sizes", *argv]) == 2
+    err = capsys.readouterr().err
+    assert says in err and err.count("\n") == 1 and "Traceback" not in err
