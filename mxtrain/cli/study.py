@@ -599,6 +599,7 @@ def register_sizes(subparsers) -> None:
     p.add_argument("--budget", type=number_flag(lo=0, lo_open=True, hi=1), default=1.0,
                    help="the budget (fraction of the run) the contrasts are read at (default 1, the full budget)")
     p.add_argument("--json", help="also write the rows (each size's test and the verdict) to this file")
+    p.add_argument("--plot", help="also draw them as a forest plot (PNG) to this file (needs mxtrain[plots])")
     p.set_defaults(func=sizes_main)
 
 
@@ -643,4 +644,14 @@ def sizes_main(args: argparse.Namespace) -> int:
     print("\n".join(sizes.lines(rows)))
     if args.json:
         write_json(args.json, {"budget": args.budget, "sizes": list(records), "rows": rows})
+    if args.plot:
+        from ..study.report import PLOTS_MISSING, plots_available  # startup
+        if not plots_available():
+            raise UserError(f"--plot: {PLOTS_MISSING.split(' (')[0].replace('figures left out: ', '')} "
+                            "(pip install 'mxtrain[plots]')")
+        try:
+            sizes.plot(rows, args.plot)
+        except OSError as e:
+            raise UserError(f"--plot {args.plot}: cannot write it ({e.strerror or e})") from None
+        print(f"forest plot: {args.plot}")
     return 0

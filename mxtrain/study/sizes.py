@@ -21,7 +21,7 @@ from __future__ import annotations
 from . import stats
 from .cooldown import MIN_SEEDS
 
-__all__ = ["contrast", "across_sizes", "lines", "budget_key"]
+__all__ = ["contrast", "across_sizes", "lines", "budget_key", "plot"]
 
 
 def budget_key(records: dict, budget: float) -> float:
@@ -113,3 +113,37 @@ def lines(rows: list[dict]) -> list[str]:
                              f"{size}: {c['mean']:+.4f} nats [{c['ci'][0]:+.4f}, {c['ci'][1]:+.4f}], {c['n']} seeds")
         out.append(f"{row['arm']} minus {row['ref']}: {row['verdict']}; " + "; ".join(parts))
     return out
+
+
+def plot(rows: list[dict], path) -> None:
+    """A forest plot of ``across_sizes``' rows to ``path`` (PNG): one line per contrast, each size's gap in nats with
+    its 95 % interval side by side, 0 marked, the verdict beside the contrast's name. Needs matplotlib (the
+    ``plots`` extra)."""
+    import matplotlib  # optional
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # optional
+    size_names = list(rows[0]["sizes"]) if rows else []
+    n, k = len(rows), max(len(size_names), 1)
+    fig, ax = plt.subplots(figsize=(7.5, 0.9 + 0.55 * n * k))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    ticks, labels = [], []
+    for i, row in enumerate(rows):
+        base = (n - 1 - i) * (k + 1)
+        for j, size in enumerate(size_names):
+            c, y = row["sizes"][size], base + (k - 1 - j)
+            if c is None or c.get("mean") is None:
+                continue
+            lo, hi = c["ci"] if c.get("ci") else (c["mean"], c["mean"])
+            ax.plot([lo, hi], [y, y], color=colors[j % len(colors)], lw=2)
+            ax.plot([c["mean"]], [y], "o", color=colors[j % len(colors)],
+                    label=size if i == 0 else None, mfc="white" if c.get("resolved") is None else None)
+        ticks.append(base + (k - 1) / 2)
+        labels.append(f"{row['arm']} - {row['ref']}\n{row['verdict']}")
+    ax.axvline(0.0, color="0.5", lw=1, ls="--")
+    ax.set_yticks(ticks, labels, fontsize=8)
+    ax.set_xlabel("loss gap, nats (95 % interval over seeds; filled: resolved after Holm)")
+    if size_names:
+        ax.legend(title="size", fontsize=8, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
