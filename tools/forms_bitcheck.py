@@ -4,7 +4,8 @@ A change to the layer's code that should not change a single bit (a refactor, a 
 script under the old and the new package and comparing the files:
 
     git worktree add /tmp/old REV                     # the package before the change
-    (cd /tmp/old && python3 $PWD/tools/forms_bitcheck.py /tmp/old.pt)
+    tool=$PWD/tools/forms_bitcheck.py                 # (the old checkout may not have the tool)
+    (cd /tmp/old && python3 "$tool" /tmp/old.pt)
     python3 tools/forms_bitcheck.py /tmp/new.pt       # from the new checkout
     python3 tools/forms_bitcheck.py --compare /tmp/old.pt /tmp/new.pt
 

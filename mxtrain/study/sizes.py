@@ -18,6 +18,7 @@ Nothing here fits curves or converts to tokens: the gap in nats is the quantity 
 
 from __future__ import annotations
 
+from ..errors import UserError
 from . import stats
 from .cooldown import MIN_SEEDS
 
@@ -26,7 +27,6 @@ __all__ = ["contrast", "across_sizes", "lines", "budget_key", "plot"]
 
 def budget_key(records: dict, budget: float) -> float:
     """``budget`` if every record has it among its budgets (else a ``UserError`` naming each record's budgets)."""
-    from ..errors import UserError  # startup
     for size, rec in records.items():
         have = sorted({float(b) for a in rec.get("arms", {}).values() for s in a.values() for b in s.get("cooled", {})})
         if not any(abs(b - float(budget)) < 1e-9 for b in have):
@@ -119,9 +119,8 @@ def plot(rows: list[dict], path) -> None:
     """A forest plot of ``across_sizes``' rows to ``path`` (PNG): one line per contrast, each size's gap in nats with
     its 95 % interval side by side, 0 marked, the verdict beside the contrast's name. Needs matplotlib (the
     ``plots`` extra)."""
-    import matplotlib  # optional
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # optional
+    from .report import _plt  # startup (matplotlib: optional)
+    plt = _plt()
     size_names = list(rows[0]["sizes"]) if rows else []
     n, k = len(rows), max(len(size_names), 1)
     fig, ax = plt.subplots(figsize=(7.5, 0.9 + 0.55 * n * k))
