@@ -87,10 +87,11 @@ class Settings:
         "int", choices=(1, 128), numerics=True)
     carrier_k: int = _knob(
         512, "MXTRAIN_CARRIER_K", "FP8-carrier backend: the multiple of 128 each carrier's reduction length is padded "
-        "to with zeros (the GEMM reads the padding). 512 is the exact choice: cuBLAS's blockwise FP8 GEMM gave wrong "
-        "results with K/128 = 9 (docs/kernels.md). 256 or 128 pad less (at K = 768, 1,024 becomes 768: a quarter of "
-        "the GEMM's work), only where `python tools/carrier_k_probe.py` finds every tested K exact on your GPU and "
-        "CUDA version. The same MX values either way; the GEMM's float32 sums may be ordered differently.",
+        "to with zeros (the GEMM reads the padding). 512 is the safe choice: cuBLAS's blockwise FP8 GEMM gave wrong "
+        "results with K/128 = 9, and torch 2.11 refuses its 128x128 weight scale groups unless K/128 is a multiple "
+        "of 4 (docs/kernels.md). 256 or 128 pad less (at K = 768, 1,024 becomes 768: a quarter of the GEMM's work), "
+        "only where `python tools/carrier_k_probe.py` finds every tested K exact on your GPU, torch and CUDA. The "
+        "same MX values either way; the GEMM's float32 sums may be ordered differently.",
         "int", choices=(128, 256, 512), numerics=True)
     exact_carrier: bool = _knob(
         False, "MXTRAIN_EXACT_CARRIER", "FP8-carrier backend: every GEMM checks whether its operands hold MXFP4 "

@@ -327,6 +327,14 @@ def torchao_option(base: str, over: dict) -> bool | None:
     return _pop_bool(over, "fast_accum")
 
 
+def variant_options(base: str, over: dict, **defaults: bool) -> tuple[dict, bool | None, dict]:
+    """Every option of one variant that is not a setting, removed from ``over`` (what is left are settings):
+    its model options (``step_options``), a torchao variant's ``fast_accum`` (``torchao_option``) and its
+    inductor options (``inductor_options``). The one place that knows them all: the command checks the variants
+    with it before any GPU work, and each variant is measured with what it returns."""
+    return step_options(over, **defaults), torchao_option(base, over), inductor_options(over)
+
+
 def split_variant(v: str) -> tuple[str, dict]:
     """``"name:key=value:key=value"`` -> ``("name", {key: value})`` (values parsed by ``settings``)."""
     name, _, rest = v.partition(":")
@@ -404,9 +412,8 @@ def _measure_variant(v: str, on_variant, *, model, layers, batch, seq, steps, wa
     import torch._inductor.config
     try:
         base, over = split_variant(v)
-        opts = step_options(over, recompute_ffn=recompute_ffn, checkpoint_blocks=checkpoint_blocks)
-        tao_fa = torchao_option(base, over)
-        inductor = inductor_options(over)
+        opts, tao_fa, inductor = variant_options(base, over, recompute_ffn=recompute_ffn,
+                                                 checkpoint_blocks=checkpoint_blocks)
         budget = {} if memory_budget is None else {"activation_memory_budget": float(memory_budget)}
         if recompute_gemm_inputs:
             budget["ban_recompute_materialized_backward"] = False

@@ -49,7 +49,7 @@ from ..linear.module import MXLinear, convert
 from ..model.llama import Block, ModelConfig, rope_tables
 from . import step as _bs, limits as BL
 from ..linear import implementation
-from .step import kernel_profile, MODELS, TORCHAO, split_variant, step_options
+from .step import kernel_profile, MODELS, TORCHAO, split_variant, variant_options
 from ..numerics import recipes as _recipes
 
 __all__ = ["register", "main"]
@@ -762,7 +762,7 @@ def run(args) -> int:
     for p in named:
         try:
             name, over = split_variant(p)
-            step_options(over)   # (a variant's own recompute_ffn / checkpoint_blocks; the rest are settings)
+            variant_options(name, over)   # (a variant's own options: the rest are settings)
             _settings.fresh().replace(**over)
         except ValueError as e:
             raise UserError(f"variant {p!r}: {e}") from None

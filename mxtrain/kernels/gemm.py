@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from .. import settings as _settings
+from ..errors import UserError
 from .caches import CACHES
 from .mxfp4.carrier import QuantOut, carrier_values, dequantize_fp4
 from .mxfp4 import quantize_mxfp4_2d
@@ -36,8 +37,9 @@ __all__ = ["mx_gemm_nt", "probe", "native_plan", "weight_group_rows", "activatio
 
 def k_multiple_for(backend: str) -> int:
     """Carrier reduction-length padding: the setting ``carrier_k`` (512 by default: cuBLAS's blockwise FP8 path
-    wants K/128 % 4 == 0 (with K/128 = 9 it returned wrong results in both scale configurations; K multiple of
-    512 is exact); 256 or 128 where ``tools/carrier_k_probe.py`` finds them exact); 128 for the other backends."""
+    wants K/128 % 4 == 0: with K/128 = 9 an earlier torch returned wrong results in both scale configurations,
+    and torch 2.11 refuses 128x128 B groups at any K/128 not a multiple of 4 (``_refused_padding``); 256 or 128
+    where ``tools/carrier_k_probe.py`` finds them exact); 128 for the other backends."""
     return _settings.current().carrier_k if backend == "fp8_carrier" else 128
 
 
@@ -191,6 +193,18 @@ def _native_mx(a: QuantOut, b: QuantOut, out_dtype) -> torch.Tensor:  # pragma: 
     return torch._scaled_mm(fa, fb.t(), sa, sb, out_dtype=out_dtype)
 
 
+def _refused_padding(err: RuntimeError, a: QuantOut, b: QuantOut) -> None:
+    """A readable error where ``_scaled_mm`` refused a carrier GEMM for the setting ``carrier_k``: torch 2.11's
+    blockwise FP8 GEMM takes 128x128 B scale groups only when K/128 is a multiple of 4 (measured on an H200,
+    2026-11-29, ``tools/carrier_k_probe.py``; 1x128 B groups took every multiple of 128, exactly)."""
+    kg = a.carrier.shape[1] // 128
+    if b.group_rows == 128 and kg % 4 and "scal" in str(err).lower():
+        raise UserError(
+            f"carrier_k={_settings.current().carrier_k}: torch {torch.__version__}'s blockwise FP8 GEMM refused "
+            f"128x128 weight scale groups at K = {128 * kg} (it needs K/128 to be a multiple of 4 there); set "
+            f"carrier_k=512 (MXTRAIN_CARRIER_K=512), the default") from err
+
+
 def mx_gemm_nt(a: QuantOut, b: QuantOut, backend: str, out_dtype=torch.float32,
                divisor: float = 1.0) -> torch.Tensor:
     """``(A B^T) / divisor`` of two MX operands, shape (a.R, b.R), in ``out_dtype``.
@@ -204,7 +218,8 @@ def mx_gemm_nt(a: QuantOut, b: QuantOut, backend: str, out_dtype=torch.float32,
         odt = out_dtype if out_dtype in (torch.bfloat16, torch.float32) else torch.bfloat16
         try:
             out = _scaled_mm(a, b, odt, 1.0 / divisor)
-        except RuntimeError:
+        except RuntimeError as e:
+            _refused_padding(e, a, b)
             if odt == torch.bfloat16:
                 raise
             out = _scaled_mm(a, b, torch.bfloat16, 1.0 / divisor)

@@ -211,6 +211,13 @@ def test_bench_cli_checks_a_variants_model_options_before_the_gpu():
     one_line_error(run_main("bench", "step", "--variants",
                            "torchao-tensorwise:recompute_ffn=true,mxfp4-all-dh16:recompute_ffn=on:wgrad_x=forward"),
                    "needs a CUDA GPU")
+    # every option a variant may carry passes the check (static_launch was refused as an unknown setting there
+    # once, after the GPU had started), and a bad value of each is refused before the GPU
+    one_line_error(run_main("bench", "step", "--variants",
+                           "mxfp4-all-dh16:static_launch=true,torchao-tensorwise:fast_accum=false"),
+                   "needs a CUDA GPU")
+    one_line_error(run_main("bench", "step", "--variants", "bf16:static_launch=maybe"), "static_launch='maybe'")
+    one_line_error(run_main("bench", "step", "--variants", "mxfp4-all:fast_accum=true"), "fast_accum= is an option")
 
 
 def test_torchao_variants_take_fast_accum_and_others_refuse_it():

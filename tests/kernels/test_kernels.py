@@ -896,3 +896,33 @@ def test_dual_kernel_configurations(cfg, use, dual_config_case):
     x, a, b, want = dual_config_case
     for p, q in zip(kq.quantize_mxfp4_dual(x, a, b, **cfg), want):
         _same_carrier(p, q)
+
+
+def test_a_refused_carrier_padding_is_a_readable_error(monkeypatch):
+    """torch 2.11's blockwise FP8 GEMM refuses 128x128 B scale groups unless K/128 is a multiple of 4 (an H200,
+    2026-11-29): with ``carrier_k`` 256 at K = 768 the layer stops with an error that names the setting and its
+    fix; a refusal at a K the setting does not explain, or of 1x128 groups, stays torch's own error."""
+    from mxtrain import settings
+    from mxtrain.errors import UserError
+    from mxtrain.kernels import gemm
+    from mxtrain.kernels.mxfp4.carrier import QuantOut
+
+    def q(k_multiple, group_rows):   # (the fields the GEMM's refusal path reads: a stand-in, nothing quantized)
+        kc = -(-768 // k_multiple) * k_multiple
+        return QuantOut(256, 768, torch.zeros(256, kc, dtype=torch.float8_e4m3fn), None, group_rows, None, None, None)
+
+    def refuse(*a, **k):
+        raise RuntimeError("Invalid scaling configuration.\n- For TensorWise scaling, ...")
+    monkeypatch.setattr(gemm, "_scaled_mm", refuse)
+    with settings.override(carrier_k=256):
+        qa, qb = q(256, 1), q(256, 128)
+        with pytest.raises(UserError, match=r"carrier_k=256: .* at K = 768 .* set carrier_k=512"):
+            gemm.mx_gemm_nt(qa, qb, "fp8_carrier", torch.bfloat16)
+        q1 = q(256, 1)
+        with pytest.raises(RuntimeError, match="Invalid scaling") as e:   # (1x128 B groups: not this cause)
+            gemm.mx_gemm_nt(qa, q1, "fp8_carrier", torch.bfloat16)
+        assert not isinstance(e.value, UserError)
+    qa, qb = q(512, 1), q(512, 128)
+    with pytest.raises(RuntimeError, match="Invalid scaling") as e:       # K/128 = 8: not the padding
+        gemm.mx_gemm_nt(qa, qb, "fp8_carrier", torch.bfloat16)
+    assert not isinstance(e.value, UserError)
