@@ -53,3 +53,43 @@ def test_the_overflow_check_acts_only_in_debug_mode():
             _run(x, 1)
     finally:
         I.interpreter_builder.options = opts
+
+
+def test_lazy_type_names_and_tuple_types_equal_tritons_own():
+    """interp_speed makes ``tuple_type`` / ``block_type`` names and a ``tl.tuple``'s type when first read: the same
+    text and the same type as Triton's own constructors (kept aside by interp_speed) give, a type given to the
+    constructor kept as given, and a type assigned later (``_setitem``) the one read back."""
+    import sys
+    core = tl.core
+    orig = getattr(core, "_mxtrain_original_inits", None)
+    if not getattr(sys.modules["triton.runtime.interpreter"], "_mxtrain_fast_patch", False) or orig is None:
+        pytest.skip("the interpreter runs unpatched here (another Triton, or MXTRAIN_TEST_PLAIN_INTERPRETER)")
+
+    def made_by_triton(cls, *args):
+        obj = object.__new__(cls)
+        orig[cls.__name__](obj, *args)
+        return obj
+    types = [tl.int32, core.constexpr_type(3), tl.float32]
+    for args in ((types, ["a", "b", "c"]), (types,)):
+        lazy, eager = core.tuple_type(*args), made_by_triton(core.tuple_type, *args)
+        assert lazy == eager and lazy.name == str(lazy) == eager.name
+    assert core.tuple_type(types, ["a", "b", "c"]).name == "[a:int32,b:constexpr_type[3],c:fp32]"
+    for shape in ([4, 8], [core.constexpr(4), 8], [16]):
+        lazy, eager = core.block_type(tl.float32, shape), made_by_triton(core.block_type, tl.float32, shape)
+        assert lazy == eager and lazy.name == str(lazy) == eager.name and lazy.numel == eager.numel
+        assert type(lazy.shape) is type(eager.shape) and list(lazy.shape) == list(eager.shape)
+    assert core.block_type(tl.float32, [4, 8]) != core.block_type(tl.float32, [8, 4])
+    with pytest.raises(TypeError, match="0d block_type"):
+        core.block_type(tl.float32, [])
+    with pytest.raises(ValueError):
+        core.block_type(tl.float32, [3, 8])         # (not a power of two: Triton's own shape check still runs)
+    for args in (([1, 2.0, tl.float16],), ([5], core.tuple_type([tl.int8])), ([5], [tl.int8])):
+        assert core.tuple(*args).type == made_by_triton(core.tuple, *args).type
+    given = core.tuple_type([tl.int8])
+    assert core.tuple([5], given).type is given
+    tup = core.tuple([1, 2.0, tl.float16])
+    tup._setitem(0, 7)
+    assert tup.values[0] == 7 and tup.type == made_by_triton(core.tuple, [7, 2.0, tl.float16]).type
+    t = core.tuple_type(types)
+    t.name = "renamed"                              # (a subclass or caller may assign a name)
+    assert t.name == "renamed"
