@@ -24,6 +24,7 @@
 # NAME and GPUS on every call of each, e.g. `NAME=trend GPUS=3 PRESET=trend ... start auto` beside
 # `NAME=main GPUS=0,1,2 ARMS=... start auto`; a named study's folder is PARTS/study-NAME (unless STUDY is set),
 # GPUS (`start` only) its CUDA_VISIBLE_DEVICES, and with MPS=1 both share one daemon (study_gpu.sh).
+# POLL (default 5): seconds between the checks of `watch` and `collect` (the tests use less).
 # Exit status: 0 done; 1 `watch` found it still running; 2 a usage error or nothing started.
 set -u
 PARTS=${PARTS:-/root/mx}; NAME=${NAME:-lease}
@@ -64,7 +65,7 @@ case "${1:-}" in
     echo "study_lease: started (pid $(cat "$PIDF")), at most $secs s${START_BY:+, no run starting after $START_BY s}";;
   watch)
     secs=${2:?watch SECONDS}; end=$(( $(date +%s) + secs ))
-    while running && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
+    while running && [ "$(date +%s)" -lt "$end" ]; do sleep "${POLL:-5}"; done
     progress; running && exit 1; exit 0;;
   stop)
     running || { echo "study_lease: no study is running" >&2; exit 2; }
@@ -73,7 +74,7 @@ case "${1:-}" in
   collect)
     OUT=${OUT:?set OUT}
     [ -f "$PIDF" ] || { echo "study_lease: nothing was started" >&2; exit 2; }
-    while running; do sleep 5; done
+    while running; do sleep "${POLL:-5}"; done
     progress
     if [ "${PACK:-0}" = 1 ]; then
       cp "$LOG" "$LO/lease.log" 2>/dev/null

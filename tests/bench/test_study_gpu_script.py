@@ -112,7 +112,9 @@ def test_corpus_parts_carried_over_two_calls(tmp_path):
 
 
 def _env(tmp, **kw):
+    # (POLL: study_lease.sh's watch and collect look every 0.5 s, not every 5 s, for the end of these short studies)
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1",
+               POLL="0.5",
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     env.update({k: str(v) for k, v in kw.items()})
     return env
