@@ -60,23 +60,7 @@ def _seed_torch():
     yield
 
 
-# The longest test files first (worker-seconds of each on a 2-core machine, 2026-11-29: test_distributed 259,
-# the study lease scripts 140, test_compiledmx 128, the Llama-8B script 118, test_kernels 112, ...). Each file runs
-# on one worker (`--dist loadfile`), in collection order (`--no-loadscope-reorder`; pytest-xdist's own order, by
-# number of tests, put the one-test script files last, and one worker ran them while the other had finished).
-# Longest first leaves the short files to fill the end. A file missing here keeps its place after these.
-_LONGEST_FIRST = ("tests/train/test_distributed.py", "tests/bench/test_study_gpu_script.py",
-                  "tests/linear/test_compiledmx.py", "tests/bench/test_llama8b_script.py",
-                  "tests/kernels/test_kernels.py", "tests/linear/test_ref_compile.py",
-                  "tests/robustness/test_real_limits.py", "tests/study/test_study_cooldown.py",
-                  "tests/linear/test_fast_linear.py", "tests/study/test_study.py", "tests/linear/test_qgather.py",
-                  "tests/kernels/test_expand.py", "tests/train/test_train.py", "tests/linear/test_tracedfp8.py",
-                  "tests/bench/test_bench_step.py", "tests/linear/test_dropin.py")
-
-
 def pytest_collection_modifyitems(config, items):
-    rank = {f: i for i, f in enumerate(_LONGEST_FIRST)}
-    items.sort(key=lambda it: rank.get(it.nodeid.split("::", 1)[0], len(rank)))   # (stable: the rest keep order)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

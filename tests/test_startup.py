@@ -51,13 +51,3 @@ def test_tests_run_in_the_interpreter_without_xdist():
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and " passed" in r.stdout, (r.stdout + r.stderr)[-2000:]
 
-
-def test_the_longest_first_order_names_existing_test_files():
-    """tests/conftest.py sends the longest test files to the workers first: a file renamed or removed there would
-    silently fall back to the end of the queue, so every name in its list must be a test file of the suite."""
-    import conftest
-    root = Path(__file__).resolve().parents[1]
-    names = conftest._LONGEST_FIRST
-    assert len(set(names)) == len(names)
-    missing = [f for f in names if not (root / f).is_file() or not Path(f).name.startswith("test_")]
-    assert not missing, missing
