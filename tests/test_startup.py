@@ -50,4 +50,3 @@ def test_tests_run_in_the_interpreter_without_xdist():
                         "tests/kernels/test_nvfp4_kernel.py::test_values_and_scale_equal_the_reference"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and " passed" in r.stdout, (r.stdout + r.stderr)[-2000:]
-

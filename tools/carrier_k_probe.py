@@ -8,8 +8,10 @@ in float64. A wrong kernel shows as an error of the size of the result; float32 
 
     python tools/carrier_k_probe.py [--out probe.json]
 
-Prints one line per K/128 and the smallest ``carrier_k`` (128, 256 or 512) for which every tested K that is a
-multiple of it came out right; set ``MXTRAIN_CARRIER_K`` to it only on this GPU model and CUDA version.
+Prints one line per K/128 (REFUSED where ``_scaled_mm`` will not run that layout: torch 2.11 refuses 128x128 B
+groups unless K/128 is a multiple of 4) and the smallest ``carrier_k`` (128, 256 or 512) for which every tested K
+that is a multiple of it came out right; set ``MXTRAIN_CARRIER_K`` to it only on this GPU model, torch and CUDA.
+``--b-group-rows 1`` probes 1x128 B groups instead of the weights' default 128x128.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ def main() -> int:
     ap.add_argument("--tol", type=float, default=1e-4, help="largest error relative to the result's largest value")
     a = ap.parse_args()
     import torch
+    from mxtrain.errors import UserError
     from mxtrain.kernels import gemm
     from mxtrain.kernels.mxfp4 import quantize_op
     from mxtrain.kernels.mxfp4.carrier import group_values
@@ -50,7 +53,7 @@ def main() -> int:
             qb = quantize_op(B, 1, carrier=True, fp4=False, group_rows=a.b_group_rows, k_multiple=128)
             try:
                 y = gemm.mx_gemm_nt(qa, qb, "fp8_carrier", torch.float32).double()
-            except RuntimeError as e:                        # cuBLAS refuses this layout: not usable, say why
+            except (RuntimeError, UserError) as e:           # refused (gemm's UserError names carrier_k): say why
                 errors.setdefault(m, f"{rows_a}x{rows_b}: {str(e).splitlines()[0][:120]}")
                 worst = float("inf")
                 continue
@@ -60,18 +63,19 @@ def main() -> int:
             err = ((y - want).abs().max() / want.abs().max().clamp(min=1e-30)).item()
             worst = max(worst, err)
         res[m] = worst
-        print(f"K = {K:5d} (K/128 = {m:2d}): largest relative error {worst:.2e} {'ok' if worst < a.tol else 'WRONG'}"
-              + (f" (refused: {errors[m]})" if m in errors else ""),
-              flush=True)
+        verdict = "REFUSED" if m in errors else "ok" if worst < a.tol else "WRONG"
+        print(f"K = {K:5d} (K/128 = {m:2d}): largest relative error {worst:.2e} {verdict}"
+              + (f" ({errors[m]})" if m in errors else ""), flush=True)
     ok = {k: all(res[m] < a.tol for m in res if (128 * m) % k == 0) for k in (128, 256, 512)}
     best = min((k for k, v in ok.items() if v), default=None)
     name = torch.cuda.get_device_name(dev)
-    print(f"{name}, torch {torch.__version__}, CUDA {torch.version.cuda}, B groups {a.b_group_rows}x128: carrier_k {best or 'none'} is exact "
-          f"for every tested K ({', '.join(f'{k}: {v}' for k, v in ok.items())})")
+    print(f"{name}, torch {torch.__version__}, CUDA {torch.version.cuda}, B groups {a.b_group_rows}x128: "
+          f"carrier_k {best or 'none'} is exact for every tested K ({', '.join(f'{k}: {v}' for k, v in ok.items())})")
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"device": name, "b_group_rows": a.b_group_rows, "torch": torch.__version__, "cuda": torch.version.cuda,
-                       "relative_error_by_k_over_128": {m: (v if v != float("inf") else None) for m, v in res.items()},
+            json.dump({"device": name, "b_group_rows": a.b_group_rows, "torch": torch.__version__,
+                       "cuda": torch.version.cuda,
+                       "relative_error_by_k_over_128": {m: (None if m in errors else v) for m, v in res.items()},
                        "refused": errors, "exact": ok, "carrier_k": best}, f, indent=1)
     return 0
 
