@@ -33,12 +33,12 @@ def test_the_preset_resumes_the_archived_runs():
     trained = ["0", "1", "2"]
     assert {a: sorted(v) for a, v in seeds["arms"].items()} == {
         a: trained for a in ("bf16", "mxfp4-fprop", "mxfp4-fprop-dgrad", "mxfp4-all", "mxfp4-all-dh16",
-                             "bf16@lr3.75e-4")}
+                             "bf16@lr3.75e-4", "bf16@lr1.875e-4", "mxfp4-all@lr3.75e-4")}
     assert set(seeds["arms"]) <= set(spec.arms)
 
 
-def _full_budget_gaps(rec: dict, arm: str, ref: str) -> list:
-    return [rec["arms"][arm][s]["cooled"]["1"]["loss"] - rec["arms"][ref][s]["cooled"]["1"]["loss"]
+def _full_budget_gaps(rec: dict, arm: str, ref: str, budget: str = "1") -> list:
+    return [rec["arms"][arm][s]["cooled"][budget]["loss"] - rec["arms"][ref][s]["cooled"][budget]["loss"]
             for s in ("0", "1", "2")]
 
 
@@ -73,6 +73,91 @@ def test_the_third_legs_contrast_and_rate_check_as_quoted():
     rate = stats.paired_t(gaps)
     assert all(g < 0 for g in gaps) and rate["mean"] == pytest.approx(-0.0529, abs=5e-5)
     assert rate["ci"][1] < 0 and rate["p"] == pytest.approx(0.012, abs=5e-4)
+
+
+def _quoted(t: dict, mean: float, lo: float, hi: float, p: float, digits: int = 3) -> None:
+    """A paired t result as docs/results.md quotes it: mean and interval to ``digits`` decimals, p as printed."""
+    tol = 0.5 * 10 ** -digits + 1e-12
+    assert t["n"] == 3
+    assert t["mean"] == pytest.approx(mean, abs=tol)
+    assert t["ci"][0] == pytest.approx(lo, abs=tol) and t["ci"][1] == pytest.approx(hi, abs=tol)
+    assert t["p"] == pytest.approx(p, rel=0.05)
+
+
+def test_the_fourth_legs_rates_and_cost_as_quoted():
+    """docs/results.md's fourth leg (BF16 at 1.875e-4, ``mxfp4-all`` at 3.75e-4; description only) and its two
+    table rows, as the committed per-seed record gives them: BF16's lowest seed-mean loss of its three rates is at
+    3.75e-4; the lower rate helps ``mxfp4-all`` too; its cost against BF16 at 3.75e-4, in nats and in extra tokens
+    on BF16's 3.75e-4 curve (README.md quotes the same figures)."""
+    import numpy as np
+
+    from mxtrain.study import cooldown
+
+    rec = json.loads((DATA / "ladder-125m-seeds.json").read_text())
+    assert rec == _archived("./seeds.json")
+    budgets = ("0.25", "0.5", "1")
+
+    def mean(arm, b="1"):
+        return sum(rec["arms"][arm][s]["cooled"][b]["loss"] for s in ("0", "1", "2")) / 3
+
+    def seeds(gaps):
+        return [round(g, 4) for g in gaps]
+
+    # the table's two new rows: seed means at 25, 50 and 100 %, and the gap to bf16 at 7.5e-4
+    assert [round(mean("bf16@lr1.875e-4", b), 4) for b in budgets] == [4.3637, 3.7837, 3.3641]
+    assert [round(mean("mxfp4-all@lr3.75e-4", b), 4) for b in budgets] == [4.2343, 3.7240, 3.3533]
+    g = _full_budget_gaps(rec, "bf16@lr1.875e-4", "bf16")
+    _quoted(stats.paired_t(g), 0.0145, -0.0144, 0.0434, 0.16, digits=4)
+    assert seeds(g) == [0.0022, 0.0158, 0.0254]
+    g = _full_budget_gaps(rec, "mxfp4-all@lr3.75e-4", "bf16")
+    _quoted(stats.paired_t(g), 0.0036, -0.0191, 0.0264, 0.56, digits=4)
+    assert seeds(g) == [-0.0044, 0.0017, 0.0136]
+
+    # BF16's best rate of the three (the plan's rule: the lower seed-mean cooled-down loss at the full budget)
+    means = {a: round(mean(a), 4) for a in ("bf16@lr1.875e-4", "bf16@lr3.75e-4", "bf16")}
+    assert means == {"bf16@lr1.875e-4": 3.3641, "bf16@lr3.75e-4": 3.2967, "bf16": 3.3496}
+    assert min(means, key=means.get) == "bf16@lr3.75e-4"
+    g = _full_budget_gaps(rec, "bf16@lr1.875e-4", "bf16@lr3.75e-4")
+    _quoted(stats.paired_t(g), 0.067, 0.055, 0.080, 0.0019)
+    assert seeds(g) == [0.0626, 0.0727, 0.0668]
+    assert [round(stats.paired_t(_full_budget_gaps(rec, "bf16@lr1.875e-4", "bf16@lr3.75e-4", b))["mean"], 3)
+            for b in ("0.25", "0.5")] == [0.154, 0.103]
+    _quoted(stats.paired_t(_full_budget_gaps(rec, "bf16@lr1.875e-4", "bf16")), 0.014, -0.014, 0.043, 0.16)
+
+    # mxfp4-all at the two rates
+    g = _full_budget_gaps(rec, "mxfp4-all@lr3.75e-4", "mxfp4-all")
+    _quoted(stats.paired_t(g), -0.075, -0.112, -0.038, 0.013)
+    assert seeds(g) == [-0.0791, -0.0875, -0.0586] and round(mean("mxfp4-all"), 4) == 3.4283
+
+    # the cost at the common lower rate, by budget, and in extra tokens on BF16's 3.75e-4 curve
+    g = _full_budget_gaps(rec, "mxfp4-all@lr3.75e-4", "bf16@lr3.75e-4")
+    _quoted(stats.paired_t(g), 0.057, 0.052, 0.061, 0.00035)
+    assert seeds(g) == [0.0560, 0.0586, 0.0550]
+    _quoted(stats.paired_t(_full_budget_gaps(rec, "mxfp4-all@lr3.75e-4", "bf16@lr3.75e-4", "0.25")),
+            0.025, -0.001, 0.051, 0.053)
+    _quoted(stats.paired_t(_full_budget_gaps(rec, "mxfp4-all@lr3.75e-4", "bf16@lr3.75e-4", "0.5")),
+            0.044, 0.034, 0.054, 0.0027)
+
+    def per_seed(arm):   # (seeds, budgets, 1 window): the seed means, which are all a seed-level interval uses
+        return np.array([[[rec["arms"][arm][s]["cooled"][b]["loss"]] for b in budgets] for s in ("0", "1", "2")])
+
+    D = [rec["arms"]["bf16"]["0"]["cooled"][b]["tokens"] for b in budgets]
+    out = cooldown.paired_extra_tokens(D, per_seed("mxfp4-all@lr3.75e-4"), per_seed("bf16@lr3.75e-4"), n_boot=0)
+    fit, full = out["fit"], out["budgets"][-1]
+    assert (round(fit["E"], 4), round(float(fit["B"])), round(fit["beta"], 3)) == (2.2852, 4191, 0.464)
+    assert round(100 * full["extra"], 1) == 12.4 and not full["extrapolated"]
+    assert [round(100 * x, 1) for x in full["ci95"]] == [11.3, 13.6]
+
+    # the table's extra tokens of the two new rows on BF16's 7.5e-4 curve (with the detectable effect)
+    for arm, quoted in (("bf16@lr1.875e-4", [3.2, -3.2, 9.7, 8.0]), ("mxfp4-all@lr3.75e-4", [0.8, -4.2, 5.8, 6.3])):
+        row = cooldown.paired_extra_tokens(D, per_seed(arm), per_seed("bf16"), n_boot=0)["budgets"][-1]
+        assert [round(100 * x, 1) for x in (row["extra"], *row["ci95"], row["mde"])] == quoted
+
+    # against the same gap at 7.5e-4: the difference of the two costs (one unplanned, uncorrected test)
+    _quoted(stats.paired_t(_full_budget_gaps(rec, "mxfp4-all", "bf16")), 0.079, 0.056, 0.101, 0.0045)
+    did = [a - b for a, b in zip(g, _full_budget_gaps(rec, "mxfp4-all", "bf16"))]
+    _quoted(stats.paired_t(did), -0.022, -0.040, -0.004, 0.035)
+    assert seeds(did) == [-0.0187, -0.0306, -0.0172]
 
 
 def test_the_30m_ladder_shares_the_recipes_2026_folder():
