@@ -186,10 +186,13 @@ class FolderLock:
 
     ``remove``: the lock file is the lock's own (beside a folder not made yet, e.g. ``.NAME.lock`` for an
     export's ``NAME``), deleted by ``close`` while still locked; a lock taken on a file its owner deleted in the
-    meantime is taken again on the file now at the path. A context manager: ``with FolderLock(...):``."""
+    meantime is taken again on the file now at the path. ``wait``: held by another process, call ``wait(who)``
+    (to say so) and block until the lock is free instead of raising ``busy``'s error. A context manager:
+    ``with FolderLock(...):``."""
 
     def __init__(self, folder: Path, busy: Callable[[str], str], name: str = ".lock",
-                 refused: Callable[[OSError], str] | None = None, remove: bool = False):
+                 refused: Callable[[OSError], str] | None = None, remove: bool = False,
+                 wait: Callable[[str], None] | None = None):
         self.f, self.path, self.remove = None, Path(folder) / name, remove
         try:
             import fcntl
@@ -202,10 +205,18 @@ class FolderLock:
             except OSError as e:
                 f.seek(0)
                 who = f.read().strip()
-                f.close()
-                if refused is not None and e.errno not in _HELD:
-                    raise UserError(refused(e)) from None
-                raise UserError(busy(who)) from None
+                if wait is not None and e.errno in _HELD:
+                    wait(who)
+                    try:
+                        fcntl.flock(f, fcntl.LOCK_EX)
+                    except OSError:
+                        f.close()
+                        raise UserError(busy(who)) from None
+                else:
+                    f.close()
+                    if refused is not None and e.errno not in _HELD:
+                        raise UserError(refused(e)) from None
+                    raise UserError(busy(who)) from None
             if not remove or _same_file(f, self.path):
                 break
             f.close()   # its owner deleted it after it was opened here: lock the one at the path now

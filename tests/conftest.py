@@ -12,8 +12,13 @@ too for a conftest.py outside a package; stated here so that it does not rest on
 import os
 import sys
 
-import pytest
-import torch
+# inductor compiles in this process, not in a pool of worker processes that each import torch first: on the
+# 2-core CI machine (two pytest workers) the pool costs more than it saves (tests/linear/test_ref_compile.py,
+# warm cache: 135 s against 146 s); subprocesses of the tests inherit it
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 _TESTS = os.path.dirname(os.path.abspath(__file__))
 # tests/ first, then each folder of test files: a test that reuses another file's fixtures by name

@@ -12,6 +12,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 _TMP = Path(tempfile.mkdtemp(prefix="mxtrain-tests-"))
 
+
+def _shared() -> Path:
+    """A folder every worker of this test run shares (pytest-xdist's run id names it; this process's folder
+    without xdist): the built-in corpus is prepared there once for all workers (``ensure_builtin`` lets one
+    prepare and the others wait), not once per worker."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if not run or not run.isalnum():
+        return _TMP
+    d = Path(tempfile.gettempdir()) / f"mxtrain-tests-run-{run}"
+    d.mkdir(exist_ok=True)
+    return d
+
 SENTENCES = [
     "The quick brown fox jumps over the lazy dog.",
     "A journey of a thousand miles begins with a single step.",
@@ -52,8 +64,8 @@ def builtin_data() -> Path:
 
 def data_cache() -> Path:
     """The tests' ``MXTRAIN_DATA`` folder (not the user's cache): the built-in corpus that runs without ``--data``
-    train on is prepared there once per test session (about 10 s each time otherwise)."""
-    return _TMP / "cache"
+    train on is prepared there once per test run, shared by its workers (about 25 s each time otherwise)."""
+    return _shared() / "cache"
 
 
 def run_cli(*args: str, cwd: Path | None = None, timeout: int = 300) -> subprocess.CompletedProcess:

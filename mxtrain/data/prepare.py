@@ -550,10 +550,30 @@ def default_builtin_dir(vocab_size: int) -> Path:
 
 
 def ensure_builtin(vocab_size: int, progress: bool = True) -> Path:
-    """The prepared built-in corpus with a ``vocab_size`` BPE, preparing it on first use (~30 s)."""
+    """The prepared built-in corpus with a ``vocab_size`` BPE, preparing it on first use (~30 s). Processes that
+    ask for it at once (the ranks of ``--nproc``, several runs started together, test workers) prepare it once:
+    the first prepares it, the others say they wait (on stderr) and then read the same folder."""
     d = default_builtin_dir(vocab_size)
     if (d / "meta.json").is_file():
         return d
-    if progress:
-        print(f"preparing the built-in corpus into {d} (first run only)", flush=True)
-    return prepare([BUILTIN], d, vocab_size=vocab_size, force=True, progress=progress)
+    try:
+        d.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot write the built-in corpus to {d.parent}: {e.strerror or e} (set MXTRAIN_DATA to "
+                        "a writable folder, or pass --data)") from None
+
+    def waiting(who: str) -> None:
+        print(f"waiting for another process{f' (pid {who})' if who else ''} preparing the built-in corpus into "
+              f"{d}", file=sys.stderr, flush=True)
+    try:
+        lock = FolderLock(d.parent, lambda who: f"cannot wait for the built-in corpus in {d} to be prepared",
+                          name=f".{d.name}.ensure.lock", wait=waiting)
+    except OSError as e:
+        raise UserError(f"cannot write the built-in corpus to {d.parent}: {e.strerror or e} (set MXTRAIN_DATA to "
+                        "a writable folder, or pass --data)") from None
+    with lock:
+        if (d / "meta.json").is_file():   # prepared by the process this one waited for
+            return d
+        if progress:
+            print(f"preparing the built-in corpus into {d} (first run only)", flush=True)
+        return prepare([BUILTIN], d, vocab_size=vocab_size, force=True, progress=progress)

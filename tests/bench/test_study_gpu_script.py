@@ -1,7 +1,6 @@
-"""``benchmarks/study_gpu.sh`` (the GPU machine's study call) run on CPU with a tiny model: a study that spans two
-leases. The first call trains one arm and returns ``study.tgz`` (run folders without checkpoints); a second call
-in a fresh study folder, seeded with that archive (``SEED_STUDY``) and given one more arm, skips the finished arm
-and trains only the new one, and its summary holds both."""
+"""``benchmarks/study_gpu.sh`` (the GPU machine's study call), ``study_lease.sh`` (a study across the calls of one
+lease), ``study_probe.sh`` and ``unpack_corpus.sh`` run on CPU with a tiny model: a study that spans two leases,
+corpus parts carried over two calls, two named studies sharing a lease and one MPS daemon."""
 
 import json
 import os
@@ -35,23 +34,6 @@ def _call(tmp, name, arms, seed_study=None, data=None):
     log = (tmp / f"out-{name}" / "study_log.txt").read_text()
     assert r.returncode == 0 and "study exit: 0" in log, (r.stdout, r.stderr, log)
     return tmp / f"out-{name}", log
-
-
-def test_a_study_spans_two_leases(tmp_path):
-    data = small_data()
-    out1, _ = _call(tmp_path, "a", "bf16", data=data)
-    seed = tmp_path / "carried" / "study.tgz"           # what the next lease carries
-    seed.parent.mkdir()
-    shutil.copy(out1 / "study.tgz", seed)
-    out2, log = _call(tmp_path, "b", "bf16,mxfp4-all", seed_study=seed, data=data)
-    assert "bf16 seed 0: done already, skipped" in log
-    assert "mxfp4-all seed 0 ->" in log and "bf16 seed 0 ->" not in log
-    summary = json.loads((out2 / "summary.json").read_text())
-    assert {"bf16", "mxfp4-all"} <= set(summary["arms"]), summary.keys()
-    # the archive holds no checkpoints
-    import tarfile
-    with tarfile.open(out2 / "study.tgz") as t:
-        assert not [n for n in t.getnames() if n.endswith(".pt")]
 
 
 def _unpack(parts, data, ship, **env):
@@ -120,13 +102,23 @@ def _env(tmp, **kw):
     return env
 
 
-def test_study_lease_runs_through_calls_and_collects(tmp_path):
-    """``benchmarks/study_lease.sh``: ``start`` returns at once with the study training in a session of its own,
+def test_a_study_spans_two_leases_through_the_lease_script(tmp_path):
+    """Two leases: the first call (``study_gpu.sh`` alone) trains one arm and returns ``study.tgz`` (run folders
+    without checkpoints); the second lease carries it (``SEED_STUDY``) with one more arm, skips the finished arm
+    and trains only the new one, its summary holding both. The second lease runs through
+    ``benchmarks/study_lease.sh``: ``start`` returns at once with the study training in a session of its own,
     ``watch`` waits for it (exit 1 while it runs, 0 once it ended), ``collect`` copies its results; a second
-    ``start`` while one runs is refused, and ``stop`` with nothing running says so."""
-    env = _env(tmp_path, PARTS=tmp_path / "parts", DATA=small_data(), ARMS="bf16", MODEL="tiny", STEPS="16",
+    ``start`` while one runs is refused, and ``stop`` with nothing running says so. (One test, so that the suite
+    trains the first arm once.)"""
+    data = small_data()
+    out1, _ = _call(tmp_path, "a", "bf16", data=data)
+    seed = tmp_path / "carried" / "study.tgz"           # what the next lease carries
+    seed.parent.mkdir()
+    shutil.copy(out1 / "study.tgz", seed)
+    env = _env(tmp_path, PARTS=tmp_path / "parts", DATA=data, ARMS="bf16,mxfp4-all", MODEL="tiny", STEPS="16",
                SEEDS="1", BUDGETS="0.75,1", JOBS="1", DEVICE="cpu", EVAL_EVERY="8", EVAL_TOKENS="1024",
                FINAL_EVAL_TOKENS="2048", EXTRA=f"--batch-size 2 --seq-len 32 --set schedule.warmup_steps=4 {SMALL}",
+               SEED_STUDY=seed,
                # MPS=auto measures first (here: no MPS on the machine, the plain probe only, so MPS stays off)
                MPS="auto", PROBE_FORCE="1", PROBE_STEPS="12", PROBE_EXTRA=f"--batch-size 2 --seq-len 32 {SMALL}")
 
@@ -149,12 +141,18 @@ def test_study_lease_runs_through_calls_and_collects(tmp_path):
         pass
     r = lease("collect", OUT=str(tmp_path / "out"))
     assert r.returncode == 0, (r.stdout, r.stderr)
-    log = (tmp_path / "out" / "study_log.txt").read_text()
-    assert "study exit: 0" in log and (tmp_path / "out" / "study.tgz").is_file()
-    assert "--start-by" in (tmp_path / "out" / "device.txt").read_text()     # START_BY=auto reached the study
-    assert json.loads((tmp_path / "out" / "summary.json").read_text())["missing"] == []
-    assert "MPS=auto: MPS=0" in (tmp_path / "out" / "mps.txt").read_text()
-    assert json.loads((tmp_path / "out" / "probe.json").read_text())["plain"]["tok_per_s"] > 0
+    out2 = tmp_path / "out"
+    log = (out2 / "study_log.txt").read_text()
+    assert "study exit: 0" in log and (out2 / "study.tgz").is_file()
+    assert "bf16 seed 0: done already, skipped" in log
+    assert "mxfp4-all seed 0 ->" in log and "bf16 seed 0 ->" not in log
+    summary = json.loads((out2 / "summary.json").read_text())
+    assert {"bf16", "mxfp4-all"} <= set(summary["arms"]) and summary["missing"] == [], summary.keys()
+    with tarfile.open(out2 / "study.tgz") as t:                     # the archive holds no checkpoints
+        assert not [n for n in t.getnames() if n.endswith(".pt")]
+    assert "--start-by" in (out2 / "device.txt").read_text()     # START_BY=auto reached the study
+    assert "MPS=auto: MPS=0" in (out2 / "mps.txt").read_text()
+    assert json.loads((out2 / "probe.json").read_text())["plain"]["tok_per_s"] > 0
     assert lease("stop").returncode == 2
 
 

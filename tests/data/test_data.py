@@ -28,6 +28,43 @@ def test_builtin_corpus_documents():
     assert size > 15_000_000
 
 
+def test_builtin_corpus_asked_by_two_processes_at_once_is_prepared_once(tmp_path, monkeypatch, capsys):
+    """``ensure_builtin`` from two ranks (or runs, or test workers) at once: the first prepares, the second
+    says it waits and then reads the same folder; neither is refused as a concurrent ``data prepare``
+    (before, the second rank of ``train --nproc 2`` without ``--data`` on a fresh machine stopped there)."""
+    import importlib
+    import threading
+    import time
+
+    P = importlib.import_module("mxtrain.data.prepare")   # (the package's ``prepare`` is the function)
+    monkeypatch.setenv("MXTRAIN_DATA", str(tmp_path / "cache"))
+    calls, started = [], threading.Event()
+
+    def slow_prepare(sources, out, vocab_size, force, progress):   # stands in for the ~30 s preparation
+        calls.append(out)
+        started.set()
+        time.sleep(0.5)
+        out.mkdir(parents=True)
+        (out / "meta.json").write_text("{}")
+        return out
+    monkeypatch.setattr(P, "prepare", slow_prepare)
+    got, errors = [], []
+
+    def ask():
+        try:
+            got.append(P.ensure_builtin(512, progress=False))
+        except Exception as e:   # noqa: BLE001 - a refusal is what the test looks for
+            errors.append(e)
+    first = threading.Thread(target=ask)
+    first.start()
+    assert started.wait(10)
+    ask()                                        # while the first one prepares
+    first.join()
+    assert not errors and len(calls) == 1 and got == [calls[0], calls[0]]
+    assert "waiting for another process" in capsys.readouterr().err
+    assert P.ensure_builtin(512, progress=False) == calls[0] and len(calls) == 1   # prepared: no lock needed
+
+
 def test_formats(tmp_path):
     rows = [{"text": f"document number {i} " * 20, "id": i} for i in range(30)]
     (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
