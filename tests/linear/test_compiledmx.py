@@ -411,7 +411,7 @@ def test_cuda_wgrad_x_carrier_equals_codes_compiled_and_eager(recipe):
             assert torch.equal(a, e), (recipe, key, name)
 
 
-def _compiled_vs_eager(recipe, dtype, amp, bias, shape):
+def _compiled_vs_eager(recipe, dtype, amp, bias, shape, inductor=None):
     _gpu()
     *lead, Kd, N = shape
     M = 1
@@ -432,7 +432,9 @@ def _compiled_vs_eager(recipe, dtype, amp, bias, shape):
     eager = run(layer)
     mid = fast.inexact_by_tensor("cuda")
     torch._dynamo.reset()
-    comp = run(torch.compile(layer, fullgraph=True))
+    import torch._inductor.config as ic
+    with ic.patch(inductor or {}):
+        comp = run(torch.compile(layer, fullgraph=True))
     after = fast.inexact_by_tensor("cuda")
     for a, e, name in zip(comp, eager, ("y", "dX", "dW")):
         assert torch.equal(a, e), (recipe, name, (a - e).abs().max().item())
@@ -442,6 +444,16 @@ def _compiled_vs_eager(recipe, dtype, amp, bias, shape):
         assert ((comp[3].float() - eager[3].float()).abs() <= bound).all(), (recipe, "db")
     assert {k: after[k] - mid[k] for k in after} == {k: mid[k] - before[k] for k in mid}
     assert fast.state.counted("cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("recipe", ["mxfp4-all-dh16", "tseng"])
+def test_cuda_static_launcher_gives_the_eager_bits(recipe):
+    """Inductor's own launcher for the layer's Triton kernels (``static_launch_user_defined_triton_kernels``, the
+    bench's ``static_launch=true``; measured faster on the host, BENCHMARKS.md): the same outputs and gradients,
+    bit for bit, as the eager fast path, stochastic rounding and per-step signs (``tseng``) included."""
+    _compiled_vs_eager(recipe, torch.bfloat16, True, True, (1000, 768, 256),
+                       inductor={"static_launch_user_defined_triton_kernels": True})
 
 
 @pytest.mark.cuda
