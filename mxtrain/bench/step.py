@@ -13,7 +13,10 @@ the same initialization, on the same random tokens:
   head and the embedding stay in high precision, as torchao's variants leave them).
 
 Per variant: the median step time (and the fastest and slowest) over ``steps`` timed steps after ``warmup``
-steps (CUDA events around whole steps), tokens per second, the peak memory of a step (``max_memory_allocated``, the
+steps (CUDA events around whole steps, waiting after each one), the mean time of as many steps run back to back
+with one wait at the end (``ms_back_to_back``: the host issues the next step while the GPU runs this one, as in a
+loop that reads no value every step; the difference to ``ms`` is the GPU's idle time at each step's start),
+tokens per second, the peak memory of a step (``max_memory_allocated``, the
 weights and optimizer state included), on a GPU the fast path's inexact carrier blocks counted over the
 variant's steps by tensor, and the ratios to BF16 and to the fastest FP8 variant of the same run. A
 variant that fails (out of memory, say) is reported with its error; the others still run.
@@ -213,9 +216,25 @@ def _one_variant(variant: str, model: str, layers: int | None, batch: int, seq: 
             t0 = time.perf_counter()
             loss = step()
             times.append(1e3 * (time.perf_counter() - t0))
+    # the same number of steps back to back, one wait at the end: the host issues step n + 1 while the GPU runs
+    # step n, as in a training loop that reads no value every step ("ms" above waits after each step, so the GPU
+    # idles while the host issues the start of the next one)
+    if cuda:
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        loss = step()
+    if cuda:
+        b.record()
+        b.synchronize()
+        ms_b2b = a.elapsed_time(b) / steps
+    else:
+        ms_b2b = 1e3 * (time.perf_counter() - t0) / steps
     out = {"ms": statistics.median(times), "ms_all": times, "warmup_s": t_compile,
            "tokens_per_s": batch * seq / (statistics.median(times) * 1e-3), "loss": float(loss.item()),
-           "params": m.num_params()}
+           "params": m.num_params(), "ms_back_to_back": ms_b2b}
     if cuda:
         out["peak_gib"] = peak
         # the host's time to issue a step (CPU wall time until the step's Python returns, nothing synchronized):
@@ -458,6 +477,8 @@ def _over_rounds(res: dict, variants: list) -> dict:
                "rounds_timed": len(rs), "tokens_per_s": res["tokens"] / (ms * 1e-3),
                "warmup_s": statistics.median(x["warmup_s"] for x in rs), "loss": rs[-1]["loss"],
                "params": rs[-1]["params"], "settings": rs[-1]["settings"], "step_options": rs[-1]["step_options"]}
+        if all("ms_back_to_back" in x for x in rs):
+            out["ms_back_to_back"] = statistics.median(x["ms_back_to_back"] for x in rs)
         if all("peak_gib" in x for x in rs):
             out["peak_gib"] = max(x["peak_gib"] for x in rs)
         if all("host_ms" in x for x in rs):
@@ -532,6 +553,11 @@ def format_table(res: dict) -> str:
                      f"{f(v, 'speed_vs_bf16', '.3f', 'x')} | "
                      f"{f(v, 'speed_vs_best_fp8', '.3f', 'x')} | {f(v, 'peak_gib', '.2f')} | "
                      f"{f(v, 'memory_vs_bf16', '.3f', 'x')} |")
+    b2b = [(k, v) for k, v in res["runs"].items() if "ms_back_to_back" in v]
+    if b2b:
+        lines += ["", "ms a step with the steps back to back (one wait at the end, as a training loop that reads "
+                  "no value every step; ms/step above waits after each step): "
+                  + ", ".join(f"{k} {v['ms_back_to_back']:.1f}" for k, v in b2b)]
     hosts = [(k, v) for k, v in res["runs"].items() if "host_ms" in v]
     if hosts:
         lines += ["", "host time to issue a step (ms; near ms/step: bound by the host), and over the MX layers: "

@@ -544,6 +544,8 @@ def _step_progress(name: str, r: dict) -> None:
         line = f"failed: {r['error']}"
     else:
         line = f"{r['ms']:.1f} ms/step, {r['tokens_per_s']:,.0f} tokens/s, peak {r.get('peak_gib', float('nan')):.2f} GiB"
+        if "ms_back_to_back" in r:
+            line += f", {r['ms_back_to_back']:.1f} ms a step back to back"
         if "host_ms" in r:
             line += f", host {r['host_ms']:.1f} ms to issue a step"
         total = ((r.get("profile") or {}).get("by_class") or {}).get("total")

@@ -21,6 +21,7 @@ def test_measure_runs_every_variant_and_computes_ratios():
     for v in ("bf16", "fp8", "mxfp4-all-dh16"):
         r = runs[v]
         assert r["ms"] > 0 and len(r["ms_all"]) == 2 and r["tokens_per_s"] == pytest.approx(2 * 32 / (r["ms"] * 1e-3))
+        assert r["ms_back_to_back"] > 0   # the same number of steps again, one wait at the end
         assert r["speed_vs_bf16"] == pytest.approx(runs["bf16"]["ms"] / r["ms"])
         assert r["params"] == runs["bf16"]["params"]
     # same model, same init, same tokens: the first loss is the same up to the recipe's quantization error
@@ -34,6 +35,7 @@ def test_measure_runs_every_variant_and_computes_ratios():
     assert "| mxfp4-all-dh16 |" in table and f"vs {res['best_fp8']}" in table
     r = runs["mxfp4-all-dh16"]   # the steps' spread, to judge a ratio near 1 by
     assert f"| {min(r['ms_all']):.1f}-{max(r['ms_all']):.1f} |" in table
+    assert "back to back" in table and f"mxfp4-all-dh16 {r['ms_back_to_back']:.1f}" in table
 
 
 def test_summarize_picks_the_fastest_fp8():
@@ -257,7 +259,7 @@ def test_rounds_rotate_the_order_and_take_medians_of_each_rounds_ratios(monkeypa
         if ms is None:
             raise RuntimeError("CUDA out of memory")
         return {"ms": ms, "ms_all": [ms - 1, ms, ms + 1], "warmup_s": 1.0, "tokens_per_s": 1.0, "loss": 5.0,
-                "params": 10, "peak_gib": {"bf16": 40.0}.get(base, 30.0) + n}
+                "params": 10, "peak_gib": {"bf16": 40.0}.get(base, 30.0) + n, "ms_back_to_back": ms - 2 * n}
     monkeypatch.setattr(bs, "_one_variant", fake)
     seen = []
     res = bs.measure(list(times), model="tiny", layers=1, batch=2, seq=8, steps=3, warmup=0, compile_mode="none",
@@ -277,6 +279,7 @@ def test_rounds_rotate_the_order_and_take_medians_of_each_rounds_ratios(monkeypa
     assert runs["fp8"]["speed_vs_best_fp8"] == pytest.approx(statistics.median([80 / 81, 100 / 96, 82 / 86]))
     m = runs["mxfp4-all-dh16"]
     assert m["rounds_timed"] == 2 and m["ms"] == pytest.approx(82.5)
+    assert runs["fp8"]["ms_back_to_back"] == 82.0   # the median of the rounds' (81, 94, 82)
     assert m["speed_vs_best_fp8"] == pytest.approx(statistics.median([100 / 90, 82 / 75]))
     assert "error" in res["rounds"][0]["runs"]["mxfp4-all-dh16"]
     assert runs["bf16"]["peak_gib"] == 42.0 and m["memory_vs_bf16"] == pytest.approx(32.0 / 42.0)
