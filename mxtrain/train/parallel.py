@@ -45,6 +45,7 @@ import os
 import pickle
 import shutil
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -543,7 +544,10 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     from torch.distributed.checkpoint.api import CheckpointException
     reader, planner = _trusted_reader(path, metadata), _trusted_planner(path)
     try:
-        with _quiet_single_process(env):
+        with _quiet_single_process(env), warnings.catch_warnings():
+            # a damaged shard whose bytes start like a pickle of another protocol makes torch's unpickler warn
+            # before it fails; the failure is this function's one line (below), the warning a second one
+            warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
             dcp.load(state, storage_reader=reader, planner=planner, no_dist=not env.distributed)
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         refused = reader.refused or planner.refused  # DCP wraps what its reader / planner raise
