@@ -556,16 +556,12 @@ def ensure_builtin(vocab_size: int, progress: bool = True) -> Path:
     d = default_builtin_dir(vocab_size)
     if (d / "meta.json").is_file():
         return d
-    try:
-        d.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"cannot write the built-in corpus to {d.parent}: {e.strerror or e} (set MXTRAIN_DATA to "
-                        "a writable folder, or pass --data)") from None
 
     def waiting(who: str) -> None:
         print(f"waiting for another process{f' (pid {who})' if who else ''} preparing the built-in corpus into "
               f"{d}", file=sys.stderr, flush=True)
     try:
+        d.parent.mkdir(parents=True, exist_ok=True)
         lock = FolderLock(d.parent, lambda who: f"cannot wait for the built-in corpus in {d} to be prepared",
                           name=f".{d.name}.ensure.lock", wait=waiting)
     except OSError as e:
