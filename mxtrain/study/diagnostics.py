@@ -401,6 +401,8 @@ class DiagnosticsCallback(Callback):
     folder (or ``out_dir``). Each diagnosed step (``step % every == 0``, 0-based as ``on_step_begin`` counts)
     begins before its first forward pass and ends after its update. Rank 0 only. ``rows``: rows written."""
 
+    reads_step_metrics = False   # on_step_end ends the diagnosed step; it reads no loss (mxtrain.train.stepcheck)
+
     def __init__(self, every: int, out_dir: str | Path | None = None, max_corr_elems: int = 65536):
         if every < 0:
             raise ValueError("diagnose_every must be >= 0")

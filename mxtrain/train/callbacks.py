@@ -12,7 +12,12 @@ A callback is an object with any of the ``Callback`` methods; pass a list of the
 * ``on_step_end(step, metrics)`` after that step's optimizer update; ``step`` is now the number of steps done
   (so ``on_step_begin(k)`` is followed by ``on_step_end(k + 1, ...)``), ``metrics`` holds this step's
   ``loss``, ``lr``, ``grad_norm`` (before clipping) and ``tokens`` (so far, all ranks). Not called for a step
-  whose loss or gradient was not finite: that step made no update, and the run ends there.
+  whose loss or gradient was not finite: that step made no update, and the run ends there. Reading ``loss`` or
+  ``grad_norm`` means waiting for the GPU every step; a callback whose ``on_step_end`` reads neither says so with
+  the class attribute ``reads_step_metrics = False``. When every callback does, the trainer checks the step on
+  the GPU (``train.check_every_step``, ``mxtrain.train.stepcheck``): ``metrics`` then holds ``lr`` and ``tokens``
+  only, and ``on_step_end`` is also called for the non-finite step and the one after it (neither made an update),
+  before the run ends one step later.
 * ``on_log(step, row)`` for every row written to ``metrics.jsonl`` (training rows every ``log.log_every``
   steps, evaluation rows, events such as a non-finite loss); rank 0 only.
 * ``on_eval(step, metrics)`` after each evaluation (``val_loss``, ``val_ppl``, ``tokens``), also for a

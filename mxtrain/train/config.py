@@ -134,6 +134,13 @@ class TrainSection:
                                             # A run resumed past STEP, or a branch from it, trains with RECIPE
     init_from: Optional[str] = None         # a local Hugging Face Llama, Mistral, Qwen2 or Mixtral folder whose
                                             # weights initialise the model; None: the random init
+    check_every_step: str = "auto"          # wait for the GPU after every step to check its loss and gradient
+                                            # norm before the update (on), or check them on the GPU (off): a
+                                            # non-finite step and every later one make no update (fused AdamW's
+                                            # found_inf), the run stops one step later with the same error, and
+                                            # the host issues the next step while the GPU runs this one. auto: off
+                                            # on CUDA unless a callback reads each step's loss (on_step_end
+                                            # without reads_step_metrics = False); on elsewhere
     gc_every: int = 0                       # > 0: Python's automatic garbage collection off while training,
                                             # collected on every rank every this many steps (torchtitan's
                                             # gc_freq; under DDP/FSDP2 one rank's collection stalls all);
@@ -890,6 +897,8 @@ def _check(cfg: TrainConfig) -> None:
         raise UserError(f"schedule.kind must be cosine, wsd or constant, got {cfg.schedule.kind!r}")
     if cfg.train.compile not in ("auto", "on", "off"):
         raise UserError(f"train.compile must be auto, on or off, got {cfg.train.compile!r}")
+    if cfg.train.check_every_step not in ("auto", "on", "off"):
+        raise UserError(f"train.check_every_step must be auto, on or off, got {cfg.train.check_every_step!r}")
     if cfg.parallel.mode not in ("auto",) + MODES:
         raise UserError(f"parallel.mode must be auto, {', '.join(MODES)}; got {cfg.parallel.mode!r}")
     if cfg.parallel.param_dtype not in ("auto", "bf16", "fp32"):

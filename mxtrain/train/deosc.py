@@ -316,6 +316,7 @@ class DeoscCallback:
     "reset_share"}``. Its state rides in checkpoints under ``state_key``."""
 
     state_key = "deosc"
+    reads_step_metrics = False   # on_step_end reads the weights, not the step's loss (mxtrain.train.stepcheck)
 
     def __init__(self, settings: DeoscSettings | None = None):
         self.settings = settings or DeoscSettings()

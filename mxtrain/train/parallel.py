@@ -904,6 +904,16 @@ def reduce_max(x: float) -> float:
     return _reduce([x], dist.ReduceOp.MAX)[0]
 
 
+def mean_over_ranks_(t: torch.Tensor, op: str = "mean") -> torch.Tensor:
+    """``t`` (a tensor on this rank's device) reduced over ranks in place, on the device: the host waits for
+    nothing (``mxtrain.train.stepcheck``). ``op``: ``mean`` or ``max``. Returns ``t``; on one process, as it is."""
+    if _ENV.distributed:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+        if op == "mean":
+            t.div_(_ENV.world_size)
+    return t
+
+
 def reduce_sums(*xs: float) -> list[float]:
     """Sums over ranks of several Python floats, in one all-reduce (float64)."""
     return _reduce(xs, dist.ReduceOp.SUM)

@@ -39,7 +39,7 @@ from ..data import Loader, TokenData, ensure_builtin
 from ..errors import OutOfMemory, UserError
 from ..model.llama import Llama, ModelConfig, set_glue
 from . import checkpoint as ckpt
-from . import profiling, threads
+from . import profiling, stepcheck, threads
 from .callbacks import (Callback, CallbackList, Outcome, Status, TensorBoardLogger, TrainState, WandbLogger,
                         read_outcome, wandb_project)
 from .config import TrainConfig, _check, keep_steps, shape_overrides, switch_step
@@ -265,14 +265,32 @@ def build_model(cfg: TrainConfig, vocab: int, device: torch.device, load_init: b
     return model.to(device)
 
 
-def _optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+def _optimizer(model: torch.nn.Module, cfg: TrainConfig, fused: bool) -> torch.optim.AdamW:
     decay, no_decay = [], []
     for n, p in model.named_parameters():
         (decay if p.ndim >= 2 and "embed" not in n else no_decay).append(p)
     o = cfg.optim
     groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                             fused=device.type == "cuda")
+    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=fused)
+
+
+def _reads_step_metrics(cb) -> bool:
+    """Does callback ``cb`` read a step's loss or gradient norm in ``on_step_end``? Yes when it has its own
+    ``on_step_end``, unless it says otherwise (``reads_step_metrics = False``)."""
+    own = getattr(type(cb), "on_step_end", None)
+    return own is not None and own is not Callback.on_step_end and getattr(cb, "reads_step_metrics", True)
+
+
+def checks_on_device(cfg: TrainConfig, device: torch.device, callbacks: list) -> bool:
+    """Are the step's finite checks made on the device (``train.check_every_step``, ``mxtrain.train.stepcheck``)?"""
+    mode = cfg.train.check_every_step
+    readers = [type(c).__name__ for c in callbacks if _reads_step_metrics(c)]
+    if mode == "off" and readers:
+        raise UserError(f"train.check_every_step off: callback {readers[0]} reads each step's loss in on_step_end "
+                        f"(give it reads_step_metrics = False if it does not), or use train.check_every_step auto")
+    if mode == "auto":
+        return device.type == "cuda" and not readers
+    return mode == "off"
 
 
 def _apply_optim_values(opt: torch.optim.Optimizer, cfg: TrainConfig) -> None:
@@ -627,6 +645,7 @@ class Trainer:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         self._read_checkpoint()
         self._setup_data()
+        self.on_device = checks_on_device(cfg, device, self.callbacks)   # fused AdamW takes the device's flag
         self._setup_model()
         self._load_state()
         self._setup_folder()
@@ -698,7 +717,7 @@ class Trainer:
             for block in model.layers:
                 block.compile()
         self.model = _wrap_parallel(model, cfg, self.env)
-        self.opt = _optimizer(self.model, cfg, device)
+        self.opt = _optimizer(self.model, cfg, fused=device.type == "cuda" or self.on_device)
         self.mcfg = D.unwrap(self.model).cfg
         self.cfg_dict = cfg.to_dict()
         self.cfg_dict["recipe"] = cfg.recipe if isinstance(cfg.recipe, str) else self.recipe.to_dict()
@@ -880,6 +899,10 @@ class Trainer:
         self.inexact0 = self.inexact() if self.inexact is not None else None
         self.record_inexact = self.device.type == "cuda"   # where the fast path's kernels run; elsewhere once nonzero
         self.said_uncounted = False
+        self.checks, self.voted, self.gnorm = None, 0, float("nan")
+        if self.on_device:   # the step's checks on the device (mxtrain.train.stepcheck): fused AdamW reads the flag
+            self.checks = stepcheck.StepChecks(self.device)
+            self.opt.found_inf = self.checks.found_inf
         switch = switch_step(cfg)
         if switch is not None and start_step >= switch[0]:   # resumed (or branched) past the switch
             _switch(self.model, switch[1], log, start_step, self.tokens)
@@ -898,25 +921,33 @@ class Trainer:
             self.prof.after(step)
             self.gcol.step(done)
             tstate.step, tstate.tokens = done, self.tokens
-            cbs.step_end(done, {"loss": loss_val, "lr": lr, "grad_norm": gnorm, "tokens": self.tokens})
-            self.loss_acc += loss_val
-            self.steps_last += 1
+            if self.checks is None:
+                cbs.step_end(done, {"loss": loss_val, "lr": lr, "grad_norm": gnorm, "tokens": self.tokens})
+                self._take(loss_val, gnorm)
+            else:   # no callback reads the step's numbers; the last step's are read now, this one's a step later
+                cbs.step_end(done, {"lr": lr, "tokens": self.tokens})
+                self._read_checks(self.checks.ready())
             if done % cfg.log.log_every == 0 or done == cfg.train.steps or done == start_step + 1:
-                self._log_row(done, lr, gnorm)
+                self._read_checks()
+                self._log_row(done, lr, self.gnorm)
             if log.bar is not None:
                 log.bar.update(1)
             if done % cfg.log.eval_every == 0 or done == cfg.train.steps:
+                self._read_checks()
                 self.evaluate(done)
             self._checkpoint_or_stop(done)
+        self._read_checks()
         self._finish_pending()   # a background checkpoint still being written completes before the run ends
         return self.val_loss
 
     # --------------------------------------------------------------------------------------------- one step
-    def train_step(self, step: int) -> tuple[float, float]:
+    def train_step(self, step: int) -> tuple[float | None, float | None]:
         """One optimizer step (the LR and the layers' step already set): ``accum`` micro-steps, the loss
         averaged over ranks and checked, the gradient clipped and checked (before the update: the weights and
-        the last checkpoint stay those of the last good step), the update. Returns (loss, gradient norm)."""
-        cfg, env, model, log = self.cfg, self.env, self.model, self.log
+        the last checkpoint stay those of the last good step), the update. Returns (loss, gradient norm); with
+        the checks on the device (``train.check_every_step``) (None, None): the step's numbers are pushed to
+        ``self.checks`` and read later (``_read_checks``), and a non-finite step makes no update."""
+        cfg, env, model = self.cfg, self.env, self.model
         loss_sum = torch.zeros((), device=self.device)
         for k in range(self.accum):
             if env.world_size > 1:   # this rank's micro-batch k is the global batch's k * N + r: its SR draws too
@@ -925,22 +956,54 @@ class Trainer:
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             loss = self._graphed_micro_step(x, y, step) if cfg.train.cuda_graphs else self._micro_step(x, y, k)
             loss_sum += loss.detach()
+        clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
+        if self.checks is not None:
+            vote = None
+            if env.distributed:   # a signal on any rank: every rank reads the same vote at the same step
+                vote = D.mean_over_ranks_(torch.full((), float(self.sig.caught or 0), device=self.device), "max")
+            self.checks.push(step, self.tokens, D.mean_over_ranks_(loss_sum), D.clip_grad_norm_(model, clip), vote)
+            self.opt.step()   # no update once a step was not finite (found_inf)
+            self.opt.zero_grad(set_to_none=self.graphed is None)
+            return None, None
         loss_val = _reduce_mean(loss_sum.item())
-        if not math.isfinite(loss_val):
-            log.row({"step": step + 1, "tokens": self.tokens, "event": "non-finite loss", "loss": str(loss_val)})
-            raise NonFiniteLoss(f"loss is {loss_val} at step {step + 1}; training stopped ({self._where()}); "
+        self._stop_if_not_finite(step, self.tokens, loss_val)
+        gnorm = float(D.clip_grad_norm_(model, clip))   # DTensor grads
+        self._stop_if_not_finite(step, self.tokens, loss_val, gnorm)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=self.graphed is None)
+        return loss_val, gnorm
+
+    def _stop_if_not_finite(self, step: int, tokens: int, loss: float, gnorm: float | None = None) -> None:
+        """Step ``step`` (0-based; ``tokens`` trained before it) diverged if its loss, or its gradient norm when
+        given, is not finite: its row, then ``NonFiniteLoss`` (no update was made in that step)."""
+        log = self.log
+        if not math.isfinite(loss):
+            log.row({"step": step + 1, "tokens": tokens, "event": "non-finite loss", "loss": str(loss)})
+            raise NonFiniteLoss(f"loss is {loss} at step {step + 1}; training stopped ({self._where()}); "
                                 f"try a lower --lr or another recipe", step=step + 1)
-        gnorm = float(D.clip_grad_norm_(model, cfg.optim.grad_clip if cfg.optim.grad_clip > 0  # DTensor grads
-                                        else float("inf")))
-        if not math.isfinite(gnorm):
-            log.row({"step": step + 1, "tokens": self.tokens, "event": "non-finite gradient", "grad_norm": gnorm})
+        if gnorm is not None and not math.isfinite(gnorm):
+            log.row({"step": step + 1, "tokens": tokens, "event": "non-finite gradient", "grad_norm": gnorm})
             advice = ("resume with a lower --lr (it may change on resume) or another recipe"
                       if self.last_ckpt_step is not None else "start again with a lower --lr or another recipe")
             raise NonFiniteLoss(f"gradient norm is {gnorm} at step {step + 1}; the weights were not updated "
                                 f"({self._where()}); {advice}", step=step + 1)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=self.graphed is None)
-        return loss_val, gnorm
+
+    def _take(self, loss: float, gnorm: float) -> None:
+        """A checked step's numbers into the next log row."""
+        self.loss_acc += loss
+        self.steps_last += 1
+        self.gnorm = gnorm
+
+    def _read_checks(self, records=None) -> None:
+        """The device-checked steps' records (``records``; None: every one not read yet, waiting for the GPU):
+        the first non-finite one stops the run as a host check would have at that step; a signal's vote is
+        kept for ``_checkpoint_or_stop``."""
+        if self.checks is None:
+            return
+        for r in (self.checks.drain() if records is None else records):
+            self._stop_if_not_finite(r.step, r.tokens, r.loss, r.grad_norm)
+            self._take(r.loss, r.grad_norm)
+            self.voted = max(self.voted, r.vote)
 
     def _micro_step(self, x, y, k: int) -> torch.Tensor:
         """Micro-step ``k``, eager: forward under autocast, backward (gradients reduced on the last one only)."""
@@ -1034,8 +1097,12 @@ class Trainer:
         last step, a kept step, a signal), a background one completed once written; a signal stops the run."""
         cfg, env, log = self.cfg, self.env, self.log
         sig = self.sig
-        caught = sig.caught if not env.distributed else int(_reduce_mean(float(sig.caught or 0)) > 0) and (
-            sig.caught or 15)   # a signal on any rank stops every rank at the same step
+        if not env.distributed:
+            caught = sig.caught
+        elif self.checks is not None:   # the ranks' vote, read with the step's checks (one step later)
+            caught = self.voted or None
+        else:   # a signal on any rank stops every rank at the same step
+            caught = int(_reduce_mean(float(sig.caught or 0)) > 0) and (sig.caught or 15)
         minutes = cfg.train.checkpoint_minutes
         due = minutes > 0 and time.perf_counter() - self.t_ckpt >= 60 * minutes
         if self.pending is not None and done % cfg.log.log_every == 0 and D.reduce_sums(
@@ -1043,6 +1110,7 @@ class Trainer:
             self._finish_pending()   # every rank's shards are written: complete it now rather than at the next one
         if ((cfg.train.checkpoint_every and done % cfg.train.checkpoint_every == 0)
                 or (done == cfg.train.steps and cfg.train.final_checkpoint) or due or caught or done in self.keep):
+            self._read_checks()   # never a checkpoint after a step that was not finite
             # in the background where asked (several processes), except the last one and one for a signal
             self.save(done, background=cfg.train.async_checkpoint and env.distributed and not caught
                       and done < cfg.train.steps)

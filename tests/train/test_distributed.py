@@ -353,7 +353,7 @@ def trainer_runs(tmp_path_factory):
         return p
 
     r = {k: root / k for k in ("single", "ddp", "fsdp2", "single10", "fsdp2_compiled", "sr_single", "sr_ddp",
-                               "fsdp2_async", "async_resumed")}
+                               "fsdp2_async", "async_resumed", "fsdp2_device_checks")}
     one("--steps", "25", "--out", str(r["single"]))
     # stochastic rounding and per-step signs (tseng): 1 process with 2 micro-steps (against DDP on 2 ranks below;
     # and one validation window, fewer than the ranks: rank 1 evaluates a padding window of weight 0)
@@ -375,6 +375,10 @@ def trainer_runs(tmp_path_factory):
         ("--steps", "20", "--out", str(r["async_resumed"]), "--parallel", "fsdp2",
          "--resume", str(r["fsdp2_async"] / "checkpoint-10.dcp")),
         ("--steps", "6", "--out", str(r["sr_ddp"]), "--parallel", "ddp", "--recipe", "tseng", "--eval-tokens", "32"),
+        # the step's checks on the device (train.check_every_step off: fused AdamW with found_inf on FSDP2's DTensor
+        # shards, the loss averaged over ranks on the device), rows every 3 steps
+        ("--steps", "6", "--out", str(r["fsdp2_device_checks"]), "--parallel", "fsdp2",
+         "--set", "train.check_every_step=off", "--set", "log.log_every=3"),
         # 1 process -> 2 ranks: the 1-process run's step-10 checkpoint.pt, continued by FSDP2 to step 25
         ("--steps", "25", "--out", str(r["single10"]), "--resume", str(r["single10"]), "--parallel", "fsdp2"),
         # the blocks compiled before FSDP2 wraps them (what GPU runs do by default), with explicit prefetching,
@@ -429,6 +433,18 @@ def test_trainer_fsdp2_20_steps_close_to_1_process(trainer_runs):
     assert (trainer_runs["fsdp2"] / D.DCP_NAME / ".metadata").is_file()
     run = json.loads((trainer_runs["fsdp2"] / "run.json").read_text())
     assert run["world_size"] == 2 and run["grad_accum"] == 1
+
+
+def test_trainer_fsdp2_with_the_checks_on_the_device(trainer_runs):
+    """``train.check_every_step off`` on 2 ranks: each row's loss is the mean of its steps' losses over the ranks,
+    as with the host's checks (the two differ only by fused against foreach AdamW's rounding)."""
+    ref = _metrics(trainer_runs["fsdp2"], "loss")
+    rows = [r for r in map(json.loads, (trainer_runs["fsdp2_device_checks"] / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r and "event" not in r]
+    assert [r["step"] for r in rows] == [1, 3, 6]
+    want = [ref[0], sum(ref[1:3]) / 2, sum(ref[3:6]) / 3]
+    assert _max_diff([r["loss"] for r in rows], want) <= TRAINER_FSDP2_TOL
+    assert abs(rows[0]["loss"] - ref[0]) <= 1e-6   # before any update
 
 
 def test_trainer_background_checkpoint_resumes_bit_exact(trainer_runs):
