@@ -33,7 +33,8 @@ def test_the_preset_resumes_the_archived_runs():
     trained = ["0", "1", "2"]
     assert {a: sorted(v) for a, v in seeds["arms"].items()} == {
         a: trained for a in ("bf16", "mxfp4-fprop", "mxfp4-fprop-dgrad", "mxfp4-all", "mxfp4-all-dh16",
-                             "bf16@lr3.75e-4", "bf16@lr1.875e-4", "mxfp4-all@lr3.75e-4")}
+                             "bf16@lr3.75e-4", "bf16@lr1.875e-4", "mxfp4-all@lr3.75e-4", "mxfp4-fprop@lr3.75e-4",
+                             "mxfp4-fprop-dgrad@lr3.75e-4", "mxfp4-all-dh16@lr3.75e-4")}
     assert set(seeds["arms"]) <= set(spec.arms)
 
 
@@ -158,6 +159,112 @@ def test_the_fourth_legs_rates_and_cost_as_quoted():
     did = [a - b for a, b in zip(g, _full_budget_gaps(rec, "mxfp4-all", "bf16"))]
     _quoted(stats.paired_t(did), -0.022, -0.040, -0.004, 0.035)
     assert seeds(did) == [-0.0187, -0.0306, -0.0172]
+
+
+def test_the_fifth_legs_ladder_at_3_75e_4_as_quoted():
+    """docs/results.md's fifth leg (``mxfp4-fprop``, ``mxfp4-fprop-dgrad`` and ``mxfp4-all-dh16`` at 3.75e-4;
+    description only) and its three table rows, as the committed per-seed record gives them: every MX arm does
+    better at 3.75e-4 than at 7.5e-4; the plan's contrasts 1-3 read at 3.75e-4, by paired t over seeds 0-2 and in
+    extra tokens on the second arm's curve; Holm over the plan's 8 tests, the two contrast-4 tests not yet run
+    (README.md quotes the same figures)."""
+    import numpy as np
+
+    from mxtrain.study import cooldown
+
+    rec = json.loads((DATA / "ladder-125m-seeds.json").read_text())
+    assert rec == _archived("./seeds.json")
+    budgets = ("0.25", "0.5", "1")
+    new = ("mxfp4-fprop@lr3.75e-4", "mxfp4-fprop-dgrad@lr3.75e-4", "mxfp4-all-dh16@lr3.75e-4")
+    assert all(sorted(rec["arms"][a]) == ["0", "1", "2"] for a in new)
+
+    def mean(arm, b="1"):
+        return sum(rec["arms"][arm][s]["cooled"][b]["loss"] for s in ("0", "1", "2")) / 3
+
+    def seeds(gaps):
+        return [round(g, 4) for g in gaps]
+
+    def per_seed(arm):   # (seeds, budgets, 1 window): the seed means, which are all a seed-level interval uses
+        return np.array([[[rec["arms"][arm][s]["cooled"][b]["loss"]] for b in budgets] for s in ("0", "1", "2")])
+
+    D = [rec["arms"]["bf16"]["0"]["cooled"][b]["tokens"] for b in budgets]
+
+    def extra(arm, ref):
+        row = cooldown.paired_extra_tokens(D, per_seed(arm), per_seed(ref), n_boot=0)["budgets"][-1]
+        return [round(100 * x, 1) for x in (row["extra"], *row["ci95"], row["mde"])], row["extrapolated"]
+
+    # the table's three new rows: seed means at 25, 50 and 100 %, the gap to bf16 at 7.5e-4, extra tokens
+    rows = {"mxfp4-fprop@lr3.75e-4": ([4.2255, 3.7176, 3.3431], (-0.0065, -0.0510, 0.0380, 0.59),
+                                      [-0.0263, -0.0015, 0.0084], [-1.4, -11.2, 8.3, 12.2]),
+            "mxfp4-fprop-dgrad@lr3.75e-4": ([4.2141, 3.7017, 3.3303], (-0.0193, -0.0562, 0.0175, 0.15),
+                                            [-0.0347, -0.0182, -0.0051], [-4.3, -12.3, 3.8, 10.0]),
+            "mxfp4-all-dh16@lr3.75e-4": ([4.2283, 3.7056, 3.3308], (-0.0189, -0.0544, 0.0166, 0.15),
+                                         [-0.0350, -0.0141, -0.0076], [-4.2, -12.0, 3.7, 9.8])}
+    for arm, (means, t, each, tokens) in rows.items():
+        assert [round(mean(arm, b), 4) for b in budgets] == means
+        g = _full_budget_gaps(rec, arm, "bf16")
+        _quoted(stats.paired_t(g), *t, digits=4)
+        assert seeds(g) == each
+        assert extra(arm, "bf16") == (tokens, True)   # better than BF16 at 7.5e-4: beyond its largest budget
+
+    # each MX arm at 3.75e-4 minus at 7.5e-4: lower on every seed
+    for arm, t, each in (("mxfp4-fprop", (-0.097, -0.151, -0.042, 0.017), [-0.1183, -0.0970, -0.0745]),
+                         ("mxfp4-fprop-dgrad", (-0.077, -0.099, -0.055, 0.0043), [-0.0765, -0.0862, -0.0688]),
+                         ("mxfp4-all-dh16", (-0.066, -0.086, -0.046, 0.0050), [-0.0716, -0.0565, -0.0689])):
+        g = _full_budget_gaps(rec, arm + "@lr3.75e-4", arm)
+        _quoted(stats.paired_t(g), *t)
+        assert seeds(g) == each and all(x < 0 for x in g)
+
+    # contrasts 1-3 at 3.75e-4, full budget, with extra tokens on the second arm's curve
+    c1 = stats.paired_t(g1 := _full_budget_gaps(rec, "mxfp4-fprop@lr3.75e-4", "bf16@lr3.75e-4"))
+    _quoted(c1, 0.046, 0.019, 0.074, 0.018)
+    assert seeds(g1) == [0.0340, 0.0554, 0.0499]
+    assert extra("mxfp4-fprop@lr3.75e-4", "bf16@lr3.75e-4") == ([10.2, 4.6, 15.7, 6.9], False)
+    _quoted(stats.paired_t(_full_budget_gaps(rec, "mxfp4-fprop@lr3.75e-4", "bf16@lr3.75e-4", "0.25")),
+            0.016, -0.025, 0.057, 0.23)
+    _quoted(stats.paired_t(_full_budget_gaps(rec, "mxfp4-fprop@lr3.75e-4", "bf16@lr3.75e-4", "0.5")),
+            0.037, -0.000, 0.075, 0.050)
+    c2 = stats.paired_t(g2 := _full_budget_gaps(rec, "mxfp4-all@lr3.75e-4", "mxfp4-fprop-dgrad@lr3.75e-4"))
+    _quoted(c2, 0.023, 0.007, 0.039, 0.025)
+    assert seeds(g2) == [0.0303, 0.0198, 0.0187]
+    assert extra("mxfp4-all@lr3.75e-4", "mxfp4-fprop-dgrad@lr3.75e-4") == ([5.1, 1.1, 9.2, 5.1], False)
+    c3 = stats.paired_t(g3 := _full_budget_gaps(rec, "mxfp4-all-dh16@lr3.75e-4", "mxfp4-all@lr3.75e-4"))
+    _quoted(c3, -0.022, -0.041, -0.004, 0.035)
+    assert seeds(g3) == [-0.0306, -0.0157, -0.0212]
+    assert extra("mxfp4-all-dh16@lr3.75e-4", "mxfp4-all@lr3.75e-4") == ([-4.9, -9.3, -0.4, 5.6], True)
+
+    # the rest of the ladder against BF16 at 3.75e-4 (mxfp4-all's row is the fourth leg's)
+    for arm, t, tokens in (("mxfp4-fprop-dgrad@lr3.75e-4", (0.034, 0.016, 0.051, 0.014), [7.3, 3.9, 10.7, 4.2]),
+                           ("mxfp4-all-dh16@lr3.75e-4", (0.034, 0.012, 0.056, 0.021), [7.4, 3.0, 11.8, 5.5])):
+        _quoted(stats.paired_t(_full_budget_gaps(rec, arm, "bf16@lr3.75e-4")), *t)
+        assert extra(arm, "bf16@lr3.75e-4") == (tokens, False)
+    # unplanned steps at 3.75e-4: Dgrad on top of Fprop; H16 against Fprop and Dgrad
+    g = _full_budget_gaps(rec, "mxfp4-fprop-dgrad@lr3.75e-4", "mxfp4-fprop@lr3.75e-4")
+    _quoted(stats.paired_t(g), -0.013, -0.023, -0.002, 0.033)
+    assert seeds(g) == [-0.0084, -0.0166, -0.0135]
+    _quoted(stats.paired_t(_full_budget_gaps(rec, "mxfp4-all-dh16@lr3.75e-4", "mxfp4-fprop-dgrad@lr3.75e-4")),
+            0.000, -0.008, 0.009, 0.83)
+    _quoted(stats.paired_t(_full_budget_gaps(rec, "mxfp4-all@lr3.75e-4", "mxfp4-fprop@lr3.75e-4")),
+            0.010, -0.015, 0.036, 0.23)
+
+    # each contrast at 3.75e-4 minus the same contrast at 7.5e-4 (unplanned, uncorrected)
+    def did(a, r, a0, r0):
+        return stats.paired_t([x - y for x, y in zip(_full_budget_gaps(rec, a, r), _full_budget_gaps(rec, a0, r0))])
+    _quoted(did("mxfp4-fprop@lr3.75e-4", "bf16@lr3.75e-4", "mxfp4-fprop", "bf16"), -0.044, -0.075, -0.012, 0.028)
+    _quoted(did("mxfp4-all@lr3.75e-4", "mxfp4-fprop-dgrad@lr3.75e-4", "mxfp4-all", "mxfp4-fprop-dgrad"),
+            0.002, -0.015, 0.020, 0.66)
+    _quoted(did("mxfp4-all-dh16@lr3.75e-4", "mxfp4-all@lr3.75e-4", "mxfp4-all-dh16", "mxfp4-all"),
+            0.009, -0.042, 0.061, 0.52)
+
+    # Holm over the plan's 8 tests, were the 3.75e-4 contrasts the best-rate half: the 6 p-values known, the two
+    # contrast-4 tests (no BF16-cooled branches yet) at their most and least favourable
+    c = [stats.paired_t(_full_budget_gaps(rec, a, r))["p"] for a, r in (
+        ("mxfp4-fprop", "bf16"), ("mxfp4-all", "mxfp4-fprop-dgrad"), ("mxfp4-all-dh16", "mxfp4-all"))]
+    ps = c + [c1["p"], c2["p"], c3["p"]]
+    lo, hi = stats.holm(ps + [0.0, 0.0])[:6], stats.holm(ps + [1.0, 1.0])[:6]
+    assert [round(x, 3) for x in lo[3:]] == [0.092, 0.100, 0.105]
+    assert [round(x, 3) for x in hi[3:]] == [0.129, 0.150, 0.176]
+    assert (round(lo[0], 3), round(hi[0], 3)) == (0.010, 0.014)
+    assert all(x > 0.05 for x in lo[1:]) and hi[0] < 0.05   # only contrast 1 at 7.5e-4 is resolved either way
 
 
 def test_the_30m_ladder_shares_the_recipes_2026_folder():
