@@ -953,6 +953,8 @@ class Trainer:
             if env.world_size > 1:   # this rank's micro-batch k is the global batch's k * N + r: its SR draws too
                 set_step(model, step, call=k * env.world_size + env.rank)
             x, y = self.loader.next()
+            if self.device.type == "cuda":   # a copy from pinned memory waits for nothing: the host runs ahead
+                x, y = x.pin_memory(), y.pin_memory()
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             loss = self._graphed_micro_step(x, y, step) if cfg.train.cuda_graphs else self._micro_step(x, y, k)
             loss_sum += loss.detach()
