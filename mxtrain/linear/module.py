@@ -128,7 +128,9 @@ def _write_states(layers, step: int, call: int | None = None) -> None:
         if m.mx_state.device.type != "meta":
             groups.setdefault(m.mx_state.device, []).append(m)
     for dev, ms in groups.items():
-        host = torch.tensor([[m.layer_id, int(step), int(call)] for m in ms], dtype=torch.int64)
+        # from pinned memory on a GPU: the copy waits for nothing, so the host can issue a step ahead of the GPU
+        host = torch.tensor([[m.layer_id, int(step), int(call)] for m in ms], dtype=torch.int64,
+                            pin_memory=dev.type == "cuda")
         rows = host.to(dev, non_blocking=True).unbind(0)
         torch._foreach_copy_([m.mx_state for m in ms], list(rows))
 
