@@ -447,6 +447,27 @@ def test_trainer_fsdp2_with_the_checks_on_the_device(trainer_runs):
     assert abs(rows[0]["loss"] - ref[0]) <= 1e-6   # before any update
 
 
+def test_a_signal_on_one_rank_stops_every_rank_at_one_step_with_the_checks_on_the_device(tmp_path):
+    """``train.check_every_step off`` on 2 DDP ranks: rank 1 alone catches a SIGTERM after step 3; its vote travels
+    with the step's checks (read a step later), so both ranks stop at the same step, after writing that step's
+    checkpoint, instead of one rank waiting for the other in a collective."""
+    from train_helpers import small_data
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(TESTS.parent), os.environ.get("PYTHONPATH", "")]))
+    out = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                        str(TESTS / "_dist_signal.py"), str(out), str(small_data())], env=env, capture_output=True,
+                       text=True, timeout=300)
+    _check_launch(p)
+    stops = sorted((r["rank"], r["stopped"]) for r in map(json.loads, (ln for ln in p.stdout.splitlines()
+                                                                        if ln.startswith("{"))))
+    assert [r for r, _ in stops] == [0, 1] and stops[0][1] == stops[1][1] and 4 <= stops[0][1] <= 5, stops
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    step = stops[0][1]
+    assert [r["step"] for r in rows if r.get("event") == "checkpoint"] == [step]
+    assert rows[-1]["event"] == "interrupted (SIGTERM)" and rows[-1]["step"] == step
+
+
 def test_trainer_background_checkpoint_resumes_bit_exact(trainer_runs):
     """train.async_checkpoint: the step-10 checkpoint is copied to host memory and written by a thread while
     training goes on; training is unchanged (with train.checkpoint_blocks too: FSDP2 gathers the weights
