@@ -904,7 +904,7 @@ def reduce_max(x: float) -> float:
     return _reduce([x], dist.ReduceOp.MAX)[0]
 
 
-def mean_over_ranks_(t: torch.Tensor, op: str = "mean") -> torch.Tensor:
+def reduce_over_ranks_(t: torch.Tensor, op: str = "mean") -> torch.Tensor:
     """``t`` (a tensor on this rank's device) reduced over ranks in place, on the device: the host waits for
     nothing (``mxtrain.train.stepcheck``). ``op``: ``mean`` or ``max``. Returns ``t``; on one process, as it is."""
     if _ENV.distributed:

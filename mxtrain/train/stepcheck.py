@@ -62,15 +62,16 @@ class StepChecks:
              vote: torch.Tensor | None = None) -> None:
         """Step ``step``'s loss and gradient norm (0-dim tensors on the device; ``vote``: the signal vote reduced
         over ranks): the flag updated on the device, the numbers copied to host memory behind the step's work.
-        Call it after the backward and the gradient clipping, before ``opt.step()``. The host waits for nothing
-        here, except for the copy of two steps back when the caller has not read it (``ready``)."""
+        Call it after the backward and the gradient clipping, before ``opt.step()``; the host waits for nothing
+        here. Read the step before (``ready``) first: its copy's slot is this step's, and a slot not read yet is
+        an error (RuntimeError), never overwritten."""
         loss, grad_norm = loss.detach().reshape(()), grad_norm.detach().reshape(())
         bad = torch.logical_not(torch.isfinite(loss)) | torch.logical_not(torch.isfinite(grad_norm))
         torch.maximum(self.found_inf, bad.to(torch.float32), out=self.found_inf)
         parts = [loss.to(torch.float64), grad_norm.to(torch.float64),
                  vote.reshape(()).to(torch.float64) if vote is not None else self.no_vote]
         slot = self.slots[step % 2]
-        if slot.meta is not None:   # never read: wait for it now rather than overwrite it
+        if slot.meta is not None:   # two steps back and never read: a caller's error, not a record to lose
             raise RuntimeError("StepChecks: a step's copy was overwritten before it was read (call ready() every step)")
         slot.buf.copy_(torch.stack(parts), non_blocking=slot.event is not None)
         if slot.event is not None:

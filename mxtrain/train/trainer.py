@@ -962,8 +962,8 @@ class Trainer:
         if self.checks is not None:
             vote = None
             if env.distributed:   # a signal on any rank: every rank reads the same vote at the same step
-                vote = D.mean_over_ranks_(torch.full((), float(self.sig.caught or 0), device=self.device), "max")
-            self.checks.push(step, self.tokens, D.mean_over_ranks_(loss_sum), D.clip_grad_norm_(model, clip), vote)
+                vote = D.reduce_over_ranks_(torch.full((), float(self.sig.caught or 0), device=self.device), "max")
+            self.checks.push(step, self.tokens, D.reduce_over_ranks_(loss_sum), D.clip_grad_norm_(model, clip), vote)
             self.opt.step()   # no update once a step was not finite (found_inf)
             self.opt.zero_grad(set_to_none=self.graphed is None)
             return None, None

@@ -5,10 +5,9 @@ with the setting forced off (fused AdamW on CPU takes the same ``found_inf``); C
 
 import copy
 import json
-import os
-import signal
 
 import pytest
+import test_callbacks
 import torch
 
 from mxtrain.errors import UserError
@@ -174,15 +173,8 @@ def test_check_every_step_takes_three_values(tmp_path):
         train(_cfg(tmp_path / "r", 2, "sometimes"))
 
 
-class _SignalAt(Callback):
+class _SignalAt(test_callbacks._SignalAt):   # its SIGTERM after step ``at``; it reads no step metrics
     reads_step_metrics = False
-
-    def __init__(self, at):
-        self.at = at
-
-    def on_step_end(self, step, metrics):
-        if step == self.at:
-            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def test_a_signal_still_checkpoints_at_its_step(tmp_path):
