@@ -509,15 +509,28 @@ class _ChainedPass(_PassBase):
         return (mine, before)
 
 
+def _sharing() -> bool:
+    """Is this compile's graph traced with ``mx_compiled=shared``? Inductor runs its custom passes in the compile
+    that traced the graph, under the settings the trace read (and guarded on: ``plan``), so the passes, once
+    installed in a process, act on the graphs of ``shared`` only: a later ``auto`` compile keeps one quantize
+    call per layer (and counts each layer's inexact blocks), as it would in a fresh process."""
+    return settings.current().mx_compiled == "shared"
+
+
 class SharePass(_ChainedPass):
-    """``share_inputs`` as inductor's pre-grad custom pass, chained after the pass a user set."""
+    """``share_inputs`` as inductor's pre-grad custom pass, chained after the pass a user set; a no-op in a compile
+    that is not ``mx_compiled=shared`` (``_sharing``)."""
 
     def run(self, graph: torch.fx.Graph) -> None:
-        share_inputs(graph)
+        if _sharing():
+            share_inputs(graph)
+
+    def uuid(self):   # (what it does depends on the setting: inductor's caches key on it)
+        return (super().uuid(), _sharing())
 
     def source(self) -> str:
         import inspect
-        return inspect.getsource(share_inputs) + inspect.getsource(_freeze)
+        return inspect.getsource(share_inputs) + inspect.getsource(_freeze) + inspect.getsource(_sharing)
 
 
 # The user kernels whose launches on the same inputs ``share_carriers`` merges in the joint graph: X's carrier rebuilt
@@ -594,15 +607,20 @@ def share_carriers(graph: torch.fx.Graph) -> int:
 
 
 class ShareCarrierPass(_ChainedPass):
-    """``share_carriers`` as inductor's joint custom pre-pass, chained after the pass a user set."""
+    """``share_carriers`` as inductor's joint custom pre-pass, chained after the pass a user set; a no-op in a
+    compile that is not ``mx_compiled=shared`` (``_sharing``)."""
 
     def run(self, graph: torch.fx.Graph) -> None:
-        share_carriers(graph)
+        if _sharing():
+            share_carriers(graph)
+
+    def uuid(self):
+        return (super().uuid(), _sharing())
 
     def source(self) -> str:
         import inspect
         return (inspect.getsource(share_carriers) + inspect.getsource(_fresh) + inspect.getsource(_freeze)
-                + repr(_SHARED_KERNELS))
+                + inspect.getsource(_sharing) + repr(_SHARED_KERNELS))
 
 
 def install_share_pass() -> bool:

@@ -641,6 +641,35 @@ def test_share_pass_keeps_reads_across_an_in_place_write_apart():
     assert left == [q1, q2]
 
 
+def test_installed_share_passes_act_only_on_shared_compiles():
+    """Once ``mx_compiled=shared`` has installed the passes in inductor's config (they stay for the process), a later
+    compile under ``auto`` keeps one quantize call per layer, as in a fresh process: ``auto``'s graphs, and an A/B
+    of the two in one process (``bench step``'s variants), are not merged behind the user's back; inductor's caches
+    key on the mode."""
+    import operator
+
+    def graph_with_two_reads():
+        graph = torch.fx.Graph()
+        x, c = graph.placeholder("x"), graph.placeholder("c")
+        qs = [graph.call_function(torch.ops.mxtrain.q_single.default, (x, c, 1, 0, "floor", True, False, 1, 512))
+              for _ in range(2)]
+        graph.output(tuple(graph.call_function(operator.getitem, (q, 0)) for q in qs))
+        return graph
+
+    def left(graph):
+        return sum(1 for n in graph.nodes if n.target is torch.ops.mxtrain.q_single.default)
+    inputs, carriers = compiledmx.SharePass(), compiledmx.ShareCarrierPass()
+    uuids = {}
+    for mode, calls in (("auto", 2), ("ops", 2), ("shared", 1)):
+        with settings.override(mx_compiled=mode):
+            g = graph_with_two_reads()
+            inputs(g)
+            assert left(g) == calls, mode
+            uuids[mode] = (inputs.uuid(), carriers.uuid())
+    assert uuids["auto"] == uuids["ops"] != uuids["shared"]
+    assert uuids["auto"][0] != uuids["shared"][0] and uuids["auto"][1] != uuids["shared"][1]
+
+
 def test_carrier_pass_merges_rebuilds_of_the_same_codes_only():
     """``share_carriers`` on a joint graph as aot_autograd writes it (functional launches of ``_expand_kernel``, each
     into fresh buffers, the inexact-block counter chained through them): of three rebuilds of one operand's codes the
