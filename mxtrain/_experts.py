@@ -8,6 +8,9 @@ the same sums, so with a GEMM that is ``F.linear`` the output is the eager imple
 (tests/linear/test_moe.py). The module ``m`` has ``gate_up_proj`` ``(E, 2 I, H)`` (gate rows first), ``down_proj``
 ``(E, H, I)``, ``act_fn`` and ``num_experts``.
 
+Eagerly, each expert's (position, token) pairs come from one stable sort of the choices by expert and one read
+of the counts by the host a call (``_groups``), in the order ``transformers``' ``torch.where`` per expert gives.
+
 Under ``torch.compile``: the eager loop iterates over the experts that ``nonzero`` found and gathers each one's
 tokens with ``torch.where``, whose output shapes depend on the data, so dynamo breaks the graph there (one graph
 per piece between the breaks; ``fullgraph=True`` fails). With ``torch._dynamo.config.capture_dynamic_output_shape_ops
@@ -48,6 +51,28 @@ def _warn_graph_breaks() -> None:
         warnings.warn(DYNAMO_HINT, stacklevel=2)
 
 
+def _groups(top_k_index: torch.Tensor, num_experts: int) -> tuple[list, dict]:
+    """The eager loop's experts and each one's ``(pos, tok)``: the experts some token chose, in increasing order,
+    and for expert e the (top-k position, token) pairs that chose it, ordered by position then token, which is
+    ``torch.where(one_hot(top_k_index)[..., e].T)`` (``transformers``' eager loop), so every row and sum comes in
+    the same order. One stable sort of the choices by expert and one read of the counts by the host a call,
+    instead of a read per expert (``torch.where``'s output size) and an (E + 1, k, N) mask. An index equal to
+    ``num_experts`` (no expert) is skipped, as there."""
+    n_tok, k = top_k_index.shape
+    with torch.no_grad():
+        flat = top_k_index.t().reshape(-1)                 # choice p * N + t: position p of token t
+        order = torch.sort(flat, stable=True).indices      # grouped by expert, each group in (p, t) order
+        counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts].tolist()   # (the host's one read)
+    experts, groups, start = [], {}, 0
+    for e, c in enumerate(counts):
+        if c:
+            idx = order[start:start + c]
+            experts.append(e)
+            groups[e] = (idx // n_tok, idx % n_tok)
+        start += c
+    return experts, groups
+
+
 def experts_forward(m: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor,
                     gemm: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
@@ -61,15 +86,19 @@ def experts_forward(m: nn.Module, hidden_states: torch.Tensor, top_k_index: torc
         if not traced:
             _warn_graph_breaks()
     out = torch.zeros_like(hidden_states)
-    with torch.no_grad():
-        mask = torch.nn.functional.one_hot(top_k_index, num_classes=m.num_experts + 1).permute(2, 1, 0)  # (E+1, k, N)
-        hit = None if traced else torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
-    for e in (range(m.num_experts) if traced else hit):
-        if not traced:
+    if not torch.compiler.is_compiling():   # eagerly: one host read a call (_groups)
+        experts, groups = _groups(top_k_index, m.num_experts)
+    else:   # (dynamo: every expert (traced) or the nonzero ones, each found by torch.where, as transformers does)
+        with torch.no_grad():
+            mask = torch.nn.functional.one_hot(top_k_index, num_classes=m.num_experts + 1).permute(2, 1, 0)  # (E+1, k, N)
+            hit = None if traced else torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+        experts, groups = (range(m.num_experts) if traced else hit), None
+    for e in experts:
+        if groups is None and not traced:
             e = int(e[0])
             if e == m.num_experts:
                 continue
-        pos, tok = torch.where(mask[e])
+        pos, tok = groups[e] if groups is not None else torch.where(mask[e])
         x = hidden_states[tok]
         if traced:
             n = tok.size(0)

@@ -96,6 +96,28 @@ def _grads(y, dy, *ts):
     return torch.autograd.grad(y, ts, dy)
 
 
+def test_eager_groups_are_torch_where_per_expert_with_one_host_read(monkeypatch):
+    """The eager loop's experts and their (position, token) pairs from one sort (``_experts._groups``) are those of
+    ``transformers``' loop (``nonzero`` over a one-hot mask, then ``torch.where`` per expert), in the same order,
+    for routings with unchosen experts and the "no expert" index E; and the host reads the device once a call."""
+    from mxtrain import _experts
+    g = torch.Generator().manual_seed(3)
+    reads = []
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t, real=torch.Tensor.tolist: reads.append(1) or real(t))
+    for n_tok, k, n_exp in ((1, 1, 4), (7, 2, 4), (33, 3, 8), (64, 8, 16)):
+        top = torch.randint(0, n_exp + 1, (n_tok, k), generator=g)   # E: no expert
+        top[:, 0] = torch.randint(0, max(1, n_exp // 2), (n_tok,), generator=g)   # leave some experts unchosen
+        mask = torch.nn.functional.one_hot(top, num_classes=n_exp + 1).permute(2, 1, 0)
+        want = [int(h[0]) for h in torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero() if int(h[0]) != n_exp]
+        reads.clear()
+        experts, groups = _experts._groups(top, n_exp)
+        assert len(reads) == 1
+        assert experts == want
+        for e in want:
+            pos, tok = torch.where(mask[e])
+            assert torch.equal(groups[e][0], pos) and torch.equal(groups[e][1], tok), (n_tok, k, n_exp, e)
+
+
 def test_expert_gemms_are_mx_linear_per_expert():
     """Forward and backward of the experts are mx_linear per expert GEMM, each with its own layer id (mxfp4-all-sr:
     MXFP4 forward as mxfp4-all, stochastic rounding of the gradients, drawn by layer id, step and call)."""
