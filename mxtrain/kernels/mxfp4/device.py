@@ -54,6 +54,17 @@ if triton is not None:
             return x.to(tl.float32)
 
     @triton.jit
+    def _f32b(x):
+        """``_f32``, with bf16 widened by its bits (the 16 bits above 16 zero bits: the same value as the
+        hardware widening, NaN payloads included) compiled too: of two bf16 loaded in one 32-bit register, the
+        upper one is then the register with its low half cleared, one logic operation, where the cast's code
+        moves it down and shifts it back (two)."""
+        if x.dtype == tl.bfloat16:
+            return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        else:
+            return _f32(x)
+
+    @triton.jit
     def _pow2(e):
         """Exact float32 2**e for int32 e in [-149, 127]."""
         normal = ((tl.maximum(e, -126) + 127) << 23)
@@ -372,11 +383,54 @@ if triton is not None:
         return c | ((v.to(tl.int32, bitcast=True) >> 28) & 8)
 
     @triton.jit
+    def _fp4_rne_t(a):
+        """``_fp4_round2``'s nearest rounding of ``a`` (in [0, 6]; NaN in non-finite blocks only) with the E2M1
+        code in the sum's bits: returns (t, m), t = a + m, where t - m is ``_fp4_round2``'s q (exact) and the low
+        byte of t's bit pattern is q's code (0..7). m is ``_fp4_round2``'s magic 1.5 * 2**(22+e) (ulp 2**(e-1),
+        e = max(E(a), 0)) plus 2e ulps, built from the exponent field E of max(a, 1) as E * (2**23 + 2) + const
+        (integer ops, no float product for contraction to fuse). An even number of ulps keeps the magic's last
+        bit even, so a + m rounds (half to even) to the same multiple k of the ulp, and t's low byte, zero in m
+        but for 2e, is k + 2e: q = k 2**(e-1) has code k + 2e (e = 0: k 0..4, codes 0..4; e = 1: k 2..4, codes
+        4..6; e = 2: k 2..3, codes 6..7)."""
+        eb = tl.maximum(a, 1.0).to(tl.int32, bitcast=True) >> 23
+        m = (eb * 0x800002 + 0x0B3FFF02).to(tl.float32, bitcast=True)   # (E + 22) << 23 | 0x400000, + 2 (E - 127)
+        return a + m, m
+
+    @triton.jit
+    def _sign01(v):
+        """The sign bit of float32 ``v`` as int32 0 or 1. Compiled, the shift is inline PTX, which LLVM does not
+        see into: knowing it 0 or 1, LLVM writes ``s * 8`` as ``(bits >> 28) & 8``, a shift and a logic operation
+        where ptxas otherwise folds the multiply into the add that takes it (one LEA)."""
+        if _INTERPRETED:
+            return (v.to(tl.uint32, bitcast=True) >> 31).to(tl.int32, bitcast=True)
+        else:
+            return tl.inline_asm_elementwise(asm="shr.b32 $0, $1, 31;", constraints="=r,r",
+                                             args=[v.to(tl.int32, bitcast=True)], dtype=tl.int32, is_pure=True,
+                                             pack=1)
+
+    @triton.jit
     def _piece(x_j, sc, fc, ok3, SR: tl.constexpr, idx, key, PRESCALE: tl.constexpr, prescale,
                WRITE_CARRIER: tl.constexpr, WRITE_FP4: tl.constexpr, USE_ASM: tl.constexpr, PACK: tl.constexpr = 4,
-               GRID: tl.constexpr = 0):
+               GRID: tl.constexpr = 0, FC_FOLD: tl.constexpr = True):
         if PRESCALE:
             x_j = x_j * prescale
+        if GRID == 0 and not SR and WRITE_CARRIER and not WRITE_FP4 and FC_FOLD:
+            # the carrier alone, nearest: ``_fp4_round2``'s rounding done on the values times fc (the carrier
+            # factor, a power of two), with its bounds and magic times fc too (clamp 6 fc, floor fc, the magic from
+            # max(a, fc)'s exponent): one multiply by sc * fc (a normal power of two: 2**(6 - G), times 1/sqrt(ROT)
+            # where folded; 2**(-126 - s) where kexp is clamped) for the multiplies by sc and then by fc, the same
+            # bytes. Where no product underflows every value is the unscaled one times fc exactly, so the result is
+            # q fc. Where one does, fc < 2**-12 (then |q fc| and the result are at most 6 fc, below 2**-10, half
+            # e4m3's smallest step) or the value is below 2**-114 (q = 0 and the result 0): both give the zero of
+            # v's sign. A non-finite block: fc NaN, so is every value (0x7F), as before.
+            v = x_j * (sc * fc)
+            a = tl.minimum(tl.abs(v), fc * 6.0)
+            m = ((tl.maximum(a, fc).to(tl.int32, bitcast=True) & 0x7F800000)
+                 + ((22 << 23) | 0x400000)).to(tl.float32, bitcast=True)
+            q = (a + m) - m
+            qs = (q.to(tl.int32, bitcast=True)
+                  | (v.to(tl.int32, bitcast=True) & -2147483648)).to(tl.float32, bitcast=True)
+            return _e4m3_bits(qs, USE_ASM, PACK), tl.zeros(v.shape, tl.int32)
         v = x_j * sc
         if GRID == 1:   # INT4: magnitude q (0..7) is its own code
             q = _int4_round(v, SR, idx, key)
@@ -384,8 +438,12 @@ if triton is not None:
         elif GRID == 2:   # E1M2: 4 v (exact) rounded on INT4's grid, q (0..7) its code (``_int4_round``)
             q = _int4_round(v * 4.0, SR, idx, key)
             q2 = q
-        else:
+        elif SR or not WRITE_FP4:
             q, q2 = _fp4_round2(v, SR, idx, key)
+        else:   # nearest, with codes: the code from the bits of the magic sum (``_fp4_rne_t``)
+            t, m = _fp4_rne_t(tl.minimum(tl.abs(v), 6.0))
+            q = t - m
+            q2 = q
         if WRITE_CARRIER:
             qs = (q.to(tl.int32, bitcast=True)
                   | (v.to(tl.int32, bitcast=True) & -2147483648)).to(tl.float32, bitcast=True)
@@ -395,18 +453,26 @@ if triton is not None:
         if WRITE_FP4:
             if GRID != 0:
                 code = tl.where(ok3, q.to(tl.int32) | ((v.to(tl.int32, bitcast=True) >> 28) & 8), 0)
-            else:
+            elif SR:
                 code = tl.where(ok3, _fp4_code(q, q2, v), 0)
+            else:
+                # t's bits plus the sign of v as bit 3: the low byte is the code (t's bits 3..21 are zero:
+                # ``_fp4_rne_t``), the bits above it are not (every caller keeps the low 4 bits only: ``_pack4``,
+                # the cols layout's packing)
+                code = tl.where(ok3, t.to(tl.int32, bitcast=True) + _sign01(v) * 8, 0)
         else:
             code = tl.zeros(v.shape, tl.int32)
         return byte, code
 
     @triton.jit
     def _pack4(c):
-        """[BR, 4, 8] codes -> [BR, 4, 4] bytes (low nibble = lower index)."""
+        """[BR, 4, 8] codes -> [BR, 4, 4] bytes (low nibble = lower index). Only the codes' low 4 bits count
+        (``_piece``'s nearest E2M1 codes have more): the byte is that of lo + (hi << 4), whose low 8 bits take no
+        carry, written as the add (one multiply-add) where an or of bits not known disjoint is a shift and a
+        logic operation."""
         BR: tl.constexpr = c.shape[0]
         lo, hi = tl.split(tl.reshape(c, [BR, 4, 4, 2]))
-        return (lo | (hi << 4)).to(tl.uint8)
+        return (lo + (hi << 4)).to(tl.uint8)
 
     @triton.jit
     def _join_level(v, H: tl.constexpr):
@@ -427,6 +493,23 @@ if triton is not None:
             else:
                 w = w + (xs[j - H] - xs[j],)
         return w
+
+    @triton.jit
+    def _max_level(v, H: tl.constexpr):
+        """Tuple of 2H tensors -> tuple of H: entry i the maximum of entries i and i + H, NaN propagating."""
+        w = ()
+        for i in tl.static_range(H):
+            w = w + (tl.maximum(v[i], v[i + H], propagate_nan=tl.PropagateNan.ALL),)
+        return w
+
+    @triton.jit
+    def _max_tree16(v):
+        """The maximum of a tuple of 16 tensors, NaN propagating, as a tree (15 two-operand maxima)."""
+        v = _max_level(v, 8)
+        v = _max_level(v, 4)
+        v = _max_level(v, 2)
+        v = _max_level(v, 1)
+        return v[0]
 
     @triton.jit
     def _join_tree(v, N: tl.constexpr, BR: tl.constexpr):

@@ -53,10 +53,10 @@ if triton is not None:
     import triton.language as tl
 
     from .device import (_bfly, _bfly8, _bfly8_signs, _bfly_signs, _bfly_tuple, _bfly_tuple_n, _block_scale,
-                         _adaptive_pick, _adaptive_term, _carrier_exp, _carrier_factor, _e4m3_bits, _f32,
+                         _adaptive_pick, _adaptive_term, _carrier_exp, _carrier_factor, _e4m3_bits, _f32, _f32b,
                          _fp4_round2, _grid_scale, _inexact,
-                         _int4_round, _join_all, _join_tree, _pack4, _piece, _pow2, _pow2n, _signs_bfly1, _split64,
-                         _uniform)
+                         _int4_round, _join_all, _join_tree, _max_tree16, _pack4, _piece, _pow2, _pow2n, _signs_bfly1,
+                         _split64, _uniform)
 
     @triton.jit(do_not_specialize=["key"])
     def _mxfp4_kernel(
@@ -413,10 +413,10 @@ if triton is not None:
             c3 = c0 + 24
             rm = r3 < R
             xp = x_ptr + r3 * sx_r
-            x0 = _f32(tl.load(xp + c0 * sx_k, mask=rm & (c0 < K), other=0.0))
-            x1 = _f32(tl.load(xp + c1 * sx_k, mask=rm & (c1 < K), other=0.0))
-            x2 = _f32(tl.load(xp + c2 * sx_k, mask=rm & (c2 < K), other=0.0))
-            x3 = _f32(tl.load(xp + c3 * sx_k, mask=rm & (c3 < K), other=0.0))
+            x0 = _f32b(tl.load(xp + c0 * sx_k, mask=rm & (c0 < K), other=0.0))
+            x1 = _f32b(tl.load(xp + c1 * sx_k, mask=rm & (c1 < K), other=0.0))
+            x2 = _f32b(tl.load(xp + c2 * sx_k, mask=rm & (c2 < K), other=0.0))
+            x3 = _f32b(tl.load(xp + c3 * sx_k, mask=rm & (c3 < K), other=0.0))
 
             if ROT > 0:
                 if HAS_SIGNS and ROT > 1:   # signs and stage 1 as FMAs of exact products (_signs_bfly1)
@@ -536,14 +536,18 @@ if triton is not None:
                 i1 = 0
                 i2 = 0
                 i3 = 0
+            # (FC_FOLD: the carrier's multiplies by sc and fc as one, device._piece; not for the adaptive rule with
+            # 128x128 groups, whose 128-row launch under its 80-register cap spilled with the two per-block
+            # factors that the fold keeps live)
+            FC_FOLD: tl.constexpr = not (RULE == 5 and GROUP_ROWS != 1)
             b0, q0 = _piece(x0, sc, fc, ok3, SR, i0, key, PRESCALE, prescale, WRITE_CARRIER, WRITE_FP4, USE_ASM,
-                            GRID=GRID)
+                            GRID=GRID, FC_FOLD=FC_FOLD)
             b1, q1 = _piece(x1, sc, fc, ok3, SR, i1, key, PRESCALE, prescale, WRITE_CARRIER, WRITE_FP4, USE_ASM,
-                            GRID=GRID)
+                            GRID=GRID, FC_FOLD=FC_FOLD)
             b2, q2 = _piece(x2, sc, fc, ok3, SR, i2, key, PRESCALE, prescale, WRITE_CARRIER, WRITE_FP4, USE_ASM,
-                            GRID=GRID)
+                            GRID=GRID, FC_FOLD=FC_FOLD)
             b3, q3 = _piece(x3, sc, fc, ok3, SR, i3, key, PRESCALE, prescale, WRITE_CARRIER, WRITE_FP4, USE_ASM,
-                            GRID=GRID)
+                            GRID=GRID, FC_FOLD=FC_FOLD)
 
             if WRITE_FP4:
                 fb = fp4_ptr + r3 * (Kq // 2)
@@ -552,7 +556,9 @@ if triton is not None:
                 p23 = tl.reshape(tl.permute(tl.join(_pack4(q2), _pack4(q3)), (0, 1, 3, 2)), [BR, 4, 8])
                 pp = tl.reshape(tl.permute(tl.join(p01, p23), (0, 1, 3, 2)), [BR, 4, 16])
                 jb = kbase // 2 + blk * 16 + tl.arange(0, 16)[None, None, :]
-                tl.store(fb + jb, pp, mask=rm & (jb * 2 < Kq))
+                # (a block's 16 bytes lie wholly before Kq, a multiple of 32, or wholly past it: the mask by the
+                # block's first column is the same for each byte and lets the store be one 16-byte access)
+                tl.store(fb + jb, pp, mask=rm & (kbase + blk * 32 < Kq))
                 r2 = rows[:, None]
                 bidx = kbase // 32 + tl.arange(0, 4)[None, :]
                 tl.store(sc_ptr + r2 * (Kq // 32) + bidx, code_sc.to(tl.uint8), mask=(r2 < R) & (bidx * 32 < Kq))
@@ -585,10 +591,15 @@ if triton is not None:
             r2 = rows[None, :]                                  # [1, BR]
             kb = kbase + tl.arange(0, 4)[:, None] * 32          # [4, 1] first column of each MX block
             rm = r2 < R
-            xp = x_ptr + r2 * sx_r
+            # (column kb + j read through a pointer stepped by sx_k from column kb's, and masked by j < K - kb:
+            # the same addresses and masks as xp + (kb + j) * sx_k and kb + j < K, with one 64-bit add a column
+            # for the address and one comparison with a constant for the mask)
+            xq = x_ptr + r2 * sx_r + kb * sx_k
+            kl = K - kb
             xs = ()
             for j in tl.static_range(32):
-                xs = xs + (_f32(tl.load(xp + (kb + j) * sx_k, mask=rm & (kb + j < K), other=0.0)),)
+                xs = xs + (_f32b(tl.load(xq, mask=rm & (j < kl), other=0.0)),)
+                xq += sx_k
 
             if ROT > 0:
                 if HAS_SIGNS and ROT > 1:   # signs and stage 1 as FMAs of exact products (_signs_bfly1)
@@ -624,10 +635,13 @@ if triton is not None:
                     w = w + (v,)
                 xs = w
 
-            # ---- block scales: |x| maximum per MX block by bit pattern (ordered as the values; NaN above all)
-            abits = tl.abs(xs[0]).to(tl.int32, bitcast=True)
-            for j in tl.static_range(1, 32):
-                abits = tl.maximum(abits, tl.abs(xs[j]).to(tl.int32, bitcast=True))
+            # ---- block scales: |x| maximum per MX block (NaN propagates, as the blocks layout's), a tree of float
+            # maxima whose first level takes the absolute values as operand modifiers; read as a bit pattern (NaN
+            # and Inf at or above 0x7F800000, finite maxima the same as the integer maximum of |x|'s patterns)
+            ms = ()
+            for j in tl.static_range(0, 32, 2):
+                ms = ms + (tl.maximum(tl.abs(xs[j]), tl.abs(xs[j + 1]), propagate_nan=tl.PropagateNan.ALL),)
+            abits = _max_tree16(ms).to(tl.int32, bitcast=True)
             if FOLD:   # the normalized block maximum (exact: launch.FOLD_ROTS)
                 abits = (abits.to(tl.float32, bitcast=True) * inv_sqrt).to(tl.int32, bitcast=True)
             ok = abits < 0x7F800000                                           # not NaN / Inf
@@ -691,10 +705,12 @@ if triton is not None:
             kb3 = kb[:, :, None]
             if WRITE_FP4:
                 pk = ()
-                for i in tl.static_range(16):
-                    pk = pk + ((qs[2 * i] | (qs[2 * i + 1] << 4)).to(tl.uint8),)
+                for i in tl.static_range(16):   # (low 4 bits of each code: as device._pack4)
+                    pk = pk + ((qs[2 * i] + (qs[2 * i + 1] << 4)).to(tl.uint8),)
                 jb = kb3 // 2 + tl.arange(0, 16)[None, None, :]
-                tl.store(fp4_ptr + r3 * (Kq // 2) + jb, _join_tree(pk, 16, BR), mask=(r3 < R) & (jb * 2 < Kq))
+                # (by the block's first column: one mask for its 16 bytes, as in the blocks layout; the row length
+                # Kq / 2 written (Kq // 32) * 16, its value, so that the compiler sees 16-byte aligned rows)
+                tl.store(fp4_ptr + r3 * ((Kq // 32) * 16) + jb, _join_tree(pk, 16, BR), mask=(r3 < R) & (kb3 < Kq))
                 bi = kb // 32
                 tl.store(sc_ptr + r2 * (Kq // 32) + bi, code_sc.to(tl.uint8), mask=rm & (kb < Kq))
 
