@@ -47,12 +47,15 @@ def _stage(tmp, stage, **kw):
 
 @pytest.mark.slow
 def test_llama8b_script_stages_on_cpu(tmp_path):
-    out, log, s = _stage(tmp_path, "recipes", RECIPES="bf16,mxfp4-all-dh16")
-    assert "=== recipe-bf16 rc=0" in log and "=== recipe-mxfp4-all-dh16 rc=0" in log, log[-4000:]
+    # (the second recipe per-tensor FP8: the stage's mechanics do not depend on which recipes it trains, and the
+    # MXFP4 recipe's kernels run in Triton's plain interpreter in the torchrun ranks here, 19 s a run against 12 s;
+    # MXFP4 under FSDP2 on 2 gloo ranks trains in tests/train/test_distributed.py)
+    out, log, s = _stage(tmp_path, "recipes", RECIPES="bf16,fp8")
+    assert "=== recipe-bf16 rc=0" in log and "=== recipe-fp8 rc=0" in log, log[-4000:]
     runs = s["runs"]
-    assert runs["recipe-bf16"]["steps"] == 4 and runs["recipe-mxfp4-all-dh16"]["steps"] == 4
+    assert runs["recipe-bf16"]["steps"] == 4 and runs["recipe-fp8"]["steps"] == 4
     assert runs["recipe-bf16"]["tok_per_s_per_gpu"] > 0
-    agree = s["loss_vs_baseline"]["recipe-mxfp4-all-dh16"]
+    agree = s["loss_vs_baseline"]["recipe-fp8"]
     assert agree["against"] == "recipe-bf16" and agree["steps"] == 4 and 0 < agree["max_abs_diff"] < 0.5
     assert not list((tmp_path / "runs").glob("**/config.json"))          # run folders deleted
     rows = [json.loads(x) for x in (out / "recipe-bf16.jsonl").read_text().splitlines()]

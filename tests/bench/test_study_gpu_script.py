@@ -119,8 +119,10 @@ def test_a_study_spans_two_leases_through_the_lease_script(tmp_path):
                SEEDS="1", BUDGETS="0.75,1", JOBS="1", DEVICE="cpu", EVAL_EVERY="8", EVAL_TOKENS="1024",
                FINAL_EVAL_TOKENS="2048", EXTRA=f"--batch-size 2 --seq-len 32 --set schedule.warmup_steps=4 {SMALL}",
                SEED_STUDY=seed,
-               # MPS=auto measures first (here: no MPS on the machine, the plain probe only, so MPS stays off)
-               MPS="auto", PROBE_FORCE="1", PROBE_STEPS="12", PROBE_EXTRA=f"--batch-size 2 --seq-len 32 {SMALL}")
+               # MPS=auto measures first (here: no MPS on the machine, the plain probe only, so MPS stays off;
+               # RECIPE: the probe's runs in bf16, see test_study_probe_measures_runs_sharing_a_device)
+               MPS="auto", PROBE_FORCE="1", PROBE_STEPS="12", PROBE_EXTRA=f"--batch-size 2 --seq-len 32 {SMALL}",
+               RECIPE="bf16")
 
     def lease(*args, **kw):
         return subprocess.run(["bash", "benchmarks/study_lease.sh", *args], cwd=ROOT, env={**env, **kw},
@@ -157,9 +159,11 @@ def test_a_study_spans_two_leases_through_the_lease_script(tmp_path):
 
 
 def test_study_probe_measures_runs_sharing_a_device(tmp_path):
-    """``benchmarks/study_probe.sh`` (plain mode on CPU): JOBS runs at once, the aggregate tokens/s in probe.json."""
+    """``benchmarks/study_probe.sh`` (plain mode on CPU): JOBS runs at once, the aggregate tokens/s in probe.json.
+    (RECIPE bf16, not the script's mxfp4-all: what the probe does with its runs does not depend on their recipe,
+    and MXFP4's kernels run in Triton's plain interpreter in the runs' processes here.)"""
     env = _env(tmp_path, OUT=tmp_path / "out", DATA=small_data(), MODES="plain", JOBS="2", STEPS="12", MODEL="tiny",
-               DEVICE="cpu", EXTRA=f"--seq-len 32 --batch-size 2 {SMALL}")
+               DEVICE="cpu", RECIPE="bf16", EXTRA=f"--seq-len 32 --batch-size 2 {SMALL}")
     r = subprocess.run(["bash", "benchmarks/study_probe.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0 and "plain:" in r.stdout, (r.stdout, r.stderr)

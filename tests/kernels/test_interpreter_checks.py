@@ -93,3 +93,83 @@ def test_lazy_type_names_and_tuple_types_equal_tritons_own():
     t = core.tuple_type(types)
     t.name = "renamed"                              # (a subclass or caller may assign a name)
     assert t.name == "renamed"
+
+
+def test_same_type_operands_are_what_tritons_promotion_hands_back():
+    """interp_speed's ``_same_type_operands``: for two tensors of one plain dtype and shape, Triton's own type
+    checking (kept aside by interp_speed) returns the operands themselves, which the shortcut returns; for the
+    pairs it leaves to Triton (fp16 or bf16 under / and %) Triton's function makes new tensors, and so does the
+    patched one."""
+    import numpy as np
+    from triton.language.semantic import TritonSemantic
+    from triton.runtime import interpreter as I
+    fn = TritonSemantic.binary_op_type_checking_impl
+    orig = getattr(fn, "_mxtrain_original", None)
+    if orig is None:
+        pytest.skip("the interpreter runs unpatched here (another Triton, or MXTRAIN_TEST_PLAIN_INTERPRETER)")
+    sem = I.interpreter_semantic
+    core = tl.core
+    shortcuts = 0
+    for dt in (tl.float32, tl.float64, tl.float16, tl.bfloat16, tl.int1, tl.int8, tl.int32, tl.int64, tl.uint8,
+               tl.uint32):
+        name, npt = dt.name, I._get_np_dtype(dt)
+        for shape in ([], [4], [2, 8]):
+            ty = core.block_type(dt, shape) if shape else dt
+
+            def make():
+                return core.tensor(I.TensorHandle(np.zeros(shape or (), dtype=npt), dt), ty)
+            for check in (True, False):
+                for div in (False, True):
+                    a, b = make(), make()
+                    want = orig(sem, a, b, False, False, check, div)
+                    got = fn(sem, a, b, False, False, check, div)
+                    assert [x.type for x in got] == [x.type for x in want], (name, shape, check, div)
+                    kept = want[0] is a and want[1] is b
+                    assert (got[0] is a and got[1] is b) == kept, (name, shape, check, div)
+                    shortcuts += kept
+                    if name in ("fp16", "bf16") and check and div:
+                        assert not kept and want[0].type.scalar == tl.float32
+    assert shortcuts > 100
+    # a number, two shapes, two dtypes: Triton's answer (a splat, a broadcast, a promotion)
+    x = core.tensor(I.TensorHandle(np.zeros((2, 8), dtype=np.float32), tl.float32), core.block_type(tl.float32, [2, 8]))
+    y = core.tensor(I.TensorHandle(np.zeros((1, 8), dtype=np.float32), tl.float32), core.block_type(tl.float32, [1, 8]))
+    z = core.tensor(I.TensorHandle(np.zeros((2, 8), dtype=np.int32), tl.int32), core.block_type(tl.int32, [2, 8]))
+    for a, b in ((x, 2.0), (x, y), (x, z), (z, 3)):
+        got, want = fn(sem, a, b), orig(sem, a, b)
+        assert [t.type for t in got] == [t.type for t in want] and [t.type for t in got][1] == a.type
+
+
+def test_known_shapes_make_what_tritons_constructors_make():
+    """interp_speed's ``_known_shapes``: a block type and a tensor of a shape met before have the fields Triton's
+    own constructors give (element type, shape values and their type, element count; the tensor's shape as
+    ``constexpr`` sizes, its numel, dtype and type); every object gets a shape tuple of its own; a wrong shape is
+    still refused."""
+    import numpy as np
+    from triton.runtime import interpreter as I
+    core = tl.core
+    orig = getattr(core, "_mxtrain_original_inits", {})
+    if "tensor" not in orig:
+        pytest.skip("the interpreter runs unpatched here (another Triton, or MXTRAIN_TEST_PLAIN_INTERPRETER)")
+
+    def made_by_triton(cls, *args):
+        obj = object.__new__(cls)
+        orig[cls.__name__](obj, *args)
+        return obj
+    for shape in ([4, 8], [core.constexpr(4), 8], [16], core.tuple([2, 32])):
+        for _ in range(2):   # (the second time from the memo)
+            got, want = core.block_type(tl.int32, shape), made_by_triton(core.block_type, tl.int32, shape)
+            assert got == want and got.name == want.name and got.numel == want.numel
+            assert list(got.shape) == list(want.shape) and got.shape.type == want.shape.type
+            assert core.block_type(tl.int32, shape).shape is not got.shape
+            h = I.TensorHandle(np.zeros(list(want.shape), dtype=np.int32), tl.int32)
+            tg, tw = core.tensor(h, got), made_by_triton(core.tensor, h, want)
+            assert [s.value for s in tg.shape] == [s.value for s in tw.shape]
+            assert all(isinstance(s, core.constexpr) for s in tg.shape) and tg.shape.type == tw.shape.type
+            assert tg.numel.value == tw.numel.value and tg.dtype == tw.dtype and tg.type == tw.type
+            assert core.tensor(h, got).shape is not tg.shape
+    s = core.tensor(I.TensorHandle(np.zeros((), dtype=np.float32), tl.float32), tl.float32)   # a scalar
+    assert list(s.shape) == [] and s.numel.value == 1 and s.dtype == tl.float32
+    with pytest.raises(ValueError):
+        core.block_type(tl.float32, [3, 8])
+    with pytest.raises(TypeError, match="0d block_type"):
+        core.block_type(tl.float32, [])

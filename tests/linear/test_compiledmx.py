@@ -768,6 +768,7 @@ from mxtrain.kernels.mxfp4 import launch, traced
 name = access_cache.install()
 wrapped = getattr(tkw, name)
 launches = []
+real_launch = traced._launch
 traced._launch = lambda kfn, grid, args, consts, nw: launches.append((kfn, launch.kernel_kwargs(kfn, args, consts)))
 cnt = torch.zeros(4, dtype=torch.int64)
 for rows, cols in ((256, 512), (384, 1024)):      # two shapes: the second launch of each variant is a cache hit
@@ -801,29 +802,39 @@ with mock.patch.object(triton.runtime.driver, "_active", Target(), create=True):
     t = torch.zeros(4)
     wrapped(other, {"p": t}, {})
     wrapped(other, {"p": t}, {})
-json.dump({"name": name, "launches": out, "stats": access_cache.stats()}, sys.stdout)
+ACCESS = {"name": name, "launches": out, "stats": access_cache.stats()}
+traced._launch = real_launch   # (what the graph script below traces)
 '''
 
 
-def test_kernel_access_analysis_runs_once_per_variant_and_agrees_with_torch(tmp_path):
-    """``kernels.access_cache``: torch's analysis of which tensors a kernel launch writes (Triton IR, compiled per
-    launch) is cached per kernel variant for mxtrain's kernels: the cached answer for a second shape equals the
-    analysis torch makes of that launch itself; the writes are the op's outputs and the counter, never its input;
-    a kernel of another module is analysed by torch every time. On torch 2.12+ the ``READ_ONLY`` table's answer
-    (used there instead of the analysis) has exactly torch's writes and reads at least torch's reads. Real Triton
-    IR for sm_90, so in a process without the interpreter."""
+@pytest.fixture(scope="module")
+def sm90_child(tmp_path_factory):
+    """The answers of ``_ACCESS_SCRIPT`` and then ``_GRAPH_SCRIPT`` (below), run one after the other in one child
+    process (a start-up with torch, Triton and dynamo fewer than one each): real Triton IR for sm_90, so without the
+    interpreter. The graph script starts from what the access script leaves (its recording ``_launch`` put back;
+    the access cache's answers, which the access test checks against torch's own analysis)."""
     import json
     import os
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = tmp_path / "access.py"   # (a file: Triton reads a jitted function's source)
-    script.write_text(_ACCESS_SCRIPT)
+    script = tmp_path_factory.mktemp("sm90") / "sm90.py"   # (a file: Triton reads a jitted function's source)
+    script.write_text(_ACCESS_SCRIPT + _GRAPH_SCRIPT + 'json.dump({"access": ACCESS, "graph": GRAPH}, sys.stdout)\n')
     p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=root,
                        timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
-    res = json.loads(p.stdout)
+    return json.loads(p.stdout)
+
+
+def test_kernel_access_analysis_runs_once_per_variant_and_agrees_with_torch(sm90_child):
+    """``kernels.access_cache``: torch's analysis of which tensors a kernel launch writes (Triton IR, compiled per
+    launch) is cached per kernel variant for mxtrain's kernels: the cached answer for a second shape equals the
+    analysis torch makes of that launch itself; the writes are the op's outputs and the counter, never its input;
+    a kernel of another module is analysed by torch every time. On torch 2.12+ the ``READ_ONLY`` table's answer
+    (used there instead of the analysis) has exactly torch's writes and reads at least torch's reads. Real Triton
+    IR for sm_90, so in a process without the interpreter (``sm90_child``)."""
+    res = sm90_child["access"]
     assert res["name"] in ("identify_accessed_tensors", "identify_mutated_tensors")
     assert len(res["launches"]) == 12
     for fn, cached, fresh, table, reads_missed in res["launches"]:
@@ -929,12 +940,12 @@ def run(recipe, n_layers, M=256, K=256, N=512):
                     cloned.append(name)
         clones += n.target is torch.ops.aten.clone.default
     return {"kernels": dict(kernels), "cloned_inputs": cloned, "clones": clones}
-json.dump({f"{r} x{n}": run(r, n) for r, n in (("mxfp4-all", 1), ("mxfp4-all", 2), ("mxfp4-all-dh16", 1),
-                                                ("mxfp4-fprop", 1), ("mxfp4-all-sr", 1), ("tseng", 1))}, sys.stdout)
+GRAPH = {f"{r} x{n}": run(r, n) for r, n in (("mxfp4-all", 1), ("mxfp4-all", 2), ("mxfp4-all-dh16", 1),
+                                             ("mxfp4-fprop", 1), ("mxfp4-all-sr", 1), ("tseng", 1))}
 '''
 
 
-def test_graph_of_a_compiled_layer_under_fake_gpu_tensors(tmp_path):
+def test_graph_of_a_compiled_layer_under_fake_gpu_tensors(sm90_child):
     """What the compiler gets from a compiled layer, forward and backward (the joint graph aot_autograd traces,
     with the quantize ops decomposed into their Triton launches and torch's analysis of what each writes, for
     sm_90, on meta tensors): five quantize launches a layer (X and dY in one pass each, W along K and along N,
@@ -942,18 +953,9 @@ def test_graph_of_a_compiled_layer_under_fake_gpu_tensors(tmp_path):
     dY) and no clone at all. Without the sharing pass two layers reading one input quantize it twice (the graph
     ``mx_compiled=shared`` merges, tested above). With stochastic rounding and random signs (``mxfp4-all-sr``,
     ``tseng``) the keys and signs are read from device memory: not copied either. (On torch 2.12+ the launches' writes come from
-    ``access_cache.READ_ONLY``; without it the rotated variant's analysis takes minutes here.)"""
-    import json
-    import os
-    import subprocess
-    import sys
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = tmp_path / "graph.py"
-    script.write_text(_GRAPH_SCRIPT)
-    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=root, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    res = json.loads(p.stdout)
+    ``access_cache.READ_ONLY``; without it the rotated variant's analysis takes minutes here.) In the child
+    process of ``sm90_child``, after the access script."""
+    res = sm90_child["graph"]
     one = {"_mxfp4_dual_kernel": 2, "_mxfp4_kernel": 2, "_expand_kernel": 1}
     assert res["mxfp4-all x1"]["kernels"] == one
     assert res["mxfp4-all x2"]["kernels"] == {k: 2 * v for k, v in one.items()}

@@ -69,22 +69,68 @@ def _signs(mode):
 
 
 _MX = [n for n, f in FORMATS.items() if f.kind == "mx" and not f.reference_only]
-_CASES = [(fmt, None, "nearest", rule) for fmt in _MX for rule in SCALE_RULES]
-_CASES += [(fmt, None, "stochastic", "floor") for fmt in _MX]
-# issue #51's adaptive rule, one case (its error sum is exact, so no reordering by the compiler can change its
-# choice; the uniform grids run round_to_elem's code with other constants, not compiled here: CI time)
-_CASES += [("mxfp4", None, "nearest", "adaptive")]
-_CASES += [("nvfp4", bs, rnd, "floor") for bs in (16, (16, 16)) for rnd in ("nearest", "stochastic")]
-_CASES += [(n, None, rnd, "floor") for n, f in FORMATS.items() if f.kind == "tensor" for rnd in ("nearest", "stochastic")]
+_MODES = ("none", "fixed", "per_step")
+# A covering design, not the full product (each case is two dynamo traces of about a second; the product of 5 MX
+# formats x 5 scale rules x 2 input dtypes was 78 traces, 100 s of CI): a rule enters the graph as the same ops
+# with the format's constants, and a bf16 input as a conversion to float32 at the graph's top (``compute_dtype``)
+# before anything format-specific. So: every rule (issue #51's adaptive one too) with MXFP4 on both input
+# dtypes; every other MX format with floor, with one of the other rules (each of those once more beside MXFP4) and
+# with stochastic rounding; NVFP4 (1-D and 16x16 blocks) and the per-tensor FP8 formats with both roundings.
+# (Issue #51's adaptive rule with MXFP4 only: its error sum is exact, so no reordering by the compiler can change
+# its choice; the uniform grids run round_to_elem's code with other constants, not compiled here: CI time.)
+# ``test_the_cases_cover_every_format_rule_dtype_axis_and_sign_mode`` checks what the design keeps (every format
+# with both dtypes, both axes and each sign mode, every rule with both dtypes and a format besides MXFP4, ...).
+_OTHER_RULES = [r for r in SCALE_RULES if r != "floor"]
+_KINDS = [("mxfp4", None, "nearest", r) for r in (*SCALE_RULES, "adaptive")]
+for _j, _fmt in enumerate(_MX[1:]):
+    _KINDS += [(_fmt, None, "nearest", "floor"), (_fmt, None, "nearest", _OTHER_RULES[_j % len(_OTHER_RULES)]),
+               (_fmt, None, "stochastic", "floor")]
+_KINDS += [("mxfp4", None, "stochastic", "floor")]
+_KINDS += [("nvfp4", bs, rnd, "floor") for bs in (16, (16, 16)) for rnd in ("nearest", "stochastic")]
+_KINDS += [(n, None, rnd, "floor") for n, f in FORMATS.items() if f.kind == "tensor" for rnd in ("nearest", "stochastic")]
+# (fmt, bs, rnd, rule, axis, sign mode, prescale, inputs): axes, sign modes and prescales spread over consecutive
+# cases (each aligned run of three: both axes, every sign mode, one prescale 0.75); ``inputs`` indexes ``_inputs()``
+# (0: float32, 1: bf16): both for the MXFP4 rule sweep, else one, alternating in pairs
+_CASES = [(fmt, bs, rnd, rule, (-1, 0)[i % 2], _MODES[i % 3], 0.75 if i % 3 == (i // 3) % 3 else 1.0,
+           (0, 1) if fmt == "mxfp4" and rnd == "nearest" else ((i // 2) % 2,))
+          for i, (fmt, bs, rnd, rule) in enumerate(_KINDS)]
+
+
+def test_the_cases_cover_every_format_rule_dtype_axis_and_sign_mode():
+    """What ``_CASES`` keeps of the full product (see above): should a scale rule be added that the rotation over
+    the other MX formats cannot place, or the spread of axes, dtypes, sign modes and prescales stop reaching a
+    format, this fails."""
+    def seen(key, val, cases=_CASES):
+        out = {}
+        for c in cases:
+            for v in (val(c) if isinstance(val(c), tuple) else (val(c),)):
+                out.setdefault(key(c), set()).add(v)
+        return out
+    fmts = {n for n, f in FORMATS.items() if f.kind in ("mx", "nvfp4", "tensor") and not f.reference_only}
+    assert set(seen(lambda c: c[0], lambda c: c[2])) == fmts
+    assert all(v == {"nearest", "stochastic"} for v in seen(lambda c: c[0], lambda c: c[2]).values())
+    assert all(v == {0, 1} for v in seen(lambda c: c[0], lambda c: c[7]).values())          # both input dtypes
+    assert all(v == {-1, 0} for v in seen(lambda c: c[0], lambda c: c[4]).values())         # both axes
+    mx = [c for c in _CASES if c[0] in _MX or c[0] == "nvfp4"]
+    assert all(v == set(_MODES) for v in seen(lambda c: c[0], lambda c: c[5], mx).values())  # every sign mode
+    assert all(0.75 in v for v in seen(lambda c: c[0], lambda c: c[6], mx).values())         # a prescale
+    rules = seen(lambda c: c[3], lambda c: c[7], [c for c in _CASES if c[2] == "nearest"])
+    assert set(rules) == {*SCALE_RULES, "adaptive"} and all(v == {0, 1} for v in rules.values())
+    assert {c[3] for c in _CASES if c[0] == "mxfp4"} == {*SCALE_RULES, "adaptive"}
+    assert {c[3] for c in _CASES if c[0] in _MX[1:]} == set(SCALE_RULES)                     # beside MXFP4 too
+    assert {(c[0], c[3]) for c in _CASES if c[0] in _MX and c[2] == "nearest"} >= {(f, "floor") for f in _MX}
+    assert len(set(c[:4] for c in _CASES)) == len(_CASES)
 
 
 @pytest.mark.parametrize("backend", ["aot_eager"], indirect=True)
-@pytest.mark.parametrize("fmt,bs,rnd,rule", _CASES)
-def test_every_format_matches_eager(backend, fmt, bs, rnd, rule):
+@pytest.mark.parametrize("fmt,bs,rnd,rule,axis,mode,prescale,inputs", [pytest.param(
+    *c, id="-".join(map(str, (*c[:4], f"ax{c[4]}", c[5], c[6], "+".join(("f32", "bf16")[i] for i in c[7])))))
+    for c in _CASES])
+def test_every_format_matches_eager(backend, fmt, bs, rnd, rule, axis, mode, prescale, inputs):
     key = KEY if rnd == "stochastic" else None
-    i = _CASES.index((fmt, bs, rnd, rule))
-    axis, mode = (-1, 0)[i % 2], ("none", "fixed", "per_step")[i % 3]   # spread axes and sign modes
-    _check((axis, 16 if mode != "none" else 0, fmt, bs, rnd, rule, 0.75 if i % 4 == 0 else 1.0), _signs(mode), key)
+    xs = _inputs()
+    spec = (axis, 16 if mode != "none" else 0, fmt, bs, rnd, rule, prescale)
+    _check(spec, _signs(mode), key, [xs[i] for i in inputs])
 
 
 @pytest.mark.parametrize("backend", ["inductor"], indirect=True)

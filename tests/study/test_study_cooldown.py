@@ -201,21 +201,54 @@ def test_compute_plan_counts_what_the_study_trains(tmp_path, capsys):
     assert "passes over its training split" not in describe_compute({**c, "epochs": 0.5})
 
 
-def test_final_evaluation_over_more_tokens_feeds_the_cooled_down_losses(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def final_eval_study(tmp_path_factory):
+    """One study for the two tests below (one run of a study fewer): ``log.final_eval_tokens`` (1024) above
+    ``log.eval_tokens`` (512), 1 seed, on a prepared folder with fixed validation files of two domains (code and
+    prose)."""
+    import random
+
+    import torch
+
+    from mxtrain.data.prepare import prepare
+    tmp_path = tmp_path_factory.mktemp("final_eval")
+    rnd = random.Random(0)
+    prose = "the of and a to in is was he for it with as his on be at by had not are but from or".split()
+    code = "def return if else for in range self x y import print class None True".split()
+
+    def doc(words, n):
+        return json.dumps({"text": " ".join(rnd.choice(words) for _ in range(n))}) + "\n"
+    src = tmp_path / "src"
+    (src / "val").mkdir(parents=True)
+    (src / "train.jsonl").write_text("".join(doc(prose if i % 2 else code, 400) for i in range(120)))
+    (src / "val" / "code.jsonl").write_text("".join(doc(code, 300) for _ in range(6)))
+    (src / "val" / "prose.jsonl").write_text("".join(doc(prose, 300) for _ in range(6)))
+    threads = torch.get_num_threads()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MXTRAIN_DATA", str(data_cache()))   # (its own data below; no user cache)
+        torch.set_num_threads(1)
+        try:
+            data = prepare([str(src / "train.jsonl")], tmp_path / "data", vocab_size=512, progress=False,
+                           val_sources=[str(src / "val")])
+            out = tmp_path / "study"
+            spec = _spec(out)
+            spec.seeds, spec.data = 1, str(data)
+            spec.overrides = spec.overrides + ["log.final_eval_tokens=1024"]
+            run_study(spec, log=lambda m: None)
+        finally:
+            torch.set_num_threads(threads)
+    return out
+
+
+def test_final_evaluation_over_more_tokens_feeds_the_cooled_down_losses(final_eval_study, tmp_path):
     """``log.final_eval_tokens`` above ``log.eval_tokens``: every run and branch ends with one more evaluation
     over that many validation tokens (eval_final.json: its windows, their mean the val_loss); the cooled-down
     metric reads those (more windows than the periodic evaluations) where every finished branch has one over
     the same tokens, and falls back to the periodic ones for all where one lacks it."""
-    monkeypatch.setenv("MXTRAIN_DATA", str(data_cache()))   # the built-in corpus, prepared once
-    import torch
+    import shutil
 
     from mxtrain.study import cooldown as C
-    torch.set_num_threads(1)
-    out = tmp_path / "study"
-    spec = _spec(out)
-    spec.seeds = 1
-    spec.overrides = spec.overrides + ["log.final_eval_tokens=1024"]
-    run_study(spec, log=lambda m: None)
+    out = final_eval_study
     for f in (out / "runs").glob("*/seed0/branches/*/eval_final.json"):
         r = json.loads(f.read_text())
         assert r["eval_tokens"] == 1024 and len(r["losses"]) == 1024 // 32
@@ -228,6 +261,8 @@ def test_final_evaluation_over_more_tokens_feeds_the_cooled_down_losses(tmp_path
     assert all(p.get("eval") == "final" and len(p["losses"]) == 32
                for a in pts.values() for bs in a.values() for p in bs.values())
     # one branch without it: every branch falls back to its last periodic evaluation (512 tokens: 16 windows)
+    # (in a copy: the study is the module's)
+    out = shutil.copytree(out, tmp_path / "study")
     next((out / "runs").glob("mxfp4-all/seed0/branches/*/eval_final.json")).unlink()
     pts = C.load_cooldown_points(out)
     assert all(p.get("eval") is None and len(p["losses"]) == 512 // 32
@@ -243,36 +278,15 @@ def test_final_eval_tokens_must_not_be_negative(tmp_path):
         _check(cfg)
 
 
-def test_cooled_down_gap_by_validation_source(tmp_path, monkeypatch):
+def test_cooled_down_gap_by_validation_source(final_eval_study):
     """A prepared folder with fixed validation files (two domains): every run labels its evaluation windows
     with their file (eval_sources.json, and in eval_final.json), the summary splits each arm's cooled-down gap
     by file at the largest budget (paired by seed and window: equal to a recomputation from the window
     losses), and the report shows it."""
-    import random
-
     import numpy as np
 
-    from mxtrain.data.prepare import prepare
     from mxtrain.study import cooldown as C
-    monkeypatch.setenv("MXTRAIN_DATA", str(data_cache()))   # (its own data below; no user cache)
-    rnd = random.Random(0)
-    prose = "the of and a to in is was he for it with as his on be at by had not are but from or".split()
-    code = "def return if else for in range self x y import print class None True".split()
-
-    def doc(words, n):
-        return json.dumps({"text": " ".join(rnd.choice(words) for _ in range(n))}) + "\n"
-    src = tmp_path / "src"
-    (src / "val").mkdir(parents=True)
-    (src / "train.jsonl").write_text("".join(doc(prose if i % 2 else code, 400) for i in range(120)))
-    (src / "val" / "code.jsonl").write_text("".join(doc(code, 300) for _ in range(6)))
-    (src / "val" / "prose.jsonl").write_text("".join(doc(prose, 300) for _ in range(6)))
-    data = prepare([str(src / "train.jsonl")], tmp_path / "data", vocab_size=512, progress=False,
-                   val_sources=[str(src / "val")])
-    out = tmp_path / "study"
-    spec = _spec(out)
-    spec.seeds, spec.data = 1, str(data)
-    spec.overrides = spec.overrides + ["log.final_eval_tokens=1024"]
-    run_study(spec, log=lambda m: None)
+    out = final_eval_study
     run = out / "runs" / "bf16" / "seed0"
     assert set(json.loads((run / "eval_sources.json").read_text())["sources"]) == {"code.jsonl", "prose.jsonl"}
     s = json.loads((out / "summary.json").read_text())
