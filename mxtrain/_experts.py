@@ -58,7 +58,7 @@ def _groups(top_k_index: torch.Tensor, num_experts: int) -> tuple[list, dict]:
     the same order. One stable sort of the choices by expert and one read of the counts by the host a call,
     instead of a read per expert (``torch.where``'s output size) and an (E + 1, k, N) mask. An index equal to
     ``num_experts`` (no expert) is skipped, as there."""
-    n_tok, k = top_k_index.shape
+    n_tok = top_k_index.shape[0]
     with torch.no_grad():
         flat = top_k_index.t().reshape(-1)                 # choice p * N + t: position p of token t
         order = torch.sort(flat, stable=True).indices      # grouped by expert, each group in (p, t) order
