@@ -303,6 +303,39 @@ def kernel_profile(step, steps: int = 3, device="cuda") -> dict:
     return {"kernels": rows, "by_class": by_class, "time": "device" if cuda else "cpu"}
 
 
+def host_profile(fn, calls: int = 20, top: int = 12, device="cuda") -> dict:
+    """Where the host's time of ``calls`` calls of ``fn`` goes, under ``torch.profiler`` (which slows each call, so
+    read the shares, not the totals): ``launches``, the kernel launches the host issued a call (the CUDA runtime's
+    and driver's launch calls, Triton's included); ``kernels``, the kernels the device ran a call; ``host``, a list of
+    ``[operator, calls a call, us a call]`` of the ``top`` operators by their own host time. On a CPU there are no
+    launches or kernels (both 0) and the operators are the CPU ones."""
+    from torch.profiler import ProfilerActivity, profile
+    cuda = torch.device(device).type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    fn()   # (one call outside the profile: nothing of a first call is counted)
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=acts) as prof:
+        for _ in range(calls):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+    launches = kernels = 0.0
+    host = []
+    for e in prof.key_averages():
+        dev_t = getattr(e, "self_device_time_total", None)
+        if dev_t is None:
+            dev_t = getattr(e, "self_cuda_time_total", 0)
+        if "LaunchKernel" in e.key:   # cudaLaunchKernel(ExC), cuLaunchKernel(Ex): one host launch each
+            launches += e.count / calls
+        if cuda and dev_t > 0 and e.self_cpu_time_total == 0:
+            kernels += e.count / calls   # (a device-side event: a kernel, memset or copy)
+        elif e.self_cpu_time_total > 0:
+            host.append([e.key, e.count / calls, e.self_cpu_time_total / calls])
+    host.sort(key=lambda r: -r[2])
+    return {"launches": launches, "kernels": kernels, "host": host[:top], "calls": calls}
+
+
 STEP_OPTIONS = ("recompute_ffn", "checkpoint_blocks")   # model options a variant may set for itself
 
 

@@ -49,7 +49,7 @@ from ..linear.module import MXLinear, convert
 from ..model.llama import Block, ModelConfig, rope_tables
 from . import step as _bs, limits as BL
 from ..linear import implementation
-from .step import kernel_profile, MODELS, TORCHAO, split_variant, variant_options
+from .step import host_profile, kernel_profile, MODELS, TORCHAO, split_variant, variant_options
 from ..numerics import recipes as _recipes
 
 __all__ = ["register", "main"]
@@ -626,27 +626,35 @@ def bench_host(args) -> dict:
     x = torch.randn(M, K, device=dev, dtype=torch.bfloat16, requires_grad=True)
     gy = torch.randn(M, N, device=dev, dtype=torch.bfloat16)
 
-    def compiled_us(mod) -> float:
+    res = {"shape": {"M": M, "K": K, "N": N}, "us": {}, "vs_nn_linear": {}, "form": {}, "profile": {}}
+
+    def compiled_us(key: str, mod) -> None:
         torch._dynamo.reset()
-        return best_us(fwd_bwd_call(torch.compile(mod, fullgraph=True), x, gy))
-    res = {"shape": {"M": M, "K": K, "N": N}, "us": {}, "vs_nn_linear": {}, "form": {}}
+        fn = fwd_bwd_call(torch.compile(mod, fullgraph=True), x, gy)
+        res["us"][key] = best_us(fn)
+        if args.profile:   # (after the timing: the profiler slows the calls it records)
+            res["profile"][key] = host_profile(fn, top=args.profile)
     base = torch.nn.Linear(K, N, bias=False, device=dev, dtype=torch.bfloat16)
-    res["us"]["nn.Linear"] = compiled_us(base)
+    compiled_us("nn.Linear", base)
     try:
         from torchao.float8 import convert_to_float8_training  # optional
         seq = torch.nn.Sequential(torch.nn.Linear(K, N, bias=False, device=dev, dtype=torch.bfloat16))
         convert_to_float8_training(seq)   # (it swaps the children of a module: the converted layer is seq[0])
-        res["us"]["torchao-tensorwise"] = compiled_us(seq[0])
+        compiled_us("torchao-tensorwise", seq[0])
     except ImportError:
         print("bench host: torchao is not installed: no torchao float8 row", file=sys.stderr, flush=True)
     for p in _presets(args, STEP_PRESETS):
         lin = MXLinear(K, N, bias=False, device=dev, dtype=torch.bfloat16, recipe=p)
         res["form"][p] = implementation(p, x, lin.weight)
-        res["us"][p] = compiled_us(lin)
+        compiled_us(p, lin)
     for k, v in res["us"].items():
         res["vs_nn_linear"][k] = v / res["us"]["nn.Linear"]
         print(f"bench host: {k}: {v:.1f} us a layer call (fwd+bwd), {res['vs_nn_linear'][k]:.2f}x nn.Linear"
               + (f"  [{res['form'][k]}]" if k in res["form"] else ""), flush=True)
+    for k, pr in res["profile"].items():
+        print(f"bench host: {k}: {pr['launches']:.0f} kernel launches and {pr['kernels']:.0f} kernels a call; host "
+              "time by operator (us a call, under the profiler): "
+              + ", ".join(f"{n} {us:.0f} ({c:g}x)" for n, c, us in pr["host"]), flush=True)
     torch._dynamo.reset()
     return {"host": res}
 
@@ -726,7 +734,7 @@ _TAKES = {"filter": ("quantize",), "presets": ("linear", "step", "blocks", "host
           "bf16_step_ms": ("limits",), "rates": ("limits",), "steps": ("step",), "rounds": ("step",),
           "recompute_ffn": ("step",), "checkpoint_blocks": ("step",), "variants": ("step",),
           "memory_budget": ("step",), "recompute_gemm_inputs": ("step",), "param_dtype": ("step",),
-          "warmup": ("step",), "glue": ("blocks",), "graphs": ("blocks",), "profile": ("step", "blocks")}
+          "warmup": ("step",), "glue": ("blocks",), "graphs": ("blocks",), "profile": ("step", "blocks", "host")}
 _DEFAULTS = {"filter": "", "presets": "", "batch": 4, "seq": 4096, "model": "8b-layers", "compile": "default",
              "rates": "", "steps": 10, "rounds": 1, "recompute_ffn": False, "checkpoint_blocks": False,
              "variants": "", "recompute_gemm_inputs": False, "param_dtype": "float32", "warmup": 3,
@@ -870,7 +878,8 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", type=_positive, nargs="?", const=45, default=None, metavar="N",
                    help="step: after timing, profile 3 more steps of each variant (torch.profiler): device time by "
                         "kernel class and the N costliest kernels (default 45) in the JSON, the 10 costliest printed; "
-                        "blocks: also print GPU time by kernel class for bf16 and mxfp4-all-dh16")
+                        "blocks: also print GPU time by kernel class for bf16 and mxfp4-all-dh16; host: after timing, profile 20 "
+                        "more calls of each layer: kernel launches a call and the N operators with the most host time")
 
 
 def register(subparsers) -> None:

@@ -334,3 +334,22 @@ def test_static_launch_patches_inductor_while_the_variant_runs():
     assert runs["bf16:static_launch=true"]["inductor"] == {"static_launch_user_defined_triton_kernels": True}
     assert runs["bf16:static_launch=true"]["settings"] == {} and "inductor" not in runs["bf16"]
     assert "static_launch='maybe'" in runs["bf16:static_launch=maybe"]["error"]
+
+
+def test_host_profile_counts_a_calls_operators_per_call():
+    """``bench host --profile``'s breakdown: operators' host time and counts are per call (3 calls of a layer whose
+    forward and backward make 3 matrix products: one ``aten::mm`` in the forward, two in the backward), and a CPU
+    has no kernel launches."""
+    lin = torch.nn.Linear(16, 8, bias=False)
+    x = torch.randn(4, 16, requires_grad=True)
+    calls = []
+
+    def fn():
+        calls.append(1)
+        lin(x).sum().backward()
+    pr = bs.host_profile(fn, calls=3, top=50, device="cpu")
+    assert len(calls) == 4 and pr["calls"] == 3   # one call before the profile, 3 in it
+    assert pr["launches"] == 0 and pr["kernels"] == 0
+    rows = {name: (count, us) for name, count, us in pr["host"]}
+    assert rows["aten::mm"][0] == 3 and rows["aten::mm"][1] > 0
+    assert [r[2] for r in pr["host"]] == sorted((r[2] for r in pr["host"]), reverse=True)
