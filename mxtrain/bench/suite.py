@@ -728,6 +728,12 @@ def _limits(args) -> int:
 # The benchmarks that take each option (every one takes --out). An option given to a benchmark that does not
 # take it is refused in one line, never dropped (#47); the options default to None so that "given" is exact,
 # and take their default values (_DEFAULTS) once the check has passed.
+def _either(names) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    names = list(names)
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
 _TAKES = {"filter": ("quantize",), "presets": ("linear", "step", "blocks", "host", "limits"),
           "layers": ("step", "blocks", "limits"), "batch": ("step", "blocks", "limits"),
           "seq": ("step", "blocks", "limits"), "model": ("step", "limits"), "compile": ("step",),
@@ -748,7 +754,7 @@ def _check_options(args, what: list[str]) -> None:
         if getattr(args, dest, None) in (None, False):   # not given (a store_true flag given is True)
             continue
         if not set(what) & set(takes):
-            raise UserError(f"--{dest.replace('_', '-')} is an option of bench {' and '.join(takes)}, "
+            raise UserError(f"--{dest.replace('_', '-')} is an option of bench {_either(takes)}, "
                             f"not of bench {args.what}")
     if args.variants is not None and args.presets is not None and not set(what) & {"linear", "blocks", "host"}:
         raise UserError("--presets and --variants: bench step times exactly the --variants; "

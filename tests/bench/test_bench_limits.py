@@ -155,7 +155,7 @@ def test_reference_recipe_bytes_equal_a_count_of_the_model_calls(preset):
     (["limits", "--filter", ""], "--filter is an option of bench quantize, not of bench limits"),
     (["limits", "--glue", "eager"], "--glue is an option of bench blocks, not of bench limits"),
     (["limits", "--recompute-ffn"], "--recompute-ffn is an option of bench step, not of bench limits"),
-    (["limits", "--profile"], "--profile is an option of bench step and blocks and host, not of bench limits"),
+    (["limits", "--profile"], "--profile is an option of bench step, blocks and host, not of bench limits"),
     (["quantize,gemm", "--rates", "bf16_tflops=1"], "--rates is an option of bench limits, not of bench quantize,gemm"),
     (["step", "--presets", "tseng", "--variants", "bf16"], "bench step times exactly the --variants"),
     (["limits,step"], "bench limits runs alone"),
