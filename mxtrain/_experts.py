@@ -1,6 +1,8 @@
 """The experts loop of a fused Mixture-of-Experts module, with the GEMM as a parameter: the model's plain experts
 (``mxtrain.model.llama.Experts``: ``F.linear``) and the MX experts (``mxtrain.linear.module.MXExperts``:
-``mx_linear`` per expert GEMM) run this one loop. Layer 0: it imports nothing of the package.
+``mx_linear`` per expert GEMM) run this one loop (the MX experts' grouped path, ``mxtrain.linear.experts``, computes
+the same numbers with the operands of all experts quantized together, in this loop's order: ``sorted_choices``).
+Layer 0: it imports nothing of the package.
 
 The loop is ``transformers``' eager experts forward (``MixtralExperts.forward``) with ``F.linear`` replaced by
 ``gemm``: the same routing (the block's router and its top-k are not touched), the same per-expert token order,
@@ -51,6 +53,19 @@ def _warn_graph_breaks() -> None:
         warnings.warn(DYNAMO_HINT, stacklevel=2)
 
 
+def sorted_choices(top_k_index: torch.Tensor, num_experts: int) -> tuple:
+    """The routing's choices sorted by expert: ``(experts, order, counts, host_counts)``, where choice ``p * N + t``
+    is top-k position ``p`` of token ``t``; ``order`` lists the choices by expert (a stable sort, so each expert's
+    in (position, token) order), ``experts`` is the expert of each choice in that order (``num_experts``, no expert,
+    last), ``counts`` the choices of each expert (a device tensor of ``num_experts``) and ``host_counts`` the same
+    as a list (the host's one read of the device)."""
+    with torch.no_grad():
+        flat = top_k_index.t().reshape(-1)                 # choice p * N + t: position p of token t
+        experts, order = torch.sort(flat, stable=True)     # grouped by expert, each group in (p, t) order
+        counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts]
+        return experts, order, counts, counts.tolist()     # (the host's one read)
+
+
 def _groups(top_k_index: torch.Tensor, num_experts: int) -> tuple[list, dict]:
     """The eager loop's experts and each one's ``(pos, tok)``: the experts some token chose, in increasing order,
     and for expert e the (top-k position, token) pairs that chose it, ordered by position then token, which is
@@ -59,10 +74,7 @@ def _groups(top_k_index: torch.Tensor, num_experts: int) -> tuple[list, dict]:
     instead of a read per expert (``torch.where``'s output size) and an (E + 1, k, N) mask. An index equal to
     ``num_experts`` (no expert) is skipped, as there."""
     n_tok = top_k_index.shape[0]
-    with torch.no_grad():
-        flat = top_k_index.t().reshape(-1)                 # choice p * N + t: position p of token t
-        order = torch.sort(flat, stable=True).indices      # grouped by expert, each group in (p, t) order
-        counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts].tolist()   # (the host's one read)
+    _, order, _, counts = sorted_choices(top_k_index, num_experts)
     experts, groups, start = [], {}, 0
     for e, c in enumerate(counts):
         if c:

@@ -107,6 +107,16 @@ class Settings:
     reuse_act: bool = _knob(
         True, "MXTRAIN_REUSE_ACT", "Layers reading one input (q/k/v, gate/up) quantize its operands once "
         "(eager only). Same results either way.", "bool")
+    experts_grouped: str = _knob(
+        "auto", "MXTRAIN_EXPERTS_GROUPED", "Mixture-of-Experts experts (`MXExperts`), eagerly: the grouped path "
+        "(`mxtrain/linear/experts.py`: each operand of all experts from one quantize launch over the tokens sorted by "
+        "expert, then one FP8-carrier GEMM per expert) instead of one `mx_linear` call per expert GEMM, for recipes "
+        "whose GEMMs are all MX with round-to-nearest and no random signs (`mxfp4-all`, `mxfp4-all-dh16`...; "
+        "stochastic rounding and random signs keep the loop): `auto` where the layers run the fast path on the "
+        "`fp8_carrier` backend (Hopper), `on` wherever the fused kernels can run the tensors with that backend (on "
+        "CPU too, under Triton's interpreter with `gemm_backend=fp8_carrier`: tests), `off` never. The loop's "
+        "values bit for bit (CPU tests; a cuda test at E=8, H=1024, I=512). Not under `torch.compile`.",
+        "choice", choices=("auto", "on", "off"), aliases=_ON_OFF)
     wgrad_x: str = _knob(
         "auto", "MXTRAIN_WGRAD_X", "Where X's Wgrad operand is quantized on the fast path (and the `fp8` "
         "recipe's FP8 GEMMs): `auto` (`carrier` for layers of at most 2,048 input features, where rebuilding the "

@@ -16,7 +16,7 @@ KNOWN_CYCLES = [
 # the MX linear package (mxtrain/linear/), bottom to top: each may import only the ones before it (and anything
 # outside the list but below the package: the numerics, kernels, settings)
 MX_LINEAR_STACK = ["linear._constant", "linear.context", "linear.skeleton", "linear.tensorfp8", "linear.tracedfp8", "linear.reference",
-                   "linear.fast", "linear.compiledmx", "linear.dispatch", "linear.ops", "linear.api",
+                   "linear.fast", "linear.compiledmx", "linear.experts", "linear.dispatch", "linear.ops", "linear.api",
                    "linear", "linear.moe", "linear.module", "linear.qgather"]
 # the study runner (issue #49), bottom to top: each may import only the ones before it
 STUDY_STACK = ["study.plan", "study.run", "study.summary", "study.workers"]

@@ -3,7 +3,7 @@ the reference it is defined by (``reference``) and the forms that run it fast (`
 ``tracedfp8``, ``compiledmx``); the dispatcher that chooses among them (``dispatch``), the custom ops
 ``torch.compile`` sees (``ops``) and the module ``convert`` puts in a model (``module``). docs/architecture.md maps
 the package; its modules import one way, bottom to top: ``_constant``, ``context``, ``skeleton``, ``tensorfp8``,
-``tracedfp8``, ``reference``, ``fast``, ``compiledmx``, ``dispatch``, ``ops``, ``api``, then ``moe``, ``module``,
+``tracedfp8``, ``reference``, ``fast``, ``compiledmx``, ``experts``, ``dispatch``, ``ops``, ``api``, then ``moe``, ``module``,
 ``qgather`` (tests/test_layering.py).
 
 ``Y = X W^T + b`` runs three GEMMs, each quantizing both operands along that GEMM's reduction axis as

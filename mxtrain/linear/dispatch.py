@@ -4,7 +4,9 @@
 (fast, mx_compiled, mx_compiled_seeded, fp8_traced, and exact_carrier where it decides a form); the
 forms' ``supported`` / ``spec`` / ``applies`` answer from the recipe, the tensors and the device alone. (Inside
 the reference, the choice of quantize kernel, ``mx_kernel``, ``nvfp4_kernel`` and ``ref_compile``, is
-``context.Ctx``'s.) ``implementation`` answers users: what runs a layer of a recipe on given tensors."""
+``context.Ctx``'s.) ``experts_route`` decides the same for an experts module's eager call (the grouped MX experts
+path or the per-expert loop; setting experts_grouped). ``implementation`` answers users: what runs a layer of a
+recipe on given tensors (an experts module: given its 3-D weight)."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from ..numerics.recipe import Recipe
 from ..numerics.recipes import get as get_recipe
 
 __all__ = ["route", "new_state", "call_seeds", "call_context", "recipe_json", "split_capable", "COMPILED_FORMS",
-           "compiled_form", "implementation", "mx_spec"]
+           "compiled_form", "implementation", "mx_spec", "EXPERTS_FORMS", "experts_route", "experts_choice"]
 
 
 def route(recipe: Recipe, x: torch.Tensor, weight: torch.Tensor) -> str:
@@ -33,6 +35,49 @@ def route(recipe: Recipe, x: torch.Tensor, weight: torch.Tensor) -> str:
         if fast.supported(recipe) and fast.applies(x, weight):
             return "fast"
     return "reference"
+
+
+EXPERTS_FORMS = {
+    "grouped": "the grouped MX experts path: each operand of all experts from one quantize launch, one FP8-carrier "
+               "GEMM per expert (mxtrain.linear.experts, setting experts_grouped)",
+    "loop": "the per-expert loop: one mx_linear call per expert GEMM (mxtrain._experts)",
+}
+
+
+def experts_choice(recipe: Recipe, x: torch.Tensor, gate_up_proj: torch.Tensor) -> tuple[str, str]:
+    """``("grouped", "")`` or ``("loop", why)`` for an eager call of an experts module (``MXExperts``) of ``recipe``
+    on hidden states ``x`` with weights ``gate_up_proj`` ``(E, 2 I, H)``: the one reader of the setting
+    ``experts_grouped`` (``auto``: where the layers take the fast path, ``route``; ``on``: wherever the fused
+    kernels can run the tensors, Triton's interpreter on CPU included; ``off``: never). Grouped also needs a recipe
+    ``experts.supported`` takes (MX GEMMs drawing nothing at random), the ``fp8_carrier`` backend, ``exact_carrier``
+    off, and no ``torch.compile`` (the compiled experts run their own loop). Works on fake tensors."""
+    s = settings.current()
+    if s.experts_grouped == "off":
+        return "loop", "setting experts_grouped=off"
+    if torch.compiler.is_compiling():
+        return "loop", "under torch.compile the experts run the compiled loop"
+    if not recipe.quantized:
+        return "loop", "the recipe quantizes nothing (F.linear per expert)"
+    from . import experts  # startup
+    if not experts.supported(recipe):
+        return "loop", ("the recipe draws random numbers by GEMM and element position (stochastic rounding or random "
+                        "signs) or has a GEMM that is not MX on both operands")
+    if s.exact_carrier:
+        return "loop", "setting exact_carrier decides each GEMM on the host"
+    from . import fast  # startup
+    if s.experts_grouped == "auto":
+        if route(recipe, x, gate_up_proj) != "fast":
+            return "loop", "the layers do not take the fast path here (CUDA tensors, setting fast)"
+    elif not (s.fast and fast.supported(recipe) and fast.applies(x, gate_up_proj)):
+        return "loop", "the fused kernels cannot run these tensors"
+    from ..kernels import backend  # startup
+    why = experts.why_not(recipe, x, gate_up_proj, backend(x.device))
+    return ("loop", why) if why else ("grouped", "")
+
+
+def experts_route(recipe: Recipe, x: torch.Tensor, gate_up_proj: torch.Tensor) -> str:
+    """``grouped`` or ``loop`` (``experts_choice``)."""
+    return experts_choice(recipe, x, gate_up_proj)[0]
 
 
 def new_state(layer: int = 0, device=None) -> torch.Tensor:
@@ -152,8 +197,18 @@ def implementation(recipe: Recipe | str, x: torch.Tensor, weight: torch.Tensor, 
     eagerly, ``route``'s answer (plain, the fast path's fused kernels, or the reference quantizer). Reads the
     settings as they are now. A routing setting changed after a model was compiled makes dynamo compile its graph
     again at the next call (it guards on the settings it read while tracing; the compiled layer also on the
-    launch settings of its kernels, ``compiledmx.TRACE_TIME_SETTINGS``)."""
+    launch settings of its kernels, ``compiledmx.TRACE_TIME_SETTINGS``).
+
+    A 3-D ``weight`` is an experts module's ``gate_up_proj`` ``(E, 2 I, H)`` (``MXExperts``): eagerly the answer
+    says whether the grouped MX experts path runs (``experts_choice``, with the reason where it does not) and
+    otherwise what runs each expert GEMM; compiled, what runs each expert GEMM of the compiled loop."""
     r = get_recipe(recipe)
+    if weight.ndim == 3:
+        per = implementation(r, x, weight[0], compiled)
+        if compiled:
+            return f"{EXPERTS_FORMS['loop']}; each GEMM: {per}"
+        path, why = experts_choice(r, x, weight)
+        return EXPERTS_FORMS["grouped"] if path == "grouped" else f"{EXPERTS_FORMS['loop']} ({why}); each GEMM: {per}"
     if not compiled:
         return {"plain": "F.linear (the recipe quantizes nothing)",
                 "fast": "the fast path: fused Triton quantizers and MX GEMMs (mxtrain.linear.fast)",

@@ -27,7 +27,7 @@ import torch.nn as nn
 
 from .context import Ctx, advances_calls, needs_seeds, operand_seed
 from .api import compiled_linear, mx_linear
-from .dispatch import mx_spec, recipe_json, split_capable, implementation
+from .dispatch import experts_route, mx_spec, recipe_json, split_capable, implementation
 from . import ops as _ops, tracedfp8  # noqa: F401 - ops: registers the mxtrain ops
 from ..numerics.recipe import Recipe
 from ..numerics.recipes import get as get_recipe
@@ -258,7 +258,15 @@ class MXExperts(MXLayer):
     numerics exact per expert GEMM (the reference path on CPU; on CUDA whatever ``mx_linear`` routes to). The module
     takes ``2 E`` layer ids: expert ``e``'s ``gate_up_proj`` GEMM draws its random inputs (stochastic rounding,
     random signs) as layer ``layer_id + 2 e``, its ``down_proj`` GEMM as ``layer_id + 2 e + 1``, at the module's
-    step and call (``mx_state``); a forward that records gradients advances the call once."""
+    step and call (``mx_state``); a forward that records gradients advances the call once.
+
+    Eagerly, where the dispatcher says so (``mxtrain.linear.dispatch.experts_route``, setting ``experts_grouped``:
+    recipes that draw nothing at random, on the FP8-carrier fast path), the grouped MX experts path runs instead of
+    the loop (``mxtrain.linear.experts``: each operand of all experts from one quantize launch; the loop's values bit
+    for bit). ``mx_experts_path`` says which ran last: ``"grouped"`` or ``"loop"`` (None before the first eager
+    call)."""
+
+    mx_experts_path = None
 
     @property
     def _mx_ids(self) -> int:
@@ -274,6 +282,12 @@ class MXExperts(MXLayer):
         from .moe import advances_calls_json  # startup
         recipe, seeded = self._mx_recipe, self._mx_seeded
         compiling = torch.compiler.is_compiling()
+        if not compiling:
+            path = experts_route(recipe, hidden_states, self.gate_up_proj)
+            self.mx_experts_path = path
+            if path == "grouped":   # (nothing drawn at random: no call counter to advance)
+                from . import experts  # startup
+                return experts.forward(self, hidden_states, top_k_index, top_k_weights, recipe)
 
         def gemm(x: torch.Tensor, w: torch.Tensor, k: int) -> torch.Tensor:
             state = None
@@ -416,7 +430,9 @@ class ConvertReport:
     outside_blocks: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     # what runs the converted layers where their weights are now (``linear.implementation`` of the first one):
-    # {"device", "eager", "compiled"}; empty where nothing was converted or the weights are on the meta device
+    # {"device", "eager", "compiled"}, and for the first experts module (``MXExperts``) "experts": what runs it
+    # eagerly (the grouped MX experts path or the per-expert loop); empty where nothing was converted or the
+    # weights are on the meta device
     runs_as: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -435,9 +451,11 @@ class ConvertReport:
             more = len(self.outside_blocks) - 8
             lines.append("  converted outside numbered blocks (an output head among them? skip it by name): "
                          + ", ".join(self.outside_blocks[:8]) + (f", and {more} more" if more > 0 else ""))
-        if self.runs_as:
+        if "eager" in self.runs_as:
             lines.append(f"  on {self.runs_as['device']}: eagerly {self.runs_as['eager']}; under torch.compile "
                          f"{self.runs_as['compiled']} (mxtrain.linear.implementation answers for a layer and input)")
+        if "experts" in self.runs_as:
+            lines.append(f"  experts modules on {self.runs_as['device']}, eagerly: {self.runs_as['experts']}")
         lines += [f"  note: {t}" for t in self.notes]
         return "\n".join(lines)
 
@@ -594,14 +612,24 @@ def _runs_as(model: nn.Module, rep: ConvertReport, recipe: Recipe) -> dict:
     """``ConvertReport.runs_as``: what runs the first converted layer on its weights' device and dtype, eagerly
     and compiled (the routing of ``linear.route`` and ``linear.compiled_form``, which every converted layer of one
     recipe on one device shares up to input shapes)."""
-    if not rep.converted:
-        return {}
-    w = model.get_submodule(rep.converted[0])._mx_weight()
-    if w.device.type == "meta" or w.ndim != 2:
-        return {}
-    x = torch.zeros(1, w.shape[1], device=w.device, dtype=w.dtype)
-    return {"device": str(w.device), "eager": implementation(recipe, x, w.detach(), compiled=False),
-            "compiled": implementation(recipe, x, w.detach(), compiled=True)}
+    out: dict = {}
+    for n in rep.converted:
+        w = model.get_submodule(n)._mx_weight()
+        if w.device.type == "meta":
+            continue
+        key = "experts" if w.ndim == 3 else "eager"
+        if key in out:
+            continue
+        x = torch.zeros(1, w.shape[-1], device=w.device, dtype=w.dtype)
+        out.setdefault("device", str(w.device))
+        if w.ndim == 3:   # (MXExperts: its gate_up_proj)
+            out["experts"] = implementation(recipe, x, w.detach(), compiled=False)
+        else:
+            out["eager"] = implementation(recipe, x, w.detach(), compiled=False)
+            out["compiled"] = implementation(recipe, x, w.detach(), compiled=True)
+        if "eager" in out and "experts" in out:
+            break
+    return out
 
 
 def ddp_ignore_states(model: nn.Module) -> None:

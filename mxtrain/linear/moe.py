@@ -7,8 +7,9 @@ The modules are those of ``transformers``' ``@use_experts_implementation`` class
 (Mixtral's ``MixtralExperts``, Qwen3-MoE's ``Qwen3MoeExperts``, and others alike): ``gate_up_proj`` of shape
 ``(E, 2 I, H)`` with the gate rows first, ``down_proj`` of shape ``(E, H, I)``, no biases, not transposed, gated.
 
-Reference numerics only: one ``mx_linear`` call per expert and projection, exact MX per GEMM; a grouped kernel
-(all experts in one launch) is not built.
+One ``mx_linear`` call per expert and projection, exact MX per GEMM; eagerly on the FP8-carrier fast path, recipes
+that draw nothing at random run the grouped MX experts path instead (``mxtrain.linear.experts``: each operand of all
+experts from one quantize launch, then one GEMM per expert; the same numbers), as ``dispatch.experts_route`` says.
 """
 from __future__ import annotations
 

@@ -3,7 +3,9 @@
 
 Tiny models built from configs (2 layers, 4 experts, dims 64): with a recipe that quantizes nothing the converted
 model is transformers' eager model bit for bit; with MX recipes each expert GEMM is ``mx_linear`` on ``weight[e]``
-with the expert's own layer id; a few optimizer steps train.
+with the expert's own layer id; a few optimizer steps train. The grouped MX experts path (mxtrain.linear.experts)
+equals the per-expert loop bit for bit: on CPU with the kernels in Triton's interpreter and the carrier GEMM
+emulated, and in cuda tests at E=8, H=1024, I=512, 4096 tokens.
 """
 
 import copy
@@ -275,7 +277,8 @@ def test_other_3d_layouts_stay_refused():
 @pytest.mark.parametrize("recipe", ["mxfp4-all-dh16", "mxfp4-all-sr"])
 def test_cuda_experts_run_the_fast_path_as_mx_linear_per_expert(recipe, source):
     """On a GPU each expert GEMM takes mx_linear's fast path (bf16, 256 tokens, dims 64): the experts equal the
-    by-hand loop bit for bit, and the reference path (``fast="off"``) to within MX-vs-MX kernel noise. ``source``:
+    by-hand loop bit for bit (``mxfp4-all-dh16`` through the grouped MX experts path, which the dispatcher takes
+    for it: the same numbers), and the reference path (``fast="off"``) to within MX-vs-MX kernel noise. ``source``:
     a Hugging Face Qwen3-MoE, or mxtrain's own mixture of experts (``tiny-moe``; whatever transformers has)."""
     from mxtrain import settings
     from mxtrain.linear import route
@@ -301,6 +304,7 @@ def test_cuda_experts_run_the_fast_path_as_mx_linear_per_expert(recipe, source):
     assert route(mxtrain.numerics.recipes.get(recipe), x, ex.gate_up_proj[0]) == "fast"
     mxtrain.set_step(model, 3, call=5)
     y = ex(x, idx, w)
+    assert ex.mx_experts_path == ("grouped" if recipe == "mxfp4-all-dh16" else "loop")
     got = _grads(y, dy, x, ex.gate_up_proj, ex.down_proj)
     own = _by_hand(ex, x, idx, w, recipe, lambda e, k: ex.layer_id + 2 * e + k)
     assert torch.equal(y, own)
@@ -316,3 +320,277 @@ def test_cuda_experts_run_the_fast_path_as_mx_linear_per_expert(recipe, source):
     if recipe == "mxfp4-all-dh16":   # round to nearest: the same MX numbers; SR draws differ between paths
         for a, b in zip(got, rgot):
             assert rel(a, b) < 2e-2
+
+
+# ---------------------------------------------------------------------------------------------- the grouped path
+
+@pytest.fixture
+def carrier_cpu(monkeypatch):
+    """The FP8-carrier fast path on CPU (as tests/linear/test_exact_carrier.py): Triton's interpreter quantizes,
+    and the carrier GEMM multiplies the carriers' values in float32 (codes dropped). Yields the GEMMs' operand
+    layouts as ``_scaled_mm`` would receive them: shapes and scale shapes and strides."""
+    import dataclasses
+    from mxtrain import settings
+    from mxtrain.kernels import gemm as kg
+    from mxtrain.linear import fast
+    real, seen = kg.mx_gemm_nt, []
+
+    def layout(s):   # (a scale's shape and strides; the stride of a dimension of size 1 is not checked)
+        return tuple(s.shape), tuple(st if n > 1 else None for n, st in zip(s.shape, s.stride()))
+
+    def gemm(a, b, backend, *r):
+        assert backend == "fp8_carrier"
+        seen.append((a.carrier.shape, layout(a.gscale), b.carrier.shape, layout(b.gscale), b.group_rows))
+        a, b = (dataclasses.replace(q, packed=None, scales=None) for q in (a, b))
+        return real(a, b, "dequant", *r)
+    monkeypatch.setattr(kg, "mx_gemm_nt", gemm)
+    monkeypatch.setattr(kg, "activation_b_group_rows", lambda dev: 128)
+    # (carrier_k=128: each expert's tokens padded to 128 rows, the least the carrier allows: interpreter time)
+    with settings.override(gemm_backend="fp8_carrier", qselfcheck="off", fast_launch="always", carrier_k=128):
+        fast.clear_caches()
+        yield seen
+
+
+def _own_experts(recipe, dtype, E=4, H=64, I=64):
+    """A converted experts module in transformers' fused layout (mxtrain's own ``Experts``: importing transformers'
+    Mixtral costs 5 s of CI time), E experts, hidden H, intermediate I, random weights."""
+    from types import SimpleNamespace
+    from mxtrain.model.llama import Experts
+    ex = Experts(SimpleNamespace(n_experts=E, dim=H, hidden_dim=I))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        ex.gate_up_proj.copy_(torch.randn(ex.gate_up_proj.shape, generator=g) / H ** 0.5)
+        ex.down_proj.copy_(torch.randn(ex.down_proj.shape, generator=g) / I ** 0.5)
+    ex.to(dtype)
+    mxtrain.convert(nn.ModuleDict({"experts": ex}), recipe, strict=True)
+    assert isinstance(ex, MXExperts)
+    return ex
+
+
+@pytest.mark.parametrize("recipe,dtype,wgrad_x,qkernel", [("mxfp4-all", torch.float32, "auto", "auto"),
+                                                          ("mxfp4-all-dh16", torch.bfloat16, "forward", "tile"),
+                                                          ("mxfp4-all-dh32", torch.float32, "backward", "tile")])
+def test_grouped_experts_equal_the_loop_bit_for_bit(carrier_cpu, recipe, dtype, wgrad_x, qkernel):
+    """The grouped MX experts path (mxtrain.linear.experts; setting experts_grouped=on runs it on CPU) gives the
+    per-expert loop's output and gradients bit for bit (hidden states, routing weights, both expert weights), with
+    the kernels in Triton's interpreter and the carrier GEMM emulated: E=4, H=64, I=64, 40 tokens, top-2, experts 1
+    and 3 chosen by nobody, a fifth of the second choices "no expert" (index E, which the loop skips), token
+    counts that are not multiples of 32. Every GEMM gets the loop's operand layouts (shapes, scale shapes and
+    strides, as ``_scaled_mm`` checks them), with fewer quantize launches. The down projection's weight operands
+    (64 rows, not a multiple of 128) come from one launch per expert, the gate/up ones (128 rows) from one launch
+    for all experts. X's and dY's two operands come from the one-pass kernel (``qkernel=auto``) or, with the tile
+    kernel, from two passes. (Interpreter time: two experts run, not three, and the bf16 case runs the tile
+    kernel, which the interpreter runs about twice as fast: 3.6, 1.0 and 0.9 s with ``-n 2``, the first one paying
+    the kernels' first runs.) X's Wgrad operand is made in
+    the forward as the carrier (``wgrad_x=auto`` at 64 inputs), as FP4 codes (``forward``), or in the backward from
+    the kept input (``backward``)."""
+    from mxtrain import settings
+    from mxtrain._experts import experts_forward
+    from mxtrain.kernels import mxfp4 as kq
+    from mxtrain.linear import fast, implementation
+    from mxtrain.linear.context import Ctx
+    rec = mxtrain.numerics.recipes.get(recipe)
+    ex = _own_experts(recipe, dtype)
+    g = torch.Generator().manual_seed(1)
+    n = 40
+    x = torch.randn(n, 64, generator=g).to(dtype).requires_grad_()
+    idx = torch.stack([torch.randperm(2, generator=g) * 2 for _ in range(n)])   # experts 0 and 2
+    idx[::5, 1] = 4   # no expert
+    counts = torch.bincount(idx.flatten(), minlength=5).tolist()
+    assert counts[1] == counts[3] == 0 and all(c % 32 for c in (counts[0], counts[2])), counts
+    w = torch.rand(n, 2, generator=g).to(dtype).requires_grad_()
+    dy = torch.randn(n, 64, generator=g).to(dtype)
+    got = {}
+    with settings.override(wgrad_x=wgrad_x, qkernel=qkernel):
+        for path in ("loop", "grouped"):
+            carrier_cpu.clear()
+            with kq.record_launches() as log:
+                if path == "loop":   # (what MXExperts runs on CUDA: mx_linear's fast path per expert GEMM)
+                    y = experts_forward(ex, x, idx, w, lambda a, b, k: fast.apply(a, b, None, Ctx(rec)))
+                else:
+                    with settings.override(experts_grouped="on"):
+                        assert "grouped" in implementation(rec, x, ex.gate_up_proj, compiled=False)
+                        y = ex(x, idx, w)
+                    assert ex.mx_experts_path == "grouped"
+                grads = _grads(y, dy, x, w, ex.gate_up_proj, ex.down_proj)
+            got[path] = ((y, *grads), sorted(carrier_cpu), len(log))
+    for a, b, name in zip(got["loop"][0], got["grouped"][0], ("y", "dx", "d weights", "d gate_up", "d down")):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert got["grouped"][1] == got["loop"][1]   # 2 experts x 6 GEMMs, each with the loop's operand layouts
+    assert len(got["grouped"][1]) == 12
+    # X's two operands and dY's two: one pass each with the one-pass kernel, else two (X's Wgrad operand in the
+    # backward: a pass of its own); loop: those, W and W^T for each of 4 expert GEMMs; grouped: those once a
+    # projection, W and W^T of gate/up for all experts (2), down's W and W^T per expert (4)
+    xs, dys = (1 if qkernel == "auto" and wgrad_x != "backward" else 2), (1 if qkernel == "auto" else 2)
+    assert got["loop"][2] == 4 * (xs + dys + 2) and got["grouped"][2] == 2 * (xs + dys) + 6
+
+
+def test_experts_dispatcher_chooses_and_says_which_path():
+    """``dispatch.experts_choice`` (setting experts_grouped) takes the grouped path only for recipes that draw
+    nothing at random, on the FP8-carrier fast path; ``implementation`` and ``convert``'s report say which runs."""
+    from mxtrain import settings
+    from mxtrain.linear import implementation
+    from mxtrain.linear.dispatch import experts_choice
+    get = mxtrain.numerics.recipes.get
+    ex = _own_experts("mxfp4-all", torch.float32)
+    x, gu = torch.zeros(3, 64), ex.gate_up_proj.detach()
+    # CPU, auto: the layers run the reference path, so the loop
+    assert experts_choice(get("mxfp4-all"), x, gu) == ("loop", "the layers do not take the fast path here (CUDA "
+                                                              "tensors, setting fast)")
+    assert "per-expert loop" in implementation("mxfp4-all", x, gu, compiled=False)
+    with settings.override(experts_grouped="on", gemm_backend="fp8_carrier"):
+        for r in ("mxfp4-all", "mxfp4-all-dh16", "mxfp4-all-adaptive", "mxfp4-all+rceil"):
+            assert experts_choice(get(r), x, gu) == ("grouped", ""), r
+        for r in ("mxfp4-all-sr", "mxfp4-all-rht16", "tseng", "ufp4", "mxfp4-bwd", "nvfp4"):   # drawn, or not all MX
+            assert experts_choice(get(r), x, gu)[0] == "loop", r
+        assert "stochastic rounding or random signs" in experts_choice(get("mxfp4-all-sr"), x, gu)[1]
+        assert experts_choice(get("bf16"), x, gu)[0] == "loop"
+        with settings.override(exact_carrier=True):
+            assert experts_choice(get("mxfp4-all"), x, gu)[0] == "loop"
+        with settings.override(experts_grouped="off"):
+            assert experts_choice(get("mxfp4-all"), x, gu) == ("loop", "setting experts_grouped=off")
+        assert "grouped MX experts path" in implementation("mxfp4-all", x, gu, compiled=False)
+        assert "per-expert loop" in implementation("mxfp4-all", x, gu, compiled=True)   # (not in scope compiled)
+        rep = mxtrain.convert(nn.ModuleDict({"experts": ex, "proj": nn.Linear(64, 64)}), "mxfp4-all")
+        assert "grouped MX experts path" in rep.runs_as["experts"] and "experts modules on cpu" in str(rep)
+    with settings.override(experts_grouped="on"):   # (CPU's own GEMM backend, dequant: the loop)
+        assert "fp8_carrier" in experts_choice(get("mxfp4-all"), x, gu)[1]
+
+
+def _routing(n, E, k, device, seed, nobody=None):
+    """Top-k routing of ``n`` tokens over ``E`` experts (softmax of random logits, renormalized), uneven loads;
+    expert ``nobody`` gets no token."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    logits = torch.randn(n, E, device=device, generator=g) + torch.linspace(0, 1, E, device=device)
+    if nobody is not None:
+        logits[:, nobody] = -float("inf")
+    w, idx = torch.topk(torch.softmax(logits, dim=-1), k, dim=-1)
+    return idx, w / w.sum(dim=-1, keepdim=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", ["bf16", "fp32", "autocast"])
+@pytest.mark.parametrize("recipe", ["mxfp4-all", "mxfp4-all-dh16"])
+def test_cuda_grouped_experts_equal_the_loop(recipe, dtype):
+    """On a GPU (the FP8-carrier backend of an H100/H200) the grouped MX experts path runs by default (the dispatcher
+    says so, ``implementation`` too) and gives the per-expert loop's (``experts_grouped=off``: one ``mx_linear``
+    fast-path call per expert GEMM) output and gradients bit for bit, at E=8, H=1024, I=512, 4096 tokens, top-2
+    (bf16; float32; float32 weights and inputs under bf16 autocast), with a second routing in which expert 5 gets
+    no token; and the carriers' inexact-block counts by tensor grow by the same amounts."""
+    from mxtrain import settings
+    from mxtrain.linear import fast, implementation
+    dev = "cuda"
+    E, H, I, n = 8, 1024, 512, 4096
+    dt = torch.bfloat16 if dtype == "bf16" else torch.float32
+    ex = _own_experts(recipe, dt, E=E, H=H, I=I).to(dev)
+    g = torch.Generator(device=dev).manual_seed(3)
+    x = torch.randn(n, H, device=dev, generator=g).to(dt).requires_grad_()
+    dy = torch.randn(n, H, device=dev, generator=g).to(dt)
+    rec = mxtrain.numerics.recipes.get(recipe)
+    for seed, nobody in ((1, None), (2, 5)):
+        idx, w = _routing(n, E, 2, dev, seed, nobody)
+        counts = torch.bincount(idx.flatten(), minlength=E).tolist()
+        assert (counts[nobody] == 0 if nobody is not None else min(counts) > 0), counts
+        w = w.to(dt).requires_grad_()
+        got = {}
+        for path in ("loop", "grouped"):
+            before = fast.inexact_by_tensor(dev)
+            with settings.override(experts_grouped="off" if path == "loop" else "auto"), \
+                    torch.autocast(dev, dtype=torch.bfloat16, enabled=dtype == "autocast"):
+                said = implementation(rec, x, ex.gate_up_proj, compiled=False)
+                assert ("grouped MX experts path" in said) == (path == "grouped"), said
+                y = ex(x, idx, w)
+            assert ex.mx_experts_path == path
+            grads = _grads(y, dy.to(y.dtype), x, w, ex.gate_up_proj, ex.down_proj)
+            after = fast.inexact_by_tensor(dev)
+            got[path] = ((y, *grads), {r: after[r] - before[r] for r in after})
+        for a, b, name in zip(got["loop"][0], got["grouped"][0], ("y", "dx", "d weights", "d gate_up", "d down")):
+            assert a.dtype == b.dtype and torch.equal(a, b), (name, seed, ((a.float() - b.float()).abs().max()))
+        assert got["loop"][1] == got["grouped"][1], got
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("wgrad_x", ["forward", "backward"])
+def test_cuda_grouped_experts_keep_x_as_the_loop_does(wgrad_x):
+    """``wgrad_x=forward`` (X's Wgrad operand kept as FP4 codes, its carrier rebuilt in the backward: one launch
+    for all experts) and ``backward`` (X kept, quantized in the backward): the loop's values bit for bit."""
+    from mxtrain import settings
+    dev = "cuda"
+    ex = _own_experts("mxfp4-all-dh16", torch.bfloat16, E=8, H=1024, I=512).to(dev)
+    g = torch.Generator(device=dev).manual_seed(4)
+    x = torch.randn(4096, 1024, device=dev, generator=g).to(torch.bfloat16).requires_grad_()
+    dy = torch.randn(4096, 1024, device=dev, generator=g).to(torch.bfloat16)
+    idx, w = _routing(4096, 8, 2, dev, 5)
+    w = w.to(torch.bfloat16).requires_grad_()
+    got = {}
+    with settings.override(wgrad_x=wgrad_x):
+        for path in ("off", "auto"):
+            with settings.override(experts_grouped=path):
+                y = ex(x, idx, w)
+            got[path] = (y, *_grads(y, dy, x, w, ex.gate_up_proj, ex.down_proj))
+    assert ex.mx_experts_path == "grouped"
+    for a, b in zip(got["off"], got["auto"]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("recipe", ["mxfp4-all", "mxfp4-all-dh16"])
+def test_cuda_grouped_experts_in_a_model_equal_the_loop(recipe):
+    """A whole mixture-of-experts model (mxtrain's ``30m-moe`` blocks: 8 experts, top-2, dim 384, experts 1024 wide;
+    2 blocks, bf16): its loss and every parameter's gradient (the router's, which reach it through the hidden
+    states' gradient the experts sum, included) equal the per-expert loop's bit for bit; the down projection's
+    Dgrad weight operand (384 rows, not a multiple of 512) is quantized per expert, the rest grouped."""
+    from mxtrain import settings
+    from mxtrain.model.llama import Llama, ModelConfig
+    dev = "cuda"
+    torch.manual_seed(0)
+    model = Llama(ModelConfig.named("30m-moe", n_layers=2, vocab_size=512), glue="eager").to(dev, torch.bfloat16)
+    mxtrain.convert(model, recipe, strict=True)
+    ids = torch.randint(0, 512, (4, 512), device=dev, generator=torch.Generator(device=dev).manual_seed(1))
+    got = {}
+    for path in ("off", "auto"):
+        model.zero_grad(set_to_none=True)
+        with settings.override(experts_grouped=path):
+            loss = model(ids, ids)
+            loss.backward()
+        got[path] = [loss.detach()] + [p.grad.clone() for p in model.parameters()]
+    assert model.layers[1].feed_forward.experts.mx_experts_path == "grouped"
+    for a, b in zip(got["off"], got["auto"]):
+        assert torch.equal(a, b)
+
+
+def test_the_loop_sums_the_hidden_states_gradient_from_the_last_expert_to_the_first():
+    """What the grouped path's backward reproduces (``experts._Grouped.backward``): autograd adds the gradients of
+    the loop's per-expert gathers of the hidden states from the last expert to the first, which with top-4 routing
+    gives other bits than the first-to-last order (plain ``F.linear`` experts, no quantization)."""
+    from types import SimpleNamespace
+    from mxtrain import _experts
+    from mxtrain.model.llama import Experts
+    import torch.nn.functional as F
+    g = torch.Generator().manual_seed(0)
+    ex = Experts(SimpleNamespace(n_experts=6, dim=64, hidden_dim=64))
+    with torch.no_grad():
+        ex.gate_up_proj.copy_(torch.randn(ex.gate_up_proj.shape, generator=g) / 8)
+        ex.down_proj.copy_(torch.randn(ex.down_proj.shape, generator=g) / 8)
+    x = torch.randn(50, 64, generator=g, requires_grad=True)
+    idx = torch.stack([torch.randperm(6, generator=g)[:4] for _ in range(50)])
+    w, dy = torch.rand(50, 4, generator=g), torch.randn(50, 64, generator=g)
+    want = torch.autograd.grad(ex(x, idx, w), x, dy)[0]
+    experts, groups = _experts._groups(idx, 6)
+    parts = []
+    for e in experts:   # each expert's contribution alone, as the loop computes it
+        pos, tok = groups[e]
+        xe = x.detach()[tok].requires_grad_()
+        gate, up = F.linear(xe, ex.gate_up_proj[e]).chunk(2, dim=-1)
+        ye = F.linear(ex.act_fn(gate) * up, ex.down_proj[e]) * w[tok, pos, None]
+        parts.append((tok, torch.autograd.grad(ye, xe, dy[tok])[0]))
+    sums = {}
+    for order in ("last first", "first first"):
+        s = torch.zeros_like(want)
+        for tok, d in (reversed(parts) if order == "last first" else parts):
+            s.index_add_(0, tok, d)
+        sums[order] = s
+    assert torch.equal(sums["last first"], want) and not torch.equal(sums["first first"], want)
