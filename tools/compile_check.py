@@ -11,9 +11,14 @@ Hadamard rotation inside it, its ``four_over_six`` scale rule (the ``4over6 ...`
 (plain and rotating); ``kernels/mxelem.py``'s MX quantizer for
 FP6/FP8 elements, rows and columns, each scale rule) compiled with
 ``triton.compile(ASTSource(...), target=GPUTarget(...))`` and the launch options the kernels run with
-(``enable_fp_fusion=False``, ``maxnreg`` where ``launch.launch_opts`` sets it). The size arguments equal to 1
-on a real launch (the unit stride) are passed as 1, which Triton specializes on, and the pointers and the
-padded sizes as multiples of 16; the rest as plain int32. For each variant: registers and SASS instruction
+(``enable_fp_fusion=False``, ``maxnreg`` where ``launch.launch_opts`` sets it), and with the argument
+specialization a real launch on an example operand gets (default 16384 x 768 bf16, the 125M model's activations;
+``--shape``): the launcher builds the arguments (on uninitialized CPU tensors, its kernel launch recorded instead
+of run) and Triton's binder specializes them as a launch does (integers equal to 1 as constants, those divisible
+by 16 and 16-byte aligned pointers marked so; ``example_launch``, ``specialized_source``). With ``--no-specialize``, the
+earlier hand-kept specialization: the unit strides passed as 1, the pointers and the padded sizes as multiples of
+16, the rest (M, K, the row strides) as plain int32, so the blocks and cols layouts load element by element
+(about 2x the SASS of the blocks-layout and dual passes as launched). For each variant: registers and SASS instruction
 count (the bundled ``cuobjdump``; for the single-pass MXFP4 kernel, straight-line code, also SASS instructions per
 element of its tile: at the GPU's issue rate an estimate of the time it needs, to compare variants before
 measuring them; with ``--json``, the count of each SASS opcode as well, to see which pipe the code loads:
@@ -21,6 +26,7 @@ integer and logic operations issue to the ALU pipe, float operations to the FMA 
 table it reads differs).
 
     python tools/compile_check.py [--arch 90] [--jobs 2] [--json out.json] [--only SUBSTRING ...] [--exact] [--fusion]
+                                  [--shape 16384x768 | --no-specialize]
 
 ``--fusion``: the variants the compiled MX layer launches (``FUSION_CHECKED``; or those ``--only`` names) compiled
 with contraction off and on: inductor compiles user kernels with it on, and every one of them must compile to the
@@ -34,6 +40,7 @@ Runs on a CPU machine (``TRITON_INTERPRET`` is cleared for the run); needs only 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -46,7 +53,9 @@ from concurrent.futures import ProcessPoolExecutor
 os.environ.pop("TRITON_INTERPRET", None)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# runtime argument types of the kernels, by name (everything else is int32 or a constexpr)
+# the hand-kept specialization (--no-specialize; by default the example launch's, ``specialized_source``): runtime
+# argument types of the kernels, by name (everything else is int32 or a constexpr), and the integers passed as
+# multiples of 16
 PTR_TYPES = {"pk_ptr": "*u8", "x_ptr": "*bf16", "signs_ptr": "*fp32", "car_ptr": "*u8", "gs_ptr": "*fp32", "fp4_ptr": "*u8",
              "sc_ptr": "*u8", "cnt_ptr": "*i32", "key_ptr": "*i32",
              "sg_a": "*fp32", "car_a": "*u8", "gs_a": "*fp32", "kp_a": "*i32",
@@ -61,9 +70,10 @@ BASE = dict(HAS_SIGNS=False, RULE=0, SR=False, PRESCALE=False, GROUP_ROWS=1, WRI
 
 def _single(layout, BR, nw, rot=0, maxnreg=None, ones=None, div16=(), ptr_types=None, **kw):
     """A variant of ``_mxfp4_kernel``; ``ones``: the arguments passed as 1 (default: the input's unit stride
-    along the reduction, the cols layout's along rows); ``div16``: more integer arguments passed as multiples
-    of 16 (as a launch on such sizes specializes them); ``ptr_types``: pointer types other than ``PTR_TYPES``'
-    (``{"x_ptr": "*fp32"}``: a float32 input, the weights)."""
+    along the reduction, the cols layout's along rows; also the example launch's axis: along columns where
+    ``sx_r`` is among them); ``div16``: more integer arguments passed as multiples of 16 (``ones`` and ``div16``:
+    the hand-kept specialization of ``--no-specialize``); ``ptr_types``: pointer types other than ``PTR_TYPES``'
+    (``{"x_ptr": "*fp32"}``: a float32 input, the weights; also the example launch's input dtype)."""
     consts = dict(BASE, BR=BR, ROT=rot, **kw)
     if layout != "tile" or rot == 64:
         consts.setdefault("USE_ASM", True)
@@ -286,6 +296,7 @@ def kernel_of(v):
 
 
 def source(v):
+    """``ASTSource`` of variant ``v`` with the hand-kept specialization (``--no-specialize``)."""
     from triton.compiler import ASTSource
     kfn, extra = kernel_of(v)
     consts = dict(v["consts"], **extra)
@@ -304,6 +315,217 @@ def source(v):
     return ASTSource(kfn, sig, constexprs=consts, attrs=attrs)
 
 
+# ---------------------------------------------------------------------------------------------- specialization
+# Triton specializes a launch on its runtime arguments (``triton.runtime.jit``: an integer equal to 1 becomes the
+# constant 1, one divisible by 16 gets ``tt.divisibility = 16``, so does a pointer aligned to 16 bytes; not the
+# arguments named in ``do_not_specialize``, the stochastic-rounding keys), and the code depends on it: the blocks and
+# cols layouts vectorize their loads only where the row strides are known multiples of 16. By default each variant
+# is compiled with the specialization of a real launch on an example operand (``SHAPE``, ``--shape``): the launcher
+# itself (``ops.quantize_mxfp4_2d`` / ``quantize_mxfp4_dual`` through ``launch.single_spec`` / ``dual_spec``,
+# ``expand.carrier_from_packed``, ``nvfp4.quantize_nvfp4_factored``, ``mxelem.quantize_mx_values``) runs on
+# uninitialized CPU tensors with the kernel launch replaced by a recorder, and Triton's own binder specializes the
+# recorded arguments (pointers at 16-byte aligned addresses plus the view's offset: what the CUDA allocator gives).
+# The constexprs stay the variant's (``VARIANTS``); where a launch with the variant's options would set one
+# otherwise, the tool says so on stderr (``differs``). The graph variants get the same specialization: inductor
+# specializes a user kernel's arguments alike where the shapes are static (sizes known multiples of 16 and
+# equal to 1). ``--no-specialize``: the earlier hand-kept specialization
+# (``PTR_TYPES``, ``DIV16``, each variant's ``ones`` and ``div16``; the other integers plain int32).
+
+# the example operand: 16,384 tokens x 768 features (the 125M model's activations), row-major; along rows (axis 1)
+# R = tokens, K = features; along columns (axis 0, the cols layout, Wgrad operands) R = features, K = tokens. The
+# carrier's K padding is the FP8-carrier backend's (``gemm.k_multiple_for("fp8_carrier")``: the ``carrier_k``
+# setting), the stochastic-rounding key an int that is neither 1 nor a multiple of 16 (the MXFP4 kernels do not
+# specialize on it; the NVFP4 kernel does, as a launch with a random key would 15 times in 16)
+SHAPE = (16384, 768)
+EXAMPLE_KEY = 0x2545F491
+PRESCALE = 0.75      # a variant's PRESCALE: tseng's 3/4
+
+
+class _Ptr:
+    """A tensor argument as Triton's binder sees it: its dtype and an address, 16-byte aligned plus the view's
+    offset in bytes."""
+
+    def __init__(self, t):
+        self.dtype = t.dtype
+        self._addr = (1 << 20) + t.storage_offset() * t.element_size()
+
+    def data_ptr(self):
+        return self._addr
+
+
+@contextlib.contextmanager
+def _patched(obj, name, value):
+    old = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, old)
+
+
+class _Recorder:
+    """Stands in for a Triton kernel: ``kernel[grid](*args, **kwargs)`` records ``(args, kwargs)``."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *a, **kw: self.calls.append((a, kw))
+
+
+def _empty(shape, dtype):
+    """An example argument: uninitialized CPU memory (not meta tensors: torch's meta reductions import sympy, a
+    second per worker)."""
+    import torch
+    return torch.empty(shape, dtype=dtype)
+
+
+def _index_strides(shape, axis, rot):
+    """The stochastic-rounding index strides the fast path passes (``fast._index_strides``,
+    ``traced._index_strides``; not imported: ``mxtrain.linear.fast`` costs seconds to import in every worker)."""
+    if axis == 1:
+        return (-(-shape[1] // rot) * rot if rot else shape[1], 1)
+    return (1, shape[1])
+
+
+def example_launch(v, shape=SHAPE):
+    """``(positional arguments, constexprs)`` of the launch that variant ``v`` stands for, on the ``shape``
+    operand (``SHAPE``), as the launcher makes them (on uninitialized CPU tensors, its kernel launches recorded
+    instead of run)."""
+    import torch
+    from mxtrain import settings
+    c, kind = v["consts"], v["kind"]
+    M, N = shape
+    f32, i32 = torch.float32, torch.int32
+    x_dtype = torch.float32 if v.get("ptr_types", {}).get("x_ptr") == "*fp32" else torch.bfloat16
+    rec = []
+    if kind in ("single", "dual", "expand"):
+        from mxtrain.kernels import expand as E
+        from mxtrain.kernels.mxfp4 import ops
+        from mxtrain.kernels.mxfp4.launch import GRID_ID, RULE_ID
+        rules = {i: n for n, i in RULE_ID.items()}
+        fmts = {i: n for n, i in GRID_ID.items()}
+        km = settings.current().carrier_k   # gemm.k_multiple_for("fp8_carrier") (gemm imports torch._dynamo: 2 s)
+
+        def record(kern, kfn, grid, args, consts, *rest):
+            rec.append((args, consts))
+
+        def record_direct(kfn, grid, args, consts, *rest):
+            rec.append((args, consts))
+
+        quiet = dict(qselfcheck="off", fast_launch="off")
+    if kind == "single":
+        axis = 0 if v["layout"] == "cols" or "sx_r" in v["ones"] else 1
+        x, rot = _empty((M, N), x_dtype), c["ROT"]
+        with settings.override(qkernel=v["layout"], **quiet), _patched(ops, "launch", record):
+            ops.quantize_mxfp4_2d(
+                x, axis, rot=rot, signs=_empty((rot,), f32) if c["HAS_SIGNS"] else None,
+                rounding="stochastic" if c["SR"] else "nearest", scale_rule=rules[c["RULE"]], key=EXAMPLE_KEY,
+                prescale=PRESCALE if c["PRESCALE"] else 1.0, index_strides=_index_strides(shape, axis, rot),
+                carrier=c["WRITE_CARRIER"], fp4=c["WRITE_FP4"], group_rows=c["GROUP_ROWS"], block_rows=c["BR"],
+                num_warps=v["num_warps"], k_multiple=km, key_tensor=_empty((1,), i32) if c["KEY_PTR"] else None,
+                force_idx64=c["IDX64"], fmt=fmts[c.get("GRID", 0)], _check=False)
+    elif kind == "dual":
+        sides = []
+        for s, axis in (("A", 1), ("B", 0)):
+            rot = c[f"ROT_{s}"]
+            sides.append(dict(rot=rot, signs=_empty((rot,), f32) if c[f"HAS_SIGNS_{s}"] else None,
+                              rounding="stochastic" if c[f"SR_{s}"] else "nearest", scale_rule=rules[c[f"RULE_{s}"]],
+                              key=EXAMPLE_KEY, prescale=PRESCALE if c[f"PRESCALE_{s}"] else 1.0,
+                              index_strides=_index_strides(shape, axis, rot),
+                              key_tensor=_empty((1,), i32) if c[f"KEY_PTR_{s}"] else None,
+                              group_rows=c["GROUP_ROWS_B"] if s == "B" else 1, fmt=fmts[c.get(f"GRID_{s}", 0)]))
+        with settings.override(dual="on", qkernel="auto", **quiet), _patched(ops, "launch", record):
+            ops.quantize_mxfp4_dual(_empty((M, N), x_dtype), sides[0], sides[1], k_multiple=km,
+                                    block_rows=(c["BR_A"], c["BR_B"]), num_warps=v["num_warps"], sequential=c["SEQ"],
+                                    fp4_b=c["FP4_B"], force_idx64=c["IDX64"], _check=False)
+    elif kind == "expand":
+        # the carrier rebuilt from the packed codes of X's Wgrad operand (along tokens: R features, K tokens)
+        from mxtrain.kernels.mxfp4.carrier import QuantOut
+        R, K = N, M
+        Kq = -(-K // 32) * 32
+        q = QuantOut(R, K, None, None, c["GROUP_ROWS"], None, _empty((R, Kq // 2), torch.uint8),
+                     _empty((R, Kq // 32), torch.uint8), fmt=fmts[c.get("GRID", 0)])
+        with settings.override(**quiet), _patched(E, "launch_direct", record_direct):
+            E.carrier_from_packed(q, k_multiple=km)
+    elif kind in ("nvfp4", "nvfp4_amax", "nvfp4_rot_amax"):
+        from mxtrain.kernels import nvfp4 as NV
+        recs = {n: _Recorder() for n in ("_nvfp4_kernel", "_finite_amax_kernel", "_rot_amax_kernel")}
+        with contextlib.ExitStack() as stack:
+            for n, r in recs.items():
+                stack.enter_context(_patched(NV, n, r))
+            x = _empty((M, N), x_dtype)
+            if kind == "nvfp4_amax":
+                NV.tensor_scale_nvfp4(x)
+            else:
+                axis = 1 if "s_k" in v["ones"] else 0
+                sr, rot = c.get("SR", False), c["ROT"] if kind == "nvfp4" else 16
+                NV.quantize_nvfp4_factored(
+                    x, axis, block_2d=c.get("TILE2D", False), rounding="stochastic" if sr else "nearest",
+                    key=(_empty((), torch.int64) if c.get("KEY_PTR") else EXAMPLE_KEY) if sr else None,
+                    prescale=PRESCALE if c.get("PRESCALE") else 1.0, rot=rot,
+                    signs=_empty((16,), f32) if c["HAS_SIGNS"] else None,
+                    scale_rule="four_over_six" if c.get("FOUR_SIX") else "floor")
+        rec = recs[{"nvfp4": "_nvfp4_kernel", "nvfp4_amax": "_finite_amax_kernel",
+                    "nvfp4_rot_amax": "_rot_amax_kernel"}[kind]].calls
+    elif kind == "mxelem":
+        from mxtrain.kernels import mxelem as MX
+        from mxtrain.numerics.formats import FORMATS, get_format
+        fmt = next(n for n in FORMATS if get_format(n).kind == "mx" and getattr(get_format(n), "elem", None)
+                   and (get_format(n).elem.mbits, get_format(n).elem.emin, get_format(n).elem.emax)
+                   == (c["MBITS"], c["EMIN"], c["EMAX"]))
+        r = _Recorder()
+        with _patched(MX, "_mx_kernel", r):
+            MX.quantize_mx_values(_empty((M, N), x_dtype), fmt, 1 if "s_k" in v["ones"] else 0, block_size=c["B"],
+                                  scale_rule={i: n for n, i in MX._RULE.items()}[c["RULE"]],
+                                  prescale=PRESCALE if c["PRESCALE"] else 1.0,
+                                  out_dtype=torch.bfloat16 if c["OUT_BF16"] else torch.float32)
+        rec = r.calls
+    else:
+        raise ValueError(f"no example launch for kind {kind!r}")
+    assert len(rec) == 1, f"example launch of {kind}: {len(rec)} kernel launches recorded"
+    return rec[0]
+
+
+_BINDERS: dict = {}   # (kernel, arch) -> (Triton's backend for the target, the kernel's argument binder)
+
+
+def specialized_source(v, shape=SHAPE, arch=90):
+    """``(ASTSource of variant v specialized as its example launch on shape is, what was specialized)``: ``one``
+    the integer arguments that became the constant 1, ``div16`` those marked divisible by 16 (pointers
+    included), and ``differs``: the variant's constexprs that a launch with its options sets otherwise, ``{name:
+    (variant's, launcher's)}`` (``USE_ASM`` and ``IDX64`` left out: the launcher sets the first on a GPU only,
+    and the variant forces the second): such a variant is compiled as written, not as anything launches it."""
+    import torch
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.compiler.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+    kfn, extra = kernel_of(v)
+    args, launched = example_launch(v, shape)
+    names = list(kfn.arg_names)
+    consts = {n: c for n, c in dict(v["consts"], **extra).items() if n in names}
+    key = (kfn, arch)
+    if key not in _BINDERS:
+        backend = make_backend(GPUTarget("cuda", arch, 32))
+        _BINDERS[key] = backend, create_function_from_signature(kfn.signature, kfn.params, backend)
+    backend, binder = _BINDERS[key]
+    bound, spec, opts = binder(*(_Ptr(a) if isinstance(a, torch.Tensor) else a for a in args), **consts)
+    _, signature, constexprs, attrs = kfn._pack_args(backend, {}, bound, spec, opts)
+    runtime = [p.name for p in kfn.params if not p.is_constexpr and p.name not in consts]
+    info = {"one": [n for n in runtime if spec[names.index(n)] == ("constexpr", 1)],
+            "div16": [n for n in runtime if spec[names.index(n)][1] == "D"],
+            "differs": {n: (consts[n], launched[n]) for n in launched
+                        if n in consts and n not in ("USE_ASM", "IDX64") and consts[n] != launched[n]}}
+    return ASTSource(kfn, signature, constexprs, attrs), info
+
+
+def _source(v, arch, shape):
+    """Variant ``v``'s source: specialized as its example launch on ``shape`` is, or (``shape`` None) with the
+    hand-kept specialization."""
+    return source(v) if shape is None else specialized_source(v, shape, arch)[0]
+
+
 def _tool(name):
     import triton
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
@@ -312,6 +534,7 @@ def _tool(name):
 def compile_one(item):
     name, v, arch, *rest = item
     fusion = bool(rest and rest[0])
+    shape = rest[1] if len(rest) > 1 else SHAPE
     import triton
     from triton.backends.compiler import GPUTarget
     if fusion:   # as inductor compiles a user kernel: Triton's defaults (contraction on, no register cap)
@@ -321,10 +544,17 @@ def compile_one(item):
         if v["maxnreg"]:
             opts["maxnreg"] = v["maxnreg"]
     try:
-        c = triton.compile(source(v), target=GPUTarget("cuda", arch, 32), options=opts)
+        if shape is None:
+            src, spec = source(v), None
+        else:
+            src, spec = specialized_source(v, shape, arch)
+        c = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
     except Exception as e:  # noqa: BLE001 - reported per variant
         return name, {"error": f"{type(e).__name__}: {e}"[:2000]}
-    return name, _stats(v, c)
+    r = _stats(v, c)
+    if spec is not None:
+        r["specialized"] = spec
+    return name, r
 
 
 def compile_pair(item):
@@ -334,14 +564,15 @@ def compile_pair(item):
     NVIDIA backend reads ``enable_fp_fusion`` making PTX and SASS, and ``maxnreg`` only to set that attribute),
     so it is the TTGIR a build from the source would make, and the front end and TTGIR passes, most of a
     build's time, run once."""
-    name, v, arch = item
+    name, v, arch, *rest = item
+    shape = rest[0] if rest else SHAPE
     import triton
     from triton.backends.compiler import GPUTarget
     opts = dict(num_warps=v["num_warps"], enable_fp_fusion=False)
     if v["maxnreg"]:
         opts["maxnreg"] = v["maxnreg"]
     try:
-        off = triton.compile(source(v), target=GPUTarget("cuda", arch, 32), options=opts)
+        off = triton.compile(_source(v, arch, shape), target=GPUTarget("cuda", arch, 32), options=opts)
         ttgir = re.sub(r"ttg\.maxnreg = \d+ : i32, ", "", off.asm["ttgir"])
         assert "maxnreg" not in ttgir, "compile_pair: the register cap attribute not removed"
         with tempfile.TemporaryDirectory() as d:
@@ -400,11 +631,12 @@ FUSION_CHECKED = tuple(n for n in VARIANTS if n.startswith("graph "))
 FLOAT_OPS = ("FFMA", "FMUL", "FADD", "DFMA", "DMUL", "DADD")
 
 
-def fusion_check(names=FUSION_CHECKED, arch: int = 90, jobs: int = 1) -> dict:
+def fusion_check(names=FUSION_CHECKED, arch: int = 90, jobs: int = 1, shape=SHAPE) -> dict:
     """For each variant: compiled with contraction off (mxtrain's launches) and on (inductor's), is the code the
     same? ``same``: the PTX equal but for the ``.rn`` modifiers of float adds and multiplies, and the SASS holds
-    the same number of each float instruction (no product was fused into an FMA, by LLVM or by ptxas)."""
-    items = [(n, VARIANTS[n], arch) for n in names]
+    the same number of each float instruction (no product was fused into an FMA, by LLVM or by ptxas).
+    ``shape``: the example launch's operand (``example_launch``); None: the hand-kept specialization."""
+    items = [(n, VARIANTS[n], arch, shape) for n in names]
     if jobs > 1:
         with ProcessPoolExecutor(jobs) as ex:
             res = list(ex.map(compile_pair, items))
@@ -432,28 +664,40 @@ def main(argv=None):
     ap.add_argument("--fusion", action="store_true",
                     help="compile each variant (default: FUSION_CHECKED) with contraction off and on and say whether "
                          "the code is the same (exit status 1 if not)")
+    ap.add_argument("--shape", default="x".join(map(str, SHAPE)),
+                    help="the example operand (tokens x features, row-major) whose launch's argument "
+                         "specialization every variant is compiled with (default %(default)s)")
+    ap.add_argument("--no-specialize", action="store_true",
+                    help="the earlier hand-kept specialization instead (M, K and the row strides plain int32)")
     a = ap.parse_args(argv)
+    shape = None if a.no_specialize else tuple(int(t) for t in a.shape.lower().split("x"))
+    assert shape is None or len(shape) == 2, "--shape: M x K, e.g. 16384x768"
     picked = (lambda n: n in a.only) if a.exact else (lambda n: any(o in n for o in a.only))
     if a.fusion:
         names = [n for n in VARIANTS if picked(n)] if a.only else list(FUSION_CHECKED)
-        res = fusion_check(names, a.arch, a.jobs)
+        res = fusion_check(names, a.arch, a.jobs, shape)
         for name, r in res.items():
             print(f"{name:34s} {'same' if r['same'] else 'DIFFERENT'}  {r.get('error') or r['float_ops']}", flush=True)
         if a.json:
             with open(a.json, "w") as f:
                 json.dump(res, f, indent=1)
         return 0 if all(r["same"] for r in res.values()) else 1
-    items = [(n, v, a.arch) for n, v in VARIANTS.items() if a.only is None or picked(n)]
+    items = [(n, v, a.arch, False, shape) for n, v in VARIANTS.items() if a.only is None or picked(n)]
     out = {}
     with ProcessPoolExecutor(a.jobs) as ex:
         for name, r in ex.map(compile_one, items):
             out[name] = r
             if "error" in r:
                 print(f"{name:32s} FAILED {r['error']}", flush=True)
-            else:
-                per = f"  sass/element {r['sass_per_elem']:5.1f}" if "sass_per_elem" in r else ""
-                print(f"{name:32s} regs {r['regs']:4d}  sass {r['sass']:6d}  ptx {r['ptx']:6d}  {r['hash']}{per}",
-                      flush=True)
+                continue
+            per = f"  sass/element {r['sass_per_elem']:5.1f}" if "sass_per_elem" in r else ""
+            print(f"{name:32s} regs {r['regs']:4d}  sass {r['sass']:6d}  ptx {r['ptx']:6d}  {r['hash']}{per}",
+                  flush=True)
+            differs = r.get("specialized", {}).get("differs")
+            if differs:   # (on stderr: tests read every stdout line as a variant's)
+                print(f"  note: a launch with {name!r}'s options sets "
+                      + ", ".join(f"{k}={got} (the variant: {mine})" for k, (mine, got) in differs.items()),
+                      file=sys.stderr, flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)
