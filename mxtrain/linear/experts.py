@@ -209,12 +209,28 @@ def _gemm_nt(qa: QuantOut, pa: float, qb: QuantOut, pb: float, backend: str, out
     return _gemm.mx_gemm_nt(qa, qb, backend, out_dtype, pa * pb).to(out_dtype)
 
 
+class _ExpertBackend(skeleton.Backend):
+    """One expert's GEMMs for ``skeleton.forward`` and ``skeleton.backward``: each GEMM's two operands are slices of
+    the operands ``_Grouped`` quantized for all experts together (``ops``: GEMM name -> ``(qa, pa, qb, pb)``), so
+    the tensors the skeleton passes give only the shapes; the skeleton does the rest of the layer (the order of
+    the GEMMs, the dtypes each result is cast to), as for every other form of the layer."""
+
+    def __init__(self, backend: str, ops: dict):
+        self.backend, self.ops = backend, ops
+
+    def gemm(self, g, a, b, final, dims):
+        qa, pa, qb, pb = self.ops[g.name]
+        return _gemm_nt(qa, pa, qb, pb, self.backend, final)
+
+
 # ---------------------------------------------------------------------------------------------- the two GEMMs
 
 class _Grouped(torch.autograd.Function):
     """One of the experts' two GEMMs for every chosen expert: ``y_e = x_e w[e]^T``. The input is either the hidden
     states ``src`` (gathered here by the plan's tokens) or one ``(n_e, K)`` tensor per chosen expert (``parts``);
-    the outputs are one ``(n_e, N)`` tensor per chosen expert, as the loop's ``mx_linear`` calls return them."""
+    the outputs are one ``(n_e, N)`` tensor per chosen expert, as the loop's ``mx_linear`` calls return them. The
+    operands of all experts are quantized together here; each expert's layer then runs through
+    ``skeleton.forward`` and ``skeleton.backward`` with an ``_ExpertBackend`` holding its slices."""
 
     @staticmethod
     def forward(ctx, call: _Call, weight, src, *parts):
@@ -235,14 +251,16 @@ class _Grouped(torch.autograd.Function):
             else:
                 pre = {"fprop_x": fast._quant(qctx, xp, 1, "fprop_x", "fprop", qctx.signs("fprop", dev), backend, 1)}
             qx, px = pre["fprop_x"]
-            ys = [_gemm_nt(_a_rows(qx, o, n), px, qw, pw, backend, out_dtype)
-                  for (qw, pw), o, n in zip(_weights(call, weight, 1, "fprop_w", "fprop"), plan.off, plan.n)]
+            ys = tuple(skeleton.forward(_ExpertBackend(backend, {"fprop": (_a_rows(qx, o, n), px, qw, pw)}),
+                                        xp[o:o + n], weight[e], None, out_dtype)
+                       for (qw, pw), e, o, n in zip(_weights(call, weight, 1, "fprop_w", "fprop"), plan.experts,
+                                                    plan.off, plan.n))
         ctx.call, ctx.x_dtype, ctx.n_parts = call, xp.dtype, len(parts)
         ctx.src_shape = None if src is None else src.shape
         ctx.kept = pre.get("wgrad_x")
         keep_x = call.grad and ctx.needs_input_grad[1] and where == "backward"
         ctx.save_for_backward(weight, xp if keep_x else None)
-        return tuple(ys)
+        return ys
 
     @staticmethod
     def backward(ctx, *dys):
@@ -263,17 +281,12 @@ class _Grouped(torch.autograd.Function):
                 pre = {"dgrad_dy": fast._quant(qctx, dyp, 1, "dgrad_dy", "dgrad", qctx.signs("dgrad", dev), backend, 1)}
             else:
                 pre = {"wgrad_dy": fast._quant(qctx, dyp, 0, "wgrad_dy", "wgrad", qctx.signs("wgrad", dev), backend, 1)}
+            # each expert's GEMMs: the skeleton's backward on slices of the operands quantized above
+            ops = [{} for _ in plan.experts]
             if need_x:
                 qd, pd = pre["dgrad_dy"]
-                dxs = [_gemm_nt(_a_rows(qd, o, c), pd, qw, pw, backend, x_dtype)
-                       for (qw, pw), o, c in zip(_weights(call, weight, 0, "dgrad_w", "dgrad"), plan.off, plan.n)]
-                if ctx.src_shape is not None:
-                    # the loop's sum: autograd adds its experts' gathers from the last expert to the first
-                    dsrc = dxs[0].new_zeros(ctx.src_shape)
-                    for tok, dx in zip(reversed(plan.tok), reversed(dxs)):
-                        dsrc.index_add_(0, tok, dx)
-                else:
-                    dparts = dxs
+                for op, (qw, pw), o, c in zip(ops, _weights(call, weight, 0, "dgrad_w", "dgrad"), plan.off, plan.n):
+                    op["dgrad"] = (_a_rows(qd, o, c), pd, qw, pw)
             if need_w:
                 qa, pa = pre["wgrad_dy"]
                 if kept is not None:
@@ -282,9 +295,24 @@ class _Grouped(torch.autograd.Function):
                 else:
                     qb, pb = fast._quant(qctx, xp, 0, "wgrad_x", "wgrad", qctx.signs("wgrad", dev), backend,
                                          fast._b_group_rows(dev, backend))
-                dw = torch.zeros_like(weight)
-                for e, o, s, c in zip(plan.experts, plan.off, plan.seg, plan.n):
-                    dw[e] = _gemm_nt(_k_cols(qa, o, s, c), pa, _k_cols(qb, o, s, c), pb, backend, weight.dtype)
+                for op, o, s, c in zip(ops, plan.off, plan.seg, plan.n):
+                    op["wgrad"] = (_k_cols(qa, o, s, c), pa, _k_cols(qb, o, s, c), pb)
+            dxs = []
+            dw = torch.zeros_like(weight) if need_w else None
+            for op, dy, e in zip(ops, dys, plan.experts):
+                dx, dwe, _ = skeleton.backward(_ExpertBackend(backend, op), dy, None, weight[e], x_dtype,
+                                               (need_x, need_w, False))
+                dxs.append(dx)
+                if need_w:
+                    dw[e] = dwe
+            if need_x:
+                if ctx.src_shape is not None:
+                    # the loop's sum: autograd adds its experts' gathers from the last expert to the first
+                    dsrc = dxs[0].new_zeros(ctx.src_shape)
+                    for tok, dx in zip(reversed(plan.tok), reversed(dxs)):
+                        dsrc.index_add_(0, tok, dx)
+                else:
+                    dparts = dxs
         return (None, dw, dsrc, *dparts)
 
 

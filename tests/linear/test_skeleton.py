@@ -124,8 +124,8 @@ def test_every_form_of_the_layer_runs_through_the_skeleton():
         if node.name.endswith("Backend") and f != "skeleton.py":
             backends.append(node.name)
             assert bases & {"Backend", "skeleton.Backend"}, f"{f}: {node.name} is not a skeleton.Backend"
-    assert sorted(functions) == ["_CompiledMXLinear", "_TracedFP8Linear"]
-    assert sorted(backends) == ["FastBackend", "RefBackend", "_FP8Backend", "_GraphBackend"]
+    assert sorted(functions) == ["_CompiledMXLinear", "_Grouped", "_TracedFP8Linear"]
+    assert sorted(backends) == ["FastBackend", "RefBackend", "_ExpertBackend", "_FP8Backend", "_GraphBackend"]
     src = {f: open(os.path.join(LINEAR, f), encoding="utf-8").read() for f in ("reference.py", "fast.py")}
     assert all("skeleton.EagerLinear.apply" in s for s in src.values())
 
