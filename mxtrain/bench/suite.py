@@ -632,8 +632,12 @@ def bench_host(args) -> dict:
         torch._dynamo.reset()
         fn = fwd_bwd_call(torch.compile(mod, fullgraph=True), x, gy)
         res["us"][key] = best_us(fn)
+        print(f"bench host: {key}: {res['us'][key]:.1f} us a layer call (fwd+bwd)", file=sys.stderr, flush=True)
         if args.profile:   # (after the timing: the profiler slows the calls it records)
             res["profile"][key] = host_profile(fn, top=args.profile)
+        if getattr(args, "out", None):   # (what is measured so far, should a time limit stop the run)
+            write_text(Path(args.out), json.dumps({"env": _env(), "command": " ".join(sys.argv),
+                                                   "host_partial": res}, indent=1, default=str))
     base = torch.nn.Linear(K, N, bias=False, device=dev, dtype=torch.bfloat16)
     compiled_us("nn.Linear", base)
     try:

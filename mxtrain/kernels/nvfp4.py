@@ -179,7 +179,7 @@ if HAS_TRITON:
         # subtraction; 2 * B is exact, so an FMA of it rounds the same difference)
         return tl.fma(g.to(tl.float64), A, 0.0) - 2.0 * B < 0.0
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["key"])
     def _nvfp4_kernel(x_ptr, out_ptr, g_ptr, key64_ptr, signs_ptr, key, prescale, M, K, Ko, s_m, s_k, o_m, o_k,
                       i_m, i_k,
                       TM: tl.constexpr, NB: tl.constexpr, TILE2D: tl.constexpr, SR: tl.constexpr,
