@@ -20,3 +20,31 @@ def shard_dtype(vocab_size: int) -> type:
         return np.uint32
     raise UserError(f"the tokenizer's ids go up to {vocab_size - 1:,}, beyond what mxtrain stores (uint32, below "
                     f"{1 << 32:,}); use a tokenizer with a smaller vocabulary")
+
+
+# meta.json keys that do not describe the data itself: when and from which paths it was prepared
+_NOT_CONTENT = ("created", "sources", "val_sources")
+
+
+def fingerprint(folder) -> str | None:
+    """A short hash of what a prepared folder holds: its ``meta.json`` (every shard's name and token count, the
+    vocabulary, the document and byte counts; not when or from which paths it was prepared) and its tokenizer
+    file's bytes, which a BPE trained on other text changes. None when ``folder`` is not a prepared folder. Two
+    folders prepared from the same text with the same options give the same fingerprint; a study uses it to
+    refuse resuming its runs on other data, which would no longer pair by seed."""
+    import hashlib
+    import json
+    from pathlib import Path
+    folder = Path(folder)
+    try:
+        meta = json.loads((folder / "meta.json").read_text())
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            return None
+        h = hashlib.sha256(json.dumps({k: v for k, v in meta.items() if k not in _NOT_CONTENT},
+                                      sort_keys=True).encode())
+        tok = meta.get("tokenizer")
+        if isinstance(tok, str) and (folder / tok).is_file():
+            h.update((folder / tok).read_bytes())
+    except (OSError, ValueError):
+        return None
+    return h.hexdigest()[:16]

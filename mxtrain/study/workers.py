@@ -31,6 +31,7 @@ import torch
 
 from .._child import python_command
 from .._io import FolderLock, pid_alive, write_json
+from ..data.shards import fingerprint
 from ..errors import UserError, read_json_object
 from ..numerics import recipes as R
 from . import arms as A
@@ -132,6 +133,12 @@ def _run_study_locked(spec: StudySpec, out: Path, train_fn, log, jobs: int, lock
         if old.get("plan_key") != json.loads(json.dumps(spec.plan_key())):
             raise UserError(f"{out} holds a study with a different base config ({old.get('plan_key')}); "
                             f"use another --out, or the same settings to resume it")
+    data_fp = fingerprint(spec.data) if spec.data else None
+    if meta_p.is_file() and data_fp and old.get("data_fingerprint") and old["data_fingerprint"] != data_fp:
+        raise UserError(f"{out} holds runs trained on other data than {spec.data} (its prepared folder's "
+                        f"fingerprint was {old['data_fingerprint']}, now {data_fp}): resumed, its runs would not "
+                        f"pair by seed. Give the folder the study was trained on (the same text prepared with the "
+                        f"same options gives the same fingerprint), or another --out")
     recipes = {a: R.get(A.recipe_of(a)).to_dict() for a in spec.arms}
     meta = {"created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "spec": asdict(spec),
             "plan_key": spec.plan_key(), "baseline": spec.baseline, "references": spec.references,
@@ -139,6 +146,8 @@ def _run_study_locked(spec: StudySpec, out: Path, train_fn, log, jobs: int, lock
             "recipes": recipes, "arm_options": {a: A.overrides_of(a) for a in spec.arms if A.overrides_of(a)},
             "smooth_k": spec.smooth_k, "target_frac": spec.target_frac,
             "target_loss": spec.target_loss, "command": " ".join(sys.argv)}
+    if data_fp:
+        meta["data_fingerprint"] = data_fp
     if spec.budgets:
         meta["cooldown"] = {"budgets": spec.budgets, "cooldown": spec.cooldown, "shape": spec.cooldown_shape,
                             "n_boot": spec.n_boot, "fit": spec.fit,

@@ -514,3 +514,33 @@ def test_markdown_tables_carry_values_as_text():
     from mxtrain.study.report import _table_md
     md = _table_md([["key", "value"], ["device", "<img src=x onerror=alert(1)> | x"]])
     assert "<img" not in md and "&lt;img src=x onerror=alert(1)&gt; \\| x" in md
+
+
+def test_a_study_refuses_to_resume_on_other_data(tmp_path):
+    """A study records its prepared folder's fingerprint and refuses to resume on a folder that holds other data
+    (its runs would no longer pair by seed); the same data elsewhere, or prepared at another time, resumes."""
+    from mxtrain.data.shards import FORMAT, fingerprint
+    from mxtrain.errors import UserError
+    from mxtrain.study.plan import StudySpec
+    from mxtrain.study.workers import run_study
+
+    def folder(name, merges, created="2026-01-01", src="/a/train.jsonl"):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "tok.json").write_text(json.dumps({"merges": merges}))
+        (d / "meta.json").write_text(json.dumps({"format": FORMAT, "tokenizer": "tok.json", "created": created,
+                                                 "train": [{"file": "train_00000.bin", "tokens": 100}],
+                                                 "sources": [{"path": src}]}))
+        return d
+
+    a = folder("a", ["t h"])
+    assert fingerprint(a) == fingerprint(folder("a2", ["t h"], created="2026-02-02", src="/b/train.jsonl"))
+    assert fingerprint(tmp_path) is None
+    out = str(tmp_path / "st")
+    run_study(StudySpec(out=out, arms=["bf16"], seeds=1, data=str(a)), _fake_trainer([]), log=lambda *x: None)
+    assert json.loads((Path(out) / "study.json").read_text())["data_fingerprint"] == fingerprint(a)
+    (a / "tok.json").write_text(json.dumps({"merges": ["h e"]}))   # the same path, other text's BPE
+    calls = []
+    with pytest.raises(UserError, match="other data"):
+        run_study(StudySpec(out=out, arms=["bf16"], seeds=2, data=str(a)), _fake_trainer(calls))
+    assert calls == []
