@@ -322,10 +322,16 @@ def _run_folder_owner(rd: Path) -> str | None:
 
 
 def incomplete_message(summary: dict, limit: int = 8) -> str | None:
-    """``study incomplete: N of M planned runs missing: ...`` for a summary that lacks planned runs, else None."""
+    """``study incomplete: N of M planned runs missing[, and B of P branches]: ...`` for a summary that lacks
+    planned runs or cooldown branches (entries of ``missing`` with a ``budget``), else None. Runs and branches are
+    counted apart: a run not trained leaves its branches untrained too, which are not counted again."""
     miss = summary.get("missing") or []
     if not miss:
         return None
+    n_br = sum(1 for m in miss if m.get("budget") is not None)
+    counts = f"{len(miss) - n_br} of {summary.get('planned_runs', '?')} planned runs"
+    if n_br:
+        counts += f" and {n_br} of {summary.get('planned_branches', '?')} cooldown branches of finished runs"
     items = [f"{m['arm']} seed {m['seed']}" + (f" budget {m['budget']:g}" if m.get("budget") is not None else "")
              + f" ({m['state'].replace('_', ' ')}" + (f": {m['reason'][:160]}" if m.get("reason") else "") + ")"
              for m in miss[:limit]]
@@ -333,7 +339,7 @@ def incomplete_message(summary: dict, limit: int = 8) -> str | None:
     n_oom = sum(1 for m in miss if m.get("oom"))
     oom = (f"; {n_oom} of them ran out of GPU memory: train fewer runs at once (a smaller --jobs; runs sharing "
            f"a GPU each need their own memory)" if n_oom else "")
-    return (f"study incomplete: {len(miss)} of {summary.get('planned_runs', '?')} planned runs missing: "
+    return (f"study incomplete: {counts} missing: "
             f"{', '.join(items)}{more}{oom}")
 
 

@@ -87,7 +87,7 @@ def add_cooldown(summary: dict, out: Path, meta: dict, runs: dict | None = None,
     is done: its state and cooled-down loss), ``cooldown`` (``mxtrain.study.cooldown.summarize_cooldown``:
     extra tokens per budget with seed-level intervals, the verdict lines, the claims), ``per_seed``
     (``per_seed_record``, also written to ``OUT/seeds.json``) and the branches not finished
-    under ``missing`` (with their budget), counted in ``planned_runs``. ``only``: these arms' branches alone
+    under ``missing`` (with their budget); ``planned_branches`` counts the plan's branches. ``only``: these arms' branches alone
     (a report of some of the arms)."""
     cd = meta["cooldown"]
     points = C.load_cooldown_points(out)
@@ -114,7 +114,7 @@ def add_cooldown(summary: dict, out: Path, meta: dict, runs: dict | None = None,
                     missing.append({"arm": a, "seed": int(s), "budget": br["budget"], "state": state,
                                     "reason": f"cooldown branch at budget {br['budget']:g}" + (f": {reason}" if reason else "")})
     summary["branches"] = rows
-    summary["planned_runs"] = summary.get("planned_runs", 0) + len(meta["arms"]) * len(meta["seeds"]) * len(plan)
+    summary["planned_branches"] = len(meta["arms"]) * len(meta["seeds"]) * len(plan)
     summary["missing"] = list(summary.get("missing") or []) + missing
     fit = cd.get("fit") or "lsq"
     if runs is None:

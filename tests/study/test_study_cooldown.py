@@ -80,7 +80,7 @@ def test_cooldown_study_end_to_end_and_resume(tmp_path, monkeypatch, capsys):
     bcfg = json.loads((b / "config.json").read_text())
     assert bcfg["schedule"]["kind"] == "wsd" and bcfg["schedule"]["decay_shape"] == "1-sqrt"
     s = json.loads((out / "summary.json").read_text())
-    assert s["planned_runs"] == 4 + 12 and s["missing"] == [] and len(s["branches"]) == 12
+    assert s["planned_runs"] == 4 and s["planned_branches"] == 12 and s["missing"] == [] and len(s["branches"]) == 12
     assert all(r["state"] == "done" and math.isfinite(r["val_loss"]) for r in s["branches"])
     cool = s["cooldown"]
     assert cool["budgets"] == [0.5, 0.75, 1.0]

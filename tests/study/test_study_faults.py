@@ -409,3 +409,15 @@ def test_a_run_killed_after_its_checkpoint_continues_from_it(tmp_path):
     assert (rd / "kept.txt").exists()
     assert json.loads((rd / "run.json").read_text())["resumed_from_step"] == 2
     assert json.loads((rd / "study_status.json").read_text())["state"] == "done"
+
+
+def test_the_incomplete_message_counts_runs_and_branches_apart():
+    """A study of 90 runs with 270 branches, 76 runs untrained and one branch of a finished run missing: the
+    message says 76 of 90 runs and 1 of 270 branches (it said "77 of 360 planned runs" before)."""
+    from mxtrain.study import run as RN
+    miss = [{"arm": "a", "seed": s, "state": "not_trained"} for s in range(76)]
+    msg = RN.incomplete_message({"planned_runs": 90, "planned_branches": 270, "missing": miss})
+    assert msg.startswith("study incomplete: 76 of 90 planned runs missing: a seed 0 (not trained)"), msg
+    miss.append({"arm": "b", "seed": 0, "budget": 0.5, "state": "interrupted", "reason": "cooldown branch"})
+    msg = RN.incomplete_message({"planned_runs": 90, "planned_branches": 270, "missing": miss})
+    assert "76 of 90 planned runs and 1 of 270 cooldown branches of finished runs missing" in msg, msg
