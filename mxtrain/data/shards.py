@@ -3,6 +3,10 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+from pathlib import Path
+
 import numpy as np
 
 from ..errors import UserError
@@ -32,9 +36,6 @@ def fingerprint(folder) -> str | None:
     file's bytes, which a BPE trained on other text changes. None when ``folder`` is not a prepared folder. Two
     folders prepared from the same text with the same options give the same fingerprint; a study uses it to
     refuse resuming its runs on other data, which would no longer pair by seed."""
-    import hashlib
-    import json
-    from pathlib import Path
     folder = Path(folder)
     try:
         meta = json.loads((folder / "meta.json").read_text())

@@ -31,6 +31,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..data.shards import fingerprint
 from ..errors import UserError, check_number
 from . import arms as A
 
@@ -365,6 +366,33 @@ class StudySpec:
         if self.budgets:
             key["cooldown"] = {"budgets": self.budgets, "cooldown": self.cooldown, "shape": self.cooldown_shape}
         return key
+
+
+def data_fingerprint(spec: StudySpec) -> str | None:
+    """The fingerprint of the study's prepared data folder (``mxtrain.data.shards.fingerprint``), or None when
+    ``--data`` is not given or is not a prepared folder."""
+    return fingerprint(spec.data) if spec.data else None
+
+
+def resume_refusal(old: dict, spec: StudySpec, data_fp: str | None) -> str | None:
+    """Why the study folder whose ``study.json`` is ``old`` cannot be resumed with ``spec`` (``"data"``: it was
+    trained on other data; ``"config"``: another base config), or None. The base configs must be equal, the data
+    path included, except when both the folder and ``spec`` know their prepared data's fingerprint: then the
+    fingerprints must be equal instead of the paths, so that a corpus moved or prepared again on another machine
+    resumes the study and other data does not."""
+    new = json.loads(json.dumps(spec.plan_key()))
+    key = old.get("plan_key")
+    old_fp = old.get("data_fingerprint")
+    if not (old_fp and data_fp):
+        return None if key == new else "config"
+    if old_fp != data_fp:
+        return "data"
+
+    def pathless(k):
+        if not (isinstance(k, dict) and isinstance(k.get("train"), dict)):
+            return k
+        return {**k, "train": {a: v for a, v in k["train"].items() if a != "data"}}
+    return None if pathless(key) == pathless(new) else "config"
 
 
 def branch_plan(spec: StudySpec, steps: int, warmup: int = 0) -> list[tuple[float, int, int]]:

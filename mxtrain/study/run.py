@@ -30,7 +30,8 @@ from .._io import lock_holder, write_json, write_text
 from ..errors import UserError, read_json_object
 from ..numerics import recipes as R
 from . import arms as A
-from .plan import StudySpec, branch_folder, branch_plan, build_config, plan_order, run_steps, study_branch_plan
+from .plan import (StudySpec, branch_folder, branch_plan, build_config, data_fingerprint, plan_order, resume_refusal,
+                   run_steps, study_branch_plan)
 
 __all__ = ["FINISHED_STATES", "StudyIncomplete", "StudyInterrupted", "compute_plan", "describe_compute",
            "train_one", "train_branch", "run_one", "run_branches", "remake_checkpoints", "branches_pending",
@@ -107,10 +108,10 @@ def compute_plan(spec: StudySpec, tokens_per_s: float | None = None) -> dict:
     out["folder_mismatch"] = False
     if meta_p.is_file():
         try:
-            old_key = read_json_object(meta_p).get("plan_key")
+            old = read_json_object(meta_p)
         except UserError:   # (a damaged study.json: the dry run says the folder is another plan's)
-            old_key = None
-        out["folder_mismatch"] = old_key != json.loads(json.dumps(spec.plan_key()))
+            old = {}
+        out["folder_mismatch"] = resume_refusal(old, spec, data_fingerprint(spec)) is not None
     if (Path(spec.out) / "runs").is_dir() and not out["folder_mismatch"]:
         done = sum(1 for a, sd in plan_order(spec)
                    if _finished(_status(Path(spec.out) / "runs" / a / f"seed{sd}"))

@@ -31,11 +31,10 @@ import torch
 
 from .._child import python_command
 from .._io import FolderLock, pid_alive, write_json
-from ..data.shards import fingerprint
 from ..errors import UserError, read_json_object
 from ..numerics import recipes as R
 from . import arms as A
-from .plan import StudySpec, build_config, plan_order, study_branch_plan
+from .plan import StudySpec, build_config, data_fingerprint, plan_order, resume_refusal, study_branch_plan
 from .run import StudyInterrupted, _finished, _is_interrupt, _status, branches_pending, run_one, train_one
 from .summary import summarize_study
 
@@ -128,13 +127,14 @@ def _run_study_locked(spec: StudySpec, out: Path, train_fn, log, jobs: int, lock
     except OSError as e:
         raise UserError(f"cannot write to study folder {out}: {e.strerror or e}") from None
     meta_p = out / "study.json"
-    if meta_p.is_file():
+    data_fp = data_fingerprint(spec)
+    why = resume_refusal(read_json_object(meta_p), spec, data_fp) if meta_p.is_file() else None
+    if why == "config":
+        raise UserError(f"{out} holds a study with a different base config "
+                        f"({read_json_object(meta_p).get('plan_key')}); use another --out, or the same settings "
+                        f"to resume it")
+    if why == "data":
         old = read_json_object(meta_p)
-        if old.get("plan_key") != json.loads(json.dumps(spec.plan_key())):
-            raise UserError(f"{out} holds a study with a different base config ({old.get('plan_key')}); "
-                            f"use another --out, or the same settings to resume it")
-    data_fp = fingerprint(spec.data) if spec.data else None
-    if meta_p.is_file() and data_fp and old.get("data_fingerprint") and old["data_fingerprint"] != data_fp:
         raise UserError(f"{out} holds runs trained on other data than {spec.data} (its prepared folder's "
                         f"fingerprint was {old['data_fingerprint']}, now {data_fp}): resumed, its runs would not "
                         f"pair by seed. Give the folder the study was trained on (the same text prepared with the "

@@ -539,8 +539,15 @@ def test_a_study_refuses_to_resume_on_other_data(tmp_path):
     out = str(tmp_path / "st")
     run_study(StudySpec(out=out, arms=["bf16"], seeds=1, data=str(a)), _fake_trainer([]), log=lambda *x: None)
     assert json.loads((Path(out) / "study.json").read_text())["data_fingerprint"] == fingerprint(a)
+    moved = folder("moved", ["t h"], created="2026-03-03")   # the same data prepared again elsewhere: resumes
+    calls = []
+    run_study(StudySpec(out=out, arms=["bf16"], seeds=2, data=str(moved)), _fake_trainer(calls), log=lambda *x: None)
+    assert calls == [("bf16", 1)]
     (a / "tok.json").write_text(json.dumps({"merges": ["h e"]}))   # the same path, other text's BPE
     calls = []
     with pytest.raises(UserError, match="other data"):
-        run_study(StudySpec(out=out, arms=["bf16"], seeds=2, data=str(a)), _fake_trainer(calls))
+        run_study(StudySpec(out=out, arms=["bf16"], seeds=3, data=str(a)), _fake_trainer(calls))
     assert calls == []
+    from mxtrain.study.run import compute_plan
+    assert compute_plan(StudySpec(out=out, arms=["bf16"], seeds=3, data=str(a)))["folder_mismatch"] is True
+    assert compute_plan(StudySpec(out=out, arms=["bf16"], seeds=3, data=str(moved)))["folder_mismatch"] is False
