@@ -1,4 +1,4 @@
-"""``mxtrain bench quantize|gemm|breakdown|linear|step|blocks|host|limits|all``: GPU benchmarks of the fast path, JSON out.
+"""``mxtrain bench quantize|gemm|breakdown|linear|step|blocks|host|experts|limits|all``: GPU benchmarks of the fast path, JSON out.
 
 Every ratio is measured in the same run (``triton.testing.do_bench`` medians, random data):
 
@@ -21,6 +21,9 @@ Every ratio is measured in the same run (``triton.testing.do_bench`` medians, ra
 * ``host``: the host's time to issue one compiled layer's forward and backward at a tiny shape (256 x 512 x
   512, bf16), ``nn.Linear``, torchao's float8 and ``MXLinear`` per recipe, with the ratio to ``nn.Linear`` and
   the compiled form each MX layer takes.
+* ``experts``: one mixture-of-experts layer's experts forward + backward at Mixtral 8x7B's shapes, eager:
+  Hugging Face's ``MixtralExperts`` in bf16 (``grouped_mm`` and its loop) against each recipe through the per-expert
+  loop and the grouped MX experts path (``mxtrain.bench.experts``; needs ``transformers``).
 * ``limits`` (no GPU needed): the step's FLOPs and quantize bytes counted per recipe, and the fastest
   step each recipe can reach at given GEMM rates and bandwidth (``mxtrain.bench.limits``; ``--bf16-step-ms``
   a measured BF16 step, ``--rates bf16_tflops=...,copy_tbs=...``). Printed as a table, JSON with ``--out``.
@@ -47,7 +50,7 @@ from ..numerics.hadamard import rotation_signs
 from .. import settings as _settings
 from ..linear.module import MXLinear, convert
 from ..model.llama import Block, ModelConfig, rope_tables
-from . import step as _bs, limits as BL
+from . import experts as _experts, step as _bs, limits as BL
 from ..linear import implementation
 from .step import host_profile, kernel_profile, MODELS, TORCHAO, split_variant, variant_options
 from ..numerics import recipes as _recipes
@@ -684,8 +687,12 @@ def _profile(f, steps: int = 3) -> dict:
 
 # --------------------------------------------------------------------------------------------- CLI
 
+def bench_experts(args) -> dict:
+    return _experts.bench_experts(args, _bench)
+
+
 _WHAT = {"quantize": bench_quantize, "gemm": bench_gemm, "breakdown": bench_breakdown, "linear": bench_linear,
-         "step": bench_step, "blocks": bench_blocks, "host": bench_host}
+         "step": bench_step, "blocks": bench_blocks, "host": bench_host, "experts": bench_experts}
 
 
 def warm_gpu(seconds: float = 1.0) -> float:
@@ -738,9 +745,9 @@ def _either(names) -> str:
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
 
 
-_TAKES = {"filter": ("quantize",), "presets": ("linear", "step", "blocks", "host", "limits"),
-          "layers": ("step", "blocks", "limits"), "batch": ("step", "blocks", "limits"),
-          "seq": ("step", "blocks", "limits"), "model": ("step", "limits"), "compile": ("step",),
+_TAKES = {"filter": ("quantize",), "presets": ("linear", "step", "blocks", "host", "experts", "limits"),
+          "layers": ("step", "blocks", "limits"), "batch": ("step", "blocks", "experts", "limits"),
+          "seq": ("step", "blocks", "experts", "limits"), "model": ("step", "limits"), "compile": ("step",),
           "bf16_step_ms": ("limits",), "rates": ("limits",), "steps": ("step",), "rounds": ("step",),
           "recompute_ffn": ("step",), "checkpoint_blocks": ("step",), "variants": ("step",),
           "memory_budget": ("step",), "recompute_gemm_inputs": ("step",), "param_dtype": ("step",),
@@ -760,7 +767,8 @@ def _check_options(args, what: list[str]) -> None:
         if not set(what) & set(takes):
             raise UserError(f"--{dest.replace('_', '-')} is an option of bench {_either(takes)}, "
                             f"not of bench {args.what}")
-    if args.variants is not None and args.presets is not None and not set(what) & {"linear", "blocks", "host"}:
+    if args.variants is not None and args.presets is not None and not set(what) & {"linear", "blocks", "host",
+                                                                                   "experts"}:
         raise UserError("--presets and --variants: bench step times exactly the --variants; "
                         "name the recipes there")
     for dest, value in _DEFAULTS.items():
@@ -830,19 +838,20 @@ def _budget(text: str) -> float:
 
 
 def _add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("what", help="quantize, gemm, breakdown, linear, step, blocks, host, all, or a comma-separated list; "
+    p.add_argument("what", help="quantize, gemm, breakdown, linear, step, blocks, host, experts, all, or a comma-separated list; "
                                 "limits (no GPU: the step's ceilings counted)")
     p.add_argument("--out", default=None, help="write the JSON results here (default: stdout)")
     p.add_argument("--filter", default=None, help="quantize: only the cases whose name contains this text")
     p.add_argument("--presets", default=None,
-                   help="linear, step, blocks, host, limits: comma-separated recipes to time against BF16, each "
+                   help="linear, step, blocks, host, experts, limits: comma-separated recipes to time against BF16, each "
                         "optionally with settings for step (mxfp4-all-dh16:wgrad_x=forward:dual=off) (default: "
                         + ", ".join(LINEAR_PRESETS) + " for linear; " + ", ".join(STEP_PRESETS) + " for the others)")
     p.add_argument("--layers", type=int, default=None,
                    help="step, blocks, limits: number of blocks (default: 4 for 8b-layers, 2 for blocks; "
                         "step's 1b and 125m: the whole model)")
-    p.add_argument("--batch", type=int, default=None, help="step, blocks, limits: batch size (default 4)")
-    p.add_argument("--seq", type=int, default=None, help="step, blocks, limits: sequence length (default 4096)")
+    p.add_argument("--batch", type=int, default=None, help="step, blocks, experts, limits: batch size (default 4; experts: tokens = batch x "
+                                                                "seq)")
+    p.add_argument("--seq", type=int, default=None, help="step, blocks, experts, limits: sequence length (default 4096)")
     p.add_argument("--model", default=None, choices=["8b-layers", "1b", "125m", "125m-fused", "8b-fused"],
                    help="step, limits: Llama-8B-shaped layers (default; 128k vocabulary), a whole 1B / 125M model, "
                         "or a model written outside mxtrain with fused q|k|v and gate|up layers (125m-fused: the 125M class; 8b-fused: "

@@ -353,3 +353,25 @@ def test_host_profile_counts_a_calls_operators_per_call():
     rows = {name: (count, us) for name, count, us in pr["host"]}
     assert rows["aten::mm"][0] == 3 and rows["aten::mm"][1] > 0
     assert [r[2] for r in pr["host"]] == sorted((r[2] for r in pr["host"]), reverse=True)
+
+
+def test_bench_experts_measures_every_variant_on_one_set_of_inputs():
+    """``bench experts``' measuring part on CPU at tiny shapes with a stand-in timer (one call each): Hugging
+    Face's MixtralExperts in both implementations and each recipe through the loop and as dispatched, in that
+    order, the ratios against the grouped_mm row; the routing sends each token to distinct experts."""
+    pytest.importorskip("transformers")
+    from mxtrain.bench import experts as BE
+    calls = []
+
+    def once(fn):
+        fn()
+        calls.append(fn)
+        return float(len(calls))
+    res = BE.measure(["mxfp4-all"], 16, {"experts": 4, "hidden": 32, "width": 32, "top_k": 2}, "cpu",
+                     torch.float32, once)
+    assert res["errors"] == {}, res["errors"]
+    assert list(res["ms"]) == ["bf16 grouped_mm", "bf16 eager", "mxfp4-all loop", "mxfp4-all auto"]
+    assert res["vs_grouped_mm"]["bf16 eager"] == 0.5 and res["path"]["mxfp4-all loop"] == "loop"
+    idx, w = BE.routing(64, 8, 2, "cpu")
+    assert all(len(set(r.tolist())) == 2 for r in idx) and torch.allclose(w.sum(1), torch.ones(64))
+    assert "| mxfp4-all auto |" in BE.format_table(res)

@@ -562,6 +562,39 @@ def test_cuda_grouped_experts_in_a_model_equal_the_loop(recipe):
         assert torch.equal(a, b)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_grouped_experts_train_an_hf_mixtral_in_a_users_loop_like_the_loop():
+    """A user's own loop: a Hugging Face Mixtral built from a config (eager attention, so that the two runs'
+    attention backward sums in one order), converted to ``mxfp4-all-dh16``, float32 weights under bf16 autocast,
+    fused AdamW, 3 steps: the grouped MX experts path (``experts_grouped=auto``) trains the losses and weights of
+    the per-expert loop (``off``) bit for bit, and the grouped path is the one that ran."""
+    from mxtrain import settings
+    res = {}
+    for path in ("off", "auto"):
+        model = _hf("mixtral").cuda()
+        model.set_attn_implementation("eager")
+        mxtrain.convert(model, "mxfp4-all-dh16", strict=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        losses = []
+        with settings.override(experts_grouped=path):
+            for step in range(3):
+                ids = _ids(4, 64, seed=step).cuda()
+                with torch.autocast("cuda", torch.bfloat16):
+                    loss = model(ids, labels=ids).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                losses.append(loss.detach())
+        res[path] = (torch.stack(losses), [p.detach().clone() for p in model.parameters()],
+                     model.model.layers[1].mlp.experts.mx_experts_path)
+    assert res["off"][2] == "loop" and res["auto"][2] == "grouped"
+    assert torch.isfinite(res["auto"][0]).all()
+    assert torch.equal(res["off"][0], res["auto"][0])
+    for a, b in zip(res["off"][1], res["auto"][1]):
+        assert torch.equal(a, b)
+
+
 def test_the_loop_sums_the_hidden_states_gradient_from_the_last_expert_to_the_first():
     """What the grouped path's backward reproduces (``experts._Grouped.backward``): autograd adds the gradients of
     the loop's per-expert gathers of the hidden states from the last expert to the first, which with top-4 routing
