@@ -323,9 +323,10 @@ def _run_folder_owner(rd: Path) -> str | None:
 
 
 def incomplete_message(summary: dict, limit: int = 8) -> str | None:
-    """``study incomplete: N of M planned runs missing[, and B of P branches]: ...`` for a summary that lacks
-    planned runs or cooldown branches (entries of ``missing`` with a ``budget``), else None. Runs and branches are
-    counted apart: a run not trained leaves its branches untrained too, which are not counted again."""
+    """``study incomplete: N of M planned runs[ and B of P cooldown branches of finished runs] missing: ...`` for a
+    summary that lacks planned runs or cooldown branches (entries of ``missing`` with a ``budget``), else None. Runs
+    and branches are counted apart: a run not trained leaves its branches untrained too, which are not counted
+    again."""
     miss = summary.get("missing") or []
     if not miss:
         return None

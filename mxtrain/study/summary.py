@@ -87,8 +87,8 @@ def add_cooldown(summary: dict, out: Path, meta: dict, runs: dict | None = None,
     is done: its state and cooled-down loss), ``cooldown`` (``mxtrain.study.cooldown.summarize_cooldown``:
     extra tokens per budget with seed-level intervals, the verdict lines, the claims), ``per_seed``
     (``per_seed_record``, also written to ``OUT/seeds.json``) and the branches not finished
-    under ``missing`` (with their budget); ``planned_branches`` counts the plan's branches. ``only``: these arms' branches alone
-    (a report of some of the arms)."""
+    under ``missing`` (with their budget); ``planned_branches`` counts the plan's branches. ``only``: these arms'
+    branches alone (a report of some of the arms)."""
     cd = meta["cooldown"]
     points = C.load_cooldown_points(out)
     if only is not None:
