@@ -43,11 +43,12 @@ def hf_experts(experts: int, hidden: int, width: int, top_k: int, device, dtype)
     cfg = MixtralConfig(hidden_size=hidden, intermediate_size=width, num_local_experts=experts,
                         num_experts_per_tok=top_k)
     torch.manual_seed(0)
-    m = MixtralExperts(cfg)
+    with torch.device(device):   # (made on the device: Mixtral's experts are 5.6 GiB in float32)
+        m = MixtralExperts(cfg)
     with torch.no_grad():   # (the module allocates its weights uninitialized: small normal values, as HF inits)
         for p in m.parameters():
             p.normal_(0.0, cfg.initializer_range)
-    return m.to(device=device, dtype=dtype)
+    return m.to(dtype=dtype)
 
 
 def routing(tokens: int, experts: int, top_k: int, device, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
