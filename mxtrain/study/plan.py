@@ -395,6 +395,27 @@ def resume_refusal(old: dict, spec: StudySpec, data_fp: str | None) -> str | Non
     return None if pathless(key) == pathless(new) else "config"
 
 
+def plan_differences(old: dict, spec: StudySpec, limit: int = 6) -> str:
+    """The base settings in which the study folder whose ``study.json`` is ``old`` differs from ``spec``, as
+    ``name: the folder's value, now value`` items (at most ``limit``), for the message that refuses a resume."""
+    def flat(d, pre=""):
+        out = {}
+        for k, v in (d.items() if isinstance(d, dict) else ()):
+            if isinstance(v, dict):
+                out.update(flat(v, f"{pre}{k}."))
+            else:
+                out[f"{pre}{k}"] = v
+        return out
+    a = flat(old.get("plan_key") or {})
+    b = flat(json.loads(json.dumps(spec.plan_key())))
+    same_data = old.get("data_fingerprint") and old.get("data_fingerprint") == data_fingerprint(spec)
+    show = lambda d, k: repr(d[k]) if k in d else "not set"   # noqa: E731
+    diff = [f"{k.removeprefix('train.')}: {show(a, k)} in the folder, {show(b, k)} now"
+            for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k) and not (same_data and k == "train.data")]
+    more = f"; and {len(diff) - limit} more" if len(diff) > limit else ""
+    return "; ".join(diff[:limit]) + more
+
+
 def branch_plan(spec: StudySpec, steps: int, warmup: int = 0) -> list[tuple[float, int, int]]:
     """``[(budget, k, n)]`` of a cooldown study whose runs are ``steps`` long: budget ``b`` is a branch of
     ``round(b * steps)`` steps in all, its last ``n = max(1, round(cooldown * b * steps))`` decaying, from the

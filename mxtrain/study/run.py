@@ -30,8 +30,8 @@ from .._io import lock_holder, write_json, write_text
 from ..errors import UserError, read_json_object
 from ..numerics import recipes as R
 from . import arms as A
-from .plan import (StudySpec, branch_folder, branch_plan, build_config, data_fingerprint, plan_order, resume_refusal,
-                   run_steps, study_branch_plan)
+from .plan import (StudySpec, branch_folder, branch_plan, build_config, data_fingerprint, plan_differences, plan_order,
+                   resume_refusal, run_steps, study_branch_plan)
 
 __all__ = ["FINISHED_STATES", "StudyIncomplete", "StudyInterrupted", "compute_plan", "describe_compute",
            "train_one", "train_branch", "run_one", "run_branches", "remake_checkpoints", "branches_pending",
@@ -111,7 +111,13 @@ def compute_plan(spec: StudySpec, tokens_per_s: float | None = None) -> dict:
             old = read_json_object(meta_p)
         except UserError:   # (a damaged study.json: the dry run says the folder is another plan's)
             old = {}
-        out["folder_mismatch"] = resume_refusal(old, spec, data_fingerprint(spec)) is not None
+        why = resume_refusal(old, spec, data_fingerprint(spec))
+        out["folder_mismatch"] = why is not None
+        if why == "config":
+            out["folder_differs"] = plan_differences(old, spec)
+        elif why == "data":
+            out["folder_differs"] = (f"the data: the folder's runs trained on data of fingerprint "
+                                     f"{old.get('data_fingerprint')}, --data has {data_fingerprint(spec)}")
     if (Path(spec.out) / "runs").is_dir() and not out["folder_mismatch"]:
         done = sum(1 for a, sd in plan_order(spec)
                    if _finished(_status(Path(spec.out) / "runs" / a / f"seed{sd}"))
@@ -146,7 +152,8 @@ def describe_compute(c: dict) -> str:
                         "first\")"))
     if c.get("folder_mismatch"):
         lines.append("  the study folder holds a study with a different base config: the study would refuse it "
-                     "(use another --out, or that study's settings)")
+                     "(use another --out, or that study's settings)"
+                     + (f"; it differs in {c['folder_differs']}" if c.get("folder_differs") else ""))
     if c.get("runs_done"):
         lines.append(f"  finished already in the study folder: {c['runs_done']} of the {c['runs']} runs with all their "
                      f"branches; left to train: {c['runs'] - c['runs_done']} runs, "

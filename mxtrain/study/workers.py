@@ -34,7 +34,8 @@ from .._io import FolderLock, pid_alive, write_json
 from ..errors import UserError, read_json_object
 from ..numerics import recipes as R
 from . import arms as A
-from .plan import StudySpec, build_config, data_fingerprint, plan_order, resume_refusal, study_branch_plan
+from .plan import (StudySpec, build_config, data_fingerprint, plan_differences, plan_order, resume_refusal,
+                   study_branch_plan)
 from .run import StudyInterrupted, _finished, _is_interrupt, _status, branches_pending, run_one, train_one
 from .summary import summarize_study
 
@@ -131,8 +132,8 @@ def _run_study_locked(spec: StudySpec, out: Path, train_fn, log, jobs: int, lock
     why = resume_refusal(read_json_object(meta_p), spec, data_fp) if meta_p.is_file() else None
     if why == "config":
         raise UserError(f"{out} holds a study with a different base config "
-                        f"({read_json_object(meta_p).get('plan_key')}); use another --out, or the same settings "
-                        f"to resume it")
+                        f"({plan_differences(read_json_object(meta_p), spec)}); use another --out, or the same "
+                        f"settings to resume it")
     if why == "data":
         old = read_json_object(meta_p)
         raise UserError(f"{out} holds runs trained on other data than {spec.data} (its prepared folder's "

@@ -551,3 +551,7 @@ def test_a_study_refuses_to_resume_on_other_data(tmp_path):
     from mxtrain.study.run import compute_plan
     assert compute_plan(StudySpec(out=out, arms=["bf16"], seeds=3, data=str(a)))["folder_mismatch"] is True
     assert compute_plan(StudySpec(out=out, arms=["bf16"], seeds=3, data=str(moved)))["folder_mismatch"] is False
+    other = compute_plan(StudySpec(out=out, arms=["bf16"], seeds=3, data=str(moved), steps=7))   # names what differs
+    assert other["folder_differs"] == "steps: not set in the folder, 7 now", other["folder_differs"]
+    with pytest.raises(UserError, match="steps: not set in the folder, 7 now"):
+        run_study(StudySpec(out=out, arms=["bf16"], seeds=3, data=str(moved), steps=7), _fake_trainer(calls))
