@@ -14,7 +14,6 @@ load on first use, not when ``mxtrain report`` or ``mxtrain study --dry-run`` im
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -129,13 +128,12 @@ def _run_study_locked(spec: StudySpec, out: Path, train_fn, log, jobs: int, lock
         raise UserError(f"cannot write to study folder {out}: {e.strerror or e}") from None
     meta_p = out / "study.json"
     data_fp = data_fingerprint(spec)
-    why = resume_refusal(read_json_object(meta_p), spec, data_fp) if meta_p.is_file() else None
+    old = read_json_object(meta_p) if meta_p.is_file() else None
+    why = resume_refusal(old, spec, data_fp) if old is not None else None
     if why == "config":
-        raise UserError(f"{out} holds a study with a different base config "
-                        f"({plan_differences(read_json_object(meta_p), spec)}); use another --out, or the same "
-                        f"settings to resume it")
+        raise UserError(f"{out} holds a study with a different base config ({plan_differences(old, spec)}); use "
+                        f"another --out, or the same settings to resume it")
     if why == "data":
-        old = read_json_object(meta_p)
         raise UserError(f"{out} holds runs trained on other data than {spec.data} (its prepared folder's "
                         f"fingerprint was {old['data_fingerprint']}, now {data_fp}): resumed, its runs would not "
                         f"pair by seed. Give the folder the study was trained on (the same text prepared with the "
@@ -154,8 +152,8 @@ def _run_study_locked(spec: StudySpec, out: Path, train_fn, log, jobs: int, lock
                             "n_boot": spec.n_boot, "fit": spec.fit,
                             "branches": [{"budget": b, "at_step": k, "cooldown_steps": n}
                                          for b, k, n in study_branch_plan(spec)]}
-    if meta_p.is_file():
-        _keep_records(read_json_object(meta_p), meta)
+    if old is not None:
+        _keep_records(old, meta)
     write_json(meta_p, meta, indent=1, default=str)
 
     order = plan_order(spec)
