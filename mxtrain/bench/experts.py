@@ -1,11 +1,19 @@
 """``mxtrain bench experts``: one mixture-of-experts layer's forward + backward, eager, at Mixtral 8x7B's expert
 shapes (8 experts, hidden 4,096, expert width 14,336, top-2; ``--batch`` x ``--seq`` tokens routed at random, every
-token to ``top_k`` distinct experts): Hugging Face's ``MixtralExperts`` in bf16 with its ``grouped_mm`` experts
-(``torch._grouped_mm``, what ``transformers`` runs on a GPU by default) and with its ``eager`` loop, then the same
-module converted by ``mxtrain.convert`` per recipe, once through the per-expert loop (``experts_grouped=off``) and
-once as the dispatcher chooses (``auto``: the grouped MX experts path where it applies), with the path each took
-(``MXExperts.mx_experts_path``). Every variant runs on the same weights, tokens, routing and output gradient, in
-one process; times are ``triton.testing.do_bench`` medians (``time_fn``), ratios against the ``grouped_mm`` row.
+token to ``top_k`` distinct experts, in blocks of 16 tokens that share their experts, so that every expert's group
+of tokens is a multiple of 16 long, as torchao's FP8 grouped GEMM requires): Hugging Face's ``MixtralExperts`` in
+bf16 with its ``grouped_mm`` experts (``torch.nn.functional.grouped_mm``, what ``transformers`` runs on a GPU by
+default) and with its ``eager`` loop; the ``grouped_mm`` experts with torchao's FP8 rowwise grouped GEMM (its MoE
+training's, ``_to_fp8_rowwise_then_scaled_grouped_mm``: the FP8 MoE a user would pick on Hopper; when torchao is
+installed) in place of each of the two grouped GEMMs; then the same module converted by ``mxtrain.convert`` per
+recipe, once through the per-expert loop (``experts_grouped=off``) and once as the dispatcher chooses (``auto``:
+the grouped MX experts path where it applies), with the path each took (``MXExperts.mx_experts_path``). Every
+variant runs on the same weights, tokens, routing and output gradient, in one process; times are
+``triton.testing.do_bench`` medians (``time_fn``), ratios against the ``grouped_mm`` row.
+
+The torchao row calls torchao's function from ``transformers``' own experts forward (its grouped-GEMM helper
+replaced for the row), and counts the calls: a row where torchao's GEMM did not run both projections fails
+instead of timing BF16 under torchao's name.
 
 ``measure`` is the device-independent part (the CPU tests run it on tiny shapes with a stand-in timer)."""
 
@@ -13,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import sys
+from unittest import mock
 
 import torch
 import torch.nn as nn
@@ -22,6 +31,8 @@ from ..errors import UserError
 from ..linear.module import convert
 
 MIXTRAL_EXPERTS = {"experts": 8, "hidden": 4096, "width": 14336, "top_k": 2}   # Mixtral 8x7B (its config.json)
+TORCHAO_ROW = "torchao fp8 rowwise grouped_mm"
+ALIGN = 16   # tokens a routing block: torchao 0.18's FP8 grouped GEMM needs group sizes divisible by 16
 
 
 class _Holder(nn.Module):
@@ -51,13 +62,36 @@ def hf_experts(experts: int, hidden: int, width: int, top_k: int, device, dtype)
     return m.to(dtype=dtype)
 
 
-def routing(tokens: int, experts: int, top_k: int, device, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def routing(tokens: int, experts: int, top_k: int, device, seed: int = 0,
+            align: int = ALIGN) -> tuple[torch.Tensor, torch.Tensor]:
     """``(top_k_index, top_k_weights)`` of ``tokens`` tokens each sent to ``top_k`` distinct experts drawn at random
-    (the weights a softmax of random logits over the chosen), as a router's top-k gives them."""
+    (the weights a softmax of random logits over the chosen), as a router's top-k gives them; consecutive blocks
+    of ``align`` tokens share their experts, so that with ``tokens`` a multiple of ``align`` every expert receives
+    a multiple of ``align`` tokens."""
     g = torch.Generator().manual_seed(seed)
-    idx = torch.rand(tokens, experts, generator=g).argsort(dim=1)[:, :top_k]
+    blocks = -(-tokens // align)
+    idx = torch.rand(blocks, experts, generator=g).argsort(dim=1)[:, :top_k].repeat_interleave(align, dim=0)[:tokens]
     w = torch.softmax(torch.randn(tokens, top_k, generator=g), dim=1)
     return idx.to(device), w.to(device)
+
+
+def torchao_grouped_mm():
+    """torchao's FP8 rowwise grouped GEMM as ``transformers``' grouped-GEMM helper takes it (``(input, weight,
+    offs)``, weight ``(E, K, N)`` column-major per expert), or None without torchao's MoE training."""
+    try:
+        from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm as ao_mm  # optional
+    except ImportError:
+        return None
+
+    def grouped_mm(input, weight, offs):
+        return ao_mm(input.to(weight.dtype), weight, offs, out_dtype=weight.dtype,
+                     pad_token_groups_for_grouped_mm=False)
+    return grouped_mm
+
+
+def _hf_moe():
+    from transformers.integrations import moe  # optional
+    return moe
 
 
 def measure(presets: list[str], tokens: int, shape: dict, device, dtype, time_fn) -> dict:
@@ -88,6 +122,27 @@ def measure(presets: list[str], tokens: int, shape: dict, device, dtype, time_fn
             res["ms"][f"bf16 {impl}"] = time_fn(call(m))
         except Exception as e:  # noqa: BLE001 - the other rows still measure
             res["errors"][f"bf16 {impl}"] = repr(e)[:300]
+        del m
+    peer = torchao_grouped_mm()
+    if peer is not None:
+        m = copy.deepcopy(base)
+        m.config._experts_implementation = "grouped_mm"
+        calls = [0]
+
+        def counted(*a, **k):
+            calls[0] += 1
+            return peer(*a, **k)
+        try:
+            with mock.patch.object(_hf_moe(), "_grouped_mm", counted):
+                f = call(m)
+                f()
+                if calls[0] != 2:
+                    raise RuntimeError(f"torchao's grouped GEMM ran {calls[0]} times in one forward + backward of "
+                                       "transformers' experts, not 2 (gate_up and down): this transformers "
+                                       "version does not call its grouped-GEMM helper; no torchao row")
+                res["ms"][TORCHAO_ROW] = time_fn(f)
+        except Exception as e:  # noqa: BLE001
+            res["errors"][TORCHAO_ROW] = repr(e)[:300]
         del m
     for p in presets:
         holder = _Holder(copy.deepcopy(base))

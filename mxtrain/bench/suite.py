@@ -22,8 +22,9 @@ Every ratio is measured in the same run (``triton.testing.do_bench`` medians, ra
   512, bf16), ``nn.Linear``, torchao's float8 and ``MXLinear`` per recipe, with the ratio to ``nn.Linear`` and
   the compiled form each MX layer takes.
 * ``experts``: one mixture-of-experts layer's experts forward + backward at Mixtral 8x7B's shapes, eager:
-  Hugging Face's ``MixtralExperts`` in bf16 (``grouped_mm`` and its loop) against each recipe through the per-expert
-  loop and the grouped MX experts path (``mxtrain.bench.experts``; needs ``transformers``).
+  Hugging Face's ``MixtralExperts`` in bf16 (``grouped_mm`` and its loop) and with torchao's FP8 rowwise grouped
+  GEMM (when torchao is installed) against each recipe through the per-expert loop and the grouped MX experts path
+  (``mxtrain.bench.experts``; needs ``transformers``).
 * ``limits`` (no GPU needed): the step's FLOPs and quantize bytes counted per recipe, and the fastest
   step each recipe can reach at given GEMM rates and bandwidth (``mxtrain.bench.limits``; ``--bf16-step-ms``
   a measured BF16 step, ``--rates bf16_tflops=...,copy_tbs=...``). Printed as a table, JSON with ``--out``.

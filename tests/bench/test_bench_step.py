@@ -355,12 +355,14 @@ def test_host_profile_counts_a_calls_operators_per_call():
     assert [r[2] for r in pr["host"]] == sorted((r[2] for r in pr["host"]), reverse=True)
 
 
-def test_bench_experts_measures_every_variant_on_one_set_of_inputs():
+def test_bench_experts_measures_every_variant_on_one_set_of_inputs(monkeypatch):
     """``bench experts``' measuring part on CPU at tiny shapes with a stand-in timer (one call each): Hugging
     Face's MixtralExperts in both implementations and each recipe through the loop and as dispatched, in that
-    order, the ratios against the grouped_mm row; the routing sends each token to distinct experts."""
+    order, the ratios against the grouped_mm row (without torchao: no peer row); the routing sends each token to
+    distinct experts, blocks of 16 tokens alike, so that every expert's group is a multiple of 16."""
     pytest.importorskip("transformers")
     from mxtrain.bench import experts as BE
+    monkeypatch.setattr(BE, "torchao_grouped_mm", lambda: None)
     calls = []
 
     def once(fn):
@@ -374,4 +376,54 @@ def test_bench_experts_measures_every_variant_on_one_set_of_inputs():
     assert res["vs_grouped_mm"]["bf16 eager"] == 0.5 and res["path"]["mxfp4-all loop"] == "loop"
     idx, w = BE.routing(64, 8, 2, "cpu")
     assert all(len(set(r.tolist())) == 2 for r in idx) and torch.allclose(w.sum(1), torch.ones(64))
+    assert all(n % 16 == 0 for n in torch.bincount(idx.flatten(), minlength=8).tolist())
+    assert len({tuple(r.tolist()) for r in idx}) > 1 and (idx[:16] == idx[0]).all()
     assert "| mxfp4-all auto |" in BE.format_table(res)
+
+
+def _reference_grouped_mm(input, weight, offs):
+    """A grouped GEMM in plain PyTorch (rows ``offs[e-1]:offs[e]`` times ``weight[e]``), differentiable."""
+    out, start = [], 0
+    for e, end in enumerate(offs.tolist()):
+        out.append(input[start:end] @ weight[e])
+        start = end
+    return torch.cat(out)
+
+
+def test_bench_experts_times_the_peer_grouped_gemm_in_transformers_forward_and_checks_it_ran(monkeypatch):
+    """The torchao row puts the peer's grouped GEMM (a stand-in here: torchao's FP8 kernels need a GPU) in place of
+    ``transformers``' grouped-GEMM helper for both projections, timed with the others on the same inputs; its
+    output equals the ``grouped_mm`` module's (the stand-in is exact). Where ``transformers`` would not call the
+    helper (here: the patch aimed at another module), the row fails loudly instead of timing BF16 as the peer."""
+    pytest.importorskip("transformers")
+    from mxtrain.bench import experts as BE
+    seen = []
+
+    def peer():
+        def gmm(input, weight, offs):
+            seen.append(tuple(weight.shape))
+            return _reference_grouped_mm(input, weight, offs)
+        return gmm
+    monkeypatch.setattr(BE, "torchao_grouped_mm", peer)
+    shape = {"experts": 4, "hidden": 32, "width": 48, "top_k": 2}
+    res = BE.measure([], 32, shape, "cpu", torch.float32, lambda fn: (fn(), 1.0)[1])
+    assert res["errors"] == {}, res["errors"]
+    assert list(res["ms"]) == ["bf16 grouped_mm", "bf16 eager", BE.TORCHAO_ROW]
+    assert seen[:2] == [(4, 32, 96), (4, 48, 32)]          # gate_up (E, K, 2 I) and down (E, I, K), as B_t
+    assert "| torchao fp8 rowwise grouped_mm |" in BE.format_table(res)
+    # the peer's output is the module's: the same experts forward around another grouped GEMM
+    m = BE.hf_experts(4, 32, 48, 2, "cpu", torch.float32)
+    x = torch.randn(32, 32)
+    idx, w = BE.routing(32, 4, 2, "cpu")
+    m.config._experts_implementation = "grouped_mm"
+    want = m(x, idx, w)
+    from unittest import mock
+    with mock.patch.object(BE._hf_moe(), "_grouped_mm", peer()):
+        got = m(x, idx, w)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+    import types
+    monkeypatch.setattr(BE, "_hf_moe", lambda: types.SimpleNamespace(_grouped_mm=None))
+    res = BE.measure([], 32, shape, "cpu", torch.float32, lambda fn: (fn(), 1.0)[1])
+    assert BE.TORCHAO_ROW not in res["ms"]
+    assert "ran 0 times" in res["errors"][BE.TORCHAO_ROW] and "no torchao row" in res["errors"][BE.TORCHAO_ROW]
