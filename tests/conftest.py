@@ -74,28 +74,7 @@ def _seed_torch():
     yield
 
 
-# The test files that take longest on CI's 2-core machine (seconds a file under `-n 2`, 2026-11-30: 335, 108, 100,
-# 100, 97, 91, 79, 70, 67, 66, 61, 48, 46 of about 2,030 in all), longest first. With `--dist loadfile` and
-# `--no-loadscope-reorder` (pyproject.toml) the workers take files in collection order, so these start first and
-# the run ends on short files on both workers, instead of one worker alone with a long file that came late
-# (test_distributed.py, collected near the end, kept one worker busy about a minute after the other had finished).
-LONG_FIRST = ("train/test_distributed.py", "robustness/test_real_limits.py", "bench/test_study_gpu_script.py",
-              "linear/test_compiledmx.py", "kernels/test_kernels.py", "bench/test_llama8b_script.py",
-              "study/test_study.py", "linear/test_ref_compile.py", "linear/test_qgather.py",
-              "study/test_study_cooldown.py", "bench/test_bench_step.py", "linear/test_fast_linear.py",
-              "train/test_train.py")
-
-
-def _long_first_rank(item) -> int:
-    try:
-        rel = item.path.relative_to(_TESTS).as_posix()
-    except ValueError:
-        return len(LONG_FIRST)
-    return LONG_FIRST.index(rel) if rel in LONG_FIRST else len(LONG_FIRST)
-
-
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=_long_first_rank)   # stable: each file's tests keep their order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
