@@ -33,7 +33,7 @@ from .._io import write_json
 from ..errors import UserError, read_json_object
 from . import arms as A
 from . import metrics as M
-from .plan import StudySpec, branch_folder, build_config, study_branch_plan
+from .plan import StudySpec, branch_folder, build_config, config_differences, study_branch_plan
 from .run import _finished, _status
 from ..numerics import recipes as R
 
@@ -57,31 +57,6 @@ def parse_renames(text: str | None) -> dict[str, str]:
         out[old] = new
     if len(set(out.values())) != len(out):
         raise UserError(f"--arms maps two source arms to one destination arm: {text}")
-    return out
-
-
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict) and v:
-            out.update(_flat(v, key + "."))
-        else:
-            out[key] = v
-    return out
-
-
-def config_differences(a: dict, b: dict, ignore: tuple[str, ...] = ("log.out", "exp")) -> list[tuple[str, object, object]]:
-    """Keys (dotted) whose values differ between two nested configs, as ``(key, a's value, b's value)``;
-    a key missing on one side counts as a difference (value ``<absent>``)."""
-    fa, fb = _flat(json.loads(json.dumps(a))), _flat(json.loads(json.dumps(b)))
-    out = []
-    for k in sorted(set(fa) | set(fb)):
-        if k in ignore:
-            continue
-        va, vb = fa.get(k, "<absent>"), fb.get(k, "<absent>")
-        if va != vb:
-            out.append((k, va, vb))
     return out
 
 

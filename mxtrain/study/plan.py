@@ -395,23 +395,39 @@ def resume_refusal(old: dict, spec: StudySpec, data_fp: str | None) -> str | Non
     return None if pathless(key) == pathless(new) else "config"
 
 
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def config_differences(a: dict, b: dict, ignore: tuple[str, ...] = ("log.out", "exp")) -> list[tuple[str, object, object]]:
+    """Keys (dotted) whose values differ between two nested configs, as ``(key, a's value, b's value)``;
+    a key missing on one side counts as a difference (value ``<absent>``)."""
+    fa, fb = _flat(json.loads(json.dumps(a))), _flat(json.loads(json.dumps(b)))
+    out = []
+    for k in sorted(set(fa) | set(fb)):
+        if k in ignore:
+            continue
+        va, vb = fa.get(k, "<absent>"), fb.get(k, "<absent>")
+        if va != vb:
+            out.append((k, va, vb))
+    return out
+
+
 def plan_differences(old: dict, spec: StudySpec, limit: int = 6) -> str:
     """The base settings in which the study folder whose ``study.json`` is ``old`` differs from ``spec``, as
     ``name: the folder's value, now value`` items (at most ``limit``), for the message that refuses a resume."""
-    def flat(d, pre=""):
-        out = {}
-        for k, v in (d.items() if isinstance(d, dict) else ()):
-            if isinstance(v, dict):
-                out.update(flat(v, f"{pre}{k}."))
-            else:
-                out[f"{pre}{k}"] = v
-        return out
-    a = flat(old.get("plan_key") or {})
-    b = flat(json.loads(json.dumps(spec.plan_key())))
     same_data = old.get("data_fingerprint") and old.get("data_fingerprint") == data_fingerprint(spec)
-    show = lambda d, k: repr(d[k]) if k in d else "not set"   # noqa: E731
-    diff = [f"{k.removeprefix('train.')}: {show(a, k)} in the folder, {show(b, k)} now"
-            for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k) and not (same_data and k == "train.data")]
+    show = lambda v: "not set" if v == "<absent>" else repr(v)   # noqa: E731
+    diff = [f"{k.removeprefix('train.')}: {show(a)} in the folder, {show(b)} now"
+            for k, a, b in config_differences(old.get("plan_key") or {}, spec.plan_key(), ignore=())
+            if not (same_data and k == "train.data")]
     more = f"; and {len(diff) - limit} more" if len(diff) > limit else ""
     return "; ".join(diff[:limit]) + more
 
