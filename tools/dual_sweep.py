@@ -16,7 +16,13 @@ register cap (``qmaxnreg``) at the default configuration; and the carrier rebuil
 ``--what expand``: only the carrier rebuild, both group layouts (1x128: eager X; 128x128: the compiled layer's
 X), each checked byte for byte against the fused quantizer's own carrier of the same operand.
 
-    python tools/dual_sweep.py OUT.json [--budget 400] [--quick] [--what dual,expand]
+``--what compiled``: the dual passes as the layer compiled into the graph launches them in a step of the 125M
+models (``linear/compiledmx.py``): X with its Wgrad operand as an FP8 carrier in 128x128 groups (``wgrad_x=auto``
+keeps the carrier up to 2,048 input features) at the layers' input widths (768, 2,048), dY with both carriers
+at their output widths (768, 1,280, 4,096); the default configuration, then every (A block rows, B block rows,
+warps) the kernel takes, each against a copy.
+
+    python tools/dual_sweep.py OUT.json [--budget 400] [--quick] [--what dual,expand,compiled]
 """
 import argparse, itertools, json, time
 
@@ -39,7 +45,11 @@ t0 = time.time()
 dev = args.device
 M = (64 if dev == "cpu" else 2048) if args.quick else 16384
 WIDTHS = ((256,) if dev == "cpu" else (768,)) if args.quick else (768, 1280, 2048, 4096)
-CASES = {"X": (dict(rot=16), dict(rot=16), True), "dY": (dict(rot=16), dict(rot=16), False)}
+CASES = {"X": (dict(rot=16), dict(rot=16), True), "dY": (dict(rot=16), dict(rot=16), False),
+         "X128": (dict(rot=16), dict(rot=16, group_rows=128), False)}   # (--what compiled)
+COMPILED = {"X128": (768, 2048), "dY": (768, 1280, 4096)}
+if "compiled" in args.what:
+    WIDTHS = tuple(sorted({K for ks in COMPILED.values() for K in ks})) if not args.quick else WIDTHS
 res = {"env": {"torch": torch.__version__, "triton": triton.__version__, "device": torch.cuda.get_device_name() if dev == "cuda" else dev,
                "default_config": {str(k): v for k, v in DUAL_CONFIG.items()}}, "rows": []}
 
@@ -56,10 +66,10 @@ def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100) * 1e3
 
 
-def moved(K: int, fp4_b: bool) -> int:
+def moved(K: int, fp4_b: bool, gr_b: int = 1) -> int:
     """Bytes the dual pass reads and writes for an (M, K) bf16 input (scales and group scales included)."""
     a = M * K * (1 + 4 / 128)                     # carrier + float32 1x128 group scales
-    b = M * K * (0.5 + 1 / 32) if fp4_b else M * K * (1 + 4 / 128)
+    b = M * K * (0.5 + 1 / 32) if fp4_b else M * K * (1 + 4 / gr_b / 128)
     return int(2 * M * K + a + b)
 
 
@@ -92,7 +102,7 @@ def dual(case, K, block_rows=None, num_warps=None, maxnreg=None):
         if dev == "cuda":
             torch.cuda.synchronize()
         us = bench(fn)
-    by = moved(K, fp4_b)
+    by = moved(K, fp4_b, b.get("group_rows", 1))
     return dict(what="dual", case=case, K=K, block_rows=block_rows, num_warps=num_warps, maxnreg=maxnreg, us=us,
                 tb_s=by / us / 1e6, of_copy=(by / us) / (4 * M * K / copy_us[K]))
 
@@ -148,6 +158,28 @@ def expand_case(K, gr):
     us = bench(lambda: carrier_from_packed(codes, 512))
     return dict(what="expand", K=K, group_rows=gr, same=same, us=us, tb_s=M * K * (0.5 + 1 / 32 + 1) / us / 1e6,
                 of_copy=(M * K * 1.53 / us) / (4 * M * K / copy_us[K]))
+
+
+if "compiled" in args.what:
+    # the compiled layer's cases: the default configuration at every width, then the sweep
+    for case, widths in COMPILED.items():
+        for K in (widths if not args.quick else WIDTHS[:1]):
+            row(**dual(case, K))
+    for case in COMPILED:
+        gr128 = CASES[case][1].get("group_rows", 1) == 128
+        configs = [(br, nw) for bra in (16, 32, 64, 128) for brb in ((128,) if gr128 else (64, 128))
+                   for br in ((bra, brb),) for nw in (1, 2, 4, 8)
+                   if 4 * brb % (32 * nw) == 0 and 4 * brb // (32 * nw) in (2, 4, 8, 16)]
+        if args.quick:
+            configs = configs[:2]
+        for (br, nw), K in itertools.product(configs, COMPILED[case] if not args.quick else WIDTHS[:1]):
+            if time.time() - t0 > args.budget:
+                row(what="stopped", why=f"budget of {args.budget} s spent")
+                break
+            try:
+                row(**dual(case, K, block_rows=br, num_warps=nw))
+            except Exception as e:   # a configuration the kernel refuses or that does not compile
+                row(what="dual", case=case, K=K, block_rows=br, num_warps=nw, error=f"{type(e).__name__}: {e}"[:300])
 
 
 if "expand" in args.what:
