@@ -4,7 +4,8 @@ torch.compile and fused AdamW (byte-level language model on Python source: the s
 
     python examples/library_example.py --recipes bf16,mxfp4-all-dh16 --steps 300 --out result.json
 
-Prints the loss every 50 steps, the held-out loss, tokens/s and peak GPU memory per recipe.
+Prints the loss every 50 steps, the held-out loss, tokens/s and peak GPU memory per recipe. A recipe may carry
+mxtrain settings for its run after colons, e.g. ``mxfp4-all-dh16:mx_compiled=shared`` (docs/settings.md).
 """
 
 import argparse
@@ -17,6 +18,7 @@ import torch
 import transformers
 
 import mxtrain
+from mxtrain import settings
 
 
 def corpus(max_bytes: int) -> torch.Tensor:
@@ -30,7 +32,31 @@ def corpus(max_bytes: int) -> torch.Tensor:
     return torch.frombuffer(buf[:max_bytes], dtype=torch.uint8).long()
 
 
-def run(recipe: str, data: torch.Tensor, steps: int, B: int, T: int, compile_mode: str | None) -> dict:
+def parse_arm(arm: str) -> tuple[str, dict]:
+    """``recipe:key=value:key=value`` -> the recipe and the settings for its run, checked before any GPU work."""
+    recipe, *pairs = arm.split(":")
+    over = {}
+    for p in pairs:
+        key, eq, value = p.partition("=")
+        if not eq:
+            raise SystemExit(f"--recipes: {arm!r}: settings after ':' are key=value pairs, got {p!r}")
+        over[key.strip()] = value.strip()
+    try:
+        with settings.override(**over):
+            pass
+    except settings.SettingsError as e:
+        raise SystemExit(f"--recipes: {arm!r}: {e}")
+    return recipe, over
+
+
+def run(arm: str, data: torch.Tensor, steps: int, B: int, T: int, compile_mode: str | None) -> dict:
+    """One arm: a recipe, with the settings given after it for its whole run."""
+    recipe, over = parse_arm(arm)
+    with settings.override(**over):
+        return _run(arm, recipe, data, steps, B, T, compile_mode)
+
+
+def _run(arm: str, recipe: str, data: torch.Tensor, steps: int, B: int, T: int, compile_mode: str | None) -> dict:
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
                                    num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=T)
@@ -57,7 +83,7 @@ def run(recipe: str, data: torch.Tensor, steps: int, B: int, T: int, compile_mod
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
         if (step + 1) % 50 == 0:
-            print(f"{recipe} step {step + 1} loss {sum(losses[-50:]) / 50:.4f}", flush=True)
+            print(f"{arm} step {step + 1} loss {sum(losses[-50:]) / 50:.4f}", flush=True)
     # -----------------------------------------------------------------------------------------
     torch.cuda.synchronize()
     tps = (steps - 10) * B * T / (time.perf_counter() - t0)
@@ -65,7 +91,7 @@ def run(recipe: str, data: torch.Tensor, steps: int, B: int, T: int, compile_mod
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         vl = [model(input_ids=v.cuda(), labels=v.cuda()).loss.item()
               for v in val[: (len(val) // T) * T].view(-1, T).split(B)]
-    return {"recipe": recipe, "mx_layers": len(report.converted), "mx_param_share": report.share,
+    return {"recipe": arm, "mx_layers": len(report.converted), "mx_param_share": report.share,
             "loss_every_50": [sum(losses[k: k + 50]) / 50 for k in range(0, steps, 50)],
             "val_loss": sum(vl) / len(vl), "tokens_per_s": tps,
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
@@ -81,6 +107,8 @@ def main():
     ap.add_argument("--mb", type=int, default=24, help="corpus size in MB")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    for arm in a.recipes.split(","):
+        parse_arm(arm)
     torch.set_float32_matmul_precision("high")
     data = corpus(a.mb * 2**20)
     print(f"corpus: {len(data):,} bytes of Python standard library source", flush=True)
