@@ -81,18 +81,19 @@ def _run(arm: str, recipe: str, data: torch.Tensor, steps: int, B: int, T: int, 
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+        losses.append(loss.detach())   # (no .item() a step: the host would wait for the GPU every step)
         if (step + 1) % 50 == 0:
-            print(f"{arm} step {step + 1} loss {sum(losses[-50:]) / 50:.4f}", flush=True)
+            print(f"{arm} step {step + 1} loss {torch.stack(losses[-50:]).float().mean().item():.4f}", flush=True)
     # -----------------------------------------------------------------------------------------
     torch.cuda.synchronize()
     tps = (steps - 10) * B * T / (time.perf_counter() - t0)
+    losses = torch.stack(losses).float().tolist()
     model.eval()
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         vl = [model(input_ids=v.cuda(), labels=v.cuda()).loss.item()
               for v in val[: (len(val) // T) * T].view(-1, T).split(B)]
     return {"recipe": arm, "mx_layers": len(report.converted), "mx_param_share": report.share,
-            "loss_every_50": [sum(losses[k: k + 50]) / 50 for k in range(0, steps, 50)],
+            "loss_every_50": [sum(losses[k: k + 50]) / len(losses[k: k + 50]) for k in range(0, steps, 50)],
             "val_loss": sum(vl) / len(vl), "tokens_per_s": tps,
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
 
