@@ -19,7 +19,8 @@ X), each checked byte for byte against the fused quantizer's own carrier of the 
 ``--what compiled``: the dual passes as the layer compiled into the graph launches them in a step of the 125M
 models (``linear/compiledmx.py``): X with its Wgrad operand as an FP8 carrier in 128x128 groups (``wgrad_x=auto``
 keeps the carrier up to 2,048 input features) at the layers' input widths (768, 2,048), dY with both carriers
-at their output widths (768, 1,280, 4,096); the default configuration, then every (A block rows, B block rows,
+at their output widths (768, 1,280, 4,096); the default configuration, then the same with one program a 128x128
+block (``sequential``) and with other register caps (``qmaxnreg`` 0: none, 64, 72, 96; the default 80), then every (A block rows, B block rows,
 warps) the kernel takes, each against a copy.
 
     python tools/dual_sweep.py OUT.json [--budget 400] [--quick] [--what dual,expand,compiled]
@@ -100,7 +101,7 @@ for K, x in xs.items():
     row(what="copy", K=K, us=copy_us[K], tb_s=4 * M * K / copy_us[K] / 1e6)
 
 
-def dual(case, K, block_rows=None, num_warps=None, maxnreg=None):
+def dual(case, K, block_rows=None, num_warps=None, maxnreg=None, sequential=None):
     a, b, fp4_b = CASES[case]
     x = xs[K]
     sa = dict(a, index_strides=(K, 1))
@@ -108,13 +109,14 @@ def dual(case, K, block_rows=None, num_warps=None, maxnreg=None):
     ov = dict(dual="on") if maxnreg is None else dict(dual="on", qmaxnreg=maxnreg)
     with settings.override(**ov):
         fn = lambda: kq.quantize_mxfp4_dual(x, sa, sb, k_multiple=512, counter=cnt, fp4_b=fp4_b,
-                                            block_rows=block_rows, num_warps=num_warps)
+                                            block_rows=block_rows, num_warps=num_warps, sequential=sequential)
         fn()
         if dev == "cuda":
             torch.cuda.synchronize()
         us = bench(fn)
     by = moved(K, fp4_b, b.get("group_rows", 1))
-    return dict(what="dual", case=case, K=K, block_rows=block_rows, num_warps=num_warps, maxnreg=maxnreg, us=us,
+    return dict(what="dual", case=case, K=K, block_rows=block_rows, num_warps=num_warps, maxnreg=maxnreg,
+                sequential=sequential, us=us,
                 tb_s=by / us / 1e6, of_copy=(by / us) / (4 * M * K / copy_us[K]))
 
 
@@ -176,6 +178,14 @@ if "compiled" in args.what:
     for case, widths in COMPILED.items():
         for K in (widths if not args.quick else WIDTHS[:1]):
             row(**dual(case, K))
+    # the default configuration with one program a 128x128 block (A tiles, then B tiles), and with register caps
+    for case, widths in COMPILED.items():
+        for K in (widths if not args.quick else WIDTHS[:1]):
+            if time.time() - t0 > args.budget:
+                break
+            row(**dual(case, K, sequential=True))
+            for cap in ((0, 64, 72, 96) if not args.quick else (96,)):
+                row(**dual(case, K, maxnreg=cap))
     for case in COMPILED:
         gr128 = CASES[case][1].get("group_rows", 1) == 128
         configs = [(br, nw) for bra in (16, 32, 64, 128) for brb in ((128,) if gr128 else (64, 128))
