@@ -20,8 +20,8 @@ X), each checked byte for byte against the fused quantizer's own carrier of the 
 models (``linear/compiledmx.py``): X with its Wgrad operand as an FP8 carrier in 128x128 groups (``wgrad_x=auto``
 keeps the carrier up to 2,048 input features) at the layers' input widths (768, 2,048), dY with both carriers
 at their output widths (768, 1,280, 4,096); the default configuration, then the same with one program a 128x128
-block (``sequential``) and with other register caps (``qmaxnreg`` 0: none, 64, 72, 96; the default 80), then every (A block rows, B block rows,
-warps) the kernel takes, each against a copy.
+block (``sequential``) and with other register caps (``qmaxnreg`` 0: none, 64, 72, 96; the default 80), then
+every (A block rows, B block rows, warps) the kernel takes, each against a copy.
 
     python tools/dual_sweep.py OUT.json [--budget 400] [--quick] [--what dual,expand,compiled]
 """
