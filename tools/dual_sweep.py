@@ -21,7 +21,8 @@ models (``linear/compiledmx.py``): X with its Wgrad operand as an FP8 carrier in
 keeps the carrier up to 2,048 input features) at the layers' input widths (768, 2,048), dY with both carriers
 at their output widths (768, 1,280, 4,096); the default configuration, then the same with one program a 128x128
 block (``sequential``) and with other register caps (``qmaxnreg`` 0: none, 64, 72, 96; the default 80), then
-every (A block rows, B block rows, warps) the kernel takes, each against a copy.
+every (A block rows, B block rows, warps) the kernel takes, each against a copy; and each side alone through the
+single-pass kernel (where the dual pass's time goes).
 
     python tools/dual_sweep.py OUT.json [--budget 400] [--quick] [--what dual,expand,compiled]
 """
@@ -178,6 +179,18 @@ if "compiled" in args.what:
     for case, widths in COMPILED.items():
         for K in (widths if not args.quick else WIDTHS[:1]):
             row(**dual(case, K))
+            # each side alone, as the single-pass kernel makes it (where the dual pass's time goes)
+            a, b, fp4_b = CASES[case]
+            x = xs[K]
+            for side, axis, opts, fp4 in (("A", 1, dict(a, index_strides=(K, 1)), False),
+                                          ("B", 0, dict(b, index_strides=(1, K)), fp4_b)):
+                fn = lambda: kq.quantize_mxfp4_2d(x, axis, **opts, carrier=not fp4, fp4=fp4, k_multiple=512,
+                                                  counter=cnt)
+                fn()
+                us = bench(fn)
+                by = M * K * (2 + ((0.5 + 1 / 32) if fp4 else (1 + 4 / opts.get("group_rows", 1) / 128)))
+                row(what="single side", case=case, side=side, K=K, us=us, tb_s=by / us / 1e6,
+                    of_copy=(by / us) / (4 * M * K / copy_us[K]))
     # the default configuration with one program a 128x128 block (A tiles, then B tiles), and with register caps
     for case, widths in COMPILED.items():
         for K in (widths if not args.quick else WIDTHS[:1]):
