@@ -16,10 +16,11 @@ ours. Where torch's module has neither name the analysis went by (``identify_acc
 later; ``identify_mutated_tensors`` before), nothing is installed and compiles are slow but correct.
 
 From torch 2.12 the analysis walks the IR without a memo (pytorch/pytorch#193703), which takes minutes for the
-rotated variants (their Hadamard butterflies share subgraphs deeply): there mxtrain's quantize kernels are answered
-from a table of the arguments each only reads (``READ_ONLY``; every other tensor argument counts as written,
-every one as read), checked in CI against torch's own analysis of the unrotated variants (docs/kernels.md,
-"First compile").
+rotated variants (their Hadamard butterflies share subgraphs deeply): mxtrain's quantize kernels are answered from a
+table of the arguments each only reads (``READ_ONLY``; every other tensor argument counts as written, every one as
+read), checked in CI against torch's own analysis of the unrotated variants (docs/kernels.md, "First compile").
+Before torch 2.12 (``identify_mutated_tensors``, which answers the written arguments' names) the same table answers
+as well: there the analysis took about 0.7 s a variant on an H200 host, tens of seconds of a model's first compile.
 """
 
 from __future__ import annotations
@@ -91,37 +92,57 @@ READ_ONLY = {
     "_mxfp4_dual_kernel": frozenset({"x_ptr", "sg_a", "kp_a", "sg_b", "kp_b"}),
     "_expand_kernel": frozenset({"pk_ptr", "sc_ptr"}),
 }
-# Where torch's analysis is ``identify_accessed_tensors`` (2.12 and later), whose walk of the IR has no memo and
-# takes minutes on the rotated variants (pytorch/pytorch#193703), the kernels of ``READ_ONLY`` are answered from
-# that table instead of being analysed: writes = the counter and every tensor argument neither in the table nor
-# the counter itself (an unused slot), reads = every tensor argument, no epilogue fusion. Off: torch analyses them (once per variant, cached).
+# The kernels of ``READ_ONLY`` are answered from that table instead of being analysed: writes = the counter and
+# every tensor argument neither in the table nor the counter itself (an unused slot). With torch 2.12 and later
+# (``identify_accessed_tensors``, whose walk of the IR has no memo and takes minutes on the rotated variants,
+# pytorch/pytorch#193703) also reads = every tensor argument and no epilogue fusion; before 2.12
+# (``identify_mutated_tensors``) the writes' names. Off: torch analyses them (once per variant, cached).
 DECLARE = True
 
 
-def declared(kernel, kwargs: dict):
-    """The table's answer for a launch of ``kernel`` with ``kwargs``, in the form of torch's
-    ``identify_accessed_tensors``; None where the kernel is not in ``READ_ONLY`` or torch has no such form."""
+def _tensor_args(kwargs: dict) -> list | None:
+    """The names of the tensor arguments in ``kwargs`` (torch tensors, or inductor's ``TensorBox`` while it
+    lowers a launch), in their order; None where torch lacks either type."""
+    try:
+        import torch
+        from torch._inductor.ir import TensorBox
+    except ImportError:
+        return None
+    return [n for n, v in kwargs.items() if isinstance(v, (torch.Tensor, TensorBox))]
+
+
+def declared_writes(kernel, kwargs: dict) -> list | None:
+    """The table's answer for a launch of ``kernel`` with ``kwargs`` in the form of torch's
+    ``identify_mutated_tensors`` (torch before 2.12): the names of the tensor arguments it may write, in their
+    order; None where the kernel is not in ``READ_ONLY``."""
     name = getattr(_python_function(kernel), "__name__", "")
     if name not in READ_ONLY:
         return None
-    try:
-        import torch
-        from torch._higher_order_ops.triton_kernel_wrap import TensorAccesses
-        from torch._inductor.dependencies import ReadWrites, StarDep
-        from torch._inductor.ir import TensorBox
-        from torch.utils._ordered_set import OrderedSet
-    except ImportError:
-        return None
-    tensors = [n for n, v in kwargs.items() if isinstance(v, (torch.Tensor, TensorBox))]
+    tensors = _tensor_args(kwargs)
     cnt = kwargs.get("cnt_ptr")
-    if cnt is None:
+    if tensors is None or cnt is None:
         return None
     # (an output slot the launch does not use holds the counter itself: not a write of its own; counted as one,
     # functionalization would copy the counter twice and could write back the copy without the kernel's adds)
     # (the counter counts inexact carrier blocks: ``_mxfp4_kernel`` without its carrier output never adds to it)
     counts = not (name == "_mxfp4_kernel" and not kwargs.get("WRITE_CARRIER", True))
-    writes = [n for n in tensors if n not in READ_ONLY[name]
-              and (counts if n == "cnt_ptr" else kwargs[n] is not cnt)]
+    return [n for n in tensors if n not in READ_ONLY[name]
+            and (counts if n == "cnt_ptr" else kwargs[n] is not cnt)]
+
+
+def declared(kernel, kwargs: dict):
+    """The table's answer for a launch of ``kernel`` with ``kwargs``, in the form of torch's
+    ``identify_accessed_tensors``; None where the kernel is not in ``READ_ONLY`` or torch has no such form."""
+    writes = declared_writes(kernel, kwargs)
+    if writes is None:
+        return None
+    try:
+        from torch._higher_order_ops.triton_kernel_wrap import TensorAccesses
+        from torch._inductor.dependencies import ReadWrites, StarDep
+        from torch.utils._ordered_set import OrderedSet
+    except ImportError:
+        return None
+    tensors = _tensor_args(kwargs)
     return TensorAccesses(read_writes=ReadWrites(reads=OrderedSet(StarDep(n) for n in tensors),
                                                  writes=OrderedSet(StarDep(n) for n in writes),
                                                  index_exprs=OrderedSet()), can_fuse_epilogue=False)
@@ -140,8 +161,8 @@ def _wrap(fn):
             with _lock:
                 _stats["bypassed"] += 1
             return fn(kernel, kwargs, *rest, **kw)
-        if accessed and DECLARE:
-            out = declared(kernel, kwargs)
+        if DECLARE:
+            out = declared(kernel, kwargs) if accessed else declared_writes(kernel, kwargs)
             if out is not None:
                 with _lock:
                     _stats["declared"] += 1
