@@ -54,9 +54,8 @@ M = (64 if dev == "cpu" else 2048) if args.quick else 16384
 WIDTHS = ((256,) if dev == "cpu" else (768,)) if args.quick else (768, 1280, 2048, 4096)
 CASES = {"X": (dict(rot=16), dict(rot=16), True), "dY": (dict(rot=16), dict(rot=16), False),
          "X128": (dict(rot=16), dict(rot=16, group_rows=128), False)}   # (--what compiled)
-COMPILED = {"X128": (768, 2048), "dY": (768, 1280, 4096)}
-if "compiled" in args.what:
-    WIDTHS = tuple(sorted({K for ks in COMPILED.values() for K in ks})) if not args.quick else WIDTHS
+EAGER = ("X", "dY")                                # --what dual: the eager layer's passes
+COMPILED = {"X128": (768, 2048), "dY": (768, 1280, 4096)}   # (every width among WIDTHS)
 res = {"env": {"torch": torch.__version__, "triton": triton.__version__, "device": torch.cuda.get_device_name() if dev == "cuda" else dev,
                "default_config": {str(k): v for k, v in DUAL_CONFIG.items()}}, "rows": []}
 
@@ -121,9 +120,22 @@ def dual(case, K, block_rows=None, num_warps=None, maxnreg=None, sequential=None
                 tb_s=by / us / 1e6, of_copy=(by / us) / (4 * M * K / copy_us[K]))
 
 
+def sweep(points) -> None:
+    """Time the dual pass at each (case, width, (A block rows, B block rows), warps) until the budget is spent; a
+    configuration the kernel refuses or that does not compile is a row with its error."""
+    for case, K, br, nw in points:
+        if time.time() - t0 > args.budget:
+            row(what="stopped", why=f"budget of {args.budget} s spent")
+            return
+        try:
+            row(**dual(case, K, block_rows=br, num_warps=nw))
+        except Exception as e:   # noqa: BLE001 - reported per configuration
+            row(what="dual", case=case, K=K, block_rows=br, num_warps=nw, error=f"{type(e).__name__}: {e}"[:300])
+
+
 if "dual" in args.what:
     # the defaults at every width, the two single passes, the carrier rebuild
-    for case, K in itertools.product(CASES, WIDTHS):
+    for case, K in itertools.product(EAGER, WIDTHS):
         row(**dual(case, K))
     for K in WIDTHS:
         x = xs[K]
@@ -132,7 +144,7 @@ if "dual" in args.what:
                                        k_multiple=512, counter=cnt, fp4_b=True)[1]
             us = bench(lambda: carrier_from_packed(a, 512))
         row(what="expand (X's Wgrad carrier from codes)", K=K, us=us, tb_s=M * K * (0.5 + 1 / 32 + 1 + 4 / 128) / us / 1e6)
-    for case, K in itertools.product(CASES, WIDTHS):
+    for case, K in itertools.product(EAGER, WIDTHS):
         a, b, fp4_b = CASES[case]
         x = xs[K]
         sa, sb = dict(a, index_strides=(K, 1)), dict(b, index_strides=(1, K))
@@ -145,15 +157,8 @@ if "dual" in args.what:
     configs = [((32, 64), 4), ((64, 128), 8)] if args.quick else [
         (br, nw) for br in ((16, 64), (32, 64), (64, 64), (32, 128), (64, 128), (128, 128)) for nw in (2, 4, 8)
         if 4 * br[1] % (32 * nw) == 0 and 4 * br[1] // (32 * nw) in (2, 4, 8, 16)]
-    for (br, nw), case, K in itertools.product(configs, CASES, (WIDTHS[0], WIDTHS[-1])):
-        if time.time() - t0 > args.budget:
-            row(what="stopped", why=f"budget of {args.budget} s spent")
-            break
-        try:
-            row(**dual(case, K, block_rows=br, num_warps=nw))
-        except Exception as e:   # a configuration the kernel refuses or that does not compile
-            row(what="dual", case=case, K=K, block_rows=br, num_warps=nw, error=f"{type(e).__name__}: {e}"[:300])
-    for cap, case, K in itertools.product((0, 96, 128), CASES, (WIDTHS[0], WIDTHS[-1])):
+    sweep((case, K, br, nw) for (br, nw), case, K in itertools.product(configs, EAGER, (WIDTHS[0], WIDTHS[-1])))
+    for cap, case, K in itertools.product((0, 96, 128), EAGER, (WIDTHS[0], WIDTHS[-1])):
         if time.time() - t0 > args.budget:
             break
         row(**dual(case, K, maxnreg=cap))
@@ -206,14 +211,8 @@ if "compiled" in args.what:
                    if 4 * brb % (32 * nw) == 0 and 4 * brb // (32 * nw) in (2, 4, 8, 16)]
         if args.quick:
             configs = configs[:2]
-        for (br, nw), K in itertools.product(configs, COMPILED[case] if not args.quick else WIDTHS[:1]):
-            if time.time() - t0 > args.budget:
-                row(what="stopped", why=f"budget of {args.budget} s spent")
-                break
-            try:
-                row(**dual(case, K, block_rows=br, num_warps=nw))
-            except Exception as e:   # a configuration the kernel refuses or that does not compile
-                row(what="dual", case=case, K=K, block_rows=br, num_warps=nw, error=f"{type(e).__name__}: {e}"[:300])
+        sweep((case, K, br, nw) for (br, nw), K in itertools.product(configs, COMPILED[case] if not args.quick
+                                                                     else WIDTHS[:1]))
 
 
 if "expand" in args.what:
