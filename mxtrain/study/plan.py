@@ -396,8 +396,9 @@ def resume_refusal(old: dict, spec: StudySpec, data_fp: str | None) -> str | Non
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
+    """A nested config as ``{dotted key: value}`` (an empty dict is a value; anything but a dict has no keys)."""
     out = {}
-    for k, v in d.items():
+    for k, v in (d.items() if isinstance(d, dict) else ()):
         key = f"{prefix}{k}"
         if isinstance(v, dict) and v:
             out.update(_flat(v, key + "."))

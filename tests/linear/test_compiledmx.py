@@ -836,7 +836,6 @@ def test_kernel_access_analysis_runs_once_per_variant_and_agrees_with_torch(sm90
     the analysis) has exactly torch's writes (with torch 2.12+ at least its reads too), also in the form torch
     before 2.12 asks for (``declared_writes``). Real Triton IR for sm_90, so in a process without the
     interpreter (``sm90_child``)."""
-
     res = sm90_child["access"]
     assert res["name"] in ("identify_accessed_tensors", "identify_mutated_tensors")
     assert len(res["launches"]) == 12
