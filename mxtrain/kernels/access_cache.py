@@ -19,8 +19,9 @@ From torch 2.12 the analysis walks the IR without a memo (pytorch/pytorch#193703
 rotated variants (their Hadamard butterflies share subgraphs deeply): mxtrain's quantize kernels are answered from a
 table of the arguments each only reads (``READ_ONLY``; every other tensor argument counts as written, every one as
 read), checked in CI against torch's own analysis of the unrotated variants (docs/kernels.md, "First compile").
-Before torch 2.12 (``identify_mutated_tensors``, which answers the written arguments' names) the same table answers
-as well: there the analysis took about 0.7 s a variant on an H200 host, tens of seconds of a model's first compile.
+Before torch 2.12 (``identify_mutated_tensors``, which answers the written arguments' names) the same table can
+answer as well (``DECLARE_MUTATED``, off until checked on a GPU with such a torch): there the analysis takes about
+0.7 s a variant on an H200 host, tens of seconds of a model's first compile.
 """
 
 from __future__ import annotations
@@ -98,6 +99,10 @@ READ_ONLY = {
 # pytorch/pytorch#193703) also reads = every tensor argument and no epilogue fusion; before 2.12
 # (``identify_mutated_tensors``) the writes' names. Off: torch analyses them (once per variant, cached).
 DECLARE = True
+# The pre-2.12 form (``declared_writes``) answers only with this on. Its answer equals torch's own analysis on torch
+# 2.13 (tests/linear/test_compiledmx.py); it stays off until the same test, and the compiled layer's cuda tests
+# with it on, have passed on a torch before 2.12 on a GPU: a wrong answer would let the compiler drop a write.
+DECLARE_MUTATED = False
 
 
 def _tensor_args(kwargs: dict) -> list | None:
@@ -161,7 +166,7 @@ def _wrap(fn):
             with _lock:
                 _stats["bypassed"] += 1
             return fn(kernel, kwargs, *rest, **kw)
-        if DECLARE:
+        if DECLARE and (accessed or DECLARE_MUTATED):
             out = declared(kernel, kwargs) if accessed else declared_writes(kernel, kwargs)
             if out is not None:
                 with _lock:
