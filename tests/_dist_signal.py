@@ -1,7 +1,8 @@
 """Worker for tests/train/test_distributed.py's signal test: 2 gloo ranks train with the step's checks on the
 device (``train.check_every_step off``); rank 1 alone gets a SIGTERM at the end of step 3. Every rank must stop
-at the same step with a checkpoint of that step. Each rank prints one JSON line: its rank and the step at
-which it stopped (or null when it did not stop).
+at the same step with a checkpoint of that step. Each rank writes one JSON file, ``OUT-rank<N>.json``, with its
+rank and the step at which it stopped (or null when it did not stop): a file each, since two ranks printing to
+one pipe can join their lines.
 
 Run as ``python -m torch.distributed.run --standalone --nproc-per-node 2 tests/_dist_signal.py OUT DATA``.
 """
@@ -43,7 +44,8 @@ def main(out: str, data: str) -> int:
         stopped = None
     except TR.Interrupted as e:
         stopped = e.step
-    print(json.dumps({"rank": rank, "stopped": stopped}), flush=True)
+    with open(f"{out}-rank{rank}.json", "w") as f:
+        json.dump({"rank": rank, "stopped": stopped}, f)
     return 0
 
 

@@ -460,8 +460,8 @@ def test_a_signal_on_one_rank_stops_every_rank_at_one_step_with_the_checks_on_th
                         str(TESTS / "_dist_signal.py"), str(out), str(small_data())], env=env, capture_output=True,
                        text=True, timeout=300)
     _check_launch(p)
-    stops = sorted((r["rank"], r["stopped"]) for r in map(json.loads, (ln for ln in p.stdout.splitlines()
-                                                                        if ln.startswith("{"))))
+    stops = sorted((r["rank"], r["stopped"]) for r in (json.loads(f.read_text())
+                                                        for f in sorted(tmp_path.glob("run-rank*.json"))))
     assert [r for r, _ in stops] == [0, 1] and stops[0][1] == stops[1][1] and 4 <= stops[0][1] <= 5, stops
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     step = stops[0][1]
