@@ -48,6 +48,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 from concurrent.futures import ProcessPoolExecutor
 
 os.environ.pop("TRITON_INTERPRET", None)
@@ -548,10 +549,13 @@ def compile_one(item):
             src, spec = source(v), None
         else:
             src, spec = specialized_source(v, shape, arch)
+        t0 = time.perf_counter()
         c = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
+        took = time.perf_counter() - t0
     except Exception as e:  # noqa: BLE001 - reported per variant
         return name, {"error": f"{type(e).__name__}: {e}"[:2000]}
     r = _stats(v, c)
+    r["compile_s"] = round(took, 2)
     if spec is not None:
         r["specialized"] = spec
     return name, r
@@ -691,7 +695,8 @@ def main(argv=None):
                 print(f"{name:32s} FAILED {r['error']}", flush=True)
                 continue
             per = f"  sass/element {r['sass_per_elem']:5.1f}" if "sass_per_elem" in r else ""
-            print(f"{name:32s} regs {r['regs']:4d}  sass {r['sass']:6d}  ptx {r['ptx']:6d}  {r['hash']}{per}",
+            print(f"{name:32s} regs {r['regs']:4d}  sass {r['sass']:6d}  ptx {r['ptx']:6d}  {r['hash']}{per}"
+                  f"  {r['compile_s']:.1f} s",
                   flush=True)
             differs = r.get("specialized", {}).get("differs")
             if differs:   # (on stderr: tests read every stdout line as a variant's)
