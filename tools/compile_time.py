@@ -1,10 +1,19 @@
 """Where the first compiled step's time goes: one training step of a ``bench step`` model under cProfile.
 
-``python3 tools/compile_time.py [--model 125m] [--layers 2] [--top 40] [--out prof.json] VARIANT [VARIANT ...]``
+``python3 tools/compile_time.py [--model 125m] [--layers 2] [--top 40] [--out prof.json] [--cache-dir DIR]
+VARIANT [VARIANT ...]``
 
 Per variant: wall time of the first step (trace, compile, run), the time and count of two suspects
 (Triton's kernel-access analysis that functionalization runs for every ``wrap_triton`` call, and Triton
-compiles), and the cProfile table of the step sorted by cumulative and by own time. Needs a CUDA GPU.
+compiles), dynamo's time per compile phase (``torch._dynamo.utils.compile_times``), the compile caches'
+hits, misses and bypasses (inductor's FX graph cache, AOTAutograd's cache; with the bypass reasons), and the
+cProfile table of the step sorted by cumulative and by own time. For a GPU (``--device cpu`` only tries the
+tool itself).
+
+``--cache-dir DIR``: inductor's and Triton's on-disk caches in DIR (``TORCHINDUCTOR_CACHE_DIR``,
+``TRITON_CACHE_DIR``), set before torch is imported: a new folder gives a cold first compile, and a second
+process given the same folder shows what a later process pays (the workers of a study after the first: what
+the caches save, and which graphs they bypass).
 """
 from __future__ import annotations
 
@@ -12,6 +21,7 @@ import argparse
 import cProfile
 import io
 import json
+import os
 import pstats
 import sys
 import time
@@ -31,17 +41,26 @@ def _timed(owner, name: str, box: dict):
     return lambda: setattr(owner, name, fn)
 
 
-def one(variant: str, model: str, layers: int, batch: int, seq: int, top: int) -> dict:
+def _sync(dev) -> None:
     import torch
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def one(variant: str, model: str, layers: int, batch: int, seq: int, top: int, device: str = "cuda") -> dict:
+    import torch
+    import torch._dynamo.utils as dynamo_utils
     import torch._higher_order_ops.triton_kernel_wrap as tkw
 
     from mxtrain.bench import step as bench_step
     torch._dynamo.reset()
-    dev = torch.device("cuda")
+    dynamo_utils.counters.clear()                     # (this variant's cache counts and phase times only)
+    dynamo_utils.compilation_time_metrics.clear()
+    dev = torch.device(device)
     m = bench_step._build(model, layers, seq, dev)
     bench_step._convert(m, variant)
     f = torch.compile(m)
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=dev.type == "cuda")
     idx = torch.randint(0, m.cfg.vocab_size, (batch, seq + 1), device=dev)
     x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
     access = {"calls": 0, "s": 0.0}
@@ -51,24 +70,28 @@ def one(variant: str, model: str, layers: int, batch: int, seq: int, top: int) -
     prof = cProfile.Profile()
     t0 = time.perf_counter()
     prof.enable()
-    with torch.autocast("cuda", dtype=torch.bfloat16):
+    with torch.autocast(dev.type, dtype=torch.bfloat16):
         loss = f(x, y)
     loss.backward()
     opt.step()
-    torch.cuda.synchronize()
+    _sync(dev)
     prof.disable()
     first = time.perf_counter() - t0
     for u in undo:
         u()
     t0 = time.perf_counter()
-    with torch.autocast("cuda", dtype=torch.bfloat16):
+    with torch.autocast(dev.type, dtype=torch.bfloat16):
         loss = f(x, y)
     loss.backward()
     opt.step()
-    torch.cuda.synchronize()
+    _sync(dev)
     second = time.perf_counter() - t0
+    from torch._dynamo.utils import compile_times, counters
+
     from mxtrain.kernels import access_cache
-    tables = {"access_cache": access_cache.stats()}
+    caches = {group: {k: v for k, v in counters[group].items() if "cache" in k or "bypass" in k}
+              for group in ("inductor", "aot_autograd")}
+    tables = {"access_cache": access_cache.stats(), "compile_times": compile_times(repr="str"), "caches": caches}
     for key in ("cumulative", "tottime"):
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats(key).print_stats(top)
@@ -86,15 +109,24 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--out")
+    p.add_argument("--device", default="cuda", help="(cpu: to try the tool itself; MX layers then take the "
+                                                   "reference path)")
+    p.add_argument("--cache-dir", help="inductor's and Triton's caches in this folder (made if missing)")
     a = p.parse_args(argv)
+    if a.cache_dir:   # (before torch is imported: ``one`` imports it)
+        os.makedirs(a.cache_dir, exist_ok=True)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(a.cache_dir)
+        os.environ["TRITON_CACHE_DIR"] = os.path.join(os.path.abspath(a.cache_dir), "triton")
     res = []
     for v in a.variants:
-        r = one(v, a.model, a.layers, a.batch, a.seq, a.top)
+        r = one(v, a.model, a.layers, a.batch, a.seq, a.top, a.device)
         print(f"{v}: first step {r['first_step_s']:.1f} s, second {r['second_step_s']:.3f} s, kernel-access "
               f"analysis {r['kernel_access_analysis']['calls']} calls {r['kernel_access_analysis']['s']:.1f} s, "
               f"of which TTIR {r['generate_ttir']['calls']} calls {r['generate_ttir']['s']:.1f} s",
               flush=True)
         print("access cache", r["profile"]["access_cache"], flush=True)
+        print("compile caches", json.dumps(r["profile"]["caches"]), flush=True)
+        print(r["profile"]["compile_times"][:3000], flush=True)
         print(r["profile"]["tottime"][:5000], flush=True)
         res.append(r)
     if a.out:
