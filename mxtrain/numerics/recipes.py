@@ -14,6 +14,7 @@ compiled into the graph (the setting ``mx_compiled_grids``, on; off, they run as
 
 from __future__ import annotations
 
+import difflib
 from typing import Callable
 
 from .recipe import BF16, Operand, Recipe, Rotation
@@ -51,7 +52,7 @@ def get(name: str | Recipe) -> Recipe:
     try:
         fn = _REGISTRY[base]
     except KeyError:
-        raise ValueError(f"unknown recipe {name!r}; valid recipes: {', '.join(_REGISTRY)} "
+        raise ValueError(f"unknown recipe {name!r}{did_you_mean(name)}; valid recipes: {', '.join(_REGISTRY)} "
                          f"(optionally +RULE, a scale rule for every MX operand)") from None
     r = fn()
     if plus:
@@ -64,6 +65,19 @@ def get(name: str | Recipe) -> Recipe:
                              f"scale rule {rule!r}")
         r = r.with_(**{f"{n}.scale_rule": rule for n in mx})
     return r if r.name == name else r.with_(name=name)
+
+
+def did_you_mean(name: str) -> str:
+    """``" (did you mean mxfp4-all?)"`` for a misspelt recipe name (the closest presets; with a ``+RULE`` the closest
+    rules too), or ``""`` when nothing is close."""
+    base, plus, rule = str(name).partition("+")
+    near = [base] if base in _REGISTRY else difflib.get_close_matches(base, list(_REGISTRY), n=2, cutoff=0.75)
+    if plus and rule not in ALL_SCALE_RULES:
+        rules = difflib.get_close_matches(rule, list(ALL_SCALE_RULES), n=1, cutoff=0.6)
+        near = [f"{b}+{r}" for b in near for r in rules]
+    else:
+        near = [f"{b}{plus}{rule}" for b in near]
+    return f" (did you mean {' or '.join(near)}?)" if near else ""
 
 
 def is_name(name: str) -> bool:

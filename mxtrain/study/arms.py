@@ -100,7 +100,8 @@ def check(arm: str) -> None:
                         f"- + @ . _ only; it names the arm's folder)")
     recipe, opts = split(arm)
     if not R.is_name(recipe):
-        raise UserError(f"unknown recipe {recipe!r} in arm {arm!r}; valid recipes: {', '.join(R.names())} "
+        raise UserError(f"unknown recipe {recipe!r} in arm {arm!r}{R.did_you_mean(recipe)}; valid recipes: "
+                        f"{', '.join(R.names())} "
                         f"(optionally +RULE, a scale rule for every MX operand, e.g. mxfp4-all+amd; and @OPTION, "
                         f"e.g. mxfp4-all@deosc)")
     for o in opts:

@@ -941,7 +941,7 @@ def switch_step(cfg: TrainConfig) -> tuple[int, str] | None:
     try:
         recipes.get(name)
     except (KeyError, ValueError, UserError):
-        raise UserError(f"train.switch_recipe: unknown recipe {name!r}; presets: "
+        raise UserError(f"train.switch_recipe: unknown recipe {name!r}{recipes.did_you_mean(name)}; presets: "
                         f"{', '.join(recipes.names())}") from None
     return step, name
 

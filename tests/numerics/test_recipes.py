@@ -208,3 +208,19 @@ def test_cheapest_forward_levers_presets():
         else:
             assert all(isinstance(m, MXLinear) for m in lin)
     assert type(model.lm_head) is torch.nn.Linear and "keep_last=1 of 3 blocks" in rep.kept["layers.2.attention.wq"]
+
+
+def test_a_misspelt_recipe_name_gets_the_closest_presets():
+    """The error for an unknown preset names the closest ones (a scale rule too after ``+``), and nothing where
+    none is close; the study's arm check and ``train.switch_recipe`` say the same."""
+    from mxtrain.errors import UserError
+    from mxtrain.study import arms
+    assert recipes.did_you_mean("mxfp4-al") == " (did you mean mxfp4-all or mxfp4-all-sr?)"
+    assert recipes.did_you_mean("mxfp4-all-dh61") == " (did you mean mxfp4-all-dh16 or mxfp4-all-dh32?)"
+    assert recipes.did_you_mean("mxfp4-all+rceal") == " (did you mean mxfp4-all+rceil?)"
+    assert recipes.did_you_mean("zzz") == ""
+    with pytest.raises(ValueError, match=r"unknown recipe 'tsneg' \(did you mean tseng\?\); valid recipes: bf16"):
+        recipes.get("tsneg")
+    with pytest.raises(UserError, match=r"unknown recipe 'mxfp4-alll' in arm 'mxfp4-alll@lr1e-3' \(did you mean "
+                                        r"mxfp4-all or mxfp4-all-sr\?\)"):
+        arms.check("mxfp4-alll@lr1e-3")
