@@ -225,3 +225,23 @@ def test_backend_routes_by_vendor_and_capability(hip, cap, native, want, monkeyp
             assert K.backend("cuda:0") == "dequant"
     finally:
         K.CACHES.native.clear()   # what the fake supports_native said must not outlive the test
+
+
+@pytest.mark.parametrize("rows,cols", [(128, 4), (130, 5), (256, 36), (1, 1), (300, 9)])
+def test_native_scale_layout_is_cublas_block_layout(rows, cols):
+    """``gemm._to_blocked`` (the E8M0 scales of the native MX GEMM, ``_native_mx``) puts scale (i, j) where
+    cuBLAS's block-scaling layout says: 128 x 4 tiles of the (rows, K/32) scale matrix, padded with zeros, stored
+    tile after tile with the K tile index fastest, and within a tile entry (r, c) at (r % 32) * 16 + (r // 32) * 4
+    + c (cuBLAS documentation, "1D Block Scaling Factors Layout"); written here element by element, not by the
+    reshapes of the code under test."""
+    from mxtrain.kernels.gemm import _to_blocked
+    s = torch.arange(1, rows * cols + 1, dtype=torch.int32).reshape(rows, cols)
+    out = _to_blocked(s)
+    nr, nc = -(-rows // 128), -(-cols // 4)
+    want = torch.zeros(nr * nc * 512, dtype=torch.int32)
+    for i in range(rows):
+        for j in range(cols):
+            tile = (i // 128) * nc + j // 4
+            r, c = i % 128, j % 4
+            want[tile * 512 + (r % 32) * 16 + (r // 32) * 4 + c] = s[i, j]
+    assert torch.equal(out, want)
