@@ -245,3 +245,27 @@ def test_native_scale_layout_is_cublas_block_layout(rows, cols):
             r, c = i % 128, j % 4
             want[tile * 512 + (r % 32) * 16 + (r // 32) * 4 + c] = s[i, j]
     assert torch.equal(out, want)
+
+
+def test_the_native_gemm_probe_looks_at_every_element():
+    """``gemm.exact_up_to_rounding``, the native MX GEMM probe's criterion: an output that is the exact product
+    rounded to bf16 passes; one with a single block scale misread (one 32-value block of one row of A doubled)
+    fails, although its error over the whole output is 0.37 % of the norm, under the 0.4 % norm tolerance
+    the probe used before."""
+    from mxtrain.kernels.gemm import exact_up_to_rounding
+    g = torch.Generator().manual_seed(3)
+    e2m1 = torch.tensor(E2M1 + [-v for v in E2M1[1:]], dtype=torch.float64)
+
+    def mx(rows):   # E2M1 values times one power-of-two scale per block of 32
+        v = e2m1[torch.randint(0, len(e2m1), (rows, 1088), generator=g)]
+        return v * torch.exp2(torch.randint(-3, 4, (rows, 1088 // 32), generator=g).double()).repeat_interleave(32, 1)
+    a, b = mx(256), mx(384)
+    ref, mag = a @ b.t(), a.abs() @ b.abs().t()
+    assert exact_up_to_rounding(ref.to(torch.bfloat16), ref, mag)[0]
+    bad = a.clone()
+    bad[17, 64:96] *= 2
+    out = (bad @ b.t()).to(torch.bfloat16)
+    norm_err = ((out.double() - ref).norm() / ref.norm()).item()
+    assert norm_err < 4e-3                                       # the old criterion would have taken it as exact
+    ok, worst = exact_up_to_rounding(out, ref, mag)
+    assert not ok and worst > 10, worst
