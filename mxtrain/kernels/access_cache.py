@@ -20,8 +20,8 @@ rotated variants (their Hadamard butterflies share subgraphs deeply): mxtrain's 
 table of the arguments each only reads (``READ_ONLY``; every other tensor argument counts as written, every one as
 read), checked in CI against torch's own analysis of the unrotated variants (docs/kernels.md, "First compile").
 Before torch 2.12 (``identify_mutated_tensors``, which answers the written arguments' names) the same table can
-answer as well (``DECLARE_MUTATED``, off until checked on a GPU with such a torch): there the analysis takes about
-0.7 s a variant on an H200 host, tens of seconds of a model's first compile.
+answer as well (``DECLARE_MUTATED``): there the analysis takes about 0.7 s a variant on an H200 host, tens of
+seconds of a model's first compile.
 """
 
 from __future__ import annotations
@@ -99,10 +99,12 @@ READ_ONLY = {
 # pytorch/pytorch#193703) also reads = every tensor argument and no epilogue fusion; before 2.12
 # (``identify_mutated_tensors``) the writes' names. Off: torch analyses them (once per variant, cached).
 DECLARE = True
-# The pre-2.12 form (``declared_writes``) answers only with this on. Its answer equals torch's own analysis on torch
-# 2.13 (tests/linear/test_compiledmx.py); it stays off until the same test, and the compiled layer's cuda tests
-# with it on, have passed on a torch before 2.12 on a GPU: a wrong answer would let the compiler drop a write.
-DECLARE_MUTATED = False
+# The pre-2.12 form (``declared_writes``) answers only with this on. A wrong answer would let the compiler drop a
+# write, so its answer is checked against torch's own analysis: in CI on torch 2.13, and on torch 2.11.0 (the CUDA
+# build, Triton 3.6.0, on a CPU machine; 2026-11-30) by tests/linear/test_compiledmx.py with this on, where the
+# answer equalled ``identify_mutated_tensors``' for all 12 launches of the access test and the graph tests found no
+# copy or clone of an input; the compiled layer's cuda tests with it on are still to run on such a torch on a GPU.
+DECLARE_MUTATED = True
 
 
 def _tensor_args(kwargs: dict) -> list | None:
