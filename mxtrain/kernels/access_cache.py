@@ -103,7 +103,9 @@ DECLARE = True
 # write, so its answer is checked against torch's own analysis: in CI on torch 2.13, and on torch 2.11.0 (the CUDA
 # build, Triton 3.6.0, on a CPU machine; 2026-11-30) by tests/linear/test_compiledmx.py with this on, where the
 # answer equalled ``identify_mutated_tensors``' for all 12 launches of the access test and the graph tests found no
-# copy or clone of an input; the compiled layer's cuda tests with it on are still to run on such a torch on a GPU.
+# copy or clone of an input, and by ``tools/trace_time.py --compare`` for every launch of two compiled layers of
+# each of ten recipes (rotated, random-signed, stochastic, 64-wide, uniform-grid, adaptive, rceil, amd, Fprop-only
+# and dh32 variants: no difference); the compiled layer's cuda tests with it on are still to run on such a GPU.
 DECLARE_MUTATED = True
 
 
