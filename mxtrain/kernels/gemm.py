@@ -80,11 +80,11 @@ def _probe_native(device) -> dict:
 def exact_up_to_rounding(out: torch.Tensor, ref: torch.Tensor, mag: torch.Tensor) -> tuple[bool, float]:
     """Is the low-precision GEMM output ``out`` the exact product ``ref`` (float64) but for its own rounding, in
     every element? Allowed: one unit in the last place of ``out``'s dtype (2**-7 of the value for bf16, twice its
-    rounding's largest error) and an
-    accumulation error of 2**-10 of ``mag`` (the float64 product of the operands' magnitudes, the sum of the
-    products' sizes). A block scale misread anywhere moves the elements it touches by a sizable share of ``mag``
-    (a block of 32 of 1,088 products: about 3 %), which a norm over the whole output can dilute below a norm
-    tolerance; this looks at each element. Returns (ok, the worst element's error in units of its bound)."""
+    rounding's largest error) and an accumulation error of 2**-10 of ``mag`` (the float64 product of the operands'
+    magnitudes, the sum of the products' sizes). A block scale misread anywhere moves the elements it touches by a
+    sizable share of ``mag`` (a block of 32 of 1,088 products: about 3 %), which a norm over the whole output can
+    dilute below a norm tolerance; this looks at each element. Returns (ok, the worst element's error in units of
+    its bound)."""
     ulp = torch.finfo(out.dtype).eps
     err = (out.double() - ref).abs()
     bound = ulp * ref.abs() + 2.0 ** -10 * mag + torch.finfo(torch.float64).tiny
