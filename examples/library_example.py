@@ -81,7 +81,9 @@ def _run(arm: str, recipe: str, data: torch.Tensor, steps: int, B: int, T: int, 
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(loss.detach())   # (no .item() a step: the host would wait for the GPU every step)
+        # no .item() a step (the host would wait for the GPU every step); a copy, because under reduce-overhead the
+        # loss lives in CUDA graph memory that the next step overwrites
+        losses.append(loss.detach().clone())
         if (step + 1) % 50 == 0:
             print(f"{arm} step {step + 1} loss {torch.stack(losses[-50:]).float().mean().item():.4f}", flush=True)
     # -----------------------------------------------------------------------------------------
