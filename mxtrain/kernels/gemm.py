@@ -164,13 +164,15 @@ def _scaled_mm(a: QuantOut, b: QuantOut, out_dtype, alpha: float = 1.0) -> torch
 
 @torch.compiler.disable
 def probe(device) -> dict:
-    """Check once per device which blockwise ``_scaled_mm`` configurations run and are exact."""
+    """Check once per device which blockwise ``_scaled_mm`` configurations run and are exact: every element of a
+    256x384x1088 product within ``exact_up_to_rounding``'s bound of the float64 product of the carrier values
+    (``errors``: the worst element's error in units of its bound, or the exception)."""
     device = torch.device(device)
     key = str(device)
     probes = CACHES.probes
     if key in probes:
         return probes[key]
-    res = {"a1x128_b128x128": False, "b_1x128": False, "errors": {}, "worst": {}}
+    res = {"a1x128_b128x128": False, "b_1x128": False, "errors": {}}
     if device.type == "cuda":
         g = torch.Generator(device=device).manual_seed(0)
         A = torch.randn(256, 1088, device=device, generator=g)
@@ -181,13 +183,9 @@ def probe(device) -> dict:
                 qb = quantize_mxfp4_2d(B, 1, carrier=True, fp4=False, group_rows=gr, k_multiple=512)
                 out = _scaled_mm(qa, qb, torch.bfloat16)
                 va, vb = carrier_values(qa)[:256].double(), carrier_values(qb)[:384].double()
-                ref = va @ vb.t()
-                err = ((out.double() - ref).norm() / ref.norm()).item()
-                res[name] = err < 1e-2
-                res["errors"][name] = err
-                # the per-element measure of the native probe, recorded only: whether Hopper's FP8 accumulation
-                # stays within its bound is to be seen on a GPU before it decides here
-                res["worst"][name] = exact_up_to_rounding(out, ref, va.abs() @ vb.abs().t())[1]
+                # every element within its rounding (the native probe's check; on an H200 the worst element was
+                # 0.26 of its bound, 2026-11-30), not a norm that one misread block scale can pass
+                res[name], res["errors"][name] = exact_up_to_rounding(out, va @ vb.t(), va.abs() @ vb.abs().t())
             except Exception as e:  # noqa: BLE001
                 res["errors"][name] = repr(e)[:300]
     probes[key] = res
