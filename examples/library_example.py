@@ -6,11 +6,14 @@ torch.compile and fused AdamW (byte-level language model on Python source: the s
 
 Prints the loss every 50 steps, the held-out loss, tokens/s and peak GPU memory per recipe. A recipe may carry
 mxtrain settings for its run after colons, e.g. ``mxfp4-all-dh16:mx_compiled=shared`` (docs/settings.md).
+``--host-check`` adds, after the held-out loss, the host's time to issue one step against the GPU's busy time a
+step: where the first is the larger, the loop is bound by the host (try ``--compile reduce-overhead``).
 """
 
 import argparse
 import glob
 import json
+import statistics
 import sysconfig
 import time
 
@@ -49,14 +52,34 @@ def parse_arm(arm: str) -> tuple[str, dict]:
     return recipe, over
 
 
-def run(arm: str, data: torch.Tensor, steps: int, B: int, T: int, compile_mode: str | None) -> dict:
+def run(arm: str, data: torch.Tensor, steps: int, B: int, T: int, compile_mode: str | None,
+        host_check: bool = False) -> dict:
     """One arm: a recipe, with the settings given after it for its whole run."""
     recipe, over = parse_arm(arm)
     with settings.override(**over):
-        return _run(arm, recipe, data, steps, B, T, compile_mode)
+        return _run(arm, recipe, data, steps, B, T, compile_mode, host_check)
 
 
-def _run(arm: str, recipe: str, data: torch.Tensor, steps: int, B: int, T: int, compile_mode: str | None) -> dict:
+def host_and_gpu_ms(one_step, n: int = 10) -> tuple[float, float]:
+    """The host's time to issue one step (median of ``n``; the GPU idle at its start, nothing waited for inside)
+    and the GPU's busy time a step (its kernels' times summed under ``torch.profiler``, over ``n`` steps)."""
+    host = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        one_step()
+        host.append(1e3 * (time.perf_counter() - t))
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            one_step()
+        torch.cuda.synchronize()
+    gpu_us = sum(e.self_device_time_total for e in prof.key_averages())
+    return statistics.median(host), gpu_us / 1e3 / n
+
+
+def _run(arm: str, recipe: str, data: torch.Tensor, steps: int, B: int, T: int, compile_mode: str | None,
+         host_check: bool = False) -> dict:
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
                                    num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=T)
@@ -68,12 +91,8 @@ def _run(arm: str, recipe: str, data: torch.Tensor, steps: int, B: int, T: int, 
     step_fn = torch.compile(model, mode=compile_mode) if compile_mode != "none" else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
     g = torch.Generator().manual_seed(1)
-    losses, t0 = [], None
-    torch.cuda.reset_peak_memory_stats()
-    for step in range(steps):
-        if step == 10:   # time after compilation
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
+
+    def train_step() -> torch.Tensor:
         i = torch.randint(len(train) - T - 1, (B,), generator=g)
         x = torch.stack([train[j: j + T] for j in i.tolist()]).cuda(non_blocking=True)
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -81,6 +100,15 @@ def _run(arm: str, recipe: str, data: torch.Tensor, steps: int, B: int, T: int, 
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        return loss
+
+    losses, t0 = [], None
+    torch.cuda.reset_peak_memory_stats()
+    for step in range(steps):
+        if step == 10:   # time after compilation
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+        loss = train_step()
         # no .item() a step (the host would wait for the GPU every step); a copy, because under reduce-overhead the
         # loss lives in CUDA graph memory that the next step overwrites
         losses.append(loss.detach().clone())
@@ -94,10 +122,14 @@ def _run(arm: str, recipe: str, data: torch.Tensor, steps: int, B: int, T: int, 
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         vl = [model(input_ids=v.cuda(), labels=v.cuda()).loss.item()
               for v in val[: (len(val) // T) * T].view(-1, T).split(B)]
-    return {"recipe": arm, "mx_layers": len(report.converted), "mx_param_share": report.share,
-            "loss_every_50": [sum(losses[k: k + 50]) / len(losses[k: k + 50]) for k in range(0, steps, 50)],
-            "val_loss": sum(vl) / len(vl), "tokens_per_s": tps,
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+    out = {"recipe": arm, "mx_layers": len(report.converted), "mx_param_share": report.share,
+           "loss_every_50": [sum(losses[k: k + 50]) / len(losses[k: k + 50]) for k in range(0, steps, 50)],
+           "val_loss": sum(vl) / len(vl), "tokens_per_s": tps,
+           "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+    if host_check:   # (after the held-out loss: these steps train the model further)
+        model.train()
+        out["host_ms"], out["gpu_busy_ms"] = host_and_gpu_ms(train_step)
+    return out
 
 
 def main():
@@ -109,6 +141,8 @@ def main():
     ap.add_argument("--compile", default="default", help="torch.compile mode, or 'none'")
     ap.add_argument("--mb", type=int, default=24, help="corpus size in MB")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--host-check", action="store_true",
+                    help="also the host's time to issue a step against the GPU's busy time a step")
     a = ap.parse_args()
     for arm in a.recipes.split(","):
         parse_arm(arm)
@@ -117,11 +151,15 @@ def main():
     print(f"corpus: {len(data):,} bytes of Python standard library source", flush=True)
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
            "steps": a.steps, "batch": a.batch, "seq": a.seq, "compile": a.compile, "corpus_bytes": len(data),
-           "runs": [run(r, data, a.steps, a.batch, a.seq, None if a.compile == "default" else a.compile)
-                    for r in a.recipes.split(",")]}
+           "runs": [run(r, data, a.steps, a.batch, a.seq, None if a.compile == "default" else a.compile,
+                        a.host_check) for r in a.recipes.split(",")]}
     for r in res["runs"]:
         print(f"{r['recipe']}: val loss {r['val_loss']:.4f}, {r['tokens_per_s']:,.0f} tok/s, peak {r['peak_gib']:.1f} GiB",
               flush=True)
+        if "host_ms" in r:
+            bound = "the host" if r["host_ms"] > r["gpu_busy_ms"] else "the GPU"
+            print(f"  the host issues a step in {r['host_ms']:.1f} ms, the GPU is busy {r['gpu_busy_ms']:.1f} ms a "
+                  f"step: bound by {bound}", flush=True)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(res, f, indent=2)

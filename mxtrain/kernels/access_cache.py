@@ -22,6 +22,14 @@ read), checked in CI against torch's own analysis of the unrotated variants (doc
 Before torch 2.12 (``identify_mutated_tensors``, which answers the written arguments' names) the same table can
 answer as well (``DECLARE_MUTATED``): there the analysis takes about 0.7 s a variant on an H200 host, tens of
 seconds of a model's first compile.
+
+The kernels' source, once per kernel. Inductor keys its FX graph cache on the source of every user kernel a graph
+launches together with every ``triton.jit`` function it calls (``user_defined_triton_kernel_transitive_closure_source_code``),
+computed again for each launch with no memo: for a quantize kernel and its helpers about 45 ms on a 2-core CPU, some
+200 launches for 4 blocks of a 125M model, at every process start, warm caches included (about 5 s of the 21.6 s
+warm first step of that model on an H200 under cProfile; BENCHMARKS "First compile time"). ``install()`` wraps that
+function too, for mxtrain's kernels only: the text depends on the kernel's source and its module's globals, which
+mxtrain never changes at run time, so each kernel's text is torch's own answer for its first launch.
 """
 
 from __future__ import annotations
@@ -33,7 +41,8 @@ import threading
 _NAMES = ("identify_accessed_tensors", "identify_mutated_tensors")
 _PREFIX = "mxtrain."
 _lock = threading.Lock()
-_stats = {"hits": 0, "misses": 0, "bypassed": 0, "declared": 0}
+_stats = {"hits": 0, "misses": 0, "bypassed": 0, "declared": 0, "source_hits": 0, "source_misses": 0}
+_SOURCE = "user_defined_triton_kernel_transitive_closure_source_code"
 
 
 def _python_function(kernel):
@@ -196,13 +205,54 @@ def _wrap(fn):
     return analysed
 
 
+def _wrap_source(fn):
+    if getattr(fn, "_mxtrain_cached", False):
+        return fn
+    cache: dict = {}
+    keep: list = []   # the kernels whose id is a key, alive as long as the cache
+
+    @functools.wraps(fn)
+    def source(kernel, *rest, **kw):
+        # (an epilogue fused into the launch changes the text: torch's own answer then)
+        if any(v is not None for v in (*rest, *kw.values())) or not ours(kernel):
+            return fn(kernel, *rest, **kw)
+        with _lock:
+            out = cache.get(id(kernel))
+            _stats["source_misses" if out is None else "source_hits"] += 1
+        if out is None:
+            out = fn(kernel, *rest, **kw)
+            with _lock:
+                cache[id(kernel)] = out
+                keep.append(kernel)
+        return out
+
+    source._mxtrain_cached = True
+    source.cache = cache
+    return source
+
+
+def _install_source() -> bool:
+    """Wrap inductor's kernel-source function with the once-per-kernel memo (idempotent); False where this torch
+    has no such function (then nothing changes)."""
+    try:
+        import torch._inductor.codegen.wrapper as wrapper
+    except ImportError:   # pragma: no cover - torch without inductor
+        return False
+    fn = getattr(wrapper, _SOURCE, None)
+    if fn is None:
+        return False
+    setattr(wrapper, _SOURCE, _wrap_source(fn))   # (its callers import it by name when they call it)
+    return True
+
+
 def install() -> str | None:
-    """Wrap torch's kernel-access analysis with the cache (idempotent); the name wrapped, or None where torch has
-    neither known name."""
+    """Wrap torch's kernel-access analysis with the cache and inductor's kernel-source function with its memo
+    (idempotent); the name of the analysis wrapped, or None where torch has neither known name."""
     try:
         import torch._higher_order_ops.triton_kernel_wrap as tkw
     except ImportError:   # pragma: no cover - torch without user-kernel support
         return None
+    _install_source()
     for name in _NAMES:
         fn = getattr(tkw, name, None)
         if fn is not None:
@@ -213,6 +263,6 @@ def install() -> str | None:
 
 def stats() -> dict:
     """Hits, misses, launches of other kernels passed through, and answers from ``READ_ONLY`` (``declared``),
-    since the process started."""
+    since the process started; and the kernel-source memo's hits and misses (``source_hits``, ``source_misses``)."""
     with _lock:
         return dict(_stats)

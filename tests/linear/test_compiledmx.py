@@ -805,6 +805,23 @@ with mock.patch.object(triton.runtime.driver, "_active", Target(), create=True):
     wrapped(other, {"p": t}, {})
 ACCESS = {"name": name, "launches": out, "stats": access_cache.stats(),
           "table_used": name == "identify_accessed_tensors" or access_cache.DECLARE_MUTATED}
+# inductor's kernel-source text (its FX graph cache key): once per kernel, equal to torch's own
+import torch._inductor.codegen.wrapper as inductor_wrapper
+source = getattr(inductor_wrapper, access_cache._SOURCE)
+texts, seen = [], []
+for kfn, _ in launches:
+    if any(kfn is k for k in seen):
+        continue
+    seen.append(kfn)
+    first, again = source(kfn), source(kfn)
+    texts.append([kfn.fn.__name__, first == source.__wrapped__(kfn), again is first, len(first)])
+before = access_cache.stats()
+other_texts = [source(other), source(other)]
+ACCESS["source"] = {"wrapped": getattr(source, "_mxtrain_cached", False), "texts": texts,
+                    "stats": [before["source_hits"], before["source_misses"]],
+                    "other_counted": access_cache.stats() != before,
+                    "other_equal": other_texts[0] == other_texts[1] == source.__wrapped__(other),
+                    "epilogue": source(seen[0], ("fused", "def x(): pass")) != source(seen[0])}
 traced._launch = real_launch   # (what the graph script below traces)
 '''
 
@@ -851,7 +868,25 @@ def test_kernel_access_analysis_runs_once_per_variant_and_agrees_with_torch(sm90
     declared = 12 if res["table_used"] else 0
     # where the table is not used, the script's third call of each launch (``table``) is a cache hit too, 12 more
     hits = 6 if declared else 18
-    assert res["stats"] == {"hits": hits, "misses": 6, "bypassed": 2, "declared": declared}
+    assert {k: res["stats"][k] for k in ("hits", "misses", "bypassed", "declared")} == {
+        "hits": hits, "misses": 6, "bypassed": 2, "declared": declared}
+
+
+def test_inductor_reads_each_kernels_source_once_and_gets_torchs_text(sm90_child):
+    """``kernels.access_cache`` also memoizes inductor's kernel-source text (the transitive closure of a user
+    kernel's ``triton.jit`` functions, which keys the FX graph cache and which torch recomputes for every launch,
+    about 45 ms a quantize kernel): installed with the access cache; for each of mxtrain's kernels the text equals
+    torch's own and a second call returns the first text without computing it; a kernel of another module, or a
+    launch with an epilogue fused into it, gets torch's own computation every time."""
+    res = sm90_child["access"]["source"]
+    assert res["wrapped"]
+    names = sorted(t[0] for t in res["texts"])
+    assert names == ["_expand_kernel", "_mxfp4_dual_kernel", "_mxfp4_kernel"], names
+    for name, equal, memo, size in res["texts"]:
+        assert equal and memo and size > 1000, (name, equal, memo, size)
+    assert res["stats"] == [3, 3], res["stats"]   # (each kernel: one computed, one from the memo)
+    assert not res["other_counted"] and res["other_equal"]
+    assert res["epilogue"]   # (the fused text is torch's, not the memo's)
 
 
 def test_a_setting_changed_after_compiling_recompiles_the_layer(monkeypatch):
