@@ -5,7 +5,9 @@ torch.compile and fused AdamW (byte-level language model on Python source: the s
     python examples/library_example.py --recipes bf16,mxfp4-all-dh16 --steps 300 --out result.json
 
 Prints the loss every 50 steps, the held-out loss, tokens/s and peak GPU memory per recipe. A recipe may carry
-mxtrain settings for its run after colons, e.g. ``mxfp4-all-dh16:mx_compiled=shared`` (docs/settings.md).
+mxtrain settings for its run after colons, e.g. ``mxfp4-all-dh16:mx_compiled=shared`` (docs/settings.md). The
+arms ``torchao-tensorwise`` and ``torchao-rowwise`` train the same layers with torchao's float8 training instead
+(the peer a user would pick; with torchao installed, the default arms include ``torchao-tensorwise``).
 ``--host-check`` adds, after the held-out loss, the host's time to issue one step against the GPU's busy time a
 step: where the first is the larger, the loop is bound by the host (try ``--compile reduce-overhead``).
 """
@@ -35,9 +37,29 @@ def corpus(max_bytes: int) -> torch.Tensor:
     return torch.frombuffer(buf[:max_bytes], dtype=torch.uint8).long()
 
 
+TORCHAO = ("torchao-tensorwise", "torchao-rowwise")
+SKIP = "lm_head"   # (the layer both conversions keep in high precision: mxtrain's recipes skip it by name)
+
+
+def has_torchao() -> bool:
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def parse_arm(arm: str) -> tuple[str, dict]:
     """``recipe:key=value:key=value`` -> the recipe and the settings for its run, checked before any GPU work."""
     recipe, *pairs = arm.split(":")
+    if recipe in TORCHAO:
+        if not has_torchao():
+            raise SystemExit(f"--recipes: {arm!r} needs torchao (pip install torchao)")
+    else:
+        try:
+            mxtrain.recipes.get(recipe)
+        except ValueError as e:
+            raise SystemExit(f"--recipes: {e}")
     over = {}
     for p in pairs:
         key, eq, value = p.partition("=")
@@ -58,6 +80,25 @@ def run(arm: str, data: torch.Tensor, steps: int, B: int, T: int, compile_mode: 
     recipe, over = parse_arm(arm)
     with settings.override(**over):
         return _run(arm, recipe, data, steps, B, T, compile_mode, host_check)
+
+
+def convert_arm(model: torch.nn.Module, recipe: str) -> tuple[int, float]:
+    """Convert ``model`` in place for the arm: mxtrain's recipe, or torchao's float8 training for a ``torchao-*``
+    arm, on the same layers (every linear layer but ``lm_head``). Returns the layers converted and their share
+    of the parameters."""
+    if recipe not in TORCHAO:
+        report = mxtrain.convert(model, recipe)
+        print(report, flush=True)
+        return len(report.converted), report.share
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    before = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe.split("-", 1)[1]),
+                               module_filter_fn=lambda m, fqn: fqn != SKIP)
+    done = [m for n, m in model.named_modules() if n in before and type(m).__name__ == "Float8Linear"]
+    share = sum(m.weight.numel() + (m.bias.numel() if m.bias is not None else 0) for m in done)
+    share /= sum(p.numel() for p in model.parameters())
+    print(f"torchao float8 ({recipe}): {len(done)} layers converted, {share:.1%} of parameters", flush=True)
+    return len(done), share
 
 
 def host_and_gpu_ms(one_step, n: int = 10) -> tuple[float, float]:
@@ -84,8 +125,7 @@ def _run(arm: str, recipe: str, data: torch.Tensor, steps: int, B: int, T: int, 
     cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
                                    num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=T)
     model = transformers.LlamaForCausalLM(cfg).cuda()
-    report = mxtrain.convert(model, recipe)
-    print(report, flush=True)
+    n_layers, share = convert_arm(model, recipe)
     train, val = data[: int(0.95 * len(data))], data[int(0.95 * len(data)):]
     # --- the loop of docs/library.md ----------------------------------------------------------
     step_fn = torch.compile(model, mode=compile_mode) if compile_mode != "none" else model
@@ -122,7 +162,7 @@ def _run(arm: str, recipe: str, data: torch.Tensor, steps: int, B: int, T: int, 
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         vl = [model(input_ids=v.cuda(), labels=v.cuda()).loss.item()
               for v in val[: (len(val) // T) * T].view(-1, T).split(B)]
-    out = {"recipe": arm, "mx_layers": len(report.converted), "mx_param_share": report.share,
+    out = {"recipe": arm, "layers_converted": n_layers, "converted_share": share,
            "loss_every_50": [sum(losses[k: k + 50]) / len(losses[k: k + 50]) for k in range(0, steps, 50)],
            "val_loss": sum(vl) / len(vl), "tokens_per_s": tps,
            "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
@@ -134,7 +174,8 @@ def _run(arm: str, recipe: str, data: torch.Tensor, steps: int, B: int, T: int, 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--recipes", default="bf16,mxfp4-all-dh16")
+    ap.add_argument("--recipes", default="bf16,torchao-tensorwise,mxfp4-all-dh16" if has_torchao()
+                    else "bf16,mxfp4-all-dh16")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=512)
