@@ -47,7 +47,7 @@ from ..train.parallel import apply_ac
 from ..settings import _FALSE, _TRUE   # the booleans the settings accept, the same words here
 from .. import settings
 
-__all__ = ["MODELS", "USER_MODELS", "UserLlama", "FP8_VARIANTS", "split_variant", "measure", "summarize", "format_table"]
+__all__ = ["MODELS", "USER_MODELS", "HF_MODELS", "UserLlama", "HFLlama", "FP8_VARIANTS", "split_variant", "measure", "summarize", "format_table"]
 
 # Shapes: Llama-8B layers (the paper's model, ``--layers`` of them, its 128k vocabulary), and two whole
 # small models where launch overhead shows.
@@ -62,6 +62,40 @@ FP8_VARIANTS = TORCHAO + ("fp8",)
 # layer shapes (d4096, 32 heads, 8 KV heads, feed-forward 14336, 4 blocks unless ``--layers`` says otherwise).
 USER_MODELS = {"125m-fused": dict(dim=768, n_heads=12, n_kv_heads=12, ffn_dim=2048, n_layers=12),
                "8b-fused": dict(dim=4096, n_heads=32, n_kv_heads=8, ffn_dim=14336, n_layers=4)}
+
+
+# A Hugging Face model built from a config, as a user of ``transformers`` trains one (needs ``transformers``):
+# ``hf-95m`` is the Llama of docs/library.md and examples/library_example.py (8 layers, hidden 1024, feed-forward
+# 2816, 16 heads, 8 KV heads, a byte vocabulary of 256; 56 linear layers, ``lm_head`` kept), the loss its own
+# (``labels``).
+HF_MODELS = {"hf-95m": dict(vocab_size=256, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                            num_attention_heads=16, num_key_value_heads=8)}
+# The models written outside mxtrain: mxtrain's activation-checkpoint options do not apply to them.
+OUTSIDE = tuple(USER_MODELS) + tuple(HF_MODELS)
+
+
+class HFLlama(torch.nn.Module):
+    """A ``transformers.LlamaForCausalLM`` built from ``HF_MODELS``' config, timed as ``bench step`` times the
+    others: ``forward(idx, targets)`` returns the model's own loss with ``labels=idx`` (it shifts the labels
+    itself, as in docs/library.md's loop; ``targets`` is not used)."""
+
+    def __init__(self, seq: int, device=None, **config):
+        super().__init__()
+        try:
+            import transformers  # optional
+        except ImportError:
+            from ..errors import UserError
+            raise UserError("bench step --model hf-95m needs transformers (pip install transformers)") from None
+        from types import SimpleNamespace
+        cfg = transformers.LlamaConfig(**config, max_position_embeddings=seq)
+        self.cfg = SimpleNamespace(vocab_size=cfg.vocab_size)
+        self.hf = transformers.LlamaForCausalLM(cfg).to(device)
+
+    def forward(self, idx, targets=None):
+        return self.hf(input_ids=idx, labels=idx).loss
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
 
 
 class UserLinear(torch.nn.Linear):
@@ -126,6 +160,12 @@ class UserLlama(torch.nn.Module):
 
 
 def _build(model: str, layers: int | None, seq: int, device):
+    if model in HF_MODELS:
+        kw = dict(HF_MODELS[model])
+        if layers:
+            kw["num_hidden_layers"] = layers
+        torch.manual_seed(0)
+        return HFLlama(seq=max(seq, 128), device=device, **kw)
     if model in USER_MODELS:
         kw = dict(USER_MODELS[model])
         if layers:
@@ -150,7 +190,9 @@ def _convert(m, variant: str, torchao_fast_accum: bool | None = None) -> None:
         config = Float8LinearConfig.from_recipe_name(variant.split("-", 1)[1])
         if torchao_fast_accum is not None:   # (torchao's default: fast accumulation in the forward GEMM only)
             config = dataclasses.replace(config, gemm_config_output=Float8GemmConfig(use_fast_accum=torchao_fast_accum))
-        convert_to_float8_training(m, config=config, module_filter_fn=lambda mod, fqn: fqn.startswith("layers."))
+        # (the blocks' linear layers: mxtrain's models' and UserLlama's ``layers.*``, a Hugging Face model's
+        # ``hf.model.layers.*``; never the output head, which mxtrain's recipes keep in high precision too)
+        convert_to_float8_training(m, config=config, module_filter_fn=lambda mod, fqn: ".layers." in f".{fqn}")
         return
     import warnings
 
@@ -170,9 +212,9 @@ def _one_variant(variant: str, model: str, layers: int | None, batch: int, seq: 
         m.to(torch.bfloat16)
     elif param_dtype != "float32":
         raise ValueError(f"param_dtype must be float32 or bfloat16, not {param_dtype!r}")
-    if model in USER_MODELS and (recompute_ffn or checkpoint_blocks):
+    if model in OUTSIDE and (recompute_ffn or checkpoint_blocks):
         raise ValueError(f"model {model}: recompute_ffn and checkpoint_blocks are options of mxtrain's own models")
-    if model not in USER_MODELS:   # (activation checkpointing from outside the model, as the trainer applies it)
+    if model not in OUTSIDE:   # (activation checkpointing from outside the model, as the trainer applies it)
         apply_ac(m, checkpoint_blocks=checkpoint_blocks, recompute_ffn=recompute_ffn)
     V = m.cfg.vocab_size
     g = torch.Generator(device=dev).manual_seed(0)

@@ -12,7 +12,9 @@ Every ratio is measured in the same run (``triton.testing.do_bench`` medians, ra
 * ``step``: the whole training step (embedding, blocks, head, loss, fused AdamW; the whole model under
   ``torch.compile``) per variant: BF16, torchao's float8 (tensorwise, rowwise; when torchao is
   installed), mxtrain's ``fp8`` and MXFP4 presets, with peak memory and the ratios to BF16 and to the
-  fastest FP8 of the run (``mxtrain.bench.step``). ``--model 8b-layers|1b|125m``. ``--rounds R``: every
+  fastest FP8 of the run (``mxtrain.bench.step``). ``--model 8b-layers|1b|125m``, a model written outside
+  mxtrain (``125m-fused``, ``8b-fused``), or ``hf-95m``: the Hugging Face Llama of docs/library.md, built from a
+  config and trained on its own loss, as in a user's loop (needs ``transformers``). ``--rounds R``: every
   variant timed R times in one process, the order rotated each round; medians of the rounds' ratios with
   their range (a ratio near 1 moves by a percent or two between measurements).
 * ``blocks``: forward+backward of a stack of Llama blocks with 8B shapes only (bf16, an unfused FP8
@@ -725,6 +727,8 @@ def _limits(args) -> int:
             raise UserError(f"--rates: {k.strip()} must be a number, got {v!r}") from None
         if not (math.isfinite(rates[k.strip()]) and rates[k.strip()] > 0):
             raise UserError(f"--rates: {k.strip()} must be a positive finite number, got {v!r}")
+    if args.model not in MODELS:
+        raise UserError(f"bench limits counts mxtrain's own models ({', '.join(MODELS)}), not --model {args.model}")
     cfg = ModelConfig.named(MODELS[args.model])
     layers = args.layers if args.layers is not None else (4 if args.model == "8b-layers" else None)
     if args.batch <= 0 or args.seq <= 0 or (layers is not None and layers <= 0):
@@ -853,10 +857,11 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=None, help="step, blocks, experts, limits: batch size (default 4; experts: tokens = batch x "
                                                                 "seq)")
     p.add_argument("--seq", type=int, default=None, help="step, blocks, experts, limits: sequence length (default 4096)")
-    p.add_argument("--model", default=None, choices=["8b-layers", "1b", "125m", "125m-fused", "8b-fused"],
+    p.add_argument("--model", default=None, choices=["8b-layers", "1b", "125m", "125m-fused", "8b-fused", "hf-95m"],
                    help="step, limits: Llama-8B-shaped layers (default; 128k vocabulary), a whole 1B / 125M model, "
                         "or a model written outside mxtrain with fused q|k|v and gate|up layers (125m-fused: the 125M class; 8b-fused: "
-                        "Llama-8B layer shapes, 32k vocabulary)")
+                        "Llama-8B layer shapes, 32k vocabulary); step only: hf-95m, the Hugging Face Llama of "
+                        "docs/library.md (needs transformers)")
     p.add_argument("--compile", default=None, choices=["default", "reduce-overhead", "none"],
                    help="step: torch.compile mode of the whole model, the same for every variant (default: default)")
     p.add_argument("--bf16-step-ms", type=float, default=None,

@@ -318,6 +318,41 @@ def test_user_model_with_fused_projections_converts_its_four_layers_a_block():
     assert "recompute_ffn" in res["runs"]["bf16"]["error"]
 
 
+def test_hf_model_converts_the_same_layers_with_mxtrain_and_torchao_and_trains_in_a_step():
+    """``--model hf-95m``: docs/library.md's Hugging Face Llama built from a config; ``convert`` and torchao's
+    float8 conversion take the same 7 linear layers a block and leave ``lm_head``; the model's own loss trains in a
+    measured step; mxtrain's activation-checkpoint options are refused for it."""
+    pytest.importorskip("transformers")
+    import mxtrain
+    assert set(bs.HF_MODELS) == {"hf-95m"} and bs.HF_MODELS["hf-95m"]["hidden_size"] == 1024
+    names = {}
+    for variant in ("mxfp4-all-dh16", "torchao-tensorwise"):
+        if variant.startswith("torchao"):
+            pytest.importorskip("torchao.float8")
+        m = bs.HFLlama(seq=32, vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2)
+        bs._convert(m, variant)
+        names[variant] = [n for n, mod in m.named_modules()
+                          if (isinstance(mod, mxtrain.linear.module.MXLayer) if variant.startswith("mx")
+                              else type(mod).__name__ == "Float8Linear")]
+        assert type(m.hf.lm_head) is torch.nn.Linear, variant
+    proj = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+            "mlp.up_proj", "mlp.down_proj")
+    want = sorted(f"hf.model.layers.{i}.{p}" for i in range(2) for p in proj)
+    assert sorted(names["mxfp4-all-dh16"]) == want
+    assert sorted(names["torchao-tensorwise"]) == want
+    idx = torch.randint(0, 128, (2, 17))
+    loss = m(idx[:, :-1], idx[:, 1:])
+    loss.backward()
+    assert torch.isfinite(loss)
+    res = bs.measure(["bf16"], model="hf-95m", layers=1, batch=1, seq=32, steps=1, warmup=0, compile_mode="none",
+                     device="cpu")
+    assert 12e6 < res["runs"]["bf16"]["params"] < 13e6   # one block of hidden 1024 (11.8M) and the byte vocabulary
+    res = bs.measure(["bf16"], model="hf-95m", layers=1, batch=1, seq=32, steps=1, warmup=0, compile_mode="none",
+                     device="cpu", checkpoint_blocks=True)
+    assert "checkpoint_blocks" in res["runs"]["bf16"]["error"]
+
+
 def test_static_launch_patches_inductor_while_the_variant_runs():
     """``name:static_launch=true``: inductor's ``static_launch_user_defined_triton_kernels`` is on while that
     variant is built, compiled and timed (and recorded with it), off again after; not a setting; a value that is
