@@ -31,7 +31,9 @@ recomputes its feed-forward GEMMs with a BF16 step that does not, in one run. A 
 Any variant takes ``static_launch=true`` (``INDUCTOR_OPTIONS``): inductor launches the Triton kernels it did not
 generate itself (mxtrain's quantizers compiled into the graph) through its own static CUDA launcher instead of
 Triton's, torch's ``static_launch_user_defined_triton_kernels`` (off by default in torch 2.11-2.13), to measure
-what the launcher costs the host.
+what the launcher costs the host; and ``cpp_wrapper=true``: inductor writes the code that runs a compiled graph in
+C++ instead of Python (``torch._inductor.config.cpp_wrapper``; it needs a C++ compiler where the model compiles),
+so that no Python runs between the graph's launches.
 """
 
 from __future__ import annotations
@@ -401,7 +403,7 @@ def _pop_bool(over: dict, key: str) -> bool:
 
 
 # variant options that patch inductor's config while the variant is compiled and timed: option -> config key
-INDUCTOR_OPTIONS = {"static_launch": "static_launch_user_defined_triton_kernels"}
+INDUCTOR_OPTIONS = {"static_launch": "static_launch_user_defined_triton_kernels", "cpp_wrapper": "cpp_wrapper"}
 
 
 def inductor_options(over: dict) -> dict:

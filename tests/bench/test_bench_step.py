@@ -353,20 +353,24 @@ def test_hf_model_converts_the_same_layers_with_mxtrain_and_torchao_and_trains_i
     assert "checkpoint_blocks" in res["runs"]["bf16"]["error"]
 
 
-def test_static_launch_patches_inductor_while_the_variant_runs():
-    """``name:static_launch=true``: inductor's ``static_launch_user_defined_triton_kernels`` is on while that
-    variant is built, compiled and timed (and recorded with it), off again after; not a setting; a value that is
-    not a boolean fails that variant alone."""
+def test_static_launch_and_cpp_wrapper_patch_inductor_while_the_variant_runs():
+    """``name:static_launch=true`` and ``name:cpp_wrapper=true``: inductor's
+    ``static_launch_user_defined_triton_kernels`` / ``cpp_wrapper`` is on while that variant is built, compiled
+    and timed (and recorded with it), off again after; not settings; a value that is not a boolean fails that
+    variant alone."""
     import torch._inductor.config as ic
-    before = ic.static_launch_user_defined_triton_kernels
+    before = (ic.static_launch_user_defined_triton_kernels, ic.cpp_wrapper)
     seen = []
-    res = bs.measure(["bf16", "bf16:static_launch=true", "bf16:static_launch=maybe"], model="tiny", layers=1,
-                     batch=1, seq=16, steps=1, warmup=0, compile_mode="none", device="cpu",
-                     on_variant=lambda v, r: seen.append((v, ic.static_launch_user_defined_triton_kernels)))
-    assert seen == [("bf16", before), ("bf16:static_launch=true", True), ("bf16:static_launch=maybe", before)]
-    assert ic.static_launch_user_defined_triton_kernels == before
+    res = bs.measure(["bf16", "bf16:static_launch=true", "bf16:static_launch=maybe", "bf16:cpp_wrapper=true"],
+                     model="tiny", layers=1, batch=1, seq=16, steps=1, warmup=0, compile_mode="none", device="cpu",
+                     on_variant=lambda v, r: seen.append((v, ic.static_launch_user_defined_triton_kernels,
+                                                          ic.cpp_wrapper)))
+    assert seen == [("bf16", *before), ("bf16:static_launch=true", True, before[1]),
+                    ("bf16:static_launch=maybe", *before), ("bf16:cpp_wrapper=true", before[0], True)]
+    assert (ic.static_launch_user_defined_triton_kernels, ic.cpp_wrapper) == before == (False, False)
     runs = res["runs"]
     assert runs["bf16:static_launch=true"]["inductor"] == {"static_launch_user_defined_triton_kernels": True}
+    assert runs["bf16:cpp_wrapper=true"]["inductor"] == {"cpp_wrapper": True}
     assert runs["bf16:static_launch=true"]["settings"] == {} and "inductor" not in runs["bf16"]
     assert "static_launch='maybe'" in runs["bf16:static_launch=maybe"]["error"]
 
