@@ -43,6 +43,7 @@ import statistics
 import time
 
 import torch
+from ..errors import UserError
 from ..model.llama import Llama, ModelConfig
 from ..linear.module import convert, MXLayer
 from ..train.parallel import apply_ac
@@ -86,7 +87,6 @@ class HFLlama(torch.nn.Module):
         try:
             import transformers  # optional
         except ImportError:
-            from ..errors import UserError
             raise UserError("bench step --model hf-95m needs transformers (pip install transformers)") from None
         from types import SimpleNamespace
         cfg = transformers.LlamaConfig(**config, max_position_embeddings=seq)
