@@ -9,7 +9,10 @@ mxtrain settings for its run after colons, e.g. ``mxfp4-all-dh16:mx_compiled=sha
 arms ``torchao-tensorwise`` and ``torchao-rowwise`` train the same layers with torchao's float8 training instead
 (the peer a user would pick; with torchao installed, the default arms include ``torchao-tensorwise``).
 ``--host-check`` adds, after the held-out loss, the host's time to issue one step against the GPU's busy time a
-step: where the first is the larger, the loop is bound by the host (try ``--compile reduce-overhead``).
+step: where the first is the larger, the loop is bound by the host (try ``--cpp-wrapper`` or ``--compile
+reduce-overhead``). ``--cpp-wrapper`` compiles every arm with inductor's C++ wrapper
+(``torch._inductor.config.cpp_wrapper``: the code that runs each compiled graph is C++, not Python; it needs a C++
+compiler, as inductor does on CPU).
 """
 
 import argparse
@@ -75,10 +78,11 @@ def parse_arm(arm: str) -> tuple[str, dict]:
 
 
 def run(arm: str, data: torch.Tensor, steps: int, B: int, T: int, compile_mode: str | None,
-        host_check: bool = False) -> dict:
-    """One arm: a recipe, with the settings given after it for its whole run."""
+        host_check: bool = False, cpp_wrapper: bool = False) -> dict:
+    """One arm: a recipe, with the settings given after it for its whole run; ``cpp_wrapper``: compiled with
+    inductor's C++ wrapper (the arm's first step compiles it, inside the patch)."""
     recipe, over = parse_arm(arm)
-    with settings.override(**over):
+    with settings.override(**over), torch._inductor.config.patch(cpp_wrapper=cpp_wrapper):
         return _run(arm, recipe, data, steps, B, T, compile_mode, host_check)
 
 
@@ -185,6 +189,8 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--host-check", action="store_true",
                     help="also the host's time to issue a step against the GPU's busy time a step")
+    ap.add_argument("--cpp-wrapper", action="store_true",
+                    help="compile every arm with inductor's C++ wrapper (less host time a step)")
     a = ap.parse_args()
     for arm in a.recipes.split(","):
         parse_arm(arm)
@@ -192,9 +198,10 @@ def main():
     data = corpus(a.mb * 2**20)
     print(f"corpus: {len(data):,} bytes of Python standard library source", flush=True)
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
-           "steps": a.steps, "batch": a.batch, "seq": a.seq, "compile": a.compile, "corpus_bytes": len(data),
+           "steps": a.steps, "batch": a.batch, "seq": a.seq, "compile": a.compile, "cpp_wrapper": a.cpp_wrapper,
+           "corpus_bytes": len(data),
            "runs": [run(r, data, a.steps, a.batch, a.seq, None if a.compile == "default" else a.compile,
-                        a.host_check) for r in a.recipes.split(",")]}
+                        a.host_check, a.cpp_wrapper) for r in a.recipes.split(",")]}
     for r in res["runs"]:
         print(f"{r['recipe']}: val loss {r['val_loss']:.4f}, {r['tokens_per_s']:,.0f} tok/s, peak {r['peak_gib']:.1f} GiB",
               flush=True)

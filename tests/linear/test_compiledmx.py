@@ -457,6 +457,16 @@ def test_cuda_static_launcher_gives_the_eager_bits(recipe):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("recipe", ["mxfp4-all-dh16", "tseng", "mxfp4-all"])
+def test_cuda_cpp_wrapper_gives_the_eager_bits(recipe):
+    """Inductor's C++ wrapper (``cpp_wrapper``: the code that runs the compiled graph, launches of the layer's
+    Triton kernels and ``_scaled_mm`` calls included, written in C++; docs/library.md advises it where the host
+    bounds a step): the same outputs and gradients, bit for bit, as the eager fast path, stochastic rounding and
+    per-step signs (``tseng``) included, with bias and padded rows."""
+    _compiled_vs_eager(recipe, torch.bfloat16, True, True, (1000, 768, 256), inductor={"cpp_wrapper": True})
+
+
+@pytest.mark.cuda
 def test_cuda_compiled_graph_holds_no_custom_op():
     _gpu()
     x, w, b, _ = _data(256, 512, 256, torch.bfloat16)
