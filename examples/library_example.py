@@ -5,7 +5,7 @@ torch.compile and fused AdamW (byte-level language model on Python source: the s
     python examples/library_example.py --recipes bf16,mxfp4-all-dh16 --steps 300 --out result.json
 
 Prints the loss every 50 steps, the held-out loss, tokens/s and peak GPU memory per recipe. A recipe may carry
-mxtrain settings for its run after colons, e.g. ``mxfp4-all-dh16:mx_compiled=shared`` (docs/settings.md). The
+mxtrain settings for its run after colons, e.g. ``mxfp4-all-dh16:mx_compiled=separate`` (docs/settings.md). The
 arms ``torchao-tensorwise`` and ``torchao-rowwise`` train the same layers with torchao's float8 training instead
 (the peer a user would pick; with torchao installed, the default arms include ``torchao-tensorwise``).
 ``--host-check`` adds, after the held-out loss, the host's time to issue one step against the GPU's busy time a

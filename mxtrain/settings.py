@@ -204,20 +204,23 @@ class Settings:
         "round-to-nearest, prescale 1 and no or a deterministic Hadamard rotation (`mxfp4-all`, `mxfp4-all-dh16`, "
         "`mxfp4-fprop`...): `auto`: compiled into the graph (`mxtrain/linear/compiledmx.py`: the quantize kernels as "
         "`triton_op`s and the carrier GEMM traced, every decision made when the graph is traced, so a layer "
-        "costs the host what inductor's generated code spends on it) on GPUs with FP8 tensor cores; `ops`: the "
-        "opaque custom ops, which decide in Python at every call; `shared`: as `auto`, and layers that read one "
-        "input (separate q/k/v, gate/up) quantize it once (`compiledmx.share_inputs`, a pass over the captured "
-        "graph) and rebuild its Wgrad carrier once (`share_carriers`): the values of `auto` (a cuda test, bit for "
-        "bit), but a shared input's inexact carrier blocks are counted once, not once per layer. `auto` and `ops` "
-        "give the same values and inexact-block counts.", "choice", choices=("auto", "shared", "ops"))
+        "costs the host what inductor's generated code spends on it) on GPUs with FP8 tensor cores, and layers "
+        "that read one input (separate q/k/v, gate/up) quantize it once (`compiledmx.share_inputs`, a pass over "
+        "the captured graph) and rebuild its Wgrad carrier once (`share_carriers`), so a shared input's inexact "
+        "carrier blocks are counted once, not once per layer; `separate`: compiled into the graph, each layer "
+        "quantizing its own input (`auto`'s values bit for bit, a cuda test; 5-6 % slower on a Hugging Face Llama "
+        "whose step the GPU bounds, BENCHMARKS.md); `ops`: the opaque custom ops, which decide in Python at every "
+        "call (the same values as `separate` and its inexact-block counts). `shared` is another name for `auto` "
+        "(the sharing was its own choice before it became the default).", "choice",
+        choices=("auto", "separate", "ops"), aliases={"shared": "auto"})
     mx_compiled_seeded: bool = _knob(
-        True, "MXTRAIN_MX_COMPILED_SEEDED", "With `mx_compiled` `auto` or `shared`, also compile into the graph "
+        True, "MXTRAIN_MX_COMPILED_SEEDED", "With `mx_compiled` `auto` or `separate`, also compile into the graph "
         "the layers of MXFP4 recipes with stochastic rounding, random Hadamard signs or prescales (`tseng`, "
         "`mxfp4-all-sr`, `mxfp4-all-rht16`...), their keys and signs read from device memory: the eager fast "
         "path's bits, layer by layer and step after step (cuda tests, bit for bit, in both compile modes). Off: "
         "they run as the custom ops (an escape hatch; same values).", "bool")
     mx_compiled_grids: bool = _knob(
-        True, "MXTRAIN_MX_COMPILED_GRIDS", "With `mx_compiled` `auto` or `shared`, also compile into the graph the "
+        True, "MXTRAIN_MX_COMPILED_GRIDS", "With `mx_compiled` `auto` or `separate`, also compile into the graph the "
         "layers whose MX operands use the uniform 4-bit grids (`mxint4`, `mxe1m2`: `ufp4`...) or the `adaptive` "
         "scale rule (`mxfp4-all-adaptive`...): the eager fast path's values bit for bit (cuda tests, also under "
         "CUDA graphs). Off: they run as the custom ops (an escape hatch; same values).", "bool")
@@ -233,6 +236,10 @@ class Settings:
             object.__setattr__(self, f.name, _coerce(f, getattr(self, f.name), f"Settings.{f.name}"))
         # what quantize launch plans and self-check results depend on, hashed once per object
         object.__setattr__(self, "launch_key", (self.qkernel, self.dual, self.qmaxnreg, self.qselfcheck))
+
+    def shares_inputs(self) -> bool:
+        """Do compiled MX layers that read one input quantize it once (``mx_compiled`` ``auto``)?"""
+        return self.mx_compiled == "auto"
 
     def wgrad_x_for(self, in_features: int) -> str:
         """``wgrad_x`` for a layer of ``in_features`` inputs: ``auto`` resolved (``WGRAD_X_CARRIER_MAX``)."""

@@ -17,7 +17,8 @@ Wgrad GEMM. Outputs and gradients are the eager fast path's bit for bit (cuda te
 counts are kept as eagerly (``fast.state``).
 
 X's operands are made outside the autograd function (``_x_operands``; they carry no gradient), so that layers
-reading one input can share them: with ``mx_compiled=shared`` a pass over the graph dynamo captures
+reading one input can share them: with ``mx_compiled=auto`` (the default; ``separate`` turns it off) a pass over
+the graph dynamo captures
 (``share_inputs``) merges their quantize calls, as the compiler merged the custom ops, and a pass over the joint
 graph (``share_carriers``) the carrier each layer's backward rebuilds from the shared codes.
 
@@ -90,7 +91,8 @@ def applies(mx: str, x: torch.Tensor, weight: torch.Tensor, s) -> tuple:
     """``plan``'s answer where the compiled layer can run this call, else ``(0, 0)``: ``mx`` from ``spec``
     (non-empty), CUDA float tensors, a 2-D weight, a non-empty input. ``s``: the settings the dispatcher read
     (``linear.compiled_form``, which decides from ``mx_compiled``, ``mx_compiled_seeded``, ``fast`` and
-    ``exact_carrier`` whether to ask): ``mx_compiled=shared`` and the launch settings of the kernels go to
+    ``exact_carrier`` whether to ask): whether layers share inputs (``Settings.shares_inputs``) and the launch
+    settings of the kernels go to
     ``plan``, so that dynamo guards on them."""
     if not mx:
         return (0, 0)
@@ -99,7 +101,7 @@ def applies(mx: str, x: torch.Tensor, weight: torch.Tensor, s) -> tuple:
     if x.numel() == 0 or weight.numel() == 0:
         return (0, 0)
     # (the device is plan's to judge: it answers (0, 0) off CUDA)
-    return plan(str(x.device), s.mx_compiled == "shared", s.dual, s.qkernel, s.qmaxnreg, s.qselfcheck)
+    return plan(str(x.device), s.shares_inputs(), s.dual, s.qkernel, s.qmaxnreg, s.qselfcheck)
 
 
 def _mm(ca: torch.Tensor, ga: torch.Tensor, Ra: int, cb: torch.Tensor, gb: torch.Tensor, rows_b: int, Rb: int,
@@ -510,16 +512,17 @@ class _ChainedPass(_PassBase):
 
 
 def _sharing() -> bool:
-    """Is this compile's graph traced with ``mx_compiled=shared``? Inductor runs its custom passes in the compile
-    that traced the graph, under the settings the trace read (and guarded on: ``plan``), so the passes, once
-    installed in a process, act on the graphs of ``shared`` only: a later ``auto`` compile keeps one quantize
-    call per layer (and counts each layer's inexact blocks), as it would in a fresh process."""
-    return settings.current().mx_compiled == "shared"
+    """Is this compile's graph traced with layers sharing inputs (``mx_compiled=auto``, the default)? Inductor
+    runs its custom passes in the compile that traced the graph, under the settings the trace read (and guarded
+    on: ``plan``), so the passes, once installed in a process, act on the graphs of ``auto`` only: a later
+    ``separate`` compile keeps one quantize call per layer (and counts each layer's inexact blocks), as it would
+    in a fresh process."""
+    return settings.current().shares_inputs()
 
 
 class SharePass(_ChainedPass):
     """``share_inputs`` as inductor's pre-grad custom pass, chained after the pass a user set; a no-op in a compile
-    that is not ``mx_compiled=shared`` (``_sharing``)."""
+    that does not share inputs (``_sharing``)."""
 
     def run(self, graph: torch.fx.Graph) -> None:
         if _sharing():
@@ -547,7 +550,7 @@ def _fresh(node) -> bool:
 
 def share_carriers(graph: torch.fx.Graph) -> int:
     """Merge the launches of ``_SHARED_KERNELS`` that read the same tensors with the same arguments in the joint
-    (forward and backward) graph aot_autograd traced: with ``mx_compiled=shared`` the layers reading one input (q/k/v,
+    (forward and backward) graph aot_autograd traced: with ``mx_compiled=auto`` the layers reading one input (q/k/v,
     gate/up) keep one copy of its Wgrad operand as FP4 codes (``share_inputs``), and each layer's backward rebuilds
     its FP8 carrier from those codes (``q_expand``, a launch of ``expand._expand_kernel`` by then); the launches are
     identical but for their fresh output buffers and the inexact-block counter they add to, and the compiler merges
@@ -608,7 +611,7 @@ def share_carriers(graph: torch.fx.Graph) -> int:
 
 class ShareCarrierPass(_ChainedPass):
     """``share_carriers`` as inductor's joint custom pre-pass, chained after the pass a user set; a no-op in a
-    compile that is not ``mx_compiled=shared`` (``_sharing``)."""
+    compile that does not share inputs (``_sharing``)."""
 
     def run(self, graph: torch.fx.Graph) -> None:
         if _sharing():

@@ -287,7 +287,12 @@ def test_the_dispatcher_takes_the_form_only_where_it_applies():
 
 def test_setting_is_read_from_the_environment():
     assert settings.Settings.from_env({"MXTRAIN_MX_COMPILED": "ops"}).mx_compiled == "ops"
-    assert settings.Settings.from_env({"MXTRAIN_MX_COMPILED": "shared"}).mx_compiled == "shared"
+    assert settings.Settings.from_env({"MXTRAIN_MX_COMPILED": "separate"}).mx_compiled == "separate"
+    # (the sharing was its own choice, "shared", before it became the default: that name still means auto)
+    assert settings.Settings.from_env({"MXTRAIN_MX_COMPILED": "shared"}).mx_compiled == "auto"
+    assert settings.Settings().shares_inputs() and settings.Settings(mx_compiled="shared").shares_inputs()
+    assert not settings.Settings(mx_compiled="separate").shares_inputs()
+    assert not settings.Settings(mx_compiled="ops").shares_inputs()
     with pytest.raises(settings.SettingsError):
         settings.Settings.from_env({"MXTRAIN_MX_COMPILED": "sometimes"})
 
@@ -595,7 +600,7 @@ def test_compiled_layer_kernels_are_the_same_code_with_contraction_on():
 
 
 def test_layers_reading_one_input_share_its_quantization(monkeypatch):
-    """``mx_compiled=shared``: the pass over dynamo's graph merges the q/k-style layers' quantize calls of their
+    """``mx_compiled=auto`` (the default): the pass over dynamo's graph merges the q/k-style layers' quantize calls of their
     shared input into one (with the views leading to them), and the graph computes the same outputs and
     gradients as without it. CPU: dynamo's fake run of the ops skips the interpreted launches; the captured graph
     then runs for real."""
@@ -652,10 +657,10 @@ def test_share_pass_keeps_reads_across_an_in_place_write_apart():
 
 
 def test_installed_share_passes_act_only_on_shared_compiles():
-    """Once ``mx_compiled=shared`` has installed the passes in inductor's config (they stay for the process), a later
-    compile under ``auto`` keeps one quantize call per layer, as in a fresh process: ``auto``'s graphs, and an A/B
-    of the two in one process (``bench step``'s variants), are not merged behind the user's back; inductor's caches
-    key on the mode."""
+    """Once ``mx_compiled=auto`` (the default) has installed the passes in inductor's config (they stay for the
+    process), a later compile under ``separate`` (or ``ops``) keeps one quantize call per layer, as in a fresh
+    process: ``separate``'s graphs, and an A/B of the two in one process (``bench step``'s variants), are not
+    merged behind the user's back; inductor's caches key on the mode."""
     import operator
 
     def graph_with_two_reads():
@@ -670,14 +675,14 @@ def test_installed_share_passes_act_only_on_shared_compiles():
         return sum(1 for n in graph.nodes if n.target is torch.ops.mxtrain.q_single.default)
     inputs, carriers = compiledmx.SharePass(), compiledmx.ShareCarrierPass()
     uuids = {}
-    for mode, calls in (("auto", 2), ("ops", 2), ("shared", 1)):
+    for mode, calls in (("separate", 2), ("ops", 2), ("auto", 1), ("shared", 1)):
         with settings.override(mx_compiled=mode):
             g = graph_with_two_reads()
             inputs(g)
             assert left(g) == calls, mode
             uuids[mode] = (inputs.uuid(), carriers.uuid())
-    assert uuids["auto"] == uuids["ops"] != uuids["shared"]
-    assert uuids["auto"][0] != uuids["shared"][0] and uuids["auto"][1] != uuids["shared"][1]
+    assert uuids["separate"] == uuids["ops"] != uuids["auto"] == uuids["shared"]
+    assert uuids["separate"][0] != uuids["auto"][0] and uuids["separate"][1] != uuids["auto"][1]
 
 
 def test_carrier_pass_merges_rebuilds_of_the_same_codes_only():
@@ -735,9 +740,9 @@ def test_share_pass_chains_a_users_pass_and_has_a_uuid():
 @pytest.mark.cuda
 @pytest.mark.parametrize("recipe", ["mxfp4-all-dh16", "mxfp4-all"])
 def test_cuda_shared_input_gives_the_unshared_values(recipe):
-    """``mx_compiled=shared`` on a GPU: three layers reading one input (q/k/v), compiled with the shared quantize
-    (``share_inputs``) and the shared carrier of X's Wgrad operand (``share_carriers``, inductor's joint pass), give
-    the outputs and weight gradients of the same layers compiled with ``auto`` bit for bit (the same kernels on the
+    """``mx_compiled=auto`` (the default) on a GPU: three layers reading one input (q/k/v), compiled with the shared
+    quantize (``share_inputs``) and the shared carrier of X's Wgrad operand (``share_carriers``, inductor's joint
+    pass), give the outputs and weight gradients of the same layers compiled with ``separate`` bit for bit (the same kernels on the
     same values; each output's gradient is given, so nothing between the layers and the loss can be fused
     differently); dX, a sum of the three layers' bf16 contributions whose additions inductor may fuse differently
     in the two graphs, to a few bf16 roundings."""
@@ -751,18 +756,18 @@ def test_cuda_shared_input_gives_the_unshared_values(recipe):
     def block(x, wq, wk, wv):
         return tuple(mx_linear(x, w, None, recipe) for w in (wq, wk, wv))
     out = {}
-    for mode in ("auto", "shared"):
+    for mode in ("separate", "auto"):
         torch._dynamo.reset()
         xs = x.clone().requires_grad_()
         wts = [w.clone().requires_grad_() for w in ws]
         with settings.override(mx_compiled=mode), ic.patch(pre_grad_custom_pass=None, joint_custom_pre_pass=None):
             ys = torch.compile(block, fullgraph=True)(xs, *wts)
             torch.autograd.backward(ys, gys)
-            if mode == "shared":
+            if mode == "auto":
                 assert isinstance(ic.joint_custom_pre_pass, compiledmx.ShareCarrierPass)
         out[mode] = ([y.detach() for y in ys], xs.grad, [w.grad for w in wts])
     torch._dynamo.reset()
-    (ya, dxa, dwa), (ysh, dxs, dws) = out["auto"], out["shared"]
+    (ya, dxa, dwa), (ysh, dxs, dws) = out["separate"], out["auto"]
     for a, b in zip(ya + dwa, ysh + dws):
         assert torch.equal(a, b)
     assert torch.allclose(dxa.float(), dxs.float(), rtol=2 ** -6, atol=1e-3 * dxa.float().abs().max().item())

@@ -300,17 +300,17 @@ def test_the_dispatcher_compiles_the_uniform_grids_and_the_adaptive_rule(fake_gp
         assert _forms(x, w, NEW_RECIPES) == ops
 
 
-def test_shared_installs_the_share_pass_and_auto_does_not(fake_gpu):
-    """``mx_compiled=shared`` makes ``compiledmx.plan`` install ``SharePass`` as inductor's pre-grad pass (the pass
-    the block test sees merge q/k/v and gate/up); ``auto`` leaves inductor's pass as it was."""
+def test_auto_installs_the_share_pass_and_separate_does_not(fake_gpu):
+    """``mx_compiled=auto`` (the default) makes ``compiledmx.plan`` install ``SharePass`` as inductor's pre-grad pass
+    (the pass the block test sees merge q/k/v and gate/up); ``separate`` leaves inductor's pass as it was."""
     from mxtrain import settings
     from mxtrain.linear import compiledmx
     from torch._inductor import config as ic
     x, w = fake_gpu()
-    assert _forms(x, w, ["mxfp4-all-dh16"]) == {"mxfp4-all-dh16": "graph"}
+    with settings.override(mx_compiled="separate"):
+        assert _forms(x, w, ["mxfp4-all-dh16"]) == {"mxfp4-all-dh16": "graph"}
     assert ic.pre_grad_custom_pass is None and ic.joint_custom_pre_pass is None
-    with settings.override(mx_compiled="shared"):
-        assert _forms(x, w, ["mxfp4-all-dh16", "mxfp4-all"]) == {"mxfp4-all-dh16": "graph", "mxfp4-all": "graph"}
+    assert _forms(x, w, ["mxfp4-all-dh16", "mxfp4-all"]) == {"mxfp4-all-dh16": "graph", "mxfp4-all": "graph"}
     assert isinstance(ic.pre_grad_custom_pass, compiledmx.SharePass)
     assert isinstance(ic.joint_custom_pre_pass, compiledmx.ShareCarrierPass)
 
