@@ -111,6 +111,9 @@ class TrainSection:
                                             # (one GPU)
     compile: str = "auto"                   # torch.compile every transformer block (MX layers included):
                                             # auto (on CUDA without cuda_graphs) | on | off
+    cpp_wrapper: bool = False               # compiled blocks: inductor's C++ wrapper (the code that runs each
+                                            # compiled graph, kernel launches included, in C++, not Python): less
+                                            # host time a step where the host bounds it; needs a C++ compiler
     recompute_ffn: bool = False             # compiled blocks: make the feed-forward's linear outputs again in
                                             # the backward instead of keeping them (less memory, two more GEMMs
                                             # a block; same results; train.parallel.apply_ac)
@@ -897,6 +900,10 @@ def _check(cfg: TrainConfig) -> None:
         raise UserError(f"schedule.kind must be cosine, wsd or constant, got {cfg.schedule.kind!r}")
     if cfg.train.compile not in ("auto", "on", "off"):
         raise UserError(f"train.compile must be auto, on or off, got {cfg.train.compile!r}")
+    if t.cpp_wrapper and (t.compile == "off" or (t.compile == "auto" and t.cuda_graphs)):
+        raise UserError("train.cpp_wrapper is for compiled blocks, but "
+                        + ("train.compile is off" if t.compile == "off" else "train.cuda_graphs turns compiling off")
+                        + "; set train.compile=on or leave train.cpp_wrapper off")
     if cfg.train.check_every_step not in ("auto", "on", "off"):
         raise UserError(f"train.check_every_step must be auto, on or off, got {cfg.train.check_every_step!r}")
     if cfg.parallel.mode not in ("auto",) + MODES:

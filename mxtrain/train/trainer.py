@@ -714,8 +714,9 @@ class Trainer:
         if compiled:   # (one graph shared by all blocks: layer numbers and steps are tensors)
             if model.cfg.n_experts:   # the experts as one traced loop, not a graph break per expert (mxtrain.linear.moe)
                 torch._dynamo.config.capture_dynamic_output_shape_ops = True
+            opts = {"options": {"cpp_wrapper": True}} if cfg.train.cpp_wrapper else {}
             for block in model.layers:
-                block.compile()
+                block.compile(**opts)
         self.model = _wrap_parallel(model, cfg, self.env)
         self.opt = _optimizer(self.model, cfg, fused=device.type == "cuda" or self.on_device)
         self.mcfg = D.unwrap(self.model).cfg
@@ -892,6 +893,9 @@ class Trainer:
         if cfg.train.async_checkpoint and not env.distributed:
             log.say("note: train.async_checkpoint applies to runs of several processes (DCP checkpoints); this one "
                     "writes checkpoint.pt at once")
+        if cfg.train.cpp_wrapper and not compiles(cfg, self.device):
+            log.say(f"note: train.cpp_wrapper applies to compiled blocks; train.compile=auto does not compile on "
+                    f"{self.device.type}, so this run has no C++ wrapper (train.compile=on compiles here)")
         self.model.train()
         self.t_last, self.tok_last, self.steps_last = time.perf_counter(), self.tokens, 0
         self.loss_acc = 0.0

@@ -1,0 +1,51 @@
+"""``train.cpp_wrapper``: the trainer compiles every block with inductor's C++ wrapper (less host time a step where
+the host bounds it: BENCHMARKS.md, "The HF model as a bench step model"); refused where nothing compiles, and said
+where ``train.compile=auto`` does not compile on the run's device."""
+
+import pytest
+import torch
+
+from mxtrain.errors import UserError
+
+
+def test_blocks_compile_with_the_cpp_wrapper_when_asked(tmp_path, monkeypatch):
+    """Each block's ``compile`` gets ``options={"cpp_wrapper": True}`` (a spy records the call and compiles with the
+    eager backend instead, so that no C++ is built here), and nothing without the option."""
+    from train_helpers import tiny_run_cfg
+    from mxtrain.train import trainer as TR
+    calls = []
+    real = torch.nn.Module.compile
+
+    def spy(self, *args, **kwargs):
+        calls.append(kwargs)
+        return real(self, backend="eager")
+    monkeypatch.setattr(torch.nn.Module, "compile", spy)
+    for cpp in (True, False):
+        calls.clear()
+        cfg = tiny_run_cfg(tmp_path / str(cpp), 1)
+        cfg.train.compile, cfg.train.cpp_wrapper = "on", cpp
+        TR.fit(cfg)
+        n = len(calls)
+        assert n >= 1 and calls == [{"options": {"cpp_wrapper": True}} if cpp else {}] * n, calls
+
+
+def test_the_option_is_refused_up_front_where_nothing_compiles(tmp_path):
+    from train_helpers import tiny_run_cfg
+    from mxtrain.train import trainer as TR
+    cfg = tiny_run_cfg(tmp_path / "a", 1)
+    cfg.train.compile, cfg.train.cpp_wrapper = "off", True
+    with pytest.raises(UserError, match="train.cpp_wrapper is for compiled blocks, but train.compile is off"):
+        TR.fit(cfg)
+    cfg.train.compile, cfg.train.cuda_graphs = "auto", True
+    with pytest.raises(UserError, match="train.cuda_graphs turns compiling off"):
+        TR.fit(cfg)
+    assert not (tmp_path / "a").exists()
+
+
+def test_auto_on_a_cpu_says_the_option_does_nothing(tmp_path, capsys):
+    from train_helpers import tiny_run_cfg
+    from mxtrain.train import trainer as TR
+    cfg = tiny_run_cfg(tmp_path / "a", 1)
+    cfg.train.compile, cfg.train.cpp_wrapper = "auto", True
+    TR.fit(cfg)
+    assert "train.cpp_wrapper applies to compiled blocks" in capsys.readouterr().out
