@@ -3,7 +3,7 @@
 # each variant and each value of train.check_every_step in CHECKS (`on`: the step's checks on the host, two waits
 # for the GPU a step; `auto`: on the device on CUDA, none); prints the median tokens/s of each run's log rows after
 # step SKIP. A variant is a recipe, optionally with mxtrain settings for that run only:
-# `mxfp4-all-dh16:MXTRAIN_MX_COMPILED=shared` (environment assignments after the colon, comma-separated).
+# `mxfp4-all-dh16:MXTRAIN_MX_COMPILED=separate` (environment assignments after the colon, comma-separated).
 # Usage (repo root): DATA=folder [EXP=125m-gpu] [VARIANTS="bf16 mxfp4-all-dh16"] [CHECKS="on auto"] [STEPS=80]
 #   [SKIP=20] [EXTRA="--set ..."] OUT=dir bash benchmarks/trainer_rate.sh
 set -u -o pipefail
