@@ -194,6 +194,22 @@ def compiles(cfg, device: torch.device) -> bool:
     return cfg.train.compile == "on"
 
 
+def check_cpp_compiler() -> None:
+    """``train.cpp_wrapper`` needs the C++ compiler inductor would build the wrapper with (``CXX``, else ``g++``):
+    refused in one line before anything is compiled where there is none, instead of inductor's error at the first
+    step. (Where torch's lookup is not where this torch keeps it, inductor says it itself.)"""
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+    except ImportError:
+        return
+    try:
+        get_cpp_compiler()
+    except Exception:
+        raise UserError("train.cpp_wrapper needs a C++ compiler where the model compiles (g++ or clang++, or the one "
+                        "the CXX environment variable names), and none was found; install one or leave "
+                        "train.cpp_wrapper off") from None
+
+
 class _LossModule(torch.nn.Module):
     """model(x, y) under the run's autocast, as one module for ``torch.cuda.make_graphed_callables``."""
 
@@ -714,6 +730,8 @@ class Trainer:
         if compiled:   # (one graph shared by all blocks: layer numbers and steps are tensors)
             if model.cfg.n_experts:   # the experts as one traced loop, not a graph break per expert (mxtrain.linear.moe)
                 torch._dynamo.config.capture_dynamic_output_shape_ops = True
+            if cfg.train.cpp_wrapper:
+                check_cpp_compiler()
             opts = {"options": {"cpp_wrapper": True}} if cfg.train.cpp_wrapper else {}
             for block in model.layers:
                 block.compile(**opts)

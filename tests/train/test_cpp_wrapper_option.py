@@ -20,6 +20,8 @@ def test_blocks_compile_with_the_cpp_wrapper_when_asked(tmp_path, monkeypatch):
         calls.append(kwargs)
         return real(self, backend="eager")
     monkeypatch.setattr(torch.nn.Module, "compile", spy)
+    import torch._inductor.cpp_builder as cb
+    monkeypatch.setattr(cb, "get_cpp_compiler", lambda: "g++")   # (no C++ is built: any machine passes the check)
     for cpp in (True, False):
         calls.clear()
         cfg = tiny_run_cfg(tmp_path / str(cpp), 1)
@@ -49,3 +51,20 @@ def test_auto_on_a_cpu_says_the_option_does_nothing(tmp_path, capsys):
     cfg.train.compile, cfg.train.cpp_wrapper = "auto", True
     TR.fit(cfg)
     assert "train.cpp_wrapper applies to compiled blocks" in capsys.readouterr().out
+
+
+def test_no_cpp_compiler_is_one_line_before_any_step(tmp_path, monkeypatch):
+    """Where inductor finds no C++ compiler (torch's own lookup raising), the run stops with one line that names
+    the option and the way out, before its first step."""
+    import torch._inductor.cpp_builder as cb
+    from train_helpers import tiny_run_cfg
+    from mxtrain.train import trainer as TR
+
+    def none():
+        raise RuntimeError("no compiler")
+    monkeypatch.setattr(cb, "get_cpp_compiler", none)
+    cfg = tiny_run_cfg(tmp_path / "a", 1)
+    cfg.train.compile, cfg.train.cpp_wrapper = "on", True
+    with pytest.raises(UserError, match="train.cpp_wrapper needs a C\\+\\+ compiler .* leave train.cpp_wrapper off"):
+        TR.fit(cfg)
+    assert not (tmp_path / "a" / "metrics.jsonl").exists()
