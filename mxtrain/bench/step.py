@@ -641,6 +641,11 @@ def format_table(res: dict) -> str:
                   + ", ".join(f"{k} {v['host_ms']:.1f}"
                               + (f" ({v['host_us_per_mx_layer_at_most']:.0f} us a layer at most, {v['mx_layers']} layers)"
                                  if v.get("mx_layers") else "") for k, v in hosts)]
+        bound = [k for k, v in hosts if "ms_back_to_back" in v and v["host_ms"] >= 0.9 * v["ms_back_to_back"]]
+        if bound:
+            lines += [f"bound by the host (it takes at least 90 % of a back-to-back step to issue one): "
+                      f"{', '.join(bound)}; less host time a step: a variant option cpp_wrapper=true (inductor's C++ "
+                      f"wrapper), --compile reduce-overhead, or more tokens a step"]
     for k, v in res["runs"].items():
         prof = v.get("profile")
         if not prof:

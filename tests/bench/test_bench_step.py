@@ -466,3 +466,16 @@ def test_bench_experts_times_the_peer_grouped_gemm_in_transformers_forward_and_c
     res = BE.measure([], 32, shape, "cpu", torch.float32, lambda fn: (fn(), 1.0)[1])
     assert BE.TORCHAO_ROW not in res["ms"]
     assert "ran 0 times" in res["errors"][BE.TORCHAO_ROW] and "no torchao row" in res["errors"][BE.TORCHAO_ROW]
+
+
+def test_the_table_names_variants_bound_by_the_host_and_what_lowers_host_time():
+    """A variant whose host takes at least 90 % of a back-to-back step to issue one is named as bound by the host,
+    with the levers (the C++ wrapper, CUDA graphs, more tokens a step); one whose GPU bounds it is not."""
+    res = bs.summarize({"runs": {
+        "bf16": {"ms": 15.0, "peak_gib": 3.7, "ms_back_to_back": 14.6, "host_ms": 10.7},
+        "mxfp4-all-dh16": {"ms": 25.7, "peak_gib": 3.5, "ms_back_to_back": 22.2, "host_ms": 25.4,
+                           "mx_layers": 56, "host_us_per_mx_layer_at_most": 454.0}}})
+    table = bs.format_table(dict(res, model="hf-95m", layers=None, batch=16, seq=512, compile="default", steps=10))
+    line = [x for x in table.splitlines() if x.startswith("bound by the host")]
+    assert len(line) == 1 and ": mxfp4-all-dh16;" in line[0] and "bf16" not in line[0], table
+    assert "cpp_wrapper=true" in line[0] and "reduce-overhead" in line[0]
