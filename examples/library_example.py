@@ -212,9 +212,11 @@ def main():
         print(f"{r['recipe']}: val loss {r['val_loss']:.4f}, {r['tokens_per_s']:,.0f} tok/s, peak {r['peak_gib']:.1f} GiB",
               flush=True)
         if "host_ms" in r:
-            bound = "the host" if r["host_ms"] > r["gpu_busy_ms"] else "the GPU"
+            host = r["host_ms"] > r["gpu_busy_ms"]
+            hint = (" (less host time a step: --cpp-wrapper, --compile reduce-overhead, or a larger --batch)"
+                    if host else "")
             print(f"  the host issues a step in {r['host_ms']:.1f} ms, the GPU is busy {r['gpu_busy_ms']:.1f} ms a "
-                  f"step: bound by {bound}", flush=True)
+                  f"step: bound by {'the host' if host else 'the GPU'}{hint}", flush=True)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(res, f, indent=2)
