@@ -25,6 +25,10 @@ every (A block rows, B block rows, warps) the kernel takes, each against a copy;
 single-pass kernel (where the dual pass's time goes).
 
     python tools/dual_sweep.py OUT.json [--budget 400] [--quick] [--what dual,expand,compiled]
+                                        [--tokens 16384] [--x-widths 768,2048] [--dy-widths 768,1280,4096]
+
+The Hugging Face Llama of docs/library.md (8,192 tokens a step): ``--what compiled --tokens 8192 --x-widths 1024
+--dy-widths 512,1024,2816``.
 """
 import argparse, itertools, json, time
 
@@ -47,15 +51,39 @@ ap.add_argument("--timer", choices=("events", "graph"), default=None,
                      "(at small sizes the host's launch time, not the kernel's); graph: do_bench_cudagraph, the "
                      "launches replayed from a CUDA graph (device time only; inputs of up to 50 MB may stay in "
                      "L2, for the copy alike). Default: graph for --what compiled, else events")
+ap.add_argument("--tokens", type=int, default=16384, help="rows of every input (tokens a step)")
+ap.add_argument("--x-widths", default="768,2048",
+                help="--what compiled: X's widths (the layers' input features; wgrad_x=auto keeps X's Wgrad "
+                     "carrier up to 2,048 of them). The Hugging Face Llama of docs/library.md: 1024")
+ap.add_argument("--dy-widths", default="768,1280,4096",
+                help="--what compiled: dY's widths (the layers' output features). The Hugging Face Llama of "
+                     "docs/library.md, 8,192 tokens a step: 512,1024,2816")
 args = ap.parse_args()
 t0 = time.time()
 dev = args.device
-M = (64 if dev == "cpu" else 2048) if args.quick else 16384
-WIDTHS = ((256,) if dev == "cpu" else (768,)) if args.quick else (768, 1280, 2048, 4096)
+
+
+def _widths(text: str) -> tuple:
+    try:
+        ws = tuple(int(w) for w in text.split(","))
+    except ValueError:
+        ws = ()
+    if not ws or any(w < 128 or w % 128 for w in ws):
+        raise SystemExit(f"dual_sweep: widths are comma-separated multiples of 128, got {text!r}")
+    return ws
+
+
+if args.tokens < 128 or args.tokens % 128:
+    raise SystemExit(f"dual_sweep: --tokens must be a multiple of 128, got {args.tokens}")
+X_WIDTHS, DY_WIDTHS = _widths(args.x_widths), _widths(args.dy_widths)
+M = (64 if dev == "cpu" else 2048) if args.quick else args.tokens
+WIDTHS = (((256,) if dev == "cpu" else (768,)) if args.quick else
+          tuple(sorted(set((768, 1280, 2048, 4096) if args.what != "compiled" else ()) | set(X_WIDTHS)
+                       | set(DY_WIDTHS))))
 CASES = {"X": (dict(rot=16), dict(rot=16), True), "dY": (dict(rot=16), dict(rot=16), False),
          "X128": (dict(rot=16), dict(rot=16, group_rows=128), False)}   # (--what compiled)
 EAGER = ("X", "dY")                                # --what dual: the eager layer's passes
-COMPILED = {"X128": (768, 2048), "dY": (768, 1280, 4096)}   # (every width among WIDTHS)
+COMPILED = {"X128": X_WIDTHS, "dY": DY_WIDTHS}   # (every width among WIDTHS)
 res = {"env": {"torch": torch.__version__, "triton": triton.__version__, "device": torch.cuda.get_device_name() if dev == "cuda" else dev,
                "default_config": {str(k): v for k, v in DUAL_CONFIG.items()}}, "rows": []}
 
