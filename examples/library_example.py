@@ -194,12 +194,17 @@ def main():
     a = ap.parse_args()
     for arm in a.recipes.split(","):
         parse_arm(arm)
-    if a.cpp_wrapper:   # (inductor builds the wrapper with this compiler: none found is one line, before any arm)
+    if a.cpp_wrapper:
+        # inductor builds the wrapper with this compiler: none found is one line, before any arm
         from torch._inductor.cpp_builder import get_cpp_compiler
         try:
             get_cpp_compiler()
         except Exception:
             raise SystemExit("--cpp-wrapper needs a C++ compiler (g++ or clang++, or the one CXX names); none found")
+        # the C++ wrapper loads kernels through the CUDA driver in autograd's thread, which may have no CUDA context
+        # bound yet (torch's issue #144609): one small eager backward on the GPU first binds it
+        x = torch.ones(8, device="cuda", requires_grad=True)
+        (x * 2.0).sum().backward()
     torch.set_float32_matmul_precision("high")
     data = corpus(a.mb * 2**20)
     print(f"corpus: {len(data):,} bytes of Python standard library source", flush=True)

@@ -46,6 +46,7 @@ import torch
 from ..errors import UserError
 from ..model.llama import Llama, ModelConfig
 from ..linear.module import convert, MXLayer
+from ..train.cpp_wrapper import bind_backward_thread, check_cpp_compiler
 from ..train.parallel import apply_ac
 from ..settings import _FALSE, _TRUE   # the booleans the settings accept, the same words here
 from .. import settings
@@ -513,6 +514,9 @@ def _measure_variant(v: str, on_variant, *, model, layers, batch, seq, steps, wa
         budget = {} if memory_budget is None else {"activation_memory_budget": float(memory_budget)}
         if recompute_gemm_inputs:
             budget["ban_recompute_materialized_backward"] = False
+        if inductor.get("cpp_wrapper"):
+            check_cpp_compiler("cpp_wrapper=true")
+            bind_backward_thread(device)   # (torch's issue #144609: mxtrain/train/cpp_wrapper.py)
         with settings.override(**over), torch._functorch.config.patch(**budget), \
                 torch._inductor.config.patch(**inductor):
             out = _one_variant(base, model, layers, batch, seq, steps, warmup, compile_mode, device,

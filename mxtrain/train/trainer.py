@@ -43,6 +43,7 @@ from . import profiling, stepcheck, threads
 from .callbacks import (Callback, CallbackList, Outcome, Status, TensorBoardLogger, TrainState, WandbLogger,
                         read_outcome, wandb_project)
 from .config import TrainConfig, _check, keep_steps, shape_overrides, switch_step
+from .cpp_wrapper import bind_backward_thread, check_cpp_compiler
 from .evaluation import WINDOWS_NAME, append_windows, evaluate_windows, final_evaluation, write_window_sources
 from .run_folder import _git_sha, _make_out, _record_outcome, _refuse_rewind, _write_json, write_run_json, _holds_run
 from ..model import hf_io as hf
@@ -192,22 +193,6 @@ def compiles(cfg, device: torch.device) -> bool:
     if cfg.train.compile == "auto":
         return device.type == "cuda" and not cfg.train.cuda_graphs
     return cfg.train.compile == "on"
-
-
-def check_cpp_compiler() -> None:
-    """``train.cpp_wrapper`` needs the C++ compiler inductor would build the wrapper with (``CXX``, else ``g++``):
-    refused in one line before anything is compiled where there is none, instead of inductor's error at the first
-    step. (Where torch's lookup is not where this torch keeps it, inductor says it itself.)"""
-    try:
-        from torch._inductor.cpp_builder import get_cpp_compiler
-    except ImportError:
-        return
-    try:
-        get_cpp_compiler()
-    except Exception:
-        raise UserError("train.cpp_wrapper needs a C++ compiler where the model compiles (g++ or clang++, or the one "
-                        "the CXX environment variable names), and none was found; install one or leave "
-                        "train.cpp_wrapper off") from None
 
 
 class _LossModule(torch.nn.Module):
@@ -732,6 +717,7 @@ class Trainer:
                 torch._dynamo.config.capture_dynamic_output_shape_ops = True
             if cfg.train.cpp_wrapper:
                 check_cpp_compiler()
+                bind_backward_thread(device)   # (torch's issue #144609: mxtrain/train/cpp_wrapper.py)
             opts = {"options": {"cpp_wrapper": True}} if cfg.train.cpp_wrapper else {}
             for block in model.layers:
                 block.compile(**opts)

@@ -68,3 +68,30 @@ def test_no_cpp_compiler_is_one_line_before_any_step(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="train.cpp_wrapper needs a C\\+\\+ compiler .* leave train.cpp_wrapper off"):
         TR.fit(cfg)
     assert not (tmp_path / "a" / "metrics.jsonl").exists()
+
+
+def test_bind_backward_thread_runs_a_small_backward_and_keeps_no_state():
+    """The workaround for torch's issue #144609 (mxtrain/train/cpp_wrapper.py): one small eager backward on the
+    device; on a CPU it runs the same operations. Grad mode and the default dtype are as before."""
+    from mxtrain.train.cpp_wrapper import bind_backward_thread
+    before = (torch.is_grad_enabled(), torch.get_default_dtype())
+    bind_backward_thread(torch.device("cpu"))
+    assert (torch.is_grad_enabled(), torch.get_default_dtype()) == before
+
+
+def test_bench_step_refuses_a_cpp_wrapper_variant_without_a_compiler_as_a_result(monkeypatch):
+    """In ``bench step`` a ``cpp_wrapper=true`` variant where no C++ compiler is found fails as that variant's
+    result, in one line naming the option; the other variants are not touched."""
+    import torch._inductor.cpp_builder as cb
+    from mxtrain.bench import step as bs
+
+    def none():
+        raise RuntimeError("no compiler")
+    monkeypatch.setattr(cb, "get_cpp_compiler", none)
+    got = {}
+    bs._measure_variant("bf16:cpp_wrapper=true", lambda v, out: got.update({v: out}), model="125m", layers=1,
+                        batch=1, seq=16, steps=1, warmup=0, compile_mode="none", device="cpu", recompute_ffn=False,
+                        param_dtype="float32", checkpoint_blocks=False, recompute_gemm_inputs=False,
+                        memory_budget=None, profile=0)
+    err = got["bf16:cpp_wrapper=true"]["error"]
+    assert err.startswith("UserError: cpp_wrapper=true needs a C++ compiler"), err
