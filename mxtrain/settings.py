@@ -128,6 +128,14 @@ class Settings:
         "backward keeps X itself and quantizes it there: faster, more memory unless the compiler recomputes X, e.g. "
         "under `train.memory_budget`; figures in BENCHMARKS.md). Same values every way.",
         "choice", choices=("auto", "forward", "carrier", "backward"))
+    w_dual: str = _knob(
+        "off", "MXTRAIN_W_DUAL", "Where a weight's Dgrad operand is quantized in an MX layer compiled into the graph "
+        "(`mx_compiled`): `off` (in the backward, from the weight, one pass of its own), `on` (with its Fprop "
+        "operand, from one read of the weight in the forward: one launch a layer fewer, and its FP8 carrier, about "
+        "1.03 bytes a weight element, kept for the backward). Same values either way (CPU tests under Triton's "
+        "interpreter); its inexact carrier blocks are then counted with the forward's. Off until measured on a GPU "
+        "(the weights' passes of a small model are short launches that leave most of the GPU idle).",
+        "choice", choices=("off", "on"), aliases=_ON_OFF)
     fast_launch: str = _knob(
         "auto", "MXTRAIN_FAST_LAUNCH", "Launch plans: a quantize configuration seen before is launched through its "
         "compiled kernel directly (less host time): `auto` on GPUs, `always` also under Triton's interpreter "

@@ -174,6 +174,9 @@ VARIANTS = {
     "graph dual x r32 g128 fp4_b": _dual(64, 128, 8, gr_b=128, rot=32, fp4_b=True, HAS_SIGNS_A=False,
                                          HAS_SIGNS_B=False),
     "graph dual dy r16": _dual(rot=16, HAS_SIGNS_A=False, HAS_SIGNS_B=False),
+    # a weight's Fprop and Dgrad operands from one read (setting w_dual): float32, 128x128 groups on both sides
+    "graph dual w r16 g128": dict(_dual(128, 128, 8, gr_b=128, rot=16, HAS_SIGNS_A=False, HAS_SIGNS_B=False,
+                                        GROUP_ROWS_A=128, FOLD_A=False, FOLD_B=False), ptr_types={"x_ptr": "*fp32"}),
     "graph blocks w r16 g128": _single("blocks", 128, 8, 16, GROUP_ROWS=128, maxnreg=80),
     "graph blocks w r32 g128 amd": _single("blocks", 128, 8, 32, GROUP_ROWS=128, RULE=4, maxnreg=80),
     "graph cols w r16 g128": _single("cols", 128, 8, 16, GROUP_ROWS=128, maxnreg=80, PACK=2),
@@ -435,7 +438,8 @@ def example_launch(v, shape=SHAPE):
                               key=EXAMPLE_KEY, prescale=PRESCALE if c[f"PRESCALE_{s}"] else 1.0,
                               index_strides=_index_strides(shape, axis, rot),
                               key_tensor=_empty((1,), i32) if c[f"KEY_PTR_{s}"] else None,
-                              group_rows=c["GROUP_ROWS_B"] if s == "B" else 1, fmt=fmts[c.get(f"GRID_{s}", 0)]))
+                              group_rows=c["GROUP_ROWS_B"] if s == "B" else c.get("GROUP_ROWS_A", 1),
+                              fmt=fmts[c.get(f"GRID_{s}", 0)]))
         with settings.override(dual="on", qkernel="auto", **quiet), _patched(ops, "launch", record):
             ops.quantize_mxfp4_dual(_empty((M, N), x_dtype), sides[0], sides[1], k_multiple=km,
                                     block_rows=(c["BR_A"], c["BR_B"]), num_warps=v["num_warps"], sequential=c["SEQ"],

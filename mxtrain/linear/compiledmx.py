@@ -243,9 +243,9 @@ class _Seeds:
         return self.sign_rows[_GEMM_INDEX[gemm], : G.rot]
 
 
-def _dual_ok(t2: torch.Tensor, rot_a: int, rot_b: int, sr: bool = False) -> bool:
+def _dual_ok(t2: torch.Tensor, rot_a: int, rot_b: int, sr: bool = False, group_rows_a: int = 1) -> bool:
     """Does one pass make both operands of ``t2`` (``launch.dual_applies`` on the trace's tensor)?"""
-    return dual_applies(t2, rot_a, rot_b, sr=sr)
+    return dual_applies(t2, rot_a, rot_b, group_rows_a, sr=sr)
 
 
 def _side(seeds: _Seeds, name: str, gemm: str, G: _G, a: bool) -> tuple:
@@ -256,11 +256,11 @@ def _side(seeds: _Seeds, name: str, gemm: str, G: _G, a: bool) -> tuple:
 
 
 def _dual(t2: torch.Tensor, cnt, rot_a: int, rule_a: str, rot_b: int, rule_b: str, group_rows_b: int, fp4_b: bool,
-          side_a: tuple, side_b: tuple, kmul: int) -> tuple:
+          side_a: tuple, side_b: tuple, kmul: int, group_rows_a: int = 1) -> tuple:
     """``q_dual`` of ``t2`` with A's and B's ``_side`` answers: (A's carrier, its group-scale storage, B's carrier
-    or packed codes, its group-scale storage or E8M0 scales)."""
+    or packed codes, its group-scale storage or E8M0 scales). ``group_rows_a`` 128: a weight's two operands."""
     return tuple(torch.ops.mxtrain.q_dual(t2, cnt, rot_a, rule_a, rot_b, rule_b, group_rows_b, fp4_b, kmul,
-                                          *side_a[:4], *side_b[:4], side_a[4], side_b[4]))
+                                          *side_a[:4], *side_b[:4], side_a[4], side_b[4], group_rows_a))
 
 
 def _quant_rows(t2: torch.Tensor, cnt, rot: int, rule: str, group_rows: int, kmul: int,
@@ -290,10 +290,12 @@ class _GraphBackend(Backend):
     autocast_off = False
 
     def __init__(self, gemms: tuple, seeds: "_Seeds", amp, x_rows: int, kmul: int, counters: tuple, pre=None,
-                 kept=None):
+                 kept=None, w_pre=None):
         self.gemms, self.seeds, self.amp, self.x_rows, self.kmul, self.cnt = gemms, seeds, amp, x_rows, kmul, counters
         self.pre = {} if pre is None else {"fprop": pre}
         self.kept = kept
+        # W's operands made before the GEMM asks (setting w_dual, ``_w_operands``): {"fprop": ..., "dgrad": ...}
+        self.w_pre = w_pre or {}
 
     def start_backward(self, dy2, weight, need):
         dy2 = dy2.contiguous()
@@ -317,13 +319,15 @@ class _GraphBackend(Backend):
         rows, cols, _ = dims
         if g is FPROP:   # (A: X's carrier from outside; B: W along its rows, 128x128 groups)
             ca, ga = self.pre["fprop"]
-            cb, gb = _quant_rows(b, cw, G.rot, G.rb, 128, self.kmul, _side(seeds, "fprop_w", "fprop", G, False))
+            cb, gb = (self.w_pre["fprop"] if "fprop" in self.w_pre else
+                      _quant_rows(b, cw, G.rot, G.rb, 128, self.kmul, _side(seeds, "fprop_w", "fprop", G, False)))
             return _mm(ca, ga, rows, cb, gb, 128, cols, odt, G.alpha)
         side_a = _side(seeds, g.a, g.name, G, True)
         if g is DGRAD:   # (A: dY along its rows; B: W along its columns, 128x128 groups)
             ca, ga = (self.pre["dgrad"] if "dgrad" in self.pre else
                       _quant_rows(a, cdy, G.rot, G.ra, 1, self.kmul, side_a))
-            cb, gb = _quant_cols(b, cw, G.rot, G.rb, 128, self.kmul, side=_side(seeds, "dgrad_w", "dgrad", G, False))
+            cb, gb = (self.w_pre["dgrad"] if "dgrad" in self.w_pre else
+                      _quant_cols(b, cw, G.rot, G.rb, 128, self.kmul, side=_side(seeds, "dgrad_w", "dgrad", G, False)))
             return _mm(ca, ga, rows, cb, gb, 128, cols, odt, G.alpha)
         # Wgrad (A: dY along its columns; B: X along its columns, from the kept operand or the kept X)
         ca, ga = (self.pre["wgrad"] if "wgrad" in self.pre else
@@ -341,23 +345,31 @@ class _GraphBackend(Backend):
 
 class _CompiledMXLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, ca, ga, pk, sc, keys, sign_rows, gemms, out_dtype, amp, x_rows, kmul):
+    def forward(ctx, x, weight, bias, ca, ga, pk, sc, keys, sign_rows, gemms, out_dtype, amp, x_rows, kmul,
+                w_dual=False):
         """``ca``, ``ga``: X's Fprop carrier and group-scale storage; ``pk``, ``sc``: its Wgrad operand as FP4 codes
         and E8M0 scales (None: the backward quantizes the kept X); all None where Fprop is plain (``_x_operands``).
-        ``keys``, ``sign_rows``: the call's random inputs (``call_seeds``), or None where the recipe draws none."""
+        ``keys``, ``sign_rows``: the call's random inputs (``call_seeds``), or None where the recipe draws none.
+        ``w_dual``: W's Fprop and Dgrad operands from one pass here, the Dgrad one kept (setting ``w_dual``, where
+        the backward computes dX: ``linear``)."""
         cx, cw, cdy = _counters(x.device)[:3]
-        be = _GraphBackend(gemms, _Seeds(keys, sign_rows), amp, x_rows, kmul, (cx, cw, cdy),
-                           pre=(ca, ga) if gemms[0] != "p" else None)
+        seeds = _Seeds(keys, sign_rows)
+        w_ops = _w_operands(weight, gemms, seeds, cw, kmul) if w_dual else None
+        be = _GraphBackend(gemms, seeds, amp, x_rows, kmul, (cx, cw, cdy),
+                           pre=(ca, ga) if gemms[0] != "p" else None,
+                           w_pre={"fprop": w_ops[0]} if w_ops is not None else None)
         y = skeleton.forward(be, x, weight, bias, out_dtype)
         ctx.gemms, ctx.amp, ctx.x_rows, ctx.kmul = gemms, amp, x_rows, kmul
         ctx.has_bias, ctx.x_dtype = bias is not None, x.dtype
         ctx.saved_codes = pk is not None
         ctx.seeded = (keys is not None, sign_rows is not None)
         seeded = tuple(t for t in (keys, sign_rows) if t is not None)
+        ctx.w_kept = w_ops is not None
+        w_kept = w_ops[1] if w_ops is not None else ()
         if ctx.saved_codes:
-            ctx.save_for_backward(pk, sc, weight, *seeded)
+            ctx.save_for_backward(pk, sc, weight, *seeded, *w_kept)
         else:
-            ctx.save_for_backward(x.reshape(-1, x.shape[-1]).contiguous(), weight, *seeded)
+            ctx.save_for_backward(x.reshape(-1, x.shape[-1]).contiguous(), weight, *seeded, *w_kept)
         return y
 
     @staticmethod
@@ -373,17 +385,34 @@ class _CompiledMXLinear(torch.autograd.Function):
         rest = saved[3 if ctx.saved_codes else 2:]
         keys = rest.pop(0) if ctx.seeded[0] else None
         sign_rows = rest.pop(0) if ctx.seeded[1] else None
+        w_pre = {"dgrad": (rest[0], rest[1])} if ctx.w_kept else None
         _, _, cdy, cx, cw = _counters(dy.device)   # (x and w: the counters only backward graphs write, fast.COUNTERS)
         be = _GraphBackend(ctx.gemms, _Seeds(keys, sign_rows), ctx.amp, ctx.x_rows, ctx.kmul, (cx, cw, cdy),
-                           kept=kept)
+                           kept=kept, w_pre=w_pre)
         dx, dw, db = skeleton.backward(be, dy, x2, weight, ctx.x_dtype, (n[0], n[1], ctx.has_bias and n[2]))
-        return dx, dw, db, None, None, None, None, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None, None, None, None, None
 
 
 def _counters(device: torch.device) -> tuple:
     """The device's running inexact-block counters ``(x, w, dy, x.bwd, w.bwd)`` (``fast.COUNTERS``, ``fast.state``),
     which the ops add to; made by ``plan`` before the graph."""
     return fast.state.by_name[str(device)]
+
+
+def _w_operands(weight: torch.Tensor, gemms: tuple, seeds: _Seeds, cnt, kmul: int):
+    """W's Fprop operand (along K) and Dgrad operand (along N), both FP8 carriers in 128x128 groups, from one read
+    of the weight (``q_dual`` with 128-row groups on both sides; setting ``w_dual``): ``((carrier, group-scale
+    storage), (carrier, group-scale storage))``, the same bytes as the two passes the GEMMs would make
+    (``_quant_rows``, ``_quant_cols``); None where Fprop or Dgrad is plain or one pass cannot make both."""
+    if gemms[0] == "p" or gemms[1] == "p":
+        return None
+    F, D = _G(gemms[0]), _G(gemms[1])
+    if not _dual_ok(weight, F.rot, D.rot, F.srb or D.srb, group_rows_a=128):
+        return None
+    cf, gf, cd, gd = _dual(weight, cnt, F.rot, F.rb, D.rot, D.rb, 128, False,
+                           _side(seeds, "fprop_w", "fprop", F, False), _side(seeds, "dgrad_w", "dgrad", D, False),
+                           kmul, group_rows_a=128)
+    return (cf, gf), (cd, gd)
 
 
 def _x_operands(x2: torch.Tensor, gemms: tuple, x_rows: int, need_wgrad: bool, seeds: _Seeds,
@@ -425,7 +454,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, mx:
     x2 = x.detach().reshape(-1, x.shape[-1]).contiguous()   # (quantized operands carry no gradient)
     kmul = settings.current().carrier_k   # (read while tracing: dynamo guards on it, as on wgrad_x)
     ca, ga, pk, sc = _x_operands(x2, gemms, rows[0], need_wgrad, _Seeds(keys, signs), where == "forward", kmul)
-    return _CompiledMXLinear.apply(x, weight, bias, ca, ga, pk, sc, keys, signs, gemms, out_dtype, amp, rows[0], kmul)
+    # W's Dgrad operand made with its Fprop one where the backward will compute dX (setting w_dual; read while
+    # tracing: dynamo guards on it)
+    w_dual = (settings.current().w_dual == "on" and torch.is_grad_enabled() and x.requires_grad)
+    return _CompiledMXLinear.apply(x, weight, bias, ca, ga, pk, sc, keys, signs, gemms, out_dtype, amp, rows[0], kmul,
+                                   w_dual)
 
 
 # ---------------------------------------------------------------------------------------------- shared inputs

@@ -741,6 +741,11 @@ DUAL_CASES = [
      dict(rot=32, rounding="stochastic", key=rng.stream_key(6), scale_rule="rceil"), 256),
     (96, 256, torch.bfloat16, dict(rot=8, scale_rule="ceil", index_strides=(1000, 1)),
      dict(rot=4, signs=_signs(4, 3), group_rows=128, scale_rule="amd"), 128),
+    # a weight's Fprop (A) and Dgrad (B) operands, both in 128x128 groups (setting w_dual): float32 master
+    # weights with ragged sizes and H16 as mxfp4-all-dh16 runs them; bf16 with signs, stochastic rounding, rceil
+    (200, 300, torch.float32, dict(rot=16, group_rows=128), dict(rot=16, group_rows=128), 512),
+    (256, 130, torch.bfloat16, dict(group_rows=128, scale_rule="rceil"),
+     dict(rot=32, signs=_signs(32, 4), group_rows=128, rounding="stochastic", key=rng.stream_key(8)), 128),
 ]
 
 
@@ -854,6 +859,12 @@ def test_dual_falls_back_to_two_passes(use):
         assert not kq.dual_applies(x, 64, 0)   # (a rotation the blocks kernel does not take)
     with settings.override(dual="off"):
         assert not kq.dual_applies(x, 0, 0)
+    # A in a weight's 128x128 groups needs B's too (one tile covers a 128-row group on both sides)
+    with kq.record_launches() as log:
+        got = kq.quantize_mxfp4_dual(x, dict(group_rows=128), dict())
+    assert len(log) == 2 and "dual" not in [e.kernel for e in log], log
+    for p, q in zip(got, _dual_expect(x, dict(group_rows=128), dict(), 128)):
+        _same_carrier(p, q)
     with pytest.raises(TypeError, match="unknown option"):
         kq.quantize_mxfp4_dual(x, dict(rotation=16), dict())
 

@@ -472,6 +472,16 @@ def test_cuda_cpp_wrapper_gives_the_eager_bits(recipe):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("recipe", ["mxfp4-all-dh16", "mxfp4-all-rht16"])
+def test_cuda_w_dual_gives_the_eager_bits(recipe):
+    """``w_dual=on`` (the weight's two operands from one pass in the forward, the Dgrad one kept): the compiled
+    layer's outputs and gradients are the eager fast path's bit for bit, random signs included, with bias and
+    padded rows; the inexact-block counts by tensor too."""
+    with settings.override(w_dual="on", mx_compiled_seeded=True):
+        _compiled_vs_eager(recipe, torch.bfloat16, True, True, (1000, 768, 256))
+
+
+@pytest.mark.cuda
 def test_cuda_compiled_graph_holds_no_custom_op():
     _gpu()
     x, w, b, _ = _data(256, 512, 256, torch.bfloat16)
@@ -638,6 +648,53 @@ def test_layers_reading_one_input_share_its_quantization(monkeypatch):
     assert results[True][0]["before"] == 2 and results[True][0]["after"] == 1 and results[True][0]["removed"] >= 3
     for a, b in zip(results[True][1], results[False][1]):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("recipe", ["mxfp4-all-dh16", "mxfp4-all-rht16"])
+def test_w_dual_gives_the_same_outputs_and_gradients(recipe, monkeypatch):
+    """``w_dual=on``: the weight's Fprop and Dgrad operands from one pass in the forward (``q_dual`` with 128-row
+    groups on both sides), the Dgrad one kept for the backward: the layer's output, dX and dW are those of the
+    default (each operand in its own pass) bit for bit, and the forward makes the weight's pass. CPU: the kernels
+    under Triton's interpreter, the layer function called as the compiled graph calls it. (Random signs:
+    ``mxfp4-all-rht16``, whose Fprop and Dgrad rotations draw different signs, from the same call's seeds.)"""
+    fast.state.prepare("cpu")
+    rec = recipes.get(recipe)
+    mx = compiledmx.spec(rec)
+    calls = []
+    real = compiledmx._dual
+    monkeypatch.setattr(compiledmx, "_dual", lambda *a, **k: (calls.append(k.get("group_rows_a", 1)),
+                                                              real(*a, **k))[1])
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 64, 256, generator=g)
+    w = torch.randn(200, 256, generator=g) * 0.05   # (N padded to 256 rows in the weight's carriers)
+    gy = torch.randn(1, 64, 200, generator=g)
+    keys = signs = None
+    if compiledmx.seeded(mx):   # (the same call's seeds for both modes)
+        from mxtrain.linear.dispatch import call_seeds
+        keys, signs = call_seeds(torch.tensor([7, 3, 2]), rec, True)
+    out = {}
+    for mode in ("off", "on"):
+        calls.clear()
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        with settings.override(w_dual=mode, qselfcheck="off", dual="on"):
+            y = compiledmx.linear(xs, ws, None, mx, (128, 128), keys, signs)
+            y.backward(gy)
+        out[mode] = ([y.detach(), xs.grad, ws.grad], list(calls))
+    for a, b in zip(out["off"][0], out["on"][0]):
+        assert torch.equal(a, b)
+    assert 128 not in out["off"][1] and out["on"][1].count(128) == 1, out
+    # no dX asked for: the weight's Dgrad operand is not made in the forward
+    calls.clear()
+    with settings.override(w_dual="on", qselfcheck="off", dual="on"):
+        compiledmx.linear(x, w.clone().requires_grad_(), None, mx, (128, 128), keys, signs).backward(gy)
+    assert 128 not in calls
+
+
+def test_w_dual_setting_is_read_from_the_environment():
+    assert settings.Settings().w_dual == "off"
+    assert settings.Settings.from_env({"MXTRAIN_W_DUAL": "on"}).w_dual == "on"
+    with pytest.raises(settings.SettingsError):
+        settings.Settings.from_env({"MXTRAIN_W_DUAL": "sometimes"})
 
 
 def test_share_pass_keeps_reads_across_an_in_place_write_apart():

@@ -743,7 +743,7 @@ if triton is not None:
         PACK_B: tl.constexpr,
         IDX64: tl.constexpr, USE_ASM: tl.constexpr, SEQ: tl.constexpr,
         FOLD_A: tl.constexpr, FOLD_B: tl.constexpr, CAR_B: tl.constexpr = True, FP4_B: tl.constexpr = False,
-        GRID_A: tl.constexpr = 0, GRID_B: tl.constexpr = 0,
+        GRID_A: tl.constexpr = 0, GRID_B: tl.constexpr = 0, GROUP_ROWS_A: tl.constexpr = 1,
     ):
         """Both FP8-carrier operands of a row-major (M, K) tensor from one read of it: A quantized along
         rows (K; the "blocks" layout of ``_mxfp4_kernel``, 1x128 group scales) and B along columns (M; the
@@ -753,7 +753,9 @@ if triton is not None:
         then its B tiles (the B reads come after the A reads, from L2). ``F``: 128-wide blocks along K;
         ``nr_*``, ``nk_*``: each output's grid. ``FP4_B`` (with ``CAR_B`` False): B as packed FP4 codes
         (``car_b``) and E8M0 scales (``gs_b``) instead of the carrier. A's FP4 pointers are the counter
-        (never written); B's carrier and FP4 pointers are the same two buffers, of which one kind is written."""
+        (never written); B's carrier and FP4 pointers are the same two buffers, of which one kind is written.
+        ``GROUP_ROWS_A``: A's carrier groups, 1x128 (activations) or 128x128 (a weight's Fprop operand, with
+        ``BR_A`` 128; B then holds its Dgrad operand, also 128x128)."""
         NA: tl.constexpr = 128 // BR_A
         NB: tl.constexpr = 128 // BR_B
         pid = tl.program_id(0)
@@ -765,7 +767,7 @@ if triton is not None:
                 if (pr < nr_a) & (fb < nk_a):
                     _mxfp4_kernel(x_ptr, sg_a, car_a, gs_a, cnt_ptr, cnt_ptr, cnt_ptr, kp_a,
                                   M, K, Rc_a, sx_m, sx_k, si_ra, si_ka, Kc_a, Kq_a, gsr_a, gsk_a, key_a, inv_a, ps_a,
-                                  BR_A, ROT_A, HAS_SIGNS_A, RULE_A, SR_A, PRESCALE_A, 1, True, False, IDX64,
+                                  BR_A, ROT_A, HAS_SIGNS_A, RULE_A, SR_A, PRESCALE_A, GROUP_ROWS_A, True, False, IDX64,
                                   KEY_PTR_A, "blocks", USE_ASM=USE_ASM, FOLD=FOLD_A, GRID=GRID_A,
                                   pid_r=pr, pid_k=fb)
             for w in range(NB):
@@ -786,7 +788,7 @@ if triton is not None:
                 if (pr < nr_a) & (fb < nk_a):
                     _mxfp4_kernel(x_ptr, sg_a, car_a, gs_a, cnt_ptr, cnt_ptr, cnt_ptr, kp_a,
                                   M, K, Rc_a, sx_m, sx_k, si_ra, si_ka, Kc_a, Kq_a, gsr_a, gsk_a, key_a, inv_a, ps_a,
-                                  BR_A, ROT_A, HAS_SIGNS_A, RULE_A, SR_A, PRESCALE_A, 1, True, False, IDX64,
+                                  BR_A, ROT_A, HAS_SIGNS_A, RULE_A, SR_A, PRESCALE_A, GROUP_ROWS_A, True, False, IDX64,
                                   KEY_PTR_A, "blocks", USE_ASM=USE_ASM, FOLD=FOLD_A, GRID=GRID_A,
                                   pid_r=pr, pid_k=fb)
             else:

@@ -29,7 +29,7 @@ from .carrier import TILE_K, QuantOut, ceil_to
 from . import kernels as _kernels   # (its kernels exist where Triton imports; read at launch time)
 
 __all__ = ["RULE_ID", "GRID_ID", "KERNEL_RULES", "KERNEL_GRIDS",
-           "BLOCK_ROTS", "FOLD_ROTS", "CAPPED_KERNELS", "DUAL_CONFIG", "DUAL_SEQ", "kernel_for",
+           "BLOCK_ROTS", "FOLD_ROTS", "CAPPED_KERNELS", "DUAL_CONFIG", "W_DUAL_CONFIG", "DUAL_SEQ", "kernel_for",
            "fold_applies", "dual_applies", "block_config", "single_kernel", "launch_opts", "needs_idx64",
            "single_args", "dual_args", "single_spec", "dual_spec", "SingleSpec", "DualSpec", "kernel_kwargs",
            "use_plans", "Plan", "DualPlan", "Launch", "LAUNCHES", "record_launches"]
@@ -89,6 +89,9 @@ CAPPED_KERNELS = ("cols", "dual", "blocks128")
 # (A block rows, B block rows, warps) for B with 1x128 / 128x128 groups; SEQ: one program per 128x128 input
 # block (A tiles, then B tiles) instead of one per tile
 DUAL_CONFIG = {False: (32, 64, 4), True: (64, 128, 8)}
+# a weight's Fprop and Dgrad operands from one read (128x128 groups on both sides: 128-row tiles, as each single
+# pass of a weight takes them, ``block_config``; not yet timed on a GPU)
+W_DUAL_CONFIG = (128, 128, 8)
 DUAL_SEQ = False
 
 
@@ -121,7 +124,8 @@ DUAL_SR_MAX = 1 << 22   # the largest tensor (elements) that the dual pass takes
 
 def dual_applies(x: torch.Tensor, rot_a: int, rot_b: int, group_rows_a: int = 1, sr: bool = False) -> bool:
     """Whether ``quantize_mxfp4_dual`` runs one fused pass for ``x`` (else it runs two): a row-major 2-D
-    tensor, FP8-carrier outputs, A with 1x128 groups, and rotations the blocks and cols kernels take (with
+    tensor, FP8-carrier outputs, A with 1x128 groups (an activation) or 128x128 (a weight, whose B side then has
+    128x128 groups too: ``dual_spec``), and rotations the blocks and cols kernels take (with
     the ``dual`` setting ``auto``: not with stochastic rounding on either side (``sr``) on more than
     ``DUAL_SR_MAX`` elements; ``off``: never). Nearest rounding, with or without H16, measured faster in one
     pass at the sizes from 256 x 512 to 16384 x 4096 (H100, GPU and host time; one noisy outlier); with stochastic rounding one
@@ -131,7 +135,7 @@ def dual_applies(x: torch.Tensor, rot_a: int, rot_b: int, group_rows_a: int = 1,
     if st.dual == "off" or (st.dual == "auto" and sr and x.numel() > DUAL_SR_MAX):
         return False
     return (x.ndim == 2 and x.shape[0] > 0 and x.shape[1] > 1 and x.stride(1) == 1
-            and group_rows_a == 1 and kernel_for(1, rot_a, False, kernel=st.qkernel) == "blocks"
+            and group_rows_a in (1, 128) and kernel_for(1, rot_a, False, kernel=st.qkernel) == "blocks"
             and kernel_for(0, rot_b, False, rows_contiguous=True, kernel=st.qkernel) == "cols")
 
 
@@ -256,13 +260,15 @@ def dual_spec(shape, stride0: int, dtype: torch.dtype, dev: torch.device, a: dic
     only need to say whether they are given. Written once for the eager launch (``ops``) and the traced form
     (``traced.q_dual``)."""
     M, K = shape
-    gr_b = b.get("group_rows", 1)
-    cfg = DUAL_CONFIG[gr_b == 128]
+    gr_a, gr_b = a.get("group_rows", 1), b.get("group_rows", 1)
+    assert gr_a == 1 or gr_b == 128, "dual kernel: a weight's two operands (A in 128x128 groups) need B's too"
+    cfg = W_DUAL_CONFIG if gr_a == 128 else DUAL_CONFIG[gr_b == 128]
     nw = num_warps or cfg[2]
     bra, brb = block_rows or cfg[:2]
     seq = DUAL_SEQ if sequential is None else sequential
     BR = {1: bra, 0: brb}
-    assert 128 % bra == 0 and brb in (64, 128) and (gr_b == 1 or brb == 128), (bra, brb, gr_b)
+    assert 128 % bra == 0 and brb in (64, 128) and (gr_b == 1 or brb == 128) and (gr_a == 1 or bra == 128), \
+        (bra, brb, gr_a, gr_b)
     pack = 4 * brb // (32 * nw)
     assert 4 * brb % (32 * nw) == 0 and pack in (2, 4, 8, 16), \
         "dual kernel: 4 x block_rows[1] must be 64, 128, ... x 32 x num_warps"
@@ -293,7 +299,7 @@ def dual_spec(shape, stride0: int, dtype: torch.dtype, dev: torch.device, a: dic
                        f"PRESCALE_{sfx}": prescale != 1.0, f"KEY_PTR_{sfx}": side.get("key_tensor") is not None,
                        f"FOLD_{sfx}": fold_applies(dtype, rot, prescale),
                        f"GRID_{sfx}": KERNEL_GRIDS[side.get("fmt", "mxfp4")]})
-    consts.update(GROUP_ROWS_B=gr_b, PACK_B=2 if pack == 2 else 4, IDX64=geo[0][2] or geo[1][2],
+    consts.update(GROUP_ROWS_A=gr_a, GROUP_ROWS_B=gr_b, PACK_B=2 if pack == 2 else 4, IDX64=geo[0][2] or geo[1][2],
                   USE_ASM=dev.type == "cuda", SEQ=seq, CAR_B=not fp4_b, FP4_B=fp4_b)
     (nr_a, nk_a, _), (nr_b, nk_b, _) = geo
     NA, NB = 128 // BR[1], 128 // BR[0]

@@ -176,7 +176,8 @@ def quantize_mxfp4_dual(x: torch.Tensor, a: dict, b: dict, *, k_multiple: int = 
         if plan is not None:
             return plan(x, a, b, cnt)
     sr = a.get("rounding", "nearest") == "stochastic" or b.get("rounding", "nearest") == "stochastic"
-    if not dual_applies(x, ra, rb, a.get("group_rows", 1), sr=sr) or (
+    weight_groups_ok = a.get("group_rows", 1) == 1 or b.get("group_rows", 1) == 128   # (launch.dual_spec)
+    if not weight_groups_ok or not dual_applies(x, ra, rb, a.get("group_rows", 1), sr=sr) or (
             checked and not dual_ok(x, a, b, k_multiple, fp4_b, force_idx64, dual_fn=quantize_mxfp4_dual,
                                     single_fn=quantize_mxfp4_2d)):
         return tuple(quantize_mxfp4_2d(x, ax, **side, carrier=not fp, fp4=fp, k_multiple=k_multiple,

@@ -144,16 +144,17 @@ if AVAILABLE:
                group_rows_b: int, fp4_b: bool, k_multiple: int, signs_a: torch.Tensor | None = None,
                key_a: torch.Tensor | None = None, rounding_a: str = "nearest", prescale_a: float = 1.0,
                signs_b: torch.Tensor | None = None, key_b: torch.Tensor | None = None, rounding_b: str = "nearest",
-               prescale_b: float = 1.0, fmt_a: str = "mxfp4", fmt_b: str = "mxfp4"
+               prescale_b: float = 1.0, fmt_a: str = "mxfp4", fmt_b: str = "mxfp4", group_rows_a: int = 1
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``quantize_mxfp4_dual(x, a, b, k_multiple=..., counter=cnt, fp4_b=fp4_b)`` of a row-major 2-D ``x`` with
         A = (``rot_a``, ``rule_a``, 1x128 groups) and B = (``rot_b``, ``rule_b``, ``group_rows_b``), each side with
         its signs, key tensor, rounding, prescale and MX format (``q_single``'s) and the eager fast path's index strides,
         where ``launch.dual_applies``: (A's carrier, A's group-scale storage, B's carrier or packed codes, B's
-        group-scale storage or E8M0 scales)."""
+        group-scale storage or E8M0 scales). ``group_rows_a`` 128: a weight's Fprop (A) and Dgrad (B) operands,
+        both in 128x128 groups (``group_rows_b`` 128)."""
         st = _settings.current()
-        a = dict(rot=rot_a, scale_rule=rule_a, signs=signs_a, key_tensor=key_a, rounding=rounding_a,
-                 prescale=prescale_a, index_strides=_index_strides(x.shape, 1, rot_a), fmt=fmt_a)
+        a = dict(rot=rot_a, scale_rule=rule_a, group_rows=group_rows_a, signs=signs_a, key_tensor=key_a,
+                 rounding=rounding_a, prescale=prescale_a, index_strides=_index_strides(x.shape, 1, rot_a), fmt=fmt_a)
         b = dict(rot=rot_b, scale_rule=rule_b, group_rows=group_rows_b, signs=signs_b, key_tensor=key_b,
                  rounding=rounding_b, prescale=prescale_b, index_strides=_index_strides(x.shape, 0, rot_b), fmt=fmt_b)
         sp = dual_spec(x.shape, x.stride(0), x.dtype, x.device, a, b, k_multiple=k_multiple, block_rows=None,
