@@ -196,9 +196,13 @@ def main():
         parse_arm(arm)
     if a.cpp_wrapper:
         # inductor builds the wrapper with this compiler: none found is one line, before any arm
-        from torch._inductor.cpp_builder import get_cpp_compiler
         try:
-            get_cpp_compiler()
+            from torch._inductor.cpp_builder import get_cpp_compiler
+        except ImportError:   # (a torch that keeps the lookup elsewhere: inductor says it itself)
+            get_cpp_compiler = None
+        try:
+            if get_cpp_compiler is not None:
+                get_cpp_compiler()
         except Exception:
             raise SystemExit("--cpp-wrapper needs a C++ compiler (g++ or clang++, or the one CXX names); none found")
         # the C++ wrapper loads kernels through the CUDA driver in autograd's thread, which may have no CUDA context
