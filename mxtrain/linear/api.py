@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from .. import settings
 from . import ops as _ops   # noqa: F401 - registers the mxtrain custom ops that compiled_linear calls
 from . import tracedfp8
-from .dispatch import _check_floats, _compile_spec, _fp8_input, call_context, compiled_form, route
+from .dispatch import _check_floats, _compile_spec, _fp8_input, call_context, compiled_form, recipe_json, route
 from .ops import _AMP_NAME
 from ..numerics.recipe import Recipe
 from ..numerics.recipes import get as get_recipe
@@ -78,7 +78,7 @@ def mx_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     Hugging Face's Mixtral and Qwen3-MoE experts).
     """
     if torch.compiler.is_compiling():
-        rs, seeded, quantized, split, fp8, mx = _compile_spec(recipe if isinstance(recipe, str) else recipe._json)
+        rs, seeded, quantized, split, fp8, mx = _compile_spec(recipe if isinstance(recipe, str) else recipe_json(recipe))
         return compiled_linear(x, weight, bias, state, rs, seeded, quantized, split, fp8, mx)
     recipe = get_recipe(recipe)
     if recipe.memo("tracedfp8_spec", tracedfp8.spec) is not None:

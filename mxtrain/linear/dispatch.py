@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+from urllib.parse import quote, unquote
 
 import torch
 
@@ -126,14 +127,22 @@ def call_context(recipe: Recipe, state: torch.Tensor | None) -> Ctx:
     return Ctx(recipe, layer, step, call)
 
 
+# Characters a recipe's string argument keeps as they are; every other one but '"' is %-escaped, and '"' is written
+# as "'". The string then needs no escape in any language: inductor's C++ wrapper writes a string argument of an
+# op it runs through Python into a C++ string literal as it is (torch 2.11), and the JSON's '"' ended that literal.
+_PLAIN = "{}[]:,. _-+"
+
+
 @functools.lru_cache(maxsize=256)
 def _recipe_from_json(s: str) -> Recipe:
-    return Recipe.from_dict(json.loads(s))
+    """The recipe of ``recipe_json``'s string."""
+    return Recipe.from_dict(json.loads(unquote(s.replace("'", '"'))))
 
 
 def recipe_json(recipe: Recipe) -> str:
-    """The recipe as the string argument of the custom ops (one constant per recipe in a graph)."""
-    return recipe._json
+    """The recipe as the string argument of the custom ops (one constant per recipe in a graph): its JSON with
+    ``"`` written as ``'`` and no backslash, quote or percent sign left unescaped (``_PLAIN``)."""
+    return quote(recipe._json, safe=_PLAIN + '"').replace('"', "'")
 
 
 def split_capable(recipe: Recipe) -> bool:
@@ -213,7 +222,7 @@ def implementation(recipe: Recipe | str, x: torch.Tensor, weight: torch.Tensor, 
         return {"plain": "F.linear (the recipe quantizes nothing)",
                 "fast": "the fast path: fused Triton quantizers and MX GEMMs (mxtrain.linear.fast)",
                 "reference": "the reference quantizer and GEMMs (mxtrain.linear.reference.ref_forward)"}[route(r, x, weight)]
-    json_, _, quantized, split, fp8, mx = _compile_spec(r._json)
+    json_, _, quantized, split, fp8, mx = _compile_spec(recipe_json(r))
     return COMPILED_FORMS[compiled_form(x, weight, quantized, split, fp8, mx)[0]]
 
 

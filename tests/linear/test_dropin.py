@@ -648,3 +648,19 @@ def test_compiled_call_under_no_grad_does_not_advance():
         eager(x)
     eager(x)
     assert torch.equal(eager[0].mx_state, m[0].mx_state) and torch.equal(eager[2].mx_state, m[2].mx_state)
+
+
+def test_recipe_string_round_trips_and_needs_no_escape():
+    """The recipe string a compiled layer passes to its custom ops (``recipe_json``) gives the recipe back, for
+    every preset and for a user's recipe named with quotes, a backslash, a percent sign and non-ASCII letters; and it
+    holds no character a C++ (or Python) string literal would need escaped: inductor's C++ wrapper writes a string
+    argument into a C++ literal as it is, and a '"' there broke the build of ``tseng``'s graph."""
+    from mxtrain.linear.dispatch import _recipe_from_json, recipe_json
+    mine = recipes.get("mxfp4-all-dh16").with_(name='my "h16" \\ 100% réglé\'s')
+    for rec in [recipes.get(n) for n in recipes.names()] + [mine]:
+        s = recipe_json(rec)
+        assert s.startswith("{")
+        assert not set(s) & set('"\\?\n'), s
+        assert all(32 <= ord(c) < 127 for c in s), s
+        assert _recipe_from_json(s) == rec
+        assert _recipe_from_json(s)._json == rec._json
