@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import json
-from urllib.parse import quote, unquote
 
 import torch
 
@@ -127,22 +126,29 @@ def call_context(recipe: Recipe, state: torch.Tensor | None) -> Ctx:
     return Ctx(recipe, layer, step, call)
 
 
-# Characters a recipe's string argument keeps as they are; every other one but '"' is %-escaped, and '"' is written
-# as "'". The string then needs no escape in any language: inductor's C++ wrapper writes a string argument of an
-# op it runs through Python into a C++ string literal as it is (torch 2.11), and the JSON's '"' ended that literal.
-_PLAIN = "{}[]:,. _-+"
+# A recipe's string argument is its JSON (printable ASCII: json.dumps escapes the rest) with these characters
+# %-escaped and then '"' written as "'": a string that needs no escape in any language. Inductor's C++ wrapper writes
+# a string argument of an op it runs through Python into a C++ string literal as it is (torch 2.11), and the JSON's
+# '"' ended that literal. (str.replace, not urllib's quote: dynamo traces this where a user passes a Recipe.)
+_ESCAPES = (("%", "%25"), ("\\", "%5C"), ("'", "%27"), ("?", "%3F"))
 
 
 @functools.lru_cache(maxsize=256)
 def _recipe_from_json(s: str) -> Recipe:
     """The recipe of ``recipe_json``'s string."""
-    return Recipe.from_dict(json.loads(unquote(s.replace("'", '"'))))
+    s = s.replace("'", '"')
+    for plain, escaped in reversed(_ESCAPES):
+        s = s.replace(escaped, plain)
+    return Recipe.from_dict(json.loads(s))
 
 
 def recipe_json(recipe: Recipe) -> str:
     """The recipe as the string argument of the custom ops (one constant per recipe in a graph): its JSON with
-    ``"`` written as ``'`` and no backslash, quote or percent sign left unescaped (``_PLAIN``)."""
-    return quote(recipe._json, safe=_PLAIN + '"').replace('"', "'")
+    ``"`` written as ``'`` and no backslash, quote, question mark or percent sign left unescaped (``_ESCAPES``)."""
+    s = recipe._json
+    for plain, escaped in _ESCAPES:
+        s = s.replace(plain, escaped)
+    return s.replace('"', "'")
 
 
 def split_capable(recipe: Recipe) -> bool:

@@ -472,6 +472,25 @@ def test_cuda_cpp_wrapper_gives_the_eager_bits(recipe):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("recipe", ["mxfp4-all-dh16", "mxfp4-all-sr"])
+def test_cuda_dynamic_token_count_gives_the_eager_bits(recipe):
+    """Dynamic shapes (the token count a symbol, as dynamo makes it once a model has seen a second batch size): one
+    compiled graph serves token counts of either divisibility by 16 with the eager fast path's outputs and gradients
+    bit for bit. (The kernels' self-check ran on the symbolic sizes and failed: "BooleanAtom not allowed".)"""
+    _gpu()
+    torch._dynamo.reset()
+    f = torch.compile(lambda x, w, b: mx_linear(x, w, b, recipe), fullgraph=True, dynamic=True)
+    for M in (1000, 512, 77):
+        x, w, b, gy = _data(M, 768, 256, torch.bfloat16, seed=M)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            eager = fwd_bwd(x, w, None, gy.bfloat16(), lambda x, w, b: mx_linear(x, w, b, recipe))
+            comp = fwd_bwd(x, w, None, gy.bfloat16(), f)
+        for a, e, name in zip(comp, eager, ("y", "dX", "dW")):
+            assert torch.equal(a, e), (recipe, M, name, (a - e).abs().max().item())
+    torch._dynamo.reset()
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("recipe", ["mxfp4-all-dh16", "mxfp4-all-rht16"])
 def test_cuda_w_dual_gives_the_eager_bits(recipe):
     """``w_dual=on`` (the weight's two operands from one pass in the forward, the Dgrad one kept): the compiled
@@ -688,6 +707,46 @@ def test_w_dual_gives_the_same_outputs_and_gradients(recipe, monkeypatch):
     with settings.override(w_dual="on", qselfcheck="off", dual="on"):
         compiledmx.linear(x, w.clone().requires_grad_(), None, mx, (128, 128), keys, signs).backward(gy)
     assert 128 not in calls
+
+
+def test_selfcheck_under_dynamic_shapes_runs_on_stand_ins_of_each_kind():
+    """Under dynamic shapes the quantize ops' self-check (``traced._selfcheck``) gets real tensors and integers, one of
+    each divisibility by 16 for each symbolic size (the kernel compiled for the symbol runs on both), the layout kept,
+    and no guard on the symbol: before, it got the symbolic sizes and raised inside the trace on a GPU."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+    from torch._dynamo.source import ConstantSource
+    from mxtrain.kernels.mxfp4 import traced
+    env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=env)
+    ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC])
+    x = mode.from_tensor(torch.randn(200, 96), symbolic_context=ctx, source=ConstantSource("x"))
+    xt = mode.from_tensor(torch.randn(96, 200).t(), symbolic_context=StatelessSymbolicContext(
+        dynamic_sizes=[DimDynamic.STATIC, DimDynamic.DYNAMIC]), source=ConstantSource("xt"))
+    assert isinstance(x.shape[0], torch.SymInt)
+    seen = []
+
+    def check(*args):
+        seen.append(args)
+        return True
+    with settings.override(qselfcheck="always"):
+        traced._selfcheck(check, x, 1, x.shape[0], 96)
+        traced._selfcheck(check, xt, 0)
+    assert len(seen) == 4 + 2
+    for args in seen:
+        assert not any(isinstance(a, torch.SymInt) for a in args)
+        assert not any(isinstance(a, torch.Tensor) and (a.__class__ is not torch.Tensor) for a in args)
+    assert sorted((a[0].shape[0] % 16 == 0, a[2] % 16 == 0) for a in seen[:4]) == [
+        (False, False), (False, True), (True, False), (True, True)]
+    assert all(a[0].shape[1] == 96 and a[0].stride(1) == 1 and a[3] == 96 for a in seen[:4])
+    assert sorted(a[0].shape[1] % 16 == 0 for a in seen[4:]) == [False, True]
+    assert all(a[0].shape[0] == 200 and a[0].stride(0) == 1 for a in seen[4:])   # column-major kept
+    assert not env.guards
+    # a trace without symbols: the arguments as they are, once
+    seen.clear()
+    with settings.override(qselfcheck="always"):
+        traced._selfcheck(check, torch.zeros(4, 8), 3)
+    assert len(seen) == 1 and seen[0][1] == 3
 
 
 def test_w_dual_setting_is_read_from_the_environment():

@@ -37,6 +37,8 @@ constant of the graph.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from ... import settings as _settings
@@ -62,15 +64,52 @@ def _tracing(t: torch.Tensor) -> bool:
     return is_fake(t) or torch.compiler.is_compiling()
 
 
+# Stand-ins for a size not known at trace time (dynamic shapes): the checks depend on a size only through its
+# divisibility by 16 (what Triton specializes a kernel on), so one of each kind
+_SYMBOLIC_SIZES = (1024, 1027)
+
+
+def _hint(v) -> int | None:
+    """The example value of a symbolic integer (None where it has none), else ``v``."""
+    return getattr(v.node, "hint", None) if isinstance(v, torch.SymInt) else v
+
+
+def _stand_ins(args: tuple) -> list[tuple]:
+    """``args`` with every symbolic integer, and every tensor with a symbolic size or stride, replaced by concrete
+    ones, once for each divisibility by 16 of each symbolic value (a kernel compiled for dynamic shapes runs on
+    sizes of either kind). A tensor's stand-in: an empty tensor of its dtype and device, laid out in the order of
+    its strides' example values (row-major where they have none). No guard on the shapes is added."""
+    n = sum(sum(isinstance(d, torch.SymInt) for d in a.shape) if isinstance(a, torch.Tensor)
+            else isinstance(a, torch.SymInt) for a in args)
+    out = []
+    for combo in itertools.product(_SYMBOLIC_SIZES, repeat=n):
+        it = iter(combo)
+        new = []
+        for a in args:
+            if isinstance(a, torch.SymInt):
+                new.append(next(it))
+            elif isinstance(a, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in (*a.shape, *a.stride())):
+                sizes = [next(it) if isinstance(d, torch.SymInt) else int(d) for d in a.shape]
+                hints = [_hint(st) for st in a.stride()]
+                order = (sorted(range(a.ndim), key=lambda i: -hints[i]) if None not in hints
+                         else list(range(a.ndim)))   # outermost first
+                t = torch.empty([sizes[i] for i in order], dtype=a.dtype, device=a.device)
+                new.append(t.permute([order.index(i) for i in range(a.ndim)]))
+            else:
+                new.append(a)
+        out.append(tuple(new))
+    return out
+
+
 def _selfcheck(fn, *args) -> None:
     """Run a ``verify`` check on real tensors (outside the fake and functional modes of a trace); raise where the
-    variant failed it on this GPU."""
+    variant failed it on this GPU. Under dynamic shapes, on ``_stand_ins`` of each kind."""
     from torch.utils._python_dispatch import _disable_current_modes
     dev = args[0].device
     if not selfcheck_applies(dev, _settings.current()):
         return
     with _disable_current_modes():
-        ok = fn(*args)
+        ok = all(fn(*a) for a in _stand_ins(args))
     if not ok:
         raise UserError("mxtrain: a fused quantize kernel variant failed its self-check on this GPU, so the "
                         "compiled MX layer cannot use it: set mxtrain.settings.configure(mx_compiled='ops') "
