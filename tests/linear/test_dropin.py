@@ -286,6 +286,39 @@ def test_compile_fullgraph_one_graph_equal_losses():
     assert [l.step for _, l in mx_layers(m)] == [8, 8, 8]
 
 
+@pytest.mark.parametrize("recipe", ["mxfp4-all-dh16", SR_RHT, "fp8"])
+def test_compiled_loop_over_changing_batch_sizes_equals_eager(recipe):
+    """A user's loop whose batches change size (a last short batch, an evaluation at another size, sequences
+    padded to the longest of each batch): dynamo turns the token count into a symbol at the second size and one
+    graph serves every size after it. Losses equal eager bit for bit, stochastic rounding and per-step signs
+    included, with no recompile after the dynamic graph (the layer's ops take symbolic sizes)."""
+    from torch._dynamo.utils import counters
+    sizes = [16, 12, 21, 16, 5, 12]
+
+    def loop(f, m):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True)
+        g = torch.Generator().manual_seed(1)
+        out = []
+        for n in sizes:
+            loss = f(torch.randn(n, 64, generator=g)).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            out.append(loss.item())
+        return out
+    torch._dynamo.reset()
+    counters.clear()
+    m = _mlp()
+    mxtrain.convert(m, recipe)
+    eager = loop(m, m)
+    m = _mlp()
+    mxtrain.convert(m, recipe)
+    compiled = loop(torch.compile(m, fullgraph=True, backend="aot_eager"), m)
+    assert compiled == eager
+    assert counters["stats"]["unique_graphs"] == 2 and len(counters["recompiles"]) <= 1, dict(counters["recompiles"])
+    torch._dynamo.reset()
+
+
 def test_compile_per_block_no_per_layer_recompiles():
     """Blocks compiled one by one (torchtitan's way) share one graph: layer numbers and steps are tensors,
     not constants the compiler guards on."""
