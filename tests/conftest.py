@@ -74,24 +74,7 @@ def _seed_torch():
     yield
 
 
-# The test files that take longest on CI's 2-core machine, in seconds (each file's tests summed; `python -m pytest
-# -n 2 --junitxml=j.xml` on 2026-12-01). pytest-xdist hands whole files to its two workers (--dist loadfile) in the
-# order of the collection (--no-loadscope-reorder: by default it orders files by their number of tests, which put
-# long files of few tests last, and one worker then idled for a minute while the other finished one); these go
-# first, longest first, and the many short files fill in at the end. An approximate list is enough.
-SLOW_FILES = {
-    "tests/train/test_distributed.py": 329, "tests/linear/test_compiledmx.py": 134,
-    "tests/kernels/test_kernels.py": 113, "tests/robustness/test_real_limits.py": 107,
-    "tests/bench/test_study_gpu_script.py": 100, "tests/study/test_study.py": 87,
-    "tests/bench/test_llama8b_script.py": 82, "tests/bench/test_bench_step.py": 76, "tests/linear/test_qgather.py": 68,
-    "tests/study/test_study_cooldown.py": 65, "tests/linear/test_ref_compile.py": 64,
-    "tests/linear/test_fast_linear.py": 48, "tests/linear/test_tracedfp8.py": 42, "tests/train/test_train.py": 40,
-    "tests/train/test_checkpoint_blocks.py": 39, "tests/linear/test_dropin.py": 34,
-}
-
-
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: -SLOW_FILES.get(item.nodeid.split("::")[0], 0))   # stable: the rest as collected
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
