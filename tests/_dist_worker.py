@@ -25,9 +25,13 @@ V, C, T, N_LAYERS = 128, 64, 16, 2
 GLOBAL_BATCH = 8
 RECIPE = "mxfp4-all-dh16"
 # every preset under DDP and FSDP2 but those that add no distributed behaviour to one already run (CI time):
-# mxfp4-all-dh16-fprop (mxfp4-all-dh16's deterministic rotation, on one GEMM) and mxfp4-all-bf16last
-# (mxfp4-all plus keep_last, which nvfp4 runs; no random stream of its own)
-DIST_RECIPES = [r for r in mxtrain.numerics.recipes.names() if r not in ("mxfp4-all-dh16-fprop", "mxfp4-all-bf16last")]
+# mxfp4-all-dh16-fprop (mxfp4-all-dh16's deterministic rotation, on one GEMM), mxfp4-all-dh32 (the same, 32 wide),
+# mxfp4-all-bf16last (mxfp4-all plus keep_last, which nvfp4 runs; no random stream of its own), and the subsets
+# of mxfp4-all's GEMMs (mxfp4-fprop, -fprop-dgrad, -dgrad, -wgrad, -bwd: the same operands, fewer of them, all
+# round to nearest; mxfp4-bwd-sr stays for its random stream on the backward GEMMs alone)
+DIST_RECIPES = [r for r in mxtrain.numerics.recipes.names()
+                if r not in ("mxfp4-all-dh16-fprop", "mxfp4-all-dh32", "mxfp4-all-bf16last", "mxfp4-fprop",
+                             "mxfp4-fprop-dgrad", "mxfp4-dgrad", "mxfp4-wgrad", "mxfp4-bwd")]
 
 
 class Block(nn.Module):

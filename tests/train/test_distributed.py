@@ -588,7 +588,7 @@ def test_user_loop_example_with_hf_llama_matches_one_process(tmp_path):
     import runpy
     script = TESTS.parent / "examples" / "distributed_example.py"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(TESTS.parent), os.environ.get("PYTHONPATH", "")]))
-    common = ["--recipe", "tseng", "--steps", "6"]
+    common = ["--recipe", "tseng", "--steps", "4"]
 
     def args(name, extra=()):
         out = tmp_path / f"{name}{''.join(extra)}.json"
@@ -609,7 +609,7 @@ def test_user_loop_example_with_hf_llama_matches_one_process(tmp_path):
         return json.loads(out.read_text())["losses"]
 
     ref = single()
-    assert len(ref) == 6 and ref[-1] < ref[0]
+    assert len(ref) == 4 and ref[-1] < ref[0]
     # decoder layers compiled before sharding (torchtitan's way): FSDP2 equals one compiled process
     ref_c = single(extra=["--compile"])
     assert _max_diff(ref_c, ref) <= 1e-4     # the compiler may order the model's float sums otherwise
