@@ -255,12 +255,13 @@ def test_plain_loop_any_optimizer():
 SR_RHT = recipes.get("mxfp4-all-rht16").with_(**{"dgrad_dy.rounding": "stochastic", "wgrad_dy.rounding": "stochastic"})
 
 
-def _loop(f, m, steps=8, seed=1):
+def _loop(f, m, steps=8, seed=1, sizes=None):
+    """Losses of a plain loop with fused AdamW over batches of 16 rows (``sizes``: the rows of each step)."""
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True)
     g = torch.Generator().manual_seed(seed)
     losses = []
-    for _ in range(steps):
-        x = torch.randn(16, 64, generator=g)
+    for n in sizes or [16] * steps:
+        x = torch.randn(n, 64, generator=g)
         loss = f(x).square().mean()
         loss.backward()
         opt.step()
@@ -294,26 +295,14 @@ def test_compiled_loop_over_changing_batch_sizes_equals_eager(recipe):
     included, with no recompile after the dynamic graph (the layer's ops take symbolic sizes)."""
     from torch._dynamo.utils import counters
     sizes = [16, 12, 21, 16, 5, 12]
-
-    def loop(f, m):
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True)
-        g = torch.Generator().manual_seed(1)
-        out = []
-        for n in sizes:
-            loss = f(torch.randn(n, 64, generator=g)).square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            out.append(loss.item())
-        return out
     torch._dynamo.reset()
     counters.clear()
     m = _mlp()
     mxtrain.convert(m, recipe)
-    eager = loop(m, m)
+    eager = _loop(m, m, sizes=sizes)
     m = _mlp()
     mxtrain.convert(m, recipe)
-    compiled = loop(torch.compile(m, fullgraph=True, backend="aot_eager"), m)
+    compiled = _loop(torch.compile(m, fullgraph=True, backend="aot_eager"), m, sizes=sizes)
     assert compiled == eager
     assert counters["stats"]["unique_graphs"] == 2 and len(counters["recompiles"]) <= 1, dict(counters["recompiles"])
     torch._dynamo.reset()
