@@ -7,8 +7,10 @@ does not:
 * the head's three GEMMs, which stay in BF16 (``convert`` keeps the head in high precision), and causal
   attention (BF16 in every recipe);
 * the bytes the fast path's quantize passes move for the recipe's MXFP4 operands (the FP8-carrier path on
-  Hopper: each activation read once for its two operands, dY likewise, each weight twice, the Wgrad operand of
-  X kept as FP4 codes and rebuilt as a carrier before its GEMM), or of the ``fp8`` and ``nvfp4`` recipes'
+  Hopper, eager or compiled into the graph: each activation read once for its two operands, layers reading one
+  input sharing it, dY likewise, each weight twice; X's Wgrad operand where the setting ``wgrad_x`` puts it for
+  the layer's width: kept as the GEMM's carrier, kept as FP4 codes and rebuilt as a carrier before its GEMM, or
+  quantized from X in the backward), or of the ``fp8`` and ``nvfp4`` recipes'
   quantize passes as their code stands (``reference_bytes``); blocks a recipe keeps in BF16 count as BF16;
 * everything else (embedding, norms, RoPE, SwiGLU, loss, the optimizer): taken from a measured BF16 step as
   its time minus its GEMM and attention time at the measured rates (``--bf16-step-ms``), or left out.
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from .. import settings
 from ..errors import UserError
 from ..numerics.formats import get_format
 from ..numerics import recipes as R
@@ -78,13 +81,19 @@ def _is_mx(recipe, name: str) -> bool:
 
 
 def quantize_bytes(recipe, cfg, batch: int, seq: int, layers: int | None = None,
-                   weight_bytes: int = 4, act_bytes: int = 2) -> dict:
+                   weight_bytes: int = 4, act_bytes: int = 2, wgrad_x_for=None) -> dict:
     """Bytes the fast path's quantize passes read and write in one step for ``recipe`` (0 for BF16 operands):
-    ``activations`` (X: read once, FP8 carrier 1.03 bytes an element for Fprop, FP4 codes and scales 0.53
-    for Wgrad when both are MXFP4; layers reading one input share it), ``wgrad_rebuild`` (codes read, carrier
-    written before the Wgrad GEMM), ``grads`` (dY: read once, a carrier for each MXFP4 GEMM that takes it),
-    ``weights`` (each MXFP4 weight operand read in ``weight_bytes`` and written as a carrier). Blocks the
-    recipe keeps in high precision (``keep_first``, ``keep_last``) are not counted."""
+    ``activations`` (X: read once for its Fprop and Wgrad operands, layers reading one input share it; the Fprop
+    operand an FP8 carrier, 1.03 bytes an element; the Wgrad operand, when both of its GEMM's operands are
+    MXFP4, where ``wgrad_x_for(in_features)`` puts it: ``carrier`` 1.03 bytes, ``forward`` FP4 codes and scales
+    0.53, ``backward`` a second pass in the backward reading X again and writing its carrier),
+    ``wgrad_rebuild`` (``forward``'s codes read and carrier written before the Wgrad GEMM), ``grads`` (dY: read
+    once, a carrier for each MXFP4 GEMM that takes it), ``weights`` (each MXFP4 weight operand read in
+    ``weight_bytes`` and written as a carrier). ``wgrad_x_for``: default the current settings'
+    (``Settings.wgrad_x_for``). Blocks the recipe keeps in high precision (``keep_first``, ``keep_last``) are not
+    counted."""
+    if wgrad_x_for is None:
+        wgrad_x_for = settings.current().wgrad_x_for
     L = _mx_blocks(recipe, layers if layers is not None else cfg.n_layers)
     M = batch * seq
     car, codes = 1 + 4 / 128, 0.5 + 1 / 32          # carrier + its float32 group scales; codes + E8M0 scales
@@ -95,10 +104,13 @@ def quantize_bytes(recipe, cfg, batch: int, seq: int, layers: int | None = None,
     act = rebuild = grads = weights = 0.0
     for _, K in inputs.items():
         n = M * K
-        if fx or wx:
-            act += n * (act_bytes + (car if fx else 0) + (codes if wx else 0))
-        if wx:
+        where = wgrad_x_for(K) if wx else None
+        if fx or where in ("carrier", "forward"):      # the forward's pass: X read once for what it makes there
+            act += n * (act_bytes + (car if fx else 0) + {"carrier": car, "forward": codes}.get(where, 0))
+        if where == "forward":
             rebuild += n * (codes + car)
+        elif where == "backward":                      # X read again in the backward for its Wgrad carrier
+            act += n * (act_bytes + car)
     gd, gw = _is_mx(recipe, "dgrad_dy") and _is_mx(recipe, "dgrad_w"), wx
     for _, N, K in shapes:
         n = M * N

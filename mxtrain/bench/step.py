@@ -162,6 +162,24 @@ class UserLlama(torch.nn.Module):
         return torch.nn.functional.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+def counted_config(model: str) -> ModelConfig:
+    """``model``'s shapes as a ``ModelConfig`` (``bench limits`` counts from these): mxtrain's own models, and
+    those written outside it, whose fused q|k|v and gate|up projections do the same GEMMs and quantize the same
+    bytes as separate layers sharing one input (the count ``bench limits`` makes)."""
+    if model in MODELS:
+        return ModelConfig.named(MODELS[model])
+    if model in USER_MODELS:
+        u = USER_MODELS[model]
+        return ModelConfig(dim=u["dim"], n_layers=u["n_layers"], n_heads=u["n_heads"], n_kv_heads=u["n_kv_heads"],
+                           ffn_dim=u["ffn_dim"], vocab_size=32768)
+    if model in HF_MODELS:
+        h = HF_MODELS[model]
+        return ModelConfig(dim=h["hidden_size"], n_layers=h["num_hidden_layers"], n_heads=h["num_attention_heads"],
+                           n_kv_heads=h["num_key_value_heads"], ffn_dim=h["intermediate_size"],
+                           vocab_size=h["vocab_size"])
+    raise UserError(f"unknown model {model!r}; choose from {', '.join(list(MODELS) + list(OUTSIDE))}")
+
+
 def _build(model: str, layers: int | None, seq: int, device):
     if model in HF_MODELS:
         kw = dict(HF_MODELS[model])

@@ -55,7 +55,7 @@ from ..linear.module import MXLinear, convert
 from ..model.llama import Block, ModelConfig, rope_tables
 from . import experts as _experts, step as _bs, limits as BL
 from ..linear import implementation
-from .step import host_profile, kernel_profile, MODELS, TORCHAO, split_variant, variant_options
+from .step import counted_config, host_profile, kernel_profile, TORCHAO, split_variant, variant_options
 from ..numerics import recipes as _recipes
 
 __all__ = ["register", "main"]
@@ -727,9 +727,7 @@ def _limits(args) -> int:
             raise UserError(f"--rates: {k.strip()} must be a number, got {v!r}") from None
         if not (math.isfinite(rates[k.strip()]) and rates[k.strip()] > 0):
             raise UserError(f"--rates: {k.strip()} must be a positive finite number, got {v!r}")
-    if args.model not in MODELS:
-        raise UserError(f"bench limits counts mxtrain's own models ({', '.join(MODELS)}), not --model {args.model}")
-    cfg = ModelConfig.named(MODELS[args.model])
+    cfg = counted_config(args.model)
     layers = args.layers if args.layers is not None else (4 if args.model == "8b-layers" else None)
     if args.batch <= 0 or args.seq <= 0 or (layers is not None and layers <= 0):
         raise UserError("--batch, --seq and --layers must be positive")
@@ -860,8 +858,8 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, choices=["8b-layers", "1b", "125m", "125m-fused", "8b-fused", "hf-95m"],
                    help="step, limits: Llama-8B-shaped layers (default; 128k vocabulary), a whole 1B / 125M model, "
                         "or a model written outside mxtrain with fused q|k|v and gate|up layers (125m-fused: the 125M class; 8b-fused: "
-                        "Llama-8B layer shapes, 32k vocabulary); step only: hf-95m, the Hugging Face Llama of "
-                        "docs/library.md (needs transformers)")
+                        "Llama-8B layer shapes, 32k vocabulary), or hf-95m, the Hugging Face Llama of docs/library.md (step: needs "
+                        "transformers; limits counts its shapes, give --batch 16 --seq 512 for its step)")
     p.add_argument("--compile", default=None, choices=["default", "reduce-overhead", "none"],
                    help="step: torch.compile mode of the whole model, the same for every variant (default: default)")
     p.add_argument("--bf16-step-ms", type=float, default=None,

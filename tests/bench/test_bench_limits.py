@@ -9,6 +9,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import mxtrain
+from mxtrain import settings
 from mxtrain.numerics import recipes
 from mxtrain.bench.limits import Rates, flops, limits, quantize_bytes
 from mxtrain.model.llama import Llama, ModelConfig
@@ -34,13 +35,21 @@ def test_flops_equal_torch_flop_counter():
     assert f["attention"] == sum(fa.get_flop_counts()["Global"].values()) / 2 * 3.5 * CFG.n_layers
 
 
+# a feed-forward wider than ``wgrad_x=auto``'s carrier limit (2,048 inputs): w2's X goes ``forward``, the rest
+# ``carrier``
+WIDE = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=2112, vocab_size=96, max_seq_len=32)
+
+
+@pytest.mark.parametrize("wgrad_x", ["auto", "carrier", "forward", "backward"])
 @pytest.mark.parametrize("preset", ["mxfp4-all-dh16", "mxfp4-fprop", "mxfp4-bwd", "tseng", "bf16"])
-def test_quantize_bytes_equal_a_count_of_the_model_calls(preset):
+def test_quantize_bytes_equal_a_count_of_the_model_calls(preset, wgrad_x):
     """An independent count from the converted model: each distinct input tensor of the MX layers (layers
     reading one input share it), each layer's output gradient and each weight, with the bytes the FP8-carrier
-    path reads and writes for the recipe's MXFP4 operands."""
+    path reads and writes for the recipe's MXFP4 operands, X's Wgrad operand where ``wgrad_x`` puts it (written
+    out here per placement; ``auto`` by the input's width against 2,048)."""
+    cfg = WIDE if wgrad_x == "auto" else CFG
     torch.manual_seed(0)
-    m = Llama(CFG)
+    m = Llama(cfg)
     mxtrain.convert(m, preset)
     r = recipes.get(preset)
     mx = lambda n: r.operand(n).fmt == "mxfp4"   # noqa: E731
@@ -50,28 +59,41 @@ def test_quantize_bytes_equal_a_count_of_the_model_calls(preset):
     n_w = int(mx("fprop_x") and mx("fprop_w")) + int(gd)
     seen, expect = {}, {"activations": 0.0, "wgrad_rebuild": 0.0, "grads": 0.0, "weights": 0.0}
     layers = [mod for name, mod in m.named_modules() if name.startswith("layers.") and isinstance(mod, torch.nn.Linear)]
-    assert len(layers) == 7 * CFG.n_layers
+    assert len(layers) == 7 * cfg.n_layers
+    wides = []
 
     def hook(mod, inp, out):
         x = inp[0]
         if x.data_ptr() not in seen:   # the tensor is kept below, so no later input can reuse its memory
             seen[x.data_ptr()] = x
-            if fx or wx:
-                expect["activations"] += x.numel() * (2 + (car if fx else 0) + (codes if wx else 0))
-            if wx:
-                expect["wgrad_rebuild"] += x.numel() * (codes + car)
+            where = wgrad_x if wgrad_x != "auto" else ("carrier" if x.shape[-1] <= 2048 else "forward")
+            wides.append(where)
+            n = x.numel()
+            if fx:
+                expect["activations"] += n * (2 + car)          # one read, the Fprop carrier
+            if wx and where == "carrier":
+                expect["activations"] += n * (car if fx else 2 + car)
+            if wx and where == "forward":
+                expect["activations"] += n * (codes if fx else 2 + codes)
+                expect["wgrad_rebuild"] += n * (codes + car)
+            if wx and where == "backward":
+                expect["activations"] += n * (2 + car)          # read again in the backward
         if gd or wx:
             expect["grads"] += out.numel() * (2 + car * (int(gd) + int(wx)))
         expect["weights"] += mod.weight.numel() * (4 + car) * n_w
 
     hs = [mod.register_forward_hook(hook) for mod in layers]
     with torch.no_grad():
-        m(torch.randint(0, CFG.vocab_size, (2, 16)))
+        m(torch.randint(0, cfg.vocab_size, (2, 16)))
     for h in hs:
         h.remove()
-    got = quantize_bytes(r, CFG, 2, 16)
+    if wgrad_x == "auto":
+        assert wides.count("forward") == cfg.n_layers and wides.count("carrier") == 3 * cfg.n_layers
+    with settings.override(wgrad_x=wgrad_x):
+        got = quantize_bytes(r, cfg, 2, 16)
     assert got == pytest.approx(expect, rel=1e-12)
     assert (sum(got.values()) == 0) == (preset == "bf16")
+    assert (got["wgrad_rebuild"] > 0) == (wx and (wgrad_x == "forward" or wgrad_x == "auto"))
 
 
 def test_ceilings_follow_the_rates():
@@ -165,3 +187,24 @@ def test_an_option_the_benchmark_does_not_take_is_refused(args, says):
     one line naming the benchmarks that take it, before any GPU is asked for."""
     from train_helpers import one_line_error, run_main
     one_line_error(run_main("bench", *args), says)
+
+
+def _gemm_flops(model, idx, targets):
+    """Matrix-product FLOPs of one forward + backward of ``model`` (attention's own kernels left out)."""
+    with FlopCounterMode(display=False) as fc:
+        model(idx, targets).backward()
+    return sum(v for op, v in fc.get_flop_counts()["Global"].items() if "mm" in str(op))
+
+
+@pytest.mark.parametrize("model", ["125m-fused", "8b-fused", "hf-95m"])
+def test_limits_counts_the_models_written_outside_mxtrain_from_their_own_shapes(model):
+    """``bench limits --model`` for the fused-projection and Hugging Face models counts the GEMMs the built
+    model runs: one block of it (``layers=1``), forward + backward, against torch's own FLOP count."""
+    from mxtrain.bench.step import _build, counted_config
+    if model == "hf-95m":
+        pytest.importorskip("transformers")
+    cfg = counted_config(model)
+    m = _build(model, 1, 8, "cpu")
+    idx = torch.randint(0, cfg.vocab_size, (1, 8))
+    f = flops(cfg, 1, 8, layers=1)
+    assert _gemm_flops(m, idx, idx) == f["linear"] + f["head"]
