@@ -158,7 +158,7 @@ def test_bench_limits_layers_zero_and_nan_rates_are_refused():
     import sys
     for extra, msg in ((["--layers", "0"], "--layers must be positive"),
                        (["--rates", "bf16_tflops=nan"], "must be a positive finite number"),
-                       (["--model", "125m-fused"], "counts mxtrain's own models")):
+                       (["--model", "hf-95m", "--seq", "-512"], "must be positive")):
         p = subprocess.run([sys.executable, "-m", "mxtrain", "bench", "limits", *extra], capture_output=True,
                            text=True)
         assert p.returncode != 0 and msg in p.stderr and "Traceback" not in p.stderr, p.stderr
