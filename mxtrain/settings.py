@@ -146,6 +146,15 @@ class Settings:
         "auto", "MXTRAIN_QKERNEL", "Quantize kernel: `auto` (`kernel_for` picks by layout), or `blocks`, `cols`, "
         "`tile` forced where it applies (rotations wider than 32 always run `tile`). Same bytes from each.",
         "choice", choices=("auto", "blocks", "cols", "tile"))
+    qblocks: str = _knob(
+        "rows", "MXTRAIN_QBLOCKS", "How the `blocks` quantize kernel (operands quantized along rows: Fprop's and "
+        "Dgrad's, and the one-read dual pass's first side) holds its tile of rows x 4 MX blocks: `rows` (a row's 4 "
+        "blocks in 4 warps, its 1x128 carrier-group maximum exchanged through shared memory; each block's carrier "
+        "bytes stored as one 32-byte run), `rows16` (the same, stored as two 16-byte runs: no layout exchange before "
+        "the store), `lanes` (a row's 4 blocks in 4 neighbouring lanes of one warp, the group maximum two shuffles; "
+        "16-byte stores). Same bytes from each (CPU tests under Triton's interpreter); fewer barriers and "
+        "instructions in `rows16` and `lanes` (`tools/compile_check.py`), not yet timed on a GPU.",
+        "choice", choices=("rows", "rows16", "lanes"))
     qmaxnreg: int = _knob(
         80, "MXTRAIN_QMAXNREG", "Register cap (Triton `maxnreg`) of the cols, dual and 128x128-group blocks "
         "kernels on NVIDIA GPUs (stochastic rounding runs uncapped); 0: no cap. Same bytes either way.",
@@ -244,7 +253,8 @@ class Settings:
         for f in dataclasses.fields(self):
             object.__setattr__(self, f.name, _coerce(f, getattr(self, f.name), f"Settings.{f.name}"))
         # what quantize launch plans and self-check results depend on, hashed once per object
-        object.__setattr__(self, "launch_key", (self.qkernel, self.dual, self.qmaxnreg, self.qselfcheck))
+        object.__setattr__(self, "launch_key", (self.qkernel, self.qblocks, self.dual, self.qmaxnreg,
+                                                self.qselfcheck))
 
     def shares_inputs(self) -> bool:
         """Do compiled MX layers that read one input quantize it once (``mx_compiled`` ``auto``)?"""

@@ -278,6 +278,18 @@ VARIANTS = {
     "mxelem e5m2 cols even prescale": _mxelem(0, 32, 2, 5, 2, -14, 15, 57344.0, 3, prescale=True),
     "mxelem e2m3 rows rceil idx64": _mxelem(1, 16, 4, 5, 3, 0, 2, 7.5, 2, idx64=True),
     "mxelem e3m2 cols amd": _mxelem(0, 32, 2, 6, 2, -2, 4, 28.0, 4),
+    # the blocks layout's other tile arrangements (setting qblocks; not yet the default, so not FUSION_CHECKED):
+    # "rows16" stores each block's carrier bytes as two 16-byte runs, "lanes" also holds a row's 4 blocks in one
+    # warp's lanes ([4, BR, 8] pieces)
+    "rows16 blocks x r16 fold": _single("blocks", 16, 2, 16, FOLD=True, SPLIT16=True),
+    "lanes blocks x r16 fold": _single("blocks", 16, 2, 16, FOLD=True, SPLIT16=True, BFIRST=True),
+    "lanes blocks w r16 g128": _single("blocks", 128, 8, 16, GROUP_ROWS=128, maxnreg=80, SPLIT16=True, BFIRST=True),
+    "lanes blocks r8 adaptive sr car+fp4": _single("blocks", 32, 4, 8, HAS_SIGNS=True, RULE=5, SR=True,
+                                                   WRITE_FP4=True, SPLIT16=True, BFIRST=True),
+    "rows16 dual dy signs r16 fold": _dual(rot=16, SPLIT16_A=True),
+    "lanes dual dy signs r16 fold": _dual(rot=16, SPLIT16_A=True, BFIRST_A=True),
+    "lanes dual x signs r16 fold g128 fp4_b": _dual(64, 128, 8, gr_b=128, rot=16, fp4_b=True, SPLIT16_A=True,
+                                                    BFIRST_A=True),
 }
 
 
@@ -418,6 +430,8 @@ def example_launch(v, shape=SHAPE):
             rec.append((args, consts))
 
         quiet = dict(qselfcheck="off", fast_launch="off")
+        sfx = "_A" if kind == "dual" else ""   # the blocks layout's tile arrangement (setting qblocks)
+        quiet["qblocks"] = ("lanes" if c.get("BFIRST" + sfx) else "rows16" if c.get("SPLIT16" + sfx) else "rows")
     if kind == "single":
         axis = 0 if v["layout"] == "cols" or "sx_r" in v["ones"] else 1
         x, rot = _empty((M, N), x_dtype), c["ROT"]

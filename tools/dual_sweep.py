@@ -22,7 +22,8 @@ keeps the carrier up to 2,048 input features) at the layers' input widths (768, 
 at their output widths (768, 1,280, 4,096); the default configuration, then the same with one program a 128x128
 block (``sequential``) and with other register caps (``qmaxnreg`` 0: none, 64, 72, 96; the default 80), then
 every (A block rows, B block rows, warps) the kernel takes, each against a copy; and each side alone through the
-single-pass kernel (where the dual pass's time goes).
+single-pass kernel (where the dual pass's time goes); and the A side's other tile arrangements (setting
+``qblocks``: ``rows16``, ``lanes``), in the dual pass and alone, right after the defaults.
 
     python tools/dual_sweep.py OUT.json [--budget 400] [--quick] [--what dual,expand,compiled]
                                         [--tokens 16384] [--x-widths 768,2048] [--dy-widths 768,1280,4096]
@@ -129,12 +130,14 @@ for K, x in xs.items():
     row(what="copy", K=K, us=copy_us[K], tb_s=4 * M * K / copy_us[K] / 1e6)
 
 
-def dual(case, K, block_rows=None, num_warps=None, maxnreg=None, sequential=None):
+def dual(case, K, block_rows=None, num_warps=None, maxnreg=None, sequential=None, form=None):
     a, b, fp4_b = CASES[case]
     x = xs[K]
     sa = dict(a, index_strides=(K, 1))
     sb = dict(b, index_strides=(1, K))
     ov = dict(dual="on") if maxnreg is None else dict(dual="on", qmaxnreg=maxnreg)
+    if form is not None:   # the A side's tile arrangement (setting qblocks)
+        ov["qblocks"] = form
     with settings.override(**ov):
         fn = lambda: kq.quantize_mxfp4_dual(x, sa, sb, k_multiple=512, counter=cnt, fp4_b=fp4_b,
                                             block_rows=block_rows, num_warps=num_warps, sequential=sequential)
@@ -144,7 +147,7 @@ def dual(case, K, block_rows=None, num_warps=None, maxnreg=None, sequential=None
         us = bench(fn)
     by = moved(K, fp4_b, b.get("group_rows", 1))
     return dict(what="dual", case=case, K=K, block_rows=block_rows, num_warps=num_warps, maxnreg=maxnreg,
-                sequential=sequential, us=us,
+                sequential=sequential, form=form or settings.current().qblocks, us=us,
                 tb_s=by / us / 1e6, of_copy=(by / us) / (4 * M * K / copy_us[K]))
 
 
@@ -223,6 +226,22 @@ if "compiled" in args.what:
                 us = bench(fn)
                 by = M * K * (2 + ((0.5 + 1 / 32) if fp4 else (1 + 4 / opts.get("group_rows", 1) / 128)))
                 row(what="single side", case=case, side=side, K=K, us=us, tb_s=by / us / 1e6,
+                    of_copy=(by / us) / (4 * M * K / copy_us[K]))
+    # the A side's other tile arrangements (setting qblocks: rows16, lanes), in the dual pass and alone
+    for case, widths in COMPILED.items():
+        for K in (widths if not args.quick else WIDTHS[:1]):
+            a = CASES[case][0]
+            for form in ("rows16", "lanes"):
+                if time.time() - t0 > args.budget:
+                    break
+                row(**dual(case, K, form=form))
+                with settings.override(qblocks=form):
+                    fn = lambda: kq.quantize_mxfp4_2d(xs[K], 1, **dict(a, index_strides=(K, 1)), carrier=True,
+                                                      fp4=False, k_multiple=512, counter=cnt)
+                    fn()
+                    us = bench(fn)
+                by = M * K * (2 + 1 + 4 / 128)
+                row(what="single side", case=case, side="A", form=form, K=K, us=us, tb_s=by / us / 1e6,
                     of_copy=(by / us) / (4 * M * K / copy_us[K]))
     # the default configuration with one program a 128x128 block (A tiles, then B tiles), and with register caps
     for case, widths in COMPILED.items():

@@ -566,12 +566,14 @@ def test_self_check_reports_a_wrong_carrier():
 
 @pytest.mark.skipif(DEV != "cpu", reason="the GPU tests run the compiled kernels instead")
 def test_kernels_compile_for_sm90(tmp_path):
-    """The interpreter compiles nothing: one variant of each layout of ``_mxfp4_kernel`` and the dual kernel
-    (which calls it as a device function, ``pid_r`` / ``pid_k`` given) compiled for sm_90
+    """The interpreter compiles nothing: one variant of each layout of ``_mxfp4_kernel`` (the blocks layout's
+    ``lanes`` arrangement too, setting ``qblocks``) and the dual kernel (which calls it as a device function,
+    ``pid_r`` / ``pid_k`` given) compiled for sm_90
     (``tools/compile_check.py``)."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    only = ["tile r16 signs car+fp4", "blocks r16 signs fold car", "cols r32 sr car+fp4", "dual r0 fp4_b seq idx64"]
+    only = ["tile r16 signs car+fp4", "blocks r16 signs fold car", "cols r32 sr car+fp4", "dual r0 fp4_b seq idx64",
+            "lanes blocks x r16 fold"]
     p = subprocess.run([sys.executable, os.path.join(root, "tools", "compile_check.py"), "--jobs", "2", "--exact",
                         "--json", str(tmp_path / "cc.json"), *[a for o in only for a in ("--only", o)]],
                        capture_output=True, text=True, env=env, cwd=root, timeout=600)

@@ -216,13 +216,18 @@ if triton is not None:
             return live & (kexp < -8 - GRID)
 
     @triton.jit
-    def _carrier_exp(s, live, GROUP_ROWS: tl.constexpr):
+    def _carrier_exp(s, live, GROUP_ROWS: tl.constexpr, BFIRST: tl.constexpr = False):
         """Carrier group exponent G (largest live block exponent of the row, or of the whole tile for
-        128x128 groups; at least -120) and each block's shift kexp = s - G + 6. Returns (G, kexp)."""
+        128x128 groups; at least -120) and each block's shift kexp = s - G + 6. Returns (G, kexp). ``s``:
+        [BR, 4] (block exponents of each row), or [4, BR] with ``BFIRST``."""
         s_live = tl.where(live, s, -127)
         if GROUP_ROWS == 1:
-            G = tl.maximum(tl.max(s_live, axis=1), -120)           # [BR]
-            G2 = G[:, None]
+            if BFIRST:
+                G = tl.maximum(tl.max(s_live, axis=0), -120)       # [BR]
+                G2 = G[None, :]
+            else:
+                G = tl.maximum(tl.max(s_live, axis=1), -120)       # [BR]
+                G2 = G[:, None]
         else:
             G = tl.maximum(tl.max(tl.max(s_live, axis=1), axis=0), -120)
             G2 = G
@@ -261,26 +266,31 @@ if triton is not None:
         return tl.reshape(v4, [BR, 128])
 
     @triton.jit
-    def _bfly8_signs(x, sg, BR: tl.constexpr):
-        """``_bfly8(x * sg, BR, 1)`` with the stage's adds as FMAs of exact products (``_signs_bfly1``); ``sg``: the
-        signs broadcast to x's shape [BR, 4, 8]."""
-        v = tl.permute(tl.reshape(x, [BR, 4, 4, 2, 1]), (0, 1, 2, 4, 3))
-        t = tl.permute(tl.reshape(sg, [BR, 4, 4, 2, 1]), (0, 1, 2, 4, 3))
+    def _bfly8_signs(x, sg):
+        """``_bfly8(x * sg, 1)`` with the stage's adds as FMAs of exact products (``_signs_bfly1``); ``sg``: the
+        signs broadcast to x's shape [BR, 4, 8] (or any [D0, D1, 8]: the blocks layout's ``BFIRST`` [4, BR, 8])."""
+        D0: tl.constexpr = x.shape[0]
+        D1: tl.constexpr = x.shape[1]
+        v = tl.permute(tl.reshape(x, [D0, D1, 4, 2, 1]), (0, 1, 2, 4, 3))
+        t = tl.permute(tl.reshape(sg, [D0, D1, 4, 2, 1]), (0, 1, 2, 4, 3))
         a, b = tl.split(v)
         sa, sb = tl.split(t)
         p, m = _signs_bfly1(a, b, sa, sb)
         v = tl.permute(tl.join(p, m), (0, 1, 2, 4, 3))
-        return tl.reshape(v, [BR, 4, 8])
+        return tl.reshape(v, [D0, D1, 8])
 
     @triton.jit
-    def _bfly8(x, BR: tl.constexpr, H: tl.constexpr):
-        """Butterfly stage h = H (1, 2 or 4) inside the last axis (8 values, all held by one thread)."""
-        v = tl.reshape(x, [BR, 4, 8 // (2 * H), 2, H])
+    def _bfly8(x, H: tl.constexpr):
+        """Butterfly stage h = H (1, 2 or 4) inside the last axis (8 values, all held by one thread) of a
+        [BR, 4, 8] tensor (or any [D0, D1, 8])."""
+        D0: tl.constexpr = x.shape[0]
+        D1: tl.constexpr = x.shape[1]
+        v = tl.reshape(x, [D0, D1, 8 // (2 * H), 2, H])
         v = tl.permute(v, (0, 1, 2, 4, 3))
         a, b = tl.split(v)
         v = tl.join(a + b, a - b)
         v = tl.permute(v, (0, 1, 2, 4, 3))
-        return tl.reshape(v, [BR, 4, 8])
+        return tl.reshape(v, [D0, D1, 8])
 
     @triton.jit
     def _e4m3_bits(c, USE_ASM: tl.constexpr, PACK: tl.constexpr = 4):
@@ -466,12 +476,13 @@ if triton is not None:
 
     @triton.jit
     def _pack4(c):
-        """[BR, 4, 8] codes -> [BR, 4, 4] bytes (low nibble = lower index). Only the codes' low 4 bits count
-        (``_piece``'s nearest E2M1 codes have more): the byte is that of lo + (hi << 4), whose low 8 bits take no
-        carry, written as the add (one multiply-add) where an or of bits not known disjoint is a shift and a
-        logic operation."""
-        BR: tl.constexpr = c.shape[0]
-        lo, hi = tl.split(tl.reshape(c, [BR, 4, 4, 2]))
+        """[BR, 4, 8] codes -> [BR, 4, 4] bytes (low nibble = lower index; any [D0, D1, 8] likewise). Only the
+        codes' low 4 bits count (``_piece``'s nearest E2M1 codes have more): the byte is that of lo + (hi << 4),
+        whose low 8 bits take no carry, written as the add (one multiply-add) where an or of bits not known
+        disjoint is a shift and a logic operation."""
+        D0: tl.constexpr = c.shape[0]
+        D1: tl.constexpr = c.shape[1]
+        lo, hi = tl.split(tl.reshape(c, [D0, D1, 4, 2]))
         return (lo + (hi << 4)).to(tl.uint8)
 
     @triton.jit

@@ -76,6 +76,8 @@ if triton is not None:
         FOLD: tl.constexpr = False,        # blocks, cols: 1/sqrt(ROT) folded into the block scales
         GRID: tl.constexpr = 0,            # the element grid (launch.GRID_ID): 0 E2M1 (mxfp4), 1 INT4 (mxint4),
                                            # 2 E1M2 (mxe1m2)
+        BFIRST: tl.constexpr = False,      # blocks: the pieces as [4, BR, 8] (a row's blocks in one warp's lanes)
+        SPLIT16: tl.constexpr = False,     # blocks: each block's carrier bytes stored as two 16-byte runs
         pid_r=None, pid_k=None,            # the tile (row block, reduction block); launched: the program ids
     ):
         """Quantize the tile (row block ``pid_r``, reduction block ``pid_k``) of a (R, K) view, read through
@@ -403,9 +405,17 @@ if triton is not None:
             # For ROT in (0, 2, 4, 8, 16, 32). The 128-wide tile is loaded as four pieces x0..x3 of shape
             # [BR, 4, 8] (piece j = elements 8j..8j+7 of each MX block), so each thread holds whole MX blocks:
             # block maxima and rotation stages h >= 8 are register-local; stages h < 8 stay inside a thread's
-            # 8 contiguous values.
-            r3 = rows[:, None, None]
-            blk = tl.arange(0, 4)[None, :, None]
+            # 8 contiguous values. ``BFIRST``: the pieces as [4, BR, 8] (blocks first), the same values and bytes.
+            # Triton orders a load's axes by contiguity and keeps ties in axis order, so after the 8 contiguous
+            # values the next lanes go along the first axis: rows in [BR, 4, 8] (a row's 4 blocks then lie in
+            # 4 warps, and its 1x128 group maximum crosses warps through shared memory), blocks in [4, BR, 8] (a
+            # row's 4 blocks in 4 neighbouring lanes of one warp: the group maximum is two shuffles).
+            if BFIRST:
+                r3 = rows[None, :, None]
+                blk = tl.arange(0, 4)[:, None, None]
+            else:
+                r3 = rows[:, None, None]
+                blk = tl.arange(0, 4)[None, :, None]
             ee = tl.arange(0, 8)[None, None, :]
             c0 = kbase + blk * 32 + ee                     # [1, 4, 8] columns of piece 0
             c1 = c0 + 8
@@ -421,10 +431,10 @@ if triton is not None:
             if ROT > 0:
                 if HAS_SIGNS and ROT > 1:   # signs and stage 1 as FMAs of exact products (_signs_bfly1)
                     lb = blk * 32 + ee
-                    x0 = _bfly8_signs(x0, tl.broadcast_to(tl.load(signs_ptr + lb % ROT), [BR, 4, 8]), BR)
-                    x1 = _bfly8_signs(x1, tl.broadcast_to(tl.load(signs_ptr + (lb + 8) % ROT), [BR, 4, 8]), BR)
-                    x2 = _bfly8_signs(x2, tl.broadcast_to(tl.load(signs_ptr + (lb + 16) % ROT), [BR, 4, 8]), BR)
-                    x3 = _bfly8_signs(x3, tl.broadcast_to(tl.load(signs_ptr + (lb + 24) % ROT), [BR, 4, 8]), BR)
+                    x0 = _bfly8_signs(x0, tl.broadcast_to(tl.load(signs_ptr + lb % ROT), x0.shape))
+                    x1 = _bfly8_signs(x1, tl.broadcast_to(tl.load(signs_ptr + (lb + 8) % ROT), x1.shape))
+                    x2 = _bfly8_signs(x2, tl.broadcast_to(tl.load(signs_ptr + (lb + 16) % ROT), x2.shape))
+                    x3 = _bfly8_signs(x3, tl.broadcast_to(tl.load(signs_ptr + (lb + 24) % ROT), x3.shape))
                 elif HAS_SIGNS:
                     lb = blk * 32 + ee
                     x0 = x0 * tl.load(signs_ptr + lb % ROT)
@@ -432,20 +442,20 @@ if triton is not None:
                     x2 = x2 * tl.load(signs_ptr + (lb + 16) % ROT)
                     x3 = x3 * tl.load(signs_ptr + (lb + 24) % ROT)
                 elif ROT > 1:
-                    x0 = _bfly8(x0, BR, 1)
-                    x1 = _bfly8(x1, BR, 1)
-                    x2 = _bfly8(x2, BR, 1)
-                    x3 = _bfly8(x3, BR, 1)
+                    x0 = _bfly8(x0, 1)
+                    x1 = _bfly8(x1, 1)
+                    x2 = _bfly8(x2, 1)
+                    x3 = _bfly8(x3, 1)
                 if ROT > 2:
-                    x0 = _bfly8(x0, BR, 2)
-                    x1 = _bfly8(x1, BR, 2)
-                    x2 = _bfly8(x2, BR, 2)
-                    x3 = _bfly8(x3, BR, 2)
+                    x0 = _bfly8(x0, 2)
+                    x1 = _bfly8(x1, 2)
+                    x2 = _bfly8(x2, 2)
+                    x3 = _bfly8(x3, 2)
                 if ROT > 4:
-                    x0 = _bfly8(x0, BR, 4)
-                    x1 = _bfly8(x1, BR, 4)
-                    x2 = _bfly8(x2, BR, 4)
-                    x3 = _bfly8(x3, BR, 4)
+                    x0 = _bfly8(x0, 4)
+                    x1 = _bfly8(x1, 4)
+                    x2 = _bfly8(x2, 4)
+                    x3 = _bfly8(x3, 4)
                 if ROT > 8:
                     t0 = x0 - x1
                     x0 = x0 + x1
@@ -508,7 +518,7 @@ if triton is not None:
 
             if WRITE_CARRIER:
                 live = ok & nz
-                G, kexp = _carrier_exp(s, live, GROUP_ROWS)
+                G, kexp = _carrier_exp(s, live, GROUP_ROWS, BFIRST)
                 if GRID == 2:
                     inexact = _inexact(live, kexp, GRID)
                     fc = _carrier_factor(kexp, ok, GRID)[:, :, None]
@@ -552,30 +562,49 @@ if triton is not None:
             if WRITE_FP4:
                 fb = fp4_ptr + r3 * (Kq // 2)
                 # the block's 16 bytes in one store
-                p01 = tl.reshape(tl.permute(tl.join(_pack4(q0), _pack4(q1)), (0, 1, 3, 2)), [BR, 4, 8])
-                p23 = tl.reshape(tl.permute(tl.join(_pack4(q2), _pack4(q3)), (0, 1, 3, 2)), [BR, 4, 8])
-                pp = tl.reshape(tl.permute(tl.join(p01, p23), (0, 1, 3, 2)), [BR, 4, 16])
+                D0: tl.constexpr = q0.shape[0]   # BR, or 4 (BFIRST)
+                D1: tl.constexpr = q0.shape[1]
+                p01 = tl.reshape(tl.permute(tl.join(_pack4(q0), _pack4(q1)), (0, 1, 3, 2)), [D0, D1, 8])
+                p23 = tl.reshape(tl.permute(tl.join(_pack4(q2), _pack4(q3)), (0, 1, 3, 2)), [D0, D1, 8])
+                pp = tl.reshape(tl.permute(tl.join(p01, p23), (0, 1, 3, 2)), [D0, D1, 16])
                 jb = kbase // 2 + blk * 16 + tl.arange(0, 16)[None, None, :]
                 # (a block's 16 bytes lie wholly before Kq, a multiple of 32, or wholly past it: the mask by the
                 # block's first column is the same for each byte and lets the store be one 16-byte access)
                 tl.store(fb + jb, pp, mask=rm & (kbase + blk * 32 < Kq))
-                r2 = rows[:, None]
-                bidx = kbase // 32 + tl.arange(0, 4)[None, :]
+                if BFIRST:
+                    r2 = rows[None, :]
+                    bidx = kbase // 32 + tl.arange(0, 4)[:, None]
+                else:
+                    r2 = rows[:, None]
+                    bidx = kbase // 32 + tl.arange(0, 4)[None, :]
                 tl.store(sc_ptr + r2 * (Kq // 32) + bidx, code_sc.to(tl.uint8), mask=(r2 < R) & (bidx * 32 < Kq))
 
             if WRITE_CARRIER:
-                # one 32-byte run per thread and block: join the pieces back in column order
-                b01 = tl.reshape(tl.permute(tl.join(b0, b1), (0, 1, 3, 2)), [BR, 4, 16])
-                b23 = tl.reshape(tl.permute(tl.join(b2, b3), (0, 1, 3, 2)), [BR, 4, 16])
-                bb = tl.reshape(tl.permute(tl.join(b01, b23), (0, 1, 3, 2)), [BR, 4, 32])
-                cb = kbase + blk * 32 + tl.arange(0, 32)[None, None, :]
-                tl.store(car_ptr + r3 * Kc + cb, bb, mask=r3 < Rc)
+                # one 32-byte run per thread and block: join the pieces back in column order. (Triton stores at
+                # most 16 bytes a thread at once, so its store layout spreads the run over two lanes and the 32
+                # bytes pass through shared memory first; ``SPLIT16``: the two 16-byte halves stored from the
+                # thread that holds them, no exchange.)
+                E0: tl.constexpr = b0.shape[0]   # BR, or 4 (BFIRST)
+                E1: tl.constexpr = b0.shape[1]
+                b01 = tl.reshape(tl.permute(tl.join(b0, b1), (0, 1, 3, 2)), [E0, E1, 16])
+                b23 = tl.reshape(tl.permute(tl.join(b2, b3), (0, 1, 3, 2)), [E0, E1, 16])
+                if SPLIT16:
+                    cb = kbase + blk * 32 + tl.arange(0, 16)[None, None, :]
+                    tl.store(car_ptr + r3 * Kc + cb, b01, mask=r3 < Rc)
+                    tl.store(car_ptr + r3 * Kc + cb + 16, b23, mask=r3 < Rc)
+                else:
+                    bb = tl.reshape(tl.permute(tl.join(b01, b23), (0, 1, 3, 2)), [E0, E1, 32])
+                    cb = kbase + blk * 32 + tl.arange(0, 32)[None, None, :]
+                    tl.store(car_ptr + r3 * Kc + cb, bb, mask=r3 < Rc)
                 gval = _pow2(G - 6)
                 if GROUP_ROWS == 1:
                     tl.store(gs_ptr + rows * gs_sr + pid_k * gs_sk, gval, mask=rows < Rc)
                 else:
                     tl.store(gs_ptr + pid_r * gs_sr + pid_k * gs_sk, gval)
-                bad = inexact & (rows[:, None] < R)
+                if BFIRST:
+                    bad = inexact & (rows[None, :] < R)
+                else:
+                    bad = inexact & (rows[:, None] < R)
                 tl.atomic_add(cnt_ptr + tl.zeros_like(s), 1, mask=bad)   # rare: usually no lane is active
 
         else:
@@ -744,6 +773,7 @@ if triton is not None:
         IDX64: tl.constexpr, USE_ASM: tl.constexpr, SEQ: tl.constexpr,
         FOLD_A: tl.constexpr, FOLD_B: tl.constexpr, CAR_B: tl.constexpr = True, FP4_B: tl.constexpr = False,
         GRID_A: tl.constexpr = 0, GRID_B: tl.constexpr = 0, GROUP_ROWS_A: tl.constexpr = 1,
+        BFIRST_A: tl.constexpr = False, SPLIT16_A: tl.constexpr = False,
     ):
         """Both FP8-carrier operands of a row-major (M, K) tensor from one read of it: A quantized along
         rows (K; the "blocks" layout of ``_mxfp4_kernel``, 1x128 group scales) and B along columns (M; the
@@ -755,7 +785,8 @@ if triton is not None:
         (``car_b``) and E8M0 scales (``gs_b``) instead of the carrier. A's FP4 pointers are the counter
         (never written); B's carrier and FP4 pointers are the same two buffers, of which one kind is written.
         ``GROUP_ROWS_A``: A's carrier groups, 1x128 (activations) or 128x128 (a weight's Fprop operand, with
-        ``BR_A`` 128; B then holds its Dgrad operand, also 128x128)."""
+        ``BR_A`` 128; B then holds its Dgrad operand, also 128x128). ``BFIRST_A``, ``SPLIT16_A``: A's tile as [4, BR_A,
+        8] pieces, A's carrier in 16-byte stores (``_mxfp4_kernel``'s ``BFIRST``, ``SPLIT16``)."""
         NA: tl.constexpr = 128 // BR_A
         NB: tl.constexpr = 128 // BR_B
         pid = tl.program_id(0)
@@ -769,7 +800,7 @@ if triton is not None:
                                   M, K, Rc_a, sx_m, sx_k, si_ra, si_ka, Kc_a, Kq_a, gsr_a, gsk_a, key_a, inv_a, ps_a,
                                   BR_A, ROT_A, HAS_SIGNS_A, RULE_A, SR_A, PRESCALE_A, GROUP_ROWS_A, True, False, IDX64,
                                   KEY_PTR_A, "blocks", USE_ASM=USE_ASM, FOLD=FOLD_A, GRID=GRID_A,
-                                  pid_r=pr, pid_k=fb)
+                                  BFIRST=BFIRST_A, SPLIT16=SPLIT16_A, pid_r=pr, pid_k=fb)
             for w in range(NB):
                 pr = fb * NB + w
                 if (pr < nr_b) & (tb < nk_b):
@@ -790,7 +821,7 @@ if triton is not None:
                                   M, K, Rc_a, sx_m, sx_k, si_ra, si_ka, Kc_a, Kq_a, gsr_a, gsk_a, key_a, inv_a, ps_a,
                                   BR_A, ROT_A, HAS_SIGNS_A, RULE_A, SR_A, PRESCALE_A, GROUP_ROWS_A, True, False, IDX64,
                                   KEY_PTR_A, "blocks", USE_ASM=USE_ASM, FOLD=FOLD_A, GRID=GRID_A,
-                                  pid_r=pr, pid_k=fb)
+                                  BFIRST=BFIRST_A, SPLIT16=SPLIT16_A, pid_r=pr, pid_k=fb)
             else:
                 pr = fb * NB + (w - NA)
                 if (pr < nr_b) & (tb < nk_b):

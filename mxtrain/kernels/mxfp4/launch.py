@@ -161,9 +161,10 @@ def block_config(kern: str, axis: int, group_rows: int, sr: bool, block_rows: in
 
 def single_kernel(kern: str, dev: torch.device, dtype: torch.dtype, BR: int, num_warps: int, rot: int,
                   has_signs: bool, scale_rule: str, sr: bool, prescale: float, group_rows: int, carrier: bool,
-                  fp4: bool, idx64: bool, key_ptr: bool, fmt: str = "mxfp4") -> tuple:
+                  fp4: bool, idx64: bool, key_ptr: bool, fmt: str = "mxfp4", form: str = "rows") -> tuple:
     """(the Triton kernel, its constexpr arguments) for one single-pass launch in layout ``kern``: the layout's
-    own constexprs only (the others keep their defaults, so that no option they ignore makes a new variant)."""
+    own constexprs only (the others keep their defaults, so that no option they ignore makes a new variant).
+    ``form``: the blocks layout's tile arrangement (the ``qblocks`` setting, ``blocks_form``)."""
     assert kern in _kernels.LAYOUTS, kern
     consts = dict(BR=BR, ROT=rot, HAS_SIGNS=has_signs, RULE=KERNEL_RULES[scale_rule], SR=sr,
                   PRESCALE=prescale != 1.0,
@@ -175,10 +176,20 @@ def single_kernel(kern: str, dev: torch.device, dtype: torch.dtype, BR: int, num
         consts.update(USE_ASM=dev.type == "cuda", PACK=2 if per_thread == 2 else 4,
                       FOLD=fold_applies(dtype, rot, prescale))
     elif kern == "blocks":
-        consts.update(USE_ASM=dev.type == "cuda", FOLD=fold_applies(dtype, rot, prescale))
+        consts.update(USE_ASM=dev.type == "cuda", FOLD=fold_applies(dtype, rot, prescale), **blocks_form(form))
     elif rot == 64:   # the tile kernel's 64-wide groups: the hardware e4m3 conversion as blocks and cols
         consts.update(USE_ASM=dev.type == "cuda")
     return _kernels._mxfp4_kernel, consts
+
+
+def blocks_form(form: str, side: str = "") -> dict:
+    """The blocks layout's constexprs for the ``qblocks`` setting's ``form`` (``_mxfp4_kernel``'s ``BFIRST`` and
+    ``SPLIT16``; ``side`` "_A": the dual kernel's names): none for ``rows``, so that its variants stay the ones
+    launched before the setting existed."""
+    if form == "rows":
+        return {}
+    assert form in ("rows16", "lanes"), form
+    return {f"SPLIT16{side}": True, **({f"BFIRST{side}": True} if form == "lanes" else {})}
 
 
 def launch_opts(kern: str, dev: torch.device, sr: bool = False, maxnreg: int | None = None) -> dict:
@@ -240,7 +251,7 @@ def single_spec(shape, strides, dtype: torch.dtype, dev: torch.device, axis: int
     grid = (-(-max(Rc, 1) // BR), Kc // TILE_K)
     idx64 = force_idx64 or needs_idx64(grid[0] * BR, Kc, Kq, sx_r, sx_k, si)
     kfn, consts = single_kernel(kern, dev, dtype, BR, nw, rot, has_signs, scale_rule, sr, prescale, group_rows,
-                                carrier, fp4, idx64, key_ptr, fmt)
+                                carrier, fp4, idx64, key_ptr, fmt, st.qblocks)
     opts = launch_opts(kern + ("128" if kern == "blocks" and group_rows == 128 else ""), dev, sr=sr,
                        maxnreg=st.qmaxnreg)
     ints = (R, K, Rc, sx_r, sx_k, si[0], si[1], Kc, Kq, gsr, gsk)
@@ -300,7 +311,7 @@ def dual_spec(shape, stride0: int, dtype: torch.dtype, dev: torch.device, a: dic
                        f"FOLD_{sfx}": fold_applies(dtype, rot, prescale),
                        f"GRID_{sfx}": KERNEL_GRIDS[side.get("fmt", "mxfp4")]})
     consts.update(GROUP_ROWS_A=gr_a, GROUP_ROWS_B=gr_b, PACK_B=2 if pack == 2 else 4, IDX64=geo[0][2] or geo[1][2],
-                  USE_ASM=dev.type == "cuda", SEQ=seq, CAR_B=not fp4_b, FP4_B=fp4_b)
+                  USE_ASM=dev.type == "cuda", SEQ=seq, CAR_B=not fp4_b, FP4_B=fp4_b, **blocks_form(st.qblocks, "_A"))
     (nr_a, nk_a, _), (nr_b, nk_b, _) = geo
     NA, NB = 128 // BR[1], 128 // BR[0]
     F = max(nk_a, -(-nr_b // NB))

@@ -61,7 +61,8 @@ def config_ok(x: torch.Tensor, axis: int, rot: int, has_signs: bool, scale_rule:
         sx_r, sx_k = (x.stride(0), x.stride(1)) if axis == 1 else (x.stride(1), x.stride(0))
         rc = sx_r == 1 and sx_k != 1
     vkey = (x.device.index, x.dtype, axis, rot, has_signs, scale_rule, fmt, sr, prescale != 1.0, group_rows, BR, nw,
-            k_multiple, fp4, r16, k16, force_idx64, st.qmaxnreg, kernel_for(axis, rot, fp4, rc, kernel=st.qkernel))
+            k_multiple, fp4, r16, k16, force_idx64, st.qmaxnreg, st.qblocks,
+            kernel_for(axis, rot, fp4, rc, kernel=st.qkernel))
     ok = CACHES.verified.get(vkey)
     if ok is None:
         ok = selfcheck(x.device, x.dtype, axis, rot, has_signs, scale_rule, sr, prescale, group_rows, BR, nw,
@@ -91,7 +92,7 @@ def dual_ok(x: torch.Tensor, a: dict, b: dict, k_multiple: int, fp4_b: bool = Fa
                 side.get("prescale", 1.0) != 1.0, side.get("group_rows", 1), side.get("fmt", "mxfp4"))
     st = _settings.current()
     vkey = (x.device.index, x.dtype, opt(a), opt(b), k_multiple, M % 16 == 0, K % 16 == 0,
-            DUAL_CONFIG[b.get("group_rows", 1) == 128], DUAL_SEQ, st.qmaxnreg, force_idx64, fp4_b)
+            DUAL_CONFIG[b.get("group_rows", 1) == 128], DUAL_SEQ, st.qmaxnreg, st.qblocks, force_idx64, fp4_b)
     ok = CACHES.dual_verified.get(vkey)
     if ok is None and x.is_cuda and torch.cuda.is_current_stream_capturing():
         return False   # no self-check inside a CUDA-graph capture (it copies from the host): two passes
