@@ -13,7 +13,11 @@ does not:
   quantized from X in the backward), or of the ``fp8`` and ``nvfp4`` recipes'
   quantize passes as their code stands (``reference_bytes``); blocks a recipe keeps in BF16 count as BF16;
 * everything else (embedding, norms, RoPE, SwiGLU, loss, the optimizer): taken from a measured BF16 step as
-  its time minus its GEMM and attention time at the measured rates (``--bf16-step-ms``), or left out.
+  its time minus its GEMM and attention time at the measured rates (``--bf16-step-ms``), or left out;
+* under FSDP2 on several GPUs (``--gpus``, ``fsdp_traffic``): the bytes each GPU's collectives move in a step
+  (every parameter all-gathered in the forward and again in the backward, every gradient reduce-scattered), and
+  what they cost at a link rate (``Rates.link_gbs``) if nothing overlapped them with compute: a floor on the
+  efficiency per GPU that the links alone allow.
 
 With GEMM rates and a memory bandwidth (defaults: an H100's, measured, BENCHMARKS.md), the ideal step time of
 each recipe is ``other + linear GEMMs at the recipe's rate + head + attention + quantize bytes / bandwidth``:
@@ -31,7 +35,8 @@ from ..errors import UserError
 from ..numerics.formats import get_format
 from ..numerics import recipes as R
 
-__all__ = ["Rates", "linear_shapes", "flops", "quantize_bytes", "reference_bytes", "limits", "format_table"]
+__all__ = ["Rates", "linear_shapes", "flops", "quantize_bytes", "reference_bytes", "fsdp_traffic", "limits",
+           "format_table"]
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,7 @@ class Rates:
     copy_tbs: float = 2.82
     quantize_of_copy: float = 0.87
     attention_tflops: float = 360.0
+    link_gbs: float = 450.0   # GB/s a GPU's collectives move each way: NVLink 4's 900 GB/s (both ways), not measured
 
 
 def linear_shapes(cfg) -> list[tuple[str, int, int]]:
@@ -173,6 +179,30 @@ def reference_bytes(recipe, cfg, batch: int, seq: int, layers: int | None = None
     return {k: float(v) * L for k, v in per.items()}
 
 
+def fsdp_traffic(cfg, gpus: int, layers: int | None = None, param_bytes: float = 2, reduce_bytes: float = 4,
+                 reshard_after_forward: bool = True) -> dict:
+    """Bytes each GPU receives in one FSDP2 step (``train.parallel.apply_fsdp2``'s defaults), every collective a
+    ring over ``gpus`` GPUs in which each GPU receives (and sends) ``(gpus - 1) / gpus`` of the whole tensor:
+    ``all_gather_forward`` (every parameter in ``param_bytes``: bf16 under the mixed-precision policy; about 1.03
+    for MX weights gathered as their quantized operands, ``parallel.gather=quantized``), ``all_gather_backward``
+    (again, where blocks free their gathered weights after the forward), ``reduce_scatter`` (every gradient in
+    ``reduce_bytes``, float32 by default). ``params``: the model's parameter count (``layers`` blocks).
+    ``all_gather_backward`` leaves out the last block, which keeps its gathered weights from its forward to its
+    backward (they are needed again at once)."""
+    if gpus < 1:
+        raise UserError(f"--gpus must be at least 1, got {gpus}")
+    c = cfg if layers is None else type(cfg)(**{**cfg.to_dict(), "n_layers": layers})
+    P = c.num_params()
+    with_layers = lambda n: type(c)(**{**c.to_dict(), "n_layers": n}).num_params()   # noqa: E731
+    block = with_layers(2) - with_layers(1)      # one block's parameters
+    share = (gpus - 1) / gpus
+    out = {"params": P, "all_gather_forward": share * P * param_bytes,
+           "all_gather_backward": share * (P - block) * param_bytes if reshard_after_forward else 0.0,
+           "reduce_scatter": share * P * reduce_bytes}
+    out["total"] = out["all_gather_forward"] + out["all_gather_backward"] + out["reduce_scatter"]
+    return out
+
+
 def _gemm_rate(recipe, rates: Rates) -> float:
     """TFLOP/s of the linear layers' GEMMs: the carrier's where all three GEMMs are MXFP4, else a
     FLOP-weighted mix (BF16 for the GEMMs that are not)."""
@@ -184,10 +214,14 @@ def _gemm_rate(recipe, rates: Rates) -> float:
 
 
 def limits(cfg, batch: int, seq: int, recipes: list[str], rates: Rates = Rates(), layers: int | None = None,
-           bf16_step_ms: float | None = None) -> dict:
+           bf16_step_ms: float | None = None, gpus: int = 1, one_gpu_step_ms: float | None = None) -> dict:
     """Counts and ideal times per recipe (milliseconds). ``other_ms``: a measured BF16 step minus its
     GEMMs and attention at ``rates`` (None without ``bf16_step_ms``); ``ceiling_ms``: the fastest step the
-    recipe can run at ``rates`` (needs ``other_ms``)."""
+    recipe can run at ``rates`` (needs ``other_ms``). ``gpus`` > 1: ``fsdp`` holds each GPU's collective traffic in
+    a step of ``batch`` x ``seq`` tokens a GPU (``fsdp_traffic``), its time at ``rates.link_gbs``, and the
+    efficiency per GPU a step of T ms keeps with none of it overlapped, T / (T + that time): for each recipe's
+    ceiling (``fsdp_floor``; the fastest step, so the lowest floor) and for ``one_gpu_step_ms``, a measured step
+    on one GPU."""
     fl = flops(cfg, batch, seq, layers)
     ms = lambda f, tf: f / (tf * 1e12) * 1e3   # noqa: E731
     head_ms, attn_ms = ms(fl["head"], rates.bf16_tflops), ms(fl["attention"], rates.attention_tflops)
@@ -221,6 +255,17 @@ def limits(cfg, batch: int, seq: int, recipes: list[str], rates: Rates = Rates()
         rec_ms["ceiling_ms"] = None if other is None else other + fixed
         rec_ms["ceiling_vs_bf16"] = None if other is None else bf16_step_ms / rec_ms["ceiling_ms"]
         out["recipes"][name] = rec_ms
+    if gpus > 1:
+        tr = fsdp_traffic(cfg, gpus, layers)
+        comm = tr["total"] / (rates.link_gbs * 1e9) * 1e3
+        floor = lambda t: t / (t + comm)   # noqa: E731
+        out["fsdp"] = {"gpus": gpus, "bytes_per_gpu": tr, "comm_ms": comm,
+                       "one_gpu_step_ms": one_gpu_step_ms,
+                       "floor_measured": None if one_gpu_step_ms is None else floor(one_gpu_step_ms)}
+        for r in out["recipes"].values():
+            r["fsdp_floor"] = None if r["ceiling_ms"] is None else floor(r["ceiling_ms"])
+    elif one_gpu_step_ms is not None:
+        raise UserError("--one-gpu-step-ms is the one-GPU step that --gpus N (2 or more) is judged against: give --gpus")
     return out
 
 
@@ -239,4 +284,16 @@ def format_table(res: dict) -> str:
         cm = "-" if r["ceiling_ms"] is None else f"{r['ceiling_ms']:.1f}"
         cv = "-" if r["ceiling_vs_bf16"] is None else f"{r['ceiling_vs_bf16']:.3f}x"
         lines.append(f"{name:<22}{r['linear_gemm_ms']:>16.1f}{gb:>13}{qm:>13}{cm:>12}{cv:>9}")
+    fs = res.get("fsdp")
+    if fs:
+        b = fs["bytes_per_gpu"]
+        lines.append(f"FSDP2 on {fs['gpus']} GPUs ({b['params'] / 1e9:.2f} B parameters): each GPU receives "
+                     f"{b['total'] / 1e9:.2f} GB a step (all-gathers {b['all_gather_forward'] / 1e9:.2f} + "
+                     f"{b['all_gather_backward'] / 1e9:.2f}, reduce-scatter {b['reduce_scatter'] / 1e9:.2f}), "
+                     f"{fs['comm_ms']:.1f} ms at {res['rates']['link_gbs']:g} GB/s")
+        floors = [f"{n} {r['fsdp_floor']:.1%}" for n, r in res["recipes"].items() if r.get("fsdp_floor") is not None]
+        if floors:
+            lines.append("  efficiency per GPU with none of it overlapped, at each ceiling: " + ", ".join(floors))
+        if fs["floor_measured"] is not None:
+            lines.append(f"  at the measured one-GPU step of {fs['one_gpu_step_ms']:g} ms: {fs['floor_measured']:.1%}")
     return "\n".join(lines)

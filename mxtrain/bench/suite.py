@@ -29,7 +29,9 @@ Every ratio is measured in the same run (``triton.testing.do_bench`` medians, ra
   (``mxtrain.bench.experts``; needs ``transformers``).
 * ``limits`` (no GPU needed): the step's FLOPs and quantize bytes counted per recipe, and the fastest
   step each recipe can reach at given GEMM rates and bandwidth (``mxtrain.bench.limits``; ``--bf16-step-ms``
-  a measured BF16 step, ``--rates bf16_tflops=...,copy_tbs=...``). Printed as a table, JSON with ``--out``.
+  a measured BF16 step, ``--rates bf16_tflops=...,copy_tbs=...``); with ``--gpus N`` also each GPU's FSDP2
+  traffic in a step and the efficiency it allows with none of it overlapped (``--one-gpu-step-ms``: a measured
+  one-GPU step to judge it against). Printed as a table, JSON with ``--out``.
 
 Run as ``mxtrain bench all --out bench.json`` or ``python -m mxtrain.bench all``.
 """
@@ -732,7 +734,7 @@ def _limits(args) -> int:
     if args.batch <= 0 or args.seq <= 0 or (layers is not None and layers <= 0):
         raise UserError("--batch, --seq and --layers must be positive")
     res = BL.limits(cfg, args.batch, args.seq, ["bf16", "torchao-tensorwise"] + _presets(args, STEP_PRESETS),
-                    BL.Rates(**rates), layers, args.bf16_step_ms)
+                    BL.Rates(**rates), layers, args.bf16_step_ms, args.gpus, args.one_gpu_step_ms)
     print(BL.format_table(res))
     if args.out:
         write_json(Path(args.out), {"limits": res, "command": " ".join(sys.argv)}, indent=1)
@@ -751,12 +753,12 @@ def _either(names) -> str:
 _TAKES = {"filter": ("quantize",), "presets": ("linear", "step", "blocks", "host", "experts", "limits"),
           "layers": ("step", "blocks", "limits"), "batch": ("step", "blocks", "experts", "limits"),
           "seq": ("step", "blocks", "experts", "limits"), "model": ("step", "limits"), "compile": ("step",),
-          "bf16_step_ms": ("limits",), "rates": ("limits",), "steps": ("step",), "rounds": ("step",),
+          "bf16_step_ms": ("limits",), "rates": ("limits",), "gpus": ("limits",), "one_gpu_step_ms": ("limits",), "steps": ("step",), "rounds": ("step",),
           "recompute_ffn": ("step",), "checkpoint_blocks": ("step",), "variants": ("step",),
           "memory_budget": ("step",), "recompute_gemm_inputs": ("step",), "param_dtype": ("step",),
           "warmup": ("step",), "glue": ("blocks",), "graphs": ("blocks",), "profile": ("step", "blocks", "host")}
 _DEFAULTS = {"filter": "", "presets": "", "batch": 4, "seq": 4096, "model": "8b-layers", "compile": "default",
-             "rates": "", "steps": 10, "rounds": 1, "recompute_ffn": False, "checkpoint_blocks": False,
+             "rates": "", "gpus": 1, "steps": 10, "rounds": 1, "recompute_ffn": False, "checkpoint_blocks": False,
              "variants": "", "recompute_gemm_inputs": False, "param_dtype": "float32", "warmup": 3,
              "glue": "auto,eager", "graphs": False, "profile": 0}
 
@@ -865,7 +867,14 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bf16-step-ms", type=float, default=None,
                    help="limits: a measured BF16 step (ms); the part of the step no recipe changes is taken from it")
     p.add_argument("--rates", default=None, help="limits: NAME=VALUE,... (bf16_tflops, fp8_tflops, mx_carrier_tflops, "
-                                               "copy_tbs, quantize_of_copy, attention_tflops; defaults: an H100's)")
+                                               "copy_tbs, quantize_of_copy, attention_tflops, link_gbs; defaults: an "
+                                               "H100's, link_gbs NVLink 4's 450 GB/s each way)")
+    p.add_argument("--gpus", type=_positive, default=None,
+                   help="limits: GPUs under FSDP2, --batch x --seq tokens each: count each GPU's all-gathers and "
+                        "reduce-scatter in a step and the efficiency they allow with no overlap")
+    p.add_argument("--one-gpu-step-ms", type=float, default=None,
+                   help="limits, with --gpus: a measured step on one GPU (same per-GPU batch) to judge the links "
+                        "against")
     p.add_argument("--steps", type=int, default=None, help="step: timed steps (median reported; default 10)")
     p.add_argument("--rounds", type=_positive, default=None,
                    help="step: build, compile and time every variant this many times (default 1), the order rotated "

@@ -208,3 +208,66 @@ def test_limits_counts_the_models_written_outside_mxtrain_from_their_own_shapes(
     idx = torch.randint(0, cfg.vocab_size, (1, 8))
     f = flops(cfg, 1, 8, layers=1)
     assert _gemm_flops(m, idx, idx) == f["linear"] + f["head"]
+
+
+@pytest.mark.parametrize("gpus", [2, 4])
+def test_fsdp_traffic_equals_the_collectives_fsdp2_issues(gpus):
+    """``fsdp_traffic`` against the collectives FSDP2 itself issues for one forward + backward of the model as the
+    trainer shards it (``train.parallel.apply_fsdp2``, bf16 gathers, float32 reduce-scatter), recorded at the
+    dispatcher in one process over torch's fake process group of ``gpus`` ranks: the bytes each rank receives,
+    ``(gpus - 1) / gpus`` of every gathered or reduced tensor."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from mxtrain.bench.limits import fsdp_traffic
+    from mxtrain.train.parallel import DistEnv, apply_fsdp2
+
+    class Collectives(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.got = {"all_gather": 0.0, "reduce_scatter": 0.0}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func)
+            if name.startswith("c10d._allgather_base_"):       # (output: the whole tensor, input: this shard)
+                self.got["all_gather"] += args[0].numel() * args[0].element_size() * (gpus - 1) / gpus
+            elif name.startswith("c10d._reduce_scatter_base_"):  # (output: this shard, input: the whole tensor)
+                self.got["reduce_scatter"] += args[1].numel() * args[1].element_size() * (gpus - 1) / gpus
+            return func(*args, **(kwargs or {}))
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=gpus)
+    try:
+        torch.manual_seed(0)
+        m = Llama(CFG)
+        apply_fsdp2(m, DistEnv(rank=0, world_size=gpus, backend="fake"), param_dtype=torch.bfloat16)
+        idx = torch.randint(0, CFG.vocab_size, (2, 17))
+        with Collectives() as log:
+            m(idx[:, :-1], idx[:, 1:]).backward()
+    finally:
+        dist.destroy_process_group()
+    want = fsdp_traffic(CFG, gpus)
+    assert log.got["all_gather"] > 0 and log.got["reduce_scatter"] > 0
+    assert want["all_gather_forward"] + want["all_gather_backward"] == pytest.approx(log.got["all_gather"], rel=1e-12)
+    assert want["reduce_scatter"] == pytest.approx(log.got["reduce_scatter"], rel=1e-12)
+    assert want["params"] == sum(p.numel() for p in Llama(CFG).parameters())
+
+
+def test_fsdp_floor_and_its_options():
+    """The floor a step keeps with none of the traffic overlapped, T / (T + traffic / link rate), for each
+    recipe's ceiling and for a measured one-GPU step; the options refused where they mean nothing."""
+    from mxtrain.bench.limits import fsdp_traffic
+    from mxtrain.errors import UserError
+    rates = Rates(link_gbs=100.0)
+    res = limits(CFG, 4, 16, ["bf16", "mxfp4-all-dh16"], rates, bf16_step_ms=5.0, gpus=2, one_gpu_step_ms=4.0)
+    comm = fsdp_traffic(CFG, 2)["total"] / 100e9 * 1e3
+    assert res["fsdp"]["comm_ms"] == pytest.approx(comm)
+    assert res["fsdp"]["floor_measured"] == pytest.approx(4.0 / (4.0 + comm))
+    for r in res["recipes"].values():
+        assert r["fsdp_floor"] == pytest.approx(r["ceiling_ms"] / (r["ceiling_ms"] + comm))
+    assert "fsdp" not in limits(CFG, 4, 16, ["bf16"], rates, bf16_step_ms=5.0)
+    with pytest.raises(UserError, match="--gpus"):
+        limits(CFG, 4, 16, ["bf16"], rates, one_gpu_step_ms=4.0)
+    one = fsdp_traffic(CFG, 1)
+    assert one["total"] == 0
+    assert fsdp_traffic(CFG, 2, reshard_after_forward=False)["all_gather_backward"] == 0
