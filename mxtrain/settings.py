@@ -153,7 +153,8 @@ class Settings:
         "bytes stored as one 32-byte run), `rows16` (the same, stored as two 16-byte runs: no layout exchange before "
         "the store), `lanes` (a row's 4 blocks in 4 neighbouring lanes of one warp, the group maximum two shuffles; "
         "16-byte stores). Same bytes from each (CPU tests under Triton's interpreter); fewer barriers and "
-        "instructions in `rows16` and `lanes` (`tools/compile_check.py`), not yet timed on a GPU.",
+        "instructions in `rows16` and `lanes` for activations, more register spills for a weight with random signs "
+        "(`tools/compile_check.py`, docs/kernels.md); not yet timed on a GPU.",
         "choice", choices=("rows", "rows16", "lanes"))
     qmaxnreg: int = _knob(
         80, "MXTRAIN_QMAXNREG", "Register cap (Triton `maxnreg`) of the cols, dual and 128x128-group blocks "
