@@ -128,6 +128,13 @@ class Settings:
         "backward keeps X itself and quantizes it there: faster, more memory unless the compiler recomputes X, e.g. "
         "under `train.memory_budget`; figures in BENCHMARKS.md). Same values every way.",
         "choice", choices=("auto", "forward", "carrier", "backward"))
+    wgrad_x_recompute: bool = _knob(
+        False, "MXTRAIN_WGRAD_X_RECOMPUTE", "With `wgrad_x` at `backward` (X kept and quantized in the backward), in a "
+        "layer compiled into the graph (`mx_compiled`): X is not kept but recomputed in the backward where the forward "
+        "makes it from elementwise operations (a norm's output, a SwiGLU product), as the compiler does for torchao's "
+        "float8 casts (`compiledmx.recompute_wgrad_inputs`). Counted on fake tensors (`tools/saved_bytes.py`): a "
+        "Llama-8B-shaped block then saves torchao's activations or less; not yet timed on a GPU. Same values either "
+        "way.", "bool")
     w_dual: str = _knob(
         "off", "MXTRAIN_W_DUAL", "Where a weight's Dgrad operand is quantized in an MX layer compiled into the graph "
         "(`mx_compiled`): `off` (in the backward, from the weight, one pass of its own), `on` (with its Fprop "

@@ -300,6 +300,9 @@ def graph_cases() -> dict:
     run("linear mxfp4-all-dh16 auto", lambda: torch.nn.Linear(C, 2 * C, bias=False, device="cuda"), x,
         "mxfp4-all-dh16", wgrad_x="auto")
     run("block mxfp4-all-dh16 shared", block, xcs, "mxfp4-all-dh16", mx_compiled="shared")
+    run("block mxfp4-all-dh16 backward", block, xcs, "mxfp4-all-dh16", wgrad_x="backward")
+    run("block mxfp4-all-dh16 backward recompute", block, xcs, "mxfp4-all-dh16", wgrad_x="backward",
+        wgrad_x_recompute=True)
     run("block bf16", block, xcs, None)
     run("user block mxfp4-all", lambda: _UserBlock(C, H, H, F, "cuda"), xcs, "mxfp4-all")
     return res

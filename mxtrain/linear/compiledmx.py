@@ -70,19 +70,21 @@ TRACE_TIME_SETTINGS = ("dual", "qkernel", "qblocks", "qmaxnreg", "qselfcheck")
 
 
 @assume_constant_result
-def plan(device: str, share: bool = False, *trace_settings) -> tuple:
+def plan(device: str, share: bool = False, recompute: bool = False, *trace_settings) -> tuple:
     """``(x_rows, w_rows)``: group rows of Wgrad's X and of the weights on ``device``, or ``(0, 0)`` where the
     compiled layer cannot run there (no FP8 tensor cores, the FP8-carrier GEMM not the device's backend,
     128x128 weight groups not exact). Makes the inexact-block counters of the device (outside any graph,
-    static addresses for CUDA graphs). Called with the tracing modes off, once per graph. ``trace_settings``: the
-    values of ``TRACE_TIME_SETTINGS`` (unused here: passed so that dynamo guards on them)."""
+    static addresses for CUDA graphs). Called with the tracing modes off, once per graph. ``share``, ``recompute``:
+    whether the compile shares inputs and recomputes X for the backward (``wgrad_x_recompute``): the joint pass is
+    installed for either. ``trace_settings``: the values of ``TRACE_TIME_SETTINGS`` (unused here: passed so that
+    dynamo guards on them)."""
     d = torch.device(device)
     if d.type != "cuda" or not AVAILABLE or backend(d) != "fp8_carrier":
         return (0, 0)
     if gemm.weight_group_rows(d) != 128:
         return (0, 0)
     fast.state.prepare(d)
-    if share:
+    if share or recompute:
         install_share_pass()
     return (gemm.activation_b_group_rows(d), 128)
 
@@ -101,7 +103,8 @@ def applies(mx: str, x: torch.Tensor, weight: torch.Tensor, s) -> tuple:
     if x.numel() == 0 or weight.numel() == 0:
         return (0, 0)
     # (the device is plan's to judge: it answers (0, 0) off CUDA)
-    return plan(str(x.device), s.shares_inputs(), s.dual, s.qkernel, s.qblocks, s.qmaxnreg, s.qselfcheck)
+    return plan(str(x.device), s.shares_inputs(), s.wgrad_x_recompute, s.dual, s.qkernel, s.qblocks, s.qmaxnreg,
+                s.qselfcheck)
 
 
 def _mm(ca: torch.Tensor, ga: torch.Tensor, Ra: int, cb: torch.Tensor, gb: torch.Tensor, rows_b: int, Rb: int,
@@ -642,21 +645,117 @@ def share_carriers(graph: torch.fx.Graph) -> int:
     return removed
 
 
+# What X may be made of for ``recompute_wgrad_inputs`` to have it recomputed in the backward: views and casts
+# (walked through) and elementwise operations (``torch.Tag.pointwise``), from the nearest tensors made otherwise.
+_VIEWS = ("view.default", "_unsafe_view.default", "reshape.default", "permute.default", "t.default",
+          "alias.default", "expand.default", "squeeze.dim", "unsqueeze.default", "clone.default",
+          "convert_element_type.default", "_to_copy.default")
+_RECOMPUTE_DEPTH = 24
+
+
+def _recomputing() -> bool:
+    """Does this compile recompute X for its backward quantize (``wgrad_x_recompute``)? Read as ``_sharing`` is."""
+    return settings.current().wgrad_x_recompute
+
+
+def recompute_wgrad_inputs(graph: torch.fx.Graph) -> int:
+    """In the joint graph, mark for recomputation in the backward the inputs X of the layers whose Wgrad operand is
+    quantized in the backward (``wgrad_x=backward``: a single-pass quantize launch there reads X, which the forward
+    made), where the forward makes X from elementwise operations only (through views and casts): a norm's output,
+    a SwiGLU product. The marks are the ones selective activation checkpointing sets
+    (``CheckpointPolicy.MUST_RECOMPUTE`` in ``node.meta["recompute"]``), which the min-cut partitioner honours: X
+    and its elementwise producers are not kept but made again in the backward from what is kept anyway (the
+    norm's input and statistics, the gate and up projections' outputs), as the compiler does for torchao's traced
+    float8 casts. X made otherwise (an attention output, a GEMM's output: kept by their own backward anyway) is
+    left to the partitioner. The values are the same: the elementwise operations are recomputed as they ran.
+    Returns the number of nodes marked. Inductor's joint custom pre-pass (``ShareCarrierPass``)."""
+    import operator
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+    from torch.utils.checkpoint import CheckpointPolicy
+    hop = torch.ops.higher_order.triton_kernel_wrapper_functional
+    backward: set = set()   # (nodes that depend on a tangent)
+    for n in graph.nodes:
+        if (n.op == "placeholder" and n.name.startswith("tangents")) or any(a in backward for a in n.all_input_nodes):
+            backward.add(n)
+
+    def view(n):
+        return n.op == "call_function" and str(n.target).startswith(("aten.", "prims.")) and str(n.target).endswith(
+            _VIEWS)
+
+    def pointwise(n):
+        return (n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+                and torch.Tag.pointwise in n.target.tags and not n.target.is_view)
+
+    def feeds_backward(n, depth=6) -> bool:   # (through getitems and views, a user that depends on a tangent)
+        todo, seen = [(u, 1) for u in n.users], set()
+        while todo:
+            u, d = todo.pop()
+            if u in backward:
+                return True
+            if u not in seen and d < depth and (u.target is operator.getitem or view(u)):
+                seen.add(u)
+                todo.extend((v, d + 1) for v in u.users)
+        return False
+
+    marked = 0
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target is not hop or node in backward:
+            continue
+        kernel = kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
+        if getattr(getattr(kernel, "fn", None), "__name__", None) != "_mxfp4_kernel" or not feeds_backward(node):
+            continue
+        kw = node.kwargs["kwargs"]
+        x = kw.get("x_ptr")
+        if not isinstance(x, torch.fx.Node) or x.op != "call_function":
+            continue   # (a weight's Dgrad operand reads a parameter)
+        chain, todo, ok = [], [x], False
+        while todo and len(chain) < _RECOMPUTE_DEPTH:
+            n = todo.pop()
+            if n in chain or n.op != "call_function" or n in backward:
+                continue
+            if view(n):
+                chain.append(n)
+                todo.extend(n.all_input_nodes[:1])
+            elif pointwise(n):
+                chain.append(n)
+                ok = True
+                todo.extend(a for a in n.all_input_nodes if a.meta.get("val") is not None
+                            and getattr(a.meta["val"], "numel", lambda: 0)() == n.meta["val"].numel())
+        if not ok:   # (X not made by an elementwise operation: left to the partitioner)
+            continue
+        # the launch itself, its fresh output buffers and its outputs as far as the backward's consumers
+        chain += [node] + [v for v in kw.values() if _fresh(v)]
+        todo = list(node.users)
+        while todo:
+            u = todo.pop()
+            if u not in backward and u not in chain and (u.target is operator.getitem or view(u)):
+                chain.append(u)
+                todo.extend(u.users)
+        for n in chain:
+            if n.meta.get("recompute") is None:
+                n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+                marked += 1
+    return marked
+
+
 class ShareCarrierPass(_ChainedPass):
-    """``share_carriers`` as inductor's joint custom pre-pass, chained after the pass a user set; a no-op in a
-    compile that does not share inputs (``_sharing``)."""
+    """``share_carriers`` (where the compile shares inputs, ``_sharing``) and ``recompute_wgrad_inputs`` (where it
+    recomputes X, ``_recomputing``) as inductor's joint custom pre-pass, chained after the pass a user set."""
 
     def run(self, graph: torch.fx.Graph) -> None:
         if _sharing():
             share_carriers(graph)
+        if _recomputing():
+            recompute_wgrad_inputs(graph)
 
     def uuid(self):
-        return (super().uuid(), _sharing())
+        return (super().uuid(), _sharing(), _recomputing())
 
     def source(self) -> str:
         import inspect
         return (inspect.getsource(share_carriers) + inspect.getsource(_fresh) + inspect.getsource(_freeze)
-                + inspect.getsource(_sharing) + repr(_SHARED_KERNELS))
+                + inspect.getsource(_sharing) + repr(_SHARED_KERNELS) + inspect.getsource(recompute_wgrad_inputs)
+                + inspect.getsource(_recomputing) + repr((_VIEWS, _RECOMPUTE_DEPTH)))
 
 
 def install_share_pass() -> bool:

@@ -1156,3 +1156,37 @@ def test_no_kernel_store_names_an_input_pointer():
             stores += 1
             assert not set(re.findall(r"\w+", m.group(2))) & inputs, m.group(0)
     assert stores >= 20
+
+
+
+@pytest.mark.cuda
+def test_cuda_recomputed_x_gives_the_kept_x_bits():
+    """``wgrad_x=backward`` with ``wgrad_x_recompute`` on a GPU: a compiled ``mxtrain.model.Block`` (its norms' outputs
+    and SwiGLU product recomputed in the backward for the Wgrad quantize, ``compiledmx.recompute_wgrad_inputs``)
+    gives the block's output and every gradient bit for bit as the same compile that keeps X, and as
+    ``wgrad_x=forward`` (X's Wgrad operand kept as codes)."""
+    import copy
+    from mxtrain.model import Block, ModelConfig, rope_tables
+    _gpu()
+    torch.manual_seed(0)
+    T, C = 512, 512
+    block = Block(ModelConfig(dim=C, n_heads=4, n_kv_heads=4, ffn_dim=1408, max_seq_len=T), device="cuda")
+    mxtrain.convert(block, "mxfp4-all-dh16", skip=())
+    x0 = torch.randn(2, T, C, device="cuda")
+    gy = torch.randn(2, T, C, device="cuda")
+    cos, sin = rope_tables(C // 4, T, 10000.0, device="cuda")
+    out = {}
+    for key, over in (("kept", dict(wgrad_x="backward")), ("recomputed", dict(wgrad_x="backward",
+                                                                             wgrad_x_recompute=True)),
+                      ("codes", dict(wgrad_x="forward"))):
+        m = copy.deepcopy(block)
+        x = x0.clone().requires_grad_()
+        torch._dynamo.reset()
+        with settings.override(**over), torch.autocast("cuda", dtype=torch.bfloat16):
+            y = torch.compile(m, fullgraph=True)(x, cos, sin)
+        y.backward(gy)
+        out[key] = [y.detach(), x.grad] + [p.grad for p in m.parameters()]
+    torch._dynamo.reset()
+    for key in ("recomputed", "codes"):
+        for i, (a, e) in enumerate(zip(out[key], out["kept"])):
+            assert torch.equal(a, e), (key, i)

@@ -167,6 +167,26 @@ def test_a_block_quantizes_a_shared_input_once(graphs):
     assert not any(d[0] == "uint8" and d[1][-1] % 512 == 0 for _, d in bw["inputs"] if d), bw["inputs"]
 
 
+def test_recomputing_x_keeps_no_copy_of_it(graphs):
+    """``wgrad_x=backward`` with ``wgrad_x_recompute`` (``compiledmx.recompute_wgrad_inputs``, the joint pass): in a
+    ``mxtrain.model.Block`` the layers whose input an elementwise chain makes (q/k/v and w1/w3: the norms' outputs;
+    w2: the SwiGLU product) have X and its backward quantize recomputed in the backward, so the forward hands the
+    backward three tensors fewer of X's size or its carrier's (which of the two the partitioner keeps without the
+    pass depends on the sizes: at Llama-8B shapes w2's carrier, here its bf16 X; tools/saved_bytes.py); wo's input
+    (the attention output, made otherwise) is kept either way; the launches and GEMMs are the same in number."""
+    M, C, F = GRAPH_SIZES["batch"] * GRAPH_SIZES["seq"], GRAPH_SIZES["dim"], GRAPH_SIZES["ffn"]
+    plain, rec = graphs["block mxfp4-all-dh16 backward"], graphs["block mxfp4-all-dh16 backward recompute"]
+    sizes = ([M, C], [M, F], [C, M], [F, M])
+
+    def xs(g):   # (activations of X's size, in bf16 or as a 1-byte carrier; not the parameters, which live anyway)
+        return [n for n, d in g["bw"]["inputs"] if d and not n.startswith("primals")
+                and d[0] in ("bfloat16", "float8_e4m3fn") and d[1] in sizes and not n.startswith("_scaled_mm")]
+    assert len(xs(plain)) - len(xs(rec)) == 3, (xs(plain), xs(rec))
+    assert len(xs(rec)) == 1, xs(rec)   # (wo's input)
+    assert _sum(plain["fw"]["ops"], plain["bw"]["ops"]) == _sum(rec["fw"]["ops"], rec["bw"]["ops"])
+    assert plain["fw"]["scaled_mm"] + plain["bw"]["scaled_mm"] == rec["fw"]["scaled_mm"] + rec["bw"]["scaled_mm"]
+
+
 def test_a_block_with_fused_projections(graphs):
     """A block of ``bench step``'s user model (``UserLlama``: fused q|k|v and gate|up, an ``nn.Linear`` subclass
     converted to ``mxfp4-all``): four layers, four inputs, nothing to share; 20 launches and 12 GEMMs."""
