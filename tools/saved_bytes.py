@@ -10,7 +10,7 @@ settings (``mxfp4-all-dh16:wgrad_x=forward``; a variant that names no ``wgrad_x`
 ``compile_helpers.fake_hopper`` sets, not ``auto``). Parameters and inputs are bf16 (no autocast on a CPU build).
 
     python tools/saved_bytes.py [--dim 4096 --ffn 14336 --heads 32 --kv-heads 8 --tokens 4096] [--out saved.json]
-                                [--top 12] [VARIANT ...]
+                                [--top 12] [--recompute-gemm-inputs] [VARIANT ...]
 """
 import argparse
 import json
@@ -33,8 +33,15 @@ ap.add_argument("--heads", type=int, default=32)
 ap.add_argument("--kv-heads", type=int, default=8)
 ap.add_argument("--tokens", type=int, default=4096, help="one sequence of this many tokens")
 ap.add_argument("--top", type=int, default=0, help="list the largest N saved activations of each variant")
+ap.add_argument("--recompute-gemm-inputs", action="store_true",
+                help="every variant as with train.recompute_gemm_inputs (the partitioner may recompute activations "
+                     "that feed GEMMs and kernels in the backward: torch._functorch.config."
+                     "ban_recompute_materialized_backward off), as bench step's flag")
 ap.add_argument("--out", default=None)
 args = ap.parse_args()
+if args.recompute_gemm_inputs:
+    import torch._functorch.config as _fc
+    _fc.ban_recompute_materialized_backward = False
 
 import compile_helpers as h  # noqa: E402
 
@@ -85,7 +92,7 @@ for v in args.variants:
             rows.append({"variant": v, "error": f"{type(e).__name__}: {e}"[:500]})
             continue
     saved = [(n, d) for n, d in res["bw"]["inputs"] if d and not n.startswith("tangents")]
-    scores = [(n, d) for n, d in saved if len(d[1]) == 4 and d[1][-1] == d[1][-2] == T]   # (B, H, T, T)
+    scores = [(n, d) for n, d in saved if len(d[1]) >= 3 and d[1][-1] == d[1][-2] == T]   # ([B,] H, T, T)
     acts = [(n, d) for n, d in saved if not n.startswith("primals") and (n, d) not in scores]
     row = {"variant": v, "saved_mib": sum(nbytes(d) for _, d in saved) / 2**20,
            "activations_mib": sum(nbytes(d) for _, d in acts) / 2**20, "tensors": len(saved),
@@ -98,4 +105,5 @@ for v in args.variants:
 if args.out:
     with open(args.out, "w") as f:
         json.dump({"block": {"dim": C, "ffn": args.ffn, "heads": args.heads, "kv_heads": args.kv_heads, "tokens": T},
+                   "recompute_gemm_inputs": args.recompute_gemm_inputs,
                    "torch": torch.__version__, "rows": rows}, f, indent=1)
