@@ -16,6 +16,14 @@ register cap (``qmaxnreg``) at the default configuration; and the carrier rebuil
 ``--what expand``: only the carrier rebuild, both group layouts (1x128: eager X; 128x128: the compiled layer's
 X), each checked byte for byte against the fused quantizer's own carrier of the same operand.
 
+``--what weights``: a weight's Fprop (along K, ``blocks``) and Dgrad (along N, ``cols``) passes in 128x128 groups
+from its float32 master, as ``mxfp4-all-dh16`` (H16), ``mxfp4-all-rht16`` (H16 with random signs) and
+``mxfp4-all-adaptive`` (the adaptive scale rule) make them, at the 125M model's and Llama-8B's weight shapes: the
+default launch (128-row tiles, 8 warps, the 80-register cap) against 16 warps along K (4 along N: the ``cols``
+tile's other shape), and each without the cap (on the
+CPU, compiled for sm_90, the 8-warp signed and adaptive passes spill: ``tools/compile_check.py``), each against a
+copy of the weight.
+
 ``--what compiled``: the dual passes as the layer compiled into the graph launches them in a step of the 125M
 models (``linear/compiledmx.py``): X with its Wgrad operand as an FP8 carrier in 128x128 groups (``wgrad_x=auto``
 keeps the carrier up to 2,048 input features) at the layers' input widths (768, 2,048), dY with both carriers
@@ -25,7 +33,7 @@ every (A block rows, B block rows, warps) the kernel takes, each against a copy;
 single-pass kernel (where the dual pass's time goes); and the A side's other tile arrangements (setting
 ``qblocks``: ``rows16``, ``lanes``), in the dual pass and alone, right after the defaults.
 
-    python tools/dual_sweep.py OUT.json [--budget 400] [--quick] [--what dual,expand,compiled]
+    python tools/dual_sweep.py OUT.json [--budget 400] [--quick] [--what dual,expand,compiled,weights]
                                         [--tokens 16384] [--x-widths 768,2048] [--dy-widths 768,1280,4096]
 
 The Hugging Face Llama of docs/library.md (8,192 tokens a step): ``--what compiled --tokens 8192 --x-widths 1024
@@ -46,7 +54,7 @@ ap.add_argument("out")
 ap.add_argument("--budget", type=float, default=400.0, help="seconds after which no new measurement starts")
 ap.add_argument("--quick", action="store_true", help="one shape, two configurations (a smoke test)")
 ap.add_argument("--device", default="cuda", help="cpu: a smoke test of the script under TRITON_INTERPRET=1")
-ap.add_argument("--what", default="dual,expand", help="dual, expand, compiled (comma-separated)")
+ap.add_argument("--what", default="dual,expand", help="dual, expand, compiled, weights (comma-separated)")
 ap.add_argument("--timer", choices=("events", "graph"), default=None,
                 help="events: triton's do_bench, one launch between two events, the L2 cache flushed before each "
                      "(at small sizes the host's launch time, not the kernel's); graph: do_bench_cudagraph, the "
@@ -260,6 +268,51 @@ if "compiled" in args.what:
             configs = configs[:2]
         sweep((case, K, br, nw) for (br, nw), K in itertools.product(configs, COMPILED[case] if not args.quick
                                                                      else WIDTHS[:1]))
+
+
+def weight_case(N, K, name, opts, nw, cap):
+    """Time a weight's Fprop or Dgrad pass (``opts``: axis and quantize options) at ``nw`` warps and register cap
+    ``cap`` (None: the setting's default), after checking its carrier against the default launch's."""
+    w = ws[(N, K)]
+    ov = {} if cap is None else {"qmaxnreg": cap}
+    with settings.override(**ov):
+        fn = lambda: kq.quantize_mxfp4_2d(w, carrier=True, fp4=False, group_rows=128, k_multiple=512,
+                                          counter=cnt, num_warps=nw, **opts)
+        got = fn()
+    ref = kq.quantize_mxfp4_2d(w, carrier=True, fp4=False, group_rows=128, k_multiple=512, counter=cnt, **opts)
+    same = bool(torch.equal(got.carrier.view(torch.uint8), ref.carrier.view(torch.uint8))
+                and torch.equal(got.gscale, ref.gscale))
+    with settings.override(**ov):
+        us = bench(fn)
+    by = N * K * (4 + 1)
+    return dict(what="weight", case=name, N=N, K=K, axis=opts["axis"], num_warps=nw, maxnreg=cap, same=same, us=us,
+                tb_s=by / us / 1e6, of_copy=(by / us) / (8 * N * K / wcopy[(N, K)]))
+
+
+if "weights" in args.what:
+    from mxtrain.numerics.hadamard import rotation_signs
+    shapes = [(768, 768), (2048, 768), (768, 2048)] + ([] if args.quick else [(4096, 4096), (14336, 4096),
+                                                                                (4096, 14336)])
+    if dev == "cpu":
+        shapes = [(256, 256)]
+    ws = {s: torch.randn(*s, device=dev) for s in shapes}
+    wcopy = {}
+    for s, w in ws.items():
+        y = torch.empty_like(w)
+        wcopy[s] = bench(lambda: y.copy_(w))
+    s16 = rotation_signs(16, "fixed", seed=1, device=dev)
+    WCASES = {"dh16": dict(rot=16), "rht16": dict(rot=16, signs=s16), "adaptive": dict(rot=16, scale_rule="adaptive")}
+    for (N, K), (name, opts), axis in itertools.product(shapes, WCASES.items(), (1, 0)):
+        alt = 16 if axis == 1 else 4   # (blocks: 16 warps, 32 values a thread; cols: 4 values a thread, 4 warps)
+        for nw, cap in ((None, None), (alt, None), (None, 0), (alt, 0)):
+            if time.time() - t0 > args.budget:
+                break
+            try:
+                row(**weight_case(N, K, name, dict(opts, axis=axis), nw, cap))
+            except Exception as e:   # noqa: BLE001 - reported per configuration
+                row(what="weight", case=name, N=N, K=K, axis=axis, num_warps=nw, maxnreg=cap,
+                    error=f"{type(e).__name__}: {e}"[:300])
+    save()
 
 
 if "expand" in args.what:
