@@ -140,18 +140,22 @@ def test_forms_write_the_same_bytes(case, form):
 @pytest.mark.parametrize("form", FORMS)
 def test_forms_in_the_dual_pass(form):
     """The dual kernel's first side in each arrangement: both outputs equal to the two single passes (``rows``),
-    with H16 and signs on both sides (an activation's), and with 128x128 groups and stochastic rounding."""
+    with H16 and signs on both sides (an activation's), with 128x128 groups and stochastic rounding, and with one
+    program a 128x128 block and 16-row A tiles."""
     x = _data(130, 140, 3, BF16)
     s16 = rotation_signs(16, "fixed", seed=4, device=DEV)
-    for a, b, fp4_b in ((dict(rot=16, signs=s16), dict(rot=16, signs=s16), False),
-                        (dict(rot=32, rounding="stochastic", key=rng.stream_key(5)),
-                         dict(rot=16, group_rows=128), True)):
+    for a, b, fp4_b, cfg in ((dict(rot=16, signs=s16), dict(rot=16, signs=s16), False, {}),
+                             (dict(rot=32, rounding="stochastic", key=rng.stream_key(5)),
+                              dict(rot=16, group_rows=128), True, {}),
+                             # one program a 128x128 block (A tiles, then B), 16-row A tiles
+                             (dict(rot=16, signs=s16), dict(rot=8), False,
+                              dict(sequential=True, block_rows=(16, 128), num_warps=4))):
         with settings.override(qkernel="auto", qblocks="rows", qselfcheck="off"):
             want = [kq.quantize_mxfp4_2d(x, 1, carrier=True, k_multiple=128, **a),
                     kq.quantize_mxfp4_2d(x, 0, carrier=not fp4_b, fp4=fp4_b, k_multiple=128, **b)]
         with settings.override(qkernel="auto", qblocks=form, qselfcheck="off", dual="on"):
             with kq.record_launches() as log:
-                got = kq.quantize_mxfp4_dual(x, a, b, k_multiple=128, fp4_b=fp4_b)
+                got = kq.quantize_mxfp4_dual(x, a, b, k_multiple=128, fp4_b=fp4_b, **cfg)
         assert [e.kernel for e in log] == ["dual"]
         assert torch.equal(got[0].carrier.view(torch.uint8), want[0].carrier.view(torch.uint8))
         assert torch.equal(got[0].gscale, want[0].gscale)
