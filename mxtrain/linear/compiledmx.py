@@ -678,9 +678,9 @@ def recompute_wgrad_inputs(graph: torch.fx.Graph) -> int:
         if (n.op == "placeholder" and n.name.startswith("tangents")) or any(a in backward for a in n.all_input_nodes):
             backward.add(n)
 
-    def view(n):
-        return n.op == "call_function" and str(n.target).startswith(("aten.", "prims.")) and str(n.target).endswith(
-            _VIEWS)
+    def view(n):   # ("aten.view.default" -> ("aten", "view.default"))
+        ns, _, name = str(n.target).partition(".")
+        return n.op == "call_function" and ns in ("aten", "prims") and name in _VIEWS
 
     def pointwise(n):
         return (n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)

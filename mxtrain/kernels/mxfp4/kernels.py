@@ -417,7 +417,7 @@ if triton is not None:
                 r3 = rows[:, None, None]
                 blk = tl.arange(0, 4)[None, :, None]
             ee = tl.arange(0, 8)[None, None, :]
-            c0 = kbase + blk * 32 + ee                     # [1, 4, 8] columns of piece 0
+            c0 = kbase + blk * 32 + ee                     # [1, 4, 8] ([4, 1, 8]) columns of piece 0
             c1 = c0 + 8
             c2 = c0 + 16
             c3 = c0 + 24
