@@ -57,6 +57,7 @@ CASES = [
     (BF16, dict(rot=16, fmt="mxint4")),
     (F32, dict(rot=32, signs=32, fmt="mxe1m2", rounding="stochastic")),
     (F32, dict(rot=4, prescale=0.75, fmt="mxe1m2")),
+    (BF16, dict(rot=16, signs=16, rounding="stochastic", force_idx64=True)),   # 64-bit offsets
 ]
 
 
