@@ -654,8 +654,20 @@ _RECOMPUTE_DEPTH = 24
 
 
 def _recomputing() -> bool:
-    """Does this compile recompute X for its backward quantize (``wgrad_x_recompute``)? Read as ``_sharing`` is."""
-    return settings.current().wgrad_x_recompute
+    """Does this compile recompute X for its backward quantize (``wgrad_x_recompute``)? Read as ``_sharing`` is. Warns
+    (once) where the setting cannot act: X's Wgrad operand is quantized in the backward only with ``wgrad_x=backward``
+    (``auto`` never chooses it)."""
+    s = settings.current()
+    if s.wgrad_x_recompute and s.wgrad_x != "backward" and not _WARNED_RECOMPUTE:
+        import warnings
+        _WARNED_RECOMPUTE.append(True)
+        warnings.warn(f"mxtrain: wgrad_x_recompute has no effect with wgrad_x={s.wgrad_x}: X is recomputed only "
+                      "for a Wgrad operand quantized in the backward; set MXTRAIN_WGRAD_X=backward too", UserWarning,
+                      stacklevel=2)
+    return s.wgrad_x_recompute
+
+
+_WARNED_RECOMPUTE: list = []
 
 
 def recompute_wgrad_inputs(graph: torch.fx.Graph) -> int:

@@ -1190,3 +1190,17 @@ def test_cuda_recomputed_x_gives_the_kept_x_bits():
     for key in ("recomputed", "codes"):
         for i, (a, e) in enumerate(zip(out[key], out["kept"])):
             assert torch.equal(a, e), (key, i)
+
+
+
+def test_recompute_setting_without_wgrad_x_backward_warns(monkeypatch):
+    """``wgrad_x_recompute`` acts only with ``wgrad_x=backward``; with another placement the joint pass says so
+    (once), rather than leaving a user to believe the memory is saved."""
+    import warnings
+    monkeypatch.setattr(compiledmx, "_WARNED_RECOMPUTE", [])
+    with settings.override(wgrad_x_recompute=True, wgrad_x="auto"):
+        with pytest.warns(UserWarning, match="wgrad_x_recompute has no effect with wgrad_x=auto"):
+            assert compiledmx._recomputing()
+    with settings.override(wgrad_x_recompute=True, wgrad_x="backward"), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert compiledmx._recomputing()
