@@ -717,8 +717,11 @@ def main(argv=None):
                 print(f"{name:32s} FAILED {r['error']}", flush=True)
                 continue
             per = f"  sass/element {r['sass_per_elem']:5.1f}" if "sass_per_elem" in r else ""
+            ops = r.get("ops", {})
+            # (register spills: local-memory stores; barriers: shared-memory exchanges between warps)
+            spill = f"  spills {ops['STL']}" if ops.get("STL") else ""
             print(f"{name:32s} regs {r['regs']:4d}  sass {r['sass']:6d}  ptx {r['ptx']:6d}  {r['hash']}{per}"
-                  f"  {r['compile_s']:.1f} s",
+                  f"  bar {ops.get('BAR', 0)}{spill}  {r['compile_s']:.1f} s",
                   flush=True)
             differs = r.get("specialized", {}).get("differs")
             if differs:   # (on stderr: tests read every stdout line as a variant's)
