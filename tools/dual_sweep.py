@@ -16,6 +16,14 @@ register cap (``qmaxnreg``) at the default configuration; and the carrier rebuil
 ``--what expand``: only the carrier rebuild, both group layouts (1x128: eager X; 128x128: the compiled layer's
 X), each checked byte for byte against the fused quantizer's own carrier of the same operand.
 
+``--what tseng``: the ``tseng`` recipe's backward passes (H64 with per-step signs, stochastic rounding, prescale
+3/4; the ``tile`` layout, which takes every 64-wide rotation): dY along rows (Dgrad; on the CPU, compiled for sm_90,
+255 registers uncapped, so 8 warps an SM) with register caps 168 and 128 against none, and dY and X along tokens
+and W along N (Wgrad, Dgrad; 74-89 barriers a program; X's Wgrad pass is dY's launch at X's widths) at 8 warps
+against the default 4 (W: 4 against 8), at
+``--tokens`` x the widths of ``--dy-widths`` (8B: ``--tokens 16384 --dy-widths 4096,14336``), each checked byte
+for byte against the default launch and timed against a copy.
+
 ``--what weights``: a weight's Fprop (along K, ``blocks``) and Dgrad (along N, ``cols``) passes in 128x128 groups
 from its float32 master, as ``mxfp4-all-dh16`` (H16), ``mxfp4-all-rht16`` (H16 with random signs) and
 ``mxfp4-all-adaptive`` (the adaptive scale rule) make them, at the 125M model's and Llama-8B's weight shapes: the
@@ -33,7 +41,7 @@ every (A block rows, B block rows, warps) the kernel takes, each against a copy;
 single-pass kernel (where the dual pass's time goes); and the A side's other tile arrangements (setting
 ``qblocks``: ``rows16``, ``lanes``), in the dual pass and alone, right after the defaults.
 
-    python tools/dual_sweep.py OUT.json [--budget 400] [--quick] [--what dual,expand,compiled,weights]
+    python tools/dual_sweep.py OUT.json [--budget 400] [--quick] [--what dual,expand,compiled,weights,tseng]
                                         [--tokens 16384] [--x-widths 768,2048] [--dy-widths 768,1280,4096]
 
 The Hugging Face Llama of docs/library.md (8,192 tokens a step): ``--what compiled --tokens 8192 --x-widths 1024
@@ -54,7 +62,7 @@ ap.add_argument("out")
 ap.add_argument("--budget", type=float, default=400.0, help="seconds after which no new measurement starts")
 ap.add_argument("--quick", action="store_true", help="one shape, two configurations (a smoke test)")
 ap.add_argument("--device", default="cuda", help="cpu: a smoke test of the script under TRITON_INTERPRET=1")
-ap.add_argument("--what", default="dual,expand", help="dual, expand, compiled, weights (comma-separated)")
+ap.add_argument("--what", default="dual,expand", help="dual, expand, compiled, weights, tseng (comma-separated)")
 ap.add_argument("--timer", choices=("events", "graph"), default=None,
                 help="events: triton's do_bench, one launch between two events, the L2 cache flushed before each "
                      "(at small sizes the host's launch time, not the kernel's); graph: do_bench_cudagraph, the "
@@ -312,6 +320,63 @@ if "weights" in args.what:
             except Exception as e:   # noqa: BLE001 - reported per configuration
                 row(what="weight", case=name, N=N, K=K, axis=axis, num_warps=nw, maxnreg=cap,
                     error=f"{type(e).__name__}: {e}"[:300])
+    save()
+
+
+def tseng_case(name, x, axis, opts, cap=None, nw=None):
+    """Time one of ``tseng``'s passes with register cap ``cap`` on the tile kernel (launch options patched: the
+    stochastic-rounding launches run uncapped otherwise) and ``nw`` warps, after checking its carrier and group
+    scales against the default launch's; launch plans off (they key on neither)."""
+    from mxtrain.kernels.mxfp4 import launch as L
+    real = L.launch_opts
+    kw = dict(carrier=True, fp4=False, k_multiple=512, counter=cnt, **opts)
+    with settings.override(fast_launch="off"):
+        ref = kq.quantize_mxfp4_2d(x, axis, **kw)
+        if cap is not None:
+            L.launch_opts = lambda kern, dev, sr=False, maxnreg=None: (
+                {"maxnreg": cap} if kern == "tile" else real(kern, dev, sr=sr, maxnreg=maxnreg))
+        try:
+            fn = lambda: kq.quantize_mxfp4_2d(x, axis, num_warps=nw, **kw)
+            got = fn()
+            us = bench(fn)
+        finally:
+            L.launch_opts = real
+    same = bool(torch.equal(got.carrier.view(torch.uint8), ref.carrier.view(torch.uint8))
+                and torch.equal(got.gscale, ref.gscale))
+    n = x.numel()
+    by = n * (x.element_size() + 1)
+    return dict(what="tseng", case=name, shape=list(x.shape), axis=axis, maxnreg=cap, num_warps=nw, same=same,
+                us=us, tb_s=by / us / 1e6, of_copy=(by / us) / (2 * n * x.element_size() / tcopy[tuple(x.shape)]))
+
+
+if "tseng" in args.what:
+    from mxtrain.kernels.mxfp4.launch import kernel_for
+    from mxtrain.numerics import rng
+    from mxtrain.numerics.hadamard import rotation_signs
+    s64 = rotation_signs(64, "fixed", seed=2, device=dev)
+    sr = dict(rot=64, signs=s64, rounding="stochastic", prescale=0.75, key=rng.stream_key(3))
+    tcopy = {}
+    Ns = (256,) if dev == "cpu" else (DY_WIDTHS[:1] if args.quick else DY_WIDTHS)
+    Mt = 128 if dev == "cpu" else M
+    for N in Ns:
+        y = torch.randn(Mt, N, device=dev, dtype=torch.bfloat16)
+        w = torch.randn(N, N, device=dev)
+        for t in (y, w):
+            z = torch.empty_like(t)
+            tcopy[tuple(t.shape)] = bench(lambda: z.copy_(t))
+        assert kernel_for(1, 64) == "tile" and kernel_for(0, 64, rows_contiguous=True) == "tile"
+        for name, x, axis, opts, configs in (
+                ("dY along rows", y, 1, sr, ((None, None), (168, None), (128, None))),
+                ("dY along tokens", y, 0, sr, ((None, None), (None, 8))),
+                ("W along N", w, 0, dict(sr, group_rows=128), ((None, None), (None, 4)))):
+            for cap, nw in configs:
+                if time.time() - t0 > args.budget:
+                    break
+                try:
+                    row(**tseng_case(name, x, axis, opts, cap, nw))
+                except Exception as e:   # noqa: BLE001 - reported per configuration
+                    row(what="tseng", case=name, shape=list(x.shape), maxnreg=cap, num_warps=nw,
+                        error=f"{type(e).__name__}: {e}"[:300])
     save()
 
 
