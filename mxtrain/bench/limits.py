@@ -255,6 +255,9 @@ def limits(cfg, batch: int, seq: int, recipes: list[str], rates: Rates = Rates()
         rec_ms["ceiling_ms"] = None if other is None else other + fixed
         rec_ms["ceiling_vs_bf16"] = None if other is None else bf16_step_ms / rec_ms["ceiling_ms"]
         out["recipes"][name] = rec_ms
+    if one_gpu_step_ms is not None and not (one_gpu_step_ms > 0 and one_gpu_step_ms < float("inf")):
+        raise UserError(f"--one-gpu-step-ms must be a positive number of milliseconds (a measured step), "
+                        f"got {one_gpu_step_ms:g}")
     if gpus > 1:
         tr = fsdp_traffic(cfg, gpus, layers)
         comm = tr["total"] / (rates.link_gbs * 1e9) * 1e3

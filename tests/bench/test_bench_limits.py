@@ -268,6 +268,9 @@ def test_fsdp_floor_and_its_options():
     assert "fsdp" not in limits(CFG, 4, 16, ["bf16"], rates, bf16_step_ms=5.0)
     with pytest.raises(UserError, match="--gpus"):
         limits(CFG, 4, 16, ["bf16"], rates, one_gpu_step_ms=4.0)
+    for bad in (-5.0, 0.0, float("nan"), float("inf")):
+        with pytest.raises(UserError, match="positive number of milliseconds"):
+            limits(CFG, 4, 16, ["bf16"], rates, gpus=2, one_gpu_step_ms=bad)
     one = fsdp_traffic(CFG, 1)
     assert one["total"] == 0
     assert fsdp_traffic(CFG, 2, reshard_after_forward=False)["all_gather_backward"] == 0
