@@ -1039,12 +1039,12 @@ def test_a_setting_changed_after_compiling_recompiles_the_layer(monkeypatch):
     graphs = []
     with settings.override(dual="auto", qkernel="auto", qmaxnreg=80):
         for change in ({}, {"dual": "off"}, {"qkernel": "tile"}, {"qmaxnreg": 64}, {"qselfcheck": "off"},
-                       {"wgrad_x": "forward"}):
+                       {"qblocks": "lanes"}, {"wgrad_x_recompute": True}, {"wgrad_x": "forward"}):
             with settings.override(**change):
                 assert torch.equal(cf(x), x * 128)
             graphs.append(counters["stats"]["unique_graphs"])
     torch._dynamo.reset()
-    assert graphs == [1, 2, 3, 4, 5, 5]   # (wgrad_x is read by compiledmx.linear, not by applies)
+    assert graphs == [1, 2, 3, 4, 5, 6, 7, 7]   # (wgrad_x is read by compiledmx.linear, not by applies)
 
 
 def test_trace_time_settings_are_the_ones_the_ops_read():
