@@ -201,6 +201,7 @@ def test_cuda_forms_at_model_shapes(form):
                 # single passes; either would be replaced by a correct fallback and pass unnoticed)
                 warnings.filterwarnings("error", message=".*(failed its self-check|differed from two single).*")
                 single = kq.quantize_mxfp4_2d(x, 1, carrier=True, fp4=False, k_multiple=512, **a)
+                kq.quantize_mxfp4_dual(x, a, b, k_multiple=512)   # (the first call runs the self-checks)
                 with kq.record_launches() as log:
                     dual = kq.quantize_mxfp4_dual(x, a, b, k_multiple=512)
                 assert [e.kernel for e in log] == ["dual"], (f, M, K)
