@@ -154,15 +154,17 @@ class Settings:
         "`tile` forced where it applies (rotations wider than 32 always run `tile`). Same bytes from each.",
         "choice", choices=("auto", "blocks", "cols", "tile"))
     qblocks: str = _knob(
-        "rows", "MXTRAIN_QBLOCKS", "How the `blocks` quantize kernel (operands quantized along rows: Fprop's and "
+        "auto", "MXTRAIN_QBLOCKS", "How the `blocks` quantize kernel (operands quantized along rows: Fprop's and "
         "Dgrad's, and the one-read dual pass's first side) holds its tile of rows x 4 MX blocks: `rows` (a row's 4 "
         "blocks in 4 warps, its 1x128 carrier-group maximum exchanged through shared memory; each block's carrier "
         "bytes stored as one 32-byte run), `rows16` (the same, stored as two 16-byte runs: no layout exchange before "
         "the store), `lanes` (a row's 4 blocks in 4 neighbouring lanes of one warp, the group maximum two shuffles; "
-        "16-byte stores). Same bytes from each (CPU tests under Triton's interpreter); fewer barriers and "
-        "instructions in `rows16` and `lanes` for activations, more register spills for a weight with random signs "
-        "(`tools/compile_check.py`, docs/kernels.md); not yet timed on a GPU.",
-        "choice", choices=("rows", "rows16", "lanes"))
+        "16-byte stores), `auto` (`lanes`, except `rows` for a pass in 128x128 groups with random signs: a weight of "
+        "the `-rht16` and `ufp4` recipes, which spills more registers in the other two). Same bytes from each (CPU "
+        "tests under Triton's interpreter). On an H200 `lanes` ran the dual pass 7-17 % faster than `rows` at the "
+        "125M and 8B models' widths, and took 0.20 ms (9 %) off the dual passes of a 125M-class step "
+        "(BENCHMARKS.md).",
+        "choice", choices=("auto", "rows", "rows16", "lanes"))
     qmaxnreg: int = _knob(
         80, "MXTRAIN_QMAXNREG", "Register cap (Triton `maxnreg`) of the cols, dual and 128x128-group blocks "
         "kernels on NVIDIA GPUs (stochastic rounding runs uncapped); 0: no cap. Same bytes either way.",

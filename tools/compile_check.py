@@ -278,7 +278,8 @@ VARIANTS = {
     "mxelem e5m2 cols even prescale": _mxelem(0, 32, 2, 5, 2, -14, 15, 57344.0, 3, prescale=True),
     "mxelem e2m3 rows rceil idx64": _mxelem(1, 16, 4, 5, 3, 0, 2, 7.5, 2, idx64=True),
     "mxelem e3m2 cols amd": _mxelem(0, 32, 2, 6, 2, -2, 4, 28.0, 4),
-    # the blocks layout's other tile arrangements (setting qblocks; not yet the default, so not FUSION_CHECKED):
+    # the blocks layout's tile arrangements (setting qblocks) beside the rows variants above; the graph variants
+    # take the default's (auto: _as_launched below):
     # "rows16" stores each block's carrier bytes as two 16-byte runs, "lanes" also holds a row's 4 blocks in one
     # warp's lanes ([4, BR, 8] pieces)
     "rows16 blocks x r16 fold": _single("blocks", 16, 2, 16, FOLD=True, SPLIT16=True),
@@ -295,6 +296,21 @@ VARIANTS = {
     "lanes dual x signs r16 fold g128 fp4_b": _dual(64, 128, 8, gr_b=128, rot=16, fp4_b=True, SPLIT16_A=True,
                                                     BFIRST_A=True),
 }
+
+
+def _as_launched(v):
+    """A ``graph`` variant in the tile arrangement the compiled layer launches it in: the ``qblocks`` setting's
+    default (``auto``, ``launch.resolve_form``) for a blocks-layout pass, by its groups and signs."""
+    from mxtrain.kernels.mxfp4.launch import blocks_form
+    c = v["consts"]
+    if v["kind"] == "dual":
+        c.update(blocks_form("auto", "_A", c.get("GROUP_ROWS_A", 1), c["HAS_SIGNS_A"]))
+    elif v["layout"] == "blocks":
+        c.update(blocks_form("auto", "", c["GROUP_ROWS"], c["HAS_SIGNS"]))
+    return v
+
+
+VARIANTS.update({n: _as_launched(v) for n, v in VARIANTS.items() if n.startswith("graph ")})
 
 
 def kernel_of(v):

@@ -5,8 +5,8 @@ and option: packed codes and scales against the reference quantizer, carriers, g
 against ``rows``, in the single pass and in the dual pass's first side.
 
 On CPU the kernels run in Triton's interpreter, which sees the index arithmetic of each arrangement but not its
-registers and lanes; on a GPU the same tests run the compiled kernels (run them there before making another
-arrangement the default)."""
+registers and lanes; on a GPU the same tests run the compiled kernels (run them there before changing the
+default, ``auto``: ``lanes`` but for a weight with random signs)."""
 
 import os
 
@@ -178,6 +178,38 @@ def test_self_check_and_plans_key_on_the_form():
     assert len(keys) == 3
     assert launch.blocks_form("rows") == {} and launch.blocks_form("lanes", "_A") == {"SPLIT16_A": True,
                                                                                          "BFIRST_A": True}
+
+
+def test_auto_takes_lanes_except_for_a_weight_with_signs():
+    """The default (``auto``) launches ``lanes`` for every blocks-layout pass but one in 128x128 groups with random
+    signs (a weight of ``-rht16`` / ``ufp4``), which keeps ``rows`` (it spills more in the others): read from the
+    launch specs that the eager launch and the traced form both build."""
+    assert settings.Settings().qblocks == "auto"
+    st = settings.current()
+    assert st.qblocks == "auto"
+    lanes, rows = {"SPLIT16": True, "BFIRST": True}, {}
+
+    def single(dtype, group_rows, signs):
+        spec = launch.single_spec((256, 512), (512, 1), dtype, torch.device(DEV), 1, rot=16, has_signs=signs,
+                                  rounding="nearest", scale_rule="floor", prescale=1.0, index_strides=None,
+                                  carrier=True, fp4=False, group_rows=group_rows, row_multiple=16, block_rows=None,
+                                  num_warps=None, k_multiple=512, key_ptr=False, force_idx64=False, st=st)
+        assert spec.kern == "blocks"
+        return {k: v for k, v in spec.consts.items() if k in ("SPLIT16", "BFIRST")}
+    assert single(BF16, 1, False) == lanes and single(BF16, 1, True) == lanes   # activations, with signs or not
+    assert single(F32, 128, False) == lanes                                        # a weight without signs
+    assert single(F32, 128, True) == rows                                          # a weight with random signs
+
+    def dual(a, b):
+        spec = launch.dual_spec((256, 512), 512, BF16, torch.device(DEV), a, b, k_multiple=512, block_rows=None,
+                                num_warps=None, sequential=None, fp4_b=False, force_idx64=False, st=st)
+        return {k: v for k, v in spec.consts.items() if k in ("SPLIT16_A", "BFIRST_A")}
+    s16 = object()   # (the spec only asks whether signs are given)
+    assert dual(dict(rot=16), dict(rot=16, group_rows=128)) == {"SPLIT16_A": True, "BFIRST_A": True}
+    assert dual(dict(rot=16, signs=s16), dict(rot=16, signs=s16)) == {"SPLIT16_A": True, "BFIRST_A": True}
+    assert dual(dict(rot=16, group_rows=128, signs=s16), dict(rot=16, group_rows=128, signs=s16)) == {}
+    for form in ("rows", "rows16", "lanes"):   # a form set by hand is taken as it is
+        assert launch.resolve_form(form, 128, True) == form
 
 
 @pytest.mark.cuda

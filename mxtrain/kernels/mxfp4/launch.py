@@ -161,7 +161,7 @@ def block_config(kern: str, axis: int, group_rows: int, sr: bool, block_rows: in
 
 def single_kernel(kern: str, dev: torch.device, dtype: torch.dtype, BR: int, num_warps: int, rot: int,
                   has_signs: bool, scale_rule: str, sr: bool, prescale: float, group_rows: int, carrier: bool,
-                  fp4: bool, idx64: bool, key_ptr: bool, fmt: str = "mxfp4", form: str = "rows") -> tuple:
+                  fp4: bool, idx64: bool, key_ptr: bool, fmt: str = "mxfp4", form: str = "auto") -> tuple:
     """(the Triton kernel, its constexpr arguments) for one single-pass launch in layout ``kern``: the layout's
     own constexprs only (the others keep their defaults, so that no option they ignore makes a new variant).
     ``form``: the blocks layout's tile arrangement (the ``qblocks`` setting, ``blocks_form``)."""
@@ -176,16 +176,30 @@ def single_kernel(kern: str, dev: torch.device, dtype: torch.dtype, BR: int, num
         consts.update(USE_ASM=dev.type == "cuda", PACK=2 if per_thread == 2 else 4,
                       FOLD=fold_applies(dtype, rot, prescale))
     elif kern == "blocks":
-        consts.update(USE_ASM=dev.type == "cuda", FOLD=fold_applies(dtype, rot, prescale), **blocks_form(form))
+        consts.update(USE_ASM=dev.type == "cuda", FOLD=fold_applies(dtype, rot, prescale),
+                      **blocks_form(form, "", group_rows, has_signs))
     elif rot == 64:   # the tile kernel's 64-wide groups: the hardware e4m3 conversion as blocks and cols
         consts.update(USE_ASM=dev.type == "cuda")
     return _kernels._mxfp4_kernel, consts
 
 
-def blocks_form(form: str, side: str = "") -> dict:
+def resolve_form(form: str, group_rows: int, has_signs: bool) -> str:
+    """The tile arrangement the ``qblocks`` setting's ``form`` gives a blocks-layout pass: ``auto`` is ``lanes``
+    (on an H200 the dual pass 7-17 % faster than ``rows`` at the 125M and 8B widths, 9 % less of its time in a
+    step's profile: BENCHMARKS.md) except for a pass in 128x128 groups with random signs (a weight of the
+    ``-rht16`` and ``ufp4`` recipes), which spills more under ``lanes`` and ``rows16`` than under ``rows``
+    (``tools/compile_check.py``)."""
+    if form != "auto":
+        return form
+    return "rows" if group_rows == 128 and has_signs else "lanes"
+
+
+def blocks_form(form: str, side: str = "", group_rows: int = 1, has_signs: bool = False) -> dict:
     """The blocks layout's constexprs for the ``qblocks`` setting's ``form`` (``_mxfp4_kernel``'s ``BFIRST`` and
-    ``SPLIT16``; ``side`` "_A": the dual kernel's names): none for ``rows``, so that its variants stay the ones
-    launched before the setting existed."""
+    ``SPLIT16``; ``side`` "_A": the dual kernel's names), ``auto`` resolved for a pass in groups of
+    ``group_rows`` rows with or without random signs (``resolve_form``): none for ``rows``, so that its variants
+    stay the ones launched before the setting existed."""
+    form = resolve_form(form, group_rows, has_signs)
     if form == "rows":
         return {}
     assert form in ("rows16", "lanes"), form
@@ -311,7 +325,8 @@ def dual_spec(shape, stride0: int, dtype: torch.dtype, dev: torch.device, a: dic
                        f"FOLD_{sfx}": fold_applies(dtype, rot, prescale),
                        f"GRID_{sfx}": KERNEL_GRIDS[side.get("fmt", "mxfp4")]})
     consts.update(GROUP_ROWS_A=gr_a, GROUP_ROWS_B=gr_b, PACK_B=2 if pack == 2 else 4, IDX64=geo[0][2] or geo[1][2],
-                  USE_ASM=dev.type == "cuda", SEQ=seq, CAR_B=not fp4_b, FP4_B=fp4_b, **blocks_form(st.qblocks, "_A"))
+                  USE_ASM=dev.type == "cuda", SEQ=seq, CAR_B=not fp4_b, FP4_B=fp4_b,
+                  **blocks_form(st.qblocks, "_A", gr_a, a.get("signs") is not None))
     (nr_a, nk_a, _), (nr_b, nk_b, _) = geo
     NA, NB = 128 // BR[1], 128 // BR[0]
     F = max(nk_a, -(-nr_b // NB))
