@@ -134,7 +134,9 @@ class Settings:
         "makes it from elementwise operations (a norm's output, a SwiGLU product), as the compiler does for torchao's "
         "float8 casts (`compiledmx.recompute_wgrad_inputs`). Counted on fake tensors (`tools/saved_bytes.py`): a "
         "Llama-8B-shaped block then saves what torchao's float8 saves (464.0 MiB at 4,096 tokens, against 503.3 with "
-        "`forward`); not yet timed on a GPU. Same values either way.", "bool")
+        "`forward`); on an H200 (4 such blocks, 16,384 tokens a step) the step's peak was 0.34 GiB higher with it "
+        "(35.64 against 35.30 GiB) and the step 3.6 % slower (BENCHMARKS.md): off by default, kept for study. Same "
+        "values either way.", "bool")
     w_dual: str = _knob(
         "off", "MXTRAIN_W_DUAL", "Where a weight's Dgrad operand is quantized in an MX layer compiled into the graph "
         "(`mx_compiled`): `off` (in the backward, from the weight, one pass of its own), `on` (with its Fprop "
