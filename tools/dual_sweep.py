@@ -32,6 +32,11 @@ tile's other shape), and each without the cap (on the
 CPU, compiled for sm_90, the 8-warp signed and adaptive passes spill: ``tools/compile_check.py``), each against a
 copy of the weight.
 
+``--what grouped``: whether weights quantized in one launch a shape (issue #45's "weights quantized in grouped
+launches") would save device time: G weights of one shape (the 125M-class model's four, G = 4 and 12 blocks), each
+pass along K and along N, in G launches against one launch over their stack, timed from CUDA graphs (the stack's
+launch is what a grouped launch would run; each weight's outputs in it are checked against its own launch's).
+
 ``--what compiled``: the dual passes as the layer compiled into the graph launches them in a step of the 125M
 models (``linear/compiledmx.py``): X with its Wgrad operand as an FP8 carrier in 128x128 groups (``wgrad_x=auto``
 keeps the carrier up to 2,048 input features) at the layers' input widths (768, 2,048), dY with both carriers
@@ -41,7 +46,7 @@ every (A block rows, B block rows, warps) the kernel takes, each against a copy;
 single-pass kernel (where the dual pass's time goes); and the A side's other tile arrangements (setting
 ``qblocks``: ``rows16``, ``lanes``), in the dual pass and alone, right after the defaults.
 
-    python tools/dual_sweep.py OUT.json [--budget 400] [--quick] [--what dual,expand,compiled,weights,tseng]
+    python tools/dual_sweep.py OUT.json [--budget 400] [--quick] [--what dual,expand,compiled,weights,grouped,tseng]
                                         [--tokens 16384] [--x-widths 768,2048] [--dy-widths 768,1280,4096]
 
 The Hugging Face Llama of docs/library.md (8,192 tokens a step): ``--what compiled --tokens 8192 --x-widths 1024
@@ -62,7 +67,8 @@ ap.add_argument("out")
 ap.add_argument("--budget", type=float, default=400.0, help="seconds after which no new measurement starts")
 ap.add_argument("--quick", action="store_true", help="one shape, two configurations (a smoke test)")
 ap.add_argument("--device", default="cuda", help="cpu: a smoke test of the script under TRITON_INTERPRET=1")
-ap.add_argument("--what", default="dual,expand", help="dual, expand, compiled, weights, tseng (comma-separated)")
+ap.add_argument("--what", default="dual,expand",
+                help="dual, expand, compiled, weights, grouped, tseng (comma-separated)")
 ap.add_argument("--timer", choices=("events", "graph"), default=None,
                 help="events: triton's do_bench, one launch between two events, the L2 cache flushed before each "
                      "(at small sizes the host's launch time, not the kernel's); graph: do_bench_cudagraph, the "
@@ -109,7 +115,7 @@ def save():
     json.dump(res, open(args.out, "w"), indent=1)
 
 
-TIMER = args.timer or ("graph" if args.what == "compiled" else "events")
+TIMER = args.timer or ("graph" if args.what in ("compiled", "grouped") else "events")
 res["env"]["timer"] = TIMER
 
 
@@ -323,6 +329,37 @@ if "weights" in args.what:
     save()
 
 
+def grouped_case(N, K, G, axis):
+    """Time ``G`` weights of one shape quantized in ``G`` launches (the compiled layer's weight passes, one a
+    layer) against one launch over the ``(G N, K)`` stack of them: a grouped launch's device time, measured with the
+    existing kernel (N a multiple of 128, so that no 128x128 group straddles two weights). Checks that each weight's
+    carrier and group scales in the stacked launch equal its own launch's (its real region: along N a weight's own
+    launch pads its reduction to a multiple of 512, the stack only the whole). H16 as ``mxfp4-all-dh16``, float32
+    masters, 128x128 groups."""
+    g = torch.Generator(device=dev).manual_seed(N + K + G)
+    parts = [torch.randn(N, K, device=dev, generator=g) for _ in range(G)]
+    stack = torch.cat(parts)
+    kw = dict(rot=16, carrier=True, fp4=False, group_rows=128, k_multiple=512, counter=cnt)
+    sep = [kq.quantize_mxfp4_2d(w, axis, **kw) for w in parts]
+    one = kq.quantize_mxfp4_2d(stack, axis, **kw)
+    car, gs = one.carrier.view(torch.uint8), one.gscale
+    same = True
+    for i, q in enumerate(sep):
+        c, s_ = q.carrier.view(torch.uint8), q.gscale
+        if axis == 1:   # rows are N: weight i's rows i N ... (i + 1) N
+            same &= torch.equal(car[i * N:(i + 1) * N], c[:N]) and torch.equal(
+                gs[i * N // 128:(i + 1) * N // 128], s_[:N // 128])
+        else:           # the reduction runs along N: weight i's columns
+            same &= torch.equal(car[:K, i * N:(i + 1) * N], c[:K, :N]) and torch.equal(
+                gs[:, i * N // 128:(i + 1) * N // 128], s_[:, :N // 128])
+    us_sep = bench(lambda: [kq.quantize_mxfp4_2d(w, axis, **kw) for w in parts])
+    us_one = bench(lambda: kq.quantize_mxfp4_2d(stack, axis, **kw))
+    y = torch.empty_like(stack)
+    us_copy = bench(lambda: y.copy_(stack))
+    return dict(what="grouped", N=N, K=K, G=G, axis=axis, same=bool(same), us_separate=us_sep, us_grouped=us_one,
+                us_copy=us_copy, grouped_vs_separate=us_one / us_sep)
+
+
 def tseng_case(name, x, axis, opts, cap=None, nw=None):
     """Time one of ``tseng``'s passes with register cap ``cap`` on the tile kernel (launch options patched: the
     stochastic-rounding launches run uncapped otherwise) and ``nw`` warps, after checking its carrier and group
@@ -377,6 +414,19 @@ if "tseng" in args.what:
                 except Exception as e:   # noqa: BLE001 - reported per configuration
                     row(what="tseng", case=name, shape=list(x.shape), maxnreg=cap, num_warps=nw,
                         error=f"{type(e).__name__}: {e}"[:300])
+    save()
+
+
+if "grouped" in args.what:
+    # the weight shapes of 125m-fused (q|k|v, o, gate|up, down; 4 of its blocks and all 12) and of the Hugging Face
+    # example's model (d 1024, ffn 2816: o, down), each weight's pass along K (Fprop) and along N (Dgrad)
+    gshapes = [(2304, 768), (768, 768), (4096, 768), (768, 2048)] if dev == "cuda" else [(256, 256)]
+    groups = (4, 12) if dev == "cuda" and not args.quick else (2,)
+    for (N, K), G, axis in itertools.product(gshapes, groups, (1, 0)):
+        if time.time() - t0 > args.budget:
+            row(what="stopped", why=f"budget of {args.budget} s spent")
+            break
+        row(**grouped_case(N, K, G, axis))
     save()
 
 
