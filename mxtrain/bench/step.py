@@ -488,7 +488,8 @@ def measure(variants, model: str = "8b-layers", layers: int | None = 4, batch: i
 
     ``profile``: after its timed steps, each variant runs 3 more under ``torch.profiler`` (``kernel_profile``):
     its device time a step by kernel class and its ``profile`` costliest kernels (with rounds, in each round's
-    results)."""
+    results), and on a GPU ``device_speed_vs_bf16``, BF16's device time a step over the variant's (with rounds,
+    from the last round that profiled each)."""
     if int(rounds) < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds!r}")
     rounds = int(rounds)
@@ -600,7 +601,25 @@ def _over_rounds(res: dict, variants: list) -> dict:
     for out in res["runs"].values():
         if "peak_gib" in out and "peak_gib" in bf:
             out["memory_vs_bf16"] = out["peak_gib"] / bf["peak_gib"]
+    _device_ratios(res["runs"])
     return res
+
+
+def _device_total(v: dict) -> float | None:
+    """A variant's device time a step from its kernel profile (``--profile`` on a GPU), else None."""
+    prof = v.get("profile") or {}
+    return prof.get("by_class", {}).get("total") if prof.get("time") == "device" else None
+
+
+def _device_ratios(runs: dict) -> None:
+    """``device_speed_vs_bf16``: BF16's device time a step over the variant's, where both were profiled on the
+    GPU: the rate the step would run at if nothing but its kernels took time (a kernel change shows here when
+    the wall clock's spread between calls hides it)."""
+    base = _device_total(runs.get("bf16", {}))
+    for v in runs.values():
+        total = _device_total(v)
+        if base and total:
+            v["device_speed_vs_bf16"] = base / total
 
 
 def summarize(res: dict) -> dict:
@@ -620,6 +639,7 @@ def summarize(res: dict) -> dict:
                 v["memory_vs_bf16"] = v["peak_gib"] / bf["peak_gib"]
         if best is not None:
             v["speed_vs_best_fp8"] = fp8[best] / v["ms"]
+    _device_ratios(runs)
     return res
 
 
@@ -674,6 +694,8 @@ def format_table(res: dict) -> str:
             continue
         what = "device ms" if prof.get("time") == "device" else "CPU ms (operators' self time)"
         lines += ["", f"{k}: {what} a step by kernel class: "
-                  + ", ".join(f"{c} {ms:.2f}" for c, ms in prof["by_class"].items())]
+                  + ", ".join(f"{c} {ms:.2f}" for c, ms in prof["by_class"].items())
+                  + (f" ({v['device_speed_vs_bf16']:.3f}x BF16's device time)"
+                     if "device_speed_vs_bf16" in v and k != "bf16" else "")]
         lines += [f"  {ms:8.3f} ms {calls:6.1f}x  {name[:100]}" for name, calls, ms in prof["kernels"][:10]]
     return "\n".join(lines)

@@ -38,6 +38,23 @@ def test_measure_runs_every_variant_and_computes_ratios():
     assert "back to back" in table and f"mxfp4-all-dh16 {r['ms_back_to_back']:.1f}" in table
 
 
+def test_device_time_ratio_from_the_kernel_profiles():
+    """With ``--profile`` on a GPU each variant's device time a step is summed from its kernels: BF16's over the
+    variant's is ``device_speed_vs_bf16`` (a CPU profile, operators' self time, gives none)."""
+    def prof(total, time="device"):
+        return {"time": time, "by_class": {"gemm": total / 2, "total": total}, "kernels": [["k", 1.0, total]]}
+    res = {"runs": {"bf16": {"ms": 16.8, "profile": prof(16.04)},
+                    "mxfp4-all-dh16": {"ms": 17.8, "profile": prof(16.92)},
+                    "fp8": {"ms": 17.0, "profile": prof(16.0, time="cpu")},
+                    "tseng": {"ms": 18.0}}}
+    out = bs.summarize(res)["runs"]
+    assert out["mxfp4-all-dh16"]["device_speed_vs_bf16"] == pytest.approx(16.04 / 16.92)
+    assert out["bf16"]["device_speed_vs_bf16"] == pytest.approx(1.0)
+    assert "device_speed_vs_bf16" not in out["fp8"] and "device_speed_vs_bf16" not in out["tseng"]
+    table = bs.format_table(dict(res, model="125m-fused", layers=4, batch=4, seq=4096, compile="default", steps=10))
+    assert f"({16.04 / 16.92:.3f}x BF16's device time)" in table
+
+
 def test_summarize_picks_the_fastest_fp8():
     res = {"runs": {"bf16": {"ms": 100.0, "peak_gib": 40.0},
                     "torchao-tensorwise": {"ms": 80.0, "peak_gib": 34.0},
