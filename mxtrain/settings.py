@@ -163,9 +163,8 @@ class Settings:
         "the store), `lanes` (a row's 4 blocks in 4 neighbouring lanes of one warp, the group maximum two shuffles; "
         "16-byte stores), `auto` (`lanes`, except `rows` for a pass in 128x128 groups with random signs: a weight of "
         "the `-rht16` and `ufp4` recipes, which spills more registers in the other two). Same bytes from each (CPU "
-        "tests under Triton's interpreter). On an H200 `lanes` ran the dual pass 7-17 % faster than `rows` at the "
-        "125M and 8B models' widths, and took 0.20 ms (9 %) off the dual passes of a 125M-class step "
-        "(BENCHMARKS.md).",
+        "tests under Triton's interpreter). On an H200 `lanes` ran the dual pass in 6-23 % less time than `rows` at "
+        "768 to 4,096 features, and took 0.20 ms (9 %) off the dual passes of a 125M-class step (BENCHMARKS.md).",
         "choice", choices=("auto", "rows", "rows16", "lanes"))
     qmaxnreg: int = _knob(
         80, "MXTRAIN_QMAXNREG", "Register cap (Triton `maxnreg`) of the cols, dual and 128x128-group blocks "

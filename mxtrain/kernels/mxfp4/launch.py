@@ -185,7 +185,7 @@ def single_kernel(kern: str, dev: torch.device, dtype: torch.dtype, BR: int, num
 
 def resolve_form(form: str, group_rows: int, has_signs: bool) -> str:
     """The tile arrangement the ``qblocks`` setting's ``form`` gives a blocks-layout pass: ``auto`` is ``lanes``
-    (on an H200 the dual pass 7-17 % faster than ``rows`` at the 125M and 8B widths, 9 % less of its time in a
+    (on an H200 the dual pass in 6-23 % less time than ``rows`` at 768 to 4,096 features, 9 % less of its time in a
     step's profile: BENCHMARKS.md) except for a pass in 128x128 groups with random signs (a weight of the
     ``-rht16`` and ``ufp4`` recipes), which spills more under ``lanes`` and ``rows16`` than under ``rows``
     (``tools/compile_check.py``)."""
