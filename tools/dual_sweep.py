@@ -44,7 +44,8 @@ at their output widths (768, 1,280, 4,096); the default configuration, then the 
 block (``sequential``) and with other register caps (``qmaxnreg`` 0: none, 64, 72, 96; the default 80), then
 every (A block rows, B block rows, warps) the kernel takes, each against a copy; and each side alone through the
 single-pass kernel (where the dual pass's time goes); and the A side's other tile arrangements (setting
-``qblocks``: ``rows16``, ``lanes``), in the dual pass and alone, right after the defaults.
+``qblocks``: ``rows``, ``rows16``; the default, ``auto``, is ``lanes`` for these passes), in the dual pass and
+alone, right after the defaults.
 
     python tools/dual_sweep.py OUT.json [--budget 400] [--quick] [--what dual,expand,compiled,weights,grouped,tseng]
                                         [--tokens 16384] [--x-widths 768,2048] [--dy-widths 768,1280,4096]
@@ -73,7 +74,7 @@ ap.add_argument("--timer", choices=("events", "graph"), default=None,
                 help="events: triton's do_bench, one launch between two events, the L2 cache flushed before each "
                      "(at small sizes the host's launch time, not the kernel's); graph: do_bench_cudagraph, the "
                      "launches replayed from a CUDA graph (device time only; inputs of up to 50 MB may stay in "
-                     "L2, for the copy alike). Default: graph for --what compiled, else events")
+                     "L2, for the copy alike). Default: graph where --what is compiled, grouped or both, else events")
 ap.add_argument("--tokens", type=int, default=16384, help="rows of every input (tokens a step)")
 ap.add_argument("--x-widths", default="768,2048",
                 help="--what compiled: X's widths (the layers' input features; wgrad_x=auto keeps X's Wgrad "
@@ -115,7 +116,7 @@ def save():
     json.dump(res, open(args.out, "w"), indent=1)
 
 
-TIMER = args.timer or ("graph" if args.what in ("compiled", "grouped") else "events")
+TIMER = args.timer or ("graph" if set(args.what.split(",")) <= {"compiled", "grouped"} else "events")
 res["env"]["timer"] = TIMER
 
 
@@ -249,11 +250,12 @@ if "compiled" in args.what:
                 by = M * K * (2 + ((0.5 + 1 / 32) if fp4 else (1 + 4 / opts.get("group_rows", 1) / 128)))
                 row(what="single side", case=case, side=side, K=K, us=us, tb_s=by / us / 1e6,
                     of_copy=(by / us) / (4 * M * K / copy_us[K]))
-    # the A side's other tile arrangements (setting qblocks: rows16, lanes), in the dual pass and alone
+    # the A side's other tile arrangements (setting qblocks: rows, rows16; the default auto is lanes here), in the
+    # dual pass and alone
     for case, widths in COMPILED.items():
         for K in (widths if not args.quick else WIDTHS[:1]):
             a = CASES[case][0]
-            for form in ("rows16", "lanes"):
+            for form in ("rows", "rows16"):
                 if time.time() - t0 > args.budget:
                     break
                 row(**dual(case, K, form=form))
@@ -418,8 +420,8 @@ if "tseng" in args.what:
 
 
 if "grouped" in args.what:
-    # the weight shapes of 125m-fused (q|k|v, o, gate|up, down; 4 of its blocks and all 12) and of the Hugging Face
-    # example's model (d 1024, ffn 2816: o, down), each weight's pass along K (Fprop) and along N (Dgrad)
+    # the weight shapes of 125m-fused (q|k|v, o, gate|up, down; 4 of its blocks and all 12), each weight's pass
+    # along K (Fprop) and along N (Dgrad)
     gshapes = [(2304, 768), (768, 768), (4096, 768), (768, 2048)] if dev == "cuda" else [(256, 256)]
     groups = (4, 12) if dev == "cuda" and not args.quick else (2,)
     for (N, K), G, axis in itertools.product(gshapes, groups, (1, 0)):
