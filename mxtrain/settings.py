@@ -166,6 +166,15 @@ class Settings:
         "tests under Triton's interpreter). On an H200 `lanes` ran the dual pass in 6-23 % less time than `rows` at "
         "768 to 4,096 features, and took 0.20 ms (9 %) off the dual passes of a 125M-class step (BENCHMARKS.md).",
         "choice", choices=("auto", "rows", "rows16", "lanes"))
+    qcols: str = _knob(
+        "auto", "MXTRAIN_QCOLS", "How the `cols` quantize kernel (operands quantized along columns: the Wgrad "
+        "operands, and the one-read dual pass's second side) spreads its tile over threads: each of its 32 loads "
+        "of 4 x block-rows values gives a thread 2 of them (`pairs`) or 1 (`singles`: twice the threads, or half "
+        "the rows, a tile); `auto` is `pairs`. Same bytes either way (CPU tests under Triton's interpreter). "
+        "Compiled for sm_90 without a register cap, as `torch.compile` compiles the MX layer's kernels, `singles` "
+        "takes the dual pass of a gradient from 127 registers to 48, which lets 2.5x the warps run on an SM; "
+        "not yet timed on a GPU (BENCHMARKS.md).",
+        "choice", choices=("auto", "pairs", "singles"))
     qmaxnreg: int = _knob(
         80, "MXTRAIN_QMAXNREG", "Register cap (Triton `maxnreg`) of the cols, dual and 128x128-group blocks "
         "kernels on NVIDIA GPUs (stochastic rounding runs uncapped); 0: no cap. Same bytes either way.",
@@ -264,7 +273,7 @@ class Settings:
         for f in dataclasses.fields(self):
             object.__setattr__(self, f.name, _coerce(f, getattr(self, f.name), f"Settings.{f.name}"))
         # what quantize launch plans and self-check results depend on, hashed once per object
-        object.__setattr__(self, "launch_key", (self.qkernel, self.qblocks, self.dual, self.qmaxnreg,
+        object.__setattr__(self, "launch_key", (self.qkernel, self.qblocks, self.qcols, self.dual, self.qmaxnreg,
                                                 self.qselfcheck))
 
     def shares_inputs(self) -> bool:

@@ -80,7 +80,7 @@ def _single(layout, BR, nw, rot=0, maxnreg=None, ones=None, div16=(), ptr_types=
         consts.setdefault("USE_ASM", True)
         consts.setdefault("FOLD", False)
     if layout == "cols":
-        consts.setdefault("PACK", 4 if 4 * BR // (32 * nw) > 2 else 2)
+        consts.setdefault("PACK", min(4 * BR // (32 * nw), 4))
     if ones is None:
         ones = ("sx_r",) if layout == "cols" else ("sx_k",)
     return dict(kind="single", layout=layout, consts=consts, ones=ones, num_warps=nw, maxnreg=maxnreg,
@@ -90,7 +90,7 @@ def _single(layout, BR, nw, rot=0, maxnreg=None, ones=None, div16=(), ptr_types=
 def _dual(bra=32, brb=64, nw=4, gr_b=1, rot=0, sr=False, fp4_b=False, maxnreg=80, **kw):
     consts = dict(BR_A=bra, ROT_A=rot, HAS_SIGNS_A=bool(rot), RULE_A=0, SR_A=sr, PRESCALE_A=False, KEY_PTR_A=False,
                   BR_B=brb, ROT_B=rot, HAS_SIGNS_B=bool(rot), RULE_B=0, SR_B=sr, PRESCALE_B=False, KEY_PTR_B=False,
-                  GROUP_ROWS_B=gr_b, PACK_B=2 if 4 * brb // (32 * nw) == 2 else 4, IDX64=False, USE_ASM=True,
+                  GROUP_ROWS_B=gr_b, PACK_B=min(4 * brb // (32 * nw), 4), IDX64=False, USE_ASM=True,
                   SEQ=False, FOLD_A=rot == 16, FOLD_B=rot == 16, CAR_B=not fp4_b, FP4_B=fp4_b)
     consts.update(kw)
     return dict(kind="dual", layout="dual", consts=consts, ones=("sx_k",), num_warps=nw,
@@ -295,6 +295,21 @@ VARIANTS = {
     "lanes dual dy signs r16 fold": _dual(rot=16, SPLIT16_A=True, BFIRST_A=True),
     "lanes dual x signs r16 fold g128 fp4_b": _dual(64, 128, 8, gr_b=128, rot=16, fp4_b=True, SPLIT16_A=True,
                                                     BFIRST_A=True),
+    # the cols layout with one value of each load a thread (setting qcols singles: launch.DUAL_CONFIG_SINGLES, the
+    # single passes' warps doubled), in the default's blocks arrangement (lanes): the compiled layer's dual passes
+    # (dY; X with 128x128 Wgrad groups as FP4 codes, without and with random signs), a weight's Dgrad pass and its
+    # dual pass, an activation's Wgrad pass with SR; launched without the register cap (launch.cols_values)
+    "singles dual dy r16": _dual(32, 32, 4, rot=16, HAS_SIGNS_A=False, HAS_SIGNS_B=False, SPLIT16_A=True,
+                                 BFIRST_A=True, maxnreg=None),
+    "singles dual x r16 g128 fp4_b": _dual(128, 128, 16, gr_b=128, rot=16, fp4_b=True, HAS_SIGNS_A=False,
+                                           HAS_SIGNS_B=False, SPLIT16_A=True, BFIRST_A=True, maxnreg=None),
+    "singles dual x signs r16 fold g128 fp4_b": _dual(128, 128, 16, gr_b=128, rot=16, fp4_b=True, SPLIT16_A=True,
+                                                      BFIRST_A=True, maxnreg=None),
+    "singles cols w r16 g128": _single("cols", 128, 16, 16, GROUP_ROWS=128),
+    "singles dual w r16 g128": dict(_dual(128, 128, 16, gr_b=128, rot=16, HAS_SIGNS_A=False, HAS_SIGNS_B=False,
+                                          GROUP_ROWS_A=128, FOLD_A=False, FOLD_B=False, SPLIT16_A=True,
+                                          BFIRST_A=True, maxnreg=None), ptr_types={"x_ptr": "*fp32"}),
+    "singles cols r16 signs sr car": _single("cols", 32, 4, 16, HAS_SIGNS=True, SR=True),
 }
 
 

@@ -32,6 +32,10 @@ tile's other shape), and each without the cap (on the
 CPU, compiled for sm_90, the 8-warp signed and adaptive passes spill: ``tools/compile_check.py``), each against a
 copy of the weight.
 
+``--what cols``: the cols layout's spread of its tile over threads (setting ``qcols``): the compiled layer's dual
+passes (the ``compiled`` cases) and a weight's Dgrad pass at the 125M-class shapes, each under ``pairs`` with the
+eager launch's register cap, ``pairs`` uncapped (as inductor compiles it) and ``singles``, checked byte for byte.
+
 ``--what grouped``: whether weights quantized in one launch a shape (issue #45's "weights quantized in grouped
 launches") would save device time: G weights of one shape (the 125M-class model's four, G = 4 and 12 blocks), each
 pass along K and along N, in G launches against one launch over their stack, timed from CUDA graphs (the stack's
@@ -47,7 +51,7 @@ single-pass kernel (where the dual pass's time goes); and the A side's other til
 ``qblocks``: ``rows``, ``rows16``; the default, ``auto``, is ``lanes`` for these passes), in the dual pass and
 alone, right after the defaults.
 
-    python tools/dual_sweep.py OUT.json [--budget 400] [--quick] [--what dual,expand,compiled,weights,grouped,tseng]
+    python tools/dual_sweep.py OUT.json [--budget 400] [--quick] [--what dual,expand,compiled,weights,grouped,tseng,cols]
                                         [--tokens 16384] [--x-widths 768,2048] [--dy-widths 768,1280,4096]
 
 The Hugging Face Llama of docs/library.md (8,192 tokens a step): ``--what compiled --tokens 8192 --x-widths 1024
@@ -69,7 +73,7 @@ ap.add_argument("--budget", type=float, default=400.0, help="seconds after which
 ap.add_argument("--quick", action="store_true", help="one shape, two configurations (a smoke test)")
 ap.add_argument("--device", default="cuda", help="cpu: a smoke test of the script under TRITON_INTERPRET=1")
 ap.add_argument("--what", default="dual,expand",
-                help="dual, expand, compiled, weights, grouped, tseng (comma-separated)")
+                help="dual, expand, compiled, weights, grouped, tseng, cols (comma-separated)")
 ap.add_argument("--timer", choices=("events", "graph"), default=None,
                 help="events: triton's do_bench, one launch between two events, the L2 cache flushed before each "
                      "(at small sizes the host's launch time, not the kernel's); graph: do_bench_cudagraph, the "
@@ -102,7 +106,8 @@ if args.tokens < 128 or args.tokens % 128:
 X_WIDTHS, DY_WIDTHS = _widths(args.x_widths), _widths(args.dy_widths)
 M = (64 if dev == "cpu" else 2048) if args.quick else args.tokens
 WIDTHS = (((256,) if dev == "cpu" else (768,)) if args.quick else
-          tuple(sorted(set((768, 1280, 2048, 4096) if args.what != "compiled" else ()) | set(X_WIDTHS)
+          tuple(sorted(set((768, 1280, 2048, 4096) if not set(args.what.split(",")) <= {"compiled", "cols"} else ())
+                       | set(X_WIDTHS)
                        | set(DY_WIDTHS))))
 CASES = {"X": (dict(rot=16), dict(rot=16), True), "dY": (dict(rot=16), dict(rot=16), False),
          "X128": (dict(rot=16), dict(rot=16, group_rows=128), False)}   # (--what compiled)
@@ -116,7 +121,7 @@ def save():
     json.dump(res, open(args.out, "w"), indent=1)
 
 
-TIMER = args.timer or ("graph" if set(args.what.split(",")) <= {"compiled", "grouped"} else "events")
+TIMER = args.timer or ("graph" if set(args.what.split(",")) <= {"compiled", "grouped", "cols"} else "events")
 res["env"]["timer"] = TIMER
 
 
@@ -153,7 +158,7 @@ for K, x in xs.items():
     row(what="copy", K=K, us=copy_us[K], tb_s=4 * M * K / copy_us[K] / 1e6)
 
 
-def dual(case, K, block_rows=None, num_warps=None, maxnreg=None, sequential=None, form=None):
+def dual(case, K, block_rows=None, num_warps=None, maxnreg=None, sequential=None, form=None, cols=None):
     a, b, fp4_b = CASES[case]
     x = xs[K]
     sa = dict(a, index_strides=(K, 1))
@@ -161,6 +166,8 @@ def dual(case, K, block_rows=None, num_warps=None, maxnreg=None, sequential=None
     ov = dict(dual="on") if maxnreg is None else dict(dual="on", qmaxnreg=maxnreg)
     if form is not None:   # the A side's tile arrangement (setting qblocks)
         ov["qblocks"] = form
+    if cols is not None:   # the B side's values a thread (setting qcols)
+        ov["qcols"] = cols
     with settings.override(**ov):
         fn = lambda: kq.quantize_mxfp4_dual(x, sa, sb, k_multiple=512, counter=cnt, fp4_b=fp4_b,
                                             block_rows=block_rows, num_warps=num_warps, sequential=sequential)
@@ -170,7 +177,8 @@ def dual(case, K, block_rows=None, num_warps=None, maxnreg=None, sequential=None
         us = bench(fn)
     by = moved(K, fp4_b, b.get("group_rows", 1))
     return dict(what="dual", case=case, K=K, block_rows=block_rows, num_warps=num_warps, maxnreg=maxnreg,
-                sequential=sequential, form=form or settings.current().qblocks, us=us,
+                sequential=sequential, form=form or settings.current().qblocks,
+                cols=cols or settings.current().qcols, us=us,
                 tb_s=by / us / 1e6, of_copy=(by / us) / (4 * M * K / copy_us[K]))
 
 
@@ -185,6 +193,51 @@ def sweep(points) -> None:
             row(**dual(case, K, block_rows=br, num_warps=nw))
         except Exception as e:   # noqa: BLE001 - reported per configuration
             row(what="dual", case=case, K=K, block_rows=br, num_warps=nw, error=f"{type(e).__name__}: {e}"[:300])
+
+
+def cols_case(x, run, label, **kw):
+    """Time ``run()`` (one quantize call) under ``qcols`` ``pairs`` with the eager launch's register cap, ``pairs``
+    without it (as inductor compiles the kernels), and ``singles`` (launched uncapped), after checking that
+    ``singles`` writes ``pairs``' bytes."""
+    outs = {}
+    for cols, cap in (("pairs", None), ("pairs", 0), ("singles", None)):
+        ov = dict(dual="on", qcols=cols, **({} if cap is None else {"qmaxnreg": cap}))
+        with settings.override(**ov):
+            got = run()
+            if dev == "cuda":
+                torch.cuda.synchronize()
+            us = bench(run)
+        outs.setdefault(cols, got)
+        same = True
+        for i, (p, q) in enumerate(zip(outs["pairs"], got)):
+            for f in ("carrier", "gscale", "packed", "scales", "inexact"):
+                u, v = getattr(p, f), getattr(q, f)
+                if (u is None) != (v is None) or (u is not None and not torch.equal(
+                        u.view(torch.uint8) if f == "carrier" else u, v.view(torch.uint8) if f == "carrier" else v)):
+                    same = False
+        row(what="cols", case=label, cols=cols, maxnreg=cap, same=same, us=us, **kw)
+
+
+if "cols" in args.what:
+    # the dual passes of the compiled layer and a weight's Dgrad pass (along N, 128x128 groups, from float32)
+    for case, widths in COMPILED.items():
+        for K in (widths if not args.quick else WIDTHS[:1]):
+            if time.time() - t0 > args.budget:
+                break
+            a, b, fp4_b = CASES[case]
+            x = xs[K]
+            sa, sb = dict(a, index_strides=(K, 1)), dict(b, index_strides=(1, K))
+            cols_case(x, lambda: kq.quantize_mxfp4_dual(x, sa, sb, k_multiple=512, counter=cnt, fp4_b=fp4_b),
+                      f"dual {case}", K=K, copy_us=copy_us[K])
+    wshapes = [(768, 768), (2304, 768), (4096, 768), (768, 2048)] if dev == "cuda" and not args.quick else [(256, 256)]
+    for N, K in wshapes:
+        if time.time() - t0 > args.budget:
+            break
+        w = torch.randn(N, K, device=dev)
+        cols_case(w, lambda: (kq.quantize_mxfp4_2d(w, 0, rot=16, carrier=True, fp4=False, group_rows=128,
+                                                    k_multiple=512, counter=cnt),),
+                  "weight along N", N=N, K=K)
+    save()
 
 
 if "dual" in args.what:

@@ -66,7 +66,7 @@ _OK = (torch.float32, torch.bfloat16, torch.float16)
 # ``dual_applies``, ``verify``): ``applies`` passes their values to ``plan``, so that dynamo guards on them and a
 # change after a model was compiled recompiles it instead of being ignored. (``fast_launch`` and ``append`` steer
 # the eager launches only.) tests/linear/test_compiledmx.py checks this list against what those modules read.
-TRACE_TIME_SETTINGS = ("dual", "qkernel", "qblocks", "qmaxnreg", "qselfcheck")
+TRACE_TIME_SETTINGS = ("dual", "qkernel", "qblocks", "qcols", "qmaxnreg", "qselfcheck")
 
 
 @assume_constant_result
@@ -103,8 +103,8 @@ def applies(mx: str, x: torch.Tensor, weight: torch.Tensor, s) -> tuple:
     if x.numel() == 0 or weight.numel() == 0:
         return (0, 0)
     # (the device is plan's to judge: it answers (0, 0) off CUDA)
-    return plan(str(x.device), s.shares_inputs(), s.wgrad_x_recompute, s.dual, s.qkernel, s.qblocks, s.qmaxnreg,
-                s.qselfcheck)
+    return plan(str(x.device), s.shares_inputs(), s.wgrad_x_recompute, s.dual, s.qkernel, s.qblocks, s.qcols,
+                s.qmaxnreg, s.qselfcheck)
 
 
 def _mm(ca: torch.Tensor, ga: torch.Tensor, Ra: int, cb: torch.Tensor, gb: torch.Tensor, rows_b: int, Rb: int,

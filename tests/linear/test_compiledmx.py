@@ -613,7 +613,9 @@ def test_compiled_layer_kernels_are_the_same_code_with_contraction_on():
             # contraction in the count of FMULs alone, through the register cap their eager launch has and inductor's
             # drops: compiled both ways without the cap they are the same code.)
             "int4 dual x signs r16 fold fp4_b", "int4 expand", "e1m2 dual x signs r16 fold fp4_b",
-            "adaptive cols r0 sr car"]
+            "adaptive cols r0 sr car",
+            # the cols layout with one value a thread (setting qcols singles): the compiled layer's two dual passes
+            "singles dual dy r16", "singles dual x r16 g128 fp4_b"]
     import tempfile
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "fusion.json")
@@ -1037,14 +1039,14 @@ def test_a_setting_changed_after_compiling_recompiles_the_layer(monkeypatch):
     cf = torch.compile(f, backend="eager", fullgraph=True)
     x = torch.ones(4, 32)
     graphs = []
-    with settings.override(dual="auto", qkernel="auto", qmaxnreg=80):
+    with settings.override(dual="auto", qkernel="auto", qmaxnreg=80, qblocks="auto", qcols="auto"):
         for change in ({}, {"dual": "off"}, {"qkernel": "tile"}, {"qmaxnreg": 64}, {"qselfcheck": "off"},
-                       {"qblocks": "lanes"}, {"wgrad_x_recompute": True}, {"wgrad_x": "forward"}):
+                       {"qblocks": "lanes"}, {"qcols": "singles"}, {"wgrad_x_recompute": True}, {"wgrad_x": "forward"}):
             with settings.override(**change):
                 assert torch.equal(cf(x), x * 128)
             graphs.append(counters["stats"]["unique_graphs"])
     torch._dynamo.reset()
-    assert graphs == [1, 2, 3, 4, 5, 6, 7, 7]   # (wgrad_x is read by compiledmx.linear, not by applies)
+    assert graphs == [1, 2, 3, 4, 5, 6, 7, 8, 8]   # (wgrad_x is read by compiledmx.linear, not by applies)
 
 
 def test_trace_time_settings_are_the_ones_the_ops_read():

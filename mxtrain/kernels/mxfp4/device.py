@@ -293,11 +293,15 @@ if triton is not None:
         return tl.reshape(v, [D0, D1, 8])
 
     @triton.jit
-    def _e4m3_bits(c, USE_ASM: tl.constexpr, PACK: tl.constexpr = 4):
+    def _e4m3_bits(c, USE_ASM: tl.constexpr, PACK: tl.constexpr = 4):   # PACK: values a thread (1, 2 or 4+)
         """e4m3 byte of float32 ``c``; NaN -> 0x7F. The hardware path rounds half to even and saturates
         everywhere; the bit-arithmetic path (interpreter) is exact where ``c`` is an e4m3 normal value
         (the carrier's case: an E2M1 value times a power of two) and rounds half to even below 2**-6."""
-        if USE_ASM and PACK == 2:   # for layouts with 2 values a thread
+        if USE_ASM and PACK == 1:   # for layouts with 1 value a thread: both bytes of the pair from ``c``
+            return tl.inline_asm_elementwise(
+                asm="cvt.rn.satfinite.e4m3x2.f32 $0, $1, $1;",
+                constraints="=h,r", args=[c], dtype=tl.uint16, is_pure=True, pack=1).to(tl.uint8)
+        elif USE_ASM and PACK == 2:   # for layouts with 2 values a thread
             return tl.inline_asm_elementwise(
                 asm="cvt.rn.satfinite.e4m3x2.f32 $0, $2, $1;",
                 constraints="=h,r,r", args=[c], dtype=tl.uint8, is_pure=True, pack=2)

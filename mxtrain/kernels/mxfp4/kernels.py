@@ -72,7 +72,7 @@ if triton is not None:
         WRITE_CARRIER: tl.constexpr, WRITE_FP4: tl.constexpr, IDX64: tl.constexpr, KEY_PTR: tl.constexpr,
         LAYOUT: tl.constexpr,              # "tile", "blocks" or "cols" (LAYOUTS)
         USE_ASM: tl.constexpr = False,     # blocks, cols: the hardware e4m3 conversion (inline PTX)
-        PACK: tl.constexpr = 4,            # cols: e4m3 conversions per inline-PTX call (2 or 4)
+        PACK: tl.constexpr = 4,            # cols: e4m3 conversions per inline-PTX call (1, 2 or 4)
         FOLD: tl.constexpr = False,        # blocks, cols: 1/sqrt(ROT) folded into the block scales
         GRID: tl.constexpr = 0,            # the element grid (launch.GRID_ID): 0 E2M1 (mxfp4), 1 INT4 (mxint4),
                                            # 2 E1M2 (mxe1m2)

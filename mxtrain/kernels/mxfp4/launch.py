@@ -29,7 +29,8 @@ from .carrier import TILE_K, QuantOut, ceil_to
 from . import kernels as _kernels   # (its kernels exist where Triton imports; read at launch time)
 
 __all__ = ["RULE_ID", "GRID_ID", "KERNEL_RULES", "KERNEL_GRIDS",
-           "BLOCK_ROTS", "FOLD_ROTS", "CAPPED_KERNELS", "DUAL_CONFIG", "W_DUAL_CONFIG", "DUAL_SEQ", "kernel_for",
+           "BLOCK_ROTS", "FOLD_ROTS", "CAPPED_KERNELS", "DUAL_CONFIG", "W_DUAL_CONFIG", "DUAL_CONFIG_SINGLES",
+           "W_DUAL_CONFIG_SINGLES", "DUAL_SEQ", "cols_values", "dual_config", "kernel_for",
            "fold_applies", "dual_applies", "block_config", "single_kernel", "launch_opts", "needs_idx64",
            "single_args", "dual_args", "single_spec", "dual_spec", "SingleSpec", "DualSpec", "kernel_kwargs",
            "use_plans", "Plan", "DualPlan", "Launch", "LAUNCHES", "record_launches"]
@@ -93,6 +94,28 @@ DUAL_CONFIG = {False: (32, 64, 4), True: (64, 128, 8)}
 # pass of a weight takes them, ``block_config``; not yet timed on a GPU)
 W_DUAL_CONFIG = (128, 128, 8)
 DUAL_SEQ = False
+# the same with one value of each of the cols layout's [4, BR] loads a thread (setting ``qcols`` ``singles``: the B
+# side's warps doubled, or its rows halved where the A side keeps its warps): compiled for sm_90 without a register
+# cap, as inductor compiles them, the dual pass of dY takes 48 registers against 127 and X's (128x128 Wgrad groups,
+# FP4 codes) 52 against 80, with no spills (``tools/compile_check.py``, the ``singles ...`` variants); not yet timed
+DUAL_CONFIG_SINGLES = {False: (32, 32, 4), True: (128, 128, 16)}
+W_DUAL_CONFIG_SINGLES = (128, 128, 16)
+
+
+def cols_values(st) -> int:
+    """Values of each of the cols layout's 32 ``[4, BR]`` loads that one thread holds, by the ``qcols`` setting of
+    settings ``st`` (its only reader): 2 for ``pairs`` and ``auto``, 1 for ``singles``. With 1 the cols and dual
+    passes launch without the register cap (``single_spec``, ``dual_spec``): they need 48-54 registers uncapped,
+    and with a cap of 80 ptxas takes all 80 (``tools/compile_check.py``)."""
+    return 1 if st.qcols == "singles" else 2
+
+
+def dual_config(group_rows_a: int, group_rows_b: int, st) -> tuple[int, int, int]:
+    """(A block rows, B block rows, warps) of the dual pass for A's and B's carrier groups under settings ``st``
+    (``qcols``)."""
+    if cols_values(st) == 1:
+        return W_DUAL_CONFIG_SINGLES if group_rows_a == 128 else DUAL_CONFIG_SINGLES[group_rows_b == 128]
+    return W_DUAL_CONFIG if group_rows_a == 128 else DUAL_CONFIG[group_rows_b == 128]
 
 
 def kernel_for(axis: int, rot: int, fp4: bool = False, rows_contiguous: bool = False,
@@ -140,14 +163,15 @@ def dual_applies(x: torch.Tensor, rot_a: int, rot_b: int, group_rows_a: int = 1,
 
 
 def block_config(kern: str, axis: int, group_rows: int, sr: bool, block_rows: int | None = None,
-                 num_warps: int | None = None) -> tuple[int, int]:
+                 num_warps: int | None = None, cols_per_thread: int = 2) -> tuple[int, int]:
     """(block rows, warps) of a single-pass launch of kernel ``kern``: ``block_rows`` and ``num_warps`` where
-    given (benchmark sweeps), else the best on an H100 (BENCHMARKS.md)."""
+    given (benchmark sweeps), else the best on an H100 (BENCHMARKS.md). ``cols_per_thread``: values of each of the
+    cols layout's loads a thread holds (``cols_values``; 1: twice the warps)."""
     if kern == "cols":
         # 4 x BR values per load, 2 of them a thread (with stochastic rounding, uncapped, 32 rows x 2 warps:
         # 153.8 us against 163.3 for 64 x 4 without rotation)
         BR = block_rows or (128 if group_rows == 128 else (32 if sr else 64))
-        return BR, num_warps or max(1, BR // 16)
+        return BR, num_warps or max(1, 4 * BR // (32 * cols_per_thread))
     if kern == "blocks":
         # small tiles along rows, 64 rows along columns, 128 for 128x128 groups; 8 rows x 4 MX blocks per warp
         # (32 values a thread); 128x128 groups: 8 warps (64 values a thread)
@@ -172,8 +196,8 @@ def single_kernel(kern: str, dev: torch.device, dtype: torch.dtype, BR: int, num
                   LAYOUT=kern, GRID=KERNEL_GRIDS[fmt])
     if kern == "cols":
         per_thread = 4 * BR // (32 * num_warps)   # values of each [4, BR] tensor a thread holds
-        assert per_thread in (2, 4, 8, 16), "cols kernel: 4 x block_rows must be 64, 128, ... x 32 x num_warps"
-        consts.update(USE_ASM=dev.type == "cuda", PACK=2 if per_thread == 2 else 4,
+        assert per_thread in (1, 2, 4, 8, 16), "cols kernel: 4 x block_rows must be 1, 2, 4, 8 or 16 x 32 x num_warps"
+        consts.update(USE_ASM=dev.type == "cuda", PACK=min(per_thread, 4),
                       FOLD=fold_applies(dtype, rot, prescale))
     elif kern == "blocks":
         consts.update(USE_ASM=dev.type == "cuda", FOLD=fold_applies(dtype, rot, prescale),
@@ -256,7 +280,7 @@ def single_spec(shape, strides, dtype: torch.dtype, dev: torch.device, axis: int
     if group_rows == 128:
         row_multiple = 128
     kern = kernel_for(axis, rot, fp4, rows_contiguous=sx_r == 1 and sx_k != 1, kernel=st.qkernel)
-    BR, nw = block_config(kern, axis, group_rows, sr, block_rows, num_warps)
+    BR, nw = block_config(kern, axis, group_rows, sr, block_rows, num_warps, cols_values(st))
     Rc = ceil_to(max(R, 1), max(row_multiple, 1)) if carrier else R
     if carrier:
         gsr, gsk = (1, Rc) if group_rows == 1 else (ceil_to(Kc // TILE_K, 4), 1)   # (carrier.carrier_buffers)
@@ -267,7 +291,7 @@ def single_spec(shape, strides, dtype: torch.dtype, dev: torch.device, axis: int
     kfn, consts = single_kernel(kern, dev, dtype, BR, nw, rot, has_signs, scale_rule, sr, prescale, group_rows,
                                 carrier, fp4, idx64, key_ptr, fmt, st.qblocks)
     opts = launch_opts(kern + ("128" if kern == "blocks" and group_rows == 128 else ""), dev, sr=sr,
-                       maxnreg=st.qmaxnreg)
+                       maxnreg=0 if kern == "cols" and cols_values(st) == 1 else st.qmaxnreg)
     ints = (R, K, Rc, sx_r, sx_k, si[0], si[1], Kc, Kq, gsr, gsk)
     return SingleSpec(kern, kfn, consts, nw, opts, grid, ints, rot_floats(rot, prescale), R, K, Rc, Kc, Kq)
 
@@ -287,16 +311,16 @@ def dual_spec(shape, stride0: int, dtype: torch.dtype, dev: torch.device, a: dic
     M, K = shape
     gr_a, gr_b = a.get("group_rows", 1), b.get("group_rows", 1)
     assert gr_a == 1 or gr_b == 128, "dual kernel: a weight's two operands (A in 128x128 groups) need B's too"
-    cfg = W_DUAL_CONFIG if gr_a == 128 else DUAL_CONFIG[gr_b == 128]
+    cfg = dual_config(gr_a, gr_b, st)
     nw = num_warps or cfg[2]
     bra, brb = block_rows or cfg[:2]
     seq = DUAL_SEQ if sequential is None else sequential
     BR = {1: bra, 0: brb}
-    assert 128 % bra == 0 and brb in (64, 128) and (gr_b == 1 or brb == 128) and (gr_a == 1 or bra == 128), \
+    assert 128 % bra == 0 and brb in (32, 64, 128) and (gr_b == 1 or brb == 128) and (gr_a == 1 or bra == 128), \
         (bra, brb, gr_a, gr_b)
     pack = 4 * brb // (32 * nw)
-    assert 4 * brb % (32 * nw) == 0 and pack in (2, 4, 8, 16), \
-        "dual kernel: 4 x block_rows[1] must be 64, 128, ... x 32 x num_warps"
+    assert 4 * brb % (32 * nw) == 0 and pack in (1, 2, 4, 8, 16), \
+        "dual kernel: 4 x block_rows[1] must be 1, 2, 4, 8 or 16 x 32 x num_warps"
     dims, floats, consts, geo, sides = [], [], {}, [], []
     for axis, side, R, Kr, sfx in ((1, a, M, K, "A"), (0, b, K, M, "B")):
         rot = side.get("rot", 0)
@@ -324,7 +348,7 @@ def dual_spec(shape, stride0: int, dtype: torch.dtype, dev: torch.device, a: dic
                        f"PRESCALE_{sfx}": prescale != 1.0, f"KEY_PTR_{sfx}": side.get("key_tensor") is not None,
                        f"FOLD_{sfx}": fold_applies(dtype, rot, prescale),
                        f"GRID_{sfx}": KERNEL_GRIDS[side.get("fmt", "mxfp4")]})
-    consts.update(GROUP_ROWS_A=gr_a, GROUP_ROWS_B=gr_b, PACK_B=2 if pack == 2 else 4, IDX64=geo[0][2] or geo[1][2],
+    consts.update(GROUP_ROWS_A=gr_a, GROUP_ROWS_B=gr_b, PACK_B=min(pack, 4), IDX64=geo[0][2] or geo[1][2],
                   USE_ASM=dev.type == "cuda", SEQ=seq, CAR_B=not fp4_b, FP4_B=fp4_b,
                   **blocks_form(st.qblocks, "_A", gr_a, a.get("signs") is not None))
     (nr_a, nk_a, _), (nr_b, nk_b, _) = geo
@@ -333,7 +357,8 @@ def dual_spec(shape, stride0: int, dtype: torch.dtype, dev: torch.device, a: dic
     T = max(-(-nr_a // NA), nk_b)
     grid = (T * F * (1 if seq else NA + NB),)
     ints = (M, K, stride0, 1, *dims[0], *dims[1], nr_a, nk_a, nr_b, nk_b, F)
-    opts = launch_opts("dual", dev, sr=consts["SR_A"] or consts["SR_B"], maxnreg=st.qmaxnreg)
+    opts = launch_opts("dual", dev, sr=consts["SR_A"] or consts["SR_B"],
+                       maxnreg=0 if cols_values(st) == 1 else st.qmaxnreg)
     return DualSpec(consts, nw, opts, grid, ints, floats[0], floats[1], tuple(sides))
 
 

@@ -19,7 +19,7 @@ from ..caches import CACHES
 from . import kernels as _kernels   # (its kernels exist where Triton imports; read at launch time)
 from .carrier import (KERNEL_FORMATS, TILE_K, QuantOut, carrier_buffers, carrier_from_fp4, ceil_to, out_shapes,
                       reference_quantize)
-from .launch import (DUAL_CONFIG, DUAL_SEQ, GRID_ID, KERNEL_GRIDS, KERNEL_RULES, DualPlan, Plan, dual_applies,
+from .launch import (DUAL_SEQ, GRID_ID, KERNEL_GRIDS, KERNEL_RULES, DualPlan, Plan, dual_applies, dual_config,
                      dual_args, dual_spec, i32, launch, single_args, single_spec, use_plans)
 from .verify import config_ok, dual_ok, selfcheck_applies, set_quantizers
 from .. import kernels_available
@@ -170,8 +170,8 @@ def quantize_mxfp4_dual(x: torch.Tensor, a: dict, b: dict, *, k_multiple: int = 
         # and what decided for one pass (the dual and qkernel settings, the self-check): a plan is only made
         # after dual_applies and the variant's self-check passed, so a hit skips both (host time per call)
         pkey = (x.device, x.dtype, x.shape, x.stride(), x.data_ptr() & 15, tuple(sides), k_multiple,
-                cnt.data_ptr() & 15, block_rows, num_warps, sequential, DUAL_CONFIG[b.get("group_rows", 1) == 128],
-                DUAL_SEQ, st.launch_key, checked, fp4_b, force_idx64)
+                cnt.data_ptr() & 15, block_rows, num_warps, sequential,
+                dual_config(a.get("group_rows", 1), b.get("group_rows", 1), st), DUAL_SEQ, st.launch_key, checked, fp4_b, force_idx64)
         plan = CACHES.dual_plans.get(pkey)
         if plan is not None:
             return plan(x, a, b, cnt)

@@ -23,7 +23,7 @@ from ...numerics import rng as _rng
 from ... import settings as _settings
 from ..caches import CACHES
 from .carrier import QuantOut, carrier_from_fp4, ceil_to, reference_quantize
-from .launch import DUAL_CONFIG, DUAL_SEQ, kernel_for
+from .launch import DUAL_SEQ, dual_config, kernel_for
 
 __all__ = ["selfcheck_applies", "config_ok", "dual_ok", "selfcheck", "set_quantizers"]
 
@@ -92,7 +92,8 @@ def dual_ok(x: torch.Tensor, a: dict, b: dict, k_multiple: int, fp4_b: bool = Fa
                 side.get("prescale", 1.0) != 1.0, side.get("group_rows", 1), side.get("fmt", "mxfp4"))
     st = _settings.current()
     vkey = (x.device.index, x.dtype, opt(a), opt(b), k_multiple, M % 16 == 0, K % 16 == 0,
-            DUAL_CONFIG[b.get("group_rows", 1) == 128], DUAL_SEQ, st.qmaxnreg, st.qblocks, force_idx64, fp4_b)
+            dual_config(a.get("group_rows", 1), b.get("group_rows", 1), st), DUAL_SEQ, st.qmaxnreg, st.qblocks,
+            force_idx64, fp4_b)
     ok = CACHES.dual_verified.get(vkey)
     if ok is None and x.is_cuda and torch.cuda.is_current_stream_capturing():
         return False   # no self-check inside a CUDA-graph capture (it copies from the host): two passes
