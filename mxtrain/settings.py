@@ -137,6 +137,15 @@ class Settings:
         "`forward`); on an H200 (4 such blocks, 16,384 tokens a step) the step's peak was 0.34 GiB higher with it "
         "(35.64 against 35.30 GiB) and the step 3.6 % slower (BENCHMARKS.md): off by default, kept for study. Same "
         "values either way.", "bool")
+    w_group: str = _knob(
+        "off", "MXTRAIN_W_GROUP", "How a weight's single quantize passes run in an MX layer compiled into the graph "
+        "(`mx_compiled`): `off` (one launch each), `on` (up to 4 consecutive ones of one kernel variant, along K in "
+        "the forward or along N in the backward, in one launch of `_mxfp4_group_kernel`: a pass over the joint graph, "
+        "which places the group at its first pass, so the later weights' operands are made a few layers early). Same "
+        "bytes and inexact counts either way. A weight's pass is a small grid (a 768 x 768 weight: 36 programs of 128 "
+        "x 128) that leaves most of a GPU idle; the 96 weight passes of a 125M-class step took 0.82 ms (BENCHMARKS.md). "
+        "Not yet timed grouped: off by default.",
+        "choice", choices=("off", "on"), aliases=_ON_OFF)
     w_dual: str = _knob(
         "off", "MXTRAIN_W_DUAL", "Where a weight's Dgrad operand is quantized in an MX layer compiled into the graph "
         "(`mx_compiled`): `off` (in the backward, from the weight, one pass of its own), `on` (with its Fprop "

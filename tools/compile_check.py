@@ -61,7 +61,8 @@ PTR_TYPES = {"pk_ptr": "*u8", "x_ptr": "*bf16", "signs_ptr": "*fp32", "car_ptr":
              "sc_ptr": "*u8", "cnt_ptr": "*i32", "key_ptr": "*i32",
              "sg_a": "*fp32", "car_a": "*u8", "gs_a": "*fp32", "kp_a": "*i32",
              "sg_b": "*fp32", "car_b": "*u8", "gs_b": "*fp32", "kp_b": "*i32",
-             "out_ptr": "*fp32", "g_ptr": "*fp32", "key64_ptr": "*i64", "part_ptr": "*fp32"}
+             "out_ptr": "*fp32", "g_ptr": "*fp32", "key64_ptr": "*i64", "part_ptr": "*fp32",
+             **{f"{n}{i}": t for i in range(4) for n, t in (("x", "*fp32"), ("car", "*u8"), ("gs", "*fp32"))}}
 FLOATS = {"inv_sqrt", "prescale", "inv_a", "ps_a", "inv_b", "ps_b"}
 DIV16 = {"R", "Rc", "Kc", "Kq", "Kc_a", "Kq_a", "Kc_b", "Kq_b", "Rc_a", "Rc_b", "sx_m"}
 
@@ -95,6 +96,24 @@ def _dual(bra=32, brb=64, nw=4, gr_b=1, rot=0, sr=False, fp4_b=False, maxnreg=80
     consts.update(kw)
     return dict(kind="dual", layout="dual", consts=consts, ones=("sx_k",), num_warps=nw,
                 maxnreg=None if sr else maxnreg)
+
+
+def _group(layout, G=4, rot=16, maxnreg=80, **kw):
+    """A variant of ``_mxfp4_group_kernel``: ``G`` float32 weights of the 125M-class model's shapes (``GROUP_SHAPES``)
+    quantized in 128x128 groups along K (``blocks``) or N (``cols``), as ``ops.quantize_mxfp4_group`` launches them
+    (the compiled layer's ``w_group``)."""
+    BR, nw = 128, 8
+    consts = dict(G=G, BR=BR, ROT=rot, HAS_SIGNS=False, RULE=0, SR=False, PRESCALE=False, GROUP_ROWS=128,
+                  IDX64=False, KEY_PTR=False, LAYOUT=layout, USE_ASM=True, FOLD=False, GRID=0)
+    if layout == "cols":
+        consts["PACK"] = 2
+    consts.update(kw)
+    return dict(kind="group", layout=layout, consts=consts, ones=(), num_warps=nw, maxnreg=maxnreg,
+                ptr_types={"x_ptr": "*fp32"})
+
+
+# (N, K) of the weights of one 125m-fused block: q|k|v, o, gate|up, down
+GROUP_SHAPES = ((2304, 768), (768, 768), (4096, 768), (768, 2048))
 
 
 def _mxelem(axis, TM, NB, _ebits, mbits, emin, emax, maxv, rule, prescale=False, idx64=False, bf16=False, B=32,
@@ -310,6 +329,9 @@ VARIANTS = {
                                           GROUP_ROWS_A=128, FOLD_A=False, FOLD_B=False, SPLIT16_A=True,
                                           BFIRST_A=True, maxnreg=None), ptr_types={"x_ptr": "*fp32"}),
     "singles cols r16 signs sr car": _single("cols", 32, 4, 16, HAS_SIGNS=True, SR=True),
+    # a block's four weights in one launch (setting w_group): along K (Fprop) and along N (Dgrad), H16
+    "graph group w r16 g128 blocks": _group("blocks"),
+    "graph group w r16 g128 cols": _group("cols"),
 }
 
 
@@ -343,6 +365,8 @@ def kernel_of(v):
     from mxtrain.kernels.mxfp4 import kernels as K
     if v["kind"] == "dual":
         return K._mxfp4_dual_kernel, {}
+    if v["kind"] == "group":
+        return K._mxfp4_group_kernel, {}
     return K._mxfp4_kernel, {"LAYOUT": v["layout"]}
 
 
@@ -450,7 +474,7 @@ def example_launch(v, shape=SHAPE):
     f32, i32 = torch.float32, torch.int32
     x_dtype = torch.float32 if v.get("ptr_types", {}).get("x_ptr") == "*fp32" else torch.bfloat16
     rec = []
-    if kind in ("single", "dual", "expand"):
+    if kind in ("single", "dual", "expand", "group"):
         from mxtrain.kernels import expand as E
         from mxtrain.kernels.mxfp4 import ops
         from mxtrain.kernels.mxfp4.launch import GRID_ID, RULE_ID
@@ -493,6 +517,12 @@ def example_launch(v, shape=SHAPE):
             ops.quantize_mxfp4_dual(_empty((M, N), x_dtype), sides[0], sides[1], k_multiple=km,
                                     block_rows=(c["BR_A"], c["BR_B"]), num_warps=v["num_warps"], sequential=c["SEQ"],
                                     fp4_b=c["FP4_B"], force_idx64=c["IDX64"], _check=False)
+    elif kind == "group":
+        axis = 0 if c["LAYOUT"] == "cols" else 1
+        xs = [_empty(sh, x_dtype) for sh in GROUP_SHAPES[:c["G"]]]
+        with settings.override(qkernel=c["LAYOUT"], **quiet), _patched(ops, "launch", record):
+            ops.quantize_mxfp4_group(xs, axis, rot=c["ROT"], scale_rule=rules[c["RULE"]], group_rows=c["GROUP_ROWS"],
+                                     k_multiple=km, fmt=fmts[c.get("GRID", 0)])
     elif kind == "expand":
         # the carrier rebuilt from the packed codes of X's Wgrad operand (along tokens: R features, K tokens)
         from mxtrain.kernels.mxfp4.carrier import QuantOut

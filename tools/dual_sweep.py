@@ -39,7 +39,9 @@ eager launch's register cap, ``pairs`` uncapped (as inductor compiles it) and ``
 ``--what grouped``: whether weights quantized in one launch a shape (issue #45's "weights quantized in grouped
 launches") would save device time: G weights of one shape (the 125M-class model's four, G = 4 and 12 blocks), each
 pass along K and along N, in G launches against one launch over their stack, timed from CUDA graphs (the stack's
-launch is what a grouped launch would run; each weight's outputs in it are checked against its own launch's).
+launch is what a grouped launch would run; each weight's outputs in it are checked against its own launch's); then the
+group kernel itself (``quantize_mxfp4_group``, setting ``w_group``) on one and three blocks' four weights, against one
+launch each, checked byte for byte.
 
 ``--what compiled``: the dual passes as the layer compiled into the graph launches them in a step of the 125M
 models (``linear/compiledmx.py``): X with its Wgrad operand as an FP8 carrier in 128x128 groups (``wgrad_x=auto``
@@ -415,6 +417,23 @@ def grouped_case(N, K, G, axis):
                 us_copy=us_copy, grouped_vs_separate=us_one / us_sep)
 
 
+def group_kernel_case(shapes, axis):
+    """Time the weights of ``shapes`` (float32, H16, 128x128 groups) quantized one launch each against the group
+    launches of ``quantize_mxfp4_group`` (``_mxfp4_group_kernel``, up to 4 a launch: the compiled layer's ``w_group``),
+    after checking each weight's carrier and group scales from the group launch against its own launch's."""
+    g = torch.Generator(device=dev).manual_seed(len(shapes) + axis)
+    parts = [torch.randn(N, K, device=dev, generator=g) for N, K in shapes]
+    kw = dict(rot=16, group_rows=128, k_multiple=512, counter=cnt)
+    sep = [kq.quantize_mxfp4_2d(w, axis, carrier=True, fp4=False, **kw) for w in parts]
+    grp = kq.quantize_mxfp4_group(parts, axis, **kw)
+    same = all(torch.equal(a.carrier.view(torch.uint8), b.carrier.view(torch.uint8)) and torch.equal(a.gscale, b.gscale)
+               for a, b in zip(sep, grp))
+    us_sep = bench(lambda: [kq.quantize_mxfp4_2d(w, axis, carrier=True, fp4=False, **kw) for w in parts])
+    us_grp = bench(lambda: kq.quantize_mxfp4_group(parts, axis, **kw))
+    return dict(what="group kernel", shapes=[list(s) for s in shapes], axis=axis, same=bool(same),
+                us_separate=us_sep, us_group=us_grp, group_vs_separate=us_grp / us_sep)
+
+
 def tseng_case(name, x, axis, opts, cap=None, nw=None):
     """Time one of ``tseng``'s passes with register cap ``cap`` on the tile kernel (launch options patched: the
     stochastic-rounding launches run uncapped otherwise) and ``nw`` warps, after checking its carrier and group
@@ -482,6 +501,12 @@ if "grouped" in args.what:
             row(what="stopped", why=f"budget of {args.budget} s spent")
             break
         row(**grouped_case(N, K, G, axis))
+    # the group kernel itself on one block's four weights of 125m-fused (q|k|v, o, gate|up, down), and three blocks'
+    block = [(2304, 768), (768, 768), (4096, 768), (768, 2048)] if dev == "cuda" else [(256, 256), (128, 384)]
+    for shapes, axis in itertools.product((block, block * 3), (1, 0)):
+        if time.time() - t0 > args.budget:
+            break
+        row(**group_kernel_case(shapes, axis))
     save()
 
 

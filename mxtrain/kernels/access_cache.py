@@ -101,6 +101,7 @@ READ_ONLY = {
     "_mxfp4_kernel": frozenset({"x_ptr", "signs_ptr", "key_ptr"}),
     "_mxfp4_dual_kernel": frozenset({"x_ptr", "sg_a", "kp_a", "sg_b", "kp_b"}),
     "_expand_kernel": frozenset({"pk_ptr", "sc_ptr"}),
+    "_mxfp4_group_kernel": frozenset({"x0", "x1", "x2", "x3", "signs_ptr", "key_ptr"}),
 }
 # The kernels of ``READ_ONLY`` are answered from that table instead of being analysed: writes = the counter and
 # every tensor argument neither in the table nor the counter itself (an unused slot). With torch 2.12 and later

@@ -50,7 +50,8 @@ from . import fast, skeleton
 from .skeleton import DGRAD, FPROP, Backend
 from ..kernels import backend, gemm
 from ..kernels.mxfp4.traced import AVAILABLE
-from ..kernels.mxfp4.launch import dual_applies
+from ..kernels.mxfp4 import kernels as _kernels   # (_mxfp4_group_kernel: w_group's launches; read when used)
+from ..kernels.mxfp4.launch import GROUP_MAX, dual_applies, group_consts
 from ..kernels.mxfp4.carrier import KERNEL_FORMATS, group_values
 from .. import settings
 
@@ -70,13 +71,13 @@ TRACE_TIME_SETTINGS = ("dual", "qkernel", "qblocks", "qcols", "qmaxnreg", "qself
 
 
 @assume_constant_result
-def plan(device: str, share: bool = False, recompute: bool = False, *trace_settings) -> tuple:
+def plan(device: str, share: bool = False, recompute: bool = False, group: bool = False, *trace_settings) -> tuple:
     """``(x_rows, w_rows)``: group rows of Wgrad's X and of the weights on ``device``, or ``(0, 0)`` where the
     compiled layer cannot run there (no FP8 tensor cores, the FP8-carrier GEMM not the device's backend,
     128x128 weight groups not exact). Makes the inexact-block counters of the device (outside any graph,
     static addresses for CUDA graphs). Called with the tracing modes off, once per graph. ``share``, ``recompute``:
-    whether the compile shares inputs and recomputes X for the backward (``wgrad_x_recompute``): the joint pass is
-    installed for either. ``trace_settings``: the values of ``TRACE_TIME_SETTINGS`` (unused here: passed so that
+    whether the compile shares inputs and recomputes X for the backward (``wgrad_x_recompute``), ``group``: whether
+    it groups weight passes (``w_group``): the joint pass is installed for any. ``trace_settings``: the values of ``TRACE_TIME_SETTINGS`` (unused here: passed so that
     dynamo guards on them)."""
     d = torch.device(device)
     if d.type != "cuda" or not AVAILABLE or backend(d) != "fp8_carrier":
@@ -84,7 +85,7 @@ def plan(device: str, share: bool = False, recompute: bool = False, *trace_setti
     if gemm.weight_group_rows(d) != 128:
         return (0, 0)
     fast.state.prepare(d)
-    if share or recompute:
+    if share or recompute or group:
         install_share_pass()
     return (gemm.activation_b_group_rows(d), 128)
 
@@ -103,7 +104,8 @@ def applies(mx: str, x: torch.Tensor, weight: torch.Tensor, s) -> tuple:
     if x.numel() == 0 or weight.numel() == 0:
         return (0, 0)
     # (the device is plan's to judge: it answers (0, 0) off CUDA)
-    return plan(str(x.device), s.shares_inputs(), s.wgrad_x_recompute, s.dual, s.qkernel, s.qblocks, s.qcols,
+    return plan(str(x.device), s.shares_inputs(), s.wgrad_x_recompute, s.w_group == "on", s.dual, s.qkernel,
+                s.qblocks, s.qcols,
                 s.qmaxnreg, s.qselfcheck)
 
 
@@ -750,6 +752,145 @@ def recompute_wgrad_inputs(graph: torch.fx.Graph) -> int:
     return marked
 
 
+# The arguments of ``_mxfp4_kernel`` that are each pass's own in a group launch (``_mxfp4_group_kernel``'s slots),
+# and the output names of a functional launch of it
+_MEMBER_INTS = ("R", "K", "Rc", "sx_r", "sx_k", "si_r", "si_k", "Kc", "Kq", "gs_sr", "gs_sk")
+_MEMBER_ARGS = ("x_ptr", "car_ptr", "gs_ptr", "signs_ptr", "fp4_ptr", "sc_ptr", "cnt_ptr", "key_ptr",
+                *_MEMBER_INTS)
+_SLOT_INTS = ("R", "K", "Rc", "sxr", "sxk", "sir", "sik", "Kc", "Kq", "gsr", "gsk")
+
+
+def _grouping() -> bool:
+    """Does this compile group weight passes (``w_group``)? Read as ``_sharing`` is (``plan`` passes it to dynamo's
+    guards)."""
+    return settings.current().w_group == "on"
+
+
+def _group_member(node, hop) -> tuple | None:
+    """``(key, counter in, counter out)`` of a functional launch of ``_mxfp4_kernel`` that may join a group launch
+    (``group_weight_launches``): an FP8-carrier pass of a graph input (a weight) without signs, key or packed
+    outputs (those slots hold the counter), into fresh buffers of static shape, with static integers; else None.
+    ``key``: everything a group's passes must share (the variant, the floats, the input's dtype)."""
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+    import operator
+    if node.op != "call_function" or node.target is not hop:
+        return None
+    kernel = kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
+    if getattr(getattr(kernel, "fn", None), "__name__", None) != "_mxfp4_kernel":
+        return None
+    kw = node.kwargs["kwargs"]
+    if any(v is not None for v in kernel_side_table.get_constant_args(node.kwargs["constant_args_idx"]).values()):
+        return None   # (its constant arguments: pid_r and pid_k, None (the program ids), and nothing else)
+    grid = node.kwargs["grid"]
+    cnt = kw.get("cnt_ptr")
+    if (len(grid) != 1 or len(grid[0]) != 3 or grid[0][2] != 1 or not all(isinstance(v, int) for v in grid[0])
+            or not kw.get("WRITE_CARRIER") or kw.get("WRITE_FP4") or not isinstance(cnt, torch.fx.Node)
+            or any(kw.get(n) is not cnt for n in ("signs_ptr", "fp4_ptr", "sc_ptr", "key_ptr"))
+            or not isinstance(kw.get("x_ptr"), torch.fx.Node) or kw["x_ptr"].op != "placeholder"
+            or sorted(node.kwargs["tensors_to_clone"]) != ["car_ptr", "cnt_ptr", "gs_ptr"]
+            or node.kwargs.get("tma_descriptor_metadata")
+            or any(isinstance(kw.get(n), torch.fx.Node) for n in _MEMBER_INTS)):
+        return None
+    for n in ("car_ptr", "gs_ptr"):
+        buf = kw[n]
+        if not _fresh(buf) or buf.all_input_nodes or len(buf.users) != 1:
+            return None
+    users = list(node.users)
+    if any(u.op != "call_function" or u.target is not operator.getitem or u.args[1] not in ("car_ptr", "gs_ptr",
+                                                                                           "cnt_ptr") for u in users):
+        return None
+    outs = [u for u in users if u.args[1] == "cnt_ptr"]
+    if len(outs) != 1:
+        return None
+    val = kw["x_ptr"].meta.get("val")
+    key = (tuple(sorted((n, _freeze(v)) for n, v in kw.items() if n not in _MEMBER_ARGS)),
+           getattr(val, "dtype", None), getattr(val, "device", None))
+    return key, cnt, outs[0]
+
+
+def group_weight_launches(graph: torch.fx.Graph) -> int:
+    """Merge runs of up to ``launch.GROUP_MAX`` functional launches of ``_mxfp4_kernel`` that quantize graph inputs
+    (the weights) the same way, one after another along one inexact-block counter, into one launch of
+    ``_mxfp4_group_kernel`` each (setting ``w_group``): a weight's pass is a small grid that leaves most of a GPU idle,
+    and the compiler merges no user-kernel launches. The group launch takes each pass's input, output buffers and
+    integers in a slot of its own and runs each pass's tiles as that pass would (the same bytes, tests/kernels/
+    test_group_kernel.py); it is placed where its first pass was (the later passes' output buffers move there), its
+    outputs serve the passes' readers, and the counter runs through it once. Inductor's joint custom pre-pass
+    (``ShareCarrierPass``), on the joint graph aot_autograd traced: the forward's passes along K chain on the forward's
+    weight counter, the backward's along N on its own, so the two never share a launch. Returns the number of
+    launches removed."""
+    import operator
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+    hop = torch.ops.higher_order.triton_kernel_wrapper_functional
+    runs, cur, cur_key, cur_out = [], [], None, None
+    for node in list(graph.nodes):
+        m = _group_member(node, hop)
+        if m is None:
+            continue
+        key, cnt_in, cnt_out = m
+        if cur and (key != cur_key or cnt_in is not cur_out or len(cur) == GROUP_MAX):
+            runs.append(cur)
+            cur = []
+        cur.append(node)
+        cur_key, cur_out = key, cnt_out
+    runs.append(cur)
+    kidx = None
+    removed = 0
+    for run in runs:
+        if len(run) < 2:
+            continue
+        if kidx is None:
+            kidx = kernel_side_table.add_kernel(_kernels._mxfp4_group_kernel)
+        first, mk0 = run[0], run[0].kwargs["kwargs"]
+        cnt_in = mk0["cnt_ptr"]
+        kw = {"signs_ptr": cnt_in, "cnt_ptr": cnt_in, "key_ptr": cnt_in, "key": mk0["key"],
+              "inv_sqrt": mk0["inv_sqrt"], "prescale": mk0["prescale"]}
+        end, vals = 0, {}
+        for i in range(GROUP_MAX):
+            m = run[i] if i < len(run) else run[0]
+            mk = m.kwargs["kwargs"]
+            if i < len(run):
+                nr, nk, _ = m.kwargs["grid"][0]
+                end += nr * nk
+                for n in ("car_ptr", "gs_ptr"):
+                    if i:
+                        first.prepend(mk[n])   # (its output buffers, made before the group launch)
+                vals.update({f"car{i}": m.meta["val"]["car_ptr"], f"gs{i}": m.meta["val"]["gs_ptr"]})
+                kw.update({f"x{i}": mk["x_ptr"], f"car{i}": mk["car_ptr"], f"gs{i}": mk["gs_ptr"]})
+                slot_end = end
+            else:   # (an unused slot: the first pass's integers, the counter for its outputs; never read)
+                kw.update({f"x{i}": mk["x_ptr"], f"car{i}": cnt_in, f"gs{i}": cnt_in})
+                slot_end = end
+            kw.update({f"{s}{i}": mk[n] for s, n in zip(_SLOT_INTS, _MEMBER_INTS)})
+            kw[f"nk{i}"] = m.kwargs["grid"][0][1]
+            kw[f"end{i}"] = slot_end
+        kw.update(group_consts({n: v for n, v in mk0.items() if n not in _MEMBER_ARGS}, len(run)))
+        vals["cnt_ptr"] = run[-1].meta["val"]["cnt_ptr"]
+        clone = [f"{o}{i}" for i in range(len(run)) for o in ("car", "gs")] + ["cnt_ptr"]
+        with graph.inserting_before(first):
+            g = graph.call_function(hop, (), dict(kernel_idx=kidx,
+                                                  constant_args_idx=kernel_side_table.add_constant_args({}),
+                                                  grid=[(end, 1, 1)], tma_descriptor_metadata={}, kwargs=kw,
+                                                  tensors_to_clone=clone))
+        g.meta = dict(first.meta)
+        g.meta["val"] = vals
+        made: dict = {}
+        for i, m in enumerate(run):
+            for u in list(m.users):
+                name = {"car_ptr": f"car{i}", "gs_ptr": f"gs{i}", "cnt_ptr": "cnt_ptr"}[u.args[1]]
+                new = made.get(name)
+                if new is None:
+                    with graph.inserting_after(g):
+                        new = made[name] = graph.call_function(operator.getitem, (g, name))
+                    new.meta = dict(u.meta)
+                u.replace_all_uses_with(new)
+                graph.erase_node(u)
+        for m in run:
+            graph.erase_node(m)
+        removed += len(run) - 1
+    return removed
+
+
 class ShareCarrierPass(_ChainedPass):
     """``share_carriers`` (where the compile shares inputs, ``_sharing``) and ``recompute_wgrad_inputs`` (where it
     recomputes X, ``_recomputing``) as inductor's joint custom pre-pass, chained after the pass a user set."""
@@ -759,15 +900,19 @@ class ShareCarrierPass(_ChainedPass):
             share_carriers(graph)
         if _recomputing():
             recompute_wgrad_inputs(graph)
+        if _grouping():
+            group_weight_launches(graph)
 
     def uuid(self):
-        return (super().uuid(), _sharing(), _recomputing())
+        return (super().uuid(), _sharing(), _recomputing(), _grouping())
 
     def source(self) -> str:
         import inspect
         return (inspect.getsource(share_carriers) + inspect.getsource(_fresh) + inspect.getsource(_freeze)
                 + inspect.getsource(_sharing) + repr(_SHARED_KERNELS) + inspect.getsource(recompute_wgrad_inputs)
-                + inspect.getsource(_recomputing) + repr((_VIEWS, _RECOMPUTE_DEPTH)))
+                + inspect.getsource(_recomputing) + repr((_VIEWS, _RECOMPUTE_DEPTH))
+                + inspect.getsource(group_weight_launches) + inspect.getsource(_group_member)
+                + inspect.getsource(_grouping) + repr((_MEMBER_INTS, _MEMBER_ARGS, _SLOT_INTS)))
 
 
 def install_share_pass() -> bool:

@@ -501,6 +501,52 @@ def test_cuda_w_dual_gives_the_eager_bits(recipe):
 
 
 @pytest.mark.cuda
+def test_cuda_w_group_gives_the_eager_bits(monkeypatch):
+    """``w_group=on`` (consecutive weight passes in one launch of ``_mxfp4_group_kernel``, placed by the joint-graph
+    pass): five layers of the 125M-class model's shapes in a chain, float32 weights under autocast, compiled, give
+    the eager fast path's output, dX and every dW bit for bit and the same inexact counts; the pass grouped passes in
+    the forward and in the backward (inductor's graph cache off, so that the pass runs)."""
+    _gpu()
+    import torch._inductor.config as ic
+    removed = []
+    real = compiledmx.group_weight_launches
+    monkeypatch.setattr(compiledmx, "group_weight_launches", lambda g: removed.append(real(g)) or removed[-1])
+    g = torch.Generator(device="cuda").manual_seed(3)
+    dims = (768, 2304, 768, 4096, 768, 768)
+    x = torch.randn(2048, 768, device="cuda", generator=g)
+    ws = [(torch.randn(o, i, device="cuda", generator=g) * 0.05).requires_grad_() for i, o in zip(dims, dims[1:])]
+    ws[1].data[:32, :64] *= 2.0**-24   # (blocks below their group's carrier range: inexact blocks to count)
+    gy = torch.randn(2048, dims[-1], device="cuda", generator=g).bfloat16()
+
+    def chain(x, *ws):
+        for w in ws:
+            x = mx_linear(x, w, None, "mxfp4-all-dh16")
+        return x
+
+    def run(fn):
+        xx = x.clone().requires_grad_()
+        for w in ws:
+            w.grad = None
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = fn(xx, *ws)
+        y.backward(gy)
+        return [y.detach(), xx.grad] + [w.grad.clone() for w in ws]
+    before = fast.inexact_by_tensor("cuda")
+    eager = run(chain)
+    mid = fast.inexact_by_tensor("cuda")
+    torch._dynamo.reset()
+    with settings.override(w_group="on"), ic.patch(fx_graph_cache=False):
+        comp = run(torch.compile(chain, fullgraph=True))
+    after = fast.inexact_by_tensor("cuda")
+    torch._dynamo.reset()
+    for i, (a, e) in enumerate(zip(comp, eager)):
+        assert torch.equal(a, e), (i, (a.float() - e.float()).abs().max().item())
+    assert {k: mid[k] - before[k] for k in mid} == {k: after[k] - mid[k] for k in mid}
+    assert mid["w"] - before["w"] > 0
+    assert sum(removed) >= 6, removed   # (5 passes along K and 5 along N: 4 + 1 each way)
+
+
+@pytest.mark.cuda
 def test_cuda_compiled_graph_holds_no_custom_op():
     _gpu()
     x, w, b, _ = _data(256, 512, 256, torch.bfloat16)
@@ -615,7 +661,9 @@ def test_compiled_layer_kernels_are_the_same_code_with_contraction_on():
             "int4 dual x signs r16 fold fp4_b", "int4 expand", "e1m2 dual x signs r16 fold fp4_b",
             "adaptive cols r0 sr car",
             # the cols layout with one value a thread (setting qcols singles): the compiled layer's two dual passes
-            "singles dual dy r16", "singles dual x r16 g128 fp4_b"]
+            "singles dual dy r16", "singles dual x r16 g128 fp4_b",
+            # a block's four weights in one launch (setting w_group), along K
+            "graph group w r16 g128 blocks"]
     import tempfile
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "fusion.json")
@@ -842,6 +890,67 @@ def test_carrier_pass_merges_rebuilds_of_the_same_codes_only():
     assert out[3] is car3 and [o.args for o in out[4:6]] == [(e1, "car_ptr"), (e1, "gs_ptr")] and out[6] is car5
     assert e3.kwargs["kwargs"]["cnt_ptr"] is c1 and e5.kwargs["kwargs"]["cnt_ptr"] is c3 and out[7] is c5
     assert sum(1 for n in graph.nodes if n.target is torch.ops.aten.empty.memory_format) == 6   # (2 dropped launches)
+
+
+def test_group_pass_merges_consecutive_weight_passes_of_one_variant():
+    """``group_weight_launches`` on a joint graph as aot_autograd writes it (functional launches of ``_mxfp4_kernel``
+    on graph inputs, the inexact-block counter chained through them): six passes of one variant become a group of 4
+    and one of 2 (``GROUP_MAX``), each group where its first pass was, with every pass's buffers and integers in a slot
+    of its own and its programs after the previous slot's; their readers read the group's outputs, the counter runs
+    through the groups. A pass of another variant between them, or one on another counter, splits the run; a pass of
+    a tensor made in the graph (not an input) is not grouped."""
+    import operator
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+    hop = torch.ops.higher_order.triton_kernel_wrapper_functional
+    graph = torch.fx.Graph()
+    ws = [graph.placeholder(f"w{i}") for i in range(8)]
+    cnt, cnt2 = graph.placeholder("cnt"), graph.placeholder("cnt2")
+    for w in ws:
+        w.meta["val"] = torch.empty(256, 256)
+    kidx = kernel_side_table.add_kernel(K._mxfp4_kernel)
+    cidx = kernel_side_table.add_constant_args({"pid_r": None, "pid_k": None})
+
+    def quant(x, c, rows=256, rot=16):
+        car = graph.call_function(torch.ops.aten.empty.memory_format, ([rows, 512],), {"dtype": torch.uint8})
+        gs = graph.call_function(torch.ops.aten.empty.memory_format, ([rows // 128, 4],), {"dtype": torch.float32})
+        kw = dict(x_ptr=x, signs_ptr=c, car_ptr=car, gs_ptr=gs, fp4_ptr=c, sc_ptr=c, cnt_ptr=c, key_ptr=c, R=rows,
+                  K=256, Rc=rows, sx_r=256, sx_k=1, si_r=256, si_k=1, Kc=512, Kq=256, gs_sr=4, gs_sk=1, key=0,
+                  inv_sqrt=0.25, prescale=1.0, BR=128, ROT=rot, HAS_SIGNS=False, RULE=0, SR=False, PRESCALE=False,
+                  GROUP_ROWS=128, WRITE_CARRIER=True, WRITE_FP4=False, IDX64=False, KEY_PTR=False, LAYOUT="blocks",
+                  GRID=0, USE_ASM=False, FOLD=False, SPLIT16=True, BFIRST=True, PACK=4)
+        n = graph.call_function(hop, (), dict(kernel_idx=kidx, constant_args_idx=cidx, grid=[(rows // 128, 2, 1)],
+                                              tma_descriptor_metadata={}, kwargs=kw,
+                                              tensors_to_clone=["car_ptr", "gs_ptr", "cnt_ptr"]))
+        n.meta["val"] = {"car_ptr": torch.empty(rows, 512, dtype=torch.uint8),
+                         "gs_ptr": torch.empty(rows // 128, 4), "cnt_ptr": torch.empty(1, dtype=torch.int32)}
+        outs = [graph.call_function(operator.getitem, (n, k)) for k in ("car_ptr", "gs_ptr", "cnt_ptr")]
+        return n, outs
+    cars, c = [], cnt
+    for i in range(6):                                   # one run of six: 4 + 2
+        _, (car, gs, c) = quant(ws[i], c, rows=128 * (i % 3 + 1))
+        cars += [car, gs]
+    _, (car_o, _, c) = quant(ws[6], c, rot=32)           # another variant: alone
+    _, (car_a, _, c) = quant(ws[7], c)                   # after it: alone (a run of one stays as it is)
+    made = graph.call_function(torch.ops.aten.mul.Tensor, (ws[0], 2.0))
+    _, (car_m, _, c) = quant(made, c)                    # not a graph input
+    _, (car_b, _, d) = quant(ws[0], cnt2)                # another counter
+    graph.output((*cars, car_o, car_a, car_m, car_b, c, d))
+    assert compiledmx.group_weight_launches(graph) == 4
+    graph.lint()
+    kernels = [kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).fn.__name__ for n in graph.nodes
+               if n.target is hop]
+    assert kernels == ["_mxfp4_group_kernel", "_mxfp4_group_kernel"] + ["_mxfp4_kernel"] * 4, kernels
+    g1, g2 = [n for n in graph.nodes if n.target is hop][:2]
+    k1, k2 = g1.kwargs["kwargs"], g2.kwargs["kwargs"]
+    assert (k1["G"], k2["G"]) == (4, 2) and k1["cnt_ptr"] is cnt and k2["cnt_ptr"].args == (g1, "cnt_ptr")
+    assert [k1[f"x{i}"] for i in range(4)] == ws[:4] and [k2[f"x{i}"] for i in range(2)] == ws[4:6]
+    assert [k1[f"end{i}"] for i in range(4)] == [2, 6, 12, 14] and [k1[f"R{i}"] for i in range(4)] == [128, 256, 384, 128]
+    assert g1.kwargs["grid"] == [(14, 1, 1)] and g2.kwargs["grid"] == [(4 + 6, 1, 1)]
+    assert k2["car2"] is k2["cnt_ptr"] and k2["x2"] is ws[4]   # (unused slots: never written, never read)
+    out = graph.output_node().args[0]
+    assert [o.args for o in out[:4]] == [(g1, "car0"), (g1, "gs0"), (g1, "car1"), (g1, "gs1")]
+    assert [o.args for o in out[8:12]] == [(g2, "car0"), (g2, "gs0"), (g2, "car1"), (g2, "gs1")]
+    assert g1.meta["val"]["car2"].shape == (384, 512) and sorted(g1.kwargs["tensors_to_clone"])[-1] == "gs3"
 
 
 def test_share_pass_chains_a_users_pass_and_has_a_uuid():
@@ -1115,6 +1224,17 @@ def run(recipe, n_layers, M=256, K=256, N=512):
     return {"kernels": dict(kernels), "cloned_inputs": cloned, "clones": clones}
 GRAPH = {f"{r} x{n}": run(r, n) for r, n in (("mxfp4-all", 1), ("mxfp4-all", 2), ("mxfp4-all-dh16", 1),
                                              ("mxfp4-fprop", 1), ("mxfp4-all-sr", 1), ("tseng", 1))}
+# w_group's pass on the real joint graph of five layers: what it leaves, and the partitioner's split of it
+removed = []
+real_partition = partition
+def partition(gm, inputs, **kw):
+    removed.append(compiledmx.group_weight_launches(gm.graph))
+    gm.graph.lint()
+    gm.recompile()
+    return real_partition(gm, inputs, **kw)
+grouped = run("mxfp4-all-dh16", 5)
+grouped["removed"] = removed
+GRAPH["grouped"] = grouped
 '''
 
 
@@ -1140,6 +1260,11 @@ def test_graph_of_a_compiled_layer_under_fake_gpu_tensors(sm90_child):
     assert res["tseng x1"]["kernels"] == {"_mxfp4_kernel": 4}, res["tseng x1"]
     for r in res.values():
         assert r["cloned_inputs"] == [] and r["clones"] == 0, r
+    # w_group's pass (group_weight_launches) on five layers' joint graph: the passes along K (forward) and along N
+    # (backward) each as a group of 4 and one left alone, nothing copied, and the partitioner splits the graph
+    assert res["grouped"]["removed"] == [6]
+    assert res["grouped"]["kernels"] == {"_mxfp4_dual_kernel": 10, "_expand_kernel": 5, "_mxfp4_group_kernel": 2,
+                                         "_mxfp4_kernel": 2}, res["grouped"]["kernels"]
 
 
 def test_no_kernel_store_names_an_input_pointer():

@@ -21,10 +21,11 @@ Tests and benchmarks choose kernels and policies through ``mxtrain.settings`` (`
 from .carrier import TILE_K, QuantOut, carrier_from_fp4, carrier_values, dequantize_fp4
 from .launch import (BLOCK_ROTS, CAPPED_KERNELS, DUAL_CONFIG, DUAL_SEQ, RULE_ID, Launch, dual_applies, kernel_for,
                      record_launches)
-from .ops import quantize, quantize_mxfp4_2d, quantize_mxfp4_dual, quantize_mxfp4_op, quantize_op, supported
+from .ops import (quantize, quantize_mxfp4_2d, quantize_mxfp4_dual, quantize_mxfp4_group, quantize_mxfp4_op,
+                  quantize_op, supported)
 from .verify import selfcheck
 
 __all__ = ["TILE_K", "QuantOut", "carrier_from_fp4", "carrier_values", "dequantize_fp4", "BLOCK_ROTS",
            "CAPPED_KERNELS", "DUAL_CONFIG", "DUAL_SEQ", "RULE_ID", "Launch", "dual_applies", "kernel_for",
-           "record_launches", "quantize", "quantize_mxfp4_2d", "quantize_mxfp4_dual", "quantize_mxfp4_op",
-           "quantize_op", "supported", "selfcheck"]
+           "record_launches", "quantize", "quantize_mxfp4_2d", "quantize_mxfp4_dual", "quantize_mxfp4_group",
+           "quantize_mxfp4_op", "quantize_op", "supported", "selfcheck"]

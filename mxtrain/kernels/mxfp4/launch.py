@@ -33,6 +33,7 @@ __all__ = ["RULE_ID", "GRID_ID", "KERNEL_RULES", "KERNEL_GRIDS",
            "W_DUAL_CONFIG_SINGLES", "DUAL_SEQ", "cols_values", "dual_config", "kernel_for",
            "fold_applies", "dual_applies", "block_config", "single_kernel", "launch_opts", "needs_idx64",
            "single_args", "dual_args", "single_spec", "dual_spec", "SingleSpec", "DualSpec", "kernel_kwargs",
+           "GROUP_MAX", "GroupSpec", "group_key", "group_consts", "group_spec", "group_args",
            "use_plans", "Plan", "DualPlan", "Launch", "LAUNCHES", "record_launches"]
 
 # The kernels' RULE constexpr, by scale rule: ``RULE_ID`` the rules the fast path takes (``mxtrain.linear.fast``'s
@@ -427,6 +428,69 @@ def dual_args(x, cnt, side_a: tuple, side_b: tuple, ints: tuple, key_a: int, flo
 
 DUAL_TAIL = ["key_a", "inv_a", "ps_a", "key_b", "inv_b", "ps_b"]
 DUAL_FIRST_INT = (10, "M")
+
+
+# ---------------------------------------------------------------------------------------------- grouped passes
+
+GROUP_MAX = 4   # the tensors one launch of ``_mxfp4_group_kernel`` takes (its slots)
+GroupSpec = namedtuple("GroupSpec", ["consts", "num_warps", "opts", "grid", "ints", "floats"])
+GroupSpec.__doc__ = """One launch of ``_mxfp4_group_kernel`` (``group_spec``): the shared constexprs (``G`` among them),
+warps, launch options, the grid (the members' tiles one after another), per slot the integers that follow its three
+pointers (``single_args``' 11, then its reduction blocks and the end of its programs) and the shared floats."""
+# the single-pass constexprs that the group kernel takes as they are (the outputs are FP8 carriers only)
+_GROUP_CONSTS = ("BR", "ROT", "HAS_SIGNS", "RULE", "SR", "PRESCALE", "GROUP_ROWS", "IDX64", "KEY_PTR", "LAYOUT",
+                 "USE_ASM", "PACK", "FOLD", "GRID", "BFIRST", "SPLIT16")
+
+
+def group_key(sp: SingleSpec) -> tuple | None:
+    """What must be equal for single passes to share one group launch (``group_spec``): the variant (constexprs,
+    warps, options) and the floats; None where ``sp`` cannot be grouped (packed-code outputs, an empty tensor,
+    constexprs the group kernel does not pass on)."""
+    c = sp.consts
+    if (not c.get("WRITE_CARRIER") or c.get("WRITE_FP4") or sp.R == 0 or sp.K == 0
+            or set(c) - set(_GROUP_CONSTS) - {"WRITE_CARRIER", "WRITE_FP4"}):
+        return None
+    return (tuple(sorted((k, v) for k, v in c.items() if k in _GROUP_CONSTS)), sp.num_warps,
+            tuple(sorted(sp.opts.items())), sp.floats)
+
+
+def group_consts(consts: dict, G: int) -> dict:
+    """The constexprs of ``_mxfp4_group_kernel`` for ``G`` passes of the single-pass variant ``consts`` (its
+    constexprs, or every argument of a launch of it by name: what the group kernel takes as it is, and ``G``)."""
+    out = {k: v for k, v in consts.items() if k in _GROUP_CONSTS}
+    out["G"] = G
+    return out
+
+
+def group_spec(specs: list) -> GroupSpec:
+    """The launch of ``_mxfp4_group_kernel`` that runs the single passes ``specs`` (``single_spec``'s, 1 to
+    ``GROUP_MAX`` of them, one ``group_key``) as one: each member's tiles get the programs after the previous
+    member's, in its own (row block, reduction block) order; an unused slot repeats the first member's integers
+    (never read: ``G`` slots are)."""
+    assert 1 <= len(specs) <= GROUP_MAX, len(specs)
+    keys = {group_key(sp) for sp in specs}
+    assert len(keys) == 1 and None not in keys, "group_spec: the passes are not one groupable variant"
+    first = specs[0]
+    ints, end = [], 0
+    for sp in specs:
+        nr, nk = sp.grid
+        end += nr * nk
+        ints.append((*sp.ints, nk, end))
+    ints += [ints[0]] * (GROUP_MAX - len(specs))
+    consts = group_consts(first.consts, len(specs))
+    return GroupSpec(consts, first.num_warps, first.opts, (end,), tuple(ints), first.floats)
+
+
+def group_args(cnt, signs, key_tensor, members: list, gs: GroupSpec, key: int) -> tuple:
+    """The positional arguments of ``_mxfp4_group_kernel`` in its order: the signs, counter and key pointers (an
+    absent one: ``cnt`` stands in, never touched), the key as int32 and the floats, then per slot the input, its
+    carrier and group-scale storage (``members``: ``(x, carrier, group scales)`` each; an unused slot: the first
+    input, and ``cnt`` for its outputs) and the slot's integers."""
+    out = [cnt if signs is None else signs, cnt, cnt if key_tensor is None else key_tensor, i32(key), *gs.floats]
+    for i, ints in enumerate(gs.ints):
+        x, car, g = members[i] if i < len(members) else (members[0][0], cnt, cnt)
+        out += [x, car, g, *ints]
+    return tuple(out)
 
 
 # ---------------------------------------------------------------------------------------------- launches

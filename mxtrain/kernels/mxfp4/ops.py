@@ -19,7 +19,8 @@ from ..caches import CACHES
 from . import kernels as _kernels   # (its kernels exist where Triton imports; read at launch time)
 from .carrier import (KERNEL_FORMATS, TILE_K, QuantOut, carrier_buffers, carrier_from_fp4, ceil_to, out_shapes,
                       reference_quantize)
-from .launch import (DUAL_SEQ, GRID_ID, KERNEL_GRIDS, KERNEL_RULES, DualPlan, Plan, dual_applies, dual_config,
+from .launch import (DUAL_SEQ, GROUP_MAX, GRID_ID, KERNEL_GRIDS, KERNEL_RULES, DualPlan, Plan, dual_applies,
+                     dual_config, group_args, group_key, group_spec,
                      dual_args, dual_spec, i32, launch, single_args, single_spec, use_plans)
 from .verify import config_ok, dual_ok, selfcheck_applies, set_quantizers
 from .. import kernels_available
@@ -29,7 +30,8 @@ try:
 except Exception:  # pragma: no cover
     triton = None
 
-__all__ = ["supported", "quantize_mxfp4_2d", "quantize_mxfp4_dual", "quantize", "quantize_mxfp4_op", "quantize_op"]
+__all__ = ["supported", "quantize_mxfp4_2d", "quantize_mxfp4_dual", "quantize_mxfp4_group", "quantize",
+           "quantize_mxfp4_op", "quantize_op"]
 
 SIDE_KEYS = ("rot", "signs", "rounding", "scale_rule", "key", "prescale", "index_strides", "key_tensor", "group_rows",
              "fmt")
@@ -207,6 +209,57 @@ def quantize_mxfp4_dual(x: torch.Tensor, a: dict, b: dict, *, k_multiple: int = 
     if pkey is not None:   # (bounded: least recently used plans are dropped)
         CACHES.dual_plans[pkey] = DualPlan.make(compiled, grid, ints, floats[0], floats[1], consts, outs)
     return outs[0], outs[1]
+
+
+def quantize_mxfp4_group(xs: list, axis: int, *, rot: int = 0, signs: torch.Tensor | None = None,
+                         rounding: str = "nearest", scale_rule: str = "floor", key: int = 0, prescale: float = 1.0,
+                         group_rows: int = 1, row_multiple: int = 16, k_multiple: int = TILE_K,
+                         counter: torch.Tensor | None = None, key_tensor: torch.Tensor | None = None,
+                         fmt: str = "mxfp4") -> list:
+    """The FP8 carriers of ``quantize_mxfp4_2d(x, axis, ..., carrier=True, fp4=False)`` for every ``x`` of ``xs``
+    (2-D tensors of one dtype and device, each with the index strides of its own layout), bit-identical, in
+    launches of ``_mxfp4_group_kernel`` of up to ``launch.GROUP_MAX`` tensors each where they are one kernel variant
+    (``launch.group_key``; the rest, one launch each). All add their inexact blocks to one counter (``counter``, or a
+    new one). Made for a model's weights, whose passes are small grids: one launch each leaves most of a GPU idle
+    (the compiled layer's ``w_group`` setting groups them in the graph; this is the same launch, eagerly)."""
+    st = _settings.current()
+    if not xs:
+        return []
+    dev = xs[0].device
+    cnt = counter if counter is not None else torch.zeros((1,), dtype=torch.int32, device=dev)
+    if signs is not None:
+        signs = signs.to(device=dev, dtype=torch.float32).contiguous()
+    specs = [single_spec(x.shape, x.stride(), x.dtype, dev, axis, rot=rot, has_signs=signs is not None,
+                         rounding=rounding, scale_rule=scale_rule, prescale=prescale, index_strides=None,
+                         carrier=True, fp4=False, group_rows=group_rows, row_multiple=row_multiple, block_rows=None,
+                         num_warps=None, k_multiple=k_multiple, key_ptr=key_tensor is not None, force_idx64=False,
+                         st=st, fmt=fmt) for x in xs]
+    outs: list = [None] * len(xs)
+    by_key: dict = {}
+    for i, sp in enumerate(specs):
+        k = group_key(sp)
+        if k is None or xs[i].dtype != xs[0].dtype:
+            outs[i] = quantize_mxfp4_2d(xs[i], axis, rot=rot, signs=signs, rounding=rounding, scale_rule=scale_rule,
+                                        key=key, prescale=prescale, carrier=True, fp4=False, group_rows=group_rows,
+                                        row_multiple=row_multiple, k_multiple=k_multiple, counter=cnt,
+                                        key_tensor=key_tensor, fmt=fmt, _check=False)
+        else:
+            by_key.setdefault(k, []).append(i)
+    for idx in by_key.values():
+        for c in range(0, len(idx), GROUP_MAX):
+            part = idx[c:c + GROUP_MAX]
+            gsp = group_spec([specs[i] for i in part])
+            members = []
+            for i in part:
+                sp = specs[i]
+                car, gs, base, _, _ = carrier_buffers(sp.Rc, sp.Kc, group_rows, dev)
+                outs[i] = QuantOut(sp.R, sp.K, car.view(torch.float8_e4m3fn), gs, group_rows, cnt, None, None,
+                                   base, fmt)
+                members.append((xs[i], car, gs))
+            args = group_args(cnt, signs, key_tensor, members, gsp, key)
+            launch("group", _kernels._mxfp4_group_kernel, gsp.grid, args, gsp.consts, gsp.num_warps, gsp.opts,
+                   xs[part[0]].shape)
+    return outs
 
 
 set_quantizers(quantize_mxfp4_2d, quantize_mxfp4_dual)   # (what verify checks where a caller passes none)
