@@ -857,13 +857,11 @@ def group_weight_launches(graph: torch.fx.Graph) -> int:
                         first.prepend(mk[n])   # (its output buffers, made before the group launch)
                 vals.update({f"car{i}": m.meta["val"]["car_ptr"], f"gs{i}": m.meta["val"]["gs_ptr"]})
                 kw.update({f"x{i}": mk["x_ptr"], f"car{i}": mk["car_ptr"], f"gs{i}": mk["gs_ptr"]})
-                slot_end = end
             else:   # (an unused slot: the first pass's integers, the counter for its outputs; never read)
                 kw.update({f"x{i}": mk["x_ptr"], f"car{i}": cnt_in, f"gs{i}": cnt_in})
-                slot_end = end
             kw.update({f"{s}{i}": mk[n] for s, n in zip(_SLOT_INTS, _MEMBER_INTS)})
             kw[f"nk{i}"] = m.kwargs["grid"][0][1]
-            kw[f"end{i}"] = slot_end
+            kw[f"end{i}"] = end
         kw.update(group_consts({n: v for n, v in mk0.items() if n not in _MEMBER_ARGS}, len(run)))
         vals["cnt_ptr"] = run[-1].meta["val"]["cnt_ptr"]
         clone = [f"{o}{i}" for i in range(len(run)) for o in ("car", "gs")] + ["cnt_ptr"]

@@ -852,38 +852,32 @@ if triton is not None:
         (``launch.group_spec``; the compiled layer's ``w_group`` setting). Unused slots (``g >= G``) are never
         read."""
         pid = tl.program_id(0)
-        # the member of this program, chosen by selects (one straight-line body: a branch per member made the
-        # compiler keep each copy's shared-memory barriers and spill under the register cap)
-        x, car, gs, R, K, Rc, sxr, sxk, sir, sik, Kc, Kq, gsr, gsk, nk = (
-            x0, car0, gs0, R0, K0, Rc0, sxr0, sxk0, sir0, sik0, Kc0, Kq0, gsr0, gsk0, nk0)
-        base = pid * 0
+        # the slot of this program, chosen by selects (one straight-line body: a branch per slot made the compiler
+        # keep each copy's shared-memory barriers and spill under the register cap): its pointers, integers and the
+        # first program of its tiles
+        slot = (x0, car0, gs0, R0, K0, Rc0, sxr0, sxk0, sir0, sik0, Kc0, Kq0, gsr0, gsk0, nk0, pid * 0)
         if G > 1:
-            s = pid >= end0
-            x, car, gs = tl.where(s, x1, x), tl.where(s, car1, car), tl.where(s, gs1, gs)
-            R, K, Rc = tl.where(s, R1, R), tl.where(s, K1, K), tl.where(s, Rc1, Rc)
-            sxr, sxk, sir, sik = tl.where(s, sxr1, sxr), tl.where(s, sxk1, sxk), tl.where(s, sir1, sir), tl.where(s, sik1, sik)
-            Kc, Kq, gsr, gsk, nk = (tl.where(s, Kc1, Kc), tl.where(s, Kq1, Kq), tl.where(s, gsr1, gsr),
-                                    tl.where(s, gsk1, gsk), tl.where(s, nk1, nk))
-            base = tl.where(s, end0, base)
+            slot = _pick(pid >= end0, (x1, car1, gs1, R1, K1, Rc1, sxr1, sxk1, sir1, sik1, Kc1, Kq1, gsr1, gsk1, nk1,
+                                       end0), slot)
         if G > 2:
-            s = pid >= end1
-            x, car, gs = tl.where(s, x2, x), tl.where(s, car2, car), tl.where(s, gs2, gs)
-            R, K, Rc = tl.where(s, R2, R), tl.where(s, K2, K), tl.where(s, Rc2, Rc)
-            sxr, sxk, sir, sik = tl.where(s, sxr2, sxr), tl.where(s, sxk2, sxk), tl.where(s, sir2, sir), tl.where(s, sik2, sik)
-            Kc, Kq, gsr, gsk, nk = (tl.where(s, Kc2, Kc), tl.where(s, Kq2, Kq), tl.where(s, gsr2, gsr),
-                                    tl.where(s, gsk2, gsk), tl.where(s, nk2, nk))
-            base = tl.where(s, end1, base)
+            slot = _pick(pid >= end1, (x2, car2, gs2, R2, K2, Rc2, sxr2, sxk2, sir2, sik2, Kc2, Kq2, gsr2, gsk2, nk2,
+                                       end1), slot)
         if G > 3:
-            s = pid >= end2
-            x, car, gs = tl.where(s, x3, x), tl.where(s, car3, car), tl.where(s, gs3, gs)
-            R, K, Rc = tl.where(s, R3, R), tl.where(s, K3, K), tl.where(s, Rc3, Rc)
-            sxr, sxk, sir, sik = tl.where(s, sxr3, sxr), tl.where(s, sxk3, sxk), tl.where(s, sir3, sir), tl.where(s, sik3, sik)
-            Kc, Kq, gsr, gsk, nk = (tl.where(s, Kc3, Kc), tl.where(s, Kq3, Kq), tl.where(s, gsr3, gsr),
-                                    tl.where(s, gsk3, gsk), tl.where(s, nk3, nk))
-            base = tl.where(s, end2, base)
+            slot = _pick(pid >= end2, (x3, car3, gs3, R3, K3, Rc3, sxr3, sxk3, sir3, sik3, Kc3, Kq3, gsr3, gsk3, nk3,
+                                       end2), slot)
+        x, car, gs, R, K, Rc, sxr, sxk, sir, sik, Kc, Kq, gsr, gsk, nk, base = slot
         p = pid - base
         _mxfp4_kernel(x, signs_ptr, car, gs, cnt_ptr, cnt_ptr, cnt_ptr, key_ptr,
                       R, K, Rc, sxr, sxk, sir, sik, Kc, Kq, gsr, gsk, key, inv_sqrt, prescale,
                       BR, ROT, HAS_SIGNS, RULE, SR, PRESCALE, GROUP_ROWS, True, False, IDX64, KEY_PTR, LAYOUT,
                       USE_ASM=USE_ASM, PACK=PACK, FOLD=FOLD, GRID=GRID, BFIRST=BFIRST, SPLIT16=SPLIT16,
                       pid_r=p // nk, pid_k=p % nk)
+
+    @triton.jit
+    def _pick(s, new, cur):
+        """``new`` where ``s`` else ``cur``, element by element of two tuples of 16 scalars (``_mxfp4_group_kernel``'s
+        slots)."""
+        out = ()
+        for i in tl.static_range(16):
+            out = out + (tl.where(s, new[i], cur[i]),)
+        return out

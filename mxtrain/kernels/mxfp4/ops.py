@@ -173,7 +173,8 @@ def quantize_mxfp4_dual(x: torch.Tensor, a: dict, b: dict, *, k_multiple: int = 
         # after dual_applies and the variant's self-check passed, so a hit skips both (host time per call)
         pkey = (x.device, x.dtype, x.shape, x.stride(), x.data_ptr() & 15, tuple(sides), k_multiple,
                 cnt.data_ptr() & 15, block_rows, num_warps, sequential,
-                dual_config(a.get("group_rows", 1), b.get("group_rows", 1), st), DUAL_SEQ, st.launch_key, checked, fp4_b, force_idx64)
+                dual_config(a.get("group_rows", 1), b.get("group_rows", 1), st), DUAL_SEQ, st.launch_key, checked,
+                fp4_b, force_idx64)
         plan = CACHES.dual_plans.get(pkey)
         if plan is not None:
             return plan(x, a, b, cnt)
