@@ -870,8 +870,16 @@ def group_weight_launches(graph: torch.fx.Graph) -> int:
                                                   constant_args_idx=kernel_side_table.add_constant_args({}),
                                                   grid=[(end, 1, 1)], tma_descriptor_metadata={}, kwargs=kw,
                                                   tensors_to_clone=clone))
-        g.meta = dict(first.meta)
+        g.meta = {k: v for k, v in first.meta.items() if k != "eager_input_vals"}
         g.meta["val"] = vals
+        if "eager_input_vals" in first.meta:   # (the inputs' eager values of the group launch, not of its first pass:
+            # torch's post-grad decomposition of the launch replays them against its arguments)
+            eager = {}
+            for m in run:
+                mk = m.meta.get("eager_input_vals", ((), {}))[1].get("kwargs", {})
+                eager.update({v: mk[n] for n, v in m.kwargs["kwargs"].items() if isinstance(v, torch.fx.Node) and n in mk})
+            g.meta["eager_input_vals"] = ((), torch.utils._pytree.tree_map_only(
+                torch.fx.Node, lambda v: eager.get(v, v.meta.get("val")), dict(g.kwargs)))
         made: dict = {}
         for i, m in enumerate(run):
             for u in list(m.users):

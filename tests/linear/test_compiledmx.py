@@ -923,9 +923,13 @@ def test_group_pass_merges_consecutive_weight_passes_of_one_variant():
                                               tensors_to_clone=["car_ptr", "gs_ptr", "cnt_ptr"]))
         n.meta["val"] = {"car_ptr": torch.empty(rows, 512, dtype=torch.uint8),
                          "gs_ptr": torch.empty(rows // 128, 4), "cnt_ptr": torch.empty(1, dtype=torch.int32)}
+        # (the inputs' eager values, as dynamo records them: what torch's post-grad decomposition replays)
+        eager.setdefault(x, torch.empty(256, 256) if x.op == "placeholder" else torch.empty(256, 256, dtype=torch.half))
+        n.meta["eager_input_vals"] = ((), torch.utils._pytree.tree_map_only(
+            torch.fx.Node, lambda v: eager.get(v, "eager " + v.name), dict(n.kwargs)))
         outs = [graph.call_function(operator.getitem, (n, k)) for k in ("car_ptr", "gs_ptr", "cnt_ptr")]
         return n, outs
-    cars, c = [], cnt
+    cars, c, eager = [], cnt, {}
     for i in range(6):                                   # one run of six: 4 + 2
         _, (car, gs, c) = quant(ws[i], c, rows=128 * (i % 3 + 1))
         cars += [car, gs]
@@ -951,6 +955,13 @@ def test_group_pass_merges_consecutive_weight_passes_of_one_variant():
     assert [o.args for o in out[:4]] == [(g1, "car0"), (g1, "gs0"), (g1, "car1"), (g1, "gs1")]
     assert [o.args for o in out[8:12]] == [(g2, "car0"), (g2, "gs0"), (g2, "car1"), (g2, "gs1")]
     assert g1.meta["val"]["car2"].shape == (384, 512) and sorted(g1.kwargs["tensors_to_clone"])[-1] == "gs3"
+    # the group launch's eager values are of its own arguments (the same tree), each input's from its pass
+    for g in (g1, g2):
+        ev = g.meta["eager_input_vals"]
+        assert ev[0] == () and torch.utils._pytree.tree_structure(ev[1]) == torch.utils._pytree.tree_structure(
+            torch.utils._pytree.tree_map_only(torch.fx.Node, lambda v: 0, dict(g.kwargs)))
+        assert all(ev[1]["kwargs"][f"x{i}"] is eager[g.kwargs["kwargs"][f"x{i}"]] for i in range(4))
+        assert ev[1]["kwargs"]["car0"] == "eager " + g.kwargs["kwargs"]["car0"].name
 
 
 def test_share_pass_chains_a_users_pass_and_has_a_uuid():
