@@ -329,7 +329,7 @@ def gathered_operand(qctx: Ctx, w: torch.Tensor, axis: int, name: str, gemm: str
         raise RuntimeError(f"mxtrain: the gathered {name} operand ({mx.fmt.name}, blocks of {mx.block_size}, "
                            f"{tuple(mx.data.shape)} codes) is not the fast path's {op.fmt} operand of {R} rows "
                            "(an mxtrain bug: please report it)")
-    # (the Dgrad operand is a transposed view of the gathered bytes: the kernels read contiguous rows)
+    # (the kernels read contiguous rows, as ``Gathered.get`` stores them: no copy here)
     packed = mx.data.view(torch.uint8).contiguous()
     scales = mx.scales.view(torch.uint8).contiguous()
     q = QuantOut(R, K, None, None, group_rows, None, packed, scales, fmt=op.fmt)

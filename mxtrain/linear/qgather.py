@@ -27,7 +27,9 @@ Exactness: the gathered operands equal the quantization of the gathered weight b
   the shard is quantized by ``mxtrain.numerics.quant.quantize`` itself next to a "phantom" slice holding the global
   amax (a slice of its own along a new leading dimension, so no block of the shard changes), so the
   quantizer computes the whole tensor's scale from the formula it always uses;
-* the shard is cast to FSDP2's ``param_dtype`` first, as FSDP2 casts it before a high-precision gather.
+* the shard is cast to FSDP2's ``param_dtype`` first, as FSDP2 casts it before a high-precision gather;
+* the operand a GEMM reads (``Gathered.get``) is stored as ``quantize`` stores the whole weight's, in the same
+  memory layout (``_stored_as_quantize``: equal values in another layout may be summed in another order).
 
 Where it cannot be exact the layer gathers in high precision, said once (a warning on rank 0 naming each
 layer and the reason; ``GatherReport``): stochastic rounding of a weight operand (its bits are numbered by
@@ -64,7 +66,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn as nn
@@ -74,7 +76,7 @@ from .context import Ctx, compute_dtype
 from ..numerics.formats import get_format
 from ..numerics.hadamard import hadamard
 from ..numerics.operand import pad_axis
-from ..numerics.quant import MXTensor, quantize
+from ..numerics.quant import MXTensor, pack_fp4, quantize
 from ..numerics.recipe import Recipe
 from ..numerics.recipes import get as get_recipe
 from .module import MXLayer, MXExperts
@@ -243,7 +245,7 @@ def quantize_operand(w: torch.Tensor, spec: _Spec, amax: torch.Tensor | None = N
     top = amax[0]
     if spec.fmt.kind == "tensor":   # (per-tensor FP8: NaN scales where any element of the tensor is not finite)
         top = torch.where(amax[1] > 0, torch.full_like(top, float("nan")), top)
-    p = torch.zeros_like(r)
+    p = r.new_zeros(r.shape)   # (contiguous: a rotation along out-features leaves ``r`` a transposed view)
     p.view(-1)[:1] = top.to(p.dtype)
     mx = quantize(torch.stack([r, p]), op.fmt, axis=spec.axis % 2 + 1, block_size=op.block_size,
                   rounding=op.rounding, scale_rule=op.scale_rule, prescale=op.prescale)
@@ -304,6 +306,42 @@ def assemble(outputs, meta, plan: Plan) -> "Gathered":
 
 # ------------------------------------------------------------------------------ the gathered operands
 
+def _stored_as_quantize(mx: MXTensor, spec: _Spec) -> MXTensor:
+    """The gathered operand ``mx`` of the whole weight, stored as ``quantize`` stores the whole weight's operand
+    ``spec``: the same codes and scales in the same memory layout (``mx`` itself where it already is).
+
+    Equal values are not enough: ``MXTensor.dequantize`` gives its values the memory layout of the codes, and the
+    GEMM reading them (a CPU BLAS in particular) may sum in another order for another layout of the same values.
+    Gathered operands with another layout gave ``nvfp4`` a dX differing in the last bits from the high-precision
+    gather's on 4 gloo ranks (a few tokens a micro-step; the Dgrad operand, read from the Fprop one), and MXFP8 and
+    MXFP6 Dgrad operands had another layout too. ``quantize`` stores MX and NVFP4 codes and scales contiguous in its
+    axis-last layout, and per-tensor FP8 codes in the layout of the tensor it is given moved axis-last (elementwise
+    operations keep it): W's own, or after a rotation along the axis (``hadamard`` computes with the axis last)
+    contiguous axis-last. Gathered operands along out-features are views of the all-gather's outputs, out-features
+    first; a Dgrad operand shared with the Fprop one (``Plan.shared``) is stored along in-features: its 16x16 NVFP4
+    tiles are transposed here (the same tiles and scales), its per-tensor FP8 codes read transposed."""
+    axis = spec.axis % 2
+    data, scales = mx.data, mx.scales
+    if mx.axis != axis:   # (a shared operand: the Fprop one, blocks along in-features)
+        if mx.fmt.kind == "tensor":
+            data = data.t()
+        elif mx.fmt.kind == "nvfp4" and isinstance(mx.block_size, tuple):
+            data = pack_fp4(mx.codes().t().contiguous())
+            data = data.view(mx.data.dtype) if mx.data.dtype != torch.uint8 else data
+            scales = scales.t().contiguous()
+        else:
+            raise RuntimeError(f"mxtrain: a gathered {mx.fmt.name} operand along axis {mx.axis} read along axis "
+                               f"{axis} (an mxtrain bug: please report it)")
+    if mx.fmt.kind == "tensor":   # (W's layout moved axis-last; after a rotation, contiguous axis-last)
+        data = data.contiguous() if spec.rot else data.movedim(-1, axis).contiguous().movedim(axis, -1)
+    else:   # (through uint8: torch cannot copy float4_e2m1fn_x2)
+        data = data if data.is_contiguous() else data.view(torch.uint8).contiguous().view(data.dtype)
+        scales = scales.contiguous()
+    if data is mx.data and scales is mx.scales and axis == mx.axis:
+        return mx
+    return replace(mx, data=data, scales=scales, axis=axis)
+
+
 class Gathered:
     """A weight's gathered operands (``ops``: operand name -> ``MXTensor`` of the whole weight) and the plan
     they were made with; ``Ctx.operand`` / ``Ctx.operand_factored`` call ``operand`` / ``operand_factored``
@@ -333,7 +371,11 @@ class Gathered:
         if why is not None:
             raise RuntimeError(f"mxtrain: a weight all-gathered as quantized operands (FSDP2 gather='quantized') "
                                f"does not fit this call: {why}")
-        return self.ops[name]
+        mx = self.ops[name]
+        laid = _stored_as_quantize(mx, spec)
+        if laid is not mx:   # (once per gather: the Dgrad operand, read once a backward)
+            self.ops[name] = laid
+        return laid
 
     def operand(self, ctx: Ctx, t: torch.Tensor, axis: int, name: str, gemm: str, signs):
         """``Ctx.operand``'s (values, prescale): the gathered operand dequantized as the reference does."""
