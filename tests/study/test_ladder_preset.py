@@ -30,11 +30,12 @@ def test_the_preset_resumes_the_archived_runs():
     assert spec.baseline == "bf16" and spec.seeds == 5 and len(spec.arms) == 16
     assert sum(a.endswith("@lr1.875e-4") for a in spec.arms) == 5
     seeds = _archived("./seeds.json")
-    trained = ["0", "1", "2"]
+    common = ("bf16", "mxfp4-fprop", "mxfp4-fprop-dgrad", "mxfp4-all", "mxfp4-all-dh16")   # (seed 3: the sixth leg)
     assert {a: sorted(v) for a, v in seeds["arms"].items()} == {
-        a: trained for a in ("bf16", "mxfp4-fprop", "mxfp4-fprop-dgrad", "mxfp4-all", "mxfp4-all-dh16",
-                             "bf16@lr3.75e-4", "bf16@lr1.875e-4", "mxfp4-all@lr3.75e-4", "mxfp4-fprop@lr3.75e-4",
-                             "mxfp4-fprop-dgrad@lr3.75e-4", "mxfp4-all-dh16@lr3.75e-4")}
+        **{a: ["0", "1", "2", "3"] for a in common},
+        **{a: ["0", "1", "2"] for a in ("bf16@lr3.75e-4", "bf16@lr1.875e-4", "mxfp4-all@lr3.75e-4",
+                                        "mxfp4-fprop@lr3.75e-4", "mxfp4-fprop-dgrad@lr3.75e-4",
+                                        "mxfp4-all-dh16@lr3.75e-4")}}
     assert set(seeds["arms"]) <= set(spec.arms)
 
 
@@ -265,6 +266,93 @@ def test_the_fifth_legs_ladder_at_3_75e_4_as_quoted():
     assert [round(x, 3) for x in hi[3:]] == [0.129, 0.150, 0.176]
     assert (round(lo[0], 3), round(hi[0], 3)) == (0.010, 0.014)
     assert all(x > 0.05 for x in lo[1:]) and hi[0] < 0.05   # only contrast 1 at 7.5e-4 is resolved either way
+
+
+def test_the_sixth_legs_contrasts_at_the_common_rate_as_quoted():
+    """docs/results.md's contrasts 1-3 at 7.5e-4 over seeds 0-3 (the sixth leg added seed 3 of the five arms), the
+    table's five rows at that rate, Holm over the plan's 8 tests, and the unplanned steps (README.md quotes the
+    contrasts)."""
+    import numpy as np
+
+    from mxtrain.study import cooldown
+
+    rec = json.loads((DATA / "ladder-125m-seeds.json").read_text())
+    assert rec == _archived("./seeds.json")
+    four, budgets = ("0", "1", "2", "3"), ("0.25", "0.5", "1")
+
+    def gaps(arm, ref, b="1", seeds=four):
+        return [rec["arms"][arm][s]["cooled"][b]["loss"] - rec["arms"][ref][s]["cooled"][b]["loss"] for s in seeds]
+
+    def quoted(t, mean, lo, hi, p, digits=3):
+        tol = 0.5 * 10 ** -digits + 1e-12
+        assert t["n"] == 4 and t["mean"] == pytest.approx(mean, abs=tol)
+        assert t["ci"][0] == pytest.approx(lo, abs=tol) and t["ci"][1] == pytest.approx(hi, abs=tol)
+        assert t["p"] == pytest.approx(p, rel=0.05)
+
+    def per_seed(arm):
+        return np.array([[[rec["arms"][arm][s]["cooled"][b]["loss"]] for b in budgets] for s in four])
+
+    D = [rec["arms"]["bf16"]["0"]["cooled"][b]["tokens"] for b in budgets]
+
+    def extra(arm, ref):
+        out = cooldown.paired_extra_tokens(D, per_seed(arm), per_seed(ref), n_boot=0)
+        row = out["budgets"][-1]
+        return [round(100 * x, 1) for x in (row["extra"], *row["ci95"], row["mde"])], row["extrapolated"], out["fit"]
+
+    # the table's rows at 7.5e-4: seed means at 25, 50, 100 %, the gap to bf16 and its seeds, extra tokens
+    means = {"bf16": [4.2639, 3.7255, 3.3529], "mxfp4-fprop": [4.3103, 3.7962, 3.4397],
+             "mxfp4-fprop-dgrad": [4.3305, 3.7778, 3.4068], "mxfp4-all": [4.3276, 3.7921, 3.4314],
+             "mxfp4-all-dh16": [4.2944, 3.7610, 3.3997]}
+    for arm, m in means.items():
+        assert [round(sum(rec["arms"][arm][s]["cooled"][b]["loss"] for s in four) / 4, 4) for b in budgets] == m
+    rows = {"mxfp4-fprop": ((0.0867, 0.0731, 0.1003, 0.00026), [0.0919, 0.0955, 0.0829, 0.0767], [20.4, 18.0, 22.8, 3.1]),
+            "mxfp4-fprop-dgrad": ((0.0539, 0.0318, 0.0761, 0.0045), [0.0418, 0.0681, 0.0637, 0.0422],
+                                  [12.5, 7.8, 17.2, 6.1]),
+            "mxfp4-all": ((0.0785, 0.0666, 0.0904, 0.00024), [0.0747, 0.0892, 0.0722, 0.0779], [18.4, 16.3, 20.5, 2.8]),
+            "mxfp4-all-dh16": ((0.0468, 0.0300, 0.0635, 0.0030), [0.0367, 0.0425, 0.0613, 0.0466],
+                               [10.8, 6.7, 14.9, 5.4])}
+    for arm, (t, each, tokens) in rows.items():
+        g = gaps(arm, "bf16")
+        quoted(stats.paired_t(g), *t, digits=4)
+        assert [round(x, 4) for x in g] == each
+        got, extrapolated, fit = extra(arm, "bf16")
+        assert got == tokens and not extrapolated
+    assert (round(fit["E"], 4), round(float(fit["B"])), round(fit["beta"], 3)) == (2.516, 11632, 0.531)
+    # Fprop alone at 25 and 50 %
+    quoted(stats.paired_t(gaps("mxfp4-fprop", "bf16", "0.25")), 0.046, -0.029, 0.121, 0.14)
+    quoted(stats.paired_t(gaps("mxfp4-fprop", "bf16", "0.5")), 0.071, 0.055, 0.086, 0.00069)
+
+    # contrasts 2 and 3, with extra tokens on the second arm's curve
+    c2 = stats.paired_t(g2 := gaps("mxfp4-all", "mxfp4-fprop-dgrad"))
+    quoted(c2, 0.025, 0.005, 0.044, 0.029)
+    assert [round(x, 4) for x in g2] == [0.0329, 0.0211, 0.0086, 0.0358]
+    assert extra("mxfp4-all", "mxfp4-fprop-dgrad")[:2] == ([5.7, 1.2, 10.3, 5.9], False)
+    c3 = stats.paired_t(g3 := gaps("mxfp4-all-dh16", "mxfp4-all"))
+    quoted(c3, -0.032, -0.056, -0.007, 0.025)
+    assert [round(x, 4) for x in g3] == [-0.0380, -0.0467, -0.0109, -0.0313]
+    assert extra("mxfp4-all-dh16", "mxfp4-all")[:2] == ([-7.4, -12.6, -2.1, 6.9], True)
+    quoted(stats.paired_t(gaps("mxfp4-all-dh16", "bf16")), 0.047, 0.030, 0.064, 0.0030)   # (H16 against BF16)
+
+    # Holm over the plan's 8 tests: contrasts 1-3 at 7.5e-4 (seeds 0-3), at 3.75e-4 (seeds 0-2), contrast 4 at
+    # its most and least favourable; and with every test not yet read at p = 0, contrasts 2 and 3 still at 0.050
+    c1 = stats.paired_t(gaps("mxfp4-fprop", "bf16"))
+    low = [stats.paired_t(gaps(a, r, seeds=("0", "1", "2")))["p"] for a, r in (
+        ("mxfp4-fprop@lr3.75e-4", "bf16@lr3.75e-4"), ("mxfp4-all@lr3.75e-4", "mxfp4-fprop-dgrad@lr3.75e-4"),
+        ("mxfp4-all-dh16@lr3.75e-4", "mxfp4-all@lr3.75e-4"))]
+    ps = [c1["p"], c2["p"], c3["p"]] + low
+    lo, hi = stats.holm(ps + [0.0, 0.0])[:6], stats.holm(ps + [1.0, 1.0])[:6]
+    assert (round(lo[0], 4), round(hi[0], 4)) == (0.0016, 0.0021) and hi[0] < 0.05
+    assert [round(x, 3) for x in lo[1:]] == [0.100, 0.100, 0.092, 0.100, 0.100]
+    assert [round(x, 3) for x in hi[1:]] == [0.150, 0.150, 0.129, 0.150, 0.150]
+    least = stats.holm([c1["p"], c2["p"], c3["p"]] + [0.0] * 5)
+    assert round(least[1], 3) == round(least[2], 3) == 0.050 and min(least[1:3]) >= 0.05
+
+    # unplanned, uncorrected: Dgrad on top of Fprop; all three against Fprop alone; H16 against Fprop and Dgrad
+    g = gaps("mxfp4-fprop-dgrad", "mxfp4-fprop")
+    quoted(stats.paired_t(g), -0.033, -0.054, -0.012, 0.015)
+    assert [round(x, 4) for x in g] == [-0.0501, -0.0274, -0.0192, -0.0345]
+    quoted(stats.paired_t(gaps("mxfp4-all", "mxfp4-fprop")), -0.008, -0.021, 0.004, 0.12)
+    quoted(stats.paired_t(gaps("mxfp4-all-dh16", "mxfp4-fprop-dgrad")), -0.007, -0.028, 0.013, 0.35)
 
 
 def test_the_30m_ladder_shares_the_recipes_2026_folder():
