@@ -34,7 +34,7 @@ from .plan import (StudySpec, branch_folder, branch_plan, build_config, data_fin
                    resume_refusal, run_steps, study_branch_plan)
 
 __all__ = ["FINISHED_STATES", "StudyIncomplete", "StudyInterrupted", "compute_plan", "describe_compute",
-           "train_one", "train_branch", "run_one", "run_branches", "remake_checkpoints", "branches_pending",
+           "train_one", "train_branch", "run_one", "run_branches", "remake_checkpoints", "branches_pending", "work_order",
            "claim_path", "is_out_of_memory", "ran_out_of_memory", "incomplete_message"]
 
 
@@ -323,6 +323,46 @@ def branches_pending(spec: StudySpec, out: Path, arm: str, seed: int) -> bool:
     return any(not _finished(_status(branch_folder(rd, k, n))) for _, k, n in study_branch_plan(spec))
 
 
+def work_order(spec: StudySpec, out: Path) -> list[tuple[str, int]]:
+    """``plan_order`` for a session over study folder ``out``: the same order, except that the arm x seeds whose
+    next work is a remake (``remake_checkpoints``: a finished stable run trained again, because the checkpoints its
+    pending branches need are gone, as in a study carried to another machine) come last. A remake costs a whole
+    stable run to make branches a run trained earlier could have made, so within a time-limited session every run
+    not yet trained goes first: listing ``mxfp4-all@bf16cool`` beside the arm whose seed 4 is still to train no
+    longer spends the session remaking seeds 0-3 first. Stable otherwise (seed-major, as ``plan_order``)."""
+    order = plan_order(spec)
+    late = {(a, s) for a, s in order if _needs_remake(spec, out, a, s)}
+    return [x for x in order if x not in late] + [x for x in order if x in late]
+
+
+def _needs_remake(spec: StudySpec, out: Path, arm: str, seed: int) -> bool:
+    """Would ``run_one`` start this arm x seed by remaking a stable run? True for a done run whose pending branches'
+    checkpoints are gone, and for an arm sharing a done stable run of its base arm (``arms.stable_base``, e.g.
+    ``@bf16cool``) that lacks the checkpoint of one of this arm's pending branches."""
+    if not spec.budgets:
+        return False
+    from ..train.branch import kept_checkpoint  # startup
+    rd = out / "runs" / arm / f"seed{seed}"
+    st = _status(rd)
+    if _finished(st):
+        return st.get("state") == "done" and bool(_gone_checkpoints(spec, rd))
+    base = A.stable_base(arm)
+    if base is None or base not in spec.arms:
+        return False
+    bd = out / "runs" / base / f"seed{seed}"
+    bst = _status(bd)
+    if not (bst and bst.get("state") == "done" and (bd / "run.json").is_file()):
+        return False   # (its base is still to train: this session makes the checkpoints)
+    for _, k, n in study_branch_plan(spec):
+        if _finished(_status(branch_folder(rd, k, n))):
+            continue
+        try:
+            kept_checkpoint(bd, k)
+        except UserError:
+            return True
+    return False
+
+
 def _run_folder_owner(rd: Path) -> str | None:
     """Who holds the trainer's lock on run folder ``rd`` (``RUN/.lock``), or None when nobody does."""
     who = lock_holder(rd / ".lock")
@@ -382,12 +422,15 @@ def run_one(spec: StudySpec, arm: str, seed: int, tag: str, train_fn, log=print,
         if st.get("state") == "done" and spec.budgets:
             run_branches(spec, arm, seed, tag, branch_fn or train_branch, log, remake_fn=train_fn, start_by=start_by)
         return
-    if _past(start_by):
-        log(f"{tag} {arm} seed {seed}: not started (past --start-by)")
-        return
-    if _share_stable_run(spec, arm, seed, rd, tag, log):   # an arm that differs only in its branches (@bf16cool)
+    late = _past(start_by)
+    # an arm that differs only in its branches (@bf16cool) shares its base arm's stable run; past --start-by only
+    # where that run is done or in training now (its branches then train as any branch whose checkpoint is at hand)
+    if (not late or _base_at_hand(spec, arm, seed)) and _share_stable_run(spec, arm, seed, rd, tag, log):
         if spec.budgets:
             run_branches(spec, arm, seed, tag, branch_fn or train_branch, log, remake_fn=train_fn, start_by=start_by)
+        return
+    if late:
+        log(f"{tag} {arm} seed {seed}: not started (past --start-by)")
         return
     resume = None
     if rd.exists():
@@ -411,6 +454,16 @@ def run_one(spec: StudySpec, arm: str, seed: int, tag: str, train_fn, log=print,
     log(f"{tag} {arm} seed {seed}: {state} in {time.time() - ts:.0f} s")
     if state == "done" and spec.budgets:
         run_branches(spec, arm, seed, tag, branch_fn or train_branch, log, remake_fn=train_fn, start_by=start_by)
+
+
+def _base_at_hand(spec: StudySpec, arm: str, seed: int) -> bool:
+    """Is the stable run this arm shares (``arms.stable_base``) done, or being trained by a worker now?"""
+    base = A.stable_base(arm)
+    if base is None or base not in spec.arms:
+        return False
+    brd = Path(spec.out) / "runs" / base / f"seed{seed}"
+    st = _status(brd)
+    return (st is not None and st.get("state") == "done") or (st is None and _run_folder_owner(brd) is not None)
 
 
 def _share_stable_run(spec: StudySpec, arm: str, seed: int, rd: Path, tag: str, log, poll: float = 5.0) -> bool:

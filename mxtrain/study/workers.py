@@ -33,9 +33,9 @@ from .._io import FolderLock, pid_alive, write_json
 from ..errors import UserError, read_json_object
 from ..numerics import recipes as R
 from . import arms as A
-from .plan import (StudySpec, build_config, data_fingerprint, plan_differences, plan_order, resume_refusal,
+from .plan import (StudySpec, build_config, data_fingerprint, plan_differences, resume_refusal,
                    study_branch_plan)
-from .run import StudyInterrupted, _finished, _is_interrupt, _status, branches_pending, run_one, train_one
+from .run import StudyInterrupted, _finished, _is_interrupt, _status, branches_pending, run_one, train_one, work_order
 from .summary import summarize_study
 
 __all__ = ["run_study"]
@@ -156,7 +156,7 @@ def _run_study_locked(spec: StudySpec, out: Path, train_fn, log, jobs: int, lock
         _keep_records(old, meta)
     write_json(meta_p, meta, indent=1, default=str)
 
-    order = plan_order(spec)
+    order = work_order(spec, out)
     t0 = time.time()
     worker_error = None
     try:
@@ -210,7 +210,7 @@ def _run_workers(spec: StudySpec, out: Path, jobs: int, log, lock: FolderLock | 
     Returns None, or a message naming the workers that exited with an error. The workers are always
     stopped and waited for before this returns or raises (SIGINT/SIGTERM to this process, an error here);
     each also dies with this process if it is killed (``PR_SET_PDEATHSIG``, set by the worker)."""
-    pending = [(a, s) for a, s in plan_order(spec) if not _finished(_status(out / "runs" / a / f"seed{s}"))
+    pending = [(a, s) for a, s in work_order(spec, out) if not _finished(_status(out / "runs" / a / f"seed{s}"))
                or branches_pending(spec, out, a, s)]
     if not pending:
         log("every run of this study has finished already")

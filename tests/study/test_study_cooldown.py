@@ -493,3 +493,77 @@ def test_trend_preset_plans_one_to_twenty_tokens_per_non_embedding_parameter(tmp
                                            "--set", "log.eval_tokens=131072", "--out", str(tmp_path / "c")]))
     assert c.overrides == ["log.final_eval_tokens=1048576", "schedule.warmup_steps=20", "log.eval_tokens=4096",
                            "log.eval_tokens=131072"]
+
+
+def test_work_order_puts_remakes_after_the_runs_still_to_train(tmp_path):
+    """``work_order``: the plan's seed-major order, except that work which starts by remaking a finished stable run
+    (its pending branches' checkpoints gone: a study carried from an earlier lease) comes after every run not yet
+    trained. A ``@bf16cool`` arm of a seed whose ``mxfp4-all`` run is done without checkpoints would remake it; of a
+    seed whose run is still to train, it follows that run as planned; a done run with a pending branch and no
+    checkpoint is a remake too; a done run whose branches all finished is not."""
+    from mxtrain.study.plan import branch_folder, plan_order, study_branch_plan
+    from mxtrain.study.run import work_order
+    out = tmp_path / "s"
+    spec = StudySpec(out=str(out), arms=["bf16", "mxfp4-all", "mxfp4-all@bf16cool"], seeds=3, model="tiny", steps=16,
+                     overrides=list(SMOKE), budgets=[0.5, 1.0], cooldown=0.25)
+
+    def done(arm, seed, branches=True, checkpoints=()):
+        rd = out / "runs" / arm / f"seed{seed}"
+        rd.mkdir(parents=True)
+        (rd / "study_status.json").write_text(json.dumps({"state": "done"}))
+        (rd / "run.json").write_text("{}")
+        for k in checkpoints:
+            (rd / f"checkpoint-{k}.pt").write_bytes(b"")
+        if branches:
+            for _, k, n in study_branch_plan(spec):
+                bd = branch_folder(rd, k, n)
+                bd.mkdir(parents=True)
+                (bd / "study_status.json").write_text(json.dumps({"state": "done"}))
+    steps = [k for _, k, _ in study_branch_plan(spec)]
+    for seed in (0, 1):
+        done("bf16", seed)
+        done("mxfp4-all", seed, checkpoints=steps if seed == 1 else ())
+    done("bf16", 2, branches=False)           # its branches pending, their checkpoints gone
+    plan = plan_order(spec)
+    assert plan == [(a, s) for s in range(3) for a in ("bf16", "mxfp4-all", "mxfp4-all@bf16cool")]
+    got = work_order(spec, out)
+    # seed 0's bf16cool: its base is done, its checkpoints gone (a remake); seed 1's base kept them; seed 2's base is
+    # still to train; bf16 seed 2 is done with its branches pending and no checkpoint (a remake)
+    assert got == [p for p in plan if p not in (("mxfp4-all@bf16cool", 0), ("bf16", 2))] + [
+        ("mxfp4-all@bf16cool", 0), ("bf16", 2)]
+    assert sorted(got) == sorted(plan)
+    # without cooldown branches there is nothing to remake: the plan's order
+    assert work_order(StudySpec(**{**asdict(spec), "budgets": None}), out) == plan_order(
+        StudySpec(**{**asdict(spec), "budgets": None}))
+
+
+def test_bf16_cooldown_branches_of_a_run_at_hand_train_past_start_by(tmp_path):
+    """Past ``--start-by`` no run starts, but a ``@bf16cool`` arm whose base run is done with its checkpoints at hand
+    (made in this session) still shares it and trains its branches, as any branch whose checkpoint is at hand; with
+    the base run not done, it does not start."""
+    import time
+    from mxtrain.study.plan import study_branch_plan
+    from mxtrain.study.run import run_one
+    out = tmp_path / "s"
+    spec = StudySpec(out=str(out), arms=["mxfp4-all", "mxfp4-all@bf16cool"], seeds=2, model="tiny", steps=16,
+                     overrides=list(SMOKE), budgets=[0.5, 1.0], cooldown=0.25)
+    base = out / "runs" / "mxfp4-all" / "seed0"
+    base.mkdir(parents=True)
+    (base / "study_status.json").write_text(json.dumps({"state": "done"}))
+    (base / "run.json").write_text("{}")
+    steps = [k for _, k, _ in study_branch_plan(spec)]
+    for k in steps:
+        (base / f"checkpoint-{k}.pt").write_bytes(b"")
+    calls, said = [], []
+
+    def branch(sp, arm, seed, rd, budget, k, n, bd):
+        calls.append((arm, seed, k))
+        bd.mkdir(parents=True, exist_ok=True)
+    past = time.time() - 1
+    for seed in (0, 1):
+        run_one(spec, "mxfp4-all@bf16cool", seed, "[t]", train_fn=None, log=said.append, branch_fn=branch,
+                start_by=past)
+    assert calls == [("mxfp4-all@bf16cool", 0, k) for k in steps], (calls, said)
+    assert any("the stable run of mxfp4-all seed 0, shared" in m for m in said), said
+    assert any("mxfp4-all@bf16cool seed 1: not started (past --start-by)" in m for m in said), said
+    assert not (out / "runs" / "mxfp4-all@bf16cool" / "seed1").exists()
