@@ -182,7 +182,40 @@ def prepare(sources: list[str], out: str | Path, *, tokenizer: str | None = None
                     tokenizer=tokenizer, vocab_size=vocab_size, val_fraction=val_fraction,
                     shard_tokens=shard_tokens, tokenizer_train_bytes=tokenizer_train_bytes, force=force,
                     progress=progress, eot_token=eot_token, val_docs=val_docs,
-                    val_meta=[os.path.abspath(v) for v in val_expanded])
+                    val_meta=[os.path.abspath(v) for v in val_expanded],
+                    corpus=corpus_sources([s for s in sources + val_expanded if s != BUILTIN]))
+
+
+CORPUS_MANIFEST = "manifest.json"   # (what ``mxtrain data corpus`` writes beside its train/ and val/ folders)
+
+
+def corpus_sources(paths: list[str]) -> dict | None:
+    """What the ``mxtrain data corpus`` folders the files ``paths`` come from were built from: for each corpus
+    manifest found beside a file or one folder up (``CORPUS/train/x.jsonl`` -> ``CORPUS/manifest.json``), every
+    domain's sources with their versions, documents and bytes. ``meta.json`` keeps it as ``corpus_sources`` and
+    runs copy it into their ``run.json``: a corpus built again from sources that moved (Debian's documentation
+    packages are not pinned) gives another fingerprint, and this record says which source moved. None where no
+    file has such a manifest."""
+    found: dict[str, dict] = {}
+    for p in paths:
+        for d in (Path(p).parent, Path(p).parent.parent):
+            m = d / CORPUS_MANIFEST
+            key = os.path.realpath(m)
+            if key in found or not m.is_file():
+                continue
+            try:
+                man = json.loads(m.read_text())
+            except (OSError, ValueError):
+                continue
+            if not isinstance(man, dict) or not isinstance(man.get("domains"), dict):
+                continue
+            found[key] = {dom: [{k: src.get(k) for k in ("name", "version", "documents", "bytes")}
+                                for src in (v.get("sources") or []) if isinstance(src, dict)]
+                          for dom, v in man["domains"].items() if isinstance(v, dict)}
+            break
+    if not found:
+        return None
+    return found[next(iter(found))] if len(found) == 1 else {"manifests": list(found.values())}
 
 
 def prepare_dataset(ds, out: str | Path, *, tokenizer: str | None = None, text_field: str = "text",
@@ -222,7 +255,7 @@ def prepare_dataset(ds, out: str | Path, *, tokenizer: str | None = None, text_f
 def _prepare(docs: Callable, out: Path, inputs: list[str], meta_sources: list[str], shown: str, *,
              tokenizer, vocab_size, val_fraction, shard_tokens, tokenizer_train_bytes, force, progress,
              eot_token, total: int | None = None, val_docs: Callable | None = None,
-             val_meta: list[str] | None = None) -> Path:
+             val_meta: list[str] | None = None, corpus: dict | None = None) -> Path:
     """The pipeline after the sources are checked: ``docs(warn_fn)`` gives the ``(name, text)`` documents (it
     is called twice when a tokenizer is trained); ``inputs``: paths --out must not overlap. ``val_docs``: the
     fixed validation documents (then every document of ``docs`` is training), or None for the hash split."""
@@ -352,6 +385,7 @@ def _prepare(docs: Callable, out: Path, inputs: list[str], meta_sources: list[st
                 "val_fraction": val_fraction,
                 **({"val_sources": val_meta, "val_split": "fixed files", "val_spans": val_spans}
                    if val_docs is not None else {}),
+                **({"corpus_sources": corpus} if corpus else {}),
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             }
             (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")

@@ -27,7 +27,7 @@ def shard_dtype(vocab_size: int) -> type:
 
 
 # meta.json keys that do not describe the data itself: when and from which paths it was prepared
-_NOT_CONTENT = ("created", "sources", "val_sources")
+_NOT_CONTENT = ("created", "sources", "val_sources", "corpus_sources")   # (where from, not what)
 
 
 def fingerprint(folder) -> str | None:

@@ -778,7 +778,8 @@ class Trainer:
                 "device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda"
                 else (platform.processor() or platform.machine()), "cpu_threads": torch.get_num_threads(),
                 "git_sha": _git_sha(), "argv": sys.argv, "data": str(Path(self.data_dir).resolve()),
-                "data_meta": {k: data.meta[k] for k in ("train_tokens", "val_tokens", "vocab_size", "sources")},
+                "data_meta": {k: data.meta[k] for k in ("train_tokens", "val_tokens", "vocab_size", "sources",
+                                                         "corpus_sources") if k in data.meta},
                 "model_params": mcfg.num_params(), "flops_per_token": mcfg.flops_per_token(T),
                 "world_size": self.world, "grad_accum": self.accum,
                 "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

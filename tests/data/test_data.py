@@ -167,3 +167,27 @@ def test_tiktoken_file_converts(tmp_path):
     ids = tok.encode_batch(["the"])[0]
     assert ids == [257]
     assert tmpdir().exists()
+
+
+def test_prepare_records_the_corpus_sources_outside_the_fingerprint(tmp_path):
+    """Files of a ``mxtrain data corpus`` folder (``CORPUS/train/x.jsonl`` beside ``CORPUS/manifest.json``): the
+    prepared ``meta.json`` records every domain's sources with their versions (``corpus_sources``), so that two
+    builds with different fingerprints say which source moved; the record is not content, so the same text
+    prepared without a manifest has the same fingerprint. Files without a manifest record none."""
+    from mxtrain.data.shards import fingerprint
+    text = "\n".join(json.dumps({"text": f"document {i}: " + "the quick brown fox " * (i % 7 + 1)}) for i in range(300))
+    corpus, plain = tmp_path / "corpus", tmp_path / "plain"
+    for d in (corpus / "train", plain):
+        d.mkdir(parents=True)
+        (d / "docs.jsonl").write_text(text + "\n")
+    srcs = [{"name": "debian:sqlite3-doc", "version": "3.40.1-2+deb12u2", "documents": 774, "bytes": 6026655,
+             "license": "public domain"}]
+    (corpus / "manifest.json").write_text(json.dumps({"format": 1, "domains": {"docs": {"documents": 300,
+                                                                                       "sources": srcs}}}))
+    a = prepare([str(corpus / "train" / "docs.jsonl")], tmp_path / "a", vocab_size=512, progress=False)
+    b = prepare([str(plain / "docs.jsonl")], tmp_path / "b", vocab_size=512, progress=False)
+    meta_a, meta_b = (json.loads((p / "meta.json").read_text()) for p in (a, b))
+    assert meta_a["corpus_sources"] == {"docs": [{"name": "debian:sqlite3-doc", "version": "3.40.1-2+deb12u2",
+                                                  "documents": 774, "bytes": 6026655}]}
+    assert "corpus_sources" not in meta_b
+    assert fingerprint(a) == fingerprint(b) is not None
