@@ -877,7 +877,8 @@ def group_weight_launches(graph: torch.fx.Graph) -> int:
             eager = {}
             for m in run:
                 mk = m.meta.get("eager_input_vals", ((), {}))[1].get("kwargs", {})
-                eager.update({v: mk[n] for n, v in m.kwargs["kwargs"].items() if isinstance(v, torch.fx.Node) and n in mk})
+                eager.update({v: mk[n] for n, v in m.kwargs["kwargs"].items()
+                              if isinstance(v, torch.fx.Node) and n in mk})
             g.meta["eager_input_vals"] = ((), torch.utils._pytree.tree_map_only(
                 torch.fx.Node, lambda v: eager.get(v, v.meta.get("val")), dict(g.kwargs)))
         made: dict = {}
