@@ -567,3 +567,27 @@ def test_bf16_cooldown_branches_of_a_run_at_hand_train_past_start_by(tmp_path):
     assert any("the stable run of mxfp4-all seed 0, shared" in m for m in said), said
     assert any("mxfp4-all@bf16cool seed 1: not started (past --start-by)" in m for m in said), said
     assert not (out / "runs" / "mxfp4-all@bf16cool" / "seed1").exists()
+
+
+def test_carried_study_trains_new_seeds_before_remakes(tmp_path, monkeypatch):
+    """End to end on CPU: a study carried without its checkpoints (seed 0 of ``mxfp4-all`` done, its checkpoints
+    gone) gains ``mxfp4-all@bf16cool`` and a second seed. The session trains seed 1 first (``mxfp4-all`` and the
+    BF16-cooled branches on its fresh checkpoints, shared, not remade), and only then remakes seed 0's stable run
+    for seed 0's BF16-cooled branches; every planned branch ends done."""
+    monkeypatch.setenv("MXTRAIN_DATA", str(data_cache()))   # the built-in corpus, prepared once
+    import torch
+    torch.set_num_threads(1)
+    out = tmp_path / "s"
+    base = dict(out=str(out), model="tiny", steps=16, batch_size=4, seq_len=32, eval_every=4, device="cpu",
+                overrides=list(SMOKE), budgets=[1.0], cooldown=0.25, n_boot=20)
+    run_study(StudySpec(arms=["mxfp4-all"], seeds=1, **base), log=lambda m: None)
+    for p in (out / "runs" / "mxfp4-all" / "seed0").glob("checkpoint*.pt"):   # what a lease's study.tgz leaves out
+        p.unlink()
+    said = []
+    run_study(StudySpec(arms=["mxfp4-all", "mxfp4-all@bf16cool"], seeds=2, **base), log=said.append)
+    first = next(i for i, m in enumerate(said) if "mxfp4-all seed 1 ->" in m)
+    shared = next(i for i, m in enumerate(said) if "mxfp4-all@bf16cool seed 1: the stable run of mxfp4-all seed 1" in m)
+    remade = next(i for i, m in enumerate(said) if "are gone" in m and "seed 0" in m)
+    assert first < shared < remade, said
+    assert not (out / "runs" / "mxfp4-all" / "seed1" / "remake.json").exists()
+    assert json.loads((out / "summary.json").read_text())["missing"] == []
