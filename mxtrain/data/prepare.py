@@ -37,7 +37,7 @@ from .._io import FolderLock, pid_alive, swap_in, temp_path
 from ..errors import UserError
 from . import checked, hf
 from .sources import BUILTIN, check_sources, documents, expand_sources, kind_of, note, warn
-from .shards import FORMAT, shard_dtype
+from .shards import FORMAT, fingerprint, shard_dtype
 from .tokenizer import check_eot_token, check_vocab_size, load_tokenizer, train_bpe
 from .. import settings
 
@@ -400,7 +400,8 @@ def _prepare(docs: Callable, out: Path, inputs: list[str], meta_sources: list[st
         # the result, with or without progress reports
         print(f"prepared {out}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} validation tokens "
               f"({ndocs['train']} + {ndocs['val']} documents, vocab {tok.vocab_size}, end of text "
-              f"{tok.eot_token!r} = {tok.eot_id}) in {time.time() - t0:.1f} s", flush=True)
+              f"{tok.eot_token!r} = {tok.eot_id}) in {time.time() - t0:.1f} s; fingerprint {fingerprint(dest)} "
+              f"(a study resumes only on data with the same)", flush=True)
         return out
 
 

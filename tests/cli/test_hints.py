@@ -51,6 +51,8 @@ def test_no_progress_keeps_the_summary_line(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert "tokenizing" not in err
     assert out.startswith(f"prepared {tmp_path / 'p'}: ") and "train + " in out
+    from mxtrain.data.shards import fingerprint   # (the line names it: what a study checks before resuming)
+    assert f"; fingerprint {fingerprint(tmp_path / 'p')} (" in out.splitlines()[0]
     assert out.splitlines()[-1] == f"data folder: {tmp_path / 'p'}"
 
 
