@@ -144,7 +144,8 @@ class Settings:
         "which places the group at its first pass, so the later weights' operands are made a few layers early). Same "
         "bytes and inexact counts either way. A weight's pass is a small grid (a 768 x 768 weight: 36 programs of 128 "
         "x 128) that leaves most of a GPU idle; the 96 weight passes of a 125M-class step took 0.82 ms (BENCHMARKS.md). "
-        "Not yet timed grouped: off by default.",
+        "On an H200 a group launch ran a block's four weights in 0.56-0.82x of four launches' time, but the 125M-class "
+        "step moved by 0.1 ms of 41 (one round, within its noise): off by default.",
         "choice", choices=("off", "on"), aliases=_ON_OFF)
     w_dual: str = _knob(
         "off", "MXTRAIN_W_DUAL", "Where a weight's Dgrad operand is quantized in an MX layer compiled into the graph "
@@ -182,7 +183,8 @@ class Settings:
         "the rows, a tile); `auto` is `pairs`. Same bytes either way (CPU tests under Triton's interpreter). "
         "Compiled for sm_90 without a register cap, as `torch.compile` compiles the MX layer's kernels, `singles` "
         "takes the dual pass of a gradient from 127 registers to 48, which lets 2.5x the warps run on an SM; "
-        "not yet timed on a GPU (BENCHMARKS.md).",
+        "on an H200 it was not faster (the dual pass of an activation 10-12 % slower than `pairs` with the eager "
+        "register cap, of a gradient 1-2 %; BENCHMARKS.md), so `auto` stays `pairs`.",
         "choice", choices=("auto", "pairs", "singles"))
     qmaxnreg: int = _knob(
         80, "MXTRAIN_QMAXNREG", "Register cap (Triton `maxnreg`) of the cols, dual and 128x128-group blocks "
