@@ -7,7 +7,7 @@
 #   OUT=dir [PARTS=/root/mx] [DATA=/root/mx/c32k] [STUDY=/root/mx/study] [ARMS=a,b,c | PRESET=split]
 #   [MODEL=30m] [STEPS=240] [SEEDS=3] [BUDGETS=0.25,0.5,0.75,1] [COOLDOWN=0.2] [JOBS=6] [EVAL_EVERY=10]
 #   [EVAL_TOKENS=131072] [FINAL_EVAL_TOKENS=1048576] [WARMUP=20] [DEVICE=cuda] [BUDGET=seconds] [EXTRA="--set k=v ..."]
-#   [SEED_STUDY=path/study.tgz] [START_BY=seconds] [MPS=1] bash benchmarks/study_gpu.sh
+#   [SEED_STUDY=path/study.tgz] [START_BY=seconds] [ONLY_SEEDS=3,4] [MPS=1] bash benchmarks/study_gpu.sh
 # SEED_STUDY: the study.tgz an earlier lease returned (its run folders without checkpoints), unpacked into the
 # study folder when that holds no study yet, so that a study spans several leases: finished runs and branches
 # are skipped, unfinished ones train again (docs/study.md, "A study over several GPU leases").
@@ -18,6 +18,8 @@
 # (MPS=auto starts a daemon of its own for the probe: not while another study of the lease runs under MPS.)
 # START_BY: no run starts later than this many seconds after the study does (mxtrain study --start-by); set it
 # to BUDGET less one run's time so that the lease's end goes to runs and branches that can finish.
+# ONLY_SEEDS: comma-separated seeds this call trains (mxtrain study --only-seeds): e.g. the last seed of a plan,
+# the others' runs left for a later lease, every arm still listed in the plan and the report.
 # WARMUP: warm-up steps (schedule.warmup_steps); the flags here replace a preset's values of the same settings, so a
 # preset with another warm-up (recipes-2026, ladder-30m: 84) needs WARMUP=84, as it needs its STEPS and BUDGETS.
 # JOBS: runs sharing the GPU; a 30m run with 32 x 512-token batches and the 32k vocabulary peaks near 11 GiB,
@@ -88,6 +90,7 @@ CMD=(python3 -m mxtrain study "${WHAT[@]}" --seeds "${SEEDS:-3}" --model "${MODE
      --jobs "${JOBS:-6}" --out "$S")
 SPENT=$(( $(date +%s) - T0 ))
 [ -n "${START_BY:-}" ] && CMD+=(--start-by "$(( START_BY > SPENT ? START_BY - SPENT : 0 ))")
+[ -n "${ONLY_SEEDS:-}" ] && CMD+=(--only-seeds "$ONLY_SEEDS")
 # shellcheck disable=SC2206
 [ -n "${EXTRA:-}" ] && CMD+=(${EXTRA})
 echo "${CMD[*]}" >> "$OUT/device.txt"

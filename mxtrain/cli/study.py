@@ -19,7 +19,7 @@ from pathlib import Path
 from .._io import write_json
 from ..errors import UserError, number_flag, read_json_object
 from ..study.plan import FLAG_KEYS, PER_RUN, PRESETS, SCHEDULES, StudySpec, build_config, override_key, model_shape_keys
-from ..study.run import StudyIncomplete, compute_plan, describe_compute, incomplete_message
+from ..study.run import StudyIncomplete, compute_plan, describe_compute, incomplete_message, parse_only_seeds
 from ..study.summary import add_cooldown, add_references
 from ..study.workers import run_study
 from ..study import metrics as M
@@ -88,6 +88,10 @@ def register(subparsers) -> None:
     p.add_argument("--start-by", type=number_flag(), metavar="SECONDS", help="start no run later than SECONDS from now "
                    "(nor continue or remake one); cooldown branches whose checkpoints are at hand still train: a "
                    "time-limited machine spends its end on what can finish, and the rest waits for the next session")
+    p.add_argument("--only-seeds", metavar="SEEDS", help="comma-separated seeds of the plan (0 to --seeds - 1) this "
+                   "session trains, e.g. 4: the other seeds' runs, branches and remakes wait for a later session "
+                   "(the plan and the report keep every arm and seed). A time-limited machine spends its time "
+                   "on the seeds that complete a comparison")
     p.add_argument("--dry-run", action="store_true", help="print the plan and what it will train (parameters, "
                    "tokens per run and per parameter, tokens of all runs and branches) and exit")
     p.add_argument("--tokens-per-s", type=number_flag(), help="with --dry-run: training tokens a second of this machine, "
@@ -152,12 +156,14 @@ def study_main(args: argparse.Namespace) -> int:
     sb = getattr(args, "start_by", None)
     if sb is not None and not sb >= 0:
         raise UserError(f"--start-by {sb:g}: give the seconds from now after which no run starts (0 or more)")
+    only = parse_only_seeds(getattr(args, "only_seeds", None), spec.seeds)
     if args.dry_run:
         print(spec.describe())
         if prescale_note:
             print(prescale_note)
         print(describe_compute(compute_plan(spec, getattr(args, "tokens_per_s", None))))
-        later = ([f"--jobs {args.jobs}"] if jobs_given else []) + ([f"--start-by {sb:g}"] if sb is not None else [])
+        later = (([f"--jobs {args.jobs}"] if jobs_given else []) + ([f"--start-by {sb:g}"] if sb is not None else [])
+                 + ([f"--only-seeds {args.only_seeds}"] if only is not None else []))
         if later:   # (a flag given is never dropped silently: these shape how the study runs, not its plan)
             print(f"not part of this plan: {' and '.join(later)} {'apply' if len(later) > 1 else 'applies'} when "
                   "the study runs (the same command without --dry-run)")
@@ -166,7 +172,7 @@ def study_main(args: argparse.Namespace) -> int:
     if prescale_note:
         print(prescale_note)
     import time
-    out = run_study(spec, jobs=args.jobs, start_by=None if sb is None else time.time() + sb)
+    out = run_study(spec, jobs=args.jobs, start_by=None if sb is None else time.time() + sb, only_seeds=only)
     _check_runs_have_evaluations(M.load_study_runs(out))
     s = json.loads((out / "summary.json").read_text())
     incomplete = incomplete_message(s)

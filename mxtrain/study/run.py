@@ -35,7 +35,7 @@ from .plan import (StudySpec, branch_folder, branch_plan, build_config, data_fin
 
 __all__ = ["FINISHED_STATES", "StudyIncomplete", "StudyInterrupted", "compute_plan", "describe_compute",
            "train_one", "train_branch", "run_one", "run_branches", "remake_checkpoints", "branches_pending",
-           "work_order", "claim_path", "is_out_of_memory", "ran_out_of_memory", "incomplete_message"]
+           "work_order", "parse_only_seeds", "claim_path", "is_out_of_memory", "ran_out_of_memory", "incomplete_message"]
 
 
 FINISHED_STATES = ("done", "diverged")   # study_status.json states of a finished run (skipped on resume)
@@ -323,14 +323,30 @@ def branches_pending(spec: StudySpec, out: Path, arm: str, seed: int) -> bool:
     return any(not _finished(_status(branch_folder(rd, k, n))) for _, k, n in study_branch_plan(spec))
 
 
-def work_order(spec: StudySpec, out: Path) -> list[tuple[str, int]]:
+def parse_only_seeds(text: str | None, seeds: int) -> list[int] | None:
+    """``--only-seeds``: comma-separated seeds of a plan of ``seeds`` seeds (0 to seeds - 1), sorted, each once;
+    None when not given. UserError naming the bad entry otherwise."""
+    if text is None:
+        return None
+    out = []
+    for part in str(text).split(","):
+        part = part.strip()
+        if not part.isdigit() or int(part) >= seeds:
+            raise UserError(f"--only-seeds {text}: {part!r} is not a seed of this plan; give seeds from 0 to "
+                            f"{seeds - 1} (--seeds {seeds}), comma-separated, e.g. --only-seeds {seeds - 1}")
+        out.append(int(part))
+    return sorted(set(out))
+
+
+def work_order(spec: StudySpec, out: Path, only_seeds: list[int] | None = None) -> list[tuple[str, int]]:
     """``plan_order`` for a session over study folder ``out``: the same order, except that the arm x seeds whose
     next work is a remake (``remake_checkpoints``: a finished stable run trained again, because the checkpoints its
     pending branches need are gone, as in a study carried to another machine) come last. A remake costs a whole
     stable run to make branches a run trained earlier could have made, so within a time-limited session every run
     not yet trained goes first: listing ``mxfp4-all@bf16cool`` beside the arm whose seed 4 is still to train no
-    longer spends the session remaking seeds 0-3 first. Stable otherwise (seed-major, as ``plan_order``)."""
-    order = plan_order(spec)
+    longer spends the session remaking seeds 0-3 first. Stable otherwise (seed-major, as ``plan_order``).
+    ``only_seeds`` (``--only-seeds``): this session's seeds; the others' work is left out."""
+    order = [(a, s) for a, s in plan_order(spec) if only_seeds is None or s in only_seeds]
     late = {(a, s) for a, s in order if _needs_remake(spec, out, a, s)}
     return [x for x in order if x not in late] + [x for x in order if x in late]
 

@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     # a worker whose parent is gone exits before it imports torch, the study and the trainer
     from ..errors import UserError, thread_limit_hook  # startup
     from .plan import StudySpec  # startup
-    from .run import claim_path, ran_out_of_memory, run_one, train_one, work_order  # startup
+    from .run import claim_path, parse_only_seeds, ran_out_of_memory, run_one, train_one, work_order  # startup
 
     # a background thread stopped by a full disk (TensorBoard's writer) leaves no traceback in this worker's log:
     # the run's own next write fails and its folder records why
@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     out, k = Path(argv[0]), int(argv[1])
     meta = json.loads((out / "study.json").read_text())
     spec = StudySpec(**meta["spec"])
-    order = work_order(spec, out)
+    # --only-seeds, set by the parent (which checked it)
+    order = work_order(spec, out, parse_only_seeds(os.environ.get("MXTRAIN_STUDY_ONLY_SEEDS"), spec.seeds))
     sb = os.environ.get("MXTRAIN_STUDY_START_BY")
     start_by = float(sb) if sb else None   # --start-by, set by the parent
     claims = out / "claims"

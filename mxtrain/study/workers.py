@@ -35,7 +35,8 @@ from ..numerics import recipes as R
 from . import arms as A
 from .plan import (StudySpec, build_config, data_fingerprint, plan_differences, resume_refusal,
                    study_branch_plan)
-from .run import StudyInterrupted, _finished, _is_interrupt, _status, branches_pending, run_one, train_one, work_order
+from .run import (StudyInterrupted, _finished, _is_interrupt, _status, branches_pending, parse_only_seeds, run_one,
+                  train_one, work_order)
 from .summary import summarize_study
 
 __all__ = ["run_study"]
@@ -87,16 +88,20 @@ class _StopOnSignal:
 
 
 def run_study(spec: StudySpec, train_fn: Callable[[StudySpec, str, int, Path], None] | None = None,
-              log=print, jobs: int = 1, branch_fn=None, start_by: float | None = None) -> Path:
+              log=print, jobs: int = 1, branch_fn=None, start_by: float | None = None,
+              only_seeds: list[int] | None = None) -> Path:
     """Run (or resume) every arm x seed, then write summary.json and the report. Returns OUT.
 
     ``jobs`` > 1 trains that many runs at once in worker processes (``python -m mxtrain.study.worker``),
     spread round-robin over the visible GPUs when the study runs on CUDA (several small runs share
     one GPU well: each alone leaves it mostly idle). Every run still trains exactly as alone.
-    ``start_by`` (a ``time.time()`` value): no run starts after it (``run_one``).
+    ``start_by`` (a ``time.time()`` value): no run starts after it (``run_one``). ``only_seeds``: this session
+    trains those seeds' work only (``work_order``); the plan keeps every seed.
     """
     if jobs < 1:
         raise UserError(f"--jobs must be >= 1, got {jobs}")
+    if only_seeds is not None:
+        only_seeds = parse_only_seeds(",".join(map(str, only_seeds)), spec.seeds)
     spec.check_branch_options()
     out = Path(spec.out)
     from ..train.callbacks import require_wandb, wandb_project  # startup
@@ -113,14 +118,14 @@ def run_study(spec: StudySpec, train_fn: Callable[[StudySpec, str, int, Path], N
     lock = _study_lock(out)   # before anything in the folder is written: one owner at a time
     try:
         with _StopOnSignal():
-            _run_study_locked(spec, out, train_fn, log, jobs, lock, branch_fn, start_by)
+            _run_study_locked(spec, out, train_fn, log, jobs, lock, branch_fn, start_by, only_seeds)
     finally:
         lock.close()
     return out
 
 
 def _run_study_locked(spec: StudySpec, out: Path, train_fn, log, jobs: int, lock: FolderLock, branch_fn=None,
-                      start_by: float | None = None) -> None:
+                      start_by: float | None = None, only_seeds: list[int] | None = None) -> None:
     try:
         (out / ".write_test").write_text("")
         (out / ".write_test").unlink()
@@ -156,12 +161,15 @@ def _run_study_locked(spec: StudySpec, out: Path, train_fn, log, jobs: int, lock
         _keep_records(old, meta)
     write_json(meta_p, meta, indent=1, default=str)
 
-    order = work_order(spec, out)
+    order = work_order(spec, out, only_seeds)
+    if only_seeds is not None:
+        log(f"--only-seeds {','.join(map(str, only_seeds))}: the other seeds' runs and branches wait for a later "
+            f"session")
     t0 = time.time()
     worker_error = None
     try:
         if jobs > 1 and train_fn is None:
-            worker_error = _run_workers(spec, out, jobs, log, lock, start_by)
+            worker_error = _run_workers(spec, out, jobs, log, lock, start_by, only_seeds)
         else:
             for i, (arm, seed) in enumerate(order, 1):
                 run_one(spec, arm, seed, f"[{i}/{len(order)}]", train_fn or train_one, log, branch_fn=branch_fn,
@@ -204,13 +212,13 @@ def _keep_records(old: dict, meta: dict) -> None:
 
 
 def _run_workers(spec: StudySpec, out: Path, jobs: int, log, lock: FolderLock | None = None,
-                 start_by: float | None = None) -> str | None:
+                 start_by: float | None = None, only_seeds: list[int] | None = None) -> str | None:
     """Start ``jobs`` worker processes over the pending runs and wait for all of them.
 
     Returns None, or a message naming the workers that exited with an error. The workers are always
     stopped and waited for before this returns or raises (SIGINT/SIGTERM to this process, an error here);
     each also dies with this process if it is killed (``PR_SET_PDEATHSIG``, set by the worker)."""
-    pending = [(a, s) for a, s in work_order(spec, out) if not _finished(_status(out / "runs" / a / f"seed{s}"))
+    pending = [(a, s) for a, s in work_order(spec, out, only_seeds) if not _finished(_status(out / "runs" / a / f"seed{s}"))
                or branches_pending(spec, out, a, s)]
     if not pending:
         log("every run of this study has finished already")
@@ -239,6 +247,10 @@ def _run_workers(spec: StudySpec, out: Path, jobs: int, log, lock: FolderLock | 
                 env["MXTRAIN_STUDY_START_BY"] = repr(float(start_by))
             else:
                 env.pop("MXTRAIN_STUDY_START_BY", None)
+            if only_seeds is not None:
+                env["MXTRAIN_STUDY_ONLY_SEEDS"] = ",".join(map(str, only_seeds))
+            else:
+                env.pop("MXTRAIN_STUDY_ONLY_SEEDS", None)
             if len(gpus) > 1:
                 env["CUDA_VISIBLE_DEVICES"] = gpus[k % len(gpus)]
             if dev.startswith("cpu") or not gpus:

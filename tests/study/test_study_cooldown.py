@@ -591,3 +591,32 @@ def test_carried_study_trains_new_seeds_before_remakes(tmp_path, monkeypatch):
     assert first < shared < remade, said
     assert not (out / "runs" / "mxfp4-all" / "seed1" / "remake.json").exists()
     assert json.loads((out / "summary.json").read_text())["missing"] == []
+
+
+def test_only_seeds_trains_those_seeds_and_keeps_the_plan(tmp_path, monkeypatch, capsys):
+    """``mxtrain study --only-seeds 1``: this session trains seed 1 of every arm (in worker processes too) and
+    leaves seed 0 for a later one; ``study.json`` keeps the plan's seeds and the summary names seed 0's runs as
+    missing. A seed outside the plan is refused in one line; ``--dry-run`` says the flag applies when the study
+    runs. ``parse_only_seeds`` sorts and deduplicates."""
+    from mxtrain.cli.core import main
+    from mxtrain.study.run import parse_only_seeds, work_order
+    monkeypatch.setenv("MXTRAIN_DATA", str(data_cache()))   # the built-in corpus, prepared once
+    assert parse_only_seeds("4, 3,4", 5) == [3, 4] and parse_only_seeds(None, 5) is None
+    for bad in ("5", "-1", "x", "1,,2"):
+        with pytest.raises(UserError, match="is not a seed of this plan"):
+            parse_only_seeds(bad, 5)
+    spec = _spec(tmp_path / "o")
+    assert work_order(spec, tmp_path / "o", [1]) == [p for p in work_order(spec, tmp_path / "o") if p[1] == 1]
+    w = tmp_path / "w"
+    args = ["study", "--preset", "smoke", "--arms", "bf16,mxfp4-all", "--seeds", "2", "--steps", "4", "--out", str(w)]
+    assert main(args + ["--only-seeds", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--only-seeds 2: '2' is not a seed of this plan; give seeds from 0 to 1" in err and err.count("\n") == 1
+    assert main(args + ["--only-seeds", "1", "--dry-run"]) == 0
+    assert "not part of this plan: --only-seeds 1 applies when the study runs" in capsys.readouterr().out
+    assert main(args + ["--only-seeds", "1", "--jobs", "2"]) == 1   # (incomplete: seed 0 not trained)
+    runs = sorted(str(p.parent.relative_to(w / "runs")) for p in (w / "runs").glob("*/seed*/metrics.jsonl"))
+    assert runs == ["bf16/seed1", "mxfp4-all/seed1"], runs
+    assert json.loads((w / "study.json").read_text())["seeds"] == [0, 1]
+    missing = json.loads((w / "summary.json").read_text())["missing"]
+    assert sorted((m["arm"], m["seed"]) for m in missing if m.get("budget") is None) == [("bf16", 0), ("mxfp4-all", 0)]
