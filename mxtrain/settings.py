@@ -18,9 +18,9 @@ a cached object: reading a field costs an attribute lookup, nothing is parsed pe
 their users call ``fresh()``, which reads the environment at that moment.
 
 ``mxtrain.linear.fast`` calls ``current()`` when it is imported, so that a model compiled before any eager call
-never reads the environment inside a ``torch.compile`` trace. ``MXTRAIN_STUDY_PARENT`` and
-``MXTRAIN_STUDY_START_BY`` are not settings: ``mxtrain study`` sets them for its worker processes (internal
-plumbing).
+never reads the environment inside a ``torch.compile`` trace. ``MXTRAIN_STUDY_PARENT``,
+``MXTRAIN_STUDY_START_BY`` and ``MXTRAIN_STUDY_ONLY_SEEDS`` are not settings: ``mxtrain study`` sets them for its
+worker processes (internal plumbing).
 """
 
 from __future__ import annotations
@@ -487,8 +487,9 @@ speed, memory or where files go, never a result.
 """
 
 _PAGE_TAIL = """
-Internal, not settings: `MXTRAIN_STUDY_PARENT` and `MXTRAIN_STUDY_START_BY` are set by `mxtrain study` for its
-worker processes (a worker exits if that parent process is gone; it starts no run after `--start-by`).
+Internal, not settings: `MXTRAIN_STUDY_PARENT`, `MXTRAIN_STUDY_START_BY` and `MXTRAIN_STUDY_ONLY_SEEDS` are set
+by `mxtrain study` for its worker processes (a worker exits if that parent process is gone; it starts no run after
+`--start-by`; it trains only the seeds of `--only-seeds`).
 """
 
 

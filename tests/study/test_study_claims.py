@@ -126,7 +126,7 @@ def test_study_command_prints_the_claims(tmp_path, monkeypatch, capsys):
     from mxtrain.cli.core import main
     from mxtrain.cli import study as runner
 
-    def fake_run_study(spec, jobs=1, start_by=None):
+    def fake_run_study(spec, jobs=1, start_by=None, only_seeds=None):
         out = tmp_path / "s"
         out.mkdir(exist_ok=True)
         (out / "summary.json").write_text(json.dumps({
