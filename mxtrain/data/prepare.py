@@ -201,7 +201,9 @@ def corpus_sources(paths: list[str]) -> dict | None:
         for d in (Path(p).parent, Path(p).parent.parent):
             m = d / CORPUS_MANIFEST
             key = os.path.realpath(m)
-            if key in found or not m.is_file():
+            if key in found:   # (this corpus's manifest, found through another of its files)
+                break
+            if not m.is_file():
                 continue
             try:
                 man = json.loads(m.read_text())

@@ -333,7 +333,8 @@ def _stored_as_quantize(mx: MXTensor, spec: _Spec) -> MXTensor:
             raise RuntimeError(f"mxtrain: a gathered {mx.fmt.name} operand along axis {mx.axis} read along axis "
                                f"{axis} (an mxtrain bug: please report it)")
     if mx.fmt.kind == "tensor":   # (W's layout moved axis-last; after a rotation, contiguous axis-last)
-        data = data.contiguous() if spec.rot else data.movedim(-1, axis).contiguous().movedim(axis, -1)
+        laid = data.contiguous() if spec.rot else data.movedim(-1, axis).contiguous().movedim(axis, -1)
+        data = data if laid.stride() == data.stride() and laid.data_ptr() == data.data_ptr() else laid
     else:   # (through uint8: torch cannot copy float4_e2m1fn_x2)
         data = data if data.is_contiguous() else data.view(torch.uint8).contiguous().view(data.dtype)
         scales = scales.contiguous()

@@ -35,7 +35,8 @@ from .plan import (StudySpec, branch_folder, branch_plan, build_config, data_fin
 
 __all__ = ["FINISHED_STATES", "StudyIncomplete", "StudyInterrupted", "compute_plan", "describe_compute",
            "train_one", "train_branch", "run_one", "run_branches", "remake_checkpoints", "branches_pending",
-           "work_order", "parse_only_seeds", "claim_path", "is_out_of_memory", "ran_out_of_memory", "incomplete_message"]
+           "work_order", "parse_only_seeds", "claim_path", "is_out_of_memory", "ran_out_of_memory",
+           "incomplete_message"]
 
 
 FINISHED_STATES = ("done", "diverged")   # study_status.json states of a finished run (skipped on resume)

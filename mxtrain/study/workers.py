@@ -218,8 +218,8 @@ def _run_workers(spec: StudySpec, out: Path, jobs: int, log, lock: FolderLock | 
     Returns None, or a message naming the workers that exited with an error. The workers are always
     stopped and waited for before this returns or raises (SIGINT/SIGTERM to this process, an error here);
     each also dies with this process if it is killed (``PR_SET_PDEATHSIG``, set by the worker)."""
-    pending = [(a, s) for a, s in work_order(spec, out, only_seeds) if not _finished(_status(out / "runs" / a / f"seed{s}"))
-               or branches_pending(spec, out, a, s)]
+    pending = [(a, s) for a, s in work_order(spec, out, only_seeds)
+               if not _finished(_status(out / "runs" / a / f"seed{s}")) or branches_pending(spec, out, a, s)]
     if not pending:
         log("every run of this study has finished already")
         return None

@@ -191,3 +191,10 @@ def test_prepare_records_the_corpus_sources_outside_the_fingerprint(tmp_path):
                                                   "documents": 774, "bytes": 6026655}]}
     assert "corpus_sources" not in meta_b
     assert fingerprint(a) == fingerprint(b) is not None
+    # a run on the folder opens it and copies the record into its run.json
+    from mxtrain.cli.core import main
+    run = tmp_path / "run"
+    assert main(["train", "--exp", "debug", "--recipe", "bf16", "--data", str(a), "--seq-len", "32", "--batch-size",
+                 "4", "--steps", "1", "--eval-tokens", "128", "--out", str(run), "--no-progress",
+                 "--set", "schedule.horizon_steps=2"]) == 0
+    assert json.loads((run / "run.json").read_text())["data_meta"]["corpus_sources"] == meta_a["corpus_sources"]
