@@ -7,15 +7,27 @@ current context. The backward runs on autograd's device thread, where nothing ma
 #144609 (open) reports the C++ wrapper with autograd failing in a process whose graphs come from inductor's cache,
 and one ``bench step`` run here stopped with "CUDA driver error: invalid device context" in such a process
 (BENCHMARKS.md, "The HF model as a bench step model"). Any runtime call in that thread binds the device's primary
-context, so one small eager backward on the device first is the workaround."""
+context, so one small eager backward on the device first is the workaround.
+
+The wrapper is inductor's process-wide setting for the whole run (``cpp_wrapper_config``), as ``bench step`` sets it
+around a whole variant, and not an option of each block's ``compile``: on torch 2.11 (H200, 2026-12-02) a trainer
+whose blocks alone compiled with ``options={"cpp_wrapper": True}`` stopped at its first backward with
+"CudaKernelParamCache not populated for triton_poi_fused__to_copy_view_0", BF16 included, where ``bench step`` runs.
+The likely cause: a kernel the C++ wrapper launches must have been compiled with the wrapper on (inductor then keeps
+its binary for the C++ loader), and other graphs of the same process compiled without it (the eager parts' compiled
+elementwise twins, ``set_glue``) can leave the same kernel source in inductor's in-process cache without that
+binary. That the process-wide setting runs the trainer on a GPU is not yet measured (BENCHMARKS.md, "GPU test
+runs")."""
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
 from ..errors import UserError
 
-__all__ = ["check_cpp_compiler", "bind_backward_thread"]
+__all__ = ["check_cpp_compiler", "bind_backward_thread", "cpp_wrapper_config"]
 
 
 def check_cpp_compiler(what: str = "train.cpp_wrapper") -> None:
@@ -41,3 +53,12 @@ def bind_backward_thread(device) -> None:
     (x * 2.0).sum().backward()
     if x.grad is None or float(x.grad[0]) != 2.0:
         raise RuntimeError("bind_backward_thread: the backward did not run")
+
+
+def cpp_wrapper_config(on: bool):
+    """A context in which everything inductor compiles uses the C++ wrapper (``on``), restored on exit; a context
+    that changes nothing otherwise (no inductor import)."""
+    if not on:
+        return contextlib.nullcontext()
+    import torch._inductor.config as inductor_config
+    return inductor_config.patch(cpp_wrapper=True)

@@ -43,7 +43,7 @@ from . import profiling, stepcheck, threads
 from .callbacks import (Callback, CallbackList, Outcome, Status, TensorBoardLogger, TrainState, WandbLogger,
                         read_outcome, wandb_project)
 from .config import TrainConfig, _check, keep_steps, shape_overrides, switch_step
-from .cpp_wrapper import bind_backward_thread, check_cpp_compiler
+from .cpp_wrapper import bind_backward_thread, check_cpp_compiler, cpp_wrapper_config
 from .evaluation import WINDOWS_NAME, append_windows, evaluate_windows, final_evaluation, write_window_sources
 from .run_folder import _git_sha, _make_out, _record_outcome, _refuse_rewind, _write_json, write_run_json, _holds_run
 from ..model import hf_io as hf
@@ -496,7 +496,7 @@ def _run(cfg: TrainConfig, resume, callbacks) -> Outcome:
     import torch._functorch.config as functorch_config   # (explicitly: mxtrain does not import torch._dynamo)
     try:
         try:
-            with functorch_config.patch(**patch):
+            with functorch_config.patch(**patch), cpp_wrapper_config(cfg.train.cpp_wrapper):
                 outcome = _train(cfg, resume, env, locks, cbs)
         except torch.OutOfMemoryError as e:   # one line that says what to change, not a traceback
             err = OutOfMemory(_oom_message(cfg, device, e, getattr(e, "outcome", None)))
@@ -715,12 +715,11 @@ class Trainer:
         if compiled:   # (one graph shared by all blocks: layer numbers and steps are tensors)
             if model.cfg.n_experts:   # the experts as one traced loop, not a graph break per expert (mxtrain.linear.moe)
                 torch._dynamo.config.capture_dynamic_output_shape_ops = True
-            if cfg.train.cpp_wrapper:
+            if cfg.train.cpp_wrapper:   # (inductor's config is patched for the whole run: _run)
                 check_cpp_compiler()
                 bind_backward_thread(device)   # (torch's issue #144609: mxtrain/train/cpp_wrapper.py)
-            opts = {"options": {"cpp_wrapper": True}} if cfg.train.cpp_wrapper else {}
             for block in model.layers:
-                block.compile(**opts)
+                block.compile()
         self.model = _wrap_parallel(model, cfg, self.env)
         self.opt = _optimizer(self.model, cfg, fused=device.type == "cuda" or self.on_device)
         self.mcfg = D.unwrap(self.model).cfg
