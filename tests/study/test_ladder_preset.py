@@ -30,9 +30,9 @@ def test_the_preset_resumes_the_archived_runs():
     assert spec.baseline == "bf16" and spec.seeds == 5 and len(spec.arms) == 16
     assert sum(a.endswith("@lr1.875e-4") for a in spec.arms) == 5
     seeds = _archived("./seeds.json")
-    common = ("bf16", "mxfp4-fprop", "mxfp4-fprop-dgrad", "mxfp4-all", "mxfp4-all-dh16")   # (seed 3: the sixth leg)
+    common = ("bf16", "mxfp4-fprop", "mxfp4-fprop-dgrad", "mxfp4-all", "mxfp4-all-dh16")   # (seeds 3, 4: legs 6, 7)
     assert {a: sorted(v) for a, v in seeds["arms"].items()} == {
-        **{a: ["0", "1", "2", "3"] for a in common},
+        **{a: ["0", "1", "2", "3", "4"] for a in common}, "mxfp4-all@bf16cool": ["4"],
         **{a: ["0", "1", "2"] for a in ("bf16@lr3.75e-4", "bf16@lr1.875e-4", "mxfp4-all@lr3.75e-4",
                                         "mxfp4-fprop@lr3.75e-4", "mxfp4-fprop-dgrad@lr3.75e-4",
                                         "mxfp4-all-dh16@lr3.75e-4")}}
@@ -269,9 +269,10 @@ def test_the_fifth_legs_ladder_at_3_75e_4_as_quoted():
 
 
 def test_the_sixth_legs_contrasts_at_the_common_rate_as_quoted():
-    """docs/results.md's contrasts 1-3 at 7.5e-4 over seeds 0-3 (the sixth leg added seed 3 of the five arms), the
-    table's five rows at that rate, Holm over the plan's 8 tests, and the unplanned steps (README.md quotes the
-    contrasts)."""
+    """The contrasts 1-3 at 7.5e-4 over seeds 0-3 (the sixth leg added seed 3 of the five arms), the table's five rows
+    at that rate, Holm over the plan's 8 tests, and the unplanned steps, as docs/results.md and README.md quoted them
+    until the seventh leg (the fifth leg's section still quotes the seeds 0-3 figures beside the later ones): the
+    record's seeds 0-3 still give them."""
     import numpy as np
 
     from mxtrain.study import cooldown
@@ -353,6 +354,105 @@ def test_the_sixth_legs_contrasts_at_the_common_rate_as_quoted():
     assert [round(x, 4) for x in g] == [-0.0501, -0.0274, -0.0192, -0.0345]
     quoted(stats.paired_t(gaps("mxfp4-all", "mxfp4-fprop")), -0.008, -0.021, 0.004, 0.12)
     quoted(stats.paired_t(gaps("mxfp4-all-dh16", "mxfp4-fprop-dgrad")), -0.007, -0.028, 0.013, 0.35)
+
+
+def test_the_seventh_legs_contrasts_on_the_plans_five_seeds_as_quoted():
+    """docs/results.md's contrasts 1-3 at 7.5e-4 over the plan's 5 seeds (the seventh leg added seed 4), the table's
+    five rows at that rate, Holm over the plan's 8 tests, the unplanned steps, and contrast 4's one seed (README.md
+    quotes the contrasts)."""
+    import numpy as np
+
+    from mxtrain.study import cooldown
+
+    rec = json.loads((DATA / "ladder-125m-seeds.json").read_text())
+    assert rec == _archived("./seeds.json")
+    five, budgets = ("0", "1", "2", "3", "4"), ("0.25", "0.5", "1")
+
+    def gaps(arm, ref, b="1", seeds=five):
+        return [rec["arms"][arm][s]["cooled"][b]["loss"] - rec["arms"][ref][s]["cooled"][b]["loss"] for s in seeds]
+
+    def quoted(t, mean, lo, hi, p, digits=3, n=5):
+        tol = 0.5 * 10 ** -digits + 1e-12
+        assert t["n"] == n and t["mean"] == pytest.approx(mean, abs=tol)
+        assert t["ci"][0] == pytest.approx(lo, abs=tol) and t["ci"][1] == pytest.approx(hi, abs=tol)
+        assert t["p"] == pytest.approx(p, rel=0.05)
+
+    def per_seed(arm):
+        return np.array([[[rec["arms"][arm][s]["cooled"][b]["loss"]] for b in budgets] for s in five])
+
+    D = [rec["arms"]["bf16"]["0"]["cooled"][b]["tokens"] for b in budgets]
+
+    def extra(arm, ref):
+        out = cooldown.paired_extra_tokens(D, per_seed(arm), per_seed(ref), n_boot=0)
+        row = out["budgets"][-1]
+        return [round(100 * x, 1) for x in (row["extra"], *row["ci95"], row["mde"])], row["extrapolated"], out["fit"]
+
+    means = {"bf16": [4.2642, 3.7286, 3.3569], "mxfp4-fprop": [4.3131, 3.7974, 3.4389],
+             "mxfp4-fprop-dgrad": [4.3406, 3.7839, 3.4097], "mxfp4-all": [4.3303, 3.7950, 3.4323],
+             "mxfp4-all-dh16": [4.3096, 3.7709, 3.4045]}
+    for arm, m in means.items():
+        assert [round(sum(rec["arms"][arm][s]["cooled"][b]["loss"] for s in five) / 5, 4) for b in budgets] == m
+    rows = {"mxfp4-fprop": ((0.0820, 0.0660, 0.0980, 0.00014), [0.0919, 0.0955, 0.0829, 0.0767, 0.0631],
+                            [19.3, 15.7, 22.8, 4.8]),
+            "mxfp4-fprop-dgrad": ((0.0528, 0.0376, 0.0681, 0.00065), [0.0418, 0.0681, 0.0637, 0.0422, 0.0485],
+                                  [12.2, 9.0, 15.5, 4.4]),
+            "mxfp4-all": ((0.0755, 0.0638, 0.0871, 5.7e-5), [0.0747, 0.0892, 0.0722, 0.0779, 0.0633],
+                          [17.7, 15.2, 20.1, 3.3]),
+            "mxfp4-all-dh16": ((0.0476, 0.0361, 0.0591, 0.00033), [0.0367, 0.0425, 0.0613, 0.0466, 0.0508],
+                               [11.0, 8.1, 13.8, 3.8])}
+    for arm, (t, each, tokens) in rows.items():
+        g = gaps(arm, "bf16")
+        quoted(stats.paired_t(g), *t, digits=4)
+        assert [round(x, 4) for x in g] == each
+        got, extrapolated, fit = extra(arm, "bf16")
+        assert got == tokens and not extrapolated
+    assert (round(fit["E"], 4), round(float(fit["B"])), round(fit["beta"], 3)) == (2.5137, 10845, 0.527)
+    quoted(stats.paired_t(gaps("mxfp4-fprop", "bf16", "0.25")), 0.049, -0.002, 0.100, 0.057)
+    quoted(stats.paired_t(gaps("mxfp4-fprop", "bf16", "0.5")), 0.069, 0.057, 0.080, 7.9e-5)
+
+    c1 = stats.paired_t(gaps("mxfp4-fprop", "bf16"))
+    assert 8 * c1["p"] < 0.0012
+    c2 = stats.paired_t(g2 := gaps("mxfp4-all", "mxfp4-fprop-dgrad"))
+    quoted(c2, 0.023, 0.008, 0.037, 0.012)
+    assert [round(x, 4) for x in g2] == [0.0329, 0.0211, 0.0086, 0.0358, 0.0147]
+    assert extra("mxfp4-all", "mxfp4-fprop-dgrad")[:2] == ([5.2, 1.8, 8.6, 4.5], False)
+    c3 = stats.paired_t(g3 := gaps("mxfp4-all-dh16", "mxfp4-all"))
+    quoted(c3, -0.028, -0.047, -0.008, 0.017)
+    assert [round(x, 4) for x in g3] == [-0.0380, -0.0467, -0.0109, -0.0313, -0.0125]
+    assert extra("mxfp4-all-dh16", "mxfp4-all")[:2] == ([-6.4, -10.8, -2.0, 5.9], True)
+    quoted(stats.paired_t(gaps("mxfp4-all-dh16", "bf16")), 0.048, 0.036, 0.059, 0.00033)
+
+    # Holm over the plan's 8 tests: contrasts 1-3 at 7.5e-4 (seeds 0-4), at 3.75e-4 (seeds 0-2), contrast 4's two
+    # at 0 or 1; with the five tests not yet read all at 0, contrasts 2 and 3 would be resolved
+    low = [stats.paired_t(gaps(a, r, seeds=("0", "1", "2")))["p"] for a, r in (
+        ("mxfp4-fprop@lr3.75e-4", "bf16@lr3.75e-4"), ("mxfp4-all@lr3.75e-4", "mxfp4-fprop-dgrad@lr3.75e-4"),
+        ("mxfp4-all-dh16@lr3.75e-4", "mxfp4-all@lr3.75e-4"))]
+    ps = [c1["p"], c2["p"], c3["p"]] + low
+    lo, hi = stats.holm(ps + [0.0, 0.0])[:6], stats.holm(ps + [1.0, 1.0])[:6]
+    assert (round(lo[0], 4), round(hi[0], 4)) == (0.0009, 0.0011)
+    assert [round(x, 3) for x in lo[1:]] == [0.061, 0.067, 0.067, 0.067, 0.067]
+    assert [round(x, 3) for x in hi[1:]] == [0.085, 0.101, 0.101, 0.101, 0.105]
+    assert min(lo[1:]) > 0.05
+    least = stats.holm([c1["p"], c2["p"], c3["p"]] + [0.0] * 5)
+    assert round(least[1], 3) == round(least[2], 3) == 0.024
+
+    # unplanned, uncorrected
+    g = gaps("mxfp4-fprop-dgrad", "mxfp4-fprop")
+    quoted(stats.paired_t(g), -0.029, -0.047, -0.012, 0.0096)
+    assert [round(x, 4) for x in g] == [-0.0501, -0.0274, -0.0192, -0.0345, -0.0145]
+    quoted(stats.paired_t(gaps("mxfp4-all", "mxfp4-fprop")), -0.007, -0.016, 0.003, 0.13)
+    quoted(stats.paired_t(gaps("mxfp4-all-dh16", "mxfp4-fprop-dgrad")), -0.005, -0.020, 0.010, 0.38)
+
+    # contrast 4: one seed, so no interval; what its branches recovered of that seed's gap
+    cool = rec["arms"]["mxfp4-all@bf16cool"]["4"]["cooled"]
+    plain, ref = rec["arms"]["mxfp4-all"]["4"]["cooled"], rec["arms"]["bf16"]["4"]["cooled"]
+    assert [round(cool[b]["loss"], 4) for b in budgets] == [4.3308, 3.7898, 3.4129]
+    assert round(plain["1"]["loss"], 4) == 3.4359 and round(cool["1"]["loss"] - ref["1"]["loss"], 4) == 0.0402
+    rec_ = {b: (plain[b]["loss"] - cool[b]["loss"], plain[b]["loss"] - ref[b]["loss"]) for b in budgets}
+    assert [round(rec_[b][0], 3) for b in budgets] == [0.010, 0.016, 0.023]
+    assert [round(100 * rec_[b][0] / rec_[b][1]) for b in budgets] == [14, 25, 36] and round(rec_["1"][1], 3) == 0.063
+    one = stats.paired_t([cool["1"]["loss"] - plain["1"]["loss"]])
+    assert one["n"] == 1 and one["ci"] is None and one["p"] is None   # (no interval from one seed)
 
 
 def test_the_30m_ladder_shares_the_recipes_2026_folder():
