@@ -54,6 +54,7 @@ from typing import Callable, Iterable, Iterator
 
 from .._io import replace_folder, write_json
 from ..errors import UserError
+from .reference import sources_of, summary as reference_summary
 from .sources import builtin_documents, decode_bytes, not_text_share
 
 FORMAT = "mxtrain-corpus-v1"
@@ -866,6 +867,10 @@ def assemble(out: str | Path, domains: str | Iterable[str] | None = None, *, max
             f"~{entry['val']['est_tokens']:,} tokens held out) in {entry['seconds']:.0f} s")
     if not m["domains"]:
         _write_manifest(out, m)
+    if sources is None and max_tokens is None:   # (SOURCES whole: what the reference build read)
+        line = reference_summary(sources_of(m), domains=[d for d in names if d in m["domains"]])
+        if line:
+            log(f"corpus: {line}")
     return m
 
 

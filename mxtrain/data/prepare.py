@@ -38,6 +38,7 @@ from ..errors import UserError
 from . import checked, hf
 from .sources import BUILTIN, check_sources, documents, expand_sources, kind_of, note, warn
 from .shards import FORMAT, fingerprint, shard_dtype
+from .reference import sources_of, summary as reference_summary
 from .tokenizer import check_eot_token, check_vocab_size, load_tokenizer, train_bpe
 from .. import settings
 
@@ -211,9 +212,7 @@ def corpus_sources(paths: list[str]) -> dict | None:
                 continue
             if not isinstance(man, dict) or not isinstance(man.get("domains"), dict):
                 continue
-            found[key] = {dom: [{k: src.get(k) for k in ("name", "version", "documents", "bytes")}
-                                for src in (v.get("sources") or []) if isinstance(src, dict)]
-                          for dom, v in man["domains"].items() if isinstance(v, dict)}
+            found[key] = sources_of(man)
             break
     if not found:
         return None
@@ -404,6 +403,10 @@ def _prepare(docs: Callable, out: Path, inputs: list[str], meta_sources: list[st
               f"({ndocs['train']} + {ndocs['val']} documents, vocab {tok.vocab_size}, end of text "
               f"{tok.eot_token!r} = {tok.eot_id}) in {time.time() - t0:.1f} s; fingerprint {fingerprint(dest)} "
               f"(a study resumes only on data with the same)", flush=True)
+        line = reference_summary(corpus if isinstance(corpus, dict) and "manifests" not in corpus else None,
+                                 fingerprint(dest), tok.vocab_size)
+        if line:
+            print(line, flush=True)
         return out
 
 

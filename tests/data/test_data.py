@@ -198,3 +198,30 @@ def test_prepare_records_the_corpus_sources_outside_the_fingerprint(tmp_path):
                  "4", "--steps", "1", "--eval-tokens", "128", "--out", str(run), "--no-progress",
                  "--set", "schedule.horizon_steps=2"]) == 0
     assert json.loads((run / "run.json").read_text())["data_meta"]["corpus_sources"] == meta_a["corpus_sources"]
+
+
+def test_prepare_says_how_a_corpus_build_differs_from_the_reference(tmp_path, capsys, monkeypatch):
+    """After its summary line, ``prepare`` of a ``mxtrain data corpus`` folder says which sources differ from the
+    build the archived studies trained on (``mxtrain.data.reference``), at that build's vocabulary (here the
+    reference's vocabulary is set to the one this test's small BPE ends with); another vocabulary gets no such
+    line."""
+    from mxtrain.data import reference as R
+    text = "\n".join(json.dumps({"text": f"document {i}: " + "the quick brown fox " * (i % 7 + 1)}) for i in range(300))
+    corpus = tmp_path / "corpus"
+    (corpus / "train").mkdir(parents=True)
+    (corpus / "train" / "docs.jsonl").write_text(text + "\n")
+    srcs = [{"name": "debian:sqlite3-doc", "version": "3.40.1-2+deb12u3", "documents": 774, "bytes": 6026655}]
+    (corpus / "manifest.json").write_text(json.dumps({"format": 1, "domains": {"docs": {"documents": 300,
+                                                                                       "sources": srcs}}}))
+    first = prepare([str(corpus / "train" / "docs.jsonl")], tmp_path / "a0", vocab_size=512, progress=False)
+    assert "archived 125m ladder" not in capsys.readouterr().out   # (the BPE's vocabulary is not the reference's)
+    monkeypatch.setitem(R.REFERENCE, "vocab_size", json.loads((first / "meta.json").read_text())["tokenizer_vocab_size"])
+    prepare([str(corpus / "train" / "docs.jsonl")], tmp_path / "a", vocab_size=512, progress=False)
+    out = capsys.readouterr().out
+    note = [x for x in out.splitlines() if x.startswith("note: ") and "archived 125m ladder" in x]
+    assert len(note) == 1, out
+    assert "debian:sqlite3-doc 3.40.1-2+deb12u3, not 3.40.1-2+deb12u2" in note[0]
+    assert "debian:dict-gcide missing" in note[0] and "will not resume" in note[0]
+    monkeypatch.setitem(R.REFERENCE, "vocab_size", 32768)
+    prepare([str(corpus / "train" / "docs.jsonl")], tmp_path / "b", vocab_size=512, progress=False)
+    assert "archived 125m ladder" not in capsys.readouterr().out
