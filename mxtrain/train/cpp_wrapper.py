@@ -13,11 +13,11 @@ The wrapper is inductor's process-wide setting for the whole run (``cpp_wrapper_
 around a whole variant, and not an option of each block's ``compile``: on torch 2.11 (H200, 2026-12-02) a trainer
 whose blocks alone compiled with ``options={"cpp_wrapper": True}`` stopped at its first backward with
 "CudaKernelParamCache not populated for triton_poi_fused__to_copy_view_0", BF16 included, where ``bench step`` runs.
-The likely cause: a kernel the C++ wrapper launches must have been compiled with the wrapper on (inductor then keeps
-its binary for the C++ loader), and other graphs of the same process compiled without it (the eager parts' compiled
-elementwise twins, ``set_glue``) can leave the same kernel source in inductor's in-process cache without that
-binary. That the process-wide setting runs the trainer on a GPU is not yet measured (BENCHMARKS.md, "GPU test
-runs")."""
+The cause is torch's issue #178845: a backward graph
+compiles lazily, at the first backward, after ``torch.compile``'s patch of its options has ended, so it compiles
+without the C++ wrapper's settings (no kernel binaries kept for it) and the wrapper then finds none. The setting
+made process-wide, the issue's workaround, holds through that compile. That the trainer runs with it on a GPU is not
+yet measured (BENCHMARKS.md, "GPU test runs")."""
 
 from __future__ import annotations
 
