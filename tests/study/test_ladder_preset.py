@@ -268,30 +268,25 @@ def test_the_fifth_legs_ladder_at_3_75e_4_as_quoted():
     assert all(x > 0.05 for x in lo[1:]) and hi[0] < 0.05   # only contrast 1 at 7.5e-4 is resolved either way
 
 
-def test_the_sixth_legs_contrasts_at_the_common_rate_as_quoted():
-    """The contrasts 1-3 at 7.5e-4 over seeds 0-3 (the sixth leg added seed 3 of the five arms), the table's five rows
-    at that rate, Holm over the plan's 8 tests, and the unplanned steps, as docs/results.md and README.md quoted them
-    until the seventh leg (the fifth leg's section still quotes the seeds 0-3 figures beside the later ones): the
-    record's seeds 0-3 still give them."""
+def _readers(rec: dict, seeds: tuple, budgets=("0.25", "0.5", "1")):
+    """For the legs' tests: ``gaps(arm, ref, b, seeds)`` (per-seed loss gaps at budget ``b``), ``quoted(t, mean, lo,
+    hi, p, digits)`` (a paired t over ``seeds`` as quoted, to the digits shown) and ``extra(arm, ref)`` (extra tokens
+    at the full budget, the jackknife over ``seeds``: mean, interval, detectable effect in %; extrapolated?; fit)."""
     import numpy as np
 
     from mxtrain.study import cooldown
 
-    rec = json.loads((DATA / "ladder-125m-seeds.json").read_text())
-    assert rec == _archived("./seeds.json")
-    four, budgets = ("0", "1", "2", "3"), ("0.25", "0.5", "1")
-
-    def gaps(arm, ref, b="1", seeds=four):
+    def gaps(arm, ref, b="1", seeds=seeds):
         return [rec["arms"][arm][s]["cooled"][b]["loss"] - rec["arms"][ref][s]["cooled"][b]["loss"] for s in seeds]
 
     def quoted(t, mean, lo, hi, p, digits=3):
         tol = 0.5 * 10 ** -digits + 1e-12
-        assert t["n"] == 4 and t["mean"] == pytest.approx(mean, abs=tol)
+        assert t["n"] == len(seeds) and t["mean"] == pytest.approx(mean, abs=tol)
         assert t["ci"][0] == pytest.approx(lo, abs=tol) and t["ci"][1] == pytest.approx(hi, abs=tol)
         assert t["p"] == pytest.approx(p, rel=0.05)
 
     def per_seed(arm):
-        return np.array([[[rec["arms"][arm][s]["cooled"][b]["loss"]] for b in budgets] for s in four])
+        return np.array([[[rec["arms"][arm][s]["cooled"][b]["loss"]] for b in budgets] for s in seeds])
 
     D = [rec["arms"]["bf16"]["0"]["cooled"][b]["tokens"] for b in budgets]
 
@@ -299,6 +294,19 @@ def test_the_sixth_legs_contrasts_at_the_common_rate_as_quoted():
         out = cooldown.paired_extra_tokens(D, per_seed(arm), per_seed(ref), n_boot=0)
         row = out["budgets"][-1]
         return [round(100 * x, 1) for x in (row["extra"], *row["ci95"], row["mde"])], row["extrapolated"], out["fit"]
+
+    return gaps, quoted, extra
+
+
+def test_the_sixth_legs_contrasts_at_the_common_rate_as_quoted():
+    """The contrasts 1-3 at 7.5e-4 over seeds 0-3 (the sixth leg added seed 3 of the five arms), the table's five rows
+    at that rate, Holm over the plan's 8 tests, and the unplanned steps, as docs/results.md and README.md quoted them
+    until the seventh leg (the fifth leg's section still quotes the seeds 0-3 figures beside the later ones): the
+    record's seeds 0-3 still give them."""
+    rec = json.loads((DATA / "ladder-125m-seeds.json").read_text())
+    assert rec == _archived("./seeds.json")
+    four, budgets = ("0", "1", "2", "3"), ("0.25", "0.5", "1")
+    gaps, quoted, extra = _readers(rec, four)
 
     # the table's rows at 7.5e-4: seed means at 25, 50, 100 %, the gap to bf16 and its seeds, extra tokens
     means = {"bf16": [4.2639, 3.7255, 3.3529], "mxfp4-fprop": [4.3103, 3.7962, 3.4397],
@@ -360,32 +368,10 @@ def test_the_seventh_legs_contrasts_on_the_plans_five_seeds_as_quoted():
     """docs/results.md's contrasts 1-3 at 7.5e-4 over the plan's 5 seeds (the seventh leg added seed 4), the table's
     five rows at that rate, Holm over the plan's 8 tests, the unplanned steps, and contrast 4's one seed (README.md
     quotes the contrasts)."""
-    import numpy as np
-
-    from mxtrain.study import cooldown
-
     rec = json.loads((DATA / "ladder-125m-seeds.json").read_text())
     assert rec == _archived("./seeds.json")
     five, budgets = ("0", "1", "2", "3", "4"), ("0.25", "0.5", "1")
-
-    def gaps(arm, ref, b="1", seeds=five):
-        return [rec["arms"][arm][s]["cooled"][b]["loss"] - rec["arms"][ref][s]["cooled"][b]["loss"] for s in seeds]
-
-    def quoted(t, mean, lo, hi, p, digits=3, n=5):
-        tol = 0.5 * 10 ** -digits + 1e-12
-        assert t["n"] == n and t["mean"] == pytest.approx(mean, abs=tol)
-        assert t["ci"][0] == pytest.approx(lo, abs=tol) and t["ci"][1] == pytest.approx(hi, abs=tol)
-        assert t["p"] == pytest.approx(p, rel=0.05)
-
-    def per_seed(arm):
-        return np.array([[[rec["arms"][arm][s]["cooled"][b]["loss"]] for b in budgets] for s in five])
-
-    D = [rec["arms"]["bf16"]["0"]["cooled"][b]["tokens"] for b in budgets]
-
-    def extra(arm, ref):
-        out = cooldown.paired_extra_tokens(D, per_seed(arm), per_seed(ref), n_boot=0)
-        row = out["budgets"][-1]
-        return [round(100 * x, 1) for x in (row["extra"], *row["ci95"], row["mde"])], row["extrapolated"], out["fit"]
+    gaps, quoted, extra = _readers(rec, five)
 
     means = {"bf16": [4.2642, 3.7286, 3.3569], "mxfp4-fprop": [4.3131, 3.7974, 3.4389],
              "mxfp4-fprop-dgrad": [4.3406, 3.7839, 3.4097], "mxfp4-all": [4.3303, 3.7950, 3.4323],
